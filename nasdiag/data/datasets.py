@@ -1,0 +1,168 @@
+"""Search splits as in DARTS: the training data is split into a search-train part (for the weights w)
+and a search-val part (for the architecture α); a held-out test part is never seen by the search."""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch.utils.data import TensorDataset
+
+
+class DataError(ValueError):
+    """A dataset cannot be loaded; the message says which file or option is wrong."""
+
+
+@dataclass
+class Splits:
+    """``train`` (search-train, for w), ``val`` (search-val, for α) and ``test`` (held out).
+
+    Each is a ``TensorDataset`` of images (N, C, H, W) and integer labels (N,).
+    """
+
+    train: TensorDataset
+    val: TensorDataset
+    test: TensorDataset
+    num_classes: int
+    name: str
+
+    @property
+    def input_shape(self) -> Tuple[int, int, int]:
+        return tuple(self.train.tensors[0].shape[1:])
+
+    @property
+    def in_channels(self) -> int:
+        return self.input_shape[0]
+
+    def sizes(self) -> Dict[str, int]:
+        return {"train": len(self.train), "val": len(self.val), "test": len(self.test)}
+
+
+def _stratified_split(labels: np.ndarray, fraction: float, rng: np.random.Generator) -> Tuple[np.ndarray, np.ndarray]:
+    """Indices (a, b) with ``b`` holding ``fraction`` of every class."""
+    a, b = [], []
+    for c in np.unique(labels):
+        idx = rng.permutation(np.flatnonzero(labels == c))
+        n_b = int(round(fraction * len(idx)))
+        b.append(idx[:n_b])
+        a.append(idx[n_b:])
+    return np.sort(np.concatenate(a)), np.sort(np.concatenate(b))
+
+
+def _to_splits(x: np.ndarray, y: np.ndarray, train_idx, val_idx, test_x, test_y, num_classes, name, dtype) -> Splits:
+    # Standardize with the statistics of the search data only (train + val), per channel.
+    search = np.concatenate([train_idx, val_idx])
+    mean = x[search].mean(axis=(0, 2, 3), keepdims=True)
+    std = x[search].std(axis=(0, 2, 3), keepdims=True) + 1e-8
+
+    def tensors(images, labels):
+        images = torch.as_tensor((images - mean) / std, dtype=dtype)
+        return TensorDataset(images, torch.as_tensor(labels, dtype=torch.long))
+
+    return Splits(
+        tensors(x[train_idx], y[train_idx]),
+        tensors(x[val_idx], y[val_idx]),
+        tensors(test_x, test_y),
+        num_classes,
+        name,
+    )
+
+
+def digits(seed: int = 0, test_fraction: float = 0.2, dtype: torch.dtype = torch.float32) -> Splits:
+    """scikit-learn's embedded digits: 1797 images of 1x8x8, 10 classes, no download.
+
+    A stratified ``test_fraction`` is held out; the rest is split 50/50 (stratified) into
+    search-train and search-val. The split depends only on ``seed``. Pixels are standardized with
+    the search data's mean and standard deviation.
+    """
+    from sklearn.datasets import load_digits
+
+    if not 0 < test_fraction < 1:
+        raise DataError(f"test_fraction must be in (0, 1), got {test_fraction}")
+    bunch = load_digits()
+    x = bunch.images.astype(np.float64)[:, None] / 16.0
+    y = bunch.target.astype(np.int64)
+    rng = np.random.default_rng(seed)
+    search_idx, test_idx = _stratified_split(y, test_fraction, rng)
+    train_rel, val_rel = _stratified_split(y[search_idx], 0.5, rng)
+    return _to_splits(x, y, search_idx[train_rel], search_idx[val_rel], x[test_idx], y[test_idx], 10, "digits", dtype)
+
+
+
+
+CIFAR_FILES = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+
+
+def _cifar_folder(root: Path) -> Path:
+    if not root.is_dir():
+        raise DataError(
+            f"CIFAR-10 folder {str(root)!r} does not exist; pass --data-dir pointing at the folder of the "
+            "standard python batches (data_batch_1..5, test_batch), e.g. cifar-10-batches-py/"
+        )
+    nested = root / "cifar-10-batches-py"
+    return nested if not (root / "data_batch_1").exists() and nested.is_dir() else root
+
+
+def _read_cifar_batch(path: Path) -> Tuple[np.ndarray, np.ndarray]:
+    if not path.is_file():
+        raise DataError(f"CIFAR-10 file missing: {path} (expected the standard python batches {', '.join(CIFAR_FILES)})")
+    with open(path, "rb") as fh:
+        batch = pickle.load(fh, encoding="bytes")
+    data = batch.get(b"data", batch.get("data"))
+    labels = batch.get(b"labels", batch.get("labels"))
+    if data is None or labels is None:
+        raise DataError(f"{path} is not a CIFAR-10 python batch (no 'data'/'labels' entries)")
+    return np.asarray(data, dtype=np.uint8).reshape(-1, 3, 32, 32), np.asarray(labels, dtype=np.int64)
+
+
+def cifar10(root, seed: int = 0, train_fraction: float = 0.5, dtype: torch.dtype = torch.float32, limit: Optional[int] = None) -> Splits:
+    """CIFAR-10 from a local folder of the standard python batches (read with numpy/pickle).
+
+    The 50k training images are split (stratified, by ``seed``) into search-train (``train_fraction``)
+    and search-val; ``test_batch`` is the held-out test part. ``limit`` keeps only the first
+    ``limit`` images of each part (for quick runs). A missing file raises :class:`DataError` naming it.
+    """
+    folder = _cifar_folder(Path(root))
+    parts = [_read_cifar_batch(folder / name) for name in CIFAR_FILES]
+    x = np.concatenate([p[0] for p in parts[:5]]).astype(np.float64) / 255.0
+    y = np.concatenate([p[1] for p in parts[:5]])
+    tx, ty = parts[5][0].astype(np.float64) / 255.0, parts[5][1]
+    rng = np.random.default_rng(seed)
+    train_idx, val_idx = _stratified_split(y, 1.0 - train_fraction, rng)
+    if limit is not None:
+        train_idx, val_idx, tx, ty = train_idx[:limit], val_idx[:limit], tx[:limit], ty[:limit]
+    return _to_splits(x, y, train_idx, val_idx, tx, ty, 10, "cifar10", dtype)
+
+
+def synthetic(
+    n: int = 256,
+    shape: Sequence[int] = (3, 32, 32),
+    num_classes: int = 10,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> Splits:
+    """Gaussian images of any shape with random labels, for timing; each split has ``n`` samples."""
+    if n < 1 or num_classes < 1 or any(s < 1 for s in shape):
+        raise DataError(f"synthetic data needs n >= 1, num_classes >= 1 and a positive shape, got n={n}, shape={tuple(shape)}")
+    g = torch.Generator().manual_seed(seed)
+
+    def part():
+        return TensorDataset(torch.randn(n, *shape, generator=g, dtype=dtype), torch.randint(0, num_classes, (n,), generator=g))
+
+    return Splits(part(), part(), part(), num_classes, "synthetic")
+
+
+DATASETS: Dict[str, Callable[..., Splits]] = {"digits": digits, "cifar10": cifar10, "synthetic": synthetic}
+
+
+def load_dataset(name: str, **kwargs) -> Splits:
+    """Load a dataset by name (``digits``, ``cifar10`` (needs ``root``), ``synthetic``)."""
+    try:
+        loader = DATASETS[name]
+    except KeyError:
+        raise DataError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}") from None
+    return loader(**kwargs)

@@ -1,0 +1,216 @@
+"""The reference DARTS supernet, written for diagnostics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+from nasdiag.supernet.cell import Cell, edge_nodes
+from nasdiag.supernet.mixed import MixedOp
+from nasdiag.supernet.ops import DARTS_PRIMITIVES, OpConfig
+
+MixingWeights = Union[None, Mapping[str, torch.Tensor], Sequence[torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class EdgeSpec:
+    """One edge of the supernet.
+
+    ``name`` is the qualified module name of the mixed op (``"cells.<k>.edges.<e>"``), stable across
+    runs and equal to what ``dict(net.named_modules())`` uses.
+    """
+
+    name: str
+    module: MixedOp
+    cell_type: str
+    cell_index: int
+    edge_index: int
+    src: int
+    dst: int
+
+    @property
+    def ops(self) -> List[nn.Module]:
+        return list(self.module.ops)
+
+
+class Network(nn.Module):
+    """DARTS supernet: stem, ``layers`` cells (reduction cells at 1/3 and 2/3 of the depth), global
+    average pooling and a linear classifier.
+
+    Architecture parameters are ``alphas_<cell type>`` of shape (E, K), one per cell type present,
+    shared by all cells of that type and kept apart from the weights: :meth:`arch_parameters` and
+    :meth:`weight_parameters` partition :meth:`parameters`.
+
+    Args:
+        C: channels of the first cell (doubled at each reduction).
+        num_classes: classifier outputs.
+        layers: number of cells.
+        steps: intermediate nodes per cell (4 in DARTS, 2 for the minimal cell).
+        multiplier: intermediate nodes concatenated into a cell's output.
+        in_channels: input image channels.
+        stem_multiplier: the stem outputs ``stem_multiplier * C`` channels.
+        order: op stacking order ``"relu-conv-bn"``, ``"conv-bn-relu"`` or ``"conv-relu-bn"`` (wiring paper §8.2).
+        norm: ``"batch"``, ``"layer"`` or ``"instance"`` (§8.1), with ``affine`` on or off and ``norm_eps``.
+        classifier_bias: ``False`` gives the bias-free classifier of Thm 2.
+        primitives: candidate op names.
+        reductions: indices of reduction cells; default ``(layers // 3, 2 * layers // 3)`` as in DARTS.
+        alpha_init_scale: α is initialised as ``alpha_init_scale * randn(E, K)`` (1e-3 in DARTS).
+    """
+
+    def __init__(
+        self,
+        C: int,
+        num_classes: int,
+        layers: int,
+        steps: int = 4,
+        multiplier: int = 4,
+        in_channels: int = 3,
+        stem_multiplier: int = 3,
+        order: str = "relu-conv-bn",
+        norm: str = "batch",
+        affine: bool = False,
+        norm_eps: float = 1e-5,
+        classifier_bias: bool = True,
+        primitives: Sequence[str] = DARTS_PRIMITIVES,
+        reductions: Optional[Sequence[int]] = None,
+        alpha_init_scale: float = 1e-3,
+    ):
+        super().__init__()
+        if layers < 1:
+            raise ValueError(f"layers must be >= 1, got {layers}")
+        if C < 1 or C % 2:
+            raise ValueError(f"C must be a positive even number (FactorizedReduce halves it), got {C}")
+        self.C = C
+        self.num_classes = num_classes
+        self.layers = layers
+        self.steps = steps
+        self.multiplier = multiplier
+        self.primitives = list(primitives)
+        self.op_config = OpConfig(order=order, norm=norm, affine=affine, eps=norm_eps)
+        if reductions is None:
+            reductions = sorted({layers // 3, 2 * layers // 3})
+        self.reductions = sorted(set(int(r) for r in reductions))
+        if any(not 0 <= r < layers for r in self.reductions):
+            raise ValueError(f"reduction indices must be in [0, {layers}), got {self.reductions}")
+
+        C_curr = stem_multiplier * C
+        self.stem = nn.Sequential(
+            nn.Conv2d(in_channels, C_curr, 3, padding=1, bias=False),
+            self.op_config.norm_layer(C_curr, affine=True),
+        )
+        C_prev_prev, C_prev, C_curr = C_curr, C_curr, C
+        self.cells = nn.ModuleList()
+        reduction_prev = False
+        for i in range(layers):
+            reduction = i in self.reductions
+            if reduction:
+                C_curr *= 2
+            cell = Cell(steps, multiplier, C_prev_prev, C_prev, C_curr, reduction, reduction_prev, self.primitives, self.op_config)
+            self.cells.append(cell)
+            reduction_prev = reduction
+            C_prev_prev, C_prev = C_prev, multiplier * C_curr
+        self.global_pooling = nn.AdaptiveAvgPool2d(1)
+        self.classifier = nn.Linear(C_prev, num_classes, bias=classifier_bias)
+
+        E, K = len(edge_nodes(steps)), len(self.primitives)
+        for cell_type in self.cell_types:
+            self.register_parameter(f"alphas_{cell_type}", nn.Parameter(alpha_init_scale * torch.randn(E, K)))
+
+    # -- construction shortcuts ---------------------------------------------------------------
+    @classmethod
+    def minimal(cls, C: int, num_classes: int, layers: int, **kwargs) -> "Network":
+        """The wiring paper's minimal cell (Fig. 7): 2 intermediate nodes, 5 edges, both nodes
+        concatenated into the output. Edges 0-3 are input edges, edge 4 = (2, 3) is intermediate."""
+        kwargs.setdefault("steps", 2)
+        kwargs.setdefault("multiplier", 2)
+        return cls(C, num_classes, layers, **kwargs)
+
+    # -- architecture / weight split ---------------------------------------------------------
+    @property
+    def cell_types(self) -> List[str]:
+        """Cell types present, in order of first appearance (``"normal"`` first if both)."""
+        present = {"reduce" if i in self.reductions else "normal" for i in range(self.layers)}
+        return [t for t in ("normal", "reduce") if t in present]
+
+    @property
+    def num_edges(self) -> int:
+        return len(edge_nodes(self.steps))
+
+    @property
+    def edge_nodes(self) -> List[Tuple[int, int]]:
+        return edge_nodes(self.steps)
+
+    def edge_labels(self) -> List[str]:
+        """Human-readable labels ``"i->j"`` of the E edges of a cell, shared by all cells."""
+        return [f"{i}->{j}" for i, j in self.edge_nodes]
+
+    def named_arch_parameters(self) -> Iterator[Tuple[str, nn.Parameter]]:
+        for cell_type in self.cell_types:
+            name = f"alphas_{cell_type}"
+            yield name, getattr(self, name)
+
+    def arch_parameters(self) -> List[nn.Parameter]:
+        """α of each cell type present, (E, K) each."""
+        return [p for _, p in self.named_arch_parameters()]
+
+    def named_weight_parameters(self) -> Iterator[Tuple[str, nn.Parameter]]:
+        arch = {id(p) for p in self.arch_parameters()}
+        for name, p in self.named_parameters():
+            if id(p) not in arch:
+                yield name, p
+
+    def weight_parameters(self) -> List[nn.Parameter]:
+        """All parameters that are not architecture parameters."""
+        return [p for _, p in self.named_weight_parameters()]
+
+    def alphas(self) -> Dict[str, nn.Parameter]:
+        """``{cell type: α}``."""
+        return {t: getattr(self, f"alphas_{t}") for t in self.cell_types}
+
+    def softmax_weights(self) -> Dict[str, torch.Tensor]:
+        """``{cell type: softmax(α, dim=-1)}``, the DARTS mixing weights, (E, K) each."""
+        return {t: torch.softmax(a, dim=-1) for t, a in self.alphas().items()}
+
+    def edge_specs(self) -> List[EdgeSpec]:
+        """Every edge of every cell, in (cell, edge) order."""
+        specs = []
+        for k, cell in enumerate(self.cells):
+            for e, ((i, j), mixed) in enumerate(zip(cell.edge_nodes, cell.edges)):
+                specs.append(EdgeSpec(f"cells.{k}.edges.{e}", mixed, cell.cell_type, k, e, i, j))
+        return specs
+
+    # -- forward ---------------------------------------------------------------------------
+    def _cell_weights(self, weights: MixingWeights) -> List[torch.Tensor]:
+        if weights is None:
+            weights = self.softmax_weights()
+        if isinstance(weights, Mapping):
+            missing = [t for t in self.cell_types if t not in weights]
+            if missing:
+                raise ValueError(f"mixing weights missing for cell types {missing}; got keys {list(weights)}")
+            return [weights[cell.cell_type] for cell in self.cells]
+        weights = list(weights)
+        if len(weights) != self.layers:
+            raise ValueError(
+                f"a sequence of mixing weights needs one (E, K) tensor per cell ({self.layers}), got {len(weights)}; "
+                "pass a dict {cell type: (E, K)} to share weights across cells"
+            )
+        return weights
+
+    def forward(self, x: torch.Tensor, weights: MixingWeights = None) -> torch.Tensor:
+        """Args:
+            x: (B, in_channels, H, W).
+            weights: mixing weights Z. ``None``: softmax(α) per cell type (DARTS). A mapping
+                ``{cell type: (E, K)}`` (or (E, B, K) per sample) shared by the cells of that type, or a
+                sequence of one (E, K) tensor per cell, e.g. leaves to take ∂L/∂Z per cell.
+
+        Returns:
+            logits (B, num_classes).
+        """
+        per_cell = self._cell_weights(weights)
+        s0 = s1 = self.stem(x)
+        for cell, w in zip(self.cells, per_cell):
+            s0, s1 = s1, cell(s0, s1, w)
+        return self.classifier(self.global_pooling(s1).flatten(1))
