@@ -1,0 +1,172 @@
+"""Hessian-vector products of a mini-batch loss, shared by the exact α-curvature and the spectrum.
+
+One forward and one ``create_graph`` backward are run; every product after that is a second
+backward through the retained graph (reverse-over-reverse). Several products at once go through
+``torch.autograd.grad(..., is_grads_batched=True)``, which vmaps the second backward.
+
+Why not ``torch.func`` forward-over-reverse: it re-runs the forward for every product and breaks on
+supernets whose modules mutate buffers in place (BatchNorm running statistics) or use autograd
+Functions without ``vmap`` support. The retained graph needs neither, and the forward runs once, so
+BatchNorm running statistics change at most once, and are restored (:func:`preserved_buffers`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager
+from typing import Callable, Iterator, List, Mapping, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+Inputs = Union[torch.Tensor, Tuple[torch.Tensor, ...]]
+
+
+def call_model(model: nn.Module, inputs: Inputs):
+    """``model(inputs)``, or ``model(*inputs)`` when ``inputs`` is a tuple."""
+    if isinstance(inputs, tuple):
+        return model(*inputs)
+    return model(inputs)
+
+
+@contextmanager
+def preserved_buffers(model: nn.Module) -> Iterator[None]:
+    """Run the block on scratch copies of every buffer of ``model`` (BatchNorm running mean/var,
+    ``num_batches_tracked``), then put the untouched originals back.
+
+    Train-mode BatchNorm still normalizes with the batch statistics inside the block (the Hessian is
+    the one of the train-mode loss); only its running-statistic update lands on the copies. Swapping
+    tensors instead of copying values back leaves the originals at their autograd version, so a graph
+    built inside the block (BatchNorm saves its running stats for backward) stays usable afterwards.
+    """
+    swapped = []
+    for module in model.modules():
+        for name, buf in list(module._buffers.items()):
+            if buf is not None:
+                swapped.append((module, name, buf))
+                module._buffers[name] = buf.detach().clone()
+    try:
+        yield
+    finally:
+        for module, name, buf in swapped:
+            module._buffers[name] = buf
+
+
+def scalar_loss(loss_fn: Callable, outputs, targets) -> torch.Tensor:
+    """``loss_fn(outputs, targets)``, checked to be a real scalar that carries a graph."""
+    loss = loss_fn(outputs, targets)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(
+            f"loss_fn(outputs, targets) must return a scalar tensor, got {shape}; "
+            "reduce over the batch (e.g. reduction='mean') before taking a Hessian"
+        )
+    if not torch.is_floating_point(loss):
+        raise ValueError(f"loss_fn returned dtype {loss.dtype}; a Hessian needs a floating-point loss")
+    return loss.reshape(())
+
+
+def named_tensors(params, default_owner: nn.Module | None = None) -> List[Tuple[str, torch.Tensor]]:
+    """Normalize ``params`` (tensors, ``(name, tensor)`` pairs or a ``{name: tensor}`` mapping) to pairs.
+
+    ``None`` means ``default_owner.arch_parameters()``.
+    """
+    if params is None:
+        getter = getattr(default_owner, "named_arch_parameters", None)
+        if getter is not None:
+            pairs = list(getter())
+        elif hasattr(default_owner, "arch_parameters"):
+            pairs = [(f"arch.{i}", p) for i, p in enumerate(default_owner.arch_parameters())]
+        else:
+            raise ValueError(
+                f"{type(default_owner).__name__} has no arch_parameters(); pass params= explicitly "
+                "(a list of tensors, (name, tensor) pairs or a {name: tensor} dict)"
+            )
+    elif isinstance(params, Mapping):
+        pairs = list(params.items())
+    else:
+        items = list(params)
+        pairs = [p if isinstance(p, tuple) else (f"param.{i}", p) for i, p in enumerate(items)]
+    if not pairs:
+        raise ValueError("params is empty: there is nothing to take a Hessian with respect to")
+    for name, p in pairs:
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"params[{name!r}] is a {type(p).__name__}, not a tensor")
+        if not p.requires_grad:
+            raise ValueError(f"params[{name!r}] does not require grad; call .requires_grad_(True) on it first")
+    return pairs
+
+
+class HessianVectorProduct:
+    """``v ↦ H v`` with H the Hessian of ``loss`` w.r.t. ``wrt`` (flattened and concatenated).
+
+    Built from a loss whose graph is still alive; keeps that graph (and its memory) until this
+    object is dropped. Products are exact (autograd, no finite differences) in the loss's dtype.
+
+    Args:
+        loss: scalar tensor.
+        wrt: tensors the loss depends on; the Hessian acts on ``cat([t.flatten() for t in wrt])``.
+        names: labels for error messages and warnings.
+
+    Call with ``v`` of shape ``(dim,)`` or a stack ``(m, dim)`` (m products, one vmapped backward).
+    """
+
+    def __init__(self, loss: torch.Tensor, wrt: Sequence[torch.Tensor], names: Sequence[str] | None = None):
+        self.wrt = list(wrt)
+        self.names = list(names) if names is not None else [f"tensor {i}" for i in range(len(self.wrt))]
+        self.sizes = [t.numel() for t in self.wrt]
+        self.dim = sum(self.sizes)
+        self.dtype = loss.dtype
+        self.device = loss.device
+        grads = torch.autograd.grad(loss, self.wrt, create_graph=True, allow_unused=True)
+        self.unused = [n for n, g in zip(self.names, grads) if g is None]
+        self.gradient = torch.cat(
+            [(torch.zeros_like(t) if g is None else g).reshape(-1) for t, g in zip(self.wrt, grads)]
+        )
+        # A loss linear in `wrt` leaves a gradient without a graph: its Hessian is exactly zero.
+        self.is_zero = not self.gradient.requires_grad
+        self._batched_ok = True
+
+    def __call__(self, v: torch.Tensor) -> torch.Tensor:
+        single = v.dim() == 1
+        V = v.reshape(1, -1) if single else v
+        if V.dim() != 2 or V.shape[1] != self.dim:
+            raise ValueError(f"expected vectors of shape ({self.dim},) or (m, {self.dim}), got {tuple(v.shape)}")
+        V = V.to(dtype=self.dtype, device=self.device)
+        if self.is_zero:
+            out = torch.zeros_like(V)
+        elif V.shape[0] == 1:
+            out = self._products(V[0], batched=False).unsqueeze(0)
+        elif self._batched_ok:
+            try:
+                out = self._products(V, batched=True)
+            except RuntimeError as err:  # an op of the graph has no vmap rule for its double backward
+                self._batched_ok = False
+                warnings.warn(
+                    f"batched Hessian-vector products failed ({err}); falling back to one product at a time "
+                    "(same numbers, slower)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                out = torch.stack([self._products(row, batched=False) for row in V])
+        else:
+            out = torch.stack([self._products(row, batched=False) for row in V])
+        return out[0] if single else out
+
+    def _products(self, V: torch.Tensor, batched: bool) -> torch.Tensor:
+        hv = torch.autograd.grad(
+            self.gradient,
+            self.wrt,
+            grad_outputs=V,
+            retain_graph=True,
+            allow_unused=True,
+            is_grads_batched=batched,
+        )
+        lead = (V.shape[0],) if batched else ()
+        return torch.cat(
+            [
+                (torch.zeros(*lead, n, dtype=self.dtype, device=self.device) if h is None else h.reshape(*lead, n))
+                for h, n in zip(hv, self.sizes)
+            ],
+            dim=-1,
+        )
