@@ -1,0 +1,397 @@
+"""Forecasters over experts: XNAS (Algorithm 1) and, for comparison, GD with softmax (eq 5-6).
+
+Every state is batched: a forecaster object holds ``shape`` independent forecasters (e.g. ``(E,)``
+edges of a cell, or ``(runs,)`` Monte-Carlo runs), each over the same ``n_experts`` experts, and one
+``update`` is one round for all of them at once -- no Python loop over forecasters.
+Weights are kept as logarithms (``alpha = ln v``) so that long runs neither overflow nor underflow.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, NamedTuple, Optional, Sequence, Union
+
+import torch
+
+from nasdiag.regret.rewards import gd_softmax_reward
+
+__all__ = ["Forecaster", "SoftmaxGD", "WipeoutLog"]
+
+ShapeLike = Union[int, Sequence[int], torch.Size]
+
+
+class WipeoutLog(NamedTuple):
+    """Every wipeout of a :class:`Forecaster`, one entry per removed expert (M entries).
+
+    Attributes:
+        round: ``(M,)`` int64, the round ``t`` (1-based, as in Algorithm 1) of the removal.
+        forecaster: ``(M, len(shape))`` int64, the index of the forecaster within ``shape``.
+        expert: ``(M,)`` int64, the removed expert.
+        log_threshold: ``(M,)`` ``ln theta_t`` (Algorithm 1 line 11), in the units of
+            :attr:`Forecaster.log_weights` (``ln v`` with ``v_0 = 1``).
+        log_weight: ``(M,)`` ``ln v_{t,i}`` of the removed expert, below ``log_threshold``.
+    """
+
+    round: torch.Tensor
+    forecaster: torch.Tensor
+    expert: torch.Tensor
+    log_threshold: torch.Tensor
+    log_weight: torch.Tensor
+
+    @property
+    def threshold(self) -> torch.Tensor:
+        """``(M,)`` ``theta_t`` itself; may underflow to 0 where ``log_threshold`` < -745 (float64)."""
+        return self.log_threshold.exp()
+
+
+def _as_shape(shape: ShapeLike) -> torch.Size:
+    if isinstance(shape, int):
+        shape = (shape,)
+    try:
+        shape = torch.Size(tuple(int(s) for s in shape))
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"shape must be an int or a sequence of ints, got {shape!r}") from err
+    if any(s < 0 for s in shape):
+        raise ValueError(f"shape must have non-negative sizes, got {tuple(shape)}")
+    return shape
+
+
+def _positive(name: str, value, *, integer: bool = False, allow_inf: bool = False):
+    if integer:
+        if isinstance(value, bool) or int(value) != value:
+            raise TypeError(f"{name} must be an integer, got {value!r}")
+        value = int(value)
+    else:
+        value = float(value)
+    if not (value > 0) or (math.isinf(value) and not allow_inf):
+        raise ValueError(f"{name} must be a {'positive' if not allow_inf else 'positive (or inf)'} "
+                         f"{'integer' if integer else 'finite number'}, got {value!r}")
+    return value
+
+
+class _RegretTally:
+    """Cumulative linearized losses ``l'_t(.) = -R_t`` (eq 18-19) and the regret of eq 31 / 32.
+
+    ``forecaster_reward`` (shape ``shape``) accumulates ``sum_t u_{t-1} . R_t`` (mixture *before* round
+    t's update); ``expert_reward`` (shape ``shape + (N,)``) accumulates ``sum_t R_{t,i}`` for every
+    expert. A non-finite reward of an expert that is not in the mixture (wiped out) makes that expert's
+    hindsight total unknown (NaN); it is then left out of the minimum.
+    """
+
+    def __init__(self, shape: torch.Size, n_experts: int, dtype: torch.dtype, device):
+        self.forecaster_reward = torch.zeros(shape, dtype=dtype, device=device)
+        self.expert_reward = torch.zeros(shape + (n_experts,), dtype=dtype, device=device)
+
+    def add(self, mixture_weights: torch.Tensor, rewards: torch.Tensor) -> None:
+        finite = torch.isfinite(rewards)
+        self.forecaster_reward += (mixture_weights * torch.where(finite, rewards, 0.0)).sum(-1)
+        self.expert_reward += torch.where(finite, rewards, math.nan)
+
+    def regret(self) -> torch.Tensor:
+        known = torch.where(torch.isnan(self.expert_reward), -math.inf, self.expert_reward)
+        return known.amax(-1) - self.forecaster_reward
+
+
+class _ExpertsState:
+    """What XNAS and GD with softmax share: shapes, ``alpha = ln v``, the regret tally."""
+
+    def __init__(self, n_experts, lr, shape, init_log_weights, dtype, device):
+        self.n_experts = _positive("n_experts", n_experts, integer=True)
+        self.lr = _positive("lr", lr)
+        self.shape = _as_shape(shape)
+        if not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating-point dtype, got {dtype}")
+        self.dtype, self.device = dtype, torch.device(device) if device is not None else torch.device("cpu")
+        full = self.shape + (self.n_experts,)
+        if init_log_weights is None:
+            # Algorithm 1 line 2: v_0 = 1, i.e. alpha_0 = 0.
+            log_v = torch.zeros(full, dtype=dtype, device=self.device)
+            self._uniform_init = True
+        else:
+            log_v = torch.as_tensor(init_log_weights, dtype=dtype, device=self.device)
+            try:
+                log_v = log_v.expand(full).clone()
+            except RuntimeError as err:
+                raise ValueError(
+                    f"init_log_weights must broadcast to shape + (n_experts,) = {tuple(full)}, "
+                    f"got {tuple(log_v.shape)}"
+                ) from err
+            if not torch.isfinite(log_v).all():
+                raise ValueError("init_log_weights must be finite (ln v_0 of every expert)")
+            self._uniform_init = bool((log_v == log_v[..., :1]).all())
+        self._log_v = log_v
+        self._rounds = 0
+        self._tally = _RegretTally(self.shape, self.n_experts, dtype, self.device)
+
+    def _checked_rewards(self, rewards) -> torch.Tensor:
+        rewards = torch.as_tensor(rewards)
+        expected = self.shape + (self.n_experts,)
+        if rewards.shape != expected:
+            raise ValueError(
+                f"rewards must have shape shape + (n_experts,) = {tuple(expected)}, got "
+                f"{tuple(rewards.shape)}; one update is one round for every forecaster"
+            )
+        return rewards.to(dtype=self.dtype, device=self.device)
+
+    @property
+    def rounds(self) -> int:
+        """Number of rounds ``t`` played so far."""
+        return self._rounds
+
+    @property
+    def log_weights(self) -> torch.Tensor:
+        """``(*shape, N)`` ``alpha_t = ln v_t`` (``v_0 = 1`` unless initialized otherwise); ``-inf``
+        for wiped-out experts."""
+        return self._log_v.clone()
+
+    @property
+    def weights(self) -> torch.Tensor:
+        """``(*shape, N)`` mixture weights ``u_t = v_t / sum v_t`` (eq 1), 0 for wiped-out experts."""
+        return torch.softmax(self._log_v, dim=-1)
+
+    @property
+    def forecaster_loss(self) -> torch.Tensor:
+        """``(*shape,)`` ``sum_t l'_t(p_t) = -sum_t u_{t-1} . R_t`` (eq 18), mixture before each update."""
+        return -self._tally.forecaster_reward
+
+    @property
+    def expert_losses(self) -> torch.Tensor:
+        """``(*shape, N)`` ``L'_{t,i} = -sum_s R_{s,i}`` (eq 19); NaN where a wiped-out expert was
+        given a non-finite reward."""
+        return -self._tally.expert_reward
+
+    @property
+    def regret(self) -> torch.Tensor:
+        """``(*shape,)`` cumulative linearized regret ``sum_t l'_t(p_t) - min_i L'_{t,i}`` (eq 31),
+        which upper-bounds the regret of eq 2 for convex losses (eq 32) and equals it for the linear
+        losses of the toy and statistical settings (§8)."""
+        return self._tally.regret()
+
+
+class Forecaster(_ExpertsState):
+    """XNAS forecasters (Algorithm 1): EG step and wipeout, batched over ``shape``.
+
+    Args:
+        n_experts: N, experts (candidate ops) per forecaster.
+        lr: the learning rate eta (see :meth:`optimal_lr`, eq 4).
+        loss_bound: L, the bound on ``|R_{t,i}|`` (eq 20); enters the wipeout threshold.
+        horizon: T, the number of rounds the thresholds plan for; more updates raise.
+        zeta: relaxation of the wipeout threshold (§3.2.2): ``theta_t = max_i v_{t,i}
+            exp(-2 eta L (T - t) zeta)``. ``zeta = 1`` is Algorithm 1 and the only value for which
+            Lemma 1 and Theorem 1 are guaranteed (any ``zeta >= 1`` keeps them); ``zeta < 1`` wipes
+            out sooner. ``zeta = math.inf`` disables the wipeout (plain EG).
+        shape: the batch of independent forecasters, e.g. ``(E,)`` for the edges of a cell.
+        init_log_weights: optional ``ln v_0`` broadcastable to ``shape + (N,)``; default 0
+            (Algorithm 1 line 2). A non-uniform start voids Lemma 1 and eq 3 (:meth:`bound` raises).
+        dtype, device: of the state; float64 by default.
+
+    All tensors are detached state; no autograd flows through a forecaster.
+    """
+
+    def __init__(
+        self,
+        n_experts: int,
+        lr: float,
+        loss_bound: float,
+        horizon: int,
+        zeta: float = 1.0,
+        shape: ShapeLike = (),
+        *,
+        init_log_weights: Optional[torch.Tensor] = None,
+        dtype: torch.dtype = torch.float64,
+        device=None,
+    ):
+        super().__init__(n_experts, lr, shape, init_log_weights, dtype, device)
+        self.loss_bound = _positive("loss_bound", loss_bound)
+        self.horizon = _positive("horizon", horizon, integer=True)
+        self.zeta = _positive("zeta", zeta, allow_inf=True)
+        self._alive = torch.ones(self.shape + (self.n_experts,), dtype=torch.bool, device=self.device)
+        self._log_gamma = torch.zeros(self.shape, dtype=dtype, device=self.device)
+        self._bound_violations = torch.zeros(self.shape, dtype=torch.int64, device=self.device)
+        self._wipeouts: List[WipeoutLog] = []
+
+    # ---------------------------------------------------------------- theory
+    @staticmethod
+    def optimal_lr(T: int, L: float, N: int) -> float:
+        """``eta* = sqrt(2 ln N / (T L^2))``, the minimizer of the first two terms of eq 3 (eq 4).
+
+        With ``eta*``, eq 3 becomes ``L sqrt(2 T ln N) (1 - ln gamma_T / (2 ln N))`` (eq 4).
+        Callable on the class (``Forecaster.optimal_lr(T, L, N)``) and on instances.
+        """
+        T = _positive("T", T, integer=True)
+        L = _positive("L", L)
+        N = _positive("N", N, integer=True)
+        if N < 2:
+            raise ValueError("eta* needs N >= 2 experts: with one expert ln N = 0 and there is nothing to select")
+        return math.sqrt(2.0 * math.log(N) / (T * L * L))
+
+    def bound(self) -> torch.Tensor:
+        """``(*shape,)`` the regret bound of Theorem 1 (eq 3) after the rounds played so far:
+        ``eta t L^2 / 2 + (ln N - ln gamma_t) / eta``.
+
+        Eq 3 is stated at the horizon, but its proof (eq 23-31) holds at every ``t <= T``: the
+        per-round bound (27) is unconditional, and Lemma 1's argument with ``t`` in place of ``T``
+        shows the best expert in hindsight at ``t`` is still alive then, because the threshold uses
+        ``T - s >= t - s``. The guarantee needs ``|R| <= L`` (see :attr:`bound_violations`),
+        ``zeta >= 1`` and the uniform start of Algorithm 1.
+        """
+        if not self._uniform_init:
+            raise ValueError(
+                "eq 3 assumes the uniform start v_0 = 1 of Algorithm 1 (line 2); this forecaster was "
+                "created with non-uniform init_log_weights, for which Lemma 1 and the bound do not hold"
+            )
+        t, eta, L = self._rounds, self.lr, self.loss_bound
+        return eta * t * L * L / 2.0 + (math.log(self.n_experts) - self._log_gamma) / eta
+
+    # ----------------------------------------------------------------- state
+    @property
+    def alive(self) -> torch.Tensor:
+        """``(*shape, N)`` bool, the experts not wiped out (``I_t`` of eq 21)."""
+        return self._alive.clone()
+
+    @property
+    def log_gamma(self) -> torch.Tensor:
+        """``(*shape,)`` ``ln gamma_t = sum_s ln Gamma_s`` (eq 28), >= 0."""
+        return self._log_gamma.clone()
+
+    @property
+    def gamma(self) -> torch.Tensor:
+        """``(*shape,)`` the aggregated wipeout factor ``gamma_t = prod_s Gamma_s`` (eq 28);
+        ``1 <= gamma_T < N`` by Lemma 2."""
+        return self._log_gamma.exp()
+
+    @property
+    def bound_violations(self) -> torch.Tensor:
+        """``(*shape,)`` int64, how many rewards of alive experts had ``|R| > L`` so far. Any
+        violation voids Lemma 1 and Theorem 1 for that forecaster; nothing is clipped."""
+        return self._bound_violations.clone()
+
+    @property
+    def wipeout_log(self) -> WipeoutLog:
+        """Every wipeout so far (round, forecaster index, expert, threshold), in round order."""
+        if not self._wipeouts:
+            i64 = dict(dtype=torch.int64, device=self.device)
+            f = dict(dtype=self.dtype, device=self.device)
+            return WipeoutLog(torch.zeros(0, **i64), torch.zeros(0, len(self.shape), **i64),
+                              torch.zeros(0, **i64), torch.zeros(0, **f), torch.zeros(0, **f))
+        return WipeoutLog(*(torch.cat(column) for column in zip(*self._wipeouts)))
+
+    # ---------------------------------------------------------------- update
+    def update(self, rewards: torch.Tensor) -> torch.Tensor:
+        """Play one round of Algorithm 1 for every forecaster.
+
+        Args:
+            rewards: ``(*shape, N)`` rewards ``R_t`` (e.g. :func:`~nasdiag.regret.xnas_reward` of the
+                probe's cost). Rewards of experts already wiped out are ignored by the update (they
+                may be NaN); those of alive experts must be finite.
+
+        Returns:
+            ``(*shape, N)`` bool, the experts wiped out in this round.
+
+        The round: record ``u_{t-1} . R_t`` for the regret (the mixture ``p_t`` predicts *before* the
+        update, line 5), EG step ``v <- v exp(eta R)`` (line 9), threshold ``theta_t = max v
+        exp(-2 eta L (T - t) zeta)`` (line 11), removal of every ``v < theta_t`` (line 12).
+        """
+        rewards = self._checked_rewards(rewards)
+        if self._rounds >= self.horizon:
+            raise RuntimeError(
+                f"this Forecaster has played its horizon T = {self.horizon} rounds; the wipeout "
+                "thresholds depend on T - t, so create it with the horizon you need"
+            )
+        t = self._rounds + 1
+        alive = self._alive
+        bad = alive & ~torch.isfinite(rewards)
+        if bad.any():
+            where = tuple(bad.nonzero()[0].tolist())
+            raise ValueError(
+                f"round {t}: {int(bad.sum())} non-finite rewards of alive experts (first at index "
+                f"{where}); a NaN/inf cost would corrupt the weights for good -- fix or flag the cost "
+                "upstream before updating"
+            )
+        self._tally.add(self.weights, rewards)
+        self._bound_violations += (alive & (rewards.abs() > self.loss_bound)).sum(-1)
+        log_v = torch.where(alive, self._log_v + self.lr * rewards, -math.inf)
+        wiped = self._wipe_out(log_v, t)
+        self._rounds = t
+        return wiped
+
+    def _wipe_out(self, log_v: torch.Tensor, t: int) -> torch.Tensor:
+        alive = self._alive
+        if math.isinf(self.zeta):
+            self._log_v = log_v
+            return torch.zeros_like(alive)
+        log_max = log_v.amax(-1, keepdim=True)
+        margin = 2.0 * self.lr * self.loss_bound * (self.horizon - t) * self.zeta
+        log_threshold = log_max - margin
+        # Why a slack: the proof of Lemma 1 reaches equality (a best expert that first loses L then
+        # gains L sits exactly on theta_t), and ln v is a sum of t rounded products eta*R, so rounding
+        # alone could wipe out the best expert. A few ulps of the accumulated magnitude keep such
+        # experts; the slack is ~1e-12 relative for float64 runs of thousands of rounds.
+        eps = torch.finfo(self.dtype).eps
+        slack = 8.0 * eps * (t + 1) * (log_max.abs() + margin + 1.0)
+        wiped = alive & (log_v < log_threshold - slack)
+        if wiped.any():
+            survivors = alive & ~wiped
+            log_wiped_mass = torch.logsumexp(log_v.masked_fill(~wiped, -math.inf), dim=-1)
+            log_kept_mass = torch.logsumexp(log_v.masked_fill(~survivors, -math.inf), dim=-1)
+            # eq 28: Gamma_t = 1 + (mass wiped at t) / (mass kept at t); log1p keeps ln Gamma >= 0.
+            self._log_gamma += torch.log1p(torch.exp(log_wiped_mass - log_kept_mass))
+            index = wiped.nonzero()
+            self._wipeouts.append(
+                WipeoutLog(
+                    round=torch.full((index.shape[0],), t, dtype=torch.int64, device=self.device),
+                    forecaster=index[:, :-1],
+                    expert=index[:, -1],
+                    log_threshold=log_threshold.expand_as(log_v)[wiped],
+                    log_weight=log_v[wiped],
+                )
+            )
+            log_v = log_v.masked_fill(wiped, -math.inf)
+            self._alive = survivors
+        self._log_v = log_v
+        return wiped
+
+
+class SoftmaxGD(_ExpertsState):
+    """GD with softmax, the DARTS-style update XNAS is compared with (§3.2.1, eq 5-6).
+
+    ``alpha <- alpha - eta d l / d alpha = alpha + eta R~`` with the effective reward ``R~`` of eq 6
+    (:func:`~nasdiag.regret.gd_softmax_reward`), so ``v <- v exp(eta R~)`` (eq 5). No wipeout.
+
+    Args:
+        n_experts: N.
+        lr: eta.
+        shape: batch of independent forecasters.
+        init_log_weights: optional ``alpha_0`` broadcastable to ``shape + (N,)``; default 0.
+        dtype, device: of the state; float64 by default.
+    """
+
+    def __init__(
+        self,
+        n_experts: int,
+        lr: float,
+        shape: ShapeLike = (),
+        *,
+        init_log_weights: Optional[torch.Tensor] = None,
+        dtype: torch.dtype = torch.float64,
+        device=None,
+    ):
+        super().__init__(n_experts, lr, shape, init_log_weights, dtype, device)
+
+    def update(self, rewards: torch.Tensor) -> torch.Tensor:
+        """One GD step for every forecaster from the XNAS rewards ``R_t`` (``(*shape, N)``, finite).
+
+        Returns:
+            ``(*shape, N)`` the effective rewards ``R~_t`` of eq 6 that were applied.
+        """
+        rewards = self._checked_rewards(rewards)
+        if not torch.isfinite(rewards).all():
+            raise ValueError(
+                f"round {self._rounds + 1}: non-finite rewards; fix or flag the cost upstream before updating"
+            )
+        weights = self.weights
+        self._tally.add(weights, rewards)
+        effective = gd_softmax_reward(rewards, weights)
+        self._log_v = self._log_v + self.lr * effective
+        self._rounds += 1
+        return effective
