@@ -12,10 +12,8 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-
 class DataError(ValueError):
     """A dataset cannot be loaded; the message says which file or option is wrong."""
-
 
 @dataclass
 class Splits:
@@ -41,7 +39,6 @@ class Splits:
     def sizes(self) -> Dict[str, int]:
         return {"train": len(self.train), "val": len(self.val), "test": len(self.test)}
 
-
 def _stratified_split(labels: np.ndarray, fraction: float, rng: np.random.Generator) -> Tuple[np.ndarray, np.ndarray]:
     """Indices (a, b) with ``b`` holding ``fraction`` of every class."""
     a, b = [], []
@@ -51,7 +48,6 @@ def _stratified_split(labels: np.ndarray, fraction: float, rng: np.random.Genera
         b.append(idx[:n_b])
         a.append(idx[n_b:])
     return np.sort(np.concatenate(a)), np.sort(np.concatenate(b))
-
 
 def _to_splits(x: np.ndarray, y: np.ndarray, train_idx, val_idx, test_x, test_y, num_classes, name, dtype) -> Splits:
     # Standardize with the statistics of the search data only (train + val), per channel.
@@ -70,7 +66,6 @@ def _to_splits(x: np.ndarray, y: np.ndarray, train_idx, val_idx, test_x, test_y,
         num_classes,
         name,
     )
-
 
 def digits(seed: int = 0, test_fraction: float = 0.2, dtype: torch.dtype = torch.float32) -> Splits:
     """scikit-learn's embedded digits: 1797 images of 1x8x8, 10 classes, no download.
@@ -91,11 +86,7 @@ def digits(seed: int = 0, test_fraction: float = 0.2, dtype: torch.dtype = torch
     train_rel, val_rel = _stratified_split(y[search_idx], 0.5, rng)
     return _to_splits(x, y, search_idx[train_rel], search_idx[val_rel], x[test_idx], y[test_idx], 10, "digits", dtype)
 
-
-
-
 CIFAR_FILES = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
-
 
 def _cifar_folder(root: Path) -> Path:
     if not root.is_dir():
@@ -105,7 +96,6 @@ def _cifar_folder(root: Path) -> Path:
         )
     nested = root / "cifar-10-batches-py"
     return nested if not (root / "data_batch_1").exists() and nested.is_dir() else root
-
 
 def _read_cifar_batch(path: Path) -> Tuple[np.ndarray, np.ndarray]:
     if not path.is_file():
@@ -117,7 +107,6 @@ def _read_cifar_batch(path: Path) -> Tuple[np.ndarray, np.ndarray]:
     if data is None or labels is None:
         raise DataError(f"{path} is not a CIFAR-10 python batch (no 'data'/'labels' entries)")
     return np.asarray(data, dtype=np.uint8).reshape(-1, 3, 32, 32), np.asarray(labels, dtype=np.int64)
-
 
 def cifar10(root, seed: int = 0, train_fraction: float = 0.5, dtype: torch.dtype = torch.float32, limit: Optional[int] = None) -> Splits:
     """CIFAR-10 from a local folder of the standard python batches (read with numpy/pickle).
@@ -137,7 +126,6 @@ def cifar10(root, seed: int = 0, train_fraction: float = 0.5, dtype: torch.dtype
         train_idx, val_idx, tx, ty = train_idx[:limit], val_idx[:limit], tx[:limit], ty[:limit]
     return _to_splits(x, y, train_idx, val_idx, tx, ty, 10, "cifar10", dtype)
 
-
 def synthetic(
     n: int = 256,
     shape: Sequence[int] = (3, 32, 32),
@@ -155,9 +143,7 @@ def synthetic(
 
     return Splits(part(), part(), part(), num_classes, "synthetic")
 
-
 DATASETS: Dict[str, Callable[..., Splits]] = {"digits": digits, "cifar10": cifar10, "synthetic": synthetic}
-
 
 def load_dataset(name: str, **kwargs) -> Splits:
     """Load a dataset by name (``digits``, ``cifar10`` (needs ``root``), ``synthetic``)."""
