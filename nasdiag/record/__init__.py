@@ -1,0 +1,41 @@
+"""Durable HDF5 records of a search, and the callbacks that feed them.
+
+- `Recorder(path, meta=None, flush_every=64, resume=False, overwrite=False)`: crash-safe,
+  resumable, live-readable writer; ``log(step, values)`` appends one row.
+- `load(path)`: every committed row of every segment, merged, as numpy arrays; `load_meta(path)`:
+  the run's metadata.
+- `RecorderCallback`: ``on_step_end`` / ``on_epoch_end`` / ``on_exception`` hooks for any training
+  loop, with DDP reduction and rank-0 writing; `lightning_callback` adapts it to PyTorch Lightning.
+- `RecordError`: every user-facing error; `RecordWarning`: NaN/inf and resume notices.
+
+The format is described in docs/schema.md. This package never imports torch at import time.
+"""
+
+from nasdiag.record.errors import RecordError, RecordWarning
+from nasdiag.record.reader import load, load_meta
+from nasdiag.record.schema import SCHEMA_VERSION
+from nasdiag.record.writer import Recorder
+
+__all__ = [
+    "Recorder",
+    "load",
+    "load_meta",
+    "RecordError",
+    "RecordWarning",
+    "RecorderCallback",
+    "lightning_callback",
+    "SCHEMA_VERSION",
+]
+
+
+def __getattr__(name):
+    # Lazy: the callbacks may touch torch.distributed, and Lightning is optional.
+    if name == "RecorderCallback":
+        from nasdiag.record.callbacks import RecorderCallback
+
+        return RecorderCallback
+    if name == "lightning_callback":
+        from nasdiag.record.lightning import lightning_callback
+
+        return lightning_callback
+    raise AttributeError(f"module 'nasdiag.record' has no attribute {name!r}")

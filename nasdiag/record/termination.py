@@ -1,0 +1,94 @@
+"""Flush open recorders when the process is told to stop (SIGTERM) or exits normally.
+
+One guard object serves all recorders of the process: it installs its SIGTERM handler when the
+first recorder opens and restores the previous handler when the last one closes, so nested or
+sequential recorders never fight over the handler. Recorders are held weakly.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import threading
+import warnings
+import weakref
+
+from nasdiag.record.errors import RecordWarning
+
+
+class _TerminationGuard:
+    def __init__(self):
+        self._recorders: weakref.WeakSet = weakref.WeakSet()
+        self._previous = None
+        self._installed = False
+        self._pid = os.getpid()
+        self._pending_signal: int | None = None
+        atexit.register(self._close_all)
+
+    def register(self, recorder, handle_sigterm: bool) -> None:
+        self._recorders.add(recorder)
+        if not handle_sigterm or self._installed:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            warnings.warn(
+                "Recorder opened outside the main thread cannot install a SIGTERM handler; rows are still "
+                "flushed every flush_every rows, on close and at exit (pass handle_sigterm=False to silence this)",
+                RecordWarning,
+                stacklevel=3,
+            )
+            return
+        self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._installed = True
+        self._pid = os.getpid()
+
+    def unregister(self, recorder) -> None:
+        self._recorders.discard(recorder)
+        if self._installed and not len(self._recorders) and threading.current_thread() is threading.main_thread():
+            if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+                # None means a handler installed outside Python; the default is the closest we can restore.
+                signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
+            self._installed = False
+
+    def _close_all(self) -> None:
+        if os.getpid() != self._pid:
+            return  # a forked child (e.g. a DataLoader worker) must never touch the parent's files
+        for recorder in list(self._recorders):
+            try:
+                recorder.close()
+            except Exception as err:  # at exit there is no caller left to raise to
+                warnings.warn(f"closing {recorder.path} at exit failed: {err}", RecordWarning)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        if os.getpid() == self._pid:
+            if any(r._busy for r in list(self._recorders)):
+                # The signal arrived inside a flush; closing now would re-enter HDF5 mid-write.
+                # The flush calls `finish_pending_signal` when it is done.
+                self._pending_signal = signum
+                return
+            self._close_all()
+        self._chain(signum, frame)
+
+    def finish_pending_signal(self) -> None:
+        """Called by a recorder after a flush; handles a SIGTERM that arrived during it."""
+        signum, self._pending_signal = self._pending_signal, None
+        if signum is not None:
+            self._close_all()
+            self._chain(signum, None)
+
+    def _chain(self, signum, frame) -> None:
+        previous = self._previous
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_IGN:
+            return
+        else:  # default action: terminate with the signal, as if we had not been here
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    @property
+    def pending(self) -> bool:
+        return self._pending_signal is not None
+
+
+GUARD = _TerminationGuard()

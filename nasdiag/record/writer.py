@@ -1,0 +1,598 @@
+"""`Recorder`: a crash-safe, resumable, live-readable HDF5 record of a search.
+
+How durability is obtained (docs/schema.md has the format):
+
+- Rows are buffered in preallocated arrays and written in batches of at most ``flush_every`` rows.
+  A batch writes every data dataset and ``/present`` first, flushes, then appends ``/step`` and
+  flushes again. ``/step`` is the commit marker: a reader takes ``len(/step)`` (up to the first
+  never-written slot, fill -1) as the number of rows, so a writer killed at any moment leaves only
+  complete rows.
+- Files are written in SWMR mode, which HDF5 keeps consistent on disk at every flush; readers open
+  them with ``swmr=True`` while they are written or after a crash.
+- SWMR forbids creating datasets once it is on. A segment file is therefore created complete (all
+  datasets known so far) under a temporary name, switched to SWMR and then linked to its final
+  name, so every visible segment is readable. A dataset path first logged after that closes the
+  segment cleanly and continues in the next one. Resuming always starts a new segment; a crashed
+  file is never reopened for writing.
+- ``<path>.lock`` holds an ``flock`` for the writer's lifetime (see `lock.WriterLock`).
+"""
+
+from __future__ import annotations
+
+import errno
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import re
+import socket
+import time
+import uuid
+import warnings
+from collections.abc import Mapping
+
+import h5py
+import numpy as np
+
+from nasdiag.record import schema
+from nasdiag.record.errors import RecordError, RecordWarning
+from nasdiag.record.lock import WriterLock, describe_os_error
+from nasdiag.record.reader import Column, merged_columns, read_segments
+from nasdiag.record.termination import GUARD
+
+_ALLOWED_KINDS = "biuf"
+_ERRNO_IN_MESSAGE = re.compile(r"errno\s*=\s*(\d+)")
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _nasdiag_version() -> str:
+    from nasdiag import __version__
+
+    return __version__
+
+
+def to_numpy(value) -> np.ndarray:
+    """A logged value as a numpy array: Python scalars, numpy arrays and torch tensors (duck-typed
+    on ``.detach`` so that torch is never imported here)."""
+    if isinstance(value, np.ndarray):
+        return value
+    if hasattr(value, "detach"):
+        value = value.detach().cpu()
+        try:
+            return value.numpy()
+        except TypeError:  # bfloat16 and friends have no numpy dtype
+            return value.float().numpy()
+    return np.asarray(value)
+
+
+def _storage_error(action: str, err: Exception) -> str:
+    number = getattr(err, "errno", None)
+    if not number:
+        found = _ERRNO_IN_MESSAGE.search(str(err))
+        number = int(found.group(1)) if found else None
+    if number:
+        return f"{action}: {describe_os_error(OSError(number, os.strerror(number)))}"
+    return f"{action}: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
+
+
+def _python_scalar_fits(value, dtype: np.dtype) -> bool:
+    """Whether a Python bool/int/float may be stored in a path of ``dtype`` without changing kind."""
+    kind = dtype.kind
+    if kind == "b":
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if kind == "f":
+        return True
+    if isinstance(value, float):
+        return False
+    info = np.iinfo(dtype)
+    return info.min <= value <= info.max
+
+
+class _Column:
+    """One dataset path: its fixed row shape/dtype and its batch buffer."""
+
+    __slots__ = ("path", "shape", "dtype", "is_float", "index", "buffer", "nonfinite", "written_nonfinite", "warned")
+
+    def __init__(self, path: str, shape: tuple[int, ...], dtype: np.dtype, index: int, rows: int):
+        self.path = path
+        self.shape = shape
+        self.dtype = dtype
+        self.is_float = dtype.kind == "f"
+        self.index = index
+        self.buffer = np.empty((rows, *shape), dtype)
+        self.nonfinite = 0  # in this segment, including buffered rows
+        self.written_nonfinite = 0
+        self.warned = False
+
+
+class Recorder:
+    """Append rows of diagnostics to an HDF5 record, durably.
+
+    Parameters
+    ----------
+    path:
+        The record file (segment 0). Later segments live next to it (``run.seg0001.h5``, ...).
+    meta:
+        Run metadata: ``method`` (str), ``config`` (dict, stored as JSON), ``seed`` (int),
+        ``op_names`` (list[str], the K candidate ops), ``edge_names`` (dict cell type -> list[str],
+        the E edges), ``cell_types`` (list[str]). Other keys must be JSON-serialisable and are kept
+        as JSON attributes of ``/meta``. When given, ``arch/<cell>/{params,weights}`` rows are
+        checked to be (E, K). On resume, ``None`` keeps the stored meta.
+    flush_every:
+        Rows per batch (default 64). At most this many rows are lost if the process is killed.
+    resume:
+        Continue an existing record in a new segment (a new record if there is none).
+    overwrite:
+        Delete an existing record (all segments) first. Refused while another writer holds it.
+    flush_seconds:
+        Also flush at the first ``log`` after this many seconds since the last flush (None: never),
+        so a slow search loses little and live readers stay current.
+    handle_sigterm:
+        Flush and close on SIGTERM, then let the previous handler (default: terminate) run.
+
+    ``log(step, values)`` appends one row. Use as a context manager, or call `close`; open
+    recorders are also closed at interpreter exit. All errors are `RecordError`.
+    """
+
+    def __init__(
+        self,
+        path,
+        meta: Mapping | None = None,
+        flush_every: int = 64,
+        resume: bool = False,
+        *,
+        overwrite: bool = False,
+        flush_seconds: float | None = 10.0,
+        handle_sigterm: bool = True,
+    ):
+        try:
+            path = os.fspath(path)
+        except TypeError:
+            raise RecordError(f"path must be a str or os.PathLike, got {type(path).__name__}") from None
+        if isinstance(path, bytes):
+            path = os.fsdecode(path)
+        if isinstance(flush_every, bool) or not isinstance(flush_every, (int, np.integer)) or flush_every < 1:
+            raise RecordError(f"flush_every must be a positive int, got {flush_every!r}")
+        if flush_seconds is not None and not (isinstance(flush_seconds, (int, float)) and flush_seconds > 0):
+            raise RecordError(f"flush_seconds must be a positive number or None, got {flush_seconds!r}")
+        if resume and overwrite:
+            raise RecordError("resume=True and overwrite=True contradict each other; pass only one")
+        if os.path.isdir(path):
+            raise RecordError(f"record path {path} is a directory; pass a file path such as {os.path.join(path, 'run.h5')}")
+        self.path = path
+        self.flush_every = int(flush_every)
+        self.flush_seconds = flush_seconds
+        self._meta = schema.normalize_meta(meta)
+        self._columns: dict[str, _Column] = {}
+        self._step_buffer = np.empty(self.flush_every, np.int64)
+        self._present = np.zeros((self.flush_every, 0), bool)
+        self._rows = 0  # buffered rows
+        self._file: h5py.File | None = None
+        self._segment_index = 0
+        self._segment_rows = 0  # committed rows in the open segment
+        self._committed = 0  # committed rows in this session
+        self._last_step: int | None = None
+        self._session_last_step: int | None = None
+        self._run_id = uuid.uuid4().hex
+        self._closed = False
+        self._busy = False
+        self._failure: str | None = None
+        self._last_flush = time.monotonic()
+        self._lock = WriterLock(schema.lock_path(path), path)
+        self._lock.acquire()
+        try:
+            self._prepare(resume, overwrite)
+        except BaseException:
+            self._lock.release()
+            raise
+        GUARD.register(self, handle_sigterm)
+
+    # --- opening -----------------------------------------------------------------------------
+
+    def _prepare(self, resume: bool, overwrite: bool) -> None:
+        existing = schema.list_segments(self.path)
+        if existing and not (resume or overwrite):
+            raise RecordError(
+                f"a record already exists at {self.path}; pass resume=True to continue it "
+                "or overwrite=True to replace it"
+            )
+        if existing and overwrite:
+            for _, file in existing:
+                self._remove(file)
+        if existing and resume:
+            self._adopt(existing)
+        for index, file in schema.list_segments(self.path) + [(self._segment_index, self.path)]:
+            tmp = schema.temp_path(schema.segment_path(self.path, index))
+            if os.path.exists(tmp):  # left by a writer killed while creating a segment; we hold the lock
+                self._remove(tmp)
+
+    def _remove(self, file: str) -> None:
+        try:
+            os.unlink(file)
+        except FileNotFoundError:
+            pass
+        except OSError as err:
+            raise RecordError(f"cannot remove {file}: {describe_os_error(err)}") from None
+
+    def _adopt(self, existing) -> None:
+        """Take over schema, meta, run id and last step of an existing record, for resume."""
+        segments = read_segments(self.path, with_data=False)
+        stored = segments[-1].meta
+        if not self._meta:
+            self._meta = dict(stored)
+        elif schema.structural_meta(self._meta) != schema.structural_meta(stored):
+            raise RecordError(
+                f"cannot resume {self.path}: op_names/edge_names/cell_types differ from the stored ones "
+                f"{schema.structural_meta(stored)}; resume with the same search space or record to a new path"
+            )
+        else:
+            changed = sorted(k for k in ("method", "config", "seed") if self._meta.get(k) != stored.get(k))
+            if changed:
+                warnings.warn(f"resuming {self.path} with different {', '.join(changed)} than stored", RecordWarning, stacklevel=4)
+        for path, col in merged_columns(segments).items():
+            self._add_column(path, col.shape, col.dtype)
+        self._run_id = segments[0].run_id or self._run_id
+        steps = [int(seg.steps.max()) for seg in segments if seg.steps.size]
+        self._last_step = max(steps) if steps else None
+        self._segment_index = max(index for index, _ in existing) + 1
+
+    # --- public API ----------------------------------------------------------------------------
+
+    @property
+    def last_step(self) -> int | None:
+        """The last step logged in this session, else the largest step of the resumed record, else None."""
+        return self._session_last_step if self._session_last_step is not None else self._last_step
+
+    @property
+    def rows_committed(self) -> int:
+        """Rows of this session that are on disk (flushed and committed)."""
+        return self._committed
+
+    @property
+    def rows_buffered(self) -> int:
+        """Rows of this session not yet flushed (lost if the process is killed now)."""
+        return self._rows
+
+    @property
+    def segment_file(self) -> str:
+        """The segment file this session writes (or will write) to."""
+        return schema.segment_path(self.path, self._segment_index)
+
+    @property
+    def nonfinite_counts(self) -> dict[str, int]:
+        """NaN/inf element counts per path in the current segment (buffered rows included)."""
+        return {p: c.nonfinite for p, c in self._columns.items() if c.nonfinite}
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def log(self, step: int, values: Mapping) -> None:
+        """Append one row.
+
+        ``step``: a non-negative int, strictly increasing within a session (a resumed session may
+        restart lower; `load` then prefers its rows). ``values`` maps dataset paths such as
+        ``"scalars/train_loss"`` or ``"arch/normal/weights"`` to Python scalars, numpy arrays or
+        torch tensors. The first value of a path fixes its row shape and dtype; a later value of
+        another shape or dtype raises `RecordError` and nothing of that row is written. Python
+        scalars are cast to the path's dtype when that loses nothing of their kind (an int into a
+        float path; not a float into an int path). NaN/inf are recorded as they are, counted in the
+        dataset's ``nonfinite_count`` attribute and reported once per path with a `RecordWarning`.
+        """
+        if self._closed:
+            raise RecordError(f"recorder for {self.path} is closed; open a new one with resume=True to continue")
+        if self._failure is not None:
+            raise RecordError(f"recorder for {self.path} failed earlier ({self._failure}); it accepts no more rows")
+        step = self._check_step(step)
+        if not isinstance(values, Mapping):
+            raise RecordError(f"values must be a dict of dataset path -> value, got {type(values).__name__}")
+        row, new_columns = self._validate_row(step, values)
+        if new_columns:
+            if self._file is not None:
+                # SWMR cannot create datasets in an open file: finish this segment, start the next.
+                self.flush()
+                self._close_segment()
+                self._segment_index += 1
+            for path, shape, dtype in new_columns:
+                self._add_column(path, shape, dtype)
+        i = self._rows
+        self._step_buffer[i] = step
+        present = self._present[i]
+        columns = self._columns
+        for path, value in row:
+            column = columns[path]
+            column.buffer[i] = value
+            present[column.index] = True
+            if column.is_float:
+                self._count_nonfinite(column, value, step)
+        self._rows = i + 1
+        self._session_last_step = step
+        if self._rows >= self.flush_every or (
+            self.flush_seconds is not None and time.monotonic() - self._last_flush >= self.flush_seconds
+        ):
+            self.flush()
+
+    def flush(self) -> None:
+        """Write and commit the buffered rows now (no-op when none are buffered)."""
+        if self._rows == 0 or self._closed:
+            return
+        if self._failure is not None:
+            raise RecordError(f"recorder for {self.path} failed earlier ({self._failure}); it accepts no more rows")
+        self._busy = True
+        try:
+            self._write_batch()
+        finally:
+            self._busy = False
+            if GUARD.pending:
+                GUARD.finish_pending_signal()
+
+    def close(self) -> None:
+        """Flush, close the segment and release the lock. Safe to call twice."""
+        if self._closed:
+            return
+        try:
+            if self._failure is None:
+                self.flush()
+        finally:
+            self._closed = True
+            try:
+                self._close_segment()
+            finally:
+                self._lock.release()
+                GUARD.unregister(self)
+            self._warn_nonfinite_summary()
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as err:  # keep the original exception; report ours alongside it
+            warnings.warn(f"while handling {exc_type.__name__}, closing the recorder failed: {err}", RecordWarning)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{self._committed} rows committed, {self._rows} buffered"
+        return f"Recorder({self.path!r}, segment {self._segment_index}, {state})"
+
+    # --- validation --------------------------------------------------------------------------
+
+    def _check_step(self, step) -> int:
+        if hasattr(step, "item") and not isinstance(step, (int, np.integer)):
+            step = step.item()  # 0-d tensors and arrays
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+            raise RecordError(f"step must be a non-negative int, got {step!r}")
+        step = int(step)
+        last = self._session_last_step
+        if last is not None and step <= last:
+            raise RecordError(f"step {step} is not after the previous step {last}; steps must increase within a run")
+        return step
+
+    def _validate_row(self, step: int, values: Mapping):
+        """Check a whole row before anything is buffered: returns ``[(path, value)]`` and the new
+        paths as ``[(path, shape, dtype)]``."""
+        row = []
+        new_columns = []
+        new_paths: list[str] = []
+        for path, value in values.items():
+            column = self._columns.get(path)
+            if column is not None and column.shape == () and isinstance(value, (float, int)):
+                # Fast path: a Python scalar on a known scalar path is cast to the path's dtype.
+                if not _python_scalar_fits(value, column.dtype):
+                    raise RecordError(
+                        f"{path!r} at step {step}: got Python {type(value).__name__} {value!r}, but the path holds "
+                        f"{column.dtype}; log values of one type per path"
+                    )
+                row.append((path, value))
+                continue
+            array = to_numpy(value)
+            if array.dtype.kind not in _ALLOWED_KINDS:
+                raise RecordError(f"{path!r} at step {step}: dtype {array.dtype} cannot be recorded; log bool, int or float values")
+            if array.dtype.byteorder == ">":
+                array = array.astype(array.dtype.newbyteorder("="))
+            if column is None:
+                schema.check_path(path)
+                schema.check_no_prefix_clash(path, [*self._columns, *new_paths])
+                schema.check_against_meta(path, array.shape, self._meta)
+                new_columns.append((path, array.shape, array.dtype))
+                new_paths.append(path)
+            elif array.shape != column.shape or array.dtype != column.dtype:
+                raise RecordError(
+                    f"{path!r} at step {step}: got shape {array.shape} {array.dtype}, but the path was first logged "
+                    f"with shape {column.shape} {column.dtype}; log the same shape and dtype every time or use a new path"
+                )
+            row.append((path, array))
+        return row, new_columns
+
+    def _count_nonfinite(self, column: _Column, value, step: int) -> None:
+        if isinstance(value, float):
+            bad = 0 if math.isfinite(value) else 1
+        else:
+            finite = np.isfinite(value)
+            bad = 0 if finite.all() else int(finite.size - np.count_nonzero(finite))
+        if not bad:
+            return
+        column.nonfinite += bad
+        if not column.warned:
+            column.warned = True
+            warnings.warn(
+                f"{column.path!r} at step {step}: {bad} NaN/inf value(s), recorded as is and counted in the "
+                f"'{schema.NONFINITE_ATTR}' attribute (later ones in this path are counted without a warning)",
+                RecordWarning,
+                stacklevel=3,
+            )
+
+    def _warn_nonfinite_summary(self) -> None:
+        counts = {p: c.nonfinite for p, c in self._columns.items() if c.nonfinite and c.warned}
+        if counts:
+            warnings.warn(f"{self.path}: NaN/inf counts in the last segment: {counts}", RecordWarning, stacklevel=3)
+
+    def _add_column(self, path: str, shape, dtype) -> None:
+        index = len(self._columns)
+        self._columns[path] = _Column(path, tuple(shape), np.dtype(dtype), index, self.flush_every)
+        present = np.zeros((self.flush_every, index + 1), bool)
+        present[:, :index] = self._present
+        self._present = present
+
+    # --- writing -------------------------------------------------------------------------------
+
+    def _create_segment(self) -> None:
+        final = self.segment_file
+        tmp = schema.temp_path(final)
+        self._remove(tmp)
+        f = None
+        try:
+            f = h5py.File(tmp, "w-", libver=schema.LIBVER)
+            self._write_header(f)
+            for column in self._columns.values():
+                ds = f.create_dataset(
+                    column.path,
+                    shape=(0, *column.shape),
+                    maxshape=(None, *column.shape),
+                    chunks=(schema.chunk_rows(column.shape, column.dtype.itemsize), *column.shape),
+                    dtype=column.dtype,
+                    fillvalue=schema.fill_value(column.dtype),
+                )
+                ds.attrs[schema.NONFINITE_ATTR] = np.int64(0)
+            n_cols = len(self._columns)
+            present = f.create_dataset(
+                schema.PRESENT,
+                shape=(0, n_cols),
+                maxshape=(None, n_cols),
+                chunks=(schema.chunk_rows((n_cols,), 1), n_cols),
+                dtype=bool,
+            )
+            present.attrs[schema.PATHS_ATTR] = np.array(list(self._columns), dtype=h5py.string_dtype())
+            f.create_dataset(
+                schema.STEP, shape=(0,), maxshape=(None,), chunks=(schema.chunk_rows((), 8),), dtype=np.int64,
+                fillvalue=schema.STEP_FILL,
+            )
+            f.swmr_mode = True
+        except (OSError, RuntimeError, ValueError) as err:
+            if f is not None:
+                try:
+                    f.close()
+                except Exception:
+                    pass
+            self._remove(tmp)
+            raise RecordError(_storage_error(f"cannot create record segment {final}", err)) from None
+        try:
+            self._publish(tmp, final)
+        except BaseException:
+            f.close()
+            self._remove(tmp)
+            raise
+        self._file = f
+        self._segment_rows = 0
+        for column in self._columns.values():
+            column.written_nonfinite = 0
+
+    def _publish(self, tmp: str, final: str) -> None:
+        # link() fails if `final` exists, so even a file created behind our back is never replaced.
+        try:
+            os.link(tmp, final)
+        except FileExistsError:
+            raise RecordError(f"{final} appeared while this recorder held the lock; another program writes there") from None
+        except OSError as err:
+            if err.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS):
+                raise RecordError(_storage_error(f"cannot create {final}", err)) from None
+            if os.path.exists(final):  # no hard links on this file system: check, then rename
+                raise RecordError(f"{final} appeared while this recorder held the lock; another program writes there") from None
+            os.rename(tmp, final)
+            return
+        self._remove(tmp)
+
+    def _write_header(self, f: h5py.File) -> None:
+        attrs = f.attrs
+        attrs["schema_version"] = np.int64(schema.SCHEMA_VERSION)
+        attrs["nasdiag_version"] = _nasdiag_version()
+        attrs["method"] = self._meta.get("method", "")
+        attrs["config"] = json.dumps(self._meta.get("config", {}), sort_keys=True)
+        if "seed" in self._meta:
+            attrs["seed"] = np.int64(self._meta["seed"])
+        attrs["torch_version"] = _version("torch")
+        attrs["h5py_version"] = h5py.__version__
+        attrs["hdf5_version"] = h5py.version.hdf5_version
+        attrs["numpy_version"] = np.__version__
+        attrs["python_version"] = platform.python_version()
+        attrs["run_id"] = self._run_id
+        attrs["segment"] = np.int64(self._segment_index)
+        attrs["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        attrs["host"] = socket.gethostname()
+        attrs["pid"] = np.int64(os.getpid())
+        meta = f.create_group(schema.META)
+        strings = h5py.string_dtype()
+        for key in ("op_names", "cell_types"):
+            if key in self._meta:
+                meta.create_dataset(key, data=np.array(self._meta[key], dtype=strings))
+        if "edge_names" in self._meta:
+            edges = meta.create_group("edge_names")
+            for cell, names in self._meta["edge_names"].items():
+                edges.create_dataset(cell, data=np.array(names, dtype=strings))
+        for key, value in self._meta.items():
+            if key not in schema.KNOWN_META_KEYS:
+                meta.attrs[key] = json.dumps(value, sort_keys=True)
+
+    def _write_batch(self) -> None:
+        if self._file is None:
+            self._create_segment()
+        f = self._file
+        rows = self._rows
+        start = self._segment_rows
+        stop = start + rows
+        present = self._present[:rows]
+        try:
+            for column in self._columns.values():
+                block = column.buffer[:rows]
+                missing = ~present[:, column.index]
+                if missing.any():
+                    block[missing] = schema.fill_value(column.dtype)
+                ds = f[column.path]
+                ds.resize(stop, axis=0)
+                ds[start:stop] = block
+            ds = f[schema.PRESENT]
+            ds.resize(stop, axis=0)
+            ds[start:stop] = present
+            f.flush()  # data before the commit marker
+            ds = f[schema.STEP]
+            ds.resize(stop, axis=0)
+            ds[start:stop] = self._step_buffer[:rows]
+            for column in self._columns.values():
+                if column.nonfinite != column.written_nonfinite:
+                    # Same-size overwrite of an attribute that exists since before SWMR started.
+                    f[column.path].attrs[schema.NONFINITE_ATTR] = np.int64(column.nonfinite)
+                    column.written_nonfinite = column.nonfinite
+            f.flush()
+        except (OSError, RuntimeError, ValueError) as err:
+            message = _storage_error(f"cannot write to {self.segment_file}", err)
+            self._failure = message
+            raise RecordError(
+                f"{message}; the {self._committed} rows committed before are intact, the last {rows} buffered rows are not saved"
+            ) from None
+        self._segment_rows = stop
+        self._committed += rows
+        self._rows = 0
+        self._present[:rows] = False
+        self._last_flush = time.monotonic()
+
+    def _close_segment(self) -> None:
+        f, self._file = self._file, None
+        if f is None:
+            return
+        try:
+            f.close()
+        except Exception as err:
+            if self._failure is None:
+                raise RecordError(_storage_error(f"cannot close {self.segment_file}", err)) from None
