@@ -187,6 +187,8 @@ class Recorder:
         self._busy = False
         self._failure: str | None = None
         self._last_flush = time.monotonic()
+        # Called by `close` before the final flush: a callback writes the row it holds back.
+        self._before_close: list = []
         self._lock = WriterLock(schema.lock_path(path), path)
         self._lock.acquire()
         try:
@@ -339,17 +341,22 @@ class Recorder:
         """Flush, close the segment and release the lock. Safe to call twice."""
         if self._closed:
             return
+        hooks, self._before_close = self._before_close, []
         try:
-            if self._failure is None:
-                self.flush()
+            for hook in hooks:
+                hook()
         finally:
-            self._closed = True
             try:
-                self._close_segment()
+                if self._failure is None:
+                    self.flush()
             finally:
-                self._lock.release()
-                GUARD.unregister(self)
-            self._warn_nonfinite_summary()
+                self._closed = True
+                try:
+                    self._close_segment()
+                finally:
+                    self._lock.release()
+                    GUARD.unregister(self)
+                self._warn_nonfinite_summary()
 
     def __enter__(self) -> Recorder:
         return self

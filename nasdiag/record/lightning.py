@@ -1,0 +1,93 @@
+"""PyTorch Lightning adapter of `RecorderCallback`. Lightning is imported only when it is used."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Mapping
+
+from nasdiag.record.errors import RecordError
+
+
+def _lightning_callback_base():
+    for module in ("lightning.pytorch", "pytorch_lightning"):
+        try:
+            return importlib.import_module(module).Callback
+        except ImportError:
+            continue
+    raise RecordError(
+        "the Lightning adapter needs PyTorch Lightning (pip install lightning); nasdiag does not depend on it. "
+        "Without it, call RecorderCallback's hooks from your loop"
+    )
+
+
+def _statistics_from_module(trainer, pl_module, outputs) -> Mapping:
+    source = getattr(pl_module, "nasdiag_statistics", None)
+    if callable(source):
+        return source()
+    if isinstance(outputs, Mapping) and isinstance(outputs.get("nasdiag"), Mapping):
+        return outputs["nasdiag"]
+    raise RecordError(
+        f"{type(pl_module).__name__} gives no statistics: define a nasdiag_statistics() method returning "
+        "{record path: value}, return {'nasdiag': {...}} from training_step, or pass statistics=fn to lightning_callback"
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _adapter_class(base):
+    class NasdiagRecorder(base):
+        """Records statistics at each training batch end and epoch end; rank 0 writes."""
+
+        def __init__(self, path, meta, statistics, epoch_statistics, callback_kwargs):
+            super().__init__()
+            self.path = path
+            self.meta = meta
+            self.statistics = statistics
+            self.epoch_statistics = epoch_statistics
+            self.callback_kwargs = callback_kwargs
+            self.callback = None
+
+        def setup(self, trainer, pl_module, stage=None):
+            if self.callback is not None:
+                return
+            from nasdiag.record.callbacks import RecorderCallback
+
+            writes = trainer.global_rank == 0
+            kwargs = dict(self.callback_kwargs)
+            if not writes:
+                kwargs = {k: v for k, v in kwargs.items() if k in ("reduce", "rules", "ddof", "group")}
+            self.callback = RecorderCallback(self.path if writes else None, meta=self.meta if writes else None, **kwargs)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            stats = self.statistics(trainer, pl_module, outputs)
+            self.callback.on_step_end(trainer.global_step, stats)
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            stats = self.epoch_statistics(trainer, pl_module) if self.epoch_statistics is not None else None
+            self.callback.on_epoch_end(trainer.current_epoch, stats)
+
+        def on_exception(self, trainer, pl_module, exception):
+            if self.callback is not None:
+                self.callback.on_exception(exception)
+                self.callback.close()
+
+        def teardown(self, trainer, pl_module, stage=None):
+            if self.callback is not None:
+                self.callback.close()
+
+    return NasdiagRecorder
+
+
+def lightning_callback(path, *, meta=None, statistics=None, epoch_statistics=None, **callback_kwargs):
+    """A Lightning ``Callback`` that records to ``path`` (rank 0 writes, statistics reduced under DDP).
+
+    ``statistics(trainer, pl_module, outputs) -> {record path: value}`` gives each training batch's
+    statistics; by default ``pl_module.nasdiag_statistics()`` or ``outputs["nasdiag"]``. The row's
+    step is ``trainer.global_step``; batches with the same global step (gradient accumulation)
+    share a row, later values winning. ``epoch_statistics(trainer, pl_module)``, if given, adds to
+    the last row of each epoch. ``callback_kwargs`` go to `RecorderCallback` (``reduce``, ``rules``)
+    and `Recorder` (``flush_every``, ``resume``, ``overwrite``). Raises `RecordError` if neither
+    ``lightning`` nor ``pytorch_lightning`` is installed.
+    """
+    base = _lightning_callback_base()
+    return _adapter_class(base)(path, meta, statistics or _statistics_from_module, epoch_statistics, callback_kwargs)
