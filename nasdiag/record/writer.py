@@ -183,6 +183,7 @@ class Recorder:
         self._last_step: int | None = None
         self._session_last_step: int | None = None
         self._run_id = uuid.uuid4().hex
+        self._placeholder_published = False
         self._closed = False
         self._busy = False
         self._failure: str | None = None
@@ -216,6 +217,7 @@ class Recorder:
             tmp = schema.temp_path(schema.segment_path(self.path, index))
             if os.path.exists(tmp):  # left by a writer killed while creating a segment; we hold the lock
                 self._remove(tmp)
+        self._create_segment(placeholder=True)
 
     def _remove(self, file: str) -> None:
         try:
@@ -301,6 +303,7 @@ class Recorder:
         if new_columns:
             if self._file is not None:
                 # SWMR cannot create datasets in an open file: finish this segment, start the next.
+                # (A placeholder is replaced by the first flush, so it needs no switch.)
                 self.flush()
                 self._close_segment()
                 self._segment_index += 1
@@ -455,7 +458,13 @@ class Recorder:
 
     # --- writing -------------------------------------------------------------------------------
 
-    def _create_segment(self) -> None:
+    def _create_segment(self, placeholder: bool = False) -> None:
+        """Build the current segment under a temporary name, then publish it.
+
+        ``placeholder``: a header-only file (meta, empty /step), closed cleanly at once, so that a
+        record exists (and loads, empty) from the moment the recorder opens. The first flush
+        replaces it with the full segment; every other publication refuses to replace a file.
+        """
         final = self.segment_file
         tmp = schema.temp_path(final)
         self._remove(tmp)
@@ -463,7 +472,8 @@ class Recorder:
         try:
             f = h5py.File(tmp, "w-", libver=schema.LIBVER)
             self._write_header(f)
-            for column in self._columns.values():
+            columns = [] if placeholder else list(self._columns.values())
+            for column in columns:
                 ds = f.create_dataset(
                     column.path,
                     shape=(0, *column.shape),
@@ -473,20 +483,27 @@ class Recorder:
                     fillvalue=schema.fill_value(column.dtype),
                 )
                 ds.attrs[schema.NONFINITE_ATTR] = np.int64(0)
-            n_cols = len(self._columns)
+            n_cols = len(columns)
             present = f.create_dataset(
                 schema.PRESENT,
                 shape=(0, n_cols),
-                maxshape=(None, n_cols),
-                chunks=(schema.chunk_rows((n_cols,), 1), n_cols),
+                maxshape=(None, None),  # a fixed 0-wide axis could not be chunked
+                chunks=(schema.chunk_rows((max(n_cols, 1),), 1), max(n_cols, 1)),
                 dtype=bool,
             )
-            present.attrs[schema.PATHS_ATTR] = np.array(list(self._columns), dtype=h5py.string_dtype())
+            present.attrs[schema.PATHS_ATTR] = np.array([c.path for c in columns], dtype=h5py.string_dtype())
             f.create_dataset(
-                schema.STEP, shape=(0,), maxshape=(None,), chunks=(schema.chunk_rows((), 8),), dtype=np.int64,
+                schema.STEP,
+                shape=(0,),
+                maxshape=(None,),
+                chunks=(schema.chunk_rows((), 8),),
+                dtype=np.int64,
                 fillvalue=schema.STEP_FILL,
             )
-            f.swmr_mode = True
+            if placeholder:
+                f.close()
+            else:
+                f.swmr_mode = True
         except (OSError, RuntimeError, ValueError) as err:
             if f is not None:
                 try:
@@ -496,17 +513,26 @@ class Recorder:
             self._remove(tmp)
             raise RecordError(_storage_error(f"cannot create record segment {final}", err)) from None
         try:
-            self._publish(tmp, final)
+            self._publish(tmp, final, replace=self._placeholder_published)
         except BaseException:
-            f.close()
+            if not placeholder:
+                f.close()
             self._remove(tmp)
             raise
-        self._file = f
-        self._segment_rows = 0
-        for column in self._columns.values():
-            column.written_nonfinite = 0
+        self._placeholder_published = placeholder
+        if not placeholder:
+            self._file = f
+            self._segment_rows = 0
+            for column in self._columns.values():
+                column.written_nonfinite = 0
 
-    def _publish(self, tmp: str, final: str) -> None:
+    def _publish(self, tmp: str, final: str, replace: bool) -> None:
+        if replace:  # our own placeholder, under our lock: swap it atomically for the full segment
+            try:
+                os.replace(tmp, final)
+            except OSError as err:
+                raise RecordError(_storage_error(f"cannot create {final}", err)) from None
+            return
         # link() fails if `final` exists, so even a file created behind our back is never replaced.
         try:
             os.link(tmp, final)
