@@ -34,8 +34,12 @@ def normalized_entropy(weights: torch.Tensor) -> torch.Tensor:
     finite_row = torch.isfinite(weights).all(-1)
     checked = weights[finite_row]
     if (checked < 0).any():
-        raise ValueError("weights must be non-negative mixture weights u = v / sum v; got negative entries")
-    tol = 1e3 * torch.finfo(weights.dtype).eps * weights.shape[-1]
+        raise ValueError(
+            "weights must be non-negative mixture weights u = v / sum v, got negative entries; pass "
+            "softmax(alpha), not the architecture parameters alpha themselves"
+        )
+    # loose on purpose: catches alpha or unnormalized v passed by mistake, accepts float32 rounding
+    tol = 1e-5
     if ((checked.sum(-1) - 1).abs() > tol).any():
         raise ValueError(
             "weights must sum to 1 over the last axis (they are mixture weights u); pass "
