@@ -1,0 +1,100 @@
+"""Cost assignment of the wiring paper: C(Z_ij^k) = <∂L/∂x_j, O_ij^k(x_i)> (supplement §2, eq. of §2.1).
+
+Pure tensor maths on captured tensors; the probe (``nasdiag.probe``) supplies the tensors.
+
+Why this is ∂L/∂Z: a mixed op computes ``x_j ⊇ Σ_k Z_k O_k(x_i)``, so ∂L/∂Z_k = <∂L/∂x_j, O_k(x_i)>
+whatever produced Z (softmax, one-hot sample, linear weights). The gradient at the edge output equals
+∂L/∂x_j because a node is a plain sum of its incoming edges.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence, Tuple
+
+import torch
+
+
+def _inner_per_sample(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Σ over all but the first dim of a·b, shape (B,). Half precision is accumulated in float32."""
+    if a.shape != b.shape:
+        raise ValueError(
+            f"cannot pair a gradient of shape {tuple(a.shape)} with a tensor of shape {tuple(b.shape)}: "
+            "a candidate op's output must have the shape of the mixed op's output"
+        )
+    if a.dtype in (torch.float16, torch.bfloat16):
+        a, b = a.float(), b.float()
+    if a.dim() == 0:
+        return (a * b).reshape(1)
+    return torch.linalg.vecdot(a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1))
+
+
+def edge_costs(
+    grad_output: torch.Tensor, candidate_outputs: Sequence[torch.Tensor], per_sample: bool = False
+) -> torch.Tensor:
+    """Costs of the K candidate ops of one edge, C_k = <∂L/∂x_j, O_k(x_i)> (wiring supplement §2.1).
+
+    Args:
+        grad_output: ∂L/∂(edge output) = ∂L/∂x_j, shape (B, ...), dim 0 the batch.
+        candidate_outputs: K tensors O_k(x_i), each of the shape of ``grad_output``.
+        per_sample: return the per-sample terms instead of their sum.
+
+    Returns:
+        (K,) or, with ``per_sample``, (B, K), in the dtype of the inputs (float32 for half inputs).
+        Batch convention: the per-sample terms **sum** to the (K,) costs; the loss's own reduction is
+        inherited, so with a mean loss every per-sample term carries the 1/B factor.
+    """
+    if len(candidate_outputs) == 0:
+        raise ValueError("an edge needs at least one candidate op output to assign costs")
+    per = torch.stack([_inner_per_sample(grad_output, o) for o in candidate_outputs], dim=-1)
+    return per if per_sample else per.sum(0)
+
+
+def output_edge_costs(
+    grad_cell_output: torch.Tensor,
+    cell_output: torch.Tensor,
+    node_slices: Mapping[int, Tuple[int, int]],
+    per_sample: bool = False,
+) -> torch.Tensor:
+    """Costs of a cell's output edges: for each intermediate node n concatenated into the output,
+    <∂L/∂out[:, a_n:b_n], out[:, a_n:b_n]> = <∂L/∂(node n's slice), x_n> (wiring supplement §5–6).
+
+    An output edge is a skip connection with an implicit weight 1, so this is the cost of that weight.
+    Summed over the nodes of a cell it is <∂L/∂out, out>: 0 for a cell followed only by scale-invariant
+    ops (Cor. 1.2), L − H for the last cell before GAP and a bias-free classifier (Thm. 2, eq. 12).
+
+    Args:
+        grad_cell_output, cell_output: (B, C_out, ...), nodes concatenated along dim 1.
+        node_slices: node -> (start, stop) channel range in the output, in the order to return.
+
+    Returns:
+        (n_nodes,) or, with ``per_sample``, (B, n_nodes); per-sample terms sum to the former.
+    """
+    if not node_slices:
+        raise ValueError("node_slices is empty: declare at least one output node with its channel range")
+    C = cell_output.shape[1]
+    cols = []
+    for node, (start, stop) in node_slices.items():
+        if not 0 <= start < stop <= C:
+            raise ValueError(f"output node {node} has channel range ({start}, {stop}) outside the {C} output channels")
+        cols.append(_inner_per_sample(grad_cell_output[:, start:stop], cell_output[:, start:stop]))
+    per = torch.stack(cols, dim=-1)
+    return per if per_sample else per.sum(0)
+
+
+def scatter_cells(
+    edge_costs_: torch.Tensor, cell_slot: torch.Tensor, edge_index: torch.Tensor, n_cells: int, n_edges: int
+) -> torch.Tensor:
+    """Lay per-edge costs out as (n_cells, E, K) for α shared by a cell type; missing entries are NaN.
+
+    Args:
+        edge_costs_: (N, K), one row per edge of the probe.
+        cell_slot: (N,) int64, the position of the edge's cell among the cells of its type.
+        edge_index: (N,) int64, the edge's index inside its cell (DARTS order).
+
+    Returns:
+        (n_cells, n_edges, K); ``.sum(0)`` is the cost of the shared Z (what ∂L/∂α needs, §2.1).
+    """
+    N, K = edge_costs_.shape
+    out = edge_costs_.new_full((n_cells, n_edges, K), float("nan"))
+    out[cell_slot, edge_index] = edge_costs_
+    return out

@@ -1,0 +1,83 @@
+"""Maps from the cost C = ∂L/∂Z to each method's architecture gradient (wiring supplement §2).
+
+DARTS, ProxylessNAS, SNAS and DSNAS differ only in how Z depends on α, so each map is the Jacobian
+∂Z/∂α (or a score-function factor) applied to the same C. The XNAS reward R = −C lives in
+``nasdiag.regret``. All functions work on the last dim (K ops) and broadcast over leading dims, e.g.
+(E, K) for one cell type. For α shared across cells, pass C summed over those cells (§2.1 sums the
+chain rule over every use of α); ``nasdiag.cost.scatter_cells(...).sum(0)`` gives that sum.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _check_pair(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
+    if a.shape != b.shape:
+        raise ValueError(f"{name}: costs have shape {tuple(a.shape)} but the weights have {tuple(b.shape)}; both must be (..., K)")
+
+
+def softmax_jacobian(probs: torch.Tensor) -> torch.Tensor:
+    """∂softmax(α)/∂α = diag(p) − ppᵀ, shape (..., K, K) for probs (..., K). Symmetric."""
+    return torch.diag_embed(probs) - probs.unsqueeze(-1) * probs.unsqueeze(-2)
+
+
+def _softmax_vjp(probs: torch.Tensor, costs: torch.Tensor) -> torch.Tensor:
+    # (diag p − ppᵀ) C without forming the K×K matrix: p ⊙ (C − <p, C>).
+    return probs * (costs - (probs * costs).sum(-1, keepdim=True))
+
+
+def darts_alpha_grad(costs: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """DARTS, supplement §2.1: ∂L/∂α = (∂Ẑ/∂α)ᵀ C(Ẑ) = (diag(p) − ppᵀ) C, with Ẑ = p = softmax(α).
+
+    Args:
+        costs: (..., K) costs C(Ẑ) measured at the softmax weights (summed over cells sharing α).
+        probs: (..., K) softmax(α).
+
+    Returns:
+        (..., K) ∂L/∂α, same batch convention as the costs (the loss's reduction).
+    """
+    _check_pair("darts_alpha_grad", costs, probs)
+    return _softmax_vjp(probs, costs)
+
+
+def proxyless_alpha_grad(gate_costs: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """ProxylessNAS, supplement §2.2: ∂L/∂α ≈ Σ_k [∂L/∂Z^k]_c ∂Z^k/∂α with binary gates Z sampled
+    from p = softmax(α); i.e. (diag(p) − ppᵀ) C(Z) with C measured at the **binary** gates, where DARTS
+    measures it at the softmax weights. The gradient of a gate is treated as the gradient of its
+    probability (BinaryConnect), which is the approximation of §2.2.
+
+    Args:
+        gate_costs: (..., K) costs C(Z) of a forward with one-hot gates Z.
+        probs: (..., K) softmax(α).
+    """
+    _check_pair("proxyless_alpha_grad", gate_costs, probs)
+    return _softmax_vjp(probs, gate_costs)
+
+
+def snas_alpha_grad(costs: torch.Tensor, relaxed: torch.Tensor, temperature: float) -> torch.Tensor:
+    """SNAS credit: with Z = softmax((α + G)/λ) (α logits, G Gumbel noise, λ the temperature),
+    ∂L/∂α = (∂Z/∂α)ᵀ C(Z) = (1/λ)(diag(Z) − ZZᵀ) C(Z), the cost being measured at the relaxed sample Z.
+
+    Args:
+        costs: (..., K) C(Z) at the relaxed sample. relaxed: (..., K) the sample Z. temperature: λ > 0.
+    """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    _check_pair("snas_alpha_grad", costs, relaxed)
+    return _softmax_vjp(relaxed, costs) / temperature
+
+
+def dsnas_alpha_grad(costs: torch.Tensor, onehot: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """DSNAS credit for a one-hot sample Z (op s): ∂L/∂α = C(Z^s) ∇_α log p_s = (Z·C)(Z − p).
+
+    The sampled op's cost C(Z^s) = ⟨∂L/∂x_j, O_s(x_i)⟩ is the only cost DSNAS computes; it scales the
+    score function ∇_α log p(Z) = Z − p of the categorical sample.
+
+    Args:
+        costs: (..., K) costs at the one-hot forward (only the sampled entry is used).
+        onehot: (..., K) the one-hot sample Z. probs: (..., K) softmax(α).
+    """
+    _check_pair("dsnas_alpha_grad", costs, onehot)
+    _check_pair("dsnas_alpha_grad", costs, probs)
+    return (onehot * costs).sum(-1, keepdim=True) * (onehot - probs)
