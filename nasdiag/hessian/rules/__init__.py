@@ -1,0 +1,36 @@
+"""Per-module diagonal-Hessian rules and their registry (see :mod:`nasdiag.hessian.rules.base`).
+
+Importing this package registers the built-in rules for torch's layers.
+"""
+
+from nasdiag.hessian.rules.base import (
+    HessianRule,
+    ModuleCall,
+    UnsupportedModuleError,
+    register_rule,
+    rule_for,
+    supported_modules,
+)
+from nasdiag.hessian.rules.affine import Conv2dRule, LinearRule
+from nasdiag.hessian.rules.elementwise import ElementwiseRule, IdentityRule, ReshapeRule
+from nasdiag.hessian.rules.norm import NormRule
+from nasdiag.hessian.rules.pooling import AdaptiveAvgPool2dRule, AdaptiveMaxPool2dRule, AvgPool2dRule, MaxPool2dRule
+
+__all__ = [
+    "AdaptiveAvgPool2dRule",
+    "AdaptiveMaxPool2dRule",
+    "AvgPool2dRule",
+    "Conv2dRule",
+    "ElementwiseRule",
+    "HessianRule",
+    "IdentityRule",
+    "LinearRule",
+    "MaxPool2dRule",
+    "ModuleCall",
+    "NormRule",
+    "ReshapeRule",
+    "UnsupportedModuleError",
+    "register_rule",
+    "rule_for",
+    "supported_modules",
+]

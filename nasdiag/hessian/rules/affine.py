@@ -1,0 +1,151 @@
+"""Rules for the layers with weights: ``nn.Linear`` (bayesnas-appendix C.1) and ``nn.Conv2d`` (C.2).
+
+Batch convention: the diagonals are of exactly the scalar loss the caller differentiates; the
+per-row sums below are *sums* over batch (and spatial) rows. The appendix's C.2.3 averages the
+per-row Hessians (1/(b·H·W) Σ_n); that matches a loss averaged over rows, which the mean-reduced loss
+already contributes through ``h_out``, so no extra factor appears here.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nasdiag.hessian.rules.base import HessianRule, ModuleCall, UnsupportedModuleError, register_rule
+
+__all__ = ["LinearRule", "Conv2dRule"]
+
+
+class LinearRule(HessianRule):
+    """``y = x Wᵀ + b`` over rows ``x`` of shape (..., in).
+
+    diag (C.1.4-C.1.5): ``H_W = Σ_rows h_out ⊗ x²``, ``H_b = Σ_rows h_out``, ``H_x = h_out (W∘W)``.
+    approx (FC analogue of C.2.4-C.2.5): ``h_out`` replaced by its mean over rows ``E(h)``, so
+    ``H_W = E(h) ⊗ Σ_rows x²`` and ``H_x = E(h) (W∘W)`` broadcast to every row.
+    """
+
+    param_names = ("weight", "bias")
+
+    def input_diag(self, call: ModuleCall, h_out: torch.Tensor) -> torch.Tensor:
+        return h_out @ call.params["weight"].square()
+
+    def param_diag(self, call: ModuleCall, h_out: torch.Tensor) -> Dict[str, torch.Tensor]:
+        x = call.input
+        rows_h = h_out.reshape(-1, h_out.shape[-1])
+        out = {"weight": rows_h.T @ x.reshape(-1, x.shape[-1]).square()}
+        if "bias" in call.params:
+            out["bias"] = rows_h.sum(0)
+        return out
+
+    def input_approx(self, call: ModuleCall, h_out: torch.Tensor) -> torch.Tensor:
+        h_mean = h_out.reshape(-1, h_out.shape[-1]).mean(0)
+        return (h_mean @ call.params["weight"].square()).expand(call.input.shape)
+
+    def param_approx(self, call: ModuleCall, h_out: torch.Tensor) -> Dict[str, torch.Tensor]:
+        x = call.input
+        rows_h = h_out.reshape(-1, h_out.shape[-1])
+        h_mean = rows_h.mean(0)
+        out = {"weight": torch.outer(h_mean, x.reshape(-1, x.shape[-1]).square().sum(0))}
+        if "bias" in call.params:
+            out["bias"] = rows_h.shape[0] * h_mean
+        return out
+
+
+def _conv_padding(module: nn.Conv2d) -> Tuple[int, int]:
+    if isinstance(module.padding, str):
+        if module.padding == "valid":
+            return (0, 0)
+        pads = []
+        for k, d in zip(module.kernel_size, module.dilation):
+            total = d * (k - 1)
+            if total % 2:
+                raise UnsupportedModuleError(
+                    f"Conv2d with padding='same' and an even effective kernel pads asymmetrically ({module}); "
+                    "pad explicitly or use mode='exact'"
+                )
+            pads.append(total // 2)
+        return tuple(pads)
+    return tuple(module.padding)
+
+
+class Conv2dRule(HessianRule):
+    """``nn.Conv2d`` (grouped/depthwise, dilated, strided, zero padding) as an FC layer on unfolded rows.
+
+    diag (C.2.1-C.2.3): each of the ``b·H_out·W_out`` rows of the unfolded input M is an FC input, so
+    ``H_W = Σ_rows M² ⊗ h_row`` = the weight-gradient of the convolution evaluated with input ``x²``
+    and output-gradient ``h_out`` (unfolding copies entries, so ``unfold(x)² = unfold(x²)``);
+    ``H_x = (W∘W)ᵀ h`` per row, folded back = the input-gradient of a convolution with weight ``W∘W``.
+
+    approx (C.2.4-C.2.5): ``h_out`` replaced by its per-channel mean ``E(h)`` over batch and space:
+    ``H_W = (Σ_rows M²) ⊗ E(h)`` and ``H_x`` the per-channel mean of ``(W∘W)ᵀ E(h)`` folded back,
+    i.e. ``Σ_{c_out, tap} W² E(h) · (rows that use the tap) / (H_in W_in)``, broadcast over batch and
+    space. The text copy of C.2.4 prints ``E(M_i)^2``; under the stated independence of M and H the
+    factor is the mean of the *square*, ``E(M²)`` (``E(M)²`` would drop the variance), which we use.
+    Likewise C.2.5's ``(B_i)²`` with ``B_i = E(σ')`` is applied by the activation rule as ``E(σ'²)``.
+    """
+
+    param_names = ("weight", "bias")
+
+    def check(self, module: nn.Module, name: str) -> None:
+        if module.padding_mode != "zeros":
+            raise UnsupportedModuleError(
+                f"module {name!r}: Conv2d with padding_mode={module.padding_mode!r} has no diagonal-Hessian rule "
+                "(only zero padding); use mode='exact'"
+            )
+        _conv_padding(module)
+
+    def _geometry(self, call: ModuleCall):
+        m = call.module
+        if call.input.dim() != 4:
+            raise UnsupportedModuleError(
+                f"module {call.name!r}: Conv2d rule needs batched (N, C, H, W) input, got {tuple(call.input.shape)}"
+            )
+        return m.stride, _conv_padding(m), m.dilation, m.groups
+
+    def input_diag(self, call: ModuleCall, h_out: torch.Tensor) -> torch.Tensor:
+        stride, padding, dilation, groups = self._geometry(call)
+        w2 = call.params["weight"].square()
+        return torch.nn.grad.conv2d_input(call.input.shape, w2, h_out.contiguous(), stride, padding, dilation, groups)
+
+    def param_diag(self, call: ModuleCall, h_out: torch.Tensor) -> Dict[str, torch.Tensor]:
+        stride, padding, dilation, groups = self._geometry(call)
+        w = call.params["weight"]
+        h_out = h_out.contiguous()
+        out = {"weight": torch.nn.grad.conv2d_weight(call.input.square(), w.shape, h_out, stride, padding, dilation, groups)}
+        if "bias" in call.params:
+            out["bias"] = h_out.sum((0, 2, 3))
+        return out
+
+    def input_approx(self, call: ModuleCall, h_out: torch.Tensor) -> torch.Tensor:
+        stride, padding, dilation, groups = self._geometry(call)
+        x, w = call.input, call.params["weight"]
+        c_out, c_per_group = w.shape[0], w.shape[1]
+        h_mean = h_out.mean((0, 2, 3)).view(groups, c_out // groups)
+        ones = x.new_ones((1, 1) + tuple(x.shape[2:]))
+        # taps[kk] = number of output positions whose tap kk lands on a real (non-padding) input pixel
+        taps = F.unfold(ones, w.shape[2:], dilation=dilation, padding=padding, stride=stride).sum(-1).view(-1)
+        tap_weighted = (w.square().flatten(2) * taps).sum(-1).view(groups, c_out // groups, c_per_group)
+        h_in = torch.einsum("goc,go->gc", tap_weighted, h_mean).reshape(-1) / (x.shape[2] * x.shape[3])
+        return h_in.view(1, -1, 1, 1).expand(x.shape)
+
+    def param_approx(self, call: ModuleCall, h_out: torch.Tensor) -> Dict[str, torch.Tensor]:
+        stride, padding, dilation, groups = self._geometry(call)
+        x, w = call.input, call.params["weight"]
+        c_out, c_per_group = w.shape[0], w.shape[1]
+        h_mean = h_out.mean((0, 2, 3))
+        # Σ over the b·H_out·W_out rows of the unfolded input squared, per (c_in, tap)
+        x2 = x.square().sum(0, keepdim=True)
+        rows_m2 = F.unfold(x2, w.shape[2:], dilation=dilation, padding=padding, stride=stride).sum(-1)
+        rows_m2 = rows_m2.view(groups, 1, c_per_group, -1)
+        h_w = h_mean.view(groups, c_out // groups, 1, 1) * rows_m2
+        out = {"weight": h_w.reshape(w.shape)}
+        if "bias" in call.params:
+            out["bias"] = h_mean * (h_out.numel() // h_out.shape[1])
+        return out
+
+
+register_rule(nn.Linear, LinearRule())
+register_rule(nn.Conv2d, Conv2dRule())

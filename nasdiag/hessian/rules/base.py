@@ -1,0 +1,174 @@
+"""Per-module derivative maths for the diagonal Hessian recursions, and the registry of rules.
+
+A rule knows one module type and nothing about the graph around it. Given the diagonal ``h_out`` of the
+Hessian of the loss w.r.t. the module's output (same shape as the output), it returns
+
+* ``input_diag``: the diagonal w.r.t. the module's input, ``(J∘J)ᵀ h_out + Σ_o g_o ∂²y_o/∂x²``
+  (bayesnas-appendix C.1.5 for an FC layer, C.2.2 for a convolution, the ``B² H + D`` form for an
+  elementwise activation), where ``J = ∂y/∂x`` and ``g = ∂L/∂y``;
+* ``param_diag``: the diagonal w.r.t. the module's own parameters (C.1.4, C.2.1/C.2.3).
+
+Both are exact when the Hessian w.r.t. the output is diagonal; the graph engine
+(:mod:`nasdiag.hessian.propagate`) is what accumulates them across modules, edges and calls. The
+``*_approx`` variants implement the feature-mean approximation (C.2.4-C.2.5) where it differs.
+
+Users add rules for their own modules with :func:`register_rule`.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Mapping, Optional, Tuple, Type
+
+import torch
+from torch import nn
+
+__all__ = [
+    "HessianRule",
+    "ModuleCall",
+    "UnsupportedModuleError",
+    "register_rule",
+    "rule_for",
+    "supported_modules",
+]
+
+
+class UnsupportedModuleError(TypeError):
+    """A module (or an autograd op between modules) on the path from the loss to the requested
+    tensors has no diagonal-Hessian rule."""
+
+
+class ModuleCall:
+    """One call of a module during the traced forward pass, as its rule sees it.
+
+    Args:
+        name: qualified module name (for messages).
+        module: the module.
+        input, output: the tensors of the call (stored detached). ``call.input`` / ``call.output``
+            raise if the tensor was modified in place after this record was made, since the rules
+            need the values the module actually saw.
+        params: the module's own parameters at call time, ``{name: tensor}`` (default: the module's).
+        grad_output: ``∂L/∂output``, filled in by the engine for rules that need it.
+    """
+
+    __slots__ = ("name", "module", "params", "grad_output", "_input", "_output", "_versions")
+
+    def __init__(self, name, module, input, output, params=None, grad_output=None):
+        self.name = name
+        self.module = module
+        if params is None:
+            params = {k: p for k, p in module.named_parameters(recurse=False)}
+        self.params = {k: p.detach() for k, p in params.items() if p is not None}
+        self.grad_output = grad_output
+        self._input = input
+        self._output = output
+        self._versions = (input._version, output._version)
+
+    @property
+    def input(self) -> torch.Tensor:
+        self._check_version(self._input, self._versions[0], "input")
+        return self._input.detach()
+
+    @property
+    def output(self) -> torch.Tensor:
+        self._check_version(self._output, self._versions[1], "output")
+        return self._output.detach()
+
+    def _check_version(self, ref: torch.Tensor, version: int, what: str) -> None:
+        if ref._version != version:
+            raise RuntimeError(
+                f"the {what} of module {self.name!r} ({type(self.module).__name__}) was modified in place after the "
+                "module ran, so its Hessian rule would read wrong values; turn off inplace=True in the modules "
+                "that follow it (e.g. nn.ReLU(inplace=False)) or use mode='exact'"
+            )
+
+
+class HessianRule:
+    """Derivative maths of one module type for the diagonal recursions.
+
+    Subclasses implement :meth:`input_diag` and, if the module has parameters, :meth:`param_diag`;
+    :meth:`input_approx` / :meth:`param_approx` default to the ``diag`` versions (right for rules whose
+    cost is already elementwise, such as activations, pooling and normalization).
+
+    Attributes:
+        param_names: names (as in ``module.named_parameters(recurse=False)``) the rule can differentiate.
+    """
+
+    param_names: Tuple[str, ...] = ()
+
+    def needs_grad_output(self, module: nn.Module) -> bool:
+        """Whether the rule reads ``call.grad_output`` (= ∂L/∂output), i.e. has a second-order residual
+        term ``Σ_o g_o ∂²y_o/∂x²``; the engine computes that gradient only for such calls."""
+        return False
+
+    def input_diag(self, call: ModuleCall, h_out: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def param_diag(self, call: ModuleCall, h_out: torch.Tensor) -> Dict[str, torch.Tensor]:
+        if self.param_names:
+            raise NotImplementedError
+        return {}
+
+    def input_approx(self, call: ModuleCall, h_out: torch.Tensor) -> torch.Tensor:
+        return self.input_diag(call, h_out)
+
+    def param_approx(self, call: ModuleCall, h_out: torch.Tensor) -> Dict[str, torch.Tensor]:
+        return self.param_diag(call, h_out)
+
+    def check(self, module: nn.Module, name: str) -> None:
+        """Raise :class:`UnsupportedModuleError` for a configuration of ``module`` the rule cannot handle."""
+
+
+_RULES: Dict[Type[nn.Module], HessianRule] = {}
+
+
+def register_rule(module_type: Type[nn.Module], rule: HessianRule, *, overwrite: bool = False) -> None:
+    """Register ``rule`` for modules whose type is exactly ``module_type`` (subclasses need their own
+    registration, since they may change ``forward``).
+
+    Example::
+
+        class Swish(nn.Module):
+            def forward(self, x):
+                return x * torch.sigmoid(x)
+
+        register_rule(Swish, ElementwiseRule(lambda x: x * torch.sigmoid(x)))
+    """
+    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
+        raise TypeError(f"module_type must be an nn.Module subclass, got {module_type!r}")
+    if not isinstance(rule, HessianRule):
+        raise TypeError(f"rule must be a HessianRule instance, got {type(rule).__name__}")
+    if module_type in _RULES and not overwrite:
+        raise ValueError(
+            f"a Hessian rule for {module_type.__name__} is already registered; pass overwrite=True to replace it "
+            "(or pass rules={type: rule} to a single call)"
+        )
+    _RULES[module_type] = rule
+
+
+def rule_for(module: nn.Module, overrides: Mapping[type, HessianRule] | None = None) -> Optional[HessianRule]:
+    """The rule for ``module`` (per-call ``overrides`` first), or None."""
+    if overrides:
+        rule = overrides.get(type(module))
+        if rule is not None:
+            return rule
+    return _RULES.get(type(module))
+
+
+def supported_modules(overrides: Mapping[type, HessianRule] | None = None) -> List[str]:
+    """Names of the module types with a rule (``nn.Conv2d``, ``package.Module``), sorted."""
+    types = set(_RULES) | set(overrides or {})
+    return sorted(_type_name(t) for t in types)
+
+
+def _type_name(t: type) -> str:
+    return f"nn.{t.__name__}" if t.__module__.startswith("torch.nn.") else f"{t.__module__}.{t.__qualname__}"
+
+
+def unsupported_module_message(name: str, module: nn.Module, why: str, overrides=None) -> str:
+    return (
+        f"module {name or '<root>'!r} ({_type_name(type(module))}) {why}. "
+        f"Modules with a diagonal-Hessian rule: {', '.join(supported_modules(overrides))}. "
+        "Register one with nasdiag.hessian.register_rule(YourModule, rule) (a HessianRule subclass; "
+        "ElementwiseRule(fn) covers elementwise activations), pass rules={YourModule: rule} to this call, "
+        "or use mode='exact'."
+    )

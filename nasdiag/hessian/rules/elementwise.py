@@ -1,0 +1,138 @@
+"""Rules for elementwise activations and shape-only modules.
+
+An elementwise ``y = σ(x)`` has a diagonal Jacobian, so (bayesnas-appendix C.1.5 / C.2.2)
+
+    H_x = σ'(x)² ∘ h_out + σ''(x) ∘ g,      g = ∂L/∂y,
+
+the ``B² H + D`` of the appendix (its ``B_i = σ'(H_i)`` in C.1.5 is a typo for ``σ'(h_i)``, as C.1.3
+has it). The text's ``D_i = σ''(h_i) ∘ ∂L/∂a_i`` is this same second term. With the feature-mean
+approximation the next linear layer averages ``H_x`` over rows, which gives C.2.5's ``E(σ'²) E(h) +
+E(σ'' g)`` when ``h`` is constant per channel.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Tuple
+
+import torch
+from torch import nn
+
+from nasdiag.hessian.rules.base import HessianRule, ModuleCall, UnsupportedModuleError, register_rule
+
+__all__ = ["ElementwiseRule", "IdentityRule", "ReshapeRule"]
+
+
+class ElementwiseRule(HessianRule):
+    """Rule for any elementwise module ``y = fn(x)``.
+
+    Args:
+        fn: the elementwise function; ``None`` calls the module itself. Its first and second
+            derivatives are taken by forward-mode autodiff (``torch.func.jvp``), so any function made of
+            differentiable elementwise torch ops works, e.g. ``register_rule(nn.GELU, ElementwiseRule())``.
+        piecewise_linear: declare ``fn''`` ≡ 0 (ReLU-like), which skips the residual term and the
+            gradient it needs.
+
+    Subclasses may override :meth:`derivatives` with closed forms.
+    """
+
+    def __init__(self, fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None, piecewise_linear: bool = False):
+        self.fn = fn
+        self.piecewise_linear = piecewise_linear
+
+    def needs_grad_output(self, module: nn.Module) -> bool:
+        return not self.piecewise_linear
+
+    def check(self, module: nn.Module, name: str) -> None:
+        if getattr(module, "inplace", False):
+            raise UnsupportedModuleError(
+                f"module {name!r} ({type(module).__name__}) runs inplace, so its input is gone when the rule needs "
+                "it; set inplace=False"
+            )
+
+    def derivatives(self, call: ModuleCall) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``(σ'(x), σ''(x))`` elementwise, ``σ''`` None when identically zero."""
+        fn = self.fn if self.fn is not None else call.module
+        x = call.input
+        ones = torch.ones_like(x)
+
+        def first(t):
+            return torch.func.jvp(fn, (t,), (ones,))[1]
+
+        d1, d2 = torch.func.jvp(first, (x,), (ones,))
+        return d1, (None if self.piecewise_linear else d2)
+
+    def input_diag(self, call: ModuleCall, h_out: torch.Tensor) -> torch.Tensor:
+        d1, d2 = self.derivatives(call)
+        h_in = d1.square() * h_out
+        if d2 is not None:
+            h_in = h_in + d2 * call.grad_output
+        return h_in
+
+
+class ReLURule(ElementwiseRule):
+    def __init__(self):
+        super().__init__(piecewise_linear=True)
+
+    def check(self, module, name):
+        pass  # inplace is fine: the rule reads the output
+
+    def derivatives(self, call):
+        # From the output: an inplace ReLU overwrote its input, and out > 0 ⇔ x > 0.
+        return (call.output > 0).to(call.output.dtype), None
+
+
+class LeakyReLURule(ElementwiseRule):
+    def __init__(self):
+        super().__init__(piecewise_linear=True)
+
+    def check(self, module, name):
+        if module.inplace and module.negative_slope < 0:
+            raise UnsupportedModuleError(
+                f"module {name!r}: inplace LeakyReLU with a negative slope loses the sign of its input; set inplace=False"
+            )
+
+    def derivatives(self, call):
+        out = call.output
+        slope = call.module.negative_slope
+        return torch.where(out > 0, torch.ones_like(out), torch.full_like(out, slope)), None
+
+
+class SigmoidRule(ElementwiseRule):
+    def derivatives(self, call):
+        s = call.output
+        d1 = s * (1 - s)
+        return d1, d1 * (1 - 2 * s)
+
+
+class TanhRule(ElementwiseRule):
+    def derivatives(self, call):
+        t = call.output
+        d1 = 1 - t.square()
+        return d1, -2 * t * d1
+
+
+class IdentityRule(HessianRule):
+    """``y = x`` (also a no-op ``nn.Dropout`` in eval mode is traced through, not ruled)."""
+
+    def input_diag(self, call: ModuleCall, h_out: torch.Tensor) -> torch.Tensor:
+        return h_out
+
+
+class ReshapeRule(HessianRule):
+    """``nn.Flatten`` / ``nn.Unflatten``: a permutation-free reshape, Jacobian entries 0/1."""
+
+    def input_diag(self, call: ModuleCall, h_out: torch.Tensor) -> torch.Tensor:
+        return h_out.reshape(call.input.shape)
+
+
+register_rule(nn.ReLU, ReLURule())
+register_rule(nn.LeakyReLU, LeakyReLURule())
+register_rule(nn.Sigmoid, SigmoidRule())
+register_rule(nn.Tanh, TanhRule())
+register_rule(nn.Identity, IdentityRule())
+register_rule(nn.Flatten, ReshapeRule())
+register_rule(nn.Unflatten, ReshapeRule())
+for _smooth in (nn.GELU, nn.SiLU, nn.ELU, nn.Softplus):
+    register_rule(_smooth, ElementwiseRule())
+for _kinked in (nn.ReLU6, nn.Hardtanh):
+    register_rule(_kinked, ElementwiseRule(piecewise_linear=True))

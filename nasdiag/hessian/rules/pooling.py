@@ -1,0 +1,90 @@
+"""Rules for pooling. All are (piecewise) linear, so there is no residual term, and
+``H_x = (J∘J)ᵀ h_out``:
+
+* max pooling routes each output to one input (J entries 0/1): ``H_x`` scatters ``h_out`` to the argmax;
+* average pooling has ``J_{p,q} = c_p`` (the reciprocal divisor of window p) on its window, so
+  ``(J∘J)ᵀ h = Jᵀ (c ∘ h)``: the ordinary average-pooling backward applied to ``c ∘ h``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nasdiag.hessian.rules.base import HessianRule, ModuleCall, UnsupportedModuleError, register_rule
+
+__all__ = ["MaxPool2dRule", "AvgPool2dRule", "AdaptiveAvgPool2dRule", "AdaptiveMaxPool2dRule"]
+
+
+def _scatter_to_argmax(x: torch.Tensor, indices: torch.Tensor, h_out: torch.Tensor) -> torch.Tensor:
+    h_in = torch.zeros_like(x).flatten(-2)
+    h_in.scatter_add_(-1, indices.flatten(-2), h_out.reshape(indices.shape).flatten(-2))
+    return h_in.view_as(x)
+
+
+class MaxPool2dRule(HessianRule):
+    def check(self, module: nn.Module, name: str) -> None:
+        if module.return_indices:
+            raise UnsupportedModuleError(f"module {name!r}: MaxPool2d(return_indices=True) returns a tuple; not supported")
+
+    def input_diag(self, call: ModuleCall, h_out: torch.Tensor) -> torch.Tensor:
+        m = call.module
+        _, idx = F.max_pool2d(
+            call.input, m.kernel_size, m.stride, m.padding, m.dilation, ceil_mode=m.ceil_mode, return_indices=True
+        )
+        return _scatter_to_argmax(call.input, idx, h_out)
+
+
+class AdaptiveMaxPool2dRule(MaxPool2dRule):
+    def input_diag(self, call: ModuleCall, h_out: torch.Tensor) -> torch.Tensor:
+        _, idx = F.adaptive_max_pool2d(call.input, call.output.shape[-2:], return_indices=True)
+        return _scatter_to_argmax(call.input, idx, h_out)
+
+
+def _as_batched(x: torch.Tensor, h: torch.Tensor):
+    return (x, h) if x.dim() == 4 else (x.unsqueeze(0), h.reshape(1, *h.shape))
+
+
+class AvgPool2dRule(HessianRule):
+    def input_diag(self, call: ModuleCall, h_out: torch.Tensor) -> torch.Tensor:
+        m = call.module
+        x, h = _as_batched(call.input, h_out)
+        k = _pair(m.kernel_size)
+        s = _pair(m.stride if m.stride is not None else m.kernel_size)
+        p = _pair(m.padding)
+        ones = x.new_ones((1, 1) + tuple(x.shape[2:]))
+        mean_of_ones = F.avg_pool2d(ones, k, s, p, m.ceil_mode, m.count_include_pad, m.divisor_override)
+        window_count = F.avg_pool2d(ones, k, s, p, m.ceil_mode, True, 1)  # non-padding entries per window
+        coeff = torch.where(window_count > 0, mean_of_ones / window_count.clamp(min=1), torch.zeros_like(window_count))
+        h_in = torch.ops.aten.avg_pool2d_backward(
+            (coeff * h).contiguous(), x, list(k), list(s), list(p), m.ceil_mode, m.count_include_pad, m.divisor_override
+        )
+        return h_in.view_as(call.input)
+
+
+def _window_sizes(n_in: int, n_out: int) -> list:
+    return [math.ceil((i + 1) * n_in / n_out) - (i * n_in) // n_out for i in range(n_out)]
+
+
+class AdaptiveAvgPool2dRule(HessianRule):
+    def input_diag(self, call: ModuleCall, h_out: torch.Tensor) -> torch.Tensor:
+        x, h = _as_batched(call.input, h_out)
+        (h_in_, w_in), (h_o, w_o) = x.shape[-2:], h.shape[-2:]
+        rows = torch.tensor(_window_sizes(h_in_, h_o), dtype=x.dtype, device=x.device)
+        cols = torch.tensor(_window_sizes(w_in, w_o), dtype=x.dtype, device=x.device)
+        coeff = 1.0 / torch.outer(rows, cols)
+        h_in = torch.ops.aten._adaptive_avg_pool2d_backward((coeff * h).contiguous(), x)
+        return h_in.view_as(call.input)
+
+
+def _pair(v):
+    return tuple(v) if isinstance(v, (tuple, list)) else (v, v)
+
+
+register_rule(nn.MaxPool2d, MaxPool2dRule())
+register_rule(nn.AdaptiveMaxPool2d, AdaptiveMaxPool2dRule())
+register_rule(nn.AvgPool2d, AvgPool2dRule())
+register_rule(nn.AdaptiveAvgPool2d, AdaptiveAvgPool2dRule())

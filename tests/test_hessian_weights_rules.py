@@ -1,0 +1,113 @@
+"""Per-module rules of the diagonal recursions, checked one layer at a time against torch.func.
+
+With a loss that is *separable* in the module's output, ``L(y) = Σ_q (h_q/2) y_q² + c_q y_q``, the
+Hessian w.r.t. the output is ``diag(h)`` and the gradient is ``g = h∘y + c``. Then the diagonal
+recursion is exact (bayesnas-appendix C.1.4-C.1.5, C.2.1-C.2.3 lose nothing when H is diagonal):
+
+    diag ∂²L/∂x² = (J∘J)ᵀ h + Σ_q g_q ∂²y_q/∂x²     and     diag ∂²L/∂θ² = rule.param_diag
+
+so every rule must match ``torch.func.hessian`` to float64 round-off, for any h (also negative).
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from nasdiag.hessian.rules import ModuleCall, rule_for
+
+DT = torch.float64
+
+
+def _separable_loss(h, c):
+    return lambda y: (0.5 * h * y.square() + c * y).sum()
+
+
+def _check(module, x, seed=0, rtol=1e-9):
+    torch.manual_seed(seed)
+    module = module.to(DT)
+    x = x.to(DT)
+    y = module(x)
+    h = torch.randn_like(y)
+    c = torch.randn_like(y)
+    loss = _separable_loss(h, c)
+    rule = rule_for(module)
+    assert rule is not None, type(module)
+    rule.check(module, "m")
+    call = ModuleCall("m", module, x, y, grad_output=h * y.detach() + c)
+    params = dict(module.named_parameters())
+    buffers = dict(module.named_buffers())
+
+    def loss_of_input(inp):
+        return loss(torch.func.functional_call(module, (params, {k: b.clone() for k, b in buffers.items()}), (inp,)))
+
+    expected = torch.func.hessian(loss_of_input)(x)
+    expected = torch.diagonal(expected.reshape(x.numel(), x.numel())).reshape(x.shape)
+    got = rule.input_diag(call, h)
+    assert got.shape == x.shape
+    torch.testing.assert_close(got, expected, rtol=rtol, atol=rtol * expected.abs().max().item())
+
+    for name, p in params.items():
+        def loss_of_param(value, name=name):
+            return loss(torch.func.functional_call(module, ({**params, name: value}, {k: b.clone() for k, b in buffers.items()}), (x,)))
+
+        full = torch.func.hessian(loss_of_param)(p.detach())
+        exp_p = torch.diagonal(full.reshape(p.numel(), p.numel())).reshape(p.shape)
+        got_p = rule.param_diag(call, h)[name]
+        torch.testing.assert_close(got_p, exp_p, rtol=rtol, atol=rtol * exp_p.abs().max().item())
+
+
+def _img(n=2, c=4, s=6):
+    return torch.randn(n, c, s, s, dtype=DT)
+
+
+CASES = {
+    "linear": (lambda: nn.Linear(5, 3), lambda: torch.randn(4, 5)),
+    "linear_nobias_3d": (lambda: nn.Linear(5, 3, bias=False), lambda: torch.randn(2, 3, 5)),
+    "conv": (lambda: nn.Conv2d(4, 3, 3, padding=1), _img),
+    "conv_strided": (lambda: nn.Conv2d(4, 2, 3, stride=2, padding=1, bias=False), _img),
+    "conv_depthwise_dilated": (lambda: nn.Conv2d(4, 4, 3, padding=2, dilation=2, groups=4, bias=False), _img),
+    "conv_grouped_5x5": (lambda: nn.Conv2d(4, 6, 5, stride=2, padding=2, groups=2), lambda: _img(s=7)),
+    "conv_same": (lambda: nn.Conv2d(4, 2, 3, padding="same"), _img),
+    "relu": (nn.ReLU, _img),
+    "leaky_relu": (lambda: nn.LeakyReLU(0.1), _img),
+    "sigmoid": (nn.Sigmoid, _img),
+    "tanh": (nn.Tanh, _img),
+    "gelu": (nn.GELU, _img),
+    "softplus": (nn.Softplus, _img),
+    "identity": (nn.Identity, _img),
+    "flatten": (nn.Flatten, _img),
+    "maxpool": (lambda: nn.MaxPool2d(3, stride=1, padding=1), _img),
+    "maxpool_s2_ceil": (lambda: nn.MaxPool2d(3, stride=2, padding=1, ceil_mode=True), lambda: _img(s=6)),
+    "avgpool_nopad": (lambda: nn.AvgPool2d(3, stride=1, padding=1, count_include_pad=False), _img),
+    "avgpool_pad": (lambda: nn.AvgPool2d(3, stride=2, padding=1), lambda: _img(s=7)),
+    "avgpool_ceil": (lambda: nn.AvgPool2d(3, stride=2, padding=1, ceil_mode=True, count_include_pad=False), _img),
+    "adaptive_avg": (lambda: nn.AdaptiveAvgPool2d((2, 3)), lambda: _img(s=7)),
+    "adaptive_avg_1": (lambda: nn.AdaptiveAvgPool2d(1), _img),
+    "adaptive_max": (lambda: nn.AdaptiveMaxPool2d(2), lambda: _img(s=5)),
+    "bn_train": (lambda: nn.BatchNorm2d(4), lambda: _img(n=3, s=3)),
+    "bn_train_noaffine": (lambda: nn.BatchNorm2d(4, affine=False), lambda: _img(n=3, s=3)),
+    "bn1d_train": (lambda: nn.BatchNorm1d(5), lambda: torch.randn(6, 5)),
+    "bn_eval": (lambda: _eval_bn(), lambda: _img(n=3, s=3)),
+    "groupnorm_as_layernorm": (lambda: nn.GroupNorm(1, 4), lambda: _img(s=3)),
+    "groupnorm_2": (lambda: nn.GroupNorm(2, 4, eps=1e-3), lambda: _img(s=3)),
+    "instancenorm": (lambda: nn.InstanceNorm2d(4, affine=True), lambda: _img(s=3)),
+    "instancenorm_noaffine": (lambda: nn.InstanceNorm2d(4), lambda: _img(s=3)),
+    "layernorm": (lambda: nn.LayerNorm((3, 3)), lambda: _img(s=3)),
+}
+
+
+def _eval_bn():
+    bn = nn.BatchNorm2d(4)
+    bn.running_mean.uniform_(-1, 1)
+    bn.running_var.uniform_(0.5, 2)
+    return bn.eval()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_rule_exact_for_separable_loss(case):
+    make_module, make_x = CASES[case]
+    torch.manual_seed(1)
+    module = make_module()
+    for p in module.parameters():  # non-trivial affine parameters
+        nn.init.normal_(p)
+    _check(module, make_x())
