@@ -1,0 +1,252 @@
+"""What one ``with probe.record():`` block captures, and the hooks that capture it.
+
+Capture rules (issue 3 §2):
+  * candidate outputs O_k(x) come from **forward hooks on the candidate modules** (a detached alias,
+    no copy); a candidate's output *tensor* is never hooked, because ``skip_connect`` returns its input
+    object and a hook there would fire with the gradient of another consumer;
+  * ∂L/∂x_j comes from **one tensor hook on each edge's output** (a node is a plain sum of edges, so the
+    gradient there is ∂L/∂x_j); the costs are computed in that hook and the candidate outputs released;
+  * a cell's output gets one tensor hook for its output-edge costs.
+Everything here lives for one block; the probe keeps only the small per-step results.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from nasdiag.cost import edge_costs, eps_deviation, output_edge_costs
+from nasdiag.probe.discovery import CellInfo, EdgeInfo, ProbeError
+
+
+class EdgeCall:
+    """One forward of one edge inside the block."""
+
+    __slots__ = ("pos", "inp", "out", "weights", "outputs", "versions", "cell_call")
+
+    def __init__(self, pos: int, n_ops: int):
+        self.pos = pos
+        self.inp = self.out = self.weights = self.cell_call = None
+        self.outputs: Optional[List[Optional[torch.Tensor]]] = [None] * n_ops
+        self.versions: List[int] = [0] * n_ops
+
+
+class CellCall:
+    """One forward of one cell inside the block."""
+
+    __slots__ = ("pos", "output", "edge_calls")
+
+    def __init__(self, pos: int):
+        self.pos = pos
+        self.output: Optional[torch.Tensor] = None
+        self.edge_calls: Dict[int, List[EdgeCall]] = {}
+
+
+def _costs_with_missing(g: torch.Tensor, outputs: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
+    """(B, K) per-sample costs; NaN columns for candidates whose forward did not run."""
+    present = [k for k, o in enumerate(outputs) if o is not None]
+    if len(present) == len(outputs):
+        return edge_costs(g, outputs, per_sample=True)
+    B = g.shape[0] if g.dim() else 1
+    out = g.new_full((B, len(outputs)), math.nan, dtype=torch.promote_types(g.dtype, torch.float32))
+    if present:
+        out[:, present] = edge_costs(g, [outputs[k] for k in present], per_sample=True).to(out.dtype)
+    return out
+
+
+def _equal_chunks(nodes: Sequence[int], channels: int) -> Dict[int, Tuple[int, int]]:
+    if channels % len(nodes):
+        raise ProbeError(f"a DARTS-convention cell output has {channels} channels, not divisible among its {len(nodes)} output nodes")
+    c = channels // len(nodes)
+    return {n: (i * c, (i + 1) * c) for i, n in enumerate(nodes)}
+
+
+class StepCapture:
+    """Hooks and buffers of one recorded step. Created and discarded by ``Probe.record``."""
+
+    def __init__(self, edges: Sequence[EdgeInfo], cells: Sequence[CellInfo], *, path_split: bool,
+                 check_convention: Sequence[bool], incoming: Dict[Tuple[int, int], List[int]]):
+        N = len(edges)
+        self.edges, self.cells = edges, cells
+        self.path_split = path_split
+        self.check_convention = list(check_convention)
+        self.incoming = incoming  # (cell pos, node) -> edge positions ending at that node
+        self.per_sample: List[List[torch.Tensor]] = [[] for _ in range(N)]
+        self.n_forward = [0] * N
+        self.n_nograd = [0] * N
+        self.missing_ops: List[set] = [set() for _ in range(N)]
+        self.selected: List[Optional[torch.Tensor]] = [None] * N
+        self.paths: List[Dict[str, List[torch.Tensor]]] = [{} for _ in range(N)]
+        self.node_costs: List[List[torch.Tensor]] = [[] for _ in cells]
+        self.cell_forward = [0] * len(cells)
+        self.deviation: Dict[Tuple[int, int], torch.Tensor] = {}
+        self.open_edge: List[Optional[EdgeCall]] = [None] * N
+        self.open_cell: List[Optional[CellCall]] = [None] * len(cells)
+        self.tensor_handles: list = []
+        self.model_inputs = None
+        self.busy = False  # set while the path split runs a nested autograd.grad
+
+    # -- forward hooks ---------------------------------------------------------------------
+    def edge_pre(self, pos: int, module, args, kwargs):
+        edge = self.edges[pos]
+        call = EdgeCall(pos, edge.n_ops)
+        if args and isinstance(args[0], torch.Tensor):
+            call.inp = args[0]
+        if edge.weights_arg:
+            w = args[1] if len(args) > 1 else kwargs.get("weights")
+            if isinstance(w, torch.Tensor):
+                call.weights = w.detach()
+        if edge.cell_index is not None:
+            ccall = self.open_cell[edge.cell_index]
+            if ccall is not None and self.path_split:
+                call.cell_call = ccall
+                ccall.edge_calls.setdefault(pos, []).append(call)
+        self.open_edge[pos] = call
+        return None
+
+    def candidate_post(self, slots: Sequence[Tuple[int, int]], module, args, output):
+        for pos, k in slots:
+            call = self.open_edge[pos]
+            if call is None:  # the candidate ran outside its mixed op's forward
+                continue
+            if not isinstance(output, torch.Tensor):
+                raise ProbeError(f"edge {self.edges[pos].name!r}: candidate op {k} returned {type(output).__name__}, not a tensor")
+            call.outputs[k] = output.detach()
+            call.versions[k] = output._version
+        return None
+
+    def edge_post(self, pos: int, module, args, output):
+        call, self.open_edge[pos] = self.open_edge[pos], None
+        edge = self.edges[pos]
+        if call is None:
+            return None
+        if not isinstance(output, torch.Tensor):
+            raise ProbeError(
+                f"edge {edge.name!r}: the mixed op returned {type(output).__name__}; the probe needs a tensor "
+                "Σ_k w_k·op_k(x). Map the edge to the module that returns that sum."
+            )
+        self.n_forward[pos] += 1
+        missing = [k for k, o in enumerate(call.outputs) if o is None]
+        self.missing_ops[pos].update(missing)
+        if call.weights is not None:
+            w = call.weights
+            sel = (w != 0) if w.dim() == 1 else (w != 0).reshape(-1, w.shape[-1]).any(0)
+            self.selected[pos] = sel if self.selected[pos] is None else self.selected[pos] | sel
+            if self.check_convention[pos] and not missing:
+                self._check_weighted_sum(edge, call, output)
+                self.check_convention[pos] = False
+        if not output.requires_grad:
+            self.n_nograd[pos] += 1
+            return None
+        call.out = output
+        self.tensor_handles.append(output.register_hook(lambda g, call=call: self.edge_grad(call, g)))
+        return None
+
+    def _check_weighted_sum(self, edge: EdgeInfo, call: EdgeCall, output: torch.Tensor) -> None:
+        # A checkable invariant: the costs equal ∂L/∂w only if out = Σ_k w_k O_k (e.g. not PC-DARTS's
+        # partial channels). Checked once per edge, on the first recorded forward.
+        w = call.weights
+        with torch.no_grad():
+            if w.dim() == 1:
+                expected = sum(w[k] * o for k, o in enumerate(call.outputs))
+            else:
+                shape = (w.shape[0],) + (1,) * (output.dim() - 1)
+                expected = sum(w[:, k].reshape(shape) * o for k, o in enumerate(call.outputs))
+            scale = output.detach().abs().max().clamp(min=1e-30)
+            err = (expected - output.detach()).abs().max() / scale
+        tol = 1e-3 if output.dtype in (torch.float16, torch.bfloat16) else 1e-5
+        if not bool(err <= tol):
+            raise ProbeError(
+                f"edge {edge.name!r}: its output is not Σ_k w_k·op_k(x) of its forward's weights and candidate ops "
+                f"(relative deviation {float(err):.3g}), so <∂L/∂out, op_k(x)> would not be ∂L/∂w_k. Map the edge, "
+                "with attach(model, edges={name: (module, [candidate ops])}), to a module whose output is that sum."
+            )
+
+    def cell_pre(self, pos: int, module, args):
+        self.open_cell[pos] = CellCall(pos)
+        return None
+
+    def cell_post(self, pos: int, module, args, output):
+        ccall, self.open_cell[pos] = self.open_cell[pos], None
+        if ccall is None or not isinstance(output, torch.Tensor):
+            return None
+        self.cell_forward[pos] += 1
+        if output.requires_grad:
+            ccall.output = output.detach()
+            self.tensor_handles.append(output.register_hook(lambda g, c=ccall: self.cell_grad(c, g)))
+        return None
+
+    def norm_pre(self, key: Tuple[int, int], module, args):
+        dev = eps_deviation(module, args[0]).max()
+        prev = self.deviation.get(key)
+        self.deviation[key] = dev if prev is None else torch.maximum(prev, dev)
+        return None
+
+    def model_pre(self, module, args, kwargs):
+        if self.model_inputs is None:  # the first call of the model in the block
+            self.model_inputs = (args, kwargs)
+        return None
+
+    # -- tensor hooks (backward) -------------------------------------------------------------
+    def edge_grad(self, call: EdgeCall, g: torch.Tensor):
+        if self.busy or call.outputs is None:
+            return None
+        edge = self.edges[call.pos]
+        for k, o in enumerate(call.outputs):
+            if o is not None and o._version != call.versions[k]:
+                raise ProbeError(
+                    f"edge {edge.name!r}: the output of candidate op {k} ({edge.op_names[k]}) was modified in place "
+                    "after the forward; its cost cannot be computed. Use out-of-place ops (e.g. ReLU(inplace=False))."
+                )
+        self.per_sample[call.pos].append(_costs_with_missing(g.detach(), call.outputs))
+        if self.path_split and call.cell_call is not None and edge.src is not None and call.inp is not None:
+            self._split_through(edge, call, g)
+        call.outputs = call.inp = call.out = call.cell_call = None
+        return None
+
+    def _split_through(self, edge: EdgeInfo, call: EdgeCall, g: torch.Tensor) -> None:
+        """Cost passed back through this edge onto the edges ending at its source node."""
+        targets = self.incoming.get((edge.cell_index, edge.src), [])
+        if not targets:
+            return
+        if call.inp.requires_grad:
+            self.busy = True
+            try:
+                (v,) = torch.autograd.grad(call.out, call.inp, g, retain_graph=True, allow_unused=True)
+            finally:
+                self.busy = False
+        else:
+            v = None
+        if v is None:  # the edge output does not depend on its input: nothing passes through
+            v = torch.zeros_like(call.inp)
+        for ie in targets:
+            for icall in call.cell_call.edge_calls.get(ie, []):
+                if icall.outputs is not None:
+                    self.paths[ie].setdefault(edge.name, []).append(_costs_with_missing(v.detach(), icall.outputs))
+
+    def cell_grad(self, ccall: CellCall, g: torch.Tensor):
+        if self.busy or ccall.output is None:
+            return None
+        cell = self.cells[ccall.pos]
+        out = ccall.output
+        slices = cell.output_node_slices or _equal_chunks(cell.output_nodes, out.shape[1])
+        g = g.detach()
+        self.node_costs[ccall.pos].append(output_edge_costs(g, out, slices, per_sample=True))
+        if self.path_split:
+            for node, (a, b) in slices.items():
+                for ie in self.incoming.get((ccall.pos, node), []):
+                    for icall in ccall.edge_calls.get(ie, []):
+                        if icall.outputs is not None:
+                            self.paths[ie].setdefault("output", []).append(_costs_with_missing(g[:, a:b], icall.outputs))
+        ccall.output = None
+        return None
+
+    def release(self) -> None:
+        """Remove the tensor hooks and drop every captured tensor."""
+        for h in self.tensor_handles:
+            h.remove()
+        self.tensor_handles.clear()
+        self.open_edge = [None] * len(self.open_edge)
+        self.open_cell = [None] * len(self.open_cell)

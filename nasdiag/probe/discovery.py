@@ -1,0 +1,273 @@
+"""Finding the edges (mixed ops) and cells of a supernet, and naming them.
+
+Edge names:
+  * discovered edges are named by their qualified module name in ``model.named_modules()``
+    (nasdiag: ``"cells.<k>.edges.<e>"``, equal to ``Network.edge_specs()[i].name``; DARTS code:
+    ``"cells.<k>._ops.<e>"``), so they are stable across runs and processes;
+  * edges passed in ``attach(model, edges={...})`` keep the caller's keys.
+
+The node protocol (for cell types, node pairs and output-edge costs). A module is a *cell* when it
+  * declares ``output_node_slices`` (node -> (start, stop) channel range of that node in its forward
+    output, dim 1) and optionally ``output_nodes``, ``edge_nodes`` (one (i, j) per edge, aligned with
+    its ``edges`` ModuleList) and ``cell_type``; nasdiag's ``Cell`` does; or
+  * follows the DARTS convention: ``_ops`` (ModuleList of mixed ops, edges in DARTS order), ``_steps``,
+    ``_multiplier`` and a forward ``(s0, s1, weights)``; its output is the concatenation of the last
+    ``_multiplier`` nodes with equal channel counts, and its type is ``"reduce"`` if ``reduction``.
+Edges that are descendants of a cell get its cell index (order of cells in ``named_modules()``), type,
+their edge index (position in the cell's ``edges``/``_ops``) and node pair (declared ``edge_nodes``,
+else the DARTS order for ``steps``/``_steps``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+from torch import nn
+
+from nasdiag.supernet.cell import edge_nodes as darts_edge_nodes
+from nasdiag.supernet.mixed import MixedOp
+
+
+class ProbeError(ValueError):
+    """Bad input to the probe; the message says what was wrong and how to fix it."""
+
+
+@dataclass(frozen=True, eq=False)
+class EdgeInfo:
+    """One edge of the supernet as the probe sees it.
+
+    Attributes:
+        name: stable name (see module docstring).
+        module: the mixed op; its forward output is the edge output Σ_k Z_k O_k(x).
+        ops: the K candidate op modules, in mixing-weight order.
+        op_names: K labels (``MixedOp.primitives``, else ``"<k>:<class name>"``).
+        weights_arg: True when the mixing weights are the forward's second argument (MixedOp and the
+            DARTS convention); needed for ``statistics="sampled"`` and the convention check.
+        cell, cell_type, cell_index, edge_index, src, dst: where known (None otherwise).
+    """
+
+    name: str
+    module: nn.Module
+    ops: Tuple[nn.Module, ...]
+    op_names: Tuple[str, ...]
+    weights_arg: bool
+    cell: Optional[str] = None
+    cell_type: Optional[str] = None
+    cell_index: Optional[int] = None
+    edge_index: Optional[int] = None
+    src: Optional[int] = None
+    dst: Optional[int] = None
+
+    @property
+    def n_ops(self) -> int:
+        return len(self.ops)
+
+    @property
+    def label(self) -> str:
+        """``"i->j"`` when the node pair is known, else the name."""
+        return f"{self.src}->{self.dst}" if self.src is not None else self.name
+
+
+@dataclass(frozen=True, eq=False)
+class CellInfo:
+    """A cell that declares its nodes (see module docstring).
+
+    ``output_node_slices`` is None for DARTS-convention cells: equal chunks of the output, resolved
+    from its shape at record time. ``edges`` are positions into ``Probe.edges``.
+    """
+
+    name: str
+    module: nn.Module
+    cell_type: Optional[str]
+    cell_index: int
+    output_nodes: Tuple[int, ...]
+    output_node_slices: Optional[Dict[int, Tuple[int, int]]]
+    edges: Tuple[int, ...] = field(default=())
+
+
+def _positional_arity(module: nn.Module) -> int:
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return -1
+    if any(p.kind in (p.VAR_POSITIONAL,) for p in params):
+        return -1
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+
+
+def is_darts_mixed_op(module: nn.Module) -> bool:
+    """DARTS convention: candidates in the ModuleList ``_ops`` and forward ``(x, weights)``. The DARTS
+    ``Cell`` also has ``_ops`` (of mixed ops) but a forward ``(s0, s1, weights)``: it is excluded."""
+    ops = getattr(module, "_ops", None)
+    return isinstance(ops, nn.ModuleList) and len(ops) > 0 and _positional_arity(module) == 2
+
+
+def _is_mixed_op(module: nn.Module) -> bool:
+    return isinstance(module, MixedOp) or is_darts_mixed_op(module)
+
+
+def _candidates(module: nn.Module) -> Optional[Tuple[nn.Module, ...]]:
+    if isinstance(module, MixedOp):
+        return tuple(module.ops)
+    if is_darts_mixed_op(module):
+        return tuple(module._ops)
+    return None
+
+
+def _op_names(module: nn.Module, ops: Sequence[nn.Module]) -> Tuple[str, ...]:
+    names = getattr(module, "primitives", None)
+    if names is not None and len(names) == len(ops):
+        return tuple(str(n) for n in names)
+    return tuple(f"{k}:{type(op).__name__}" for k, op in enumerate(ops))
+
+
+def _cell_edge_list(cell: nn.Module) -> Optional[Sequence[nn.Module]]:
+    for attr in ("edges", "_ops"):
+        seq = getattr(cell, attr, None)
+        if isinstance(seq, (nn.ModuleList, list, tuple)):
+            return seq
+    return None
+
+
+def _cell_declaration(module: nn.Module):
+    """(output_nodes, output_node_slices or None) if ``module`` is a cell, else None."""
+    slices = getattr(module, "output_node_slices", None)
+    if isinstance(slices, Mapping) and slices:
+        nodes = tuple(getattr(module, "output_nodes", None) or slices.keys())
+        missing = [n for n in nodes if n not in slices]
+        if missing:
+            raise ProbeError(f"cell {type(module).__name__} declares output_nodes {list(nodes)} but no output_node_slices for {missing}")
+        return nodes, {int(n): (int(slices[n][0]), int(slices[n][1])) for n in nodes}
+    if (
+        isinstance(getattr(module, "_ops", None), nn.ModuleList)
+        and hasattr(module, "_steps")
+        and hasattr(module, "_multiplier")
+        and _positional_arity(module) == 3
+    ):
+        steps, mult = int(module._steps), int(module._multiplier)
+        return tuple(range(2 + steps - mult, 2 + steps)), None
+    return None
+
+
+def _cell_type(cell: nn.Module) -> Optional[str]:
+    t = getattr(cell, "cell_type", None)
+    if t is not None:
+        return str(t)
+    red = getattr(cell, "reduction", None)
+    if isinstance(red, bool):
+        return "reduce" if red else "normal"
+    return None
+
+
+def _cell_edge_nodes(cell: nn.Module, n_edges: int) -> Optional[List[Tuple[int, int]]]:
+    nodes = getattr(cell, "edge_nodes", None)
+    if nodes is not None and not callable(nodes) and len(nodes) == n_edges:
+        return [(int(i), int(j)) for i, j in nodes]
+    steps = getattr(cell, "steps", getattr(cell, "_steps", None))
+    if isinstance(steps, int):
+        nodes = darts_edge_nodes(steps)
+        if len(nodes) == n_edges:
+            return nodes
+    return None
+
+
+EdgeSpecArg = Union[nn.Module, Tuple[nn.Module, Sequence[nn.Module]]]
+
+
+def _user_edges(model: nn.Module, edges: Mapping[str, EdgeSpecArg], names: Dict[int, str]):
+    found = []
+    for name, spec in edges.items():
+        if not isinstance(name, str):
+            raise ProbeError(f"edge names must be strings, got {name!r} ({type(name).__name__})")
+        if isinstance(spec, nn.Module):
+            module, ops = spec, _candidates(spec)
+            if ops is None:
+                raise ProbeError(
+                    f"edge {name!r}: cannot tell the candidate ops of a {type(spec).__name__} (it is neither a "
+                    "nasdiag MixedOp nor a DARTS-convention mixed op with `_ops`); pass (module, [candidate op modules])"
+                )
+        elif isinstance(spec, (tuple, list)) and len(spec) == 2 and isinstance(spec[0], nn.Module):
+            module, ops = spec[0], tuple(spec[1])
+            if not ops or not all(isinstance(o, nn.Module) for o in ops):
+                raise ProbeError(f"edge {name!r}: the candidate ops must be a non-empty sequence of nn.Module")
+        else:
+            raise ProbeError(
+                f"edge {name!r} maps to {type(spec).__name__}; expected a mixed-op module or (module, [candidate op modules])"
+            )
+        for what, m in [("mixed op", module)] + [(f"candidate op {k}", o) for k, o in enumerate(ops)]:
+            if id(m) not in names:
+                raise ProbeError(
+                    f"edge {name!r}: its {what} ({type(m).__name__}) is not a submodule of the model; "
+                    "pass modules taken from model.named_modules() (was the model copied after building the map?)"
+                )
+        found.append((name, module, ops, _is_mixed_op(module)))
+    return found
+
+
+def discover(model: nn.Module, edges: Optional[Mapping[str, EdgeSpecArg]] = None) -> Tuple[List[EdgeInfo], List[CellInfo]]:
+    """The edges and cells of ``model`` (see the module docstring for naming and the node protocol).
+
+    Raises:
+        ProbeError: no discoverable edge; an edge map naming a module not in the model; a module that is
+            two edges; candidate ops that cannot be inferred.
+    """
+    if not isinstance(model, nn.Module):
+        raise ProbeError(f"attach() needs an nn.Module, got {type(model).__name__}")
+    named = list(model.named_modules())
+    names = {id(m): n for n, m in named}
+    if edges is not None:
+        if not isinstance(edges, Mapping) or not edges:
+            raise ProbeError("edges must be a non-empty mapping {edge name: module or (module, [candidate ops])}")
+        raw = _user_edges(model, edges, names)
+    else:
+        raw = []
+        for qual, m in named:
+            ops = _candidates(m)
+            if ops is not None:
+                raw.append((qual, m, ops, True))
+        if not raw:
+            raise ProbeError(
+                f"no edges found in {type(model).__name__}: nasdiag discovers nasdiag.supernet.MixedOp and "
+                "DARTS-convention mixed ops (candidates in a ModuleList `_ops`, forward(x, weights) = Σ_k w_k·op_k(x)). "
+                "For any other supernet pass edges={name: mixed-op module or (module, [candidate op modules])}."
+            )
+    seen: Dict[int, str] = {}
+    for name, m, _, _ in raw:
+        if id(m) in seen:
+            raise ProbeError(f"module {names[id(m)]!r} is mapped to two edges, {seen[id(m)]!r} and {name!r}")
+        seen[id(m)] = name
+
+    # Cells: modules declaring their nodes; an edge belongs to its nearest cell ancestor.
+    cells_raw = [(q, m, d) for q, m in named if (d := _cell_declaration(m)) is not None]
+    cell_of_module: Dict[int, int] = {}
+    for c, (q, m, _) in enumerate(cells_raw):
+        for sub in m.modules():
+            if sub is not m:
+                cell_of_module[id(sub)] = c  # later (deeper) cells overwrite: nearest ancestor wins
+
+    infos: List[EdgeInfo] = []
+    cell_edges: Dict[int, List[int]] = {}
+    for name, m, ops, weights_arg in raw:
+        c = cell_of_module.get(id(m))
+        kw = {}
+        if c is not None:
+            q, cell, _ = cells_raw[c]
+            kw = dict(cell=q, cell_type=_cell_type(cell), cell_index=c)
+            seq = _cell_edge_list(cell)
+            if seq is not None:
+                idx = next((e for e, x in enumerate(seq) if x is m), None)
+                if idx is not None:
+                    kw["edge_index"] = idx
+                    pairs = _cell_edge_nodes(cell, len(seq))
+                    if pairs is not None:
+                        kw["src"], kw["dst"] = pairs[idx]
+            cell_edges.setdefault(c, []).append(len(infos))
+        infos.append(EdgeInfo(name, m, tuple(ops), _op_names(m, ops), weights_arg, **kw))
+
+    cells = [
+        CellInfo(q, m, _cell_type(m), c, d[0], d[1], tuple(cell_edges.get(c, ())))
+        for c, (q, m, d) in enumerate(cells_raw)
+    ]
+    return infos, cells

@@ -1,0 +1,77 @@
+"""How per-edge costs are grouped into the recorder's (E, K) arrays.
+
+* Every edge has a cell type and an edge index (nasdiag's Network, the DARTS convention): one group per
+  cell type, shape (E, K), E = 1 + the largest edge index of that type; the cells of a type are the
+  observations of one step (their slot = order among cells of that type).
+* Otherwise, if all edges have the same K: one group ``"edges"`` of shape (n_edges, K), edges in probe
+  order, one observation per step.
+* Otherwise: one group per edge, named by the edge, shape (1, K_e).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+from nasdiag.probe.discovery import EdgeInfo, ProbeError
+
+
+@dataclass(frozen=True)
+class Group:
+    """One (E, K) array family of the record.
+
+    Attributes:
+        name: cell type, ``"edges"``, or an edge name.
+        members: positions into ``Probe.edges``.
+        cell_slot, edge_index: (len(members),) int64 layout of each member in (n_cells, E, K).
+        n_cells, n_edges, n_ops: the layout's shape.
+        edge_labels: E labels (``"i->j"`` or edge names). op_names: K labels.
+    """
+
+    name: str
+    members: Tuple[int, ...]
+    cell_slot: torch.Tensor
+    edge_index: torch.Tensor
+    n_cells: int
+    n_edges: int
+    n_ops: int
+    edge_labels: Tuple[str, ...]
+    op_names: Tuple[str, ...]
+
+
+def build_groups(edges: Sequence[EdgeInfo]) -> List[Group]:
+    if all(e.cell_type is not None and e.edge_index is not None for e in edges):
+        groups = []
+        for t in dict.fromkeys(e.cell_type for e in edges):
+            members = [p for p, e in enumerate(edges) if e.cell_type == t]
+            Ks = {edges[p].n_ops for p in members}
+            if len(Ks) != 1:
+                raise ProbeError(f"edges of cell type {t!r} have different numbers of candidate ops {sorted(Ks)}; α cannot be shared")
+            cell_ids = list(dict.fromkeys(edges[p].cell_index for p in members))
+            slot = [cell_ids.index(edges[p].cell_index) for p in members]
+            eidx = [edges[p].edge_index for p in members]
+            pairs = set(zip(slot, eidx))
+            if len(pairs) != len(members):
+                raise ProbeError(f"two edges of cell type {t!r} share a cell and an edge index")
+            E = max(eidx) + 1
+            labels = [None] * E
+            for p in members:
+                labels[edges[p].edge_index] = labels[edges[p].edge_index] or edges[p].label
+            labels = [lab or f"edge {i}" for i, lab in enumerate(labels)]
+            groups.append(
+                Group(t, tuple(members), torch.tensor(slot), torch.tensor(eidx), len(cell_ids), E, Ks.pop(),
+                      tuple(labels), edges[members[0]].op_names)
+            )
+        return groups
+    Ks = {e.n_ops for e in edges}
+    if len(Ks) == 1:
+        n = len(edges)
+        return [Group("edges", tuple(range(n)), torch.zeros(n, dtype=torch.long), torch.arange(n), 1, n, Ks.pop(),
+                      tuple(e.label for e in edges), edges[0].op_names)]
+    return [
+        Group(e.name, (p,), torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), 1, 1, e.n_ops,
+              (e.label,), e.op_names)
+        for p, e in enumerate(edges)
+    ]

@@ -1,0 +1,436 @@
+"""``nasdiag.attach(model) -> Probe``: scoped hooks on a supernet's edges and the statistics built from them."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from contextlib import contextmanager
+from functools import partial
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch import nn
+
+from nasdiag.cost import CostMoments, analyse, scatter_cells
+from nasdiag.probe.capture import StepCapture
+from nasdiag.probe.discovery import CellInfo, EdgeInfo, EdgeSpecArg, ProbeError, discover
+from nasdiag.probe.layout import Group, build_groups
+
+STATISTICS_MODES = ("all", "sampled")
+HESSIAN_MODES = ("diag", "approx", "exact")
+
+
+class _StepResult:
+    """The small per-step results kept after a block (no activations, no graph)."""
+
+    __slots__ = ("per_sample", "costs", "available", "selected", "paths", "node_costs", "deviation",
+                 "model_inputs", "targets")
+
+    def __init__(self):
+        self.per_sample: List[Optional[torch.Tensor]] = []
+        self.costs: List[torch.Tensor] = []
+        self.available: List[bool] = []
+        self.selected: List[Optional[torch.Tensor]] = []
+        self.paths: List[Dict[str, List[torch.Tensor]]] = []
+        self.node_costs: List[Optional[torch.Tensor]] = []
+        self.deviation: Dict[Tuple[int, int], torch.Tensor] = {}
+        self.model_inputs = None
+        self.targets = None
+
+
+def _sum_calls(parts: List[torch.Tensor]) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
+    """(summed per-sample (B, K) or None if batch sizes differ, summed (K,))."""
+    total = sum(p.sum(0) for p in parts)
+    if len({p.shape for p in parts}) == 1:
+        return (parts[0] if len(parts) == 1 else sum(parts)), total
+    return None, total
+
+
+def _short_list(names: Sequence[str], n: int = 5) -> str:
+    head = ", ".join(repr(x) for x in names[:n])
+    return head + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+class Probe:
+    """Per-edge cost diagnostics of one supernet (wiring supplement §2).
+
+    Build it with :func:`attach`. Use::
+
+        probe = nasdiag.attach(net)
+        with probe.record():
+            loss = F.cross_entropy(net(x), y)
+            loss.backward()
+        probe.costs()          # {edge: (K,)} = ∂L/∂Z of the step
+        probe.statistics()     # {"cost/<cell type>/mean": (E, K), ...} across steps
+
+    Hooks exist only inside ``record()``; between blocks the model is untouched (``torch.func`` works on
+    it) and the probe holds only the small results of the last step plus the running statistics.
+    """
+
+    def __init__(self, model: nn.Module, edges: Optional[Mapping[str, EdgeSpecArg]] = None, *,
+                 statistics: str = "all", path_split: bool = False, norm_deviation: bool = False,
+                 hessian: Optional[str] = None, loss_fn: Optional[Callable] = None):
+        if statistics not in STATISTICS_MODES:
+            raise ProbeError(f"statistics must be one of {STATISTICS_MODES}, got {statistics!r}")
+        if hessian is not None and hessian not in HESSIAN_MODES:
+            raise ProbeError(f"hessian must be None or one of {HESSIAN_MODES}, got {hessian!r}")
+        if loss_fn is not None and not callable(loss_fn):
+            raise ProbeError("loss_fn must be callable as loss_fn(outputs, targets) -> scalar")
+        self.model = model
+        infos, cells = discover(model, edges)
+        self._edges: Tuple[EdgeInfo, ...] = tuple(infos)
+        self._cells: Tuple[CellInfo, ...] = tuple(cells)
+        self._index = {e.name: p for p, e in enumerate(self._edges)}
+        self.statistics_mode = statistics
+        if statistics == "sampled":
+            blind = [e.name for e in self._edges if not e.weights_arg]
+            if blind:
+                raise ProbeError(
+                    f"statistics='sampled' needs each edge's mixing weights, passed as the second forward argument; "
+                    f"edges {_short_list(blind)} do not take them. Use statistics='all'."
+                )
+        self.path_split = bool(path_split)
+        if self.path_split:
+            unplaced = [e.name for e in self._edges if e.src is None or e.cell_index is None]
+            if unplaced:
+                raise ProbeError(
+                    f"path_split=True needs every edge's cell and node pair (i, j); unknown for {_short_list(unplaced)}. "
+                    "Declare them with the node protocol (docs/probe.md) or leave path_split off."
+                )
+        self.norm_deviation = bool(norm_deviation)
+        self.hessian_mode = hessian
+        self.loss_fn = loss_fn
+        self._incoming: Dict[Tuple[int, int], List[int]] = {}
+        for p, e in enumerate(self._edges):
+            if e.cell_index is not None and e.dst is not None:
+                self._incoming.setdefault((e.cell_index, e.dst), []).append(p)
+        slots: Dict[int, List[Tuple[int, int]]] = {}
+        self._candidate_modules: Dict[int, nn.Module] = {}
+        for p, e in enumerate(self._edges):
+            for k, op in enumerate(e.ops):
+                slots.setdefault(id(op), []).append((p, k))
+                self._candidate_modules[id(op)] = op
+        self._candidate_slots = slots
+        self._convention_unchecked = [e.weights_arg for e in self._edges]
+        self._groups: Tuple[Group, ...] = tuple(build_groups(self._edges))
+        self._moments: Dict[str, CostMoments] = {}
+        self._last: Optional[_StepResult] = None
+        self._recording = False
+        self._steps = 0
+
+    # -- structure ---------------------------------------------------------------------------
+    @property
+    def edges(self) -> Tuple[EdgeInfo, ...]:
+        """Every edge, in discovery order (``named_modules()`` order, or the order of the ``edges`` map)."""
+        return self._edges
+
+    @property
+    def edge_names(self) -> List[str]:
+        return [e.name for e in self._edges]
+
+    @property
+    def cells(self) -> Tuple[CellInfo, ...]:
+        """Cells that declare their nodes (see docs/probe.md, "node protocol")."""
+        return self._cells
+
+    @property
+    def groups(self) -> Tuple[Group, ...]:
+        """How edges are laid out in :meth:`statistics` (cell types, or the documented fallbacks)."""
+        return self._groups
+
+    @property
+    def steps_recorded(self) -> int:
+        """Completed ``record()`` blocks since attach or :meth:`reset_statistics`."""
+        return self._steps
+
+    # -- recording -------------------------------------------------------------------------------
+    @contextmanager
+    def record(self, targets=None) -> Iterator["Probe"]:
+        """Capture one step: ``with probe.record(): out = model(x); loss.backward()``.
+
+        Hooks are registered on entry and removed on every exit path (also when the body raises); the
+        backward must run inside the block. ``targets`` are kept for :meth:`hessian` only.
+        Several forwards or backwards in one block add up, as ``.grad`` does.
+        """
+        if self._recording:
+            raise ProbeError("probe.record() blocks cannot be nested")
+        self._last = None  # a failed block leaves no stale step behind
+        cap = StepCapture(self._edges, self._cells, path_split=self.path_split,
+                          check_convention=self._convention_unchecked, incoming=self._incoming)
+        handles = []
+        self._recording = True
+        try:
+            for p, e in enumerate(self._edges):
+                handles.append(e.module.register_forward_pre_hook(partial(cap.edge_pre, p), with_kwargs=True))
+                handles.append(e.module.register_forward_hook(partial(cap.edge_post, p)))
+            for oid, slots in self._candidate_slots.items():
+                handles.append(self._candidate_modules[oid].register_forward_hook(partial(cap.candidate_post, slots)))
+            for c, cell in enumerate(self._cells):
+                handles.append(cell.module.register_forward_pre_hook(partial(cap.cell_pre, c)))
+                handles.append(cell.module.register_forward_hook(partial(cap.cell_post, c)))
+            if self.norm_deviation:
+                for p, e in enumerate(self._edges):
+                    for k, op in enumerate(e.ops):
+                        norm = analyse(op).invariant_by
+                        if norm is not None and norm is not op and hasattr(norm, "eps"):
+                            handles.append(norm.register_forward_pre_hook(partial(cap.norm_pre, (p, k))))
+            if self.hessian_mode is not None:
+                handles.append(self.model.register_forward_pre_hook(cap.model_pre, with_kwargs=True))
+            yield self
+            result = self._collect(cap)
+            result.targets = targets
+        finally:
+            for h in handles:
+                h.remove()
+            cap.release()
+            self._recording = False
+        self._convention_unchecked = cap.check_convention
+        self._last = result
+        self._steps += 1
+        self._update_statistics(result)
+
+    def _collect(self, cap: StepCapture) -> _StepResult:
+        r = _StepResult()
+        no_forward, no_grad, partial_ops = [], [], []
+        for p, e in enumerate(self._edges):
+            parts = cap.per_sample[p]
+            if parts:
+                ps, total = _sum_calls(parts)
+                r.available.append(True)
+            else:
+                ps, total = None, None
+                r.available.append(False)
+                (no_forward if cap.n_forward[p] == 0 else no_grad).append(e.name)
+            if cap.missing_ops[p]:
+                partial_ops.append(f"{e.name} ops {sorted(cap.missing_ops[p])}")
+            r.per_sample.append(ps)
+            r.costs.append(total)  # None until a reference dtype/device is known
+            r.selected.append(cap.selected[p])
+            r.paths.append(cap.paths[p])
+        ref = next((t for t in r.costs if t is not None), torch.empty(0))
+        r.costs = [t if t is not None else ref.new_full((e.n_ops,), math.nan) for t, e in zip(r.costs, self._edges)]
+        for c in range(len(self._cells)):
+            parts = cap.node_costs[c]
+            r.node_costs.append(_sum_calls(parts)[0] if parts else None)
+        r.deviation = cap.deviation
+        r.model_inputs = cap.model_inputs
+        if no_forward:
+            warnings.warn(
+                f"probe: the forward of {len(no_forward)} edge(s) never ran inside probe.record() "
+                f"({_short_list(no_forward)}); their costs are NaN for this step and they are left out of the statistics. "
+                "Run the model's forward inside the block.", RuntimeWarning, stacklevel=4)
+        if no_grad:
+            warnings.warn(
+                f"probe: the backward never reached {len(no_grad)} edge(s) ({_short_list(no_grad)}); their costs are NaN "
+                "for this step and they are left out of the statistics. Call loss.backward() inside probe.record(), "
+                "with a loss that depends on these edges and grad mode on.", RuntimeWarning, stacklevel=4)
+        if partial_ops:
+            warnings.warn(
+                f"probe: some candidate ops did not run in their mixed op's forward ({_short_list(partial_ops)}); "
+                "their costs are NaN (not observed).", RuntimeWarning, stacklevel=4)
+        return r
+
+    # -- results of the last step ---------------------------------------------------------------
+    def _require_step(self) -> _StepResult:
+        if self._last is None:
+            raise ProbeError(
+                "no completed recorded step: run `with probe.record(): loss = ...; loss.backward()` first "
+                "(a block whose body raised records nothing)"
+            )
+        return self._last
+
+    def costs(self, per_sample: bool = False) -> Dict[str, torch.Tensor]:
+        """Cost of every candidate op of every edge at the last step: C_k = ∂L/∂Z_k = <∂L/∂x_j, O_k(x_i)>
+        (wiring supplement §2.1), whatever the weights Z were (softmax, one-hot sample, linear).
+
+        Returns:
+            ``{edge name: (K,)}``; with ``per_sample``, ``{edge name: (B, K)}``. Dtype and device of the
+            model's activations. Batch convention: the per-sample terms **sum** to the (K,) costs, so with a
+            mean loss each carries the 1/B. With per-sample weights Z of shape (B, K), the (B, K) terms are
+            exactly ∂L/∂Z_bk. NaN (with a warning at the end of the block) where the edge's forward never ran,
+            the backward never reached it, or a candidate op did not run.
+        """
+        r = self._require_step()
+        if not per_sample:
+            return {e.name: r.costs[p] for p, e in enumerate(self._edges)}
+        out = {}
+        for p, e in enumerate(self._edges):
+            ps = r.per_sample[p]
+            if ps is None and r.available[p]:
+                raise ProbeError(f"edge {e.name!r} ran with different batch sizes in one block; per-sample costs are undefined")
+            out[e.name] = ps if ps is not None else torch.full((1, e.n_ops), math.nan)
+        return out
+
+    def cell_type_costs(self) -> Dict[str, torch.Tensor]:
+        """Costs of the last step summed over the cells of each group, ``{group: (E, K)}``: for α shared by
+        a cell type this is the cost of the shared Z, so ``darts_alpha_grad(cell_type_costs()[t], softmax(α_t))``
+        is ∂L/∂α_t (§2.1 summed over the cells). NaN where an edge was not observed."""
+        r = self._require_step()
+        return {g.name: self._layout(g, torch.stack([r.costs[p] for p in g.members]))[0].sum(0) for g in self._groups}
+
+    def output_costs(self, per_sample: bool = False) -> Dict[str, Dict[int, torch.Tensor]]:
+        """Output-edge costs of the last step, per cell and output node n:
+        <∂L/∂(node n's slice of the cell output), x_n> (wiring supplement §5–6).
+
+        Summed over a cell's nodes this is 0 for a cell followed only by scale-invariant ops (Cor. 1.2,
+        as eps → 0) and L − H for the last cell before GAP and a bias-free classifier (Thm. 2).
+
+        Returns:
+            ``{cell name: {node: 0-dim tensor}}`` (``per_sample``: (B,) tensors summing to those).
+        Raises:
+            ProbeError: the model has no cells declaring their nodes (docs/probe.md, "node protocol").
+        """
+        r = self._require_step()
+        if not self._cells:
+            raise ProbeError(
+                "output_costs() needs cells that declare their nodes: output_node_slices {node: (start, stop)} on the "
+                "cell module, or the DARTS convention (_ops, _steps, _multiplier); see docs/probe.md"
+            )
+        out, unreached = {}, []
+        for c, cell in enumerate(self._cells):
+            ps = r.node_costs[c]
+            if ps is None:
+                unreached.append(cell.name)
+                ps = torch.full((1, len(cell.output_nodes)), math.nan)
+            vals = ps if per_sample else ps.sum(0)
+            out[cell.name] = {n: vals[..., i] for i, n in enumerate(cell.output_nodes)}
+        if unreached:
+            warnings.warn(f"probe: no gradient reached the output of cell(s) {_short_list(unreached)}; their output "
+                          "costs are NaN", RuntimeWarning, stacklevel=2)
+        return out
+
+    def path_costs(self, per_sample: bool = False) -> Dict[str, Dict[str, torch.Tensor]]:
+        """Split of each edge's cost by the path its gradient took from the edge's end node j:
+        ``"output"`` (through node j's slice of the cell output) and, for each edge e leaving j, e's name
+        (through e: <J_eᵀ ∂L/∂x_m, O_k(x_i)>). Needs ``attach(..., path_split=True)``.
+
+        For a declared cell the parts sum to :meth:`costs` (no other consumer of a node exists). Thm. 1: the
+        part through an edge whose active candidate ops are all scale-invariant is 0 as eps → 0, summed
+        over everything entering node j with its weights (exactly per op only when that op's output is the
+        whole of x_j, e.g. DSNAS with the other incoming edges sampled to ``none``); see docs/probe.md.
+
+        Returns:
+            ``{edge name: {path: (K,)}}``; ``per_sample``: (B, K) parts. Edges from the cell inputs have no
+            in-cell paths and map to ``{}``.
+        """
+        if not self.path_split:
+            raise ProbeError("path_costs() needs attach(model, ..., path_split=True) (it costs one more backward per intermediate edge)")
+        r = self._require_step()
+        out = {}
+        for p, e in enumerate(self._edges):
+            parts = {}
+            for path, vals in r.paths[p].items():
+                ps, total = _sum_calls(vals)
+                parts[path] = ps if per_sample else total
+            out[e.name] = parts
+        return out
+
+    # -- scale invariance (Thm. 1, §8.1-8.2) ------------------------------------------------------
+    def scale_invariant_ops(self) -> Dict[str, torch.Tensor]:
+        """``{edge: (K,) bool}``: candidate ops f with f(c·x) = f(x) for c > 0, decided from module structure
+        by the rules of ``nasdiag.cost.HOMOGENEITY_RULES`` in the model's current train/eval mode. Such an op
+        passes back no cost (Thm. 1), exactly only as the norm eps → 0 (see :meth:`invariance_deviation`).
+
+        Raises:
+            nasdiag.cost.UnsupportedModuleError: an op contains a module without a rule (the message says how to register one).
+        """
+        return {e.name: torch.tensor([analyse(op).invariant for op in e.ops]) for e in self._edges}
+
+    def invariance_deviation(self) -> Dict[str, Dict[str, float]]:
+        """Relative deviation from exact invariance at the real eps, measured at the last step:
+        ``{edge: {op name: max over groups of eps/(var + eps)}}`` of the normalization that makes the op
+        invariant (``nasdiag.cost.eps_deviation``), for every scale-invariant op; 0.0 for ``Zero`` ops.
+        Needs ``attach(..., norm_deviation=True)`` (one variance per normalization input)."""
+        if not self.norm_deviation:
+            raise ProbeError("invariance_deviation() needs attach(model, ..., norm_deviation=True)")
+        r = self._require_step()
+        out = {}
+        for p, e in enumerate(self._edges):
+            row = {}
+            for k, op in enumerate(e.ops):
+                h = analyse(op)
+                if not h.invariant:
+                    continue
+                if h.invariant_by is op and not hasattr(op, "eps"):
+                    row[e.op_names[k]] = 0.0  # constant op: J = 0 exactly
+                elif (p, k) in r.deviation:
+                    row[e.op_names[k]] = float(r.deviation[(p, k)])
+                else:
+                    row[e.op_names[k]] = math.nan
+            out[e.name] = row
+        return out
+
+    # -- statistics across steps -----------------------------------------------------------------
+    def _layout(self, g: Group, rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        obs = scatter_cells(rows, g.cell_slot.to(rows.device), g.edge_index.to(rows.device), g.n_cells, g.n_edges)
+        return obs, ~torch.isnan(obs)
+
+    def _update_statistics(self, r: _StepResult) -> None:
+        for g in self._groups:
+            rows = torch.stack([r.costs[p].to(torch.float64) for p in g.members])
+            avail = torch.tensor([r.available[p] for p in g.members], device=rows.device).unsqueeze(1).expand_as(rows)
+            if self.statistics_mode == "sampled":
+                sel = torch.stack([
+                    r.selected[p].to(rows.device) if r.selected[p] is not None else torch.zeros(g.n_ops, dtype=torch.bool, device=rows.device)
+                    for p in g.members])
+                avail = avail & sel
+            obs, _ = self._layout(g, rows)
+            mask = self._layout(g, avail.to(rows.dtype))[0] == 1  # NaN (no such edge) compares False
+            if g.name not in self._moments:
+                self._moments[g.name] = CostMoments((g.n_edges, g.n_ops), device=rows.device)
+            self._moments[g.name].update(obs, mask)
+        bad = [e.name for p, e in enumerate(self._edges) if r.available[p] and bool(torch.isnan(r.costs[p]).any())]
+        if bad:
+            warnings.warn(f"probe: NaN cost at edge(s) {_short_list(bad)}; recorded as NaN in the statistics",
+                          RuntimeWarning, stacklevel=3)
+
+    def statistics(self) -> Dict[str, np.ndarray]:
+        """Streaming cost statistics in the recorder's schema, a flat ``{dataset path: float64 array}``:
+        ``"cost/<group>/mean"`` E[C], ``"cost/<group>/var"`` E[C²] − E[C]², ``"cost/<group>/count"``, each (E, K).
+
+        Groups are cell types when every edge has one (the cells of a type are separate observations of the
+        same (E, K) entry, so ``count`` = steps × cells), else ``"edges"`` (n_edges, K), else one group per
+        edge (docs/probe.md). With ``statistics="sampled"``, an entry is observed only when its mixing weight
+        was non-zero, so under one-hot sampling ``count`` is the per-op sample count and ``mean`` is E[C | sampled].
+        Entries never observed are NaN with count 0.
+        """
+        out = {}
+        for g in self._groups:
+            m = self._moments.get(g.name) or CostMoments((g.n_edges, g.n_ops))
+            out[f"cost/{g.name}/mean"] = torch.where(m.count > 0, m.mean, torch.full_like(m.mean, math.nan)).cpu().numpy()
+            out[f"cost/{g.name}/var"] = m.var.cpu().numpy()
+            out[f"cost/{g.name}/count"] = m.count.cpu().numpy()
+        return out
+
+    def moments(self) -> Dict[str, CostMoments]:
+        """The live accumulators behind :meth:`statistics` (e.g. to ``merge`` across DDP ranks)."""
+        return dict(self._moments)
+
+    def reset_statistics(self) -> None:
+        """Forget the streaming statistics (the last step's results stay readable)."""
+        self._moments.clear()
+        self._steps = 0
+
+    def __repr__(self) -> str:
+        return (f"Probe({len(self._edges)} edges, {len(self._cells)} cells, groups={[g.name for g in self._groups]}, "
+                f"statistics={self.statistics_mode!r}, path_split={self.path_split}, hessian={self.hessian_mode!r})")
+
+
+def attach(model: nn.Module, edges: Optional[Mapping[str, EdgeSpecArg]] = None, **options) -> Probe:
+    """Attach cost diagnostics to a supernet; nothing is hooked until ``probe.record()``.
+
+    Args:
+        model: any ``nn.Module``.
+        edges: None to discover nasdiag ``MixedOp`` s and DARTS-convention mixed ops (``_ops`` candidates,
+            forward ``(x, weights)``); or ``{edge name: mixed-op module | (module, [candidate op modules])}``.
+        statistics: ``"all"`` (default) or ``"sampled"`` (see :meth:`Probe.statistics`).
+        path_split: also split each edge's cost by path (:meth:`Probe.path_costs`).
+        norm_deviation: measure eps/(var + eps) of the normalizations that make ops invariant.
+        hessian: None or ``"diag"``/``"approx"``/``"exact"``; enables :meth:`Probe.hessian`.
+        loss_fn: ``loss_fn(outputs, targets) -> scalar`` for :meth:`Probe.hessian` (default: mean cross-entropy).
+
+    Raises:
+        ProbeError: no discoverable edge, an edge map naming a module not in the model, a bad option.
+    """
+    return Probe(model, edges, **options)
