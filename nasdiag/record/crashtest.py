@@ -14,6 +14,7 @@ logged rows, loses at most the unflushed buffer, and can be resumed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import queue
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-TAG_OFFSET = 1000
+TAG_OFFSET = 10**9  # far above any step a trial reaches
 
 
 def expected_row(step: int, tag: int = 0, late_from: int | None = None, nan_every: int | None = None) -> dict:
@@ -86,8 +87,10 @@ def child_main(cfg: dict) -> None:
     reported = 0
     step = start
     end = cfg.get("end", "close")
-    with recorder:
-        while count < 0 or step < start + count:
+    failed = False
+    # "exit" leaves without closing, to test the close at interpreter exit.
+    with contextlib.nullcontext() if end == "exit" else recorder:
+        while not failed and (count < 0 or step < start + count):
             if step == bad_shape_at:
                 try:
                     recorder.log(step, {"scalars/a": 0.0, "arch/normal/weights": np.zeros((3, 3), np.float32)})
@@ -99,23 +102,30 @@ def child_main(cfg: dict) -> None:
                 recorder.log(step, expected_row(step, tag, late_from, nan_every))
             except RecordError as err:
                 say("ERR", recorder.rows_committed, str(err))
-                return
+                failed = True
+                break
             if recorder.rows_committed != reported:
                 reported = recorder.rows_committed
                 say("C", reported)
             if cfg.get("sleep"):
                 time.sleep(cfg["sleep"])
             step += 1
-        say("LOGGED", step - start)
-        if end == "hold":
-            say("HOLD")
-            while True:
-                time.sleep(0.05)
-        if end == "raise":
-            raise RuntimeError("crashtest: raised inside the with block")
-        if end == "exit":
-            recorder._before_close.clear()
-            os._exit(0) if cfg.get("hard_exit") else sys.exit(0)
+        if not failed:
+            say("LOGGED", step - start)
+            if end == "hold":
+                say("HOLD")
+                while True:
+                    time.sleep(0.05)
+            if end == "raise":
+                raise RuntimeError("crashtest: raised inside the with block")
+            if end == "exit":
+                sys.exit(0)
+    if cfg.get("report_rows_after"):  # for files that vanish with the child (a private tmpfs)
+        out = load(cfg["path"])
+        n = out["step"].size
+        expected = np.arange(start, start + n)
+        prefix = np.array_equal(out["step"], expected) and np.array_equal(out["scalars/i"], expected + TAG_OFFSET * tag)
+        say("ROWS", n, "prefix" if prefix else "not-a-prefix")
     say("DONE", recorder.rows_committed)
 
 

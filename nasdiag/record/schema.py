@@ -42,8 +42,8 @@ KNOWN_META_KEYS = ("method", "config", "seed", "op_names", "edge_names", "cell_t
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-+=]+$")
 #: Target bytes of one HDF5 chunk; chunks are rewritten whole on each flush, so keep them small.
-_CHUNK_BYTES = 64 * 1024
-_MAX_CHUNK_ROWS = 4096
+_CHUNK_BYTES = 16 * 1024
+_MAX_CHUNK_ROWS = 1024
 
 
 def check_path(path: Any) -> str:
@@ -116,7 +116,7 @@ def list_segments(path: str) -> list[tuple[int, str]]:
 
 
 def chunk_rows(row_shape: tuple[int, ...], itemsize: int) -> int:
-    """Rows per HDF5 chunk for rows of ``row_shape`` (a power of two, about 64 KiB a chunk)."""
+    """Rows per HDF5 chunk for rows of ``row_shape`` (a power of two, at most 16 KiB a chunk)."""
     row_bytes = max(1, itemsize * math.prod(row_shape))
     rows = max(1, min(_MAX_CHUNK_ROWS, _CHUNK_BYTES // row_bytes))
     return 1 << (rows.bit_length() - 1)

@@ -2,7 +2,8 @@
 
 One guard object serves all recorders of the process: it installs its SIGTERM handler when the
 first recorder opens and restores the previous handler when the last one closes, so nested or
-sequential recorders never fight over the handler. Recorders are held weakly.
+sequential recorders never fight over the handler. Open recorders are held strongly until they
+close: one that its owner dropped without closing must still flush at exit.
 """
 
 from __future__ import annotations
@@ -12,14 +13,13 @@ import os
 import signal
 import threading
 import warnings
-import weakref
 
 from nasdiag.record.errors import RecordWarning
 
 
 class _TerminationGuard:
     def __init__(self):
-        self._recorders: weakref.WeakSet = weakref.WeakSet()
+        self._recorders: dict = {}  # insertion-ordered set of open recorders
         self._previous = None
         self._installed = False
         self._pid = os.getpid()
@@ -27,7 +27,7 @@ class _TerminationGuard:
         atexit.register(self._close_all)
 
     def register(self, recorder, handle_sigterm: bool) -> None:
-        self._recorders.add(recorder)
+        self._recorders[recorder] = None
         if not handle_sigterm or self._installed:
             return
         if threading.current_thread() is not threading.main_thread():
@@ -43,7 +43,7 @@ class _TerminationGuard:
         self._pid = os.getpid()
 
     def unregister(self, recorder) -> None:
-        self._recorders.discard(recorder)
+        self._recorders.pop(recorder, None)
         if self._installed and not len(self._recorders) and threading.current_thread() is threading.main_thread():
             if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
                 # None means a handler installed outside Python; the default is the closest we can restore.

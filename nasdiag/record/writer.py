@@ -97,6 +97,24 @@ def _python_scalar_fits(value, dtype: np.dtype) -> bool:
     return info.min <= value <= info.max
 
 
+def _detach_from_disk(f: h5py.File) -> None:
+    """Point a failed file's descriptor at /dev/null before closing it.
+
+    After a failed write (disk full) HDF5 cannot close the file: every close retries the write, and
+    the library crashes at interpreter exit on the half-closed file. What is on disk is already a
+    consistent SWMR state, so the writes of the close itself may go nowhere.
+    """
+    try:
+        fd = f.id.get_vfd_handle()
+        null = os.open(os.devnull, os.O_RDWR)
+        try:
+            os.dup2(null, fd)
+        finally:
+            os.close(null)
+    except (OSError, RuntimeError, ValueError):
+        pass  # best effort: without it the close below may fail too, which we report
+
+
 class _Column:
     """One dataset path: its fixed row shape/dtype and its batch buffer."""
 
@@ -177,6 +195,7 @@ class Recorder:
         self._present = np.zeros((self.flush_every, 0), bool)
         self._rows = 0  # buffered rows
         self._file: h5py.File | None = None
+        self._datasets: dict[str, h5py.Dataset] = {}
         self._segment_index = 0
         self._segment_rows = 0  # committed rows in the open segment
         self._committed = 0  # committed rows in this session
@@ -507,6 +526,7 @@ class Recorder:
         except (OSError, RuntimeError, ValueError) as err:
             if f is not None:
                 try:
+                    _detach_from_disk(f)  # the file is discarded; its close must not retry writes
                     f.close()
                 except Exception:
                     pass
@@ -522,6 +542,9 @@ class Recorder:
         self._placeholder_published = placeholder
         if not placeholder:
             self._file = f
+            # Keep every dataset open for the segment's life: a dataset closed mid-write would flush
+            # its chunks from a destructor, where a failed write (disk full) cannot be reported.
+            self._datasets = {path: f[path] for path in [*self._columns, schema.PRESENT, schema.STEP]}
             self._segment_rows = 0
             for column in self._columns.values():
                 column.written_nonfinite = 0
@@ -582,6 +605,7 @@ class Recorder:
         if self._file is None:
             self._create_segment()
         f = self._file
+        datasets = self._datasets
         rows = self._rows
         start = self._segment_rows
         stop = start + rows
@@ -592,27 +616,28 @@ class Recorder:
                 missing = ~present[:, column.index]
                 if missing.any():
                     block[missing] = schema.fill_value(column.dtype)
-                ds = f[column.path]
+                ds = datasets[column.path]
                 ds.resize(stop, axis=0)
                 ds[start:stop] = block
-            ds = f[schema.PRESENT]
+            ds = datasets[schema.PRESENT]
             ds.resize(stop, axis=0)
             ds[start:stop] = present
             f.flush()  # data before the commit marker
-            ds = f[schema.STEP]
+            ds = datasets[schema.STEP]
             ds.resize(stop, axis=0)
             ds[start:stop] = self._step_buffer[:rows]
             for column in self._columns.values():
                 if column.nonfinite != column.written_nonfinite:
                     # Same-size overwrite of an attribute that exists since before SWMR started.
-                    f[column.path].attrs[schema.NONFINITE_ATTR] = np.int64(column.nonfinite)
+                    datasets[column.path].attrs[schema.NONFINITE_ATTR] = np.int64(column.nonfinite)
                     column.written_nonfinite = column.nonfinite
             f.flush()
         except (OSError, RuntimeError, ValueError) as err:
             message = _storage_error(f"cannot write to {self.segment_file}", err)
             self._failure = message
+            _detach_from_disk(f)  # before anything else tries to write
             raise RecordError(
-                f"{message}; the {self._committed} rows committed before are intact, the last {rows} buffered rows are not saved"
+                f"{message}; the {self._committed} rows committed before are intact, the last {rows} buffered rows may be lost"
             ) from None
         self._segment_rows = stop
         self._committed += rows
@@ -622,6 +647,7 @@ class Recorder:
 
     def _close_segment(self) -> None:
         f, self._file = self._file, None
+        self._datasets = {}
         if f is None:
             return
         try:
