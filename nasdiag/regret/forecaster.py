@@ -82,10 +82,15 @@ class _RegretTally:
         self.forecaster_reward = torch.zeros(shape, dtype=dtype, device=device)
         self.expert_reward = torch.zeros(shape + (n_experts,), dtype=dtype, device=device)
 
-    def add(self, mixture_weights: torch.Tensor, rewards: torch.Tensor) -> None:
-        finite = torch.isfinite(rewards)
-        self.forecaster_reward += (mixture_weights * torch.where(finite, rewards, 0.0)).sum(-1)
-        self.expert_reward += torch.where(finite, rewards, math.nan)
+    def add(self, mixture_weights: torch.Tensor, rewards: torch.Tensor, all_finite: bool) -> None:
+        if not all_finite:
+            finite = torch.isfinite(rewards)
+            rewards_in_mixture = torch.where(finite, rewards, 0.0)
+            rewards = torch.where(finite, rewards, math.nan)
+        else:
+            rewards_in_mixture = rewards
+        self.forecaster_reward += (mixture_weights * rewards_in_mixture).sum(-1)
+        self.expert_reward += rewards
 
     def regret(self) -> torch.Tensor:
         known = torch.where(torch.isnan(self.expert_reward), -math.inf, self.expert_reward)
@@ -122,6 +127,12 @@ class _ExpertsState:
         self._log_v = log_v
         self._rounds = 0
         self._tally = _RegretTally(self.shape, self.n_experts, dtype, self.device)
+
+    @staticmethod
+    def _all_finite(rewards: torch.Tensor) -> bool:
+        # One reduction instead of an elementwise pass: a NaN/inf anywhere makes the sum non-finite;
+        # a finite overflow of the sum only sends us to the exact elementwise check.
+        return bool(torch.isfinite(rewards.sum())) or bool(torch.isfinite(rewards).all())
 
     def _checked_rewards(self, rewards) -> torch.Tensor:
         rewards = torch.as_tensor(rewards)
@@ -300,15 +311,17 @@ class Forecaster(_ExpertsState):
             )
         t = self._rounds + 1
         alive = self._alive
-        bad = alive & ~torch.isfinite(rewards)
-        if bad.any():
-            where = tuple(bad.nonzero()[0].tolist())
-            raise ValueError(
-                f"round {t}: {int(bad.sum())} non-finite rewards of alive experts (first at index "
-                f"{where}); a NaN/inf cost would corrupt the weights for good -- fix or flag the cost "
-                "upstream before updating"
-            )
-        self._tally.add(self.weights, rewards)
+        all_finite = self._all_finite(rewards)
+        if not all_finite:
+            bad = alive & ~torch.isfinite(rewards)
+            if bad.any():
+                where = tuple(bad.nonzero()[0].tolist())
+                raise ValueError(
+                    f"round {t}: {int(bad.sum())} non-finite rewards of alive experts (first at index "
+                    f"{where}); a NaN/inf cost would corrupt the weights for good -- fix or flag the "
+                    "cost upstream before updating"
+                )
+        self._tally.add(self.weights, rewards, all_finite)
         self._bound_violations += (alive & (rewards.abs() > self.loss_bound)).sum(-1)
         log_v = torch.where(alive, self._log_v + self.lr * rewards, -math.inf)
         wiped = self._wipe_out(log_v, t)
@@ -385,12 +398,12 @@ class SoftmaxGD(_ExpertsState):
             ``(*shape, N)`` the effective rewards ``R~_t`` of eq 6 that were applied.
         """
         rewards = self._checked_rewards(rewards)
-        if not torch.isfinite(rewards).all():
+        if not self._all_finite(rewards):
             raise ValueError(
                 f"round {self._rounds + 1}: non-finite rewards; fix or flag the cost upstream before updating"
             )
         weights = self.weights
-        self._tally.add(weights, rewards)
+        self._tally.add(weights, rewards, True)
         effective = gd_softmax_reward(rewards, weights)
         self._log_v = self._log_v + self.lr * effective
         self._rounds += 1

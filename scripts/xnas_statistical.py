@@ -1,0 +1,272 @@
+#!/usr/bin/env python
+"""XNAS §8.3 / Fig. 8: regret and correct selection of XNAS vs GD with softmax, Monte Carlo.
+
+N experts with biases b_i ~ N(0, 1) give rewards R_t,i ~ N(b_i, sigma^2); both forecasters see the
+same rewards, R runs x T steps each (paper: 1000 x 1000), all runs batched in torch. Three sweeps:
+
+- ``vs_n``: N over ``--n-grid`` at sigma = ``--sigma``            (Fig. 8 left)
+- ``vs_sigma``: sigma over ``--sigma-grid`` at N = ``--n-experts``  (Fig. 8 right)
+- ``vs_lr``: both learning rates times ``--lr-multipliers`` at (N, sigma) fixed (not in the paper;
+  shows how the comparison depends on eta, which §8.3 does not state)
+
+Both use eta* of eq 4 with L = 3 sqrt(1 + sigma^2) unless scaled by the vs_lr sweep.
+Every grid point is one row of an HDF5 record (``nasdiag.record``), holding the per-run results;
+the figure and the fits are then computed from the record read back, so ``--plot-only`` redraws
+them from an old run.
+
+    python scripts/xnas_statistical.py --out runs/xnas_statistical
+    python scripts/xnas_statistical.py --out runs/xnas_statistical --plot-only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+
+SWEEPS = ("vs_n", "vs_sigma", "vs_lr")
+METHODS = {"xnas": "XNAS", "gd": "GD with softmax"}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="runs/xnas_statistical", help="output folder (record.h5, fig8.png, fits.json)")
+    parser.add_argument("--runs", type=int, default=1000)
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--n-grid", default="2,4,8,16,32,64,128")
+    parser.add_argument("--sigma-grid", default="0.25,0.5,1,2,4,8,16")
+    parser.add_argument("--lr-multipliers", default="1,4,16,64", help="empty to skip the vs_lr sweep")
+    parser.add_argument("--n-experts", type=int, default=8, help="N of the vs_sigma and vs_lr sweeps")
+    parser.add_argument("--sigma", type=float, default=1.0, help="sigma of the vs_n and vs_lr sweeps")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--plot-only", action="store_true", help="redraw figure and fits from an existing record")
+    return parser.parse_args(argv)
+
+
+def floats(text):
+    return [float(v) for v in text.split(",") if v.strip()]
+
+
+def grid(args):
+    """(sweep, N, sigma, lr multiplier) for every row, Fig. 8's sweeps first."""
+    points = [("vs_n", int(n), args.sigma, 1.0) for n in floats(args.n_grid)]
+    points += [("vs_sigma", args.n_experts, s, 1.0) for s in floats(args.sigma_grid)]
+    points += [("vs_lr", args.n_experts, args.sigma, k) for k in floats(args.lr_multipliers)]
+    return points
+
+
+def run_experiment(args, record_path):
+    import torch
+
+    from nasdiag.record import Recorder
+    from nasdiag.regret import Forecaster, default_loss_bound, simulate_gaussian_experts
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    points = grid(args)
+    meta = {
+        "method": "xnas_statistical",
+        "seed": args.seed,
+        "config": {
+            "runs": args.runs,
+            "steps": args.steps,
+            "n_grid": args.n_grid,
+            "sigma_grid": args.sigma_grid,
+            "lr_multipliers": args.lr_multipliers,
+            "n_experts": args.n_experts,
+            "sigma": args.sigma,
+            "lr_rule": "eta* of eq 4 times the vs_lr multiplier, same for XNAS and GD",
+            "loss_bound_rule": "L = 3 sqrt(1 + sigma^2)",
+            "dtype": "float64",
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+        },
+    }
+    generator = torch.Generator().manual_seed(args.seed)
+    timings = {}
+    started = time.perf_counter()
+    with Recorder(record_path, meta=meta, overwrite=True) as rec:
+        for step, (sweep, n, sigma, multiplier) in enumerate(points):
+            tic = time.perf_counter()
+            loss_bound = default_loss_bound(sigma)
+            lr = multiplier * Forecaster.optimal_lr(args.steps, loss_bound, n)
+            out = simulate_gaussian_experts(
+                n, sigma, args.runs, args.steps, lr=lr, gd_lr=lr, loss_bound=loss_bound, generator=generator
+            )
+            seconds = time.perf_counter() - tic
+            timings[sweep] = timings.get(sweep, 0.0) + seconds
+            group = f"regret/{sweep}"
+            rec.log(step, {
+                f"{group}/n_experts": n,
+                f"{group}/sigma": float(sigma),
+                f"{group}/lr_multiplier": float(multiplier),
+                f"{group}/lr": out.lr,
+                f"{group}/loss_bound": out.loss_bound,
+                f"{group}/xnas/regret": out.xnas_regret,
+                f"{group}/gd/regret": out.gd_regret,
+                f"{group}/xnas/correct": out.xnas_correct,
+                f"{group}/gd/correct": out.gd_correct,
+                f"{group}/xnas/bound": out.xnas_bound,
+                f"{group}/xnas/gamma": out.xnas_gamma,
+                f"{group}/xnas/alive": out.xnas_alive,
+                f"{group}/xnas/bound_violations": out.bound_violations,
+                "scalars/seconds": seconds,
+            })
+            print(
+                f"[{step + 1:2d}/{len(points)}] {sweep:8s} N={n:4d} sigma={sigma:6.2f} x{multiplier:<4g} "
+                f"regret xnas {float(out.xnas_regret.mean()):8.1f} gd {float(out.gd_regret.mean()):8.1f}  "
+                f"correct xnas {float(out.xnas_correct.double().mean()):.3f} "
+                f"gd {float(out.gd_correct.double().mean()):.3f}  ({seconds:.1f} s)",
+                flush=True,
+            )
+    total = time.perf_counter() - started
+    fig8 = timings.get("vs_n", 0.0) + timings.get("vs_sigma", 0.0)
+    print(f"Fig. 8 grid (vs_n + vs_sigma): {fig8:.1f} s; all sweeps: {total:.1f} s "
+          f"({torch.get_num_threads()} threads)")
+
+
+def sweep_table(data, sweep):
+    """Per-row arrays of one sweep, read from the loaded record."""
+    group = f"regret/{sweep}"
+    key = f"{group}/n_experts"
+    if key not in data:
+        return None
+    rows = data[f"valid/{key}"]
+    table = {name: data[f"{group}/{name}"][rows] for name in ("n_experts", "sigma", "lr_multiplier", "lr", "loss_bound")}
+    for method in METHODS:
+        for name in ("regret", "correct"):
+            table[f"{method}/{name}"] = data[f"{group}/{method}/{name}"][rows]
+    for name in ("bound", "gamma", "alive", "bound_violations"):
+        table[f"xnas/{name}"] = data[f"{group}/xnas/{name}"][rows]
+    return table
+
+
+def one_parameter_fit(x, y):
+    """Least squares y ~ a x through the origin; returns a and R^2 (about the mean of y)."""
+    a = float(np.dot(x, y) / np.dot(x, x))
+    residual = y - a * x
+    r2 = 1.0 - float(np.dot(residual, residual)) / float(np.dot(y - y.mean(), y - y.mean()))
+    return a, r2
+
+
+def fits(table):
+    """How the mean regret grows with N: one-parameter fits a sqrt(ln N) and b sqrt(N), log-log slope."""
+    n = table["n_experts"].astype(float)
+    result = {}
+    for method in METHODS:
+        mean = table[f"{method}/regret"].mean(1)
+        a_ln, r2_ln = one_parameter_fit(np.sqrt(np.log(n)), mean)
+        a_sq, r2_sq = one_parameter_fit(np.sqrt(n), mean)
+        slope = float(np.polyfit(np.log(n), np.log(mean), 1)[0])
+        result[method] = {
+            "sqrt_ln_n": {"coefficient": a_ln, "r2": r2_ln},
+            "sqrt_n": {"coefficient": a_sq, "r2": r2_sq},
+            "loglog_slope": slope,
+            "mean_regret": dict(zip(map(str, table["n_experts"].tolist()), mean.tolist())),
+        }
+    return result
+
+
+def summarize(data):
+    summary = {}
+    for sweep in SWEEPS:
+        table = sweep_table(data, sweep)
+        if table is None:
+            continue
+        rows = []
+        for i in range(len(table["n_experts"])):
+            row = {k: float(table[k][i]) for k in ("n_experts", "sigma", "lr_multiplier", "lr", "loss_bound")}
+            for method in METHODS:
+                row[f"{method}_regret_mean"] = float(table[f"{method}/regret"][i].mean())
+                row[f"{method}_correct_fraction"] = float(table[f"{method}/correct"][i].mean())
+            row["xnas_regret_below_bound_fraction"] = float((table["xnas/regret"][i] <= table["xnas/bound"][i]).mean())
+            row["xnas_bound_mean"] = float(table["xnas/bound"][i].mean())
+            row["xnas_runs_with_bound_violations"] = float((table["xnas/bound_violations"][i] > 0).mean())
+            rows.append(row)
+        summary[sweep] = {"rows": rows}
+        if sweep == "vs_n":
+            summary[sweep]["fits"] = fits(table)
+    return summary
+
+
+def plot(data, summary, figure_path, runs):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    sns.set_theme(style="whitegrid", context="paper")
+    sweeps = [s for s in SWEEPS if s in summary]
+    xkey = {"vs_n": "n_experts", "vs_sigma": "sigma", "vs_lr": "lr_multiplier"}
+    xlabel = {"vs_n": "number of experts N", "vs_sigma": r"reward noise $\sigma_R$",
+              "vs_lr": r"learning rate / $\eta^*$ (both methods)"}
+    colors = dict(zip(METHODS, sns.color_palette("deep", 2)))
+    # GD is drawn first and wider so that XNAS stays visible where the two coincide
+    style = {"gd": dict(marker="s", ms=6, lw=2.2, zorder=2), "xnas": dict(marker="o", ms=3.5, lw=1.2, zorder=3)}
+    fig, axes = plt.subplots(2, len(sweeps), figsize=(4.2 * len(sweeps), 6.4), squeeze=False)
+    for col, sweep in enumerate(sweeps):
+        table = sweep_table(data, sweep)
+        x = table[xkey[sweep]].astype(float)
+        for method, label in reversed(list(METHODS.items())):
+            regret = table[f"{method}/regret"]
+            mean, half = regret.mean(1), 1.96 * regret.std(1, ddof=1) / math.sqrt(regret.shape[1])
+            axes[0, col].errorbar(x, mean, yerr=half, capsize=2, color=colors[method], label=label, **style[method])
+            correct = table[f"{method}/correct"].astype(float)
+            frac = correct.mean(1)
+            half = 1.96 * np.sqrt(frac * (1 - frac) / correct.shape[1])
+            axes[1, col].errorbar(x, frac, yerr=half, capsize=2, color=colors[method], label=label, **style[method])
+        if sweep == "vs_n":
+            fine = np.geomspace(x.min(), x.max(), 100)
+            f = summary[sweep]["fits"]
+            axes[0, col].plot(fine, f["xnas"]["sqrt_ln_n"]["coefficient"] * np.sqrt(np.log(fine)), "--",
+                              color=colors["xnas"], lw=1, label=r"fit $a\sqrt{\ln N}$")
+            axes[0, col].plot(fine, f["gd"]["sqrt_n"]["coefficient"] * np.sqrt(fine), ":",
+                              color=colors["gd"], lw=1, label=r"fit $b\sqrt{N}$")
+        for row in range(2):
+            axes[row, col].set_xscale("log")
+            axes[row, col].set_xlabel(xlabel[sweep])
+        axes[0, col].set_ylabel(f"mean regret (eq 2), T = {data['config_steps']}")
+        axes[1, col].set_ylabel("fraction of correct selections")
+        axes[0, col].legend(fontsize=7)
+    fig.suptitle(f"XNAS vs GD with softmax, {runs} runs per point (95% CI)", fontsize=10)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(figure_path)), exist_ok=True)
+    fig.savefig(figure_path, dpi=130)
+    plt.close(fig)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    record_path = os.path.join(args.out, "record.h5")
+    if not args.plot_only:
+        run_experiment(args, record_path)
+    from nasdiag.record import load, load_meta
+
+    data = load(record_path)
+    config = load_meta(record_path)["config"]
+    data["config_steps"] = config["steps"]
+    summary = summarize(data)
+    summary["config"] = config
+    with open(os.path.join(args.out, "fits.json"), "w") as fh:
+        json.dump(summary, fh, indent=1)
+    figure_path = os.path.join(args.out, "fig8.png")
+    plot(data, summary, figure_path, config["runs"])
+    if "vs_n" in summary:
+        for method, f in summary["vs_n"]["fits"].items():
+            print(f"{METHODS[method]:16s} regret vs N: a sqrt(ln N) R^2 = {f['sqrt_ln_n']['r2']:.3f}, "
+                  f"b sqrt(N) R^2 = {f['sqrt_n']['r2']:.3f}, log-log slope {f['loglog_slope']:.3f}")
+    print(f"wrote {record_path}, {figure_path}, {os.path.join(args.out, 'fits.json')}")
+
+
+if __name__ == "__main__":
+    main()
