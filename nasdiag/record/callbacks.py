@@ -42,10 +42,12 @@ class RecorderCallback:
     rules, ddof, group:
         Passed to `nasdiag.distributed.reduce_statistics`.
 
-    Rows: each step is one row. The row of a step is held back until the next hook call, so that
-    ``on_epoch_end`` can add the epoch's statistics to the row of the epoch's last step (values it
-    repeats replace the step's). ``scalars/epoch`` is added by ``on_epoch_end`` when absent (float32).
-    A held-back row is written when the recorder closes, also on SIGTERM and at exit.
+    Rows: each step is one row. The row of a step is held back until a hook brings another step
+    (or ``on_exception`` / close), so that ``on_epoch_end`` can add the epoch's statistics to the row
+    of the epoch's last step, and calls with the same step (gradient accumulation) merge into one
+    row; later values of a path replace earlier ones. ``on_epoch_end`` adds ``scalars/epoch``
+    (float32) when absent. A held-back row is written when the recorder closes, also on SIGTERM and
+    at exit, so at most ``flush_every + 1`` rows are lost to a SIGKILL.
     """
 
     def __init__(
@@ -107,8 +109,8 @@ class RecorderCallback:
             raise RecordError(
                 f"on_epoch_end(epoch={epoch}) came before any on_step_end; pass step= to say which row it belongs to"
             )
+        # Still held back: a Lightning batch right after the epoch can carry the same global step.
         self._pending.update(statistics)
-        self._write_pending()
 
     def on_exception(self, exception: BaseException, statistics: Mapping | None = None, *, step: int | None = None) -> None:
         """Write what is held back (and ``statistics``, if any, at ``step``) and flush to disk.

@@ -1,0 +1,209 @@
+"""RecorderCallback hooks in a plain loop, and the Lightning adapter against a stand-in Lightning
+module (Lightning is not a dependency and not installed)."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from nasdiag.record import RecordError, Recorder, RecorderCallback, lightning_callback, load
+
+
+def _step_stats(step):
+    return {"scalars/train_loss": 1.0 / step, "arch/normal/weights": np.full((2, 3), step, np.float32)}
+
+
+def test_loop_rows_per_step_with_epoch_stats_on_last_step(tmp_path):
+    """The search loop's pattern: the last step of an epoch carries the epoch's numbers, and
+    on_epoch_end receives them again; they must land once, in that step's row."""
+    path = tmp_path / "run.h5"
+    steps_per_epoch, epochs = 3, 2
+    with RecorderCallback(path, meta={"method": "darts"}, flush_every=2, flush_seconds=None) as cb:
+        for epoch in range(epochs):
+            for i in range(steps_per_epoch):
+                step = epoch * steps_per_epoch + i + 1
+                stats = _step_stats(step)
+                if i == steps_per_epoch - 1:
+                    epoch_stats = {"scalars/epoch": np.float32(epoch), "scalars/search_val_acc": 0.5 + epoch}
+                    stats.update(epoch_stats)
+                cb.on_step_end(step, stats)
+            cb.on_epoch_end(epoch, epoch_stats)
+    out = load(path)
+    np.testing.assert_array_equal(out["step"], range(1, 7))
+    np.testing.assert_array_equal(out["scalars/train_loss"], [1.0 / s for s in range(1, 7)])
+    np.testing.assert_array_equal(out["valid/scalars/search_val_acc"], [False, False, True] * 2)
+    np.testing.assert_array_equal(out["scalars/search_val_acc"][[2, 5]], [0.5, 1.5])
+    np.testing.assert_array_equal(out["scalars/epoch"][[2, 5]], [0, 1])
+    assert out["scalars/epoch"].dtype == np.float32
+
+
+def test_epoch_only_stats_join_last_step_row_and_epoch_is_added(tmp_path):
+    path = tmp_path / "run.h5"
+    with RecorderCallback(path, flush_seconds=None) as cb:
+        cb.on_step_end(10, {"scalars/loss": 1.0})
+        cb.on_step_end(11, {"scalars/loss": 2.0})
+        cb.on_epoch_end(0, {"scalars/val_loss": 3.0})
+        cb.on_epoch_end(1, {"scalars/val_loss": 4.0}, step=20)  # an epoch without steps: explicit row
+    with RecorderCallback(tmp_path / "other.h5", flush_seconds=None) as fresh:
+        with pytest.raises(RecordError, match="before any on_step_end"):
+            fresh.on_epoch_end(0, {"scalars/val_loss": 5.0})
+    out = load(path)
+    np.testing.assert_array_equal(out["step"], [10, 11, 20])
+    np.testing.assert_array_equal(out["scalars/val_loss"], [np.nan, 3.0, 4.0])
+    np.testing.assert_array_equal(out["scalars/epoch"], [np.nan, 0.0, 1.0])
+
+
+def test_same_step_twice_merges_into_one_row(tmp_path):
+    path = tmp_path / "run.h5"
+    with RecorderCallback(path, flush_seconds=None) as cb:
+        cb.on_step_end(1, {"scalars/a": 1.0, "scalars/b": 1.0})
+        cb.on_step_end(1, {"scalars/a": 2.0})  # gradient accumulation: later values win
+        cb.on_step_end(2, {"scalars/a": 3.0})
+    out = load(path)
+    np.testing.assert_array_equal(out["step"], [1, 2])
+    np.testing.assert_array_equal(out["scalars/a"], [2.0, 3.0])
+    np.testing.assert_array_equal(out["scalars/b"], [1.0, np.nan])
+
+
+def test_on_exception_writes_and_flushes_held_rows(tmp_path):
+    path = tmp_path / "run.h5"
+    cb = RecorderCallback(path, flush_every=64, flush_seconds=None)
+    try:
+        for step in range(1, 6):
+            cb.on_step_end(step, _step_stats(step))
+        cb.on_exception(RuntimeError("diverged"), {"scalars/diverged": True}, step=5)
+        out = load(path)  # read live, while the recorder is still open
+        np.testing.assert_array_equal(out["step"], range(1, 6))
+        np.testing.assert_array_equal(out["valid/scalars/diverged"], [False] * 4 + [True])
+        cb.on_step_end(6, _step_stats(6))  # a loop that recovers goes on recording
+    finally:
+        cb.close()
+    np.testing.assert_array_equal(load(path)["step"], range(1, 7))
+
+
+def test_callback_accepts_torch_tensors(tmp_path):
+    torch = pytest.importorskip("torch")
+    path = tmp_path / "run.h5"
+    alpha = torch.randn(2, 3, requires_grad=True)
+    with RecorderCallback(path, flush_seconds=None) as cb:
+        cb.on_step_end(1, {"arch/normal/params": alpha, "scalars/loss": torch.tensor(0.5)})
+    out = load(path)
+    np.testing.assert_array_equal(out["arch/normal/params"][0], alpha.detach().numpy())
+
+
+def test_targets_recorder_and_none(tmp_path):
+    path = tmp_path / "run.h5"
+    recorder = Recorder(path, flush_seconds=None)
+    with RecorderCallback(recorder) as cb:
+        assert cb.is_writer
+        cb.on_step_end(1, {"scalars/a": 1.0})
+    assert recorder.closed
+    np.testing.assert_array_equal(load(path)["scalars/a"], [1.0])
+    silent = RecorderCallback(None)
+    assert not silent.is_writer
+    silent.on_step_end(1, {"scalars/a": 1.0})
+    silent.on_epoch_end(0)
+    silent.close()
+    with pytest.raises(RecordError, match="statistics must be a mapping"):
+        silent.on_step_end(2, [1.0])
+    with pytest.raises(RecordError, match="target"):
+        RecorderCallback(3.5)
+
+
+# --- Lightning adapter ---------------------------------------------------------------------------
+
+
+class _FakeCallback:
+    """Stand-in for lightning.pytorch.Callback: the adapter only needs a base class with hooks."""
+
+    def setup(self, trainer, pl_module, stage=None):
+        pass
+
+
+@pytest.fixture
+def fake_lightning(monkeypatch):
+    lightning = types.ModuleType("lightning")
+    pytorch = types.ModuleType("lightning.pytorch")
+    pytorch.Callback = _FakeCallback
+    lightning.pytorch = pytorch
+    monkeypatch.setitem(sys.modules, "lightning", lightning)
+    monkeypatch.setitem(sys.modules, "lightning.pytorch", pytorch)
+    return pytorch
+
+
+class _Trainer:
+    def __init__(self, rank):
+        self.global_rank = rank
+        self.global_step = 0
+        self.current_epoch = 0
+
+
+class _Module:
+    def __init__(self):
+        self.value = 0.0
+
+    def nasdiag_statistics(self):
+        return {"scalars/loss": self.value}
+
+
+def _fit(callback, trainer, module, batches, epochs, accumulate=1):
+    callback.setup(trainer, module, stage="fit")
+    for epoch in range(epochs):
+        trainer.current_epoch = epoch
+        for batch_idx in range(batches):
+            module.value = 100 * epoch + batch_idx
+            if batch_idx % accumulate == accumulate - 1:
+                trainer.global_step += 1
+            callback.on_train_batch_end(trainer, module, None, None, batch_idx)
+        callback.on_train_epoch_end(trainer, module)
+    callback.teardown(trainer, module, stage="fit")
+
+
+def test_lightning_adapter_records_on_rank_zero(tmp_path, fake_lightning):
+    path = tmp_path / "run.h5"
+    callback = lightning_callback(path, meta={"method": "darts"}, flush_every=4, flush_seconds=None)
+    assert isinstance(callback, fake_lightning.Callback)
+    _fit(callback, _Trainer(rank=0), _Module(), batches=4, epochs=2, accumulate=2)
+    out = load(path)
+    # A row per global step as seen at batch end; batches sharing it merge, the later value winning
+    # (the first batch of epoch 1 still sees the global step of epoch 0's last batch).
+    np.testing.assert_array_equal(out["step"], [0, 1, 2, 3, 4])
+    np.testing.assert_array_equal(out["scalars/loss"], [0, 2, 100, 102, 103])
+    np.testing.assert_array_equal(out["scalars/epoch"], [np.nan, np.nan, 0, np.nan, 1])
+    assert callback.callback.recorder.closed
+
+    other = tmp_path / "rank1.h5"
+    callback = lightning_callback(other, flush_seconds=None)
+    _fit(callback, _Trainer(rank=1), _Module(), batches=2, epochs=1)
+    assert not callback.callback.is_writer
+    assert not other.exists() and not (tmp_path / "rank1.h5.lock").exists()
+
+
+def test_lightning_adapter_statistics_sources(tmp_path, fake_lightning):
+    path = tmp_path / "run.h5"
+    callback = lightning_callback(path, statistics=lambda trainer, module, outputs: outputs["stats"], flush_seconds=None)
+    trainer = _Trainer(rank=0)
+    callback.setup(trainer, object())
+    trainer.global_step = 1
+    callback.on_train_batch_end(trainer, object(), {"stats": {"scalars/x": 2.5}}, None, 0)
+    callback.on_exception(trainer, object(), RuntimeError("boom"))
+    np.testing.assert_array_equal(load(path)["scalars/x"], [2.5])
+    callback = lightning_callback(tmp_path / "two.h5", flush_seconds=None)
+    callback.setup(trainer, object())
+    callback.on_train_batch_end(trainer, object(), {"nasdiag": {"scalars/y": 1.0}}, None, 0)
+    with pytest.raises(RecordError, match="nasdiag_statistics"):
+        callback.on_train_batch_end(trainer, object(), None, None, 1)
+    callback.teardown(trainer, object())
+    np.testing.assert_array_equal(load(tmp_path / "two.h5")["scalars/y"], [1.0])
+
+
+def test_lightning_missing_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "lightning", None)
+    monkeypatch.setitem(sys.modules, "lightning.pytorch", None)
+    monkeypatch.setitem(sys.modules, "pytorch_lightning", None)
+    with pytest.raises(RecordError, match="pip install lightning"):
+        lightning_callback(tmp_path / "run.h5")
+    assert not (tmp_path / "run.h5").exists()
