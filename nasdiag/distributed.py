@@ -209,7 +209,7 @@ class _Packer:
         self._parts: list[tuple[str, np.ndarray]] = []
 
     def add(self, key: str, array: np.ndarray) -> None:
-        self._parts.append((key, np.ascontiguousarray(array, dtype=np.float64)))
+        self._parts.append((key, np.asarray(array, dtype=np.float64)))  # (ascontiguousarray makes 0-d 1-d)
 
     def reduce(self, dist, op, device, group) -> dict[str, np.ndarray]:
         if not self._parts:
