@@ -148,21 +148,29 @@ class StepCapture:
         # A checkable invariant: the costs equal ∂L/∂w only if out = Σ_k w_k O_k (e.g. not PC-DARTS's
         # partial channels). Checked once per edge, on the first recorded forward.
         w = call.weights
-        with torch.no_grad():
-            if w.dim() == 1:
-                expected = sum(w[k] * o for k, o in enumerate(call.outputs))
-            else:
-                shape = (w.shape[0],) + (1,) * (output.dim() - 1)
-                expected = sum(w[:, k].reshape(shape) * o for k, o in enumerate(call.outputs))
-            scale = output.detach().abs().max().clamp(min=1e-30)
-            err = (expected - output.detach()).abs().max() / scale
+        shapes = {tuple(o.shape) for o in call.outputs}
+        if shapes != {tuple(output.shape)} or w.shape[-1] != len(call.outputs):
+            err = float("inf")
+        else:
+            err = self._weighted_sum_error(w, call.outputs, output)
         tol = 1e-3 if output.dtype in (torch.float16, torch.bfloat16) else 1e-5
-        if not bool(err <= tol):
+        if not err <= tol:
             raise ProbeError(
                 f"edge {edge.name!r}: its output is not Σ_k w_k·op_k(x) of its forward's weights and candidate ops "
-                f"(relative deviation {float(err):.3g}), so <∂L/∂out, op_k(x)> would not be ∂L/∂w_k. Map the edge, "
+                f"(relative deviation {err:.3g}), so <∂L/∂out, op_k(x)> would not be ∂L/∂w_k. Map the edge, "
                 "with attach(model, edges={name: (module, [candidate ops])}), to a module whose output is that sum."
             )
+
+    @staticmethod
+    def _weighted_sum_error(w: torch.Tensor, outputs, output: torch.Tensor) -> float:
+        with torch.no_grad():
+            if w.dim() == 1:
+                expected = sum(w[k] * o for k, o in enumerate(outputs))
+            else:
+                shape = (w.shape[0],) + (1,) * (output.dim() - 1)
+                expected = sum(w[:, k].reshape(shape) * o for k, o in enumerate(outputs))
+            scale = output.detach().abs().max().clamp(min=1e-30)
+            return float((expected - output.detach()).abs().max() / scale)
 
     def cell_pre(self, pos: int, module, args):
         self.open_cell[pos] = CellCall(pos)
