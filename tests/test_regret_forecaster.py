@@ -123,6 +123,12 @@ def test_relaxed_threshold_can_wipe_out_a_late_bloomer():
     assert not relaxed.alive[0]
     log = relaxed.wipeout_log
     assert log.round.tolist() == [switch] and log.expert.tolist() == [0]
+    (entry,) = list(log)
+    # theta_5 = max v_5 exp(-2 eta L (T - 5) zeta) with ln v_5 = (-2.5, 2.5) and zeta = 1/4
+    assert (entry.round, entry.expert, entry.forecaster) == (switch, 0, ())
+    assert entry.log_threshold == pytest.approx(2.5 - 2 * 0.5 * 1.0 * (horizon - switch) * 0.25, abs=1e-12)
+    assert entry.threshold == pytest.approx(math.exp(entry.log_threshold))
+    assert len(safe.wipeout_log) == 1 and safe.wipeout_log[0].expert == 1
 
 
 def test_equality_case_of_lemma1_keeps_both_tied_experts():

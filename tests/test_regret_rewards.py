@@ -46,20 +46,19 @@ def test_xnas_reward_is_minus_the_derivative_wrt_mixing_weight():
     torch.testing.assert_close(xnas_reward(cost), rewards_from_gradient(grad_node, op_outputs), rtol=1e-12, atol=1e-13)
 
 
-def test_softmax_gd_forecaster_is_sgd_on_alpha():
-    """SoftmaxGD's trajectory equals torch.optim.SGD on alpha for a linear loss l(p) = c . p."""
+def test_softmax_gd_forecaster_is_gradient_descent_on_alpha():
+    """SoftmaxGD's trajectory equals alpha <- alpha - lr autograd(l)(alpha) for l(p) = c . p, p = u."""
     gen = torch.Generator().manual_seed(2)
     n, steps, lr = 4, 30, 0.7
     costs = torch.randn(steps, n, generator=gen, dtype=torch.float64)  # experts are the axes: p = u
-    alpha = torch.tensor([0.0, 2.0, -1.0, 0.5], dtype=torch.float64, requires_grad=True)
-    opt = torch.optim.SGD([alpha], lr=lr)
-    gd = SoftmaxGD(n, lr, init_log_weights=alpha.detach().clone())
+    alpha = torch.tensor([0.0, 2.0, -1.0, 0.5], dtype=torch.float64)
+    gd = SoftmaxGD(n, lr, init_log_weights=alpha.clone())
     for t in range(steps):
-        opt.zero_grad()
-        (torch.softmax(alpha, -1) @ costs[t]).backward()
-        opt.step()
+        leaf = alpha.clone().requires_grad_()
+        (grad,) = torch.autograd.grad(torch.softmax(leaf, -1) @ costs[t], leaf)
+        alpha = alpha - lr * grad
         gd.update(xnas_reward(costs[t]))
-    torch.testing.assert_close(gd.log_weights, alpha.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gd.log_weights, alpha, rtol=1e-12, atol=1e-12)
 
 
 def test_reward_input_errors():

@@ -6,7 +6,7 @@ the recorder or the CLI.
 
 from nasdiag.regret.depth import cell_depth
 from nasdiag.regret.entropy import mean_normalized_entropy, normalized_entropy
-from nasdiag.regret.forecaster import Forecaster, SoftmaxGD, WipeoutLog
+from nasdiag.regret.forecaster import Forecaster, SoftmaxGD, Wipeout, WipeoutLog
 from nasdiag.regret.rewards import gd_softmax_reward, rewards_from_gradient, xnas_reward
 from nasdiag.regret.statistical import GaussianExpertsOutcome, default_loss_bound, simulate_gaussian_experts
 
@@ -14,6 +14,7 @@ __all__ = [
     "Forecaster",
     "GaussianExpertsOutcome",
     "SoftmaxGD",
+    "Wipeout",
     "WipeoutLog",
     "cell_depth",
     "default_loss_bound",

@@ -9,39 +9,66 @@ Weights are kept as logarithms (``alpha = ln v``) so that long runs neither over
 from __future__ import annotations
 
 import math
-from typing import List, NamedTuple, Optional, Sequence, Union
+from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
 from nasdiag.regret.rewards import gd_softmax_reward
 
-__all__ = ["Forecaster", "SoftmaxGD", "WipeoutLog"]
+__all__ = ["Forecaster", "SoftmaxGD", "Wipeout", "WipeoutLog"]
 
 ShapeLike = Union[int, Sequence[int], torch.Size]
 
 
-class WipeoutLog(NamedTuple):
-    """Every wipeout of a :class:`Forecaster`, one entry per removed expert (M entries).
+class Wipeout(NamedTuple):
+    """One removed expert: the round ``t`` (1-based), the expert, ``theta_t``, the forecaster's index
+    within ``shape`` (``()`` for a single forecaster) and ``ln theta_t``."""
+
+    round: int
+    expert: int
+    threshold: float
+    forecaster: Tuple[int, ...]
+    log_threshold: float
+
+
+class WipeoutLog:
+    """Every wipeout of a :class:`Forecaster`, one entry per removed expert (M entries, round order).
+
+    A sequence of :class:`Wipeout` entries (``len``, indexing, iteration) that also exposes each field
+    as a column tensor:
 
     Attributes:
         round: ``(M,)`` int64, the round ``t`` (1-based, as in Algorithm 1) of the removal.
-        forecaster: ``(M, len(shape))`` int64, the index of the forecaster within ``shape``.
         expert: ``(M,)`` int64, the removed expert.
+        forecaster: ``(M, len(shape))`` int64, the index of the forecaster within ``shape``.
         log_threshold: ``(M,)`` ``ln theta_t`` (Algorithm 1 line 11), in the units of
             :attr:`Forecaster.log_weights` (``ln v`` with ``v_0 = 1``).
+        threshold: ``(M,)`` ``theta_t`` itself; underflows to 0 where ``log_threshold`` < -745 (float64).
         log_weight: ``(M,)`` ``ln v_{t,i}`` of the removed expert, below ``log_threshold``.
     """
 
-    round: torch.Tensor
-    forecaster: torch.Tensor
-    expert: torch.Tensor
-    log_threshold: torch.Tensor
-    log_weight: torch.Tensor
+    def __init__(self, round, expert, forecaster, log_threshold, log_weight):
+        self.round, self.expert, self.forecaster = round, expert, forecaster
+        self.log_threshold, self.log_weight = log_threshold, log_weight
 
     @property
     def threshold(self) -> torch.Tensor:
-        """``(M,)`` ``theta_t`` itself; may underflow to 0 where ``log_threshold`` < -745 (float64)."""
         return self.log_threshold.exp()
+
+    def __len__(self) -> int:
+        return int(self.round.shape[0])
+
+    def __getitem__(self, k: int) -> Wipeout:
+        if not -len(self) <= k < len(self):
+            raise IndexError(f"wipeout log has {len(self)} entries, no entry {k}")
+        return Wipeout(int(self.round[k]), int(self.expert[k]), float(self.threshold[k]),
+                       tuple(self.forecaster[k].tolist()), float(self.log_threshold[k]))
+
+    def __iter__(self) -> Iterator[Wipeout]:
+        return (self[k] for k in range(len(self)))
+
+    def __repr__(self) -> str:
+        return f"WipeoutLog({list(self)!r})"
 
 
 def _as_shape(shape: ShapeLike) -> torch.Size:
@@ -219,7 +246,7 @@ class Forecaster(_ExpertsState):
         self._alive = torch.ones(self.shape + (self.n_experts,), dtype=torch.bool, device=self.device)
         self._log_gamma = torch.zeros(self.shape, dtype=dtype, device=self.device)
         self._bound_violations = torch.zeros(self.shape, dtype=torch.int64, device=self.device)
-        self._wipeouts: List[WipeoutLog] = []
+        self._wipeouts: List[dict] = []  # one dict of column tensors per round with removals
 
     # ---------------------------------------------------------------- theory
     @staticmethod
@@ -279,13 +306,14 @@ class Forecaster(_ExpertsState):
 
     @property
     def wipeout_log(self) -> WipeoutLog:
-        """Every wipeout so far (round, forecaster index, expert, threshold), in round order."""
+        """Every wipeout so far (round, expert, threshold, forecaster index), in round order."""
+        columns = ("round", "expert", "forecaster", "log_threshold", "log_weight")
         if not self._wipeouts:
             i64 = dict(dtype=torch.int64, device=self.device)
             f = dict(dtype=self.dtype, device=self.device)
-            return WipeoutLog(torch.zeros(0, **i64), torch.zeros(0, len(self.shape), **i64),
-                              torch.zeros(0, **i64), torch.zeros(0, **f), torch.zeros(0, **f))
-        return WipeoutLog(*(torch.cat(column) for column in zip(*self._wipeouts)))
+            return WipeoutLog(torch.zeros(0, **i64), torch.zeros(0, **i64), torch.zeros(0, len(self.shape), **i64),
+                              torch.zeros(0, **f), torch.zeros(0, **f))
+        return WipeoutLog(**{c: torch.cat([entry[c] for entry in self._wipeouts]) for c in columns})
 
     # ---------------------------------------------------------------- update
     def update(self, rewards: torch.Tensor) -> torch.Tensor:
@@ -351,13 +379,13 @@ class Forecaster(_ExpertsState):
             self._log_gamma += torch.log1p(torch.exp(log_wiped_mass - log_kept_mass))
             index = wiped.nonzero()
             self._wipeouts.append(
-                WipeoutLog(
-                    round=torch.full((index.shape[0],), t, dtype=torch.int64, device=self.device),
-                    forecaster=index[:, :-1],
-                    expert=index[:, -1],
-                    log_threshold=log_threshold.expand_as(log_v)[wiped],
-                    log_weight=log_v[wiped],
-                )
+                {
+                    "round": torch.full((index.shape[0],), t, dtype=torch.int64, device=self.device),
+                    "expert": index[:, -1],
+                    "forecaster": index[:, :-1],
+                    "log_threshold": log_threshold.expand_as(log_v)[wiped],
+                    "log_weight": log_v[wiped],
+                }
             )
             log_v = log_v.masked_fill(wiped, -math.inf)
             self._alive = survivors
