@@ -267,7 +267,7 @@ class Probe:
         a cell type this is the cost of the shared Z, so ``darts_alpha_grad(cell_type_costs()[t], softmax(α_t))``
         is ∂L/∂α_t (§2.1 summed over the cells). NaN where an edge was not observed."""
         r = self._require_step()
-        return {g.name: self._layout(g, torch.stack([r.costs[p] for p in g.members]))[0].sum(0) for g in self._groups}
+        return self.aggregate({e.name: r.costs[p] for p, e in enumerate(self._edges)})
 
     def output_costs(self, per_sample: bool = False) -> Dict[str, Dict[int, torch.Tensor]]:
         """Output-edge costs of the last step, per cell and output node n:
@@ -361,6 +361,58 @@ class Probe:
             out[e.name] = row
         return out
 
+    # -- curvature (issue 4 §2) --------------------------------------------------------------------
+    def hessian(self, wrt: str = "Z", *, inputs=None, targets=None) -> Dict[str, torch.Tensor]:
+        """Diagonal of ∂²L/∂Z² of every edge's mixing weights at the last recorded batch (bayesnas-appendix
+        C.3.1–C.3.2 for ``"diag"``/``"approx"``, Hessian-vector products for ``"exact"``), by
+        ``nasdiag.hessian.arch_diag_hessian`` in the mode given to ``attach(..., hessian=mode)``.
+
+        The batch is the one the block's first model call saw (its positional and keyword arguments, kept
+        for this step only) with the targets given to ``probe.record(targets=y)``; the loss is
+        ``attach(..., loss_fn=...)`` (default: mean cross-entropy). The model is re-run outside the block
+        with BatchNorm in its current mode; its running statistics are restored.
+
+        Args:
+            wrt: ``"Z"``, or ``"alpha"`` for the chain rule through Z = softmax(α) per edge (needs
+                probability-vector weights; cross-cell terms of a shared α are not included).
+            inputs, targets: override the captured batch (``inputs`` a tensor or a tuple of positional args).
+
+        Returns:
+            ``{edge name: (K,)}``, dtype of the loss, batch convention of ``loss_fn`` (mean: of the batch mean).
+        """
+        if self.hessian_mode is None:
+            raise ProbeError("hessian() needs attach(model, ..., hessian='diag' | 'approx' | 'exact')")
+        if self._recording:
+            raise ProbeError("call probe.hessian() after the probe.record() block, not inside it")
+        r = self._require_step() if inputs is None or targets is None else self._last
+        model: nn.Module = self.model
+        if inputs is None:
+            if r.model_inputs is None:
+                raise ProbeError("the model was not called inside the last probe.record() block; pass inputs=")
+            args, kwargs = r.model_inputs
+            inputs = args[0] if len(args) == 1 else tuple(args)
+            if kwargs:
+                model = _BoundKeywords(self.model, kwargs)
+        if targets is None:
+            targets = r.targets if r is not None else None
+            if targets is None:
+                raise ProbeError("hessian() needs the targets of the batch: use probe.record(targets=y) or hessian(targets=y)")
+        loss_fn = self.loss_fn or torch.nn.functional.cross_entropy
+        edges = {e.name: (e.module, list(e.ops)) for e in self._edges}
+        return _arch_hessian(model, loss_fn, inputs, targets, edges, self.hessian_mode, wrt)
+
+    def aggregate(self, per_edge: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Lay any ``{edge: (K,)}`` result out per group and sum over the cells of the group, ``{group: (E, K)}``
+        (e.g. ``{"hessian/<t>/diag": v}`` for the recorder); NaN where an edge is missing."""
+        missing = [e.name for e in self._edges if e.name not in per_edge]
+        if missing:
+            raise ProbeError(f"aggregate() needs a value for every edge; missing {_short_list(missing)}")
+        out = {}
+        for g in self._groups:
+            rows = torch.stack([per_edge[self._edges[p].name] for p in g.members])
+            out[g.name] = self._layout(g, rows)[0].sum(0)
+        return out
+
     # -- statistics across steps -----------------------------------------------------------------
     def _layout(self, g: Group, rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         obs = scatter_cells(rows, g.cell_slot.to(rows.device), g.edge_index.to(rows.device), g.n_cells, g.n_edges)
@@ -415,6 +467,31 @@ class Probe:
     def __repr__(self) -> str:
         return (f"Probe({len(self._edges)} edges, {len(self._cells)} cells, groups={[g.name for g in self._groups]}, "
                 f"statistics={self.statistics_mode!r}, path_split={self.path_split}, hessian={self.hessian_mode!r})")
+
+
+class _BoundKeywords(nn.Module):
+    """``model(*args, **kwargs)`` with the keyword arguments of the recorded call fixed (e.g. ``weights=``)."""
+
+    def __init__(self, model: nn.Module, kwargs: dict):
+        super().__init__()
+        self.model = model
+        self._kwargs = kwargs
+
+    def forward(self, *args):
+        return self.model(*args, **self._kwargs)
+
+
+def _arch_hessian(model, loss_fn, inputs, targets, edges, mode, wrt):
+    # Imported here: nasdiag.hessian is a sibling primitive that the probe only wires to.
+    try:
+        from nasdiag.hessian import arch_diag_hessian
+    except ImportError:
+        if mode != "exact":
+            raise
+        from nasdiag.hessian.arch_exact import exact_arch_diag_hessian
+
+        return exact_arch_diag_hessian(model, loss_fn, inputs, targets, edges, wrt=wrt)
+    return arch_diag_hessian(model, loss_fn, inputs, targets, edges, mode=mode, wrt=wrt)
 
 
 def attach(model: nn.Module, edges: Optional[Mapping[str, EdgeSpecArg]] = None, **options) -> Probe:
