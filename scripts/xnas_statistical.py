@@ -112,6 +112,7 @@ def run_experiment(args, record_path):
                 f"{group}/loss_bound": out.loss_bound,
                 f"{group}/xnas/regret": out.xnas_regret,
                 f"{group}/gd/regret": out.gd_regret,
+                f"{group}/uniform/regret": out.uniform_regret,
                 f"{group}/xnas/correct": out.xnas_correct,
                 f"{group}/gd/correct": out.gd_correct,
                 f"{group}/xnas/bound": out.xnas_bound,
@@ -146,6 +147,7 @@ def sweep_table(data, sweep):
             table[f"{method}/{name}"] = data[f"{group}/{method}/{name}"][rows]
     for name in ("bound", "gamma", "alive", "bound_violations"):
         table[f"xnas/{name}"] = data[f"{group}/xnas/{name}"][rows]
+    table["uniform/regret"] = data[f"{group}/uniform/regret"][rows]
     return table
 
 
@@ -187,6 +189,7 @@ def summarize(data):
             for method in METHODS:
                 row[f"{method}_regret_mean"] = float(table[f"{method}/regret"][i].mean())
                 row[f"{method}_correct_fraction"] = float(table[f"{method}/correct"][i].mean())
+            row["uniform_regret_mean"] = float(table["uniform/regret"][i].mean())
             row["xnas_regret_below_bound_fraction"] = float((table["xnas/regret"][i] <= table["xnas/bound"][i]).mean())
             row["xnas_bound_mean"] = float(table["xnas/bound"][i].mean())
             row["xnas_runs_with_bound_violations"] = float((table["xnas/bound_violations"][i] > 0).mean())
@@ -224,6 +227,8 @@ def plot(data, summary, figure_path, runs):
             frac = correct.mean(1)
             half = 1.96 * np.sqrt(frac * (1 - frac) / correct.shape[1])
             axes[1, col].errorbar(x, frac, yerr=half, capsize=2, color=colors[method], label=label, **style[method])
+        axes[0, col].plot(x, table["uniform/regret"].mean(1), color="0.55", lw=1, ls="-.",
+                          label="uniform mixture (no learning)")
         if sweep == "vs_n":
             fine = np.geomspace(x.min(), x.max(), 100)
             f = summary[sweep]["fits"]

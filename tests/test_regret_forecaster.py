@@ -280,3 +280,10 @@ def test_bound_violations_are_counted_not_clipped():
     fc.update(torch.tensor([[3.0, 0.0], [0.5, -0.5]]))
     assert fc.bound_violations.tolist() == [1, 0]
     assert float(fc.log_weights[0, 0]) == 1.5  # the out-of-bound reward was applied as given
+
+
+def test_rewards_with_autograd_history_are_detached():
+    cost = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    fc = Forecaster(3, 0.5, 10.0, 5, shape=(4,))
+    fc.update(-cost * 2)
+    assert not fc.log_weights.requires_grad and not fc.regret.requires_grad

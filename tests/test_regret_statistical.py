@@ -48,7 +48,9 @@ def test_xnas_selects_the_leader_in_cumulative_reward():
                                     generator=torch.Generator().manual_seed(seed))
     assert int(out.bound_violations.sum()) == 0
     biases, rewards = draws(seed, runs, steps, n, sigma)
-    leader = rewards.sum(0).argmax(-1)
+    totals = rewards.sum(0)
+    leader = totals.argmax(-1)
+    torch.testing.assert_close(out.uniform_regret, totals.amax(-1) - totals.mean(-1), rtol=1e-12, atol=1e-9)
     torch.testing.assert_close(out.xnas_correct, leader == biases.argmax(-1))
     assert (out.xnas_alive == 1).all()
 

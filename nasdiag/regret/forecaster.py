@@ -169,7 +169,8 @@ class _ExpertsState:
                 f"rewards must have shape shape + (n_experts,) = {tuple(expected)}, got "
                 f"{tuple(rewards.shape)}; one update is one round for every forecaster"
             )
-        return rewards.to(dtype=self.dtype, device=self.device)
+        # detached: a forecaster is state, and a graph kept across rounds would grow without end
+        return rewards.detach().to(dtype=self.dtype, device=self.device)
 
     @property
     def rounds(self) -> int:

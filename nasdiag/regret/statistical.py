@@ -22,6 +22,9 @@ class GaussianExpertsOutcome:
         lr, loss_bound: the eta and L both forecasters used.
         xnas_regret, gd_regret: ``(R,)`` regret of eq 2 with the linear losses ``l_t(f_i) = -R_{t,i}``
             (for linear losses eq 2 and the linearized regret of eq 31 coincide).
+        uniform_regret: ``(R,)`` regret of the fixed uniform mixture (no learning at all),
+            ``max_i S_i - mean_i S_i`` with ``S_i = sum_t R_t,i``: the ceiling a forecaster that
+            learns nothing reaches.
         xnas_correct, gd_correct: ``(R,)`` bool, whether the expert of largest final weight is the one
             of largest bias (§8.3's correct selection).
         xnas_bound: ``(R,)`` eq 3 at the end of each run (a guarantee only if no bound violation).
@@ -36,6 +39,7 @@ class GaussianExpertsOutcome:
     loss_bound: float
     xnas_regret: torch.Tensor
     gd_regret: torch.Tensor
+    uniform_regret: torch.Tensor
     xnas_correct: torch.Tensor
     gd_correct: torch.Tensor
     xnas_bound: torch.Tensor
@@ -93,12 +97,14 @@ def simulate_gaussian_experts(
         xnas.update(rewards)
         gd.update(rewards)
     best = biases.argmax(-1)
+    totals = -gd.expert_losses  # S_i = sum_t R_t,i, the same for both forecasters
     return GaussianExpertsOutcome(
         biases=biases,
         lr=lr,
         loss_bound=loss_bound,
         xnas_regret=xnas.regret,
         gd_regret=gd.regret,
+        uniform_regret=totals.amax(-1) - totals.mean(-1),
         xnas_correct=xnas.weights.argmax(-1) == best,
         gd_correct=gd.weights.argmax(-1) == best,
         xnas_bound=xnas.bound(),
