@@ -67,10 +67,12 @@ class StepCapture:
     """Hooks and buffers of one recorded step. Created and discarded by ``Probe.record``."""
 
     def __init__(self, edges: Sequence[EdgeInfo], cells: Sequence[CellInfo], *, path_split: bool,
-                 check_convention: Sequence[bool], incoming: Dict[Tuple[int, int], List[int]]):
+                 check_convention: Sequence[bool], incoming: Dict[Tuple[int, int], List[int]],
+                 track_selected: bool = False):
         N = len(edges)
         self.edges, self.cells = edges, cells
         self.path_split = path_split
+        self.track_selected = track_selected  # only statistics="sampled" needs which ops had weight != 0
         self.check_convention = list(check_convention)
         self.incoming = incoming  # (cell pos, node) -> edge positions ending at that node
         self.per_sample: List[List[torch.Tensor]] = [[] for _ in range(N)]
@@ -132,8 +134,9 @@ class StepCapture:
         self.missing_ops[pos].update(missing)
         if call.weights is not None:
             w = call.weights
-            sel = (w != 0) if w.dim() == 1 else (w != 0).reshape(-1, w.shape[-1]).any(0)
-            self.selected[pos] = sel if self.selected[pos] is None else self.selected[pos] | sel
+            if self.track_selected:
+                sel = (w != 0) if w.dim() == 1 else (w != 0).reshape(-1, w.shape[-1]).any(0)
+                self.selected[pos] = sel if self.selected[pos] is None else self.selected[pos] | sel
             if self.check_convention[pos] and not missing:
                 self._check_weighted_sum(edge, call, output)
                 self.check_convention[pos] = False

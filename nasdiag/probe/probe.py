@@ -157,7 +157,8 @@ class Probe:
             raise ProbeError("probe.record() blocks cannot be nested")
         self._last = None  # a failed block leaves no stale step behind
         cap = StepCapture(self._edges, self._cells, path_split=self.path_split,
-                          check_convention=self._convention_unchecked, incoming=self._incoming)
+                          check_convention=self._convention_unchecked, incoming=self._incoming,
+                          track_selected=self.statistics_mode == "sampled")
         handles = []
         self._recording = True
         try:
