@@ -82,3 +82,16 @@ def test_cell_depth_rejects_malformed_cells():
         cell_depth(DARTS_V2.normal, [2, 3, 4, 5, 6])
     with pytest.raises(ValueError, match="empty"):
         cell_depth([])
+
+
+def test_regret_is_a_primitive_layer():
+    """CONTRIBUTING's layers: nasdiag.regret imports neither probe, search, record, plot nor cli."""
+    import subprocess
+    import sys
+
+    code = ("import sys, nasdiag.regret; "
+            "print(sorted(m for m in sys.modules if m.split('.')[1:2] in "
+            "(['probe'], ['search'], ['record'], ['plot'], ['cli']) and m.startswith('nasdiag.')))")
+    root = __file__.rsplit("/tests/", 1)[0]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, check=True)
+    assert out.stdout.strip() == "[]"
