@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from nasdiag.cost.credit import darts_alpha_grad
+
 __all__ = ["xnas_reward", "rewards_from_gradient", "gd_softmax_reward"]
 
 
@@ -85,5 +87,7 @@ def gd_softmax_reward(rewards: torch.Tensor, weights: torch.Tensor) -> torch.Ten
             f"rewards and weights need the same number of experts K on the last axis; got "
             f"{tuple(rewards.shape)} and {tuple(weights.shape)}"
         )
-    mixture_reward = (weights * rewards).sum(-1, keepdim=True)
-    return weights * (rewards - mixture_reward)
+    # Eq 37 is DARTS's alpha-gradient (wiring supplement §2.1) with C = -R, negated: the maths lives
+    # once, in nasdiag.cost.
+    rewards, weights = torch.broadcast_tensors(rewards, weights)
+    return -darts_alpha_grad(-rewards, weights)
