@@ -8,10 +8,13 @@
   loop, with DDP reduction and rank-0 writing; `lightning_callback` adapts it to PyTorch Lightning.
 - `RecordError`: every user-facing error; `RecordWarning`: NaN/inf and resume notices.
 
-The format is described in docs/schema.md. This package never imports torch at import time.
+The format is described in docs/schema.md. Importing this package imports neither torch nor
+Lightning; the callbacks import them only when they need them.
 """
 
+from nasdiag.record.callbacks import RecorderCallback
 from nasdiag.record.errors import RecordError, RecordWarning
+from nasdiag.record.lightning import lightning_callback
 from nasdiag.record.reader import load, load_meta
 from nasdiag.record.schema import SCHEMA_VERSION
 from nasdiag.record.writer import Recorder
@@ -26,16 +29,3 @@ __all__ = [
     "lightning_callback",
     "SCHEMA_VERSION",
 ]
-
-
-def __getattr__(name):
-    # Lazy: the callbacks may touch torch.distributed, and Lightning is optional.
-    if name == "RecorderCallback":
-        from nasdiag.record.callbacks import RecorderCallback
-
-        return RecorderCallback
-    if name == "lightning_callback":
-        from nasdiag.record.lightning import lightning_callback
-
-        return lightning_callback
-    raise AttributeError(f"module 'nasdiag.record' has no attribute {name!r}")

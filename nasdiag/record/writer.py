@@ -97,6 +97,23 @@ def _python_scalar_fits(value, dtype: np.dtype) -> bool:
     return info.min <= value <= info.max
 
 
+def _append(dataset: h5py.Dataset, start: int, block: np.ndarray) -> None:
+    """Write ``block`` (rows, ...) at row ``start``, growing the dataset to fit.
+
+    Low-level h5py calls: the high-level ``resize`` + slice assignment costs several times more
+    per call, which dominates a flush of many small datasets.
+    """
+    dsid = dataset.id
+    stop = start + block.shape[0]
+    dsid.set_extent((stop, *dsid.shape[1:]))
+    if block.size == 0:
+        return
+    block = np.ascontiguousarray(block)
+    file_space = dsid.get_space()
+    file_space.select_hyperslab((start,) + (0,) * (block.ndim - 1), block.shape)
+    dsid.write(h5py.h5s.create_simple(block.shape), file_space, block)
+
+
 def _detach_from_disk(f: h5py.File) -> None:
     """Point a failed file's descriptor at /dev/null before closing it.
 
@@ -118,13 +135,14 @@ def _detach_from_disk(f: h5py.File) -> None:
 class _Column:
     """One dataset path: its fixed row shape/dtype and its batch buffer."""
 
-    __slots__ = ("path", "shape", "dtype", "is_float", "index", "buffer", "nonfinite", "written_nonfinite", "warned")
+    __slots__ = ("path", "shape", "dtype", "is_float", "is_float_scalar", "index", "buffer", "nonfinite", "written_nonfinite", "warned")
 
     def __init__(self, path: str, shape: tuple[int, ...], dtype: np.dtype, index: int, rows: int):
         self.path = path
         self.shape = shape
         self.dtype = dtype
         self.is_float = dtype.kind == "f"
+        self.is_float_scalar = self.is_float and shape == ()
         self.index = index
         self.buffer = np.empty((rows, *shape), dtype)
         self.nonfinite = 0  # in this segment, including buffered rows
@@ -311,13 +329,47 @@ class Recorder:
         float path; not a float into an int path). NaN/inf are recorded as they are, counted in the
         dataset's ``nonfinite_count`` attribute and reported once per path with a `RecordWarning`.
         """
+        if self._closed or self._failure is not None:
+            self._refuse()
+        last = self._session_last_step
+        if type(step) is not int or step < 0 or (last is not None and step <= last):
+            step = self._check_step(step)
+        if type(values) is not dict and not isinstance(values, Mapping):
+            raise RecordError(f"values must be a dict of dataset path -> value, got {type(values).__name__}")
+        columns = self._columns
+        # Fast path (the common row): Python floats on known float scalar paths need no conversion.
+        row = []
+        for path, value in values.items():
+            column = columns.get(path)
+            if column is None or type(value) is not float or not column.is_float_scalar:
+                row = None
+                break
+            row.append((column, value))
+        if row is None:
+            row = self._validated_row(step, values)
+        i = self._rows
+        self._step_buffer[i] = step
+        present = self._present[i]
+        for column, value in row:
+            column.buffer[i] = value
+            present[column.index] = True
+            if column.is_float and not (math.isfinite(value) if type(value) is float else np.isfinite(value).all()):
+                self._count_nonfinite(column, value, step)
+        self._rows = i + 1
+        self._session_last_step = step
+        if self._rows >= self.flush_every or (
+            self.flush_seconds is not None and time.monotonic() - self._last_flush >= self.flush_seconds
+        ):
+            self.flush()
+
+    def _refuse(self):
         if self._closed:
             raise RecordError(f"recorder for {self.path} is closed; open a new one with resume=True to continue")
-        if self._failure is not None:
-            raise RecordError(f"recorder for {self.path} failed earlier ({self._failure}); it accepts no more rows")
-        step = self._check_step(step)
-        if not isinstance(values, Mapping):
-            raise RecordError(f"values must be a dict of dataset path -> value, got {type(values).__name__}")
+        raise RecordError(f"recorder for {self.path} failed earlier ({self._failure}); it accepts no more rows")
+
+    def _validated_row(self, step: int, values: Mapping) -> list:
+        """The slow path of `log`: validate and convert every value, add new paths (switching to a
+        new segment if the current one is already in SWMR mode); returns ``[(column, value)]``."""
         row, new_columns = self._validate_row(step, values)
         if new_columns:
             if self._file is not None:
@@ -328,22 +380,8 @@ class Recorder:
                 self._segment_index += 1
             for path, shape, dtype in new_columns:
                 self._add_column(path, shape, dtype)
-        i = self._rows
-        self._step_buffer[i] = step
-        present = self._present[i]
         columns = self._columns
-        for path, value in row:
-            column = columns[path]
-            column.buffer[i] = value
-            present[column.index] = True
-            if column.is_float:
-                self._count_nonfinite(column, value, step)
-        self._rows = i + 1
-        self._session_last_step = step
-        if self._rows >= self.flush_every or (
-            self.flush_seconds is not None and time.monotonic() - self._last_flush >= self.flush_seconds
-        ):
-            self.flush()
+        return [(columns[path], value) for path, value in row]
 
     def flush(self) -> None:
         """Write and commit the buffered rows now (no-op when none are buffered)."""
@@ -446,13 +484,8 @@ class Recorder:
         return row, new_columns
 
     def _count_nonfinite(self, column: _Column, value, step: int) -> None:
-        if isinstance(value, float):
-            bad = 0 if math.isfinite(value) else 1
-        else:
-            finite = np.isfinite(value)
-            bad = 0 if finite.all() else int(finite.size - np.count_nonzero(finite))
-        if not bad:
-            return
+        """Count (and the first time, report) the NaN/inf elements of a value that has some."""
+        bad = 1 if np.ndim(value) == 0 else int(np.size(value) - np.count_nonzero(np.isfinite(value)))
         column.nonfinite += bad
         if not column.warned:
             column.warned = True
@@ -616,16 +649,10 @@ class Recorder:
                 missing = ~present[:, column.index]
                 if missing.any():
                     block[missing] = schema.fill_value(column.dtype)
-                ds = datasets[column.path]
-                ds.resize(stop, axis=0)
-                ds[start:stop] = block
-            ds = datasets[schema.PRESENT]
-            ds.resize(stop, axis=0)
-            ds[start:stop] = present
+                _append(datasets[column.path], start, block)
+            _append(datasets[schema.PRESENT], start, present)
             f.flush()  # data before the commit marker
-            ds = datasets[schema.STEP]
-            ds.resize(stop, axis=0)
-            ds[start:stop] = self._step_buffer[:rows]
+            _append(datasets[schema.STEP], start, self._step_buffer[:rows])
             for column in self._columns.values():
                 if column.nonfinite != column.written_nonfinite:
                     # Same-size overwrite of an attribute that exists since before SWMR started.
