@@ -51,6 +51,20 @@ def test_sigterm_flushes_buffer_and_terminates(tmp_path):
         assert f["step"].shape == (10,)
 
 
+def test_sigterm_with_application_handler_flushes_and_keeps_recording(tmp_path):
+    """An application's own SIGTERM handler (checkpoint, requeue) still runs and decides; the
+    recorder flushes first and stays open, so the run can go on logging."""
+    path = tmp_path / "run.h5"
+    child = WriterProcess({"path": str(path), "count": 10, "flush_every": 64, "end": "hold",
+                           "own_sigterm": True, "after_term": 5})
+    child.wait_for("HOLD")
+    child.proc.send_signal(signal.SIGTERM)
+    child.wait_for("TERM")
+    verify_rows(path, [{"start": 0, "tag": 0, "rows": 10}])  # flushed before the application's handler ran
+    assert child.finish() == 0
+    verify_rows(path, [{"start": 0, "tag": 0, "rows": 15}])
+
+
 def test_exception_in_with_block_flushes(tmp_path):
     path = tmp_path / "run.h5"
     child = WriterProcess({"path": str(path), "count": 13, "flush_every": 64, "end": "raise"})

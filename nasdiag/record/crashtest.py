@@ -63,6 +63,14 @@ def child_main(cfg: dict) -> None:
 
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG instead of being killed
         resource.setrlimit(resource.RLIMIT_FSIZE, (cfg["fsize"], cfg["fsize"]))
+    terminated = []
+    if cfg.get("own_sigterm"):
+        # A handler of the application's own (like a checkpoint-and-requeue one), installed first.
+        def on_term(signum, frame):
+            terminated.append(signum)
+            say("TERM")
+
+        signal.signal(signal.SIGTERM, on_term)
     try:
         recorder = Recorder(
             cfg["path"],
@@ -114,8 +122,10 @@ def child_main(cfg: dict) -> None:
             say("LOGGED", step - start)
             if end == "hold":
                 say("HOLD")
-                while True:
+                while not terminated:
                     time.sleep(0.05)
+                for extra in range(step, step + cfg.get("after_term", 0)):
+                    recorder.log(extra, expected_row(extra, tag, late_from, nan_every))
             if end == "raise":
                 raise RuntimeError("crashtest: raised inside the with block")
             if end == "exit":
@@ -140,7 +150,8 @@ def _pythonpath() -> str:
 class WriterProcess:
     """A writer child. ``cfg``: path, start, count (-1: endless), flush_every, resume, overwrite,
     tag, late_from, nan_every, bad_shape_at, sleep (s per row), fsize (RLIMIT_FSIZE bytes),
-    end ("close", "hold": wait for a signal, "raise", "exit": leave without closing).
+    end ("close", "hold": wait for a signal, "raise", "exit": leave without closing),
+    own_sigterm (install an application SIGTERM handler first), after_term (rows logged after it ran).
     ``wrapper``: argv prefix (for example an ``unshare`` command)."""
 
     def __init__(self, cfg: dict, wrapper: list[str] | None = None):
@@ -157,7 +168,8 @@ class WriterProcess:
 
     def _read(self) -> None:
         for line in self.proc.stdout:
-            self.lines.put(line.rstrip("\n"))
+            if line.endswith("\n"):  # a line cut short by a kill is not evidence of anything
+                self.lines.put(line[:-1])
         self.lines.put(None)
 
     def _take(self, timeout: float) -> str | None:
@@ -319,9 +331,9 @@ def main(argv=None) -> int:
             try:
                 report = kill_trial(directory, seed)
                 print(json.dumps(report), flush=True)
-            except AssertionError as err:
+            except Exception as err:  # noqa: BLE001 - report every kind of failure, go on
                 failures += 1
-                print(json.dumps({"seed": seed, "failed": str(err)}), flush=True)
+                print(json.dumps({"seed": seed, "failed": f"{type(err).__name__}: {err}"}), flush=True)
     print(f"{args.trials - failures}/{args.trials} SIGKILL trials intact")
     return 1 if failures else 0
 

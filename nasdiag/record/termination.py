@@ -51,38 +51,42 @@ class _TerminationGuard:
             self._installed = False
 
     def _close_all(self) -> None:
+        self._for_all("close")
+
+    def _for_all(self, action: str) -> None:
         if os.getpid() != self._pid:
             return  # a forked child (e.g. a DataLoader worker) must never touch the parent's files
         for recorder in list(self._recorders):
             try:
-                recorder.close()
-            except Exception as err:  # at exit there is no caller left to raise to
-                warnings.warn(f"closing {recorder.path} at exit failed: {err}", RecordWarning)
+                getattr(recorder, action)()
+            except Exception as err:  # in a signal handler or at exit there is no caller to raise to
+                warnings.warn(f"{action} of {recorder.path} failed: {err}", RecordWarning)
 
     def _on_sigterm(self, signum, frame) -> None:
-        if os.getpid() == self._pid:
-            if any(r._busy for r in list(self._recorders)):
-                # The signal arrived inside a flush; closing now would re-enter HDF5 mid-write.
-                # The flush calls `finish_pending_signal` when it is done.
-                self._pending_signal = signum
-                return
-            self._close_all()
-        self._chain(signum, frame)
+        if os.getpid() == self._pid and any(r._busy for r in list(self._recorders)):
+            # The signal arrived inside log/flush; acting now would re-enter the recorder mid-write.
+            # The recorder calls `finish_pending_signal` when it is done.
+            self._pending_signal = signum
+            return
+        self._handle(signum, frame)
 
     def finish_pending_signal(self) -> None:
-        """Called by a recorder after a flush; handles a SIGTERM that arrived during it."""
+        """Called by a recorder after log/flush; handles a SIGTERM that arrived during it."""
         signum, self._pending_signal = self._pending_signal, None
         if signum is not None:
-            self._close_all()
-            self._chain(signum, None)
+            self._handle(signum, None)
 
-    def _chain(self, signum, frame) -> None:
+    def _handle(self, signum, frame) -> None:
         previous = self._previous
         if callable(previous):
+            # Someone else decides whether the process ends (e.g. a checkpoint-and-requeue handler):
+            # make everything durable but leave the recorders usable.
+            self._for_all("flush")
             previous(signum, frame)
         elif previous == signal.SIG_IGN:
-            return
-        else:  # default action: terminate with the signal, as if we had not been here
+            self._for_all("flush")
+        else:  # default action: close cleanly, then terminate by the signal as if we had not been here
+            self._close_all()
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
 

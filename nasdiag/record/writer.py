@@ -329,6 +329,17 @@ class Recorder:
         float path; not a float into an int path). NaN/inf are recorded as they are, counted in the
         dataset's ``nonfinite_count`` attribute and reported once per path with a `RecordWarning`.
         """
+        if self._busy:
+            raise RecordError("Recorder.log re-entered (from a signal handler or another thread); a recorder serves one thread")
+        self._busy = True
+        try:
+            self._log(step, values)
+        finally:
+            self._busy = False
+            if GUARD.pending:
+                GUARD.finish_pending_signal()
+
+    def _log(self, step, values) -> None:
         if self._closed or self._failure is not None:
             self._refuse()
         last = self._session_last_step
@@ -360,7 +371,7 @@ class Recorder:
         if self._rows >= self.flush_every or (
             self.flush_seconds is not None and time.monotonic() - self._last_flush >= self.flush_seconds
         ):
-            self.flush()
+            self._flush()
 
     def _refuse(self):
         if self._closed:
@@ -375,7 +386,7 @@ class Recorder:
             if self._file is not None:
                 # SWMR cannot create datasets in an open file: finish this segment, start the next.
                 # (A placeholder is replaced by the first flush, so it needs no switch.)
-                self.flush()
+                self._flush()
                 self._close_segment()
                 self._segment_index += 1
             for path, shape, dtype in new_columns:
@@ -385,17 +396,22 @@ class Recorder:
 
     def flush(self) -> None:
         """Write and commit the buffered rows now (no-op when none are buffered)."""
-        if self._rows == 0 or self._closed:
-            return
-        if self._failure is not None:
-            raise RecordError(f"recorder for {self.path} failed earlier ({self._failure}); it accepts no more rows")
+        if self._busy:
+            raise RecordError("Recorder.flush re-entered (from a signal handler or another thread); a recorder serves one thread")
         self._busy = True
         try:
-            self._write_batch()
+            self._flush()
         finally:
             self._busy = False
             if GUARD.pending:
                 GUARD.finish_pending_signal()
+
+    def _flush(self) -> None:
+        if self._rows == 0 or self._closed:
+            return
+        if self._failure is not None:
+            raise RecordError(f"recorder for {self.path} failed earlier ({self._failure}); it accepts no more rows")
+        self._write_batch()
 
     def close(self) -> None:
         """Flush, close the segment and release the lock. Safe to call twice."""
