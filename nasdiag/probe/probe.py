@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from nasdiag.cost import CostMoments, analyse, scatter_cells
-from nasdiag.probe.capture import StepCapture
+from nasdiag.probe.capture import HookSet, StepCapture
 from nasdiag.probe.discovery import CellInfo, EdgeInfo, EdgeSpecArg, ProbeError, discover
 from nasdiag.probe.layout import Group, build_groups
 
@@ -24,12 +24,13 @@ HESSIAN_MODES = ("diag", "approx", "exact")
 class _StepResult:
     """The small per-step results kept after a block (no activations, no graph)."""
 
-    __slots__ = ("per_sample", "costs", "available", "selected", "paths", "node_costs", "deviation",
+    __slots__ = ("per_sample", "costs", "matrix", "available", "selected", "paths", "node_costs", "deviation",
                  "model_inputs", "targets")
 
     def __init__(self):
         self.per_sample: List[Optional[torch.Tensor]] = []
         self.costs: List[torch.Tensor] = []
+        self.matrix: Optional[torch.Tensor] = None  # (N, K) costs when all edges share K and ran once
         self.available: List[bool] = []
         self.selected: List[Optional[torch.Tensor]] = []
         self.paths: List[Dict[str, List[torch.Tensor]]] = []
@@ -116,6 +117,8 @@ class Probe:
         self._groups: Tuple[Group, ...] = tuple(build_groups(self._edges))
         self._moments: Dict[str, CostMoments] = {}
         self._last: Optional[_StepResult] = None
+        self._norm_cache: Dict[bool, Dict[Tuple[int, int], nn.Module]] = {}
+        self._index_cache: Dict[Tuple[str, torch.device], Tuple[torch.Tensor, torch.Tensor]] = {}
         self._recording = False
         self._steps = 0
 
@@ -159,31 +162,27 @@ class Probe:
         cap = StepCapture(self._edges, self._cells, path_split=self.path_split,
                           check_convention=self._convention_unchecked, incoming=self._incoming,
                           track_selected=self.statistics_mode == "sampled")
-        handles = []
+        hooks = HookSet()
         self._recording = True
         try:
             for p, e in enumerate(self._edges):
-                handles.append(e.module.register_forward_pre_hook(partial(cap.edge_pre, p), with_kwargs=True))
-                handles.append(e.module.register_forward_hook(partial(cap.edge_post, p)))
+                hooks.forward_pre(e.module, partial(cap.edge_pre, p), with_kwargs=True)
+                hooks.forward(e.module, partial(cap.edge_post, p))
             for oid, slots in self._candidate_slots.items():
-                handles.append(self._candidate_modules[oid].register_forward_hook(partial(cap.candidate_post, slots)))
+                hooks.forward(self._candidate_modules[oid], partial(cap.candidate_post, slots))
             for c, cell in enumerate(self._cells):
-                handles.append(cell.module.register_forward_pre_hook(partial(cap.cell_pre, c)))
-                handles.append(cell.module.register_forward_hook(partial(cap.cell_post, c)))
+                hooks.forward_pre(cell.module, partial(cap.cell_pre, c))
+                hooks.forward(cell.module, partial(cap.cell_post, c))
             if self.norm_deviation:
-                for p, e in enumerate(self._edges):
-                    for k, op in enumerate(e.ops):
-                        norm = analyse(op).invariant_by
-                        if norm is not None and norm is not op and hasattr(norm, "eps"):
-                            handles.append(norm.register_forward_pre_hook(partial(cap.norm_pre, (p, k))))
+                for (p, k), norm in self._invariance_norms().items():
+                    hooks.forward_pre(norm, partial(cap.norm_pre, (p, k)))
             if self.hessian_mode is not None:
-                handles.append(self.model.register_forward_pre_hook(cap.model_pre, with_kwargs=True))
+                hooks.forward_pre(self.model, cap.model_pre, with_kwargs=True)
             yield self
             result = self._collect(cap)
             result.targets = targets
         finally:
-            for h in handles:
-                h.remove()
+            hooks.remove()
             cap.release()
             self._recording = False
         self._convention_unchecked = cap.check_convention
@@ -191,29 +190,47 @@ class Probe:
         self._steps += 1
         self._update_statistics(result)
 
+    def _invariance_norms(self) -> Dict[Tuple[int, int], nn.Module]:
+        """(edge, op) -> the normalization that makes the op scale-invariant; cached per train/eval mode."""
+        key = self.model.training
+        if key not in self._norm_cache:
+            norms = {}
+            for p, e in enumerate(self._edges):
+                for k, op in enumerate(e.ops):
+                    norm = analyse(op).invariant_by
+                    if norm is not None and norm is not op and hasattr(norm, "eps"):
+                        norms[(p, k)] = norm
+            self._norm_cache[key] = norms
+        return self._norm_cache[key]
+
     def _collect(self, cap: StepCapture) -> _StepResult:
         r = _StepResult()
         no_forward, no_grad, partial_ops = [], [], []
+        parts = cap.per_sample
+        r.available = [bool(pp) for pp in parts]
+        if all(len(pp) == 1 for pp in parts) and len({pp[0].shape for pp in parts}) == 1:
+            # the common case: one call per edge, same batch and K: two kernels for all edges
+            stacked = torch.stack([pp[0] for pp in parts])  # (N, B, K)
+            r.per_sample = list(stacked.unbind(0))
+            r.matrix = stacked.sum(1)
+            r.costs = list(r.matrix.unbind(0))
+        else:
+            for pp in parts:
+                ps, total = _sum_calls(pp) if pp else (None, None)
+                r.per_sample.append(ps)
+                r.costs.append(total)
         for p, e in enumerate(self._edges):
-            parts = cap.per_sample[p]
-            if parts:
-                ps, total = _sum_calls(parts)
-                r.available.append(True)
-            else:
-                ps, total = None, None
-                r.available.append(False)
+            if not r.available[p]:
                 (no_forward if cap.n_forward[p] == 0 else no_grad).append(e.name)
             if cap.missing_ops[p]:
                 partial_ops.append(f"{e.name} ops {sorted(cap.missing_ops[p])}")
-            r.per_sample.append(ps)
-            r.costs.append(total)  # None until a reference dtype/device is known
-            r.selected.append(cap.selected[p])
-            r.paths.append(cap.paths[p])
         ref = next((t for t in r.costs if t is not None), torch.empty(0))
         r.costs = [t if t is not None else ref.new_full((e.n_ops,), math.nan) for t, e in zip(r.costs, self._edges)]
+        r.selected = cap.selected
+        r.paths = cap.paths
         for c in range(len(self._cells)):
-            parts = cap.node_costs[c]
-            r.node_costs.append(_sum_calls(parts)[0] if parts else None)
+            nodes = cap.node_costs[c]
+            r.node_costs.append(_sum_calls(nodes)[0] if nodes else None)
         r.deviation = cap.deviation
         r.model_inputs = cap.model_inputs
         if no_forward:
@@ -253,6 +270,7 @@ class Probe:
             the backward never reached it, or a candidate op did not run.
         """
         r = self._require_step()
+        self._flag_nan(r)
         if not per_sample:
             return {e.name: r.costs[p] for p, e in enumerate(self._edges)}
         out = {}
@@ -262,6 +280,16 @@ class Probe:
                 raise ProbeError(f"edge {e.name!r} ran with different batch sizes in one block; per-sample costs are undefined")
             out[e.name] = ps if ps is not None else torch.full((1, e.n_ops), math.nan)
         return out
+
+    def _flag_nan(self, r: _StepResult) -> None:
+        if r.matrix is not None:  # one synchronisation for all edges
+            has_nan = torch.isnan(r.matrix).any(1).tolist()
+        else:
+            has_nan = [bool(torch.isnan(c).any()) for c in r.costs]
+        bad = [e.name for p, e in enumerate(self._edges) if r.available[p] and has_nan[p]]
+        if bad:
+            warnings.warn(f"probe: NaN cost at edge(s) {_short_list(bad)} (e.g. a NaN loss); it is recorded as NaN "
+                          "in the statistics too", RuntimeWarning, stacklevel=3)
 
     def cell_type_costs(self) -> Dict[str, torch.Tensor]:
         """Costs of the last step summed over the cells of each group, ``{group: (E, K)}``: for α shared by
@@ -416,27 +444,33 @@ class Probe:
 
     # -- statistics across steps -----------------------------------------------------------------
     def _layout(self, g: Group, rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        obs = scatter_cells(rows, g.cell_slot.to(rows.device), g.edge_index.to(rows.device), g.n_cells, g.n_edges)
+        key = (g.name, rows.device)
+        if key not in self._index_cache:  # device copies of the layout, made once (no copy per step)
+            self._index_cache[key] = (g.cell_slot.to(rows.device), g.edge_index.to(rows.device))
+        slot, eidx = self._index_cache[key]
+        obs = scatter_cells(rows, slot, eidx, g.n_cells, g.n_edges)
         return obs, ~torch.isnan(obs)
 
     def _update_statistics(self, r: _StepResult) -> None:
+        # No host-device synchronisation here: masks stay on the device, NaN is flagged when read.
         for g in self._groups:
-            rows = torch.stack([r.costs[p].to(torch.float64) for p in g.members])
-            avail = torch.tensor([r.available[p] for p in g.members], device=rows.device).unsqueeze(1).expand_as(rows)
+            rows = torch.stack([r.costs[p] for p in g.members]).to(torch.float64)
+            avail = None
+            if not all(r.available[p] for p in g.members):
+                avail = torch.tensor([r.available[p] for p in g.members]).to(rows.device).unsqueeze(1).expand_as(rows)
             if self.statistics_mode == "sampled":
-                sel = torch.stack([
-                    r.selected[p].to(rows.device) if r.selected[p] is not None else torch.zeros(g.n_ops, dtype=torch.bool, device=rows.device)
-                    for p in g.members])
-                avail = avail & sel
-            obs, _ = self._layout(g, rows)
-            mask = self._layout(g, avail.to(rows.dtype))[0] == 1  # NaN (no such edge) compares False
+                none = torch.zeros(g.n_ops, dtype=torch.bool, device=rows.device)
+                sel = torch.stack([none if r.selected[p] is None else r.selected[p].to(rows.device) for p in g.members])
+                avail = sel if avail is None else avail & sel
+            obs, present = self._layout(g, rows)
+            if avail is None:
+                # cells of a type may lack some edge index: those entries are NaN in the layout, not observed
+                mask = None if len(g.members) == g.n_cells * g.n_edges else self._layout(g, torch.ones_like(rows))[0] == 1
+            else:
+                mask = self._layout(g, avail.to(rows.dtype))[0] == 1  # NaN (no such edge) compares False
             if g.name not in self._moments:
                 self._moments[g.name] = CostMoments((g.n_edges, g.n_ops), device=rows.device)
             self._moments[g.name].update(obs, mask)
-        bad = [e.name for p, e in enumerate(self._edges) if r.available[p] and bool(torch.isnan(r.costs[p]).any())]
-        if bad:
-            warnings.warn(f"probe: NaN cost at edge(s) {_short_list(bad)}; recorded as NaN in the statistics",
-                          RuntimeWarning, stacklevel=3)
 
     def statistics(self) -> Dict[str, np.ndarray]:
         """Streaming cost statistics in the recorder's schema, a flat ``{dataset path: float64 array}``:
@@ -448,12 +482,17 @@ class Probe:
         was non-zero, so under one-hot sampling ``count`` is the per-op sample count and ``mean`` is E[C | sampled].
         Entries never observed are NaN with count 0.
         """
-        out = {}
+        out, nan_groups = {}, []
         for g in self._groups:
             m = self._moments.get(g.name) or CostMoments((g.n_edges, g.n_ops))
+            if bool(torch.isnan(m.mean).any()):
+                nan_groups.append(g.name)
             out[f"cost/{g.name}/mean"] = torch.where(m.count > 0, m.mean, torch.full_like(m.mean, math.nan)).cpu().numpy()
             out[f"cost/{g.name}/var"] = m.var.cpu().numpy()
             out[f"cost/{g.name}/count"] = m.count.cpu().numpy()
+        if nan_groups:
+            warnings.warn(f"probe: the cost statistics of {_short_list(nan_groups)} hold NaN (a NaN cost was observed)",
+                          RuntimeWarning, stacklevel=2)
         return out
 
     def moments(self) -> Dict[str, CostMoments]:
