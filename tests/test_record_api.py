@@ -244,6 +244,11 @@ def test_resume_of_nothing_starts_a_record_and_empty_recorder_has_no_last_step(t
         assert rec.last_step is None
         rec.log(0, {"scalars/x": 1.0})
     assert load_meta(path)["method"] == "darts"  # meta inherited on resume
+    with Recorder(tmp_path / "bare.h5") as rec:
+        rec.log(0, {"scalars/x": 1.0})
+    with h5py.File(tmp_path / "bare.h5", "r") as f:  # every root attribute, even without meta
+        assert (f.attrs["method"], f.attrs["config"], f.attrs["seed"]) == ("", "{}", -1)
+    assert "seed" not in load_meta(tmp_path / "bare.h5")
 
 
 def test_nonfinite_recorded_counted_and_warned(tmp_path):

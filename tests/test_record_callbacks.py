@@ -84,6 +84,19 @@ def test_on_exception_writes_and_flushes_held_rows(tmp_path):
     np.testing.assert_array_equal(load(path)["step"], range(1, 7))
 
 
+def test_recorder_flush_writes_the_held_row(tmp_path):
+    path = tmp_path / "run.h5"
+    recorder = Recorder(path, flush_every=64, flush_seconds=None)
+    cb = RecorderCallback(recorder)
+    cb.on_step_end(1, {"scalars/a": 1.0})
+    cb.on_step_end(2, {"scalars/a": 2.0})
+    recorder.flush()
+    np.testing.assert_array_equal(load(path)["scalars/a"], [1.0, 2.0])  # live, before close
+    cb.on_step_end(3, {"scalars/a": 3.0})
+    cb.close()
+    np.testing.assert_array_equal(load(path)["step"], [1, 2, 3])
+
+
 def test_callback_accepts_torch_tensors(tmp_path):
     torch = pytest.importorskip("torch")
     path = tmp_path / "run.h5"

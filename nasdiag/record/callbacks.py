@@ -45,7 +45,7 @@ class RecorderCallback:
     Rows: each step is one row. The row of a step is held back until a hook brings another step
     (or ``on_exception`` / close), so that ``on_epoch_end`` can add the epoch's statistics to the row
     of the epoch's last step, and calls with the same step (gradient accumulation) merge into one
-    row; later values of a path replace earlier ones. ``on_epoch_end`` adds ``scalars/epoch``
+    row; later values of a path replace earlier ones. ``recorder.flush()`` writes the held row too. ``on_epoch_end`` adds ``scalars/epoch``
     (float32) when absent. A held-back row is written when the recorder closes, also on SIGTERM and
     at exit, so at most ``flush_every + 1`` rows are lost to a SIGKILL.
     """
@@ -81,7 +81,7 @@ class RecorderCallback:
                 raise RecordError(f"target must be a path, a Recorder or None, got {type(target).__name__}")
             self.recorder = Recorder(target, meta=meta, **recorder_kwargs) if distributed.is_writer(group) else None
         if self.recorder is not None:
-            self.recorder._before_close.append(self._write_pending)
+            self.recorder._before_flush.append(self._write_pending)
             self._last_step = self.recorder.last_step
 
     @property

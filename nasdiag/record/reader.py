@@ -69,7 +69,7 @@ def read_meta(f: h5py.File) -> dict:
         meta["method"] = _attr_str(attrs["method"])
     if "config" in attrs:
         meta["config"] = json.loads(_attr_str(attrs["config"]))
-    if "seed" in attrs:
+    if "seed" in attrs and int(attrs["seed"]) != schema.NO_SEED:
         meta["seed"] = int(attrs["seed"])
     group = f.get(schema.META)
     if group is not None:

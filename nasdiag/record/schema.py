@@ -37,6 +37,9 @@ PATHS_ATTR = "paths"
 #: Fill value of /step: a slot that reads -1 was never committed (see `committed_rows`).
 STEP_FILL = -1
 
+#: Root attribute ``seed`` when meta has none (seeds must be >= 0).
+NO_SEED = -1
+
 #: meta keys with a fixed meaning; any other key is kept as a JSON attribute of /meta.
 KNOWN_META_KEYS = ("method", "config", "seed", "op_names", "edge_names", "cell_types")
 
@@ -175,8 +178,8 @@ def normalize_meta(meta: Mapping[str, Any] | None) -> dict[str, Any]:
                 raise RecordError(f"meta['config'] must be a dict, got {type(value).__name__}")
             value = json.loads(_json(key, dict(value)))
         elif key == "seed":
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise RecordError(f"meta['seed'] must be an int, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+                raise RecordError(f"meta['seed'] must be a non-negative int, got {value!r}")
             value = int(value)
         elif key in ("op_names", "cell_types"):
             value = _str_list(key, value)

@@ -225,8 +225,8 @@ class Recorder:
         self._busy = False
         self._failure: str | None = None
         self._last_flush = time.monotonic()
-        # Called by `close` before the final flush: a callback writes the row it holds back.
-        self._before_close: list = []
+        # Called by `flush` and `close` first: a callback writes the row it holds back.
+        self._before_flush: list = []
         self._lock = WriterLock(schema.lock_path(path), path)
         self._lock.acquire()
         try:
@@ -396,6 +396,9 @@ class Recorder:
 
     def flush(self) -> None:
         """Write and commit the buffered rows now (no-op when none are buffered)."""
+        if not self._busy and not self._closed:
+            for hook in self._before_flush:
+                hook()
         if self._busy:
             raise RecordError("Recorder.flush re-entered (from a signal handler or another thread); a recorder serves one thread")
         self._busy = True
@@ -417,7 +420,7 @@ class Recorder:
         """Flush, close the segment and release the lock. Safe to call twice."""
         if self._closed:
             return
-        hooks, self._before_close = self._before_close, []
+        hooks, self._before_flush = self._before_flush, []
         try:
             for hook in hooks:
                 hook()
@@ -625,8 +628,7 @@ class Recorder:
         attrs["nasdiag_version"] = _nasdiag_version()
         attrs["method"] = self._meta.get("method", "")
         attrs["config"] = json.dumps(self._meta.get("config", {}), sort_keys=True)
-        if "seed" in self._meta:
-            attrs["seed"] = np.int64(self._meta["seed"])
+        attrs["seed"] = np.int64(self._meta.get("seed", schema.NO_SEED))
         attrs["torch_version"] = _version("torch")
         attrs["h5py_version"] = h5py.__version__
         attrs["hdf5_version"] = h5py.version.hdf5_version
