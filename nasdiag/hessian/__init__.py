@@ -1,0 +1,33 @@
+"""Second-order diagnostics: diagonal Hessians of weights and of architecture (mixing) weights.
+
+* :func:`diag_hessian` — weights, modes ``exact`` / ``diag`` / ``approx`` (bayesnas-appendix §C.1-C.2).
+* :func:`arch_diag_hessian` — mixing weights Z (or α) per edge, C.3.1-C.3.2 (``exact`` by HVPs).
+* :func:`register_rule` — teach the recursions a new module type.
+"""
+
+from nasdiag.hessian.arch import arch_diag_hessian
+from nasdiag.hessian.arch_exact import exact_arch_diag_hessian
+from nasdiag.hessian.rules import (
+    ElementwiseRule,
+    HessianRule,
+    ModuleCall,
+    NormRule,
+    UnsupportedModuleError,
+    register_rule,
+    supported_modules,
+)
+from nasdiag.hessian.weights import HESSIAN_MODES, diag_hessian
+
+__all__ = [
+    "ElementwiseRule",
+    "HESSIAN_MODES",
+    "HessianRule",
+    "ModuleCall",
+    "NormRule",
+    "UnsupportedModuleError",
+    "arch_diag_hessian",
+    "diag_hessian",
+    "exact_arch_diag_hessian",
+    "register_rule",
+    "supported_modules",
+]

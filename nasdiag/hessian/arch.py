@@ -1,0 +1,232 @@
+"""Curvature of the architecture (mixing) weights of every edge: bayesnas-appendix C.3.
+
+An edge's mixed op computes ``x_j = Σ_k Z_k B_k`` with ``B_k = O_k(x_i)`` the k-th candidate's output.
+``x_j`` is linear in ``Z_k``, so ``∂²L/∂Z_k² = B_kᵀ H_j B_k`` exactly, with ``H_j`` the full Hessian of the
+loss w.r.t. the edge output. The BayesNAS recursion keeps only the diagonal of ``H_j`` (C.3.1 as
+``H = E(Σ B_i² H_j)``; the ``E`` is the batch average that our mean-reduced loss already carries):
+
+* ``diag``:   ``H_Z,k = Σ_{n,c,p} B_k² ∘ h_j`` with ``h_j`` from the diagonal recursion (C.1.4-C.2.3);
+* ``approx``: ``H_Z,k = Σ_c (Σ_{n,p} B_k²)_c · E_{n,p}(h_j)_c``, C.3.2 with ``h_j`` from the feature-mean
+  recursion (C.2.4-C.2.5). The text copy prints ``(E(|B_i|)² H_j)``; under the independence of B and
+  H that C.3.2 invokes, ``E(B² H) = E(B²) E(H)`` needs the mean of the *square* (``E(|B|)²`` would drop
+  the variance of B), which is what we compute.
+
+What each mode drops (docs/hessian.md has measured errors against ``exact``):
+
+* both: off-diagonal entries of ``H_j`` (between positions, channels and samples coupled by later
+  layers, BatchNorm and the loss), and cross terms between the branches of every fan-out on the way
+  from the loss to the edge;
+* ``approx`` also: the variation of ``h_j`` over batch and space within a channel;
+* ``wrt="alpha"``: the chain rule through ``Z = softmax(α)`` uses only the diagonal of the edge's
+  ``∂²L/∂Z²`` (``Σ_k J_ki² H_Z,k + Σ_k g_k ∂²Z_k/∂α_i²``), dropping its off-diagonal ``k ≠ k'`` terms;
+* shared α: results are per edge (per cell). When several cells share one α (DARTS shares one per
+  cell type) the caller sums their edges; the cross-cell terms ``∂²L/∂α^{(c)}∂α^{(c')}`` are dropped
+  (also by ``exact``, which is exact per edge).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Mapping, Optional
+
+import torch
+from torch import nn
+
+from nasdiag.hessian._hvp import call_model, preserved_buffers, scalar_loss
+from nasdiag.hessian.arch_exact import _check_softmax_weights, _resolve_edges, softmax_chain_diag
+from nasdiag.hessian.loss_curvature import output_hessian_diagonal
+from nasdiag.hessian.propagate import walk_diagonals
+from nasdiag.hessian.rules import HessianRule
+from nasdiag.hessian.trace import ModuleTracer, edge_of
+
+__all__ = ["arch_diag_hessian", "ARCH_MODES"]
+
+ARCH_MODES = ("exact", "diag", "approx")
+
+
+def arch_diag_hessian(
+    model: nn.Module,
+    loss_fn: Callable[[torch.Tensor, object], torch.Tensor],
+    inputs,
+    targets,
+    edges: Mapping[str, object],
+    mode: str = "approx",
+    wrt: str = "Z",
+    *,
+    rules: Optional[Mapping[type, HessianRule]] = None,
+) -> Dict[str, torch.Tensor]:
+    """Diagonal of ``∂²L/∂Z²`` (or ``∂²L/∂α²``) for each edge's mixing weights (C.3.1-C.3.2).
+
+    Args:
+        model: the supernet; ``model(inputs)`` (``model(*inputs)`` for a tuple) returns one tensor.
+        loss_fn: ``loss_fn(outputs, targets) -> scalar``; the Hessian is of exactly that scalar (mean
+            reduction: of the batch mean). ``diag``/``approx`` need a per-sample loss (checked).
+        inputs, targets: one mini-batch.
+        edges: ``{edge name: (mixed_op_module, [candidate op modules])}`` (or values with ``.module`` and
+            ``.ops`` such as ``Network.edge_specs()`` items). The mixed op's forward is
+            ``(x, weights) -> Σ_k weights[k] * ops[k](x)``, weights (K,) or (B, K) as the second positional
+            argument or ``weights=``.
+        mode: ``"approx"`` (C.3.2 on the feature-mean recursion, the cheap one), ``"diag"`` (C.3.1 on
+            the diagonal recursion) or ``"exact"`` (Hessian-vector products,
+            :func:`~nasdiag.hessian.exact_arch_diag_hessian`).
+        wrt: ``"Z"`` for the mixing weights; ``"alpha"`` chains through ``Z = softmax(α)`` per edge
+            (needs (K,) probability-vector weights).
+        rules: per-call ``{module type: HessianRule}`` overrides (``diag``/``approx``).
+
+    Returns:
+        ``{edge name: tensor (K,)}`` in the model's dtype, in the order of ``edges``. With (B, K)
+        per-sample weights the entry is the curvature of a (K,) shift shared by the batch,
+        ``Σ_{n} Σ B_{k,n}² h_{j,n}``. A mixed op that runs several times (tied weights) gets the sum over
+        its calls.
+
+    Raises:
+        ValueError: unknown mode/wrt, bad ``edges``, an edge that never ran or skipped a candidate op,
+            ``wrt="alpha"`` on weights that are not a softmax.
+        UnsupportedModuleError: a module or op on the path has no rule (names it, lists the supported
+            modules, says how to register one).
+
+    Side effects: none (hooks removed on every path, BatchNorm running statistics unchanged).
+    """
+    if mode not in ARCH_MODES:
+        raise ValueError(f"mode must be one of {ARCH_MODES}, got {mode!r}")
+    if wrt not in ("Z", "alpha"):
+        raise ValueError(f"wrt must be 'Z' or 'alpha', got {wrt!r}")
+    if mode == "exact":
+        if rules is not None:
+            raise ValueError("rules= only applies to mode='diag' or 'approx'")
+        return _exact(model, loss_fn, inputs, targets, edges, wrt)
+
+    names, modules, _ = _resolve_edges(model, edges)
+    ops = [_edge_ops(edges[n]) for n in names]
+    recorder = _EdgeRecorder(names, modules, ops)
+    tracer = ModuleTracer(model, rules)
+    with preserved_buffers(model), torch.enable_grad():
+        with tracer, recorder:
+            outputs = call_model(model, inputs)
+        if not isinstance(outputs, torch.Tensor):
+            raise TypeError(f"model must return one tensor for mode={mode!r}, got {type(outputs).__name__}")
+        recorder.check_complete()
+        loss = scalar_loss(loss_fn, outputs, targets)
+        h_out = output_hessian_diagonal(loss_fn, outputs, targets)
+        _, h_nodes, g_nodes = walk_diagonals(tracer, loss, outputs, h_out, mode, observe=recorder.observe)
+
+    if wrt == "alpha":
+        _check_softmax_weights(recorder.weights)
+    result: Dict[str, torch.Tensor] = {}
+    for name in names:
+        hess = grad = None
+        for key, op_outputs in recorder.calls[name]:
+            h_j = h_nodes.get(key)
+            if h_j is None:  # the edge output does not reach the loss
+                continue
+            g_j = g_nodes[key]
+            B = torch.stack([b.expand_as(h_j) if b.shape != h_j.shape else b for b in op_outputs])  # (K, *out)
+            H = _curvature(B, h_j, mode)
+            G = (B * g_j).flatten(1).sum(1)
+            hess, grad = (H, G) if hess is None else (hess + H, grad + G)
+        if hess is None:
+            K = len(ops[names.index(name)])
+            hess = torch.zeros(K, dtype=outputs.dtype, device=outputs.device)
+            grad = torch.zeros_like(hess)
+        if wrt == "alpha":
+            z = recorder.weights[name][0].to(hess.dtype)
+            hess = softmax_chain_diag(z, grad, torch.diag(hess))
+        result[name] = hess.detach()
+    return result
+
+
+def _curvature(B: torch.Tensor, h_j: torch.Tensor, mode: str) -> torch.Tensor:
+    """``Σ B_k² h_j`` (C.3.1) or its feature-mean factorization (C.3.2), for all k at once."""
+    if mode == "diag":
+        return (B.square() * h_j).flatten(1).sum(1)
+    channel = 1 if h_j.dim() > 1 else 0
+    other = tuple(d for d in range(h_j.dim()) if d != channel)
+    h_mean = h_j.mean(other) if other else h_j
+    b2 = B.square().sum(tuple(d + 1 for d in other)) if other else B.square()
+    return b2 @ h_mean
+
+
+def _edge_ops(value) -> List[nn.Module]:
+    if isinstance(value, (tuple, list)):
+        return list(value[1])
+    return list(value.ops)
+
+
+class _EdgeRecorder:
+    """Hooks on each mixed op (its weights and output edge, per call) and its candidate ops (their outputs)."""
+
+    def __init__(self, names, modules, ops):
+        self.names, self.modules, self.ops = names, modules, ops
+        self.weights: Dict[str, List[torch.Tensor]] = {n: [] for n in names}
+        self.calls: Dict[str, List[tuple]] = {n: [] for n in names}
+        self.observe: Dict[tuple, str] = {}
+        self._frames: Dict[str, List[Dict[int, torch.Tensor]]] = {n: [] for n in names}
+        self._handles = []
+
+    def __enter__(self):
+        try:
+            for name, module, ops in zip(self.names, self.modules, self.ops):
+                self._handles.append(module.register_forward_pre_hook(self._pre(name), with_kwargs=True))
+                self._handles.append(module.register_forward_hook(self._post(name, len(ops))))
+                for k, op in enumerate(ops):
+                    self._handles.append(op.register_forward_hook(self._op(name, k)))
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _pre(self, name):
+        def hook(module, args, kwargs):
+            weights = kwargs.get("weights", args[1] if len(args) > 1 else None)
+            if not isinstance(weights, torch.Tensor):
+                raise ValueError(
+                    f"edge {name!r}: the mixed op was called without mixing weights (expected forward(x, weights) "
+                    "with weights as the second positional argument or weights=)"
+                )
+            self.weights[name].append(weights.detach())
+            self._frames[name].append({})
+
+        return hook
+
+    def _op(self, name, k):
+        def hook(module, args, output):
+            frames = self._frames[name]
+            if frames:
+                frames[-1][k] = output.detach()
+
+        return hook
+
+    def _post(self, name, K):
+        def hook(module, args, output):
+            frame = self._frames[name].pop()
+            missing = [k for k in range(K) if k not in frame]
+            if missing:
+                raise ValueError(
+                    f"edge {name!r}: candidate op(s) {missing} did not run in this call of the mixed op, so their "
+                    "curvature is undefined; run every candidate (the BayesNAS formula needs each op output B_k)"
+                )
+            e = edge_of(output)
+            key = f"{name}#{len(self.calls[name])}"
+            self.calls[name].append((key, [frame[k] for k in range(K)]))
+            if e is not None:
+                self.observe[e] = key
+
+        return hook
+
+    def check_complete(self):
+        never = [n for n in self.names if not self.calls[n]]
+        if never:
+            raise ValueError(
+                f"mixed op(s) {never} never ran in the forward pass, so their curvature is undefined; "
+                "pass only edges that model(inputs) actually uses"
+            )
+
+
+def _exact(model, loss_fn, inputs, targets, edges, wrt):
+    from nasdiag.hessian.arch_exact import exact_arch_diag_hessian  # part B's HVP route
+
+    return exact_arch_diag_hessian(model, loss_fn, inputs, targets, edges, wrt=wrt)

@@ -1,0 +1,137 @@
+"""Exact diagonal Hessians of weights: the reference the recursions are measured against.
+
+Two routes, both exact to round-off:
+
+* :func:`chain_exact_diag` (bayesnas-appendix C.1.2-C.1.3, Botev et al. 2017): for a chain of
+  ``nn.Linear`` and elementwise activations, the *full* per-sample pre-activation Hessian is carried
+  back, ``H_i = B_i Wᵀ H_j W B_i + D_i``, and each weight's diagonal is ``Σ_n a_n² ⊗ diag(H_{j,n})``
+  (the diagonal of C.1.2's ``a aᵀ ⊗ H``). Memory O(N·D²) for the widest layer D.
+* :func:`hvp_exact_diag`: any model (convolutions, BatchNorm through its batch statistics, DAGs): one
+  Hessian-vector product per parameter entry, ``H e_i``, batched through one retained graph. Cost
+  grows with the number of parameters, so it is for small nets and for tests.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional
+
+import torch
+from torch import nn
+
+from nasdiag.hessian._hvp import HessianVectorProduct, preserved_buffers, scalar_loss
+from nasdiag.hessian.loss_curvature import output_hessian_blocks
+from nasdiag.hessian.rules import ModuleCall, rule_for
+from nasdiag.hessian.rules.elementwise import ElementwiseRule, IdentityRule, ReshapeRule
+
+__all__ = ["chain_exact_diag", "hvp_exact_diag", "as_linear_chain"]
+
+_CHAIN_TYPES = (nn.Linear, nn.ReLU, nn.LeakyReLU, nn.Sigmoid, nn.Tanh, nn.Identity, nn.Flatten)
+
+
+def as_linear_chain(model: nn.Module) -> Optional[List[tuple]]:
+    """``[(qualified name, module), ...]`` if ``model`` is a (nested) ``nn.Sequential`` of Linear layers
+    and elementwise activations (a Flatten allowed before the first Linear), else None."""
+    if isinstance(model, _CHAIN_TYPES):
+        return [("", model)]
+    if type(model) is not nn.Sequential:
+        return None
+    layers = []
+    for name, child in model.named_children():
+        sub = as_linear_chain(child)
+        if sub is None:
+            return None
+        layers.extend((f"{name}.{n}" if n else name, m) for n, m in sub)
+    seen_linear = False
+    for _, m in layers:
+        seen_linear |= isinstance(m, nn.Linear)
+        if isinstance(m, nn.Flatten) and seen_linear:
+            return None
+    return layers if seen_linear else None
+
+
+def chain_exact_diag(
+    layers: List[tuple], loss_fn: Callable, inputs: torch.Tensor, targets, values: Dict[str, torch.Tensor]
+) -> Dict[str, torch.Tensor]:
+    """Exact diagonal Hessian of the chain's weights by the full pre-activation recursion (C.1.2-C.1.3).
+
+    Args:
+        layers: from :func:`as_linear_chain`.
+        values: ``{qualified parameter name: value}`` to evaluate at and return.
+
+    Returns:
+        ``{name: diagonal}`` for the names in ``values``, of exactly the scalar ``loss_fn`` returns.
+    """
+    wanted = set(values)
+    # forward with the requested values, keeping each layer's input and output
+    records = []
+    x = inputs
+    with torch.enable_grad():
+        for name, m in layers:
+            params = {k: values.get(f"{name}.{k}" if name else k, p) for k, p in m.named_parameters(recurse=False)}
+            y = torch.func.functional_call(m, params, (x,))
+            if isinstance(m, nn.Linear) and x.dim() != 2:
+                raise ValueError(f"layer {name!r}: the chain recursion needs (N, features) inputs, got {tuple(x.shape)}")
+            if not y.requires_grad:
+                y = y.detach().requires_grad_(True)
+            records.append((name, m, params, x, y))
+            x = y
+        outputs = x
+        loss = scalar_loss(loss_fn, outputs, targets)
+        grads = torch.autograd.grad(loss, [r[4] for r in records], retain_graph=True, allow_unused=True)
+    H = output_hessian_blocks(loss_fn, outputs, targets)  # (N, D, D), full per-sample
+    out: Dict[str, torch.Tensor] = {}
+    remaining = set(wanted)
+    for (name, m, params, x, y), g in zip(reversed(records), reversed(grads)):
+        if not remaining:
+            break
+        x = x.detach()
+        if isinstance(m, nn.Linear):
+            W = params["weight"].detach()
+            h_diag = torch.diagonal(H, dim1=1, dim2=2)  # (N, out)
+            for attr, value in (("weight", h_diag.T @ x.square()), ("bias", h_diag.sum(0))):
+                key = f"{name}.{attr}" if name else attr
+                if key in wanted:
+                    out[key] = value
+                    remaining.discard(key)
+            H = W.T @ H @ W  # C.1.3 without the activation: the next layer's output Hessian
+            continue
+        rule = rule_for(m)
+        if isinstance(rule, (IdentityRule, ReshapeRule)):
+            continue  # Identity, or a Flatten before the first Linear (nothing requested below it)
+        assert isinstance(rule, ElementwiseRule)
+        d1, d2 = rule.derivatives(ModuleCall(name, m, x, y.detach()))
+        H = d1[:, :, None] * H * d1[:, None, :]  # B W^T H W B of C.1.3
+        if d2 is not None:
+            H = H + torch.diag_embed(d2 * (torch.zeros_like(y) if g is None else g))  # + D
+    return {k: out.get(k, torch.zeros_like(values[k])).detach() for k in values}
+
+
+def hvp_exact_diag(
+    model: nn.Module,
+    loss_fn: Callable,
+    inputs,
+    targets,
+    values: Dict[str, torch.Tensor],
+    *,
+    chunk_size: int = 32,
+) -> Dict[str, torch.Tensor]:
+    """Exact diagonal Hessian of ``values`` (by name) by ``Σ numel`` Hessian-vector products.
+
+    Train-mode BatchNorm is differentiated through its batch statistics; running statistics are left
+    untouched. ``values`` replace the model's tensors of those names (``functional_call``).
+    """
+    names = list(values)
+    leaves = {n: v.detach().clone().requires_grad_(True) for n, v in values.items()}
+    args = inputs if isinstance(inputs, tuple) else (inputs,)
+    with preserved_buffers(model), torch.enable_grad():
+        outputs = torch.func.functional_call(model, leaves, args)
+        loss = scalar_loss(loss_fn, outputs, targets)
+    hvp = HessianVectorProduct(loss, [leaves[n] for n in names], names)
+    diag = torch.empty(hvp.dim, dtype=hvp.dtype, device=hvp.device)
+    for start in range(0, hvp.dim, chunk_size):
+        stop = min(start + chunk_size, hvp.dim)
+        idx = torch.arange(start, stop, device=hvp.device)
+        basis = torch.zeros(stop - start, hvp.dim, dtype=hvp.dtype, device=hvp.device)
+        basis[idx - start, idx] = 1
+        diag[start:stop] = hvp(basis)[idx - start, idx]
+    return {n: part.view_as(values[n]) for n, part in zip(names, torch.split(diag, hvp.sizes))}

@@ -1,0 +1,78 @@
+"""Curvature of the loss w.r.t. the model outputs: the seed of every recursion.
+
+The diagonal recursions (bayesnas-appendix C.1-C.2) start from the pre-activation Hessian of the
+last layer, i.e. ``∂²loss/∂outputs²``. For a loss that is a sum or mean of per-sample terms
+(cross-entropy, MSE, ...) this is block diagonal over samples; we get the blocks from ``D``
+Hessian-vector products of ``loss_fn`` alone (not the network), D = outputs per sample, and check the
+block structure with ``D`` more products on randomly weighted samples instead of trusting it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from nasdiag.hessian._hvp import scalar_loss
+
+__all__ = ["output_hessian_blocks", "output_hessian_diagonal"]
+
+
+def output_hessian_blocks(
+    loss_fn: Callable, outputs: torch.Tensor, targets, *, chunk_size: int = 64, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Per-sample blocks of the Hessian of ``loss_fn(outputs, targets)`` w.r.t. ``outputs``.
+
+    Args:
+        loss_fn: ``loss_fn(outputs, targets) -> scalar``; the Hessian is of exactly that scalar (mean
+            reduction gives blocks 1/N times those of sum reduction).
+        outputs: (N, ...) model outputs; the graph behind them is not used.
+        targets: passed through to ``loss_fn``.
+        chunk_size: products per vmapped second backward.
+
+    Returns:
+        (N, D, D) with ``D = outputs[0].numel()``, in the outputs' dtype: ``blocks[n] = ∂²loss/∂y_n²``
+        for the flattened per-sample outputs ``y_n``.
+
+    Raises:
+        ValueError: the loss couples different samples (its Hessian has cross-sample blocks), which
+            the per-sample recursions cannot represent; use ``mode="exact"`` then.
+    """
+    if not isinstance(outputs, torch.Tensor) or outputs.dim() < 1:
+        raise TypeError(f"the model must return one tensor (N, ...) for the diagonal recursions, got {type(outputs).__name__}")
+    if not torch.is_floating_point(outputs):
+        raise ValueError(f"model outputs have dtype {outputs.dtype}; a Hessian needs floating-point outputs")
+    out = outputs.detach().requires_grad_(True)
+    N, D = out.shape[0], out[0].numel()
+    with torch.enable_grad():
+        loss = scalar_loss(loss_fn, out, targets)
+        (grad,) = torch.autograd.grad(loss, out, create_graph=True, allow_unused=True)
+    if grad is None or not grad.requires_grad:  # loss linear in the outputs (or independent of them)
+        return out.new_zeros(N, D, D)
+    weights = torch.randn(N, dtype=out.dtype, device=out.device, generator=generator)
+    eye = torch.eye(D, dtype=out.dtype, device=out.device)
+    cols, weighted_cols = [], []
+    for start in range(0, D, chunk_size):
+        basis = eye[start : start + chunk_size]  # (c, D): class pattern e_d on every sample
+        ones = basis[:, None, :].expand(-1, N, -1)
+        probe = torch.cat([ones, ones * weights[None, :, None]]).reshape(-1, *out.shape)
+        hv = torch.autograd.grad(grad, out, probe, retain_graph=True, is_grads_batched=True)[0]
+        hv = hv.reshape(2, -1, N, D)
+        cols.append(hv[0])
+        weighted_cols.append(hv[1])
+    cols, weighted_cols = torch.cat(cols), torch.cat(weighted_cols)  # (D, N, D): [d, n] = H_n[:, d]
+    scale = cols.abs().max() * weights.abs().max()
+    tol = 1e3 * torch.finfo(out.dtype).eps * scale
+    if (weighted_cols - cols * weights[None, :, None]).abs().max() > tol:
+        raise ValueError(
+            "loss_fn couples different samples (∂²loss/∂y_n∂y_m ≠ 0 for n ≠ m), so its Hessian w.r.t. the outputs is "
+            "not block diagonal and the per-sample recursions do not apply; use a per-sample loss (a sum or mean "
+            "of per-sample terms such as cross-entropy or MSE) or mode='exact'"
+        )
+    return cols.permute(1, 2, 0).contiguous()
+
+
+def output_hessian_diagonal(loss_fn: Callable, outputs: torch.Tensor, targets, **kwargs) -> torch.Tensor:
+    """Diagonal of ``∂²loss/∂outputs²``, in the shape of ``outputs`` (see :func:`output_hessian_blocks`)."""
+    blocks = output_hessian_blocks(loss_fn, outputs, targets, **kwargs)
+    return torch.diagonal(blocks, dim1=1, dim2=2).reshape(outputs.shape)

@@ -1,0 +1,252 @@
+"""The graph walk of the diagonal recursions over a module DAG.
+
+One backward sweep over the autograd graph of the forward pass, in reverse topological order, carries
+a diagonal ``h`` (same shape as the tensor) from the loss to the requested tensors:
+
+* at a rule leaf (a module with a :class:`~nasdiag.hessian.rules.HessianRule`) the rule maps the
+  diagonal w.r.t. its output to the diagonals w.r.t. its input and its parameters, and the walk jumps
+  straight to the producer of the module's input;
+* at any other autograd node (the glue between modules) a glue rule applies the squared backward;
+* where a tensor fans out to several consumers their contributions are summed. This is the diagonal
+  recursion on a DAG: the cross terms ``J_aᵀ H_ab J_b`` between the branches of a fan-out (and the
+  off-diagonal terms inside each tensor) are dropped, exactly as C.1.4-C.1.5 drop the off-diagonal
+  pre-activation Hessian on a chain. On a chain with a diagonal loss Hessian nothing is dropped.
+
+Only the part of the graph between the loss and the requested tensors is visited.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+from torch.autograd.graph import GradientEdge
+
+from nasdiag.hessian.glue import UnsupportedGlue, glue_rule_for
+from nasdiag.hessian.rules.base import UnsupportedModuleError, unsupported_module_message
+from nasdiag.hessian.trace import Edge, ModuleTracer, RuleCall, edge_of
+
+__all__ = ["walk_diagonals"]
+
+MODES = ("diag", "approx")
+
+
+def walk_diagonals(
+    tracer: ModuleTracer,
+    loss: torch.Tensor,
+    outputs: torch.Tensor,
+    h_outputs: torch.Tensor,
+    mode: str,
+    module_targets: Optional[Mapping[str, Mapping[str, str]]] = None,
+    leaf_targets: Optional[Mapping[object, str]] = None,
+    observe: Optional[Mapping[Edge, str]] = None,
+) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
+    """Run the recursion from ``h_outputs`` (diagonal of ∂²loss/∂outputs², shape of ``outputs``).
+
+    Args:
+        tracer: the calls recorded during the forward that produced ``outputs``.
+        loss: the scalar loss on ``outputs`` (its graph must still be alive).
+        mode: ``"diag"`` (C.1.4-C.1.5, C.2.1-C.2.3) or ``"approx"`` (C.2.4-C.2.5).
+        module_targets: ``{rule-leaf name: {param attribute: result key}}`` parameters to return.
+        leaf_targets: ``{AccumulateGrad node: result key}`` leaf tensors reached through glue.
+        observe: ``{(node, output index): key}`` tensors whose diagonal (and gradient) to report.
+
+    Returns:
+        ``(param_diagonals, observed_h, observed_g)``; parameter diagonals are summed over calls.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    module_targets, leaf_targets = dict(module_targets or {}), dict(leaf_targets or {})
+    root = edge_of(outputs)
+    if root is None:
+        raise ValueError("the model output does not require grad: nothing depends on the requested tensors")
+    rule_calls = tracer.rule_calls
+    observe_nodes: Dict[object, List[Tuple[int, str]]] = {}
+    for (node, nr), key in dict(observe or {}).items():
+        observe_nodes.setdefault(node, []).append((nr, key))
+
+    def children(node) -> List[Optional[Edge]]:
+        rc = rule_calls.get(node)
+        if rc is not None:
+            return [rc.input_edge]
+        return [None if n is None else (n, nr) for n, nr in node.next_functions]
+
+    def is_target(node) -> bool:
+        rc = rule_calls.get(node)
+        if rc is not None and rc.call.name in module_targets:
+            return True
+        return node in leaf_targets or node in observe_nodes
+
+    order, needed = _postorder(root[0], children, is_target)
+
+    # --- gradients the residual terms need, in one backward ---------------------------------
+    grad_edges: List[GradientEdge] = []
+    grad_slot: Dict[Tuple[object, int], int] = {}
+
+    def want_grad(node, nr):
+        if (node, nr) not in grad_slot:
+            grad_slot[(node, nr)] = len(grad_edges)
+            grad_edges.append(GradientEdge(node, nr))
+
+    for node in order:
+        if not needed[node]:
+            continue
+        rc = rule_calls.get(node)
+        if rc is not None:
+            if rc.input_edge is not None and needed.get(rc.input_edge[0]) and rc.rule.needs_grad_output(rc.call.module):
+                want_grad(*rc.output_edge)
+        else:
+            glue = glue_rule_for(node)
+            if glue is not None and glue.needs_grad:
+                want_grad(node, 0)
+        for nr, _ in observe_nodes.get(node, ()):
+            want_grad(node, nr)
+    grads: Sequence[Optional[torch.Tensor]] = ()
+    if grad_edges:
+        grads = torch.autograd.grad(loss, grad_edges, retain_graph=True, allow_unused=True)
+
+    def grad_of(node, nr, like):
+        g = grads[grad_slot[(node, nr)]]
+        return torch.zeros_like(like) if g is None else g
+
+    # --- the sweep -------------------------------------------------------------------------
+    opaque_by_node = {e[0]: oc for oc in tracer.opaque_calls for e in oc.output_edges}
+    buffers: Dict[object, Dict[int, torch.Tensor]] = {root[0]: {root[1]: h_outputs}}
+    reached_from: Dict[object, str] = {root[0]: "the model output"}
+    params: Dict[str, torch.Tensor] = {}
+    observed_h: Dict[str, torch.Tensor] = {}
+    observed_g: Dict[str, torch.Tensor] = {}
+
+    def push(edge: Optional[Edge], h: Optional[torch.Tensor], origin: str) -> None:
+        if edge is None or h is None or not needed.get(edge[0]):
+            return
+        node, nr = edge
+        slots = buffers.setdefault(node, {})
+        prev = slots.get(nr)
+        slots[nr] = h if prev is None else prev + h
+        reached_from.setdefault(node, origin)
+
+    with torch.no_grad():
+        for node in reversed(order):
+            if not needed[node]:
+                continue
+            slots = buffers.pop(node, None)
+            if slots is None:
+                continue
+            for nr, key in observe_nodes.get(node, ()):
+                h = slots.get(nr)
+                if h is not None:
+                    observed_h[key] = h if key not in observed_h else observed_h[key] + h
+                    g = grad_of(node, nr, h)
+                    observed_g[key] = g if key not in observed_g else observed_g[key] + g
+            if node in leaf_targets:
+                key = leaf_targets[node]
+                h = slots[0]
+                params[key] = h if key not in params else params[key] + h
+                continue
+            rc = rule_calls.get(node)
+            if rc is not None:
+                _apply_rule(rc, slots[rc.output_edge[1]], mode, module_targets, needed, params, push, grad_of, tracer)
+                continue
+            oc = opaque_by_node.get(node)
+            if oc is not None and any(True for _ in oc.module.parameters()):
+                raise UnsupportedModuleError(
+                    unsupported_module_message(
+                        oc.name, oc.module, "has parameters but no diagonal-Hessian rule", tracer.overrides
+                    )
+                )
+            _apply_glue(node, slots, needed, push, grad_of, tracer, reached_from)
+    return params, observed_h, observed_g
+
+
+def _apply_rule(rc: RuleCall, h_out, mode, module_targets, needed, params, push, grad_of, tracer) -> None:
+    call, rule = rc.call, rc.rule
+    rule.check(call.module, call.name)
+    wanted = module_targets.get(call.name)
+    if wanted:
+        per_param = rule.param_diag(call, h_out) if mode == "diag" else rule.param_approx(call, h_out)
+        for attr, key in wanted.items():
+            if attr in per_param:
+                params[key] = per_param[attr] if key not in params else params[key] + per_param[attr]
+    if rc.input_edge is not None and needed.get(rc.input_edge[0]):
+        if rule.needs_grad_output(call.module):
+            call.grad_output = grad_of(*rc.output_edge, h_out)
+        h_in = rule.input_diag(call, h_out) if mode == "diag" else rule.input_approx(call, h_out)
+        call.grad_output = None
+        push(rc.input_edge, h_in, f"module {call.name!r} ({type(call.module).__name__})")
+
+
+def _apply_glue(node, slots, needed, push, grad_of, tracer: ModuleTracer, reached_from) -> None:
+    glue = glue_rule_for(node)
+    nexts = node.next_functions
+    wanted = [n is not None and bool(needed.get(n)) for n, _ in nexts]
+    if glue is None:
+        raise UnsupportedModuleError(_glue_message(node, "has no diagonal-Hessian rule", tracer, reached_from))
+    n_out = max(slots) + 1 if slots else 1
+    n_out = max(n_out, len(getattr(node, "_input_metadata", ())) or 1)
+    h_outs = [slots.get(i) for i in range(n_out)]
+    grad_out = grad_of(node, 0, h_outs[0]) if glue.needs_grad else None
+    try:
+        outs = glue.apply(node, h_outs, grad_out, wanted)
+    except UnsupportedGlue as err:
+        raise UnsupportedModuleError(_glue_message(node, f"is not supported here ({err})", tracer, reached_from)) from None
+    origin = reached_from.get(node, "?")
+    for (child, nr), h, want in zip(nexts, outs, wanted):
+        if want and h is not None:
+            shape = tuple(child._input_metadata[nr].shape)
+            if tuple(h.shape) != shape:
+                h = h.sum_to_size(shape)
+            push((child, nr), h, origin)
+
+
+def _glue_message(node, why: str, tracer: ModuleTracer, reached_from) -> str:
+    op = type(node).__name__
+    where = _enclosing_opaque(node, tracer)
+    if where is not None:
+        return unsupported_module_message(
+            where.name, where.module, f"computes autograd op {op}, which {why}", tracer.overrides
+        )
+    return (
+        f"autograd op {op} (in the forward code between modules, on the path reached from "
+        f"{reached_from.get(node, 'the model output')}) {why}. Wrap the computation in a module and register a rule "
+        "with nasdiag.hessian.register_rule(YourModule, rule), register a glue rule with "
+        "nasdiag.hessian.glue.register_glue_rule(name, rule), or use mode='exact'."
+    )
+
+
+def _enclosing_opaque(target, tracer: ModuleTracer):
+    """The opaque leaf whose interior contains ``target`` (error path only)."""
+    for oc in tracer.opaque_calls:
+        stop = {e[0] for e in oc.input_edges}
+        stack = [e[0] for e in oc.output_edges]
+        seen = set()
+        while stack:
+            node = stack.pop()
+            if node is target:
+                return oc
+            if node in seen or node in stop:
+                continue
+            seen.add(node)
+            stack.extend(n for n, _ in node.next_functions if n is not None)
+    return None
+
+
+def _postorder(root, children, is_target):
+    """Iterative DFS: nodes children-first, and whether each leads to a target."""
+    order: List[object] = []
+    needed: Dict[object, bool] = {}
+    stack: List[Tuple[object, bool]] = [(root, False)]
+    while stack:
+        node, expanded = stack.pop()
+        if expanded:
+            needed[node] = is_target(node) or any(e is not None and needed.get(e[0], False) for e in children(node))
+            order.append(node)
+            continue
+        if node in needed:
+            continue
+        needed[node] = False  # visited; finalized when expanded
+        stack.append((node, True))
+        for e in children(node):
+            if e is not None and e[0] not in needed:
+                stack.append((e[0], False))
+    return order, needed

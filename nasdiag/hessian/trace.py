@@ -1,0 +1,151 @@
+"""Record which module consumed and produced which autograd edge during one forward pass.
+
+Modules whose type has a diagonal-Hessian rule are *rule leaves*: their interior is never walked, the
+rule stands in for it. Childless modules without a rule are *opaque leaves*: the graph walk goes
+through their interior op by op (glue rules), unless they own parameters, which is an error.
+Everything else is a container whose forward code is glue between its children.
+
+Hooks live only inside the ``with`` block; nothing is kept on the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Mapping, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.autograd.graph import get_gradient_edge
+
+from nasdiag.hessian.rules import HessianRule, ModuleCall, rule_for
+
+__all__ = ["ModuleTracer", "RuleCall", "OpaqueCall"]
+
+Edge = Tuple[object, int]  # (autograd node, output index)
+
+
+def edge_of(t: torch.Tensor) -> Optional[Edge]:
+    """The autograd edge that produced ``t`` (None if it does not require grad)."""
+    if not t.requires_grad:
+        return None
+    e = get_gradient_edge(t)
+    return (e.node, e.output_nr)
+
+
+@dataclass
+class RuleCall:
+    call: ModuleCall
+    rule: HessianRule
+    input_edge: Optional[Edge]
+    output_edge: Edge
+
+
+@dataclass
+class OpaqueCall:
+    name: str
+    module: nn.Module
+    input_edges: List[Edge] = field(default_factory=list)
+    output_edges: List[Edge] = field(default_factory=list)
+
+
+class ModuleTracer:
+    """``with ModuleTracer(model) as tracer: out = model(x)`` records the calls of ``model``'s leaves.
+
+    Attributes (after the forward):
+        rule_calls: ``{output node: RuleCall}``.
+        opaque_calls: opaque leaves that ran on tensors requiring grad.
+        leaf_names: ``{module: qualified name}`` of rule leaves.
+    """
+
+    def __init__(self, model: nn.Module, overrides: Mapping[type, HessianRule] | None = None):
+        self.model = model
+        self.overrides = overrides
+        self.rule_calls: Dict[object, RuleCall] = {}
+        self.opaque_calls: List[OpaqueCall] = []
+        self.rule_leaves: Dict[str, Tuple[nn.Module, HessianRule]] = {}
+        self.opaque_leaves: Dict[str, nn.Module] = {}
+        self._handles = []
+        self._classify()
+
+    def _classify(self) -> None:
+        seen = set()
+        stack = [("", self.model)]
+        while stack:
+            name, module = stack.pop()
+            if id(module) in seen:  # a module registered under two names is hooked once
+                continue
+            seen.add(id(module))
+            rule = rule_for(module, self.overrides)
+            children = list(module.named_children())
+            if rule is not None:
+                self.rule_leaves[name] = (module, rule)
+            elif not children:
+                self.opaque_leaves[name] = module
+            else:
+                stack.extend((f"{name}.{child}" if name else child, m) for child, m in reversed(children))
+
+    def owner_of(self, param_name: str) -> Tuple[Optional[str], str]:
+        """``(rule-leaf module name, attribute)`` owning ``param_name``, or ``(None, param_name)``."""
+        parts = param_name.split(".")
+        for cut in range(len(parts) - 1, -1, -1):
+            prefix = ".".join(parts[:cut])
+            if prefix in self.rule_leaves:
+                return prefix, ".".join(parts[cut:])
+        return None, param_name
+
+    def __enter__(self) -> "ModuleTracer":
+        try:
+            for name, (module, rule) in self.rule_leaves.items():
+                self._hook(module, self._rule_hooks(name, rule))
+            for name, module in self.opaque_leaves.items():
+                self._hook(module, self._opaque_hooks(name))
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _hook(self, module: nn.Module, hooks) -> None:
+        pre, post = hooks
+        self._handles.append(module.register_forward_pre_hook(pre))
+        self._handles.append(module.register_forward_hook(post))
+
+    def _rule_hooks(self, name: str, rule: HessianRule):
+        pending: List[Tuple[Optional[torch.Tensor], Optional[Edge]]] = []  # re-entrant calls nest
+
+        def pre(module, args):
+            x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            pending.append((x, None if x is None else edge_of(x)))
+
+        def post(module, args, output):
+            x, in_edge = pending.pop()
+            if x is None or not isinstance(output, torch.Tensor) or not output.requires_grad:
+                return
+            out_edge = edge_of(output)
+            if in_edge is not None and out_edge[0] is in_edge[0] and out_edge[1] == in_edge[1]:
+                return  # returned its input unchanged (Identity, eval Dropout): nothing to do
+            if out_edge[0] in self.rule_calls:
+                raise RuntimeError(f"module {name!r} returned the output of another module unchanged; not supported")
+            call = ModuleCall(name, module, x, output)
+            self.rule_calls[out_edge[0]] = RuleCall(call, rule, in_edge, out_edge)
+
+        return pre, post
+
+    def _opaque_hooks(self, name: str):
+        pending: List[List[Edge]] = []
+
+        def pre(module, args):
+            pending.append([e for a in args if isinstance(a, torch.Tensor) and (e := edge_of(a)) is not None])
+
+        def post(module, args, output):
+            in_edges = pending.pop()
+            outs = output if isinstance(output, (tuple, list)) else (output,)
+            out_edges = [e for o in outs if isinstance(o, torch.Tensor) and (e := edge_of(o)) is not None]
+            if out_edges:
+                self.opaque_calls.append(OpaqueCall(name, module, in_edges, out_edges))
+
+        return pre, post

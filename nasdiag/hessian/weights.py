@@ -1,0 +1,182 @@
+"""``diag_hessian``: diagonal Hessians of a model's weights by the BayesNAS recursions (issue 4 §1)."""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Iterable, Mapping, Optional, Tuple, Union
+
+import torch
+from torch import nn
+from torch.autograd.graph import get_gradient_edge
+
+from nasdiag.hessian._hvp import preserved_buffers, scalar_loss
+from nasdiag.hessian.exact_weights import as_linear_chain, chain_exact_diag, hvp_exact_diag
+from nasdiag.hessian.loss_curvature import output_hessian_diagonal
+from nasdiag.hessian.propagate import walk_diagonals
+from nasdiag.hessian.rules import HessianRule, UnsupportedModuleError
+from nasdiag.hessian.rules.base import unsupported_module_message
+from nasdiag.hessian.trace import ModuleTracer
+
+__all__ = ["diag_hessian", "HESSIAN_MODES"]
+
+HESSIAN_MODES = ("exact", "diag", "approx")
+
+Params = Union[None, Mapping[str, torch.Tensor], Iterable[Union[str, Tuple[str, torch.Tensor], torch.Tensor]]]
+
+
+def diag_hessian(
+    model: nn.Module,
+    loss_fn: Callable[[torch.Tensor, object], torch.Tensor],
+    inputs,
+    targets,
+    mode: str = "approx",
+    params: Params = None,
+    *,
+    rules: Optional[Mapping[type, HessianRule]] = None,
+) -> Dict[str, torch.Tensor]:
+    """Diagonal of the Hessian of ``loss_fn(model(inputs), targets)`` w.r.t. named tensors of ``model``.
+
+    Modes (bayesnas-appendix §C; docs/hessian.md lists what each drops, with measured errors):
+
+    * ``"exact"``: the true diagonal. Chains of ``nn.Linear`` and elementwise activations use the
+      per-sample full pre-activation recursion (C.1.2-C.1.3); any other model one Hessian-vector
+      product per entry (small nets). Train-mode BatchNorm is differentiated through its batch
+      statistics.
+    * ``"diag"``: the diagonal recursion, C.1.4-C.1.5 for ``nn.Linear`` and C.2.1-C.2.3 for
+      ``nn.Conv2d`` (unfolded to FC rows), per element of every activation, over the module DAG
+      (sums at fan-outs). Exact for the last layer when the loss Hessian's diagonal is all that layer
+      sees (an FC last layer with any per-sample loss); drops off-diagonal pre-activation terms below.
+    * ``"approx"``: the feature-mean approximation C.2.4-C.2.5 (and its FC analogue): each linear
+      layer replaces the pre-activation diagonal by its mean over batch and space per channel. Cheapest.
+
+    Args:
+        model: any ``nn.Module``; ``model(inputs)`` (``model(*inputs)`` for a tuple) returns one tensor
+            (N, ...). The recursions need every module on the path between the loss and the requested
+            tensors to have a rule (:func:`~nasdiag.hessian.register_rule`), and the glue ops between
+            modules to be sums, concatenations, views, slices, constant or weight products, softmax.
+        loss_fn: ``loss_fn(outputs, targets) -> scalar``, e.g. ``F.cross_entropy`` or ``F.mse_loss``,
+            mean or sum. The result is the Hessian of exactly that scalar: with ``reduction="mean"``
+            (the nasdiag default) it is the Hessian of the batch mean, ``"sum"`` gives N times that.
+            ``diag``/``approx`` need a per-sample loss (checked).
+        inputs, targets: one mini-batch.
+        mode: ``"exact"``, ``"diag"`` or ``"approx"``.
+        params: which tensors; default ``model.named_parameters()``. Names (``"fc.weight"``),
+            ``(name, tensor)`` pairs or a ``{name: tensor}`` mapping of parameters of ``model``; a given
+            tensor is the value to evaluate at (substituted by ``torch.func.functional_call``), so
+            frozen parameters and other points are fine.
+        rules: per-call ``{module type: HessianRule}`` overriding the registry (``diag``/``approx``), e.g.
+            ``{nn.BatchNorm2d: NormRule(through_statistics=False)}``.
+
+    Returns:
+        ``{name: tensor}`` keyed and shaped as the parameters, detached, in the parameters' dtype.
+        Parameters the loss does not depend on get zeros.
+
+    Raises:
+        UnsupportedModuleError: (``diag``/``approx``) a module or op on the path has no rule; the
+            message names it, lists the supported modules and says how to register a rule.
+        ValueError: unknown mode or parameter name, a loss coupling samples (``diag``/``approx``), ...
+
+    Side effects: none. Hooks are removed on every path, BatchNorm running statistics are unchanged,
+    nothing is kept between calls.
+    """
+    if mode not in HESSIAN_MODES:
+        raise ValueError(f"mode must be one of {HESSIAN_MODES}, got {mode!r}")
+    if rules is not None and mode == "exact":
+        raise ValueError("rules= only applies to mode='diag' or 'approx'; mode='exact' uses no per-module rules")
+    values = named_values(model, params)
+    if mode == "exact":
+        chain = as_linear_chain(model)
+        if chain is not None and isinstance(inputs, torch.Tensor):
+            owned = {f"{n}.{k}" if n else k for n, m in chain for k, _ in m.named_parameters(recurse=False)}
+            if set(values) <= owned:
+                return chain_exact_diag(chain, loss_fn, inputs, targets, values)
+        return hvp_exact_diag(model, loss_fn, inputs, targets, values)
+    return recursion_diag(model, loss_fn, inputs, targets, mode, values, rules)
+
+
+def recursion_diag(model, loss_fn, inputs, targets, mode, values, rules=None) -> Dict[str, torch.Tensor]:
+    """``diag``/``approx`` over the traced module DAG (see :func:`diag_hessian`)."""
+    tracer = ModuleTracer(model, rules)
+    module_targets: Dict[str, Dict[str, str]] = {}
+    glue_names = []
+    for name in values:
+        owner, attr = tracer.owner_of(name)
+        if owner is None:
+            glue_names.append(name)
+            continue
+        module, rule = tracer.rule_leaves[owner]
+        if attr not in rule.param_names:
+            raise UnsupportedModuleError(
+                unsupported_module_message(
+                    owner, module, f"owns {attr!r}, which its rule {type(rule).__name__} does not differentiate", rules
+                )
+            )
+        module_targets.setdefault(owner, {})[attr] = name
+    for name in glue_names:
+        _reject_unruled_owner(tracer, name, rules)
+
+    leaves = {n: v.detach().requires_grad_(True) for n, v in values.items()}
+    args = inputs if isinstance(inputs, tuple) else (inputs,)
+    with preserved_buffers(model), torch.enable_grad():
+        with tracer:
+            outputs = torch.func.functional_call(model, leaves, args)
+        if not isinstance(outputs, torch.Tensor):
+            raise TypeError(f"model must return one tensor for mode={mode!r}, got {type(outputs).__name__}")
+        loss = scalar_loss(loss_fn, outputs, targets)
+        leaf_targets = {get_gradient_edge(leaves[n]).node: n for n in glue_names}
+        h_out = output_hessian_diagonal(loss_fn, outputs, targets)
+        found, _, _ = walk_diagonals(tracer, loss, outputs, h_out, mode, module_targets, leaf_targets)
+    return {n: (found[n].detach().reshape(v.shape) if n in found else torch.zeros_like(v)).to(v.dtype) for n, v in values.items()}
+
+
+def _reject_unruled_owner(tracer: ModuleTracer, name: str, rules) -> None:
+    """A parameter owned by a module that has no rule (and is not a container's own tensor used in
+    glue code, like a supernet's α) cannot be handled."""
+    module_name = name.rpartition(".")[0]
+    module = tracer.opaque_leaves.get(module_name)
+    if module is not None:
+        raise UnsupportedModuleError(
+            unsupported_module_message(module_name, module, f"owns parameter {name!r} but has no diagonal-Hessian rule", rules)
+        )
+
+
+def named_values(model: nn.Module, params: Params) -> Dict[str, torch.Tensor]:
+    """Normalize ``params`` to ``{name: tensor}``, checking names and shapes against the model."""
+    known = dict(model.named_parameters())
+    if params is None:
+        pairs = list(known.items())
+    elif isinstance(params, Mapping):
+        pairs = list(params.items())
+    elif isinstance(params, (str, torch.Tensor)):
+        raise TypeError("params must be a collection (names, (name, tensor) pairs or a {name: tensor} mapping)")
+    else:
+        by_id = {id(p): n for n, p in known.items()}
+        pairs = []
+        for item in params:
+            if isinstance(item, str):
+                pairs.append((item, known.get(item)))
+            elif isinstance(item, tuple) and len(item) == 2:
+                pairs.append(item)
+            elif isinstance(item, torch.Tensor) and id(item) in by_id:
+                pairs.append((by_id[id(item)], item))
+            else:
+                raise TypeError(
+                    f"params entries must be names, (name, tensor) pairs or parameters of the model, got {type(item).__name__}"
+                )
+    if not pairs:
+        raise ValueError("params is empty: there is nothing to take a Hessian with respect to")
+    out = {}
+    for name, value in pairs:
+        if name not in known:
+            close = [k for k in known if name.split(".")[-1] in k][:5]
+            raise ValueError(
+                f"{name!r} is not a parameter of the model (names as in model.named_parameters()"
+                + (f", e.g. {close}" if close else "")
+                + ")"
+            )
+        if not isinstance(value, torch.Tensor) or value.shape != known[name].shape:
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"params[{name!r}] must be a tensor of shape {tuple(known[name].shape)}, got {shape}")
+        if not torch.is_floating_point(value):
+            raise ValueError(f"params[{name!r}] has dtype {value.dtype}; a Hessian needs floating point")
+        out[name] = value
+    return out
