@@ -45,9 +45,9 @@ def run_search(
     """Run epochs ``start_epoch .. epochs-1`` of ``method`` on ``splits``.
 
     Steps are numbered from 1 across epochs (epoch e covers steps ``e*S+1 .. (e+1)*S`` with
-    S = :func:`steps_per_epoch`). The last step of each epoch also carries the epoch's evaluation of
-    the supernet on the whole search-val split (``scalars/epoch``, ``scalars/search_val_loss``,
-    ``scalars/search_val_acc``); ``on_epoch_end`` receives the same numbers.
+    S = :func:`steps_per_epoch`). After each epoch the supernet is evaluated on the whole search-val
+    split and ``on_epoch_end`` receives ``scalars/epoch``, ``scalars/search_val_loss`` and
+    ``scalars/search_val_acc`` (the recorder's callback stores them in the row of the epoch's last step).
 
     Returns:
         The last epoch's evaluation.
@@ -69,16 +69,14 @@ def run_search(
                     (xt.to(device, dtype), yt.to(device)),
                     (xv.to(device, dtype), yv.to(device)),
                 )
-                if i == S - 1:
-                    evaluation = method.evaluate(DataLoader(splits.val, batch_size=eval_batch_size))
-                    epoch_stats = {
-                        "scalars/epoch": torch.tensor(float(epoch)),
-                        "scalars/search_val_loss": torch.tensor(evaluation["loss"]),
-                        "scalars/search_val_acc": torch.tensor(evaluation["acc"]),
-                    }
-                    stats.update(epoch_stats)
                 for cb in callbacks:
                     cb.on_step_end(step, stats)
+            evaluation = method.evaluate(DataLoader(splits.val, batch_size=eval_batch_size))
+            epoch_stats = {
+                "scalars/epoch": torch.tensor(float(epoch)),
+                "scalars/search_val_loss": torch.tensor(evaluation["loss"]),
+                "scalars/search_val_acc": torch.tensor(evaluation["acc"]),
+            }
             method.epoch_end(epoch)
             for cb in callbacks:
                 cb.on_epoch_end(epoch, epoch_stats)

@@ -1,0 +1,5 @@
+import sys
+
+from nasdiag.cli import main
+
+sys.exit(main())
