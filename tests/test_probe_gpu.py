@@ -29,7 +29,7 @@ def test_costs_on_cuda_equal_autograd_and_leave_the_step_unchanged(dtype):
     loss_p = F.cross_entropy(plain(x, Zp), y)
     loss_p.backward()
     assert torch.equal(loss, loss_p)
-    for (n, a), (_, b) in zip(net.named_parameters(), plain.named_parameters()):
+    for (n, a), (_, b) in zip(net.named_weight_parameters(), plain.named_weight_parameters()):
         assert torch.equal(a.grad, b.grad), n
     tol = 1e-10 if dtype == torch.float64 else 1e-5
     costs, per = probe.costs(), probe.costs(per_sample=True)
