@@ -173,10 +173,13 @@ class Recorder:
         Also flush at the first ``log`` after this many seconds since the last flush (None: never),
         so a slow search loses little and live readers stay current.
     handle_sigterm:
-        Flush and close on SIGTERM, then let the previous handler (default: terminate) run.
+        On SIGTERM write all buffered rows. Under the default action the recorder is then closed
+        and the process ends by the signal; if the application installed its own handler before,
+        the recorder stays open and that handler runs and decides.
 
     ``log(step, values)`` appends one row. Use as a context manager, or call `close`; open
-    recorders are also closed at interpreter exit. All errors are `RecordError`.
+    recorders are also closed at interpreter exit. The parent folder is created if needed. A
+    recorder serves one thread. All errors are `RecordError`.
     """
 
     def __init__(
@@ -227,6 +230,11 @@ class Recorder:
         self._last_flush = time.monotonic()
         # Called by `flush` and `close` first: a callback writes the row it holds back.
         self._before_flush: list = []
+        folder = os.path.dirname(os.path.abspath(path))
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as err:
+            raise RecordError(f"cannot create folder {folder} for the record: {describe_os_error(err)}") from None
         self._lock = WriterLock(schema.lock_path(path), path)
         self._lock.acquire()
         try:
@@ -270,13 +278,16 @@ class Recorder:
         stored = segments[-1].meta
         if not self._meta:
             self._meta = dict(stored)
-        elif schema.structural_meta(self._meta) != schema.structural_meta(stored):
-            raise RecordError(
-                f"cannot resume {self.path}: op_names/edge_names/cell_types differ from the stored ones "
-                f"{schema.structural_meta(stored)}; resume with the same search space or record to a new path"
-            )
         else:
-            changed = sorted(k for k in ("method", "config", "seed") if self._meta.get(k) != stored.get(k))
+            given, kept = schema.structural_meta(self._meta), schema.structural_meta(stored)
+            differing = sorted(k for k in given if k in kept and given[k] != kept[k])
+            if differing:
+                raise RecordError(
+                    f"cannot resume {self.path}: {', '.join(differing)} differ from the stored ones; "
+                    "resume with the same search space or record to a new path"
+                )
+            changed = sorted(k for k in ("method", "config", "seed") if k in self._meta and self._meta[k] != stored.get(k))
+            self._meta = {**stored, **self._meta}  # keys not given are kept from the record
             if changed:
                 warnings.warn(f"resuming {self.path} with different {', '.join(changed)} than stored", RecordWarning, stacklevel=4)
         for path, col in merged_columns(segments).items():
