@@ -254,15 +254,17 @@ def _file_digests(path) -> dict[str, bytes]:
     return {file: hashlib.sha256(open(file, "rb").read()).digest() for _, file in list_segments(os.fspath(path))}
 
 
-def kill_trial(directory, seed: int) -> dict:
-    """One SIGKILL trial: a writer (fresh, or resuming a record and rewinding) is killed at a random
+def kill_trial(directory, seed: int, signum: int = signal.SIGKILL) -> dict:
+    """One trial: a writer (fresh, or resuming a record and rewinding) gets ``signum`` at a random
     moment (early: while creating its segment; or after a random number of commits). Then the
-    record must load with exactly a prefix of the logged rows, losing at most one buffer, and a
-    resume must succeed without touching the crashed files. Returns a summary of the trial."""
+    record must load with exactly a prefix of the logged rows, and a resume must succeed without
+    touching the earlier files. SIGKILL may lose at most one buffer; SIGTERM (which may land inside
+    a flush) must lose nothing that was logged, close every file cleanly, remove the lock and end
+    the process by the signal. Returns a summary of the trial."""
     from nasdiag.record import Recorder, load
 
     rng = random.Random(seed)
-    path = os.path.join(os.fspath(directory), f"kill{seed}.h5")
+    path = os.path.join(os.fspath(directory), f"kill{seed}-{signum}.h5")
     flush_every = rng.choice([1, 3, 8, 64])
     writers: list[dict] = []
     cfg = {"path": path, "start": 0, "count": -1, "flush_every": flush_every, "tag": 0}
@@ -286,9 +288,11 @@ def kill_trial(directory, seed: int) -> dict:
         delay = rng.uniform(0, 0.005)
         time.sleep(delay)
         moment = f"{delay * 1e3:.1f} ms after {target} commits"
-    child.proc.kill()
-    child.finish()
+    child.proc.send_signal(signum)
+    code = child.finish()
+    assert code == -signum, f"writer ended with {code}, not by signal {signum}: {child.stderr()[-2000:]}"
     reported = child.committed
+    killed = signum == signal.SIGKILL
     writers.append(
         {
             "start": cfg["start"],
@@ -296,10 +300,19 @@ def kill_trial(directory, seed: int) -> dict:
             "late_from": cfg.get("late_from"),
             "nan_every": cfg.get("nan_every"),
             "min_rows": reported,
-            "max_rows": reported + flush_every,
+            "max_rows": reported + flush_every if killed else 10**9,
         }
     )
     rows = verify_rows(path, writers)
+    if not killed:
+        import h5py
+
+        from nasdiag.record.schema import list_segments
+
+        assert not os.path.exists(path + ".lock"), "the lock file outlived a SIGTERM"
+        for _, file in list_segments(path):
+            with h5py.File(file, "r"):  # without swmr=True: only a cleanly closed file opens
+                pass
     before = _file_digests(path)
     steps = load(path)["step"]
     with Recorder(path, resume=True, flush_seconds=None) as rec:
@@ -311,8 +324,9 @@ def kill_trial(directory, seed: int) -> dict:
     assert all(after[file] == digest for file, digest in before.items()), "resume modified a crashed segment"
     reloaded = load(path)
     assert reloaded["step"].tolist() == steps.tolist() + [next_step]
-    return {"seed": seed, "flush_every": flush_every, "resume": cfg.get("resume", False), "moment": moment,
-            "reported": reported, "rows_on_disk": rows, "lost_at_most": flush_every}
+    return {"seed": seed, "signal": signal.Signals(signum).name, "flush_every": flush_every,
+            "resume": cfg.get("resume", False), "moment": moment, "reported": reported, "rows_on_disk": rows,
+            "lost_at_most": flush_every if killed else 0}
 
 
 def main(argv=None) -> int:
@@ -320,6 +334,7 @@ def main(argv=None) -> int:
     parser.add_argument("--trials", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
+    parser.add_argument("--signal", default="SIGKILL", choices=["SIGKILL", "SIGTERM"])
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child is not None:
@@ -329,12 +344,12 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(dir=args.dir) as directory:
         for seed in range(args.seed, args.seed + args.trials):
             try:
-                report = kill_trial(directory, seed)
+                report = kill_trial(directory, seed, signal.Signals[args.signal])
                 print(json.dumps(report), flush=True)
             except Exception as err:  # noqa: BLE001 - report every kind of failure, go on
                 failures += 1
                 print(json.dumps({"seed": seed, "failed": f"{type(err).__name__}: {err}"}), flush=True)
-    print(f"{args.trials - failures}/{args.trials} SIGKILL trials intact")
+    print(f"{args.trials - failures}/{args.trials} {args.signal} trials intact")
     return 1 if failures else 0
 
 
