@@ -266,6 +266,21 @@ def test_nonfinite_recorded_counted_and_warned(tmp_path):
     assert load_meta(path)["nonfinite_counts"]["scalars/loss"] == 3
 
 
+def test_nonfinite_attribute_counts_its_own_segment(tmp_path):
+    path = tmp_path / "run.h5"
+    with pytest.warns(RecordWarning):
+        with Recorder(path, flush_every=2, flush_seconds=None) as rec:
+            rec.log(0, {"scalars/loss": float("nan")})
+            rec.log(1, {"scalars/loss": 1.0})  # flush: segment 0 is in SWMR mode now
+            rec.log(2, {"scalars/loss": float("inf"), "scalars/new": 0.0})  # a new path: segment 1
+            rec.log(3, {"scalars/loss": float("nan")})
+            assert rec.nonfinite_counts == {"scalars/loss": 3}
+    with h5py.File(path, "r") as f0, h5py.File(tmp_path / "run.seg0001.h5", "r") as f1:
+        assert f0["scalars/loss"].attrs["nonfinite_count"] == 1
+        assert f1["scalars/loss"].attrs["nonfinite_count"] == 2
+    assert load_meta(path)["nonfinite_counts"]["scalars/loss"] == 3
+
+
 def test_no_memory_growth_across_steps(tmp_path):
     import tracemalloc
 

@@ -135,7 +135,7 @@ def _detach_from_disk(f: h5py.File) -> None:
 class _Column:
     """One dataset path: its fixed row shape/dtype and its batch buffer."""
 
-    __slots__ = ("path", "shape", "dtype", "is_float", "is_float_scalar", "index", "buffer", "nonfinite", "written_nonfinite", "warned")
+    __slots__ = ("path", "shape", "dtype", "is_float", "is_float_scalar", "index", "buffer", "nonfinite", "written_nonfinite", "session_nonfinite", "warned")
 
     def __init__(self, path: str, shape: tuple[int, ...], dtype: np.dtype, index: int, rows: int):
         self.path = path
@@ -146,7 +146,8 @@ class _Column:
         self.index = index
         self.buffer = np.empty((rows, *shape), dtype)
         self.nonfinite = 0  # in this segment, including buffered rows
-        self.written_nonfinite = 0
+        self.written_nonfinite = 0  # the value of the segment's attribute
+        self.session_nonfinite = 0
         self.warned = False
 
 
@@ -321,8 +322,8 @@ class Recorder:
 
     @property
     def nonfinite_counts(self) -> dict[str, int]:
-        """NaN/inf element counts per path in the current segment (buffered rows included)."""
-        return {p: c.nonfinite for p, c in self._columns.items() if c.nonfinite}
+        """NaN/inf element counts per path logged in this session (buffered rows included)."""
+        return {p: c.session_nonfinite for p, c in self._columns.items() if c.session_nonfinite}
 
     @property
     def closed(self) -> bool:
@@ -517,6 +518,7 @@ class Recorder:
         """Count (and the first time, report) the NaN/inf elements of a value that has some."""
         bad = 1 if np.ndim(value) == 0 else int(np.size(value) - np.count_nonzero(np.isfinite(value)))
         column.nonfinite += bad
+        column.session_nonfinite += bad
         if not column.warned:
             column.warned = True
             warnings.warn(
@@ -527,9 +529,9 @@ class Recorder:
             )
 
     def _warn_nonfinite_summary(self) -> None:
-        counts = {p: c.nonfinite for p, c in self._columns.items() if c.nonfinite and c.warned}
+        counts = self.nonfinite_counts
         if counts:
-            warnings.warn(f"{self.path}: NaN/inf counts in the last segment: {counts}", RecordWarning, stacklevel=3)
+            warnings.warn(f"{self.path}: NaN/inf values logged in this session: {counts}", RecordWarning, stacklevel=3)
 
     def _add_column(self, path: str, shape, dtype) -> None:
         index = len(self._columns)
@@ -609,8 +611,6 @@ class Recorder:
             # its chunks from a destructor, where a failed write (disk full) cannot be reported.
             self._datasets = {path: f[path] for path in [*self._columns, schema.PRESENT, schema.STEP]}
             self._segment_rows = 0
-            for column in self._columns.values():
-                column.written_nonfinite = 0
 
     def _publish(self, tmp: str, final: str, replace: bool) -> None:
         if replace:  # our own placeholder, under our lock: swap it atomically for the full segment
@@ -706,6 +706,8 @@ class Recorder:
         self._datasets = {}
         if f is None:
             return
+        for column in self._columns.values():  # the next segment counts its own rows
+            column.nonfinite = column.written_nonfinite = 0
         try:
             f.close()
         except Exception as err:
