@@ -128,15 +128,16 @@ class StepCapture:
     def edge_pre(self, pos: int, module, args, kwargs):
         edge = self.edges[pos]
         call = EdgeCall(pos, edge.n_ops)
-        if args and isinstance(args[0], torch.Tensor):
-            call.inp = args[0]
-        if edge.weights_arg:
+        # Only what a feature needs is kept: this hook runs for every edge at every step.
+        if edge.weights_arg and (self.track_selected or self.check_convention[pos]):
             w = args[1] if len(args) > 1 else kwargs.get("weights")
             if isinstance(w, torch.Tensor):
                 call.weights = w.detach()
-        if edge.cell_index is not None:
+        if self.path_split and edge.cell_index is not None:
+            if args and isinstance(args[0], torch.Tensor):
+                call.inp = args[0]
             ccall = self.open_cell[edge.cell_index]
-            if ccall is not None and self.path_split:
+            if ccall is not None:
                 call.cell_call = ccall
                 ccall.edge_calls.setdefault(pos, []).append(call)
         self.open_edge[pos] = call
