@@ -35,6 +35,9 @@ class GlueRule:
     """
 
     needs_grad = False
+    #: a product of its inputs: if two of them depend on the requested tensors, the second-order cross
+    #: term between them is dropped (a fan-out cross term); the engine refuses that inside one module.
+    bilinear = False
 
     def apply(self, node, h_outs: Tensors, grad_out, wanted: Sequence[bool]) -> Sequence[Optional[torch.Tensor]]:
         raise NotImplementedError
@@ -75,6 +78,8 @@ class ScaledInputs(GlueRule):
 
 class Product(GlueRule):
     """``a · b`` (tensor or scalar b): ``b² h`` to a, ``a² h`` to b."""
+
+    bilinear = True
 
     def apply(self, node, h_outs, grad_out, wanted):
         (h,) = h_outs

@@ -186,6 +186,18 @@ def _apply_glue(node, slots, needed, push, grad_of, tracer: ModuleTracer, reache
     n_out = max(n_out, len(getattr(node, "_input_metadata", ())) or 1)
     h_outs = [slots.get(i) for i in range(n_out)]
     grad_out = grad_of(node, 0, h_outs[0]) if glue.needs_grad else None
+    if glue.bilinear and sum(wanted) > 1:
+        inside = _enclosing_opaque(node, tracer)
+        if inside is not None:
+            raise UnsupportedModuleError(
+                unsupported_module_message(
+                    inside.name,
+                    inside.module,
+                    f"multiplies two functions of its input ({type(node).__name__}); the diagonal recursion would drop "
+                    "the second-order cross term between them, so it needs a rule of its own",
+                    tracer.overrides,
+                )
+            )
     try:
         outs = glue.apply(node, h_outs, grad_out, wanted)
     except UnsupportedGlue as err:
