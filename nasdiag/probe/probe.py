@@ -78,6 +78,8 @@ class Probe:
             raise ProbeError(f"hessian must be None or one of {HESSIAN_MODES}, got {hessian!r}")
         if loss_fn is not None and not callable(loss_fn):
             raise ProbeError("loss_fn must be callable as loss_fn(outputs, targets) -> scalar")
+        if loss_fn is not None and hessian is None:
+            raise ProbeError("loss_fn is only used by probe.hessian(); pass hessian='diag' | 'approx' | 'exact' too")
         self.model = model
         infos, cells = discover(model, edges)
         self._edges: Tuple[EdgeInfo, ...] = tuple(infos)
@@ -473,8 +475,9 @@ class Probe:
             self._moments[g.name].update(obs, mask)
 
     def statistics(self) -> Dict[str, np.ndarray]:
-        """Streaming cost statistics in the recorder's schema, a flat ``{dataset path: float64 array}``:
-        ``"cost/<group>/mean"`` E[C], ``"cost/<group>/var"`` E[C²] − E[C]², ``"cost/<group>/count"``, each (E, K).
+        """Streaming cost statistics in the recorder's schema, a flat ``{dataset path: numpy array}``:
+        ``"cost/<group>/mean"`` E[C] and ``"cost/<group>/var"`` E[C²] − E[C]² (float64),
+        ``"cost/<group>/count"`` (int64), each (E, K).
 
         Groups are cell types when every edge has one (the cells of a type are separate observations of the
         same (E, K) entry, so ``count`` = steps × cells), else ``"edges"`` (n_edges, K), else one group per
@@ -489,7 +492,7 @@ class Probe:
                 nan_groups.append(g.name)
             out[f"cost/{g.name}/mean"] = torch.where(m.count > 0, m.mean, torch.full_like(m.mean, math.nan)).cpu().numpy()
             out[f"cost/{g.name}/var"] = m.var.cpu().numpy()
-            out[f"cost/{g.name}/count"] = m.count.cpu().numpy()
+            out[f"cost/{g.name}/count"] = m.count.cpu().numpy().astype(np.int64)
         if nan_groups:
             warnings.warn(f"probe: the cost statistics of {_short_list(nan_groups)} hold NaN (a NaN cost was observed)",
                           RuntimeWarning, stacklevel=2)
