@@ -165,6 +165,8 @@ def run_search_command(args) -> int:
     multiplier = args.multiplier or args.steps
     out = Path(args.out)
     ckpt = _checkpoint_path(out)
+    if out.exists() and not (args.resume or args.force):
+        raise CLIError(f"a record already exists at {out}; pass --resume to continue it or --force to replace it")
     config = {
         "method": args.method, "dataset": args.dataset, "epochs": args.epochs, "batch_size": args.batch_size,
         "C": args.C, "layers": args.layers, "steps": args.steps, "multiplier": multiplier, "order": args.order,
@@ -181,10 +183,13 @@ def run_search_command(args) -> int:
     splits = load_dataset(args.dataset, **kwargs)
 
     torch.manual_seed(args.seed)
-    net = Network(
-        args.C, splits.num_classes, args.layers, steps=args.steps, multiplier=multiplier,
-        in_channels=splits.in_channels, order=args.order, norm=args.norm,
-    ).to(device=device, dtype=dtype)
+    try:
+        net = Network(
+            args.C, splits.num_classes, args.layers, steps=args.steps, multiplier=multiplier,
+            in_channels=splits.in_channels, order=args.order, norm=args.norm,
+        ).to(device=device, dtype=dtype)
+    except (ValueError, KeyError) as exc:
+        raise CLIError(f"invalid supernet settings: {exc.args[0] if exc.args else exc}") from None
     method = METHODS[args.method](net, epochs=args.epochs)
 
     start_epoch = 0
