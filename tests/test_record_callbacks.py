@@ -195,6 +195,16 @@ def test_lightning_adapter_records_on_rank_zero(tmp_path, fake_lightning):
     assert not other.exists() and not (tmp_path / "rank1.h5.lock").exists()
 
 
+def test_lightning_adapter_pickles_before_setup(tmp_path, fake_lightning):
+    import pickle
+
+    callback = lightning_callback(tmp_path / "run.h5", meta={"method": "darts"}, flush_every=4, flush_seconds=None)
+    clone = pickle.loads(pickle.dumps(callback))  # as ddp_spawn does with a trainer's callbacks
+    assert isinstance(clone, fake_lightning.Callback)
+    _fit(clone, _Trainer(rank=0), _Module(), batches=2, epochs=1)
+    np.testing.assert_array_equal(load(tmp_path / "run.h5")["scalars/loss"], [0, 1])
+
+
 def test_lightning_adapter_statistics_sources(tmp_path, fake_lightning):
     path = tmp_path / "run.h5"
     callback = lightning_callback(path, statistics=lambda trainer, module, outputs: outputs["stats"], flush_seconds=None)

@@ -47,6 +47,11 @@ def _adapter_class(base):
             self.callback_kwargs = callback_kwargs
             self.callback = None
 
+        def __reduce__(self):
+            # The class is made at run time, so pickle (ddp_spawn sends callbacks to the workers)
+            # rebuilds it through the factory; an open recorder is never sent.
+            return (_rebuild, (self.path, self.meta, self.statistics, self.epoch_statistics, self.callback_kwargs))
+
         def setup(self, trainer, pl_module, stage=None):
             if self.callback is not None:
                 return
@@ -76,6 +81,10 @@ def _adapter_class(base):
                 self.callback.close()
 
     return NasdiagRecorder
+
+
+def _rebuild(path, meta, statistics, epoch_statistics, callback_kwargs):
+    return _adapter_class(_lightning_callback_base())(path, meta, statistics, epoch_statistics, callback_kwargs)
 
 
 def lightning_callback(path, *, meta=None, statistics=None, epoch_statistics=None, **callback_kwargs):
