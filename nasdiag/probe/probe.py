@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from nasdiag.cost import CostMoments, analyse, scatter_cells
-from nasdiag.probe.capture import HookSet, StepCapture
+from nasdiag.probe.capture import HookPlan, Router, StepCapture
 from nasdiag.probe.discovery import CellInfo, EdgeInfo, EdgeSpecArg, ProbeError, discover
 from nasdiag.probe.layout import Group, build_groups
 
@@ -120,6 +120,10 @@ class Probe:
         self._moments: Dict[str, CostMoments] = {}
         self._last: Optional[_StepResult] = None
         self._norm_cache: Dict[bool, Dict[Tuple[int, int], nn.Module]] = {}
+        self._router = Router()
+        self._plans: Dict[Optional[bool], HookPlan] = {}
+        if self.norm_deviation:
+            self._invariance_norms()  # fails here, not in the first step, on an op without rules
         self._index_cache: Dict[Tuple[str, torch.device], Tuple[torch.Tensor, torch.Tensor]] = {}
         self._recording = False
         self._steps = 0
@@ -164,33 +168,45 @@ class Probe:
         cap = StepCapture(self._edges, self._cells, path_split=self.path_split,
                           check_convention=self._convention_unchecked, incoming=self._incoming,
                           track_selected=self.statistics_mode == "sampled")
-        hooks = HookSet()
+        plan = self._hook_plan()
+        self._router.capture = cap
         self._recording = True
         try:
-            for p, e in enumerate(self._edges):
-                hooks.forward_pre(e.module, partial(cap.edge_pre, p), with_kwargs=True)
-                hooks.forward(e.module, partial(cap.edge_post, p))
-            for oid, slots in self._candidate_slots.items():
-                hooks.forward(self._candidate_modules[oid], partial(cap.candidate_post, slots))
-            for c, cell in enumerate(self._cells):
-                hooks.forward_pre(cell.module, partial(cap.cell_pre, c))
-                hooks.forward(cell.module, partial(cap.cell_post, c))
-            if self.norm_deviation:
-                for (p, k), norm in self._invariance_norms().items():
-                    hooks.forward_pre(norm, partial(cap.norm_pre, (p, k)))
-            if self.hessian_mode is not None:
-                hooks.forward_pre(self.model, cap.model_pre, with_kwargs=True)
+            plan.install()
             yield self
             result = self._collect(cap)
             result.targets = targets
         finally:
-            hooks.remove()
+            plan.remove()
+            self._router.capture = None
             cap.release()
             self._recording = False
         self._convention_unchecked = cap.check_convention
         self._last = result
         self._steps += 1
         self._update_statistics(result)
+
+    def _hook_plan(self) -> HookPlan:
+        """The forward hooks of a step, built once (per train/eval mode when norms are tracked)."""
+        key = self.model.training if self.norm_deviation else None
+        if key in self._plans:
+            return self._plans[key]
+        r, plan = self._router, HookPlan()
+        for p, e in enumerate(self._edges):
+            plan.forward_pre(e.module, partial(r.edge_pre, p), with_kwargs=True)
+            plan.forward(e.module, partial(r.edge_post, p))
+        for oid, slots in self._candidate_slots.items():
+            plan.forward(self._candidate_modules[oid], partial(r.candidate_post, slots))
+        for c, cell in enumerate(self._cells):
+            plan.forward_pre(cell.module, partial(r.cell_pre, c))
+            plan.forward(cell.module, partial(r.cell_post, c))
+        if self.norm_deviation:
+            for (p, k), norm in self._invariance_norms().items():
+                plan.forward_pre(norm, partial(r.norm_pre, (p, k)))
+        if self.hessian_mode is not None:
+            plan.forward_pre(self.model, r.model_pre, with_kwargs=True)
+        self._plans[key] = plan
+        return plan
 
     def _invariance_norms(self) -> Dict[Tuple[int, int], nn.Module]:
         """(edge, op) -> the normalization that makes the op scale-invariant; cached per train/eval mode."""
