@@ -116,6 +116,23 @@ def test_two_forwards_in_one_block_add_up_like_grad():
         torch.testing.assert_close(probe.costs()[s.name], Z[s.cell_index].grad[s.edge_index], rtol=0, atol=1e-10)
 
 
+def test_a_create_graph_backward_leaves_costs_outside_the_graph():
+    net = tiny_net(layers=1, reductions=[])
+    x, y = batch()
+    Z = z_leaves(net, "softmax")
+    probe = nasdiag.attach(net, path_split=True)
+    with probe.record():
+        net.zero_grad()
+        F.cross_entropy(net(x, Z), y).backward(create_graph=True)
+    for name, c in probe.costs().items():
+        assert not c.requires_grad and c.grad_fn is None, name
+    for parts in probe.path_costs().values():
+        assert all(not v.requires_grad for v in parts.values())
+    assert all(not v.requires_grad for v in probe.output_costs()["cells.0"].values())
+    s = net.edge_specs()[3]
+    torch.testing.assert_close(probe.costs()[s.name], Z[0].grad[3].detach(), rtol=0, atol=1e-10)
+
+
 # --- no side effects --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("options", [{}, {"path_split": True, "norm_deviation": True}])

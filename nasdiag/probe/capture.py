@@ -185,7 +185,9 @@ class StepCapture:
                 continue
             if not isinstance(output, torch.Tensor):
                 raise ProbeError(f"edge {self.edges[pos].name!r}: candidate op {k} returned {type(output).__name__}, not a tensor")
-            call.outputs[k] = output.detach()
+            # no detach() here (one dispatch per candidate per step): the costs are computed under
+            # no_grad in edge_grad, so the graph is never extended through these references.
+            call.outputs[k] = output
             call.versions[k] = output._version
         return None
 
@@ -281,7 +283,8 @@ class StepCapture:
                     f"edge {edge.name!r}: the output of candidate op {k} ({edge.op_names[k]}) was modified in place "
                     "after the forward; its cost cannot be computed. Use out-of-place ops (e.g. ReLU(inplace=False))."
                 )
-        self.per_sample[call.pos].append(_costs_with_missing(g.detach(), call.outputs))
+        with torch.no_grad():  # a create_graph backward must not record the probe's arithmetic
+            self.per_sample[call.pos].append(_costs_with_missing(g, call.outputs))
         if self.path_split and call.cell_call is not None and edge.src is not None and call.inp is not None:
             self._split_through(edge, call, g)
         call.outputs = call.inp = call.out = call.cell_call = None
@@ -302,10 +305,11 @@ class StepCapture:
             v = None
         if v is None:  # the edge output does not depend on its input: nothing passes through
             v = torch.zeros_like(call.inp)
-        for ie in targets:
-            for icall in call.cell_call.edge_calls.get(ie, []):
-                if icall.outputs is not None:
-                    self.paths[ie].setdefault(edge.name, []).append(_costs_with_missing(v.detach(), icall.outputs))
+        with torch.no_grad():
+            for ie in targets:
+                for icall in call.cell_call.edge_calls.get(ie, []):
+                    if icall.outputs is not None:
+                        self.paths[ie].setdefault(edge.name, []).append(_costs_with_missing(v, icall.outputs))
 
     def cell_grad(self, ccall: CellCall, g: torch.Tensor):
         if self.busy or ccall.output is None:
@@ -313,7 +317,12 @@ class StepCapture:
         cell = self.cells[ccall.pos]
         out = ccall.output
         slices = cell.output_node_slices or _equal_chunks(cell.output_nodes, out.shape[1])
-        g = g.detach()
+        with torch.no_grad():
+            self._cell_costs(ccall, g, out, slices)
+        ccall.output = None
+        return None
+
+    def _cell_costs(self, ccall: CellCall, g: torch.Tensor, out: torch.Tensor, slices) -> None:
         self.node_costs[ccall.pos].append(output_edge_costs(g, out, slices, per_sample=True))
         if self.path_split:
             for node, (a, b) in slices.items():
@@ -321,8 +330,6 @@ class StepCapture:
                     for icall in ccall.edge_calls.get(ie, []):
                         if icall.outputs is not None:
                             self.paths[ie].setdefault("output", []).append(_costs_with_missing(g[:, a:b], icall.outputs))
-        ccall.output = None
-        return None
 
     def release(self) -> None:
         """Remove the tensor hooks and drop every captured tensor."""
