@@ -51,7 +51,7 @@ def test_cell_variants_shapes(minimal, dtype):
 
 
 def test_minimal_cell_structure():
-    net = Network.minimal(4, 10, 2, in_channels=1)
+    net = Network.minimal(4, 10, 2, in_channels=1, reductions=[])
     assert net.cells[0].edge_nodes == [(0, 2), (1, 2), (0, 3), (1, 3), (2, 3)]
     assert net.cells[0].output_nodes == [2, 3]
     assert net.cells[0].output_node_slices == {2: (0, 4), 3: (4, 8)}
