@@ -8,6 +8,16 @@ from torch.nn import functional as F
 from nasdiag.hessian.arch_exact import exact_arch_diag_hessian
 from nasdiag.supernet import Network
 
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    # These nets are tiny: a second intra-op thread only adds synchronization, and on a loaded 2-core
+    # machine oversubscribed threads made the same test 10-100x slower. Restored afterwards.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # small but varied: a zero op, a parameter-free identity, a non-smooth pool and a conv stack with a norm
 PRIMS = ["none", "skip_connect", "max_pool_3x3", "dil_conv_3x3"]
 
@@ -89,13 +99,18 @@ def test_summing_basis_vectors_across_edges_is_not_the_diagonal(default_referenc
 # GroupNorm's double backward has no working vmap rule in some torch versions: the one-at-a-time
 # fallback then runs, with a warning (same numbers, which is what this test checks).
 @pytest.mark.filterwarnings("ignore:batched Hessian-vector products failed")
-@pytest.mark.parametrize("order, norm, chunk_size", [("conv-bn-relu", "batch", 3), ("relu-conv-bn", "layer", 64)])
-def test_z_diagonal_equals_autograd_at_any_per_cell_weights(order, norm, chunk_size):
+@pytest.mark.parametrize(
+    "order, norm, chunk_size, backend",
+    [("conv-bn-relu", "batch", 3, "func"), ("relu-conv-bn", "layer", 64, "autograd"), ("conv-relu-bn", "batch", 64, "autograd")],
+)
+def test_z_diagonal_equals_autograd_at_any_per_cell_weights(order, norm, chunk_size, backend):
     net = tiny_net(order=order, norm=norm)
     x, y = batch()
     g = torch.Generator().manual_seed(2)
     Z = [torch.rand(net.num_edges, len(PRIMS), dtype=torch.float64, generator=g) for _ in net.cells]
-    got = exact_arch_diag_hessian(PerCell(net, Z), F.cross_entropy, x, y, edges_of(net), chunk_size=chunk_size)
+    got = exact_arch_diag_hessian(
+        PerCell(net, Z), F.cross_entropy, x, y, edges_of(net), chunk_size=chunk_size, backend=backend
+    )
     H = dense_per_cell_hessian(net, x, y, Z)
     torch.testing.assert_close(stack_result(net, got), H.diagonal(), rtol=1e-8, atol=1e-12)
 
@@ -146,11 +161,24 @@ class ToyMixed(nn.Module):
         return sum(weights[..., k, None] * op(x) for k, op in enumerate(self.ops))
 
 
+class RunningMean(nn.Module):
+    """Identity that updates a buffer in place from its input: torch.func cannot trace that."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(d))
+
+    def forward(self, x):
+        self.mean.mul_(0.9).add_(0.1 * x.detach().mean(0))
+        return x
+
+
 class ToyNet(nn.Module):
     """h1 = e0(x); h2 = e1(x) + e2(h1); logits = head(tanh(h2)). Mixed ops called with weights=."""
 
-    def __init__(self, d=4, classes=3, with_unused=False):
+    def __init__(self, d=4, classes=3, with_unused=False, with_running_mean=False):
         super().__init__()
+        self.tracker = RunningMean(d) if with_running_mean else nn.Identity()
         self.e0, self.e1, self.e2 = ToyMixed(d), ToyMixed(d), ToyMixed(d)
         self.head = nn.Linear(d, classes)
         self.unused = ToyMixed(d) if with_unused else None
@@ -159,7 +187,7 @@ class ToyNet(nn.Module):
 
     def forward(self, x, Z=None):
         Z = self.Z if Z is None else Z
-        h1 = self.e0(x, weights=Z[0])
+        h1 = self.tracker(self.e0(x, weights=Z[0]))
         h2 = self.e1(x, weights=Z[1]) + self.e2(h1, weights=Z[2])
         if self.unused is not None and self.call_unused:
             self.unused(x, weights=Z[0])  # runs, but the loss never sees it
@@ -190,6 +218,36 @@ def test_toy_keyword_weights_match_autograd(per_sample):
         torch.testing.assert_close(got[name], H[i][i].diagonal(), rtol=1e-8, atol=1e-12)
 
 
+def test_untraceable_model_falls_back_to_autograd_with_a_warning():
+    torch.manual_seed(17)
+    net = ToyNet(with_running_mean=True).double()
+    net.Z = [torch.rand(3, dtype=torch.float64) for _ in range(3)]
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    with pytest.raises(RuntimeError):
+        exact_arch_diag_hessian(net, F.cross_entropy, x, y, toy_edges(net), backend="func")
+    with pytest.warns(RuntimeWarning, match="could not trace"):
+        got = exact_arch_diag_hessian(net, F.cross_entropy, x, y, toy_edges(net))
+    assert torch.equal(net.tracker.mean, torch.zeros(4, dtype=torch.float64))  # buffer restored
+
+    def loss(*shifts):
+        return F.cross_entropy(net(x, Z=[z + s for z, s in zip(net.Z, shifts)]), y)
+
+    H = torch.autograd.functional.hessian(loss, tuple(torch.zeros(3, dtype=torch.float64) for _ in range(3)))
+    for i, name in enumerate(["e0", "e1", "e2"]):
+        torch.testing.assert_close(got[name], H[i][i].diagonal(), rtol=1e-8, atol=1e-12)
+
+
+def test_no_grad_context_does_not_matter():
+    torch.manual_seed(18)
+    net = ToyNet().double()
+    net.Z = [torch.rand(3, dtype=torch.float64) for _ in range(3)]
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    expected = exact_arch_diag_hessian(net, F.cross_entropy, x, y, toy_edges(net))
+    with torch.no_grad():  # e.g. called from an evaluation loop
+        got = exact_arch_diag_hessian(net, F.cross_entropy, x, y, toy_edges(net))
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=0)
+
+
 def test_unused_edge_gets_zeros_and_a_warning():
     torch.manual_seed(13)
     net = ToyNet(with_unused=True).double()
@@ -214,6 +272,10 @@ def test_bad_input_raises_clear_errors():
         exact_arch_diag_hessian(net, F.cross_entropy, x, y, {**edges, "stranger": (stranger, list(stranger.ops))})
     with pytest.raises(ValueError, match="wrt"):
         exact_arch_diag_hessian(net, F.cross_entropy, x, y, edges, wrt="beta")
+    with pytest.raises(ValueError, match="backend"):
+        exact_arch_diag_hessian(net, F.cross_entropy, x, y, edges, backend="jax")
+    with pytest.raises(ValueError, match="chunk_size"):
+        exact_arch_diag_hessian(net, F.cross_entropy, x, y, edges, chunk_size=0)
     with pytest.raises(ValueError, match="same module"):
         first = next(iter(edges.values()))
         exact_arch_diag_hessian(net, F.cross_entropy, x, y, {"a": first, "b": first})

@@ -1,13 +1,17 @@
 """Hessian-vector products of a mini-batch loss, shared by the exact α-curvature and the spectrum.
 
-One forward and one ``create_graph`` backward are run; every product after that is a second
-backward through the retained graph (reverse-over-reverse). Several products at once go through
-``torch.autograd.grad(..., is_grads_batched=True)``, which vmaps the second backward.
+Two routes, same numbers:
 
-Why not ``torch.func`` forward-over-reverse: it re-runs the forward for every product and breaks on
-supernets whose modules mutate buffers in place (BatchNorm running statistics) or use autograd
-Functions without ``vmap`` support. The retained graph needs neither, and the forward runs once, so
-BatchNorm running statistics change at most once, and are restored (:func:`preserved_buffers`).
+* :class:`HessianVectorProduct` (reverse-over-reverse): one forward and one ``create_graph`` backward,
+  then every product is a second backward through the retained graph. Cheapest for products asked
+  one at a time (Lanczos), and works for any module autograd can double-differentiate. Stacks of
+  products go through ``torch.autograd.grad(..., is_grads_batched=True)``, whose legacy vmap falls
+  back to a loop for many double-backward ops: on a GPU that is barely faster than one at a time.
+* :func:`functional_hvp` (forward-over-reverse, ``torch.func``): ``vmap(jvp(grad(f)))`` over a stack of
+  tangents re-runs the forward per stack but batches for real (about 10x faster per product on an
+  H200 for a stack of 120, see docs/spectrum.md). Needs a model that ``torch.func`` can trace:
+  train-mode BatchNorm is run without its running-statistic update (:func:`batch_statistics_only`),
+  which is the same arithmetic.
 """
 
 from __future__ import annotations
@@ -27,6 +31,29 @@ def call_model(model: nn.Module, inputs: Inputs):
     if isinstance(inputs, tuple):
         return model(*inputs)
     return model(inputs)
+
+
+@contextmanager
+def batch_statistics_only(model: nn.Module) -> Iterator[None]:
+    """Train-mode BatchNorm layers normalize with the batch statistics but skip the running-statistic update.
+
+    ``torch.func`` transforms cannot update a buffer in place from a traced value; with
+    ``track_running_stats`` off in train mode, ``nn.BatchNorm*`` computes exactly the same batch
+    normalization and leaves its buffers alone. Eval-mode layers are not touched (they use the running
+    statistics either way). Restored on exit.
+    """
+    toggled = [
+        m
+        for m in model.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats
+    ]
+    try:
+        for m in toggled:
+            m.track_running_stats = False
+        yield
+    finally:
+        for m in toggled:
+            m.track_running_stats = True
 
 
 @contextmanager
@@ -170,3 +197,17 @@ class HessianVectorProduct:
             ],
             dim=-1,
         )
+
+
+def functional_hvp(loss_of: Callable[[torch.Tensor], torch.Tensor], primal: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``V ↦ V H`` for a stack ``V`` (m, n) of tangents, H the Hessian of ``loss_of`` at ``primal`` (n,).
+
+    Forward-over-reverse: ``vmap(v ↦ jvp(grad(loss_of), primal, v))``. Each call re-runs the forward
+    (once, batched over the m tangents). ``loss_of`` must be traceable by ``torch.func``.
+    """
+    grad_fn = torch.func.grad(loss_of)
+
+    def column(v):
+        return torch.func.jvp(grad_fn, (primal,), (v,))[1]
+
+    return torch.func.vmap(column)

@@ -12,9 +12,10 @@ the loss's own curvature), so that is not the diagonal. Nor does any other spars
 general: ``H_{(e,k),(e',k')} = B_{e,k}ᵀ (∂²L/∂x_j∂x_{j'}) B_{e',k'} + [first-order terms when one edge
 feeds the other]``, dense in (e, e') for a DAG that ends in one loss. So the exact diagonal costs one
 HVP per entry, N in all, and what *can* be batched is the N independent products ``H e_i``:
-they run as stacked second backwards (``vmap`` over the backward, ``chunk_size`` at a time) through one
-retained forward/backward graph. Each ``H e_i`` is a full column of H, so the within-edge K × K block
-that the chain rule to α needs comes for free.
+``chunk_size`` of them at a time, by ``torch.func`` forward-over-reverse vmapped over the tangents
+(default), or by stacked second backwards through one retained graph (``backend="autograd"``). Each
+``H e_i`` is a full column of H, so the within-edge K × K block that the chain rule to α needs comes
+for free.
 """
 
 from __future__ import annotations
@@ -25,11 +26,20 @@ from typing import Callable, Dict, List, Mapping, Sequence, Tuple
 import torch
 from torch import nn
 
-from nasdiag.hessian._hvp import HessianVectorProduct, Inputs, call_model, preserved_buffers, scalar_loss
+from nasdiag.hessian._hvp import (
+    HessianVectorProduct,
+    Inputs,
+    batch_statistics_only,
+    call_model,
+    functional_hvp,
+    preserved_buffers,
+    scalar_loss,
+)
 
 __all__ = ["exact_arch_diag_hessian", "softmax_chain_diag"]
 
 _WRT = ("Z", "alpha")
+BACKENDS = ("auto", "func", "autograd")
 
 
 def exact_arch_diag_hessian(
@@ -41,6 +51,7 @@ def exact_arch_diag_hessian(
     wrt: str = "Z",
     *,
     chunk_size: int = 64,
+    backend: str = "auto",
 ) -> Dict[str, torch.Tensor]:
     """Exact diagonal of the Hessian of the loss w.r.t. each edge's mixing weights.
 
@@ -50,14 +61,15 @@ def exact_arch_diag_hessian(
     cells). Issue 4 §2 ``exact``; compare BayesNAS appendix C.3.1-C.3.2 for the approximation.
 
     How: a forward pre-hook on each mixed op replaces its weights ``Z_e`` by ``Z_e + δ_e`` with ``δ_e``
-    a zero leaf, so ``∂L/∂δ_e = ∂L/∂Z_e`` and ``∂²L/∂δ_e² = ∂²L/∂Z_e²``; then N = Σ_e K_e exact
-    Hessian-vector products ``H e_i`` through one retained graph give the diagonal (see the module
-    docstring for why they cannot be merged into fewer). Hooks are removed on every path.
+    zero, so ``∂L/∂δ_e = ∂L/∂Z_e`` and ``∂²L/∂δ_e² = ∂²L/∂Z_e²``; then N = Σ_e K_e exact Hessian-vector
+    products ``H e_i`` give the diagonal (the module docstring says why they cannot be merged into
+    fewer). One plain autograd pass first checks the edges and gives ``∂L/∂Z``. Hooks are removed on
+    every path.
 
     Args:
         model: the supernet; ``model(inputs)`` (``model(*inputs)`` for a tuple) returns the outputs.
             Train-mode BatchNorm normalizes with the batch statistics and is differentiated through
-            them (exact); its running statistics are restored afterwards.
+            them (exact); its running statistics are left as they were.
         loss_fn: ``loss_fn(outputs, targets) -> scalar``. The Hessian is the one of exactly this
             scalar: with ``reduction="mean"`` (the nasdiag default) it is the Hessian of the batch mean,
             with ``"sum"`` B times that.
@@ -72,7 +84,12 @@ def exact_arch_diag_hessian(
             total ``∂²L/∂α_{e,k}²`` also has cross-cell terms ``Σ_{c≠c'} ∂²L/∂α^{(c)}∂α^{(c')}``; they are
             NOT included, so summing these per-cell numbers over cells gives only the block-diagonal
             part of the shared-α curvature.
-        chunk_size: Hessian-vector products per vmapped second backward; memory grows with it.
+        chunk_size: Hessian-vector products evaluated together (one vmapped pass); memory grows
+            linearly with it (about ``chunk_size`` × the activations of one forward for ``"func"``).
+        backend: ``"func"``: forward-over-reverse with ``torch.func`` (vmap over tangents; fast on
+            GPUs, re-runs the forward per chunk). ``"autograd"``: second backwards through one
+            retained graph (works for any double-differentiable model). ``"auto"`` (default): ``"func"``,
+            falling back to ``"autograd"`` with a ``RuntimeWarning`` if the model cannot be traced.
 
     Returns:
         ``{edge name: tensor (K,)}`` in the loss's dtype and device, in the order of ``edges``.
@@ -80,58 +97,158 @@ def exact_arch_diag_hessian(
         entry is ``Σ_{b,b'} ∂²L/∂Z_{b,k}∂Z_{b',k}`` (``wrt="alpha"`` needs ``(K,)`` weights).
 
     Raises:
-        ValueError: ``wrt`` unknown; an edge module not in ``model``; a module listed twice; a mixed op
-            that never ran in the forward, or ran without weights of shape (..., K); ``wrt="alpha"`` on
-            weights that are not a probability vector.
+        ValueError: ``wrt`` or ``backend`` unknown; an edge module not in ``model``; a module listed
+            twice; a mixed op that never ran in the forward, or ran without weights of shape (..., K);
+            ``wrt="alpha"`` on weights that are not a probability vector.
 
     An edge that ran but does not influence the loss gets zeros and a ``RuntimeWarning`` naming it.
     """
     if wrt not in _WRT:
         raise ValueError(f"wrt must be one of {_WRT}, got {wrt!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     names, modules, n_ops = _resolve_edges(model, edges)
+    offsets = [sum(n_ops[:i]) for i in range(len(n_ops))]
+    shift = _WeightShift(names, n_ops, offsets)
 
-    deltas: Dict[str, torch.Tensor] = {}
-    observed: Dict[str, List[torch.Tensor]] = {name: [] for name in names}
     handles = []
     try:
-        for name, module, K in zip(names, modules, n_ops):
-            handles.append(
-                module.register_forward_pre_hook(_shift_weights(name, K, deltas, observed), with_kwargs=True)
-            )
-        with preserved_buffers(model):
+        for i, module in enumerate(modules):
+            handles.append(module.register_forward_pre_hook(shift.hook(i), with_kwargs=True))
+        with preserved_buffers(model), torch.enable_grad():
+            # Pass 1, plain autograd with a leaf δ_e per edge: checks that every edge ran with
+            # weights of the right shape, finds edges the loss ignores, and gives ∂L/∂Z.
+            shift.mode = "leaves"
             loss = scalar_loss(loss_fn, call_model(model, inputs), targets)
+            shift.check_all_ran()
+            if wrt == "alpha":
+                _check_softmax_weights(shift.observed)
+            leaves = [shift.leaves[n] for n in names]
+            grads = torch.autograd.grad(loss, leaves, create_graph=backend == "autograd", allow_unused=True)
+            unused = [n for n, g in zip(names, grads) if g is None]
+            if unused:
+                warnings.warn(
+                    f"the loss does not depend on edge(s) {unused}: their curvature is reported as zeros",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            grad_z = [(torch.zeros_like(t) if g is None else g).detach() for t, g in zip(leaves, grads)]
+            products = None
+            if backend in ("auto", "func"):
+                products = _functional_products(model, loss_fn, inputs, targets, shift, leaves[0], backend)
+            if products is None:
+                if backend != "autograd":  # auto fell back: rebuild the graph for second backwards
+                    shift.mode = "leaves"
+                    loss = scalar_loss(loss_fn, call_model(model, inputs), targets)
+                    leaves = [shift.leaves[n] for n in names]
+                products = HessianVectorProduct(loss, leaves, names)
+            blocks = _edge_blocks(products, n_ops, chunk_size, leaves[0].dtype, leaves[0].device)
     finally:
         for handle in handles:
             handle.remove()
 
-    never_ran = [name for name in names if not observed[name]]
-    if never_ran:
-        raise ValueError(
-            f"mixed op(s) {never_ran} never ran in the forward pass, so their curvature is undefined; "
-            "pass only edges that model(inputs) actually uses"
-        )
-    if wrt == "alpha":
-        _check_softmax_weights(observed)
-
-    hvp = HessianVectorProduct(loss, [deltas[n] for n in names], names)
-    if hvp.unused:
-        warnings.warn(
-            f"the loss does not depend on edge(s) {hvp.unused}: their curvature is reported as zeros",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-    blocks = _edge_blocks(hvp, n_ops, chunk_size)
-    grads = torch.split(hvp.gradient.detach(), n_ops)
-
     out: Dict[str, torch.Tensor] = {}
-    for name, block, grad in zip(names, blocks, grads):
+    for name, block, grad in zip(names, blocks, grad_z):
         if wrt == "Z":
             out[name] = torch.diagonal(block).clone()
         else:
-            out[name] = softmax_chain_diag(observed[name][0].to(block.dtype), grad, block)
+            out[name] = softmax_chain_diag(shift.observed[name][0].to(block.dtype), grad.to(block.dtype), block)
     return out
+
+
+class _WeightShift:
+    """State of the forward pre-hooks that add δ to each mixed op's weights.
+
+    ``mode == "leaves"``: δ_e is a (K,) zero leaf per edge, created at the edge's first call (dtype and
+    device of its weights) and reused if the module runs again in the same forward (tied Z); the
+    weights seen are recorded. ``mode == "flat"``: δ_e is the edge's slice of ``self.flat`` (set by the
+    traced loss function under ``torch.func``). Local to one call, never module-global.
+    """
+
+    def __init__(self, names: List[str], n_ops: List[int], offsets: List[int]):
+        self.names, self.n_ops, self.offsets = names, n_ops, offsets
+        self.mode = "leaves"
+        self.flat = None
+        self.leaves: Dict[str, torch.Tensor] = {}
+        self.observed: Dict[str, List[torch.Tensor]] = {n: [] for n in names}
+
+    def hook(self, i: int):
+        name, K, offset = self.names[i], self.n_ops[i], self.offsets[i]
+
+        def hook(module, args, kwargs):
+            if "weights" in kwargs:
+                weights = kwargs["weights"]
+            elif len(args) >= 2:
+                weights = args[1]
+            else:
+                raise ValueError(
+                    f"edge {name!r}: the mixed op was called without mixing weights (expected forward(x, weights) "
+                    "with weights as the second positional argument or weights=)"
+                )
+            if not isinstance(weights, torch.Tensor) or weights.dim() not in (1, 2) or weights.shape[-1] != K:
+                shape = tuple(weights.shape) if isinstance(weights, torch.Tensor) else type(weights).__name__
+                raise ValueError(
+                    f"edge {name!r}: mixing weights must have shape (K,) or (B, K) with K={K}, got {shape}"
+                )
+            if self.mode == "leaves":
+                if name not in self.leaves:
+                    self.leaves[name] = torch.zeros(K, dtype=weights.dtype, device=weights.device, requires_grad=True)
+                self.observed[name].append(weights.detach())
+                delta = self.leaves[name]
+            else:
+                delta = self.flat[offset : offset + K].to(weights.dtype)
+            shifted = weights + delta
+            if "weights" in kwargs:
+                return args, {**kwargs, "weights": shifted}
+            return (args[0], shifted, *args[2:]), kwargs
+
+        return hook
+
+    def check_all_ran(self) -> None:
+        never_ran = [n for n in self.names if not self.observed[n]]
+        if never_ran:
+            raise ValueError(
+                f"mixed op(s) {never_ran} never ran in the forward pass, so their curvature is undefined; "
+                "pass only edges that model(inputs) actually uses"
+            )
+
+
+def _functional_products(model, loss_fn, inputs, targets, shift: _WeightShift, like: torch.Tensor, backend: str):
+    """``V ↦ V H`` by ``torch.func`` over the flat δ, or None if ``backend="auto"`` and the model cannot be traced."""
+    N = sum(shift.n_ops)
+    primal = torch.zeros(N, dtype=like.dtype, device=like.device)
+
+    def loss_of(flat):
+        shift.flat = flat
+        return scalar_loss(loss_fn, call_model(model, inputs), targets)
+
+    columns = functional_hvp(loss_of, primal)
+
+    def products(V):
+        shift.mode = "flat"
+        try:
+            with batch_statistics_only(model):
+                return columns(V)
+        finally:
+            shift.mode, shift.flat = "leaves", None
+
+    if backend == "func":
+        return products
+    try:  # probe traceability once on a single column; the real work happens in _edge_blocks
+        products(torch.eye(1, N, dtype=like.dtype, device=like.device))
+    except torch.OutOfMemoryError:
+        raise
+    except (RuntimeError, NotImplementedError) as err:
+        warnings.warn(
+            f"torch.func could not trace the model ({type(err).__name__}: {str(err)[:200]}); using second "
+            "backwards through a retained graph instead (same numbers, slower on GPUs)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+    return products
 
 
 def softmax_chain_diag(z: torch.Tensor, grad_z: torch.Tensor, hess_z: torch.Tensor) -> torch.Tensor:
@@ -193,34 +310,6 @@ def _resolve_edges(model: nn.Module, edges: Mapping[str, object]) -> Tuple[List[
     return names, modules, n_ops
 
 
-def _shift_weights(name: str, K: int, deltas: Dict[str, torch.Tensor], observed: Dict[str, List[torch.Tensor]]):
-    """Forward pre-hook: ``weights -> weights + δ`` with δ a (K,) zero leaf, created at the first call
-    (so it takes the weights' dtype and device) and reused if the module runs again (tied Z)."""
-
-    def hook(module, args, kwargs):
-        if "weights" in kwargs:
-            weights = kwargs["weights"]
-        elif len(args) >= 2:
-            weights = args[1]
-        else:
-            raise ValueError(
-                f"edge {name!r}: the mixed op was called without mixing weights (expected forward(x, weights) "
-                "with weights as the second positional argument or weights=)"
-            )
-        if not isinstance(weights, torch.Tensor) or weights.dim() not in (1, 2) or weights.shape[-1] != K:
-            shape = tuple(weights.shape) if isinstance(weights, torch.Tensor) else type(weights).__name__
-            raise ValueError(f"edge {name!r}: mixing weights must have shape (K,) or (B, K) with K={K}, got {shape}")
-        if name not in deltas:
-            deltas[name] = torch.zeros(K, dtype=weights.dtype, device=weights.device, requires_grad=True)
-        observed[name].append(weights.detach())
-        shifted = weights + deltas[name]
-        if "weights" in kwargs:
-            return args, {**kwargs, "weights": shifted}
-        return (args[0], shifted, *args[2:]), kwargs
-
-    return hook
-
-
 def _check_softmax_weights(observed: Dict[str, List[torch.Tensor]]) -> None:
     for name, calls in observed.items():
         z = calls[0]
@@ -239,18 +328,21 @@ def _check_softmax_weights(observed: Dict[str, List[torch.Tensor]]) -> None:
             )
 
 
-def _edge_blocks(hvp: HessianVectorProduct, n_ops: Sequence[int], chunk_size: int) -> List[torch.Tensor]:
-    """The K_e × K_e diagonal blocks of the Hessian, from the N columns ``H e_i``, ``chunk_size`` at a time."""
-    N = hvp.dim
+def _edge_blocks(products, n_ops: Sequence[int], chunk_size: int, dtype, device) -> List[torch.Tensor]:
+    """The K_e × K_e diagonal blocks of the Hessian from the N columns ``H e_i``, ``chunk_size`` at a time.
+
+    ``products(V)`` maps a stack of vectors (c, N) to ``V H`` (c, N).
+    """
+    N = sum(n_ops)
     offsets = torch.cumsum(torch.tensor([0, *n_ops[:-1]]), 0)
     edge_of = torch.repeat_interleave(torch.arange(len(n_ops)), torch.tensor(n_ops))
     k_max = max(n_ops)
-    # cols[i, :] = columns of the block of the edge that owns row i (padded past K_e, masked later)
-    cols = (offsets[edge_of][:, None] + torch.arange(k_max)[None, :]).clamp_(max=N - 1)
-    rows = torch.empty(N, k_max, dtype=hvp.dtype, device=hvp.device)
-    eye = torch.eye(N, dtype=hvp.dtype, device=hvp.device)
+    # cols[i, :] = columns of the block of the edge that owns row i (padded past K_e, cut off below)
+    cols = (offsets[edge_of][:, None] + torch.arange(k_max)[None, :]).clamp_(max=N - 1).to(device)
+    rows = torch.empty(N, k_max, dtype=dtype, device=device)
+    eye = torch.eye(N, dtype=dtype, device=device)
     for start in range(0, N, chunk_size):
         stop = min(start + chunk_size, N)
-        products = hvp(eye[start:stop])  # (c, N): row i is (H e_i)ᵀ, H symmetric
-        rows[start:stop] = torch.gather(products, 1, cols[start:stop].to(hvp.device))
+        block_rows = products(eye[start:stop])  # (c, N): row i is (H e_i)ᵀ, H symmetric
+        rows[start:stop] = torch.gather(block_rows.detach(), 1, cols[start:stop])
     return [rows[o : o + K, :K] for o, K in zip(offsets.tolist(), n_ops)]
