@@ -3,6 +3,8 @@
 * :func:`diag_hessian` — weights, modes ``exact`` / ``diag`` / ``approx`` (bayesnas-appendix §C.1-C.2).
 * :func:`arch_diag_hessian` — mixing weights Z (or α) per edge, C.3.1-C.3.2 (``exact`` by HVPs).
 * :func:`register_rule` — teach the recursions a new module type.
+* :func:`hessian_eigenvalues`, :func:`hutchinson_trace`, :func:`hutchinson_diagonal`,
+  :class:`EigenvalueEarlyStop` — spectrum of the α-Hessian and RobustDARTS's early stop (spectrum.py).
 """
 
 from nasdiag.hessian.arch import arch_diag_hessian
@@ -16,9 +18,33 @@ from nasdiag.hessian.rules import (
     register_rule,
     supported_modules,
 )
+from nasdiag.hessian.spectrum import (
+    EarlyStopDecision,
+    EigenvalueEarlyStop,
+    HutchinsonEstimate,
+    SpectrumResult,
+    diagonal_from_hvp,
+    eigenvalues_from_hvp,
+    hessian_eigenvalues,
+    hutchinson_diagonal,
+    hutchinson_trace,
+    loss_hvp,
+    trace_from_hvp,
+)
 from nasdiag.hessian.weights import HESSIAN_MODES, diag_hessian
 
 __all__ = [
+    "EarlyStopDecision",
+    "EigenvalueEarlyStop",
+    "HutchinsonEstimate",
+    "SpectrumResult",
+    "diagonal_from_hvp",
+    "eigenvalues_from_hvp",
+    "hessian_eigenvalues",
+    "hutchinson_diagonal",
+    "hutchinson_trace",
+    "loss_hvp",
+    "trace_from_hvp",
     "ElementwiseRule",
     "HESSIAN_MODES",
     "HessianRule",
