@@ -15,7 +15,11 @@ import torch
 
 from nasdiag.hessian._hvp import scalar_loss
 
-__all__ = ["output_hessian_blocks", "output_hessian_diagonal"]
+__all__ = ["LossCouplesSamplesError", "output_hessian_blocks", "output_hessian_diagonal"]
+
+
+class LossCouplesSamplesError(ValueError):
+    """The loss has cross-sample second derivatives, so per-sample recursions do not apply."""
 
 
 def output_hessian_blocks(
@@ -64,7 +68,7 @@ def output_hessian_blocks(
     scale = cols.abs().max() * weights.abs().max()
     tol = 1e3 * torch.finfo(out.dtype).eps * scale
     if (weighted_cols - cols * weights[None, :, None]).abs().max() > tol:
-        raise ValueError(
+        raise LossCouplesSamplesError(
             "loss_fn couples different samples (∂²loss/∂y_n∂y_m ≠ 0 for n ≠ m), so its Hessian w.r.t. the outputs is "
             "not block diagonal and the per-sample recursions do not apply; use a per-sample loss (a sum or mean "
             "of per-sample terms such as cross-entropy or MSE) or mode='exact'"

@@ -10,7 +10,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from nasdiag.hessian._hvp import preserved_buffers, scalar_loss
 from nasdiag.hessian.exact_weights import as_linear_chain, chain_exact_diag, hvp_exact_diag
-from nasdiag.hessian.loss_curvature import output_hessian_diagonal
+from nasdiag.hessian.loss_curvature import LossCouplesSamplesError, output_hessian_diagonal
 from nasdiag.hessian.propagate import walk_diagonals
 from nasdiag.hessian.rules import HessianRule, UnsupportedModuleError
 from nasdiag.hessian.rules.base import unsupported_module_message
@@ -88,7 +88,10 @@ def diag_hessian(
         if chain is not None and isinstance(inputs, torch.Tensor):
             owned = {f"{n}.{k}" if n else k for n, m in chain for k, _ in m.named_parameters(recurse=False)}
             if set(values) <= owned:
-                return chain_exact_diag(chain, loss_fn, inputs, targets, values)
+                try:
+                    return chain_exact_diag(chain, loss_fn, inputs, targets, values)
+                except LossCouplesSamplesError:
+                    pass  # the per-sample recursion does not apply; HVPs do
         return hvp_exact_diag(model, loss_fn, inputs, targets, values)
     return recursion_diag(model, loss_fn, inputs, targets, mode, values, rules)
 

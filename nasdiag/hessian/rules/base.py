@@ -32,9 +32,9 @@ __all__ = [
 ]
 
 
-class UnsupportedModuleError(TypeError):
+class UnsupportedModuleError(NotImplementedError, TypeError):
     """A module (or an autograd op between modules) on the path from the loss to the requested
-    tensors has no diagonal-Hessian rule."""
+    tensors has no diagonal-Hessian rule (a ``NotImplementedError`` and a ``TypeError``)."""
 
 
 class ModuleCall:
