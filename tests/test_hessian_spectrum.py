@@ -194,6 +194,9 @@ def test_hessian_eigenvalues_of_supernet_alpha_match_eigvalsh(supernet_case):
     for key, value in before.items():  # BatchNorm running statistics untouched
         assert torch.equal(net.state_dict()[key], value), key
     assert all(p.grad is None for p in net.parameters())
+    with torch.no_grad():  # e.g. from an evaluation loop
+        again = hessian_eigenvalues(net, F.cross_entropy, x, y, k=3, tol=1e-10)
+    torch.testing.assert_close(again.eigenvalues, res.eigenvalues, rtol=1e-9, atol=1e-12)
 
 
 def test_hutchinson_on_supernet_alpha_within_variance_bounds(supernet_case):

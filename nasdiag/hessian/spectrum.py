@@ -399,7 +399,7 @@ def loss_hvp(
         ``params`` (attributes ``dim``, ``sizes``, ``names``, ``gradient``).
     """
     pairs = named_tensors(params, default_owner=model)
-    with preserved_buffers(model):
+    with preserved_buffers(model), torch.enable_grad():
         loss = scalar_loss(loss_fn, call_model(model, inputs), targets)
     hvp = HessianVectorProduct(loss, [p for _, p in pairs], [n for n, _ in pairs])
     if hvp.unused:
