@@ -140,13 +140,15 @@ def walk_diagonals(
                     g = grad_of(node, nr, h)
                     observed_g[key] = g if key not in observed_g else observed_g[key] + g
             if node in leaf_targets:
-                key = leaf_targets[node]
-                h = slots[0]
-                params[key] = h if key not in params else params[key] + h
+                key, h = leaf_targets[node], slots.get(0)
+                if h is not None:
+                    params[key] = h if key not in params else params[key] + h
                 continue
             rc = rule_calls.get(node)
             if rc is not None:
-                _apply_rule(rc, slots[rc.output_edge[1]], mode, module_targets, needed, params, push, grad_of, tracer)
+                h_out = slots.get(rc.output_edge[1])
+                if h_out is not None:
+                    _apply_rule(rc, h_out, mode, module_targets, needed, params, push, grad_of)
                 continue
             oc = opaque_by_node.get(node)
             if oc is not None and any(True for _ in oc.module.parameters()):
@@ -159,7 +161,7 @@ def walk_diagonals(
     return params, observed_h, observed_g
 
 
-def _apply_rule(rc: RuleCall, h_out, mode, module_targets, needed, params, push, grad_of, tracer) -> None:
+def _apply_rule(rc: RuleCall, h_out, mode, module_targets, needed, params, push, grad_of) -> None:
     call, rule = rc.call, rc.rule
     rule.check(call.module, call.name)
     wanted = module_targets.get(call.name)
