@@ -145,11 +145,12 @@ class HessianVectorProduct:
         self.dim = sum(self.sizes)
         self.dtype = loss.dtype
         self.device = loss.device
-        grads = torch.autograd.grad(loss, self.wrt, create_graph=True, allow_unused=True)
+        with torch.enable_grad():  # under no_grad, the graph of the gradient would silently be dropped
+            grads = torch.autograd.grad(loss, self.wrt, create_graph=True, allow_unused=True)
+            self.gradient = torch.cat(
+                [(torch.zeros_like(t) if g is None else g).reshape(-1) for t, g in zip(self.wrt, grads)]
+            )
         self.unused = [n for n, g in zip(self.names, grads) if g is None]
-        self.gradient = torch.cat(
-            [(torch.zeros_like(t) if g is None else g).reshape(-1) for t, g in zip(self.wrt, grads)]
-        )
         # A loss linear in `wrt` leaves a gradient without a graph: its Hessian is exactly zero.
         self.is_zero = not self.gradient.requires_grad
         self._batched_ok = True
@@ -181,7 +182,7 @@ class HessianVectorProduct:
         return out[0] if single else out
 
     def _products(self, V: torch.Tensor, batched: bool) -> torch.Tensor:
-        hv = torch.autograd.grad(
+        hv = torch.autograd.grad(  # no graph is built for these: grad mode does not matter
             self.gradient,
             self.wrt,
             grad_outputs=V,
