@@ -16,7 +16,7 @@ from torch import nn
 from nasdiag.hessian import arch_diag_hessian, diag_hessian
 from nasdiag.supernet import DARTS_PRIMITIVES, MixedOp, Network
 from nasdiag.supernet.ops import OpConfig
-from test_hessian_weights_reference import DT, delta_arch_hessian
+from test_hessian_weights_reference import DT, assert_rel_close, delta_arch_hessian, func_diag_hessian
 
 
 def _diag(blocks):
@@ -130,11 +130,14 @@ def test_alpha_chain_rule_exact_for_disjoint_candidates(mode):
     _close(got, {"e": ref})
 
 
-def test_supernet_alpha_routes_agree():
+@pytest.mark.parametrize(
+    "order,norm", [("relu-conv-bn", "batch"), ("conv-bn-relu", "layer"), ("conv-relu-bn", "instance")]
+)
+def test_supernet_alpha_routes_agree(order, norm):
     """Per-edge C.3 + softmax chain rule, summed over the cells sharing α, equals the glue route of
     diag_hessian through the supernet's own softmax (the same recursion reached two ways)."""
     torch.manual_seed(3)
-    net = Network.minimal(4, 5, 3, in_channels=1).to(DT)
+    net = Network.minimal(4, 5, 3, in_channels=1, order=order, norm=norm).to(DT)
     x, y = torch.randn(4, 1, 8, 8, dtype=DT), torch.randint(0, 5, (4,))
     specs = net.edge_specs()
     per_edge = arch_diag_hessian(net, F.cross_entropy, x, y, {s.name: s for s in specs}, mode="diag", wrt="alpha")
@@ -154,6 +157,8 @@ def test_exact_mode_dispatches_to_hvp_route():
     edges = model.edges()
     got = arch_diag_hessian(model, F.mse_loss, x, y, edges, mode="exact")
     _close(got, _diag(delta_arch_hessian(model, F.mse_loss, x, y, edges)), 1e-8)
+    with pytest.raises(ValueError, match="rules"):
+        arch_diag_hessian(model, F.mse_loss, x, y, edges, mode="exact", rules={})
 
 
 def test_supernet_runs_leaves_no_trace():
@@ -190,3 +195,13 @@ def test_bad_edges_raise():
     with pytest.raises(ValueError, match="never ran"):
         arch_diag_hessian(model, F.mse_loss, x, y, {**edges, "spare": (unused, list(unused.ops))})
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_supernet_classifier_exact_in_diag_mode():
+    """The classifier is the supernet's last FC layer: its diagonal is exact under cross-entropy."""
+    torch.manual_seed(7)
+    net = Network.minimal(4, 5, 3, in_channels=1).to(DT)
+    x, y = torch.randn(4, 1, 8, 8, dtype=DT), torch.randint(0, 5, (4,))
+    names = ["classifier.weight", "classifier.bias"]
+    got = diag_hessian(net, F.cross_entropy, x, y, mode="diag", params=names)
+    assert_rel_close(got, func_diag_hessian(net, F.cross_entropy, x, y, names=names), 1e-10)
