@@ -132,6 +132,19 @@ class Softmax(GlueRule):
         return (s.square() * ((1 - 2 * s) * h + a) + s * (1 - 2 * s) * (grad_out - b),)
 
 
+class LogSoftmax(GlueRule):
+    """``y = log_softmax(x)`` along a dim, ``s = exp(y)``: ``∂y_i/∂x_j = δ_ij − s_j`` and
+    ``∂²y_i/∂x_j² = −s_j (1 − s_j)``, so per slice ``H_x,j = (1 − 2 s_j) h_j + s_j² Σ_i h_i − s_j (1 − s_j) Σ_i g_i``."""
+
+    needs_grad = True
+
+    def apply(self, node, h_outs, grad_out, wanted):
+        (h,) = h_outs
+        s = node._saved_result.detach().exp()
+        dim = _signed_dim(node._saved_dim, s.dim())
+        return ((1 - 2 * s) * h + s.square() * h.sum(dim, keepdim=True) - s * (1 - s) * grad_out.sum(dim, keepdim=True),)
+
+
 class ElementwiseSaved(GlueRule):
     """Functional ``sigmoid``/``tanh`` from their saved result: ``σ'² h + σ'' g``."""
 
@@ -154,6 +167,15 @@ def _saved(node, attr: str):
 
 def _signed_dim(dim: int, ndim: int) -> int:
     return dim - 2**64 if dim >= 2**63 else dim
+
+
+def _dropout_scale(node) -> float:
+    """``1/(1 − p)`` of a fused dropout (CUDA); on CPU dropout is a product with the mask (``Product``)."""
+    p = getattr(node, "_saved_p", None)
+    if p is None:
+        raise UnsupportedGlue("dropout without a readable drop probability")
+    train = getattr(node, "_saved_train", True)
+    return 1.0 if train is False or p >= 1 else 1.0 / (1.0 - float(p))
 
 
 def _sigmoid_derivatives(s):
@@ -244,5 +266,7 @@ register_glue_rule("DivBackward1", Quotient())
 register_glue_rule("MeanBackward0", Mean())
 register_glue_rule("MeanBackward1", Mean())
 register_glue_rule("SoftmaxBackward0", Softmax())
+register_glue_rule("LogSoftmaxBackward0", LogSoftmax())
+register_glue_rule("NativeDropoutBackward0", ScaledInputs(lambda n: (_dropout_scale(n),)))
 register_glue_rule("SigmoidBackward0", ElementwiseSaved(_sigmoid_derivatives))
 register_glue_rule("TanhBackward0", ElementwiseSaved(_tanh_derivatives))
