@@ -14,6 +14,11 @@ from typing import Mapping, Sequence, Tuple
 import torch
 
 
+#: On a CPU, edge outputs up to this many elements are stacked into one bmm; larger ones are paired op
+#: by op (measured crossover ~1.3e5 elements with K = 8, 1-2 threads; docs/probe.md, "Overhead").
+_CPU_BATCHED_MAX_NUMEL = 1 << 17
+
+
 def _inner_per_sample(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Σ over all but the first dim of a·b, shape (B,). Half precision is accumulated in float32."""
     if a.shape != b.shape:
@@ -45,8 +50,10 @@ def edge_costs(
     """
     if len(candidate_outputs) == 0:
         raise ValueError("an edge needs at least one candidate op output to assign costs")
-    if grad_output.is_cuda and grad_output.dim() > 0 and all(o.shape == grad_output.shape for o in candidate_outputs):
-        # On a GPU the step is launch-bound: 2 kernels for the K ops instead of K dot products.
+    batched = grad_output.dim() > 0 and all(o.shape == grad_output.shape for o in candidate_outputs)
+    if batched and (grad_output.is_cuda or grad_output.numel() <= _CPU_BATCHED_MAX_NUMEL):
+        # 2 kernels (stack, bmm) for the K ops instead of K dot products: the step is launch-bound on a
+        # GPU, and dispatch-bound on a CPU for small maps; large CPU maps pay more for the stacked copy.
         K, B = len(candidate_outputs), grad_output.shape[0]
         stacked = torch.stack(candidate_outputs).reshape(K, B, -1)
         g = grad_output.reshape(B, 1, -1)

@@ -283,7 +283,10 @@ class StepCapture:
                     f"edge {edge.name!r}: the output of candidate op {k} ({edge.op_names[k]}) was modified in place "
                     "after the forward; its cost cannot be computed. Use out-of-place ops (e.g. ReLU(inplace=False))."
                 )
-        with torch.no_grad():  # a create_graph backward must not record the probe's arithmetic
+        if torch.is_grad_enabled():  # a create_graph backward must not record the probe's arithmetic
+            with torch.no_grad():
+                self.per_sample[call.pos].append(_costs_with_missing(g, call.outputs))
+        else:  # the usual backward already runs without grad mode; skip the context manager
             self.per_sample[call.pos].append(_costs_with_missing(g, call.outputs))
         if self.path_split and call.cell_call is not None and edge.src is not None and call.inp is not None:
             self._split_through(edge, call, g)
