@@ -5,7 +5,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from nasdiag.hessian.arch_exact import exact_arch_diag_hessian
+from nasdiag.hessian.arch_exact import _edge_blocks, exact_arch_diag_hessian
 from nasdiag.supernet import Network
 
 @pytest.fixture(autouse=True, scope="module")
@@ -128,6 +128,37 @@ def test_alpha_diagonal_equals_autograd_through_softmax():
     # the softmax second-derivative term matters: without it the numbers differ
     z_only = exact_arch_diag_hessian(PerCell(net, Z), F.cross_entropy, x, y, edges_of(net))
     assert not torch.allclose(stack_result(net, z_only), H.diagonal(), rtol=1e-3)
+
+
+def test_out_of_memory_halves_the_chunk_and_blocks_stay_exact():
+    g = torch.Generator().manual_seed(19)
+    A = torch.randn(9, 9, dtype=torch.float64, generator=g)
+    H = A + A.T
+    calls = []
+
+    def products(V):  # a device that fits at most 2 products at once
+        calls.append(V.shape[0])
+        if V.shape[0] > 2:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return V @ H
+
+    with pytest.warns(RuntimeWarning, match="chunk_size=2"):
+        blocks = _edge_blocks(products, [4, 3, 2], 8, torch.float64, "cpu")
+    for block, (o, K) in zip(blocks, [(0, 4), (4, 3), (7, 2)]):
+        assert torch.equal(block, H[o : o + K, o : o + K])
+    assert calls[:3] == [8, 4, 2] and max(calls[2:]) <= 2
+
+    def always_oom(V):
+        raise RuntimeError("CUDA out of memory")
+
+    with pytest.raises(RuntimeError, match="backend='autograd'"), pytest.warns(RuntimeWarning):
+        _edge_blocks(always_oom, [2, 2], 4, torch.float64, "cpu")
+
+    def broken(V):
+        raise RuntimeError("some other failure")
+
+    with pytest.raises(RuntimeError, match="some other failure"):
+        _edge_blocks(broken, [2, 2], 4, torch.float64, "cpu")
 
 
 def test_batchnorm_running_stats_grads_and_hooks_untouched():

@@ -84,8 +84,10 @@ def exact_arch_diag_hessian(
             total ``∂²L/∂α_{e,k}²`` also has cross-cell terms ``Σ_{c≠c'} ∂²L/∂α^{(c)}∂α^{(c')}``; they are
             NOT included, so summing these per-cell numbers over cells gives only the block-diagonal
             part of the shared-α curvature.
-        chunk_size: Hessian-vector products evaluated together (one vmapped pass); memory grows
-            linearly with it (about ``chunk_size`` × the activations of one forward for ``"func"``).
+        chunk_size: Hessian-vector products evaluated together (one vmapped pass). Memory grows
+            linearly with it: for ``"func"`` each product holds about two forward+backward passes'
+            worth of intermediates (a DARTS search supernet, 8 cells, C=16, batch 64, float32, did not
+            fit 8 products in an H200's 139 GiB). On out-of-memory the chunk is halved, with a warning.
         backend: ``"func"``: forward-over-reverse with ``torch.func`` (vmap over tangents; fast on
             GPUs, re-runs the forward per chunk). ``"autograd"``: second backwards through one
             retained graph (works for any double-differentiable model). ``"auto"`` (default): ``"func"``,
@@ -238,9 +240,9 @@ def _functional_products(model, loss_fn, inputs, targets, shift: _WeightShift, l
         return products
     try:  # probe traceability once on a single column; the real work happens in _edge_blocks
         products(torch.eye(1, N, dtype=like.dtype, device=like.device))
-    except torch.OutOfMemoryError:
-        raise
     except (RuntimeError, NotImplementedError) as err:
+        if _out_of_memory(err):  # not a tracing failure
+            raise
         warnings.warn(
             f"torch.func could not trace the model ({type(err).__name__}: {str(err)[:200]}); using second "
             "backwards through a retained graph instead (same numbers, slower on GPUs)",
@@ -331,7 +333,8 @@ def _check_softmax_weights(observed: Dict[str, List[torch.Tensor]]) -> None:
 def _edge_blocks(products, n_ops: Sequence[int], chunk_size: int, dtype, device) -> List[torch.Tensor]:
     """The K_e × K_e diagonal blocks of the Hessian from the N columns ``H e_i``, ``chunk_size`` at a time.
 
-    ``products(V)`` maps a stack of vectors (c, N) to ``V H`` (c, N).
+    ``products(V)`` maps a stack of vectors (c, N) to ``V H`` (c, N). On out-of-memory the chunk is
+    halved (with a warning) down to one product at a time.
     """
     N = sum(n_ops)
     offsets = torch.cumsum(torch.tensor([0, *n_ops[:-1]]), 0)
@@ -341,8 +344,29 @@ def _edge_blocks(products, n_ops: Sequence[int], chunk_size: int, dtype, device)
     cols = (offsets[edge_of][:, None] + torch.arange(k_max)[None, :]).clamp_(max=N - 1).to(device)
     rows = torch.empty(N, k_max, dtype=dtype, device=device)
     eye = torch.eye(N, dtype=dtype, device=device)
-    for start in range(0, N, chunk_size):
+    start = 0
+    while start < N:
         stop = min(start + chunk_size, N)
-        block_rows = products(eye[start:stop])  # (c, N): row i is (H e_i)ᵀ, H symmetric
+        try:
+            block_rows = products(eye[start:stop])  # (c, N): row i is (H e_i)ᵀ, H symmetric
+        except RuntimeError as err:
+            if not _out_of_memory(err):
+                raise
+            if chunk_size == 1:
+                raise RuntimeError(
+                    "out of memory with one Hessian-vector product at a time; use backend='autograd' "
+                    "(one retained graph, one second backward per product), a smaller batch, or fewer edges"
+                ) from err
+            chunk_size = max(1, chunk_size // 2)
+            warnings.warn(f"out of memory: retrying with chunk_size={chunk_size}", RuntimeWarning, stacklevel=3)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            continue
         rows[start:stop] = torch.gather(block_rows.detach(), 1, cols[start:stop])
+        start = stop
     return [rows[o : o + K, :K] for o, K in zip(offsets.tolist(), n_ops)]
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    # TorchScript'd jvp decompositions re-raise CUDA OOM as a plain RuntimeError
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err)
