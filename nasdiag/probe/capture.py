@@ -215,7 +215,8 @@ class StepCapture:
         if not output.requires_grad:
             self.n_nograd[pos] += 1
             return None
-        call.out = output
+        if self.path_split:  # the split differentiates this output again, through the edge only
+            call.out = output
         self.tensor_handles.append(output.register_hook(lambda g, call=call: self.edge_grad(call, g)))
         return None
 
