@@ -1,8 +1,8 @@
 """What one ``with probe.record():`` block captures, and the hooks that capture it.
 
 Capture rules (issue 3 §2):
-  * candidate outputs O_k(x) come from **forward hooks on the candidate modules** (a detached alias,
-    no copy); a candidate's output *tensor* is never hooked, because ``skip_connect`` returns its input
+  * candidate outputs O_k(x) come from **forward hooks on the candidate modules** (a reference, no
+    copy; the costs are computed under no_grad); a candidate's output *tensor* is never hooked, because ``skip_connect`` returns its input
     object and a hook there would fire with the gradient of another consumer;
   * ∂L/∂x_j comes from **one tensor hook on each edge's output** (a node is a plain sum of edges, so the
     gradient there is ∂L/∂x_j); the costs are computed in that hook and the candidate outputs released;
