@@ -85,9 +85,9 @@ def exact_arch_diag_hessian(
             NOT included, so summing these per-cell numbers over cells gives only the block-diagonal
             part of the shared-α curvature.
         chunk_size: Hessian-vector products evaluated together (one vmapped pass). Memory grows
-            linearly with it: for ``"func"`` each product holds about two forward+backward passes'
-            worth of intermediates (a DARTS search supernet, 8 cells, C=16, batch 64, float32, did not
-            fit 8 products in an H200's 139 GiB). On out-of-memory the chunk is halved, with a warning.
+            linearly with it: on the DARTS search supernet (8 cells, C=16, batch 64, float32) one
+            ``"func"`` product held ≈ 10× the memory of a forward+backward, so about 4 fit an H200
+            (BENCHMARKS.md). On out-of-memory the chunk is halved, with a warning.
         backend: ``"func"``: forward-over-reverse with ``torch.func`` (vmap over tangents; fast on
             GPUs, re-runs the forward per chunk). ``"autograd"``: second backwards through one
             retained graph (works for any double-differentiable model). ``"auto"`` (default): ``"func"``,
