@@ -93,6 +93,24 @@ def test_lanczos_stops_early_when_converged_and_flags_a_short_budget():
     assert not short.converged and short.iterations == 5
 
 
+def test_model_level_functions_also_take_a_plain_operator():
+    A = symmetric_with_spectrum(SPECTRA["indefinite"], seed=8)
+    n = A.shape[0]
+    truth = torch.linalg.eigvalsh(A)
+    for res in (hessian_eigenvalues(lambda v: A @ v, n, k=2, tol=1e-12), hessian_eigenvalues(hvp=lambda v: A @ v, dim=n, k=2, tol=1e-12)):
+        torch.testing.assert_close(res.eigenvalues, truth.flip(0)[:2], rtol=0, atol=1e-9)
+    core = trace_from_hvp(lambda v: A @ v, n, samples=50, seed=2)
+    assert hutchinson_trace(lambda v: A @ v, n, samples=50, seed=2).estimate == pytest.approx(core.estimate, abs=1e-12)
+    diag = hutchinson_diagonal(hvp=lambda v: A @ v, dim=n, samples=50, seed=2)
+    torch.testing.assert_close(diag.estimate, diagonal_from_hvp(lambda v: A @ v, n, samples=50, seed=2).estimate)
+    with pytest.raises(ValueError, match="dim"):
+        hessian_eigenvalues(hvp=lambda v: A @ v)
+    with pytest.raises(ValueError, match="not both"):
+        hessian_eigenvalues(nn.Linear(2, 2), hvp=lambda v: A @ v, dim=n)
+    with pytest.raises(ValueError, match="loss_fn, inputs and targets"):
+        hessian_eigenvalues(nn.Linear(2, 2))
+
+
 def test_core_rejects_bad_arguments():
     A = torch.eye(4, dtype=torch.float64)
     with pytest.raises(ValueError, match="k must be"):

@@ -411,17 +411,45 @@ def loss_hvp(
     return hvp
 
 
+def _operator(model, loss_fn, inputs, targets, params, hvp, dim):
+    """(hvp callable, dim, dtype, device, parameter-shaped split or None) for either calling style."""
+    if hvp is None and not isinstance(model, nn.Module) and callable(model):
+        hvp, model = model, None  # hessian_eigenvalues(hvp, dim, ...)
+        if dim is None and isinstance(loss_fn, int):
+            dim, loss_fn = loss_fn, None
+    if hvp is not None:
+        if model is not None or loss_fn is not None or inputs is not None or targets is not None or params is not None:
+            raise ValueError("pass either a model with loss_fn, inputs, targets (and params), or hvp= and dim=, not both")
+        if not isinstance(dim, int) or dim < 1:
+            raise ValueError(f"with a plain hvp callable, give its dimension: dim must be a positive int, got {dim!r}")
+        return hvp, dim, torch.float64, None, None
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module (or pass hvp= and dim=), got {type(model).__name__}")
+    if loss_fn is None or inputs is None or targets is None:
+        raise ValueError("a model needs loss_fn, inputs and targets: the Hessian is of loss_fn(model(inputs), targets)")
+    op = loss_hvp(model, loss_fn, inputs, targets, params)
+    shapes = [t.shape for t in op.wrt]
+
+    def split(v):
+        return tuple(part.reshape(shape) for part, shape in zip(torch.split(v, op.sizes), shapes))
+
+    return op, op.dim, op.dtype, op.device, split
+
+
 def hessian_eigenvalues(
-    model: nn.Module,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    inputs: Inputs,
-    targets,
+    model: Optional[nn.Module] = None,
+    loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
+    inputs: Optional[Inputs] = None,
+    targets=None,
     params=None,
     k: int = 1,
     method: str = "lanczos",
     iters: Optional[int] = None,
     tol: float = 1e-6,
     seed: int = 0,
+    *,
+    hvp: Optional[HVP] = None,
+    dim: Optional[int] = None,
 ) -> SpectrumResult:
     """Extreme eigenvalues of the Hessian of the mini-batch loss w.r.t. ``params`` (default: α).
 
@@ -431,64 +459,71 @@ def hessian_eigenvalues(
     (batch mean for ``reduction="mean"``), joint over all ``params`` (for a DARTS ``Network``: both
     ``alphas_normal`` and ``alphas_reduce``, shared across cells, cross-cell terms included).
 
+    Also callable on a plain operator: ``hessian_eigenvalues(hvp, dim, k=...)`` or
+    ``hessian_eigenvalues(hvp=..., dim=...)``, as :func:`eigenvalues_from_hvp`.
+
     Args: as :func:`loss_hvp` and :func:`eigenvalues_from_hvp`.
 
     Returns:
         :class:`SpectrumResult`; eigenvalues in float64 whatever the model's dtype.
     """
-    hvp = loss_hvp(model, loss_fn, inputs, targets, params)
-    return eigenvalues_from_hvp(
-        hvp, hvp.dim, k=k, method=method, iters=iters, tol=tol, seed=seed, dtype=hvp.dtype, device=hvp.device
-    )
+    op, n, dtype, device, _ = _operator(model, loss_fn, inputs, targets, params, hvp, dim)
+    return eigenvalues_from_hvp(op, n, k=k, method=method, iters=iters, tol=tol, seed=seed, dtype=dtype, device=device)
 
 
 def hutchinson_trace(
-    model: nn.Module,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    inputs: Inputs,
-    targets,
+    model: Optional[nn.Module] = None,
+    loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
+    inputs: Optional[Inputs] = None,
+    targets=None,
     params=None,
     samples: int = 100,
     seed: int = 0,
-    batch_size: int = 16,
+    batch_size: Optional[int] = None,
+    *,
+    hvp: Optional[HVP] = None,
+    dim: Optional[int] = None,
 ) -> HutchinsonEstimate:
     """Hutchinson estimate of ``tr ∂²L/∂θ²`` for θ = ``params`` (default: α), Rademacher probes.
 
-    See :func:`trace_from_hvp`; ``batch_size`` probes share one vmapped second backward.
+    See :func:`trace_from_hvp`. ``batch_size`` probes share one batched second backward (default 16
+    for a model; 1 for a plain ``hvp``, which then only sees (dim,) vectors). Also callable as
+    ``hutchinson_trace(hvp, dim, ...)``.
 
     Returns:
         :class:`HutchinsonEstimate` with float ``estimate`` and ``stderr``.
     """
-    hvp = loss_hvp(model, loss_fn, inputs, targets, params)
-    return trace_from_hvp(
-        hvp, hvp.dim, samples=samples, seed=seed, batch_size=batch_size, dtype=hvp.dtype, device=hvp.device
-    )
+    op, n, dtype, device, split = _operator(model, loss_fn, inputs, targets, params, hvp, dim)
+    batch_size = (16 if split is not None else 1) if batch_size is None else batch_size
+    return trace_from_hvp(op, n, samples=samples, seed=seed, batch_size=batch_size, dtype=dtype, device=device)
 
 
 def hutchinson_diagonal(
-    model: nn.Module,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    inputs: Inputs,
-    targets,
+    model: Optional[nn.Module] = None,
+    loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
+    inputs: Optional[Inputs] = None,
+    targets=None,
     params=None,
     samples: int = 100,
     seed: int = 0,
-    batch_size: int = 16,
+    batch_size: Optional[int] = None,
+    *,
+    hvp: Optional[HVP] = None,
+    dim: Optional[int] = None,
 ) -> HutchinsonEstimate:
     """Hutchinson estimate of ``diag ∂²L/∂θ²`` for θ = ``params`` (default: α), Rademacher probes.
 
-    See :func:`diagonal_from_hvp`.
+    See :func:`diagonal_from_hvp` and :func:`hutchinson_trace` for ``batch_size`` and the ``hvp`` form.
 
     Returns:
-        :class:`HutchinsonEstimate` whose ``estimate`` and ``stderr`` are tuples of float64 tensors
-        shaped like ``params``, in their order.
+        :class:`HutchinsonEstimate`: for a model, ``estimate`` and ``stderr`` are tuples of float64
+        tensors shaped like ``params``, in their order; for a plain ``hvp``, (dim,) tensors.
     """
-    hvp = loss_hvp(model, loss_fn, inputs, targets, params)
-    flat = diagonal_from_hvp(
-        hvp, hvp.dim, samples=samples, seed=seed, batch_size=batch_size, dtype=hvp.dtype, device=hvp.device
-    )
-    shapes = [t.shape for t in hvp.wrt]
-    split = lambda v: tuple(part.reshape(s) for part, s in zip(torch.split(v, hvp.sizes), shapes))  # noqa: E731
+    op, n, dtype, device, split = _operator(model, loss_fn, inputs, targets, params, hvp, dim)
+    batch_size = (16 if split is not None else 1) if batch_size is None else batch_size
+    flat = diagonal_from_hvp(op, n, samples=samples, seed=seed, batch_size=batch_size, dtype=dtype, device=device)
+    if split is None:
+        return flat
     return HutchinsonEstimate(split(flat.estimate), split(flat.stderr), samples)
 
 
