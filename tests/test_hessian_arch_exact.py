@@ -207,8 +207,9 @@ class RunningMean(nn.Module):
 class ToyNet(nn.Module):
     """h1 = e0(x); h2 = e1(x) + e2(h1); logits = head(tanh(h2)). Mixed ops called with weights=."""
 
-    def __init__(self, d=4, classes=3, with_unused=False, with_running_mean=False):
+    def __init__(self, d=4, classes=3, with_unused=False, with_running_mean=False, dropout=0.0):
         super().__init__()
+        self.dropout = nn.Dropout(dropout)
         self.tracker = RunningMean(d) if with_running_mean else nn.Identity()
         self.e0, self.e1, self.e2 = ToyMixed(d), ToyMixed(d), ToyMixed(d)
         self.head = nn.Linear(d, classes)
@@ -222,7 +223,7 @@ class ToyNet(nn.Module):
         h2 = self.e1(x, weights=Z[1]) + self.e2(h1, weights=Z[2])
         if self.unused is not None and self.call_unused:
             self.unused(x, weights=Z[0])  # runs, but the loss never sees it
-        return self.head(torch.tanh(h2))
+        return self.head(self.dropout(torch.tanh(h2)))
 
 
 def toy_edges(net):
@@ -264,6 +265,31 @@ def test_untraceable_model_falls_back_to_autograd_with_a_warning():
         return F.cross_entropy(net(x, Z=[z + s for z, s in zip(net.Z, shifts)]), y)
 
     H = torch.autograd.functional.hessian(loss, tuple(torch.zeros(3, dtype=torch.float64) for _ in range(3)))
+    for i, name in enumerate(["e0", "e1", "e2"]):
+        torch.testing.assert_close(got[name], H[i][i].diagonal(), rtol=1e-8, atol=1e-12)
+
+
+def test_random_forward_is_never_mixed_across_passes():
+    # Dropout: the Hessian is the one of the forward with one dropout mask. torch.func refuses random
+    # ops under vmap, so "auto" falls back to one retained graph; g and H then come from that forward.
+    torch.manual_seed(20)
+    net = ToyNet(dropout=0.5).double().train()
+    net.Z = [torch.softmax(torch.randn(3, dtype=torch.float64), -1) for _ in range(3)]
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    with pytest.raises(RuntimeError):
+        exact_arch_diag_hessian(net, F.cross_entropy, x, y, toy_edges(net), backend="func")
+    torch.manual_seed(21)
+    with pytest.warns(RuntimeWarning, match="could not trace"):
+        got = exact_arch_diag_hessian(net, F.cross_entropy, x, y, toy_edges(net), wrt="alpha")
+    # reference with the same mask: replay the RNG through pass 1's forward, then differentiate the next one
+    torch.manual_seed(21)
+    net(x)
+    logits = [z.log() for z in net.Z]
+
+    def loss(*alphas):
+        return F.cross_entropy(net(x, Z=[torch.softmax(a, -1) for a in alphas]), y)
+
+    H = torch.autograd.functional.hessian(loss, tuple(logits))
     for i, name in enumerate(["e0", "e1", "e2"]):
         torch.testing.assert_close(got[name], H[i][i].diagonal(), rtol=1e-8, atol=1e-12)
 

@@ -128,24 +128,26 @@ def exact_arch_diag_hessian(
             if wrt == "alpha":
                 _check_softmax_weights(shift.observed)
             leaves = [shift.leaves[n] for n in names]
-            grads = torch.autograd.grad(loss, leaves, create_graph=backend == "autograd", allow_unused=True)
-            unused = [n for n, g in zip(names, grads) if g is None]
+            if backend == "autograd":
+                products = HessianVectorProduct(loss, leaves, names)
+                unused = products.unused
+            else:
+                grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+                unused = [n for n, g in zip(names, grads) if g is None]
+                grad_z = [(torch.zeros_like(t) if g is None else g).detach() for t, g in zip(leaves, grads)]
+                products = _functional_products(model, loss_fn, inputs, targets, shift, leaves[0], backend)
+                if products is None:  # auto fell back: a fresh graph for second backwards
+                    loss = scalar_loss(loss_fn, call_model(model, inputs), targets)
+                    products = HessianVectorProduct(loss, leaves, names)
+            if isinstance(products, HessianVectorProduct):
+                # ∂L/∂Z from the very forward whose Hessian is taken (matters if the forward is random)
+                grad_z = list(torch.split(products.gradient.detach(), n_ops))
             if unused:
                 warnings.warn(
                     f"the loss does not depend on edge(s) {unused}: their curvature is reported as zeros",
                     RuntimeWarning,
                     stacklevel=2,
                 )
-            grad_z = [(torch.zeros_like(t) if g is None else g).detach() for t, g in zip(leaves, grads)]
-            products = None
-            if backend in ("auto", "func"):
-                products = _functional_products(model, loss_fn, inputs, targets, shift, leaves[0], backend)
-            if products is None:
-                if backend != "autograd":  # auto fell back: rebuild the graph for second backwards
-                    shift.mode = "leaves"
-                    loss = scalar_loss(loss_fn, call_model(model, inputs), targets)
-                    leaves = [shift.leaves[n] for n in names]
-                products = HessianVectorProduct(loss, leaves, names)
             blocks = _edge_blocks(products, n_ops, chunk_size, leaves[0].dtype, leaves[0].device)
     finally:
         for handle in handles:
