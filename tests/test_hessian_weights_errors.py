@@ -73,6 +73,28 @@ class Halve(nn.Module):
         return x[:, ::2].mul(0.5)
 
 
+class FunctionalConv(nn.Module):
+    """A container that applies its own weight functionally: the op and the owner are named."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(3, 4), nn.Tanh())
+        self.w = nn.Parameter(torch.randn(2, 4))
+
+    def forward(self, x):
+        return F.linear(self.body(x), self.w)
+
+
+def test_functional_use_of_a_parameter_names_its_owner():
+    x, y = _data()
+    model = FunctionalConv().to(DT)
+    with pytest.raises(UnsupportedModuleError) as err:
+        diag_hessian(model, F.cross_entropy, x, y, mode="approx")
+    msg = str(err.value)
+    assert "MmBackward0" in msg or "AddmmBackward0" in msg, msg
+    assert "'w'" in msg and "FunctionalConv" in msg and "register_rule" in msg
+
+
 def test_parameterless_unknown_module_is_traced_or_named():
     x, _ = _data()
     y = torch.randn(5, 2, dtype=DT)

@@ -220,12 +220,28 @@ def _glue_message(node, why: str, tracer: ModuleTracer, reached_from) -> str:
         return unsupported_module_message(
             where.name, where.module, f"computes autograd op {op}, which {why}", tracer.overrides
         )
+    owners = _parameter_owners(node, tracer)
     return (
         f"autograd op {op} (in the forward code between modules, on the path reached from "
-        f"{reached_from.get(node, 'the model output')}) {why}. Wrap the computation in a module and register a rule "
+        f"{reached_from.get(node, 'the model output')}{owners}) {why}. Wrap the computation in a module and register a rule "
         "with nasdiag.hessian.register_rule(YourModule, rule), register a glue rule with "
         "nasdiag.hessian.glue.register_glue_rule(name, rule), or use mode='exact'."
     )
+
+
+def _parameter_owners(node, tracer: ModuleTracer) -> str:
+    """``", using parameter 'w' of module 'block' (Block)"`` for parameters the op reads directly."""
+    found, frontier = [], [node]
+    for _ in range(3):  # the parameter may sit behind a transpose or view
+        frontier = [c for n in frontier for c, _ in n.next_functions if c is not None]
+        for child in frontier:
+            name = tracer.tensor_names.get(id(getattr(child, "variable", None)))
+            if name is None or any(repr(name) in f for f in found):
+                continue
+            module_name = name.rpartition(".")[0]
+            module = tracer.model.get_submodule(module_name)
+            found.append(f"parameter {name!r} of module {module_name or '<root>'!r} ({type(module).__name__})")
+    return (", using " + ", ".join(found)) if found else ""
 
 
 def _enclosing_opaque(target, tracer: ModuleTracer):

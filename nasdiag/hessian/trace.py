@@ -64,6 +64,8 @@ class ModuleTracer:
         self.opaque_calls: List[OpaqueCall] = []
         self.rule_leaves: Dict[str, Tuple[nn.Module, HessianRule]] = {}
         self.opaque_leaves: Dict[str, nn.Module] = {}
+        #: ``{id(tensor): parameter name}`` for error messages (set by the caller for substituted leaves)
+        self.tensor_names: Dict[int, str] = {id(p): n for n, p in model.named_parameters()}
         self._handles = []
         self._classify()
 

@@ -118,6 +118,7 @@ def recursion_diag(model, loss_fn, inputs, targets, mode, values, rules=None) ->
         _reject_unruled_owner(tracer, name, rules)
 
     leaves = {n: v.detach().requires_grad_(True) for n, v in values.items()}
+    tracer.tensor_names.update({id(leaf): n for n, leaf in leaves.items()})
     args = inputs if isinstance(inputs, tuple) else (inputs,)
     with preserved_buffers(model), torch.enable_grad():
         with tracer:
