@@ -80,6 +80,8 @@ def test_default_forward_equals_autograd_per_cell(default_reference):
     net, x, y, H = default_reference
     got = exact_arch_diag_hessian(net, F.cross_entropy, x, y, edges_of(net))
     assert list(got) == [s.name for s in net.edge_specs()]
+    from_specs = exact_arch_diag_hessian(net, F.cross_entropy, x, y, net.edge_specs())  # list of EdgeSpec
+    torch.testing.assert_close(from_specs, got, rtol=0, atol=0)
     assert all(v.shape == (len(PRIMS),) and v.dtype == torch.float64 for v in got.values())
     torch.testing.assert_close(stack_result(net, got), H.diagonal(), rtol=1e-8, atol=1e-12)
     assert H.diagonal().abs().max() > 1e-3  # the comparison is not between zeros

@@ -75,7 +75,8 @@ def exact_arch_diag_hessian(
             with ``"sum"`` B times that.
         inputs, targets: one mini-batch.
         edges: ``{edge name: (mixed_op_module, [candidate op modules])}`` (or any value with ``.module``
-            and ``.ops``, e.g. ``Network.edge_specs()`` items). The mixed op's forward must be
+            and ``.ops``), or a list of specs with ``.name``, ``.module``, ``.ops`` such as
+            ``Network.edge_specs()``. The mixed op's forward must be
             ``(x, weights) -> Σ_k weights[..., k] * ops[k](x)`` with ``weights`` the second positional
             argument or the ``weights=`` keyword, shape ``(K,)`` or ``(B, K)``.
         wrt: ``"Z"`` for ``∂²L/∂Z_{e,k}²``; ``"alpha"`` for ``∂²L/∂α_{e,k}²`` with ``Z_e = softmax(α_e)``
@@ -279,6 +280,8 @@ def softmax_chain_diag(z: torch.Tensor, grad_z: torch.Tensor, hess_z: torch.Tens
 
 
 def _resolve_edges(model: nn.Module, edges: Mapping[str, object]) -> Tuple[List[str], List[nn.Module], List[int]]:
+    if isinstance(edges, (list, tuple)) and edges and all(hasattr(e, "name") and hasattr(e, "module") for e in edges):
+        edges = {e.name: e for e in edges}  # e.g. Network.edge_specs()
     if not isinstance(edges, Mapping) or not edges:
         raise ValueError(
             "edges must be a non-empty {edge name: (mixed_op_module, [candidate ops])} mapping, "
