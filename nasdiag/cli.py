@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -49,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--norm", default="batch", help="batch, layer or instance")
     s.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     s.add_argument("--dtype", default="float32", choices=None, help="float32 or float64")
+    s.add_argument("--diagnostics", default="cost,hessian",
+                   help="comma-separated probe diagnostics recorded each epoch: cost, hessian, or none (default: cost,hessian)")
+    s.add_argument("--hessian-mode", default="approx", help="mixing-weight Hessian diagonal: approx (default), diag or exact")
     s.add_argument("--no-progress", action="store_true")
 
     p = sub.add_parser("plot", help="draw figures from a record")
@@ -149,11 +153,31 @@ def _resume_state(ckpt: Path, config: Dict) -> Optional[Dict]:
     return state
 
 
+DIAGNOSTICS = ("cost", "hessian")
+HESSIAN_MODES = ("approx", "diag", "exact")
+
+
+def _probe(net, diagnostics: str, hessian_mode: str):
+    """A probe for the requested diagnostics, or None for ``none``."""
+    import nasdiag
+
+    wanted = [d.strip() for d in diagnostics.split(",") if d.strip()]
+    if wanted == ["none"]:
+        return None
+    unknown = [d for d in wanted if d not in DIAGNOSTICS]
+    if unknown or not wanted:
+        raise CLIError(f"unknown diagnostics {unknown or diagnostics!r}; choose from {', '.join(DIAGNOSTICS)} or none")
+    if "hessian" in wanted and hessian_mode not in HESSIAN_MODES:
+        raise CLIError(f"unknown --hessian-mode {hessian_mode!r}; choose one of {', '.join(HESSIAN_MODES)}")
+    # costs are what the probe always measures; the Hessian is an extra pass once per epoch
+    return nasdiag.attach(net, hessian=hessian_mode if "hessian" in wanted else None)
+
+
 def run_search_command(args) -> int:
     import torch
 
     from nasdiag.data import load_dataset
-    from nasdiag.record import Recorder, RecorderCallback
+    from nasdiag.record import Recorder, RecorderCallback, RecordWarning
     from nasdiag.search import METHODS, run_search, steps_per_epoch
     from nasdiag.supernet import Network
 
@@ -171,6 +195,7 @@ def run_search_command(args) -> int:
         "method": args.method, "dataset": args.dataset, "epochs": args.epochs, "batch_size": args.batch_size,
         "C": args.C, "layers": args.layers, "steps": args.steps, "multiplier": multiplier, "order": args.order,
         "norm": args.norm, "seed": args.seed, "dtype": args.dtype, "device": str(device),
+        "diagnostics": args.diagnostics, "hessian_mode": args.hessian_mode,
     }
 
     kwargs = {"seed": args.seed, "dtype": dtype}
@@ -190,7 +215,7 @@ def run_search_command(args) -> int:
         ).to(device=device, dtype=dtype)
     except (ValueError, KeyError) as exc:
         raise CLIError(f"invalid supernet settings: {exc.args[0] if exc.args else exc}") from None
-    method = METHODS[args.method](net, epochs=args.epochs)
+    method = METHODS[args.method](net, epochs=args.epochs, probe=_probe(net, args.diagnostics, args.hessian_mode))
 
     start_epoch = 0
     if args.resume:
@@ -215,7 +240,10 @@ def run_search_command(args) -> int:
         "cell_types": list(net.cell_types),
     }
     S = steps_per_epoch(splits, args.batch_size)
-    recorder = Recorder(out, meta=meta, resume=args.resume, overwrite=args.force)
+    with warnings.catch_warnings():
+        # _resume_state already refused every change that matters; a longer --epochs is the point of resuming
+        warnings.filterwarnings("ignore", message=".*different config than stored", category=RecordWarning)
+        recorder = Recorder(out, meta=meta, resume=args.resume, overwrite=args.force)
     progress = _Progress(args.epochs * S, start_epoch * S, not args.no_progress)
     with recorder, RecorderCallback(recorder) as record_cb:
         try:

@@ -48,6 +48,15 @@ def test_search_writes_record_with_losses_accuracies_and_arch(finished_run):
         e = np.exp(a - a.max(-1, keepdims=True))
         np.testing.assert_allclose(w, e / e.sum(-1, keepdims=True), rtol=1e-5)
         assert not np.allclose(a[0], a[-1])  # α moved
+    # probe diagnostics of each epoch: cost statistics over the α steps and the mixing-weight Hessian
+    for cell_type, cells in (("normal", 1), ("reduce", 2)):
+        count = rec[f"cost/{cell_type}/count"][valid]
+        assert (count == S * cells).all()  # every α step, every cell of the type
+        mean = rec[f"cost/{cell_type}/mean"][valid]
+        assert mean.shape == (2, 5, 8) and np.isfinite(mean).all()
+        np.testing.assert_array_equal(mean[:, :, 0], 0.0)  # the none op's output is 0, so is its cost
+        h = rec[f"hessian/{cell_type}/diag"][valid]
+        assert h.shape == (2, 5, 8) and np.isfinite(h).all()
     meta = load_meta(finished_run)
     assert meta["method"] == "darts" and meta["op_names"][0] == "none"
     assert meta["edge_names"]["normal"] == ["0->2", "1->2", "0->3", "1->3", "2->3"]
@@ -59,7 +68,8 @@ def test_search_writes_record_with_losses_accuracies_and_arch(finished_run):
 def test_search_figures_and_plot_command(finished_run, tmp_path, capsys):
     figs = finished_run.with_name("darts-figs")
     names = sorted(p.name for p in figs.iterdir())
-    assert {"arch_normal_heatmap.png", "arch_normal_evolution.png", "arch_reduce_heatmap.png", "scalars.png"} <= set(names)
+    assert {"arch_normal_heatmap.png", "arch_normal_evolution.png", "arch_reduce_heatmap.png", "scalars.png",
+            "cost_normal_heatmap.png", "hessian_reduce_heatmap.png"} <= set(names)
     assert all((figs / n).stat().st_size > 5000 for n in names)
     code, out, _ = run(["plot", str(finished_run), "--out", str(tmp_path / "figs")], capsys)
     assert code == 0

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Dict, Mapping, Tuple
+from contextlib import nullcontext
+from typing import Dict, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
@@ -23,14 +24,43 @@ class SearchMethod:
     A method owns its optimizers and turns one (search-train batch, search-val batch) pair into one
     update of the weights w and the architecture parameters. It returns its statistics as a mapping of
     record paths (``"scalars/..."``, ``"arch/<cell type>/..."``) to tensors; it never writes files.
+
+    With a ``probe`` (``nasdiag.attach(network, ...)``) the architecture step runs inside
+    ``probe.record()``, so the costs C = ∂L/∂Z of every architecture step are accumulated, and
+    :meth:`diagnostics` hands out their statistics (and the mixing-weight Hessian diagonal when the
+    probe was attached with ``hessian=``).
     """
 
     name = "base"
 
-    def __init__(self, network: Network):
+    def __init__(self, network: Network, probe=None):
         if not isinstance(network, Network):
             raise TypeError(f"{type(self).__name__} needs a nasdiag.supernet.Network, got {type(network).__name__}")
+        if probe is not None and probe.model is not network:
+            raise ValueError("the probe must be attached to the method's network: nasdiag.attach(network, ...)")
         self.network = network
+        self.probe = probe
+
+    def recording(self, targets: Optional[torch.Tensor] = None):
+        """The probe's recording block for an architecture step, or a no-op context without a probe."""
+        return self.probe.record(targets=targets) if self.probe is not None else nullcontext()
+
+    def diagnostics(self) -> Dict[str, torch.Tensor]:
+        """Probe statistics since the last call, as record paths, then reset them.
+
+        ``cost/<cell type>/{mean,var,count}`` (E, K) over the architecture steps (each cell of a type is
+        one observation per step); with ``hessian=`` on the probe, ``hessian/<cell type>/diag`` (E, K):
+        the diagonal of ∂²L/∂Z² on the last recorded batch at the current parameters, summed over the
+        cells that share the mixing weights (cross-cell terms dropped). Empty without a probe.
+        """
+        if self.probe is None or self.probe.steps_recorded == 0:
+            return {}
+        stats = dict(self.probe.statistics())
+        self.probe.reset_statistics()
+        if self.probe.hessian_mode is not None:
+            per_group = self.probe.aggregate(self.probe.hessian())
+            stats.update({f"hessian/{group}/diag": h.detach() for group, h in per_group.items()})
+        return stats
 
     # -- to implement ------------------------------------------------------------------------
     def step(self, train_batch: Batch, val_batch: Batch) -> Dict[str, torch.Tensor]:

@@ -24,6 +24,8 @@ class DARTS(SearchMethod):
         w_lr, w_lr_min, w_momentum, w_weight_decay, grad_clip: SGD on w with cosine annealing
             (DARTS defaults 0.025 → 0.001, momentum 0.9, weight decay 3e-4, clip 5).
         alpha_lr, alpha_betas, alpha_weight_decay: Adam on α (3e-4, (0.5, 0.999), 1e-3).
+        probe: optional ``nasdiag.attach(network)``; the α step is recorded by it (see
+            :meth:`SearchMethod.diagnostics`).
 
     Each :meth:`step` returns (batch means, 0-dim tensors): ``scalars/train_loss``, ``scalars/train_acc``
     (w step), ``scalars/val_loss``, ``scalars/val_acc`` (α step), ``scalars/w_lr``, ``scalars/alpha_grad_norm``,
@@ -44,8 +46,9 @@ class DARTS(SearchMethod):
         alpha_lr: float = 3e-4,
         alpha_betas: Sequence[float] = (0.5, 0.999),
         alpha_weight_decay: float = 1e-3,
+        probe=None,
     ):
-        super().__init__(network)
+        super().__init__(network, probe)
         if epochs < 1:
             raise ValueError(f"epochs must be >= 1, got {epochs}")
         self.grad_clip = grad_clip
@@ -63,9 +66,10 @@ class DARTS(SearchMethod):
     def alpha_step(self, x: torch.Tensor, y: torch.Tensor) -> Dict[str, torch.Tensor]:
         """One Adam step on α with the search-val loss (first-order: w held fixed)."""
         self.alpha_optimizer.zero_grad(set_to_none=True)
-        logits = self.network(x)
-        loss = nn.functional.cross_entropy(logits, y)
-        loss.backward()
+        with self.recording(y):
+            logits = self.network(x)
+            loss = nn.functional.cross_entropy(logits, y)
+            loss.backward()
         grad_norm = torch.linalg.vector_norm(torch.stack([a.grad.norm() for a in self.network.arch_parameters()]))
         self.alpha_optimizer.step()
         return {"scalars/val_loss": loss.detach(), "scalars/val_acc": accuracy(logits.detach(), y), "scalars/alpha_grad_norm": grad_norm}

@@ -47,7 +47,8 @@ def run_search(
     Steps are numbered from 1 across epochs (epoch e covers steps ``e*S+1 .. (e+1)*S`` with
     S = :func:`steps_per_epoch`). After each epoch the supernet is evaluated on the whole search-val
     split and ``on_epoch_end`` receives ``scalars/epoch``, ``scalars/search_val_loss`` and
-    ``scalars/search_val_acc`` (the recorder's callback stores them in the row of the epoch's last step).
+    ``scalars/search_val_acc`` plus the method's :meth:`~SearchMethod.diagnostics` of the epoch (cost
+    statistics, Hessian diagonal) (the recorder's callback stores them in the row of the epoch's last step).
 
     Returns:
         The last epoch's evaluation.
@@ -76,6 +77,7 @@ def run_search(
                 "scalars/epoch": torch.tensor(float(epoch)),
                 "scalars/search_val_loss": torch.tensor(evaluation["loss"]),
                 "scalars/search_val_acc": torch.tensor(evaluation["acc"]),
+                **method.diagnostics(),
             }
             method.epoch_end(epoch)
             for cb in callbacks:
