@@ -175,7 +175,7 @@ def test_supernet_runs_leaves_no_trace():
             assert all(v[net.primitives.index("none")] == 0 for v in out.values())
     for k, b in net.named_buffers():
         assert torch.equal(b, buffers[k]), k
-    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in net.modules())
+    assert all(not m._forward_hooks and not m._forward_pre_hooks and not m._forward_pre_hooks_with_kwargs for m in net.modules())
 
 
 def test_bad_edges_raise():
@@ -194,7 +194,7 @@ def test_bad_edges_raise():
     model.spare = unused
     with pytest.raises(ValueError, match="never ran"):
         arch_diag_hessian(model, F.mse_loss, x, y, {**edges, "spare": (unused, list(unused.ops))})
-    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert all(not m._forward_hooks and not m._forward_pre_hooks and not m._forward_pre_hooks_with_kwargs for m in model.modules())
 
 
 def test_supernet_classifier_exact_in_diag_mode():

@@ -111,3 +111,59 @@ def test_rule_exact_for_separable_loss(case):
     for p in module.parameters():  # non-trivial affine parameters
         nn.init.normal_(p)
     _check(module, make_x())
+
+
+@pytest.mark.parametrize("case", ["bn_train", "bn_train_noaffine", "instancenorm", "bn1d_train"])
+def test_norm_approx_is_the_group_mean_of_the_exact_rule(case):
+    """``NormRule.input_approx`` (feature means) = the per-group mean of the exact diagonal (torch.func)."""
+    make_module, make_x = CASES[case]
+    torch.manual_seed(2)
+    module = make_module().to(DT)
+    for p in module.parameters():
+        nn.init.normal_(p)
+    x = make_x().to(DT)
+    y = module(x)
+    h, c = torch.randn_like(y), torch.randn_like(y)
+    loss = _separable_loss(h, c)
+    params, buffers = dict(module.named_parameters()), dict(module.named_buffers())
+    full = torch.func.hessian(lambda i: loss(torch.func.functional_call(module, (params, {k: b.clone() for k, b in buffers.items()}), (i,))))(x)
+    exact = torch.diagonal(full.reshape(x.numel(), x.numel())).reshape(x.shape)
+    dims = (0, 2, 3) if case.startswith("bn") and x.dim() == 4 else ((0,) if x.dim() == 2 else (2, 3))
+    call = ModuleCall("m", module, x, y, grad_output=h * y.detach() + c)
+    got = rule_for(module).input_approx(call, h)
+    torch.testing.assert_close(got, exact.mean(dims, keepdim=True).expand_as(x), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", ["conv", "conv_strided", "conv_depthwise_dilated", "conv_grouped_5x5", "conv_same"])
+def test_conv_approx_is_the_channel_mean_of_the_folded_diagonal(case):
+    """C.2.4-C.2.5: with the output diagonal replaced by its channel mean E(h), the input diagonal of
+    ``Conv2dRule.input_approx`` is the channel mean of ``(W∘W)ᵀ E(h)`` folded back (torch's conv backward),
+    and the weight diagonal is ``Σ_rows M² ⊗ E(h)`` (the conv weight-gradient of x² against E(h))."""
+    make_module, make_x = CASES[case]
+    torch.manual_seed(3)
+    module, x = make_module().to(DT), make_x().to(DT)
+    y = module(x)
+    h = torch.randn_like(y)
+    h_mean = h.mean((0, 2, 3), keepdim=True).expand_as(h)
+    call = ModuleCall("m", module, x, y)
+    rule = rule_for(module)
+    pad = module.padding if not isinstance(module.padding, str) else (module.dilation[0] * (module.kernel_size[0] - 1) // 2,) * 2
+    folded = torch.nn.grad.conv2d_input(x.shape, module.weight.detach().square(), h_mean.contiguous(), module.stride, pad, module.dilation, module.groups)
+    got = rule.input_approx(call, h)
+    torch.testing.assert_close(got, folded.mean((0, 2, 3), keepdim=True).expand_as(x), rtol=1e-10, atol=1e-14)
+    weight = torch.nn.grad.conv2d_weight(x.square(), module.weight.shape, h_mean.contiguous(), module.stride, pad, module.dilation, module.groups)
+    torch.testing.assert_close(rule.param_approx(call, h)["weight"], weight, rtol=1e-10, atol=1e-14)
+
+
+def test_linear_approx_uses_the_row_mean():
+    torch.manual_seed(4)
+    module, x = nn.Linear(5, 3).to(DT), torch.randn(2, 4, 5, dtype=DT)
+    y = module(x)
+    h = torch.randn_like(y)
+    call = ModuleCall("m", module, x, y)
+    rule = rule_for(module)
+    h_mean = h.reshape(-1, 3).mean(0)
+    torch.testing.assert_close(rule.input_approx(call, h), (h_mean @ module.weight.detach().square()).expand_as(x))
+    got = rule.param_approx(call, h)
+    torch.testing.assert_close(got["weight"], torch.outer(h_mean, x.reshape(-1, 5).square().sum(0)))
+    torch.testing.assert_close(got["bias"], 8 * h_mean)

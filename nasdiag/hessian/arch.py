@@ -36,7 +36,7 @@ from nasdiag.hessian.arch_exact import _check_softmax_weights, _resolve_edges, s
 from nasdiag.hessian.loss_curvature import output_hessian_diagonal
 from nasdiag.hessian.propagate import walk_diagonals
 from nasdiag.hessian.rules import HessianRule
-from nasdiag.hessian.trace import ModuleTracer, edge_of
+from nasdiag.hessian.trace import HookSet, ModuleTracer, edge_of
 
 __all__ = ["arch_diag_hessian", "ARCH_MODES"]
 
@@ -160,24 +160,22 @@ class _EdgeRecorder:
         self.calls: Dict[str, List[tuple]] = {n: [] for n in names}
         self.observe: Dict[tuple, str] = {}
         self._frames: Dict[str, List[Dict[int, torch.Tensor]]] = {n: [] for n in names}
-        self._handles = []
+        self._hooks = HookSet()
 
     def __enter__(self):
         try:
             for name, module, ops in zip(self.names, self.modules, self.ops):
-                self._handles.append(module.register_forward_pre_hook(self._pre(name), with_kwargs=True))
-                self._handles.append(module.register_forward_hook(self._post(name, len(ops))))
+                self._hooks.add_pre(module, self._pre(name), with_kwargs=True)
+                self._hooks.add_post(module, self._post(name, len(ops)))
                 for k, op in enumerate(ops):
-                    self._handles.append(op.register_forward_hook(self._op(name, k)))
+                    self._hooks.add_post(op, self._op(name, k))
         except BaseException:
             self.__exit__()
             raise
         return self
 
     def __exit__(self, *exc):
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        self._hooks.remove_all()
 
     def _pre(self, name):
         def hook(module, args, kwargs):

@@ -231,11 +231,12 @@ def _glue_message(node, why: str, tracer: ModuleTracer, reached_from) -> str:
 
 def _parameter_owners(node, tracer: ModuleTracer) -> str:
     """``", using parameter 'w' of module 'block' (Block)"`` for parameters the op reads directly."""
+    names = {**{id(p): n for n, p in tracer.model.named_parameters()}, **tracer.tensor_names}
     found, frontier = [], [node]
     for _ in range(3):  # the parameter may sit behind a transpose or view
         frontier = [c for n in frontier for c, _ in n.next_functions if c is not None]
         for child in frontier:
-            name = tracer.tensor_names.get(id(getattr(child, "variable", None)))
+            name = names.get(id(getattr(child, "variable", None)))
             if name is None or any(repr(name) in f for f in found):
                 continue
             module_name = name.rpartition(".")[0]

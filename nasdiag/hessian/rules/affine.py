@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nasdiag.hessian.rules.base import HessianRule, ModuleCall, UnsupportedModuleError, register_rule
+from nasdiag.hessian.rules.base import HessianRule, ModuleCall, UnsupportedModuleError, channel_mean, register_rule
 
 __all__ = ["LinearRule", "Conv2dRule"]
 
@@ -41,16 +41,15 @@ class LinearRule(HessianRule):
         return out
 
     def input_approx(self, call: ModuleCall, h_out: torch.Tensor) -> torch.Tensor:
-        h_mean = h_out.reshape(-1, h_out.shape[-1]).mean(0)
+        h_mean = channel_mean(h_out, tuple(range(h_out.dim() - 1)))
         return (h_mean @ call.params["weight"].square()).expand(call.input.shape)
 
     def param_approx(self, call: ModuleCall, h_out: torch.Tensor) -> Dict[str, torch.Tensor]:
         x = call.input
-        rows_h = h_out.reshape(-1, h_out.shape[-1])
-        h_mean = rows_h.mean(0)
+        h_mean = channel_mean(h_out, tuple(range(h_out.dim() - 1)))
         out = {"weight": torch.outer(h_mean, x.reshape(-1, x.shape[-1]).square().sum(0))}
         if "bias" in call.params:
-            out["bias"] = rows_h.shape[0] * h_mean
+            out["bias"] = (h_out.numel() // h_out.shape[-1]) * h_mean
         return out
 
 
@@ -69,6 +68,19 @@ def _conv_padding(module: nn.Conv2d) -> Tuple[int, int]:
             pads.append(total // 2)
         return tuple(pads)
     return tuple(module.padding)
+
+
+def _tap_counts(size, kernel, stride, padding, dilation):
+    """``[n_kk]``: for each kernel tap kk (row-major), the number of output positions whose tap lands on a
+    real input pixel rather than padding (per spatial dim, multiplied)."""
+    per_dim = []
+    for n, k, s, p, d in zip(size, kernel, stride, padding, dilation):
+        n_out = (n + 2 * p - d * (k - 1) - 1) // s + 1
+        # output o uses input o·s − p + t·d: valid for o in [ceil((p − t d)/s), floor((n − 1 + p − t d)/s)]
+        lo = [max(0, -((t * d - p) // s)) for t in range(k)]
+        hi = [min(n_out - 1, (n - 1 + p - t * d) // s) for t in range(k)]
+        per_dim.append([max(0, h - l + 1) for l, h in zip(lo, hi)])
+    return [a * b for a in per_dim[0] for b in per_dim[1]]
 
 
 class Conv2dRule(HessianRule):
@@ -123,19 +135,18 @@ class Conv2dRule(HessianRule):
         stride, padding, dilation, groups = self._geometry(call)
         x, w = call.input, call.params["weight"]
         c_out, c_per_group = w.shape[0], w.shape[1]
-        h_mean = h_out.mean((0, 2, 3)).view(groups, c_out // groups)
-        ones = x.new_ones((1, 1) + tuple(x.shape[2:]))
-        # taps[kk] = number of output positions whose tap kk lands on a real (non-padding) input pixel
-        taps = F.unfold(ones, w.shape[2:], dilation=dilation, padding=padding, stride=stride).sum(-1).view(-1)
-        tap_weighted = (w.square().flatten(2) * taps).sum(-1).view(groups, c_out // groups, c_per_group)
-        h_in = torch.einsum("goc,go->gc", tap_weighted, h_mean).reshape(-1) / (x.shape[2] * x.shape[3])
+        h_mean = channel_mean(h_out, (0, 2, 3)).view(groups, c_out // groups, 1)
+        taps = _tap_counts(x.shape[2:], w.shape[2:], stride, padding, dilation)
+        taps = torch.tensor(taps, dtype=x.dtype, device=x.device) / (x.shape[2] * x.shape[3])
+        tap_weighted = (w.square().flatten(2) @ taps).view(groups, c_out // groups, c_per_group)
+        h_in = (tap_weighted * h_mean).sum(1)  # Σ_{c_out in the group} per input channel
         return h_in.view(1, -1, 1, 1).expand(x.shape)
 
     def param_approx(self, call: ModuleCall, h_out: torch.Tensor) -> Dict[str, torch.Tensor]:
         stride, padding, dilation, groups = self._geometry(call)
         x, w = call.input, call.params["weight"]
         c_out, c_per_group = w.shape[0], w.shape[1]
-        h_mean = h_out.mean((0, 2, 3))
+        h_mean = channel_mean(h_out, (0, 2, 3))
         # Σ over the b·H_out·W_out rows of the unfolded input squared, per (c_in, tap)
         x2 = x.square().sum(0, keepdim=True)
         rows_m2 = F.unfold(x2, w.shape[2:], dilation=dilation, padding=padding, stride=stride).sum(-1)

@@ -24,6 +24,7 @@ from torch import nn
 
 __all__ = [
     "HessianRule",
+    "channel_mean",
     "ModuleCall",
     "UnsupportedModuleError",
     "register_rule",
@@ -56,7 +57,7 @@ class ModuleCall:
         self.name = name
         self.module = module
         if params is None:
-            params = {k: p for k, p in module.named_parameters(recurse=False)}
+            params = module._parameters  # the module's own, as named_parameters(recurse=False) lists them
         self.params = {k: p.detach() for k, p in params.items() if p is not None}
         self.grad_output = grad_output
         self._input = input
@@ -80,6 +81,15 @@ class ModuleCall:
                 "module ran, so its Hessian rule would read wrong values; turn off inplace=True in the modules "
                 "that follow it (e.g. nn.ReLU(inplace=False)) or use mode='exact'"
             )
+
+
+def channel_mean(h: torch.Tensor, dims) -> torch.Tensor:
+    """``h.mean(dims)``, read off directly when ``h`` is already constant along ``dims`` because it was
+    broadcast there (stride 0, as the feature-mean rules return it), which skips a full reduction."""
+    if all(h.stride(d) == 0 or h.shape[d] == 1 for d in dims):
+        index = tuple(0 if d in dims else slice(None) for d in range(h.dim()))
+        return h[index]
+    return h.mean(dims)
 
 
 class HessianRule:

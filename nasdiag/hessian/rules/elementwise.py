@@ -80,6 +80,9 @@ class ReLURule(ElementwiseRule):
         # From the output: an inplace ReLU overwrote its input, and out > 0 ⇔ x > 0.
         return (call.output > 0).to(call.output.dtype), None
 
+    def input_diag(self, call, h_out):
+        return h_out * (call.output > 0)  # σ' ∈ {0, 1}: σ'² h = mask · h, one pass
+
 
 class LeakyReLURule(ElementwiseRule):
     def __init__(self):

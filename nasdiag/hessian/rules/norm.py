@@ -94,8 +94,8 @@ class NormRule(HessianRule):
         m, x = call.module, call.input
         if _uses_batch_statistics(m):
             xs, dims = self._layout(call, x), self._dims(call)
-            mean = xs.mean(dims, keepdim=True)
-            inv_std = torch.rsqrt(xs.var(dims, unbiased=False, keepdim=True) + m.eps)
+            var, mean = torch.var_mean(xs, dims, unbiased=False, keepdim=True)
+            inv_std = torch.rsqrt(var + m.eps)
             return ((xs - mean) * inv_std).reshape(x.shape), inv_std
         shape = self._affine_shape(call)
         inv_std = torch.rsqrt(m.running_var.reshape(shape) + m.eps)
@@ -122,6 +122,28 @@ class NormRule(HessianRule):
         g0, g1 = g_t.sum(dims, keepdim=True), (g_t * xs).sum(dims, keepdim=True)
         h_in = h_in - (2 * xs * (g_t - g0 / M - xs * g1 / M) + (1 - 1 / M - x2 / M) * g1) / M
         return (inv_std.square() * h_in).reshape(x_hat.shape)
+
+    def input_approx(self, call: ModuleCall, h_out: torch.Tensor) -> torch.Tensor:
+        """Feature-mean version for BatchNorm/InstanceNorm through their statistics: the mean over each
+        normalization group (a channel, or a channel of one sample) of :meth:`input_diag`, from five
+        sums per group instead of the full elementwise formula; broadcast back over the group. The
+        feature-mean recursion averages over these groups at the next linear layer anyway."""
+        m = call.module
+        if not (self.through_statistics and _uses_batch_statistics(m)) or isinstance(m, (nn.GroupNorm, nn.LayerNorm)):
+            return self.input_diag(call, h_out)
+        x_hat, inv_std = self._normalized(call)
+        gamma = self._gamma(call)
+        h_t = h_out if gamma is None else gamma.square() * h_out
+        g_t = call.grad_output if gamma is None else gamma * call.grad_output
+        dims = self._dims(call)
+        M = x_hat.numel() // _numel_outside(x_hat, dims)
+        x2 = x_hat.square()
+        s0, s2 = h_t.sum(dims, keepdim=True), (x2 * h_t).sum(dims, keepdim=True)
+        g1 = (g_t * x_hat).sum(dims, keepdim=True)
+        m2 = x2.mean(dims, keepdim=True)  # = var/(var + eps); the mean of x̂ is 0
+        mean_t = s0 / M - 2 * (s0 + s2) / M**2 + (s0 + m2 * s2) / M**2
+        mean_r = -(2 * g1 / M - 2 * m2 * g1 / M + (1 - 1 / M - m2 / M) * g1) / M
+        return (inv_std.square() * (mean_t + mean_r)).expand(x_hat.shape)
 
     def param_diag(self, call: ModuleCall, h_out: torch.Tensor) -> Dict[str, torch.Tensor]:
         out = {}
