@@ -96,6 +96,7 @@ class ModuleTracer:
         #: ``{id(tensor): parameter name}`` of substituted leaves, for error messages (set by the caller)
         self.tensor_names: Dict[int, str] = {}
         self._hooks = HookSet()
+        self._leaf_of: Dict[int, tuple] = {}
         self._classify()
 
     def _classify(self) -> None:
@@ -125,11 +126,17 @@ class ModuleTracer:
         return None, param_name
 
     def __enter__(self) -> "ModuleTracer":
+        # One pre/post hook pair serves every rule leaf (looked up by module), so that entering costs
+        # no allocation per module; re-entrant calls of one module nest on its pending stack.
+        self._leaf_of = {id(m): (name, m, rule, []) for name, (m, rule) in self.rule_leaves.items()}
         try:
-            for name, (module, rule) in self.rule_leaves.items():
-                self._hook(module, self._rule_hooks(name, rule))
+            for module, _ in self.rule_leaves.values():
+                self._hooks.add_pre(module, self._rule_pre)
+                self._hooks.add_post(module, self._rule_post)
             for name, module in self.opaque_leaves.items():
-                self._hook(module, self._opaque_hooks(name))
+                pre, post = self._opaque_hooks(name)
+                self._hooks.add_pre(module, pre)
+                self._hooks.add_post(module, post)
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -137,32 +144,23 @@ class ModuleTracer:
 
     def __exit__(self, *exc) -> None:
         self._hooks.remove_all()
+        self._leaf_of = {}
 
-    def _hook(self, module: nn.Module, hooks) -> None:
-        pre, post = hooks
-        self._hooks.add_pre(module, pre)
-        self._hooks.add_post(module, post)
+    def _rule_pre(self, module, args):
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        self._leaf_of[id(module)][3].append((x, None if x is None else edge_of(x)))
 
-    def _rule_hooks(self, name: str, rule: HessianRule):
-        pending: List[Tuple[Optional[torch.Tensor], Optional[Edge]]] = []  # re-entrant calls nest
-
-        def pre(module, args):
-            x = args[0] if args and isinstance(args[0], torch.Tensor) else None
-            pending.append((x, None if x is None else edge_of(x)))
-
-        def post(module, args, output):
-            x, in_edge = pending.pop()
-            if x is None or not isinstance(output, torch.Tensor) or not output.requires_grad:
-                return
-            out_edge = edge_of(output)
-            if in_edge is not None and out_edge[0] is in_edge[0] and out_edge[1] == in_edge[1]:
-                return  # returned its input unchanged (Identity, eval Dropout): nothing to do
-            if out_edge[0] in self.rule_calls:
-                raise RuntimeError(f"module {name!r} returned the output of another module unchanged; not supported")
-            call = ModuleCall(name, module, x, output)
-            self.rule_calls[out_edge[0]] = RuleCall(call, rule, in_edge, out_edge)
-
-        return pre, post
+    def _rule_post(self, module, args, output):
+        name, _, rule, pending = self._leaf_of[id(module)]
+        x, in_edge = pending.pop()
+        if x is None or not isinstance(output, torch.Tensor) or not output.requires_grad:
+            return
+        out_edge = edge_of(output)
+        if in_edge is not None and out_edge[0] is in_edge[0] and out_edge[1] == in_edge[1]:
+            return  # returned its input unchanged (Identity, eval Dropout): nothing to do
+        if out_edge[0] in self.rule_calls:
+            raise RuntimeError(f"module {name!r} returned the output of another module unchanged; not supported")
+        self.rule_calls[out_edge[0]] = RuleCall(ModuleCall(name, module, x, output), rule, in_edge, out_edge)
 
     def _opaque_hooks(self, name: str):
         pending: List[List[Edge]] = []
