@@ -128,3 +128,11 @@ def test_bad_input_gets_one_line_error(args, needle, capsys, tmp_path):
 def test_console_entry_point_runs(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "nasdiag", "search", "--method", "nope"], capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+
+
+def test_float64_search_end_to_end(tmp_path):
+    out = tmp_path / "f64.h5"
+    assert main(["search", "--epochs", "1", "--out", str(out), "--dtype", "float64", "--no-figs", *SMALL]) == 0
+    rec = load(out)
+    assert rec["arch/normal/params"].dtype == np.float64
+    assert np.isfinite(rec["scalars/train_loss"]).all()
