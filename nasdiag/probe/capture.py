@@ -89,6 +89,9 @@ class Router:
     def model_pre(self, module, args, kwargs):
         return self.capture.model_pre(module, args, kwargs)
 
+    def model_post(self, module, args, output):
+        return self.capture.model_post(module, args, output)
+
 
 class EdgeCall:
     """One forward of one edge inside the block."""
@@ -157,6 +160,8 @@ class StepCapture:
         self.open_cell: List[Optional[CellCall]] = [None] * len(cells)
         self.tensor_handles: list = []
         self.model_inputs = None
+        self.model_output: Optional[torch.Tensor] = None  # logits of the first model call (hessian mode)
+        self.output_grad: Optional[torch.Tensor] = None  # ∂L/∂logits, to infer cross-entropy targets
         self.busy = False  # set while the path split runs a nested autograd.grad
 
     # -- forward hooks ---------------------------------------------------------------------
@@ -271,6 +276,18 @@ class StepCapture:
     def model_pre(self, module, args, kwargs):
         if self.model_inputs is None:  # the first call of the model in the block
             self.model_inputs = (args, kwargs)
+        return None
+
+    def model_post(self, module, args, output):
+        if self.model_output is None and isinstance(output, torch.Tensor):
+            self.model_output = output.detach()
+            if output.requires_grad:
+                self.tensor_handles.append(output.register_hook(self._output_grad))
+        return None
+
+    def _output_grad(self, g: torch.Tensor):
+        if not self.busy:
+            self.output_grad = g.detach() if self.output_grad is None else self.output_grad + g.detach()
         return None
 
     # -- tensor hooks (backward) -------------------------------------------------------------

@@ -25,7 +25,7 @@ class _StepResult:
     """The small per-step results kept after a block (no activations, no graph)."""
 
     __slots__ = ("per_sample", "costs", "matrix", "available", "selected", "paths", "node_costs", "deviation",
-                 "model_inputs", "targets")
+                 "model_inputs", "targets", "model_output", "output_grad")
 
     def __init__(self):
         self.per_sample: List[Optional[torch.Tensor]] = []
@@ -38,6 +38,8 @@ class _StepResult:
         self.deviation: Dict[Tuple[int, int], torch.Tensor] = {}
         self.model_inputs = None
         self.targets = None
+        self.model_output = None
+        self.output_grad = None
 
 
 def _sum_calls(parts: List[torch.Tensor]) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
@@ -205,6 +207,7 @@ class Probe:
                 plan.forward_pre(norm, partial(r.norm_pre, (p, k)))
         if self.hessian_mode is not None:
             plan.forward_pre(self.model, r.model_pre, with_kwargs=True)
+            plan.forward(self.model, r.model_post)
         self._plans[key] = plan
         return plan
 
@@ -251,6 +254,7 @@ class Probe:
             r.node_costs.append(_sum_calls(nodes)[0] if nodes else None)
         r.deviation = cap.deviation
         r.model_inputs = cap.model_inputs
+        r.model_output, r.output_grad = cap.model_output, cap.output_grad
         if no_forward:
             warnings.warn(
                 f"probe: the forward of {len(no_forward)} edge(s) never ran inside probe.record() "
@@ -416,7 +420,10 @@ class Probe:
 
         The batch is the one the block's first model call saw (its positional and keyword arguments, kept
         for this step only) with the targets given to ``probe.record(targets=y)``; the loss is
-        ``attach(..., loss_fn=...)`` (default: mean cross-entropy). The model is re-run outside the block
+        ``attach(..., loss_fn=...)`` (default: mean cross-entropy). With the default loss and no targets
+        given, the class labels are recovered from the block's backward: for L = CE(z, y) averaged (or summed)
+        over the batch, ∂L/∂z = (softmax(z) − onehot(y)) / B (or without the 1/B), so onehot(y) =
+        softmax(z) − B·∂L/∂z; the recovery is checked to give one-hot rows, else an error asks for targets. The model is re-run outside the block
         with BatchNorm in its current mode; its running statistics are restored.
 
         Args:
@@ -442,8 +449,14 @@ class Probe:
                 model = _BoundKeywords(self.model, kwargs)
         if targets is None:
             targets = r.targets if r is not None else None
+            if targets is None and self.loss_fn is None and r is not None:
+                targets = _cross_entropy_targets(r.model_output, r.output_grad)
             if targets is None:
-                raise ProbeError("hessian() needs the targets of the batch: use probe.record(targets=y) or hessian(targets=y)")
+                raise ProbeError(
+                    "hessian() needs the targets of the batch: use probe.record(targets=y) or hessian(targets=y) "
+                    "(they are inferred only when the block's loss is the default mean or summed cross-entropy of the "
+                    "model's output)"
+                )
         loss_fn = self.loss_fn or torch.nn.functional.cross_entropy
         edges = {e.name: (e.module, list(e.ops)) for e in self._edges}
         return _arch_hessian(model, loss_fn, inputs, targets, edges, self.hessian_mode, wrt)
@@ -526,6 +539,21 @@ class Probe:
     def __repr__(self) -> str:
         return (f"Probe({len(self._edges)} edges, {len(self._cells)} cells, groups={[g.name for g in self._groups]}, "
                 f"statistics={self.statistics_mode!r}, path_split={self.path_split}, hessian={self.hessian_mode!r})")
+
+
+def _cross_entropy_targets(logits: Optional[torch.Tensor], grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Class labels y such that ``grad`` is ∂/∂logits of cross_entropy(logits, y) with reduction mean or sum,
+    or None if no such labels exist (another loss, label smoothing, several model calls, no backward)."""
+    if logits is None or grad is None or logits.dim() != 2 or grad.shape != logits.shape:
+        return None
+    probs = torch.softmax(logits.to(torch.float64), dim=1)
+    tol = 1e-6 if logits.dtype == torch.float64 else 1e-3
+    for scale in (logits.shape[0], 1):  # mean, then sum reduction
+        onehot = probs - scale * grad.to(torch.float64)
+        labels = onehot.argmax(dim=1)
+        if (onehot - torch.nn.functional.one_hot(labels, logits.shape[1])).abs().max() <= tol:
+            return labels
+    return None
 
 
 class _BoundKeywords(nn.Module):
