@@ -29,7 +29,13 @@ def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="nasdiag", description="Diagnostics for differentiable NAS supernets.")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
 
-    s = sub.add_parser("search", help="run a search, write an HDF5 record and figures")
+    s = sub.add_parser(
+        "search",
+        help="run a search, write an HDF5 record and figures",
+        description="Run a search and write an HDF5 record and figures. Data-parallel over several processes "
+        "(one per GPU, or gloo on CPUs) when launched with torchrun: torchrun --nproc_per_node=N -m nasdiag search ...; "
+        "--batch-size is then per process.",
+    )
     s.add_argument("--method", default="darts", help="search method (default: darts)")
     s.add_argument("--dataset", default="digits", help="digits (embedded, default), cifar10 or synthetic")
     s.add_argument("--data-dir", default=None, help="folder of the CIFAR-10 python batches (for --dataset cifar10)")
@@ -75,6 +81,31 @@ def _device(name: str):
     if device.type == "cuda" and not torch.cuda.is_available():
         raise CLIError(f"device {name!r} requested but CUDA is not available; use --device cpu")
     return device
+
+
+def _init_distributed(device_name: str):
+    """Join the process group a launcher (torchrun) describes in the environment, if any.
+
+    Returns (rank, world size, device). One process per GPU with NCCL when CUDA is used, gloo on CPUs.
+    """
+    import torch
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 0, 1, _device(device_name)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available() and device_name in ("auto", "cuda")
+    if device_name not in ("auto", "cuda", "cpu"):
+        raise CLIError(f"under torchrun, --device must be auto, cuda or cpu (each rank takes its own GPU), not {device_name!r}")
+    if device_name == "cuda" and not torch.cuda.is_available():
+        raise CLIError("--device cuda requested but CUDA is not available; use --device cpu")
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    return dist.get_rank(), dist.get_world_size(), device
 
 
 def _dtype(name: str):
@@ -143,12 +174,14 @@ def _resume_state(ckpt: Path, config: Dict) -> Optional[Dict]:
     if not ckpt.exists():
         return None
     state = torch.load(ckpt, map_location="cpu", weights_only=False)
-    keys = ("method", "dataset", "C", "layers", "steps", "multiplier", "order", "norm", "seed", "batch_size", "dtype")
-    changed = [k for k in keys if state["config"].get(k) != config.get(k)]
+    keys = ("method", "dataset", "C", "layers", "steps", "multiplier", "order", "norm", "seed", "batch_size", "dtype",
+            "world_size")
+    recorded = {"world_size": 1, **state["config"]}  # runs recorded before DDP support ran on one process
+    changed = [k for k in keys if recorded.get(k) != config.get(k)]
     if changed:
         raise CLIError(
             "cannot resume with different settings: "
-            + ", ".join(f"{k}={config.get(k)!r} (recorded {state['config'].get(k)!r})" for k in changed)
+            + ", ".join(f"{k}={config.get(k)!r} (recorded {recorded.get(k)!r})" for k in changed)
         )
     return state
 
@@ -174,28 +207,45 @@ def _probe(net, diagnostics: str, hessian_mode: str):
 
 
 def run_search_command(args) -> int:
-    import torch
-
-    from nasdiag.data import load_dataset
-    from nasdiag.record import Recorder, RecorderCallback, RecordWarning
-    from nasdiag.search import METHODS, run_search, steps_per_epoch
-    from nasdiag.supernet import Network
+    from nasdiag.search import METHODS
 
     if args.method not in METHODS:
         raise CLIError(f"unknown method {args.method!r}; available: {', '.join(METHODS)}")
     if args.epochs < 1 or args.batch_size < 1:
         raise CLIError("--epochs and --batch-size must be >= 1")
-    device, dtype = _device(args.device), _dtype(args.dtype)
+    dtype = _dtype(args.dtype)
+    rank, world, device = _init_distributed(args.device)
+    try:
+        return _search(args, rank, world, device, dtype)
+    finally:
+        if world > 1:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _search(args, rank: int, world: int, device, dtype) -> int:
+    import torch
+
+    from nasdiag.data import load_dataset
+    from nasdiag.record import RecorderCallback, RecordWarning
+    from nasdiag.search import METHODS, run_search, steps_per_epoch
+    from nasdiag.supernet import Network
+
     multiplier = args.multiplier or args.steps
     out = Path(args.out)
     ckpt = _checkpoint_path(out)
     if out.exists() and not (args.resume or args.force):
         raise CLIError(f"a record already exists at {out}; pass --resume to continue it or --force to replace it")
+    if world > 1:  # every rank has checked before rank 0 creates the record
+        import torch.distributed as dist
+
+        dist.barrier()
     config = {
         "method": args.method, "dataset": args.dataset, "epochs": args.epochs, "batch_size": args.batch_size,
         "C": args.C, "layers": args.layers, "steps": args.steps, "multiplier": multiplier, "order": args.order,
         "norm": args.norm, "seed": args.seed, "dtype": args.dtype, "device": str(device),
-        "diagnostics": args.diagnostics, "hessian_mode": args.hessian_mode,
+        "diagnostics": args.diagnostics, "hessian_mode": args.hessian_mode, "world_size": world,
     }
 
     kwargs = {"seed": args.seed, "dtype": dtype}
@@ -216,6 +266,8 @@ def run_search_command(args) -> int:
     except (ValueError, KeyError) as exc:
         raise CLIError(f"invalid supernet settings: {exc.args[0] if exc.args else exc}") from None
     method = METHODS[args.method](net, epochs=args.epochs, probe=_probe(net, args.diagnostics, args.hessian_mode))
+    if world > 1:
+        method.distribute(device_ids=[device.index] if device.type == "cuda" else None)
 
     start_epoch = 0
     if args.resume:
@@ -227,8 +279,8 @@ def run_search_command(args) -> int:
             start_epoch = state["epoch"] + 1
         if start_epoch >= args.epochs:
             raise CLIError(f"the run at {out} already finished {start_epoch} epochs; raise --epochs to continue it")
-    elif args.force and ckpt.exists():
-        ckpt.unlink()
+    elif args.force and rank == 0:
+        ckpt.unlink(missing_ok=True)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
@@ -243,16 +295,20 @@ def run_search_command(args) -> int:
     with warnings.catch_warnings():
         # _resume_state already refused every change that matters; a longer --epochs is the point of resuming
         warnings.filterwarnings("ignore", message=".*different config than stored", category=RecordWarning)
-        recorder = Recorder(out, meta=meta, resume=args.resume, overwrite=args.force)
-    progress = _Progress(args.epochs * S, start_epoch * S, not args.no_progress)
-    with recorder, RecorderCallback(recorder) as record_cb:
+        # every rank reduces its statistics through the callback; only rank 0 opens the record
+        record_cb = RecorderCallback(out, meta=meta, resume=args.resume, overwrite=args.force)
+    progress = _Progress(args.epochs * S, start_epoch * S, enabled=rank == 0 and not args.no_progress)
+    callbacks = [record_cb, progress] + ([_Checkpointer(ckpt, method, config)] if rank == 0 else [])
+    with record_cb:
         try:
             evaluation = run_search(
                 method, splits, args.epochs, batch_size=args.batch_size, seed=args.seed, start_epoch=start_epoch,
-                callbacks=[record_cb, progress, _Checkpointer(ckpt, method, config)],
+                callbacks=callbacks,
             )
         finally:
             progress.close()
+    if rank != 0:
+        return 0
     genotype = method.genotype()
     print(f"search-val accuracy of the supernet: {evaluation.get('acc', float('nan')):.4f}")
     print(f"genotype: {genotype}")

@@ -40,6 +40,26 @@ class SearchMethod:
             raise ValueError("the probe must be attached to the method's network: nasdiag.attach(network, ...)")
         self.network = network
         self.probe = probe
+        #: what the training forwards call: the network, or its DistributedDataParallel wrapper
+        self.model: nn.Module = network
+
+    def distribute(self, device_ids=None) -> None:
+        """Train data-parallel across the ranks of the initialised default process group.
+
+        The training forwards then go through ``DistributedDataParallel``, which averages the gradients
+        of w and α over the ranks at every backward (``find_unused_parameters``: the weight step uses
+        detached mixing weights, so α takes no part in it). Each rank must see its own shard of the
+        data (:func:`~nasdiag.search.run_search` shards by rank). The probe keeps observing the
+        network's own modules, so every rank measures its own batch; the recorder's callback reduces
+        those statistics across ranks before rank 0 writes them.
+        """
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("distribute() needs torch.distributed.init_process_group() first (e.g. launch with torchrun)")
+        self.model = nn.parallel.DistributedDataParallel(
+            self.network, device_ids=device_ids, find_unused_parameters=True
+        )
 
     def recording(self, targets: Optional[torch.Tensor] = None):
         """The probe's recording block for an architecture step, or a no-op context without a probe."""

@@ -67,7 +67,7 @@ class DARTS(SearchMethod):
         """One Adam step on α with the search-val loss (first-order: w held fixed)."""
         self.alpha_optimizer.zero_grad(set_to_none=True)
         with self.recording(y):
-            logits = self.network(x)
+            logits = self.model(x)
             loss = nn.functional.cross_entropy(logits, y)
             loss.backward()
         grad_norm = torch.linalg.vector_norm(torch.stack([a.grad.norm() for a in self.network.arch_parameters()]))
@@ -78,7 +78,7 @@ class DARTS(SearchMethod):
         """One SGD step on w with the search-train loss, α held fixed."""
         self.w_optimizer.zero_grad(set_to_none=True)
         weights = {t: z.detach() for t, z in self.network.softmax_weights().items()}
-        logits = self.network(x, weights)
+        logits = self.model(x, weights)
         loss = nn.functional.cross_entropy(logits, y)
         loss.backward()
         nn.utils.clip_grad_norm_(self.network.weight_parameters(), self.grad_clip)

@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import Dict, Optional, Protocol, Sequence
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 from nasdiag.data import Splits
+from nasdiag.distributed import rank as this_rank
+from nasdiag.distributed import world_size
 from nasdiag.search.base import SearchMethod
 
 
@@ -22,14 +24,20 @@ class SearchCallback(Protocol):
 
 
 def _loader(dataset, batch_size: int, seed: int, epoch: int) -> DataLoader:
-    # A generator seeded by (seed, epoch) makes every epoch's order reproducible, so a resumed run
-    # sees the same batches as an uninterrupted one.
+    # The order depends only on (seed, epoch), so a resumed run sees the same batches as an
+    # uninterrupted one. Under torch.distributed each rank takes its own shard of that order.
+    ranks, rank = world_size(), this_rank()
+    if ranks > 1:
+        sampler = DistributedSampler(dataset, num_replicas=ranks, rank=rank, shuffle=True, seed=seed, drop_last=True)
+        sampler.set_epoch(epoch)
+        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
     g = torch.Generator().manual_seed(seed * 100_003 + epoch)
     return DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True, generator=g)
 
 
 def steps_per_epoch(splits: Splits, batch_size: int) -> int:
-    return min(len(splits.train), len(splits.val)) // batch_size
+    """Steps of one epoch: full batches of this rank's shard of the smaller search split."""
+    return min(len(splits.train), len(splits.val)) // world_size() // batch_size
 
 
 def run_search(
@@ -56,7 +64,8 @@ def run_search(
     S = steps_per_epoch(splits, batch_size)
     if S == 0:
         raise ValueError(
-            f"batch size {batch_size} is larger than the smallest split ({min(len(splits.train), len(splits.val))} samples)"
+            f"batch size {batch_size} is larger than this rank's share of the smallest split "
+            f"({min(len(splits.train), len(splits.val)) // world_size()} samples)"
         )
     device = next(method.network.parameters()).device
     dtype = next(method.network.parameters()).dtype
