@@ -106,3 +106,22 @@ def test_search_under_torchrun_records_both_ranks(tmp_path):
     assert (rec["cost/reduce/count"][last] == 2 * S * 2).all()
     assert np.isfinite(rec["scalars/train_loss"]).all()
     assert load_meta(out)["config"]["world_size"] == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_search_under_torchrun_on_two_gpus(tmp_path):
+    out = tmp_path / "nccl.h5"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={_free_port()}", "-m", "nasdiag", "search", "--epochs", "1", "--out", str(out),
+           "--C", "4", "--layers", "3", "--steps", "2", "--batch-size", "64", "--device", "cuda",
+           "--no-progress", "--no-figs"]
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0",
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(__file__)), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rec = load(out)
+    S = 719 // 2 // 64
+    assert rec["step"].tolist() == list(range(1, S + 1))
+    assert (rec["cost/reduce/count"][rec["valid/cost/reduce/count"]] == 2 * S * 2).all()
+    assert load_meta(out)["config"]["device"].startswith("cuda")
