@@ -86,16 +86,21 @@ def test_ddp_step_equals_single_process_step_on_the_whole_batch(tmp_path):
     assert not torch.equal(distributed["alphas_normal"], _setup()[0].alphas_normal.detach())
 
 
-def test_search_under_torchrun_records_both_ranks(tmp_path):
-    out = tmp_path / "ddp.h5"
+def _torchrun_search(out, device: str, **env) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
            f"--master_port={_free_port()}", "-m", "nasdiag", "search", "--epochs", "1", "--out", str(out),
-           "--C", "4", "--layers", "3", "--steps", "2", "--batch-size", "64", "--device", "cpu",
+           "--C", "4", "--layers", "3", "--steps", "2", "--batch-size", "64", "--device", device,
            "--no-progress", "--no-figs"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(__file__)), os.environ.get("PYTHONPATH", "")])}
+    root = os.path.dirname(os.path.dirname(__file__))
+    env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def test_search_under_torchrun_records_both_ranks(tmp_path):
+    out = tmp_path / "ddp.h5"
+    proc = _torchrun_search(out, "cpu", OMP_NUM_THREADS="1")
     assert proc.stdout.count("genotype:") == 1  # only rank 0 reports
     rec = load(out)
     S = 719 // 2 // 64  # steps per epoch: each rank takes half of the search split
@@ -112,14 +117,7 @@ def test_search_under_torchrun_records_both_ranks(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_search_under_torchrun_on_two_gpus(tmp_path):
     out = tmp_path / "nccl.h5"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={_free_port()}", "-m", "nasdiag", "search", "--epochs", "1", "--out", str(out),
-           "--C", "4", "--layers", "3", "--steps", "2", "--batch-size", "64", "--device", "cuda",
-           "--no-progress", "--no-figs"]
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0",
-           "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(__file__)), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    _torchrun_search(out, "cuda", NCCL_NVLS_ENABLE="0")
     rec = load(out)
     S = 719 // 2 // 64
     assert rec["step"].tolist() == list(range(1, S + 1))

@@ -152,29 +152,24 @@ def scalar_curves(record: Dict[str, np.ndarray], names: Optional[Sequence[str]] 
     return fig
 
 
-def cost_heatmap(record: Dict[str, np.ndarray], cell_type: str, row: int = -1) -> plt.Figure:
-    """Cost mean E[C] per op x edge (the wiring paper's Figs 5, 6, 19–21), centred at 0."""
-    steps, values = _series(record, f"cost/{cell_type}/mean")
+def _centred_heatmap(record: Dict[str, np.ndarray], path: str, title: str, cell_type: str, row: int) -> plt.Figure:
+    steps, values = _series(record, path)
     matrix = values[row]
     E, K = matrix.shape
     return matrix_heatmap(
         matrix,
         edge_names(record, cell_type, E),
         op_names(record, K),
-        f"{cell_type} cell: cost mean E[C] at step {int(steps[row])}",
+        f"{cell_type} cell: {title} at step {int(steps[row])}",
         center=0.0,
     )
+
+
+def cost_heatmap(record: Dict[str, np.ndarray], cell_type: str, row: int = -1) -> plt.Figure:
+    """Cost mean E[C] per op x edge (the wiring paper's Figs 5, 6, 19–21), centred at 0."""
+    return _centred_heatmap(record, f"cost/{cell_type}/mean", "cost mean E[C]", cell_type, row)
 
 
 def hessian_heatmap(record: Dict[str, np.ndarray], cell_type: str, row: int = -1) -> plt.Figure:
     """Diagonal Hessian of the mixing weights per op x edge, centred at 0."""
-    steps, values = _series(record, f"hessian/{cell_type}/diag")
-    matrix = values[row]
-    E, K = matrix.shape
-    return matrix_heatmap(
-        matrix,
-        edge_names(record, cell_type, E),
-        op_names(record, K),
-        f"{cell_type} cell: diag d2L/dZ2 at step {int(steps[row])}",
-        center=0.0,
-    )
+    return _centred_heatmap(record, f"hessian/{cell_type}/diag", "diag d2L/dZ2", cell_type, row)
