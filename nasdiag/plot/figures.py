@@ -88,17 +88,7 @@ def matrix_heatmap(
 
 def arch_heatmap(record: Dict[str, np.ndarray], cell_type: str, quantity: str = "weights", row: int = -1) -> plt.Figure:
     """Architecture weights (or raw parameters) of one cell type at one recorded row, edge x op."""
-    steps, values = _series(record, f"arch/{cell_type}/{quantity}")
-    if len(steps) == 0:
-        raise PlotError(f"record has no rows with arch/{cell_type}/{quantity}")
-    matrix = values[row]
-    E, K = matrix.shape
-    return matrix_heatmap(
-        matrix,
-        edge_names(record, cell_type, E),
-        op_names(record, K),
-        f"{cell_type} cell: architecture {quantity} at step {int(steps[row])}",
-    )
+    return _row_heatmap(record, f"arch/{cell_type}/{quantity}", f"architecture {quantity}", cell_type, row)
 
 
 def arch_evolution(record: Dict[str, np.ndarray], cell_type: str, quantity: str = "weights") -> plt.Figure:
@@ -152,8 +142,13 @@ def scalar_curves(record: Dict[str, np.ndarray], names: Optional[Sequence[str]] 
     return fig
 
 
-def _centred_heatmap(record: Dict[str, np.ndarray], path: str, title: str, cell_type: str, row: int) -> plt.Figure:
+def _row_heatmap(
+    record: Dict[str, np.ndarray], path: str, title: str, cell_type: str, row: int, center: Optional[float] = None
+) -> plt.Figure:
+    """Heatmap of the (E, K) value of ``path`` at one recorded row."""
     steps, values = _series(record, path)
+    if len(steps) == 0:
+        raise PlotError(f"record has no rows with {path}")
     matrix = values[row]
     E, K = matrix.shape
     return matrix_heatmap(
@@ -161,15 +156,15 @@ def _centred_heatmap(record: Dict[str, np.ndarray], path: str, title: str, cell_
         edge_names(record, cell_type, E),
         op_names(record, K),
         f"{cell_type} cell: {title} at step {int(steps[row])}",
-        center=0.0,
+        center=center,
     )
 
 
 def cost_heatmap(record: Dict[str, np.ndarray], cell_type: str, row: int = -1) -> plt.Figure:
     """Cost mean E[C] per op x edge (the wiring paper's Figs 5, 6, 19–21), centred at 0."""
-    return _centred_heatmap(record, f"cost/{cell_type}/mean", "cost mean E[C]", cell_type, row)
+    return _row_heatmap(record, f"cost/{cell_type}/mean", "cost mean E[C]", cell_type, row, center=0.0)
 
 
 def hessian_heatmap(record: Dict[str, np.ndarray], cell_type: str, row: int = -1) -> plt.Figure:
     """Diagonal Hessian of the mixing weights per op x edge, centred at 0."""
-    return _centred_heatmap(record, f"hessian/{cell_type}/diag", "diag d2L/dZ2", cell_type, row)
+    return _row_heatmap(record, f"hessian/{cell_type}/diag", "diag d2L/dZ2", cell_type, row, center=0.0)
