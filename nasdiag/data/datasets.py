@@ -3,6 +3,7 @@ and a search-val part (for the architecture α); a held-out test part is never s
 
 from __future__ import annotations
 
+from nasdiag.errors import NasdiagError
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +13,7 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-class DataError(ValueError):
+class DataError(NasdiagError, ValueError):
     """A dataset cannot be loaded; the message says which file or option is wrong."""
 
 @dataclass

@@ -5,6 +5,7 @@ Every function takes the dict returned by :func:`nasdiag.record.load` and return
 
 from __future__ import annotations
 
+from nasdiag.errors import NasdiagError
 from typing import Dict, List, Optional, Sequence
 
 import matplotlib
@@ -16,7 +17,7 @@ import numpy as np  # noqa: E402
 import seaborn as sns  # noqa: E402
 
 
-class PlotError(ValueError):
+class PlotError(NasdiagError, ValueError):
     """A record lacks what a figure needs; the message names the missing path."""
 
 

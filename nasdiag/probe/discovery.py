@@ -20,6 +20,7 @@ else the DARTS order for ``steps``/``_steps``).
 
 from __future__ import annotations
 
+from nasdiag.errors import NasdiagError
 import inspect
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -30,7 +31,7 @@ from nasdiag.supernet.cell import edge_nodes as darts_edge_nodes
 from nasdiag.supernet.mixed import MixedOp
 
 
-class ProbeError(ValueError):
+class ProbeError(NasdiagError, ValueError):
     """Bad input to the probe; the message says what was wrong and how to fix it."""
 
 

@@ -6,7 +6,10 @@ was wrong and how to fix it, so that a CLI can print it as is.
 """
 
 
-class RecordError(Exception):
+from nasdiag.errors import NasdiagError
+
+
+class RecordError(NasdiagError):
     """A record could not be written or read; the message says why and what to do."""
 
 

@@ -1,16 +1,15 @@
-"""Search methods built on the supernet and the probe; one module per method.
+"""Search methods built on the supernet and the primitives; one module per method.
 
-Every method turns (search-train batch, search-val batch) into one update and returns statistics as
-record paths; the loop hands them to callbacks (the recorder, a progress bar).
+- `SearchMethod`, `Schedule`, `Hyperparameters`, `hp`: the method contract (``docs/methods.md``).
+- `register`, `get_method`, `methods`: the registry; built-ins live in ``nasdiag/search/methods/``.
+- `SearchConfig`, `run`, `SearchResult`: a whole search (data, device, DDP, probe, record, checkpoint).
 """
 
-from typing import Dict, Type
+from nasdiag.search.base import Batch, CostStep, Schedule, SearchError, SearchMethod, accuracy
+from nasdiag.search.hyperparameters import Hyperparameters, hp
+from nasdiag.search.registry import get_method, methods, register
 
-from nasdiag.search.base import SearchMethod, accuracy
-from nasdiag.search.darts import DARTS
-from nasdiag.search.loop import SearchCallback, run_search, steps_per_epoch
-
-#: method name -> class. Each class takes ``(network, epochs, **hyperparameters)``.
-METHODS: Dict[str, Type[SearchMethod]] = {"darts": DARTS}
-
-__all__ = ["DARTS", "METHODS", "SearchCallback", "SearchMethod", "accuracy", "run_search", "steps_per_epoch"]
+__all__ = [
+    "Batch", "CostStep", "Hyperparameters", "Schedule", "SearchError", "SearchMethod", "accuracy", "get_method", "hp",
+    "methods", "register",
+]

@@ -1,134 +1,385 @@
-"""What every search method offers to the search loop, the CLI and the recorder."""
+"""The method contract: what every search method offers to `nasdiag.search.run`, the CLI and the recorder.
+
+A method is one file: a `SearchMethod` subclass with a nested ``Hyperparameters`` dataclass,
+decorated with ``@nasdiag.search.register("name")``. It owns its update rule and its state and
+nothing else; data, device, DDP, checkpoints and records belong to `nasdiag.search.run`.
+
+The contract separates two things that DARTS happens to make equal:
+
+- the **forward relaxation**, :meth:`SearchMethod.forward_weights`: the mixing weights Z the training
+  forward uses (softmax(α) for DARTS, a Gumbel-softmax or one-hot sample for SNAS/DSNAS, binary gates
+  for ProxylessNAS, EG weights for XNAS, linear A for SparseNAS);
+- the **architecture distribution**, :meth:`SearchMethod.probabilities`: what the genotype, the
+  supernet evaluation and the ``arch/<cell>/probabilities`` records are derived from.
+
+Every method is built on the cost primitive of the wiring supplement (§2): :meth:`SearchMethod.cost`
+runs one forward/backward with per-cell Z leaves and returns C = ∂L/∂Z once per step; each method's
+architecture gradient is a map of it (``nasdiag.cost.darts_alpha_grad`` and friends, XNAS rewards −C).
+"""
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-from typing import Dict, Mapping, Optional, Tuple
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from nasdiag.supernet import Genotype, Network, derive_genotype
+from nasdiag.cost import CostMoments
+from nasdiag.errors import NasdiagError
+from nasdiag.search.hyperparameters import Hyperparameters
+from nasdiag.supernet import Genotype, derive_genotype
 
 Batch = Tuple[torch.Tensor, torch.Tensor]
+CellWeights = Dict[str, torch.Tensor]
+
+
+class SearchError(NasdiagError, RuntimeError):
+    """A search cannot go on (a NaN loss, every op of an edge removed, a bad supernet)."""
 
 
 def accuracy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Fraction of correct top-1 predictions, a 0-dim tensor."""
-    return (logits.argmax(dim=1) == targets).float().mean()
+    """Fraction of correct top-1 predictions, a 0-dim tensor (stays on the device)."""
+    return (logits.argmax(dim=1) == targets).to(logits.dtype).mean()
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """What a method may know of the run it is part of.
+
+    Attributes:
+        epochs: epochs of the whole run (the length of cosine schedules).
+        steps_per_epoch: steps per epoch on this rank.
+        batch_size: per-rank batch size.
+        train_size, val_size: samples in the search-train and search-val splits (all ranks).
+        world_size: number of DDP ranks.
+    """
+
+    epochs: int
+    steps_per_epoch: int
+    batch_size: int = 64
+    train_size: int = 0
+    val_size: int = 0
+    world_size: int = 1
+
+    @property
+    def total_steps(self) -> int:
+        return self.epochs * self.steps_per_epoch
+
+
+@dataclass
+class CostStep:
+    """One forward/backward of :meth:`SearchMethod.cost`.
+
+    Attributes:
+        loss: 0-dim mean loss of the batch (detached).
+        logits: (B, classes), detached.
+        per_cell: one (E, K) tensor per cell, C = ∂L/∂Z of that cell's mixing weights (mean-reduced loss;
+            (E, B, K) per sample when the weights were given per sample). Averaged over DDP ranks.
+        costs: ``{cell type: (E, K)}``, the per-cell costs summed over the cells of the type: the
+            cost of the shared weights (wiring supplement §2.1 sums the chain rule over every use).
+    """
+
+    loss: torch.Tensor
+    logits: torch.Tensor
+    per_cell: List[torch.Tensor]
+    costs: CellWeights
 
 
 class SearchMethod:
-    """A differentiable NAS method on a :class:`~nasdiag.supernet.Network`.
+    """Base of every search method.
 
-    A method owns its optimizers and turns one (search-train batch, search-val batch) pair into one
-    update of the weights w and the architecture parameters. It returns its statistics as a mapping of
-    record paths (``"scalars/..."``, ``"arch/<cell type>/..."``) to tensors; it never writes files.
+    Args:
+        network: the supernet, a nasdiag :class:`~nasdiag.supernet.Network` or any object offering its
+            interface (``cell_types``, ``alphas()``, ``arch_parameters()``, ``weight_parameters()``,
+            ``cells`` with ``cell_type``, ``forward(x, weights)``; see ``nasdiag.search.supernet``).
+        hp: the method's ``Hyperparameters`` (defaults: the paper's values).
+        schedule: the run's shape (:class:`Schedule`).
+        probe: optional ``nasdiag.attach(network, ...)`` for the foreign-supernet and path/normalization
+            diagnostics; the cost statistics of nasdiag's own supernet need none.
+        hessian_mode: None, or the mixing-weight curvature mode recorded by :meth:`diagnostics`.
 
-    With a ``probe`` (``nasdiag.attach(network, ...)``) the architecture step runs inside
-    ``probe.record()``, so the costs C = ∂L/∂Z of every architecture step are accumulated, and
-    :meth:`diagnostics` hands out their statistics (and the mixing-weight Hessian diagonal when the
-    probe was attached with ``hessian=``).
+    Subclasses implement :meth:`build` (optimizers, forecasters), :meth:`step`, :meth:`probabilities`
+    and, where it differs from them, :meth:`forward_weights`. State is saved automatically: the
+    network, every attribute with ``state_dict``/``load_state_dict`` (optimizers, schedulers,
+    forecasters), ``self.generator`` and the tensors/numbers listed in ``state_attributes``.
     """
 
-    name = "base"
+    name: ClassVar[str] = "base"
+    Hyperparameters: ClassVar[type] = Hyperparameters
+    #: attribute names of plain state (tensors, numbers) saved with the method, e.g. ("temperature",)
+    state_attributes: ClassVar[Tuple[str, ...]] = ()
+    #: the α step takes the training batch (SNAS, DSNAS, ASM-NAS) rather than the validation batch
+    single_level: ClassVar[bool] = False
 
-    def __init__(self, network: Network, probe=None):
-        if not isinstance(network, Network):
-            raise TypeError(f"{type(self).__name__} needs a nasdiag.supernet.Network, got {type(network).__name__}")
-        if probe is not None and probe.model is not network:
-            raise ValueError("the probe must be attached to the method's network: nasdiag.attach(network, ...)")
-        self.network = network
+    def __init__(self, network, hp: Optional[Hyperparameters] = None, *, schedule: Schedule, probe=None,
+                 hessian_mode: Optional[str] = None, seed: int = 0):
+        from nasdiag.search.supernet import as_supernet
+
+        self.network = as_supernet(network)
+        if probe is not None and probe.model is not self.network and probe.model is not network:
+            raise NasdiagError("the probe must be attached to the method's network: nasdiag.attach(network, ...)")
+        if hp is None:
+            hp = self.Hyperparameters()
+        if not isinstance(hp, self.Hyperparameters):
+            raise NasdiagError(f"{type(self).__name__} takes {self.Hyperparameters.__qualname__}, got {type(hp).__name__}")
+        self.hp = hp
+        self.schedule = schedule
         self.probe = probe
+        self.hessian_mode = hessian_mode
         #: what the training forwards call: the network, or its DistributedDataParallel wrapper
-        self.model: nn.Module = network
+        self.model: nn.Module = self.network
+        device = next(self.network.parameters()).device
+        #: the method's random source (samples, noise); saved with its state so resume is exact
+        self.generator = torch.Generator(device=device).manual_seed(int(seed) + 7919)
+        self._cost_moments: Dict[str, CostMoments] = {}
+        self._cost_mask: Optional[CellWeights] = None
+        self._last_arch_batch: Optional[Batch] = None
+        self.build()
 
-    def distribute(self, device_ids=None) -> None:
-        """Train data-parallel across the ranks of the initialised default process group.
+    # -- to implement ------------------------------------------------------------------------------
+    def build(self) -> None:
+        """Create optimizers, schedulers, forecasters from ``self.hp`` and ``self.schedule``."""
 
-        The training forwards then go through ``DistributedDataParallel``, which averages the gradients
-        of w and α over the ranks at every backward (``find_unused_parameters``: the weight step uses
-        detached mixing weights, so α takes no part in it). Each rank must see its own shard of the
-        data (:func:`~nasdiag.search.run_search` shards by rank). The probe keeps observing the
-        network's own modules, so every rank measures its own batch; the recorder's callback reduces
-        those statistics across ranks before rank 0 writes them.
-        """
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("distribute() needs torch.distributed.init_process_group() first (e.g. launch with torchrun)")
-        self.model = nn.parallel.DistributedDataParallel(
-            self.network, device_ids=device_ids, find_unused_parameters=True
-        )
-
-    def recording(self, targets: Optional[torch.Tensor] = None):
-        """The probe's recording block for an architecture step, or a no-op context without a probe."""
-        return self.probe.record(targets=targets) if self.probe is not None else nullcontext()
-
-    def diagnostics(self) -> Dict[str, torch.Tensor]:
-        """Probe statistics since the last call, as record paths, then reset them.
-
-        ``cost/<cell type>/{mean,var,count}`` (E, K) over the architecture steps (each cell of a type is
-        one observation per step); with ``hessian=`` on the probe, ``hessian/<cell type>/diag`` (E, K):
-        the diagonal of ∂²L/∂Z² on the last recorded batch at the current parameters, summed over the
-        cells that share the mixing weights (cross-cell terms dropped). Empty without a probe.
-        """
-        if self.probe is None or self.probe.steps_recorded == 0:
-            return {}
-        stats = dict(self.probe.statistics())
-        self.probe.reset_statistics()
-        if self.probe.hessian_mode is not None:
-            per_group = self.probe.aggregate(self.probe.hessian())
-            stats.update({f"hessian/{group}/diag": h.detach() for group, h in per_group.items()})
-        return stats
-
-    # -- to implement ------------------------------------------------------------------------
     def step(self, train_batch: Batch, val_batch: Batch) -> Dict[str, torch.Tensor]:
-        raise NotImplementedError
+        """One search step; returns statistics as record paths (see ``nasdiag.vocabulary``), on the device."""
+        raise NotImplementedError(f"{type(self).__name__} must implement step()")
 
-    def mixing_weights(self) -> Dict[str, torch.Tensor]:
-        """Current mixing weights Z per cell type, (E, K) each, detached."""
-        raise NotImplementedError
+    def probabilities(self) -> CellWeights:
+        """``{cell type: (E, K)}``, detached: the architecture distribution the genotype, the supernet
+        evaluation and ``arch/<cell>/probabilities`` are derived from."""
+        raise NotImplementedError(f"{type(self).__name__} must implement probabilities()")
+
+    def forward_weights(self) -> CellWeights:
+        """``{cell type: (E, K)}`` mixing weights of the training forward (the relaxation); default
+        :meth:`probabilities`. Sampling methods draw here with ``self.generator``."""
+        return self.probabilities()
+
+    def eval_weights(self) -> CellWeights:
+        """Mixing weights of the supernet evaluation after each epoch; default :meth:`probabilities`."""
+        return self.probabilities()
+
+    def active_ops(self) -> Optional[CellWeights]:
+        """``{cell type: (E, K) bool}`` ops that still exist (wiped out / pruned ones are not computed), or None."""
+        return None
 
     def epoch_end(self, epoch: int) -> None:
-        """Called after each epoch (learning-rate schedules)."""
+        """Called after each epoch (schedules, annealing)."""
 
-    def state_dict(self) -> Dict:
-        return {"network": self.network.state_dict()}
-
-    def load_state_dict(self, state: Mapping) -> None:
-        self.network.load_state_dict(state["network"])
-
-    # -- shared ------------------------------------------------------------------------------
-    def genotype(self) -> Genotype:
+    def genotype(self):
+        """The derived architecture (DARTS top-2 rule on :meth:`probabilities`; mixed-path methods override)."""
         net = self.network
-        return derive_genotype(self.mixing_weights(), net.steps, net.multiplier, net.primitives)
+        return derive_genotype(self.probabilities(), net.steps, net.multiplier, net.primitives)
 
-    def arch_statistics(self) -> Dict[str, torch.Tensor]:
-        """``arch/<cell type>/params`` (the raw α) and ``arch/<cell type>/weights`` (Z), (E, K) each."""
+    # -- the cost primitive as a service ---------------------------------------------------------------
+    def cost(self, x: torch.Tensor, y: torch.Tensor, weights: CellWeights, *, active: Optional[CellWeights] = None,
+             train_weights: bool = False, observe: bool = True) -> CostStep:
+        """One forward/backward with per-cell leaves Z_k = weights[type of cell k]; returns C = ∂L/∂Z_k.
+
+        C(Z) = ∂L/∂Z = <∂L/∂x_j, O(x_i)> (wiring supplement §2) for every edge and candidate op, computed
+        once; each method maps it to its architecture gradient. The loss is the mean cross-entropy.
+
+        Args:
+            x, y: the batch.
+            weights: ``{cell type: (E, K)}`` (or (E, B, K) per sample), the relaxation's Z; detached here.
+            active: ``{cell type: (E, K) bool}``: only these ops are computed (others contribute 0 and get
+                cost 0).
+            train_weights: also accumulate ∂L/∂w into the weights' ``.grad`` (single-level methods share
+                one backward between w and α); the forward then goes through ``self.model`` (the DDP
+                wrapper, which averages ∂L/∂w over ranks).
+            observe: add the per-cell costs to the streaming cost statistics of :meth:`diagnostics`.
+
+        Returns:
+            :class:`CostStep`. Under DDP the costs are averaged over ranks (the cost of the global mean
+            loss), so every rank applies the same architecture update.
+        """
+        leaves = [weights[c.cell_type].detach().clone().requires_grad_(True) for c in self.network.cells]
+        module = self.model if train_weights else self.network
+        kwargs = {} if active is None else {"active": active}
+        with self._probe_recording(y):
+            logits = module(x, leaves, **kwargs)
+            loss = nn.functional.cross_entropy(logits, y)
+            if train_weights:
+                loss.backward()
+                grads = [z.grad for z in leaves]
+            else:
+                grads = list(torch.autograd.grad(loss, leaves, allow_unused=True))
+        grads = [torch.zeros_like(z) if g is None else g for z, g in zip(leaves, grads)]
+        if observe:
+            self._observe_costs(grads, active)
+        grads = _mean_over_ranks(grads)
+        costs: CellWeights = {}
+        for cell, g in zip(self.network.cells, grads):
+            costs[cell.cell_type] = costs[cell.cell_type] + g if cell.cell_type in costs else g
+        self._last_arch_batch = (x, y)
+        return CostStep(loss.detach(), logits.detach(), grads, costs)
+
+    def _probe_recording(self, targets):
+        from contextlib import nullcontext
+
+        return self.probe.record(targets=targets) if self.probe is not None else nullcontext()
+
+    def _observe_costs(self, per_cell: Sequence[torch.Tensor], active: Optional[CellWeights]) -> None:
+        by_type: Dict[str, List[torch.Tensor]] = {}
+        for cell, g in zip(self.network.cells, per_cell):
+            if g.dim() == 3:  # per-sample weights (E, B, K): one observation per sample, summed to the batch cost
+                g = g.sum(1)
+            by_type.setdefault(cell.cell_type, []).append(g)
+        for cell_type, rows in by_type.items():
+            obs = torch.stack(rows)
+            moments = self._cost_moments.get(cell_type)
+            if moments is None:
+                moments = self._cost_moments[cell_type] = CostMoments(tuple(obs.shape[1:]), device=obs.device)
+            mask = None
+            if active is not None:
+                mask = active[cell_type].to(obs.device).bool().unsqueeze(0).expand_as(obs)
+            moments.update(obs, mask)
+
+    # -- statistics ------------------------------------------------------------------------------------
+    def arch_statistics(self, forward_weights: Optional[CellWeights] = None) -> Dict[str, torch.Tensor]:
+        """``arch/<cell>/params`` (α, where the method has them), ``arch/<cell>/probabilities`` and, if
+        given, ``arch/<cell>/weights`` (the step's Z; batch mean where per sample)."""
+        from nasdiag import vocabulary as V
+
         stats = {}
         for cell_type, alpha in self.network.alphas().items():
-            stats[f"arch/{cell_type}/params"] = alpha.detach().clone()
-        for cell_type, z in self.mixing_weights().items():
-            stats[f"arch/{cell_type}/weights"] = z.detach().clone()
+            stats[V.ARCH_PARAMS.path(cell=cell_type)] = alpha.detach().clone()
+        for cell_type, p in self.probabilities().items():
+            stats[V.ARCH_PROBABILITIES.path(cell=cell_type)] = p.detach().clone()
+        for cell_type, z in (forward_weights or {}).items():
+            z = z.detach()
+            stats[V.ARCH_WEIGHTS.path(cell=cell_type)] = (z.mean(1) if z.dim() == 3 else z).clone()
         return stats
 
+    def diagnostics(self) -> Dict[str, torch.Tensor]:
+        """Statistics since the last call (then reset): ``cost/<cell>/{mean,var,count}`` over the cost
+        steps (each cell of a type one observation per step) and, with ``hessian_mode``,
+        ``hessian/<cell>/diag`` of ∂²L/∂Z² (BayesNAS C.3) at :meth:`eval_weights` on the last cost
+        batch, summed over the cells of the type, plus ``hessian/<cell>/nonfinite``."""
+        from nasdiag import vocabulary as V
+
+        stats: Dict[str, torch.Tensor] = {}
+        for cell_type, m in self._cost_moments.items():
+            stats[V.COST_MEAN.path(cell=cell_type)] = torch.where(m.count > 0, m.mean, torch.full_like(m.mean, math.nan))
+            stats[V.COST_VAR.path(cell=cell_type)] = m.var
+            stats[V.COST_COUNT.path(cell=cell_type)] = m.count.to(torch.int64)
+        self._cost_moments = {}
+        if self.hessian_mode is not None and self._last_arch_batch is not None:
+            stats.update(self.curvature(*self._last_arch_batch))
+        return stats
+
+    def curvature(self, x: torch.Tensor, y: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """``hessian/<cell>/diag`` (E, K): diagonal of ∂²L/∂Z² per cell type (C.3.1–C.3.2 in ``hessian_mode``)."""
+        from nasdiag import vocabulary as V
+        from nasdiag.hessian import arch_diag_hessian
+
+        weights = self.eval_weights()
+        net = self.network
+
+        class _Fixed(nn.Module):  # the supernet at fixed mixing weights, as the curvature engine expects
+            def __init__(self):
+                super().__init__()
+                self.net = net
+
+            def forward(self, inp):
+                return self.net(inp, weights)
+
+        edges = {f"net.{e.name}": e for e in net.edge_specs()}
+        per_edge = arch_diag_hessian(_Fixed(), nn.functional.cross_entropy, x, y, edges, mode=self.hessian_mode)
+        out: Dict[str, torch.Tensor] = {}
+        for key, e in zip(edges, edges.values()):
+            h = out.setdefault(e.cell_type, torch.zeros_like(weights[e.cell_type]))
+            h[e.edge_index] += per_edge[key].detach()
+        stats = {}
+        for cell_type, h in out.items():
+            stats[V.HESSIAN_DIAG.path(cell=cell_type)] = h
+            stats[V.HESSIAN_NONFINITE.path(cell=cell_type)] = ~torch.isfinite(h).all()
+        return stats
+
+    # -- evaluation ------------------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self, loader) -> Dict[str, float]:
-        """Mean loss and accuracy of the supernet (current mixing weights) over ``loader``.
+        """Mean loss and accuracy of the supernet at :meth:`eval_weights` over ``loader``.
 
         BatchNorm uses batch statistics, as during the search (DARTS evaluates the supernet this way).
         """
         net = self.network
-        device = next(net.parameters()).device
-        total, loss_sum, correct = 0, 0.0, 0.0
-        weights = self.mixing_weights()
+        p = next(net.parameters())
+        total, loss_sum, correct = 0, torch.zeros((), dtype=torch.float64, device=p.device), torch.zeros((), dtype=torch.float64, device=p.device)
+        weights = self.eval_weights()
+        active = self.active_ops()
+        kwargs = {} if active is None else {"active": active}
         for x, y in loader:
-            x, y = x.to(device), y.to(device)
-            logits = net(x, weights)
-            loss_sum += nn.functional.cross_entropy(logits, y, reduction="sum").item()
-            correct += (logits.argmax(1) == y).sum().item()
+            x, y = x.to(p.device, p.dtype), y.to(p.device)
+            logits = net(x, weights, **kwargs)
+            loss_sum += nn.functional.cross_entropy(logits, y, reduction="sum").double()
+            correct += (logits.argmax(1) == y).sum()
             total += len(y)
         if total == 0:
-            raise ValueError("evaluate() got an empty loader")
-        return {"loss": loss_sum / total, "acc": correct / total}
+            raise SearchError("evaluate() got an empty loader")
+        return {"loss": float(loss_sum) / total, "acc": float(correct) / total}
+
+    # -- DDP ----------------------------------------------------------------------------------------
+    def distribute(self, device_ids=None) -> None:
+        """Train data-parallel across the ranks of the initialised default process group.
+
+        Forwards that train w go through ``DistributedDataParallel`` (gradients of w averaged at every
+        backward); architecture updates use costs averaged over ranks by :meth:`cost`.
+        """
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise SearchError("distribute() needs torch.distributed.init_process_group() first (e.g. launch with torchrun)")
+        self.model = nn.parallel.DistributedDataParallel(self.network, device_ids=device_ids, find_unused_parameters=True)
+
+    # -- state -----------------------------------------------------------------------------------------
+    _NOT_STATE = ("network", "model", "probe", "hp", "schedule")
+
+    def _stateful(self) -> Dict[str, Any]:
+        return {k: v for k, v in vars(self).items()
+                if k not in self._NOT_STATE and not k.startswith("_")
+                and callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None))
+                and not isinstance(v, nn.Module)}
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Everything needed to continue bit-identically: network, stateful attributes, RNG, plain state."""
+        return {
+            "method": self.name,
+            "network": self.network.state_dict(),
+            "objects": {k: v.state_dict() for k, v in self._stateful().items()},
+            "generator": self.generator.get_state(),
+            "attributes": {k: getattr(self, k) for k in self.state_attributes},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state.get("method", self.name) != self.name:
+            raise NasdiagError(f"this state is of method {state.get('method')!r}, not {self.name!r}")
+        self.network.load_state_dict(state["network"])
+        objects = self._stateful()
+        missing = sorted(set(objects) - set(state["objects"]))
+        if missing:
+            raise NasdiagError(f"the saved state of {self.name!r} lacks {missing}")
+        for k, obj in objects.items():
+            obj.load_state_dict(state["objects"][k])
+        self.generator.set_state(state["generator"])
+        for k, v in state.get("attributes", {}).items():
+            current = getattr(self, k, None)
+            if isinstance(current, torch.Tensor) and isinstance(v, torch.Tensor):
+                v = v.to(current.device)
+            setattr(self, k, v)
+
+
+def _mean_over_ranks(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return tensors
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    out, at = [], 0
+    for t in tensors:
+        out.append(flat[at : at + t.numel()].view_as(t))
+        at += t.numel()
+    return out

@@ -1,0 +1,160 @@
+"""Typed, documented hyperparameters of a search method.
+
+Each method declares ``class Hyperparameters(nasdiag.search.Hyperparameters)`` as a dataclass whose
+defaults are the paper's values and whose fields carry a docstring-like ``help`` in their metadata::
+
+    @dataclass
+    class Hyperparameters(Hyperparameters):
+        alpha_lr: float = hp(3e-4, "Adam learning rate of α (DARTS §3, CIFAR-10 setting).", low=0)
+
+The CLI's ``--hp key=value`` strings are parsed against the field types; an unknown key or a bad value
+raises a one-line `ConfigError` that lists the valid keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
+
+from nasdiag.errors import ConfigError
+
+
+def hp(default: Any, help: str, *, low: Optional[float] = None, high: Optional[float] = None,
+       low_open: bool = False, choices: Optional[Tuple] = None):
+    """A hyperparameter field: its default (the paper's), one sentence of help saying where the
+    default comes from, and an optional range (``low``/``high`` inclusive unless ``low_open``) or
+    ``choices``."""
+    meta = {"help": help, "low": low, "high": high, "low_open": low_open, "choices": choices}
+    if isinstance(default, (list, dict, set)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class Hyperparameters:
+    """Base of every method's hyperparameters (no fields of its own)."""
+
+    def __post_init__(self):
+        self.validate()
+
+    # -- introspection ---------------------------------------------------------------------------
+    @classmethod
+    def fields(cls) -> Tuple[dataclasses.Field, ...]:
+        return dataclasses.fields(cls)
+
+    @classmethod
+    def keys(cls) -> Tuple[str, ...]:
+        return tuple(f.name for f in cls.fields())
+
+    @classmethod
+    def describe(cls) -> str:
+        """One line per field: ``name: type = default  help``."""
+        hints = typing.get_type_hints(cls)
+        lines = []
+        for f in cls.fields():
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            lines.append(f"{f.name}: {_type_name(hints[f.name])} = {default!r}  {f.metadata.get('help', '')}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {f.name: _plain(getattr(self, f.name)) for f in self.fields()}
+
+    # -- construction ----------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], method: str = "") -> "Hyperparameters":
+        """Build from a mapping of (possibly string) values; unknown keys and bad values raise `ConfigError`."""
+        hints = typing.get_type_hints(cls)
+        known = cls.keys()
+        kwargs = {}
+        for key, value in values.items():
+            if key not in known:
+                raise ConfigError(
+                    f"unknown hyperparameter {key!r}{' for method ' + repr(method) if method else ''}; "
+                    f"valid keys: {', '.join(known) or '(none)'}"
+                )
+            kwargs[key] = _coerce(key, value, hints[key], method)
+        return cls(**kwargs)
+
+    @classmethod
+    def parse(cls, items: Iterable[str], method: str = "") -> "Hyperparameters":
+        """Parse ``["key=value", ...]`` (the CLI's ``--hp``)."""
+        values = {}
+        for item in items:
+            key, sep, value = str(item).partition("=")
+            if not sep or not key.strip():
+                raise ConfigError(f"--hp expects key=value, got {item!r}; valid keys: {', '.join(cls.keys()) or '(none)'}")
+            values[key.strip()] = value.strip()
+        return cls.from_dict(values, method)
+
+    def replace(self, **changes) -> "Hyperparameters":
+        return dataclasses.replace(self, **changes)
+
+    def validate(self) -> None:
+        """Check every field against its declared range/choices; raises `ConfigError`."""
+        for f in self.fields():
+            value = getattr(self, f.name)
+            m = f.metadata
+            if m.get("choices") is not None and value not in m["choices"]:
+                raise ConfigError(f"hyperparameter {f.name}={value!r} is not one of {list(m['choices'])}")
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                if isinstance(value, float) and math.isnan(value):
+                    raise ConfigError(f"hyperparameter {f.name} is NaN; give a number")
+                low, high = m.get("low"), m.get("high")
+                if low is not None and (value < low or (m.get("low_open") and value == low)):
+                    op = ">" if m.get("low_open") else ">="
+                    raise ConfigError(f"hyperparameter {f.name}={value!r} is out of range; it must be {op} {low}")
+                if high is not None and value > high:
+                    raise ConfigError(f"hyperparameter {f.name}={value!r} is out of range; it must be <= {high}")
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _plain(value):
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+def _coerce(key: str, value: Any, tp, method: str):
+    where = f" of method {method!r}" if method else ""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is typing.Union and type(None) in args:  # Optional[X]
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
+            return None
+        tp = next(a for a in args if a is not type(None))
+        origin, args = typing.get_origin(tp), typing.get_args(tp)
+    try:
+        if tp is bool:
+            if isinstance(value, bool):
+                return value
+            text = str(value).lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if tp is int:
+            if isinstance(value, bool):
+                raise ValueError
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value) if not isinstance(value, str) else int(value, 0)
+        if tp is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if tp is str:
+            return str(value)
+        if origin in (tuple, typing.Tuple):
+            parts = value if isinstance(value, (list, tuple)) else [p for p in str(value).strip("()[] ").split(",") if p.strip()]
+            inner = args[0] if args else float
+            return tuple(_coerce(key, p, inner, method) for p in parts)
+    except (TypeError, ValueError):
+        raise ConfigError(f"hyperparameter {key}{where} must be of type {_type_name(tp)}, got {value!r}") from None
+    return value

@@ -1,0 +1,85 @@
+"""DARTS (Liu et al., ICLR 2019), first order: alternate an α step on search-val and a w step on search-train.
+
+∂L/∂α is the cost C = ∂L/∂Z of the wiring supplement seen through the softmax (§2.1):
+∂L/∂α = (diag(p) − ppᵀ)·C, summed over the cells that share α (``nasdiag.cost.darts_alpha_grad``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Tuple
+
+import torch
+from torch import nn
+
+from nasdiag.cost import darts_alpha_grad
+from nasdiag.search.base import Batch, SearchMethod, accuracy
+from nasdiag.search.hyperparameters import Hyperparameters, hp
+from nasdiag.search.registry import register
+
+
+@register("darts")
+class DARTS(SearchMethod):
+    """First-order DARTS (ξ = 0 in eq 11 of the sparse-supernet paper).
+
+    Each :meth:`step` returns (0-dim batch means unless stated): ``scalars/train_loss``,
+    ``scalars/train_acc`` (w step), ``scalars/val_loss``, ``scalars/val_acc`` (α step),
+    ``scalars/w_lr``, ``scalars/alpha_grad_norm``, and ``arch/<cell>/{params,probabilities,weights}``
+    after the update.
+    """
+
+    @dataclass
+    class Hyperparameters(Hyperparameters):
+        w_lr: float = hp(0.025, "Initial SGD learning rate of w (DARTS §A.1.1, CIFAR-10).", low=0, low_open=True)
+        w_lr_min: float = hp(0.001, "Final learning rate of w's cosine schedule (DARTS code default).", low=0)
+        w_momentum: float = hp(0.9, "SGD momentum of w (DARTS §A.1.1).", low=0, high=1)
+        w_weight_decay: float = hp(3e-4, "Weight decay of w (DARTS §A.1.1).", low=0)
+        grad_clip: float = hp(5.0, "Gradient-norm clip of w (DARTS code default).", low=0, low_open=True)
+        alpha_lr: float = hp(3e-4, "Adam learning rate of α (DARTS §A.1.1).", low=0, low_open=True)
+        alpha_betas: Tuple[float, float] = hp((0.5, 0.999), "Adam betas of α (DARTS §A.1.1).")
+        alpha_weight_decay: float = hp(1e-3, "Weight decay of α (DARTS §A.1.1).", low=0)
+
+    def build(self) -> None:
+        h = self.hp
+        self.w_optimizer = torch.optim.SGD(self.network.weight_parameters(), lr=h.w_lr, momentum=h.w_momentum,
+                                           weight_decay=h.w_weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(self.w_optimizer, self.schedule.epochs, eta_min=h.w_lr_min)
+        self.alpha_optimizer = torch.optim.Adam(self.network.arch_parameters(), lr=h.alpha_lr, betas=tuple(h.alpha_betas),
+                                                weight_decay=h.alpha_weight_decay)
+
+    def probabilities(self) -> Dict[str, torch.Tensor]:
+        return {t: torch.softmax(a.detach(), dim=-1) for t, a in self.network.alphas().items()}
+
+    def alpha_step(self, x: torch.Tensor, y: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """One Adam step on α with the search-val loss (first order: w held fixed).
+
+        ∂L/∂α = darts_alpha_grad(C, p) with C = ∂L/∂Z at Z = p = softmax(α) (wiring supplement §2.1).
+        """
+        probs = self.probabilities()
+        result = self.cost(x, y, probs)
+        for cell_type, alpha in self.network.alphas().items():
+            alpha.grad = darts_alpha_grad(result.costs[cell_type], probs[cell_type]).to(alpha.dtype)
+        grad_norm = torch.linalg.vector_norm(torch.stack([a.grad.norm() for a in self.network.arch_parameters()]))
+        self.alpha_optimizer.step()
+        return {"scalars/val_loss": result.loss, "scalars/val_acc": accuracy(result.logits, y), "scalars/alpha_grad_norm": grad_norm}
+
+    def weight_step(self, x: torch.Tensor, y: torch.Tensor, weights: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """One SGD step on w with the search-train loss, the mixing weights held fixed."""
+        self.w_optimizer.zero_grad(set_to_none=True)
+        logits = self.model(x, {t: z.detach() for t, z in weights.items()})
+        loss = nn.functional.cross_entropy(logits, y)
+        loss.backward()
+        nn.utils.clip_grad_norm_(self.network.weight_parameters(), self.hp.grad_clip)
+        self.w_optimizer.step()
+        return {"scalars/train_loss": loss.detach(), "scalars/train_acc": accuracy(logits.detach(), y)}
+
+    def step(self, train_batch: Batch, val_batch: Batch) -> Dict[str, torch.Tensor]:
+        stats = {"scalars/w_lr": torch.tensor(self.w_optimizer.param_groups[0]["lr"])}
+        stats.update(self.alpha_step(*val_batch))
+        weights = self.forward_weights()
+        stats.update(self.weight_step(*train_batch, weights))
+        stats.update(self.arch_statistics(weights))
+        return stats
+
+    def epoch_end(self, epoch: int) -> None:
+        self.scheduler.step()
