@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -66,10 +66,13 @@ class Cell(nn.Module):
             node: (n * C, (n + 1) * C) for n, node in enumerate(self.output_nodes)
         }
 
-    def forward(self, s0: torch.Tensor, s1: torch.Tensor, weights: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+    def forward(self, s0: torch.Tensor, s1: torch.Tensor, weights: torch.Tensor | Sequence[torch.Tensor],
+                active: Optional[Sequence] = None) -> torch.Tensor:
         """Args:
             s0, s1: (B, C_prev_prev, H', W') and (B, C_prev, H, W).
             weights: (E, K) mixing weights, or (E, B, K) per sample, or a sequence of E tensors.
+            active: optional (E, K) bool mask (CPU tensor or nested lists) of the ops to compute
+                (``MixedOp.forward``); None computes every op.
 
         Returns:
             (B, multiplier * C, H/r, W/r) with r = 2 for reduction cells.
@@ -79,7 +82,10 @@ class Cell(nn.Module):
         states = [self.preprocess0(s0), self.preprocess1(s1)]
         offset = 0
         for _ in range(self.steps):
-            node = sum(self.edges[offset + i](h, weights[offset + i]) for i, h in enumerate(states))
+            if active is None:
+                node = sum(self.edges[offset + i](h, weights[offset + i]) for i, h in enumerate(states))
+            else:
+                node = sum(self.edges[offset + i](h, weights[offset + i], active[offset + i]) for i, h in enumerate(states))
             offset += len(states)
             states.append(node)
         return torch.cat(states[-self.multiplier :], dim=1)

@@ -199,18 +199,36 @@ class Network(nn.Module):
             )
         return weights
 
-    def forward(self, x: torch.Tensor, weights: MixingWeights = None) -> torch.Tensor:
+    def _cell_active(self, active: MixingWeights) -> List[Optional[List[List[bool]]]]:
+        # One host read per cell type and forward (a sync only if the masks live on the device), so
+        # that the per-edge op selection below is plain Python and costs no further syncs.
+        if isinstance(active, Mapping):
+            missing = [t for t in self.cell_types if t not in active]
+            if missing:
+                raise ValueError(f"active-op masks missing for cell types {missing}; got keys {list(active)}")
+            rows = {t: torch.as_tensor(active[t]).bool().tolist() for t in self.cell_types}
+            return [rows[cell.cell_type] for cell in self.cells]
+        active = list(active)
+        if len(active) != self.layers:
+            raise ValueError(f"a sequence of active-op masks needs one (E, K) mask per cell ({self.layers}), got {len(active)}")
+        return [torch.as_tensor(m).bool().tolist() for m in active]
+
+    def forward(self, x: torch.Tensor, weights: MixingWeights = None, active: MixingWeights = None) -> torch.Tensor:
         """Args:
             x: (B, in_channels, H, W).
             weights: mixing weights Z. ``None``: softmax(α) per cell type (DARTS). A mapping
                 ``{cell type: (E, K)}`` (or (E, B, K) per sample) shared by the cells of that type, or a
                 sequence of one (E, K) tensor per cell, e.g. leaves to take ∂L/∂Z per cell.
+            active: optional ``{cell type: (E, K) bool}`` (or one (E, K) mask per cell) of the ops to
+                **compute**; inactive ops are never called and contribute nothing (the forward equals
+                the dense one with their weights set to 0). Prefer CPU masks: they are read on the host.
 
         Returns:
             logits (B, num_classes).
         """
         per_cell = self._cell_weights(weights)
+        per_cell_active = [None] * len(per_cell) if active is None else self._cell_active(active)
         s0 = s1 = self.stem(x)
-        for cell, w in zip(self.cells, per_cell):
-            s0, s1 = s1, cell(s0, s1, w)
+        for cell, w, on in zip(self.cells, per_cell, per_cell_active):
+            s0, s1 = s1, cell(s0, s1, w) if on is None else cell(s0, s1, w, on)
         return self.classifier(self.global_pooling(s1).flatten(1))
