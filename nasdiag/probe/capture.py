@@ -12,56 +12,19 @@ Everything here lives for one block; the probe keeps only the small per-step res
 
 from __future__ import annotations
 
-import itertools
 import math
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from nasdiag.cost import edge_costs, eps_deviation, output_edge_costs
+from nasdiag.hooks import Hooks
 from nasdiag.probe.discovery import CellInfo, EdgeInfo, ProbeError
 
 
-class HookPlan:
-    """Forward (pre-)hooks planned once and placed straight into the modules' hook dicts at every step.
-
-    Why not ``register_forward_hook`` at each step: a step needs ~10 hooks per edge (1136 on the
-    reference supernet), and making that many ``RemovableHandle`` s and ``partial`` s per step allocates
-    enough to trigger Python's garbage collector over the model's large object graph, a measured 3-4% of
-    a CPU step. The plan is built at ``attach`` (hooks route to the current step through a
-    :class:`Router`), so a step only inserts and pops dict entries. The dicts are the ones
-    ``register_forward_hook`` fills, so ``nn.Module.__call__`` runs these hooks the same way; keys are
-    negative, so they never collide with a ``RemovableHandle`` id (counted from 0 up).
-    """
-
-    _keys = itertools.count(1)
-
-    def __init__(self):
-        self._entries: List[Tuple[dict, int, Callable]] = []
-        self.installed = False
-
-    def forward(self, module, fn: Callable) -> None:
-        self._entries.append((module._forward_hooks, -next(self._keys), fn))
-
-    def forward_pre(self, module, fn: Callable, with_kwargs: bool = False) -> None:
-        key = -next(self._keys)
-        self._entries.append((module._forward_pre_hooks, key, fn))
-        if with_kwargs:
-            self._entries.append((module._forward_pre_hooks_with_kwargs, key, True))
-
-    def install(self) -> None:
-        self.installed = True
-        for d, key, fn in self._entries:
-            d[key] = fn
-
-    def remove(self) -> None:
-        for d, key, _ in self._entries:
-            d.pop(key, None)
-        self.installed = False
-
-
 class Router:
-    """Planned hooks call these; they forward to the step being recorded (``capture``), if any."""
+    """The probe's planned hooks (built once at ``attach``, see :mod:`nasdiag.hooks`) call these; they
+    forward to the step being recorded (``capture``)."""
 
     __slots__ = ("capture",)
 
@@ -140,7 +103,7 @@ class StepCapture:
 
     def __init__(self, edges: Sequence[EdgeInfo], cells: Sequence[CellInfo], *, path_split: bool,
                  check_convention: Sequence[bool], incoming: Dict[Tuple[int, int], List[int]],
-                 track_selected: bool = False):
+                 hooks: Hooks, track_selected: bool = False):
         N = len(edges)
         self.edges, self.cells = edges, cells
         self.path_split = path_split
@@ -158,7 +121,7 @@ class StepCapture:
         self.deviation: Dict[Tuple[int, int], torch.Tensor] = {}
         self.open_edge: List[Optional[EdgeCall]] = [None] * N
         self.open_cell: List[Optional[CellCall]] = [None] * len(cells)
-        self.tensor_handles: list = []
+        self.hooks = hooks  # the block's installed hooks; tensor hooks are added to them
         self.model_inputs = None
         self.model_output: Optional[torch.Tensor] = None  # logits of the first model call (hessian mode)
         self.output_grad: Optional[torch.Tensor] = None  # ∂L/∂logits, to infer cross-entropy targets
@@ -222,7 +185,7 @@ class StepCapture:
             return None
         if self.path_split:  # the split differentiates this output again, through the edge only
             call.out = output
-        self.tensor_handles.append(output.register_hook(lambda g, call=call: self.edge_grad(call, g)))
+        self.hooks.tensor(output, lambda g, call=call: self.edge_grad(call, g))
         return None
 
     def _check_weighted_sum(self, edge: EdgeInfo, call: EdgeCall, output: torch.Tensor) -> None:
@@ -264,7 +227,7 @@ class StepCapture:
         self.cell_forward[pos] += 1
         if output.requires_grad:
             ccall.output = output.detach()
-            self.tensor_handles.append(output.register_hook(lambda g, c=ccall: self.cell_grad(c, g)))
+            self.hooks.tensor(output, lambda g, c=ccall: self.cell_grad(c, g))
         return None
 
     def norm_pre(self, key: Tuple[int, int], module, args):
@@ -282,7 +245,7 @@ class StepCapture:
         if self.model_output is None and isinstance(output, torch.Tensor):
             self.model_output = output.detach()
             if output.requires_grad:
-                self.tensor_handles.append(output.register_hook(self._output_grad))
+                self.hooks.tensor(output, self._output_grad)
         return None
 
     def _output_grad(self, g: torch.Tensor):
@@ -353,9 +316,6 @@ class StepCapture:
                             self.paths[ie].setdefault("output", []).append(_costs_with_missing(g[:, a:b], icall.outputs))
 
     def release(self) -> None:
-        """Remove the tensor hooks and drop every captured tensor."""
-        for h in self.tensor_handles:
-            h.remove()
-        self.tensor_handles.clear()
+        """Drop every captured tensor (the hooks are removed with the block's :class:`Hooks`)."""
         self.open_edge = [None] * len(self.open_edge)
         self.open_cell = [None] * len(self.open_cell)

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from nasdiag.cost import CostMoments, analyse, scatter_cells
-from nasdiag.probe.capture import HookPlan, Router, StepCapture
+from nasdiag.hooks import Hooks
+from nasdiag.probe.capture import Router, StepCapture
 from nasdiag.probe.discovery import CellInfo, EdgeInfo, EdgeSpecArg, ProbeError, discover
 from nasdiag.probe.layout import Group, build_groups
 
@@ -123,7 +124,7 @@ class Probe:
         self._last: Optional[_StepResult] = None
         self._norm_cache: Dict[bool, Dict[Tuple[int, int], nn.Module]] = {}
         self._router = Router()
-        self._plans: Dict[Optional[bool], HookPlan] = {}
+        self._plans: Dict[Optional[bool], Hooks] = {}
         if self.norm_deviation:
             self._invariance_norms()  # fails here, not in the first step, on an op without rules
         self._index_cache: Dict[Tuple[str, torch.device], Tuple[torch.Tensor, torch.Tensor]] = {}
@@ -167,19 +168,18 @@ class Probe:
         if self._recording:
             raise ProbeError("probe.record() blocks cannot be nested")
         self._last = None  # a failed block leaves no stale step behind
+        plan = self._hook_plan()
         cap = StepCapture(self._edges, self._cells, path_split=self.path_split,
                           check_convention=self._convention_unchecked, incoming=self._incoming,
-                          track_selected=self.statistics_mode == "sampled")
-        plan = self._hook_plan()
+                          hooks=plan, track_selected=self.statistics_mode == "sampled")
         self._router.capture = cap
         self._recording = True
         try:
-            plan.install()
-            yield self
-            result = self._collect(cap)
+            with plan:
+                yield self
+                result = self._collect(cap)
             result.targets = targets
         finally:
-            plan.remove()
             self._router.capture = None
             cap.release()
             self._recording = False
@@ -188,12 +188,12 @@ class Probe:
         self._steps += 1
         self._update_statistics(result)
 
-    def _hook_plan(self) -> HookPlan:
+    def _hook_plan(self) -> Hooks:
         """The forward hooks of a step, built once (per train/eval mode when norms are tracked)."""
         key = self.model.training if self.norm_deviation else None
         if key in self._plans:
             return self._plans[key]
-        r, plan = self._router, HookPlan()
+        r, plan = self._router, Hooks()
         for p, e in enumerate(self._edges):
             plan.forward_pre(e.module, partial(r.edge_pre, p), with_kwargs=True)
             plan.forward(e.module, partial(r.edge_post, p))
