@@ -172,3 +172,27 @@ def build_op(name: str, C: int, stride: int, cfg: OpConfig) -> nn.Module:
             "Add one with nasdiag.supernet.register_op(name, builder)."
         ) from None
     return builder(C, stride, cfg)
+
+
+# --- per-op rules of the one rule registry (nasdiag.rules), registered here so that the primitives
+# (nasdiag.cost, nasdiag.hessian) never import the supernet. Torch's own layers are covered there.
+
+def _factorized_reduce_homogeneity(module: FactorizedReduce, analyse):
+    # relu? -> cat(conv_1(x), conv_2(shift(x))) -> norm (-> relu); each branch is positively homogeneous
+    # of the conv's degree, the cat preserves it, and the norm makes the op invariant.
+    from nasdiag.rules import Homogeneity, compose
+
+    convs = [analyse(module.conv_1), analyse(module.conv_2)]
+    if any(c.degree != 1 or c.offset is not None for c in convs):
+        return Homogeneity(None, "FactorizedReduce with a non-linear conv branch")
+    return compose([("relu", analyse(module.relu)), ("cat(conv_1, conv_2)", convs[0]), ("norm", analyse(module.norm))])
+
+
+def _register_rules() -> None:
+    from nasdiag.rules import REGISTRY, degree_rule
+
+    REGISTRY.register("homogeneity", Zero, degree_rule(0.0, "constant zero output (J = 0)"), overwrite=True)
+    REGISTRY.register("homogeneity", FactorizedReduce, _factorized_reduce_homogeneity, overwrite=True)
+
+
+_register_rules()

@@ -22,6 +22,8 @@ from typing import Dict, List, Mapping, Optional, Tuple, Type
 import torch
 from torch import nn
 
+from nasdiag.rules import REGISTRY, UnsupportedModuleError, unsupported_message
+
 __all__ = [
     "HessianRule",
     "channel_mean",
@@ -31,11 +33,6 @@ __all__ = [
     "rule_for",
     "supported_modules",
 ]
-
-
-class UnsupportedModuleError(NotImplementedError, TypeError):
-    """A module (or an autograd op between modules) on the path from the loss to the requested
-    tensors has no diagonal-Hessian rule (a ``NotImplementedError`` and a ``TypeError``)."""
 
 
 class ModuleCall:
@@ -128,12 +125,19 @@ class HessianRule:
         """Raise :class:`UnsupportedModuleError` for a configuration of ``module`` the rule cannot handle."""
 
 
-_RULES: Dict[Type[nn.Module], HessianRule] = {}
+#: the ``"hessian"`` table of the one per-module rule registry (:mod:`nasdiag.rules`)
+_RULES: Dict[Type[nn.Module], HessianRule] = REGISTRY.table("hessian")
+
+_HOW = (
+    "Register one with nasdiag.hessian.register_rule(YourModule, rule) (a HessianRule subclass; "
+    "ElementwiseRule(fn) covers elementwise activations), pass rules={YourModule: rule} to this call, "
+    "or use mode='exact'."
+)
 
 
 def register_rule(module_type: Type[nn.Module], rule: HessianRule, *, overwrite: bool = False) -> None:
-    """Register ``rule`` for modules whose type is exactly ``module_type`` (subclasses need their own
-    registration, since they may change ``forward``).
+    """Register ``rule`` for ``module_type`` (and subclasses that keep its ``forward``: the registry's
+    one lookup rule, :meth:`nasdiag.rules.RuleRegistry.lookup`).
 
     Example::
 
@@ -143,42 +147,20 @@ def register_rule(module_type: Type[nn.Module], rule: HessianRule, *, overwrite:
 
         register_rule(Swish, ElementwiseRule(lambda x: x * torch.sigmoid(x)))
     """
-    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
-        raise TypeError(f"module_type must be an nn.Module subclass, got {module_type!r}")
     if not isinstance(rule, HessianRule):
         raise TypeError(f"rule must be a HessianRule instance, got {type(rule).__name__}")
-    if module_type in _RULES and not overwrite:
-        raise ValueError(
-            f"a Hessian rule for {module_type.__name__} is already registered; pass overwrite=True to replace it "
-            "(or pass rules={type: rule} to a single call)"
-        )
-    _RULES[module_type] = rule
+    REGISTRY.register("hessian", module_type, rule, overwrite=overwrite, how=" (or pass rules={type: rule} to a single call)")
 
 
 def rule_for(module: nn.Module, overrides: Mapping[type, HessianRule] | None = None) -> Optional[HessianRule]:
     """The rule for ``module`` (per-call ``overrides`` first), or None."""
-    if overrides:
-        rule = overrides.get(type(module))
-        if rule is not None:
-            return rule
-    return _RULES.get(type(module))
+    return REGISTRY.lookup(module, "hessian", overrides)
 
 
 def supported_modules(overrides: Mapping[type, HessianRule] | None = None) -> List[str]:
     """Names of the module types with a rule (``nn.Conv2d``, ``package.Module``), sorted."""
-    types = set(_RULES) | set(overrides or {})
-    return sorted(_type_name(t) for t in types)
-
-
-def _type_name(t: type) -> str:
-    return f"nn.{t.__name__}" if t.__module__.startswith("torch.nn.") else f"{t.__module__}.{t.__qualname__}"
+    return REGISTRY.supported("hessian", overrides)
 
 
 def unsupported_module_message(name: str, module: nn.Module, why: str, overrides=None) -> str:
-    return (
-        f"module {name or '<root>'!r} ({_type_name(type(module))}) {why}. "
-        f"Modules with a diagonal-Hessian rule: {', '.join(supported_modules(overrides))}. "
-        "Register one with nasdiag.hessian.register_rule(YourModule, rule) (a HessianRule subclass; "
-        "ElementwiseRule(fn) covers elementwise activations), pass rules={YourModule: rule} to this call, "
-        "or use mode='exact'."
-    )
+    return unsupported_message("diagonal-Hessian", name, module, why, _HOW, overrides)

@@ -1,0 +1,371 @@
+"""The one per-module rule registry: what nasdiag knows about a module type, and the one lookup rule.
+
+A module type can carry rules for two aspects, each registered once per type:
+
+* ``"hessian"``: a :class:`nasdiag.hessian.HessianRule`, the derivative maths of the diagonal
+  recursions (bayesnas-appendix C.1-C.2): the squared Jacobian-transpose product ``(J∘J)ᵀ h``, the
+  residual ``Σ_o g_o ∂²y_o/∂x²`` and the parameter diagonals (from the parameter Jacobian);
+* ``"homogeneity"``: ``rule(module, analyse) -> Homogeneity``, the degree of positive homogeneity
+  (wiring supplement §4, Thm. 1: an op with f(c·x) = f(x) passes back no cost) and how the module
+  treats an additive term that is constant along some axes (a bias), which is what decides whether a
+  following normalization removes that term.
+
+Lookup (:meth:`RuleRegistry.lookup`, the same for both aspects): per-call overrides by exact type,
+then the registered type nearest in the MRO, as long as the module's class does not rewrite
+``forward`` relative to it (a class defined inside ``torch`` belongs to its base's family, e.g.
+``nn.Conv2d`` under ``_ConvNd``). A miss is ``None``; callers raise :class:`UnsupportedModuleError`
+with :func:`unsupported_message`.
+
+The reference supernet registers the rules of its own ops (``nasdiag.supernet.ops``), so neither
+``nasdiag.cost`` nor ``nasdiag.hessian`` imports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Tuple, Type
+
+from torch import nn
+
+from nasdiag.errors import NasdiagError
+
+__all__ = [
+    "ASPECTS",
+    "REGISTRY",
+    "RuleRegistry",
+    "UnsupportedModuleError",
+    "Homogeneity",
+    "analyse",
+    "compose",
+    "degree_rule",
+    "delegate_rule",
+    "sequential_rule",
+    "unsupported_message",
+    "BATCH",
+    "CHANNEL",
+    "SPATIAL",
+]
+
+ASPECTS = ("hessian", "homogeneity")
+
+
+class UnsupportedModuleError(NasdiagError, NotImplementedError, TypeError):
+    """A module (or an autograd op between modules) has no rule for what was asked of it. The message
+    names the module, lists the supported types and says how to register a rule."""
+
+
+class RuleRegistry:
+    """``{aspect: {module type: rule}}`` with one lookup rule (see the module docstring)."""
+
+    def __init__(self):
+        self.tables: Dict[str, Dict[Type[nn.Module], object]] = {aspect: {} for aspect in ASPECTS}
+
+    def table(self, aspect: str) -> Dict[Type[nn.Module], object]:
+        if aspect not in self.tables:
+            raise ValueError(f"unknown rule aspect {aspect!r}; choose one of {ASPECTS}")
+        return self.tables[aspect]
+
+    def register(self, aspect: str, module_type: Type[nn.Module], rule, *, overwrite: bool = False, how: str = "") -> None:
+        if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
+            raise TypeError(f"module_type must be an nn.Module subclass, got {module_type!r}")
+        table = self.table(aspect)
+        if module_type in table and not overwrite:
+            raise ValueError(
+                f"a {aspect} rule for {module_type.__name__} is already registered (exists); pass overwrite=True to "
+                f"replace it{how}"
+            )
+        table[module_type] = rule
+
+    def lookup(self, module: nn.Module, aspect: str, overrides: Optional[Mapping[type, object]] = None):
+        """The rule of ``aspect`` for ``module``, or None (see the module docstring for the rule)."""
+        cls = type(module)
+        if overrides:
+            rule = overrides.get(cls)
+            if rule is not None:
+                return rule
+        table = self.table(aspect)
+        rule = table.get(cls)
+        if rule is not None:
+            return rule
+        for base in cls.__mro__[1:]:
+            if base is nn.Module:
+                break
+            if base in table:
+                # A subclass written outside torch that rewrites forward is another function.
+                if not cls.__module__.startswith("torch.") and cls.forward is not base.forward:
+                    return None
+                return table[base]
+        return None
+
+    def supported(self, aspect: str, overrides: Optional[Mapping[type, object]] = None) -> List[str]:
+        """Names of the module types with a rule of ``aspect`` (``nn.Conv2d``, ``package.Module``), sorted."""
+        types = set(self.table(aspect)) | set(overrides or {})
+        return sorted(type_name(t) for t in types)
+
+
+#: the registry every quantity is built on (like BackPACK's per-module derivatives)
+REGISTRY = RuleRegistry()
+
+
+def type_name(t: type) -> str:
+    return f"nn.{t.__name__}" if t.__module__.startswith("torch.nn") else f"{t.__module__}.{t.__qualname__}"
+
+
+def unsupported_message(aspect: str, name: str, module: nn.Module, why: str, how: str, overrides=None, table: str = "hessian") -> str:
+    """One line: which module (qualified name and type), why, the supported types of the registry's
+    ``table`` and how to register a rule."""
+    return (
+        f"module {name or '<root>'!r} ({type_name(type(module))}) {why}. "
+        f"Modules with a {aspect} rule: {', '.join(REGISTRY.supported(table, overrides))}. {how}"
+    )
+
+
+# --- homogeneity (wiring supplement §4, Thm. 1; §8.1-8.2) --------------------------------------------
+
+#: Axes an additive term can be constant along. Conv-style tensors are (batch, channel, *spatial);
+#: for ``nn.Linear`` the last dim is the channel and the leading non-batch dims count as spatial.
+BATCH, CHANNEL, SPATIAL = "batch", "channel", "spatial"
+ALL_AXES: FrozenSet[str] = frozenset((BATCH, CHANNEL, SPATIAL))
+Axes = FrozenSet[str]
+
+
+@dataclass(frozen=True)
+class Homogeneity:
+    """What one module (or a composition) does to a positive rescaling of its input and to an additive term.
+
+    ``f(c·x) = c^d f(x) + o(c)``, where ``o`` is an additive term constant along ``offset`` (absent when
+    ``offset`` is None), for all c > 0.
+
+    Attributes:
+        degree: d; 0 means scale-invariant; None: not homogeneous.
+        reason: a short human-readable derivation.
+        invariant_by: the module that makes the op scale-invariant (the first normalization that removes
+            everything before it, or a ``Zero``), None when not invariant.
+        offset: axes along which the module's own additive term (bias) is constant, None if it adds none.
+        keeps: an additive term on the input that is constant along axes A comes out as an additive term
+            constant along ``A ∩ keeps`` (linear maps, max pooling); None: the module does not pass an
+            additive term through as one (ReLU: relu(y + o) ≠ relu(y) + o').
+        needs: ``keeps`` holds only if the incoming term is constant along these axes (max pooling: spatial).
+        removes: for a normalization (degree 0): an incoming term constant along these axes (its
+            normalization groups) is removed exactly (the mean subtraction takes it, the variance ignores it).
+    """
+
+    degree: Optional[float]
+    reason: str
+    invariant_by: Optional[nn.Module] = None
+    offset: Optional[Axes] = None
+    keeps: Optional[Axes] = field(default=None)
+    needs: Axes = frozenset()
+    removes: Optional[Axes] = None
+
+    @property
+    def invariant(self) -> bool:
+        return self.degree == 0
+
+    def passes(self, term: Axes) -> Optional[Axes]:
+        """Axes along which an incoming additive term constant along ``term`` stays constant after this
+        module, or None when it no longer is an additive term. For a degree-0 module use :meth:`removes_term`."""
+        if self.keeps is None or not self.needs <= term:
+            return None
+        return term & self.keeps
+
+    def removes_term(self, term: Axes) -> bool:
+        return self.degree == 0 and self.removes is not None and self.removes <= term
+
+
+HomogeneityRule = Callable[[nn.Module, Callable[[nn.Module], Homogeneity]], Homogeneity]
+
+
+def analyse(module: nn.Module) -> Homogeneity:
+    """Homogeneity of ``module`` as a function of its (single) input, from its structure.
+
+    Raises:
+        UnsupportedModuleError: a module on the path has no homogeneity rule (names it, lists the supported ones).
+    """
+    rule = REGISTRY.lookup(module, "homogeneity")
+    if rule is None:
+        cls = type(module)
+        raise UnsupportedModuleError(
+            f"no homogeneity rule for module type {cls.__module__}.{cls.__name__}, so its scale invariance "
+            f"cannot be decided. Supported: {', '.join(REGISTRY.supported('homogeneity'))}. Register one with "
+            f"nasdiag.cost.register_homogeneity_rule({cls.__name__}, rule), e.g. "
+            f"nasdiag.cost.delegate_rule('op') for a wrapper whose forward is self.op(x), or "
+            f"nasdiag.cost.degree_rule(1.0, 'why') for a positively homogeneous map."
+        )
+    return rule(module, analyse)
+
+
+def compose(parts: List[Tuple[str, Homogeneity]]) -> Homogeneity:
+    """Homogeneity of f_n ∘ ... ∘ f_1 given each f_i's (``parts`` in application order).
+
+    Degrees multiply; an additive term (a bias) is carried along the axes each module keeps it constant
+    on. A degree-0 module (a normalization with the statistics of its own input) makes the composition
+    invariant if nothing before it was non-homogeneous and any additive term is constant over its
+    normalization groups (then it is removed: f(c x) = N(c^d y + o) = N(c^d y) = N(y)); nothing after it matters.
+    """
+    degree: Optional[float] = 1.0
+    term: Optional[Axes] = None  # axes along which the additive term so far is constant
+    # how the composition treats a term on ITS input: kept along `keeps` if constant along `needs`
+    keeps: Optional[Axes] = ALL_AXES
+    needs: Axes = frozenset()
+    steps = []
+    for name, h in parts:
+        steps.append(f"{name}[{'not homogeneous' if h.degree is None else f'degree {h.degree:g}'}]")
+        if h.degree == 0:
+            if degree is None:
+                return Homogeneity(None, " -> ".join(steps) + ": not homogeneous before the invariant map")
+            if term is not None and not h.removes_term(term):
+                return Homogeneity(
+                    None, " -> ".join(steps) + f": an additive term constant only along {sorted(term)} is not removed"
+                )
+            removes = None
+            if keeps is not None and h.removes is not None and h.removes <= keeps:
+                removes = h.removes | needs
+            why = f"invariant ({h.reason}" + (", which removes the bias before it)" if term is not None else ")")
+            return Homogeneity(0.0, " -> ".join(steps) + ": " + why, h.invariant_by, removes=removes)
+        if keeps is not None:
+            keeps, needs = (None, needs) if h.keeps is None else (keeps & h.keeps, needs | h.needs)
+        if term is not None:
+            term = h.passes(term)
+            if term is None:
+                degree = None
+        if h.degree is None or degree is None:
+            degree = None
+        else:
+            degree *= h.degree
+        if h.offset is not None and degree is not None:
+            term = h.offset if term is None else term & h.offset
+    if degree is None:
+        return Homogeneity(None, " -> ".join(steps))
+    why = ": affine (an additive term remains)" if term is not None else ""
+    return Homogeneity(degree, " -> ".join(steps) + why, offset=term, keeps=keeps, needs=needs)
+
+
+def degree_rule(degree: Optional[float], why: str, *, keeps: Optional[Axes] = None, needs: Axes = frozenset()) -> HomogeneityRule:
+    """A rule that returns a fixed degree (``0`` makes the module itself the invariance source and removes
+    any additive term before it, like a module with constant output). ``keeps``/``needs``: see :class:`Homogeneity`."""
+
+    def rule(module, analyse):
+        return Homogeneity(
+            degree,
+            f"{type(module).__name__}: {why}",
+            module if degree == 0 else None,
+            keeps=keeps,
+            needs=needs,
+            removes=frozenset() if degree == 0 else None,
+        )
+
+    return rule
+
+
+def sequential_rule(module: nn.Module, analyse) -> Homogeneity:
+    return compose([(f"{i}:{type(child).__name__}", analyse(child)) for i, child in enumerate(module)])
+
+
+def delegate_rule(attr: str) -> HomogeneityRule:
+    """For a wrapper whose forward is ``return self.<attr>(x)`` (e.g. DARTS ``ReLUConvBN.op``)."""
+
+    def rule(module, analyse):
+        child = getattr(module, attr)
+        h = analyse(child)
+        return Homogeneity(
+            h.degree, f"{type(module).__name__}.{attr}: {h.reason}", h.invariant_by, h.offset, h.keeps, h.needs, h.removes
+        )
+
+    return rule
+
+
+def _register_homogeneity(module_type, rule) -> None:
+    REGISTRY.register("homogeneity", module_type, rule)
+
+
+def _affine_layer(module, analyse):
+    """``nn.Linear`` / ``nn.Conv*``: linear in x; a bias adds a term constant along batch and space."""
+    conv = isinstance(module, nn.modules.conv._ConvNd)
+    if conv:
+        # W * o of a term o: still constant along batch; along space only without zero padding (borders)
+        unpadded = module.padding == "valid" or (not isinstance(module.padding, str) and not any(module.padding))
+        keeps = frozenset((BATCH, SPATIAL)) if unpadded else frozenset((BATCH,))
+    else:
+        keeps = frozenset((BATCH, SPATIAL))
+    has_bias = getattr(module, "bias", None) is not None
+    what = "with bias (affine: a term constant along batch and space)" if has_bias else "without bias (linear)"
+    return Homogeneity(1.0, f"{type(module).__name__} {what}", offset=frozenset((BATCH, SPATIAL)) if has_bias else None, keeps=keeps)
+
+
+def _norm_groups(module: nn.Module) -> Axes:
+    """The axes of one normalization group: a term constant along all of them is removed."""
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        return frozenset((BATCH, SPATIAL))
+    if isinstance(module, nn.modules.instancenorm._InstanceNorm):
+        return frozenset((SPATIAL,))
+    if isinstance(module, nn.GroupNorm):
+        return frozenset((SPATIAL,)) if module.num_groups == module.num_channels else frozenset((CHANNEL, SPATIAL))
+    return frozenset((CHANNEL, SPATIAL))  # LayerNorm: the normalized trailing dims (at most channel and space)
+
+
+def _running_statistics_affine(module):
+    # x ↦ γ (x − running mean)/σ + β per channel: affine, a per-channel term stays one
+    return Homogeneity(
+        1.0,
+        f"{type(module).__name__} in eval mode with running statistics (affine map)",
+        offset=frozenset((BATCH, SPATIAL)),
+        keeps=frozenset((BATCH, SPATIAL)),
+    )
+
+
+def _batch_norm(module, analyse):
+    if module.training or not module.track_running_stats:
+        return Homogeneity(0.0, f"{type(module).__name__} with batch statistics", module, removes=_norm_groups(module))
+    return _running_statistics_affine(module)
+
+
+def _instance_norm(module, analyse):
+    if module.track_running_stats and not module.training:
+        return _running_statistics_affine(module)
+    return Homogeneity(0.0, f"{type(module).__name__} (per-sample statistics)", module, removes=_norm_groups(module))
+
+
+def _group_norm(module, analyse):
+    return Homogeneity(0.0, f"{type(module).__name__}: per-sample group statistics", module, removes=_norm_groups(module))
+
+
+def _layer_norm(module, analyse):
+    return Homogeneity(0.0, f"{type(module).__name__}: per-sample statistics", module, removes=_norm_groups(module))
+
+
+def _padding(module, analyse):
+    value = getattr(module, "value", 0.0)
+    if value != 0:
+        return Homogeneity(None, f"{type(module).__name__} pads with {value} (not homogeneous)")
+    return Homogeneity(1.0, f"{type(module).__name__} pads with 0", keeps=frozenset((BATCH, CHANNEL)))
+
+
+def _avg_pool(module, analyse):
+    padded = getattr(module, "padding", 0) not in (0, (0, 0), (0,), (0, 0, 0))
+    border_exact = not padded or not getattr(module, "count_include_pad", True)
+    keeps = ALL_AXES if border_exact else frozenset((BATCH, CHANNEL))
+    return Homogeneity(1.0, f"{type(module).__name__}: linear", keeps=keeps)
+
+
+_KEEPS_ALL = degree_rule(1.0, "positively homogeneous of degree 1 (passes an additive term)", keeps=ALL_AXES)
+for _t in (nn.Identity, nn.Dropout, nn.Dropout2d, nn.modules.pooling._AdaptiveAvgPoolNd):
+    _register_homogeneity(_t, _KEEPS_ALL)
+for _t in (nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AdaptiveMaxPoolNd):
+    # max(c y + o) = c max(y) + o when o is constant over each window
+    _register_homogeneity(_t, degree_rule(1.0, "positively homogeneous of degree 1", keeps=ALL_AXES, needs=frozenset((SPATIAL,))))
+for _t in (nn.ReLU, nn.LeakyReLU, nn.PReLU):
+    _register_homogeneity(_t, degree_rule(1.0, "positively homogeneous of degree 1"))
+_register_homogeneity(nn.Flatten, degree_rule(1.0, "a reshape", keeps=frozenset((BATCH,))))
+_register_homogeneity(nn.modules.pooling._AvgPoolNd, _avg_pool)
+for _t in (nn.modules.conv._ConvNd, nn.Linear):
+    _register_homogeneity(_t, _affine_layer)
+for _t in (nn.ZeroPad2d, nn.ConstantPad1d, nn.ConstantPad2d, nn.ConstantPad3d):
+    _register_homogeneity(_t, _padding)
+for _t in (nn.Sigmoid, nn.Tanh, nn.GELU, nn.SiLU, nn.ELU, nn.Softplus, nn.Softmax):
+    _register_homogeneity(_t, degree_rule(None, "not positively homogeneous"))
+_register_homogeneity(nn.modules.batchnorm._BatchNorm, _batch_norm)
+_register_homogeneity(nn.modules.instancenorm._InstanceNorm, _instance_norm)
+_register_homogeneity(nn.GroupNorm, _group_norm)
+_register_homogeneity(nn.LayerNorm, _layer_norm)
+_register_homogeneity(nn.Sequential, sequential_rule)
