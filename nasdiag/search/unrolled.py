@@ -1,0 +1,213 @@
+"""The unrolled-step hypergradient of second-order DARTS, on parameter dicts (no copy of the network).
+
+The bilevel problem min_α L_val(w*(α), α) with w*(α) ≈ w' = w − ξ·(∇_w L_train(w, α) + μ·b + λ·w)
+(one SGD step with the optimizer's momentum buffer b and weight decay λ, as DARTS's ``architect.py``)
+has the hypergradient (sparse-supernet eq 11–12, DARTS eq 7)
+
+    g = ∇_α L_val(w', α) − ξ · ∇²_{α,w} L_train(w, α) · ∇_{w'} L_val(w', α),
+
+whose mixed second derivative is approximated by a central finite difference (eq 13, DARTS eq 8)
+
+    ∇²_{α,w} L_train · v ≈ [∇_α L_train(w⁺, α) − ∇_α L_train(w⁻, α)] / (2ε),
+    w^± = w ± ε·v,   v = ∇_{w'} L_val(w', α),   ε = r / ‖v‖  (r = 0.01 in DARTS).
+
+Eq 13 of the sparse-supernet paper as printed drops the factor ξ (γ there) and perturbs w along
+∇_w l_train; both are typos against its own eq 12 and DARTS eq 8, which we follow. The divisor is
+``(2 * eps)``: the ``/ 2.*eps`` of several public implementations multiplies by ε instead.
+
+Every ∇_α term is composed from the cost primitive: one forward with per-cell leaves Z gives
+C = ∂L/∂Z (wiring supplement §2) and ∇_α L = ``arch_grad(C)`` (``darts_alpha_grad(C, p)`` for DARTS,
+the identity for SparseNAS's linear weights). The network is evaluated with
+``torch.func.functional_call`` on ``{name: tensor}`` dicts; buffers are passed as clones, so the
+extra forwards leave BatchNorm's running statistics untouched.
+
+Under DDP every gradient (∇_w L_train, ∇_{w'} L_val, the costs) is averaged over ranks before use,
+so each rank computes the hypergradient of the global-batch losses, identical on every rank.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Callable, ContextManager, Dict, List, Mapping, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from nasdiag.search.base import Batch, CellWeights, SearchError, _mean_over_ranks
+
+Params = Dict[str, torch.Tensor]
+#: maps the step's costs {cell type: (E, K)} (summed over the cells of a type) to ∇_α {cell type: (E, K)}
+ArchGradMap = Callable[[CellWeights], CellWeights]
+
+
+@dataclass
+class FunctionalCost:
+    """One functional forward/backward at given weights w and mixing weights Z.
+
+    Attributes:
+        loss: 0-dim mean cross-entropy of the batch (detached, this rank's).
+        logits: (B, classes), detached.
+        per_cell: one (E, K) tensor per cell, C = ∂L/∂Z (rank mean).
+        costs: ``{cell type: (E, K)}``, ``per_cell`` summed over the cells of a type.
+        weight_grads: ``{name: ∂L/∂w}`` (rank mean) if asked for, else None.
+    """
+
+    loss: torch.Tensor
+    logits: torch.Tensor
+    per_cell: List[torch.Tensor]
+    costs: CellWeights
+    weight_grads: Optional[Params]
+
+
+@dataclass
+class UnrolledGradient:
+    """The pieces of the second-order hypergradient (eq 12–13), each ``{cell type: (E, K)}``.
+
+    Attributes:
+        arch_grad: g = ``val_grad − xi * implicit`` (eq 13), what the α optimizer applies.
+        val_grad: ∇_α L_val(w', α), the first term.
+        implicit: [∇_α L_train(w⁺) − ∇_α L_train(w⁻)] / (2ε) ≈ ∇²_{α,w} L_train · ∇_{w'} L_val.
+        val: the forward at w' on the validation batch (its costs feed the cost statistics).
+        train_loss: L_train(w, α) of the unrolled step, 0-dim.
+        xi: ξ, the unrolled step's learning rate.
+        eps: ε = r / ‖∇_{w'} L_val‖ (inf where that gradient is zero: then ``implicit`` is 0).
+    """
+
+    arch_grad: CellWeights
+    val_grad: CellWeights
+    implicit: CellWeights
+    val: FunctionalCost
+    train_loss: torch.Tensor
+    xi: float
+    eps: float
+
+
+def weight_params(network) -> Params:
+    """``{name: parameter}`` of the weights w: every parameter that is not an architecture parameter."""
+    arch = {id(p) for p in network.arch_parameters()}
+    return {n: p for n, p in network.named_parameters() if id(p) not in arch}
+
+
+def functional_cost(network, params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor],
+                    x: torch.Tensor, y: torch.Tensor, weights: CellWeights, *, weight_grads: bool = False,
+                    active: Optional[CellWeights] = None, context: Callable[[], ContextManager] = nullcontext,
+                    ) -> FunctionalCost:
+    """C = ∂L/∂Z (and optionally ∂L/∂w) of the mean cross-entropy at weights ``params``, one backward.
+
+    Args:
+        network: the supernet (``forward(x, per-cell weights[, active])``).
+        params: ``{name: tensor}`` weights to evaluate at (detached or not; gradients are taken w.r.t.
+            fresh leaves). Parameters not named keep the module's own values.
+        buffers: ``{name: tensor}`` buffers (pass clones to leave the module's running statistics alone).
+        x, y: the batch.
+        weights: ``{cell type: (E, K)}`` mixing weights Z, detached here.
+        weight_grads: also return ∂L/∂w for every entry of ``params`` (zeros where unused).
+        active: optional ``{cell type: (E, K) bool}`` ops to compute.
+        context: a context manager factory wrapped around forward and backward (e.g. a probe recording).
+
+    Returns:
+        :class:`FunctionalCost`, gradients averaged over DDP ranks.
+    """
+    leaves = [weights[c.cell_type].detach().clone().requires_grad_(True) for c in network.cells]
+    names = list(params)
+    w_leaves = [params[n].detach().requires_grad_(weight_grads) for n in names]
+    kwargs = {} if active is None else {"active": active}
+    with context():
+        logits = functional_call(network, ({**dict(zip(names, w_leaves)), **buffers}), (x, leaves), kwargs)
+        loss = nn.functional.cross_entropy(logits, y)
+        inputs = leaves + (w_leaves if weight_grads else [])
+        grads = list(torch.autograd.grad(loss, inputs, allow_unused=True))
+    grads = _mean_over_ranks([torch.zeros_like(t) if g is None else g for t, g in zip(inputs, grads)])
+    per_cell = grads[: len(leaves)]
+    costs: CellWeights = {}
+    for cell, g in zip(network.cells, per_cell):
+        costs[cell.cell_type] = costs[cell.cell_type] + g if cell.cell_type in costs else g
+    w_grads = dict(zip(names, grads[len(leaves):])) if weight_grads else None
+    return FunctionalCost(loss.detach(), logits.detach(), per_cell, costs, w_grads)
+
+
+def sgd_momentum_buffers(optimizer: torch.optim.Optimizer, params: Mapping[str, torch.Tensor]) -> Params:
+    """``{name: momentum buffer}`` of an SGD optimizer's state (zeros before its first step)."""
+    state = optimizer.state
+    return {n: state[p]["momentum_buffer"] if p in state and state[p].get("momentum_buffer") is not None
+            else torch.zeros_like(p) for n, p in params.items()}
+
+
+def unrolled_weights(params: Mapping[str, torch.Tensor], train_grads: Mapping[str, torch.Tensor], *, xi: float,
+                     momentum: float = 0.0, momentum_buffers: Optional[Mapping[str, torch.Tensor]] = None,
+                     weight_decay: float = 0.0) -> Params:
+    """w' = w − ξ·(∇_w L_train + μ·b + λ·w): the one-step approximation of w*(α) (DARTS eq 6–7, with the
+    momentum buffer b and weight decay λ of DARTS's ``architect._compute_unrolled_model``); detached."""
+    out = {}
+    for n, w in params.items():
+        w = w.detach()
+        d = train_grads[n] + weight_decay * w
+        if momentum_buffers is not None and momentum:
+            d = d + momentum * momentum_buffers[n]
+        out[n] = w - xi * d
+    return out
+
+
+def _check_finite(what: str, loss: torch.Tensor) -> None:
+    if not torch.isfinite(loss):
+        raise SearchError(f"the {what} loss is {float(loss)}: the unrolled step cannot continue "
+                          "(lower the learning rates or check the data)")
+
+
+def unrolled_gradient(network, train_batch: Batch, val_batch: Batch, weights: CellWeights, arch_grad: ArchGradMap, *,
+                      xi: float, momentum: float = 0.0, momentum_buffers: Optional[Mapping[str, torch.Tensor]] = None,
+                      weight_decay: float = 0.0, eps_scale: float = 0.01, active: Optional[CellWeights] = None,
+                      val_context: Callable[[], ContextManager] = nullcontext) -> UnrolledGradient:
+    """The second-order hypergradient of eq 12–13 at the network's current weights, without changing them.
+
+    Five forwards (train at w, val at w', train at w⁺ and w⁻; the first two with a backward to w) and no
+    copy of the network.
+
+    Args:
+        network: the supernet; its weights w are read, never written.
+        train_batch, val_batch: (x, y) pairs; losses are batch means.
+        weights: ``{cell type: (E, K)}`` mixing weights Z(α) of both losses (softmax(α) for DARTS).
+        arch_grad: maps costs ``{cell type: (E, K)}`` at Z to ∇_α (linear in the costs).
+        xi: ξ, the unrolled step's learning rate (DARTS: the current learning rate of w).
+        momentum, momentum_buffers: μ and the SGD buffers b by parameter name (see :func:`sgd_momentum_buffers`).
+        weight_decay: λ of the unrolled step.
+        eps_scale: r in ε = r / ‖∇_{w'} L_val‖ (0.01 in DARTS's ``_hessian_vector_product``).
+        active: optional ops to compute in every forward.
+        val_context: context manager factory around the validation forward at w' (a probe recording).
+
+    Returns:
+        :class:`UnrolledGradient`.
+    """
+    params = {n: p.detach() for n, p in weight_params(network).items()}
+    buffers = lambda: {n: b.detach().clone() for n, b in network.named_buffers()}  # noqa: E731
+    x_t, y_t = train_batch
+    x_v, y_v = val_batch
+
+    train = functional_cost(network, params, buffers(), x_t, y_t, weights, weight_grads=True, active=active)
+    _check_finite("search-train (unrolled step)", train.loss)
+    w_unrolled = unrolled_weights(params, train.weight_grads, xi=xi, momentum=momentum,
+                                  momentum_buffers=momentum_buffers, weight_decay=weight_decay)
+
+    val = functional_cost(network, w_unrolled, buffers(), x_v, y_v, weights, weight_grads=True, active=active,
+                          context=val_context)
+    _check_finite("search-val (at the unrolled weights)", val.loss)
+    val_grad = arch_grad(val.costs)
+
+    v = val.weight_grads
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in v.values()]))
+    if float(norm) == 0.0:  # no direction to differentiate along: the mixed term vanishes
+        implicit = {t: torch.zeros_like(g) for t, g in val_grad.items()}
+        eps = float("inf")
+    else:
+        eps = float(eps_scale / norm)
+        plus = {n: w + eps * v[n] for n, w in params.items()}
+        minus = {n: w - eps * v[n] for n, w in params.items()}
+        c_plus = functional_cost(network, plus, buffers(), x_t, y_t, weights, active=active)
+        c_minus = functional_cost(network, minus, buffers(), x_t, y_t, weights, active=active)
+        g_plus, g_minus = arch_grad(c_plus.costs), arch_grad(c_minus.costs)
+        # the divisor is (2 * eps): `/ 2.*eps` would multiply by eps
+        implicit = {t: (g_plus[t] - g_minus[t]) / (2.0 * eps) for t in g_plus}
+    hyper = {t: val_grad[t] - xi * implicit[t] for t in val_grad}
+    return UnrolledGradient(hyper, val_grad, implicit, val, train.loss, float(xi), eps)
