@@ -1,4 +1,4 @@
-"""What a search method needs from a supernet, and adapters for supernets nasdiag did not build.
+"""What a search method needs from a supernet, and the adapter for supernets nasdiag did not build.
 
 A method talks to ``method.network`` through this interface (nasdiag's
 :class:`~nasdiag.supernet.Network` offers it natively):
@@ -9,24 +9,249 @@ A method talks to ``method.network`` through this interface (nasdiag's
 - ``forward(x, weights, active=None)`` with ``weights`` a ``{cell type: (E, K)}`` mapping or one
   (E, K) tensor per cell, and ``active`` an optional ``{cell type: (E, K) bool}`` of ops to compute;
 - ``edge_specs()``.
+
+:func:`adapt` gives that interface to a DARTS-convention supernet (``model_search.py`` of the DARTS
+code and its descendants): mixed ops with candidates in a ModuleList ``_ops`` and a forward
+``(x, weights) = Σ_k w_k·op_k(x)``, cells with ``_ops``, ``_steps``, ``_multiplier``, ``reduction`` and a
+forward ``(s0, s1, weights)``, and α as ``alphas_<cell type>`` attributes of the model.
 """
 
 from __future__ import annotations
 
+import warnings
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
 from torch import nn
 
 from nasdiag.errors import ConfigError
+from nasdiag.hooks import Hooks
 from nasdiag.supernet import Network
 
 
 def as_supernet(model: nn.Module):
-    """``model`` itself if it offers the interface above, else an adapter around it."""
-    if isinstance(model, Network):
+    """``model`` itself if it offers the interface above, else :func:`adapt` ``(model)``."""
+    if isinstance(model, (Network, AdaptedSupernet)):
         return model
     required = ("cell_types", "cells", "alphas", "arch_parameters", "weight_parameters", "edge_specs")
     if all(hasattr(model, a) for a in required):
         return model
-    raise ConfigError(
-        f"{type(model).__name__} does not offer the supernet interface of nasdiag.search.supernet "
-        "(cell_types, cells, alphas(), forward(x, weights)); wrap it with nasdiag.search.supernet.adapt(model)"
-    )
+    return adapt(model)
+
+
+@dataclass(frozen=True, eq=False)
+class CellView:
+    """One cell of an adapted supernet: its qualified name, module, type and position among the cells."""
+
+    name: str
+    module: nn.Module
+    cell_type: str
+    index: int
+
+
+def adapt(model: nn.Module, *, alphas: Optional[Mapping[str, torch.Tensor]] = None,
+          primitives: Optional[Sequence[str]] = None, skip_inactive: bool = True) -> "AdaptedSupernet":
+    """The supernet interface around a DARTS-convention ``model`` (see the module docstring).
+
+    Args:
+        model: the supernet. Its edges and cells are found by ``nasdiag.probe`` discovery; every edge
+            must belong to a cell with a type (``reduction``) and an edge index.
+        alphas: ``{cell type: (E, K) tensor}``; default the model's ``alphas_<cell type>`` attributes.
+            α kept as plain tensors (DARTS keeps Variables outside the module) are re-registered as
+            ``nn.Parameter`` s of ``model`` sharing their storage, so that ``state_dict``, ``.to()`` and
+            DDP see them; the model's own lists of them (``_arch_parameters``) see every update.
+        primitives: K op names (default: the mixed ops' ``primitives``, else ``"<k>:<class name>"``);
+            the genotype rule needs a ``"none"`` name to exclude it.
+        skip_inactive: compute only active ops (see :class:`AdaptedSupernet`); False computes every op
+            with the inactive mixing weights masked to zero (warns once).
+
+    Raises:
+        ConfigError: no edges, edges outside typed cells, cells of one type with different edge
+            counts, missing α, α of the wrong shape.
+    """
+    return AdaptedSupernet(model, alphas=alphas, primitives=primitives, skip_inactive=skip_inactive)
+
+
+class AdaptedSupernet(nn.Module):
+    """A DARTS-convention supernet seen through nasdiag's supernet interface (built by :func:`adapt`).
+
+    ``forward(x, weights, active)`` calls the model's own forward; for its duration (hooks of one
+    ``nasdiag.hooks.Hooks`` plan, removed in ``finally`` on every path) a forward pre-hook on every mixed
+    op replaces the mixing-weights argument its cell passes (DARTS: softmax(α)) by the row of the given
+    per-cell Z, so ∂L/∂Z reaches the Z leaves and α is untouched by the forward.
+
+    Active ops: with ``active``, the pre-hook also hands the mixed op a ModuleList of its active candidates
+    (swapped into ``_ops`` for this call, restored in ``finally``) and the matching entries of Z, so the
+    DARTS forward ``sum(w * op(x) for w, op in zip(weights, self._ops))`` computes only those. This relies
+    on the convention that the mixed op iterates ``_ops`` together with ``weights``; for a mixed op that
+    does otherwise, adapt with ``skip_inactive=False``: every op is then computed and inactive ones get
+    mixing weight 0 (same outputs and costs, no saving).
+    """
+
+    def __init__(self, model: nn.Module, *, alphas=None, primitives=None, skip_inactive: bool = True):
+        super().__init__()
+        from nasdiag.probe.discovery import ProbeError, discover
+
+        self.model = model
+        try:
+            edges, cells = discover(model)
+        except ProbeError as err:
+            raise ConfigError(f"cannot adapt {type(model).__name__} as a supernet: {err}") from None
+        untyped = [e.name for e in edges if e.cell_index is None or e.cell_type is None or e.edge_index is None]
+        if untyped:
+            raise ConfigError(
+                f"cannot adapt {type(model).__name__}: edges {untyped[:3]} are not inside a DARTS-convention cell with a "
+                "type (`reduction`) and an edge position (`_ops`); give the cells `_ops`, `_steps`, `_multiplier`, `reduction`")
+        used = sorted({e.cell_index for e in edges})
+        self.cells: List[CellView] = [CellView(cells[c].name, cells[c].module, cells[c].cell_type, slot)
+                                      for slot, c in enumerate(used)]
+        slot_of = {c: slot for slot, c in enumerate(used)}
+        present = {c.cell_type for c in self.cells}
+        self._cell_types = [t for t in ("normal", "reduce") if t in present] + sorted(present - {"normal", "reduce"})
+        self._edges = list(edges)
+        E = {t: 1 + max(e.edge_index for e in edges if e.cell_type == t) for t in self._cell_types}
+        for slot, c in enumerate(used):
+            n = sum(1 for e in edges if e.cell_index == c)
+            if n != E[self.cells[slot].cell_type]:
+                raise ConfigError(f"cell {cells[c].name!r} has {n} edges, other {self.cells[slot].cell_type} cells have "
+                                  f"{E[self.cells[slot].cell_type]}; α cannot be shared by the cells of a type")
+        Ks = {e.n_ops for e in edges}
+        if len(Ks) != 1:
+            raise ConfigError(f"the mixed ops have different numbers of candidate ops {sorted(Ks)}; nasdiag needs one K")
+        K = Ks.pop()
+        self.primitives = list(primitives) if primitives is not None else list(edges[0].op_names)
+        if len(self.primitives) != K:
+            raise ConfigError(f"primitives names {len(self.primitives)} ops but the mixed ops have K={K}")
+        self._E = E
+        first = self.cells[0].module
+        self.steps = int(getattr(first, "_steps", getattr(first, "steps", 0)))
+        self.multiplier = int(getattr(first, "_multiplier", getattr(first, "multiplier", 0)))
+        self._alpha_names = self._bind_alphas(alphas, K)
+        # per mixed op: (cell slot, edge index, candidate ops); the pre-hook plan is built once
+        self._where = {id(e.module): (slot_of[e.cell_index], e.edge_index, e.ops) for e in edges}
+        self._hooks = Hooks()
+        for e in edges:
+            self._hooks.forward_pre(e.module, self._substitute, with_kwargs=True)
+        self.skip_inactive = bool(skip_inactive)
+        self._warned_dense = False
+        self._forward_state: Optional[Tuple[list, Optional[list]]] = None
+        self._swapped: Dict[int, Tuple[nn.Module, nn.Module]] = {}
+
+    # -- α --------------------------------------------------------------------------------------
+    def _bind_alphas(self, alphas, K: int) -> Dict[str, str]:
+        names = {}
+        for t in self._cell_types:
+            if alphas is not None:
+                if t not in alphas:
+                    raise ConfigError(f"alphas lacks cell type {t!r}; give {{{', '.join(repr(c) for c in self._cell_types)}: (E, K) tensor}}")
+                a = alphas[t]
+                owner = next((n for n, p in self.model.named_parameters() if p is a), None)
+            else:
+                owner = f"alphas_{t}"
+                a = getattr(self.model, owner, None)
+                if a is None:
+                    raise ConfigError(f"{type(self.model).__name__} has no attribute {owner!r}; pass adapt(model, alphas={{cell type: α}})")
+            if not isinstance(a, torch.Tensor) or tuple(a.shape) != (self._E[t], K):
+                raise ConfigError(f"α of the {t} cells must be a ({self._E[t]}, {K}) tensor, got "
+                                  f"{tuple(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__}")
+            if owner is None or not isinstance(a, nn.Parameter):
+                # a plain tensor (DARTS's Variable): register it on the model, sharing its storage
+                owner = owner or f"alphas_{t}"
+                param = nn.Parameter(a.detach(), requires_grad=True)
+                if owner in self.model.__dict__:
+                    del self.model.__dict__[owner]
+                self.model.register_parameter(owner, param)
+            names[t] = owner
+        return names
+
+    # -- the interface --------------------------------------------------------------------------
+    @property
+    def cell_types(self) -> List[str]:
+        return list(self._cell_types)
+
+    @property
+    def num_edges(self) -> int:
+        return max(self._E.values())
+
+    @property
+    def layers(self) -> int:
+        return len(self.cells)
+
+    def alphas(self) -> Dict[str, nn.Parameter]:
+        """``{cell type: α (E, K)}``."""
+        return {t: self.model.get_parameter(n) for t, n in self._alpha_names.items()}
+
+    def arch_parameters(self) -> List[nn.Parameter]:
+        return list(self.alphas().values())
+
+    def weight_parameters(self) -> List[nn.Parameter]:
+        arch = {id(a) for a in self.arch_parameters()}
+        return [p for p in self.model.parameters() if id(p) not in arch]
+
+    def softmax_weights(self) -> Dict[str, torch.Tensor]:
+        return {t: torch.softmax(a, dim=-1) for t, a in self.alphas().items()}
+
+    def edge_specs(self):
+        """Every edge (name, module, ops, op_names, cell_type, cell_index, edge_index, src, dst), in
+        discovery order; names are qualified module names of the adapted model."""
+        return list(self._edges)
+
+    # -- forward --------------------------------------------------------------------------------
+    def _per_cell(self, value, what: str) -> list:
+        if isinstance(value, Mapping):
+            missing = [t for t in self._cell_types if t not in value]
+            if missing:
+                raise ValueError(f"{what} missing for cell types {missing}; got keys {list(value)}")
+            return [value[c.cell_type] for c in self.cells]
+        value = list(value)
+        if len(value) != len(self.cells):
+            raise ValueError(f"a sequence of {what} needs one (E, K) tensor per cell ({len(self.cells)}), got {len(value)}")
+        return value
+
+    def forward(self, x: torch.Tensor, weights=None, active=None) -> torch.Tensor:
+        """The model's forward with mixing weights Z (``{cell type: (E, K)}`` or one (E, K) per cell;
+        default softmax(α)) and optional active-op masks (same forms, bool; read on the host once)."""
+        per_cell = self._per_cell(self.softmax_weights() if weights is None else weights, "mixing weights")
+        if any(w.dim() != 2 for w in per_cell):
+            raise ValueError("an adapted supernet takes (E, K) mixing weights per cell; per-sample (E, B, K) "
+                             "weights need nasdiag's own Network")
+        masks = None
+        if active is not None:
+            masks = [torch.as_tensor(m).bool().cpu() for m in self._per_cell(active, "active-op masks")]
+            if not self.skip_inactive and not self._warned_dense:
+                warnings.warn("this adapted supernet computes every op (skip_inactive=False): inactive ops get "
+                              "mixing weight 0 but are still computed", stacklevel=2)
+                self._warned_dense = True
+        self._forward_state = (per_cell, masks)
+        try:
+            with self._hooks:
+                return self.model(x)
+        finally:
+            self._forward_state = None
+            for module, original in self._swapped.values():
+                module._ops = original
+            self._swapped.clear()
+
+    def _substitute(self, module: nn.Module, args: tuple, kwargs: dict):
+        slot, e, ops = self._where[id(module)]
+        per_cell, masks = self._forward_state
+        row = per_cell[slot][e]
+        if masks is not None:
+            mask = masks[slot][e]
+            if not bool(mask.any()):
+                raise ValueError(f"every candidate op of edge {e} of cell {self.cells[slot].name!r} is inactive; "
+                                 "keep at least one op per edge active")
+            if self.skip_inactive:
+                idx = mask.nonzero().flatten()
+                self._swapped.setdefault(id(module), (module, module._ops))  # the original, once per forward
+                module._ops = nn.ModuleList(ops[k] for k in idx.tolist())
+                row = row[idx.to(row.device)]
+            else:
+                row = row * mask.to(row.device, row.dtype)
+        if len(args) >= 2:
+            return (args[0], row) + tuple(args[2:]), kwargs
+        if "weights" in kwargs:
+            return args, {**kwargs, "weights": row}
+        raise ConfigError(f"mixed op {type(module).__name__} was called without its mixing weights (the DARTS convention "
+                          "passes them as the second argument, forward(x, weights))")
