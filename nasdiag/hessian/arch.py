@@ -32,7 +32,8 @@ import torch
 from torch import nn
 
 from nasdiag.hessian._hvp import call_model, preserved_buffers, scalar_loss
-from nasdiag.hessian.arch_exact import _check_softmax_weights, _resolve_edges, softmax_chain_diag
+from nasdiag.edges import resolve_edges
+from nasdiag.hessian.arch_exact import _check_softmax_weights, softmax_chain_diag
 from nasdiag.hessian.loss_curvature import output_hessian_diagonal
 from nasdiag.hessian.propagate import walk_diagonals
 from nasdiag.hessian.rules import HessianRule
@@ -95,8 +96,8 @@ def arch_diag_hessian(
             raise ValueError("rules= only applies to mode='diag' or 'approx'")
         return _exact(model, loss_fn, inputs, targets, edges, wrt)
 
-    names, modules, _ = _resolve_edges(model, edges)
-    ops = [_edge_ops(edges[n]) for n in names]
+    specs = resolve_edges(model, edges)
+    names, modules, ops = [s.name for s in specs], [s.module for s in specs], [list(s.ops) for s in specs]
     recorder = _EdgeRecorder(names, modules, ops)
     tracer = ModuleTracer(model, rules)
     with preserved_buffers(model), torch.enable_grad():
@@ -143,12 +144,6 @@ def _curvature(B: torch.Tensor, h_j: torch.Tensor, mode: str) -> torch.Tensor:
     h_mean = h_j.mean(other) if other else h_j
     b2 = B.square().sum(tuple(d + 1 for d in other)) if other else B.square()
     return b2 @ h_mean
-
-
-def _edge_ops(value) -> List[nn.Module]:
-    if isinstance(value, (tuple, list)):
-        return list(value[1])
-    return list(value.ops)
 
 
 class _EdgeRecorder:

@@ -26,6 +26,7 @@ from typing import Callable, Dict, List, Mapping, Sequence, Tuple
 import torch
 from torch import nn
 
+from nasdiag.edges import resolve_edges
 from nasdiag.hessian._hvp import (
     HessianVectorProduct,
     Inputs,
@@ -112,7 +113,8 @@ def exact_arch_diag_hessian(
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    names, modules, n_ops = _resolve_edges(model, edges)
+    specs = resolve_edges(model, edges)
+    names, modules, n_ops = [s.name for s in specs], [s.module for s in specs], [s.n_ops for s in specs]
     offsets = [sum(n_ops[:i]) for i in range(len(n_ops))]
     shift = _WeightShift(names, n_ops, offsets)
 
@@ -277,44 +279,6 @@ def softmax_chain_diag(z: torch.Tensor, grad_z: torch.Tensor, hess_z: torch.Tens
     # second[i, k] = ∂²z_i/∂α_k²
     second = z[:, None] * (eye - z[None, :]) ** 2 - z[:, None] * (z * (1 - z))[None, :]
     return curvature + grad_z @ second
-
-
-def _resolve_edges(model: nn.Module, edges: Mapping[str, object]) -> Tuple[List[str], List[nn.Module], List[int]]:
-    if isinstance(edges, (list, tuple)) and edges and all(hasattr(e, "name") and hasattr(e, "module") for e in edges):
-        edges = {e.name: e for e in edges}  # e.g. Network.edge_specs()
-    if not isinstance(edges, Mapping) or not edges:
-        raise ValueError(
-            "edges must be a non-empty {edge name: (mixed_op_module, [candidate ops])} mapping, "
-            f"got {type(edges).__name__}"
-        )
-    in_model = {id(m) for m in model.modules()}
-    names, modules, n_ops, seen = [], [], [], {}
-    for name, value in edges.items():
-        if isinstance(value, (tuple, list)) and len(value) == 2:
-            module, ops = value
-        elif hasattr(value, "module") and hasattr(value, "ops"):
-            module, ops = value.module, value.ops
-        else:
-            raise ValueError(
-                f"edges[{name!r}] must be (mixed_op_module, [candidate op modules]), got {type(value).__name__}"
-            )
-        if not isinstance(module, nn.Module):
-            raise ValueError(f"edges[{name!r}]: the mixed op must be an nn.Module, got {type(module).__name__}")
-        if id(module) not in in_model:
-            raise ValueError(
-                f"edges[{name!r}]: module {type(module).__name__} is not a submodule of the model; "
-                "pass the mixed-op modules of this model instance (e.g. from model.edge_specs())"
-            )
-        if id(module) in seen:
-            raise ValueError(f"edges[{name!r}] and edges[{seen[id(module)]!r}] are the same module; list each edge once")
-        seen[id(module)] = name
-        K = len(ops)
-        if K < 1:
-            raise ValueError(f"edges[{name!r}] has no candidate ops")
-        names.append(str(name))
-        modules.append(module)
-        n_ops.append(K)
-    return names, modules, n_ops
 
 
 def _check_softmax_weights(observed: Dict[str, List[torch.Tensor]]) -> None:

@@ -19,7 +19,8 @@ import torch
 
 from nasdiag.cost import edge_costs, eps_deviation, output_edge_costs
 from nasdiag.hooks import Hooks
-from nasdiag.probe.discovery import CellInfo, EdgeInfo, ProbeError
+from nasdiag.edges import EdgeSpec
+from nasdiag.probe.discovery import CellInfo, ProbeError
 
 
 class Router:
@@ -101,7 +102,7 @@ def _equal_chunks(nodes: Sequence[int], channels: int) -> Dict[int, Tuple[int, i
 class StepCapture:
     """Hooks and buffers of one recorded step. Created and discarded by ``Probe.record``."""
 
-    def __init__(self, edges: Sequence[EdgeInfo], cells: Sequence[CellInfo], *, path_split: bool,
+    def __init__(self, edges: Sequence[EdgeSpec], cells: Sequence[CellInfo], *, path_split: bool,
                  check_convention: Sequence[bool], incoming: Dict[Tuple[int, int], List[int]],
                  hooks: Hooks, track_selected: bool = False):
         N = len(edges)
@@ -188,7 +189,7 @@ class StepCapture:
         self.hooks.tensor(output, lambda g, call=call: self.edge_grad(call, g))
         return None
 
-    def _check_weighted_sum(self, edge: EdgeInfo, call: EdgeCall, output: torch.Tensor) -> None:
+    def _check_weighted_sum(self, edge: EdgeSpec, call: EdgeCall, output: torch.Tensor) -> None:
         # A checkable invariant: the costs equal ∂L/∂w only if out = Σ_k w_k O_k (e.g. not PC-DARTS's
         # partial channels). Checked once per edge, on the first recorded forward.
         w = call.weights
@@ -274,7 +275,7 @@ class StepCapture:
         call.outputs = call.inp = call.out = call.cell_call = None
         return None
 
-    def _split_through(self, edge: EdgeInfo, call: EdgeCall, g: torch.Tensor) -> None:
+    def _split_through(self, edge: EdgeSpec, call: EdgeCall, g: torch.Tensor) -> None:
         """Cost passed back through this edge onto the edges ending at its source node."""
         targets = self.incoming.get((edge.cell_index, edge.src), [])
         if not targets:

@@ -20,55 +20,21 @@ else the DARTS order for ``steps``/``_steps``).
 
 from __future__ import annotations
 
-from nasdiag.errors import NasdiagError
+import dataclasses
 import inspect
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from torch import nn
 
+from nasdiag.edges import EdgesArg, EdgeSpec, EdgeSpecError, op_names_of, resolve_edges
+from nasdiag.errors import NasdiagError
 from nasdiag.supernet.cell import edge_nodes as darts_edge_nodes
 from nasdiag.supernet.mixed import MixedOp
 
 
 class ProbeError(NasdiagError, ValueError):
     """Bad input to the probe; the message says what was wrong and how to fix it."""
-
-
-@dataclass(frozen=True, eq=False)
-class EdgeInfo:
-    """One edge of the supernet as the probe sees it.
-
-    Attributes:
-        name: stable name (see module docstring).
-        module: the mixed op; its forward output is the edge output Σ_k Z_k O_k(x).
-        ops: the K candidate op modules, in mixing-weight order.
-        op_names: K labels (``MixedOp.primitives``, else ``"<k>:<class name>"``).
-        weights_arg: True when the mixing weights are the forward's second argument (MixedOp and the
-            DARTS convention); needed for ``statistics="sampled"`` and the convention check.
-        cell, cell_type, cell_index, edge_index, src, dst: where known (None otherwise).
-    """
-
-    name: str
-    module: nn.Module
-    ops: Tuple[nn.Module, ...]
-    op_names: Tuple[str, ...]
-    weights_arg: bool
-    cell: Optional[str] = None
-    cell_type: Optional[str] = None
-    cell_index: Optional[int] = None
-    edge_index: Optional[int] = None
-    src: Optional[int] = None
-    dst: Optional[int] = None
-
-    @property
-    def n_ops(self) -> int:
-        return len(self.ops)
-
-    @property
-    def label(self) -> str:
-        """``"i->j"`` when the node pair is known, else the name."""
-        return f"{self.src}->{self.dst}" if self.src is not None else self.name
 
 
 @dataclass(frozen=True, eq=False)
@@ -115,13 +81,6 @@ def _candidates(module: nn.Module) -> Optional[Tuple[nn.Module, ...]]:
     if is_darts_mixed_op(module):
         return tuple(module._ops)
     return None
-
-
-def _op_names(module: nn.Module, ops: Sequence[nn.Module]) -> Tuple[str, ...]:
-    names = getattr(module, "primitives", None)
-    if names is not None and len(names) == len(ops):
-        return tuple(str(n) for n in names)
-    return tuple(f"{k}:{type(op).__name__}" for k, op in enumerate(ops))
 
 
 def _cell_edge_list(cell: nn.Module) -> Optional[Sequence[nn.Module]]:
@@ -174,41 +133,11 @@ def _cell_edge_nodes(cell: nn.Module, n_edges: int) -> Optional[List[Tuple[int, 
     return None
 
 
-EdgeSpecArg = Union[nn.Module, Tuple[nn.Module, Sequence[nn.Module]]]
-
-
-def _user_edges(model: nn.Module, edges: Mapping[str, EdgeSpecArg], names: Dict[int, str]):
-    found = []
-    for name, spec in edges.items():
-        if not isinstance(name, str):
-            raise ProbeError(f"edge names must be strings, got {name!r} ({type(name).__name__})")
-        if isinstance(spec, nn.Module):
-            module, ops = spec, _candidates(spec)
-            if ops is None:
-                raise ProbeError(
-                    f"edge {name!r}: cannot tell the candidate ops of a {type(spec).__name__} (it is neither a "
-                    "nasdiag MixedOp nor a DARTS-convention mixed op with `_ops`); pass (module, [candidate op modules])"
-                )
-        elif isinstance(spec, (tuple, list)) and len(spec) == 2 and isinstance(spec[0], nn.Module):
-            module, ops = spec[0], tuple(spec[1])
-            if not ops or not all(isinstance(o, nn.Module) for o in ops):
-                raise ProbeError(f"edge {name!r}: the candidate ops must be a non-empty sequence of nn.Module")
-        else:
-            raise ProbeError(
-                f"edge {name!r} maps to {type(spec).__name__}; expected a mixed-op module or (module, [candidate op modules])"
-            )
-        for what, m in [("mixed op", module)] + [(f"candidate op {k}", o) for k, o in enumerate(ops)]:
-            if id(m) not in names:
-                raise ProbeError(
-                    f"edge {name!r}: its {what} ({type(m).__name__}) is not a submodule of the model; "
-                    "pass modules taken from model.named_modules() (was the model copied after building the map?)"
-                )
-        found.append((name, module, ops, _is_mixed_op(module)))
-    return found
-
-
-def discover(model: nn.Module, edges: Optional[Mapping[str, EdgeSpecArg]] = None) -> Tuple[List[EdgeInfo], List[CellInfo]]:
+def discover(model: nn.Module, edges: Optional[EdgesArg] = None) -> Tuple[List[EdgeSpec], List[CellInfo]]:
     """The edges and cells of ``model`` (see the module docstring for naming and the node protocol).
+
+    ``edges``: None to discover them, else any description :func:`nasdiag.edges.resolve_edges` accepts
+    (bare modules are resolved by the discovery rule: nasdiag ``MixedOp`` or DARTS ``_ops``).
 
     Raises:
         ProbeError: no discoverable edge; an edge map naming a module not in the model; a module that is
@@ -217,28 +146,19 @@ def discover(model: nn.Module, edges: Optional[Mapping[str, EdgeSpecArg]] = None
     if not isinstance(model, nn.Module):
         raise ProbeError(f"attach() needs an nn.Module, got {type(model).__name__}")
     named = list(model.named_modules())
-    names = {id(m): n for n, m in named}
     if edges is not None:
-        if not isinstance(edges, Mapping) or not edges:
-            raise ProbeError("edges must be a non-empty mapping {edge name: module or (module, [candidate ops])}")
-        raw = _user_edges(model, edges, names)
+        try:
+            given = resolve_edges(model, edges, candidates=_candidates)
+        except EdgeSpecError as err:
+            raise ProbeError(str(err)) from None
     else:
-        raw = []
-        for qual, m in named:
-            ops = _candidates(m)
-            if ops is not None:
-                raw.append((qual, m, ops, True))
-        if not raw:
+        given = [EdgeSpec(qual, m, ops, op_names_of(m, ops)) for qual, m in named if (ops := _candidates(m)) is not None]
+        if not given:
             raise ProbeError(
                 f"no edges found in {type(model).__name__}: nasdiag discovers nasdiag.supernet.MixedOp and "
                 "DARTS-convention mixed ops (candidates in a ModuleList `_ops`, forward(x, weights) = Σ_k w_k·op_k(x)). "
                 "For any other supernet pass edges={name: mixed-op module or (module, [candidate op modules])}."
             )
-    seen: Dict[int, str] = {}
-    for name, m, _, _ in raw:
-        if id(m) in seen:
-            raise ProbeError(f"module {names[id(m)]!r} is mapped to two edges, {seen[id(m)]!r} and {name!r}")
-        seen[id(m)] = name
 
     # Cells: modules declaring their nodes; an edge belongs to its nearest cell ancestor.
     cells_raw = [(q, m, d) for q, m in named if (d := _cell_declaration(m)) is not None]
@@ -248,9 +168,10 @@ def discover(model: nn.Module, edges: Optional[Mapping[str, EdgeSpecArg]] = None
             if sub is not m:
                 cell_of_module[id(sub)] = c  # later (deeper) cells overwrite: nearest ancestor wins
 
-    infos: List[EdgeInfo] = []
+    infos: List[EdgeSpec] = []
     cell_edges: Dict[int, List[int]] = {}
-    for name, m, ops, weights_arg in raw:
+    for spec in given:
+        m = spec.module
         c = cell_of_module.get(id(m))
         kw = {}
         if c is not None:
@@ -265,7 +186,7 @@ def discover(model: nn.Module, edges: Optional[Mapping[str, EdgeSpecArg]] = None
                     if pairs is not None:
                         kw["src"], kw["dst"] = pairs[idx]
             cell_edges.setdefault(c, []).append(len(infos))
-        infos.append(EdgeInfo(name, m, tuple(ops), _op_names(m, ops), weights_arg, **kw))
+        infos.append(dataclasses.replace(spec, weights_arg=_is_mixed_op(m), **kw))
 
     cells = [
         CellInfo(q, m, _cell_type(m), c, d[0], d[1], tuple(cell_edges.get(c, ())))

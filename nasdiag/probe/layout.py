@@ -15,7 +15,8 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from nasdiag.probe.discovery import EdgeInfo, ProbeError
+from nasdiag.edges import EdgeSpec
+from nasdiag.probe.discovery import ProbeError
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class Group:
     op_names: Tuple[str, ...]
 
 
-def build_groups(edges: Sequence[EdgeInfo]) -> List[Group]:
+def build_groups(edges: Sequence[EdgeSpec]) -> List[Group]:
     if all(e.cell_type is not None and e.edge_index is not None for e in edges):
         groups = []
         for t in dict.fromkeys(e.cell_type for e in edges):

@@ -15,7 +15,8 @@ from torch import nn
 from nasdiag.cost import CostMoments, analyse, scatter_cells
 from nasdiag.hooks import Hooks
 from nasdiag.probe.capture import Router, StepCapture
-from nasdiag.probe.discovery import CellInfo, EdgeInfo, EdgeSpecArg, ProbeError, discover
+from nasdiag.edges import EdgesArg, EdgeSpec
+from nasdiag.probe.discovery import CellInfo, ProbeError, discover
 from nasdiag.probe.layout import Group, build_groups
 
 STATISTICS_MODES = ("all", "sampled")
@@ -72,7 +73,7 @@ class Probe:
     it) and the probe holds only the small results of the last step plus the running statistics.
     """
 
-    def __init__(self, model: nn.Module, edges: Optional[Mapping[str, EdgeSpecArg]] = None, *,
+    def __init__(self, model: nn.Module, edges: Optional[EdgesArg] = None, *,
                  statistics: str = "all", path_split: bool = False, norm_deviation: bool = False,
                  hessian: Optional[str] = None, loss_fn: Optional[Callable] = None):
         if statistics not in STATISTICS_MODES:
@@ -85,7 +86,7 @@ class Probe:
             raise ProbeError("loss_fn is only used by probe.hessian(); pass hessian='diag' | 'approx' | 'exact' too")
         self.model = model
         infos, cells = discover(model, edges)
-        self._edges: Tuple[EdgeInfo, ...] = tuple(infos)
+        self._edges: Tuple[EdgeSpec, ...] = tuple(infos)
         self._cells: Tuple[CellInfo, ...] = tuple(cells)
         self._index = {e.name: p for p, e in enumerate(self._edges)}
         self.statistics_mode = statistics
@@ -133,7 +134,7 @@ class Probe:
 
     # -- structure ---------------------------------------------------------------------------
     @property
-    def edges(self) -> Tuple[EdgeInfo, ...]:
+    def edges(self) -> Tuple[EdgeSpec, ...]:
         """Every edge, in discovery order (``named_modules()`` order, or the order of the ``edges`` map)."""
         return self._edges
 
@@ -458,8 +459,7 @@ class Probe:
                     "model's output)"
                 )
         loss_fn = self.loss_fn or torch.nn.functional.cross_entropy
-        edges = {e.name: (e.module, list(e.ops)) for e in self._edges}
-        return _arch_hessian(model, loss_fn, inputs, targets, edges, self.hessian_mode, wrt)
+        return _arch_hessian(model, loss_fn, inputs, targets, self._edges, self.hessian_mode, wrt)
 
     def aggregate(self, per_edge: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """Lay any ``{edge: (K,)}`` result out per group and sum over the cells of the group, ``{group: (E, K)}``
@@ -581,7 +581,7 @@ def _arch_hessian(model, loss_fn, inputs, targets, edges, mode, wrt):
     return arch_diag_hessian(model, loss_fn, inputs, targets, edges, mode=mode, wrt=wrt)
 
 
-def attach(model: nn.Module, edges: Optional[Mapping[str, EdgeSpecArg]] = None, **options) -> Probe:
+def attach(model: nn.Module, edges: Optional[EdgesArg] = None, **options) -> Probe:
     """Attach cost diagnostics to a supernet; nothing is hooked until ``probe.record()``.
 
     Args:

@@ -2,38 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
+from nasdiag.edges import EdgeSpec
 from nasdiag.supernet.cell import Cell, edge_nodes
+from nasdiag.supernet.engine import fast as _engine
 from nasdiag.supernet.mixed import MixedOp
 from nasdiag.supernet.ops import DARTS_PRIMITIVES, OpConfig
 
 MixingWeights = Union[None, Mapping[str, torch.Tensor], Sequence[torch.Tensor]]
-
-
-@dataclass(frozen=True)
-class EdgeSpec:
-    """One edge of the supernet.
-
-    ``name`` is the qualified module name of the mixed op (``"cells.<k>.edges.<e>"``), stable across
-    runs and equal to what ``dict(net.named_modules())`` uses.
-    """
-
-    name: str
-    module: MixedOp
-    cell_type: str
-    cell_index: int
-    edge_index: int
-    src: int
-    dst: int
-
-    @property
-    def ops(self) -> List[nn.Module]:
-        return list(self.module.ops)
 
 
 class Network(nn.Module):
@@ -175,12 +155,29 @@ class Network(nn.Module):
         return {t: torch.softmax(a, dim=-1) for t, a in self.alphas().items()}
 
     def edge_specs(self) -> List[EdgeSpec]:
-        """Every edge of every cell, in (cell, edge) order."""
+        """Every edge of every cell, in (cell, edge) order; ``name`` is the mixed op's qualified module name
+        ``"cells.<k>.edges.<e>"``, as in ``dict(net.named_modules())`` and the probe's discovery."""
         specs = []
         for k, cell in enumerate(self.cells):
             for e, ((i, j), mixed) in enumerate(zip(cell.edge_nodes, cell.edges)):
-                specs.append(EdgeSpec(f"cells.{k}.edges.{e}", mixed, cell.cell_type, k, e, i, j))
+                specs.append(EdgeSpec(f"cells.{k}.edges.{e}", mixed, tuple(mixed.ops), tuple(mixed.primitives),
+                                      cell=f"cells.{k}", cell_type=cell.cell_type, cell_index=k, edge_index=e,
+                                      src=i, dst=j))
         return specs
+
+    # -- execution engine ------------------------------------------------------------------
+    #: ``"auto"`` (default), ``"fast"`` or ``"eager"``: see :meth:`set_engine`
+    engine: str = "auto"
+
+    def set_engine(self, name: str) -> "Network":
+        """Choose how :meth:`forward` runs the cells: ``"eager"`` (one module per candidate op, a loop over
+        edges), ``"fast"`` (the batched-ops engine of ``nasdiag.supernet.engine``, the same function in far
+        fewer kernels; where it cannot apply, a one-line warning and eager) or ``"auto"`` (fast on CUDA where
+        it applies, eager otherwise). Parameters, buffers and hooks are the same under every engine."""
+        if name not in _engine.ENGINES:
+            raise ValueError(f"unknown engine {name!r}: choose one of {', '.join(_engine.ENGINES)}")
+        self.engine = name
+        return self
 
     # -- forward ---------------------------------------------------------------------------
     def _cell_weights(self, weights: MixingWeights) -> List[torch.Tensor]:
@@ -227,6 +224,8 @@ class Network(nn.Module):
             logits (B, num_classes).
         """
         per_cell = self._cell_weights(weights)
+        if self.engine != "eager" and _engine.resolve(self, x, per_cell, active):  # batched cells (engine/fast.py)
+            return _engine.fast_forward(self, x, per_cell)
         per_cell_active = [None] * len(per_cell) if active is None else self._cell_active(active)
         s0 = s1 = self.stem(x)
         for cell, w, on in zip(self.cells, per_cell, per_cell_active):

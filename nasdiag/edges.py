@@ -1,0 +1,159 @@
+"""One description of a supernet edge, and the one function that turns user input into such descriptions.
+
+An *edge* is a mixed op: a module whose forward output is ``x_j = Σ_k Z_k O_k(x_i)`` over K candidate op
+modules O_k (wiring supplement §2, eq. of the cost assignment; sparse-supernet eq. 1 for real-valued Z).
+``Network.edge_specs()`` (the reference supernet), the probe's discovery (any model) and the curvature
+engines (``nasdiag.hessian``) all speak :class:`EdgeSpec`. This module depends on ``torch.nn`` only, so
+every layer may import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable, List, Mapping, Optional, Sequence, Tuple, Union
+
+from torch import nn
+
+from nasdiag.errors import NasdiagError
+
+__all__ = ["EdgeSpec", "EdgeSpecError", "EdgesArg", "op_names_of", "resolve_edges"]
+
+
+class EdgeSpecError(NasdiagError, ValueError):
+    """Bad edge description; the message says what was wrong and how to fix it."""
+
+
+@dataclass(frozen=True)
+class EdgeSpec:
+    """One edge of a supernet.
+
+    Attributes:
+        name: stable name; for discovered edges the qualified module name in ``model.named_modules()``
+            (nasdiag's ``Network``: ``"cells.<k>.edges.<e>"``), else the key the caller chose.
+        module: the mixed op; its forward output is the edge output ``Σ_k Z_k O_k(x)``.
+        ops: the K candidate op modules, in mixing-weight order.
+        op_names: K labels (the mixed op's ``primitives``, else ``"<k>:<class name>"``).
+        weights_arg: True when the mixing weights are the forward's second argument (or ``weights=``), as
+            for nasdiag's ``MixedOp`` and the DARTS convention.
+        cell: qualified name of the cell holding the edge; cell_type (``"normal"``/``"reduce"``),
+            cell_index, edge_index (position in the cell, DARTS order), src, dst (node pair i -> j):
+            where known, else None.
+    """
+
+    name: str
+    module: nn.Module = field(repr=False)
+    ops: Tuple[nn.Module, ...] = field(repr=False)
+    op_names: Tuple[str, ...]
+    weights_arg: bool = True
+    cell: Optional[str] = None
+    cell_type: Optional[str] = None
+    cell_index: Optional[int] = None
+    edge_index: Optional[int] = None
+    src: Optional[int] = None
+    dst: Optional[int] = None
+
+    @property
+    def n_ops(self) -> int:
+        """K, the number of candidate ops."""
+        return len(self.ops)
+
+    @property
+    def label(self) -> str:
+        """``"i->j"`` when the node pair is known, else the name."""
+        return f"{self.src}->{self.dst}" if self.src is not None else self.name
+
+
+def op_names_of(module: nn.Module, ops: Sequence[nn.Module]) -> Tuple[str, ...]:
+    """K labels of a mixed op's candidates: its ``primitives`` if it has one per op, else ``"<k>:<class>"``."""
+    names = getattr(module, "primitives", None)
+    if names is not None and len(names) == len(ops):
+        return tuple(str(n) for n in names)
+    return tuple(f"{k}:{type(op).__name__}" for k, op in enumerate(ops))
+
+
+#: what :func:`resolve_edges` accepts: ``{name: EdgeSpec | (module, [ops]) | module}`` or a sequence of EdgeSpec
+EdgesArg = Union[Mapping[str, object], Sequence[EdgeSpec]]
+
+
+def resolve_edges(model: nn.Module, edges: EdgesArg,
+                  candidates: Optional[Callable[[nn.Module], Optional[Sequence[nn.Module]]]] = None) -> List[EdgeSpec]:
+    """Check a caller's edge description against ``model`` and return one :class:`EdgeSpec` per edge.
+
+    Args:
+        model: the module the edges must belong to.
+        edges: ``{name: value}`` with value an :class:`EdgeSpec` (or any object with ``.module`` and
+            ``.ops``), a pair ``(mixed-op module, [candidate op modules])``, or a bare mixed-op module when
+            ``candidates`` can tell its ops; or a sequence of :class:`EdgeSpec` (e.g.
+            ``Network.edge_specs()``), keyed by their ``.name``. Mapping keys name the result.
+        candidates: ``candidates(module) -> ops or None`` for bare modules (the probe passes its discovery
+            rule); without it a bare module is refused.
+
+    Returns:
+        EdgeSpecs in the order given; what an input EdgeSpec knew (cell, node pair, ...) is kept.
+
+    Raises:
+        EdgeSpecError: an empty or malformed description, a module (mixed op or candidate) that is not a
+            submodule of ``model``, a module listed as two edges, an edge without candidate ops.
+    """
+    if isinstance(edges, (list, tuple)) and edges and all(hasattr(e, "name") and hasattr(e, "module") for e in edges):
+        edges = {e.name: e for e in edges}
+    if not isinstance(edges, Mapping) or not edges:
+        raise EdgeSpecError(
+            "edges must be a non-empty {edge name: mixed-op module or (mixed-op module, [candidate op modules])} "
+            f"mapping or a list of EdgeSpec (e.g. net.edge_specs()), got {type(edges).__name__}"
+        )
+    in_model = {id(m) for m in model.modules()}
+    specs: List[EdgeSpec] = []
+    seen = {}
+    for name, value in edges.items():
+        if not isinstance(name, str):
+            raise EdgeSpecError(f"edge names must be strings, got {name!r} ({type(name).__name__})")
+        spec = _spec_of(name, value, candidates)
+        for what, m in [("mixed op", spec.module)] + [(f"candidate op {k}", o) for k, o in enumerate(spec.ops)]:
+            if id(m) not in in_model:
+                raise EdgeSpecError(
+                    f"edge {name!r}: its {what} ({type(m).__name__}) is not a submodule of the model; pass modules "
+                    "of this model instance, e.g. from model.named_modules() or model.edge_specs() (was the model "
+                    "copied after building the map?)"
+                )
+        if id(spec.module) in seen:
+            raise EdgeSpecError(
+                f"edges {seen[id(spec.module)]!r} and {name!r} are the same module: a module cannot be two edges; "
+                "list each edge once"
+            )
+        seen[id(spec.module)] = name
+        specs.append(spec)
+    return specs
+
+
+def _spec_of(name: str, value, candidates) -> EdgeSpec:
+    if isinstance(value, EdgeSpec):
+        module, ops = value.module, value.ops
+    elif isinstance(value, (tuple, list)) and len(value) == 2 and isinstance(value[0], nn.Module):
+        module, ops = value
+    elif isinstance(value, nn.Module):
+        module, ops = value, candidates(value) if candidates is not None else None
+        if ops is None:
+            raise EdgeSpecError(
+                f"edge {name!r}: cannot tell the candidate ops of a {type(value).__name__} (it is neither a nasdiag "
+                "MixedOp nor a DARTS-convention mixed op with `_ops`); pass (module, [candidate op modules])"
+            )
+    elif hasattr(value, "module") and hasattr(value, "ops"):
+        module, ops = value.module, value.ops
+    else:
+        raise EdgeSpecError(
+            f"edge {name!r} maps to {type(value).__name__}; expected an EdgeSpec, a mixed-op module or "
+            "(mixed-op module, [candidate op modules])"
+        )
+    if not isinstance(module, nn.Module):
+        raise EdgeSpecError(f"edge {name!r}: the mixed op must be an nn.Module, got {type(module).__name__}")
+    try:
+        ops = tuple(ops)
+    except TypeError:
+        ops = ()
+    if not ops or not all(isinstance(o, nn.Module) for o in ops):
+        raise EdgeSpecError(f"edge {name!r}: the candidate ops must be a non-empty sequence of nn.Module")
+    if isinstance(value, EdgeSpec):
+        return value if value.name == name else dataclasses.replace(value, name=name)
+    return EdgeSpec(name, module, ops, op_names_of(module, ops))
