@@ -1,0 +1,50 @@
+"""Curvature figures (``hessian/<cell>/...``): the mixing-weight Hessian diagonal (BayesNAS §C.3) and the
+top α-Hessian eigenvalue over the search."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from nasdiag import vocabulary as V
+from nasdiag.plot.registry import Heatmap, figure, heatmap
+from nasdiag.plot.style import COLUMN, edge_names, integer_steps, op_names, plt, series, step_of
+
+
+def _mode(record) -> str:
+    try:
+        config = json.loads(str(record["meta/config"])) if "meta/config" in record else {}
+    except ValueError:
+        config = {}
+    mode = config.get("hessian_mode") if isinstance(config, dict) else None
+    return f", {mode} mode" if mode else ""
+
+
+@heatmap(V.HESSIAN_DIAG, name="hessian", file="hessian_{cell}_heatmap", paper="BayesNAS appendix C.3.1-C.3.2",
+         caption="Diagonal of the loss Hessian in the mixing weights, ∂²L/∂Z², per op and edge on the epoch's last "
+                 "batch (summed over the cells of the type): how sharply the loss bends as one op's weight changes. "
+                 "Sequential colours when every entry is ≥ 0, diverging around 0 otherwise.")
+def hessian_diag(record, cell: str, row: int) -> Heatmap:
+    path = V.HESSIAN_DIAG.path(cell=cell)
+    h = np.asarray(record[path][row], dtype=float)
+    E, K = h.shape
+    # not signed by assumption: the diagonal of a non-convex loss's Hessian can be negative
+    return Heatmap(h, edge_names(record, cell, E), op_names(record, K),
+                   f"{cell} cell: diag ∂²L/∂Z²{_mode(record)}, last batch at step {step_of(record, row)}",
+                   "∂²L/∂Z²  (L: batch-mean loss)", signed=None, step=step_of(record, row))
+
+
+@figure(V.HESSIAN_TOP_EIGENVALUE, name="hessian_eigenvalue", file="hessian_{cell}_eigenvalue",
+        paper="RobustDARTS's dominant-eigenvalue curve",
+        caption="Largest eigenvalue of the α-Hessian after each epoch: a steady rise is the early-stopping signal of "
+                "RobustDARTS.")
+def top_eigenvalue(record, cell: str):
+    steps, values = series(record, V.HESSIAN_TOP_EIGENVALUE.path(cell=cell))
+    fig, ax = plt.subplots(figsize=(COLUMN, 2.0))
+    ax.plot(steps, values, marker="o", ms=3, lw=1.1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("λ_max(∂²L/∂α²)")
+    integer_steps(ax)
+    ax.set_title(f"{cell} cell: top eigenvalue of the α-Hessian", loc="left")
+    return fig

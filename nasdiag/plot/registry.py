@@ -1,0 +1,446 @@
+"""The figure registry: one drawing function per record path family.
+
+A figure module in ``nasdiag/plot/`` registers its figures when imported; every module of the package
+is imported the first time the registry is read (as the method registry does with
+``nasdiag/search/methods/``), so a new family gets its figure by adding one function in one file::
+
+    from nasdiag import vocabulary as V
+    from nasdiag.plot.registry import Heatmap, figure, heatmap
+
+    @heatmap(V.SAMPLE_COUNT, name="sample_count", caption="How often each op was sampled.", paper="DSNAS Fig. 6b")
+    def sample_count(record, cell, row):          # -> Heatmap (also drawn side by side across runs)
+        ...
+
+    @figure(V.REGRET_REGRET, name="regret", caption="Regret per edge against the bound of Theorem 1.")
+    def regret_curves(record, cell):              # -> matplotlib Figure
+        ...
+
+`write_figures` then draws every registered figure whose family has paths in a record, once per cell
+type (``<cell>``), and `write_comparison` draws each heatmap of several records side by side on one
+colour scale. Nothing here imports matplotlib; figure modules do, when the registry loads them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from nasdiag import vocabulary as V
+from nasdiag.errors import NasdiagError
+
+FORMATS = ("png", "pdf", "svg")
+Record = Mapping[str, np.ndarray]
+FamilyLike = Union[V.Family, str]
+
+
+class PlotError(NasdiagError, ValueError):
+    """A record lacks what a figure needs, or a figure option is invalid; the message says which."""
+
+
+class NothingToDraw(PlotError):
+    """A figure has no data to show in this record (no rows yet, or every value NaN); it is skipped
+    with this one-line message instead of drawing an empty plot."""
+
+
+@dataclass
+class Heatmap:
+    """What a heatmap figure shows; the registry renders it alone or side by side with other runs.
+
+    Attributes:
+        matrix: (rows, cols) values; NaN cells are drawn grey and counted in the title.
+        rows, cols: tick labels (edges ``i->j`` and op names for (E, K) statistics).
+        title: what and when, e.g. ``"normal cell: cost mean E[C], steps 1-24 (epoch 0)"``.
+        colorbar: colour-bar label with the unit or sign convention.
+        signed: True: diverging map centred at 0; False: sequential map; None: diverging if any value
+            is negative, else sequential.
+        limits: a fixed (vmin, vmax) instead of a scale fitted to the data.
+        xlabel, ylabel: axis labels.
+        step: the record step the matrix belongs to (for comparison titles).
+    """
+
+    matrix: np.ndarray
+    rows: Sequence[str]
+    cols: Sequence[str]
+    title: str
+    colorbar: str
+    signed: Optional[bool] = None
+    limits: Optional[Tuple[float, float]] = None
+    xlabel: str = "operation"
+    ylabel: str = "edge (node i -> node j)"
+    step: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class FigureSpec:
+    """One registered figure.
+
+    Attributes:
+        name: the selector of ``--figures`` (``"cost"``, ``"arch_evolution"``, ...).
+        families: the families it draws; the figure is drawn for each ``<cell>`` that has a path of any.
+        draw: ``(record, cell) -> Figure``, or ``(record, cell, row) -> Figure | Heatmap`` for ``rows``.
+        file: file-name template (``{cell}`` is replaced), without suffix.
+        caption: one sentence: what the figure shows.
+        paper: the paper figure it mirrors (``""`` if none).
+        rows: the figure shows one recorded row, selectable with ``at`` (init, final, a step).
+        is_heatmap: ``draw`` returns a :class:`Heatmap` (also drawn across runs by `write_comparison`).
+    """
+
+    name: str
+    families: Tuple[V.Family, ...]
+    draw: Callable
+    file: str
+    caption: str
+    paper: str = ""
+    rows: bool = False
+    is_heatmap: bool = False
+
+    @property
+    def group(self) -> str:
+        """The record group the figure belongs to (``scalars``, ``arch``, ``cost``, ...), for reports."""
+        return self.families[0].pattern.split("/")[0]
+
+    def cells(self, record_paths: Sequence[str]) -> List[Optional[str]]:
+        """Cell types with data for this figure (``[None]`` for families without ``<cell>``), or []."""
+        found: Dict[Optional[str], None] = {}
+        for fam in self.families:
+            if "<cell>" in fam.pattern:
+                found.update(dict.fromkeys(V.cells_with(record_paths, fam)))
+            elif any(fam.regex.match(p) for p in record_paths):
+                found[None] = None
+        return list(found)
+
+    def filename(self, cell: Optional[str]) -> str:
+        return self.file.format(cell=cell or "").replace("__", "_").strip("_")
+
+
+_FIGURES: Dict[str, FigureSpec] = {}
+_BUILTINS_LOADED = False
+
+
+def _as_family(spec: FamilyLike) -> V.Family:
+    if isinstance(spec, V.Family):
+        return spec
+    for fam in V.families():
+        if fam.pattern == spec:
+            return fam
+    if not isinstance(spec, str) or not spec or "/" not in spec:
+        raise ValueError(f"a figure is keyed by a nasdiag.vocabulary family or a path pattern like 'x/<cell>/y', got {spec!r}")
+    # an undeclared pattern: matched like a family, but not added to the vocabulary
+    return V.Family(spec, "", "", "same", "")
+
+
+def _register(families, name: str, file: Optional[str], caption: str, paper: str, rows: bool, is_heatmap: bool):
+    if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
+        raise ValueError(f"figure name {name!r} must be lower-case letters, digits and '_'")
+    fams = tuple(_as_family(f) for f in (families if isinstance(families, (tuple, list)) else (families,)))
+    if not caption.strip():
+        raise ValueError(f"figure {name!r} needs a caption: one sentence saying what it shows")
+
+    def decorate(fn: Callable) -> Callable:
+        if rows and len(inspect.signature(fn).parameters) < 3:
+            raise TypeError(f"figure {name!r} selects rows, so it takes (record, cell, row)")
+        template = file or (f"{name}_{{cell}}" if any("<cell>" in f.pattern for f in fams) else name)
+        spec = FigureSpec(name, fams, fn, template, caption.strip(), paper, rows, is_heatmap)
+        previous = _FIGURES.get(name)
+        if previous is not None and previous.draw.__qualname__ != fn.__qualname__:
+            raise ValueError(f"a different figure is already registered as {name!r}: {previous.draw.__module__}.{previous.draw.__qualname__}")
+        _FIGURES[name] = spec
+        return fn
+
+    return decorate
+
+
+def figure(families: Union[FamilyLike, Sequence[FamilyLike]], *, name: str, caption: str, paper: str = "",
+           file: Optional[str] = None, rows: bool = False) -> Callable:
+    """Register ``fn(record, cell) -> matplotlib Figure`` (``fn(record, cell, row)`` with ``rows=True``).
+
+    Args:
+        families: a `nasdiag.vocabulary` family (or its pattern, or a tuple of them): the figure is drawn
+            once per ``<cell>`` with a path of one of them (once, with ``cell=None``, for families without
+            ``<cell>``).
+        name: selector for ``nasdiag plot --figures``; also the file name (``<name>_<cell>``) unless
+            ``file`` gives a template with ``{cell}``.
+        caption: one sentence saying what the figure shows (shown in ``nasdiag report``).
+        paper: the paper figure it mirrors, e.g. ``"wiring supplement Figs 5, 6"``.
+        rows: ``fn`` draws one recorded row (an index into ``record["step"]``), chosen by ``at``.
+
+    ``fn`` raises :class:`NothingToDraw` when the record has nothing to show; it must not draw empty plots.
+    """
+    return _register(families, name, file, caption, paper, rows, is_heatmap=False)
+
+
+def heatmap(families: Union[FamilyLike, Sequence[FamilyLike]], *, name: str, caption: str, paper: str = "",
+            file: Optional[str] = None) -> Callable:
+    """Register ``fn(record, cell, row) -> Heatmap``: drawn per record (rows chosen by ``at``) and side by
+    side across records on one colour scale (`write_comparison`). Arguments as for :func:`figure`."""
+    return _register(families, name, file, caption, paper, rows=True, is_heatmap=True)
+
+
+def _load_builtins() -> None:
+    global _BUILTINS_LOADED
+    if _BUILTINS_LOADED:
+        return
+    _BUILTINS_LOADED = True
+    import nasdiag.plot as pkg
+
+    for info in pkgutil.iter_modules(pkg.__path__):
+        if not info.name.startswith("_"):
+            importlib.import_module(f"{pkg.__name__}.{info.name}")
+
+
+def registered() -> Dict[str, FigureSpec]:
+    """``{name: FigureSpec}`` of every registered figure, in registration order."""
+    _load_builtins()
+    return dict(_FIGURES)
+
+
+def select(names: Optional[Sequence[str]]) -> List[FigureSpec]:
+    """The specs chosen by ``names`` (None: all). A name selects the figure of that name or, if there is
+    none, every figure of that record group (``regret`` selects all figures of ``regret/`` families)."""
+    specs = registered()
+    if names is None:
+        return list(specs.values())
+    chosen: Dict[str, FigureSpec] = {}
+    unknown = []
+    for token in names:
+        token = token.strip()
+        if not token:
+            continue
+        hits = [specs[token]] if token in specs else [s for s in specs.values() if s.group == token]
+        if not hits:
+            unknown.append(token)
+        chosen.update((s.name, s) for s in hits)
+    if unknown:
+        groups = sorted({s.group for s in specs.values()} - set(specs))
+        raise PlotError(f"unknown figure(s) {', '.join(unknown)}; choose from {', '.join(specs)} "
+                        f"or a group: {', '.join(groups)}")
+    return [s for s in specs.values() if s.name in chosen]
+
+
+# -- rows --------------------------------------------------------------------------------------------
+def parse_at(at: Union[None, str, Sequence]) -> Optional[List[Union[str, int]]]:
+    """``"init,final,120"`` -> ``["init", "final", 120]``; None stays None (each figure's default row)."""
+    if at is None:
+        return None
+    tokens = at.split(",") if isinstance(at, str) else list(at)
+    out: List[Union[str, int]] = []
+    for t in tokens:
+        t = str(t).strip()
+        if not t:
+            continue
+        if t in ("init", "final"):
+            out.append(t)
+        elif re.fullmatch(r"\d+", t):
+            out.append(int(t))
+        else:
+            raise PlotError(f"--at takes init, final or a step number (comma-separated), not {t!r}")
+    if not out:
+        raise PlotError("--at is empty; give init, final or step numbers")
+    return out
+
+
+def valid_rows(record: Record, path: str) -> np.ndarray:
+    """Indices of the rows in which ``path`` was logged."""
+    if path not in record:
+        raise NothingToDraw(f"the record has no {path}")
+    valid = record.get(f"valid/{path}")
+    return np.flatnonzero(valid) if valid is not None else np.arange(len(record["step"]))
+
+
+def resolve_row(record: Record, path: str, at: Union[str, int]) -> int:
+    """The row index of ``path`` for one ``at`` token: ``init`` its first logged row, ``final`` its last,
+    a step number the last logged row at or before that step."""
+    rows = valid_rows(record, path)
+    if rows.size == 0:
+        raise NothingToDraw(f"{path} has no rows yet")
+    if at == "init":
+        return int(rows[0])
+    if at == "final":
+        return int(rows[-1])
+    steps = record["step"][rows]
+    before = np.flatnonzero(steps <= int(at))
+    if before.size == 0:
+        raise NothingToDraw(f"{path} is first recorded at step {int(steps[0])}, after step {at}")
+    return int(rows[before[-1]])
+
+
+def _row_path(spec: FigureSpec, record: Record, cell: Optional[str]) -> str:
+    for fam in spec.families:
+        path = fam.path(cell=cell) if cell is not None and "<cell>" in fam.pattern else fam.pattern
+        if path in record:
+            return path
+    raise NothingToDraw(f"the record has no {spec.families[0].pattern}")
+
+
+def _at_label(at: Union[str, int]) -> str:
+    return at if isinstance(at, str) else f"step{at}"
+
+
+# -- drawing -----------------------------------------------------------------------------------------
+@dataclass
+class Drawn:
+    """The figures drawn from one record: ``files`` in order, and one line per figure that was skipped."""
+
+    files: List[Path] = field(default_factory=list)
+    skipped: List[str] = field(default_factory=list)
+    specs: Dict[Path, FigureSpec] = field(default_factory=dict)
+
+
+def iter_figures(record: Record, figures: Optional[Sequence[str]] = None, at=None):
+    """Yield ``(spec, cell, at label or None, thunk)`` for every figure the record supports; calling the
+    thunk draws it (a matplotlib Figure) or raises :class:`NothingToDraw`."""
+    from nasdiag.plot.style import render_heatmap
+
+    ats = parse_at(at)
+    paths = [k for k in record if not k.startswith(("valid/", "meta/")) and k != "step"]
+    for spec in select(figures):
+        for cell in spec.cells(paths):
+            if not spec.rows:
+                yield spec, cell, None, (lambda s=spec, c=cell: s.draw(record, c))
+                continue
+            for token in ats or ["final"]:
+                label = None if ats is None else _at_label(token)
+
+                def thunk(s=spec, c=cell, t=token):
+                    path = _row_path(s, record, c)
+                    row = resolve_row(record, path, t)
+                    values = np.asarray(record[path][row])
+                    if values.dtype.kind == "f" and not np.isfinite(values).any():
+                        raise NothingToDraw(f"{path} is NaN at step {int(record['step'][row])}; nothing to draw")
+                    out = s.draw(record, c, row)
+                    return render_heatmap(out) if s.is_heatmap else out
+
+                yield spec, cell, label, thunk
+
+
+def save(fig, path: Path, dpi: int) -> None:
+    import matplotlib.pyplot as plt
+
+    try:
+        fig.savefig(path, dpi=dpi, bbox_inches="tight", pad_inches=0.03)
+    finally:
+        plt.close(fig)
+
+
+def draw_record(record: Record, out_dir, fmt: str = "png", figures: Optional[Sequence[str]] = None, at=None,
+                dpi: int = 150) -> Drawn:
+    """Draw every registered figure ``record`` (a dict from `nasdiag.record.load`) supports into ``out_dir``.
+
+    Files are ``<figure file>[_<at>].<fmt>``; a figure with nothing to show is skipped with one line in
+    ``Drawn.skipped``. Raises `PlotError` if ``fmt`` or ``figures`` is unknown.
+    """
+    if fmt not in FORMATS:
+        raise PlotError(f"unknown figure format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    import warnings
+
+    from nasdiag.plot.style import paper_style
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    drawn = Drawn()
+    for spec, cell, label, thunk in iter_figures(record, figures, at):
+        stem = spec.filename(cell) + (f"_{label}" if label else "")
+        try:
+            with warnings.catch_warnings(), paper_style():
+                warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN slices are reported, not warned
+                fig = thunk()
+        except NothingToDraw as exc:
+            drawn.skipped.append(f"{stem}: {exc}")
+            continue
+        path = out / f"{stem}.{fmt}"
+        save(fig, path, dpi)
+        drawn.files.append(path)
+        drawn.specs[path] = spec
+    return drawn
+
+
+class WrittenFigures(list):
+    """The written files (a list of paths, as before), with ``skipped``: one line per figure not drawn."""
+
+    skipped: List[str]
+
+
+def write_figures(record_path, out_dir, fmt: str = "png", figures: Optional[Sequence[str]] = None, at=None,
+                  dpi: int = 150) -> WrittenFigures:
+    """Draw every registered figure whose paths are in the record at ``record_path`` into ``out_dir``.
+
+    Args:
+        record_path: an HDF5 record (also one that a search is still writing).
+        out_dir: folder, created if needed.
+        fmt: ``png``, ``pdf`` or ``svg``.
+        figures: figure names to draw (see `select`); None: all.
+        at: rows of the row figures (heatmaps): ``"init,final,120"`` or a list; None: the last row, and
+            file names without an ``_<at>`` suffix.
+        dpi: raster resolution (png).
+
+    Returns:
+        The written files (a list), with ``.skipped`` listing the figures that had nothing to draw.
+
+    Raises:
+        PlotError: the record has no committed rows, or an option is invalid.
+        RecordError: the record cannot be read.
+    """
+    from nasdiag.record import load
+
+    record = load(record_path)
+    if len(record["step"]) == 0:
+        raise PlotError(f"record {record_path} has no committed rows yet; nothing to plot")
+    drawn = draw_record(record, out_dir, fmt, figures, at, dpi)
+    written = WrittenFigures(drawn.files)
+    written.skipped = drawn.skipped
+    return written
+
+
+def write_comparison(records: Mapping[str, Record], out_dir, fmt: str = "png", figures: Optional[Sequence[str]] = None,
+                     at=None, dpi: int = 150) -> Drawn:
+    """For each registered heatmap, cell type and ``at`` row: one figure with the heatmap of every record
+    side by side on one colour scale (``<file>[_<at>].<fmt>`` in ``out_dir``).
+
+    Args:
+        records: ``{run label: record dict}`` in display order.
+    """
+    from nasdiag.plot.style import paper_style, render_heatmaps
+
+    if fmt not in FORMATS:
+        raise PlotError(f"unknown figure format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    ats = parse_at(at) or ["final"]
+    out = Path(out_dir)
+    drawn = Drawn()
+    for spec in select(figures):
+        if not spec.is_heatmap:
+            continue
+        cells: Dict[Optional[str], None] = {}
+        for record in records.values():
+            cells.update(dict.fromkeys(spec.cells(list(record))))
+        for cell in cells:
+            for token in ats:
+                stem = spec.filename(cell) + (f"_{_at_label(token)}" if at is not None else "")
+                panels = {}
+                for label, record in records.items():
+                    try:
+                        row = resolve_row(record, _row_path(spec, record, cell), token)
+                        panels[label] = spec.draw(record, cell, row)
+                    except NothingToDraw:
+                        continue
+                if len(panels) < 2:
+                    drawn.skipped.append(f"{stem}: fewer than two runs have it; no comparison")
+                    continue
+                out.mkdir(parents=True, exist_ok=True)
+                path = out / f"{stem}.{fmt}"
+                try:
+                    with paper_style():
+                        fig = render_heatmaps(panels)
+                except NothingToDraw as exc:
+                    drawn.skipped.append(f"{stem}: {exc}")
+                    continue
+                save(fig, path, dpi)
+                drawn.files.append(path)
+                drawn.specs[path] = spec
+    return drawn

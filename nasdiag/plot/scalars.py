@@ -1,0 +1,82 @@
+"""Scalar curves (``scalars/<name>``), grouped by meaning: losses, accuracies, learning rates, norms."""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import numpy as np
+
+from nasdiag import vocabulary as V
+from nasdiag.plot.registry import NothingToDraw, figure
+from nasdiag.plot.style import PAGE, grid_shape, integer_steps, plt, series
+
+#: how a known scalar is named in legends: which split, which step, which convention
+DESCRIPTIONS = {
+    "train_loss": "train_loss\n(w step, batch)",
+    "val_loss": "val_loss\n(α step, batch)",
+    "search_val_loss": "search_val_loss\n(epoch eval., whole split)",
+    "train_acc": "train_acc\n(w step, batch)",
+    "val_acc": "val_acc\n(α step, batch)",
+    "search_val_acc": "search_val_acc\n(epoch eval., whole split)",
+    "w_lr": "w_lr (SGD on w)",
+    "alpha_grad_norm": "‖∂L/∂α‖₂ (α step)",
+}
+
+#: panels in display order: (title, y label, test on the scalar's name)
+GROUPS = (
+    ("losses", "cross-entropy", lambda n: "loss" in n),
+    ("accuracies", "top-1 accuracy", lambda n: "acc" in n),
+    ("learning rates", "learning rate", lambda n: n.endswith("lr") or "_lr_" in n),
+    ("norms", "ℓ2 norm", lambda n: "norm" in n),
+)
+#: counters, not curves
+SKIPPED = ("epoch",)
+
+
+def group_scalars(names: List[str]) -> Dict[str, List[str]]:
+    """``{panel title: [scalar names]}``: the four meaning groups, then one panel per other scalar."""
+    groups: Dict[str, List[str]] = {}
+    for name in names:
+        if name in SKIPPED:
+            continue
+        title = next((t for t, _, test in GROUPS if test(name)), name)
+        groups.setdefault(title, []).append(name)
+    order = [t for t, _, _ in GROUPS]
+    return dict(sorted(groups.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)))
+
+
+@figure(V.SCALAR, name="scalars", file="scalars", caption=(
+    "Per-step and per-epoch scalars grouped by meaning: losses, accuracies, learning rates and gradient norms; "
+    "val_* are the α step's batch, search_val_* the evaluation of the whole search-val split after each epoch."))
+def scalar_curves(record, cell=None):
+    names = [k[len("scalars/"):] for k in record if k.startswith("scalars/") and np.ndim(record[k]) == 1]
+    curves = {}
+    for name in names:
+        try:
+            curves[name] = series(record, f"scalars/{name}")
+        except NothingToDraw:
+            continue
+    groups = group_scalars(list(curves))
+    if not groups:
+        raise NothingToDraw("no scalar has a finite value; nothing to draw")
+    rows, cols = grid_shape(len(groups), 2)
+    fig, axes = plt.subplots(rows, cols, figsize=(PAGE if cols > 1 else PAGE / 2, 0.4 + 1.7 * rows), squeeze=False)
+    ylabels = {t: y for t, y, _ in GROUPS}
+    for ax, (title, members) in zip(axes.ravel(), groups.items()):
+        for name in members:
+            steps, values = curves[name]
+            ax.plot(steps, values, lw=1.1, marker="o" if len(steps) < 30 else None, ms=3,
+                    label=DESCRIPTIONS.get(name, name))
+        lows = [np.nanmin(curves[n][1]) for n in members]
+        if title == "learning rates" and min(lows) > 0 and max(np.nanmax(curves[n][1]) for n in members) > 30 * min(lows):
+            ax.set_yscale("log")  # only where a schedule spans decades
+        ax.set_title(title, loc="left")
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabels.get(title, title))
+        integer_steps(ax)
+        # right of the panel: a legend inside would cover the curves
+        ax.legend(fontsize=6, frameon=False, loc="center left", bbox_to_anchor=(1.02, 0.5), borderaxespad=0.0)
+    for ax in axes.ravel()[len(groups):]:
+        ax.axis("off")
+    fig.suptitle("Scalars of the run")
+    return fig

@@ -1,0 +1,255 @@
+"""Shared look of nasdiag figures and the helpers every figure module uses.
+
+Sizes are for a two-column paper: one column is 3.4 in wide, fonts are 7-8 pt, so a figure placed at
+its natural size stays readable. Signed quantities get a diverging map centred at 0 (``RdBu_r``: red
+positive), non-negative ones a sequential map (``viridis``). Annotations never print ``-0.000``.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+import matplotlib
+
+matplotlib.use("Agg")  # batch scripts and reports have no display
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from matplotlib.colors import Normalize, TwoSlopeNorm  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+from nasdiag.plot.registry import Heatmap, NothingToDraw, valid_rows  # noqa: E402
+
+COLUMN = 3.4  # inches: one column of a two-column paper
+PAGE = 7.0  # inches: both columns
+DIVERGING = "RdBu_r"
+SEQUENTIAL = "viridis"
+RC = {
+    "font.size": 8,
+    "axes.titlesize": 8,
+    "axes.labelsize": 8,
+    "xtick.labelsize": 7,
+    "ytick.labelsize": 7,
+    "legend.fontsize": 7,
+    "figure.titlesize": 9,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "figure.constrained_layout.use": True,
+    "svg.fonttype": "none",
+    "pdf.fonttype": 42,
+}
+
+
+@contextmanager
+def paper_style():
+    """rcParams of every nasdiag figure (fonts readable in a two-column paper, constrained layout)."""
+    with matplotlib.rc_context(RC):
+        yield
+
+
+# -- record access -----------------------------------------------------------------------------------
+def _strings(record: Mapping[str, np.ndarray], key: str, n: int, prefix: str) -> List[str]:
+    if key in record:
+        names = [str(s) for s in np.atleast_1d(record[key])]
+        if len(names) == n:
+            return names
+    return [f"{prefix}{i}" for i in range(n)]
+
+
+def op_names(record: Mapping[str, np.ndarray], n: int) -> List[str]:
+    """The K candidate op names of the record (``meta/op_names``), else ``op 0 .. op K-1``."""
+    return _strings(record, "meta/op_names", n, "op ")
+
+
+def edge_names(record: Mapping[str, np.ndarray], cell: str, n: int) -> List[str]:
+    """The E edge labels ``i->j`` of a cell type (``meta/edge_names/<cell>``), else ``edge 0 ..``."""
+    return _strings(record, f"meta/edge_names/{cell}", n, "edge ")
+
+
+def series(record: Mapping[str, np.ndarray], path: str) -> Tuple[np.ndarray, np.ndarray]:
+    """(steps, values) of the rows in which ``path`` was logged; `NothingToDraw` if there are none or
+    every value is NaN."""
+    rows = valid_rows(record, path)
+    values = np.asarray(record[path][rows], dtype=float)
+    if rows.size == 0:
+        raise NothingToDraw(f"{path} has no rows yet")
+    if not np.isfinite(values).any():
+        raise NothingToDraw(f"{path} is NaN in every row; nothing to draw")
+    return record["step"][rows], values
+
+
+def epoch_span(record: Mapping[str, np.ndarray], path: str, row: int) -> str:
+    """Which steps an epoch statistic at ``row`` averages: ``"steps a-b (epoch e)"``.
+
+    Epoch statistics (cost moments) cover the steps after the previous row that logged ``path``, up
+    to this row's step; the first one starts at the record's first step.
+    """
+    rows = valid_rows(record, path)
+    steps = record["step"]
+    earlier = rows[rows < row]
+    first = int(steps[earlier[-1]]) + 1 if earlier.size else int(steps[0])
+    last = int(steps[row])
+    text = f"steps {first}-{last}" if first < last else f"step {last}"
+    if "scalars/epoch" in record and record.get("valid/scalars/epoch", np.ones(len(steps), bool))[row]:
+        text += f" (epoch {int(record['scalars/epoch'][row])})"
+    return text
+
+
+def step_of(record: Mapping[str, np.ndarray], row: int) -> int:
+    return int(record["step"][row])
+
+
+def integer_steps(ax) -> None:
+    """Step axes show integer ticks only."""
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=6))
+
+
+# -- numbers -----------------------------------------------------------------------------------------
+def scale_exponent(values: np.ndarray) -> int:
+    """Power of ten that brings the largest |value| into [1, 1000) when it is outside [0.01, 1000); else 0."""
+    finite = np.abs(values[np.isfinite(values)])
+    top = float(finite.max()) if finite.size else 0.0
+    if top == 0.0 or 0.01 <= top < 1000:
+        return 0
+    return int(math.floor(math.log10(top)))
+
+
+def number(value: float, decimals: int = 2) -> str:
+    """A short annotation: NaN as ``NaN``, and anything that rounds to zero as ``0`` (never ``-0.00``)."""
+    if not np.isfinite(value):
+        return "NaN" if np.isnan(value) else ("inf" if value > 0 else "-inf")
+    text = f"{value:.{decimals}f}"
+    if float(text) == 0.0:
+        return "0"
+    return text
+
+
+def _decimals(top: float) -> int:
+    return 3 if top < 1 else 2 if top < 10 else 1 if top < 100 else 0
+
+
+# -- heatmaps ----------------------------------------------------------------------------------------
+def _norm(values: np.ndarray, signed: Optional[bool], limits: Optional[Tuple[float, float]]):
+    finite = values[np.isfinite(values)]
+    if signed is None:
+        signed = bool(finite.size and finite.min() < 0)
+    if limits is not None:
+        lo, hi = limits
+    elif signed:
+        top = float(np.abs(finite).max()) if finite.size else 1.0
+        lo, hi = -(top or 1.0), (top or 1.0)
+    else:
+        lo = float(finite.min()) if finite.size else 0.0
+        hi = float(finite.max()) if finite.size else 1.0
+        if hi == lo:
+            hi = lo + 1.0
+    if signed:
+        return TwoSlopeNorm(vcenter=0.0, vmin=min(lo, -1e-300), vmax=max(hi, 1e-300)), DIVERGING
+    return Normalize(vmin=lo, vmax=hi), SEQUENTIAL
+
+
+def _draw_matrix(ax, hm: Heatmap, matrix: np.ndarray, norm, cmap: str, annotate: bool, row_labels: bool = True):
+    cm = plt.get_cmap(cmap).with_extremes(bad="#d9d9d9")
+    image = ax.imshow(np.ma.masked_invalid(matrix), cmap=cm, norm=norm, aspect="auto", interpolation="nearest")
+    ax.set_xticks(range(len(hm.cols)), hm.cols, rotation=45, ha="right", rotation_mode="anchor")
+    ax.set_yticks(range(len(hm.rows)), hm.rows if row_labels else [])
+    ax.tick_params(length=0)
+    for spine in ax.spines.values():
+        spine.set_visible(False)
+    if annotate and matrix.size <= 240:
+        finite = matrix[np.isfinite(matrix)]
+        decimals = _decimals(float(np.abs(finite).max()) if finite.size else 0.0)
+        for (i, j), v in np.ndenumerate(matrix):
+            shade = norm(v) if np.isfinite(v) else 0.5
+            dark = cmap == SEQUENTIAL and shade < 0.55 or cmap == DIVERGING and abs(float(shade) - 0.5) > 0.33
+            ax.text(j, i, number(v, decimals), ha="center", va="center", fontsize=5.5,
+                    color="white" if dark else "black")
+    return image
+
+
+def _title(hm: Heatmap) -> str:
+    n_nan = int(np.isnan(np.asarray(hm.matrix, dtype=float)).sum())
+    return hm.title + (f"  [{n_nan} NaN]" if n_nan else "")
+
+
+def render_heatmap(hm: Heatmap, annotate: bool = True):
+    """One heatmap figure: title, axis labels, colour bar labelled with ``hm.colorbar``."""
+    matrix = np.asarray(hm.matrix, dtype=float)
+    if matrix.size == 0 or not np.isfinite(matrix).any():
+        raise NothingToDraw(f"{hm.title}: every value is NaN; nothing to draw")
+    p = scale_exponent(matrix)
+    shown = matrix / 10.0**p
+    limits = None if hm.limits is None else (hm.limits[0] / 10.0**p, hm.limits[1] / 10.0**p)
+    norm, cmap = _norm(shown, hm.signed, limits)
+    n_rows, n_cols = matrix.shape
+    width = min(PAGE, max(COLUMN, 1.3 + 0.36 * n_cols))
+    fig, ax = plt.subplots(figsize=(width, 1.0 + 0.2 * n_rows + 0.25))
+    image = _draw_matrix(ax, hm, shown, norm, cmap, annotate)
+    ax.set_xlabel(hm.xlabel)
+    ax.set_ylabel(hm.ylabel)
+    ax.set_title(_title(hm), loc="left")
+    bar = fig.colorbar(image, ax=ax, shrink=0.9, pad=0.02)
+    bar.set_label(hm.colorbar + (f"  (x 1e{p})" if p else ""))
+    return fig
+
+
+def render_heatmaps(panels: Mapping[str, Heatmap], annotate: bool = False):
+    """The same heatmap of several runs side by side on one colour scale (one colour bar)."""
+    labels = list(panels)
+    matrices = {k: np.asarray(panels[k].matrix, dtype=float) for k in labels}
+    every = np.concatenate([m.ravel() for m in matrices.values()])
+    if not np.isfinite(every).any():
+        raise NothingToDraw("every value of every run is NaN; nothing to draw")
+    p = scale_exponent(every)
+    first = panels[labels[0]]
+    limits = None if first.limits is None else (first.limits[0] / 10.0**p, first.limits[1] / 10.0**p)
+    norm, cmap = _norm(every / 10.0**p, first.signed, limits)
+    n = len(labels)
+    cols = min(n, 4)
+    rows = math.ceil(n / cols)
+    n_rows, n_cols = matrices[labels[0]].shape
+    panel_w = 0.9 + 0.28 * n_cols
+    fig, axes = plt.subplots(rows, cols, figsize=(min(2 * PAGE, 0.8 + panel_w * cols), 0.9 + rows * (0.6 + 0.17 * n_rows)),
+                             squeeze=False)
+    image = None
+    for i, ax in enumerate(axes.ravel()):
+        if i >= n:
+            ax.axis("off")
+            continue
+        hm = panels[labels[i]]
+        image = _draw_matrix(ax, hm, matrices[labels[i]] / 10.0**p, norm, cmap, annotate, row_labels=i % cols == 0)
+        when = f" (step {hm.step})" if hm.step is not None else ""
+        ax.set_title(labels[i] + when, fontsize=7, loc="left")
+    fig.supxlabel(first.xlabel)
+    fig.supylabel(first.ylabel)
+    # the title without the run-specific tail (", steps a-b ...") is the same for every run
+    fig.suptitle(first.title.split(",")[0] + ": one colour scale across runs")
+    bar = fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, pad=0.01)
+    bar.set_label(first.colorbar + (f"  (x 1e{p})" if p else ""))
+    return fig
+
+
+def legend_outside(fig, axes, ncol: int = 1) -> None:
+    """One legend for the figure, right of the axes, never over data."""
+    handles, labels = [], []
+    for ax in np.ravel(axes):
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    if handles:
+        fig.legend(handles, labels, loc="outside right center", ncol=ncol, frameon=False)
+
+
+def grid_shape(n: int, max_cols: int = 5) -> Tuple[int, int]:
+    cols = min(n, max_cols)
+    return math.ceil(n / cols), cols
+
+
+__all__ = [
+    "COLUMN", "DIVERGING", "PAGE", "SEQUENTIAL", "edge_names", "epoch_span", "grid_shape", "integer_steps",
+    "legend_outside", "number", "op_names", "paper_style", "render_heatmap", "render_heatmaps", "scale_exponent",
+    "series", "step_of",
+]
