@@ -68,7 +68,7 @@ class SNAS(DARTS):
         """One single-level step on ``train_batch`` (``val_batch`` is not used)."""
         tau = self.temperature
         stats = {"scalars/w_lr": torch.tensor(self.w_optimizer.param_groups[0]["lr"]),
-                 "scalars/temperature": torch.tensor(tau)}
+                 "scalars/temperature": torch.tensor(tau, dtype=torch.float64)}
         z = self.forward_weights()
         stats.update(single_level_step(self, train_batch, z, None,
                                        lambda t, cost: snas_alpha_grad(cost, z[t], tau)))
