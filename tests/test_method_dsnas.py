@@ -11,7 +11,9 @@ forward is the dense one (every op computed, zero weights off the sample).
 """
 
 import copy
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -97,3 +99,27 @@ def test_resume_continues_bit_identically():
         for path in s1:
             assert torch.equal(s1[path], s2[path]), path
     assert all(V.family_of(path) is not None for path in s1)
+
+
+@pytest.mark.slow  # draws with matplotlib
+def test_sampling_figures_draw_from_a_record_of_the_steps(tmp_path):
+    from nasdiag.plot import write_figures
+    from nasdiag.plot.sampling import sample_counts
+    from nasdiag.record import Recorder, load
+
+    net, train, _ = supernet_and_batches("reference", 12)
+    snas = get_method("snas")(copy.deepcopy(net), schedule=SCHEDULE)
+    dsnas = get_method("dsnas")(net, schedule=SCHEDULE)
+    path = tmp_path / "run.h5"
+    with Recorder(str(path), meta={"method": "dsnas", "op_names": net.primitives}) as rec:
+        for step in range(1, 4):
+            stats = {**snas.step(train), **dsnas.step(train)}
+            snas.epoch_end(step)
+            rec.log(step, stats)
+    record = load(str(path))
+    hm = sample_counts(record, "normal", 2)
+    assert hm.matrix.sum() == 3 * net.num_edges and list(hm.cols) == net.primitives
+    np.testing.assert_array_equal(hm.matrix, stats[V.SAMPLE_COUNT.path(cell="normal")].numpy())
+    written = write_figures(str(path), tmp_path / "figs", figures=["sampling", "sample_counts"])
+    names = sorted(Path(p).name for p in written)
+    assert names == ["sample_count_normal_heatmap.png", "sample_count_reduce_heatmap.png", "sampling_temperature_entropy.png"]

@@ -1,0 +1,51 @@
+"""Figures of the sampling methods (SNAS, DSNAS, ProxylessNAS): the relaxation's temperature and the
+entropy of p over steps, and how often each op of each edge was sampled."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from nasdiag import vocabulary as V
+from nasdiag.plot.registry import Heatmap, NothingToDraw, figure, heatmap
+from nasdiag.plot.style import PAGE, edge_names, integer_steps, op_names, plt, series, step_of
+
+
+@figure((V.SAMPLE_TEMPERATURE, V.SAMPLE_ENTROPY), name="sampling", file="sampling_temperature_entropy",
+        caption="The Gumbel-softmax temperature τ of each step's sample (SNAS, annealed per epoch) and the mean "
+                "entropy of p = softmax(α) per edge: how far the architecture distribution is from one-hot.")
+def temperature_entropy(record, cell=None):
+    panels = []
+    for fam, label in ((V.SAMPLE_TEMPERATURE, "temperature τ"), (V.SAMPLE_ENTROPY, "mean entropy of p (nats)")):
+        try:
+            panels.append((label, *series(record, fam.pattern)))
+        except NothingToDraw:
+            continue
+    if not panels:
+        raise NothingToDraw("neither the temperature nor the entropy has a finite value")
+    fig, axes = plt.subplots(1, len(panels), figsize=(PAGE * len(panels) / 2, 2.2), squeeze=False)
+    for ax, (label, steps, values) in zip(axes.ravel(), panels):
+        ax.plot(steps, values, lw=1.1, marker="o" if len(steps) < 30 else None, ms=3)
+        ax.set_title(label, loc="left")
+        ax.set_xlabel("step")
+        integer_steps(ax)
+    if any(label.startswith("mean entropy") for label, *_ in panels):
+        K = next((np.shape(record[k])[-1] for k in record if V.SAMPLE_COUNT.regex.match(k) or V.ARCH_PROBABILITIES.regex.match(k)), None)
+        if K:  # the uniform distribution's entropy, the ceiling
+            axes.ravel()[-1].axhline(np.log(K), color="grey", lw=0.8, ls="--", label=f"log K = {np.log(K):.2f}")
+            axes.ravel()[-1].legend(fontsize=6, frameon=False)
+    fig.suptitle("Sampling: temperature and entropy")
+    return fig
+
+
+@heatmap(V.SAMPLE_COUNT, name="sample_counts", file="sample_count_{cell}_heatmap",
+         paper="wiring supplement Fig. 6b protocol (DSNAS cost means over sampled ops)",
+         caption="How many times each op of each edge was sampled up to the step (DSNAS one-hot samples, "
+                 "ProxylessNAS binary gates): the number of observations behind each DSNAS cost mean.")
+def sample_counts(record, cell: str, row: int) -> Heatmap:
+    path = V.SAMPLE_COUNT.path(cell=cell)
+    m = np.asarray(record[path][row], dtype=float)
+    E, K = m.shape
+    step = step_of(record, row)
+    return Heatmap(m, edge_names(record, cell, E), op_names(record, K),
+                   f"{cell} cell: samples per op up to step {step}", "times sampled (cumulative)",
+                   signed=False, step=step)
