@@ -67,9 +67,12 @@ class CostMoments:
         delta = mean_b - self.mean
         frac = torch.where(n > 0, n_b / n.clamp(min=1), torch.zeros_like(n))
         has_b = n_b > 0
-        self.mean = torch.where(has_b, self.mean + delta * frac, self.mean)
-        self._m2 = torch.where(has_b, self._m2 + m2_b + delta**2 * self.count * frac, self._m2)
-        self.count = n
+        mean = torch.where(has_b, self.mean + delta * frac, self.mean)
+        m2 = torch.where(has_b, self._m2 + m2_b + delta**2 * self.count * frac, self._m2)
+        # In place: a search step captured as a CUDA graph keeps accumulating into these very tensors.
+        self.mean.copy_(mean)
+        self._m2.copy_(m2)
+        self.count.copy_(n)
 
     def merge(self, other: "CostMoments") -> None:
         """Fold in the statistics of another accumulator (e.g. another DDP rank)."""

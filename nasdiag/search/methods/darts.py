@@ -28,6 +28,8 @@ class DARTS(SearchMethod):
     after the update.
     """
 
+    graph_capturable = True
+
     @dataclass
     class Hyperparameters(Hyperparameters):
         w_lr: float = hp(0.025, "Initial SGD learning rate of w (DARTS §A.1.1, CIFAR-10).", low=0, low_open=True)

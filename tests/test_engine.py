@@ -1,0 +1,220 @@
+"""The batched-ops engine and the CUDA-graph step runner against the eager per-op modules (CPU, float64).
+
+Reference: the eager path (one module per candidate op, a Python loop over edges), which the rest of the
+test suite validates against autograd and the papers' theorems. "Equals" is checked to 1e-10 in float64.
+"""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nasdiag.search.base import Schedule
+from nasdiag.search.methods.darts import DARTS
+from nasdiag.supernet import Network
+from nasdiag.supernet.engine import EngineWarning, why_not_fast
+from nasdiag.supernet.engine.graph import GraphWarning, StepGraph
+
+TOL = 1e-10
+
+
+def _net(seed=0, **kw):
+    torch.manual_seed(seed)
+    kw.setdefault("steps", 3)
+    kw.setdefault("multiplier", 3)
+    net = Network(4, 5, 3, in_channels=2, alpha_init_scale=1.0, **kw).double()  # cells: normal, reduce, reduce
+    return net
+
+
+def _pair(**kw):
+    eager = _net(**kw).set_engine("eager")
+    fast = copy.deepcopy(eager).set_engine("fast")
+    return eager, fast
+
+
+def _max_diff(xs, ys):
+    return max((a - b).abs().max().item() for a, b in zip(xs, ys))
+
+
+def _fwd_bwd(net, x, y):
+    leaves = [net.softmax_weights()[c.cell_type].detach().clone().requires_grad_(True) for c in net.cells]
+    logits = net(x, leaves)
+    F.cross_entropy(logits, y).backward()
+    return logits.detach(), [z.grad for z in leaves]
+
+
+@pytest.mark.parametrize("size", [8, 7])  # 7: odd sizes pad FactorizedReduce's shifted branch
+def test_fast_forward_backward_equals_eager_float64(size):
+    eager, fast = _pair()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(5, 2, size, size, generator=g, dtype=torch.float64), torch.randint(0, 5, (5,), generator=g)
+    assert why_not_fast(fast, x, [w for w in fast.softmax_weights().values()]) is None
+    for _ in range(2):  # twice: running statistics after one update feed nothing, but must match
+        lo_e, c_e = _fwd_bwd(eager, x, y)
+        lo_f, c_f = _fwd_bwd(fast, x, y)
+    assert (lo_e - lo_f).abs().max() < TOL
+    assert _max_diff(c_e, c_f) < TOL  # costs C = dL/dZ of every cell (wiring supplement §2)
+    assert _max_diff([p.grad for p in eager.weight_parameters()], [p.grad for p in fast.weight_parameters()]) < TOL
+    be, bf = dict(eager.named_buffers()), dict(fast.named_buffers())
+    assert be.keys() == bf.keys()
+    assert _max_diff(list(be.values()), list(bf.values())) < TOL  # running mean/var and num_batches_tracked
+
+
+def test_fast_is_taken_and_is_fewer_ops():
+    """The fast path really runs: far fewer autograd nodes than the per-op modules."""
+    eager, fast = _pair()
+    x = torch.randn(3, 2, 8, 8, dtype=torch.float64)
+
+    def nodes(net):
+        out = net(x).sum()
+        seen, stack = set(), [out.grad_fn]
+        while stack:
+            f = stack.pop()
+            if f is None or f in seen:
+                continue
+            seen.add(f)
+            stack.extend(n for n, _ in f.next_functions)
+        return sum(type(f).__name__ != "AccumulateGrad" for f in seen)  # parameters are the same in both
+
+    assert nodes(fast) * 2 < nodes(eager)
+
+
+def test_engine_choice_and_fallbacks_warn_once():
+    eager, fast = _pair()
+    with pytest.raises(ValueError, match="unknown engine"):
+        fast.set_engine("turbo")
+    x = torch.randn(3, 2, 8, 8, dtype=torch.float64)
+    per_sample = {t: w.unsqueeze(1).expand(-1, 3, -1) for t, w in fast.softmax_weights().items()}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out_f = [fast(x, per_sample) for _ in range(2)]
+    msgs = [str(w.message) for w in caught if issubclass(w.category, EngineWarning)]
+    assert len(msgs) == 1 and "per sample" in msgs[0]
+    out_e = eager(x, per_sample)
+    assert (out_f[0] - out_e).abs().max() < TOL
+    fast.eval()
+    assert "eval mode" in why_not_fast(fast, x, list(fast.softmax_weights().values()))
+    fast.train()
+    handle = fast.cells[0].edges[0].ops[4].register_forward_hook(lambda *a: None)
+    try:
+        assert "hooks" in why_not_fast(fast, x, list(fast.softmax_weights().values()))
+    finally:
+        handle.remove()
+    auto = copy.deepcopy(fast).set_engine("auto")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # auto on CPU: eager, silently
+        auto(x, per_sample)
+
+
+def _method(engine, seed=0, **kw):
+    net = _net(seed, **kw).set_engine(engine)
+    return DARTS(net, schedule=Schedule(epochs=2, steps_per_epoch=4), hessian_mode="approx")
+
+
+def _batches(sizes, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for b in sizes:
+        out.append(((torch.randn(b, 2, 8, 8, generator=g, dtype=torch.float64), torch.randint(0, 5, (b,), generator=g)),
+                    (torch.randn(b, 2, 8, 8, generator=g, dtype=torch.float64), torch.randint(0, 5, (b,), generator=g))))
+    return out
+
+
+def _state(method):
+    net = method.network
+    tensors = [p.detach() for p in net.parameters()] + list(net.buffers())
+    for opt in (method.w_optimizer, method.alpha_optimizer):
+        for st in opt.state.values():
+            tensors += [v for v in st.values() if torch.is_tensor(v)]
+    return tensors
+
+
+def test_darts_step_on_both_engines_agrees_float64():
+    """One DARTS step (α step + w step) per engine: weights, α, optimizer state, cost statistics and the
+    mixing-weight Hessian diagonal (BayesNAS C.3) agree to 1e-10."""
+    methods = [_method("eager"), _method("fast")]
+    results = []
+    for m in methods:
+        stats = [m.step(*b) for b in _batches([6, 6])]
+        results.append((stats, m.diagnostics()))
+    (s_e, d_e), (s_f, d_f) = results
+    for a, b in zip(s_e, s_f):
+        assert a.keys() == b.keys()
+        assert _max_diff(list(a.values()), list(b.values())) < TOL
+    assert d_e.keys() == d_f.keys() and any(k.startswith("hessian/") for k in d_e) and any(k.startswith("cost/") for k in d_e)
+    for k in d_e:
+        assert torch.equal(d_e[k].isnan(), d_f[k].isnan()), k
+        assert (d_e[k].double() - d_f[k].double()).nan_to_num().abs().max() < TOL, k
+    assert _max_diff(_state(methods[0]), _state(methods[1])) < TOL
+
+
+class FakeGraphs:
+    """Stands in for ``torch.cuda`` at the StepGraph boundary on CPU: capture records the step and its
+    static inputs without running it; replay runs it on the static inputs, as a real graph replays its
+    kernels on the captured buffers. A stale replay would therefore compute on stale shapes or data."""
+
+    def __init__(self, fail=False):
+        self.fail = fail
+        self.replayed_shapes = []
+
+    def eager(self, fn, args):
+        return fn(*args)
+
+    def capture(self, fn, args):
+        if self.fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return (fn, args), None
+
+    def replay(self, graph, static_out):
+        fn, args = graph
+        self.replayed_shapes.append(args[0][0].shape[0])
+        return fn(*args)
+
+
+def _graphed(method, backend):
+    return StepGraph(type(method).step.__get__(method), method._graph_state_key, backend=backend, name="darts step")
+
+
+def test_graphed_steps_equal_plain_steps_and_never_replay_a_stale_shape():
+    sizes = [6, 6, 6, 6, 4, 6, 4, 4, 4]  # a partial batch mid-run, then a shape that persists
+    plain, graphed = _method("fast", steps=2, multiplier=2), _method("fast", steps=2, multiplier=2)
+    backend = FakeGraphs()
+    runner = _graphed(graphed, backend)
+    batches = _batches(sizes)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i, b in enumerate(batches):
+            a, g = plain.step(*b), runner(*b)
+            assert _max_diff(list(a.values()), list(g.values())) < TOL, i
+            if i == 5:  # the cost statistics are read and reset: the state key changes, the graph is dropped
+                da, dg = plain.diagnostics(), graphed.diagnostics()
+                assert _max_diff([da[k] for k in da if k.startswith("cost/")], [dg[k] for k in da if k.startswith("cost/")]) < TOL
+    assert _max_diff(_state(plain), _state(graphed)) < TOL
+    shape_warnings = [w for w in caught if issubclass(w.category, GraphWarning)]
+    assert len(shape_warnings) == 1 and "from 6x2x8x8, 6, 6x2x8x8, 6 to 4x2x8x8" in str(shape_warnings[0].message)
+    # 6 eager, 6 capture(+replay), 6 6 replay, 4 eager (warned), 6 replay, [reset: key changed] 4 eager,
+    # 4 capture(+replay), 4 replay
+    assert runner.counts == {"eager": 3, "capture": 2, "replay": 4, "plain": 0}
+    assert backend.replayed_shapes == [6, 6, 6, 6, 4, 4]
+
+
+def test_graph_capture_failure_falls_back_with_one_warning():
+    plain, graphed = _method("fast", steps=2, multiplier=2), _method("fast", steps=2, multiplier=2)
+    runner = _graphed(graphed, FakeGraphs(fail=True))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for b in _batches([5, 5, 5, 5]):
+            a, g = plain.step(*b), runner(*b)
+            assert _max_diff(list(a.values()), list(g.values())) < TOL
+    assert sum(issubclass(w.category, GraphWarning) for w in caught) == 1
+    assert runner.counts["capture"] == 0 and runner.disabled_reason.startswith("capture failed")
+    assert _max_diff(_state(plain), _state(graphed)) < TOL
+
+
+def test_darts_step_is_graphed_only_on_cuda_with_the_fast_engine():
+    m = _method("fast")
+    assert isinstance(m.step, StepGraph)
+    m.step(*_batches([4])[0])
+    assert m.step.counts["plain"] == 1  # CPU tensors: never captured
