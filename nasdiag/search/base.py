@@ -112,6 +112,10 @@ class SearchMethod:
     state_attributes: ClassVar[Tuple[str, ...]] = ()
     #: the α step takes the training batch (SNAS, DSNAS, ASM-NAS) rather than the validation batch
     single_level: ClassVar[bool] = False
+    #: :meth:`step` may be captured once as a CUDA graph and replayed (``nasdiag.supernet.engine.graph``): no
+    #: host synchronisation, no Python state that changes per step, no random numbers. Read from the class's
+    #: own ``__dict__``, so a subclass that changes the step must opt in again.
+    graph_capturable: ClassVar[bool] = False
 
     def __init__(self, network, hp: Optional[Hyperparameters] = None, *, schedule: Schedule, probe=None,
                  hessian_mode: Optional[str] = None, seed: int = 0):
@@ -137,6 +141,11 @@ class SearchMethod:
         self._cost_mask: Optional[CellWeights] = None
         self._last_arch_batch: Optional[Batch] = None
         self.build()
+        if type(self).__dict__.get("graph_capturable", False):
+            from nasdiag.supernet.engine.graph import StepGraph
+
+            self.step = StepGraph(self.step, self._graph_state_key, enabled=self._graph_enabled,
+                                  prepare=self._graph_prepare, name=f"{self.name} step")
 
     # -- to implement ------------------------------------------------------------------------------
     def build(self) -> None:
@@ -171,6 +180,34 @@ class SearchMethod:
         """The derived architecture (DARTS top-2 rule on :meth:`probabilities`; mixed-path methods override)."""
         net = self.network
         return derive_genotype(self.probabilities(), net.steps, net.multiplier, net.primitives)
+
+    # -- CUDA-graph capture of the step (engine "fast"/"auto" on CUDA) ------------------------------------
+    def _graph_enabled(self, tensors) -> bool:
+        return (all(t.is_cuda for t in tensors) and getattr(self.network, "engine", "eager") != "eager"
+                and self.model is self.network and self.probe is None)
+
+    def _graph_state_key(self):
+        """What a captured step bakes in besides the batch: optimizer settings (the scheduled learning rate),
+        the identities of the cost accumulators, train mode and where the parameters live."""
+        settings = []
+        for name, obj in sorted(self._stateful().items()):
+            if isinstance(obj, torch.optim.Optimizer):
+                settings.append((name, id(obj), tuple(tuple(sorted((k, v) for k, v in g.items() if k != "params"
+                                                                   and isinstance(v, (bool, int, float, str, tuple, type(None)))))
+                                                      for g in obj.param_groups)))
+        params = list(self.network.parameters())
+        return (tuple(settings), tuple((t, id(m)) for t, m in self._cost_moments.items()), self.network.training,
+                torch.is_grad_enabled(), params[0].data_ptr(), params[-1].data_ptr())
+
+    def _graph_prepare(self) -> None:
+        """Adam/AdamW keep their step count on the device (``capturable=True``) so a replay advances it."""
+        for obj in self._stateful().values():
+            if isinstance(obj, torch.optim.Optimizer) and "capturable" in obj.defaults:
+                for group in obj.param_groups:
+                    group["capturable"] = True
+                for p, state in obj.state.items():
+                    if torch.is_tensor(state.get("step")) and state["step"].device != p.device:
+                        state["step"] = state["step"].to(p.device, torch.float32)
 
     # -- the cost primitive as a service ---------------------------------------------------------------
     def cost(self, x: torch.Tensor, y: torch.Tensor, weights: CellWeights, *, active: Optional[CellWeights] = None,
