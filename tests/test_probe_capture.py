@@ -422,11 +422,16 @@ def test_misuse_of_record_and_results_is_explained():
     probe = nasdiag.attach(net)
     with pytest.raises(ProbeError, match="no completed recorded step"):
         probe.costs()
+    with pytest.raises(ProbeError, match="no completed recorded step") as err:
+        probe.statistics()  # docs/probe.md: results before any completed step raise
+    assert "\n" not in str(err.value)
     with pytest.raises(ProbeError, match="nested"):
         with probe.record():
             with probe.record():
                 pass
     assert_no_module_hooks(net)
+    with pytest.raises(ProbeError, match="no completed recorded step"):
+        probe.statistics()  # the failed block completed nothing
     with pytest.raises(ProbeError, match="path_split=True"):
         probe.path_costs()
     with pytest.raises(ProbeError, match="norm_deviation=True"):

@@ -13,7 +13,7 @@ Everything here lives for one block; the probe keeps only the small per-step res
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 

@@ -131,6 +131,7 @@ class Probe:
         self._index_cache: Dict[Tuple[str, torch.device], Tuple[torch.Tensor, torch.Tensor]] = {}
         self._recording = False
         self._steps = 0
+        self._any_step = False  # a block has completed since attach (reset_statistics keeps it)
 
     # -- structure ---------------------------------------------------------------------------
     @property
@@ -187,6 +188,7 @@ class Probe:
         self._convention_unchecked = cap.check_convention
         self._last = result
         self._steps += 1
+        self._any_step = True
         self._update_statistics(result)
 
     def _hook_plan(self) -> Hooks:
@@ -512,8 +514,14 @@ class Probe:
         same (E, K) entry, so ``count`` = steps × cells), else ``"edges"`` (n_edges, K), else one group per
         edge (docs/probe.md). With ``statistics="sampled"``, an entry is observed only when its mixing weight
         was non-zero, so under one-hot sampling ``count`` is the per-op sample count and ``mean`` is E[C | sampled].
-        Entries never observed are NaN with count 0.
+        Entries never observed are NaN with count 0 (after :meth:`reset_statistics`: all of them).
+
+        Raises:
+            ProbeError: no ``record()`` block has completed since ``attach``.
         """
+        if not self._any_step:
+            raise ProbeError("no completed recorded step yet: statistics() needs one `with probe.record(): "
+                             "loss = ...; loss.backward()` block first")
         out, nan_groups = {}, []
         for g in self._groups:
             m = self._moments.get(g.name) or CostMoments((g.n_edges, g.n_ops))

@@ -10,7 +10,6 @@ from torch import nn
 from nasdiag.edges import EdgeSpec
 from nasdiag.supernet.cell import Cell, edge_nodes
 from nasdiag.supernet.engine import fast as _engine
-from nasdiag.supernet.mixed import MixedOp
 from nasdiag.supernet.ops import DARTS_PRIMITIVES, OpConfig
 
 MixingWeights = Union[None, Mapping[str, torch.Tensor], Sequence[torch.Tensor]]
