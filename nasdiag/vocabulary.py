@@ -136,6 +136,8 @@ REGRET_REGRET = family("regret/<cell>/regret", "(E,)", "float32", "same", "Regre
 REGRET_BOUND = family("regret/<cell>/bound", "(E,)", "float32", "same", "The regret bound of Theorem 1 (eq 3) per edge.", section="regret")
 REGRET_GAMMA = family("regret/<cell>/gamma", "(E,)", "float32", "same", "γ_T of eq 28 per edge.", section="regret")
 REGRET_WIPEOUTS = family("regret/<cell>/wipeouts", "(E, K)", "bool", "same", "Experts wiped out at this step.", section="regret")
+REGRET_REWARDS = family("regret/<cell>/rewards", "(R, E, K)", "float32", "same",
+                        "The step's rewards R = -C on the val batch (Algorithm 1 line 8), one round per cell of the type (R cells, network order), as the forecaster received them (clipped to [-L, L] with clip_rewards).", section="regret")
 
 # -- attention (ASM-NAS) -------------------------------------------------------------------------
 ATTENTION_MEAN = family("attention/<cell>/mean", "(E, K)", "float32", "mean", "Batch-mean attention a per edge and op (eq 4.5), mean over the cells of the type.", section="attention")

@@ -206,6 +206,35 @@ class _ExpertsState:
         losses of the toy and statistical settings (§8)."""
         return self._tally.regret()
 
+    # ------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict:
+        """Everything that evolves with the rounds (``ln v``, the round count, the regret tally) and the
+        configuration it belongs to; :meth:`load_state_dict` continues bit-identically."""
+        return {
+            "config": self._config(),
+            "log_weights": self._log_v.clone(),
+            "rounds": self._rounds,
+            "uniform_init": self._uniform_init,
+            "forecaster_reward": self._tally.forecaster_reward.clone(),
+            "expert_reward": self._tally.expert_reward.clone(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a :meth:`state_dict` of a forecaster with the same configuration (else ValueError)."""
+        mine, theirs = self._config(), dict(state.get("config", {}))
+        if mine != theirs:
+            diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
+            raise ValueError(f"this state belongs to a forecaster configured differently (saved, current): {diff}")
+        as_state = lambda t: torch.as_tensor(t).to(dtype=self.dtype, device=self.device).clone()  # noqa: E731
+        self._log_v = as_state(state["log_weights"])
+        self._rounds = int(state["rounds"])
+        self._uniform_init = bool(state["uniform_init"])
+        self._tally.forecaster_reward = as_state(state["forecaster_reward"])
+        self._tally.expert_reward = as_state(state["expert_reward"])
+
+    def _config(self) -> dict:
+        return {"kind": type(self).__name__, "n_experts": self.n_experts, "lr": self.lr, "shape": tuple(self.shape)}
+
 
 class Forecaster(_ExpertsState):
     """XNAS forecasters (Algorithm 1): EG step and wipeout, batched over ``shape``.
@@ -283,6 +312,24 @@ class Forecaster(_ExpertsState):
         return eta * t * L * L / 2.0 + (math.log(self.n_experts) - self._log_gamma) / eta
 
     # ----------------------------------------------------------------- state
+    def state_dict(self) -> dict:
+        """Adds the alive set, ``ln gamma``, the bound violations and the wipeout log to the base state."""
+        state = super().state_dict()
+        state.update(alive=self._alive.clone(), log_gamma=self._log_gamma.clone(),
+                     bound_violations=self._bound_violations.clone(),
+                     wipeouts=[{k: v.clone() for k, v in entry.items()} for entry in self._wipeouts])
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self._alive = torch.as_tensor(state["alive"]).to(dtype=torch.bool, device=self.device).clone()
+        self._log_gamma = torch.as_tensor(state["log_gamma"]).to(dtype=self.dtype, device=self.device).clone()
+        self._bound_violations = torch.as_tensor(state["bound_violations"]).to(dtype=torch.int64, device=self.device).clone()
+        self._wipeouts = [{k: v.to(self.device).clone() for k, v in entry.items()} for entry in state["wipeouts"]]
+
+    def _config(self) -> dict:
+        return {**super()._config(), "loss_bound": self.loss_bound, "horizon": self.horizon, "zeta": self.zeta}
+
     @property
     def alive(self) -> torch.Tensor:
         """``(*shape, N)`` bool, the experts not wiped out (``I_t`` of eq 21)."""

@@ -1,0 +1,203 @@
+"""XNAS (Nayman et al., NeurIPS 2019): every edge is a forecaster over its candidate ops (Algorithm 1).
+
+One :class:`~nasdiag.regret.Forecaster` per cell type, batched over its E edges. A step is Algorithm 1
+with the mixing weights u = v / Σv (eq 1):
+
+- line 4: an SGD step on w with the search-train loss at u;
+- lines 5–8: the prediction at u on the search-val batch; the rewards are minus the costs,
+  R = −C = −∂L_val/∂Z (``nasdiag.regret.xnas_reward``), computed once by :meth:`SearchMethod.cost`;
+- lines 9–12: the EG step v ← v·exp(ηR) and the wipeout of every v < max v·exp(−2ηL(T − t)ζ).
+
+**Rounds.** α is shared by the r_c cells of a type, and each cell's costs are a reward vector of its
+own, so a step plays r_c rounds, one per cell in network order: T_c = |val| / batch × epochs × r_c
+rounds in a run (the steps of the run × r_c), the horizon of the thresholds and of η*_c (eq 4;
+§3.1 "Multiple Learning Rates" counts T_c = d × 𝓔 × r_c with d the validation set size, i.e. one round
+per sample; we count one round per cell and step, the updates the forecaster actually makes, so the
+wipeout thresholds reach their final value at the last step).
+
+**L** is the gradient clip (§3.2.2): the bound on |R| that eq 3–4 and Lemma 1 assume. With
+``clip_rewards`` (default) each reward is clipped to [−L, L], as clipping the gradient does, so the
+guarantees hold for the sequence the forecaster sees (best expert never wiped out, regret ≤ bound).
+
+No weight decay and no momentum on the architecture (§3.2.2): v changes only by the EG step.
+Wiped-out experts are not computed in later forwards (:meth:`active_ops`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, Mapping, Optional
+
+import torch
+from torch import nn
+
+from nasdiag import vocabulary as V
+from nasdiag.errors import ConfigError
+from nasdiag.regret import Forecaster, xnas_reward
+from nasdiag.search.base import Batch, CellWeights, SearchError, SearchMethod, accuracy
+from nasdiag.search.hyperparameters import Hyperparameters, hp
+from nasdiag.search.registry import register
+
+
+class CellForecasters(dict):
+    """``{cell type: Forecaster over (E,) edges}`` that saves and loads with the method's state."""
+
+    def state_dict(self) -> Dict[str, dict]:
+        return {t: f.state_dict() for t, f in self.items()}
+
+    def load_state_dict(self, state: Mapping[str, dict]) -> None:
+        if set(state) != set(self):
+            raise SearchError(f"the saved forecasters are for cell types {sorted(state)}, this supernet has {sorted(self)}")
+        for t, f in self.items():
+            f.load_state_dict(state[t])
+            if not f.alive.any(-1).all():
+                raise SearchError(f"the saved {t} forecasters have an edge with every op wiped out; the state is corrupt")
+
+
+@register("xnas")
+class XNAS(SearchMethod):
+    """XNAS: EG forecasters with wipeout on the architecture, SGD on w (Algorithm 1).
+
+    :meth:`probabilities` (and the forward mixing weights) are the EG weights u; :meth:`active_ops` the
+    experts not wiped out. Each :meth:`step` returns ``scalars/{train_loss,train_acc,val_loss,val_acc,
+    w_lr,active_fraction,reward_clip_fraction}``, ``arch/<cell>/{probabilities,weights}`` and, per edge,
+    ``regret/<cell>/{log_weights,alive,regret,bound,gamma,wipeouts,rewards}`` (see the vocabulary).
+    """
+
+    @dataclass
+    class Hyperparameters(Hyperparameters):
+        w_lr: float = hp(0.025, "Initial SGD learning rate of w (DARTS §A.1.1; XNAS searches with DARTS's w "
+                                "training, §9.1).", low=0, low_open=True)
+        w_lr_min: float = hp(0.001, "Final learning rate of w's cosine schedule (DARTS code default).", low=0)
+        w_momentum: float = hp(0.9, "SGD momentum of w (DARTS §A.1.1).", low=0, high=1)
+        w_weight_decay: float = hp(3e-4, "Weight decay of w (DARTS §A.1.1); none on the architecture (XNAS §3.2.2).",
+                                   low=0)
+        grad_clip: float = hp(5.0, "Gradient-norm clip of w and the reward bound L of eq 3-4 (XNAS §3.2.2 sets L "
+                                   "to the gradient clip; 5 is the DARTS code default, §3.2.2's example uses 1).",
+                              low=0, low_open=True)
+        zeta: float = hp(1.0, "Wipeout relaxation ζ of the threshold (XNAS §3.2.2; 1 = Algorithm 1, the only "
+                              "value with Lemma 1's guarantee; smaller wipes out sooner).", low=0, low_open=True)
+        lr_scale: float = hp(1.0, "η_c = lr_scale · η*_c of eq 4 (XNAS §3.2.2 Remark 1: η* is an upper bound that "
+                                  "can be fine-tuned; 1 = the theoretical rate).", low=0, low_open=True)
+        clip_rewards: bool = hp(True, "Clip each reward to [-L, L], the gradient clip that makes L a bound on |R| "
+                                      "(eq 20; XNAS §3.2.2 'gradient clipping').")
+
+    def build(self) -> None:
+        h, net, schedule = self.hp, self.network, self.schedule
+        self.w_optimizer = torch.optim.SGD(net.weight_parameters(), lr=h.w_lr, momentum=h.w_momentum,
+                                           weight_decay=h.w_weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(self.w_optimizer, schedule.epochs, eta_min=h.w_lr_min)
+        if schedule.total_steps < 1:
+            raise ConfigError(f"xnas needs the run's length for its horizon T (eq 4): got {schedule.epochs} epochs × "
+                              f"{schedule.steps_per_epoch} steps per epoch")
+        device = next(net.parameters()).device
+        K = len(net.primitives)
+        if K < 2:
+            raise ConfigError(f"xnas needs at least 2 candidate ops per edge, the supernet has {K}")
+        #: ``{cell type: r_c}``: cells sharing the forecasters of a type, one round each per step
+        self.replications = {t: sum(c.cell_type == t for c in net.cells) for t in net.cell_types}
+        self.forecasters = CellForecasters()
+        for t, r in self.replications.items():
+            horizon = schedule.total_steps * r
+            lr = h.lr_scale * Forecaster.optimal_lr(horizon, h.grad_clip, K)
+            self.forecasters[t] = Forecaster(K, lr, h.grad_clip, horizon, zeta=h.zeta, shape=(net.num_edges,),
+                                             dtype=torch.float64, device=device)
+
+    # -- the architecture -------------------------------------------------------------------------------
+    def probabilities(self) -> CellWeights:
+        """``{cell type: (E, K)}`` the EG mixing weights u = v / Σ v (eq 1), 0 for wiped-out experts."""
+        dtype = next(self.network.parameters()).dtype
+        return {t: f.weights.to(dtype) for t, f in self.forecasters.items()}
+
+    def active_ops(self) -> CellWeights:
+        """``{cell type: (E, K) bool}`` (CPU) the experts not wiped out: only these are computed."""
+        return {t: f.alive.cpu() for t, f in self.forecasters.items()}
+
+    def arch_statistics(self, forward_weights: Optional[CellWeights] = None) -> Dict[str, torch.Tensor]:
+        # the network's α are not used by XNAS (its architecture parameters are ln v, recorded under regret/)
+        return {k: v for k, v in super().arch_statistics(forward_weights).items() if not V.ARCH_PARAMS.regex.match(k)}
+
+    # -- the step ---------------------------------------------------------------------------------------
+    def weight_step(self, x: torch.Tensor, y: torch.Tensor, weights: CellWeights, active: CellWeights) -> Dict[str, torch.Tensor]:
+        """Algorithm 1 line 4: one SGD step on w with the search-train loss at u, wiped-out ops not computed."""
+        self.w_optimizer.zero_grad(set_to_none=True)
+        logits = self.model(x, weights, active=active)
+        loss = nn.functional.cross_entropy(logits, y)
+        if not torch.isfinite(loss):
+            raise SearchError(f"the search-train loss is {float(loss.detach())} (xnas step {self.rounds_played + 1}): "
+                              "lower w_lr or check the data")
+        loss.backward()
+        nn.utils.clip_grad_norm_(self.network.weight_parameters(), self.hp.grad_clip)
+        self.w_optimizer.step()
+        return {"scalars/train_loss": loss.detach(), "scalars/train_acc": accuracy(logits.detach(), y)}
+
+    @property
+    def rounds_played(self) -> int:
+        """Steps taken so far (each plays r_c rounds of the forecasters of cell type c)."""
+        first = next(iter(self.forecasters.values()))
+        return first.rounds // self.replications[next(iter(self.forecasters))]
+
+    def rewards(self, per_cell) -> Dict[str, torch.Tensor]:
+        """``{cell type: (r_c, E, K)}`` the rounds' rewards R = −C (Algorithm 1 line 8), one per cell in
+        network order, before clipping; float64."""
+        by_type: Dict[str, list] = {t: [] for t in self.forecasters}
+        for cell, cost in zip(self.network.cells, per_cell):
+            by_type[cell.cell_type].append(xnas_reward(cost.detach().to(torch.float64)))
+        return {t: torch.stack(rows) for t, rows in by_type.items()}
+
+    def step(self, train_batch: Batch, val_batch: Batch) -> Dict[str, torch.Tensor]:
+        u, active = self.probabilities(), self.active_ops()
+        stats: Dict[str, torch.Tensor] = {"scalars/w_lr": torch.tensor(self.w_optimizer.param_groups[0]["lr"]),
+                                          "scalars/active_fraction": self._active_fraction(active)}
+        stats.update(self.weight_step(*train_batch, u, active))
+        x, y = val_batch
+        result = self.cost(x, y, u, active=active)
+        if not torch.isfinite(result.loss):
+            raise SearchError(f"the search-val loss is {float(result.loss)} (xnas step {self.rounds_played + 1}): "
+                              "the rewards would corrupt the forecasters; lower w_lr or check the data")
+        stats.update({"scalars/val_loss": result.loss, "scalars/val_acc": accuracy(result.logits, y)})
+        L = self.hp.grad_clip
+        clipped, counted = 0, 0
+        for t, rewards in self.rewards(result.per_cell).items():
+            f = self.forecasters[t]
+            alive = f.alive
+            if not torch.isfinite(rewards[:, alive]).all():
+                raise SearchError(f"non-finite costs of alive {t} ops at xnas step {self.rounds_played + 1}")
+            clipped += int((rewards.abs() > L)[:, alive].sum())
+            counted += int(alive.sum()) * rewards.shape[0]
+            if self.hp.clip_rewards:
+                rewards = rewards.clamp(-L, L)
+            wiped = torch.zeros_like(alive)
+            for round_rewards in rewards:  # one round per cell of the type
+                wiped |= f.update(round_rewards)
+            if not f.alive.any(-1).all():  # Lemma 1 makes this impossible; refuse rather than divide by zero
+                raise SearchError(f"every op of a {t} edge was wiped out at xnas step {self.rounds_played}")
+            stats.update(self._regret_statistics(t, f, wiped, rewards))
+        stats["scalars/reward_clip_fraction"] = torch.tensor(clipped / max(counted, 1), dtype=torch.float64)
+        stats.update(self.arch_statistics(u))
+        return stats
+
+    def _regret_statistics(self, cell_type: str, f: Forecaster, wiped: torch.Tensor, rewards: torch.Tensor):
+        return {
+            V.REGRET_LOG_WEIGHTS.path(cell=cell_type): f.log_weights,
+            V.REGRET_ALIVE.path(cell=cell_type): f.alive,
+            V.REGRET_REGRET.path(cell=cell_type): f.regret,
+            V.REGRET_BOUND.path(cell=cell_type): f.bound(),
+            V.REGRET_GAMMA.path(cell=cell_type): f.gamma,
+            V.REGRET_WIPEOUTS.path(cell=cell_type): wiped,
+            V.REGRET_REWARDS.path(cell=cell_type): rewards.clone(),
+        }
+
+    def _active_fraction(self, active: CellWeights) -> torch.Tensor:
+        """Fraction of the supernet's (cell, edge, op) computations this step's forwards make."""
+        on = sum(int(active[t].sum()) * r for t, r in self.replications.items())
+        total = sum(active[t].numel() * r for t, r in self.replications.items())
+        return torch.tensor(on / total, dtype=torch.float64)
+
+    def epoch_end(self, epoch: int) -> None:
+        self.scheduler.step()
+
+    def extend_schedule(self, epochs: int) -> None:
+        raise SearchError("xnas cannot extend a run: the wipeout thresholds and η* (eq 4) are fixed by the horizon "
+                          "T; start a new run with the wanted --epochs")
