@@ -5,33 +5,26 @@
   a module placed in ``nasdiag/plot/`` is imported, and its figures registered, automatically.
 - `write_comparison`: the same heatmap of several runs side by side, on one colour scale.
 - `write_report`: one self-contained HTML page of a run (``nasdiag report``).
+- ``nasdiag.plot.commands``: the ``plot`` and ``report`` subcommands of the CLI.
 
-Importing this package imports neither matplotlib nor torch; drawing does.
+Importing this package imports nothing (not even numpy): the CLI imports ``nasdiag.plot.commands``
+while building its parser, and ``nasdiag --help`` must stay instant.
 """
 
-from nasdiag.plot.registry import (
-    FORMATS,
-    FigureSpec,
-    Heatmap,
-    NothingToDraw,
-    PlotError,
-    figure,
-    heatmap,
-    registered,
-    write_comparison,
-    write_figures,
-)
+_EXPORTS = {
+    "FORMATS": "registry", "FigureSpec": "registry", "Heatmap": "registry", "NothingToDraw": "registry",
+    "PlotError": "registry", "figure": "registry", "heatmap": "registry", "registered": "registry",
+    "write_comparison": "registry", "write_figures": "registry", "write_report": "report",
+}
 
 
-def __getattr__(name):  # the report and the figure modules load matplotlib, so only on use
-    if name == "write_report":
-        from nasdiag.plot.report import write_report
+def __getattr__(name):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'nasdiag.plot' has no attribute {name!r}")
+    import importlib
 
-        return write_report
-    raise AttributeError(f"module 'nasdiag.plot' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"nasdiag.plot.{module}"), name)
 
 
-__all__ = [
-    "FORMATS", "FigureSpec", "Heatmap", "NothingToDraw", "PlotError", "figure", "heatmap", "registered",
-    "write_comparison", "write_figures", "write_report",
-]
+__all__ = sorted(_EXPORTS)

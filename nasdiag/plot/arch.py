@@ -156,15 +156,15 @@ def wiring_evolution(record, cell: str):
         picked = [picked[int(i)] for i in np.linspace(0, len(picked) - 1, 12).round()]
     E, K = record[path].shape[1:]
     steps, ops = C.steps_of(E), op_names(record, K)
-    n_rows, n_cols = grid_shape(len(picked), 4)
-    fig, axes = plt.subplots(n_rows, n_cols, figsize=(PAGE, 0.3 + 1.45 * n_rows), squeeze=False)
+    n_rows, n_cols = grid_shape(len(picked), 3)
+    fig, axes = plt.subplots(n_rows, n_cols, figsize=(PAGE, 0.3 + (0.5 + 0.3 * steps) * n_rows), squeeze=False)
     for ax, row in zip(axes.ravel(), picked):
         genes = C.most_probable_wiring(np.asarray(record[path][row], dtype=float), ops)
         label = f"step {step_of(record, row)}"
         if "scalars/epoch" in record and record.get("valid/scalars/epoch", np.zeros(1, bool))[row]:
             label = f"epoch {int(record['scalars/epoch'][row])} ({label})"
-        C.draw_cell(ax, genes, steps, _concat(record, steps), label)
+        C.draw_cell(ax, genes, steps, _concat(record, steps), label, short=True)
     for ax in axes.ravel()[len(picked):]:
         ax.axis("off")
-    fig.suptitle(f"{cell} cell: most probable wiring over the search")
+    fig.suptitle(f"{cell} cell: most probable wiring over the search (sep3 = sep_conv_3x3, max3 = max_pool_3x3, ...)")
     return fig

@@ -71,6 +71,14 @@ def parse_genotype(value) -> Dict[str, List]:
     return dict(value)
 
 
+def short_name(op: str) -> str:
+    """A compact op label for small cells: ``sep_conv_3x3`` -> ``sep3``, ``max_pool_3x3`` -> ``max3``,
+    ``skip_connect`` -> ``skip``; other names unchanged."""
+    op = re.sub(r"^(sep|dil)_conv_(\d+)x\d+$", r"\1\2", op)
+    op = re.sub(r"^(max|avg)_pool_(\d+)x\d+$", r"\1\2", op)
+    return "skip" if op == "skip_connect" else op
+
+
 def _positions(steps: int) -> Dict[int, Tuple[float, float]]:
     """Inputs left (top, bottom), intermediate nodes left to right alternately above and below the
     middle line, the output right on it."""
@@ -86,7 +94,8 @@ def _node(ax, xy, text, color):
             bbox=dict(boxstyle="round,pad=0.3", fc=color, ec="#444444", lw=0.6))
 
 
-def draw_cell(ax, genes: Sequence[Gene], steps: int, concat: Optional[Sequence[int]] = None, title: str = "") -> None:
+def draw_cell(ax, genes: Sequence[Gene], steps: int, concat: Optional[Sequence[int]] = None, title: str = "",
+              short: bool = False) -> None:
     """Draw one cell on ``ax``.
 
     Args:
@@ -94,6 +103,7 @@ def draw_cell(ax, genes: Sequence[Gene], steps: int, concat: Optional[Sequence[i
         steps: intermediate nodes.
         concat: nodes concatenated into the output (default: all intermediate nodes).
         title: axes title.
+        short: label edges with :func:`short_name` (for small panels).
     """
     import math
 
@@ -103,7 +113,7 @@ def draw_cell(ax, genes: Sequence[Gene], steps: int, concat: Optional[Sequence[i
     concat = list(range(2, steps + 2)) if concat is None else [int(c) for c in concat]
     by_edge: Dict[Tuple[int, int], List[str]] = {}
     for op, i, j in genes:
-        by_edge.setdefault((int(i), int(j)), []).append(str(op))
+        by_edge.setdefault((int(i), int(j)), []).append(short_name(str(op)) if short else str(op))
     for (i, j), ops in by_edge.items():
         (x1, y1), (x2, y2) = pos[i], pos[j]
         # arrows that pass other nodes bow away from them; the label sits on the arrow, along it
@@ -111,9 +121,14 @@ def draw_cell(ax, genes: Sequence[Gene], steps: int, concat: Optional[Sequence[i
         rad = 0.0 if skips == 0 else 0.22 * (1 if y1 >= y2 else -1)
         ax.add_patch(FancyArrowPatch((x1, y1), (x2, y2), connectionstyle=f"arc3,rad={rad}", arrowstyle="-|>",
                                      mutation_scale=7, lw=0.8, color="#555555", shrinkA=10, shrinkB=10, zorder=2))
+        # the label sits on the arc (matplotlib's arc3 is a quadratic Bézier with control point c) at
+        # t = 0.42: a little towards the source, so labels of arrows converging on one node separate
         dx, dy = x2 - x1, y2 - y1
-        mx, my = (x1 + x2) / 2 + 0.5 * rad * dy, (y1 + y2) / 2 - 0.5 * rad * dx
-        angle = math.degrees(math.atan2(dy, dx))
+        cx, cy = (x1 + x2) / 2 + rad * dy, (y1 + y2) / 2 - rad * dx
+        t = 0.42
+        mx = (1 - t) ** 2 * x1 + 2 * t * (1 - t) * cx + t**2 * x2
+        my = (1 - t) ** 2 * y1 + 2 * t * (1 - t) * cy + t**2 * y2
+        angle = math.degrees(math.atan2((1 - t) * (cy - y1) + t * (y2 - cy), (1 - t) * (cx - x1) + t * (x2 - cx)))
         if angle > 90 or angle < -90:
             angle += 180
         ax.text(mx, my, "\n".join(ops), ha="center", va="center", fontsize=5.5, zorder=3, linespacing=1.0,

@@ -8,8 +8,8 @@ from nasdiag import vocabulary as V
 from nasdiag.plot.registry import Heatmap, heatmap
 from nasdiag.plot.style import edge_names, epoch_span, op_names, step_of
 
-#: the sign convention, in words: C is the loss's slope in the op's mixing weight
-COST_SIGN = "C = ∂L/∂Z, L the batch-mean loss\n> 0: more weight on the op raises L"
+#: the sign convention, in words: C is the slope of the batch-mean loss L in the op's mixing weight Z
+COST_SIGN = "> 0: more weight raises L"
 
 
 @heatmap(V.COST_MEAN, name="cost", file="cost_{cell}_heatmap", paper="wiring supplement Figs 5, 6, 19-21",
@@ -20,7 +20,7 @@ def cost_mean(record, cell: str, row: int) -> Heatmap:
     m = np.asarray(record[path][row], dtype=float)
     E, K = m.shape
     return Heatmap(m, edge_names(record, cell, E), op_names(record, K),
-                   f"{cell} cell: cost mean E[C], {epoch_span(record, path, row)}", f"E[C],  {COST_SIGN}",
+                   f"{cell} cell: cost mean E[C], C = ∂L/∂Z, {epoch_span(record, path, row)}", f"E[C]  ({COST_SIGN})",
                    signed=True, step=step_of(record, row))
 
 

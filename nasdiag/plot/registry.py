@@ -324,7 +324,7 @@ def save(fig, path: Path, dpi: int) -> None:
     import matplotlib.pyplot as plt
 
     try:
-        fig.savefig(path, dpi=dpi, bbox_inches="tight", pad_inches=0.03)
+        fig.savefig(path, dpi=dpi, bbox_inches="tight", pad_inches=0.04)
     finally:
         plt.close(fig)
 

@@ -225,7 +225,7 @@ def render_heatmaps(panels: Mapping[str, Heatmap], annotate: bool = False):
     fig.supxlabel(first.xlabel)
     fig.supylabel(first.ylabel)
     # the title without the run-specific tail (", steps a-b ...") is the same for every run
-    fig.suptitle(first.title.split(",")[0] + ": one colour scale across runs")
+    fig.suptitle(first.title.split(",")[0] + ", one colour scale across runs")
     bar = fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, pad=0.01)
     bar.set_label(first.colorbar + (f"  (x 1e{p})" if p else ""))
     return fig

@@ -1,0 +1,97 @@
+"""Figures of XNAS's forecasters (one per edge): regret against the bound of Theorem 1, the experts still
+alive over the steps, and the wipeout events."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from nasdiag import vocabulary as V
+from nasdiag.plot.registry import NothingToDraw, figure, valid_rows
+from nasdiag.plot.style import COLUMN, PAGE, edge_names, integer_steps, op_names, plt
+
+
+def _rows(record, path):
+    rows = valid_rows(record, path)
+    if rows.size == 0:
+        raise NothingToDraw(f"{path} has no rows yet")
+    return rows, np.asarray(record["step"])[rows]
+
+
+@figure((V.REGRET_REGRET, V.REGRET_BOUND), name="regret_bound", file="regret_bound_{cell}", paper="XNAS Theorem 1, eq 3",
+        caption="Regret of each edge's forecaster (eq 31, solid) against its Theorem 1 bound (eq 3, dashed, same colour) "
+                "over the steps; the bound holds when every reward is within L.")
+def regret_bound(record, cell):
+    regret_path, bound_path = V.REGRET_REGRET.path(cell=cell), V.REGRET_BOUND.path(cell=cell)
+    rows, steps = _rows(record, regret_path)
+    regret = np.asarray(record[regret_path][rows], dtype=float)
+    if not np.isfinite(regret).any():
+        raise NothingToDraw(f"{regret_path} is NaN in every row; nothing to draw")
+    bound = np.asarray(record[bound_path][rows], dtype=float) if bound_path in record else None
+    E = regret.shape[1]
+    names = edge_names(record, cell, E)
+    fig, ax = plt.subplots(figsize=(COLUMN, 2.4))
+    colors = plt.get_cmap("tab10")
+    for e in range(E):
+        ax.plot(steps, regret[:, e], color=colors(e % 10), lw=1.1, label=names[e])
+        if bound is not None:
+            ax.plot(steps, bound[:, e], color=colors(e % 10), lw=0.8, ls="--")
+    ax.set_xlabel("step")
+    ax.set_ylabel("regret (solid), bound (dashed)")
+    integer_steps(ax)
+    ax.legend(fontsize=6, frameon=False, ncol=2)
+    ax.set_title(f"{cell} cell: XNAS regret vs bound", loc="left")
+    return fig
+
+
+@figure(V.REGRET_ALIVE, name="alive_experts", file="alive_experts_{cell}", paper="XNAS Algorithm 1, lines 11-12",
+        caption="How many candidate ops (experts) of each edge survive the wipeout after each step: the computed "
+                "part of the supernet shrinks as inferior ops are wiped out.")
+def alive_experts(record, cell):
+    path = V.REGRET_ALIVE.path(cell=cell)
+    rows, steps = _rows(record, path)
+    alive = np.asarray(record[path][rows]).astype(bool)
+    counts = alive.sum(-1)  # (T, E)
+    E, K = alive.shape[1], alive.shape[2]
+    names = edge_names(record, cell, E)
+    fig, ax = plt.subplots(figsize=(COLUMN, 2.4))
+    colors = plt.get_cmap("tab10")
+    for e in range(E):
+        # a small vertical offset per edge keeps overlapping step curves apart
+        ax.step(steps, counts[:, e] + 0.06 * (e - (E - 1) / 2), where="post", color=colors(e % 10), lw=1.1, label=names[e])
+    ax.set_ylim(0.5, K + 0.5)
+    ax.set_yticks(range(1, K + 1))
+    ax.set_xlabel("step")
+    ax.set_ylabel("alive experts")
+    integer_steps(ax)
+    ax.legend(fontsize=6, frameon=False, ncol=2)
+    ax.set_title(f"{cell} cell: alive experts per edge", loc="left")
+    return fig
+
+
+@figure(V.REGRET_WIPEOUTS, name="wipeouts", file="wipeouts_{cell}", paper="XNAS Algorithm 1, line 12",
+        caption="Each wipeout event: the step (x) at which an op (colour) of an edge (y) was removed from the "
+                "forecaster's experts and stopped being computed.")
+def wipeouts(record, cell):
+    path = V.REGRET_WIPEOUTS.path(cell=cell)
+    rows, steps = _rows(record, path)
+    wiped = np.asarray(record[path][rows]).astype(bool)  # (T, E, K)
+    t, e, k = np.nonzero(wiped)
+    if t.size == 0:
+        raise NothingToDraw(f"no op of the {cell} cell has been wiped out yet")
+    E, K = wiped.shape[1], wiped.shape[2]
+    ops = op_names(record, K)
+    fig, ax = plt.subplots(figsize=(PAGE / 2, 0.3 * E + 1.4))
+    colors = plt.get_cmap("tab10")
+    for op in np.unique(k):
+        sel = k == op
+        jitter = 0.5 * (op - (K - 1) / 2) / K  # ops of one edge side by side
+        ax.scatter(steps[t[sel]], e[sel] + jitter, s=14, color=colors(op % 10), label=ops[op])
+    ax.set_yticks(range(E))
+    ax.set_yticklabels(edge_names(record, cell, E))
+    ax.invert_yaxis()
+    ax.set_xlabel("step")
+    ax.set_ylabel("edge")
+    integer_steps(ax)
+    ax.legend(fontsize=6, frameon=False, bbox_to_anchor=(1.0, 1.0), loc="upper left")
+    ax.set_title(f"{cell} cell: wipeouts ({t.size} ops)", loc="left")
+    return fig

@@ -1,0 +1,265 @@
+"""One self-contained HTML page of a run: meta, key numbers, genotype and every registered figure.
+
+Images are PNGs inlined as base64 ``data:`` URIs and the style sheet is inline, so the page fetches
+nothing from the network and can be mailed as one file. It reads the record through the SWMR reader,
+so it also works while a search is still writing the record (it then says so and shows the rows
+committed so far).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from nasdiag.plot.registry import NothingToDraw, PlotError, iter_figures
+
+#: section titles of the record groups, in page order (groups not listed follow in registry order)
+GROUP_TITLES = {
+    "scalars": "Losses, accuracies and learning rates",
+    "arch": "Architecture distribution",
+    "cost": "Cost C = ∂L/∂Z (wiring supplement)",
+    "hessian": "Curvature (BayesNAS appendix C)",
+    "sample": "Sampling",
+    "regret": "Experts and regret (XNAS)",
+    "attention": "Attention (ASM-NAS)",
+    "sparsity": "Sparsity (SparseNAS)",
+    "bayes": "Sparse Bayesian statistics (BayesNAS)",
+}
+
+CSS = """
+body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;max-width:1100px;margin:24px auto;padding:0 16px;color:#222}
+h1{font-size:22px;margin-bottom:4px}h2{font-size:18px;border-bottom:1px solid #ddd;padding-bottom:4px;margin-top:32px}
+table{border-collapse:collapse;font-size:13px;margin:8px 0}td,th{border:1px solid #ddd;padding:3px 8px;text-align:left;vertical-align:top}
+th{background:#f5f5f5;font-weight:600}code{font-size:12px}.note{background:#fff6d6;border:1px solid #e8d48a;padding:6px 10px}
+figure{margin:12px 0 24px 0}figure img{max-width:100%;height:auto;border:1px solid #eee}
+figcaption{font-size:13px;color:#444;margin-top:4px}.skipped{font-size:12px;color:#777}
+"""
+
+
+def _png(fig, dpi: int) -> str:
+    import matplotlib.pyplot as plt
+
+    buffer = io.BytesIO()
+    try:
+        fig.savefig(buffer, format="png", dpi=dpi)
+    finally:
+        plt.close(fig)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _last(record, path: str) -> Optional[Tuple[int, float]]:
+    if path not in record:
+        return None
+    valid = np.flatnonzero(record.get(f"valid/{path}", np.ones(len(record["step"]), bool)))
+    values = np.asarray(record[path], dtype=float)[valid]
+    finite = np.flatnonzero(np.isfinite(values))
+    if finite.size == 0:
+        return None
+    i = finite[-1]
+    return int(record["step"][valid[i]]), float(values[i])
+
+
+def _segment_attrs(path) -> List[Dict]:
+    """The attributes of each segment file (created, host, versions) and its rows and last write time."""
+    from nasdiag.record.reader import open_segment_file, read_segments
+
+    out = []
+    for seg in read_segments(path, with_data=False):
+        with open_segment_file(seg.file) as f:
+            attrs = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in f.attrs.items()}
+        attrs["rows"] = int(seg.steps.shape[0])
+        attrs["first_step"] = int(seg.steps[0]) if seg.steps.size else None
+        attrs["last_step"] = int(seg.steps[-1]) if seg.steps.size else None
+        attrs["file"] = seg.file
+        attrs["modified"] = os.path.getmtime(seg.file)
+        out.append(attrs)
+    return out
+
+
+def _seconds_per_step(record, segments: List[Dict]) -> Optional[str]:
+    for key in record:
+        if key.startswith("scalars/") and ("time" in key or "seconds" in key) and record[key].ndim == 1:
+            last = _last(record, key)
+            if last is not None:
+                return f"{last[1]:.3g} s ({key[len('scalars/'):]}, step {last[0]})"
+    total, steps = 0.0, 0
+    for seg in segments:
+        try:
+            created = time.mktime(time.strptime(str(seg.get("created", "")), "%Y-%m-%dT%H:%M:%S%z"))
+        except ValueError:
+            return None
+        if seg["rows"]:
+            total += max(seg["modified"] - created, 0.0)
+            steps += seg["rows"]
+    if steps == 0:
+        return None
+    return f"≈ {total / steps:.3g} s (segment creation to its last write, over {steps} rows; includes evaluation and flushes)"
+
+
+def _table(rows: Sequence[Tuple[str, str]]) -> str:
+    body = "".join(f"<tr><th>{html.escape(k)}</th><td>{v}</td></tr>" for k, v in rows)
+    return f"<table>{body}</table>"
+
+
+def _code(value) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
+    return f"<code>{html.escape(text)}</code>"
+
+
+def _live_note(record_path) -> str:
+    from nasdiag.record.schema import lock_path
+
+    lock = lock_path(os.fspath(record_path))
+    if not os.path.exists(lock):
+        return ""
+    try:
+        holder = json.loads(Path(lock).read_text() or "{}")
+    except (OSError, ValueError):
+        holder = {}
+    who = ", ".join(f"{k} {v}" for k, v in holder.items()) or "unknown writer"
+    return (f'<p class="note">A writer lock exists ({html.escape(who)}): the search is still writing this record, '
+            "or crashed. This page shows the rows committed so far.</p>")
+
+
+def _genotype_text(record) -> List[Tuple[str, str]]:
+    from nasdiag.plot.arch import ARCH_FAMILIES, cell_genes
+
+    out = []
+    paths = list(record)
+    from nasdiag import vocabulary as V
+
+    cells = []
+    for fam in ARCH_FAMILIES:
+        cells += [c for c in V.cells_with(paths, fam) if c not in cells]
+    for cell in cells:
+        path = next(f.path(cell=cell) for f in ARCH_FAMILIES if f.path(cell=cell) in record)
+        valid = np.flatnonzero(record.get(f"valid/{path}", np.ones(len(record["step"]), bool)))
+        if valid.size == 0:
+            continue
+        try:
+            genes = cell_genes(record, cell, int(valid[-1]))
+        except NothingToDraw as exc:
+            out.append((f"genotype ({cell})", html.escape(str(exc))))
+            continue
+        text = ", ".join(f"{op} ({i}→{j})" for op, i, j in genes) or "no op kept"
+        out.append((f"genotype ({cell})", html.escape(text)))
+    return out
+
+
+def build_report(record_path, figures: Optional[Sequence[str]] = None, dpi: int = 110) -> str:
+    """The HTML text of the report of the record at ``record_path`` (see :func:`write_report`)."""
+    from nasdiag.plot.style import paper_style
+    from nasdiag.record import load, load_meta
+
+    record = load(record_path)
+    meta = load_meta(record_path)
+    if len(record["step"]) == 0:
+        raise PlotError(f"record {record_path} has no committed rows yet; nothing to report")
+    segments = _segment_attrs(record_path)
+    config = meta.get("config") if isinstance(meta.get("config"), dict) else {}
+    name = Path(os.fspath(record_path)).name
+    steps = record["step"]
+
+    run_rows = [
+        ("record", _code(os.fspath(record_path))),
+        ("method", _code(meta.get("method", "?"))),
+        ("hyperparameters", _code(meta.get("hp", config.get("hp", "not recorded")))),
+        ("data", _code({k: config[k] for k in ("dataset", "data_dir", "batch_size", "epochs") if k in config} or "not recorded")),
+        ("supernet", _code({k: config[k] for k in ("C", "layers", "steps", "multiplier", "order", "norm") if k in config} or "not recorded")),
+        ("machine", _code({"host": segments[-1].get("host", "?"), "device": config.get("device", "?"),
+                           "world size": meta.get("world_size", config.get("world_size", 1)),
+                           "dtype": config.get("dtype", "?")})),
+        ("versions", _code({k: meta.get(k) or segments[-1].get(k) for k in
+                            ("nasdiag_version", "torch_version", "python_version", "h5py_version")})),
+        ("seed", _code(meta.get("seed", "not recorded"))),
+        ("rows", f"{len(steps)} (steps {int(steps[0])}–{int(steps[-1])})"),
+        ("segments and resumes", f"{len(segments)} segment(s), {len(segments) - 1} resume(s): " + "; ".join(
+            html.escape(f"{Path(s['file']).name}: steps {s['first_step']}–{s['last_step']}, created {s.get('created', '?')}")
+            for s in segments)),
+        ("full config", _code(config or "not recorded")),
+    ]
+    nonfinite = {k: v for k, v in meta.get("nonfinite_counts", {}).items() if v}
+    if nonfinite:
+        run_rows.append(("NaN/inf values", _code(nonfinite)))
+
+    key_rows = []
+    for label, path in (("search-val accuracy (epoch evaluation)", "scalars/search_val_acc"),
+                        ("search-val loss (epoch evaluation)", "scalars/search_val_loss"),
+                        ("train accuracy (last w step's batch)", "scalars/train_acc"),
+                        ("val accuracy (last α step's batch)", "scalars/val_acc")):
+        last = _last(record, path)
+        if last is not None:
+            key_rows.append((label, f"{last[1]:.4f} (step {last[0]})"))
+    key_rows += _genotype_text(record)
+    per_step = _seconds_per_step(record, segments)
+    key_rows.append(("time per step", html.escape(per_step) if per_step else "not recorded"))
+
+    groups: Dict[str, List[str]] = {}
+    skipped: List[str] = []
+    genotype_html: List[str] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for spec, cell, _, thunk in iter_figures(record, figures):
+            title = spec.filename(cell)
+            try:
+                with paper_style():
+                    fig = thunk()
+            except NothingToDraw as exc:
+                skipped.append(f"{title}: {exc}")
+                continue
+            mirrors = f" Mirrors {html.escape(spec.paper)}." if spec.paper else ""
+            block = (f'<figure id="{html.escape(title)}"><img alt="{html.escape(title)}" '
+                     f'src="data:image/png;base64,{_png(fig, dpi)}">'
+                     f"<figcaption><b>{html.escape(title)}</b>: {html.escape(spec.caption)}{mirrors}</figcaption></figure>")
+            (genotype_html if spec.name == "genotype" else groups.setdefault(spec.group, [])).append(block)
+
+    order = list(GROUP_TITLES) + [g for g in groups if g not in GROUP_TITLES]
+    sections = "".join(f"<h2>{html.escape(GROUP_TITLES.get(g, g))}</h2>" + "".join(groups[g]) for g in order if g in groups)
+    skipped_html = ("<h2>Not drawn</h2><ul class='skipped'>" + "".join(f"<li>{html.escape(s)}</li>" for s in skipped)
+                    + "</ul>") if skipped else ""
+    return (
+        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
+        f"<title>nasdiag report: {html.escape(name)}</title><style>{CSS}</style></head><body>"
+        f"<h1>nasdiag report: {html.escape(name)}</h1>"
+        f"<p>{html.escape(str(meta.get('method', '?')))} run, generated {time.strftime('%Y-%m-%d %H:%M:%S %Z')} "
+        f"from {len(steps)} committed rows.</p>{_live_note(record_path)}"
+        f"<h2>Run</h2>{_table(run_rows)}<h2>Key numbers</h2>{_table(key_rows)}"
+        f"<h2>Genotype</h2>{''.join(genotype_html) or '<p>No architecture rows to derive a genotype from.</p>'}"
+        f"{sections}{skipped_html}</body></html>"
+    )
+
+
+def write_report(record_path, out_html, figures: Optional[Sequence[str]] = None, dpi: int = 110) -> Path:
+    """Write one self-contained HTML page for the record at ``record_path``.
+
+    The page holds the run's meta (method, hyperparameters, data, machine, versions, segments and
+    resumes), the key numbers (final accuracies, genotype, time per step), the genotype drawings and
+    every registered figure of the record, grouped by record family, each with one sentence saying
+    what it shows and which paper figure it mirrors. Images are inline (base64 PNG); nothing is
+    fetched from the network.
+
+    Args:
+        record_path: an HDF5 record, also one still being written.
+        out_html: the page to write (its folder is created).
+        figures: figure names to include (``nasdiag plot --figures``); None: all.
+        dpi: resolution of the inlined PNGs.
+
+    Returns:
+        The written path.
+    """
+    text = build_report(record_path, figures, dpi)
+    out = Path(out_html)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, out)
+    return out
