@@ -62,7 +62,8 @@ class XNAS(SearchMethod):
     :meth:`probabilities` (and the forward mixing weights) are the EG weights u; :meth:`active_ops` the
     experts not wiped out. Each :meth:`step` returns ``scalars/{train_loss,train_acc,val_loss,val_acc,
     w_lr,active_fraction,reward_clip_fraction}``, ``arch/<cell>/{probabilities,weights}`` and, per edge,
-    ``regret/<cell>/{log_weights,alive,regret,bound,gamma,wipeouts,rewards}`` (see the vocabulary).
+    ``regret/<cell>/{log_weights,alive,regret,bound,gamma,wipeouts,rewards}`` (see the vocabulary; the
+    log-weight of a wiped-out expert is the one at its removal, not -inf).
     """
 
     @dataclass
@@ -180,7 +181,7 @@ class XNAS(SearchMethod):
 
     def _regret_statistics(self, cell_type: str, f: Forecaster, wiped: torch.Tensor, rewards: torch.Tensor):
         return {
-            V.REGRET_LOG_WEIGHTS.path(cell=cell_type): f.log_weights,
+            V.REGRET_LOG_WEIGHTS.path(cell=cell_type): self._recorded_log_weights(f),
             V.REGRET_ALIVE.path(cell=cell_type): f.alive,
             V.REGRET_REGRET.path(cell=cell_type): f.regret,
             V.REGRET_BOUND.path(cell=cell_type): f.bound(),
@@ -188,6 +189,16 @@ class XNAS(SearchMethod):
             V.REGRET_WIPEOUTS.path(cell=cell_type): wiped,
             V.REGRET_REWARDS.path(cell=cell_type): rewards.clone(),
         }
+
+    @staticmethod
+    def _recorded_log_weights(f: Forecaster) -> torch.Tensor:
+        """(E, K) ln v, where a wiped-out expert keeps the ln v at which it was removed (finite, so records
+        carry no -inf; ``regret/<cell>/alive`` tells the removed ones apart)."""
+        log_v = f.log_weights
+        removed = f.wipeout_log
+        if len(removed):
+            log_v[removed.forecaster[:, 0], removed.expert] = removed.log_weight
+        return log_v
 
     def _active_fraction(self, active: CellWeights) -> torch.Tensor:
         """Fraction of the supernet's (cell, edge, op) computations this step's forwards make."""
