@@ -1,7 +1,7 @@
 """Spectrum of the α-Hessian: extreme eigenvalues (Lanczos, power iteration), Hutchinson trace and
 diagonal, and RobustDARTS's eigenvalue early-stop rule.
 
-Issue 4 §3. None of the five papers in ``../shared/papers`` has this; the rule is from Zela et al. 2020,
+None of the five papers in ``../shared/papers`` has this; the rule is from Zela et al. 2020,
 "Understanding and Robustifying Differentiable Architecture Search" (RobustDARTS, §5.2, DARTS-ES).
 
 Two layers:

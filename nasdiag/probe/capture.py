@@ -1,6 +1,6 @@
 """What one ``with probe.record():`` block captures, and the hooks that capture it.
 
-Capture rules (issue 3 §2):
+Capture rules for the cost C_k = <∂L/∂x_j, O_k(x_i)> (wiring supplement §2.1):
   * candidate outputs O_k(x) come from **forward hooks on the candidate modules** (a reference, no
     copy; the costs are computed under no_grad); a candidate's output *tensor* is never hooked, because ``skip_connect`` returns its input
     object and a hook there would fire with the gradient of another consumer;

@@ -415,7 +415,7 @@ class Probe:
             out[e.name] = row
         return out
 
-    # -- curvature (issue 4 §2) --------------------------------------------------------------------
+    # -- curvature of the mixing weights (bayesnas-appendix C.3.1–C.3.2) ---------------------------
     def hessian(self, wrt: str = "Z", *, inputs=None, targets=None) -> Dict[str, torch.Tensor]:
         """Diagonal of ∂²L/∂Z² of every edge's mixing weights at the last recorded batch (bayesnas-appendix
         C.3.1–C.3.2 for ``"diag"``/``"approx"``, Hessian-vector products for ``"exact"``), by
