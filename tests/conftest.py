@@ -1,3 +1,9 @@
+"""Shared test setup: one torch thread for the whole session, and the helpers several test files need.
+
+The helpers are plain functions, imported as ``from conftest import tiny_network, float64_batch`` (pytest
+puts this folder on ``sys.path`` when it loads this file).
+"""
+
 import pytest
 import torch
 
@@ -10,3 +16,27 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+def tiny_network(layers: int = 3, seed: int = 0, *, C: int = 4, num_classes: int = 5, **kwargs):
+    """nasdiag's supernet with the wiring paper's minimal cell (Fig. 7), float64, seeded: 5 edges per cell,
+    ``C`` channels; ``kwargs`` go to ``Network.minimal`` (primitives, reductions, order, norm, ...)."""
+    from nasdiag.supernet import Network
+
+    torch.manual_seed(seed)
+    return Network.minimal(C, num_classes, layers, **kwargs).double()
+
+
+def float64_batch(B: int = 4, seed: int = 1, *, channels: int = 3, hw: int = 8, num_classes: int = 5):
+    """One seeded float64 image batch ``(x (B, channels, hw, hw), y (B,) int64 in [0, num_classes))``."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, channels, hw, hw, generator=g, dtype=torch.float64)
+    return x, torch.randint(0, num_classes, (B,), generator=g)
+
+
+def assert_no_module_hooks(model) -> None:
+    """No forward, forward-pre or backward hook is left on any submodule of ``model``."""
+    for name, m in model.named_modules():
+        for attr in ("_forward_hooks", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs",
+                     "_backward_hooks", "_backward_pre_hooks"):
+            assert not getattr(m, attr, None), f"{attr} left on {name or 'model'}"

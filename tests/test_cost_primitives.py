@@ -11,15 +11,6 @@ from nasdiag import cost
 from nasdiag.supernet import Network, Zero
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny tensors: OpenMP threads only contend on a loaded 2-core machine.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _rand(*shape, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(*shape, generator=g, dtype=torch.float64)

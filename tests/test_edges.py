@@ -10,12 +10,12 @@ import nasdiag
 from nasdiag.edges import EdgeSpec, EdgeSpecError, resolve_edges
 from nasdiag.errors import NasdiagError
 from nasdiag.hessian import arch_diag_hessian
-from nasdiag.supernet import Network
+
+from conftest import float64_batch, tiny_network
 
 
 def small_net():
-    torch.manual_seed(0)
-    return Network.minimal(4, 5, 3, primitives=["skip_connect", "avg_pool_3x3", "sep_conv_3x3"]).double()
+    return tiny_network(primitives=["skip_connect", "avg_pool_3x3", "sep_conv_3x3"])
 
 
 def test_network_specs_equal_what_the_probe_discovers_from_module_structure():
@@ -44,8 +44,7 @@ def test_every_accepted_form_resolves_to_the_same_specs():
 
 def test_the_curvature_engine_takes_a_list_of_specs_as_a_mapping():
     net = small_net()
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(3, 3, 6, 6, generator=g, dtype=torch.float64), torch.randint(0, 5, (3,), generator=g)
+    x, y = float64_batch(3, hw=6)
     from_list = arch_diag_hessian(net, F.cross_entropy, x, y, net.edge_specs(), mode="approx")
     from_map = arch_diag_hessian(net, F.cross_entropy, x, y, {s.name: (s.module, list(s.ops)) for s in net.edge_specs()},
                                  mode="approx")

@@ -8,16 +8,6 @@ from torch.nn import functional as F
 from nasdiag.hessian.arch_exact import _edge_blocks, exact_arch_diag_hessian
 from nasdiag.supernet import Network
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    # These nets are tiny: a second intra-op thread only adds synchronization, and on a loaded 2-core
-    # machine oversubscribed threads made the same test 10-100x slower. Restored afterwards.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # small but varied: a zero op, a parameter-free identity, a non-smooth pool and a conv stack with a norm
 PRIMS = ["none", "skip_connect", "max_pool_3x3", "dil_conv_3x3"]
 

@@ -20,16 +20,6 @@ from nasdiag.hessian.spectrum import (
 from nasdiag.supernet import Network
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    # These nets are tiny: a second intra-op thread only adds synchronization, and on a loaded 2-core
-    # machine oversubscribed threads made the same test 10-100x slower. Restored afterwards.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def symmetric_with_spectrum(eigs, seed=0):
     g = torch.Generator().manual_seed(seed)
     eigs = torch.as_tensor(eigs, dtype=torch.float64)

@@ -8,19 +8,14 @@ from torch.func import functional_call, grad
 
 from nasdiag.hooks import Hooks, fast_path_available
 
+from conftest import assert_no_module_hooks
+
 PATHS = [pytest.param(True, id="fast"), pytest.param(False, id="public")]
 
 
 def small_model():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
-
-
-def assert_no_module_hooks(model):
-    for name, m in model.named_modules():
-        for attr in ("_forward_hooks", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs",
-                     "_backward_hooks", "_backward_pre_hooks"):
-            assert not getattr(m, attr), f"{attr} left on {name or 'model'}"
 
 
 def planned(model, seen, fast):

@@ -15,23 +15,7 @@ import nasdiag
 from nasdiag.probe import Probe, ProbeError
 from nasdiag.supernet import MixedOp, Network
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def tiny_net(layers=3, seed=0, **kw):
-    torch.manual_seed(seed)
-    return Network.minimal(4, 5, layers, **kw).double()
-
-
-def batch(B=4, seed=1, hw=8):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(B, 3, hw, hw, generator=g, dtype=torch.float64), torch.randint(0, 5, (B,), generator=g)
+from conftest import assert_no_module_hooks, float64_batch as batch, tiny_network as tiny_net
 
 
 def z_leaves(net, kind, B=None, seed=2):
@@ -49,12 +33,6 @@ def z_leaves(net, kind, B=None, seed=2):
             z = torch.randn(*shape, generator=g, dtype=torch.float64)
         out.append(z.requires_grad_())
     return out
-
-
-def assert_no_module_hooks(model):
-    for name, m in model.named_modules():
-        for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"):
-            assert not getattr(m, attr), f"{attr} left on {name or 'model'}"
 
 
 # --- structure -------------------------------------------------------------------------------------

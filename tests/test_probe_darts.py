@@ -11,6 +11,8 @@ import nasdiag
 from nasdiag import cost
 from nasdiag.probe import ProbeError
 
+from conftest import float64_batch
+
 # ---- cnn/genotypes.py --------------------------------------------------------------------------------
 PRIMITIVES = [
     'none',
@@ -243,14 +245,6 @@ class Network(nn.Module):
 
 # ---- tests -------------------------------------------------------------------------------------------
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def darts_net(layers=3, steps=2, multiplier=2):
     torch.manual_seed(0)
     net = Network(4, 5, layers, nn.CrossEntropyLoss(), steps=steps, multiplier=multiplier).double()
@@ -260,8 +254,7 @@ def darts_net(layers=3, steps=2, multiplier=2):
 
 
 def data(B=4):
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(B, 3, 8, 8, generator=g, dtype=torch.float64), torch.randint(0, 5, (B,), generator=g)
+    return float64_batch(B)
 
 
 def test_discovery_picks_the_mixed_ops_not_the_cells():

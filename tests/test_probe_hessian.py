@@ -8,26 +8,17 @@ import torch.nn.functional as F
 
 import nasdiag
 from nasdiag.probe import ProbeError
-from nasdiag.supernet import Network
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+from conftest import float64_batch, tiny_network
 
 
 def tiny(seed=0):
-    torch.manual_seed(seed)
     # 3 candidates keep the exact reference (one second backward per entry) fast
-    return Network.minimal(4, 5, 1, reductions=[], primitives=["skip_connect", "avg_pool_3x3", "sep_conv_3x3"]).double()
+    return tiny_network(1, seed, reductions=[], primitives=["skip_connect", "avg_pool_3x3", "sep_conv_3x3"])
 
 
 def data(B=4):
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(B, 3, 6, 6, generator=g, dtype=torch.float64), torch.randint(0, 5, (B,), generator=g)
+    return float64_batch(B, hw=6)
 
 
 def test_exact_hessian_equals_autograd_second_derivative_of_a_leaf_Z():

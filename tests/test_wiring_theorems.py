@@ -10,29 +10,19 @@ import torch.nn.functional as F
 
 import nasdiag
 from nasdiag import cost
-from nasdiag.supernet import Network
+
+from conftest import float64_batch, tiny_network
 
 ORDERS = ["relu-conv-bn", "conv-bn-relu", "conv-relu-bn"]
 TINY_EPS = 1e-12
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def minimal(layers, seed=0, **kw):
-    torch.manual_seed(seed)
-    kw.setdefault("classifier_bias", False)
-    return Network.minimal(4, 5, layers, **kw).double()
+    kw.setdefault("classifier_bias", False)  # Thm 2 needs the bias-free classifier
+    return tiny_network(layers, seed, **kw)
 
 
-def data(B=4, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(B, 3, 8, 8, generator=g, dtype=torch.float64), torch.randint(0, 5, (B,), generator=g)
+data = float64_batch
 
 
 def softmax_leaves(net, seed=2):
