@@ -113,12 +113,10 @@ class StepCapture:
         self.incoming = incoming  # (cell pos, node) -> edge positions ending at that node
         self.per_sample: List[List[torch.Tensor]] = [[] for _ in range(N)]
         self.n_forward = [0] * N
-        self.n_nograd = [0] * N
         self.missing_ops: List[set] = [set() for _ in range(N)]
         self.selected: List[Optional[torch.Tensor]] = [None] * N
         self.paths: List[Dict[str, List[torch.Tensor]]] = [{} for _ in range(N)]
         self.node_costs: List[List[torch.Tensor]] = [[] for _ in cells]
-        self.cell_forward = [0] * len(cells)
         self.deviation: Dict[Tuple[int, int], torch.Tensor] = {}
         self.open_edge: List[Optional[EdgeCall]] = [None] * N
         self.open_cell: List[Optional[CellCall]] = [None] * len(cells)
@@ -182,7 +180,6 @@ class StepCapture:
                 self._check_weighted_sum(edge, call, output)
                 self.check_convention[pos] = False
         if not output.requires_grad:
-            self.n_nograd[pos] += 1
             return None
         if self.path_split:  # the split differentiates this output again, through the edge only
             call.out = output
@@ -225,7 +222,6 @@ class StepCapture:
         ccall, self.open_cell[pos] = self.open_cell[pos], None
         if ccall is None or not isinstance(output, torch.Tensor):
             return None
-        self.cell_forward[pos] += 1
         if output.requires_grad:
             ccall.output = output.detach()
             self.hooks.tensor(output, lambda g, c=ccall: self.cell_grad(c, g))
