@@ -1,356 +1,193 @@
-"""``nasdiag`` command line: ``search`` runs a search and writes a record and figures; ``plot`` redraws figures.
+"""``nasdiag`` command line: maps arguments onto `nasdiag.search.SearchConfig` and calls `nasdiag.search.run`.
 
-Argument parsing, progress and wiring only; the mathematics lives in the library.
+``search`` runs a search (record, checkpoint, figures), ``methods`` lists the registered methods and
+their hyperparameters, ``plot`` redraws figures. Nothing heavy (torch, h5py, matplotlib) is imported
+before the arguments are parsed, so ``nasdiag --help`` is instant. Every `NasdiagError` is printed as
+one line on stderr with exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import signal
 import sys
-import warnings
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import List, Optional
+
+from nasdiag.errors import ConfigError, NasdiagError
+from nasdiag.search.config import DATASETS, DIAGNOSTICS, DTYPES, ENGINES, HESSIAN_MODES, NORMS, ORDERS, SearchConfig
 
 EXIT_USAGE = 2
-
-
-class CLIError(Exception):
-    """A user error, printed as one line."""
+EXIT_SIGINT, EXIT_SIGTERM = 130, 143
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line instead of usage + message
-        raise CLIError(f"{self.prog}: {message} (see {self.prog} --help)")
+        raise ConfigError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread so that the search ends through its normal exception path."""
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="nasdiag", description="Diagnostics for differentiable NAS supernets.")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
-
+    d = SearchConfig()
     s = sub.add_parser(
-        "search",
-        help="run a search, write an HDF5 record and figures",
-        description="Run a search and write an HDF5 record and figures. Data-parallel over several processes "
-        "(one per GPU, or gloo on CPUs) when launched with torchrun: torchrun --nproc_per_node=N -m nasdiag search ...; "
-        "--batch-size is then per process.",
-    )
-    s.add_argument("--method", default="darts", help="search method (default: darts)")
-    s.add_argument("--dataset", default="digits", help="digits (embedded, default), cifar10 or synthetic")
+        "search", help="run a search, write an HDF5 record, a checkpoint and figures",
+        description="Run a search and write an HDF5 record, its checkpoint (<out>.ckpt) and figures. Data-parallel "
+        "when launched with torchrun (torchrun --nproc_per_node=N -m nasdiag search ...; --batch-size is per process).")
+    s.add_argument("--method", default=d.method, help="a registered method (nasdiag methods lists them; default: darts)")
+    s.add_argument("--hp", action="append", default=[], metavar="KEY=VALUE",
+                   help="method hyperparameter override, repeatable (nasdiag methods lists the keys)")
+    s.add_argument("--dataset", default=d.dataset, choices=DATASETS, help="digits (embedded, default), cifar10, synthetic")
     s.add_argument("--data-dir", default=None, help="folder of the CIFAR-10 python batches (for --dataset cifar10)")
-    s.add_argument("--epochs", type=int, default=8)
-    s.add_argument("--batch-size", type=int, default=64)
-    s.add_argument("--out", default="runs/search.h5", help="record path (HDF5)")
+    s.add_argument("--epochs", type=int, default=d.epochs)
+    s.add_argument("--batch-size", type=int, default=d.batch_size, help="per process")
+    s.add_argument("--seed", type=int, default=d.seed)
+    s.add_argument("--out", default="runs/search.h5", help="record path (HDF5); the checkpoint is <out>.ckpt")
     s.add_argument("--figs", default=None, help="figure folder (default: <out without suffix>-figs)")
-    s.add_argument("--no-figs", action="store_true", help="do not draw figures at the end")
+    s.add_argument("--no-figs", action="store_true", help="draw no figures at the end")
     mode = s.add_mutually_exclusive_group()
-    mode.add_argument("--resume", action="store_true", help="continue the run recorded at --out")
-    mode.add_argument("--force", action="store_true", help="replace an existing record at --out")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--C", type=int, default=8, help="channels of the first cell")
-    s.add_argument("--layers", type=int, default=3, help="number of cells")
-    s.add_argument("--steps", type=int, default=4, help="intermediate nodes per cell")
+    mode.add_argument("--resume", action="store_true",
+                      help="continue the run recorded at --out (same settings); with a larger --epochs, extend it")
+    mode.add_argument("--force", action="store_true", help="replace the record at --out (refused while it is written)")
+    s.add_argument("--C", type=int, default=d.C, help="channels of the first cell")
+    s.add_argument("--layers", type=int, default=d.layers, help="number of cells (>= 3)")
+    s.add_argument("--steps", type=int, default=d.steps, help="intermediate nodes per cell")
     s.add_argument("--multiplier", type=int, default=None, help="nodes concatenated into a cell output (default: steps)")
-    s.add_argument("--order", default="relu-conv-bn", help="op stacking order: relu-conv-bn, conv-bn-relu, conv-relu-bn")
-    s.add_argument("--norm", default="batch", help="batch, layer or instance")
-    s.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
-    s.add_argument("--dtype", default="float32", choices=None, help="float32 or float64")
-    s.add_argument("--diagnostics", default="cost,hessian",
-                   help="comma-separated probe diagnostics recorded each epoch: cost, hessian, or none (default: cost,hessian)")
-    s.add_argument("--hessian-mode", default="approx", help="mixing-weight Hessian diagonal: approx (default), diag or exact")
+    s.add_argument("--order", default=d.order, choices=ORDERS, help="op stacking order")
+    s.add_argument("--norm", default=d.norm, choices=NORMS)
+    s.add_argument("--device", default=d.device, help="auto (default), cpu, cuda or cuda:N")
+    s.add_argument("--dtype", default=d.dtype, choices=DTYPES)
+    s.add_argument("--diagnostics", default=",".join(DIAGNOSTICS),
+                   help=f"comma-separated, recorded each epoch: {', '.join(DIAGNOSTICS)}, or none (default: cost,hessian)")
+    s.add_argument("--hessian-mode", default=d.hessian_mode, choices=HESSIAN_MODES, help="mixing-weight Hessian diagonal")
+    s.add_argument("--spectrum-every", type=int, default=0, metavar="K",
+                   help="record the top α-Hessian eigenvalue every K steps (0: never)")
+    s.add_argument("--engine", default=d.engine, choices=ENGINES, help="supernet execution engine")
+    s.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: usable CPUs, at most 4, shared among torchrun processes)")
+    s.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                   help="also checkpoint every N steps (default: at epoch ends only)")
     s.add_argument("--no-progress", action="store_true")
+
+    sub.add_parser("methods", help="list the search methods with their hyperparameters and defaults")
 
     p = sub.add_parser("plot", help="draw figures from a record")
     p.add_argument("record")
     p.add_argument("--out", required=True, help="figure folder")
-    p.add_argument("--format", default="png", help="png (default), pdf or svg")
+    p.add_argument("--format", default="png", choices=("png", "pdf", "svg"))
     return parser
 
 
-# -- search ---------------------------------------------------------------------------------------
-def _device(name: str):
-    import torch
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError as exc:
-        raise CLIError(f"unknown device {name!r}: {exc}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise CLIError(f"device {name!r} requested but CUDA is not available; use --device cpu")
-    return device
-
-
-def _init_distributed(device_name: str):
-    """Join the process group a launcher (torchrun) describes in the environment, if any.
-
-    Returns (rank, world size, device). One process per GPU with NCCL when CUDA is used, gloo on CPUs.
-    """
-    import torch
-    import torch.distributed as dist
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        return 0, 1, _device(device_name)
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = torch.cuda.is_available() and device_name in ("auto", "cuda")
-    if device_name not in ("auto", "cuda", "cpu"):
-        raise CLIError(f"under torchrun, --device must be auto, cuda or cpu (each rank takes its own GPU), not {device_name!r}")
-    if device_name == "cuda" and not torch.cuda.is_available():
-        raise CLIError("--device cuda requested but CUDA is not available; use --device cpu")
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
-    if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    return dist.get_rank(), dist.get_world_size(), device
-
-
-def _dtype(name: str):
-    import torch
-
-    table = {"float32": torch.float32, "float64": torch.float64}
-    if name not in table:
-        raise CLIError(f"unknown dtype {name!r}; choose float32 or float64")
-    return table[name]
-
-
-def _checkpoint_path(out: Path) -> Path:
-    return out.with_name(out.name + ".ckpt")
-
-
-class _Progress:
-    """tqdm over search steps, showing the latest losses and the epoch's search-val accuracy."""
-
-    def __init__(self, total: int, initial: int, enabled: bool):
-        from tqdm.auto import tqdm
-
-        self.bar = tqdm(total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True)
-        self.postfix: Dict[str, str] = {}
-
-    def on_step_end(self, step, stats):
-        for key in ("train_loss", "val_loss"):
-            if f"scalars/{key}" in stats:
-                self.postfix[key] = f"{float(stats[f'scalars/{key}']):.3f}"
-        self.bar.set_postfix(self.postfix, refresh=False)
-        self.bar.update(1)
-
-    def on_epoch_end(self, epoch, stats):
-        self.postfix["search_val_acc"] = f"{float(stats['scalars/search_val_acc']):.3f}"
-        self.bar.set_postfix(self.postfix)
-
-    def on_exception(self, exc):
-        self.bar.close()
-
-    def close(self):
-        self.bar.close()
-
-
-class _Checkpointer:
-    """Saves the method's state after every epoch (atomically) so ``--resume`` can continue."""
-
-    def __init__(self, path: Path, method, config: Dict):
-        self.path, self.method, self.config = path, method, config
-
-    def on_step_end(self, step, stats):
-        pass
-
-    def on_epoch_end(self, epoch, stats):
-        import torch
-
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        torch.save({"epoch": epoch, "config": self.config, "state": self.method.state_dict()}, tmp)
-        os.replace(tmp, self.path)
-
-    def on_exception(self, exc):
-        pass
-
-
-def _resume_state(ckpt: Path, config: Dict) -> Optional[Dict]:
-    import torch
-
-    if not ckpt.exists():
-        return None
-    state = torch.load(ckpt, map_location="cpu", weights_only=False)
-    keys = ("method", "dataset", "C", "layers", "steps", "multiplier", "order", "norm", "seed", "batch_size", "dtype",
-            "world_size")
-    recorded = {"world_size": 1, **state["config"]}  # runs recorded before DDP support ran on one process
-    changed = [k for k in keys if recorded.get(k) != config.get(k)]
-    if changed:
-        raise CLIError(
-            "cannot resume with different settings: "
-            + ", ".join(f"{k}={config.get(k)!r} (recorded {recorded.get(k)!r})" for k in changed)
-        )
-    return state
-
-
-DIAGNOSTICS = ("cost", "hessian")
-HESSIAN_MODES = ("approx", "diag", "exact")
-
-
-def _probe(net, diagnostics: str, hessian_mode: str):
-    """A probe for the requested diagnostics, or None for ``none``."""
-    import nasdiag
-
-    wanted = [d.strip() for d in diagnostics.split(",") if d.strip()]
-    if wanted == ["none"]:
-        return None
-    unknown = [d for d in wanted if d not in DIAGNOSTICS]
-    if unknown or not wanted:
-        raise CLIError(f"unknown diagnostics {unknown or diagnostics!r}; choose from {', '.join(DIAGNOSTICS)} or none")
-    if "hessian" in wanted and hessian_mode not in HESSIAN_MODES:
-        raise CLIError(f"unknown --hessian-mode {hessian_mode!r}; choose one of {', '.join(HESSIAN_MODES)}")
-    # costs are what the probe always measures; the Hessian is an extra pass once per epoch
-    return nasdiag.attach(net, hessian=hessian_mode if "hessian" in wanted else None)
-
-
-def run_search_command(args) -> int:
-    from nasdiag.search import METHODS
-
-    if args.method not in METHODS:
-        raise CLIError(f"unknown method {args.method!r}; available: {', '.join(METHODS)}")
-    if args.epochs < 1 or args.batch_size < 1:
-        raise CLIError("--epochs and --batch-size must be >= 1")
-    dtype = _dtype(args.dtype)
-    rank, world, device = _init_distributed(args.device)
-    try:
-        return _search(args, rank, world, device, dtype)
-    finally:
-        if world > 1:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
-
-
-def _search(args, rank: int, world: int, device, dtype) -> int:
-    import torch
-
-    from nasdiag.data import load_dataset
-    from nasdiag.record import RecorderCallback, RecordWarning
-    from nasdiag.search import METHODS, run_search, steps_per_epoch
-    from nasdiag.supernet import Network
-
-    multiplier = args.multiplier or args.steps
+def search_config(args: argparse.Namespace) -> SearchConfig:
+    """The `SearchConfig` of ``nasdiag search`` arguments."""
+    hp = {}
+    for item in args.hp:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--hp expects KEY=VALUE, got {item!r} (nasdiag methods lists the keys)")
+        hp[key.strip()] = value.strip()
     out = Path(args.out)
-    ckpt = _checkpoint_path(out)
-    if out.exists() and not (args.resume or args.force):
-        raise CLIError(f"a record already exists at {out}; pass --resume to continue it or --force to replace it")
-    if world > 1:  # every rank has checked before rank 0 creates the record
-        import torch.distributed as dist
+    figures = None if args.no_figs else (args.figs or str(out.with_name(out.stem + "-figs")))
+    return SearchConfig(
+        method=args.method, hp=hp, dataset=args.dataset, data_dir=args.data_dir, C=args.C, layers=args.layers,
+        steps=args.steps, multiplier=args.multiplier, order=args.order, norm=args.norm, epochs=args.epochs,
+        batch_size=args.batch_size, seed=args.seed, device=args.device, dtype=args.dtype,
+        diagnostics=args.diagnostics, hessian_mode=args.hessian_mode, spectrum_every=args.spectrum_every,
+        record=args.out, resume=args.resume, force=args.force, figures=figures, engine=args.engine,
+        threads=args.threads, progress=not args.no_progress, checkpoint_every=args.checkpoint_every,
+    )
 
-        dist.barrier()
-    config = {
-        "method": args.method, "dataset": args.dataset, "epochs": args.epochs, "batch_size": args.batch_size,
-        "C": args.C, "layers": args.layers, "steps": args.steps, "multiplier": multiplier, "order": args.order,
-        "norm": args.norm, "seed": args.seed, "dtype": args.dtype, "device": str(device),
-        "diagnostics": args.diagnostics, "hessian_mode": args.hessian_mode, "world_size": world,
-    }
 
-    kwargs = {"seed": args.seed, "dtype": dtype}
-    if args.dataset == "cifar10":
-        if not args.data_dir:
-            raise CLIError("--dataset cifar10 needs --data-dir pointing at the folder of the CIFAR-10 python batches")
-        kwargs["root"] = args.data_dir
-    elif args.data_dir:
-        raise CLIError(f"--data-dir is only used with --dataset cifar10, not {args.dataset!r}")
-    splits = load_dataset(args.dataset, **kwargs)
+def run_search(args) -> int:
+    from nasdiag.search import run
 
-    torch.manual_seed(args.seed)
-    try:
-        net = Network(
-            args.C, splits.num_classes, args.layers, steps=args.steps, multiplier=multiplier,
-            in_channels=splits.in_channels, order=args.order, norm=args.norm,
-        ).to(device=device, dtype=dtype)
-    except (ValueError, KeyError) as exc:
-        raise CLIError(f"invalid supernet settings: {exc.args[0] if exc.args else exc}") from None
-    method = METHODS[args.method](net, epochs=args.epochs, probe=_probe(net, args.diagnostics, args.hessian_mode))
-    if world > 1:
-        method.distribute(device_ids=[device.index] if device.type == "cuda" else None)
-
-    start_epoch = 0
-    if args.resume:
-        state = _resume_state(ckpt, config)
-        if state is None and not out.exists():
-            raise CLIError(f"nothing to resume at {out}: no record and no checkpoint {ckpt}")
-        if state is not None:
-            method.load_state_dict(state["state"])
-            start_epoch = state["epoch"] + 1
-        if start_epoch >= args.epochs:
-            raise CLIError(f"the run at {out} already finished {start_epoch} epochs; raise --epochs to continue it")
-    elif args.force and rank == 0:
-        ckpt.unlink(missing_ok=True)
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "method": args.method,
-        "config": config,
-        "seed": args.seed,
-        "op_names": list(net.primitives),
-        "edge_names": {t: net.edge_labels() for t in net.cell_types},
-        "cell_types": list(net.cell_types),
-    }
-    S = steps_per_epoch(splits, args.batch_size)
-    with warnings.catch_warnings():
-        # _resume_state already refused every change that matters; a longer --epochs is the point of resuming
-        warnings.filterwarnings("ignore", message=".*different config than stored", category=RecordWarning)
-        # every rank reduces its statistics through the callback; only rank 0 opens the record
-        record_cb = RecorderCallback(out, meta=meta, resume=args.resume, overwrite=args.force)
-    progress = _Progress(args.epochs * S, start_epoch * S, enabled=rank == 0 and not args.no_progress)
-    callbacks = [record_cb, progress] + ([_Checkpointer(ckpt, method, config)] if rank == 0 else [])
-    with record_cb:
-        try:
-            evaluation = run_search(
-                method, splits, args.epochs, batch_size=args.batch_size, seed=args.seed, start_epoch=start_epoch,
-                callbacks=callbacks,
-            )
-        finally:
-            progress.close()
-    if rank != 0:
+    result = run(search_config(args))
+    if int(os.environ.get("RANK", "0")) != 0:
         return 0
-    genotype = method.genotype()
-    print(f"search-val accuracy of the supernet: {evaluation.get('acc', float('nan')):.4f}")
-    print(f"genotype: {genotype}")
-    print(f"record: {out}")
-    if not args.no_figs:
-        from nasdiag.plot import write_figures
-
-        figs = Path(args.figs) if args.figs else out.with_name(out.stem + "-figs")
-        written = write_figures(out, figs)
-        print(f"figures: {figs} ({len(written)} files)")
+    print(f"search-val accuracy of the supernet: {result.evaluation.get('acc', float('nan')):.4f}")
+    print(f"genotype: {result.genotype}")
+    print(f"record: {result.record}")
+    if result.figures:
+        print(f"figures: {Path(result.figures[0]).parent} ({len(result.figures)} files)")
     return 0
 
 
-def run_plot_command(args) -> int:
-    from nasdiag.plot import write_figures
+def list_methods(args) -> int:
+    from nasdiag.search import methods
 
-    if not Path(args.record).exists():
-        raise CLIError(f"no record at {args.record}")
-    written = write_figures(args.record, args.out, fmt=args.format)
-    for path in written:
+    for name, cls in methods().items():
+        doc = (cls.__doc__ or "").strip().splitlines()
+        print(f"{name}: {doc[0] if doc else cls.__qualname__}")
+        for line in cls.Hyperparameters.describe().splitlines():
+            print(f"    {line}")
+        preset = getattr(cls, "digits_preset", None)
+        if preset:
+            print(f"    (with --dataset digits: {', '.join(f'{k}={v!r}' for k, v in preset.items())} unless given)")
+    return 0
+
+
+def run_plot(args) -> int:
+    record, out = Path(args.record), Path(args.out)
+    if not record.is_file():
+        raise ConfigError(f"no record at {record}" if not record.exists() else f"{record} is a folder, not a record file")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"figure folder {out} is a file; pass a folder")
+    from nasdiag.plot import write_figures
+    from nasdiag.search.run import _probe_writable
+
+    _probe_writable(str(out), "figures")
+    for path in write_figures(record, out, fmt=args.format):
         print(path)
     return 0
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    from nasdiag.data import DataError
-    from nasdiag.plot import PlotError
-    from nasdiag.record import RecordError
+COMMANDS = {"search": run_search, "methods": list_methods, "plot": run_plot}
 
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if text.startswith("nasdiag") else f"nasdiag: error: {text}"
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Run the ``nasdiag`` command; returns the exit code (0, 2 for user errors, 130/143 when interrupted)."""
+    import threading
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:
         args = _parser().parse_args(argv)
-        if args.command == "search":
-            return run_search_command(args)
-        if args.command == "plot":
-            return run_plot_command(args)
-        raise CLIError("nasdiag: choose a command: search or plot (see nasdiag --help)")
-    except (CLIError, DataError, PlotError, RecordError) as exc:
-        print(f"nasdiag: error: {exc}", file=sys.stderr)
+        if args.command is None:
+            raise ConfigError("nasdiag: choose a command: search, methods or plot (see nasdiag --help)")
+        return COMMANDS[args.command](args)
+    except NasdiagError as exc:
+        print(_one_line(exc), file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as exc:  # a location the checks above could not foresee (a mount gone read-only, a full disk)
+        from nasdiag.record.lock import describe_os_error
+
+        where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
+        print(f"nasdiag: error: {describe_os_error(exc)}{where}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("nasdiag: interrupted; the record holds every completed step (continue with --resume)", file=sys.stderr)
-        return 130
+        return EXIT_SIGINT
+    except Terminated:
+        print("nasdiag: terminated (SIGTERM); the record holds every completed step (continue with --resume)",
+              file=sys.stderr)
+        return EXIT_SIGTERM
+    finally:
+        if main_thread and previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -176,6 +176,31 @@ class SearchMethod:
     def epoch_end(self, epoch: int) -> None:
         """Called after each epoch (schedules, annealing)."""
 
+    def extend_schedule(self, epochs: int) -> None:
+        """Continue the run to ``epochs`` epochs in all (``nasdiag search --resume --epochs N``).
+
+        Every cosine learning-rate schedule anneals from its current learning rate to its minimum over
+        the remaining epochs, lr = lr_min + (lr_now − lr_min)·(1 + cos(π t / (N − e)))/2 after t more
+        epochs (cosine annealing restarted at lr_now): it never rises, and a finished run, at lr_min, stays
+        there. Methods with other schedules override this; by default they raise `SearchError`.
+        """
+        import dataclasses
+
+        from torch.optim.lr_scheduler import CosineAnnealingLR, LRScheduler
+
+        for name, obj in self._stateful().items():
+            if isinstance(obj, CosineAnnealingLR):
+                remaining = epochs - obj.last_epoch  # one scheduler step per completed epoch
+                if remaining > 0:
+                    obj.base_lrs = [group["lr"] for group in obj.optimizer.param_groups]
+                    for group in obj.optimizer.param_groups:
+                        group["initial_lr"] = group["lr"]
+                    obj.T_max, obj.last_epoch = remaining, 0
+            elif isinstance(obj, LRScheduler):
+                raise SearchError(f"{type(self).__name__} cannot extend its {type(obj).__name__} schedule ({name}); "
+                                  "start a new run with the wanted --epochs")
+        self.schedule = dataclasses.replace(self.schedule, epochs=epochs)
+
     def genotype(self):
         """The derived architecture (DARTS top-2 rule on :meth:`probabilities`; mixed-path methods override)."""
         net = self.network

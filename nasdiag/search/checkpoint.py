@@ -1,0 +1,135 @@
+"""Checkpoints of a search and the commit rule that keeps them consistent with the record.
+
+The commit rule: a checkpoint is written only after the record has been flushed, so the step of the
+checkpoint is never past the record's last committed step. A resumed run loads the checkpoint (step
+S_ck), replays steps S_ck+1 .. S_rec without writing rows (the data order depends only on the seed
+and the epoch, every random source is in the checkpoint) and records from S_rec+1 on. Every step is
+then in the record exactly once, whatever moment the previous process was killed at.
+
+A checkpoint file is written to ``<path>.tmp`` and renamed over ``<path>`` (``os.replace``), so a
+reader sees the old or the new file, never a partial one; a failed write removes its temporary file.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any, Callable, Dict, Mapping, Optional
+
+import numpy as np
+import torch
+
+from nasdiag.errors import NasdiagError
+
+FORMAT = 1
+
+
+class CheckpointError(NasdiagError):
+    """A checkpoint cannot be written or read; the message says which file and why."""
+
+
+def temp_path(path: str) -> str:
+    return os.fspath(path) + ".tmp"
+
+
+def rng_state() -> Dict[str, Any]:
+    """Every global random source a search step may draw from (torch CPU and CUDA, numpy, Python)."""
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(path: str, payload: Mapping[str, Any]) -> None:
+    """Write ``payload`` atomically to ``path`` (tmp file, fsync, rename); no temporary file survives a failure."""
+    path = os.fspath(path)
+    tmp = temp_path(path)
+    try:
+        with open(tmp, "wb") as fh:
+            torch.save({"format": FORMAT, **payload}, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(exc, OSError):
+            from nasdiag.record.lock import describe_os_error
+
+            raise CheckpointError(f"cannot write checkpoint {path}: {describe_os_error(exc)}") from None
+        raise
+
+
+def load_checkpoint(path: str) -> Dict[str, Any]:
+    """Read a checkpoint written by `save_checkpoint`; a damaged or foreign file raises `CheckpointError`."""
+    path = os.fspath(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except FileNotFoundError:
+        raise CheckpointError(f"no checkpoint at {path}") from None
+    except Exception as exc:  # a truncated zip, random bytes, a pickle of something else
+        raise CheckpointError(f"checkpoint {path} is unreadable ({type(exc).__name__}); it was damaged, "
+                              "start again with --force") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a nasdiag checkpoint (format {FORMAT})")
+    return state
+
+
+class Checkpointer:
+    """A search callback that checkpoints at every epoch end (and every ``every`` steps, if > 0).
+
+    Args:
+        path: the checkpoint file.
+        method: the `SearchMethod` whose ``state_dict()`` is saved.
+        steps_per_epoch: S, to place a step in its epoch.
+        extra: constant entries stored in every checkpoint (config, config hash, schedule length).
+        commit: called before each write; it must make the record durable up to the current step
+            (the recorder's flush), so that a checkpoint is never ahead of the record.
+        every: also checkpoint after every ``every``-th step that does not end an epoch (0: never).
+
+    Each checkpoint holds ``step`` (the last completed step, 0 before the first), ``epoch`` (epochs
+    completed) and ``position`` (steps completed within the current epoch), the method's state (with
+    ``method.generator``) and the global RNG states.
+    """
+
+    def __init__(self, path: str, method, steps_per_epoch: int, *, extra: Optional[Mapping[str, Any]] = None,
+                 commit: Callable[[], None] = lambda: None, every: int = 0):
+        self.path = os.fspath(path)
+        self.method = method
+        self.steps_per_epoch = int(steps_per_epoch)
+        self.extra = dict(extra or {})
+        self.commit = commit
+        self.every = int(every)
+
+    def save(self, step: int) -> None:
+        if step:  # step 0 (before the first step) has no row to commit
+            self.commit()
+        S = self.steps_per_epoch
+        save_checkpoint(self.path, {
+            **self.extra,
+            "step": int(step),
+            "epoch": int(step) // S,
+            "position": int(step) % S,
+            "method": self.method.state_dict(),
+            "rng": rng_state(),
+        })
+
+    def on_step_end(self, step: int, stats) -> None:
+        if self.every and step % self.every == 0 and step % self.steps_per_epoch:
+            self.save(step)
+
+    def on_epoch_end(self, epoch: int, stats) -> None:
+        self.save((epoch + 1) * self.steps_per_epoch)
+
+    def on_exception(self, exc: BaseException) -> None:
+        pass

@@ -1,0 +1,210 @@
+"""`SearchConfig`: everything that defines a search, validated with one-line `ConfigError`s.
+
+The CLI maps its arguments onto this dataclass and calls `nasdiag.search.run`; scripts and notebooks
+build it directly. Importing this module imports neither torch nor h5py, so ``nasdiag --help`` stays
+fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+from nasdiag.errors import ConfigError
+
+DATASETS = ("digits", "cifar10", "synthetic")
+DTYPES = ("float32", "float64")
+#: op stacking orders and normalizations of `nasdiag.supernet.Network` (a test checks they agree)
+ORDERS = ("relu-conv-bn", "conv-bn-relu", "conv-relu-bn")
+NORMS = ("batch", "layer", "instance")
+DIAGNOSTICS = ("cost", "hessian")
+HESSIAN_MODES = ("approx", "diag", "exact")
+ENGINES = ("auto", "fast", "eager")
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
+
+#: the fields whose values define the run: a resume must match them (plus the DDP world size)
+RUN_DEFINING = ("method", "hp", "dataset", "data_dir", "C", "layers", "steps", "multiplier", "order", "norm", "seed",
+                "batch_size", "dtype")
+
+
+def default_threads() -> int:
+    """Torch intra-op threads when ``threads`` is not given: the CPUs this process may use, at most 4,
+    divided among the processes of a torchrun launch on this host (``LOCAL_WORLD_SIZE``). More threads
+    than cores, or several searches each taking every core, stall on a small shared machine."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - macOS
+        cpus = os.cpu_count() or 1
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return max(1, min(cpus // local, 4))
+
+
+@dataclass
+class SearchConfig:
+    """A whole search.
+
+    Attributes:
+        method: a registered method name (``nasdiag methods`` lists them).
+        hp: hyperparameter overrides ``{key: value}`` (values may be strings), parsed by the method's
+            ``Hyperparameters.from_dict``. With ``dataset="digits"`` a method's ``digits_preset`` fills
+            the keys not given here.
+        dataset, data_dir: ``digits`` (embedded), ``cifar10`` (``data_dir`` = folder of the python
+            batches) or ``synthetic``.
+        C, layers, steps, multiplier, order, norm: the supernet (`nasdiag.supernet.Network`);
+            ``multiplier`` None means ``steps``.
+        epochs, batch_size, seed: ``batch_size`` is per DDP rank.
+        device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
+        dtype: ``float32`` or ``float64``.
+        diagnostics: recorded once per epoch: ``cost`` (cost statistics), ``hessian`` (mixing-weight
+            Hessian diagonal in ``hessian_mode``); empty = none.
+        spectrum_every: every k steps record ``hessian/<cell>/top_eigenvalue`` (0 = never).
+        record: the HDF5 record path (None: no record, no checkpoint).
+        resume: continue the run recorded at ``record`` (same run-defining fields; ``epochs`` may grow).
+        force: replace an existing record (refused while another process writes it).
+        figures: folder for figures drawn at the end (None: none).
+        engine: ``auto``, ``fast`` or ``eager`` supernet execution (``Network.set_engine``).
+        threads: torch intra-op threads (None: `default_threads`).
+        progress: a progress bar on rank 0.
+        checkpoint_every: also checkpoint every this many steps (0: only at epoch ends).
+    """
+
+    method: str = "darts"
+    hp: Dict[str, Any] = field(default_factory=dict)
+    dataset: str = "digits"
+    data_dir: Optional[str] = None
+    C: int = 8
+    layers: int = 3
+    steps: int = 4
+    multiplier: Optional[int] = None
+    order: str = "relu-conv-bn"
+    norm: str = "batch"
+    epochs: int = 8
+    batch_size: int = 64
+    seed: int = 0
+    device: str = "auto"
+    dtype: str = "float32"
+    diagnostics: Tuple[str, ...] = DIAGNOSTICS
+    hessian_mode: str = "approx"
+    spectrum_every: int = 0
+    record: Optional[str] = None
+    resume: bool = False
+    force: bool = False
+    figures: Optional[str] = None
+    engine: str = "auto"
+    threads: Optional[int] = None
+    progress: bool = True
+    checkpoint_every: int = 0
+
+    def __post_init__(self):
+        if isinstance(self.diagnostics, str):
+            self.diagnostics = tuple(d.strip() for d in self.diagnostics.split(",") if d.strip() and d.strip() != "none")
+        self.diagnostics = tuple(self.diagnostics)
+        self.hp = dict(self.hp)
+
+    # -- derived -----------------------------------------------------------------------------------------
+    @property
+    def cell_multiplier(self) -> int:
+        return self.steps if self.multiplier is None else self.multiplier
+
+    @property
+    def checkpoint(self) -> Optional[str]:
+        """The checkpoint next to the record (``<record>.ckpt``)."""
+        return None if self.record is None else os.fspath(self.record) + ".ckpt"
+
+    # -- validation ------------------------------------------------------------------------------------
+    def validate(self) -> "SearchConfig":
+        """Check every field that needs no data or device; raises a one-line `ConfigError`."""
+        _choice("dataset", self.dataset, DATASETS)
+        _choice("dtype", self.dtype, DTYPES)
+        _choice("order", self.order, ORDERS, what="op stacking order")
+        _choice("norm", self.norm, NORMS)
+        _choice("engine", self.engine, ENGINES)
+        _choice("hessian_mode", self.hessian_mode, HESSIAN_MODES)
+        for d in self.diagnostics:
+            _choice("diagnostics", d, DIAGNOSTICS)
+        for name, low in (("epochs", 1), ("batch_size", 1), ("seed", 0), ("C", 2), ("steps", 1), ("spectrum_every", 0),
+                          ("checkpoint_every", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+        if self.C % 2:
+            raise ConfigError(f"C must be even (FactorizedReduce halves it), got {self.C}")
+        if isinstance(self.layers, bool) or not isinstance(self.layers, int) or self.layers < 3:
+            raise ConfigError(f"layers must be >= 3, got {self.layers!r}: with fewer, every cell is a reduction cell "
+                              "(reductions sit at layers//3 and 2*layers//3) and the normal cell would be empty")
+        m = self.cell_multiplier
+        if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= self.steps:
+            raise ConfigError(f"multiplier must be an integer in [1, steps={self.steps}], got {m!r}")
+        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1):
+            raise ConfigError(f"threads must be an integer >= 1, got {self.threads!r}")
+        if not isinstance(self.device, str) or not _DEVICE.match(self.device):
+            raise ConfigError(f"unknown device {self.device!r}; use auto, cpu, cuda or cuda:N")
+        if self.dataset == "cifar10" and not self.data_dir:
+            raise ConfigError("dataset cifar10 needs data_dir (--data-dir) pointing at the folder of the CIFAR-10 python batches")
+        if self.dataset != "cifar10" and self.data_dir:
+            raise ConfigError(f"data_dir (--data-dir) is only used with dataset cifar10, not {self.dataset!r}")
+        if self.resume and self.force:
+            raise ConfigError("resume and force contradict each other; pass only one")
+        if (self.resume or self.force) and self.record is None:
+            raise ConfigError("resume and force need a record path (--out)")
+        if self.checkpoint_every and self.record is None:
+            raise ConfigError("checkpoint_every needs a record path (--out): checkpoints live next to the record")
+        if not isinstance(self.hp, Mapping):
+            raise ConfigError(f"hp must be a mapping of hyperparameter overrides, got {type(self.hp).__name__}")
+        return self
+
+    # -- serialisation ---------------------------------------------------------------------------------
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain JSON-serialisable dict of every field (tuples as lists)."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = list(value) if isinstance(value, tuple) else (dict(value) if isinstance(value, dict) else value)
+        return out
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "SearchConfig":
+        """Inverse of `to_dict`; unknown keys raise `ConfigError`."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"unknown SearchConfig field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**dict(values))
+
+    def run_defining(self, hp: Optional[Mapping[str, Any]] = None, world_size: int = 1) -> Dict[str, Any]:
+        """The values that define the run: a resumed run must have the same. ``hp``: the effective
+        hyperparameters (default: the overrides as given)."""
+        values = {k: getattr(self, k) for k in RUN_DEFINING}
+        values["hp"] = dict(self.hp if hp is None else hp)
+        values["multiplier"] = self.cell_multiplier
+        values["world_size"] = int(world_size)
+        return json.loads(json.dumps(values, sort_keys=True, default=str))
+
+    def config_hash(self, hp: Optional[Mapping[str, Any]] = None, world_size: int = 1) -> str:
+        """sha256 (hex, 16 digits) of `run_defining`."""
+        text = json.dumps(self.run_defining(hp, world_size), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def differing_fields(given: Mapping[str, Any], stored: Mapping[str, Any]) -> Dict[str, Tuple[Any, Any]]:
+    """``{field: (given, stored)}`` for the run-defining fields that differ (hp compared key by key)."""
+    out: Dict[str, Tuple[Any, Any]] = {}
+    for key in sorted(set(given) | set(stored)):
+        a, b = given.get(key), stored.get(key)
+        if key == "hp" and isinstance(a, Mapping) and isinstance(b, Mapping):
+            for k in sorted(set(a) | set(b)):
+                if a.get(k) != b.get(k):
+                    out[f"hp.{k}"] = (a.get(k), b.get(k))
+        elif a != b:
+            out[key] = (a, b)
+    return out
+
+
+def _choice(name: str, value, allowed, what: Optional[str] = None) -> None:
+    if value not in allowed:
+        raise ConfigError(f"unknown {what or name} {value!r}; choose one of {', '.join(allowed)}")

@@ -1,0 +1,468 @@
+"""`run(config)`: a whole search — threads, device, DDP, data, supernet, method, record, checkpoint,
+resume, progress and figures — as the CLI and scripts run it.
+
+The loop pairs search-train and search-val batches, calls ``method.step`` and hands the statistics to
+callbacks (``on_step_end(step, stats)``, ``on_epoch_end(epoch, stats)``, ``on_exception(exc)``): the
+recorder, the checkpointer, the progress bar and any the caller adds are the same kind of object a
+user plugs into a loop of their own.
+
+Resume (`nasdiag.search.checkpoint` has the commit rule): the record's last committed step S_rec and
+the checkpoint's step S_ck <= S_rec are read; the run continues from the checkpoint, replays steps
+S_ck+1 .. S_rec without handing them to the recorder or the caller's callbacks, and records from
+S_rec+1 on. Steps are numbered from 1; epoch e covers steps e·S+1 .. (e+1)·S.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import tempfile
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from nasdiag.errors import ConfigError, NasdiagError
+from nasdiag.search.base import Schedule, SearchMethod
+from nasdiag.search.checkpoint import Checkpointer, load_checkpoint, set_rng_state, temp_path
+from nasdiag.search.config import SearchConfig, default_threads, differing_fields
+from nasdiag.search.registry import get_method
+
+EVAL_BATCH_SIZE = 256
+
+
+@dataclass
+class SearchResult:
+    """What `run` returns.
+
+    Attributes:
+        genotype: the derived architecture (``method.genotype()``).
+        evaluation: ``{"loss", "acc"}`` of the supernet on the whole search-val split after the last epoch.
+        record: the record path (None if the run recorded nothing).
+        figures: paths of the figures drawn at the end.
+        config: the configuration that ran.
+        method: the method object (its network holds the searched weights).
+    """
+
+    genotype: Any
+    evaluation: Dict[str, float]
+    record: Optional[str]
+    figures: List[str] = field(default_factory=list)
+    config: Optional[SearchConfig] = None
+    method: Optional[SearchMethod] = None
+
+
+# -- data order --------------------------------------------------------------------------------------
+def steps_per_epoch(train_size: int, val_size: int, batch_size: int, world_size: int = 1) -> int:
+    """Steps of one epoch: full batches of one rank's share of the smaller search split."""
+    return min(train_size, val_size) // world_size // batch_size
+
+
+def epoch_batches(dataset, batch_size: int, seed: int, epoch: int, *, rank: int = 0, world_size: int = 1,
+                  start: int = 0) -> Iterator[Tuple[torch.Tensor, ...]]:
+    """The batches of one epoch, from batch ``start`` on.
+
+    The order is a permutation drawn from a generator seeded by (``seed``, ``epoch``) only, so a resumed
+    run sees exactly the batches an uninterrupted one sees; under DDP rank r takes every
+    ``world_size``-th sample of it. Only full batches are yielded. ``dataset`` is a ``TensorDataset``.
+    """
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    order = torch.randperm(len(dataset), generator=g)
+    order = order[: len(order) // world_size * world_size][rank::world_size]
+    for i in range(start, len(order) // batch_size):
+        yield dataset[order[i * batch_size:(i + 1) * batch_size]]
+
+
+# -- callbacks ---------------------------------------------------------------------------------------
+class Committed:
+    """Forwards to ``target`` only the steps after ``after_step`` (those not in the record yet), and the
+    last step of each epoch only together with its epoch statistics: an interrupted epoch end leaves
+    no row without the epoch's evaluation (the resumed run replays that step)."""
+
+    def __init__(self, target, steps_per_epoch: int, after_step: int = 0):
+        self.target = target
+        self.steps_per_epoch = steps_per_epoch
+        self.after_step = after_step
+        self._held: Optional[Tuple[int, Mapping]] = None
+
+    def on_step_end(self, step: int, stats) -> None:
+        if step <= self.after_step:
+            return
+        if step % self.steps_per_epoch == 0:
+            self._held = (step, stats)
+        else:
+            self.target.on_step_end(step, stats)
+
+    def on_epoch_end(self, epoch: int, stats) -> None:
+        held, self._held = self._held, None
+        if held is None:  # the epoch's last step was replayed
+            return
+        self.target.on_step_end(*held)
+        self.target.on_epoch_end(epoch, stats)
+
+    def on_exception(self, exc: BaseException) -> None:
+        self._held = None
+        self.target.on_exception(exc)
+
+
+class Progress:
+    """A tqdm bar over the steps. The losses in its postfix are read from the device only every
+    ``every`` steps and at epoch ends, so the bar adds no per-step host–device synchronisation."""
+
+    def __init__(self, total: int, initial: int = 0, enabled: bool = True, every: int = 25):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True)
+        self.every = every
+        self.postfix: Dict[str, str] = {}
+
+    def on_step_end(self, step: int, stats) -> None:
+        if not self.bar.disable and step % self.every == 0:
+            for key in ("train_loss", "val_loss"):
+                if f"scalars/{key}" in stats:
+                    self.postfix[key] = f"{float(stats[f'scalars/{key}']):.3f}"
+            self.bar.set_postfix(self.postfix, refresh=False)
+        self.bar.update(1)
+
+    def on_epoch_end(self, epoch: int, stats) -> None:
+        if not self.bar.disable and "scalars/search_val_acc" in stats:
+            self.postfix["search_val_acc"] = f"{float(stats['scalars/search_val_acc']):.3f}"
+            self.bar.set_postfix(self.postfix)
+
+    def on_exception(self, exc: BaseException) -> None:
+        self.bar.close()
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+# -- the loop ----------------------------------------------------------------------------------------
+def search_loop(method: SearchMethod, splits, *, epochs: int, batch_size: int, seed: int, start_step: int = 0,
+                callbacks: Sequence = (), diagnostics: Sequence[str] = ("cost", "hessian"), spectrum_every: int = 0,
+                rank: int = 0, world_size: int = 1) -> Dict[str, float]:
+    """Run ``method`` from step ``start_step`` (completed) to the end of epoch ``epochs - 1``.
+
+    After each epoch the supernet is evaluated on the whole search-val split; ``on_epoch_end`` gets
+    ``scalars/epoch``, ``scalars/search_val_loss``, ``scalars/search_val_acc`` and the method's
+    ``diagnostics()`` of the families in ``diagnostics``. Returns the last evaluation.
+    """
+    from torch.utils.data import DataLoader
+
+    S = steps_per_epoch(len(splits.train), len(splits.val), batch_size, world_size)
+    p = next(method.network.parameters())
+    device, dtype = p.device, p.dtype
+    keep = tuple(f"{d}/" for d in diagnostics)
+    evaluation: Dict[str, float] = {}
+    try:
+        start_epoch, position = divmod(start_step, S)
+        for epoch in range(start_epoch, epochs):
+            first = position if epoch == start_epoch else 0
+            shard = dict(rank=rank, world_size=world_size, start=first)
+            batches = zip(epoch_batches(splits.train, batch_size, seed, epoch, **shard),
+                          epoch_batches(splits.val, batch_size, seed + 1, epoch, **shard))
+            for i, ((xt, yt), (xv, yv)) in enumerate(itertools.islice(batches, S - first), start=first):
+                step = epoch * S + i + 1
+                train = (xt.to(device, dtype, non_blocking=True), yt.to(device, non_blocking=True))
+                val = (xv.to(device, dtype, non_blocking=True), yv.to(device, non_blocking=True))
+                stats = method.step(train, val)
+                if spectrum_every and step % spectrum_every == 0:
+                    stats = {**stats, **method.spectrum(*(train if method.single_level else val))}
+                for cb in callbacks:
+                    cb.on_step_end(step, stats)
+            evaluation = method.evaluate(DataLoader(splits.val, batch_size=EVAL_BATCH_SIZE))
+            epoch_stats = {
+                "scalars/epoch": torch.tensor(float(epoch)),
+                "scalars/search_val_loss": torch.tensor(evaluation["loss"]),
+                "scalars/search_val_acc": torch.tensor(evaluation["acc"]),
+                **{k: v for k, v in method.diagnostics().items() if k.startswith(keep)},
+            }
+            method.epoch_end(epoch)
+            for cb in callbacks:
+                cb.on_epoch_end(epoch, epoch_stats)
+    except BaseException as exc:
+        for cb in callbacks:
+            cb.on_exception(exc)
+        raise
+    return evaluation
+
+
+# -- checks before anything is written ----------------------------------------------------------------
+def _probe_writable(folder: str, what: str) -> None:
+    """Refuse ``folder`` (to be created if missing) unless a file can really be created there; leaves nothing."""
+    folder = os.path.abspath(folder)
+    existing = folder
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError(f"cannot put the {what} under {folder}: {existing} is a file, not a folder")
+    try:
+        if existing == folder:
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+        else:
+            child = os.path.join(existing, os.path.relpath(folder, existing).split(os.sep)[0])
+            os.mkdir(child)
+            os.rmdir(child)
+    except OSError as err:
+        from nasdiag.record.lock import describe_os_error
+
+        raise ConfigError(f"cannot write the {what} under {folder}: {describe_os_error(err)}") from None
+
+
+def check_paths(config: SearchConfig) -> None:
+    """Refuse a record or figure location that cannot work, before any search runs; touches nothing."""
+    if config.record is not None:
+        record = os.fspath(config.record)
+        if os.path.isdir(record):
+            raise ConfigError(f"record path {record} is a folder; pass a file path such as {os.path.join(record, 'run.h5')}")
+        if os.path.exists(record) and not (config.resume or config.force):
+            raise ConfigError(f"a record already exists at {record}; pass --resume to continue it or --force to replace it")
+        _probe_writable(os.path.dirname(os.path.abspath(record)), "record")
+    if config.figures is not None:
+        figures = os.fspath(config.figures)
+        if os.path.exists(figures) and not os.path.isdir(figures):
+            raise ConfigError(f"figure folder {figures} is a file; pass a folder")
+        _probe_writable(figures, "figures")
+
+
+def _resolve_method(config: SearchConfig):
+    """The method class and its effective hyperparameters (overrides, then the digits preset, then defaults)."""
+    cls = get_method(config.method)
+    values = dict(config.hp)
+    if config.dataset == "digits":
+        for key, value in dict(getattr(cls, "digits_preset", {}) or {}).items():
+            values.setdefault(key, value)
+    hp = cls.Hyperparameters.from_dict(values, method=config.method)
+    if config.spectrum_every and not callable(getattr(cls, "spectrum", None)):
+        raise ConfigError(f"spectrum_every needs the method's curvature spectrum service ({cls.__name__}.spectrum), "
+                          f"which method {config.method!r} does not offer yet; pass --spectrum-every 0")
+    return cls, hp
+
+
+def _device(name: str, world: int):
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} requested but CUDA is not available; use --device cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"device {name!r} does not exist: {torch.cuda.device_count()} CUDA device(s)")
+    if world > 1 and device.index is not None:
+        raise ConfigError(f"under torchrun the device must be auto, cuda or cpu (each rank takes its own GPU), not {name!r}")
+    return device
+
+
+@contextlib.contextmanager
+def _process_group(device_name: str):
+    """Join the process group a launcher (torchrun) describes in the environment; yields (rank, world, device)."""
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        yield 0, 1, _device(device_name, 1)
+        return
+    device = _device(device_name, world)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device.type == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    try:
+        yield dist.get_rank(), dist.get_world_size(), device
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _threads(n: int):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _resume_point(config: SearchConfig, defining: Mapping[str, Any]) -> Tuple[Optional[Dict], int]:
+    """The checkpoint to continue from and the record's last committed step, or a refusal naming why."""
+    from nasdiag.record import load, load_meta
+
+    record, ckpt = os.fspath(config.record), config.checkpoint
+    if not os.path.exists(record):
+        raise ConfigError(f"nothing to resume at {record}: there is no record; drop --resume to start a run")
+    meta = load_meta(record)
+    steps = load(record)["step"]
+    last = int(steps.max()) if steps.size else 0
+    if not os.path.exists(ckpt):
+        if last:
+            raise ConfigError(f"cannot resume {record}: its checkpoint {ckpt} is missing; start again with --force")
+        state = None  # killed before its first checkpoint: the record holds no step, so nothing is rewritten
+    else:
+        state = load_checkpoint(ckpt)
+    for stored, where in ((None if state is None else state.get("run", {}), f"checkpoint {ckpt}"),
+                          (meta.get("run", {}), f"record at {record}")):
+        if stored is None:
+            continue
+        diff = differing_fields(defining, stored)
+        if "method" in diff:
+            raise ConfigError(f"--resume with method {diff['method'][0]}, but the {where} was written by {diff['method'][1]}; "
+                              "pass the recorded method or record to a new path")
+        if diff:
+            listed = ", ".join(f"{k}={a!r} (recorded {b!r})" for k, a, b in ((k, *v) for k, v in diff.items()))
+            raise ConfigError(f"--resume with different settings than the {where}: {listed}; "
+                              "resume with the recorded settings or record to a new path")
+    if state is None:
+        return None, 0
+    if last < state["step"]:
+        raise ConfigError(f"the record at {record} ends at step {last}, before its checkpoint (step {state['step']}); "
+                          "the record lost rows, start again with --force")
+    if config.epochs < state["epochs"]:
+        raise ConfigError(f"--epochs {config.epochs} is shorter than the run's {state['epochs']} epochs; "
+                          "resume with at least as many epochs")
+    if state["epoch"] >= config.epochs:
+        raise ConfigError(f"the run at {record} already finished {state['epoch']} epochs; "
+                          f"extend it with --resume --epochs N, N > {state['epoch']}")
+    return state, last
+
+
+# -- the run -----------------------------------------------------------------------------------------
+def run(config: SearchConfig, callbacks: Sequence = ()) -> SearchResult:
+    """Run the search ``config`` describes; ``callbacks`` get every step recorded in this session.
+
+    Under torchrun (``WORLD_SIZE`` > 1) every rank calls ``run``: the ranks train data-parallel
+    (``method.distribute()``), rank 0 writes the record and the checkpoint, and only rank 0's result
+    has figures. Every refusal is a one-line `NasdiagError` raised before anything is written.
+    """
+    config.validate()
+    method_cls, hp = _resolve_method(config)
+    check_paths(config)
+    with _threads(config.threads or default_threads()), _process_group(config.device) as (rank, world, device):
+        return _run(config, callbacks, method_cls, hp, rank, world, device)
+
+
+def _run(config, callbacks, method_cls, hp, rank, world, device) -> SearchResult:
+    from nasdiag.data import load_dataset
+    from nasdiag.supernet import Network
+
+    dtype = {"float32": torch.float32, "float64": torch.float64}[config.dtype]
+    kwargs = {"seed": config.seed, "dtype": dtype}
+    if config.dataset == "cifar10":
+        kwargs["root"] = config.data_dir
+    splits = load_dataset(config.dataset, **kwargs)
+    n_train, n_val = len(splits.train), len(splits.val)
+    S = steps_per_epoch(n_train, n_val, config.batch_size, world)
+    if S == 0:
+        share = min(n_train, n_val) // world
+        raise ConfigError(f"batch size {config.batch_size} is larger than the {share} samples of the smaller search split "
+                          f"{'per rank ' if world > 1 else ''}of {config.dataset}; use --batch-size <= {share}")
+    hp_values = hp.to_dict()
+    defining = config.run_defining(hp_values, world)
+    digest = config.config_hash(hp_values, world)
+    state, recorded_until = (None, 0)
+    if config.resume:
+        state, recorded_until = _resume_point(config, defining)
+
+    torch.manual_seed(config.seed)
+    try:
+        net = Network(config.C, splits.num_classes, config.layers, steps=config.steps, multiplier=config.cell_multiplier,
+                      in_channels=splits.in_channels, order=config.order, norm=config.norm).to(device=device, dtype=dtype)
+    except (ValueError, KeyError) as exc:
+        raise ConfigError(f"invalid supernet settings: {exc.args[0] if exc.args else exc}") from None
+    _set_engine(net, config.engine)
+    epochs = state["epochs"] if state is not None else config.epochs
+    schedule = Schedule(epochs=epochs, steps_per_epoch=S, batch_size=config.batch_size, train_size=n_train,
+                        val_size=n_val, world_size=world)
+    method = method_cls(net, hp, schedule=schedule, hessian_mode=config.hessian_mode if "hessian" in config.diagnostics else None,
+                        seed=config.seed)
+    start_step = 0
+    if state is not None:
+        method.load_state_dict(state["method"])
+        set_rng_state(state["rng"])
+        start_step = state["step"]
+        if config.epochs > epochs:
+            method.extend_schedule(config.epochs)
+    if world > 1:
+        method.distribute(device_ids=[device.index] if device.type == "cuda" else None)
+        import torch.distributed as dist
+
+        dist.barrier()  # every rank has read the record and the checkpoint before rank 0 opens the record
+
+    loop_callbacks: List = []
+    record_cb = None
+    if config.record is not None:
+        record_cb = _open_record(config, net, method, hp_values, defining, digest, world)
+        loop_callbacks.append(Committed(record_cb, S, recorded_until))
+        if record_cb.recorder is not None:
+            checkpointer = Checkpointer(
+                config.checkpoint, method, S, every=config.checkpoint_every, commit=record_cb.recorder.flush,
+                extra={"run": defining, "config_hash": digest, "config": config.to_dict(), "epochs": config.epochs})
+            if state is None:
+                checkpointer.save(0)  # a run killed before its first epoch end resumes from here
+            loop_callbacks.append(checkpointer)
+    progress = Progress(config.epochs * S, start_step, enabled=rank == 0 and config.progress)
+    loop_callbacks.append(progress)
+    loop_callbacks.extend(Committed(cb, S, recorded_until) for cb in callbacks)
+    try:
+        with (record_cb if record_cb is not None else contextlib.nullcontext()):
+            evaluation = search_loop(method, splits, epochs=config.epochs, batch_size=config.batch_size, seed=config.seed,
+                                     start_step=start_step, callbacks=loop_callbacks, diagnostics=config.diagnostics,
+                                     spectrum_every=config.spectrum_every, rank=rank, world_size=world)
+    finally:
+        progress.close()
+    figures: List[str] = []
+    if config.figures is not None and rank == 0 and config.record is not None:
+        from nasdiag.plot import write_figures
+
+        figures = [str(p) for p in write_figures(config.record, config.figures)]
+    return SearchResult(method.genotype(), evaluation, None if config.record is None else os.fspath(config.record),
+                        figures, config, method)
+
+
+def _set_engine(net, engine: str) -> None:
+    set_engine = getattr(net, "set_engine", None)
+    if set_engine is None:
+        if engine == "fast":
+            raise ConfigError(f"engine 'fast' needs {type(net).__name__}.set_engine, which this supernet lacks; "
+                              "use --engine eager or auto")
+        return
+    try:
+        set_engine(engine)
+    except ValueError as exc:
+        raise ConfigError(f"engine {engine!r}: {exc}") from None
+
+
+def _open_record(config, net, method, hp_values, defining, digest, world):
+    """Open the record (rank 0) after every check has passed; with --force drop the old checkpoint only
+    once the record's writer lock is ours."""
+    from nasdiag.record import RecorderCallback, RecordWarning
+
+    meta = {
+        "method": config.method,
+        "config": config.to_dict(),
+        "seed": config.seed,
+        "op_names": list(net.primitives),
+        "edge_names": {t: net.edge_labels() for t in net.cell_types},
+        "cell_types": list(net.cell_types),
+        "hp": hp_values,
+        "run": defining,
+        "config_hash": digest,
+        "world_size": world,
+    }
+    with warnings.catch_warnings():
+        # the run-defining settings were compared above; only epochs (an explicit extension) may differ
+        warnings.simplefilter("ignore", RecordWarning)
+        record_cb = RecorderCallback(config.record, meta=meta, resume=config.resume, overwrite=config.force)
+    if record_cb.recorder is not None:
+        stale = [temp_path(config.checkpoint)] + ([config.checkpoint] if config.force else [])
+        for path in stale:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+    return record_cb
+
+
+__all__ = ["Committed", "Progress", "SearchResult", "check_paths", "epoch_batches", "run", "search_loop", "steps_per_epoch"]
