@@ -2,23 +2,26 @@
 
 Every rank calls `reduce_statistics` with its own statistics (a mapping of record path ->
 array-like, as a probe or search method hands them out) at the same point of the loop; every rank
-gets the reduced statistics back, and only rank 0 writes them. The reduction rule of a path comes
-from its name and dtype unless ``rules`` says otherwise:
+gets the reduced statistics back, and only rank 0 writes them. The rule of a path is its family's
+rule in the statistics vocabulary (`nasdiag.vocabulary.reduction_rule`; paths of no family: bools
+``all``, other integers ``same``, floats ``mean``) unless ``rules`` says otherwise:
 
 =========  ================================================================================
 rule       result over ranks r = 1..R
 =========  ================================================================================
-mean       (1/R) sum_r x_r, the default for floats (equal per-rank batches: the global batch mean)
-sum        sum_r x_r, the default for paths named ``count`` or ``*_count``
-pooled     the default for ``<prefix>/mean`` and ``<prefix>/var`` next to ``<prefix>/count``:
-           mean = sum_r n_r m_r / N and var = (sum_r [(n_r - ddof) v_r + n_r m_r^2] - N mean^2) / (N - ddof)
-           with N = sum_r n_r, i.e. exactly the mean and variance of all samples of all ranks
-all, any   logical and / or, the default for bools (``all``)
+mean       (1/R) sum_r x_r (equal per-rank batches: the global batch mean); ints give float64
+sum        sum_r x_r
+pooled     ``<prefix>/mean`` and ``<prefix>/var`` next to ``<prefix>/count``: the mean and
+           variance of all samples of all ranks, by `nasdiag.vocabulary.pooled_moments`
+all, any   logical and / or
 min, max   elementwise extremes
-same       the value, which must agree on all ranks (else `RecordError`); the default for other ints
+same       the value, which must agree on all ranks (else `ReductionError`)
 =========  ================================================================================
 
-torch is imported only inside the functions, so that importing this module stays cheap.
+A batch of rows can be reduced at once (``rows=True``: the first axis of every value is the row),
+so a recorder callback reduces all the rows it buffered with one collective per rule.
+
+Importing this module imports neither torch nor h5py (torch only once a process group is in use).
 """
 
 from __future__ import annotations
@@ -31,10 +34,13 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from nasdiag.record.errors import RecordError
-from nasdiag.record.writer import to_numpy
+from nasdiag.arrays import to_numpy
+from nasdiag.errors import NasdiagError
+from nasdiag.vocabulary import RULES, pooled_moments, reduction_rule
 
-RULES = ("mean", "sum", "pooled", "all", "any", "min", "max", "same")
+
+class ReductionError(NasdiagError):
+    """Ranks handed statistics that cannot be reduced together (the message says what differs)."""
 
 
 def _dist(group=None):
@@ -70,22 +76,15 @@ def is_writer(group=None) -> bool:
     return rank(group) == 0
 
 
-def default_rule(path: str, dtype: np.dtype, siblings) -> str:
-    """The rule `reduce_statistics` uses for ``path`` unless told otherwise (see module docstring)."""
+def _split(path: str) -> tuple[str, str]:
     parent, _, name = path.rpartition("/")
-    if dtype.kind == "b":
-        return "all"
-    if name == "count" or name.endswith("_count"):
-        return "sum"
-    if name in ("mean", "var") and dtype.kind == "f" and f"{parent}/count" in siblings:
-        return "pooled"
-    if dtype.kind == "f":
-        return "mean"
-    return "same"
+    return parent, name
 
 
 def plan_rules(arrays: Mapping[str, np.ndarray], rules: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Rule per path: the first matching pattern of ``rules`` (exact path or fnmatch glob), else the default."""
+    """Rule per path: the first matching pattern of ``rules`` (exact path or fnmatch glob), else the
+    vocabulary's rule (`nasdiag.vocabulary.reduction_rule`). Raises `ReductionError` for an unknown
+    rule or a ``pooled`` path without its ``count`` (and, for ``var``, its ``mean``) sibling."""
     plan = {}
     for path, array in arrays.items():
         rule = None
@@ -94,15 +93,18 @@ def plan_rules(arrays: Mapping[str, np.ndarray], rules: Mapping[str, str] | None
                 rule = candidate
                 break
         if rule is None:
-            rule = default_rule(path, array.dtype, arrays)
+            rule = reduction_rule(path, np.asarray(array).dtype)
         if rule not in RULES:
-            raise RecordError(f"unknown reduction rule {rule!r} for {path!r}; use one of {RULES}")
+            raise ReductionError(f"unknown reduction rule {rule!r} for {path!r}; use one of {RULES}")
         if rule == "pooled":
-            parent = path.rpartition("/")[0]
-            if path.rpartition("/")[2] not in ("mean", "var") or f"{parent}/count" not in arrays:
-                raise RecordError(f"rule 'pooled' for {path!r} needs a '<prefix>/mean' or '/var' path with '{parent}/count' next to it")
-            if path.endswith("/var") and f"{parent}/mean" not in arrays:
-                raise RecordError(f"pooling {path!r} needs '{parent}/mean' too")
+            parent, name = _split(path)
+            if name not in ("mean", "var") or f"{parent}/count" not in arrays:
+                raise ReductionError(
+                    f"rule 'pooled' for {path!r} needs a '<prefix>/mean' or '/var' path with '{parent}/count' next to it; "
+                    f"log '{parent}/count' in the same row"
+                )
+            if name == "var" and f"{parent}/mean" not in arrays:
+                raise ReductionError(f"pooling {path!r} needs '{parent}/mean' in the same row too")
         plan[path] = rule
     return plan
 
@@ -112,17 +114,28 @@ def _signature(arrays, plan) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
 
 
+def _aligned_count(count: np.ndarray, like: np.ndarray, rows: bool) -> np.ndarray:
+    """The sample count broadcast to a mean's shape (per row first when ``rows``)."""
+    count = count.astype(np.float64)
+    if rows and count.ndim < like.ndim:
+        count = count.reshape(count.shape + (1,) * (like.ndim - count.ndim))
+    return np.broadcast_to(count, like.shape)
+
+
 def reduce_statistics(
-    statistics: Mapping, *, rules: Mapping[str, str] | None = None, ddof: int = 0, group=None
+    statistics: Mapping, *, rules: Mapping[str, str] | None = None, ddof: int = 0, group=None, rows: bool = False
 ) -> dict[str, np.ndarray]:
     """Reduce ``statistics`` over the ranks of ``group``; every rank must call it with the same paths.
 
     ``statistics`` maps record paths to Python scalars, numpy arrays or tensors. Returns numpy arrays
     of the input shapes and dtypes (``mean`` of ints gives float64) on every rank. ``ddof`` is the
-    convention of the ``var`` paths being pooled (0: population variance, 1: unbiased). Without an
-    initialised process group (or with one rank) the statistics come back unchanged. All work is
-    batched into at most four collectives: a schema check, then one sum, one min and one max.
-    Raises `RecordError` if the ranks disagree on the paths, shapes or dtypes, or on a ``same`` value.
+    convention of the ``var`` paths being pooled (0: population variance, 1: unbiased). ``rows``: the
+    first axis of every value is a row (a batch of recorded steps, reduced elementwise); a ``count``
+    with fewer axes than its ``mean`` then lines up with the leading axes. Without an initialised
+    process group (or with one rank) the statistics come back unchanged (as numpy). The work is
+    batched into at most five collectives: a schema check, then one sum, one min, one max and, for
+    pooled paths, one all-gather. Raises `ReductionError` if the ranks disagree on the paths, shapes
+    or dtypes, or on a ``same`` value.
     """
     arrays = {path: np.asarray(to_numpy(value)) for path, value in statistics.items()}
     plan = plan_rules(arrays, rules)
@@ -136,36 +149,33 @@ def reduce_statistics(
     check = torch.tensor([signature, -signature], dtype=torch.int64, device=device)
     dist.all_reduce(check, op=dist.ReduceOp.MAX, group=group)
     if check.tolist() != [signature, -signature]:
-        raise RecordError(
+        raise ReductionError(
             "ranks passed different statistics (paths, shapes, dtypes or rules) to reduce_statistics; "
             "every rank must hand the same paths at the same step"
         )
     world = dist.get_world_size(group)
 
-    sums, mins, maxs = _Packer(), _Packer(), _Packer()
+    sums, mins, maxs, gathered = _Packer(), _Packer(), _Packer(), _Packer()
     for path, array in arrays.items():
         rule = plan[path]
         x = array.astype(np.float64)
         if rule in ("mean", "sum"):
             sums.add(path, x)
-        elif rule == "pooled" and path.endswith("/mean"):
-            parent = path.rpartition("/")[0]
-            n = np.broadcast_to(arrays[f"{parent}/count"].astype(np.float64), x.shape)
-            sums.add(f"{path}#n", n)
-            sums.add(f"{path}#nm", np.where(n > 0, n * x, 0.0))
-            var = arrays.get(f"{parent}/var")
-            if var is not None and plan.get(f"{parent}/var") == "pooled":
-                v = var.astype(np.float64)
-                second = np.where(n > ddof, (n - ddof) * v, 0.0) + np.where(n > 0, n * x * x, 0.0)
-                sums.add(f"{path}#sq", second)
+        elif rule == "pooled":
+            parent, name = _split(path)
+            gathered.add(path, x)
+            if name == "mean":
+                gathered.add(f"{parent}/count#n", _aligned_count(arrays[f"{parent}/count"], x, rows))
         elif rule in ("all", "min", "same"):
             mins.add(path, x)
         if rule in ("any", "max", "same"):
             maxs.add(path, x)
 
-    reduced_sum = sums.reduce(dist, dist.ReduceOp.SUM, device, group)
-    reduced_min = mins.reduce(dist, dist.ReduceOp.MIN, device, group)
-    reduced_max = maxs.reduce(dist, dist.ReduceOp.MAX, device, group)
+    reduced_sum = sums.all_reduce(dist, dist.ReduceOp.SUM, device, group)
+    reduced_min = mins.all_reduce(dist, dist.ReduceOp.MIN, device, group)
+    reduced_max = maxs.all_reduce(dist, dist.ReduceOp.MAX, device, group)
+    per_rank = gathered.all_gather(dist, world, device, group)  # key -> (R, *shape)
+    pooled = _pool(per_rank, plan, ddof)
 
     out: dict[str, np.ndarray] = {}
     for path, array in arrays.items():
@@ -181,47 +191,73 @@ def reduce_statistics(
             value, dtype = reduced_max[path], array.dtype
         elif rule == "same":
             if not np.array_equal(reduced_min[path], reduced_max[path], equal_nan=array.dtype.kind == "f"):
-                raise RecordError(
+                raise ReductionError(
                     f"{path!r} differs across ranks but its reduction rule is 'same'; pass rules={{{path!r}: 'sum'}} "
                     "(or mean/min/max) to reduce_statistics"
                 )
             value, dtype = reduced_min[path], array.dtype
-        else:  # pooled
-            parent = path.rpartition("/")[0]
-            key = f"{parent}/mean"
-            total = reduced_sum[f"{key}#n"]
-            with np.errstate(invalid="ignore", divide="ignore"):
-                mean = reduced_sum[f"{key}#nm"] / total
-                if path.endswith("/mean"):
-                    value = np.where(total > 0, mean, np.nan)
-                else:
-                    var = (reduced_sum[f"{key}#sq"] - total * mean * mean) / (total - ddof)
-                    value = np.where(total > ddof, np.maximum(var, 0.0), np.nan)
-            dtype = array.dtype
+        else:
+            value, dtype = pooled[path], array.dtype
         out[path] = np.asarray(value).astype(dtype)
     return out
 
 
+def _pool(per_rank: dict[str, np.ndarray], plan: dict[str, str], ddof: int) -> dict[str, np.ndarray]:
+    """Pooled mean and var of every ``<prefix>`` from the ranks' (count, mean, var)."""
+    out = {}
+    for path, rule in plan.items():
+        parent, name = _split(path)
+        if rule != "pooled" or name != "mean":
+            continue
+        n = per_rank[f"{parent}/count#n"]
+        # A rank without samples (or too few for its var) contributes nothing, whatever it holds.
+        mean = np.where(n > 0, per_rank[path], 0.0)
+        var_path = f"{parent}/var"
+        pooled_var = plan.get(var_path) == "pooled"
+        var = np.where(n > ddof, per_rank[var_path], 0.0) if pooled_var else np.zeros_like(mean)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            _, out[path], pooled = pooled_moments(n, mean, var, ddof=ddof, xp=np)
+        if pooled_var:
+            out[var_path] = np.maximum(pooled, 0.0)  # rounding must not make a variance negative
+    return out
+
+
 class _Packer:
-    """Concatenates float64 arrays into one flat buffer so that one collective reduces them all."""
+    """Concatenates float64 arrays into one flat buffer so that one collective serves them all."""
 
     def __init__(self):
         self._parts: list[tuple[str, np.ndarray]] = []
 
     def add(self, key: str, array: np.ndarray) -> None:
-        self._parts.append((key, np.asarray(array, dtype=np.float64)))  # (ascontiguousarray makes 0-d 1-d)
+        self._parts.append((key, np.asarray(array, dtype=np.float64)))
 
-    def reduce(self, dist, op, device, group) -> dict[str, np.ndarray]:
+    def _flat(self, device):
+        import torch
+
+        flat = np.concatenate([a.reshape(-1) for _, a in self._parts])
+        return torch.from_numpy(flat).to(device)
+
+    def _unpack(self, flat: np.ndarray, lead: tuple[int, ...] = ()) -> dict[str, np.ndarray]:
+        out, offset = {}, 0
+        for key, array in self._parts:
+            out[key] = flat[..., offset : offset + array.size].reshape(lead + array.shape)
+            offset += array.size
+        return out
+
+    def all_reduce(self, dist, op, device, group) -> dict[str, np.ndarray]:
+        if not self._parts:
+            return {}
+        tensor = self._flat(device)
+        dist.all_reduce(tensor, op=op, group=group)
+        return self._unpack(tensor.cpu().numpy())
+
+    def all_gather(self, dist, world: int, device, group) -> dict[str, np.ndarray]:
+        """Every rank's buffer, stacked: key -> (R, *shape)."""
         if not self._parts:
             return {}
         import torch
 
-        flat = np.concatenate([a.reshape(-1) for _, a in self._parts])
-        tensor = torch.from_numpy(flat).to(device)
-        dist.all_reduce(tensor, op=op, group=group)
-        flat = tensor.cpu().numpy()
-        out, offset = {}, 0
-        for key, array in self._parts:
-            out[key] = flat[offset : offset + array.size].reshape(array.shape)
-            offset += array.size
-        return out
+        tensor = self._flat(device)
+        parts = [torch.empty_like(tensor) for _ in range(world)]
+        dist.all_gather(parts, tensor, group=group)
+        return self._unpack(torch.stack(parts).cpu().numpy(), (world,))

@@ -1,5 +1,6 @@
 """DDP: statistics reduced across 2 gloo ranks on CPU equal the statistics of all ranks' samples
-computed in one process with numpy; only rank 0 writes the record."""
+computed in one process with numpy; rules come from the statistics vocabulary; a recorder callback
+reduces a whole batch of buffered rows at once; only rank 0 writes the record."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from nasdiag.distributed import plan_rules, reduce_statistics
-from nasdiag.record import RecordError, load
+from nasdiag.distributed import ReductionError, plan_rules, reduce_statistics
+from nasdiag.record import load
 
 E, K = 3, 4
 SAMPLES = {0: 3, 1: 5}  # per rank, unequal on purpose: pooling must weight by count
@@ -31,8 +32,24 @@ def _rank_statistics(rank: int, ddof: int) -> dict:
         "cost/normal/var": x.var(0, ddof=ddof),
         "cost/normal/count": np.int64(x.shape[0]),
         "hessian/normal/diag": x[0].astype(np.float32),
-        "regret/normal/alive": x[0] > -1.0,
+        "hessian/normal/nonfinite": x[0, 0] > 0.7,  # vocabulary rule: any (ranks differ here)
+        "regret/normal/alive": x[0] > -1.0,  # vocabulary rule: same, overridden to all below
         "scalars/epoch": np.int64(4),
+    }
+
+
+def _step_samples(rank: int, step: int) -> np.ndarray:
+    """Cost observations of one rank at one step (unequal counts per rank and step)."""
+    return np.random.default_rng(1000 * step + rank).standard_normal((2 + rank + step % 3, E, K))
+
+
+def _step_statistics(rank: int, step: int) -> dict:
+    x = _step_samples(rank, step)
+    return {
+        "cost/normal/mean": x.mean(0),
+        "cost/normal/var": x.var(0),
+        "cost/normal/count": np.full((E, K), x.shape[0], np.int64),
+        "scalars/train_loss": np.float32(x.mean()),
     }
 
 
@@ -43,25 +60,32 @@ WORKER = textwrap.dedent(
     import torch.distributed as dist
     sys.path.insert(0, sys.argv[4])
     from test_distributed import _rank_statistics
-    from nasdiag.distributed import reduce_statistics
-    from nasdiag.record import RecordError, RecorderCallback
+    import torch
+    from nasdiag.distributed import ReductionError, reduce_statistics
+    from test_distributed import _step_statistics
+    from nasdiag.record import RecorderCallback
 
     rank, init, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
     result = {}
     for ddof in (0, 1):
-        reduced = reduce_statistics(_rank_statistics(rank, ddof), ddof=ddof)
+        reduced = reduce_statistics(_rank_statistics(rank, ddof), ddof=ddof, rules={"regret/*/alive": "all"})
         np.savez(f"{out}/reduced_ddof{ddof}_rank{rank}.npz", **{k.replace("/", "|"): v for k, v in reduced.items()})
     errors = []
-    try:  # ranks disagree on an int whose rule is "same"
-        reduce_statistics({"scalars/seen": np.int64(rank)})
-    except RecordError as err:
+    try:  # ranks disagree on a path whose vocabulary rule is "same"
+        reduce_statistics({"arch/normal/params": np.full((2, 2), float(rank))})
+    except ReductionError as err:
         errors.append(str(err))
     try:  # ranks pass different paths: refused on every rank, no hang
         reduce_statistics({"scalars/a": 1.0} if rank == 0 else {"scalars/b": 1.0})
-    except RecordError as err:
+    except ReductionError as err:
         errors.append(str(err))
     summed = reduce_statistics({"scalars/seen": np.int64(rank + 1)}, rules={"scalars/*": "sum"})
+    # A batch of rows as tensors: reduced once, when the callback hands the batch over.
+    batched = RecorderCallback(f"{out}/batched.h5", flush_every=3, flush_seconds=None)
+    for step in range(1, 6):
+        batched.on_step_end(step, {k: torch.from_numpy(np.asarray(v)) for k, v in _step_statistics(rank, step).items()})
+    batched.close()
     callback = RecorderCallback(f"{out}/run.h5", meta={"method": "ddp"}, flush_every=2, flush_seconds=None)
     for step in range(1, 4):
         callback.on_step_end(step, {"scalars/loss": float(step * (rank + 1)), "cost/normal/count": np.int64(rank + step)})
@@ -114,7 +138,8 @@ def test_reduction_equals_statistics_of_all_samples(ddp_run, ddof):
         expected_diag = ((_samples(0)[0].astype(np.float32) + _samples(1)[0].astype(np.float32)) / 2)
         np.testing.assert_allclose(got["hessian/normal/diag"], expected_diag, rtol=1e-6)
         assert got["hessian/normal/diag"].dtype == np.float32
-        # bools: alive on every rank
+        # bools: "any" from the vocabulary, "all" by an explicit rule
+        np.testing.assert_array_equal(got["hessian/normal/nonfinite"], (_samples(0)[0, 0] > 0.7) | (_samples(1)[0, 0] > 0.7))
         np.testing.assert_array_equal(got["regret/normal/alive"], (_samples(0)[0] > -1) & (_samples(1)[0] > -1))
         assert got["scalars/epoch"] == 4 and got["scalars/epoch"].dtype == np.int64
     for key in reduced[0]:  # every rank gets the same answer
@@ -125,7 +150,7 @@ def test_disagreeing_ranks_get_clear_errors_and_rules_apply(ddp_run):
     for rank in (0, 1):
         result = json.loads((ddp_run / f"rank{rank}.json").read_text())
         assert len(result["errors"]) == 2, result
-        assert "'scalars/seen' differs across ranks" in result["errors"][0]
+        assert "'arch/normal/params' differs across ranks" in result["errors"][0]
         assert "different statistics" in result["errors"][1]
         assert result["summed"] == 1 + 2
         assert result["writer"] == (rank == 0)
@@ -149,13 +174,31 @@ def test_only_rank_zero_writes_reduced_rows(ddp_run):
             assert f.attrs["pid"] == writer_pid
 
 
+def test_batched_rows_reduced_to_statistics_of_all_samples(ddp_run):
+    """Five steps of tensors, handed over in batches of 3 and 2 rows: every row's pooled cost equals
+    numpy's mean and variance over both ranks' observations of that step."""
+    out = load(ddp_run / "batched.h5")
+    np.testing.assert_array_equal(out["step"], range(1, 6))
+    for i, step in enumerate(range(1, 6)):
+        everything = np.concatenate([_step_samples(0, step), _step_samples(1, step)])
+        np.testing.assert_allclose(out["cost/normal/mean"][i], everything.mean(0), rtol=1e-12)
+        np.testing.assert_allclose(out["cost/normal/var"][i], everything.var(0), rtol=1e-10)
+        np.testing.assert_array_equal(out["cost/normal/count"][i], np.full((E, K), everything.shape[0]))
+        expected_loss = (np.float32(_step_samples(0, step).mean()) + np.float32(_step_samples(1, step).mean())) / 2
+        np.testing.assert_allclose(out["scalars/train_loss"][i], expected_loss, rtol=1e-6)
+
+
 def test_without_process_group_statistics_pass_through():
     stats = {"scalars/a": 1.5, "cost/normal/mean": np.ones((2, 2)), "cost/normal/count": np.int64(3)}
     out = reduce_statistics(stats)
     assert out["scalars/a"] == 1.5
     np.testing.assert_array_equal(out["cost/normal/mean"], np.ones((2, 2)))
     assert plan_rules(out) == {"scalars/a": "mean", "cost/normal/mean": "pooled", "cost/normal/count": "sum"}
-    with pytest.raises(RecordError, match="unknown reduction rule"):
+    # Rules come from the vocabulary, not from guessing at names: a float count of no family is a mean,
+    # a family's rule holds whatever the dtype.
+    assert plan_rules({"other/count": np.ones(2), "regret/normal/alive": np.ones(2, bool)}) == {
+        "other/count": "mean", "regret/normal/alive": "same"}
+    with pytest.raises(ReductionError, match="unknown reduction rule"):
         plan_rules(out, {"scalars/a": "median"})
-    with pytest.raises(RecordError, match="needs"):
+    with pytest.raises(ReductionError, match="needs"):
         plan_rules({"cost/normal/var": np.ones(2), "cost/normal/count": np.ones(2)})

@@ -1,6 +1,6 @@
-"""Fault injection in subprocesses (issue 6, section 4). Each test states what may be lost (at most
-the unflushed buffer) and checks that everything else is on disk, exact, with `verify_rows`
-comparing the record to the rows the child logged (a known function of the step)."""
+"""Fault injection in subprocesses (the harness is scripts/record_kill_trials.py). Each test states
+what may be lost (at most the unflushed buffer) and checks that everything else is on disk, exact,
+with `verify_rows` comparing the record to the rows the child logged (a known function of the step)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,17 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 
 import h5py
 import numpy as np
 import pytest
 
 from nasdiag.record import RecordError, Recorder, load
-from nasdiag.record.crashtest import WriterProcess, expected_row, kill_trial, verify_rows
+
+# The fault-injection harness is a script, not part of the package.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+from record_kill_trials import WriterProcess, expected_row, kill_trial, verify_rows  # noqa: E402
 
 KILL_TRIALS = 20
 

@@ -1,4 +1,4 @@
-"""`RecorderCallback`: the hooks a training loop calls to record the probe's statistics.
+"""`RecorderCallback`: the hooks a training loop calls to record the statistics of a search.
 
 A plain loop::
 
@@ -12,16 +12,23 @@ A plain loop::
             callback.on_exception(exc)
             raise
 
-Under DDP every rank constructs the callback and calls every hook; statistics are reduced across
-ranks with `nasdiag.distributed.reduce_statistics` and only rank 0 owns a `Recorder`.
+Statistics stay where they are (on the GPU, for a GPU run) until a batch of rows is handed to the
+recorder: no host-device synchronisation per step. Under DDP every rank constructs the callback and
+calls every hook; the rows of a batch are reduced across ranks with one call of
+`nasdiag.distributed.reduce_statistics` (one collective per reduction rule), and only rank 0 owns a
+`Recorder`.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 
-from nasdiag.record.errors import RecordError
+import numpy as np
+
+from nasdiag.arrays import is_tensor, stack_to_numpy
+from nasdiag.record.errors import RecordError, RecordWarning
 from nasdiag.record.writer import Recorder
 
 
@@ -36,6 +43,8 @@ class RecorderCallback:
         (this rank reduces but does not write).
     meta, **recorder_kwargs:
         Passed to `Recorder` when ``target`` is a path (``flush_every``, ``resume``, ``overwrite``...).
+        ``flush_every`` (default 64, or the given recorder's) is also the number of rows the callback
+        holds before it hands them over; under DDP every rank must use the same value.
     reduce:
         Under an initialised process group with several ranks, reduce statistics across ranks
         before writing (every rank must then call every hook). False: rank 0 records its own.
@@ -43,11 +52,19 @@ class RecorderCallback:
         Passed to `nasdiag.distributed.reduce_statistics`.
 
     Rows: each step is one row. The row of a step is held back until a hook brings another step
-    (or ``on_exception`` / close), so that ``on_epoch_end`` can add the epoch's statistics to the row
-    of the epoch's last step, and calls with the same step (gradient accumulation) merge into one
-    row; later values of a path replace earlier ones. ``recorder.flush()`` writes the held row too. ``on_epoch_end`` adds ``scalars/epoch``
-    (float32) when absent. A held-back row is written when the recorder closes, also on SIGTERM and
-    at exit, so at most ``flush_every + 1`` rows are lost to a SIGKILL.
+    (or a flush), so that ``on_epoch_end`` can add the epoch's statistics to the row of the epoch's
+    last step, and calls with the same step (gradient accumulation) merge into one row; later values
+    of a path replace earlier ones. ``on_epoch_end`` adds ``scalars/epoch`` (float32) when absent.
+
+    Batches: finished rows are kept as handed in (tensors are snapshotted with ``detach().clone()``
+    on their device, numpy arrays copied) and handed to the recorder ``flush_every`` rows at a time
+    (single process: also when the recorder's ``flush_seconds`` have passed): each path's tensors are
+    stacked and copied to the host once, and under DDP the whole batch is reduced with one call.
+    `flush` (every rank), `close` (every rank) and, in a single process, the recorder's own flushes
+    (``Recorder.flush``, SIGTERM, exit; through `Recorder.add_flush_listener`) write everything held.
+    Under DDP the recorder alone cannot reduce (the other ranks are not there): rows not yet reduced
+    when it flushes on its own, or at ``on_exception``, are not written, with a `RecordWarning`
+    naming their steps (a resume replays them; nothing local is passed off as a global value).
     """
 
     def __init__(
@@ -69,7 +86,8 @@ class RecorderCallback:
         self._group = group
         self._pending_step: int | None = None
         self._pending: dict = {}
-        self._last_step: int | None = None
+        self._rows: list[tuple[int, dict]] = []  # finished rows, values as handed in (snapshots)
+        self._ready: list[tuple[int, dict]] = []  # converted (and reduced) rows, being logged
         if isinstance(target, Recorder):
             if meta is not None or recorder_kwargs:
                 raise RecordError("meta and recorder options apply when target is a path, not an open Recorder")
@@ -80,30 +98,38 @@ class RecorderCallback:
             if not isinstance(target, (str, os.PathLike)):
                 raise RecordError(f"target must be a path, a Recorder or None, got {type(target).__name__}")
             self.recorder = Recorder(target, meta=meta, **recorder_kwargs) if distributed.is_writer(group) else None
+        self.rows_per_batch = self.recorder.flush_every if self.recorder is not None else int(recorder_kwargs.get("flush_every", 64))
         if self.recorder is not None:
-            self.recorder._before_flush.append(self._write_pending)
-            self._last_step = self.recorder.last_step
+            self.recorder.add_flush_listener(self._on_recorder_flush)
 
     @property
     def is_writer(self) -> bool:
         """Whether this rank writes (holds a recorder)."""
         return self.recorder is not None
 
+    @property
+    def rows_held(self) -> int:
+        """Rows handed to the hooks but not yet given to the recorder (the open row included)."""
+        return len(self._rows) + len(self._ready) + (self._pending_step is not None)
+
     def on_step_end(self, step: int, statistics: Mapping) -> None:
-        """Record the statistics of ``step`` (a mapping of record path -> array-like)."""
-        statistics = self._reduced(statistics)
+        """Record the statistics of ``step`` (a mapping of record path -> array-like).
+
+        Tensors are kept on their device (snapshotted, not copied to the host) until the batch is
+        handed to the recorder."""
+        statistics = _snapshot(statistics)
         step = int(step)
         if self._pending_step is not None and step != self._pending_step:
-            self._write_pending()
+            self._finish_row()
         self._pending_step = step
         self._pending.update(statistics)
 
     def on_epoch_end(self, epoch: int, statistics: Mapping | None = None, *, step: int | None = None) -> None:
         """Record the epoch's statistics in the row of its last step (or of ``step`` if given)."""
-        statistics = dict(self._reduced(statistics or {}))
-        statistics.setdefault("scalars/epoch", _float32(epoch))
+        statistics = _snapshot(statistics or {})
+        statistics.setdefault("scalars/epoch", np.float32(epoch))
         if step is not None and step != self._pending_step:
-            self._write_pending()
+            self._finish_row()
             self._pending_step = int(step)
         elif self._pending_step is None:
             raise RecordError(
@@ -116,51 +142,168 @@ class RecorderCallback:
         """Write what is held back (and ``statistics``, if any, at ``step``) and flush to disk.
 
         The recorder stays open, so a loop that recovers may go on logging; close it (or leave
-        the ``with`` block) when the run ends. Statistics are not reduced here: after an exception
-        other ranks may never reach this call.
+        the ``with`` block) when the run ends. No collective runs here (after an exception other
+        ranks may never reach this call): under DDP, rows not yet reduced are not written (see the
+        class docstring); in a single process everything is written.
         """
         if statistics:
+            statistics = _snapshot(statistics)
             if step is not None and step != self._pending_step:
-                self._write_pending()
+                self._finish_row(hand_over=False)
                 self._pending_step = int(step)
             if self._pending_step is not None:
                 self._pending.update(statistics)
-        self._write_pending()
+        self._finish_row(hand_over=False)
+        self._hand_over(collective=False)
+        if self.recorder is not None and not self.recorder.closed:
+            self.recorder.flush()
+
+    def flush(self) -> None:
+        """Hand every held row to the recorder (reducing across ranks: under DDP every rank must call
+        it) and commit it to disk. Afterwards ``recorder.last_committed_step`` is the last step seen."""
+        self._finish_row(hand_over=False)
+        self._hand_over(collective=True)
         if self.recorder is not None and not self.recorder.closed:
             self.recorder.flush()
 
     def close(self) -> None:
-        """Write what is held back and close the recorder (if this rank has one)."""
-        if self.recorder is not None:
-            self.recorder.close()  # runs _write_pending first
+        """Write what is held back and close the recorder (if this rank has one). Under DDP every rank
+        must call it (the last rows are reduced first)."""
+        try:
+            self._finish_row(hand_over=False)
+            self._hand_over(collective=True)
+        finally:
+            if self.recorder is not None:
+                self.recorder.close()
 
     def __enter__(self) -> RecorderCallback:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
         if self.recorder is not None:
             self.recorder.__exit__(exc_type, exc, tb)
 
-    def _reduced(self, statistics: Mapping) -> Mapping:
-        if not isinstance(statistics, Mapping):
-            raise RecordError(f"statistics must be a mapping of record path -> array-like, got {type(statistics).__name__}")
+    # --- batching ------------------------------------------------------------------------------
+
+    def _needs_reduction(self) -> bool:
         if not self._reduce:
-            return statistics
+            return False
         from nasdiag import distributed
 
-        if distributed.world_size(self._group) == 1:
-            return statistics
-        return distributed.reduce_statistics(statistics, rules=self._rules, ddof=self._ddof, group=self._group)
+        return distributed.world_size(self._group) > 1
 
-    def _write_pending(self) -> None:
-        step, row = self._pending_step, self._pending
-        self._pending_step, self._pending = None, {}
-        if step is None or self.recorder is None or self.recorder.closed:
+    def _finish_row(self, hand_over: bool = True) -> None:
+        """Close the open row; hand the batch over when it is full (or, alone, when a flush is due)."""
+        if self._pending_step is not None:
+            self._rows.append((self._pending_step, self._pending))
+            self._pending_step, self._pending = None, {}
+        if not hand_over or not self._rows:
             return
-        self.recorder.log(step, row)
+        if len(self._rows) >= self.rows_per_batch:
+            self._hand_over(collective=True)
+        elif self.recorder is not None and self.recorder.flush_due and not self._needs_reduction():
+            self._hand_over(collective=False)
+
+    def _hand_over(self, collective: bool) -> None:
+        """Convert (and, with ``collective``, reduce) the held rows, then log them in order."""
+        if self._rows:
+            rows, self._rows = self._rows, []
+            if self._needs_reduction():
+                if not collective:
+                    self._drop_unreduced(rows)
+                    rows = []
+                else:
+                    rows = _reduce_rows(rows, self._rules, self._ddof, self._group)
+            else:
+                rows = _convert_rows(rows)
+            self._ready.extend(rows)
+        self._log_ready()
+
+    def _log_ready(self) -> None:
+        errors = []
+        while self._ready:
+            step, values = self._ready.pop(0)  # popped first: a SIGTERM flush meanwhile skips it
+            if self.recorder is None or self.recorder.closed:
+                continue
+            try:
+                self.recorder.log(step, values)
+            except RecordError as err:  # one bad row must not cost the rows after it
+                errors.append(err)
+        if errors:
+            raise errors[0]
+
+    def _drop_unreduced(self, rows) -> None:
+        if self.recorder is not None and rows:
+            steps = [step for step, _ in rows]
+            warnings.warn(
+                f"{self.recorder.path}: {len(rows)} row(s) (steps {steps[0]}..{steps[-1]}) were not reduced across ranks "
+                "and are not recorded; call RecorderCallback.flush() on every rank to write them",
+                RecordWarning,
+                stacklevel=4,
+            )
+
+    def _on_recorder_flush(self, closing: bool) -> None:
+        """Flush listener: the recorder flushes or closes on its own (no other rank takes part)."""
+        self._finish_row(hand_over=False)
+        if self._needs_reduction() and not closing:
+            self._log_ready()  # unreduced rows wait for the next collective hand-over
+            return
+        self._hand_over(collective=False)  # under DDP and closing, unreduced rows are dropped
 
 
-def _float32(value):
-    import numpy as np
+def _snapshot(statistics) -> dict:
+    """The values as they are now: tensors cloned on their device (no host copy), arrays copied."""
+    if not isinstance(statistics, Mapping):
+        raise RecordError(f"statistics must be a mapping of record path -> array-like, got {type(statistics).__name__}")
+    out = {}
+    for path, value in statistics.items():
+        if is_tensor(value):
+            value = value.detach().clone()
+        elif isinstance(value, np.ndarray):
+            value = value.copy()
+        out[path] = value
+    return out
 
-    return np.float32(value)
+
+def _columns(rows) -> dict[str, tuple[list[int], list]]:
+    """Per path: the indices of the rows that hold it and its values there."""
+    columns: dict[str, tuple[list[int], list]] = {}
+    for i, (_, values) in enumerate(rows):
+        for path, value in values.items():
+            where, column = columns.setdefault(path, ([], []))
+            where.append(i)
+            column.append(value)
+    return columns
+
+
+def _convert_rows(rows) -> list[tuple[int, dict]]:
+    """The rows with numpy values; one host copy per path and tensor kind."""
+    out = [(step, {}) for step, _ in rows]
+    for path, (where, column) in _columns(rows).items():
+        for i, array in zip(where, stack_to_numpy(column)):
+            out[i][1][path] = array
+    return out
+
+
+def _reduce_rows(rows, rules, ddof, group) -> list[tuple[int, dict]]:
+    """The rows reduced across ranks, all of them with one `reduce_statistics` call."""
+    from nasdiag import distributed
+
+    columns = _columns(rows)
+    stacked = {}
+    for path, (where, column) in columns.items():
+        arrays = stack_to_numpy(column)
+        try:
+            stacked[path] = np.stack(arrays)
+        except ValueError:
+            shapes = sorted({a.shape for a in arrays})
+            raise RecordError(f"{path!r} was logged with shapes {shapes} within one batch of rows; log one shape per path") from None
+    reduced = distributed.reduce_statistics(stacked, rules=rules, ddof=ddof, group=group, rows=True)
+    out = [(step, {}) for step, _ in rows]
+    for path, (where, _) in columns.items():
+        for row, i in enumerate(where):
+            out[i][1][path] = reduced[path][row]
+    return out

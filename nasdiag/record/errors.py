@@ -13,5 +13,17 @@ class RecordError(NasdiagError):
     """A record could not be written or read; the message says why and what to do."""
 
 
+class ResumeMismatchError(RecordError):
+    """A resume was refused because the record holds another run or another search space.
+
+    ``differences`` maps each differing meta key (``method``, ``config``, ``seed``, ``op_names``,
+    ``edge_names``, ``cell_types``) to ``(stored value, given value)``.
+    """
+
+    def __init__(self, message: str, differences: dict):
+        super().__init__(message)
+        self.differences = dict(differences)
+
+
 class RecordWarning(UserWarning):
     """Something was recorded but deserves attention (NaN/inf values, a mismatching resume)."""

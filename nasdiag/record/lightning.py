@@ -60,7 +60,7 @@ def _adapter_class(base):
             writes = trainer.global_rank == 0
             kwargs = dict(self.callback_kwargs)
             if not writes:
-                kwargs = {k: v for k, v in kwargs.items() if k in ("reduce", "rules", "ddof", "group")}
+                kwargs = {k: v for k, v in kwargs.items() if k in ("reduce", "rules", "ddof", "group", "flush_every")}
             self.callback = RecorderCallback(self.path if writes else None, meta=self.meta if writes else None, **kwargs)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):

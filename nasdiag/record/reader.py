@@ -6,8 +6,10 @@ written (SWMR), after its writer crashed, and from a read-only location.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import time
 import warnings
 from dataclasses import dataclass, field
 
@@ -40,17 +42,60 @@ class Segment:
     data: dict[str, np.ndarray] = field(default_factory=dict)  # path -> (n, *shape)
     present: dict[str, np.ndarray] = field(default_factory=dict)  # path -> (n,) bool
     nonfinite: dict[str, int] = field(default_factory=dict)  # path -> attribute value
+    previous: list[tuple[int, int]] = field(default_factory=list)  # (index, rows) of earlier segments
+    damage: "Damage | None" = None  # the first bad row; only the rows before it are kept
 
 
-def open_segment_file(file: str) -> h5py.File:
-    """Open a segment for reading; SWMR first (live or crashed writers), plain read as fallback."""
+def open_segment_file(file: str, live: bool = True) -> h5py.File:
+    """Open a segment for reading; SWMR first (live or crashed writers), plain read as fallback.
+
+    ``live=False`` (no writer holds the record) reads metadata once instead of HDF5's SWMR default
+    of up to 100 attempts with growing sleeps, which exist for metadata caught mid-write by a live
+    writer; on a damaged file they would make a read hang for minutes before it fails.
+    """
     try:
+        if not live and _metadata_read_attempts() is not None:
+            return _open_swmr_once(file)
         return h5py.File(file, "r", swmr=True)
     except OSError as swmr_err:
         try:
             return h5py.File(file, "r")
         except OSError:
-            raise RecordError(f"cannot open record segment {file}: {swmr_err}") from None
+            raise RecordError(f"cannot open record segment {file}: {_first_line(swmr_err)}") from None
+
+
+@functools.lru_cache(maxsize=None)
+def _metadata_read_attempts():
+    """``H5Pset_metadata_read_attempts`` of the HDF5 library h5py loaded (h5py does not expose it),
+    or None where it cannot be found (then HDF5's default applies)."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as fh:
+            libraries = {line.split()[-1] for line in fh if "libhdf5" in line and ".so" in line}
+    except OSError:
+        return None
+    for library in sorted(libraries):
+        name = os.path.basename(library)
+        if not name.startswith("libhdf5") or name.startswith("libhdf5_hl"):
+            continue
+        try:
+            function = ctypes.CDLL(library).H5Pset_metadata_read_attempts
+        except (OSError, AttributeError):
+            continue
+        function.argtypes = [ctypes.c_int64, ctypes.c_uint]
+        function.restype = ctypes.c_int
+        return function
+    return None
+
+
+def _open_swmr_once(file: str) -> h5py.File:
+    fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
+    fapl.set_fclose_degree(h5py.h5f.CLOSE_STRONG)
+    if _metadata_read_attempts()(fapl.id, 1) < 0:
+        return h5py.File(file, "r", swmr=True)
+    fid = h5py.h5f.open(os.fsencode(file), h5py.h5f.ACC_RDONLY | h5py.h5f.ACC_SWMR_READ, fapl=fapl)
+    return h5py.File(fid)
 
 
 def _attr_str(value) -> str:
@@ -89,50 +134,225 @@ def committed_rows(steps: np.ndarray) -> int:
     return int(uncommitted[0]) if uncommitted.size else int(steps.shape[0])
 
 
-def read_segment(index: int, file: str, with_data: bool = True) -> Segment:
-    """Read the committed rows of one segment file (``with_data=False``: schema and steps only)."""
-    with open_segment_file(file) as f:
-        if schema.STEP not in f or schema.PRESENT not in f:
-            raise RecordError(f"{file} is not a nasdiag record segment (no /step or /present); remove or rename it")
-        step_ds = f[schema.STEP]
-        steps = step_ds[()].astype(np.int64)
-        n = committed_rows(steps)
-        present_ds = f[schema.PRESENT]
-        paths = [_attr_str(p) for p in present_ds.attrs[schema.PATHS_ATTR]]
-        datasets = {path: f[path] for path in paths}
-        # Datasets are written before /step; one that looks shorter was read from a stale cache.
-        for ds in [present_ds, *datasets.values()]:
-            if ds.shape[0] < n:
-                ds.refresh()
-            n = min(n, ds.shape[0])
-        segment = Segment(
-            index=index,
-            file=file,
-            run_id=_attr_str(f.attrs.get("run_id", "")),
-            meta=read_meta(f),
-            steps=steps[:n],
-            columns={p: Column(p, tuple(ds.shape[1:]), ds.dtype) for p, ds in datasets.items()},
-        )
-        if with_data:
-            present = present_ds[:n] if n else np.zeros((0, len(paths)), bool)
-            for col, (path, ds) in enumerate(datasets.items()):
-                segment.data[path] = ds[:n]
-                segment.present[path] = present[:, col].astype(bool)
-                segment.nonfinite[path] = int(ds.attrs.get(schema.NONFINITE_ATTR, 0))
+@dataclass
+class Damage:
+    """Where a record stops being trustworthy: segment ``file`` from row ``row`` on (``step``, the
+    step of that row, if it could be read), and why."""
+
+    index: int
+    file: str
+    row: int
+    reason: str
+    step: int | None = None
+
+    def where(self) -> str:
+        step = f" (step {self.step})" if self.step is not None else ""
+        return f"{self.file} row {self.row}{step}"
+
+
+_READ_ERRORS = (OSError, RuntimeError, ValueError, KeyError, TypeError)
+
+
+def _check_rows(f: h5py.File, file: str, index: int, steps: np.ndarray, n: int, paths, datasets, present_ds):
+    """Read the first ``n`` committed rows and verify them; returns (n_intact, data, present, damage)."""
+    damage = None
+
+    def cut(row: int, reason: str) -> None:
+        nonlocal n, damage
+        if row < n:
+            n = row
+            damage = Damage(index, file, row, reason, int(steps[row]) if row < steps.size and steps[row] >= 0 else None)
+
+    # Steps increase within a segment (the writer refuses anything else).
+    if n > 1:
+        bad = np.flatnonzero(np.diff(steps[:n]) <= 0)
+        if bad.size:
+            cut(int(bad[0]) + 1, f"step {int(steps[bad[0] + 1])} follows step {int(steps[bad[0]])} (steps must increase)")
+    later = np.flatnonzero(steps[n:] >= 0) if damage is None else np.zeros(0)
+    if later.size:  # a committed step after a never-written slot: /step itself was damaged
+        cut(n, f"/step slot {n} reads -1 but slot {n + int(later[0])} holds step {int(steps[n + int(later[0])])}")
+    # Datasets are written before /step; one that looks shorter was read from a stale cache.
+    digest_ds = f.get(schema.DIGEST)
+    for name, ds in [(schema.PRESENT, present_ds), (schema.DIGEST, digest_ds), *datasets.items()]:
+        if ds is None:
+            continue
+        if ds.shape[0] < n:
+            ds.refresh()
+        if ds.shape[0] < n:
+            cut(ds.shape[0], f"/{name} holds only {ds.shape[0]} rows of the {n} committed")
+    data: dict[str, np.ndarray] = {}
+    for name, ds in [(schema.PRESENT, present_ds), (schema.DIGEST, digest_ds), *datasets.items()]:
+        if ds is None:
+            continue
+        data[name], bad, error = _read_prefix(ds, n)
+        if bad is not None:
+            cut(bad, f"/{name} cannot be read from there on ({error})")
+    present = data.pop(schema.PRESENT)
+    stored = data.pop(schema.DIGEST, None)
+    if stored is not None and n:
+        digest = schema.RowDigest(n)
+        digest.add(schema.STEP, steps[:n])
+        digest.add(schema.PRESENT, present[:n])
+        for path in paths:
+            digest.add(path, data[path][:n])
+        wrong = np.flatnonzero(digest.value() != stored[:n])
+        if wrong.size:
+            cut(int(wrong[0]), "its checksum does not match its content (flipped bytes or a truncated file)")
+    data = {path: values[:n] for path, values in data.items()}
+    return n, data, present[:n], damage
+
+
+def _read_prefix(ds, n: int) -> tuple[np.ndarray, int | None, str]:
+    """Rows ``[:n]`` of ``ds``; where they cannot all be read (damaged chunks or index), the readable
+    rows before the first unreadable chunk, that chunk's first row and the error."""
+    try:
+        return ds[:n], None, ""
+    except _READ_ERRORS as err:
+        error = _first_line(err)
+    block = ds.chunks[0] if ds.chunks else n
+    parts = []
+    for start in range(0, n, max(block, 1)):
+        try:
+            parts.append(ds[start : min(start + block, n)])
+        except _READ_ERRORS as err:
+            error = _first_line(err)
+            prefix = np.concatenate(parts) if parts else np.zeros((0, *ds.shape[1:]), ds.dtype)
+            return prefix, start, error
+    return np.concatenate(parts), None, ""  # readable block by block: a transient failure
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def read_segment(index: int, file: str, with_data: bool = True, live: bool = True) -> Segment:
+    """Read and verify the committed rows of one segment file (``with_data=False``: keep schema and
+    steps only). The rows are checked as `load` describes; ``Segment.damage`` says where the first
+    bad row is (the segment then holds only the rows before it), None if all are intact."""
+    try:
+        f = open_segment_file(file, live)
+    except RecordError as err:
+        return _damaged_segment(index, file, f"it cannot be opened ({err})")
+    with f:
+        try:
+            if schema.STEP not in f or schema.PRESENT not in f:
+                raise RecordError(f"{file} is not a nasdiag record segment (no /step or /present); remove or rename it")
+            present_ds = f[schema.PRESENT]
+            paths = [_attr_str(p) for p in present_ds.attrs[schema.PATHS_ATTR]]
+            datasets = {path: f[path] for path in paths}
+            run_id = _attr_str(f.attrs.get("run_id", ""))
+            meta = read_meta(f)
+            previous = json.loads(_attr_str(f.attrs.get(schema.PREVIOUS_ATTR, "[]")))
+            columns = {p: Column(p, tuple(ds.shape[1:]), ds.dtype) for p, ds in datasets.items()}
+            nonfinite = {p: int(ds.attrs.get(schema.NONFINITE_ATTR, 0)) for p, ds in datasets.items()}
+        except RecordError:
+            raise
+        except _READ_ERRORS as err:
+            return _damaged_segment(index, file, f"its structure cannot be read ({_first_line(err)})")
+        steps, bad, error = _read_prefix(f[schema.STEP], f[schema.STEP].shape[0])
+        steps = steps.astype(np.int64)
+        n, data, present, damage = _check_rows(f, file, index, steps, committed_rows(steps), paths, datasets, present_ds)
+        if bad is not None and damage is None and committed_rows(steps) == steps.size:
+            # /step is unreadable beyond its first `bad` rows: every row from there on is lost.
+            damage = Damage(index, file, bad, f"/step cannot be read from there on ({error})")
+    segment = Segment(index=index, file=file, run_id=run_id, meta=meta, steps=steps[:n], columns=columns,
+                      previous=[(int(i), int(rows)) for i, rows in previous], damage=damage)
+    if with_data:
+        for col, path in enumerate(paths):
+            segment.data[path] = data[path]
+            segment.present[path] = present[:, col].astype(bool)
+            segment.nonfinite[path] = nonfinite[path]
     return segment
 
 
-def read_segments(path: str, with_data: bool = True) -> list[Segment]:
-    """All segments of the record at ``path`` that belong to its run, by index.
+def _damaged_segment(index: int, file: str, reason: str) -> Segment:
+    return Segment(index=index, file=file, run_id="", meta={}, steps=np.zeros(0, np.int64), columns={},
+                   damage=Damage(index, file, 0, reason))
+
+
+def _first_damage(path: str, files: list[tuple[int, str]], segments: list[Segment]) -> Damage | None:
+    """The earliest damage in segment order: a bad row, a missing segment, or a segment that has
+    fewer rows than a later segment recorded for it."""
+    present = {index for index, _ in files}
+    found: list[Damage] = [seg.damage for seg in segments if seg.damage is not None]
+    for index in range(max(present) + 1):
+        if index not in present:  # the writer numbers segments without gaps
+            later = min(i for i in present if i > index)
+            found.append(Damage(index, schema.segment_path(path, index), 0, f"the segment is missing (segment {later} exists)"))
+    by_index = {seg.index: seg for seg in segments}
+    for seg in segments:
+        for index, rows in seg.previous:
+            earlier = by_index.get(index)
+            if earlier is None and index not in present:
+                found.append(Damage(index, schema.segment_path(path, index), 0, f"the segment is missing ({seg.file} lists it)"))
+            elif earlier is not None and earlier.damage is None and earlier.steps.size < rows:
+                found.append(Damage(index, earlier.file, int(earlier.steps.size),
+                                    f"it has {earlier.steps.size} rows, but {seg.file} recorded {rows} when it was created"))
+    return min(found, key=lambda d: (d.index, d.row)) if found else None
+
+
+def _writer_alive(path: str) -> bool:
+    """Whether a live writer holds the record's lock (its rows may be read mid-write)."""
+    try:
+        with open(schema.lock_path(path)) as fh:
+            pid = int(json.loads(fh.read() or "{}").get("pid", 0))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return False
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def read_segments(path: str, with_data: bool = True, salvage: bool = False) -> list[Segment]:
+    """All segments of the record at ``path`` that belong to its run, by index, verified.
 
     A segment whose ``run_id`` differs from the first one is a leftover of another run; it is skipped
-    with a `RecordWarning`. Raises `RecordError` if there is no segment at all.
+    with a `RecordWarning`. Damage (see `load`) raises `RecordError` naming the file and the first bad
+    row; with ``salvage=True`` the intact prefix is returned instead, with a `RecordWarning`. Raises
+    `RecordError` if there is no segment at all.
     """
     path = os.fspath(path)
-    files = schema.list_segments(path)
-    if not files:
-        raise RecordError(f"no record at {path} (no file {path} and no segments next to it)")
-    segments = [read_segment(index, file, with_data) for index, file in files]
+    if os.path.isdir(path):
+        raise RecordError(f"{path} is a folder, not a record; pass the record file (for example {os.path.join(path, 'run.h5')})")
+    for attempt in range(4):
+        files = schema.list_segments(path)
+        if not files:
+            raise RecordError(f"no record at {path} (no file {path} and no segments next to it)")
+        live = _writer_alive(path)
+        segments = [read_segment(index, file, with_data, live) for index, file in files]
+        damage = _first_damage(path, files, segments)
+        # A live writer may be mid-way through writing metadata; look again before judging.
+        if damage is None or not live:
+            break
+        time.sleep(0.05 * (attempt + 1))
+    if damage is not None:
+        kept = [seg for seg in segments if seg.index < damage.index]
+        cut = next((seg for seg in segments if seg.index == damage.index and seg.damage is damage), None)
+        if cut is None:
+            cut = next((seg for seg in segments if seg.index == damage.index), None)
+        rows = sum(seg.steps.size for seg in kept) + (min(damage.row, cut.steps.size) if cut is not None else 0)
+        if not salvage:
+            raise RecordError(
+                f"record {path} is damaged at {damage.where()}: {damage.reason}; "
+                f"load(path, salvage=True) returns the {rows} intact rows before it"
+            )
+        warnings.warn(
+            f"record {path} is damaged at {damage.where()}: {damage.reason}; returning the {rows} intact rows before it",
+            RecordWarning,
+            stacklevel=3,
+        )
+        if cut is not None and cut.steps.size and cut.run_id:
+            kept.append(_prefix(cut, damage.row))
+        segments = kept
+        if not segments:
+            return []
     run_id = segments[0].run_id
     kept = []
     for seg in segments:
@@ -141,6 +361,14 @@ def read_segments(path: str, with_data: bool = True) -> list[Segment]:
         else:
             kept.append(seg)
     return kept
+
+
+def _prefix(seg: Segment, rows: int) -> Segment:
+    rows = min(rows, seg.steps.size)
+    return Segment(index=seg.index, file=seg.file, run_id=seg.run_id, meta=seg.meta, steps=seg.steps[:rows],
+                   columns=seg.columns, previous=seg.previous, damage=None,
+                   data={p: d[:rows] for p, d in seg.data.items()},
+                   present={p: m[:rows] for p, m in seg.present.items()}, nonfinite=dict(seg.nonfinite))
 
 
 def merged_columns(segments: list[Segment]) -> dict[str, Column]:
@@ -174,7 +402,7 @@ def _meta_arrays(meta: dict) -> dict[str, np.ndarray]:
     return out
 
 
-def load(path) -> dict[str, np.ndarray]:
+def load(path, *, salvage: bool = False) -> dict[str, np.ndarray]:
     """Read a record (all its segments) into numpy arrays with aligned rows.
 
     Returns a dict with:
@@ -190,9 +418,19 @@ def load(path) -> dict[str, np.ndarray]:
       `load_meta` gives the same as plain Python objects.
 
     Only committed rows are read, so a record whose writer is alive, was killed or is resuming loads
-    consistently. Raises `RecordError` if there is no record at ``path``.
+    consistently: rows not yet committed are simply not there.
+
+    Damage is refused with a `RecordError` naming the file and the first bad row: a row whose
+    checksum (``/digest``) does not match its content (flipped bytes; a truncated file, whose lost
+    part reads back as zeros), steps that do not increase, a dataset shorter than the committed
+    rows, a segment that cannot be opened or read, a missing segment (a gap in the numbering, or
+    one that a later segment lists), or a segment with fewer rows than a later one recorded for it.
+    ``salvage=True`` returns the intact prefix instead (every row before the first bad one; later
+    segments are dropped) with a `RecordWarning`. Raises `RecordError` if there is no record.
     """
-    segments = read_segments(path, with_data=True)
+    segments = read_segments(path, with_data=True, salvage=salvage)
+    if not segments:
+        return {"step": np.zeros(0, np.int64)}
     columns = merged_columns(segments)
     all_steps = np.concatenate([seg.steps for seg in segments])
     total = all_steps.shape[0]
@@ -217,15 +455,18 @@ def load(path) -> dict[str, np.ndarray]:
     return out
 
 
-def load_meta(path) -> dict:
+def load_meta(path, *, salvage: bool = False) -> dict:
     """The run's metadata as Python objects (from its last segment).
 
     Keys as passed to `Recorder` (``method``, ``config`` dict, ``seed``, ``op_names``,
     ``edge_names``, ``cell_types``, extra keys), plus ``schema_version``, ``nasdiag_version``,
     ``torch_version``, ``h5py_version``, ``hdf5_version``, ``run_id``, ``segments`` (list of segment
-    files) and ``nonfinite_counts`` (dict path -> NaN/inf count over all committed rows).
+    files) and ``nonfinite_counts`` (dict path -> NaN/inf count over all committed rows). A damaged
+    record raises `RecordError` as in `load` (``salvage=True``: the meta of the intact prefix).
     """
-    segments = read_segments(path, with_data=True)
+    segments = read_segments(path, with_data=True, salvage=salvage)
+    if not segments:
+        return {"segments": [], "nonfinite_counts": {}}
     meta = dict(segments[-1].meta)
     with open_segment_file(segments[-1].file) as f:
         for key in ("schema_version", "nasdiag_version", "torch_version", "h5py_version", "hdf5_version"):

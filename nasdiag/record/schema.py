@@ -7,6 +7,7 @@ the format. See docs/schema.md for the prose version.
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import math
 import os
@@ -16,10 +17,13 @@ from typing import Any
 
 import numpy as np
 
+from nasdiag import vocabulary
 from nasdiag.record.errors import RecordError
 
 #: Version of the layout below; bump on any incompatible change and teach `reader` the old one.
-SCHEMA_VERSION = 1
+#: Version 2 added ``/digest`` (a checksum per row) and the ``previous_segments`` attribute; version
+#: 1 records still load, without the row checksums.
+SCHEMA_VERSION = 2
 
 #: HDF5 format bounds. SWMR needs at least the 1.10 format; capping it at 1.10 keeps records
 #: readable by every h5py built against HDF5 >= 1.10 (newer formats would lock out older readers).
@@ -27,9 +31,13 @@ LIBVER = ("v110", "v110")
 
 STEP = "step"
 PRESENT = "present"
+DIGEST = "digest"
 META = "meta"
 #: Top-level names the recorder uses itself; user paths may not start with them.
-RESERVED_ROOTS = frozenset({STEP, PRESENT, META, "valid"})
+RESERVED_ROOTS = frozenset({STEP, PRESENT, DIGEST, META, "valid"})
+#: Root attribute of a segment: JSON ``[[index, committed rows], ...]`` of the run's segments before
+#: it, as they were when it was created (a reader checks that they are all still there, complete).
+PREVIOUS_ATTR = "previous_segments"
 #: Attribute on every data dataset counting its NaN/inf elements in the committed rows.
 NONFINITE_ATTR = "nonfinite_count"
 #: Attribute on /present listing the dataset path of each column.
@@ -134,6 +142,70 @@ def fill_value(dtype: np.dtype):
     return 0
 
 
+# --- row checksums -----------------------------------------------------------------------------
+#
+# Every committed row of a version-2 segment has a 64-bit digest in /digest, written with the data
+# before the /step commit marker. It is a weighted byte sum modulo 2**64:
+#
+#   digest[t] = (sum over parts p of  sum_b w_p[b] * byte_p[t, b]) mod 2**64, with bit 63 set,
+#
+# where the parts are /step, /present and every data dataset (in the order of the /present
+# ``paths`` attribute), byte_p[t, :] is row t of part p as little-endian bytes, and the weights
+# w_p[b] = splitmix64(seed_p + b) | 1 (odd), seed_p = the first 8 bytes (little-endian) of
+# blake2b(name_p, digest_size=8) with name_p the part's path ("step", "present", "scalars/loss").
+# A changed byte changes the digest (odd weights: a byte change is never 0 mod 2**64), rows moved
+# between datasets change it (weights per path), and bit 63 keeps a digest from ever being 0, so a
+# row of a truncated file (read back as zeros) never passes. Row by row, so the first bad row is
+# named exactly; and untouched by the writer rewriting the partial chunk of a live file, so a live
+# (SWMR) record never fails its checks while being written.
+
+_U64 = np.uint64
+_TOP_BIT = _U64(1 << 63)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        z = x + _U64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> _U64(27))) * _U64(0x94D049BB133111EB)
+        return z ^ (z >> _U64(31))
+
+
+def _byte_weights(name: str, nbytes: int) -> np.ndarray:
+    seed = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+    with np.errstate(over="ignore"):
+        return _splitmix64(_U64(seed) + np.arange(nbytes, dtype=_U64)) | _U64(1)
+
+
+class RowDigest:
+    """Accumulates the digest of a block of rows, part by part (see the comment above)."""
+
+    def __init__(self, rows: int):
+        self.rows = rows
+        self._sum = np.zeros(rows, _U64)
+        self._weights: dict = {}
+
+    def add(self, name: str, block: np.ndarray) -> None:
+        """Add part ``name``: ``block`` has one row per row of the digest, (rows, *row shape)."""
+        if self.rows == 0:
+            return
+        block = np.asarray(block)
+        little = block.dtype.newbyteorder("<") if block.dtype.byteorder not in ("|", "<") else block.dtype
+        raw = np.ascontiguousarray(block, dtype=little).view(np.uint8).reshape(self.rows, -1)
+        if raw.shape[1] == 0:
+            return
+        key = (name, raw.shape[1])
+        weights = self._weights.get(key)
+        if weights is None:
+            weights = self._weights[key] = _byte_weights(name, raw.shape[1])
+        with np.errstate(over="ignore"):
+            self._sum += raw.astype(_U64) @ weights
+
+    def value(self) -> np.ndarray:
+        """(rows,) uint64, bit 63 set."""
+        return self._sum | _TOP_BIT
+
+
 # --- metadata ----------------------------------------------------------------------------------
 
 
@@ -206,17 +278,44 @@ def structural_meta(meta: Mapping[str, Any]) -> dict[str, Any]:
     return {k: meta[k] for k in ("op_names", "edge_names", "cell_types") if k in meta}
 
 
+_SYMBOLS = re.compile(r"[A-Za-z]+|\d+")
+
+
+def _family_dims(fam) -> tuple[str, ...] | None:
+    """A family's row shape as symbols, e.g. ``("E", "K")`` for ``"(E, K)"``; None if it has no E/K."""
+    dims = tuple(_SYMBOLS.findall(fam.shape))
+    return dims if any(d in ("E", "K") for d in dims) else None
+
+
 def check_against_meta(path: str, shape: tuple[int, ...], meta: Mapping[str, Any]) -> None:
-    """Check ``arch/<cell>/{params,weights}`` rows are (E, K) as ``meta`` says."""
-    parts = path.split("/")
-    if len(parts) != 3 or parts[0] != "arch" or parts[2] not in ("params", "weights"):
+    """Check the row shape of a vocabulary path whose shape is given in E (edges) and K (ops).
+
+    The family comes from `nasdiag.vocabulary.family_of` (``arch/<cell>/weights`` is (E, K),
+    ``regret/<cell>/regret`` is (E,), ...). E is ``len(meta["edge_names"][cell])`` and K is
+    ``len(meta["op_names"])``; where meta gives either, the number of axes and the sizes meta
+    gives are checked. ``<cell>`` must be one of ``meta["cell_types"]`` when that is given. Paths
+    of no family, or of a family without E/K axes, are not checked. Raises `RecordError`.
+    """
+    fam = vocabulary.family_of(path)
+    dims = _family_dims(fam) if fam is not None else None
+    if dims is None:
         return
-    cell = parts[1]
-    cells = meta.get("cell_types")
-    if cells is not None and cell not in cells:
-        raise RecordError(f"{path!r}: cell type {cell!r} is not in meta['cell_types'] {cells}")
-    n_ops = len(meta["op_names"]) if "op_names" in meta else None
-    n_edges = len(meta["edge_names"][cell]) if cell in meta.get("edge_names", {}) else None
-    if len(shape) != 2 or (n_edges is not None and shape[0] != n_edges) or (n_ops is not None and shape[1] != n_ops):
-        want = f"({n_edges if n_edges is not None else 'E'}, {n_ops if n_ops is not None else 'K'})"
-        raise RecordError(f"{path!r}: a row must have shape (E, K) = {want} from meta, got {shape}")
+    cell = None
+    pattern = fam.pattern.split("/")
+    if "<cell>" in pattern:
+        cell = path.split("/")[pattern.index("<cell>")]
+        cells = meta.get("cell_types")
+        if cells is not None and cell not in cells:
+            raise RecordError(f"{path!r}: cell type {cell!r} is not in meta['cell_types'] {cells}")
+    sizes = {
+        "K": len(meta["op_names"]) if "op_names" in meta else None,
+        "E": len(meta["edge_names"][cell]) if cell in meta.get("edge_names", {}) else None,
+    }
+    if all(sizes.get(d) is None for d in dims if d in sizes):
+        return  # meta gives neither E nor K: nothing to check against
+    # other symbols (e.g. R, the cells of a type, in regret/<cell>/rewards) are not checked
+    want = tuple(sizes.get(d) if d in sizes else int(d) if d.isdigit() else None for d in dims)
+    if len(shape) != len(dims) or any(w is not None and got != w for got, w in zip(shape, want)):
+        text = ", ".join(str(w) if w is not None else d for d, w in zip(dims, want))
+        text = f"({text},)" if len(dims) == 1 else f"({text})"
+        raise RecordError(f"{path!r}: a row must have shape {fam.shape} = {text} from meta, got {shape}")

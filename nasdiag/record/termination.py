@@ -63,7 +63,7 @@ class _TerminationGuard:
                 warnings.warn(f"{action} of {recorder.path} failed: {err}", RecordWarning)
 
     def _on_sigterm(self, signum, frame) -> None:
-        if os.getpid() == self._pid and any(r._busy for r in list(self._recorders)):
+        if os.getpid() == self._pid and any(r.writing for r in list(self._recorders)):
             # The signal arrived inside log/flush; acting now would re-enter the recorder mid-write.
             # The recorder calls `finish_pending_signal` when it is done.
             self._pending_signal = signum

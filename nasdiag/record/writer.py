@@ -15,6 +15,8 @@ How durability is obtained (docs/schema.md has the format):
   segment cleanly and continues in the next one. Resuming always starts a new segment; a crashed
   file is never reopened for writing.
 - ``<path>.lock`` holds an ``flock`` for the writer's lifetime (see `lock.WriterLock`).
+- Damage is detectable: each committed row carries a digest in ``/digest`` (`schema.RowDigest`),
+  and each segment names the segments before it (``previous_segments``), which `reader` checks.
 """
 
 from __future__ import annotations
@@ -35,10 +37,11 @@ from collections.abc import Mapping
 import h5py
 import numpy as np
 
+from nasdiag.arrays import to_numpy
 from nasdiag.record import schema
-from nasdiag.record.errors import RecordError, RecordWarning
+from nasdiag.record.errors import RecordError, RecordWarning, ResumeMismatchError
 from nasdiag.record.lock import WriterLock, describe_os_error
-from nasdiag.record.reader import Column, merged_columns, read_segments
+from nasdiag.record.reader import merged_columns, read_segments
 from nasdiag.record.termination import GUARD
 
 _ALLOWED_KINDS = "biuf"
@@ -53,23 +56,9 @@ def _version(package: str) -> str:
 
 
 def _nasdiag_version() -> str:
-    from nasdiag import __version__
+    import nasdiag  # the parent package is loaded already; its __init__ imports nothing of ours
 
-    return __version__
-
-
-def to_numpy(value) -> np.ndarray:
-    """A logged value as a numpy array: Python scalars, numpy arrays and torch tensors (duck-typed
-    on ``.detach`` so that torch is never imported here)."""
-    if isinstance(value, np.ndarray):
-        return value
-    if hasattr(value, "detach"):
-        value = value.detach().cpu()
-        try:
-            return value.numpy()
-        except TypeError:  # bfloat16 and friends have no numpy dtype
-            return value.float().numpy()
-    return np.asarray(value)
+    return nasdiag.__version__
 
 
 def _storage_error(action: str, err: Exception) -> str:
@@ -132,6 +121,10 @@ def _detach_from_disk(f: h5py.File) -> None:
         pass  # best effort: without it the close below may fail too, which we report
 
 
+def _describe_changes(changes: dict) -> str:
+    return ", ".join(f"{key} ({stored!r} stored, {given!r} given)" for key, (stored, given) in changes.items())
+
+
 class _Column:
     """One dataset path: its fixed row shape/dtype and its batch buffer."""
 
@@ -177,6 +170,11 @@ class Recorder:
         On SIGTERM write all buffered rows. Under the default action the recorder is then closed
         and the process ends by the signal; if the application installed its own handler before,
         the recorder stays open and that handler runs and decides.
+    on_run_change:
+        What a resume does when the given ``method``, ``config`` or ``seed`` differ from the stored
+        ones: ``"warn"`` (default: a `RecordWarning`, the run continues, `resume_differences` says
+        what differs) or ``"error"`` (raise `ResumeMismatchError`, whose ``differences`` say the same;
+        nothing is touched). A different search space (ops, edges, cell types) is always refused.
 
     ``log(step, values)`` appends one row. Use as a context manager, or call `close`; open
     recorders are also closed at interpreter exit. The parent folder is created if needed. A
@@ -193,6 +191,7 @@ class Recorder:
         overwrite: bool = False,
         flush_seconds: float | None = 10.0,
         handle_sigterm: bool = True,
+        on_run_change: str = "warn",
     ):
         try:
             path = os.fspath(path)
@@ -206,6 +205,9 @@ class Recorder:
             raise RecordError(f"flush_seconds must be a positive number or None, got {flush_seconds!r}")
         if resume and overwrite:
             raise RecordError("resume=True and overwrite=True contradict each other; pass only one")
+        if on_run_change not in ("warn", "error"):
+            raise RecordError(f"on_run_change must be 'warn' or 'error', got {on_run_change!r}")
+        self._on_run_change = on_run_change
         if os.path.isdir(path):
             raise RecordError(f"record path {path} is a directory; pass a file path such as {os.path.join(path, 'run.h5')}")
         self.path = path
@@ -229,8 +231,10 @@ class Recorder:
         self._busy = False
         self._failure: str | None = None
         self._last_flush = time.monotonic()
-        # Called by `flush` and `close` first: a callback writes the row it holds back.
-        self._before_flush: list = []
+        self._flush_listeners: list = []  # see add_flush_listener
+        self._previous_segments: list[list[int]] = []  # [index, committed rows] of earlier segments
+        self.resume_differences: dict[str, tuple] = {}
+        self._committed_last_step: int | None = None
         folder = os.path.dirname(os.path.abspath(path))
         try:
             os.makedirs(folder, exist_ok=True)
@@ -283,19 +287,33 @@ class Recorder:
             given, kept = schema.structural_meta(self._meta), schema.structural_meta(stored)
             differing = sorted(k for k in given if k in kept and given[k] != kept[k])
             if differing:
-                raise RecordError(
+                raise ResumeMismatchError(
                     f"cannot resume {self.path}: {', '.join(differing)} differ from the stored ones; "
-                    "resume with the same search space or record to a new path"
+                    "resume with the same search space or record to a new path",
+                    {k: (kept[k], given[k]) for k in differing},
                 )
-            changed = sorted(k for k in ("method", "config", "seed") if k in self._meta and self._meta[k] != stored.get(k))
+            changed = {
+                k: (stored.get(k), self._meta[k])
+                for k in ("method", "config", "seed")
+                if k in self._meta and self._meta[k] != stored.get(k)
+            }
+            if changed and self._on_run_change == "error":
+                raise ResumeMismatchError(
+                    f"cannot resume {self.path}: it holds another run ({_describe_changes(changed)}); "
+                    "resume with the same settings or record to a new path",
+                    changed,
+                )
             self._meta = {**stored, **self._meta}  # keys not given are kept from the record
+            self.resume_differences = changed
             if changed:
-                warnings.warn(f"resuming {self.path} with different {', '.join(changed)} than stored", RecordWarning, stacklevel=4)
+                warnings.warn(f"resuming {self.path} with a different {_describe_changes(changed)}", RecordWarning, stacklevel=4)
         for path, col in merged_columns(segments).items():
             self._add_column(path, col.shape, col.dtype)
         self._run_id = segments[0].run_id or self._run_id
         steps = [int(seg.steps.max()) for seg in segments if seg.steps.size]
         self._last_step = max(steps) if steps else None
+        self._previous_segments = [[seg.index, int(seg.steps.size)] for seg in segments]
+        self._committed_last_step = self._last_step
         self._segment_index = max(index for index, _ in existing) + 1
 
     # --- public API ----------------------------------------------------------------------------
@@ -304,6 +322,13 @@ class Recorder:
     def last_step(self) -> int | None:
         """The last step logged in this session, else the largest step of the resumed record, else None."""
         return self._session_last_step if self._session_last_step is not None else self._last_step
+
+    @property
+    def last_committed_step(self) -> int | None:
+        """The last step this session committed to disk, else the largest step of the resumed record,
+        else None. Unlike `last_step` it never counts buffered rows: a checkpoint that can reproduce
+        the record must be taken at or before this step (after `flush`, the two are equal)."""
+        return self._committed_last_step
 
     @property
     def rows_committed(self) -> int:
@@ -328,6 +353,33 @@ class Recorder:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def writing(self) -> bool:
+        """True while `log` or `flush` is writing; a SIGTERM arriving then is handled right after."""
+        return self._busy
+
+    @property
+    def flush_due(self) -> bool:
+        """Whether ``flush_seconds`` have passed since the last flush (a caller that holds rows back,
+        like `RecorderCallback`, hands them over then, so live readers stay current)."""
+        return self.flush_seconds is not None and time.monotonic() - self._last_flush >= self.flush_seconds
+
+    def add_flush_listener(self, listener) -> None:
+        """Call ``listener(closing=...)`` at the start of every `flush` (``closing=False``) and of
+        `close` (``closing=True``; also on SIGTERM and at exit), before the buffered rows are written.
+
+        A listener that holds rows back (`RecorderCallback` holds the current step's row, and its
+        buffered device tensors) logs them from there, so that they are written with this flush.
+        Listeners run in the order they were added; one that raises stops the flush.
+        """
+        if not callable(listener):
+            raise RecordError(f"a flush listener must be callable, got {type(listener).__name__}")
+        self._flush_listeners.append(listener)
+
+    def remove_flush_listener(self, listener) -> None:
+        """Stop calling ``listener`` (no error if it was not added)."""
+        self._flush_listeners = [fn for fn in self._flush_listeners if fn is not listener]
 
     def log(self, step: int, values: Mapping) -> None:
         """Append one row.
@@ -400,6 +452,7 @@ class Recorder:
                 # (A placeholder is replaced by the first flush, so it needs no switch.)
                 self._flush()
                 self._close_segment()
+                self._previous_segments.append([self._segment_index, self._segment_rows])
                 self._segment_index += 1
             for path, shape, dtype in new_columns:
                 self._add_column(path, shape, dtype)
@@ -407,10 +460,11 @@ class Recorder:
         return [(columns[path], value) for path, value in row]
 
     def flush(self) -> None:
-        """Write and commit the buffered rows now (no-op when none are buffered)."""
+        """Call the flush listeners, then write and commit the buffered rows now (no-op when none
+        are buffered). When it returns, `last_step` and every row before it are on disk."""
         if not self._busy and not self._closed:
-            for hook in self._before_flush:
-                hook()
+            for listener in list(self._flush_listeners):
+                listener(closing=False)
         if self._busy:
             raise RecordError("Recorder.flush re-entered (from a signal handler or another thread); a recorder serves one thread")
         self._busy = True
@@ -432,10 +486,10 @@ class Recorder:
         """Flush, close the segment and release the lock. Safe to call twice."""
         if self._closed:
             return
-        hooks, self._before_flush = self._before_flush, []
+        listeners, self._flush_listeners = self._flush_listeners, []
         try:
-            for hook in hooks:
-                hook()
+            for listener in listeners:
+                listener(closing=True)
         finally:
             try:
                 if self._failure is None:
@@ -567,6 +621,14 @@ class Recorder:
                     fillvalue=schema.fill_value(column.dtype),
                 )
                 ds.attrs[schema.NONFINITE_ATTR] = np.int64(0)
+            f.create_dataset(
+                schema.DIGEST,
+                shape=(0,),
+                maxshape=(None,),
+                chunks=(schema.chunk_rows((), 8),),
+                dtype=np.uint64,
+                fillvalue=0,  # never a valid digest (bit 63 is always set)
+            )
             n_cols = len(columns)
             present = f.create_dataset(
                 schema.PRESENT,
@@ -609,7 +671,7 @@ class Recorder:
             self._file = f
             # Keep every dataset open for the segment's life: a dataset closed mid-write would flush
             # its chunks from a destructor, where a failed write (disk full) cannot be reported.
-            self._datasets = {path: f[path] for path in [*self._columns, schema.PRESENT, schema.STEP]}
+            self._datasets = {path: f[path] for path in [*self._columns, schema.PRESENT, schema.DIGEST, schema.STEP]}
             self._segment_rows = 0
 
     def _publish(self, tmp: str, final: str, replace: bool) -> None:
@@ -650,6 +712,7 @@ class Recorder:
         attrs["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         attrs["host"] = socket.gethostname()
         attrs["pid"] = np.int64(os.getpid())
+        attrs[schema.PREVIOUS_ATTR] = json.dumps(self._previous_segments)
         meta = f.create_group(schema.META)
         strings = h5py.string_dtype()
         for key in ("op_names", "cell_types"):
@@ -672,16 +735,22 @@ class Recorder:
         start = self._segment_rows
         stop = start + rows
         present = self._present[:rows]
+        steps = self._step_buffer[:rows]
+        digest = schema.RowDigest(rows)
+        digest.add(schema.STEP, steps)
+        digest.add(schema.PRESENT, present)
         try:
             for column in self._columns.values():
                 block = column.buffer[:rows]
                 missing = ~present[:, column.index]
                 if missing.any():
                     block[missing] = schema.fill_value(column.dtype)
+                digest.add(column.path, block)
                 _append(datasets[column.path], start, block)
             _append(datasets[schema.PRESENT], start, present)
+            _append(datasets[schema.DIGEST], start, digest.value())
             f.flush()  # data before the commit marker
-            _append(datasets[schema.STEP], start, self._step_buffer[:rows])
+            _append(datasets[schema.STEP], start, steps)
             for column in self._columns.values():
                 if column.nonfinite != column.written_nonfinite:
                     # Same-size overwrite of an attribute that exists since before SWMR started.
@@ -697,6 +766,7 @@ class Recorder:
             ) from None
         self._segment_rows = stop
         self._committed += rows
+        self._committed_last_step = int(steps[-1])
         self._rows = 0
         self._present[:rows] = False
         self._last_flush = time.monotonic()
