@@ -212,3 +212,85 @@ def functional_hvp(loss_of: Callable[[torch.Tensor], torch.Tensor], primal: torc
         return torch.func.jvp(grad_fn, (primal,), (v,))[1]
 
     return torch.func.vmap(column)
+
+
+# -- sizes and sources ------------------------------------------------------------------------------
+
+
+class SavedBytes:
+    """``with SavedBytes() as s: loss = ...``: ``s.bytes`` counts what the forward saved for backward
+    (each storage once), the memory an exact Hessian-vector product multiplies (about 3x per product:
+    the saved tensors, their tangents, and the double-backward buffers)."""
+
+    def __init__(self):
+        self.bytes = 0
+        self._seen: set = set()
+        self._ctx = None
+
+    def _pack(self, t: torch.Tensor):
+        try:
+            key = (t.untyped_storage().data_ptr(), t.device)
+        except (RuntimeError, NotImplementedError):  # tensors without storage (functorch wrappers)
+            key = id(t)
+        if key not in self._seen:
+            self._seen.add(key)
+            self.bytes += t.numel() * t.element_size()
+        return t
+
+    def __enter__(self) -> "SavedBytes":
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._ctx.__exit__(*exc)
+
+
+#: bytes one Hessian-vector product holds per byte saved by the forward (see :class:`SavedBytes`)
+PRODUCT_FACTOR = 3
+
+
+def fit_chunk(saved_bytes: int, max_memory: int, chunk_size: int, what: str) -> int:
+    """The largest chunk ≤ ``chunk_size`` whose products fit ``max_memory`` bytes, or a one-line
+    :class:`~nasdiag.hessian.modes.CurvatureError` with the estimate and what to use instead."""
+    from nasdiag.hessian.modes import CurvatureError
+
+    per_product = PRODUCT_FACTOR * max(int(saved_bytes), 1)
+    fits = int(max_memory) // per_product
+    if fits < 1:
+        raise CurvatureError(
+            f"{what}: one exact Hessian-vector product needs about {per_product / 2**20:.1f} MiB "
+            f"(3 x {saved_bytes / 2**20:.1f} MiB saved by the forward) but max_memory is {max_memory / 2**20:.1f} MiB; "
+            "use mode='ggn_mc' (one extra backward) or 'approx', a smaller batch, or raise max_memory"
+        )
+    return min(chunk_size, fits)
+
+
+def leaf_sources(t: torch.Tensor, limit: int = 64) -> set:
+    """ids of the leaf tensors (e.g. α) that ``t`` was computed from, within ``limit`` autograd nodes."""
+    if t.grad_fn is None:
+        return {id(t)} if t.requires_grad else set()
+    found, stack, seen = set(), [t.grad_fn], set()
+    while stack and len(seen) < limit:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            found.add(id(variable))
+        stack.extend(n for n, _ in node.next_functions)
+    return found
+
+
+def exact_diagonal(
+    products: Callable[[torch.Tensor], torch.Tensor], dim: int, dtype, device, chunk_size: int = 64
+) -> torch.Tensor:
+    """``diag H`` (dim,) from ``products(V) = V H`` over the identity, ``chunk_size`` basis vectors at a time."""
+    diag = torch.empty(dim, dtype=dtype, device=device)
+    eye = torch.eye(dim, dtype=dtype, device=device)
+    for start in range(0, dim, chunk_size):
+        stop = min(start + chunk_size, dim)
+        rows = products(eye[start:stop])
+        diag[start:stop] = torch.diagonal(rows[:, start:stop]).detach()
+    return diag

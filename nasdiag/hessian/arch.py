@@ -33,15 +33,16 @@ from torch import nn
 
 from nasdiag.hessian._hvp import call_model, preserved_buffers, scalar_loss
 from nasdiag.edges import resolve_edges
-from nasdiag.hessian.arch_exact import _check_softmax_weights, softmax_chain_diag
+from nasdiag.hessian.arch_exact import _check_softmax_weights, exact_arch_diag_hessian, softmax_chain_diag
+from nasdiag.hessian.arch_ggn import ggn_arch_diag
 from nasdiag.hessian.loss_curvature import output_hessian_diagonal
+from nasdiag.hessian.modes import ARCH_MODES, CurvatureError, check_mode
 from nasdiag.hessian.propagate import walk_diagonals
 from nasdiag.hessian.rules import HessianRule
-from nasdiag.hessian.trace import HookSet, ModuleTracer, edge_of
+from nasdiag.hessian.trace import ModuleTracer, edge_of
+from nasdiag.hooks import Hooks
 
 __all__ = ["arch_diag_hessian", "ARCH_MODES"]
-
-ARCH_MODES = ("exact", "diag", "approx")
 
 
 def arch_diag_hessian(
@@ -54,6 +55,9 @@ def arch_diag_hessian(
     wrt: str = "Z",
     *,
     rules: Optional[Mapping[type, HessianRule]] = None,
+    samples: int = 1,
+    seed: int = 0,
+    max_memory: Optional[int] = None,
 ) -> Dict[str, torch.Tensor]:
     """Diagonal of ``∂²L/∂Z²`` (or ``∂²L/∂α²``) for each edge's mixing weights (C.3.1-C.3.2).
 
@@ -66,12 +70,24 @@ def arch_diag_hessian(
             ``.ops`` such as ``Network.edge_specs()`` items). The mixed op's forward is
             ``(x, weights) -> Σ_k weights[k] * ops[k](x)``, weights (K,) or (B, K) as the second positional
             argument or ``weights=``.
-        mode: ``"approx"`` (C.3.2 on the feature-mean recursion, the cheap one), ``"diag"`` (C.3.1 on
-            the diagonal recursion) or ``"exact"`` (Hessian-vector products,
-            :func:`~nasdiag.hessian.exact_arch_diag_hessian`).
+        mode: one of :data:`~nasdiag.hessian.modes.ARCH_MODES` (docs/hessian.md tabulates accuracy and cost):
+
+            * ``"exact"``: Hessian-vector products (:func:`~nasdiag.hessian.exact_arch_diag_hessian`), exact
+              for what is asked: per edge Z, or α owned by the edge. When edges share one α (DARTS's one α
+              per cell type) the per-edge α question has no exact answer; this raises and names
+              :func:`~nasdiag.hessian.alpha_diag_hessian` (the exact shared diagonal) and ``"exact_per_edge"``;
+            * ``"exact_per_edge"``: the same per-edge computation without that check (for shared α, summing it
+              over cells drops the cross-cell terms: 25% off on a 3-cell net);
+            * ``"ggn"``: the generalized Gauss-Newton diagonal, D batched backwards (D = outputs per sample);
+            * ``"ggn_mc"``: its Monte-Carlo estimate from ``samples`` extra backwards (the cheap mode that
+              tracks ``exact`` and tells the ops of an edge apart); see :mod:`nasdiag.hessian.arch_ggn`;
+            * ``"diag"``: C.3.1 on the diagonal recursion; ``"approx"``: C.3.2 on the feature-mean recursion.
         wrt: ``"Z"`` for the mixing weights; ``"alpha"`` chains through ``Z = softmax(α)`` per edge
             (needs (K,) probability-vector weights).
         rules: per-call ``{module type: HessianRule}`` overrides (``diag``/``approx``).
+        samples, seed: Monte-Carlo draws and their seed (``ggn_mc``).
+        max_memory: bytes the exact modes may use for one batch of products; a net whose single product
+            needs more is refused with its estimated size (default: no limit).
 
     Returns:
         ``{edge name: tensor (K,)}`` in the model's dtype, in the order of ``edges``. With (B, K)
@@ -87,16 +103,30 @@ def arch_diag_hessian(
 
     Side effects: none (hooks removed on every path, BatchNorm running statistics unchanged).
     """
-    if mode not in ARCH_MODES:
-        raise ValueError(f"mode must be one of {ARCH_MODES}, got {mode!r}")
+    check_mode(mode, ARCH_MODES)
     if wrt not in ("Z", "alpha"):
-        raise ValueError(f"wrt must be 'Z' or 'alpha', got {wrt!r}")
-    if mode == "exact":
-        if rules is not None:
-            raise ValueError("rules= only applies to mode='diag' or 'approx'")
-        return _exact(model, loss_fn, inputs, targets, edges, wrt)
-
+        raise CurvatureError(f"wrt must be 'Z' or 'alpha', got {wrt!r}")
+    if rules is not None and mode not in ("diag", "approx"):
+        raise CurvatureError("rules= only applies to mode='diag' or 'approx'")
+    if mode in ("exact", "exact_per_edge"):
+        return exact_arch_diag_hessian(
+            model, loss_fn, inputs, targets, edges, wrt=wrt, shared_alpha="refuse" if mode == "exact" else "per_edge",
+            max_memory=max_memory,
+        )
     specs = resolve_edges(model, edges)
+    if mode in ("ggn", "ggn_mc"):
+        if not isinstance(samples, int) or samples < 1:
+            raise CurvatureError(f"samples must be a positive int, got {samples!r}")
+        hess, grad, observed = ggn_arch_diag(
+            model, loss_fn, inputs, targets, [s.name for s in specs], [s.module for s in specs],
+            [s.n_ops for s in specs], monte_carlo=mode == "ggn_mc", samples=samples,
+            generator=torch.Generator().manual_seed(int(seed)),
+        )
+        if wrt == "alpha":
+            _check_softmax_weights(observed)
+            hess = {n: softmax_chain_diag(observed[n][0].to(h.dtype), grad[n], torch.diag(h)) for n, h in hess.items()}
+        return hess
+
     names, modules, ops = [s.name for s in specs], [s.module for s in specs], [list(s.ops) for s in specs]
     recorder = _EdgeRecorder(names, modules, ops)
     tracer = ModuleTracer(model, rules)
@@ -155,22 +185,19 @@ class _EdgeRecorder:
         self.calls: Dict[str, List[tuple]] = {n: [] for n in names}
         self.observe: Dict[tuple, str] = {}
         self._frames: Dict[str, List[Dict[int, torch.Tensor]]] = {n: [] for n in names}
-        self._hooks = HookSet()
+        self._hooks = Hooks()
+        for name, module, ops in zip(self.names, self.modules, self.ops):
+            self._hooks.forward_pre(module, self._pre(name), with_kwargs=True)
+            self._hooks.forward(module, self._post(name, len(ops)))
+            for k, op in enumerate(ops):
+                self._hooks.forward(op, self._op(name, k))
 
     def __enter__(self):
-        try:
-            for name, module, ops in zip(self.names, self.modules, self.ops):
-                self._hooks.add_pre(module, self._pre(name), with_kwargs=True)
-                self._hooks.add_post(module, self._post(name, len(ops)))
-                for k, op in enumerate(ops):
-                    self._hooks.add_post(op, self._op(name, k))
-        except BaseException:
-            self.__exit__()
-            raise
+        self._hooks.install()
         return self
 
     def __exit__(self, *exc):
-        self._hooks.remove_all()
+        self._hooks.remove()
 
     def _pre(self, name):
         def hook(module, args, kwargs):
@@ -218,8 +245,3 @@ class _EdgeRecorder:
                 "pass only edges that model(inputs) actually uses"
             )
 
-
-def _exact(model, loss_fn, inputs, targets, edges, wrt):
-    from nasdiag.hessian.arch_exact import exact_arch_diag_hessian  # part B's HVP route
-
-    return exact_arch_diag_hessian(model, loss_fn, inputs, targets, edges, wrt=wrt)

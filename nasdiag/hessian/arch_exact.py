@@ -1,6 +1,6 @@
 """Exact curvature of the mixing weights Z (and α) of every edge, by Hessian-vector products.
 
-Issue 4 §2, mode ``exact``: the reference that the BayesNAS approximation (bayesnas-appendix C.3.1-C.3.2,
+Mode ``exact``: the reference that the BayesNAS approximation (bayesnas-appendix C.3.1-C.3.2,
 ``H ≈ E(Σ B_i² H_j)``) is measured against.
 
 What can be batched, and what cannot. Stack the mixing weights of all edges into one vector
@@ -21,13 +21,17 @@ for free.
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Dict, List, Mapping, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from nasdiag.edges import resolve_edges
+from nasdiag.hessian.modes import CurvatureError
 from nasdiag.hessian._hvp import (
+    SavedBytes,
+    fit_chunk,
+    leaf_sources,
     HessianVectorProduct,
     Inputs,
     batch_statistics_only,
@@ -36,6 +40,7 @@ from nasdiag.hessian._hvp import (
     preserved_buffers,
     scalar_loss,
 )
+from nasdiag.hooks import Hooks
 
 __all__ = ["exact_arch_diag_hessian", "softmax_chain_diag"]
 
@@ -53,13 +58,15 @@ def exact_arch_diag_hessian(
     *,
     chunk_size: int = 64,
     backend: str = "auto",
+    shared_alpha: str = "per_edge",
+    max_memory: Optional[int] = None,
 ) -> Dict[str, torch.Tensor]:
     """Exact diagonal of the Hessian of the loss w.r.t. each edge's mixing weights.
 
     For edge e with mixing weights ``Z_e = (Z_{e,1}, ..., Z_{e,K})`` (``out = Σ_k Z_{e,k} O_k(x)``),
     returns ``∂²L/∂Z_{e,k}²`` for k = 1..K, with every other edge's weights held fixed: the diagonal of
     the full Hessian over all edges' Z, each edge having its own Z (a leaf per cell, not shared across
-    cells). Issue 4 §2 ``exact``; compare BayesNAS appendix C.3.1-C.3.2 for the approximation.
+    cells). Compare BayesNAS appendix C.3.1-C.3.2 for the approximation.
 
     How: a forward pre-hook on each mixed op replaces its weights ``Z_e`` by ``Z_e + δ_e`` with ``δ_e``
     zero, so ``∂L/∂δ_e = ∂L/∂Z_e`` and ``∂²L/∂δ_e² = ∂²L/∂Z_e²``; then N = Σ_e K_e exact Hessian-vector
@@ -105,8 +112,19 @@ def exact_arch_diag_hessian(
             twice; a mixed op that never ran in the forward, or ran without weights of shape (..., K);
             ``wrt="alpha"`` on weights that are not a probability vector.
 
+        shared_alpha: ``"per_edge"`` (default): the per-edge numbers above even when the edges' weights
+            come from one shared α. ``"refuse"`` (``arch_diag_hessian(mode="exact")``): with ``wrt="alpha"``,
+            raise :class:`~nasdiag.hessian.modes.CurvatureError` when two edges' weights derive from the
+            same parameter, since no per-edge number is the exact shared-α curvature; the message names
+            :func:`~nasdiag.hessian.alpha_diag_hessian` (exact, shared) and ``mode="exact_per_edge"``.
+        max_memory: bytes one batch of products may use. The need is estimated from the tensors the
+            forward saves for backward (a product holds about 3 times that); ``chunk_size`` is lowered to
+            fit, and a net whose single product does not fit is refused with the estimate.
+
     An edge that ran but does not influence the loss gets zeros and a ``RuntimeWarning`` naming it.
     """
+    if shared_alpha not in ("per_edge", "refuse"):
+        raise ValueError(f"shared_alpha must be 'per_edge' or 'refuse', got {shared_alpha!r}")
     if wrt not in _WRT:
         raise ValueError(f"wrt must be one of {_WRT}, got {wrt!r}")
     if backend not in BACKENDS:
@@ -118,18 +136,24 @@ def exact_arch_diag_hessian(
     offsets = [sum(n_ops[:i]) for i in range(len(n_ops))]
     shift = _WeightShift(names, n_ops, offsets)
 
-    handles = []
+    hooks = Hooks()
+    for i, module in enumerate(modules):
+        hooks.forward_pre(module, shift.hook(i), with_kwargs=True)
     try:
-        for i, module in enumerate(modules):
-            handles.append(module.register_forward_pre_hook(shift.hook(i), with_kwargs=True))
+        hooks.install()
         with preserved_buffers(model), torch.enable_grad():
             # Pass 1, plain autograd with a leaf δ_e per edge: checks that every edge ran with
             # weights of the right shape, finds edges the loss ignores, and gives ∂L/∂Z.
             shift.mode = "leaves"
-            loss = scalar_loss(loss_fn, call_model(model, inputs), targets)
+            with SavedBytes() as saved:
+                loss = scalar_loss(loss_fn, call_model(model, inputs), targets)
             shift.check_all_ran()
             if wrt == "alpha":
                 _check_softmax_weights(shift.observed)
+                if shared_alpha == "refuse":
+                    _refuse_shared_alpha(shift.sources)
+            if max_memory is not None:
+                chunk_size = fit_chunk(saved.bytes, max_memory, chunk_size, "arch_diag_hessian(mode='exact')")
             leaves = [shift.leaves[n] for n in names]
             if backend == "autograd":
                 products = HessianVectorProduct(loss, leaves, names)
@@ -153,8 +177,7 @@ def exact_arch_diag_hessian(
                 )
             blocks = _edge_blocks(products, n_ops, chunk_size, leaves[0].dtype, leaves[0].device)
     finally:
-        for handle in handles:
-            handle.remove()
+        hooks.remove()
 
     out: Dict[str, torch.Tensor] = {}
     for name, block, grad in zip(names, blocks, grad_z):
@@ -180,6 +203,8 @@ class _WeightShift:
         self.flat = None
         self.leaves: Dict[str, torch.Tensor] = {}
         self.observed: Dict[str, List[torch.Tensor]] = {n: [] for n in names}
+        #: ids of the leaf tensors (parameters) each edge's weights were computed from
+        self.sources: Dict[str, set] = {}
 
     def hook(self, i: int):
         name, K, offset = self.names[i], self.n_ops[i], self.offsets[i]
@@ -203,6 +228,7 @@ class _WeightShift:
                 if name not in self.leaves:
                     self.leaves[name] = torch.zeros(K, dtype=weights.dtype, device=weights.device, requires_grad=True)
                 self.observed[name].append(weights.detach())
+                self.sources[name] = leaf_sources(weights)
                 delta = self.leaves[name]
             else:
                 delta = self.flat[offset : offset + K].to(weights.dtype)
@@ -279,6 +305,20 @@ def softmax_chain_diag(z: torch.Tensor, grad_z: torch.Tensor, hess_z: torch.Tens
     # second[i, k] = ∂²z_i/∂α_k²
     second = z[:, None] * (eye - z[None, :]) ** 2 - z[:, None] * (z * (1 - z))[None, :]
     return curvature + grad_z @ second
+
+
+def _refuse_shared_alpha(sources: Dict[str, set]) -> None:
+    owner: Dict[int, str] = {}
+    for name, ids in sources.items():
+        for i in ids:
+            if i in owner and owner[i] != name:
+                raise CurvatureError(
+                    f"edges {owner[i]!r} and {name!r} take their mixing weights from one shared parameter, so no "
+                    "per-edge number is the exact ∂²L/∂α²: use nasdiag.hessian.alpha_diag_hessian(model, loss_fn, x, y) "
+                    "for the exact shared-α diagonal, or mode='exact_per_edge' for the per-edge blocks (cross-cell "
+                    "terms dropped)"
+                )
+            owner[i] = name
 
 
 def _check_softmax_weights(observed: Dict[str, List[torch.Tensor]]) -> None:

@@ -25,6 +25,7 @@ from torch.autograd.graph import GradientEdge
 from nasdiag.hessian.glue import UnsupportedGlue, glue_rule_for
 from nasdiag.hessian.rules.base import UnsupportedModuleError, unsupported_module_message
 from nasdiag.hessian.trace import Edge, ModuleTracer, RuleCall, edge_of
+from nasdiag.rules import analyse
 
 __all__ = ["walk_diagonals"]
 
@@ -78,6 +79,7 @@ def walk_diagonals(
         return node in leaf_targets or node in observe_nodes
 
     order, needed = _postorder(root[0], children, is_target)
+    removed = _removed_additive_params(order, children, rule_calls, module_targets)
 
     # --- gradients the residual terms need, in one backward ---------------------------------
     grad_edges: List[GradientEdge] = []
@@ -148,7 +150,7 @@ def walk_diagonals(
             if rc is not None:
                 h_out = slots.get(rc.output_edge[1])
                 if h_out is not None:
-                    _apply_rule(rc, h_out, mode, module_targets, needed, params, push, grad_of)
+                    _apply_rule(rc, h_out, mode, module_targets, needed, params, push, grad_of, removed.get(node, ()))
                 continue
             oc = opaque_by_node.get(node)
             if oc is not None and any(True for _ in oc.module.parameters()):
@@ -161,12 +163,15 @@ def walk_diagonals(
     return params, observed_h, observed_g
 
 
-def _apply_rule(rc: RuleCall, h_out, mode, module_targets, needed, params, push, grad_of) -> None:
+def _apply_rule(rc: RuleCall, h_out, mode, module_targets, needed, params, push, grad_of, removed=()) -> None:
     call, rule = rc.call, rc.rule
     rule.check(call.module, call.name)
     wanted = module_targets.get(call.name)
     if wanted:
         per_param = rule.param_diag(call, h_out) if mode == "diag" else rule.param_approx(call, h_out)
+        for attr in removed:  # a following normalization removes its effect: the curvature is exactly 0
+            if attr in per_param:
+                per_param[attr] = torch.zeros_like(per_param[attr])
         for attr, key in wanted.items():
             if attr in per_param:
                 params[key] = per_param[attr] if key not in params else params[key] + per_param[attr]
@@ -176,6 +181,52 @@ def _apply_rule(rc: RuleCall, h_out, mode, module_targets, needed, params, push,
         h_in = rule.input_diag(call, h_out) if mode == "diag" else rule.input_approx(call, h_out)
         call.grad_output = None
         push(rc.input_edge, h_in, f"module {call.name!r} ({type(call.module).__name__})")
+
+
+def _removed_additive_params(order, children, rule_calls, module_targets) -> Dict[object, Tuple[str, ...]]:
+    """``{rule-call node: (attr, ...)}``: requested parameters that only add a term constant along some
+    axes (a bias, :meth:`HessianRule.additive_params`) and whose output reaches the loss only through a
+    chain of modules that carry such a term (linear maps, max pooling) into a normalization whose groups
+    it is constant over. The normalization subtracts it exactly, so the loss does not depend on them:
+    gradient and every Hessian entry are zero. The diagonal recursion alone would report
+    ``Σ diag(H_x)`` over the channel, which is not zero (the off-diagonal terms it drops cancel it).
+    The per-module facts come from the homogeneity rules of :mod:`nasdiag.rules`."""
+    wanted = [rc for rc in rule_calls.values() if module_targets.get(rc.call.name)]
+    if not wanted:
+        return {}
+    consumers: Dict[Edge, List[object]] = {}
+    for node in order:
+        for e in children(node):
+            if e is not None:
+                consumers.setdefault(e, []).append(node)
+    out: Dict[object, Tuple[str, ...]] = {}
+    for rc in wanted:
+        attrs = tuple(
+            attr
+            for attr, axes in rc.rule.additive_params(rc.call.module).items()
+            if attr in module_targets[rc.call.name] and _term_removed(rc.output_edge, frozenset(axes), consumers, rule_calls)
+        )
+        if attrs:
+            out[rc.output_edge[0]] = attrs
+    return out
+
+
+def _term_removed(edge: Edge, term, consumers, rule_calls) -> bool:
+    while True:
+        after = consumers.get(edge, [])
+        if len(after) != 1 or after[0] not in rule_calls:
+            return False
+        rc = rule_calls[after[0]]
+        try:
+            h = analyse(rc.call.module)
+        except UnsupportedModuleError:
+            return False
+        if h.removes_term(term):
+            return True
+        term = h.passes(term)
+        if term is None or h.degree == 0:
+            return False
+        edge = rc.output_edge
 
 
 def _apply_glue(node, slots, needed, push, grad_of, tracer: ModuleTracer, reached_from) -> None:

@@ -18,8 +18,9 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from nasdiag.hessian.rules import HessianRule, ModuleCall, rule_for
+from nasdiag.hooks import Hooks
 
-__all__ = ["HookSet", "ModuleTracer", "RuleCall", "OpaqueCall"]
+__all__ = ["ModuleTracer", "RuleCall", "OpaqueCall"]
 
 Edge = Tuple[object, int]  # (autograd node, output index)
 
@@ -30,35 +31,6 @@ def edge_of(t: torch.Tensor) -> Optional[Edge]:
         return None
     e = get_gradient_edge(t)
     return (e.node, e.output_nr)
-
-
-class HookSet:
-    """Forward hooks written straight into the modules' hook dicts and taken out again by
-    :meth:`remove_all` (call it in ``finally``). A ``RemovableHandle`` per hook costs about 20 µs,
-    which adds up to a noticeable share of a call over the thousands of modules of a supernet."""
-
-    def __init__(self):
-        self._placed: List[Tuple[dict, object, Optional[dict]]] = []
-
-    def add_pre(self, module: nn.Module, hook, with_kwargs: bool = False) -> None:
-        self._place(module._forward_pre_hooks, module._forward_pre_hooks_with_kwargs if with_kwargs else None, hook)
-
-    def add_post(self, module: nn.Module, hook) -> None:
-        self._place(module._forward_hooks, None, hook)
-
-    def _place(self, hooks: dict, kwargs_flags: Optional[dict], hook) -> None:
-        key = object()  # unique; torch only looks keys up in its own flag dicts
-        hooks[key] = hook
-        if kwargs_flags is not None:
-            kwargs_flags[key] = True
-        self._placed.append((hooks, key, kwargs_flags))
-
-    def remove_all(self) -> None:
-        for hooks, key, kwargs_flags in reversed(self._placed):
-            hooks.pop(key, None)
-            if kwargs_flags is not None:
-                kwargs_flags.pop(key, None)
-        self._placed.clear()
 
 
 @dataclass
@@ -95,7 +67,7 @@ class ModuleTracer:
         self.opaque_leaves: Dict[str, nn.Module] = {}
         #: ``{id(tensor): parameter name}`` of substituted leaves, for error messages (set by the caller)
         self.tensor_names: Dict[int, str] = {}
-        self._hooks = HookSet()
+        self._hooks = Hooks()
         self._leaf_of: Dict[int, tuple] = {}
         self._classify()
 
@@ -129,21 +101,19 @@ class ModuleTracer:
         # One pre/post hook pair serves every rule leaf (looked up by module), so that entering costs
         # no allocation per module; re-entrant calls of one module nest on its pending stack.
         self._leaf_of = {id(m): (name, m, rule, []) for name, (m, rule) in self.rule_leaves.items()}
-        try:
-            for module, _ in self.rule_leaves.values():
-                self._hooks.add_pre(module, self._rule_pre)
-                self._hooks.add_post(module, self._rule_post)
-            for name, module in self.opaque_leaves.items():
-                pre, post = self._opaque_hooks(name)
-                self._hooks.add_pre(module, pre)
-                self._hooks.add_post(module, post)
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
+        self._hooks = Hooks()
+        for module, _ in self.rule_leaves.values():
+            self._hooks.forward_pre(module, self._rule_pre)
+            self._hooks.forward(module, self._rule_post)
+        for name, module in self.opaque_leaves.items():
+            pre, post = self._opaque_hooks(name)
+            self._hooks.forward_pre(module, pre)
+            self._hooks.forward(module, post)
+        self._hooks.install()  # all or nothing: a failed install removes what it placed
         return self
 
     def __exit__(self, *exc) -> None:
-        self._hooks.remove_all()
+        self._hooks.remove()
         self._leaf_of = {}
 
     def _rule_pre(self, module, args):

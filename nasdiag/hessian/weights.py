@@ -1,4 +1,5 @@
-"""``diag_hessian``: diagonal Hessians of a model's weights by the BayesNAS recursions (issue 4 §1)."""
+"""``diag_hessian``: diagonal Hessians of a model's weights by the BayesNAS recursions
+(bayesnas-appendix C.1.2–C.1.5 for FC layers, C.2.1–C.2.5 for convolutions)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from nasdiag.hessian._hvp import preserved_buffers, scalar_loss
 from nasdiag.hessian.exact_weights import as_linear_chain, chain_exact_diag, hvp_exact_diag
+from nasdiag.hessian.modes import WEIGHT_MODES, CurvatureError, check_mode
 from nasdiag.hessian.loss_curvature import LossCouplesSamplesError, output_hessian_diagonal
 from nasdiag.hessian.propagate import walk_diagonals
 from nasdiag.hessian.rules import HessianRule, UnsupportedModuleError
@@ -18,7 +20,7 @@ from nasdiag.hessian.trace import ModuleTracer
 
 __all__ = ["diag_hessian", "HESSIAN_MODES"]
 
-HESSIAN_MODES = ("exact", "diag", "approx")
+HESSIAN_MODES = WEIGHT_MODES
 
 Params = Union[None, Mapping[str, torch.Tensor], Iterable[Union[str, Tuple[str, torch.Tensor], torch.Tensor]]]
 
@@ -78,10 +80,9 @@ def diag_hessian(
     Side effects: none. Hooks are removed on every path, BatchNorm running statistics are unchanged,
     nothing is kept between calls.
     """
-    if mode not in HESSIAN_MODES:
-        raise ValueError(f"mode must be one of {HESSIAN_MODES}, got {mode!r}")
+    check_mode(mode, WEIGHT_MODES)
     if rules is not None and mode == "exact":
-        raise ValueError("rules= only applies to mode='diag' or 'approx'; mode='exact' uses no per-module rules")
+        raise CurvatureError("rules= only applies to mode='diag' or 'approx'; mode='exact' uses no per-module rules")
     values = named_values(model, params)
     if mode == "exact":
         chain = as_linear_chain(model)

@@ -15,8 +15,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from nasdiag.hessian.rules.base import HessianRule, ModuleCall, UnsupportedModuleError, channel_mean, register_rule
+from nasdiag.rules import BATCH, SPATIAL
 
 __all__ = ["LinearRule", "Conv2dRule"]
+
+
+def _bias_is_additive(module: nn.Module) -> Dict[str, frozenset]:
+    # the bias adds a per-output-channel term: constant along the batch and the spatial (leading) axes
+    return {"bias": frozenset((BATCH, SPATIAL))} if getattr(module, "bias", None) is not None else {}
 
 
 class LinearRule(HessianRule):
@@ -28,6 +34,9 @@ class LinearRule(HessianRule):
     """
 
     param_names = ("weight", "bias")
+
+    def additive_params(self, module: nn.Module) -> Dict[str, frozenset]:
+        return _bias_is_additive(module)
 
     def input_diag(self, call: ModuleCall, h_out: torch.Tensor) -> torch.Tensor:
         return h_out @ call.params["weight"].square()
@@ -100,6 +109,9 @@ class Conv2dRule(HessianRule):
     """
 
     param_names = ("weight", "bias")
+
+    def additive_params(self, module: nn.Module) -> Dict[str, frozenset]:
+        return _bias_is_additive(module)
 
     def check(self, module: nn.Module, name: str) -> None:
         if module.padding_mode != "zeros":

@@ -124,6 +124,13 @@ class HessianRule:
     def check(self, module: nn.Module, name: str) -> None:
         """Raise :class:`UnsupportedModuleError` for a configuration of ``module`` the rule cannot handle."""
 
+    def additive_params(self, module: nn.Module) -> Dict[str, frozenset]:
+        """``{parameter attribute: axes}`` for parameters that only add a term to the output that is
+        constant along ``axes`` (:data:`nasdiag.rules.BATCH`, ``SPATIAL``, ...), such as a bias. A
+        following normalization over those axes removes such a parameter's effect exactly, and the
+        engine then reports exactly zero curvature for it (its true value)."""
+        return {}
+
 
 #: the ``"hessian"`` table of the one per-module rule registry (:mod:`nasdiag.rules`)
 _RULES: Dict[Type[nn.Module], HessianRule] = REGISTRY.table("hessian")

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from nasdiag.hessian.rules.base import HessianRule, ModuleCall, UnsupportedModuleError, register_rule
+from nasdiag.rules import BATCH, SPATIAL
 
 __all__ = ["NormRule"]
 
@@ -46,6 +47,12 @@ class NormRule(HessianRule):
 
     def needs_grad_output(self, module: nn.Module) -> bool:
         return self.through_statistics and _uses_batch_statistics(module)
+
+    def additive_params(self, module: nn.Module) -> Dict[str, frozenset]:
+        if getattr(module, "bias", None) is None:
+            return {}
+        # β is per channel (BatchNorm, InstanceNorm, GroupNorm), per normalized element (LayerNorm)
+        return {"bias": frozenset((BATCH,)) if isinstance(module, nn.LayerNorm) else frozenset((BATCH, SPATIAL))}
 
     def check(self, module: nn.Module, name: str) -> None:
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(

@@ -1,0 +1,142 @@
+"""Generalized Gauss-Newton diagonal of the mixing weights Z: curvature that tracks the exact one cheaply.
+
+For a loss ``L = Σ_n ℓ_n(f_n)`` of per-sample outputs ``f_n`` (mean reduction: the 1/N is inside ℓ_n),
+``∂²L/∂Z² = Σ_n J_nᵀ H_n J_n + Σ_n Σ_o (∂ℓ_n/∂f_no) ∂²f_no/∂Z²`` with ``J_n = ∂f_n/∂Z`` and
+``H_n = ∂²ℓ_n/∂f_n²``. The first term is the generalized Gauss-Newton matrix G (for cross-entropy,
+the Fisher); it keeps exactly what C.3.1-C.3.2 (bayesnas-appendix) drop, the couplings between
+candidate ops, channels, positions and samples inside ``B_kᵀ H_j B_k``, and drops only the residual.
+
+How, without one backward per output. Factor each ``H_n = Σ_c λ_nc u_nc u_ncᵀ`` (eigh of the
+per-sample (D, D) block, D = outputs per sample). Give every edge a per-sample shift δ_e of shape
+(B, K) (zero), so that the mixing weights of sample n are ``Z_e + δ_{e,n}``. One backward of
+``Σ_n ⟨v_n, f_n⟩`` gives ``∂/∂δ_{e,n}`` for all n at once, and
+
+* ``"ggn"``: with ``v_n = √λ_nc u_nc`` for each c (D backwards, batched), ``Σ_c Σ_n (∂/∂δ_{e,n,k})²``;
+* ``"ggn_mc"``: with ``v_n = Σ_c ε_nc √λ_nc u_nc``, ε Rademacher (E[v vᵀ] = H_n), ``samples``
+  backwards, ``mean_s Σ_n (∂/∂δ_{e,n,k})²``: one extra backward for one sample. For cross-entropy this
+  is the Fisher at labels sampled from the model's predictive distribution in expectation.
+
+Both equal ``diag G`` exactly when samples do not interact in the forward (BatchNorm in eval mode,
+LayerNorm/InstanceNorm, no BN). With train-mode BatchNorm, sample n's shift also moves the batch
+statistics and so every other sample's output: ``∂/∂δ_n`` then carries ``Σ_m J_{m,n}ᵀ v_m`` instead
+of ``J_{n,n}ᵀ v_n``; the cross-sample parts are O(1/B) each. docs/hessian.md measures the result.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Mapping, Optional
+
+import torch
+from torch import nn
+
+from nasdiag.hessian._hvp import call_model, preserved_buffers, scalar_loss
+from nasdiag.hessian.loss_curvature import output_hessian_blocks
+from nasdiag.hessian.modes import CurvatureError
+
+__all__ = ["ggn_arch_diag"]
+
+
+class _PerSampleShift:
+    """Forward pre-hooks that add a (B, K) zero leaf δ_e to each mixed op's weights (tied calls share it)."""
+
+    def __init__(self, names: List[str], n_ops: List[int]):
+        self.names, self.n_ops = names, n_ops
+        self.leaves: Dict[str, torch.Tensor] = {}
+        self.observed: Dict[str, List[torch.Tensor]] = {n: [] for n in names}
+
+    def hook(self, i: int):
+        name, K = self.names[i], self.n_ops[i]
+
+        def hook(module, args, kwargs):
+            weights = kwargs["weights"] if "weights" in kwargs else (args[1] if len(args) >= 2 else None)
+            x = args[0] if args else kwargs.get("x")
+            if not isinstance(weights, torch.Tensor) or weights.dim() not in (1, 2) or weights.shape[-1] != K:
+                shape = tuple(weights.shape) if isinstance(weights, torch.Tensor) else type(weights).__name__
+                raise ValueError(f"edge {name!r}: mixing weights must have shape (K,) or (B, K) with K={K}, got {shape}")
+            if not isinstance(x, torch.Tensor):
+                raise ValueError(f"edge {name!r}: the mixed op's first argument must be the input tensor (B, ...)")
+            if name not in self.leaves:
+                self.leaves[name] = torch.zeros(x.shape[0], K, dtype=weights.dtype, device=weights.device, requires_grad=True)
+            self.observed[name].append(weights.detach())
+            shifted = weights + self.leaves[name]
+            if "weights" in kwargs:
+                return args, {**kwargs, "weights": shifted}
+            return (args[0], shifted, *args[2:]), kwargs
+
+        return hook
+
+
+def ggn_arch_diag(
+    model: nn.Module,
+    loss_fn: Callable,
+    inputs,
+    targets,
+    names: List[str],
+    modules: List[nn.Module],
+    n_ops: List[int],
+    *,
+    monte_carlo: bool,
+    samples: int = 1,
+    generator: Optional[torch.Generator] = None,
+):
+    """``({edge: (K,) diag G}, {edge: (K,) ∂L/∂Z}, {edge: observed weights})`` (see the module docstring).
+
+    Raises:
+        CurvatureError: the loss has negative curvature in the outputs (GGN needs a convex per-sample loss).
+        ValueError: an edge never ran, or ran with weights of the wrong shape.
+    """
+    shift = _PerSampleShift(names, n_ops)
+    handles = []
+    try:
+        for i, module in enumerate(modules):
+            handles.append(module.register_forward_pre_hook(shift.hook(i), with_kwargs=True))
+        with preserved_buffers(model), torch.enable_grad():
+            outputs = call_model(model, inputs)
+            never = [n for n in names if n not in shift.leaves]
+            if never:
+                raise ValueError(
+                    f"mixed op(s) {never} never ran in the forward pass, so their curvature is undefined; "
+                    "pass only edges that model(inputs) actually uses"
+                )
+            if not isinstance(outputs, torch.Tensor):
+                raise TypeError(f"model must return one tensor for the GGN modes, got {type(outputs).__name__}")
+            loss = scalar_loss(loss_fn, outputs, targets)
+            leaves = [shift.leaves[n] for n in names]
+            blocks = output_hessian_blocks(loss_fn, outputs.detach(), targets)  # (N, D, D), of the scalar
+            lam, U = torch.linalg.eigh(blocks)
+            scale = lam.abs().amax().clamp_min(torch.finfo(lam.dtype).tiny)
+            if bool((lam < -1e3 * torch.finfo(lam.dtype).eps * scale).any()):
+                raise CurvatureError(
+                    "mode 'ggn'/'ggn_mc' needs a loss with non-negative curvature in the model outputs (a convex "
+                    "per-sample loss such as cross-entropy or MSE); use mode='exact' or 'diag'"
+                )
+            root = U * lam.clamp_min(0).sqrt()[:, None, :]  # (N, D, D): column c is √λ_c u_c
+            if monte_carlo:
+                eps = torch.randint(0, 2, (samples, *lam.shape), generator=generator, device=lam.device)
+                eps = (2 * eps - 1).to(lam.dtype)  # (S, N, D) Rademacher
+                V = torch.einsum("ndc,snc->snd", root, eps)  # (S, N, D)
+            else:
+                V = root.permute(2, 0, 1)  # (D, N, D): direction c for every sample
+            V = V.reshape(V.shape[0], *outputs.shape).to(outputs.dtype)
+            (grad_out,) = torch.autograd.grad(loss, outputs, retain_graph=True)
+            rows = torch.cat([grad_out.unsqueeze(0), V])  # row 0: the gradient, for ∂L/∂Z
+            per_sample = _batched_vjp(outputs, leaves, rows)
+    finally:
+        for handle in handles:
+            handle.remove()
+    curvature, gradient = {}, {}
+    for name, g in zip(names, per_sample):  # g: (1 + R, B, K)
+        squares = g[1:].square().sum(1)  # (R, K)
+        curvature[name] = (squares.mean(0) if monte_carlo else squares.sum(0)).detach()
+        gradient[name] = g[0].sum(0).detach()
+    return curvature, gradient, shift.observed
+
+
+def _batched_vjp(outputs: torch.Tensor, leaves: List[torch.Tensor], rows: torch.Tensor) -> List[torch.Tensor]:
+    """``[(R, *leaf.shape)]``: vector-Jacobian products of ``outputs`` w.r.t. ``leaves`` for each of the R rows."""
+    try:
+        grads = torch.autograd.grad(outputs, leaves, rows, retain_graph=True, is_grads_batched=True, allow_unused=True)
+    except RuntimeError:  # an op without a batching rule for its backward: one row at a time
+        per_row = [torch.autograd.grad(outputs, leaves, r, retain_graph=True, allow_unused=True) for r in rows]
+        grads = [None if parts[0] is None else torch.stack(parts) for parts in zip(*per_row)]
+    return [torch.zeros(rows.shape[0], *t.shape, dtype=t.dtype, device=t.device) if g is None else g for g, t in zip(grads, leaves)]
