@@ -93,7 +93,8 @@ def epoch_span(record: Mapping[str, np.ndarray], path: str, row: int) -> str:
     last = int(steps[row])
     text = f"steps {first}-{last}" if first < last else f"step {last}"
     if "scalars/epoch" in record and record.get("valid/scalars/epoch", np.ones(len(steps), bool))[row]:
-        text += f" (epoch {int(record['scalars/epoch'][row])})"
+        epoch = int(record["scalars/epoch"][row])
+        text += f" (epoch {epoch})" if epoch >= 0 else " (before training)"
     return text
 
 
@@ -184,7 +185,8 @@ def render_heatmap(hm: Heatmap, annotate: bool = True):
     limits = None if hm.limits is None else (hm.limits[0] / 10.0**p, hm.limits[1] / 10.0**p)
     norm, cmap = _norm(shown, hm.signed, limits)
     n_rows, n_cols = matrix.shape
-    width = min(PAGE, max(COLUMN, 1.3 + 0.36 * n_cols))
+    # wide enough for the ops and for the title (about 0.055 in per character at 8 pt)
+    width = min(PAGE, max(COLUMN, 1.3 + 0.36 * n_cols, 0.4 + 0.055 * len(_title(hm))))
     fig, ax = plt.subplots(figsize=(width, 1.0 + 0.2 * n_rows + 0.25))
     image = _draw_matrix(ax, hm, shown, norm, cmap, annotate)
     ax.set_xlabel(hm.xlabel)

@@ -1,0 +1,81 @@
+#!/usr/bin/env python
+"""Wiring supplement Figs 5, 6 (and the minimal cell of Fig. 7): cost mean per op × edge at
+initialization and near θ's convergence.
+
+Protocol (supplement §3): α fixed; θ trained with child networks sampled uniformly (DSNAS, default) or
+on the supernet at uniform α (DARTS, ``--protocol darts``); the cost statistics E[C], C = ∂L/∂Z, are
+collected before training (θ at initialization, ``--observe-batches`` batches) and over the last epoch
+of training ("near θ's convergence"). Configurations (``--configs``):
+
+- ``minimal1``: one minimal cell (Fig. 7: 2 intermediate nodes, 5 edges; edge 2->3 intermediate);
+- ``minimal8``: 8 stacked minimal cells, DARTS's two reduction cells (Fig. 5);
+- ``darts8``:   8 stacked DARTS cells, 14 edges each (Fig. 6).
+
+Each configuration writes ``<out>/<config>/record.h5``; the heatmaps are drawn from it by nasdiag's
+figure registry (``cost_<cell>_heatmap_init`` and ``_final``), so ``--plot-only`` redraws them.
+
+What differs from the paper: digits (8×8 grey images, 1437 search images) instead of CIFAR-10, C = 8
+channels, 10 epochs of θ training instead of 150; the same code runs CIFAR-10 from a local folder
+(``--dataset cifar10 --data-dir DIR``, a 5000-image subset). The paper's cell-wise statistics are
+pooled over the cells of a type (normal, reduce). About 3 minutes on 2 CPU cores with the defaults.
+
+    python scripts/wiring_cost_heatmaps.py --out runs/wiring_cost
+    python scripts/wiring_cost_heatmaps.py --out runs/wiring_cost --plot-only
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import wiring_common as W
+
+CONFIGS = {"minimal1": ("minimal", 1), "minimal8": ("minimal", 8), "darts8": ("darts", 8)}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="runs/wiring_cost")
+    parser.add_argument("--configs", default="minimal1,minimal8,darts8", help=f"comma-separated, of {', '.join(CONFIGS)}")
+    parser.add_argument("--protocol", default="dsnas", choices=W.PROTOCOLS)
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--C", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--observe-batches", type=int, default=8, help="batches of the statistics at initialization")
+    parser.add_argument("--dataset", default="digits", choices=("digits", "cifar10"))
+    parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--format", default="png", choices=("png", "pdf", "svg"))
+    parser.add_argument("--plot-only", action="store_true", help="redraw the figures from existing records")
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"unknown configuration(s) {unknown}; choose from {', '.join(CONFIGS)}")
+    splits = None if args.plot_only else W.load_splits(args.dataset, args.data_dir, args.seed)
+    for name in configs:
+        folder = os.path.join(args.out, name)
+        record = os.path.join(folder, "record.h5")
+        if not args.plot_only:
+            os.makedirs(folder, exist_ok=True)
+            cell, layers = CONFIGS[name]
+            net = W.make_network(cell, layers, splits.num_classes, splits.in_channels, C=args.C,
+                                 reductions=() if layers == 1 else None, seed=args.seed)
+            config = {"experiment": "wiring cost heatmaps", "configuration": name, "cell": cell, "layers": layers,
+                      "protocol": args.protocol, "epochs": args.epochs, "C": args.C, "dataset": args.dataset,
+                      "batch_size": args.batch_size, "seed": args.seed, "steps": net.steps, "multiplier": net.multiplier}
+            seconds = W.train_fixed(net, splits, record, config, args.epochs, args.batch_size, args.observe_batches,
+                                    seed=args.seed)
+            print(f"{name}: {record} ({seconds:.0f} s)")
+        elif not os.path.exists(record):
+            raise SystemExit(f"no record at {record}; run without --plot-only first")
+        for path in W.draw_cost_heatmaps(record, folder, args.format):
+            print(path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+#!/usr/bin/env python
+"""Wiring supplement §6, Figs 11-16 (Theorem 2, Remark 1): the cost at the output edges of the last cell,
+C_Z, with the loss L_θ and the output entropy H_θ over epochs, overall and split by correctly and
+wrongly classified samples.
+
+Setup (supplement §6): one minimal cell (Fig. 7) before global average pooling and a bias-free linear
+classifier, α fixed, θ trained with uniformly sampled children (DSNAS, Figs 11, 14) or at uniform α
+(DARTS, Figs 12, 13, 15, 16: ``--protocol darts``). After every epoch (and before training) the whole
+search-train split (Figs 11, 12) and the search-val split (the "search set", Fig. 13) are evaluated:
+per sample, C_Z is read from the probe's output-edge costs (``nasdiag.attach``,
+``Probe.output_costs(per_sample=True)``, summed over the cell's output nodes and multiplied by B, since
+the per-sample terms of a batch-mean loss carry 1/B), L_θ is the sample's cross-entropy and H_θ the
+entropy of its softmax output. Theorem 2 says C_Z = L_θ − H_θ for every sample; the record keeps the
+largest deviation (``scalars/thm2_max_abs_error_<split>``) as a check.
+
+Rows: one per epoch end (``scalars/epoch`` −1 before training) with ``scalars/<quantity>_<split>``
+and ``..._<split>_correct`` / ``_wrong`` means (quantity: cz, loss, entropy; split: train, search), plus
+the counts. Figures, drawn from the record (``--plot-only`` redraws them):
+
+- ``fig11_12_13.png``: per split, L_θ and H_θ on the left axis and C_Z on the right axis (Figs 11-13);
+- ``fig14_16.png``: the same for correct and wrong samples (Figs 14-16).
+
+What differs from the paper: digits instead of CIFAR-10, C = 8, 20 epochs instead of 150 (DSNAS) or
+50 (DARTS). About 1 minute on 2 CPU cores.
+
+    python scripts/wiring_output_cost.py --out runs/wiring_output_cost
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+import torch
+
+import wiring_common as W
+
+QUANTITIES = {"loss": "L_θ (cross-entropy)", "entropy": "H_θ (output entropy)", "cz": "C_Z (output-edge cost)"}
+SPLITS = {"train": "search-train set (θ's data)", "search": "search set (held out from θ)"}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="runs/wiring_output_cost")
+    parser.add_argument("--protocol", default="dsnas", choices=W.PROTOCOLS)
+    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--C", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--dataset", default="digits", choices=("digits", "cifar10"))
+    parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--format", default="png", choices=("png", "pdf", "svg"))
+    parser.add_argument("--plot-only", action="store_true")
+    return parser.parse_args(argv)
+
+
+def evaluate(method, probe, dataset, split: str, batch_size: int = 256):
+    """Per-sample C_Z, L_θ, H_θ over ``dataset`` at the current θ (θ unchanged), as means overall and by
+    correct/wrong classification."""
+    last_cell = None
+    columns = {q: [] for q in QUANTITIES}
+    correct = []
+    for x, y in W.batches(dataset, batch_size, 0, shuffle=False):
+        weights = method.forward_weights()
+        result = method.cost(x, y, weights, active=method.active_for(weights), observe=False)  # runs inside the probe
+        nodes = probe.output_costs(per_sample=True)
+        last_cell = last_cell or list(nodes)[-1]
+        columns["cz"].append(len(y) * sum(nodes[last_cell].values()))
+        log_p = torch.log_softmax(result.logits.double(), dim=1)
+        columns["loss"].append(-log_p.gather(1, y[:, None]).squeeze(1))
+        columns["entropy"].append(-(log_p.exp() * log_p).sum(1))
+        correct.append(result.logits.argmax(1) == y)
+    values = {q: torch.cat(v).double() for q, v in columns.items()}
+    right = torch.cat(correct)
+    row = {f"scalars/thm2_max_abs_error_{split}": (values["cz"] - (values["loss"] - values["entropy"])).abs().max()}
+    for q, v in values.items():
+        row[f"scalars/{q}_{split}"] = v.mean()
+        for part, mask in (("correct", right), ("wrong", ~right)):
+            row[f"scalars/{q}_{split}_{part}"] = v[mask].mean() if mask.any() else torch.tensor(float("nan"))
+    row[f"scalars/accuracy_{split}"] = right.double().mean()
+    return row
+
+
+def draw(record_path: str, out: str, fmt: str) -> list:
+    from nasdiag.plot.registry import save
+    from nasdiag.plot.style import PAGE, integer_steps, paper_style, plt
+    from nasdiag.record import load
+
+    record = load(record_path)
+
+    def series(name):
+        rows = record[f"valid/scalars/{name}"]
+        return record["scalars/epoch"][rows], record[f"scalars/{name}"][rows]
+
+    def panel(ax, suffix, title):
+        twin = ax.twinx()
+        for q, color in (("loss", "#1f77b4"), ("entropy", "#2ca02c")):
+            ax.plot(*series(f"{q}_{suffix}"), color=color, marker="o", ms=2.5, lw=1.1, label=QUANTITIES[q])
+        twin.plot(*series(f"cz_{suffix}"), color="#d62728", marker="s", ms=2.5, lw=1.1, label=QUANTITIES["cz"])
+        twin.axhline(0, color="#d62728", lw=0.6, ls=":")
+        twin.spines["right"].set_visible(True)
+        ax.set_xlabel("epoch (−1: before training)")
+        integer_steps(ax)
+        ax.set_ylabel("L_θ, H_θ  (mean over samples)")
+        twin.set_ylabel("C_Z  (mean over samples)", color="#d62728")
+        ax.set_title(title, loc="left")
+        return ax, twin
+
+    written = []
+    with paper_style():
+        fig, axes = plt.subplots(1, 2, figsize=(PAGE, 2.4))
+        for ax, (split, label) in zip(axes, SPLITS.items()):
+            panel(ax, split, label)
+        handles = [h for ax in fig.axes for h in ax.get_legend_handles_labels()[0]]
+        fig.legend(handles, [h.get_label() for h in handles], loc="outside lower center", ncol=3, frameon=False)
+        fig.suptitle("Thm 2: output-edge cost C_Z = L_θ − H_θ of the last cell (wiring supplement Figs 11-13)")
+        path = os.path.join(out, f"fig11_12_13.{fmt}")
+        save(fig, path, 150)
+        written.append(path)
+
+        fig, axes = plt.subplots(2, 2, figsize=(PAGE, 4.4))
+        for r, (split, label) in enumerate(SPLITS.items()):
+            for c, part in enumerate(("correct", "wrong")):
+                panel(axes[r, c], f"{split}_{part}", f"{label}: {part}ly classified")
+        handles = [h for ax in fig.axes[:1] + fig.axes[4:5] for h in ax.get_legend_handles_labels()[0]]
+        fig.legend(handles, [h.get_label() for h in handles], loc="outside lower center", ncol=3, frameon=False)
+        fig.suptitle("Thm 2 by classification: C_Z < 0 where correct, > 0 where wrong (wiring supplement Figs 14-16)")
+        path = os.path.join(out, f"fig14_16.{fmt}")
+        save(fig, path, 150)
+        written.append(path)
+    return written
+
+
+def main(argv=None):
+    import nasdiag
+
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    record = os.path.join(args.out, "record.h5")
+    if not args.plot_only:
+        splits = W.load_splits(args.dataset, args.data_dir, args.seed)
+        # Theorem 2 needs the classifier without bias, after global average pooling of the last cell
+        net = W.make_network("minimal", 1, splits.num_classes, splits.in_channels, C=args.C, reductions=(),
+                             classifier_bias=False, seed=args.seed)
+        probe = nasdiag.attach(net)
+        config = {"experiment": "wiring Thm 2", "protocol": args.protocol, "epochs": args.epochs, "C": args.C,
+                  "dataset": args.dataset, "batch_size": args.batch_size, "seed": args.seed, "classifier_bias": False,
+                  "steps": net.steps, "multiplier": net.multiplier}
+
+        def hook(method, epoch):
+            return {**evaluate(method, probe, splits.train, "train"), **evaluate(method, probe, splits.val, "search")}
+
+        start = time.perf_counter()
+        W.train_fixed(net, splits, record, config, args.epochs, args.batch_size, observe_batches=0, probe=probe,
+                      epoch_hook=hook, seed=args.seed)
+        print(f"record: {record} ({time.perf_counter() - start:.0f} s)")
+    elif not os.path.exists(record):
+        raise SystemExit(f"no record at {record}; run without --plot-only first")
+    for path in draw(record, args.out, args.format):
+        print(path)
+
+
+if __name__ == "__main__":
+    main()
