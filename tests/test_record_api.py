@@ -315,3 +315,27 @@ def test_same_process_second_writer_refused(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert not os.path.exists(str(path) + ".lock")
+
+
+def test_resume_into_another_run_is_reported_without_parsing_warnings(tmp_path):
+    from nasdiag.record import ResumeMismatchError
+
+    path = tmp_path / "run.h5"
+    _write(path, [0, 1])
+    other = {**META, "seed": 8, "config": {"lr": 0.5}}
+    before = path.read_bytes()
+    with pytest.raises(ResumeMismatchError) as info:
+        Recorder(path, resume=True, meta=other, on_run_change="error")
+    assert set(info.value.differences) == {"seed", "config"}
+    assert info.value.differences["seed"] == (7, 8)
+    assert path.read_bytes() == before and not os.path.exists(f"{path}.lock")
+    with pytest.warns(RecordWarning, match="seed"):
+        with Recorder(path, resume=True, meta=other) as rec:
+            assert set(rec.resume_differences) == {"seed", "config"}
+    with Recorder(path, resume=True, meta=other) as rec:  # the record now continues as the other run
+        assert rec.resume_differences == {}
+        assert rec.last_step == rec.last_committed_step == 1
+        rec.log(2, {"scalars/loss": 0.5})
+        assert rec.last_step == 2 and rec.last_committed_step == 1  # buffered, not on disk yet
+        rec.flush()
+        assert rec.last_committed_step == 2

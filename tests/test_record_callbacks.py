@@ -230,3 +230,79 @@ def test_lightning_missing_is_a_clear_error(tmp_path, monkeypatch):
     with pytest.raises(RecordError, match="pip install lightning"):
         lightning_callback(tmp_path / "run.h5")
     assert not (tmp_path / "run.h5").exists()
+
+
+# --- batching, device tensors, public recorder hooks ----------------------------------------------
+
+_HOST = {"cpu", "item", "numpy", "tolist", "__float__", "__int__", "__bool__", "__index__", "__array__", "to"}
+
+
+def _counting_tensor_class():
+    torch = pytest.importorskip("torch")
+
+    class Counting(torch.Tensor):
+        """Records every host conversion (what would synchronise a GPU) made on it."""
+
+        host_calls: list = []
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", "")
+            if name in _HOST:
+                cls.host_calls.append(name)
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    return torch, Counting
+
+
+def test_steps_keep_tensors_on_device_and_a_flush_converts_each_path_once(tmp_path):
+    torch, Counting = _counting_tensor_class()
+    path = tmp_path / "run.h5"
+    alpha = torch.zeros(2, 3, requires_grad=True)
+    expected = []
+    with RecorderCallback(path, flush_every=64, flush_seconds=None) as cb:
+        for step in range(1, 11):
+            with torch.no_grad():
+                alpha += 1.0  # in place, as an optimizer does: the row must keep the value at its step
+            loss = torch.tensor(1.0 / step).as_subclass(Counting)
+            cb.on_step_end(step, {"arch/normal/params": alpha.as_subclass(Counting), "scalars/loss": loss})
+            expected.append(alpha.detach().clone())
+        cb.on_epoch_end(0, {"scalars/val": torch.tensor(0.5).as_subclass(Counting)})
+        assert Counting.host_calls == [], Counting.host_calls  # nothing left the device per step
+        assert cb.rows_held == 10 and cb.recorder.rows_buffered == 0
+        cb.flush()
+        conversions = Counting.host_calls.count("cpu")
+        assert 1 <= conversions <= 3, Counting.host_calls  # one per path for the whole batch, not per step
+        assert cb.recorder.last_committed_step == 10 and cb.rows_held == 0
+    out = load(path)
+    np.testing.assert_array_equal(out["step"], range(1, 11))
+    np.testing.assert_array_equal(out["arch/normal/params"], torch.stack(expected).numpy())
+    np.testing.assert_allclose(out["scalars/loss"], [1.0 / s for s in range(1, 11)], rtol=1e-7)
+    np.testing.assert_array_equal(out["scalars/val"], [np.nan] * 9 + [0.5])
+
+
+def test_a_full_batch_is_handed_over_and_a_bad_row_costs_only_itself(tmp_path):
+    path = tmp_path / "run.h5"
+    with RecorderCallback(path, flush_every=4, flush_seconds=None) as cb:
+        for step in range(1, 6):
+            cb.on_step_end(step, {"scalars/a": float(step)})
+        assert load(path)["step"].tolist() == [1, 2, 3, 4]  # four finished rows: handed over and flushed
+        cb.on_step_end(6, {"scalars/a": np.zeros(3)})  # another shape: refused when the row is written
+        cb.on_step_end(7, {"scalars/a": 7.0})
+        with pytest.raises(RecordError, match="'scalars/a' at step 6"):
+            cb.flush()
+    np.testing.assert_array_equal(load(path)["step"], [1, 2, 3, 4, 5, 7])
+
+
+def test_flush_listener_api(tmp_path):
+    calls = []
+    with Recorder(tmp_path / "run.h5", flush_seconds=None) as rec:
+        listener = lambda closing: calls.append(closing)  # noqa: E731
+        rec.add_flush_listener(listener)
+        rec.flush()
+        rec.remove_flush_listener(listener)
+        rec.flush()
+        rec.add_flush_listener(listener)
+        with pytest.raises(RecordError, match="callable"):
+            rec.add_flush_listener(3)
+    assert calls == [False, True]  # one flush, then the close

@@ -13,7 +13,7 @@ Lightning; the callbacks import them only when they need them.
 """
 
 from nasdiag.record.callbacks import RecorderCallback
-from nasdiag.record.errors import RecordError, RecordWarning
+from nasdiag.record.errors import RecordError, RecordWarning, ResumeMismatchError
 from nasdiag.record.lightning import lightning_callback
 from nasdiag.record.reader import load, load_meta
 from nasdiag.record.schema import SCHEMA_VERSION
@@ -25,6 +25,7 @@ __all__ = [
     "load_meta",
     "RecordError",
     "RecordWarning",
+    "ResumeMismatchError",
     "RecorderCallback",
     "lightning_callback",
     "SCHEMA_VERSION",

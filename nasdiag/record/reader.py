@@ -299,8 +299,8 @@ def _writer_alive(path: str) -> bool:
             pid = int(json.loads(fh.read() or "{}").get("pid", 0))
     except (OSError, ValueError, TypeError, AttributeError):
         return False
-    if pid <= 0:
-        return False
+    if pid <= 0 or pid == os.getpid():
+        return False  # a writer in this process is not writing while this thread reads
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
