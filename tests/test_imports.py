@@ -151,3 +151,42 @@ def test_a_primitive_loads_no_layer_above_it_nor_the_supernet(layer):
 def test_importing_nasdiag_stays_cheap():
     loaded = _tops(loaded_after("import nasdiag"))
     assert not loaded & {"torch", "numpy", "h5py", "matplotlib"}
+
+
+# --- record layer and DDP reduction -----------------------------------------------------------------
+
+
+def test_distributed_reduction_loads_neither_h5py_nor_the_record_layer():
+    for statement in ("import nasdiag.distributed", "import nasdiag.arrays"):
+        loaded = _tops(loaded_after(statement, importtime=True))
+        assert not loaded & {"h5py", "torch", "nasdiag.record"}, (statement, sorted(loaded & {"h5py", "torch", "nasdiag.record"}))
+
+
+def test_only_layers_above_the_record_import_it():
+    importers = set()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        layer = _layer(path, PACKAGE)
+        if layer != "record" and any(_target_layer(m) == "record" for m, _, _ in _imports(path, PACKAGE)):
+            importers.add(layer)
+    assert importers <= {"search", "plot", "cli", "__main__"}, sorted(importers)
+    # and the record layer imports the reduction only lazily (no import cycle at load time)
+    for path in sorted((PACKAGE / "record").glob("*.py")):
+        eager = [m for m, _, lazy in _imports(path, PACKAGE) if not lazy and _target_layer(m) == "distributed"]
+        assert eager == [], (path.name, eager)
+
+
+def test_record_layer_uses_no_private_attribute_of_another_object():
+    """Couplings go through public APIs (Recorder.add_flush_listener, Recorder.writing, ...)."""
+    files = sorted((PACKAGE / "record").glob("*.py")) + [PACKAGE / "distributed.py", PACKAGE / "arrays.py"]
+    found = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                    found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    assert found == []
+
+
+def test_fault_injection_harness_is_not_in_the_package():
+    assert not list(PACKAGE.rglob("crashtest*.py"))
+    assert (PACKAGE.parent / "scripts" / "record_kill_trials.py").exists()
