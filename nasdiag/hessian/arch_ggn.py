@@ -32,6 +32,7 @@ from torch import nn
 from nasdiag.hessian._hvp import call_model, preserved_buffers, scalar_loss
 from nasdiag.hessian.loss_curvature import output_hessian_blocks
 from nasdiag.hessian.modes import CurvatureError
+from nasdiag.hooks import Hooks
 
 __all__ = ["ggn_arch_diag"]
 
@@ -86,10 +87,11 @@ def ggn_arch_diag(
         ValueError: an edge never ran, or ran with weights of the wrong shape.
     """
     shift = _PerSampleShift(names, n_ops)
-    handles = []
+    hooks = Hooks()
+    for i, module in enumerate(modules):
+        hooks.forward_pre(module, shift.hook(i), with_kwargs=True)
     try:
-        for i, module in enumerate(modules):
-            handles.append(module.register_forward_pre_hook(shift.hook(i), with_kwargs=True))
+        hooks.install()
         with preserved_buffers(model), torch.enable_grad():
             outputs = call_model(model, inputs)
             never = [n for n in names if n not in shift.leaves]
@@ -122,8 +124,7 @@ def ggn_arch_diag(
             rows = torch.cat([grad_out.unsqueeze(0), V])  # row 0: the gradient, for ∂L/∂Z
             per_sample = _batched_vjp(outputs, leaves, rows)
     finally:
-        for handle in handles:
-            handle.remove()
+        hooks.remove()
     curvature, gradient = {}, {}
     for name, g in zip(names, per_sample):  # g: (1 + R, B, K)
         squares = g[1:].square().sum(1)  # (R, K)
