@@ -92,3 +92,30 @@ def test_fast_path_only_on_checked_torch_releases():
     for version in ("2.99.0", "3.0.0", "1.13.1", "nightly"):
         assert not fast_path_available(version), version
     assert fast_path_available("2.14.0+cu126")
+
+
+def test_no_module_outside_nasdiag_hooks_registers_hooks():
+    # One hook installer: every register_*hook call and every write into torch's private hook dicts
+    # lives in nasdiag/hooks.py (reading the dicts, e.g. to detect foreign hooks, is fine).
+    import ast
+    import pathlib
+
+    import nasdiag
+
+    root = pathlib.Path(nasdiag.__file__).parent
+    registering = {"register_hook", "register_forward_hook", "register_forward_pre_hook",
+                   "register_full_backward_hook", "register_full_backward_pre_hook"}
+    private = {"_forward_hooks", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
+               "_backward_pre_hooks", "_forward_hooks_with_kwargs"}
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path == root / "hooks.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in registering:
+                found.append(f"{path.relative_to(root)}:{node.lineno} calls {node.func.attr}")
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            for t in targets:
+                if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Attribute) and t.value.attr in private:
+                    found.append(f"{path.relative_to(root)}:{node.lineno} writes {t.value.attr}")
+    assert found == []
