@@ -1,0 +1,86 @@
+#!/usr/bin/env python
+"""Regenerate the small figures the README shows (``docs/img/*.png``), one of each kind.
+
+Runs the main job (DARTS on digits through ``nasdiag.search.run``, with its digits preset) for two
+seeds with short searches, then draws from the records, with nasdiag's figure registry, the figures a
+user gets from ``nasdiag plot``: scalars, the architecture heatmap and its evolution, the cost and
+Hessian heatmaps, the derived genotype, the most probable wiring per epoch, and the comparison of the
+two runs on one colour scale. ``--plot-only`` redraws from the records. About 4 minutes on 2 CPU cores.
+
+    python scripts/make_readme_figures.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+
+#: README image -> (registered figure, cell type or None)
+FIGURES = {
+    "scalars": ("scalars", None),
+    "arch_heatmap": ("arch", "normal"),
+    "arch_evolution": ("arch_evolution", "normal"),
+    "cost_heatmap": ("cost", "normal"),
+    "hessian_heatmap": ("hessian", "normal"),
+    "genotype": ("genotype", "normal"),
+    "wiring": ("wiring", "normal"),
+}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="docs/img", help="folder of the README's images")
+    parser.add_argument("--runs", default="runs/readme", help="folder of the records")
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--dpi", type=int, default=70, help="small PNGs: the README shows them at their size")
+    parser.add_argument("--plot-only", action="store_true")
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    from nasdiag.plot.registry import NothingToDraw, iter_figures, save, write_comparison
+    from nasdiag.plot.style import paper_style
+    from nasdiag.record import load
+
+    args = parse_args(argv)
+    records = {f"seed {s}": os.path.join(args.runs, f"darts_seed{s}.h5") for s in (0, 1)}
+    if not args.plot_only:
+        from nasdiag.search import SearchConfig, run
+
+        os.makedirs(args.runs, exist_ok=True)
+        for seed, (label, path) in enumerate(records.items()):
+            start = time.perf_counter()
+            run(SearchConfig(method="darts", dataset="digits", epochs=args.epochs, seed=seed, record=path, force=True,
+                             progress=False))
+            print(f"{label}: {path} ({time.perf_counter() - start:.0f} s)")
+    os.makedirs(args.out, exist_ok=True)
+    loaded = {label: load(path) for label, path in records.items()}
+    first = loaded["seed 0"]
+    wanted = {value: key for key, value in FIGURES.items()}
+    for spec, cell, _, thunk in iter_figures(first, [name for name, _ in FIGURES.values()]):
+        image = wanted.get((spec.name, cell))
+        if image is None:
+            continue
+        try:
+            with paper_style():
+                fig = thunk()
+        except NothingToDraw as exc:
+            print(f"skipped {image}: {exc}")
+            continue
+        path = os.path.join(args.out, f"{image}.png")
+        save(fig, path, args.dpi)
+        print(path)
+    compared = write_comparison(loaded, os.path.join(args.runs, "compare"), figures=["cost"], dpi=args.dpi)
+    for path in compared.files:
+        if "normal" in path.name:
+            target = os.path.join(args.out, "compare_cost_heatmap.png")
+            os.replace(path, target)
+            print(target)
+
+
+if __name__ == "__main__":
+    main()
