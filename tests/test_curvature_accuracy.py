@@ -172,3 +172,21 @@ def test_exact_on_a_net_too_large_for_the_memory_asked_is_refused_with_its_size(
         alpha_diag_hessian(net, F.cross_entropy, x, y, max_memory=2**10)
     with pytest.raises(CurvatureError, match=r"MiB.*ggn_mc"):
         arch_diag_hessian(net, F.cross_entropy, x, y, net.edge_specs(), mode="exact", max_memory=2**10)
+
+
+@pytest.mark.slow
+def test_search_records_the_top_alpha_eigenvalue_and_flags_nan():
+    from nasdiag.search import get_method
+    from nasdiag.search.base import Schedule
+
+    net, x, y = two_cell_supernet()
+    method = get_method("darts")(net, schedule=Schedule(epochs=1, steps_per_epoch=1), hessian_mode="ggn_mc")
+    stats = method.curvature(x, y, top_eigenvalue=True)
+    dense = _dense_alpha_hessian(net, x, y)
+    top = float(stats["hessian/normal/top_eigenvalue"])
+    assert abs(top - float(torch.linalg.eigvalsh(dense).max())) < 1e-8 * float(dense.abs().max())
+    assert stats["hessian/normal/diag"].shape == net.alphas_normal.shape and not bool(stats["hessian/normal/nonfinite"])
+    x_bad = x.clone()
+    x_bad[0, 0, 0, 0] = float("nan")
+    stats = method.curvature(x_bad, y)
+    assert bool(stats["hessian/normal/nonfinite"]) and torch.isnan(stats["hessian/normal/diag"]).any()

@@ -266,11 +266,11 @@ def fit_chunk(saved_bytes: int, max_memory: int, chunk_size: int, what: str) -> 
     return min(chunk_size, fits)
 
 
-def leaf_sources(t: torch.Tensor, limit: int = 64) -> set:
-    """ids of the leaf tensors (e.g. α) that ``t`` was computed from, within ``limit`` autograd nodes."""
+def leaf_sources(t: torch.Tensor, limit: int = 64) -> List[torch.Tensor]:
+    """The leaf tensors (e.g. α) that ``t`` was computed from, found within ``limit`` autograd nodes."""
     if t.grad_fn is None:
-        return {id(t)} if t.requires_grad else set()
-    found, stack, seen = set(), [t.grad_fn], set()
+        return [t] if t.requires_grad else []
+    found, stack, seen = {}, [t.grad_fn], set()
     while stack and len(seen) < limit:
         node = stack.pop()
         if node is None or node in seen:
@@ -278,9 +278,23 @@ def leaf_sources(t: torch.Tensor, limit: int = 64) -> set:
         seen.add(node)
         variable = getattr(node, "variable", None)
         if variable is not None:
-            found.add(id(variable))
+            found[id(variable)] = variable
         stack.extend(n for n, _ in node.next_functions)
-    return found
+    return list(found.values())
+
+
+def source_entries(t: torch.Tensor) -> set:
+    """``{(id(leaf), flat index)}``: the entries of the leaves behind ``t`` that ``t`` depends on
+    (nonzero gradient of ``t.sum()``; one small backward through the graph that made ``t``)."""
+    leaves = leaf_sources(t)
+    if not leaves:
+        return set()
+    grads = torch.autograd.grad(t.sum(), leaves, retain_graph=True, allow_unused=True)
+    out = set()
+    for leaf, g in zip(leaves, grads):
+        if g is not None:
+            out.update((id(leaf), int(i)) for i in torch.nonzero(g.reshape(-1)).reshape(-1).tolist())
+    return out
 
 
 def exact_diagonal(

@@ -31,7 +31,7 @@ from nasdiag.hessian.modes import CurvatureError
 from nasdiag.hessian._hvp import (
     SavedBytes,
     fit_chunk,
-    leaf_sources,
+    source_entries,
     HessianVectorProduct,
     Inputs,
     batch_statistics_only,
@@ -151,7 +151,7 @@ def exact_arch_diag_hessian(
             if wrt == "alpha":
                 _check_softmax_weights(shift.observed)
                 if shared_alpha == "refuse":
-                    _refuse_shared_alpha(shift.sources)
+                    _refuse_shared_alpha({n: source_entries(w) for n, w in shift.with_graph.items()})
             if max_memory is not None:
                 chunk_size = fit_chunk(saved.bytes, max_memory, chunk_size, "arch_diag_hessian(mode='exact')")
             leaves = [shift.leaves[n] for n in names]
@@ -203,8 +203,8 @@ class _WeightShift:
         self.flat = None
         self.leaves: Dict[str, torch.Tensor] = {}
         self.observed: Dict[str, List[torch.Tensor]] = {n: [] for n in names}
-        #: ids of the leaf tensors (parameters) each edge's weights were computed from
-        self.sources: Dict[str, set] = {}
+        #: each edge's first weights, with their graph (to find where they come from)
+        self.with_graph: Dict[str, torch.Tensor] = {}
 
     def hook(self, i: int):
         name, K, offset = self.names[i], self.n_ops[i], self.offsets[i]
@@ -228,7 +228,7 @@ class _WeightShift:
                 if name not in self.leaves:
                     self.leaves[name] = torch.zeros(K, dtype=weights.dtype, device=weights.device, requires_grad=True)
                 self.observed[name].append(weights.detach())
-                self.sources[name] = leaf_sources(weights)
+                self.with_graph.setdefault(name, weights)
                 delta = self.leaves[name]
             else:
                 delta = self.flat[offset : offset + K].to(weights.dtype)
@@ -308,12 +308,13 @@ def softmax_chain_diag(z: torch.Tensor, grad_z: torch.Tensor, hess_z: torch.Tens
 
 
 def _refuse_shared_alpha(sources: Dict[str, set]) -> None:
-    owner: Dict[int, str] = {}
+    """Raise when two edges' weights depend on one entry of a parameter (α shared across cells)."""
+    owner: Dict[tuple, str] = {}
     for name, ids in sources.items():
         for i in ids:
             if i in owner and owner[i] != name:
                 raise CurvatureError(
-                    f"edges {owner[i]!r} and {name!r} take their mixing weights from one shared parameter, so no "
+                    f"edges {owner[i]!r} and {name!r} take their mixing weights from the same entries of one parameter (shared α), so no "
                     "per-edge number is the exact ∂²L/∂α²: use nasdiag.hessian.alpha_diag_hessian(model, loss_fn, x, y) "
                     "for the exact shared-α diagonal, or mode='exact_per_edge' for the per-edge blocks (cross-cell "
                     "terms dropped)"

@@ -105,7 +105,8 @@ def ggn_arch_diag(
             loss = scalar_loss(loss_fn, outputs, targets)
             leaves = [shift.leaves[n] for n in names]
             blocks = output_hessian_blocks(loss_fn, outputs.detach(), targets)  # (N, D, D), of the scalar
-            lam, U = torch.linalg.eigh(blocks)
+            finite = bool(torch.isfinite(blocks).all())  # a NaN is reported as NaN, not an eigh failure
+            lam, U = torch.linalg.eigh(blocks if finite else torch.nan_to_num(blocks, 0.0, 0.0, 0.0))
             scale = lam.abs().amax().clamp_min(torch.finfo(lam.dtype).tiny)
             if bool((lam < -1e3 * torch.finfo(lam.dtype).eps * scale).any()):
                 raise CurvatureError(
@@ -129,6 +130,8 @@ def ggn_arch_diag(
     for name, g in zip(names, per_sample):  # g: (1 + R, B, K)
         squares = g[1:].square().sum(1)  # (R, K)
         curvature[name] = (squares.mean(0) if monte_carlo else squares.sum(0)).detach()
+        if not finite:
+            curvature[name] = torch.full_like(curvature[name], float("nan"))
         gradient[name] = g[0].sum(0).detach()
     return curvature, gradient, shift.observed
 

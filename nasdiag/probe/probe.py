@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from nasdiag.cost import CostMoments, analyse, scatter_cells
+from nasdiag.hessian.modes import ARCH_MODES
 from nasdiag.hooks import Hooks
 from nasdiag.probe.capture import Router, StepCapture
 from nasdiag.edges import EdgesArg, EdgeSpec
@@ -20,7 +21,7 @@ from nasdiag.probe.discovery import CellInfo, ProbeError, discover
 from nasdiag.probe.layout import Group, build_groups
 
 STATISTICS_MODES = ("all", "sampled")
-HESSIAN_MODES = ("diag", "approx", "exact")
+HESSIAN_MODES = ARCH_MODES  # the curvature modes, spelled once in nasdiag.hessian.modes
 
 
 class _StepResult:
@@ -83,7 +84,7 @@ class Probe:
         if loss_fn is not None and not callable(loss_fn):
             raise ProbeError("loss_fn must be callable as loss_fn(outputs, targets) -> scalar")
         if loss_fn is not None and hessian is None:
-            raise ProbeError("loss_fn is only used by probe.hessian(); pass hessian='diag' | 'approx' | 'exact' too")
+            raise ProbeError("loss_fn is only used by probe.hessian(); pass hessian=<mode> too (one of {HESSIAN_MODES})")
         self.model = model
         infos, cells = discover(model, edges)
         self._edges: Tuple[EdgeSpec, ...] = tuple(infos)
@@ -416,7 +417,7 @@ class Probe:
         return out
 
     # -- curvature of the mixing weights (bayesnas-appendix C.3.1–C.3.2) ---------------------------
-    def hessian(self, wrt: str = "Z", *, inputs=None, targets=None) -> Dict[str, torch.Tensor]:
+    def hessian(self, wrt: str = "Z", *, inputs=None, targets=None, mode: Optional[str] = None) -> Dict[str, torch.Tensor]:
         """Diagonal of ∂²L/∂Z² of every edge's mixing weights at the last recorded batch (bayesnas-appendix
         C.3.1–C.3.2 for ``"diag"``/``"approx"``, Hessian-vector products for ``"exact"``), by
         ``nasdiag.hessian.arch_diag_hessian`` in the mode given to ``attach(..., hessian=mode)``.
@@ -433,12 +434,20 @@ class Probe:
             wrt: ``"Z"``, or ``"alpha"`` for the chain rule through Z = softmax(α) per edge (needs
                 probability-vector weights; cross-cell terms of a shared α are not included).
             inputs, targets: override the captured batch (``inputs`` a tensor or a tuple of positional args).
+            mode: one of ``nasdiag.hessian.ARCH_MODES`` for this call (default: ``attach(..., hessian=mode)``);
+                ``"ggn_mc"`` is the cheap mode that tracks ``"exact"`` (docs/hessian.md).
 
         Returns:
             ``{edge name: (K,)}``, dtype of the loss, batch convention of ``loss_fn`` (mean: of the batch mean).
         """
-        if self.hessian_mode is None:
-            raise ProbeError("hessian() needs attach(model, ..., hessian='diag' | 'approx' | 'exact')")
+        mode = self.hessian_mode if mode is None else mode
+        if mode is None:
+            raise ProbeError(
+                "hessian() needs attach(model, ..., hessian='diag' | 'approx' | 'ggn_mc' | ...) or hessian(mode=...); "
+                f"modes: {', '.join(HESSIAN_MODES)}"
+            )
+        if mode not in HESSIAN_MODES:
+            raise ProbeError(f"hessian mode must be one of {HESSIAN_MODES}, got {mode!r}")
         if self._recording:
             raise ProbeError("call probe.hessian() after the probe.record() block, not inside it")
         r = self._require_step() if inputs is None or targets is None else self._last
@@ -461,7 +470,7 @@ class Probe:
                     "model's output)"
                 )
         loss_fn = self.loss_fn or torch.nn.functional.cross_entropy
-        return _arch_hessian(model, loss_fn, inputs, targets, self._edges, self.hessian_mode, wrt)
+        return _arch_hessian(model, loss_fn, inputs, targets, self._edges, mode, wrt)
 
     def aggregate(self, per_edge: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """Lay any ``{edge: (K,)}`` result out per group and sum over the cells of the group, ``{group: (E, K)}``
@@ -577,15 +586,8 @@ class _BoundKeywords(nn.Module):
 
 
 def _arch_hessian(model, loss_fn, inputs, targets, edges, mode, wrt):
-    # Imported here: nasdiag.hessian is a sibling primitive that the probe only wires to.
-    try:
-        from nasdiag.hessian import arch_diag_hessian
-    except ImportError:
-        if mode != "exact":
-            raise
-        from nasdiag.hessian.arch_exact import exact_arch_diag_hessian
+    from nasdiag.hessian import arch_diag_hessian
 
-        return exact_arch_diag_hessian(model, loss_fn, inputs, targets, edges, wrt=wrt)
     return arch_diag_hessian(model, loss_fn, inputs, targets, edges, mode=mode, wrt=wrt)
 
 
@@ -599,7 +601,7 @@ def attach(model: nn.Module, edges: Optional[EdgesArg] = None, **options) -> Pro
         statistics: ``"all"`` (default) or ``"sampled"`` (see :meth:`Probe.statistics`).
         path_split: also split each edge's cost by path (:meth:`Probe.path_costs`).
         norm_deviation: measure eps/(var + eps) of the normalizations that make ops invariant.
-        hessian: None or ``"diag"``/``"approx"``/``"exact"``; enables :meth:`Probe.hessian`.
+        hessian: None or one of ``nasdiag.hessian.ARCH_MODES`` (``"approx"``, ``"ggn_mc"``, ``"exact"``, ...); enables :meth:`Probe.hessian`.
         loss_fn: ``loss_fn(outputs, targets) -> scalar`` for :meth:`Probe.hessian` (default: mean cross-entropy).
 
     Raises:

@@ -331,32 +331,62 @@ class SearchMethod:
             stats.update(self.curvature(*self._last_arch_batch))
         return stats
 
-    def curvature(self, x: torch.Tensor, y: torch.Tensor) -> Dict[str, torch.Tensor]:
-        """``hessian/<cell>/diag`` (E, K): diagonal of ∂²L/∂Z² per cell type (C.3.1–C.3.2 in ``hessian_mode``)."""
+    def curvature(self, x: torch.Tensor, y: torch.Tensor, *, top_eigenvalue: bool = False) -> Dict[str, torch.Tensor]:
+        """Curvature statistics on one batch (mean cross-entropy), per cell type:
+
+        * with ``hessian_mode``: ``hessian/<cell>/diag`` (E, K), the diagonal of ∂²L/∂Z² at
+          :meth:`eval_weights` summed over the cells of the type (a mode of
+          ``nasdiag.hessian.ARCH_MODES``: C.3.1-C.3.2, GGN, exact);
+        * with ``top_eigenvalue`` (RobustDARTS's early-stop signal; the run asks for it every k steps):
+          ``hessian/<cell>/top_eigenvalue``, the largest algebraic eigenvalue of ∂²L/∂α² for the α of
+          the type shared by its cells, through Z = softmax(α), cross-cell terms and train-mode BatchNorm
+          included (Lanczos on exact Hessian-vector products);
+        * ``hessian/<cell>/nonfinite``: True where either result held a NaN or inf (kept, not averaged away).
+        """
         from nasdiag import vocabulary as V
-        from nasdiag.hessian import arch_diag_hessian
+        from nasdiag.hessian import arch_diag_hessian, hessian_eigenvalues
 
-        weights = self.eval_weights()
         net = self.network
+        stats: Dict[str, torch.Tensor] = {}
+        bad: Dict[str, torch.Tensor] = {}
+        if self.hessian_mode is not None:
+            weights = self.eval_weights()
 
-        class _Fixed(nn.Module):  # the supernet at fixed mixing weights, as the curvature engine expects
-            def __init__(self):
-                super().__init__()
-                self.net = net
+            class _Fixed(nn.Module):  # the supernet at fixed mixing weights, as the curvature engine expects
+                def __init__(self):
+                    super().__init__()
+                    self.net = net
 
-            def forward(self, inp):
-                return self.net(inp, weights)
+                def forward(self, inp):
+                    return self.net(inp, weights)
 
-        edges = {f"net.{e.name}": e for e in net.edge_specs()}
-        per_edge = arch_diag_hessian(_Fixed(), nn.functional.cross_entropy, x, y, edges, mode=self.hessian_mode)
-        out: Dict[str, torch.Tensor] = {}
-        for key, e in zip(edges, edges.values()):
-            h = out.setdefault(e.cell_type, torch.zeros_like(weights[e.cell_type]))
-            h[e.edge_index] += per_edge[key].detach()
-        stats = {}
-        for cell_type, h in out.items():
-            stats[V.HESSIAN_DIAG.path(cell=cell_type)] = h
-            stats[V.HESSIAN_NONFINITE.path(cell=cell_type)] = ~torch.isfinite(h).all()
+            edges = {f"net.{e.name}": e for e in net.edge_specs()}
+            per_edge = arch_diag_hessian(_Fixed(), nn.functional.cross_entropy, x, y, edges, mode=self.hessian_mode)
+            out: Dict[str, torch.Tensor] = {}
+            for key, e in zip(edges, edges.values()):
+                h = out.setdefault(e.cell_type, torch.zeros_like(weights[e.cell_type]))
+                h[e.edge_index] += per_edge[key].detach()
+            for cell_type, h in out.items():
+                stats[V.HESSIAN_DIAG.path(cell=cell_type)] = h
+                bad[cell_type] = ~torch.isfinite(h).all()
+        if top_eigenvalue:
+            alphas = net.alphas()
+
+            class _Softmax(nn.Module):  # Z = softmax(α) per cell type, shared by the cells of the type
+                def __init__(self):
+                    super().__init__()
+                    self.net = net
+
+                def forward(self, inp):
+                    return self.net(inp, {t: torch.softmax(a, dim=-1) for t, a in alphas.items()})
+
+            for cell_type, alpha in alphas.items():
+                top = hessian_eigenvalues(_Softmax(), nn.functional.cross_entropy, x, y, params=[(cell_type, alpha)], k=1)
+                value = torch.tensor(top.largest_algebraic, dtype=alpha.dtype, device=alpha.device)
+                stats[V.HESSIAN_TOP_EIGENVALUE.path(cell=cell_type)] = value
+                bad[cell_type] = bad.get(cell_type, torch.tensor(False, device=alpha.device)) | ~torch.isfinite(value)
+        for cell_type, flag in bad.items():
+            stats[V.HESSIAN_NONFINITE.path(cell=cell_type)] = flag
         return stats
 
     # -- evaluation ------------------------------------------------------------------------------------
