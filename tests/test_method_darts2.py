@@ -20,11 +20,14 @@ SMOOTH_PRIMITIVES = ("none", "skip_connect", "avg_pool_3x3", "sep_conv_3x3")
 
 
 def smooth(net: nn.Module) -> nn.Module:
-    """Replace every ReLU by tanh, so that finite differences of ∇_α L_train converge (no kinks)."""
+    """Replace every ReLU by tanh and max by average pooling, so that finite differences of ∇_α L_train
+    converge (no kinks)."""
     for module in list(net.modules()):
         for name, child in module.named_children():
             if isinstance(child, nn.ReLU):
                 setattr(module, name, nn.Tanh())
+            elif isinstance(child, nn.MaxPool2d):
+                setattr(module, name, nn.AvgPool2d(child.kernel_size, child.stride, child.padding, count_include_pad=False))
     return net
 
 
@@ -90,6 +93,19 @@ def test_hypergradient_matches_autograd_through_the_unrolled_step_and_converges_
     assert errors[0] < 1e-3
     # central differences: the error falls ~100× per decade of ε, down to round-off
     assert errors[1] < errors[0] / 30 and errors[2] < max(errors[1] / 30, 1e-10), errors
+
+
+def test_hypergradient_on_an_adapted_darts_code_supernet_matches_autograd():
+    from test_foreign_supernet import batch, foreign_supernet
+
+    net = smooth(foreign_supernet(seed=2)[0])
+    method = method_for(net, w_lr=0.5, w_lr_min=0.5)
+    method.step(batch(3), batch(4))
+    train, val = batch(5), batch(6)
+    exact = exact_hypergradient(method, train, val)
+    method.hp.fd_eps_scale = 1e-3
+    assert rel_err(method.arch_gradient(train, val), exact) < 1e-5
+    assert rel_err(method._unrolled(train, val).val_grad, exact) > 1e-2
 
 
 def test_arch_gradient_changes_no_state_and_step_applies_it_through_adam():
