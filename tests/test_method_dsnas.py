@@ -123,3 +123,26 @@ def test_sampling_figures_draw_from_a_record_of_the_steps(tmp_path):
     written = write_figures(str(path), tmp_path / "figs", figures=["sampling", "sample_counts"])
     names = sorted(Path(p).name for p in written)
     assert names == ["sample_count_normal_heatmap.png", "sample_count_reduce_heatmap.png", "sampling_temperature_entropy.png"]
+
+
+@pytest.mark.slow  # two short searches on digits
+def test_search_run_records_samples_and_resumes(tmp_path):
+    from nasdiag.record import load
+    from nasdiag.search import SearchConfig, run
+
+    small = dict(method="dsnas", C=4, layers=3, steps=2, batch_size=240, diagnostics=("cost",), progress=False,
+                 record=str(tmp_path / "dsnas.h5"))
+    run(SearchConfig(epochs=1, **small))
+    run(SearchConfig(epochs=2, resume=True, **small))
+    rec = load(str(tmp_path / "dsnas.h5"))
+    S = 719 // 240
+    assert rec["step"].tolist() == list(range(1, 2 * S + 1))
+    counts = rec[V.SAMPLE_COUNT.path(cell="normal")]
+    # cumulative across the resume: one sample per edge and step
+    np.testing.assert_array_equal(counts.sum(axis=(1, 2)), 5 * np.arange(1, 2 * S + 1))
+    assert (np.diff(counts, axis=0) >= 0).all()
+    epoch_rows = np.flatnonzero(rec[f"valid/{V.COST_COUNT.path(cell='normal')}"])
+    # the cost is observed only for sampled ops, once per normal cell (one of three cells) per step
+    np.testing.assert_array_equal(rec[V.COST_COUNT.path(cell="normal")][epoch_rows[-1]],
+                                  counts[epoch_rows[-1]] - counts[epoch_rows[0]])
+    assert np.isfinite(rec["scalars/search_val_acc"][epoch_rows]).all()
