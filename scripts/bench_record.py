@@ -1,4 +1,4 @@
-"""Overhead of recording (issue 6 §5): cost per step against a search step, and throughput.
+"""Overhead of recording: cost per step against a search step, and throughput.
 
     python scripts/bench_record.py            # full run, prints a table and a JSON line
     python scripts/bench_record.py --quick    # fewer rows, for a smoke check
@@ -67,12 +67,12 @@ def time_search_step(repeats: int) -> tuple[float, str]:
     """Median seconds of one first-order DARTS step of a small supernet (CPU)."""
     import torch
 
-    from nasdiag.search.darts import DARTS
+    from nasdiag.search import Schedule, get_method
     from nasdiag.supernet import Network
 
     torch.manual_seed(0)
     net = Network(C=8, num_classes=10, layers=3)
-    method = DARTS(net, epochs=1)
+    method = get_method("darts")(net, schedule=Schedule(epochs=1, steps_per_epoch=repeats + 1))
     batch = 32
     x, y = torch.randn(batch, 3, 16, 16), torch.randint(0, 10, (batch,))
     method.step((x, y), (x, y))  # warm-up

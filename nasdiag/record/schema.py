@@ -178,12 +178,15 @@ def _byte_weights(name: str, nbytes: int) -> np.ndarray:
 
 
 class RowDigest:
-    """Accumulates the digest of a block of rows, part by part (see the comment above)."""
+    """Accumulates the digest of a block of rows, part by part (see the comment above).
 
-    def __init__(self, rows: int):
+    ``weights``: a dict the caller keeps across blocks to reuse the byte weights of each part.
+    """
+
+    def __init__(self, rows: int, weights: dict | None = None):
         self.rows = rows
         self._sum = np.zeros(rows, _U64)
-        self._weights: dict = {}
+        self._weights: dict = {} if weights is None else weights
 
     def add(self, name: str, block: np.ndarray) -> None:
         """Add part ``name``: ``block`` has one row per row of the digest, (rows, *row shape)."""

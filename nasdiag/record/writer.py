@@ -232,6 +232,7 @@ class Recorder:
         self._failure: str | None = None
         self._last_flush = time.monotonic()
         self._flush_listeners: list = []  # see add_flush_listener
+        self._digest_weights: dict = {}  # byte weights of the row digest per (path, row bytes)
         self._previous_segments: list[list[int]] = []  # [index, committed rows] of earlier segments
         self.resume_differences: dict[str, tuple] = {}
         self._committed_last_step: int | None = None
@@ -736,7 +737,7 @@ class Recorder:
         stop = start + rows
         present = self._present[:rows]
         steps = self._step_buffer[:rows]
-        digest = schema.RowDigest(rows)
+        digest = schema.RowDigest(rows, self._digest_weights)
         digest.add(schema.STEP, steps)
         digest.add(schema.PRESENT, present)
         try:
