@@ -133,8 +133,8 @@ def test_alpha_chain_rule_exact_for_disjoint_candidates(mode):
 @pytest.mark.parametrize(
     "order,norm", [("relu-conv-bn", "batch"), ("conv-bn-relu", "layer"), ("conv-relu-bn", "instance")]
 )
-def test_supernet_alpha_routes_agree(order, norm):
-    """Per-edge C.3 + softmax chain rule, summed over the cells sharing α, equals the glue route of
+def test_plumbing_supernet_alpha_routes_agree(order, norm):
+    """Plumbing (nasdiag against nasdiag, no independent reference): per-edge C.3 + softmax chain rule, summed over the cells sharing α, equals the glue route of
     diag_hessian through the supernet's own softmax (the same recursion reached two ways)."""
     torch.manual_seed(3)
     net = Network.minimal(4, 5, 3, in_channels=1, order=order, norm=norm).to(DT)

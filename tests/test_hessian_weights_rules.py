@@ -11,6 +11,7 @@ so every rule must match ``torch.func.hessian`` to float64 round-off, for any h 
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from nasdiag.hessian.rules import ModuleCall, rule_for
@@ -155,7 +156,10 @@ def test_conv_approx_is_the_channel_mean_of_the_folded_diagonal(case):
     torch.testing.assert_close(rule.param_approx(call, h)["weight"], weight, rtol=1e-10, atol=1e-14)
 
 
-def test_linear_approx_uses_the_row_mean():
+def test_linear_approx_is_the_exact_hessian_under_the_row_mean_curvature():
+    """The FC feature-mean approximation (C.2.4-C.2.5 analogue) is, by its definition, the exact diagonal
+    for a loss whose output curvature is the row mean E(h) at every row: check it against autograd's
+    Hessian of ½ Σ_rows E(h)_c y_{r,c}², for the weight, the bias and (one input row at a time) the input."""
     torch.manual_seed(4)
     module, x = nn.Linear(5, 3).to(DT), torch.randn(2, 4, 5, dtype=DT)
     y = module(x)
@@ -163,7 +167,14 @@ def test_linear_approx_uses_the_row_mean():
     call = ModuleCall("m", module, x, y)
     rule = rule_for(module)
     h_mean = h.reshape(-1, 3).mean(0)
-    torch.testing.assert_close(rule.input_approx(call, h), (h_mean @ module.weight.detach().square()).expand_as(x))
+    W, b = module.weight.detach(), module.bias.detach()
+
+    def quadratic(w, bias, inp):
+        return 0.5 * (h_mean * F.linear(inp, w, bias).square()).sum()
+
+    hw, hb, hx = (torch.autograd.functional.hessian(quadratic, (W, b, x))[i][i] for i in range(3))
     got = rule.param_approx(call, h)
-    torch.testing.assert_close(got["weight"], torch.outer(h_mean, x.reshape(-1, 5).square().sum(0)))
-    torch.testing.assert_close(got["bias"], 8 * h_mean)
+    torch.testing.assert_close(got["weight"], torch.diagonal(hw.reshape(15, 15)).reshape(3, 5))
+    torch.testing.assert_close(got["bias"], torch.diagonal(hb))
+    # the input Hessian is block diagonal over rows; its diagonal is what the recursion passes on
+    torch.testing.assert_close(rule.input_approx(call, h), torch.diagonal(hx.reshape(40, 40)).reshape(x.shape))
