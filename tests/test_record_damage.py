@@ -216,3 +216,21 @@ def test_live_record_is_not_damaged(tmp_path):
             with warnings.catch_warnings():
                 warnings.simplefilter("error")
                 _assert_rows(load(path), range(4 * ((step + 1) // 4)))
+
+
+def test_nasdiag_plot_refuses_a_truncated_record_in_one_line(closed_record, tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "half.h5"
+    shutil.copy(closed_record, path)
+    os.truncate(path, os.path.getsize(path) // 2)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-m", "nasdiag", "plot", str(path), "--out", str(tmp_path / "figs")],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "damaged" in lines[0] and str(path) in lines[0] and "Traceback" not in done.stderr, done.stderr
+    figs = tmp_path / "figs"
+    assert not figs.exists() or not any(figs.iterdir())  # no figure drawn from damaged data

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import socket
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -296,9 +297,12 @@ def _writer_alive(path: str) -> bool:
     """Whether a live writer holds the record's lock (its rows may be read mid-write)."""
     try:
         with open(schema.lock_path(path)) as fh:
-            pid = int(json.loads(fh.read() or "{}").get("pid", 0))
+            holder = json.loads(fh.read() or "{}")
+        pid = int(holder.get("pid", 0))
     except (OSError, ValueError, TypeError, AttributeError):
         return False
+    if holder.get("host", socket.gethostname()) != socket.gethostname():
+        return True  # a writer on another host (a shared file system): its pid cannot be checked here
     if pid <= 0 or pid == os.getpid():
         return False  # a writer in this process is not writing while this thread reads
     try:
