@@ -91,6 +91,8 @@ def test_hessian_misuse_is_explained():
         nasdiag.attach(net).hessian()
     with pytest.raises(ProbeError, match="hessian must be"):
         nasdiag.attach(net, hessian="full")
+    with pytest.raises(ProbeError, match="one of .*'approx'"):  # the valid modes are listed
+        nasdiag.attach(net, loss_fn=F.cross_entropy)
     probe = nasdiag.attach(net, hessian="exact")
     with pytest.raises(ProbeError, match="no completed recorded step"):
         probe.hessian()

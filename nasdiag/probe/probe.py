@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from nasdiag.cost import CostMoments, analyse, scatter_cells
+from nasdiag.hessian import arch_diag_hessian
 from nasdiag.hessian.modes import ARCH_MODES
 from nasdiag.hooks import Hooks
 from nasdiag.probe.capture import Router, StepCapture
@@ -84,7 +85,7 @@ class Probe:
         if loss_fn is not None and not callable(loss_fn):
             raise ProbeError("loss_fn must be callable as loss_fn(outputs, targets) -> scalar")
         if loss_fn is not None and hessian is None:
-            raise ProbeError("loss_fn is only used by probe.hessian(); pass hessian=<mode> too (one of {HESSIAN_MODES})")
+            raise ProbeError(f"loss_fn is only used by probe.hessian(); pass hessian=<mode> too (one of {HESSIAN_MODES})")
         self.model = model
         infos, cells = discover(model, edges)
         self._edges: Tuple[EdgeSpec, ...] = tuple(infos)
@@ -470,7 +471,7 @@ class Probe:
                     "model's output)"
                 )
         loss_fn = self.loss_fn or torch.nn.functional.cross_entropy
-        return _arch_hessian(model, loss_fn, inputs, targets, self._edges, mode, wrt)
+        return arch_diag_hessian(model, loss_fn, inputs, targets, self._edges, mode=mode, wrt=wrt)
 
     def aggregate(self, per_edge: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """Lay any ``{edge: (K,)}`` result out per group and sum over the cells of the group, ``{group: (E, K)}``
@@ -583,12 +584,6 @@ class _BoundKeywords(nn.Module):
 
     def forward(self, *args):
         return self.model(*args, **self._kwargs)
-
-
-def _arch_hessian(model, loss_fn, inputs, targets, edges, mode, wrt):
-    from nasdiag.hessian import arch_diag_hessian
-
-    return arch_diag_hessian(model, loss_fn, inputs, targets, edges, mode=mode, wrt=wrt)
 
 
 def attach(model: nn.Module, edges: Optional[EdgesArg] = None, **options) -> Probe:
