@@ -150,9 +150,9 @@ def speed_supernet(args, device, dtype, timer: Timer):
     base = timer(fwd_bwd)
     print(_fmt_row("plain forward + backward", base, None))
     b = base[0] if not isinstance(base[0], str) else None
-    for mode in ("approx", "diag"):
+    for mode in ("approx", "diag", "ggn_mc"):
         r = timer(lambda: arch_diag_hessian(net, F.cross_entropy, x, y, edges, mode=mode, wrt="alpha"))
-        print(_fmt_row(f"α diagonal, mode={mode}", r, b) + ("   (target ≤ 3×)" if mode == "approx" else ""))
+        print(_fmt_row(f"α diagonal, mode={mode}", r, b) + ("   (target ≤ 3×)" if mode in ("approx", "ggn_mc") else ""))
     print(_exact_arch_row(args, net, x, y, edges, timer, b))
     for mode in ("approx", "diag"):
         r = timer(lambda: diag_hessian(net, F.cross_entropy, x, y, mode=mode, params=weights))
@@ -215,10 +215,10 @@ def _exact_arch_row(args, net, x, y, edges, timer: Timer, base) -> str:
     if args.exact_arch == "skip":
         return f"  {name:<44} skipped (--exact-arch skip)"
     if args.exact_arch == "run":
-        return _fmt_row(name, timer(lambda: exact_arch_diag_hessian(net, F.cross_entropy, x, y, edges, wrt="alpha"), 1), base)
+        return _fmt_row(name, timer(lambda: exact_arch_diag_hessian(net, F.cross_entropy, x, y, edges, wrt="alpha", shared_alpha="per_edge"), 1), base)
     # estimate: the HVP count is the number of mixing weights; time a subset of edges and scale
     subset = dict(list(edges.items())[: args.exact_estimate_edges])
-    seconds, peak = timer(lambda: exact_arch_diag_hessian(net, F.cross_entropy, x, y, subset, wrt="alpha"), 1)
+    seconds, peak = timer(lambda: exact_arch_diag_hessian(net, F.cross_entropy, x, y, subset, wrt="alpha", shared_alpha="per_edge"), 1)
     if isinstance(seconds, str):
         return f"  {name:<44} {seconds}"
     est = seconds * len(edges) / len(subset)
