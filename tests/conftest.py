@@ -40,3 +40,21 @@ def assert_no_module_hooks(model) -> None:
         for attr in ("_forward_hooks", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs",
                      "_backward_hooks", "_backward_pre_hooks"):
             assert not getattr(m, attr, None), f"{attr} left on {name or 'model'}"
+
+
+def launch_ranks(script, args, nprocs: int = 2, timeout: float = 180):
+    """Run ``python script *args(rank)`` as ``nprocs`` processes at once (DDP ranks of a gloo test), with this
+    repository and this folder importable; fail with the first failing rank's stderr. Returns the stdouts."""
+    import os
+    import subprocess
+    import sys
+
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    path = [os.path.dirname(tests_dir), tests_dir, os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+    procs = [subprocess.Popen([sys.executable, str(script), *map(str, args(rank))], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in range(nprocs)]
+    outputs = [p.communicate(timeout=timeout) for p in procs]
+    for rank, (p, (_, err)) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, f"rank {rank} failed:\n{err[-3000:]}"
+    return [out for out, _ in outputs]

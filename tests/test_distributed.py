@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -15,6 +13,8 @@ import pytest
 
 from nasdiag.distributed import ReductionError, plan_rules, reduce_statistics
 from nasdiag.record import load
+
+from conftest import launch_ranks
 
 E, K = 3, 4
 SAMPLES = {0: 3, 1: 5}  # per rank, unequal on purpose: pooling must weight by count
@@ -104,17 +104,7 @@ def ddp_run(tmp_path_factory):
     script = out / "worker.py"
     script.write_text(WORKER)
     tests_dir = os.path.dirname(os.path.abspath(__file__))
-    root = os.path.dirname(tests_dir)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    init = f"file://{out}/pg"
-    procs = [
-        subprocess.Popen([sys.executable, str(script), str(r), init, str(out), tests_dir], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for r in (0, 1)
-    ]
-    outputs = [p.communicate(timeout=180) for p in procs]
-    for p, (_, err) in zip(procs, outputs):
-        assert p.returncode == 0, err[-3000:]
+    launch_ranks(script, lambda rank: [rank, f"file://{out}/pg", out, tests_dir])
     return out
 
 
