@@ -1,7 +1,7 @@
 """``nasdiag`` command line: maps arguments onto `nasdiag.search.SearchConfig` and calls `nasdiag.search.run`.
 
 ``search`` runs a search (record, checkpoint, figures), ``methods`` lists the registered methods and
-their hyperparameters, ``plot`` redraws figures. Nothing heavy (torch, h5py, matplotlib) is imported
+their hyperparameters; ``plot`` and ``report`` are `nasdiag.plot.commands`. Nothing heavy (torch, h5py, matplotlib) is imported
 before the arguments are parsed, so ``nasdiag --help`` is instant. Every `NasdiagError` is printed as
 one line on stderr with exit code 2.
 """
@@ -70,16 +70,14 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--engine", default=d.engine, choices=ENGINES, help="supernet execution engine")
     s.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: usable CPUs, at most 4, shared among torchrun processes)")
-    s.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
-                   help="also checkpoint every N steps (default: at epoch ends only)")
     s.add_argument("--no-progress", action="store_true")
 
     sub.add_parser("methods", help="list the search methods with their hyperparameters and defaults")
 
-    p = sub.add_parser("plot", help="draw figures from a record")
-    p.add_argument("record")
-    p.add_argument("--out", required=True, help="figure folder")
-    p.add_argument("--format", default="png", choices=("png", "pdf", "svg"))
+    from nasdiag.plot import commands as plot_commands  # argparse only: the parser stays instant
+
+    plot_commands.add_plot_arguments(sub)
+    plot_commands.add_report_arguments(sub)
     return parser
 
 
@@ -99,7 +97,7 @@ def search_config(args: argparse.Namespace) -> SearchConfig:
         batch_size=args.batch_size, seed=args.seed, device=args.device, dtype=args.dtype,
         diagnostics=args.diagnostics, hessian_mode=args.hessian_mode, spectrum_every=args.spectrum_every,
         record=args.out, resume=args.resume, force=args.force, figures=figures, engine=args.engine,
-        threads=args.threads, progress=not args.no_progress, checkpoint_every=args.checkpoint_every,
+        threads=args.threads, progress=not args.no_progress,
     )
 
 
@@ -118,7 +116,7 @@ def run_search(args) -> int:
 
 
 def list_methods(args) -> int:
-    from nasdiag.search import methods
+    from nasdiag.search.registry import methods  # the name `nasdiag.search.methods` is the built-ins' package
 
     for name, cls in methods().items():
         doc = (cls.__doc__ or "").strip().splitlines()
@@ -132,21 +130,18 @@ def list_methods(args) -> int:
 
 
 def run_plot(args) -> int:
-    record, out = Path(args.record), Path(args.out)
-    if not record.is_file():
-        raise ConfigError(f"no record at {record}" if not record.exists() else f"{record} is a folder, not a record file")
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"figure folder {out} is a file; pass a folder")
-    from nasdiag.plot import write_figures
-    from nasdiag.search.run import _probe_writable
+    from nasdiag.plot.commands import run_plot as plot
 
-    _probe_writable(str(out), "figures")
-    for path in write_figures(record, out, fmt=args.format):
-        print(path)
-    return 0
+    return plot(args)
 
 
-COMMANDS = {"search": run_search, "methods": list_methods, "plot": run_plot}
+def run_report(args) -> int:
+    from nasdiag.plot.commands import run_report as report
+
+    return report(args)
+
+
+COMMANDS = {"search": run_search, "methods": list_methods, "plot": run_plot, "report": run_report}
 
 
 def _one_line(exc: BaseException) -> str:
@@ -167,7 +162,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         args = _parser().parse_args(argv)
         if args.command is None:
-            raise ConfigError("nasdiag: choose a command: search, methods or plot (see nasdiag --help)")
+            raise ConfigError("nasdiag: choose a command: search, methods, plot or report (see nasdiag --help)")
         return COMMANDS[args.command](args)
     except NasdiagError as exc:
         print(_one_line(exc), file=sys.stderr)

@@ -101,13 +101,23 @@ def _cifar_folder(root: Path) -> Path:
 def _read_cifar_batch(path: Path) -> Tuple[np.ndarray, np.ndarray]:
     if not path.is_file():
         raise DataError(f"CIFAR-10 file missing: {path} (expected the standard python batches {', '.join(CIFAR_FILES)})")
-    with open(path, "rb") as fh:
-        batch = pickle.load(fh, encoding="bytes")
-    data = batch.get(b"data", batch.get("data"))
-    labels = batch.get(b"labels", batch.get("labels"))
+    try:
+        with open(path, "rb") as fh:
+            batch = pickle.load(fh, encoding="bytes")
+    except Exception as exc:  # random bytes raise any of UnpicklingError, EOFError, ValueError, KeyError, ...
+        raise DataError(f"{path} is not a CIFAR-10 python batch (unreadable pickle: {type(exc).__name__})") from None
+    data = batch.get(b"data", batch.get("data")) if isinstance(batch, dict) else None
+    labels = batch.get(b"labels", batch.get("labels")) if isinstance(batch, dict) else None
     if data is None or labels is None:
         raise DataError(f"{path} is not a CIFAR-10 python batch (no 'data'/'labels' entries)")
-    return np.asarray(data, dtype=np.uint8).reshape(-1, 3, 32, 32), np.asarray(labels, dtype=np.int64)
+    try:
+        images = np.asarray(data, dtype=np.uint8).reshape(-1, 3, 32, 32)
+        labels = np.asarray(labels, dtype=np.int64).reshape(-1)
+    except (TypeError, ValueError) as exc:
+        raise DataError(f"{path} is not a CIFAR-10 python batch: 'data' must be N x 3072 bytes ({exc})") from None
+    if len(images) != len(labels) or (labels.size and not (0 <= labels.min() and labels.max() < 10)):
+        raise DataError(f"{path} is not a CIFAR-10 python batch: {len(images)} images, {len(labels)} labels in 0..9 expected")
+    return images, labels
 
 def cifar10(root, seed: int = 0, train_fraction: float = 0.5, dtype: torch.dtype = torch.float32, limit: Optional[int] = None) -> Splits:
     """CIFAR-10 from a local folder of the standard python batches (read with numpy/pickle).

@@ -86,7 +86,7 @@ def load_checkpoint(path: str) -> Dict[str, Any]:
 
 
 class Checkpointer:
-    """A search callback that checkpoints at every epoch end (and every ``every`` steps, if > 0).
+    """A search callback that checkpoints at every epoch end.
 
     Args:
         path: the checkpoint file.
@@ -95,21 +95,21 @@ class Checkpointer:
         extra: constant entries stored in every checkpoint (config, config hash, schedule length).
         commit: called before each write; it must make the record durable up to the current step
             (the recorder's flush), so that a checkpoint is never ahead of the record.
-        every: also checkpoint after every ``every``-th step that does not end an epoch (0: never).
 
     Each checkpoint holds ``step`` (the last completed step, 0 before the first), ``epoch`` (epochs
     completed) and ``position`` (steps completed within the current epoch), the method's state (with
-    ``method.generator``) and the global RNG states.
+    ``method.generator``) and the global RNG states. Checkpoints fall on epoch boundaries only: the
+    method's streaming epoch statistics (cost moments) are not part of its state, so a checkpoint
+    inside an epoch could not reproduce the epoch's statistics; resume replays the partial epoch.
     """
 
     def __init__(self, path: str, method, steps_per_epoch: int, *, extra: Optional[Mapping[str, Any]] = None,
-                 commit: Callable[[], None] = lambda: None, every: int = 0):
+                 commit: Callable[[], None] = lambda: None):
         self.path = os.fspath(path)
         self.method = method
         self.steps_per_epoch = int(steps_per_epoch)
         self.extra = dict(extra or {})
         self.commit = commit
-        self.every = int(every)
 
     def save(self, step: int) -> None:
         if step:  # step 0 (before the first step) has no row to commit
@@ -125,8 +125,7 @@ class Checkpointer:
         })
 
     def on_step_end(self, step: int, stats) -> None:
-        if self.every and step % self.every == 0 and step % self.steps_per_epoch:
-            self.save(step)
+        pass
 
     def on_epoch_end(self, epoch: int, stats) -> None:
         self.save((epoch + 1) * self.steps_per_epoch)

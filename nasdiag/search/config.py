@@ -70,7 +70,6 @@ class SearchConfig:
         engine: ``auto``, ``fast`` or ``eager`` supernet execution (``Network.set_engine``).
         threads: torch intra-op threads (None: `default_threads`).
         progress: a progress bar on rank 0.
-        checkpoint_every: also checkpoint every this many steps (0: only at epoch ends).
     """
 
     method: str = "darts"
@@ -98,7 +97,6 @@ class SearchConfig:
     engine: str = "auto"
     threads: Optional[int] = None
     progress: bool = True
-    checkpoint_every: int = 0
 
     def __post_init__(self):
         if isinstance(self.diagnostics, str):
@@ -127,8 +125,7 @@ class SearchConfig:
         _choice("hessian_mode", self.hessian_mode, HESSIAN_MODES)
         for d in self.diagnostics:
             _choice("diagnostics", d, DIAGNOSTICS)
-        for name, low in (("epochs", 1), ("batch_size", 1), ("seed", 0), ("C", 2), ("steps", 1), ("spectrum_every", 0),
-                          ("checkpoint_every", 0)):
+        for name, low in (("epochs", 1), ("batch_size", 1), ("seed", 0), ("C", 2), ("steps", 1), ("spectrum_every", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -152,8 +149,6 @@ class SearchConfig:
             raise ConfigError("resume and force contradict each other; pass only one")
         if (self.resume or self.force) and self.record is None:
             raise ConfigError("resume and force need a record path (--out)")
-        if self.checkpoint_every and self.record is None:
-            raise ConfigError("checkpoint_every needs a record path (--out): checkpoints live next to the record")
         if not isinstance(self.hp, Mapping):
             raise ConfigError(f"hp must be a mapping of hyperparameter overrides, got {type(self.hp).__name__}")
         return self

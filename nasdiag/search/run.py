@@ -15,6 +15,7 @@ S_rec+1 on. Steps are numbered from 1; epoch e covers steps e·S+1 .. (e+1)·S.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import os
 import tempfile
@@ -31,6 +32,8 @@ from nasdiag.search.config import SearchConfig, default_threads, differing_field
 from nasdiag.search.registry import get_method
 
 EVAL_BATCH_SIZE = 256
+#: fields of one invocation, not of the run (not stored in the record's meta)
+SESSION_FIELDS = ("resume", "force", "progress", "threads")
 
 
 @dataclass
@@ -168,7 +171,7 @@ def search_loop(method: SearchMethod, splits, *, epochs: int, batch_size: int, s
                 val = (xv.to(device, dtype, non_blocking=True), yv.to(device, non_blocking=True))
                 stats = method.step(train, val)
                 if spectrum_every and step % spectrum_every == 0:
-                    stats = {**stats, **method.spectrum(*(train if method.single_level else val))}
+                    stats = {**stats, **_top_eigenvalues(method, train if method.single_level else val)}
                 for cb in callbacks:
                     cb.on_step_end(step, stats)
             evaluation = method.evaluate(DataLoader(splits.val, batch_size=EVAL_BATCH_SIZE))
@@ -186,6 +189,14 @@ def search_loop(method: SearchMethod, splits, *, epochs: int, batch_size: int, s
             cb.on_exception(exc)
         raise
     return evaluation
+
+
+def _top_eigenvalues(method: SearchMethod, batch) -> Dict[str, torch.Tensor]:
+    """``hessian/<cell>/top_eigenvalue`` (and its ``nonfinite`` flag) of the α-Hessian on the architecture batch."""
+    from nasdiag import vocabulary as V
+
+    wanted = (V.HESSIAN_TOP_EIGENVALUE, V.HESSIAN_NONFINITE)
+    return {k: v for k, v in method.curvature(*batch, top_eigenvalue=True).items() if V.family_of(k) in wanted}
 
 
 # -- checks before anything is written ----------------------------------------------------------------
@@ -219,6 +230,8 @@ def check_paths(config: SearchConfig) -> None:
             raise ConfigError(f"record path {record} is a folder; pass a file path such as {os.path.join(record, 'run.h5')}")
         if os.path.exists(record) and not (config.resume or config.force):
             raise ConfigError(f"a record already exists at {record}; pass --resume to continue it or --force to replace it")
+        if config.resume and not os.path.exists(record):
+            raise ConfigError(f"nothing to resume at {record}: there is no record; drop --resume to start a run")
         _probe_writable(os.path.dirname(os.path.abspath(record)), "record")
     if config.figures is not None:
         figures = os.fspath(config.figures)
@@ -235,9 +248,9 @@ def _resolve_method(config: SearchConfig):
         for key, value in dict(getattr(cls, "digits_preset", {}) or {}).items():
             values.setdefault(key, value)
     hp = cls.Hyperparameters.from_dict(values, method=config.method)
-    if config.spectrum_every and not callable(getattr(cls, "spectrum", None)):
-        raise ConfigError(f"spectrum_every needs the method's curvature spectrum service ({cls.__name__}.spectrum), "
-                          f"which method {config.method!r} does not offer yet; pass --spectrum-every 0")
+    if config.spectrum_every and "top_eigenvalue" not in inspect.signature(cls.curvature).parameters:
+        raise ConfigError(f"spectrum_every needs {cls.__name__}.curvature(x, y, top_eigenvalue=True), which method "
+                          f"{config.method!r} does not offer; pass --spectrum-every 0")
     return cls, hp
 
 
@@ -399,7 +412,7 @@ def _run(config, callbacks, method_cls, hp, rank, world, device) -> SearchResult
         loop_callbacks.append(Committed(record_cb, S, recorded_until))
         if record_cb.recorder is not None:
             checkpointer = Checkpointer(
-                config.checkpoint, method, S, every=config.checkpoint_every, commit=record_cb.recorder.flush,
+                config.checkpoint, method, S, commit=record_cb.recorder.flush,
                 extra={"run": defining, "config_hash": digest, "config": config.to_dict(), "epochs": config.epochs})
             if state is None:
                 checkpointer.save(0)  # a run killed before its first epoch end resumes from here
@@ -443,7 +456,7 @@ def _open_record(config, net, method, hp_values, defining, digest, world):
 
     meta = {
         "method": config.method,
-        "config": config.to_dict(),
+        "config": {k: v for k, v in config.to_dict().items() if k not in SESSION_FIELDS},
         "seed": config.seed,
         "op_names": list(net.primitives),
         "edge_names": {t: net.edge_labels() for t in net.cell_types},
