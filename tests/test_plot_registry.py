@@ -99,3 +99,44 @@ def test_genotype_of_the_record(record_path):
     record = load(record_path)
     genes = cell_genes(record, "normal", len(record["step"]) - 1)
     assert genes == [("max_pool_3x3", 1, 2), ("skip_connect", 0, 2), ("sep_conv_5x5", 2, 3), ("sep_conv_3x3", 1, 3)]
+
+
+def test_mixed_path_genotype_keeps_every_surviving_op(tmp_path):
+    from nasdiag.plot.arch import cell_genes
+    from nasdiag.plot.cells import genes_from_pairs, parse_genotype
+
+    mask = np.zeros((len(EDGES), len(OPS)), bool)
+    mask[0, [0, 1, 4]] = True  # none is never drawn: it is the absence of an edge
+    mask[4, [2, 3]] = True
+    extra = {s: {V.SPARSITY_NONZERO.path(cell="normal"): mask} for s in range(1, 5)}
+    path = write_record(tmp_path / "sparse.h5", epochs=1, cells=("normal",), extra=extra)
+    record = load(path)
+    genes = cell_genes(record, "normal", len(record["step"]) - 1)
+    assert genes == [("skip_connect", 0, 2), ("sep_conv_3x3", 0, 2), ("max_pool_3x3", 2, 3), ("avg_pool_3x3", 2, 3)]
+    # a recorded genotype, as the namedtuple's repr or as JSON, gives the same genes
+    text = ("Genotype(normal=[('sep_conv_3x3', 1), ('skip_connect', 0), ('dil_conv_3x3', 2), ('sep_conv_5x5', 0)], "
+            "normal_concat=range(2, 4), reduce=[], reduce_concat=range(2, 4))")
+    for value in (text, '{"normal": [["sep_conv_3x3", 1], ["skip_connect", 0], ["dil_conv_3x3", 2], ["sep_conv_5x5", 0]]}'):
+        g = parse_genotype(value)
+        assert genes_from_pairs(g["normal"], 2) == [("sep_conv_3x3", 1, 2), ("skip_connect", 0, 2),
+                                                    ("dil_conv_3x3", 2, 3), ("sep_conv_5x5", 0, 3)]
+    assert parse_genotype(text)["normal_concat"] == [2, 3]
+
+
+def test_numbers_and_colour_maps():
+    import matplotlib.pyplot as plt
+
+    from nasdiag.plot.style import DIVERGING, SEQUENTIAL, number, render_heatmap, scale_exponent
+
+    assert [number(v, 3) for v in (-1e-9, -0.0004, -0.0006, 0.25, float("nan"))] == ["0", "0", "-0.001", "0.250", "NaN"]
+    assert scale_exponent(np.array([3e-4, -1e-5, np.nan])) == -4 and scale_exponent(np.array([0.5])) == 0
+    rows, cols = ["a", "b"], ["x", "y"]
+    for matrix, cmap in (([[0.1, 2.0], [0.0, 1.0]], SEQUENTIAL), ([[-0.1, 2.0], [0.0, 1.0]], DIVERGING)):
+        fig = render_heatmap(R.Heatmap(np.array(matrix), rows, cols, "t", "c"))
+        image = fig.axes[0].get_images()[0]
+        assert image.get_cmap().name.startswith(cmap)
+        if cmap == DIVERGING:  # centred at 0, symmetric
+            assert image.norm.vcenter == 0 and image.norm.vmin == -image.norm.vmax
+        plt.close(fig)
+    with pytest.raises(R.NothingToDraw):
+        render_heatmap(R.Heatmap(np.full((2, 2), np.nan), rows, cols, "t", "c"))
