@@ -13,6 +13,8 @@ from torch import nn
 from nasdiag.errors import ConfigError
 from nasdiag.search import Schedule, get_method
 from nasdiag.search.supernet import AdaptedSupernet, adapt, as_supernet
+
+from conftest import assert_no_module_hooks
 from test_probe_darts import PRIMITIVES, Network as DartsNetwork
 
 
@@ -69,7 +71,7 @@ def test_forward_at_softmax_equals_the_models_own_forward_and_gradient():
     for g, r in zip(torch.autograd.grad(loss, alphas), own_grads):
         torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-13)
     # no hooks left behind on any module, no swapped op lists
-    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
+    assert_no_module_hooks(model)
     assert all(len(e.module._ops) == len(PRIMITIVES) for e in net.edge_specs())
 
 

@@ -16,6 +16,8 @@ from torch import nn
 from nasdiag.hessian import arch_diag_hessian, diag_hessian
 from nasdiag.supernet import DARTS_PRIMITIVES, MixedOp, Network
 from nasdiag.supernet.ops import OpConfig
+
+from conftest import assert_no_module_hooks
 from test_hessian_weights_reference import DT, assert_rel_close, delta_arch_hessian, func_diag_hessian
 
 
@@ -175,7 +177,7 @@ def test_supernet_runs_leaves_no_trace():
             assert all(v[net.primitives.index("none")] == 0 for v in out.values())
     for k, b in net.named_buffers():
         assert torch.equal(b, buffers[k]), k
-    assert all(not m._forward_hooks and not m._forward_pre_hooks and not m._forward_pre_hooks_with_kwargs for m in net.modules())
+    assert_no_module_hooks(net)
 
 
 def test_bad_edges_raise():
@@ -194,7 +196,7 @@ def test_bad_edges_raise():
     model.spare = unused
     with pytest.raises(ValueError, match="never ran"):
         arch_diag_hessian(model, F.mse_loss, x, y, {**edges, "spare": (unused, list(unused.ops))})
-    assert all(not m._forward_hooks and not m._forward_pre_hooks and not m._forward_pre_hooks_with_kwargs for m in model.modules())
+    assert_no_module_hooks(model)
 
 
 def test_supernet_classifier_exact_in_diag_mode():

@@ -7,6 +7,8 @@ from torch import nn
 
 from nasdiag.hessian import ElementwiseRule, HessianRule, UnsupportedModuleError, diag_hessian, register_rule
 from nasdiag.hessian.rules.base import _RULES
+
+from conftest import assert_no_module_hooks
 from test_hessian_weights_reference import DT, assert_rel_close, func_diag_hessian
 
 
@@ -40,10 +42,6 @@ def _data():
     return torch.randn(5, 3, dtype=DT), torch.randint(0, 2, (5,))
 
 
-def _no_hooks(model):
-    return all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
-
-
 @pytest.mark.parametrize("mode", ["diag", "approx"])
 def test_unsupported_module_on_path_is_named(mode):
     x, y = _data()
@@ -54,7 +52,7 @@ def test_unsupported_module_on_path_is_named(mode):
     assert "'1'" in msg and "Scale" in msg  # qualified name and type
     assert "nn.Conv2d" in msg and "nn.BatchNorm2d" in msg  # the supported ones
     assert "register_rule" in msg
-    assert _no_hooks(model)
+    assert_no_module_hooks(model)
     # not on the path to the requested tensors: fine (and exact on this last layer)
     got = diag_hessian(model, F.cross_entropy, x, y, mode="diag", params=["2.weight"])
     assert_rel_close(got, func_diag_hessian(model, F.cross_entropy, x, y, names=["2.weight"]), 1e-10)
@@ -65,7 +63,7 @@ def test_unsupported_glue_op_is_named():
     model = ExpGlue().to(DT)
     with pytest.raises(UnsupportedModuleError, match="ExpBackward0.*register"):
         diag_hessian(model, F.cross_entropy, x, y, mode="diag")
-    assert _no_hooks(model)
+    assert_no_module_hooks(model)
 
 
 class Halve(nn.Module):
@@ -145,7 +143,7 @@ def test_bad_arguments():
         diag_hessian(model, lambda o, t: o.mean(0).square().sum(), x, y, mode="diag")
     with pytest.raises(ValueError, match="scalar"):
         diag_hessian(model, lambda o, t: o.sum(1), x, y, mode="approx")
-    assert _no_hooks(model)
+    assert_no_module_hooks(model)
 
 
 def test_inplace_modification_after_a_call_is_detected():
@@ -177,6 +175,6 @@ def test_no_side_effects(mode):
         out = diag_hessian(model, F.cross_entropy, x, y, mode=mode)
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())  # BN running stats too
     assert all(p.grad is None for p in model.parameters())
-    assert _no_hooks(model)
+    assert_no_module_hooks(model)
     assert all(not t.requires_grad for t in out.values())
     assert list(out) == [n for n, _ in model.named_parameters()]

@@ -9,6 +9,8 @@ from nasdiag.probe import ProbeError
 from nasdiag.probe.probe import _cross_entropy_targets
 from nasdiag.supernet import Network
 
+from conftest import assert_no_module_hooks
+
 
 def setup(seed=0):
     torch.manual_seed(seed)
@@ -46,7 +48,7 @@ def test_hessian_without_targets_equals_hessian_with_targets(mode):
     assert inferred.keys() == explicit.keys()
     for name in inferred:
         torch.testing.assert_close(inferred[name], explicit[name], rtol=0, atol=0)
-    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in net.modules())
+    assert_no_module_hooks(net)
 
 
 def test_hessian_without_targets_refuses_a_loss_it_cannot_invert():
