@@ -86,6 +86,17 @@ WORKER = textwrap.dedent(
     for step in range(1, 6):
         batched.on_step_end(step, {k: torch.from_numpy(np.asarray(v)) for k, v in _step_statistics(rank, step).items()})
     batched.close()
+    # An epoch end settles every row: rank 0 alone (a checkpoint) can then commit them all.
+    epoch_cb = RecorderCallback(f"{out}/epoch.h5", flush_every=64, flush_seconds=None)
+    for step in range(1, 4):
+        epoch_cb.on_step_end(step, {"scalars/loss": torch.tensor(float(step * (rank + 1)))})
+    epoch_cb.on_epoch_end(0)
+    if epoch_cb.is_writer:
+        epoch_cb.recorder.flush()
+        from nasdiag.record import load
+        result["after_epoch"] = load(f"{out}/epoch.h5")["scalars/loss"].tolist()
+        result["committed_after_epoch"] = epoch_cb.recorder.last_committed_step
+    epoch_cb.close()
     callback = RecorderCallback(f"{out}/run.h5", meta={"method": "ddp"}, flush_every=2, flush_seconds=None)
     for step in range(1, 4):
         callback.on_step_end(step, {"scalars/loss": float(step * (rank + 1)), "cost/normal/count": np.int64(rank + step)})
@@ -144,6 +155,9 @@ def test_disagreeing_ranks_get_clear_errors_and_rules_apply(ddp_run):
         assert "different statistics" in result["errors"][1]
         assert result["summed"] == 1 + 2
         assert result["writer"] == (rank == 0)
+        if rank == 0:  # every row of the epoch, reduced, committed by rank 0's flush alone
+            assert result["committed_after_epoch"] == 3
+            np.testing.assert_allclose(result["after_epoch"], [s * (1 + 2) / 2 for s in (1, 2, 3)])
 
 
 def test_only_rank_zero_writes_reduced_rows(ddp_run):

@@ -56,15 +56,18 @@ class RecorderCallback:
     last step, and calls with the same step (gradient accumulation) merge into one row; later values
     of a path replace earlier ones. ``on_epoch_end`` adds ``scalars/epoch`` (float32) when absent.
 
-    Batches: finished rows are kept as handed in (tensors are snapshotted with ``detach().clone()``
-    on their device, numpy arrays copied) and handed to the recorder ``flush_every`` rows at a time
-    (single process: also when the recorder's ``flush_seconds`` have passed): each path's tensors are
-    stacked and copied to the host once, and under DDP the whole batch is reduced with one call.
+    Batches: rows are kept as handed in (tensors are snapshotted with ``detach().clone()`` on their
+    device, numpy arrays copied) and handed to the recorder ``flush_every`` rows at a time (single
+    process: also when the recorder's ``flush_seconds`` have passed) and at every epoch end: each
+    path's tensors are stacked and copied to the host once, and under DDP the whole batch is reduced
+    with one call. After ``on_epoch_end`` every row so far, the open one included, is settled, so a
+    `Recorder.flush` on rank 0 alone (a checkpoint at the epoch boundary) commits all of them.
     `flush` (every rank), `close` (every rank) and, in a single process, the recorder's own flushes
     (``Recorder.flush``, SIGTERM, exit; through `Recorder.add_flush_listener`) write everything held.
     Under DDP the recorder alone cannot reduce (the other ranks are not there): rows not yet reduced
-    when it flushes on its own, or at ``on_exception``, are not written, with a `RecordWarning`
-    naming their steps (a resume replays them; nothing local is passed off as a global value).
+    when it closes on its own (SIGTERM, exit) or at ``on_exception`` are not written, with a
+    `RecordWarning` naming their steps (a resume replays them; nothing local is passed off as a
+    global value); at a plain `Recorder.flush` they wait for the next batch.
     """
 
     def __init__(
@@ -84,10 +87,10 @@ class RecorderCallback:
         self._rules = rules
         self._ddof = ddof
         self._group = group
-        self._pending_step: int | None = None
-        self._pending: dict = {}
-        self._rows: list[tuple[int, dict]] = []  # finished rows, values as handed in (snapshots)
-        self._ready: list[tuple[int, dict]] = []  # converted (and reduced) rows, being logged
+        # Rows as [step, raw, settled]: raw values as handed in (snapshots, maybe on a GPU), settled
+        # values converted to numpy (and reduced across ranks). The open row is `_open`.
+        self._open: list | None = None
+        self._rows: list[list] = []  # finished rows, in step order
         if isinstance(target, Recorder):
             if meta is not None or recorder_kwargs:
                 raise RecordError("meta and recorder options apply when target is a path, not an open Recorder")
@@ -110,7 +113,7 @@ class RecorderCallback:
     @property
     def rows_held(self) -> int:
         """Rows handed to the hooks but not yet given to the recorder (the open row included)."""
-        return len(self._rows) + len(self._ready) + (self._pending_step is not None)
+        return len(self._rows) + (self._open is not None)
 
     def on_step_end(self, step: int, statistics: Mapping) -> None:
         """Record the statistics of ``step`` (a mapping of record path -> array-like).
@@ -119,24 +122,27 @@ class RecorderCallback:
         handed to the recorder."""
         statistics = _snapshot(statistics)
         step = int(step)
-        if self._pending_step is not None and step != self._pending_step:
+        if self._open is not None and step != self._open[0]:
             self._finish_row()
-        self._pending_step = step
-        self._pending.update(statistics)
+        self._add(step, statistics)
 
     def on_epoch_end(self, epoch: int, statistics: Mapping | None = None, *, step: int | None = None) -> None:
-        """Record the epoch's statistics in the row of its last step (or of ``step`` if given)."""
+        """Record the epoch's statistics in the row of its last step (or of ``step`` if given).
+
+        An epoch end is a point every rank reaches: the rows so far, the open one included, are
+        converted (and reduced across ranks) now and the finished ones handed to the recorder, so that
+        a `Recorder.flush` on rank 0 alone (a checkpoint at the epoch boundary) commits all of them."""
         statistics = _snapshot(statistics or {})
         statistics.setdefault("scalars/epoch", np.float32(epoch))
-        if step is not None and step != self._pending_step:
-            self._finish_row()
-            self._pending_step = int(step)
-        elif self._pending_step is None:
+        if step is not None and (self._open is None or step != self._open[0]):
+            self._finish_row(hand_over=False)
+        elif self._open is None:
             raise RecordError(
                 f"on_epoch_end(epoch={epoch}) came before any on_step_end; pass step= to say which row it belongs to"
             )
-        # Still held back: a Lightning batch right after the epoch can carry the same global step.
-        self._pending.update(statistics)
+        # Still open: a Lightning batch right after the epoch can carry the same global step.
+        self._add(self._open[0] if step is None else int(step), statistics)
+        self._hand_over(collective=True, open_row=True)
 
     def on_exception(self, exception: BaseException, statistics: Mapping | None = None, *, step: int | None = None) -> None:
         """Write what is held back (and ``statistics``, if any, at ``step``) and flush to disk.
@@ -148,13 +154,13 @@ class RecorderCallback:
         """
         if statistics:
             statistics = _snapshot(statistics)
-            if step is not None and step != self._pending_step:
+            if step is not None and (self._open is None or step != self._open[0]):
                 self._finish_row(hand_over=False)
-                self._pending_step = int(step)
-            if self._pending_step is not None:
-                self._pending.update(statistics)
+                self._add(int(step), statistics)
+            elif self._open is not None:
+                self._open[1].update(statistics)
         self._finish_row(hand_over=False)
-        self._hand_over(collective=False)
+        self._hand_over(collective=False, drop_unreduced=True)
         if self.recorder is not None and not self.recorder.closed:
             self.recorder.flush()
 
@@ -195,11 +201,16 @@ class RecorderCallback:
 
         return distributed.world_size(self._group) > 1
 
+    def _add(self, step: int, statistics: dict) -> None:
+        if self._open is None:
+            self._open = [step, {}, {}]
+        self._open[1].update(statistics)
+
     def _finish_row(self, hand_over: bool = True) -> None:
         """Close the open row; hand the batch over when it is full (or, alone, when a flush is due)."""
-        if self._pending_step is not None:
-            self._rows.append((self._pending_step, self._pending))
-            self._pending_step, self._pending = None, {}
+        if self._open is not None:
+            self._rows.append(self._open)
+            self._open = None
         if not hand_over or not self._rows:
             return
         if len(self._rows) >= self.rows_per_batch:
@@ -207,25 +218,32 @@ class RecorderCallback:
         elif self.recorder is not None and self.recorder.flush_due and not self._needs_reduction():
             self._hand_over(collective=False)
 
-    def _hand_over(self, collective: bool) -> None:
-        """Convert (and, with ``collective``, reduce) the held rows, then log them in order."""
-        if self._rows:
-            rows, self._rows = self._rows, []
-            if self._needs_reduction():
-                if not collective:
-                    self._drop_unreduced(rows)
-                    rows = []
-                else:
-                    rows = _reduce_rows(rows, self._rules, self._ddof, self._group)
+    def _hand_over(self, collective: bool, open_row: bool = False, drop_unreduced: bool = False) -> None:
+        """Settle the raw values of the held rows (convert; under DDP reduce, which needs
+        ``collective``), then log the settled rows in order. ``open_row``: settle the open row too
+        (it stays open). ``drop_unreduced``: rows that needed a reduction that cannot run now are
+        dropped, with a warning."""
+        rows = [row for row in self._rows + ([self._open] if open_row and self._open else []) if row[1]]
+        if rows:
+            if not self._needs_reduction():
+                settled = _convert_rows(rows)
+            elif collective:
+                settled = _reduce_rows(rows, self._rules, self._ddof, self._group)
             else:
-                rows = _convert_rows(rows)
-            self._ready.extend(rows)
-        self._log_ready()
+                settled = None
+                if drop_unreduced:
+                    self._drop_unreduced()
+            if settled is not None:
+                for row, values in zip(rows, settled):
+                    row[2].update(values)  # handed in later: replaces an earlier settled value
+                    row[1] = {}
+        self._log_settled()
 
-    def _log_ready(self) -> None:
+    def _log_settled(self) -> None:
+        """Log the finished rows up to the first one that still holds raw values (order is kept)."""
         errors = []
-        while self._ready:
-            step, values = self._ready.pop(0)  # popped first: a SIGTERM flush meanwhile skips it
+        while self._rows and not self._rows[0][1]:
+            step, _, values = self._rows.pop(0)  # popped first: a SIGTERM flush meanwhile skips it
             if self.recorder is None or self.recorder.closed:
                 continue
             try:
@@ -235,23 +253,24 @@ class RecorderCallback:
         if errors:
             raise errors[0]
 
-    def _drop_unreduced(self, rows) -> None:
-        if self.recorder is not None and rows:
-            steps = [step for step, _ in rows]
+    def _drop_unreduced(self) -> None:
+        dropped = [row[0] for row in self._rows if row[1]]
+        self._rows = [row for row in self._rows if not row[1]]
+        if self.recorder is not None and dropped:
             warnings.warn(
-                f"{self.recorder.path}: {len(rows)} row(s) (steps {steps[0]}..{steps[-1]}) were not reduced across ranks "
-                "and are not recorded; call RecorderCallback.flush() on every rank to write them",
+                f"{self.recorder.path}: {len(dropped)} row(s) (steps {dropped[0]}..{dropped[-1]}) were not reduced "
+                "across ranks and are not recorded; call RecorderCallback.flush() on every rank to write them",
                 RecordWarning,
                 stacklevel=4,
             )
 
     def _on_recorder_flush(self, closing: bool) -> None:
         """Flush listener: the recorder flushes or closes on its own (no other rank takes part)."""
-        self._finish_row(hand_over=False)
-        if self._needs_reduction() and not closing:
-            self._log_ready()  # unreduced rows wait for the next collective hand-over
-            return
-        self._hand_over(collective=False)  # under DDP and closing, unreduced rows are dropped
+        if self._open is not None and not (self._open[1] and self._needs_reduction()):
+            self._finish_row(hand_over=False)  # as before: a flush writes the open row too
+        elif closing:
+            self._finish_row(hand_over=False)
+        self._hand_over(collective=False, drop_unreduced=closing)
 
 
 def _snapshot(statistics) -> dict:
@@ -269,9 +288,9 @@ def _snapshot(statistics) -> dict:
 
 
 def _columns(rows) -> dict[str, tuple[list[int], list]]:
-    """Per path: the indices of the rows that hold it and its values there."""
+    """Per path: the indices of the rows (``[step, raw, settled]``) whose raw values hold it, and those values."""
     columns: dict[str, tuple[list[int], list]] = {}
-    for i, (_, values) in enumerate(rows):
+    for i, (_, values, _) in enumerate(rows):
         for path, value in values.items():
             where, column = columns.setdefault(path, ([], []))
             where.append(i)
@@ -279,17 +298,17 @@ def _columns(rows) -> dict[str, tuple[list[int], list]]:
     return columns
 
 
-def _convert_rows(rows) -> list[tuple[int, dict]]:
-    """The rows with numpy values; one host copy per path and tensor kind."""
-    out = [(step, {}) for step, _ in rows]
+def _convert_rows(rows) -> list[dict]:
+    """The raw values of the rows as numpy arrays; one host copy per path and tensor kind."""
+    out: list[dict] = [{} for _ in rows]
     for path, (where, column) in _columns(rows).items():
         for i, array in zip(where, stack_to_numpy(column)):
-            out[i][1][path] = array
+            out[i][path] = array
     return out
 
 
-def _reduce_rows(rows, rules, ddof, group) -> list[tuple[int, dict]]:
-    """The rows reduced across ranks, all of them with one `reduce_statistics` call."""
+def _reduce_rows(rows, rules, ddof, group) -> list[dict]:
+    """The raw values of the rows reduced across ranks, all of them with one `reduce_statistics` call."""
     from nasdiag import distributed
 
     columns = _columns(rows)
@@ -302,8 +321,8 @@ def _reduce_rows(rows, rules, ddof, group) -> list[tuple[int, dict]]:
             shapes = sorted({a.shape for a in arrays})
             raise RecordError(f"{path!r} was logged with shapes {shapes} within one batch of rows; log one shape per path") from None
     reduced = distributed.reduce_statistics(stacked, rules=rules, ddof=ddof, group=group, rows=True)
-    out = [(step, {}) for step, _ in rows]
+    out: list[dict] = [{} for _ in rows]
     for path, (where, _) in columns.items():
         for row, i in enumerate(where):
-            out[i][1][path] = reduced[path][row]
+            out[i][path] = reduced[path][row]
     return out
