@@ -111,14 +111,16 @@ def draw_cell(ax, genes: Sequence[Gene], steps: int, concat: Optional[Sequence[i
 
     pos = _positions(steps)
     concat = list(range(2, steps + 2)) if concat is None else [int(c) for c in concat]
+    low, high = -1.45, 1.45  # grows with the arcs that bow beyond the nodes
     by_edge: Dict[Tuple[int, int], List[str]] = {}
     for op, i, j in genes:
         by_edge.setdefault((int(i), int(j)), []).append(short_name(str(op)) if short else str(op))
     for (i, j), ops in by_edge.items():
         (x1, y1), (x2, y2) = pos[i], pos[j]
-        # arrows that pass other nodes bow away from them; the label sits on the arrow, along it
+        # arrows that pass other nodes bow away from the middle line (up from upper sources, down from
+        # lower ones), the more the more nodes they pass; arc3's rad < 0 bends a left-to-right arrow up
         skips = (j - i - 1) if i >= 2 else (j - 2)
-        rad = 0.0 if skips == 0 else 0.22 * (1 if y1 >= y2 else -1)
+        rad = 0.0 if skips == 0 else -(0.1 + 0.07 * skips) * (1 if y1 > 0 else -1)
         ax.add_patch(FancyArrowPatch((x1, y1), (x2, y2), connectionstyle=f"arc3,rad={rad}", arrowstyle="-|>",
                                      mutation_scale=7, lw=0.8, color="#555555", shrinkA=10, shrinkB=10, zorder=2))
         # the label sits on the arc (matplotlib's arc3 is a quadratic Bézier with control point c) at
@@ -129,6 +131,8 @@ def draw_cell(ax, genes: Sequence[Gene], steps: int, concat: Optional[Sequence[i
         mx = (1 - t) ** 2 * x1 + 2 * t * (1 - t) * cx + t**2 * x2
         my = (1 - t) ** 2 * y1 + 2 * t * (1 - t) * cy + t**2 * y2
         angle = math.degrees(math.atan2((1 - t) * (cy - y1) + t * (y2 - cy), (1 - t) * (cx - x1) + t * (x2 - cx)))
+        apex = (y1 + y2) / 4 + cy / 2  # the arc's point at t = 1/2
+        low, high = min(low, apex - 0.25), max(high, apex + 0.25)
         if angle > 90 or angle < -90:
             angle += 180
         ax.text(mx, my, "\n".join(ops), ha="center", va="center", fontsize=5.5, zorder=3, linespacing=1.0,
@@ -145,7 +149,7 @@ def draw_cell(ax, genes: Sequence[Gene], steps: int, concat: Optional[Sequence[i
     _node(ax, pos[-1], r"$c_{k}$", OUTPUT_COLOR)
     xs = [p[0] for p in pos.values()]
     ax.set_xlim(min(xs) - 0.45, max(xs) + 0.45)
-    ax.set_ylim(-1.45, 1.45)
+    ax.set_ylim(low, high)
     ax.set_aspect("equal")
     ax.axis("off")
     if title:
