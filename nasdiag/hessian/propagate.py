@@ -222,7 +222,9 @@ def _term_removed(edge: Edge, term, consumers, rule_calls) -> bool:
         except UnsupportedModuleError:
             return False
         if h.removes_term(term):
-            return True
+            # a rule that holds the batch statistics fixed (NormRule(through_statistics=False)) computes the
+            # Hessian of the frozen-statistics net, in which the term is not removed
+            return getattr(rc.rule, "through_statistics", True)
         term = h.passes(term)
         if term is None or h.degree == 0:
             return False
