@@ -225,14 +225,18 @@ class SearchMethod:
                 torch.is_grad_enabled(), params[0].data_ptr(), params[-1].data_ptr())
 
     def _graph_prepare(self) -> None:
-        """Adam/AdamW keep their step count on the device (``capturable=True``) so a replay advances it."""
+        """Adam/AdamW keep their step count on the device (``capturable=True``) so a replay advances it.
+
+        Their bias corrections 1 − β^t are then computed in the step count's dtype: it is made float64 for
+        float64 parameters (float32, torch's default, would put a relative error of ~1e-5 into 1 − 0.999^t)."""
         for obj in self._stateful().values():
             if isinstance(obj, torch.optim.Optimizer) and "capturable" in obj.defaults:
                 for group in obj.param_groups:
                     group["capturable"] = True
                 for p, state in obj.state.items():
-                    if torch.is_tensor(state.get("step")) and state["step"].device != p.device:
-                        state["step"] = state["step"].to(p.device, torch.float32)
+                    if torch.is_tensor(state.get("step")):
+                        dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+                        state["step"] = state["step"].to(p.device, dtype)
 
     # -- the cost primitive as a service ---------------------------------------------------------------
     def cost(self, x: torch.Tensor, y: torch.Tensor, weights: CellWeights, *, active: Optional[CellWeights] = None,

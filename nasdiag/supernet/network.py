@@ -171,8 +171,8 @@ class Network(nn.Module):
     def set_engine(self, name: str) -> "Network":
         """Choose how :meth:`forward` runs the cells: ``"eager"`` (one module per candidate op, a loop over
         edges), ``"fast"`` (the batched-ops engine of ``nasdiag.supernet.engine``, the same function in far
-        fewer kernels; where it cannot apply, a one-line warning and eager) or ``"auto"`` (fast on CUDA where
-        it applies, eager otherwise). Parameters, buffers and hooks are the same under every engine."""
+        fewer kernels; where it cannot apply, a one-line warning and eager) or ``"auto"`` (fast where it
+        applies, silently eager otherwise). Parameters, buffers and hooks are the same under every engine."""
         if name not in _engine.ENGINES:
             raise ValueError(f"unknown engine {name!r}: choose one of {', '.join(_engine.ENGINES)}")
         self.engine = name

@@ -12,9 +12,9 @@ the very parameters and buffers of the per-op modules (so optimizers, ``state_di
   edge's running statistics still get the update its own module would have made);
 - ops with weights (a ``ReLU → depthwise conv → 1×1 conv → BN`` chain: ``sep_conv`` is two such
   blocks, ``dil_conv`` one; ``FactorizedReduce`` skips of reduction cells) become one depthwise conv over
-  the stacked channels of all edges (groups = edges × C), one grouped 1×1 conv (groups = edges) and one
-  BatchNorm over the stacked channels (per channel, so identical to one BN per edge);
-- the mixing x_j = Σ_k Z_k O_k(x_i) is one product-and-sum over a stacked (B, m, d, K', C, H, W) tensor.
+  the stacked channels of all edges (groups = edges × C), one batched matrix product for the edges' 1×1
+  convs and one BatchNorm over the stacked channels (per channel, so identical to one BN per edge);
+- the mixing x_j = Σ_k Z_k O_k(x_i) is one batched matrix product with the stacked (B, m, d, K', C, H, W) outputs.
 
 The cost C = ∂L/∂Z (wiring supplement §2) of a per-cell Z leaf is then the gradient of that one product,
 so costs, α-gradients and every statistic built on them are those of the eager path up to float
@@ -265,8 +265,11 @@ def _chain(rr: torch.Tensor, ops: Sequence[nn.Module], n: int) -> torch.Tensor:
             y = F.relu(y)
         w_dw = torch.cat([b[1].weight for b in blocks])  # (n·C, 1, k, k)
         y = F.conv2d(y, w_dw, None, dw.stride, dw.padding, dw.dilation, groups=w_dw.shape[0])
-        w_pw = torch.cat([b[2].weight for b in blocks])  # (n·C_out, C, 1, 1)
-        y = F.conv2d(y, w_pw, None, 1, 0, 1, groups=n)
+        # The n edges' 1×1 convs as one batched matrix product over (batch, edge): a grouped cuDNN conv
+        # spent most of its time transposing layouts (measured on an H200, BENCHMARKS.md).
+        w_pw = torch.stack([b[2].weight.flatten(1) for b in blocks])  # (n, C_out, C)
+        B, _, H, W = y.shape
+        y = torch.matmul(w_pw, y.view(B, n, -1, H * W)).view(B, -1, H, W)
         y = _batch_norm(y, [b[3] for b in blocks])
     return y
 
@@ -318,8 +321,11 @@ def _stage_outputs(stage: _Stage, X: torch.Tensor, Z: torch.Tensor) -> torch.Ten
             y = y.view(B, m, d, C, *y.shape[-2:])
         outs.append(y)
     stacked = torch.stack(outs, dim=3)  # (B, m, d, K', C, H', W')
-    z = Z.index_select(0, stage.z_index_on(Z.device)).view(1, m, d, len(outs), 1, 1, 1)
-    return (stacked * z).sum(3)
+    Hp, Wp = stacked.shape[-2:]
+    # Σ_k Z_k O_k as one batched (1 × K')·(K' × C·H'·W') product per (sample, edge): one pass over the op
+    # outputs forward and one per gradient backward, where a broadcast product and a sum make several.
+    z = Z.index_select(0, stage.z_index_on(Z.device)).view(n, 1, len(outs))
+    return torch.matmul(z, stacked.view(B, n, len(outs), -1)).view(B, m, d, C, Hp, Wp)
 
 
 def cell_forward(cell: nn.Module, plan: CellPlan, s0: torch.Tensor, s1: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -358,25 +364,30 @@ def _cell_modules_hooked(net: nn.Module) -> bool:
     if _m._global_forward_hooks or _m._global_forward_pre_hooks or _m._global_backward_hooks \
             or getattr(_m, "_global_backward_pre_hooks", None):
         return True
-    mods = net.__dict__.get("_fast_hookable")
-    if mods is None:
-        mods = [m for cell in net.cells for m in cell.modules()]
-        net.__dict__["_fast_hookable"] = mods
+    mods = net.__dict__["_fast_plans"][2]
     return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks for m in mods)
 
 
+def _fingerprint(net: nn.Module) -> tuple:
+    # Identities of every cell and candidate op: a module swapped in after the plan was built (a custom op,
+    # a wrapped edge) must not be computed by the plan of the old one.
+    return tuple(id(op) for cell in net.cells for edge in cell.edges for op in edge.ops) + tuple(map(id, net.cells))
+
+
 def _plans(net: nn.Module) -> List[CellPlan]:
-    """Cell plans, built once per network (cached outside the module tree); raises :class:`Unsupported`."""
+    """Cell plans, cached outside the module tree and rebuilt when a cell or op module is replaced;
+    raises :class:`Unsupported`."""
+    fingerprint = _fingerprint(net)
     cached = net.__dict__.get("_fast_plans")
-    if cached is None:
+    if cached is None or cached[0] != fingerprint:
         try:
-            cached = [plan_cell(cell) for cell in net.cells]
+            plans = [plan_cell(cell) for cell in net.cells]
         except Unsupported as exc:
-            cached = exc
-        net.__dict__["_fast_plans"] = cached
-    if isinstance(cached, Unsupported):
-        raise cached
-    return cached
+            plans = exc
+        cached = net.__dict__["_fast_plans"] = (fingerprint, plans, [m for cell in net.cells for m in cell.modules()])
+    if isinstance(cached[1], Unsupported):
+        raise cached[1]
+    return cached[1]
 
 
 def why_not_fast(net: nn.Module, x: torch.Tensor, per_cell: Sequence[torch.Tensor], active=None) -> Optional[str]:
@@ -401,29 +412,36 @@ def why_not_fast(net: nn.Module, x: torch.Tensor, per_cell: Sequence[torch.Tenso
 
 def fast_forward(net: nn.Module, x: torch.Tensor, per_cell: Sequence[torch.Tensor]) -> torch.Tensor:
     """``Network.forward(x, per_cell)`` through the batched cells (call :func:`why_not_fast` first)."""
-    plans = _plans(net)
+    plans = net.__dict__["_fast_plans"][1]
     s0 = s1 = net.stem(x)
     for cell, plan, w in zip(net.cells, plans, per_cell):
         s0, s1 = s1, cell_forward(cell, plan, s0, s1, w)
     return net.classifier(net.global_pooling(s1).flatten(1))
 
 
+_QUIET_UNDER_AUTO = ("hooks are registered", "the supernet is in eval mode", "a torch.func transform")
+
+
 def resolve(net: nn.Module, x: torch.Tensor, per_cell: Sequence[torch.Tensor], active=None) -> bool:
     """Whether this forward of ``net`` takes the fast path under its engine choice.
 
     ``"eager"``: never. ``"fast"``: whenever :func:`why_not_fast` allows, else one warning per reason.
-    ``"auto"``: the fast path on CUDA where it applies, silently eager otherwise (on CPU the per-op
-    modules are as fast: see BENCHMARKS.md, "Search engine").
+    ``"auto"``: the fast path wherever it applies (it pays on CPU too: BENCHMARKS.md, "Search engine"),
+    else eager, with one warning per reason on CUDA where a method's forwards cannot use it (per-sample
+    weights, active-op masks, an op structure it does not batch); probes and Hessian rules hook the per-op
+    modules by design, and eval mode and ``torch.func`` transforms are not a method's training forwards,
+    so those stay silent.
     """
     engine = getattr(net, "engine", "auto")
-    if engine == "eager" or (engine == "auto" and x.device.type != "cuda"):
+    if engine == "eager":
         return False
     reason = why_not_fast(net, x, per_cell, active)
     if reason is None:
         return True
-    if engine == "fast":
+    if engine == "fast" or (x.device.type == "cuda" and not reason.startswith(_QUIET_UNDER_AUTO)):
         told = net.__dict__.setdefault("_fast_told", set())
         if reason not in told:
             told.add(reason)
-            warnings.warn(f"engine 'fast': this forward runs on the eager modules because {reason}", EngineWarning, stacklevel=3)
+            warnings.warn(f"engine {engine!r}: this forward runs on the eager modules because {reason}", EngineWarning,
+                          stacklevel=3)
     return False

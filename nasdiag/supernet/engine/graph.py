@@ -175,7 +175,7 @@ class StepGraph:
 
     def _capture_and_run(self, signature: tuple, structure: Any, tensors: List[torch.Tensor]) -> Any:
         if not self._prepared and self.prepare is not None:
-            self.prepare()
+            self.prepare()  # may change the state key (e.g. Adam's capturable flag): the graph is keyed after it
             self._prepared = True
         static = [t.detach().clone() for t in tensors]
         static_args = _fill(structure, static)
@@ -195,6 +195,7 @@ class StepGraph:
             raise RuntimeError(f"{self.name}: the captured step changed Python-side state; it was not run. "
                                "Mark the method graph_capturable = False.")
         self._graphs[signature] = (graph, static, static_out)
+        self._key = key_before
         self.counts["capture"] += 1
         self._last_signature = signature
         return _clone_outputs(self.backend.replay(graph, static_out))

@@ -1,0 +1,411 @@
+"""Benchmark of a search iteration on the reference supernet: the eager per-op engine and the fast engine
+(batched ops + CUDA-graph capture of the whole step) side by side, in one run, on one device.
+
+Rows (each engine on its own copy of the same initial supernet, the same batches):
+
+* ``darts``: one first-order DARTS iteration (α step + w step), cost statistics recorded every α step:
+  eager (the reference: one module per op, a loop over edges), eager + CUDA graph, fast (batched ops, no
+  graph), fast + CUDA graph (the default on CUDA); and fast + graph with the cost statistics switched off;
+* ``darts2``: the second-order iteration, eager and fast (its step is not captured);
+* ``fwdbwd``: forward + backward with per-cell Z leaves (the cost primitive), eager and fast;
+* ``hessian``: the α diagonal (``approx``, ``diag``) and the weight diagonal (``approx``, ``diag``),
+  against a fast forward+backward;
+* ``memory``: peak GPU memory of one DARTS iteration per engine, and the fast step at batch 256;
+* ``bf16``: fast + graph under bf16 autocast, and its val-loss difference from float32;
+* ``scaling``: fast + graph iteration over batch 32–256 and C 16–36.
+
+``--ddp`` (under ``torchrun --nproc_per_node=N``) times the fast engine data-parallel at per-rank batch
+``--batch`` and prints the throughput relative to one process.
+
+Examples::
+
+    python scripts/bench_search.py --device cuda                       # the issue's setting
+    python scripts/bench_search.py --device cpu --C 8 --layers 3 --image 8 --in-channels 1 --sections darts
+    torchrun --nproc_per_node=2 scripts/bench_search.py --device cuda --ddp
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from nasdiag.search.base import Schedule
+from nasdiag.search.methods.darts import DARTS
+from nasdiag.supernet import Network
+from nasdiag.supernet.engine.graph import StepGraph
+
+ROWS: List[Dict] = []
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(device, fn: Callable[[int], object], steps: int, warmup: int, rounds: int = 2) -> float:
+    """Best over ``rounds`` of the mean seconds per call of ``fn(i)`` over ``steps`` calls, after ``warmup`` calls."""
+    for i in range(warmup):
+        fn(i)
+    sync(device)
+    best = float("inf")
+    for r in range(rounds):
+        t = time.perf_counter()
+        for i in range(steps):
+            fn(warmup + r * steps + i)
+        sync(device)
+        best = min(best, (time.perf_counter() - t) / steps)
+    return best
+
+
+def peak(device, fn: Callable[[], object]) -> Optional[float]:
+    """Peak GPU memory (GiB) held while ``fn`` runs: reserved by the caching allocator, which includes a
+    captured graph's private pool (its tensors are not "allocated" between replays, yet the pool stays)."""
+    if device.type != "cuda":
+        return None
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    sync(device)
+    return torch.cuda.max_memory_reserved(device) / 2**30
+
+
+def record(section, what, engine, seconds, ref=None, mem=None, note=""):
+    row = dict(section=section, what=what, engine=engine, ms=None if seconds is None else seconds * 1e3,
+               ratio=None if (ref is None or seconds is None) else ref / seconds, peak_gib=mem, note=note)
+    ROWS.append(row)
+    ms = "—" if seconds is None else f"{seconds * 1e3:9.1f}"
+    ratio = "" if row["ratio"] is None else f"{row['ratio']:6.2f}×"
+    memtxt = "" if mem is None else f"{mem:6.2f} GiB"
+    print(f"{section:8s} {what:44s} {engine:22s} {ms} ms {ratio:>8s} {memtxt:>11s} {note}", flush=True)
+
+
+def make_net(args, device, dtype, C=None):
+    torch.manual_seed(args.seed)
+    net = Network(C or args.C, 10, args.layers, in_channels=args.in_channels).to(device, dtype)
+    return net
+
+
+def batches(args, device, dtype, B, n=4, image=None):
+    g = torch.Generator().manual_seed(args.seed + 1)
+    image = image or args.image
+    out = []
+    for _ in range(n):
+        mk = lambda: (torch.randn(B, args.in_channels, image, image, generator=g).to(device, dtype),
+                      torch.randint(0, 10, (B,), generator=g).to(device))
+        out.append((mk(), mk()))
+    return out
+
+
+def darts_method(net, engine, cls=DARTS, epochs=10):
+    net.set_engine(engine)
+    return cls(net, schedule=Schedule(epochs=epochs, steps_per_epoch=100))
+
+
+def step_fn(method, data, graph: bool):
+    """A callable i -> one search step on batch i; graph=True forces a StepGraph (eager engine too)."""
+    raw = type(method).step.__get__(method)
+    step = StepGraph(raw, method._graph_state_key, prepare=method._graph_prepare) if graph else raw
+    return lambda i: step(*data[i % len(data)])
+
+
+# -- sections ---------------------------------------------------------------------------------------------
+def section_darts(args, device, dtype, base):
+    data = batches(args, device, dtype, args.batch)
+    variants = [("eager", "eager", False), ("eager + CUDA graph", "eager", True), ("fast (batched ops)", "fast", False),
+                ("fast + CUDA graph", "fast", True)]
+    if device.type != "cuda":
+        variants = [v for v in variants if not v[2]]
+    ref = None
+    times = {}
+    for label, engine, graph in variants:
+        net = copy.deepcopy(base)
+        m = darts_method(net, engine)
+        fn = step_fn(m, data, graph)
+        steps = args.eager_steps if engine == "eager" and not graph else args.steps
+        t = timed(device, fn, steps, args.warmup)
+        mem = peak(device, lambda: fn(0))
+        ref = ref or t
+        times[label] = t
+        record("darts", "1st-order iteration (α step + w step), costs on", label, t, ref, mem)
+        del m, net, fn
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+        try:
+            net = copy.deepcopy(base)
+            m = darts_method(net, "fast")
+            fn = step_fn(m, data, True)
+            t = timed(device, fn, args.steps, args.warmup)
+            record("darts", "same, cudnn.benchmark on", "fast + CUDA graph", t, ref)
+        finally:
+            torch.backends.cudnn.benchmark = False
+        net = copy.deepcopy(base)
+        m = darts_method(net, "fast")
+        m._observe_costs = lambda *a, **k: None  # cost statistics off
+        fn = step_fn(m, data, True)
+        t = timed(device, fn, args.steps, args.warmup)
+        on = times["fast + CUDA graph"]
+        record("darts", "same, cost statistics off", "fast + CUDA graph", t, ref,
+               note=f"costs-on / costs-off = {on / t:.3f}× (target ≤ 1.10×)")
+    return times
+
+
+def section_darts2(args, device, dtype, base):
+    try:
+        from nasdiag.search.methods.darts2 import DARTS2
+    except Exception as exc:  # not there yet
+        print(f"darts2   not available ({type(exc).__name__}: {exc})")
+        return
+    data = batches(args, device, dtype, args.batch)
+    ref = None
+    for label, engine in (("eager", "eager"), ("fast (batched ops)", "fast")):
+        net = copy.deepcopy(base)
+        m = darts_method(net, engine, DARTS2)
+        fn = step_fn(m, data, False)
+        t = timed(device, fn, max(2, args.eager_steps // 2), 1)
+        ref = ref or t
+        record("darts2", "2nd-order iteration (unrolled α step + w step)", label, t, ref)
+
+
+def _fwd_bwd(net, x, y):
+    leaves = [net.softmax_weights()[c.cell_type].detach().clone().requires_grad_(True) for c in net.cells]
+    loss = F.cross_entropy(net(x, leaves), y)
+    torch.autograd.grad(loss, leaves + net.weight_parameters())
+
+
+def section_fwdbwd(args, device, dtype, base):
+    (x, y), _ = batches(args, device, dtype, args.batch, n=1)[0]
+    ref = None
+    out = {}
+    for engine in ("eager", "fast"):
+        net = copy.deepcopy(base).set_engine(engine)
+        t = timed(device, lambda i: _fwd_bwd(net, x, y), args.steps if engine == "fast" else args.eager_steps, 2)
+        mem = peak(device, lambda: _fwd_bwd(net, x, y))
+        ref = ref or t
+        out[engine] = t
+        record("fwdbwd", "forward + backward, Z leaves (costs)", engine, t, ref, mem)
+    return out
+
+
+def section_hessian(args, device, dtype, base, fwdbwd):
+    from nasdiag.hessian import diag_hessian
+
+    (x, y), _ = batches(args, device, dtype, args.batch, n=1)[0]
+    fb = fwdbwd.get("fast")
+    for mode in ("approx", "diag"):
+        net = copy.deepcopy(base).set_engine("fast")
+        m = DARTS(net, schedule=Schedule(epochs=1, steps_per_epoch=1), hessian_mode=mode)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            t = timed(device, lambda i: m.curvature(x, y), 2, 1, rounds=1)
+        record("hessian", f"α diagonal {mode} (method.curvature)", "hooks (eager modules)", t,
+               note="" if fb is None else f"= {t / fb:.2f}× fast fwd+bwd (target approx ≤ 2×)")
+    for mode in ("approx", "diag"):
+        net = copy.deepcopy(base).set_engine("fast")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            t = timed(device, lambda i: diag_hessian(net, F.cross_entropy, x, y, mode=mode), 2, 1, rounds=1)
+        record("hessian", f"weight diagonal {mode} (diag_hessian)", "hooks (eager modules)", t,
+               note="" if fb is None else f"= {t / fb:.2f}× fast fwd+bwd")
+
+
+def section_memory(args, device, dtype, base):
+    if device.type != "cuda":
+        return
+    B = args.big_batch
+    data = batches(args, device, dtype, B, n=2)
+    net = copy.deepcopy(base)
+    m = darts_method(net, "fast")
+    fn = step_fn(m, data, True)
+    try:
+        t = timed(device, fn, 5, 3, rounds=1)
+        mem = peak(device, lambda: fn(0))
+        record("memory", f"fast + graph iteration at batch {B}", "fast + CUDA graph", t, mem=mem,
+               note=f"target: fits in 40 GiB ({'yes' if mem <= 40 else 'NO'})")
+    except torch.cuda.OutOfMemoryError:
+        record("memory", f"fast + graph iteration at batch {B}", "fast + CUDA graph", None, note="OOM")
+
+
+def section_bf16(args, device, dtype, base):
+    if device.type != "cuda":
+        return
+    data = batches(args, device, dtype, args.batch)
+    out = {}
+    for label, autocast in (("float32", False), ("bf16 autocast", True)):
+        net = copy.deepcopy(base)
+        m = darts_method(net, "fast")
+        inner = type(m).step.__get__(m)
+
+        def stepper(train, val, inner=inner, autocast=autocast):
+            ctx = torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False) if autocast else contextlib.nullcontext()
+            with ctx:
+                return inner(train, val)
+
+        g = StepGraph(stepper, m._graph_state_key, prepare=m._graph_prepare)
+        t = timed(device, lambda i: g(*data[i % len(data)]), args.steps, args.warmup)
+        losses = [float(g(*data[i % len(data)])["scalars/val_loss"]) for i in range(4)]
+        out[label] = (t, losses)
+    t32, l32 = out["float32"]
+    t16, l16 = out["bf16 autocast"]
+    record("bf16", "fast + graph iteration", "float32", t32, t32)
+    record("bf16", "fast + graph iteration", "bf16 autocast", t16, t32,
+           note=f"val loss after {args.warmup + 2 * args.steps + 4} steps: {l16[-1]:.4f} vs float32 {l32[-1]:.4f}")
+
+
+def section_scaling(args, device, dtype):
+    if device.type != "cuda":
+        return
+    configs = [(b, 16) for b in (32, 64, 128, 256)] + [(64, c) for c in (24, 36)] + [(256, 36)]
+    for B, C in configs:
+        try:
+            base = make_net(args, device, dtype, C=C)
+            data = batches(args, device, dtype, B, n=2)
+            m = darts_method(base, "fast")
+            fn = step_fn(m, data, True)
+            t = timed(device, fn, max(3, args.steps // 2), args.warmup, rounds=1)
+            mem = peak(device, lambda: fn(0))
+            record("scaling", f"batch {B}, C {C}", "fast + CUDA graph", t, mem=mem,
+                   note=f"{B / t:.0f} samples/s")
+            del m, base, data, fn
+        except torch.cuda.OutOfMemoryError:
+            record("scaling", f"batch {B}, C {C}", "fast + CUDA graph", None, note="OOM")
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def section_profile(args, device, dtype, base):
+    """Where the fast step's device time goes: the top kernels of one uncaptured fast step."""
+    if device.type != "cuda":
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    data = batches(args, device, dtype, args.batch)
+    m = darts_method(copy.deepcopy(base), "fast")
+    fn = step_fn(m, data, False)
+    for i in range(2):
+        fn(i)
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn(2)
+        sync(device)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70), flush=True)
+
+
+def run_ddp(args):
+    import torch.distributed as dist
+
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    dist.init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device(f"cuda:{rank}") if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dtype = torch.float32
+    results = {}
+    import nasdiag.search.base as search_base
+
+    all_reduce = search_base._mean_over_ranks
+    for label, distributed in (("1 process", False), (f"{world} processes (DDP)", True)):
+        base = make_net(args, device, dtype)
+        data = batches(args, device, dtype, args.batch)
+        m = darts_method(base, "fast")
+        if distributed:
+            m.distribute(device_ids=[device.index] if device.type == "cuda" else None)
+        fn = step_fn(m, data, False)
+        if distributed or rank == 0:
+            # the one-process baseline must not all-reduce its costs with a rank that is not stepping
+            search_base._mean_over_ranks = all_reduce if distributed else (lambda tensors: tensors)
+            try:
+                t = timed(device, fn, args.steps, args.warmup)
+            finally:
+                search_base._mean_over_ranks = all_reduce
+            results[label] = t
+            print(f"rank {rank}: {label} {t * 1e3:.1f} ms", flush=True)
+        dist.barrier()
+    if rank == 0:
+        t1, tn = results["1 process"], results[f"{world} processes (DDP)"]
+        record("ddp", f"fast iteration, per-rank batch {args.batch}", "1 process", t1, t1, note="no graph (the DDP path)")
+        record("ddp", f"fast iteration, per-rank batch {args.batch}", f"{world} processes (DDP)", tn,
+               note=f"throughput {world * t1 / tn:.2f}× one process (target ≥ 1.8× on 2)")
+    dist.destroy_process_group()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--C", type=int, default=16)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--big-batch", type=int, default=256)
+    p.add_argument("--image", type=int, default=32)
+    p.add_argument("--in-channels", type=int, default=3)
+    p.add_argument("--steps", type=int, default=20, help="timed fast steps per round")
+    p.add_argument("--eager-steps", type=int, default=6, help="timed eager steps per round")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sections", default="darts,fwdbwd,hessian,memory,darts2,bf16,scaling,profile")
+    p.add_argument("--ddp", action="store_true")
+    p.add_argument("--json", default=None, help="also write the rows to this file")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"# device {card}; torch {torch.__version__}; C={args.C} layers={args.layers} batch={args.batch} "
+          f"image={args.in_channels}x{args.image}x{args.image}; float32; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+          flush=True)
+    if args.ddp:
+        run_ddp(args)
+    else:
+        dtype = torch.float32
+        base = make_net(args, device, dtype)
+        sections = args.sections.split(",")
+        fb = {}
+        for name in sections:
+            try:
+                if name == "darts":
+                    section_darts(args, device, dtype, base)
+                elif name == "darts2":
+                    section_darts2(args, device, dtype, base)
+                elif name == "fwdbwd":
+                    fb = section_fwdbwd(args, device, dtype, base)
+                elif name == "hessian":
+                    section_hessian(args, device, dtype, base, fb)
+                elif name == "memory":
+                    section_memory(args, device, dtype, base)
+                elif name == "bf16":
+                    section_bf16(args, device, dtype, base)
+                elif name == "profile":
+                    section_profile(args, device, dtype, base)
+                elif name == "scaling":
+                    section_scaling(args, device, dtype)
+                else:
+                    print(f"unknown section {name}")
+            except Exception as exc:  # one failing section must not lose the others' numbers
+                import traceback
+
+                traceback.print_exc()
+                print(f"{name:8s} FAILED: {type(exc).__name__}: {exc}", flush=True)
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    if args.json and (not args.ddp or int(os.environ.get("RANK", "0")) == 0):
+        with open(args.json, "w") as f:
+            json.dump({"card": card, "torch": torch.__version__, "args": vars(args), "rows": ROWS}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
