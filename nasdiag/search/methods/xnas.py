@@ -81,6 +81,8 @@ class XNAS(SearchMethod):
                               "value with Lemma 1's guarantee; smaller wipes out sooner).", low=0, low_open=True)
         lr_scale: float = hp(1.0, "η_c = lr_scale · η*_c of eq 4 (XNAS §3.2.2 Remark 1: η* is an upper bound that "
                                   "can be fine-tuned; 1 = the theoretical rate).", low=0, low_open=True)
+        reward_bound: Optional[float] = hp(None, "L of eq 3-4 if set; default (None) the gradient clip grad_clip "
+                                                 "(XNAS §3.2.2).", low=0, low_open=True)
         clip_rewards: bool = hp(True, "Clip each reward to [-L, L], the gradient clip that makes L a bound on |R| "
                                       "(eq 20; XNAS §3.2.2 'gradient clipping').")
 
@@ -99,10 +101,12 @@ class XNAS(SearchMethod):
         #: ``{cell type: r_c}``: cells sharing the forecasters of a type, one round each per step
         self.replications = {t: sum(c.cell_type == t for c in net.cells) for t in net.cell_types}
         self.forecasters = CellForecasters()
+        #: L, the bound on |R| (eq 3-4, 20) that the thresholds and η* assume
+        self.loss_bound = h.grad_clip if h.reward_bound is None else h.reward_bound
         for t, r in self.replications.items():
             horizon = schedule.total_steps * r
-            lr = h.lr_scale * Forecaster.optimal_lr(horizon, h.grad_clip, K)
-            self.forecasters[t] = Forecaster(K, lr, h.grad_clip, horizon, zeta=h.zeta, shape=(net.num_edges,),
+            lr = h.lr_scale * Forecaster.optimal_lr(horizon, self.loss_bound, K)
+            self.forecasters[t] = Forecaster(K, lr, self.loss_bound, horizon, zeta=h.zeta, shape=(net.num_edges,),
                                              dtype=torch.float64, device=device)
 
     # -- the architecture -------------------------------------------------------------------------------
@@ -111,19 +115,22 @@ class XNAS(SearchMethod):
         dtype = next(self.network.parameters()).dtype
         return {t: f.weights.to(dtype) for t, f in self.forecasters.items()}
 
-    def active_ops(self) -> CellWeights:
-        """``{cell type: (E, K) bool}`` (CPU) the experts not wiped out: only these are computed."""
-        return {t: f.alive.cpu() for t, f in self.forecasters.items()}
+    def active_ops(self) -> Optional[CellWeights]:
+        """``{cell type: (E, K) bool}`` (CPU) the experts not wiped out: only these are computed. None while
+        no expert has been wiped out (every op computed; the supernet's fast engine then applies)."""
+        alive = {t: f.alive.cpu() for t, f in self.forecasters.items()}
+        return None if all(a.all() for a in alive.values()) else alive
 
     def arch_statistics(self, forward_weights: Optional[CellWeights] = None) -> Dict[str, torch.Tensor]:
         # the network's α are not used by XNAS (its architecture parameters are ln v, recorded under regret/)
         return {k: v for k, v in super().arch_statistics(forward_weights).items() if not V.ARCH_PARAMS.regex.match(k)}
 
     # -- the step ---------------------------------------------------------------------------------------
-    def weight_step(self, x: torch.Tensor, y: torch.Tensor, weights: CellWeights, active: CellWeights) -> Dict[str, torch.Tensor]:
+    def weight_step(self, x: torch.Tensor, y: torch.Tensor, weights: CellWeights,
+                    active: Optional[CellWeights]) -> Dict[str, torch.Tensor]:
         """Algorithm 1 line 4: one SGD step on w with the search-train loss at u, wiped-out ops not computed."""
         self.w_optimizer.zero_grad(set_to_none=True)
-        logits = self.model(x, weights, active=active)
+        logits = self.model(x, weights) if active is None else self.model(x, weights, active=active)
         loss = nn.functional.cross_entropy(logits, y)
         if not torch.isfinite(loss):
             raise SearchError(f"the search-train loss is {float(loss.detach())} (xnas step {self.rounds_played + 1}): "
@@ -158,7 +165,7 @@ class XNAS(SearchMethod):
             raise SearchError(f"the search-val loss is {float(result.loss)} (xnas step {self.rounds_played + 1}): "
                               "the rewards would corrupt the forecasters; lower w_lr or check the data")
         stats.update({"scalars/val_loss": result.loss, "scalars/val_acc": accuracy(result.logits, y)})
-        L = self.hp.grad_clip
+        L = self.loss_bound
         clipped, counted = 0, 0
         for t, rewards in self.rewards(result.per_cell).items():
             f = self.forecasters[t]
@@ -200,8 +207,10 @@ class XNAS(SearchMethod):
             log_v[removed.forecaster[:, 0], removed.expert] = removed.log_weight
         return log_v
 
-    def _active_fraction(self, active: CellWeights) -> torch.Tensor:
+    def _active_fraction(self, active: Optional[CellWeights]) -> torch.Tensor:
         """Fraction of the supernet's (cell, edge, op) computations this step's forwards make."""
+        if active is None:
+            return torch.tensor(1.0, dtype=torch.float64)
         on = sum(int(active[t].sum()) * r for t, r in self.replications.items())
         total = sum(active[t].numel() * r for t, r in self.replications.items())
         return torch.tensor(on / total, dtype=torch.float64)
