@@ -161,6 +161,7 @@ def fill_value(dtype: np.dtype):
 
 _U64 = np.uint64
 _TOP_BIT = _U64(1 << 63)
+_DIGEST_BLOCK_ROWS = 4096
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
@@ -202,7 +203,9 @@ class RowDigest:
         if weights is None:
             weights = self._weights[key] = _byte_weights(name, raw.shape[1])
         with np.errstate(over="ignore"):
-            self._sum += raw.astype(_U64) @ weights
+            for start in range(0, self.rows, _DIGEST_BLOCK_ROWS):  # bounded temporaries on long records
+                stop = start + _DIGEST_BLOCK_ROWS
+                self._sum[start:stop] += raw[start:stop].astype(_U64) @ weights
 
     def value(self) -> np.ndarray:
         """(rows,) uint64, bit 63 set."""
