@@ -216,6 +216,38 @@ def test_non_homogeneous_modules_are_not_flagged():
     assert cost.is_scale_invariant(Zero(1))
 
 
+@pytest.mark.parametrize(
+    "build, invariant",
+    [
+        (lambda: nn.Sequential(nn.Conv2d(2, 3, 3, padding=1, bias=True), nn.BatchNorm2d(3, eps=1e-14)), True),
+        (lambda: nn.Sequential(nn.Conv2d(2, 3, 3, padding=1, bias=True), nn.InstanceNorm2d(3, eps=1e-14)), True),
+        (lambda: nn.Sequential(nn.ReLU(), nn.Conv2d(2, 3, 1, bias=True), nn.BatchNorm2d(3, eps=1e-14)), True),
+        (lambda: nn.Sequential(nn.Conv2d(2, 3, 3, bias=True), nn.MaxPool2d(2), nn.BatchNorm2d(3, eps=1e-14)), True),
+        # one group over all channels subtracts one mean: the per-channel bias minus its mean stays
+        (lambda: nn.Sequential(nn.Conv2d(2, 3, 3, padding=1, bias=True), nn.GroupNorm(1, 3, eps=1e-14)), False),
+        (lambda: nn.Sequential(nn.Conv2d(2, 3, 3, padding=1, bias=True), nn.ReLU(), nn.BatchNorm2d(3, eps=1e-14)), False),
+    ],
+)
+def test_bias_before_a_normalization_over_its_constant_axes_is_invariant(build, invariant):
+    torch.manual_seed(0)
+    op = build().double()
+    with torch.no_grad():
+        for p in op.parameters():
+            p.normal_()
+    x = _rand(4, 2, 6, 6)
+    with torch.no_grad():
+        same = torch.allclose(op(3.7 * x), op(x), rtol=1e-9, atol=1e-9)
+    assert same == invariant and cost.is_scale_invariant(op) == invariant
+
+
+def test_import_cost_does_not_import_the_supernet():
+    import subprocess
+    import sys
+
+    code = "import nasdiag.cost, nasdiag.hessian, sys; assert 'nasdiag.supernet' not in sys.modules, sorted(sys.modules)"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_unknown_module_fails_loudly_and_a_registered_rule_is_used():
     class Wrapper(nn.Module):
         def __init__(self):
