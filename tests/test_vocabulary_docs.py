@@ -8,14 +8,14 @@ import pathlib
 import re
 
 from nasdiag import vocabulary
-from nasdiag.record import schema
+from nasdiag.record import families_doc
 
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "schema.md"
 
 
 def _doc_table() -> dict[str, dict[str, str]]:
     text = DOC.read_text(encoding="utf-8")
-    start, end = text.index(schema.FAMILIES_BEGIN), text.index(schema.FAMILIES_END)
+    start, end = text.index(families_doc.FAMILIES_BEGIN), text.index(families_doc.FAMILIES_END)
     lines = [line for line in text[start:end].splitlines() if line.startswith("|")]
     split = lambda line: [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line)[1:-1]]  # noqa: E731
     header = split(lines[0])
@@ -30,7 +30,7 @@ def test_every_family_is_documented_and_the_doc_lists_no_other():
     documented = _doc_table()
     declared = {f.pattern: f for f in vocabulary.FAMILIES}
     missing, extra = sorted(set(declared) - set(documented)), sorted(set(documented) - set(declared))
-    hint = "run `python -m nasdiag.record.schema docs/schema.md`"
+    hint = "run `python -m nasdiag.record.families_doc docs/schema.md`"
     assert not missing, f"families missing from docs/schema.md: {missing}; {hint}"
     assert not extra, f"docs/schema.md lists families the vocabulary does not declare: {extra}; {hint}"
     for pattern, fam in declared.items():
@@ -41,7 +41,7 @@ def test_every_family_is_documented_and_the_doc_lists_no_other():
 
 def test_doc_table_is_the_generated_one():
     text = DOC.read_text(encoding="utf-8")
-    assert schema.families_markdown() in text, "docs/schema.md's family table is stale; run `python -m nasdiag.record.schema docs/schema.md`"
+    assert families_doc.families_markdown() in text, "docs/schema.md's family table is stale; run `python -m nasdiag.record.families_doc docs/schema.md`"
 
 
 def test_every_reduction_rule_in_the_vocabulary_is_described():
