@@ -35,6 +35,18 @@ def _write(path, steps, **kwargs) -> None:
             rec.log(step, _row(step))
 
 
+def _write_copying_midway(path, copy, steps, later_steps) -> None:
+    """Log ``steps``, flush, copy the live file to ``copy`` (marked open for SWMR writing, as after a
+    crash), then log ``later_steps`` and close."""
+    with Recorder(path, flush_every=16, flush_seconds=None) as rec:
+        for step in steps:
+            rec.log(step, _row(step))
+        rec.flush()
+        shutil.copy(path, copy)
+        for step in later_steps:
+            rec.log(step, _row(step))
+
+
 def _assert_rows(out: dict, steps) -> None:
     """``out`` holds exactly the rows logged at ``steps`` (nothing invented, nothing zeroed)."""
     np.testing.assert_array_equal(out["step"], list(steps))
@@ -68,13 +80,7 @@ def crashed_record(tmp_path_factory):
     """A copy of a record taken while its writer was alive: marked open for SWMR writing, as after a
     crash (HDF5 skips its own end-of-file check for these)."""
     folder = tmp_path_factory.mktemp("crashed")
-    live = folder / "live.h5"
-    rec = Recorder(live, flush_every=16, flush_seconds=None)
-    for step in range(300):
-        rec.log(step, _row(step))
-    rec.flush()
-    shutil.copy(live, folder / "run.h5")
-    rec.close()
+    _write_copying_midway(folder / "live.h5", folder / "run.h5", range(300), [])
     return folder / "run.h5"
 
 
@@ -165,14 +171,7 @@ def test_segment_with_fewer_rows_than_recorded_is_refused(tmp_path):
     """Segment 0 replaced by an older copy of itself (valid rows, but fewer than segment 1 recorded
     for it when it was created)."""
     path = tmp_path / "run.h5"
-    rec = Recorder(path, flush_every=8, flush_seconds=None)
-    for step in range(8):
-        rec.log(step, _row(step))
-    rec.flush()
-    shutil.copy(path, tmp_path / "old.h5")
-    for step in range(8, 16):
-        rec.log(step, _row(step))
-    rec.close()
+    _write_copying_midway(path, tmp_path / "old.h5", range(8), range(8, 16))
     _write(path, range(16, 20), resume=True)
     shutil.copy(tmp_path / "old.h5", path)
     with pytest.raises(RecordError, match=r"run\.h5 row 8: it has 8 rows, but .*run\.seg0001\.h5 recorded 16"):
