@@ -124,7 +124,7 @@ HESSIAN_NONFINITE = family("hessian/<cell>/nonfinite", "()", "bool", "any", "Tru
 
 # -- samples (SNAS, DSNAS, ProxylessNAS) ---------------------------------------------------------
 SAMPLE_ONEHOT = family("sample/<cell>/onehot", "(E, K)", "float32", "mean", "The step's one-hot sample (or binary gates) per edge; rank mean under DDP.", section="sample")
-SAMPLE_COUNT = family("sample/<cell>/count", "(E, K)", "int64", "sum", "Cumulative number of times each op of each edge was sampled (Fig. 6b protocol).", section="sample")
+SAMPLE_COUNT = family("sample/<cell>/count", "(E, K)", "int64", "same", "Cumulative number of times each op of each edge was sampled (Fig. 6b protocol); every DDP rank draws the same sample (one generator seed), so it is not summed.", section="sample")
 SAMPLE_PATHS = family("sample/<cell>/paths", "(E, K)", "float32", "mean", "ProxylessNAS two-path mode: the two paths sampled per edge for the α step (1 = sampled and computed).", section="sample")
 SAMPLE_TEMPERATURE = family("scalars/temperature", "()", "float32", "same", "The Gumbel-softmax temperature τ of the step's relaxed sample (SNAS).", section="sample")
 SAMPLE_ENTROPY = family("scalars/entropy", "()", "float32", "same", "Mean over the edges of every cell type of the entropy −Σ p log p (nats) of `probabilities()`, after the step.", section="sample")

@@ -53,6 +53,12 @@ class ProxylessNAS(DARTS):
     ``arch/<cell>/{params,probabilities,weights}`` (``weights``: the binary gates).
     """
 
+    #: with ``--dataset digits`` (unless given): 4 epochs are only ~44 steps; at ProxylessNAS's α rate
+    #: (1e-3, and only the two sampled entries of an edge move per step) p stays near uniform, so w is
+    #: trained on ever-different random paths and the argmax child stays below 0.6 search-val accuracy;
+    #: a fast α concentrates p (BENCHMARKS.md, "Search methods on digits").
+    digits_preset = {"w_lr": 0.1, "alpha_lr": 0.6}
+
     @dataclass
     class Hyperparameters(DARTS.Hyperparameters):
         alpha_lr: float = hp(1e-3, "Adam learning rate of α (ProxylessNAS code default).", low=0, low_open=True)
