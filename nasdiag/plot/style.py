@@ -175,6 +175,14 @@ def _title(hm: Heatmap) -> str:
     return hm.title + (f"  [{n_nan} NaN]" if n_nan else "")
 
 
+def wrap(text: str, inches: float, fontsize: float = 8.0) -> str:
+    """``text`` broken into lines that fit ``inches`` at ``fontsize`` (about 16 characters per inch at 8 pt)."""
+    import textwrap
+
+    width = max(12, int(inches * 16 * 8 / fontsize))
+    return "\n".join(textwrap.fill(line, width, break_long_words=False) for line in text.split("\n"))
+
+
 def render_heatmap(hm: Heatmap, annotate: bool = True):
     """One heatmap figure: title, axis labels, colour bar labelled with ``hm.colorbar``."""
     matrix = np.asarray(hm.matrix, dtype=float)
@@ -185,15 +193,16 @@ def render_heatmap(hm: Heatmap, annotate: bool = True):
     limits = None if hm.limits is None else (hm.limits[0] / 10.0**p, hm.limits[1] / 10.0**p)
     norm, cmap = _norm(shown, hm.signed, limits)
     n_rows, n_cols = matrix.shape
-    # wide enough for the ops and for the title (about 0.055 in per character at 8 pt)
-    width = min(PAGE, max(COLUMN, 1.3 + 0.36 * n_cols, 0.4 + 0.055 * len(_title(hm))))
-    fig, ax = plt.subplots(figsize=(width, 1.0 + 0.2 * n_rows + 0.25))
+    width = min(PAGE, max(COLUMN, 1.3 + 0.36 * n_cols))
+    height = 1.0 + 0.2 * n_rows + 0.25
+    fig, ax = plt.subplots(figsize=(width, height))
     image = _draw_matrix(ax, hm, shown, norm, cmap, annotate)
     ax.set_xlabel(hm.xlabel)
     ax.set_ylabel(hm.ylabel)
-    ax.set_title(_title(hm), loc="left")
+    # the title spans the axes and the colour bar; long ones wrap instead of running into the bar's label
+    ax.set_title(wrap(_title(hm), width - 0.9), loc="left")
     bar = fig.colorbar(image, ax=ax, shrink=0.9, pad=0.02)
-    bar.set_label(hm.colorbar + (f"  (x 1e{p})" if p else ""))
+    bar.set_label(wrap(hm.colorbar + (f"  (x 1e{p})" if p else ""), 0.8 * (height - 0.9), 7), fontsize=7)
     return fig
 
 
@@ -229,7 +238,7 @@ def render_heatmaps(panels: Mapping[str, Heatmap], annotate: bool = False):
     # the title without the run-specific tail (", steps a-b ...") is the same for every run
     fig.suptitle(first.title.split(",")[0] + ", one colour scale across runs")
     bar = fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, pad=0.01)
-    bar.set_label(first.colorbar + (f"  (x 1e{p})" if p else ""))
+    bar.set_label(wrap(first.colorbar + (f"  (x 1e{p})" if p else ""), 0.7 * rows * (0.6 + 0.17 * n_rows), 7), fontsize=7)
     return fig
 
 
