@@ -30,7 +30,6 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
