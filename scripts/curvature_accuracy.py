@@ -10,7 +10,8 @@ for the mixing weights the share of edges whose ops the mode tells apart where e
 Nets (float64, torch's CPU unless --device): ``tanh_mlp`` and ``conv_bn`` (weight modes of
 ``diag_hessian``), ``cell_train`` / ``cell_eval`` (one minimal cell of the reference supernet, BatchNorm
 in train / eval mode; mixing-weight modes of ``arch_diag_hessian``), ``search`` (the DARTS search
-supernet shape scaled to CPU: 5 cells of 4 nodes, C=8, 8×8 inputs, batch 32, train-mode BN).
+supernet's cells scaled to CPU: 3 cells (normal, reduce, reduce) of 4 nodes and 14 edges × 8 ops, C=8,
+8×8 inputs, 10 classes, batch 16, train-mode BN).
 """
 
 from __future__ import annotations
@@ -65,11 +66,11 @@ def cell(train: bool):
 
 def search(device):
     torch.manual_seed(3)
-    net = Network(8, 10, 5, in_channels=1).to(device, DT)
+    net = Network(8, 10, 3, in_channels=1).to(device, DT)
     with torch.no_grad():
         for a in net.arch_parameters():
             a.normal_(0, 0.3)
-    return net, torch.randn(32, 1, 8, 8, dtype=DT, device=device), torch.randint(0, 10, (32,), device=device)
+    return net, torch.randn(16, 1, 8, 8, dtype=DT, device=device), torch.randint(0, 10, (16,), device=device)
 
 
 NETS = {
