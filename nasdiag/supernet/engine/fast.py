@@ -135,7 +135,11 @@ class _Stage:
         # Cached per device: building it inside a CUDA-graph capture would be a pageable host copy.
         idx = self._device_index.get(device)
         if idx is None:
-            idx = self._device_index[device] = torch.tensor(self.z_index, dtype=torch.long, device=device)
+            idx = torch.tensor(self.z_index, dtype=torch.long, device=device)
+            # one made under a torch.func transform is a wrapper of that call: reusing it later (or deep-copying
+            # the network) fails with "Cannot access storage of TensorWrapper", so it is not cached
+            if torch._C._functorch.peek_interpreter_stack() is None:
+                self._device_index[device] = idx
         return idx
 
 
