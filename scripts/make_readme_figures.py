@@ -5,7 +5,8 @@ Runs the main job (DARTS on digits through ``nasdiag.search.run``, with its digi
 seeds with short searches, then draws from the records, with nasdiag's figure registry, the figures a
 user gets from ``nasdiag plot``: scalars, the architecture heatmap and its evolution, the cost and
 Hessian heatmaps, the derived genotype, the most probable wiring per epoch, and the comparison of the
-two runs on one colour scale. ``--plot-only`` redraws from the records. About 4 minutes on 2 CPU cores.
+two runs on one colour scale. ``--plot-only`` redraws from the records. Two 4-epoch main jobs: about
+2 minutes on 2 idle CPU cores.
 
     python scripts/make_readme_figures.py
 """
@@ -37,6 +38,8 @@ def parse_args(argv=None):
     parser.add_argument("--runs", default="runs/readme", help="folder of the records")
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--dpi", type=int, default=70, help="small PNGs: the README shows them at their size")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads of the searches (default: the run's)")
+    parser.add_argument("--engine", default="auto", choices=("auto", "fast", "eager"), help="supernet engine")
     parser.add_argument("--plot-only", action="store_true")
     return parser.parse_args(argv)
 
@@ -55,7 +58,7 @@ def main(argv=None):
         for seed, (label, path) in enumerate(records.items()):
             start = time.perf_counter()
             run(SearchConfig(method="darts", dataset="digits", epochs=args.epochs, seed=seed, record=path, force=True,
-                             progress=False))
+                             progress=False, threads=args.threads, engine=args.engine))
             print(f"{label}: {path} ({time.perf_counter() - start:.0f} s)")
     os.makedirs(args.out, exist_ok=True)
     loaded = {label: load(path) for label, path in records.items()}

@@ -15,9 +15,10 @@ Each configuration writes ``<out>/<config>/record.h5``; the heatmaps are drawn f
 figure registry (``cost_<cell>_heatmap_init`` and ``_final``), so ``--plot-only`` redraws them.
 
 What differs from the paper: digits (8×8 grey images, 1437 search images) instead of CIFAR-10, C = 8
-channels, 10 epochs of θ training instead of 150; the same code runs CIFAR-10 from a local folder
+channels, 5 epochs of θ training (55 steps) instead of 150 epochs; the same code runs CIFAR-10 from a local folder
 (``--dataset cifar10 --data-dir DIR``, a 5000-image subset). The paper's cell-wise statistics are
-pooled over the cells of a type (normal, reduce). About 3 minutes on 2 CPU cores with the defaults.
+pooled over the cells of a type (normal, reduce). Timing: BENCHMARKS.md (``--configs minimal1`` alone is
+the quick one; ``darts8`` the slowest).
 
     python scripts/wiring_cost_heatmaps.py --out runs/wiring_cost
     python scripts/wiring_cost_heatmaps.py --out runs/wiring_cost --plot-only
@@ -38,7 +39,7 @@ def parse_args(argv=None):
     parser.add_argument("--out", default="runs/wiring_cost")
     parser.add_argument("--configs", default="minimal1,minimal8,darts8", help=f"comma-separated, of {', '.join(CONFIGS)}")
     parser.add_argument("--protocol", default="dsnas", choices=W.PROTOCOLS)
-    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--C", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--observe-batches", type=int, default=8, help="batches of the statistics at initialization")

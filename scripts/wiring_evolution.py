@@ -14,8 +14,8 @@ figures are drawn from the records by nasdiag's figure registry (``--plot-only``
 What differs from the paper: digits instead of CIFAR-10, a 3-cell supernet with C = 8 (the main job's)
 and 8 epochs instead of 150 (DSNAS) or 50 (DARTS); the methods run with their digits preset (a larger
 α learning rate, see ``nasdiag methods``) so that p_α moves within 8 epochs. CIFAR-10 from a local
-folder with ``--dataset cifar10 --data-dir DIR`` (then the paper's defaults). About 4 minutes on 2
-CPU cores for both methods.
+folder with ``--dataset cifar10 --data-dir DIR`` (then the paper's defaults). Timing: BENCHMARKS.md
+(about two main jobs).
 
     python scripts/wiring_evolution.py --out runs/wiring_evolution
 """

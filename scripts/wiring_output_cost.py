@@ -20,8 +20,8 @@ the counts. Figures, drawn from the record (``--plot-only`` redraws them):
 - ``fig11_12_13.png``: per split, L_θ and H_θ on the left axis and C_Z on the right axis (Figs 11-13);
 - ``fig14_16.png``: the same for correct and wrong samples (Figs 14-16).
 
-What differs from the paper: digits instead of CIFAR-10, C = 8, 20 epochs instead of 150 (DSNAS) or
-50 (DARTS). About 1 minute on 2 CPU cores.
+What differs from the paper: digits instead of CIFAR-10, C = 8, 10 epochs instead of 150 (DSNAS) or
+50 (DARTS). Timing: BENCHMARKS.md.
 
     python scripts/wiring_output_cost.py --out runs/wiring_output_cost
 """
@@ -45,7 +45,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="runs/wiring_output_cost")
     parser.add_argument("--protocol", default="dsnas", choices=W.PROTOCOLS)
-    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--C", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--dataset", default="digits", choices=("digits", "cifar10"))

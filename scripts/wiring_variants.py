@@ -15,8 +15,8 @@ Variants (``--variants``), each one minimal cell (Fig. 7) under the fixed-α pro
 Each variant writes ``<out>/<variant>/record.h5`` and its heatmaps ``cost_normal_heatmap_{init,final}``
 drawn from it by nasdiag's figure registry (``--plot-only`` redraws them).
 
-What differs from the paper: digits instead of CIFAR-10, C = 8, 10 epochs of θ training; CIFAR-10 from
-a local folder with ``--dataset cifar10 --data-dir DIR``. About 2 minutes on 2 CPU cores.
+What differs from the paper: digits instead of CIFAR-10, C = 8, 5 epochs of θ training; CIFAR-10 from
+a local folder with ``--dataset cifar10 --data-dir DIR``. Timing: BENCHMARKS.md.
 
     python scripts/wiring_variants.py --out runs/wiring_variants
 """
@@ -43,7 +43,7 @@ def parse_args(argv=None):
     parser.add_argument("--variants", default="layer,instance,conv-relu-bn,conv-bn-relu",
                         help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--protocol", default="dsnas", choices=W.PROTOCOLS)
-    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--C", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--observe-batches", type=int, default=8)
