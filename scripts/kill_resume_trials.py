@@ -3,9 +3,10 @@ state against an uninterrupted run.
 
 Each trial starts a search in a subprocess and SIGKILLs it after a random delay, uniform over the
 length of a whole run (so kills land during imports, steps, record flushes, segment creation,
-checkpoint writes and figures in proportion to their time); then ``--resume`` (or, if the first
+checkpoint writes and exit in proportion to their time); then ``--resume`` (or, if the first
 process died before its record existed, a fresh start) runs, itself killed at random up to
-``--kills-per-trial`` times, until one process finishes. The trial passes when
+``--kills-per-trial`` times, until one process finishes (or ``--resume`` answers that the run
+already finished: the kill hit after the final checkpoint). The trial passes when
 
 - the record equals the uninterrupted run's: the same paths, every step exactly once, every value
   bitwise equal (NaN where NaN);
@@ -73,6 +74,8 @@ def trial(folder: Path, duration: float, kills: int, rng: random.Random, epochs:
     code, err = _run_killed(_command(out, epochs=epochs), rng.uniform(0, duration) if kills else 600)
     killed += code == -signal.SIGKILL
     while code != 0:
+        if code == 2 and "already finished" in err:
+            break  # killed after its final checkpoint, while exiting: the run is complete
         if code != -signal.SIGKILL:
             raise RuntimeError(f"search failed with exit code {code}:\n{err}")
         extra = ("--resume",) if out.exists() else ()
