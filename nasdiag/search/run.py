@@ -180,6 +180,8 @@ def search_loop(method: SearchMethod, splits, *, epochs: int, batch_size: int, s
                 "scalars/search_val_loss": torch.tensor(evaluation["loss"]),
                 "scalars/search_val_acc": torch.tensor(evaluation["acc"]),
                 **{k: v for k, v in method.diagnostics().items() if k.startswith(keep)},
+                # a method's own epoch records (ASM-NAS: the selection counts of its evaluation above)
+                **(method.epoch_statistics() if hasattr(method, "epoch_statistics") else {}),
             }
             method.epoch_end(epoch)
             for cb in callbacks:
