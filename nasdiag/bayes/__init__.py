@@ -1,0 +1,24 @@
+"""The sparse-Bayesian update of BayesNAS (appendix §A) on bare tensors: no model, no autograd.
+
+See :mod:`nasdiag.bayes.update`.
+"""
+
+from nasdiag.bayes.update import (
+    ENTROPY_THRESHOLD_GAMMA,
+    BayesUpdate,
+    covariance,
+    dependent_gamma,
+    entropy,
+    lasso_weights,
+    omega,
+    parent_matrix,
+    posterior_mean,
+    prune,
+    sparse_bayes_update,
+    switch,
+)
+
+__all__ = [
+    "ENTROPY_THRESHOLD_GAMMA", "BayesUpdate", "covariance", "dependent_gamma", "entropy", "lasso_weights", "omega",
+    "parent_matrix", "posterior_mean", "prune", "sparse_bayes_update", "switch",
+]
