@@ -5,8 +5,8 @@ Runs the main job (DARTS on digits through ``nasdiag.search.run``, with its digi
 seeds with short searches, then draws from the records, with nasdiag's figure registry, the figures a
 user gets from ``nasdiag plot``: scalars, the architecture heatmap and its evolution, the cost and
 Hessian heatmaps, the derived genotype, the most probable wiring per epoch, and the comparison of the
-two runs on one colour scale. ``--plot-only`` redraws from the records. Two 4-epoch main jobs: about
-2 minutes on 2 idle CPU cores.
+two runs on one colour scale. ``--plot-only`` redraws from the records. Two 2-epoch main jobs: about
+1 minute on 2 idle CPU cores.
 
     python scripts/make_readme_figures.py
 """
@@ -36,7 +36,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="docs/img", help="folder of the README's images")
     parser.add_argument("--runs", default="runs/readme", help="folder of the records")
-    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--dpi", type=int, default=70, help="small PNGs: the README shows them at their size")
     parser.add_argument("--threads", type=int, default=None, help="torch threads of the searches (default: the run's)")
     parser.add_argument("--engine", default="auto", choices=("auto", "fast", "eager"), help="supernet engine")
