@@ -185,11 +185,12 @@ def test_hyperparameters_give_one_line_errors():
     assert cls.Hyperparameters().w_lr == 0.025
 
 
+@pytest.mark.slow
 def test_search_run_records_attention_and_counts(tmp_path):
     from nasdiag.record import load
     from nasdiag.search import SearchConfig, run
 
-    result = run(SearchConfig(method="asmnas", C=4, layers=3, steps=2, batch_size=240, epochs=1, diagnostics=("cost",),
+    result = run(SearchConfig(method="asmnas", C=2, layers=3, steps=2, batch_size=240, epochs=1, diagnostics=("cost",),
                               progress=False, record=str(tmp_path / "asm.h5")))
     rec = load(str(tmp_path / "asm.h5"))
     S = 719 // 240
