@@ -402,8 +402,8 @@ def why_not_fast(net: nn.Module, x: torch.Tensor, per_cell: Sequence[torch.Tenso
         return "an active-ops mask is given"
     if any(w.dim() != 2 for w in per_cell):
         return "mixing weights are given per sample"
-    funct = getattr(torch._C._functorch, "_are_functorch_transforms_active", None) if hasattr(torch._C, "_functorch") else None
-    if funct is not None and funct():
+    transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    if transforms_active is not None and transforms_active():
         return "a torch.func transform is running"
     try:
         _plans(net)
