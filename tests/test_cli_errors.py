@@ -77,16 +77,12 @@ def _other_method_key():
     (["--data-dir", "/tmp"], "only used with dataset cifar10"),
     (["--dtype", "int8"], "invalid choice: 'int8'"),
     (["--device", "tpu"], "unknown device 'tpu'"),
-    (["--engine", "fast"], "engine 'fast' needs"),
+    (["--threads", "0"], "threads must be an integer >= 1"),
+    (["--layers", "3", "--multiplier", "3"], "multiplier must be an integer in [1, steps=2]"),
     (["--spectrum-every", "-1"], "spectrum_every must be an integer >= 0"),
     (["--resume"], "nothing to resume"),
 ])
 def test_bad_search_arguments(extra, needle, tmp_path, capsys):
-    if extra == ["--engine", "fast"]:
-        from nasdiag.supernet import Network
-
-        if hasattr(Network, "set_engine"):
-            pytest.skip("Network has set_engine: engine fast is supported")
     refused(["search", *TINY, "--out", str(tmp_path / "run.h5"), *extra], tmp_path, needle, capsys)
 
 
