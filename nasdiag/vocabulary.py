@@ -146,12 +146,17 @@ ATTENTION_COUNT = family("attention/<cell>/count", "(E, K)", "int64", "sum", "Pe
 # -- sparsity (SparseNAS) ------------------------------------------------------------------------
 SPARSITY_NONZERO = family("sparsity/<cell>/nonzero", "(E, K)", "bool", "same", "Ops whose linear mixing weight A is non-zero after the proximal step (eq 9-10).", section="sparsity")
 SPARSITY_LAMBDA = family("sparsity/lambda", "()", "float32", "same", "The current (progressive) sparse-group-lasso strength λ.", section="sparsity")
+SPARSITY_KEPT = family("sparsity/<cell>/kept", "(E,)", "bool", "same", "Edges whose every op the proximal step zeroed; their strongest op was kept (never an empty edge).", section="sparsity")
 
 # -- sparse Bayesian (BayesNAS) ------------------------------------------------------------------
-BAYES_GAMMA = family("bayes/<cell>/gamma", "(E, K)", "float32", "same", "Prior variances γ per op (A.2.11).", section="bayes")
-BAYES_OMEGA = family("bayes/<cell>/omega", "(E, K)", "float32", "same", "ω per op (A.2.13).", section="bayes")
+BAYES_GAMMA = family("bayes/<cell>/gamma", "(E, K)", "float32", "same", "Uncertainty γ per op with the edge dependency (A.2.14; γ = s on edges leaving a cell input), after the last update.", section="bayes")
+BAYES_OMEGA = family("bayes/<cell>/omega", "(E, K)", "float32", "same", "ω per op, the reweighted-lasso weight √(γ(t−1) − C)/γ(t−1) (A.2.8, A.3.9), after the last update.", section="bayes")
 BAYES_SWITCH = family("bayes/<cell>/switch", "(E, K)", "bool", "same", "Switches s: ops still alive after entropy pruning (Algorithm 2, step 4).", section="bayes")
 BAYES_CURVATURE = family("bayes/<cell>/curvature", "(E, K)", "float32", "same", "The mixing-weight curvature the update used (C.3).", section="bayes")
+BAYES_PRIOR_VARIANCE = family("bayes/<cell>/prior_variance", "(E, K)", "float32", "same", "The switch values s = |w|/ω (A.2.13, A.3.8) of the last update: the prior variance of each op's w.", section="bayes")
+BAYES_COVARIANCE = family("bayes/<cell>/covariance", "(E, K)", "float32", "same", "Posterior variance C = (1/γ(t−1) + H)⁻¹ of each op's w at the last update (A.3.2), negative curvature taken as 0.", section="bayes")
+BAYES_KEPT = family("bayes/<cell>/kept", "(E,)", "bool", "same", "Edges where entropy pruning would have removed every op and the op with the largest γ was kept instead.", section="bayes")
+BAYES_UPDATED = family("bayes/updated", "()", "bool", "same", "This step ran the update of γ, ω, C, s and the pruning (Algorithm 2, steps 2-4).", section="bayes")
 
 
 def families(section: Optional[str] = None) -> List[Family]:

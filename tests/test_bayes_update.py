@@ -69,6 +69,9 @@ def test_negative_curvature_is_clamped_and_dead_switch_stays_dead():
     om = omega(T(1.0, 0.0), cov)
     assert om[0] == 0 and math.isinf(om[1])
     assert switch(T(0.7), om[1:]) == 0
+    # γ = ∞ (the limits): C = 1/H, ω = 0
+    torch.testing.assert_close(covariance(T(math.inf), T(4.0)), T(0.25))
+    assert omega(T(math.inf), T(0.25)) == 0
 
 
 def test_linear_gaussian_toy_posterior_and_evidence():
@@ -123,6 +126,9 @@ def test_dependent_gamma_a2_14_and_parents():
             want = float(s[e, o]) if up == 0 else 1 / (1 / up + 1 / float(s[e, o]))
             assert float(got[e, o]) == pytest.approx(want, rel=1e-12)
     assert dependent_gamma(torch.zeros_like(s), P.double()).eq(0).all()
+    s[5] = math.inf  # an edge with no information: its own γ is ∞, its children's γ is their parents' sum
+    got = dependent_gamma(s, P.double())
+    assert torch.isinf(got[5]).all() and torch.isfinite(got[:5]).all() and not got.isnan().any()
 
 
 def test_prune_entropy_rule_monotone_and_keeps_strongest():

@@ -52,19 +52,21 @@ def covariance(gamma_prev: torch.Tensor, curvature: torch.Tensor) -> torch.Tenso
     """
     _check_variance("gamma", gamma_prev)
     h = curvature.clamp_min(0)
-    # C = γ/(1 + γH): the same value as (1/γ + H)⁻¹ without dividing by γ = 0.
-    return gamma_prev / (1 + gamma_prev * h)
+    # C = γ/(1 + γH): the same value as (1/γ + H)⁻¹ without dividing by γ = 0; γ = ∞ gives 1/H.
+    return torch.where(torch.isinf(gamma_prev), h.reciprocal(), gamma_prev / (1 + gamma_prev * h))
 
 
 def omega(gamma_prev: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
     """ω = √(γ(t−1) − C(t)) / γ(t−1) (A.2.8, A.3.9 for a group of one), elementwise, shape of the inputs.
 
     ω² is the gradient in s of the concave part log s + log(1/s + H) of the cost A.2.1 at s = γ(t−1)
-    (A.2.7). γ = 0 (a dead switch) gives ω = ∞, so the switch stays 0 (A.2.13).
+    (A.2.7). γ = 0 (a dead switch) gives ω = ∞, so the switch stays 0 (A.2.13); γ = ∞ gives the limit
+    ω = 0 (√(γ − C)/γ ~ 1/√γ).
     """
     _check_variance("gamma", gamma_prev)
     diff = (gamma_prev - cov).clamp_min(0)  # ≥ 0 up to rounding, since C ≤ γ for H ≥ 0
-    return torch.where(gamma_prev > 0, diff.sqrt() / gamma_prev, torch.full_like(diff, math.inf))
+    out = torch.where(gamma_prev > 0, diff.sqrt() / gamma_prev, torch.full_like(diff, math.inf))
+    return torch.where(torch.isinf(gamma_prev), torch.zeros_like(out), out)
 
 
 def switch(w: torch.Tensor, om: torch.Tensor) -> torch.Tensor:
@@ -116,7 +118,9 @@ def dependent_gamma(s: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
     if parents.shape != (s.shape[0], s.shape[0]):
         raise BayesError(f"parents must be ({s.shape[0]}, {s.shape[0]}) for {s.shape[0]} edges, got {tuple(parents.shape)}")
     _check_variance("s", s)
-    upstream = (parents.to(s.dtype) @ s.sum(-1)).unsqueeze(-1)  # (E, 1)
+    # masked sum, not a matmul: 0·∞ would be NaN where a non-parent edge has s = ∞
+    upstream = torch.where(parents > 0, s.sum(-1).unsqueeze(0), torch.zeros((), dtype=s.dtype, device=s.device)).sum(-1)
+    upstream = upstream.unsqueeze(-1)  # (E, 1)
     has_parent = parents.sum(-1).unsqueeze(-1) > 0
     # 1/(1/a + 1/b) with IEEE reciprocals: a or b = 0 gives 0, b = ∞ gives a (and a = ∞ gives b).
     inv_upstream = torch.where(has_parent, upstream.reciprocal(), torch.zeros_like(upstream))

@@ -1,0 +1,235 @@
+"""BayesNAS (Zhou et al., ICML 2019), Algorithm 2 of the appendix on nasdiag's supernet.
+
+The architecture parameters w are the linear mixing weights of the ops (Z = w on alive ops, 0 on pruned
+ones; no softmax), one (E, K) tensor per cell type shared by the cells of the type. Each op has a
+hierarchical sparse prior w ~ N(0, s) whose switch s depends on the edges entering its source node
+(A.2.14). A step is Algorithm 2:
+
+1. the regularised maximum likelihood A.3.1 on the search-train batch: one SGD step on the network weights
+   𝒲 (weight decay λ) and on w, whose gradient is ∂L/∂Z (``SearchMethod.cost``, single level: one backward
+   for both) plus the reweighted-ℓ1 penalty λ_w·ω·sign(w);
+2. every ``update_every`` steps (default: the last step of each epoch, one iteration t of Algorithm 2 per
+   epoch): the diagonal mixing-weight curvature H = ∂²L/∂Z² at the current w on the same batch,
+   ``nasdiag.hessian.arch_diag_hessian`` in ``hessian_mode`` (C.3.1–C.3.2), summed over the cells of a type;
+3. C (A.3.2), ω (A.2.8), s = |w|/ω (A.2.13) and γ (A.2.14), ``nasdiag.bayes.sparse_bayes_update``;
+4. entropy pruning: an op whose ½ ln(2πe γ) ≤ 0 is switched off for good and no longer computed
+   (:meth:`active_ops`); an edge that would lose every op keeps the one with the largest γ
+   (``bayes/<cell>/kept``);
+5. "fix w = 1": the surviving ops' w restart at 1 for the next iteration (pruned ones stay 0).
+
+**Groups (A.3.6–A.3.11).** The paper keeps one w per cell and ties the switches of the ℵ_o cells of a
+kind. nasdiag's supernet shares one w per cell type, so every group has one parameter and its
+curvature is the sum over the cells of the type (the diagonal of the Hessian of the shared w); A.3.8 and
+A.3.9 then reduce to A.2.13 and A.2.8.
+
+**Curvature.** The update needs only the mixing-weight curvature (C.3); the weight curvature of C.1–C.2
+enters BayesNAS only through §B (compression), which is not implemented here. Entries where H is not
+finite or not positive leave that op's ω, s and C unchanged (a Laplace approximation needs H > 0; a
+NaN is flagged in ``hessian/<cell>/nonfinite``, the curvature itself is recorded as it came). Note that
+``approx`` (C.3.2, the feature-mean recursion) gives nearly the same value to every op of an edge and,
+on nasdiag's supernet, often a negative one; ``ggn``/``ggn_mc`` are positive semidefinite and tell the ops
+apart (docs/hessian.md).
+
+The genotype is the surviving mixed path: every op still switched on (``derive_mixed_genotype``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict
+
+import torch
+from torch import nn
+
+from nasdiag import vocabulary as V
+from nasdiag.bayes import dependent_gamma, parent_matrix, prune, sparse_bayes_update
+from nasdiag.hessian import ARCH_MODES
+from nasdiag.search.base import Batch, CellWeights, SearchMethod, accuracy
+from nasdiag.search.hyperparameters import Hyperparameters, hp
+from nasdiag.search.registry import register
+from nasdiag.supernet import DARTS_PRIMITIVES, derive_mixed_genotype
+
+
+class _AtFixedWeights(nn.Module):
+    """The supernet at fixed mixing weights: ``forward(x) = net(x, weights)``, as the curvature engine expects."""
+
+    def __init__(self, net, weights: CellWeights):
+        super().__init__()
+        self.net = net
+        self.weights = weights
+
+    def forward(self, inp):
+        return self.net(inp, self.weights)
+
+
+@register("bayesnas")
+class BayesNAS(SearchMethod):
+    """BayesNAS: reweighted-ℓ1 training of the mixing weights, sparse-Bayesian switches, entropy pruning.
+
+    Each :meth:`step` returns ``scalars/{train_loss,train_acc,w_lr}``, ``arch/<cell>/{params,probabilities,weights}``
+    and, every step (the values of the last update), ``bayes/<cell>/{gamma,omega,prior_variance,covariance,
+    curvature,switch,kept}`` and ``bayes/updated``; on update steps also ``hessian/<cell>/nonfinite``.
+    """
+
+    single_level = True
+    #: §D.1 lists seven ops: DARTS's without the zero op
+    primitives = tuple(p for p in DARTS_PRIMITIVES if p != "none")
+    state_attributes = ("gamma", "omega", "prior_variance", "covariance", "curvature_used", "alive", "kept", "steps_done")
+
+    @dataclass
+    class Hyperparameters(Hyperparameters):
+        w_lr: float = hp(0.1, "Initial momentum-SGD learning rate of the network weights and of w (appendix §D.1).",
+                         low=0, low_open=True)
+        w_lr_min: float = hp(0.0, "Final learning rate of the cosine schedule (the paper gives none; DARTS-style cosine).", low=0)
+        w_momentum: float = hp(0.9, "SGD momentum (appendix §D.1).", low=0, high=1)
+        w_weight_decay: float = hp(1e-4, "Weight decay λ of the network weights, the λ‖𝒲‖² of A.3.1 (appendix §D.1).", low=0)
+        grad_clip: float = hp(5.0, "Gradient-norm clip of the network weights (DARTS code default; the paper gives none).",
+                              low=0, low_open=True)
+        lambda_w: float = hp(0.007, "Sparsity intensity λ_w of the reweighted ℓ1 term of A.3.1 (Figs. S6-S7: 0.007).", low=0)
+        update_every: int = hp(0, "Steps between updates of γ, ω, C, s and pruning (Algorithm 2, steps 2-4); "
+                               "0 = once per epoch, at its last step (the paper's iteration t spans epochs).", low=0)
+        hessian_mode: str = hp("approx", "Mixing-weight curvature mode of nasdiag.hessian for H (C.3.1-C.3.2: approx).",
+                               choices=ARCH_MODES)
+        init_gamma: float = hp(1.0, "γ(0) of every op (Algorithm 2, initialisation: 1).", low=0, low_open=True)
+        reset_w: bool = hp(True, "After an update, surviving w restart at 1 (Algorithm 2, step 5: fix w = 1).")
+
+    def build(self) -> None:
+        h = self.hp
+        net = self.network
+        with torch.no_grad():
+            for a in net.arch_parameters():
+                a.fill_(1.0)  # Algorithm 2: w(0) = 1
+        self.w_optimizer = torch.optim.SGD(net.weight_parameters(), lr=h.w_lr, momentum=h.w_momentum,
+                                           weight_decay=h.w_weight_decay)
+        self.arch_optimizer = torch.optim.SGD(net.arch_parameters(), lr=h.w_lr, momentum=h.w_momentum)
+        self.scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(self.w_optimizer, self.schedule.epochs, eta_min=h.w_lr_min)
+        self.arch_scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(self.arch_optimizer, self.schedule.epochs,
+                                                                         eta_min=h.w_lr_min)
+        alphas = net.alphas()
+        like = lambda value: {t: torch.full_like(a.detach(), value) for t, a in alphas.items()}  # noqa: E731
+        self.gamma = like(h.init_gamma)
+        self.omega = like(1.0)  # Algorithm 2: ω(0) = 1
+        self.prior_variance = like(h.init_gamma)
+        self.covariance = like(h.init_gamma)
+        self.curvature_used = like(0.0)
+        self.alive = {t: torch.ones_like(a, dtype=torch.bool, device="cpu") for t, a in alphas.items()}
+        self.kept = {t: torch.zeros(a.shape[0], dtype=torch.bool) for t, a in alphas.items()}
+        self.steps_done = 0
+        self._parents = parent_matrix(net.edge_nodes, device=next(iter(alphas.values())).device)
+
+    # -- relaxation ----------------------------------------------------------------------------------
+    def forward_weights(self) -> CellWeights:
+        """Z = w on alive ops, 0 on pruned ones (E, K): the linear mixing of the BayesNAS supernet."""
+        return {t: a.detach() * self.alive[t].to(a.device, a.dtype) for t, a in self.network.alphas().items()}
+
+    def eval_weights(self) -> CellWeights:
+        return self.forward_weights()
+
+    def active_ops(self) -> CellWeights:
+        return {t: m.clone() for t, m in self.alive.items()}
+
+    def probabilities(self) -> CellWeights:
+        """γ on alive ops normalised per edge (E, K): each op's share of its edge's prior variance."""
+        out = {}
+        for t, g in self.gamma.items():
+            m = (g * self.alive[t].to(g.device, g.dtype)).nan_to_num(0.0)
+            out[t] = m / m.sum(-1, keepdim=True).clamp_min(torch.finfo(m.dtype).tiny)
+        return out
+
+    def genotype(self):
+        net = self.network
+        on = {t: m.to(torch.float64) for t, m in self.alive.items()}
+        return derive_mixed_genotype(on, net.steps, net.multiplier, net.primitives)
+
+    # -- Algorithm 2 -----------------------------------------------------------------------------------
+    def likelihood_step(self, x: torch.Tensor, y: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """Step 1 (A.3.1): one SGD step on 𝒲 and w of L + λ_w Σ ω|w| (+ λ‖𝒲‖² as weight decay)."""
+        net = self.network
+        self.w_optimizer.zero_grad(set_to_none=True)
+        self.arch_optimizer.zero_grad(set_to_none=True)
+        weights = self.forward_weights()
+        result = self.cost(x, y, weights, active=self.active_ops(), train_weights=True)
+        nn.utils.clip_grad_norm_(net.weight_parameters(), self.hp.grad_clip)
+        for t, a in net.alphas().items():
+            on = self.alive[t].to(a.device, a.dtype)
+            penalty = self.hp.lambda_w * self.omega[t] * torch.sign(a.detach())
+            a.grad = ((result.costs[t] + penalty) * on).to(a.dtype)
+        self.w_optimizer.step()
+        self.arch_optimizer.step()
+        return {"scalars/train_loss": result.loss, "scalars/train_acc": accuracy(result.logits, y)}
+
+    def mixing_curvature(self, x: torch.Tensor, y: torch.Tensor) -> CellWeights:
+        """Step 2: diag ∂²L/∂Z² (E, K) per cell type at the current Z, summed over the cells of the type (C.3)."""
+        from nasdiag.hessian import arch_diag_hessian
+
+        net = self.network
+        weights = self.forward_weights()
+        edges = {f"net.{e.name}": e for e in net.edge_specs()}
+        per_edge = arch_diag_hessian(_AtFixedWeights(net, weights), nn.functional.cross_entropy, x, y, edges,
+                                     mode=self.hp.hessian_mode)
+        out = {t: torch.zeros_like(z) for t, z in weights.items()}
+        for key, e in edges.items():
+            out[e.cell_type][e.edge_index] += per_edge[key].detach().to(out[e.cell_type].dtype)
+        return out
+
+    def bayes_update(self, x: torch.Tensor, y: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """Steps 2-5: curvature, C/ω/s/γ, entropy pruning, w ← 1 on survivors."""
+        stats: Dict[str, torch.Tensor] = {}
+        curvature = self.mixing_curvature(x, y)
+        # new dicts, never in-place edits: a state_dict() taken earlier holds the old ones
+        cov, om, s, gamma, alive, kept = (dict(d) for d in (self.covariance, self.omega, self.prior_variance, self.gamma,
+                                                             self.alive, self.kept))
+        for t, a in self.network.alphas().items():
+            H = curvature[t]
+            finite = torch.isfinite(H)
+            # the Laplace approximation needs H > 0: elsewhere this op keeps its previous C, ω, s (its γ
+            # still follows its parents through A.2.14)
+            informative = finite & (H > 0)
+            u = sparse_bayes_update(self.forward_weights()[t], H.nan_to_num(0.0, 0.0, 0.0), gamma[t],
+                                    self._parents.to(H.dtype))
+            cov[t] = torch.where(informative, u.cov, cov[t])
+            om[t] = torch.where(informative, u.omega, om[t])
+            s[t] = torch.where(informative, u.switch, s[t])
+            gamma[t] = dependent_gamma(s[t], self._parents.to(H.dtype))
+            alive[t], kept[t] = prune(alive[t], gamma[t].cpu())
+            stats[V.HESSIAN_NONFINITE.path(cell=t)] = ~finite.all()
+            with torch.no_grad():
+                on = alive[t].to(a.device, a.dtype)
+                a.copy_(on if self.hp.reset_w else a * on)
+        self.covariance, self.omega, self.prior_variance, self.gamma = cov, om, s, gamma
+        self.alive, self.kept, self.curvature_used = alive, kept, curvature
+        # momentum of pruned or reset w must not carry into the next iteration
+        self.arch_optimizer.state.clear()
+        return stats
+
+    def update_due(self) -> bool:
+        every = self.hp.update_every or self.schedule.steps_per_epoch
+        return (self.steps_done + 1) % every == 0
+
+    def bayes_statistics(self) -> Dict[str, torch.Tensor]:
+        stats = {}
+        for t in self.gamma:
+            stats[V.BAYES_GAMMA.path(cell=t)] = self.gamma[t].clone()
+            stats[V.BAYES_OMEGA.path(cell=t)] = self.omega[t].clone()
+            stats[V.BAYES_PRIOR_VARIANCE.path(cell=t)] = self.prior_variance[t].clone()
+            stats[V.BAYES_COVARIANCE.path(cell=t)] = self.covariance[t].clone()
+            stats[V.BAYES_CURVATURE.path(cell=t)] = self.curvature_used[t].clone()
+            stats[V.BAYES_SWITCH.path(cell=t)] = self.alive[t].clone()
+            stats[V.BAYES_KEPT.path(cell=t)] = self.kept[t].clone()
+        return stats
+
+    def step(self, train_batch: Batch, val_batch: Batch) -> Dict[str, torch.Tensor]:
+        stats = {"scalars/w_lr": torch.tensor(self.w_optimizer.param_groups[0]["lr"])}
+        stats.update(self.likelihood_step(*train_batch))
+        updated = self.update_due()
+        if updated:
+            stats.update(self.bayes_update(*train_batch))
+        self.steps_done += 1
+        stats[V.BAYES_UPDATED.path()] = torch.tensor(updated)
+        stats.update(self.bayes_statistics())
+        stats.update(self.arch_statistics(self.forward_weights()))
+        return stats
+
+    def epoch_end(self, epoch: int) -> None:
+        self.scheduler.step()
+        self.arch_scheduler.step()
