@@ -157,3 +157,30 @@ def test_a_short_run(tmp_path):
     assert rec["bayes/normal/gamma"].shape[1:] == (5, 7) and rec["bayes/updated"][-1]
     assert rec["bayes/reduce/switch"].dtype == bool
     assert result.genotype.normal
+
+
+def test_bayes_figures_are_drawn_from_a_record(tmp_path):
+    """The four BayesNAS figures are registered for their families and drawn (γ = 0 of a pruned op and a
+    NaN curvature do not break them); a record without bayes paths skips them."""
+    import numpy as np
+    from plot_records import EDGES, OPS, write_record
+
+    from nasdiag.plot import write_figures
+
+    E, K = len(EDGES), len(OPS)
+    extra = {}
+    for s in range(1, 5):
+        gamma = np.full((E, K), 1.0 / s)
+        gamma[0, 1] = 0.0
+        alive = gamma > 0.06
+        alive[np.arange(E), 0] = True
+        curv = np.full((E, K), 0.1 * s)
+        curv[1, 2] = np.nan
+        extra[s] = {V.BAYES_GAMMA.path(cell="normal"): gamma, V.BAYES_OMEGA.path(cell="normal"): np.sqrt(curv),
+                    V.BAYES_CURVATURE.path(cell="normal"): curv, V.BAYES_SWITCH.path(cell="normal"): alive}
+    path = write_record(tmp_path / "b.h5", epochs=1, cells=("normal",), extra=extra)
+    names = ["bayes_gamma", "bayes_omega", "bayes_curvature", "bayes_switches"]
+    written = write_figures(str(path), tmp_path / "fig", figures=names)
+    assert sorted(p.name for p in map(__import__("pathlib").Path, written)) == sorted(f"{n}_normal.png" for n in names)
+    plain = write_record(tmp_path / "plain.h5", epochs=1, cells=("normal",))
+    assert not write_figures(str(plain), tmp_path / "fig2", figures=names)

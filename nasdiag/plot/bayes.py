@@ -1,0 +1,104 @@
+"""Figures of BayesNAS's sparse-Bayesian update (appendix §A): the evolution of γ (with the entropy pruning
+threshold), ω and the curvature per edge and op, and the switches still on per edge."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from nasdiag import vocabulary as V
+from nasdiag.plot.registry import NothingToDraw, figure, valid_rows
+from nasdiag.plot.style import PAGE, edge_names, integer_steps, op_names, plt
+
+#: Algorithm 2, step 4: ½ ln(2πe γ) ≤ 0 ⟺ γ ≤ 1/(2πe)
+_PRUNE_GAMMA = 1.0 / (2.0 * math.pi * math.e)
+
+
+def _rows(record, path):
+    rows = valid_rows(record, path)
+    if rows.size == 0:
+        raise NothingToDraw(f"{path} has no rows yet")
+    return rows, np.asarray(record["step"])[rows]
+
+
+def _per_edge_panels(record, cell, family, ylabel, title, *, log=False, threshold=None):
+    """One small panel per edge: the (T, K) values of ``family`` over the steps, one line per op."""
+    path = family.path(cell=cell)
+    rows, steps = _rows(record, path)
+    values = np.asarray(record[path][rows], dtype=float)  # (T, E, K)
+    if not np.isfinite(values).any():
+        raise NothingToDraw(f"{path} is not finite in any row; nothing to draw")
+    E, K = values.shape[1], values.shape[2]
+    edges, ops = edge_names(record, cell, E), op_names(record, K)
+    cols = min(E, 5)
+    nrows = -(-E // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(PAGE, 1.5 * nrows + 0.6), sharex=True, squeeze=False)
+    colors = plt.get_cmap("tab10")
+    for e, ax in enumerate(axes.flat):
+        if e >= E:
+            ax.axis("off")
+            continue
+        for k in range(K):
+            y = values[:, e, k]
+            if log:
+                # γ = 0 (a dead switch) has no logarithm: drawn at the panel's floor by masking
+                y = np.where(y > 0, y, np.nan)
+            ax.plot(steps, y, color=colors(k % 10), lw=0.9, label=ops[k] if e == 0 else None)
+        if threshold is not None:
+            ax.axhline(threshold, color="k", lw=0.7, ls=":")
+        if log:
+            ax.set_yscale("log")
+        ax.set_title(edges[e], fontsize=7, loc="left")
+        ax.tick_params(labelsize=6)
+        integer_steps(ax)
+    for ax in axes[-1]:
+        ax.set_xlabel("step", fontsize=7)
+    axes[0][0].set_ylabel(ylabel, fontsize=7)
+    fig.legend(fontsize=6, frameon=False, ncol=min(K, 7), loc="lower center", bbox_to_anchor=(0.5, 1.0))
+    fig.suptitle(title, fontsize=8, x=0.01, ha="left", y=1.06)
+    return fig
+
+
+@figure(V.BAYES_GAMMA, name="bayes_gamma", file="bayes_gamma_{cell}", paper="BayesNAS A.2.14, Algorithm 2 step 4",
+        caption="γ of every op per edge over the steps (log scale); ops are pruned when γ falls to the dotted "
+                "line 1/(2πe), where the entropy ½ ln(2πe γ) reaches 0.")
+def bayes_gamma(record, cell):
+    return _per_edge_panels(record, cell, V.BAYES_GAMMA, "γ", f"{cell} cell: BayesNAS γ per op", log=True,
+                            threshold=_PRUNE_GAMMA)
+
+
+@figure(V.BAYES_OMEGA, name="bayes_omega", file="bayes_omega_{cell}", paper="BayesNAS A.2.8",
+        caption="ω of every op per edge over the steps: the weight of each op's ℓ1 penalty in the next "
+                "likelihood step (A.3.1); a larger ω shrinks the op's mixing weight harder.")
+def bayes_omega(record, cell):
+    return _per_edge_panels(record, cell, V.BAYES_OMEGA, "ω", f"{cell} cell: BayesNAS ω per op")
+
+
+@figure(V.BAYES_CURVATURE, name="bayes_curvature", file="bayes_curvature_{cell}", paper="BayesNAS C.3, A.3.2",
+        caption="The mixing-weight curvature ∂²L/∂Z² the last update used, per edge and op (summed over the "
+                "cells of the type); the update ignores entries ≤ 0.")
+def bayes_curvature(record, cell):
+    return _per_edge_panels(record, cell, V.BAYES_CURVATURE, "∂²L/∂Z²", f"{cell} cell: curvature used by BayesNAS")
+
+
+@figure(V.BAYES_SWITCH, name="bayes_switches", file="bayes_switches_{cell}", paper="BayesNAS Algorithm 2 step 4",
+        caption="How many ops of each edge are still switched on after entropy pruning, over the steps; an "
+                "edge never drops below one op.")
+def bayes_switches(record, cell):
+    path = V.BAYES_SWITCH.path(cell=cell)
+    rows, steps = _rows(record, path)
+    counts = np.asarray(record[path][rows]).astype(bool).sum(-1)  # (T, E)
+    E = counts.shape[1]
+    names = edge_names(record, cell, E)
+    fig, ax = plt.subplots(figsize=(PAGE / 2, 2.4))
+    colors = plt.get_cmap("tab20")
+    for e in range(E):
+        # a small vertical offset per edge keeps overlapping step curves apart
+        ax.step(steps, counts[:, e] + 0.04 * (e - (E - 1) / 2), where="post", color=colors(e % 20), lw=1.0, label=names[e])
+    ax.set_xlabel("step")
+    ax.set_ylabel("ops switched on")
+    integer_steps(ax)
+    ax.legend(fontsize=5, frameon=False, ncol=2)
+    ax.set_title(f"{cell} cell: BayesNAS switches", loc="left")
+    return fig
