@@ -193,3 +193,21 @@ def test_regret_figures_draw_from_a_record_of_the_steps(tmp_path):
     written = write_figures(path, tmp_path / "figs", figures=["regret"], dpi=40)
     assert {p.name for p in written} == {f"{name}_{cell}.png" for name in ("regret_bound", "alive_experts", "wipeouts")
                                          for cell in ("normal", "reduce")}
+
+
+@pytest.mark.slow  # a short search on digits
+def test_search_run_records_regret_every_step(tmp_path):
+    import numpy as np
+
+    from nasdiag.record import load
+    from nasdiag.search import SearchConfig, run
+
+    run(SearchConfig(method="xnas", C=4, layers=3, steps=2, batch_size=240, diagnostics=(), progress=False,
+                     hp={"reward_bound": 0.01}, epochs=2, record=str(tmp_path / "x.h5")))
+    rec = load(str(tmp_path / "x.h5"))
+    S = 719 // 240
+    assert rec["step"].tolist() == list(range(1, 2 * S + 1))
+    assert rec["regret/reduce/rewards"].shape == (2 * S, 2, 5, 8)
+    assert (rec["regret/normal/regret"] <= rec["regret/normal/bound"] + 1e-6).all()
+    assert rec["regret/normal/alive"][-1].sum(-1).min() >= 1
+    assert np.isfinite(rec["scalars/search_val_acc"][np.flatnonzero(rec["valid/scalars/search_val_acc"])]).all()
