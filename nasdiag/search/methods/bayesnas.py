@@ -36,7 +36,7 @@ The genotype is the surviving mixed path: every op still switched on (``derive_m
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 from torch import nn
@@ -125,7 +125,10 @@ class BayesNAS(SearchMethod):
     def eval_weights(self) -> CellWeights:
         return self.forward_weights()
 
-    def active_ops(self) -> CellWeights:
+    def active_ops(self) -> Optional[CellWeights]:
+        """The ops still switched on, or None while nothing is pruned (the supernet's fast engine then applies)."""
+        if all(bool(m.all()) for m in self.alive.values()):
+            return None
         return {t: m.clone() for t, m in self.alive.items()}
 
     def probabilities(self) -> CellWeights:
