@@ -186,3 +186,20 @@ def test_two_gloo_ranks_equal_one_process_on_the_concatenated_batch(tmp_path):
         torch.testing.assert_close(distributed["grad"][t], g, rtol=1e-9, atol=1e-12)
     for name, p in net.named_parameters():
         torch.testing.assert_close(distributed["params"][name], p.detach(), rtol=1e-9, atol=1e-12, msg=name)
+
+
+@pytest.mark.slow  # a short search on digits
+def test_search_run_records_the_second_order_step(tmp_path):
+    import numpy as np
+
+    from nasdiag.record import load
+    from nasdiag.search import SearchConfig, run
+
+    run(SearchConfig(method="darts2", C=4, layers=3, steps=2, batch_size=240, diagnostics=("cost",), progress=False,
+                     epochs=1, record=str(tmp_path / "d2.h5")))
+    rec = load(str(tmp_path / "d2.h5"))
+    S = 719 // 240
+    assert rec["step"].tolist() == list(range(1, S + 1))
+    assert (rec["scalars/fd_eps"] > 0).all() and np.isfinite(rec["scalars/implicit_grad_norm"]).all()
+    last = np.flatnonzero(rec["valid/cost/normal/count"])[-1]
+    assert (rec["cost/normal/count"][last] == S).all()  # the val costs at w' feed the cost statistics
