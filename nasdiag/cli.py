@@ -116,9 +116,9 @@ def run_search(args) -> int:
 
 
 def list_methods(args) -> int:
-    from nasdiag.search.registry import methods  # the name `nasdiag.search.methods` is the built-ins' package
+    from nasdiag.search.registry import available_methods
 
-    for name, cls in methods().items():
+    for name, cls in available_methods().items():
         doc = (cls.__doc__ or "").strip().splitlines()
         print(f"{name}: {doc[0] if doc else cls.__qualname__}")
         for line in cls.Hyperparameters.describe().splitlines():

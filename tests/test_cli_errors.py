@@ -52,10 +52,10 @@ def finished(tmp_path_factory) -> Path:
 
 
 def _other_method_key():
-    from nasdiag.search.registry import methods
+    from nasdiag.search.registry import available_methods
 
-    darts = set(methods()["darts"].Hyperparameters.keys())
-    for name, cls in methods().items():
+    darts = set(available_methods()["darts"].Hyperparameters.keys())
+    for name, cls in available_methods().items():
         extra = sorted(set(cls.Hyperparameters.keys()) - darts)
         if extra:
             return name, extra[0]

@@ -11,7 +11,7 @@ from nasdiag.errors import ConfigError
 from nasdiag.record import load
 from nasdiag.search import SearchConfig, run
 from nasdiag.search.config import NORMS, ORDERS
-from nasdiag.search.run import Committed, epoch_batches
+from nasdiag.search.runner import Committed, epoch_batches
 
 TINY = dict(C=4, layers=3, steps=2, batch_size=240, diagnostics=("cost",), progress=False, threads=1)
 

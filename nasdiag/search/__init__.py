@@ -1,7 +1,7 @@
 """Search methods built on the supernet and the primitives; one module per method.
 
 - `SearchMethod`, `Schedule`, `Hyperparameters`, `hp`: the method contract (``docs/methods.md``).
-- `register`, `get_method`, `methods`: the registry; built-ins live in ``nasdiag/search/methods/``.
+- `register`, `get_method`, `available_methods`: the registry; built-ins live in ``nasdiag/search/methods/``.
 - `SearchConfig`, `run`, `SearchResult`: a whole search (data, device, DDP, record, checkpoint, resume).
 
 Names are imported on first use, so that ``nasdiag.search.config`` (what the CLI parses into) loads
@@ -13,7 +13,7 @@ import importlib
 _EXPORTS = {
     "Batch": "base", "CostStep": "base", "Schedule": "base", "SearchError": "base", "SearchMethod": "base",
     "accuracy": "base", "Hyperparameters": "hyperparameters", "hp": "hyperparameters", "get_method": "registry",
-    "methods": "registry", "register": "registry", "SearchConfig": "config", "SearchResult": "run", "run": "run",
+    "available_methods": "registry", "register": "registry", "SearchConfig": "config", "SearchResult": "runner", "run": "runner",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -110,6 +110,8 @@ class SearchMethod:
     Hyperparameters: ClassVar[type] = Hyperparameters
     #: attribute names of plain state (tensors, numbers) saved with the method, e.g. ("temperature",)
     state_attributes: ClassVar[Tuple[str, ...]] = ()
+    #: candidate op names of the supernet `nasdiag.search.run` builds for this method (None: DARTS's)
+    primitives: ClassVar[Optional[Tuple[str, ...]]] = None
     #: the α step takes the training batch (SNAS, DSNAS, ASM-NAS) rather than the validation batch
     single_level: ClassVar[bool] = False
     #: :meth:`step` may be captured once as a CUDA graph and replayed (``nasdiag.supernet.engine.graph``): no

@@ -53,7 +53,7 @@ def _load_builtins() -> None:
             importlib.import_module(f"{pkg.__name__}.{info.name}")
 
 
-def methods() -> Dict[str, Type]:
+def available_methods() -> Dict[str, Type]:
     """``{name: method class}`` of every registered method, built-ins first."""
     _load_builtins()
     return dict(_METHODS)
@@ -61,7 +61,7 @@ def methods() -> Dict[str, Type]:
 
 def get_method(name: str) -> Type:
     """The method class registered as ``name``; an unknown name raises `ConfigError` listing the known ones."""
-    available = methods()
+    available = available_methods()
     if name not in available:
         raise ConfigError(f"unknown method {name!r}; available: {', '.join(sorted(available))}")
     return available[name]

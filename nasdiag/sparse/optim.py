@@ -131,8 +131,9 @@ class AdamHAPG(_HierarchicalProximal):
             state["adam_t"] = 0
         state["adam_t"] += 1
         n = state["adam_t"]
-        state["m"].mul_(b1).add_(grad, alpha=1 - b1)
-        state["s"].mul_(b2).addcmul_(grad, grad, value=1 - b2)
+        # out of place: a state loaded from another optimizer's state_dict may share these tensors
+        state["m"] = b1 * state["m"] + (1 - b1) * grad
+        state["s"] = b2 * state["s"] + (1 - b2) * grad * grad
         eta = group["lr"] / (1 - b1**n) / ((state["s"] / (1 - b2**n)).sqrt() + group["eps"])
         return p - eta * state["m"], eta
 

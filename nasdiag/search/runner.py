@@ -385,7 +385,9 @@ def _run(config, callbacks, method_cls, hp, rank, world, device) -> SearchResult
     torch.manual_seed(config.seed)
     try:
         net = Network(config.C, splits.num_classes, config.layers, steps=config.steps, multiplier=config.cell_multiplier,
-                      in_channels=splits.in_channels, order=config.order, norm=config.norm).to(device=device, dtype=dtype)
+                      in_channels=splits.in_channels, order=config.order, norm=config.norm,
+                      **({"primitives": method_cls.primitives} if getattr(method_cls, "primitives", None) else {}),
+                      ).to(device=device, dtype=dtype)
     except (ValueError, KeyError) as exc:
         raise ConfigError(f"invalid supernet settings: {exc.args[0] if exc.args else exc}") from None
     _set_engine(net, config.engine)

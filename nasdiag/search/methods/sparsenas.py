@@ -1,0 +1,178 @@
+"""SparseNAS (Wu et al., AAAI 2021): a sparse supernet searched with hierarchical proximal optimization.
+
+Every edge mixes its candidate ops linearly, x_j = Σ_{i<j} Σ_o A_ij^o o(x_i) (sparse-supernet eq 1: no
+softmax, no ``none`` op), and A minimises the bilevel objective of eq 4 with the sparse-group-lasso
+penalty Ω_SGL(A) = λα‖A‖₁ + λ(1−α) Σ_n √|A_(n)| ‖A_(n)‖₂ (eq 2), where the group A_(n) of node n holds
+every weight of every edge entering n. A takes HAPG or AdamHAPG steps (eq 6–10, ``nasdiag.sparse``)
+on the second-order hypergradient of eq 11–13 (``nasdiag.search.unrolled``), which is composed from the
+cost primitive: with linear weights ∂L/∂A = C = ∂L/∂Z itself (wiring supplement §2). λ grows linearly
+over the epochs (the "pathwise" progressive sparsification of the paper's §Optimization, step 0.01).
+
+The derived architecture is the mixed path: every op whose weight is non-zero (``derive_mixed_genotype``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict
+
+import torch
+
+from nasdiag import vocabulary as V
+from nasdiag.search.base import Batch, SearchError, accuracy
+from nasdiag.search.hyperparameters import hp
+from nasdiag.search.methods.darts import DARTS
+from nasdiag.search.registry import register
+from nasdiag.search.unrolled import sgd_momentum_buffers, unrolled_gradient, weight_params
+from nasdiag.sparse import HAPG, AdamHAPG
+from nasdiag.supernet import DARTS_PRIMITIVES, derive_mixed_genotype
+
+
+
+@register("sparsenas")
+class SparseNAS(DARTS):
+    """SparseNAS with HAPG or AdamHAPG (``--hp optimizer=hapg|adamhapg``).
+
+    The w step is DARTS's (SGD, momentum 0.9, weight decay 3e-4, cosine from 0.025: the paper's CNN search
+    setting). Each :meth:`step` records what DARTS records plus ``sparsity/lambda``,
+    ``sparsity/<cell>/nonzero``, ``sparsity/<cell>/kept`` and ``arch/<cell>/weights`` = A.
+    """
+
+    graph_capturable = False  # the proximal step and the kept-op repair run eagerly
+
+    #: the paper's search space is DARTS's without the zero op (§Convolutional Neural Architecture Search)
+    primitives = tuple(p for p in DARTS_PRIMITIVES if p != "none")
+
+    @dataclass
+    class Hyperparameters(DARTS.Hyperparameters):
+        optimizer: str = hp("adamhapg", "Proximal optimizer of A: hapg or adamhapg (the paper's best, Table 1).",
+                            choices=("hapg", "adamhapg"))
+        hapg_lr: float = hp(0.025, "HAPG's initial step size η, cosine-annealed (sparse-supernet, CNN search setting).",
+                            low=0, low_open=True)
+        sgl_alpha: float = hp(0.5, "α of eq 2, balancing element (op) and group (node) sparsity (Table 5: 0.5 best).",
+                              low=0, high=1)
+        lambda_step: float = hp(0.01, "λ grows by this much per epoch, from λ = lambda_step in the first (Fig. 4: 0.01 chosen).",
+                                low=0)
+        first_order: bool = hp(False, "Use ∇_A l_val at the current w instead of the second-order hypergradient of eq 13.")
+        fd_eps_scale: float = hp(0.01, "r in ε = r/‖∇_w' l_val‖ of eq 13's finite difference (DARTS's 0.01).",
+                                 low=0, low_open=True)
+        init_scale: float = hp(1e-3, "A starts at 1/K + init_scale·N(0, 1) per op (uniform mixing; the paper does not say).",
+                               low=0)
+
+    def build(self) -> None:
+        h = self.hp
+        super().build()  # w optimizer and schedule; DARTS's Adam on α is replaced below
+        del self.alpha_optimizer
+        K = len(self.network.primitives)
+        with torch.no_grad():
+            for a in self.network.arch_parameters():
+                noise = torch.randn(a.shape, generator=self.generator, device=a.device, dtype=a.dtype)
+                a.copy_(1.0 / K + h.init_scale * noise)
+        groups = [self.node_groups(cell_type) for cell_type in self.network.alphas()]
+        params = [{"params": [a], "groups": [g], "lam": h.lambda_step, "alpha": h.sgl_alpha}
+                  for a, g in zip(self.network.arch_parameters(), groups)]
+        if h.optimizer == "hapg":
+            self.arch_optimizer = HAPG(params, lr=h.hapg_lr)
+            self.arch_scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(self.arch_optimizer, self.schedule.epochs)
+        else:
+            self.arch_optimizer = AdamHAPG(params, lr=h.alpha_lr, betas=tuple(h.alpha_betas))
+
+    def node_groups(self, cell_type: str) -> torch.Tensor:
+        """(E, K) group ids: every weight of an edge entering intermediate node n is in group n − 2 (eq 2)."""
+        A = self.network.alphas()[cell_type]
+        dst = torch.tensor([j for _, j in self.network.edge_nodes], device=A.device)
+        return (dst - 2).unsqueeze(1).expand(A.shape).contiguous()
+
+    @property
+    def lam(self) -> float:
+        """The current λ (the same for every cell type)."""
+        return float(self.arch_optimizer.param_groups[0]["lam"])
+
+    # -- relaxation ----------------------------------------------------------------------------------
+    def forward_weights(self) -> Dict[str, torch.Tensor]:
+        """A itself: the linear mixing of eq 1."""
+        return {t: a.detach() for t, a in self.network.alphas().items()}
+
+    def eval_weights(self) -> Dict[str, torch.Tensor]:
+        return self.forward_weights()
+
+    def probabilities(self) -> Dict[str, torch.Tensor]:
+        """|A| normalised per edge (E, K): each op's share of its edge, 0 for pruned ops."""
+        out = {}
+        for t, a in self.network.alphas().items():
+            m = a.detach().abs()
+            out[t] = m / m.sum(-1, keepdim=True).clamp_min(torch.finfo(m.dtype).tiny)
+        return out
+
+    def genotype(self):
+        net = self.network
+        return derive_mixed_genotype(self.forward_weights(), net.steps, net.multiplier, net.primitives)
+
+    # -- the A step --------------------------------------------------------------------------------
+    def arch_gradient(self, train_batch: Batch, val_batch: Batch) -> Dict[str, torch.Tensor]:
+        """``{cell type: (E, K)}`` ∇_A l_val (eq 11): the second-order estimate of eq 13 (or the first-order
+        one), computed without changing any state. The penalty enters through the proximal step, not here."""
+        A = self.forward_weights()
+        if self.hp.first_order:
+            result = self.cost(*val_batch, A, observe=False)
+            return dict(result.costs)
+        return self._unrolled(train_batch, val_batch, A).arch_grad
+
+    def _unrolled(self, train_batch, val_batch, A, observe_probe: bool = False):
+        group = self.w_optimizer.param_groups[0]
+        params = weight_params(self.network)
+        extra = {"val_context": (lambda: self._probe_recording(val_batch[1]))} if observe_probe else {}
+        return unrolled_gradient(self.network, train_batch, val_batch, A, lambda costs: dict(costs), xi=group["lr"],
+                                 momentum=group["momentum"], momentum_buffers=sgd_momentum_buffers(self.w_optimizer, params),
+                                 weight_decay=group["weight_decay"], eps_scale=self.hp.fd_eps_scale, **extra)
+
+    def arch_step(self, train_batch: Batch, val_batch: Batch) -> Dict[str, torch.Tensor]:
+        """One proximal step of A (eq 6–10) on the hypergradient, then no edge is left empty."""
+        A = self.forward_weights()
+        if self.hp.first_order:
+            result = self.cost(*val_batch, A)
+            grads, loss, logits = result.costs, result.loss, result.logits
+        else:
+            unrolled = self._unrolled(train_batch, val_batch, A, observe_probe=True)
+            self._observe_costs(unrolled.val.per_cell, None)
+            self._last_arch_batch = val_batch
+            grads, loss, logits = unrolled.arch_grad, unrolled.val.loss, unrolled.val.logits
+        if not torch.isfinite(loss):
+            raise SearchError(f"the search-val loss is {float(loss)}: lower the learning rates or check the data")
+        before = {t: a.detach().clone() for t, a in self.network.alphas().items()}
+        for cell_type, a in self.network.alphas().items():
+            a.grad = grads[cell_type].to(a.dtype)
+        self.arch_optimizer.step()
+        stats = {"scalars/val_loss": loss, "scalars/val_acc": accuracy(logits, val_batch[1]),
+                 "scalars/alpha_grad_norm": torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()]))}
+        with torch.no_grad():
+            for cell_type, a in self.network.alphas().items():
+                empty = (a == 0).all(-1)  # (E,)
+                strongest = before[cell_type].abs().argmax(-1, keepdim=True)
+                keep = torch.zeros_like(a, dtype=torch.bool).scatter_(-1, strongest, True) & empty.unsqueeze(-1)
+                a.copy_(torch.where(keep, before[cell_type], a))
+                stats[V.SPARSITY_KEPT.path(cell=cell_type)] = empty
+                stats[V.SPARSITY_NONZERO.path(cell=cell_type)] = a != 0
+        stats[V.SPARSITY_LAMBDA.path()] = torch.tensor(self.lam)
+        return stats
+
+    def step(self, train_batch: Batch, val_batch: Batch) -> Dict[str, torch.Tensor]:
+        stats = {"scalars/w_lr": torch.tensor(self.w_optimizer.param_groups[0]["lr"])}
+        stats.update(self.arch_step(train_batch, val_batch))
+        weights = self.forward_weights()
+        stats.update(self.weight_step(*train_batch, weights))
+        if not torch.isfinite(stats["scalars/train_loss"]):
+            raise SearchError(f"the search-train loss is {float(stats['scalars/train_loss'])}: lower the learning rates")
+        stats.update(self.arch_statistics(weights))
+        return stats
+
+    def epoch_end(self, epoch: int) -> None:
+        """Cosine schedules step; λ rises linearly: λ = lambda_step · (epochs done + 1)."""
+        self.scheduler.step()
+        if hasattr(self, "arch_scheduler"):
+            self.arch_scheduler.step()
+        for group in self.arch_optimizer.param_groups:
+            group["lam"] = self.hp.lambda_step * (epoch + 2)
+        if not math.isfinite(self.lam):
+            raise SearchError(f"λ became {self.lam}; use a smaller lambda_step")
