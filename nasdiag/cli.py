@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from nasdiag.errors import ConfigError, NasdiagError
-from nasdiag.search.config import DATASETS, DIAGNOSTICS, DTYPES, ENGINES, HESSIAN_MODES, NORMS, ORDERS, SearchConfig
+from nasdiag.search.config import DATASETS, DIAGNOSTICS, DTYPES, ENGINES, NORMS, ORDERS, SearchConfig
 
 EXIT_USAGE = 2
 EXIT_SIGINT, EXIT_SIGTERM = 130, 143
@@ -64,7 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default=d.dtype, choices=DTYPES)
     s.add_argument("--diagnostics", default=",".join(DIAGNOSTICS),
                    help=f"comma-separated, recorded each epoch: {', '.join(DIAGNOSTICS)}, or none (default: cost,hessian)")
-    s.add_argument("--hessian-mode", default=d.hessian_mode, choices=HESSIAN_MODES, help="mixing-weight Hessian diagonal")
+    s.add_argument("--hessian-mode", default=d.hessian_mode,
+                   help="mixing-weight curvature mode, one of nasdiag.hessian.ARCH_MODES (default: approx; see docs/hessian.md)")
     s.add_argument("--spectrum-every", type=int, default=0, metavar="K",
                    help="record the top α-Hessian eigenvalue every K steps (0: never)")
     s.add_argument("--engine", default=d.engine, choices=ENGINES, help="supernet execution engine")

@@ -23,7 +23,6 @@ DTYPES = ("float32", "float64")
 ORDERS = ("relu-conv-bn", "conv-bn-relu", "conv-relu-bn")
 NORMS = ("batch", "layer", "instance")
 DIAGNOSTICS = ("cost", "hessian")
-HESSIAN_MODES = ("approx", "diag", "exact")
 ENGINES = ("auto", "fast", "eager")
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
 
@@ -122,7 +121,9 @@ class SearchConfig:
         _choice("order", self.order, ORDERS, what="op stacking order")
         _choice("norm", self.norm, NORMS)
         _choice("engine", self.engine, ENGINES)
-        _choice("hessian_mode", self.hessian_mode, HESSIAN_MODES)
+        from nasdiag.hessian.modes import ARCH_MODES  # the modes are spelled once, next to the curvature engine
+
+        _choice("hessian_mode", self.hessian_mode, ARCH_MODES)
         for d in self.diagnostics:
             _choice("diagnostics", d, DIAGNOSTICS)
         for name, low in (("epochs", 1), ("batch_size", 1), ("seed", 0), ("C", 2), ("steps", 1), ("spectrum_every", 0)):
