@@ -17,6 +17,7 @@ def test_costs_on_cuda_equal_autograd_and_leave_the_step_unchanged(dtype):
     torch.manual_seed(0)
     net = Network.minimal(4, 5, 3, reductions=[1]).to("cuda", dtype)
     plain = copy.deepcopy(net)
+    plain.set_engine("eager")  # a probed step runs on the eager engine (docs/probe.md): compare like with like
     x = torch.randn(4, 3, 8, 8, device="cuda", dtype=dtype)
     y = torch.randint(0, 5, (4,), device="cuda")
     Z = [torch.softmax(torch.randn(net.num_edges, len(net.primitives), device="cuda", dtype=dtype), -1).requires_grad_()
