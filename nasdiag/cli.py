@@ -108,7 +108,7 @@ def run_search(args) -> int:
     result = run(search_config(args))
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
-    print(f"search-val accuracy of the supernet: {result.evaluation.get('acc', float('nan')):.4f}")
+    print(f"search-val accuracy (at the method's evaluation weights): {result.evaluation.get('acc', float('nan')):.4f}")
     print(f"genotype: {result.genotype}")
     print(f"record: {result.record}")
     if result.figures:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import itertools
+import math
 import os
 import tempfile
 import warnings
@@ -26,7 +27,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from nasdiag.errors import ConfigError, NasdiagError
-from nasdiag.search.base import Schedule, SearchMethod
+from nasdiag.search.base import SearchError, Schedule, SearchMethod
 from nasdiag.search.checkpoint import Checkpointer, load_checkpoint, set_rng_state, temp_path
 from nasdiag.search.config import SearchConfig, default_threads, differing_fields
 from nasdiag.search.registry import get_method
@@ -158,6 +159,7 @@ def search_loop(method: SearchMethod, splits, *, epochs: int, batch_size: int, s
     device, dtype = p.device, p.dtype
     keep = tuple(f"{d}/" for d in diagnostics)
     evaluation: Dict[str, float] = {}
+    step: Optional[int] = None
     try:
         start_epoch, position = divmod(start_step, S)
         for epoch in range(start_epoch, epochs):
@@ -186,7 +188,14 @@ def search_loop(method: SearchMethod, splits, *, epochs: int, batch_size: int, s
             method.epoch_end(epoch)
             for cb in callbacks:
                 cb.on_epoch_end(epoch, epoch_stats)
+            if not math.isfinite(evaluation["loss"]):  # checked once per epoch: no per-step host sync
+                raise SearchError(f"the search-val loss is {evaluation['loss']} after epoch {epoch}: the run diverged "
+                                  "(its rows are recorded, NaN flagged); lower the learning rates")
     except BaseException as exc:
+        failed = getattr(exc, "statistics", None)  # a method's SearchError carries the failing step's row (NaN loss)
+        if isinstance(exc, SearchError) and failed and step is not None:
+            for cb in callbacks:  # recorded, so the NaN is kept and flagged in the record, not lost with the run
+                cb.on_step_end(step, failed)
         for cb in callbacks:
             cb.on_exception(exc)
         raise
