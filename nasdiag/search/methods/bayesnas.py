@@ -44,7 +44,7 @@ from torch import nn
 from nasdiag import vocabulary as V
 from nasdiag.bayes import dependent_gamma, parent_matrix, prune, sparse_bayes_update
 from nasdiag.hessian import ARCH_MODES
-from nasdiag.search.base import Batch, CellWeights, SearchMethod, accuracy
+from nasdiag.search.base import Batch, CellWeights, SearchMethod, _mean_over_ranks, accuracy
 from nasdiag.search.hyperparameters import Hyperparameters, hp
 from nasdiag.search.registry import register
 from nasdiag.supernet import DARTS_PRIMITIVES, derive_mixed_genotype
@@ -162,7 +162,8 @@ class BayesNAS(SearchMethod):
         return {"scalars/train_loss": result.loss, "scalars/train_acc": accuracy(result.logits, y)}
 
     def mixing_curvature(self, x: torch.Tensor, y: torch.Tensor) -> CellWeights:
-        """Step 2: diag ∂²L/∂Z² (E, K) per cell type at the current Z, summed over the cells of the type (C.3)."""
+        """Step 2: diag ∂²L/∂Z² (E, K) per cell type at the current Z, summed over the cells of the type (C.3),
+        of the batch-mean cross-entropy."""
         from nasdiag.hessian import arch_diag_hessian
 
         net = self.network
@@ -173,7 +174,8 @@ class BayesNAS(SearchMethod):
         out = {t: torch.zeros_like(z) for t, z in weights.items()}
         for key, e in edges.items():
             out[e.cell_type][e.edge_index] += per_edge[key].detach().to(out[e.cell_type].dtype)
-        return out
+        # under DDP: the curvature of the global mean loss (rank mean), so every rank makes the same update
+        return dict(zip(out, _mean_over_ranks(list(out.values()))))
 
     def bayes_update(self, x: torch.Tensor, y: torch.Tensor) -> Dict[str, torch.Tensor]:
         """Steps 2-5: curvature, C/ω/s/γ, entropy pruning, w ← 1 on survivors."""
