@@ -21,7 +21,9 @@ def draws(seed, runs, steps, n, sigma):
     return biases, rewards
 
 
-def test_batched_runs_match_one_forecaster_per_run():
+def test_plumbing_batched_runs_match_one_forecaster_per_run():
+    """Plumbing: the vectorised Monte Carlo drives Forecaster/SoftmaxGD as one loop per run would (the
+    forecaster itself is checked against a literal Algorithm 1 in test_regret_forecaster/test_method_xnas)."""
     runs, steps, n, sigma, seed = 12, 40, 4, 1.5, 7
     out = simulate_gaussian_experts(n, sigma, runs, steps, generator=torch.Generator().manual_seed(seed))
     biases, rewards = draws(seed, runs, steps, n, sigma)
