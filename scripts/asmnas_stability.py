@@ -19,6 +19,8 @@ seeds (the paper reports one run) to show the spread of genotypes and accuracies
 
     python scripts/asmnas_stability.py --out runs/asmnas_stability
     python scripts/asmnas_stability.py --out runs/asmnas_stability --plot-only
+
+Defaults: 3 min 19 s wall with ``--threads 1`` on the shared 2-core box at load ≈ 8 (62 CPU-s; BENCHMARKS.md).
 """
 
 from __future__ import annotations
