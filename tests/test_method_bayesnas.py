@@ -32,7 +32,7 @@ def batches(n, seed=1):
 
 
 def test_update_follows_the_closed_forms_on_the_engines_curvature():
-    m = make(update_every=1, init_gamma=0.5)
+    m = make(update_every=1, init_gamma=0.5, reset_w=True)
     (train, val), = batches(1)
     # the curvature the update will use: nasdiag.hessian through SearchMethod.curvature at the same Z
     m.hessian_mode = "approx"
