@@ -144,14 +144,14 @@ def test_bad_hyperparameters_are_one_line():
         assert "\n" not in str(err.value)
 
 
-@pytest.mark.slow
 def test_a_short_run(tmp_path):
+    # one torch thread: two spinning threads on the shared 2-core box made this run 500 s instead of 7 s
     from nasdiag.record import load
     from nasdiag.search.config import SearchConfig
     from nasdiag.search.runner import run
 
     cfg = SearchConfig(method="bayesnas", dataset="synthetic", epochs=1, batch_size=16, C=4, layers=3, steps=2,
-                       multiplier=2, record=str(tmp_path / "b.h5"), figures=None, diagnostics=(), progress=False)
+                       multiplier=2, record=str(tmp_path / "b.h5"), figures=None, diagnostics=(), progress=False, threads=1)
     result = run(cfg)
     rec = load(result.record)
     assert rec["bayes/normal/gamma"].shape[1:] == (5, 7) and rec["bayes/updated"][-1]
