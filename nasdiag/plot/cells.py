@@ -120,14 +120,17 @@ def draw_cell(ax, genes: Sequence[Gene], steps: int, concat: Optional[Sequence[i
         # arrows that pass other nodes bow away from the middle line (up from upper sources, down from
         # lower ones), the more the more nodes they pass; arc3's rad < 0 bends a left-to-right arrow up
         skips = (j - i - 1) if i >= 2 else (j - 2)
-        rad = 0.0 if skips == 0 else -(0.1 + 0.07 * skips) * (1 if y1 > 0 else -1)
+        # (enough that an arrow from c_{k-2} to node 1 clears node 0 instead of seeming to leave it)
+        rad = 0.0 if skips == 0 else -(0.25 + 0.08 * skips) * (1 if y1 > 0 else -1)
         ax.add_patch(FancyArrowPatch((x1, y1), (x2, y2), connectionstyle=f"arc3,rad={rad}", arrowstyle="-|>",
                                      mutation_scale=7, lw=0.8, color="#555555", shrinkA=10, shrinkB=10, zorder=2))
-        # the label sits on the arc (matplotlib's arc3 is a quadratic Bézier with control point c) at
-        # t = 0.42: a little towards the source, so labels of arrows converging on one node separate
+        # the label sits on the arc (matplotlib's arc3 is a quadratic Bézier with control point c): at
+        # t = 0.42 on arrows between neighbours (a little towards the source, so labels of arrows
+        # converging on one node separate), further along on arrows that pass other nodes, so labels of
+        # arrows leaving one node separate too
         dx, dy = x2 - x1, y2 - y1
         cx, cy = (x1 + x2) / 2 + rad * dy, (y1 + y2) / 2 - rad * dx
-        t = 0.42
+        t = 0.42 if skips == 0 else 0.62
         mx = (1 - t) ** 2 * x1 + 2 * t * (1 - t) * cx + t**2 * x2
         my = (1 - t) ** 2 * y1 + 2 * t * (1 - t) * cy + t**2 * y2
         angle = math.degrees(math.atan2((1 - t) * (cy - y1) + t * (y2 - cy), (1 - t) * (cx - x1) + t * (x2 - cx)))
