@@ -276,7 +276,7 @@ class SearchMethod:
         grads = [torch.zeros_like(z) if g is None else g for z, g in zip(leaves, grads)]
         if observe:
             self._observe_costs(grads, active)
-        grads = _mean_over_ranks(grads)
+        grads = mean_over_ranks(grads)
         costs: CellWeights = {}
         for cell, g in zip(self.network.cells, grads):
             costs[cell.cell_type] = costs[cell.cell_type] + g if cell.cell_type in costs else g
@@ -468,7 +468,9 @@ class SearchMethod:
             setattr(self, k, v)
 
 
-def _mean_over_ranks(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+def mean_over_ranks(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+    """The tensors averaged over the ranks of the default process group (one all-reduce of a flat buffer);
+    unchanged without one. Every rank must call it with tensors of the same shapes."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:

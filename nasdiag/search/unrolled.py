@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from nasdiag.search.base import Batch, CellWeights, SearchError, _mean_over_ranks
+from nasdiag.search.base import Batch, CellWeights, SearchError, mean_over_ranks
 
 Params = Dict[str, torch.Tensor]
 #: maps the step's costs {cell type: (E, K)} (summed over the cells of a type) to ∇_α {cell type: (E, K)}
@@ -119,7 +119,7 @@ def functional_cost(network, params: Mapping[str, torch.Tensor], buffers: Mappin
         loss = nn.functional.cross_entropy(logits, y)
         inputs = leaves + (w_leaves if weight_grads else [])
         grads = list(torch.autograd.grad(loss, inputs, allow_unused=True))
-    grads = _mean_over_ranks([torch.zeros_like(t) if g is None else g for t, g in zip(inputs, grads)])
+    grads = mean_over_ranks([torch.zeros_like(t) if g is None else g for t, g in zip(inputs, grads)])
     per_cell = grads[: len(leaves)]
     costs: CellWeights = {}
     for cell, g in zip(network.cells, per_cell):

@@ -45,7 +45,7 @@ from torch import nn
 from nasdiag import vocabulary as V
 from nasdiag.bayes import dependent_gamma, parent_matrix, prune, sparse_bayes_update
 from nasdiag.hessian import ARCH_MODES
-from nasdiag.search.base import Batch, CellWeights, SearchMethod, _mean_over_ranks, accuracy
+from nasdiag.search.base import Batch, CellWeights, SearchMethod, mean_over_ranks, accuracy
 from nasdiag.search.hyperparameters import Hyperparameters, hp
 from nasdiag.search.registry import register
 from nasdiag.supernet import DARTS_PRIMITIVES, derive_mixed_genotype
@@ -178,7 +178,7 @@ class BayesNAS(SearchMethod):
         for key, e in edges.items():
             out[e.cell_type][e.edge_index] += per_edge[key].detach().to(out[e.cell_type].dtype)
         # under DDP: the curvature of the global mean loss (rank mean), so every rank makes the same update
-        return dict(zip(out, _mean_over_ranks(list(out.values()))))
+        return dict(zip(out, mean_over_ranks(list(out.values()))))
 
     def bayes_update(self, x: torch.Tensor, y: torch.Tensor) -> Dict[str, torch.Tensor]:
         """Steps 2-5: curvature, C/ω/s/γ, entropy pruning, w ← 0 on pruned ops (← 1 on survivors with ``reset_w``)."""
