@@ -316,7 +316,7 @@ def run_ddp(args):
     results = {}
     import nasdiag.search.base as search_base
 
-    all_reduce = search_base._mean_over_ranks
+    all_reduce = search_base.mean_over_ranks
     for label, distributed in (("1 process", False), (f"{world} processes (DDP)", True)):
         base = make_net(args, device, dtype)
         data = batches(args, device, dtype, args.batch)
@@ -326,11 +326,11 @@ def run_ddp(args):
         fn = step_fn(m, data, False)
         if distributed or rank == 0:
             # the one-process baseline must not all-reduce its costs with a rank that is not stepping
-            search_base._mean_over_ranks = all_reduce if distributed else (lambda tensors: tensors)
+            search_base.mean_over_ranks = all_reduce if distributed else (lambda tensors: tensors)
             try:
                 t = timed(device, fn, args.steps, args.warmup)
             finally:
-                search_base._mean_over_ranks = all_reduce
+                search_base.mean_over_ranks = all_reduce
             results[label] = t
             print(f"rank {rank}: {label} {t * 1e3:.1f} ms", flush=True)
         dist.barrier()
