@@ -400,6 +400,8 @@ def why_not_fast(net: nn.Module, x: torch.Tensor, per_cell: Sequence[torch.Tenso
         return "the supernet is in eval mode (each edge's BatchNorm uses its own running statistics)"
     if active is not None:
         return "an active-ops mask is given"
+    if any(not isinstance(w, torch.Tensor) for w in per_cell):
+        return "mixing weights are given per edge (a sequence of tensors per cell)"
     if any(w.dim() != 2 for w in per_cell):
         return "mixing weights are given per sample"
     transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None)
@@ -411,7 +413,17 @@ def why_not_fast(net: nn.Module, x: torch.Tensor, per_cell: Sequence[torch.Tenso
         return str(exc)
     if _cell_modules_hooked(net):
         return "hooks are registered on the cells' modules (a probe or a Hessian rule)"
+    if _running_statistics_off(net):
+        return "BatchNorm running statistics are off (track_running_stats=False or momentum=None after the plan was built)"
     return None
+
+
+def _running_statistics_off(net: nn.Module) -> bool:
+    # The plan checks each BatchNorm when it is built; a flag switched afterwards (nasdiag.hessian's
+    # batch_statistics_only does so around exact Hessian products) would make it update buffers that are off.
+    mods = net.__dict__["_fast_plans"][2]
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) and (not m.track_running_stats or m.momentum is None)
+               for m in mods)
 
 
 def fast_forward(net: nn.Module, x: torch.Tensor, per_cell: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -423,7 +435,8 @@ def fast_forward(net: nn.Module, x: torch.Tensor, per_cell: Sequence[torch.Tenso
     return net.classifier(net.global_pooling(s1).flatten(1))
 
 
-_QUIET_UNDER_AUTO = ("hooks are registered", "the supernet is in eval mode", "a torch.func transform")
+_QUIET_UNDER_AUTO = ("hooks are registered", "the supernet is in eval mode", "a torch.func transform",
+                     "BatchNorm running statistics are off")
 
 
 def resolve(net: nn.Module, x: torch.Tensor, per_cell: Sequence[torch.Tensor], active=None) -> bool:
