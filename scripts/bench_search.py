@@ -6,7 +6,7 @@ Rows (each engine on its own copy of the same initial supernet, the same batches
 * ``darts``: one first-order DARTS iteration (α step + w step), cost statistics recorded every α step:
   eager (the reference: one module per op, a loop over edges), eager + CUDA graph, fast (batched ops, no
   graph), fast + CUDA graph (the default on CUDA); and fast + graph with the cost statistics switched off;
-* ``darts2``: the second-order iteration, eager and fast (its step is not captured);
+* ``darts2``: the second-order iteration, eager, fast and fast + CUDA graph;
 * ``fwdbwd``: forward + backward with per-cell Z leaves (the cost primitive), eager and fast;
 * ``hessian``: the α diagonal (``approx``, ``diag``) and the weight diagonal (``approx``, ``diag``),
   against a fast forward+backward;
@@ -15,7 +15,8 @@ Rows (each engine on its own copy of the same initial supernet, the same batches
 * ``scaling``: fast + graph iteration over batch 32–256 and C 16–36.
 
 ``--ddp`` (under ``torchrun --nproc_per_node=N``) times the fast engine data-parallel at per-rank batch
-``--batch`` and prints the throughput relative to one process.
+``--batch`` (captured with the gradient all-reduce inside the graph, uncaptured, and under the
+``DistributedDataParallel`` wrapper) and prints the throughput relative to one process.
 
 Examples::
 
@@ -121,19 +122,35 @@ def step_fn(method, data, graph: bool):
     return lambda i: step(*data[i % len(data)])
 
 
+def depthwise_layout(fn, channels_last: bool):
+    """``fn`` with the fast engine's depthwise convolutions in channels_last (its default on CUDA) or NCHW."""
+    from nasdiag.supernet.engine import fast
+
+    def run(i):
+        before = fast.DEPTHWISE_CHANNELS_LAST
+        fast.DEPTHWISE_CHANNELS_LAST = channels_last
+        try:
+            return fn(i)
+        finally:
+            fast.DEPTHWISE_CHANNELS_LAST = before
+
+    return run
+
+
 # -- sections ---------------------------------------------------------------------------------------------
 def section_darts(args, device, dtype, base):
     data = batches(args, device, dtype, args.batch)
-    variants = [("eager", "eager", False), ("eager + CUDA graph", "eager", True), ("fast (batched ops)", "fast", False),
-                ("fast + CUDA graph", "fast", True)]
+    variants = [("eager", "eager", False, True), ("eager + CUDA graph", "eager", True, True),
+                ("fast (batched ops)", "fast", False, True), ("fast + CUDA graph", "fast", True, True),
+                ("fast + graph, NCHW depthwise", "fast", True, False)]
     if device.type != "cuda":
         variants = [v for v in variants if not v[2]]
     ref = None
     times = {}
-    for label, engine, graph in variants:
+    for label, engine, graph, channels_last in variants:
         net = copy.deepcopy(base)
         m = darts_method(net, engine)
-        fn = step_fn(m, data, graph)
+        fn = depthwise_layout(step_fn(m, data, graph), channels_last)
         steps = args.eager_steps if engine == "eager" and not graph else args.steps
         t = timed(device, fn, steps, args.warmup)
         mem = peak(device, lambda: fn(0))
@@ -170,13 +187,19 @@ def section_darts2(args, device, dtype, base):
         return
     data = batches(args, device, dtype, args.batch)
     ref = None
-    for label, engine in (("eager", "eager"), ("fast (batched ops)", "fast")):
+    variants = [("eager", "eager", False), ("fast (batched ops)", "fast", False), ("fast + CUDA graph", "fast", True)]
+    for label, engine, graph in variants if device.type == "cuda" else variants[:2]:
         net = copy.deepcopy(base)
         m = darts_method(net, engine, DARTS2)
-        fn = step_fn(m, data, False)
-        t = timed(device, fn, max(2, args.eager_steps // 2), 1)
+        fn = step_fn(m, data, graph)
+        if graph:
+            t = timed(device, fn, args.steps // 2, args.warmup)
+            mem = peak(device, lambda: fn(0))
+        else:
+            t, mem = timed(device, fn, max(2, args.eager_steps // 2), 1), None
         ref = ref or t
-        record("darts2", "2nd-order iteration (unrolled α step + w step)", label, t, ref)
+        record("darts2", "2nd-order iteration (unrolled α step + w step)", label, t, ref, mem)
+        del m, net, fn
 
 
 def _fwd_bwd(net, x, y):
@@ -317,28 +340,47 @@ def run_ddp(args):
     import nasdiag.search.base as search_base
 
     all_reduce = search_base.mean_over_ranks
-    for label, distributed in (("1 process", False), (f"{world} processes (DDP)", True)):
+    # (label, processes, path): "graph" is the default path (fast engine, step captured, the weight gradients
+    # averaged inside the graph), "plain" the same uncaptured, "ddp" the DistributedDataParallel wrapper with
+    # find_unused_parameters=True that every method used before (no graph under it)
+    variants = [("1 process, fast + graph", False, "graph"), ("1 process, fast, no graph", False, "plain"),
+                (f"{world} processes, fast + graph", True, "graph"), (f"{world} processes, fast, no graph", True, "plain"),
+                (f"{world} processes, DDP wrapper", True, "ddp")]
+    for label, distributed, path in variants:
         base = make_net(args, device, dtype)
         data = batches(args, device, dtype, args.batch)
         m = darts_method(base, "fast")
         if distributed:
             m.distribute(device_ids=[device.index] if device.type == "cuda" else None)
-        fn = step_fn(m, data, False)
+            if path == "ddp":
+                m._gradient_group = None
+                m.model = torch.nn.parallel.DistributedDataParallel(
+                    m.network, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=True)
+        fn = step_fn(m, data, False) if path != "graph" else (lambda i, m=m: m.step(*data[i % len(data)]))
         if distributed or rank == 0:
             # the one-process baseline must not all-reduce its costs with a rank that is not stepping
             search_base.mean_over_ranks = all_reduce if distributed else (lambda tensors: tensors)
             try:
-                t = timed(device, fn, args.steps, args.warmup)
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    t = timed(device, fn, args.steps, args.warmup)
             finally:
                 search_base.mean_over_ranks = all_reduce
-            results[label] = t
-            print(f"rank {rank}: {label} {t * 1e3:.1f} ms", flush=True)
+            counts = getattr(m.step, "counts", {}) if path == "graph" else {}
+            results[label] = (t, counts, [str(w.message) for w in caught][:2])
+            print(f"rank {rank}: {label} {t * 1e3:.1f} ms {counts} {results[label][2]}", flush=True)
         dist.barrier()
+        del m, base, fn
     if rank == 0:
-        t1, tn = results["1 process"], results[f"{world} processes (DDP)"]
-        record("ddp", f"fast iteration, per-rank batch {args.batch}", "1 process", t1, t1, note="no graph (the DDP path)")
-        record("ddp", f"fast iteration, per-rank batch {args.batch}", f"{world} processes (DDP)", tn,
-               note=f"throughput {world * t1 / tn:.2f}× one process (target ≥ 1.8× on 2)")
+        for path, key in (("graph", "1 process, fast + graph"), ("plain", "1 process, fast, no graph")):
+            one = results[key]
+            record("ddp", f"fast iteration, per-rank batch {args.batch}", f"1 process ({path})", one[0], one[0],
+                   note=str(one[1]))
+        t1 = results["1 process, fast + graph"][0]
+        for label, (tn, counts, _) in results.items():
+            if not label.startswith("1 process"):
+                record("ddp", f"fast iteration, per-rank batch {args.batch}", label, tn,
+                       note=f"throughput {world * t1 / tn:.2f}× one process with graph (target ≥ 1.8× on 2) {counts}")
     dist.destroy_process_group()
 
 

@@ -89,3 +89,22 @@ def test_graphed_darts_steps_equal_eager_float64_and_recapture_on_shape_change()
     for k in da:
         if k.startswith("cost/"):
             assert (da[k].double() - db[k].double()).nan_to_num().abs().max().item() < 1e-8, k
+
+
+def test_graphed_darts2_steps_equal_eager_float64():
+    """Second-order DARTS captured whole (five forwards, the finite difference with ε on the device, both
+    optimizer steps) against the eager engine, in float64 on the GPU, over steps that replay the graph."""
+    from nasdiag.search.methods.darts2 import DARTS2
+
+    ref = DARTS2(_net("eager").double(), schedule=Schedule(epochs=2, steps_per_epoch=8))
+    graphed = DARTS2(_net("auto").double(), schedule=Schedule(epochs=2, steps_per_epoch=8))
+    assert isinstance(graphed.step, StepGraph)
+    for i, (train, val) in enumerate(_batches([12] * 5)):
+        train, val = (train[0].double(), train[1]), (val[0].double(), val[1])
+        a, b = ref.step(train, val), graphed.step(train, val)
+        for k in a:
+            assert (a[k].double() - b[k].double()).abs().max().item() < 1e-8, (i, k)
+    assert graphed.step.counts == {"replay": 3, "capture": 1, "eager": 1, "plain": 0}, graphed.step.counts
+    sa = [p.detach() for p in ref.network.parameters()] + list(ref.network.buffers())
+    sb = [p.detach() for p in graphed.network.parameters()] + list(graphed.network.buffers())
+    assert max((x - y).abs().max().item() for x, y in zip(sa, sb)) < 1e-8

@@ -203,3 +203,40 @@ def test_search_run_records_the_second_order_step(tmp_path):
     assert (rec["scalars/fd_eps"] > 0).all() and np.isfinite(rec["scalars/implicit_grad_norm"]).all()
     last = np.flatnonzero(rec["valid/cost/normal/count"])[-1]
     assert (rec["cost/normal/count"][last] == S).all()  # the val costs at w' feed the cost statistics
+
+
+def test_unrolled_step_reads_no_device_value_while_a_graph_is_captured(monkeypatch):
+    """The hypergradient can be captured as a CUDA graph: with the host-side checks off (as during a
+    capture), no op copies a device scalar to the host (``aten._local_scalar_dense``: ``float(t)``,
+    ``if t:``, ``t.item()``), and the result is bit-identical to the checked one (ε is a device tensor)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import nasdiag.search.unrolled as unrolled
+
+    torch.manual_seed(3)
+    net = Network(4, 5, 3, steps=2, multiplier=2, in_channels=1, alpha_init_scale=1.0).double()  # fast engine
+    g = torch.Generator().manual_seed(4)
+    batch = lambda: (torch.randn(6, 1, 8, 8, generator=g, dtype=torch.float64), torch.randint(0, 5, (6,), generator=g))
+    train, val = batch(), batch()
+    method = method_for(net)
+    method.step(train, val)  # the momentum buffers exist, as at any capture (the first step runs uncaptured)
+    checked = method.arch_gradient(train, val)
+
+    class HostReads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    with HostReads() as reads:  # the same call with the checks on reads the device (the test can fail)
+        method.arch_gradient(train, val)
+    assert reads.count > 0
+    monkeypatch.setattr(unrolled, "host_checks_allowed", lambda: False)
+    with HostReads() as reads:
+        captured = method.arch_gradient(train, val)
+    assert reads.count == 0
+    for t in checked:
+        assert torch.equal(captured[t], checked[t]), t

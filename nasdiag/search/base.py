@@ -118,6 +118,11 @@ class SearchMethod:
     #: host synchronisation, no Python state that changes per step, no random numbers. Read from the class's
     #: own ``__dict__``, so a subclass that changes the step must opt in again.
     graph_capturable: ClassVar[bool] = False
+    #: data parallelism without the ``DistributedDataParallel`` wrapper: the method's weight step calls
+    #: :meth:`average_weight_gradients` after its backward (one all-reduce of a flat buffer, which a captured
+    #: step records too). For methods whose weight steps compute every op (no unused weights that depend on
+    #: the data). Read from the class's own ``__dict__``, like ``graph_capturable``.
+    averages_own_gradients: ClassVar[bool] = False
 
     def __init__(self, network, hp: Optional[Hyperparameters] = None, *, schedule: Schedule, probe=None,
                  hessian_mode: Optional[str] = None, seed: int = 0):
@@ -136,6 +141,8 @@ class SearchMethod:
         self.hessian_mode = hessian_mode
         #: what the training forwards call: the network, or its DistributedDataParallel wrapper
         self.model: nn.Module = self.network
+        #: the process group whose ranks :meth:`average_weight_gradients` averages over (set by :meth:`distribute`)
+        self._gradient_group = None
         device = next(self.network.parameters()).device
         #: the method's random source (samples, noise); saved with its state so resume is exact
         self.generator = torch.Generator(device=device).manual_seed(int(seed) + 7919)
@@ -422,14 +429,36 @@ class SearchMethod:
     def distribute(self, device_ids=None) -> None:
         """Train data-parallel across the ranks of the initialised default process group.
 
-        Forwards that train w go through ``DistributedDataParallel`` (gradients of w averaged at every
-        backward); architecture updates use costs averaged over ranks by :meth:`cost`.
+        Every rank starts from rank 0's parameters and buffers. Methods with ``averages_own_gradients``
+        (DARTS, darts2) keep the plain network: their weight step averages ∂L/∂w itself
+        (:meth:`average_weight_gradients`), so the step, collectives included, can be captured as one CUDA
+        graph. Other methods' weight forwards go through ``DistributedDataParallel`` with
+        ``find_unused_parameters=True`` (ops that are not computed leave weights without a gradient).
+        Architecture updates use costs averaged over ranks by :meth:`cost` either way.
         """
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
             raise SearchError("distribute() needs torch.distributed.init_process_group() first (e.g. launch with torchrun)")
+        if type(self).__dict__.get("averages_own_gradients", False):
+            with torch.no_grad():
+                for t in list(self.network.parameters()) + list(self.network.buffers()):
+                    dist.broadcast(t, 0)  # what DDP's constructor does
+            self._gradient_group = dist.group.WORLD
+            return
         self.model = nn.parallel.DistributedDataParallel(self.network, device_ids=device_ids, find_unused_parameters=True)
+
+    def average_weight_gradients(self) -> None:
+        """Average the weights' ``.grad`` over the ranks after :meth:`distribute` (a no-op before it): one
+        all-reduce of a flat buffer, no host synchronisation. Weights without a gradient (on every rank: the
+        code path, not the data, decides which) are left without one, as DDP leaves globally unused ones."""
+        if self._gradient_group is None:
+            return
+        grads = [p.grad for p in self.network.weight_parameters() if p.grad is not None]
+        if not grads:
+            return
+        averaged = mean_over_ranks(grads)
+        torch._foreach_copy_(grads, averaged)
 
     # -- state -----------------------------------------------------------------------------------------
     _NOT_STATE = ("network", "model", "probe", "hp", "schedule")

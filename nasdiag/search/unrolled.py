@@ -27,6 +27,7 @@ so each rank computes the hypergradient of the global-batch losses, identical on
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable, ContextManager, Dict, List, Mapping, Optional, Tuple
@@ -72,7 +73,8 @@ class UnrolledGradient:
         val: the forward at w' on the validation batch (its costs feed the cost statistics).
         train_loss: L_train(w, α) of the unrolled step, 0-dim.
         xi: ξ, the unrolled step's learning rate.
-        eps: ε = r / ‖∇_{w'} L_val‖ (inf where that gradient is zero: then ``implicit`` is 0).
+        eps: 0-dim tensor on the device, ε = r / ‖∇_{w'} L_val‖ (inf where that gradient is zero: then
+            ``implicit`` is 0). A tensor, not a float: reading it would synchronise the host with the device.
     """
 
     arch_grad: CellWeights
@@ -81,7 +83,7 @@ class UnrolledGradient:
     val: FunctionalCost
     train_loss: torch.Tensor
     xi: float
-    eps: float
+    eps: torch.Tensor
 
 
 def weight_params(network) -> Params:
@@ -150,8 +152,15 @@ def unrolled_weights(params: Mapping[str, torch.Tensor], train_grads: Mapping[st
     return out
 
 
+def host_checks_allowed() -> bool:
+    """False while a CUDA graph is being captured: a check that reads a device value (``float(t)``,
+    ``if t:``) would synchronise and break the capture. A replayed step cannot raise; its NaN statistics
+    are recorded and the run's per-epoch check stops it."""
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
 def _check_finite(what: str, loss: torch.Tensor) -> None:
-    if not torch.isfinite(loss):
+    if host_checks_allowed() and not torch.isfinite(loss):
         raise SearchError(f"the {what} loss is {float(loss)}: the unrolled step cannot continue "
                           "(lower the learning rates or check the data)")
 
@@ -197,17 +206,18 @@ def unrolled_gradient(network, train_batch: Batch, val_batch: Batch, weights: Ce
 
     v = val.weight_grads
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in v.values()]))
-    if float(norm) == 0.0:  # no direction to differentiate along: the mixed term vanishes
-        implicit = {t: torch.zeros_like(g) for t, g in val_grad.items()}
-        eps = float("inf")
-    else:
-        eps = float(eps_scale / norm)
-        plus = {n: w + eps * v[n] for n, w in params.items()}
-        minus = {n: w - eps * v[n] for n, w in params.items()}
-        c_plus = functional_cost(network, plus, buffers(), x_t, y_t, weights, active=active)
-        c_minus = functional_cost(network, minus, buffers(), x_t, y_t, weights, active=active)
-        g_plus, g_minus = arch_grad(c_plus.costs), arch_grad(c_minus.costs)
-        # the divisor is (2 * eps): `/ 2.*eps` would multiply by eps
-        implicit = {t: (g_plus[t] - g_minus[t]) / (2.0 * eps) for t in g_plus}
+    # ε stays on the device (no host sync, so the step can be captured as a CUDA graph). Where v = 0 there is
+    # no direction to differentiate along: the mixed term vanishes (ε = inf, w± = w, implicit = 0).
+    nonzero = norm > 0
+    eps = torch.where(nonzero, eps_scale / norm, torch.full_like(norm, math.inf))
+    step = torch.where(nonzero, eps, torch.zeros_like(norm))
+    plus = {n: w + step * v[n] for n, w in params.items()}
+    minus = {n: w - step * v[n] for n, w in params.items()}
+    c_plus = functional_cost(network, plus, buffers(), x_t, y_t, weights, active=active)
+    c_minus = functional_cost(network, minus, buffers(), x_t, y_t, weights, active=active)
+    g_plus, g_minus = arch_grad(c_plus.costs), arch_grad(c_minus.costs)
+    # the divisor is (2 * eps): `/ 2.*eps` would multiply by eps
+    implicit = {t: torch.where(nonzero, (g_plus[t] - g_minus[t]) / (2.0 * eps), torch.zeros_like(g_plus[t]))
+                for t in g_plus}
     hyper = {t: val_grad[t] - xi * implicit[t] for t in val_grad}
     return UnrolledGradient(hyper, val_grad, implicit, val, train.loss, float(xi), eps)

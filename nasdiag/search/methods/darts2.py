@@ -20,7 +20,8 @@ from nasdiag.search.base import Batch, SearchError, accuracy
 from nasdiag.search.hyperparameters import hp
 from nasdiag.search.methods.darts import DARTS
 from nasdiag.search.registry import register
-from nasdiag.search.unrolled import UnrolledGradient, sgd_momentum_buffers, unrolled_gradient, weight_params
+from nasdiag.search.unrolled import (UnrolledGradient, host_checks_allowed, sgd_momentum_buffers, unrolled_gradient,
+                                     weight_params)
 
 
 @register("darts2")
@@ -33,6 +34,11 @@ class DARTS2(DARTS):
     ``scalars/fd_eps`` (ε), ``scalars/unrolled_train_loss`` (L_train at w) and
     ``scalars/implicit_grad_norm`` (‖ξ·[∇_α L_train(w⁺) − ∇_α L_train(w⁻)]/(2ε)‖).
     """
+
+    # Capture-safe: ε stays on the device and the finiteness checks are skipped while capturing
+    # (``unrolled.host_checks_allowed``); every op is computed, so the weight step averages its own gradients.
+    graph_capturable = True
+    averages_own_gradients = True
 
     @dataclass
     class Hyperparameters(DARTS.Hyperparameters):
@@ -71,14 +77,14 @@ class DARTS2(DARTS):
         return {"scalars/val_loss": result.val.loss, "scalars/val_acc": accuracy(result.val.logits, y),
                 "scalars/alpha_grad_norm": grad_norm, "scalars/implicit_grad_norm": implicit_norm,
                 "scalars/unrolled_train_loss": result.train_loss,
-                "scalars/fd_eps": torch.tensor(result.eps if math.isfinite(result.eps) else math.nan)}
+                "scalars/fd_eps": torch.where(torch.isfinite(result.eps), result.eps, torch.full_like(result.eps, math.nan))}
 
     def step(self, train_batch: Batch, val_batch: Batch) -> Dict[str, torch.Tensor]:
         stats = {"scalars/w_lr": torch.tensor(self.w_optimizer.param_groups[0]["lr"])}
         stats.update(self.alpha_step(train_batch, val_batch))
         weights = self.forward_weights()
         stats.update(self.weight_step(*train_batch, weights))
-        if not torch.isfinite(stats["scalars/train_loss"]):
+        if host_checks_allowed() and not torch.isfinite(stats["scalars/train_loss"]):
             raise SearchError(f"the search-train loss is {float(stats['scalars/train_loss'])} after the α step: "
                               "lower the learning rates or check the data")
         stats.update(self.arch_statistics(weights))
