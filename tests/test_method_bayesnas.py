@@ -64,10 +64,70 @@ def test_update_follows_the_closed_forms_on_the_engines_curvature():
         torch.testing.assert_close(w, alive.double())
 
 
+def test_energy_curvature_is_the_summed_loss_hessian_over_lambda_w():
+    """The update's H (A.3.2) is diag ∇∇(E_D/λ_w) with E_D the batch's summed cross-entropy (Proposition 2,
+    A.3.1 vs A.2.12), per cell's own Z summed over the cells of a type: against autograd, float64."""
+    lam = 0.02
+    m = make(hessian_mode="exact_per_edge", lambda_w=lam)
+    (train, _), = batches(1)
+    x, y = train
+    net = m.network
+    weights = m.forward_weights()
+    leaves = [weights[c.cell_type].clone().requires_grad_(True) for c in net.cells]
+    energy = torch.nn.functional.cross_entropy(net(x, leaves), y, reduction="sum") / lam
+    grads = torch.autograd.grad(energy, leaves, create_graph=True)
+    want = {t: torch.zeros_like(z) for t, z in weights.items()}
+    for cell, leaf, g in zip(net.cells, leaves, grads):
+        for e in range(g.shape[0]):
+            for k in range(g.shape[1]):
+                want[cell.cell_type][e, k] += torch.autograd.grad(g[e, k], leaf, retain_graph=True)[0][e, k]
+    got = m.energy_curvature(x, y)
+    for t in want:
+        torch.testing.assert_close(got[t], want[t], rtol=1e-7, atol=1e-9)
+        assert want[t].abs().max() > 1  # B/λ_w = 300 times the mean-loss curvature: not a vacuous comparison
+
+
+def test_tiny_curvature_and_a_near_zero_weight_prune_the_op_and_the_genotype_is_what_survives():
+    """An op whose output is scaled to ~0 (its last BatchNorm's weight 1e-4: tiny curvature, H ∝ 1e-8) and
+    whose w the ℓ1 term has brought to ~0 gets s = |w|/ω ≪ 1/(2πe) (A.2.8, A.2.13) and is pruned at the next
+    update (Algorithm 2, step 4) on every edge; ops with w = 1 survive. The genotype lists exactly the
+    surviving (op, i, j) (mixed path)."""
+    cls = get_method("bayesnas")
+    torch.manual_seed(0)
+    net = Network(4, 5, 3, steps=2, multiplier=2, in_channels=1, affine=True, primitives=cls.primitives).double()
+    m = cls(net, cls.Hyperparameters(update_every=1, w_lr=1e-12), schedule=Schedule(epochs=1, steps_per_epoch=1, batch_size=B))
+    k = net.primitives.index("sep_conv_3x3")
+    with torch.no_grad():
+        for spec in net.edge_specs():
+            if spec.cell_type == "normal":
+                bn = [mod for mod in spec.ops[k].modules() if isinstance(mod, torch.nn.BatchNorm2d)][-1]
+                bn.weight.fill_(1e-4)
+                bn.bias.zero_()
+        net.alphas()["normal"][:, k] = 1e-9
+    (train, val), = batches(1)
+    stats = m.step(train, val)
+    H = stats[V.BAYES_CURVATURE.path(cell="normal")]
+    assert (H[:, k] < 1e-3 * H[:, :k].min()).all()  # the op's curvature is tiny next to the others'
+    s = stats[V.BAYES_PRIOR_VARIANCE.path(cell="normal")]
+    # A.3.2, A.2.8, A.2.13 from γ(0) = 1: C = 1/(1 + H), ω = √(1 − C) = √(H/(1 + H)), s = |w|/ω (w moved by
+    # lr·λ_w ≈ 1e-14 in step 1, hence rtol)
+    torch.testing.assert_close(s[:, k], 1e-9 / torch.sqrt(H[:, k] / (1 + H[:, k])), rtol=1e-4, atol=0)
+    assert (s[:, k] < 1 / (2 * math.pi * math.e)).all()
+    expected = {"normal": torch.ones(5, 7, dtype=torch.bool), "reduce": torch.ones(5, 7, dtype=torch.bool)}
+    expected["normal"][:, k] = False
+    for t in expected:
+        assert torch.equal(stats[V.BAYES_SWITCH.path(cell=t)], expected[t]), t
+    g = m.genotype()
+    for cell, ops in (("normal", g.normal), ("reduce", g.reduce)):
+        want = sorted((p, i, j) for e, (i, j) in enumerate(net.edge_nodes) for o, p in enumerate(net.primitives)
+                      if expected[cell][e, o])
+        assert sorted(ops) == want
+
+
 def test_mixing_curvature_is_the_engines():
     m = make()
     (train, _), = batches(1)
-    m.hessian_mode = "approx"
+    m.hessian_mode = m.hp.hessian_mode
     ref = m.curvature(*train)  # SearchMethod.curvature: arch_diag_hessian at eval_weights, summed over cells
     ours = m.mixing_curvature(*train)
     for t in ours:
@@ -138,7 +198,7 @@ def test_resume_is_bitwise():
 
 def test_bad_hyperparameters_are_one_line():
     cls = get_method("bayesnas")
-    for bad in (["lambda_w=-1"], ["hessian_mode=magic"], ["init_gamma=0"], ["update_every=-2"]):
+    for bad in (["lambda_w=-1"], ["lambda_w=0"], ["hessian_mode=magic"], ["init_gamma=0"], ["update_every=-2"]):
         with pytest.raises(ConfigError) as err:
             cls.Hyperparameters.parse(bad, "bayesnas")
         assert "\n" not in str(err.value)

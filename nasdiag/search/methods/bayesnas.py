@@ -9,8 +9,9 @@ hierarchical sparse prior w ~ N(0, s) whose switch s depends on the edges enteri
    𝒲 (weight decay λ) and on w, whose gradient is ∂L/∂Z (``SearchMethod.cost``, single level: one backward
    for both) plus the reweighted-ℓ1 penalty λ_w·ω·sign(w);
 2. every ``update_every`` steps (default: the last step of each epoch, one iteration t of Algorithm 2 per
-   epoch): the diagonal mixing-weight curvature H = ∂²L/∂Z² at the current w on the same batch,
-   ``nasdiag.hessian.arch_diag_hessian`` in ``hessian_mode`` (C.3.1–C.3.2), summed over the cells of a type;
+   epoch): the diagonal mixing-weight curvature at the current w on the same batch,
+   ``nasdiag.hessian.arch_diag_hessian`` in ``hessian_mode`` (C.3), summed over the cells of a type, of the
+   energy E_D/λ_w (:meth:`energy_curvature`: the batch's *summed* loss over λ_w, see "Scale" below);
 3. C (A.3.2), ω (A.2.8), s = |w|/ω (A.2.13) and γ (A.2.14), ``nasdiag.bayes.sparse_bayes_update``;
 4. entropy pruning: an op whose ½ ln(2πe γ) ≤ 0 is switched off for good and no longer computed
    (:meth:`active_ops`); an edge that would lose every op keeps the one with the largest γ
@@ -23,13 +24,22 @@ kind. nasdiag's supernet shares one w per cell type, so every group has one para
 curvature is the sum over the cells of the type (the diagonal of the Hessian of the shared w); A.3.8 and
 A.3.9 then reduce to A.2.13 and A.2.8.
 
-**Curvature.** The update needs only the mixing-weight curvature (C.3); the weight curvature of C.1–C.2
-enters BayesNAS only through §B (compression), which is not implemented here. Entries where H is not
-finite or not positive leave that op's ω, s and C unchanged (a Laplace approximation needs H > 0; a
-NaN is flagged in ``hessian/<cell>/nonfinite``, the curvature itself is recorded as it came). Note that
-``approx`` (C.3.2, the feature-mean recursion) gives nearly the same value to every op of an edge and,
-on nasdiag's supernet, often a negative one; ``ggn``/``ggn_mc`` are positive semidefinite and tell the ops
-apart (docs/hessian.md).
+**Scale of the curvature.** The closed forms of §A.1–A.2 (A.1.2, A.2.12) weigh the ℓ1 term ‖ω w‖₁ by 1,
+A.3.1 by λ_w: min E_D + λ_w Σ ω|w| is min E_D/λ_w + Σ ω|w|, so C, ω and s are those of the energy
+E_D/λ_w and H = ∇∇E_D/λ_w. E_D is the negative log-likelihood of the data (Proposition 2:
+p(Y | w, X) ∝ exp(−E_D)), a *sum* over samples; one update sees one batch, so H is the curvature of the
+batch's summed cross-entropy, B·∇∇(mean loss) with B the global batch (all DDP ranks). Dividing the
+batch-mean curvature by nothing (as before) left H ≈ 1e-4 on digits: C ≈ γ, ω ≈ √H, s = |w|/√H grew
+every update and nothing was ever pruned (docs/bayesnas.md).
+
+**Curvature mode.** The update needs only the mixing-weight curvature (C.3); the weight curvature of
+C.1–C.2 enters BayesNAS only through §B (compression), which is not implemented here. Entries where H is
+not finite or not positive leave that op's ω, s and C unchanged (a Laplace approximation needs H > 0; a
+NaN is flagged in ``hessian/<cell>/nonfinite``, the curvature itself is recorded as it came). The default
+``ggn`` (the generalized Gauss-Newton diagonal, exact over the classes) is positive semidefinite and tells
+the ops of an edge apart; ``approx`` (C.3.2, the paper's feature-mean recursion) gives nearly the same
+value to every op of an edge and, on nasdiag's supernet, sometimes a negative one (docs/hessian.md,
+docs/bayesnas.md).
 
 The genotype is the surviving mixed path: every op still switched on (``derive_mixed_genotype``).
 """
@@ -43,6 +53,7 @@ import torch
 from torch import nn
 
 from nasdiag import vocabulary as V
+from nasdiag.distributed import world_size
 from nasdiag.bayes import dependent_gamma, parent_matrix, prune, sparse_bayes_update
 from nasdiag.hessian import ARCH_MODES
 from nasdiag.search.base import Batch, CellWeights, SearchMethod, mean_over_ranks, accuracy
@@ -86,10 +97,12 @@ class BayesNAS(SearchMethod):
         w_weight_decay: float = hp(1e-4, "Weight decay λ of the network weights, the λ‖𝒲‖² of A.3.1 (appendix §D.1).", low=0)
         grad_clip: float = hp(5.0, "Gradient-norm clip of the network weights (DARTS code default; the paper gives none).",
                               low=0, low_open=True)
-        lambda_w: float = hp(0.007, "Sparsity intensity λ_w of the reweighted ℓ1 term of A.3.1 (Figs. S6-S7: 0.007).", low=0)
+        lambda_w: float = hp(0.007, "Sparsity intensity λ_w of the reweighted ℓ1 term of A.3.1 (Figs. S6-S7: 0.007); "
+                             "the update's energy is E_D/λ_w, so λ_w > 0.", low=0, low_open=True)
         update_every: int = hp(0, "Steps between updates of γ, ω, C, s and pruning (Algorithm 2, steps 2-4); "
                                "0 = once per epoch, at its last step (the paper's iteration t spans epochs).", low=0)
-        hessian_mode: str = hp("approx", "Mixing-weight curvature mode of nasdiag.hessian for H (C.3.1-C.3.2: approx).",
+        hessian_mode: str = hp("ggn", "Mixing-weight curvature mode of nasdiag.hessian for H (C.3; the paper's recursion "
+                               "C.3.2 is 'approx'; 'ggn' is positive semidefinite and tells the ops apart, docs/bayesnas.md).",
                                choices=ARCH_MODES)
         init_gamma: float = hp(1.0, "γ(0) of every op (Algorithm 2, initialisation: 1).", low=0, low_open=True)
         reset_w: bool = hp(False, "After an update, surviving w restart at 1 (a literal per-iteration reading of Algorithm 2 "
@@ -180,10 +193,20 @@ class BayesNAS(SearchMethod):
         # under DDP: the curvature of the global mean loss (rank mean), so every rank makes the same update
         return dict(zip(out, mean_over_ranks(list(out.values()))))
 
+    def energy_curvature(self, x: torch.Tensor, y: torch.Tensor) -> CellWeights:
+        """Step 2: the curvature the update uses, diag ∇∇(E_D/λ_w) (E, K) per cell type, with E_D the summed
+        cross-entropy of the global batch (B = local batch × DDP ranks): B/λ_w · :meth:`mixing_curvature`.
+
+        A.3.1 weighs the reweighted ℓ1 term by λ_w where A.2.12 weighs it by 1, so the energy of §A is
+        E_D/λ_w; E_D is the negative log-likelihood of the data (Proposition 2), a sum over samples.
+        """
+        batch = x.shape[0] * world_size()
+        return {t: h * (batch / self.hp.lambda_w) for t, h in self.mixing_curvature(x, y).items()}
+
     def bayes_update(self, x: torch.Tensor, y: torch.Tensor) -> Dict[str, torch.Tensor]:
         """Steps 2-5: curvature, C/ω/s/γ, entropy pruning, w ← 0 on pruned ops (← 1 on survivors with ``reset_w``)."""
         stats: Dict[str, torch.Tensor] = {}
-        curvature = self.mixing_curvature(x, y)
+        curvature = self.energy_curvature(x, y)
         # new dicts, never in-place edits: a state_dict() taken earlier holds the old ones
         cov, om, s, gamma, alive, kept = (dict(d) for d in (self.covariance, self.omega, self.prior_variance, self.gamma,
                                                              self.alive, self.kept))
