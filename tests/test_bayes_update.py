@@ -10,8 +10,9 @@ import pytest
 import torch
 from scipy import optimize, stats
 
-from nasdiag.bayes import (ENTROPY_THRESHOLD_GAMMA, covariance, dependent_gamma, entropy, lasso_weights, omega,
-                           parent_matrix, posterior_mean, prune, sparse_bayes_update, switch)
+from nasdiag.bayes import (ENTROPY_THRESHOLD_GAMMA, covariance, dependent_gamma, entropy, group_bayes_update, group_omega,
+                           group_switch, lasso_weights, omega, parent_matrix, posterior_mean, prune, sparse_bayes_update,
+                           switch)
 from nasdiag.supernet.cell import edge_nodes as darts_edge_nodes
 
 T = lambda *v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
@@ -61,6 +62,30 @@ def test_omega_a2_8_is_the_gradient_of_the_concave_part():
     cov = covariance(g, h)
     torch.testing.assert_close(cov, torch.linalg.inv(torch.diag(1 / g) + torch.diag(h)).diagonal())
     torch.testing.assert_close(omega(g, cov) ** 2, grad)
+
+
+def test_group_switch_a3_8_minimises_a3_7_and_group_omega_a3_9_is_the_concave_gradient():
+    """A group of ℵ elements sharing s: Σ_i (w_i²/s + ω_i² s) is minimised at s = ‖w‖₂/√(Σ ω_i²) (A.3.7-A.3.8,
+    scipy), and ω_group² = ∂/∂s Σ_i [log s + log(1/s + H_i)] at s = γ (A.3.9 from A.2.7, autograd)."""
+    rng = np.random.default_rng(7)
+    for aleph in (1, 2, 5):
+        w, h = rng.normal(size=aleph) * 2, rng.uniform(0.01, 5, size=aleph)
+        gamma = rng.uniform(0.05, 3)
+        g = torch.tensor(gamma, dtype=torch.float64, requires_grad=True)
+        H = torch.tensor(h, dtype=torch.float64)
+        (grad,) = torch.autograd.grad((torch.log(g) + torch.log(1 / g + H)).sum(), g)
+        om = group_omega(g.detach(), covariance(g.detach(), H))
+        assert float(om) ** 2 == pytest.approx(float(grad), rel=1e-12)
+        oms = omega(g.detach(), covariance(g.detach(), H)).numpy()
+        res = optimize.minimize_scalar(lambda u: sum(wi * wi / math.exp(u) + oi * oi * math.exp(u) for wi, oi in zip(w, oms)),
+                                       bounds=(-20, 20), method="bounded", options={"xatol": 1e-12})
+        assert float(group_switch(T(*w), om)) == pytest.approx(math.exp(res.x), rel=1e-5)
+    # a group of one is the single-parameter update (A.2.8, A.2.13)
+    P = parent_matrix(darts_edge_nodes(2)).double()
+    wg, hg, gg = (torch.rand(5, 3, dtype=torch.float64) + 0.1 for _ in range(3))
+    one, grp = sparse_bayes_update(wg, hg, gg, P), group_bayes_update(wg.unsqueeze(0), hg.unsqueeze(0), gg, P)
+    for a, b in ((one.omega, grp.omega), (one.switch, grp.switch), (one.gamma, grp.gamma), (one.cov, grp.cov[0])):
+        torch.testing.assert_close(a, b)
 
 
 def test_negative_curvature_is_clamped_and_dead_switch_stays_dead():
@@ -154,5 +179,7 @@ def test_shape_errors_are_one_line():
 
     with pytest.raises(NasdiagError, match="one shape"):
         sparse_bayes_update(torch.ones(2, 3), torch.ones(2, 3), torch.ones(3, 2), torch.zeros(2, 2))
+    with pytest.raises(NasdiagError, match="ℵ, E, K"):
+        group_bayes_update(torch.ones(2, 3), torch.ones(2, 3), torch.ones(2, 3), torch.zeros(2, 2))
     with pytest.raises(NasdiagError, match=">= 0"):
         covariance(T(-1.0), T(1.0))

@@ -34,23 +34,46 @@ def batches(n, seed=1):
 def test_update_follows_the_closed_forms_on_the_engines_curvature():
     m = make(update_every=1, init_gamma=0.5, reset_w=True)
     (train, val), = batches(1)
-    # the curvature the update will use: nasdiag.hessian through SearchMethod.curvature at the same Z
-    m.hessian_mode = "approx"
+    seen = {}
+    energy = m.energy_curvature
+
+    def spy(x, y):  # the per-cell curvature the update receives (ℵ, E, K)
+        seen.update(energy(x, y))
+        return seen
+
+    m.energy_curvature = spy
+    w0 = {}
+    likelihood = m.likelihood_step
+
+    def keep_w(x, y):  # w after step 1 (the update's w; reset_w then sets survivors to 1)
+        out = likelihood(x, y)
+        w0.update({t: a.detach().clone() for t, a in m.network.alphas().items()})
+        return out
+
+    m.likelihood_step = keep_w
     gamma0 = {t: g.clone() for t, g in m.gamma.items()}
     stats = m.step(train, val)
     assert bool(stats[V.BAYES_UPDATED.path()])
+    cells = {t: sum(1 for c in m.network.cells if c.cell_type == t) for t in m.gamma}
+    assert cells == {"normal": 1, "reduce": 2}  # a group of one and a group of two (A.3.6)
     for t in m.gamma:
         assert V.family_of(V.BAYES_GAMMA.path(cell=t)) is V.BAYES_GAMMA
-        H = stats[V.BAYES_CURVATURE.path(cell=t)]
+        Hc = seen[t]  # (ℵ, E, K)
+        assert Hc.shape[0] == cells[t]
+        torch.testing.assert_close(stats[V.BAYES_CURVATURE.path(cell=t)], Hc.sum(0))
         w = stats[V.ARCH_PARAMS.path(cell=t)]  # after the reset w = 1 on survivors
-        C = stats[V.BAYES_COVARIANCE.path(cell=t)]
-        pos = H > 0  # elsewhere C, ω, s keep their previous values (Laplace needs H > 0)
-        torch.testing.assert_close(C[pos], (1 / (1 / gamma0[t] + H))[pos])  # A.3.2
+        g0 = gamma0[t]
+        Ci = 1 / (1 / g0 + Hc)  # A.3.2 per element of the group
+        pos = (Hc > 0).any(0)  # elsewhere C, ω, s keep their previous values (Laplace needs H > 0)
+        torch.testing.assert_close(stats[V.BAYES_COVARIANCE.path(cell=t)][pos], Ci.mean(0)[pos])
         om = stats[V.BAYES_OMEGA.path(cell=t)]
-        torch.testing.assert_close(om[pos], (torch.sqrt(gamma0[t] - C) / gamma0[t])[pos])  # A.2.8
+        want_om = torch.sqrt(((g0 - Ci) / g0**2).sum(0))  # A.3.9 (A.2.8 for ℵ = 1)
+        torch.testing.assert_close(om[pos], want_om[pos])
         torch.testing.assert_close(om[~pos], torch.ones_like(om[~pos]))  # ω(0) = 1 kept
         s = stats[V.BAYES_PRIOR_VARIANCE.path(cell=t)]
-        assert (s >= 0).all() and torch.isfinite(H).all()
+        want_s = math.sqrt(cells[t]) * w0[t].abs() / want_om  # A.3.8: ‖(w, …, w)‖₂ / ω
+        torch.testing.assert_close(s[pos], want_s[pos])
+        assert (s >= 0).all() and torch.isfinite(Hc).all()
         alive = stats[V.BAYES_SWITCH.path(cell=t)]
         gamma = stats[V.BAYES_GAMMA.path(cell=t)]
         # A.2.14 by a literal loop over the predecessors of each edge's source node
@@ -66,7 +89,7 @@ def test_update_follows_the_closed_forms_on_the_engines_curvature():
 
 def test_energy_curvature_is_the_summed_loss_hessian_over_lambda_w():
     """The update's H (A.3.2) is diag ∇∇(E_D/λ_w) with E_D the batch's summed cross-entropy (Proposition 2,
-    A.3.1 vs A.2.12), per cell's own Z summed over the cells of a type: against autograd, float64."""
+    A.3.1 vs A.2.12), of each cell's own Z (the elements of the group of A.3.6): against autograd, float64."""
     lam = 0.02
     m = make(hessian_mode="exact_per_edge", lambda_w=lam)
     (train, _), = batches(1)
@@ -76,15 +99,17 @@ def test_energy_curvature_is_the_summed_loss_hessian_over_lambda_w():
     leaves = [weights[c.cell_type].clone().requires_grad_(True) for c in net.cells]
     energy = torch.nn.functional.cross_entropy(net(x, leaves), y, reduction="sum") / lam
     grads = torch.autograd.grad(energy, leaves, create_graph=True)
-    want = {t: torch.zeros_like(z) for t, z in weights.items()}
+    want = {t: [] for t in weights}
     for cell, leaf, g in zip(net.cells, leaves, grads):
+        d = torch.zeros_like(leaf)
         for e in range(g.shape[0]):
             for k in range(g.shape[1]):
-                want[cell.cell_type][e, k] += torch.autograd.grad(g[e, k], leaf, retain_graph=True)[0][e, k]
+                d[e, k] = torch.autograd.grad(g[e, k], leaf, retain_graph=True)[0][e, k]
+        want[cell.cell_type].append(d)
     got = m.energy_curvature(x, y)
     for t in want:
-        torch.testing.assert_close(got[t], want[t], rtol=1e-7, atol=1e-9)
-        assert want[t].abs().max() > 1  # B/λ_w = 300 times the mean-loss curvature: not a vacuous comparison
+        torch.testing.assert_close(got[t], torch.stack(want[t]), rtol=1e-7, atol=1e-9)
+        assert got[t].abs().max() > 1  # B/λ_w = 300 times the mean-loss curvature: not a vacuous comparison
 
 
 def test_tiny_curvature_and_a_near_zero_weight_prune_the_op_and_the_genotype_is_what_survives():
@@ -106,7 +131,7 @@ def test_tiny_curvature_and_a_near_zero_weight_prune_the_op_and_the_genotype_is_
         net.alphas()["normal"][:, k] = 1e-9
     (train, val), = batches(1)
     stats = m.step(train, val)
-    H = stats[V.BAYES_CURVATURE.path(cell="normal")]
+    H = stats[V.BAYES_CURVATURE.path(cell="normal")]  # the normal cell type has one cell: a group of one
     assert (H[:, k] < 1e-3 * H[:, :k].min()).all()  # the op's curvature is tiny next to the others'
     s = stats[V.BAYES_PRIOR_VARIANCE.path(cell="normal")]
     # A.3.2, A.2.8, A.2.13 from γ(0) = 1: C = 1/(1 + H), ω = √(1 − C) = √(H/(1 + H)), s = |w|/ω (w moved by
@@ -148,9 +173,10 @@ def test_pruning_is_monotone_keeps_one_op_and_pruned_ops_are_not_computed(monkey
                 a[:, (k % (K - 1)) + 1] *= 1e-3
                 if k == 0:
                     a[0] *= 1e-3
-        return {t: torch.full_like(a, 1e6) for t, a in m.network.alphas().items()}
+        return {t: torch.full((sum(1 for c in m.network.cells if c.cell_type == t), *a.shape), 1e6, dtype=a.dtype)
+                for t, a in m.network.alphas().items()}
 
-    monkeypatch.setattr(m, "mixing_curvature", fake_curvature)
+    monkeypatch.setattr(m, "cell_curvatures", fake_curvature)
     prev = {t: torch.ones_like(a, dtype=torch.bool) for t, a in m.alive.items()}
     for n, (train, val) in enumerate(batches(4)):
         stats = m.step(train, val)

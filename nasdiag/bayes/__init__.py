@@ -9,6 +9,9 @@ from nasdiag.bayes.update import (
     covariance,
     dependent_gamma,
     entropy,
+    group_bayes_update,
+    group_omega,
+    group_switch,
     lasso_weights,
     omega,
     parent_matrix,
@@ -19,6 +22,7 @@ from nasdiag.bayes.update import (
 )
 
 __all__ = [
-    "ENTROPY_THRESHOLD_GAMMA", "BayesUpdate", "covariance", "dependent_gamma", "entropy", "lasso_weights", "omega",
+    "ENTROPY_THRESHOLD_GAMMA", "BayesUpdate", "covariance", "dependent_gamma", "entropy", "group_bayes_update", "group_omega",
+    "group_switch", "lasso_weights", "omega",
     "parent_matrix", "posterior_mean", "prune", "sparse_bayes_update", "switch",
 ]

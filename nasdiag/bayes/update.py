@@ -15,8 +15,13 @@ Re-derived where the PDF text is garbled (comments at each function say which):
 * A.3.9: for a group of ℵ elements ω_group = √(Σ_i (γ_i − C_i)/γ_i²); the text's inner √ is spurious (with
   ℵ = 1 it must reduce to A.2.8).
 
-Batch convention: none here; H and g are whatever the caller computed (nasdiag passes the curvature of the
-batch-mean loss).
+Groups (A.3.6–A.3.11): ℵ parameters w_1 … w_ℵ that share one switch and one γ (the same op of the same
+edge in the ℵ cells of a kind) each have their own curvature H_i and posterior variance C_i (A.3.2), but one
+ω_group = √(Σ_i ω_i²) (A.3.9) and one s = ‖w_group‖₂/ω_group (A.3.8); :func:`group_bayes_update` takes
+the group along a leading axis, :func:`sparse_bayes_update` is its group of one.
+
+Batch convention: none here; H and g are whatever the caller computed (BayesNAS passes the curvature of
+the energy E_D/λ_w, E_D the batch's summed loss: ``nasdiag.search.methods.bayesnas``).
 """
 
 from __future__ import annotations
@@ -77,6 +82,21 @@ def switch(w: torch.Tensor, om: torch.Tensor) -> torch.Tensor:
     """
     a = w.abs()
     return torch.where(a == 0, torch.zeros_like(a), a / om)
+
+
+def group_omega(gamma_prev: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
+    """ω of a group (A.3.9, the inner √ of the text dropped so that ℵ = 1 is A.2.8): √(Σ_i ω_i²) with
+    ω_i = √(γ(t−1) − C_i)/γ(t−1) of each element i.
+
+    Shapes: gamma_prev (...) (one γ per group, A.3.5), cov (ℵ, ...); returns (...).
+    """
+    return omega(gamma_prev, cov).square().sum(0).sqrt()
+
+
+def group_switch(w: torch.Tensor, om: torch.Tensor) -> torch.Tensor:
+    """Switch of a group s = ‖w_group‖₂ / ω_group (A.3.8): it minimises Σ_i (w_i²/s + ω_i² s) over s > 0,
+    the bound of A.3.7 holding with equality. Shapes: w (ℵ, ...), om (...); returns (...)."""
+    return switch(torch.linalg.vector_norm(w, dim=0), om)
 
 
 def lasso_weights(w_star: torch.Tensor, grad: torch.Tensor, curvature: torch.Tensor, om: torch.Tensor) -> torch.Tensor:
@@ -148,8 +168,9 @@ def prune(alive: torch.Tensor, gamma: torch.Tensor) -> Tuple[torch.Tensor, torch
 
 @dataclass
 class BayesUpdate:
-    """One update of the variables associated with w (Algorithm 2, step 3), all (E, K):
-    ``cov`` C (A.3.2), ``omega`` ω (A.2.8/A.3.9), ``switch`` s (A.2.13/A.3.8), ``gamma`` γ (A.2.14)."""
+    """One update of the variables associated with w (Algorithm 2, step 3), all (E, K) except ``cov``:
+    ``cov`` C (A.3.2) per element of the group (ℵ, E, K) (from :func:`sparse_bayes_update`: (E, K)),
+    ``omega`` ω (A.2.8/A.3.9), ``switch`` s (A.2.13/A.3.8), ``gamma`` γ (A.2.14)."""
 
     cov: torch.Tensor
     omega: torch.Tensor
@@ -170,7 +191,26 @@ def sparse_bayes_update(w: torch.Tensor, curvature: torch.Tensor, gamma_prev: to
     if not (w.shape == curvature.shape == gamma_prev.shape):
         raise BayesError(f"w, curvature and gamma must have one shape, got {tuple(w.shape)}, {tuple(curvature.shape)}, "
                          f"{tuple(gamma_prev.shape)}")
+    u = group_bayes_update(w.unsqueeze(0), curvature.unsqueeze(0), gamma_prev, parents)
+    return BayesUpdate(cov=u.cov.squeeze(0), omega=u.omega, switch=u.switch, gamma=u.gamma)
+
+
+def group_bayes_update(w: torch.Tensor, curvature: torch.Tensor, gamma_prev: torch.Tensor,
+                       parents: torch.Tensor) -> BayesUpdate:
+    """Algorithm 2, step 3 for groups of ℵ parameters (A.3.6): C_i (A.3.2), ω (A.3.9), s (A.3.8), γ (A.2.14).
+
+    Args:
+        w: (ℵ, E, K) the group's parameters after step 1 (ℵ equal rows where the cells of a kind share one w).
+        curvature: (ℵ, E, K) each element's diagonal curvature (C.3).
+        gamma_prev: (E, K) γ(t−1), one per group (A.3.5).
+        parents: (E, E) from :func:`parent_matrix`.
+
+    Returns a :class:`BayesUpdate` with ``cov`` (ℵ, E, K) and the rest (E, K).
+    """
+    if w.dim() != 3 or w.shape != curvature.shape or w.shape[1:] != gamma_prev.shape:
+        raise BayesError(f"w and curvature must be (ℵ, E, K) and gamma (E, K) of the same E, K; got {tuple(w.shape)}, "
+                         f"{tuple(curvature.shape)}, {tuple(gamma_prev.shape)}")
     cov = covariance(gamma_prev, curvature)
-    om = omega(gamma_prev, cov)
-    s = switch(w, om)
+    om = group_omega(gamma_prev, cov)
+    s = group_switch(w, om)
     return BayesUpdate(cov=cov, omega=om, switch=s, gamma=dependent_gamma(s, parents))

@@ -7,30 +7,32 @@ hierarchical sparse prior w ~ N(0, s) whose switch s depends on the edges enteri
 
 1. the regularised maximum likelihood A.3.1 on the search-train batch: one SGD step on the network weights
    𝒲 (weight decay λ) and on w, whose gradient is ∂L/∂Z (``SearchMethod.cost``, single level: one backward
-   for both) plus the reweighted-ℓ1 penalty λ_w·ω·sign(w);
+   for both) plus the reweighted-ℓ1 penalty λ_w·ω·√ℵ·sign(w) (groups below);
 2. every ``update_every`` steps (default: the last step of each epoch, one iteration t of Algorithm 2 per
    epoch): the diagonal mixing-weight curvature at the current w on the same batch,
-   ``nasdiag.hessian.arch_diag_hessian`` in ``hessian_mode`` (C.3), summed over the cells of a type, of the
-   energy E_D/λ_w (:meth:`energy_curvature`: the batch's *summed* loss over λ_w, see "Scale" below);
-3. C (A.3.2), ω (A.2.8), s = |w|/ω (A.2.13) and γ (A.2.14), ``nasdiag.bayes.sparse_bayes_update``;
+   ``nasdiag.hessian.arch_diag_hessian`` in ``hessian_mode`` (C.3), per cell, of the energy E_D/λ_w
+   (:meth:`energy_curvature`: the batch's *summed* loss over λ_w, see "Scale" below);
+3. C (A.3.2), ω (A.3.9), s (A.3.8) and γ (A.2.14), ``nasdiag.bayes.group_bayes_update``;
 4. entropy pruning: an op whose ½ ln(2πe γ) ≤ 0 is switched off for good and no longer computed
    (:meth:`active_ops`); an edge that would lose every op keeps the one with the largest γ
    (``bayes/<cell>/kept``);
 5. pruned ops' w are set to 0; with ``reset_w`` the surviving ops' w restart at 1 ("fix w = 1", read literally
    per iteration; off by default, see docs/bayesnas.md).
 
-**Groups (A.3.6–A.3.11).** The paper keeps one w per cell and ties the switches of the ℵ_o cells of a
-kind. nasdiag's supernet shares one w per cell type, so every group has one parameter and its
-curvature is the sum over the cells of the type (the diagonal of the Hessian of the shared w); A.3.8 and
-A.3.9 then reduce to A.2.13 and A.2.8.
+**Groups (A.3.6–A.3.11).** The paper keeps one w per cell and ties the switches of the ℵ cells of a kind.
+nasdiag's supernet shares one w per cell type, so a group is the ℵ copies of that shared w (equal
+elements), each with the curvature of its own cell (the per-edge numbers of ``nasdiag.hessian``, no
+cross-cell terms): C_i per cell (A.3.2), ω = √(Σ_i ω_i²) (A.3.9), s = ‖w_group‖₂/ω = √ℵ|w|/ω (A.3.8),
+and the step-1 penalty λ_w ω ‖w_group‖₂ = λ_w ω √ℵ |w| (A.3.1). For ℵ = 1 these are A.2.8 and A.2.13.
+``bayes/<cell>/covariance`` records the mean of the C_i, ``bayes/<cell>/curvature`` the sum of the H_i.
 
 **Scale of the curvature.** The closed forms of §A.1–A.2 (A.1.2, A.2.12) weigh the ℓ1 term ‖ω w‖₁ by 1,
 A.3.1 by λ_w: min E_D + λ_w Σ ω|w| is min E_D/λ_w + Σ ω|w|, so C, ω and s are those of the energy
 E_D/λ_w and H = ∇∇E_D/λ_w. E_D is the negative log-likelihood of the data (Proposition 2:
 p(Y | w, X) ∝ exp(−E_D)), a *sum* over samples; one update sees one batch, so H is the curvature of the
-batch's summed cross-entropy, B·∇∇(mean loss) with B the global batch (all DDP ranks). Dividing the
-batch-mean curvature by nothing (as before) left H ≈ 1e-4 on digits: C ≈ γ, ω ≈ √H, s = |w|/√H grew
-every update and nothing was ever pruned (docs/bayesnas.md).
+batch's summed cross-entropy, B·∇∇(mean loss) with B the global batch (all DDP ranks). The batch-mean
+curvature alone (as before) was ≈ 1e-4 on digits: C ≈ γ, ω ≈ √H, s = |w|/√H grew every update and
+nothing was ever pruned (docs/bayesnas.md).
 
 **Curvature mode.** The update needs only the mixing-weight curvature (C.3); the weight curvature of
 C.1–C.2 enters BayesNAS only through §B (compression), which is not implemented here. Entries where H is
@@ -54,7 +56,7 @@ from torch import nn
 
 from nasdiag import vocabulary as V
 from nasdiag.distributed import world_size
-from nasdiag.bayes import dependent_gamma, parent_matrix, prune, sparse_bayes_update
+from nasdiag.bayes import dependent_gamma, group_bayes_update, parent_matrix, prune
 from nasdiag.hessian import ARCH_MODES
 from nasdiag.search.base import Batch, CellWeights, SearchMethod, mean_over_ranks, accuracy
 from nasdiag.search.hyperparameters import Hyperparameters, hp
@@ -132,6 +134,7 @@ class BayesNAS(SearchMethod):
         self.kept = {t: torch.zeros(a.shape[0], dtype=torch.bool) for t, a in alphas.items()}
         self.steps_done = 0
         self._parents = parent_matrix(net.edge_nodes, device=next(iter(alphas.values())).device)
+        self._group_size = {t: sum(1 for c in net.cells if c.cell_type == t) for t in alphas}  # ℵ of A.3.6
 
     # -- relaxation ----------------------------------------------------------------------------------
     def forward_weights(self) -> CellWeights:
@@ -162,7 +165,8 @@ class BayesNAS(SearchMethod):
 
     # -- Algorithm 2 -----------------------------------------------------------------------------------
     def likelihood_step(self, x: torch.Tensor, y: torch.Tensor) -> Dict[str, torch.Tensor]:
-        """Step 1 (A.3.1): one SGD step on 𝒲 and w of L + λ_w Σ ω|w| (+ λ‖𝒲‖² as weight decay)."""
+        """Step 1 (A.3.1): one SGD step on 𝒲 and w of L + λ_w Σ ω‖w_group‖₂ (= λ_w Σ ω√ℵ|w|; + λ‖𝒲‖² as weight
+        decay), L the batch-mean cross-entropy."""
         net = self.network
         self.w_optimizer.zero_grad(set_to_none=True)
         self.arch_optimizer.zero_grad(set_to_none=True)
@@ -171,15 +175,17 @@ class BayesNAS(SearchMethod):
         nn.utils.clip_grad_norm_(net.weight_parameters(), self.hp.grad_clip)
         for t, a in net.alphas().items():
             on = self.alive[t].to(a.device, a.dtype)
-            penalty = self.hp.lambda_w * self.omega[t] * torch.sign(a.detach())
+            # ∂/∂w of λ_w ω ‖w_group‖₂ (A.3.1) with the group's ℵ elements all equal to the shared w: √ℵ ω sign(w)
+            penalty = self.hp.lambda_w * self._group_size[t] ** 0.5 * self.omega[t] * torch.sign(a.detach())
             a.grad = ((result.costs[t] + penalty) * on).to(a.dtype)
         self.w_optimizer.step()
         self.arch_optimizer.step()
         return {"scalars/train_loss": result.loss, "scalars/train_acc": accuracy(result.logits, y)}
 
-    def mixing_curvature(self, x: torch.Tensor, y: torch.Tensor) -> CellWeights:
-        """Step 2: diag ∂²L/∂Z² (E, K) per cell type at the current Z, summed over the cells of the type (C.3),
-        of the batch-mean cross-entropy."""
+    def cell_curvatures(self, x: torch.Tensor, y: torch.Tensor) -> CellWeights:
+        """diag ∂²L/∂Z² of each cell's own Z at the current Z (C.3), of the batch-mean cross-entropy:
+        ``{cell type: (ℵ, E, K)}``, ℵ the cells of the type in network order (no cross-cell terms: the
+        curvature of each element of the group of A.3.6)."""
         from nasdiag.hessian import arch_diag_hessian
 
         net = self.network
@@ -187,38 +193,49 @@ class BayesNAS(SearchMethod):
         edges = {f"net.{e.name}": e for e in net.edge_specs()}
         per_edge = arch_diag_hessian(_AtFixedWeights(net, weights), nn.functional.cross_entropy, x, y, edges,
                                      mode=self.hp.hessian_mode)
-        out = {t: torch.zeros_like(z) for t, z in weights.items()}
+        position = {}  # cell index -> position among the cells of its type
+        for i, cell in enumerate(net.cells):
+            position[i] = sum(1 for c in net.cells[:i] if c.cell_type == cell.cell_type)
+        out = {t: torch.zeros(sum(1 for c in net.cells if c.cell_type == t), *z.shape, dtype=z.dtype, device=z.device)
+               for t, z in weights.items()}
         for key, e in edges.items():
-            out[e.cell_type][e.edge_index] += per_edge[key].detach().to(out[e.cell_type].dtype)
+            out[e.cell_type][position[e.cell_index], e.edge_index] = per_edge[key].detach().to(out[e.cell_type].dtype)
         # under DDP: the curvature of the global mean loss (rank mean), so every rank makes the same update
         return dict(zip(out, mean_over_ranks(list(out.values()))))
 
+    def mixing_curvature(self, x: torch.Tensor, y: torch.Tensor) -> CellWeights:
+        """diag ∂²L/∂Z² (E, K) per cell type, :meth:`cell_curvatures` summed over the cells of the type (C.3), of
+        the batch-mean cross-entropy (the number ``SearchMethod.curvature`` records as ``hessian/<cell>/diag``)."""
+        return {t: h.sum(0) for t, h in self.cell_curvatures(x, y).items()}
+
     def energy_curvature(self, x: torch.Tensor, y: torch.Tensor) -> CellWeights:
-        """Step 2: the curvature the update uses, diag ∇∇(E_D/λ_w) (E, K) per cell type, with E_D the summed
-        cross-entropy of the global batch (B = local batch × DDP ranks): B/λ_w · :meth:`mixing_curvature`.
+        """Step 2: the curvature the update uses, diag ∇∇(E_D/λ_w) of each cell's own Z, ``{cell type: (ℵ, E, K)}``,
+        with E_D the summed cross-entropy of the global batch (B = local batch × DDP ranks):
+        B/λ_w · :meth:`cell_curvatures`.
 
         A.3.1 weighs the reweighted ℓ1 term by λ_w where A.2.12 weighs it by 1, so the energy of §A is
         E_D/λ_w; E_D is the negative log-likelihood of the data (Proposition 2), a sum over samples.
         """
         batch = x.shape[0] * world_size()
-        return {t: h * (batch / self.hp.lambda_w) for t, h in self.mixing_curvature(x, y).items()}
+        return {t: h * (batch / self.hp.lambda_w) for t, h in self.cell_curvatures(x, y).items()}
 
     def bayes_update(self, x: torch.Tensor, y: torch.Tensor) -> Dict[str, torch.Tensor]:
-        """Steps 2-5: curvature, C/ω/s/γ, entropy pruning, w ← 0 on pruned ops (← 1 on survivors with ``reset_w``)."""
+        """Steps 2-5: curvature, C/ω/s/γ of each group (A.3.2, A.3.8, A.3.9, A.2.14), entropy pruning, w ← 0 on
+        pruned ops (← 1 on survivors with ``reset_w``)."""
         stats: Dict[str, torch.Tensor] = {}
         curvature = self.energy_curvature(x, y)
         # new dicts, never in-place edits: a state_dict() taken earlier holds the old ones
         cov, om, s, gamma, alive, kept = (dict(d) for d in (self.covariance, self.omega, self.prior_variance, self.gamma,
                                                              self.alive, self.kept))
         for t, a in self.network.alphas().items():
-            H = curvature[t]
-            finite = torch.isfinite(H)
-            # the Laplace approximation needs H > 0: elsewhere this op keeps its previous C, ω, s (its γ
-            # still follows its parents through A.2.14)
-            informative = finite & (H > 0)
-            u = sparse_bayes_update(self.forward_weights()[t], H.nan_to_num(0.0, 0.0, 0.0), gamma[t],
-                                    self._parents.to(H.dtype))
-            cov[t] = torch.where(informative, u.cov, cov[t])
+            H = curvature[t]  # (ℵ, E, K)
+            finite = torch.isfinite(H).all(0)
+            # the Laplace approximation needs H > 0: where no cell of the group has it (or one is not finite)
+            # this op keeps its previous C, ω, s (its γ still follows its parents through A.2.14)
+            informative = finite & (H > 0).any(0)
+            w = self.forward_weights()[t]
+            u = group_bayes_update(w.expand_as(H), H.nan_to_num(0.0, 0.0, 0.0), gamma[t], self._parents.to(H.dtype))
+            cov[t] = torch.where(informative, u.cov.mean(0), cov[t])
             om[t] = torch.where(informative, u.omega, om[t])
             s[t] = torch.where(informative, u.switch, s[t])
             gamma[t] = dependent_gamma(s[t], self._parents.to(H.dtype))
@@ -228,7 +245,8 @@ class BayesNAS(SearchMethod):
                 on = alive[t].to(a.device, a.dtype)
                 a.copy_(on if self.hp.reset_w else a * on)
         self.covariance, self.omega, self.prior_variance, self.gamma = cov, om, s, gamma
-        self.alive, self.kept, self.curvature_used = alive, kept, curvature
+        self.alive, self.kept = alive, kept
+        self.curvature_used = {t: h.sum(0) for t, h in curvature.items()}
         # momentum of pruned or reset w must not carry into the next iteration
         self.arch_optimizer.state.clear()
         return stats
