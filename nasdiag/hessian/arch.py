@@ -35,8 +35,9 @@ from nasdiag.hessian._hvp import call_model, preserved_buffers, scalar_loss
 from nasdiag.edges import resolve_edges
 from nasdiag.hessian.arch_exact import _check_softmax_weights, exact_arch_diag_hessian, softmax_chain_diag
 from nasdiag.hessian.arch_ggn import ggn_arch_diag
+from nasdiag.hessian.arch_hutchinson import hutchinson_arch_diag
 from nasdiag.hessian.loss_curvature import output_hessian_diagonal
-from nasdiag.hessian.modes import ARCH_MODES, CurvatureError, check_mode
+from nasdiag.hessian.modes import ARCH_MODES, CurvatureError, check_mode, split_mode
 from nasdiag.hessian.propagate import walk_diagonals
 from nasdiag.hessian.rules import HessianRule
 from nasdiag.hessian.trace import ModuleTracer, edge_of
@@ -81,12 +82,17 @@ def arch_diag_hessian(
             * ``"ggn"``: the generalized Gauss-Newton diagonal, D batched backwards (D = outputs per sample);
             * ``"ggn_mc"``: its Monte-Carlo estimate from ``samples`` extra backwards (the cheap mode that
               tracks ``exact`` and tells the ops of an edge apart); see :mod:`nasdiag.hessian.arch_ggn`;
+            * ``"hutchinson:<k>"``, e.g. ``"hutchinson:4"``: Hutchinson's unbiased estimate of the exact
+              diagonal from k Rademacher probes per edge (k·E Hessian-vector products, ``seed``), with the
+              ``ggn`` matrix as control variate (:mod:`nasdiag.hessian.arch_hutchinson`); k has no default
+              (it sets cost and noise; from k = K on, ``exact`` is cheaper);
             * ``"diag"``: C.3.1 on the diagonal recursion; ``"approx"``: C.3.2 on the feature-mean recursion.
         wrt: ``"Z"`` for the mixing weights; ``"alpha"`` chains through ``Z = softmax(α)`` per edge
             (needs (K,) probability-vector weights).
         rules: per-call ``{module type: HessianRule}`` overrides (``diag``/``approx``).
-        samples, seed: Monte-Carlo draws and their seed (``ggn_mc``).
-        max_memory: bytes the exact modes may use for one batch of products; a net whose single product
+        samples, seed: Monte-Carlo draws and their seed (``ggn_mc``); ``seed`` also seeds the probes of
+            ``hutchinson:<k>``.
+        max_memory: bytes the exact and Hutchinson modes may use for one batch of products; a net whose single product
             needs more is refused with its estimated size (default: no limit).
 
     Returns:
@@ -114,6 +120,15 @@ def arch_diag_hessian(
             max_memory=max_memory,
         )
     specs = resolve_edges(model, edges)
+    name, probes = split_mode(mode)
+    if name == "hutchinson":
+        hess, _, grad, observed = hutchinson_arch_diag(
+            model, loss_fn, inputs, targets, specs, probes, control="ggn",
+            generator=torch.Generator().manual_seed(int(seed)), max_memory=max_memory, wrt=wrt,
+        )
+        if wrt == "alpha":
+            hess = {n: softmax_chain_diag(observed[n][0].to(h.dtype), grad[n].to(h.dtype), torch.diag(h)) for n, h in hess.items()}
+        return hess
     if mode in ("ggn", "ggn_mc"):
         if not isinstance(samples, int) or samples < 1:
             raise CurvatureError(f"samples must be a positive int, got {samples!r}")

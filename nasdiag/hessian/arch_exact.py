@@ -21,7 +21,9 @@ for free.
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -42,7 +44,7 @@ from nasdiag.hessian._hvp import (
 )
 from nasdiag.hooks import Hooks
 
-__all__ = ["exact_arch_diag_hessian", "softmax_chain_diag"]
+__all__ = ["EdgeProducts", "edge_hessian_products", "exact_arch_diag_hessian", "softmax_chain_diag"]
 
 _WRT = ("Z", "alpha")
 BACKENDS = ("auto", "func", "autograd")
@@ -132,10 +134,64 @@ def exact_arch_diag_hessian(
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     specs = resolve_edges(model, edges)
+    n_ops = [s.n_ops for s in specs]
+    with edge_hessian_products(
+        model, loss_fn, inputs, targets, specs, wrt=wrt, backend=backend, shared_alpha=shared_alpha,
+        chunk_size=chunk_size, max_memory=max_memory, what="arch_diag_hessian(mode='exact')",
+    ) as ep:
+        blocks = _edge_blocks(ep.products, n_ops, ep.chunk_size, ep.dtype, ep.device)
+    names, grad_z, shift = ep.names, ep.grad_z, ep.shift
+
+    out: Dict[str, torch.Tensor] = {}
+    for name, block, grad in zip(names, blocks, grad_z):
+        if wrt == "Z":
+            out[name] = torch.diagonal(block).clone()
+        else:
+            out[name] = softmax_chain_diag(shift.observed[name][0].to(block.dtype), grad.to(block.dtype), block)
+    return out
+
+
+@dataclass
+class EdgeProducts:
+    """What :func:`edge_hessian_products` yields: ``products(V) = V H`` (c, N) → (c, N) over the flat
+    δ of all edges (edge order, K_e entries each), ``∂L/∂Z`` per edge, the weights each edge saw."""
+
+    products: Callable[[torch.Tensor], torch.Tensor]
+    names: List[str]
+    n_ops: List[int]
+    grad_z: List[torch.Tensor]
+    shift: "_WeightShift"
+    chunk_size: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+@contextmanager
+def edge_hessian_products(
+    model: nn.Module,
+    loss_fn: Callable,
+    inputs: Inputs,
+    targets,
+    specs,
+    *,
+    wrt: str = "Z",
+    backend: str = "auto",
+    shared_alpha: str = "per_edge",
+    chunk_size: int = 64,
+    max_memory: Optional[int] = None,
+    what: str = "arch_diag_hessian",
+) -> Iterator[EdgeProducts]:
+    """Exact Hessian-vector products w.r.t. the mixing weights of ``specs`` (resolved edges), valid inside
+    the block: the δ-shift hooks are installed and the buffers are scratch copies until it exits.
+
+    One plain autograd pass first checks that every edge ran with weights of the right shape, finds
+    edges the loss ignores (zeros, with a ``RuntimeWarning``) and gives ``∂L/∂Z``; with ``wrt="alpha"``
+    it checks that the weights are a softmax (and, for ``shared_alpha="refuse"``, not shared). Arguments
+    as :func:`exact_arch_diag_hessian`; ``chunk_size`` comes back lowered to fit ``max_memory``.
+    """
     names, modules, n_ops = [s.name for s in specs], [s.module for s in specs], [s.n_ops for s in specs]
     offsets = [sum(n_ops[:i]) for i in range(len(n_ops))]
     shift = _WeightShift(names, n_ops, offsets)
-
     hooks = Hooks()
     for i, module in enumerate(modules):
         hooks.forward_pre(module, shift.hook(i), with_kwargs=True)
@@ -153,7 +209,7 @@ def exact_arch_diag_hessian(
                 if shared_alpha == "refuse":
                     _refuse_shared_alpha({n: source_entries(w) for n, w in shift.with_graph.items()})
             if max_memory is not None:
-                chunk_size = fit_chunk(saved.bytes, max_memory, chunk_size, "arch_diag_hessian(mode='exact')")
+                chunk_size = fit_chunk(saved.bytes, max_memory, chunk_size, what)
             leaves = [shift.leaves[n] for n in names]
             if backend == "autograd":
                 products = HessianVectorProduct(loss, leaves, names)
@@ -173,19 +229,11 @@ def exact_arch_diag_hessian(
                 warnings.warn(
                     f"the loss does not depend on edge(s) {unused}: their curvature is reported as zeros",
                     RuntimeWarning,
-                    stacklevel=2,
+                    stacklevel=3,
                 )
-            blocks = _edge_blocks(products, n_ops, chunk_size, leaves[0].dtype, leaves[0].device)
+            yield EdgeProducts(products, names, n_ops, grad_z, shift, chunk_size, leaves[0].dtype, leaves[0].device)
     finally:
         hooks.remove()
-
-    out: Dict[str, torch.Tensor] = {}
-    for name, block, grad in zip(names, blocks, grad_z):
-        if wrt == "Z":
-            out[name] = torch.diagonal(block).clone()
-        else:
-            out[name] = softmax_chain_diag(shift.observed[name][0].to(block.dtype), grad.to(block.dtype), block)
-    return out
 
 
 class _WeightShift:

@@ -34,7 +34,7 @@ from nasdiag.hessian.loss_curvature import output_hessian_blocks
 from nasdiag.hessian.modes import CurvatureError
 from nasdiag.hooks import Hooks
 
-__all__ = ["ggn_arch_diag"]
+__all__ = ["ggn_arch_diag", "ggn_factor_rows"]
 
 
 class _PerSampleShift:
@@ -86,6 +86,33 @@ def ggn_arch_diag(
         CurvatureError: the loss has negative curvature in the outputs (GGN needs a convex per-sample loss).
         ValueError: an edge never ran, or ran with weights of the wrong shape.
     """
+    rows, gradient, observed = ggn_factor_rows(
+        model, loss_fn, inputs, targets, names, modules, n_ops, monte_carlo=monte_carlo, samples=samples, generator=generator
+    )
+    return {n: r.square().sum((0, 1)) for n, r in rows.items()}, gradient, observed
+
+
+def ggn_factor_rows(
+    model: nn.Module,
+    loss_fn: Callable,
+    inputs,
+    targets,
+    names: List[str],
+    modules: List[nn.Module],
+    n_ops: List[int],
+    *,
+    monte_carlo: bool,
+    samples: int = 1,
+    generator: Optional[torch.Generator] = None,
+):
+    """The factor of the (Monte-Carlo) GGN: ``({edge: (R, B, K)}, {edge: (K,) ∂L/∂Z}, {edge: observed weights})``.
+
+    Row ``(r, n)`` of edge e is ``∂/∂δ_{e,n}`` of ``Σ_m ⟨v_{r,m}, f_m⟩`` (module docstring), scaled by
+    ``1/√samples`` for ``monte_carlo``, so that over all edges stacked along K the matrix
+    ``C = Σ_{r,n} row_{r,n} row_{r,n}ᵀ`` (N × N, cross-edge blocks included) has ``diag C`` = the
+    ``ggn``/``ggn_mc`` result and ``C ε = Rᵀ(R ε)`` costs two small matrix products: the control
+    variate of :mod:`nasdiag.hessian.arch_hutchinson`. Rows are NaN where the loss curvature was not finite.
+    """
     shift = _PerSampleShift(names, n_ops)
     hooks = Hooks()
     for i, module in enumerate(modules):
@@ -117,7 +144,7 @@ def ggn_arch_diag(
             if monte_carlo:
                 eps = torch.randint(0, 2, (samples, *lam.shape), generator=generator, device=lam.device)
                 eps = (2 * eps - 1).to(lam.dtype)  # (S, N, D) Rademacher
-                V = torch.einsum("ndc,snc->snd", root, eps)  # (S, N, D)
+                V = torch.einsum("ndc,snc->snd", root, eps) / samples**0.5  # (S, N, D)
             else:
                 V = root.permute(2, 0, 1)  # (D, N, D): direction c for every sample
             V = V.reshape(V.shape[0], *outputs.shape).to(outputs.dtype)
@@ -126,14 +153,11 @@ def ggn_arch_diag(
             per_sample = _batched_vjp(outputs, leaves, rows)
     finally:
         hooks.remove()
-    curvature, gradient = {}, {}
+    factor, gradient = {}, {}
     for name, g in zip(names, per_sample):  # g: (1 + R, B, K)
-        squares = g[1:].square().sum(1)  # (R, K)
-        curvature[name] = (squares.mean(0) if monte_carlo else squares.sum(0)).detach()
-        if not finite:
-            curvature[name] = torch.full_like(curvature[name], float("nan"))
+        factor[name] = g[1:].detach() if finite else torch.full_like(g[1:], float("nan"))
         gradient[name] = g[0].sum(0).detach()
-    return curvature, gradient, shift.observed
+    return factor, gradient, shift.observed
 
 
 def _batched_vjp(outputs: torch.Tensor, leaves: List[torch.Tensor], rows: torch.Tensor) -> List[torch.Tensor]:

@@ -1,29 +1,75 @@
 """The curvature modes, spelled once. Everything that offers or validates a mode (``diag_hessian``,
 ``arch_diag_hessian``, the probe, the search config and CLI) reads these tuples; docs/hessian.md says
 what each computes, what it drops and what it costs (measured).
+
+A mode with a count carries it in its name: ``"hutchinson:<k>"`` is Hutchinson's diagonal from k
+Hessian-vector products, spelled ``"hutchinson:4"`` (any k ≥ 1). There is no default k: the count
+decides the cost (k products) and the noise (∝ 1/√k), so the caller states it, and a record's
+``hessian_mode`` says which k it used. The tuples list the placeholder ``"hutchinson:<k>"``; their
+``in`` accepts every concrete spelling, so the probe, the search config and the CLI accept it too.
 """
 
 from __future__ import annotations
 
+import re
+from typing import Optional, Tuple
+
 from nasdiag.errors import NasdiagError
 
-__all__ = ["WEIGHT_MODES", "ARCH_MODES", "CurvatureError", "check_mode"]
+__all__ = ["WEIGHT_MODES", "ARCH_MODES", "COUNTED_MODES", "CurvatureError", "ModeNames", "check_mode", "split_mode"]
 
-#: modes of ``diag_hessian`` (weights): bayesnas-appendix C.1-C.2
-WEIGHT_MODES = ("exact", "diag", "approx")
+#: modes whose name carries a count, ``"<name>:<count>"``, and what the count is
+COUNTED_MODES = {"hutchinson": "k, the number of Hessian-vector products"}
+
+_COUNTED = re.compile(r"^([a-z_]+):([0-9]+)$")
+
+
+class ModeNames(tuple):
+    """A tuple of mode names whose ``in`` also accepts ``"<name>:<k>"`` (k ≥ 1) for the counted modes
+    it lists as ``"<name>:<k>"``; the placeholder itself and ``"<name>"`` without k are not modes."""
+
+    def __contains__(self, mode) -> bool:
+        if not isinstance(mode, str):
+            return False
+        name, count = split_mode(mode)
+        if count is None:
+            return name not in COUNTED_MODES and ":" not in name and tuple.__contains__(self, name)
+        return count >= 1 and tuple.__contains__(self, f"{name}:<k>")
+
+
+#: modes of ``diag_hessian`` (weights): bayesnas-appendix C.1-C.2, and Hutchinson's estimate of the
+#: exact diagonal from k Hessian-vector products
+WEIGHT_MODES = ModeNames(("exact", "hutchinson:<k>", "diag", "approx"))
 
 #: modes of ``arch_diag_hessian`` (mixing weights Z or α): exact by HVPs, the exact block per edge
 #: summed by the caller over cells that share α, the generalized Gauss-Newton diagonal (exact over the
-#: classes, or one Monte-Carlo draw), and the BayesNAS recursions C.3.1 / C.3.2
-ARCH_MODES = ("exact", "exact_per_edge", "ggn", "ggn_mc", "diag", "approx")
+#: classes, or one Monte-Carlo draw), Hutchinson's diagonal from k HVPs with the GGN as control
+#: variate, and the BayesNAS recursions C.3.1 / C.3.2
+ARCH_MODES = ModeNames(("exact", "exact_per_edge", "ggn", "ggn_mc", "hutchinson:<k>", "diag", "approx"))
 
 
 class CurvatureError(NasdiagError, ValueError):
     """A curvature mode that does not exist or cannot apply here (too large, wrong loss, shared α ...)."""
 
 
+def split_mode(mode: str) -> Tuple[str, Optional[int]]:
+    """``("hutchinson", 4)`` for ``"hutchinson:4"``; ``(mode, None)`` for a name without a count."""
+    m = _COUNTED.match(mode)
+    if m is None:
+        return mode, None
+    return m.group(1), int(m.group(2))
+
+
 def check_mode(mode, modes=ARCH_MODES, what: str = "mode") -> str:
-    """``mode`` if it is one of ``modes``, else a one-line :class:`CurvatureError` listing them."""
-    if mode not in modes:
-        raise CurvatureError(f"unknown curvature {what} {mode!r}; choose one of {', '.join(modes)}")
-    return mode
+    """``mode`` if it is one of ``modes``, else a one-line :class:`CurvatureError` listing them (and, for
+    a counted mode given without its count, saying how to give it)."""
+    if mode in modes:
+        return mode
+    if isinstance(mode, str):
+        name, count = split_mode(mode)
+        if name in COUNTED_MODES and f"{name}:<k>" in tuple(modes):
+            raise CurvatureError(
+                f"curvature {what} {mode!r} needs {COUNTED_MODES[name]} (an integer >= 1) in its name, e.g. "
+                f"{name}:4 (docs/hessian.md tabulates k = 1, 4, 16)"
+            )
+    raise CurvatureError(f"unknown curvature {what} {mode!r}; choose one of {', '.join(modes)}")

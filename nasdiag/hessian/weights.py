@@ -10,8 +10,8 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from nasdiag.hessian._hvp import preserved_buffers, scalar_loss
-from nasdiag.hessian.exact_weights import as_linear_chain, chain_exact_diag, hvp_exact_diag
-from nasdiag.hessian.modes import WEIGHT_MODES, CurvatureError, check_mode
+from nasdiag.hessian.exact_weights import as_linear_chain, chain_exact_diag, hvp_exact_diag, hvp_hutchinson_diag
+from nasdiag.hessian.modes import WEIGHT_MODES, CurvatureError, check_mode, split_mode
 from nasdiag.hessian.loss_curvature import LossCouplesSamplesError, output_hessian_diagonal
 from nasdiag.hessian.propagate import walk_diagonals
 from nasdiag.hessian.rules import HessianRule, UnsupportedModuleError
@@ -49,6 +49,8 @@ def diag_hessian(
       sees (an FC last layer with any per-sample loss); drops off-diagonal pre-activation terms below.
     * ``"approx"``: the feature-mean approximation C.2.4-C.2.5 (and its FC analogue): each linear
       layer replaces the pre-activation diagonal by its mean over batch and space per channel. Cheapest.
+    * ``"hutchinson:<k>"`` (e.g. ``"hutchinson:16"``): Hutchinson's unbiased estimate of the exact
+      diagonal from k Rademacher probes (k Hessian-vector products, seed 0); k has no default.
 
     Args:
         model: any ``nn.Module``; ``model(inputs)`` (``model(*inputs)`` for a tuple) returns one tensor
@@ -60,7 +62,7 @@ def diag_hessian(
             (the nasdiag default) it is the Hessian of the batch mean, ``"sum"`` gives N times that.
             ``diag``/``approx`` need a per-sample loss (checked).
         inputs, targets: one mini-batch.
-        mode: ``"exact"``, ``"diag"`` or ``"approx"``.
+        mode: ``"exact"``, ``"diag"``, ``"approx"`` or ``"hutchinson:<k>"``.
         params: which tensors; default ``model.named_parameters()``. Names (``"fc.weight"``),
             ``(name, tensor)`` pairs or a ``{name: tensor}`` mapping of parameters of ``model``; a given
             tensor is the value to evaluate at (substituted by ``torch.func.functional_call``), so
@@ -81,9 +83,12 @@ def diag_hessian(
     nothing is kept between calls.
     """
     check_mode(mode, WEIGHT_MODES)
-    if rules is not None and mode == "exact":
-        raise CurvatureError("rules= only applies to mode='diag' or 'approx'; mode='exact' uses no per-module rules")
+    if rules is not None and mode not in ("diag", "approx"):
+        raise CurvatureError(f"rules= only applies to mode='diag' or 'approx'; mode={mode!r} uses no per-module rules")
     values = named_values(model, params)
+    name, probes = split_mode(mode)
+    if name == "hutchinson":
+        return hvp_hutchinson_diag(model, loss_fn, inputs, targets, values, probes)
     if mode == "exact":
         chain = as_linear_chain(model)
         if chain is not None and isinstance(inputs, torch.Tensor):
