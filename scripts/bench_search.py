@@ -5,7 +5,8 @@ Rows (each engine on its own copy of the same initial supernet, the same batches
 
 * ``darts``: one first-order DARTS iteration (α step + w step), cost statistics recorded every α step:
   eager (the reference: one module per op, a loop over edges), eager + CUDA graph, fast (batched ops, no
-  graph), fast + CUDA graph (the default on CUDA); and fast + graph with the cost statistics switched off;
+  graph), fast + CUDA graph (the default on CUDA), the same with torch's native BatchNorm kernels; and
+  fast + graph with the cost statistics switched off;
 * ``darts2``: the second-order iteration, eager, fast and fast + CUDA graph;
 * ``fwdbwd``: forward + backward with per-cell Z leaves (the cost primitive), eager and fast;
 * ``hessian``: the α diagonal (``approx``, ``diag``) and the weight diagonal (``approx``, ``diag``),
@@ -122,17 +123,18 @@ def step_fn(method, data, graph: bool):
     return lambda i: step(*data[i % len(data)])
 
 
-def depthwise_layout(fn, channels_last: bool):
-    """``fn`` with the fast engine's depthwise convolutions in channels_last (its default on CUDA) or NCHW."""
+def unit_affine(fn, on: bool):
+    """``fn`` with the fast engine's affine-free BatchNorms given a unit scale (cuDNN's kernels, the default
+    on CUDA) or not (torch's native kernels)."""
     from nasdiag.supernet.engine import fast
 
     def run(i):
-        before = fast.DEPTHWISE_CHANNELS_LAST
-        fast.DEPTHWISE_CHANNELS_LAST = channels_last
+        before = fast.UNIT_AFFINE_ON_CUDA
+        fast.UNIT_AFFINE_ON_CUDA = on
         try:
             return fn(i)
         finally:
-            fast.DEPTHWISE_CHANNELS_LAST = before
+            fast.UNIT_AFFINE_ON_CUDA = before
 
     return run
 
@@ -142,15 +144,15 @@ def section_darts(args, device, dtype, base):
     data = batches(args, device, dtype, args.batch)
     variants = [("eager", "eager", False, True), ("eager + CUDA graph", "eager", True, True),
                 ("fast (batched ops)", "fast", False, True), ("fast + CUDA graph", "fast", True, True),
-                ("fast + graph, NCHW depthwise", "fast", True, False)]
+                ("fast + graph, native BatchNorm", "fast", True, False)]
     if device.type != "cuda":
         variants = [v for v in variants if not v[2]]
     ref = None
     times = {}
-    for label, engine, graph, channels_last in variants:
+    for label, engine, graph, unit in variants:
         net = copy.deepcopy(base)
         m = darts_method(net, engine)
-        fn = depthwise_layout(step_fn(m, data, graph), channels_last)
+        fn = unit_affine(step_fn(m, data, graph), unit)
         steps = args.eager_steps if engine == "eager" and not graph else args.steps
         t = timed(device, fn, steps, args.warmup)
         mem = peak(device, lambda: fn(0))
@@ -187,11 +189,12 @@ def section_darts2(args, device, dtype, base):
         return
     data = batches(args, device, dtype, args.batch)
     ref = None
-    variants = [("eager", "eager", False), ("fast (batched ops)", "fast", False), ("fast + CUDA graph", "fast", True)]
-    for label, engine, graph in variants if device.type == "cuda" else variants[:2]:
+    variants = [("eager", "eager", False, True), ("fast (batched ops)", "fast", False, True),
+                ("fast + CUDA graph", "fast", True, True), ("fast + graph, native BatchNorm", "fast", True, False)]
+    for label, engine, graph, unit in variants if device.type == "cuda" else variants[:2]:
         net = copy.deepcopy(base)
         m = darts_method(net, engine, DARTS2)
-        fn = step_fn(m, data, graph)
+        fn = unit_affine(step_fn(m, data, graph), unit)
         if graph:
             t = timed(device, fn, args.steps // 2, args.warmup)
             mem = peak(device, lambda: fn(0))
@@ -370,6 +373,7 @@ def run_ddp(args):
             results[label] = (t, counts, [str(w.message) for w in caught][:2])
             print(f"rank {rank}: {label} {t * 1e3:.1f} ms {counts} {results[label][2]}", flush=True)
         dist.barrier()
+        m.release_graphs()  # a live graph with captured collectives would hang destroy_process_group
         del m, base, fn
     if rank == 0:
         for path, key in (("graph", "1 process, fast + graph"), ("plain", "1 process, fast, no graph")):

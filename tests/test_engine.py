@@ -171,6 +171,7 @@ class FakeGraphs:
     def __init__(self, fail=False):
         self.fail = fail
         self.replayed_shapes = []
+        self.released = []
 
     def eager(self, fn, args):
         return fn(*args)
@@ -184,6 +185,9 @@ class FakeGraphs:
         fn, args = graph
         self.replayed_shapes.append(args[0][0].shape[0])
         return fn(*args)
+
+    def release(self, graph):
+        self.released.append(graph)
 
 
 def _graphed(method, backend):
@@ -236,3 +240,21 @@ def test_darts_step_is_graphed_only_on_cuda_with_the_fast_engine():
     assert isinstance(m.step, StepGraph)
     m.step(*_batches([4])[0])
     assert m.step.counts["plain"] == 1  # CPU tensors: never captured
+
+
+def test_released_graphs_are_freed_and_captured_anew():
+    """``release()`` (before a process group with captured collectives is destroyed) frees every graph through
+    the backend; the next steps run eagerly, capture anew and still equal plain steps."""
+    plain, graphed = _method("fast", steps=2, multiplier=2), _method("fast", steps=2, multiplier=2)
+    backend = FakeGraphs()
+    runner = _graphed(graphed, backend)
+    batches = _batches([5] * 5)
+    for i, b in enumerate(batches):
+        if i == 3:
+            runner.release()
+            assert len(backend.released) == 1 and not runner._graphs
+        a, g = plain.step(*b), runner(*b)
+        assert _max_diff(list(a.values()), list(g.values())) < TOL, i
+    # eager, capture, replay, [release] eager, capture
+    assert runner.counts == {"eager": 2, "capture": 2, "replay": 1, "plain": 0}
+    assert _max_diff(_state(plain), _state(graphed)) < TOL

@@ -448,6 +448,14 @@ class SearchMethod:
             return
         self.model = nn.parallel.DistributedDataParallel(self.network, device_ids=device_ids, find_unused_parameters=True)
 
+    def release_graphs(self) -> None:
+        """Free the captured CUDA graphs of :meth:`step` (if any); the next step captures anew. ``run`` calls it
+        before leaving the process group: a live graph with captured collectives makes its destruction hang."""
+        from nasdiag.supernet.engine.graph import StepGraph
+
+        if isinstance(self.step, StepGraph):
+            self.step.release()
+
     def average_weight_gradients(self) -> None:
         """Average the weights' ``.grad`` over the ranks after :meth:`distribute` (a no-op before it): one
         all-reduce of a flat buffer, no host synchronisation. Weights without a gradient (on every rank: the

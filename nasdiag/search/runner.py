@@ -440,6 +440,8 @@ def _run(config, callbacks, method_cls, hp, rank, world, device) -> SearchResult
                                      spectrum_every=config.spectrum_every, rank=rank, world_size=world)
     finally:
         progress.close()
+        if world > 1:  # graphs with captured collectives would hang the process group's destruction
+            method.release_graphs()
     figures: List[str] = []
     if config.figures is not None and rank == 0 and config.record is not None:
         from nasdiag.plot import write_figures

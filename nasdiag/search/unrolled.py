@@ -142,14 +142,14 @@ def unrolled_weights(params: Mapping[str, torch.Tensor], train_grads: Mapping[st
                      weight_decay: float = 0.0) -> Params:
     """w' = w − ξ·(∇_w L_train + μ·b + λ·w): the one-step approximation of w*(α) (DARTS eq 6–7, with the
     momentum buffer b and weight decay λ of DARTS's ``architect._compute_unrolled_model``); detached."""
-    out = {}
-    for n, w in params.items():
-        w = w.detach()
-        d = train_grads[n] + weight_decay * w
-        if momentum_buffers is not None and momentum:
-            d = d + momentum * momentum_buffers[n]
-        out[n] = w - xi * d
-    return out
+    # foreach ops: a handful of kernels for all ~1400 weight tensors of a supernet, not six per tensor
+    names = list(params)
+    w = [params[n].detach() for n in names]
+    d = torch._foreach_add([train_grads[n] for n in names], w, alpha=weight_decay) if weight_decay else \
+        [train_grads[n] for n in names]
+    if momentum_buffers is not None and momentum:
+        d = torch._foreach_add(d, [momentum_buffers[n] for n in names], alpha=momentum)
+    return dict(zip(names, torch._foreach_add(w, d, alpha=-xi)))
 
 
 def host_checks_allowed() -> bool:
@@ -190,7 +190,11 @@ def unrolled_gradient(network, train_batch: Batch, val_batch: Batch, weights: Ce
         :class:`UnrolledGradient`.
     """
     params = {n: p.detach() for n, p in weight_params(network).items()}
-    buffers = lambda: {n: b.detach().clone() for n, b in network.named_buffers()}  # noqa: E731
+    buffer_names, buffer_values = zip(*network.named_buffers()) if any(True for _ in network.buffers()) else ((), ())
+
+    def buffers() -> Params:  # copies (x + 0 is x, for every dtype), so the forwards leave the running statistics alone
+        return dict(zip(buffer_names, torch._foreach_add([b.detach() for b in buffer_values], 0))) if buffer_names else {}
+
     x_t, y_t = train_batch
     x_v, y_v = val_batch
 
@@ -205,14 +209,17 @@ def unrolled_gradient(network, train_batch: Batch, val_batch: Batch, weights: Ce
     val_grad = arch_grad(val.costs)
 
     v = val.weight_grads
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in v.values()]))
+    norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(list(v.values()))))
     # ε stays on the device (no host sync, so the step can be captured as a CUDA graph). Where v = 0 there is
     # no direction to differentiate along: the mixed term vanishes (ε = inf, w± = w, implicit = 0).
     nonzero = norm > 0
     eps = torch.where(nonzero, eps_scale / norm, torch.full_like(norm, math.inf))
     step = torch.where(nonzero, eps, torch.zeros_like(norm))
-    plus = {n: w + step * v[n] for n, w in params.items()}
-    minus = {n: w - step * v[n] for n, w in params.items()}
+    names = list(params)
+    w = [params[n] for n in names]
+    shift = torch._foreach_mul([v[n] for n in names], step)
+    plus = dict(zip(names, torch._foreach_add(w, shift)))
+    minus = dict(zip(names, torch._foreach_sub(w, shift)))
     c_plus = functional_cost(network, plus, buffers(), x_t, y_t, weights, active=active)
     c_minus = functional_cost(network, minus, buffers(), x_t, y_t, weights, active=active)
     g_plus, g_minus = arch_grad(c_plus.costs), arch_grad(c_minus.costs)

@@ -212,9 +212,17 @@ def _gather_bn(bns: Sequence[nn.Module]):
     return rm, rv, w, bias
 
 
+#: Give affine-free BatchNorms a unit scale and zero shift on CUDA (the same function: x̂·1 + 0), which lets
+#: torch pick cuDNN's kernels for float32 instead of its native ones: 125.1 -> 117.7 ms per graphed DARTS
+#: iteration on an H200 (BENCHMARKS.md, "Search engine", measures both). The scale gets no gradient.
+UNIT_AFFINE_ON_CUDA = True
+
+
 def _batch_norm(y: torch.Tensor, bns: Sequence[nn.Module]) -> torch.Tensor:
     """BatchNorm of the stacked channels of ``len(bns)`` edges, updating each module's running statistics."""
     rm, rv, w, b = _gather_bn(bns)
+    if w is None and UNIT_AFFINE_ON_CUDA and y.is_cuda:
+        w, b = y.new_ones(rm.shape), y.new_zeros(rm.shape)
     out = F.batch_norm(y, rm, rv, w, b, True, bns[0].momentum, bns[0].eps)
     with torch.no_grad():
         n = bns[0].num_features
@@ -258,22 +266,6 @@ def _pool(X: torch.Tensor, op: nn.Sequential) -> torch.Tensor:
     return F.avg_pool2d(X, p.kernel_size, p.stride, p.padding, count_include_pad=p.count_include_pad)
 
 
-#: Run the depthwise convolutions in channels_last on CUDA. For float32 NCHW input torch picks its own
-#: depthwise kernels (slow, the weight gradient above all); for channels_last input it picks cuDNN's. The
-#: layout changes cost one transposing copy each way (BENCHMARKS.md, "Search engine", measures both).
-DEPTHWISE_CHANNELS_LAST = True
-
-
-def _depthwise(y: torch.Tensor, weight: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:
-    """Depthwise conv of ``y`` (B, n·C, H, W) with ``weight`` (n·C, 1, k, k) and ``conv``'s stride, padding,
-    dilation; the output is NCHW-contiguous whatever layout computed it."""
-    if DEPTHWISE_CHANNELS_LAST and y.is_cuda:
-        out = F.conv2d(y.contiguous(memory_format=torch.channels_last), weight, None, conv.stride, conv.padding,
-                       conv.dilation, groups=weight.shape[0])
-        return out.contiguous()
-    return F.conv2d(y, weight, None, conv.stride, conv.padding, conv.dilation, groups=weight.shape[0])
-
-
 def _chain(rr: torch.Tensor, ops: Sequence[nn.Module], n: int) -> torch.Tensor:
     """ReLU → depthwise → 1×1 → BN blocks of n edges at once; ``rr`` (B, n·C, H, W) = ReLU(input) per edge."""
     blocks_per_edge = [_chain_blocks(op) for op in ops]
@@ -284,7 +276,7 @@ def _chain(rr: torch.Tensor, ops: Sequence[nn.Module], n: int) -> torch.Tensor:
         if depth > 0:
             y = F.relu(y)
         w_dw = torch.cat([b[1].weight for b in blocks])  # (n·C, 1, k, k)
-        y = _depthwise(y, w_dw, dw)
+        y = F.conv2d(y, w_dw, None, dw.stride, dw.padding, dw.dilation, groups=w_dw.shape[0])
         # The n edges' 1×1 convs as one batched matrix product over (batch, edge): a grouped cuDNN conv
         # spent most of its time transposing layouts (measured on an H200, BENCHMARKS.md).
         w_pw = torch.stack([b[2].weight.flatten(1) for b in blocks])  # (n, C_out, C)

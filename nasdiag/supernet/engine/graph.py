@@ -101,6 +101,11 @@ class CudaGraphBackend:
         graph.replay()
         return static_out
 
+    def release(self, graph: Any) -> None:
+        """Free a captured graph now (not when the garbage collector gets to it)."""
+        torch.cuda.synchronize()
+        graph.reset()
+
 
 class StepGraph:
     """Run ``step(*args)`` as a replayed CUDA graph where it is safe (see the module docstring).
@@ -172,6 +177,17 @@ class StepGraph:
         self._key = self.state_key()  # the eager step may create state (accumulators, optimizer buffers)
         self._last_signature = signature
         return out
+
+    def release(self) -> None:
+        """Free every captured graph; later calls capture anew. Call it before destroying a process group whose
+        collectives were captured: NCCL cannot tear down a communicator that a live graph still uses (the
+        destroy hangs)."""
+        release = getattr(self.backend, "release", None)
+        for graph, _, _ in self._graphs.values():
+            if release is not None:
+                release(graph)
+        self._graphs.clear()
+        self._seen.clear()
 
     def _capture_and_run(self, signature: tuple, structure: Any, tensors: List[torch.Tensor]) -> Any:
         if not self._prepared and self.prepare is not None:
