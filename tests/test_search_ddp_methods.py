@@ -1,13 +1,15 @@
-"""Data parallelism of BayesNAS, SparseNAS and ASM-NAS: a few steps on 2 gloo ranks (each on half of every
-batch) equal the same steps in one process on the concatenated batches, float64.
+"""Data parallelism of BayesNAS, SparseNAS, ASM-NAS, SNAS, DSNAS and XNAS: a few steps on 2 gloo ranks (each on
+half of every batch) equal the same steps in one process on the concatenated batches, float64.
 
 The supernet uses LayerNorm (each sample normalised on its own), so the mean loss of the concatenated batch
 is the mean of the ranks' mean losses and every quantity below must agree to rounding: the network weights,
 the architecture parameters, and each method's own statistics — BayesNAS's curvature, C, ω, s, γ and
 switches (two updates, one of them pruning); SparseNAS's A after its proximal steps, its non-zero pattern
-and λ; ASM-NAS's attention (the ranks' batch means, averaged) and its selection counts. The ranks' mean
-training losses average to the single-process loss. SNAS and DSNAS are left out: they draw per-sample
-random relaxations, so a split batch draws different noise than the whole one.
+and λ; ASM-NAS's attention (the ranks' batch means, averaged) and its selection counts; XNAS's forecaster
+(log-weights, wipeouts, regret, bound, γ). SNAS and DSNAS sample: their one sample per step and edge is
+shared by the batch and drawn from the method's own generator, seeded alike on every rank and in the single
+process, so the ranks draw the same samples as the single process (checked: ``sample/<cell>/onehot``) and
+everything downstream is comparable. The ranks' mean training losses average to the single-process loss.
 """
 
 from __future__ import annotations
@@ -32,9 +34,12 @@ METHODS = {
     "bayesnas": {"update_every": 2, "w_lr": 0.01},
     "sparsenas": {},  # AdamHAPG on the second-order hypergradient (the defaults)
     "asmnas": {},
+    "snas": {},
+    "dsnas": {},
+    "xnas": {},
 }
 # per-step statistics that must be equal on every rank and to the single process
-SHARED = ("bayes/", "sparsity/", "arch/normal/params", "arch/reduce/params")
+SHARED = ("bayes/", "sparsity/", "arch/normal/params", "arch/reduce/params", "sample/", "regret/", "scalars/temperature")
 # per-step statistics of the local batch: their mean over the ranks equals the single process's value
 LOCAL = ("scalars/train_loss", "attention/normal/mean", "attention/reduce/mean")
 
@@ -150,8 +155,10 @@ def test_two_ranks_equal_one_process_on_the_whole_batch(name, distributed):
     # not vacuous: the steps moved the weights (and the architecture, where the method has one)
     moved = [n for n, p in params.items() if not torch.equal(p, start[n])]
     assert any("alphas" not in n for n in moved)
-    if name != "asmnas":
+    if name not in ("asmnas", "xnas"):  # ASM-NAS has no α; XNAS keeps its weights in the forecaster
         assert any("alphas" in n for n in moved)
+    if name == "xnas":
+        assert not torch.equal(stats[-1]["regret/normal/log_weights"], stats[0]["regret/normal/log_weights"])
     if name == "bayesnas":
         last = stats[-1]
         assert not last["bayes/normal/switch"][:, 1].any(), "the small ops were not pruned"
