@@ -2,23 +2,32 @@
 
 For each net: relative error ‖mode − exact‖/‖exact‖, Spearman ρ over the entries (exact zeros left
 out), time as a multiple of one forward+backward of the same batch (median of ``--repeats``), and
-for the mixing weights the share of edges whose ops the mode tells apart where exact does.
+for the mixing weights the share of op pairs of an edge that the mode tells apart where exact does.
+The mixing weights are measured w.r.t. Z and w.r.t. α (per edge, against ``exact_per_edge``); the
+random modes (``ggn_mc``, ``hutchinson:<k>``) report the mean over ``--seeds`` seeds.
 
-    python scripts/curvature_accuracy.py                  # all nets, markdown table on stdout
-    python scripts/curvature_accuracy.py --nets search    # the DARTS search supernet shape only (slow on CPU)
+    python scripts/curvature_accuracy.py                               # the docs table (CPU, minutes)
+    python scripts/curvature_accuracy.py --only darts --device cuda --out runs/curvature   # the DARTS row on a GPU
+    python scripts/curvature_accuracy.py --only darts --size tiny --out /tmp/curv          # the same, tiny, CPU check
+
+``--out DIR`` writes ``DIR/curvature_accuracy.json`` (the rows and the setting) and
+``DIR/curvature_accuracy.md`` (the printed table).
 
 Nets (float64, torch's CPU unless --device): ``tanh_mlp`` and ``conv_bn`` (weight modes of
 ``diag_hessian``), ``cell_train`` / ``cell_eval`` (one minimal cell of the reference supernet, BatchNorm
-in train / eval mode; mixing-weight modes of ``arch_diag_hessian``), ``search`` (the DARTS search
-supernet's cells scaled to CPU: 3 cells (normal, reduce, reduce) of 4 nodes and 14 edges × 8 ops, C=8,
-8×8 inputs, 10 classes, batch 16, train-mode BN).
+in train / eval mode; mixing-weight modes of ``arch_diag_hessian``), ``darts`` (alias ``search``: the
+DARTS search supernet's cells, train-mode BN; ``--size small`` (default): 3 cells (normal, reduce,
+reduce) of 4 nodes and 14 edges × 8 ops, C=8, 8×8 inputs, 10 classes, batch 16; ``tiny``: 2 nodes,
+C=4, 6×6, batch 4; ``paper``: the DARTS search setting, 8 cells, C=16, 32×32×3, batch 64).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +38,9 @@ from nasdiag.hessian import arch_diag_hessian, diag_hessian
 from nasdiag.supernet import Network
 
 DT = torch.float64
-CHEAP_ARCH = ("diag", "approx", "ggn", "ggn_mc")
+CHEAP_ARCH = ("diag", "approx", "ggn", "ggn_mc", "hutchinson:1", "hutchinson:4", "hutchinson:16")
+CHEAP_WEIGHTS = ("diag", "approx", "hutchinson:1", "hutchinson:4", "hutchinson:16")
+RANDOM = ("ggn_mc", "hutchinson:1", "hutchinson:4", "hutchinson:16")
 
 
 def tanh_mlp(device):
@@ -64,22 +75,40 @@ def cell(train: bool):
     return build
 
 
-def search(device):
-    torch.manual_seed(3)
-    net = Network(8, 10, 3, in_channels=1).to(device, DT)
-    with torch.no_grad():
-        for a in net.arch_parameters():
-            a.normal_(0, 0.3)
-    return net, torch.randn(16, 1, 8, 8, dtype=DT, device=device), torch.randint(0, 10, (16,), device=device)
+SIZES = {  # (C, layers, steps, in_channels, batch, side)
+    "tiny": (4, 3, 2, 1, 4, 6),
+    "small": (8, 3, 4, 1, 16, 8),
+    "paper": (16, 8, 4, 3, 64, 32),
+}
+
+
+def search(size):
+    C, layers, steps, channels, batch, side = SIZES[size]
+
+    def build(device):
+        torch.manual_seed(3)
+        net = Network(C, 10, layers, in_channels=channels, steps=steps, multiplier=steps).to(device, DT)
+        with torch.no_grad():
+            for a in net.arch_parameters():
+                a.normal_(0, 0.3)
+        x = torch.randn(batch, channels, side, side, dtype=DT, device=device)
+        return net, x, torch.randint(0, 10, (batch,), device=device)
+
+    return build
 
 
 NETS = {
-    "tanh_mlp": (tanh_mlp, "weights"),
-    "conv_bn": (conv_bn, "weights"),
-    "cell_train": (cell(True), "Z"),
-    "cell_eval": (cell(False), "Z"),
-    "search": (search, "Z"),
+    "tanh_mlp": "weights",
+    "conv_bn": "weights",
+    "cell_train": "Z",
+    "cell_eval": "Z",
+    "darts": "Z",
 }
+ALIASES = {"search": "darts"}
+
+
+def builder(name, size):
+    return {"tanh_mlp": tanh_mlp, "conv_bn": conv_bn, "cell_train": cell(True), "cell_eval": cell(False), "darts": search(size)}[name]
 
 
 def _timed(fn, repeats, device):
@@ -114,9 +143,10 @@ def _ops_told_apart(got, exact):
     return hits / max(total, 1)
 
 
-def measure(name, repeats, device):
-    build, kind = NETS[name]
-    net, x, y = build(device)
+def measure(name, repeats, device, seeds=3, size="small"):
+    """Rows ``(net, w.r.t., mode, rel. error, ρ, time / (fwd+bwd), ops told apart)`` of one net."""
+    kind = NETS[name]
+    net, x, y = builder(name, size)(device)
 
     def fwd_bwd():
         net.zero_grad(set_to_none=True)
@@ -126,33 +156,81 @@ def measure(name, repeats, device):
     _, base = _timed(fwd_bwd, repeats, device)
     rows = []
     if kind == "weights":
-        run = {m: (lambda m=m: diag_hessian(net, F.cross_entropy, x, y, mode=m)) for m in ("exact", "diag", "approx")}
-    else:
-        edges = net.edge_specs()
-        run = {m: (lambda m=m: arch_diag_hessian(net, F.cross_entropy, x, y, edges, mode=m)) for m in ("exact", *CHEAP_ARCH)}
-    exact, t_exact = _timed(run.pop("exact"), 1, device)
-    rows.append((name, kind, "exact", 0.0, 1.0, t_exact / base, 1.0 if kind == "Z" else None))
-    for mode, fn in run.items():
-        got, t = _timed(fn, repeats, device)
-        err, rho = _accuracy(got, exact)
-        rows.append((name, kind, mode, err, rho, t / base, _ops_told_apart(got, exact) if kind == "Z" else None))
+        exact, t_exact = _timed(lambda: diag_hessian(net, F.cross_entropy, x, y, mode="exact"), 1, device)
+        rows.append((name, "weights", "exact", 0.0, 1.0, t_exact / base, None))
+        for mode in CHEAP_WEIGHTS:
+            got, t = _timed(lambda: diag_hessian(net, F.cross_entropy, x, y, mode=mode), repeats, device)
+            err, rho = _accuracy(got, exact)
+            rows.append((name, "weights", mode, err, rho, t / base, None))
+        return rows
+    edges = net.edge_specs()
+
+    def arch(mode, wrt="Z", seed=0):
+        return arch_diag_hessian(net, F.cross_entropy, x, y, edges, mode=mode, wrt=wrt, seed=seed)
+
+    exact, t_exact = _timed(lambda: arch("exact_per_edge"), 1, device)
+    exact_alpha = arch("exact_per_edge", "alpha")
+    rows.append((name, "Z", "exact", 0.0, 1.0, t_exact / base, 1.0))
+    rows.append((name, "α", "exact", 0.0, 1.0, None, None))
+    for mode in CHEAP_ARCH:
+        got, t = _timed(lambda: arch(mode), repeats if mode not in RANDOM else 1, device)
+        z_runs = [got] + [arch(mode, seed=s) for s in range(1, seeds if mode in RANDOM else 1)]
+        a_runs = [arch(mode, "alpha", seed=s) for s in range(seeds if mode in RANDOM else 1)]
+        z_acc = [_accuracy(g, exact) for g in z_runs]
+        a_acc = [_accuracy(g, exact_alpha) for g in a_runs]
+        apart = statistics.mean(_ops_told_apart(g, exact) for g in z_runs)
+        rows.append((name, "Z", mode, *_mean_pair(z_acc), t / base, apart))
+        rows.append((name, "α", mode, *_mean_pair(a_acc), None, None))
     return rows
+
+
+def _mean_pair(pairs):
+    return statistics.mean(p[0] for p in pairs), statistics.mean(p[1] for p in pairs)
+
+
+def _line(row):
+    net, kind, mode, err, rho, cost, apart = row
+    shown = "—" if apart is None else f"{apart:.2f}"
+    timing = "—" if cost is None else f"{cost:.1f}×"
+    return f"| {net} | {kind} | `{mode}` | {err:.3f} | {rho:.3f} | {timing} | {shown} |"
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nets", default="tanh_mlp,conv_bn,cell_train,cell_eval", help=f"comma-separated, of {', '.join(NETS)}")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--nets", "--only", dest="nets", default="tanh_mlp,conv_bn,cell_train,cell_eval",
+                        help=f"comma-separated, of {', '.join(NETS)} (search = darts)")
+    parser.add_argument("--size", default="small", choices=tuple(SIZES), help="shape of the darts net (default: small)")
+    parser.add_argument("--repeats", type=int, default=3, help="timings: median of this many runs")
+    parser.add_argument("--seeds", type=int, default=3, help="random modes: accuracy averaged over this many seeds")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", default=None, help="directory for curvature_accuracy.json and .md")
     args = parser.parse_args()
+    names = [ALIASES.get(n.strip(), n.strip()) for n in args.nets.split(",") if n.strip()]
+    unknown = [n for n in names if n not in NETS]
+    if unknown:
+        parser.error(f"unknown net(s) {unknown}; choose from {', '.join(NETS)}")
     device = torch.device(args.device)
-    print(f"torch {torch.__version__}, {device}, {torch.get_num_threads()} threads, float64")
-    print("| net | w.r.t. | mode | rel. error | Spearman ρ | time / (fwd+bwd) | ops told apart |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for name in args.nets.split(","):
-        for net, kind, mode, err, rho, cost, apart in measure(name.strip(), args.repeats, device):
-            shown = "—" if apart is None else f"{apart:.2f}"
-            print(f"| {net} | {kind} | `{mode}` | {err:.3f} | {rho:.3f} | {cost:.1f}× | {shown} |", flush=True)
+    setting = (f"torch {torch.__version__}, {device}"
+               + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
+               + f", {torch.get_num_threads()} threads, float64, darts size {args.size}, {args.seeds} seeds")
+    lines = [setting, "", "| net | w.r.t. | mode | rel. error | Spearman ρ | time / (fwd+bwd) | ops told apart |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for line in lines:
+        print(line, flush=True)
+    rows = []
+    for name in names:
+        for row in measure(name, args.repeats, device, args.seeds, args.size):
+            rows.append(row)
+            lines.append(_line(row))
+            print(lines[-1], flush=True)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        keys = ("net", "wrt", "mode", "rel_error", "spearman", "time_over_fwd_bwd", "ops_told_apart")
+        (out / "curvature_accuracy.json").write_text(
+            json.dumps({"setting": setting, "rows": [dict(zip(keys, r)) for r in rows]}, indent=1, ensure_ascii=False) + "\n")
+        (out / "curvature_accuracy.md").write_text("\n".join(lines) + "\n")
+        print(f"wrote {out / 'curvature_accuracy.json'} and {out / 'curvature_accuracy.md'}")
 
 
 if __name__ == "__main__":
