@@ -82,6 +82,9 @@ Z_BOUNDS = {
     (False, "approx"): (0.99, 0.88),  # 0.952, 0.908
     (False, "ggn"): (1e-10, 0.999),  # 1.5e-16, 1.0: BN is affine in eval mode and the ops are piecewise linear
     (False, "ggn_mc"): (0.16, 0.98),  # 0.113, 0.996
+    # seed 0; the mean over seeds 0-2 is 0.606, 0.898 (docs/hessian.md): unbiased, noisy where C ≠ H
+    (True, "hutchinson:4"): (0.55, 0.95),  # 0.475, 0.978
+    (False, "hutchinson:4"): (1e-10, 0.999),  # 3e-16, 1.0: C equals H within each edge (eval BN, piecewise linear)
 }
 
 
@@ -103,7 +106,7 @@ def test_mixing_weight_curvature_accuracy_is_bounded(train):
     edges = net.edge_specs()
     keys = [e.name for e in edges]
     exact = arch_diag_hessian(net, F.cross_entropy, x, y, edges, mode="exact")
-    for mode in ("diag", "approx", "ggn", "ggn_mc"):
+    for mode in ("diag", "approx", "ggn", "ggn_mc", "hutchinson:4"):
         got = arch_diag_hessian(net, F.cross_entropy, x, y, edges, mode=mode)
         err, rho = _accuracy(got, exact, keys)
         max_err, min_rho = Z_BOUNDS[(train, mode)]
