@@ -35,7 +35,8 @@ curvature alone (as before) was ≈ 1e-4 on digits: C ≈ γ, ω ≈ √H, s = |
 nothing was ever pruned (docs/bayesnas.md).
 
 **Curvature mode.** The update needs only the mixing-weight curvature (C.3); the weight curvature of
-C.1–C.2 enters BayesNAS only through §B (compression), which is not implemented here. Entries where H is
+C.1–C.2 enters BayesNAS only through §B (compression: ``nasdiag.bayes.structured``,
+``scripts/bayes_compression.py``). Entries where H is
 not finite or not positive leave that op's ω, s and C unchanged (a Laplace approximation needs H > 0; a
 NaN is flagged in ``hessian/<cell>/nonfinite``, the curvature itself is recorded as it came). The default
 ``ggn`` (the generalized Gauss-Newton diagonal, exact over the classes) is positive semidefinite and tells

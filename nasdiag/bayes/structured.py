@@ -1,0 +1,102 @@
+"""Structural Bayesian compression (BayesNAS appendix §B, Algorithm 3 and Table S3) on bare weight tensors.
+
+A structured sparse prior gives every *group* of a weight tensor one variance: the weights of group g are
+N(0, γ_g I) (Table S3, second column). Which elements form a group is said by ``group_dims``, the dimensions
+that *index* the groups; the other dimensions hold the group's elements. For a conv weight (N, C, M, K):
+
+===================== ============== ==============================================
+Table S3              ``group_dims``  one γ per
+===================== ============== ==============================================
+(a) shape-wise         (1, 2, 3)      input channel and kernel position (c, m, k)
+(b) row-wise           (1, 2)         (c, m)
+(c) column-wise        (1, 3)         (c, k)
+(e) channel-wise       (1,)           input channel c
+(f) group shape-wise   (2, 3)         kernel position (m, k)
+(j) filter-wise        (0,)           output filter n
+===================== ============== ==============================================
+
+A fully connected weight (out, in) is the case M = K = 1: ``(0,)`` groups the weights of each output neuron,
+``(1,)`` those of each input feature.
+
+One iteration t of Algorithm 3, per layer (elementwise, Γ = γ broadcast over each group's elements):
+
+* B.0.2 / Table S3: γ_g(t) = ‖W_g(t)‖₂ / ω_g(t−1);
+* B.0.3: C(t) = (Γ(t)⁻¹ + diag H(t))⁻¹;
+* B.0.4: α(t) = −C(t)/γ(t)² + 1/γ(t) (elementwise: each element's ω_i² of A.2.8);
+* B.0.5 / Table S3: ω_g(t) = √(Σ_{i∈g} α_i(t)) (the |·| of the table is a no-op: α ≥ 0 since 0 ≤ C ≤ γ).
+
+Step 1's penalty is the reweighted group lasso R(ω ∘ W) = Σ_g ω_g ‖W_g‖₂ (Table S3, third column), weighted by
+λ^l (B.0.1). As for Algorithm 2 (``nasdiag.search.methods.bayesnas``), the closed forms are those of the
+energy E_D/λ^l: the caller passes H of E_D/λ^l, E_D the batch's summed loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence, Tuple
+
+import torch
+
+from nasdiag.bayes.update import BayesError, covariance, omega
+
+__all__ = ["StructuredUpdate", "group_norms", "group_lasso_penalty", "structured_update", "expand_groups"]
+
+
+def _element_dims(weight: torch.Tensor, group_dims: Sequence[int]) -> Tuple[int, ...]:
+    dims = tuple(sorted(d % weight.dim() for d in group_dims))
+    if len(set(dims)) != len(dims) or not dims:
+        raise BayesError(f"group_dims must be distinct dimensions of the {weight.dim()}-d weight, got {tuple(group_dims)}")
+    return tuple(d for d in range(weight.dim()) if d not in dims)
+
+
+def expand_groups(per_group: torch.Tensor, weight: torch.Tensor, group_dims: Sequence[int]) -> torch.Tensor:
+    """A per-group tensor (the shape of ``weight`` along ``group_dims``) broadcast to every element: Γ of B.0.3."""
+    elem = _element_dims(weight, group_dims)
+    shape = [1 if d in elem else weight.shape[d] for d in range(weight.dim())]
+    return per_group.reshape(shape).expand_as(weight)
+
+
+def group_norms(weight: torch.Tensor, group_dims: Sequence[int]) -> torch.Tensor:
+    """‖W_g‖₂ per group, shape ``weight.shape`` along ``group_dims``."""
+    return torch.linalg.vector_norm(weight, dim=_element_dims(weight, group_dims)) if _element_dims(weight, group_dims) \
+        else weight.abs()
+
+
+def group_lasso_penalty(weight: torch.Tensor, om: torch.Tensor, group_dims: Sequence[int]) -> torch.Tensor:
+    """R(ω ∘ W) = Σ_g ω_g ‖W_g‖₂ (Table S3), a differentiable scalar; groups with ω = ∞ (dead) must be masked
+    out by the caller (their weights are zero and stay zero)."""
+    return (om * group_norms(weight, group_dims)).sum()
+
+
+@dataclass
+class StructuredUpdate:
+    """One update of Algorithm 3, step 3: ``gamma`` and ``omega`` per group, ``cov`` and ``alpha`` per element."""
+
+    gamma: torch.Tensor
+    cov: torch.Tensor
+    alpha: torch.Tensor
+    omega: torch.Tensor
+
+
+def structured_update(weight: torch.Tensor, curvature: torch.Tensor, omega_prev: torch.Tensor,
+                      group_dims: Sequence[int]) -> StructuredUpdate:
+    """Algorithm 3, step 3 for one layer: γ (B.0.2), C (B.0.3), α (B.0.4), ω (B.0.5) by Table S3's rules.
+
+    Args:
+        weight: W(t) after step 1, any shape.
+        curvature: diag H(t) of the energy, the shape of ``weight`` (negative entries count as 0).
+        omega_prev: ω(t−1) per group (the shape of ``weight`` along ``group_dims``); Algorithm 3 starts at 1.
+        group_dims: the dimensions that index the groups (module docstring).
+    """
+    if curvature.shape != weight.shape:
+        raise BayesError(f"curvature must have the weight's shape {tuple(weight.shape)}, got {tuple(curvature.shape)}")
+    want = tuple(weight.shape[d] for d in sorted(d % weight.dim() for d in group_dims))
+    if tuple(omega_prev.shape) != want:
+        raise BayesError(f"omega must have one entry per group, shape {want}, got {tuple(omega_prev.shape)}")
+    norms = group_norms(weight, group_dims)
+    gamma = torch.where(norms == 0, torch.zeros_like(norms), norms / omega_prev)  # B.0.2 (A.3.8's form)
+    cov = covariance(expand_groups(gamma, weight, group_dims), curvature)  # B.0.3
+    alpha = omega(expand_groups(gamma, weight, group_dims), cov).square()  # B.0.4: 1/γ − C/γ², ∞ where γ = 0
+    elem = _element_dims(weight, group_dims)
+    om = (alpha.sum(dim=elem) if elem else alpha).sqrt()  # B.0.5
+    return StructuredUpdate(gamma=gamma, cov=cov, alpha=alpha, omega=om)
