@@ -134,7 +134,9 @@ def ggn_factor_rows(
             blocks = output_hessian_blocks(loss_fn, outputs.detach(), targets)  # (N, D, D), of the scalar
             finite = bool(torch.isfinite(blocks).all())  # a NaN is reported as NaN, not an eigh failure
             lam, U = torch.linalg.eigh(blocks if finite else torch.nan_to_num(blocks, 0.0, 0.0, 0.0))
-            scale = lam.abs().amax().clamp_min(torch.finfo(lam.dtype).tiny)
+            # round-off of the O(1) quantities the blocks come from (softmax p − p² for CE) is ~eps/N in the blocks
+            # of a batch-mean loss even when every block is tiny (near one-hot predictions): floor the scale at 1/N
+            scale = torch.maximum(lam.abs().amax(), lam.new_tensor(1.0 / lam.shape[0]))
             if bool((lam < -1e3 * torch.finfo(lam.dtype).eps * scale).any()):
                 raise CurvatureError(
                     "mode 'ggn'/'ggn_mc' needs a loss with non-negative curvature in the model outputs (a convex "
@@ -142,7 +144,8 @@ def ggn_factor_rows(
                 )
             root = U * lam.clamp_min(0).sqrt()[:, None, :]  # (N, D, D): column c is √λ_c u_c
             if monte_carlo:
-                eps = torch.randint(0, 2, (samples, *lam.shape), generator=generator, device=lam.device)
+                # drawn on the CPU (the generator's device), so a seed gives the same draws on any device
+                eps = torch.randint(0, 2, (samples, *lam.shape), generator=generator).to(lam.device)
                 eps = (2 * eps - 1).to(lam.dtype)  # (S, N, D) Rademacher
                 V = torch.einsum("ndc,snc->snd", root, eps) / samples**0.5  # (S, N, D)
             else:
