@@ -1,8 +1,8 @@
 """Second-order diagnostics: diagonal Hessians of weights and of architecture (mixing) weights.
 
 * :func:`diag_hessian` — weights, modes ``exact`` / ``diag`` / ``approx`` (bayesnas-appendix §C.1-C.2).
-* :func:`arch_diag_hessian` — mixing weights Z (or α) per edge, C.3.1-C.3.2, the GGN modes and ``exact``
-  by HVPs (modes: :data:`ARCH_MODES`, spelled once in :mod:`nasdiag.hessian.modes`).
+* :func:`arch_diag_hessian` — mixing weights Z (or α) per edge, C.3.1-C.3.2, the GGN modes, Hutchinson
+  (``"hutchinson:<k>"``, GGN control variate) and ``exact`` by HVPs (modes: :data:`ARCH_MODES`, spelled once in :mod:`nasdiag.hessian.modes`).
 * :func:`alpha_diag_hessian` — the exact diagonal w.r.t. α shared by several cells.
 * :func:`register_rule` — teach the recursions a new module type.
 * :func:`hessian_eigenvalues`, :func:`hutchinson_trace`, :func:`hutchinson_diagonal`,
