@@ -149,6 +149,28 @@ def test_tiny_curvature_and_a_near_zero_weight_prune_the_op_and_the_genotype_is_
         assert sorted(ops) == want
 
 
+def test_default_ggn_curvature_on_near_one_hot_predictions_and_refusal_of_a_concave_loss():
+    """The default mode on a fitted batch: with near one-hot predictions every output-Hessian block is ~0 and its
+    eigenvalues are round-off (±1e-18); that is not a non-convex loss, so the update gets a finite H ≥ 0. A
+    loss that is concave in the outputs (−CE) is still refused."""
+    from nasdiag.hessian import CurvatureError, arch_diag_hessian
+    from nasdiag.search.methods.bayesnas import _AtFixedWeights
+
+    m = make()
+    (train, _), = batches(1)
+    with torch.no_grad():
+        m.network.classifier.weight.mul_(1e3)  # logits ~1e3: softmax one-hot to round-off
+    H = m.cell_curvatures(*train)
+    for h in H.values():
+        assert torch.isfinite(h).all() and (h >= 0).all()
+    m = make()  # not fitted: −CE has clearly negative output curvature
+    net = m.network
+    edges = {f"net.{e.name}": e for e in net.edge_specs()}
+    with pytest.raises(CurvatureError, match="non-negative curvature"):
+        arch_diag_hessian(_AtFixedWeights(net, m.forward_weights()), lambda o, t: -torch.nn.functional.cross_entropy(o, t),
+                          *batches(1, seed=3)[0][0], edges, mode="ggn")
+
+
 def test_mixing_curvature_is_the_engines():
     m = make()
     (train, _), = batches(1)
