@@ -29,8 +29,8 @@ pytestmark = [pytest.mark.slow,
 B = 4  # per rank
 STEPS = 4
 METHODS = {
-    # an update every 2 steps (w set small on some ops by `build`, so it prunes); w_lr 0.01: at 0.1 the 8 samples
-    # are fitted to near one-hot predictions in 2 steps, where the GGN's convexity check refuses round-off
+    # an update every 2 steps (w set small on some ops by `build`, so it prunes); w_lr 0.01: at 0.1 the 8 samples are
+    # fitted to one-hot predictions within 2 steps and the second update would compare curvatures of exactly 0
     "bayesnas": {"update_every": 2, "w_lr": 0.01},
     "sparsenas": {},  # AdamHAPG on the second-order hypergradient (the defaults)
     "asmnas": {},
