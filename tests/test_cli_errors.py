@@ -80,6 +80,9 @@ def _other_method_key():
     (["--threads", "0"], "threads must be an integer >= 1"),
     (["--layers", "3", "--multiplier", "3"], "multiplier must be an integer in [1, steps=2]"),
     (["--spectrum-every", "-1"], "spectrum_every must be an integer >= 0"),
+    (["--hessian-mode", "bogus"], "unknown curvature hessian_mode 'bogus'"),
+    (["--hessian-mode", "hutchinson"], "needs k, the number of Hessian-vector products"),
+    (["--hessian-mode", "hutchinson:0"], "e.g. hutchinson:4"),
     (["--resume"], "nothing to resume"),
 ])
 def test_bad_search_arguments(extra, needle, tmp_path, capsys):

@@ -121,9 +121,12 @@ class SearchConfig:
         _choice("order", self.order, ORDERS, what="op stacking order")
         _choice("norm", self.norm, NORMS)
         _choice("engine", self.engine, ENGINES)
-        from nasdiag.hessian.modes import ARCH_MODES  # the modes are spelled once, next to the curvature engine
+        from nasdiag.hessian.modes import ARCH_MODES, CurvatureError, check_mode  # spelled once, by the curvature engine
 
-        _choice("hessian_mode", self.hessian_mode, ARCH_MODES)
+        try:
+            check_mode(self.hessian_mode, ARCH_MODES, what="hessian_mode")
+        except CurvatureError as e:  # one message, also for a counted mode without its count ("hutchinson")
+            raise ConfigError(str(e)) from None
         for d in self.diagnostics:
             _choice("diagnostics", d, DIAGNOSTICS)
         for name, low in (("epochs", 1), ("batch_size", 1), ("seed", 0), ("C", 2), ("steps", 1), ("spectrum_every", 0)):
