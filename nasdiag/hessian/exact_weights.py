@@ -106,6 +106,19 @@ def chain_exact_diag(
     return {k: out.get(k, torch.zeros_like(values[k])).detach() for k in values}
 
 
+def _loss_hvp(model: nn.Module, loss_fn: Callable, inputs, targets, values: Dict[str, torch.Tensor]):
+    """Products with the Hessian of the loss w.r.t. ``values`` (by name, in their order), from one forward with
+    ``values`` substituted (``functional_call``); train-mode BatchNorm is differentiated through its batch
+    statistics and its running statistics are left untouched."""
+    names = list(values)
+    leaves = {n: v.detach().clone().requires_grad_(True) for n, v in values.items()}
+    args = inputs if isinstance(inputs, tuple) else (inputs,)
+    with preserved_buffers(model), torch.enable_grad():
+        outputs = torch.func.functional_call(model, leaves, args)
+        loss = scalar_loss(loss_fn, outputs, targets)
+    return HessianVectorProduct(loss, [leaves[n] for n in names], names)
+
+
 def hvp_exact_diag(
     model: nn.Module,
     loss_fn: Callable,
@@ -121,12 +134,7 @@ def hvp_exact_diag(
     untouched. ``values`` replace the model's tensors of those names (``functional_call``).
     """
     names = list(values)
-    leaves = {n: v.detach().clone().requires_grad_(True) for n, v in values.items()}
-    args = inputs if isinstance(inputs, tuple) else (inputs,)
-    with preserved_buffers(model), torch.enable_grad():
-        outputs = torch.func.functional_call(model, leaves, args)
-        loss = scalar_loss(loss_fn, outputs, targets)
-    hvp = HessianVectorProduct(loss, [leaves[n] for n in names], names)
+    hvp = _loss_hvp(model, loss_fn, inputs, targets, values)
     diag = torch.empty(hvp.dim, dtype=hvp.dtype, device=hvp.device)
     for start in range(0, hvp.dim, chunk_size):
         stop = min(start + chunk_size, hvp.dim)
@@ -157,12 +165,7 @@ def hvp_hutchinson_diag(
     :mod:`nasdiag.hessian.arch_hutchinson`).
     """
     names = list(values)
-    leaves = {n: v.detach().clone().requires_grad_(True) for n, v in values.items()}
-    args = inputs if isinstance(inputs, tuple) else (inputs,)
-    with preserved_buffers(model), torch.enable_grad():
-        outputs = torch.func.functional_call(model, leaves, args)
-        loss = scalar_loss(loss_fn, outputs, targets)
-    hvp = HessianVectorProduct(loss, [leaves[n] for n in names], names)
+    hvp = _loss_hvp(model, loss_fn, inputs, targets, values)
     generator = torch.Generator().manual_seed(int(seed))
     eps = torch.randint(0, 2, (probes, hvp.dim), generator=generator, dtype=torch.int64).mul_(2).sub_(1)
     eps = eps.to(dtype=hvp.dtype, device=hvp.device)
