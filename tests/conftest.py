@@ -42,6 +42,15 @@ def assert_no_module_hooks(model) -> None:
             assert not getattr(m, attr, None), f"{attr} left on {name or 'model'}"
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (for a gloo rendezvous or torchrun's master)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def launch_ranks(script, args, nprocs: int = 2, timeout: float = 180):
     """Run ``python script *args(rank)`` as ``nprocs`` processes at once (DDP ranks of a gloo test), with this
     repository and this folder importable; fail with the first failing rank's stderr. Returns the stdouts."""

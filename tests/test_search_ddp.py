@@ -4,7 +4,6 @@ concatenated batch, and `nasdiag search` under torchrun writes one record with s
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -13,17 +12,12 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import free_port, launch_ranks
 from nasdiag.record import load, load_meta
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 
 B = 6  # per rank
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _setup():
@@ -69,13 +63,8 @@ def test_ddp_step_equals_single_process_step_on_the_whole_batch(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     out = tmp_path / "params.pt"
-    init = f"tcp://127.0.0.1:{_free_port()}"
-    tests_dir = os.path.dirname(__file__)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(tests_dir), os.environ.get("PYTHONPATH", "")])}
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), init, tests_dir, str(out)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
-    logs = [p.communicate(timeout=180)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(logs)
+    init = f"tcp://127.0.0.1:{free_port()}"
+    launch_ranks(script, lambda r: [r, init, os.path.dirname(os.path.abspath(__file__)), out])
 
     net, (train, val) = _setup()
     darts(net, epochs=2).step(train, val)
@@ -88,7 +77,7 @@ def test_ddp_step_equals_single_process_step_on_the_whole_batch(tmp_path):
 
 def _torchrun_search(out, device: str, **env) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={_free_port()}", "-m", "nasdiag", "search", "--epochs", "1", "--out", str(out),
+           f"--master_port={free_port()}", "-m", "nasdiag", "search", "--epochs", "1", "--out", str(out),
            "--C", "4", "--layers", "3", "--steps", "2", "--batch-size", "64", "--device", device,
            "--no-progress", "--no-figs"]
     root = os.path.dirname(os.path.dirname(__file__))

@@ -15,13 +15,12 @@ everything downstream is comparable. The ranks' mean training losses average to 
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+
+from conftest import free_port, launch_ranks
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")]
@@ -42,12 +41,6 @@ METHODS = {
 SHARED = ("bayes/", "sparsity/", "arch/normal/params", "arch/reduce/params", "sample/", "regret/", "scalars/temperature")
 # per-step statistics of the local batch: their mean over the ranks equals the single process's value
 LOCAL = ("scalars/train_loss", "attention/normal/mean", "attention/reduce/mean")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def build(name: str):
@@ -115,13 +108,8 @@ def distributed(tmp_path_factory):
     script = tmp / "worker.py"
     script.write_text(WORKER)
     out = tmp / "results.pt"
-    init = f"tcp://127.0.0.1:{_free_port()}"
-    tests_dir = os.path.dirname(__file__)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(tests_dir), os.environ.get("PYTHONPATH", "")])}
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), init, tests_dir, str(out)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
-    logs = [p.communicate(timeout=300)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(logs)
+    init = f"tcp://127.0.0.1:{free_port()}"
+    launch_ranks(script, lambda r: [r, init, os.path.dirname(os.path.abspath(__file__)), out], timeout=300)
     return [torch.load(f"{out}.{r}", weights_only=False) for r in (0, 1)]
 
 
