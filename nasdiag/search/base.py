@@ -432,7 +432,9 @@ class SearchMethod:
         Every rank starts from rank 0's parameters and buffers. Methods with ``averages_own_gradients``
         (DARTS, darts2) keep the plain network: their weight step averages ∂L/∂w itself
         (:meth:`average_weight_gradients`), so the step, collectives included, can be captured as one CUDA
-        graph. Other methods' weight forwards go through ``DistributedDataParallel`` with
+        graph; their BatchNorm running statistics then stay each rank's own (the wrapper would copy rank 0's
+        before every forward), which the search never reads: :meth:`evaluate` uses batch statistics, and the
+        checkpoint holds rank 0's. Other methods' weight forwards go through ``DistributedDataParallel`` with
         ``find_unused_parameters=True`` (ops that are not computed leave weights without a gradient).
         Architecture updates use costs averaged over ranks by :meth:`cost` either way.
         """
