@@ -79,17 +79,12 @@ def _conv_padding(module: nn.Conv2d) -> Tuple[int, int]:
     return tuple(module.padding)
 
 
-def _tap_counts(size, kernel, stride, padding, dilation):
-    """``[n_kk]``: for each kernel tap kk (row-major), the number of output positions whose tap lands on a
-    real input pixel rather than padding (per spatial dim, multiplied)."""
-    per_dim = []
-    for n, k, s, p, d in zip(size, kernel, stride, padding, dilation):
-        n_out = (n + 2 * p - d * (k - 1) - 1) // s + 1
-        # output o uses input o·s − p + t·d: valid for o in [ceil((p − t d)/s), floor((n − 1 + p − t d)/s)]
-        lo = [max(0, -((t * d - p) // s)) for t in range(k)]
-        hi = [min(n_out - 1, (n - 1 + p - t * d) // s) for t in range(k)]
-        per_dim.append([max(0, h - l + 1) for l, h in zip(lo, hi)])
-    return [a * b for a in per_dim[0] for b in per_dim[1]]
+def _tap_counts(x: torch.Tensor, kernel, stride, padding, dilation) -> torch.Tensor:
+    """``(n_kk,)`` on ``x``'s device and dtype: for each kernel tap kk (row-major), the number of output positions
+    whose tap lands on a real input pixel rather than padding. Unfolding an image of ones with the conv's geometry
+    marks exactly those (padding unfolds as 0); computed on the device, so the rule never waits for the host."""
+    ones = x.new_ones((1, 1) + tuple(x.shape[2:]))
+    return F.unfold(ones, kernel, dilation=dilation, padding=padding, stride=stride).sum(-1).view(-1)
 
 
 class Conv2dRule(HessianRule):
@@ -148,8 +143,7 @@ class Conv2dRule(HessianRule):
         x, w = call.input, call.params["weight"]
         c_out, c_per_group = w.shape[0], w.shape[1]
         h_mean = channel_mean(h_out, (0, 2, 3)).view(groups, c_out // groups, 1)
-        taps = _tap_counts(x.shape[2:], w.shape[2:], stride, padding, dilation)
-        taps = torch.tensor(taps, dtype=x.dtype, device=x.device) / (x.shape[2] * x.shape[3])
+        taps = _tap_counts(x, w.shape[2:], stride, padding, dilation) / (x.shape[2] * x.shape[3])
         tap_weighted = (w.square().flatten(2) @ taps).view(groups, c_out // groups, c_per_group)
         h_in = (tap_weighted * h_mean).sum(1)  # Σ_{c_out in the group} per input channel
         return h_in.view(1, -1, 1, 1).expand(x.shape)
