@@ -34,6 +34,11 @@ _linear_layers = st.one_of(
 )
 
 
+# the exact mode's value for a parameter a normalization removes is float64 round-off: its HVP sums terms of
+# size ~1 that cancel (seen up to 7e-18); a curvature that is really there is many orders larger
+EXACT_ZERO = 1e-14
+
+
 def _build(spec, conv: bool) -> nn.Sequential:
     layers, pooled = [], False
     for item in spec:
@@ -117,6 +122,6 @@ def test_biases_a_normalization_removes_get_exactly_zero_curvature(case):
             name = f"{b}.bias"
             for mode, got in cheap.items():
                 zero = bool((got[name] == 0).all())
-                assert zero == removed or (not removed and exact[name].abs().max() < 1e-20), (spec, name, mode)
+                assert zero == removed or (not removed and exact[name].abs().max() < EXACT_ZERO), (spec, name, mode)
             if removed:
-                assert exact[name].abs().max() < 1e-20, (spec, name)
+                assert exact[name].abs().max() < EXACT_ZERO, (spec, name)
