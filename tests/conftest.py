@@ -4,8 +4,17 @@ The helpers are plain functions, imported as ``from conftest import tiny_network
 puts this folder on ``sys.path`` when it loads this file).
 """
 
+import os
+
 import pytest
 import torch
+from hypothesis import settings
+
+# Property tests draw the same examples on every run, so a suite that passed passes again on a clean
+# checkout; HYPOTHESIS_PROFILE=explore draws fresh random examples (and keeps failures) while developing.
+settings.register_profile("reproducible", derandomize=True, database=None)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "reproducible"))
 
 
 @pytest.fixture(autouse=True, scope="session")
