@@ -8,24 +8,17 @@ import math
 import numpy as np
 
 from nasdiag import vocabulary as V
-from nasdiag.plot.registry import NothingToDraw, figure, valid_rows
-from nasdiag.plot.style import PAGE, edge_names, integer_steps, op_names, plt
+from nasdiag.plot.registry import NothingToDraw, figure
+from nasdiag.plot.style import PAGE, edge_names, integer_steps, logged_rows, op_names, ops_on_per_edge, plt
 
 #: Algorithm 2, step 4: ½ ln(2πe γ) ≤ 0 ⟺ γ ≤ 1/(2πe)
 _PRUNE_GAMMA = 1.0 / (2.0 * math.pi * math.e)
 
 
-def _rows(record, path):
-    rows = valid_rows(record, path)
-    if rows.size == 0:
-        raise NothingToDraw(f"{path} has no rows yet")
-    return rows, np.asarray(record["step"])[rows]
-
-
 def _per_edge_panels(record, cell, family, ylabel, title, *, log=False, threshold=None):
     """One small panel per edge: the (T, K) values of ``family`` over the steps, one line per op."""
     path = family.path(cell=cell)
-    rows, steps = _rows(record, path)
+    rows, steps = logged_rows(record, path)
     values = np.asarray(record[path][rows], dtype=float)  # (T, E, K)
     if not np.isfinite(values).any():
         raise NothingToDraw(f"{path} is not finite in any row; nothing to draw")
@@ -86,19 +79,5 @@ def bayes_curvature(record, cell):
         caption="How many ops of each edge are still switched on after entropy pruning, over the steps; an "
                 "edge never drops below one op.")
 def bayes_switches(record, cell):
-    path = V.BAYES_SWITCH.path(cell=cell)
-    rows, steps = _rows(record, path)
-    counts = np.asarray(record[path][rows]).astype(bool).sum(-1)  # (T, E)
-    E = counts.shape[1]
-    names = edge_names(record, cell, E)
-    fig, ax = plt.subplots(figsize=(PAGE / 2, 2.4))
-    colors = plt.get_cmap("tab20")
-    for e in range(E):
-        # a small vertical offset per edge keeps overlapping step curves apart
-        ax.step(steps, counts[:, e] + 0.04 * (e - (E - 1) / 2), where="post", color=colors(e % 20), lw=1.0, label=names[e])
-    ax.set_xlabel("step")
-    ax.set_ylabel("ops switched on")
-    integer_steps(ax)
-    ax.legend(fontsize=5, frameon=False, ncol=2)
-    ax.set_title(f"{cell} cell: BayesNAS switches", loc="left")
-    return fig
+    return ops_on_per_edge(record, cell, V.BAYES_SWITCH.path(cell=cell), ylabel="ops switched on",
+                           title=f"{cell} cell: BayesNAS switches", width=PAGE / 2)

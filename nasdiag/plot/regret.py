@@ -6,15 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from nasdiag import vocabulary as V
-from nasdiag.plot.registry import NothingToDraw, figure, valid_rows
-from nasdiag.plot.style import COLUMN, PAGE, edge_names, integer_steps, op_names, plt
-
-
-def _rows(record, path):
-    rows = valid_rows(record, path)
-    if rows.size == 0:
-        raise NothingToDraw(f"{path} has no rows yet")
-    return rows, np.asarray(record["step"])[rows]
+from nasdiag.plot.registry import NothingToDraw, figure
+from nasdiag.plot.style import COLUMN, PAGE, edge_names, integer_steps, logged_rows, op_names, ops_on_per_edge, plt
 
 
 @figure((V.REGRET_REGRET, V.REGRET_BOUND), name="regret_bound", file="regret_bound_{cell}", paper="XNAS Theorem 1, eq 3",
@@ -22,7 +15,7 @@ def _rows(record, path):
                 "over the steps; the bound holds when every reward is within L.")
 def regret_bound(record, cell):
     regret_path, bound_path = V.REGRET_REGRET.path(cell=cell), V.REGRET_BOUND.path(cell=cell)
-    rows, steps = _rows(record, regret_path)
+    rows, steps = logged_rows(record, regret_path)
     regret = np.asarray(record[regret_path][rows], dtype=float)
     if not np.isfinite(regret).any():
         raise NothingToDraw(f"{regret_path} is NaN in every row; nothing to draw")
@@ -47,25 +40,8 @@ def regret_bound(record, cell):
         caption="How many candidate ops (experts) of each edge survive the wipeout after each step: the computed "
                 "part of the supernet shrinks as inferior ops are wiped out.")
 def alive_experts(record, cell):
-    path = V.REGRET_ALIVE.path(cell=cell)
-    rows, steps = _rows(record, path)
-    alive = np.asarray(record[path][rows]).astype(bool)
-    counts = alive.sum(-1)  # (T, E)
-    E, K = alive.shape[1], alive.shape[2]
-    names = edge_names(record, cell, E)
-    fig, ax = plt.subplots(figsize=(COLUMN, 2.4))
-    colors = plt.get_cmap("tab10")
-    for e in range(E):
-        # a small vertical offset per edge keeps overlapping step curves apart
-        ax.step(steps, counts[:, e] + 0.06 * (e - (E - 1) / 2), where="post", color=colors(e % 10), lw=1.1, label=names[e])
-    ax.set_ylim(0.5, K + 0.5)
-    ax.set_yticks(range(1, K + 1))
-    ax.set_xlabel("step")
-    ax.set_ylabel("alive experts")
-    integer_steps(ax)
-    ax.legend(fontsize=6, frameon=False, ncol=2)
-    ax.set_title(f"{cell} cell: alive experts per edge", loc="left")
-    return fig
+    return ops_on_per_edge(record, cell, V.REGRET_ALIVE.path(cell=cell), ylabel="alive experts",
+                           title=f"{cell} cell: alive experts per edge")
 
 
 @figure(V.REGRET_WIPEOUTS, name="wipeouts", file="wipeouts_{cell}", paper="XNAS Algorithm 1, line 12",
@@ -73,7 +49,7 @@ def alive_experts(record, cell):
                 "forecaster's experts and stopped being computed.")
 def wipeouts(record, cell):
     path = V.REGRET_WIPEOUTS.path(cell=cell)
-    rows, steps = _rows(record, path)
+    rows, steps = logged_rows(record, path)
     wiped = np.asarray(record[path][rows]).astype(bool)  # (T, E, K)
     t, e, k = np.nonzero(wiped)
     if t.size == 0:

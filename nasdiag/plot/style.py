@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import List, Mapping, Optional, Tuple
 
 import matplotlib
 
@@ -78,6 +78,38 @@ def series(record: Mapping[str, np.ndarray], path: str) -> Tuple[np.ndarray, np.
     if not np.isfinite(values).any():
         raise NothingToDraw(f"{path} is NaN in every row; nothing to draw")
     return record["step"][rows], values
+
+
+def logged_rows(record: Mapping[str, np.ndarray], path: str) -> Tuple[np.ndarray, np.ndarray]:
+    """(rows, steps) in which ``path`` was logged; `NothingToDraw` if there are none yet."""
+    rows = valid_rows(record, path)
+    if rows.size == 0:
+        raise NothingToDraw(f"{path} has no rows yet")
+    return rows, np.asarray(record["step"])[rows]
+
+
+def ops_on_per_edge(record: Mapping[str, np.ndarray], cell: str, path: str, *, ylabel: str, title: str,
+                    width: float = COLUMN):
+    """Step plot of how many ops of each edge are still on over the steps, from a boolean ``(T, E, K)`` mask
+    family (XNAS's alive experts, BayesNAS's switches); the y axis runs over 1..K."""
+    rows, steps = logged_rows(record, path)
+    on = np.asarray(record[path][rows]).astype(bool)
+    counts, (E, K) = on.sum(-1), on.shape[1:]  # counts: (T, E)
+    names = edge_names(record, cell, E)
+    fig, ax = plt.subplots(figsize=(width, 2.4))
+    colors = plt.get_cmap("tab20")
+    for e in range(E):
+        # a small vertical offset per edge keeps overlapping step curves apart
+        ax.step(steps, counts[:, e] + 0.04 * (e - (E - 1) / 2), where="post", color=colors(e % 20), lw=1.0,
+                label=names[e])
+    ax.set_ylim(0.5, K + 0.5)
+    ax.set_yticks(range(1, K + 1))
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    integer_steps(ax)
+    ax.legend(fontsize=5, frameon=False, ncol=2)
+    ax.set_title(title, loc="left")
+    return fig
 
 
 def epoch_span(record: Mapping[str, np.ndarray], path: str, row: int) -> str:
