@@ -13,3 +13,25 @@ class NasdiagError(Exception):
 
 class ConfigError(NasdiagError, ValueError):
     """A search configuration or hyperparameter is invalid (unknown key, wrong type, out of range)."""
+
+
+def run_script(prog: str, main, argv=None) -> int:
+    """Run a batch script's ``main(argv)`` as the CLI runs a command: a `NasdiagError` or an `OSError` (an
+    output folder that cannot be created, a full disk) is one line on stderr and exit code 2, Ctrl-C exits 130;
+    anything else is a bug and keeps its traceback. ``main`` returns an exit code or None (0).
+
+    Use it as ``sys.exit(run_script("name", main))`` under ``if __name__ == "__main__":``.
+    """
+    import sys
+
+    try:
+        return int(main(argv) or 0)
+    except NasdiagError as err:
+        print(f"{prog}: error: {' '.join(str(err).split())}", file=sys.stderr)
+    except OSError as err:
+        where = f": {err.filename}" if getattr(err, "filename", None) else ""
+        print(f"{prog}: error: {err.strerror or err}{where}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    return 2

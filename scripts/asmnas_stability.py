@@ -31,6 +31,7 @@ import os
 import sys
 import time
 from collections import Counter
+from nasdiag.errors import run_script
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
@@ -210,4 +211,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_script("asmnas_stability", main))

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from nasdiag.errors import run_script
 
 LAYERS = {"conv1.weight": (0,), "conv2.weight": (0,), "fc1.weight": (1,), "fc2.weight": (1,)}  # group_dims
 LABELS = {"conv1": "conv1 filters", "conv2": "conv2 filters", "fc1": "fc1 inputs (features)", "fc2": "fc2 inputs (neurons)"}
@@ -175,4 +176,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_script("bayes_compression", main))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 from scipy.stats import spearmanr
 from torch import nn
 
+from nasdiag.errors import run_script
 from nasdiag.hessian import arch_diag_hessian, diag_hessian
 from nasdiag.supernet import Network
 
@@ -195,7 +197,7 @@ def _line(row):
     return f"| {net} | {kind} | `{mode}` | {err:.3f} | {rho:.3f} | {timing} | {shown} |"
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nets", "--only", dest="nets", default="tanh_mlp,conv_bn,cell_train,cell_eval",
                         help=f"comma-separated, of {', '.join(NETS)} (search = darts)")
@@ -204,11 +206,14 @@ def main():
     parser.add_argument("--seeds", type=int, default=3, help="random modes: accuracy averaged over this many seeds")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default=None, help="directory for curvature_accuracy.json and .md")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     names = [ALIASES.get(n.strip(), n.strip()) for n in args.nets.split(",") if n.strip()]
     unknown = [n for n in names if n not in NETS]
     if unknown:
         parser.error(f"unknown net(s) {unknown}; choose from {', '.join(NETS)}")
+    out = Path(args.out) if args.out else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)  # before the measurements: an unwritable folder fails at once
     device = torch.device(args.device)
     setting = (f"torch {torch.__version__}, {device}"
                + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
@@ -223,9 +228,7 @@ def main():
             rows.append(row)
             lines.append(_line(row))
             print(lines[-1], flush=True)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
+    if out is not None:
         keys = ("net", "wrt", "mode", "rel_error", "spearman", "time_over_fwd_bwd", "ops_told_apart")
         (out / "curvature_accuracy.json").write_text(
             json.dumps({"setting": setting, "rows": [dict(zip(keys, r)) for r in rows]}, indent=1, ensure_ascii=False) + "\n")
@@ -234,4 +237,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_script("curvature_accuracy", main))

@@ -17,6 +17,7 @@ import argparse
 import os
 import sys
 import time
+from nasdiag.errors import run_script
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
@@ -51,6 +52,7 @@ def main(argv=None):
 
     args = parse_args(argv)
     records = {f"seed {s}": os.path.join(args.runs, f"darts_seed{s}.h5") for s in (0, 1)}
+    os.makedirs(args.out, exist_ok=True)  # before the runs: an unwritable folder fails at once, not after them
     if not args.plot_only:
         from nasdiag.search import SearchConfig, run
 
@@ -60,7 +62,6 @@ def main(argv=None):
             run(SearchConfig(method="darts", dataset="digits", epochs=args.epochs, seed=seed, record=path, force=True,
                              progress=False, threads=args.threads, engine=args.engine))
             print(f"{label}: {path} ({time.perf_counter() - start:.0f} s)")
-    os.makedirs(args.out, exist_ok=True)
     loaded = {label: load(path) for label, path in records.items()}
     first = loaded["seed 0"]
     wanted = {value: key for key, value in FIGURES.items()}
@@ -86,4 +87,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_script("make_readme_figures", main))

@@ -51,6 +51,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from nasdiag.errors import run_script
 from nasdiag.sparse import HAPG, AdamHAPG, sgl_penalty
 
 OPTIMIZERS = ("sgd", "adam", "hapg", "adamhapg")
@@ -468,4 +469,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_script("sparsenas_digits", main))

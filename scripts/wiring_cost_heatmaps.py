@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import wiring_common as W
+from nasdiag.errors import run_script
 
 CONFIGS = {"minimal1": ("minimal", 1), "minimal8": ("minimal", 8), "darts8": ("darts", 8)}
 
@@ -79,4 +81,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_script("wiring_cost_heatmaps", main))

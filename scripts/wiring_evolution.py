@@ -26,6 +26,7 @@ import argparse
 import os
 import sys
 import time
+from nasdiag.errors import run_script
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
@@ -70,4 +71,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_script("wiring_evolution", main))

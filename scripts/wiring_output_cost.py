@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import numpy as np
 import torch
 
 import wiring_common as W
+from nasdiag.errors import run_script
 
 QUANTITIES = {"loss": "L_θ (cross-entropy)", "entropy": "H_θ (output entropy)", "cz": "C_Z (output-edge cost)"}
 SPLITS = {"train": "search-train set (θ's data)", "search": "search set (held out from θ)"}
@@ -168,4 +170,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_script("wiring_output_cost", main))

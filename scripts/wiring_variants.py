@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import wiring_common as W
+from nasdiag.errors import run_script
 
 VARIANTS = {
     "batch": dict(norm="batch", order="relu-conv-bn"),
@@ -82,4 +84,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_script("wiring_variants", main))

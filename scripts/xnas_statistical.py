@@ -28,6 +28,7 @@ import sys
 import time
 
 import numpy as np
+from nasdiag.errors import run_script
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
@@ -274,4 +275,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_script("xnas_statistical", main))

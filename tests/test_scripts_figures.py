@@ -94,3 +94,41 @@ def test_wiring_cost_heatmaps_dsnas_protocol(tmp_path):
     os.remove(tmp_path / "minimal1" / "cost_normal_heatmap_init.png")
     wiring_cost_heatmaps.main(["--out", str(tmp_path), "--configs", "minimal1", "--plot-only"])
     assert pngs(tmp_path / "minimal1") == ["cost_normal_heatmap_final.png", "cost_normal_heatmap_init.png"]
+
+
+PAPER_SCRIPTS = ["asmnas_stability", "bayes_compression", "curvature_accuracy", "make_readme_figures", "sparsenas_digits",
+                 "wiring_cost_heatmaps", "wiring_evolution", "wiring_output_cost", "wiring_variants", "xnas_statistical",
+                 "xnas_toys"]
+
+
+@pytest.mark.parametrize("name", PAPER_SCRIPTS)
+def test_script_with_an_output_folder_it_cannot_create_says_so_in_one_line(name, tmp_path, capsys):
+    import importlib
+
+    from nasdiag.errors import run_script
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    code = run_script(name, importlib.import_module(name).main, ["--out", str(blocker / "figs")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith(f"{name}: error: ") and "a_file" in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before and blocker.read_text() == "not a folder"
+
+
+def test_run_script_maps_user_errors_and_keeps_bugs_loud(capsys):
+    from nasdiag.errors import NasdiagError, run_script
+
+    def raises(exc):
+        def main(argv):
+            raise exc
+        return main
+
+    assert run_script("s", lambda argv: None) == 0
+    assert run_script("s", lambda argv: 3) == 3
+    assert run_script("s", raises(NasdiagError("bad value\n  use another"))) == 2
+    assert capsys.readouterr().err == "s: error: bad value use another\n"
+    assert run_script("s", raises(KeyboardInterrupt())) == 130
+    with pytest.raises(ZeroDivisionError):
+        run_script("s", raises(ZeroDivisionError()))
