@@ -31,7 +31,7 @@ import os
 import sys
 import time
 from collections import Counter
-from nasdiag.errors import run_script
+from nasdiag.errors import NasdiagError, run_script
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
@@ -200,7 +200,7 @@ def main(argv=None):
     summary_path = os.path.join(args.out, "summary.json")
     if args.plot_only:
         if not os.path.exists(summary_path):
-            sys.exit(f"error: {summary_path} does not exist; run without --plot-only first")
+            raise NasdiagError(f"{summary_path} does not exist; run without --plot-only first")
         with open(summary_path) as f:
             summary = json.load(f)
     else:

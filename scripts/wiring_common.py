@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
+from nasdiag.errors import NasdiagError
 from nasdiag.search import Hyperparameters, Schedule, SearchMethod, accuracy, hp  # noqa: E402
 
 PROTOCOLS = ("dsnas", "darts")
@@ -106,7 +107,7 @@ def load_splits(dataset: str, data_dir: Optional[str], seed: int):
     kwargs = {"seed": seed}
     if dataset == "cifar10":
         if not data_dir:
-            sys.exit("--dataset cifar10 needs --data-dir (the folder of the CIFAR-10 python batches)")
+            raise NasdiagError("--dataset cifar10 needs --data-dir (the folder of the CIFAR-10 python batches)")
         kwargs.update(root=data_dir, limit=5000)  # a CPU-sized subset; raise it on a GPU machine
     return load_dataset(dataset, **kwargs)
 

@@ -34,7 +34,7 @@ import sys
 import time
 
 import numpy as np
-from nasdiag.errors import run_script
+from nasdiag.errors import NasdiagError, run_script
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
@@ -239,7 +239,7 @@ def main(argv=None):
         write_record(record, args.lr)
         print(f"record: {record} ({time.perf_counter() - start:.1f} s)")
     elif not os.path.exists(record):
-        sys.exit(f"xnas_toys: no record at {record}; run without --plot-only first")
+        raise NasdiagError(f"no record at {record}; run without --plot-only first")
     for path in draw(record, args.out, args.format):
         print(path)
 
