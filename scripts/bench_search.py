@@ -222,29 +222,65 @@ def section_fwdbwd(args, device, dtype, base):
         ref = ref or t
         out[engine] = t
         record("fwdbwd", "forward + backward, Z leaves (costs)", engine, t, ref, mem)
+    if device.type == "cuda":  # the same, captured: what the device needs once the host's launches are gone
+        net = copy.deepcopy(base).set_engine("fast")
+
+        def fb(a, b):
+            _fwd_bwd(net, a, b)
+            return torch.zeros((), device=a.device)
+
+        g = StepGraph(fb, lambda: 0, name="fwd+bwd")
+        t = timed(device, lambda i: g(x, y), args.steps, 3)
+        out["fast + graph"] = t
+        record("fwdbwd", "forward + backward, Z leaves (costs)", "fast + CUDA graph", t, ref)
     return out
 
 
 def section_hessian(args, device, dtype, base, fwdbwd):
+    """The curvature diagonals as a search records them: ``method.curvature`` (α, replayed as a CUDA graph on
+    CUDA for diag/approx) and :class:`~nasdiag.hessian.graphed.GraphedDiagHessian` (weights); on CUDA also the
+    plain, uncaptured calls. Ratios against the fast forward+backward, uncaptured and captured."""
     from nasdiag.hessian import diag_hessian
+    from nasdiag.hessian.graphed import GraphedDiagHessian
 
     (x, y), _ = batches(args, device, dtype, args.batch, n=1)[0]
-    fb = fwdbwd.get("fast")
+    fb, fbg = fwdbwd.get("fast"), fwdbwd.get("fast + graph")
+
+    def note(t):
+        parts = [] if fb is None else [f"{t / fb:.2f}× fast fwd+bwd"]
+        parts += [] if fbg is None else [f"{t / fbg:.2f}× captured fast fwd+bwd"]
+        return " = " + ", ".join(parts) if parts else ""
+
+    times = {}
     for mode in ("approx", "diag"):
         net = copy.deepcopy(base).set_engine("fast")
         m = DARTS(net, schedule=Schedule(epochs=1, steps_per_epoch=1), hessian_mode=mode)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            t = timed(device, lambda i: m.curvature(x, y), 2, 1, rounds=1)
-        record("hessian", f"α diagonal {mode} (method.curvature)", "hooks (eager modules)", t,
-               note="" if fb is None else f"= {t / fb:.2f}× fast fwd+bwd (target approx ≤ 2×)")
+            if device.type == "cuda":
+                t = timed(device, lambda i: m._mixing_curvature(x, y, m.eval_weights()), 2, 1, rounds=1)
+                record("hessian", f"α diagonal {mode}", "plain (hooks, eager modules)", t, note=note(t))
+            t = timed(device, lambda i: m.curvature(x, y), 5, 2, rounds=2)
+        counts = getattr(m._curvature_graph, "counts", {})
+        times[("α", mode)] = t
+        record("hessian", f"α diagonal {mode} (method.curvature)", "CUDA graph" if counts.get("replay") else "plain", t,
+               note=note(t))
+        m.release_graphs()
     for mode in ("approx", "diag"):
         net = copy.deepcopy(base).set_engine("fast")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            t = timed(device, lambda i: diag_hessian(net, F.cross_entropy, x, y, mode=mode), 2, 1, rounds=1)
-        record("hessian", f"weight diagonal {mode} (diag_hessian)", "hooks (eager modules)", t,
-               note="" if fb is None else f"= {t / fb:.2f}× fast fwd+bwd")
+            if device.type == "cuda":
+                t = timed(device, lambda i: diag_hessian(net, F.cross_entropy, x, y, mode=mode), 2, 1, rounds=1)
+                record("hessian", f"weight diagonal {mode}", "plain (hooks, eager modules)", t, note=note(t))
+            h = GraphedDiagHessian(net, F.cross_entropy, mode=mode)
+            t = timed(device, lambda i: h(x, y), 5, 2, rounds=2)
+        times[("w", mode)] = t
+        record("hessian", f"weight diagonal {mode} (GraphedDiagHessian)", "CUDA graph" if h.graph.counts["replay"] else "plain",
+               t, note=note(t))
+        h.release()
+    record("hessian", "weight approx ÷ diag", "", None,
+           note=f"{times[('w', 'approx')] / times[('w', 'diag')]:.2f} (target < 1)")
 
 
 def section_memory(args, device, dtype, base):

@@ -67,13 +67,23 @@ def output_hessian_blocks(
     cols, weighted_cols = torch.cat(cols), torch.cat(weighted_cols)  # (D, N, D): [d, n] = H_n[:, d]
     scale = cols.abs().max() * weights.abs().max()
     tol = 1e3 * torch.finfo(out.dtype).eps * scale
-    if (weighted_cols - cols * weights[None, :, None]).abs().max() > tol:
+    coupled = (weighted_cols - cols * weights[None, :, None]).abs().max() > tol
+    if _capturing(out):
+        # Inside a CUDA-graph capture the check cannot reach the host; the capturer ran the same call eagerly
+        # first (nasdiag.supernet.engine.graph.StepGraph does), where it raised. Here a coupling loss turns the
+        # blocks into NaN, which the callers flag, instead of passing as a per-sample Hessian.
+        return torch.where(coupled, torch.full_like(cols, float("nan")), cols).permute(1, 2, 0).contiguous()
+    if coupled:
         raise LossCouplesSamplesError(
             "loss_fn couples different samples (∂²loss/∂y_n∂y_m ≠ 0 for n ≠ m), so its Hessian w.r.t. the outputs is "
             "not block diagonal and the per-sample recursions do not apply; use a per-sample loss (a sum or mean "
             "of per-sample terms such as cross-entropy or MSE) or mode='exact'"
         )
     return cols.permute(1, 2, 0).contiguous()
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def output_hessian_diagonal(loss_fn: Callable, outputs: torch.Tensor, targets, **kwargs) -> torch.Tensor:

@@ -16,7 +16,7 @@ from typing import Optional, Tuple
 
 from nasdiag.errors import NasdiagError
 
-__all__ = ["WEIGHT_MODES", "ARCH_MODES", "COUNTED_MODES", "CurvatureError", "ModeNames", "check_mode", "split_mode"]
+__all__ = ["WEIGHT_MODES", "ARCH_MODES", "COUNTED_MODES", "GRAPHABLE_MODES", "CurvatureError", "ModeNames", "check_mode", "split_mode"]
 
 #: modes whose name carries a count, ``"<name>:<count>"``, and what the count is
 COUNTED_MODES = {"hutchinson": "k, the number of Hessian-vector products"}
@@ -46,6 +46,13 @@ WEIGHT_MODES = ModeNames(("exact", "hutchinson:<k>", "diag", "approx"))
 #: classes, or one Monte-Carlo draw), Hutchinson's diagonal from k HVPs with the GGN as control
 #: variate, and the BayesNAS recursions C.3.1 / C.3.2
 ARCH_MODES = ModeNames(("exact", "exact_per_edge", "ggn", "ggn_mc", "hutchinson:<k>", "diag", "approx"))
+
+
+#: modes whose computation is a fixed sequence of device kernels (no host synchronisation, no random numbers),
+#: so that :mod:`nasdiag.hessian.graphed` can capture it once as a CUDA graph and replay it: the recursions
+#: C.1-C.3. The others read values on the host (``ggn``: an eigendecomposition check; ``exact``: chunking
+#: decisions) or draw random probes.
+GRAPHABLE_MODES = ("diag", "approx")
 
 
 class CurvatureError(NasdiagError, ValueError):

@@ -149,6 +149,8 @@ class SearchMethod:
         self._cost_moments: Dict[str, CostMoments] = {}
         self._cost_mask: Optional[CellWeights] = None
         self._last_arch_batch: Optional[Batch] = None
+        self._curvature_graph = None  # built by curvature() on first use
+        self._curvature_graph_mode: Optional[str] = None
         self.build()
         if type(self).__dict__.get("graph_capturable", False):
             from nasdiag.supernet.engine.graph import StepGraph
@@ -357,29 +359,21 @@ class SearchMethod:
         * ``hessian/<cell>/nonfinite``: True where either result held a NaN or inf (kept, not averaged away).
         """
         from nasdiag import vocabulary as V
-        from nasdiag.hessian import arch_diag_hessian, hessian_eigenvalues
+        from nasdiag.hessian import hessian_eigenvalues
 
         net = self.network
         stats: Dict[str, torch.Tensor] = {}
         bad: Dict[str, torch.Tensor] = {}
         if self.hessian_mode is not None:
-            weights = self.eval_weights()
+            weights = {t: w.detach() for t, w in self.eval_weights().items()}
+            if self._curvature_graph is None or self._curvature_graph_mode != self.hessian_mode:
+                from nasdiag.hessian.graphed import curvature_graph
 
-            class _Fixed(nn.Module):  # the supernet at fixed mixing weights, as the curvature engine expects
-                def __init__(self):
-                    super().__init__()
-                    self.net = net
-
-                def forward(self, inp):
-                    return self.net(inp, weights)
-
-            edges = {f"net.{e.name}": e for e in net.edge_specs()}
-            per_edge = arch_diag_hessian(_Fixed(), nn.functional.cross_entropy, x, y, edges, mode=self.hessian_mode)
-            out: Dict[str, torch.Tensor] = {}
-            for key, e in zip(edges, edges.values()):
-                h = out.setdefault(e.cell_type, torch.zeros_like(weights[e.cell_type]))
-                h[e.edge_index] += per_edge[key].detach()
-            for cell_type, h in out.items():
+                self.release_curvature_graph()
+                self._curvature_graph = curvature_graph(self._mixing_curvature, net, self.hessian_mode,
+                                                        name=f"{self.name} curvature ({self.hessian_mode})")
+                self._curvature_graph_mode = self.hessian_mode
+            for cell_type, h in self._curvature_graph(x, y, weights).items():
                 stats[V.HESSIAN_DIAG.path(cell=cell_type)] = h
                 bad[cell_type] = ~torch.isfinite(h).all()
         if top_eigenvalue:
@@ -401,6 +395,36 @@ class SearchMethod:
         for cell_type, flag in bad.items():
             stats[V.HESSIAN_NONFINITE.path(cell=cell_type)] = flag
         return stats
+
+    def _mixing_curvature(self, x: torch.Tensor, y: torch.Tensor, weights: CellWeights) -> Dict[str, torch.Tensor]:
+        """``{cell type: (E, K)}``: ``arch_diag_hessian`` in ``hessian_mode`` at fixed mixing ``weights``, per edge,
+        summed over the cells of each type. On CUDA, for the recursions (``diag``/``approx``), :meth:`curvature`
+        replays it as a CUDA graph (:mod:`nasdiag.hessian.graphed`)."""
+        from nasdiag.hessian import arch_diag_hessian
+
+        net = self.network
+
+        class _Fixed(nn.Module):  # the supernet at fixed mixing weights, as the curvature engine expects
+            def __init__(self):
+                super().__init__()
+                self.net = net
+
+            def forward(self, inp):
+                return self.net(inp, weights)
+
+        edges = {f"net.{e.name}": e for e in net.edge_specs()}
+        per_edge = arch_diag_hessian(_Fixed(), nn.functional.cross_entropy, x, y, edges, mode=self.hessian_mode)
+        out: Dict[str, torch.Tensor] = {}
+        for key, e in zip(edges, edges.values()):
+            h = out.setdefault(e.cell_type, torch.zeros_like(weights[e.cell_type]))
+            h[e.edge_index] += per_edge[key].detach()
+        return out
+
+    def release_curvature_graph(self) -> None:
+        """Free the captured CUDA graph of the mixing-weight curvature (if any)."""
+        if self._curvature_graph is not None:
+            self._curvature_graph.release()
+        self._curvature_graph = None
 
     # -- evaluation ------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -451,12 +475,13 @@ class SearchMethod:
         self.model = nn.parallel.DistributedDataParallel(self.network, device_ids=device_ids, find_unused_parameters=True)
 
     def release_graphs(self) -> None:
-        """Free the captured CUDA graphs of :meth:`step` (if any); the next step captures anew. ``run`` calls it
+        """Free the captured CUDA graphs of :meth:`step` and :meth:`curvature` (if any); the next calls capture anew. ``run`` calls it
         before leaving the process group: a live graph with captured collectives makes its destruction hang."""
         from nasdiag.supernet.engine.graph import StepGraph
 
         if isinstance(self.step, StepGraph):
             self.step.release()
+        self.release_curvature_graph()
 
     def average_weight_gradients(self) -> None:
         """Average the weights' ``.grad`` over the ranks after :meth:`distribute` (a no-op before it): one

@@ -8,8 +8,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -65,16 +63,19 @@ class AvgPool2dRule(HessianRule):
         return h_in.view_as(call.input)
 
 
-def _window_sizes(n_in: int, n_out: int) -> list:
-    return [math.ceil((i + 1) * n_in / n_out) - (i * n_in) // n_out for i in range(n_out)]
+def _window_sizes(n_in: int, n_out: int, like: torch.Tensor) -> torch.Tensor:
+    """(n_out,) sizes of adaptive pooling's windows, ``⌈(i+1)·n_in/n_out⌉ − ⌊i·n_in/n_out⌋``, on ``like``'s device."""
+    i = torch.arange(n_out, device=like.device)
+    return ((i + 1) * n_in + n_out - 1).div(n_out, rounding_mode="floor").sub_((i * n_in).div(n_out, rounding_mode="floor")).to(like.dtype)
 
 
 class AdaptiveAvgPool2dRule(HessianRule):
     def input_diag(self, call: ModuleCall, h_out: torch.Tensor) -> torch.Tensor:
         x, h = _as_batched(call.input, h_out)
         (h_in_, w_in), (h_o, w_o) = x.shape[-2:], h.shape[-2:]
-        rows = torch.tensor(_window_sizes(h_in_, h_o), dtype=x.dtype, device=x.device)
-        cols = torch.tensor(_window_sizes(w_in, w_o), dtype=x.dtype, device=x.device)
+        # window sizes built on the device: a host tensor copied per call would synchronise (and break a CUDA-graph capture)
+        rows = _window_sizes(h_in_, h_o, x)
+        cols = _window_sizes(w_in, w_o, x)
         coeff = 1.0 / torch.outer(rows, cols)
         h_in = torch.ops.aten._adaptive_avg_pool2d_backward((coeff * h).contiguous(), x)
         return h_in.view_as(call.input)

@@ -1,0 +1,132 @@
+"""Curvature diagonals replayed as CUDA graphs (nasdiag.hessian.graphed) against plain calls.
+
+The reference is the plain recursion on the same inputs and parameter values (``diag_hessian`` /
+``arch_diag_hessian``), itself tested against autograd elsewhere; these tests check that capturing and
+replaying changes nothing: same numbers after the parameters moved, a new capture for a new batch shape,
+plain calls where a graph cannot apply. The GPU tests run in float64 so that "the same numbers" means 1e-10.
+"""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nasdiag.hessian import CurvatureError, arch_diag_hessian, diag_hessian
+from nasdiag.hessian.graphed import GraphedDiagHessian, has_user_hooks
+from nasdiag.search.base import Schedule
+from nasdiag.search.methods.darts import DARTS
+from nasdiag.supernet import Network
+from nasdiag.supernet.engine.graph import GraphWarning
+
+
+
+def _conv_bn(device="cpu", dtype=torch.float64):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(6, 4)).to(device, dtype)
+
+
+def _batch(n, device="cpu", dtype=torch.float64, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 3, 6, 6, generator=g).to(device, dtype), torch.randint(0, 4, (n,), generator=g).to(device)
+
+
+def _max_rel(a, b):
+    return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-300)).item() for k in b)
+
+
+def test_modes_that_read_the_host_are_refused():
+    net = _conv_bn()
+    for mode in ("exact", "hutchinson:2"):
+        with pytest.raises(CurvatureError, match="cannot be captured"):
+            GraphedDiagHessian(net, F.cross_entropy, mode=mode)
+    with pytest.raises(CurvatureError, match="unknown curvature mode"):
+        GraphedDiagHessian(net, F.cross_entropy, mode="aprox")
+    with pytest.raises(CurvatureError, match="parameter names"):
+        GraphedDiagHessian(net, F.cross_entropy, params=[("0.weight", net[0].weight)])
+
+
+def test_on_the_cpu_the_calls_are_plain_and_equal_diag_hessian():
+    net = _conv_bn()
+    x, y = _batch(8)
+    h = GraphedDiagHessian(net, F.cross_entropy, mode="approx", params=["0.weight", "5.bias"])
+    got = h(x, y)
+    assert set(got) == {"0.weight", "5.bias"}
+    assert _max_rel(got, diag_hessian(net, F.cross_entropy, x, y, mode="approx", params=["0.weight", "5.bias"])) == 0
+    assert h.graph.counts["plain"] == 1 and h.graph.counts["capture"] == 0
+
+
+def test_user_hooks_are_seen():
+    net = _conv_bn()
+    assert not has_user_hooks(net)
+    handle = net[2].register_forward_hook(lambda *a: None)
+    try:
+        assert has_user_hooks(net)
+    finally:
+        handle.remove()
+    assert not has_user_hooks(net)
+
+
+@pytest.mark.parametrize("mode", ["approx", "diag"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_replayed_weight_diagonal_equals_plain_calls_as_parameters_move(mode):
+    net = _conv_bn("cuda")
+    h = GraphedDiagHessian(net, F.cross_entropy, mode=mode)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    batches = [_batch(8, "cuda", seed=s) for s in range(4)]
+    for i, (x, y) in enumerate(batches):
+        got = h(x, y)
+        assert _max_rel(got, diag_hessian(net, F.cross_entropy, x, y, mode=mode)) < 1e-10
+        opt.zero_grad()
+        F.cross_entropy(net(x), y).backward()
+        opt.step()  # in place: the graph reads the new values
+    assert h.graph.counts == {"replay": 2, "capture": 1, "eager": 1, "plain": 0}
+    x, y = _batch(5, "cuda")
+    with pytest.warns(GraphWarning, match="batch shapes changed"):
+        got = h(x, y)
+    assert _max_rel(got, diag_hessian(net, F.cross_entropy, x, y, mode=mode)) < 1e-10
+    h.release()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_search_curvature_is_replayed_and_equals_arch_diag_hessian():
+    torch.manual_seed(0)
+    net = Network(4, 10, 3, in_channels=3, alpha_init_scale=1.0).cuda().double()
+    method = DARTS(net, schedule=Schedule(epochs=1, steps_per_epoch=8), hessian_mode="approx")
+    g = torch.Generator().manual_seed(3)
+    data = [tuple(t.cuda() for t in (torch.randn(8, 3, 8, 8, generator=g).double(), torch.randint(0, 10, (8,), generator=g)))
+            for _ in range(6)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(4):
+            method.step(data[i], data[i + 1])  # α and w move between the curvature calls
+            x, y = data[i + 2]
+            got = method.curvature(x, y)
+            weights = method.eval_weights()
+            ref_net = copy.deepcopy(net).set_engine("eager")
+
+            class Fixed(nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.net = ref_net
+
+                def forward(self, inp):
+                    return self.net(inp, weights)
+
+            edges = {f"net.{e.name}": e for e in ref_net.edge_specs()}
+            per_edge = arch_diag_hessian(Fixed(), F.cross_entropy, x, y, edges, mode="approx")
+            for cell_type in weights:
+                ref = torch.zeros_like(weights[cell_type])
+                for key, e in edges.items():
+                    if e.cell_type == cell_type:
+                        ref[e.edge_index] += per_edge[key]
+                h = got[f"hessian/{cell_type}/diag"]
+                assert ((h - ref).abs().max() / ref.abs().max()).item() < 1e-10
+    assert method._curvature_graph.counts["replay"] == 2 and method._curvature_graph.counts["capture"] == 1
+    method.release_graphs()
+    assert method._curvature_graph is None
