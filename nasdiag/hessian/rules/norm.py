@@ -101,8 +101,13 @@ class NormRule(HessianRule):
         m, x = call.module, call.input
         if _uses_batch_statistics(m):
             xs, dims = self._layout(call, x), self._dims(call)
-            var, mean = torch.var_mean(xs, dims, unbiased=False, keepdim=True)
-            inv_std = torch.rsqrt(var + m.eps)
+            saved = _saved_batch_statistics(call)
+            if saved is not None:  # the forward's own μ and 1/σ: no second pass over the input
+                shape = self._affine_shape(call)
+                mean, inv_std = saved[0].reshape(shape), saved[1].reshape(shape)
+            else:
+                var, mean = torch.var_mean(xs, dims, unbiased=False, keepdim=True)
+                inv_std = torch.rsqrt(var + m.eps)
             return ((xs - mean) * inv_std).reshape(x.shape), inv_std
         shape = self._affine_shape(call)
         inv_std = torch.rsqrt(m.running_var.reshape(shape) + m.eps)
@@ -147,7 +152,7 @@ class NormRule(HessianRule):
         x2 = x_hat.square()
         s0, s2 = h_t.sum(dims, keepdim=True), (x2 * h_t).sum(dims, keepdim=True)
         g1 = (g_t * x_hat).sum(dims, keepdim=True)
-        m2 = x2.mean(dims, keepdim=True)  # = var/(var + eps); the mean of x̂ is 0
+        m2 = 1 - m.eps * inv_std.square()  # = mean of x̂² = var/(var + eps) (the mean of x̂ is 0), without a pass
         mean_t = s0 / M - 2 * (s0 + s2) / M**2 + (s0 + m2 * s2) / M**2
         mean_r = -(2 * g1 / M - 2 * m2 * g1 / M + (1 - 1 / M - m2 / M) * g1) / M
         return (inv_std.square() * (mean_t + mean_r)).expand(x_hat.shape)
@@ -169,6 +174,34 @@ def _numel_outside(t: torch.Tensor, dims: Tuple[int, ...]) -> int:
         if d not in dims:
             n *= t.shape[d]
     return n
+
+
+#: autograd nodes of ``F.batch_norm`` in training mode and the names of their saved batch mean and 1/σ
+#: (torch's native kernels save ``invstd``; cuDNN's ``save_var`` is its "saved inverse variance", 1/σ too)
+_SAVED_BATCH_STATISTICS = {
+    "NativeBatchNormBackward0": ("_saved_result1", "_saved_result2"),
+    "CudnnBatchNormBackward0": ("_saved_result1", "_saved_result2"),
+}
+
+
+def _saved_batch_statistics(call: ModuleCall):
+    """``(μ, 1/σ)`` (C,) that a BatchNorm's training forward saved for its backward, or None (another norm,
+    no autograd graph, an unknown kernel): read from the output's autograd node instead of recomputed."""
+    m = call.module
+    if not isinstance(m, nn.modules.batchnorm._BatchNorm):
+        return None
+    fn = getattr(call._output, "grad_fn", None)
+    names = _SAVED_BATCH_STATISTICS.get(type(fn).__name__) if fn is not None else None
+    if names is None:
+        return None
+    try:
+        mean, inv_std = getattr(fn, names[0]), getattr(fn, names[1])
+    except (AttributeError, RuntimeError):  # freed (backward already ran without retain_graph) or renamed
+        return None
+    C = call._input.shape[1]
+    if not all(isinstance(t, torch.Tensor) and t.shape == (C,) and t.dtype == call._input.dtype for t in (mean, inv_std)):
+        return None
+    return mean, inv_std
 
 
 def _uses_batch_statistics(m: nn.Module) -> bool:
