@@ -83,6 +83,7 @@ def test_fast_is_taken_and_launches_far_fewer_kernels():
             net(x).sum().backward()
         return Count.n
 
+    fast(x)  # the first fast forward also links the BatchNorm statistics to one buffer (once per network)
     assert ops(fast) * 2 < ops(eager)
 
 
@@ -258,3 +259,112 @@ def test_released_graphs_are_freed_and_captured_anew():
     # eager, capture, replay, [release] eager, capture
     assert runner.counts == {"eager": 2, "capture": 2, "replay": 1, "plain": 0}
     assert _max_diff(_state(plain), _state(graphed)) < TOL
+
+
+# -- BatchNorm running statistics: linked to one buffer, updated in place ------------------------------------
+
+def _edge_norms(net):
+    return [m for cell in net.cells for m in cell.edges.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+
+
+def _train_forward(net, x, y):
+    F.cross_entropy(net(x), y).backward()
+
+
+def _assert_same_buffers(a, b):
+    ba, bb = dict(a.named_buffers()), dict(b.named_buffers())
+    assert ba.keys() == bb.keys()
+    for k in ba:
+        assert ba[k].dtype == bb[k].dtype and (ba[k].double() - bb[k].double()).abs().max() < TOL, k
+
+
+def test_running_statistics_after_fast_steps_equal_eager_steps_and_alias_one_buffer():
+    eager, fast = _pair()
+    batches = _batches([5, 5, 5])
+    for (x, y), _ in batches:
+        _train_forward(eager, x, y)
+        _train_forward(fast, x, y)
+        _assert_same_buffers(eager, fast)
+    norms = _edge_norms(fast)
+    # the fast path updated the modules' own buffer tensors through one shared memory (no gather/scatter)
+    assert len({m.running_var.untyped_storage().data_ptr() for m in norms}) == 1
+    assert all(int(m.num_batches_tracked) == 3 for m in norms)
+    fast.eval(), eager.eval()  # eval-mode (eager) forwards read the same, aliased buffers
+    x = batches[0][0][0]
+    assert (fast(x) - eager(x)).abs().max() < TOL
+
+
+def test_statistics_follow_deepcopy_to_load_state_dict_and_engine_switches():
+    """After each way of copying or replacing the buffers, the next fast forward still updates the modules'
+    buffers exactly as the eager modules update theirs (and a copy does not touch the original)."""
+    eager, fast = _pair()
+    (x, y), (x2, y2) = _batches([5])[0]
+    _train_forward(eager, x, y), _train_forward(fast, x, y)
+
+    fast_copy, eager_copy = copy.deepcopy(fast), copy.deepcopy(eager)
+    before = {k: v.clone() for k, v in fast.named_buffers()}
+    _train_forward(fast_copy, x2, y2), _train_forward(eager_copy, x2, y2)
+    _assert_same_buffers(eager_copy, fast_copy)
+    memory = {m.running_mean.untyped_storage().data_ptr() for m in _edge_norms(fast_copy)}
+    assert len(memory) == 1 and memory != {m.running_mean.untyped_storage().data_ptr() for m in _edge_norms(fast)}
+    assert all(torch.equal(v, before[k]) for k, v in fast.named_buffers())
+
+    fast.float().double(), eager.float().double()  # new buffer tensors (rounded through float32 alike)
+    _train_forward(eager, x2, y2), _train_forward(fast, x2, y2)
+    _assert_same_buffers(eager, fast)
+
+    state = copy.deepcopy(eager_copy.state_dict())
+    fast.load_state_dict(state), eager.load_state_dict(state)  # copied into the buffers in place
+    _train_forward(eager, x, y), _train_forward(fast, x, y)
+    _assert_same_buffers(eager, fast)
+    fast.load_state_dict(copy.deepcopy(state), assign=True), eager.load_state_dict(copy.deepcopy(state), assign=True)
+    _train_forward(eager, x, y), _train_forward(fast, x, y)
+    _assert_same_buffers(eager, fast)
+
+    fast.set_engine("eager")  # switching engines mid-run: the eager modules update the aliased buffers
+    _train_forward(eager, x2, y2), _train_forward(fast, x2, y2)
+    fast.set_engine("fast")
+    _train_forward(eager, x, y), _train_forward(fast, x, y)
+    _assert_same_buffers(eager, fast)
+
+
+def test_functional_call_with_buffers_updates_the_passed_buffers_as_eager_does():
+    """``functional_call`` with buffers (what the unrolled second-order step runs, on scratch copies) updates
+    the buffers passed in, as the eager modules do, and leaves the modules' own statistics alone."""
+    eager, fast = _pair()
+    (x, y), (x2, y2) = _batches([5])[0]
+    _train_forward(eager, x, y), _train_forward(fast, x, y)
+    own = {k: v.clone() for k, v in fast.named_buffers()}
+    memory = _edge_norms(fast)[0].running_mean.untyped_storage().data_ptr()
+    passed = {}
+    for net in (eager, fast):
+        params = {n: p.detach().clone() for n, p in net.named_parameters()}
+        buffers = {n: b.clone() for n, b in net.named_buffers()}
+        torch.func.functional_call(net, (params, buffers), (x2,))
+        passed[net.engine] = buffers
+    for k in passed["eager"]:
+        assert (passed["eager"][k].double() - passed["fast"][k].double()).abs().max() < TOL, k
+    assert any(not torch.equal(passed["fast"][k], own[k]) for k in own)  # the call did update them
+    assert all(torch.equal(v, own[k]) for k, v in fast.named_buffers())
+    _train_forward(eager, x2, y2), _train_forward(fast, x2, y2)
+    _assert_same_buffers(eager, fast)
+    # the stand-ins were not linked: the statistics still live where a CUDA graph captured before would update them
+    assert {m.running_mean.untyped_storage().data_ptr() for m in _edge_norms(fast)} == {memory}
+
+
+def test_linking_keeps_a_pending_graph_usable():
+    """An eager forward's graph (BatchNorm saved the buffers) is differentiated after the first fast forward
+    re-pointed those buffers: the values are the same, so autograd must not report an in-place change."""
+    eager, fast = _pair()
+    (x, y), _ = _batches([5])[0]
+    losses = []
+    for net in (eager, fast):
+        net.set_engine("eager")
+        first = F.cross_entropy(net(x), y)
+        net.set_engine("fast")
+        losses.append(first + F.cross_entropy(net(x), y))
+    for loss in losses:
+        loss.backward()
+    assert _max_diff([p.grad for p in eager.weight_parameters()], [p.grad for p in fast.weight_parameters()]) < TOL
+    _assert_same_buffers(eager, fast)
+

@@ -29,6 +29,8 @@ runs on the eager modules (:func:`fast_forward` returns None and says why).
 from __future__ import annotations
 
 import warnings
+import weakref
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -60,6 +62,8 @@ class _Column:
     kind: str
     modules: List[nn.Module]
     signature: tuple
+    blocks: List[List[nn.Sequential]] = field(default_factory=list)  # chain: per depth, the block of each position
+    norms: List["_Norm"] = field(default_factory=list)  # its BatchNorm calls, in the order they run
 
 
 def _bn_signature(bn: nn.Module) -> Optional[tuple]:
@@ -120,6 +124,28 @@ def _classify(op: nn.Module, stride: int) -> Tuple[Optional[str], tuple]:
 
 
 @dataclass
+class _Norm:
+    """One BatchNorm call of the engine: the BatchNorms of a column's edges, over their stacked channels.
+
+    A chain depth or a ``FactorizedReduce`` column normalizes (B, n·C, H, W) with one module per edge
+    (``shared`` False). A pool column normalizes the m sources' (B, m·C, H', W') once and gives each of
+    the d edges per source the running-statistic update its own module would make (``shared`` True).
+    ``stats`` is set by :class:`_RunningStatistics` while the modules are linked to it.
+    """
+
+    modules: List[nn.Module]  # source-major, as the stacked channels
+    sources: int  # m
+    shared: bool
+    stats: Optional[torch.Tensor] = None  # (2, n·C): every module's running mean (row 0) and var (row 1), aliased
+
+    @property
+    def channels(self) -> int:
+        """Channels of the normalized tensor (the width of ``weight``/``bias`` of the call)."""
+        C = self.modules[0].num_features
+        return self.sources * C if self.shared else len(self.modules) * C
+
+
+@dataclass
 class _Stage:
     """Source nodes whose outgoing edges are computed together (same number d of edges from each)."""
 
@@ -142,11 +168,22 @@ class _Stage:
                 self._device_index[device] = idx
         return idx
 
+def _may_keep(t: torch.Tensor) -> bool:
+    """Whether a tensor made now may be kept across calls: not one made inside a CUDA-graph capture (its memory
+    belongs to the graph's pool), under inference mode or by a torch.func transform (a wrapper of that call)."""
+    if torch.is_inference_mode_enabled() or torch._C._functorch.peek_interpreter_stack() is not None:
+        return False
+    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
 
 @dataclass
 class CellPlan:
     stages: List[_Stage]
     num_ops: int
+
+    @property
+    def norms(self) -> List[_Norm]:
+        return [norm for stage in self.stages for col in stage.columns for norm in col.norms]
 
 
 class Unsupported(Exception):
@@ -195,67 +232,221 @@ def plan_cell(cell: nn.Module) -> CellPlan:
                 if any(kk != (kind, sig) for kk in kinds):
                     raise Unsupported(f"candidate op {edges[positions[0]].primitives[k]!r} differs between edges")
                 if kind != "zero":
-                    columns.append(_Column(k, kind, mods, sig))
+                    columns.append(_column(k, kind, mods, sig, len(srcs)))
             stage = _Stage(srcs, len(out_edges[srcs[0]]), positions, [nodes[e][1] for e in positions], columns)
             stage.z_index = [e * K + c.k for e in positions for c in columns]
             stages.append(stage)
     return CellPlan(stages, K)
 
 
+def _column(k: int, kind: str, mods: List[nn.Module], signature: tuple, sources: int) -> _Column:
+    col = _Column(k, kind, mods, signature)
+    if kind == "chain":
+        per_edge = [_chain_blocks(op) for op in mods]
+        col.blocks = [[bl[depth] for bl in per_edge] for depth in range(len(per_edge[0]))]
+        col.norms = [_Norm([b[3] for b in blocks], sources, shared=False) for blocks in col.blocks]
+    elif kind == "factorized":
+        col.norms = [_Norm([op.norm for op in mods], sources, shared=False)]
+    elif kind == "pool":
+        col.norms = [_Norm([op[1] for op in mods], sources, shared=True)]
+    return col
+
+
+# -- running statistics ---------------------------------------------------------------------------------
+
+def _buffer_getter(buffers: dict) -> tuple:
+    return buffers.get("running_mean"), buffers.get("running_var"), buffers.get("num_batches_tracked")
+
+
+class _RunningStatistics:
+    """The running statistics of every BatchNorm the engine calls, in one flat buffer the modules' buffers alias.
+
+    Linking copies each module's ``running_mean``/``running_var`` into one float tensor (per :class:`_Norm`: the
+    means of its modules, then their variances, so that ``norm.stats`` is a (2, n·C) view) and its
+    ``num_batches_tracked`` into one int64 tensor, and points the modules' own buffer tensors at their slots
+    (``Tensor.set_``: the tensor objects stay, so ``state_dict``, eval-mode and eager forwards, optimizers,
+    DDP's buffer list and any reference a caller holds see the same values). A BatchNorm call of the engine
+    then updates every module in place (no gather/scatter), and the step counters are one ``add_`` per forward.
+
+    Before each fast forward :meth:`ensure_linked` checks on the host that every module buffer still lies at
+    its slot. Tensors put in by the user for good (``.to()``, ``load_state_dict(assign=True)``, assignment)
+    are linked anew from their current values; while the linked tensors are still alive elsewhere, the
+    modules hold temporary stand-ins (``torch.func.functional_call`` with buffers, a Hessian's scratch
+    copies), so that call gathers and scatters per BatchNorm as the modules would update the stand-ins.
+    Nothing is linked inside a CUDA-graph capture, under inference mode or a torch.func transform.
+    """
+
+    def __init__(self, norms: List[_Norm]):
+        self.norms = norms
+        self.modules = [m for norm in norms for m in norm.modules]
+        self.flat: Optional[torch.Tensor] = None
+        self.counts: Optional[torch.Tensor] = None
+        self._slots: List[Tuple[int, int]] = []  # per buffer of buffers(): (0: flat / 1: counts, element offset)
+        self._expected: List[int] = []
+        self._expected_for: Optional[tuple] = None
+        self._linked: Optional[List[weakref.ref]] = None
+
+    def __getstate__(self):  # deepcopy / pickle: weak references neither copy nor pickle; pointers are recomputed
+        state = dict(self.__dict__)
+        state.update(_linked=None, _expected_for=None, _expected=[])
+        return state
+
+    def buffers(self) -> List[Optional[torch.Tensor]]:
+        """Every module's running mean, running variance and step counter (None where one is missing)."""
+        get = _buffer_getter
+        return [t for m in self.modules for t in get(m._buffers)]
+
+    def ensure_linked(self) -> bool:
+        """True when every module's statistics alias the flat buffers (linking them now if allowed)."""
+        if not self.modules:
+            return True
+        current = self.buffers()
+        if self._is_linked(current):
+            return True
+        if not self._may_link(current):
+            return False
+        self._link(current)
+        return True
+
+    def _is_linked(self, current: List[Optional[torch.Tensor]]) -> bool:
+        if self.flat is None:
+            return False
+        bases = (self.flat.data_ptr(), self.counts.data_ptr())
+        if self._expected_for != bases:
+            sizes = (self.flat.element_size(), self.counts.element_size())
+            self._expected = [bases[which] + offset * sizes[which] for which, offset in self._slots]
+            self._expected_for = bases
+        try:
+            return list(map(torch.Tensor.data_ptr, current)) == self._expected  # ~0.4 ms for 900 BatchNorms
+        except TypeError:  # a buffer is None
+            return False
+
+    def _may_link(self, current: List[Optional[torch.Tensor]]) -> bool:
+        if any(t is None or t.requires_grad for t in current):
+            return False
+        stats, counts = current[0::3] + current[1::3], current[2::3]
+        for group in (stats, counts):
+            if any(t.dtype != group[0].dtype or t.device != group[0].device for t in group):
+                return False
+        if any(t.dim() != 1 for t in stats) or any(t.dim() != 0 for t in counts) or not _may_keep(current[0]):
+            return False
+        if self._linked is not None:  # linked tensors alive but out of the modules: a temporary swap
+            for ref, t in zip(self._linked, current):
+                old = ref()
+                if old is not None and old is not t:
+                    return False
+        return True
+
+    def _link(self, current: List[torch.Tensor]) -> None:
+        by_module = {id(m): current[3 * i:3 * i + 3] for i, m in enumerate(self.modules)}
+        parts, slots, placed = [], {}, 0
+        for norm in self.norms:
+            for row in (0, 1):  # running means, then running variances
+                for m in norm.modules:
+                    t = by_module[id(m)][row]
+                    parts.append(t.reshape(-1))
+                    slots[(id(m), row)] = placed
+                    placed += t.numel()
+        with torch.no_grad():
+            flat = torch.cat(parts)
+            counts = torch.stack([by_module[id(m)][2] for m in self.modules])
+            store, count_store = flat.untyped_storage(), counts.untyped_storage()
+            preserve = getattr(torch.autograd, "_unsafe_preserve_version_counter", None)
+            # Re-pointing a buffer is an in-place change of that tensor to autograd; its values are the same, and a
+            # graph that saved it (BatchNorm saves its running statistics) must stay usable, as after the
+            # (unversioned) in-place update of BatchNorm itself.
+            with (preserve(tuple(current)) if preserve is not None else nullcontext()):
+                for i, m in enumerate(self.modules):
+                    rm, rv, nbt = current[3 * i:3 * i + 3]
+                    rm.set_(store, slots[(id(m), 0)], rm.shape, (1,))
+                    rv.set_(store, slots[(id(m), 1)], rv.shape, (1,))
+                    nbt.set_(count_store, i, (), ())
+        self._slots = [s for i, m in enumerate(self.modules) for s in ((0, slots[(id(m), 0)]), (0, slots[(id(m), 1)]), (1, i))]
+        for norm in self.norms:
+            width = len(norm.modules) * norm.modules[0].num_features
+            norm.stats = _alias(flat, slots[(id(norm.modules[0]), 0)], (2, width))
+        self.flat, self.counts = flat, counts
+        self._expected_for = None
+        self._linked = [weakref.ref(t) for t in current]
+
+
+def _alias(flat: torch.Tensor, offset: int, shape: Tuple[int, int]) -> torch.Tensor:
+    """A contiguous (rows, cols) tensor on ``flat``'s memory from element ``offset`` that is not an autograd view
+    of it: it has a version counter of its own, so the in-place update of one BatchNorm's statistics does not
+    invalidate the running statistics another BatchNorm call saved for its backward."""
+    alias = flat.new_empty(0)
+    with torch.no_grad():
+        alias.set_(flat.untyped_storage(), offset, shape, (shape[1], 1))
+    return alias
+
+
 # -- batched computation --------------------------------------------------------------------------------
-
-def _gather_bn(bns: Sequence[nn.Module]):
-    rm = torch.cat([b.running_mean for b in bns])
-    rv = torch.cat([b.running_var for b in bns])
-    w = torch.cat([b.weight for b in bns]) if bns[0].affine else None
-    bias = torch.cat([b.bias for b in bns]) if bns[0].affine else None
-    return rm, rv, w, bias
-
 
 #: Give affine-free BatchNorms a unit scale and zero shift on CUDA (the same function: x̂·1 + 0), which lets
 #: torch pick cuDNN's kernels for float32 instead of its native ones: 125.1 -> 117.7 ms per graphed DARTS
 #: iteration on an H200 (BENCHMARKS.md, "Search engine", measures both). The scale gets no gradient.
 UNIT_AFFINE_ON_CUDA = True
 
+@dataclass
+class _Run:
+    """How one fast forward runs: statistics linked (else gathered per call), unit affine."""
 
-def _batch_norm(y: torch.Tensor, bns: Sequence[nn.Module]) -> torch.Tensor:
-    """BatchNorm of the stacked channels of ``len(bns)`` edges, updating each module's running statistics."""
-    rm, rv, w, b = _gather_bn(bns)
-    if w is None and UNIT_AFFINE_ON_CUDA and y.is_cuda:
-        w, b = y.new_ones(rm.shape), y.new_zeros(rm.shape)
+    linked: bool
+    unit_affine: bool
+
+
+def _gather_bn(bns: Sequence[nn.Module]):
+    rm = torch.cat([b.running_mean for b in bns])
+    rv = torch.cat([b.running_var for b in bns])
+    return rm, rv
+
+
+def _affine(y: torch.Tensor, norm: _Norm, unit: bool):
+    """(weight, bias) of a BatchNorm call: the modules' own, or a unit scale and zero shift (``unit``), or None."""
+    bns = norm.modules
+    if bns[0].affine:
+        return torch.cat([b.weight for b in bns]), torch.cat([b.bias for b in bns])
+    if not unit:
+        return None, None
+    return y.new_ones(norm.channels), y.new_zeros(norm.channels)
+
+
+def _batch_norm(y: torch.Tensor, norm: _Norm, run: _Run, unit) -> torch.Tensor:
+    """BatchNorm of the stacked channels of ``len(norm.modules)`` edges, updating each module's running statistics."""
+    bns = norm.modules
+    rm, rv = (norm.stats[0], norm.stats[1]) if run.linked else _gather_bn(bns)
+    w, b = _affine(y, norm, unit)
     out = F.batch_norm(y, rm, rv, w, b, True, bns[0].momentum, bns[0].eps)
-    with torch.no_grad():
-        n = bns[0].num_features
-        torch._foreach_copy_([m.running_mean for m in bns], list(rm.split(n)))
-        torch._foreach_copy_([m.running_var for m in bns], list(rv.split(n)))
-        torch._foreach_add_([m.num_batches_tracked for m in bns], 1)
+    if not run.linked:
+        with torch.no_grad():
+            n = bns[0].num_features
+            torch._foreach_copy_([m.running_mean for m in bns], list(rm.split(n)))
+            torch._foreach_copy_([m.running_var for m in bns], list(rv.split(n)))
+            torch._foreach_add_([m.num_batches_tracked for m in bns], 1)
     return out
 
 
-def _shared_batch_norm(y: torch.Tensor, bns_per_source: Sequence[Sequence[nn.Module]]) -> torch.Tensor:
+def _shared_batch_norm(y: torch.Tensor, norm: _Norm, run: _Run, unit) -> torch.Tensor:
     """BatchNorm of a parameter-free op output ``y`` (B, m·C, H, W) shared by the d edges of each of m sources.
 
     Every edge of a source normalizes the same tensor, so the output is computed once; each edge's module
     gets the running-statistics update ``r ← (1 − momentum)·r + momentum·stat`` it would have made itself.
     """
-    first = bns_per_source[0][0]
+    bns = norm.modules
+    first, m = bns[0], norm.sources
+    C, d = first.num_features, len(bns) // norm.sources
     out = F.batch_norm(y, None, None, None, None, True, 0.0, first.eps)
+    mom = first.momentum
     with torch.no_grad():
         var, mean = torch.var_mean(y, dim=(0, 2, 3), correction=1)
-        C = first.num_features
-        mod_rm, mod_rv, src_mean, src_var = [], [], [], []
-        for a, bns in enumerate(bns_per_source):
-            for m in bns:
-                mod_rm.append(m.running_mean)
-                mod_rv.append(m.running_var)
-                src_mean.append(mean[a * C:(a + 1) * C])
-                src_var.append(var[a * C:(a + 1) * C])
-        mom = first.momentum
-        torch._foreach_mul_(mod_rm, 1 - mom)
-        torch._foreach_add_(mod_rm, src_mean, alpha=mom)
-        torch._foreach_mul_(mod_rv, 1 - mom)
-        torch._foreach_add_(mod_rv, src_var, alpha=mom)
-        torch._foreach_add_([m.num_batches_tracked for bns in bns_per_source for m in bns], 1)
+        if run.linked:
+            norm.stats.view(2, m, d, C).mul_(1 - mom).add_(torch.stack([mean, var]).view(2, m, 1, C), alpha=mom)
+        else:
+            mods = [mod.running_mean for mod in bns] + [mod.running_var for mod in bns]
+            stat = [s[(i // d) * C:(i // d + 1) * C] for s in (mean, var) for i in range(len(bns))]
+            torch._foreach_mul_(mods, 1 - mom)
+            torch._foreach_add_(mods, stat, alpha=mom)
+            torch._foreach_add_([mod.num_batches_tracked for mod in bns], 1)
     return out
 
 
@@ -266,13 +457,11 @@ def _pool(X: torch.Tensor, op: nn.Sequential) -> torch.Tensor:
     return F.avg_pool2d(X, p.kernel_size, p.stride, p.padding, count_include_pad=p.count_include_pad)
 
 
-def _chain(rr: torch.Tensor, ops: Sequence[nn.Module], n: int) -> torch.Tensor:
+def _chain(rr: torch.Tensor, col: _Column, n: int, run: _Run, unit) -> torch.Tensor:
     """ReLU → depthwise → 1×1 → BN blocks of n edges at once; ``rr`` (B, n·C, H, W) = ReLU(input) per edge."""
-    blocks_per_edge = [_chain_blocks(op) for op in ops]
     y = rr
-    for depth in range(len(blocks_per_edge[0])):
-        blocks = [bl[depth] for bl in blocks_per_edge]
-        dw, pw = blocks[0][1], blocks[0][2]
+    for depth, (blocks, norm) in enumerate(zip(col.blocks, col.norms)):
+        dw = blocks[0][1]
         if depth > 0:
             y = F.relu(y)
         w_dw = torch.cat([b[1].weight for b in blocks])  # (n·C, 1, k, k)
@@ -282,12 +471,13 @@ def _chain(rr: torch.Tensor, ops: Sequence[nn.Module], n: int) -> torch.Tensor:
         w_pw = torch.stack([b[2].weight.flatten(1) for b in blocks])  # (n, C_out, C)
         B, _, H, W = y.shape
         y = torch.matmul(w_pw, y.view(B, n, -1, H * W)).view(B, -1, H, W)
-        y = _batch_norm(y, [b[3] for b in blocks])
+        y = _batch_norm(y, norm, run, unit)
     return y
 
 
-def _factorized(r: torch.Tensor, ops: Sequence[FactorizedReduce], m: int, n: int) -> torch.Tensor:
+def _factorized(r: torch.Tensor, col: _Column, m: int, n: int, run: _Run, unit) -> torch.Tensor:
     """``FactorizedReduce`` of n edges (d per source) from r = ReLU(X), X (B, m·C, H, W)."""
+    ops = col.modules
     shifted = r[:, :, 1:, 1:]
     if r.shape[-1] % 2 or r.shape[-2] % 2:
         shifted = F.pad(shifted, (0, r.shape[-1] % 2, 0, r.shape[-2] % 2))
@@ -298,10 +488,23 @@ def _factorized(r: torch.Tensor, ops: Sequence[FactorizedReduce], m: int, n: int
     B, _, H, W = o1.shape
     half = ops[0].conv_1.out_channels
     y = torch.stack([o1.view(B, n, half, H, W), o2.view(B, n, half, H, W)], dim=2).view(B, n * 2 * half, H, W)
-    return _batch_norm(y, [op.norm for op in ops])
+    return _batch_norm(y, col.norms[0], run, unit)
 
 
-def _stage_outputs(stage: _Stage, X: torch.Tensor, Z: torch.Tensor) -> torch.Tensor:
+def _column_output(col: _Column, X: torch.Tensor, r, rr, m: int, d: int, run: _Run, unit) -> torch.Tensor:
+    """Outputs (B, m, d, C, H', W') of one op column at every edge of a stage."""
+    B, mC, H, W = X.shape
+    C = mC // m
+    if col.kind == "identity":
+        return X.view(B, m, 1, C, H, W).expand(B, m, d, C, H, W)
+    if col.kind == "pool":
+        p = _shared_batch_norm(_pool(X, col.modules[0]), col.norms[0], run, unit)
+        return p.view(B, m, 1, C, *p.shape[-2:]).expand(B, m, d, C, *p.shape[-2:])
+    y = _chain(rr, col, m * d, run, unit) if col.kind == "chain" else _factorized(r, col, m, m * d, run, unit)
+    return y.view(B, m, d, C, *y.shape[-2:])
+
+
+def _stage_outputs(stage: _Stage, X: torch.Tensor, Z: torch.Tensor, run: _Run) -> torch.Tensor:
     """Mixed outputs (B, m, d, C, H', W') of every edge of a stage.
 
     Args:
@@ -312,26 +515,12 @@ def _stage_outputs(stage: _Stage, X: torch.Tensor, Z: torch.Tensor) -> torch.Ten
     n = m * d
     B, mC, H, W = X.shape
     C = mC // m
-    r = rr = None
-    outs = []
-    for col in stage.columns:
-        if col.kind == "identity":
-            y = X.view(B, m, 1, C, H, W).expand(B, m, d, C, H, W)
-        elif col.kind == "pool":
-            p = _pool(X, col.modules[0])
-            p = _shared_batch_norm(p, [[op[1] for op in col.modules[a * d:(a + 1) * d]] for a in range(m)])
-            y = p.view(B, m, 1, C, *p.shape[-2:]).expand(B, m, d, C, *p.shape[-2:])
-        else:
-            if r is None:
-                r = F.relu(X)
-            if col.kind == "chain":
-                if rr is None:  # ReLU(input) once per edge: the depthwise convs differ per edge
-                    rr = r.view(B, m, 1, C, H, W).expand(B, m, d, C, H, W).reshape(B, n * C, H, W)
-                y = _chain(rr, col.modules, n)
-            else:
-                y = _factorized(r, col.modules, m, n)
-            y = y.view(B, m, d, C, *y.shape[-2:])
-        outs.append(y)
+    kinds = {col.kind for col in stage.columns}
+    r = F.relu(X) if kinds & {"chain", "factorized"} else None
+    # ReLU(input) once per edge: the depthwise convs differ per edge
+    rr = r.view(B, m, 1, C, H, W).expand(B, m, d, C, H, W).reshape(B, n * C, H, W) if "chain" in kinds else None
+    unit = run.unit_affine
+    outs = [_column_output(col, X, r, rr, m, d, run, unit) for col in stage.columns]
     stacked = torch.stack(outs, dim=3)  # (B, m, d, K', C, H', W')
     Hp, Wp = stacked.shape[-2:]
     # Σ_k Z_k O_k as one batched (1 × K')·(K' × C·H'·W') product per (sample, edge): one pass over the op
@@ -340,8 +529,12 @@ def _stage_outputs(stage: _Stage, X: torch.Tensor, Z: torch.Tensor) -> torch.Ten
     return torch.matmul(z, stacked.view(B, n, len(outs), -1)).view(B, m, d, C, Hp, Wp)
 
 
-def cell_forward(cell: nn.Module, plan: CellPlan, s0: torch.Tensor, s1: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """The batched equivalent of ``Cell.forward(s0, s1, weights)`` for (E, K) weights."""
+def cell_forward(cell: nn.Module, plan: CellPlan, s0: torch.Tensor, s1: torch.Tensor, weights: torch.Tensor,
+                 run: Optional[_Run] = None) -> torch.Tensor:
+    """The batched equivalent of ``Cell.forward(s0, s1, weights)`` for (E, K) weights (``run``: how, see
+    :func:`fast_forward`; default: statistics gathered per BatchNorm call)."""
+    if run is None:
+        run = _Run(linked=False, unit_affine=UNIT_AFFINE_ON_CUDA and s1.is_cuda)
     states: Dict[int, torch.Tensor] = {0: cell.preprocess0(s0), 1: cell.preprocess1(s1)}
     partial: Dict[int, List[torch.Tensor]] = {}
     Z = weights.reshape(-1)
@@ -351,7 +544,7 @@ def cell_forward(cell: nn.Module, plan: CellPlan, s0: torch.Tensor, s1: torch.Te
             if node in stage.sources and node not in states:
                 states[node] = _sum(partial.pop(node))
         X = states[stage.sources[0]] if len(stage.sources) == 1 else torch.cat([states[s] for s in stage.sources], dim=1)
-        out = _stage_outputs(stage, X, Z)
+        out = _stage_outputs(stage, X, Z, run)
         for a in range(len(stage.sources)):
             for t in range(stage.degree):
                 partial.setdefault(stage.dests[a * stage.degree + t], []).append(out[:, a, t])
@@ -394,9 +587,11 @@ def _plans(net: nn.Module) -> List[CellPlan]:
     if cached is None or cached[0] != fingerprint:
         try:
             plans = [plan_cell(cell) for cell in net.cells]
+            statistics = _RunningStatistics([norm for plan in plans for norm in plan.norms])
         except Unsupported as exc:
-            plans = exc
-        cached = net.__dict__["_fast_plans"] = (fingerprint, plans, [m for cell in net.cells for m in cell.modules()])
+            plans, statistics = exc, None
+        cached = net.__dict__["_fast_plans"] = (fingerprint, plans, [m for cell in net.cells for m in cell.modules()],
+                                                statistics)
     if isinstance(cached[1], Unsupported):
         raise cached[1]
     return cached[1]
@@ -436,10 +631,15 @@ def _running_statistics_off(net: nn.Module) -> bool:
 
 def fast_forward(net: nn.Module, x: torch.Tensor, per_cell: Sequence[torch.Tensor]) -> torch.Tensor:
     """``Network.forward(x, per_cell)`` through the batched cells (call :func:`why_not_fast` first)."""
-    plans = net.__dict__["_fast_plans"][1]
+    _, plans, _, statistics = net.__dict__["_fast_plans"]
+    linked = statistics.ensure_linked()
+    if linked and statistics.counts is not None:
+        with torch.no_grad():
+            statistics.counts.add_(1)  # every edge BatchNorm's num_batches_tracked, as each module would count
+    run = _Run(linked, UNIT_AFFINE_ON_CUDA and x.is_cuda)
     s0 = s1 = net.stem(x)
     for cell, plan, w in zip(net.cells, plans, per_cell):
-        s0, s1 = s1, cell_forward(cell, plan, s0, s1, w)
+        s0, s1 = s1, cell_forward(cell, plan, s0, s1, w, run)
     return net.classifier(net.global_pooling(s1).flatten(1))
 
 
