@@ -368,3 +368,28 @@ def test_linking_keeps_a_pending_graph_usable():
     assert _max_diff([p.grad for p in eager.weight_parameters()], [p.grad for p in fast.weight_parameters()]) < TOL
     _assert_same_buffers(eager, fast)
 
+
+def test_linked_fast_forward_neither_scatters_statistics_nor_takes_a_second_statistics_pass():
+    """Once linked, BatchNorm updates the modules' statistics in place: a forward+backward dispatches no scatter of
+    running statistics (``_foreach_copy_``) and no separate batch-statistics pass for the shared pool BatchNorms
+    (``var_mean``); the buffers still equal the eager modules' (checked above and here)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func.name())
+            return func(*args, **(kwargs or {}))
+
+    eager, fast = _pair()
+    (x, y), (x2, y2) = _batches([5])[0]
+    _train_forward(eager, x, y), _train_forward(fast, x, y)
+    with Ops() as ops:
+        _train_forward(fast, x2, y2)
+    _train_forward(eager, x2, y2)
+    assert "aten::native_batch_norm" in ops.names  # the mode saw the forward
+    assert not {"aten::_foreach_copy_", "aten::var_mean.correction"} & ops.names, ops.names
+    _assert_same_buffers(eager, fast)

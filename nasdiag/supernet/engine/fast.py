@@ -130,13 +130,14 @@ class _Norm:
     A chain depth or a ``FactorizedReduce`` column normalizes (B, n·C, H, W) with one module per edge
     (``shared`` False). A pool column normalizes the m sources' (B, m·C, H', W') once and gives each of
     the d edges per source the running-statistic update its own module would make (``shared`` True).
-    ``stats`` is set by :class:`_RunningStatistics` while the modules are linked to it.
+    ``stats`` and ``scratch`` are set by :class:`_RunningStatistics` while the modules are linked to it.
     """
 
     modules: List[nn.Module]  # source-major, as the stacked channels
     sources: int  # m
     shared: bool
     stats: Optional[torch.Tensor] = None  # (2, n·C): every module's running mean (row 0) and var (row 1), aliased
+    scratch: Optional[torch.Tensor] = None  # shared only: (2, m·C) batch mean and unbiased var of the last call
 
     @property
     def channels(self) -> int:
@@ -347,8 +348,11 @@ class _RunningStatistics:
                     parts.append(t.reshape(-1))
                     slots[(id(m), row)] = placed
                     placed += t.numel()
+        scratch_at = placed
+        scratch = sum(2 * norm.channels for norm in self.norms if norm.shared)
+        like = current[0]
         with torch.no_grad():
-            flat = torch.cat(parts)
+            flat = torch.cat(parts + [like.new_zeros(scratch)])
             counts = torch.stack([by_module[id(m)][2] for m in self.modules])
             store, count_store = flat.untyped_storage(), counts.untyped_storage()
             preserve = getattr(torch.autograd, "_unsafe_preserve_version_counter", None)
@@ -365,6 +369,9 @@ class _RunningStatistics:
         for norm in self.norms:
             width = len(norm.modules) * norm.modules[0].num_features
             norm.stats = _alias(flat, slots[(id(norm.modules[0]), 0)], (2, width))
+            if norm.shared:
+                norm.scratch = _alias(flat, scratch_at, (2, norm.channels))
+                scratch_at += 2 * norm.channels
         self.flat, self.counts = flat, counts
         self._expected_for = None
         self._linked = [weakref.ref(t) for t in current]
@@ -430,20 +437,23 @@ def _shared_batch_norm(y: torch.Tensor, norm: _Norm, run: _Run, unit) -> torch.T
     """BatchNorm of a parameter-free op output ``y`` (B, m·C, H, W) shared by the d edges of each of m sources.
 
     Every edge of a source normalizes the same tensor, so the output is computed once; each edge's module
-    gets the running-statistics update ``r ← (1 − momentum)·r + momentum·stat`` it would have made itself.
+    gets the running-statistic update ``r ← (1 − momentum)·r + momentum·stat`` it would have made itself,
+    with the batch mean and unbiased variance that the one BatchNorm call leaves in scratch running buffers
+    (momentum 1: they become the batch statistics; no second pass over ``y``).
     """
     bns = norm.modules
     first, m = bns[0], norm.sources
     C, d = first.num_features, len(bns) // norm.sources
-    out = F.batch_norm(y, None, None, None, None, True, 0.0, first.eps)
+    scratch = norm.scratch if run.linked else first.running_mean.new_zeros(2, m * C)
+    w, b = _affine(y, norm, unit)
+    out = F.batch_norm(y, scratch[0], scratch[1], w, b, True, 1.0, first.eps)
     mom = first.momentum
     with torch.no_grad():
-        var, mean = torch.var_mean(y, dim=(0, 2, 3), correction=1)
         if run.linked:
-            norm.stats.view(2, m, d, C).mul_(1 - mom).add_(torch.stack([mean, var]).view(2, m, 1, C), alpha=mom)
+            norm.stats.view(2, m, d, C).mul_(1 - mom).add_(scratch.view(2, m, 1, C), alpha=mom)
         else:
             mods = [mod.running_mean for mod in bns] + [mod.running_var for mod in bns]
-            stat = [s[(i // d) * C:(i // d + 1) * C] for s in (mean, var) for i in range(len(bns))]
+            stat = [scratch[row, (i // d) * C:(i // d + 1) * C] for row in (0, 1) for i in range(len(bns))]
             torch._foreach_mul_(mods, 1 - mom)
             torch._foreach_add_(mods, stat, alpha=mom)
             torch._foreach_add_([mod.num_batches_tracked for mod in bns], 1)
