@@ -157,6 +157,7 @@ class _Stage:
     columns: List[_Column]  # ops that contribute (the zero op is left out: its output and cost are 0)
     z_index: List[int] = field(default_factory=list)  # flat index into Z (E·K) of each (position, column)
     _device_index: Dict[torch.device, torch.Tensor] = field(default_factory=dict)
+    _unit: Dict[tuple, Tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def z_index_on(self, device: torch.device) -> torch.Tensor:
         # Cached per device: building it inside a CUDA-graph capture would be a pageable host copy.
@@ -168,6 +169,19 @@ class _Stage:
             if torch._C._functorch.peek_interpreter_stack() is None:
                 self._device_index[device] = idx
         return idx
+
+    def unit_affine(self, like: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """A unit scale and zero shift wide enough for every affine-free BatchNorm call of the stage (sliced
+        per call), made once per device and dtype, not per call."""
+        key = (like.device, like.dtype)
+        unit = self._unit.get(key)
+        if unit is None:
+            width = max((norm.channels for col in self.columns for norm in col.norms), default=1)
+            unit = like.new_ones(width), like.new_zeros(width)
+            if _may_keep(like):
+                self._unit[key] = unit
+        return unit
+
 
 def _may_keep(t: torch.Tensor) -> bool:
     """Whether a tensor made now may be kept across calls: not one made inside a CUDA-graph capture (its memory
@@ -408,14 +422,17 @@ def _gather_bn(bns: Sequence[nn.Module]):
     return rm, rv
 
 
-def _affine(y: torch.Tensor, norm: _Norm, unit: bool):
+def _affine(y: torch.Tensor, norm: _Norm, unit: Optional[Tuple[torch.Tensor, torch.Tensor]]):
     """(weight, bias) of a BatchNorm call: the modules' own, or a unit scale and zero shift (``unit``), or None."""
     bns = norm.modules
     if bns[0].affine:
         return torch.cat([b.weight for b in bns]), torch.cat([b.bias for b in bns])
-    if not unit:
+    if unit is None:
         return None, None
-    return y.new_ones(norm.channels), y.new_zeros(norm.channels)
+    ones, zeros = unit
+    if ones.dtype != y.dtype:  # e.g. autocast: the stage input and the normalized tensor differ in dtype
+        return y.new_ones(norm.channels), y.new_zeros(norm.channels)
+    return ones[:norm.channels], zeros[:norm.channels]
 
 
 def _batch_norm(y: torch.Tensor, norm: _Norm, run: _Run, unit) -> torch.Tensor:
@@ -529,7 +546,7 @@ def _stage_outputs(stage: _Stage, X: torch.Tensor, Z: torch.Tensor, run: _Run) -
     r = F.relu(X) if kinds & {"chain", "factorized"} else None
     # ReLU(input) once per edge: the depthwise convs differ per edge
     rr = r.view(B, m, 1, C, H, W).expand(B, m, d, C, H, W).reshape(B, n * C, H, W) if "chain" in kinds else None
-    unit = run.unit_affine
+    unit = stage.unit_affine(X) if run.unit_affine else None
     outs = [_column_output(col, X, r, rr, m, d, run, unit) for col in stage.columns]
     stacked = torch.stack(outs, dim=3)  # (B, m, d, K', C, H', W')
     Hp, Wp = stacked.shape[-2:]
