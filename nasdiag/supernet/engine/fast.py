@@ -408,12 +408,38 @@ def _alias(flat: torch.Tensor, offset: int, shape: Tuple[int, int]) -> torch.Ten
 #: iteration on an H200 (BENCHMARKS.md, "Search engine", measures both). The scale gets no gradient.
 UNIT_AFFINE_ON_CUDA = True
 
+#: Run the op columns of a stage (sep/dil chains, pools, factorized reductions) on side CUDA streams of their
+#: own, so that their small kernels overlap (in a CUDA-graph capture they become parallel branches; autograd
+#: runs each column's backward on its stream too). CPU forwards are not affected.
+COLUMN_STREAMS_ON_CUDA = True
+
+
 @dataclass
 class _Run:
-    """How one fast forward runs: statistics linked (else gathered per call), unit affine."""
+    """How one fast forward runs: statistics linked (else gathered per call), unit affine, column streams."""
 
     linked: bool
     unit_affine: bool
+    streams: Optional[List["torch.cuda.Stream"]]
+
+
+class _StreamPool:
+    """Side streams per device for the op columns, kept on the network (``__dict__``), never copied or pickled."""
+
+    def __init__(self):
+        self.by_device: Dict[torch.device, list] = {}
+
+    def __deepcopy__(self, memo):
+        return _StreamPool()
+
+    def __getstate__(self):
+        return {"by_device": {}}
+
+    def get(self, device: torch.device, count: int) -> list:
+        streams = self.by_device.setdefault(device, [])
+        while len(streams) < count:
+            streams.append(torch.cuda.Stream(device=device))
+        return streams
 
 
 def _gather_bn(bns: Sequence[nn.Module]):
@@ -547,7 +573,10 @@ def _stage_outputs(stage: _Stage, X: torch.Tensor, Z: torch.Tensor, run: _Run) -
     # ReLU(input) once per edge: the depthwise convs differ per edge
     rr = r.view(B, m, 1, C, H, W).expand(B, m, d, C, H, W).reshape(B, n * C, H, W) if "chain" in kinds else None
     unit = stage.unit_affine(X) if run.unit_affine else None
-    outs = [_column_output(col, X, r, rr, m, d, run, unit) for col in stage.columns]
+    if run.streams is None:
+        outs = [_column_output(col, X, r, rr, m, d, run, unit) for col in stage.columns]
+    else:
+        outs = _column_outputs_on_streams(stage, X, r, rr, m, d, run, unit)
     stacked = torch.stack(outs, dim=3)  # (B, m, d, K', C, H', W')
     Hp, Wp = stacked.shape[-2:]
     # Σ_k Z_k O_k as one batched (1 × K')·(K' × C·H'·W') product per (sample, edge): one pass over the op
@@ -556,12 +585,39 @@ def _stage_outputs(stage: _Stage, X: torch.Tensor, Z: torch.Tensor, run: _Run) -
     return torch.matmul(z, stacked.view(B, n, len(outs), -1)).view(B, m, d, C, Hp, Wp)
 
 
+def _column_outputs_on_streams(stage: _Stage, X: torch.Tensor, r, rr, m: int, d: int, run: _Run, unit) -> List[torch.Tensor]:
+    """The columns of a stage, each on its own side stream forked from and joined back to the current one.
+
+    Tensors made on the current stream and read on a side stream (X, r, rr, the unit affine) are recorded on
+    that stream, and each column's output on the current stream, so the caching allocator does not hand
+    their memory out while the other stream may still use it (forward or backward).
+    """
+    main = torch.cuda.current_stream(X.device)
+    shared_inputs = [t for t in (X, r, rr) + tuple(unit or ()) if t is not None]
+    outs, forked = [], []
+    for col, side in zip(stage.columns, run.streams):
+        if col.kind == "identity":  # a view of X: nothing to compute
+            outs.append(_column_output(col, X, r, rr, m, d, run, unit))
+            continue
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            y = _column_output(col, X, r, rr, m, d, run, unit)
+        for t in shared_inputs:
+            t.record_stream(side)
+        outs.append(y)
+        forked.append((side, y))
+    for side, y in forked:
+        main.wait_stream(side)
+        y.record_stream(main)
+    return outs
+
+
 def cell_forward(cell: nn.Module, plan: CellPlan, s0: torch.Tensor, s1: torch.Tensor, weights: torch.Tensor,
                  run: Optional[_Run] = None) -> torch.Tensor:
     """The batched equivalent of ``Cell.forward(s0, s1, weights)`` for (E, K) weights (``run``: how, see
-    :func:`fast_forward`; default: statistics gathered per BatchNorm call)."""
+    :func:`fast_forward`; default: statistics gathered per BatchNorm call, no streams)."""
     if run is None:
-        run = _Run(linked=False, unit_affine=UNIT_AFFINE_ON_CUDA and s1.is_cuda)
+        run = _Run(linked=False, unit_affine=UNIT_AFFINE_ON_CUDA and s1.is_cuda, streams=None)
     states: Dict[int, torch.Tensor] = {0: cell.preprocess0(s0), 1: cell.preprocess1(s1)}
     partial: Dict[int, List[torch.Tensor]] = {}
     Z = weights.reshape(-1)
@@ -663,7 +719,13 @@ def fast_forward(net: nn.Module, x: torch.Tensor, per_cell: Sequence[torch.Tenso
     if linked and statistics.counts is not None:
         with torch.no_grad():
             statistics.counts.add_(1)  # every edge BatchNorm's num_batches_tracked, as each module would count
-    run = _Run(linked, UNIT_AFFINE_ON_CUDA and x.is_cuda)
+    streams = None
+    if COLUMN_STREAMS_ON_CUDA and x.is_cuda:
+        pool = net.__dict__.get("_fast_streams")
+        if pool is None:
+            pool = net.__dict__["_fast_streams"] = _StreamPool()
+        streams = pool.get(x.device, max(len(stage.columns) for plan in plans for stage in plan.stages))
+    run = _Run(linked, UNIT_AFFINE_ON_CUDA and x.is_cuda, streams)
     s0 = s1 = net.stem(x)
     for cell, plan, w in zip(net.cells, plans, per_cell):
         s0, s1 = s1, cell_forward(cell, plan, s0, s1, w, run)
