@@ -393,3 +393,15 @@ def test_linked_fast_forward_neither_scatters_statistics_nor_takes_a_second_stat
     assert "aten::native_batch_norm" in ops.names  # the mode saw the forward
     assert not {"aten::_foreach_copy_", "aten::var_mean.correction"} & ops.names, ops.names
     _assert_same_buffers(eager, fast)
+
+
+def test_a_first_forward_under_inference_mode_leaves_nothing_behind_that_training_cannot_use():
+    """Nothing made under inference mode is kept (an inference tensor cannot be saved for backward later)."""
+    eager, fast = _pair()
+    (x, y), (x2, y2) = _batches([5])[0]
+    with torch.inference_mode():
+        assert (fast(x) - eager(x)).abs().max() < TOL
+    for b in ((x, y), (x2, y2)):
+        _train_forward(eager, *b), _train_forward(fast, *b)
+    _assert_same_buffers(eager, fast)
+    assert len({m.running_mean.untyped_storage().data_ptr() for m in _edge_norms(fast)}) == 1

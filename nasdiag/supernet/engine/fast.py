@@ -14,7 +14,10 @@ the very parameters and buffers of the per-op modules (so optimizers, ``state_di
   blocks, ``dil_conv`` one; ``FactorizedReduce`` skips of reduction cells) become one depthwise conv over
   the stacked channels of all edges (groups = edges × C), one batched matrix product for the edges' 1×1
   convs and one BatchNorm over the stacked channels (per channel, so identical to one BN per edge);
-- the mixing x_j = Σ_k Z_k O_k(x_i) is one batched matrix product with the stacked (B, m, d, K', C, H, W) outputs.
+- the mixing x_j = Σ_k Z_k O_k(x_i) is one batched matrix product with the stacked (B, m, d, K', C, H, W) outputs;
+- the running statistics of every edge BatchNorm live in one flat buffer that the modules' own buffer tensors
+  alias (:class:`_RunningStatistics`), so each batched BatchNorm updates them in place;
+- on CUDA the op columns of a stage run on side streams of their own (``COLUMN_STREAMS_ON_CUDA``).
 
 The cost C = ∂L/∂Z (wiring supplement §2) of a per-cell Z leaf is then the gradient of that one product,
 so costs, α-gradients and every statistic built on them are those of the eager path up to float
@@ -165,8 +168,9 @@ class _Stage:
         if idx is None:
             idx = torch.tensor(self.z_index, dtype=torch.long, device=device)
             # one made under a torch.func transform is a wrapper of that call: reusing it later (or deep-copying
-            # the network) fails with "Cannot access storage of TensorWrapper", so it is not cached
-            if torch._C._functorch.peek_interpreter_stack() is None:
+            # the network) fails with "Cannot access storage of TensorWrapper", so it is not cached; nor is an
+            # inference tensor (inference mode), which autograd refuses to save later
+            if torch._C._functorch.peek_interpreter_stack() is None and not torch.is_inference_mode_enabled():
                 self._device_index[device] = idx
         return idx
 
@@ -337,7 +341,7 @@ class _RunningStatistics:
             return False
 
     def _may_link(self, current: List[Optional[torch.Tensor]]) -> bool:
-        if any(t is None or t.requires_grad for t in current):
+        if any(t is None or t.requires_grad or t.is_inference() for t in current):
             return False
         stats, counts = current[0::3] + current[1::3], current[2::3]
         for group in (stats, counts):
