@@ -358,19 +358,28 @@ class _RunningStatistics:
 
     def _link(self, current: List[torch.Tensor]) -> None:
         by_module = {id(m): current[3 * i:3 * i + 3] for i, m in enumerate(self.modules)}
+        like = current[0]
         parts, slots, placed = [], {}, 0
+        rows: List[Tuple[int, int]] = []  # per norm: (offset of its means row, row pitch)
         for norm in self.norms:
-            for row in (0, 1):  # running means, then running variances
+            pitch = _aligned(len(norm.modules) * norm.modules[0].num_features)
+            rows.append((placed, pitch))
+            for row in (0, 1):  # running means, then running variances, each row starting aligned
+                start = placed
                 for m in norm.modules:
                     t = by_module[id(m)][row]
                     parts.append(t.reshape(-1))
                     slots[(id(m), row)] = placed
                     placed += t.numel()
-        scratch_at = placed
-        scratch = sum(2 * norm.channels for norm in self.norms if norm.shared)
-        like = current[0]
+                parts.append(like.new_zeros(start + pitch - placed))
+                placed = start + pitch
+        scratch_rows = []
+        for norm in self.norms:
+            if norm.shared:
+                scratch_rows.append((placed, _aligned(norm.channels)))
+                placed += 2 * scratch_rows[-1][1]
         with torch.no_grad():
-            flat = torch.cat(parts + [like.new_zeros(scratch)])
+            flat = torch.cat(parts + [like.new_zeros(placed - sum(p.numel() for p in parts))])
             counts = torch.stack([by_module[id(m)][2] for m in self.modules])
             store, count_store = flat.untyped_storage(), counts.untyped_storage()
             preserve = getattr(torch.autograd, "_unsafe_preserve_version_counter", None)
@@ -384,24 +393,30 @@ class _RunningStatistics:
                     rv.set_(store, slots[(id(m), 1)], rv.shape, (1,))
                     nbt.set_(count_store, i, (), ())
         self._slots = [s for i, m in enumerate(self.modules) for s in ((0, slots[(id(m), 0)]), (0, slots[(id(m), 1)]), (1, i))]
-        for norm in self.norms:
-            width = len(norm.modules) * norm.modules[0].num_features
-            norm.stats = _alias(flat, slots[(id(norm.modules[0]), 0)], (2, width))
+        scratch_rows.reverse()
+        for norm, (offset, pitch) in zip(self.norms, rows):
+            norm.stats = _alias(flat, offset, (2, len(norm.modules) * norm.modules[0].num_features), pitch)
             if norm.shared:
-                norm.scratch = _alias(flat, scratch_at, (2, norm.channels))
-                scratch_at += 2 * norm.channels
+                offset, pitch = scratch_rows.pop()
+                norm.scratch = _alias(flat, offset, (2, norm.channels), pitch)
         self.flat, self.counts = flat, counts
         self._expected_for = None
         self._linked = [weakref.ref(t) for t in current]
 
 
-def _alias(flat: torch.Tensor, offset: int, shape: Tuple[int, int]) -> torch.Tensor:
-    """A contiguous (rows, cols) tensor on ``flat``'s memory from element ``offset`` that is not an autograd view
-    of it: it has a version counter of its own, so the in-place update of one BatchNorm's statistics does not
-    invalidate the running statistics another BatchNorm call saved for its backward."""
+def _aligned(numel: int) -> int:
+    """``numel`` rounded up to a multiple of 32 elements, so that every row of statistics a kernel reads starts
+    as aligned as a tensor of its own (128 bytes in float32)."""
+    return -(-numel // 32) * 32
+
+
+def _alias(flat: torch.Tensor, offset: int, shape: Tuple[int, int], pitch: int) -> torch.Tensor:
+    """A (rows, cols) tensor on ``flat``'s memory from element ``offset``, rows ``pitch`` elements apart, that is
+    not an autograd view of it: it has a version counter of its own, so the in-place update of one BatchNorm's
+    statistics does not invalidate the running statistics another BatchNorm call saved for its backward."""
     alias = flat.new_empty(0)
     with torch.no_grad():
-        alias.set_(flat.untyped_storage(), offset, shape, (shape[1], 1))
+        alias.set_(flat.untyped_storage(), offset, shape, (pitch, 1))
     return alias
 
 
