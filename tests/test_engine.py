@@ -373,6 +373,18 @@ def test_linked_fast_forward_neither_scatters_statistics_nor_takes_a_second_stat
     """Once linked, BatchNorm updates the modules' statistics in place: a forward+backward dispatches no scatter of
     running statistics (``_foreach_copy_``) and no separate batch-statistics pass for the shared pool BatchNorms
     (``var_mean``); the buffers still equal the eager modules' (checked above and here)."""
+    eager, fast = _pair()
+    (x, y), (x2, y2) = _batches([5])[0]
+    _train_forward(eager, x, y), _train_forward(fast, x, y)
+    names = _dispatched(lambda: _train_forward(fast, x2, y2))
+    _train_forward(eager, x2, y2)
+    assert "aten::native_batch_norm" in names  # the mode saw the forward
+    assert not {"aten::_foreach_copy_", "aten::var_mean.correction"} & names, names
+    _assert_same_buffers(eager, fast)
+
+
+def _dispatched(fn) -> set:
+    """Names of the aten ops ``fn()`` dispatches."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Ops(TorchDispatchMode):
@@ -384,15 +396,18 @@ def test_linked_fast_forward_neither_scatters_statistics_nor_takes_a_second_stat
             self.names.add(func.name())
             return func(*args, **(kwargs or {}))
 
-    eager, fast = _pair()
-    (x, y), (x2, y2) = _batches([5])[0]
-    _train_forward(eager, x, y), _train_forward(fast, x, y)
     with Ops() as ops:
-        _train_forward(fast, x2, y2)
-    _train_forward(eager, x2, y2)
-    assert "aten::native_batch_norm" in ops.names  # the mode saw the forward
-    assert not {"aten::_foreach_copy_", "aten::var_mean.correction"} & ops.names, ops.names
-    _assert_same_buffers(eager, fast)
+        fn()
+    return ops.names
+
+
+def test_edge_outputs_of_a_stage_are_unbound_not_selected():
+    """The backward of the split of a stage's output into its edges stacks their gradients in one op: a select per
+    edge would fill a zero tensor of the whole output per edge and sum them (the gradients are checked above)."""
+    _, fast = _pair()
+    (x, y), _ = _batches([5])[0]
+    names = _dispatched(lambda: _train_forward(fast, x, y))
+    assert "aten::unbind.int" in names and "aten::select_backward" not in names
 
 
 def test_a_first_forward_under_inference_mode_leaves_nothing_behind_that_training_cannot_use():

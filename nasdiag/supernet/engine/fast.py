@@ -646,10 +646,11 @@ def cell_forward(cell: nn.Module, plan: CellPlan, s0: torch.Tensor, s1: torch.Te
             if node in stage.sources and node not in states:
                 states[node] = _sum(partial.pop(node))
         X = states[stage.sources[0]] if len(stage.sources) == 1 else torch.cat([states[s] for s in stage.sources], dim=1)
-        out = _stage_outputs(stage, X, Z, run)
-        for a in range(len(stage.sources)):
-            for t in range(stage.degree):
-                partial.setdefault(stage.dests[a * stage.degree + t], []).append(out[:, a, t])
+        out = _stage_outputs(stage, X, Z, run)  # (B, m, d, C, H', W')
+        # One unbind, not a select per edge: its backward stacks the edges' gradients in one kernel, where each
+        # select's backward fills a zero tensor of the whole output, copies its slice in, and autograd sums them.
+        for dest, term in zip(stage.dests, out.flatten(1, 2).unbind(1)):
+            partial.setdefault(dest, []).append(term)
     for node in range(2, last + 1):
         if node not in states:
             states[node] = _sum(partial.pop(node))
