@@ -281,7 +281,7 @@ class _RunningStatistics:
     """The running statistics of every BatchNorm the engine calls, in one flat buffer the modules' buffers alias.
 
     Linking copies each module's ``running_mean``/``running_var`` into one float tensor (per :class:`_Norm`: the
-    means of its modules, then their variances, so that ``norm.stats`` is a (2, n·C) view) and its
+    means of its modules, then their variances, so that ``norm.stats`` is a (2, n·C) tensor on it) and its
     ``num_batches_tracked`` into one int64 tensor, and points the modules' own buffer tensors at their slots
     (``Tensor.set_``: the tensor objects stay, so ``state_dict``, eval-mode and eager forwards, optimizers,
     DDP's buffer list and any reference a caller holds see the same values). A BatchNorm call of the engine
