@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nasdiag.supernet.engine.depthwise import depthwise_conv2d
 from nasdiag.supernet.ops import FactorizedReduce, Zero
 
 ENGINES = ("auto", "fast", "eager")
@@ -432,6 +433,10 @@ UNIT_AFFINE_ON_CUDA = True
 #: runs each column's backward on its stream too). CPU forwards are not affected.
 COLUMN_STREAMS_ON_CUDA = True
 
+#: Depthwise convolutions through :func:`~nasdiag.supernet.engine.depthwise.depthwise_conv2d` on CUDA (input
+#: gradient as the flipped-kernel forward, cuDNN's forward for 3×3); False: ``F.conv2d`` (torch's kernels).
+DEPTHWISE_FLIPPED_ON_CUDA = True
+
 
 @dataclass
 class _Run:
@@ -537,7 +542,10 @@ def _chain(rr: torch.Tensor, col: _Column, n: int, run: _Run, unit) -> torch.Ten
         if depth > 0:
             y = F.relu(y)
         w_dw = torch.cat([b[1].weight for b in blocks])  # (n·C, 1, k, k)
-        y = F.conv2d(y, w_dw, None, dw.stride, dw.padding, dw.dilation, groups=w_dw.shape[0])
+        if DEPTHWISE_FLIPPED_ON_CUDA and y.is_cuda:
+            y = depthwise_conv2d(y, w_dw, dw.stride, dw.padding, dw.dilation)
+        else:
+            y = F.conv2d(y, w_dw, None, dw.stride, dw.padding, dw.dilation, groups=w_dw.shape[0])
         # The n edges' 1×1 convs as one batched matrix product over (batch, edge): a grouped cuDNN conv
         # spent most of its time transposing layouts (measured on an H200, BENCHMARKS.md).
         w_pw = torch.stack([b[2].weight.flatten(1) for b in blocks])  # (n, C_out, C)
