@@ -110,24 +110,31 @@ def test_graphed_darts2_steps_equal_eager_float64():
     assert max((x - y).abs().max().item() for x, y in zip(sa, sb)) < 1e-8
 
 
-@pytest.mark.parametrize("streams", [True, False])
-def test_graphed_fast_steps_with_and_without_column_streams_agree(monkeypatch, streams):
-    """The op columns on side streams (``COLUMN_STREAMS_ON_CUDA``) compute the same step as on one stream: a graphed
-    DARTS run with the flag on and one with it off, from the same state over the same batches, agree to float32
-    tolerance (the kernels are the same; only atomics in some backward kernels may round differently)."""
+def test_graphed_fast_steps_with_and_without_column_streams_agree(monkeypatch):
+    """The op columns on side streams (``COLUMN_STREAMS_ON_CUDA``) compute the same step as on one stream: graphed
+    DARTS runs from the same state over the same batches differ between streams on and off no more than two runs
+    with streams off differ from each other (GPU reductions with atomics are not bit-reproducible: on an H200 the
+    α-gradient norm moved by 3e-3 relative between two identical runs, the weights by 3e-5), up to a float32 floor."""
     from nasdiag.supernet.engine import fast as fast_engine
 
-    runs = []
-    for flag in (streams, not streams):  # both orders: the first run's streams must not leak into the second
+    runs = {}
+    for label, flag in (("off", False), ("on", True), ("off again", False)):
         monkeypatch.setattr(fast_engine, "COLUMN_STREAMS_ON_CUDA", flag)
         method = DARTS(_net("auto"), schedule=Schedule(epochs=2, steps_per_epoch=8))
         stats = [method.step(train, val) for train, val in _batches([16] * 4)]
         assert method.step.counts["replay"] == 2, method.step.counts
         assert ("_fast_streams" in method.network.__dict__) == flag  # the side streams were (not) used
-        state = [p.detach() for p in method.network.parameters()] + [b.double() for b in method.network.buffers()]
-        runs.append((stats, state))
-    (s_a, p_a), (s_b, p_b) = runs
-    for a, b in zip(s_a, s_b):
-        for k in a:
-            torch.testing.assert_close(a[k].double(), b[k].double(), rtol=1e-4, atol=1e-6, msg=k)
-    assert _rel(torch.cat([t.double().flatten() for t in p_a]), torch.cat([t.double().flatten() for t in p_b])) < 1e-4
+        state = torch.cat([p.detach().double().flatten() for p in method.network.parameters()]
+                          + [b.double().flatten() for b in method.network.buffers()])
+        runs[label] = (stats, state)
+
+    def spread(a, b):
+        (sa, pa), (sb, pb) = runs[a], runs[b]
+        worst = {k: max(((x[k].double() - y[k].double()).abs().max() / y[k].double().abs().max().clamp_min(1e-30)).item()
+                        for x, y in zip(sa, sb)) for k in sa[0]}
+        return worst, _rel(pa, pb)
+
+    (noise, noise_p), (diff, diff_p) = spread("off", "off again"), spread("on", "off")
+    for k in diff:
+        assert diff[k] <= 10 * noise[k] + 1e-5, (k, diff[k], noise[k])
+    assert diff_p <= 10 * noise_p + 1e-6

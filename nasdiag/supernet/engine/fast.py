@@ -17,7 +17,7 @@ the very parameters and buffers of the per-op modules (so optimizers, ``state_di
 - the mixing x_j = Σ_k Z_k O_k(x_i) is one batched matrix product with the stacked (B, m, d, K', C, H, W) outputs;
 - the running statistics of every edge BatchNorm live in one flat buffer that the modules' own buffer tensors
   alias (:class:`_RunningStatistics`), so each batched BatchNorm updates them in place;
-- on CUDA the op columns of a stage run on side streams of their own (``COLUMN_STREAMS_ON_CUDA``).
+- optionally (``COLUMN_STREAMS_ON_CUDA``, off: it costs memory), the op columns of a stage run on side CUDA streams.
 
 The cost C = ∂L/∂Z (wiring supplement §2) of a per-cell Z leaf is then the gradient of that one product,
 so costs, α-gradients and every statistic built on them are those of the eager path up to float
@@ -41,7 +41,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nasdiag.supernet.engine.depthwise import depthwise_conv2d
 from nasdiag.supernet.ops import FactorizedReduce, Zero
 
 ENGINES = ("auto", "fast", "eager")
@@ -430,12 +429,12 @@ UNIT_AFFINE_ON_CUDA = True
 
 #: Run the op columns of a stage (sep/dil chains, pools, factorized reductions) on side CUDA streams of their
 #: own, so that their small kernels overlap (in a CUDA-graph capture they become parallel branches; autograd
-#: runs each column's backward on its stream too). CPU forwards are not affected.
-COLUMN_STREAMS_ON_CUDA = True
-
-#: Depthwise convolutions through :func:`~nasdiag.supernet.engine.depthwise.depthwise_conv2d` on CUDA (input
-#: gradient as the flipped-kernel forward, cuDNN's forward for 3×3); False: ``F.conv2d`` (torch's kernels).
-DEPTHWISE_FLIPPED_ON_CUDA = True
+#: runs each column's backward on its stream too). CPU forwards are not affected. Off by default: tensors
+#: shared between streams are ``record_stream``-ed, and inside a capture the allocator keeps their memory until
+#: the capture ends. Measured on an H200 (BENCHMARKS.md, "Search engine", run 6): the graphed DARTS iteration
+#: 102.8 → 83.9 ms, its peak memory 7.00 → 14.15 GiB (the eager reference's: 7.61 GiB). Set it to True
+#: where memory is plentiful.
+COLUMN_STREAMS_ON_CUDA = False
 
 
 @dataclass
@@ -542,10 +541,7 @@ def _chain(rr: torch.Tensor, col: _Column, n: int, run: _Run, unit) -> torch.Ten
         if depth > 0:
             y = F.relu(y)
         w_dw = torch.cat([b[1].weight for b in blocks])  # (n·C, 1, k, k)
-        if DEPTHWISE_FLIPPED_ON_CUDA and y.is_cuda:
-            y = depthwise_conv2d(y, w_dw, dw.stride, dw.padding, dw.dilation)
-        else:
-            y = F.conv2d(y, w_dw, None, dw.stride, dw.padding, dw.dilation, groups=w_dw.shape[0])
+        y = F.conv2d(y, w_dw, None, dw.stride, dw.padding, dw.dilation, groups=w_dw.shape[0])
         # The n edges' 1×1 convs as one batched matrix product over (batch, edge): a grouped cuDNN conv
         # spent most of its time transposing layouts (measured on an H200, BENCHMARKS.md).
         w_pw = torch.stack([b[2].weight.flatten(1) for b in blocks])  # (n, C_out, C)
