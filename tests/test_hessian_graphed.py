@@ -130,3 +130,28 @@ def test_search_curvature_is_replayed_and_equals_arch_diag_hessian():
     assert method._curvature_graph.counts["replay"] == 2 and method._curvature_graph.counts["capture"] == 1
     method.release_graphs()
     assert method._curvature_graph is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_replayed_curvature_between_replayed_steps_changes_no_step():
+    """The step's and the curvature's graphs share one memory pool: replaying the curvature between two step
+    replays must leave the steps' results as they are without it (float64)."""
+    torch.manual_seed(0)
+    net = Network(4, 10, 3, in_channels=3, alpha_init_scale=1.0).cuda().double()
+    g = torch.Generator().manual_seed(5)
+    data = [tuple(t.cuda() for t in (torch.randn(8, 3, 8, 8, generator=g).double(), torch.randint(0, 10, (8,), generator=g)))
+            for _ in range(7)]
+    with_curv = DARTS(net, schedule=Schedule(epochs=1, steps_per_epoch=8), hessian_mode="approx")
+    without = DARTS(copy.deepcopy(net), schedule=Schedule(epochs=1, steps_per_epoch=8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(6):
+            a = with_curv.step(data[i], data[i + 1])
+            with_curv.curvature(*data[i + 1])
+            b = without.step(data[i], data[i + 1])
+            for k in b:
+                assert torch.allclose(a[k], b[k], rtol=1e-9, atol=1e-12), k
+    assert with_curv._curvature_graph.counts["replay"] >= 3 and with_curv.step.counts["replay"] >= 3
+    for p, q in zip(with_curv.network.parameters(), without.network.parameters()):
+        assert torch.allclose(p, q, rtol=1e-9, atol=1e-12)

@@ -46,10 +46,12 @@ def _storage_key(model: nn.Module) -> Hashable:
 
 
 def curvature_graph(fn: Callable, model: nn.Module, mode: str, *, name: str,
-                    extra_key: Callable[[], Hashable] = lambda: None):
+                    extra_key: Callable[[], Hashable] = lambda: None, backend=None):
     """``fn(*tensors)`` (a ``diag``/``approx`` computation on ``model``) as a
     :class:`~nasdiag.supernet.engine.graph.StepGraph`: replayed on CUDA where the mode is graphable and the
-    model has no hooks, plain otherwise. ``extra_key()`` adds what else the capture bakes in."""
+    model has no hooks, plain otherwise. ``extra_key()`` adds what else the capture bakes in; ``backend`` as
+    ``StepGraph``'s (e.g. a :class:`~nasdiag.supernet.engine.graph.CudaGraphBackend` whose memory pool the
+    graph shares with a training step's)."""
     from nasdiag.supernet.engine.graph import StepGraph
 
     def enabled(tensors: Sequence[torch.Tensor]) -> bool:
@@ -59,7 +61,7 @@ def curvature_graph(fn: Callable, model: nn.Module, mode: str, *, name: str,
     def state_key() -> Hashable:
         return (mode, model.training, _storage_key(model), extra_key())
 
-    return StepGraph(fn, state_key, enabled=enabled, name=name)
+    return StepGraph(fn, state_key, enabled=enabled, name=name, backend=backend)
 
 
 class GraphedDiagHessian:

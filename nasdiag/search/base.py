@@ -150,13 +150,14 @@ class SearchMethod:
         self._cost_mask: Optional[CellWeights] = None
         self._last_arch_batch: Optional[Batch] = None
         self._curvature_graph = None  # built by curvature() on first use
+        self._graph_pool = None  # the CUDA-graph memory pool of step() and curvature(), made at the first capture
         self._curvature_graph_mode: Optional[str] = None
         self.build()
         if type(self).__dict__.get("graph_capturable", False):
             from nasdiag.supernet.engine.graph import StepGraph
 
             self.step = StepGraph(self.step, self._graph_state_key, enabled=self._graph_enabled,
-                                  prepare=self._graph_prepare, name=f"{self.name} step")
+                                  prepare=self._graph_prepare, name=f"{self.name} step", backend=self._graph_backend())
 
     # -- to implement ------------------------------------------------------------------------------
     def build(self) -> None:
@@ -371,7 +372,8 @@ class SearchMethod:
 
                 self.release_curvature_graph()
                 self._curvature_graph = curvature_graph(self._mixing_curvature, net, self.hessian_mode,
-                                                        name=f"{self.name} curvature ({self.hessian_mode})")
+                                                        name=f"{self.name} curvature ({self.hessian_mode})",
+                                                        backend=self._graph_backend())
                 self._curvature_graph_mode = self.hessian_mode
             for cell_type, h in self._curvature_graph(x, y, weights).items():
                 stats[V.HESSIAN_DIAG.path(cell=cell_type)] = h
@@ -419,6 +421,18 @@ class SearchMethod:
             h = out.setdefault(e.cell_type, torch.zeros_like(weights[e.cell_type]))
             h[e.edge_index] += per_edge[key].detach()
         return out
+
+    def _graph_backend(self):
+        """The CUDA-graph backend of :meth:`step` and :meth:`curvature`: one memory pool for both graphs (they
+        replay one at a time, so the pool holds the larger graph's memory, not the sum)."""
+        from nasdiag.supernet.engine.graph import CudaGraphBackend
+
+        def pool():
+            if self._graph_pool is None:
+                self._graph_pool = torch.cuda.graph_pool_handle()
+            return self._graph_pool
+
+        return CudaGraphBackend(pool=pool)
 
     def release_curvature_graph(self) -> None:
         """Free the captured CUDA graph of the mixing-weight curvature (if any)."""

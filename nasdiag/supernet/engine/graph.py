@@ -72,10 +72,19 @@ def _clone_outputs(out: Any) -> Any:
 
 
 class CudaGraphBackend:
-    """The boundary to ``torch.cuda``: eager steps on a side stream, capture, replay (mocked in CPU tests)."""
+    """The boundary to ``torch.cuda``: eager steps on a side stream, capture, replay (mocked in CPU tests).
 
-    def __init__(self):
+    Args:
+        pool: None (each graph gets a private memory pool), or a callable returning a
+            ``torch.cuda.graph_pool_handle()`` that several graphs share. Sharing is safe for graphs that are
+            replayed one at a time on one stream and whose outputs are copied before another graph replays
+            (:class:`StepGraph` clones them): each graph's temporaries are dead between its replays, so another
+            graph may reuse their memory, and the pool holds the largest graph's memory instead of the sum.
+    """
+
+    def __init__(self, pool: Optional[Callable[[], Any]] = None):
         self._side = None
+        self._pool = pool
 
     def eager(self, fn: Callable, args: Any) -> Any:
         # Warm-up and uncaptured steps run on a side stream, as torch.cuda.graph's documentation asks
@@ -93,7 +102,7 @@ class CudaGraphBackend:
         """Record ``fn(*args)`` without running it; returns (graph, static outputs)."""
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, pool=None if self._pool is None else self._pool()):
             out = fn(*args)
         return graph, out
 
