@@ -58,23 +58,37 @@ def batch_statistics_only(model: nn.Module) -> Iterator[None]:
 
 @contextmanager
 def preserved_buffers(model: nn.Module) -> Iterator[None]:
-    """Run the block on scratch copies of every buffer of ``model`` (BatchNorm running mean/var,
-    ``num_batches_tracked``), then put the untouched originals back.
+    """Run the block without changing any buffer of ``model``, then leave them as they were.
 
-    Train-mode BatchNorm still normalizes with the batch statistics inside the block (the Hessian is
-    the one of the train-mode loss); only its running-statistic update lands on the copies. Swapping
-    tensors instead of copying values back leaves the originals at their autograd version, so a graph
-    built inside the block (BatchNorm saves its running stats for backward) stays usable afterwards.
+    Train-mode BatchNorm layers that track running statistics get ``track_running_stats`` off for the
+    block (as :func:`batch_statistics_only`): they normalize with the batch statistics exactly as before
+    (the Hessian is the one of the train-mode loss) and neither read nor write their buffers, so those
+    need no copy (a copy per buffer was a kernel per BatchNorm per call, and memory). Every other buffer
+    is swapped for a scratch copy and the untouched original put back afterwards. Swapping tensors
+    instead of copying values back leaves the originals at their autograd version, so a graph built
+    inside the block stays usable afterwards.
     """
+    toggled = [
+        m
+        for m in model.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats
+    ]
+    untouched = {id(m) for m in toggled}
     swapped = []
     for module in model.modules():
+        if id(module) in untouched:
+            continue
         for name, buf in list(module._buffers.items()):
             if buf is not None:
                 swapped.append((module, name, buf))
                 module._buffers[name] = buf.detach().clone()
     try:
+        for m in toggled:
+            m.track_running_stats = False
         yield
     finally:
+        for m in toggled:
+            m.track_running_stats = True
         for module, name, buf in swapped:
             module._buffers[name] = buf
 

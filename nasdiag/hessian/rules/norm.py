@@ -152,10 +152,13 @@ class NormRule(HessianRule):
         x2 = x_hat.square()
         s0, s2 = h_t.sum(dims, keepdim=True), (x2 * h_t).sum(dims, keepdim=True)
         g1 = (g_t * x_hat).sum(dims, keepdim=True)
-        m2 = 1 - m.eps * inv_std.square()  # = mean of x̂² = var/(var + eps) (the mean of x̂ is 0), without a pass
-        mean_t = s0 / M - 2 * (s0 + s2) / M**2 + (s0 + m2 * s2) / M**2
-        mean_r = -(2 * g1 / M - 2 * m2 * g1 / M + (1 - 1 / M - m2 / M) * g1) / M
-        return (inv_std.square() * (mean_t + mean_r)).expand(x_hat.shape)
+        a = inv_std.square()
+        m2 = 1 - m.eps * a  # = mean of x̂² = var/(var + eps) (the mean of x̂ is 0), without a pass
+        # mean over the group of the through-statistics term  s0/M − 2(s0 + s2)/M² + (s0 + m2·s2)/M²  plus the
+        # residual  −[2g1/M − 2·m2·g1/M + (1 − 1/M − m2/M)·g1]/M, collected as  A + m2·B  (few kernels on (C,)):
+        A = torch.add(s0 * (1 / M - 1 / M**2), s2, alpha=-2 / M**2).add_(g1, alpha=-(1 + 1 / M) / M)
+        B = torch.add(s2 * (1 / M**2), g1, alpha=3 / M**2)
+        return (a * torch.addcmul(A, m2, B)).expand(x_hat.shape)
 
     def param_diag(self, call: ModuleCall, h_out: torch.Tensor) -> Dict[str, torch.Tensor]:
         out = {}
