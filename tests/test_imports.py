@@ -16,7 +16,7 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "nasdiag"
 
 # Shared foundations every layer may import; they import only each other.
-BASE = {"nasdiag", "errors", "vocabulary", "edges", "hooks", "arrays", "rules", "distributed"}
+BASE = {"nasdiag", "errors", "vocabulary", "edges", "hooks", "arrays", "rules", "distributed", "cuda_graphs"}
 PRIMITIVES = {"cost", "hessian", "regret", "sparse"}
 ABOVE_PRIMITIVES = {"probe", "search", "record", "plot", "cli", "__main__"}
 

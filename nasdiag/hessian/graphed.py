@@ -5,7 +5,7 @@ module, a few small kernels each. On a GPU that walk, not the arithmetic, sets t
 supernet of BENCHMARKS.md: 1.6 s per α diagonal, of which the device is busy a fraction). The walk is
 the same for every batch of one shape, and the modes of :data:`~nasdiag.hessian.modes.GRAPHABLE_MODES`
 never synchronise with the host, so the whole call is captured once with
-:class:`~nasdiag.supernet.engine.graph.StepGraph` and replayed on static input buffers: the rules'
+:class:`~nasdiag.cuda_graphs.StepGraph` and replayed on static input buffers: the rules'
 kernels run back to back, the Python walk runs once per batch shape.
 
 The replay returns the numbers of a plain call on the same inputs (tested on the GPU in float32). What the
@@ -48,11 +48,11 @@ def _storage_key(model: nn.Module) -> Hashable:
 def curvature_graph(fn: Callable, model: nn.Module, mode: str, *, name: str,
                     extra_key: Callable[[], Hashable] = lambda: None, backend=None):
     """``fn(*tensors)`` (a ``diag``/``approx`` computation on ``model``) as a
-    :class:`~nasdiag.supernet.engine.graph.StepGraph`: replayed on CUDA where the mode is graphable and the
+    :class:`~nasdiag.cuda_graphs.StepGraph`: replayed on CUDA where the mode is graphable and the
     model has no hooks, plain otherwise. ``extra_key()`` adds what else the capture bakes in; ``backend`` as
-    ``StepGraph``'s (e.g. a :class:`~nasdiag.supernet.engine.graph.CudaGraphBackend` whose memory pool the
+    ``StepGraph``'s (e.g. a :class:`~nasdiag.cuda_graphs.CudaGraphBackend` whose memory pool the
     graph shares with a training step's)."""
-    from nasdiag.supernet.engine.graph import StepGraph
+    from nasdiag.cuda_graphs import StepGraph
 
     def enabled(tensors: Sequence[torch.Tensor]) -> bool:
         return (mode in GRAPHABLE_MODES and len(tensors) > 0 and all(t.is_cuda for t in tensors)

@@ -70,7 +70,7 @@ def output_hessian_blocks(
     coupled = (weighted_cols - cols * weights[None, :, None]).abs().max() > tol
     if _capturing(out):
         # Inside a CUDA-graph capture the check cannot reach the host; the capturer ran the same call eagerly
-        # first (nasdiag.supernet.engine.graph.StepGraph does), where it raised. Here a coupling loss turns the
+        # first (nasdiag.cuda_graphs.StepGraph does), where it raised. Here a coupling loss turns the
         # blocks into NaN, which the callers flag, instead of passing as a per-sample Hessian.
         return torch.where(coupled, torch.full_like(cols, float("nan")), cols).permute(1, 2, 0).contiguous()
     if coupled:
