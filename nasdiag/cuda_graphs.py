@@ -44,6 +44,22 @@ def _flatten(obj: Any, out: List[torch.Tensor]) -> Any:
     return obj
 
 
+def _structure_key(obj: Any) -> Hashable:
+    """What a call passes besides its tensors' values: the nesting and every non-tensor argument (a graph bakes those
+    in, so a call that differs in them must not replay it). Unhashable leaves count by identity."""
+    if isinstance(obj, _Slot):
+        return ("tensor", obj.index)
+    if isinstance(obj, (tuple, list)):
+        return (type(obj).__name__,) + tuple(_structure_key(o) for o in obj)
+    if isinstance(obj, dict):
+        return ("dict",) + tuple((k, _structure_key(v)) for k, v in obj.items())
+    try:
+        hash(obj)
+    except TypeError:
+        return ("id", id(obj))
+    return (type(obj).__name__, obj)
+
+
 def _fill(obj: Any, tensors: List[torch.Tensor]) -> Any:
     if isinstance(obj, _Slot):
         return tensors[obj.index]
@@ -160,7 +176,7 @@ class StepGraph:
         if self.disabled_reason is not None or not self.enabled(tuple(tensors)):
             self.counts["plain"] += 1
             return self.step(*args)
-        signature = tuple((tuple(t.shape), t.dtype, t.device) for t in tensors)
+        signature = (_structure_key(structure),) + tuple((tuple(t.shape), t.dtype, t.device) for t in tensors)
         key = self.state_key()
         if key != self._key:
             self._graphs.clear()
@@ -178,8 +194,9 @@ class StepGraph:
             return self._capture_and_run(signature, structure, tensors)
         if self._graphs or (self._last_signature is not None and self._last_signature != signature):
             previous = self._last_signature
-            self._warn(f"{self.name}: batch shapes changed from {_shapes(previous)} to {_shapes(signature)}; this step runs "
-                       "without the CUDA graph (captured anew if the shape comes again)")
+            what = (f"batch shapes changed from {_shapes(previous)} to {_shapes(signature)}"
+                    if previous is None or previous[0] == signature[0] else "its non-tensor arguments changed")
+            self._warn(f"{self.name}: {what}; this step runs without the CUDA graph (captured anew if they come again)")
         self.counts["eager"] += 1
         out = self.backend.eager(self.step, args)
         self._seen.add(signature)
@@ -229,4 +246,4 @@ class StepGraph:
 def _shapes(signature: Optional[tuple]) -> str:
     if signature is None:
         return "none"
-    return ", ".join("x".join(map(str, s[0])) for s in signature)
+    return ", ".join("x".join(map(str, s[0])) for s in signature[1:])

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from nasdiag.hessian import CurvatureError, arch_diag_hessian, diag_hessian
-from nasdiag.hessian.graphed import GraphedDiagHessian, has_user_hooks
+from nasdiag.cuda_graphs import StepGraph
+from nasdiag.hessian.graphed import GraphedDiagHessian, curvature_graph, has_user_hooks
 from nasdiag.search.base import Schedule
 from nasdiag.search.methods.darts import DARTS
 from nasdiag.supernet import Network
@@ -47,6 +48,52 @@ def test_modes_that_read_the_host_are_refused():
         GraphedDiagHessian(net, F.cross_entropy, mode="aprox")
     with pytest.raises(CurvatureError, match="parameter names"):
         GraphedDiagHessian(net, F.cross_entropy, params=[("0.weight", net[0].weight)])
+    # values to evaluate at would be ignored by a graph that reads the parameters' storage: refused, not dropped
+    with pytest.raises(CurvatureError, match="got dict"):
+        GraphedDiagHessian(net, F.cross_entropy, params={"0.weight": net[0].weight * 2})
+    with pytest.raises(CurvatureError, match="got str"):
+        GraphedDiagHessian(net, F.cross_entropy, params="0.weight")
+    with pytest.raises(CurvatureError, match="not parameters of the model"):
+        GraphedDiagHessian(net, F.cross_entropy, params=["0.weight", "conv.weight"])
+
+
+class _Replay:
+    """Stands in for torch.cuda at StepGraph's boundary on the CPU: capture keeps the function and its static
+    arguments, replay runs exactly those, as a CUDA graph replays the kernels it recorded."""
+
+    def eager(self, fn, args):
+        return fn(*args)
+
+    def capture(self, fn, args):
+        return (fn, args), None
+
+    def replay(self, graph, static_out):
+        fn, args = graph
+        return fn(*args)
+
+
+def test_a_call_with_other_non_tensor_arguments_never_replays_a_graph():
+    g = StepGraph(lambda x, shift: x + shift, lambda: 0, backend=_Replay())
+    x = torch.zeros(3)
+    for _ in range(3):
+        assert torch.equal(g(x, 0.0), x)
+    with pytest.warns(GraphWarning, match="non-tensor arguments changed"):
+        assert torch.equal(g(x, 5.0), x + 5)
+    assert torch.equal(g(x, 5.0), x + 5)  # now captured for 5.0
+    assert torch.equal(g(x, 0.0), x)  # and 0.0 still replays its own graph
+    assert g.counts == {"replay": 2, "capture": 2, "eager": 2, "plain": 0}
+
+
+def test_the_curvature_graph_is_keyed_on_every_modules_mode():
+    net = _conv_bn()
+    graph = curvature_graph(lambda x, y: {}, net, "approx", name="test")
+    key = graph.state_key()
+    net[1].eval()  # one BatchNorm to running statistics: other kernels, so another capture
+    assert graph.state_key() != key
+    net[1].train()
+    assert graph.state_key() == key
+    net[1].track_running_stats = False
+    assert graph.state_key() != key
 
 
 def test_on_the_cpu_the_calls_are_plain_and_equal_diag_hessian():

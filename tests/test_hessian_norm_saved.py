@@ -5,8 +5,10 @@ through either route are tested against autograd in tests/test_hessian_weights_*
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from nasdiag.hessian import NormRule, diag_hessian
 from nasdiag.hessian.rules.base import ModuleCall
 from nasdiag.hessian.rules.norm import _saved_batch_statistics
 
@@ -43,3 +45,25 @@ def test_other_norms_are_not_read():
     ln = nn.GroupNorm(1, 4).double()
     x = torch.randn(3, 4, 2, 2, dtype=torch.float64, requires_grad=True)
     assert _saved_batch_statistics(ModuleCall("gn", ln, x.detach(), ln(x))) is None
+
+
+class _OwnForwardBatchNorm(nn.BatchNorm2d):
+    """A BatchNorm subclass whose forward passes its running statistics regardless of track_running_stats."""
+
+    def forward(self, x):
+        return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, True, 0.1, self.eps)
+
+
+@pytest.mark.parametrize("norm", [nn.BatchNorm2d, _OwnForwardBatchNorm])
+def test_curvature_calls_leave_every_buffer_as_it_was(norm):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), norm(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3)).double()
+    x, y = torch.randn(6, 3, 6, 6, dtype=torch.float64), torch.randint(0, 3, (6,))
+    net(x)  # running statistics away from their initial values
+    before = {k: v.clone() for k, v in net.state_dict().items() if k.startswith("1.")}
+    for mode in ("diag", "approx", "exact", "hutchinson:2"):
+        rules = {norm: NormRule()} if mode in ("diag", "approx") else None  # the subclass has no registered rule
+        diag_hessian(net, F.cross_entropy, x, y, mode=mode, rules=rules)
+        after = {k: v for k, v in net.state_dict().items() if k.startswith("1.")}
+        assert all(torch.equal(before[k], after[k]) for k in before), mode
+    assert net[1].track_running_stats

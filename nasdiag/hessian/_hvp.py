@@ -56,23 +56,27 @@ def batch_statistics_only(model: nn.Module) -> Iterator[None]:
             m.track_running_stats = True
 
 
+def _honours_tracking_flag(m: nn.Module) -> bool:
+    """Whether ``m`` runs torch's own BatchNorm forward, which with ``track_running_stats`` off in train mode
+    neither reads nor writes its buffers (a subclass with a forward of its own may pass them regardless)."""
+    return isinstance(m, nn.modules.batchnorm._BatchNorm) and type(m).forward in (
+        nn.modules.batchnorm._BatchNorm.forward, nn.SyncBatchNorm.forward)
+
+
 @contextmanager
 def preserved_buffers(model: nn.Module) -> Iterator[None]:
     """Run the block without changing any buffer of ``model``, then leave them as they were.
 
-    Train-mode BatchNorm layers that track running statistics get ``track_running_stats`` off for the
-    block (as :func:`batch_statistics_only`): they normalize with the batch statistics exactly as before
-    (the Hessian is the one of the train-mode loss) and neither read nor write their buffers, so those
+    Train-mode BatchNorm layers (torch's own forward) that track running statistics get
+    ``track_running_stats`` off for the block (as :func:`batch_statistics_only`): they normalize with the
+    batch statistics exactly as before (the Hessian is the one of the train-mode loss) and neither read
+    nor write their buffers, so those
     need no copy (a copy per buffer was a kernel per BatchNorm per call, and memory). Every other buffer
     is swapped for a scratch copy and the untouched original put back afterwards. Swapping tensors
     instead of copying values back leaves the originals at their autograd version, so a graph built
     inside the block stays usable afterwards.
     """
-    toggled = [
-        m
-        for m in model.modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats
-    ]
+    toggled = [m for m in model.modules() if _honours_tracking_flag(m) and m.training and m.track_running_stats]
     untouched = {id(m) for m in toggled}
     swapped = []
     for module in model.modules():

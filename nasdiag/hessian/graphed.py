@@ -10,8 +10,8 @@ kernels run back to back, the Python walk runs once per batch shape.
 
 The replay returns the numbers of a plain call on the same inputs (tested on the GPU in float32). What the
 graph bakes in, and what therefore makes it capture anew: the batch's shapes and dtypes (another shape runs
-plainly once, with a one-line warning, and is captured when it comes again), the mode, train/eval mode,
-and the storage of the parameters (``model.to(...)`` or replaced parameters). Parameter *values* may change
+plainly once, with a one-line warning, and is captured when it comes again) and any non-tensor argument,
+the mode, every module's train/eval mode and normalization flags, and the storage of the parameters (``model.to(...)`` or replaced parameters). Parameter *values* may change
 freely between calls (optimizer steps update them in place). On the CPU, or for other modes, the call is
 plain. Hooks a user registered on the model would run only while capturing, so a model with hooks is
 called plainly too.
@@ -19,7 +19,7 @@ called plainly too.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Hashable, Optional, Sequence
+from typing import Callable, Dict, Hashable, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -38,6 +38,13 @@ def has_user_hooks(model: nn.Module) -> bool:
         return True
     return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
                for m in model.modules())
+
+
+def _module_flags(model: nn.Module) -> Hashable:
+    """Every module's train/eval mode and its normalization flags: what decides which kernels a capture records
+    (a submodule put in eval mode, a BatchNorm's tracking switched off)."""
+    return tuple((m.training, getattr(m, "track_running_stats", None), getattr(m, "momentum", None))
+                 for m in model.modules())
 
 
 def _storage_key(model: nn.Module) -> Hashable:
@@ -59,7 +66,7 @@ def curvature_graph(fn: Callable, model: nn.Module, mode: str, *, name: str,
                 and not has_user_hooks(model))
 
     def state_key() -> Hashable:
-        return (mode, model.training, _storage_key(model), extra_key())
+        return (mode, _module_flags(model), _storage_key(model), extra_key())
 
     return StepGraph(fn, state_key, enabled=enabled, name=name, backend=backend)
 
@@ -90,9 +97,16 @@ class GraphedDiagHessian:
             raise CurvatureError(f"mode {mode!r} cannot be captured in a CUDA graph (it reads values on the host or draws "
                                  f"random numbers); GraphedDiagHessian takes {' or '.join(map(repr, GRAPHABLE_MODES))}; "
                                  f"call nasdiag.hessian.diag_hessian(..., mode={mode!r}) instead")
-        if params is not None and any(not isinstance(p, str) for p in params):
-            raise CurvatureError("GraphedDiagHessian takes params as parameter names (the graph reads the parameters' "
-                                 "storage); to evaluate at other values call nasdiag.hessian.diag_hessian")
+        if params is not None:
+            if isinstance(params, (str, Mapping)) or any(not isinstance(p, str) for p in params):
+                raise CurvatureError("GraphedDiagHessian takes params as a list of parameter names (the graph reads the "
+                                     f"parameters' storage), got {type(params).__name__}; to evaluate at other values "
+                                     "call nasdiag.hessian.diag_hessian(..., params={name: tensor})")
+            known = dict(model.named_parameters())
+            unknown = [p for p in params if p not in known]
+            if unknown:
+                raise CurvatureError(f"GraphedDiagHessian: {unknown} are not parameters of the model; "
+                                     f"names look like {list(known)[:3]}")
         self.model, self.loss_fn, self.mode = model, loss_fn, mode
         self.params = None if params is None else list(params)
         self.rules = rules

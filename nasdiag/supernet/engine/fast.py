@@ -284,14 +284,20 @@ class _RunningStatistics:
     means of its modules, then their variances, so that ``norm.stats`` is a (2, n·C) tensor on it) and its
     ``num_batches_tracked`` into one int64 tensor, and points the modules' own buffer tensors at their slots
     (``Tensor.set_``: the tensor objects stay, so ``state_dict``, eval-mode and eager forwards, optimizers,
-    DDP's buffer list and any reference a caller holds see the same values). A BatchNorm call of the engine
-    then updates every module in place (no gather/scatter), and the step counters are one ``add_`` per forward.
+    DDP's buffer list and a caller holding the buffer tensors themselves see the same values). A BatchNorm call
+    of the engine then updates every module in place (no gather/scatter), and the step counters are one
+    ``add_`` per forward. Tensors that merely shared the old memory (a ``state_dict()``, ``.detach()`` or
+    ``.data`` taken before the first fast forward) keep the values of that moment. Since all statistics share
+    one storage, ``torch.save`` of a single buffer or one cell's ``state_dict`` writes the whole buffer (the
+    values loaded back are right).
 
     Before each fast forward :meth:`ensure_linked` checks on the host that every module buffer still lies at
     its slot. Tensors put in by the user for good (``.to()``, ``load_state_dict(assign=True)``, assignment)
     are linked anew from their current values; while the linked tensors are still alive elsewhere, the
     modules hold temporary stand-ins (``torch.func.functional_call`` with buffers, a Hessian's scratch
     copies), so that call gathers and scatters per BatchNorm as the modules would update the stand-ins.
+    (A caller that keeps the old buffer tensors alive after a ``.to()`` therefore keeps the engine on that
+    slower, equally exact path until it drops them.)
     Nothing is linked inside a CUDA-graph capture, under inference mode or a torch.func transform.
     """
 
