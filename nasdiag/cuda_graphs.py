@@ -91,11 +91,13 @@ class CudaGraphBackend:
     """The boundary to ``torch.cuda``: eager steps on a side stream, capture, replay (mocked in CPU tests).
 
     Args:
-        pool: None (each graph gets a private memory pool), or a callable returning a
-            ``torch.cuda.graph_pool_handle()`` that several graphs share. Sharing is safe for graphs that are
-            replayed one at a time on one stream and whose outputs are copied before another graph replays
-            (:class:`StepGraph` clones them): each graph's temporaries are dead between its replays, so another
-            graph may reuse their memory, and the pool holds the largest graph's memory instead of the sum.
+        pool: None (each graph gets a private memory pool), or a callable returning the memory pool of a live
+            graph to share (``graph.pool()``, see :meth:`StepGraph.pool`) or None. Sharing is safe for graphs
+            that are replayed one at a time on one stream and whose outputs are copied before another graph
+            replays (:class:`StepGraph` clones them): each graph's temporaries are dead between its replays, so
+            another graph may reuse their memory, and the pool holds the largest graph's memory instead of the
+            sum. (A pool is shared through a live graph, not a kept ``graph_pool_handle()``: once every graph of a
+            handle is freed, capturing into it again trips an assertion of torch's allocator.)
     """
 
     def __init__(self, pool: Optional[Callable[[], Any]] = None):
@@ -125,6 +127,10 @@ class CudaGraphBackend:
     def replay(self, graph: Any, static_out: Any) -> Any:
         graph.replay()
         return static_out
+
+    def pool_of(self, graph: Any) -> Any:
+        """The memory pool of a captured graph, for another capture to share."""
+        return graph.pool()
 
     def release(self, graph: Any) -> None:
         """Free a captured graph now (not when the garbage collector gets to it)."""
@@ -203,6 +209,14 @@ class StepGraph:
         self._key = self.state_key()  # the eager step may create state (accumulators, optimizer buffers)
         self._last_signature = signature
         return out
+
+    def pool(self) -> Any:
+        """The memory pool of one of this step's live graphs (None when it has none, or its backend cannot say),
+        for another graph to share (:class:`CudaGraphBackend`'s ``pool``)."""
+        pool_of = getattr(self.backend, "pool_of", None)
+        for graph, _, _ in self._graphs.values():
+            return None if pool_of is None else pool_of(graph)
+        return None
 
     def release(self) -> None:
         """Free every captured graph; later calls capture anew. Call it before destroying a process group whose

@@ -202,3 +202,40 @@ def test_replayed_curvature_between_replayed_steps_changes_no_step():
     assert with_curv._curvature_graph.counts["replay"] >= 3 and with_curv.step.counts["replay"] >= 3
     for p, q in zip(with_curv.network.parameters(), without.network.parameters()):
         assert torch.allclose(p, q, rtol=1e-9, atol=1e-12)
+
+
+class _PooledReplay(_Replay):
+    """_Replay whose captures report the pool they were asked to share, like torch.cuda.graph(pool=...)."""
+
+    def __init__(self, pool=None):
+        self.pool = pool
+        self.asked = []
+
+    def capture(self, fn, args):
+        shared = None if self.pool is None else self.pool()
+        self.asked.append(shared)
+        return (fn, args, f"pool of capture {len(self.asked)}" if shared is None else shared), None
+
+    def replay(self, graph, static_out):
+        return graph[0](*graph[1])
+
+    def pool_of(self, graph):
+        return graph[2]
+
+
+def test_a_new_capture_shares_the_pool_of_a_live_graph_and_never_of_a_released_one():
+    first = StepGraph(lambda x: x + 1, lambda: 0, backend=_PooledReplay())
+    second = StepGraph(lambda x: x * 2, lambda: 0, backend=_PooledReplay(pool=first.pool))
+    x = torch.ones(2)
+    assert first.pool() is None
+    for _ in range(2):
+        first(x)
+    assert first.pool() == "pool of capture 1"
+    for _ in range(2):
+        second(x)
+    assert second.backend.asked == ["pool of capture 1"]
+    first.release()  # its graphs are gone: a later capture must not be handed their pool
+    assert first.pool() is None
+    for _ in range(2):
+        second(torch.ones(3))
+    assert second.backend.asked == ["pool of capture 1", None]

@@ -150,7 +150,6 @@ class SearchMethod:
         self._cost_mask: Optional[CellWeights] = None
         self._last_arch_batch: Optional[Batch] = None
         self._curvature_graph = None  # built by curvature() on first use
-        self._graph_pool = None  # the CUDA-graph memory pool of step() and curvature(), made at the first capture
         self._curvature_graph_mode: Optional[str] = None
         self.build()
         if type(self).__dict__.get("graph_capturable", False):
@@ -423,14 +422,16 @@ class SearchMethod:
         return out
 
     def _graph_backend(self):
-        """The CUDA-graph backend of :meth:`step` and :meth:`curvature`: one memory pool for both graphs (they
-        replay one at a time, so the pool holds the larger graph's memory, not the sum)."""
-        from nasdiag.supernet.engine.graph import CudaGraphBackend
+        """The CUDA-graph backend of :meth:`step` and :meth:`curvature`: a new capture shares the memory pool of a
+        live graph of either (they replay one at a time, so the pool holds the largest graph's memory, not the sum)."""
+        from nasdiag.cuda_graphs import CudaGraphBackend, StepGraph
 
         def pool():
-            if self._graph_pool is None:
-                self._graph_pool = torch.cuda.graph_pool_handle()
-            return self._graph_pool
+            for graph in (self.step, self._curvature_graph):
+                live = graph.pool() if isinstance(graph, StepGraph) else None
+                if live is not None:
+                    return live
+            return None
 
         return CudaGraphBackend(pool=pool)
 
