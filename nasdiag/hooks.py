@@ -33,7 +33,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 from torch import nn
 
-__all__ = ["Hooks", "fast_path_available"]
+__all__ = ["Hooks", "fast_path_available", "has_module_hooks"]
 
 #: torch releases (major, minor) whose ``nn.Module`` hook dicts the fast path writes (checked in tests/test_hooks.py)
 FAST_PATH_TORCH = ((2, 0), (2, 14))
@@ -62,6 +62,17 @@ def fast_path_available(version: Optional[str] = None) -> bool:
 
 
 _FAST = fast_path_available()
+
+
+def has_module_hooks(modules) -> bool:
+    """Whether any of ``modules`` (or torch's global registry) carries forward or backward hooks: a forward that
+    batches those modules' work, or a CUDA graph that would replay it without running Python, would skip them."""
+    from torch.nn.modules import module as _m
+
+    if _m._global_forward_hooks or _m._global_forward_pre_hooks or _m._global_backward_hooks \
+            or getattr(_m, "_global_backward_pre_hooks", None):
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks for m in modules)
 
 
 class Hooks:

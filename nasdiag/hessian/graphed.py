@@ -25,19 +25,14 @@ import torch
 from torch import nn
 
 from nasdiag.hessian.modes import GRAPHABLE_MODES, WEIGHT_MODES, CurvatureError, check_mode
+from nasdiag.hooks import has_module_hooks
 
 __all__ = ["GraphedDiagHessian", "curvature_graph", "has_user_hooks"]
 
 
 def has_user_hooks(model: nn.Module) -> bool:
     """Whether any module of ``model`` (or the global registry) carries forward or backward hooks."""
-    from torch.nn.modules import module as _m
-
-    if _m._global_forward_hooks or _m._global_forward_pre_hooks or _m._global_backward_hooks \
-            or getattr(_m, "_global_backward_pre_hooks", None):
-        return True
-    return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
-               for m in model.modules())
+    return has_module_hooks(model.modules())
 
 
 def _module_flags(model: nn.Module) -> Hashable:
@@ -52,13 +47,11 @@ def _storage_key(model: nn.Module) -> Hashable:
         tuple((b.data_ptr(), b.dtype) for b in model.buffers())
 
 
-def curvature_graph(fn: Callable, model: nn.Module, mode: str, *, name: str,
-                    extra_key: Callable[[], Hashable] = lambda: None, backend=None):
+def curvature_graph(fn: Callable, model: nn.Module, mode: str, *, name: str, backend=None):
     """``fn(*tensors)`` (a ``diag``/``approx`` computation on ``model``) as a
     :class:`~nasdiag.cuda_graphs.StepGraph`: replayed on CUDA where the mode is graphable and the
-    model has no hooks, plain otherwise. ``extra_key()`` adds what else the capture bakes in; ``backend`` as
-    ``StepGraph``'s (e.g. a :class:`~nasdiag.cuda_graphs.CudaGraphBackend` whose memory pool the
-    graph shares with a training step's)."""
+    model has no hooks, plain otherwise. ``backend`` as ``StepGraph``'s (e.g. a
+    :class:`~nasdiag.cuda_graphs.CudaGraphBackend` whose memory pool the graph shares with a training step's)."""
     from nasdiag.cuda_graphs import StepGraph
 
     def enabled(tensors: Sequence[torch.Tensor]) -> bool:
@@ -66,7 +59,7 @@ def curvature_graph(fn: Callable, model: nn.Module, mode: str, *, name: str,
                 and not has_user_hooks(model))
 
     def state_key() -> Hashable:
-        return (mode, _module_flags(model), _storage_key(model), extra_key())
+        return (mode, _module_flags(model), _storage_key(model))
 
     return StepGraph(fn, state_key, enabled=enabled, name=name, backend=backend)
 

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nasdiag.hooks import has_module_hooks
 from nasdiag.supernet.ops import FactorizedReduce, Zero
 
 ENGINES = ("auto", "fast", "eager")
@@ -677,13 +678,7 @@ def _sum(terms: List[torch.Tensor]) -> torch.Tensor:
 # -- dispatch -------------------------------------------------------------------------------------------
 
 def _cell_modules_hooked(net: nn.Module) -> bool:
-    from torch.nn.modules import module as _m
-
-    if _m._global_forward_hooks or _m._global_forward_pre_hooks or _m._global_backward_hooks \
-            or getattr(_m, "_global_backward_pre_hooks", None):
-        return True
-    mods = net.__dict__["_fast_plans"][2]
-    return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks for m in mods)
+    return has_module_hooks(net.__dict__["_fast_plans"][2])
 
 
 def _fingerprint(net: nn.Module) -> tuple:
