@@ -446,11 +446,20 @@ COLUMN_STREAMS_ON_CUDA = False
 
 @dataclass
 class _Run:
-    """How one fast forward runs: statistics linked (else gathered per call), unit affine, column streams."""
+    """How one fast forward runs: statistics linked (else gathered per call), unit affine, column streams, and
+    an optional ``tape`` that keeps the intermediate tensors a curvature recursion needs
+    (:mod:`nasdiag.supernet.engine.curvature`): ``tape.keep(owner, name, tensor)`` for the stage and column
+    tensors, ``tape.preprocess(module, x)`` to run a cell's preprocessing."""
 
     linked: bool
     unit_affine: bool
     streams: Optional[List["torch.cuda.Stream"]]
+    tape: Optional[object] = None
+
+    def keep(self, owner, name: str, t: torch.Tensor) -> torch.Tensor:
+        if self.tape is not None:
+            self.tape.keep(owner, name, t)
+        return t
 
 
 class _StreamPool:
@@ -547,14 +556,15 @@ def _chain(rr: torch.Tensor, col: _Column, n: int, run: _Run, unit) -> torch.Ten
         dw = blocks[0][1]
         if depth > 0:
             y = F.relu(y)
+        run.keep(col, "relu_out", y)
         w_dw = torch.cat([b[1].weight for b in blocks])  # (n·C, 1, k, k)
-        y = F.conv2d(y, w_dw, None, dw.stride, dw.padding, dw.dilation, groups=w_dw.shape[0])
+        y = run.keep(col, "dw_out", F.conv2d(y, w_dw, None, dw.stride, dw.padding, dw.dilation, groups=w_dw.shape[0]))
         # The n edges' 1×1 convs as one batched matrix product over (batch, edge): a grouped cuDNN conv
         # spent most of its time transposing layouts (measured on an H200, BENCHMARKS.md).
         w_pw = torch.stack([b[2].weight.flatten(1) for b in blocks])  # (n, C_out, C)
         B, _, H, W = y.shape
-        y = torch.matmul(w_pw, y.view(B, n, -1, H * W)).view(B, -1, H, W)
-        y = _batch_norm(y, norm, run, unit)
+        y = run.keep(col, "bn_in", torch.matmul(w_pw, y.view(B, n, -1, H * W)).view(B, -1, H, W))
+        y = run.keep(col, "bn_out", _batch_norm(y, norm, run, unit))
     return y
 
 
@@ -567,11 +577,13 @@ def _factorized(r: torch.Tensor, col: _Column, m: int, n: int, run: _Run, unit) 
     w1 = torch.cat([op.conv_1.weight for op in ops])  # (n·C/2, C, 1, 1), source-major: groups = m
     w2 = torch.cat([op.conv_2.weight for op in ops])
     o1 = F.conv2d(r, w1, None, 2, 0, 1, groups=m)
-    o2 = F.conv2d(shifted, w2, None, 2, 0, 1, groups=m)
+    o2 = F.conv2d(run.keep(col, "shifted", shifted), w2, None, 2, 0, 1, groups=m)
     B, _, H, W = o1.shape
     half = ops[0].conv_1.out_channels
     y = torch.stack([o1.view(B, n, half, H, W), o2.view(B, n, half, H, W)], dim=2).view(B, n * 2 * half, H, W)
-    return _batch_norm(y, col.norms[0], run, unit)
+    for name, t in (("o1", o1), ("o2", o2), ("bn_in", y)):
+        run.keep(col, name, t)
+    return run.keep(col, "bn_out", _batch_norm(y, col.norms[0], run, unit))
 
 
 def _column_output(col: _Column, X: torch.Tensor, r, rr, m: int, d: int, run: _Run, unit) -> torch.Tensor:
@@ -581,7 +593,8 @@ def _column_output(col: _Column, X: torch.Tensor, r, rr, m: int, d: int, run: _R
     if col.kind == "identity":
         return X.view(B, m, 1, C, H, W).expand(B, m, d, C, H, W)
     if col.kind == "pool":
-        p = _shared_batch_norm(_pool(X, col.modules[0]), col.norms[0], run, unit)
+        pooled = run.keep(col, "bn_in", _pool(X, col.modules[0]))
+        p = run.keep(col, "bn_out", _shared_batch_norm(pooled, col.norms[0], run, unit))
         return p.view(B, m, 1, C, *p.shape[-2:]).expand(B, m, d, C, *p.shape[-2:])
     y = _chain(rr, col, m * d, run, unit) if col.kind == "chain" else _factorized(r, col, m, m * d, run, unit)
     return y.view(B, m, d, C, *y.shape[-2:])
@@ -612,7 +625,11 @@ def _stage_outputs(stage: _Stage, X: torch.Tensor, Z: torch.Tensor, run: _Run) -
     # Σ_k Z_k O_k as one batched (1 × K')·(K' × C·H'·W') product per (sample, edge): one pass over the op
     # outputs forward and one per gradient backward, where a broadcast product and a sum make several.
     z = Z.index_select(0, stage.z_index_on(Z.device)).view(n, 1, len(outs))
-    return torch.matmul(z, stacked.view(B, n, len(outs), -1)).view(B, m, d, C, Hp, Wp)
+    out = torch.matmul(z, stacked.view(B, n, len(outs), -1)).view(B, m, d, C, Hp, Wp)
+    if run.tape is not None:
+        for name, t in (("X", X), ("r", r), ("stacked", stacked), ("z", z), ("out", out)):
+            run.keep(stage, name, t)
+    return out
 
 
 def _column_outputs_on_streams(stage: _Stage, X: torch.Tensor, r, rr, m: int, d: int, run: _Run, unit) -> List[torch.Tensor]:
@@ -648,7 +665,10 @@ def cell_forward(cell: nn.Module, plan: CellPlan, s0: torch.Tensor, s1: torch.Te
     :func:`fast_forward`; default: statistics gathered per BatchNorm call, no streams)."""
     if run is None:
         run = _Run(linked=False, unit_affine=UNIT_AFFINE_ON_CUDA and s1.is_cuda, streams=None)
-    states: Dict[int, torch.Tensor] = {0: cell.preprocess0(s0), 1: cell.preprocess1(s1)}
+    if run.tape is None:
+        states: Dict[int, torch.Tensor] = {0: cell.preprocess0(s0), 1: cell.preprocess1(s1)}
+    else:
+        states = {0: run.tape.preprocess(cell.preprocess0, s0), 1: run.tape.preprocess(cell.preprocess1, s1)}
     partial: Dict[int, List[torch.Tensor]] = {}
     Z = weights.reshape(-1)
     last = 1 + cell.steps
