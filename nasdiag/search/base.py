@@ -399,11 +399,21 @@ class SearchMethod:
 
     def _mixing_curvature(self, x: torch.Tensor, y: torch.Tensor, weights: CellWeights) -> Dict[str, torch.Tensor]:
         """``{cell type: (E, K)}``: ``arch_diag_hessian`` in ``hessian_mode`` at fixed mixing ``weights``, per edge,
-        summed over the cells of each type. On CUDA, for the recursions (``diag``/``approx``), :meth:`curvature`
-        replays it as a CUDA graph (:mod:`nasdiag.hessian.graphed`)."""
+        summed over the cells of each type. For the recursions (``diag``/``approx``) on a supernet the fast engine
+        batches (engine ``auto``/``fast``), the same recursion runs on the batched ops
+        (:func:`nasdiag.supernet.engine.curvature.mixing_curvature`); on CUDA :meth:`curvature` replays either as a
+        CUDA graph (:mod:`nasdiag.hessian.graphed`)."""
         from nasdiag.hessian import arch_diag_hessian
+        from nasdiag.supernet.engine import curvature as fast_curvature
 
         net = self.network
+        if self.hessian_mode in fast_curvature.MODES and getattr(net, "engine", "eager") != "eager":
+            per_cell = fast_curvature.mixing_curvature(net, x, y, net._cell_weights(weights), self.hessian_mode)
+            if per_cell is not None:
+                out: Dict[str, torch.Tensor] = {}
+                for cell, h in zip(net.cells, per_cell):
+                    out[cell.cell_type] = h.detach() if cell.cell_type not in out else out[cell.cell_type] + h.detach()
+                return out
 
         class _Fixed(nn.Module):  # the supernet at fixed mixing weights, as the curvature engine expects
             def __init__(self):
