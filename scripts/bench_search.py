@@ -237,8 +237,9 @@ def section_fwdbwd(args, device, dtype, base):
 
 
 def section_hessian(args, device, dtype, base, fwdbwd):
-    """The curvature diagonals as a search records them: ``method.curvature`` (α, replayed as a CUDA graph on
-    CUDA for diag/approx) and :class:`~nasdiag.hessian.graphed.GraphedDiagHessian` (weights); on CUDA also the
+    """The curvature diagonals as a search records them: ``method.curvature`` (α: the recursion on the fast
+    engine's batched ops, replayed as a CUDA graph on CUDA for diag/approx; plain calls of it and of the recursion
+    on the eager modules for comparison) and :class:`~nasdiag.hessian.graphed.GraphedDiagHessian` (weights); on CUDA also the
     plain, uncaptured calls. Ratios against the fast forward+backward, uncaptured and captured."""
     from nasdiag.hessian import diag_hessian
     from nasdiag.hessian.graphed import GraphedDiagHessian
@@ -258,8 +259,13 @@ def section_hessian(args, device, dtype, base, fwdbwd):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             if device.type == "cuda":
-                t = timed(device, lambda i: m._mixing_curvature(x, y, m.eval_weights()), 2, 1, rounds=1)
+                eager = DARTS(copy.deepcopy(base).set_engine("eager"), schedule=Schedule(epochs=1, steps_per_epoch=1),
+                              hessian_mode=mode)
+                t = timed(device, lambda i: eager._mixing_curvature(x, y, eager.eval_weights()), 2, 1, rounds=1)
                 record("hessian", f"α diagonal {mode}", "plain (hooks, eager modules)", t, note=note(t))
+                del eager
+                t = timed(device, lambda i: m._mixing_curvature(x, y, m.eval_weights()), 3, 1, rounds=1)
+                record("hessian", f"α diagonal {mode}", "plain (batched ops)", t, note=note(t))
             t = timed(device, lambda i: m.curvature(x, y), 5, 2, rounds=2)
         counts = getattr(m._curvature_graph, "counts", {})
         times[("α", mode)] = t
@@ -298,6 +304,29 @@ def section_memory(args, device, dtype, base):
                note=f"target: fits in 40 GiB ({'yes' if mem <= 40 else 'NO'})")
     except torch.cuda.OutOfMemoryError:
         record("memory", f"fast + graph iteration at batch {B}", "fast + CUDA graph", None, note="OOM")
+    del m, fn, net
+    # a search with --diagnostics hessian: the step's graph replayed, the α curvature's captured and replayed
+    # beside it (one shared memory pool)
+    for B in (args.batch, args.big_batch):
+        data = batches(args, device, dtype, B, n=2)
+        m = DARTS(copy.deepcopy(base).set_engine("fast"), schedule=Schedule(epochs=10, steps_per_epoch=100),
+                  hessian_mode="approx")
+
+        def step_and_curvature(i, m=m, data=data):
+            train, val = data[i % len(data)]
+            m.step(train, val)
+            m.curvature(*val)
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                t = timed(device, step_and_curvature, 3, 3, rounds=1)
+                mem = peak(device, lambda: step_and_curvature(0))
+                record("memory", f"iteration + α approx curvature, batch {B}", "fast + CUDA graphs", t, mem=mem)
+            except torch.cuda.OutOfMemoryError:
+                record("memory", f"iteration + α approx curvature, batch {B}", "fast + CUDA graphs", None, note="OOM")
+        m.release_graphs()
+        del m, data
 
 
 def section_bf16(args, device, dtype, base):

@@ -156,7 +156,7 @@ def _stage_backward(stage: _Stage, tape: "_Tape", rules: "_Rules", h_nodes: Dict
             h_op, g_op = h_op.reshape(B, n * C, Hp, Wp), g_op.reshape(B, n * C, Hp, Wp)
             if col.kind == "chain":
                 h_rr = rules.chain_column(col, tape, n, h_op, g_op)  # (B, n·C, H, W) at ReLU(X) per edge
-                contribution = h_rr.view(B, m, d, C, *h_rr.shape[-2:]).sum(2).view(B, m * C, *h_rr.shape[-2:])
+                contribution = _sum_over_edges(h_rr, m, d)
             else:
                 contribution = rules.factorized_column(col, tape, m, r, h_op, g_op)
             h_r = contribution if h_r is None else h_r + contribution
@@ -164,6 +164,16 @@ def _stage_backward(stage: _Stage, tape: "_Tape", rules: "_Rules", h_nodes: Dict
     if h_r is not None:
         h_total = h_total + rules.relu(X, r, h_r)
     return H, h_total.view(B, m, C, *X.shape[-2:]).unbind(1)
+
+
+def _sum_over_edges(h: torch.Tensor, m: int, d: int) -> torch.Tensor:
+    """(B, m·d·C, H, W) -> (B, m·C, H, W): the sum over the d edges of each source. A diagonal the feature-mean
+    rules broadcast (constant over batch and space, stride 0) is summed on one entry per channel."""
+    B, nC, H, W = h.shape
+    C = nC // (m * d)
+    if all(h.stride(i) == 0 or h.shape[i] == 1 for i in (0, 2, 3)):
+        return h[:1, :, :1, :1].reshape(1, m, d, C, 1, 1).sum(2).view(1, m * C, 1, 1).expand(B, m * C, H, W)
+    return h.view(B, m, d, C, H, W).sum(2).view(B, m * C, H, W)
 
 
 class _Rules:
