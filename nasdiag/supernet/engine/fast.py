@@ -21,7 +21,9 @@ the very parameters and buffers of the per-op modules (so optimizers, ``state_di
 
 The cost C = ∂L/∂Z (wiring supplement §2) of a per-cell Z leaf is then the gradient of that one product,
 so costs, α-gradients and every statistic built on them are those of the eager path up to float
-rounding (checked in float64 in tests/test_engine.py).
+rounding (checked in float64 in tests/test_engine.py). A forward can keep the intermediate tensors of every
+batched call on a tape, from which :mod:`nasdiag.supernet.engine.curvature` runs the mixing-weight curvature
+recursion on the same batched calls.
 
 The engine applies to supernets built of those op structures (the DARTS primitives, order
 ``relu-conv-bn``, BatchNorm), in training mode, with (E, K) mixing weights shared by the batch, no
