@@ -79,8 +79,9 @@ def mixing_curvature(net: nn.Module, x: torch.Tensor, y, per_cell: Sequence[torc
     plans = _plans(net)
     statistics = net.__dict__["_fast_plans"][3]
     with _RestoredBuffers(net, statistics), torch.enable_grad():
-        tape = _Tape(rules, x.is_cuda)
-        run = _Run(statistics.ensure_linked(), UNIT_AFFINE_ON_CUDA and x.is_cuda, None, tape)
+        unit_affine = UNIT_AFFINE_ON_CUDA and x.is_cuda  # as the fast forward: cuDNN's BatchNorm kernels on CUDA
+        tape = _Tape(rules, unit_affine)
+        run = _Run(statistics.ensure_linked(), unit_affine, None, tape)
         s0 = s1 = net.stem(x)
         cell_outputs = []
         for cell, plan, w in zip(net.cells, plans, per_cell):
@@ -176,6 +177,9 @@ def _sum_over_edges(h: torch.Tensor, m: int, d: int) -> torch.Tensor:
     return h.view(B, m, d, C, H, W).sum(2).view(B, m * C, H, W)
 
 
+_RELU = nn.ReLU()
+
+
 class _Rules:
     """The rules of :mod:`nasdiag.hessian.rules`, applied to the engine's batched calls in one mode."""
 
@@ -207,9 +211,8 @@ class _Rules:
         return rule.input_approx(call, h) if self.mode == "approx" else rule.input_diag(call, h)
 
     def relu(self, x: torch.Tensor, out: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        return self.apply(self._relu, x, out, h)
-
-    _relu = nn.ReLU()
+        """The ReLU rule for ``out = relu(x)`` computed functionally (the engine's own ReLUs, no module)."""
+        return self.apply(_RELU, x, out, h)
 
     def conv(self, like: nn.Conv2d, in_channels: int, weight: torch.Tensor, groups: int) -> nn.Module:
         """A Conv2d with ``like``'s geometry over stacked channels (on the meta device: the rule reads its
@@ -304,7 +307,7 @@ class _Tape:
 
     def __init__(self, rules: _Rules, unit_affine: bool):
         self.rules = rules
-        self.unit_affine = unit_affine and UNIT_AFFINE_ON_CUDA
+        self.unit_affine = unit_affine
         self.kept: Dict[int, Dict[str, List[torch.Tensor]]] = {}
         self.owners: List[object] = []  # keeps the owners alive while their ids key ``kept``
         self.preprocessed: Dict[int, tuple] = {}
