@@ -114,7 +114,7 @@ def test_graphed_fast_steps_with_and_without_column_streams_agree(monkeypatch):
     """The op columns on side streams (``COLUMN_STREAMS_ON_CUDA``) compute the same step as on one stream: graphed
     DARTS runs from the same state over the same batches differ between streams on and off no more than two runs
     with streams off differ from each other (GPU reductions with atomics are not bit-reproducible: on an H200 the
-    α-gradient norm moved by 3e-3 relative between two identical runs, the weights by 3e-5), up to a float32 floor."""
+    α-gradient norm moved by 3e-3 relative between two identical runs, the weights by 3e-5), up to a floor."""
     from nasdiag.supernet.engine import fast as fast_engine
 
     runs = {}
@@ -135,9 +135,12 @@ def test_graphed_fast_steps_with_and_without_column_streams_agree(monkeypatch):
         return worst, _rel(pa, pb)
 
     (noise, noise_p), (diff, diff_p) = spread("off", "off again"), spread("on", "off")
+    # The floor: one pair of identical runs can happen to agree far more closely than the next (on an H100 the train
+    # loss of two stream-free runs differed by 2e-7 relative, streams on vs off by 1.9e-5); a race between streams
+    # would show as errors of order one.
     for k in diff:
-        assert diff[k] <= 10 * noise[k] + 1e-5, (k, diff[k], noise[k])
-    assert diff_p <= 10 * noise_p + 1e-6
+        assert diff[k] <= max(10 * noise[k], 1e-4), (k, diff[k], noise[k])
+    assert diff_p <= max(10 * noise_p, 1e-5)
 
 
 @pytest.mark.parametrize("mode", ["approx", "diag"])
