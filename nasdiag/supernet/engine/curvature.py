@@ -83,14 +83,12 @@ def mixing_curvature(net: nn.Module, x: torch.Tensor, y, per_cell: Sequence[torc
         tape = _Tape(rules, unit_affine)
         run = _Run(statistics.ensure_linked(), unit_affine, None, tape)
         s0 = s1 = net.stem(x)
-        cell_outputs = []
         for cell, plan, w in zip(net.cells, plans, per_cell):
             s0, s1 = s1, cell_forward(cell, plan, s0, s1, w.detach(), run)
-            cell_outputs.append(s1)
         pooled = net.global_pooling(s1)
         flat = pooled.flatten(1)
         logits = net.classifier(flat)
-        loss = loss_fn(logits, y)
+        loss = rules.scalar_loss(loss_fn, logits, y)
         h = rules.loss_diagonal(loss_fn, logits, y)
         tape.gradients(loss)
         h = rules.apply(net.classifier, flat, logits, h).reshape(pooled.shape)
@@ -99,6 +97,7 @@ def mixing_curvature(net: nn.Module, x: torch.Tensor, y, per_cell: Sequence[torc
 
 
 def _cells_backward(net, plans: List[CellPlan], tape: "_Tape", rules: "_Rules", h_last: torch.Tensor) -> List[torch.Tensor]:
+    """The recursion from the last cell's output diagonal back through every cell: one (E, K) result per cell."""
     L = len(plans)
     h_cells: List[Optional[torch.Tensor]] = [None] * L
     h_cells[-1] = h_last
@@ -106,10 +105,13 @@ def _cells_backward(net, plans: List[CellPlan], tape: "_Tape", rules: "_Rules", 
     for c in range(L - 1, -1, -1):
         cell, plan = net.cells[c], plans[c]
         h_out = h_cells[c]
+        E, K = len(cell.edges), plan.num_ops
+        if h_out is None:  # no later cell reads this one: its mixing weights do not reach the loss
+            result[c] = h_last.new_zeros(E, K)
+            continue
         h_nodes: Dict[int, torch.Tensor] = {}
         for node, (lo, hi) in cell.output_node_slices.items():
             h_nodes[node] = h_out[:, lo:hi]
-        E, K = len(cell.edges), plan.num_ops
         H = h_out.new_zeros(E * K)
         for stage in reversed(plan.stages):
             H_stage, h_sources = _stage_backward(stage, tape, rules, h_nodes)
@@ -184,11 +186,12 @@ class _Rules:
     """The rules of :mod:`nasdiag.hessian.rules`, applied to the engine's batched calls in one mode."""
 
     def __init__(self, net: nn.Module, mode: str):
+        from nasdiag.hessian._hvp import scalar_loss
         from nasdiag.hessian.loss_curvature import output_hessian_diagonal
         from nasdiag.hessian.rules import ModuleCall, rule_for
 
         self.mode, self.ModuleCall, self._rule_for = mode, ModuleCall, rule_for
-        self.loss_diagonal = output_hessian_diagonal
+        self.loss_diagonal, self.scalar_loss = output_hessian_diagonal, scalar_loss
         self._meta: Dict[tuple, nn.Module] = {}
         for module in (net.classifier, net.global_pooling):
             self.rule(module)
