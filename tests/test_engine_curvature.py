@@ -9,14 +9,14 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from nasdiag.hessian import arch_diag_hessian
 from nasdiag.search.base import Schedule
 from nasdiag.search.methods.darts import DARTS
 from nasdiag.supernet import Network
 from nasdiag.supernet.engine.curvature import mixing_curvature
+
+from eager_curvature import eager_per_edge
 
 
 def _net(size_seed=0, **kw):
@@ -36,23 +36,11 @@ def _weights(net, seed=2):
 
 
 def _eager_per_cell(net, x, y, weights, mode):
-    """``arch_diag_hessian`` on the per-op modules (its hooks keep the forward eager), arranged per cell."""
-    ref_net = copy.deepcopy(net).set_engine("eager")
-
-    class Fixed(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.net = ref_net
-
-        def forward(self, inp):
-            return self.net(inp, weights)
-
-    specs = ref_net.edge_specs()
-    per_edge = arch_diag_hessian(Fixed(), F.cross_entropy, x, y, {f"net.{e.name}": e for e in specs}, mode=mode)
-    cell_of = {id(edge): c for c, cell in enumerate(ref_net.cells) for edge in cell.edges}
-    out = [torch.zeros(len(cell.edges), len(cell.edges[0].ops), dtype=x.dtype) for cell in ref_net.cells]
+    """``arch_diag_hessian`` on the per-op modules, arranged per cell."""
+    specs, per_edge = eager_per_edge(net, x, y, weights, mode)
+    out = [torch.zeros(len(cell.edges), len(cell.edges[0].ops), dtype=x.dtype) for cell in net.cells]
     for e in specs:
-        out[cell_of[id(e.module)]][e.edge_index] = per_edge[f"net.{e.name}"]
+        out[e.cell_index][e.edge_index] = per_edge[e.name]
     return out
 
 

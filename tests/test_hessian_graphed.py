@@ -14,13 +14,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nasdiag.hessian import CurvatureError, arch_diag_hessian, diag_hessian
+from nasdiag.hessian import CurvatureError, diag_hessian
 from nasdiag.cuda_graphs import StepGraph
 from nasdiag.hessian.graphed import GraphedDiagHessian, curvature_graph, has_user_hooks
 from nasdiag.search.base import Schedule
 from nasdiag.search.methods.darts import DARTS
 from nasdiag.supernet import Network
 from nasdiag.supernet.engine.graph import GraphWarning
+
+from eager_curvature import eager_per_edge
 
 
 
@@ -155,23 +157,12 @@ def test_search_curvature_is_replayed_and_equals_arch_diag_hessian():
             x, y = data[i + 2]
             got = method.curvature(x, y)
             weights = method.eval_weights()
-            ref_net = copy.deepcopy(net).set_engine("eager")
-
-            class Fixed(nn.Module):
-                def __init__(self):
-                    super().__init__()
-                    self.net = ref_net
-
-                def forward(self, inp):
-                    return self.net(inp, weights)
-
-            edges = {f"net.{e.name}": e for e in ref_net.edge_specs()}
-            per_edge = arch_diag_hessian(Fixed(), F.cross_entropy, x, y, edges, mode="approx")
+            specs, per_edge = eager_per_edge(net, x, y, weights, "approx")
             for cell_type in weights:
                 ref = torch.zeros_like(weights[cell_type])
-                for key, e in edges.items():
+                for e in specs:
                     if e.cell_type == cell_type:
-                        ref[e.edge_index] += per_edge[key]
+                        ref[e.edge_index] += per_edge[e.name]
                 h = got[f"hessian/{cell_type}/diag"]
                 assert ((h - ref).abs().max() / ref.abs().max()).item() < 1e-10
     assert method._curvature_graph.counts["replay"] == 2 and method._curvature_graph.counts["capture"] == 1
