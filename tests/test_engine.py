@@ -261,6 +261,31 @@ def test_released_graphs_are_freed_and_captured_anew():
     assert _max_diff(_state(plain), _state(graphed)) < TOL
 
 
+
+def test_loading_a_state_releases_the_captured_graph():
+    """Loading a state replaces the optimizers' state tensors (Adam's moments), which a captured graph would keep
+    updating in place: ``load_state_dict`` releases the graph, and the steps after it equal plain steps from
+    the same state."""
+    import copy
+
+    plain, graphed = _method("fast", steps=2, multiplier=2), _method("fast", steps=2, multiplier=2)
+    backend = FakeGraphs()
+    graphed.step = _graphed(graphed, backend)
+    batches = _batches([5] * 6)
+    for i, b in enumerate(batches[:4]):  # eager, capture, replay, replay
+        plain.step(*b)
+        graphed.step(*b)
+        if i == 1:
+            state = copy.deepcopy(plain.state_dict())
+    plain.load_state_dict(copy.deepcopy(state))
+    graphed.load_state_dict(copy.deepcopy(state))
+    assert len(backend.released) == 1 and not graphed.step._graphs
+    for b in batches[4:]:
+        a, g = plain.step(*b), graphed.step(*b)
+        assert _max_diff(list(a.values()), list(g.values())) < TOL
+    assert graphed.step.counts == {"eager": 2, "capture": 2, "replay": 2, "plain": 0}
+    assert _max_diff(_state(plain), _state(graphed)) < TOL
+
 # -- BatchNorm running statistics: linked to one buffer, updated in place ------------------------------------
 
 def _edge_norms(net):

@@ -91,6 +91,28 @@ def test_graphed_darts_steps_equal_eager_float64_and_recapture_on_shape_change()
             assert (da[k].double() - db[k].double()).nan_to_num().abs().max().item() < 1e-8, k
 
 
+
+def test_graphed_darts_after_loading_a_state_equals_eager_float64():
+    """Loading a state mid-run replaces the optimizers' state tensors (SGD momentum, Adam's moments); a replay of
+    the graph captured before would keep updating the old ones. After ``load_state_dict`` the graphed steps
+    equal eager steps from the same state (float64)."""
+    ref = DARTS(_net("eager").double(), schedule=Schedule(epochs=1, steps_per_epoch=8))
+    graphed = DARTS(_net("auto").double(), schedule=Schedule(epochs=1, steps_per_epoch=8))
+    batches = [((t[0].double(), t[1]), (v[0].double(), v[1])) for t, v in _batches([12] * 7)]
+    for i, (train, val) in enumerate(batches[:4]):
+        ref.step(train, val), graphed.step(train, val)
+        if i == 1:
+            state = copy.deepcopy(ref.state_dict())
+    assert graphed.step.counts["replay"] >= 1
+    ref.load_state_dict(copy.deepcopy(state)), graphed.load_state_dict(copy.deepcopy(state))
+    for train, val in batches[4:]:
+        a, b = ref.step(train, val), graphed.step(train, val)
+        for k in a:
+            assert (a[k].double() - b[k].double()).abs().max().item() < 1e-8, k
+    sa = [p.detach() for p in ref.network.parameters()] + list(ref.network.buffers())
+    sb = [p.detach() for p in graphed.network.parameters()] + list(graphed.network.buffers())
+    assert max((x - y).abs().max().item() for x, y in zip(sa, sb)) < 1e-8
+
 def test_graphed_darts2_steps_equal_eager_float64():
     """Second-order DARTS captured whole (five forwards, the finite difference with ε on the device, both
     optimizer steps) against the eager engine, in float64 on the GPU, over steps that replay the graph."""

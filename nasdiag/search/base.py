@@ -540,8 +540,13 @@ class SearchMethod:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s state. A captured step graph is dropped first: loading an optimizer
+        replaces its state tensors (Adam's moments), and a replay would keep updating the old ones."""
         if state.get("method", self.name) != self.name:
             raise NasdiagError(f"this state is of method {state.get('method')!r}, not {self.name!r}")
+        release = getattr(self.step, "release", None)
+        if release is not None:
+            release()
         self.network.load_state_dict(state["network"])
         objects = self._stateful()
         missing = sorted(set(objects) - set(state["objects"]))
