@@ -40,6 +40,9 @@ class WithBN(nn.Module):
 NETS = {
     "mlp": (lambda: nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 4)), (5,), "fc", "2"),
     "dag_bn": (WithBN, (2, 6, 6), "fc", "fc"),
+    "conv1d_bn": (lambda: nn.Sequential(nn.Conv1d(2, 3, 3, padding=1), nn.BatchNorm1d(3), nn.ReLU(), nn.MaxPool1d(2),
+                                        nn.Conv1d(3, 3, 3, padding=2, dilation=2), nn.Tanh(), nn.AdaptiveAvgPool1d(2),
+                                        nn.Flatten(), nn.Linear(6, 4)), (2, 8), "fc", "8"),
 }
 
 
@@ -62,11 +65,13 @@ def test_diag_exact_on_last_fc_layer(net, loss):
         assert_rel_close(got, func_diag_hessian(model, loss_fn, x, y, names=names), 1e-10)
 
 
+@pytest.mark.parametrize("dims", [2, 1])
 @pytest.mark.parametrize("mode", ["diag", "approx"])
-def test_exact_on_last_conv_layer_with_elementwise_loss(mode):
+def test_exact_on_last_conv_layer_with_elementwise_loss(mode, dims):
     torch.manual_seed(1)
-    model = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.Tanh(), nn.Conv2d(3, 2, 3, stride=2, padding=2, dilation=2)).to(DT)
-    x = torch.randn(3, 2, 6, 6, dtype=DT)
+    conv = nn.Conv2d if dims == 2 else nn.Conv1d
+    model = nn.Sequential(conv(2, 3, 3, padding=1), nn.Tanh(), conv(3, 2, 3, stride=2, padding=2, dilation=2)).to(DT)
+    x = torch.randn(3, 2, *(6,) * dims, dtype=DT)
     y = torch.randn_like(model(x))
     names = ["2.weight", "2.bias"]
     got = diag_hessian(model, F.mse_loss, x, y, mode=mode, params=names)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nasdiag.hessian.rules import ModuleCall, rule_for
+from nasdiag.hessian.rules import ModuleCall, UnsupportedModuleError, rule_for
 
 DT = torch.float64
 
@@ -61,6 +61,10 @@ def _img(n=2, c=4, s=6):
     return torch.randn(n, c, s, s, dtype=DT)
 
 
+def _seq(n=2, c=4, L=6):
+    return torch.randn(n, c, L, dtype=DT)
+
+
 CASES = {
     "linear": (lambda: nn.Linear(5, 3), lambda: torch.randn(4, 5)),
     "linear_nobias_3d": (lambda: nn.Linear(5, 3, bias=False), lambda: torch.randn(2, 3, 5)),
@@ -94,6 +98,15 @@ CASES = {
     "instancenorm": (lambda: nn.InstanceNorm2d(4, affine=True), lambda: _img(s=3)),
     "instancenorm_noaffine": (lambda: nn.InstanceNorm2d(4), lambda: _img(s=3)),
     "layernorm": (lambda: nn.LayerNorm((3, 3)), lambda: _img(s=3)),
+    # 1-D layers, through their 2-D rules on (N, C, 1, L) (rules/lifted.py)
+    "conv1d": (lambda: nn.Conv1d(4, 3, 3, padding=1), _seq),
+    "conv1d_strided_dilated_grouped": (lambda: nn.Conv1d(4, 6, 3, stride=2, padding=2, dilation=2, groups=2), lambda: _seq(L=9)),
+    "conv1d_depthwise_same": (lambda: nn.Conv1d(4, 4, 5, padding="same", groups=4, bias=False), _seq),
+    "maxpool1d": (lambda: nn.MaxPool1d(3, stride=2, padding=1, ceil_mode=True), lambda: _seq(L=8)),
+    "avgpool1d": (lambda: nn.AvgPool1d(3, stride=2, padding=1, count_include_pad=False), lambda: _seq(L=9)),
+    "adaptive_avg1d": (lambda: nn.AdaptiveAvgPool1d(3), lambda: _seq(L=7)),
+    "adaptive_max1d": (lambda: nn.AdaptiveMaxPool1d(2), lambda: _seq(L=5)),
+    "bn1d_train_3d": (lambda: nn.BatchNorm1d(4), lambda: _seq(n=3, L=3)),
 }
 
 
@@ -154,6 +167,35 @@ def test_conv_approx_is_the_channel_mean_of_the_folded_diagonal(case):
     torch.testing.assert_close(got, folded.mean((0, 2, 3), keepdim=True).expand_as(x), rtol=1e-10, atol=1e-14)
     weight = torch.nn.grad.conv2d_weight(x.square(), module.weight.shape, h_mean.contiguous(), module.stride, pad, module.dilation, module.groups)
     torch.testing.assert_close(rule.param_approx(call, h)["weight"], weight, rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("case", ["conv1d", "conv1d_strided_dilated_grouped", "conv1d_depthwise_same"])
+def test_conv1d_approx_is_the_channel_mean_of_the_folded_diagonal(case):
+    """C.2.4-C.2.5 for ``nn.Conv1d``, against torch's own 1-D convolution backward: the input diagonal is the
+    channel mean (over batch and length) of ``(W∘W)ᵀ E(h)`` folded back, the weight diagonal the conv1d
+    weight-gradient of x² against E(h)."""
+    make_module, make_x = CASES[case]
+    torch.manual_seed(4)
+    module, x = make_module().to(DT), make_x().to(DT)
+    y = module(x)
+    h = torch.randn_like(y)
+    h_mean = h.mean((0, 2), keepdim=True).expand_as(h).contiguous()
+    pad = module.padding[0] if not isinstance(module.padding, str) else module.dilation[0] * (module.kernel_size[0] - 1) // 2
+    geometry = (module.stride, pad, module.dilation, module.groups)
+    call = ModuleCall("m", module, x, y)
+    rule = rule_for(module)
+    folded = torch.nn.grad.conv1d_input(x.shape, module.weight.detach().square(), h_mean, *geometry)
+    torch.testing.assert_close(rule.input_approx(call, h), folded.mean((0, 2), keepdim=True).expand_as(x), rtol=1e-10, atol=1e-14)
+    weight = torch.nn.grad.conv1d_weight(x.square(), module.weight.shape, h_mean, *geometry)
+    torch.testing.assert_close(rule.param_approx(call, h)["weight"], weight, rtol=1e-10, atol=1e-14)
+
+
+def test_unbatched_1d_input_is_refused_with_what_to_do():
+    module = nn.Conv1d(4, 3, 3).to(DT)
+    x = torch.randn(4, 6, dtype=DT)
+    call = ModuleCall("conv", module, x, module(x))
+    with pytest.raises(UnsupportedModuleError, match=r"'conv'.*\(N, C, L\).*\(4, 6\).*mode='exact'"):
+        rule_for(module).input_diag(call, torch.ones(3, 4, dtype=DT))
 
 
 def test_linear_approx_is_the_exact_hessian_under_the_row_mean_curvature():

@@ -13,6 +13,7 @@ from nasdiag.hessian.rules.base import (
 )
 from nasdiag.hessian.rules.affine import Conv2dRule, LinearRule
 from nasdiag.hessian.rules.elementwise import ElementwiseRule, IdentityRule, ReshapeRule
+from nasdiag.hessian.rules.lifted import Lifted1dRule
 from nasdiag.hessian.rules.norm import NormRule
 from nasdiag.hessian.rules.pooling import AdaptiveAvgPool2dRule, AdaptiveMaxPool2dRule, AvgPool2dRule, MaxPool2dRule
 
@@ -24,6 +25,7 @@ __all__ = [
     "ElementwiseRule",
     "HessianRule",
     "IdentityRule",
+    "Lifted1dRule",
     "LinearRule",
     "MaxPool2dRule",
     "ModuleCall",
