@@ -219,15 +219,17 @@ class StepGraph:
         return None
 
     def release(self) -> None:
-        """Free every captured graph; later calls capture anew. Call it before destroying a process group whose
-        collectives were captured: NCCL cannot tear down a communicator that a live graph still uses (the
-        destroy hangs)."""
+        """Free every captured graph; later calls capture anew, after ``prepare`` runs again (a loaded state
+        may have undone what it set, e.g. Adam's ``capturable``). Call it before destroying a process group
+        whose collectives were captured: NCCL cannot tear down a communicator that a live graph still uses
+        (the destroy hangs)."""
         release = getattr(self.backend, "release", None)
         for graph, _, _ in self._graphs.values():
             if release is not None:
                 release(graph)
         self._graphs.clear()
         self._seen.clear()
+        self._prepared = False
 
     def _capture_and_run(self, signature: tuple, structure: Any, tensors: List[torch.Tensor]) -> Any:
         if not self._prepared and self.prepare is not None:

@@ -284,6 +284,8 @@ def test_loading_a_state_releases_the_captured_graph():
         a, g = plain.step(*b), graphed.step(*b)
         assert _max_diff(list(a.values()), list(g.values())) < TOL
     assert graphed.step.counts == {"eager": 2, "capture": 2, "replay": 2, "plain": 0}
+    # the loaded (plain) optimizer settings lacked what prepare() sets: it ran again before the new capture
+    assert graphed.alpha_optimizer.param_groups[0].get("prepared_for_capture") is True
     assert _max_diff(_state(plain), _state(graphed)) < TOL
 
 # -- BatchNorm running statistics: linked to one buffer, updated in place ------------------------------------

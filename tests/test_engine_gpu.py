@@ -101,17 +101,34 @@ def test_graphed_darts_after_loading_a_state_equals_eager_float64():
     batches = [((t[0].double(), t[1]), (v[0].double(), v[1])) for t, v in _batches([12] * 7)]
     for i, (train, val) in enumerate(batches[:4]):
         ref.step(train, val), graphed.step(train, val)
-        if i == 1:
-            state = copy.deepcopy(ref.state_dict())
+        if i == 1:  # the graphed method's own state (Adam capturable): loading it changes no setting of the key
+            state = copy.deepcopy(graphed.state_dict())
     assert graphed.step.counts["replay"] >= 1
     ref.load_state_dict(copy.deepcopy(state)), graphed.load_state_dict(copy.deepcopy(state))
     for train, val in batches[4:]:
         a, b = ref.step(train, val), graphed.step(train, val)
         for k in a:
             assert (a[k].double() - b[k].double()).abs().max().item() < 1e-8, k
-    sa = [p.detach() for p in ref.network.parameters()] + list(ref.network.buffers())
-    sb = [p.detach() for p in graphed.network.parameters()] + list(graphed.network.buffers())
+    assert graphed.step.disabled_reason is None and graphed.step.counts["replay"] >= 2, graphed.step.counts
+    _assert_same_state(ref, graphed)
+    # an eager method's state (Adam not capturable): the graph is prepared again before it is captured anew
+    fresh = DARTS(_net("eager").double(), schedule=Schedule(epochs=1, steps_per_epoch=8))
+    eager_state = copy.deepcopy(fresh.state_dict())
+    graphed.load_state_dict(copy.deepcopy(eager_state))
+    replays = graphed.step.counts["replay"]
+    for train, val in batches[:4]:
+        a, b = fresh.step(train, val), graphed.step(train, val)
+        for k in a:
+            assert (a[k].double() - b[k].double()).abs().max().item() < 1e-8, k
+    assert graphed.step.disabled_reason is None and graphed.step.counts["replay"] >= replays + 2, graphed.step.counts
+    _assert_same_state(fresh, graphed)
+
+
+def _assert_same_state(a, b):
+    sa = [p.detach() for p in a.network.parameters()] + list(a.network.buffers())
+    sb = [p.detach() for p in b.network.parameters()] + list(b.network.buffers())
     assert max((x - y).abs().max().item() for x, y in zip(sa, sb)) < 1e-8
+
 
 def test_graphed_darts2_steps_equal_eager_float64():
     """Second-order DARTS captured whole (five forwards, the finite difference with ε on the device, both
