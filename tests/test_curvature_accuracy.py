@@ -177,6 +177,25 @@ def test_exact_on_a_net_too_large_for_the_memory_asked_is_refused_with_its_size(
         arch_diag_hessian(net, F.cross_entropy, x, y, net.edge_specs(), mode="exact", max_memory=2**10)
 
 
+def test_exact_without_max_memory_is_capped_by_the_free_memory(monkeypatch):
+    """No ``max_memory``: half the memory free on the device caps a batch of products (a vmapped batch that
+    exhausts the machine is killed without a message); too little free memory is a clear error, not a kill."""
+    from nasdiag.hessian import _hvp
+
+    net, x, y = two_cell_supernet()
+    assert _hvp.free_memory("cpu") is None or _hvp.free_memory("cpu") > 0
+    free = 2**30
+    monkeypatch.setattr(_hvp, "free_memory", lambda device: free)
+    per_product = 2**20
+    assert _hvp.fit_chunk(per_product // _hvp.PRODUCT_FACTOR, None, 10**6, "x", device="cpu") == free // 2 // per_product
+    assert _hvp.fit_chunk(per_product, 2**40, 64, "x", device="cpu") == 64  # an explicit max_memory wins
+    free = 2**10
+    with pytest.raises(CurvatureError, match=r"MiB.*half the free memory.*max_memory=.*ggn_mc"):
+        arch_diag_hessian(net, F.cross_entropy, x, y, net.edge_specs(), mode="exact")
+    with pytest.raises(CurvatureError, match=r"MiB.*half the free memory.*ggn_mc"):
+        alpha_diag_hessian(net, F.cross_entropy, x, y)
+
+
 @pytest.mark.slow
 def test_search_records_the_top_alpha_eigenvalue_and_flags_nan():
     from nasdiag.search import get_method

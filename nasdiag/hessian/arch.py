@@ -93,7 +93,7 @@ def arch_diag_hessian(
         samples, seed: Monte-Carlo draws and their seed (``ggn_mc``); ``seed`` also seeds the probes of
             ``hutchinson:<k>``.
         max_memory: bytes the exact and Hutchinson modes may use for one batch of products; a net whose single product
-            needs more is refused with its estimated size (default: no limit).
+            needs more is refused with its estimated size (default: half the memory free on the device at the call).
 
     Returns:
         ``{edge name: tensor (K,)}`` in the model's dtype, in the order of ``edges``. With (B, K)

@@ -119,9 +119,10 @@ def exact_arch_diag_hessian(
             raise :class:`~nasdiag.hessian.modes.CurvatureError` when two edges' weights derive from the
             same parameter, since no per-edge number is the exact shared-α curvature; the message names
             :func:`~nasdiag.hessian.alpha_diag_hessian` (exact, shared) and ``mode="exact_per_edge"``.
-        max_memory: bytes one batch of products may use. The need is estimated from the tensors the
-            forward saves for backward (a product holds about 3 times that); ``chunk_size`` is lowered to
-            fit, and a net whose single product does not fit is refused with the estimate.
+        max_memory: bytes one batch of products may use (default: half the memory free on the device at
+            the call). The need is estimated from the tensors the forward saves for backward (a product holds
+            about 8 times that); ``chunk_size`` is lowered to fit, and a net whose single product does not fit
+            is refused with the estimate.
 
     An edge that ran but does not influence the loss gets zeros and a ``RuntimeWarning`` naming it.
     """
@@ -208,8 +209,7 @@ def edge_hessian_products(
                 _check_softmax_weights(shift.observed)
                 if shared_alpha == "refuse":
                     _refuse_shared_alpha({n: source_entries(w) for n, w in shift.with_graph.items()})
-            if max_memory is not None:
-                chunk_size = fit_chunk(saved.bytes, max_memory, chunk_size, what)
+            chunk_size = fit_chunk(saved.bytes, max_memory, chunk_size, what, device=loss.device)
             leaves = [shift.leaves[n] for n in names]
             if backend == "autograd":
                 products = HessianVectorProduct(loss, leaves, names)

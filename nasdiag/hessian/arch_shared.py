@@ -59,7 +59,8 @@ def alpha_diag_hessian(
         params: parameters of ``model`` (tensors, ``(name, tensor)`` pairs or ``{name: tensor}``); default
             ``model.named_arch_parameters()``.
         chunk_size: basis vectors per vmapped product.
-        max_memory: bytes one chunk may use (estimated from the forward's saved tensors); a model whose
+        max_memory: bytes one chunk may use (estimated from the forward's saved tensors; default: half the
+            memory free on the device at the call); a model whose
             single product does not fit is refused with the estimate and what to use instead.
 
     Returns:
@@ -86,8 +87,7 @@ def alpha_diag_hessian(
         with SavedBytes() as saved:
             loss = scalar_loss(loss_fn, call_model(model, inputs), targets)
         del loss
-        if max_memory is not None:
-            chunk_size = fit_chunk(saved.bytes, max_memory, chunk_size, "alpha_diag_hessian")
+        chunk_size = fit_chunk(saved.bytes, max_memory, chunk_size, "alpha_diag_hessian", device=primal.device)
         columns = functional_hvp(loss_of, primal)
 
         def products(V):
