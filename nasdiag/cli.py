@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from nasdiag.errors import ConfigError, NasdiagError
-from nasdiag.search.config import DATASETS, DIAGNOSTICS, DTYPES, ENGINES, NORMS, ORDERS, SearchConfig
+from nasdiag.search.config import DATASETS, DIAGNOSTICS, DTYPES, ENGINES, NORMS, ORDERS, SearchConfig, no_hessian_recorded
 
 EXIT_USAGE = 2
 EXIT_SIGINT, EXIT_SIGTERM = 130, 143
@@ -64,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default=d.dtype, choices=DTYPES)
     s.add_argument("--diagnostics", default=",".join(DIAGNOSTICS),
                    help=f"comma-separated, recorded each epoch: {', '.join(DIAGNOSTICS)}, or none (default: cost,hessian)")
-    s.add_argument("--hessian-mode", default=d.hessian_mode,
+    s.add_argument("--hessian-mode", default=None,
                    help="mixing-weight curvature mode, recorded each epoch: approx (default), diag, ggn, ggn_mc (about one "
                         "step each), hutchinson:<k> (k products per edge), exact or exact_per_edge (one Hessian-vector "
                         "product per mixing weight: minutes per epoch on a CPU); docs/hessian.md compares them")
@@ -94,14 +94,17 @@ def search_config(args: argparse.Namespace) -> SearchConfig:
         hp[key.strip()] = value.strip()
     out = Path(args.out)
     figures = None if args.no_figs else (args.figs or str(out.with_name(out.stem + "-figs")))
-    return SearchConfig(
+    config = SearchConfig(
         method=args.method, hp=hp, dataset=args.dataset, data_dir=args.data_dir, C=args.C, layers=args.layers,
         steps=args.steps, multiplier=args.multiplier, order=args.order, norm=args.norm, epochs=args.epochs,
         batch_size=args.batch_size, seed=args.seed, device=args.device, dtype=args.dtype,
-        diagnostics=args.diagnostics, hessian_mode=args.hessian_mode, spectrum_every=args.spectrum_every,
+        diagnostics=args.diagnostics, hessian_mode=args.hessian_mode or SearchConfig.hessian_mode, spectrum_every=args.spectrum_every,
         record=args.out, resume=args.resume, force=args.force, figures=figures, engine=args.engine,
         threads=args.threads, progress=not args.no_progress,
     )
+    if args.hessian_mode is not None and "hessian" not in config.validate().diagnostics:  # given, even as the default:
+        raise ConfigError(no_hessian_recorded(args.hessian_mode, config.diagnostics))    # it would do nothing
+    return config
 
 
 def run_search(args) -> int:

@@ -84,6 +84,8 @@ def _other_method_key():
     (["--hessian-mode", "hutchinson"], "needs k, the number of Hessian-vector products"),
     (["--hessian-mode", "hutchinson:0"], "e.g. hutchinson:4"),
     (["--resume"], "nothing to resume"),
+    (["--hessian-mode", "exact"], "hessian_mode 'exact' has no effect: diagnostics 'none'"),
+    (["--hessian-mode", "approx", "--diagnostics", "cost"], "hessian_mode 'approx' has no effect: diagnostics 'cost'"),
 ])
 def test_bad_search_arguments(extra, needle, tmp_path, capsys):
     refused(["search", *TINY, "--out", str(tmp_path / "run.h5"), *extra], tmp_path, needle, capsys)

@@ -129,6 +129,8 @@ class SearchConfig:
             raise ConfigError(str(e)) from None
         for d in self.diagnostics:
             _choice("diagnostics", d, DIAGNOSTICS)
+        if self.hessian_mode != SearchConfig.hessian_mode and "hessian" not in self.diagnostics:
+            raise ConfigError(no_hessian_recorded(self.hessian_mode, self.diagnostics))
         for name, low in (("epochs", 1), ("batch_size", 1), ("seed", 0), ("C", 2), ("steps", 1), ("spectrum_every", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -202,6 +204,13 @@ def differing_fields(given: Mapping[str, Any], stored: Mapping[str, Any]) -> Dic
         elif a != b:
             out[key] = (a, b)
     return out
+
+
+def no_hessian_recorded(mode: str, diagnostics) -> str:
+    """The message for a curvature mode that would do nothing: the diagnostics do not record the Hessian."""
+    shown = ",".join(diagnostics) or "none"
+    return (f"hessian_mode {mode!r} has no effect: diagnostics {shown!r} do not record the Hessian; add hessian to the "
+            "diagnostics (--diagnostics cost,hessian) or drop the mode")
 
 
 def _choice(name: str, value, allowed, what: Optional[str] = None) -> None:
