@@ -82,6 +82,33 @@ def test_sigterm_with_application_handler_flushes_and_keeps_recording(tmp_path):
     verify_rows(path, [{"start": 0, "tag": 0, "rows": 15}])
 
 
+def test_sigterm_inside_a_torch_func_transform_flushes_the_held_rows(tmp_path):
+    """The exact curvature runs inside torch.func's ``jvp``; a SIGTERM landing there used to fail the flush
+    (the held rows stacked under the transform became a dual tensor without storage). The application's
+    handler runs after the flush, and the rows are on disk while the run is still open."""
+    import torch
+
+    from nasdiag.record.callbacks import RecorderCallback
+
+    calls = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: calls.append(signum))
+    try:
+        callback = RecorderCallback(str(tmp_path / "run.h5"))
+        for step in range(1, 6):
+            callback.on_step_end(step, {"scalars/loss": torch.tensor(float(step))})
+
+        def inside(v):
+            os.kill(os.getpid(), signal.SIGTERM)
+            return 2 * v
+
+        torch.func.jvp(inside, (torch.ones(3),), (torch.ones(3),))
+        assert calls == [signal.SIGTERM]
+        assert load(tmp_path / "run.h5")["step"].tolist() == [1, 2, 3, 4, 5]
+        callback.close()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_exception_in_with_block_flushes(tmp_path):
     path = tmp_path / "run.h5"
     child = WriterProcess({"path": str(path), "count": 13, "flush_every": 64, "end": "raise"})

@@ -9,12 +9,28 @@ close: one that its owner dropped without closing must still flush at exit.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
+import sys
 import threading
 import warnings
 
 from nasdiag.record.errors import RecordWarning
+
+
+@contextlib.contextmanager
+def _outside_function_transforms():
+    """Suspend torch.func's transforms for the block. A signal can land while one runs (the exact curvature is a
+    ``vmap(jvp(grad))``); the handler's own torch ops would then be traced by it, and stacking the held rows
+    for the host copy gives a dual tensor without storage instead of the rows."""
+    torch = sys.modules.get("torch")  # a process that never imported torch has no transform running
+    disable = getattr(getattr(torch, "_C", None), "_DisableFuncTorch", None)
+    if disable is None:
+        yield
+        return
+    with disable():
+        yield
 
 
 class _TerminationGuard:
@@ -56,11 +72,12 @@ class _TerminationGuard:
     def _for_all(self, action: str) -> None:
         if os.getpid() != self._pid:
             return  # a forked child (e.g. a DataLoader worker) must never touch the parent's files
-        for recorder in list(self._recorders):
-            try:
-                getattr(recorder, action)()
-            except Exception as err:  # in a signal handler or at exit there is no caller to raise to
-                warnings.warn(f"{action} of {recorder.path} failed: {err}", RecordWarning)
+        with _outside_function_transforms():
+            for recorder in list(self._recorders):
+                try:
+                    getattr(recorder, action)()
+                except Exception as err:  # in a signal handler or at exit there is no caller to raise to
+                    warnings.warn(f"{action} of {recorder.path} failed: {err}", RecordWarning)
 
     def _on_sigterm(self, signum, frame) -> None:
         if os.getpid() == self._pid and any(r.writing for r in list(self._recorders)):
