@@ -43,6 +43,9 @@ NETS = {
     "conv1d_bn": (lambda: nn.Sequential(nn.Conv1d(2, 3, 3, padding=1), nn.BatchNorm1d(3), nn.ReLU(), nn.MaxPool1d(2),
                                         nn.Conv1d(3, 3, 3, padding=2, dilation=2), nn.Tanh(), nn.AdaptiveAvgPool1d(2),
                                         nn.Flatten(), nn.Linear(6, 4)), (2, 8), "fc", "8"),
+    "conv3d_bn": (lambda: nn.Sequential(nn.Conv3d(2, 3, 3, padding=1), nn.BatchNorm3d(3), nn.ReLU(), nn.MaxPool3d(2),
+                                        nn.AvgPool3d(2, stride=1, padding=1, count_include_pad=False),
+                                        nn.Conv3d(3, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(3, 4)), (2, 4, 4, 4), "fc", "8"),
 }
 
 
@@ -65,11 +68,11 @@ def test_diag_exact_on_last_fc_layer(net, loss):
         assert_rel_close(got, func_diag_hessian(model, loss_fn, x, y, names=names), 1e-10)
 
 
-@pytest.mark.parametrize("dims", [2, 1])
+@pytest.mark.parametrize("dims", [2, 1, 3])
 @pytest.mark.parametrize("mode", ["diag", "approx"])
 def test_exact_on_last_conv_layer_with_elementwise_loss(mode, dims):
     torch.manual_seed(1)
-    conv = nn.Conv2d if dims == 2 else nn.Conv1d
+    conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dims]
     model = nn.Sequential(conv(2, 3, 3, padding=1), nn.Tanh(), conv(3, 2, 3, stride=2, padding=2, dilation=2)).to(DT)
     x = torch.randn(3, 2, *(6,) * dims, dtype=DT)
     y = torch.randn_like(model(x))

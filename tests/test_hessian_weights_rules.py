@@ -65,6 +65,10 @@ def _seq(n=2, c=4, L=6):
     return torch.randn(n, c, L, dtype=DT)
 
 
+def _vol(n=2, c=2, s=4):
+    return torch.randn(n, c, s, s, s, dtype=DT)
+
+
 CASES = {
     "linear": (lambda: nn.Linear(5, 3), lambda: torch.randn(4, 5)),
     "linear_nobias_3d": (lambda: nn.Linear(5, 3, bias=False), lambda: torch.randn(2, 3, 5)),
@@ -107,6 +111,17 @@ CASES = {
     "adaptive_avg1d": (lambda: nn.AdaptiveAvgPool1d(3), lambda: _seq(L=7)),
     "adaptive_max1d": (lambda: nn.AdaptiveMaxPool1d(2), lambda: _seq(L=5)),
     "bn1d_train_3d": (lambda: nn.BatchNorm1d(4), lambda: _seq(n=3, L=3)),
+    # 3-D layers (rules/volumetric.py)
+    "conv3d": (lambda: nn.Conv3d(2, 3, 3, padding=1), _vol),
+    "conv3d_strided_dilated_grouped": (lambda: nn.Conv3d(2, 4, 2, stride=2, padding=1, dilation=(1, 2, 1), groups=2),
+                                       lambda: _vol(s=5)),
+    "conv3d_valid_nobias": (lambda: nn.Conv3d(2, 2, (1, 2, 3), padding="valid", bias=False), _vol),
+    "maxpool3d": (lambda: nn.MaxPool3d(2, stride=1, padding=1), _vol),
+    "maxpool3d_ceil": (lambda: nn.MaxPool3d(3, stride=2, padding=1, ceil_mode=True), lambda: _vol(s=4)),
+    "avgpool3d_nopad_count": (lambda: nn.AvgPool3d(3, stride=2, padding=1, count_include_pad=False), lambda: _vol(s=5)),
+    "avgpool3d_pad": (lambda: nn.AvgPool3d(2, stride=1, padding=1), _vol),
+    "adaptive_max3d": (lambda: nn.AdaptiveMaxPool3d((2, 1, 2)), lambda: _vol(s=3)),
+    "bn3d_train": (lambda: nn.BatchNorm3d(2), lambda: _vol(n=2, s=2)),
 }
 
 
@@ -188,6 +203,30 @@ def test_conv1d_approx_is_the_channel_mean_of_the_folded_diagonal(case):
     torch.testing.assert_close(rule.input_approx(call, h), folded.mean((0, 2), keepdim=True).expand_as(x), rtol=1e-10, atol=1e-14)
     weight = torch.nn.grad.conv1d_weight(x.square(), module.weight.shape, h_mean, *geometry)
     torch.testing.assert_close(rule.param_approx(call, h)["weight"], weight, rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("case", ["conv3d", "conv3d_strided_dilated_grouped", "conv3d_valid_nobias"])
+def test_conv3d_approx_is_the_channel_mean_of_the_folded_diagonal(case):
+    """C.2.4-C.2.5 for ``nn.Conv3d``, against torch's 3-D convolution backward applied to the whole batch: the
+    input diagonal is the channel mean (over batch and volume) of ``(W∘W)ᵀ E(h)`` folded back, the weight
+    diagonal the conv3d weight-gradient of x² against E(h)."""
+    make_module, make_x = CASES[case]
+    torch.manual_seed(5)
+    module, x = make_module().to(DT), make_x().to(DT)
+    y = module(x)
+    h = torch.randn_like(y)
+    h_mean = h.mean((0, 2, 3, 4), keepdim=True).expand_as(h).contiguous()
+    pad = module.padding if not isinstance(module.padding, str) else (0, 0, 0)
+    geometry = (module.stride, pad, module.dilation, module.groups)
+    call = ModuleCall("m", module, x, y)
+    rule = rule_for(module)
+    folded = torch.nn.grad.conv3d_input(x.shape, module.weight.detach().square(), h_mean, *geometry)
+    torch.testing.assert_close(rule.input_approx(call, h), folded.mean((0, 2, 3, 4), keepdim=True).expand_as(x),
+                               rtol=1e-10, atol=1e-14)
+    weight = torch.nn.grad.conv3d_weight(x.square(), module.weight.shape, h_mean, *geometry)
+    torch.testing.assert_close(rule.param_approx(call, h)["weight"], weight, rtol=1e-10, atol=1e-14)
+    if module.bias is not None:
+        torch.testing.assert_close(rule.param_approx(call, h)["bias"], h_mean.sum((0, 2, 3, 4)), rtol=1e-10, atol=1e-14)
 
 
 def test_unbatched_1d_input_is_refused_with_what_to_do():

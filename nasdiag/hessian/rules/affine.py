@@ -17,7 +17,7 @@ from torch import nn
 from nasdiag.hessian.rules.base import HessianRule, ModuleCall, UnsupportedModuleError, channel_mean, register_rule
 from nasdiag.rules import BATCH, SPATIAL
 
-__all__ = ["LinearRule", "Conv2dRule"]
+__all__ = ["LinearRule", "ConvRule", "Conv2dRule"]
 
 
 def _bias_is_additive(module: nn.Module) -> Dict[str, frozenset]:
@@ -65,13 +65,13 @@ class LinearRule(HessianRule):
 def _conv_padding(module: nn.Conv2d) -> Tuple[int, int]:
     if isinstance(module.padding, str):
         if module.padding == "valid":
-            return (0, 0)
+            return (0,) * len(module.kernel_size)
         pads = []
         for k, d in zip(module.kernel_size, module.dilation):
             total = d * (k - 1)
             if total % 2:
                 raise UnsupportedModuleError(
-                    f"Conv2d with padding='same' and an even effective kernel pads asymmetrically ({module}); "
+                    f"{type(module).__name__} with padding='same' and an even effective kernel pads asymmetrically ({module}); "
                     "pad explicitly or use mode='exact'"
                 )
             pads.append(total // 2)
@@ -87,7 +87,25 @@ def _tap_counts(x: torch.Tensor, kernel, stride, padding, dilation) -> torch.Ten
     return F.unfold(ones, kernel, dilation=dilation, padding=padding, stride=stride).sum(-1).view(-1)
 
 
-class Conv2dRule(HessianRule):
+class ConvRule(HessianRule):
+    """What the convolution rules share: a weight and an optional bias (constant along batch and space), zero
+    padding only."""
+
+    param_names = ("weight", "bias")
+
+    def additive_params(self, module: nn.Module) -> Dict[str, frozenset]:
+        return _bias_is_additive(module)
+
+    def check(self, module: nn.Module, name: str) -> None:
+        if module.padding_mode != "zeros":
+            raise UnsupportedModuleError(
+                f"module {name!r}: {type(module).__name__} with padding_mode={module.padding_mode!r} has no "
+                "diagonal-Hessian rule (only zero padding); use mode='exact'"
+            )
+        _conv_padding(module)
+
+
+class Conv2dRule(ConvRule):
     """``nn.Conv2d`` (grouped/depthwise, dilated, strided, zero padding) as an FC layer on unfolded rows.
 
     diag (C.2.1-C.2.3): each of the ``b·H_out·W_out`` rows of the unfolded input M is an FC input, so
@@ -102,19 +120,6 @@ class Conv2dRule(HessianRule):
     factor is the mean of the *square*, ``E(M²)`` (``E(M)²`` would drop the variance), which we use.
     Likewise C.2.5's ``(B_i)²`` with ``B_i = E(σ')`` is applied by the activation rule as ``E(σ'²)``.
     """
-
-    param_names = ("weight", "bias")
-
-    def additive_params(self, module: nn.Module) -> Dict[str, frozenset]:
-        return _bias_is_additive(module)
-
-    def check(self, module: nn.Module, name: str) -> None:
-        if module.padding_mode != "zeros":
-            raise UnsupportedModuleError(
-                f"module {name!r}: Conv2d with padding_mode={module.padding_mode!r} has no diagonal-Hessian rule "
-                "(only zero padding); use mode='exact'"
-            )
-        _conv_padding(module)
 
     def _geometry(self, call: ModuleCall):
         m = call.module

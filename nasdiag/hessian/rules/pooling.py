@@ -14,53 +14,79 @@ from torch import nn
 
 from nasdiag.hessian.rules.base import HessianRule, ModuleCall, UnsupportedModuleError, register_rule
 
-__all__ = ["MaxPool2dRule", "AvgPool2dRule", "AdaptiveAvgPool2dRule", "AdaptiveMaxPool2dRule"]
+__all__ = ["MaxPool2dRule", "MaxPool3dRule", "AvgPool2dRule", "AvgPool3dRule", "AdaptiveAvgPool2dRule", "AdaptiveMaxPool2dRule",
+           "AdaptiveMaxPool3dRule"]
 
 
-def _scatter_to_argmax(x: torch.Tensor, indices: torch.Tensor, h_out: torch.Tensor) -> torch.Tensor:
-    h_in = torch.zeros_like(x).flatten(-2)
-    h_in.scatter_add_(-1, indices.flatten(-2), h_out.reshape(indices.shape).flatten(-2))
+def _scatter_to_argmax(x: torch.Tensor, indices: torch.Tensor, h_out: torch.Tensor, dims: int) -> torch.Tensor:
+    h_in = torch.zeros_like(x).flatten(-dims)
+    h_in.scatter_add_(-1, indices.flatten(-dims), h_out.reshape(indices.shape).flatten(-dims))
     return h_in.view_as(x)
 
 
-class MaxPool2dRule(HessianRule):
+class _MaxPoolRule(HessianRule):
+    dims = 2
+
     def check(self, module: nn.Module, name: str) -> None:
         if module.return_indices:
-            raise UnsupportedModuleError(f"module {name!r}: MaxPool2d(return_indices=True) returns a tuple; not supported")
+            raise UnsupportedModuleError(f"module {name!r}: {type(module).__name__}(return_indices=True) returns a tuple; not supported")
 
     def input_diag(self, call: ModuleCall, h_out: torch.Tensor) -> torch.Tensor:
         m = call.module
-        _, idx = F.max_pool2d(
-            call.input, m.kernel_size, m.stride, m.padding, m.dilation, ceil_mode=m.ceil_mode, return_indices=True
-        )
-        return _scatter_to_argmax(call.input, idx, h_out)
+        pool = F.max_pool2d if self.dims == 2 else F.max_pool3d
+        _, idx = pool(call.input, m.kernel_size, m.stride, m.padding, m.dilation, ceil_mode=m.ceil_mode, return_indices=True)
+        return _scatter_to_argmax(call.input, idx, h_out, self.dims)
 
 
-class AdaptiveMaxPool2dRule(MaxPool2dRule):
+class _AdaptiveMaxPoolRule(_MaxPoolRule):
     def input_diag(self, call: ModuleCall, h_out: torch.Tensor) -> torch.Tensor:
-        _, idx = F.adaptive_max_pool2d(call.input, call.output.shape[-2:], return_indices=True)
-        return _scatter_to_argmax(call.input, idx, h_out)
+        pool = F.adaptive_max_pool2d if self.dims == 2 else F.adaptive_max_pool3d
+        _, idx = pool(call.input, call.output.shape[-self.dims:], return_indices=True)
+        return _scatter_to_argmax(call.input, idx, h_out, self.dims)
 
 
-def _as_batched(x: torch.Tensor, h: torch.Tensor):
-    return (x, h) if x.dim() == 4 else (x.unsqueeze(0), h.reshape(1, *h.shape))
+class MaxPool2dRule(_MaxPoolRule):
+    dims = 2
 
 
-class AvgPool2dRule(HessianRule):
+class MaxPool3dRule(_MaxPoolRule):
+    dims = 3
+
+
+class AdaptiveMaxPool2dRule(_AdaptiveMaxPoolRule):
+    dims = 2
+
+
+class AdaptiveMaxPool3dRule(_AdaptiveMaxPoolRule):
+    dims = 3
+
+
+class _AvgPoolRule(HessianRule):
+    dims = 2
+
     def input_diag(self, call: ModuleCall, h_out: torch.Tensor) -> torch.Tensor:
-        m = call.module
-        x, h = _as_batched(call.input, h_out)
-        k = _pair(m.kernel_size)
-        s = _pair(m.stride if m.stride is not None else m.kernel_size)
-        p = _pair(m.padding)
+        m, d = call.module, self.dims
+        x = call.input if call.input.dim() == d + 2 else call.input.unsqueeze(0)
+        h = h_out.reshape(x.shape[0], *h_out.shape[-(d + 1):])
+        k = _ntuple(m.kernel_size, d)
+        s = _ntuple(m.stride if m.stride is not None else m.kernel_size, d)
+        p = _ntuple(m.padding, d)
+        pool = F.avg_pool2d if d == 2 else F.avg_pool3d
+        backward = torch.ops.aten.avg_pool2d_backward if d == 2 else torch.ops.aten.avg_pool3d_backward
         ones = x.new_ones((1, 1) + tuple(x.shape[2:]))
-        mean_of_ones = F.avg_pool2d(ones, k, s, p, m.ceil_mode, m.count_include_pad, m.divisor_override)
-        window_count = F.avg_pool2d(ones, k, s, p, m.ceil_mode, True, 1)  # non-padding entries per window
+        mean_of_ones = pool(ones, k, s, p, m.ceil_mode, m.count_include_pad, m.divisor_override)
+        window_count = pool(ones, k, s, p, m.ceil_mode, True, 1)  # non-padding entries per window
         coeff = torch.where(window_count > 0, mean_of_ones / window_count.clamp(min=1), torch.zeros_like(window_count))
-        h_in = torch.ops.aten.avg_pool2d_backward(
-            (coeff * h).contiguous(), x, list(k), list(s), list(p), m.ceil_mode, m.count_include_pad, m.divisor_override
-        )
+        h_in = backward((coeff * h).contiguous(), x, list(k), list(s), list(p), m.ceil_mode, m.count_include_pad, m.divisor_override)
         return h_in.view_as(call.input)
+
+
+class AvgPool2dRule(_AvgPoolRule):
+    dims = 2
+
+
+class AvgPool3dRule(_AvgPoolRule):
+    dims = 3
 
 
 def _window_sizes(n_in: int, n_out: int, like: torch.Tensor) -> torch.Tensor:
@@ -71,7 +97,8 @@ def _window_sizes(n_in: int, n_out: int, like: torch.Tensor) -> torch.Tensor:
 
 class AdaptiveAvgPool2dRule(HessianRule):
     def input_diag(self, call: ModuleCall, h_out: torch.Tensor) -> torch.Tensor:
-        x, h = _as_batched(call.input, h_out)
+        x = call.input if call.input.dim() == 4 else call.input.unsqueeze(0)
+        h = h_out.reshape(x.shape[0], *h_out.shape[-3:])
         (h_in_, w_in), (h_o, w_o) = x.shape[-2:], h.shape[-2:]
         # window sizes built on the device: a host tensor copied per call would synchronise (and break a CUDA-graph capture)
         rows = _window_sizes(h_in_, h_o, x)
@@ -81,11 +108,14 @@ class AdaptiveAvgPool2dRule(HessianRule):
         return h_in.view_as(call.input)
 
 
-def _pair(v):
-    return tuple(v) if isinstance(v, (tuple, list)) else (v, v)
+def _ntuple(v, n: int):
+    return tuple(v) if isinstance(v, (tuple, list)) else (v,) * n
 
 
 register_rule(nn.MaxPool2d, MaxPool2dRule())
 register_rule(nn.AdaptiveMaxPool2d, AdaptiveMaxPool2dRule())
 register_rule(nn.AvgPool2d, AvgPool2dRule())
 register_rule(nn.AdaptiveAvgPool2d, AdaptiveAvgPool2dRule())
+register_rule(nn.MaxPool3d, MaxPool3dRule())
+register_rule(nn.AdaptiveMaxPool3d, AdaptiveMaxPool3dRule())
+register_rule(nn.AvgPool3d, AvgPool3dRule())
