@@ -58,7 +58,10 @@ class ElementwiseRule(HessianRule):
         def first(t):
             return torch.func.jvp(fn, (t,), (ones,))[1]
 
-        d1, d2 = torch.func.jvp(first, (x,), (ones,))
+        try:
+            d1, d2 = torch.func.jvp(first, (x,), (ones,))
+        except NotImplementedError:  # no forward-over-forward AD for an op (torch 2.13, no_grad: aten::silu_backward)
+            d1, d2 = _reverse_derivatives(fn, x)
         return d1, (None if self.piecewise_linear else d2)
 
     def input_diag(self, call: ModuleCall, h_out: torch.Tensor) -> torch.Tensor:
@@ -67,6 +70,16 @@ class ElementwiseRule(HessianRule):
         if d2 is not None:
             h_in = h_in + d2 * call.grad_output
         return h_in
+
+
+def _reverse_derivatives(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(σ'(x), σ''(x))`` by two reverse passes: for an elementwise σ the gradient of ``Σ σ(x)`` is σ'(x), and
+    that of ``Σ σ'(x)`` is σ''(x)."""
+    with torch.enable_grad():
+        t = x.detach().requires_grad_(True)
+        (d1,) = torch.autograd.grad(fn(t).sum(), t, create_graph=True)
+        d2 = torch.autograd.grad(d1.sum(), t, allow_unused=True)[0] if d1.requires_grad else None
+    return d1.detach(), (torch.zeros_like(x) if d2 is None else d2)
 
 
 class ReLURule(ElementwiseRule):
