@@ -177,6 +177,22 @@ def test_exact_on_a_net_too_large_for_the_memory_asked_is_refused_with_its_size(
         arch_diag_hessian(net, F.cross_entropy, x, y, net.edge_specs(), mode="exact", max_memory=2**10)
 
 
+def test_free_cpu_memory_is_the_smaller_of_the_kernel_estimate_and_the_cgroup_limit(monkeypatch, tmp_path):
+    from nasdiag.hessian import _hvp
+
+    meminfo, limit, used = tmp_path / "meminfo", tmp_path / "memory.max", tmp_path / "memory.current"
+    meminfo.write_text("MemTotal:       32000000 kB\nMemAvailable:   20000000 kB\n")
+    monkeypatch.setattr(_hvp, "MEMINFO", str(meminfo))
+    monkeypatch.setattr(_hvp, "CGROUP_MEMORY", (str(limit), str(used)))
+    assert _hvp.free_memory("cpu") == 20000000 * 1024  # no cgroup files: the kernel's estimate
+    limit.write_text("max\n"), used.write_text("123\n")
+    assert _hvp.free_memory("cpu") == 20000000 * 1024  # no cgroup limit
+    limit.write_text(f"{8 * 2**30}\n"), used.write_text(f"{3 * 2**30}\n")
+    assert _hvp.free_memory("cpu") == 5 * 2**30  # a container's limit below the host's free memory
+    meminfo.unlink()
+    assert _hvp.free_memory("cpu") == 5 * 2**30
+
+
 def test_exact_without_max_memory_is_capped_by_the_free_memory(monkeypatch):
     """No ``max_memory``: half the memory free on the device caps a batch of products (a vmapped batch that
     exhausts the machine is killed without a message); too little free memory is a clear error, not a kill."""

@@ -274,22 +274,40 @@ PRODUCT_FACTOR = 8
 DEFAULT_MEMORY_SHARE = 0.5
 
 
+#: where a CPU's free memory is read: the kernel's estimate, and the limit and usage of this process's cgroup
+#: (v2), which a container may set far below the machine's memory while ``MemAvailable`` still shows the host's
+MEMINFO = "/proc/meminfo"
+CGROUP_MEMORY = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current")
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read().strip()
+
+
 def free_memory(device: torch.device) -> Optional[int]:
     """Bytes free for new tensors on ``device``: on CUDA the driver's free memory plus what torch's caching
-    allocator holds unused; on a CPU the kernel's ``MemAvailable`` (Linux); None where it cannot be read."""
+    allocator holds unused; on a CPU the kernel's ``MemAvailable`` (Linux), or what the process's cgroup
+    limit leaves if that is less; None where neither can be read."""
     device = torch.device(device)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
-    if device.type == "cpu":
-        try:
-            with open("/proc/meminfo") as info:
-                for line in info:
-                    if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            return None
-    return None
+    if device.type != "cpu":
+        return None
+    found = []
+    try:
+        with open(MEMINFO) as info:
+            found += [int(line.split()[1]) * 1024 for line in info if line.startswith("MemAvailable:")]
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        limit, used = (_read(path) for path in CGROUP_MEMORY)
+        if limit != "max":
+            found.append(max(int(limit) - int(used), 0))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
 
 
 def fit_chunk(saved_bytes: int, max_memory: Optional[int], chunk_size: int, what: str,
