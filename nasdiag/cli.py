@@ -66,8 +66,9 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"comma-separated, recorded each epoch: {', '.join(DIAGNOSTICS)}, or none (default: cost,hessian)")
     s.add_argument("--hessian-mode", default=None,
                    help="mixing-weight curvature mode, recorded each epoch: approx (default), diag, ggn, ggn_mc (about one "
-                        "step each), hutchinson:<k> (k products per edge), exact or exact_per_edge (one Hessian-vector "
-                        "product per mixing weight: minutes per epoch on a CPU); docs/hessian.md compares them")
+                        "step each), hutchinson:<k> (k products per edge), exact (the Z shared by a cell type, cross-cell terms "
+                        "included) or exact_per_edge (summed per cell; both one Hessian-vector product per mixing weight: "
+                        "minutes per epoch on a CPU); docs/hessian.md compares them")
     s.add_argument("--spectrum-every", type=int, default=0, metavar="K",
                    help="record the top α-Hessian eigenvalue every K steps (0: never)")
     s.add_argument("--engine", default=d.engine, choices=ENGINES, help="supernet execution engine")

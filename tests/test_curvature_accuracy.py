@@ -163,6 +163,30 @@ def test_shared_alpha_diagonal_is_exact_and_the_per_edge_sum_is_not():
     assert abs(top.largest_algebraic - float(torch.linalg.eigvalsh(dense).max())) < 1e-8 * float(dense.abs().max())
 
 
+@pytest.mark.slow
+def test_search_exact_records_the_shared_z_diagonal_and_exact_per_edge_the_per_cell_sum():
+    """A search's ``hessian/<cell>/diag`` in mode ``exact`` is diag ∂²L/∂Z² for the Z its cells share (cross-cell
+    terms included), against a reverse-over-reverse autograd Hessian; ``exact_per_edge`` is the per-cell sum."""
+    from nasdiag.search import get_method
+    from nasdiag.search.base import Schedule
+
+    net, x, y = two_cell_supernet()
+    z = torch.softmax(net.alphas_normal.detach(), dim=-1)
+
+    def loss(w):
+        return F.cross_entropy(net(x, {"normal": w}), y)
+
+    n = z.numel()
+    dense = torch.diagonal(torch.autograd.functional.hessian(loss, z).reshape(n, n)).reshape(z.shape)
+    recorded, buffers = {}, [b.clone() for b in net.buffers()]
+    for mode in ("exact", "exact_per_edge"):
+        method = get_method("darts")(net, schedule=Schedule(epochs=1, steps_per_epoch=1), hessian_mode=mode)
+        recorded[mode] = method.curvature(x, y)["hessian/normal/diag"]
+    torch.testing.assert_close(recorded["exact"], dense, rtol=1e-9, atol=1e-12)
+    assert (recorded["exact_per_edge"] - dense).norm() / dense.norm() > 0.1  # the cross-cell terms matter
+    assert all(torch.equal(a, b) for a, b in zip(buffers, net.buffers()))
+
+
 def test_exact_refuses_per_edge_alpha_when_alpha_is_shared():
     net, x, y = two_cell_supernet()
     with pytest.raises(CurvatureError, match="alpha_diag_hessian.*exact_per_edge"):

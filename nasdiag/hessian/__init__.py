@@ -3,7 +3,8 @@
 * :func:`diag_hessian` — weights, modes ``exact`` / ``diag`` / ``approx`` (bayesnas-appendix §C.1-C.2).
 * :func:`arch_diag_hessian` — mixing weights Z (or α) per edge, C.3.1-C.3.2, the GGN modes, Hutchinson
   (``"hutchinson:<k>"``, GGN control variate) and ``exact`` by HVPs (modes: :data:`ARCH_MODES`, spelled once in :mod:`nasdiag.hessian.modes`).
-* :func:`alpha_diag_hessian` — the exact diagonal w.r.t. α shared by several cells.
+* :func:`alpha_diag_hessian` — the exact diagonal w.r.t. α shared by several cells;
+  :func:`shared_weights_diag_hessian` — the same w.r.t. mixing weights Z shared by several cells.
 * :func:`register_rule` — teach the recursions a new module type.
 * :func:`hessian_eigenvalues`, :func:`hutchinson_trace`, :func:`hutchinson_diagonal`,
   :class:`EigenvalueEarlyStop` — spectrum of the α-Hessian and RobustDARTS's early stop (spectrum.py).
@@ -11,7 +12,7 @@
 
 from nasdiag.hessian.arch import arch_diag_hessian
 from nasdiag.hessian.arch_exact import exact_arch_diag_hessian
-from nasdiag.hessian.arch_shared import alpha_diag_hessian
+from nasdiag.hessian.arch_shared import alpha_diag_hessian, shared_weights_diag_hessian
 from nasdiag.hessian.modes import ARCH_MODES, WEIGHT_MODES, CurvatureError
 from nasdiag.hessian.rules import (
     ElementwiseRule,
@@ -42,6 +43,7 @@ __all__ = [
     "WEIGHT_MODES",
     "CurvatureError",
     "alpha_diag_hessian",
+    "shared_weights_diag_hessian",
     "EarlyStopDecision",
     "EigenvalueEarlyStop",
     "HutchinsonEstimate",

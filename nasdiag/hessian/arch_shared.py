@@ -16,7 +16,7 @@ this module nor its tests use them (docs/hessian.md).
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Mapping, Optional
 
 import torch
 from torch import nn
@@ -35,7 +35,7 @@ from nasdiag.hessian._hvp import (
 )
 from nasdiag.hessian.modes import CurvatureError
 
-__all__ = ["alpha_diag_hessian"]
+__all__ = ["alpha_diag_hessian", "shared_weights_diag_hessian"]
 
 
 def alpha_diag_hessian(
@@ -74,7 +74,13 @@ def alpha_diag_hessian(
     missing = [n for n, p in pairs if id(p) not in by_id]
     if missing:
         raise CurvatureError(f"alpha_diag_hessian: {missing} are not parameters of the model; pass the model's own α")
-    names = [by_id[id(p)] for _, p in pairs]
+    return _exact_parameter_diag(model, loss_fn, inputs, targets, [(by_id[id(p)], p) for _, p in pairs],
+                                 chunk_size, max_memory, "alpha_diag_hessian")
+
+
+def _exact_parameter_diag(model, loss_fn, inputs, targets, pairs, chunk_size, max_memory, what) -> Dict[str, torch.Tensor]:
+    """``{name: diag}`` for ``pairs = [(name in model, parameter)]``; ``what`` names the caller in errors."""
+    names = [n for n, _ in pairs]
     shapes = [p.shape for _, p in pairs]
     sizes = [p.numel() for _, p in pairs]
     primal = torch.cat([p.detach().reshape(-1) for _, p in pairs])
@@ -87,7 +93,7 @@ def alpha_diag_hessian(
         with SavedBytes() as saved:
             loss = scalar_loss(loss_fn, call_model(model, inputs), targets)
         del loss
-        chunk_size = fit_chunk(saved.bytes, max_memory, chunk_size, "alpha_diag_hessian", device=primal.device)
+        chunk_size = fit_chunk(saved.bytes, max_memory, chunk_size, what, device=primal.device)
         columns = functional_hvp(loss_of, primal)
 
         def products(V):
@@ -109,6 +115,56 @@ def alpha_diag_hessian(
             hvp = HessianVectorProduct(loss, [p for _, p in pairs], names)
             diag = exact_diagonal(hvp, hvp.dim, hvp.dtype, hvp.device, chunk_size)
     return {n: part.reshape(shape).detach() for n, part, shape in zip(names, torch.split(diag, sizes), shapes)}
+
+
+def shared_weights_diag_hessian(
+    network: nn.Module,
+    loss_fn: Callable,
+    inputs,
+    targets,
+    weights: Mapping[str, torch.Tensor],
+    *,
+    chunk_size: int = 64,
+    max_memory: Optional[int] = None,
+) -> Dict[str, torch.Tensor]:
+    """Exact ``diag ∂²L/∂Z²`` for mixing weights Z that several cells share, cross-cell terms included.
+
+    The loss is ``loss_fn(network(inputs, weights), targets)`` with ``weights = {group: Z_group}`` (nasdiag's
+    ``Network``: ``{cell type: (E, K)}``, every cell of a type mixing its edges with the same Z). Each
+    ``Z_group[e, k]`` enters every cell of the group, so ``∂²L/∂Z_{e,k}²`` is the sum over cell *pairs*
+    ``Σ_{c,c'} ∂²L/∂Z^{(c)}_{e,k}∂Z^{(c')}_{e,k}``; the per-edge route (``arch_diag_hessian(...,
+    mode="exact_per_edge")`` summed over the cells) keeps only ``c = c'`` (33% off on the reduce cells of a
+    3-cell net). Same route as :func:`alpha_diag_hessian` (forward-over-reverse over chunks of basis vectors,
+    train-mode BatchNorm on its batch statistics, buffers untouched), with Z in place of α.
+
+    Args:
+        network: called as ``network(inputs, weights)`` (``network(*inputs, weights)`` for a tuple).
+        loss_fn, inputs, targets, chunk_size, max_memory: as :func:`alpha_diag_hessian`.
+        weights: ``{group: tensor}``, the point at which the curvature is taken (values only: not modified,
+            no gradient flows to them).
+
+    Returns:
+        ``{group: tensor shaped like weights[group]}``, detached, in the loss's dtype.
+    """
+    if not isinstance(weights, Mapping) or not weights or not all(isinstance(w, torch.Tensor) for w in weights.values()):
+        raise CurvatureError("shared_weights_diag_hessian: weights must be a non-empty {group: tensor} mapping, "
+                             f"got {type(weights).__name__}")
+    at = _AtWeights(network, weights)
+    pairs = [(f"weights.{group}", at.weights[group]) for group in weights]
+    diag = _exact_parameter_diag(at, loss_fn, inputs, targets, pairs, chunk_size, max_memory, "shared_weights_diag_hessian")
+    return {group: diag[f"weights.{group}"] for group in weights}
+
+
+class _AtWeights(nn.Module):
+    """``network`` with its mixing weights held as parameters, so that they can be differentiated by name."""
+
+    def __init__(self, network: nn.Module, weights: Mapping[str, torch.Tensor]):
+        super().__init__()
+        self.network = network
+        self.weights = nn.ParameterDict({g: nn.Parameter(w.detach().clone()) for g, w in weights.items()})
+
+    def forward(self, *inputs):
+        return self.network(*inputs, dict(self.weights))
 
 
 def _as_args(inputs):

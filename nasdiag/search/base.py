@@ -350,8 +350,9 @@ class SearchMethod:
         """Curvature statistics on one batch (mean cross-entropy), per cell type:
 
         * with ``hessian_mode``: ``hessian/<cell>/diag`` (E, K), the diagonal of ∂²L/∂Z² at
-          :meth:`eval_weights` summed over the cells of the type (a mode of
-          ``nasdiag.hessian.ARCH_MODES``: C.3.1-C.3.2, GGN, exact);
+          :meth:`eval_weights`, Z shared by the cells of the type (a mode of ``nasdiag.hessian.ARCH_MODES``:
+          ``exact`` includes the cross-cell terms; ``exact_per_edge``, C.3.1-C.3.2, GGN and Hutchinson sum
+          per-edge numbers over the cells of the type);
         * with ``top_eigenvalue`` (RobustDARTS's early-stop signal; the run asks for it every k steps):
           ``hessian/<cell>/top_eigenvalue``, the largest algebraic eigenvalue of ∂²L/∂α² for the α of
           the type shared by its cells, through Z = softmax(α), cross-cell terms and train-mode BatchNorm
@@ -398,15 +399,19 @@ class SearchMethod:
         return stats
 
     def _mixing_curvature(self, x: torch.Tensor, y: torch.Tensor, weights: CellWeights) -> Dict[str, torch.Tensor]:
-        """``{cell type: (E, K)}``: ``arch_diag_hessian`` in ``hessian_mode`` at fixed mixing ``weights``, per edge,
-        summed over the cells of each type. For the recursions (``diag``/``approx``) on a supernet the fast engine
+        """``{cell type: (E, K)}``: the diagonal of ∂²L/∂Z² at fixed mixing ``weights``, Z shared by the cells of a
+        type. ``exact``: :func:`~nasdiag.hessian.shared_weights_diag_hessian` (cross-cell terms included); the other
+        modes: ``arch_diag_hessian`` per edge, summed over the cells of each type (``exact_per_edge``: the exact
+        per-cell blocks without the cross-cell terms). For the recursions (``diag``/``approx``) on a supernet the fast engine
         batches (engine ``auto``/``fast``), the same recursion runs on the batched ops
         (:func:`nasdiag.supernet.engine.curvature.mixing_curvature`); on CUDA :meth:`curvature` replays either as a
         CUDA graph (:mod:`nasdiag.hessian.graphed`)."""
-        from nasdiag.hessian import arch_diag_hessian
+        from nasdiag.hessian import arch_diag_hessian, shared_weights_diag_hessian
         from nasdiag.supernet.engine import curvature as fast_curvature
 
         net = self.network
+        if self.hessian_mode == "exact":  # Z is shared by the cells of a type: exact includes the cross-cell terms
+            return shared_weights_diag_hessian(net, nn.functional.cross_entropy, x, y, weights)
         if self.hessian_mode in fast_curvature.MODES and getattr(net, "engine", "eager") != "eager":
             per_cell = fast_curvature.mixing_curvature(net, x, y, net._cell_weights(weights), self.hessian_mode)
             if per_cell is not None:
