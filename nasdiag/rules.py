@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Tuple, Type
 
+import torch
 from torch import nn
 
 from nasdiag.errors import NasdiagError
@@ -41,6 +42,8 @@ __all__ = [
     "delegate_rule",
     "sequential_rule",
     "unsupported_message",
+    "input_rank",
+    "input_ranks_of",
     "BATCH",
     "CHANNEL",
     "SPATIAL",
@@ -122,8 +125,10 @@ def unsupported_message(aspect: str, name: str, module: nn.Module, why: str, how
 
 # --- homogeneity (wiring supplement §4, Thm. 1; §8.1-8.2) --------------------------------------------
 
-#: Axes an additive term can be constant along. Conv-style tensors are (batch, channel, *spatial);
-#: for ``nn.Linear`` the last dim is the channel and the leading non-batch dims count as spatial.
+#: Axes an additive term can be constant along, in the conv-style layout (batch, channel, *spatial) that
+#: the normalizations use: dim 0, dim 1, dims 2 and on. On a 2-D tensor (batch, features) there is no
+#: spatial dim, so "constant along space" holds of any term there. ``nn.Linear`` acts on the last dim:
+#: the channel of a 2-D input, a spatial dim of a higher-rank one; its rule needs the input's rank.
 BATCH, CHANNEL, SPATIAL = "batch", "channel", "spatial"
 ALL_AXES: FrozenSet[str] = frozenset((BATCH, CHANNEL, SPATIAL))
 Axes = FrozenSet[str]
@@ -148,6 +153,8 @@ class Homogeneity:
         needs: ``keeps`` holds only if the incoming term is constant along these axes (max pooling: spatial).
         removes: for a normalization (degree 0): an incoming term constant along these axes (its
             normalization groups) is removed exactly (the mean subtraction takes it, the variance ignores it).
+        vacuous: axes the output has no dims along (``nn.Flatten`` to (batch, features): no spatial dim), so
+            any term is constant along them: a passed term comes out constant along ``(A ∩ keeps) ∪ vacuous``.
     """
 
     degree: Optional[float]
@@ -157,6 +164,7 @@ class Homogeneity:
     keeps: Optional[Axes] = field(default=None)
     needs: Axes = frozenset()
     removes: Optional[Axes] = None
+    vacuous: Axes = frozenset()
 
     @property
     def invariant(self) -> bool:
@@ -167,7 +175,7 @@ class Homogeneity:
         module, or None when it no longer is an additive term. For a degree-0 module use :meth:`removes_term`."""
         if self.keeps is None or not self.needs <= term:
             return None
-        return term & self.keeps
+        return (term & self.keeps) | self.vacuous
 
     def removes_term(self, term: Axes) -> bool:
         return self.degree == 0 and self.removes is not None and self.removes <= term
@@ -176,23 +184,73 @@ class Homogeneity:
 HomogeneityRule = Callable[[nn.Module, Callable[[nn.Module], Homogeneity]], Homogeneity]
 
 
-def analyse(module: nn.Module) -> Homogeneity:
+def analyse(module: nn.Module, input_ranks: Optional[Mapping[nn.Module, int]] = None) -> Homogeneity:
     """Homogeneity of ``module`` as a function of its (single) input, from its structure.
+
+    Args:
+        module: the op.
+        input_ranks: ``{submodule: rank of the tensor it is called on}`` where known (e.g. from one forward,
+            :func:`input_ranks_of`). Rules whose answer depends on it (``nn.Linear``, which acts on the last
+            dim; ``nn.LayerNorm`` over fewer dims than channel and space) take the answer that holds at every
+            rank where it is missing.
 
     Raises:
         UnsupportedModuleError: a module on the path has no homogeneity rule (names it, lists the supported ones).
     """
-    rule = REGISTRY.lookup(module, "homogeneity")
-    if rule is None:
-        cls = type(module)
-        raise UnsupportedModuleError(
-            f"no homogeneity rule for module type {cls.__module__}.{cls.__name__}, so its scale invariance "
-            f"cannot be decided. Supported: {', '.join(REGISTRY.supported('homogeneity'))}. Register one with "
-            f"nasdiag.cost.register_homogeneity_rule({cls.__name__}, rule), e.g. "
-            f"nasdiag.cost.delegate_rule('op') for a wrapper whose forward is self.op(x), or "
-            f"nasdiag.cost.degree_rule(1.0, 'why') for a positively homogeneous map."
-        )
-    return rule(module, analyse)
+    return _Analyser(dict(input_ranks or {}))(module)
+
+
+class _Analyser:
+    """:func:`analyse` bound to the known input ranks; rules receive it as their ``analyse`` argument."""
+
+    def __init__(self, input_ranks: Dict[nn.Module, int]):
+        self.input_ranks = input_ranks
+
+    def __call__(self, module: nn.Module) -> Homogeneity:
+        rule = REGISTRY.lookup(module, "homogeneity")
+        if rule is None:
+            cls = type(module)
+            raise UnsupportedModuleError(
+                f"no homogeneity rule for module type {cls.__module__}.{cls.__name__}, so its scale invariance "
+                f"cannot be decided. Supported: {', '.join(REGISTRY.supported('homogeneity'))}. Register one with "
+                f"nasdiag.cost.register_homogeneity_rule({cls.__name__}, rule), e.g. "
+                f"nasdiag.cost.delegate_rule('op') for a wrapper whose forward is self.op(x), or "
+                f"nasdiag.cost.degree_rule(1.0, 'why') for a positively homogeneous map."
+            )
+        return rule(module, self)
+
+    def input_rank(self, module: nn.Module) -> Optional[int]:
+        return self.input_ranks.get(module)
+
+
+def input_ranks_of(module: nn.Module, example_input) -> Dict[nn.Module, int]:
+    """``{submodule: rank of its first input}`` from one forward of ``module`` on ``example_input`` (a tensor or
+    a tuple of arguments), for :func:`analyse`. No gradient is taken, buffers (BatchNorm's running statistics)
+    are restored and the hooks removed on every path. A submodule called at two ranks is left out (unknown)."""
+    seen: Dict[nn.Module, Optional[int]] = {}
+
+    def record(sub, args):
+        rank = args[0].dim() if args and isinstance(args[0], torch.Tensor) else None
+        seen[sub] = rank if seen.get(sub, rank) == rank else None
+
+    saved = [(b, b.detach().clone()) for b in module.buffers()]
+    handles = [sub.register_forward_pre_hook(record) for sub in module.modules()]
+    try:
+        with torch.no_grad():
+            module(*(example_input if isinstance(example_input, tuple) else (example_input,)))
+    finally:
+        for h in handles:
+            h.remove()
+        with torch.no_grad():
+            for b, value in saved:
+                b.copy_(value)
+    return {sub: rank for sub, rank in seen.items() if rank is not None}
+
+
+def input_rank(analyse: Callable, module: nn.Module) -> Optional[int]:
+    """The rank of ``module``'s input as known to ``analyse`` (None if unknown, or for a plain function)."""
+    known = getattr(analyse, "input_rank", None)
+    return known(module) if known is not None else None
 
 
 def compose(parts: List[Tuple[str, Homogeneity]]) -> Homogeneity:
@@ -205,9 +263,11 @@ def compose(parts: List[Tuple[str, Homogeneity]]) -> Homogeneity:
     """
     degree: Optional[float] = 1.0
     term: Optional[Axes] = None  # axes along which the additive term so far is constant
-    # how the composition treats a term on ITS input: kept along `keeps` if constant along `needs`
+    # how the composition treats a term on ITS input: kept along `keeps` (and constant along `vacuous`) if
+    # constant along `needs`; (((A ∩ K1) ∪ V1) ∩ K2) ∪ V2 = (A ∩ K1 ∩ K2) ∪ (V1 ∩ K2) ∪ V2
     keeps: Optional[Axes] = ALL_AXES
     needs: Axes = frozenset()
+    vacuous: Axes = frozenset()
     steps = []
     for name, h in parts:
         steps.append(f"{name}[{'not homogeneous' if h.degree is None else f'degree {h.degree:g}'}]")
@@ -219,12 +279,15 @@ def compose(parts: List[Tuple[str, Homogeneity]]) -> Homogeneity:
                     None, " -> ".join(steps) + f": an additive term constant only along {sorted(term)} is not removed"
                 )
             removes = None
-            if keeps is not None and h.removes is not None and h.removes <= keeps:
-                removes = h.removes | needs
+            if keeps is not None and h.removes is not None and h.removes - vacuous <= keeps:
+                removes = (h.removes - vacuous) | needs
             why = f"invariant ({h.reason}" + (", which removes the bias before it)" if term is not None else ")")
             return Homogeneity(0.0, " -> ".join(steps) + ": " + why, h.invariant_by, removes=removes)
         if keeps is not None:
-            keeps, needs = (None, needs) if h.keeps is None else (keeps & h.keeps, needs | h.needs)
+            if h.keeps is None or not h.needs - vacuous <= keeps:
+                keeps = None
+            else:
+                keeps, needs, vacuous = keeps & h.keeps, needs | (h.needs - vacuous), (vacuous & h.keeps) | h.vacuous
         if term is not None:
             term = h.passes(term)
             if term is None:
@@ -238,7 +301,7 @@ def compose(parts: List[Tuple[str, Homogeneity]]) -> Homogeneity:
     if degree is None:
         return Homogeneity(None, " -> ".join(steps))
     why = ": affine (an additive term remains)" if term is not None else ""
-    return Homogeneity(degree, " -> ".join(steps) + why, offset=term, keeps=keeps, needs=needs)
+    return Homogeneity(degree, " -> ".join(steps) + why, offset=term, keeps=keeps, needs=needs, vacuous=vacuous)
 
 
 def degree_rule(degree: Optional[float], why: str, *, keeps: Optional[Axes] = None, needs: Axes = frozenset()) -> HomogeneityRule:
@@ -269,7 +332,8 @@ def delegate_rule(attr: str) -> HomogeneityRule:
         child = getattr(module, attr)
         h = analyse(child)
         return Homogeneity(
-            h.degree, f"{type(module).__name__}.{attr}: {h.reason}", h.invariant_by, h.offset, h.keeps, h.needs, h.removes
+            h.degree, f"{type(module).__name__}.{attr}: {h.reason}", h.invariant_by, h.offset, h.keeps, h.needs, h.removes,
+            h.vacuous,
         )
 
     return rule
@@ -280,20 +344,25 @@ def _register_homogeneity(module_type, rule) -> None:
 
 
 def _affine_layer(module, analyse):
-    """``nn.Linear`` / ``nn.Conv*``: linear in x; a bias adds a term constant along batch and space."""
-    conv = isinstance(module, nn.modules.conv._ConvNd)
-    if conv:
-        # W * o of a term o: still constant along batch; along space only without zero padding (borders)
-        unpadded = module.padding == "valid" or (not isinstance(module.padding, str) and not any(module.padding))
-        keeps = frozenset((BATCH, SPATIAL)) if unpadded else frozenset((BATCH,))
-    else:
-        keeps = frozenset((BATCH, SPATIAL))
+    """``nn.Conv*``: linear in x; a bias adds a term constant along batch and space. ``nn.Linear``: the same
+    on a 2-D input; on a higher-rank one it mixes the last (a spatial) dim, so its bias and what it passes
+    on are constant along batch and channel only; at an unknown rank, along batch only (what holds at all)."""
     has_bias = getattr(module, "bias", None) is not None
-    what = "with bias (affine: a term constant along batch and space)" if has_bias else "without bias (linear)"
-    return Homogeneity(1.0, f"{type(module).__name__} {what}", offset=frozenset((BATCH, SPATIAL)) if has_bias else None, keeps=keeps)
+    if isinstance(module, nn.modules.conv._ConvNd):
+        # W * o of a term o: still constant along batch; along space unless zero padding changes the borders
+        unpadded = module.padding == "valid" or (not isinstance(module.padding, str) and not any(module.padding))
+        keeps = frozenset((BATCH, SPATIAL)) if unpadded or module.padding_mode != "zeros" else frozenset((BATCH,))
+        offset = frozenset((BATCH, SPATIAL))
+        where = ""
+    else:
+        rank = input_rank(analyse, module)
+        offset = keeps = {2: frozenset((BATCH, SPATIAL)), None: frozenset((BATCH,))}.get(rank, frozenset((BATCH, CHANNEL)))
+        where = f" on a rank-{rank} input" if rank is not None else " on an input of unknown rank"
+    what = f"with bias (affine: a term constant along {', '.join(sorted(offset))})" if has_bias else "without bias (linear)"
+    return Homogeneity(1.0, f"{type(module).__name__}{where} {what}", offset=offset if has_bias else None, keeps=keeps)
 
 
-def _norm_groups(module: nn.Module) -> Axes:
+def _norm_groups(module: nn.Module, rank: Optional[int] = None) -> Axes:
     """The axes of one normalization group: a term constant along all of them is removed."""
     if isinstance(module, nn.modules.batchnorm._BatchNorm):
         return frozenset((BATCH, SPATIAL))
@@ -301,7 +370,14 @@ def _norm_groups(module: nn.Module) -> Axes:
         return frozenset((SPATIAL,))
     if isinstance(module, nn.GroupNorm):
         return frozenset((SPATIAL,)) if module.num_groups == module.num_channels else frozenset((CHANNEL, SPATIAL))
-    return frozenset((CHANNEL, SPATIAL))  # LayerNorm: the normalized trailing dims (at most channel and space)
+    # LayerNorm: the normalized trailing dims. Over fewer than channel and space (e.g. (H, W)), it removes a
+    # term constant along space; over channel and space, one constant along both; over the batch dim too, all.
+    normalized = len(module.normalized_shape)
+    if rank is not None and normalized >= rank:
+        return ALL_AXES
+    if rank is not None and normalized <= rank - 2:
+        return frozenset((SPATIAL,))
+    return frozenset((CHANNEL, SPATIAL))
 
 
 def _running_statistics_affine(module):
@@ -331,7 +407,26 @@ def _group_norm(module, analyse):
 
 
 def _layer_norm(module, analyse):
-    return Homogeneity(0.0, f"{type(module).__name__}: per-sample statistics", module, removes=_norm_groups(module))
+    groups = _norm_groups(module, input_rank(analyse, module))
+    return Homogeneity(0.0, f"{type(module).__name__}: per-sample statistics", module, removes=groups)
+
+
+def _dropout(module, analyse):
+    # In training, y = m ⊙ x / (1 − p) with a mask m drawn per call: positively homogeneous for that mask, but an
+    # additive term comes out multiplied by the mask, constant along nothing (elementwise dropout) or along space
+    # (channel dropout: one mask entry per sample and channel).
+    if not module.training or module.p == 0:
+        return Homogeneity(1.0, f"{type(module).__name__} in eval mode (identity)", keeps=ALL_AXES)
+    channelwise = isinstance(module, (nn.Dropout1d, nn.Dropout2d, nn.Dropout3d))
+    return Homogeneity(1.0, f"{type(module).__name__} in training (a random mask)",
+                       keeps=frozenset((SPATIAL,)) if channelwise else None)
+
+
+def _flatten(module, analyse):
+    # (B, ...) -> (B, features): a term constant along batch stays so; the result has no spatial dim
+    to_2d = module.start_dim == 1 and module.end_dim == -1
+    return Homogeneity(1.0, f"{type(module).__name__}: a reshape", keeps=frozenset((BATCH,)),
+                       vacuous=frozenset((SPATIAL,)) if to_2d else frozenset())
 
 
 def _padding(module, analyse):
@@ -349,14 +444,16 @@ def _avg_pool(module, analyse):
 
 
 _KEEPS_ALL = degree_rule(1.0, "positively homogeneous of degree 1 (passes an additive term)", keeps=ALL_AXES)
-for _t in (nn.Identity, nn.Dropout, nn.Dropout2d, nn.modules.pooling._AdaptiveAvgPoolNd):
+for _t in (nn.Identity, nn.modules.pooling._AdaptiveAvgPoolNd):
     _register_homogeneity(_t, _KEEPS_ALL)
+for _t in (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d):
+    _register_homogeneity(_t, _dropout)
 for _t in (nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AdaptiveMaxPoolNd):
     # max(c y + o) = c max(y) + o when o is constant over each window
     _register_homogeneity(_t, degree_rule(1.0, "positively homogeneous of degree 1", keeps=ALL_AXES, needs=frozenset((SPATIAL,))))
 for _t in (nn.ReLU, nn.LeakyReLU, nn.PReLU):
     _register_homogeneity(_t, degree_rule(1.0, "positively homogeneous of degree 1"))
-_register_homogeneity(nn.Flatten, degree_rule(1.0, "a reshape", keeps=frozenset((BATCH,))))
+_register_homogeneity(nn.Flatten, _flatten)
 _register_homogeneity(nn.modules.pooling._AvgPoolNd, _avg_pool)
 for _t in (nn.modules.conv._ConvNd, nn.Linear):
     _register_homogeneity(_t, _affine_layer)

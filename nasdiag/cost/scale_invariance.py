@@ -10,7 +10,11 @@ degree-0 module (a normalization using the statistics of its own input) has been
 that term (the term is constant over its normalization groups), whatever follows cannot undo the
 invariance. So ReLU → conv → BN, conv → BN → ReLU, conv → ReLU → BN (§8.2), pool → BN, conv(bias) → BN,
 conv(bias) → InstanceNorm and ReLU → conv(bias) → BN are all invariant; conv(bias) → GroupNorm(1, C)
-is not (the per-channel bias varies inside the one group, so the mean subtraction keeps b − mean(b)).
+is not (the per-channel bias varies inside the one group, so the mean subtraction keeps b − mean(b)), nor
+conv(bias) → train-mode Dropout → BN (the mask multiplies the bias), nor Linear(bias) → BatchNorm1d on a
+(B, C, L) input (the Linear acts on L, inside the norm's groups). Where the answer depends on the rank of a
+module's input (``nn.Linear``, ``nn.LayerNorm`` over fewer dims than channel and space), pass an example
+input; without one the rules answer what holds at every rank.
 
 Exactness: a normalization divides by sqrt(var + eps), so invariance holds only as eps → 0. For an
 affine-free normalization N with input x (group variance var), J_N(x)·x = N(x)·eps/(var + eps) per
@@ -32,6 +36,7 @@ from nasdiag.rules import (
     compose,
     degree_rule,
     delegate_rule,
+    input_ranks_of,
     sequential_rule,
 )
 
@@ -44,6 +49,7 @@ __all__ = [
     "degree_rule",
     "delegate_rule",
     "eps_deviation",
+    "input_ranks_of",
     "is_scale_invariant",
     "register_homogeneity_rule",
     "sequential_rule",
@@ -63,12 +69,18 @@ def register_homogeneity_rule(module_type, rule: Rule, *, overwrite: bool = Fals
     REGISTRY.register("homogeneity", module_type, rule, overwrite=overwrite)
 
 
-def is_scale_invariant(module: nn.Module) -> bool:
+def is_scale_invariant(module: nn.Module, example_input=None) -> bool:
     """True when f(c·x) = f(x) for all c > 0 (as eps → 0), i.e. the op nullifies the cost passed back
     through it (Thm. 1). Depends on train/eval mode: BatchNorm with running statistics is not invariant.
     A bias before a normalization over the axes the bias is constant on (conv bias → BatchNorm or
-    InstanceNorm) is removed by it, so such an op is invariant too."""
-    return analyse(module).invariant
+    InstanceNorm) is removed by it, so such an op is invariant too.
+
+    ``example_input`` (a tensor, or a tuple of arguments) tells the rules the rank each submodule sees
+    (:func:`~nasdiag.rules.input_ranks_of`: one forward, buffers restored). Without it, ``nn.Linear`` (which
+    acts on the last dim: the channel of a 2-D input, a spatial dim otherwise) is taken at its most cautious,
+    so Linear(bias) → BatchNorm1d is called invariant only when the example shows a 2-D input."""
+    ranks = input_ranks_of(module, example_input) if example_input is not None else None
+    return analyse(module, ranks).invariant
 
 
 # --- the deviation at finite eps ---------------------------------------------------------------

@@ -73,7 +73,7 @@ def check_mode(mode, modes=ARCH_MODES, what: str = "mode") -> str:
     if mode in modes:
         return mode
     if isinstance(mode, str):
-        name, count = split_mode(mode)
+        name = mode.split(":", 1)[0]  # "hutchinson", "hutchinson:0", "hutchinson:-2", "hutchinson:four"
         if name in COUNTED_MODES and f"{name}:<k>" in tuple(modes):
             raise CurvatureError(
                 f"curvature {what} {mode!r} needs {COUNTED_MODES[name]} (an integer >= 1) in its name, e.g. "

@@ -170,8 +170,8 @@ def _apply_rule(rc: RuleCall, h_out, mode, module_targets, needed, params, push,
     if wanted:
         per_param = rule.param_diag(call, h_out) if mode == "diag" else rule.param_approx(call, h_out)
         for attr in removed:  # a following normalization removes its effect: the curvature is exactly 0
-            if attr in per_param:
-                per_param[attr] = torch.zeros_like(per_param[attr])
+            if attr in per_param:  # (× 0 keeps a NaN or inf of the batch a NaN: flagged, not hidden)
+                per_param[attr] = per_param[attr] * 0
         for attr, key in wanted.items():
             if attr in per_param:
                 params[key] = per_param[attr] if key not in params else params[key] + per_param[attr]
@@ -185,12 +185,13 @@ def _apply_rule(rc: RuleCall, h_out, mode, module_targets, needed, params, push,
 
 def _removed_additive_params(order, children, rule_calls, module_targets) -> Dict[object, Tuple[str, ...]]:
     """``{rule-call node: (attr, ...)}``: requested parameters that only add a term constant along some
-    axes (a bias, :meth:`HessianRule.additive_params`) and whose output reaches the loss only through a
-    chain of modules that carry such a term (linear maps, max pooling) into a normalization whose groups
-    it is constant over. The normalization subtracts it exactly, so the loss does not depend on them:
-    gradient and every Hessian entry are zero. The diagonal recursion alone would report
-    ``Σ diag(H_x)`` over the channel, which is not zero (the off-diagonal terms it drops cancel it).
-    The per-module facts come from the homogeneity rules of :mod:`nasdiag.rules`."""
+    axes (a bias, :meth:`HessianRule.additive_params`) and whose output reaches the loss only through
+    modules and sums that carry such a term (linear maps, max pooling, ``+``/``-``) into normalizations whose
+    groups it is constant over, on every path of every fan-out. The normalizations subtract it exactly, so
+    the loss does not depend on them: gradient and every Hessian entry are zero. The diagonal recursion
+    alone would report ``Σ diag(H_x)`` over the channel, which is not zero (the off-diagonal terms it drops
+    cancel it). The per-module facts come from the homogeneity rules of :mod:`nasdiag.rules`, told the rank
+    each module was called at."""
     wanted = [rc for rc in rule_calls.values() if module_targets.get(rc.call.name)]
     if not wanted:
         return {}
@@ -199,36 +200,75 @@ def _removed_additive_params(order, children, rule_calls, module_targets) -> Dic
         for e in children(node):
             if e is not None:
                 consumers.setdefault(e, []).append(node)
+    ranks: Dict[object, Optional[int]] = {}
+    for rc in rule_calls.values():
+        rank = rc.call.input.dim()
+        ranks[rc.call.module] = rank if ranks.get(rc.call.module, rank) == rank else None
+    ranks = {m: r for m, r in ranks.items() if r is not None}
     out: Dict[object, Tuple[str, ...]] = {}
     for rc in wanted:
+        own = _homogeneity(rc.call.module, ranks)
         attrs = tuple(
             attr
             for attr, axes in rc.rule.additive_params(rc.call.module).items()
-            if attr in module_targets[rc.call.name] and _term_removed(rc.output_edge, frozenset(axes), consumers, rule_calls)
+            if attr in module_targets[rc.call.name]
+            and _term_removed(rc.output_edge, _term_axes(frozenset(axes), own), consumers, rule_calls, ranks)
         )
         if attrs:
             out[rc.output_edge[0]] = attrs
     return out
 
 
-def _term_removed(edge: Edge, term, consumers, rule_calls) -> bool:
-    while True:
+def _homogeneity(module, ranks):
+    try:
+        return analyse(module, ranks)
+    except UnsupportedModuleError:
+        return None
+
+
+def _term_axes(axes, own):
+    # what the Hessian rule declares, narrowed by what the homogeneity rule knows at this rank (nn.Linear on
+    # more than two dims: its bias varies along the last, a spatial dim)
+    if own is None or own.offset is None:
+        return axes
+    return axes & own.offset
+
+
+#: autograd nodes through which an additive term passes unchanged (x ± y: the term of either side stays a term)
+_SUMS = ("AddBackward0", "AddBackward1", "SubBackward0", "SubBackward1")
+
+
+def _term_removed(edge: Edge, term, consumers, rule_calls, ranks) -> bool:
+    pending, seen = [(edge, term)], set()
+    while pending:
+        edge, term = pending.pop()
+        if (edge, term) in seen:
+            continue
+        seen.add((edge, term))
         after = consumers.get(edge, [])
-        if len(after) != 1 or after[0] not in rule_calls:
+        if not after:  # the term reaches the model's output
             return False
-        rc = rule_calls[after[0]]
-        try:
-            h = analyse(rc.call.module)
-        except UnsupportedModuleError:
-            return False
-        if h.removes_term(term):
-            # a rule that holds the batch statistics fixed (NormRule(through_statistics=False)) computes the
-            # Hessian of the frozen-statistics net, in which the term is not removed
-            return getattr(rc.rule, "through_statistics", True)
-        term = h.passes(term)
-        if term is None or h.degree == 0:
-            return False
-        edge = rc.output_edge
+        for node in after:
+            rc = rule_calls.get(node)
+            if rc is None:
+                if type(node).__name__ not in _SUMS:
+                    return False
+                pending.append(((node, 0), term))
+                continue
+            h = _homogeneity(rc.call.module, ranks)
+            if h is None:
+                return False
+            if h.removes_term(term):
+                # a rule that holds the batch statistics fixed (NormRule(through_statistics=False)) computes the
+                # Hessian of the frozen-statistics net, in which the term is not removed
+                if not getattr(rc.rule, "through_statistics", True):
+                    return False
+                continue
+            passed = h.passes(term)
+            if passed is None or h.degree == 0:
+                return False
+            pending.append((rc.output_edge, passed))
+    return True
 
 
 def _apply_glue(node, slots, needed, push, grad_of, tracer: ModuleTracer, reached_from) -> None:
