@@ -1,5 +1,6 @@
 """Every registered method searches on CIFAR-10 read from a local folder of the standard python batches (a
-small fake folder here: the real one is never downloaded), records its own statistics.
+small fake folder here: the real one is never downloaded), records its own statistics and the Hessian
+diagnostics.
 
 The fake folder holds 5 × 16 training images (split into search-train / search-val) and 16 test images; one
 epoch of a tiny supernet is enough to show the method's path from the folder to the record works end to end.
@@ -33,12 +34,13 @@ def cifar_folder(tmp_path_factory):
 @pytest.mark.parametrize("method", sorted(available_methods()))
 def test_method_searches_on_a_local_cifar_folder(method, cifar_folder, tmp_path):
     config = SearchConfig(method=method, dataset="cifar10", data_dir=str(cifar_folder), epochs=1, batch_size=20,
-                          C=4, layers=3, steps=2, diagnostics=(), record=str(tmp_path / "run.h5"), figures=None,
+                          C=4, layers=3, steps=2, diagnostics=("hessian",), record=str(tmp_path / "run.h5"), figures=None,
                           threads=1, progress=False)
     result = run(config)
     record = load(config.record)
     losses = np.asarray(record["scalars/train_loss"], dtype=float)
     assert len(losses) >= 1 and np.isfinite(losses).all()
+    assert "hessian/normal/diag" in record, sorted(record)  # every method records what the diagnostics ask for
     if method in OWN_FAMILY:
         assert OWN_FAMILY[method] in record, sorted(record)
     assert result.genotype is not None

@@ -135,6 +135,7 @@ class ASMNAS(SearchMethod):
         stats = {"scalars/w_lr": torch.tensor(self.w_optimizer.param_groups[0]["lr"])}
         self.w_optimizer.zero_grad(set_to_none=True)
         loss, logits, attn, _ = self.attention_cost(x, y)
+        self._last_arch_batch = (x, y)  # the Hessian diagnostics' batch (single-level: the training batch)
         nn.utils.clip_grad_norm_(self.network.weight_parameters(), self.hp.grad_clip)
         self.w_optimizer.step()
         if not torch.isfinite(loss):
