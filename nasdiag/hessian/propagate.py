@@ -202,7 +202,7 @@ def _removed_additive_params(order, children, rule_calls, module_targets) -> Dic
                 consumers.setdefault(e, []).append(node)
     ranks: Dict[object, Optional[int]] = {}
     for rc in rule_calls.values():
-        rank = rc.call.input.dim()
+        rank = rc.call.input_rank
         ranks[rc.call.module] = rank if ranks.get(rc.call.module, rank) == rank else None
     ranks = {m: r for m, r in ranks.items() if r is not None}
     out: Dict[object, Tuple[str, ...]] = {}

@@ -67,6 +67,11 @@ class ModuleCall:
         return self._input.detach()
 
     @property
+    def input_rank(self) -> int:
+        """The rank the module was called at (valid after in-place changes of the values)."""
+        return self._input.dim()
+
+    @property
     def output(self) -> torch.Tensor:
         self._check_version(self._output, self._versions[1], "output")
         return self._output.detach()
