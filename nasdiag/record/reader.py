@@ -65,6 +65,35 @@ def open_segment_file(file: str, live: bool = True) -> h5py.File:
             raise RecordError(f"cannot open record segment {file}: {_first_line(swmr_err)}") from None
 
 
+#: the 8 bytes every HDF5 file without a user block starts with (every record segment does)
+HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+
+def not_a_record(file: str) -> str | None:
+    """Why the existing file ``file`` is not a record segment (a phrase such as "it is not an HDF5
+    file"), or None when it is one. An HDF5 file that cannot be opened counts as a damaged record
+    (None): replacing it loses nothing readable; a readable one without ``/step`` is someone else's."""
+    try:
+        with open(file, "rb") as fh:
+            head = fh.read(len(HDF5_SIGNATURE))
+    except OSError as err:
+        return f"it cannot be read ({os.strerror(err.errno) if err.errno else err})"
+    if not head:
+        return "it is empty"
+    if head != HDF5_SIGNATURE:
+        return "it is not an HDF5 file (no HDF5 signature)"
+    try:
+        f = open_segment_file(file, live=False)
+    except RecordError:
+        return None
+    with f:
+        try:
+            ours = schema.STEP in f or schema.PRESENT in f
+        except _READ_ERRORS:
+            return None
+    return None if ours else "it is an HDF5 file without the /step of a nasdiag record"
+
+
 @functools.lru_cache(maxsize=None)
 def _metadata_read_attempts():
     """``H5Pset_metadata_read_attempts`` of the HDF5 library h5py loaded (h5py does not expose it),

@@ -103,6 +103,15 @@ def segment_path(path: str, index: int) -> str:
     return f"{root}.seg{index:04d}{ext}"
 
 
+def segment_owner(path: str) -> str | None:
+    """The record whose segment i > 0 `segment_path` would name ``path`` (``run.seg0001.h5`` -> ``run.h5``), else None."""
+    for root, ext in (os.path.splitext(path), (path, "")):  # "run.seg0001" continues a record "run" without suffix
+        stem, dot, number = root.rpartition(".seg")
+        if dot and os.path.basename(stem) and len(number) == 4 and number.isdigit():
+            return stem + ext
+    return None
+
+
 def lock_path(path: str) -> str:
     """The writer's lock file of the record at ``path``."""
     return path + ".lock"

@@ -233,14 +233,68 @@ def _probe_writable(folder: str, what: str) -> None:
         raise ConfigError(f"cannot write the {what} under {folder}: {describe_os_error(err)}") from None
 
 
+#: files written next to a record ``<out>``, by suffix (the checkpoint is `SearchConfig.checkpoint`)
+SIDE_FILES = ((".ckpt.tmp", "checkpoint being written"), (".ckpt", "checkpoint"), (".lock", "writer lock"),
+              (".tmp", "segment being written"))
+
+
+def side_file_of(path: str) -> Optional[Tuple[str, str]]:
+    """``(record, what)`` when ``path`` is named like a file nasdiag keeps next to the record ``record``
+    (its checkpoint, lock, a temporary file or a later segment), else None."""
+    for suffix, what in SIDE_FILES:
+        if path.endswith(suffix) and os.path.basename(path[: -len(suffix)]):
+            return path[: -len(suffix)], what
+    from nasdiag.record.schema import segment_owner
+
+    owner = segment_owner(path)
+    return None if owner is None else (owner, "continuation segment")
+
+
+def _leftovers(config: SearchConfig) -> List[str]:
+    """Files of a previous run at ``config.record`` other than the record itself: later segments, the checkpoint."""
+    from nasdiag.record.schema import list_segments
+
+    found = [file for index, file in list_segments(os.fspath(config.record)) if index > 0]
+    if os.path.exists(config.checkpoint):
+        found.append(config.checkpoint)
+    return found
+
+
 def check_paths(config: SearchConfig) -> None:
-    """Refuse a record or figure location that cannot work, before any search runs; touches nothing."""
+    """Refuse a record or figure location that cannot work, before any search runs; touches nothing.
+
+    An existing file at the record path that is not a record, or a path named like a record's side file
+    (``<record>.ckpt``, ``.lock``, ``<root>.segNNNN<ext>``), is refused even with ``force``: replacing it
+    would destroy something that is not this run's record."""
     if config.record is not None:
         record = os.fspath(config.record)
+        if not record.strip():
+            raise ConfigError("the record path (--out) is empty; pass a file path such as runs/search.h5")
         if os.path.isdir(record):
             raise ConfigError(f"record path {record} is a folder; pass a file path such as {os.path.join(record, 'run.h5')}")
+        side = side_file_of(record)
+        if side is not None:
+            raise ConfigError(f"record path {record} is named like the {side[1]} of the record {side[0]} (nasdiag keeps "
+                              "<record>.ckpt, <record>.lock and <root>.segNNNN<ext> next to a record); choose another --out, "
+                              "such as one ending in .h5")
+        if os.path.exists(record):
+            from nasdiag.record.reader import not_a_record
+
+            reason = not_a_record(record)
+            if reason is not None:
+                raise ConfigError(f"{record} exists and is not a nasdiag record: {reason}; it is never replaced, "
+                                  "not even with --force; choose another --out")
         if os.path.exists(record) and not (config.resume or config.force):
             raise ConfigError(f"a record already exists at {record}; pass --resume to continue it or --force to replace it")
+        leftovers = [] if os.path.exists(record) or config.force else _leftovers(config)
+        if leftovers:
+            names = ", ".join(os.path.basename(f) for f in leftovers)
+            if config.resume:
+                raise ConfigError(f"cannot resume {record}: the record is missing and only leftover files of a previous "
+                                  f"run remain ({names}); restore the record, or pass --force instead of --resume to "
+                                  "replace them")
+            raise ConfigError(f"leftover files of a previous run at {record} ({names}) but no record; pass --force to "
+                              "replace them or choose another --out")
         if config.resume and not os.path.exists(record):
             raise ConfigError(f"nothing to resume at {record}: there is no record; drop --resume to start a run")
         _probe_writable(os.path.dirname(os.path.abspath(record)), "record")

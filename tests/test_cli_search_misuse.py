@@ -1,0 +1,64 @@
+"""``nasdiag search`` misused by a new user: every mistake is one line on stderr, exit code 2, and nothing
+that exists is touched (`refused` compares the folder's sha256s before and after). Paths another run or
+the user owns are never replaced, not even with --force."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from nasdiag.cli import main
+from test_cli_errors import TINY, refused
+
+
+def _search(out, *extra):
+    return ["search", *TINY, "--out", str(out), *extra]
+
+
+def _foreign_files(folder: Path) -> None:
+    import h5py
+
+    (folder / "b2.h5.ckpt").write_bytes(b"PK\x03\x04 a checkpoint of another run")
+    (folder / "b2.h5.lock").write_text('{"pid": 1}')
+    (folder / "b2.seg0001.h5").write_bytes(b"\x89HDF\r\n\x1a\n segment of another run")
+    (folder / "notes.txt").write_text("my notes, not a record\n")
+    (folder / "empty.h5").write_bytes(b"")
+    with h5py.File(folder / "data.h5", "w") as f:  # an HDF5 file, but not a record
+        f.create_dataset("x", data=[1.0, 2.0])
+
+
+@pytest.mark.parametrize("flag", [[], ["--force"], ["--resume"]])
+@pytest.mark.parametrize("name,needle", [
+    ("b2.h5.ckpt", "named like the checkpoint of the record"),
+    ("b2.h5.lock", "named like the writer lock of the record"),
+    ("b2.seg0001.h5", "named like the continuation segment of the record"),
+    ("new.seg0002.h5", "named like the continuation segment of the record"),  # also when nothing exists yet
+    ("notes.txt", "is not a nasdiag record: it is not an HDF5 file"),
+    ("empty.h5", "is not a nasdiag record: it is empty"),
+    ("data.h5", "is not a nasdiag record: it is an HDF5 file without the /step"),
+])
+def test_out_that_is_not_a_record_is_never_replaced(name, needle, flag, tmp_path, capsys):
+    _foreign_files(tmp_path)
+    line = refused(_search(tmp_path / name, *flag), tmp_path, needle, capsys)
+    assert "choose another --out" in line
+
+
+def test_empty_out(tmp_path, capsys):
+    refused(["search", *TINY, "--out", ""], tmp_path, "the record path (--out) is empty", capsys)
+
+
+def test_leftovers_without_their_record(tmp_path, capsys):
+    """The main record was deleted, its later segment and checkpoint remain: the CLI names them in CLI terms,
+    and --force replaces them (the stale segment would otherwise be read as part of the new record)."""
+    out = tmp_path / "b5.h5"
+    (tmp_path / "b5.seg0001.h5").write_bytes(b"\x89HDF\r\n\x1a\n stale segment")
+    Path(str(out) + ".ckpt").write_bytes(b"stale checkpoint")
+    line = refused(_search(out), tmp_path, "leftover files of a previous run at", capsys)
+    assert "b5.seg0001.h5, b5.h5.ckpt" in line and "pass --force" in line and "=True" not in line
+    refused(_search(out, "--resume"), tmp_path, "the record is missing and only leftover files", capsys)
+    assert main(_search(out, "--force")) == 0
+    capsys.readouterr()
+    assert sorted(os.listdir(tmp_path)) == ["b5.h5", "b5.h5.ckpt"]
+    assert Path(str(out) + ".ckpt").read_bytes() != b"stale checkpoint"
