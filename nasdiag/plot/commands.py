@@ -7,6 +7,9 @@ side on one colour scale. A record that cannot be read is reported in one line a
 Exit codes of ``plot``: 0 when every record drew, 1 when some records were skipped but at least one
 drew, 2 (one-line error) when none drew (so a single unreadable record exits 2).
 
+``nasdiag report RECORD --out PAGE.html`` replaces an existing PAGE only if it is a page ``report``
+wrote before, or with ``--force``; never the record it reads, and never an HDF5 file.
+
 Importing this module imports only argparse: building the CLI parser must stay instant.
 """
 
@@ -15,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 #: kept in step with `nasdiag.plot.registry.FORMATS` (a test checks), spelled here so the parser needs no import
 FORMATS = ("png", "pdf", "svg")
@@ -36,7 +39,7 @@ def add_plot_arguments(subparsers) -> argparse.ArgumentParser:
                    help="comma-separated figure names or groups (e.g. cost,hessian,arch_evolution); default: all")
     p.add_argument("--at", default=None, metavar="ROWS",
                    help="rows of the heatmaps: comma-separated init, final or step numbers (default: final)")
-    p.add_argument("--dpi", type=int, default=150, help="resolution of png figures (default 150)")
+    p.add_argument("--dpi", type=positive_dpi, default=150, help="resolution of png figures (default 150)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar over records")
     p.set_defaults(handler=run_plot)
     return p
@@ -51,13 +54,78 @@ def add_report_arguments(subparsers) -> argparse.ArgumentParser:
     p.add_argument("record", help="HDF5 record")
     p.add_argument("--out", required=True, help="HTML file to write, e.g. report.html")
     p.add_argument("--figures", default=None, metavar="NAMES", help="comma-separated figure names or groups; default: all")
-    p.add_argument("--dpi", type=int, default=110, help="resolution of the inlined images (default 110)")
+    p.add_argument("--dpi", type=positive_dpi, default=110, help="resolution of the inlined images (default 110)")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing --out that is not a page nasdiag report wrote (never the record read "
+                        "or any HDF5 file)")
     p.set_defaults(handler=run_report)
     return p
 
 
+def positive_dpi(text: str) -> int:
+    """``--dpi``: an integer >= 1 (matplotlib refuses 0 and negative resolutions with a traceback)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a whole number of dots per inch, e.g. 150, not {text!r}")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive number of dots per inch, e.g. 150, not {value}")
+    return value
+
+
 def _figure_names(text):
-    return None if text is None else [t for t in text.split(",") if t.strip()]
+    """``--figures`` as a list (None: all figures). Given but naming nothing (``''``, ``','``) is refused:
+    it would draw nothing and still exit 0."""
+    if text is None:
+        return None
+    names = [t for t in text.split(",") if t.strip()]
+    if not names:
+        from nasdiag.plot.registry import PlotError, registered
+
+        specs = registered()
+        groups = sorted({s.group for s in specs.values()} - set(specs))
+        raise PlotError(f"--figures {text!r} names no figure; give comma-separated names ({', '.join(specs)}) or "
+                        f"groups ({', '.join(groups)}), or leave --figures out to draw all")
+    return names
+
+
+def file_in_the_way(path: Path) -> Optional[Path]:
+    """``path`` or its nearest existing ancestor if that is not a folder (so no folder can be made there);
+    None when ``path`` is an existing folder or could be created as one."""
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            return None if candidate.is_dir() else candidate
+    return None
+
+
+def _check_folder(out: Path, record: Optional[str] = None) -> None:
+    """Refuse (one line) a figure folder that a file is in the way of: ``--out`` itself, or with ``record``
+    the folder of that record under ``--out``."""
+    from nasdiag.plot.registry import PlotError
+
+    blocker = file_in_the_way(out)
+    if blocker is None:
+        return
+    if record is not None:
+        raise PlotError(f"the figure folder {out} (for {record}) would replace the existing file {blocker}; "
+                        f"move that file away or give another --out")
+    if blocker == out:
+        raise PlotError(f"--out {out} is an existing file, but plot writes one file per figure into a folder: "
+                        f"give a folder, e.g. --out {out.with_suffix('')}-figs")
+    raise PlotError(f"--out {out} cannot be a folder: {blocker} is a file; give a folder path outside it, "
+                    f"e.g. --out {blocker.with_suffix('')}-figs")
+
+
+def _check_at_steps(at_tokens, record, record_path) -> None:
+    """Refuse an ``--at`` step after the record's last step: its figure would show the last rows under a
+    file name promising a later step."""
+    from nasdiag.plot.registry import PlotError
+
+    last = int(record["step"][-1])
+    late = [t for t in at_tokens or () if isinstance(t, int) and t > last]
+    if late:
+        raise PlotError(f"--at {','.join(map(str, late))}: record {record_path} ends at step {last} "
+                        f"(row {len(record['step'])}); give steps up to {last}, or init/final")
 
 
 def _folders(records: List[str], out: Path) -> Dict[str, Path]:
@@ -80,13 +148,15 @@ def run_plot(args) -> int:
 
     figures = _figure_names(args.figures)
     select(figures)  # unknown names fail before any record is read
-    parse_at(args.at)
+    at_tokens = parse_at(args.at)
     out = Path(args.out)
+    _check_folder(out)
     if len(args.records) == 1:
         record_path = args.records[0]
         record = load(record_path)  # RecordError "no record at ..." if there is none
         if len(record["step"]) == 0:
             raise PlotError(f"record {record_path} has no committed rows yet; nothing to plot")
+        _check_at_steps(at_tokens, record, record_path)
         drawn = draw_record(record, out, args.format, figures, args.at, args.dpi)
         for line in drawn.skipped:
             print(f"skipped {line}", file=sys.stderr)
@@ -96,6 +166,8 @@ def run_plot(args) -> int:
     from tqdm.auto import tqdm
 
     folders = _folders(args.records, out)
+    for record_path, folder in (*folders.items(), ("the comparison", out / "compare")):
+        _check_folder(folder, record_path)
     loaded, failed = {}, []
     bar = tqdm(args.records, unit="record", disable=args.no_progress, file=sys.stderr, dynamic_ncols=True)
     for record_path in bar:
@@ -104,6 +176,7 @@ def run_plot(args) -> int:
             record = load(record_path)
             if len(record["step"]) == 0:
                 raise PlotError("no committed rows yet")
+            _check_at_steps(at_tokens, record, record_path)
             drawn = draw_record(record, folders[record_path], args.format, figures, args.at, args.dpi)
         except NasdiagError as exc:
             failed.append(record_path)
@@ -132,6 +205,6 @@ def run_report(args) -> int:
 
     figures = _figure_names(args.figures)
     select(figures)
-    path = write_report(args.record, args.out, figures, args.dpi)
+    path = write_report(args.record, args.out, figures, args.dpi, force=args.force)
     print(f"report: {path}")
     return 0

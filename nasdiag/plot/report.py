@@ -4,6 +4,11 @@ Images are PNGs inlined as base64 ``data:`` URIs and the style sheet is inline, 
 nothing from the network and can be mailed as one file. It reads the record through the SWMR reader,
 so it also works while a search is still writing the record (it then says so and shows the rows
 committed so far).
+
+Writing never loses a file: the page replaces an existing file only if that file is a page this module
+wrote (it starts with :data:`PAGE_START`) or with ``force``; the record being read (its segments, lock
+and checkpoint) and any HDF5 file are never replaced. The page is built in a temporary file next to it
+that is removed on every failure path.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import html
 import io
 import json
 import os
+import secrets
 import time
 import warnings
 from pathlib import Path
@@ -34,6 +40,14 @@ GROUP_TITLES = {
     "sparsity": "Sparsity (SparseNAS)",
     "bayes": "Sparse Bayesian statistics (BayesNAS)",
 }
+
+#: how every page starts; the generator marker tells a previous report (safe to replace) from any other file
+PAGE_START = "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><meta name='generator' content='nasdiag report'>"
+#: how pages written before the marker existed start
+LEGACY_PAGE_START = "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>nasdiag report: "
+#: HDF5's format signature; a superblock sits at byte 0 or 512 * 2**n (after a user block)
+HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+HDF5_SUFFIXES = (".h5", ".hdf5", ".hdf", ".he5")
 
 CSS = """
 body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;max-width:1100px;margin:24px auto;padding:0 16px;color:#222}
@@ -160,6 +174,8 @@ def build_report(record_path, figures: Optional[Sequence[str]] = None, dpi: int 
     from nasdiag.plot.style import paper_style
     from nasdiag.record import load, load_meta
 
+    if not isinstance(dpi, int) or dpi < 1:
+        raise PlotError(f"dpi must be a positive number of dots per inch, e.g. 110, not {dpi!r}")
     record = load(record_path)
     meta = load_meta(record_path)
     if len(record["step"]) == 0:
@@ -227,8 +243,8 @@ def build_report(record_path, figures: Optional[Sequence[str]] = None, dpi: int 
     skipped_html = ("<h2>Not drawn</h2><ul class='skipped'>" + "".join(f"<li>{html.escape(s)}</li>" for s in skipped)
                     + "</ul>") if skipped else ""
     return (
-        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
-        f"<title>nasdiag report: {html.escape(name)}</title><style>{CSS}</style></head><body>"
+        PAGE_START
+        + f"<title>nasdiag report: {html.escape(name)}</title><style>{CSS}</style></head><body>"
         f"<h1>nasdiag report: {html.escape(name)}</h1>"
         f"<p>{html.escape(str(meta.get('method', '?')))} run, generated {time.strftime('%Y-%m-%d %H:%M:%S %Z')} "
         f"from {len(steps)} committed rows.</p>{_live_note(record_path)}"
@@ -238,7 +254,82 @@ def build_report(record_path, figures: Optional[Sequence[str]] = None, dpi: int 
     )
 
 
-def write_report(record_path, out_html, figures: Optional[Sequence[str]] = None, dpi: int = 110) -> Path:
+def is_previous_report(path: Path) -> bool:
+    """Whether the file at ``path`` is a page :func:`write_report` wrote (judged by how it starts)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(PAGE_START.encode()))
+    except OSError:
+        return False
+    return head.startswith((PAGE_START.encode(), LEGACY_PAGE_START.encode()))
+
+
+def is_hdf5(path: Path) -> bool:
+    """Whether ``path`` is named or built like an HDF5 file (signature at byte 0 or 512 * 2**n)."""
+    if path.suffix.lower() in HDF5_SUFFIXES:
+        return True
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            offset = 0
+            while offset + len(HDF5_SIGNATURE) <= size:
+                f.seek(offset)
+                if f.read(len(HDF5_SIGNATURE)) == HDF5_SIGNATURE:
+                    return True
+                offset = 512 if offset == 0 else 2 * offset
+    except OSError:
+        return False
+    return False
+
+
+def _record_files(record_path) -> List[str]:
+    """The files that make up the record at ``record_path``: segments, writer lock, checkpoint."""
+    from nasdiag.record.schema import list_segments, lock_path
+
+    path = os.fspath(record_path)
+    return [path, lock_path(path), path + ".ckpt"] + [file for _, file in list_segments(path)]
+
+
+def _same_file(a, b) -> bool:
+    try:
+        return os.path.samefile(a, b)  # also a hard link
+    except OSError:
+        return False
+
+
+def check_report_out(record_path, out_html, force: bool = False) -> None:
+    """Refuse (`PlotError`, one line) an ``out_html`` the page must not be written to: a folder (also a
+    path ending in a slash), a path under a file, the record being read (any of its files), an HDF5 file
+    (even with ``force``), or an existing file that is not a previous report (unless ``force``)."""
+    text = os.fspath(out_html)
+    out = Path(text)
+    if out.is_dir() or text.endswith((os.sep, "/")):
+        raise PlotError(f"--out {text} is a folder; give the HTML file to write, e.g. --out {out / 'report.html'}")
+    for ancestor in out.parents:
+        if ancestor.exists():
+            if not ancestor.is_dir():
+                raise PlotError(f"--out {text} cannot be written: {ancestor} is a file, not a folder; "
+                                f"give a path in a folder, e.g. --out {ancestor.with_suffix('')}-report.html")
+            break
+    if not (out.exists() or out.is_symlink()):
+        return
+    target = os.path.realpath(out)
+    for file in _record_files(record_path):
+        if os.path.exists(file) and (os.path.realpath(file) == target or _same_file(file, out)):
+            raise PlotError(f"--out {text} is the record being read ({file}); give an HTML file, "
+                            f"e.g. --out {Path(os.fspath(record_path)).with_suffix('')}-report.html")
+    if not out.is_file():
+        raise PlotError(f"--out {text} exists and is not a regular file; give another path, e.g. report.html")
+    if is_hdf5(out):
+        raise PlotError(f"--out {text} is an HDF5 file (a record?); report never replaces one, not even with "
+                        "--force: give another path, e.g. report.html")
+    if not force and not is_previous_report(out):
+        raise PlotError(f"--out {text} exists and is not a page nasdiag report wrote; give another path, "
+                        "or pass --force to replace it")
+
+
+def write_report(record_path, out_html, figures: Optional[Sequence[str]] = None, dpi: int = 110,
+                 force: bool = False) -> Path:
     """Write one self-contained HTML page for the record at ``record_path``.
 
     The page holds the run's meta (method, hyperparameters, data, machine, versions, segments and
@@ -249,17 +340,35 @@ def write_report(record_path, out_html, figures: Optional[Sequence[str]] = None,
 
     Args:
         record_path: an HDF5 record, also one still being written.
-        out_html: the page to write (its folder is created).
+        out_html: the page to write (its folder is created). An existing file there is replaced only
+            if it is a previous report or ``force`` is set (see :func:`check_report_out`).
         figures: figure names to include (``nasdiag plot --figures``); None: all.
-        dpi: resolution of the inlined PNGs.
+        dpi: resolution of the inlined PNGs (>= 1).
+        force: replace an existing ``out_html`` that is not a previous report (never an HDF5 file or
+            a file of the record being read).
 
     Returns:
         The written path.
+
+    Raises:
+        PlotError: ``out_html`` must not be written (checked before the record is read and again just
+            before the page replaces it), or the record has nothing to report.
     """
-    text = build_report(record_path, figures, dpi)
+    check_report_out(record_path, out_html, force)
     out = Path(out_html)
+    text = build_report(record_path, figures, dpi)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, out)
+    # a fresh name ("x": never an existing file), removed on every path where it does not become the page
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    created = False
+    try:
+        with open(tmp, "x", encoding="utf-8") as f:
+            created = True
+            f.write(text)
+        check_report_out(record_path, out, force)  # the build takes a while: the path may have changed
+        os.replace(tmp, out)
+        created = False
+    finally:
+        if created:
+            tmp.unlink(missing_ok=True)
     return out
