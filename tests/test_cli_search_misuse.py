@@ -62,3 +62,45 @@ def test_leftovers_without_their_record(tmp_path, capsys):
     capsys.readouterr()
     assert sorted(os.listdir(tmp_path)) == ["b5.h5", "b5.h5.ckpt"]
     assert Path(str(out) + ".ckpt").read_bytes() != b"stale checkpoint"
+
+
+@pytest.mark.parametrize("method,item,needle", [
+    ("darts", "alpha_betas=0.5", "alpha_betas=0.5 has 1 value(s), it needs 2: give them comma-separated, e.g. alpha_betas=0.5,0.999"),
+    ("darts", "alpha_betas=0.5,0.999,0.1", "has 3 value(s), it needs 2"),
+    ("darts", "alpha_betas=2,3", "alpha_betas=2.0,3.0 is out of range (element 2.0); each value must be < 1"),
+    ("darts", "alpha_betas=0.5,1", "(element 1.0); each value must be < 1"),  # Adam needs β < 1
+    ("darts", "alpha_betas=-0.1,0.9", "(element -0.1); each value must be >= 0"),
+    ("proxyless", "alpha_betas=0", "has 1 value(s), it needs 2"),
+    ("darts", "w_lr=inf", "w_lr=inf is not a finite number"),
+    ("darts", "w_lr=1e400", "w_lr=inf is not a finite number"),  # overflows to inf when parsed
+    ("darts", "alpha_lr=nan", "alpha_lr=nan is not a finite number"),
+    ("darts", "w_lr_min=1", "w_lr_min=1.0 is above w_lr=0.025: the schedule would rise"),
+    ("asmnas", "w_lr_min=0.5", "w_lr_min=0.5 is above w_lr=0.025"),
+    ("snas", "tau_min=2", "tau_min=2.0 is above tau0=1.0"),
+])
+def test_bad_hyperparameter_values_refused_before_anything_is_written(method, item, needle, tmp_path, capsys):
+    refused(_search(tmp_path / "run.h5", "--method", method, "--hp", item), tmp_path, needle, capsys)
+
+
+def test_every_float_and_tuple_hyperparameter_is_checked():
+    """Each method's every float field refuses inf, every tuple field a wrong length (a method added later is covered)."""
+    import typing
+
+    from nasdiag.errors import ConfigError
+    from nasdiag.search.registry import available_methods
+
+    checked = 0
+    for name, cls in available_methods().items():
+        hints = typing.get_type_hints(cls.Hyperparameters)
+        for f in cls.Hyperparameters.fields():
+            default = getattr(cls.Hyperparameters(), f.name)
+            if hints[f.name] is float:
+                bad = "inf"
+            elif isinstance(default, tuple):
+                bad = ",".join(map(str, default + default[:1]))
+            else:
+                continue
+            with pytest.raises(ConfigError, match=f.name):
+                cls.Hyperparameters.parse([f"{f.name}={bad}"], name)
+            checked += 1
+    assert checked > 20

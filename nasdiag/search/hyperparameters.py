@@ -8,7 +8,10 @@ defaults are the paper's values and whose fields carry a docstring-like ``help``
         alpha_lr: float = hp(3e-4, "Adam learning rate of α (DARTS §3, CIFAR-10 setting).", low=0)
 
 The CLI's ``--hp key=value`` strings are parsed against the field types; an unknown key or a bad value
-raises a one-line `ConfigError` that lists the valid keys.
+raises a one-line `ConfigError` that lists the valid keys. Every check runs when the hyperparameters are
+built, before a search writes anything: a float must be finite, a tuple has the length of its default and
+each of its elements lies in the field's range, and a floor ``<name>_min`` may not exceed its start value
+``<name>`` or ``<name>0`` (``w_lr_min <= w_lr``, ``tau_min <= tau0``): a schedule would rise instead of decay.
 """
 
 from __future__ import annotations
@@ -23,11 +26,12 @@ from nasdiag.errors import ConfigError
 
 
 def hp(default: Any, help: str, *, low: Optional[float] = None, high: Optional[float] = None,
-       low_open: bool = False, choices: Optional[Tuple] = None):
+       low_open: bool = False, high_open: bool = False, choices: Optional[Tuple] = None):
     """A hyperparameter field: its default (the paper's), one sentence of help saying where the
-    default comes from, and an optional range (``low``/``high`` inclusive unless ``low_open``) or
-    ``choices``."""
-    meta = {"help": help, "low": low, "high": high, "low_open": low_open, "choices": choices}
+    default comes from, and an optional range (``low``/``high`` inclusive unless ``low_open``/``high_open``;
+    for a tuple, the range of each element, and the tuple keeps the default's length) or ``choices``."""
+    meta = {"help": help, "low": low, "high": high, "low_open": low_open, "high_open": high_open, "choices": choices,
+            "length": len(default) if isinstance(default, tuple) else None}
     if isinstance(default, (list, dict, set)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -93,21 +97,61 @@ class Hyperparameters:
         return dataclasses.replace(self, **changes)
 
     def validate(self) -> None:
-        """Check every field against its declared range/choices; raises `ConfigError`."""
+        """Check every field against its declared range/choices/length, and every floor against its start
+        value (see the module docstring); raises `ConfigError`."""
         for f in self.fields():
             value = getattr(self, f.name)
             m = f.metadata
             if m.get("choices") is not None and value not in m["choices"]:
                 raise ConfigError(f"hyperparameter {f.name}={value!r} is not one of {list(m['choices'])}")
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                if isinstance(value, float) and math.isnan(value):
-                    raise ConfigError(f"hyperparameter {f.name} is NaN; give a number")
-                low, high = m.get("low"), m.get("high")
-                if low is not None and (value < low or (m.get("low_open") and value == low)):
-                    op = ">" if m.get("low_open") else ">="
-                    raise ConfigError(f"hyperparameter {f.name}={value!r} is out of range; it must be {op} {low}")
-                if high is not None and value > high:
-                    raise ConfigError(f"hyperparameter {f.name}={value!r} is out of range; it must be <= {high}")
+            if isinstance(value, tuple):
+                length = m.get("length")
+                if length is not None and len(value) != length:
+                    default = ",".join(map(str, f.default))
+                    raise ConfigError(f"hyperparameter {f.name}={_plain_text(value)} has {len(value)} value(s), it needs "
+                                      f"{length}: give them comma-separated, e.g. {f.name}={default}")
+                for element in value:
+                    _check_number(f.name, element, m, shown=_plain_text(value))
+            else:
+                _check_number(f.name, value, m)
+        self._check_floors()
+
+    def _check_floors(self) -> None:
+        """A floor ``<name>_min`` above its start value ``<name>`` (or ``<name>0``) would make a schedule rise."""
+        values = {f.name: getattr(self, f.name) for f in self.fields()}
+        for name, floor in values.items():
+            if not name.endswith("_min") or not _is_number(floor):
+                continue
+            stem = name[: -len("_min")]
+            start_key = next((k for k in (stem, stem + "0") if _is_number(values.get(k))), None)
+            if start_key is not None and floor > values[start_key]:
+                raise ConfigError(f"hyperparameter {name}={floor!r} is above {start_key}={values[start_key]!r}: the "
+                                  f"schedule would rise instead of decay; give {name} <= {start_key}")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _plain_text(value: tuple) -> str:
+    return ",".join(map(str, value))
+
+
+def _check_number(name: str, value, meta: Mapping, shown: Optional[str] = None) -> None:
+    """``value`` (a field, or one element of a tuple field shown as ``shown``) against the field's range."""
+    if not _is_number(value):
+        return
+    what = f"{name}={shown if shown is not None else repr(value)}"
+    element = "" if shown is None else f" (element {value!r})"
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"hyperparameter {what} is not a finite number{element}; give a finite value")
+    low, high = meta.get("low"), meta.get("high")
+    if low is not None and (value < low or (meta.get("low_open") and value == low)):
+        op = ">" if meta.get("low_open") else ">="
+        raise ConfigError(f"hyperparameter {what} is out of range{element}; {'each value' if element else 'it'} must be {op} {low}")
+    if high is not None and (value > high or (meta.get("high_open") and value == high)):
+        op = "<" if meta.get("high_open") else "<="
+        raise ConfigError(f"hyperparameter {what} is out of range{element}; {'each value' if element else 'it'} must be {op} {high}")
 
 
 def _type_name(tp) -> str:

@@ -46,7 +46,7 @@ class DARTS(SearchMethod):
         w_weight_decay: float = hp(3e-4, "Weight decay of w (DARTS §A.1.1).", low=0)
         grad_clip: float = hp(5.0, "Gradient-norm clip of w (DARTS code default).", low=0, low_open=True)
         alpha_lr: float = hp(3e-4, "Adam learning rate of α (DARTS §A.1.1).", low=0, low_open=True)
-        alpha_betas: Tuple[float, float] = hp((0.5, 0.999), "Adam betas of α (DARTS §A.1.1).")
+        alpha_betas: Tuple[float, float] = hp((0.5, 0.999), "Adam betas of α (DARTS §A.1.1).", low=0, high=1, high_open=True)
         alpha_weight_decay: float = hp(1e-3, "Weight decay of α (DARTS §A.1.1).", low=0)
 
     def build(self) -> None:

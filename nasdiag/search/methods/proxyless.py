@@ -63,7 +63,7 @@ class ProxylessNAS(DARTS):
     class Hyperparameters(DARTS.Hyperparameters):
         alpha_lr: float = hp(1e-3, "Adam learning rate of α (ProxylessNAS code default).", low=0, low_open=True)
         alpha_betas: Tuple[float, float] = hp((0.0, 0.999), "Adam betas of α (ProxylessNAS code default; β1 = 0 "
-                                                            "leaves unsampled paths unmoved).")
+                                                            "leaves unsampled paths unmoved).", low=0, high=1, high_open=True)
         alpha_weight_decay: float = hp(0.0, "Weight decay of α (ProxylessNAS code default).", low=0)
 
     def build(self) -> None:
