@@ -104,3 +104,13 @@ def test_every_float_and_tuple_hyperparameter_is_checked():
                 cls.Hyperparameters.parse([f"{f.name}={bad}"], name)
             checked += 1
     assert checked > 20
+
+
+@pytest.mark.parametrize("device", ["mps", "cuda:99"])
+def test_unavailable_device_names_the_available_ones(device, tmp_path, capsys):
+    import torch
+
+    if device == "mps" and torch.backends.mps.is_available():
+        pytest.skip("this machine has an MPS device")
+    line = refused(_search(tmp_path / "run.h5", "--device", device), tmp_path, f"device {device!r} is not available", capsys)
+    assert "use one of auto, cpu" in line

@@ -319,14 +319,27 @@ def _resolve_method(config: SearchConfig):
     return cls, hp
 
 
+def available_devices() -> List[str]:
+    """The ``device`` values this machine can run: auto, cpu, and cuda, cuda:0 .. cuda:N-1 (mps) where available."""
+    names = ["auto", "cpu"]
+    if torch.cuda.is_available():
+        names += ["cuda"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        names.append("mps")
+    return names
+
+
 def _device(name: str, world: int):
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    available = available_devices()
+    if name not in available:
+        why = "CUDA is not available" if name.startswith("cuda") and not torch.cuda.is_available() else (
+            f"this machine has {torch.cuda.device_count()} CUDA device(s)" if name.startswith("cuda")
+            else "this PyTorch build or machine does not support it")
+        raise ConfigError(f"device {name!r} is not available ({why}); use one of {', '.join(available)}")
     device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {name!r} requested but CUDA is not available; use --device cpu")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise ConfigError(f"device {name!r} does not exist: {torch.cuda.device_count()} CUDA device(s)")
     if world > 1 and device.index is not None:
         raise ConfigError(f"under torchrun the device must be auto, cuda or cpu (each rank takes its own GPU), not {name!r}")
     return device
