@@ -114,3 +114,25 @@ def test_unavailable_device_names_the_available_ones(device, tmp_path, capsys):
         pytest.skip("this machine has an MPS device")
     line = refused(_search(tmp_path / "run.h5", "--device", device), tmp_path, f"device {device!r} is not available", capsys)
     assert "use one of auto, cpu" in line
+
+
+@pytest.fixture(scope="module")
+def hessian_run(tmp_path_factory) -> Path:
+    """A finished one-epoch run recording the Hessian diagonal in mode approx."""
+    out = tmp_path_factory.mktemp("hessian") / "run.h5"
+    tiny = [a if a != "none" else "hessian" for a in TINY]  # --diagnostics hessian
+    assert main(["search", *tiny, "--out", str(out)]) == 0
+    return out
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--diagnostics", "hessian", "--hessian-mode", "ggn"], "hessian_mode='ggn' (recorded 'approx')"),
+    (["--diagnostics", "hessian", "--spectrum-every", "1"], "spectrum_every=1 (recorded 0)"),
+    (["--diagnostics", "cost,hessian"], "diagnostics=['cost', 'hessian'] (recorded ['hessian'])"),
+    (["--diagnostics", "none"], "diagnostics=[] (recorded ['hessian'])"),
+])
+def test_resume_keeps_what_is_recorded(hessian_run, extra, needle, capsys):
+    """Epoch 0 was recorded in mode approx: a resume in another mode would mix modes under one meta."""
+    argv = ["search", *TINY, "--epochs", "2", "--out", str(hessian_run), "--resume", *extra]
+    refused(argv, hessian_run.parent, needle, capsys)
+    capsys.readouterr()

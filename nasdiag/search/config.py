@@ -30,6 +30,10 @@ _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
 RUN_DEFINING = ("method", "hp", "dataset", "data_dir", "C", "layers", "steps", "multiplier", "order", "norm", "seed",
                 "batch_size", "dtype")
 
+#: the fields that decide what is recorded (which families, in which curvature mode, how often): a resume
+#: must keep them too, or the record's rows would mix them; they are compared with the stored config
+RECORD_DEFINING = ("diagnostics", "hessian_mode", "spectrum_every")
+
 
 def default_threads() -> int:
     """Torch intra-op threads when ``threads`` is not given: the CPUs this process may use, at most 4,
@@ -185,6 +189,10 @@ class SearchConfig:
         values["multiplier"] = self.cell_multiplier
         values["world_size"] = int(world_size)
         return json.loads(json.dumps(values, sort_keys=True, default=str))
+
+    def record_defining(self) -> Dict[str, Any]:
+        """The `RECORD_DEFINING` values, as stored in a record's config (diagnostics sorted: their order means nothing)."""
+        return {k: sorted(getattr(self, k)) if k == "diagnostics" else getattr(self, k) for k in RECORD_DEFINING}
 
     def config_hash(self, hp: Optional[Mapping[str, Any]] = None, world_size: int = 1) -> str:
         """sha256 (hex, 16 digits) of `run_defining`."""

@@ -29,7 +29,7 @@ import torch
 from nasdiag.errors import ConfigError, NasdiagError
 from nasdiag.search.base import SearchError, Schedule, SearchMethod
 from nasdiag.search.checkpoint import Checkpointer, load_checkpoint, set_rng_state, temp_path
-from nasdiag.search.config import SearchConfig, default_threads, differing_fields
+from nasdiag.search.config import RECORD_DEFINING, SearchConfig, default_threads, differing_fields
 from nasdiag.search.registry import get_method
 
 EVAL_BATCH_SIZE = 256
@@ -395,11 +395,17 @@ def _resume_point(config: SearchConfig, defining: Mapping[str, Any]) -> Tuple[Op
         state = None  # killed before its first checkpoint: the record holds no step, so nothing is rewritten
     else:
         state = load_checkpoint(ckpt)
-    for stored, where in ((None if state is None else state.get("run", {}), f"checkpoint {ckpt}"),
-                          (meta.get("run", {}), f"record at {record}")):
-        if stored is None:
+    recorded = config.record_defining()
+    for source, where in ((state, f"checkpoint {ckpt}"), (meta, f"record at {record}")):
+        if source is None:
             continue
-        diff = differing_fields(defining, stored)
+        stored_config = source.get("config") or {}
+        # what is recorded must not change either; a record written before these were compared may lack them
+        shared = [k for k in RECORD_DEFINING if k in stored_config]
+        given = {**defining, **{k: recorded[k] for k in shared}}
+        stored = {**source.get("run", {}),
+                  **{k: sorted(stored_config[k]) if k == "diagnostics" else stored_config[k] for k in shared}}
+        diff = differing_fields(given, stored)
         if "method" in diff:
             raise ConfigError(f"--resume with method {diff['method'][0]}, but the {where} was written by {diff['method'][1]}; "
                               "pass the recorded method or record to a new path")
