@@ -250,5 +250,6 @@ def test_search_records_the_top_alpha_eigenvalue_and_flags_nan():
     assert stats["hessian/normal/diag"].shape == net.alphas_normal.shape and not bool(stats["hessian/normal/nonfinite"])
     x_bad = x.clone()
     x_bad[0, 0, 0, 0] = float("nan")
-    stats = method.curvature(x_bad, y)
+    stats = method.curvature(x_bad, y, top_eigenvalue=True)
     assert bool(stats["hessian/normal/nonfinite"]) and torch.isnan(stats["hessian/normal/diag"]).any()
+    assert torch.isnan(stats["hessian/normal/top_eigenvalue"])

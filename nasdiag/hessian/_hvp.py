@@ -325,19 +325,26 @@ def fit_chunk(saved_bytes: int, max_memory: Optional[int], chunk_size: int, what
         if free is None:
             return chunk_size
         budget = int(free * DEFAULT_MEMORY_SHARE)
-        limit = f"only {budget / 2**20:.1f} MiB are free for it (half the free memory; max_memory= sets the cap)"
+        limit = f"only {_size(budget)} are free for it (half the free memory; max_memory= sets the cap)"
     else:
         budget = int(max_memory)
-        limit = f"max_memory is {budget / 2**20:.1f} MiB"
+        limit = f"max_memory is {_size(budget)}"
     per_product = PRODUCT_FACTOR * max(int(saved_bytes), 1)
     fits = budget // per_product
     if fits < 1:
         raise CurvatureError(
-            f"{what}: one exact Hessian-vector product needs about {per_product / 2**20:.1f} MiB "
-            f"({PRODUCT_FACTOR} x {saved_bytes / 2**20:.1f} MiB saved by the forward) but {limit}; "
+            f"{what}: one exact Hessian-vector product needs about {_size(per_product)} "
+            f"({PRODUCT_FACTOR} x {_size(saved_bytes)} saved by the forward) but {limit}; "
             "use mode='ggn_mc' (one extra backward) or 'approx', a smaller batch, or raise max_memory"
         )
     return min(chunk_size, fits)
+
+
+def _size(n_bytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n_bytes >= scale:
+            return f"{n_bytes / scale:.1f} {unit}"
+    return f"{int(n_bytes)} bytes"
 
 
 def leaf_sources(t: torch.Tensor, limit: int = 64) -> List[torch.Tensor]:

@@ -138,7 +138,7 @@ def exact_arch_diag_hessian(
     n_ops = [s.n_ops for s in specs]
     with edge_hessian_products(
         model, loss_fn, inputs, targets, specs, wrt=wrt, backend=backend, shared_alpha=shared_alpha,
-        chunk_size=chunk_size, max_memory=max_memory, what="arch_diag_hessian(mode='exact')",
+        chunk_size=chunk_size, max_memory=max_memory, what="the exact mixing-weight curvature (modes exact, exact_per_edge)",
     ) as ep:
         blocks = _edge_blocks(ep.products, n_ops, ep.chunk_size, ep.dtype, ep.device)
     names, grad_z, shift = ep.names, ep.grad_z, ep.shift

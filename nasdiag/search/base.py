@@ -390,8 +390,12 @@ class SearchMethod:
                     return self.net(inp, {t: torch.softmax(a, dim=-1) for t, a in alphas.items()})
 
             for cell_type, alpha in alphas.items():
-                top = hessian_eigenvalues(_Softmax(), nn.functional.cross_entropy, x, y, params=[(cell_type, alpha)], k=1)
-                value = torch.tensor(top.largest_algebraic, dtype=alpha.dtype, device=alpha.device)
+                try:
+                    top = hessian_eigenvalues(_Softmax(), nn.functional.cross_entropy, x, y, params=[(cell_type, alpha)], k=1)
+                    largest = top.largest_algebraic
+                except FloatingPointError:  # a product came out NaN or inf (a NaN batch): recorded as NaN and flagged
+                    largest = math.nan
+                value = torch.tensor(largest, dtype=alpha.dtype, device=alpha.device)
                 stats[V.HESSIAN_TOP_EIGENVALUE.path(cell=cell_type)] = value
                 bad[cell_type] = bad.get(cell_type, torch.tensor(False, device=alpha.device)) | ~torch.isfinite(value)
         for cell_type, flag in bad.items():
