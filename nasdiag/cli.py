@@ -92,7 +92,14 @@ def search_config(args: argparse.Namespace) -> SearchConfig:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"--hp expects KEY=VALUE, got {item!r} (nasdiag methods lists the keys)")
-        hp[key.strip()] = value.strip()
+        key = key.strip()
+        if key in hp:  # the last would silently win
+            raise ConfigError(f"--hp {key} is given twice ({key}={hp[key]} and {key}={value.strip()}); pass it once")
+        hp[key] = value.strip()
+    if args.figs is not None and args.no_figs:
+        raise ConfigError(f"--figs {args.figs} and --no-figs contradict each other; pass only one")
+    if not args.out.strip():
+        raise ConfigError("--out is empty; pass the record path, such as runs/search.h5")
     out = Path(args.out)
     figures = None if args.no_figs else (args.figs or str(out.with_name(out.stem + "-figs")))
     config = SearchConfig(

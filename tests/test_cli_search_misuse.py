@@ -46,7 +46,8 @@ def test_out_that_is_not_a_record_is_never_replaced(name, needle, flag, tmp_path
 
 
 def test_empty_out(tmp_path, capsys):
-    refused(["search", *TINY, "--out", ""], tmp_path, "the record path (--out) is empty", capsys)
+    refused(["search", *TINY, "--out", ""], tmp_path, "--out is empty", capsys)
+    refused(["search", *TINY, "--out", "  "], tmp_path, "--out is empty", capsys)
 
 
 def test_leftovers_without_their_record(tmp_path, capsys):
@@ -136,3 +137,12 @@ def test_resume_keeps_what_is_recorded(hessian_run, extra, needle, capsys):
     argv = ["search", *TINY, "--epochs", "2", "--out", str(hessian_run), "--resume", *extra]
     refused(argv, hessian_run.parent, needle, capsys)
     capsys.readouterr()
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--hp", "w_lr=0.1", "--hp", "w_lr=0.001"], "--hp w_lr is given twice (w_lr=0.1 and w_lr=0.001); pass it once"),
+    (["--hp", "w_lr=0.1", "--hp", " w_lr =0.2"], "--hp w_lr is given twice"),
+    (["--figs", "myfigs"], "--figs myfigs and --no-figs contradict each other"),  # TINY has --no-figs
+])
+def test_options_that_would_silently_do_nothing(extra, needle, tmp_path, capsys):
+    refused(_search(tmp_path / "run.h5", *extra), tmp_path, needle, capsys)
