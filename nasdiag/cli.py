@@ -19,7 +19,7 @@ from nasdiag.errors import ConfigError, NasdiagError
 from nasdiag.search.config import DATASETS, DIAGNOSTICS, DTYPES, ENGINES, NORMS, ORDERS, SearchConfig, no_hessian_recorded
 
 EXIT_USAGE = 2
-EXIT_SIGINT, EXIT_SIGTERM = 130, 143
+EXIT_SIGINT, EXIT_SIGTERM, EXIT_SIGPIPE = 130, 143, 141
 
 
 class _Parser(argparse.ArgumentParser):
@@ -34,6 +34,7 @@ class Terminated(BaseException):
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="nasdiag", description="Diagnostics for differentiable NAS supernets.")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+    parser.commands = sub.choices  # name -> its parser, which reports the command's unknown arguments
     d = SearchConfig()
     s = sub.add_parser(
         "search", help="run a search, write an HDF5 record, a checkpoint and figures",
@@ -167,20 +168,62 @@ def _on_sigterm(signum, frame):
     raise Terminated()
 
 
+def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
+    """Parse ``argv``; an unknown argument of a command is reported by that command's parser, so the
+    message points at ``nasdiag <command> --help``."""
+    parser = _parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        parser.commands.get(args.command, parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
+def _stopped(args: Optional[argparse.Namespace], how: str) -> str:
+    """The line printed when a command is interrupted (``how``): what the record holds, when there is one."""
+    if args is None or args.command != "search":
+        return f"nasdiag: {how}"
+    if not args.out or not os.path.exists(args.out):
+        return f"nasdiag: {how} before anything was recorded; run the command again (without --resume)"
+    return f"nasdiag: {how}; the record holds every completed step (continue with --resume)"
+
+
+def _damaged(exc) -> str:
+    """A damaged record's message in CLI terms (the library's names a Python call)."""
+    return (f"nasdiag: error: record {exc.path} is damaged at {exc.where}: {exc.reason}; its {exc.intact_rows} intact "
+            "rows before it stay readable in Python (nasdiag.record.load(path, salvage=True))")
+
+
+def _quiet_stdout() -> None:
+    """After a closed pipe (``nasdiag methods | head -1``): send what is left of stdout nowhere, so that
+    Python's final flush does not complain about the pipe either."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # a stdout without a file descriptor (captured in tests)
+        pass
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Run the ``nasdiag`` command; returns the exit code (0, 2 for user errors, 130/143 when interrupted)."""
     import threading
 
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
+    args = None
     try:
-        args = _parser().parse_args(argv)
+        args = _parse(argv)
         if args.command is None:
             raise ConfigError("nasdiag: choose a command: search, methods, plot or report (see nasdiag --help)")
         return COMMANDS[args.command](args)
     except NasdiagError as exc:
-        print(_one_line(exc), file=sys.stderr)
+        from nasdiag.record.errors import DamagedRecordError
+
+        print(_damaged(exc) if isinstance(exc, DamagedRecordError) else _one_line(exc), file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:  # the reader of our output went away (| head): not an error of the command
+        _quiet_stdout()
+        return EXIT_SIGPIPE
     except OSError as exc:  # a location the checks above could not foresee (a mount gone read-only, a full disk)
         from nasdiag.record.lock import describe_os_error
 
@@ -188,11 +231,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"nasdiag: error: {describe_os_error(exc)}{where}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        print("nasdiag: interrupted; the record holds every completed step (continue with --resume)", file=sys.stderr)
+        print(_stopped(args, "interrupted"), file=sys.stderr)
         return EXIT_SIGINT
     except Terminated:
-        print("nasdiag: terminated (SIGTERM); the record holds every completed step (continue with --resume)",
-              file=sys.stderr)
+        print(_stopped(args, "terminated (SIGTERM)"), file=sys.stderr)
         return EXIT_SIGTERM
     finally:
         if main_thread and previous is not None:

@@ -146,3 +146,52 @@ def test_resume_keeps_what_is_recorded(hessian_run, extra, needle, capsys):
 ])
 def test_options_that_would_silently_do_nothing(extra, needle, tmp_path, capsys):
     refused(_search(tmp_path / "run.h5", *extra), tmp_path, needle, capsys)
+
+
+def test_unknown_option_points_at_the_commands_help(tmp_path, capsys):
+    refused(["search", "--methd", "darts"], tmp_path,
+            "nasdiag search: unrecognized arguments: --methd darts (see nasdiag search --help)", capsys)
+
+
+@pytest.mark.parametrize("exists", [False, True])
+def test_interrupt_says_whether_anything_was_recorded(exists, tmp_path, capsys, monkeypatch):
+    import nasdiag.search
+
+    def interrupted(config, callbacks=()):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(nasdiag.search, "run", interrupted)
+    out = tmp_path / "run.h5"
+    if exists:
+        out.write_bytes(b"stands in for the record of this run")
+    assert main(_search(out)) == 130
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    expected = "the record holds every completed step" if exists else "interrupted before anything was recorded"
+    assert expected in lines[0], lines[0]
+
+
+def test_damaged_record_in_cli_terms(hessian_run, tmp_path, capsys):
+    damaged = tmp_path / "run.h5"
+    damaged.write_bytes(hessian_run.read_bytes()[: hessian_run.stat().st_size // 2])
+    tiny = [a if a != "none" else "hessian" for a in TINY]
+    line = refused(["search", *tiny, "--epochs", "2", "--out", str(damaged), "--resume"], tmp_path,
+                   f"cannot resume {damaged}: it is damaged at", capsys)
+    assert "pass --force instead of --resume" in line and "salvage=True) returns" not in line
+    line = refused(["plot", str(damaged), "--out", str(tmp_path / "figs")], tmp_path, f"record {damaged} is damaged", capsys)
+    assert "stay readable in Python (nasdiag.record.load(path, salvage=True))" in line, line
+
+
+def test_closed_pipe_is_not_an_error():
+    """``nasdiag methods | head -1``: the reader leaves early; no message, exit 0 or 141 (128 + SIGPIPE)."""
+    import subprocess
+    import sys
+
+    from test_cli_errors import ROOT
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "nasdiag", "methods"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env)
+    proc.stdout.close()  # before the command writes a byte
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) in (0, 141) and err == "", (proc.returncode, err)

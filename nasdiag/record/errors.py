@@ -25,5 +25,15 @@ class ResumeMismatchError(RecordError):
         self.differences = dict(differences)
 
 
+class DamagedRecordError(RecordError):
+    """A record's rows fail their checks. ``path``, ``where`` (file and first bad row), ``reason`` and
+    ``intact_rows`` (the rows before it, which ``load(path, salvage=True)`` returns) let a caller, such as
+    the CLI, phrase its own advice."""
+
+    def __init__(self, message: str, path: str, where: str, reason: str, intact_rows: int):
+        super().__init__(message)
+        self.path, self.where, self.reason, self.intact_rows = path, where, reason, int(intact_rows)
+
+
 class RecordWarning(UserWarning):
     """Something was recorded but deserves attention (NaN/inf values, a mismatching resume)."""

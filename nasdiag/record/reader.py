@@ -18,7 +18,7 @@ import h5py
 import numpy as np
 
 from nasdiag.record import schema
-from nasdiag.record.errors import RecordError, RecordWarning
+from nasdiag.record.errors import DamagedRecordError, RecordError, RecordWarning
 
 
 @dataclass
@@ -372,9 +372,10 @@ def read_segments(path: str, with_data: bool = True, salvage: bool = False) -> l
             cut = next((seg for seg in segments if seg.index == damage.index), None)
         rows = sum(seg.steps.size for seg in kept) + (min(damage.row, cut.steps.size) if cut is not None else 0)
         if not salvage:
-            raise RecordError(
+            raise DamagedRecordError(
                 f"record {path} is damaged at {damage.where()}: {damage.reason}; "
-                f"load(path, salvage=True) returns the {rows} intact rows before it"
+                f"load(path, salvage=True) returns the {rows} intact rows before it",
+                path, damage.where(), damage.reason, rows,
             )
         warnings.warn(
             f"record {path} is damaged at {damage.where()}: {damage.reason}; returning the {rows} intact rows before it",

@@ -382,12 +382,19 @@ def _threads(n: int):
 def _resume_point(config: SearchConfig, defining: Mapping[str, Any]) -> Tuple[Optional[Dict], int]:
     """The checkpoint to continue from and the record's last committed step, or a refusal naming why."""
     from nasdiag.record import load, load_meta
+    from nasdiag.record.errors import DamagedRecordError
 
     record, ckpt = os.fspath(config.record), config.checkpoint
     if not os.path.exists(record):
         raise ConfigError(f"nothing to resume at {record}: there is no record; drop --resume to start a run")
-    meta = load_meta(record)
-    steps = load(record)["step"]
+    try:
+        meta = load_meta(record)
+        steps = load(record)["step"]
+    except DamagedRecordError as err:
+        raise ConfigError(f"cannot resume {record}: it is damaged at {err.where}: {err.reason}; record to a new --out, "
+                          "or pass --force instead of --resume to replace it (its "
+                          f"{err.intact_rows} intact rows stay readable in Python: nasdiag.record.load(path, salvage=True))"
+                          ) from None
     last = int(steps.max()) if steps.size else 0
     if not os.path.exists(ckpt):
         if last:
