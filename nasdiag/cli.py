@@ -54,7 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     mode = s.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true",
                       help="continue the run recorded at --out (same settings); with a larger --epochs, extend it")
-    mode.add_argument("--force", action="store_true", help="replace the record at --out (refused while it is written)")
+    mode.add_argument("--force", action="store_true", help="replace the record at --out and the leftover files of its run (refused while it is "
+                      "written, and for a file that is not a nasdiag record)")
     s.add_argument("--C", type=int, default=d.C, help="channels of the first cell")
     s.add_argument("--layers", type=int, default=d.layers, help="number of cells (>= 3)")
     s.add_argument("--steps", type=int, default=d.steps, help="intermediate nodes per cell")
