@@ -233,14 +233,16 @@ def input_ranks_of(module: nn.Module, example_input) -> Dict[nn.Module, int]:
         rank = args[0].dim() if args and isinstance(args[0], torch.Tensor) else None
         seen[sub] = rank if seen.get(sub, rank) == rank else None
 
+    from nasdiag.hooks import Hooks
+
     saved = [(b, b.detach().clone()) for b in module.buffers()]
-    handles = [sub.register_forward_pre_hook(record) for sub in module.modules()]
+    hooks = Hooks()
+    for sub in module.modules():
+        hooks.forward_pre(sub, record)
     try:
-        with torch.no_grad():
+        with hooks, torch.no_grad():
             module(*(example_input if isinstance(example_input, tuple) else (example_input,)))
     finally:
-        for h in handles:
-            h.remove()
         with torch.no_grad():
             for b, value in saved:
                 b.copy_(value)
