@@ -195,3 +195,23 @@ def test_closed_pipe_is_not_an_error():
     proc.stdout.close()  # before the command writes a byte
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) in (0, 141) and err == "", (proc.returncode, err)
+
+
+@pytest.mark.parametrize("method, values, message", [
+    ("sparsenas", {"first_order": "false"}, "first_order must be True or False"),  # a non-empty string is truthy
+    ("bayesnas", {"update_every": 1.5}, "update_every must be an int"),
+    ("darts", {"w_lr": True}, "w_lr must be a number"),
+    ("darts", {"w_momentum": None}, "w_momentum must be a number"),
+    ("darts", {"alpha_betas": (0.5, "x")}, "alpha_betas must be a number"),
+    ("darts", {"alpha_betas": [0.5, 0.9]}, "alpha_betas must be a tuple"),
+    ("bayesnas", {"hessian_mode": "hutchinson:<k>"}, "e.g. 'hutchinson:4'"),
+])
+def test_hyperparameters_built_in_python_are_type_checked(method, values, message):
+    """``Method.Hyperparameters(...)`` from Python gets no string conversion (``from_dict`` does that for --hp):
+    a value of the wrong type is a ConfigError at construction, not a silent truthy string or a late TypeError."""
+    from nasdiag.errors import ConfigError
+    from nasdiag.search import get_method
+
+    with pytest.raises(ConfigError, match=message):
+        get_method(method).Hyperparameters(**values)
+    assert get_method("darts").Hyperparameters(w_lr=1).w_lr == 1  # an int is a number

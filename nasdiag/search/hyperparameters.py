@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
@@ -99,11 +100,15 @@ class Hyperparameters:
     def validate(self) -> None:
         """Check every field against its declared range/choices/length, and every floor against its start
         value (see the module docstring); raises `ConfigError`."""
+        hints = typing.get_type_hints(type(self))
         for f in self.fields():
             value = getattr(self, f.name)
             m = f.metadata
+            _check_type(f.name, value, hints[f.name])
             if m.get("choices") is not None and value not in m["choices"]:
-                raise ConfigError(f"hyperparameter {f.name}={value!r} is not one of {list(m['choices'])}")
+                placeholders = [re.sub(r"<[^>]+>", "4", str(c)) for c in m["choices"] if "<" in str(c)]
+                hint = f" (a choice with <...> takes a number there, e.g. {placeholders[0]!r})" if placeholders else ""
+                raise ConfigError(f"hyperparameter {f.name}={value!r} is not one of {list(m['choices'])}{hint}")
             if isinstance(value, tuple):
                 length = m.get("length")
                 if length is not None and len(value) != length:
@@ -152,6 +157,37 @@ def _check_number(name: str, value, meta: Mapping, shown: Optional[str] = None) 
     if high is not None and (value > high or (meta.get("high_open") and value == high)):
         op = "<" if meta.get("high_open") else "<="
         raise ConfigError(f"hyperparameter {what} is out of range{element}; {'each value' if element else 'it'} must be {op} {high}")
+
+
+def _check_type(name: str, value, tp) -> None:
+    """The declared type, strictly (a Python caller's ``"false"`` for a bool is not False; ``from_dict`` converts
+    strings first): bool is bool, int an int, float an int or float, a tuple a tuple of its element type."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Union and type(None) in args:
+        if value is None:
+            return
+        tp = next(a for a in args if a is not type(None))
+        origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (tuple, typing.Tuple):
+        ok = isinstance(value, tuple)
+        if ok:
+            inner = args[0] if args else float
+            for element in value:
+                _check_type(name, element, inner)
+            return
+    elif tp is bool:
+        ok = isinstance(value, bool)
+    elif tp is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif isinstance(tp, type):
+        ok = isinstance(value, tp)
+    else:
+        return
+    if not ok:
+        wanted = {bool: "True or False", int: "an int", float: "a number", str: "a string"}.get(tp, "a tuple" if origin else _type_name(tp))
+        raise ConfigError(f"hyperparameter {name} must be {wanted}, got {value!r} ({type(value).__name__})")
 
 
 def _type_name(tp) -> str:
