@@ -94,6 +94,25 @@ def test_two_forwards_in_one_block_add_up_like_grad():
         torch.testing.assert_close(probe.costs()[s.name], Z[s.cell_index].grad[s.edge_index], rtol=0, atol=1e-10)
 
 
+def test_two_backwards_through_one_forward_add_up_like_grad():
+    net = tiny_net(layers=2)
+    x, y = batch(seed=1)
+    Z = z_leaves(net, "softmax")
+    probe = nasdiag.attach(net, path_split=True)
+    with probe.record():
+        loss = F.cross_entropy(net(x, Z), y)
+        loss.backward(retain_graph=True)
+        (0.5 * loss).backward()
+    for s in net.edge_specs():
+        torch.testing.assert_close(probe.costs()[s.name], Z[s.cell_index].grad[s.edge_index], rtol=0, atol=1e-10)
+    both = {cell: sum(float(v) for v in nodes.values()) for cell, nodes in probe.output_costs().items()}
+    with probe.record():
+        F.cross_entropy(net(x, [z.detach() for z in Z]), y).backward()
+    once = {cell: sum(float(v) for v in nodes.values()) for cell, nodes in probe.output_costs().items()}
+    for cell in once:
+        assert abs(both[cell] - 1.5 * once[cell]) < 1e-10, cell
+
+
 def test_a_create_graph_backward_leaves_costs_outside_the_graph():
     net = tiny_net(layers=1, reductions=[])
     x, y = batch()

@@ -268,7 +268,8 @@ class StepCapture:
             self.per_sample[call.pos].append(_costs_with_missing(g, call.outputs))
         if self.path_split and call.cell_call is not None and edge.src is not None and call.inp is not None:
             self._split_through(edge, call, g)
-        call.outputs = call.inp = call.out = call.cell_call = None
+        # the references stay until the block ends (release): a second backward through the same forward
+        # (retain_graph=True) adds its costs, as it adds to .grad
         return None
 
     def _split_through(self, edge: EdgeSpec, call: EdgeCall, g: torch.Tensor) -> None:
@@ -300,7 +301,6 @@ class StepCapture:
         slices = cell.output_node_slices or _equal_chunks(cell.output_nodes, out.shape[1])
         with torch.no_grad():
             self._cell_costs(ccall, g, out, slices)
-        ccall.output = None
         return None
 
     def _cell_costs(self, ccall: CellCall, g: torch.Tensor, out: torch.Tensor, slices) -> None:
