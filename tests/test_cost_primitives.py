@@ -304,3 +304,17 @@ def test_eps_deviation_is_the_exact_directional_derivative(norm):
         pred = y * factor[:, None, None, None]
     torch.testing.assert_close(jx, pred, rtol=1e-9, atol=1e-12)
     assert 1e-3 < float(factor.max()) < 1  # not trivially zero at this eps
+
+
+def test_cost_moments_of_an_infinite_cost_do_not_depend_on_the_batching():
+    """[inf] then [1] gives numpy's mean (inf) and variance (NaN) of [inf, 1], as one batch of both does."""
+    inf = float("inf")
+    for history in ([[inf], [1.0]], [[1.0], [inf]], [[inf, 1.0]], [[inf], [-inf]], [[2.0, inf], [3.0], [4.0]]):
+        m = cost.CostMoments((1,))
+        for batch in history:
+            m.update(torch.tensor(batch, dtype=torch.float64).reshape(-1, 1))
+        flat = np.array(sum(history, []))
+        with np.errstate(invalid="ignore"):
+            expected_mean, expected_var = flat.mean(), flat.var()
+        np.testing.assert_equal(float(m.mean), expected_mean)
+        np.testing.assert_equal(float(m.var), expected_var)

@@ -416,6 +416,21 @@ def test_a_backward_that_never_reached_the_edges_gives_nan_and_a_warning():
     assert (probe.statistics()["cost/normal/count"] == 0).all()
 
 
+def test_an_edge_nothing_before_which_carries_a_gradient_is_named_as_such():
+    """Weights, input and candidates without gradient: autograd never computes ∂L/∂x_j there (NaN, flagged),
+    and the warning says how to observe it rather than blaming the backward."""
+    torch.manual_seed(0)
+    mixer = Mixer([nn.Identity(), nn.Tanh()])
+    head = nn.Linear(3, 2).double()
+    mixer.w = torch.tensor([0.3, 0.7], dtype=torch.float64)
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.tensor([0, 1, 1, 0])
+    probe = nasdiag.attach(nn.ModuleDict({"m": mixer, "head": head}), edges={"m": (mixer, list(mixer.cands))})
+    with pytest.warns(RuntimeWarning, match=r"did not require grad.*requires_grad_"):
+        with probe.record():
+            F.cross_entropy(head(mixer(x)), y).backward()
+    assert torch.isnan(probe.costs()["m"]).all()
+
+
 def test_misuse_of_record_and_results_is_explained():
     net = tiny_net(layers=1)
     probe = nasdiag.attach(net)

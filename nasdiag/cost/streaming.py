@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
+import math
+
 import torch
 
 
@@ -67,8 +69,13 @@ class CostMoments:
         delta = mean_b - self.mean
         frac = torch.where(n > 0, n_b / n.clamp(min=1), torch.zeros_like(n))
         has_b = n_b > 0
-        mean = torch.where(has_b, self.mean + delta * frac, self.mean)
-        m2 = torch.where(has_b, self._m2 + m2_b + delta**2 * self.count * frac, self._m2)
+        # An inf (or NaN) mean on either side: Chan's update would give inf − inf = NaN for [inf] then [1]; the
+        # direct weighted mean gives inf, as the same values in one batch (and numpy) do, and the variance is NaN.
+        finite = torch.isfinite(self.mean) & torch.isfinite(mean_b)
+        direct = (self.count * self.mean + n_b * mean_b) / n.clamp(min=1)
+        mean = torch.where(has_b, torch.where(finite, self.mean + delta * frac, direct), self.mean)
+        m2 = torch.where(has_b, torch.where(finite, self._m2 + m2_b + delta**2 * self.count * frac,
+                                            torch.full_like(self._m2, math.nan)), self._m2)
         # In place: a search step captured as a CUDA graph keeps accumulating into these very tensors.
         self.mean.copy_(mean)
         self._m2.copy_(m2)

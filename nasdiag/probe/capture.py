@@ -113,6 +113,8 @@ class StepCapture:
         self.incoming = incoming  # (cell pos, node) -> edge positions ending at that node
         self.per_sample: List[List[torch.Tensor]] = [[] for _ in range(N)]
         self.n_forward = [0] * N
+        #: forwards whose output did not require grad (nothing before the edge carries a gradient)
+        self.n_without_grad = [0] * N
         self.missing_ops: List[set] = [set() for _ in range(N)]
         self.selected: List[Optional[torch.Tensor]] = [None] * N
         self.paths: List[Dict[str, List[torch.Tensor]]] = [{} for _ in range(N)]
@@ -180,6 +182,8 @@ class StepCapture:
                 self._check_weighted_sum(edge, call, output)
                 self.check_convention[pos] = False
         if not output.requires_grad:
+            if torch.is_grad_enabled():  # (under no_grad the message says to turn grad mode on)
+                self.n_without_grad[pos] += 1
             return None
         if self.path_split:  # the split differentiates this output again, through the edge only
             call.out = output

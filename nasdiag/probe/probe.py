@@ -245,9 +245,15 @@ class Probe:
                 ps, total = _sum_calls(pp) if pp else (None, None)
                 r.per_sample.append(ps)
                 r.costs.append(total)
+        no_grad_path: List[str] = []
         for p, e in enumerate(self._edges):
             if not r.available[p]:
-                (no_forward if cap.n_forward[p] == 0 else no_grad).append(e.name)
+                if cap.n_forward[p] == 0:
+                    no_forward.append(e.name)
+                elif cap.n_without_grad[p] == cap.n_forward[p]:
+                    no_grad_path.append(e.name)
+                else:
+                    no_grad.append(e.name)
             if cap.missing_ops[p]:
                 partial_ops.append(f"{e.name} ops {sorted(cap.missing_ops[p])}")
         ref = next((t for t in r.costs if t is not None), torch.empty(0))
@@ -270,6 +276,13 @@ class Probe:
                 f"probe: the backward never reached {len(no_grad)} edge(s) ({_short_list(no_grad)}); their costs are NaN "
                 "for this step and they are left out of the statistics. Call loss.backward() inside probe.record(), "
                 "with a loss that depends on these edges and grad mode on.", RuntimeWarning, stacklevel=4)
+        if no_grad_path:
+            warnings.warn(
+                f"probe: the output of {len(no_grad_path)} edge(s) ({_short_list(no_grad_path)}) did not require grad "
+                "(neither its input, its mixing weights nor its candidate ops carry a gradient), so the backward never "
+                "computes ∂L/∂x_j there; their costs are NaN for this step and they are left out of the statistics. "
+                "Pass mixing weights that require grad (e.g. Z.requires_grad_()) to observe them.",
+                RuntimeWarning, stacklevel=4)
         if partial_ops:
             warnings.warn(
                 f"probe: some candidate ops did not run in their mixed op's forward ({_short_list(partial_ops)}); "
