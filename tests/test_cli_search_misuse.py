@@ -215,3 +215,41 @@ def test_hyperparameters_built_in_python_are_type_checked(method, values, messag
     with pytest.raises(ConfigError, match=message):
         get_method(method).Hyperparameters(**values)
     assert get_method("darts").Hyperparameters(w_lr=1).w_lr == 1  # an int is a number
+
+
+@pytest.mark.parametrize("env, needle", [
+    ({"WORLD_SIZE": "2"}, "RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT are not (torchrun sets them all)"),
+    ({"WORLD_SIZE": "abc", "RANK": "0"}, "WORLD_SIZE='abc' is not an integer"),
+    ({"WORLD_SIZE": "2", "RANK": "5", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533"},
+     "RANK=5 / LOCAL_RANK=0 do not fit WORLD_SIZE=2"),
+])
+def test_torchrun_variables_without_torchrun_are_one_line(env, needle, tmp_path, capsys, monkeypatch):
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    refused(["search", *TINY, "--out", str(tmp_path / "run.h5")], tmp_path, needle, capsys)
+
+
+@pytest.mark.slow
+def test_sigterm_ends_a_run_waiting_for_peers_that_never_come(tmp_path):
+    """All of torchrun's variables set, but no other rank: the rendezvous waits in C++, where Python's handlers
+    cannot run; SIGTERM must still end the process (nothing is recorded yet)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "29541"}
+    proc = subprocess.Popen([sys.executable, "-m", "nasdiag", "search", *TINY, "--out", str(tmp_path / "run.h5")],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(6)  # imports, then the wait
+        assert proc.poll() is None, "the run did not wait for its peer"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == -signal.SIGTERM
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not (tmp_path / "run.h5").exists()

@@ -345,23 +345,74 @@ def _device(name: str, world: int):
     return device
 
 
+_LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _launch_environment() -> Tuple[int, int, int]:
+    """``(world, rank, local rank)`` from the environment torchrun sets, or one ConfigError naming what is wrong."""
+    how = ("launch data-parallel runs with torchrun --nproc_per_node=N -m nasdiag search ..., or unset WORLD_SIZE "
+           "for one process")
+
+    def integer(name: str, default: Optional[str]) -> int:
+        text = os.environ.get(name, default)
+        try:
+            return int(text)
+        except (TypeError, ValueError):
+            raise ConfigError(f"environment variable {name}={text!r} is not an integer; {how}") from None
+
+    world = integer("WORLD_SIZE", "1")
+    if world <= 1:
+        return 1, 0, 0
+    missing = [name for name in _LAUNCH_VARIABLES if not os.environ.get(name)]
+    if missing:
+        raise ConfigError(f"WORLD_SIZE={world} is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not "
+                          f"(torchrun sets them all); {how}")
+    rank, local_rank = integer("RANK", None), integer("LOCAL_RANK", None)
+    if not 0 <= rank < world or local_rank < 0:
+        raise ConfigError(f"RANK={rank} / LOCAL_RANK={local_rank} do not fit WORLD_SIZE={world}; {how}")
+    integer("MASTER_PORT", None)
+    return world, rank, local_rank
+
+
+@contextlib.contextmanager
+def _default_signals():
+    """Ctrl-C and SIGTERM end the process while it waits in the rendezvous (a C++ wait that Python's handlers
+    cannot interrupt: without this, a run started with torchrun's variables but no peers ignores SIGTERM).
+    Nothing is recorded yet at that point, so the default action loses nothing."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_DFL) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 @contextlib.contextmanager
 def _process_group(device_name: str):
     """Join the process group a launcher (torchrun) describes in the environment; yields (rank, world, device)."""
     import torch.distributed as dist
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if dist.is_available() and dist.is_initialized():  # the caller joined a group itself (any init method)
+        world, local_rank = dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0") or 0)
+    else:
+        world, _, local_rank = _launch_environment()
     if world <= 1:
         yield 0, 1, _device(device_name, 1)
         return
     device = _device(device_name, world)
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device.type == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     created = not dist.is_initialized()
     if created:
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        with _default_signals():
+            dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     try:
         yield dist.get_rank(), dist.get_world_size(), device
     finally:
