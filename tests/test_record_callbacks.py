@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import sys
 import types
+import warnings
 
 import numpy as np
 import pytest
 
-from nasdiag.record import RecordError, Recorder, RecorderCallback, lightning_callback, load
+from nasdiag.record import RecordError, Recorder, RecorderCallback, RecordWarning, lightning_callback, load
 
 
 def _step_stats(step):
@@ -306,3 +307,84 @@ def test_flush_listener_api(tmp_path):
         with pytest.raises(RecordError, match="callable"):
             rec.add_flush_listener(3)
     assert calls == [False, True]  # one flush, then the close
+
+
+def test_a_step_that_goes_back_is_refused_at_its_call_and_loses_nothing(tmp_path):
+    """The refused call records nothing; the merge into the current step, the epoch's statistics
+    and close() that come after it all work, and no row is dropped."""
+    path = tmp_path / "run.h5"
+    cb = RecorderCallback(path, flush_seconds=None)
+    cb.on_step_end(0, {"scalars/x": 1.0})
+    cb.on_step_end(1, {"scalars/x": 2.0})
+    with pytest.raises(RecordError, match=r"^on_step_end: step 0 is before the current step 1; .*nothing of this call"):
+        cb.on_step_end(0, {"scalars/x": 9.0})
+    for bad in (1.5, -1, True, "2"):
+        with pytest.raises(RecordError, match="step must be a non-negative int"):
+            cb.on_step_end(bad, {"scalars/x": 9.0})
+    with pytest.raises(RecordError, match="on_epoch_end: step 0 is before the current step 1"):
+        cb.on_epoch_end(0, {"scalars/z": 9.0}, step=0)
+    cb.on_step_end(1, {"scalars/y": 3.0})  # a valid merge into the current step
+    cb.on_epoch_end(0, {"scalars/z": 1.0})
+    cb.on_step_end(2, {"scalars/x": 4.0})
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        cb.close()
+    assert not [w for w in seen if issubclass(w.category, RecordWarning)], [str(w.message) for w in seen]
+    out = load(path)
+    np.testing.assert_array_equal(out["step"], [0, 1, 2])
+    np.testing.assert_array_equal(out["scalars/x"], [1.0, 2.0, 4.0])
+    np.testing.assert_array_equal(out["scalars/y"], [np.nan, 3.0, np.nan])
+    np.testing.assert_array_equal(out["scalars/z"], [np.nan, 1.0, np.nan])
+
+
+def test_the_step_of_a_written_row_is_refused_and_on_exception_writes_first(tmp_path):
+    """After a flush the row of the last step is on disk: the same step can no longer merge. An
+    exception hook with a step that goes back still writes every held row, then raises."""
+    path = tmp_path / "run.h5"
+    cb = RecorderCallback(path, flush_seconds=None)
+    cb.on_step_end(1, {"scalars/x": 1.0})
+    cb.flush()
+    with pytest.raises(RecordError, match=r"step 1 is not after step 1, whose row is already written"):
+        cb.on_step_end(1, {"scalars/y": 2.0})
+    with pytest.raises(RecordError, match=r"row of step 1 is already written.*pass step= a step after 1"):
+        cb.on_epoch_end(0, {"scalars/z": 1.0})
+    cb.on_step_end(2, {"scalars/x": 2.0})
+    cb.on_step_end(3, {"scalars/x": 3.0})
+    with pytest.raises(RecordError, match="on_exception: step 2 is before the current step 3"):
+        cb.on_exception(RuntimeError("diverged"), {"scalars/diverged": True}, step=2)
+    np.testing.assert_array_equal(load(path)["step"], [1, 2, 3])  # held rows written before the error
+    with pytest.raises(RecordError, match="on_exception: the row of step 3 is already written"):
+        cb.on_exception(RuntimeError("again"), {"scalars/diverged": True})
+    cb.on_step_end(4, {"scalars/x": 4.0})  # still usable
+    cb.close()
+    out = load(path)
+    np.testing.assert_array_equal(out["step"], [1, 2, 3, 4])
+    np.testing.assert_array_equal(out["scalars/x"], [1.0, 2.0, 3.0, 4.0])
+    assert "scalars/y" not in out and "scalars/diverged" not in out
+
+
+def test_a_step_logged_directly_to_an_open_recorder_bounds_the_callback(tmp_path):
+    recorder = Recorder(tmp_path / "run.h5", flush_seconds=None)
+    recorder.log(5, {"scalars/x": 5.0})
+    with RecorderCallback(recorder) as cb:
+        with pytest.raises(RecordError, match="step 3 is not after step 5"):
+            cb.on_step_end(3, {"scalars/x": 3.0})
+        cb.on_step_end(6, {"scalars/x": 6.0})
+    np.testing.assert_array_equal(load(tmp_path / "run.h5")["step"], [5, 6])
+
+
+def test_an_unknown_reduction_rule_is_refused_before_a_file_is_opened(tmp_path):
+    path = tmp_path / "run.h5"
+    with pytest.raises(RecordError, match=r"'median' is not a reduction rule; use one of mean, sum, pooled, same, all, any, min, max$"):
+        RecorderCallback(path, rules={"scalars/*": "median"})
+    with pytest.raises(RecordError, match="rules must be a mapping"):
+        RecorderCallback(path, rules=["scalars/*"])
+    assert not any(tmp_path.iterdir())  # nothing created, no lock held
+    RecorderCallback(path, rules={"scalars/*": "max", "cost/*/count": "sum"}).close()  # valid rules pass
+
+
+def test_an_unknown_keyword_is_a_record_error_naming_the_valid_ones(tmp_path):
+    with pytest.raises(RecordError, match=r"unknown keyword argument\(s\) bogus_option; .*flush_every, resume, overwrite"):
+        RecorderCallback(tmp_path / "run.h5", bogus_option=3)
+    assert not any(tmp_path.iterdir())
+

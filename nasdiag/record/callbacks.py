@@ -21,6 +21,7 @@ calls every hook; the rows of a batch are reduced across ranks with one call of
 
 from __future__ import annotations
 
+import inspect
 import os
 import warnings
 from collections.abc import Mapping
@@ -29,7 +30,8 @@ import numpy as np
 
 from nasdiag.arrays import is_tensor, stack_to_numpy
 from nasdiag.record.errors import RecordError, RecordWarning
-from nasdiag.record.writer import Recorder
+from nasdiag.record.writer import Recorder, checked_step
+from nasdiag.vocabulary import RULES
 
 
 class RecorderCallback:
@@ -49,12 +51,17 @@ class RecorderCallback:
         Under an initialised process group with several ranks, reduce statistics across ranks
         before writing (every rank must then call every hook). False: rank 0 records its own.
     rules, ddof, group:
-        Passed to `nasdiag.distributed.reduce_statistics`.
+        Passed to `nasdiag.distributed.reduce_statistics`. ``rules`` maps a path or glob to one of
+        the reduction rules of `nasdiag.vocabulary.RULES`; another rule, or an unknown keyword
+        argument, raises `RecordError` here, before any file is opened.
 
     Rows: each step is one row. The row of a step is held back until a hook brings another step
     (or a flush), so that ``on_epoch_end`` can add the epoch's statistics to the row of the epoch's
     last step, and calls with the same step (gradient accumulation) merge into one row; later values
     of a path replace earlier ones. ``on_epoch_end`` adds ``scalars/epoch`` (float32) when absent.
+    Steps never go back: a hook called with a step before the open row's, or with the step of a row
+    a flush has already written, raises `RecordError` at that call and records nothing of it; the
+    callback stays usable and everything recorded before is kept.
 
     Batches: rows are kept as handed in (tensors are snapshotted with ``detach().clone()`` on their
     device, numpy arrays copied) and handed to the recorder ``flush_every`` rows at a time (single
@@ -83,6 +90,8 @@ class RecorderCallback:
     ):
         from nasdiag import distributed
 
+        _check_recorder_options(recorder_kwargs)
+        _check_rules(rules)
         self._reduce = reduce
         self._rules = rules
         self._ddof = ddof
@@ -91,10 +100,13 @@ class RecorderCallback:
         # values converted to numpy (and reduced across ranks). The open row is `_open`.
         self._open: list | None = None
         self._rows: list[list] = []  # finished rows, in step order
+        self._last_step: int | None = None  # step of the newest row, open or finished
         if isinstance(target, Recorder):
             if meta is not None or recorder_kwargs:
                 raise RecordError("meta and recorder options apply when target is a path, not an open Recorder")
             self.recorder: Recorder | None = target
+            if target.rows_committed or target.rows_buffered:  # rows logged directly in this session
+                self._last_step = target.last_step
         elif target is None:
             self.recorder = None
         else:
@@ -119,12 +131,15 @@ class RecorderCallback:
         """Record the statistics of ``step`` (a mapping of record path -> array-like).
 
         Tensors are kept on their device (snapshotted, not copied to the host) until the batch is
-        handed to the recorder."""
+        handed to the recorder. A step before the open row's (or one already written) raises
+        `RecordError`; nothing of this call is recorded and the callback stays usable."""
+        step = self._row_step(step, "on_step_end")
         statistics = _snapshot(statistics)
-        step = int(step)
-        if self._open is not None and step != self._open[0]:
-            self._finish_row()
-        self._add(step, statistics)
+        try:
+            if self._open is not None and step != self._open[0]:
+                self._finish_row()
+        finally:  # a bad earlier row raised at its hand-over: this call's row is still kept
+            self._add(step, statistics)
 
     def on_epoch_end(self, epoch: int, statistics: Mapping | None = None, *, step: int | None = None) -> None:
         """Record the epoch's statistics in the row of its last step (or of ``step`` if given).
@@ -132,16 +147,13 @@ class RecorderCallback:
         An epoch end is a point every rank reaches: the rows so far, the open one included, are
         converted (and reduced across ranks) now and the finished ones handed to the recorder, so that
         a `Recorder.flush` on rank 0 alone (a checkpoint at the epoch boundary) commits all of them."""
+        row_step = self._open_row_step(f"on_epoch_end(epoch={epoch})") if step is None else self._row_step(step, "on_epoch_end")
         statistics = _snapshot(statistics or {})
         statistics.setdefault("scalars/epoch", np.float32(epoch))
-        if step is not None and (self._open is None or step != self._open[0]):
+        if self._open is not None and row_step != self._open[0]:
             self._finish_row(hand_over=False)
-        elif self._open is None:
-            raise RecordError(
-                f"on_epoch_end(epoch={epoch}) came before any on_step_end; pass step= to say which row it belongs to"
-            )
         # Still open: a Lightning batch right after the epoch can carry the same global step.
-        self._add(self._open[0] if step is None else int(step), statistics)
+        self._add(row_step, statistics)
         self._hand_over(collective=True, open_row=True)
 
     def on_exception(self, exception: BaseException, statistics: Mapping | None = None, *, step: int | None = None) -> None:
@@ -150,19 +162,27 @@ class RecorderCallback:
         The recorder stays open, so a loop that recovers may go on logging; close it (or leave
         the ``with`` block) when the run ends. No collective runs here (after an exception other
         ranks may never reach this call): under DDP, rows not yet reduced are not written (see the
-        class docstring); in a single process everything is written.
+        class docstring); in a single process everything is written. ``statistics`` that cannot be
+        placed (a step that goes back, or no ``step`` and no open row) raise `RecordError` after
+        everything else is written.
         """
+        refused = None
         if statistics:
-            statistics = _snapshot(statistics)
-            if step is not None and (self._open is None or step != self._open[0]):
-                self._finish_row(hand_over=False)
-                self._add(int(step), statistics)
-            elif self._open is not None:
-                self._open[1].update(statistics)
+            try:
+                row_step = self._open_row_step("on_exception") if step is None else self._row_step(step, "on_exception")
+                statistics = _snapshot(statistics)
+            except RecordError as err:  # reported after the held rows are safe on disk
+                refused = err
+            else:
+                if self._open is not None and row_step != self._open[0]:
+                    self._finish_row(hand_over=False)
+                self._add(row_step, statistics)
         self._finish_row(hand_over=False)
         self._hand_over(collective=False, drop_unreduced=True)
         if self.recorder is not None and not self.recorder.closed:
             self.recorder.flush()
+        if refused is not None:
+            raise refused
 
     def flush(self) -> None:
         """Hand every held row to the recorder (reducing across ranks: under DDP every rank must call
@@ -201,10 +221,40 @@ class RecorderCallback:
 
         return distributed.world_size(self._group) > 1
 
+    def _row_step(self, step, hook: str) -> int:
+        """``step`` checked against the rows so far: the open row's step (merge) or a later one.
+        Checked at the call, before anything is held, so that a step that goes back is refused
+        there and not where its row is written (by then later rows would be refused with it)."""
+        step = checked_step(step)
+        last = self._last_step
+        if self._open is not None and step < self._open[0]:
+            raise RecordError(
+                f"{hook}: step {step} is before the current step {last}; steps never go back (step {last} merges into "
+                f"its row, a later step starts a new one); nothing of this call was recorded"
+            )
+        if self._open is None and last is not None and step <= last:
+            raise RecordError(
+                f"{hook}: step {step} is not after step {last}, whose row is already written (by a flush or an "
+                f"exception); pass a step after {last}; nothing of this call was recorded"
+            )
+        return step
+
+    def _open_row_step(self, hook: str) -> int:
+        """The open row's step, for a hook called without ``step=``."""
+        if self._open is not None:
+            return self._open[0]
+        if self._last_step is None:
+            raise RecordError(f"{hook} came before any on_step_end; pass step= to say which row it belongs to")
+        raise RecordError(
+            f"{hook}: the row of step {self._last_step} is already written (by a flush or an exception); "
+            f"pass step= a step after {self._last_step}; nothing of this call was recorded"
+        )
+
     def _add(self, step: int, statistics: dict) -> None:
         if self._open is None:
             self._open = [step, {}, {}]
         self._open[1].update(statistics)
+        self._last_step = step
 
     def _finish_row(self, hand_over: bool = True) -> None:
         """Close the open row; hand the batch over when it is full (or, alone, when a flush is due)."""
@@ -271,6 +321,32 @@ class RecorderCallback:
         elif closing:
             self._finish_row(hand_over=False)
         self._hand_over(collective=False, drop_unreduced=closing)
+
+
+def _check_recorder_options(options: Mapping) -> None:
+    """Refuse keywords that `Recorder` does not take, naming the ones it does (here, before a file
+    is opened, and on every rank alike)."""
+    known = [name for name in inspect.signature(Recorder).parameters if name not in ("path", "meta")]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise RecordError(
+            f"RecorderCallback got unknown keyword argument(s) {', '.join(unknown)}; it takes meta, reduce, rules, "
+            f"ddof, group and the Recorder options {', '.join(known)}"
+        )
+
+
+def _check_rules(rules) -> None:
+    """Refuse a ``rules`` mapping with a rule that `nasdiag.distributed.reduce_statistics` does not
+    know (it would otherwise fail only at the first reduction, under DDP)."""
+    if rules is None:
+        return
+    if not isinstance(rules, Mapping):
+        raise RecordError(f"rules must be a mapping of record path or glob -> reduction rule, got {type(rules).__name__}")
+    for pattern, rule in rules.items():
+        if not isinstance(pattern, str):
+            raise RecordError(f"rules keys must be record paths or globs (str), got {pattern!r}")
+        if rule not in RULES:
+            raise RecordError(f"rules[{pattern!r}] = {rule!r} is not a reduction rule; use one of {', '.join(RULES)}")
 
 
 def _snapshot(statistics) -> dict:

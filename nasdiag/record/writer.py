@@ -121,6 +121,19 @@ def _detach_from_disk(f: h5py.File) -> None:
         pass  # best effort: without it the close below may fail too, which we report
 
 
+def checked_step(step) -> int:
+    """``step`` as an int: a non-negative Python or numpy int, or a 0-d tensor/array holding one;
+    anything else (a bool, a float, a negative number) raises `RecordError`."""
+    if hasattr(step, "item") and not isinstance(step, (int, np.integer)):
+        try:
+            step = step.item()  # 0-d tensors and arrays
+        except (ValueError, RuntimeError):  # more than one element
+            pass
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+        raise RecordError(f"step must be a non-negative int, got {step!r}")
+    return int(step)
+
+
 def _describe_changes(changes: dict) -> str:
     return ", ".join(f"{key} ({stored!r} stored, {given!r} given)" for key, (stored, given) in changes.items())
 
@@ -523,11 +536,7 @@ class Recorder:
     # --- validation --------------------------------------------------------------------------
 
     def _check_step(self, step) -> int:
-        if hasattr(step, "item") and not isinstance(step, (int, np.integer)):
-            step = step.item()  # 0-d tensors and arrays
-        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-            raise RecordError(f"step must be a non-negative int, got {step!r}")
-        step = int(step)
+        step = checked_step(step)
         last = self._session_last_step
         if last is not None and step <= last:
             raise RecordError(f"step {step} is not after the previous step {last}; steps must increase within a run")
