@@ -94,7 +94,8 @@ def resolve_edges(model: nn.Module, edges: EdgesArg,
 
     Raises:
         EdgeSpecError: an empty or malformed description, a module (mixed op or candidate) that is not a
-            submodule of ``model``, a module listed as two edges, an edge without candidate ops.
+            submodule of ``model``, a candidate that is not a submodule of its mixed op, a module listed as two
+            edges, an edge without candidate ops.
     """
     if isinstance(edges, (list, tuple)) and edges and all(hasattr(e, "name") and hasattr(e, "module") for e in edges):
         edges = {e.name: e for e in edges}
@@ -117,6 +118,14 @@ def resolve_edges(model: nn.Module, edges: EdgesArg,
                     "of this model instance, e.g. from model.named_modules() or model.edge_specs() (was the model "
                     "copied after building the map?)"
                 )
+        inside = {id(m) for m in spec.module.modules()}
+        foreign = [k for k, o in enumerate(spec.ops) if id(o) not in inside]
+        if foreign:
+            raise EdgeSpecError(
+                f"edge {name!r}: candidate op(s) {foreign} ({', '.join(type(spec.ops[k]).__name__ for k in foreign)}) "
+                f"are not submodules of the mixed op {type(spec.module).__name__}, so they are not what it mixes; "
+                "list the modules its forward calls, e.g. (module, list(module.ops))"
+            )
         if id(spec.module) in seen:
             raise EdgeSpecError(
                 f"edges {seen[id(spec.module)]!r} and {name!r} are the same module: a module cannot be two edges; "

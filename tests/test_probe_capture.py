@@ -431,6 +431,22 @@ def test_an_edge_nothing_before_which_carries_a_gradient_is_named_as_such():
     assert torch.isnan(probe.costs()["m"]).all()
 
 
+def test_a_candidate_op_that_is_not_part_of_its_mixed_op_is_refused_at_attach():
+    net = UserNet().double()
+    with pytest.raises(ProbeError, match=r"candidate op\(s\) \[1\].*not submodules of the mixed op"):
+        nasdiag.attach(net, edges={"a": (net.a, [net.a.cands[0], net.b.cands[0]])})
+
+
+def test_hessian_targets_of_another_batch_are_refused():
+    net = tiny_net(layers=1, reductions=[])
+    x, y = batch()
+    probe = nasdiag.attach(net, hessian="approx")
+    with probe.record(targets=y[:3]):
+        F.cross_entropy(net(x), y).backward()
+    with pytest.raises(ProbeError, match=r"3 labels but the batch has 4 samples"):
+        probe.hessian()
+
+
 def test_misuse_of_record_and_results_is_explained():
     net = tiny_net(layers=1)
     probe = nasdiag.attach(net)

@@ -483,6 +483,13 @@ class Probe:
                     "(they are inferred only when the block's loss is the default mean or summed cross-entropy of the "
                     "model's output)"
                 )
+        first = inputs[0] if isinstance(inputs, tuple) and inputs else inputs
+        if (self.loss_fn is None and isinstance(targets, torch.Tensor) and isinstance(first, torch.Tensor)
+                and targets.dim() >= 1 and first.dim() >= 1 and targets.shape[0] != first.shape[0]):
+            raise ProbeError(
+                f"hessian(): the targets hold {targets.shape[0]} labels but the batch has {first.shape[0]} samples; "
+                "pass the targets of the same batch (probe.record(targets=y) or hessian(inputs=x, targets=y))"
+            )
         loss_fn = self.loss_fn or torch.nn.functional.cross_entropy
         return arch_diag_hessian(model, loss_fn, inputs, targets, self._edges, mode=mode, wrt=wrt)
 
