@@ -156,3 +156,21 @@ def test_plot_into_an_existing_file_says_out_must_be_a_folder(rec, tmp_path, cap
     (tmp_path / "figs" / "compare").write_text("not a folder")
     other = shutil.copy(rec, tmp_path / "b.h5")
     refused(["plot", rec, other, "--out", tmp_path / "figs"], tmp_path, ["compare", "move that file away"], capsys)
+
+
+# 7. a checkpoint given instead of its record ------------------------------------------------------------
+def test_a_checkpoint_is_named_as_such_with_the_record_to_pass(rec, tmp_path, capsys):
+    import pickle
+
+    import torch
+
+    ckpt = tmp_path / "run.h5.ckpt"
+    torch.save({"step": 4}, ckpt)  # what the search writes next to its record: a torch file, not HDF5
+    for command, out in (("plot", tmp_path / "figs"), ("report", tmp_path / "r.html")):
+        line = refused([command, ckpt, "--out", out], tmp_path, ["is a nasdiag checkpoint", f"the record {rec}"], capsys)
+        assert "damaged" not in line and "salvage" not in line
+    # recognised by its signature too (an old pickle-format checkpoint, renamed), with no record beside it
+    renamed = tmp_path / "state.bin"
+    renamed.write_bytes(pickle.dumps({"step": 4}, protocol=2))
+    refused(["plot", renamed, "--out", tmp_path / "figs"], tmp_path,
+            ["is a nasdiag checkpoint", "the .h5 record it belongs to"], capsys)

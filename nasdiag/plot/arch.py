@@ -11,7 +11,9 @@ import numpy as np
 from nasdiag import vocabulary as V
 from nasdiag.plot import cells as C
 from nasdiag.plot.registry import Heatmap, NothingToDraw, figure, heatmap, valid_rows
-from nasdiag.plot.style import PAGE, edge_names, grid_shape, integer_steps, legend_outside, op_names, plt, series, step_of
+from nasdiag.plot.style import (
+    PAGE, edge_names, grid_shape, integer_steps, legend_outside, op_names, plot_series, plt, series, step_of,
+)
 
 #: newer records hold the distribution the genotype comes from; older ones only the mixing weights Z
 ARCH_FAMILIES = (V.ARCH_PROBABILITIES, V.ARCH_WEIGHTS)
@@ -59,7 +61,7 @@ def arch_evolution(record, cell: str):
             continue
         ax.axhline(1.0 / K, color="#888888", ls="--", lw=0.8, label="uniform 1/K")
         for k in range(K):
-            ax.plot(steps, values[:, e, k], color=colors[k], lw=1.0, label=ops[k])
+            plot_series(ax, steps, values[:, e, k], color=colors[k], lw=1.0, label=ops[k])
         ax.set_title(f"edge {edges[e]}", fontsize=7, loc="left", pad=2)
         ax.set_ylim(0, max(top * 1.05, 1.5 / K))
         integer_steps(ax)

@@ -9,7 +9,9 @@ import numpy as np
 
 from nasdiag import vocabulary as V
 from nasdiag.plot.registry import NothingToDraw, figure
-from nasdiag.plot.style import PAGE, edge_names, integer_steps, logged_rows, op_names, ops_on_per_edge, plt
+from nasdiag.plot.style import (
+    PAGE, edge_names, integer_steps, logged_rows, mark_nonfinite, op_names, ops_on_per_edge, plt,
+)
 
 #: Algorithm 2, step 4: ½ ln(2πe γ) ≤ 0 ⟺ γ ≤ 1/(2πe)
 _PRUNE_GAMMA = 1.0 / (2.0 * math.pi * math.e)
@@ -38,6 +40,7 @@ def _per_edge_panels(record, cell, family, ylabel, title, *, log=False, threshol
                 # γ = 0 (a dead switch) has no logarithm: drawn at the panel's floor by masking
                 y = np.where(y > 0, y, np.nan)
             ax.plot(steps, y, color=colors(k % 10), lw=0.9, label=ops[k] if e == 0 else None)
+            mark_nonfinite(ax, steps, values[:, e, k], color=colors(k % 10))  # recorded NaN/inf, not γ = 0
         if threshold is not None:
             ax.axhline(threshold, color="k", lw=0.7, ls=":")
         if log:
@@ -48,7 +51,12 @@ def _per_edge_panels(record, cell, family, ylabel, title, *, log=False, threshol
     for ax in axes[-1]:
         ax.set_xlabel("step", fontsize=7)
     axes[0][0].set_ylabel(ylabel, fontsize=7)
-    fig.legend(fontsize=6, frameon=False, ncol=min(K, 7), loc="lower center", bbox_to_anchor=(0.5, 1.0))
+    entries = {}  # label -> handle: the ops (first panel) and each NaN/inf kind once, from whichever panel has it
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(label, handle)
+    fig.legend(list(entries.values()), list(entries), fontsize=6, frameon=False, ncol=min(len(entries), 7),
+               loc="lower center", bbox_to_anchor=(0.5, 1.0))
     fig.suptitle(title, fontsize=8, x=0.01, ha="left", y=1.06)
     return fig
 

@@ -140,10 +140,20 @@ def _folders(records: List[str], out: Path) -> Dict[str, Path]:
     return out_dirs
 
 
+def _nonfinite_line(drawn) -> str:
+    """The NaN/inf the drawn families hold, as ``nasdiag report`` lists them, or that there are none."""
+    from nasdiag.plot.registry import nonfinite_summary
+
+    text = nonfinite_summary(drawn.nonfinite)
+    return text + (" in the drawn families, marked in the figures" if drawn.nonfinite else " in the drawn families")
+
+
 def run_plot(args) -> int:
     """Draw the figures of ``args.records`` (see the module docstring for folders and exit codes)."""
     from nasdiag.errors import NasdiagError
-    from nasdiag.plot.registry import PlotError, draw_record, parse_at, select, write_comparison
+    from nasdiag.plot.registry import (
+        PlotError, draw_record, parse_at, refuse_checkpoint, select, write_comparison,
+    )
     from nasdiag.record import load
 
     figures = _figure_names(args.figures)
@@ -153,6 +163,7 @@ def run_plot(args) -> int:
     _check_folder(out)
     if len(args.records) == 1:
         record_path = args.records[0]
+        refuse_checkpoint(record_path)
         record = load(record_path)  # RecordError "no record at ..." if there is none
         if len(record["step"]) == 0:
             raise PlotError(f"record {record_path} has no committed rows yet; nothing to plot")
@@ -160,7 +171,7 @@ def run_plot(args) -> int:
         drawn = draw_record(record, out, args.format, figures, args.at, args.dpi)
         for line in drawn.skipped:
             print(f"skipped {line}", file=sys.stderr)
-        print(f"{record_path}: {len(drawn.files)} figures in {out}")
+        print(f"{record_path}: {len(drawn.files)} figures in {out}; {_nonfinite_line(drawn)}")
         return 0
 
     from tqdm.auto import tqdm
@@ -173,6 +184,7 @@ def run_plot(args) -> int:
     for record_path in bar:
         bar.set_postfix_str(Path(record_path).name, refresh=False)
         try:
+            refuse_checkpoint(record_path)
             record = load(record_path)
             if len(record["step"]) == 0:
                 raise PlotError("no committed rows yet")
@@ -189,6 +201,8 @@ def run_plot(args) -> int:
         loaded[folders[record_path].name] = record
         for line in drawn.skipped:
             bar.write(f"skipped {Path(record_path).name}/{line}", file=sys.stderr)
+        bar.write(f"{record_path}: {len(drawn.files)} figures in {folders[record_path]}; {_nonfinite_line(drawn)}",
+                  file=sys.stdout)
     bar.close()
     if not loaded:
         raise PlotError(f"none of the {len(args.records)} records could be drawn (see the lines above)")

@@ -9,7 +9,7 @@ import numpy as np
 
 from nasdiag import vocabulary as V
 from nasdiag.plot.registry import Heatmap, figure, heatmap
-from nasdiag.plot.style import COLUMN, edge_names, integer_steps, op_names, plt, series, step_of
+from nasdiag.plot.style import COLUMN, edge_names, integer_steps, op_names, plot_series, plt, series, step_of
 
 
 def _mode(record) -> str:
@@ -42,7 +42,9 @@ def hessian_diag(record, cell: str, row: int) -> Heatmap:
 def top_eigenvalue(record, cell: str):
     steps, values = series(record, V.HESSIAN_TOP_EIGENVALUE.path(cell=cell))
     fig, ax = plt.subplots(figsize=(COLUMN, 2.0))
-    ax.plot(steps, values, marker="o", ms=3, lw=1.1)
+    plot_series(ax, steps, values, marker="o", ms=3, lw=1.1)
+    if ax.get_legend_handles_labels()[1]:  # NaN/inf marks
+        ax.legend(fontsize=6, frameon=False)
     ax.set_xlabel("step")
     ax.set_ylabel("λ_max(∂²L/∂α²)")
     integer_steps(ax)

@@ -283,14 +283,90 @@ def _at_label(at: Union[str, int]) -> str:
     return at if isinstance(at, str) else f"step{at}"
 
 
+# -- inputs ------------------------------------------------------------------------------------------
+#: first bytes of a torch.save file: its zip archive, or a pickle (protocol 2-5) of older torch versions
+_TORCH_SIGNATURES = (b"PK\x03\x04", b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")
+_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+_CHECKPOINT_SUFFIXES = (".ckpt", ".ckpt.tmp")
+
+
+def refuse_checkpoint(record_path) -> None:
+    """Raise `PlotError` when ``record_path`` is a search checkpoint (``<record>.ckpt``, or any file that is
+    not HDF5 but starts like a torch.save file) instead of a record, naming the record to pass; a missing
+    or unreadable file is left to the record reader's message."""
+    path = Path(record_path)
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(len(_HDF5_SIGNATURE))
+    except OSError:
+        return
+    named = path.name.endswith(_CHECKPOINT_SUFFIXES)
+    if head == _HDF5_SIGNATURE or not (named or head.startswith(_TORCH_SIGNATURES)):
+        return
+    suffix = next((x for x in _CHECKPOINT_SUFFIXES[::-1] if path.name.endswith(x)), None)
+    record = path.with_name(path.name[: -len(suffix)]) if suffix else None
+    target = f"the record {record}" if record is not None and record.exists() else "the .h5 record it belongs to"
+    raise PlotError(f"{path} is a nasdiag checkpoint (the search's resume state, a torch file), not a record; "
+                    f"pass {target} instead")
+
+
+# -- non-finite values -------------------------------------------------------------------------------
+#: the kinds of non-finite values, in the order figures and messages name them
+NONFINITE_KINDS = ("NaN", "+inf", "−inf")
+
+
+def nonfinite_counts(values) -> Dict[str, int]:
+    """``{"NaN": n, "+inf": n, "−inf": n}`` of ``values`` (any shape), without the kinds that are absent;
+    ``{}`` for integer or boolean arrays and for all-finite ones."""
+    values = np.asarray(values)
+    if values.dtype.kind not in "fc":
+        return {}
+    counts = dict(zip(NONFINITE_KINDS, (int(np.count_nonzero(np.isnan(values))),
+                                        int(np.count_nonzero(np.isposinf(values))),
+                                        int(np.count_nonzero(np.isneginf(values))))))
+    return {k: n for k, n in counts.items() if n}
+
+
+def nonfinite_text(counts: Mapping[str, int]) -> str:
+    """``"2 NaN, 1 +inf"`` (``""`` for no counts)."""
+    return ", ".join(f"{counts[k]} {k}" for k in NONFINITE_KINDS if counts.get(k))
+
+
+def family_nonfinite(record: Record, specs: Sequence["FigureSpec"]) -> Dict[str, Dict[str, int]]:
+    """``{path: nonfinite_counts}`` over the logged rows of every record path of the ``specs``' families
+    that holds a NaN or inf (paths in record order)."""
+    families = {fam.pattern: fam for spec in specs for fam in spec.families}.values()
+    found = {}
+    for path in record:
+        if path.startswith(("valid/", "meta/")) or path == "step" or not any(f.regex.match(path) for f in families):
+            continue
+        counts = nonfinite_counts(np.asarray(record[path])[valid_rows(record, path)])
+        if counts:
+            found[path] = counts
+    return found
+
+
+def nonfinite_summary(found: Mapping[str, Mapping[str, int]], most: int = 4) -> str:
+    """One phrase for `family_nonfinite`'s result: ``"no NaN/inf"`` or
+    ``"1 NaN, 1 +inf (scalars/x: 1 NaN; cost/normal/mean: 1 +inf)"`` (at most ``most`` paths named)."""
+    if not found:
+        return "no NaN/inf"
+    total = {k: sum(c.get(k, 0) for c in found.values()) for k in NONFINITE_KINDS}
+    named = [f"{path}: {nonfinite_text(c)}" for path, c in list(found.items())[:most]]
+    more = f"; {len(found) - most} more paths" if len(found) > most else ""
+    return f"{nonfinite_text(total)} ({'; '.join(named)}{more})"
+
+
 # -- drawing -----------------------------------------------------------------------------------------
 @dataclass
 class Drawn:
-    """The figures drawn from one record: ``files`` in order, and one line per figure that was skipped."""
+    """The figures drawn from one record: ``files`` in order, one line per figure that was skipped, and
+    ``nonfinite``: `family_nonfinite` of the figures tried (their NaN/inf are marked in the figures)."""
 
     files: List[Path] = field(default_factory=list)
     skipped: List[str] = field(default_factory=list)
     specs: Dict[Path, FigureSpec] = field(default_factory=dict)
+    nonfinite: Dict[str, Dict[str, int]] = field(default_factory=dict)
 
 
 def iter_figures(record: Record, figures: Optional[Sequence[str]] = None, at=None):
@@ -345,7 +421,9 @@ def draw_record(record: Record, out_dir, fmt: str = "png", figures: Optional[Seq
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     drawn = Drawn()
+    tried: Dict[str, FigureSpec] = {}
     for spec, cell, label, thunk in iter_figures(record, figures, at):
+        tried[spec.name] = spec
         stem = spec.filename(cell) + (f"_{label}" if label else "")
         try:
             with warnings.catch_warnings(), paper_style():
@@ -358,13 +436,16 @@ def draw_record(record: Record, out_dir, fmt: str = "png", figures: Optional[Seq
         save(fig, path, dpi)
         drawn.files.append(path)
         drawn.specs[path] = spec
+    drawn.nonfinite = family_nonfinite(record, list(tried.values()))
     return drawn
 
 
 class WrittenFigures(list):
-    """The written files (a list of paths, as before), with ``skipped``: one line per figure not drawn."""
+    """The written files (a list of paths, as before), with ``skipped``: one line per figure not drawn, and
+    ``nonfinite``: the NaN/inf counts of the drawn families (see `Drawn`)."""
 
     skipped: List[str]
+    nonfinite: Dict[str, Dict[str, int]]
 
 
 def write_figures(record_path, out_dir, fmt: str = "png", figures: Optional[Sequence[str]] = None, at=None,
@@ -389,12 +470,14 @@ def write_figures(record_path, out_dir, fmt: str = "png", figures: Optional[Sequ
     """
     from nasdiag.record import load
 
+    refuse_checkpoint(record_path)
     record = load(record_path)
     if len(record["step"]) == 0:
         raise PlotError(f"record {record_path} has no committed rows yet; nothing to plot")
     drawn = draw_record(record, out_dir, fmt, figures, at, dpi)
     written = WrittenFigures(drawn.files)
     written.skipped = drawn.skipped
+    written.nonfinite = drawn.nonfinite
     return written
 
 

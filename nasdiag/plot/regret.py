@@ -7,7 +7,9 @@ import numpy as np
 
 from nasdiag import vocabulary as V
 from nasdiag.plot.registry import NothingToDraw, figure
-from nasdiag.plot.style import COLUMN, PAGE, edge_names, integer_steps, logged_rows, op_names, ops_on_per_edge, plt
+from nasdiag.plot.style import (
+    COLUMN, PAGE, edge_names, integer_steps, logged_rows, op_names, ops_on_per_edge, plot_series, plt,
+)
 
 
 @figure((V.REGRET_REGRET, V.REGRET_BOUND), name="regret_bound", file="regret_bound_{cell}", paper="XNAS Theorem 1, eq 3",
@@ -25,9 +27,9 @@ def regret_bound(record, cell):
     fig, ax = plt.subplots(figsize=(COLUMN, 2.4))
     colors = plt.get_cmap("tab10")
     for e in range(E):
-        ax.plot(steps, regret[:, e], color=colors(e % 10), lw=1.1, label=names[e])
+        plot_series(ax, steps, regret[:, e], color=colors(e % 10), lw=1.1, label=names[e])
         if bound is not None:
-            ax.plot(steps, bound[:, e], color=colors(e % 10), lw=0.8, ls="--")
+            plot_series(ax, steps, bound[:, e], color=colors(e % 10), lw=0.8, ls="--")
     ax.set_xlabel("step")
     ax.set_ylabel("regret (solid), bound (dashed)")
     integer_steps(ax)

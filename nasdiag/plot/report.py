@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from nasdiag.plot.registry import NothingToDraw, PlotError, iter_figures
+from nasdiag.plot.registry import NothingToDraw, PlotError, iter_figures, refuse_checkpoint
 
 #: section titles of the record groups, in page order (groups not listed follow in registry order)
 GROUP_TITLES = {
@@ -176,6 +176,7 @@ def build_report(record_path, figures: Optional[Sequence[str]] = None, dpi: int 
 
     if not isinstance(dpi, int) or dpi < 1:
         raise PlotError(f"dpi must be a positive number of dots per inch, e.g. 110, not {dpi!r}")
+    refuse_checkpoint(record_path)
     record = load(record_path)
     meta = load_meta(record_path)
     if len(record["step"]) == 0:

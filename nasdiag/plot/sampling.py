@@ -7,7 +7,7 @@ import numpy as np
 
 from nasdiag import vocabulary as V
 from nasdiag.plot.registry import Heatmap, NothingToDraw, figure, heatmap
-from nasdiag.plot.style import PAGE, edge_names, integer_steps, op_names, plt, series, step_of
+from nasdiag.plot.style import PAGE, edge_names, integer_steps, op_names, plot_series, plt, series, step_of
 
 
 @figure((V.SAMPLE_TEMPERATURE, V.SAMPLE_ENTROPY), name="sampling", file="sampling_temperature_entropy",
@@ -24,7 +24,9 @@ def temperature_entropy(record, cell=None):
         raise NothingToDraw("neither the temperature nor the entropy has a finite value")
     fig, axes = plt.subplots(1, len(panels), figsize=(PAGE * len(panels) / 2, 2.2), squeeze=False)
     for ax, (label, steps, values) in zip(axes.ravel(), panels):
-        ax.plot(steps, values, lw=1.1, marker="o" if len(steps) < 30 else None, ms=3)
+        plot_series(ax, steps, values, lw=1.1, marker="o" if len(steps) < 30 else None, ms=3)
+        if ax.get_legend_handles_labels()[1]:
+            ax.legend(fontsize=6, frameon=False)
         ax.set_title(label, loc="left")
         ax.set_xlabel("step")
         integer_steps(ax)

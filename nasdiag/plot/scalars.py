@@ -8,7 +8,7 @@ import numpy as np
 
 from nasdiag import vocabulary as V
 from nasdiag.plot.registry import NothingToDraw, figure
-from nasdiag.plot.style import PAGE, grid_shape, integer_steps, plt, series
+from nasdiag.plot.style import PAGE, grid_shape, integer_steps, plot_series, plt, series
 
 #: how a known scalar is named in legends: which split, which step, which convention
 DESCRIPTIONS = {
@@ -65,10 +65,10 @@ def scalar_curves(record, cell=None):
     for ax, (title, members) in zip(axes.ravel(), groups.items()):
         for name in members:
             steps, values = curves[name]
-            ax.plot(steps, values, lw=1.1, marker="o" if len(steps) < 30 else None, ms=3,
-                    label=DESCRIPTIONS.get(name, name))
-        lows = [np.nanmin(curves[n][1]) for n in members]
-        if title == "learning rates" and min(lows) > 0 and max(np.nanmax(curves[n][1]) for n in members) > 30 * min(lows):
+            plot_series(ax, steps, values, lw=1.1, marker="o" if len(steps) < 30 else None, ms=3,
+                        label=DESCRIPTIONS.get(name, name))
+        finite = np.concatenate([v[np.isfinite(v)] for v in (curves[n][1] for n in members)])
+        if title == "learning rates" and finite.min() > 0 and finite.max() > 30 * finite.min():
             ax.set_yscale("log")  # only where a schedule spans decades
         ax.set_title(title, loc="left")
         ax.set_xlabel("step")

@@ -8,8 +8,9 @@ positive), non-negative ones a sequential map (``viridis``). Annotations never p
 from __future__ import annotations
 
 import math
+import os
 from contextlib import contextmanager
-from typing import List, Mapping, Optional, Tuple
+from typing import List, Mapping, Optional, Sequence, Tuple
 
 import matplotlib
 
@@ -18,9 +19,12 @@ matplotlib.use("Agg")  # batch scripts and reports have no display
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.colors import Normalize, TwoSlopeNorm  # noqa: E402
+from matplotlib.patches import Patch, Rectangle  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from nasdiag.plot.registry import Heatmap, NothingToDraw, valid_rows  # noqa: E402
+from nasdiag.plot.registry import (  # noqa: E402
+    NONFINITE_KINDS, Heatmap, NothingToDraw, nonfinite_counts, nonfinite_text, valid_rows,
+)
 
 COLUMN = 3.4  # inches: one column of a two-column paper
 PAGE = 7.0  # inches: both columns
@@ -134,6 +138,43 @@ def step_of(record: Mapping[str, np.ndarray], row: int) -> int:
     return int(record["step"][row])
 
 
+# -- non-finite values: drawn, never hidden ----------------------------------------------------------------
+#: how a line plot marks each kind of non-finite value at its step: (marker, y in axes coordinates)
+NONFINITE_MARKERS = {"NaN": ("X", 0.0), "+inf": ("^", 1.0), "−inf": ("v", 0.0)}
+#: how a heatmap fills a non-finite cell: (face colour, hatch); none of them is a colour of the maps
+NONFINITE_CELLS = {"NaN": ("#d9d9d9", "xxx"), "+inf": ("#f0f0f0", "///"), "−inf": ("#f0f0f0", "\\\\\\")}
+
+
+def mark_nonfinite(ax, steps, values, color=None) -> None:
+    """Mark each step where the 1-D series ``values`` is NaN, +inf or −inf with a marker at the axes edge
+    (NaN: ``X`` at the bottom, +inf: ``^`` at the top, −inf: ``v`` at the bottom) in the series' colour;
+    the legend gets one black entry per kind ("NaN", "+inf", "−inf"), once per axes. A line plot alone
+    leaves a gap at a NaN and nothing at all for an isolated finite point between NaNs."""
+    steps, values = np.asarray(steps), np.asarray(values, dtype=float)
+    labels = set(ax.get_legend_handles_labels()[1])
+    edge = ax.get_xaxis_transform()  # x in data (steps), y in axes coordinates: the edge whatever the data
+    for kind, hit in _nonfinite_masks(values).items():
+        if not hit.any():
+            continue
+        marker, y = NONFINITE_MARKERS[kind]
+        ax.plot(steps[hit], np.full(int(hit.sum()), y), ls="none", marker=marker, ms=5, color=color or "k",
+                transform=edge, clip_on=False, zorder=5)
+        if kind not in labels:  # an empty line: a legend entry for the kind, not for one series
+            ax.plot([], [], ls="none", marker=marker, ms=5, color="k", label=kind)
+            labels.add(kind)
+
+
+def plot_series(ax, steps, values, **kwargs):
+    """``ax.plot(steps, values, **kwargs)`` with the series' NaN/inf steps marked (`mark_nonfinite`)."""
+    (line,) = ax.plot(steps, values, **kwargs)
+    mark_nonfinite(ax, steps, values, color=line.get_color())
+    return line
+
+
+def _nonfinite_masks(values: np.ndarray) -> dict:
+    return {"NaN": np.isnan(values), "+inf": np.isposinf(values), "−inf": np.isneginf(values)}
+
+
 def integer_steps(ax) -> None:
     """Step axes show integer ticks only."""
     ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=6))
@@ -189,6 +230,11 @@ def _draw_matrix(ax, hm: Heatmap, matrix: np.ndarray, norm, cmap: str, annotate:
     ax.set_xticks(range(len(hm.cols)), hm.cols, rotation=45, ha="right", rotation_mode="anchor")
     ax.set_yticks(range(len(hm.rows)), hm.rows if row_labels else [])
     ax.tick_params(length=0)
+    for kind, hit in _nonfinite_masks(matrix).items():
+        face, hatch = NONFINITE_CELLS[kind]
+        for i, j in np.argwhere(hit):
+            ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor=face, hatch=hatch, edgecolor="#555555",
+                                   lw=0.0, zorder=2))
     for spine in ax.spines.values():
         spine.set_visible(False)
     if annotate and matrix.size <= 240:
@@ -198,13 +244,23 @@ def _draw_matrix(ax, hm: Heatmap, matrix: np.ndarray, norm, cmap: str, annotate:
             shade = norm(v) if np.isfinite(v) else 0.5
             dark = cmap == SEQUENTIAL and shade < 0.55 or cmap == DIVERGING and abs(float(shade) - 0.5) > 0.33
             ax.text(j, i, number(v, decimals), ha="center", va="center", fontsize=5.5,
-                    color="white" if dark else "black")
+                    color="white" if dark and np.isfinite(v) else "black", zorder=3)  # over a hatched cell too
     return image
 
 
 def _title(hm: Heatmap) -> str:
-    n_nan = int(np.isnan(np.asarray(hm.matrix, dtype=float)).sum())
-    return hm.title + (f"  [{n_nan} NaN]" if n_nan else "")
+    counts = nonfinite_counts(hm.matrix)
+    return hm.title + (f"  [{nonfinite_text(counts)}]" if counts else "")
+
+
+def _nonfinite_legend(fig, matrices) -> None:
+    """One legend under the figure for the kinds of non-finite cells the ``matrices`` hold (none: no legend)."""
+    kinds = [k for k in NONFINITE_KINDS if any(nonfinite_counts(m).get(k) for m in matrices)]
+    if kinds:
+        handles = [Patch(facecolor=NONFINITE_CELLS[k][0], hatch=NONFINITE_CELLS[k][1], edgecolor="#555555", label=k)
+                   for k in kinds]
+        fig.legend(handles=handles, loc="outside lower left", ncol=len(kinds), frameon=False, fontsize=6,
+                   title="non-finite cells", title_fontsize=6)
 
 
 def wrap(text: str, inches: float, fontsize: float = 8.0) -> str:
@@ -235,6 +291,7 @@ def render_heatmap(hm: Heatmap, annotate: bool = True):
     ax.set_title(wrap(_title(hm), width - 0.9), loc="left")
     bar = fig.colorbar(image, ax=ax, shrink=0.9, pad=0.02)
     bar.set_label(wrap(hm.colorbar + (f"  (x 1e{p})" if p else ""), 0.8 * (height - 0.9), 7), fontsize=7)
+    _nonfinite_legend(fig, [matrix])
     return fig
 
 
@@ -254,6 +311,8 @@ def render_heatmaps(panels: Mapping[str, Heatmap], annotate: bool = False):
     rows = math.ceil(n / cols)
     n_rows, n_cols = matrices[labels[0]].shape
     panel_w = 0.9 + 0.28 * n_cols
+    shared, tail_list = split_colorbar_labels([panels[k].colorbar for k in labels])
+    tails = dict(zip(labels, tail_list))
     fig, axes = plt.subplots(rows, cols, figsize=(min(2 * PAGE, 0.8 + panel_w * cols), 0.9 + rows * (0.6 + 0.17 * n_rows)),
                              squeeze=False)
     image = None
@@ -264,14 +323,37 @@ def render_heatmaps(panels: Mapping[str, Heatmap], annotate: bool = False):
         hm = panels[labels[i]]
         image = _draw_matrix(ax, hm, matrices[labels[i]] / 10.0**p, norm, cmap, annotate, row_labels=i % cols == 0)
         when = f" (step {hm.step})" if hm.step is not None else ""
-        ax.set_title(labels[i] + when, fontsize=7, loc="left")
+        counts = nonfinite_counts(matrices[labels[i]])
+        title = labels[i] + when + (f" [{nonfinite_text(counts)}]" if counts else "")
+        if tails[labels[i]]:  # this run's part of the colour-bar label (its K, its unit), true for it alone
+            title += "\n" + wrap(tails[labels[i]], panel_w, 6)
+        ax.set_title(title, fontsize=7 if not tails[labels[i]] else 6, loc="left")
     fig.supxlabel(first.xlabel)
     fig.supylabel(first.ylabel)
     # the title without the run-specific tail (", steps a-b ...") is the same for every run
     fig.suptitle(first.title.split(",")[0] + ", one colour scale across runs")
     bar = fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, pad=0.01)
-    bar.set_label(wrap(first.colorbar + (f"  (x 1e{p})" if p else ""), 0.7 * rows * (0.6 + 0.17 * n_rows), 7), fontsize=7)
+    bar.set_label(wrap(shared + (f"  (x 1e{p})" if p else ""), 0.7 * rows * (0.6 + 0.17 * n_rows), 7), fontsize=7)
+    _nonfinite_legend(fig, matrices.values())
     return fig
+
+
+def split_colorbar_labels(labels: Sequence[str]) -> Tuple[str, List[str]]:
+    """(shared, tails): the part of the runs' colour-bar labels true for every run, and each run's rest.
+
+    Equal labels share everything (tails all ``""``). Otherwise the shared part is their common beginning
+    cut back to before its last `` (`` or space, so that no run-specific number (``K = 8`` of one
+    run, ``K = 7`` of another) is printed on the one colour bar; each tail is that run's label after it.
+    """
+    labels = list(labels)
+    if len(set(labels)) == 1:
+        return labels[0], [""] * len(labels)
+    common = os.path.commonprefix(labels)
+    cut = common.rfind(" (")
+    if cut < 0:
+        cut = common.rfind(" ")
+    shared = common[:max(cut, 0)].strip()
+    return shared, [label[len(shared):].strip() for label in labels]
 
 
 def legend_outside(fig, axes, ncol: int = 1) -> None:
@@ -293,6 +375,6 @@ def grid_shape(n: int, max_cols: int = 5) -> Tuple[int, int]:
 
 __all__ = [
     "COLUMN", "DIVERGING", "PAGE", "SEQUENTIAL", "edge_names", "epoch_span", "grid_shape", "integer_steps",
-    "legend_outside", "number", "op_names", "paper_style", "render_heatmap", "render_heatmaps", "scale_exponent",
-    "series", "step_of",
+    "legend_outside", "mark_nonfinite", "number", "op_names", "paper_style", "plot_series", "render_heatmap",
+    "render_heatmaps", "scale_exponent", "series", "split_colorbar_labels", "step_of",
 ]
