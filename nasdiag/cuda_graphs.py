@@ -22,6 +22,8 @@ Outputs are cloned after each replay, so a caller may keep them across steps.
 
 from __future__ import annotations
 
+import gc
+
 import warnings
 from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
 
@@ -120,8 +122,19 @@ class CudaGraphBackend:
         """Record ``fn(*args)`` without running it; returns (graph, static outputs)."""
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=None if self._pool is None else self._pool()):
-            out = fn(*args)
+        # No garbage collection while capturing: a collection that frees CUDA tensors of earlier work (used on
+        # other streams) makes the allocator query their events, which a capture forbids; the capture then
+        # fails at random, depending on how much garbage the process holds (torch.cuda.graph collects only
+        # before it starts).
+        collecting = gc.isenabled()
+        gc.collect()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=None if self._pool is None else self._pool()):
+                out = fn(*args)
+        finally:
+            if collecting:
+                gc.enable()
         return graph, out
 
     def replay(self, graph: Any, static_out: Any) -> Any:
