@@ -447,3 +447,30 @@ def test_a_first_forward_under_inference_mode_leaves_nothing_behind_that_trainin
         _train_forward(eager, *b), _train_forward(fast, *b)
     _assert_same_buffers(eager, fast)
     assert len({m.running_mean.untyped_storage().data_ptr() for m in _edge_norms(fast)}) == 1
+
+
+def test_no_garbage_collection_runs_during_a_capture(monkeypatch):
+    """A collection during a CUDA-graph capture can free tensors of other streams, which fails the capture at
+    random; the backend disables the collector while capturing and restores it after, also on failure."""
+    import contextlib
+    import gc
+
+    from nasdiag.cuda_graphs import CudaGraphBackend
+
+    seen = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    monkeypatch.setattr(torch.cuda, "graph", lambda *a, **k: contextlib.nullcontext())
+
+    def step(fail):
+        seen.append(gc.isenabled())
+        if fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return 1
+
+    assert gc.isenabled()
+    backend = CudaGraphBackend()
+    backend.capture(step, (False,))
+    with pytest.raises(RuntimeError):
+        backend.capture(step, (True,))
+    assert seen == [False, False] and gc.isenabled()
