@@ -286,7 +286,6 @@ def _at_label(at: Union[str, int]) -> str:
 # -- inputs ------------------------------------------------------------------------------------------
 #: first bytes of a torch.save file: its zip archive, or a pickle (protocol 2-5) of older torch versions
 _TORCH_SIGNATURES = (b"PK\x03\x04", b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")
-_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 _CHECKPOINT_SUFFIXES = (".ckpt", ".ckpt.tmp")
 
 
@@ -294,14 +293,16 @@ def refuse_checkpoint(record_path) -> None:
     """Raise `PlotError` when ``record_path`` is a search checkpoint (``<record>.ckpt``, or any file that is
     not HDF5 but starts like a torch.save file) instead of a record, naming the record to pass; a missing
     or unreadable file is left to the record reader's message."""
+    from nasdiag.record.reader import HDF5_SIGNATURE
+
     path = Path(record_path)
     try:
         with open(path, "rb") as fh:
-            head = fh.read(len(_HDF5_SIGNATURE))
+            head = fh.read(len(HDF5_SIGNATURE))
     except OSError:
         return
     named = path.name.endswith(_CHECKPOINT_SUFFIXES)
-    if head == _HDF5_SIGNATURE or not (named or head.startswith(_TORCH_SIGNATURES)):
+    if head == HDF5_SIGNATURE or not (named or head.startswith(_TORCH_SIGNATURES)):
         return
     suffix = next((x for x in _CHECKPOINT_SUFFIXES[::-1] if path.name.endswith(x)), None)
     record = path.with_name(path.name[: -len(suffix)]) if suffix else None

@@ -45,8 +45,6 @@ GROUP_TITLES = {
 PAGE_START = "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><meta name='generator' content='nasdiag report'>"
 #: how pages written before the marker existed start
 LEGACY_PAGE_START = "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>nasdiag report: "
-#: HDF5's format signature; a superblock sits at byte 0 or 512 * 2**n (after a user block)
-HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 HDF5_SUFFIXES = (".h5", ".hdf5", ".hdf", ".he5")
 
 CSS = """
@@ -266,21 +264,16 @@ def is_previous_report(path: Path) -> bool:
 
 
 def is_hdf5(path: Path) -> bool:
-    """Whether ``path`` is named or built like an HDF5 file (signature at byte 0 or 512 * 2**n)."""
+    """Whether ``path`` is named like an HDF5 file or is one (``h5py.is_hdf5``: the signature at byte 0 or
+    after a user block)."""
+    import h5py
+
     if path.suffix.lower() in HDF5_SUFFIXES:
         return True
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            offset = 0
-            while offset + len(HDF5_SIGNATURE) <= size:
-                f.seek(offset)
-                if f.read(len(HDF5_SIGNATURE)) == HDF5_SIGNATURE:
-                    return True
-                offset = 512 if offset == 0 else 2 * offset
-    except OSError:
+        return bool(h5py.is_hdf5(os.fspath(path)))
+    except (OSError, ValueError):
         return False
-    return False
 
 
 def _record_files(record_path) -> List[str]:
