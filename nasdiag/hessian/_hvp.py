@@ -364,13 +364,29 @@ def leaf_sources(t: torch.Tensor, limit: int = 64) -> List[torch.Tensor]:
     return list(found.values())
 
 
+def distinct_weights(n: int, like: torch.Tensor) -> torch.Tensor:
+    """(n,) distinct values in [0.5, 1.5) (the golden-ratio sequence ``frac(i·φ⁻¹) + 0.5``), in ``like``'s dtype
+    and on its device. Where a check needs weights that no structure of the model cancels: a fixed sequence
+    draws nothing from torch's global generator (a diagnostic must not shift the caller's dropout masks or
+    data order) and is made on the device (no host round trip, also under CUDA-graph capture)."""
+    sequence = torch.arange(1, n + 1, dtype=torch.float32, device=like.device).mul_(0.6180339887498949).frac_()
+    return sequence.add_(0.5).to(like.dtype)
+
+
 def source_entries(t: torch.Tensor) -> set:
-    """``{(id(leaf), flat index)}``: the entries of the leaves behind ``t`` that ``t`` depends on
-    (nonzero gradient of ``t.sum()``; one small backward through the graph that made ``t``)."""
+    """``{(id(leaf), flat index)}``: the entries of the leaves behind ``t`` that ``t`` depends on (nonzero
+    gradient of ``⟨r, t⟩``; one small backward through the graph that made ``t``).
+
+    ``r`` is a fixed irregular sequence, not ones: mixing weights are typically ``softmax(α)``, whose entries
+    sum to 1 for every α, so the gradient of ``t.sum()`` is zero in exact arithmetic and its entries are
+    nonzero only by round-off (shared α was then missed at random). ``∂⟨r, softmax(α)⟩/∂α_k = z_k (r_k − r·z)``
+    vanishes only where ``r_k`` equals the weighted mean of ``r``, which a sequence of distinct values
+    does not hit (and one entry of a shared row suffices to find the sharing)."""
     leaves = leaf_sources(t)
     if not leaves:
         return set()
-    grads = torch.autograd.grad(t.sum(), leaves, retain_graph=True, allow_unused=True)
+    r = distinct_weights(t.numel(), t).view_as(t)
+    grads = torch.autograd.grad(t, leaves, grad_outputs=r, retain_graph=True, allow_unused=True)
     out = set()
     for leaf, g in zip(leaves, grads):
         if g is not None:

@@ -23,7 +23,13 @@ from nasdiag.hessian.loss_curvature import output_hessian_blocks
 from nasdiag.hessian.rules import ModuleCall, rule_for
 from nasdiag.hessian.rules.elementwise import ElementwiseRule, IdentityRule, ReshapeRule
 
-__all__ = ["chain_exact_diag", "hvp_exact_diag", "as_linear_chain"]
+__all__ = ["ChainDoesNotApply", "chain_exact_diag", "hvp_exact_diag", "as_linear_chain"]
+
+
+class ChainDoesNotApply(ValueError):
+    """The per-sample chain recursion cannot represent this call (a ``Linear`` on rows that are not (N, features));
+    :func:`hvp_exact_diag` still gives the exact diagonal."""
+
 
 _CHAIN_TYPES = (nn.Linear, nn.ReLU, nn.LeakyReLU, nn.Sigmoid, nn.Tanh, nn.Identity, nn.Flatten)
 
@@ -68,9 +74,9 @@ def chain_exact_diag(
     with torch.enable_grad():
         for name, m in layers:
             params = {k: values.get(f"{name}.{k}" if name else k, p) for k, p in m.named_parameters(recurse=False)}
+            if isinstance(m, nn.Linear) and x.dim() != 2:  # checked before the layer runs: nothing wasted
+                raise ChainDoesNotApply(f"layer {name!r}: the chain recursion needs (N, features) inputs, got {tuple(x.shape)}")
             y = torch.func.functional_call(m, params, (x,))
-            if isinstance(m, nn.Linear) and x.dim() != 2:
-                raise ValueError(f"layer {name!r}: the chain recursion needs (N, features) inputs, got {tuple(x.shape)}")
             if not y.requires_grad:
                 y = y.detach().requires_grad_(True)
             records.append((name, m, params, x, y))

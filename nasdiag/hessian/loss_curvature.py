@@ -4,7 +4,7 @@ The diagonal recursions (bayesnas-appendix C.1-C.2) start from the pre-activatio
 last layer, i.e. ``∂²loss/∂outputs²``. For a loss that is a sum or mean of per-sample terms
 (cross-entropy, MSE, ...) this is block diagonal over samples; we get the blocks from ``D``
 Hessian-vector products of ``loss_fn`` alone (not the network), D = outputs per sample, and check the
-block structure with ``D`` more products on randomly weighted samples instead of trusting it.
+block structure with ``D`` more products on distinctly weighted samples instead of trusting it.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from nasdiag.hessian._hvp import scalar_loss
+from nasdiag.hessian._hvp import distinct_weights, scalar_loss
 
 __all__ = ["LossCouplesSamplesError", "output_hessian_blocks", "output_hessian_diagonal"]
 
@@ -53,7 +53,7 @@ def output_hessian_blocks(
         (grad,) = torch.autograd.grad(loss, out, create_graph=True, allow_unused=True)
     if grad is None or not grad.requires_grad:  # loss linear in the outputs (or independent of them)
         return out.new_zeros(N, D, D)
-    weights = torch.randn(N, dtype=out.dtype, device=out.device, generator=generator)
+    weights = _sample_weights(N, out, generator)
     eye = torch.eye(D, dtype=out.dtype, device=out.device)
     cols, weighted_cols = [], []
     for start in range(0, D, chunk_size):
@@ -80,6 +80,15 @@ def output_hessian_blocks(
             "of per-sample terms such as cross-entropy or MSE) or mode='exact'"
         )
     return cols.permute(1, 2, 0).contiguous()
+
+
+def _sample_weights(N: int, like: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """(N,) distinct weights for the coupling check: random from ``generator`` if one is given, else
+    :func:`~nasdiag.hessian._hvp.distinct_weights` (nothing drawn from torch's global generator). A coupling
+    ``Σ_m H_nm (w_m − w_n)`` vanishes for distinct weights only by accident, as for random ones."""
+    if generator is not None:
+        return torch.randn(N, dtype=like.dtype, device=like.device, generator=generator)
+    return distinct_weights(N, like)
 
 
 def _capturing(t: torch.Tensor) -> bool:

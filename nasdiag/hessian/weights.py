@@ -10,7 +10,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from nasdiag.hessian._hvp import preserved_buffers, scalar_loss
-from nasdiag.hessian.exact_weights import as_linear_chain, chain_exact_diag, hvp_exact_diag, hvp_hutchinson_diag
+from nasdiag.hessian.exact_weights import ChainDoesNotApply, as_linear_chain, chain_exact_diag, hvp_exact_diag, hvp_hutchinson_diag
 from nasdiag.hessian.modes import WEIGHT_MODES, CurvatureError, check_mode, split_mode
 from nasdiag.hessian.loss_curvature import LossCouplesSamplesError, output_hessian_diagonal
 from nasdiag.hessian.propagate import walk_diagonals
@@ -96,8 +96,8 @@ def diag_hessian(
             if set(values) <= owned:
                 try:
                     return chain_exact_diag(chain, loss_fn, inputs, targets, values)
-                except LossCouplesSamplesError:
-                    pass  # the per-sample recursion does not apply; HVPs do
+                except (LossCouplesSamplesError, ChainDoesNotApply):
+                    pass  # the per-sample recursion does not apply (a coupling loss, rows that are not (N, F)); HVPs do
         return hvp_exact_diag(model, loss_fn, inputs, targets, values)
     return recursion_diag(model, loss_fn, inputs, targets, mode, values, rules)
 

@@ -8,7 +8,7 @@ already contributes through ``h_out``, so no extra factor appears here.
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -62,7 +62,9 @@ class LinearRule(HessianRule):
         return out
 
 
-def _conv_padding(module: nn.Conv2d) -> Tuple[int, int]:
+def _conv_padding(module: nn.Conv2d, name: Optional[str] = None, shown: Optional[nn.Module] = None) -> Tuple[int, int]:
+    """The zero padding per spatial dim; ``name`` and ``shown`` (the user's module where ``module`` stands in
+    for it, a lifted ``Conv1d``) word the refusal of an asymmetric ``padding='same'``."""
     if isinstance(module.padding, str):
         if module.padding == "valid":
             return (0,) * len(module.kernel_size)
@@ -70,9 +72,11 @@ def _conv_padding(module: nn.Conv2d) -> Tuple[int, int]:
         for k, d in zip(module.kernel_size, module.dilation):
             total = d * (k - 1)
             if total % 2:
+                shown = module if shown is None else shown
+                where = f"module {name!r}: " if name is not None else ""
                 raise UnsupportedModuleError(
-                    f"{type(module).__name__} with padding='same' and an even effective kernel pads asymmetrically ({module}); "
-                    "pad explicitly or use mode='exact'"
+                    f"{where}{type(shown).__name__} with padding='same' and an even effective kernel pads asymmetrically "
+                    f"({shown}); pad explicitly or use mode='exact'"
                 )
             pads.append(total // 2)
         return tuple(pads)
@@ -96,13 +100,14 @@ class ConvRule(HessianRule):
     def additive_params(self, module: nn.Module) -> Dict[str, frozenset]:
         return _bias_is_additive(module)
 
-    def check(self, module: nn.Module, name: str) -> None:
+    def check(self, module: nn.Module, name: str, shown: Optional[nn.Module] = None) -> None:
+        """``shown``: the user's module when ``module`` is its 2-D stand-in (``Conv1d``), named in the message."""
         if module.padding_mode != "zeros":
             raise UnsupportedModuleError(
-                f"module {name!r}: {type(module).__name__} with padding_mode={module.padding_mode!r} has no "
-                "diagonal-Hessian rule (only zero padding); use mode='exact'"
+                f"module {name!r}: {type(module if shown is None else shown).__name__} with padding_mode="
+                f"{module.padding_mode!r} has no diagonal-Hessian rule (only zero padding); use mode='exact'"
             )
-        _conv_padding(module)
+        _conv_padding(module, name, shown)
 
 
 class Conv2dRule(ConvRule):

@@ -16,9 +16,9 @@ from typing import Callable, Dict
 import torch
 from torch import nn
 
-from nasdiag.hessian.rules.affine import Conv2dRule
+from nasdiag.hessian.rules.affine import Conv2dRule, ConvRule
 from nasdiag.hessian.rules.base import HessianRule, ModuleCall, UnsupportedModuleError, register_rule
-from nasdiag.hessian.rules.pooling import AdaptiveAvgPool2dRule, AdaptiveMaxPool2dRule, AvgPool2dRule, MaxPool2dRule
+from nasdiag.hessian.rules.pooling import AdaptiveAvgPool2dRule, AdaptiveMaxPool2dRule, AvgPool2dRule, MaxPool2dRule, _MaxPoolRule
 
 __all__ = ["Lifted1dRule"]
 
@@ -78,7 +78,10 @@ class Lifted1dRule(HessianRule):
         return self.rule2d.needs_grad_output(self.to_2d(module))
 
     def check(self, module: nn.Module, name: str) -> None:
-        self.rule2d.check(self.to_2d(module), name)
+        if isinstance(self.rule2d, (ConvRule, _MaxPoolRule)):  # their refusals name the user's 1-D module
+            self.rule2d.check(self.to_2d(module), name, shown=module)
+        else:
+            self.rule2d.check(self.to_2d(module), name)
 
     def additive_params(self, module: nn.Module) -> Dict[str, frozenset]:
         return self.rule2d.additive_params(module)  # a bias adds a term constant along batch and length alike

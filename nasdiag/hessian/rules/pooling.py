@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,9 +29,13 @@ def _scatter_to_argmax(x: torch.Tensor, indices: torch.Tensor, h_out: torch.Tens
 class _MaxPoolRule(HessianRule):
     dims = 2
 
-    def check(self, module: nn.Module, name: str) -> None:
+    def check(self, module: nn.Module, name: str, shown: Optional[nn.Module] = None) -> None:
+        """``shown``: the user's module when ``module`` is its 2-D stand-in (``MaxPool1d``), named in the message."""
         if module.return_indices:
-            raise UnsupportedModuleError(f"module {name!r}: {type(module).__name__}(return_indices=True) returns a tuple; not supported")
+            raise UnsupportedModuleError(
+                f"module {name!r}: {type(module if shown is None else shown).__name__}(return_indices=True) returns a "
+                "tuple; not supported"
+            )
 
     def input_diag(self, call: ModuleCall, h_out: torch.Tensor) -> torch.Tensor:
         m = call.module
