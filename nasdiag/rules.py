@@ -350,7 +350,15 @@ def _affine_layer(module, analyse):
     on a 2-D input; on a higher-rank one it mixes the last (a spatial) dim, so its bias and what it passes
     on are constant along batch and channel only; at an unknown rank, along batch only (what holds at all)."""
     has_bias = getattr(module, "bias", None) is not None
-    if isinstance(module, nn.modules.conv._ConvNd):
+    if isinstance(module, nn.modules.conv._ConvTransposeNd):
+        # a transposed convolution scatters each input pixel through the whole kernel: the border pixels of the
+        # output sum fewer taps, and with stride each output pixel takes another tap, so a constant input comes
+        # out as a pattern (constant only for a 1x1 kernel at stride 1, a 1x1 convolution)
+        pointwise = all(k == 1 for k in module.kernel_size) and all(s == 1 for s in module.stride)
+        keeps = frozenset((BATCH, SPATIAL)) if pointwise else frozenset((BATCH,))
+        offset = frozenset((BATCH, SPATIAL))
+        where = ""
+    elif isinstance(module, nn.modules.conv._ConvNd):
         # W * o of a term o: still constant along batch; along space unless zero padding changes the borders
         unpadded = module.padding == "valid" or (not isinstance(module.padding, str) and not any(module.padding))
         keeps = frozenset((BATCH, SPATIAL)) if unpadded or module.padding_mode != "zeros" else frozenset((BATCH,))
@@ -439,8 +447,15 @@ def _padding(module, analyse):
 
 
 def _avg_pool(module, analyse):
+    # Without divisor_override a window divides by its count of real entries, or with count_include_pad by one
+    # that counts the padding too (then the border windows average in zeros: a constant does not stay one). A
+    # fixed divisor_override divides a window clipped by padding or by ceil_mode's overhang by the full count
+    # too (the constant comes out smaller there): only full windows everywhere keep it constant.
     padded = getattr(module, "padding", 0) not in (0, (0, 0), (0,), (0, 0, 0))
-    border_exact = not padded or not getattr(module, "count_include_pad", True)
+    if getattr(module, "divisor_override", None):
+        border_exact = not padded and not module.ceil_mode
+    else:
+        border_exact = not padded or not getattr(module, "count_include_pad", True)
     keeps = ALL_AXES if border_exact else frozenset((BATCH, CHANNEL))
     return Homogeneity(1.0, f"{type(module).__name__}: linear", keeps=keeps)
 

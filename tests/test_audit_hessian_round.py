@@ -129,3 +129,51 @@ def test_a_refused_conv1d_is_named_by_its_type_and_qualified_name(conv):
         diag_hessian(net, F.mse_loss, x, torch.zeros_like(net(x)), mode="diag")
     message = str(info.value)
     assert "'1'" in message and "Conv1d" in message and "Conv2d" not in message
+
+
+# -- biases a normalization does not remove are not zeroed ---------------------------------------------
+
+
+def _bias_then(module):
+    return nn.Sequential(nn.Conv2d(2, 3, 1), module, nn.BatchNorm2d(3, affine=False)).to(DT)
+
+
+@pytest.mark.parametrize("pool", [
+    nn.AvgPool2d(3, 1, 1, count_include_pad=False, divisor_override=2),  # clipped border windows, fixed divisor
+    nn.AvgPool2d(2, ceil_mode=True, divisor_override=3),  # the overhanging last window sums fewer entries
+])
+def test_a_bias_before_average_pooling_with_a_fixed_divisor_keeps_its_curvature(pool):
+    # a fixed divisor turns the constant bias into a border pattern that BatchNorm does not subtract: the loss
+    # depends on the bias, so its diagonal is not 0 (it was reported as exactly 0)
+    torch.manual_seed(0)
+    net = _bias_then(pool)
+    x = torch.randn(4, 2, 5, 5, dtype=DT)
+    y = torch.randn_like(net(x))
+    expected = dense_param_diag(net, F.mse_loss, x, y)["0.bias"]
+    assert expected.abs().min() > 1e-3
+    for mode in ("diag", "approx"):
+        assert diag_hessian(net, F.mse_loss, x, y, mode=mode, params=["0.bias"])["0.bias"].abs().min() > 0
+    torch.testing.assert_close(diag_hessian(net, F.mse_loss, x, y, mode="exact", params=["0.bias"])["0.bias"], expected,
+                               rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("module, invariant", [
+    (nn.AvgPool2d(3, 1, 1, count_include_pad=False, divisor_override=2), False),
+    (nn.AvgPool2d(2, ceil_mode=True, divisor_override=3), False),
+    (nn.AvgPool2d(2, divisor_override=3), True),  # full windows only: the bias is scaled, still constant
+    (nn.ConvTranspose2d(3, 3, 3), False),  # the borders of a transposed convolution sum fewer taps
+    (nn.ConvTranspose2d(3, 3, 2, stride=2), False),  # each output pixel takes another tap of the kernel
+    (nn.ConvTranspose2d(3, 3, 1), True),  # a 1x1 transposed convolution is a 1x1 convolution
+])
+def test_scale_invariance_of_a_bias_through_pooling_and_transposed_convolutions(module, invariant):
+    # Thm. 1 of the wiring supplement needs f(c·x) = f(x); checked on the op itself at c = 7.3 (BatchNorm's eps
+    # leaves ~1e-4 on an invariant op, far below the O(1) change of one that is not)
+    from nasdiag.cost.scale_invariance import is_scale_invariant
+
+    torch.manual_seed(0)
+    op = _bias_then(module)
+    x = torch.randn(4, 2, 5, 5, dtype=DT)
+    with torch.no_grad():
+        change = (op(7.3 * x) - op(x)).abs().max().item()
+    assert (change < 1e-2) == invariant  # the reference
+    assert is_scale_invariant(op, x) == invariant
