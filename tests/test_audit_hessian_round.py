@@ -177,3 +177,47 @@ def test_scale_invariance_of_a_bias_through_pooling_and_transposed_convolutions(
         change = (op(7.3 * x) - op(x)).abs().max().item()
     assert (change < 1e-2) == invariant  # the reference
     assert is_scale_invariant(op, x) == invariant
+
+
+# -- an in-place op on a norm's output view -------------------------------------------------------------
+
+
+class ShiftThen(nn.Module):
+    """``tail(tanh(x + P))`` with a per-sample shift P (N, ...): ``diag ∂²L/∂P²`` is the diagonal w.r.t. the
+    input of ``tail``, exact in ``diag`` mode when ``tail`` is a norm followed by elementwise ops and MSE."""
+
+    def __init__(self, shape, tail):
+        super().__init__()
+        self.P = nn.Parameter(torch.randn(shape, dtype=DT))
+        self.tail = tail
+
+    def forward(self, x):
+        return self.tail(torch.tanh(x + self.P))
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_instance_norm_followed_by_an_inplace_relu_is_exact_or_refused(inplace):
+    # F.instance_norm returns a view; ReLU(inplace=True) on it rebases the view's autograd history, so the
+    # gradient at the norm's recorded output (its rule's residual term) is gone: it was read as zeros and the
+    # diagonal came out silently wrong. Where it cannot be read the call is refused, naming the module.
+    torch.manual_seed(0)
+    net = ShiftThen((3, 2, 3, 3), nn.Sequential(nn.InstanceNorm2d(2, affine=True), nn.ReLU(inplace=inplace))).to(DT)
+    x = torch.randn(3, 2, 3, 3, dtype=DT)
+    y = torch.randn(3, 2, 3, 3, dtype=DT)
+    expected = dense_param_diag(net, F.mse_loss, x, y)["P"]
+    if inplace:
+        with pytest.raises(UnsupportedModuleError, match=r"'tail\.0'.*in place"):
+            diag_hessian(net, F.mse_loss, x, y, mode="diag", params=["P"])
+    else:
+        torch.testing.assert_close(diag_hessian(net, F.mse_loss, x, y, mode="diag", params=["P"])["P"], expected,
+                                   rtol=1e-10, atol=1e-14)
+
+
+def test_batch_norm_followed_by_an_inplace_relu_stays_exact():
+    # BatchNorm's output is not a view: the in-place ReLU leaves its gradient readable, and the numbers exact
+    torch.manual_seed(0)
+    net = ShiftThen((3, 2, 3, 3), nn.Sequential(nn.BatchNorm2d(2), nn.ReLU(inplace=True))).to(DT)
+    x, y = torch.randn(3, 2, 3, 3, dtype=DT), torch.randn(3, 2, 3, 3, dtype=DT)
+    expected = dense_param_diag(net, F.mse_loss, x, y)["P"]
+    torch.testing.assert_close(diag_hessian(net, F.mse_loss, x, y, mode="diag", params=["P"])["P"], expected,
+                               rtol=1e-10, atol=1e-14)

@@ -107,9 +107,20 @@ def walk_diagonals(
     if grad_edges:
         grads = torch.autograd.grad(loss, grad_edges, retain_graph=True, allow_unused=True)
 
-    def grad_of(node, nr, like):
+    def grad_of(node, nr, like, who=None):
         g = grads[grad_slot[(node, nr)]]
-        return torch.zeros_like(like) if g is None else g
+        if g is None:
+            # The sweep reached this edge, so it lies between the loss and the requested tensors, yet autograd
+            # finds no path to it: the tensor's history was rewritten after it was recorded (an in-place op on
+            # a view of it, e.g. ReLU(inplace=True) on InstanceNorm's output, which is a view). Its gradient,
+            # which a residual term needs, cannot be read; zeros would be a silently wrong diagonal.
+            raise UnsupportedModuleError(
+                f"{who or reached_from.get(node, 'an op')}: ∂L/∂(its output) cannot be read because the output was "
+                "modified in place through a view after it was computed (e.g. nn.ReLU(inplace=True) after an "
+                "InstanceNorm), which rewrote its autograd history; turn off inplace=True in the module that "
+                "follows it, or use mode='exact'"
+            )
+        return g
 
     # --- the sweep -------------------------------------------------------------------------
     opaque_by_node = {e[0]: oc for oc in tracer.opaque_calls for e in oc.output_edges}
@@ -177,7 +188,7 @@ def _apply_rule(rc: RuleCall, h_out, mode, module_targets, needed, params, push,
                 params[key] = per_param[attr] if key not in params else params[key] + per_param[attr]
     if rc.input_edge is not None and needed.get(rc.input_edge[0]):
         if rule.needs_grad_output(call.module):
-            call.grad_output = grad_of(*rc.output_edge, h_out)
+            call.grad_output = grad_of(*rc.output_edge, h_out, f"module {call.name!r} ({type(call.module).__name__})")
         h_in = rule.input_diag(call, h_out) if mode == "diag" else rule.input_approx(call, h_out)
         call.grad_output = None
         push(rc.input_edge, h_in, f"module {call.name!r} ({type(call.module).__name__})")
