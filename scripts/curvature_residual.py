@@ -20,6 +20,14 @@ also compares the line derivatives with ``arch_diag_hessian(mode="exact_per_edge
     python scripts/curvature_residual.py --net cell_train
     python scripts/curvature_residual.py --net darts --size tiny
     python scripts/curvature_residual.py --net darts --size small      # ~5 min on 2 CPU cores
+    python scripts/curvature_residual.py --net cell_train --sketch 1,16,256
+
+``--sketch S1,S2,...`` also measures an unbiased estimator of the whole exact diagonal that needs backward
+passes only (``output_space_sketch``): the residual of every downstream BatchNorm is a sum over its channels of
+products of linear functionals of the tangent at the BatchNorm's input (``batchnorm_curvature_pieces``), so
+random seeds at every BatchNorm input and at the logits, pulled back to the nodes by two backward passes per
+sample, give ``(B_k·a)(B_k·b)`` with expectation ``∂²L/∂Z_k²`` for all mixing weights at once. It is measured to
+show why it is not a mode: its variance (docs/hessian.md).
 
 Needs nasdiag's ``Network`` (edges with source and target nodes, cells with ``output_node_slices`` and
 ``preprocess0``/``preprocess1``); the nets are those of ``scripts/curvature_accuracy.py``.
@@ -140,11 +148,90 @@ def decompose(net, x, y) -> Dict[str, Dict[str, torch.Tensor]]:
     return out
 
 
+def batchnorm_curvature_pieces(module, inp: torch.Tensor, grad_out: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """The second derivative of a train-mode BatchNorm along a tangent u at its input, as per-channel pieces.
+
+    With c = x − μ, s = √(var + eps) (biased variance, statistics over every dim but the channels, M entries
+    per channel) and g the gradient at the normalized x̂ (the output's gradient times γ), the chain rule
+    through μ(x + tu) and s(x + tu) gives, per channel,
+
+        ⟨g, d²x̂/dt²⟩ = −(2/s³)(ℓ₁·u)(ℓ₂·u) + (3G/s⁵)(ℓ₂·u)² − (G/s³)·(|u − ū|²/M),
+
+    with ℓ₁ = g − Σg/M (so ℓ₁·u = g·u − ū Σg), ℓ₂ = c/M (ℓ₂·u = mean(c u)) and G = g·c. Returns ``l1``, ``l2``
+    (shaped like ``inp``), ``G``, ``s`` (per channel, broadcastable), ``M`` and the reduced ``dims``.
+    """
+    dims = [0] + list(range(2, inp.dim()))
+    M = inp.numel() // inp.shape[1]
+    c = inp - inp.mean(dims, keepdim=True)
+    s = (c.square().mean(dims, keepdim=True) + module.eps).sqrt()
+    g = grad_out if module.weight is None else grad_out * module.weight.detach().view([1, -1] + [1] * (inp.dim() - 2))
+    return {"l1": g - g.sum(dims, keepdim=True) / M, "l2": c / M, "G": (g * c).sum(dims, keepdim=True), "s": s,
+            "M": torch.tensor(M), "dims": dims}
+
+
+def output_space_sketch(net, x, y, samples: int, seed: int = 0) -> Dict[str, torch.Tensor]:
+    """An unbiased estimate of the exact Z-diagonal ``{edge name: (K,)}`` from ``2·samples`` backward passes.
+
+    exact = Gauss-Newton + Σ over downstream train-mode BatchNorms of their residual (ReLU, pools, convs, the
+    classifier have none). Each term is a sum of products (p·u)(q·u) of the tangent u = J B_k at a BatchNorm
+    input or at the logits; with independent signs per channel (Gaussians for the |u − ū|² term, a sampled
+    label for the Gauss-Newton term) two seeds a, b at every such place, pulled back to the edges' outputs by
+    one backward each, give E[(B_k·Jᵀa)(B_k·Jᵀb)] = ∂²L/∂Z_k² for every k and edge. Float64 experiment only.
+    """
+    net.set_engine("eager")
+    edges = net.edge_specs()
+    gen = torch.Generator(device=x.device).manual_seed(seed)
+    op_out, edge_out, norms = {}, {}, []
+    with Hooks() as hooks:
+        for e in edges:
+            for k, op in enumerate(e.ops):
+                hooks.forward(op, lambda m, a, o, n=e.name, k=k: op_out.__setitem__((n, k), o.detach()))
+            hooks.forward(e.module, lambda m, a, o, n=e.name: edge_out.__setitem__(n, o))
+        for m in net.modules():
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+                hooks.forward(m, lambda m, a, o: norms.append((m, a[0], o)))
+        with preserved_buffers(net):
+            logits = net(x)
+            loss = F.cross_entropy(logits, y)
+    names = list(edge_out)
+    grads = torch.autograd.grad(loss, [o for _, _, o in norms], retain_graph=True)
+    pieces = [batchnorm_curvature_pieces(m, i.detach(), g) for (m, i, _), g in zip(norms, grads)]
+    p = logits.detach().softmax(-1)
+    places = [i for _, i, _ in norms] + [logits]
+    est = {n: torch.zeros(len(e.ops), dtype=x.dtype, device=x.device) for n, e in zip(names, edges)}
+
+    def sign(shape):
+        return torch.randint(0, 2, shape, generator=gen, device=x.device).to(x.dtype) * 2 - 1
+
+    for _ in range(samples):
+        seeds_a, seeds_b = [], []
+        for (_, inp, _), pc in zip(norms, pieces):
+            r1, r2 = sign(pc["G"].shape), sign(pc["G"].shape)
+            xi = torch.randn(inp.shape, generator=gen, dtype=x.dtype, device=x.device)
+            xi = xi - xi.mean(pc["dims"], keepdim=True)
+            s = pc["s"]
+            seeds_a.append(-2 * r1 * pc["l1"] / s**3 + 3 * r2 * pc["G"] * pc["l2"] / s**5 - pc["G"] * xi / (pc["M"] * s**3))
+            seeds_b.append((r1 + r2) * pc["l2"] + xi)
+        label = torch.multinomial(p, 1, generator=gen).squeeze(1)
+        r = (p - F.one_hot(label, p.shape[1]).to(p.dtype)) / x.shape[0] ** 0.5
+        pulled_a = torch.autograd.grad(places, [edge_out[n] for n in names], seeds_a + [r], retain_graph=True, allow_unused=True)
+        pulled_b = torch.autograd.grad(places, [edge_out[n] for n in names], seeds_b + [r], retain_graph=True, allow_unused=True)
+        for n, e, a, b in zip(names, edges, pulled_a, pulled_b):
+            if a is None:
+                continue
+            for k in range(len(e.ops)):
+                B = op_out[(n, k)]
+                est[n][k] += (B * a).sum() * (B * b).sum() / samples
+    return est
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--net", default="cell_train", choices=NETS)
     parser.add_argument("--size", default="small", choices=tuple(SIZES), help="shape of the darts net")
     parser.add_argument("--check", action="store_true", help="compare the line derivatives with exact_per_edge")
+    parser.add_argument("--sketch", default="", metavar="S1,S2,...",
+                        help="also the output-space sketch with these numbers of samples (seeds 0-2 each)")
     args = parser.parse_args(argv)
     net, x, y = builder(args.net, args.size)(torch.device("cpu"))
     parts = decompose(net, x, y)
@@ -164,6 +251,20 @@ def main(argv=None):
     for label, got in rows.items():
         err, rho = _accuracy(got, exact)
         print(f"| {label} | {err:.3f} | {rho:.3f} | {_ops_told_apart(got, exact):.2f} |")
+    for samples in _counts(args.sketch):
+        runs = [_accuracy(output_space_sketch(net, x, y, samples, seed), exact) for seed in range(3)]
+        err, rho = (sum(r[i] for r in runs) / len(runs) for i in (0, 1))
+        print(f"| output-space sketch, {samples} sample(s) (mean of 3 seeds) | {err:.3f} | {rho:.3f} | — |")
+
+
+def _counts(text: str) -> List[int]:
+    try:
+        counts = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit(f"--sketch takes positive integers separated by commas, e.g. 1,16,256; got {text!r}")
+    if any(c < 1 for c in counts):
+        raise SystemExit(f"--sketch takes positive integers separated by commas, e.g. 1,16,256; got {text!r}")
+    return counts
 
 
 if __name__ == "__main__":

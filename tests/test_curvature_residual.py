@@ -63,3 +63,26 @@ def test_ggn_mode_is_the_gauss_newton_term_in_eval_mode():
     _, net, x, y, parts = _decomposed("cell_eval")
     ggn = arch_diag_hessian(net, F.cross_entropy, x, y, net.edge_specs(), mode="ggn")
     assert _rel(ggn, parts["ggn_exact"]) < 1e-10
+
+
+@pytest.mark.parametrize("affine", [False, True])
+def test_batchnorm_curvature_pieces_give_the_line_second_derivative(affine):
+    """The closed form the output-space sketch rests on, against autograd along a random line (float64)."""
+    from curvature_residual import batchnorm_curvature_pieces
+
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm2d(3, affine=affine).double()
+    if affine:
+        with torch.no_grad():
+            bn.weight.uniform_(0.5, 2.0)
+    x = torch.randn(4, 3, 5, 5, dtype=torch.float64) * 2 + 1
+    g, u = torch.randn_like(x), torch.randn_like(x)
+    t = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    (first,) = torch.autograd.grad((g * bn(x + t * u)).sum(), t, create_graph=True)
+    (second,) = torch.autograd.grad(first, t)
+    pc = batchnorm_curvature_pieces(bn, x, g)
+    d, s, G = pc["dims"], pc["s"], pc["G"]
+    l1u, l2u = (pc["l1"] * u).sum(d, keepdim=True), (pc["l2"] * u).sum(d, keepdim=True)
+    spread = (u - u.mean(d, keepdim=True)).square().sum(d, keepdim=True) / pc["M"]
+    closed = (-2 / s**3 * l1u * l2u + 3 * G / s**5 * l2u**2 - G / s**3 * spread).sum()
+    assert abs(float(closed - second)) < 1e-10 * max(1.0, abs(float(second)))
