@@ -170,6 +170,13 @@ class StepCapture:
                 f"edge {edge.name!r}: the mixed op returned {type(output).__name__}; the probe needs a tensor "
                 "Σ_k w_k·op_k(x). Map the edge to the module that returns that sum."
             )
+        if args and output is args[0]:
+            # A hook on this tensor is a hook on x_i: it would fire with the gradient of x_i's other consumers too,
+            # not ∂L/∂x_j alone (e.g. skip_connect returned as is for a one-hot Z): a wrong cost, never a silent one.
+            raise ProbeError(
+                f"edge {edge.name!r}: the mixed op returned its input tensor object itself, so ∂L/∂x_j cannot be told "
+                "from the gradient of the input's other consumers; return a new tensor, e.g. weights[k] * op(x)."
+            )
         self.n_forward[pos] += 1
         missing = [k for k, o in enumerate(call.outputs) if o is None]
         self.missing_ops[pos].update(missing)

@@ -502,7 +502,15 @@ class Probe:
         out = {}
         for g in self._groups:
             rows = torch.stack([per_edge[self._edges[p].name] for p in g.members])
-            out[g.name] = self._layout(g, rows)[0].sum(0)
+            obs = self._layout(g, rows)[0]
+            if len(g.members) == g.n_cells * g.n_edges:
+                out[g.name] = obs.sum(0)
+                continue
+            # Cells of a type may lack some edge index (fewer nodes): their NaN slots are not edges, so they add
+            # nothing to the shared α's row (§2.1 sums over the cells that use it); a row no cell has stays NaN.
+            exists = self._layout(g, torch.ones_like(rows))[0] == 1
+            summed = torch.where(exists, obs, torch.zeros_like(obs)).sum(0)
+            out[g.name] = torch.where(exists.any(0), summed, torch.full_like(summed, math.nan))
         return out
 
     # -- statistics across steps -----------------------------------------------------------------

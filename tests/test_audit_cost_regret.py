@@ -1,0 +1,187 @@
+"""Independent audit of the probe's costs and the XNAS forecaster on supernets written here (not nasdiag's
+Network), against autograd w.r.t. explicit mixing-weight leaves and a literal transcription of Algorithm 1.
+All float64."""
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nasdiag
+from nasdiag.cost import darts_alpha_grad
+from nasdiag.probe import ProbeError
+from nasdiag.regret import Forecaster
+
+from conftest import assert_no_module_hooks
+
+D, K = 4, 3
+
+
+class LinearMixed(nn.Module):
+    """DARTS-convention mixed op on (B, D) features: forward(x, weights) = Σ_k w_k op_k(x)."""
+
+    def __init__(self):
+        super().__init__()
+        self._ops = nn.ModuleList([nn.Linear(D, D, dtype=torch.float64), nn.Tanh(), nn.Identity()])
+
+    def forward(self, x, weights):
+        return sum(w * op(x) for w, op in zip(weights, self._ops))
+
+
+class LinearCell(nn.Module):
+    """A cell of the node protocol on (B, D) features: nodes 0, 1 inputs, 2..steps+1 intermediate, edges in
+    DARTS order, output = concatenation of the intermediate nodes along dim 1."""
+
+    cell_type = "normal"
+
+    def __init__(self, steps):
+        super().__init__()
+        self.edge_nodes = [(i, j) for j in range(2, 2 + steps) for i in range(j)]
+        self.edges = nn.ModuleList(LinearMixed() for _ in self.edge_nodes)
+        self.output_nodes = list(range(2, 2 + steps))
+        self.output_node_slices = {n: ((n - 2) * D, (n - 1) * D) for n in self.output_nodes}
+
+    def forward(self, s0, s1, Z):
+        nodes = [s0, s1]
+        for j in self.output_nodes:
+            nodes.append(sum(self.edges[e](nodes[i], Z[e]) for e, (i, jj) in enumerate(self.edge_nodes) if jj == j))
+        return torch.cat(nodes[2:], dim=1)
+
+
+class IrregularNet(nn.Module):
+    """Two cells of one type sharing α, one with 2 edges (1 step) and one with 5 (2 steps): the shared α has
+    5 rows, the first cell uses rows 0-1."""
+
+    def __init__(self):
+        super().__init__()
+        self.small, self.large = LinearCell(1), LinearCell(2)
+        self.squeeze = nn.Linear(D, D, dtype=torch.float64)
+        self.head = nn.Linear(2 * D, 3, dtype=torch.float64)
+        self.alpha = nn.Parameter(0.5 * torch.randn(5, K, dtype=torch.float64))
+
+    def forward(self, x, Z_small=None, Z_large=None):
+        p = torch.softmax(self.alpha, -1)
+        h = self.squeeze(self.small(x, x, p[:2] if Z_small is None else Z_small))
+        return self.head(self.large(h, x, p if Z_large is None else Z_large))
+
+
+def test_cell_type_costs_of_cells_with_different_edge_counts_are_the_shared_alpha_cost():
+    """§2.1 summed over the cells that use each row of a shared α: a row used by only some cells of the type
+    gets the sum over those cells, not NaN (the cells lacking that edge contribute nothing)."""
+    torch.manual_seed(0)
+    net = IrregularNet()
+    x, y = torch.randn(6, D, dtype=torch.float64), torch.randint(0, 3, (6,))
+    p = torch.softmax(net.alpha, -1).detach()
+    Zs, Zl = p[:2].clone().requires_grad_(), p.clone().requires_grad_()
+    gs, gl = torch.autograd.grad(F.cross_entropy(net(x, Zs, Zl), y), (Zs, Zl))
+    shared = gl.clone()
+    shared[:2] += gs
+
+    probe = nasdiag.attach(net)
+    with probe.record():
+        F.cross_entropy(net(x), y).backward()
+    costs = probe.cell_type_costs()["normal"]
+    assert torch.allclose(costs, shared, rtol=0, atol=1e-14)
+    assert torch.allclose(darts_alpha_grad(costs, p), net.alpha.grad, rtol=0, atol=1e-14)
+    assert torch.allclose(probe.aggregate(probe.costs())["normal"], shared, rtol=0, atol=1e-14)
+    # the statistics count each row once per cell that has it
+    assert probe.statistics()["cost/normal/count"][:, 0].tolist() == [2, 2, 1, 1, 1]
+
+
+def test_cell_type_costs_keep_nan_of_an_edge_that_exists_but_was_not_observed():
+    torch.manual_seed(1)
+    net = IrregularNet()
+    x, y = torch.randn(6, D, dtype=torch.float64), torch.randint(0, 3, (6,))
+    probe = nasdiag.attach(net)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        with probe.record():
+            net(x).sum()  # no backward: every edge exists, none observed
+        costs = probe.cell_type_costs()["normal"]
+    assert torch.isnan(costs).all()
+
+
+class ReturnsInputMixed(nn.Module):
+    """A mixed op that, for a one-hot Z on skip, returns its input object itself (a memory short-cut)."""
+
+    def __init__(self):
+        super().__init__()
+        self._ops = nn.ModuleList([nn.Identity(), nn.Linear(D, D, dtype=torch.float64)])
+
+    def forward(self, x, weights):
+        if bool(weights[0].detach() == 1):
+            return self._ops[0](x)
+        return sum(w * op(x) for w, op in zip(weights, self._ops))
+
+
+def test_an_edge_returning_its_input_object_is_refused_not_given_the_inputs_total_gradient():
+    """The edge output's tensor hook would be a hook on x_i, which collects the gradient of x_i's other
+    consumers too (here 3× the true <∂L/∂x_j, x_i>): a silent wrong cost."""
+    torch.manual_seed(2)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.edge = ReturnsInputMixed()
+            self.head = nn.Linear(D, 2, dtype=torch.float64)
+
+        def forward(self, x, Z):
+            return self.head(self.edge(x, Z) + 2 * x)
+
+    net = Net()
+    x = torch.randn(3, D, dtype=torch.float64, requires_grad=True)
+    probe = nasdiag.attach(net)
+    with pytest.raises(ProbeError, match="input"):
+        with probe.record():
+            F.cross_entropy(net(x, torch.tensor([1.0, 0.0], dtype=torch.float64)), torch.tensor([0, 1, 0])).backward()
+    assert_no_module_hooks(net)
+    # a mixture (a new tensor) still gives autograd's ∂L/∂Z
+    Z = torch.tensor([0.7, 0.3], dtype=torch.float64, requires_grad=True)
+    with probe.record():
+        F.cross_entropy(net(x, Z), torch.tensor([0, 1, 0])).backward()
+    assert torch.allclose(probe.costs()["edge"], Z.grad, rtol=0, atol=1e-14)
+
+
+# --- XNAS: a literal linear-space transcription of Algorithm 1 -----------------------------------
+
+def _algorithm_1(rewards, eta, L, T):
+    """Lines 2-12 with Python floats; returns per round (u_t, alive, γ_t, regret of eq 2 with linear losses)."""
+    N = len(rewards[0])
+    v, alive, gamma, loss_f, loss_i, out = [1.0] * N, set(range(N)), 1.0, 0.0, [0.0] * N, []
+    for t, R in enumerate(rewards, start=1):
+        Z = sum(v[i] for i in alive)
+        loss_f -= sum(v[i] / Z * R[i] for i in alive)  # ℓ_t(p_t), p_t from v_{t-1} (line 5)
+        loss_i = [a - r for a, r in zip(loss_i, R)]
+        v = [v[i] * math.exp(eta * R[i]) if i in alive else 0.0 for i in range(N)]
+        theta = max(v[i] for i in alive) * math.exp(-2 * eta * L * (T - t))
+        gone = {i for i in alive if v[i] < theta}
+        if gone:
+            gamma *= 1 + sum(v[i] for i in gone) / sum(v[i] for i in alive - gone)
+        alive -= gone
+        v = [v[i] if i in alive else 0.0 for i in range(N)]
+        Z = sum(v)
+        out.append(([x / Z for x in v], [i in alive for i in range(N)], gamma, loss_f - min(loss_i)))
+    return out
+
+
+@pytest.mark.parametrize("T,N,eta", [(1, 4, 0.7), (12, 3, 0.9), (25, 5, 0.4)])
+def test_forecaster_matches_a_literal_algorithm_1(T, N, eta):
+    g = torch.Generator().manual_seed(T)
+    rewards = (torch.rand(T, N, generator=g, dtype=torch.float64) * 2 - 1)
+    if T == 1:
+        rewards[0] = torch.tensor([0.5, 0.5, -0.25, 0.5])  # ties at the maximum survive θ_T = max v
+    ref = _algorithm_1(rewards.tolist(), eta, 1.0, T)
+    fc = Forecaster(N, eta, 1.0, T)
+    for t in range(T):
+        fc.update(rewards[t])
+        u, alive, gamma, regret = ref[t]
+        assert fc.alive.tolist() == alive
+        assert torch.allclose(fc.weights, torch.tensor(u, dtype=torch.float64), rtol=0, atol=1e-14)
+        assert float(fc.gamma) == pytest.approx(gamma, abs=1e-13)
+        assert float(fc.regret) == pytest.approx(regret, abs=1e-13)
+        assert float(fc.regret) <= float(fc.bound()) + 1e-12
+        bound = eta * (t + 1) / 2 + (math.log(N) - math.log(gamma)) / eta
+        assert float(fc.bound()) == pytest.approx(bound, abs=1e-12)
