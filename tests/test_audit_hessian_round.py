@@ -221,3 +221,36 @@ def test_batch_norm_followed_by_an_inplace_relu_stays_exact():
     expected = dense_param_diag(net, F.mse_loss, x, y)["P"]
     torch.testing.assert_close(diag_hessian(net, F.mse_loss, x, y, mode="diag", params=["P"])["P"], expected,
                                rtol=1e-10, atol=1e-14)
+
+
+# -- nothing kept alive between calls -------------------------------------------------------------------
+
+
+def _live_tensors() -> int:
+    import gc
+
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+
+@pytest.mark.parametrize("call", ["exact_z", "exact_alpha_per_edge", "alpha_diag", "eigenvalues"])
+def test_exact_curvature_calls_leave_no_tensors_behind(call):
+    # the memory estimate's saved-tensor hook returned the tensor itself: for a tensor an op saves as its own
+    # output that is a cycle through autograd's C++ graph (tensor -> grad_fn -> saved variable -> tensor),
+    # which no garbage collection reclaims, so every call kept its whole forward graph alive
+    from nasdiag.hessian import exact_arch_diag_hessian, hessian_eigenvalues
+
+    torch.manual_seed(0)
+    net = TwoCells().to(DT)
+    x, y = torch.randn(3, 1, 4, 4, dtype=DT), torch.randint(0, 3, (3,))
+    run = {
+        "exact_z": lambda: arch_diag_hessian(net, F.cross_entropy, x, y, net.edges(), mode="exact"),
+        "exact_alpha_per_edge": lambda: exact_arch_diag_hessian(net, F.cross_entropy, x, y, net.edges(), wrt="alpha"),
+        "alpha_diag": lambda: alpha_diag_hessian(net, F.cross_entropy, x, y, params=[net.alpha]),
+        "eigenvalues": lambda: hessian_eigenvalues(net, F.cross_entropy, x, y, params=[net.alpha]),
+    }[call]
+    run()  # first call: lazily built caches
+    before = _live_tensors()
+    for _ in range(3):
+        run()
+    assert _live_tensors() == before

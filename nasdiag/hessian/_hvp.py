@@ -253,7 +253,11 @@ class SavedBytes:
         if key not in self._seen:
             self._seen.add(key)
             self.bytes += t.numel() * t.element_size()
-        return t
+        # detached: a tensor an op saves as its own output still carries that op as grad_fn, and keeping it
+        # would close a cycle through autograd's C++ graph (tensor -> grad_fn -> saved variable -> tensor) that
+        # no garbage collection reclaims: every call would keep its forward graph alive. Lossless: autograd
+        # stores the grad_fn with the saved variable and re-attaches it on unpacking (double backward too).
+        return t.detach()
 
     def __enter__(self) -> "SavedBytes":
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
