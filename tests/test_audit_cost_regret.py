@@ -185,3 +185,45 @@ def test_forecaster_matches_a_literal_algorithm_1(T, N, eta):
         assert float(fc.regret) <= float(fc.bound()) + 1e-12
         bound = eta * (t + 1) / 2 + (math.log(N) - math.log(gamma)) / eta
         assert float(fc.bound()) == pytest.approx(bound, abs=1e-12)
+
+
+# --- bad input: one NasdiagError (still the builtin type callers caught before) ---------------------
+
+def _bad_inputs():
+    from nasdiag.cost import CostMoments, edge_costs, output_edge_costs, snas_alpha_grad
+    from nasdiag.regret import SoftmaxGD, cell_depth, gd_softmax_reward, normalized_entropy, xnas_reward
+
+    two = torch.zeros(2, dtype=torch.float64)
+    played = Forecaster(2, 0.5, 1.0, 1)
+    played.update(two)
+    return [
+        (ValueError, lambda: Forecaster(2, 0.5, 1.0, 5).update(torch.zeros(3))),
+        (ValueError, lambda: Forecaster(2, 0.5, 1.0, 5).update(torch.tensor([0.0, math.nan]))),
+        (ValueError, lambda: Forecaster(0, 0.5, 1.0, 5)),
+        (ValueError, lambda: Forecaster(2, "fast", 1.0, 5)),
+        (TypeError, lambda: Forecaster(2, 0.5, 1.0, 2.5)),
+        (TypeError, lambda: Forecaster(2, 0.5, 1.0, None)),
+        (ValueError, lambda: Forecaster(2, 0.5, 1.0, math.inf)),
+        (RuntimeError, lambda: played.update(two)),
+        (ValueError, lambda: Forecaster.optimal_lr(10, 1.0, 1)),
+        (ValueError, lambda: SoftmaxGD(2, 0.5).update(torch.tensor([math.inf, 0.0]))),
+        (TypeError, lambda: xnas_reward(torch.tensor([1, 2]))),
+        (ValueError, lambda: gd_softmax_reward(torch.zeros(3), torch.zeros(2))),
+        (ValueError, lambda: normalized_entropy(torch.tensor([0.5, 0.6]))),
+        (ValueError, lambda: cell_depth([])),
+        (ValueError, lambda: edge_costs(torch.zeros(2, 3), [torch.zeros(2, 4)])),
+        (ValueError, lambda: output_edge_costs(torch.zeros(2, 3), torch.zeros(2, 3), {2: (0, 5)})),
+        (ValueError, lambda: darts_alpha_grad(torch.zeros(3), torch.zeros(2))),
+        (ValueError, lambda: snas_alpha_grad(torch.zeros(2), torch.zeros(2), 0.0)),
+        (ValueError, lambda: CostMoments((2, 3)).update(torch.zeros(4))),
+    ]
+
+
+def test_bad_input_to_costs_and_regret_is_one_nasdiag_error_of_the_documented_builtin_type():
+    from nasdiag.errors import NasdiagError
+
+    for builtin, call in _bad_inputs():
+        with pytest.raises(NasdiagError) as info:
+            call()
+        assert isinstance(info.value, builtin), (info.value, builtin)
+        assert "\n" not in str(info.value)

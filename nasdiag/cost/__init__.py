@@ -4,6 +4,7 @@ C(Z_ij^k) = ∂L/∂Z_ij^k = <∂L/∂x_j, O_ij^k(x_i)> is computed once and map
 architecture gradient. This layer never imports the probe, search methods, recorder or CLI.
 """
 
+from nasdiag.cost.errors import CostError
 from nasdiag.cost.assignment import edge_costs, output_edge_costs, scatter_cells
 from nasdiag.cost.credit import (
     darts_alpha_grad,
@@ -30,6 +31,7 @@ from nasdiag.cost.streaming import CostMoments
 from nasdiag.cost.theory import loss_minus_entropy
 
 __all__ = [
+    "CostError",
     "CostMoments",
     "HOMOGENEITY_RULES",
     "Homogeneity",

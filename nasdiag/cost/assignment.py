@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Mapping, Sequence, Tuple
 
 import torch
+from nasdiag.cost.errors import CostError
 
 
 #: On a CPU, edge outputs up to this many elements are stacked into one bmm; larger ones are paired op
@@ -22,7 +23,7 @@ _CPU_BATCHED_MAX_NUMEL = 1 << 17
 def _inner_per_sample(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Σ over all but the first dim of a·b, shape (B,). Half precision is accumulated in float32."""
     if a.shape != b.shape:
-        raise ValueError(
+        raise CostError(
             f"cannot pair a gradient of shape {tuple(a.shape)} with a tensor of shape {tuple(b.shape)}: "
             "a candidate op's output must have the shape of the mixed op's output"
         )
@@ -49,7 +50,7 @@ def edge_costs(
         inherited, so with a mean loss every per-sample term carries the 1/B factor.
     """
     if len(candidate_outputs) == 0:
-        raise ValueError("an edge needs at least one candidate op output to assign costs")
+        raise CostError("an edge needs at least one candidate op output to assign costs")
     batched = grad_output.dim() > 0 and all(o.shape == grad_output.shape for o in candidate_outputs)
     if batched and (grad_output.is_cuda or grad_output.numel() <= _CPU_BATCHED_MAX_NUMEL):
         # 2 kernels (stack, bmm) for the K ops instead of K dot products: the step is launch-bound on a
@@ -87,12 +88,12 @@ def output_edge_costs(
         (n_nodes,) or, with ``per_sample``, (B, n_nodes); per-sample terms sum to the former.
     """
     if not node_slices:
-        raise ValueError("node_slices is empty: declare at least one output node with its channel range")
+        raise CostError("node_slices is empty: declare at least one output node with its channel range")
     C = cell_output.shape[1]
     cols = []
     for node, (start, stop) in node_slices.items():
         if not 0 <= start < stop <= C:
-            raise ValueError(f"output node {node} has channel range ({start}, {stop}) outside the {C} output channels")
+            raise CostError(f"output node {node} has channel range ({start}, {stop}) outside the {C} output channels")
         cols.append(_inner_per_sample(grad_cell_output[:, start:stop], cell_output[:, start:stop]))
     per = torch.stack(cols, dim=-1)
     return per if per_sample else per.sum(0)

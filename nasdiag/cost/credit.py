@@ -10,11 +10,12 @@ chain rule over every use of α); ``nasdiag.cost.scatter_cells(...).sum(0)`` giv
 from __future__ import annotations
 
 import torch
+from nasdiag.cost.errors import CostError
 
 
 def _check_pair(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
     if a.shape != b.shape:
-        raise ValueError(f"{name}: costs have shape {tuple(a.shape)} but the weights have {tuple(b.shape)}; both must be (..., K)")
+        raise CostError(f"{name}: costs have shape {tuple(a.shape)} but the weights have {tuple(b.shape)}; both must be (..., K)")
 
 
 def softmax_jacobian(probs: torch.Tensor) -> torch.Tensor:
@@ -63,7 +64,7 @@ def snas_alpha_grad(costs: torch.Tensor, relaxed: torch.Tensor, temperature: flo
         costs: (..., K) C(Z) at the relaxed sample. relaxed: (..., K) the sample Z. temperature: λ > 0.
     """
     if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+        raise CostError(f"temperature must be > 0, got {temperature}")
     _check_pair("snas_alpha_grad", costs, relaxed)
     return _softmax_vjp(relaxed, costs) / temperature
 

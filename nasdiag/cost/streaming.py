@@ -10,6 +10,7 @@ from typing import Optional, Tuple
 import math
 
 import torch
+from nasdiag.cost.errors import CostError
 
 
 class CostMoments:
@@ -50,12 +51,12 @@ class CostMoments:
             obs = obs.unsqueeze(0)
             mask = None if mask is None else mask.unsqueeze(0)
         if obs.shape[1:] != self.shape:
-            raise ValueError(f"observations must have shape (N, *{self.shape}), got {tuple(observations.shape)}")
+            raise CostError(f"observations must have shape (N, *{self.shape}), got {tuple(observations.shape)}")
         if mask is None:
             w = torch.ones_like(obs)
         else:
             if mask.shape != obs.shape:
-                raise ValueError(f"mask must have the shape of the observations {tuple(obs.shape)}, got {tuple(mask.shape)}")
+                raise CostError(f"mask must have the shape of the observations {tuple(obs.shape)}, got {tuple(mask.shape)}")
             w = mask.to(self.device, torch.float64)
         # where(w, obs, 0) rather than w * obs: a NaN at an unselected entry must not leak in.
         obs_w = torch.where(w > 0, obs, torch.zeros_like(obs))
@@ -84,5 +85,5 @@ class CostMoments:
     def merge(self, other: "CostMoments") -> None:
         """Fold in the statistics of another accumulator (e.g. another DDP rank)."""
         if other.shape != self.shape:
-            raise ValueError(f"cannot merge moments of shape {other.shape} into {self.shape}")
+            raise CostError(f"cannot merge moments of shape {other.shape} into {self.shape}")
         self._merge(other.count.to(self.device), other.mean.to(self.device), other._m2.to(self.device))

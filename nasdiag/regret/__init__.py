@@ -5,6 +5,7 @@ the recorder or the CLI.
 """
 
 from nasdiag.regret.depth import cell_depth
+from nasdiag.regret.errors import HorizonError, RegretError, RegretTypeError
 from nasdiag.regret.entropy import mean_normalized_entropy, normalized_entropy
 from nasdiag.regret.forecaster import Forecaster, SoftmaxGD, Wipeout, WipeoutLog
 from nasdiag.regret.rewards import gd_softmax_reward, rewards_from_gradient, xnas_reward
@@ -13,6 +14,9 @@ from nasdiag.regret.statistical import GaussianExpertsOutcome, default_loss_boun
 __all__ = [
     "Forecaster",
     "GaussianExpertsOutcome",
+    "HorizonError",
+    "RegretError",
+    "RegretTypeError",
     "SoftmaxGD",
     "Wipeout",
     "WipeoutLog",

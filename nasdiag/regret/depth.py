@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import Dict, Optional, Sequence, Tuple, Union
+from nasdiag.regret.errors import RegretError
 
 __all__ = ["cell_depth"]
 
@@ -12,11 +13,11 @@ Cell = Sequence[Tuple]
 def _sources(cell: Cell, edges_per_node: int):
     cell = list(cell)
     if not cell:
-        raise ValueError("the cell is empty: a cell list needs (op name, input node) pairs")
+        raise RegretError("the cell is empty: a cell list needs (op name, input node) pairs")
     sources = []
     for position, gene in enumerate(cell):
         if not isinstance(gene, (tuple, list)) or len(gene) not in (2, 3):
-            raise ValueError(
+            raise RegretError(
                 f"gene {position} is {gene!r}; expected (op name, input node) as in Genotype.normal "
                 "or (op name, i, j) as in MixedGenotype"
             )
@@ -25,7 +26,7 @@ def _sources(cell: Cell, edges_per_node: int):
         else:
             source, target = gene[1], gene[2]
         if isinstance(source, bool) or int(source) != source or not 0 <= source < target:
-            raise ValueError(
+            raise RegretError(
                 f"gene {position} {tuple(gene)!r}: input node must be an integer in [0, {target}) for node "
                 f"{target} (0, 1 are the cell inputs, 2.. the intermediate nodes, edges_per_node="
                 f"{edges_per_node})"
@@ -62,7 +63,7 @@ def cell_depth(
     """
     if hasattr(cell, "normal") and hasattr(cell, "reduce"):
         if concat is not None:
-            raise ValueError("pass concat only with a cell list; a Genotype carries its own *_concat")
+            raise RegretError("pass concat only with a cell list; a Genotype carries its own *_concat")
         depths = {}
         for kind in ("normal", "reduce"):
             genes = getattr(cell, kind)
@@ -71,7 +72,7 @@ def cell_depth(
                                           edges_per_node=edges_per_node)
         return depths
     if isinstance(edges_per_node, bool) or int(edges_per_node) != edges_per_node or edges_per_node < 1:
-        raise ValueError(f"edges_per_node must be a positive integer, got {edges_per_node!r}")
+        raise RegretError(f"edges_per_node must be a positive integer, got {edges_per_node!r}")
     sources = _sources(cell, int(edges_per_node))
     if concat is not None:
         cell = list(cell)
@@ -81,5 +82,5 @@ def cell_depth(
             n_nodes = 1 + max(gene[2] for gene in cell)
         bad = [node for node in concat if not 0 <= int(node) < n_nodes]
         if bad:
-            raise ValueError(f"concat names nodes {bad} that the cell does not have (nodes 0..{n_nodes - 1})")
+            raise RegretError(f"concat names nodes {bad} that the cell does not have (nodes 0..{n_nodes - 1})")
     return sum(sources) / len(sources)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+from nasdiag.regret.errors import RegretError, RegretTypeError
 
 __all__ = ["normalized_entropy", "mean_normalized_entropy"]
 
@@ -25,23 +26,23 @@ def normalized_entropy(weights: torch.Tensor) -> torch.Tensor:
     """
     weights = torch.as_tensor(weights)
     if not weights.is_floating_point():
-        raise TypeError(f"weights must be a floating-point tensor, got dtype {weights.dtype}")
+        raise RegretTypeError(f"weights must be a floating-point tensor, got dtype {weights.dtype}")
     if weights.ndim < 1 or weights.shape[-1] < 2:
-        raise ValueError(
+        raise RegretError(
             f"weights must have shape (..., N) with N >= 2 experts (ln 1 = 0 leaves eq 54 undefined); "
             f"got {tuple(weights.shape)}"
         )
     finite_row = torch.isfinite(weights).all(-1)
     checked = weights[finite_row]
     if (checked < 0).any():
-        raise ValueError(
+        raise RegretError(
             "weights must be non-negative mixture weights u = v / sum v, got negative entries; pass "
             "softmax(alpha), not the architecture parameters alpha themselves"
         )
     # loose on purpose: catches alpha or unnormalized v passed by mistake, accepts float32 rounding
     tol = 1e-5
     if ((checked.sum(-1) - 1).abs() > tol).any():
-        raise ValueError(
+        raise RegretError(
             "weights must sum to 1 over the last axis (they are mixture weights u); pass "
             "softmax(alpha), not the architecture parameters alpha themselves"
         )

@@ -14,6 +14,7 @@ from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 import torch
 
 from nasdiag.regret.rewards import gd_softmax_reward
+from nasdiag.regret.errors import HorizonError, RegretError, RegretTypeError
 
 __all__ = ["Forecaster", "SoftmaxGD", "Wipeout", "WipeoutLog"]
 
@@ -77,21 +78,27 @@ def _as_shape(shape: ShapeLike) -> torch.Size:
     try:
         shape = torch.Size(tuple(int(s) for s in shape))
     except (TypeError, ValueError) as err:
-        raise TypeError(f"shape must be an int or a sequence of ints, got {shape!r}") from err
+        raise RegretTypeError(f"shape must be an int or a sequence of ints, got {shape!r}") from err
     if any(s < 0 for s in shape):
-        raise ValueError(f"shape must have non-negative sizes, got {tuple(shape)}")
+        raise RegretError(f"shape must have non-negative sizes, got {tuple(shape)}")
     return shape
 
 
 def _positive(name: str, value, *, integer: bool = False, allow_inf: bool = False):
-    if integer:
-        if isinstance(value, bool) or int(value) != value:
-            raise TypeError(f"{name} must be an integer, got {value!r}")
-        value = int(value)
-    else:
-        value = float(value)
+    try:  # int(None), float("fast"): the builtin messages do not name the argument
+        if integer:
+            if isinstance(value, bool) or int(value) != value:
+                raise RegretTypeError(f"{name} must be an integer, got {value!r}")
+            value = int(value)
+        else:
+            value = float(value)
+    except (TypeError, ValueError, OverflowError) as err:
+        if isinstance(err, RegretError):
+            raise
+        kind = "an integer" if integer else "a number"
+        raise (RegretTypeError if isinstance(err, TypeError) else RegretError)(f"{name} must be {kind}, got {value!r}") from None
     if not (value > 0) or (math.isinf(value) and not allow_inf):
-        raise ValueError(f"{name} must be a {'positive' if not allow_inf else 'positive (or inf)'} "
+        raise RegretError(f"{name} must be a {'positive' if not allow_inf else 'positive (or inf)'} "
                          f"{'integer' if integer else 'finite number'}, got {value!r}")
     return value
 
@@ -132,7 +139,7 @@ class _ExpertsState:
         self.lr = _positive("lr", lr)
         self.shape = _as_shape(shape)
         if not dtype.is_floating_point:
-            raise TypeError(f"dtype must be a floating-point dtype, got {dtype}")
+            raise RegretTypeError(f"dtype must be a floating-point dtype, got {dtype}")
         self.dtype, self.device = dtype, torch.device(device) if device is not None else torch.device("cpu")
         full = self.shape + (self.n_experts,)
         if init_log_weights is None:
@@ -144,12 +151,12 @@ class _ExpertsState:
             try:
                 log_v = log_v.expand(full).clone()
             except RuntimeError as err:
-                raise ValueError(
+                raise RegretError(
                     f"init_log_weights must broadcast to shape + (n_experts,) = {tuple(full)}, "
                     f"got {tuple(log_v.shape)}"
                 ) from err
             if not torch.isfinite(log_v).all():
-                raise ValueError("init_log_weights must be finite (ln v_0 of every expert)")
+                raise RegretError("init_log_weights must be finite (ln v_0 of every expert)")
             self._uniform_init = bool((log_v == log_v[..., :1]).all())
         self._log_v = log_v
         self._rounds = 0
@@ -165,7 +172,7 @@ class _ExpertsState:
         rewards = torch.as_tensor(rewards)
         expected = self.shape + (self.n_experts,)
         if rewards.shape != expected:
-            raise ValueError(
+            raise RegretError(
                 f"rewards must have shape shape + (n_experts,) = {tuple(expected)}, got "
                 f"{tuple(rewards.shape)}; one update is one round for every forecaster"
             )
@@ -224,7 +231,7 @@ class _ExpertsState:
         mine, theirs = self._config(), dict(state.get("config", {}))
         if mine != theirs:
             diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
-            raise ValueError(f"this state belongs to a forecaster configured differently (saved, current): {diff}")
+            raise RegretError(f"this state belongs to a forecaster configured differently (saved, current): {diff}")
         as_state = lambda t: torch.as_tensor(t).to(dtype=self.dtype, device=self.device).clone()  # noqa: E731
         self._log_v = as_state(state["log_weights"])
         self._rounds = int(state["rounds"])
@@ -290,7 +297,7 @@ class Forecaster(_ExpertsState):
         L = _positive("L", L)
         N = _positive("N", N, integer=True)
         if N < 2:
-            raise ValueError("eta* needs N >= 2 experts: with one expert ln N = 0 and there is nothing to select")
+            raise RegretError("eta* needs N >= 2 experts: with one expert ln N = 0 and there is nothing to select")
         return math.sqrt(2.0 * math.log(N) / (T * L * L))
 
     def bound(self) -> torch.Tensor:
@@ -304,7 +311,7 @@ class Forecaster(_ExpertsState):
         ``zeta >= 1`` and the uniform start of Algorithm 1.
         """
         if not self._uniform_init:
-            raise ValueError(
+            raise RegretError(
                 "eq 3 assumes the uniform start v_0 = 1 of Algorithm 1 (line 2); this forecaster was "
                 "created with non-uniform init_log_weights, for which Lemma 1 and the bound do not hold"
             )
@@ -381,7 +388,7 @@ class Forecaster(_ExpertsState):
         """
         rewards = self._checked_rewards(rewards)
         if self._rounds >= self.horizon:
-            raise RuntimeError(
+            raise HorizonError(
                 f"this Forecaster has played its horizon T = {self.horizon} rounds; the wipeout "
                 "thresholds depend on T - t, so create it with the horizon you need"
             )
@@ -392,7 +399,7 @@ class Forecaster(_ExpertsState):
             bad = alive & ~torch.isfinite(rewards)
             if bad.any():
                 where = tuple(bad.nonzero()[0].tolist())
-                raise ValueError(
+                raise RegretError(
                     f"round {t}: {int(bad.sum())} non-finite rewards of alive experts (first at index "
                     f"{where}); a NaN/inf cost would corrupt the weights for good -- fix or flag the "
                     "cost upstream before updating"
@@ -475,7 +482,7 @@ class SoftmaxGD(_ExpertsState):
         """
         rewards = self._checked_rewards(rewards)
         if not self._all_finite(rewards):
-            raise ValueError(
+            raise RegretError(
                 f"round {self._rounds + 1}: non-finite rewards; fix or flag the cost upstream before updating"
             )
         weights = self.weights

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from nasdiag.cost.credit import darts_alpha_grad
+from nasdiag.regret.errors import RegretError, RegretTypeError
 
 __all__ = ["xnas_reward", "rewards_from_gradient", "gd_softmax_reward"]
 
@@ -18,9 +19,9 @@ __all__ = ["xnas_reward", "rewards_from_gradient", "gd_softmax_reward"]
 def _floating(name: str, tensor) -> torch.Tensor:
     tensor = torch.as_tensor(tensor)
     if not tensor.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got dtype {tensor.dtype}")
+        raise RegretTypeError(f"{name} must be a floating-point tensor, got dtype {tensor.dtype}")
     if tensor.ndim < 1:
-        raise ValueError(f"{name} must have the experts on a last axis, shape (..., K); got a scalar")
+        raise RegretError(f"{name} must have the experts on a last axis, shape (..., K); got a scalar")
     return tensor
 
 
@@ -57,7 +58,7 @@ def rewards_from_gradient(grad_prediction: torch.Tensor, expert_predictions: tor
     grad_prediction = _floating("grad_prediction", grad_prediction)
     expert_predictions = _floating("expert_predictions", expert_predictions)
     if expert_predictions.ndim < 2 or expert_predictions.shape[-1] != grad_prediction.shape[-1]:
-        raise ValueError(
+        raise RegretError(
             "expert_predictions must have shape (..., K, D) with D the last dimension of "
             f"grad_prediction; got {tuple(expert_predictions.shape)} and {tuple(grad_prediction.shape)}"
         )
@@ -83,7 +84,7 @@ def gd_softmax_reward(rewards: torch.Tensor, weights: torch.Tensor) -> torch.Ten
     rewards = _floating("rewards", rewards)
     weights = _floating("weights", weights)
     if rewards.shape[-1] != weights.shape[-1]:
-        raise ValueError(
+        raise RegretError(
             f"rewards and weights need the same number of experts K on the last axis; got "
             f"{tuple(rewards.shape)} and {tuple(weights.shape)}"
         )

@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from nasdiag.regret.forecaster import Forecaster, SoftmaxGD
+from nasdiag.regret.errors import RegretError
 
 __all__ = ["GaussianExpertsOutcome", "default_loss_bound", "simulate_gaussian_experts"]
 
@@ -85,7 +86,7 @@ def simulate_gaussian_experts(
         dtype: float64 by default.
     """
     if sigma < 0 or not math.isfinite(sigma):
-        raise ValueError(f"sigma must be a finite standard deviation >= 0, got {sigma}")
+        raise RegretError(f"sigma must be a finite standard deviation >= 0, got {sigma}")
     loss_bound = default_loss_bound(sigma) if loss_bound is None else float(loss_bound)
     lr = Forecaster.optimal_lr(n_steps, loss_bound, n_experts) if lr is None else float(lr)
     gd_lr = lr if gd_lr is None else float(gd_lr)
