@@ -145,6 +145,55 @@ def test_an_edge_returning_its_input_object_is_refused_not_given_the_inputs_tota
     assert torch.allclose(probe.costs()["edge"], Z.grad, rtol=0, atol=1e-14)
 
 
+class SampledOnlyMixed(nn.Module):
+    """DSNAS/ProxylessNAS style: only the ops with a non-zero weight run."""
+
+    def __init__(self):
+        super().__init__()
+        self._ops = nn.ModuleList([nn.Linear(D, D, dtype=torch.float64), nn.Tanh(), nn.Identity()])
+
+    def forward(self, x, weights):
+        return sum(w * op(x) for w, op in zip(weights, self._ops) if bool(w.detach() != 0))
+
+
+def test_statistics_leave_out_a_candidate_op_that_did_not_run():
+    """An op that did not run has no cost at that step (NaN in costs(), flagged): it is not an observation, so
+    its count does not grow and its mean is over the steps it ran (as for an edge whose forward never ran),
+    instead of one skipped step turning its mean into NaN for good."""
+    torch.manual_seed(3)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.edge = SampledOnlyMixed()
+            self.head = nn.Linear(D, 2, dtype=torch.float64)
+
+        def forward(self, x, Z):
+            return self.head(self.edge(x, Z))
+
+    net = Net()
+    probe = nasdiag.attach(net)
+    observed = []
+    for t, ops in enumerate([(0,), (1, 2), (0, 2), (0,)]):
+        x, y = torch.randn(5, D, dtype=torch.float64), torch.randint(0, 2, (5,))
+        Z = torch.zeros(K, dtype=torch.float64)
+        Z[list(ops)] = 1.0 / len(ops)
+        Z.requires_grad_()
+        with pytest.warns(RuntimeWarning, match="did not run"):
+            with probe.record():
+                F.cross_entropy(net(x, Z), y).backward()
+        observed.append(torch.where(Z.detach() != 0, Z.grad, math.nan))
+        assert torch.equal(torch.isnan(probe.costs()["edge"]), Z.detach() == 0)
+    observed = torch.stack(observed)
+    ran = ~torch.isnan(observed)
+    stats = probe.statistics()
+    assert stats["cost/edges/count"][0].tolist() == ran.sum(0).tolist()
+    mean = torch.where(ran, observed, 0.0).sum(0) / ran.sum(0)
+    var = (torch.where(ran, observed - mean, 0.0) ** 2).sum(0) / ran.sum(0)
+    assert torch.allclose(torch.from_numpy(stats["cost/edges/mean"][0]), mean, rtol=0, atol=1e-15)
+    assert torch.allclose(torch.from_numpy(stats["cost/edges/var"][0]), var, rtol=0, atol=1e-15)
+
+
 # --- XNAS: a literal linear-space transcription of Algorithm 1 -----------------------------------
 
 def _algorithm_1(rewards, eta, L, T):

@@ -28,7 +28,7 @@ HESSIAN_MODES = ARCH_MODES  # the curvature modes, spelled once in nasdiag.hessi
 class _StepResult:
     """The small per-step results kept after a block (no activations, no graph)."""
 
-    __slots__ = ("per_sample", "costs", "matrix", "available", "selected", "paths", "node_costs", "deviation",
+    __slots__ = ("per_sample", "costs", "matrix", "available", "not_run", "selected", "paths", "node_costs", "deviation",
                  "model_inputs", "targets", "model_output", "output_grad")
 
     def __init__(self):
@@ -36,6 +36,7 @@ class _StepResult:
         self.costs: List[torch.Tensor] = []
         self.matrix: Optional[torch.Tensor] = None  # (N, K) costs when all edges share K and ran once
         self.available: List[bool] = []
+        self.not_run: List[Tuple[int, ...]] = []  # per edge: candidate ops that did not run (no cost, not observed)
         self.selected: List[Optional[torch.Tensor]] = []
         self.paths: List[Dict[str, List[torch.Tensor]]] = []
         self.node_costs: List[Optional[torch.Tensor]] = []
@@ -254,6 +255,7 @@ class Probe:
                     no_grad_path.append(e.name)
                 else:
                     no_grad.append(e.name)
+            r.not_run.append(tuple(sorted(cap.missing_ops[p])))
             if cap.missing_ops[p]:
                 partial_ops.append(f"{e.name} ops {sorted(cap.missing_ops[p])}")
         ref = next((t for t in r.costs if t is not None), torch.empty(0))
@@ -529,6 +531,14 @@ class Probe:
             avail = None
             if not all(r.available[p] for p in g.members):
                 avail = torch.tensor([r.available[p] for p in g.members]).to(rows.device).unsqueeze(1).expand_as(rows)
+            if any(r.not_run[p] for p in g.members):
+                # an op that did not run has no cost at this step (NaN in costs()): not an observation, as for an
+                # edge whose forward never ran; a NaN *value* (e.g. a NaN loss) is still recorded
+                ran = torch.ones(rows.shape, dtype=torch.bool)
+                at = [(row, k) for row, p in enumerate(g.members) for k in r.not_run[p]]
+                ran[[row for row, _ in at], [k for _, k in at]] = False
+                ran = ran.to(rows.device)
+                avail = ran if avail is None else avail & ran
             if self.statistics_mode == "sampled":
                 none = torch.zeros(g.n_ops, dtype=torch.bool, device=rows.device)
                 sel = torch.stack([none if r.selected[p] is None else r.selected[p].to(rows.device) for p in g.members])
