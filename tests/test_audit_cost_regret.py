@@ -183,7 +183,9 @@ def test_statistics_leave_out_a_candidate_op_that_did_not_run():
             with probe.record():
                 F.cross_entropy(net(x, Z), y).backward()
         observed.append(torch.where(Z.detach() != 0, Z.grad, math.nan))
-        assert torch.equal(torch.isnan(probe.costs()["edge"]), Z.detach() == 0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # not a "NaN cost (e.g. a NaN loss)": the op did not run
+            assert torch.equal(torch.isnan(probe.costs()["edge"]), Z.detach() == 0)
     observed = torch.stack(observed)
     ran = ~torch.isnan(observed)
     stats = probe.statistics()
@@ -192,6 +194,36 @@ def test_statistics_leave_out_a_candidate_op_that_did_not_run():
     var = (torch.where(ran, observed - mean, 0.0) ** 2).sum(0) / ran.sum(0)
     assert torch.allclose(torch.from_numpy(stats["cost/edges/mean"][0]), mean, rtol=0, atol=1e-15)
     assert torch.allclose(torch.from_numpy(stats["cost/edges/var"][0]), var, rtol=0, atol=1e-15)
+
+
+def test_output_costs_of_a_cell_output_modified_in_place_are_nan_and_flagged_not_scaled():
+    """<∂L/∂out, out> needs the cell output as it left the cell; scaled in place afterwards (out.mul_(2)) the
+    probe read the new values (2× the cost). It cannot know the old ones: NaN + a warning; edge costs unaffected."""
+    torch.manual_seed(4)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cell = LinearCell(2)
+            self.head = nn.Linear(2 * D, 3, dtype=torch.float64)
+            self.alpha = nn.Parameter(0.5 * torch.randn(5, K, dtype=torch.float64))
+
+        def forward(self, x, Z=None):
+            out = self.cell(x, x, torch.softmax(self.alpha, -1) if Z is None else Z)
+            out.mul_(2.0)
+            return self.head(out)
+
+    net = Net()
+    x, y = torch.randn(6, D, dtype=torch.float64), torch.randint(0, 3, (6,))
+    Z = torch.softmax(net.alpha, -1).detach().requires_grad_()
+    (dZ,) = torch.autograd.grad(F.cross_entropy(net(x, Z), y), Z)
+    probe = nasdiag.attach(net)
+    with pytest.warns(RuntimeWarning, match="in place"):
+        with probe.record():
+            F.cross_entropy(net(x), y).backward()
+    assert all(torch.isnan(v) for v in probe.output_costs()["cell"].values())
+    costs = torch.stack([probe.costs()[f"cell.edges.{e}"] for e in range(5)])
+    assert torch.allclose(costs, dZ, rtol=0, atol=1e-14)
 
 
 # --- XNAS: a literal linear-space transcription of Algorithm 1 -----------------------------------

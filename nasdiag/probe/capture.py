@@ -72,11 +72,12 @@ class EdgeCall:
 class CellCall:
     """One forward of one cell inside the block."""
 
-    __slots__ = ("pos", "output", "edge_calls")
+    __slots__ = ("pos", "output", "version", "edge_calls")
 
     def __init__(self, pos: int):
         self.pos = pos
         self.output: Optional[torch.Tensor] = None
+        self.version = 0
         self.edge_calls: Dict[int, List[EdgeCall]] = {}
 
 
@@ -119,6 +120,7 @@ class StepCapture:
         self.selected: List[Optional[torch.Tensor]] = [None] * N
         self.paths: List[Dict[str, List[torch.Tensor]]] = [{} for _ in range(N)]
         self.node_costs: List[List[torch.Tensor]] = [[] for _ in cells]
+        self.modified_cells: set = set()  # cells whose output was modified in place after their forward
         self.deviation: Dict[Tuple[int, int], torch.Tensor] = {}
         self.open_edge: List[Optional[EdgeCall]] = [None] * N
         self.open_cell: List[Optional[CellCall]] = [None] * len(cells)
@@ -234,7 +236,8 @@ class StepCapture:
         if ccall is None or not isinstance(output, torch.Tensor):
             return None
         if output.requires_grad:
-            ccall.output = output.detach()
+            ccall.output = output.detach()  # shares the version counter: an in-place change after the cell shows
+            ccall.version = output._version
             self.hooks.tensor(output, lambda g, c=ccall: self.cell_grad(c, g))
         return None
 
@@ -315,7 +318,13 @@ class StepCapture:
         return None
 
     def _cell_costs(self, ccall: CellCall, g: torch.Tensor, out: torch.Tensor, slices) -> None:
-        self.node_costs[ccall.pos].append(output_edge_costs(g, out, slices, per_sample=True))
+        node_costs = output_edge_costs(g, out, slices, per_sample=True)
+        if out._version != ccall.version:
+            # <∂L/∂out, out> needs the output as it left the cell; its values were changed in place since (e.g.
+            # out.mul_(2) read back as 2× the cost): not computable, so NaN, flagged at the end of the block
+            node_costs = torch.full_like(node_costs, math.nan)
+            self.modified_cells.add(ccall.pos)
+        self.node_costs[ccall.pos].append(node_costs)
         if self.path_split:
             for node, (a, b) in slices.items():
                 for ie in self.incoming.get((ccall.pos, node), []):

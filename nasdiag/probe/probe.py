@@ -285,6 +285,12 @@ class Probe:
                 "computes ∂L/∂x_j there; their costs are NaN for this step and they are left out of the statistics. "
                 "Pass mixing weights that require grad (e.g. Z.requires_grad_()) to observe them.",
                 RuntimeWarning, stacklevel=4)
+        if cap.modified_cells:
+            names = [self._cells[c].name for c in sorted(cap.modified_cells)]
+            warnings.warn(
+                f"probe: the output of cell(s) {_short_list(names)} was modified in place after the cell's forward, so "
+                "their output costs <∂L/∂out, out> are NaN for this step (edge costs are unaffected); use out-of-place "
+                "ops on cell outputs (e.g. ReLU(inplace=False), out = out * s).", RuntimeWarning, stacklevel=4)
         if partial_ops:
             warnings.warn(
                 f"probe: some candidate ops did not run in their mixed op's forward ({_short_list(partial_ops)}); "
@@ -325,9 +331,15 @@ class Probe:
 
     def _flag_nan(self, r: _StepResult) -> None:
         if r.matrix is not None:  # one synchronisation for all edges
-            has_nan = torch.isnan(r.matrix).any(1).tolist()
+            nan = torch.isnan(r.matrix)
+            if any(r.not_run):  # an op that did not run is NaN by design (flagged at the end of the block)
+                nan = nan.cpu()
+                for p, ks in enumerate(r.not_run):
+                    nan[p, list(ks)] = False
+            has_nan = nan.any(1).tolist()
         else:
-            has_nan = [bool(torch.isnan(c).any()) for c in r.costs]
+            has_nan = [bool(torch.isnan(c).index_fill(0, torch.tensor(ks, dtype=torch.long, device=c.device), 0).any())
+                       if ks else bool(torch.isnan(c).any()) for c, ks in zip(r.costs, r.not_run)]
         bad = [e.name for p, e in enumerate(self._edges) if r.available[p] and has_nan[p]]
         if bad:
             warnings.warn(f"probe: NaN cost at edge(s) {_short_list(bad)} (e.g. a NaN loss); it is recorded as NaN "
