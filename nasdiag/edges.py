@@ -98,6 +98,13 @@ def resolve_edges(model: nn.Module, edges: EdgesArg,
             edges, an edge without candidate ops.
     """
     if isinstance(edges, (list, tuple)) and edges and all(hasattr(e, "name") and hasattr(e, "module") for e in edges):
+        names = [e.name for e in edges]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:  # a dict would keep only the last of them: an edge silently lost
+            raise EdgeSpecError(
+                f"edge name(s) {', '.join(repr(n) for n in twice)} given to more than one EdgeSpec; names key the "
+                "results, so give each edge its own name (e.g. dataclasses.replace(spec, name=...))"
+            )
         edges = {e.name: e for e in edges}
     if not isinstance(edges, Mapping) or not edges:
         raise EdgeSpecError(

@@ -226,6 +226,19 @@ def test_output_costs_of_a_cell_output_modified_in_place_are_nan_and_flagged_not
     assert torch.allclose(costs, dZ, rtol=0, atol=1e-14)
 
 
+def test_a_list_of_edge_specs_naming_one_edge_twice_is_refused_not_silently_dropped():
+    from nasdiag.edges import EdgeSpec, EdgeSpecError, resolve_edges
+
+    net = nn.Module()
+    net.a, net.b = LinearMixed(), LinearMixed()
+    specs = [EdgeSpec("e", m, tuple(m._ops), ("lin", "tanh", "skip")) for m in (net.a, net.b)]
+    with pytest.raises(EdgeSpecError, match="'e'"):
+        resolve_edges(net, specs)
+    with pytest.raises(ProbeError, match="'e'"):
+        nasdiag.attach(net, edges=specs)
+    assert [s.module for s in resolve_edges(net, specs[:1])] == [net.a]
+
+
 # --- XNAS: a literal linear-space transcription of Algorithm 1 -----------------------------------
 
 def _algorithm_1(rewards, eta, L, T):
