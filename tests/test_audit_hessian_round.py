@@ -254,3 +254,31 @@ def test_exact_curvature_calls_leave_no_tensors_behind(call):
     for _ in range(3):
         run()
     assert _live_tensors() == before
+
+
+# -- a fan-out that rejoins inside one module ------------------------------------------------------------
+
+
+class PlusTanh(nn.Module):
+    """A childless module without a rule: walked op by op."""
+
+    def forward(self, x):
+        return x + torch.tanh(x)
+
+
+@pytest.mark.parametrize("module", [nn.Tanhshrink(), PlusTanh()])
+def test_a_module_adding_two_functions_of_its_input_is_refused_naming_it(module):
+    # x ± f(x) inside one module: the walk summed 1·h and f'²·h and dropped the cross term ±2 f' h, so even
+    # a Linear right before an MSE loss got a wrong diagonal (170% off for Tanhshrink); like a product of two
+    # functions of the input, such a module needs a rule
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), module).to(DT)
+    x, y = torch.randn(5, 4, dtype=DT), torch.randn(5, 6, dtype=DT)
+    with pytest.raises(UnsupportedModuleError, match=rf"'1' \(.*{type(module).__name__}\).*adds two functions"):
+        diag_hessian(net, F.mse_loss, x, y, mode="diag")
+    from nasdiag.hessian import ElementwiseRule
+
+    exact = dense_param_diag(net, F.mse_loss, x, y)
+    got = diag_hessian(net, F.mse_loss, x, y, mode="diag", rules={type(module): ElementwiseRule(module.forward)})
+    for name in exact:  # with a rule it is exact: the Linear's output Hessian is diagonal here
+        torch.testing.assert_close(got[name], exact[name], rtol=1e-10, atol=1e-14)

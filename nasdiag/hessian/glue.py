@@ -38,6 +38,10 @@ class GlueRule:
     #: a product of its inputs: if two of them depend on the requested tensors, the second-order cross
     #: term between them is dropped (a fan-out cross term); the engine refuses that inside one module.
     bilinear = False
+    #: an entrywise sum of its inputs (x ± y): two inputs that depend on the requested tensors through one
+    #: input of the enclosing module rejoin a fan-out inside it, whose first-order cross term would be
+    #: dropped; the engine refuses that inside one module (as for products).
+    joins = False
 
     def apply(self, node, h_outs: Tensors, grad_out, wanted: Sequence[bool]) -> Sequence[Optional[torch.Tensor]]:
         raise NotImplementedError
@@ -67,6 +71,8 @@ class PassThrough(GlueRule):
 class ScaledInputs(GlueRule):
     """Backward coefficients ``c_i`` per input (``x + α y``: (1, α); ``x − α y``: (1, −α)); the squared
     backward is the backward times ``c_i``."""
+
+    joins = True
 
     def __init__(self, coefficients: Callable[[object], Sequence[float]]):
         self.coefficients = coefficients

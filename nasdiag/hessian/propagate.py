@@ -124,6 +124,7 @@ def walk_diagonals(
 
     # --- the sweep -------------------------------------------------------------------------
     opaque_by_node = {e[0]: oc for oc in tracer.opaque_calls for e in oc.output_edges}
+    interiors = _OpaqueInteriors(tracer)
     buffers: Dict[object, Dict[int, torch.Tensor]] = {root[0]: {root[1]: h_outputs}}
     reached_from: Dict[object, str] = {root[0]: "the model output"}
     params: Dict[str, torch.Tensor] = {}
@@ -170,7 +171,7 @@ def walk_diagonals(
                         oc.name, oc.module, "has parameters but no diagonal-Hessian rule", tracer.overrides
                     )
                 )
-            _apply_glue(node, slots, needed, push, grad_of, tracer, reached_from)
+            _apply_glue(node, slots, needed, push, grad_of, tracer, reached_from, interiors)
     return params, observed_h, observed_g
 
 
@@ -282,7 +283,7 @@ def _term_removed(edge: Edge, term, consumers, rule_calls, ranks) -> bool:
     return True
 
 
-def _apply_glue(node, slots, needed, push, grad_of, tracer: ModuleTracer, reached_from) -> None:
+def _apply_glue(node, slots, needed, push, grad_of, tracer: ModuleTracer, reached_from, interiors=None) -> None:
     glue = glue_rule_for(node)
     nexts = node.next_functions
     wanted = [n is not None and bool(needed.get(n)) for n, _ in nexts]
@@ -292,8 +293,24 @@ def _apply_glue(node, slots, needed, push, grad_of, tracer: ModuleTracer, reache
     n_out = max(n_out, len(getattr(node, "_input_metadata", ())) or 1)
     h_outs = [slots.get(i) for i in range(n_out)]
     grad_out = grad_of(node, 0, h_outs[0]) if glue.needs_grad else None
+    if glue.joins and sum(wanted) > 1:
+        # x ± f(x) inside one module (nn.Tanhshrink, a user's x + tanh(x)): the inputs are two branches of one
+        # input of the module rejoined entry by entry, and the recursion would drop the cross term J_a J_b h
+        # between them (-2 sech² h for Tanhshrink): the module's own diagonal would be wrong, so it needs a rule
+        inside = (interiors or _OpaqueInteriors(tracer)).of(node)
+        if inside is not None and _rejoins_one_input(node, wanted, inside, interiors or _OpaqueInteriors(tracer)):
+            raise UnsupportedModuleError(
+                unsupported_module_message(
+                    inside.name,
+                    inside.module,
+                    f"adds two functions of one of its inputs ({type(node).__name__}); the diagonal recursion would "
+                    "drop the cross term between them, so it needs a rule of its own (ElementwiseRule(fn) for an "
+                    "elementwise activation)",
+                    tracer.overrides,
+                )
+            )
     if glue.bilinear and sum(wanted) > 1:
-        inside = _enclosing_opaque(node, tracer)
+        inside = (interiors or _OpaqueInteriors(tracer)).of(node)
         if inside is not None:
             raise UnsupportedModuleError(
                 unsupported_module_message(
@@ -347,6 +364,54 @@ def _parameter_owners(node, tracer: ModuleTracer) -> str:
             module = tracer.model.get_submodule(module_name)
             found.append(f"parameter {name!r} of module {module_name or '<root>'!r} ({type(module).__name__})")
     return (", using " + ", ".join(found)) if found else ""
+
+
+class _OpaqueInteriors:
+    """``of(node)``: the opaque leaf whose interior (the autograd nodes between its outputs and its inputs)
+    holds ``node``, or None. Mapped once per walk, on first use: the walk asks for every product and sum with
+    two inputs on the path, and a supernet has many."""
+
+    def __init__(self, tracer: ModuleTracer):
+        self.tracer = tracer
+        self._owner: Optional[Dict[object, object]] = None
+
+    def of(self, node):
+        if self._owner is None:
+            self._owner = {}
+            for oc in self.tracer.opaque_calls:
+                stop = {e[0] for e in oc.input_edges}
+                stack = [e[0] for e in oc.output_edges]
+                while stack:
+                    n = stack.pop()
+                    if n is None or n in stop or n in self._owner:
+                        continue
+                    self._owner[n] = oc
+                    stack.extend(c for c, _ in n.next_functions if c is not None)
+        return self._owner.get(node)
+
+
+def _rejoins_one_input(node, wanted, oc, interiors: _OpaqueInteriors) -> bool:
+    """Whether two of ``node``'s wanted inputs both depend on one input of the opaque call ``oc`` through its
+    interior (a fan-out inside the module that ``node`` joins again)."""
+    inputs = {e[0] for e in oc.input_edges}
+    reached = []
+    for (child, _), want in zip(node.next_functions, wanted):
+        if not want or child is None:
+            continue
+        found, stack, seen = set(), [child], set()
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if n in inputs:
+                found.add(n)
+            elif interiors.of(n) is oc:
+                stack.extend(c for c, _ in n.next_functions if c is not None)
+        if any(found & other for other in reached):
+            return True
+        reached.append(found)
+    return False
 
 
 def _enclosing_opaque(target, tracer: ModuleTracer):
