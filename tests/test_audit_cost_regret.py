@@ -239,6 +239,14 @@ def test_a_list_of_edge_specs_naming_one_edge_twice_is_refused_not_silently_drop
     assert [s.module for s in resolve_edges(net, specs[:1])] == [net.a]
 
 
+@pytest.mark.parametrize("slices", [{2: (0, D), 3: (D - 1, 2 * D)}, {2: (0, 0), 3: (D, 2 * D)}, {2: (-1, D), 3: (D, 2 * D)}])
+def test_overlapping_or_empty_output_node_slices_are_refused_at_attach(slices):
+    net = IrregularNet()
+    net.large.output_node_slices = slices
+    with pytest.raises(ProbeError, match="output_node_slices"):
+        nasdiag.attach(net)
+
+
 # --- XNAS: a literal linear-space transcription of Algorithm 1 -----------------------------------
 
 def _algorithm_1(rewards, eta, L, T):

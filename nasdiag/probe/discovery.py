@@ -99,7 +99,15 @@ def _cell_declaration(module: nn.Module):
         missing = [n for n in nodes if n not in slices]
         if missing:
             raise ProbeError(f"cell {type(module).__name__} declares output_nodes {list(nodes)} but no output_node_slices for {missing}")
-        return nodes, {int(n): (int(slices[n][0]), int(slices[n][1])) for n in nodes}
+        ranges = {int(n): (int(slices[n][0]), int(slices[n][1])) for n in nodes}
+        spans = sorted(ranges.values())
+        bad = [r for r in spans if not 0 <= r[0] < r[1]] or [b for a, b in zip(spans, spans[1:]) if b[0] < a[1]]
+        if bad:  # an overlap would count those channels in two nodes' output costs (and in Cor. 1.2's sum)
+            raise ProbeError(
+                f"cell {type(module).__name__} declares output_node_slices {ranges}: each (start, stop) must satisfy "
+                f"0 <= start < stop and the ranges must not overlap (offending: {bad[0]})"
+            )
+        return nodes, ranges
     if (
         isinstance(getattr(module, "_ops", None), nn.ModuleList)
         and hasattr(module, "_steps")
