@@ -35,24 +35,38 @@ _CHAIN_TYPES = (nn.Linear, nn.ReLU, nn.LeakyReLU, nn.Sigmoid, nn.Tanh, nn.Identi
 
 
 def as_linear_chain(model: nn.Module) -> Optional[List[tuple]]:
-    """``[(qualified name, module), ...]`` if ``model`` is a (nested) ``nn.Sequential`` of Linear layers
-    and elementwise activations (a Flatten allowed before the first Linear), else None."""
-    if isinstance(model, _CHAIN_TYPES):
-        return [("", model)]
-    if type(model) is not nn.Sequential:
+    """``[(qualified name, module), ...]`` in call order if ``model`` is a (nested) ``nn.Sequential`` of Linear
+    layers and elementwise activations (a Flatten allowed before the first Linear), else None.
+
+    A module object may sit at several places (one ``nn.Tanh()`` reused): it is listed at each, as
+    ``nn.Sequential`` calls it (``named_children`` would list it once). A ``Linear`` at two places (tied
+    weights) is no chain: its diagonal has cross-call terms the per-layer recursion cannot hold."""
+    layers = _chain_layers(model)
+    if layers is None:
         return None
-    layers = []
-    for name, child in model.named_children():
-        sub = as_linear_chain(child)
-        if sub is None:
-            return None
-        layers.extend((f"{name}.{n}" if n else name, m) for n, m in sub)
+    linears = [id(m) for _, m in layers if isinstance(m, nn.Linear)]
+    if len(set(linears)) != len(linears):
+        return None
     seen_linear = False
     for _, m in layers:
         seen_linear |= isinstance(m, nn.Linear)
         if isinstance(m, nn.Flatten) and seen_linear:
             return None
     return layers if seen_linear else None
+
+
+def _chain_layers(model: nn.Module) -> Optional[List[tuple]]:
+    if isinstance(model, _CHAIN_TYPES):
+        return [("", model)]
+    if type(model) is not nn.Sequential:
+        return None
+    layers = []
+    for name, child in model._modules.items():  # every place, as nn.Sequential.forward calls them
+        sub = _chain_layers(child)
+        if sub is None:
+            return None
+        layers.extend((f"{name}.{n}" if n else name, m) for n, m in sub)
+    return layers
 
 
 def chain_exact_diag(
