@@ -329,3 +329,16 @@ def test_bad_input_to_costs_and_regret_is_one_nasdiag_error_of_the_documented_bu
             call()
         assert isinstance(info.value, builtin), (info.value, builtin)
         assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("below, wiped", [(0.0, False), (2.0 ** -20, True)])
+def test_wipeout_is_strictly_below_the_threshold(below, wiped):
+    """Line 12 removes v_{t,i} < θ_t: R = (L, −L) at t = T − 1 puts expert 1 exactly on θ_t = max v·e^{−2ηL}
+    (kept, Lemma 1's equality case); 2^-20 lower (a bound violation) is below it (removed). Binary-exact numbers."""
+    fc = Forecaster(2, 0.5, 1.0, 2)
+    fc.update(torch.tensor([1.0, -1.0 - below], dtype=torch.float64))
+    assert fc.alive.tolist() == [True, not wiped]
+    assert fc.bound_violations.item() == int(wiped)
+    if wiped:
+        (entry,) = list(fc.wipeout_log)
+        assert (entry.round, entry.expert, entry.log_threshold) == (1, 1, 0.5 - 1.0)
