@@ -308,3 +308,28 @@ def test_exact_on_a_sequential_that_reuses_a_module_equals_autograd(make):
     got = diag_hessian(net, F.cross_entropy, x, y, mode="exact")
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], rtol=1e-10, atol=1e-14)
+
+
+# -- the per-sample weights of the GGN modes --------------------------------------------------------------
+
+
+class KOnlyMixed(Mixed):
+    """A mixed op that takes only (K,) weights (iterates over them)."""
+
+    def forward(self, x, weights):
+        return sum(w * op(x) for w, op in zip(weights, self.ops))
+
+
+@pytest.mark.parametrize("mode", ["ggn", "ggn_mc", "hutchinson:1"])
+def test_ggn_modes_on_a_mixed_op_without_per_sample_weights_name_the_edge(mode):
+    # the GGN shifts the weights per sample ((B, K)); a mixed op that cannot take them failed with torch's
+    # shape error, naming neither the edge nor the contract
+    torch.manual_seed(0)
+    net = TwoCells().to(DT)
+    for cell in net.cells:
+        for e, m in enumerate(cell):
+            cell[e] = KOnlyMixed(2).to(DT)
+    x, y = torch.randn(3, 1, 4, 4, dtype=DT), torch.randint(0, 3, (3,))
+    with pytest.raises(CurvatureError, match=r"edge 'c0\.e0'.*\(B, K\)"):
+        arch_diag_hessian(net, F.cross_entropy, x, y, net.edges(), mode=mode)
+    arch_diag_hessian(net, F.cross_entropy, x, y, net.edges(), mode="diag")  # the (K,) modes run

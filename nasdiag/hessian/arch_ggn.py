@@ -44,6 +44,12 @@ class _PerSampleShift:
         self.names, self.n_ops = names, n_ops
         self.leaves: Dict[str, torch.Tensor] = {}
         self.observed: Dict[str, List[torch.Tensor]] = {n: [] for n in names}
+        #: the mixed ops whose forward has begun and not yet returned, innermost last (to name a failing one)
+        self.running: List[str] = []
+
+    def done(self, module, args, output):
+        if self.running:
+            self.running.pop()
 
     def hook(self, i: int):
         name, K = self.names[i], self.n_ops[i]
@@ -60,6 +66,7 @@ class _PerSampleShift:
                 self.leaves[name] = torch.zeros(x.shape[0], K, dtype=weights.dtype, device=weights.device, requires_grad=True)
             self.observed[name].append(weights.detach())
             shifted = weights + self.leaves[name]
+            self.running.append(name)
             if "weights" in kwargs:
                 return args, {**kwargs, "weights": shifted}
             return (args[0], shifted, *args[2:]), kwargs
@@ -117,10 +124,21 @@ def ggn_factor_rows(
     hooks = Hooks()
     for i, module in enumerate(modules):
         hooks.forward_pre(module, shift.hook(i), with_kwargs=True)
+        hooks.forward(module, shift.done)
     try:
         hooks.install()
         with preserved_buffers(model), torch.enable_grad():
-            outputs = call_model(model, inputs)
+            try:
+                outputs = call_model(model, inputs)
+            except RuntimeError as err:
+                if not shift.running or isinstance(err, torch.OutOfMemoryError):
+                    raise
+                raise CurvatureError(
+                    f"edge {shift.running[-1]!r}: the GGN modes (ggn, ggn_mc, and the control variate of hutchinson:<k>) "
+                    "mix each sample with its own weights, shape (B, K), and the mixed op failed on them "
+                    f"({type(err).__name__}: {str(err)[:160]}); let its forward take (B, K) weights as well as (K,) "
+                    "(weights[..., k] broadcast over each sample's output), or use mode='exact' or 'diag'"
+                ) from err
             never = [n for n in names if n not in shift.leaves]
             if never:
                 raise ValueError(
