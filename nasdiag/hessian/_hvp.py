@@ -398,6 +398,25 @@ def source_entries(t: torch.Tensor) -> set:
     return out
 
 
+def softmax_jacobian_ratio(z: torch.Tensor) -> Optional[float]:
+    """How far ``z`` (K,) is from ``softmax(α)`` of the leaf parameters behind it: ``‖∂⟨r, z⟩/∂leaves‖`` over
+    ``‖z ⊙ (r − r·z)‖``, the same norm for a softmax of the leaf itself (1 then; ``1/τ`` for ``softmax(α/τ)``).
+
+    ``r`` is the fixed irregular sequence of :func:`source_entries`; a norm, so the order of the leaf's entries
+    does not matter. ``None`` where ``z`` has no graph to a leaf (nothing to check)."""
+    leaves = leaf_sources(z)
+    if z.grad_fn is None or not leaves:
+        return None
+    r = distinct_weights(z.numel(), z).view_as(z)
+    grads = torch.autograd.grad(z, leaves, grad_outputs=r, retain_graph=True, allow_unused=True)
+    got = sum(float(g.detach().double().square().sum()) for g in grads if g is not None)
+    zd, rd = z.detach().double(), r.double()
+    expected = float((zd * (rd - (rd * zd).sum())).square().sum())
+    if expected == 0.0:
+        return None
+    return (got / expected) ** 0.5
+
+
 def exact_diagonal(
     products: Callable[[torch.Tensor], torch.Tensor], dim: int, dtype, device, chunk_size: int = 64
 ) -> torch.Tensor:

@@ -136,9 +136,9 @@ def arch_diag_hessian(
             model, loss_fn, inputs, targets, [s.name for s in specs], [s.module for s in specs],
             [s.n_ops for s in specs], monte_carlo=mode == "ggn_mc", samples=samples,
             generator=torch.Generator().manual_seed(int(seed)),
+            check_weights=_check_softmax_weights if wrt == "alpha" else None,
         )
         if wrt == "alpha":
-            _check_softmax_weights(observed)
             hess = {n: softmax_chain_diag(observed[n][0].to(h.dtype), grad[n], torch.diag(h)) for n, h in hess.items()}
         return hess
 
@@ -151,12 +151,12 @@ def arch_diag_hessian(
         if not isinstance(outputs, torch.Tensor):
             raise TypeError(f"model must return one tensor for mode={mode!r}, got {type(outputs).__name__}")
         recorder.check_complete()
+        if wrt == "alpha":  # while the graph from α to the weights is alive
+            _check_softmax_weights(recorder.weights, recorder.with_graph)
         loss = scalar_loss(loss_fn, outputs, targets)
         h_out = output_hessian_diagonal(loss_fn, outputs, targets)
         _, h_nodes, g_nodes = walk_diagonals(tracer, loss, outputs, h_out, mode, observe=recorder.observe)
 
-    if wrt == "alpha":
-        _check_softmax_weights(recorder.weights)
     result: Dict[str, torch.Tensor] = {}
     for name in names:
         hess = grad = None
@@ -197,6 +197,7 @@ class _EdgeRecorder:
     def __init__(self, names, modules, ops):
         self.names, self.modules, self.ops = names, modules, ops
         self.weights: Dict[str, List[torch.Tensor]] = {n: [] for n in names}
+        self.with_graph: Dict[str, torch.Tensor] = {}  # first call's weights, still attached (the softmax check)
         self.calls: Dict[str, List[tuple]] = {n: [] for n in names}
         self.observe: Dict[tuple, str] = {}
         self._frames: Dict[str, List[Dict[int, torch.Tensor]]] = {n: [] for n in names}
@@ -223,6 +224,7 @@ class _EdgeRecorder:
                     "with weights as the second positional argument or weights=)"
                 )
             self.weights[name].append(weights.detach())
+            self.with_graph.setdefault(name, weights)
             self._frames[name].append({})
 
         return hook

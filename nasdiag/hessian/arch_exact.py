@@ -33,6 +33,7 @@ from nasdiag.hessian.modes import CurvatureError
 from nasdiag.hessian._hvp import (
     SavedBytes,
     fit_chunk,
+    softmax_jacobian_ratio,
     source_entries,
     HessianVectorProduct,
     Inputs,
@@ -206,7 +207,7 @@ def edge_hessian_products(
                 loss = scalar_loss(loss_fn, call_model(model, inputs), targets)
             shift.check_all_ran()
             if wrt == "alpha":
-                _check_softmax_weights(shift.observed)
+                _check_softmax_weights(shift.observed, shift.with_graph)
                 if shared_alpha == "refuse":
                     _refuse_shared_alpha({n: source_entries(w) for n, w in shift.with_graph.items()})
             chunk_size = fit_chunk(saved.bytes, max_memory, chunk_size, what, device=loss.device)
@@ -370,7 +371,11 @@ def _refuse_shared_alpha(sources: Dict[str, set]) -> None:
             owner[i] = name
 
 
-def _check_softmax_weights(observed: Dict[str, List[torch.Tensor]]) -> None:
+def _check_softmax_weights(observed: Dict[str, List[torch.Tensor]], with_graph: Optional[Dict[str, torch.Tensor]] = None) -> None:
+    """wrt='alpha' chains through ``Z = softmax(α)`` of the leaf α: refuse weights that are not a probability
+    vector, and (where ``with_graph`` holds the weights still attached to their graph) weights whose Jacobian
+    w.r.t. their leaf parameter is not softmax's (a temperature, a straight-through estimator, logits computed
+    from another parameter), for which that chain rule would be silently wrong."""
     for name, calls in observed.items():
         z = calls[0]
         if z.dim() != 1:
@@ -385,6 +390,13 @@ def _check_softmax_weights(observed: Dict[str, List[torch.Tensor]]) -> None:
             raise ValueError(
                 f"edge {name!r}: wrt='alpha' assumes Z = softmax(α) but the weights {z.tolist()} are not a "
                 "probability vector; use wrt='Z' (or chain through your own map)"
+            )
+        ratio = softmax_jacobian_ratio(with_graph[name]) if with_graph and name in with_graph and z.dim() == 1 else None
+        if ratio is not None and abs(ratio - 1.0) > 1e4 * torch.finfo(z.dtype).eps:
+            raise ValueError(
+                f"edge {name!r}: wrt='alpha' assumes Z = softmax(α) of the architecture parameter itself, but ∂Z/∂α is "
+                f"{ratio:.4g} times softmax's (e.g. softmax(α/τ) with τ = {1 / ratio:.4g}, or logits computed from α); "
+                "use wrt='Z' and chain through your own map"
             )
 
 

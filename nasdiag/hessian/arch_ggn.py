@@ -44,6 +44,7 @@ class _PerSampleShift:
         self.names, self.n_ops = names, n_ops
         self.leaves: Dict[str, torch.Tensor] = {}
         self.observed: Dict[str, List[torch.Tensor]] = {n: [] for n in names}
+        self.with_graph: Dict[str, torch.Tensor] = {}  # first call's weights, still attached (the softmax check)
         #: the mixed ops whose forward has begun and not yet returned, innermost last (to name a failing one)
         self.running: List[str] = []
 
@@ -65,6 +66,7 @@ class _PerSampleShift:
             if name not in self.leaves:
                 self.leaves[name] = torch.zeros(x.shape[0], K, dtype=weights.dtype, device=weights.device, requires_grad=True)
             self.observed[name].append(weights.detach())
+            self.with_graph.setdefault(name, weights)
             shifted = weights + self.leaves[name]
             self.running.append(name)
             if "weights" in kwargs:
@@ -86,6 +88,7 @@ def ggn_arch_diag(
     monte_carlo: bool,
     samples: int = 1,
     generator: Optional[torch.Generator] = None,
+    check_weights: Optional[Callable] = None,
 ):
     """``({edge: (K,) diag G}, {edge: (K,) ∂L/∂Z}, {edge: observed weights})`` (see the module docstring).
 
@@ -94,7 +97,8 @@ def ggn_arch_diag(
         ValueError: an edge never ran, or ran with weights of the wrong shape.
     """
     rows, gradient, observed = ggn_factor_rows(
-        model, loss_fn, inputs, targets, names, modules, n_ops, monte_carlo=monte_carlo, samples=samples, generator=generator
+        model, loss_fn, inputs, targets, names, modules, n_ops, monte_carlo=monte_carlo, samples=samples, generator=generator,
+        check_weights=check_weights,
     )
     return {n: r.square().sum((0, 1)) for n, r in rows.items()}, gradient, observed
 
@@ -111,6 +115,7 @@ def ggn_factor_rows(
     monte_carlo: bool,
     samples: int = 1,
     generator: Optional[torch.Generator] = None,
+    check_weights: Optional[Callable] = None,
 ):
     """The factor of the (Monte-Carlo) GGN: ``({edge: (R, B, K)}, {edge: (K,) ∂L/∂Z}, {edge: observed weights})``.
 
@@ -147,6 +152,8 @@ def ggn_factor_rows(
                 )
             if not isinstance(outputs, torch.Tensor):
                 raise TypeError(f"model must return one tensor for the GGN modes, got {type(outputs).__name__}")
+            if check_weights is not None:
+                check_weights(shift.observed, shift.with_graph)
             loss = scalar_loss(loss_fn, outputs, targets)
             leaves = [shift.leaves[n] for n in names]
             blocks = output_hessian_blocks(loss_fn, outputs.detach(), targets)  # (N, D, D), of the scalar
