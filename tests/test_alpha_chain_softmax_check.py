@@ -58,3 +58,23 @@ def test_plain_softmax_weights_pass_and_chain_exactly():
     full = torch.autograd.functional.hessian(lambda a: F.cross_entropy(net(x, a), y), net.alpha.detach())
     ref = torch.diagonal(full.reshape(6, 6)).reshape(2, 3)
     assert torch.allclose(torch.stack([got["e0"], got["e1"]]), ref, atol=1e-12, rtol=1e-10)
+
+
+class _Dangling(Net):
+    """The second edge runs, but its output is thrown away: the loss does not depend on it."""
+
+    def forward(self, x, alpha=None):
+        h = torch.tanh(self.edges[0](x, F.softmax(self.alpha[0], -1)))
+        self.edges[1](h, F.softmax(self.alpha[1], -1))
+        return self.head(h)
+
+
+@pytest.mark.parametrize("mode", ["exact", "diag", "approx", "ggn", "ggn_mc", "hutchinson:2"])
+def test_an_edge_the_loss_ignores_is_zero_and_said_in_every_mode(mode):
+    torch.manual_seed(0)
+    net = _Dangling(1.0).double()
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randint(0, 3, (8,))
+    edges = {f"e{i}": (m, list(m.ops)) for i, m in enumerate(net.edges)}
+    with pytest.warns(RuntimeWarning, match=r"does not depend on edge\(s\) \['e1'\]"):
+        got = arch_diag_hessian(net, F.cross_entropy, x, y, edges, mode=mode)
+    assert torch.equal(got["e1"], torch.zeros(3, dtype=torch.float64)) and bool(got["e0"].abs().sum() > 0)

@@ -26,6 +26,7 @@ What each mode drops (docs/hessian.md has measured errors against ``exact``):
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Dict, List, Mapping, Optional
 
 import torch
@@ -158,6 +159,7 @@ def arch_diag_hessian(
         _, h_nodes, g_nodes = walk_diagonals(tracer, loss, outputs, h_out, mode, observe=recorder.observe)
 
     result: Dict[str, torch.Tensor] = {}
+    unused = []
     for name in names:
         hess = grad = None
         for key, op_outputs in recorder.calls[name]:
@@ -170,6 +172,7 @@ def arch_diag_hessian(
             G = (B * g_j).flatten(1).sum(1)
             hess, grad = (H, G) if hess is None else (hess + H, grad + G)
         if hess is None:
+            unused.append(name)
             K = len(ops[names.index(name)])
             hess = torch.zeros(K, dtype=outputs.dtype, device=outputs.device)
             grad = torch.zeros_like(hess)
@@ -177,6 +180,8 @@ def arch_diag_hessian(
             z = recorder.weights[name][0].to(hess.dtype)
             hess = softmax_chain_diag(z, grad, torch.diag(hess))
         result[name] = hess.detach()
+    if unused:  # as the exact and GGN routes say it
+        warnings.warn(f"the loss does not depend on edge(s) {unused}: their curvature is reported as zeros", RuntimeWarning, stacklevel=3)
     return result
 
 

@@ -24,7 +24,8 @@ of ``J_{n,n}ᵀ v_n``; the cross-sample parts are O(1/B) each. docs/hessian.md m
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Mapping, Optional
+import warnings
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
@@ -116,6 +117,7 @@ def ggn_factor_rows(
     samples: int = 1,
     generator: Optional[torch.Generator] = None,
     check_weights: Optional[Callable] = None,
+    warn_unused: bool = True,
 ):
     """The factor of the (Monte-Carlo) GGN: ``({edge: (R, B, K)}, {edge: (K,) ∂L/∂Z}, {edge: observed weights})``.
 
@@ -178,9 +180,15 @@ def ggn_factor_rows(
             V = V.reshape(V.shape[0], *outputs.shape).to(outputs.dtype)
             (grad_out,) = torch.autograd.grad(loss, outputs, retain_graph=True)
             rows = torch.cat([grad_out.unsqueeze(0), V])  # row 0: the gradient, for ∂L/∂Z
-            per_sample = _batched_vjp(outputs, leaves, rows)
+            per_sample, unused = _batched_vjp(outputs, leaves, rows)
     finally:
         hooks.remove()
+    if warn_unused and unused:  # as the exact and diag routes say it
+        warnings.warn(
+            f"the loss does not depend on edge(s) {[names[i] for i in unused]}: their curvature is reported as zeros",
+            RuntimeWarning,
+            stacklevel=4,
+        )
     factor, gradient = {}, {}
     for name, g in zip(names, per_sample):  # g: (1 + R, B, K)
         factor[name] = g[1:].detach() if finite else torch.full_like(g[1:], float("nan"))
@@ -188,11 +196,13 @@ def ggn_factor_rows(
     return factor, gradient, shift.observed
 
 
-def _batched_vjp(outputs: torch.Tensor, leaves: List[torch.Tensor], rows: torch.Tensor) -> List[torch.Tensor]:
-    """``[(R, *leaf.shape)]``: vector-Jacobian products of ``outputs`` w.r.t. ``leaves`` for each of the R rows."""
+def _batched_vjp(outputs: torch.Tensor, leaves: List[torch.Tensor], rows: torch.Tensor) -> Tuple[List[torch.Tensor], List[int]]:
+    """``[(R, *leaf.shape)]``: vector-Jacobian products of ``outputs`` w.r.t. ``leaves`` for each of the R rows
+    (zeros for a leaf the outputs do not depend on), and the indices of those leaves."""
     try:
         grads = torch.autograd.grad(outputs, leaves, rows, retain_graph=True, is_grads_batched=True, allow_unused=True)
     except RuntimeError:  # an op without a batching rule for its backward: one row at a time
         per_row = [torch.autograd.grad(outputs, leaves, r, retain_graph=True, allow_unused=True) for r in rows]
         grads = [None if parts[0] is None else torch.stack(parts) for parts in zip(*per_row)]
-    return [torch.zeros(rows.shape[0], *t.shape, dtype=t.dtype, device=t.device) if g is None else g for g, t in zip(grads, leaves)]
+    unused = [i for i, g in enumerate(grads) if g is None]
+    return [torch.zeros(rows.shape[0], *t.shape, dtype=t.dtype, device=t.device) if g is None else g for g, t in zip(grads, leaves)], unused

@@ -91,7 +91,8 @@ def hutchinson_arch_diag(
     names, modules, n_ops = [s.name for s in specs], [s.module for s in specs], [s.n_ops for s in specs]
     if control != "none":
         rows, _, _ = ggn_factor_rows(
-            model, loss_fn, inputs, targets, names, modules, n_ops, monte_carlo=control == "ggn_mc", generator=generator
+            model, loss_fn, inputs, targets, names, modules, n_ops, monte_carlo=control == "ggn_mc", generator=generator,
+            warn_unused=False,  # the products above said it
         )
         R = torch.cat([rows[n].flatten(0, 1) for n in names], dim=1)  # (R·B, N): C = Rᵀ R over all edges
     with edge_hessian_products(
