@@ -22,6 +22,21 @@ EXIT_USAGE = 2
 EXIT_SIGINT, EXIT_SIGTERM, EXIT_SIGPIPE = 130, 143, 141
 
 
+#: the largest --seed: the batch order seeds torch with ``(seed + 1) * 100_003 + epoch``, which must fit 64 bits
+MAX_SEED = 10 ** 14 - 1
+
+
+def _seed(text: str) -> int:
+    """``--seed``: an integer the generators take (a larger one was a traceback from torch or h5py)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a whole number, not {text!r}") from None
+    if value > MAX_SEED:
+        raise argparse.ArgumentTypeError(f"{value} is too large: give a seed from 0 to at most {MAX_SEED}")
+    return value
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line instead of usage + message
         raise ConfigError(f"{self.prog}: {message} (see {self.prog} --help)")
@@ -43,12 +58,17 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--method", default=d.method, help="a registered method (nasdiag methods lists them; default: darts)")
     s.add_argument("--hp", action="append", default=[], metavar="KEY=VALUE",
                    help="method hyperparameter override, repeatable (nasdiag methods lists the keys)")
-    s.add_argument("--dataset", default=d.dataset, choices=DATASETS, help="digits (embedded, default), cifar10, synthetic")
+    s.add_argument("--dataset", default=d.dataset, choices=DATASETS,
+                   help="digits (embedded), cifar10 (needs --data-dir), synthetic (default: digits)")
     s.add_argument("--data-dir", default=None, help="folder of the CIFAR-10 python batches (for --dataset cifar10)")
-    s.add_argument("--epochs", type=int, default=d.epochs)
-    s.add_argument("--batch-size", type=int, default=d.batch_size, help="per process")
-    s.add_argument("--seed", type=int, default=d.seed)
-    s.add_argument("--out", default="runs/search.h5", help="record path (HDF5); the checkpoint is <out>.ckpt")
+    s.add_argument("--epochs", type=int, default=d.epochs,
+                   help=f"passes over the search-train split; with --resume, a larger value extends the run "
+                        f"(default: {d.epochs})")
+    s.add_argument("--batch-size", type=int, default=d.batch_size, help=f"per process (default: {d.batch_size})")
+    s.add_argument("--seed", type=_seed, default=d.seed,
+                   help=f"random seed of the initialization, sampling and batch order, 0 to {MAX_SEED} (default: {d.seed})")
+    s.add_argument("--out", default="runs/search.h5",
+                   help="record path (HDF5); the checkpoint is <out>.ckpt (default: runs/search.h5)")
     s.add_argument("--figs", default=None, help="figure folder (default: <out without suffix>-figs)")
     s.add_argument("--no-figs", action="store_true", help="draw no figures at the end")
     mode = s.add_mutually_exclusive_group()
@@ -56,14 +76,14 @@ def _parser() -> argparse.ArgumentParser:
                       help="continue the run recorded at --out (same settings); with a larger --epochs, extend it")
     mode.add_argument("--force", action="store_true", help="replace the record at --out and the leftover files of its run (refused while it is "
                       "written, and for a file that is not a nasdiag record)")
-    s.add_argument("--C", type=int, default=d.C, help="channels of the first cell")
-    s.add_argument("--layers", type=int, default=d.layers, help="number of cells (>= 3)")
-    s.add_argument("--steps", type=int, default=d.steps, help="intermediate nodes per cell")
+    s.add_argument("--C", type=int, default=d.C, help=f"channels of the first cell, even (default: {d.C})")
+    s.add_argument("--layers", type=int, default=d.layers, help=f"number of cells, >= 3 (default: {d.layers})")
+    s.add_argument("--steps", type=int, default=d.steps, help=f"intermediate nodes per cell (default: {d.steps})")
     s.add_argument("--multiplier", type=int, default=None, help="nodes concatenated into a cell output (default: steps)")
-    s.add_argument("--order", default=d.order, choices=ORDERS, help="op stacking order")
-    s.add_argument("--norm", default=d.norm, choices=NORMS)
-    s.add_argument("--device", default=d.device, help="auto (default), cpu, cuda or cuda:N")
-    s.add_argument("--dtype", default=d.dtype, choices=DTYPES)
+    s.add_argument("--order", default=d.order, choices=ORDERS, help=f"op stacking order (default: {d.order})")
+    s.add_argument("--norm", default=d.norm, choices=NORMS, help=f"normalization in the ops (default: {d.norm})")
+    s.add_argument("--device", default=d.device, help="auto (a GPU if there is one), cpu, cuda or cuda:N (default: auto)")
+    s.add_argument("--dtype", default=d.dtype, choices=DTYPES, help=f"parameter and data type (default: {d.dtype})")
     s.add_argument("--diagnostics", default=",".join(DIAGNOSTICS),
                    help=f"comma-separated, recorded each epoch: {', '.join(DIAGNOSTICS)}, or none (default: cost,hessian)")
     s.add_argument("--hessian-mode", default=None,
@@ -72,13 +92,15 @@ def _parser() -> argparse.ArgumentParser:
                         "included) or exact_per_edge (summed per cell; both one Hessian-vector product per mixing weight: "
                         "minutes per epoch on a CPU); docs/hessian.md compares them")
     s.add_argument("--spectrum-every", type=int, default=0, metavar="K",
-                   help="record the top α-Hessian eigenvalue every K steps (0: never)")
-    s.add_argument("--engine", default=d.engine, choices=ENGINES, help="supernet execution engine")
+                   help="record the top α-Hessian eigenvalue every K steps (0: never; default: 0)")
+    s.add_argument("--engine", default=d.engine, choices=ENGINES, help=f"supernet execution engine (default: {d.engine})")
     s.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: usable CPUs, at most 4, shared among torchrun processes)")
-    s.add_argument("--no-progress", action="store_true")
+    s.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    sub.add_parser("methods", help="list the search methods with their hyperparameters and defaults")
+    sub.add_parser("methods", help="list the search methods with their hyperparameters and defaults",
+                   description="List the registered search methods, each with its hyperparameters (--hp KEY=VALUE of "
+                   "nasdiag search), their types and defaults.")
 
     from nasdiag.plot import commands as plot_commands  # argparse only: the parser stays instant
 
@@ -102,6 +124,13 @@ def search_config(args: argparse.Namespace) -> SearchConfig:
         raise ConfigError(f"--figs {args.figs} and --no-figs contradict each other; pass only one")
     if not args.out.strip():
         raise ConfigError("--out is empty; pass the record path, such as runs/search.h5")
+    if os.path.islink(args.out) and not os.path.exists(args.out):  # the recorder would see a file appear
+        raise ConfigError(f"--out {args.out} is a symbolic link to {os.readlink(args.out)}, which does not exist; "
+                          "remove the link or choose another --out")
+    wanted = [d.strip() for d in args.diagnostics.split(",") if d.strip()]
+    if "none" in wanted and len(wanted) > 1:  # "none" would silently lose to the others
+        raise ConfigError(f"--diagnostics {args.diagnostics} contradicts itself: none records no diagnostics; "
+                          "pass none alone, or only the diagnostics to record")
     out = Path(args.out)
     figures = None if args.no_figs else (args.figs or str(out.with_name(out.stem + "-figs")))
     config = SearchConfig(
@@ -190,6 +219,8 @@ def _stopped(args: Optional[argparse.Namespace], how: str) -> str:
 
 def _damaged(exc) -> str:
     """A damaged record's message in CLI terms (the library's names a Python call)."""
+    if not exc.intact_rows:  # nothing to salvage: no promise of rows
+        return f"nasdiag: error: record {exc.path} is damaged at {exc.where}: {exc.reason}; no row of it can be read"
     return (f"nasdiag: error: record {exc.path} is damaged at {exc.where}: {exc.reason}; its {exc.intact_rows} intact "
             "rows before it stay readable in Python (nasdiag.record.load(path, salvage=True))")
 

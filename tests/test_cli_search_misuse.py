@@ -179,7 +179,7 @@ def test_damaged_record_in_cli_terms(hessian_run, tmp_path, capsys):
                    f"cannot resume {damaged}: it is damaged at", capsys)
     assert "pass --force instead of --resume" in line and "salvage=True) returns" not in line
     line = refused(["plot", str(damaged), "--out", str(tmp_path / "figs")], tmp_path, f"record {damaged} is damaged", capsys)
-    assert "stay readable in Python (nasdiag.record.load(path, salvage=True))" in line, line
+    assert "no row of it can be read" in line and "salvage" not in line, line  # cut before its first row
 
 
 def test_closed_pipe_is_not_an_error():

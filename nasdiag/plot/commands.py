@@ -34,7 +34,7 @@ def add_plot_arguments(subparsers) -> argparse.ArgumentParser:
         "side on one colour scale. Exit code 0: all drew; 1: some records were skipped; 2: none drew.")
     p.add_argument("records", nargs="+", metavar="RECORD", help="HDF5 record(s), e.g. runs/*.h5")
     p.add_argument("--out", required=True, help="figure folder")
-    p.add_argument("--format", default="png", choices=FORMATS, help="png (default), or pdf/svg for papers")
+    p.add_argument("--format", default="png", choices=FORMATS, help="png, or pdf/svg for papers (default: png)")
     p.add_argument("--figures", default=None, metavar="NAMES",
                    help="comma-separated figure names or groups (e.g. cost,hessian,arch_evolution); default: all")
     p.add_argument("--at", default=None, metavar="ROWS",
@@ -128,16 +128,123 @@ def _check_at_steps(at_tokens, record, record_path) -> None:
                         f"(row {len(record['step'])}); give steps up to {last}, or init/final")
 
 
+def _segment_owner(record_path) -> Optional[str]:
+    """The record that ``record_path`` continues when it is an existing later segment of an existing record
+    (``run.seg0001.h5`` next to ``run.h5``), else None."""
+    import os
+
+    from nasdiag.record.schema import segment_owner
+
+    owner = segment_owner(str(record_path))
+    return owner if owner is not None and os.path.isfile(record_path) and os.path.exists(owner) else None
+
+
+def refuse_segment(record_path) -> None:
+    """Refuse a later segment given instead of its record: alone it holds only the rows after a resume
+    (or a new column), and would be drawn as if it were a whole run."""
+    from nasdiag.plot.registry import PlotError
+
+    owner = _segment_owner(record_path)
+    if owner is not None:
+        raise PlotError(f"{record_path} is a continuation segment of the record {owner} (the rows after a resume), "
+                        f"not a record of its own; pass the record {owner}, which is read with all its segments")
+
+
+def _load(record_path):
+    """`nasdiag.record.load`, with a file that is not a record (empty, text, foreign HDF5) said as such
+    instead of as a damaged record."""
+    from nasdiag.record import load
+
+    return _as_not_a_record(record_path, load, record_path)
+
+
+def _as_not_a_record(record_path, fn, *args):
+    """``fn(*args)``; a `RecordError` about ``record_path`` that is an existing file but not a record
+    becomes one `PlotError` saying so (the reader calls it damaged, or asks to remove it)."""
+    import os
+
+    from nasdiag.plot.registry import PlotError
+    from nasdiag.record.errors import RecordError
+    from nasdiag.record.reader import not_a_record
+
+    try:
+        return fn(*args)
+    except RecordError:
+        reason = not_a_record(str(record_path)) if os.path.isfile(record_path) else None
+        if reason is None:
+            raise
+        raise PlotError(f"{record_path} is not a nasdiag record: {reason}; pass a record that nasdiag search or "
+                        "nasdiag.record.Recorder wrote") from None
+
+
+def _refuse_repeats(records: List[str]) -> None:
+    """The same file given twice (also by another spelling or a link) would be drawn twice into one folder."""
+    import os
+
+    from nasdiag.plot.registry import PlotError
+
+    seen: Dict[str, str] = {}
+    for record_path in records:
+        key = os.path.realpath(record_path)
+        if key in seen:
+            same = "" if seen[key] == record_path else f" (as {seen[key]} and {record_path})"
+            raise PlotError(f"record {record_path} is given twice{same}; pass each record once")
+        seen[key] = record_path
+
+
+def _segments_with_their_record(records: List[str]) -> List[str]:
+    """``records`` without the later segments of records also given (``runs/*.h5`` matches both), each
+    noted in one line on stderr."""
+    import os
+
+    listed = {os.path.realpath(r) for r in records}
+    kept = []
+    for record_path in records:
+        owner = _segment_owner(record_path)
+        if owner is not None and os.path.realpath(owner) in listed:
+            print(f"nasdiag: {record_path} is read as part of its record {owner}", file=sys.stderr)
+            continue
+        kept.append(record_path)
+    return kept
+
+
 def _folders(records: List[str], out: Path) -> Dict[str, Path]:
-    """One folder per record, named after the file; parent folders disambiguate equal names."""
-    paths = [Path(r) for r in records]
-    names = [p.stem for p in paths]
+    """One folder per record, named after the file; parent folders disambiguate equal names (as many as
+    it takes), a number what they cannot (``run.h5`` and ``run.hdf5``). ``compare`` is the comparison's."""
+    import os
+
+    paths = [Path(os.path.abspath(r)) for r in records]
+    depth = [0] * len(paths)
+
+    def name(i: int) -> str:
+        parents = [part for part in paths[i].parent.parts[len(paths[i].parent.parts) - depth[i]:] if part != os.sep]
+        return "_".join([*parents, paths[i].stem])
+
+    while True:
+        names = [name(i) for i in range(len(paths))]
+        clash = [i for i, n in enumerate(names) if (names.count(n) > 1 or n == "compare")
+                 and depth[i] < len(paths[i].parent.parts)]
+        if not clash:
+            break
+        for i in clash:
+            depth[i] += 1
+    taken: Dict[str, int] = {}
     out_dirs = {}
-    for rec, p, name in zip(records, paths, names):
-        if names.count(name) > 1:
-            name = "_".join(part for part in (p.parent.name, p.stem) if part)
-        out_dirs[rec] = out / name
+    for record_path, n in zip(records, names):
+        taken[n] = taken.get(n, 0) + 1
+        out_dirs[record_path] = out / (n if taken[n] == 1 and n != "compare" else f"{n}_{taken[n]}")
     return out_dirs
+
+
+def _refuse_idle_at(at_tokens, specs) -> None:
+    """``--at`` chooses rows of the figures that draw one row (heatmaps); with none of those chosen it
+    would do nothing."""
+    from nasdiag.plot.registry import PlotError
+
+    if at_tokens and not any(spec.rows for spec in specs):
+        names = ", ".join(spec.name for spec in specs)
+        raise PlotError(f"--at {','.join(map(str, at_tokens))} chooses heatmap rows, but none of the chosen figures "
+                        f"({names}) draws one row; drop --at, or add a heatmap figure such as cost or arch")
 
 
 def _nonfinite_line(drawn) -> str:
@@ -154,17 +261,20 @@ def run_plot(args) -> int:
     from nasdiag.plot.registry import (
         PlotError, draw_record, parse_at, refuse_checkpoint, select, write_comparison,
     )
-    from nasdiag.record import load
 
     figures = _figure_names(args.figures)
-    select(figures)  # unknown names fail before any record is read
+    specs = select(figures)  # unknown names fail before any record is read
     at_tokens = parse_at(args.at)
+    _refuse_idle_at(at_tokens, specs)
     out = Path(args.out)
     _check_folder(out)
-    if len(args.records) == 1:
-        record_path = args.records[0]
+    _refuse_repeats(args.records)
+    records = _segments_with_their_record(args.records)
+    if len(records) == 1:
+        record_path = records[0]
         refuse_checkpoint(record_path)
-        record = load(record_path)  # RecordError "no record at ..." if there is none
+        refuse_segment(record_path)
+        record = _load(record_path)  # RecordError "no record at ..." if there is none
         if len(record["step"]) == 0:
             raise PlotError(f"record {record_path} has no committed rows yet; nothing to plot")
         _check_at_steps(at_tokens, record, record_path)
@@ -176,16 +286,17 @@ def run_plot(args) -> int:
 
     from tqdm.auto import tqdm
 
-    folders = _folders(args.records, out)
+    folders = _folders(records, out)
     for record_path, folder in (*folders.items(), ("the comparison", out / "compare")):
         _check_folder(folder, record_path)
     loaded, failed = {}, []
-    bar = tqdm(args.records, unit="record", disable=args.no_progress, file=sys.stderr, dynamic_ncols=True)
+    bar = tqdm(records, unit="record", disable=args.no_progress, file=sys.stderr, dynamic_ncols=True)
     for record_path in bar:
         bar.set_postfix_str(Path(record_path).name, refresh=False)
         try:
             refuse_checkpoint(record_path)
-            record = load(record_path)
+            refuse_segment(record_path)
+            record = _load(record_path)
             if len(record["step"]) == 0:
                 raise PlotError("no committed rows yet")
             _check_at_steps(at_tokens, record, record_path)
@@ -205,9 +316,9 @@ def run_plot(args) -> int:
                   file=sys.stdout)
     bar.close()
     if not loaded:
-        raise PlotError(f"none of the {len(args.records)} records could be drawn (see the lines above)")
+        raise PlotError(f"none of the {len(records)} records could be drawn (see the lines above)")
     compared = write_comparison(loaded, out / "compare", args.format, figures, args.at, args.dpi) if len(loaded) > 1 else None
-    print(f"{len(loaded)} of {len(args.records)} records drawn into {out}"
+    print(f"{len(loaded)} of {len(records)} records drawn into {out}"
           + (f"; {len(compared.files)} comparison figures in {out / 'compare'}" if compared else ""))
     return EXIT_PARTIAL if failed else 0
 
@@ -219,6 +330,7 @@ def run_report(args) -> int:
 
     figures = _figure_names(args.figures)
     select(figures)
-    path = write_report(args.record, args.out, figures, args.dpi, force=args.force)
+    refuse_segment(args.record)
+    path = _as_not_a_record(args.record, write_report, args.record, args.out, figures, args.dpi, args.force)
     print(f"report: {path}")
     return 0
