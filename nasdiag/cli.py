@@ -133,6 +133,8 @@ def search_config(args: argparse.Namespace) -> SearchConfig:
                           "pass none alone, or only the diagnostics to record")
     out = Path(args.out)
     figures = None if args.no_figs else (args.figs or str(out.with_name(out.stem + "-figs")))
+    if figures is not None:
+        _refuse_figures_in_the_record(figures, args.out, str(out.with_name(out.stem + "-figs")))
     config = SearchConfig(
         method=args.method, hp=hp, dataset=args.dataset, data_dir=args.data_dir, C=args.C, layers=args.layers,
         steps=args.steps, multiplier=args.multiplier, order=args.order, norm=args.norm, epochs=args.epochs,
@@ -144,6 +146,17 @@ def search_config(args: argparse.Namespace) -> SearchConfig:
     if args.hessian_mode is not None and "hessian" not in config.validate().diagnostics:  # given, even as the default:
         raise ConfigError(no_hessian_recorded(args.hessian_mode, config.diagnostics))    # it would do nothing
     return config
+
+
+def _refuse_figures_in_the_record(figures: str, record: str, default: str) -> None:
+    """The figure folder must not be the record or its checkpoint or lock, nor lie inside one: the search
+    would run to the end and then fail to draw."""
+    folder = os.path.abspath(figures)
+    for path in (record, record + ".ckpt", record + ".lock"):
+        own = os.path.abspath(path)
+        if folder == own or folder.startswith(own + os.sep):
+            raise ConfigError(f"--figs {figures} is {'inside ' if folder != own else ''}the file {path} that the search "
+                              f"writes (--out {record}); pass another --figs, such as {default}")
 
 
 def run_search(args) -> int:

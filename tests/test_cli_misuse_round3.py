@@ -67,6 +67,13 @@ def test_out_a_symbolic_link_to_nothing(tmp_path, capsys):
     assert "another program" not in line
 
 
+@pytest.mark.parametrize("figs", ["run.h5", "run.h5/figs", "run.h5.ckpt"])
+def test_figs_where_the_record_goes(figs, tmp_path, capsys):
+    """``--figs`` naming the record (or its checkpoint) ran the whole search and then failed on drawing."""
+    argv = ["search", *[a for a in TINY if a != "--no-figs"], "--out", tmp_path / "run.h5", "--figs", tmp_path / figs]
+    refused(argv, tmp_path, [f"--figs {tmp_path / figs}", "run.h5", "pass another --figs"], capsys)
+
+
 # -- plot and report: what is not a record -----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def segmented(tmp_path_factory) -> Path:
