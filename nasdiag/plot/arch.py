@@ -54,7 +54,8 @@ def arch_evolution(record, cell: str):
     rows, cols = grid_shape(E, 5)
     fig, axes = plt.subplots(rows, cols, figsize=(PAGE, 0.5 + 1.25 * rows), sharex=True, sharey=True, squeeze=False)
     colors = plt.get_cmap("tab10" if K <= 10 else "tab20")(np.arange(K))
-    top = float(np.nanmax(values))
+    finite = values[np.isfinite(values)]  # an inf would make the y limit infinite; it is marked at the top instead
+    top = float(finite.max()) if finite.size else 1.0
     for e, ax in enumerate(axes.ravel()):
         if e >= E:
             ax.axis("off")

@@ -157,7 +157,8 @@ def mark_nonfinite(ax, steps, values, color=None) -> None:
         if not hit.any():
             continue
         marker, y = NONFINITE_MARKERS[kind]
-        ax.plot(steps[hit], np.full(int(hit.sum()), y), ls="none", marker=marker, ms=5, color=color or "k",
+        ax.plot(steps[hit], np.full(int(hit.sum()), y), ls="none", marker=marker, ms=5,
+                color="k" if color is None else color,  # an RGBA array (a colormap's) has no truth value
                 transform=edge, clip_on=False, zorder=5)
         if kind not in labels:  # an empty line: a legend entry for the kind, not for one series
             ax.plot([], [], ls="none", marker=marker, ms=5, color="k", label=kind)

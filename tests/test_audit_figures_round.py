@@ -1,0 +1,90 @@
+"""Audit of the figures against the records they are drawn from: what a cell, an annotation or a curve shows is
+the recorded number (read back with h5py), non-finite values never break a figure, and one record always
+gives byte-identical files, in every format."""
+
+from __future__ import annotations
+
+import warnings
+
+import h5py
+import matplotlib
+
+matplotlib.use("Agg")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from nasdiag import vocabulary as V  # noqa: E402
+from nasdiag.plot.arch import arch_evolution  # noqa: E402
+from nasdiag.plot.registry import Heatmap, write_figures  # noqa: E402
+from nasdiag.plot.style import plt, render_heatmap  # noqa: E402
+from nasdiag.record import Recorder, RecordWarning, load  # noqa: E402
+
+OPS = ["none", "skip_connect", "max_pool_3x3"]
+EDGES = ["0->2", "1->2", "0->3", "1->3", "2->3"]
+
+
+def _record(path, rows):
+    """A one-cell record with ``rows[t]`` logged at step t + 1 (NaN/inf kept as they are)."""
+    meta = {"method": "darts", "op_names": OPS, "edge_names": {"normal": EDGES}, "cell_types": ["normal"],
+            "config": {"steps": 2, "multiplier": 2}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RecordWarning)
+        with Recorder(str(path), meta=meta) as rec:
+            for t, row in enumerate(rows):
+                rec.log(t + 1, {"scalars/epoch": t, **row})
+    return path
+
+
+def _uniform(E=5, K=3):
+    return np.full((E, K), 1.0 / K)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_arch_evolution_draws_a_probability_that_is_nan_or_inf_at_one_step(tmp_path, bad):
+    p = _uniform()
+    p[1, 2] = bad
+    path = _record(tmp_path / "r.h5", [{"arch/normal/probabilities": _uniform()},
+                                       {"arch/normal/probabilities": p},
+                                       {"arch/normal/probabilities": _uniform()}])
+    with h5py.File(path) as f:
+        stored = f["arch/normal/probabilities"][:, 1, 2]
+    fig = arch_evolution(load(path), "normal")
+    try:
+        ax = fig.axes[1]  # edge 1->2
+        assert ax.get_title(loc="left") == "edge 1->2"
+        line = next(l for l in ax.get_lines() if l.get_label() == "max_pool_3x3")
+        np.testing.assert_array_equal(line.get_ydata(), stored)
+        kind = "NaN" if np.isnan(bad) else "+inf"
+        assert kind in ax.get_legend_handles_labels()[1]  # the bad step is marked, not dropped
+        assert np.isfinite(ax.get_ylim()).all() and ax.get_ylim()[1] >= 1.0 / 3
+    finally:
+        plt.close(fig)
+
+
+def test_heatmap_annotation_of_a_nonzero_value_is_not_zero():
+    # a huge dynamic range (a Hessian diagonal): 100 next to 1e5 rounds to 0.00 at the map's precision
+    matrix = np.array([[1e5, 100.0, 0.0], [-1e-3, 2.5e4, 3.0]])
+    fig = render_heatmap(Heatmap(matrix, ["0->2", "1->2"], OPS, "t", "h", signed=None))
+    try:
+        ax = fig.axes[0]
+        texts = {(round(t.get_position()[1]), round(t.get_position()[0])): t.get_text() for t in ax.texts}
+        scale = 1e4  # the colour bar's "(x 1e4)"
+        assert "(x 1e4)" in fig.axes[1].get_ylabel()
+        assert texts[(0, 2)] == "0"  # an exact zero
+        for (i, j), value in np.ndenumerate(matrix):
+            shown = float(texts[(i, j)].replace("−", "-")) * scale
+            assert np.sign(shown) == np.sign(value)
+            assert abs(shown - value) <= 0.5 * abs(value) + 1e-12, (i, j, texts[(i, j)])
+    finally:
+        plt.close(fig)
+
+
+@pytest.mark.parametrize("fmt", ["svg", "pdf"])
+def test_one_record_gives_identical_files(tmp_path, fmt):
+    cost = np.linspace(-1, 1, 15).reshape(5, 3)
+    path = _record(tmp_path / "r.h5", [{"cost/normal/mean": cost}])
+    first = write_figures(path, tmp_path / "a", fmt=fmt, figures=["cost"])
+    second = write_figures(path, tmp_path / "b", fmt=fmt, figures=["cost"])
+    assert [p.name for p in first] == [p.name for p in second] == [f"cost_normal_heatmap.{fmt}"]
+    assert first[0].read_bytes() == second[0].read_bytes()
