@@ -397,11 +397,21 @@ def iter_figures(record: Record, figures: Optional[Sequence[str]] = None, at=Non
                 yield spec, cell, label, thunk
 
 
+#: what makes one record's figure files byte-identical on every run: no creation date in SVG/PDF metadata, and
+#: SVG element ids from a fixed salt instead of a random one
+_REPRODUCIBLE_METADATA = {"svg": {"Date": None}, "pdf": {"CreationDate": None}}
+_REPRODUCIBLE_RC = {"svg.hashsalt": "nasdiag"}
+
+
 def save(fig, path: Path, dpi: int) -> None:
+    """Write ``fig`` to ``path`` (format from the suffix) and close it; the same figure gives the same bytes."""
+    import matplotlib
     import matplotlib.pyplot as plt
 
+    metadata = _REPRODUCIBLE_METADATA.get(Path(path).suffix.lstrip(".").lower())
     try:
-        fig.savefig(path, dpi=dpi, bbox_inches="tight", pad_inches=0.04)
+        with matplotlib.rc_context(_REPRODUCIBLE_RC):
+            fig.savefig(path, dpi=dpi, bbox_inches="tight", pad_inches=0.04, metadata=metadata)
     finally:
         plt.close(fig)
 
