@@ -238,6 +238,12 @@ def _damaged(exc) -> str:
             "rows before it stay readable in Python (nasdiag.record.load(path, salvage=True))")
 
 
+def _warning_line(message, category, filename, lineno, line=None) -> str:
+    """A warning as one line on stderr (Python's format adds the file and source line of library code,
+    such as torch's module.py, which tells a CLI user nothing)."""
+    return f"nasdiag: warning: {' '.join(str(message).split())} ({category.__name__})\n"
+
+
 def _quiet_stdout() -> None:
     """After a closed pipe (``nasdiag methods | head -1``): send what is left of stdout nowhere, so that
     Python's final flush does not complain about the pipe either."""
@@ -255,6 +261,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
+    import warnings
+
+    previous_format, warnings.formatwarning = warnings.formatwarning, _warning_line
     args = None
     try:
         args = _parse(argv)
@@ -282,6 +291,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(_stopped(args, "terminated (SIGTERM)"), file=sys.stderr)
         return EXIT_SIGTERM
     finally:
+        warnings.formatwarning = previous_format
         if main_thread and previous is not None:
             signal.signal(signal.SIGTERM, previous)
 

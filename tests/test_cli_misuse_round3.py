@@ -74,6 +74,22 @@ def test_figs_where_the_record_goes(figs, tmp_path, capsys):
     refused(argv, tmp_path, [f"--figs {tmp_path / figs}", "run.h5", "pass another --figs"], capsys)
 
 
+def test_a_warning_is_one_line_without_library_source(tmp_path):
+    """``--engine fast --norm layer`` warns from inside torch's module.py: Python printed that file's path and
+    source line under the message. A subprocess, since pytest records warnings instead of printing them."""
+    import subprocess
+    import sys
+
+    from test_cli_errors import ROOT
+
+    code = ("import sys, warnings; from nasdiag import cli; "
+            "cli.COMMANDS['methods'] = lambda args: warnings.warn('engine fast:\\n runs eager', RuntimeWarning) or 0; "
+            "sys.exit(cli.main(['methods']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == "nasdiag: warning: engine fast: runs eager (RuntimeWarning)\n", proc.stderr
+
+
 # -- plot and report: what is not a record -----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def segmented(tmp_path_factory) -> Path:
