@@ -442,7 +442,11 @@ class Recorder:
         for column, value in row:
             column.buffer[i] = value
             present[column.index] = True
-            if column.is_float and not (math.isfinite(value) if type(value) is float else np.isfinite(value).all()):
+            if column.is_float_scalar:
+                # The stored value: a finite Python number may overflow a float32 path to inf.
+                if not math.isfinite(column.buffer[i]):
+                    self._count_nonfinite(column, column.buffer[i], step)
+            elif column.is_float and not np.isfinite(value).all():
                 self._count_nonfinite(column, value, step)
         self._rows = i + 1
         self._session_last_step = step
@@ -557,6 +561,14 @@ class Recorder:
                         f"{path!r} at step {step}: got Python {type(value).__name__} {value!r}, but the path holds "
                         f"{column.dtype}; log values of one type per path"
                     )
+                if column.is_float and isinstance(value, int):
+                    try:  # checked here, before any value of the row is buffered
+                        value = float(value)
+                    except OverflowError:
+                        raise RecordError(
+                            f"{path!r} at step {step}: a Python int of {value.bit_length()} bits is beyond any float; "
+                            "log a float (inf, if that is what it means)"
+                        ) from None
                 row.append((path, value))
                 continue
             array = to_numpy(value)

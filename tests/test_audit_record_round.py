@@ -1,0 +1,44 @@
+"""Recorder audit round: values that change when they are stored, and rows refused half-way.
+
+Expectations are what IEEE float32 makes of the value (numpy's own cast, independent of the
+recorder) and the rows that were logged, read back with plain h5py."""
+
+from __future__ import annotations
+
+import warnings
+
+import h5py
+import numpy as np
+import pytest
+
+from nasdiag.record import RecordError, Recorder, RecordWarning, load
+
+
+def test_a_finite_python_number_that_overflows_its_float32_path_is_counted_as_inf(tmp_path):
+    path = tmp_path / "run.h5"
+    big = 1e39  # finite as a Python float, inf as a float32
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # numpy's own cast warning, used as the reference
+        assert np.isinf(np.float32(big))
+    with pytest.warns(RecordWarning, match="NaN/inf"):
+        with Recorder(path, flush_every=2, flush_seconds=None) as rec:
+            rec.log(1, {"scalars/a": np.float32(1.0), "arch/w": np.ones(3, np.float32)})
+            rec.log(2, {"scalars/a": big, "arch/w": np.ones(3, np.float32)})
+            rec.log(3, {"scalars/a": 10**39, "arch/w": np.ones(3, np.float32)})  # a Python int, too
+            assert rec.nonfinite_counts == {"scalars/a": 2}
+    with h5py.File(path, "r") as f:
+        np.testing.assert_array_equal(f["scalars/a"][()], [1.0, np.inf, np.inf])
+        assert f["scalars/a"].attrs["nonfinite_count"] == 2
+
+
+def test_a_value_that_cannot_be_stored_is_a_record_error_and_leaves_no_part_of_its_row(tmp_path):
+    path = tmp_path / "run.h5"
+    with Recorder(path, flush_every=4, flush_seconds=None) as rec:
+        rec.log(1, {"scalars/a": 1.0, "scalars/b": 1.0})
+        with pytest.raises(RecordError, match="scalars/b"):
+            rec.log(2, {"scalars/a": 5.0, "scalars/b": 10**400})  # no float holds it
+        rec.log(3, {"scalars/b": 3.0})  # scalars/a is not in this row
+    out = load(path)
+    np.testing.assert_array_equal(out["step"], [1, 3])
+    np.testing.assert_array_equal(out["valid/scalars/a"], [True, False])
+    np.testing.assert_array_equal(out["scalars/b"], [1.0, 3.0])
