@@ -127,6 +127,9 @@ def search_config(args: argparse.Namespace) -> SearchConfig:
     if os.path.islink(args.out) and not os.path.exists(args.out):  # the recorder would see a file appear
         raise ConfigError(f"--out {args.out} is a symbolic link to {os.readlink(args.out)}, which does not exist; "
                           "remove the link or choose another --out")
+    if args.data_dir and os.path.exists(args.data_dir) and not os.path.isdir(args.data_dir):  # not "does not exist"
+        raise ConfigError(f"--data-dir {args.data_dir} is a file, not a folder; pass the folder of the CIFAR-10 python "
+                          "batches (data_batch_1..5, test_batch), e.g. cifar-10-batches-py/")
     wanted = [d.strip() for d in args.diagnostics.split(",") if d.strip()]
     if "none" in wanted and len(wanted) > 1:  # "none" would silently lose to the others
         raise ConfigError(f"--diagnostics {args.diagnostics} contradicts itself: none records no diagnostics; "

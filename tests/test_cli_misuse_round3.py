@@ -59,6 +59,13 @@ def test_diagnostics_none_with_others_contradicts(tmp_path, capsys):
             ["--diagnostics none,cost", "none", "contradict"], capsys)
 
 
+def test_data_dir_a_file(tmp_path, capsys):
+    """It was reported as a folder that "does not exist"."""
+    (tmp_path / "cifar.tar.gz").write_bytes(b"\x1f\x8b an archive, not yet unpacked")
+    refused(["search", *TINY, "--out", tmp_path / "run.h5", "--dataset", "cifar10", "--data-dir",
+             tmp_path / "cifar.tar.gz"], tmp_path, ["cifar.tar.gz is a file, not a folder", "data_batch_1"], capsys)
+
+
 def test_out_a_symbolic_link_to_nothing(tmp_path, capsys):
     """A dangling link was reported as another program writing there."""
     (tmp_path / "run.h5").symlink_to(tmp_path / "gone" / "run.h5")
