@@ -69,8 +69,8 @@ def test_heatmap_annotation_of_a_nonzero_value_is_not_zero():
     try:
         ax = fig.axes[0]
         texts = {(round(t.get_position()[1]), round(t.get_position()[0])): t.get_text() for t in ax.texts}
-        scale = 1e4  # the colour bar's "(x 1e4)"
-        assert "(x 1e4)" in fig.axes[1].get_ylabel()
+        scale = 1e5  # the colour bar's "(x 1e5)": the largest |value| shown as 1.00
+        assert "(x 1e5)" in fig.axes[1].get_ylabel()
         assert texts[(0, 2)] == "0"  # an exact zero
         for (i, j), value in np.ndenumerate(matrix):
             shown = float(texts[(i, j)].replace("−", "-")) * scale

@@ -201,6 +201,17 @@ def number(value: float, decimals: int = 2) -> str:
     return text
 
 
+def annotation(value: float, decimals: int) -> str:
+    """A heatmap cell's text: :func:`number`, except that a non-zero value too small for the map's
+    ``decimals`` is written ``2e-4``, so that ``0`` is only ever an exact zero (a pruned op, no cost)
+    and a cell of a map spanning many decades still shows its own magnitude and sign."""
+    text = number(value, decimals)
+    if text == "0" and value != 0:
+        mantissa, exponent = f"{value:.0e}".split("e")
+        return f"{mantissa}e{int(exponent)}"
+    return text
+
+
 def _decimals(top: float) -> int:
     return 3 if top < 1 else 2 if top < 10 else 1 if top < 100 else 0
 
@@ -244,7 +255,7 @@ def _draw_matrix(ax, hm: Heatmap, matrix: np.ndarray, norm, cmap: str, annotate:
         for (i, j), v in np.ndenumerate(matrix):
             shade = norm(v) if np.isfinite(v) else 0.5
             dark = cmap == SEQUENTIAL and shade < 0.55 or cmap == DIVERGING and abs(float(shade) - 0.5) > 0.33
-            ax.text(j, i, number(v, decimals), ha="center", va="center", fontsize=5.5,
+            ax.text(j, i, annotation(v, decimals), ha="center", va="center", fontsize=5.5,
                     color="white" if dark and np.isfinite(v) else "black", zorder=3)  # over a hatched cell too
     return image
 
@@ -376,6 +387,6 @@ def grid_shape(n: int, max_cols: int = 5) -> Tuple[int, int]:
 
 __all__ = [
     "COLUMN", "DIVERGING", "PAGE", "SEQUENTIAL", "edge_names", "epoch_span", "grid_shape", "integer_steps",
-    "legend_outside", "mark_nonfinite", "number", "op_names", "paper_style", "plot_series", "render_heatmap",
+    "annotation", "legend_outside", "mark_nonfinite", "number", "op_names", "paper_style", "plot_series", "render_heatmap",
     "render_heatmaps", "scale_exponent", "series", "split_colorbar_labels", "step_of",
 ]
