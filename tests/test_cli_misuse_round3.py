@@ -217,3 +217,19 @@ def test_at_with_no_figure_that_draws_rows(rec, tmp_path, capsys):
     """``--at`` picks heatmap rows; with only line plots chosen it did nothing and still exited 0."""
     refused(["plot", rec, "--out", tmp_path / "figs", "--figures", "scalars", "--at", "2"], tmp_path,
             ["--at 2", "scalars", "drop --at"], capsys)
+
+
+def test_figures_the_record_does_not_hold(rec, tmp_path, capsys):
+    """``--figures regret`` on a record without regret rows drew nothing, said "0 figures" and exited 0;
+    in a batch it counted the record as drawn."""
+    refused(["plot", rec, "--out", tmp_path / "figs", "--figures", "regret"], tmp_path,
+            [f"record {rec} holds nothing that --figures regret draws", "leave --figures out"], capsys)
+    other = write_record(tmp_path / "other.h5", epochs=1, steps_per_epoch=4, cells=("normal",))
+    code = main(["plot", str(rec), str(other), "--out", str(tmp_path / "figs"), "--figures", "regret,scalars",
+                 "--dpi", "20", "--no-progress"])
+    capsys.readouterr()
+    assert code == 0  # scalars drew for both
+    code = main(["plot", str(rec), str(other), "--out", str(tmp_path / "figs2"), "--figures", "regret", "--no-progress"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "none of the 2 records could be drawn" in lines[-1], lines
+    assert len(lines) == 3 and all("holds nothing that --figures regret draws" in line for line in lines[:2]), lines

@@ -236,6 +236,21 @@ def _folders(records: List[str], out: Path) -> Dict[str, Path]:
     return out_dirs
 
 
+def _refuse_nothing_to_draw(record, record_path, figures_arg) -> None:
+    """Refuse a record that holds none of the families the chosen figures draw (it would draw no file, say
+    "0 figures" and count as drawn)."""
+    from nasdiag.plot.registry import PlotError, iter_figures
+
+    figures = _figure_names(figures_arg)
+    if next(iter(iter_figures(record, figures)), None) is not None:
+        return
+    if figures_arg is None:
+        raise PlotError(f"record {record_path} holds nothing that a registered figure draws (docs/figures.md lists "
+                        "the record families each figure needs)")
+    raise PlotError(f"record {record_path} holds nothing that --figures {figures_arg} draws; leave --figures out to "
+                    "draw every figure it has")
+
+
 def _refuse_idle_at(at_tokens, specs) -> None:
     """``--at`` chooses rows of the figures that draw one row (heatmaps); with none of those chosen it
     would do nothing."""
@@ -278,6 +293,7 @@ def run_plot(args) -> int:
         if len(record["step"]) == 0:
             raise PlotError(f"record {record_path} has no committed rows yet; nothing to plot")
         _check_at_steps(at_tokens, record, record_path)
+        _refuse_nothing_to_draw(record, record_path, args.figures)
         drawn = draw_record(record, out, args.format, figures, args.at, args.dpi)
         for line in drawn.skipped:
             print(f"skipped {line}", file=sys.stderr)
@@ -300,6 +316,7 @@ def run_plot(args) -> int:
             if len(record["step"]) == 0:
                 raise PlotError("no committed rows yet")
             _check_at_steps(at_tokens, record, record_path)
+            _refuse_nothing_to_draw(record, record_path, args.figures)
             drawn = draw_record(record, folders[record_path], args.format, figures, args.at, args.dpi)
         except NasdiagError as exc:
             failed.append(record_path)
