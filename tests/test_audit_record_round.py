@@ -42,3 +42,23 @@ def test_a_value_that_cannot_be_stored_is_a_record_error_and_leaves_no_part_of_i
     np.testing.assert_array_equal(out["step"], [1, 3])
     np.testing.assert_array_equal(out["valid/scalars/a"], [True, False])
     np.testing.assert_array_equal(out["scalars/b"], [1.0, 3.0])
+
+
+def test_a_checkpoint_that_hits_the_file_size_limit_is_one_checkpoint_error_and_leaves_no_file(tmp_path):
+    """torch.save reports a failed write as a RuntimeError ("unexpected pos") raised while handling the
+    OSError; the OSError (EFBIG here, ENOSPC on a full disk) is what the user must see."""
+    import resource
+
+    import torch
+
+    from nasdiag.search.checkpoint import CheckpointError, save_checkpoint
+
+    path = tmp_path / "run.h5.ckpt"
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, hard))  # Python ignores SIGXFSZ: writes fail with EFBIG
+    try:
+        with pytest.raises(CheckpointError, match="disk full or file-size limit"):
+            save_checkpoint(str(path), {"weights": torch.zeros(1 << 16)})  # 256 KiB of data
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert list(tmp_path.iterdir()) == []

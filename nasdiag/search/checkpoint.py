@@ -63,11 +63,24 @@ def save_checkpoint(path: str, payload: Mapping[str, Any]) -> None:
             os.unlink(tmp)
         except OSError:
             pass
-        if isinstance(exc, OSError):
+        cause = _os_error_in(exc) if isinstance(exc, Exception) else None  # an interrupt stays one
+        if cause is not None:
             from nasdiag.record.lock import describe_os_error
 
-            raise CheckpointError(f"cannot write checkpoint {path}: {describe_os_error(exc)}") from None
+            raise CheckpointError(f"cannot write checkpoint {path}: {describe_os_error(cause)}") from None
         raise
+
+
+def _os_error_in(exc: BaseException):
+    """The OSError ``exc`` is or was raised while handling (torch.save turns a failed write, such as a
+    full disk, into a RuntimeError raised from its zip writer's cleanup), else None."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, OSError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def load_checkpoint(path: str) -> Dict[str, Any]:
