@@ -88,3 +88,38 @@ def test_one_record_gives_identical_files(tmp_path, fmt):
     second = write_figures(path, tmp_path / "b", fmt=fmt, figures=["cost"])
     assert [p.name for p in first] == [p.name for p in second] == [f"cost_normal_heatmap.{fmt}"]
     assert first[0].read_bytes() == second[0].read_bytes()
+
+
+def test_comparison_labels_the_edges_of_a_run_whose_edges_differ_from_its_neighbour():
+    from nasdiag.plot.style import render_heatmaps
+
+    edges14 = [f"e{i}" for i in range(14)]
+    panels = {"big": Heatmap(np.ones((14, 3)), edges14, OPS, "c, x", "h"),
+              "small": Heatmap(np.ones((5, 3)), EDGES, OPS, "c, y", "h")}
+    fig = render_heatmaps(panels)
+    try:
+        shown = [[t.get_text() for t in ax.get_yticklabels()] for ax in fig.axes[:2]]
+        assert shown == [edges14, EDGES]  # the 5-edge panel's rows are not left unnamed next to 14 others
+    finally:
+        plt.close(fig)
+
+
+def test_hessian_comparison_says_which_mode_each_run_used(tmp_path):
+    from nasdiag.plot.hessian import hessian_diag
+    from nasdiag.plot.style import render_heatmaps
+
+    records = {}
+    for mode in ("ggn", "approx"):
+        path = tmp_path / f"{mode}.h5"
+        meta = {"method": "darts", "op_names": OPS, "edge_names": {"normal": EDGES}, "cell_types": ["normal"],
+                "config": {"steps": 2, "hessian_mode": mode}}
+        with Recorder(str(path), meta=meta) as rec:
+            rec.log(1, {"hessian/normal/diag": np.ones((5, 3))})
+        records[mode] = load(path)
+    fig = render_heatmaps({mode: hessian_diag(r, "normal", 0) for mode, r in records.items()})
+    try:
+        texts = " ".join([fig.get_suptitle()] + [ax.get_title(loc="left") for ax in fig.axes]
+                         + [ax.get_ylabel() for ax in fig.axes])
+        assert "ggn mode" in texts and "approx mode" in texts
+    finally:
+        plt.close(fig)

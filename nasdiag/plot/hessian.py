@@ -12,13 +12,13 @@ from nasdiag.plot.registry import Heatmap, figure, heatmap
 from nasdiag.plot.style import COLUMN, edge_names, integer_steps, op_names, plot_series, plt, series, step_of
 
 
-def _mode(record) -> str:
+def _mode(record, sep: str = ", ") -> str:
     try:
         config = json.loads(str(record["meta/config"])) if "meta/config" in record else {}
     except ValueError:
         config = {}
     mode = config.get("hessian_mode") if isinstance(config, dict) else None
-    return f", {mode} mode" if mode else ""
+    return f"{sep}{mode} mode" if mode else ""
 
 
 @heatmap(V.HESSIAN_DIAG, name="hessian", file="hessian_{cell}_heatmap", paper="BayesNAS appendix C.3.1-C.3.2",
@@ -32,7 +32,8 @@ def hessian_diag(record, cell: str, row: int) -> Heatmap:
     # not signed by assumption: the diagonal of a non-convex loss's Hessian can be negative
     return Heatmap(h, edge_names(record, cell, E), op_names(record, K),
                    f"{cell} cell: diag ∂²L/∂Z²{_mode(record)}, last batch at step {step_of(record, row)}",
-                   "∂²L/∂Z²  (L: batch-mean loss)", signed=None, step=step_of(record, row))
+                   # the mode on the colour bar too: a comparison keeps each run's own there, the title's is cut
+                   f"∂²L/∂Z²  (L: batch-mean loss{_mode(record, '; ')})", signed=None, step=step_of(record, row))
 
 
 @figure(V.HESSIAN_TOP_EIGENVALUE, name="hessian_eigenvalue", file="hessian_{cell}_eigenvalue",

@@ -333,7 +333,10 @@ def render_heatmaps(panels: Mapping[str, Heatmap], annotate: bool = False):
             ax.axis("off")
             continue
         hm = panels[labels[i]]
-        image = _draw_matrix(ax, hm, matrices[labels[i]] / 10.0**p, norm, cmap, annotate, row_labels=i % cols == 0)
+        # rows are named at the left of each grid row, and on any panel whose edges differ from that one's
+        # (runs of different cells: their rows are not the neighbour's)
+        named = i % cols == 0 or list(hm.rows) != list(panels[labels[i - i % cols]].rows)
+        image = _draw_matrix(ax, hm, matrices[labels[i]] / 10.0**p, norm, cmap, annotate, row_labels=named)
         when = f" (step {hm.step})" if hm.step is not None else ""
         counts = nonfinite_counts(matrices[labels[i]])
         title = labels[i] + when + (f" [{nonfinite_text(counts)}]" if counts else "")
