@@ -124,6 +124,9 @@ def search_config(args: argparse.Namespace) -> SearchConfig:
         raise ConfigError(f"--figs {args.figs} and --no-figs contradict each other; pass only one")
     if not args.out.strip():
         raise ConfigError("--out is empty; pass the record path, such as runs/search.h5")
+    if args.out.endswith(("/", os.sep)) and not os.path.isdir(args.out):  # an existing folder has its own message
+        raise ConfigError(f"--out {args.out} ends in /, so it names a folder; pass the record's file path, such as "
+                          f"{args.out}run.h5")
     if os.path.islink(args.out) and not os.path.exists(args.out):  # the recorder would see a file appear
         raise ConfigError(f"--out {args.out} is a symbolic link to {os.readlink(args.out)}, which does not exist; "
                           "remove the link or choose another --out")

@@ -66,6 +66,13 @@ def test_data_dir_a_file(tmp_path, capsys):
              tmp_path / "cifar.tar.gz"], tmp_path, ["cifar.tar.gz is a file, not a folder", "data_batch_1"], capsys)
 
 
+@pytest.mark.parametrize("out", ["newfolder/", "runs/newfolder/"])
+def test_out_ending_in_a_slash_names_a_folder(out, tmp_path, capsys, monkeypatch):
+    """It was refused as "cannot create lock file newfolder/.lock: No such file or directory"."""
+    monkeypatch.chdir(tmp_path)
+    refused(["search", *TINY, "--out", out], tmp_path, [f"--out {out} ends in /", f"{out}run.h5"], capsys)
+
+
 def test_out_a_symbolic_link_to_nothing(tmp_path, capsys):
     """A dangling link was reported as another program writing there."""
     (tmp_path / "run.h5").symlink_to(tmp_path / "gone" / "run.h5")
@@ -211,6 +218,12 @@ def test_the_same_record_twice(rec, tmp_path, capsys):
     for second in (rec, tmp_path / "." / "run.h5", tmp_path / "same.h5"):
         refused(["plot", rec, second, "--out", tmp_path / "figs"], tmp_path,
                 ["is given twice", "pass each record once"], capsys)
+
+
+def test_at_naming_a_row_twice(rec, tmp_path, capsys):
+    """``--at final,final`` drew each heatmap twice into one file and counted both."""
+    refused(["plot", rec, "--out", tmp_path / "figs", "--figures", "cost", "--at", "final,4,final"], tmp_path,
+            ["--at final,4,final", "final twice"], capsys)
 
 
 def test_at_with_no_figure_that_draws_rows(rec, tmp_path, capsys):

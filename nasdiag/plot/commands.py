@@ -252,10 +252,13 @@ def _refuse_nothing_to_draw(record, record_path, figures_arg) -> None:
 
 
 def _refuse_idle_at(at_tokens, specs) -> None:
-    """``--at`` chooses rows of the figures that draw one row (heatmaps); with none of those chosen it
-    would do nothing."""
+    """Refuse an ``--at`` that names a row twice, or that none of the chosen figures uses: ``--at`` chooses
+    rows of the figures that draw one row (heatmaps), and would otherwise do nothing."""
     from nasdiag.plot.registry import PlotError
 
+    twice = sorted({str(t) for t in at_tokens or () if at_tokens.count(t) > 1})
+    if twice:  # each would be drawn again into the same file
+        raise PlotError(f"--at {','.join(map(str, at_tokens))} names {', '.join(twice)} twice; name each row once")
     if at_tokens and not any(spec.rows for spec in specs):
         names = ", ".join(spec.name for spec in specs)
         raise PlotError(f"--at {','.join(map(str, at_tokens))} chooses heatmap rows, but none of the chosen figures "
