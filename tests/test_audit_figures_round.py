@@ -123,3 +123,55 @@ def test_hessian_comparison_says_which_mode_each_run_used(tmp_path):
         assert "ggn mode" in texts and "approx mode" in texts
     finally:
         plt.close(fig)
+
+
+def _marked_points(ax):
+    """(x, y) of every point drawn with a marker on ``ax`` (a line without markers draws no lone point)."""
+    points = set()
+    for line in ax.get_lines():
+        if line.get_marker() in (None, "None", "", " ") or line.get_transform() != ax.transData:
+            continue
+        points.update(zip(np.asarray(line.get_xdata(), float).tolist(), np.asarray(line.get_ydata(), float).tolist()))
+    return points
+
+
+def test_a_line_plot_shows_a_finite_value_that_has_no_finite_neighbour():
+    from nasdiag.plot.style import integer_steps, plot_series
+
+    fig, ax = plt.subplots()
+    try:
+        plot_series(ax, [1, 2, 3, 4], [np.nan, 0.5, np.nan, 2.0], lw=1.0)
+        assert {(2.0, 0.5), (4.0, 2.0)} <= _marked_points(ax)  # a line alone leaves both invisible
+        integer_steps(ax)
+        fig.canvas.draw()
+        fig2, ax2 = plt.subplots()
+        plot_series(ax2, [7], [1.0])
+        integer_steps(ax2)
+        fig2.canvas.draw()
+        lo, hi = ax2.get_xlim()
+        ticks = [t for t in ax2.get_xticks() if lo <= t <= hi]
+        assert ticks == [7.0]  # one step: its integer tick, not 6.96, 6.98, ...
+        plt.close(fig2)
+    finally:
+        plt.close(fig)
+
+
+def test_bayes_gamma_of_one_update_shows_every_value_and_marks_gamma_zero(tmp_path):
+    from nasdiag.plot.bayes import bayes_gamma
+
+    gamma = np.ones((5, 3))
+    gamma[0] = 0.0  # a dead switch: off the log scale
+    gamma[1, 1] = 1e-9
+    path = _record(tmp_path / "r.h5", [{"bayes/normal/gamma": gamma}])
+    with h5py.File(path) as f:
+        stored = f["bayes/normal/gamma"][0]
+    fig = bayes_gamma(load(path), "normal")
+    try:
+        for e in range(1, 5):  # one update: every γ > 0 is a visible point at step 1
+            assert {(1.0, float(v)) for v in stored[e]} <= _marked_points(fig.axes[e])
+        edge0 = fig.axes[0]
+        marks = [l for l in edge0.get_lines() if l.get_transform() == edge0.get_xaxis_transform() and len(l.get_xdata())]
+        assert sum(len(l.get_xdata()) for l in marks) == 3  # each γ = 0 marked at the panel's floor
+        assert any("γ ≤ 0" in label for label in edge0.get_legend_handles_labels()[1])
+    finally:
+        plt.close(fig)

@@ -10,11 +10,13 @@ import numpy as np
 from nasdiag import vocabulary as V
 from nasdiag.plot.registry import NothingToDraw, figure
 from nasdiag.plot.style import (
-    PAGE, edge_names, integer_steps, logged_rows, mark_nonfinite, op_names, ops_on_per_edge, plt,
+    PAGE, edge_names, integer_steps, logged_rows, mark_isolated, mark_nonfinite, op_names, ops_on_per_edge, plt,
 )
 
 #: Algorithm 2, step 4: ½ ln(2πe γ) ≤ 0 ⟺ γ ≤ 1/(2πe)
 _PRUNE_GAMMA = 1.0 / (2.0 * math.pi * math.e)
+#: legend entry of the values a log panel cannot place (γ = 0 of a dead switch), marked at its floor
+_OFF_LOG = "{} ≤ 0 (off the log axis)"
 
 
 def _per_edge_panels(record, cell, family, ylabel, title, *, log=False, threshold=None):
@@ -37,9 +39,16 @@ def _per_edge_panels(record, cell, family, ylabel, title, *, log=False, threshol
         for k in range(K):
             y = values[:, e, k]
             if log:
-                # γ = 0 (a dead switch) has no logarithm: drawn at the panel's floor by masking
-                y = np.where(y > 0, y, np.nan)
+                # γ = 0 (a dead switch) has no logarithm: left out of the line, marked at the panel's floor
+                off = np.isfinite(y) & (y <= 0)
+                y = np.where(off, np.nan, y)
+                if off.any():
+                    ax.plot(steps[off], np.zeros(int(off.sum())), ls="none", marker="o", mfc="none", ms=4,
+                            color=colors(k % 10), transform=ax.get_xaxis_transform(), clip_on=False, zorder=5)
+                    if not any(lab == _OFF_LOG.format(ylabel) for lab in ax.get_legend_handles_labels()[1]):
+                        ax.plot([], [], ls="none", marker="o", mfc="none", ms=4, color="k", label=_OFF_LOG.format(ylabel))
             ax.plot(steps, y, color=colors(k % 10), lw=0.9, label=ops[k] if e == 0 else None)
+            mark_isolated(ax, steps, y, color=colors(k % 10))  # one update (one epoch): points, not an empty panel
             mark_nonfinite(ax, steps, values[:, e, k], color=colors(k % 10))  # recorded NaN/inf, not γ = 0
         if threshold is not None:
             ax.axhline(threshold, color="k", lw=0.7, ls=":")
@@ -55,9 +64,13 @@ def _per_edge_panels(record, cell, family, ylabel, title, *, log=False, threshol
     for ax in axes.flat:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             entries.setdefault(label, handle)
-    fig.legend(list(entries.values()), list(entries), fontsize=6, frameon=False, ncol=min(len(entries), 7),
+    ncol = min(len(entries), 7)
+    fig.legend(list(entries.values()), list(entries), fontsize=6, frameon=False, ncol=ncol,
                loc="lower center", bbox_to_anchor=(0.5, 1.0))
-    fig.suptitle(title, fontsize=8, x=0.01, ha="left", y=1.06)
+    # the title above the legend, however many rows it has (about 0.13 in each at 6 pt)
+    legend_rows = -(-len(entries) // ncol)
+    fig.suptitle(title, fontsize=8, x=0.01, ha="left", va="bottom",
+                 y=1.0 + (0.13 * legend_rows + 0.04) / fig.get_figheight())
     return fig
 
 

@@ -165,9 +165,25 @@ def mark_nonfinite(ax, steps, values, color=None) -> None:
             labels.add(kind)
 
 
+def mark_isolated(ax, steps, values, color=None) -> None:
+    """Draw a dot at each finite value of the 1-D series ``values`` whose neighbouring steps are not finite (or
+    absent): a line without markers draws nothing there, so a record with one row, or a value between NaNs,
+    would leave an empty plot."""
+    steps, values = np.asarray(steps), np.asarray(values, dtype=float)
+    finite = np.isfinite(values)
+    before = np.concatenate([[False], finite[:-1]])
+    after = np.concatenate([finite[1:], [False]])
+    lone = finite & ~before & ~after
+    if lone.any():
+        ax.plot(steps[lone], values[lone], ls="none", marker="o", ms=2.5, color="k" if color is None else color)
+
+
 def plot_series(ax, steps, values, **kwargs):
-    """``ax.plot(steps, values, **kwargs)`` with the series' NaN/inf steps marked (`mark_nonfinite`)."""
+    """``ax.plot(steps, values, **kwargs)`` with the series' NaN/inf steps marked (`mark_nonfinite`) and, on a
+    line without markers, a dot at each finite value with no finite neighbour (`mark_isolated`)."""
     (line,) = ax.plot(steps, values, **kwargs)
+    if line.get_marker() in (None, "None", "", " "):
+        mark_isolated(ax, steps, values, color=line.get_color())
     mark_nonfinite(ax, steps, values, color=line.get_color())
     return line
 
@@ -178,7 +194,8 @@ def _nonfinite_masks(values: np.ndarray) -> dict:
 
 def integer_steps(ax) -> None:
     """Step axes show integer ticks only."""
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=6))
+    # min_n_ticks=1: over a single step the locator otherwise falls back to fractional ticks (0.96, 0.98, ...)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=6, min_n_ticks=1))
 
 
 # -- numbers -----------------------------------------------------------------------------------------
@@ -390,6 +407,6 @@ def grid_shape(n: int, max_cols: int = 5) -> Tuple[int, int]:
 
 __all__ = [
     "COLUMN", "DIVERGING", "PAGE", "SEQUENTIAL", "edge_names", "epoch_span", "grid_shape", "integer_steps",
-    "annotation", "legend_outside", "mark_nonfinite", "number", "op_names", "paper_style", "plot_series", "render_heatmap",
+    "annotation", "legend_outside", "mark_isolated", "mark_nonfinite", "number", "op_names", "paper_style", "plot_series", "render_heatmap",
     "render_heatmaps", "scale_exponent", "series", "split_colorbar_labels", "step_of",
 ]
