@@ -18,6 +18,21 @@ from nasdiag.search.hyperparameters import Hyperparameters, hp
 from nasdiag.search.registry import register
 
 
+@dataclass
+class SGDAdamHyperparameters(Hyperparameters):
+    """DARTS's optimizer settings of w (SGD, cosine schedule, gradient clip) and of the architecture (Adam learning
+    rate and betas), without α's weight decay: the base of methods whose architecture step has a regulariser of
+    its own (SparseNAS's proximal step), where a weight decay of α would be accepted and do nothing."""
+
+    w_lr: float = hp(0.025, "Initial SGD learning rate of w (DARTS §A.1.1, CIFAR-10).", low=0, low_open=True)
+    w_lr_min: float = hp(0.001, "Final learning rate of w's cosine schedule (DARTS code default).", low=0)
+    w_momentum: float = hp(0.9, "SGD momentum of w (DARTS §A.1.1).", low=0, high=1)
+    w_weight_decay: float = hp(3e-4, "Weight decay of w (DARTS §A.1.1).", low=0)
+    grad_clip: float = hp(5.0, "Gradient-norm clip of w (DARTS code default).", low=0, low_open=True)
+    alpha_lr: float = hp(3e-4, "Adam learning rate of α (DARTS §A.1.1).", low=0, low_open=True)
+    alpha_betas: Tuple[float, float] = hp((0.5, 0.999), "Adam betas of α (DARTS §A.1.1).", low=0, high=1, high_open=True)
+
+
 @register("darts")
 class DARTS(SearchMethod):
     """First-order DARTS (ξ = 0 in eq 11 of the sparse-supernet paper).
@@ -39,23 +54,21 @@ class DARTS(SearchMethod):
     digits_preset = {"alpha_lr": 3e-2}
 
     @dataclass
-    class Hyperparameters(Hyperparameters):
-        w_lr: float = hp(0.025, "Initial SGD learning rate of w (DARTS §A.1.1, CIFAR-10).", low=0, low_open=True)
-        w_lr_min: float = hp(0.001, "Final learning rate of w's cosine schedule (DARTS code default).", low=0)
-        w_momentum: float = hp(0.9, "SGD momentum of w (DARTS §A.1.1).", low=0, high=1)
-        w_weight_decay: float = hp(3e-4, "Weight decay of w (DARTS §A.1.1).", low=0)
-        grad_clip: float = hp(5.0, "Gradient-norm clip of w (DARTS code default).", low=0, low_open=True)
-        alpha_lr: float = hp(3e-4, "Adam learning rate of α (DARTS §A.1.1).", low=0, low_open=True)
-        alpha_betas: Tuple[float, float] = hp((0.5, 0.999), "Adam betas of α (DARTS §A.1.1).", low=0, high=1, high_open=True)
+    class Hyperparameters(SGDAdamHyperparameters):
         alpha_weight_decay: float = hp(1e-3, "Weight decay of α (DARTS §A.1.1).", low=0)
 
     def build(self) -> None:
         h = self.hp
+        self.build_weight_optimizer()
+        self.alpha_optimizer = torch.optim.Adam(self.network.arch_parameters(), lr=h.alpha_lr, betas=tuple(h.alpha_betas),
+                                                weight_decay=h.alpha_weight_decay)
+
+    def build_weight_optimizer(self) -> None:
+        """w's momentum SGD (``self.w_optimizer``) and its cosine schedule to ``w_lr_min`` (``self.scheduler``)."""
+        h = self.hp
         self.w_optimizer = torch.optim.SGD(self.network.weight_parameters(), lr=h.w_lr, momentum=h.w_momentum,
                                            weight_decay=h.w_weight_decay)
         self.scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(self.w_optimizer, self.schedule.epochs, eta_min=h.w_lr_min)
-        self.alpha_optimizer = torch.optim.Adam(self.network.arch_parameters(), lr=h.alpha_lr, betas=tuple(h.alpha_betas),
-                                                weight_decay=h.alpha_weight_decay)
 
     def probabilities(self) -> Dict[str, torch.Tensor]:
         return {t: torch.softmax(a.detach(), dim=-1) for t, a in self.network.alphas().items()}

@@ -15,19 +15,36 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, Tuple
 
 import torch
 
 from nasdiag import vocabulary as V
 from nasdiag.search.base import Batch, SearchError, accuracy
 from nasdiag.search.hyperparameters import hp
-from nasdiag.search.methods.darts import DARTS
+from nasdiag.errors import ConfigError
+from nasdiag.search.methods.darts import DARTS, SGDAdamHyperparameters
 from nasdiag.search.registry import register
 from nasdiag.search.unrolled import sgd_momentum_buffers, unrolled_gradient, weight_params
 from nasdiag.sparse import HAPG, AdamHAPG
 from nasdiag.supernet import DARTS_PRIMITIVES, derive_mixed_genotype
 
+
+def _refuse_unused(h) -> None:
+    """Raise `ConfigError` where a hyperparameter that the chosen configuration never reads was changed (it would be
+    accepted and do nothing): ``hapg_lr`` under AdamHAPG, ``alpha_lr`` and ``alpha_betas`` under HAPG,
+    ``fd_eps_scale`` with ``first_order``. Unchanged means its default or the value the digits preset gives it
+    (the preset's ``alpha_lr`` is applied whatever the optimizer)."""
+    unused = {"adamhapg": ("hapg_lr",), "hapg": ("alpha_lr", "alpha_betas")}[h.optimizer]
+    if h.first_order:
+        unused += ("fd_eps_scale",)
+    fields, preset = type(h).__dataclass_fields__, SparseNAS.digits_preset
+    changed = [name for name in unused if getattr(h, name) not in (fields[name].default, preset.get(name, fields[name].default))]
+    if changed:
+        setting = f"optimizer={h.optimizer}" + (", first_order=True" if h.first_order else "")
+        raise ConfigError(f"sparsenas: {', '.join(f'{n}={getattr(h, n)!r}' for n in changed)} is not used with {setting} "
+                          "(hapg_lr is HAPG's step size, alpha_lr and alpha_betas AdamHAPG's, fd_eps_scale the "
+                          "second-order finite difference's); drop it or choose the setting that uses it")
 
 
 @register("sparsenas")
@@ -45,11 +62,16 @@ class SparseNAS(DARTS):
     primitives = tuple(p for p in DARTS_PRIMITIVES if p != "none")
 
     @dataclass
-    class Hyperparameters(DARTS.Hyperparameters):
+    class Hyperparameters(SGDAdamHyperparameters):
+        # DARTS's w settings; no weight decay of A (the sparse-group-lasso penalty is A's regulariser, eq 2)
+        alpha_lr: float = hp(3e-4, "AdamHAPG's Adam learning rate (sparse-supernet appendix, CNN search; optimizer=adamhapg only).",
+                             low=0, low_open=True)
+        alpha_betas: Tuple[float, float] = hp((0.5, 0.999), "AdamHAPG's Adam betas (sparse-supernet appendix; "
+                                                            "optimizer=adamhapg only).", low=0, high=1, high_open=True)
         optimizer: str = hp("adamhapg", "Proximal optimizer of A: hapg or adamhapg (the paper's best, Table 1).",
                             choices=("hapg", "adamhapg"))
-        hapg_lr: float = hp(0.025, "HAPG's initial step size η, cosine-annealed (sparse-supernet, CNN search setting).",
-                            low=0, low_open=True)
+        hapg_lr: float = hp(0.025, "HAPG's initial step size η, cosine-annealed (sparse-supernet, CNN search setting; "
+                                   "optimizer=hapg).", low=0, low_open=True)
         sgl_alpha: float = hp(0.5, "α of eq 2, balancing element (op) and group (node) sparsity (Table 5: 0.5 best).",
                               low=0, high=1)
         lambda_step: float = hp(0.01, "λ grows by this much per epoch, from λ = lambda_step in the first (Fig. 4: 0.01 chosen).",
@@ -60,10 +82,13 @@ class SparseNAS(DARTS):
         init_scale: float = hp(1e-3, "A starts at 1/K + init_scale·N(0, 1) per op (uniform mixing; the paper does not say).",
                                low=0)
 
+        def validate(self) -> None:
+            super().validate()
+            _refuse_unused(self)  # a setting the configuration does not read is refused, not silently ignored
+
     def build(self) -> None:
         h = self.hp
-        super().build()  # w optimizer and schedule; DARTS's Adam on α is replaced below
-        del self.alpha_optimizer
+        self.build_weight_optimizer()  # DARTS's w training; A takes the proximal steps below instead of Adam
         K = len(self.network.primitives)
         with torch.no_grad():
             for a in self.network.arch_parameters():
