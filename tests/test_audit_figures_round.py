@@ -175,3 +175,13 @@ def test_bayes_gamma_of_one_update_shows_every_value_and_marks_gamma_zero(tmp_pa
         assert any("γ ≤ 0" in label for label in edge0.get_legend_handles_labels()[1])
     finally:
         plt.close(fig)
+
+
+def test_cost_heatmaps_say_the_loss_is_the_batch_mean(tmp_path):
+    from nasdiag.plot.cost import cost_mean, cost_std
+
+    path = _record(tmp_path / "r.h5", [{"cost/normal/mean": np.ones((5, 3)), "cost/normal/var": np.ones((5, 3))}])
+    record = load(path)
+    for draw in (cost_mean, cost_std):  # the Hessian heatmap says it; C = ∂L/∂Z scales with B if L is a sum
+        hm = draw(record, "normal", 0)
+        assert "batch-mean" in hm.title + hm.colorbar

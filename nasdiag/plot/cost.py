@@ -20,7 +20,7 @@ def cost_mean(record, cell: str, row: int) -> Heatmap:
     m = np.asarray(record[path][row], dtype=float)
     E, K = m.shape
     return Heatmap(m, edge_names(record, cell, E), op_names(record, K),
-                   f"{cell} cell: cost mean E[C], C = ∂L/∂Z, {epoch_span(record, path, row)}", f"E[C]  ({COST_SIGN})",
+                   f"{cell} cell: cost mean E[C], C = ∂L/∂Z, {epoch_span(record, path, row)}", f"E[C]  (L: batch-mean loss; {COST_SIGN})",
                    signed=True, step=step_of(record, row))
 
 
@@ -32,5 +32,5 @@ def cost_std(record, cell: str, row: int) -> Heatmap:
     s = np.sqrt(np.clip(np.asarray(record[path][row], dtype=float), 0, None))
     E, K = s.shape
     return Heatmap(s, edge_names(record, cell, E), op_names(record, K),
-                   f"{cell} cell: cost std √Var[C], {epoch_span(record, path, row)}", "√Var[C]  (≥ 0)",
+                   f"{cell} cell: cost std √Var[C], {epoch_span(record, path, row)}", "√Var[C]  (L: batch-mean loss; ≥ 0)",
                    signed=False, step=step_of(record, row))
