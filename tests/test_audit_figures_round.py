@@ -185,3 +185,15 @@ def test_cost_heatmaps_say_the_loss_is_the_batch_mean(tmp_path):
     for draw in (cost_mean, cost_std):  # the Hessian heatmap says it; C = ∂L/∂Z scales with B if L is a sum
         hm = draw(record, "normal", 0)
         assert "batch-mean" in hm.title + hm.colorbar
+
+
+def test_arch_evolution_of_signed_mixing_weights_is_not_clipped_at_zero(tmp_path):
+    z = np.full((5, 3), 0.2)
+    z[2, 0] = -0.7  # an old record's arch/<cell>/weights (signed linear mixing weights): below 0
+    path = _record(tmp_path / "r.h5", [{"arch/normal/weights": z}, {"arch/normal/weights": z}])
+    fig = arch_evolution(load(path), "normal")
+    try:
+        lo, hi = fig.axes[2].get_ylim()
+        assert lo <= -0.7 and hi >= 0.2
+    finally:
+        plt.close(fig)

@@ -56,6 +56,7 @@ def arch_evolution(record, cell: str):
     colors = plt.get_cmap("tab10" if K <= 10 else "tab20")(np.arange(K))
     finite = values[np.isfinite(values)]  # an inf would make the y limit infinite; it is marked at the top instead
     top = float(finite.max()) if finite.size else 1.0
+    bottom = min(0.0, float(finite.min()) * 1.05) if finite.size else 0.0  # signed Z of old records stays in view
     for e, ax in enumerate(axes.ravel()):
         if e >= E:
             ax.axis("off")
@@ -64,7 +65,7 @@ def arch_evolution(record, cell: str):
         for k in range(K):
             plot_series(ax, steps, values[:, e, k], color=colors[k], lw=1.0, label=ops[k])
         ax.set_title(f"edge {edges[e]}", fontsize=7, loc="left", pad=2)
-        ax.set_ylim(0, max(top * 1.05, 1.5 / K))
+        ax.set_ylim(bottom, max(top * 1.05, 1.5 / K))
         integer_steps(ax)
     legend_outside(fig, axes)
     fig.supxlabel("step")
