@@ -220,6 +220,12 @@ def test_the_same_record_twice(rec, tmp_path, capsys):
                 ["is given twice", "pass each record once"], capsys)
 
 
+@pytest.mark.parametrize("command,out", [("plot", "figs"), ("report", "r.html")])
+def test_dpi_too_large_to_render(rec, tmp_path, capsys, command, out):
+    """``--dpi 100000`` ended in a MemoryError traceback from matplotlib's renderer (or ran for minutes)."""
+    refused([command, rec, "--out", tmp_path / out, "--dpi", "100000"], tmp_path, ["--dpi", "at most 1200"], capsys)
+
+
 def test_at_naming_a_row_twice(rec, tmp_path, capsys):
     """``--at final,final`` drew each heatmap twice into one file and counted both."""
     refused(["plot", rec, "--out", tmp_path / "figs", "--figures", "cost", "--at", "final,4,final"], tmp_path,
