@@ -197,3 +197,18 @@ def test_arch_evolution_of_signed_mixing_weights_is_not_clipped_at_zero(tmp_path
         assert lo <= -0.7 and hi >= 0.2
     finally:
         plt.close(fig)
+
+
+def test_comparison_title_does_not_state_the_first_runs_step_for_every_run(tmp_path):
+    from nasdiag.plot.attention import attention_mean
+    from nasdiag.plot.style import render_heatmaps
+
+    a = _record(tmp_path / "a.h5", [{"attention/normal/mean": np.full((5, 3), 0.3)}])  # step 1
+    b = _record(tmp_path / "b.h5", [{}, {}, {"attention/normal/mean": np.full((5, 3), 0.6)}])  # step 3
+    panels = {"a": attention_mean(load(a), "normal", 0), "b": attention_mean(load(b), "normal", 2)}
+    fig = render_heatmaps(panels)
+    try:
+        assert "step 1" not in fig.get_suptitle() and "mean attention" in fig.get_suptitle()
+        assert [ax.get_title(loc="left") for ax in fig.axes[:2]] == ["a (step 1)", "b (step 3)"]
+    finally:
+        plt.close(fig)

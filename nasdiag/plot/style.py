@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from contextlib import contextmanager
 from typing import List, Mapping, Optional, Sequence, Tuple
 
@@ -362,12 +363,22 @@ def render_heatmaps(panels: Mapping[str, Heatmap], annotate: bool = False):
         ax.set_title(title, fontsize=7 if not tails[labels[i]] else 6, loc="left")
     fig.supxlabel(first.xlabel)
     fig.supylabel(first.ylabel)
-    # the title without the run-specific tail (", steps a-b ...") is the same for every run
-    fig.suptitle(first.title.split(",")[0] + ", one colour scale across runs")
+    fig.suptitle(shared_title(first.title) + ", one colour scale across runs")
     bar = fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, pad=0.01)
     bar.set_label(wrap(shared + (f"  (x 1e{p})" if p else ""), 0.7 * rows * (0.6 + 0.17 * n_rows), 7), fontsize=7)
     _nonfinite_legend(fig, matrices.values())
     return fig
+
+
+#: the step a heatmap title names ("at step 3", "up to step 3", "after step 3", "steps 1-16 (epoch 0)"): each
+#: comparison panel names its own, so the shared title must not state the first run's
+_TITLE_STEP = re.compile(r"\s*\b(?:at |up to |after )?steps? \d+(?:-\d+)?(?: \((?:epoch \d+|before training)\))?")
+
+
+def shared_title(title: str) -> str:
+    """What a heatmap title says that is true of every run it is compared with: the part before its first comma
+    (", steps a-b ...", ", 3 of 40 ops pruned" are one run's), without a step it names."""
+    return _TITLE_STEP.sub("", title.split(",")[0]).strip()
 
 
 def split_colorbar_labels(labels: Sequence[str]) -> Tuple[str, List[str]]:
@@ -408,5 +419,5 @@ def grid_shape(n: int, max_cols: int = 5) -> Tuple[int, int]:
 __all__ = [
     "COLUMN", "DIVERGING", "PAGE", "SEQUENTIAL", "edge_names", "epoch_span", "grid_shape", "integer_steps",
     "annotation", "legend_outside", "mark_isolated", "mark_nonfinite", "number", "op_names", "paper_style", "plot_series", "render_heatmap",
-    "render_heatmaps", "scale_exponent", "series", "split_colorbar_labels", "step_of",
+    "render_heatmaps", "scale_exponent", "series", "shared_title", "split_colorbar_labels", "step_of",
 ]
