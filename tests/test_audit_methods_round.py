@@ -68,3 +68,32 @@ def test_sparsenas_has_no_weight_decay_of_a_and_keeps_the_digits_preset():
     # the digits preset's alpha_lr is filled in whatever the optimizer, so HAPG accepts that value
     preset = {**SPARSENAS.digits_preset, "optimizer": "hapg"}
     assert SPARSENAS.Hyperparameters.from_dict(preset, method="sparsenas").alpha_lr == SPARSENAS.digits_preset["alpha_lr"]
+
+
+def test_hapg_annealed_to_step_size_zero_keeps_stepping():
+    # HAPG's η is cosine-annealed to 0 over the run (sparse-supernet appendix); a finished run extended by
+    # `--resume --epochs` stays at η = 0 (SearchMethod.extend_schedule), so its steps must run at η = 0
+    from nasdiag.sparse import HAPG
+
+    g = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(3, 4, generator=g, dtype=torch.float64))
+    p.grad = torch.randn(3, 4, generator=g, dtype=torch.float64)
+    opt = HAPG([p], lr=0.1, lam=0.3)
+    opt.param_groups[0]["lr"] = 0.0
+    before = p.detach().clone()
+    opt.step()
+    assert torch.equal(p.detach(), before)  # eq 6: z = A; eq 9-10 at zero thresholds: identity; first step: no momentum
+    with pytest.raises(ConfigError, match="learning rate"):
+        HAPG([p], lr=0.0)  # a step size given at construction must still be positive
+
+    torch.manual_seed(0)
+    net = Network.minimal(4, 3, 1, in_channels=1, primitives=SPARSENAS.primitives[:3]).double()
+    hp = SPARSENAS.Hyperparameters(optimizer="hapg", first_order=True)
+    method = SPARSENAS(net, hp, schedule=Schedule(epochs=1, steps_per_epoch=1, batch_size=4))
+    batch = (torch.randn(4, 1, 6, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (4,), generator=g))
+    method.step(batch, batch)
+    method.epoch_end(0)
+    assert method.arch_optimizer.param_groups[0]["lr"] == 0.0
+    method.extend_schedule(2)
+    stats = method.step(batch, batch)
+    assert all(torch.isfinite(a).all() for a in net.arch_parameters()) and torch.isfinite(stats["scalars/val_loss"])

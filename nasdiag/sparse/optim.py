@@ -25,8 +25,10 @@ def _momentum(t: int) -> float:
     return (t - 2) / (t + 1)
 
 
-def _check_options(lr: float, lam: float, alpha: float) -> None:
-    if not lr > 0:
+def _check_options(lr: float, lam: float, alpha: float, *, scheduled: bool = False) -> None:
+    # a schedule may anneal η to 0 (cosine to eta_min = 0; a finished run extended stays there): a step at η = 0
+    # leaves z = A and the prox the identity, so only the momentum of eq 7-8 moves A
+    if not (lr >= 0 if scheduled else lr > 0):
         raise ConfigError(f"learning rate must be > 0, got {lr}")
     if not lam >= 0:
         raise ConfigError(f"sparsity strength lam (λ) must be >= 0, got {lam}")
@@ -65,7 +67,7 @@ class _HierarchicalProximal(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            _check_options(group["lr"], group["lam"], group["alpha"])
+            _check_options(group["lr"], group["lam"], group["alpha"], scheduled=True)
             lam, alpha = group["lam"], group["alpha"]
             for i, p in enumerate(group["params"]):
                 if p.grad is None:
