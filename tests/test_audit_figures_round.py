@@ -212,3 +212,31 @@ def test_comparison_title_does_not_state_the_first_runs_step_for_every_run(tmp_p
         assert [ax.get_title(loc="left") for ax in fig.axes[:2]] == ["a (step 1)", "b (step 3)"]
     finally:
         plt.close(fig)
+
+
+def _nan_marks(ax):
+    edge = ax.get_xaxis_transform()
+    return sorted(float(x) for l in ax.get_lines() if l.get_transform() == edge and l.get_marker() == "X"
+                  for x in l.get_xdata())
+
+
+def test_a_scalar_that_is_nan_in_every_row_is_marked_not_left_out(tmp_path):
+    from nasdiag.plot.sampling import temperature_entropy
+    from nasdiag.plot.scalars import scalar_curves
+
+    rows = [{"scalars/train_loss": np.nan, "scalars/train_acc": 0.5, "scalars/temperature": 5.0,
+             "scalars/entropy": np.nan} for _ in range(3)]
+    record = load(_record(tmp_path / "r.h5", rows))
+    fig = scalar_curves(record)
+    try:
+        losses = next(ax for ax in fig.axes if ax.get_title(loc="left") == "losses")
+        assert _nan_marks(losses) == [1.0, 2.0, 3.0]
+        assert any(label.startswith("train_loss") for label in losses.get_legend_handles_labels()[1])
+    finally:
+        plt.close(fig)
+    fig = temperature_entropy(record)
+    try:
+        entropy = next(ax for ax in fig.axes if ax.get_title(loc="left").startswith("mean entropy"))
+        assert _nan_marks(entropy) == [1.0, 2.0, 3.0]
+    finally:
+        plt.close(fig)

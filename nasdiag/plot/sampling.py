@@ -7,7 +7,7 @@ import numpy as np
 
 from nasdiag import vocabulary as V
 from nasdiag.plot.registry import Heatmap, NothingToDraw, figure, heatmap
-from nasdiag.plot.style import PAGE, edge_names, integer_steps, op_names, plot_series, plt, series, step_of
+from nasdiag.plot.style import PAGE, edge_names, integer_steps, marked_series, op_names, plot_series, plt, step_of
 
 
 @figure((V.SAMPLE_TEMPERATURE, V.SAMPLE_ENTROPY), name="sampling", file="sampling_temperature_entropy",
@@ -16,11 +16,11 @@ from nasdiag.plot.style import PAGE, edge_names, integer_steps, op_names, plot_s
 def temperature_entropy(record, cell=None):
     panels = []
     for fam, label in ((V.SAMPLE_TEMPERATURE, "temperature τ"), (V.SAMPLE_ENTROPY, "mean entropy of p (nats)")):
-        try:
-            panels.append((label, *series(record, fam.pattern)))
+        try:  # one NaN in every row is kept as a panel of marks when the other has values
+            panels.append((label, *marked_series(record, fam.pattern)))
         except NothingToDraw:
             continue
-    if not panels:
+    if not any(np.isfinite(values).any() for _, _, values in panels):
         raise NothingToDraw("neither the temperature nor the entropy has a finite value")
     fig, axes = plt.subplots(1, len(panels), figsize=(PAGE * len(panels) / 2, 2.2), squeeze=False)
     for ax, (label, steps, values) in zip(axes.ravel(), panels):

@@ -8,7 +8,7 @@ import numpy as np
 
 from nasdiag import vocabulary as V
 from nasdiag.plot.registry import NothingToDraw, figure
-from nasdiag.plot.style import PAGE, grid_shape, integer_steps, plot_series, plt, series
+from nasdiag.plot.style import PAGE, grid_shape, integer_steps, marked_series, plot_series, plt
 
 #: how a known scalar is named in legends: which split, which step, which convention
 DESCRIPTIONS = {
@@ -52,12 +52,12 @@ def scalar_curves(record, cell=None):
     names = [k[len("scalars/"):] for k in record if k.startswith("scalars/") and np.ndim(record[k]) == 1]
     curves = {}
     for name in names:
-        try:
-            curves[name] = series(record, f"scalars/{name}")
+        try:  # a scalar NaN in every row is kept: its marks show it (a NaN loss is what a reader looks for)
+            curves[name] = marked_series(record, f"scalars/{name}")
         except NothingToDraw:
             continue
     groups = group_scalars(list(curves))
-    if not groups:
+    if not any(np.isfinite(curves[n][1]).any() for members in groups.values() for n in members):
         raise NothingToDraw("no scalar has a finite value; nothing to draw")
     rows, cols = grid_shape(len(groups), 2)
     fig, axes = plt.subplots(rows, cols, figsize=(PAGE if cols > 1 else PAGE / 2, 0.4 + 1.7 * rows), squeeze=False)
@@ -68,7 +68,7 @@ def scalar_curves(record, cell=None):
             plot_series(ax, steps, values, lw=1.1, marker="o" if len(steps) < 30 else None, ms=3,
                         label=DESCRIPTIONS.get(name, name))
         finite = np.concatenate([v[np.isfinite(v)] for v in (curves[n][1] for n in members)])
-        if title == "learning rates" and finite.min() > 0 and finite.max() > 30 * finite.min():
+        if title == "learning rates" and finite.size and finite.min() > 0 and finite.max() > 30 * finite.min():
             ax.set_yscale("log")  # only where a schedule spans decades
         ax.set_title(title, loc="left")
         ax.set_xlabel("step")

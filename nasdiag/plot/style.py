@@ -85,6 +85,14 @@ def series(record: Mapping[str, np.ndarray], path: str) -> Tuple[np.ndarray, np.
     return record["step"][rows], values
 
 
+def marked_series(record: Mapping[str, np.ndarray], path: str) -> Tuple[np.ndarray, np.ndarray]:
+    """(steps, values) of the rows in which ``path`` was logged, also when none is finite: a curve of a figure
+    whose other curves have values, drawn with `plot_series`, then shows only its NaN/inf marks instead of
+    vanishing. `NothingToDraw` if there are no rows."""
+    rows, steps = logged_rows(record, path)
+    return steps, np.asarray(record[path][rows], dtype=float)
+
+
 def logged_rows(record: Mapping[str, np.ndarray], path: str) -> Tuple[np.ndarray, np.ndarray]:
     """(rows, steps) in which ``path`` was logged; `NothingToDraw` if there are none yet."""
     rows = valid_rows(record, path)
@@ -418,6 +426,6 @@ def grid_shape(n: int, max_cols: int = 5) -> Tuple[int, int]:
 
 __all__ = [
     "COLUMN", "DIVERGING", "PAGE", "SEQUENTIAL", "edge_names", "epoch_span", "grid_shape", "integer_steps",
-    "annotation", "legend_outside", "mark_isolated", "mark_nonfinite", "number", "op_names", "paper_style", "plot_series", "render_heatmap",
+    "annotation", "legend_outside", "mark_isolated", "mark_nonfinite", "marked_series", "number", "op_names", "paper_style", "plot_series", "render_heatmap",
     "render_heatmaps", "scale_exponent", "series", "shared_title", "split_colorbar_labels", "step_of",
 ]
