@@ -240,3 +240,19 @@ def test_a_scalar_that_is_nan_in_every_row_is_marked_not_left_out(tmp_path):
         assert _nan_marks(entropy) == [1.0, 2.0, 3.0]
     finally:
         plt.close(fig)
+
+
+def test_report_images_keep_what_is_drawn_outside_the_canvas(tmp_path):
+    # the BayesNAS panels put their op legend and title above the axes grid, as `nasdiag plot` files show them
+    import base64
+    import io
+
+    from matplotlib.image import imread
+
+    from nasdiag.plot.report import _png
+
+    fig = plt.figure(figsize=(2.0, 1.0))
+    fig.add_axes([0.1, 0.1, 0.8, 0.8])
+    fig.text(0.5, 1.3, "legend above the canvas", ha="center")
+    height = imread(io.BytesIO(base64.b64decode(_png(fig, 50)))).shape[0]
+    assert height > 1.15 * 50  # the canvas is 50 px high (the axes 40); the text sits 0.3 in above it

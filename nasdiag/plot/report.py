@@ -62,7 +62,8 @@ def _png(fig, dpi: int) -> str:
 
     buffer = io.BytesIO()
     try:
-        fig.savefig(buffer, format="png", dpi=dpi)
+        # as `nasdiag plot` saves them: legends and titles placed outside the axes grid are kept, not cut off
+        fig.savefig(buffer, format="png", dpi=dpi, bbox_inches="tight", pad_inches=0.04)
     finally:
         plt.close(fig)
     return base64.b64encode(buffer.getvalue()).decode("ascii")
