@@ -256,3 +256,23 @@ def test_report_images_keep_what_is_drawn_outside_the_canvas(tmp_path):
     fig.text(0.5, 1.3, "legend above the canvas", ha="center")
     height = imread(io.BytesIO(base64.b64decode(_png(fig, 50)))).shape[0]
     assert height > 1.15 * 50  # the canvas is 50 px high (the axes 40); the text sits 0.3 in above it
+
+
+def test_regret_curves_of_a_14_edge_cell_have_14_colours(tmp_path):
+    from matplotlib.colors import to_hex
+
+    from nasdiag.plot.regret import regret_bound
+
+    edges = [f"{i}->{j}" for j in range(2, 6) for i in range(j)]  # the DARTS cell: 14 edges
+    meta = {"method": "xnas", "op_names": OPS, "edge_names": {"normal": edges}, "cell_types": ["normal"]}
+    path = tmp_path / "r.h5"
+    with Recorder(str(path), meta=meta) as rec:
+        for s in (1, 2):
+            rec.log(s, {"regret/normal/regret": np.arange(14.0) * s, "regret/normal/bound": np.arange(14.0) * 2 * s})
+    fig = regret_bound(load(path), "normal")
+    try:
+        handles, labels = fig.axes[0].get_legend_handles_labels()
+        colours = {label: to_hex(h.get_color()) for h, label in zip(handles, labels)}
+        assert sorted(colours) == sorted(edges) and len(set(colours.values())) == 14
+    finally:
+        plt.close(fig)

@@ -25,11 +25,12 @@ def regret_bound(record, cell):
     E = regret.shape[1]
     names = edge_names(record, cell, E)
     fig, ax = plt.subplots(figsize=(COLUMN, 2.4))
-    colors = plt.get_cmap("tab10")
+    # one colour per edge: tab10 repeats after 10 (a DARTS cell has 14), which made edge e and e + 10 one curve
+    colors = plt.get_cmap("tab10" if E <= 10 else "tab20")
     for e in range(E):
-        plot_series(ax, steps, regret[:, e], color=colors(e % 10), lw=1.1, label=names[e])
+        plot_series(ax, steps, regret[:, e], color=colors(e % colors.N), lw=1.1, label=names[e])
         if bound is not None:
-            plot_series(ax, steps, bound[:, e], color=colors(e % 10), lw=0.8, ls="--")
+            plot_series(ax, steps, bound[:, e], color=colors(e % colors.N), lw=0.8, ls="--")
     ax.set_xlabel("step")
     ax.set_ylabel("regret (solid), bound (dashed)")
     integer_steps(ax)
