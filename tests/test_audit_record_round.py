@@ -62,3 +62,18 @@ def test_a_checkpoint_that_hits_the_file_size_limit_is_one_checkpoint_error_and_
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_resume_that_extends_the_run_says_so(tmp_path):
+    """``--epochs`` defaults to 8: a plain ``--resume`` of a shorter run extends it (another schedule than the
+    uninterrupted run's), which must not happen unannounced."""
+    from nasdiag.cli import main
+
+    out = tmp_path / "run.h5"
+    small = ["--C", "4", "--layers", "3", "--steps", "2", "--batch-size", "240", "--no-progress", "--no-figs", "--threads", "1",
+             "--diagnostics", "none", "--out", str(out)]
+    assert main(["search", "--epochs", "1", *small]) == 0
+    with pytest.warns(UserWarning, match=r"extends the run from 1 to 2 epochs .*pass --epochs 1 to finish it as started"):
+        assert main(["search", "--resume", "--epochs", "2", *small]) == 0
+    assert load(out)["scalars/epoch"][-1] == 1.0

@@ -543,6 +543,10 @@ def _run(config, callbacks, method_cls, hp, rank, world, device) -> SearchResult
         start_step = state["step"]
         if config.epochs > epochs:
             method.extend_schedule(config.epochs)
+            if rank == 0:  # --epochs has a default: a plain --resume of a shorter run lands here
+                warnings.warn(f"resuming {os.fspath(config.record)} extends the run from {epochs} to {config.epochs} epochs "
+                              f"(its schedule anneals on from the current rate); pass --epochs {epochs} to finish it as "
+                              "started", UserWarning, stacklevel=2)
     if world > 1:
         method.distribute(device_ids=[device.index] if device.type == "cuda" else None)
         import torch.distributed as dist
