@@ -77,3 +77,22 @@ def test_a_resume_that_extends_the_run_says_so(tmp_path):
     with pytest.warns(UserWarning, match=r"extends the run from 1 to 2 epochs .*pass --epochs 1 to finish it as started"):
         assert main(["search", "--resume", "--epochs", "2", *small]) == 0
     assert load(out)["scalars/epoch"][-1] == 1.0
+
+
+def test_a_row_interrupted_half_way_leaves_no_presence_flags_to_the_next_row(tmp_path, monkeypatch):
+    """Ctrl-C lands between two bytecodes: here between buffering one value of a row and the next."""
+    path = tmp_path / "run.h5"
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with Recorder(path, flush_every=4, flush_seconds=None) as rec:
+        rec.log(1, {"scalars/a": 1.0, "scalars/b": 1.0})
+        with monkeypatch.context() as patch:
+            patch.setattr(rec, "_count_nonfinite", interrupt)
+            with pytest.raises(KeyboardInterrupt):
+                rec.log(2, {"scalars/a": float("nan"), "scalars/b": 2.0})
+        rec.log(3, {"scalars/b": 3.0})
+    out = load(path)
+    np.testing.assert_array_equal(out["step"], [1, 3])
+    np.testing.assert_array_equal(out["valid/scalars/a"], [True, False])

@@ -439,6 +439,7 @@ class Recorder:
         i = self._rows
         self._step_buffer[i] = step
         present = self._present[i]
+        present[:] = False  # a row interrupted half-way here (Ctrl-C) left flags that are not this row's
         for column, value in row:
             column.buffer[i] = value
             present[column.index] = True
