@@ -96,3 +96,31 @@ def test_a_row_interrupted_half_way_leaves_no_presence_flags_to_the_next_row(tmp
     out = load(path)
     np.testing.assert_array_equal(out["step"], [1, 3])
     np.testing.assert_array_equal(out["valid/scalars/a"], [True, False])
+
+
+def test_ctrl_c_while_the_callback_hands_rows_over_loses_no_row(tmp_path, monkeypatch):
+    """The rows of a batch are handed to the recorder one by one; Ctrl-C landing between two of them, and the
+    loop's on_exception that follows, must leave every step in the record exactly once (no gap)."""
+    from nasdiag.record import RecorderCallback
+
+    path = tmp_path / "run.h5"
+    with RecorderCallback(path, flush_every=4, flush_seconds=None) as cb:
+        log = cb.recorder.log
+        calls = []
+
+        def interrupted_log(step, values):
+            calls.append(step)
+            if step == 2 and calls.count(2) == 1:
+                raise KeyboardInterrupt  # arrives before the recorder saw step 2
+            log(step, values)
+
+        monkeypatch.setattr(cb.recorder, "log", interrupted_log)
+        try:
+            for step in range(1, 7):
+                cb.on_step_end(step, {"scalars/a": float(step)})
+        except KeyboardInterrupt as exc:
+            cb.on_exception(exc)
+    out = load(path)
+    np.testing.assert_array_equal(out["step"], np.arange(1, out["step"].size + 1))
+    assert out["step"].size >= 4  # the batch of steps 1-4 was being handed over
+    np.testing.assert_array_equal(out["scalars/a"], out["step"].astype(float))

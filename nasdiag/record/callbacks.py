@@ -300,6 +300,10 @@ class RecorderCallback:
                 self.recorder.log(step, values)
             except RecordError as err:  # one bad row must not cost the rows after it
                 errors.append(err)
+            except BaseException:
+                if self.recorder.last_step != step:  # Ctrl-C before the recorder took it: keep it for on_exception
+                    self._rows.insert(0, [step, {}, values])
+                raise
         if errors:
             raise errors[0]
 
