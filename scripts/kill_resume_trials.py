@@ -34,7 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 EPOCHS = 3
 SEARCH = ["--C", "4", "--layers", "3", "--steps", "2", "--batch-size", "240", "--diagnostics", "cost",
-          "--threads", "1", "--no-progress", "--no-figs"]
+          "--threads", "1", "--no-progress", "--no-figs", "--device", "cpu"]  # bitwise only on the CPU (docs/methods.md)
 
 
 def _command(out: Path, *extra: str, epochs: int = EPOCHS):

@@ -146,3 +146,17 @@ def test_search_run_records_samples_and_resumes(tmp_path):
     np.testing.assert_array_equal(rec[V.COST_COUNT.path(cell="normal")][epoch_rows[-1]],
                                   counts[epoch_rows[-1]] - counts[epoch_rows[0]])
     assert np.isfinite(rec["scalars/search_val_acc"][epoch_rows]).all()
+
+
+def test_sample_counts_restored_on_the_cpu_count_on_with_samples_of_another_device():
+    """A checkpoint is loaded on the CPU; the samples of a CUDA run are on the GPU (a resumed DSNAS run on CUDA
+    crashed: 'Expected all tensors to be on the same device'). The meta device stands in for CUDA here."""
+    from nasdiag.search.methods._sampling import SampleCounts
+
+    counts = SampleCounts()
+    counts.load_state_dict({"normal": torch.tensor([[2, 0, 1]])})
+    counts.update({"normal": torch.tensor([[0.0, 1.0, 0.0]], device="meta")})
+    assert counts.counts["normal"].device.type == "meta" and counts.counts["normal"].shape == (1, 3)
+    counts.load_state_dict({"normal": torch.tensor([[2, 0, 1]])})
+    counts.update({"normal": torch.tensor([[0.0, 1.0, 0.0]])})
+    assert counts.counts["normal"].tolist() == [[2, 1, 1]]

@@ -72,7 +72,8 @@ class SampleCounts:
     def update(self, onehot: Mapping[str, torch.Tensor]) -> None:
         for t, z in onehot.items():
             add = z.detach().round().to(torch.int64)
-            self.counts[t] = self.counts[t] + add if t in self.counts else add
+            # counts restored from a checkpoint are on the CPU (it is loaded there); the samples are where the net is
+            self.counts[t] = self.counts[t].to(add.device) + add if t in self.counts else add
 
     def statistics(self, onehot: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """``sample/<cell>/onehot`` of this step and ``sample/<cell>/count`` so far."""
