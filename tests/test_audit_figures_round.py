@@ -276,3 +276,15 @@ def test_regret_curves_of_a_14_edge_cell_have_14_colours(tmp_path):
         assert sorted(colours) == sorted(edges) and len(set(colours.values())) == 14
     finally:
         plt.close(fig)
+
+
+def test_integer_counts_are_annotated_as_integers(tmp_path):
+    from nasdiag.plot.sampling import sample_counts
+
+    counts = np.arange(15).reshape(5, 3)
+    path = _record(tmp_path / "r.h5", [{"sample/normal/count": counts}])
+    fig = render_heatmap(sample_counts(load(path), "normal", 0))
+    try:
+        assert sorted(t.get_text() for t in fig.axes[0].texts) == sorted(str(c) for c in counts.ravel())
+    finally:
+        plt.close(fig)

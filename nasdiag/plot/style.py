@@ -278,6 +278,8 @@ def _draw_matrix(ax, hm: Heatmap, matrix: np.ndarray, norm, cmap: str, annotate:
     if annotate and matrix.size <= 240:
         finite = matrix[np.isfinite(matrix)]
         decimals = _decimals(float(np.abs(finite).max()) if finite.size else 0.0)
+        if finite.size and np.array_equal(finite, np.round(finite)):
+            decimals = 0  # counts (samples, argmax votes): "7", not "7.0"
         for (i, j), v in np.ndenumerate(matrix):
             shade = norm(v) if np.isfinite(v) else 0.5
             dark = cmap == SEQUENTIAL and shade < 0.55 or cmap == DIVERGING and abs(float(shade) - 0.5) > 0.33
