@@ -244,6 +244,22 @@ def test_resume_is_bitwise():
     assert bool(sa[V.BAYES_UPDATED.path()])
 
 
+def test_a_state_loaded_on_the_cpu_goes_to_the_devices_the_run_keeps_its_state_on():
+    """A checkpoint is loaded on the CPU; a resumed CUDA run crashed in its next update ('Expected all tensors
+    to be on the same device': γ, ω, s, C are {cell type: tensor} on the GPU). The meta device stands in for
+    CUDA; the pruning masks stay on the CPU, where the run keeps them."""
+    a = make()
+    state = a.state_dict()
+    b = make(seed=5)
+    for name in ("gamma", "omega", "prior_variance", "covariance"):
+        setattr(b, name, {t: v.to("meta") for t, v in getattr(b, name).items()})
+    b.load_state_dict(state)
+    for name in ("gamma", "omega", "prior_variance", "covariance"):
+        assert {v.device.type for v in getattr(b, name).values()} == {"meta"}, name
+    assert {v.device.type for v in b.alive.values()} == {"cpu"}
+    assert all(torch.equal(b.alive[t], a.alive[t]) for t in a.alive)
+
+
 def test_bad_hyperparameters_are_one_line():
     cls = get_method("bayesnas")
     for bad in (["lambda_w=-1"], ["lambda_w=0"], ["hessian_mode=magic"], ["init_gamma=0"], ["update_every=-2"]):

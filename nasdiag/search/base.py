@@ -565,10 +565,20 @@ class SearchMethod:
             obj.load_state_dict(state["objects"][k])
         self.generator.set_state(state["generator"])
         for k, v in state.get("attributes", {}).items():
-            current = getattr(self, k, None)
-            if isinstance(current, torch.Tensor) and isinstance(v, torch.Tensor):
-                v = v.to(current.device)
-            setattr(self, k, v)
+            setattr(self, k, _on_devices_of(getattr(self, k, None), v))
+
+
+def _on_devices_of(current: Any, loaded: Any) -> Any:
+    """``loaded`` with each tensor moved to the device of the tensor at the same place in ``current``: a
+    checkpoint is loaded on the CPU, but a CUDA run keeps e.g. BayesNAS's per-cell-type ``{t: tensor}``
+    on the GPU (and its pruning masks on the CPU, on purpose). Places ``current`` lacks stay as loaded."""
+    if isinstance(loaded, torch.Tensor):
+        return loaded.to(current.device) if isinstance(current, torch.Tensor) else loaded
+    if isinstance(loaded, dict) and isinstance(current, dict):
+        return {k: _on_devices_of(current.get(k), v) for k, v in loaded.items()}
+    if type(loaded) in (list, tuple) and isinstance(current, (list, tuple)) and len(loaded) == len(current):
+        return type(loaded)(_on_devices_of(c, v) for c, v in zip(current, loaded))
+    return loaded
 
 
 def mean_over_ranks(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
