@@ -87,7 +87,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--diagnostics", default=",".join(DIAGNOSTICS),
                    help=f"comma-separated, recorded each epoch: {', '.join(DIAGNOSTICS)}, or none (default: cost,hessian)")
     s.add_argument("--hessian-mode", default=None,
-                   help="mixing-weight curvature mode, recorded each epoch: approx (default), diag, ggn, ggn_mc (about one "
+                   help="mixing-weight curvature mode, recorded each epoch: diag (default), approx (one value for every op of an edge "
+                        "that ends in BatchNorm), ggn, ggn_mc (about one "
                         "step each), hutchinson:<k> (k products per edge), exact (the Z shared by a cell type, cross-cell terms "
                         "included) or exact_per_edge (summed per cell; both one Hessian-vector product per mixing weight: "
                         "minutes per epoch on a CPU); docs/hessian.md compares them")

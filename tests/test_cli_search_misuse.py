@@ -127,7 +127,7 @@ def hessian_run(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("extra,needle", [
-    (["--diagnostics", "hessian", "--hessian-mode", "ggn"], "hessian_mode='ggn' (recorded 'approx')"),
+    (["--diagnostics", "hessian", "--hessian-mode", "ggn"], "hessian_mode='ggn' (recorded 'diag')"),
     (["--diagnostics", "hessian", "--spectrum-every", "1"], "spectrum_every=1 (recorded 0)"),
     (["--diagnostics", "cost,hessian"], "diagnostics=['cost', 'hessian'] (recorded ['hessian'])"),
     (["--diagnostics", "none"], "diagnostics=[] (recorded ['hessian'])"),

@@ -136,3 +136,16 @@ def test_a_failed_checkpoint_write_leaves_the_old_checkpoint_and_no_temporary_fi
     path.write_bytes(b"\x00garbage")
     with pytest.raises(checkpoint.CheckpointError, match="unreadable"):
         checkpoint.load_checkpoint(path)
+
+
+def test_the_default_curvature_tells_the_ops_of_an_edge_apart(tmp_path):
+    """The search records the mixing-weight curvature in a mode that gives the ops of an edge different values
+    (docs/hessian.md, "The search's default is diag"): C.3.2 (`approx`) gave every op that ends in an affine-free
+    BatchNorm one value per edge, so the heatmap could not say which op of an edge is most curved."""
+    from nasdiag.supernet.ops import DARTS_PRIMITIVES as PRIMITIVES
+
+    config = dict(TINY, diagnostics=("hessian",))
+    rows = load(run(SearchConfig(epochs=1, record=str(tmp_path / "r.h5"), **config)).record)["hessian/normal/diag"][-1]
+    ops = [k for k, name in enumerate(PRIMITIVES) if name not in ("none", "skip_connect")]  # those ending in BatchNorm
+    spread = np.ptp(rows[:, ops], axis=1) / np.abs(rows[:, ops]).max(axis=1)
+    assert (spread > 1e-3).all(), spread

@@ -64,7 +64,8 @@ class SearchConfig:
         device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
         dtype: ``float32`` or ``float64``.
         diagnostics: recorded once per epoch: ``cost`` (cost statistics), ``hessian`` (mixing-weight
-            Hessian diagonal in ``hessian_mode``); empty = none.
+            Hessian diagonal in ``hessian_mode``, default ``diag``: C.3.1, which tells the ops of an edge apart,
+            where ``approx``'s C.3.2 gives every op that ends in an affine-free BatchNorm one value); empty = none.
         spectrum_every: every k steps record ``hessian/<cell>/top_eigenvalue`` (0 = never).
         record: the HDF5 record path (None: no record, no checkpoint).
         resume: continue the run recorded at ``record`` (same run-defining fields; ``epochs`` may grow).
@@ -91,7 +92,7 @@ class SearchConfig:
     device: str = "auto"
     dtype: str = "float32"
     diagnostics: Tuple[str, ...] = DIAGNOSTICS
-    hessian_mode: str = "approx"
+    hessian_mode: str = "diag"
     spectrum_every: int = 0
     record: Optional[str] = None
     resume: bool = False
