@@ -149,3 +149,12 @@ def test_the_default_curvature_tells_the_ops_of_an_edge_apart(tmp_path):
     ops = [k for k, name in enumerate(PRIMITIVES) if name not in ("none", "skip_connect")]  # those ending in BatchNorm
     spread = np.ptp(rows[:, ops], axis=1) / np.abs(rows[:, ops]).max(axis=1)
     assert (spread > 1e-3).all(), spread
+
+
+def test_a_spectrum_interval_longer_than_the_run_is_refused_before_anything_is_written(tmp_path):
+    out = tmp_path / "r.h5"
+    with pytest.raises(ConfigError, match=r"spectrum_every 100 is more than the run's 2 steps \(1 × 2 per epoch\)"):
+        run(SearchConfig(epochs=1, record=str(out), spectrum_every=100, **dict(TINY, diagnostics=("hessian",))))
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+    run(SearchConfig(epochs=1, record=str(out), spectrum_every=2, **dict(TINY, diagnostics=("hessian",))))
+    assert np.isfinite(load(str(out))["hessian/normal/top_eigenvalue"][-1])  # recorded at step 2

@@ -515,6 +515,10 @@ def _run(config, callbacks, method_cls, hp, rank, world, device) -> SearchResult
         share = min(n_train, n_val) // world
         raise ConfigError(f"batch size {config.batch_size} is larger than the {share} samples of the smaller search split "
                           f"{'per rank ' if world > 1 else ''}of {config.dataset}; use --batch-size <= {share}")
+    if config.spectrum_every > S * config.epochs:  # it would record nothing: an option that does nothing
+        raise ConfigError(f"spectrum_every {config.spectrum_every} is more than the run's {S * config.epochs} steps "
+                          f"({config.epochs} × {S} per epoch), so no top eigenvalue would be recorded; use --spectrum-every "
+                          f"<= {S * config.epochs}")
     hp_values = hp.to_dict()
     defining = config.run_defining(hp_values, world)
     digest = config.config_hash(hp_values, world)
