@@ -117,21 +117,24 @@ class ReturnsInputMixed(nn.Module):
         return sum(w * op(x) for w, op in zip(weights, self._ops))
 
 
+class EdgeThenHead(nn.Module):
+    """One mixed op, then a linear head; ``skip`` adds ``skip·x`` around the edge (another consumer of x)."""
+
+    def __init__(self, edge: nn.Module, skip: float = 0.0):
+        super().__init__()
+        self.edge, self.skip = edge, skip
+        self.head = nn.Linear(D, 2, dtype=torch.float64)
+
+    def forward(self, x, Z):
+        return self.head(self.edge(x, Z) + self.skip * x)
+
+
 def test_an_edge_returning_its_input_object_is_refused_not_given_the_inputs_total_gradient():
     """The edge output's tensor hook would be a hook on x_i, which collects the gradient of x_i's other
     consumers too (here 3× the true <∂L/∂x_j, x_i>): a silent wrong cost."""
     torch.manual_seed(2)
 
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.edge = ReturnsInputMixed()
-            self.head = nn.Linear(D, 2, dtype=torch.float64)
-
-        def forward(self, x, Z):
-            return self.head(self.edge(x, Z) + 2 * x)
-
-    net = Net()
+    net = EdgeThenHead(ReturnsInputMixed(), skip=2.0)
     x = torch.randn(3, D, dtype=torch.float64, requires_grad=True)
     probe = nasdiag.attach(net)
     with pytest.raises(ProbeError, match="input"):
@@ -162,16 +165,7 @@ def test_statistics_leave_out_a_candidate_op_that_did_not_run():
     instead of one skipped step turning its mean into NaN for good."""
     torch.manual_seed(3)
 
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.edge = SampledOnlyMixed()
-            self.head = nn.Linear(D, 2, dtype=torch.float64)
-
-        def forward(self, x, Z):
-            return self.head(self.edge(x, Z))
-
-    net = Net()
+    net = EdgeThenHead(SampledOnlyMixed())
     probe = nasdiag.attach(net)
     observed = []
     for t, ops in enumerate([(0,), (1, 2), (0, 2), (0,)]):
