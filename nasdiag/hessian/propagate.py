@@ -283,7 +283,7 @@ def _term_removed(edge: Edge, term, consumers, rule_calls, ranks) -> bool:
     return True
 
 
-def _apply_glue(node, slots, needed, push, grad_of, tracer: ModuleTracer, reached_from, interiors=None) -> None:
+def _apply_glue(node, slots, needed, push, grad_of, tracer: ModuleTracer, reached_from, interiors: "_OpaqueInteriors") -> None:
     glue = glue_rule_for(node)
     nexts = node.next_functions
     wanted = [n is not None and bool(needed.get(n)) for n, _ in nexts]
@@ -297,8 +297,8 @@ def _apply_glue(node, slots, needed, push, grad_of, tracer: ModuleTracer, reache
         # x ± f(x) inside one module (nn.Tanhshrink, a user's x + tanh(x)): the inputs are two branches of one
         # input of the module rejoined entry by entry, and the recursion would drop the cross term J_a J_b h
         # between them (-2 sech² h for Tanhshrink): the module's own diagonal would be wrong, so it needs a rule
-        inside = (interiors or _OpaqueInteriors(tracer)).of(node)
-        if inside is not None and _rejoins_one_input(node, wanted, inside, interiors or _OpaqueInteriors(tracer)):
+        inside = interiors.of(node)
+        if inside is not None and _rejoins_one_input(node, wanted, inside, interiors):
             raise UnsupportedModuleError(
                 unsupported_module_message(
                     inside.name,
@@ -310,7 +310,7 @@ def _apply_glue(node, slots, needed, push, grad_of, tracer: ModuleTracer, reache
                 )
             )
     if glue.bilinear and sum(wanted) > 1:
-        inside = (interiors or _OpaqueInteriors(tracer)).of(node)
+        inside = interiors.of(node)
         if inside is not None:
             raise UnsupportedModuleError(
                 unsupported_module_message(
@@ -336,7 +336,7 @@ def _apply_glue(node, slots, needed, push, grad_of, tracer: ModuleTracer, reache
 
 def _glue_message(node, why: str, tracer: ModuleTracer, reached_from) -> str:
     op = type(node).__name__
-    where = _enclosing_opaque(node, tracer)
+    where = _OpaqueInteriors(tracer).of(node)  # error path: a fresh map is cheap enough
     if where is not None:
         return unsupported_module_message(
             where.name, where.module, f"computes autograd op {op}, which {why}", tracer.overrides
@@ -412,23 +412,6 @@ def _rejoins_one_input(node, wanted, oc, interiors: _OpaqueInteriors) -> bool:
             return True
         reached.append(found)
     return False
-
-
-def _enclosing_opaque(target, tracer: ModuleTracer):
-    """The opaque leaf whose interior contains ``target`` (error path only)."""
-    for oc in tracer.opaque_calls:
-        stop = {e[0] for e in oc.input_edges}
-        stack = [e[0] for e in oc.output_edges]
-        seen = set()
-        while stack:
-            node = stack.pop()
-            if node is target:
-                return oc
-            if node in seen or node in stop:
-                continue
-            seen.add(node)
-            stack.extend(n for n, _ in node.next_functions if n is not None)
-    return None
 
 
 def _postorder(root, children, is_target):
