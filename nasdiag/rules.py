@@ -22,7 +22,7 @@ The reference supernet registers the rules of its own ops (``nasdiag.supernet.op
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Tuple, Type
 
 import torch
@@ -155,6 +155,20 @@ class Homogeneity:
             normalization groups) is removed exactly (the mean subtraction takes it, the variance ignores it).
         vacuous: axes the output has no dims along (``nn.Flatten`` to (batch, features): no spatial dim), so
             any term is constant along them: a passed term comes out constant along ``(A ∩ keeps) ∪ vacuous``.
+        mixes: axes along which the module combines entries (a convolution: channel and space; ReLU: none).
+            A positive factor constant along them passes: ``f(a ⊙ y) = a^d ⊙ f(y)``. None: it does not pass
+            (not homogeneous, or unknown).
+        reshapes: the module only moves entries (``nn.Flatten``): constancy of a factor along axes maps as a
+            term's does; for any other module a passed factor keeps its axes.
+        stats: for a normalization, the axes its statistics are constant along (batch norm: batch and space;
+            group norm with one group: channel and space). When it does not remove an incoming term it still
+            divides out a positive factor constant within its groups, and what comes out is a new positive factor
+            constant along ``stats`` times a fixed function of the input, plus a term constant along
+            ``A ∩ keeps`` (``keeps``: the statistics' and the affine map's constant axes).
+        factor: for a composition that is not homogeneous in the plain sense (``degree`` None) but rescales:
+            ``f(c·x) = a(c) ⊙ g(x) + o(c)`` with a positive ``a(c)`` constant along these axes (one per sample
+            after a group norm with one group whose incoming bias it did not remove). A later normalization whose
+            groups lie within them, and that removes ``o``, makes the composition invariant. None otherwise.
     """
 
     degree: Optional[float]
@@ -165,6 +179,10 @@ class Homogeneity:
     needs: Axes = frozenset()
     removes: Optional[Axes] = None
     vacuous: Axes = frozenset()
+    mixes: Optional[Axes] = None
+    reshapes: bool = False
+    stats: Optional[Axes] = None
+    factor: Optional[Axes] = None
 
     @property
     def invariant(self) -> bool:
@@ -179,6 +197,26 @@ class Homogeneity:
 
     def removes_term(self, term: Axes) -> bool:
         return self.degree == 0 and self.removes is not None and self.removes <= term
+
+    def passes_factor(self, factor: Axes) -> Optional[Axes]:
+        """Axes along which a positive factor constant along ``factor`` on the input is constant on the output,
+        or None when the module does not pass it (it mixes entries the factor differs on, or is not homogeneous).
+        For a normalization use :meth:`divides_factor`."""
+        if self.degree is None or self.degree == 0 or self.mixes is None or not self.mixes <= factor:
+            return None
+        return self.passes(factor) if self.reshapes else factor
+
+    def divides_factor(self, factor: Optional[Axes]) -> bool:
+        """Whether a normalization divides out a positive factor constant along ``factor`` (None: a plain power
+        of c, constant everywhere): each of its groups must see one value of it."""
+        return self.degree == 0 and (factor is None or (self.removes is not None and self.removes <= factor))
+
+    def after_normalization(self, term: Axes, factor: Optional[Axes]) -> Optional[Tuple[Axes, Axes]]:
+        """``(term, factor)`` axes that come out of a normalization that divides out the incoming factor but does
+        not remove the incoming term (see ``stats``), or None when it does neither."""
+        if not self.divides_factor(factor) or self.stats is None or self.keeps is None:
+            return None
+        return term & self.keeps, self.stats if factor is None else self.stats & factor
 
 
 HomogeneityRule = Callable[[nn.Module, Callable[[nn.Module], Homogeneity]], Homogeneity]
@@ -262,24 +300,47 @@ def compose(parts: List[Tuple[str, Homogeneity]]) -> Homogeneity:
     on. A degree-0 module (a normalization with the statistics of its own input) makes the composition
     invariant if nothing before it was non-homogeneous and any additive term is constant over its
     normalization groups (then it is removed: f(c x) = N(c^d y + o) = N(c^d y) = N(y)); nothing after it matters.
+    A normalization that does not remove the term still divides out the scale: N(c^d y + o) = a(c) ⊙ g(y) + o'(c)
+    with a positive a(c) constant within its groups (group norm with one group: one per sample). That factor
+    passes modules that do not mix entries it differs on (ReLU, convolutions, pools for a per-sample factor),
+    and a later normalization with groups inside it that removes o' makes the composition invariant
+    (conv(bias) → GroupNorm(1, C) → InstanceNorm).
     """
     degree: Optional[float] = 1.0
+    factor: Optional[Axes] = None  # with degree None: the axes a positive non-power factor a(c) is constant along
     term: Optional[Axes] = None  # axes along which the additive term so far is constant
     # how the composition treats a term on ITS input: kept along `keeps` (and constant along `vacuous`) if
     # constant along `needs`; (((A ∩ K1) ∪ V1) ∩ K2) ∪ V2 = (A ∩ K1 ∩ K2) ∪ (V1 ∩ K2) ∪ V2
     keeps: Optional[Axes] = ALL_AXES
     needs: Axes = frozenset()
     vacuous: Axes = frozenset()
+    mixes: Optional[Axes] = frozenset()  # what the whole composition mixes, for a factor to pass it
     steps = []
     for name, h in parts:
         steps.append(f"{name}[{'not homogeneous' if h.degree is None else f'degree {h.degree:g}'}]")
+        mixes = None if mixes is None or h.mixes is None or h.reshapes else mixes | h.mixes
+        if h.degree is None and h.factor is not None:  # a part that rescales (itself a composition)
+            if degree is None or term is not None:
+                degree = factor = term = None
+            else:  # c^d x in: a(c^d) ⊙ g(x) + o out
+                degree, factor, term, keeps = None, h.factor, h.offset, None
+            continue
         if h.degree == 0:
-            if degree is None:
+            if degree is None and factor is None:
                 return Homogeneity(None, " -> ".join(steps) + ": not homogeneous before the invariant map")
+            if not h.divides_factor(factor):
+                return Homogeneity(None, " -> ".join(steps) + f": a scale factor constant only along {sorted(factor)} "
+                                   "is not divided out")
             if term is not None and not h.removes_term(term):
-                return Homogeneity(
-                    None, " -> ".join(steps) + f": an additive term constant only along {sorted(term)} is not removed"
-                )
+                after = h.after_normalization(term, factor)
+                if after is None:
+                    return Homogeneity(
+                        None, " -> ".join(steps) + f": an additive term constant only along {sorted(term)} is not removed"
+                    )
+                # what a term on the composition's input does past here is not tracked: none is said to be removed
+                degree, (term, factor), keeps = None, after, None
+                steps[-1] += f"(keeps a term; rescales per {sorted(factor)})"
+                continue
             removes = None
             if keeps is not None and h.removes is not None and h.removes - vacuous <= keeps:
                 removes = (h.removes - vacuous) | needs
@@ -293,22 +354,30 @@ def compose(parts: List[Tuple[str, Homogeneity]]) -> Homogeneity:
         if term is not None:
             term = h.passes(term)
             if term is None:
-                degree = None
-        if h.degree is None or degree is None:
+                degree = factor = None
+        if factor is not None:
+            factor = h.passes_factor(factor)
+        elif h.degree is None or degree is None:
             degree = None
         else:
             degree *= h.degree
-        if h.offset is not None and degree is not None:
+        if h.offset is not None and (degree is not None or factor is not None):
             term = h.offset if term is None else term & h.offset
     if degree is None:
+        if factor is not None:
+            return Homogeneity(None, " -> ".join(steps) + f": rescales by a factor constant along {sorted(factor)}",
+                               offset=term, factor=factor)
         return Homogeneity(None, " -> ".join(steps))
     why = ": affine (an additive term remains)" if term is not None else ""
-    return Homogeneity(degree, " -> ".join(steps) + why, offset=term, keeps=keeps, needs=needs, vacuous=vacuous)
+    return Homogeneity(degree, " -> ".join(steps) + why, offset=term, keeps=keeps, needs=needs, vacuous=vacuous,
+                       mixes=mixes)
 
 
-def degree_rule(degree: Optional[float], why: str, *, keeps: Optional[Axes] = None, needs: Axes = frozenset()) -> HomogeneityRule:
+def degree_rule(degree: Optional[float], why: str, *, keeps: Optional[Axes] = None, needs: Axes = frozenset(),
+                mixes: Optional[Axes] = None) -> HomogeneityRule:
     """A rule that returns a fixed degree (``0`` makes the module itself the invariance source and removes
-    any additive term before it, like a module with constant output). ``keeps``/``needs``: see :class:`Homogeneity`."""
+    any additive term before it, like a module with constant output). ``keeps``/``needs``/``mixes``: see
+    :class:`Homogeneity` (``mixes`` None, the default: a positive factor is not known to pass)."""
 
     def rule(module, analyse):
         return Homogeneity(
@@ -318,6 +387,7 @@ def degree_rule(degree: Optional[float], why: str, *, keeps: Optional[Axes] = No
             keeps=keeps,
             needs=needs,
             removes=frozenset() if degree == 0 else None,
+            mixes=mixes,
         )
 
     return rule
@@ -333,10 +403,7 @@ def delegate_rule(attr: str) -> HomogeneityRule:
     def rule(module, analyse):
         child = getattr(module, attr)
         h = analyse(child)
-        return Homogeneity(
-            h.degree, f"{type(module).__name__}.{attr}: {h.reason}", h.invariant_by, h.offset, h.keeps, h.needs, h.removes,
-            h.vacuous,
-        )
+        return replace(h, reason=f"{type(module).__name__}.{attr}: {h.reason}")
 
     return rule
 
@@ -357,19 +424,30 @@ def _affine_layer(module, analyse):
         pointwise = all(k == 1 for k in module.kernel_size) and all(s == 1 for s in module.stride)
         keeps = frozenset((BATCH, SPATIAL)) if pointwise else frozenset((BATCH,))
         offset = frozenset((BATCH, SPATIAL))
+        mixes = _conv_mixes(module)
         where = ""
     elif isinstance(module, nn.modules.conv._ConvNd):
         # W * o of a term o: still constant along batch; along space unless zero padding changes the borders
         unpadded = module.padding == "valid" or (not isinstance(module.padding, str) and not any(module.padding))
         keeps = frozenset((BATCH, SPATIAL)) if unpadded or module.padding_mode != "zeros" else frozenset((BATCH,))
         offset = frozenset((BATCH, SPATIAL))
+        mixes = _conv_mixes(module)
         where = ""
     else:
         rank = input_rank(analyse, module)
         offset = keeps = {2: frozenset((BATCH, SPATIAL)), None: frozenset((BATCH,))}.get(rank, frozenset((BATCH, CHANNEL)))
+        mixes = {2: frozenset((CHANNEL,)), None: frozenset((CHANNEL, SPATIAL))}.get(rank, frozenset((SPATIAL,)))
         where = f" on a rank-{rank} input" if rank is not None else " on an input of unknown rank"
     what = f"with bias (affine: a term constant along {', '.join(sorted(offset))})" if has_bias else "without bias (linear)"
-    return Homogeneity(1.0, f"{type(module).__name__}{where} {what}", offset=offset if has_bias else None, keeps=keeps)
+    return Homogeneity(1.0, f"{type(module).__name__}{where} {what}", offset=offset if has_bias else None, keeps=keeps,
+                       mixes=mixes)
+
+
+def _conv_mixes(module) -> Axes:
+    # a depthwise convolution (one input channel per group) keeps channels apart; a 1x1 kernel keeps positions apart
+    depthwise = module.groups == module.in_channels
+    pointwise = all(k == 1 for k in module.kernel_size)
+    return frozenset(() if depthwise else (CHANNEL,)) | frozenset(() if pointwise else (SPATIAL,))
 
 
 def _norm_groups(module: nn.Module, rank: Optional[int] = None) -> Axes:
@@ -390,6 +468,33 @@ def _norm_groups(module: nn.Module, rank: Optional[int] = None) -> Axes:
     return frozenset((CHANNEL, SPATIAL))
 
 
+def _norm_statistics(module: nn.Module, rank: Optional[int] = None) -> Tuple[Optional[Axes], Axes]:
+    """``(stats, affine_keeps)``: the axes the statistics of one normalization group are constant along (None:
+    not known at an unknown rank), and those its learned affine map (if any) is constant along."""
+    per_channel_affine = frozenset((BATCH, SPATIAL)) if getattr(module, "affine", False) else ALL_AXES
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        return frozenset((BATCH, SPATIAL)), per_channel_affine
+    if isinstance(module, nn.modules.instancenorm._InstanceNorm):
+        return frozenset((SPATIAL,)), per_channel_affine
+    if isinstance(module, nn.GroupNorm):
+        # channel groups between one and all: the statistics change across groups, which no axis here describes
+        return (frozenset((CHANNEL, SPATIAL)) if module.num_groups == 1 else frozenset((SPATIAL,))), per_channel_affine
+    normalized = len(module.normalized_shape)
+    if rank is None:
+        return None, frozenset()
+    stats = ALL_AXES if normalized >= rank else {rank - 1: frozenset((CHANNEL, SPATIAL)), rank - 2: frozenset((SPATIAL,))}.get(normalized, frozenset())
+    # an elementwise affine map over the normalized dims is constant along the others (a spatial dim left
+    # out still leaves "all of space" varying)
+    elementwise = frozenset((BATCH,)) | (frozenset((CHANNEL,)) if normalized <= rank - 2 else frozenset())
+    return stats, elementwise if getattr(module, "elementwise_affine", False) else ALL_AXES
+
+
+def _normalization(module, why: str, rank: Optional[int] = None) -> Homogeneity:
+    stats, affine_keeps = _norm_statistics(module, rank)
+    return Homogeneity(0.0, f"{type(module).__name__} {why}", module, removes=_norm_groups(module, rank), stats=stats,
+                       keeps=None if stats is None else stats & affine_keeps)
+
+
 def _running_statistics_affine(module):
     # x ↦ γ (x − running mean)/σ + β per channel: affine, a per-channel term stays one
     return Homogeneity(
@@ -397,28 +502,28 @@ def _running_statistics_affine(module):
         f"{type(module).__name__} in eval mode with running statistics (affine map)",
         offset=frozenset((BATCH, SPATIAL)),
         keeps=frozenset((BATCH, SPATIAL)),
+        mixes=frozenset(),
     )
 
 
 def _batch_norm(module, analyse):
     if module.training or not module.track_running_stats:
-        return Homogeneity(0.0, f"{type(module).__name__} with batch statistics", module, removes=_norm_groups(module))
+        return _normalization(module, "with batch statistics")
     return _running_statistics_affine(module)
 
 
 def _instance_norm(module, analyse):
     if module.track_running_stats and not module.training:
         return _running_statistics_affine(module)
-    return Homogeneity(0.0, f"{type(module).__name__} (per-sample statistics)", module, removes=_norm_groups(module))
+    return _normalization(module, "(per-sample statistics)")
 
 
 def _group_norm(module, analyse):
-    return Homogeneity(0.0, f"{type(module).__name__}: per-sample group statistics", module, removes=_norm_groups(module))
+    return _normalization(module, "(per-sample group statistics)")
 
 
 def _layer_norm(module, analyse):
-    groups = _norm_groups(module, input_rank(analyse, module))
-    return Homogeneity(0.0, f"{type(module).__name__}: per-sample statistics", module, removes=groups)
+    return _normalization(module, "(per-sample statistics)", input_rank(analyse, module))
 
 
 def _dropout(module, analyse):
@@ -426,24 +531,37 @@ def _dropout(module, analyse):
     # additive term comes out multiplied by the mask, constant along nothing (elementwise dropout) or along space
     # (channel dropout: one mask entry per sample and channel).
     if not module.training or module.p == 0:
-        return Homogeneity(1.0, f"{type(module).__name__} in eval mode (identity)", keeps=ALL_AXES)
+        return Homogeneity(1.0, f"{type(module).__name__} in eval mode (identity)", keeps=ALL_AXES, mixes=frozenset())
     channelwise = isinstance(module, (nn.Dropout1d, nn.Dropout2d, nn.Dropout3d))
     return Homogeneity(1.0, f"{type(module).__name__} in training (a random mask)",
-                       keeps=frozenset((SPATIAL,)) if channelwise else None)
+                       keeps=frozenset((SPATIAL,)) if channelwise else None, mixes=frozenset())
 
 
 def _flatten(module, analyse):
-    # (B, ...) -> (B, features): a term constant along batch stays so; the result has no spatial dim
-    to_2d = module.start_dim == 1 and module.end_dim == -1
-    return Homogeneity(1.0, f"{type(module).__name__}: a reshape", keeps=frozenset((BATCH,)),
-                       vacuous=frozenset((SPATIAL,)) if to_2d else frozenset())
+    # A reshape. Merging only spatial dims (start_dim >= 2, e.g. (B, C, H, W) -> (B, C, H·W) before a
+    # BatchNorm1d) keeps a term's constancy along every axis; merging the channel in keeps it along batch
+    # (and along the spatial dims left, if any); to (batch, features) the result has no spatial dim.
+    rank = input_rank(analyse, module)
+    start, end = module.start_dim, module.end_dim
+    if rank is not None:
+        start, end = start % rank, end % rank
+    if start >= 2 or start == end >= 0:
+        return Homogeneity(1.0, f"{type(module).__name__}: a reshape of the spatial dims", keeps=ALL_AXES,
+                           mixes=frozenset(), reshapes=True)
+    if start != 1:  # the batch dim merged (or a negative start_dim at an unknown rank): keep nothing
+        return Homogeneity(1.0, f"{type(module).__name__}: a reshape", keeps=frozenset(), mixes=frozenset(), reshapes=True)
+    to_2d = end == -1 or (rank is not None and end == rank - 1)
+    spatial_left = not to_2d and end >= 0
+    return Homogeneity(1.0, f"{type(module).__name__}: a reshape",
+                       keeps=frozenset((BATCH, SPATIAL)) if spatial_left else frozenset((BATCH,)),
+                       vacuous=frozenset((SPATIAL,)) if to_2d else frozenset(), mixes=frozenset(), reshapes=True)
 
 
 def _padding(module, analyse):
     value = getattr(module, "value", 0.0)
     if value != 0:
         return Homogeneity(None, f"{type(module).__name__} pads with {value} (not homogeneous)")
-    return Homogeneity(1.0, f"{type(module).__name__} pads with 0", keeps=frozenset((BATCH, CHANNEL)))
+    return Homogeneity(1.0, f"{type(module).__name__} pads with 0", keeps=frozenset((BATCH, CHANNEL)), mixes=frozenset())
 
 
 def _avg_pool(module, analyse):
@@ -457,19 +575,21 @@ def _avg_pool(module, analyse):
     else:
         border_exact = not padded or not getattr(module, "count_include_pad", True)
     keeps = ALL_AXES if border_exact else frozenset((BATCH, CHANNEL))
-    return Homogeneity(1.0, f"{type(module).__name__}: linear", keeps=keeps)
+    return Homogeneity(1.0, f"{type(module).__name__}: linear", keeps=keeps, mixes=frozenset((SPATIAL,)))
 
 
-_KEEPS_ALL = degree_rule(1.0, "positively homogeneous of degree 1 (passes an additive term)", keeps=ALL_AXES)
-for _t in (nn.Identity, nn.modules.pooling._AdaptiveAvgPoolNd):
-    _register_homogeneity(_t, _KEEPS_ALL)
+_register_homogeneity(nn.Identity, degree_rule(1.0, "the identity", keeps=ALL_AXES, mixes=frozenset()))
+_register_homogeneity(nn.modules.pooling._AdaptiveAvgPoolNd,
+                      degree_rule(1.0, "linear (passes an additive term)", keeps=ALL_AXES, mixes=frozenset((SPATIAL,))))
 for _t in (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d):
     _register_homogeneity(_t, _dropout)
 for _t in (nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AdaptiveMaxPoolNd):
     # max(c y + o) = c max(y) + o when o is constant over each window
-    _register_homogeneity(_t, degree_rule(1.0, "positively homogeneous of degree 1", keeps=ALL_AXES, needs=frozenset((SPATIAL,))))
+    _register_homogeneity(_t, degree_rule(1.0, "positively homogeneous of degree 1", keeps=ALL_AXES, needs=frozenset((SPATIAL,)),
+                                          mixes=frozenset((SPATIAL,))))
 for _t in (nn.ReLU, nn.LeakyReLU, nn.PReLU):
-    _register_homogeneity(_t, degree_rule(1.0, "positively homogeneous of degree 1"))
+    # elementwise: relu(a ⊙ y) = a ⊙ relu(y) for any positive a
+    _register_homogeneity(_t, degree_rule(1.0, "positively homogeneous of degree 1", mixes=frozenset()))
 _register_homogeneity(nn.Flatten, _flatten)
 _register_homogeneity(nn.modules.pooling._AvgPoolNd, _avg_pool)
 for _t in (nn.modules.conv._ConvNd, nn.Linear):

@@ -1,6 +1,6 @@
 """Structure against numbers: random small compositions of conv/linear (with and without bias), ReLU,
-pools, dropout, flatten and BatchNorm/InstanceNorm/GroupNorm/LayerNorm (affine on and off; LayerNorm over
-the features, or over the last spatial dim), linear layers on 2-D and on 3-D inputs (where they act on a
+pools, dropout, flatten (to features, or of the spatial dims only) and BatchNorm/InstanceNorm/GroupNorm/LayerNorm (affine on and off; LayerNorm over
+the features, over channel and space, or over the last spatial dim), linear layers on 2-D and on 3-D inputs (where they act on a
 spatial dim, not the channel).
 
 * The scale-invariance flag (wiring supplement Thm. 1, decided from module structure by the one rule
@@ -28,7 +28,7 @@ _conv_layers = st.one_of(
     st.tuples(st.just("maxpool")),
     st.tuples(st.just("avgpool"), st.booleans()),
     st.tuples(st.sampled_from(["dropout", "dropout2d"])),
-    st.tuples(st.sampled_from(["bn", "in", "gn1", "gnC", "lnW"]), st.booleans()),
+    st.tuples(st.sampled_from(["bn", "in", "gn1", "gnC", "lnW", "lnCHW"]), st.booleans()),
 )
 _linear_layers = st.one_of(
     st.tuples(st.just("linear"), st.booleans()),
@@ -42,7 +42,12 @@ _linear_layers = st.one_of(
 EXACT_ZERO = 1e-14
 
 
-def _build(spec, conv: bool, flatten_bn: bool = False) -> nn.Sequential:
+#: how a conv composition may end: as it is, or reshaped and normalized once more (Flatten to features ->
+#: BatchNorm1d; Flatten(2) of the spatial dims -> BatchNorm1d over the channels, or LayerNorm over the positions)
+TAILS = (None, "flatten_bn", "flatten2_bn", "flatten2_ln")
+
+
+def _build(spec, conv: bool, tail=None) -> nn.Sequential:
     layers, pooled, side = [], False, 6
     for item in spec:
         kind = item[0]
@@ -63,6 +68,8 @@ def _build(spec, conv: bool, flatten_bn: bool = False) -> nn.Sequential:
             layers.append(nn.Dropout2d(0.3))
         elif kind == "lnW":  # LayerNorm over the last spatial dim only
             layers.append(nn.LayerNorm(side, elementwise_affine=item[1], eps=EPS))
+        elif kind == "lnCHW":  # LayerNorm over channel and space: one group per sample, like GroupNorm(1, C)
+            layers.append(nn.LayerNorm([C, side, side], elementwise_affine=item[1], eps=EPS))
         elif kind == "avgpool":
             layers.append(nn.AvgPool2d(3, stride=1, padding=1, count_include_pad=item[1]))
         elif kind in ("bn", "bn1d"):
@@ -75,8 +82,12 @@ def _build(spec, conv: bool, flatten_bn: bool = False) -> nn.Sequential:
             layers.append(nn.GroupNorm(C, C, affine=item[1], eps=EPS))
         elif kind == "ln":
             layers.append(nn.LayerNorm(C, elementwise_affine=item[1], eps=EPS))
-    if flatten_bn:
+    if tail == "flatten_bn":
         layers += [nn.Flatten(), nn.BatchNorm1d(C * side * side, eps=EPS)]
+    elif tail == "flatten2_bn":
+        layers += [nn.Flatten(2), nn.BatchNorm1d(C, eps=EPS)]
+    elif tail == "flatten2_ln":
+        layers += [nn.Flatten(2), nn.LayerNorm(side * side, eps=EPS)]
     return nn.Sequential(*layers).to(DT)
 
 
@@ -100,7 +111,7 @@ def _randomize(net: nn.Sequential) -> None:
 def compositions(draw):
     conv = draw(st.booleans())
     spec = draw(st.lists(_conv_layers if conv else _linear_layers, min_size=1, max_size=5))
-    shape = draw(st.booleans())  # conv: end in Flatten -> BatchNorm1d; linear: a 3-D input
+    shape = draw(st.sampled_from(TAILS) if conv else st.booleans())  # conv: its tail; linear: a 3-D input
     return conv, spec, shape, draw(st.integers(0, 2**16))
 
 
@@ -109,9 +120,9 @@ def compositions(draw):
 def test_invariance_flag_matches_f_of_scaled_input(case):
     conv, spec, shape, seed = case
     torch.manual_seed(seed)
-    net = _build(spec, conv, flatten_bn=conv and shape)
+    net = _build(spec, conv, tail=shape if conv else None)
     _randomize(net)
-    x = _input(conv, rank3=shape)
+    x = _input(conv, rank3=not conv and shape)
     with torch.no_grad():
         out = _same_mask(net, x)
         same = all(torch.allclose(_same_mask(net, c * x), out, rtol=1e-7, atol=1e-7 * (1 + out.abs().max())) for c in (0.3, 3.7))
@@ -127,10 +138,10 @@ def test_biases_a_normalization_removes_get_exactly_zero_curvature(case):
     torch.manual_seed(seed)
     # the recursions have no rule for reflect padding, and each call would draw its own dropout mask
     body = _build([item for item in spec if not item[0].startswith("dropout") and item[-1] != "reflect"], conv,
-                  flatten_bn=conv and shape)
+                  tail=shape if conv else None)
     _randomize(body)
     head = [nn.Flatten(), nn.LazyLinear(4)]
-    x = _input(conv, rank3=shape)
+    x = _input(conv, rank3=not conv and shape)
     net = nn.Sequential(body, nn.Tanh(), *head).to(DT)
     net(x)  # materialize the lazy head
     y = torch.randint(0, 4, (x.shape[0],))
@@ -247,3 +258,46 @@ def test_flags_that_need_the_input_rank_or_a_vacuous_axis():
         inp = x if isinstance(net[0], nn.Conv2d) else torch.randn(8, 6, dtype=DT)
         assert _scale_invariant_numerically(net, inp), net
         assert is_scale_invariant(net, inp), net
+
+
+# A normalization that does not remove a bias still divides by statistics that depend on it: what comes out is a
+# positive factor (one per sample for GroupNorm(1, C)) times a fixed function of the input, plus a term. A later
+# normalization with per-sample groups that removes the term removes the factor too, so the bias has no effect
+# and the op is scale-invariant (f(c x) = f(x)), through an unpadded convolution, a pool or a reshape in between
+# as well (not through a ReLU: relu(a y + o) is not a ⊙ relu(y) plus a term).
+_PER_SAMPLE_AFTER_GN1 = [
+    ([], nn.InstanceNorm2d(C, eps=EPS)),
+    ([], nn.GroupNorm(C, C, eps=EPS)),
+    ([], nn.LayerNorm(6, eps=EPS)),
+    ([nn.Conv2d(C, C, 3, bias=False)], nn.InstanceNorm2d(C, affine=True, eps=EPS)),  # unpadded: the term stays constant
+    ([nn.MaxPool2d(2)], nn.InstanceNorm2d(C, eps=EPS)),
+    ([nn.Flatten(2)], nn.LayerNorm(36, eps=EPS)),
+]
+
+
+def test_a_bias_a_first_normalization_keeps_is_removed_by_a_second_per_sample_one():
+    x = torch.randn(6, C, 6, 6, dtype=DT)
+    for between, second in _PER_SAMPLE_AFTER_GN1:
+        body = nn.Sequential(nn.Conv2d(C, C, 1), nn.GroupNorm(1, C, eps=EPS), *between, second).to(DT)
+        torch.manual_seed(2)
+        _randomize(body)
+        with torch.no_grad():
+            assert torch.allclose(body(3.7 * x), body(x), atol=1e-9)  # invariant, numerically
+        assert is_scale_invariant(body, x), between
+        net = nn.Sequential(body, nn.Tanh(), nn.Flatten(), nn.LazyLinear(4)).to(DT)
+        got = _bias_curvatures(net, x, ["0.0.bias", "0.0.weight"])
+        # the first normalization's eps (1e-14 against a variance of order 1) leaves ~1e-14 here
+        assert got["exact"]["0.0.bias"].abs().max() < 1e-10 * got["exact"]["0.0.weight"].abs().max()
+        assert (got["diag"]["0.0.bias"] == 0).all() and (got["approx"]["0.0.bias"] == 0).all(), between
+
+
+def test_a_factor_one_batch_norm_leaves_is_not_divided_out_by_per_sample_norms():
+    # BatchNorm's factor is one per channel and GroupNorm(1, C) mixes channels: neither the flag nor the zero
+    # may claim invariance here (a Linear over space keeps the bias from BatchNorm's removal)
+    body = nn.Sequential(nn.Conv2d(C, C, 1), nn.GroupNorm(1, C, eps=EPS), nn.BatchNorm2d(C, eps=EPS), nn.GroupNorm(1, C, eps=EPS)).to(DT)
+    x = torch.randn(6, C, 6, 6, dtype=DT)
+    torch.manual_seed(3)
+    _randomize(body)
+    with torch.no_grad():
+        assert not torch.allclose(body(3.7 * x), body(x), atol=1e-6)
+    assert not is_scale_invariant(body, x)

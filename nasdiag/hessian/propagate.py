@@ -251,35 +251,48 @@ _SUMS = ("AddBackward0", "AddBackward1", "SubBackward0", "SubBackward1")
 
 
 def _term_removed(edge: Edge, term, consumers, rule_calls, ranks) -> bool:
-    pending, seen = [(edge, term)], set()
+    # state per path: the axes the parameter's additive term is constant along, and, once a normalization has
+    # divided by statistics that depend on it without removing it, the axes of that positive factor (None
+    # before): conv(bias) -> GroupNorm(1, C) -> InstanceNorm removes the bias through both
+    pending, seen = [(edge, term, None)], set()
     while pending:
-        edge, term = pending.pop()
-        if (edge, term) in seen:
+        edge, term, factor = pending.pop()
+        if (edge, term, factor) in seen:
             continue
-        seen.add((edge, term))
+        seen.add((edge, term, factor))
         after = consumers.get(edge, [])
         if not after:  # the term reaches the model's output
             return False
         for node in after:
             rc = rule_calls.get(node)
             if rc is None:
-                if type(node).__name__ not in _SUMS:
+                # a sum passes the term, but not a factor that scales only one of its summands
+                if type(node).__name__ not in _SUMS or factor is not None:
                     return False
-                pending.append(((node, 0), term))
+                pending.append(((node, 0), term, None))
                 continue
             h = _homogeneity(rc.call.module, ranks)
             if h is None:
                 return False
-            if h.removes_term(term):
+            if h.degree == 0:
                 # a rule that holds the batch statistics fixed (NormRule(through_statistics=False)) computes the
                 # Hessian of the frozen-statistics net, in which the term is not removed
                 if not getattr(rc.rule, "through_statistics", True):
                     return False
+                if h.removes_term(term) and h.divides_factor(factor):
+                    continue
+                after_norm = h.after_normalization(term, factor)
+                if after_norm is None:
+                    return False
+                pending.append((rc.output_edge, *after_norm))
                 continue
             passed = h.passes(term)
-            if passed is None or h.degree == 0:
+            if passed is None:
                 return False
-            pending.append((rc.output_edge, passed))
+            passed_factor = None if factor is None else h.passes_factor(factor)
+            if factor is not None and passed_factor is None:
+                return False
+            pending.append((rc.output_edge, passed, passed_factor))
     return True
 
 
