@@ -228,10 +228,15 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     return args
 
 
-def _stopped(args: Optional[argparse.Namespace], how: str) -> str:
+def _stopped(args: Optional[argparse.Namespace], how: str, exc: Optional[BaseException] = None) -> str:
     """The line printed when a command is interrupted (``how``): what the record holds, when there is one."""
     if args is None or args.command != "search":
         return f"nasdiag: {how}"
+    complete = getattr(exc, "complete_run", None)  # set by the runner when the stop came while drawing figures
+    if complete is not None:
+        record, figures = complete
+        return (f"nasdiag: {how} while drawing the figures; the run is complete in {record}: "
+                f"draw them with nasdiag plot {record} --out {figures}")
     if not args.out or not os.path.exists(args.out):
         return f"nasdiag: {how} before anything was recorded; run the command again (without --resume)"
     return f"nasdiag: {how}; the record holds every completed step (continue with --resume)"
@@ -291,11 +296,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
         print(f"nasdiag: error: {describe_os_error(exc)}{where}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print(_stopped(args, "interrupted"), file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        print(_stopped(args, "interrupted", exc), file=sys.stderr)
         return EXIT_SIGINT
-    except Terminated:
-        print(_stopped(args, "terminated (SIGTERM)"), file=sys.stderr)
+    except Terminated as exc:
+        print(_stopped(args, "terminated (SIGTERM)", exc), file=sys.stderr)
         return EXIT_SIGTERM
     finally:
         warnings.formatwarning = previous_format

@@ -253,3 +253,24 @@ def test_sigterm_ends_a_run_waiting_for_peers_that_never_come(tmp_path):
         proc.kill()
         proc.wait()
     assert not (tmp_path / "run.h5").exists()
+
+
+def test_an_interrupt_while_drawing_the_figures_points_at_nasdiag_plot(tmp_path, capsys, monkeypatch):
+    # the run is complete when the figures are drawn: --resume would answer "already finished"
+    import nasdiag.plot
+
+    def interrupted(record, folder, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(nasdiag.plot, "write_figures", interrupted)
+    out, figs = tmp_path / "run.h5", tmp_path / "figs"
+    argv = [a for a in TINY if a != "--no-figs"]
+    assert main(["search", *argv, "--out", str(out), "--figs", str(figs)]) == 130
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert "while drawing the figures; the run is complete" in lines[0], lines[0]
+    suggested = lines[0].split("draw them with nasdiag ")[1].split()
+    assert suggested == ["plot", str(out), "--out", str(figs)]
+    monkeypatch.undo()
+    assert main(suggested + ["--no-progress"]) == 0
+    assert any(figs.rglob("*.png"))

@@ -585,7 +585,12 @@ def _run(config, callbacks, method_cls, hp, rank, world, device) -> SearchResult
     if config.figures is not None and rank == 0 and config.record is not None:
         from nasdiag.plot import write_figures
 
-        figures = [str(p) for p in write_figures(config.record, config.figures)]
+        try:
+            figures = [str(p) for p in write_figures(config.record, config.figures)]
+        except BaseException as exc:
+            if not isinstance(exc, Exception):  # Ctrl-C or a signal: the run itself is complete and recorded
+                exc.complete_run = (os.fspath(config.record), os.fspath(config.figures))
+            raise
     return SearchResult(method.genotype(), evaluation, None if config.record is None else os.fspath(config.record),
                         figures, config, method)
 
