@@ -252,3 +252,22 @@ def test_figures_the_record_does_not_hold(rec, tmp_path, capsys):
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and "none of the 2 records could be drawn" in lines[-1], lines
     assert len(lines) == 3 and all("holds nothing that --figures regret draws" in line for line in lines[:2]), lines
+
+
+def test_a_record_whose_every_figure_is_skipped_is_not_drawn(rec, tmp_path, capsys, monkeypatch):
+    """A record whose chosen figures all had nothing to show (every value NaN) said "0 figures" and exited 0."""
+    import nasdiag.plot.registry as registry
+
+    real = registry.draw_record
+
+    def all_skipped(record, folder, *args, **kwargs):
+        drawn = real(record, folder, *args, **kwargs)
+        drawn.skipped += [f"{Path(f).name}: every value is NaN" for f in drawn.files]
+        drawn.files.clear()
+        return drawn
+
+    monkeypatch.setattr(registry, "draw_record", all_skipped)
+    code = main(["plot", str(rec), "--out", str(tmp_path / "figs"), "--figures", "scalars", "--dpi", "20"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "every one was skipped" in err[-1] and "nothing was drawn" in err[-1], err
+    assert err[0].startswith("skipped "), err

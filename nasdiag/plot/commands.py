@@ -5,7 +5,8 @@ record (``DIR/<record name>/``) plus ``DIR/compare/``, where each heatmap of eve
 side on one colour scale. A record that cannot be read is reported in one line and skipped.
 
 Exit codes of ``plot``: 0 when every record drew, 1 when some records were skipped but at least one
-drew, 2 (one-line error) when none drew (so a single unreadable record exits 2).
+drew, 2 (one-line error) when none drew (so a single unreadable record exits 2). A record whose every chosen
+figure was skipped (nothing to show) drew nothing and counts as skipped.
 
 ``nasdiag report RECORD --out PAGE.html`` replaces an existing PAGE only if it is a page ``report``
 wrote before, or with ``--force``; never the record it reads, and never an HDF5 file.
@@ -256,6 +257,16 @@ def _refuse_nothing_to_draw(record, record_path, figures_arg) -> None:
                     "draw every figure it has")
 
 
+def _refuse_none_drawn(drawn, what: str) -> None:
+    """Refuse a record whose every chosen figure was skipped (no data to show, every value NaN): it drew no
+    file and must not count as drawn (exit 0)."""
+    from nasdiag.plot.registry import PlotError
+
+    if not drawn.files:
+        raise PlotError(f"{what} has figures, but every one was skipped ({len(drawn.skipped)} lines above say why); "
+                        "nothing was drawn")
+
+
 def _refuse_idle_at(at_tokens, specs) -> None:
     """Refuse an ``--at`` that names a row twice, or that none of the chosen figures uses: ``--at`` chooses
     rows of the figures that draw one row (heatmaps), and would otherwise do nothing."""
@@ -305,6 +316,7 @@ def run_plot(args) -> int:
         drawn = draw_record(record, out, args.format, figures, args.at, args.dpi)
         for line in drawn.skipped:
             print(f"skipped {line}", file=sys.stderr)
+        _refuse_none_drawn(drawn, f"record {record_path}")
         print(f"{record_path}: {len(drawn.files)} figures in {out}; {_nonfinite_line(drawn)}")
         return 0
 
@@ -326,6 +338,9 @@ def run_plot(args) -> int:
             _check_at_steps(at_tokens, record, record_path)
             _refuse_nothing_to_draw(record, record_path, args.figures)
             drawn = draw_record(record, folders[record_path], args.format, figures, args.at, args.dpi)
+            for line in drawn.skipped:
+                bar.write(f"skipped {Path(record_path).name}/{line}", file=sys.stderr)
+            _refuse_none_drawn(drawn, "it")
         except NasdiagError as exc:
             failed.append(record_path)
             bar.write(f"nasdiag: skipped {record_path}: {exc}", file=sys.stderr)
@@ -335,8 +350,6 @@ def run_plot(args) -> int:
             bar.write(f"nasdiag: skipped {record_path}: cannot read it ({exc.strerror or exc})", file=sys.stderr)
             continue
         loaded[folders[record_path].name] = record
-        for line in drawn.skipped:
-            bar.write(f"skipped {Path(record_path).name}/{line}", file=sys.stderr)
         bar.write(f"{record_path}: {len(drawn.files)} figures in {folders[record_path]}; {_nonfinite_line(drawn)}",
                   file=sys.stdout)
     bar.close()
