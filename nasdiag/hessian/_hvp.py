@@ -27,10 +27,78 @@ Inputs = Union[torch.Tensor, Tuple[torch.Tensor, ...]]
 
 
 def call_model(model: nn.Module, inputs: Inputs):
-    """``model(inputs)``, or ``model(*inputs)`` when ``inputs`` is a tuple."""
-    if isinstance(inputs, tuple):
-        return model(*inputs)
-    return model(inputs)
+    """``model(inputs)``, or ``model(*inputs)`` when ``inputs`` is a tuple.
+
+    A forward that fails on inputs of another dtype or device than the model's parameters, or on a batch of
+    one sample through train-mode BatchNorm, is refused with a :class:`~nasdiag.hessian.modes.CurvatureTypeError`
+    (resp. :class:`~nasdiag.hessian.modes.CurvatureError`) saying so, chained to torch's error; any other
+    failure of the forward is the model's own and propagates unchanged."""
+    try:
+        if isinstance(inputs, tuple):
+            return model(*inputs)
+        return model(inputs)
+    except (RuntimeError, TypeError, ValueError, NotImplementedError) as err:
+        from nasdiag.hessian.modes import CurvatureError
+
+        if isinstance(err, CurvatureError) or _traced(inputs):
+            raise
+        _refuse_unfit_inputs(model, inputs, err)
+        raise
+
+
+def check_model(model, loss_fn, what: str) -> None:
+    """Refuse a ``model`` that is not an ``nn.Module`` and a ``loss_fn`` that is not callable, before any work."""
+    from nasdiag.hessian.modes import CurvatureTypeError
+
+    if not isinstance(model, nn.Module):
+        raise CurvatureTypeError(f"{what}: model must be an nn.Module (called as model(inputs)), got {type(model).__name__}; "
+                                 "wrap a function in an nn.Module whose forward calls it")
+    if not callable(loss_fn):
+        raise CurvatureTypeError(f"{what}: loss_fn must be callable as loss_fn(outputs, targets) -> scalar tensor "
+                                 f"(e.g. F.cross_entropy), got {type(loss_fn).__name__}")
+
+
+def _traced(inputs) -> bool:
+    """Whether ``inputs`` are wrapped by a ``torch.func`` transform (vmap, grad, jvp): failures there are
+    handled by the callers' fallbacks and must keep their type."""
+    wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+    tensors = inputs if isinstance(inputs, tuple) else (inputs,)
+    return wrapped is not None and any(isinstance(t, torch.Tensor) and wrapped(t) for t in tensors)
+
+
+def _refuse_unfit_inputs(model: nn.Module, inputs: Inputs, err: BaseException) -> None:
+    """Raise a one-line curvature error (from ``err``) when the inputs, not the model, explain why the forward failed."""
+    from nasdiag.hessian.modes import CurvatureError, CurvatureTypeError
+
+    tensors = [t for t in (inputs if isinstance(inputs, tuple) else (inputs,)) if isinstance(t, torch.Tensor)]
+    held = [t for t in (*model.parameters(), *model.buffers()) if torch.is_floating_point(t)]
+    if not tensors or not held:
+        return
+    dtypes = {t.dtype for t in held}
+    devices = {t.device for t in held}
+    failed = f"model(inputs) failed ({type(err).__name__}: {str(err).strip().splitlines()[0][:160] if str(err).strip() else ''})"
+    for t in tensors:
+        if t.device not in devices:
+            raise CurvatureTypeError(
+                f"{failed}: the inputs are on {t.device} but the model's parameters on {_listed(devices)}; "
+                f"move them with inputs.to({_listed(devices)!r}) (or the model with model.to(inputs.device))"
+            ) from err
+        if t.dtype not in dtypes:
+            kind = "floating-point" if torch.is_floating_point(t) else "non-floating-point"
+            raise CurvatureTypeError(
+                f"{failed}: the inputs have {kind} dtype {t.dtype} but the model's parameters {_listed(dtypes)}; "
+                f"convert them with inputs.to({_listed(dtypes)}) (a Hessian is taken in the model's dtype)"
+            ) from err
+    batch_norms = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+    if batch_norms and tensors[0].dim() > 0 and tensors[0].shape[0] == 1:
+        raise CurvatureError(
+            f"{failed}: a batch of one sample cannot be normalized by train-mode BatchNorm ({batch_norms[0]!r}); "
+            "pass a batch of 2 or more samples, or call model.eval() to use the running statistics"
+        ) from err
+
+
+def _listed(values) -> str:
+    return ", ".join(sorted(str(v) for v in values))
 
 
 @contextmanager
@@ -98,17 +166,60 @@ def preserved_buffers(model: nn.Module) -> Iterator[None]:
 
 
 def scalar_loss(loss_fn: Callable, outputs, targets) -> torch.Tensor:
-    """``loss_fn(outputs, targets)``, checked to be a real scalar that carries a graph."""
-    loss = loss_fn(outputs, targets)
+    """``loss_fn(outputs, targets)``, checked to be a real scalar computed from ``outputs``.
+
+    Bad input is a one-line :class:`~nasdiag.hessian.modes.CurvatureError`: a ``loss_fn`` that is not
+    callable, that fails on these targets (a batch size other than the outputs', a shape the loss does not
+    take; chained to the loss's own error), that returns a non-scalar or an integer, or that does not depend
+    on ``outputs`` at all."""
+    from nasdiag.hessian.modes import CurvatureError, CurvatureTypeError
+
+    if not callable(loss_fn):
+        raise CurvatureTypeError(
+            f"loss_fn must be callable as loss_fn(outputs, targets) -> scalar tensor (e.g. F.cross_entropy), got {type(loss_fn).__name__}"
+        )
+    try:
+        loss = loss_fn(outputs, targets)
+    except (RuntimeError, TypeError, ValueError, IndexError) as err:
+        if isinstance(err, CurvatureError) or _traced(outputs):
+            raise
+        raise CurvatureError(
+            f"loss_fn(outputs, targets) failed on outputs {_described(outputs)} and targets {_described(targets)} "
+            f"({type(err).__name__}: {str(err).strip().splitlines()[0][:160] if str(err).strip() else ''}); "
+            + _targets_hint(outputs, targets)
+        ) from err
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise ValueError(
+        raise CurvatureError(
             f"loss_fn(outputs, targets) must return a scalar tensor, got {shape}; "
             "reduce over the batch (e.g. reduction='mean') before taking a Hessian"
         )
     if not torch.is_floating_point(loss):
-        raise ValueError(f"loss_fn returned dtype {loss.dtype}; a Hessian needs a floating-point loss")
+        raise CurvatureError(
+            f"loss_fn returned dtype {loss.dtype}; a Hessian needs a floating-point loss: compute it from the outputs "
+            "without casting to an integer type"
+        )
+    if isinstance(outputs, torch.Tensor) and outputs.requires_grad and loss.grad_fn is None and loss is not outputs:
+        raise CurvatureError(
+            "loss_fn(outputs, targets) does not depend on the model outputs (it returned a tensor without an autograd "
+            "graph to them, e.g. a constant or a detached value), so its Hessian is not one of the model; compute the "
+            "loss from outputs"
+        )
     return loss.reshape(())
+
+
+def _described(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{tuple(value.shape)} {value.dtype}"
+    return type(value).__name__
+
+
+def _targets_hint(outputs, targets) -> str:
+    if (isinstance(outputs, torch.Tensor) and isinstance(targets, torch.Tensor) and outputs.dim() > 0
+            and targets.dim() > 0 and targets.shape[0] != outputs.shape[0]):
+        return (f"the targets hold {targets.shape[0]} samples but the model returned {outputs.shape[0]}; "
+                "pass the targets of the same batch as the inputs")
+    return "pass targets that loss_fn accepts for these outputs (e.g. class indices (N,) for F.cross_entropy)"
 
 
 def named_tensors(params, default_owner: nn.Module | None = None) -> List[Tuple[str, torch.Tensor]]:
@@ -116,6 +227,10 @@ def named_tensors(params, default_owner: nn.Module | None = None) -> List[Tuple[
 
     ``None`` means ``default_owner.arch_parameters()``.
     """
+    from nasdiag.hessian.modes import CurvatureError  # a ValueError too; imported here as fit_chunk does
+
+    from nasdiag.hessian.modes import CurvatureError, CurvatureTypeError
+
     if params is None:
         getter = getattr(default_owner, "named_arch_parameters", None)
         if getter is not None:
@@ -123,22 +238,32 @@ def named_tensors(params, default_owner: nn.Module | None = None) -> List[Tuple[
         elif hasattr(default_owner, "arch_parameters"):
             pairs = [(f"arch.{i}", p) for i, p in enumerate(default_owner.arch_parameters())]
         else:
-            raise ValueError(
+            raise CurvatureError(
                 f"{type(default_owner).__name__} has no arch_parameters(); pass params= explicitly "
                 "(a list of tensors, (name, tensor) pairs or a {name: tensor} dict)"
             )
     elif isinstance(params, Mapping):
         pairs = list(params.items())
+    elif isinstance(params, (str, torch.Tensor)):
+        raise CurvatureTypeError(
+            f"params must be a collection of tensors, (name, tensor) pairs or a {{name: tensor}} dict, got one "
+            f"{type(params).__name__}; wrap it in a list, e.g. params=[model.alphas_normal]"
+        )
     else:
         items = list(params)
         pairs = [p if isinstance(p, tuple) else (f"param.{i}", p) for i, p in enumerate(items)]
     if not pairs:
-        raise ValueError("params is empty: there is nothing to take a Hessian with respect to")
+        raise CurvatureError(
+            "params is empty: there is nothing to take a Hessian with respect to; pass the tensors (requires_grad) "
+            "to differentiate, e.g. params=model.arch_parameters()"
+        )
     for name, p in pairs:
         if not isinstance(p, torch.Tensor):
-            raise TypeError(f"params[{name!r}] is a {type(p).__name__}, not a tensor")
+            how = (f"; pass the tensor itself, e.g. dict(model.named_parameters())[{p!r}]" if isinstance(p, str)
+                   else "; pass tensors, (name, tensor) pairs or a {name: tensor} dict")
+            raise CurvatureTypeError(f"params[{name!r}] is a {type(p).__name__}, not a tensor{how}")
         if not p.requires_grad:
-            raise ValueError(f"params[{name!r}] does not require grad; call .requires_grad_(True) on it first")
+            raise CurvatureError(f"params[{name!r}] does not require grad; call .requires_grad_(True) on it first")
     return pairs
 
 
@@ -177,7 +302,12 @@ class HessianVectorProduct:
         single = v.dim() == 1
         V = v.reshape(1, -1) if single else v
         if V.dim() != 2 or V.shape[1] != self.dim:
-            raise ValueError(f"expected vectors of shape ({self.dim},) or (m, {self.dim}), got {tuple(v.shape)}")
+            from nasdiag.hessian.modes import CurvatureError
+
+            raise CurvatureError(
+                f"expected vectors of shape ({self.dim},) or (m, {self.dim}) (the flattened {', '.join(self.names)}), "
+                f"got {tuple(v.shape)}; reshape them to that"
+            )
         V = V.to(dtype=self.dtype, device=self.device)
         if self.is_zero:
             out = torch.zeros_like(V)
@@ -314,8 +444,12 @@ def free_memory(device: torch.device) -> Optional[int]:
     return min(found) if found else None
 
 
+#: what a caller of an exact mode whose single product does not fit can use instead (its own ``instead=`` may say better)
+INSTEAD_OF_EXACT = "use mode='ggn_mc' (one extra backward) or 'approx', a smaller batch, or raise max_memory"
+
+
 def fit_chunk(saved_bytes: int, max_memory: Optional[int], chunk_size: int, what: str,
-              device: Union[str, torch.device, None] = None) -> int:
+              device: Union[str, torch.device, None] = None, instead: str = INSTEAD_OF_EXACT) -> int:
     """The largest chunk ≤ ``chunk_size`` whose products fit ``max_memory`` bytes, or a one-line
     :class:`~nasdiag.hessian.modes.CurvatureError` with the estimate and what to use instead.
 
@@ -324,6 +458,8 @@ def fit_chunk(saved_bytes: int, max_memory: Optional[int], chunk_size: int, what
     without a message, so the default is a cap, not none."""
     from nasdiag.hessian.modes import CurvatureError
 
+    check_chunk_size(chunk_size, what)
+    check_max_memory(max_memory, what)
     if max_memory is None:
         free = free_memory(device) if device is not None else None
         if free is None:
@@ -338,10 +474,35 @@ def fit_chunk(saved_bytes: int, max_memory: Optional[int], chunk_size: int, what
     if fits < 1:
         raise CurvatureError(
             f"{what}: one exact Hessian-vector product needs about {_size(per_product)} "
-            f"({PRODUCT_FACTOR} x {_size(saved_bytes)} saved by the forward) but {limit}; "
-            "use mode='ggn_mc' (one extra backward) or 'approx', a smaller batch, or raise max_memory"
+            f"({PRODUCT_FACTOR} x {_size(saved_bytes)} saved by the forward) but {limit}; {instead}"
         )
     return min(chunk_size, fits)
+
+
+def check_chunk_size(chunk_size, what: str) -> None:
+    """Refuse a ``chunk_size`` that is not an int >= 1 (a bool, a string, a float, zero or negative)."""
+    from nasdiag.hessian.modes import CurvatureError, CurvatureTypeError
+
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool):
+        raise CurvatureTypeError(f"{what}: chunk_size must be an int >= 1 (products per vmapped pass), got {chunk_size!r} "
+                                 f"({type(chunk_size).__name__}); pass e.g. chunk_size=8")
+    if chunk_size < 1:
+        raise CurvatureError(f"{what}: chunk_size must be an int >= 1 (products per vmapped pass), got {chunk_size}; "
+                             "pass e.g. chunk_size=8")
+
+
+def check_max_memory(max_memory, what: str) -> None:
+    """Refuse a ``max_memory`` that is not None or a positive number of bytes."""
+    from nasdiag.hessian.modes import CurvatureError, CurvatureTypeError
+
+    if max_memory is None:
+        return
+    if not isinstance(max_memory, (int, float)) or isinstance(max_memory, bool):
+        raise CurvatureTypeError(f"{what}: max_memory must be a number of bytes (or None for half the free memory), got "
+                                 f"{max_memory!r} ({type(max_memory).__name__}); pass e.g. max_memory=2 * 2**30 for 2 GiB")
+    if not max_memory > 0:
+        raise CurvatureError(f"{what}: max_memory must be a positive number of bytes (or None for half the free memory), "
+                             f"got {max_memory!r}; pass e.g. max_memory=2 * 2**30 for 2 GiB")
 
 
 def _size(n_bytes: int) -> str:

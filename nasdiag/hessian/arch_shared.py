@@ -23,6 +23,7 @@ from torch import nn
 
 from nasdiag.hessian._hvp import (
     HessianVectorProduct,
+    INSTEAD_OF_EXACT,
     SavedBytes,
     batch_statistics_only,
     call_model,
@@ -36,6 +37,18 @@ from nasdiag.hessian._hvp import (
 from nasdiag.hessian.modes import CurvatureError
 
 __all__ = ["alpha_diag_hessian", "shared_weights_diag_hessian"]
+
+#: what to use when one exact product of the shared diagonal does not fit the memory allowed (the arch modes'
+#: ``mode='ggn_mc'`` is not an argument of these functions, and per edge it drops the cross-cell terms)
+INSTEAD_OF_SHARED_ALPHA = (
+    "for this shared-α diagonal use nasdiag.hessian.hutchinson_diagonal(model, loss_fn, inputs, targets, params, "
+    "batch_size=1) (unbiased, one product at a time through one retained graph), the per-edge "
+    "arch_diag_hessian(..., mode='ggn_mc', wrt='alpha') (cross-cell terms dropped), a smaller batch, or raise max_memory"
+)
+INSTEAD_OF_SHARED_Z = (
+    "for this shared-Z diagonal use the per-edge arch_diag_hessian(..., mode='ggn_mc') summed over the cells "
+    "(cross-cell terms dropped; nasdiag search --hessian-mode ggn_mc), a smaller batch, or raise max_memory"
+)
 
 
 def alpha_diag_hessian(
@@ -67,7 +80,12 @@ def alpha_diag_hessian(
         ``{name: tensor shaped like the parameter}``, detached, in the loss's dtype.
 
     Raises:
-        CurvatureError: a parameter that is not one of ``model``'s, or a net too large for ``max_memory``.
+        CurvatureError: a parameter that is not one of ``model``'s, or a net too large for ``max_memory`` (naming
+            the estimated size and what to use instead).
+
+    Warns:
+        RuntimeWarning: naming the rows (edges) of a parameter whose gradient and diagonal are both exactly zero,
+            e.g. an edge that runs but whose output the loss does not use (as :func:`arch_diag_hessian` warns).
     """
     pairs = named_tensors(params, default_owner=model)
     by_id = {id(p): n for n, p in model.named_parameters()}
@@ -75,11 +93,13 @@ def alpha_diag_hessian(
     if missing:
         raise CurvatureError(f"alpha_diag_hessian: {missing} are not parameters of the model; pass the model's own α")
     return _exact_parameter_diag(model, loss_fn, inputs, targets, [(by_id[id(p)], p) for _, p in pairs],
-                                 chunk_size, max_memory, "alpha_diag_hessian")
+                                 chunk_size, max_memory, "alpha_diag_hessian", INSTEAD_OF_SHARED_ALPHA)
 
 
-def _exact_parameter_diag(model, loss_fn, inputs, targets, pairs, chunk_size, max_memory, what) -> Dict[str, torch.Tensor]:
-    """``{name: diag}`` for ``pairs = [(name in model, parameter)]``; ``what`` names the caller in errors."""
+def _exact_parameter_diag(model, loss_fn, inputs, targets, pairs, chunk_size, max_memory, what,
+                          instead=INSTEAD_OF_EXACT) -> Dict[str, torch.Tensor]:
+    """``{name: diag}`` for ``pairs = [(name in model, parameter)]``; ``what`` names the caller in errors,
+    ``instead`` says what to use when one product does not fit."""
     names = [n for n, _ in pairs]
     shapes = [p.shape for _, p in pairs]
     sizes = [p.numel() for _, p in pairs]
@@ -92,8 +112,11 @@ def _exact_parameter_diag(model, loss_fn, inputs, targets, pairs, chunk_size, ma
     with preserved_buffers(model), torch.enable_grad():
         with SavedBytes() as saved:
             loss = scalar_loss(loss_fn, call_model(model, inputs), targets)
+        # the gradient, to tell the entries the loss does not use (exact zeros of both gradient and curvature)
+        wrt = [p for _, p in pairs]
+        grads = (torch.autograd.grad(loss, wrt, allow_unused=True) if loss.requires_grad else [None] * len(wrt))
         del loss
-        chunk_size = fit_chunk(saved.bytes, max_memory, chunk_size, what, device=primal.device)
+        chunk_size = fit_chunk(saved.bytes, max_memory, chunk_size, what, device=primal.device, instead=instead)
         columns = functional_hvp(loss_of, primal)
 
         def products(V):
@@ -114,7 +137,33 @@ def _exact_parameter_diag(model, loss_fn, inputs, targets, pairs, chunk_size, ma
             loss = scalar_loss(loss_fn, call_model(model, inputs), targets)
             hvp = HessianVectorProduct(loss, [p for _, p in pairs], names)
             diag = exact_diagonal(hvp, hvp.dim, hvp.dtype, hvp.device, chunk_size)
-    return {n: part.reshape(shape).detach() for n, part, shape in zip(names, torch.split(diag, sizes), shapes)}
+    out = {n: part.reshape(shape).detach() for n, part, shape in zip(names, torch.split(diag, sizes), shapes)}
+    _warn_unused(what, out, dict(zip(names, grads)))
+    return out
+
+
+def _warn_unused(what: str, diag: Dict[str, torch.Tensor], grads: Dict[str, Optional[torch.Tensor]]) -> None:
+    """One ``RuntimeWarning`` naming the rows (edges, along dim 0) of each parameter whose gradient and diagonal
+    are both exactly zero: the loss does not use them (an edge that runs but whose output is dropped), so
+    their zeros are not a flat loss. A NaN is neither zero nor hidden: it stays in the result."""
+    unused = []
+    for name, h in diag.items():
+        g = grads[name]
+        silent = (h == 0) if g is None else (h == 0) & (g.detach() == 0)
+        if h.dim() == 0 or bool(silent.all()):
+            if bool(silent.all()):
+                unused.append(f"{name} (all of it)")
+            continue
+        rows = silent.reshape(h.shape[0], -1).all(1).nonzero().reshape(-1).tolist()
+        if rows:
+            unused.append(f"{name} rows {rows}")
+    if unused:
+        warnings.warn(
+            f"{what}: the loss does not depend on {', '.join(unused)} (gradient and curvature exactly zero: an edge "
+            "whose output is unused?); reported as zeros",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def shared_weights_diag_hessian(
@@ -151,7 +200,8 @@ def shared_weights_diag_hessian(
                              f"got {type(weights).__name__}")
     at = _AtWeights(network, weights)
     pairs = [(f"weights.{group}", at.weights[group]) for group in weights]
-    diag = _exact_parameter_diag(at, loss_fn, inputs, targets, pairs, chunk_size, max_memory, "shared_weights_diag_hessian")
+    diag = _exact_parameter_diag(at, loss_fn, inputs, targets, pairs, chunk_size, max_memory, "shared_weights_diag_hessian",
+                                 INSTEAD_OF_SHARED_Z)
     return {group: diag[f"weights.{group}"] for group in weights}
 
 

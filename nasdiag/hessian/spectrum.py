@@ -35,9 +35,11 @@ from nasdiag.hessian._hvp import (
     preserved_buffers,
     scalar_loss,
 )
+from nasdiag.hessian.modes import CurvatureError
 
 __all__ = [
     "EarlyStopDecision",
+    "NonFiniteHessianError",
     "EigenvalueEarlyStop",
     "HutchinsonEstimate",
     "SpectrumResult",
@@ -55,6 +57,12 @@ _METHODS = ("lanczos", "power")
 
 
 # -- results -------------------------------------------------------------------------------------
+
+
+class NonFiniteHessianError(CurvatureError, FloatingPointError):
+    """A Hessian-vector product came out NaN or inf (a NaN batch, diverged parameters): the eigenvalues and
+    Hutchinson estimates do not exist there. A :class:`~nasdiag.hessian.modes.CurvatureError` (so one
+    ``NasdiagError`` to catch) and a ``FloatingPointError`` (what callers caught before)."""
 
 
 @dataclass(frozen=True)
@@ -146,24 +154,24 @@ def eigenvalues_from_hvp(
         :class:`SpectrumResult`.
     """
     if not isinstance(dim, int) or dim < 1:
-        raise ValueError(f"dim must be a positive int, got {dim!r}")
+        raise CurvatureError(f"dim must be a positive int, got {dim!r}")
     if not isinstance(k, int) or not 1 <= k <= dim:
-        raise ValueError(f"k must be an int in [1, dim={dim}], got {k!r}")
+        raise CurvatureError(f"k must be an int in [1, dim={dim}], got {k!r}")
     if method not in _METHODS:
-        raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
+        raise CurvatureError(f"method must be one of {_METHODS}, got {method!r}")
     if not tol > 0:
-        raise ValueError(f"tol must be positive, got {tol!r}")
+        raise CurvatureError(f"tol must be positive, got {tol!r}")
     generator = torch.Generator().manual_seed(int(seed))
     if method == "lanczos":
         iters = min(dim, max(100, 4 * k)) if iters is None else iters
         if not isinstance(iters, int) or iters < k:
-            raise ValueError(f"iters must be an int >= k={k}, got {iters!r}")
+            raise CurvatureError(f"iters must be an int >= k={k}, got {iters!r}")
         return _lanczos(hvp, dim, k, iters, tol, generator, dtype, device)
     if k != 1:
-        raise ValueError(f"method='power' finds one eigenvalue; for k={k} use method='lanczos'")
+        raise CurvatureError(f"method='power' finds one eigenvalue; for k={k} use method='lanczos'")
     iters = 1000 if iters is None else iters
     if not isinstance(iters, int) or iters < 1:
-        raise ValueError(f"iters must be a positive int, got {iters!r}")
+        raise CurvatureError(f"iters must be a positive int, got {iters!r}")
     return _power(hvp, dim, iters, tol, generator, dtype, device)
 
 
@@ -171,10 +179,13 @@ def _apply(hvp: HVP, v: torch.Tensor, dtype, device) -> torch.Tensor:
     out = hvp(v.to(dtype=dtype, device=device))
     if not isinstance(out, torch.Tensor) or out.shape != v.shape:
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise ValueError(f"hvp(v) must return a tensor of shape {tuple(v.shape)}, got {got}")
+        raise CurvatureError(f"hvp(v) must return a tensor of shape {tuple(v.shape)}, got {got}")
     out = out.detach().to(torch.float64).cpu()
     if not torch.isfinite(out).all():
-        raise FloatingPointError("hvp(v) returned NaN or inf: the Hessian is not finite at this point")
+        raise NonFiniteHessianError(
+            "hvp(v) returned NaN or inf: the Hessian is not finite at this point (a NaN or inf in the batch, the "
+            "parameters or the loss); a search records such an eigenvalue as NaN with hessian/<cell>/nonfinite set"
+        )
     return out
 
 
@@ -355,11 +366,11 @@ def diagonal_from_hvp(
 def _probe_products(hvp, dim, samples, seed, batch_size, dtype, device, reduce_to_scalar: bool) -> torch.Tensor:
     """Per probe: ``zᵀHz`` (n,) or ``z ⊙ Hz`` (n, dim), float64 on the CPU."""
     if not isinstance(dim, int) or dim < 1:
-        raise ValueError(f"dim must be a positive int, got {dim!r}")
+        raise CurvatureError(f"dim must be a positive int, got {dim!r}")
     if not isinstance(samples, int) or samples < 2:
-        raise ValueError(f"samples must be an int >= 2 (a standard error needs two probes), got {samples!r}")
+        raise CurvatureError(f"samples must be an int >= 2 (a standard error needs two probes), got {samples!r}")
     if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        raise CurvatureError(f"batch_size must be a positive int, got {batch_size!r}")
     generator = torch.Generator().manual_seed(int(seed))
     out = []
     for start in range(0, samples, batch_size):
@@ -419,14 +430,14 @@ def _operator(model, loss_fn, inputs, targets, params, hvp, dim):
             dim, loss_fn = loss_fn, None
     if hvp is not None:
         if model is not None or loss_fn is not None or inputs is not None or targets is not None or params is not None:
-            raise ValueError("pass either a model with loss_fn, inputs, targets (and params), or hvp= and dim=, not both")
+            raise CurvatureError("pass either a model with loss_fn, inputs, targets (and params), or hvp= and dim=, not both")
         if not isinstance(dim, int) or dim < 1:
-            raise ValueError(f"with a plain hvp callable, give its dimension: dim must be a positive int, got {dim!r}")
+            raise CurvatureError(f"with a plain hvp callable, give its dimension: dim must be a positive int, got {dim!r}")
         return hvp, dim, torch.float64, None, None
     if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module (or pass hvp= and dim=), got {type(model).__name__}")
+        raise CurvatureError(f"model must be an nn.Module (or pass hvp= and dim=), got {type(model).__name__}")
     if loss_fn is None or inputs is None or targets is None:
-        raise ValueError("a model needs loss_fn, inputs and targets: the Hessian is of loss_fn(model(inputs), targets)")
+        raise CurvatureError("a model needs loss_fn, inputs and targets: the Hessian is of loss_fn(model(inputs), targets)")
     op = loss_hvp(model, loss_fn, inputs, targets, params)
     shapes = [t.shape for t in op.wrt]
 
@@ -584,9 +595,9 @@ class EigenvalueEarlyStop:
 
     def __post_init__(self):
         if not 0 < self.threshold <= 1:
-            raise ValueError(f"threshold must be in (0, 1] (RobustDARTS uses 0.75), got {self.threshold!r}")
+            raise CurvatureError(f"threshold must be in (0, 1] (RobustDARTS uses 0.75), got {self.threshold!r}")
         if not isinstance(self.window, int) or self.window < 1:
-            raise ValueError(f"window must be a positive int (RobustDARTS uses 5), got {self.window!r}")
+            raise CurvatureError(f"window must be a positive int (RobustDARTS uses 5), got {self.window!r}")
 
     @property
     def stopped(self) -> bool:
@@ -597,14 +608,14 @@ class EigenvalueEarlyStop:
         and answer stop or continue."""
         value = float(eigenvalue)
         if not math.isfinite(value):
-            raise ValueError(
+            raise CurvatureError(
                 f"eigenvalue {value} is not finite; the Hessian at this epoch is broken, fix it before early stopping"
             )
         if epoch is None:
             epoch = self.history[-1][0] + 1 if self.history else 0
         epoch = int(epoch)
         if self.history and epoch <= self.history[-1][0]:
-            raise ValueError(f"epochs must increase: got {epoch} after {self.history[-1][0]}")
+            raise CurvatureError(f"epochs must increase: got {epoch} after {self.history[-1][0]}")
         self.history.append((epoch, value))
 
         if self.stopped:
