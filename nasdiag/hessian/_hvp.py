@@ -227,8 +227,6 @@ def named_tensors(params, default_owner: nn.Module | None = None) -> List[Tuple[
 
     ``None`` means ``default_owner.arch_parameters()``.
     """
-    from nasdiag.hessian.modes import CurvatureError  # a ValueError too; imported here as fit_chunk does
-
     from nasdiag.hessian.modes import CurvatureError, CurvatureTypeError
 
     if params is None:
