@@ -162,7 +162,7 @@ def _warn_unused(what: str, diag: Dict[str, torch.Tensor], grads: Dict[str, Opti
             f"{what}: the loss does not depend on {', '.join(unused)} (gradient and curvature exactly zero: an edge "
             "whose output is unused?); reported as zeros",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=4,  # the caller of alpha_diag_hessian / shared_weights_diag_hessian
         )
 
 
