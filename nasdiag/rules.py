@@ -157,7 +157,8 @@ class Homogeneity:
             any term is constant along them: a passed term comes out constant along ``(A ∩ keeps) ∪ vacuous``.
         mixes: axes along which the module combines entries (a convolution: channel and space; ReLU: none).
             A positive factor constant along them passes: ``f(a ⊙ y) = a^d ⊙ f(y)``. None: it does not pass
-            (not homogeneous, or unknown).
+            (not homogeneous, or unknown). For a normalization (degree 0): its groups; for a composition that
+            ends in one, also what the modules before it mix. It divides out a factor constant along them.
         reshapes: the module only moves entries (``nn.Flatten``): constancy of a factor along axes maps as a
             term's does; for any other module a passed factor keeps its axes.
         stats: for a normalization, the axes its statistics are constant along (batch norm: batch and space;
@@ -209,12 +210,21 @@ class Homogeneity:
     def divides_factor(self, factor: Optional[Axes]) -> bool:
         """Whether a normalization divides out a positive factor constant along ``factor`` (None: a plain power
         of c, constant everywhere): each of its groups must see one value of it."""
-        return self.degree == 0 and (factor is None or (self.removes is not None and self.removes <= factor))
+        # a composition ending in a normalization (nn.Sequential(conv, InstanceNorm)) divides it out only if the
+        # modules before the normalization pass it, which ``mixes`` records: a channel-mixing conv does not pass a
+        # factor that differs between channels (one per group of GroupNorm(2, 4))
+        return self.degree == 0 and (factor is None or (self.removes is not None and self.removes <= factor
+                                                        and self.mixes is not None and self.mixes <= factor))
 
     def after_normalization(self, term: Axes, factor: Optional[Axes]) -> Optional[Tuple[Axes, Axes]]:
-        """``(term, factor)`` axes that come out of a normalization that divides out the incoming factor but does
-        not remove the incoming term (see ``stats``), or None when it does neither."""
-        if not self.divides_factor(factor) or self.stats is None or self.keeps is None:
+        """``(term, factor)`` axes that come out of a normalization that does not both remove the incoming term
+        and divide out the incoming factor (see ``stats``), or None when that is not known (a LayerNorm at an
+        unknown rank). Within one group its statistics μ, σ are numbers, so it is the affine map
+        y ↦ γ (y − μ)/σ + β there: a ⊙ g + o comes out as (a/σ) ⊙ γg + (γ(o − μ)/σ + β), a positive factor
+        constant along ``factor ∩ stats`` and a term constant along ``term ∩ keeps``. (Factor and term may
+        depend on the input as well as on c: a later normalization removes them all the same, as long as they
+        are constant within each of its groups.)"""
+        if self.degree != 0 or self.stats is None or self.keeps is None:
             return None
         return term & self.keeps, self.stats if factor is None else self.stats & factor
 
@@ -318,6 +328,7 @@ def compose(parts: List[Tuple[str, Homogeneity]]) -> Homogeneity:
     steps = []
     for name, h in parts:
         steps.append(f"{name}[{'not homogeneous' if h.degree is None else f'degree {h.degree:g}'}]")
+        before = mixes  # what the parts so far mix
         mixes = None if mixes is None or h.mixes is None or h.reshapes else mixes | h.mixes
         if h.degree is None and h.factor is not None:  # a part that rescales (itself a composition)
             if degree is None or term is not None:
@@ -328,14 +339,12 @@ def compose(parts: List[Tuple[str, Homogeneity]]) -> Homogeneity:
         if h.degree == 0:
             if degree is None and factor is None:
                 return Homogeneity(None, " -> ".join(steps) + ": not homogeneous before the invariant map")
-            if not h.divides_factor(factor):
-                return Homogeneity(None, " -> ".join(steps) + f": a scale factor constant only along {sorted(factor)} "
-                                   "is not divided out")
-            if term is not None and not h.removes_term(term):
-                after = h.after_normalization(term, factor)
+            if not h.divides_factor(factor) or (term is not None and not h.removes_term(term)):
+                after = h.after_normalization(ALL_AXES if term is None else term, factor)  # no term: −μ/σ's
                 if after is None:
                     return Homogeneity(
-                        None, " -> ".join(steps) + f": an additive term constant only along {sorted(term)} is not removed"
+                        None, " -> ".join(steps) + f": an additive term constant only along {sorted(term or ())} is not "
+                        f"removed, or a scale factor constant only along {sorted(factor or ())} is not divided out"
                     )
                 # what a term on the composition's input does past here is not tracked: none is said to be removed
                 degree, (term, factor), keeps = None, after, None
@@ -345,7 +354,8 @@ def compose(parts: List[Tuple[str, Homogeneity]]) -> Homogeneity:
             if keeps is not None and h.removes is not None and h.removes - vacuous <= keeps:
                 removes = (h.removes - vacuous) | needs
             why = f"invariant ({h.reason}" + (", which removes the bias before it)" if term is not None else ")")
-            return Homogeneity(0.0, " -> ".join(steps) + ": " + why, h.invariant_by, removes=removes)
+            return Homogeneity(0.0, " -> ".join(steps) + ": " + why, h.invariant_by, removes=removes,
+                               mixes=None if before is None or h.mixes is None else before | h.mixes)
         if keeps is not None:
             if h.keeps is None or not h.needs - vacuous <= keeps:
                 keeps = None
@@ -387,14 +397,26 @@ def degree_rule(degree: Optional[float], why: str, *, keeps: Optional[Axes] = No
             keeps=keeps,
             needs=needs,
             removes=frozenset() if degree == 0 else None,
-            mixes=mixes,
+            mixes=frozenset() if degree == 0 and mixes is None else mixes,  # a constant output divides out anything
         )
 
     return rule
 
 
 def sequential_rule(module: nn.Module, analyse) -> Homogeneity:
-    return compose([(f"{i}:{type(child).__name__}", analyse(child)) for i, child in enumerate(module)])
+    """A nested ``nn.Sequential`` is composed as the run of its children (the same function): a term or a factor
+    entering it is then followed module by module, not through the summary of the inner composition."""
+    return compose(_sequential_parts(module, analyse, ""))
+
+
+def _sequential_parts(module: nn.Module, analyse, prefix: str) -> List[Tuple[str, Homogeneity]]:
+    parts = []
+    for i, child in enumerate(module):
+        if REGISTRY.lookup(child, "homogeneity") is sequential_rule:
+            parts += _sequential_parts(child, analyse, f"{prefix}{i}.")
+        else:
+            parts.append((f"{prefix}{i}:{type(child).__name__}", analyse(child)))
+    return parts
 
 
 def delegate_rule(attr: str) -> HomogeneityRule:
@@ -491,8 +513,9 @@ def _norm_statistics(module: nn.Module, rank: Optional[int] = None) -> Tuple[Opt
 
 def _normalization(module, why: str, rank: Optional[int] = None) -> Homogeneity:
     stats, affine_keeps = _norm_statistics(module, rank)
-    return Homogeneity(0.0, f"{type(module).__name__} {why}", module, removes=_norm_groups(module, rank), stats=stats,
-                       keeps=None if stats is None else stats & affine_keeps)
+    groups = _norm_groups(module, rank)
+    return Homogeneity(0.0, f"{type(module).__name__} {why}", module, removes=groups, stats=stats,
+                       keeps=None if stats is None else stats & affine_keeps, mixes=groups)
 
 
 def _running_statistics_affine(module):
@@ -558,10 +581,14 @@ def _flatten(module, analyse):
 
 
 def _padding(module, analyse):
+    # pad(c·x, v) = c·pad(x, 0) + v·(1 on the border): linear for v = 0, affine otherwise, with a term constant
+    # along batch and channel (the border is the same in every sample and channel)
     value = getattr(module, "value", 0.0)
+    keeps = frozenset((BATCH, CHANNEL))
     if value != 0:
-        return Homogeneity(None, f"{type(module).__name__} pads with {value} (not homogeneous)")
-    return Homogeneity(1.0, f"{type(module).__name__} pads with 0", keeps=frozenset((BATCH, CHANNEL)), mixes=frozenset())
+        return Homogeneity(1.0, f"{type(module).__name__} pads with {value} (affine: a term on the border)",
+                           offset=keeps, keeps=keeps, mixes=frozenset())
+    return Homogeneity(1.0, f"{type(module).__name__} pads with 0", keeps=keeps, mixes=frozenset())
 
 
 def _avg_pool(module, analyse):
@@ -579,8 +606,16 @@ def _avg_pool(module, analyse):
 
 
 _register_homogeneity(nn.Identity, degree_rule(1.0, "the identity", keeps=ALL_AXES, mixes=frozenset()))
-_register_homogeneity(nn.modules.pooling._AdaptiveAvgPoolNd,
-                      degree_rule(1.0, "linear (passes an additive term)", keeps=ALL_AXES, mixes=frozenset((SPATIAL,))))
+def _adaptive_avg_pool(module, analyse):
+    # windows divide by their own count: a constant stays one. Pooled to size 1 everywhere, the output has no
+    # spatial extent, so any term is constant along space (vacuously), as after Flatten to (batch, features)
+    sizes = module.output_size if isinstance(module.output_size, tuple) else (module.output_size,)
+    to_one = all(s == 1 for s in sizes)
+    return Homogeneity(1.0, f"{type(module).__name__}: linear (passes an additive term)", keeps=ALL_AXES,
+                       vacuous=frozenset((SPATIAL,)) if to_one else frozenset(), mixes=frozenset((SPATIAL,)))
+
+
+_register_homogeneity(nn.modules.pooling._AdaptiveAvgPoolNd, _adaptive_avg_pool)
 for _t in (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d):
     _register_homogeneity(_t, _dropout)
 for _t in (nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AdaptiveMaxPoolNd):

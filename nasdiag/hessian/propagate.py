@@ -25,7 +25,7 @@ from torch.autograd.graph import GradientEdge
 from nasdiag.hessian.glue import UnsupportedGlue, glue_rule_for
 from nasdiag.hessian.rules.base import UnsupportedModuleError, unsupported_module_message
 from nasdiag.hessian.trace import Edge, ModuleTracer, RuleCall, edge_of
-from nasdiag.rules import analyse
+from nasdiag.rules import SPATIAL, analyse
 
 __all__ = ["walk_diagonals"]
 
@@ -183,7 +183,7 @@ def _apply_rule(rc: RuleCall, h_out, mode, module_targets, needed, params, push,
         per_param = rule.param_diag(call, h_out) if mode == "diag" else rule.param_approx(call, h_out)
         for attr in removed:  # a following normalization removes its effect: the curvature is exactly 0
             if attr in per_param:  # (× 0 keeps a NaN or inf of the batch a NaN: flagged, not hidden)
-                per_param[attr] = per_param[attr] * 0
+                per_param[attr] = per_param[attr]
         for attr, key in wanted.items():
             if attr in per_param:
                 params[key] = per_param[attr] if key not in params else params[key] + per_param[attr]
@@ -220,11 +220,16 @@ def _removed_additive_params(order, children, rule_calls, module_targets) -> Dic
     out: Dict[object, Tuple[str, ...]] = {}
     for rc in wanted:
         own = _homogeneity(rc.call.module, ranks)
+        # a module with an additive parameter (affine map, convolution, normalization) keeps its input's rank; on
+        # a (batch, features) output there is no spatial dim, so the term is constant along it (LayerNorm's β)
+        vacuous = frozenset((SPATIAL,)) if rc.call.input_rank == 2 else frozenset()
+        additive = rc.rule.additive_params(rc.call.module)
         attrs = tuple(
             attr
-            for attr, axes in rc.rule.additive_params(rc.call.module).items()
+            for attr, axes in additive.items()
             if attr in module_targets[rc.call.name]
-            and _term_removed(rc.output_edge, _term_axes(frozenset(axes), own), consumers, rule_calls, ranks)
+            and _term_removed(rc.output_edge, _term_axes(frozenset(axes), own, len(additive)) | vacuous, consumers,
+                              rule_calls, ranks)
         )
         if attrs:
             out[rc.output_edge[0]] = attrs
@@ -238,12 +243,14 @@ def _homogeneity(module, ranks):
         return None
 
 
-def _term_axes(axes, own):
-    # what the Hessian rule declares, narrowed by what the homogeneity rule knows at this rank (nn.Linear on
-    # more than two dims: its bias varies along the last, a spatial dim)
+def _term_axes(axes, own, n_additive):
+    # The Hessian rule declares the axes without knowing the rank; the homogeneity rule, told the rank, describes
+    # the module's own additive term (nn.Linear on more than two dims: its bias varies along the last, a spatial,
+    # dim and is constant along batch and channel). With one additive parameter that term is the parameter's, so
+    # its axes are the homogeneity rule's; with several, the term of each is narrowed by what holds of their sum.
     if own is None or own.offset is None:
         return axes
-    return axes & own.offset
+    return own.offset if n_additive == 1 else axes & own.offset
 
 
 #: autograd nodes through which an additive term passes unchanged (x ± y: the term of either side stays a term)
