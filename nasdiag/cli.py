@@ -93,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
                         "included) or exact_per_edge (summed per cell; both one Hessian-vector product per mixing weight: "
                         "minutes per epoch on a CPU); docs/hessian.md compares them")
     s.add_argument("--spectrum-every", type=int, default=0, metavar="K",
-                   help="record the top α-Hessian eigenvalue every K steps (0: never; default: 0)")
+                   help="record the top α-Hessian eigenvalue (per cell type and joint) every K steps (0: never; default: 0)")
     s.add_argument("--engine", default=d.engine, choices=ENGINES, help=f"supernet execution engine (default: {d.engine})")
     s.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: usable CPUs, at most 4, shared among torchrun processes)")

@@ -8,7 +8,7 @@ import json
 import numpy as np
 
 from nasdiag import vocabulary as V
-from nasdiag.plot.registry import Heatmap, figure, heatmap
+from nasdiag.plot.registry import Heatmap, NothingToDraw, figure, heatmap
 from nasdiag.plot.style import COLUMN, edge_names, integer_steps, op_names, plot_series, plt, series, step_of
 
 
@@ -38,14 +38,20 @@ def hessian_diag(record, cell: str, row: int) -> Heatmap:
 
 @figure(V.HESSIAN_TOP_EIGENVALUE, name="hessian_eigenvalue", file="hessian_{cell}_eigenvalue",
         paper="RobustDARTS's dominant-eigenvalue curve",
-        caption="Largest eigenvalue of the α-Hessian after each epoch: a steady rise is the early-stopping signal of "
-                "RobustDARTS.")
+        caption="Largest eigenvalue of the α-Hessian of the cell type, and (dashed) of all cell types' α jointly, at "
+                "the recorded steps: a steady rise of the joint one is the early-stopping signal of RobustDARTS.")
 def top_eigenvalue(record, cell: str):
     steps, values = series(record, V.HESSIAN_TOP_EIGENVALUE.path(cell=cell))
     fig, ax = plt.subplots(figsize=(COLUMN, 2.0))
-    plot_series(ax, steps, values, marker="o", ms=3, lw=1.1)
-    if ax.get_legend_handles_labels()[1]:  # NaN/inf marks
-        ax.legend(fontsize=6, frameon=False)
+    plot_series(ax, steps, values, marker="o", ms=3, lw=1.1, label=f"α of the {cell} cells")
+    joint = V.HESSIAN_JOINT_TOP_EIGENVALUE.path()
+    if joint in record:  # records written before the joint eigenvalue was recorded have only the per-type one
+        try:
+            plot_series(ax, *series(record, joint), marker="s", ms=2.5, lw=1.0, ls="--", color="0.35",
+                        label="all α jointly")
+        except NothingToDraw:
+            pass
+    ax.legend(fontsize=6, frameon=False)
     ax.set_xlabel("step")
     ax.set_ylabel("λ_max(∂²L/∂α²)")
     integer_steps(ax)

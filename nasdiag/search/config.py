@@ -66,7 +66,8 @@ class SearchConfig:
         diagnostics: recorded once per epoch: ``cost`` (cost statistics), ``hessian`` (mixing-weight
             Hessian diagonal in ``hessian_mode``, default ``diag``: C.3.1, which tells the ops of an edge apart,
             where ``approx``'s C.3.2 gives every op that ends in an affine-free BatchNorm one value); empty = none.
-        spectrum_every: every k steps record ``hessian/<cell>/top_eigenvalue`` (0 = never).
+        spectrum_every: every k steps record ``hessian/<cell>/top_eigenvalue`` and the joint
+            ``hessian/top_eigenvalue`` over every cell type's α (0 = never).
         record: the HDF5 record path (None: no record, no checkpoint).
         resume: continue the run recorded at ``record`` (same run-defining fields; ``epochs`` may grow).
         force: replace an existing record (refused while another process writes it).

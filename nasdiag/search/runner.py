@@ -203,10 +203,11 @@ def search_loop(method: SearchMethod, splits, *, epochs: int, batch_size: int, s
 
 
 def _top_eigenvalues(method: SearchMethod, batch) -> Dict[str, torch.Tensor]:
-    """``hessian/<cell>/top_eigenvalue`` (and its ``nonfinite`` flag) of the α-Hessian on the architecture batch."""
+    """``hessian/<cell>/top_eigenvalue``, ``hessian/top_eigenvalue`` (joint) and the ``nonfinite`` flags of the
+    α-Hessian on the architecture batch."""
     from nasdiag import vocabulary as V
 
-    wanted = (V.HESSIAN_TOP_EIGENVALUE, V.HESSIAN_NONFINITE)
+    wanted = (V.HESSIAN_TOP_EIGENVALUE, V.HESSIAN_JOINT_TOP_EIGENVALUE, V.HESSIAN_NONFINITE)
     return {k: v for k, v in method.curvature(*batch, top_eigenvalue=True).items() if V.family_of(k) in wanted}
 
 
