@@ -183,7 +183,7 @@ def _apply_rule(rc: RuleCall, h_out, mode, module_targets, needed, params, push,
         per_param = rule.param_diag(call, h_out) if mode == "diag" else rule.param_approx(call, h_out)
         for attr in removed:  # a following normalization removes its effect: the curvature is exactly 0
             if attr in per_param:  # (× 0 keeps a NaN or inf of the batch a NaN: flagged, not hidden)
-                per_param[attr] = per_param[attr]
+                per_param[attr] = per_param[attr] * 0
         for attr, key in wanted.items():
             if attr in per_param:
                 params[key] = per_param[attr] if key not in params else params[key] + per_param[attr]
