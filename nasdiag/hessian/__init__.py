@@ -13,7 +13,7 @@
 from nasdiag.hessian.arch import arch_diag_hessian
 from nasdiag.hessian.arch_exact import exact_arch_diag_hessian
 from nasdiag.hessian.arch_shared import alpha_diag_hessian, shared_weights_diag_hessian
-from nasdiag.hessian.modes import ARCH_MODES, WEIGHT_MODES, CurvatureError
+from nasdiag.hessian.modes import ARCH_MODES, WEIGHT_MODES, CurvatureError, CurvatureRuntimeError, CurvatureTypeError
 from nasdiag.hessian.rules import (
     ElementwiseRule,
     HessianRule,
@@ -42,6 +42,8 @@ __all__ = [
     "ARCH_MODES",
     "WEIGHT_MODES",
     "CurvatureError",
+    "CurvatureRuntimeError",
+    "CurvatureTypeError",
     "alpha_diag_hessian",
     "shared_weights_diag_hessian",
     "EarlyStopDecision",

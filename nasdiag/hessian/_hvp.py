@@ -33,10 +33,24 @@ def call_model(model: nn.Module, inputs: Inputs):
     one sample through train-mode BatchNorm, is refused with a :class:`~nasdiag.hessian.modes.CurvatureTypeError`
     (resp. :class:`~nasdiag.hessian.modes.CurvatureError`) saying so, chained to torch's error; any other
     failure of the forward is the model's own and propagates unchanged."""
-    try:
+    with forward_failures_explained(model, inputs):
         if isinstance(inputs, tuple):
             return model(*inputs)
         return model(inputs)
+
+
+def functional_forward(model: nn.Module, values: Mapping[str, torch.Tensor], inputs: Inputs):
+    """``torch.func.functional_call(model, values, inputs)``, its failures explained as :func:`call_model`'s."""
+    with forward_failures_explained(model, inputs):
+        return torch.func.functional_call(model, values, inputs if isinstance(inputs, tuple) else (inputs,))
+
+
+@contextmanager
+def forward_failures_explained(model: nn.Module, inputs: Inputs) -> Iterator[None]:
+    """Run a forward of ``model`` on ``inputs``; if it fails because of the inputs (:func:`call_model`), re-raise
+    as a one-line curvature error chained to torch's; any other failure propagates unchanged."""
+    try:
+        yield
     except (RuntimeError, TypeError, ValueError, NotImplementedError) as err:
         from nasdiag.hessian.modes import CurvatureError
 

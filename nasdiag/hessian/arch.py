@@ -26,19 +26,20 @@ What each mode drops (docs/hessian.md has measured errors against ``exact``):
 
 from __future__ import annotations
 
+import numbers
 import warnings
 from typing import Callable, Dict, List, Mapping, Optional
 
 import torch
 from torch import nn
 
-from nasdiag.hessian._hvp import call_model, preserved_buffers, scalar_loss
+from nasdiag.hessian._hvp import call_model, check_max_memory, check_model, preserved_buffers, scalar_loss
 from nasdiag.edges import resolve_edges
 from nasdiag.hessian.arch_exact import _check_softmax_weights, exact_arch_diag_hessian, softmax_chain_diag
 from nasdiag.hessian.arch_ggn import ggn_arch_diag
 from nasdiag.hessian.arch_hutchinson import hutchinson_arch_diag
 from nasdiag.hessian.loss_curvature import output_hessian_diagonal
-from nasdiag.hessian.modes import ARCH_MODES, CurvatureError, check_mode, split_mode
+from nasdiag.hessian.modes import ARCH_MODES, CurvatureError, CurvatureTypeError, check_mode, split_mode
 from nasdiag.hessian.propagate import walk_diagonals
 from nasdiag.hessian.rules import HessianRule
 from nasdiag.hessian.trace import ModuleTracer, edge_of
@@ -103,7 +104,7 @@ def arch_diag_hessian(
         its calls.
 
     Raises:
-        ValueError: unknown mode/wrt, bad ``edges``, an edge that never ran or skipped a candidate op,
+        CurvatureError (a ``ValueError``; ``CurvatureTypeError`` for a wrong type): unknown mode/wrt, bad ``edges``, an edge that never ran or skipped a candidate op,
             ``wrt="alpha"`` on weights that are not a softmax.
         UnsupportedModuleError: a module or op on the path has no rule (names it, lists the supported
             modules, says how to register one).
@@ -112,9 +113,15 @@ def arch_diag_hessian(
     """
     check_mode(mode, ARCH_MODES)
     if wrt not in ("Z", "alpha"):
-        raise CurvatureError(f"wrt must be 'Z' or 'alpha', got {wrt!r}")
+        raise CurvatureError(f"wrt must be 'Z' (the mixing weights) or 'alpha' (through Z = softmax(α)), got {wrt!r}")
     if rules is not None and mode not in ("diag", "approx"):
-        raise CurvatureError("rules= only applies to mode='diag' or 'approx'")
+        raise CurvatureError(f"rules= only applies to mode='diag' or 'approx'; mode={mode!r} uses no per-module rules")
+    check_model(model, loss_fn, "arch_diag_hessian")
+    check_max_memory(max_memory, "arch_diag_hessian")
+    if not isinstance(samples, numbers.Integral) or isinstance(samples, bool) or samples < 1:
+        raise CurvatureError(f"samples must be an int >= 1 (Monte-Carlo draws of ggn_mc), got {samples!r}")
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
+        raise CurvatureTypeError(f"seed must be an int (it seeds the probes of ggn_mc and hutchinson:<k>), got {seed!r}")
     if mode in ("exact", "exact_per_edge"):
         return exact_arch_diag_hessian(
             model, loss_fn, inputs, targets, edges, wrt=wrt, shared_alpha="refuse" if mode == "exact" else "per_edge",
@@ -131,11 +138,9 @@ def arch_diag_hessian(
             hess = {n: softmax_chain_diag(observed[n][0].to(h.dtype), grad[n].to(h.dtype), torch.diag(h)) for n, h in hess.items()}
         return hess
     if mode in ("ggn", "ggn_mc"):
-        if not isinstance(samples, int) or samples < 1:
-            raise CurvatureError(f"samples must be a positive int, got {samples!r}")
         hess, grad, observed = ggn_arch_diag(
             model, loss_fn, inputs, targets, [s.name for s in specs], [s.module for s in specs],
-            [s.n_ops for s in specs], monte_carlo=mode == "ggn_mc", samples=samples,
+            [s.n_ops for s in specs], monte_carlo=mode == "ggn_mc", samples=int(samples),
             generator=torch.Generator().manual_seed(int(seed)),
             check_weights=_check_softmax_weights if wrt == "alpha" else None,
         )
@@ -150,7 +155,10 @@ def arch_diag_hessian(
         with tracer, recorder:
             outputs = call_model(model, inputs)
         if not isinstance(outputs, torch.Tensor):
-            raise TypeError(f"model must return one tensor for mode={mode!r}, got {type(outputs).__name__}")
+            raise CurvatureTypeError(
+                f"model must return one tensor for mode={mode!r}, got {type(outputs).__name__}; return the logits alone "
+                "(or wrap the model), or use mode='exact', which takes any outputs loss_fn accepts"
+            )
         recorder.check_complete()
         if wrt == "alpha":  # while the graph from α to the weights is alive
             _check_softmax_weights(recorder.weights, recorder.with_graph)
@@ -224,9 +232,9 @@ class _EdgeRecorder:
         def hook(module, args, kwargs):
             weights = kwargs.get("weights", args[1] if len(args) > 1 else None)
             if not isinstance(weights, torch.Tensor):
-                raise ValueError(
+                raise CurvatureError(
                     f"edge {name!r}: the mixed op was called without mixing weights (expected forward(x, weights) "
-                    "with weights as the second positional argument or weights=)"
+                    "with weights as the second positional argument or weights=); list mixed ops, not candidate ops, as edges"
                 )
             self.weights[name].append(weights.detach())
             self.with_graph.setdefault(name, weights)
@@ -247,7 +255,7 @@ class _EdgeRecorder:
             frame = self._frames[name].pop()
             missing = [k for k in range(K) if k not in frame]
             if missing:
-                raise ValueError(
+                raise CurvatureError(
                     f"edge {name!r}: candidate op(s) {missing} did not run in this call of the mixed op, so their "
                     "curvature is undefined; run every candidate (the BayesNAS formula needs each op output B_k)"
                 )
@@ -262,7 +270,7 @@ class _EdgeRecorder:
     def check_complete(self):
         never = [n for n in self.names if not self.calls[n]]
         if never:
-            raise ValueError(
+            raise CurvatureError(
                 f"mixed op(s) {never} never ran in the forward pass, so their curvature is undefined; "
                 "pass only edges that model(inputs) actually uses"
             )

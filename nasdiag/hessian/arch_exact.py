@@ -29,9 +29,12 @@ import torch
 from torch import nn
 
 from nasdiag.edges import resolve_edges
-from nasdiag.hessian.modes import CurvatureError
+from nasdiag.hessian.modes import CurvatureError, CurvatureRuntimeError
 from nasdiag.hessian._hvp import (
     SavedBytes,
+    check_chunk_size,
+    check_max_memory,
+    check_model,
     fit_chunk,
     softmax_jacobian_ratio,
     source_entries,
@@ -111,7 +114,7 @@ def exact_arch_diag_hessian(
         entry is ``Σ_{b,b'} ∂²L/∂Z_{b,k}∂Z_{b',k}`` (``wrt="alpha"`` needs ``(K,)`` weights).
 
     Raises:
-        ValueError: ``wrt`` or ``backend`` unknown; an edge module not in ``model``; a module listed
+        CurvatureError (a ``ValueError``): ``wrt``, ``backend`` or ``chunk_size`` bad; an edge module not in ``model``; a module listed
             twice; a mixed op that never ran in the forward, or ran without weights of shape (..., K);
             ``wrt="alpha"`` on weights that are not a probability vector.
 
@@ -128,13 +131,14 @@ def exact_arch_diag_hessian(
     An edge that ran but does not influence the loss gets zeros and a ``RuntimeWarning`` naming it.
     """
     if shared_alpha not in ("per_edge", "refuse"):
-        raise ValueError(f"shared_alpha must be 'per_edge' or 'refuse', got {shared_alpha!r}")
+        raise CurvatureError(f"shared_alpha must be 'per_edge' or 'refuse', got {shared_alpha!r}")
     if wrt not in _WRT:
-        raise ValueError(f"wrt must be one of {_WRT}, got {wrt!r}")
+        raise CurvatureError(f"wrt must be 'Z' (the mixing weights) or 'alpha' (through Z = softmax(α)), got {wrt!r}")
     if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        raise CurvatureError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}; 'auto' picks torch.func and falls back to autograd")
+    check_chunk_size(chunk_size, "exact_arch_diag_hessian")
+    check_max_memory(max_memory, "exact_arch_diag_hessian")
+    check_model(model, loss_fn, "exact_arch_diag_hessian")
     specs = resolve_edges(model, edges)
     n_ops = [s.n_ops for s in specs]
     with edge_hessian_products(
@@ -264,14 +268,15 @@ class _WeightShift:
             elif len(args) >= 2:
                 weights = args[1]
             else:
-                raise ValueError(
+                raise CurvatureError(
                     f"edge {name!r}: the mixed op was called without mixing weights (expected forward(x, weights) "
-                    "with weights as the second positional argument or weights=)"
+                    "with weights as the second positional argument or weights=); list mixed ops, not candidate ops, as edges"
                 )
             if not isinstance(weights, torch.Tensor) or weights.dim() not in (1, 2) or weights.shape[-1] != K:
                 shape = tuple(weights.shape) if isinstance(weights, torch.Tensor) else type(weights).__name__
-                raise ValueError(
-                    f"edge {name!r}: mixing weights must have shape (K,) or (B, K) with K={K}, got {shape}"
+                raise CurvatureError(
+                    f"edge {name!r}: mixing weights must have shape (K,) or (B, K) with K={K} (the candidate ops listed), "
+                    f"got {shape}; list exactly the ops the mixed op mixes"
                 )
             if self.mode == "leaves":
                 if name not in self.leaves:
@@ -291,7 +296,7 @@ class _WeightShift:
     def check_all_ran(self) -> None:
         never_ran = [n for n in self.names if not self.observed[n]]
         if never_ran:
-            raise ValueError(
+            raise CurvatureError(
                 f"mixed op(s) {never_ran} never ran in the forward pass, so their curvature is undefined; "
                 "pass only edges that model(inputs) actually uses"
             )
@@ -379,21 +384,23 @@ def _check_softmax_weights(observed: Dict[str, List[torch.Tensor]], with_graph: 
     for name, calls in observed.items():
         z = calls[0]
         if z.dim() != 1:
-            raise ValueError(
+            raise CurvatureError(
                 f"edge {name!r}: wrt='alpha' needs (K,) weights softmax(α_e), got per-sample weights "
                 f"{tuple(z.shape)}; use wrt='Z'"
             )
         if any(c.shape != z.shape or not torch.equal(c, z) for c in calls[1:]):
-            raise ValueError(f"edge {name!r} ran {len(calls)} times with different weights; wrt='alpha' needs one Z per edge")
+            raise CurvatureError(
+                f"edge {name!r} ran {len(calls)} times with different weights; wrt='alpha' needs one Z per edge: use wrt='Z'"
+            )
         tol = 1e3 * torch.finfo(z.dtype).eps
         if bool((z < 0).any()) or abs(float(z.sum()) - 1.0) > tol:
-            raise ValueError(
+            raise CurvatureError(
                 f"edge {name!r}: wrt='alpha' assumes Z = softmax(α) but the weights {z.tolist()} are not a "
                 "probability vector; use wrt='Z' (or chain through your own map)"
             )
         ratio = softmax_jacobian_ratio(with_graph[name]) if with_graph and name in with_graph and z.dim() == 1 else None
         if ratio is not None and abs(ratio - 1.0) > 1e4 * torch.finfo(z.dtype).eps:
-            raise ValueError(
+            raise CurvatureError(
                 f"edge {name!r}: wrt='alpha' assumes Z = softmax(α) of the architecture parameter itself, but ∂Z/∂α is "
                 f"{ratio:.4g} times softmax's (e.g. softmax(α/τ) with τ = {1 / ratio:.4g}, or logits computed from α); "
                 "use wrt='Z' and chain through your own map"
@@ -423,9 +430,9 @@ def _edge_blocks(products, n_ops: Sequence[int], chunk_size: int, dtype, device)
             if not _out_of_memory(err):
                 raise
             if chunk_size == 1:
-                raise RuntimeError(
+                raise CurvatureRuntimeError(
                     "out of memory with one Hessian-vector product at a time; use backend='autograd' "
-                    "(one retained graph, one second backward per product), a smaller batch, or fewer edges"
+                    "(one retained graph, one second backward per product), mode='ggn_mc', a smaller batch, or fewer edges"
                 ) from err
             chunk_size = max(1, chunk_size // 2)
             warnings.warn(f"out of memory: retrying with chunk_size={chunk_size}", RuntimeWarning, stacklevel=3)

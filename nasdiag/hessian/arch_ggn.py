@@ -32,7 +32,7 @@ from torch import nn
 
 from nasdiag.hessian._hvp import call_model, preserved_buffers, scalar_loss
 from nasdiag.hessian.loss_curvature import output_hessian_blocks
-from nasdiag.hessian.modes import CurvatureError
+from nasdiag.hessian.modes import CurvatureError, CurvatureTypeError
 from nasdiag.hooks import Hooks
 
 __all__ = ["ggn_arch_diag", "ggn_factor_rows"]
@@ -61,9 +61,15 @@ class _PerSampleShift:
             x = args[0] if args else kwargs.get("x")
             if not isinstance(weights, torch.Tensor) or weights.dim() not in (1, 2) or weights.shape[-1] != K:
                 shape = tuple(weights.shape) if isinstance(weights, torch.Tensor) else type(weights).__name__
-                raise ValueError(f"edge {name!r}: mixing weights must have shape (K,) or (B, K) with K={K}, got {shape}")
+                raise CurvatureError(
+                    f"edge {name!r}: mixing weights must have shape (K,) or (B, K) with K={K} (the candidate ops listed), "
+                    f"got {shape}; list exactly the ops the mixed op mixes, and pass its weights as forward(x, weights)"
+                )
             if not isinstance(x, torch.Tensor):
-                raise ValueError(f"edge {name!r}: the mixed op's first argument must be the input tensor (B, ...)")
+                raise CurvatureTypeError(
+                    f"edge {name!r}: the mixed op's first argument must be the input tensor (B, ...), got "
+                    f"{type(x).__name__}; call it as forward(x, weights), or use mode='exact'"
+                )
             if name not in self.leaves:
                 self.leaves[name] = torch.zeros(x.shape[0], K, dtype=weights.dtype, device=weights.device, requires_grad=True)
             self.observed[name].append(weights.detach())
@@ -95,7 +101,7 @@ def ggn_arch_diag(
 
     Raises:
         CurvatureError: the loss has negative curvature in the outputs (GGN needs a convex per-sample loss).
-        ValueError: an edge never ran, or ran with weights of the wrong shape.
+        CurvatureError (also a ``ValueError``): an edge never ran, or ran with weights of the wrong shape.
     """
     rows, gradient, observed = ggn_factor_rows(
         model, loss_fn, inputs, targets, names, modules, n_ops, monte_carlo=monte_carlo, samples=samples, generator=generator,
@@ -148,12 +154,15 @@ def ggn_factor_rows(
                 ) from err
             never = [n for n in names if n not in shift.leaves]
             if never:
-                raise ValueError(
+                raise CurvatureError(
                     f"mixed op(s) {never} never ran in the forward pass, so their curvature is undefined; "
                     "pass only edges that model(inputs) actually uses"
                 )
             if not isinstance(outputs, torch.Tensor):
-                raise TypeError(f"model must return one tensor for the GGN modes, got {type(outputs).__name__}")
+                raise CurvatureTypeError(
+                    f"model must return one tensor for the GGN modes, got {type(outputs).__name__}; return the outputs "
+                    "alone (or wrap the model), or use mode='exact'"
+                )
             if check_weights is not None:
                 check_weights(shift.observed, shift.with_graph)
             loss = scalar_loss(loss_fn, outputs, targets)

@@ -43,6 +43,7 @@ from torch import nn
 
 from nasdiag.hessian.arch_exact import edge_hessian_products
 from nasdiag.hessian.arch_ggn import ggn_factor_rows
+from nasdiag.hessian.modes import CurvatureError
 
 __all__ = ["CONTROLS", "hutchinson_arch_diag"]
 
@@ -85,9 +86,9 @@ def hutchinson_arch_diag(
         ``stderr`` is the sample standard deviation of the k per-probe estimates / √k (NaN for k = 1).
     """
     if not isinstance(probes, int) or isinstance(probes, bool) or probes < 1:
-        raise ValueError(f"probes must be an int >= 1, got {probes!r}")
+        raise CurvatureError(f"probes must be an int >= 1 (the k of mode='hutchinson:<k>'), got {probes!r}; pass e.g. probes=4")
     if control not in CONTROLS:
-        raise ValueError(f"control must be one of {CONTROLS}, got {control!r}")
+        raise CurvatureError(f"control must be one of {', '.join(CONTROLS)}, got {control!r}; 'ggn' is what mode='hutchinson:<k>' uses")
     names, modules, n_ops = [s.name for s in specs], [s.module for s in specs], [s.n_ops for s in specs]
     if control != "none":
         rows, _, _ = ggn_factor_rows(

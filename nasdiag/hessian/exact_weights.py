@@ -18,7 +18,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 from torch import nn
 
-from nasdiag.hessian._hvp import HessianVectorProduct, preserved_buffers, scalar_loss
+from nasdiag.hessian._hvp import HessianVectorProduct, functional_forward, preserved_buffers, scalar_loss
 from nasdiag.hessian.loss_curvature import output_hessian_blocks
 from nasdiag.hessian.rules import ModuleCall, rule_for
 from nasdiag.hessian.rules.elementwise import ElementwiseRule, IdentityRule, ReshapeRule
@@ -132,9 +132,8 @@ def _loss_hvp(model: nn.Module, loss_fn: Callable, inputs, targets, values: Dict
     statistics and its running statistics are left untouched."""
     names = list(values)
     leaves = {n: v.detach().clone().requires_grad_(True) for n, v in values.items()}
-    args = inputs if isinstance(inputs, tuple) else (inputs,)
     with preserved_buffers(model), torch.enable_grad():
-        outputs = torch.func.functional_call(model, leaves, args)
+        outputs = functional_forward(model, leaves, inputs)
         loss = scalar_loss(loss_fn, outputs, targets)
     return HessianVectorProduct(loss, [leaves[n] for n in names], names)
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional, Sequence
 
+from nasdiag.hessian.modes import CurvatureError, CurvatureTypeError
+
 import torch
 
 __all__ = ["GlueRule", "UnsupportedGlue", "register_glue_rule", "glue_rule_for"]
@@ -200,9 +202,9 @@ _GLUE: Dict[str, GlueRule] = {}
 def register_glue_rule(node_name: str, rule: GlueRule, *, overwrite: bool = False) -> None:
     """Register ``rule`` for autograd nodes whose class is named ``node_name`` (e.g. ``"CumsumBackward0"``)."""
     if not isinstance(rule, GlueRule):
-        raise TypeError(f"rule must be a GlueRule, got {type(rule).__name__}")
+        raise CurvatureTypeError(f"rule must be a GlueRule instance, got {type(rule).__name__}; subclass GlueRule and pass an instance")
     if node_name in _GLUE and not overwrite:
-        raise ValueError(f"a glue rule for {node_name} is already registered; pass overwrite=True to replace it")
+        raise CurvatureError(f"a glue rule for {node_name} is already registered; pass overwrite=True to replace it")
     _GLUE[node_name] = rule
 
 

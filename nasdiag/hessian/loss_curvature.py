@@ -14,12 +14,14 @@ from typing import Callable
 import torch
 
 from nasdiag.hessian._hvp import distinct_weights, scalar_loss
+from nasdiag.hessian.modes import CurvatureError, CurvatureTypeError
 
 __all__ = ["LossCouplesSamplesError", "output_hessian_blocks", "output_hessian_diagonal"]
 
 
-class LossCouplesSamplesError(ValueError):
-    """The loss has cross-sample second derivatives, so per-sample recursions do not apply."""
+class LossCouplesSamplesError(CurvatureError):
+    """The loss has cross-sample second derivatives, so per-sample recursions do not apply (a
+    :class:`~nasdiag.hessian.modes.CurvatureError`, hence also the ``ValueError`` it was before)."""
 
 
 def output_hessian_blocks(
@@ -43,15 +45,27 @@ def output_hessian_blocks(
             the per-sample recursions cannot represent; use ``mode="exact"`` then.
     """
     if not isinstance(outputs, torch.Tensor) or outputs.dim() < 1:
-        raise TypeError(f"the model must return one tensor (N, ...) for the diagonal recursions, got {type(outputs).__name__}")
+        shape = f"a 0-d tensor" if isinstance(outputs, torch.Tensor) else type(outputs).__name__
+        raise CurvatureTypeError(
+            f"the model must return one tensor (N, ...) for the diagonal recursions and the GGN modes, got {shape}; "
+            "return the per-sample outputs alone, or use mode='exact'"
+        )
     if not torch.is_floating_point(outputs):
-        raise ValueError(f"model outputs have dtype {outputs.dtype}; a Hessian needs floating-point outputs")
+        raise CurvatureError(
+            f"model outputs have dtype {outputs.dtype}; a Hessian needs floating-point outputs: return them before any "
+            "argmax or integer cast"
+        )
     out = outputs.detach().requires_grad_(True)
     N, D = out.shape[0], out[0].numel()
     with torch.enable_grad():
         loss = scalar_loss(loss_fn, out, targets)
         (grad,) = torch.autograd.grad(loss, out, create_graph=True, allow_unused=True)
-    if grad is None or not grad.requires_grad:  # loss linear in the outputs (or independent of them)
+    if grad is None:
+        raise CurvatureError(
+            "loss_fn(outputs, targets) does not depend on the model outputs (its graph does not reach them), so its "
+            "Hessian is not one of the model; compute the loss from outputs"
+        )
+    if not grad.requires_grad:  # loss linear in the outputs
         return out.new_zeros(N, D, D)
     weights = _sample_weights(N, out, generator)
     eye = torch.eye(D, dtype=out.dtype, device=out.device)

@@ -16,7 +16,10 @@ from typing import Optional, Tuple
 
 from nasdiag.errors import NasdiagError
 
-__all__ = ["WEIGHT_MODES", "ARCH_MODES", "COUNTED_MODES", "GRAPHABLE_MODES", "CurvatureError", "ModeNames", "check_mode", "split_mode"]
+__all__ = [
+    "WEIGHT_MODES", "ARCH_MODES", "COUNTED_MODES", "GRAPHABLE_MODES", "CurvatureError", "CurvatureTypeError",
+    "CurvatureRuntimeError", "ModeNames", "check_mode", "split_mode",
+]
 
 #: modes whose name carries a count, ``"<name>:<count>"``, and what the count is
 COUNTED_MODES = {"hutchinson": "k, the number of Hessian-vector products"}
@@ -56,7 +59,20 @@ GRAPHABLE_MODES = ("diag", "approx")
 
 
 class CurvatureError(NasdiagError, ValueError):
-    """A curvature mode that does not exist or cannot apply here (too large, wrong loss, shared α ...)."""
+    """Bad input to the curvature functions: a mode that does not exist or cannot apply here (too large, wrong
+    loss, shared α ...), an unknown parameter, a loss that is not a scalar, edges that never ran. The one line
+    says what was wrong and how to fix it. Also a ``ValueError`` (what these checks raised before), and the
+    base of the two below, so ``except CurvatureError`` catches every refusal of ``nasdiag.hessian``."""
+
+
+class CurvatureTypeError(CurvatureError, TypeError):
+    """An argument of the wrong type (params given as a string, a model returning a tuple, a rule that is not
+    a ``HessianRule``); also the ``TypeError`` it was before."""
+
+
+class CurvatureRuntimeError(CurvatureError, RuntimeError):
+    """A mode that cannot run on this model as called (an input modified in place after its module ran, out of
+    memory at one product at a time); also the ``RuntimeError`` it was before."""
 
 
 def split_mode(mode: str) -> Tuple[str, Optional[int]]:
@@ -69,7 +85,8 @@ def split_mode(mode: str) -> Tuple[str, Optional[int]]:
 
 def check_mode(mode, modes=ARCH_MODES, what: str = "mode") -> str:
     """``mode`` if it is one of ``modes``, else a one-line :class:`CurvatureError` listing them (and, for
-    a counted mode given without its count, saying how to give it)."""
+    a counted mode given without its count, saying how to give it; for a near miss such as ``"Exact"`` or
+    ``"ggn-mc"``, naming the mode meant; for a mixing-weight mode given to ``diag_hessian``, saying so)."""
     if mode in modes:
         return mode
     if isinstance(mode, str):
@@ -79,4 +96,26 @@ def check_mode(mode, modes=ARCH_MODES, what: str = "mode") -> str:
                 f"curvature {what} {mode!r} needs {COUNTED_MODES[name]} (an integer >= 1) in its name, e.g. "
                 f"{name}:4 (docs/hessian.md tabulates k = 1, 4, 16)"
             )
+        if modes is WEIGHT_MODES and mode in ARCH_MODES:
+            raise CurvatureError(
+                f"curvature {what} {mode!r} is a mode of the mixing weights (arch_diag_hessian), not of the weights "
+                f"(diag_hessian); choose one of {', '.join(modes)}"
+            )
+        meant = _near_miss(mode, modes)
+        if meant is not None:
+            raise CurvatureError(f"unknown curvature {what} {mode!r}; did you mean {meant!r}? (modes: {', '.join(modes)})")
     raise CurvatureError(f"unknown curvature {what} {mode!r}; choose one of {', '.join(modes)}")
+
+
+def _near_miss(mode: str, modes) -> Optional[str]:
+    """The mode that ``mode`` spells in another case, with ``-`` or spaces for ``_``, or by a prefix
+    (``"exac"``, ``"approximate"``); None if there is none."""
+    folded = mode.strip().lower().replace("-", "_").replace(" ", "_")
+    if folded in modes:
+        return folded  # also "hutchinson:4" from "Hutchinson:4"
+    names = [m for m in modes if "<" not in m]
+    longer = sorted((m for m in names if len(folded) >= 3 and m.startswith(folded)), key=len)
+    if longer:
+        return longer[0]
+    shorter = sorted((m for m in names if len(m) >= 4 and folded.startswith(m)), key=len, reverse=True)
+    return shorter[0] if shorter else None

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
+from nasdiag.hessian.modes import CurvatureRuntimeError
 from nasdiag.hessian.rules import HessianRule, ModuleCall, rule_for
 from nasdiag.hooks import Hooks
 
@@ -129,7 +130,10 @@ class ModuleTracer:
         if in_edge is not None and out_edge[0] is in_edge[0] and out_edge[1] == in_edge[1]:
             return  # returned its input unchanged (Identity, eval Dropout): nothing to do
         if out_edge[0] in self.rule_calls:
-            raise RuntimeError(f"module {name!r} returned the output of another module unchanged; not supported")
+            raise CurvatureRuntimeError(
+                f"module {name!r} ({type(module).__name__}) returned the output of another module unchanged, so the "
+                "diagonal recursions cannot tell the two apart; compute a new tensor in its forward, or use mode='exact'"
+            )
         self.rule_calls[out_edge[0]] = RuleCall(ModuleCall(name, module, x, output), rule, in_edge, out_edge)
 
     def _opaque_hooks(self, name: str):

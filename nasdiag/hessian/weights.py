@@ -9,9 +9,9 @@ import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
-from nasdiag.hessian._hvp import preserved_buffers, scalar_loss
+from nasdiag.hessian._hvp import check_model, forward_failures_explained, functional_forward, preserved_buffers, scalar_loss
 from nasdiag.hessian.exact_weights import ChainDoesNotApply, as_linear_chain, chain_exact_diag, hvp_exact_diag, hvp_hutchinson_diag
-from nasdiag.hessian.modes import WEIGHT_MODES, CurvatureError, check_mode, split_mode
+from nasdiag.hessian.modes import WEIGHT_MODES, CurvatureError, CurvatureTypeError, check_mode, split_mode
 from nasdiag.hessian.loss_curvature import LossCouplesSamplesError, output_hessian_diagonal
 from nasdiag.hessian.propagate import walk_diagonals
 from nasdiag.hessian.rules import HessianRule, UnsupportedModuleError
@@ -77,7 +77,9 @@ def diag_hessian(
     Raises:
         UnsupportedModuleError: (``diag``/``approx``) a module or op on the path has no rule; the
             message names it, lists the supported modules and says how to register a rule.
-        ValueError: unknown mode or parameter name, a loss coupling samples (``diag``/``approx``), ...
+        CurvatureError (a ``ValueError``; ``CurvatureTypeError`` for a wrong type): unknown mode or parameter name,
+            a loss coupling samples (``diag``/``approx``), a loss that is not a scalar of the outputs, targets the
+            loss cannot take, inputs of another dtype or device than the model's, ...
 
     Side effects: none. Hooks are removed on every path, BatchNorm running statistics are unchanged,
     nothing is kept between calls.
@@ -85,6 +87,7 @@ def diag_hessian(
     check_mode(mode, WEIGHT_MODES)
     if rules is not None and mode not in ("diag", "approx"):
         raise CurvatureError(f"rules= only applies to mode='diag' or 'approx'; mode={mode!r} uses no per-module rules")
+    check_model(model, loss_fn, "diag_hessian")
     values = named_values(model, params)
     name, probes = split_mode(mode)
     if name == "hutchinson":
@@ -95,7 +98,8 @@ def diag_hessian(
             owned = {f"{n}.{k}" if n else k for n, m in chain for k, _ in m.named_parameters(recurse=False)}
             if set(values) <= owned:
                 try:
-                    return chain_exact_diag(chain, loss_fn, inputs, targets, values)
+                    with forward_failures_explained(model, inputs):
+                        return chain_exact_diag(chain, loss_fn, inputs, targets, values)
                 except (LossCouplesSamplesError, ChainDoesNotApply):
                     pass  # the per-sample recursion does not apply (a coupling loss, rows that are not (N, F)); HVPs do
         return hvp_exact_diag(model, loss_fn, inputs, targets, values)
@@ -125,12 +129,14 @@ def recursion_diag(model, loss_fn, inputs, targets, mode, values, rules=None) ->
 
     leaves = {n: v.detach().requires_grad_(True) for n, v in values.items()}
     tracer.tensor_names.update({id(leaf): n for n, leaf in leaves.items()})
-    args = inputs if isinstance(inputs, tuple) else (inputs,)
     with preserved_buffers(model), torch.enable_grad():
         with tracer:
-            outputs = torch.func.functional_call(model, leaves, args)
+            outputs = functional_forward(model, leaves, inputs)
         if not isinstance(outputs, torch.Tensor):
-            raise TypeError(f"model must return one tensor for mode={mode!r}, got {type(outputs).__name__}")
+            raise CurvatureTypeError(
+                f"model must return one tensor for mode={mode!r}, got {type(outputs).__name__}; return the outputs alone "
+                "(or wrap the model), or use mode='exact', which takes any outputs loss_fn accepts"
+            )
         loss = scalar_loss(loss_fn, outputs, targets)
         leaf_targets = {get_gradient_edge(leaves[n]).node: n for n in glue_names}
         h_out = output_hessian_diagonal(loss_fn, outputs, targets)
@@ -157,7 +163,12 @@ def named_values(model: nn.Module, params: Params) -> Dict[str, torch.Tensor]:
     elif isinstance(params, Mapping):
         pairs = list(params.items())
     elif isinstance(params, (str, torch.Tensor)):
-        raise TypeError("params must be a collection (names, (name, tensor) pairs or a {name: tensor} mapping)")
+        raise CurvatureTypeError(
+            f"params must be a collection (names, (name, tensor) pairs or a {{name: tensor}} mapping), got one "
+            f"{type(params).__name__}; wrap it in a list, e.g. params=[{params!r}]" if isinstance(params, str) else
+            "params must be a collection (names, (name, tensor) pairs or a {name: tensor} mapping), got one tensor; "
+            "pass params=[tensor] (a parameter of the model) or {name: value}"
+        )
     else:
         by_id = {id(p): n for n, p in known.items()}
         pairs = []
@@ -169,24 +180,40 @@ def named_values(model: nn.Module, params: Params) -> Dict[str, torch.Tensor]:
             elif isinstance(item, torch.Tensor) and id(item) in by_id:
                 pairs.append((by_id[id(item)], item))
             else:
-                raise TypeError(
-                    f"params entries must be names, (name, tensor) pairs or parameters of the model, got {type(item).__name__}"
+                raise CurvatureTypeError(
+                    f"params entries must be names, (name, tensor) pairs or parameters of the model, got {type(item).__name__}; "
+                    "name the tensor as in model.named_parameters() or pass it as a (name, value) pair"
                 )
     if not pairs:
-        raise ValueError("params is empty: there is nothing to take a Hessian with respect to")
+        raise CurvatureError(
+            "params is empty: there is nothing to take a Hessian with respect to; "
+            + ("the model has no parameters (model.named_parameters() is empty): pass a model with parameters"
+               if not known else "pass the names of the parameters to differentiate, or params=None for all of them")
+        )
     out = {}
     for name, value in pairs:
         if name not in known:
-            close = [k for k in known if name.split(".")[-1] in k][:5]
-            raise ValueError(
-                f"{name!r} is not a parameter of the model (names as in model.named_parameters()"
-                + (f", e.g. {close}" if close else "")
-                + ")"
+            close = [k for k in known if name.split(".")[-1] in k][:5] if isinstance(name, str) else []
+            raise CurvatureError(
+                f"{name!r} is not a parameter of the model; name one as in model.named_parameters()"
+                + (f", e.g. {close}" if close else f" (it has {_short(list(known))})")
             )
         if not isinstance(value, torch.Tensor) or value.shape != known[name].shape:
             shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ValueError(f"params[{name!r}] must be a tensor of shape {tuple(known[name].shape)}, got {shape}")
+            raise CurvatureError(
+                f"params[{name!r}] must be a tensor of shape {tuple(known[name].shape)} (the parameter's), got {shape}; "
+                "pass a value of that shape"
+            )
         if not torch.is_floating_point(value):
-            raise ValueError(f"params[{name!r}] has dtype {value.dtype}; a Hessian needs floating point")
+            raise CurvatureError(
+                f"params[{name!r}] has dtype {value.dtype}; a Hessian needs floating point: pass a value of the parameter's dtype "
+                f"{known[name].dtype}"
+            )
         out[name] = value
     return out
+
+
+def _short(names, n: int = 5) -> str:
+    if not names:
+        return "none"
+    return ", ".join(repr(x) for x in names[:n]) + (f", ... ({len(names)} in all)" if len(names) > n else "")

@@ -22,6 +22,7 @@ from typing import Dict, List, Mapping, Optional, Tuple, Type
 import torch
 from torch import nn
 
+from nasdiag.hessian.modes import CurvatureRuntimeError, CurvatureTypeError
 from nasdiag.rules import REGISTRY, UnsupportedModuleError, unsupported_message
 
 __all__ = [
@@ -78,7 +79,7 @@ class ModuleCall:
 
     def _check_version(self, ref: torch.Tensor, version: int, what: str) -> None:
         if ref._version != version:
-            raise RuntimeError(
+            raise CurvatureRuntimeError(
                 f"the {what} of module {self.name!r} ({type(self.module).__name__}) was modified in place after the "
                 "module ran, so its Hessian rule would read wrong values; turn off inplace=True in the modules "
                 "that follow it (e.g. nn.ReLU(inplace=False)) or use mode='exact'"
@@ -160,7 +161,9 @@ def register_rule(module_type: Type[nn.Module], rule: HessianRule, *, overwrite:
         register_rule(Swish, ElementwiseRule(lambda x: x * torch.sigmoid(x)))
     """
     if not isinstance(rule, HessianRule):
-        raise TypeError(f"rule must be a HessianRule instance, got {type(rule).__name__}")
+        raise CurvatureTypeError(
+            f"rule must be a HessianRule instance, got {type(rule).__name__}; pass an instance, e.g. ElementwiseRule(fn), not a class"
+        )
     REGISTRY.register("hessian", module_type, rule, overwrite=overwrite, how=" (or pass rules={type: rule} to a single call)")
 
 
