@@ -161,6 +161,9 @@ class Homogeneity:
             ends in one, also what the modules before it mix. It divides out a factor constant along them.
         reshapes: the module only moves entries (``nn.Flatten``): constancy of a factor along axes maps as a
             term's does; for any other module a passed factor keeps its axes.
+        merges_channel: the module merges the channel dim with spatial dims into its new channel dim (``nn.Flatten()``
+            to (batch, features)): a term constant along channel and space (one number per sample) stays constant
+            along the new channel dim.
         stats: for a normalization, the axes its statistics are constant along (batch norm: batch and space;
             group norm with one group: channel and space). When it does not remove an incoming term it still
             divides out a positive factor constant within its groups, and what comes out is a new positive factor
@@ -182,6 +185,7 @@ class Homogeneity:
     vacuous: Axes = frozenset()
     mixes: Optional[Axes] = None
     reshapes: bool = False
+    merges_channel: bool = False
     stats: Optional[Axes] = None
     factor: Optional[Axes] = None
 
@@ -194,7 +198,8 @@ class Homogeneity:
         module, or None when it no longer is an additive term. For a degree-0 module use :meth:`removes_term`."""
         if self.keeps is None or not self.needs <= term:
             return None
-        return (term & self.keeps) | self.vacuous
+        merged = frozenset((CHANNEL,)) if self.merges_channel and {CHANNEL, SPATIAL} <= term else frozenset()
+        return (term & self.keeps) | self.vacuous | merged
 
     def removes_term(self, term: Axes) -> bool:
         return self.degree == 0 and self.removes is not None and self.removes <= term
@@ -577,7 +582,8 @@ def _flatten(module, analyse):
     spatial_left = not to_2d and end >= 0
     return Homogeneity(1.0, f"{type(module).__name__}: a reshape",
                        keeps=frozenset((BATCH, SPATIAL)) if spatial_left else frozenset((BATCH,)),
-                       vacuous=frozenset((SPATIAL,)) if to_2d else frozenset(), mixes=frozenset(), reshapes=True)
+                       vacuous=frozenset((SPATIAL,)) if to_2d else frozenset(), mixes=frozenset(), reshapes=True,
+                       merges_channel=True)
 
 
 def _padding(module, analyse):

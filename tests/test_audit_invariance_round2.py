@@ -57,41 +57,28 @@ def _draw_layers(pick: Pick, domain: str, C: int, side: int, n: int, depth: int 
         kind = pick(kinds if pick((0, 1)) else _NORMS + ("conv", "linear", "nest") if domain != "vec" else ("bn", "ln", "linear", "nest"))
         if kind not in kinds:
             continue
-        if kind == "conv":
-            k = pick((1, 3) if side >= 3 else (1,))
-            pad = pick((0, 1)) if k == 3 else 0
-            spec = ("conv", k, pad, pick((1, 2, C)), bool(pick((0, 1))))
-            side = side + 2 * pad - k + 1
-        elif kind == "convT":
-            if side > 6:
-                continue
-            k, stride = pick((1, 2, 3)), pick((1, 2))
-            spec = ("convT", k, stride, pick((1, C)), bool(pick((0, 1))))
-            side = (side - 1) * stride + k
+        if kind == "conv":  # kernel, padding, groups, bias, stride, dilation
+            k = pick((1, 3))
+            spec = ("conv", k, pick((0, 1)) if k == 3 else 0, pick((1, 2, C)), bool(pick((0, 1))), pick((1, 1, 2)),
+                    pick((1, 1, 2)))
+        elif kind == "convT":  # kernel, stride, groups, bias
+            spec = ("convT", pick((1, 2, 3)), pick((1, 2)), pick((1, C)), bool(pick((0, 1))))
         elif kind in ("relu", "leaky", "identity", "zeropad"):
             spec = (kind,)
-            side += 2 if kind == "zeropad" else 0
         elif kind == "prelu":
             spec = ("prelu", pick((1, C)))
         elif kind == "constpad":
             spec = ("constpad", pick((0.0, 0.5)))
-            side += 2
-        elif kind == "maxpool":
-            if side < 2:
-                continue
-            spec = ("maxpool", pick((0, 1)) if side >= 4 else 0)
-            side = (side + 2 * spec[1] - 2) // 2 + 1
-        elif kind == "avgpool":
-            pad = pick((0, 1)) if side >= 3 else 1
-            spec = ("avgpool", pad, bool(pick((0, 1))))
-            side = side + 2 * pad - 2
+        elif kind == "maxpool":  # padding, dilation
+            spec = ("maxpool", pick((0, 1)), pick((1, 1, 2)))
+        elif kind == "avgpool":  # padding, count_include_pad, stride with ceil_mode, divisor_override
+            spec = ("avgpool", pick((0, 1)), bool(pick((0, 1))), pick((1, 1, 2)), pick((None, None, 4)))
         elif kind in ("adaptavg", "adaptmax"):
             spec = (kind, pick((1, 2, 3)))
-            side = spec[1]
-        elif kind == "bn":
-            spec = ("bn", bool(pick((0, 1))), bool(pick((0, 0, 1))))  # affine, eval mode (running statistics)
-        elif kind == "in":
-            spec = ("in", bool(pick((0, 1))))
+        elif kind == "bn":  # affine, mode: train / eval with running statistics / eval without them
+            spec = ("bn", bool(pick((0, 1))), pick(("train", "train", "running", "batch")))
+        elif kind == "in":  # affine, eval with running statistics
+            spec = ("in", bool(pick((0, 1))), bool(pick((0, 0, 1))))
         elif kind == "gn":
             spec = ("gn", pick((1, 2, C)), bool(pick((0, 1))))
         elif kind == "ln":
@@ -103,7 +90,13 @@ def _draw_layers(pick: Pick, domain: str, C: int, side: int, n: int, depth: int 
             if depth >= 2:
                 continue
             inner, side = _draw_layers(pick, domain, C, side, pick((1, 2, 3)), depth + 1)
-            spec = ("nest", inner)
+            if inner:
+                specs.append(("nest", inner))
+            continue
+        try:
+            _, side = _modules([spec], domain, C, side)
+        except (RuntimeError, ValueError):  # too small for the kernel, or one entry per instance-norm group
+            continue
         specs.append(spec)
     return specs, side
 
@@ -112,76 +105,80 @@ def draw_composition(pick: Pick):
     domain = pick(("img", "img", "seq", "vec"))
     C = pick((4, 6))
     side = {"img": 5, "seq": 7, "vec": C}[domain]
-    specs, side = _draw_layers(pick, domain, C, side, pick((1, 2, 3, 4)))
+    specs, _ = _draw_layers(pick, domain, C, side, pick((1, 2, 3, 4)))
     tail = pick((None, None, "flatten_bn", "flatten_ln")) if domain != "vec" else None
-    return domain, C, {"img": 5, "seq": 7, "vec": C}[domain], specs, tail
+    return domain, C, side, specs, tail
+
+
+def _module(spec, domain: str, C: int, side: int) -> nn.Module:
+    kind, d2 = spec[0], domain == "img"
+    if kind == "conv":
+        _, k, pad, groups, bias, stride, dilation = spec
+        return (nn.Conv2d if d2 else nn.Conv1d)(C, C, k, stride, pad, dilation, groups, bias)
+    if kind == "convT":
+        _, k, stride, groups, bias = spec
+        return nn.ConvTranspose2d(C, C, k, stride=stride, groups=groups, bias=bias)
+    if kind in ("relu", "leaky", "identity", "zeropad"):
+        return {"relu": nn.ReLU, "leaky": lambda: nn.LeakyReLU(0.2), "identity": nn.Identity,
+                "zeropad": lambda: nn.ZeroPad2d(1)}[kind]()
+    if kind == "prelu":
+        return nn.PReLU(spec[1])
+    if kind == "constpad":
+        return (nn.ConstantPad2d if d2 else nn.ConstantPad1d)(1, spec[1])
+    if kind == "maxpool":
+        return (nn.MaxPool2d if d2 else nn.MaxPool1d)(2, padding=spec[1], dilation=spec[2])
+    if kind == "avgpool":
+        _, pad, include, stride, divisor = spec
+        if d2:
+            return nn.AvgPool2d(3, stride, pad, ceil_mode=stride > 1, count_include_pad=include, divisor_override=divisor)
+        return nn.AvgPool1d(3, stride, pad, ceil_mode=stride > 1, count_include_pad=include)
+    if kind in ("adaptavg", "adaptmax"):
+        return {("adaptavg", True): nn.AdaptiveAvgPool2d, ("adaptavg", False): nn.AdaptiveAvgPool1d,
+                ("adaptmax", True): nn.AdaptiveMaxPool2d, ("adaptmax", False): nn.AdaptiveMaxPool1d}[kind, d2](spec[1])
+    if kind == "bn":
+        _, affine, mode = spec
+        bn = (nn.BatchNorm2d if d2 else nn.BatchNorm1d)(C, affine=affine, eps=EPS, track_running_stats=mode != "batch")
+        if mode == "running":
+            with torch.no_grad():
+                bn.running_mean.normal_(0.0, 0.5)
+                bn.running_var.uniform_(0.5, 2.0)
+        return bn.train(mode == "train")
+    if kind == "in":
+        _, affine, running = spec
+        norm = (nn.InstanceNorm2d if d2 else nn.InstanceNorm1d)(C, affine=affine, eps=EPS, track_running_stats=running)
+        if running:
+            with torch.no_grad():
+                norm.running_mean.normal_(0.0, 0.5)
+                norm.running_var.uniform_(0.5, 2.0)
+        return norm.train(not running)
+    if kind == "gn":
+        return nn.GroupNorm(spec[1], C, affine=spec[2], eps=EPS)
+    if kind == "ln":
+        _, dims, affine = spec
+        full = {"img": [C, side, side], "seq": [C, side], "vec": [C]}[domain]
+        return nn.LayerNorm(full[len(full) - dims:], eps=EPS, elementwise_affine=affine != "none", bias=affine == "both")
+    if kind == "linear":
+        n = C if domain == "vec" else side  # on (B, C, S) and (B, C, S, S) it acts on the last spatial dim
+        return nn.Linear(n, n, bias=spec[1])
+    raise ValueError(spec)
 
 
 def _modules(specs, domain: str, C: int, side: int):
-    """The modules of ``specs`` and the side that comes out."""
-    conv_t = {"img": nn.Conv2d, "seq": nn.Conv1d}.get(domain)
+    """The modules of ``specs`` and the side that comes out (from a forward of zeros; RuntimeError: too small)."""
     out = []
     for spec in specs:
-        kind = spec[0]
-        if kind == "conv":
-            _, k, pad, groups, bias = spec
-            out.append(conv_t(C, C, k, padding=pad, groups=groups, bias=bias))
-            side = side + 2 * pad - k + 1
-        elif kind == "convT":
-            _, k, stride, groups, bias = spec
-            out.append(nn.ConvTranspose2d(C, C, k, stride=stride, groups=groups, bias=bias))
-            side = (side - 1) * stride + k
-        elif kind == "relu":
-            out.append(nn.ReLU())
-        elif kind == "leaky":
-            out.append(nn.LeakyReLU(0.2))
-        elif kind == "prelu":
-            out.append(nn.PReLU(spec[1]))
-        elif kind == "identity":
-            out.append(nn.Identity())
-        elif kind == "zeropad":
-            out.append(nn.ZeroPad2d(1))
-            side += 2
-        elif kind == "constpad":
-            out.append((nn.ConstantPad2d if domain == "img" else nn.ConstantPad1d)(1, spec[1]))
-            side += 2
-        elif kind == "maxpool":
-            out.append((nn.MaxPool2d if domain == "img" else nn.MaxPool1d)(2, padding=spec[1]))
-            side = (side + 2 * spec[1] - 2) // 2 + 1
-        elif kind == "avgpool":
-            _, pad, include = spec
-            out.append((nn.AvgPool2d if domain == "img" else nn.AvgPool1d)(3, 1, pad, count_include_pad=include))
-            side = side + 2 * pad - 2
-        elif kind == "adaptavg":
-            out.append((nn.AdaptiveAvgPool2d if domain == "img" else nn.AdaptiveAvgPool1d)(spec[1]))
-            side = spec[1]
-        elif kind == "adaptmax":
-            out.append(nn.AdaptiveMaxPool2d(spec[1]))
-            side = spec[1]
-        elif kind == "bn":
-            _, affine, frozen = spec
-            bn = {"img": nn.BatchNorm2d, "seq": nn.BatchNorm1d, "vec": nn.BatchNorm1d}[domain](C, affine=affine, eps=EPS)
-            if frozen:
-                with torch.no_grad():
-                    bn.running_mean.normal_(0.0, 0.5)
-                    bn.running_var.uniform_(0.5, 2.0)
-                bn.eval()
-            out.append(bn)
-        elif kind == "in":
-            out.append((nn.InstanceNorm2d if domain == "img" else nn.InstanceNorm1d)(C, affine=spec[1], eps=EPS))
-        elif kind == "gn":
-            out.append(nn.GroupNorm(spec[1], C, affine=spec[2], eps=EPS))
-        elif kind == "ln":
-            _, dims, affine = spec
-            full = {"img": [C, side, side], "seq": [C, side], "vec": [C]}[domain]
-            out.append(nn.LayerNorm(full[len(full) - dims:], eps=EPS, elementwise_affine=affine != "none",
-                                    bias=affine == "both"))
-        elif kind == "linear":
-            n = C if domain == "vec" else side  # on (B, C, S) and (B, C, S, S) it acts on the last spatial dim
-            out.append(nn.Linear(n, n, bias=spec[1]))
-        elif kind == "nest":
+        if spec[0] == "nest":
             inner, side = _modules(spec[1], domain, C, side)
             out.append(nn.Sequential(*inner))
+            continue
+        module = _module(spec, domain, C, side)
+        if domain != "vec":
+            with torch.no_grad():
+                shape = (2, C) + (side,) * (2 if domain == "img" else 1)
+                side = module(torch.zeros(shape)).shape[-1]
+        if side < 1:
+            raise RuntimeError("empty output")
+        out.append(module)
     return out, side
 
 
@@ -250,6 +247,14 @@ def smallest_group_variance(net: nn.Module, inputs: List[torch.Tensor]) -> float
     return min(found) if found else float("inf")
 
 
+def usable(net: nn.Module, inputs: List[torch.Tensor]) -> bool:
+    """Whether the numbers can decide: every normalization group has variance >= 1e-6, and the output is finite
+    (a max-pooling window that lies in the padding gives -inf)."""
+    with torch.no_grad():
+        finite = all(bool(torch.isfinite(net(x)).all()) for x in inputs)
+    return finite and smallest_group_variance(net, inputs) >= MIN_GROUP_VARIANCE
+
+
 def numerically_invariant(net: nn.Module, x: torch.Tensor) -> bool:
     with torch.no_grad():
         out = net(x)
@@ -266,7 +271,8 @@ def beyond_the_rules(net: nn.Module, x: torch.Tensor) -> Optional[str]:
     def record(module, args):
         seen.append((module, args[0]))
 
-    watched = (nn.Linear, nn.ReLU, nn.LeakyReLU, nn.PReLU, nn.modules.padding._ConstantPadNd) + _NORM_TYPES
+    watched = (nn.Linear, nn.ReLU, nn.LeakyReLU, nn.PReLU, nn.modules.padding._ConstantPadNd, nn.modules.conv._ConvNd,
+               nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AdaptiveMaxPoolNd) + _NORM_TYPES
     hooks = [m.register_forward_pre_hook(record) for m in net.modules() if isinstance(m, watched)]
     try:
         with torch.no_grad():
@@ -290,6 +296,14 @@ def beyond_the_rules(net: nn.Module, x: torch.Tensor) -> Optional[str]:
             return "a Linear over a dim of size 1 (its bias is one number)"
         if isinstance(module, (nn.ReLU, nn.LeakyReLU, nn.PReLU)) and ((inp > 0).all() or (inp < 0).all()):
             return "an activation whose input has one sign everywhere (linear on this input)"
+        if isinstance(module, (nn.modules.conv._ConvNd, nn.modules.pooling._MaxPoolNd,
+                               nn.modules.pooling._AdaptiveMaxPoolNd)) and inp.dim() >= 3:
+            with torch.no_grad():
+                pooled = module(inp)
+                if pooled[0, 0].numel() == 1:
+                    return f"{type(module).__name__} leaves one spatial entry (any term is constant along space)"
+                if not isinstance(module, nn.modules.conv._ConvNd) and torch.equal(pooled, -module(-inp)):
+                    return f"{type(module).__name__}'s windows hold one real entry each (a selection passes any term)"
     return None
 
 
@@ -319,7 +333,7 @@ def check_flag(case, seed: int) -> Optional[str]:
     torch.manual_seed(seed)
     net = build(*case)
     x = example_input(domain, C, side)
-    if smallest_group_variance(net, [c * x for c in (1.0,) + SCALES]) < MIN_GROUP_VARIANCE:
+    if not usable(net, [c * x for c in (1.0,) + SCALES]):
         return None
     flag, same = is_scale_invariant(net, x), numerically_invariant(net, x)
     if flag and not same or same and not flag and not beyond_the_rules(net, x):
@@ -336,7 +350,7 @@ def check_bias_curvature(case, seed: int) -> Optional[str]:
     body = build(*case)
     x = example_input(domain, C, side)
     names = bias_names(body, "0.")
-    if not names or smallest_group_variance(body, [x]) < MIN_GROUP_VARIANCE:
+    if not names or not usable(body, [x]):
         return None
     net = nn.Sequential(body, nn.Tanh(), nn.Flatten(), nn.LazyLinear(4)).to(DT)
     with torch.no_grad():
@@ -435,6 +449,10 @@ _KEPT_THEN_REMOVED = [
     # pooled to 1 x 1, a bias that varies along W is constant along the space that is left (was: not removed)
     ("adaptive average pool to 1", lambda: nn.Sequential(
         nn.Linear(5, 5), nn.AdaptiveAvgPool2d(1), nn.GroupNorm(1, 4, eps=EPS))),
+    # one number per sample stays one number per sample when Flatten merges channel and space into features
+    # (was: constant along batch only, so LayerNorm over the features did not remove it)
+    ("flatten of a per-sample term", lambda: nn.Sequential(
+        nn.Linear(5, 5), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.LayerNorm(4, eps=EPS))),
 ]
 
 
