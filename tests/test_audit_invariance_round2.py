@@ -488,3 +488,23 @@ def test_a_layer_norm_bias_on_features_is_removed_by_batch_norm():
         assert removed_numerically(net, x, "0.0.bias", torch.Generator().manual_seed(0))
         assert got["exact"]["0.0.bias"].abs().max() < 1e-10 * got["exact"]["0.0.weight"].abs().max()
         assert (got["diag"]["0.0.bias"] == 0).all() and (got["approx"]["0.0.bias"] == 0).all()
+
+
+def test_a_bias_is_followed_through_a_module_without_a_hessian_rule():
+    """A ZeroPad2d (no diagonal-Hessian rule: its pad op is glue) between a conv bias and Flatten -> BatchNorm1d:
+    the border is constant along batch, so the bias is removed; the walk used to stop at the pad's op and leave
+    the diagonal recursion's nonzero value. Before BatchNorm2d the padded bias is not removed and keeps its value."""
+    x = torch.randn(6, 4, 5, 5, dtype=DT)
+    removed = _seeded(nn.Sequential(nn.Conv2d(4, 4, 3, stride=2, bias=True), nn.ZeroPad2d(1), nn.Flatten(),
+                                    nn.BatchNorm1d(4 * 16, eps=EPS)))
+    kept = _seeded(nn.Sequential(nn.Conv2d(4, 4, 3, stride=2, bias=True), nn.ZeroPad2d(1), nn.BatchNorm2d(4, eps=EPS)))
+    for body, is_removed in ((removed, True), (kept, False)):
+        net, got = _curvatures(body, x, ["0.0.bias", "0.0.weight"])
+        assert removed_numerically(net, x, "0.0.bias", torch.Generator().manual_seed(0)) == is_removed
+        assert is_scale_invariant(body, x) == numerically_invariant(body, x)
+        exact = got["exact"]["0.0.bias"].abs().max()
+        zero = bool((got["diag"]["0.0.bias"] == 0).all()) and bool((got["approx"]["0.0.bias"] == 0).all())
+        if is_removed:
+            assert exact < 1e-10 * got["exact"]["0.0.weight"].abs().max() and zero
+        else:
+            assert exact > 1e-6 and (got["diag"]["0.0.bias"] != 0).all() and (got["approx"]["0.0.bias"] != 0).all()

@@ -79,7 +79,8 @@ def walk_diagonals(
         return node in leaf_targets or node in observe_nodes
 
     order, needed = _postorder(root[0], children, is_target)
-    removed = _removed_additive_params(order, children, rule_calls, module_targets)
+    interiors = _OpaqueInteriors(tracer)
+    removed = _removed_additive_params(order, children, rule_calls, module_targets, interiors)
 
     # --- gradients the residual terms need, in one backward ---------------------------------
     grad_edges: List[GradientEdge] = []
@@ -124,7 +125,6 @@ def walk_diagonals(
 
     # --- the sweep -------------------------------------------------------------------------
     opaque_by_node = {e[0]: oc for oc in tracer.opaque_calls for e in oc.output_edges}
-    interiors = _OpaqueInteriors(tracer)
     buffers: Dict[object, Dict[int, torch.Tensor]] = {root[0]: {root[1]: h_outputs}}
     reached_from: Dict[object, str] = {root[0]: "the model output"}
     params: Dict[str, torch.Tensor] = {}
@@ -195,7 +195,8 @@ def _apply_rule(rc: RuleCall, h_out, mode, module_targets, needed, params, push,
         push(rc.input_edge, h_in, f"module {call.name!r} ({type(call.module).__name__})")
 
 
-def _removed_additive_params(order, children, rule_calls, module_targets) -> Dict[object, Tuple[str, ...]]:
+def _removed_additive_params(order, children, rule_calls, module_targets,
+                             interiors: Optional["_OpaqueInteriors"] = None) -> Dict[object, Tuple[str, ...]]:
     """``{rule-call node: (attr, ...)}``: requested parameters that only add a term constant along some
     axes (a bias, :meth:`HessianRule.additive_params`) and whose output reaches the loss only through
     modules and sums that carry such a term (linear maps, max pooling, ``+``/``-``) into normalizations whose
@@ -203,7 +204,8 @@ def _removed_additive_params(order, children, rule_calls, module_targets) -> Dic
     the loss does not depend on them: gradient and every Hessian entry are zero. The diagonal recursion
     alone would report ``Σ diag(H_x)`` over the channel, which is not zero (the off-diagonal terms it drops
     cancel it). The per-module facts come from the homogeneity rules of :mod:`nasdiag.rules`, told the rank
-    each module was called at."""
+    each module was called at; a module without a diagonal-Hessian rule (``nn.ZeroPad2d``, glue inside) is
+    crossed as one step by its homogeneity rule when it maps one input to one output."""
     wanted = [rc for rc in rule_calls.values() if module_targets.get(rc.call.name)]
     if not wanted:
         return {}
@@ -229,7 +231,7 @@ def _removed_additive_params(order, children, rule_calls, module_targets) -> Dic
             for attr, axes in additive.items()
             if attr in module_targets[rc.call.name]
             and _term_removed(rc.output_edge, _term_axes(frozenset(axes), own, len(additive)) | vacuous, consumers,
-                              rule_calls, ranks)
+                              rule_calls, ranks, interiors)
         )
         if attrs:
             out[rc.output_edge[0]] = attrs
@@ -257,7 +259,20 @@ def _term_axes(axes, own, n_additive):
 _SUMS = ("AddBackward0", "AddBackward1", "SubBackward0", "SubBackward1")
 
 
-def _term_removed(edge: Edge, term, consumers, rule_calls, ranks) -> bool:
+def _module_step(node, edge: Edge, rule_calls, interiors):
+    """``(module, its output edge, whether its rule differentiates through statistics)`` when ``node`` is where a
+    module applied to the tensor ``edge`` starts: a rule leaf, or the first op inside an opaque leaf called on that
+    one tensor alone, with one output. None for an op between modules."""
+    rc = rule_calls.get(node)
+    if rc is not None:
+        return rc.call.module, rc.output_edge, getattr(rc.rule, "through_statistics", True)
+    oc = interiors.of(node) if interiors is not None else None
+    if oc is not None and len(oc.input_edges) == 1 and oc.input_edges[0] == edge and len(oc.output_edges) == 1:
+        return oc.module, oc.output_edges[0], True
+    return None
+
+
+def _term_removed(edge: Edge, term, consumers, rule_calls, ranks, interiors=None) -> bool:
     # state per path: the axes the parameter's additive term is constant along, and, once a normalization has
     # divided by statistics that depend on it without removing it, the axes of that positive factor (None
     # before): conv(bias) -> GroupNorm(1, C) -> InstanceNorm removes the bias through both
@@ -271,27 +286,28 @@ def _term_removed(edge: Edge, term, consumers, rule_calls, ranks) -> bool:
         if not after:  # the term reaches the model's output
             return False
         for node in after:
-            rc = rule_calls.get(node)
-            if rc is None:
+            step = _module_step(node, edge, rule_calls, interiors)
+            if step is None:
                 # a sum passes the term, but not a factor that scales only one of its summands
                 if type(node).__name__ not in _SUMS or factor is not None:
                     return False
                 pending.append(((node, 0), term, None))
                 continue
-            h = _homogeneity(rc.call.module, ranks)
+            module, output_edge, through_statistics = step
+            h = _homogeneity(module, ranks)
             if h is None:
                 return False
             if h.degree == 0:
                 # a rule that holds the batch statistics fixed (NormRule(through_statistics=False)) computes the
                 # Hessian of the frozen-statistics net, in which the term is not removed
-                if not getattr(rc.rule, "through_statistics", True):
+                if not through_statistics:
                     return False
                 if h.removes_term(term) and h.divides_factor(factor):
                     continue
                 after_norm = h.after_normalization(term, factor)
                 if after_norm is None:
                     return False
-                pending.append((rc.output_edge, *after_norm))
+                pending.append((output_edge, *after_norm))
                 continue
             passed = h.passes(term)
             if passed is None:
@@ -299,7 +315,7 @@ def _term_removed(edge: Edge, term, consumers, rule_calls, ranks) -> bool:
             passed_factor = None if factor is None else h.passes_factor(factor)
             if factor is not None and passed_factor is None:
                 return False
-            pending.append((rc.output_edge, passed, passed_factor))
+            pending.append((output_edge, passed, passed_factor))
     return True
 
 
