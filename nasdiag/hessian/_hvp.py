@@ -301,7 +301,9 @@ class HessianVectorProduct:
         self.dtype = loss.dtype
         self.device = loss.device
         with torch.enable_grad():  # under no_grad, the graph of the gradient would silently be dropped
-            grads = torch.autograd.grad(loss, self.wrt, create_graph=True, allow_unused=True)
+            # a loss without a graph (the model ignores every tensor in `wrt`) depends on none of them
+            grads = (torch.autograd.grad(loss, self.wrt, create_graph=True, allow_unused=True) if loss.requires_grad
+                     else [None] * len(self.wrt))
             self.gradient = torch.cat(
                 [(torch.zeros_like(t) if g is None else g).reshape(-1) for t, g in zip(self.wrt, grads)]
             )

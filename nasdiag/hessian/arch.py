@@ -216,7 +216,7 @@ class _EdgeRecorder:
         self._frames: Dict[str, List[Dict[int, torch.Tensor]]] = {n: [] for n in names}
         self._hooks = Hooks()
         for name, module, ops in zip(self.names, self.modules, self.ops):
-            self._hooks.forward_pre(module, self._pre(name), with_kwargs=True)
+            self._hooks.forward_pre(module, self._pre(name, len(ops)), with_kwargs=True)
             self._hooks.forward(module, self._post(name, len(ops)))
             for k, op in enumerate(ops):
                 self._hooks.forward(op, self._op(name, k))
@@ -228,7 +228,7 @@ class _EdgeRecorder:
     def __exit__(self, *exc):
         self._hooks.remove()
 
-    def _pre(self, name):
+    def _pre(self, name, K):
         def hook(module, args, kwargs):
             weights = kwargs.get("weights", args[1] if len(args) > 1 else None)
             if not isinstance(weights, torch.Tensor):
@@ -236,9 +236,22 @@ class _EdgeRecorder:
                     f"edge {name!r}: the mixed op was called without mixing weights (expected forward(x, weights) "
                     "with weights as the second positional argument or weights=); list mixed ops, not candidate ops, as edges"
                 )
+            if weights.dim() not in (1, 2) or weights.shape[-1] != K:
+                raise CurvatureError(
+                    f"edge {name!r}: mixing weights must have shape (K,) or (B, K) with K={K} (the candidate ops listed), "
+                    f"got {tuple(weights.shape)}; list exactly the ops the mixed op mixes"
+                )
             self.weights[name].append(weights.detach())
             self.with_graph.setdefault(name, weights)
             self._frames[name].append({})
+            if not weights.requires_grad:
+                # a frozen model with fixed weights: a leaf copy gives the recursion the graph from the edge on
+                # (the curvature w.r.t. Z does not depend on what requires grad upstream)
+                weights = weights.detach().requires_grad_(True)
+                if "weights" in kwargs:
+                    return args, {**kwargs, "weights": weights}
+                return (args[0], weights, *args[2:]), kwargs
+            return None
 
         return hook
 

@@ -138,6 +138,8 @@ def recursion_diag(model, loss_fn, inputs, targets, mode, values, rules=None) ->
                 "(or wrap the model), or use mode='exact', which takes any outputs loss_fn accepts"
             )
         loss = scalar_loss(loss_fn, outputs, targets)
+        if not outputs.requires_grad:  # the outputs do not depend on the requested tensors: zero curvature
+            return {n: torch.zeros_like(v) for n, v in values.items()}
         leaf_targets = {get_gradient_edge(leaves[n]).node: n for n in glue_names}
         h_out = output_hessian_diagonal(loss_fn, outputs, targets)
         found, _, _ = walk_diagonals(tracer, loss, outputs, h_out, mode, module_targets, leaf_targets)
