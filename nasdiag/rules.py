@@ -146,7 +146,8 @@ class Homogeneity:
         reason: a short human-readable derivation.
         invariant_by: the module that makes the op scale-invariant (the first normalization that removes
             everything before it, or a ``Zero``), None when not invariant.
-        offset: axes along which the module's own additive term (bias) is constant, None if it adds none.
+        offset: axes along which the module's own additive term (bias) is constant, None if it adds none (for a
+            normalization: its β, added after the statistics; a bias before it is what ``removes`` is about).
         keeps: an additive term on the input that is constant along axes A comes out as an additive term
             constant along ``A ∩ keeps`` (linear maps, max pooling); None: the module does not pass an
             additive term through as one (ReLU: relu(y + o) ≠ relu(y) + o').
@@ -520,7 +521,19 @@ def _normalization(module, why: str, rank: Optional[int] = None) -> Homogeneity:
     stats, affine_keeps = _norm_statistics(module, rank)
     groups = _norm_groups(module, rank)
     return Homogeneity(0.0, f"{type(module).__name__} {why}", module, removes=groups, stats=stats,
-                       keeps=None if stats is None else stats & affine_keeps, mixes=groups)
+                       keeps=None if stats is None else stats & affine_keeps, mixes=groups,
+                       offset=_norm_bias_axes(module, rank))
+
+
+def _norm_bias_axes(module: nn.Module, rank: Optional[int]) -> Optional[Axes]:
+    # β: one per channel (BatchNorm, InstanceNorm, GroupNorm), one per normalized entry (LayerNorm: constant along
+    # the channel too when it normalizes only spatial dims, e.g. over L of (B, C, L)); None without a bias
+    if getattr(module, "bias", None) is None:
+        return None
+    if not isinstance(module, nn.LayerNorm):
+        return frozenset((BATCH, SPATIAL))
+    spatial_only = rank is not None and len(module.normalized_shape) <= rank - 2
+    return frozenset((BATCH, CHANNEL)) if spatial_only else frozenset((BATCH,))
 
 
 def _running_statistics_affine(module):
