@@ -352,3 +352,21 @@ def test_a_model_that_ignores_its_parameters_has_zero_curvature(mode):
     x, y = torch.randn(5, 4, dtype=DT), torch.randint(0, 3, (5,))
     got = diag_hessian(net, F.cross_entropy, x, y, mode=mode)
     assert all(torch.equal(v, torch.zeros_like(v)) for v in got.values())
+
+
+class EmbeddingThenFails(nn.Module):
+    """Takes token ids (integer inputs are right) and fails for a reason of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+
+    def forward(self, ids):
+        raise RuntimeError("a bug of the model")
+
+
+def test_integer_inputs_of_an_embedding_model_are_not_blamed_for_its_own_failure():
+    net = EmbeddingThenFails().to(DT)
+    with pytest.raises(RuntimeError, match="a bug of the model") as info:
+        diag_hessian(net, F.cross_entropy, torch.randint(0, 10, (5, 3)), torch.randint(0, 3, (5,)), mode="exact")
+    assert not isinstance(info.value, NasdiagError)

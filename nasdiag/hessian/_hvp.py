@@ -97,7 +97,7 @@ def _refuse_unfit_inputs(model: nn.Module, inputs: Inputs, err: BaseException) -
                 f"{failed}: the inputs are on {t.device} but the model's parameters on {_listed(devices)}; "
                 f"move them with inputs.to({_listed(devices)!r}) (or the model with model.to(inputs.device))"
             ) from err
-        if t.dtype not in dtypes:
+        if t.dtype not in dtypes and (torch.is_floating_point(t) or not _takes_indices(model)):
             kind = "floating-point" if torch.is_floating_point(t) else "non-floating-point"
             raise CurvatureTypeError(
                 f"{failed}: the inputs have {kind} dtype {t.dtype} but the model's parameters {_listed(dtypes)}; "
@@ -109,6 +109,11 @@ def _refuse_unfit_inputs(model: nn.Module, inputs: Inputs, err: BaseException) -
             f"{failed}: a batch of one sample cannot be normalized by train-mode BatchNorm ({batch_norms[0]!r}); "
             "pass a batch of 2 or more samples, or call model.eval() to use the running statistics"
         ) from err
+
+
+def _takes_indices(model: nn.Module) -> bool:
+    """Whether integer inputs may be what the model expects (token ids into an embedding)."""
+    return any(isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for m in model.modules())
 
 
 def _listed(values) -> str:
