@@ -58,8 +58,8 @@ def arch_diag_hessian(
     wrt: str = "Z",
     *,
     rules: Optional[Mapping[type, HessianRule]] = None,
-    samples: int = 1,
-    seed: int = 0,
+    samples: Optional[int] = None,
+    seed: Optional[int] = None,
     max_memory: Optional[int] = None,
 ) -> Dict[str, torch.Tensor]:
     """Diagonal of ``∂²L/∂Z²`` (or ``∂²L/∂α²``) for each edge's mixing weights (C.3.1-C.3.2).
@@ -92,10 +92,11 @@ def arch_diag_hessian(
         wrt: ``"Z"`` for the mixing weights; ``"alpha"`` chains through ``Z = softmax(α)`` per edge
             (needs (K,) probability-vector weights).
         rules: per-call ``{module type: HessianRule}`` overrides (``diag``/``approx``).
-        samples, seed: Monte-Carlo draws and their seed (``ggn_mc``); ``seed`` also seeds the probes of
-            ``hutchinson:<k>``.
+        samples, seed: Monte-Carlo draws and their seed (``ggn_mc``; default 1 and 0); ``seed`` also seeds the
+            probes of ``hutchinson:<k>``. Given to a mode that draws nothing, they are refused (they would do nothing).
         max_memory: bytes the exact and Hutchinson modes may use for one batch of products; a net whose single product
             needs more is refused with its estimated size (default: half the memory free on the device at the call).
+            The other modes hold one forward and a few backwards and refuse it.
 
     Returns:
         ``{edge name: tensor (K,)}`` in the model's dtype, in the order of ``edges``. With (B, K)
@@ -118,10 +119,13 @@ def arch_diag_hessian(
         raise CurvatureError(f"rules= only applies to mode='diag' or 'approx'; mode={mode!r} uses no per-module rules")
     check_model(model, loss_fn, "arch_diag_hessian")
     check_max_memory(max_memory, "arch_diag_hessian")
-    if not isinstance(samples, numbers.Integral) or isinstance(samples, bool) or samples < 1:
+    if samples is not None and (not isinstance(samples, numbers.Integral) or isinstance(samples, bool) or samples < 1):
         raise CurvatureError(f"samples must be an int >= 1 (Monte-Carlo draws of ggn_mc), got {samples!r}")
-    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
+    if seed is not None and (not isinstance(seed, numbers.Integral) or isinstance(seed, bool)):
         raise CurvatureTypeError(f"seed must be an int (it seeds the probes of ggn_mc and hutchinson:<k>), got {seed!r}")
+    _refuse_idle_options(mode, samples=samples, seed=seed, max_memory=max_memory)
+    samples = 1 if samples is None else samples
+    seed = 0 if seed is None else seed
     if mode in ("exact", "exact_per_edge"):
         return exact_arch_diag_hessian(
             model, loss_fn, inputs, targets, edges, wrt=wrt, shared_alpha="refuse" if mode == "exact" else "per_edge",
@@ -288,3 +292,17 @@ class _EdgeRecorder:
                 "pass only edges that model(inputs) actually uses"
             )
 
+
+#: which options of arch_diag_hessian each mode family uses; any other given explicitly would do nothing
+_OPTIONS_USED = {"ggn_mc": {"samples", "seed"}, "hutchinson": {"seed", "max_memory"}, "exact": {"max_memory"},
+                 "exact_per_edge": {"max_memory"}}
+
+
+def _refuse_idle_options(mode: str, **given) -> None:
+    used = _OPTIONS_USED.get(split_mode(mode)[0], set())
+    idle = sorted(name for name, value in given.items() if value is not None and name not in used)
+    if idle:
+        users = sorted(m for m, names in _OPTIONS_USED.items() if set(idle) & names)
+        raise CurvatureError(f"{', '.join(f'{n}=' for n in idle)} does nothing in mode={mode!r}; it applies to "
+                             f"mode {', '.join(repr(m + (':<k>' if m == 'hutchinson' else '')) for m in users)} "
+                             "(leave it out, or choose that mode)")
