@@ -1,7 +1,8 @@
 """An outside audit of the structural scale-invariance flag and of the zero curvature of removed biases, on
 compositions the first generator (tests/test_curvature_invariance.py) does not draw: transposed, 1-D,
-depthwise and grouped convolutions, average pooling with and without padding / count_include_pad,
-adaptive pools, eval-mode BatchNorm (running statistics), LeakyReLU/PReLU, zero and constant padding,
+depthwise, grouped, strided and dilated convolutions, average pooling with and without padding /
+count_include_pad / ceil_mode / divisor_override, adaptive pools, eval-mode BatchNorm and InstanceNorm (running
+statistics), BatchNorm without running statistics, LeakyReLU/PReLU, zero and constant padding,
 Identity, Linear on 2-D, 3-D and 4-D inputs, GroupNorm with 1 < groups < C, LayerNorm over one, two or three
 trailing dims (elementwise affine on/off, bias on/off), nested ``nn.Sequential`` and norms in a row.
 
@@ -13,6 +14,10 @@ For every drawn composition f (float64, every normalization at eps = 1e-14):
 * (b) every bias (conv, linear and a norm's β) whose random shift leaves the output unchanged gets exactly 0
   from ``diag`` and ``approx`` and ~0 from ``exact`` (relative to the largest exact diagonal entry), and a
   bias that is not removed is not zeroed while ``exact`` says it is curved.
+
+A flag or a zero that the numbers contradict (a false positive) always fails. A missed invariance or a removed
+bias left unzeroed (a false negative) fails unless :func:`beyond_the_rules` names why the structural rules,
+which read no sizes and no values, cannot see it (the known conservative cases of docs/hessian.md).
 
 The generator is reusable: ``draw_composition(pick)`` takes any ``pick(options) -> option``; the tests pass
 hypothesis's, and an exploration loop can pass ``random.Random(seed).choice``.
@@ -296,7 +301,7 @@ def beyond_the_rules(net: nn.Module, x: torch.Tensor) -> Optional[str]:
             return "a Linear over a dim of size 1 (its bias is one number)"
         if isinstance(module, (nn.ReLU, nn.LeakyReLU, nn.PReLU)) and ((inp > 0).all() or (inp < 0).all()):
             return "an activation whose input has one sign everywhere (linear on this input)"
-        if isinstance(module, nn.modules.pooling._AvgPoolNd) and (module.ceil_mode or module.divisor_override):
+        if isinstance(module, nn.modules.pooling._AvgPoolNd) and (module.ceil_mode or getattr(module, "divisor_override", None)):
             with torch.no_grad():
                 ones = module(torch.ones_like(inp))
             if torch.allclose(ones, ones.flatten()[0].expand_as(ones)):
@@ -367,8 +372,9 @@ def check_bias_curvature(case, seed: int) -> Optional[str]:
     except UnsupportedModuleError:
         return None
     exact = diag_hessian(net, F.cross_entropy, x, y, mode="exact", params=params)
-    # a removed bias's exact value is round-off of the weights' curvature (and of eps = 1e-14 against the variances)
-    curved_above = max(1e-9 * max(v.abs().max().item() for v in exact.values()), 1e-12)
+    # a removed bias's exact value is round-off of the weights' curvature, and eps/var (<= 1e-8) of it where a
+    # factor a first normalization left is divided out by a second one
+    curved_above = max(1e-8 * max(v.abs().max().item() for v in exact.values()), 1e-11)
     gen = torch.Generator().manual_seed(seed)
     for name in names:
         removed = removed_numerically(net, x, name, gen)
