@@ -134,13 +134,36 @@ class TiedEdge(nn.Module):
         return torch.cat([self.mixed(self.pre_a(x), self.z), self.mixed(self.pre_b(x), self.z)], 1)
 
 
-@pytest.mark.parametrize("mode", ["diag", "approx"])
+@pytest.mark.parametrize("mode", ["diag", "approx", "ggn", "hutchinson:1", "exact"])
 def test_a_mixed_op_called_twice_sums_its_calls(mode):
-    """``arch_diag_hessian`` sums C.3.1/C.3.2 over the calls of a tied mixed op (its docstring); against autograd
-    where that sum is exact. Counting only one call went unseen."""
+    """``arch_diag_hessian`` of a tied mixed op is the curvature of its one Z, summed over its calls (its docstring);
+    against autograd, where every mode is exact: C.3.1/C.3.2 because MSE couples no entries, the Gauss-Newton
+    matrix (and so Hutchinson with it as control) because nothing curves after the mixed op. Counting only one
+    call (C.3's sum, or the GGN's per-sample shift of the last call only) went unseen."""
     torch.manual_seed(3)
     net = TiedEdge().to(DT)
     x, y = torch.randn(5, 3, dtype=DT), torch.randn(5, 12, dtype=DT)
     dense = torch.autograd.functional.hessian(lambda z: F.mse_loss(torch.func.functional_call(net, {"z": z}, (x,)), y), net.z.clone())
     got = arch_diag_hessian(net, F.mse_loss, x, y, {"e": (net.mixed, list(net.mixed.ops))}, mode=mode)["e"]
     torch.testing.assert_close(got, torch.diagonal(dense), rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("mode", ["diag", "approx"])
+def test_feature_mean_of_the_last_edge_is_per_channel(mode):
+    """C.3.2 averages ``h_j`` per channel (over batch and space). With a loss whose curvature is elementwise and
+    constant within each channel but differs between channels, both C.3.1 and C.3.2 are exact on the last edge
+    (against autograd). The MSE tests have one constant curvature everywhere, where any grouping gives the
+    same mean: grouping by the wrong axis was caught only by comparing with the fast engine's own recursion."""
+    from test_hessian_arch_diag import TwoEdges
+
+    torch.manual_seed(4)
+    net = TwoEdges("batch").to(DT)
+    x, y = torch.randn(3, 1, 5, 5, dtype=DT), torch.randn(3, 3, 5, 5, dtype=DT)
+    scale = torch.tensor([0.5, 2.0, 7.0], dtype=DT).view(1, 3, 1, 1)
+
+    def loss_fn(out, target):  # per sample, separable: ∂²L/∂out² = scale_c / N, constant in each channel
+        return 0.5 * (scale * (out - target).square()).sum() / out.shape[0]
+
+    dense = torch.autograd.functional.hessian(lambda z: loss_fn(torch.func.functional_call(net, {"z_b": z}, (x,)), y), net.z_b.clone())
+    got = arch_diag_hessian(net, loss_fn, x, y, net.edges(), mode=mode)["b"]
+    torch.testing.assert_close(got, torch.diagonal(dense), rtol=1e-9, atol=1e-14)
