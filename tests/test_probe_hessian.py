@@ -42,7 +42,8 @@ def test_exact_hessian_equals_autograd_second_derivative_of_a_leaf_Z():
         torch.testing.assert_close(got[f"cells.0.edges.{e}"], diag, rtol=1e-8, atol=1e-12)
 
 
-def test_approx_and_keyword_weights_reach_the_hessian_engine_unchanged():
+def test_plumbing_approx_and_keyword_weights_reach_the_hessian_engine_unchanged():
+    """Plumbing test (nasdiag against nasdiag): the probe hands the keyword weights to the Hessian engine unchanged; the engine's numbers have independent references in tests/test_curvature_accuracy.py and tests/test_hessian_arch_exact.py."""
     from nasdiag.hessian import arch_diag_hessian
 
     net = tiny()
@@ -69,7 +70,8 @@ class lambda_free(torch.nn.Module):  # noqa: N801 - a tiny test wrapper
         return self.net(x, weights=self.w)
 
 
-def test_alpha_chain_rule_is_passed_through():
+def test_plumbing_alpha_chain_rule_is_passed_through():
+    """Plumbing test (nasdiag against nasdiag): the probe passes wrt='alpha' through; the chain rule itself is checked against autograd in tests/test_alpha_chain_softmax_check.py."""
     from nasdiag.hessian.arch_exact import exact_arch_diag_hessian
 
     net = tiny()

@@ -38,7 +38,8 @@ def test_no_labels_for_other_losses():
 
 
 @pytest.mark.parametrize("mode", ["approx", "exact"])
-def test_hessian_without_targets_equals_hessian_with_targets(mode):
+def test_plumbing_hessian_without_targets_equals_hessian_with_targets(mode):
+    """Plumbing test (nasdiag against nasdiag): the probe's target-free route reaches the same engine call as the explicit one."""
     net, x, y = setup()
     probe = nasdiag.attach(net, hessian=mode)
     with probe.record():
