@@ -91,7 +91,7 @@ def test_hessian_misuse_is_explained():
     x, y = data()
     with pytest.raises(ProbeError, match="hessian='diag'"):
         nasdiag.attach(net).hessian()
-    with pytest.raises(ProbeError, match="hessian must be"):
+    with pytest.raises(ProbeError, match=r"attach\(hessian=\.\.\.\): unknown curvature mode 'full'; choose one of .*approx"):
         nasdiag.attach(net, hessian="full")
     with pytest.raises(ProbeError, match="one of .*'approx'"):  # the valid modes are listed
         nasdiag.attach(net, loss_fn=F.cross_entropy)
@@ -106,3 +106,17 @@ def test_hessian_misuse_is_explained():
     with pytest.raises(ProbeError, match="targets"):
         probe.hessian()
     assert set(probe.hessian(targets=y)) == set(probe.edge_names)
+
+
+def test_a_mistyped_mode_gets_the_engines_suggestion_at_attach_and_at_call():
+    import nasdiag
+    from nasdiag.probe import ProbeError
+
+    net = tiny()
+    with pytest.raises(ProbeError, match=r"attach\(hessian=\.\.\.\): unknown curvature mode 'Exact'; did you mean 'exact'\?"):
+        nasdiag.attach(net, hessian="Exact")
+    with pytest.raises(ProbeError, match=r"needs k, the number of Hessian-vector products"):
+        nasdiag.attach(net, hessian="hutchinson")
+    probe = nasdiag.attach(net, hessian="diag")
+    with pytest.raises(ProbeError, match=r"probe.hessian\(mode=\.\.\.\): unknown curvature mode 'ggn-mc'; did you mean 'ggn_mc'\?"):
+        probe.hessian(mode="ggn-mc")

@@ -14,7 +14,7 @@ from torch import nn
 
 from nasdiag.cost import CostMoments, analyse, scatter_cells
 from nasdiag.hessian import arch_diag_hessian
-from nasdiag.hessian.modes import ARCH_MODES
+from nasdiag.hessian.modes import ARCH_MODES, CurvatureError, check_mode
 from nasdiag.hooks import Hooks
 from nasdiag.probe.capture import Router, StepCapture
 from nasdiag.edges import EdgesArg, EdgeSpec
@@ -23,6 +23,15 @@ from nasdiag.probe.layout import Group, build_groups
 
 STATISTICS_MODES = ("all", "sampled")
 HESSIAN_MODES = ARCH_MODES  # the curvature modes, spelled once in nasdiag.hessian.modes
+
+
+def _check_hessian_mode(mode, where: str) -> None:
+    """The curvature engine's own check (it names a near miss such as ``"Exact"``, or a count missing from
+    ``"hutchinson"``), reported as the probe's error."""
+    try:
+        check_mode(mode, HESSIAN_MODES)
+    except CurvatureError as exc:
+        raise ProbeError(f"{where}: {exc}") from None
 
 
 class _StepResult:
@@ -81,8 +90,8 @@ class Probe:
                  hessian: Optional[str] = None, loss_fn: Optional[Callable] = None):
         if statistics not in STATISTICS_MODES:
             raise ProbeError(f"statistics must be one of {STATISTICS_MODES}, got {statistics!r}")
-        if hessian is not None and hessian not in HESSIAN_MODES:
-            raise ProbeError(f"hessian must be None or one of {HESSIAN_MODES}, got {hessian!r}")
+        if hessian is not None:
+            _check_hessian_mode(hessian, "attach(hessian=...)")
         if loss_fn is not None and not callable(loss_fn):
             raise ProbeError("loss_fn must be callable as loss_fn(outputs, targets) -> scalar")
         if loss_fn is not None and hessian is None:
@@ -474,8 +483,7 @@ class Probe:
                 "hessian() needs attach(model, ..., hessian='diag' | 'approx' | 'ggn_mc' | ...) or hessian(mode=...); "
                 f"modes: {', '.join(HESSIAN_MODES)}"
             )
-        if mode not in HESSIAN_MODES:
-            raise ProbeError(f"hessian mode must be one of {HESSIAN_MODES}, got {mode!r}")
+        _check_hessian_mode(mode, "probe.hessian(mode=...)")
         if self._recording:
             raise ProbeError("call probe.hessian() after the probe.record() block, not inside it")
         r = self._require_step() if inputs is None or targets is None else self._last
