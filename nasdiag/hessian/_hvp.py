@@ -316,6 +316,23 @@ class HessianVectorProduct:
         # A loss linear in `wrt` leaves a gradient without a graph: its Hessian is exactly zero.
         self.is_zero = not self.gradient.requires_grad
         self._batched_ok = True
+        self._batched_checked = False
+
+    def _check_batched(self, V: torch.Tensor, out: torch.Tensor) -> None:
+        """Raise RuntimeError if the first batched products disagree with one plain product. torch's legacy vmap
+        behind ``is_grads_batched`` has wrong double-backward rules for some ops, and they can run without an error:
+        through ``F.group_norm(x, 1)`` with batch size equal to the channel count (torch 2.13) the stacked
+        products are off by about 100%. H is linear, so a random combination of the rows checks them all at once,
+        for the price of one more product, once per operator."""
+        self._batched_checked = True
+        weights = torch.randn(V.shape[0], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        weights = weights.to(dtype=self.dtype, device=self.device)
+        want = self._products(weights @ V, batched=False)
+        got = weights @ out
+        tol = 1e4 * torch.finfo(self.dtype).eps * (want.norm() + (weights.abs() @ out.abs()).norm())
+        if (got - want).norm() > tol:
+            raise RuntimeError("the batched products disagree with a plain one (a wrong vmap rule of torch for an "
+                               "op's double backward)")
 
     def __call__(self, v: torch.Tensor) -> torch.Tensor:
         single = v.dim() == 1
@@ -335,7 +352,9 @@ class HessianVectorProduct:
         elif self._batched_ok:
             try:
                 out = self._products(V, batched=True)
-            except RuntimeError as err:  # an op of the graph has no vmap rule for its double backward
+                if not self._batched_checked:
+                    self._check_batched(V, out)
+            except RuntimeError as err:  # an op of the graph has no vmap rule for its double backward, or a wrong one
                 self._batched_ok = False
                 warnings.warn(
                     f"batched Hessian-vector products failed ({err}); falling back to one product at a time "
