@@ -23,6 +23,7 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 from nasdiag.hessian.glue import UnsupportedGlue, glue_rule_for
+from nasdiag.hessian.modes import CurvatureError
 from nasdiag.hessian.rules.base import UnsupportedModuleError, unsupported_module_message
 from nasdiag.hessian.trace import Edge, ModuleTracer, RuleCall, edge_of
 from nasdiag.rules import SPATIAL, analyse
@@ -56,11 +57,12 @@ def walk_diagonals(
         ``(param_diagonals, observed_h, observed_g)``; parameter diagonals are summed over calls.
     """
     if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        raise CurvatureError(f"mode must be one of {MODES}, got {mode!r}")
     module_targets, leaf_targets = dict(module_targets or {}), dict(leaf_targets or {})
     root = edge_of(outputs)
     if root is None:
-        raise ValueError("the model output does not require grad: nothing depends on the requested tensors")
+        raise CurvatureError("the model output does not require grad, so nothing in it depends on the requested tensors; "
+                             "ask for tensors the model uses, outside torch.no_grad()")
     rule_calls = tracer.rule_calls
     observe_nodes: Dict[object, List[Tuple[int, str]]] = {}
     for (node, nr), key in dict(observe or {}).items():
