@@ -329,8 +329,7 @@ class HessianVectorProduct:
         weights = weights.to(dtype=self.dtype, device=self.device)
         want = self._products(weights @ V, batched=False)
         got = weights @ out
-        tol = 1e4 * torch.finfo(self.dtype).eps * (want.norm() + (weights.abs() @ out.abs()).norm())
-        if (got - want).norm() > tol:
+        if not routes_agree(got, want, want.norm() + (weights.abs() @ out.abs()).norm()):
             raise RuntimeError("the batched products disagree with a plain one (a wrong vmap rule of torch for an "
                                "op's double backward)")
 
@@ -386,18 +385,62 @@ class HessianVectorProduct:
         )
 
 
-def functional_hvp(loss_of: Callable[[torch.Tensor], torch.Tensor], primal: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+def functional_hvp(loss_of: Callable[[torch.Tensor], torch.Tensor], primal: torch.Tensor, *,
+                   check: bool = True) -> Callable[[torch.Tensor], torch.Tensor]:
     """``V ↦ V H`` for a stack ``V`` (m, n) of tangents, H the Hessian of ``loss_of`` at ``primal`` (n,).
 
     Forward-over-reverse: ``vmap(v ↦ jvp(grad(loss_of), primal, v))``. Each call re-runs the forward
     (once, batched over the m tangents). ``loss_of`` must be traceable by ``torch.func``.
+
+    With ``check`` (default), the first call first compares one product along a random direction with
+    autograd's reverse-over-reverse product (one forward and two backwards more, once): ``torch.func``'s
+    forward-mode rules have been wrong without an error for some ops (``jvp(jvp)`` through train-mode
+    BatchNorm in torch 2.13, docs/hessian.md), and ``exact`` is the reference the other modes are judged by.
+    A disagreement raises :class:`~nasdiag.hessian.modes.CurvatureRuntimeError` (a ``RuntimeError``, on which
+    the callers' ``backend="auto"`` falls back to reverse-over-reverse products).
     """
     grad_fn = torch.func.grad(loss_of)
 
     def column(v):
         return torch.func.jvp(grad_fn, (primal,), (v,))[1]
 
-    return torch.func.vmap(column)
+    batched = torch.func.vmap(column)
+    checked = [not check]
+
+    def products(V: torch.Tensor) -> torch.Tensor:
+        if not checked[0]:
+            checked[0] = True
+            _check_against_reverse(loss_of, primal, batched)
+        return batched(V)
+
+    return products
+
+
+def _check_against_reverse(loss_of, primal: torch.Tensor, batched) -> None:
+    u = torch.randn(primal.numel(), generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    u = u.to(dtype=primal.dtype, device=primal.device).reshape(primal.shape)
+    got = batched(u.unsqueeze(0))[0]
+    point = primal.detach().clone().requires_grad_(True)
+    with torch.enable_grad():
+        (grad,) = torch.autograd.grad(loss_of(point), point, create_graph=True)
+        want = (torch.autograd.grad(grad, point, u, allow_unused=True)[0] if grad.requires_grad else None)
+    want = torch.zeros_like(got) if want is None else want
+    if not routes_agree(got, want, want.norm() + got.norm()):
+        from nasdiag.hessian.modes import CurvatureRuntimeError
+
+        raise CurvatureRuntimeError(
+            f"torch.func's forward-over-reverse product disagrees with autograd's reverse-over-reverse one "
+            f"(relative difference {float((got - want).norm() / want.norm().clamp_min(1e-300)):.2g}): a wrong "
+            "forward-mode rule of torch for an op of this model; use backend='autograd'"
+        )
+
+
+def routes_agree(got: torch.Tensor, want: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether two routes to the same products agree: to 1e-8 of ``scale`` in float64, to 1e-2 in lower
+    precision (GPU convolutions in float32 may run in TF32, about 1e-3 off); the faults this guards against
+    are of order 1."""
+    rel = 1e-8 if got.dtype == torch.float64 else 1e-2
+    return bool((got - want).norm() <= rel * scale + torch.finfo(got.dtype).tiny)
 
 
 # -- sizes and sources ------------------------------------------------------------------------------

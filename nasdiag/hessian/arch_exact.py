@@ -329,8 +329,8 @@ def _functional_products(model, loss_fn, inputs, targets, shift: _WeightShift, l
         if _out_of_memory(err):  # not a tracing failure
             raise
         warnings.warn(
-            f"torch.func could not trace the model ({type(err).__name__}: {str(err)[:200]}); using second "
-            "backwards through a retained graph instead (same numbers, slower on GPUs)",
+            f"torch.func products are not usable for this model ({type(err).__name__}: {str(err)[:200]}); using "
+            "second backwards through a retained graph instead (right numbers, slower on GPUs)",
             RuntimeWarning,
             stacklevel=3,
         )

@@ -129,8 +129,8 @@ def _exact_parameter_diag(model, loss_fn, inputs, targets, pairs, chunk_size, ma
             if isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err):
                 raise
             warnings.warn(
-                f"torch.func could not trace the model ({type(err).__name__}: {str(err)[:200]}); using second "
-                "backwards through a retained graph instead (same numbers, slower)",
+                f"torch.func products are not usable for this model ({type(err).__name__}: {str(err)[:200]}); using "
+                "second backwards through a retained graph instead (right numbers, slower)",
                 RuntimeWarning,
                 stacklevel=2,
             )
