@@ -125,6 +125,9 @@ def search_config(args: argparse.Namespace) -> SearchConfig:
         raise ConfigError(f"--figs {args.figs} and --no-figs contradict each other; pass only one")
     if not args.out.strip():
         raise ConfigError("--out is empty; pass the record path, such as runs/search.h5")
+    if args.hessian_mode is not None and not args.hessian_mode.strip():  # it silently ran the default mode
+        raise ConfigError("--hessian-mode is empty; give a mode such as diag, approx, ggn, hutchinson:4 or exact, or "
+                          "leave the option out for the default (diag)")
     if args.out.endswith(("/", os.sep)) and not os.path.isdir(args.out):  # an existing folder has its own message
         raise ConfigError(f"--out {args.out} ends in /, so it names a folder; pass the record's file path, such as "
                           f"{args.out}run.h5")
@@ -146,7 +149,7 @@ def search_config(args: argparse.Namespace) -> SearchConfig:
         method=args.method, hp=hp, dataset=args.dataset, data_dir=args.data_dir, C=args.C, layers=args.layers,
         steps=args.steps, multiplier=args.multiplier, order=args.order, norm=args.norm, epochs=args.epochs,
         batch_size=args.batch_size, seed=args.seed, device=args.device, dtype=args.dtype,
-        diagnostics=args.diagnostics, hessian_mode=args.hessian_mode or SearchConfig.hessian_mode, spectrum_every=args.spectrum_every,
+        diagnostics=args.diagnostics, hessian_mode=SearchConfig.hessian_mode if args.hessian_mode is None else args.hessian_mode, spectrum_every=args.spectrum_every,
         record=args.out, resume=args.resume, force=args.force, figures=figures, engine=args.engine,
         threads=args.threads, progress=not args.no_progress,
     )

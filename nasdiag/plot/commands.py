@@ -104,6 +104,14 @@ def file_in_the_way(path: Path) -> Optional[Path]:
     return None
 
 
+def refuse_empty_out(out: str, example: str) -> None:
+    """``--out ''`` is the current folder to `pathlib` (plot drew every figure there, report called it a folder)."""
+    from nasdiag.plot.registry import PlotError
+
+    if not out.strip():
+        raise PlotError(f"--out is empty; give the {example}")
+
+
 def _check_folder(out: Path, record: Optional[str] = None) -> None:
     """Refuse (one line) a figure folder that a file is in the way of: ``--out`` itself, or with ``record``
     the folder of that record under ``--out``."""
@@ -123,11 +131,15 @@ def _check_folder(out: Path, record: Optional[str] = None) -> None:
 
 
 def _check_at_steps(at_tokens, record, record_path) -> None:
-    """Refuse an ``--at`` step after the record's last step: its figure would show the last rows under a
-    file name promising a later step."""
+    """Refuse an ``--at`` step after the record's last step (its figure would show the last rows under a
+    file name promising a later step) or before its first (no figure has a row there: each was skipped)."""
     from nasdiag.plot.registry import PlotError
 
-    last = int(record["step"][-1])
+    first, last = int(record["step"][0]), int(record["step"][-1])
+    early = [t for t in at_tokens or () if isinstance(t, int) and t < first]
+    if early:
+        raise PlotError(f"--at {','.join(map(str, early))}: record {record_path} starts at step {first}, so no figure "
+                        f"has a row there; give steps from {first} to {last}, or init/final")
     late = [t for t in at_tokens or () if isinstance(t, int) and t > last]
     if late:
         raise PlotError(f"--at {','.join(map(str, late))}: record {record_path} ends at step {last} "
@@ -300,6 +312,7 @@ def run_plot(args) -> int:
     specs = select(figures)  # unknown names fail before any record is read
     at_tokens = parse_at(args.at)
     _refuse_idle_at(at_tokens, specs)
+    refuse_empty_out(args.out, "figure folder, e.g. --out figs")
     out = Path(args.out)
     _check_folder(out)
     _refuse_repeats(args.records)
@@ -368,6 +381,7 @@ def run_report(args) -> int:
 
     figures = _figure_names(args.figures)
     select(figures)
+    refuse_empty_out(args.out, "HTML file to write, e.g. --out report.html")
     refuse_segment(args.record)
     path = _as_not_a_record(args.record, write_report, args.record, args.out, figures, args.dpi, args.force)
     print(f"report: {path}")

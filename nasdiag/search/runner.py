@@ -535,6 +535,11 @@ def _run(config, callbacks, method_cls, hp, rank, world, device) -> SearchResult
                       ).to(device=device, dtype=dtype)
     except (ValueError, KeyError) as exc:
         raise ConfigError(f"invalid supernet settings: {exc.args[0] if exc.args else exc}") from None
+    except RuntimeError as exc:  # --C 100000: torch's allocator failed with a traceback
+        if not (isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in str(exc)):
+            raise
+        raise ConfigError(f"the supernet (C={config.C}, layers={config.layers}, steps={config.steps}) does not fit in "
+                          f"the memory of {device}; use a smaller --C, --layers or --steps") from None
     _set_engine(net, config.engine)
     epochs = state["epochs"] if state is not None else config.epochs
     schedule = Schedule(epochs=epochs, steps_per_epoch=S, batch_size=config.batch_size, train_size=n_train,
