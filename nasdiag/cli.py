@@ -138,6 +138,9 @@ def search_config(args: argparse.Namespace) -> SearchConfig:
         raise ConfigError(f"--data-dir {args.data_dir} is a file, not a folder; pass the folder of the CIFAR-10 python "
                           "batches (data_batch_1..5, test_batch), e.g. cifar-10-batches-py/")
     wanted = [d.strip() for d in args.diagnostics.split(",") if d.strip()]
+    if not wanted:  # an empty value (an unset shell variable) silently recorded no diagnostics
+        raise ConfigError(f"--diagnostics {args.diagnostics!r} names no diagnostic; give {', '.join(DIAGNOSTICS)} "
+                          "(comma-separated), or none to record no diagnostics")
     if "none" in wanted and len(wanted) > 1:  # "none" would silently lose to the others
         raise ConfigError(f"--diagnostics {args.diagnostics} contradicts itself: none records no diagnostics; "
                           "pass none alone, or only the diagnostics to record")

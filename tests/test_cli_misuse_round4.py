@@ -54,3 +54,21 @@ def test_at_before_the_first_step(rec, tmp_path, capsys):
     """``--at 0`` (the record starts at step 1) skipped every heatmap, drew the rest and exited 0."""
     refused(["plot", rec, "--out", tmp_path / "figs", "--at", "0"], tmp_path,
             ["--at 0", "starts at step 1", "give steps from 1 to 4"], capsys)
+
+
+def test_more_threads_than_cpus(tmp_path, capsys):
+    """``--threads 100000`` made torch start that many threads: the process ran out of memory (a traceback
+    from the next import); one more thread than CPUs is refused alike."""
+    import os
+
+    n = (os.cpu_count() or 1) + 1
+    refused(["search", *TINY, "--out", tmp_path / "run.h5", "--threads", str(n)], tmp_path,
+            [f"threads {n} is more than the {n - 1} CPUs", "leave --threads out"], capsys)
+
+
+@pytest.mark.parametrize("value", ["", ",", " , "])
+def test_diagnostics_naming_nothing(value, tmp_path, capsys):
+    """``--diagnostics ''`` silently recorded no diagnostics (as ``none``)."""
+    argv = ["search", *TINY, "--out", tmp_path / "run.h5"]
+    argv[argv.index("--diagnostics") + 1] = value
+    refused(argv, tmp_path, ["names no diagnostic", "or none to record no diagnostics"], capsys)

@@ -151,6 +151,9 @@ class SearchConfig:
             raise ConfigError(f"multiplier must be an integer in [1, steps={self.steps}], got {m!r}")
         if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1):
             raise ConfigError(f"threads must be an integer >= 1, got {self.threads!r}")
+        if self.threads is not None and self.threads > (os.cpu_count() or 1):  # 100000 exhausted memory in thread stacks
+            raise ConfigError(f"threads {self.threads} is more than the {os.cpu_count() or 1} CPUs of this machine (more threads "
+                              f"than cores stall a search); give at most {os.cpu_count() or 1}, or leave --threads out")
         if not isinstance(self.device, str) or not _DEVICE.match(self.device):
             raise ConfigError(f"unknown device {self.device!r}; use auto, cpu, cuda or cuda:N")
         if self.dataset == "cifar10" and not self.data_dir:
