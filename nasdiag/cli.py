@@ -121,6 +121,9 @@ def search_config(args: argparse.Namespace) -> SearchConfig:
         if key in hp:  # the last would silently win
             raise ConfigError(f"--hp {key} is given twice ({key}={hp[key]} and {key}={value.strip()}); pass it once")
         hp[key] = value.strip()
+    for option, value in (("--figs", args.figs), ("--data-dir", args.data_dir)):
+        if value is not None and not value.strip():  # an unset shell variable: silently the default, or ignored
+            raise ConfigError(f"{option} is empty; give a folder, or leave {option} out")
     if args.figs is not None and args.no_figs:
         raise ConfigError(f"--figs {args.figs} and --no-figs contradict each other; pass only one")
     if not args.out.strip():
@@ -241,8 +244,10 @@ def _stopped(args: Optional[argparse.Namespace], how: str, exc: Optional[BaseExc
     complete = getattr(exc, "complete_run", None)  # set by the runner when the stop came while drawing figures
     if complete is not None:
         record, figures = complete
+        from shlex import quote  # a path with a space or quote must survive the copy into a shell
+
         return (f"nasdiag: {how} while drawing the figures; the run is complete in {record}: "
-                f"draw them with nasdiag plot {record} --out {figures}")
+                f"draw them with nasdiag plot {quote(record)} --out {quote(figures)}")
     if not args.out or not os.path.exists(args.out):
         return f"nasdiag: {how} before anything was recorded; run the command again (without --resume)"
     return f"nasdiag: {how}; the record holds every completed step (continue with --resume)"

@@ -72,3 +72,64 @@ def test_diagnostics_naming_nothing(value, tmp_path, capsys):
     argv = ["search", *TINY, "--out", tmp_path / "run.h5"]
     argv[argv.index("--diagnostics") + 1] = value
     refused(argv, tmp_path, ["names no diagnostic", "or none to record no diagnostics"], capsys)
+
+
+@pytest.mark.parametrize("option,extra", [("--figs", []), ("--data-dir", []), ("--data-dir", ["--dataset", "cifar10"])])
+def test_empty_folder_options(option, extra, tmp_path, capsys):
+    """``--figs ''`` silently drew into the default folder, ``--data-dir ''`` was silently ignored (digits) or
+    called missing (cifar10)."""
+    tiny = [a for a in TINY if a != "--no-figs"]
+    refused(["search", *tiny, "--out", tmp_path / "run.h5", option, "", *extra], tmp_path,
+            [f"{option} is empty", f"leave {option} out"], capsys)
+
+
+def _all_nan_record(path: Path) -> Path:
+    import warnings
+
+    from nasdiag.record import Recorder
+
+    meta = {"method": "darts", "op_names": ["a", "b"], "edge_names": {"normal": ["e0"]}, "cell_types": ["normal"]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the recorder flags each NaN: recorded as is
+        with Recorder(str(path), meta=meta) as rec:
+            for step in range(1, 4):
+                rec.log(step, {"scalars/train_loss": float("nan"), "hessian/normal/top_eigenvalue": float("nan"),
+                               "hessian/top_eigenvalue": float("nan")})
+    return path
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_a_plot_that_draws_nothing_leaves_no_empty_folder(batch, tmp_path, capsys):
+    """A record whose every figure is skipped (every value NaN) exits 2, but left its new, empty figure folder
+    behind (and, in a batch, one empty folder per record)."""
+    from nasdiag.cli import main
+    from test_cli_plot_misuse import snapshot
+
+    records = [_all_nan_record(tmp_path / "nan.h5")] + ([_all_nan_record(tmp_path / "nan2.h5")] if batch else [])
+    before = snapshot(tmp_path)
+    code = main(["plot", *map(str, records), "--out", str(tmp_path / "out" / "figs"), "--dpi", "20", "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "Traceback" not in "".join(err), err
+    assert ("none of the 2 records" if batch else "every one was skipped") in err[-1], err
+    assert any("NaN in every row" in line for line in err), err  # the NaN is said, not hidden
+    assert snapshot(tmp_path) == before
+
+
+def test_the_plot_command_after_an_interrupt_survives_a_shell(tmp_path, capsys, monkeypatch):
+    """Ctrl-C while a finished search draws its figures prints the ``nasdiag plot`` command: with a space in
+    the paths (``my runs/``) the printed command split into wrong arguments when pasted into a shell."""
+    import shlex
+
+    import nasdiag.plot
+    from nasdiag.cli import main
+
+    def interrupted(record, folder, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(nasdiag.plot, "write_figures", interrupted)
+    out, figs = tmp_path / "my runs" / "run 1.h5", tmp_path / "it's figs"
+    argv = [a for a in TINY if a != "--no-figs"]
+    assert main(["search", *argv, "--out", str(out), "--figs", str(figs)]) == 130
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "the run is complete" in lines[0], lines
+    assert shlex.split(lines[0].split("draw them with nasdiag ")[1]) == ["plot", str(out), "--out", str(figs)]

@@ -269,6 +269,27 @@ def _refuse_nothing_to_draw(record, record_path, figures_arg) -> None:
                     "draw every figure it has")
 
 
+def _missing_folders(folder: Path) -> List[Path]:
+    """``folder`` and its ancestors that do not exist yet, deepest first: what drawing into it creates."""
+    missing = []
+    for candidate in (folder, *folder.parents):
+        if candidate.exists():
+            break
+        missing.append(candidate)
+    return missing
+
+
+def _remove_empty(folders: List[Path]) -> None:
+    """Remove those of ``folders`` (deepest first) that are empty: a refused plot leaves no empty figure folder."""
+    import os
+
+    for folder in folders:
+        try:
+            os.rmdir(folder)
+        except OSError:  # not empty (a figure was drawn there) or already gone
+            pass
+
+
 def _refuse_none_drawn(drawn, what: str) -> None:
     """Refuse a record whose every chosen figure was skipped (no data to show, every value NaN): it drew no
     file and must not count as drawn (exit 0)."""
@@ -326,9 +347,12 @@ def run_plot(args) -> int:
             raise PlotError(f"record {record_path} has no committed rows yet; nothing to plot")
         _check_at_steps(at_tokens, record, record_path)
         _refuse_nothing_to_draw(record, record_path, args.figures)
+        created = _missing_folders(out)
         drawn = draw_record(record, out, args.format, figures, args.at, args.dpi)
         for line in drawn.skipped:
             print(f"skipped {line}", file=sys.stderr)
+        if not drawn.files:
+            _remove_empty(created)
         _refuse_none_drawn(drawn, f"record {record_path}")
         print(f"{record_path}: {len(drawn.files)} figures in {out}; {_nonfinite_line(drawn)}")
         return 0
@@ -339,6 +363,7 @@ def run_plot(args) -> int:
     for record_path, folder in (*folders.items(), ("the comparison", out / "compare")):
         _check_folder(folder, record_path)
     loaded, failed = {}, []
+    created = _missing_folders(out)
     bar = tqdm(records, unit="record", disable=args.no_progress, file=sys.stderr, dynamic_ncols=True)
     for record_path in bar:
         bar.set_postfix_str(Path(record_path).name, refresh=False)
@@ -350,9 +375,12 @@ def run_plot(args) -> int:
                 raise PlotError("no committed rows yet")
             _check_at_steps(at_tokens, record, record_path)
             _refuse_nothing_to_draw(record, record_path, args.figures)
+            made = [folders[record_path]] if not folders[record_path].exists() else []
             drawn = draw_record(record, folders[record_path], args.format, figures, args.at, args.dpi)
             for line in drawn.skipped:
                 bar.write(f"skipped {Path(record_path).name}/{line}", file=sys.stderr)
+            if not drawn.files:
+                _remove_empty(made)
             _refuse_none_drawn(drawn, "it")
         except NasdiagError as exc:
             failed.append(record_path)
@@ -367,6 +395,7 @@ def run_plot(args) -> int:
                   file=sys.stdout)
     bar.close()
     if not loaded:
+        _remove_empty(created)
         raise PlotError(f"none of the {len(records)} records could be drawn (see the lines above)")
     compared = write_comparison(loaded, out / "compare", args.format, figures, args.at, args.dpi) if len(loaded) > 1 else None
     print(f"{len(loaded)} of {len(records)} records drawn into {out}"
