@@ -133,3 +133,14 @@ def test_the_plot_command_after_an_interrupt_survives_a_shell(tmp_path, capsys, 
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "the run is complete" in lines[0], lines
     assert shlex.split(lines[0].split("draw them with nasdiag ")[1]) == ["plot", str(out), "--out", str(figs)]
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--C", "99999999999999999998"], "the supernet (C=99999999999999999998"),  # past 64 bits: a TypeError of torch
+    (["--method", "asmnas", "--hp", "attention_hidden=2000000000"], "method 'asmnas' with its hyperparameters"),
+    (["--method", "asmnas", "--hp", "attention_hidden=99999999999999999999999"], "method 'asmnas' with its"),
+])
+def test_sizes_too_large_for_memory(extra, needle, tmp_path, capsys):
+    """A supernet or method sized past the machine's memory was a traceback from torch's allocator."""
+    refused(["search", *TINY, "--out", tmp_path / "run.h5", *extra], tmp_path,
+            [needle, "does not fit in the memory of cpu"], capsys)

@@ -529,23 +529,22 @@ def _run(config, callbacks, method_cls, hp, rank, world, device) -> SearchResult
 
     torch.manual_seed(config.seed)
     try:
-        net = Network(config.C, splits.num_classes, config.layers, steps=config.steps, multiplier=config.cell_multiplier,
-                      in_channels=splits.in_channels, order=config.order, norm=config.norm,
-                      **({"primitives": method_cls.primitives} if getattr(method_cls, "primitives", None) else {}),
-                      ).to(device=device, dtype=dtype)
+        with _fits_in_memory(f"the supernet (C={config.C}, layers={config.layers}, steps={config.steps})", device,
+                             "use a smaller --C, --layers or --steps"):
+            net = Network(config.C, splits.num_classes, config.layers, steps=config.steps, multiplier=config.cell_multiplier,
+                          in_channels=splits.in_channels, order=config.order, norm=config.norm,
+                          **({"primitives": method_cls.primitives} if getattr(method_cls, "primitives", None) else {}),
+                          ).to(device=device, dtype=dtype)
     except (ValueError, KeyError) as exc:
         raise ConfigError(f"invalid supernet settings: {exc.args[0] if exc.args else exc}") from None
-    except RuntimeError as exc:  # --C 100000: torch's allocator failed with a traceback
-        if not (isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in str(exc)):
-            raise
-        raise ConfigError(f"the supernet (C={config.C}, layers={config.layers}, steps={config.steps}) does not fit in "
-                          f"the memory of {device}; use a smaller --C, --layers or --steps") from None
     _set_engine(net, config.engine)
     epochs = state["epochs"] if state is not None else config.epochs
     schedule = Schedule(epochs=epochs, steps_per_epoch=S, batch_size=config.batch_size, train_size=n_train,
                         val_size=n_val, world_size=world)
-    method = method_cls(net, hp, schedule=schedule, hessian_mode=config.hessian_mode if "hessian" in config.diagnostics else None,
-                        seed=config.seed)
+    with _fits_in_memory(f"method {config.method!r} with its hyperparameters", device,
+                         "use smaller sizes in --hp (nasdiag methods lists them and their defaults)"):
+        method = method_cls(net, hp, schedule=schedule,
+                            hessian_mode=config.hessian_mode if "hessian" in config.diagnostics else None, seed=config.seed)
     start_step = 0
     if state is not None:
         method.load_state_dict(state["method"])
@@ -599,6 +598,20 @@ def _run(config, callbacks, method_cls, hp, rank, world, device) -> SearchResult
             raise
     return SearchResult(method.genotype(), evaluation, None if config.record is None else os.fspath(config.record),
                         figures, config, method)
+
+
+@contextlib.contextmanager
+def _fits_in_memory(what: str, device, fix: str):
+    """Turn torch's failure to allocate a tensor sized by the user (``--C 200000``, ``--hp attention_hidden=2e9``;
+    a size past 64 bits fails to unpack) into one `ConfigError` line instead of a traceback."""
+    try:
+        yield
+    except (RuntimeError, TypeError) as exc:
+        text = str(exc)
+        if not (isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in text
+                or "Overflow when unpacking long" in text):
+            raise
+        raise ConfigError(f"{what} does not fit in the memory of {device}; {fix}") from None
 
 
 def _set_engine(net, engine: str) -> None:
