@@ -144,3 +144,12 @@ def test_sizes_too_large_for_memory(extra, needle, tmp_path, capsys):
     """A supernet or method sized past the machine's memory was a traceback from torch's allocator."""
     refused(["search", *TINY, "--out", tmp_path / "run.h5", *extra], tmp_path,
             [needle, "does not fit in the memory of cpu"], capsys)
+
+
+@pytest.mark.parametrize("command,out", [("plot", "figs"), ("report", "r.html")])
+@pytest.mark.parametrize("figures,hint", [("hesian", "'hessian' for 'hesian'"), ("scalars,Cost", "'cost' for 'Cost'"),
+                                          ("regrt", "'regret' for 'regrt'")])
+def test_a_misspelt_figure_names_the_near_miss(rec, tmp_path, capsys, command, out, figures, hint):
+    """``--figures hesian`` listed the 22 figure names but not the one meant (``--hessian-mode Exact`` names it)."""
+    refused([command, rec, "--out", tmp_path / out, "--figures", figures], tmp_path,
+            ["unknown figure(s)", f"did you mean {hint}?"], capsys)

@@ -95,6 +95,26 @@ def _figure_names(text):
     return names
 
 
+def select_figures(names):
+    """`nasdiag.plot.registry.select`, its refusal of an unknown name naming the near miss (``hesian``,
+    ``Hessian``: did you mean 'hessian'?), as ``--hessian-mode`` does."""
+    import difflib
+
+    from nasdiag.plot.registry import PlotError, registered, select
+
+    try:
+        return select(names)
+    except PlotError as exc:
+        specs = registered()
+        choices = [*specs, *sorted({s.group for s in specs.values()} - set(specs))]
+        near = [(t, difflib.get_close_matches(t.lower(), choices, 1)) for t in (n.strip() for n in names or ())
+                if t and t not in choices]
+        hints = [f"{m[0]!r} for {t!r}" for t, m in near if m]
+        if not hints:
+            raise
+        raise PlotError(f"{exc} (did you mean {', '.join(hints)}?)") from None
+
+
 def file_in_the_way(path: Path) -> Optional[Path]:
     """``path`` or its nearest existing ancestor if that is not a folder (so no folder can be made there);
     None when ``path`` is an existing folder or could be created as one."""
@@ -325,12 +345,10 @@ def _nonfinite_line(drawn) -> str:
 def run_plot(args) -> int:
     """Draw the figures of ``args.records`` (see the module docstring for folders and exit codes)."""
     from nasdiag.errors import NasdiagError
-    from nasdiag.plot.registry import (
-        PlotError, draw_record, parse_at, refuse_checkpoint, select, write_comparison,
-    )
+    from nasdiag.plot.registry import PlotError, draw_record, parse_at, refuse_checkpoint, write_comparison
 
     figures = _figure_names(args.figures)
-    specs = select(figures)  # unknown names fail before any record is read
+    specs = select_figures(figures)  # unknown names fail before any record is read
     at_tokens = parse_at(args.at)
     _refuse_idle_at(at_tokens, specs)
     refuse_empty_out(args.out, "figure folder, e.g. --out figs")
@@ -405,11 +423,10 @@ def run_plot(args) -> int:
 
 def run_report(args) -> int:
     """Write the HTML report of ``args.record`` to ``args.out``."""
-    from nasdiag.plot.registry import select
     from nasdiag.plot.report import write_report
 
     figures = _figure_names(args.figures)
-    select(figures)
+    select_figures(figures)
     refuse_empty_out(args.out, "HTML file to write, e.g. --out report.html")
     refuse_segment(args.record)
     path = _as_not_a_record(args.record, write_report, args.record, args.out, figures, args.dpi, args.force)
