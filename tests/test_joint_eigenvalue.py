@@ -4,6 +4,7 @@ autograd Hessian, through train-mode BatchNorm, with the per-type eigenvalues be
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -78,3 +79,26 @@ def test_the_eigenvalue_figure_draws_the_joint_curve_beside_the_cell_types(tmp_p
     assert "α of the normal cells" in labels and "all α jointly" in labels and "NaN" in labels, labels
     joint = [line for line in fig.axes[0].lines if line.get_label() == "all α jointly"][0]
     assert list(joint.get_xdata()) == [2, 4, 6, 8] and math.isnan(joint.get_ydata()[2])
+
+
+def test_a_cell_type_nan_in_every_row_does_not_hide_the_joint_curve(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from plot_records import write_record
+
+    from nasdiag import vocabulary as V
+    from nasdiag.plot.hessian import top_eigenvalue
+    from nasdiag.plot.registry import NothingToDraw
+    from nasdiag.record import load
+
+    extra = {s: {V.HESSIAN_TOP_EIGENVALUE.path(cell="normal"): math.nan, V.HESSIAN_JOINT_TOP_EIGENVALUE.path(): 0.2 * s}
+             for s in (2, 4)}
+    record = load(str(write_record(tmp_path / "r.h5", epochs=1, extra=extra)))
+    labels = top_eigenvalue(record, "normal").axes[0].get_legend_handles_labels()[1]
+    assert "all α jointly" in labels and "NaN" in labels, labels  # the per-type NaNs are marked, not dropped
+    extra = {s: {V.HESSIAN_TOP_EIGENVALUE.path(cell="normal"): math.nan, V.HESSIAN_JOINT_TOP_EIGENVALUE.path(): math.nan}
+             for s in (2, 4)}
+    record = load(str(write_record(tmp_path / "n.h5", epochs=1, extra=extra)))
+    with pytest.raises(NothingToDraw, match="no finite value"):
+        top_eigenvalue(record, "normal")

@@ -9,7 +9,7 @@ import numpy as np
 
 from nasdiag import vocabulary as V
 from nasdiag.plot.registry import Heatmap, NothingToDraw, figure, heatmap
-from nasdiag.plot.style import COLUMN, edge_names, integer_steps, op_names, plot_series, plt, series, step_of
+from nasdiag.plot.style import COLUMN, edge_names, integer_steps, marked_series, op_names, plot_series, plt, series, step_of
 
 
 def _mode(record, sep: str = ", ") -> str:
@@ -41,16 +41,23 @@ def hessian_diag(record, cell: str, row: int) -> Heatmap:
         caption="Largest eigenvalue of the α-Hessian of the cell type, and (dashed) of all cell types' α jointly, at "
                 "the recorded steps: a steady rise of the joint one is the early-stopping signal of RobustDARTS.")
 def top_eigenvalue(record, cell: str):
-    steps, values = series(record, V.HESSIAN_TOP_EIGENVALUE.path(cell=cell))
-    fig, ax = plt.subplots(figsize=(COLUMN, 2.0))
-    plot_series(ax, steps, values, marker="o", ms=3, lw=1.1, label=f"α of the {cell} cells")
-    joint = V.HESSIAN_JOINT_TOP_EIGENVALUE.path()
-    if joint in record:  # records written before the joint eigenvalue was recorded have only the per-type one
-        try:
-            plot_series(ax, *series(record, joint), marker="s", ms=2.5, lw=1.0, ls="--", color="0.35",
-                        label="all α jointly")
+    drawn = []
+    for path, style in ((V.HESSIAN_TOP_EIGENVALUE.path(cell=cell), dict(marker="o", ms=3, lw=1.1, label=f"α of the {cell} cells")),
+                        # records written before the joint eigenvalue was recorded have only the per-type one
+                        (V.HESSIAN_JOINT_TOP_EIGENVALUE.path(), dict(marker="s", ms=2.5, lw=1.0, ls="--", color="0.35",
+                                                                     label="all α jointly"))):
+        if path not in record:
+            continue
+        try:  # a curve NaN in every row still shows its NaN marks beside the other one
+            drawn.append((marked_series(record, path), style))
         except NothingToDraw:
-            pass
+            continue
+    if not any(np.isfinite(values).any() for (_, values), _ in drawn):
+        raise NothingToDraw(f"{V.HESSIAN_TOP_EIGENVALUE.path(cell=cell)} and {V.HESSIAN_JOINT_TOP_EIGENVALUE.path()} "
+                            "have no finite value")
+    fig, ax = plt.subplots(figsize=(COLUMN, 2.0))
+    for (steps, values), style in drawn:
+        plot_series(ax, steps, values, **style)
     ax.legend(fontsize=6, frameon=False)
     ax.set_xlabel("step")
     ax.set_ylabel("λ_max(∂²L/∂α²)")
