@@ -9,7 +9,7 @@ import numpy as np
 
 from nasdiag import vocabulary as V
 from nasdiag.plot.registry import Heatmap, NothingToDraw, figure, heatmap
-from nasdiag.plot.style import COLUMN, edge_names, integer_steps, marked_series, op_names, plot_series, plt, series, step_of
+from nasdiag.plot.style import COLUMN, edge_names, integer_steps, marked_series, op_names, plot_series, plt, step_of
 
 
 def _mode(record, sep: str = ", ") -> str:
