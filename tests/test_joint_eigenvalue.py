@@ -100,5 +100,5 @@ def test_a_cell_type_nan_in_every_row_does_not_hide_the_joint_curve(tmp_path):
     extra = {s: {V.HESSIAN_TOP_EIGENVALUE.path(cell="normal"): math.nan, V.HESSIAN_JOINT_TOP_EIGENVALUE.path(): math.nan}
              for s in (2, 4)}
     record = load(str(write_record(tmp_path / "n.h5", epochs=1, extra=extra)))
-    with pytest.raises(NothingToDraw, match="no finite value"):
+    with pytest.raises(NothingToDraw, match="hessian/normal/top_eigenvalue and hessian/top_eigenvalue are NaN in every row"):
         top_eigenvalue(record, "normal")

@@ -52,9 +52,11 @@ def top_eigenvalue(record, cell: str):
             drawn.append((marked_series(record, path), style))
         except NothingToDraw:
             continue
+    if not drawn:
+        raise NothingToDraw(f"{V.HESSIAN_TOP_EIGENVALUE.path(cell=cell)} has no rows yet")
     if not any(np.isfinite(values).any() for (_, values), _ in drawn):
-        raise NothingToDraw(f"{V.HESSIAN_TOP_EIGENVALUE.path(cell=cell)} and {V.HESSIAN_JOINT_TOP_EIGENVALUE.path()} "
-                            "have no finite value")
+        names = [p for p in (V.HESSIAN_TOP_EIGENVALUE.path(cell=cell), V.HESSIAN_JOINT_TOP_EIGENVALUE.path()) if p in record]
+        raise NothingToDraw(f"{' and '.join(names)} {'is' if len(names) == 1 else 'are'} NaN in every row; nothing to draw")
     fig, ax = plt.subplots(figsize=(COLUMN, 2.0))
     for (steps, values), style in drawn:
         plot_series(ax, steps, values, **style)
