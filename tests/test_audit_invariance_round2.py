@@ -33,6 +33,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from nasdiag.cost import is_scale_invariant
+from nasdiag.cost.scale_invariance import _group_variance
 from nasdiag.hessian import diag_hessian
 from nasdiag.rules import UnsupportedModuleError
 
@@ -222,18 +223,11 @@ def _group_variances(module: nn.Module, x: torch.Tensor) -> Optional[torch.Tenso
 
 
 def _variances(module: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
-    if isinstance(module, nn.modules.batchnorm._BatchNorm):
-        if not module.training and module.track_running_stats:
-            return None
-        return x.var(dim=[0] + list(range(2, x.dim())), unbiased=False)
-    if isinstance(module, nn.modules.instancenorm._InstanceNorm):
-        return x.var(dim=list(range(2, x.dim())), unbiased=False)
-    if isinstance(module, nn.GroupNorm):
-        return x.reshape(x.shape[0], module.num_groups, -1).var(dim=-1, unbiased=False)
-    if isinstance(module, nn.LayerNorm):
-        n = len(module.normalized_shape)
-        return x.var(dim=list(range(x.dim() - n, x.dim())), unbiased=False)
-    return None
+    # a normalization with running statistics is an affine map: no group of its own input to look at
+    if not isinstance(module, _NORM_TYPES) or (isinstance(module, nn.modules.batchnorm._BatchNorm)
+                                                and not module.training and module.track_running_stats):
+        return None
+    return _group_variance(module, x)
 
 
 def smallest_group_variance(net: nn.Module, inputs: List[torch.Tensor]) -> float:

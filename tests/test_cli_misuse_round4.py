@@ -4,25 +4,12 @@ is one line on stderr, exit code 2, and leaves the folder as it was (`refused` c
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 
-from plot_records import write_record
 from test_cli_errors import TINY
-from test_cli_plot_misuse import refused
-
-
-@pytest.fixture(scope="module")
-def source(tmp_path_factory) -> Path:
-    """A tiny record (steps 1..4, one cell type), copied into each test's folder."""
-    return write_record(tmp_path_factory.mktemp("source") / "run.h5", epochs=1, steps_per_epoch=4, cells=("normal",))
-
-
-@pytest.fixture
-def rec(source, tmp_path) -> Path:
-    return Path(shutil.copy(source, tmp_path / "run.h5"))
+from test_cli_plot_misuse import rec, refused, source  # noqa: F401 (fixtures)
 
 
 # -- search --------------------------------------------------------------------------------------------------

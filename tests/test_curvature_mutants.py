@@ -12,6 +12,7 @@ from torch import nn
 
 from nasdiag.hessian import arch_diag_hessian
 
+from test_hessian_arch_diag import DisjointMixed
 from test_hessian_weights_rules import _check
 
 DT = torch.float64
@@ -27,24 +28,6 @@ def test_square_linear_rule_is_exact_for_a_separable_loss(shape):
     _check(module, torch.randn(*shape))
 
 
-class DisjointCandidates(nn.Module):
-    """A mixed op whose K candidates write disjoint features, so ``∂²L/∂Z²`` has no cross terms between them;
-    weights (K,) or (B, K) (the GGN modes' per-sample shift)."""
-
-    def __init__(self, K=3, d=4, width=2):
-        super().__init__()
-        self.ops = nn.ModuleList(nn.Linear(d, K * width) for _ in range(K))
-        with torch.no_grad():
-            for k, op in enumerate(self.ops):
-                keep = torch.zeros(K * width)
-                keep[k * width : (k + 1) * width] = 1
-                op.weight.mul_(keep[:, None])
-                op.bias.mul_(keep)
-
-    def forward(self, x, weights):
-        return torch.stack([weights[..., k : k + 1] * op(x) for k, op in enumerate(self.ops)]).sum(0)
-
-
 class OneEdge(nn.Module):
     """``x → tanh(Linear) → mixed op [→ tanh]``: with the last tanh, the residual ``Σ g ∂²f/∂Z²`` (what the
     Gauss-Newton matrix drops) is non-zero but, like the Gauss-Newton part, diagonal within the edge."""
@@ -52,7 +35,7 @@ class OneEdge(nn.Module):
     def __init__(self, curved: bool):
         super().__init__()
         self.pre = nn.Sequential(nn.Linear(3, 4), nn.Tanh())
-        self.mixed = DisjointCandidates()
+        self.mixed = DisjointMixed()
         self.head = nn.Tanh() if curved else nn.Identity()
         self.register_buffer("z", torch.softmax(torch.randn(3), 0))
 
@@ -127,7 +110,7 @@ class TiedEdge(nn.Module):
         super().__init__()
         self.pre_a = nn.Sequential(nn.Linear(3, 4), nn.Tanh())
         self.pre_b = nn.Sequential(nn.Linear(3, 4), nn.Tanh())
-        self.mixed = DisjointCandidates()
+        self.mixed = DisjointMixed()
         self.register_buffer("z", torch.softmax(torch.randn(3), 0))
 
     def forward(self, x):

@@ -90,7 +90,8 @@ def test_per_sample_weights_strided_edge(mode):
 
 
 class DisjointMixed(nn.Module):
-    """A mixed op whose candidates write disjoint features: ∂²L/∂Z² is diagonal under MSE."""
+    """A mixed op whose candidates write disjoint features: ∂²L/∂Z² is diagonal under MSE; weights (K,) or (B, K)
+    (the GGN modes' per-sample shift)."""
 
     def __init__(self, K=3, d=4, width=2):
         super().__init__()
@@ -103,7 +104,7 @@ class DisjointMixed(nn.Module):
                 op.bias.mul_(keep)
 
     def forward(self, x, weights):
-        return sum(weights[k] * op(x) for k, op in enumerate(self.ops))
+        return sum(weights[..., k : k + 1] * op(x) for k, op in enumerate(self.ops))
 
 
 class AlphaNet(nn.Module):
