@@ -1,0 +1,437 @@
+"""Audit round 2 of the search methods against their papers, in float64: each test writes its OWN transcription
+of one step (architecture and weight step) from the papers' equations and compares it with what the method does.
+
+References are written here, independently of the library: Adam, momentum SGD (weight decay, no dampening) and
+the gradient-norm clip as the papers' optimizers define them; gradients by autograd through the relaxation the
+paper defines (softmax for DARTS, Gumbel-softmax for SNAS, the score function for DSNAS, BinaryConnect on the
+sampled pair for ProxylessNAS, linear mixing for SparseNAS and BayesNAS); the proximal operators of
+sparse-supernet eq 9-10 written out; the second-order hypergradient of eq 11-12 by autograd through w'(α).
+The supernet's forward is nasdiag's (a tiny float64 `Network`), used as a function of (w, Z). Sampling methods
+get the same samples by patching the sampler they call with draws made here.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+from nasdiag import vocabulary as V
+from nasdiag.search import Schedule, get_method
+from nasdiag.supernet import Network
+
+B = 4
+PRIMS = ("none", "skip_connect", "max_pool_3x3", "avg_pool_3x3", "sep_conv_3x3")
+
+
+def supernet(seed, primitives=PRIMS, alpha_scale=0.5, smooth=False):
+    """Network(C=4, 3 classes, 3 layers: one normal cell and two reduction cells sharing α), float64."""
+    torch.manual_seed(seed)
+    net = Network(4, 3, 3, steps=2, multiplier=2, in_channels=1, primitives=primitives).double()
+    with torch.no_grad():
+        for a in net.arch_parameters():
+            a.normal_(0, alpha_scale)
+    if smooth:  # tanh for ReLU: finite differences of ∇_α L_train converge (no kinks)
+        for module in list(net.modules()):
+            for name, child in module.named_children():
+                if isinstance(child, nn.ReLU):
+                    setattr(module, name, nn.Tanh())
+    return net
+
+
+def batches(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(B, 1, 6, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (B,), generator=g))
+            for _ in range(n)]
+
+
+# -- the optimizers as the papers define them -----------------------------------------------------------
+class Adam:
+    """Kingma & Ba with L2 weight decay added to the gradient (DARTS's Adam(weight_decay=...))."""
+
+    def __init__(self, lr, betas, wd=0.0, eps=1e-8):
+        self.lr, self.b1, self.b2, self.wd, self.eps, self.state = lr, betas[0], betas[1], wd, eps, {}
+
+    def step(self, key, p, g):
+        g = g + self.wd * p
+        m, v, t = self.state.get(key, (torch.zeros_like(p), torch.zeros_like(p), 0))
+        t += 1
+        m = self.b1 * m + (1 - self.b1) * g
+        v = self.b2 * v + (1 - self.b2) * g * g
+        self.state[key] = (m, v, t)
+        return p - self.lr * (m / (1 - self.b1 ** t)) / ((v / (1 - self.b2 ** t)).sqrt() + self.eps)
+
+
+class SGD:
+    """Momentum SGD, d = g + λp, b = μb + d (b = d at first), p − lr·b; a parameter without gradient is skipped."""
+
+    def __init__(self, momentum, wd):
+        self.mu, self.wd, self.buf = momentum, wd, {}
+
+    def step(self, key, p, g, lr):
+        if g is None:
+            return p
+        d = g + self.wd * p
+        b = d if key not in self.buf else self.mu * self.buf[key] + d
+        self.buf[key] = b
+        return p - lr * b
+
+
+def clipped(grads, max_norm):
+    """grads scaled by min(1, max_norm / (‖g‖ + 1e-6)), ‖g‖ the norm of all of them (torch's clip rule)."""
+    norm = torch.sqrt(sum((g ** 2).sum() for g in grads if g is not None))
+    scale = min(1.0, float(max_norm / (norm + 1e-6)))
+    return [None if g is None else g * scale for g in grads]
+
+
+def cosine(lr0, lr_min, epoch, epochs):
+    return lr_min + (lr0 - lr_min) * (1 + math.cos(math.pi * epoch / epochs)) / 2
+
+
+class Reference:
+    """The supernet as a function of its weights w and mixing weights Z (a copy of the method's network)."""
+
+    def __init__(self, net):
+        self.net = copy.deepcopy(net)
+        arch = {id(a) for a in self.net.arch_parameters()}
+        self.names = [n for n, p in self.net.named_parameters() if id(p) not in arch]
+        self.w = {n: p.detach().clone() for n, p in self.net.named_parameters() if id(p) not in arch}
+        self.alpha = {t: a.detach().clone() for t, a in self.net.alphas().items()}
+
+    def loss(self, w, x, y, z, active=None):
+        kwargs = {} if active is None else {"active": active}
+        buffers = {n: b.clone() for n, b in self.net.named_buffers()}
+        return F.cross_entropy(functional_call(self.net, {**w, **buffers}, (x, z), kwargs), y)
+
+    def weight_step(self, sgd, lr, clip, x, y, z, active=None):
+        """One momentum-SGD step of w on L_train(w, Z) (mean over the batch), clipped; returns the loss."""
+        w = {n: t.clone().requires_grad_(True) for n, t in self.w.items()}
+        loss = self.loss(w, x, y, z, active)
+        grads = torch.autograd.grad(loss, list(w.values()), allow_unused=True)
+        grads = clipped(grads, clip)
+        self.w = {n: sgd.step(n, self.w[n], g, lr) for n, g in zip(self.names, grads)}
+        return loss.detach()
+
+
+def assert_same_state(method, ref, rtol=1e-10, atol=1e-12):
+    net = method.network
+    for t, a in net.alphas().items():
+        torch.testing.assert_close(a.detach(), ref.alpha[t], rtol=rtol, atol=atol, msg=f"alpha {t}")
+    for n, p in net.named_parameters():
+        if n in ref.w:
+            torch.testing.assert_close(p.detach(), ref.w[n], rtol=rtol, atol=atol, msg=n)
+
+
+# -- DARTS, first order -----------------------------------------------------------------------------------
+def test_darts_first_order_two_steps_equal_the_papers_alternation():
+    """DARTS Alg. 1 with ξ = 0: α ← Adam(∇_α L_val(w, α) + λ_α α) on search-val at Z = softmax(α), then w ← SGD
+    on search-train at the UPDATED α; cosine lr of w per epoch; the record's scalars are those of this step."""
+    cls = get_method("darts")
+    h = cls.Hyperparameters(alpha_lr=0.05, grad_clip=0.3)  # a clip that binds (‖∇w‖ ≈ 1 here)
+    net = supernet(0)
+    method = cls(net, h, schedule=Schedule(epochs=3, steps_per_epoch=1, batch_size=B))
+    ref = Reference(net)
+    adam, sgd = Adam(h.alpha_lr, h.alpha_betas, h.alpha_weight_decay), SGD(h.w_momentum, h.w_weight_decay)
+    data = batches(4, 1)
+    for epoch in range(2):
+        (xt, yt), (xv, yv) = data[2 * epoch], data[2 * epoch + 1]
+        lr = cosine(h.w_lr, h.w_lr_min, epoch, 3)
+        stats = method.step((xt, yt), (xv, yv))
+        alpha = {t: a.clone().requires_grad_(True) for t, a in ref.alpha.items()}
+        val_loss = ref.loss(ref.w, xv, yv, {t: torch.softmax(a, -1) for t, a in alpha.items()})
+        grads = torch.autograd.grad(val_loss, list(alpha.values()))
+        grad_norm = torch.sqrt(sum((g ** 2).sum() for g in grads))
+        ref.alpha = {t: adam.step(t, ref.alpha[t], g) for t, g in zip(alpha, grads)}
+        z = {t: torch.softmax(a, -1) for t, a in ref.alpha.items()}
+        train_loss = ref.weight_step(sgd, lr, h.grad_clip, xt, yt, z)
+        assert_same_state(method, ref)
+        assert float(stats["scalars/w_lr"]) == pytest.approx(lr, rel=1e-7)  # scalars are float32 (vocabulary)
+        torch.testing.assert_close(stats["scalars/val_loss"], val_loss.detach(), rtol=1e-12, atol=0)
+        torch.testing.assert_close(stats["scalars/train_loss"], train_loss, rtol=1e-12, atol=0)
+        torch.testing.assert_close(stats["scalars/alpha_grad_norm"], grad_norm, rtol=1e-10, atol=0)
+        for t in z:
+            torch.testing.assert_close(stats[V.ARCH_PROBABILITIES.path(cell=t)], z[t], rtol=1e-12, atol=1e-14)
+            torch.testing.assert_close(stats[V.ARCH_WEIGHTS.path(cell=t)], z[t], rtol=1e-12, atol=1e-14)
+        method.epoch_end(epoch)
+
+
+def test_darts_genotype_is_the_darts_rule_with_none_excluded():
+    """For every node: the 2 incoming edges whose strongest non-'none' op is strongest, each with that op; 'none'
+    is never chosen even where it dominates (here it is the largest weight on every edge)."""
+    cls = get_method("darts")
+    net = supernet(3, primitives=PRIMS)
+    with torch.no_grad():
+        for a in net.arch_parameters():
+            a[:, 0] += 5.0
+    method = cls(net, schedule=Schedule(epochs=1, steps_per_epoch=1))
+    got = method.genotype()
+    for t, genes in (("normal", got.normal), ("reduce", got.reduce)):
+        p = torch.softmax(net.alphas()[t].detach(), -1)
+        want, start = [], 0
+        for node in range(2):
+            n_in = node + 2
+            rows = p[start:start + n_in, 1:]  # 'none' (index 0) excluded
+            best, op = rows.max(-1)
+            order = sorted(range(n_in), key=lambda i: -float(best[i]))[:2]
+            want += [(PRIMS[1 + int(op[i])], i) for i in order]
+            start += n_in
+        assert genes == want, t
+    assert got.normal_concat == [2, 3]
+
+
+# -- DARTS, second order ----------------------------------------------------------------------------------
+def exact_hypergradient(net, w_opt, train, val):
+    """d/dα L_val(w'(α), α), w'(α) = w − ξ(∇_w L_train(w, α) + μ b + λ w) (DARTS eq 6-7, sparse-supernet eq 11-12)
+    by autograd through the unrolled step; ξ, μ, λ and b read from the optimizer."""
+    group = w_opt.param_groups[0]
+    ref = Reference(net)
+    alpha = {t: a.clone().requires_grad_(True) for t, a in ref.alpha.items()}
+    z = {t: torch.softmax(a, -1) for t, a in alpha.items()}
+    w = {n: t.clone().requires_grad_(True) for n, t in ref.w.items()}
+    grads = torch.autograd.grad(ref.loss(w, *train, z), list(w.values()), create_graph=True, allow_unused=True)
+    params = dict((n, p) for n, p in net.named_parameters())
+    unrolled = {}
+    for (n, wn), g in zip(w.items(), grads):
+        state = w_opt.state.get(params[n], {})
+        b = state.get("momentum_buffer", torch.zeros_like(wn))
+        unrolled[n] = wn.detach() - group["lr"] * ((torch.zeros_like(wn) if g is None else g)
+                                                  + group["momentum"] * b + group["weight_decay"] * wn.detach())
+    val_loss = ref.loss(unrolled, *val, z)
+    return dict(zip(alpha, torch.autograd.grad(val_loss, list(alpha.values()))))
+
+
+def test_darts2_applies_the_hypergradient_with_xi_the_scheduled_lr_and_train_val_in_their_places():
+    """The α.grad a second-order step applies is the exact eq 12 hypergradient (to the O(ε²) of eq 13's central
+    difference) with ξ the w learning rate of the CURRENT epoch (cosine) and b w's momentum buffers; swapping the
+    train and val batches gives a different gradient (each split is used where eq 12 puts it)."""
+    cls = get_method("darts2")
+    h = cls.Hyperparameters(w_lr=0.5, w_lr_min=0.01, fd_eps_scale=1e-4)
+    net = supernet(4, primitives=("none", "skip_connect", "avg_pool_3x3", "sep_conv_3x3"), smooth=True)
+    method = cls(net, h, schedule=Schedule(epochs=2, steps_per_epoch=1, batch_size=B))
+    data = batches(4, 5)
+    method.step(*data[:2])
+    method.epoch_end(0)
+    xi = cosine(h.w_lr, h.w_lr_min, 1, 2)
+    assert method.w_optimizer.param_groups[0]["lr"] == pytest.approx(xi, rel=1e-12)
+    train, val = data[2], data[3]
+    exact = exact_hypergradient(net, method.w_optimizer, train, val)
+    swapped = exact_hypergradient(net, method.w_optimizer, val, train)
+    first_order = {}
+    ref = Reference(net)
+    alpha = {t: a.clone().requires_grad_(True) for t, a in ref.alpha.items()}
+    loss = ref.loss(ref.w, *val, {t: torch.softmax(a, -1) for t, a in alpha.items()})
+    first_order = dict(zip(alpha, torch.autograd.grad(loss, list(alpha.values()))))
+    alpha_before = {t: a.detach().clone() for t, a in net.alphas().items()}
+    adam = {t: {k: v.clone() for k, v in method.alpha_optimizer.state[a].items()} for t, a in net.alphas().items()}
+    method.step(train, val)
+
+    def rel(a, b):
+        return float(torch.sqrt(sum(((a[t] - b[t]) ** 2).sum() for t in b)) / torch.sqrt(sum((b[t] ** 2).sum() for t in b)))
+
+    applied = {t: a.grad for t, a in net.alphas().items()}
+    assert rel(applied, exact) < 1e-6
+    assert rel(first_order, exact) > 1e-2 and rel(swapped, exact) > 1e-2  # both comparisons can fail
+    # the applied gradient went through DARTS's Adam (second step: bias corrections at t = 2)
+    lr, (b1, b2), wd = h.alpha_lr, h.alpha_betas, h.alpha_weight_decay
+    for t, a in net.alphas().items():
+        state = adam[t]
+        g = applied[t] + wd * alpha_before[t]
+        m = b1 * state["exp_avg"] + (1 - b1) * g
+        v = b2 * state["exp_avg_sq"] + (1 - b2) * g * g
+        want = alpha_before[t] - lr * (m / (1 - b1 ** 2)) / ((v / (1 - b2 ** 2)).sqrt() + 1e-8)
+        torch.testing.assert_close(a.detach(), want, rtol=1e-12, atol=1e-14)
+
+
+# -- SNAS, DSNAS, ProxylessNAS: the same samples, drawn here ------------------------------------------------
+class Draws:
+    """Samples drawn here with a generator of our own, handed to the method through the sampler it calls."""
+
+    def __init__(self, seed):
+        self.g = torch.Generator().manual_seed(seed)
+        self.log = []
+
+    def gumbel(self, shape, generator, dtype, device):
+        u = torch.rand(shape, generator=self.g, dtype=dtype)
+        out = -torch.log(-torch.log(u))
+        self.log.append(out)
+        return out
+
+    def onehot(self, probs, generator):
+        idx = torch.multinomial(probs, 1, generator=self.g)
+        out = torch.zeros_like(probs).scatter_(-1, idx, 1.0)
+        self.log.append(out)
+        return out
+
+    def two_paths(self, probs, generator):
+        pair = torch.zeros_like(probs, dtype=torch.bool)
+        gates = torch.zeros_like(probs)
+        for e in range(probs.shape[0]):  # ProxylessNAS 'two' mode, edge by edge as its binarize() does
+            a, b = torch.multinomial(probs[e], 2, replacement=False, generator=self.g).tolist()
+            pa, pb = torch.softmax(torch.stack([probs[e, a].log(), probs[e, b].log()]), 0)
+            pick = a if torch.rand((), generator=self.g, dtype=probs.dtype) < pa else b
+            pair[e, a] = pair[e, b] = True
+            gates[e, pick] = 1.0
+        self.log.append((pair, gates))
+        return pair, gates
+
+
+def test_snas_two_steps_equal_the_gumbel_softmax_relaxation_with_the_same_noise(monkeypatch):
+    """SNAS: Z = softmax((α + G)/τ) (α the logits of p), ONE forward/backward on the training batch gives ∂L/∂w and
+    ∂L/∂α through Z (single level); α ← Adam, w ← clipped SGD; τ ← 0.97 τ after the epoch; the record's weights are
+    the relaxed sample and its temperature the τ used."""
+    import nasdiag.search.methods.snas as snas
+
+    draws = Draws(11)
+    monkeypatch.setattr(snas, "gumbel_noise", draws.gumbel)
+    cls = get_method("snas")
+    h = cls.Hyperparameters(alpha_lr=0.05, tau0=0.8, grad_clip=0.3)
+    net = supernet(6)
+    method = cls(net, h, schedule=Schedule(epochs=3, steps_per_epoch=1, batch_size=B))
+    ref = Reference(net)
+    adam, sgd = Adam(h.alpha_lr, h.alpha_betas, h.alpha_weight_decay), SGD(h.w_momentum, h.w_weight_decay)
+    tau = h.tau0
+    for epoch, (x, y) in enumerate(batches(2, 12)):
+        stats = method.step((x, y))
+        noise = dict(zip(ref.alpha, draws.log[-len(ref.alpha):]))
+        alpha = {t: a.clone().requires_grad_(True) for t, a in ref.alpha.items()}
+        w = {n: t.clone().requires_grad_(True) for n, t in ref.w.items()}
+        z = {t: torch.softmax((a + noise[t]) / tau, -1) for t, a in alpha.items()}
+        loss = ref.loss(w, x, y, z)
+        grads = torch.autograd.grad(loss, list(alpha.values()) + list(w.values()), allow_unused=True)
+        ref.alpha = {t: adam.step(t, ref.alpha[t], g) for t, g in zip(alpha, grads)}
+        lr = cosine(h.w_lr, h.w_lr_min, epoch, 3)
+        wg = clipped(grads[len(alpha):], h.grad_clip)
+        ref.w = {n: sgd.step(n, ref.w[n], g, lr) for n, g in zip(ref.names, wg)}
+        assert_same_state(method, ref)
+        assert float(stats["scalars/temperature"]) == pytest.approx(tau, rel=1e-7)
+        torch.testing.assert_close(stats["scalars/train_loss"], loss.detach(), rtol=1e-12, atol=0)
+        for t in z:
+            torch.testing.assert_close(stats[V.ARCH_WEIGHTS.path(cell=t)], z[t].detach(), rtol=1e-12, atol=1e-15)
+        method.epoch_end(epoch)
+        tau *= 0.97
+        assert method.temperature == pytest.approx(tau, rel=1e-15)
+
+
+def test_dsnas_two_steps_equal_the_score_function_estimator_with_the_same_samples(monkeypatch):
+    """DSNAS: one-hot Z ~ Cat(softmax(α)), only the sampled ops computed; ∂L/∂α = C_s ∇_α log p_s with the credit
+    C_s = ∂L/∂Z_s of the ONE training forward (single level, same backward as ∂L/∂w); unsampled weights are not
+    touched by SGD (no gradient: no decay, no momentum)."""
+    import nasdiag.search.methods.dsnas as dsnas
+
+    draws = Draws(21)
+    monkeypatch.setattr(dsnas, "sample_onehot", draws.onehot)
+    cls = get_method("dsnas")
+    h = cls.Hyperparameters(alpha_lr=0.05, grad_clip=0.3)
+    net = supernet(7)
+    method = cls(net, h, schedule=Schedule(epochs=3, steps_per_epoch=1, batch_size=B))
+    ref = Reference(net)
+    adam, sgd = Adam(h.alpha_lr, h.alpha_betas, h.alpha_weight_decay), SGD(h.w_momentum, h.w_weight_decay)
+    counts = {t: torch.zeros_like(a, dtype=torch.int64) for t, a in ref.alpha.items()}
+    for epoch, (x, y) in enumerate(batches(2, 22)):
+        stats = method.step((x, y))
+        onehot = dict(zip(ref.alpha, draws.log[-len(ref.alpha):]))
+        z = {t: o.clone().requires_grad_(True) for t, o in onehot.items()}
+        w = {n: t.clone().requires_grad_(True) for n, t in ref.w.items()}
+        loss = ref.loss(w, x, y, z, active={t: o.bool() for t, o in onehot.items()})
+        grads = torch.autograd.grad(loss, list(z.values()) + list(w.values()), allow_unused=True)
+        for (t, a), c in zip(ref.alpha.items(), grads):
+            p = torch.softmax(a, -1)
+            credit = (c * onehot[t]).sum(-1, keepdim=True)  # C(Z^s), the sampled op's cost
+            ref.alpha[t] = adam.step(t, a, credit * (onehot[t] - p))  # ∇_α log p_s = Z − p
+            counts[t] += onehot[t].long()
+        lr = cosine(h.w_lr, h.w_lr_min, epoch, 3)
+        wg = clipped(grads[len(z):], h.grad_clip)
+        assert any(g is None for g in wg)  # some weights belong to unsampled ops only
+        ref.w = {n: sgd.step(n, ref.w[n], g, lr) for n, g in zip(ref.names, wg)}
+        assert_same_state(method, ref)
+        for t in onehot:
+            assert torch.equal(stats[V.SAMPLE_ONEHOT.path(cell=t)], onehot[t])
+            assert torch.equal(stats[V.SAMPLE_COUNT.path(cell=t)], counts[t])
+        method.epoch_end(epoch)
+    # the supernet evaluation runs the most likely child
+    for t, zt in method.eval_weights().items():
+        assert torch.equal(zt.argmax(-1), ref.alpha[t].argmax(-1)) and torch.equal(zt.sum(-1), torch.ones(zt.shape[0], dtype=zt.dtype))
+
+
+def test_proxyless_step_equals_binary_connect_on_the_sampled_pair_with_the_same_samples(monkeypatch):
+    """ProxylessNAS (gradient mode, 'two'): w step at one gated path per edge (search-train); α step (search-val)
+    with two paths computed, ∂L/∂α_i = Σ_j ∂L/∂g_j p'_j (δ_ij − p'_i) on the pair (its set_arch_param_grad, a double
+    loop here), Adam(β1 = 0, no weight decay), then both α of the pair shifted by log(Σ exp α_new / Σ exp α_old)."""
+    import nasdiag.search.methods.proxyless as proxyless
+
+    draws = Draws(31)
+    monkeypatch.setattr(proxyless, "sample_onehot", draws.onehot)
+    monkeypatch.setattr(proxyless, "sample_two_paths", draws.two_paths)
+    cls = get_method("proxyless")
+    h = cls.Hyperparameters(alpha_lr=0.05, grad_clip=0.3)
+    net = supernet(8)
+    method = cls(net, h, schedule=Schedule(epochs=3, steps_per_epoch=1, batch_size=B))
+    ref = Reference(net)
+    adam, sgd = Adam(h.alpha_lr, h.alpha_betas, h.alpha_weight_decay), SGD(h.w_momentum, h.w_weight_decay)
+    data = batches(4, 32)
+    for epoch in range(2):
+        (xt, yt), (xv, yv) = data[2 * epoch], data[2 * epoch + 1]
+        stats = method.step((xt, yt), (xv, yv))
+        n = len(ref.alpha)
+        onehot = dict(zip(ref.alpha, draws.log[-2 * n:-n]))
+        pairs = dict(zip(ref.alpha, draws.log[-n:]))
+        lr = cosine(h.w_lr, h.w_lr_min, epoch, 3)
+        ref.weight_step(sgd, lr, h.grad_clip, xt, yt, onehot, active={t: o.bool() for t, o in onehot.items()})
+        gates = {t: g.clone().requires_grad_(True) for t, (_, g) in pairs.items()}
+        loss = ref.loss(ref.w, xv, yv, gates, active={t: pr for t, (pr, _) in pairs.items()})
+        binary_grads = dict(zip(gates, torch.autograd.grad(loss, list(gates.values()))))
+        for t, a in list(ref.alpha.items()):
+            pair, _ = pairs[t]
+            grad = torch.zeros_like(a)
+            for e in range(a.shape[0]):
+                idx = pair[e].nonzero().flatten().tolist()
+                p = torch.softmax(a[e, idx], 0)
+                for i in range(2):
+                    for j in range(2):
+                        grad[e, idx[i]] += binary_grads[t][e, idx[j]] * p[j] * (float(i == j) - p[i])
+            new = adam.step(t, a, grad)
+            for e in range(a.shape[0]):
+                idx = pair[e].nonzero().flatten().tolist()
+                offset = torch.log(new[e, idx].exp().sum() / a[e, idx].exp().sum())
+                new[e, idx] -= offset
+            ref.alpha[t] = new
+        assert_same_state(method, ref)
+        torch.testing.assert_close(stats["scalars/val_loss"], loss.detach(), rtol=1e-12, atol=0)
+        for t, (pair, g) in pairs.items():
+            assert torch.equal(stats[V.SAMPLE_PATHS.path(cell=t)].bool(), pair)
+            assert torch.equal(stats[V.SAMPLE_ONEHOT.path(cell=t)], g)
+        method.epoch_end(epoch)
+
+
+def test_samplers_draw_from_p():
+    """The library's samplers against their distributions (20000 draws, 5σ): a one-hot sample ~ Cat(p); the
+    argmax of a Gumbel-perturbed logit ~ Cat(p) (the SNAS relaxation's τ → 0 limit); ProxylessNAS's pair is two
+    draws from p without replacement and its gate picks a ∈ {a, b} with probability p_a/(p_a + p_b)."""
+    from nasdiag.search.methods._sampling import gumbel_noise, sample_onehot, sample_two_paths
+
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
+    N = 20000
+    probs = p.expand(N, 4).contiguous()
+    g = torch.Generator().manual_seed(0)
+    sigma = lambda q: 5 * math.sqrt(q * (1 - q) / N)  # noqa: E731
+    freq = sample_onehot(probs, g).mean(0)
+    assert ((freq - p).abs() <= torch.tensor([sigma(q) for q in p.tolist()])).all(), freq
+    gumbel_argmax = (p.log() + gumbel_noise((N, 4), g, torch.float64, "cpu")).argmax(-1)
+    freq = torch.bincount(gumbel_argmax, minlength=4).double() / N
+    assert ((freq - p).abs() <= torch.tensor([sigma(q) for q in p.tolist()])).all(), freq
+    pair, gates = sample_two_paths(probs, g)
+    assert (pair.sum(-1) == 2).all() and (gates.sum(-1) == 1).all() and (gates.bool() <= pair).all()
+    # P(a and b drawn) = p_a p_b/(1 − p_a) + p_b p_a/(1 − p_b); P(gate a | {a, b}) = p_a/(p_a + p_b)
+    for a, b in ((0, 1), (0, 3), (2, 3)):
+        both = pair[:, a] & pair[:, b]
+        want = float(p[a] * p[b] / (1 - p[a]) + p[b] * p[a] / (1 - p[b]))
+        assert abs(float(both.double().mean()) - want) <= sigma(want)
+        share = float(p[a] / (p[a] + p[b]))
+        n_ab = int(both.sum())
+        assert abs(float(gates[both, a].mean()) - share) <= 5 * math.sqrt(share * (1 - share) / n_ab)
