@@ -108,27 +108,37 @@ class _RegretTally:
 
     ``forecaster_reward`` (shape ``shape``) accumulates ``sum_t u_{t-1} . R_t`` (mixture *before* round
     t's update); ``expert_reward`` (shape ``shape + (N,)``) accumulates ``sum_t R_{t,i}`` for every
-    expert. A non-finite reward of an expert that is not in the mixture (wiped out) makes that expert's
-    hindsight total unknown (NaN); it is then left out of the minimum.
+    expert. A non-finite reward of an expert that is not in the mixture (wiped out, e.g. an op no longer
+    computed) makes that expert's hindsight total unknown (NaN); it is then left out of the minimum.
+    Forecasters in ``skip`` sit the round out: nothing is added to their totals.
     """
 
     def __init__(self, shape: torch.Size, n_experts: int, dtype: torch.dtype, device):
         self.forecaster_reward = torch.zeros(shape, dtype=dtype, device=device)
         self.expert_reward = torch.zeros(shape + (n_experts,), dtype=dtype, device=device)
 
-    def add(self, mixture_weights: torch.Tensor, rewards: torch.Tensor, all_finite: bool) -> None:
+    def add(self, mixture_weights: torch.Tensor, rewards: torch.Tensor, all_finite: bool,
+            skip: Optional[torch.Tensor] = None) -> None:
         if not all_finite:
             finite = torch.isfinite(rewards)
             rewards_in_mixture = torch.where(finite, rewards, 0.0)
             rewards = torch.where(finite, rewards, math.nan)
         else:
             rewards_in_mixture = rewards
-        self.forecaster_reward += (mixture_weights * rewards_in_mixture).sum(-1)
+        forecaster_reward = (mixture_weights * rewards_in_mixture).sum(-1)
+        if skip is not None:
+            forecaster_reward = forecaster_reward.masked_fill(skip, 0.0)
+            rewards = rewards.masked_fill(skip.unsqueeze(-1), 0.0)
+        self.forecaster_reward += forecaster_reward
         self.expert_reward += rewards
 
-    def regret(self) -> torch.Tensor:
-        known = torch.where(torch.isnan(self.expert_reward), -math.inf, self.expert_reward)
-        return known.amax(-1) - self.forecaster_reward
+    def regret(self, among: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Eq 31 with the minimum over every expert whose total is known, or only over ``among`` (bool,
+        ``shape + (N,)``)."""
+        unknown = torch.isnan(self.expert_reward)
+        if among is not None:
+            unknown = unknown | ~among
+        return self.expert_reward.masked_fill(unknown, -math.inf).amax(-1) - self.forecaster_reward
 
 
 class _ExpertsState:
@@ -210,7 +220,11 @@ class _ExpertsState:
     def regret(self) -> torch.Tensor:
         """``(*shape,)`` cumulative linearized regret ``sum_t l'_t(p_t) - min_i L'_{t,i}`` (eq 31),
         which upper-bounds the regret of eq 2 for convex losses (eq 32) and equals it for the linear
-        losses of the toy and statistical settings (§8)."""
+        losses of the toy and statistical settings (§8).
+
+        The minimum runs over all N experts, wiped-out ones included (eq 2 and eq 31: ``i = 1..N``), with
+        the rewards given to them after their removal; an expert given a NaN reward (its prediction not
+        computed) is left out, its total being unknown. See ``Forecaster.survivor_regret``."""
         return self._tally.regret()
 
     # ------------------------------------------------------------ checkpoint
@@ -307,8 +321,14 @@ class Forecaster(_ExpertsState):
         Eq 3 is stated at the horizon, but its proof (eq 23-31) holds at every ``t <= T``: the
         per-round bound (27) is unconditional, and Lemma 1's argument with ``t`` in place of ``T``
         shows the best expert in hindsight at ``t`` is still alive then, because the threshold uses
-        ``T - s >= t - s``. The guarantee needs ``|R| <= L`` (see :attr:`bound_violations`),
-        ``zeta >= 1`` and the uniform start of Algorithm 1.
+        ``T - s >= t - s``. The guarantee needs ``|R| <= L`` for the experts in the mixture (see
+        :attr:`bound_violations`) and the uniform start of Algorithm 1. It then bounds
+        :attr:`survivor_regret` for every ``zeta`` (the lower bound (23) with the minimum over ``I_t``
+        needs no Lemma 1, and (24)-(30) hold for any thresholds), and :attr:`regret` (eq 2, every
+        expert) when ``zeta >= 1`` and the rewards given to wiped-out experts are within L as well
+        (Lemma 1: the two regrets are then equal). With ``zeta < 1`` a wiped-out expert may end up best
+        in hindsight and :attr:`regret` may exceed the bound, "the price of a violation of the
+        theoretical regret" (§3.2.2).
         """
         if not self._uniform_init:
             raise RegretError(
@@ -354,9 +374,21 @@ class Forecaster(_ExpertsState):
         return self._log_gamma.exp()
 
     @property
+    def survivor_regret(self) -> torch.Tensor:
+        """``(*shape,)`` eq 31 against the experts still alive: ``sum_t l'_t(p_t) - min_{i in I_t} L'_{t,i}``.
+
+        What a search can know when wiped-out ops are no longer computed. Equal to :attr:`regret` for
+        ``zeta >= 1`` and rewards within L (Lemma 1 at t: the best expert in hindsight is alive); for
+        ``zeta < 1`` a lower bound of eq 2's regret. Eq 3 (:meth:`bound`) bounds it for every ``zeta``.
+        """
+        return self._tally.regret(among=self._alive)
+
+    @property
     def bound_violations(self) -> torch.Tensor:
         """``(*shape,)`` int64, how many rewards of alive experts had ``|R| > L`` so far. Any
-        violation voids Lemma 1 and Theorem 1 for that forecaster; nothing is clipped."""
+        violation voids Lemma 1 and Theorem 1 for that forecaster; nothing is clipped. Rewards given to
+        experts already wiped out are not counted: beyond L they void only Lemma 1's step (10), so
+        :attr:`regret` (every expert) may exceed :meth:`bound` while :attr:`survivor_regret` may not."""
         return self._bound_violations.clone()
 
     @property
@@ -371,22 +403,34 @@ class Forecaster(_ExpertsState):
         return WipeoutLog(**{c: torch.cat([entry[c] for entry in self._wipeouts]) for c in columns})
 
     # ---------------------------------------------------------------- update
-    def update(self, rewards: torch.Tensor) -> torch.Tensor:
+    def update(self, rewards: torch.Tensor, *, skip: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Play one round of Algorithm 1 for every forecaster.
 
         Args:
             rewards: ``(*shape, N)`` rewards ``R_t`` (e.g. :func:`~nasdiag.regret.xnas_reward` of the
                 probe's cost). Rewards of experts already wiped out are ignored by the update (they
-                may be NaN); those of alive experts must be finite.
+                may be NaN: unknown, left out of :attr:`regret`); those of alive experts must be
+                finite, except in the forecasters that ``skip`` the round.
+            skip: optional ``(*shape,)`` bool, forecasters that sit this round out (e.g. a non-finite
+                reward of an alive expert, :meth:`skip_nonfinite`): no EG step and nothing added to
+                their regret tallies or bound violations, as if every expert had got the same reward
+                (EG is unchanged by a common shift). The round still counts for them -- t advances for
+                every forecaster, so the thresholds keep to the horizon T -- and their wipeout (lines
+                11-12) runs with the unchanged weights.
 
         Returns:
             ``(*shape, N)`` bool, the experts wiped out in this round.
+
+        Raises:
+            RegretError: a non-finite reward of an alive expert of a forecaster not in ``skip`` (it
+                would corrupt the weights for good); nothing is changed.
 
         The round: record ``u_{t-1} . R_t`` for the regret (the mixture ``p_t`` predicts *before* the
         update, line 5), EG step ``v <- v exp(eta R)`` (line 9), threshold ``theta_t = max v
         exp(-2 eta L (T - t) zeta)`` (line 11), removal of every ``v < theta_t`` (line 12).
         """
         rewards = self._checked_rewards(rewards)
+        skip = self._checked_skip(skip)
         if self._rounds >= self.horizon:
             raise HorizonError(
                 f"this Forecaster has played its horizon T = {self.horizon} rounds; the wipeout "
@@ -397,19 +441,37 @@ class Forecaster(_ExpertsState):
         all_finite = self._all_finite(rewards)
         if not all_finite:
             bad = alive & ~torch.isfinite(rewards)
+            if skip is not None:
+                bad &= ~skip.unsqueeze(-1)
             if bad.any():
                 where = tuple(bad.nonzero()[0].tolist())
                 raise RegretError(
                     f"round {t}: {int(bad.sum())} non-finite rewards of alive experts (first at index "
-                    f"{where}); a NaN/inf cost would corrupt the weights for good -- fix or flag the "
-                    "cost upstream before updating"
+                    f"{where}); a NaN/inf cost would corrupt the weights for good -- skip those forecasters' "
+                    "round (update(rewards, skip=forecaster.skip_nonfinite(rewards))) or fix the cost upstream"
                 )
-        self._tally.add(self.weights, rewards, all_finite)
-        self._bound_violations += (alive & (rewards.abs() > self.loss_bound)).sum(-1)
-        log_v = torch.where(alive, self._log_v + self.lr * rewards, -math.inf)
+        self._tally.add(self.weights, rewards, all_finite, skip)
+        playing = alive if skip is None else alive & ~skip.unsqueeze(-1)
+        self._bound_violations += (playing & (rewards.abs() > self.loss_bound)).sum(-1)
+        log_v = torch.where(playing, self._log_v + self.lr * rewards, self._log_v).masked_fill(~alive, -math.inf)
         wiped = self._wipe_out(log_v, t)
         self._rounds = t
         return wiped
+
+    def skip_nonfinite(self, rewards: torch.Tensor) -> torch.Tensor:
+        """``(*shape,)`` bool, the forecasters in which an alive expert has a non-finite reward in
+        ``rewards`` (``(*shape, N)``): the ``skip`` of :meth:`update` that plays every other
+        forecaster's round and leaves these as they are, instead of raising."""
+        return (self._alive & ~torch.isfinite(self._checked_rewards(rewards))).any(-1)
+
+    def _checked_skip(self, skip) -> Optional[torch.Tensor]:
+        if skip is None:
+            return None
+        skip = torch.as_tensor(skip, device=self.device)
+        if skip.dtype != torch.bool or skip.shape != self.shape:
+            raise RegretError(f"skip must be a bool tensor of the forecasters' shape {tuple(self.shape)}, got "
+                              f"{skip.dtype} of shape {tuple(skip.shape)}")
+        return skip
 
     def _wipe_out(self, log_v: torch.Tensor, t: int) -> torch.Tensor:
         alive = self._alive

@@ -28,7 +28,8 @@ class GaussianExpertsOutcome:
             learns nothing reaches.
         xnas_correct, gd_correct: ``(R,)`` bool, whether the expert of largest final weight is the one
             of largest bias (§8.3's correct selection).
-        xnas_bound: ``(R,)`` eq 3 at the end of each run (a guarantee only if no bound violation).
+        xnas_bound: ``(R,)`` eq 3 at the end of each run (a guarantee on ``xnas_regret`` only with
+            ``zeta >= 1`` and no reward beyond L, §3.2.2).
         xnas_gamma: ``(R,)`` aggregated wipeout factor gamma_T (eq 28).
         xnas_alive: ``(R,)`` experts left after the wipeouts.
         bound_violations: ``(R,)`` rewards of alive experts with ``|R| > L`` (Gaussian rewards are

@@ -21,6 +21,20 @@ guarantees hold for the sequence the forecaster sees (best expert never wiped ou
 
 No weight decay and no momentum on the architecture (§3.2.2): v changes only by the EG step.
 Wiped-out experts are not computed in later forwards (:meth:`active_ops`).
+
+**Regret.** Eq 2 measures the forecaster against the best of all N experts in hindsight, wiped-out ones
+included; but a wiped-out op is not computed, so its later rewards are unknown (its cost is 0 only because
+it contributes nothing). The forecasters are given NaN for them (unknown, never a fictitious 0), and
+``regret/<cell>/regret`` is the regret against the experts still alive (eq 31 with min over I_t,
+:attr:`Forecaster.survivor_regret`). With ζ ≥ 1 and |R| ≤ L it is eq 2's regret exactly (Lemma 1: the best
+expert in hindsight is alive); with ζ < 1 it is a lower bound of it (§3.2.2: ζ < 1 gives up the guarantee
+on eq 2). Eq 3 (``regret/<cell>/bound``) bounds the recorded regret for every ζ: the proof's lower bound
+(23) taken over I_t needs no Lemma 1.
+
+**Non-finite costs.** A NaN/inf cost of an alive op (with a finite val loss) does not stop the search and
+never reaches the weights: that edge's forecaster sits the round out (:meth:`Forecaster.update` with
+``skip``: no EG step, nothing added to its regret; the round still counts towards T), the reward is
+recorded as it came in ``regret/<cell>/rewards`` and the edge is flagged in ``regret/<cell>/nonfinite``.
 """
 
 from __future__ import annotations
@@ -62,7 +76,7 @@ class XNAS(SearchMethod):
     :meth:`probabilities` (and the forward mixing weights) are the EG weights u; :meth:`active_ops` the
     experts not wiped out. Each :meth:`step` returns ``scalars/{train_loss,train_acc,val_loss,val_acc,
     w_lr,active_fraction,reward_clip_fraction}``, ``arch/<cell>/{probabilities,weights}`` and, per edge,
-    ``regret/<cell>/{log_weights,alive,regret,bound,gamma,wipeouts,rewards}`` (see the vocabulary; the
+    ``regret/<cell>/{log_weights,alive,regret,bound,gamma,wipeouts,rewards,nonfinite}`` (see the vocabulary; the
     log-weight of a wiped-out expert is the one at its removal, not -inf).
     """
 
@@ -181,18 +195,21 @@ class XNAS(SearchMethod):
         for t, rewards in self.rewards(result.per_cell).items():
             f = self.forecasters[t]
             alive = f.alive
-            if not torch.isfinite(rewards[:, alive]).all():
-                raise SearchError(f"non-finite costs of alive {t} ops at xnas step {self.rounds_played + 1}")
             clipped += int((rewards.abs() > L)[:, alive].sum())
             counted += int(alive.sum()) * rewards.shape[0]
             if self.hp.clip_rewards:
-                rewards = rewards.clamp(-L, L)
-            wiped = torch.zeros_like(alive)
-            for round_rewards in rewards:  # one round per cell of the type
-                wiped |= f.update(round_rewards)
+                rewards = rewards.clamp(-L, L)  # NaN stays NaN
+            # ops not computed in this step's forward (wiped out before it): reward unknown, not 0
+            observed = rewards if active is None else rewards.masked_fill(~active[t].to(rewards.device), math.nan)
+            wiped, nonfinite = torch.zeros_like(alive), torch.zeros_like(alive[:, 0])
+            for round_rewards in observed:  # one round per cell of the type
+                skip = f.skip_nonfinite(round_rewards)  # such an edge sits the round out, flagged
+                nonfinite |= skip
+                wiped |= f.update(round_rewards, skip=skip)
             if not f.alive.any(-1).all():  # Lemma 1 makes this impossible; refuse rather than divide by zero
                 raise SearchError(f"every op of a {t} edge was wiped out at xnas step {self.rounds_played}")
             stats.update(self._regret_statistics(t, f, wiped, rewards))
+            stats[V.REGRET_NONFINITE.path(cell=t)] = nonfinite
         stats["scalars/reward_clip_fraction"] = torch.tensor(clipped / max(counted, 1), dtype=torch.float64)
         stats.update(self.arch_statistics(u))
         return stats
@@ -201,7 +218,7 @@ class XNAS(SearchMethod):
         return {
             V.REGRET_LOG_WEIGHTS.path(cell=cell_type): self._recorded_log_weights(f),
             V.REGRET_ALIVE.path(cell=cell_type): f.alive,
-            V.REGRET_REGRET.path(cell=cell_type): f.regret,
+            V.REGRET_REGRET.path(cell=cell_type): f.survivor_regret,
             V.REGRET_BOUND.path(cell=cell_type): f.bound(),
             V.REGRET_GAMMA.path(cell=cell_type): f.gamma,
             V.REGRET_WIPEOUTS.path(cell=cell_type): wiped,
