@@ -152,6 +152,24 @@ def test_zeta_below_one_gives_up_eq_3_for_the_regret_over_all_experts_but_not_ov
     assert float(plain.regret) == float(plain.survivor_regret) <= float(plain.bound())
 
 
+def test_eta_star_is_eq_4_and_the_bound_at_the_horizon_is_its_closed_form():
+    """§3.2.2's example: CIFAR-10 with a 50:50 split (d = 25 000), 50 epochs, L = 1, 6 normal and 2 reduction
+    cells, 8 experts: T_c = d × epochs × r_c gives η*_N = 7.5e-4 and η*_R = 1.3e-3. At t = T with η*, eq 3 is
+    eq 4's L sqrt(2 T ln N) (1 − ln γ_T / (2 ln N)) (here with wipeouts, γ_T > 1)."""
+    # sqrt(2 ln 8 / 7.5e6) = 7.447e-4 (the paper's "7.5e-4" rounds twice) and sqrt(2 ln 8 / 2.5e6) = 1.290e-3
+    assert Forecaster.optimal_lr(25_000 * 50 * 6, 1.0, 8) == pytest.approx(7.5e-4, rel=0.01)
+    assert Forecaster.optimal_lr(25_000 * 50 * 2, 1.0, 8) == pytest.approx(1.3e-3, rel=0.01)
+    T, N, L = 40, 5, 2.0
+    eta = Forecaster.optimal_lr(T, L, N)
+    fc = Forecaster(N, eta, L, T)
+    for row in _sequence("signs", T, N, L, random.Random(7)):
+        fc.update(torch.tensor(row, dtype=torch.float64))
+    gamma = float(fc.gamma)
+    assert gamma > 1.0
+    closed = L * math.sqrt(2 * T * math.log(N)) * (1 - 0.5 * math.log(gamma) / math.log(N))
+    assert float(fc.bound()) == pytest.approx(closed, rel=1e-13)
+
+
 # --- a NaN reward of an alive expert: the forecaster's contract --------------------------------------
 
 def test_a_nan_reward_of_an_alive_expert_raises_unless_its_forecaster_skips_the_round():
@@ -328,3 +346,25 @@ def test_short_search_run_records_algorithm_1_of_its_recorded_rewards(tmp_path):
         wiped_total += int((~data[f"{cell}/alive"][-1]).sum())
         assert not data[f"{cell}/nonfinite"].any()
     assert wiped_total > 10
+
+
+def test_search_nan_loss_stops_with_the_failing_row_flagged_and_the_forecasters_untouched():
+    """As the other methods (``scalars/nonfinite_loss``): the error carries the step's statistics so that the
+    runner records the NaN row before the run stops; the forecasters are as before the step."""
+    from nasdiag.search import SearchError
+
+    method = _method()
+    (train, val), = _batches(1)
+    bad = val[0].clone()
+    bad[0, 0, 0, 0] = math.nan
+    before = method.forecasters.state_dict()
+    with pytest.raises(SearchError, match="search-val loss is nan") as info:
+        method.step(train, (bad, val[1]))
+    row = info.value.statistics
+    assert row["scalars/nonfinite_loss"] == 1 and math.isnan(row["scalars/val_loss"])
+    assert math.isfinite(row["scalars/train_loss"]) and "scalars/w_lr" in row
+    after = method.forecasters.state_dict()
+    assert after["normal"]["rounds"] == 0 and torch.equal(after["normal"]["log_weights"], before["normal"]["log_weights"])
+    with pytest.raises(SearchError, match="search-train loss is nan") as info:
+        method.step((bad, train[1]), val)
+    assert info.value.statistics["scalars/nonfinite_loss"] == 1 and math.isnan(info.value.statistics["scalars/train_loss"])

@@ -69,6 +69,15 @@ class CellForecasters(dict):
                 raise SearchError(f"the saved {t} forecasters have an edge with every op wiped out; the state is corrupt")
 
 
+def _nonfinite_loss(message: str, stats: Dict[str, torch.Tensor]) -> SearchError:
+    """The `SearchError` of a NaN/inf loss, carrying the step's statistics with ``scalars/nonfinite_loss`` = 1
+    (``err.statistics``), so that the run records the failing row, flagged, before it stops (as the other
+    methods do). The forecasters are unchanged (a NaN val loss comes after the step's w update)."""
+    err = SearchError(message)
+    err.statistics = {**stats, "scalars/nonfinite_loss": torch.ones((), dtype=torch.float64)}
+    return err
+
+
 @register("xnas")
 class XNAS(SearchMethod):
     """XNAS: EG forecasters with wipeout on the architecture, SGD on w (Algorithm 1).
@@ -158,8 +167,8 @@ class XNAS(SearchMethod):
         logits = self.model(x, weights) if active is None else self.model(x, weights, active=active)
         loss = nn.functional.cross_entropy(logits, y)
         if not torch.isfinite(loss):
-            raise SearchError(f"the search-train loss is {float(loss.detach())} (xnas step {self.rounds_played + 1}): "
-                              "lower w_lr or check the data")
+            raise _nonfinite_loss(f"the search-train loss is {float(loss.detach())} (xnas step {self.rounds_played + 1}): "
+                                  "lower w_lr or check the data", {"scalars/train_loss": loss.detach()})
         loss.backward()
         nn.utils.clip_grad_norm_(self.network.weight_parameters(), self.hp.grad_clip)
         self.w_optimizer.step()
@@ -183,13 +192,17 @@ class XNAS(SearchMethod):
         u, active = self.probabilities(), self.active_ops()
         stats: Dict[str, torch.Tensor] = {"scalars/w_lr": torch.tensor(self.w_optimizer.param_groups[0]["lr"]),
                                           "scalars/active_fraction": self._active_fraction(active)}
-        stats.update(self.weight_step(*train_batch, u, active))
+        try:
+            stats.update(self.weight_step(*train_batch, u, active))
+        except SearchError as err:  # the failing row, with what the step knew, is recorded before the run stops
+            err.statistics = {**stats, **getattr(err, "statistics", {})}
+            raise
         x, y = val_batch
         result = self.cost(x, y, u, active=active)
-        if not torch.isfinite(result.loss):
-            raise SearchError(f"the search-val loss is {float(result.loss)} (xnas step {self.rounds_played + 1}): "
-                              "the rewards would corrupt the forecasters; lower w_lr or check the data")
         stats.update({"scalars/val_loss": result.loss, "scalars/val_acc": accuracy(result.logits, y)})
+        if not torch.isfinite(result.loss):
+            raise _nonfinite_loss(f"the search-val loss is {float(result.loss)} (xnas step {self.rounds_played + 1}): "
+                                  "the rewards would corrupt the forecasters; lower w_lr or check the data", stats)
         L = self.loss_bound
         clipped, counted = 0, 0
         for t, rewards in self.rewards(result.per_cell).items():
