@@ -134,8 +134,8 @@ SAMPLE_ENTROPY = family("scalars/entropy", "()", "float32", "same", "Mean over t
 # -- regret (XNAS) -------------------------------------------------------------------------------
 REGRET_LOG_WEIGHTS = family("regret/<cell>/log_weights", "(E, K)", "float32", "same", "log v of the EG forecaster per edge (Algorithm 1, lines 9-10).", section="regret")
 REGRET_ALIVE = family("regret/<cell>/alive", "(E, K)", "bool", "same", "Experts not wiped out (Algorithm 1, lines 11-12).", section="regret")
-REGRET_REGRET = family("regret/<cell>/regret", "(E,)", "float32", "same", "Regret per edge so far against the experts still alive (eq 31, min over I_t; wiped-out ops are not computed, their later rewards unknown): eq 2's regret when ζ ≥ 1 and |R| ≤ L (Lemma 1), a lower bound of it when ζ < 1.", section="regret")
-REGRET_BOUND = family("regret/<cell>/bound", "(E,)", "float32", "same", "The regret bound of Theorem 1 (eq 3) per edge; it bounds the recorded regret for every ζ when |R| ≤ L (eq 2's regret only for ζ ≥ 1, §3.2.2).", section="regret")
+REGRET_REGRET = family("regret/<cell>/regret", "(E,)", "float32", "same", "Linearized regret per edge so far (eq 31) against the experts still alive (min over I_t; wiped-out ops are not computed, their later rewards unknown): eq 31 over all N experts when ζ ≥ 1 and |R| ≤ L (Lemma 1), possibly less when ζ < 1.", section="regret")
+REGRET_BOUND = family("regret/<cell>/bound", "(E,)", "float32", "same", "The regret bound of Theorem 1 (eq 3) per edge; it bounds the recorded regret for every ζ when |R| ≤ L (the regret over all N experts only for ζ ≥ 1, §3.2.2).", section="regret")
 REGRET_GAMMA = family("regret/<cell>/gamma", "(E,)", "float32", "same", "γ_T of eq 28 per edge.", section="regret")
 REGRET_WIPEOUTS = family("regret/<cell>/wipeouts", "(E, K)", "bool", "same", "Experts wiped out at this step.", section="regret")
 REGRET_REWARDS = family("regret/<cell>/rewards", "(R, E, K)", "float32", "same",

@@ -13,8 +13,8 @@ from nasdiag.plot.style import (
 
 
 @figure((V.REGRET_REGRET, V.REGRET_BOUND), name="regret_bound", file="regret_bound_{cell}", paper="XNAS Theorem 1, eq 3",
-        caption="Regret of each edge's forecaster against its surviving experts (eq 31, solid; eq 2's regret for ζ ≥ 1 "
-                "by Lemma 1, a lower bound of it for ζ < 1) and its Theorem 1 bound (eq 3, dashed, same colour) over "
+        caption="Regret of each edge's forecaster against its surviving experts (eq 31, solid; the regret over all experts for ζ ≥ 1 "
+                "by Lemma 1, possibly less for ζ < 1) and its Theorem 1 bound (eq 3, dashed, same colour) over "
                 "the steps; the bound holds for this regret, any ζ, when every reward is within L.")
 def regret_bound(record, cell):
     regret_path, bound_path = V.REGRET_REGRET.path(cell=cell), V.REGRET_BOUND.path(cell=cell)

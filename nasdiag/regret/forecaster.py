@@ -266,9 +266,9 @@ class Forecaster(_ExpertsState):
         loss_bound: L, the bound on ``|R_{t,i}|`` (eq 20); enters the wipeout threshold.
         horizon: T, the number of rounds the thresholds plan for; more updates raise.
         zeta: relaxation of the wipeout threshold (§3.2.2): ``theta_t = max_i v_{t,i}
-            exp(-2 eta L (T - t) zeta)``. ``zeta = 1`` is Algorithm 1 and the only value for which
-            Lemma 1 and Theorem 1 are guaranteed (any ``zeta >= 1`` keeps them); ``zeta < 1`` wipes
-            out sooner. ``zeta = math.inf`` disables the wipeout (plain EG).
+            exp(-2 eta L (T - t) zeta)``. ``zeta = 1`` is Algorithm 1; Lemma 1 and Theorem 1 hold
+            for any ``zeta >= 1`` (a later wipeout); ``zeta < 1`` wipes out sooner, and eq 3 then bounds only :attr:`survivor_regret` (see :meth:`bound`).
+            ``zeta = math.inf`` disables the wipeout (plain EG).
         shape: the batch of independent forecasters, e.g. ``(E,)`` for the edges of a cell.
         init_log_weights: optional ``ln v_0`` broadcastable to ``shape + (N,)``; default 0
             (Algorithm 1 line 2). A non-uniform start voids Lemma 1 and eq 3 (:meth:`bound` raises).
@@ -379,7 +379,7 @@ class Forecaster(_ExpertsState):
 
         What a search can know when wiped-out ops are no longer computed. Equal to :attr:`regret` for
         ``zeta >= 1`` and rewards within L (Lemma 1 at t: the best expert in hindsight is alive); for
-        ``zeta < 1`` a lower bound of eq 2's regret. Eq 3 (:meth:`bound`) bounds it for every ``zeta``.
+        ``zeta < 1`` a lower bound of it. Eq 3 (:meth:`bound`) bounds it for every ``zeta``.
         """
         return self._tally.regret(among=self._alive)
 

@@ -26,7 +26,7 @@ Wiped-out experts are not computed in later forwards (:meth:`active_ops`).
 included; but a wiped-out op is not computed, so its later rewards are unknown (its cost is 0 only because
 it contributes nothing). The forecasters are given NaN for them (unknown, never a fictitious 0), and
 ``regret/<cell>/regret`` is the regret against the experts still alive (eq 31 with min over I_t,
-:attr:`Forecaster.survivor_regret`). With ζ ≥ 1 and |R| ≤ L it is eq 2's regret exactly (Lemma 1: the best
+:attr:`Forecaster.survivor_regret`). With ζ ≥ 1 and |R| ≤ L it is eq 31 over all N exactly (Lemma 1: the best
 expert in hindsight is alive); with ζ < 1 it is a lower bound of it (§3.2.2: ζ < 1 gives up the guarantee
 on eq 2). Eq 3 (``regret/<cell>/bound``) bounds the recorded regret for every ζ: the proof's lower bound
 (23) taken over I_t needs no Lemma 1.
