@@ -16,6 +16,7 @@ import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 
 from nasdiag.cost import edge_costs, eps_deviation, output_edge_costs
 from nasdiag.hooks import Hooks
@@ -58,13 +59,15 @@ class Router:
 
 
 class EdgeCall:
-    """One forward of one edge inside the block."""
+    """One forward of one edge inside the block (``model_call``: how many forwards of the whole model had
+    started when it ran, so per-sample rows of different model forwards are told apart)."""
 
-    __slots__ = ("pos", "inp", "out", "weights", "outputs", "versions", "cell_call")
+    __slots__ = ("pos", "inp", "inp_edge", "out_edge", "weights", "outputs", "versions", "cell_call", "model_call")
 
-    def __init__(self, pos: int, n_ops: int):
+    def __init__(self, pos: int, n_ops: int, model_call: int = 0):
         self.pos = pos
-        self.inp = self.out = self.weights = self.cell_call = None
+        self.model_call = model_call
+        self.inp = self.inp_edge = self.out_edge = self.weights = self.cell_call = None
         self.outputs: Optional[List[Optional[torch.Tensor]]] = [None] * n_ops
         self.versions: List[int] = [0] * n_ops
 
@@ -72,13 +75,18 @@ class EdgeCall:
 class CellCall:
     """One forward of one cell inside the block."""
 
-    __slots__ = ("pos", "output", "version", "edge_calls")
+    __slots__ = ("pos", "output", "version", "edge_calls", "model_call")
 
-    def __init__(self, pos: int):
+    def __init__(self, pos: int, model_call: int = 0):
         self.pos = pos
+        self.model_call = model_call
         self.output: Optional[torch.Tensor] = None
         self.version = 0
         self.edge_calls: Dict[int, List[EdgeCall]] = {}
+
+
+#: what the capture keeps per backward: (index of the model forward it belongs to, (B, K) or (B, n_nodes) terms)
+Part = Tuple[int, torch.Tensor]
 
 
 def _costs_with_missing(g: torch.Tensor, outputs: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
@@ -105,21 +113,28 @@ class StepCapture:
 
     def __init__(self, edges: Sequence[EdgeSpec], cells: Sequence[CellInfo], *, path_split: bool,
                  check_convention: Sequence[bool], incoming: Dict[Tuple[int, int], List[int]],
-                 hooks: Hooks, track_selected: bool = False):
+                 hooks: Hooks, track_selected: bool = False, weights_names: Optional[Sequence[str]] = None,
+                 keep_model_io: bool = False):
         N = len(edges)
         self.edges, self.cells = edges, cells
+        # the keyword the mixing weights go by when passed as one (the forward's second parameter)
+        self.weights_names = list(weights_names) if weights_names is not None else ["weights"] * N
+        self.keep_model_io = keep_model_io  # only probe.hessian() needs the batch and the logits
+        self.model_calls = 0  # forwards of the whole model started in this block
         self.path_split = path_split
         self.track_selected = track_selected  # only statistics="sampled" needs which ops had weight != 0
         self.check_convention = list(check_convention)
         self.incoming = incoming  # (cell pos, node) -> edge positions ending at that node
-        self.per_sample: List[List[torch.Tensor]] = [[] for _ in range(N)]
+        self.per_sample: List[List[Part]] = [[] for _ in range(N)]
         self.n_forward = [0] * N
+        #: forwards run with grad mode off (torch.no_grad / torch.inference_mode): nothing to capture
+        self.n_grad_off = [0] * N
         #: forwards whose output did not require grad (nothing before the edge carries a gradient)
         self.n_without_grad = [0] * N
         self.missing_ops: List[set] = [set() for _ in range(N)]
         self.selected: List[Optional[torch.Tensor]] = [None] * N
-        self.paths: List[Dict[str, List[torch.Tensor]]] = [{} for _ in range(N)]
-        self.node_costs: List[List[torch.Tensor]] = [[] for _ in cells]
+        self.paths: List[Dict[str, List[Part]]] = [{} for _ in range(N)]
+        self.node_costs: List[List[Part]] = [[] for _ in cells]
         self.modified_cells: set = set()  # cells whose output was modified in place after their forward
         self.deviation: Dict[Tuple[int, int], torch.Tensor] = {}
         self.open_edge: List[Optional[EdgeCall]] = [None] * N
@@ -133,15 +148,30 @@ class StepCapture:
     # -- forward hooks ---------------------------------------------------------------------
     def edge_pre(self, pos: int, module, args, kwargs):
         edge = self.edges[pos]
-        call = EdgeCall(pos, edge.n_ops)
+        if not torch.is_grad_enabled():
+            # an evaluation forward (no_grad / inference_mode) has no backward, hence no cost; inference
+            # tensors have no version counter to read either. Counted, to say so if no other forward ran.
+            self.n_grad_off[pos] += 1
+            self.open_edge[pos] = None
+            return None
+        call = EdgeCall(pos, edge.n_ops, self.model_calls)
         # Only what a feature needs is kept: this hook runs for every edge at every step.
         if edge.weights_arg and (self.track_selected or self.check_convention[pos]):
-            w = args[1] if len(args) > 1 else kwargs.get("weights")
+            w = args[1] if len(args) > 1 else kwargs.get(self.weights_names[pos])
             if isinstance(w, torch.Tensor):
                 call.weights = w.detach()
+            elif self.track_selected:
+                raise ProbeError(
+                    f"edge {edge.name!r}: statistics='sampled' needs the mixing weights of every forward, but this call "
+                    f"passed no tensor as the second argument or as {self.weights_names[pos]}=; pass the weights there "
+                    "or attach with statistics='all'"
+                )
         if self.path_split and edge.cell_index is not None:
             if args and isinstance(args[0], torch.Tensor):
                 call.inp = args[0]
+                if call.inp.requires_grad:
+                    # the input as this edge read it, even if the tensor is modified in place afterwards
+                    call.inp_edge = get_gradient_edge(call.inp)
             ccall = self.open_cell[edge.cell_index]
             if ccall is not None:
                 call.cell_call = ccall
@@ -172,6 +202,12 @@ class StepCapture:
                 f"edge {edge.name!r}: the mixed op returned {type(output).__name__}; the probe needs a tensor "
                 "Σ_k w_k·op_k(x). Map the edge to the module that returns that sum."
             )
+        if output.is_meta:
+            raise ProbeError(
+                f"edge {edge.name!r} ran on the meta device, where tensors have no values, so there are no costs to "
+                "compute; materialize the model first (model.to_empty(device=...) and load its weights) and record "
+                "real inputs"
+            )
         if args and output is args[0]:
             # A hook on this tensor is a hook on x_i: it would fire with the gradient of x_i's other consumers too,
             # not ∂L/∂x_j alone (e.g. skip_connect returned as is for a one-hot Z): a wrong cost, never a silent one.
@@ -194,8 +230,10 @@ class StepCapture:
             if torch.is_grad_enabled():  # (under no_grad the message says to turn grad mode on)
                 self.n_without_grad[pos] += 1
             return None
-        if self.path_split:  # the split differentiates this output again, through the edge only
-            call.out = output
+        if self.path_split and call.inp_edge is not None:
+            # the split differentiates this output again, through the edge only: from the output as the edge
+            # returned it (a node accumulated in place, `s += edge(...)`, gives the tensor another grad_fn)
+            call.out_edge = get_gradient_edge(output)
         self.hooks.tensor(output, lambda g, call=call: self.edge_grad(call, g))
         return None
 
@@ -228,7 +266,7 @@ class StepCapture:
             return float((expected - output.detach()).abs().max() / scale)
 
     def cell_pre(self, pos: int, module, args):
-        self.open_cell[pos] = CellCall(pos)
+        self.open_cell[pos] = CellCall(pos, self.model_calls)
         return None
 
     def cell_post(self, pos: int, module, args, output):
@@ -248,12 +286,13 @@ class StepCapture:
         return None
 
     def model_pre(self, module, args, kwargs):
-        if self.model_inputs is None:  # the first call of the model in the block
+        self.model_calls += 1
+        if self.keep_model_io and self.model_inputs is None:  # the first call of the model in the block
             self.model_inputs = (args, kwargs)
         return None
 
     def model_post(self, module, args, output):
-        if self.model_output is None and isinstance(output, torch.Tensor):
+        if self.keep_model_io and self.model_output is None and isinstance(output, torch.Tensor):
             self.model_output = output.detach()
             if output.requires_grad:
                 self.hooks.tensor(output, self._output_grad)
@@ -277,9 +316,9 @@ class StepCapture:
                 )
         if torch.is_grad_enabled():  # a create_graph backward must not record the probe's arithmetic
             with torch.no_grad():
-                self.per_sample[call.pos].append(_costs_with_missing(g, call.outputs))
+                self.per_sample[call.pos].append((call.model_call, _costs_with_missing(g, call.outputs)))
         else:  # the usual backward already runs without grad mode; skip the context manager
-            self.per_sample[call.pos].append(_costs_with_missing(g, call.outputs))
+            self.per_sample[call.pos].append((call.model_call, _costs_with_missing(g, call.outputs)))
         if self.path_split and call.cell_call is not None and edge.src is not None and call.inp is not None:
             self._split_through(edge, call, g)
         # the references stay until the block ends (release): a second backward through the same forward
@@ -291,10 +330,10 @@ class StepCapture:
         targets = self.incoming.get((edge.cell_index, edge.src), [])
         if not targets:
             return
-        if call.inp.requires_grad:
+        if call.inp_edge is not None and call.out_edge is not None:
             self.busy = True
             try:
-                (v,) = torch.autograd.grad(call.out, call.inp, g, retain_graph=True, allow_unused=True)
+                (v,) = torch.autograd.grad(call.out_edge, call.inp_edge, g, retain_graph=True, allow_unused=True)
             finally:
                 self.busy = False
         else:
@@ -305,7 +344,8 @@ class StepCapture:
             for ie in targets:
                 for icall in call.cell_call.edge_calls.get(ie, []):
                     if icall.outputs is not None:
-                        self.paths[ie].setdefault(edge.name, []).append(_costs_with_missing(v, icall.outputs))
+                        self.paths[ie].setdefault(edge.name, []).append(
+                            (icall.model_call, _costs_with_missing(v, icall.outputs)))
 
     def cell_grad(self, ccall: CellCall, g: torch.Tensor):
         if self.busy or ccall.output is None:
@@ -324,13 +364,14 @@ class StepCapture:
             # out.mul_(2) read back as 2× the cost): not computable, so NaN, flagged at the end of the block
             node_costs = torch.full_like(node_costs, math.nan)
             self.modified_cells.add(ccall.pos)
-        self.node_costs[ccall.pos].append(node_costs)
+        self.node_costs[ccall.pos].append((ccall.model_call, node_costs))
         if self.path_split:
             for node, (a, b) in slices.items():
                 for ie in self.incoming.get((ccall.pos, node), []):
                     for icall in ccall.edge_calls.get(ie, []):
                         if icall.outputs is not None:
-                            self.paths[ie].setdefault("output", []).append(_costs_with_missing(g[:, a:b], icall.outputs))
+                            self.paths[ie].setdefault("output", []).append(
+                                (icall.model_call, _costs_with_missing(g[:, a:b], icall.outputs)))
 
     def release(self) -> None:
         """Drop every captured tensor (the hooks are removed with the block's :class:`Hooks`)."""

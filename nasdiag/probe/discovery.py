@@ -64,6 +64,17 @@ def _positional_arity(module: nn.Module) -> int:
     return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
 
 
+def weights_parameter(module: nn.Module) -> str:
+    """The name of a mixed op's second forward parameter, the mixing weights when passed by keyword
+    (``forward(x, w)`` called as ``op(x, w=w)``); ``"weights"`` where the signature cannot tell."""
+    try:
+        params = [p for p in inspect.signature(module.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        return "weights"
+    return params[1].name if len(params) > 1 else "weights"
+
+
 def is_darts_mixed_op(module: nn.Module) -> bool:
     """DARTS convention: candidates in the ModuleList ``_ops`` and forward ``(x, weights)``. The DARTS
     ``Cell`` also has ``_ops`` (of mixed ops) but a forward ``(s0, s1, weights)``: it is excluded."""

@@ -1,8 +1,9 @@
 """How per-edge costs are grouped into the recorder's (E, K) arrays.
 
-* Every edge has a cell type and an edge index (nasdiag's Network, the DARTS convention): one group per
-  cell type, shape (E, K), E = 1 + the largest edge index of that type; the cells of a type are the
-  observations of one step (their slot = order among cells of that type).
+* Every edge has a cell type and an edge index (nasdiag's Network, the DARTS convention), and the edges of
+  each type have the same K: one group per cell type, shape (E, K), E = 1 + the largest edge index of that
+  type; the cells of a type are the observations of one step (their slot = order among cells of that type).
+  A cell type whose edges have different op sets (different K) has no (E, K) layout: the fallbacks below.
 * Otherwise, if all edges have the same K: one group ``"edges"`` of shape (n_edges, K), edges in probe
   order, one observation per step.
 * Otherwise: one group per edge, named by the edge, shape (1, K_e).
@@ -42,14 +43,19 @@ class Group:
     op_names: Tuple[str, ...]
 
 
+def _same_k_per_cell_type(edges: Sequence[EdgeSpec]) -> bool:
+    ks = {}
+    for e in edges:
+        ks.setdefault(e.cell_type, set()).add(e.n_ops)
+    return all(len(k) == 1 for k in ks.values())
+
+
 def build_groups(edges: Sequence[EdgeSpec]) -> List[Group]:
-    if all(e.cell_type is not None and e.edge_index is not None for e in edges):
+    if all(e.cell_type is not None and e.edge_index is not None for e in edges) and _same_k_per_cell_type(edges):
         groups = []
         for t in dict.fromkeys(e.cell_type for e in edges):
             members = [p for p, e in enumerate(edges) if e.cell_type == t]
             Ks = {edges[p].n_ops for p in members}
-            if len(Ks) != 1:
-                raise ProbeError(f"edges of cell type {t!r} have different numbers of candidate ops {sorted(Ks)}; α cannot be shared")
             cell_ids = list(dict.fromkeys(edges[p].cell_index for p in members))
             slot = [cell_ids.index(edges[p].cell_index) for p in members]
             eidx = [edges[p].edge_index for p in members]

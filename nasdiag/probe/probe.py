@@ -18,7 +18,7 @@ from nasdiag.hessian.modes import ARCH_MODES, CurvatureError, check_mode
 from nasdiag.hooks import Hooks
 from nasdiag.probe.capture import Router, StepCapture
 from nasdiag.edges import EdgesArg, EdgeSpec
-from nasdiag.probe.discovery import CellInfo, ProbeError, discover
+from nasdiag.probe.discovery import CellInfo, ProbeError, discover, weights_parameter as _weights_parameter
 from nasdiag.probe.layout import Group, build_groups
 
 STATISTICS_MODES = ("all", "sampled")
@@ -56,12 +56,26 @@ class _StepResult:
         self.output_grad = None
 
 
-def _sum_calls(parts: List[torch.Tensor]) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
-    """(summed per-sample (B, K) or None if batch sizes differ, summed (K,))."""
-    total = sum(p.sum(0) for p in parts)
-    if len({p.shape for p in parts}) == 1:
-        return (parts[0] if len(parts) == 1 else sum(parts)), total
-    return None, total
+def _sum_calls(parts: List[Tuple[int, torch.Tensor]]) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
+    """(per-sample rows or None, summed (K,)) of ``(model forward, (B, K) terms)`` parts.
+
+    Parts of one forward of the model (an edge called twice in it, several backwards through it) are terms of
+    the same samples and add up; different forwards (micro-batches accumulated in one block) see different
+    samples, so their rows are concatenated in call order. None where the rows of one forward differ in
+    shape or the forwards differ in K.
+    """
+    total = sum(t.sum(0) for _, t in parts)
+    by_call: Dict[int, List[torch.Tensor]] = {}
+    for call, t in parts:
+        by_call.setdefault(call, []).append(t)
+    rows = []
+    for ts in by_call.values():
+        if len({t.shape for t in ts}) != 1:
+            return None, total
+        rows.append(ts[0] if len(ts) == 1 else sum(ts))
+    if len({r.shape[1:] for r in rows}) != 1:
+        return None, total
+    return (rows[0] if len(rows) == 1 else torch.cat(rows, 0)), total
 
 
 def _short_list(names: Sequence[str], n: int = 5) -> str:
@@ -132,6 +146,7 @@ class Probe:
                 self._candidate_modules[id(op)] = op
         self._candidate_slots = slots
         self._convention_unchecked = [e.weights_arg for e in self._edges]
+        self._weights_names = [_weights_parameter(e.module) for e in self._edges]
         self._groups: Tuple[Group, ...] = tuple(build_groups(self._edges))
         self._moments: Dict[str, CostMoments] = {}
         self._last: Optional[_StepResult] = None
@@ -177,7 +192,8 @@ class Probe:
 
         Hooks are registered on entry and removed on every exit path (also when the body raises); the
         backward must run inside the block. ``targets`` are kept for :meth:`hessian` only.
-        Several forwards or backwards in one block add up, as ``.grad`` does.
+        Several forwards or backwards in one block add up, as ``.grad`` does. Forwards run with grad mode off
+        (``torch.no_grad()``, ``torch.inference_mode()``, e.g. a validation pass) are left alone: no cost exists there.
         """
         if self._recording:
             raise ProbeError("probe.record() blocks cannot be nested")
@@ -185,7 +201,8 @@ class Probe:
         plan = self._hook_plan()
         cap = StepCapture(self._edges, self._cells, path_split=self.path_split,
                           check_convention=self._convention_unchecked, incoming=self._incoming,
-                          hooks=plan, track_selected=self.statistics_mode == "sampled")
+                          hooks=plan, track_selected=self.statistics_mode == "sampled",
+                          weights_names=self._weights_names, keep_model_io=self.hessian_mode is not None)
         self._router.capture = cap
         self._recording = True
         try:
@@ -220,8 +237,10 @@ class Probe:
         if self.norm_deviation:
             for (p, k), norm in self._invariance_norms().items():
                 plan.forward_pre(norm, partial(r.norm_pre, (p, k)))
+        # counts the model's forwards (per-sample rows of different forwards are kept apart) and, for
+        # hessian(), keeps the first one's batch and logits
+        plan.forward_pre(self.model, r.model_pre, with_kwargs=True)
         if self.hessian_mode is not None:
-            plan.forward_pre(self.model, r.model_pre, with_kwargs=True)
             plan.forward(self.model, r.model_post)
         self._plans[key] = plan
         return plan
@@ -244,9 +263,9 @@ class Probe:
         no_forward, no_grad, partial_ops = [], [], []
         parts = cap.per_sample
         r.available = [bool(pp) for pp in parts]
-        if all(len(pp) == 1 for pp in parts) and len({pp[0].shape for pp in parts}) == 1:
+        if all(len(pp) == 1 for pp in parts) and len({pp[0][1].shape for pp in parts}) == 1:
             # the common case: one call per edge, same batch and K: two kernels for all edges
-            stacked = torch.stack([pp[0] for pp in parts])  # (N, B, K)
+            stacked = torch.stack([pp[0][1] for pp in parts])  # (N, B, K)
             r.per_sample = list(stacked.unbind(0))
             r.matrix = stacked.sum(1)
             r.costs = list(r.matrix.unbind(0))
@@ -256,9 +275,12 @@ class Probe:
                 r.per_sample.append(ps)
                 r.costs.append(total)
         no_grad_path: List[str] = []
+        grad_off: List[str] = []
         for p, e in enumerate(self._edges):
             if not r.available[p]:
-                if cap.n_forward[p] == 0:
+                if cap.n_forward[p] == 0 and cap.n_grad_off[p]:
+                    grad_off.append(e.name)
+                elif cap.n_forward[p] == 0:
                     no_forward.append(e.name)
                 elif cap.n_without_grad[p] == cap.n_forward[p]:
                     no_grad_path.append(e.name)
@@ -267,7 +289,10 @@ class Probe:
             r.not_run.append(tuple(sorted(cap.missing_ops[p])))
             if cap.missing_ops[p]:
                 partial_ops.append(f"{e.name} ops {sorted(cap.missing_ops[p])}")
-        ref = next((t for t in r.costs if t is not None), torch.empty(0))
+        ref = next((t for t in r.costs if t is not None), None)
+        if ref is None:  # no edge observed: NaN in the dtype and device of the parameters
+            ref = next(self.model.parameters(), torch.empty(0)).detach()
+            ref = ref if ref.is_floating_point() else ref.float()
         r.costs = [t if t is not None else ref.new_full((e.n_ops,), math.nan) for t, e in zip(r.costs, self._edges)]
         r.selected = cap.selected
         r.paths = cap.paths
@@ -282,6 +307,12 @@ class Probe:
                 f"probe: the forward of {len(no_forward)} edge(s) never ran inside probe.record() "
                 f"({_short_list(no_forward)}); their costs are NaN for this step and they are left out of the statistics. "
                 "Run the model's forward inside the block.", RuntimeWarning, stacklevel=4)
+        if grad_off:
+            warnings.warn(
+                f"probe: the backward never reached {len(grad_off)} edge(s) ({_short_list(grad_off)}): their forward ran "
+                "only with grad mode off (inside torch.no_grad() or torch.inference_mode()), so there is no gradient and no "
+                "cost; their costs are NaN for this step and they are left out of the statistics. Run the forward you "
+                "want costs of with grad mode on inside probe.record().", RuntimeWarning, stacklevel=4)
         if no_grad:
             warnings.warn(
                 f"probe: the backward never reached {len(no_grad)} edge(s) ({_short_list(no_grad)}); their costs are NaN "
@@ -323,7 +354,10 @@ class Probe:
             ``{edge name: (K,)}``; with ``per_sample``, ``{edge name: (B, K)}``. Dtype and device of the
             model's activations. Batch convention: the per-sample terms **sum** to the (K,) costs, so with a
             mean loss each carries the 1/B. With per-sample weights Z of shape (B, K), the (B, K) terms are
-            exactly ∂L/∂Z_bk. NaN (with a warning at the end of the block) where the edge's forward never ran,
+            exactly ∂L/∂Z_bk. Several calls of an edge in one forward of the model (weight tying) and several
+            backwards through it add up per sample; the rows of different forwards of the model in one block
+            (micro-batches) are concatenated in call order, so B is then the total over those forwards.
+            NaN (with a warning at the end of the block) where the edge's forward never ran,
             the backward never reached it, or a candidate op did not run.
         """
         r = self._require_step()
@@ -334,8 +368,9 @@ class Probe:
         for p, e in enumerate(self._edges):
             ps = r.per_sample[p]
             if ps is None and r.available[p]:
-                raise ProbeError(f"edge {e.name!r} ran with different batch sizes in one block; per-sample costs are undefined")
-            out[e.name] = ps if ps is not None else torch.full((1, e.n_ops), math.nan)
+                raise ProbeError(f"edge {e.name!r} ran with different batch sizes in one forward of the model; per-sample "
+                                 "costs are undefined (costs() still sums them)")
+            out[e.name] = ps if ps is not None else r.costs[p].new_full((1, e.n_ops), math.nan)
         return out
 
     def _flag_nan(self, r: _StepResult) -> None:
@@ -384,7 +419,7 @@ class Probe:
             ps = r.node_costs[c]
             if ps is None:
                 unreached.append(cell.name)
-                ps = torch.full((1, len(cell.output_nodes)), math.nan)
+                ps = r.costs[0].new_full((1, len(cell.output_nodes)), math.nan)
             vals = ps if per_sample else ps.sum(0)
             out[cell.name] = {n: vals[..., i] for i, n in enumerate(cell.output_nodes)}
         if unreached:
@@ -578,9 +613,9 @@ class Probe:
         ``"cost/<group>/mean"`` E[C] and ``"cost/<group>/var"`` E[C²] − E[C]² (float64),
         ``"cost/<group>/count"`` (int64), each (E, K).
 
-        Groups are cell types when every edge has one (the cells of a type are separate observations of the
-        same (E, K) entry, so ``count`` = steps × cells), else ``"edges"`` (n_edges, K), else one group per
-        edge (docs/probe.md). With ``statistics="sampled"``, an entry is observed only when its mixing weight
+        Groups are cell types when every edge has one and the edges of each type share K (the cells of a type
+        are separate observations of the same (E, K) entry, so ``count`` = steps × cells), else ``"edges"``
+        (n_edges, K), else one group per edge (docs/probe.md). With ``statistics="sampled"``, an entry is observed only when its mixing weight
         was non-zero, so under one-hot sampling ``count`` is the per-op sample count and ``mean`` is E[C | sampled].
         Entries never observed are NaN with count 0 (after :meth:`reset_statistics`: all of them).
 
