@@ -108,9 +108,12 @@ class LeakyReLURule(ElementwiseRule):
             )
 
     def derivatives(self, call):
-        out = call.output
         slope = call.module.negative_slope
-        return torch.where(out > 0, torch.ones_like(out), torch.full_like(out, slope)), None
+        # σ'(x) = 1 for x > 0, else the slope. With a slope ≥ 0, out > 0 ⇔ x > 0 (an inplace call has only its
+        # output); with a negative slope every x ≠ 0 gives out > 0, so the sign must come from the input (the
+        # check refuses an inplace call there).
+        x = call.output if slope >= 0 else call.input
+        return torch.where(x > 0, torch.ones_like(x), torch.full_like(x, slope)), None
 
 
 class SigmoidRule(ElementwiseRule):
