@@ -91,6 +91,17 @@ def test_leaky_relu_with_a_negative_slope_takes_its_derivative_from_the_input(sl
         assert_close_to(diag_hessian(net, mse, x, t, mode=mode), ref)
 
 
+def test_exact_on_a_chain_refuses_an_inplace_leaky_relu_with_a_negative_slope():
+    """It overwrites the input that σ' needs (torch's backward refuses it); ``exact``'s chain recursion (C.1.3)
+    returned numbers from the overwritten input (30-50% off the out-of-place net's) instead of saying so."""
+    net = nn.Sequential(nn.Linear(4, 5), nn.LeakyReLU(-0.5, inplace=True), nn.Linear(5, 3)).to(DT)
+    x, y = torch.randn(6, 4, dtype=DT), torch.randint(0, 3, (6,))
+    for mode in ("exact", "diag"):
+        with pytest.raises(UnsupportedModuleError, match="'1'.*inplace=False"):
+            diag_hessian(net, F.cross_entropy, x, y, mode=mode)
+    assert_no_module_hooks(net)
+
+
 # ------------------------------------------------------------------------------------------- exact weight diagonals
 
 

@@ -80,8 +80,15 @@ def chain_exact_diag(
 
     Returns:
         ``{name: diagonal}`` for the names in ``values``, of exactly the scalar ``loss_fn`` returns.
+
+    Raises:
+        UnsupportedModuleError: an activation whose rule refuses its configuration (an inplace ``LeakyReLU`` with
+            a negative slope overwrites the input its derivative needs; torch's own backward refuses it too).
     """
     wanted = set(values)
+    for name, m in layers:  # e.g. an inplace LeakyReLU with a negative slope: its input is gone, σ' unknowable
+        if not isinstance(m, nn.Linear):
+            rule_for(m).check(m, name)
     # forward with the requested values, keeping each layer's input and output
     records = []
     x = inputs
