@@ -623,6 +623,19 @@ def test_misuse_is_one_nasdiag_error_line():
             with probe.record():
                 pass
     assert_no_module_hooks(net)
+    block = probe.record()  # one block object entered at every step (before: contextlib's AttributeError 'args')
+    for step in range(2):
+        W0, W1 = leaves(net, seed=10 + step)
+        with block as entered:
+            F.cross_entropy(net(x, W0, W1), y).backward()
+        assert entered is probe and probe.steps_recorded == step + 1
+        assert max_err(probe.costs()["cell1.edges.4"], W1[4].grad) < 1e-13
+    with pytest.raises(ProbeError, match="cannot be nested"):
+        with block:
+            with block:
+                pass
+    assert_no_module_hooks(net)
+    W0, W1 = leaves(net)
     # detached weights are fine: the costs are ∂L/∂Z at those values, as for a leaf holding them
     with probe.record():
         F.cross_entropy(net(x, [w.detach() for w in W0], [w.detach() for w in W1]), y).backward()

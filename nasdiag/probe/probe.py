@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from contextlib import contextmanager
 from functools import partial
-from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -186,15 +185,18 @@ class Probe:
         return self._steps
 
     # -- recording -------------------------------------------------------------------------------
-    @contextmanager
-    def record(self, targets=None) -> Iterator["Probe"]:
+    def record(self, targets=None) -> "Recording":
         """Capture one step: ``with probe.record(): out = model(x); loss.backward()``.
 
         Hooks are registered on entry and removed on every exit path (also when the body raises); the
         backward must run inside the block. ``targets`` are kept for :meth:`hessian` only.
         Several forwards or backwards in one block add up, as ``.grad`` does. Forwards run with grad mode off
         (``torch.no_grad()``, ``torch.inference_mode()``, e.g. a validation pass) are left alone: no cost exists there.
+        The returned block may be entered again, one step per ``with``; entering it returns the probe.
         """
+        return Recording(self, targets)
+
+    def _begin(self, block: "Recording") -> "Probe":
         if self._recording:
             raise ProbeError("probe.record() blocks cannot be nested")
         self._last = None  # a failed block leaves no stale step behind
@@ -206,19 +208,36 @@ class Probe:
         self._router.capture = cap
         self._recording = True
         try:
-            with plan:
-                yield self
-                result = self._collect(cap)
-            result.targets = targets
+            plan.install()
+        except BaseException:
+            self._finish(cap)
+            raise
+        block.capture, block.plan = cap, plan
+        return self
+
+    def _end(self, block: "Recording", completed: bool) -> None:
+        cap, plan = block.capture, block.plan
+        block.capture = block.plan = None
+        try:
+            try:
+                result = self._collect(cap) if completed else None  # a body that raised records nothing
+            finally:
+                plan.remove()
         finally:
-            self._router.capture = None
-            cap.release()
-            self._recording = False
+            self._finish(cap)
+        if result is None:
+            return
+        result.targets = block.targets
         self._convention_unchecked = cap.check_convention
         self._last = result
         self._steps += 1
         self._any_step = True
         self._update_statistics(result)
+
+    def _finish(self, cap: StepCapture) -> None:
+        self._router.capture = None
+        cap.release()
+        self._recording = False
 
     def _hook_plan(self) -> Hooks:
         """The forward hooks of a step, built once (per train/eval mode when norms are tracked)."""
@@ -677,6 +696,26 @@ class _BoundKeywords(nn.Module):
 
     def forward(self, *args):
         return self.model(*args, **self._kwargs)
+
+
+class Recording:
+    """One ``with probe.record():`` block (see :meth:`Probe.record`); reusable, one step per ``with``."""
+
+    __slots__ = ("probe", "targets", "capture", "plan")
+
+    def __init__(self, probe: Probe, targets=None):
+        self.probe, self.targets = probe, targets
+        self.capture: Optional[StepCapture] = None
+        self.plan: Optional[Hooks] = None
+
+    def __enter__(self) -> Probe:
+        if self.capture is not None:
+            raise ProbeError("probe.record() blocks cannot be nested")
+        return self.probe._begin(self)
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self.probe._end(self, exc_type is None)
+        return False
 
 
 def attach(model: nn.Module, edges: Optional[EdgesArg] = None, **options) -> Probe:
