@@ -102,6 +102,33 @@ def test_exact_on_a_chain_refuses_an_inplace_leaky_relu_with_a_negative_slope():
     assert_no_module_hooks(net)
 
 
+def test_a_call_under_inference_mode_is_refused_not_answered_with_zeros():
+    """``torch.enable_grad()`` does not lift ``torch.inference_mode()``: no graph was recorded and every mode of
+    ``diag_hessian``, ``alpha_diag_hessian`` and the spectrum returned all zeros (``arch_diag_hessian`` blamed the
+    loss). ``torch.no_grad()`` around the call stays fine."""
+    from nasdiag.hessian import CurvatureRuntimeError, hutchinson_trace
+
+    torch.manual_seed(7)
+    net = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.BatchNorm2d(3), nn.Tanh(), nn.Flatten(), nn.Linear(48, 3)).to(DT)
+    x, y = _img(2, 4), torch.randint(0, 3, (3,))
+    ref = dense_diag(net, F.cross_entropy, x, y)
+    with torch.no_grad():
+        assert_close_to(diag_hessian(net, F.cross_entropy, x, y, mode="exact"), ref)
+    supernet = Supernet().to(DT)
+    xs, ys = torch.randn(3, 2, 4, 4, dtype=DT), torch.randint(0, 4, (3,))
+    calls = [lambda mode=mode: diag_hessian(net, F.cross_entropy, x, y, mode=mode)
+             for mode in ("exact", "diag", "approx", "hutchinson:1")]
+    calls += [lambda: alpha_diag_hessian(supernet, F.cross_entropy, xs, ys, params={"alpha": supernet.alpha}),
+              lambda: arch_diag_hessian(supernet, F.cross_entropy, xs, ys, supernet.edges(), mode="exact"),
+              lambda: arch_diag_hessian(supernet, F.cross_entropy, xs, ys, supernet.edges(), mode="diag"),
+              lambda: hutchinson_trace(net, F.cross_entropy, x, y, params=[net[4].weight])]
+    for call in calls:
+        with torch.inference_mode(), pytest.raises(CurvatureRuntimeError, match="inference_mode"):
+            call()
+    assert_no_module_hooks(net)
+    assert_no_module_hooks(supernet)
+
+
 # ------------------------------------------------------------------------------------------- exact weight diagonals
 
 

@@ -60,10 +60,25 @@ def forward_failures_explained(model: nn.Module, inputs: Inputs) -> Iterator[Non
         raise
 
 
+def refuse_inference_mode(what: str) -> None:
+    """Refuse a call under ``torch.inference_mode()``: ``torch.enable_grad()`` does not lift it, so no graph is
+    recorded and every curvature would come out as zeros (loss "independent" of the parameters)."""
+    if torch.is_inference_mode_enabled():
+        from nasdiag.hessian.modes import CurvatureRuntimeError
+
+        raise CurvatureRuntimeError(
+            f"{what} was called under torch.inference_mode(), where autograd records no graph (torch.enable_grad() "
+            "does not lift it), so every Hessian would come out as zeros; call it outside inference_mode "
+            "(torch.no_grad() is fine)"
+        )
+
+
 def check_model(model, loss_fn, what: str) -> None:
-    """Refuse a ``model`` that is not an ``nn.Module`` and a ``loss_fn`` that is not callable, before any work."""
+    """Refuse a ``model`` that is not an ``nn.Module`` and a ``loss_fn`` that is not callable, before any work,
+    and a call under ``torch.inference_mode()``."""
     from nasdiag.hessian.modes import CurvatureTypeError
 
+    refuse_inference_mode(what)
     if not isinstance(model, nn.Module):
         raise CurvatureTypeError(f"{what}: model must be an nn.Module (called as model(inputs)), got {type(model).__name__}; "
                                  "wrap a function in an nn.Module whose forward calls it")
@@ -193,6 +208,7 @@ def scalar_loss(loss_fn: Callable, outputs, targets) -> torch.Tensor:
     on ``outputs`` at all."""
     from nasdiag.hessian.modes import CurvatureError, CurvatureTypeError
 
+    refuse_inference_mode("the curvature computation")  # every route takes its loss here
     if not callable(loss_fn):
         raise CurvatureTypeError(
             f"loss_fn must be callable as loss_fn(outputs, targets) -> scalar tensor (e.g. F.cross_entropy), got {type(loss_fn).__name__}"
