@@ -122,7 +122,7 @@ class Reference:
 def assert_same_state(method, ref, rtol=1e-10, atol=1e-12):
     net = method.network
     for t, a in net.alphas().items():
-        torch.testing.assert_close(a.detach(), ref.alpha[t], rtol=rtol, atol=atol, msg=f"alpha {t}")
+        torch.testing.assert_close(a.detach(), ref.alpha[t], rtol=rtol, atol=atol, msg=lambda m: f"alpha {t}: {m}")
     for n, p in net.named_parameters():
         if n in ref.w:
             torch.testing.assert_close(p.detach(), ref.w[n], rtol=rtol, atol=atol, msg=n)
@@ -435,3 +435,138 @@ def test_samplers_draw_from_p():
         share = float(p[a] / (p[a] + p[b]))
         n_ab = int(both.sum())
         assert abs(float(gates[both, a].mean()) - share) <= 5 * math.sqrt(share * (1 - share) / n_ab)
+
+
+# -- SparseNAS ----------------------------------------------------------------------------------------------
+SPARSE_PRIMS = ("skip_connect", "max_pool_3x3", "avg_pool_3x3", "sep_conv_3x3")
+
+
+def soft_threshold(z, t):
+    """Eq 9, elementwise: sgn(z)(|z| − t)₊."""
+    return torch.where(z.abs() > t, z - torch.sign(z) * t, torch.zeros_like(z))
+
+
+def node_prox(z, thresholds, edge_nodes):
+    """Eq 10 on every node group A_(n) (all weights of all edges entering node n): (1 − √|A_(n)| t_n/‖z_(n)‖)₊ z_(n)."""
+    out = z.clone()
+    for n, node in enumerate(sorted({j for _, j in edge_nodes})):
+        rows = [e for e, (_, j) in enumerate(edge_nodes) if j == node]
+        block = z[rows]
+        norm = float(block.norm())
+        scale = max(0.0, 1 - math.sqrt(block.numel()) * float(thresholds[n]) / norm) if norm > 0 else 0.0
+        out[rows] = block * scale
+    return out
+
+
+def sparsenas_method(seed, **hp):
+    cls = get_method("sparsenas")
+    torch.manual_seed(seed)
+    net = Network(4, 3, 3, steps=2, multiplier=2, in_channels=1, primitives=SPARSE_PRIMS).double()
+    return cls(net, cls.Hyperparameters(**hp), schedule=Schedule(epochs=3, steps_per_epoch=1, batch_size=B), seed=seed)
+
+
+@pytest.mark.parametrize("optimizer", ["hapg", "adamhapg"])
+def test_sparsenas_two_steps_equal_eq_6_to_10_with_progressive_lambda(optimizer):
+    """SparseNAS Alg. 1 (first order): A ← HAPG/AdamHAPG on ∇_A l_val (linear mixing, eq 1: Z = A) with the
+    hierarchical prox of eq 5, 9, 10 and the momentum of eq 7-8 (u_t = (t − 2)/(t + 1), the first step counted as
+    t = 2); then w ← DARTS's SGD on l_train at the new A. λ = lambda_step·(epoch + 1); HAPG's η cosine-annealed to 0;
+    AdamHAPG: per-weight η_i in the ℓ1 prox, the group's (lower) median η_i in the group prox. Zeros are exact."""
+    # A starts at 1/K + 0.1·N(0, 1), so the thresholds zero some weights, shrink the rest, and (AdamHAPG) one node
+    hp = dict(first_order=True, optimizer=optimizer, lambda_step=0.3, sgl_alpha=0.5, grad_clip=0.3, init_scale=0.1)
+    if optimizer == "hapg":
+        hp.update(hapg_lr=0.5, lambda_step=0.6)
+    else:
+        hp["alpha_lr"] = 0.04
+    method = sparsenas_method(9, **hp)
+    h, net = method.hp, method.network
+    ref = Reference(net)
+    sgd = SGD(h.w_momentum, h.w_weight_decay)
+    adam_m = {t: torch.zeros_like(a) for t, a in ref.alpha.items()}
+    adam_v = {t: torch.zeros_like(a) for t, a in ref.alpha.items()}
+    v_prev = {t: torch.zeros_like(a) for t, a in ref.alpha.items()}
+    u = lambda t: (t - 2) / (t + 1)  # noqa: E731
+    edge_nodes = net.edge_nodes
+    data = batches(4, 41)
+    zeros_seen = 0
+    for epoch in range(2):
+        (xt, yt), (xv, yv) = data[2 * epoch], data[2 * epoch + 1]
+        stats = method.step((xt, yt), (xv, yv))
+        lam = h.lambda_step * (epoch + 1)
+        t_step = epoch + 2  # the first step counts as t = 2
+        A = {t: a.clone().requires_grad_(True) for t, a in ref.alpha.items()}
+        grads = dict(zip(A, torch.autograd.grad(ref.loss(ref.w, xv, yv, A), list(A.values()))))
+        for t, a in ref.alpha.items():
+            g = grads[t]
+            if optimizer == "hapg":
+                eta = cosine(h.hapg_lr, 0.0, epoch, 3) * torch.ones_like(a)
+                z = a - eta * g  # eq 6
+            else:
+                b1, b2 = h.alpha_betas
+                n = epoch + 1
+                adam_m[t] = b1 * adam_m[t] + (1 - b1) * g
+                adam_v[t] = b2 * adam_v[t] + (1 - b2) * g * g
+                eta = h.alpha_lr / (1 - b1 ** n) / ((adam_v[t] / (1 - b2 ** n)).sqrt() + 1e-8)
+                z = a - eta * adam_m[t]
+            l1 = soft_threshold(z, eta * lam * h.sgl_alpha)  # eq 9
+            group_eta = []
+            for node in sorted({j for _, j in edge_nodes}):
+                rows = [e for e, (_, j) in enumerate(edge_nodes) if j == node]
+                values = eta[rows].flatten().sort().values
+                group_eta.append(values[(values.numel() - 1) // 2])  # the (lower) median step size of the group
+            prox = node_prox(l1, [ge * lam * (1 - h.sgl_alpha) for ge in group_eta], edge_nodes)  # eq 10
+            v = prox - a + u(t_step - 1) * v_prev[t]  # eq 7
+            ref.alpha[t] = prox + u(t_step) * v  # eq 8
+            v_prev[t] = v
+            zeros_seen += int((ref.alpha[t] == 0).sum())
+        lr = cosine(h.w_lr, h.w_lr_min, epoch, 3)
+        ref.weight_step(sgd, lr, h.grad_clip, xt, yt, dict(ref.alpha))
+        assert_same_state(method, ref)
+        assert float(stats[V.SPARSITY_LAMBDA.path()]) == pytest.approx(lam, rel=1e-7)
+        for t, a in ref.alpha.items():
+            assert torch.equal(stats[V.SPARSITY_NONZERO.path(cell=t)], a != 0)
+            assert torch.equal(stats[V.ARCH_WEIGHTS.path(cell=t)], net.alphas()[t].detach())
+        method.epoch_end(epoch)
+    assert zeros_seen > 0  # the soft thresholds acted
+    # the mixed-path genotype keeps exactly the non-zero weights
+    genes = method.genotype()
+    for t, cell in (("normal", genes.normal), ("reduce", genes.reduce)):
+        want = [(SPARSE_PRIMS[k], i, j) for e, (i, j) in enumerate(edge_nodes) for k in range(len(SPARSE_PRIMS))
+                if ref.alpha[t][e, k] != 0]
+        assert cell == want
+        live = sorted({j for _, _, j in want})
+        assert getattr(genes, f"{t}_concat") == live  # nodes without an incoming weight are removed
+
+
+def test_sparsenas_node_sparsity_of_eq_10_is_kept():
+    """Eq 10 zeroes a whole node group when ‖z_(n)‖ ≤ √|z_(n)| t_n: the paper's node sparsity ("removes some useless
+    nodes"; "the nodes with all zero incoming weights" are removed from the derived cell). The step keeps that zero
+    (restoring an op on each emptied edge made the removal of a node impossible), and the genotype drops the node
+    from the cell's output. First AdamHAPG step: η_i = lr/(|g_i| + ε)·(1 − β1)/(1 − β1) so z = A − lr·g/(|g| + ε)."""
+    lam, lr = 0.15, 0.04
+    method = sparsenas_method(9, first_order=True, optimizer="adamhapg", alpha_lr=lr, lambda_step=lam, sgl_alpha=0.5)
+    net = method.network
+    (xt, yt), (xv, yv) = batches(2, 41)
+    ref = Reference(net)
+    A = {t: a.clone().requires_grad_(True) for t, a in ref.alpha.items()}
+    grads = dict(zip(A, torch.autograd.grad(ref.loss(ref.w, xv, yv, A), list(A.values()))))
+    want = {}
+    for t, a in ref.alpha.items():
+        g = grads[t]
+        eta = lr / (1 - 0.5) / ((g * g).sqrt() + 1e-8)  # first Adam step: m̂ = g, √v̂ = |g|
+        z = a - eta * (1 - 0.5) * g
+        group_eta = []
+        for node in (2, 3):
+            rows = [e for e, (_, j) in enumerate(net.edge_nodes) if j == node]
+            values = eta[rows].flatten().sort().values
+            group_eta.append(values[(values.numel() - 1) // 2])
+        want[t] = node_prox(soft_threshold(z, eta * lam * 0.5), [ge * lam * 0.5 for ge in group_eta], net.edge_nodes)
+    emptied = {t: [node for node in (2, 3) if bool((w[[e for e, (_, j) in enumerate(net.edge_nodes) if j == node]] == 0).all())]
+               for t, w in want.items()}
+    assert any(emptied.values())  # eq 9-10 remove a node here
+    method.step((xt, yt), (xv, yv))
+    for t, a in net.alphas().items():
+        torch.testing.assert_close(a.detach(), want[t], rtol=1e-12, atol=1e-15)
+    genes = method.genotype()
+    for t in want:
+        assert getattr(genes, f"{t}_concat") == [n for n in (2, 3) if n not in emptied[t]]
+        assert not any(j in emptied[t] for _, _, j in getattr(genes, t))

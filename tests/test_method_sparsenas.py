@@ -1,6 +1,6 @@
 """SparseNAS (sparse-supernet eq 1–13): the A-gradient against autograd through the linear mixing (first
 order) and through the unrolled weights w' (second order, smooth supernet, float64); the proximal step's
-exact zeros against the optimality conditions; never an empty edge; λ's schedule; exact resume; a run."""
+exact zeros against the optimality conditions; λ's schedule; exact resume; a run."""
 
 from __future__ import annotations
 
@@ -77,21 +77,22 @@ def test_second_order_gradient_converges_to_autograd_through_the_unrolled_step()
     assert errors[0] / errors[1] > 20 and errors[1] / errors[2] > 20
 
 
-def test_proximal_step_zeros_what_the_conditions_say_and_never_empties_an_edge():
+def test_proximal_step_zeros_what_the_conditions_say():
     method, train, val = make(first_order=True, optimizer="hapg", hapg_lr=0.5, lambda_step=0.5)
     net = method.network
     before = {t: a.detach().clone() for t, a in net.alphas().items()}
     grads = method.arch_gradient(train, val)
     stats = method.step(train, val)
     h = method.hp
+    zeros = 0
     for t, a in net.alphas().items():
         z = before[t] - h.hapg_lr * grads[t]  # eq 6 (first step: no momentum)
         # eq 9: an element with |z| <= η λ α is exactly 0 after the ℓ1 prox (before the group step)
         small = z.abs() <= h.hapg_lr * method.lam * h.sgl_alpha
-        kept = stats[f"sparsity/{t}/kept"]
-        assert bool((a[small & ~kept.unsqueeze(-1)] == 0).all())
-        assert bool(((a != 0).sum(-1) >= 1).all()), "an edge lost every op"
+        assert bool((a[small] == 0).all())  # zeros of eq 9 stay zero, also where they empty an edge or a node
+        zeros += int(small.sum())
         assert torch.equal(stats[f"sparsity/{t}/nonzero"], a != 0)
+    assert zeros > 0
 
 
 def test_lambda_rises_linearly_per_epoch_and_bad_values_are_refused():
@@ -136,4 +137,4 @@ def test_a_search_run_records_sparsity_and_a_mixed_genotype(tmp_path):
     rec = load(result.record)
     assert rec["sparsity/normal/nonzero"].dtype == bool and rec["sparsity/lambda"][-1] > 0
     assert "none" not in list(rec["meta/op_names"])
-    assert result.genotype.normal, "the mixed path keeps at least one op per edge"
+    assert result.genotype.normal, "λ = 0.01, 0.02 over two epochs leaves the mixed path ops"

@@ -25,10 +25,11 @@ def sparse_record(tmp_path_factory):
     from nasdiag.search.runner import run
 
     path = tmp_path_factory.mktemp("sparse") / "s.h5"
-    # two steps (one per epoch); HAPG with a large step and λ so that the proximal step prunes ops at once
+    # two steps (one per epoch); HAPG with a large step and λ so that the proximal step prunes ops at once (A spread
+    # around 1/K by init_scale: some ops and, in the reduction cell, a whole node go, the others stay)
     cfg = SearchConfig(method="sparsenas", dataset="synthetic", epochs=2, batch_size=256, C=2, layers=3, steps=2,
                        multiplier=2, record=str(path), figures=None, diagnostics=(), progress=False, threads=1,
-                       hp={"first_order": True, "optimizer": "hapg", "hapg_lr": 0.5, "lambda_step": 0.5})
+                       hp={"first_order": True, "optimizer": "hapg", "hapg_lr": 0.5, "lambda_step": 0.3, "init_scale": 0.05})
     run(cfg)
     return path
 
@@ -64,7 +65,7 @@ def test_the_map_is_abs_A_and_its_zeros_are_the_recorded_pruned_ops(sparse_recor
         nonzero = record[V.SPARSITY_NONZERO.path(cell=cell)][row]
         np.testing.assert_array_equal(hm.matrix != 0, nonzero)
         assert 0 < nonzero.sum() < nonzero.size, "the setting should prune some ops and keep others"
-        assert (nonzero.sum(-1) >= 1).all() and not hm.signed
+        assert not hm.signed  # emptied edges are drawn as zeros (eq 10 removes whole nodes)
 
 
 def test_evolution_shows_the_first_step_and_every_epoch_end(sparse_record):

@@ -8,7 +8,10 @@ on the second-order hypergradient of eq 11–13 (``nasdiag.search.unrolled``), w
 cost primitive: with linear weights ∂L/∂A = C = ∂L/∂Z itself (wiring supplement §2). λ grows linearly
 over the epochs (the "pathwise" progressive sparsification of the paper's §Optimization, step 0.01).
 
-The derived architecture is the mixed path: every op whose weight is non-zero (``derive_mixed_genotype``).
+The derived architecture is the mixed path: every op whose weight is non-zero (``derive_mixed_genotype``),
+and the cell output concatenates only the nodes that kept an incoming weight ("removing the operations with zero
+weights and the nodes with all zero incoming weights", §Sparse Supernet). The proximal step's zeros are kept as
+they are: an edge, or a whole node group (eq 10), may be emptied; that is the node sparsity the paper searches for.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from nasdiag.search.methods.darts import DARTS, SGDAdamHyperparameters
 from nasdiag.search.registry import register
 from nasdiag.search.unrolled import sgd_momentum_buffers, unrolled_gradient, weight_params
 from nasdiag.sparse import HAPG, AdamHAPG
-from nasdiag.supernet import DARTS_PRIMITIVES, derive_mixed_genotype
+from nasdiag.supernet import DARTS_PRIMITIVES, MixedGenotype, derive_mixed_genotype
 
 
 def _refuse_unused(h) -> None:
@@ -53,10 +56,10 @@ class SparseNAS(DARTS):
 
     The w step is DARTS's (SGD, momentum 0.9, weight decay 3e-4, cosine from 0.025: the paper's CNN search
     setting). Each :meth:`step` records what DARTS records plus ``sparsity/lambda``,
-    ``sparsity/<cell>/nonzero``, ``sparsity/<cell>/kept`` and ``arch/<cell>/weights`` = A.
+    ``sparsity/<cell>/nonzero`` and ``arch/<cell>/weights`` = A.
     """
 
-    graph_capturable = False  # the proximal step and the kept-op repair run eagerly
+    graph_capturable = False  # the proximal step runs eagerly (its state: HAPG/AdamHAPG per-parameter dicts)
 
     #: the paper's search space is DARTS's without the zero op (§Convolutional Neural Architecture Search)
     primitives = tuple(p for p in DARTS_PRIMITIVES if p != "none")
@@ -131,8 +134,13 @@ class SparseNAS(DARTS):
         return out
 
     def genotype(self):
+        """The mixed path (every non-zero weight); a node without any incoming weight left is removed from the
+        cell's output concatenation (the paper's node sparsity)."""
         net = self.network
-        return derive_mixed_genotype(self.forward_weights(), net.steps, net.multiplier, net.primitives)
+        genes = derive_mixed_genotype(self.forward_weights(), net.steps, net.multiplier, net.primitives)
+        live = {t: {j for _, _, j in getattr(genes, t)} for t in ("normal", "reduce")}
+        return MixedGenotype(genes.normal, [n for n in genes.normal_concat if n in live["normal"]],
+                             genes.reduce, [n for n in genes.reduce_concat if n in live["reduce"]])
 
     # -- the A step --------------------------------------------------------------------------------
     def arch_gradient(self, train_batch: Batch, val_batch: Batch) -> Dict[str, torch.Tensor]:
@@ -153,7 +161,7 @@ class SparseNAS(DARTS):
                                  weight_decay=group["weight_decay"], eps_scale=self.hp.fd_eps_scale, **extra)
 
     def arch_step(self, train_batch: Batch, val_batch: Batch) -> Dict[str, torch.Tensor]:
-        """One proximal step of A (eq 6–10) on the hypergradient, then no edge is left empty."""
+        """One proximal step of A (eq 6–10) on the hypergradient; its exact zeros (ops, edges, whole nodes) stay."""
         A = self.forward_weights()
         if self.hp.first_order:
             result = self.cost(*val_batch, A)
@@ -165,20 +173,15 @@ class SparseNAS(DARTS):
             grads, loss, logits = unrolled.arch_grad, unrolled.val.loss, unrolled.val.logits
         if not torch.isfinite(loss):
             raise SearchError(f"the search-val loss is {float(loss)}: lower the learning rates or check the data")
-        before = {t: a.detach().clone() for t, a in self.network.alphas().items()}
         for cell_type, a in self.network.alphas().items():
             a.grad = grads[cell_type].to(a.dtype)
         self.arch_optimizer.step()
         stats = {"scalars/val_loss": loss, "scalars/val_acc": accuracy(logits, val_batch[1]),
                  "scalars/alpha_grad_norm": torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()]))}
-        with torch.no_grad():
-            for cell_type, a in self.network.alphas().items():
-                empty = (a == 0).all(-1)  # (E,)
-                strongest = before[cell_type].abs().argmax(-1, keepdim=True)
-                keep = torch.zeros_like(a, dtype=torch.bool).scatter_(-1, strongest, True) & empty.unsqueeze(-1)
-                a.copy_(torch.where(keep, before[cell_type], a))
-                stats[V.SPARSITY_KEPT.path(cell=cell_type)] = empty
-                stats[V.SPARSITY_NONZERO.path(cell=cell_type)] = a != 0
+        # No repair of emptied edges: eq 10 zeroes whole node groups by design (node sparsity), and putting an op
+        # back on every emptied edge would make the removal of a node impossible.
+        for cell_type, a in self.network.alphas().items():
+            stats[V.SPARSITY_NONZERO.path(cell=cell_type)] = a.detach() != 0
         stats[V.SPARSITY_LAMBDA.path()] = torch.tensor(self.lam)
         return stats
 
