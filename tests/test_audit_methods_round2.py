@@ -570,3 +570,115 @@ def test_sparsenas_node_sparsity_of_eq_10_is_kept():
     for t in want:
         assert getattr(genes, f"{t}_concat") == [n for n in (2, 3) if n not in emptied[t]]
         assert not any(j in emptied[t] for _, _, j in getattr(genes, t))
+
+
+# -- BayesNAS: step 1 of Algorithm 2 ---------------------------------------------------------------------------
+def test_bayesnas_likelihood_step_is_a_3_1():
+    """Algorithm 2 step 1 (A.3.1) on the training batch: one momentum-SGD step of the network weights 𝒲 (weight
+    decay λ, clipped) and of w (no decay, not clipped) on E_D/B + λ_w Σ_g ω ‖w_group‖₂, where the group of an op is
+    its ℵ copies in the cells of a kind (one shared w here, so ∂/∂w = √ℵ ω sign(w)); Z = w (linear mixing). Both
+    learning rates follow the cosine schedule. No update of γ, ω, s before the epoch's last step."""
+    cls = get_method("bayesnas")
+    h = cls.Hyperparameters(lambda_w=0.3, grad_clip=0.3)
+    torch.manual_seed(12)
+    net = Network(4, 3, 3, steps=2, multiplier=2, in_channels=1, primitives=cls.primitives[:4]).double()
+    method = cls(net, h, schedule=Schedule(epochs=3, steps_per_epoch=3, batch_size=B))
+    g = torch.Generator().manual_seed(1)
+    omega = {t: 0.5 + torch.rand(a.shape, generator=g, dtype=torch.float64) for t, a in net.alphas().items()}
+    method.omega = {t: o.clone() for t, o in omega.items()}  # a state after some update: ω ≠ 1
+    with torch.no_grad():
+        for a in net.arch_parameters():
+            a.mul_(torch.where(torch.rand(a.shape, generator=g) < 0.3, -1.0, 1.0).double())  # signs of both kinds
+    aleph = {"normal": 1, "reduce": 2}
+    ref = Reference(net)
+    sgd_w, sgd_a = SGD(h.w_momentum, h.w_weight_decay), SGD(h.w_momentum, 0.0)
+    data = batches(4, 13)
+    for step in range(2):
+        x, y = data[2 * step]
+        stats = method.step((x, y), data[2 * step + 1])
+        assert not bool(stats[V.BAYES_UPDATED.path()])
+        lr = cosine(h.w_lr, h.w_lr_min, 0, 3)
+        A = {t: a.clone().requires_grad_(True) for t, a in ref.alpha.items()}
+        w = {n: t.clone().requires_grad_(True) for n, t in ref.w.items()}
+        loss = ref.loss(w, x, y, A)
+        grads = torch.autograd.grad(loss, list(A.values()) + list(w.values()), allow_unused=True)
+        for (t, a), ga in zip(ref.alpha.items(), grads):
+            penalty = h.lambda_w * math.sqrt(aleph[t]) * omega[t] * torch.sign(a)
+            ref.alpha[t] = sgd_a.step(t, a, ga + penalty, lr)
+        wg = clipped(grads[len(A):], h.grad_clip)
+        ref.w = {n: sgd_w.step(n, ref.w[n], gw, lr) for n, gw in zip(ref.names, wg)}
+        assert_same_state(method, ref)
+        torch.testing.assert_close(stats["scalars/train_loss"], loss.detach(), rtol=1e-12, atol=0)
+
+
+# -- ASM-NAS: one step ------------------------------------------------------------------------------------------
+def test_asmnas_step_is_single_level_sgd_on_w_and_theta_with_the_training_batch():
+    """Algorithm 1 line 4: (w, Θ) take one momentum-SGD step (weight decay, clipped) on L_train of the attention-
+    mixed supernet (eq 4.2-4.5); the validation batch plays no part in a step; no architecture parameter moves."""
+    cls = get_method("asmnas")
+    h = cls.Hyperparameters(grad_clip=0.3, attention_hidden=5)
+    net = supernet(14)
+    method = cls(net, h, schedule=Schedule(epochs=2, steps_per_epoch=1, batch_size=B))
+    twin = copy.deepcopy(method)
+    ref = Reference(net)
+    from nasdiag.supernet.attention import attention_weights
+
+    (x, y), val, other = batches(3, 15)
+    w = {n: t.clone().requires_grad_(True) for n, t in ref.w.items()}
+    buffers = {n: b.clone() for n, b in ref.net.named_buffers()}
+    loss = F.cross_entropy(functional_call(ref.net, {**w, **buffers}, (x, attention_weights(ref.net))), y)
+    grads = clipped(torch.autograd.grad(loss, list(w.values()), allow_unused=True), h.grad_clip)
+    assert sum(1 for n in ref.names if ".attention." in n) > 0  # Θ are among the trained weights
+    sgd = SGD(h.w_momentum, h.w_weight_decay)
+    ref.w = {n: sgd.step(n, ref.w[n], g, h.w_lr) for n, g in zip(ref.names, grads)}
+    stats = method.step((x, y), val)
+    twin_stats = twin.step((x, y), other)
+    assert_same_state(method, ref)
+    torch.testing.assert_close(stats["scalars/train_loss"], loss.detach(), rtol=1e-12, atol=0)
+    for a, b in zip(method.network.parameters(), twin.network.parameters()):
+        assert torch.equal(a, b)
+    assert torch.equal(stats["scalars/train_loss"], twin_stats["scalars/train_loss"])
+
+
+# -- resume inside an epoch ---------------------------------------------------------------------------------------
+RESUMABLE = {
+    "darts": {}, "darts2": {}, "snas": {"tau0": 0.7}, "dsnas": {}, "proxyless": {},
+    "sparsenas": {"first_order": True, "optimizer": "hapg", "lambda_step": 0.3},
+    "bayesnas": {"lambda_w": 0.05}, "asmnas": {"attention_hidden": 4},
+}
+
+
+@pytest.mark.parametrize("name", sorted(RESUMABLE))
+def test_a_state_saved_inside_an_epoch_continues_bit_identically(name):
+    """state_dict() after step 1 of a 3-step epoch, through bytes as a checkpoint is, loaded into a method built
+    from other weights and another seed: steps 2-3, the epoch end (schedules, τ, λ, BayesNAS's update at the
+    epoch's last step) and step 4 give the same statistics and parameters, bit for bit."""
+    cls = get_method(name)
+    prims = cls.primitives[:4] if cls.primitives else PRIMS
+    schedule = Schedule(epochs=2, steps_per_epoch=3, batch_size=B)
+
+    def build(seed):
+        torch.manual_seed(seed)
+        net = Network(4, 3, 3, steps=2, multiplier=2, in_channels=1, primitives=prims).double()
+        return cls(net, cls.Hyperparameters(**RESUMABLE[name]), schedule=schedule, seed=seed)
+
+    data = batches(8, 50)
+    pairs = list(zip(data[::2], data[1::2]))
+    first = build(1)
+    first.step(*pairs[0])
+    buffer = io.BytesIO()
+    torch.save(first.state_dict(), buffer)
+    buffer.seek(0)
+    second = build(2)
+    second.load_state_dict(torch.load(buffer, weights_only=False))
+    for i, pair in enumerate(pairs[1:]):
+        if i == 2:
+            first.epoch_end(0)
+            second.epoch_end(0)
+        s1, s2 = first.step(*pair), second.step(*pair)
+        assert s1.keys() == s2.keys()
+        for path in s1:
+            assert torch.equal(s1[path], s2[path]), (name, i, path)
+    for (n, a), b in zip(first.network.named_parameters(), second.network.parameters()):
+        assert torch.equal(a, b), (name, n)
+    assert first.genotype() == second.genotype()
