@@ -41,6 +41,17 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line instead of usage + message
         raise ConfigError(f"{self.prog}: {message} (see {self.prog} --help)")
 
+    def _check_value(self, action, value):  # an invalid choice names the near miss (--dataset Digits)
+        try:
+            super()._check_value(action, value)
+        except argparse.ArgumentError as exc:
+            from nasdiag.search.config import near_miss
+
+            meant = near_miss(value, action.choices or ())
+            if meant is None:
+                raise
+            raise argparse.ArgumentError(action, f"{exc.message}; did you mean {meant!r}?") from None
+
 
 class Terminated(BaseException):
     """SIGTERM, raised in the main thread so that the search ends through its normal exception path."""
@@ -253,6 +264,18 @@ def _stopped(args: Optional[argparse.Namespace], how: str, exc: Optional[BaseExc
     return f"nasdiag: {how}; the record holds every completed step (continue with --resume)"
 
 
+def _resume_command(argv: List[str]) -> str:
+    """The ``nasdiag search`` command that resumes the run ``argv`` started (``--force`` dropped, ``--resume``
+    added), quoted for a shell."""
+    from shlex import join
+
+    def abbreviates(token: str, option: str) -> bool:  # argparse takes a unique prefix, such as --forc
+        return len(token) >= 5 and option.startswith(token)
+
+    argv = [str(a) for a in argv if not abbreviates(str(a), "--force")]
+    return "nasdiag " + join(argv if any(abbreviates(a, "--resume") for a in argv) else [*argv, "--resume"])
+
+
 def _damaged(exc) -> str:
     """A damaged record's message in CLI terms (the library's names a Python call)."""
     if not exc.intact_rows:  # nothing to salvage: no promise of rows
@@ -296,7 +319,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     except NasdiagError as exc:
         from nasdiag.record.errors import DamagedRecordError
 
-        print(_damaged(exc) if isinstance(exc, DamagedRecordError) else _one_line(exc), file=sys.stderr)
+        line = _damaged(exc) if isinstance(exc, DamagedRecordError) else _one_line(exc)
+        if getattr(exc, "resumable", False) and args is not None and args.command == "search":
+            line = f"{line}: {_resume_command(sys.argv[1:] if argv is None else argv)}"
+        print(line, file=sys.stderr)
         return EXIT_USAGE
     except BrokenPipeError:  # the reader of our output went away (| head): not an error of the command
         _quiet_stdout()

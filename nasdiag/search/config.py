@@ -35,6 +35,23 @@ RUN_DEFINING = ("method", "hp", "dataset", "data_dir", "C", "layers", "steps", "
 RECORD_DEFINING = ("diagnostics", "hessian_mode", "spectrum_every")
 
 
+#: the most Hessian-vector products per edge of ``hutchinson:<k>``: from k = K (ops per edge) on, ``exact`` is
+#: cheaper and exact; docs/hessian.md tabulates k up to 16, and a k past this only exhausts time or memory
+MAX_HUTCHINSON_PROBES = 1024
+
+
+def check_probe_count(mode, what: str) -> None:
+    """Refuse ``hutchinson:<k>`` with k above `MAX_HUTCHINSON_PROBES` (``what`` names the option)."""
+    if not isinstance(mode, str) or not mode.startswith("hutchinson:"):
+        return
+    from nasdiag.hessian.modes import split_mode
+
+    _, k = split_mode(mode)
+    if k is not None and k > MAX_HUTCHINSON_PROBES:
+        raise ConfigError(f"{what} {mode!r} asks for {k} Hessian-vector products per edge; give at most "
+                          f"hutchinson:{MAX_HUTCHINSON_PROBES}, or exact (exact and cheaper from k = the ops per edge on)")
+
+
 def default_threads() -> int:
     """Torch intra-op threads when ``threads`` is not given: the CPUs this process may use, at most 4,
     divided among the processes of a torchrun launch on this host (``LOCAL_WORLD_SIZE``). More threads
@@ -133,6 +150,7 @@ class SearchConfig:
             check_mode(self.hessian_mode, ARCH_MODES, what="hessian_mode")
         except CurvatureError as e:  # one message, also for a counted mode without its count ("hutchinson")
             raise ConfigError(str(e)) from None
+        check_probe_count(self.hessian_mode, "hessian_mode")
         for d in self.diagnostics:
             _choice("diagnostics", d, DIAGNOSTICS)
         if self.hessian_mode != SearchConfig.hessian_mode and "hessian" not in self.diagnostics:
@@ -155,7 +173,9 @@ class SearchConfig:
             raise ConfigError(f"threads {self.threads} is more than the {os.cpu_count() or 1} CPUs of this machine (more threads "
                               f"than cores stall a search); give at most {os.cpu_count() or 1}, or leave --threads out")
         if not isinstance(self.device, str) or not _DEVICE.match(self.device):
-            raise ConfigError(f"unknown device {self.device!r}; use auto, cpu, cuda or cuda:N")
+            folded = self.device.strip().lower() if isinstance(self.device, str) else ""
+            hint = f" did you mean {folded!r}?" if _DEVICE.match(folded) else ""
+            raise ConfigError(f"unknown device {self.device!r};{hint} use auto, cpu, cuda or cuda:N")
         if self.dataset == "cifar10" and not self.data_dir:
             raise ConfigError("dataset cifar10 needs data_dir (--data-dir) pointing at the folder of the CIFAR-10 python batches")
         if self.dataset != "cifar10" and self.data_dir:
@@ -226,6 +246,28 @@ def no_hessian_recorded(mode: str, diagnostics) -> str:
             "diagnostics (--diagnostics cost,hessian) or drop the mode")
 
 
+def near_miss(value, choices) -> Optional[str]:
+    """The choice that ``value`` most likely meant: the same name in another case or with ``-`` for ``_``
+    (``DARTS``, ``w-lr``), else the closest spelling (difflib, ``dart`` -> ``darts``); None if nothing is close."""
+    if not isinstance(value, str) or not value.strip():
+        return None
+    fold = {str(c).lower().replace("-", "_"): c for c in choices}
+    text = value.strip().lower().replace("-", "_")
+    if text in fold:
+        return fold[text]
+    import difflib
+
+    close = difflib.get_close_matches(text, list(fold), n=1, cutoff=0.6)
+    return fold[close[0]] if close else None
+
+
+def did_you_mean(value, choices) -> str:
+    """`` did you mean 'x'?`` for the near miss of ``value`` among ``choices`` (a leading space), or ''."""
+    meant = near_miss(value, choices)
+    return "" if meant is None else f" did you mean {meant!r}?"
+
+
 def _choice(name: str, value, allowed, what: Optional[str] = None) -> None:
     if value not in allowed:
-        raise ConfigError(f"unknown {what or name} {value!r}; choose one of {', '.join(allowed)}")
+        hint = did_you_mean(value, allowed)
+        raise ConfigError(f"unknown {what or name} {value!r};{hint or ''} choose one of {', '.join(allowed)}")

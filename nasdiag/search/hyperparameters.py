@@ -27,12 +27,13 @@ from nasdiag.errors import ConfigError
 
 
 def hp(default: Any, help: str, *, low: Optional[float] = None, high: Optional[float] = None,
-       low_open: bool = False, high_open: bool = False, choices: Optional[Tuple] = None):
+       low_open: bool = False, high_open: bool = False, choices: Optional[Tuple] = None, steps: bool = False):
     """A hyperparameter field: its default (the paper's), one sentence of help saying where the
     default comes from, and an optional range (``low``/``high`` inclusive unless ``low_open``/``high_open``;
-    for a tuple, the range of each element, and the tuple keeps the default's length) or ``choices``."""
+    for a tuple, the range of each element, and the tuple keeps the default's length) or ``choices``.
+    ``steps=True`` marks a number of steps: more than the run has would never act (`check_steps`)."""
     meta = {"help": help, "low": low, "high": high, "low_open": low_open, "high_open": high_open, "choices": choices,
-            "length": len(default) if isinstance(default, tuple) else None}
+            "length": len(default) if isinstance(default, tuple) else None, "steps": steps}
     if isinstance(default, (list, dict, set)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -76,9 +77,11 @@ class Hyperparameters:
         kwargs = {}
         for key, value in values.items():
             if key not in known:
+                from nasdiag.search.config import did_you_mean
+
                 raise ConfigError(
-                    f"unknown hyperparameter {key!r}{' for method ' + repr(method) if method else ''}; "
-                    f"valid keys: {', '.join(known) or '(none)'}"
+                    f"unknown hyperparameter {key!r}{' for method ' + repr(method) if method else ''};"
+                    f"{did_you_mean(key, known)} valid keys: {', '.join(known) or '(none)'}"
                 )
             kwargs[key] = _coerce(key, value, hints[key], method)
         return cls(**kwargs)
@@ -108,6 +111,10 @@ class Hyperparameters:
             if m.get("choices") is not None and value not in m["choices"]:
                 placeholders = [re.sub(r"<[^>]+>", "4", str(c)) for c in m["choices"] if "<" in str(c)]
                 hint = f" (a choice with <...> takes a number there, e.g. {placeholders[0]!r})" if placeholders else ""
+                from nasdiag.search.config import near_miss
+
+                meant = near_miss(value, m["choices"])
+                hint += f"; did you mean {meant!r}?" if meant is not None and "<" not in str(meant) else ""
                 raise ConfigError(f"hyperparameter {f.name}={value!r} is not one of {list(m['choices'])}{hint}")
             if isinstance(value, tuple):
                 length = m.get("length")
@@ -120,6 +127,15 @@ class Hyperparameters:
             else:
                 _check_number(f.name, value, m)
         self._check_floors()
+
+    def check_steps(self, total: int, how: str = "") -> None:
+        """Refuse a field declared ``hp(..., steps=True)`` (a number of steps between actions) above the run's
+        ``total`` steps: the action would never happen. ``how`` says how ``total`` comes about."""
+        for f in self.fields():
+            value = getattr(self, f.name)
+            if f.metadata.get("steps") and _is_number(value) and value > total:
+                raise ConfigError(f"hyperparameter {f.name}={value!r} is more than the run's {total} steps{how}, so it would "
+                                  f"never act; give {f.name} <= {total} (see nasdiag methods)")
 
     def _check_floors(self) -> None:
         """A floor ``<name>_min`` above its start value ``<name>`` (or ``<name>0``) would make a schedule rise."""

@@ -29,7 +29,8 @@ import torch
 from nasdiag.errors import ConfigError, NasdiagError
 from nasdiag.search.base import SearchError, Schedule, SearchMethod
 from nasdiag.search.checkpoint import Checkpointer, load_checkpoint, set_rng_state, temp_path
-from nasdiag.search.config import RECORD_DEFINING, SearchConfig, default_threads, differing_fields
+from nasdiag.search.config import (RECORD_DEFINING, SearchConfig, check_probe_count, default_threads, did_you_mean,
+                                   differing_fields)
 from nasdiag.search.registry import get_method
 
 EVAL_BATCH_SIZE = 256
@@ -160,6 +161,7 @@ def search_loop(method: SearchMethod, splits, *, epochs: int, batch_size: int, s
     keep = tuple(f"{d}/" for d in diagnostics)
     evaluation: Dict[str, float] = {}
     step: Optional[int] = None
+    phase, epoch = "step", start_step // S  # where a failure happened, for the caller's message (`stopped_at`)
     try:
         start_epoch, position = divmod(start_step, S)
         for epoch in range(start_epoch, epochs):
@@ -171,12 +173,17 @@ def search_loop(method: SearchMethod, splits, *, epochs: int, batch_size: int, s
                 step = epoch * S + i + 1
                 train = (xt.to(device, dtype, non_blocking=True), yt.to(device, non_blocking=True))
                 val = (xv.to(device, dtype, non_blocking=True), yv.to(device, non_blocking=True))
+                phase = "step"
                 stats = method.step(train, val)
                 if spectrum_every and step % spectrum_every == 0:
+                    phase = "spectrum"
                     stats = {**stats, **_top_eigenvalues(method, train if method.single_level else val)}
+                phase = "record"
                 for cb in callbacks:
                     cb.on_step_end(step, stats)
+            phase = "evaluation"
             evaluation = method.evaluate(DataLoader(splits.val, batch_size=EVAL_BATCH_SIZE))
+            phase = "diagnostics"
             epoch_stats = {
                 "scalars/epoch": torch.tensor(float(epoch)),
                 "scalars/search_val_loss": torch.tensor(evaluation["loss"]),
@@ -185,6 +192,7 @@ def search_loop(method: SearchMethod, splits, *, epochs: int, batch_size: int, s
                 # a method's own epoch records (ASM-NAS: the selection counts of its evaluation above)
                 **(method.epoch_statistics() if hasattr(method, "epoch_statistics") else {}),
             }
+            phase = "epoch end"
             method.epoch_end(epoch)
             for cb in callbacks:
                 cb.on_epoch_end(epoch, epoch_stats)
@@ -192,6 +200,8 @@ def search_loop(method: SearchMethod, splits, *, epochs: int, batch_size: int, s
                 raise SearchError(f"the search-val loss is {evaluation['loss']} after epoch {epoch}: the run diverged "
                                   "(its rows are recorded, NaN flagged); lower the learning rates")
     except BaseException as exc:
+        with contextlib.suppress(AttributeError):  # (phase, step, epoch): which part of the loop failed
+            exc.stopped_at = (phase, step, epoch)
         failed = getattr(exc, "statistics", None)  # a method's SearchError carries the failing step's row (NaN loss)
         if isinstance(exc, SearchError) and failed and step is not None:
             for cb in callbacks:  # recorded, so the NaN is kept and flagged in the record, not lost with the run
@@ -308,12 +318,23 @@ def check_paths(config: SearchConfig) -> None:
 
 def _resolve_method(config: SearchConfig):
     """The method class and its effective hyperparameters (overrides, then the digits preset, then defaults)."""
-    cls = get_method(config.method)
+    try:
+        cls = get_method(config.method)
+    except ConfigError:
+        from nasdiag.search.registry import available_methods
+
+        names = sorted(available_methods())
+        hint = did_you_mean(config.method, names)
+        if not hint:
+            raise
+        raise ConfigError(f"unknown method {config.method!r};{hint} (available: {', '.join(names)})") from None
     values = dict(config.hp)
     if config.dataset == "digits":
         for key, value in dict(getattr(cls, "digits_preset", {}) or {}).items():
             values.setdefault(key, value)
     hp = cls.Hyperparameters.from_dict(values, method=config.method)
+    for key, value in hp.to_dict().items():  # a curvature mode among them (bayesnas's hessian_mode)
+        check_probe_count(value, f"hyperparameter {key}")
     if config.spectrum_every and "top_eigenvalue" not in inspect.signature(cls.curvature).parameters:
         raise ConfigError(f"spectrum_every needs {cls.__name__}.curvature(x, y, top_eigenvalue=True), which method "
                           f"{config.method!r} does not offer; pass --spectrum-every 0")
@@ -520,6 +541,7 @@ def _run(config, callbacks, method_cls, hp, rank, world, device) -> SearchResult
         raise ConfigError(f"spectrum_every {config.spectrum_every} is more than the run's {S * config.epochs} steps "
                           f"({config.epochs} × {S} per epoch), so no top eigenvalue would be recorded; use --spectrum-every "
                           f"<= {S * config.epochs}")
+    hp.check_steps(S * config.epochs, f" ({config.epochs} epochs × {S} per epoch)")
     hp_values = hp.to_dict()
     defining = config.run_defining(hp_values, world)
     digest = config.config_hash(hp_values, world)
@@ -582,6 +604,10 @@ def _run(config, callbacks, method_cls, hp, rank, world, device) -> SearchResult
             evaluation = search_loop(method, splits, epochs=config.epochs, batch_size=config.batch_size, seed=config.seed,
                                      start_step=start_step, callbacks=loop_callbacks, diagnostics=config.diagnostics,
                                      spectrum_every=config.spectrum_every, rank=rank, world_size=world)
+    except (RuntimeError, MemoryError) as exc:
+        if not out_of_memory(exc):
+            raise
+        raise _ran_out_of_memory(exc, config, device, record_cb) from exc
     finally:
         progress.close()
         if world > 1:  # graphs with captured collectives would hang the process group's destruction
@@ -600,16 +626,61 @@ def _run(config, callbacks, method_cls, hp, rank, world, device) -> SearchResult
                         figures, config, method)
 
 
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is a failure to allocate memory: torch's `OutOfMemoryError` (CUDA), its CPU allocator's
+    RuntimeError ("can't allocate memory") or Python's `MemoryError`."""
+    return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
+
+
+class OutOfMemoryError(SearchError):
+    """The search ran out of memory after it began recording. The record keeps every step before the failure
+    and resumes with the same settings; ``record`` is its path (None when nothing is recorded)."""
+
+    def __init__(self, message: str, record: Optional[str] = None):
+        super().__init__(message)
+        self.record = record
+        self.resumable = record is not None  # the CLI adds the command that resumes it
+
+
+#: what each part of the loop (`search_loop`'s ``stopped_at``) holds in memory, and the settings that size it
+_MEMORY_USERS = {
+    "step": ("the training step", "--batch-size, --C or --layers"),
+    "spectrum": ("the top α-Hessian eigenvalue (--spectrum-every)", "--spectrum-every 0, or a smaller --batch-size or --C"),
+    "evaluation": (f"the search-val evaluation (batches of {EVAL_BATCH_SIZE})", "--C or --layers"),
+    "diagnostics": ("the epoch's diagnostics", "a cheaper --hessian-mode (diag or approx), --diagnostics cost, or a smaller "
+                                               "--batch-size or --C"),
+}
+
+
+def _ran_out_of_memory(exc: BaseException, config: SearchConfig, device, record_cb) -> OutOfMemoryError:
+    """The one line for an allocation that failed during the loop: where, which settings size it, and that the
+    record (closed by now) keeps its rows and resumes."""
+    phase, step, epoch = getattr(exc, "stopped_at", ("step", None, 0))
+    what, lower = _MEMORY_USERS.get(phase, _MEMORY_USERS["step"])
+    if phase == "diagnostics" and "hessian" in config.diagnostics:
+        what = f"{what} (hessian in mode {config.hessian_mode})"
+    where = f" at step {step}" if phase in ("step", "spectrum") and step is not None else ""
+    head = (f"ran out of memory on {device} in {what}{where} (epoch {epoch}, batch size {config.batch_size}, C={config.C}, "
+            f"layers={config.layers}, method {config.method}); lower {lower} in a run to a new --out")
+    recorder = getattr(record_cb, "recorder", None)
+    if recorder is None:
+        return OutOfMemoryError(f"{head}")
+    last = recorder.last_committed_step
+    record = os.fspath(config.record)
+    kept = f"keeps steps 1 to {last}" if last else "holds no step yet"
+    return OutOfMemoryError(f"{head}; the record {record} {kept} and continues with the same settings through --resume "
+                            "(once the memory is free, or on another --device)", record=record)
+
+
 @contextlib.contextmanager
 def _fits_in_memory(what: str, device, fix: str):
-    """Turn torch's failure to allocate a tensor sized by the user (``--C 200000``, ``--hp attention_hidden=2e9``;
+    """Turn torch's failure to allocate a tensor sized by the user (``--C 200000``, a method's own tensors;
     a size past 64 bits fails to unpack) into one `ConfigError` line instead of a traceback."""
     try:
         yield
-    except (RuntimeError, TypeError) as exc:
-        text = str(exc)
-        if not (isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in text
-                or "Overflow when unpacking long" in text):
+    except (RuntimeError, TypeError, MemoryError) as exc:
+        if not (out_of_memory(exc) or "Overflow when unpacking long" in str(exc)):
             raise
         raise ConfigError(f"{what} does not fit in the memory of {device}; {fix}") from None
 
@@ -656,4 +727,4 @@ def _open_record(config, net, method, hp_values, defining, digest, world):
     return record_cb
 
 
-__all__ = ["Committed", "Progress", "SearchResult", "check_paths", "epoch_batches", "run", "search_loop", "steps_per_epoch"]
+__all__ = ["Committed", "OutOfMemoryError", "Progress", "SearchResult", "check_paths", "epoch_batches", "run", "search_loop", "steps_per_epoch"]

@@ -66,7 +66,8 @@ class ASMNAS(SearchMethod):
         w_momentum: float = hp(0.9, "SGD momentum (asm-nas §5.1).", low=0, high=1)
         w_weight_decay: float = hp(3e-4, "Weight decay of (w, Θ) (asm-nas §5.1).", low=0)
         grad_clip: float = hp(5.0, "Gradient-norm clip of (w, Θ) (DARTS code default; the paper names none).", low=0, low_open=True)
-        attention_hidden: int = hp(16, "Width of each of the 3 hidden FC layers of eq 4.4 (not given in the paper; nasdiag: 2K for K = 8).", low=1)
+        attention_hidden: int = hp(16, "Width of each of the 3 hidden FC layers of eq 4.4 (not given in the paper; nasdiag: 2K for K = 8).", low=1,
+                                   high=1024)  # 2·h² weights per edge: past 1024, gigabytes for scoring K = 8 ops
 
     def build(self) -> None:
         h = self.hp

@@ -103,7 +103,8 @@ class BayesNAS(SearchMethod):
         lambda_w: float = hp(0.007, "Sparsity intensity λ_w of the reweighted ℓ1 term of A.3.1 (Figs. S6-S7: 0.007); "
                              "the update's energy is E_D/λ_w, so λ_w > 0.", low=0, low_open=True)
         update_every: int = hp(0, "Steps between updates of γ, ω, C, s and pruning (Algorithm 2, steps 2-4); "
-                               "0 = once per epoch, at its last step (the paper's iteration t spans epochs).", low=0)
+                               "0 = once per epoch, at its last step (the paper's iteration t spans epochs).", low=0,
+                               steps=True)
         hessian_mode: str = hp("ggn", "Mixing-weight curvature mode of nasdiag.hessian for H (C.3; the paper's recursion "
                                "C.3.2 is 'approx'; 'ggn' is positive semidefinite and tells the ops apart, docs/bayesnas.md).",
                                choices=ARCH_MODES)
