@@ -682,3 +682,40 @@ def test_a_state_saved_inside_an_epoch_continues_bit_identically(name):
     for (n, a), b in zip(first.network.named_parameters(), second.network.parameters()):
         assert torch.equal(a, b), (name, n)
     assert first.genotype() == second.genotype()
+
+
+# -- what the record says against what happened -------------------------------------------------------------------
+@pytest.mark.slow  # a short run() on digits (~10 s)
+def test_a_recorded_snas_run_holds_the_schedules_and_the_final_state_of_the_method(tmp_path):
+    """run() of SNAS on digits, read back with nasdiag's reader: one row per step; w_lr of each row is the cosine
+    value of its epoch and τ = τ0·0.97^epoch; arch/<cell>/probabilities = softmax(arch/<cell>/params) per row; the
+    last row's α and the checkpoint's (the state the run ended in) are the same numbers; the genotype recorded is
+    the DARTS rule on that α."""
+    import numpy as np
+
+    from nasdiag.record import load
+    from nasdiag.search import SearchConfig, run
+    from nasdiag.search.checkpoint import load_checkpoint
+
+    cfg = SearchConfig(method="snas", C=2, layers=3, steps=2, multiplier=2, batch_size=240, epochs=2, dtype="float64",
+                       diagnostics=(), progress=False, threads=1, record=str(tmp_path / "snas.h5"), hp={"tau0": 0.9})
+    result = run(cfg)
+    rec = load(str(tmp_path / "snas.h5"))
+    S = 719 // 240
+    assert rec["step"].tolist() == list(range(1, 2 * S + 1))
+    epoch_of_row = np.arange(2 * S) // S
+    h = get_method("snas").Hyperparameters()
+    want_lr = [cosine(h.w_lr, h.w_lr_min, int(e), 2) for e in epoch_of_row]
+    np.testing.assert_allclose(rec["scalars/w_lr"], want_lr, rtol=1e-7)
+    np.testing.assert_allclose(rec["scalars/temperature"], 0.9 * 0.97 ** epoch_of_row, rtol=1e-7)
+    state = load_checkpoint(cfg.checkpoint)["method"]["network"]
+    for t in ("normal", "reduce"):
+        params = rec[V.ARCH_PARAMS.path(cell=t)]
+        probs = torch.softmax(torch.as_tensor(params, dtype=torch.float64), -1).numpy()
+        np.testing.assert_allclose(rec[V.ARCH_PROBABILITIES.path(cell=t)], probs, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(params[-1], state[f"alphas_{t}"].numpy(), rtol=1e-6, atol=1e-7)
+    net = Network(2, 10, 3, steps=2, multiplier=2, in_channels=1)
+    with torch.no_grad():
+        for t, a in net.alphas().items():
+            a.copy_(state[f"alphas_{t}"].float())
+    assert result.genotype == get_method("snas")(net, schedule=Schedule(epochs=1, steps_per_epoch=1)).genotype()
