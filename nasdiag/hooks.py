@@ -110,6 +110,13 @@ class Hooks:
             raise RuntimeError("Hooks.tensor() adds a hook for the current block only; call it inside `with hooks:`")
         self._tensor_handles.append(tensor.register_hook(fn))
 
+    def node(self, node, fn: Callable) -> None:
+        """``fn(grad_inputs, grad_outputs)`` after the autograd node ``node`` runs (``Node.register_hook``); only
+        while installed, removed with the plan."""
+        if not self.installed:
+            raise RuntimeError("Hooks.node() adds a hook for the current block only; call it inside `with hooks:`")
+        self._tensor_handles.append(node.register_hook(fn))
+
     def _plan(self, module: nn.Module, kind: str, fn: Callable, with_kwargs: bool) -> None:
         if self.fast:
             hooks = module._forward_hooks if kind == "forward" else module._forward_pre_hooks

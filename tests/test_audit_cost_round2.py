@@ -8,6 +8,7 @@ taps added to an edge's input along O_k(x_i) (the path split), a direct eps/(var
 L − H (Thm. 2, eq. 12). Thm. 1's "eps → 0" is eps = 1e-12.
 """
 
+import contextlib
 import copy
 import gc
 import math
@@ -582,6 +583,44 @@ class TinyCell(nn.Module):
 def _live_tensors():
     gc.collect()
     return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+
+def test_the_path_split_leaves_other_hooks_alone():
+    """Before: the split ran a nested autograd.grad inside the backward, which fired every hook between an edge's
+    output and its input with a partial gradient: a second probe added a spurious cost, and a retain_grad on a
+    node (here node 1, the input of edge 1 -> 2) was overwritten."""
+    torch.manual_seed(0)
+    cell = TinyCell().double()
+    x = torch.randn(2, 2, 2, 2, dtype=torch.float64)
+    alpha = torch.randn(3, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    node1 = {}
+
+    def keep(m, args, out):
+        out.retain_grad()
+        node1["x"] = out
+
+    def step(*probes):
+        w = torch.softmax(alpha, -1).requires_grad_()
+        handle = cell.edges[0].register_forward_hook(keep)
+        try:
+            with contextlib.ExitStack() as stack:
+                for p in probes:
+                    stack.enter_context(p.record())
+                (cell(x, w) ** 2).sum().backward()
+        finally:
+            handle.remove()
+        return w.grad, node1["x"].grad
+
+    w_ref, node_ref = step()
+    split, plain = nasdiag.attach(cell, path_split=True), nasdiag.attach(cell)
+    w_grad, node_grad = step(split, plain)
+    assert torch.equal(node_grad, node_ref) and torch.equal(w_grad, w_ref)
+    for probe in (split, plain):
+        for i, name in enumerate(probe.edge_names):
+            assert max_err(probe.costs()[name], w_ref[i]) < 1e-13, name
+    parts = split.path_costs()["edges.0"]
+    assert max_err(parts["output"] + parts["edges.2"], w_ref[0]) < 1e-13
+    assert_no_module_hooks(cell)
 
 
 def test_no_tensor_is_kept_across_200_steps_with_every_option():

@@ -6,7 +6,9 @@ Capture rules for the cost C_k = <∂L/∂x_j, O_k(x_i)> (wiring supplement §2.
     object and a hook there would fire with the gradient of another consumer;
   * ∂L/∂x_j comes from **one tensor hook on each edge's output** (a node is a plain sum of edges, so the
     gradient there is ∂L/∂x_j); the costs are computed in that hook and the candidate outputs released;
-  * a cell's output gets one tensor hook for its output-edge costs.
+  * a cell's output gets one tensor hook for its output-edge costs;
+  * the path split hooks the autograd nodes of an edge's forward that read its input: what they pass back is
+    J_eᵀ ∂L/∂x_m, gathered in the step's own backward (a nested backward would fire every hook on its way).
 Everything here lives for one block; the probe keeps only the small per-step results.
 """
 
@@ -62,12 +64,16 @@ class EdgeCall:
     """One forward of one edge inside the block (``model_call``: how many forwards of the whole model had
     started when it ran, so per-sample rows of different model forwards are told apart)."""
 
-    __slots__ = ("pos", "inp", "inp_edge", "out_edge", "weights", "outputs", "versions", "cell_call", "model_call")
+    __slots__ = ("pos", "inp", "inp_edge", "first_node", "through", "reached", "weights", "outputs", "versions",
+                 "cell_call", "model_call")
 
     def __init__(self, pos: int, n_ops: int, model_call: int = 0):
         self.pos = pos
         self.model_call = model_call
-        self.inp = self.inp_edge = self.out_edge = self.weights = self.cell_call = None
+        self.inp = self.inp_edge = self.weights = self.cell_call = None
+        self.first_node = -1  # path split: sequence number below every autograd node of this call's forward
+        self.through: Optional[torch.Tensor] = None  # path split: Σ over backwards of J_eᵀ ∂L/∂x_m (shape of inp)
+        self.reached = False
         self.outputs: Optional[List[Optional[torch.Tensor]]] = [None] * n_ops
         self.versions: List[int] = [0] * n_ops
 
@@ -143,7 +149,8 @@ class StepCapture:
         self.model_inputs = None
         self.model_output: Optional[torch.Tensor] = None  # logits of the first model call (hessian mode)
         self.output_grad: Optional[torch.Tensor] = None  # ∂L/∂logits, to infer cross-entropy targets
-        self.busy = False  # set while the path split runs a nested autograd.grad
+        self.split_calls: List[EdgeCall] = []  # path split: calls whose J_eᵀ g is gathered by node hooks
+        self._marker: Optional[torch.Tensor] = None  # a leaf whose products read autograd's sequence counter
 
     # -- forward hooks ---------------------------------------------------------------------
     def edge_pre(self, pos: int, module, args, kwargs):
@@ -169,9 +176,10 @@ class StepCapture:
         if self.path_split and edge.cell_index is not None:
             if args and isinstance(args[0], torch.Tensor):
                 call.inp = args[0]
-                if call.inp.requires_grad:
+                if call.inp.requires_grad and self.incoming.get((edge.cell_index, edge.src)):
                     # the input as this edge read it, even if the tensor is modified in place afterwards
                     call.inp_edge = get_gradient_edge(call.inp)
+                    call.first_node = self._sequence_now()
             ccall = self.open_cell[edge.cell_index]
             if ccall is not None:
                 call.cell_call = ccall
@@ -230,10 +238,11 @@ class StepCapture:
             if torch.is_grad_enabled():  # (under no_grad the message says to turn grad mode on)
                 self.n_without_grad[pos] += 1
             return None
-        if self.path_split and call.inp_edge is not None:
-            # the split differentiates this output again, through the edge only: from the output as the edge
-            # returned it (a node accumulated in place, `s += edge(...)`, gives the tensor another grad_fn)
-            call.out_edge = get_gradient_edge(output)
+        if self.path_split and call.cell_call is not None and call.inp is not None \
+                and self.incoming.get((edge.cell_index, edge.src)):
+            self.split_calls.append(call)
+            if call.inp_edge is not None:
+                self._hook_consumers(call, output)
         self.hooks.tensor(output, lambda g, call=call: self.edge_grad(call, g))
         return None
 
@@ -299,14 +308,11 @@ class StepCapture:
         return None
 
     def _output_grad(self, g: torch.Tensor):
-        if not self.busy:
-            self.output_grad = g.detach() if self.output_grad is None else self.output_grad + g.detach()
+        self.output_grad = g.detach() if self.output_grad is None else self.output_grad + g.detach()
         return None
 
     # -- tensor hooks (backward) -------------------------------------------------------------
-    def edge_grad(self, call: EdgeCall, g: torch.Tensor):
-        if self.busy or call.outputs is None:
-            return None
+    def _check_versions(self, call: EdgeCall) -> None:
         edge = self.edges[call.pos]
         for k, o in enumerate(call.outputs):
             if o is not None and o._version != call.versions[k]:
@@ -314,41 +320,82 @@ class StepCapture:
                     f"edge {edge.name!r}: the output of candidate op {k} ({edge.op_names[k]}) was modified in place "
                     "after the forward; its cost cannot be computed. Use out-of-place ops (e.g. ReLU(inplace=False))."
                 )
+
+    def edge_grad(self, call: EdgeCall, g: torch.Tensor):
+        if call.outputs is None:
+            return None
+        self._check_versions(call)
+        call.reached = True
         if torch.is_grad_enabled():  # a create_graph backward must not record the probe's arithmetic
             with torch.no_grad():
                 self.per_sample[call.pos].append((call.model_call, _costs_with_missing(g, call.outputs)))
         else:  # the usual backward already runs without grad mode; skip the context manager
             self.per_sample[call.pos].append((call.model_call, _costs_with_missing(g, call.outputs)))
-        if self.path_split and call.cell_call is not None and edge.src is not None and call.inp is not None:
-            self._split_through(edge, call, g)
         # the references stay until the block ends (release): a second backward through the same forward
         # (retain_graph=True) adds its costs, as it adds to .grad
         return None
 
-    def _split_through(self, edge: EdgeSpec, call: EdgeCall, g: torch.Tensor) -> None:
-        """Cost passed back through this edge onto the edges ending at its source node."""
-        targets = self.incoming.get((edge.cell_index, edge.src), [])
-        if not targets:
+    # -- path split (Thm. 1): J_eᵀ ∂L/∂x_m gathered in the block's own backward --------------------------------
+    def _sequence_now(self) -> int:
+        """Autograd's node counter now: nodes created later (this edge's forward) have larger numbers."""
+        if self._marker is None:
+            self._marker = torch.zeros((), requires_grad=True)
+        return (self._marker * 1.0).grad_fn._sequence_nr()
+
+    def _hook_consumers(self, call: EdgeCall, output: torch.Tensor) -> None:
+        """Hook the autograd nodes of this edge's forward that read its input x_j: what they pass back to x_j,
+        summed, is J_eᵀ ∂L/∂x_m. Read in the block's own backward, so no second backward runs: a nested
+        autograd.grad would fire every other hook on the way (another probe's, a retain_grad on a node) with a
+        partial gradient."""
+        root = output.grad_fn
+        if root is None:
             return
-        if call.inp_edge is not None and call.out_edge is not None:
-            self.busy = True
-            try:
-                (v,) = torch.autograd.grad(call.out_edge, call.inp_edge, g, retain_graph=True, allow_unused=True)
-            finally:
-                self.busy = False
-        else:
-            v = None
-        if v is None:  # the edge output does not depend on its input: nothing passes through
-            v = torch.zeros_like(call.inp)
+        target, target_nr = call.inp_edge.node, call.inp_edge.output_nr
+        stack, seen, consumers = [root], {id(root)}, []
+        while stack:
+            node = stack.pop()
+            slots = []
+            for slot, (child, nr) in enumerate(node.next_functions):
+                if child is None:
+                    continue
+                if child is target and nr == target_nr:
+                    slots.append(slot)
+                elif id(child) not in seen and child._sequence_nr() > call.first_node:  # inside this forward only
+                    seen.add(id(child))
+                    stack.append(child)
+            if slots:
+                consumers.append((node, tuple(slots)))
+        for node, slots in consumers:
+            self.hooks.node(node, lambda grads, _, call=call, slots=slots: self._through(call, grads, slots))
+
+    @staticmethod
+    def _through(call: EdgeCall, grads, slots) -> None:
         with torch.no_grad():
-            for ie in targets:
-                for icall in call.cell_call.edge_calls.get(ie, []):
-                    if icall.outputs is not None:
-                        self.paths[ie].setdefault(edge.name, []).append(
-                            (icall.model_call, _costs_with_missing(v, icall.outputs)))
+            for s in slots:
+                if grads[s] is not None:
+                    g = grads[s].detach()
+                    call.through = g if call.through is None else call.through + g
+        return None
+
+    def finish(self) -> None:
+        """End of the block: the path parts <J_eᵀ ∂L/∂x_m, O_k(x_i)> of the edges (i, j) ending at each split edge
+        e's source node j, from e's gathered J_eᵀ ∂L/∂x_m (summed over the block's backwards, as the costs are)."""
+        with torch.no_grad():
+            for call in self.split_calls:
+                if call.through is None and not call.reached:
+                    continue  # no backward reached this edge
+                # an edge whose output does not depend on its input passes nothing through
+                v = call.through if call.through is not None else torch.zeros_like(call.inp)
+                edge = self.edges[call.pos]
+                for ie in self.incoming.get((edge.cell_index, edge.src), []):
+                    for icall in call.cell_call.edge_calls.get(ie, []):
+                        if icall.outputs is not None:
+                            self._check_versions(icall)
+                            self.paths[ie].setdefault(edge.name, []).append(
+                                (icall.model_call, _costs_with_missing(v, icall.outputs)))
 
     def cell_grad(self, ccall: CellCall, g: torch.Tensor):
-        if self.busy or ccall.output is None:
+        if ccall.output is None:
             return None
         cell = self.cells[ccall.pos]
         out = ccall.output
@@ -377,3 +424,4 @@ class StepCapture:
         """Drop every captured tensor (the hooks are removed with the block's :class:`Hooks`)."""
         self.open_edge = [None] * len(self.open_edge)
         self.open_cell = [None] * len(self.open_cell)
+        self.split_calls = []

@@ -220,6 +220,8 @@ class Probe:
         block.capture = block.plan = None
         try:
             try:
+                if completed:
+                    cap.finish()
                 result = self._collect(cap) if completed else None  # a body that raised records nothing
             finally:
                 plan.remove()
@@ -461,7 +463,7 @@ class Probe:
             in-cell paths and map to ``{}``.
         """
         if not self.path_split:
-            raise ProbeError("path_costs() needs attach(model, ..., path_split=True) (it costs one more backward per intermediate edge)")
+            raise ProbeError("path_costs() needs attach(model, ..., path_split=True) (it hooks the autograd nodes of every intermediate edge)")
         r = self._require_step()
         out = {}
         for p, e in enumerate(self._edges):
