@@ -129,6 +129,63 @@ def test_a_call_under_inference_mode_is_refused_not_answered_with_zeros():
     assert_no_module_hooks(supernet)
 
 
+class ByKeyword(nn.Module):
+    """Layers called with their input as a keyword (``linear(input=x)``), as torch's modules allow."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.act, self.b = nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.b(input=self.act(input=self.a(input=x)))
+
+
+def test_layers_called_by_keyword_are_traced_not_reported_as_zero_curvature():
+    """The tracer read only positional inputs: every layer called as ``layer(input=x)`` went unrecorded and
+    ``diag``/``approx`` returned zeros for all its parameters (the loss "did not depend" on them)."""
+    torch.manual_seed(8)
+    net = ByKeyword().to(DT)
+    x, y = torch.randn(6, 4, dtype=DT), torch.randint(0, 3, (6,))
+    ref = dense_diag(net, F.cross_entropy, x, y)
+    assert_close_to({"b.weight": diag_hessian(net, F.cross_entropy, x, y, mode="diag")["b.weight"]}, {"b.weight": ref["b.weight"]})
+    for mode in ("diag", "approx"):
+        got = diag_hessian(net, F.cross_entropy, x, y, mode=mode)
+        assert all(bool((got[k] != 0).any()) for k in got), mode
+
+
+class PairOut(nn.Module):
+    """A module with a parameter whose forward returns a pair (with a per-call rule that cannot stand in for it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, dtype=DT))
+
+    def forward(self, x):
+        return x * self.w, x
+
+
+class PairNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pair, self.fc = PairOut(), nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.fc(self.pair(x)[0])
+
+
+def test_a_ruled_module_whose_call_cannot_be_recorded_is_refused_not_zero():
+    from nasdiag.hessian import HessianRule
+
+    class ScaleRule(HessianRule):
+        param_names = ("w",)
+
+    net = PairNet().to(DT)
+    x, y = torch.randn(5, 4, dtype=DT), torch.randint(0, 3, (5,))
+    with pytest.raises(UnsupportedModuleError, match="'pair'.*returned a tuple.*mode='exact'"):
+        diag_hessian(net, F.cross_entropy, x, y, mode="diag", params=["pair.w"], rules={PairOut: ScaleRule()})
+    assert_no_module_hooks(net)
+
+
 # ------------------------------------------------------------------------------------------- exact weight diagonals
 
 

@@ -68,6 +68,9 @@ class ModuleTracer:
         self.opaque_leaves: Dict[str, nn.Module] = {}
         #: ``{id(tensor): parameter name}`` of substituted leaves, for error messages (set by the caller)
         self.tensor_names: Dict[int, str] = {}
+        #: ``{rule-leaf name: why}``: calls on the graph that its rule could not record (no single input tensor,
+        #: an output that is not one tensor); the walk crosses them op by op, their own parameters it cannot reach
+        self.unrecorded: Dict[str, str] = {}
         self._hooks = Hooks()
         self._leaf_of: Dict[int, tuple] = {}
         self._classify()
@@ -104,7 +107,7 @@ class ModuleTracer:
         self._leaf_of = {id(m): (name, m, rule, []) for name, (m, rule) in self.rule_leaves.items()}
         self._hooks = Hooks()
         for module, _ in self.rule_leaves.values():
-            self._hooks.forward_pre(module, self._rule_pre)
+            self._hooks.forward_pre(module, self._rule_pre, with_kwargs=True)
             self._hooks.forward(module, self._rule_post)
         for name, module in self.opaque_leaves.items():
             pre, post = self._opaque_hooks(name)
@@ -117,14 +120,25 @@ class ModuleTracer:
         self._hooks.remove()
         self._leaf_of = {}
 
-    def _rule_pre(self, module, args):
+    def _rule_pre(self, module, args, kwargs):
         x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if x is None and not args:  # called by keyword, e.g. linear(input=x): the one tensor among the keywords
+            tensors = [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+            x = kwargs["input"] if isinstance(kwargs.get("input"), torch.Tensor) else (tensors[0] if len(tensors) == 1 else None)
         self._leaf_of[id(module)][3].append((x, None if x is None else edge_of(x)))
 
     def _rule_post(self, module, args, output):
         name, _, rule, pending = self._leaf_of[id(module)]
         x, in_edge = pending.pop()
-        if x is None or not isinstance(output, torch.Tensor) or not output.requires_grad:
+        if x is None or not isinstance(output, torch.Tensor):
+            if isinstance(output, torch.Tensor) and output.requires_grad or any(
+                isinstance(o, torch.Tensor) and o.requires_grad for o in (output if isinstance(output, (tuple, list)) else ())
+            ):
+                # its rule cannot stand in for this call: its own parameters would silently get no curvature
+                self.unrecorded.setdefault(name, "was called without one input tensor" if x is None else
+                                           f"returned a {type(output).__name__}, not one tensor")
+            return
+        if not output.requires_grad:
             return
         out_edge = edge_of(output)
         if in_edge is not None and out_edge[0] is in_edge[0] and out_edge[1] == in_edge[1]:

@@ -138,6 +138,14 @@ def recursion_diag(model, loss_fn, inputs, targets, mode, values, rules=None) ->
                 "(or wrap the model), or use mode='exact', which takes any outputs loss_fn accepts"
             )
         loss = scalar_loss(loss_fn, outputs, targets)
+        for owner in module_targets:
+            if owner in tracer.unrecorded:
+                module = tracer.rule_leaves[owner][0]
+                raise UnsupportedModuleError(
+                    f"module {owner!r} ({type(module).__name__}) {tracer.unrecorded[owner]}, so its rule cannot give the "
+                    "curvature of its parameters; call it with its input as the first positional argument and use its "
+                    "tensor output, or use mode='exact'"
+                )
         if not outputs.requires_grad:  # the outputs do not depend on the requested tensors: zero curvature
             return {n: torch.zeros_like(v) for n, v in values.items()}
         leaf_targets = {get_gradient_edge(leaves[n]).node: n for n in glue_names}
