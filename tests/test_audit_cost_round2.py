@@ -265,6 +265,35 @@ def test_a_mean_loss_gives_the_sum_loss_costs_over_b():
         assert max_err(got["sum"][name], B * got["mean"][name]) < 1e-12
 
 
+@pytest.mark.parametrize("statistics", ["all", "sampled"])
+def test_streaming_statistics_over_steps_equal_numpy_over_the_autograd_costs(statistics):
+    net = make_net()
+    probe = nasdiag.attach(net, statistics=statistics)
+    history = {name: [] for _, _, name in names()}
+    g = torch.Generator().manual_seed(4)
+    for step in range(4):
+        x, y = data(seed=10 + step)
+        W0, W1 = leaves(net, seed=20 + step)
+        if statistics == "sampled":  # one-hot samples (DSNAS-style): only the sampled op is observed
+            W0, W1 = ([F.one_hot(torch.randint(len(w), (), generator=g), len(w)).double().requires_grad_() for w in W]
+                      for W in (W0, W1))
+        with probe.record():
+            F.cross_entropy(net(x, W0, W1), y).backward()
+        for c, e, name in names():
+            w = (W0, W1)[c][e]
+            history[name].append(torch.where(w.detach() != 0, w.grad, math.nan) if statistics == "sampled" else w.grad)
+    stats = probe.statistics()
+    for _, _, name in names():
+        h = torch.stack(history[name])  # (steps, K), NaN where not observed
+        seen = ~torch.isnan(h)
+        count = seen.sum(0)
+        mean = torch.where(seen, h, 0).sum(0) / count
+        var = torch.where(seen, (h - mean) ** 2, 0).sum(0) / count
+        assert stats[f"cost/{name}/count"][0].tolist() == count.tolist()
+        torch.testing.assert_close(torch.from_numpy(stats[f"cost/{name}/mean"][0]), mean, rtol=0, atol=1e-15, equal_nan=True)
+        torch.testing.assert_close(torch.from_numpy(stats[f"cost/{name}/var"][0]), var, rtol=0, atol=1e-15, equal_nan=True)
+
+
 # --- the theorems on this supernet ------------------------------------------------------------------------------
 
 def test_thm1_cor12_and_thm2_on_the_dag_supernet():
