@@ -64,15 +64,17 @@ class EdgeCall:
     """One forward of one edge inside the block (``model_call``: how many forwards of the whole model had
     started when it ran, so per-sample rows of different model forwards are told apart)."""
 
-    __slots__ = ("pos", "inp", "inp_edge", "first_node", "through", "reached", "weights", "outputs", "versions",
-                 "cell_call", "model_call")
+    __slots__ = ("pos", "inp", "inp_edge", "first_node", "through", "consumers", "left", "split_done", "reached",
+                 "weights", "outputs", "versions", "cell_call", "model_call")
 
     def __init__(self, pos: int, n_ops: int, model_call: int = 0):
         self.pos = pos
         self.model_call = model_call
         self.inp = self.inp_edge = self.weights = self.cell_call = None
         self.first_node = -1  # path split: sequence number below every autograd node of this call's forward
-        self.through: Optional[torch.Tensor] = None  # path split: Σ over backwards of J_eᵀ ∂L/∂x_m (shape of inp)
+        self.through: Optional[torch.Tensor] = None  # path split: J_eᵀ ∂L/∂x_m gathered so far (shape of inp)
+        self.consumers = self.left = 0  # path split: hooked nodes reading the input; those yet to run this backward
+        self.split_done = False  # path split: parts were taken from this call at least once
         self.reached = False
         self.outputs: Optional[List[Optional[torch.Tensor]]] = [None] * n_ops
         self.versions: List[int] = [0] * n_ops
@@ -365,34 +367,42 @@ class StepCapture:
                     stack.append(child)
             if slots:
                 consumers.append((node, tuple(slots)))
+        call.consumers = call.left = len(consumers)
         for node, slots in consumers:
             self.hooks.node(node, lambda grads, _, call=call, slots=slots: self._through(call, grads, slots))
 
-    @staticmethod
-    def _through(call: EdgeCall, grads, slots) -> None:
+    def _through(self, call: EdgeCall, grads, slots) -> None:
         with torch.no_grad():
             for s in slots:
                 if grads[s] is not None:
                     g = grads[s].detach()
                     call.through = g if call.through is None else call.through + g
+        call.left -= 1
+        if call.left == 0:  # every node reading x_j has run: this backward's J_eᵀ ∂L/∂x_m is complete
+            call.left = call.consumers
+            self._split(call)
         return None
 
-    def finish(self) -> None:
-        """End of the block: the path parts <J_eᵀ ∂L/∂x_m, O_k(x_i)> of the edges (i, j) ending at each split edge
-        e's source node j, from e's gathered J_eᵀ ∂L/∂x_m (summed over the block's backwards, as the costs are)."""
+    def _split(self, call: EdgeCall) -> None:
+        """Path parts <J_eᵀ ∂L/∂x_m, O_k(x_i)> of the edges (i, j) ending at the split edge e's source node j."""
+        # an edge whose output does not depend on its input passes nothing through
+        v = call.through if call.through is not None else torch.zeros_like(call.inp)
+        call.through, call.split_done = None, True
+        edge = self.edges[call.pos]
         with torch.no_grad():
-            for call in self.split_calls:
-                if call.through is None and not call.reached:
-                    continue  # no backward reached this edge
-                # an edge whose output does not depend on its input passes nothing through
-                v = call.through if call.through is not None else torch.zeros_like(call.inp)
-                edge = self.edges[call.pos]
-                for ie in self.incoming.get((edge.cell_index, edge.src), []):
-                    for icall in call.cell_call.edge_calls.get(ie, []):
-                        if icall.outputs is not None:
-                            self._check_versions(icall)
-                            self.paths[ie].setdefault(edge.name, []).append(
-                                (icall.model_call, _costs_with_missing(v, icall.outputs)))
+            for ie in self.incoming.get((edge.cell_index, edge.src), []):
+                for icall in call.cell_call.edge_calls.get(ie, []):
+                    if icall.outputs is not None:
+                        self._check_versions(icall)
+                        self.paths[ie].setdefault(edge.name, []).append(
+                            (icall.model_call, _costs_with_missing(v, icall.outputs)))
+
+    def finish(self) -> None:
+        """End of the block: splits not completed in a backward (some node reading x_j never ran), and the zero
+        parts of reached edges whose forward does not read their input at all."""
+        for call in self.split_calls:
+            if call.through is not None or (call.reached and call.consumers == 0 and not call.split_done):
+                self._split(call)
 
     def cell_grad(self, ccall: CellCall, g: torch.Tensor):
         if ccall.output is None:
