@@ -95,7 +95,7 @@ def resolve_edges(model: nn.Module, edges: EdgesArg,
     Raises:
         EdgeSpecError: an empty or malformed description, a module (mixed op or candidate) that is not a
             submodule of ``model``, a candidate that is not a submodule of its mixed op, a module listed as two
-            edges, an edge without candidate ops.
+            edges, an edge without candidate ops, a candidate that is the mixed op itself.
     """
     if isinstance(edges, (list, tuple)) and edges and all(hasattr(e, "name") and hasattr(e, "module") for e in edges):
         names = [e.name for e in edges]
@@ -125,6 +125,12 @@ def resolve_edges(model: nn.Module, edges: EdgesArg,
                     "of this model instance, e.g. from model.named_modules() or model.edge_specs() (was the model "
                     "copied after building the map?)"
                 )
+        itself = [k for k, o in enumerate(spec.ops) if o is spec.module]
+        if itself:  # its forward hook would fire after the edge's own: a candidate that never seems to run
+            raise EdgeSpecError(
+                f"edge {name!r}: candidate op(s) {itself} are the mixed op {type(spec.module).__name__} itself; list the "
+                "candidate modules its forward calls, e.g. (module, list(module.ops))"
+            )
         inside = {id(m) for m in spec.module.modules()}
         foreign = [k for k, o in enumerate(spec.ops) if id(o) not in inside]
         if foreign:

@@ -681,7 +681,9 @@ def test_misuse_is_one_nasdiag_error_line():
     x, y = data()
     W0, W1 = leaves(net)
     for bad in ({"a": net.stem}, {"a": (net.cell0.edges[0], [net.stem])}, {"a": "cell0.edges.0"}, ["cell0.edges.0"],
-                {"a": net.cell0.edges[0], "b": net.cell0.edges[0]}):
+                {"a": net.cell0.edges[0], "b": net.cell0.edges[0]},
+                {"a": (net.cell0.edges[0], [net.cell0.edges[0], *net.cell0.edges[0]._ops[1:]])}):  # before: accepted,
+        # then its cost was NaN with a warning that the candidate "did not run"
         with pytest.raises(NasdiagError) as err:
             nasdiag.attach(net, edges=bad)
         assert "\n" not in str(err.value)
