@@ -186,6 +186,43 @@ def test_a_ruled_module_whose_call_cannot_be_recorded_is_refused_not_zero():
     assert_no_module_hooks(net)
 
 
+def test_exact_on_a_chain_whose_linear_layers_share_a_weight_equals_the_dense_hessian():
+    """``l2.weight = l1.weight`` in an ``nn.Sequential`` of Linear/Tanh: the per-layer chain recursion (C.1.2) took
+    only the first layer's term for the shared weight (over 100% off); such a chain goes to the HVP route."""
+    torch.manual_seed(9)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3)).to(DT)
+    net[2].weight = net[0].weight
+    x, y = torch.randn(5, 4, dtype=DT), torch.randint(0, 3, (5,))
+    assert_close_to(diag_hessian(net, F.cross_entropy, x, y, mode="exact"), dense_diag(net, F.cross_entropy, x, y))
+
+
+class TiedBranches(nn.Module):
+    """Two Linear modules holding one weight, on disjoint halves of the input into disjoint outputs: under an
+    elementwise loss the cross-call terms vanish, so the diagonal recursion is exact for the shared weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(4, 3), nn.Linear(4, 3)
+        self.l2.weight = self.l1.weight
+        self.act = nn.Tanh()
+
+    def forward(self, x):
+        return torch.cat([self.l1(x[:, :4]), self.act(self.l2(x[:, 4:]))], 1)
+
+
+def test_diag_sums_the_calls_of_every_module_holding_a_shared_parameter():
+    """``named_parameters`` lists a tied weight once, under its first holder; ``diag``/``approx`` counted only
+    that module's calls and silently dropped the other's (60% off here)."""
+    torch.manual_seed(10)
+    net = TiedBranches().to(DT)
+    x, t = torch.randn(5, 8, dtype=DT), torch.randn(5, 6, dtype=DT)
+    mse = lambda o, t: F.mse_loss(o, t, reduction="sum")  # noqa: E731
+    ref = dense_diag(net, mse, x, t)
+    assert set(ref) == {"l1.weight", "l1.bias", "l2.bias"}
+    for mode in ("exact", "diag"):
+        assert_close_to(diag_hessian(net, mse, x, t, mode=mode), ref)
+
+
 # ------------------------------------------------------------------------------------------- exact weight diagonals
 
 

@@ -39,13 +39,18 @@ def as_linear_chain(model: nn.Module) -> Optional[List[tuple]]:
     layers and elementwise activations (a Flatten allowed before the first Linear), else None.
 
     A module object may sit at several places (one ``nn.Tanh()`` reused): it is listed at each, as
-    ``nn.Sequential`` calls it (``named_children`` would list it once). A ``Linear`` at two places (tied
-    weights) is no chain: its diagonal has cross-call terms the per-layer recursion cannot hold."""
+    ``nn.Sequential`` calls it (``named_children`` would list it once). A ``Linear`` at two places, or two
+    ``Linear`` modules sharing a parameter (tied weights), is no chain: its diagonal has cross-call terms the
+    per-layer recursion cannot hold."""
     layers = _chain_layers(model)
     if layers is None:
         return None
     linears = [id(m) for _, m in layers if isinstance(m, nn.Linear)]
     if len(set(linears)) != len(linears):
+        return None
+    # the same holds of two Linear modules holding one Parameter (``l2.weight = l1.weight``)
+    tensors = [id(p) for _, m in layers if isinstance(m, nn.Linear) for p in m.parameters(recurse=False)]
+    if len(set(tensors)) != len(tensors):
         return None
     seen_linear = False
     for _, m in layers:

@@ -111,19 +111,23 @@ def recursion_diag(model, loss_fn, inputs, targets, mode, values, rules=None) ->
     tracer = ModuleTracer(model, rules)
     module_targets: Dict[str, Dict[str, str]] = {}
     glue_names = []
+    aliases = _parameter_aliases(model)
     for name in values:
-        owner, attr = tracer.owner_of(name)
-        if owner is None:
+        owners = [tracer.owner_of(alias) for alias in aliases.get(name, (name,))]
+        if all(owner is None for owner, _ in owners):
             glue_names.append(name)
             continue
-        module, rule = tracer.rule_leaves[owner]
-        if attr not in rule.param_names:
-            raise UnsupportedModuleError(
-                unsupported_module_message(
-                    owner, module, f"owns {attr!r}, which its rule {type(rule).__name__} does not differentiate", rules
+        for owner, attr in owners:  # a parameter held by several modules (tied weights): every holder's calls count
+            if owner is None:
+                continue
+            module, rule = tracer.rule_leaves[owner]
+            if attr not in rule.param_names:
+                raise UnsupportedModuleError(
+                    unsupported_module_message(
+                        owner, module, f"owns {attr!r}, which its rule {type(rule).__name__} does not differentiate", rules
+                    )
                 )
-            )
-        module_targets.setdefault(owner, {})[attr] = name
+            module_targets.setdefault(owner, {})[attr] = name
     for name in glue_names:
         _reject_unruled_owner(tracer, name, rules)
 
@@ -152,6 +156,15 @@ def recursion_diag(model, loss_fn, inputs, targets, mode, values, rules=None) ->
         h_out = output_hessian_diagonal(loss_fn, outputs, targets)
         found, _, _ = walk_diagonals(tracer, loss, outputs, h_out, mode, module_targets, leaf_targets)
     return {n: (found[n].detach().reshape(v.shape) if n in found else torch.zeros_like(v)).to(v.dtype) for n, v in values.items()}
+
+
+def _parameter_aliases(model: nn.Module) -> Dict[str, Tuple[str, ...]]:
+    """``{name in model.named_parameters(): every name the same Parameter is registered under}`` (tied weights such
+    as ``l2.weight = l1.weight`` are listed once by ``named_parameters``, under the first name)."""
+    names_of: Dict[int, list] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(n)
+    return {names[0]: tuple(names) for names in names_of.values()}
 
 
 def _reject_unruled_owner(tracer: ModuleTracer, name: str, rules) -> None:
