@@ -719,3 +719,38 @@ def test_a_recorded_snas_run_holds_the_schedules_and_the_final_state_of_the_meth
         for t, a in net.alphas().items():
             a.copy_(state[f"alphas_{t}"].float())
     assert result.genotype == get_method("snas")(net, schedule=Schedule(epochs=1, steps_per_epoch=1)).genotype()
+
+
+def test_bayesnas_pruning_removes_edges_and_through_a_2_14_the_node_they_feed():
+    """Algorithm 2 step 4 prunes every op with ½ ln(2πe γ) ≤ 0 and keeps nothing else: the edges into node 2, whose
+    w the ℓ1 term has shrunk to ~0, lose every op (an op put back on each emptied edge kept every node alive, and
+    the edge dependency of A.2.14 could never remove one). Through A.2.14, γ of the edge (2, 3) is
+    (1/Σ_parents s + 1/s)⁻¹ ≤ Σ_parents s ≈ 0, so it goes in the same update: node 2 is gone from the cell and from
+    its output. The next step runs with the empty edges; their switches are then exactly 0 (w = 0, A.2.13) and
+    the γ of (2, 3) exactly 0."""
+    cls = get_method("bayesnas")
+    torch.manual_seed(16)
+    net = Network(4, 3, 3, steps=2, multiplier=2, in_channels=1, primitives=cls.primitives[:4]).double()
+    method = cls(net, cls.Hyperparameters(update_every=1, w_lr=1e-9), schedule=Schedule(epochs=1, steps_per_epoch=2,
+                                                                                        batch_size=B))
+    with torch.no_grad():
+        net.alphas()["normal"][:2] = 1e-4  # edges (0, 2) and (1, 2)
+    into_2 = [e for e, (_, j) in enumerate(net.edge_nodes) if j == 2]
+    out_of_2 = [e for e, (i, _) in enumerate(net.edge_nodes) if i == 2]
+    others = [e for e in range(len(net.edge_nodes)) if e not in into_2 + out_of_2]
+    threshold = 1 / (2 * math.pi * math.e)
+    for step, (train, val) in enumerate((batches(2, 17), batches(2, 18))):
+        stats = method.step(train, val)
+        s = stats[V.BAYES_PRIOR_VARIANCE.path(cell="normal")]
+        gamma = stats[V.BAYES_GAMMA.path(cell="normal")]
+        alive = stats[V.BAYES_SWITCH.path(cell="normal")]
+        upstream = float(s[into_2].sum())
+        for e in out_of_2:  # A.2.14, written out
+            want = torch.zeros_like(s[e]) if upstream == 0 else 1 / (1 / upstream + 1 / s[e])
+            torch.testing.assert_close(gamma[e], want, rtol=1e-12, atol=0)
+        assert (gamma[into_2 + out_of_2] <= threshold).all() and not alive[into_2 + out_of_2].any()
+        assert alive[others].any(-1).all()
+        if step == 1:
+            assert upstream == 0.0 and (gamma[out_of_2] == 0).all()
+    genes = method.genotype()
+    assert genes.normal_concat == [3] and all(2 not in (i, j) for _, i, j in genes.normal)

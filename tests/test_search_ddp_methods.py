@@ -150,5 +150,5 @@ def test_two_ranks_equal_one_process_on_the_whole_batch(name, distributed):
     if name == "bayesnas":
         last = stats[-1]
         assert not last["bayes/normal/switch"][:, 1].any(), "the small ops were not pruned"
-        assert last["bayes/reduce/kept"][0] and last["bayes/reduce/switch"][0].sum() == 1
+        assert not last["bayes/reduce/switch"][0].any(), "reduce edge 0 (every w small) was not removed"
         assert (last["bayes/normal/curvature"] > 0).any()

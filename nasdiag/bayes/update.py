@@ -155,15 +155,14 @@ def entropy(gamma: torch.Tensor) -> torch.Tensor:
 def prune(alive: torch.Tensor, gamma: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Algorithm 2, step 4: an op stays alive while its entropy ½ ln(2πe γ) > 0; a pruned op never returns.
 
-    An edge whose every alive op would be pruned keeps the one with the largest γ (ties: the first).
-    Shapes: alive (E, K) bool, gamma (E, K); returns (alive (E, K) bool, kept (E,) bool — edges where that
-    repair happened). NaN γ prunes nothing (the op stays; the caller records the NaN).
+    Nothing else is kept: an edge whose every op is pruned is removed, and once every edge entering a node is
+    removed, A.2.14 gives the edges leaving it γ = 0 (their predecessors' switches sum to 0), so they are
+    pruned at the next update: the node is removed, the dependency the hierarchical prior encodes.
+    Shapes: alive (E, K) bool, gamma (E, K); returns (alive (E, K) bool, emptied (E,) bool — edges whose last
+    alive ops this update pruned). NaN γ prunes nothing (the op stays; the caller records the NaN).
     """
     keep = alive & ~(entropy(gamma) <= 0)
-    emptied = alive.any(-1) & ~keep.any(-1)
-    masked = torch.where(alive, gamma.nan_to_num(-math.inf), torch.full_like(gamma, -math.inf))
-    strongest = torch.nn.functional.one_hot(masked.argmax(-1), gamma.shape[-1]).bool()
-    return keep | (strongest & emptied.unsqueeze(-1)), emptied
+    return keep, alive.any(-1) & ~keep.any(-1)
 
 
 @dataclass

@@ -14,8 +14,8 @@ hierarchical sparse prior w ~ N(0, s) whose switch s depends on the edges enteri
    (:meth:`energy_curvature`: the batch's *summed* loss over λ_w, see "Scale" below);
 3. C (A.3.2), ω (A.3.9), s (A.3.8) and γ (A.2.14), ``nasdiag.bayes.group_bayes_update``;
 4. entropy pruning: an op whose ½ ln(2πe γ) ≤ 0 is switched off for good and no longer computed
-   (:meth:`active_ops`); an edge that would lose every op keeps the one with the largest γ
-   (``bayes/<cell>/kept``);
+   (:meth:`active_ops`); an edge may lose every op (it is removed; through A.2.14 a node whose input edges
+   are all removed then loses its output edges at the next update);
 5. pruned ops' w are set to 0; with ``reset_w`` the surviving ops' w restart at 1 ("fix w = 1", read literally
    per iteration; off by default, see docs/bayesnas.md).
 
@@ -44,7 +44,8 @@ the ops of an edge apart; ``approx`` (C.3.2, the paper's feature-mean recursion)
 value to every op of an edge and, on nasdiag's supernet, sometimes a negative one (docs/hessian.md,
 docs/bayesnas.md).
 
-The genotype is the surviving mixed path: every op still switched on (``derive_mixed_genotype``).
+The genotype is the surviving mixed path: every op still switched on (``derive_mixed_genotype``); a node
+without a surviving incoming op is dropped from the cell's output concatenation.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ from nasdiag.hessian import ARCH_MODES
 from nasdiag.search.base import Batch, CellWeights, SearchMethod, mean_over_ranks, accuracy
 from nasdiag.search.hyperparameters import Hyperparameters, hp
 from nasdiag.search.registry import register
-from nasdiag.supernet import DARTS_PRIMITIVES, derive_mixed_genotype
+from nasdiag.supernet import DARTS_PRIMITIVES, MixedGenotype, derive_mixed_genotype
 
 
 class _AtFixedWeights(nn.Module):
@@ -83,13 +84,13 @@ class BayesNAS(SearchMethod):
 
     Each :meth:`step` returns ``scalars/{train_loss,train_acc,w_lr}``, ``arch/<cell>/{params,probabilities,weights}``
     and, every step (the values of the last update), ``bayes/<cell>/{gamma,omega,prior_variance,covariance,
-    curvature,switch,kept}`` and ``bayes/updated``; on update steps also ``hessian/<cell>/nonfinite``.
+    curvature,switch}`` and ``bayes/updated``; on update steps also ``hessian/<cell>/nonfinite``.
     """
 
     single_level = True
     #: §D.1 lists seven ops: DARTS's without the zero op
     primitives = tuple(p for p in DARTS_PRIMITIVES if p != "none")
-    state_attributes = ("gamma", "omega", "prior_variance", "covariance", "curvature_used", "alive", "kept", "steps_done")
+    state_attributes = ("gamma", "omega", "prior_variance", "covariance", "curvature_used", "alive", "steps_done")
 
     @dataclass
     class Hyperparameters(Hyperparameters):
@@ -133,7 +134,6 @@ class BayesNAS(SearchMethod):
         self.covariance = like(h.init_gamma)
         self.curvature_used = like(0.0)
         self.alive = {t: torch.ones_like(a, dtype=torch.bool, device="cpu") for t, a in alphas.items()}
-        self.kept = {t: torch.zeros(a.shape[0], dtype=torch.bool) for t, a in alphas.items()}
         self.steps_done = 0
         self._parents = parent_matrix(net.edge_nodes, device=next(iter(alphas.values())).device)
         self._group_size = {t: sum(1 for c in net.cells if c.cell_type == t) for t in alphas}  # ℵ of A.3.6
@@ -147,10 +147,17 @@ class BayesNAS(SearchMethod):
         return self.forward_weights()
 
     def active_ops(self) -> Optional[CellWeights]:
-        """The ops still switched on, or None while nothing is pruned (the supernet's fast engine then applies)."""
+        """The ops to compute: those still switched on, or None while nothing is pruned (the supernet's fast engine
+        then applies). A removed edge (every op pruned) computes its first op at Z = 0, which adds exactly 0: the
+        supernet computes at least one op per edge."""
         if all(bool(m.all()) for m in self.alive.values()):
             return None
-        return {t: m.clone() for t, m in self.alive.items()}
+        out = {}
+        for t, m in self.alive.items():
+            m = m.clone()
+            m[~m.any(-1), 0] = True
+            out[t] = m
+        return out
 
     def probabilities(self) -> CellWeights:
         """γ on alive ops normalised per edge (E, K): each op's share of its edge's prior variance."""
@@ -163,7 +170,10 @@ class BayesNAS(SearchMethod):
     def genotype(self):
         net = self.network
         on = {t: m.to(torch.float64) for t, m in self.alive.items()}
-        return derive_mixed_genotype(on, net.steps, net.multiplier, net.primitives)
+        genes = derive_mixed_genotype(on, net.steps, net.multiplier, net.primitives)
+        live = {t: {j for _, _, j in getattr(genes, t)} for t in ("normal", "reduce")}
+        return MixedGenotype(genes.normal, [n for n in genes.normal_concat if n in live["normal"]],
+                             genes.reduce, [n for n in genes.reduce_concat if n in live["reduce"]])
 
     # -- Algorithm 2 -----------------------------------------------------------------------------------
     def likelihood_step(self, x: torch.Tensor, y: torch.Tensor) -> Dict[str, torch.Tensor]:
@@ -227,8 +237,8 @@ class BayesNAS(SearchMethod):
         stats: Dict[str, torch.Tensor] = {}
         curvature = self.energy_curvature(x, y)
         # new dicts, never in-place edits: a state_dict() taken earlier holds the old ones
-        cov, om, s, gamma, alive, kept = (dict(d) for d in (self.covariance, self.omega, self.prior_variance, self.gamma,
-                                                             self.alive, self.kept))
+        cov, om, s, gamma, alive = (dict(d) for d in (self.covariance, self.omega, self.prior_variance, self.gamma,
+                                                       self.alive))
         for t, a in self.network.alphas().items():
             H = curvature[t]  # (ℵ, E, K)
             finite = torch.isfinite(H).all(0)
@@ -239,15 +249,19 @@ class BayesNAS(SearchMethod):
             u = group_bayes_update(w.expand_as(H), H.nan_to_num(0.0, 0.0, 0.0), gamma[t], self._parents.to(H.dtype))
             cov[t] = torch.where(informative, u.cov.mean(0), cov[t])
             om[t] = torch.where(informative, u.omega, om[t])
-            s[t] = torch.where(informative, u.switch, s[t])
+            # an op pruned earlier has w = 0, so its switch is s = |w|/ω = 0 (A.2.13) whatever its curvature (often 0
+            # once it is off: a removed node's output is exactly 0, where ReLU has slope 0); a stale s > 0 would keep
+            # up the sum over its edge's predecessors in A.2.14 for the edges downstream of it
+            dead = ~self.alive[t].to(H.device)
+            s[t] = torch.where(informative | dead, u.switch, s[t])
             gamma[t] = dependent_gamma(s[t], self._parents.to(H.dtype))
-            alive[t], kept[t] = prune(alive[t], gamma[t].cpu())
+            alive[t], _ = prune(alive[t], gamma[t].cpu())
             stats[V.HESSIAN_NONFINITE.path(cell=t)] = ~finite.all()
             with torch.no_grad():
                 on = alive[t].to(a.device, a.dtype)
                 a.copy_(on if self.hp.reset_w else a * on)
         self.covariance, self.omega, self.prior_variance, self.gamma = cov, om, s, gamma
-        self.alive, self.kept = alive, kept
+        self.alive = alive
         self.curvature_used = {t: h.sum(0) for t, h in curvature.items()}
         # momentum of pruned or reset w must not carry into the next iteration
         self.arch_optimizer.state.clear()
@@ -266,7 +280,6 @@ class BayesNAS(SearchMethod):
             stats[V.BAYES_COVARIANCE.path(cell=t)] = self.covariance[t].clone()
             stats[V.BAYES_CURVATURE.path(cell=t)] = self.curvature_used[t].clone()
             stats[V.BAYES_SWITCH.path(cell=t)] = self.alive[t].clone()
-            stats[V.BAYES_KEPT.path(cell=t)] = self.kept[t].clone()
         return stats
 
     def step(self, train_batch: Batch, val_batch: Batch) -> Dict[str, torch.Tensor]:
