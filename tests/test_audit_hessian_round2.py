@@ -465,6 +465,14 @@ def test_a_module_without_a_rule_is_refused_naming_it_and_the_way_out(case):
     assert all(p.grad is None for p in net.parameters())
 
 
+@pytest.mark.parametrize("module,shape", [(nn.Conv2d(2, 2, 3), (2, 5, 5)), (nn.InstanceNorm1d(2, affine=True), (2, 7))])
+def test_an_unbatched_input_is_refused_saying_what_to_do(module, shape):
+    """torch runs these modules on unbatched inputs; their rules need the batch dim (the message now says so)."""
+    net = nn.Sequential(nn.Identity(), module).to(DT)
+    with pytest.raises(UnsupportedModuleError, match=r"'1'.*add the batch dimension or use mode='exact'"):
+        diag_hessian(net, lambda o, t: o.square().sum(), torch.randn(*shape, dtype=DT), None, mode="diag")
+
+
 # ----------------------------------------------------------------------- batch convention, repeat calls, side effects
 
 

@@ -130,7 +130,8 @@ class Conv2dRule(ConvRule):
         m = call.module
         if call.input.dim() != 4:
             raise UnsupportedModuleError(
-                f"module {call.name!r}: Conv2d rule needs batched (N, C, H, W) input, got {tuple(call.input.shape)}"
+                f"module {call.name!r}: the Conv2d rule needs batched (N, C, H, W) input, got {tuple(call.input.shape)}; "
+                "add the batch dimension or use mode='exact'"
             )
         return m.stride, _conv_padding(m), m.dilation, m.groups
 

@@ -76,7 +76,10 @@ class NormRule(HessianRule):
             return tuple(range(x.dim() - len(m.normalized_shape), x.dim()))
         if isinstance(m, nn.modules.instancenorm._InstanceNorm):
             if x.dim() != m._get_no_batch_dim() + 1:
-                raise UnsupportedModuleError(f"module {call.name!r}: InstanceNorm rule needs a batched input")
+                raise UnsupportedModuleError(
+                    f"module {call.name!r}: the {type(m).__name__} rule needs a batched input, got {tuple(x.shape)}; "
+                    "add the batch dimension or use mode='exact'"
+                )
             return tuple(range(2, x.dim()))
         return (0,) + tuple(range(2, x.dim()))  # BatchNorm: per channel over batch and space
 
