@@ -210,11 +210,19 @@ class TiedBranches(nn.Module):
         return torch.cat([self.l1(x[:, :4]), self.act(self.l2(x[:, 4:]))], 1)
 
 
-def test_diag_sums_the_calls_of_every_module_holding_a_shared_parameter():
+class ReusedBranches(TiedBranches):
+    """The same, with one module called twice."""
+
+    def forward(self, x):
+        return torch.cat([self.l1(x[:, :4]), self.act(self.l1(x[:, 4:]))], 1)
+
+
+@pytest.mark.parametrize("model", [TiedBranches, ReusedBranches])
+def test_diag_sums_the_calls_of_every_module_holding_a_shared_parameter(model):
     """``named_parameters`` lists a tied weight once, under its first holder; ``diag``/``approx`` counted only
-    that module's calls and silently dropped the other's (60% off here)."""
+    that module's calls and silently dropped the other's (60% off here). One module called twice was right."""
     torch.manual_seed(10)
-    net = TiedBranches().to(DT)
+    net = model().to(DT)
     x, t = torch.randn(5, 8, dtype=DT), torch.randn(5, 6, dtype=DT)
     mse = lambda o, t: F.mse_loss(o, t, reduction="sum")  # noqa: E731
     ref = dense_diag(net, mse, x, t)
