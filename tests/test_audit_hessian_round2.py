@@ -641,3 +641,31 @@ def test_per_sample_weights_last_edge_exactness_as_documented(tail):
         assert_close_to({"b": approx}, {"b": ref[1]})
     else:  # the tanh's σ'² h + σ'' g varies within a channel: the feature mean is not exact there
         assert (approx - ref[1]).abs().max() > 1e-3 * ref[1].abs().max()
+
+
+def test_ggn_mode_equals_the_dense_gauss_newton_diagonal_in_eval_mode_with_a_tied_mixed_op():
+    """Modes table, ``ggn``: ``Σ_n J_nᵀ H_n J_n`` with J the Jacobian of the logits w.r.t. each edge's Z (one shift
+    for both calls of the tied op), H_n the per-sample cross-entropy Hessian; exact with eval-mode BatchNorm, where
+    samples do not interact. It is not the Hessian here (the Softplus leaves a residual)."""
+    torch.manual_seed(11)
+    net = Supernet().to(DT)
+    for m in net.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            _running(m)
+    net.eval()
+    x, y = torch.randn(3, 2, 4, 4, dtype=DT), torch.randint(0, 4, (3,))
+    Z0 = F.softmax(net.alpha.detach(), -1)[[0, 1, 0, 1, 2]]
+
+    def logits(d):
+        Z = Z0 + d
+        return net(x, [[Z[0], Z[1], Z[4]], [Z[2], Z[3], Z[4]]])
+
+    J = torch.autograd.functional.jacobian(logits, torch.zeros(5, K, dtype=DT)).reshape(3, 4, 5 * K)
+    p = F.softmax(logits(torch.zeros(5, K, dtype=DT)).detach(), -1)
+    H = (torch.diag_embed(p) - p[:, :, None] * p[:, None, :]) / 3  # mean reduction
+    ggn = torch.diagonal(torch.einsum("nda,nde,neb->ab", J, H, J)).reshape(5, K)
+    order = ["c0.e0", "c0.e1", "c1.e0", "c1.e1", "shared"]
+    got = arch_diag_hessian(net, F.cross_entropy, x, y, net.edges(), mode="ggn")
+    assert_close_to(got, dict(zip(order, ggn)), 1e-9)
+    exact = _dense(lambda d: F.cross_entropy(logits(d), y), 5)
+    assert max((got[n] - exact[i]).abs().max().item() for i, n in enumerate(order)) > 1e-3 * exact.abs().max().item()
