@@ -754,3 +754,54 @@ def test_bayesnas_pruning_removes_edges_and_through_a_2_14_the_node_they_feed():
             assert upstream == 0.0 and (gamma[out_of_2] == 0).all()
     genes = method.genotype()
     assert genes.normal_concat == [3] and all(2 not in (i, j) for _, i, j in genes.normal)
+
+
+class _StopAt:
+    """A search callback that interrupts the run after a given step (as Ctrl-C would)."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, step, stats):
+        if step == self.step:
+            raise KeyboardInterrupt
+
+    def on_epoch_end(self, epoch, stats):
+        pass
+
+    def on_exception(self, exc):
+        pass
+
+
+@pytest.mark.slow  # three short run()s on digits
+def test_bayesnas_run_interrupted_inside_an_epoch_and_resumed_equals_the_uninterrupted_run(tmp_path):
+    """run() of BayesNAS (an update, with pruning, at each epoch's last step) stopped after the first step of the
+    second epoch and resumed: every recorded row and the final state equal those of the uninterrupted run."""
+    import numpy as np
+
+    from nasdiag.record import load
+    from nasdiag.search import SearchConfig, run
+    from nasdiag.search.checkpoint import load_checkpoint
+
+    def config(name, **kw):
+        # bitwise comparisons: float32 is as good a test as float64 here, and twice as fast; λ_w = 3 prunes
+        return SearchConfig(method="bayesnas", C=2, layers=3, steps=2, multiplier=2, batch_size=240, epochs=2,
+                            dtype="float32", diagnostics=(), progress=False, threads=1, record=str(tmp_path / name),
+                            hp={"lambda_w": 3.0}, **kw)
+
+    run(config("whole.h5"))
+    with pytest.raises(KeyboardInterrupt):
+        run(config("resumed.h5"), callbacks=[_StopAt(719 // 240 + 1)])
+    run(config("resumed.h5", resume=True))
+    whole, resumed = load(str(tmp_path / "whole.h5")), load(str(tmp_path / "resumed.h5"))
+    assert whole["step"].tolist() == resumed["step"].tolist() == list(range(1, 2 * (719 // 240) + 1))
+    for key in ("scalars/train_loss", "bayes/normal/gamma", "bayes/reduce/switch", "arch/normal/params"):
+        np.testing.assert_array_equal(resumed[key], whole[key], err_msg=key)
+    assert not whole["bayes/normal/switch"][-1].all()  # the updates pruned: the comparison covers the pruned state
+    a = load_checkpoint(config("whole.h5").checkpoint)["method"]
+    b = load_checkpoint(config("resumed.h5").checkpoint)["method"]
+    for k, v in a["network"].items():
+        assert torch.equal(v, b["network"][k]), k
+    for k in ("gamma", "prior_variance", "alive"):
+        for t in a["attributes"][k]:
+            assert torch.equal(a["attributes"][k][t], b["attributes"][k][t]), (k, t)
