@@ -12,7 +12,7 @@ from nasdiag import vocabulary as V
 from nasdiag.plot import cells as C
 from nasdiag.plot.registry import Heatmap, NothingToDraw, figure, heatmap, valid_rows
 from nasdiag.plot.style import (
-    PAGE, edge_names, grid_shape, integer_steps, legend_outside, op_names, plot_series, plt, series, step_of,
+    PAGE, edge_names, epoch_of, grid_shape, integer_steps, legend_outside, op_names, plot_series, plt, series, step_of,
 )
 
 #: newer records hold the distribution the genotype comes from; older ones only the mixing weights Z
@@ -165,8 +165,9 @@ def wiring_evolution(record, cell: str):
     for ax, row in zip(axes.ravel(), picked):
         genes = C.most_probable_wiring(np.asarray(record[path][row], dtype=float), ops)
         label = f"step {step_of(record, row)}"
-        if "scalars/epoch" in record and record.get("valid/scalars/epoch", np.zeros(1, bool))[row]:
-            label = f"epoch {int(record['scalars/epoch'][row])} ({label})"
+        epoch = epoch_of(record, row)
+        if epoch is not None:
+            label = f"epoch {epoch} ({label})"
         C.draw_cell(ax, genes, steps, _concat(record, steps), label, short=True)
     for ax in axes.ravel()[len(picked):]:
         ax.axis("off")

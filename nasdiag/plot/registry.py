@@ -390,7 +390,10 @@ def iter_figures(record: Record, figures: Optional[Sequence[str]] = None, at=Non
                     row = resolve_row(record, path, t)
                     values = np.asarray(record[path][row])
                     if values.dtype.kind == "f" and not np.isfinite(values).any():
-                        raise NothingToDraw(f"{path} is NaN at step {int(record['step'][row])}; nothing to draw")
+                        # say what the row holds: an all-inf row is not NaN
+                        kinds = nonfinite_counts(values)
+                        what = "NaN" if list(kinds) == ["NaN"] else f"not finite ({nonfinite_text(kinds)})"
+                        raise NothingToDraw(f"{path} is {what} at step {int(record['step'][row])}; nothing to draw")
                     out = s.draw(record, c, row)
                     return render_heatmap(out) if s.is_heatmap else out
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from nasdiag import vocabulary as V
 from nasdiag.plot.registry import Heatmap, NothingToDraw, figure, heatmap, valid_rows
-from nasdiag.plot.style import edge_names, op_names, render_heatmaps, step_of
+from nasdiag.plot.style import edge_names, epoch_of, op_names, render_heatmaps, step_of
 
 #: at most this many epochs side by side: the first, the last and evenly spaced ones between
 MAX_PANELS = 8
@@ -63,9 +63,8 @@ def epoch_rows(record, path: str) -> List[int]:
 
 
 def _label(record, row: int) -> str:
-    if record.get("valid/scalars/epoch", np.zeros(row + 1, bool))[row]:
-        return f"epoch {int(record['scalars/epoch'][row])}"
-    return f"step {step_of(record, row)}"
+    epoch = epoch_of(record, row)
+    return f"epoch {epoch}" if epoch is not None else f"step {step_of(record, row)}"
 
 
 @figure(V.SPARSITY_NONZERO, name="sparsity_evolution", file="sparsity_{cell}_evolution",

@@ -11,6 +11,7 @@ import math
 import os
 import re
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import List, Mapping, Optional, Sequence, Tuple
 
 import matplotlib
@@ -137,10 +138,19 @@ def epoch_span(record: Mapping[str, np.ndarray], path: str, row: int) -> str:
     first = int(steps[earlier[-1]]) + 1 if earlier.size else int(steps[0])
     last = int(steps[row])
     text = f"steps {first}-{last}" if first < last else f"step {last}"
-    if "scalars/epoch" in record and record.get("valid/scalars/epoch", np.ones(len(steps), bool))[row]:
-        epoch = int(record["scalars/epoch"][row])
+    epoch = epoch_of(record, row)
+    if epoch is not None:
         text += f" (epoch {epoch})" if epoch >= 0 else " (before training)"
     return text
+
+
+def epoch_of(record: Mapping[str, np.ndarray], row: int) -> Optional[int]:
+    """The epoch logged in ``row`` (``scalars/epoch``), or None where it was not logged or is NaN/inf (a
+    figure then names the row by its step)."""
+    if "scalars/epoch" not in record or not record.get("valid/scalars/epoch", np.ones(len(record["step"]), bool))[row]:
+        return None
+    epoch = float(record["scalars/epoch"][row])
+    return int(epoch) if math.isfinite(epoch) else None
 
 
 def step_of(record: Mapping[str, np.ndarray], row: int) -> int:
@@ -243,23 +253,91 @@ def _decimals(top: float) -> int:
 
 
 # -- heatmaps ----------------------------------------------------------------------------------------
-def _norm(values: np.ndarray, signed: Optional[bool], limits: Optional[Tuple[float, float]]):
+#: a colour scale leaves out, as outliers, cells beyond OUTLIER_FACTOR times the 90th percentile of the cells'
+#: magnitudes (so at most a tenth of the cells): one diverged entry must not flatten every other cell to one colour
+OUTLIER_QUANTILE = 0.9
+OUTLIER_FACTOR = 10.0
+
+
+@dataclass(frozen=True)
+class Clipped:
+    """A colour scale that left out outlier cells: ``limit`` is the scale's end (largest |value| kept for a
+    signed map, largest value kept for a sequential one), ``cells`` how many lie beyond it, ``extreme`` the
+    farthest of them; in the units of the values given to `colour_scale`."""
+
+    limit: float
+    cells: int
+    extreme: float
+    signed: bool
+
+    def text(self, scale: float = 1.0) -> str:
+        """``"colour scale clipped at ±0.0031: 1 outlier cell up to 0.5 in its end colour"``,
+        the numbers multiplied by ``scale`` (back to the record's units)."""
+        sign = "±" if self.signed else ""
+        many = "cell" if self.cells == 1 else "cells"
+        return (f"colour scale clipped at {sign}{self.limit * scale:.3g}: {self.cells} outlier {many} up to "
+                f"{self.extreme * scale:.3g} in its end colour")
+
+
+def _outlier_limit(spans: np.ndarray) -> Optional[Tuple[float, int, float]]:
+    """(largest kept span, cells beyond it, largest span) when a few of the non-negative ``spans`` lie more than
+    `OUTLIER_FACTOR` times beyond their `OUTLIER_QUANTILE` quantile; None when none do."""
+    if spans.size == 0:
+        return None
+    bulk = float(np.quantile(spans, OUTLIER_QUANTILE))
+    top = float(spans.max())
+    if not bulk > 0 or top <= OUTLIER_FACTOR * bulk:
+        return None
+    kept = float(spans[spans <= OUTLIER_FACTOR * bulk].max())
+    return kept, int(np.count_nonzero(spans > kept)), top
+
+
+def colour_scale(values: np.ndarray, signed: Optional[bool], limits: Optional[Tuple[float, float]]):
+    """(norm, colour map name, `Clipped` or None) of a heatmap of ``values`` (NaN/inf ignored).
+
+    ``signed``: a diverging map centred at 0 (None: when any value is negative), else a sequential one from the
+    smallest to the largest value. ``limits`` fixes the scale; without them a few outlier cells (see
+    `OUTLIER_FACTOR`) are left out of the scale, drawn in its end colour and reported by the `Clipped`.
+    """
     finite = values[np.isfinite(values)]
     if signed is None:
         signed = bool(finite.size and finite.min() < 0)
+    clipped = None
     if limits is not None:
         lo, hi = limits
     elif signed:
-        top = float(np.abs(finite).max()) if finite.size else 1.0
+        magnitude = np.abs(finite)
+        top = float(magnitude.max()) if finite.size else 1.0
+        outliers = _outlier_limit(magnitude)
+        if outliers is not None:
+            top = outliers[0]
+            clipped = Clipped(top, outliers[1], outliers[2], True)
         lo, hi = -(top or 1.0), (top or 1.0)
     else:
         lo = float(finite.min()) if finite.size else 0.0
         hi = float(finite.max()) if finite.size else 1.0
+        outliers = _outlier_limit(finite - lo)
+        if outliers is not None:
+            hi = lo + outliers[0]
+            clipped = Clipped(hi, outliers[1], lo + outliers[2], False)
         if hi == lo:
             hi = lo + 1.0
     if signed:
-        return TwoSlopeNorm(vcenter=0.0, vmin=min(lo, -1e-300), vmax=max(hi, 1e-300)), DIVERGING
-    return Normalize(vmin=lo, vmax=hi), SEQUENTIAL
+        return TwoSlopeNorm(vcenter=0.0, vmin=min(lo, -1e-300), vmax=max(hi, 1e-300)), DIVERGING, clipped
+    return Normalize(vmin=lo, vmax=hi), SEQUENTIAL, clipped
+
+
+def _extend(clipped: Optional[Clipped]) -> str:
+    """The colour bar's arrow(s) for the cells beyond a clipped scale."""
+    if clipped is None:
+        return "neither"
+    return "both" if clipped.signed else "max"
+
+
+#: inches per heatmap column at the least: op names are written at 45°, so neighbours stand LABEL_PITCH · sin 45° apart,
+#: just over the height of a 7 pt tick label (0.097 in); past the page width a heatmap of many ops grows wider
+#: instead of printing its op names on top of each other
+LABEL_PITCH = 0.15
 
 
 def _draw_matrix(ax, hm: Heatmap, matrix: np.ndarray, norm, cmap: str, annotate: bool, row_labels: bool = True):
@@ -288,9 +366,10 @@ def _draw_matrix(ax, hm: Heatmap, matrix: np.ndarray, norm, cmap: str, annotate:
     return image
 
 
-def _title(hm: Heatmap) -> str:
+def _title(hm: Heatmap, clipped: Optional[Clipped] = None, scale: float = 1.0) -> str:
     counts = nonfinite_counts(hm.matrix)
-    return hm.title + (f"  [{nonfinite_text(counts)}]" if counts else "")
+    notes = ([nonfinite_text(counts)] if counts else []) + ([clipped.text(scale)] if clipped is not None else [])
+    return hm.title + "".join(f"  [{note}]" for note in notes)
 
 
 def _nonfinite_legend(fig, matrices) -> None:
@@ -319,17 +398,17 @@ def render_heatmap(hm: Heatmap, annotate: bool = True):
     p = scale_exponent(matrix)
     shown = matrix / 10.0**p
     limits = None if hm.limits is None else (hm.limits[0] / 10.0**p, hm.limits[1] / 10.0**p)
-    norm, cmap = _norm(shown, hm.signed, limits)
+    norm, cmap, clipped = colour_scale(shown, hm.signed, limits)
     n_rows, n_cols = matrix.shape
-    width = min(PAGE, max(COLUMN, 1.3 + 0.36 * n_cols))
+    width = max(min(PAGE, max(COLUMN, 1.3 + 0.36 * n_cols)), 1.3 + LABEL_PITCH * n_cols)
     height = 1.0 + 0.2 * n_rows + 0.25
     fig, ax = plt.subplots(figsize=(width, height))
     image = _draw_matrix(ax, hm, shown, norm, cmap, annotate)
     ax.set_xlabel(hm.xlabel)
     ax.set_ylabel(hm.ylabel)
     # the title spans the axes and the colour bar; long ones wrap instead of running into the bar's label
-    ax.set_title(wrap(_title(hm), width - 0.9), loc="left")
-    bar = fig.colorbar(image, ax=ax, shrink=0.9, pad=0.02)
+    ax.set_title(wrap(_title(hm, clipped, 10.0**p), width - 0.9), loc="left")
+    bar = fig.colorbar(image, ax=ax, shrink=0.9, pad=0.02, extend=_extend(clipped))
     bar.set_label(wrap(hm.colorbar + (f"  (x 1e{p})" if p else ""), 0.8 * (height - 0.9), 7), fontsize=7)
     _nonfinite_legend(fig, [matrix])
     return fig
@@ -345,16 +424,17 @@ def render_heatmaps(panels: Mapping[str, Heatmap], annotate: bool = False):
     p = scale_exponent(every)
     first = panels[labels[0]]
     limits = None if first.limits is None else (first.limits[0] / 10.0**p, first.limits[1] / 10.0**p)
-    norm, cmap = _norm(every / 10.0**p, first.signed, limits)
+    norm, cmap, clipped = colour_scale(every / 10.0**p, first.signed, limits)
     n = len(labels)
     cols = min(n, 4)
     rows = math.ceil(n / cols)
     n_rows, n_cols = matrices[labels[0]].shape
-    panel_w = 0.9 + 0.28 * n_cols
+    # two pages wide at most, unless the op names need more (LABEL_PITCH)
+    width = max(min(2 * PAGE, 0.8 + (0.9 + 0.28 * n_cols) * cols), 0.8 + (0.9 + LABEL_PITCH * n_cols) * cols)
+    panel_w = (width - 0.8) / cols
     shared, tail_list = split_colorbar_labels([panels[k].colorbar for k in labels])
     tails = dict(zip(labels, tail_list))
-    fig, axes = plt.subplots(rows, cols, figsize=(min(2 * PAGE, 0.8 + panel_w * cols), 0.9 + rows * (0.6 + 0.17 * n_rows)),
-                             squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(width, 0.9 + rows * (0.6 + 0.17 * n_rows)), squeeze=False)
     image = None
     for i, ax in enumerate(axes.ravel()):
         if i >= n:
@@ -373,8 +453,9 @@ def render_heatmaps(panels: Mapping[str, Heatmap], annotate: bool = False):
         ax.set_title(title, fontsize=7 if not tails[labels[i]] else 6, loc="left")
     fig.supxlabel(first.xlabel)
     fig.supylabel(first.ylabel)
-    fig.suptitle(shared_title(first.title) + ", one colour scale across runs")
-    bar = fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, pad=0.01)
+    clip_note = f"\n[{clipped.text(10.0**p)}]" if clipped is not None else ""
+    fig.suptitle(wrap(shared_title(first.title) + ", one colour scale across runs" + clip_note, width, 9))
+    bar = fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, pad=0.01, extend=_extend(clipped))
     bar.set_label(wrap(shared + (f"  (x 1e{p})" if p else ""), 0.7 * rows * (0.6 + 0.17 * n_rows), 7), fontsize=7)
     _nonfinite_legend(fig, matrices.values())
     return fig
@@ -427,7 +508,7 @@ def grid_shape(n: int, max_cols: int = 5) -> Tuple[int, int]:
 
 
 __all__ = [
-    "COLUMN", "DIVERGING", "PAGE", "SEQUENTIAL", "edge_names", "epoch_span", "grid_shape", "integer_steps",
+    "COLUMN", "DIVERGING", "PAGE", "SEQUENTIAL", "colour_scale", "edge_names", "epoch_of", "epoch_span", "grid_shape", "integer_steps",
     "annotation", "legend_outside", "mark_isolated", "mark_nonfinite", "marked_series", "number", "op_names", "paper_style", "plot_series", "render_heatmap",
     "render_heatmaps", "scale_exponent", "series", "shared_title", "split_colorbar_labels", "step_of",
 ]

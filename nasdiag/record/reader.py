@@ -121,7 +121,10 @@ def _metadata_read_attempts():
 
 def _open_swmr_once(file: str) -> h5py.File:
     fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
-    fapl.set_fclose_degree(h5py.h5f.CLOSE_STRONG)
+    # h5py's own default (weak): HDF5 shares a file opened twice in one process and refuses a second open whose
+    # close degree differs, so a strong one here failed every other open of the record meanwhile (another thread's
+    # load of a live record read it as damaged; a plain h5py.File raised "file close degree doesn't match").
+    fapl.set_fclose_degree(h5py.h5f.CLOSE_WEAK)
     if _metadata_read_attempts()(fapl.id, 1) < 0:
         return h5py.File(file, "r", swmr=True)
     fid = h5py.h5f.open(os.fsencode(file), h5py.h5f.ACC_RDONLY | h5py.h5f.ACC_SWMR_READ, fapl=fapl)
@@ -256,6 +259,22 @@ def _first_line(err: Exception) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
+def _check_version(f: h5py.File, file: str) -> None:
+    """Refuse a segment of a newer schema than `schema.SCHEMA_VERSION`: its layout may mean something else, so
+    reading it (or resuming it with segments of this version) could silently misread or mix formats."""
+    version = f.attrs.get("schema_version", 1)
+    try:
+        version = int(version)
+    except (TypeError, ValueError):
+        raise RecordError(f"{file} has an unreadable schema_version {version!r}; it was not written by nasdiag") from None
+    if version > schema.SCHEMA_VERSION:
+        writer = _attr_str(f.attrs.get("nasdiag_version", "a newer version"))
+        raise RecordError(
+            f"{file} has record schema version {version} (written by nasdiag {writer}); this nasdiag reads versions up "
+            f"to {schema.SCHEMA_VERSION}: upgrade nasdiag to read or resume it"
+        )
+
+
 def read_segment(index: int, file: str, with_data: bool = True, live: bool = True) -> Segment:
     """Read and verify the committed rows of one segment file (``with_data=False``: keep schema and
     steps only). The rows are checked as `load` describes; ``Segment.damage`` says where the first
@@ -268,6 +287,7 @@ def read_segment(index: int, file: str, with_data: bool = True, live: bool = Tru
         try:
             if schema.STEP not in f or schema.PRESENT not in f:
                 raise RecordError(f"{file} is not a nasdiag record segment (no /step or /present); remove or rename it")
+            _check_version(f, file)
             present_ds = f[schema.PRESENT]
             paths = [_attr_str(p) for p in present_ds.attrs[schema.PATHS_ATTR]]
             datasets = {path: f[path] for path in paths}

@@ -55,6 +55,11 @@ _NAME = re.compile(r"^[A-Za-z0-9_.\-+=]+$")
 #: Target bytes of one HDF5 chunk; chunks are rewritten whole on each flush, so keep them small.
 _CHUNK_BYTES = 16 * 1024
 _MAX_CHUNK_ROWS = 1024
+#: HDF5 chunk cache of each dataset a writer opens. Rows are appended, so only the last, partial chunk is written
+#: again; HDF5's default (1 MiB per dataset) kept every finished chunk of the run in memory, growing the writer by
+#: up to 1 MiB per recorded path. Room for the partial chunk and the one it spills into (16 KiB each at most; a
+#: chunk of one larger row is written whole, past the cache).
+CHUNK_CACHE_BYTES = 4 * _CHUNK_BYTES
 
 
 def check_path(path: Any) -> str:

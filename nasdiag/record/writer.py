@@ -631,7 +631,7 @@ class Recorder:
         self._remove(tmp)
         f = None
         try:
-            f = h5py.File(tmp, "w-", libver=schema.LIBVER)
+            f = h5py.File(tmp, "w-", libver=schema.LIBVER, rdcc_nbytes=schema.CHUNK_CACHE_BYTES)
             self._write_header(f)
             columns = [] if placeholder else list(self._columns.values())
             for column in columns:
