@@ -222,7 +222,6 @@ def test_darts2_applies_the_hypergradient_with_xi_the_scheduled_lr_and_train_val
     train, val = data[2], data[3]
     exact = exact_hypergradient(net, method.w_optimizer, train, val)
     swapped = exact_hypergradient(net, method.w_optimizer, val, train)
-    first_order = {}
     ref = Reference(net)
     alpha = {t: a.clone().requires_grad_(True) for t, a in ref.alpha.items()}
     loss = ref.loss(ref.w, *val, {t: torch.softmax(a, -1) for t, a in alpha.items()})
