@@ -149,7 +149,6 @@ ATTENTION_COUNT = family("attention/<cell>/count", "(E, K)", "int64", "same", "P
 # -- sparsity (SparseNAS) ------------------------------------------------------------------------
 SPARSITY_NONZERO = family("sparsity/<cell>/nonzero", "(E, K)", "bool", "same", "Ops whose linear mixing weight A is non-zero after the proximal step (eq 9-10).", section="sparsity")
 SPARSITY_LAMBDA = family("sparsity/lambda", "()", "float32", "same", "The current (progressive) sparse-group-lasso strength λ.", section="sparsity")
-SPARSITY_KEPT = family("sparsity/<cell>/kept", "(E,)", "bool", "same", "Edges whose every op the proximal step zeroed; their strongest op was kept (never an empty edge).", section="sparsity")
 
 # -- sparse Bayesian (BayesNAS) ------------------------------------------------------------------
 BAYES_GAMMA = family("bayes/<cell>/gamma", "(E, K)", "float32", "same", "Uncertainty γ per op with the edge dependency (A.2.14; γ = s on edges leaving a cell input), after the last update.", section="bayes")
@@ -158,7 +157,6 @@ BAYES_SWITCH = family("bayes/<cell>/switch", "(E, K)", "bool", "same", "Switches
 BAYES_CURVATURE = family("bayes/<cell>/curvature", "(E, K)", "float32", "same", "The curvature the update used: diag ∂²(E_D/λ_w)/∂Z² (C.3) of the batch's summed loss over λ_w (A.3.1), summed over the cells of the type.", section="bayes")
 BAYES_PRIOR_VARIANCE = family("bayes/<cell>/prior_variance", "(E, K)", "float32", "same", "The switch values s = ‖w_group‖₂/ω = √ℵ|w|/ω (A.2.13, A.3.8; ℵ cells of the type) of the last update: the prior variance of each op's w.", section="bayes")
 BAYES_COVARIANCE = family("bayes/<cell>/covariance", "(E, K)", "float32", "same", "Posterior variance C = (1/γ(t−1) + H)⁻¹ of each op's w at the last update (A.3.2), the mean over the cells of the type; ops with no positive curvature keep their previous C.", section="bayes")
-BAYES_KEPT = family("bayes/<cell>/kept", "(E,)", "bool", "same", "Edges where entropy pruning would have removed every op and the op with the largest γ was kept instead.", section="bayes")
 BAYES_UPDATED = family("bayes/updated", "()", "bool", "same", "This step ran the update of γ, ω, C, s and the pruning (Algorithm 2, steps 2-4).", section="bayes")
 
 
