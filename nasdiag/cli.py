@@ -110,9 +110,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="torch threads (default: usable CPUs, at most 4, shared among torchrun processes)")
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    sub.add_parser("methods", help="list the search methods with their hyperparameters and defaults",
-                   description="List the registered search methods, each with its hyperparameters (--hp KEY=VALUE of "
-                   "nasdiag search), their types and defaults.")
+    m = sub.add_parser("methods", help="list the search methods with their hyperparameters and defaults",
+                       description="List the registered search methods, each with its hyperparameters (--hp KEY=VALUE of "
+                       "nasdiag search), their types and defaults.")
+    m.add_argument("names", nargs="*", metavar="METHOD", help="list only these methods (default: all)")
 
     from nasdiag.plot import commands as plot_commands  # argparse only: the parser stays instant
 
@@ -139,6 +140,9 @@ def search_config(args: argparse.Namespace) -> SearchConfig:
         raise ConfigError(f"--figs {args.figs} and --no-figs contradict each other; pass only one")
     if not args.out.strip():
         raise ConfigError("--out is empty; pass the record path, such as runs/search.h5")
+    if args.out.strip() == "-":  # it wrote a record named "-" into the current folder
+        raise ConfigError("--out - would name a record file '-': a record is an HDF5 file and cannot go to standard "
+                          "output; pass the record path, such as runs/search.h5")
     if args.hessian_mode is not None and not args.hessian_mode.strip():  # it silently ran the default mode
         raise ConfigError("--hessian-mode is empty; give a mode such as diag, approx, ggn, hutchinson:4 or exact, or "
                           "leave the option out for the default (diag)")
@@ -201,9 +205,17 @@ def run_search(args) -> int:
 
 
 def list_methods(args) -> int:
+    from nasdiag.search.config import did_you_mean
     from nasdiag.search.registry import available_methods
 
-    for name, cls in available_methods().items():
+    methods = available_methods()
+    for name in getattr(args, "names", None) or ():  # `nasdiag methods darts` was "unrecognized arguments"
+        if name not in methods:
+            raise ConfigError(f"unknown method {name!r};{did_you_mean(name, methods) or ''} available: "
+                              f"{', '.join(sorted(methods))} (nasdiag methods lists them all)")
+    for name, cls in methods.items():
+        if getattr(args, "names", None) and name not in args.names:
+            continue
         doc = (cls.__doc__ or "").strip().splitlines()
         print(f"{name}: {doc[0] if doc else cls.__qualname__}")
         for line in cls.Hyperparameters.describe().splitlines():
@@ -301,6 +313,14 @@ def _quiet_stdout() -> None:
         pass
 
 
+def _die_on_the_next_interrupt(argv, main_thread: bool) -> None:
+    """After an interrupt is handled (the record closed, the line printed), a second Ctrl-C while the process exits
+    ends it at once instead of printing a traceback from an exit handler of torch. Only for the command itself
+    (``argv`` None): a Python caller of `main` keeps its handlers."""
+    if argv is None and main_thread:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Run the ``nasdiag`` command; returns the exit code (0, 2 for user errors, 130/143 when interrupted)."""
     import threading
@@ -335,9 +355,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt as exc:
         print(_stopped(args, "interrupted", exc), file=sys.stderr)
+        _die_on_the_next_interrupt(argv, main_thread)
         return EXIT_SIGINT
     except Terminated as exc:
         print(_stopped(args, "terminated (SIGTERM)", exc), file=sys.stderr)
+        _die_on_the_next_interrupt(argv, main_thread)
         return EXIT_SIGTERM
     finally:
         warnings.formatwarning = previous_format

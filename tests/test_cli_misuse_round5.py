@@ -117,3 +117,75 @@ def test_hyperparameters_past_their_bound(extra, needle, tmp_path, capsys):
     ``hutchinson:<k>`` past 64 bits trained a whole epoch, then ended in torch's overflow traceback."""
     refused(_search(tmp_path / "run.h5", *extra), tmp_path, needle, capsys)  # a second --diagnostics wins
 
+
+
+def test_a_method_built_past_floating_point_is_one_line(tmp_path, capsys):
+    """``init_gamma=1e300`` (float32 overflow) and ``reward_bound=1e-300`` (L² underflows to 0 in eq 4's η*) were
+    a RuntimeError and a ZeroDivisionError traceback from the method's build."""
+    for extra in (["--method", "bayesnas", "--hp", "init_gamma=1e300"], ["--method", "xnas", "--hp", "reward_bound=1e-300"]):
+        refused(_search(tmp_path / "run.h5", *extra), tmp_path,
+                [f"cannot be built with its hyperparameters ({extra[-1]})", "too large or too small for float32"], capsys)
+
+
+def test_methods_lists_the_ranges_and_takes_method_names(capsys):
+    """``nasdiag methods darts`` was "unrecognized arguments"; a refused value's range was nowhere to be read."""
+    assert main(["methods", "asmnas", "bayesnas"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("asmnas:") and "\nbayesnas:" in out and "\ndarts:" not in out
+    assert "attention_hidden: int = 16" in out and "(range [1, 1024])" in out
+    assert "(range >= 0; at most the run's steps)" in out  # update_every
+    assert main(["methods", "darts"]) == 0 and "(range [0, 1))" in capsys.readouterr().out  # alpha_betas
+
+
+def test_methods_with_a_misspelt_name(tmp_path, capsys):
+    refused(["methods", "Darts"], tmp_path, "unknown method 'Darts'; did you mean 'darts'? available: asmnas", capsys)
+
+
+# -- paths and records ---------------------------------------------------------------------------------------
+def test_out_dash_is_not_standard_output(tmp_path, capsys, monkeypatch):
+    """``--out -`` wrote a record named '-' into the current folder."""
+    monkeypatch.chdir(tmp_path)
+    refused(["search", *TINY, "--out", "-"], tmp_path, "--out - would name a record file '-'", capsys)
+
+
+@pytest.fixture
+def foreign_record(tmp_path):
+    """A record that a user's own training loop wrote through `nasdiag.record.Recorder`."""
+    from nasdiag.record import Recorder
+
+    with Recorder(str(tmp_path / "mine.h5"), meta={"method": "my-loop", "op_names": ["a", "b"]}) as rec:
+        for step in (1, 2, 3):
+            rec.log(step, {"scalars/train_loss": 1.0 / step})
+    return tmp_path / "mine.h5"
+
+
+@pytest.mark.parametrize("flag", ["--force", "--resume"])
+def test_a_record_of_another_program_is_never_replaced(foreign_record, flag, tmp_path, capsys):
+    """``--force`` silently replaced a record written by the user's own loop (a nasdiag record, but not of a search);
+    ``--resume`` called its (never written) checkpoint missing and suggested --force."""
+    refused(_search(foreign_record, flag), tmp_path,
+            ["mine.h5 was written by another program", "method 'my-loop'", "not even with --force; choose another --out"],
+            capsys)
+
+
+def test_a_second_interrupt_while_exiting_ends_the_command_at_once(tmp_path, capsys, monkeypatch):
+    """A second Ctrl-C while the interrupted command exits printed a traceback from one of torch's exit handlers:
+    once the interrupt is handled (record closed, line printed) the command restores the default action."""
+    import signal
+    import sys
+
+    import nasdiag.search
+
+    def interrupted(config, callbacks=()):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(nasdiag.search, "run", interrupted)
+    monkeypatch.setattr(sys, "argv", ["nasdiag", *_search(tmp_path / "run.h5")])
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        assert main([*sys.argv[1:]]) == 130 and signal.getsignal(signal.SIGINT) is previous  # a Python caller's stays
+        assert main() == 130
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert len(capsys.readouterr().err.strip().splitlines()) == 2

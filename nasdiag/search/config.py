@@ -257,7 +257,7 @@ def near_miss(value, choices) -> Optional[str]:
         return fold[text]
     import difflib
 
-    close = difflib.get_close_matches(text, list(fold), n=1, cutoff=0.6)
+    close = difflib.get_close_matches(text, list(fold), n=1, cutoff=0.75)  # not 'png' for 'jpg'
     return fold[close[0]] if close else None
 
 

@@ -57,12 +57,14 @@ class Hyperparameters:
 
     @classmethod
     def describe(cls) -> str:
-        """One line per field: ``name: type = default  help``."""
+        """One line per field: ``name: type = default  help`` and, where declared, its range (``[0, 1)``,
+        ``at most the run's steps``), so a refused value can be looked up."""
         hints = typing.get_type_hints(cls)
         lines = []
         for f in cls.fields():
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            lines.append(f"{f.name}: {_type_name(hints[f.name])} = {default!r}  {f.metadata.get('help', '')}")
+            lines.append(f"{f.name}: {_type_name(hints[f.name])} = {default!r}  {f.metadata.get('help', '')}"
+                         f"{_range_text(f.metadata)}")
         return "\n".join(lines)
 
     def to_dict(self) -> Dict[str, Any]:
@@ -148,6 +150,21 @@ class Hyperparameters:
             if start_key is not None and floor > values[start_key]:
                 raise ConfigError(f"hyperparameter {name}={floor!r} is above {start_key}={values[start_key]!r}: the "
                                   f"schedule would rise instead of decay; give {name} <= {start_key}")
+
+
+def _range_text(meta: Mapping) -> str:
+    """`` (range [0, 1))``, `` (range > 0)``, `` (at most the run's steps)`` of a field, or ''."""
+    low, high = meta.get("low"), meta.get("high")
+    parts = []
+    if low is not None and high is not None:
+        parts.append(f"range {'(' if meta.get('low_open') else '['}{low:g}, {high:g}{')' if meta.get('high_open') else ']'}")
+    elif low is not None:
+        parts.append(f"range {'>' if meta.get('low_open') else '>='} {low:g}")
+    elif high is not None:
+        parts.append(f"range {'<' if meta.get('high_open') else '<='} {high:g}")
+    if meta.get("steps"):
+        parts.append("at most the run's steps")
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 def _is_number(value) -> bool:

@@ -297,6 +297,8 @@ def check_paths(config: SearchConfig) -> None:
                                   "not even with --force; choose another --out")
         if os.path.exists(record) and not (config.resume or config.force):
             raise ConfigError(f"a record already exists at {record}; pass --resume to continue it or --force to replace it")
+        if os.path.exists(record):
+            _refuse_a_record_of_another_program(record, "--resume" if config.resume else "--force")
         leftovers = [] if os.path.exists(record) or config.force else _leftovers(config)
         if leftovers:
             names = ", ".join(os.path.basename(f) for f in leftovers)
@@ -314,6 +316,24 @@ def check_paths(config: SearchConfig) -> None:
         if os.path.exists(figures) and not os.path.isdir(figures):
             raise ConfigError(f"figure folder {figures} is a file; pass a folder")
         _probe_writable(figures, "figures")
+
+
+def _refuse_a_record_of_another_program(record: str, flag: str) -> None:
+    """A record that a user's own loop wrote through `nasdiag.record.Recorder` (no search settings in its meta) can
+    neither be resumed by a search nor replaced by one: --force silently deleted it."""
+    from nasdiag.record import load_meta
+    from nasdiag.record.errors import RecordError
+
+    try:
+        meta = load_meta(record)
+    except RecordError:  # damaged: resume says so later, --force may replace it (the documented way out)
+        return
+    config = meta.get("config")
+    if meta.get("run") or meta.get("config_hash") or (isinstance(config, Mapping) and "method" in config):
+        return
+    raise ConfigError(f"{record} was written by another program (a nasdiag record without the settings of a nasdiag "
+                      f"search; method {meta.get('method')!r}): a search can neither continue it ({flag} given) nor replace "
+                      "it, not even with --force; choose another --out")
 
 
 def _resolve_method(config: SearchConfig):
@@ -564,7 +584,8 @@ def _run(config, callbacks, method_cls, hp, rank, world, device) -> SearchResult
     schedule = Schedule(epochs=epochs, steps_per_epoch=S, batch_size=config.batch_size, train_size=n_train,
                         val_size=n_val, world_size=world)
     with _fits_in_memory(f"method {config.method!r} with its hyperparameters", device,
-                         "use smaller sizes in --hp (nasdiag methods lists them and their defaults)"):
+                         "use smaller sizes in --hp (nasdiag methods lists them and their defaults)"), \
+            _float_range(config, dtype):
         method = method_cls(net, hp, schedule=schedule,
                             hessian_mode=config.hessian_mode if "hessian" in config.diagnostics else None, seed=config.seed)
     start_step = 0
@@ -683,6 +704,22 @@ def _fits_in_memory(what: str, device, fix: str):
         if not (out_of_memory(exc) or "Overflow when unpacking long" in str(exc)):
             raise
         raise ConfigError(f"{what} does not fit in the memory of {device}; {fix}") from None
+
+
+@contextlib.contextmanager
+def _float_range(config: SearchConfig, dtype):
+    """A method built from hyperparameters past what floating point holds (``init_gamma=1e300`` in float32,
+    ``reward_bound=1e-300`` squared to 0) failed with torch's overflow or a ZeroDivisionError traceback: one
+    `ConfigError` line naming the values given instead."""
+    try:
+        yield
+    except (ZeroDivisionError, OverflowError, RuntimeError) as exc:
+        if isinstance(exc, RuntimeError) and "without overflow" not in str(exc):
+            raise
+        given = ", ".join(f"{k}={v}" for k, v in config.hp.items()) or "the defaults"
+        raise ConfigError(f"method {config.method!r} cannot be built with its hyperparameters ({given}): a value is too "
+                          f"large or too small for {str(dtype).replace('torch.', '')} arithmetic ({exc}); give values "
+                          "nearer the defaults (nasdiag methods lists them)") from None
 
 
 def _set_engine(net, engine: str) -> None:
