@@ -268,3 +268,20 @@ def test_a_record_open_in_one_reader_of_the_process_opens_in_every_other(tmp_pat
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_a_second_writer_through_a_symbolic_link_to_the_record_is_refused(tmp_path):
+    """The lock was ``<given path>.lock``: a writer given a link to a live record took its own lock, resumed the
+    record into ``alias.seg0001.h5`` and the two names then held two different runs."""
+    path = tmp_path / "run.h5"
+    alias = tmp_path / "alias.h5"
+    with Recorder(path, flush_every=1, flush_seconds=None) as rec:
+        rec.log(0, {"scalars/x": 1.0})
+        alias.symlink_to(path)
+        for kwargs in ({"resume": True}, {"overwrite": True}):
+            with pytest.raises(RecordError, match=f"another writer \\(pid {os.getpid()} on ") as info:
+                Recorder(alias, flush_seconds=None, **kwargs)
+            assert "\n" not in str(info.value)
+        rec.log(1, {"scalars/x": 2.0})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["alias.h5", "run.h5"]
+    np.testing.assert_array_equal(load(alias)["scalars/x"], [1.0, 2.0])

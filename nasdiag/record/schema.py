@@ -118,8 +118,9 @@ def segment_owner(path: str) -> str | None:
 
 
 def lock_path(path: str) -> str:
-    """The writer's lock file of the record at ``path``."""
-    return path + ".lock"
+    """The writer's lock file of the record at ``path``: ``<path>.lock``, with symbolic links resolved, so that a
+    second writer given another name of the same record (a link to it) finds the first one's lock."""
+    return os.path.realpath(path) + ".lock"
 
 
 def temp_path(final_path: str) -> str:
