@@ -207,3 +207,25 @@ def test_nasdiag_plot_and_report_of_a_record_still_being_written(tmp_path):
     empty = _record(tmp_path / "other.h5", [{"other/x": 1.0}])
     assert main(["plot", str(empty), "--out", str(tmp_path / "f3")]) == 2
     assert not (tmp_path / "f3").exists()
+
+
+def test_sparsity_panels_of_a_row_with_an_infinite_weight_keep_the_other_ops_and_their_pruned_count(tmp_path):
+    from nasdiag.plot.sparsity import sparsity_evolution
+
+    E, K = len(EDGES), len(OPS)
+    a = np.arange(1.0, E * K + 1).reshape(E, K)
+    a[0, 0] = 0.0  # one pruned op
+    a[4, 2] = np.inf  # one diverged weight
+    path = _record(tmp_path / "r.h5", [{"arch/normal/params": a, "sparsity/normal/nonzero": a != 0}])
+    with h5py.File(path, "r") as f:
+        stored = np.abs(f["arch/normal/params"][0])
+    fig = sparsity_evolution(load(path), "normal")
+    try:
+        ax = fig.axes[0]
+        shown = np.ma.filled(ax.images[0].get_array().astype(float), np.nan)
+        finite = np.isfinite(stored)
+        top = stored[finite].max()
+        np.testing.assert_allclose(shown[finite], stored[finite] / top)  # were all 0: divided by inf
+        assert "1 pruned" in ax.get_title(loc="left") and "+inf" in ax.get_title(loc="left"), ax.get_title(loc="left")
+    finally:
+        plt.close(fig)

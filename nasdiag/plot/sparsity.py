@@ -80,7 +80,9 @@ def sparsity_evolution(record, cell: str):
             hm = _weights_heatmap(record, cell, row, f"{cell} cell: |A| / max |A| per edge and op over the search")
         except NothingToDraw:
             continue
-        top = float(np.nanmax(hm.matrix)) if np.isfinite(hm.matrix).any() else 0.0
+        finite = hm.matrix[np.isfinite(hm.matrix)]
+        # the largest finite |A|: dividing by an inf one turned every other op into 0, "pruned"
+        top = float(finite.max()) if finite.size else 0.0
         # every panel on [0, 1]: the distribution's shape, not its scale, is what Figs 7, 8 compare
         hm.matrix = hm.matrix / top if top > 0 else hm.matrix
         hm.limits = (0.0, 1.0)
