@@ -110,7 +110,7 @@ def test_one_outlier_cell_does_not_flatten_the_colour_scale_and_the_figure_says_
         rest = np.abs(np.delete(m.ravel(), 3 * 8 + 2)).max()
         assert hi == pytest.approx(rest) and lo == pytest.approx(-rest)  # the scale spans the other 111 cells
         title = fig.axes[0].get_title(loc="left").replace("\n", " ")
-        assert "clipped" in title and "1 outlier cell" in title and "0.5" in title, title
+        assert "clipped at ±0.00" in title and "1 cell beyond it (up to 0.5)" in title, title
         assert fig.axes[1].get_label() == "<colorbar>"
         # the outlier cell still shows its own value
         texts = {(round(t.get_position()[1]), round(t.get_position()[0])): t.get_text() for t in fig.axes[0].texts}
@@ -124,7 +124,7 @@ def test_one_outlier_cell_does_not_flatten_the_colour_scale_and_the_figure_says_
     fig = render_heatmaps({"a": Heatmap(np.abs(m), edges, ops, "normal cell: cost std", "std", signed=False),
                            "b": Heatmap(np.abs(m), edges, ops, "normal cell: cost std", "std", signed=False)})
     try:
-        assert _colour_limits(fig)[1] < 0.01 and "2 outlier cells" in fig.get_suptitle().replace("\n", " ")
+        assert _colour_limits(fig)[1] < 0.01 and "2 cells beyond it" in fig.get_suptitle().replace("\n", " ")
     finally:
         plt.close(fig)
 

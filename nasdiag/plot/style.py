@@ -271,12 +271,12 @@ class Clipped:
     signed: bool
 
     def text(self, scale: float = 1.0) -> str:
-        """``"colour scale clipped at ±0.0031: 1 outlier cell up to 0.5 in its end colour"``,
+        """``"colour scale clipped at ±0.0031: 1 cell beyond it (up to 0.5) in its end colour"``,
         the numbers multiplied by ``scale`` (back to the record's units)."""
         sign = "±" if self.signed else ""
         many = "cell" if self.cells == 1 else "cells"
-        return (f"colour scale clipped at {sign}{self.limit * scale:.3g}: {self.cells} outlier {many} up to "
-                f"{self.extreme * scale:.3g} in its end colour")
+        return (f"colour scale clipped at {sign}{self.limit * scale:.3g}: {self.cells} {many} beyond it (up to "
+                f"{self.extreme * scale:.3g}) in its end colour")
 
 
 def _outlier_limit(spans: np.ndarray) -> Optional[Tuple[float, int, float]]:
@@ -453,8 +453,8 @@ def render_heatmaps(panels: Mapping[str, Heatmap], annotate: bool = False):
         ax.set_title(title, fontsize=7 if not tails[labels[i]] else 6, loc="left")
     fig.supxlabel(first.xlabel)
     fig.supylabel(first.ylabel)
-    clip_note = f"\n[{clipped.text(10.0**p)}]" if clipped is not None else ""
-    fig.suptitle(wrap(shared_title(first.title) + ", one colour scale across runs" + clip_note, width, 9))
+    clip_note = "\n" + wrap(f"[{clipped.text(10.0**p)}]", width, 9) if clipped is not None else ""
+    fig.suptitle(shared_title(first.title) + ", one colour scale across runs" + clip_note)
     bar = fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, pad=0.01, extend=_extend(clipped))
     bar.set_label(wrap(shared + (f"  (x 1e{p})" if p else ""), 0.7 * rows * (0.6 + 0.17 * n_rows), 7), fontsize=7)
     _nonfinite_legend(fig, matrices.values())
