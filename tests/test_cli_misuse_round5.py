@@ -189,3 +189,22 @@ def test_a_second_interrupt_while_exiting_ends_the_command_at_once(tmp_path, cap
     finally:
         signal.signal(signal.SIGINT, previous)
     assert len(capsys.readouterr().err.strip().splitlines()) == 2
+
+
+# -- environment ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("env,needle", [
+    ({"RANK": "1"}, "RANK='1' is set but WORLD_SIZE is not above 1: a single process would record nothing"),
+    ({"RANK": "abc"}, "RANK='abc' is set but WORLD_SIZE is not above 1"),
+    ({"LOCAL_WORLD_SIZE": "abc"}, "LOCAL_WORLD_SIZE='abc' is not an integer"),
+])
+def test_a_stray_launcher_variable_is_one_line(env, needle, tmp_path, capsys, monkeypatch):
+    """A leftover ``RANK=1`` (no torchrun) made the single process think it was not rank 0: the whole search ran,
+    recorded nothing and printed nothing, exit 0; ``RANK=abc`` ran the search, then a ValueError traceback;
+    ``LOCAL_WORLD_SIZE=abc`` a traceback (it sizes the default --threads)."""
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    argv = _search(tmp_path / "run.h5")
+    del argv[argv.index("--threads"):argv.index("--threads") + 2]  # the default thread count reads LOCAL_WORLD_SIZE
+    refused(argv, tmp_path, needle, capsys)

@@ -60,7 +60,12 @@ def default_threads() -> int:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # pragma: no cover - macOS
         cpus = os.cpu_count() or 1
-    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    text = os.environ.get("LOCAL_WORLD_SIZE", "1") or "1"
+    try:
+        local = max(1, int(text))
+    except ValueError:  # a traceback before
+        raise ConfigError(f"environment variable LOCAL_WORLD_SIZE={text!r} is not an integer (torchrun sets it to the "
+                          "processes on this host); unset it, or pass --threads N") from None
     return max(1, min(cpus // local, 4))
 
 

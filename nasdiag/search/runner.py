@@ -404,6 +404,9 @@ def _launch_environment() -> Tuple[int, int, int]:
 
     world = integer("WORLD_SIZE", "1")
     if world <= 1:
+        if os.environ.get("RANK", "0").strip() not in ("0", ""):  # the recorder would take this process for another
+            raise ConfigError(f"environment variable RANK={os.environ['RANK']!r} is set but WORLD_SIZE is not above 1: a "  # rank
+                              "single process would record nothing (only rank 0 writes); unset RANK, or " + how)
         return 1, 0, 0
     missing = [name for name in _LAUNCH_VARIABLES if not os.environ.get(name)]
     if missing:
