@@ -229,3 +229,44 @@ def test_sparsity_panels_of_a_row_with_an_infinite_weight_keep_the_other_ops_and
         assert "1 pruned" in ax.get_title(loc="left") and "+inf" in ax.get_title(loc="left"), ax.get_title(loc="left")
     finally:
         plt.close(fig)
+
+
+def _every_family_row(fill: float, E: int, K: int) -> dict:
+    """One row of every vocabulary family (``<cell>`` = normal, ``<name>`` = loss), float values ``fill``."""
+    from nasdiag import vocabulary as V
+
+    row = {}
+    for fam in V.families():
+        path = fam.pattern.replace("<cell>", "normal").replace("<name>", "loss")
+        dims = [d.strip() for d in fam.shape.strip("()").split(",") if d.strip()]
+        shape = tuple({"E": E, "K": K, "R": 2}[d] for d in dims)
+        kind = np.dtype(fam.dtype).kind
+        if kind == "b":
+            row[path] = np.ones(shape, bool) if shape else True
+        elif kind == "i":
+            row[path] = np.full(shape, 3, np.int64) if shape else np.int64(3)
+        elif not shape:
+            row[path] = float(fill)
+        else:
+            values = np.full(shape, fill, np.float32)
+            if np.isfinite(fill):  # distinct values: a constant map is not what is being tested
+                values = values + 0.01 * np.arange(values.size, dtype=np.float32).reshape(shape)
+            row[path] = values
+    return row
+
+
+@pytest.mark.slow
+def test_every_registered_figure_draws_or_says_why_across_nan_and_inf_rows(tmp_path):
+    """Rows of every family, the middle ones NaN or ±inf everywhere (the epoch too), the last finite: every
+    (figure, cell) the registry yields is a file or one skip line, and nothing raises."""
+    from nasdiag.plot.registry import iter_figures
+
+    E, K = len(EDGES), len(OPS)
+    rows = [_every_family_row(v, E, K) for v in (0.2, np.nan, np.inf, -np.inf, 0.4)]
+    path = _record(tmp_path / "r.h5", rows)
+    record = load(path)
+    expected = len(list(iter_figures(record)))
+    drawn = draw_record(record, tmp_path / "figs", dpi=20)
+    assert len(drawn.files) + len(drawn.skipped) == expected
+    assert len(drawn.files) >= expected - 3, drawn.skipped  # only the figures with nothing to show may be skipped
+    assert all(": " in line for line in drawn.skipped)
