@@ -276,6 +276,19 @@ def _stopped(args: Optional[argparse.Namespace], how: str, exc: Optional[BaseExc
     return f"nasdiag: {how}; the record holds every completed step (continue with --resume)"
 
 
+def _with_resume(line: str, exc: BaseException, args, argv) -> str:
+    """``line`` plus, for a search that failed after it began recording (``exc.resumable``), what the record keeps
+    (``exc.kept``, unless the line says it) and the command that resumes it."""
+    if not getattr(exc, "resumable", False) or args is None or args.command != "search":
+        return line
+    kept = getattr(exc, "kept", None)
+    if kept is not None:
+        record, last = kept
+        line += (f"; the record {record} keeps steps 1 to {last}" if last else f"; the record {record} holds no step yet") + \
+            ": fix that and continue it with the same settings"
+    return f"{line}: {_resume_command(sys.argv[1:] if argv is None else argv)}"
+
+
 def _resume_command(argv: List[str]) -> str:
     """The ``nasdiag search`` command that resumes the run ``argv`` started (``--force`` dropped, ``--resume``
     added), quoted for a shell."""
@@ -340,9 +353,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         from nasdiag.record.errors import DamagedRecordError
 
         line = _damaged(exc) if isinstance(exc, DamagedRecordError) else _one_line(exc)
-        if getattr(exc, "resumable", False) and args is not None and args.command == "search":
-            line = f"{line}: {_resume_command(sys.argv[1:] if argv is None else argv)}"
-        print(line, file=sys.stderr)
+        print(_with_resume(line, exc, args, argv), file=sys.stderr)
         return EXIT_USAGE
     except BrokenPipeError:  # the reader of our output went away (| head): not an error of the command
         _quiet_stdout()
@@ -351,7 +362,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         from nasdiag.record.lock import describe_os_error
 
         where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
-        print(f"nasdiag: error: {describe_os_error(exc)}{where}", file=sys.stderr)
+        print(_with_resume(f"nasdiag: error: {describe_os_error(exc)}{where}", exc, args, argv), file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt as exc:
         print(_stopped(args, "interrupted", exc), file=sys.stderr)

@@ -628,10 +628,11 @@ def _run(config, callbacks, method_cls, hp, rank, world, device) -> SearchResult
             evaluation = search_loop(method, splits, epochs=config.epochs, batch_size=config.batch_size, seed=config.seed,
                                      start_step=start_step, callbacks=loop_callbacks, diagnostics=config.diagnostics,
                                      spectrum_every=config.spectrum_every, rank=rank, world_size=world)
-    except (RuntimeError, MemoryError) as exc:
-        if not out_of_memory(exc):
-            raise
-        raise _ran_out_of_memory(exc, config, device, record_cb) from exc
+    except Exception as exc:
+        if out_of_memory(exc):
+            raise _ran_out_of_memory(exc, config, device, record_cb) from exc
+        _say_what_is_kept(exc, config, record_cb)
+        raise
     finally:
         progress.close()
         if world > 1:  # graphs with captured collectives would hang the process group's destruction
@@ -695,6 +696,30 @@ def _ran_out_of_memory(exc: BaseException, config: SearchConfig, device, record_
     kept = f"keeps steps 1 to {last}" if last else "holds no step yet"
     return OutOfMemoryError(f"{head}; the record {record} {kept} and continues with the same settings through --resume "
                             "(once the memory is free, or on another --device)", record=record)
+
+
+def _environmental(exc: BaseException) -> bool:
+    """Whether ``exc`` is, or was raised while handling, an OSError (a full disk, a folder made read-only or
+    unmounted mid-run): a failure of the machine, which a resume on the same settings gets past once it is fixed."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, OSError):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _say_what_is_kept(exc: BaseException, config: SearchConfig, record_cb) -> None:
+    """On a machine failure during the loop (`_environmental`), tell the caller what the record keeps:
+    ``exc.kept = (record, last committed step)`` and ``exc.resumable``, which the CLI turns into the command
+    that resumes it (a full disk said only "disk full", as if the run were lost)."""
+    recorder = getattr(record_cb, "recorder", None)
+    if recorder is None or not _environmental(exc) or not os.path.exists(os.fspath(config.record)):
+        return
+    with contextlib.suppress(AttributeError):  # an exception type with __slots__
+        exc.kept = (os.fspath(config.record), recorder.last_committed_step or 0)
+        exc.resumable = True
 
 
 @contextlib.contextmanager
