@@ -285,3 +285,21 @@ def test_a_second_writer_through_a_symbolic_link_to_the_record_is_refused(tmp_pa
         rec.log(1, {"scalars/x": 2.0})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["alias.h5", "run.h5"]
     np.testing.assert_array_equal(load(alias)["scalars/x"], [1.0, 2.0])
+
+
+def test_a_flush_every_whose_buffers_do_not_fit_in_memory_is_one_record_error(tmp_path):
+    """numpy's MemoryError (a traceback) came out of the constructor, and out of `log` for a row too big to buffer."""
+    with pytest.raises(RecordError, match=r"flush_every=10000000000000 rows .*does not fit in memory.*smaller flush_every"):
+        Recorder(tmp_path / "a.h5", flush_every=10**13)
+    assert list(tmp_path.iterdir()) == []
+    with Recorder(tmp_path / "b.h5", flush_every=10**5, flush_seconds=None) as rec:
+        rec.log(0, {"scalars/a": 1.0})
+        rec.flush()
+        with pytest.raises(RecordError, match=r"'arch/huge'.*shape \(100000, 100000, 1000\).*smaller flush_every") as info:
+            rec.log(1, {"scalars/a": 2.0, "arch/huge": np.lib.stride_tricks.as_strided(np.zeros(1, np.float32),
+                                                                                     (10**5, 10**5, 1000), (0, 0, 0))})
+        assert "\n" not in str(info.value)
+        rec.log(2, {"scalars/a": 3.0})  # the refused row left nothing behind
+    out = load(tmp_path / "b.h5")
+    np.testing.assert_array_equal(out["step"], [0, 2])
+    assert "arch/huge" not in out

@@ -143,14 +143,14 @@ class _Column:
 
     __slots__ = ("path", "shape", "dtype", "is_float", "is_float_scalar", "index", "buffer", "nonfinite", "written_nonfinite", "session_nonfinite", "warned")
 
-    def __init__(self, path: str, shape: tuple[int, ...], dtype: np.dtype, index: int, rows: int):
+    def __init__(self, path: str, shape: tuple[int, ...], dtype: np.dtype, index: int, buffer: np.ndarray):
         self.path = path
         self.shape = shape
         self.dtype = dtype
         self.is_float = dtype.kind == "f"
         self.is_float_scalar = self.is_float and shape == ()
         self.index = index
-        self.buffer = np.empty((rows, *shape), dtype)
+        self.buffer = buffer  # (flush_every, *shape): the rows of the next batch
         self.nonfinite = 0  # in this segment, including buffered rows
         self.written_nonfinite = 0  # the value of the segment's attribute
         self.session_nonfinite = 0
@@ -228,7 +228,7 @@ class Recorder:
         self.flush_seconds = flush_seconds
         self._meta = schema.normalize_meta(meta)
         self._columns: dict[str, _Column] = {}
-        self._step_buffer = np.empty(self.flush_every, np.int64)
+        self._step_buffer = self._new_buffer("step", (), np.int64)
         self._present = np.zeros((self.flush_every, 0), bool)
         self._rows = 0  # buffered rows
         self._file: h5py.File | None = None
@@ -322,7 +322,7 @@ class Recorder:
             if changed:
                 warnings.warn(f"resuming {self.path} with a different {_describe_changes(changed)}", RecordWarning, stacklevel=4)
         for path, col in merged_columns(segments).items():
-            self._add_column(path, col.shape, col.dtype)
+            self._add_column(path, col.shape, col.dtype, self._new_buffer(path, col.shape, col.dtype))
         self._run_id = segments[0].run_id or self._run_id
         steps = [int(seg.steps.max()) for seg in segments if seg.steps.size]
         self._last_step = max(steps) if steps else None
@@ -466,6 +466,8 @@ class Recorder:
         new segment if the current one is already in SWMR mode); returns ``[(column, value)]``."""
         row, new_columns = self._validate_row(step, values)
         if new_columns:
+            # allocated before anything changes: a row whose buffers do not fit is refused whole
+            buffers = [self._new_buffer(path, shape, dtype) for path, shape, dtype in new_columns]
             if self._file is not None:
                 # SWMR cannot create datasets in an open file: finish this segment, start the next.
                 # (A placeholder is replaced by the first flush, so it needs no switch.)
@@ -473,8 +475,8 @@ class Recorder:
                 self._close_segment()
                 self._previous_segments.append([self._segment_index, self._segment_rows])
                 self._segment_index += 1
-            for path, shape, dtype in new_columns:
-                self._add_column(path, shape, dtype)
+            for (path, shape, dtype), buffer in zip(new_columns, buffers):
+                self._add_column(path, shape, dtype, buffer)
         columns = self._columns
         return [(columns[path], value) for path, value in row]
 
@@ -610,9 +612,19 @@ class Recorder:
         if counts:
             warnings.warn(f"{self.path}: NaN/inf values logged in this session: {counts}", RecordWarning, stacklevel=3)
 
-    def _add_column(self, path: str, shape, dtype) -> None:
+    def _new_buffer(self, path: str, shape, dtype) -> np.ndarray:
+        """An empty (flush_every, *shape) buffer; `RecordError` (one line) where it does not fit in memory."""
+        try:
+            return np.empty((self.flush_every, *shape), dtype)
+        except (MemoryError, ValueError) as err:  # ValueError: more bytes than an array may have
+            raise RecordError(
+                f"{path!r}: a buffer of flush_every={self.flush_every} rows of shape {tuple(shape)} {np.dtype(dtype)} "
+                f"does not fit in memory ({str(err).splitlines()[0]}); pass a smaller flush_every (default 64)"
+            ) from None
+
+    def _add_column(self, path: str, shape, dtype, buffer: np.ndarray) -> None:
         index = len(self._columns)
-        self._columns[path] = _Column(path, tuple(shape), np.dtype(dtype), index, self.flush_every)
+        self._columns[path] = _Column(path, tuple(shape), np.dtype(dtype), index, buffer)
         present = np.zeros((self.flush_every, index + 1), bool)
         present[:, :index] = self._present
         self._present = present
