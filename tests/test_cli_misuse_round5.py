@@ -239,3 +239,13 @@ def test_a_full_disk_during_training_says_what_the_record_keeps(tmp_path, capsys
     assert main(shlex.split(lines[0].split(": nasdiag ", 1)[1])) == 0
     capsys.readouterr()
     assert list(load(str(out))["step"]) == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--steps", "1000"], "steps 1000 is too large: a cell of 1000 nodes has 501500 edges of every op; give at most 32"),
+    (["--layers", "100000"], "layers 100000 is too large: give at most 512 cells"),
+])
+def test_a_supernet_shape_that_would_fill_the_memory(extra, needle, tmp_path, capsys):
+    """``--steps 1000`` / ``--layers 100000`` built millions of small modules for minutes until the machine's memory
+    was full (no single allocation failed, so it was never the one-line "does not fit" of round 4)."""
+    refused(_search(tmp_path / "run.h5", *extra), tmp_path, needle, capsys)

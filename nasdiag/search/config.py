@@ -40,6 +40,12 @@ RECORD_DEFINING = ("diagnostics", "hessian_mode", "spectrum_every")
 MAX_HUTCHINSON_PROBES = 1024
 
 
+#: the largest supernet shape: a cell of ``steps`` nodes has steps·(steps+3)/2 edges of K ops each (DARTS searches
+#: with 4 steps and 8 layers); past these, building it takes gigabytes of small modules and minutes, and
+#: ``--steps 1000`` or ``--layers 100000`` filled the machine's memory instead of failing
+MAX_STEPS, MAX_LAYERS = 32, 512
+
+
 def check_probe_count(mode, what: str) -> None:
     """Refuse ``hutchinson:<k>`` with k above `MAX_HUTCHINSON_PROBES` (``what`` names the option)."""
     if not isinstance(mode, str) or not mode.startswith("hutchinson:"):
@@ -166,6 +172,12 @@ class SearchConfig:
                 raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
         if self.C % 2:
             raise ConfigError(f"C must be even (FactorizedReduce halves it), got {self.C}")
+        if self.steps > MAX_STEPS:
+            raise ConfigError(f"steps {self.steps} is too large: a cell of {self.steps} nodes has "
+                              f"{self.steps * (self.steps + 3) // 2} edges of every op; give at most {MAX_STEPS} "
+                              "(DARTS: 4)")
+        if isinstance(self.layers, int) and not isinstance(self.layers, bool) and self.layers > MAX_LAYERS:
+            raise ConfigError(f"layers {self.layers} is too large: give at most {MAX_LAYERS} cells (DARTS searches with 8)")
         if isinstance(self.layers, bool) or not isinstance(self.layers, int) or self.layers < 3:
             raise ConfigError(f"layers must be >= 3, got {self.layers!r}: with fewer, every cell is a reduction cell "
                               "(reductions sit at layers//3 and 2*layers//3) and the normal cell would be empty")
