@@ -260,7 +260,8 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     return args
 
 
-def _stopped(args: Optional[argparse.Namespace], how: str, exc: Optional[BaseException] = None) -> str:
+def _stopped(args: Optional[argparse.Namespace], how: str, exc: Optional[BaseException] = None,
+             argv: Optional[List[str]] = None) -> str:
     """The line printed when a command is interrupted (``how``): what the record holds, when there is one."""
     if args is None or args.command != "search":
         return f"nasdiag: {how}"
@@ -273,7 +274,9 @@ def _stopped(args: Optional[argparse.Namespace], how: str, exc: Optional[BaseExc
                 f"draw them with nasdiag plot {quote(record)} --out {quote(figures)}")
     if not args.out or not os.path.exists(args.out):
         return f"nasdiag: {how} before anything was recorded; run the command again (without --resume)"
-    return f"nasdiag: {how}; the record holds every completed step (continue with --resume)"
+    if argv is None:
+        argv = sys.argv[1:]
+    return f"nasdiag: {how}; the record holds every completed step: continue it with {_resume_command(argv)}"
 
 
 def _with_resume(line: str, exc: BaseException, args, argv) -> str:
@@ -365,11 +368,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(_with_resume(f"nasdiag: error: {describe_os_error(exc)}{where}", exc, args, argv), file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt as exc:
-        print(_stopped(args, "interrupted", exc), file=sys.stderr)
+        print(_stopped(args, "interrupted", exc, argv), file=sys.stderr)
         _die_on_the_next_interrupt(argv, main_thread)
         return EXIT_SIGINT
     except Terminated as exc:
-        print(_stopped(args, "terminated (SIGTERM)", exc), file=sys.stderr)
+        print(_stopped(args, "terminated (SIGTERM)", exc, argv), file=sys.stderr)
         _die_on_the_next_interrupt(argv, main_thread)
         return EXIT_SIGTERM
     finally:

@@ -249,3 +249,21 @@ def test_a_supernet_shape_that_would_fill_the_memory(extra, needle, tmp_path, ca
     """``--steps 1000`` / ``--layers 100000`` built millions of small modules for minutes until the machine's memory
     was full (no single allocation failed, so it was never the one-line "does not fit" of round 4)."""
     refused(_search(tmp_path / "run.h5", *extra), tmp_path, needle, capsys)
+
+
+def test_an_interrupt_prints_the_command_that_resumes(tmp_path, capsys, monkeypatch):
+    """Ctrl-C said "continue with --resume": a user who had passed --force, added --resume to it and was refused
+    (they contradict each other); the line now holds the command, without --force, quoted for a shell."""
+    import nasdiag.search
+
+    def interrupted(config, callbacks=()):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(nasdiag.search, "run", interrupted)
+    out = tmp_path / "my run's" / "run.h5"
+    out.parent.mkdir()
+    out.write_bytes(b"stands in for the record of this run")
+    assert main(_search(out, "--force")) == 130
+    line = capsys.readouterr().err.strip()
+    assert "the record holds every completed step: continue it with nasdiag " in line, line
+    assert shlex.split(line.split("continue it with nasdiag ", 1)[1]) == _search(out, "--resume")
