@@ -353,7 +353,9 @@ class StepCapture:
         if root is None:
             return
         target, target_nr = call.inp_edge.node, call.inp_edge.output_nr
-        stack, seen, consumers = [root], {id(root)}, []
+        # seen keeps the node objects alive: torch < 2.13 makes a new Python wrapper per access and frees it after
+        # use, so the id of a freed wrapper is reused by the next one and an id-only set skips unvisited nodes
+        stack, seen, consumers = [root], {id(root): root}, []
         while stack:
             node = stack.pop()
             slots = []
@@ -363,7 +365,7 @@ class StepCapture:
                 if child is target and nr == target_nr:
                     slots.append(slot)
                 elif id(child) not in seen and child._sequence_nr() > call.first_node:  # inside this forward only
-                    seen.add(id(child))
+                    seen[id(child)] = child
                     stack.append(child)
             if slots:
                 consumers.append((node, tuple(slots)))
