@@ -21,7 +21,7 @@ import pytest
 
 from nasdiag.cli import main
 
-TINY = ["--epochs", "1", "--C", "4", "--layers", "3", "--steps", "2", "--batch-size", "240", "--diagnostics", "none",
+TINY = ["--epochs", "1", "--C", "4", "--layers", "3", "--steps", "2", "--batch-size", "240", "--diagnostics", "none", "--device", "cpu",
         "--no-progress", "--no-figs", "--threads", "1"]
 ROOT = Path(__file__).resolve().parents[1]
 
