@@ -303,3 +303,18 @@ def test_a_flush_every_whose_buffers_do_not_fit_in_memory_is_one_record_error(tm
     out = load(tmp_path / "b.h5")
     np.testing.assert_array_equal(out["step"], [0, 2])
     assert "arch/huge" not in out
+
+
+def test_a_buffer_larger_than_the_free_memory_is_refused_even_where_the_kernel_overcommits(tmp_path, monkeypatch):
+    """A kernel that overcommits (vm.overcommit_memory=1, common on GPU hosts) lets numpy 'allocate' 80 TB, and the
+    writer is killed without a message when the rows are written; the free memory the kernel reports decides."""
+    from nasdiag import memory
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       2048 kB\nMemAvailable:   1024 kB\n")  # 1 MiB free
+    monkeypatch.setattr(memory, "MEMINFO", str(meminfo))
+    monkeypatch.setattr(memory, "CGROUP_MEMORY", (str(tmp_path / "none"), str(tmp_path / "none")))
+    monkeypatch.setattr(np, "empty", lambda shape, dtype=float: np.zeros(0, dtype))  # numpy never refuses
+    with pytest.raises(RecordError, match=r"flush_every=262144 rows .*does not fit in memory.*smaller flush_every"):
+        Recorder(tmp_path / "a.h5", flush_every=2**18)  # 2 MiB of int64 steps
+    assert list(tmp_path.iterdir()) == [meminfo]

@@ -202,12 +202,13 @@ def test_exact_on_a_net_too_large_for_the_memory_asked_is_refused_with_its_size(
 
 
 def test_free_cpu_memory_is_the_smaller_of_the_kernel_estimate_and_the_cgroup_limit(monkeypatch, tmp_path):
+    from nasdiag import memory
     from nasdiag.hessian import _hvp
 
     meminfo, limit, used = tmp_path / "meminfo", tmp_path / "memory.max", tmp_path / "memory.current"
     meminfo.write_text("MemTotal:       32000000 kB\nMemAvailable:   20000000 kB\n")
-    monkeypatch.setattr(_hvp, "MEMINFO", str(meminfo))
-    monkeypatch.setattr(_hvp, "CGROUP_MEMORY", (str(limit), str(used)))
+    monkeypatch.setattr(memory, "MEMINFO", str(meminfo))
+    monkeypatch.setattr(memory, "CGROUP_MEMORY", (str(limit), str(used)))
     assert _hvp.free_memory("cpu") == 20000000 * 1024  # no cgroup files: the kernel's estimate
     limit.write_text("max\n"), used.write_text("123\n")
     assert _hvp.free_memory("cpu") == 20000000 * 1024  # no cgroup limit

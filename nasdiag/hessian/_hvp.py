@@ -23,6 +23,8 @@ from typing import Callable, Iterator, List, Mapping, Optional, Sequence, Tuple,
 import torch
 from torch import nn
 
+from nasdiag import memory
+
 Inputs = Union[torch.Tensor, Tuple[torch.Tensor, ...]]
 
 
@@ -505,17 +507,6 @@ PRODUCT_FACTOR = 8
 DEFAULT_MEMORY_SHARE = 0.5
 
 
-#: where a CPU's free memory is read: the kernel's estimate, and the limit and usage of this process's cgroup
-#: (v2), which a container may set far below the machine's memory while ``MemAvailable`` still shows the host's
-MEMINFO = "/proc/meminfo"
-CGROUP_MEMORY = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current")
-
-
-def _read(path: str) -> str:
-    with open(path) as f:
-        return f.read().strip()
-
-
 def free_memory(device: torch.device) -> Optional[int]:
     """Bytes free for new tensors on ``device``: on CUDA the driver's free memory plus what torch's caching
     allocator holds unused; on a CPU the kernel's ``MemAvailable`` (Linux), or what the process's cgroup
@@ -526,19 +517,7 @@ def free_memory(device: torch.device) -> Optional[int]:
         return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
     if device.type != "cpu":
         return None
-    found = []
-    try:
-        with open(MEMINFO) as info:
-            found += [int(line.split()[1]) * 1024 for line in info if line.startswith("MemAvailable:")]
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        limit, used = (_read(path) for path in CGROUP_MEMORY)
-        if limit != "max":
-            found.append(max(int(limit) - int(used), 0))
-    except (OSError, ValueError):
-        pass
-    return min(found) if found else None
+    return memory.free_cpu_memory()
 
 
 #: what a caller of an exact mode whose single product does not fit can use instead (its own ``instead=`` may say better)

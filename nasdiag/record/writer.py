@@ -38,6 +38,7 @@ import h5py
 import numpy as np
 
 from nasdiag.arrays import to_numpy
+from nasdiag.memory import free_cpu_memory
 from nasdiag.record import schema
 from nasdiag.record.errors import RecordError, RecordWarning, ResumeMismatchError
 from nasdiag.record.lock import WriterLock, describe_os_error
@@ -615,6 +616,11 @@ class Recorder:
     def _new_buffer(self, path: str, shape, dtype) -> np.ndarray:
         """An empty (flush_every, *shape) buffer; `RecordError` (one line) where it does not fit in memory."""
         try:
+            nbytes = self.flush_every * math.prod(shape) * np.dtype(dtype).itemsize
+            free = free_cpu_memory()
+            if free is not None and nbytes > free:
+                # a kernel that overcommits hands out any size, and kills the process when the rows are written
+                raise MemoryError(f"{nbytes} bytes, {free} free")
             return np.empty((self.flush_every, *shape), dtype)
         except (MemoryError, ValueError) as err:  # ValueError: more bytes than an array may have
             raise RecordError(
