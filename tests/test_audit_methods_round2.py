@@ -25,6 +25,7 @@ from torch.func import functional_call
 from nasdiag import vocabulary as V
 from nasdiag.search import Schedule, get_method
 from nasdiag.supernet import Network
+from test_run import _InterruptAt
 
 B = 4
 PRIMS = ("none", "skip_connect", "max_pool_3x3", "avg_pool_3x3", "sep_conv_3x3")
@@ -128,16 +129,22 @@ def assert_same_state(method, ref, rtol=1e-10, atol=1e-12):
             torch.testing.assert_close(p.detach(), ref.w[n], rtol=rtol, atol=atol, msg=n)
 
 
+def alternating(name, seed, **hp):
+    """A method of the DARTS family on ``supernet(seed)`` over 3 one-step epochs, with this file's own reference
+    copy of the supernet and own Adam (α) and SGD (w) transcriptions set up from the same hyperparameters."""
+    h = get_method(name).Hyperparameters(**hp)
+    net = supernet(seed)
+    method = get_method(name)(net, h, schedule=Schedule(epochs=3, steps_per_epoch=1, batch_size=B))
+    adam, sgd = Adam(h.alpha_lr, h.alpha_betas, h.alpha_weight_decay), SGD(h.w_momentum, h.w_weight_decay)
+    return net, method, h, Reference(net), adam, sgd
+
+
 # -- DARTS, first order -----------------------------------------------------------------------------------
 def test_darts_first_order_two_steps_equal_the_papers_alternation():
     """DARTS Alg. 1 with ξ = 0: α ← Adam(∇_α L_val(w, α) + λ_α α) on search-val at Z = softmax(α), then w ← SGD
     on search-train at the UPDATED α; cosine lr of w per epoch; the record's scalars are those of this step."""
-    cls = get_method("darts")
-    h = cls.Hyperparameters(alpha_lr=0.05, grad_clip=0.3)  # a clip that binds (‖∇w‖ ≈ 1 here)
-    net = supernet(0)
-    method = cls(net, h, schedule=Schedule(epochs=3, steps_per_epoch=1, batch_size=B))
-    ref = Reference(net)
-    adam, sgd = Adam(h.alpha_lr, h.alpha_betas, h.alpha_weight_decay), SGD(h.w_momentum, h.w_weight_decay)
+    # a clip that binds (‖∇w‖ ≈ 1 here)
+    net, method, h, ref, adam, sgd = alternating("darts", 0, alpha_lr=0.05, grad_clip=0.3)
     data = batches(4, 1)
     for epoch in range(2):
         (xt, yt), (xv, yv) = data[2 * epoch], data[2 * epoch + 1]
@@ -288,12 +295,7 @@ def test_snas_two_steps_equal_the_gumbel_softmax_relaxation_with_the_same_noise(
 
     draws = Draws(11)
     monkeypatch.setattr(snas, "gumbel_noise", draws.gumbel)
-    cls = get_method("snas")
-    h = cls.Hyperparameters(alpha_lr=0.05, tau0=0.8, grad_clip=0.3)
-    net = supernet(6)
-    method = cls(net, h, schedule=Schedule(epochs=3, steps_per_epoch=1, batch_size=B))
-    ref = Reference(net)
-    adam, sgd = Adam(h.alpha_lr, h.alpha_betas, h.alpha_weight_decay), SGD(h.w_momentum, h.w_weight_decay)
+    net, method, h, ref, adam, sgd = alternating("snas", 6, alpha_lr=0.05, tau0=0.8, grad_clip=0.3)
     tau = h.tau0
     for epoch, (x, y) in enumerate(batches(2, 12)):
         stats = method.step((x, y))
@@ -325,12 +327,7 @@ def test_dsnas_two_steps_equal_the_score_function_estimator_with_the_same_sample
 
     draws = Draws(21)
     monkeypatch.setattr(dsnas, "sample_onehot", draws.onehot)
-    cls = get_method("dsnas")
-    h = cls.Hyperparameters(alpha_lr=0.05, grad_clip=0.3)
-    net = supernet(7)
-    method = cls(net, h, schedule=Schedule(epochs=3, steps_per_epoch=1, batch_size=B))
-    ref = Reference(net)
-    adam, sgd = Adam(h.alpha_lr, h.alpha_betas, h.alpha_weight_decay), SGD(h.w_momentum, h.w_weight_decay)
+    net, method, h, ref, adam, sgd = alternating("dsnas", 7, alpha_lr=0.05, grad_clip=0.3)
     counts = {t: torch.zeros_like(a, dtype=torch.int64) for t, a in ref.alpha.items()}
     for epoch, (x, y) in enumerate(batches(2, 22)):
         stats = method.step((x, y))
@@ -367,12 +364,7 @@ def test_proxyless_step_equals_binary_connect_on_the_sampled_pair_with_the_same_
     draws = Draws(31)
     monkeypatch.setattr(proxyless, "sample_onehot", draws.onehot)
     monkeypatch.setattr(proxyless, "sample_two_paths", draws.two_paths)
-    cls = get_method("proxyless")
-    h = cls.Hyperparameters(alpha_lr=0.05, grad_clip=0.3)
-    net = supernet(8)
-    method = cls(net, h, schedule=Schedule(epochs=3, steps_per_epoch=1, batch_size=B))
-    ref = Reference(net)
-    adam, sgd = Adam(h.alpha_lr, h.alpha_betas, h.alpha_weight_decay), SGD(h.w_momentum, h.w_weight_decay)
+    net, method, h, ref, adam, sgd = alternating("proxyless", 8, alpha_lr=0.05, grad_clip=0.3)
     data = batches(4, 32)
     for epoch in range(2):
         (xt, yt), (xv, yv) = data[2 * epoch], data[2 * epoch + 1]
@@ -755,23 +747,6 @@ def test_bayesnas_pruning_removes_edges_and_through_a_2_14_the_node_they_feed():
     assert genes.normal_concat == [3] and all(2 not in (i, j) for _, i, j in genes.normal)
 
 
-class _StopAt:
-    """A search callback that interrupts the run after a given step (as Ctrl-C would)."""
-
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, step, stats):
-        if step == self.step:
-            raise KeyboardInterrupt
-
-    def on_epoch_end(self, epoch, stats):
-        pass
-
-    def on_exception(self, exc):
-        pass
-
-
 @pytest.mark.slow  # three short run()s on digits
 def test_bayesnas_run_interrupted_inside_an_epoch_and_resumed_equals_the_uninterrupted_run(tmp_path):
     """run() of BayesNAS (an update, with pruning, at each epoch's last step) stopped after the first step of the
@@ -790,7 +765,7 @@ def test_bayesnas_run_interrupted_inside_an_epoch_and_resumed_equals_the_uninter
 
     run(config("whole.h5"))
     with pytest.raises(KeyboardInterrupt):
-        run(config("resumed.h5"), callbacks=[_StopAt(719 // 240 + 1)])
+        run(config("resumed.h5"), callbacks=[_InterruptAt(719 // 240 + 1)])
     run(config("resumed.h5", resume=True))
     whole, resumed = load(str(tmp_path / "whole.h5")), load(str(tmp_path / "resumed.h5"))
     assert whole["step"].tolist() == resumed["step"].tolist() == list(range(1, 2 * (719 // 240) + 1))

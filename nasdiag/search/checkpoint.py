@@ -63,7 +63,7 @@ def save_checkpoint(path: str, payload: Mapping[str, Any]) -> None:
             os.unlink(tmp)
         except OSError:
             pass
-        cause = _os_error_in(exc) if isinstance(exc, Exception) else None  # an interrupt stays one
+        cause = os_error_in(exc) if isinstance(exc, Exception) else None  # an interrupt stays one
         if cause is not None:
             from nasdiag.record.lock import describe_os_error
 
@@ -71,7 +71,7 @@ def save_checkpoint(path: str, payload: Mapping[str, Any]) -> None:
         raise
 
 
-def _os_error_in(exc: BaseException):
+def os_error_in(exc: BaseException):
     """The OSError ``exc`` is or was raised while handling (torch.save turns a failed write, such as a
     full disk, into a RuntimeError raised from its zip writer's cleanup), else None."""
     seen = set()

@@ -28,7 +28,7 @@ import torch
 
 from nasdiag.errors import ConfigError, NasdiagError
 from nasdiag.search.base import SearchError, Schedule, SearchMethod
-from nasdiag.search.checkpoint import Checkpointer, load_checkpoint, set_rng_state, temp_path
+from nasdiag.search.checkpoint import Checkpointer, load_checkpoint, os_error_in, set_rng_state, temp_path
 from nasdiag.search.config import (RECORD_DEFINING, SearchConfig, check_probe_count, default_threads, did_you_mean,
                                    differing_fields)
 from nasdiag.search.registry import get_method
@@ -698,24 +698,13 @@ def _ran_out_of_memory(exc: BaseException, config: SearchConfig, device, record_
                             "(once the memory is free, or on another --device)", record=record)
 
 
-def _environmental(exc: BaseException) -> bool:
-    """Whether ``exc`` is, or was raised while handling, an OSError (a full disk, a folder made read-only or
-    unmounted mid-run): a failure of the machine, which a resume on the same settings gets past once it is fixed."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, OSError):
-            return True
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
 def _say_what_is_kept(exc: BaseException, config: SearchConfig, record_cb) -> None:
-    """On a machine failure during the loop (`_environmental`), tell the caller what the record keeps:
+    """On a machine failure during the loop (an OSError it is or was raised while handling, `os_error_in`), tell
+    the caller what the record keeps:
     ``exc.kept = (record, last committed step)`` and ``exc.resumable``, which the CLI turns into the command
     that resumes it (a full disk said only "disk full", as if the run were lost)."""
     recorder = getattr(record_cb, "recorder", None)
-    if recorder is None or not _environmental(exc) or not os.path.exists(os.fspath(config.record)):
+    if recorder is None or os_error_in(exc) is None or not os.path.exists(os.fspath(config.record)):
         return
     with contextlib.suppress(AttributeError):  # an exception type with __slots__
         exc.kept = (os.fspath(config.record), recorder.last_committed_step or 0)
