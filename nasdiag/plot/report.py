@@ -83,12 +83,11 @@ def _last(record, path: str) -> Optional[Tuple[int, float]]:
 
 def _segment_attrs(path) -> List[Dict]:
     """The attributes of each segment file (created, host, versions) and its rows and last write time."""
-    from nasdiag.record.reader import open_segment_file, read_segments
+    from nasdiag.record.reader import read_segments, segment_attrs
 
     out = []
     for seg in read_segments(path, with_data=False):
-        with open_segment_file(seg.file) as f:
-            attrs = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in f.attrs.items()}
+        attrs = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in segment_attrs(seg.file).items()}
         attrs["rows"] = int(seg.steps.shape[0])
         attrs["first_step"] = int(seg.steps[0]) if seg.steps.size else None
         attrs["last_step"] = int(seg.steps[-1]) if seg.steps.size else None

@@ -10,6 +10,7 @@ import functools
 import json
 import os
 import socket
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -47,6 +48,20 @@ class Segment:
     damage: "Damage | None" = None  # the first bad row; only the rows before it are kept
 
 
+#: HDF5 shares one file object between the opens of a file in one process, so a thread closing its open while
+#: another reads through it crashed the process (a live reader thread beside a `load` in the main thread); the
+#: readers below take turns, each from open to close
+_READS = threading.RLock()
+
+
+def _one_read_at_a_time(function):
+    @functools.wraps(function)
+    def locked(*args, **kwargs):
+        with _READS:
+            return function(*args, **kwargs)
+    return locked
+
+
 def open_segment_file(file: str, live: bool = True) -> h5py.File:
     """Open a segment for reading; SWMR first (live or crashed writers), plain read as fallback.
 
@@ -69,6 +84,7 @@ def open_segment_file(file: str, live: bool = True) -> h5py.File:
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 
 
+@_one_read_at_a_time
 def not_a_record(file: str) -> str | None:
     """Why the existing file ``file`` is not a record segment (a phrase such as "it is not an HDF5
     file"), or None when it is one. An HDF5 file that cannot be opened counts as a damaged record
@@ -275,6 +291,7 @@ def _check_version(f: h5py.File, file: str) -> None:
         )
 
 
+@_one_read_at_a_time
 def read_segment(index: int, file: str, with_data: bool = True, live: bool = True) -> Segment:
     """Read and verify the committed rows of one segment file (``with_data=False``: keep schema and
     steps only). The rows are checked as `load` describes; ``Segment.damage`` says where the first
@@ -314,6 +331,13 @@ def read_segment(index: int, file: str, with_data: bool = True, live: bool = Tru
             segment.present[path] = present[:, col].astype(bool)
             segment.nonfinite[path] = nonfinite[path]
     return segment
+
+
+@_one_read_at_a_time
+def segment_attrs(file: str) -> dict:
+    """The root attributes of one segment file (created, host, versions, run id, ...), as stored."""
+    with open_segment_file(file) as f:
+        return dict(f.attrs.items())
 
 
 def _damaged_segment(index: int, file: str, reason: str) -> Segment:
@@ -522,11 +546,10 @@ def load_meta(path, *, salvage: bool = False) -> dict:
     if not segments:
         return {"segments": [], "nonfinite_counts": {}}
     meta = dict(segments[-1].meta)
-    with open_segment_file(segments[-1].file) as f:
-        for key in ("schema_version", "nasdiag_version", "torch_version", "h5py_version", "hdf5_version"):
-            if key in f.attrs:
-                value = f.attrs[key]
-                meta[key] = int(value) if key == "schema_version" else _attr_str(value)
+    attrs = segment_attrs(segments[-1].file)
+    for key in ("schema_version", "nasdiag_version", "torch_version", "h5py_version", "hdf5_version"):
+        if key in attrs:
+            meta[key] = int(attrs[key]) if key == "schema_version" else _attr_str(attrs[key])
     meta["run_id"] = segments[0].run_id
     meta["segments"] = [seg.file for seg in segments]
     counts: dict[str, int] = {}
