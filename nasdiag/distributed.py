@@ -18,6 +18,10 @@ min, max   elementwise extremes
 same       the value, which must agree on all ranks (else `ReductionError`)
 =========  ================================================================================
 
+A NaN is never reduced away: ``mean``, ``sum`` and ``pooled`` propagate it arithmetically, and for float
+paths under ``min``, ``max``, ``all``, ``any`` and ``same`` the result is NaN wherever any rank holds a NaN
+(``same`` compares the ranks only where none does). The families' ``nonfinite`` flags reduce by ``any``.
+
 A batch of rows can be reduced at once (``rows=True``: the first axis of every value is the row),
 so a recorder callback reduces all the rows it buffered with one collective per rule.
 
@@ -170,6 +174,10 @@ def reduce_statistics(
             mins.add(path, x)
         if rule in ("any", "max", "same"):
             maxs.add(path, x)
+        if rule in ("all", "any", "min", "max", "same") and array.dtype.kind in "fc":
+            # gloo's and NCCL's MIN/MAX are NaN-blind in one argument order (std::min(1.0, nan) is 1.0): a NaN
+            # on one rank came back as the other rank's number. Where any rank holds a NaN, the result is NaN.
+            maxs.add(f"{path}#nan", np.isnan(x))
 
     reduced_sum = sums.all_reduce(dist, dist.ReduceOp.SUM, device, group)
     reduced_min = mins.all_reduce(dist, dist.ReduceOp.MIN, device, group)
@@ -186,20 +194,27 @@ def reduce_statistics(
         elif rule == "sum":
             value, dtype = reduced_sum[path], array.dtype
         elif rule in ("all", "min"):
-            value, dtype = reduced_min[path], array.dtype
+            value, dtype = _nan_where(reduced_min[path], reduced_max, path), array.dtype
         elif rule in ("any", "max"):
-            value, dtype = reduced_max[path], array.dtype
+            value, dtype = _nan_where(reduced_max[path], reduced_max, path), array.dtype
         elif rule == "same":
-            if not np.array_equal(reduced_min[path], reduced_max[path], equal_nan=array.dtype.kind == "f"):
+            low, high = (_nan_where(reduced_min[path], reduced_max, path), _nan_where(reduced_max[path], reduced_max, path))
+            if not np.array_equal(low, high, equal_nan=array.dtype.kind in "fc"):
                 raise ReductionError(
                     f"{path!r} differs across ranks but its reduction rule is 'same'; pass rules={{{path!r}: 'sum'}} "
                     "(or mean/min/max) to reduce_statistics"
                 )
-            value, dtype = reduced_min[path], array.dtype
+            value, dtype = low, array.dtype
         else:
             value, dtype = pooled[path], array.dtype
         out[path] = np.asarray(value).astype(dtype)
     return out
+
+
+def _nan_where(value: np.ndarray, reduced_max: Mapping[str, np.ndarray], path: str) -> np.ndarray:
+    """``value`` with NaN wherever some rank held a NaN (the ``<path>#nan`` flags, max-reduced), for float paths."""
+    flags = reduced_max.get(f"{path}#nan")
+    return value if flags is None else np.where(flags > 0, np.nan, value)
 
 
 def _pool(per_rank: dict[str, np.ndarray], plan: dict[str, str], ddof: int) -> dict[str, np.ndarray]:

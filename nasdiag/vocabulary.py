@@ -216,15 +216,18 @@ def pooled_moments(counts, means, variances, ddof: int = 0, xp=np) -> Tuple:
 
     Returns:
         (N, mean, var) with N = Σ n_p, mean = Σ n_p m_p / N and
-        var = (Σ [(n_p − ddof) v_p + n_p m_p²] − N mean²) / (N − ddof); NaN where N ≤ ddof.
+        var = Σ [(n_p − ddof) v_p + n_p (m_p − mean)²] / (N − ddof); NaN where N ≤ ddof. The squares are
+        taken about the pooled mean (Chan et al.'s pairwise update), not as Σ n_p m_p² − N mean², which
+        cancels catastrophically when the spread is small against the mean (mean 1e6, sd 1e-2: 4× off).
     """
     n = counts.sum(0)
     nf = n * 1.0
     total = (counts * means).sum(0)
     mean = total / xp.where(n > 0, nf, nf * 0 + 1)
-    second = ((counts - ddof) * variances + counts * means * means).sum(0)
+    spread = means - mean
+    second = ((counts - ddof) * variances + counts * spread * spread).sum(0)
     denom = nf - ddof
-    var = (second - nf * mean * mean) / xp.where(denom > 0, denom, denom * 0 + 1)
+    var = second / xp.where(denom > 0, denom, denom * 0 + 1)
     nan = mean * float("nan")
     mean = xp.where(n > 0, mean, nan)
     var = xp.where(denom > 0, var, nan)
