@@ -80,6 +80,25 @@ def is_writer(group=None) -> bool:
     return rank(group) == 0
 
 
+def finite_on_every_rank(value, group=None) -> bool:
+    """Whether the tensor ``value`` is finite (no NaN, no ±inf) on every rank of ``group``: one host read, and
+    under DDP one all-reduce of one number, so every rank must call it at the same point of its step.
+
+    A method's NaN-loss check decides with it: a NaN on one rank then stops every rank at the same step, and the
+    run records the step's row, flagged (a rank that stopped alone left the others waiting in their next
+    collective, and the NaN row of the rank that saw it was never reduced nor written)."""
+    import torch
+
+    finite = torch.isfinite(value).all()
+    dist = _dist(group)
+    if dist is None or dist.get_world_size(group) == 1:
+        return bool(finite)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    flag = finite.to(device=device, dtype=torch.int32).reshape(1)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag)
+
+
 def _split(path: str) -> tuple[str, str]:
     parent, _, name = path.rpartition("/")
     return parent, name

@@ -111,6 +111,13 @@ class Committed:
         self._held = None
         self.target.on_exception(exc)
 
+    def settle(self) -> None:
+        """Under DDP, when every rank stopped at the same step: hand the rows forwarded so far to ``target``'s
+        ``flush`` (a `RecorderCallback` reduces them across ranks and commits them: a collective)."""
+        flush = getattr(self.target, "flush", None)
+        if callable(flush):
+            flush()
+
 
 class Progress:
     """A tqdm bar over the steps. The losses in its postfix are read from the device only every
@@ -206,6 +213,11 @@ def search_loop(method: SearchMethod, splits, *, epochs: int, batch_size: int, s
         if isinstance(exc, SearchError) and failed and step is not None:
             for cb in callbacks:  # recorded, so the NaN is kept and flagged in the record, not lost with the run
                 cb.on_step_end(step, failed)
+            if world_size > 1:  # every rank stopped at this step (the methods decide by finite_on_every_rank): the
+                for cb in callbacks:  # rows held so far are reduced together now, which on_exception cannot do
+                    settle = getattr(cb, "settle", None)
+                    if settle is not None:
+                        settle()
         for cb in callbacks:
             cb.on_exception(exc)
         raise
@@ -403,7 +415,9 @@ def _launch_environment() -> Tuple[int, int, int]:
             raise ConfigError(f"environment variable {name}={text!r} is not an integer; {how}") from None
 
     world = integer("WORLD_SIZE", "1")
-    if world <= 1:
+    if world < 1:  # ran as one process, silently
+        raise ConfigError(f"environment variable WORLD_SIZE={world} is not a number of processes (at least 1); {how}")
+    if world == 1:
         if os.environ.get("RANK", "0").strip() not in ("0", ""):  # the recorder would take this process for another
             raise ConfigError(f"environment variable RANK={os.environ['RANK']!r} is set but WORLD_SIZE is not above 1: a "  # rank
                               "single process would record nothing (only rank 0 writes); unset RANK, or " + how)
@@ -413,10 +427,26 @@ def _launch_environment() -> Tuple[int, int, int]:
         raise ConfigError(f"WORLD_SIZE={world} is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not "
                           f"(torchrun sets them all); {how}")
     rank, local_rank = integer("RANK", None), integer("LOCAL_RANK", None)
-    if not 0 <= rank < world or local_rank < 0:
-        raise ConfigError(f"RANK={rank} / LOCAL_RANK={local_rank} do not fit WORLD_SIZE={world}; {how}")
-    integer("MASTER_PORT", None)
+    local_world = integer("LOCAL_WORLD_SIZE", str(world)) if os.environ.get("LOCAL_WORLD_SIZE") else world
+    if not 0 <= rank < world or not 0 <= local_rank < min(local_world, world):
+        raise ConfigError(f"RANK={rank} / LOCAL_RANK={local_rank} do not fit WORLD_SIZE={world}"
+                          f"{f' / LOCAL_WORLD_SIZE={local_world}' if local_world != world else ''}; {how}")
+    port = integer("MASTER_PORT", None)
+    if not 1 <= port <= 65535:  # torch's ValueError traceback (port 0: each rank would pick its own)
+        raise ConfigError(f"environment variable MASTER_PORT={port} is not a TCP port (1 to 65535); {how}")
+    _check_master_address(os.environ["MASTER_ADDR"], port, how)
     return world, rank, local_rank
+
+
+def _check_master_address(address: str, port: int, how: str) -> None:
+    """A MASTER_ADDR that does not resolve made every rank retry the rendezvous until its timeout (30 minutes)."""
+    import socket
+
+    try:
+        socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as err:
+        raise ConfigError(f"environment variable MASTER_ADDR={address!r} is not a host this machine can reach ({err}); "
+                          f"{how}") from None
 
 
 @contextlib.contextmanager
@@ -452,6 +482,10 @@ def _process_group(device_name: str):
         return
     device = _device(device_name, world)
     if device.type == "cuda":
+        if local_rank >= torch.cuda.device_count():  # torch.cuda.set_device's "invalid device ordinal" traceback
+            raise ConfigError(f"LOCAL_RANK={local_rank} but this machine has {torch.cuda.device_count()} CUDA device(s): "
+                              "each rank takes the GPU of its local rank; launch at most that many processes per host "
+                              "(torchrun --nproc_per_node), or use --device cpu")
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     created = not dist.is_initialized()
@@ -542,7 +576,36 @@ def run(config: SearchConfig, callbacks: Sequence = ()) -> SearchResult:
     method_cls, hp = _resolve_method(config)
     check_paths(config)
     with _threads(config.threads or default_threads()), _process_group(config.device) as (rank, world, device):
-        return _run(config, callbacks, method_cls, hp, rank, world, device)
+        try:
+            return _run(config, callbacks, method_cls, hp, rank, world, device)
+        except RuntimeError as exc:
+            if world > 1 and not isinstance(exc, NasdiagError) and lost_a_rank(exc):
+                raise RankLostError(exc, rank, world) from exc
+            raise
+
+
+def lost_a_rank(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective that failed because another rank died, hung past the timeout or cannot be
+    reached (torch's ``DistError`` family, gloo's "Connection closed by peer" / "Timed out waiting")."""
+    dist_error = getattr(torch.distributed, "DistError", None)
+    text = str(exc)
+    return (dist_error is not None and isinstance(exc, dist_error)) or "/gloo/" in text or "NCCL" in text
+
+
+class RankLostError(SearchError):
+    """A collective of a data-parallel run failed: another rank stopped (its own output says why), hung past the
+    timeout or cannot be reached. Every rank stops with this one line (gloo's traceback before); rank 0's record
+    keeps its committed steps (``kept``) and continues with --resume once every rank runs again."""
+
+    def __init__(self, exc: BaseException, rank: int, world: int):
+        reason = " ".join(str(exc).split())
+        reason = reason.split("] ", 1)[1] if reason.startswith("[") and "] " in reason else reason
+        reason = reason.split(". ")[0][:200]
+        super().__init__(f"rank {rank} of {world} stops: the data-parallel run lost another rank ({reason}); the "
+                         "output of the other ranks says why")
+        kept = getattr(exc, "kept", None)
+        if kept is not None:
+            self.kept, self.resumable = kept, True
 
 
 def _run(config, callbacks, method_cls, hp, rank, world, device) -> SearchResult:
@@ -631,7 +694,7 @@ def _run(config, callbacks, method_cls, hp, rank, world, device) -> SearchResult
     except Exception as exc:
         if out_of_memory(exc):
             raise _ran_out_of_memory(exc, config, device, record_cb) from exc
-        _say_what_is_kept(exc, config, record_cb)
+        _say_what_is_kept(exc, config, record_cb, lost_rank=world > 1 and lost_a_rank(exc))
         raise
     finally:
         progress.close()
@@ -698,13 +761,13 @@ def _ran_out_of_memory(exc: BaseException, config: SearchConfig, device, record_
                             "(once the memory is free, or on another --device)", record=record)
 
 
-def _say_what_is_kept(exc: BaseException, config: SearchConfig, record_cb) -> None:
-    """On a machine failure during the loop (an OSError it is or was raised while handling, `os_error_in`), tell
-    the caller what the record keeps:
+def _say_what_is_kept(exc: BaseException, config: SearchConfig, record_cb, lost_rank: bool = False) -> None:
+    """On a machine failure during the loop (an OSError it is or was raised while handling, `os_error_in`, or a
+    collective that lost another rank, ``lost_rank``), tell the caller what the record keeps:
     ``exc.kept = (record, last committed step)`` and ``exc.resumable``, which the CLI turns into the command
     that resumes it (a full disk said only "disk full", as if the run were lost)."""
     recorder = getattr(record_cb, "recorder", None)
-    if recorder is None or os_error_in(exc) is None or not os.path.exists(os.fspath(config.record)):
+    if recorder is None or (os_error_in(exc) is None and not lost_rank) or not os.path.exists(os.fspath(config.record)):
         return
     with contextlib.suppress(AttributeError):  # an exception type with __slots__
         exc.kept = (os.fspath(config.record), recorder.last_committed_step or 0)
@@ -781,4 +844,4 @@ def _open_record(config, net, method, hp_values, defining, digest, world):
     return record_cb
 
 
-__all__ = ["Committed", "OutOfMemoryError", "Progress", "SearchResult", "check_paths", "epoch_batches", "run", "search_loop", "steps_per_epoch"]
+__all__ = ["Committed", "OutOfMemoryError", "Progress", "RankLostError", "SearchResult", "check_paths", "epoch_batches", "run", "search_loop", "steps_per_epoch"]

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from nasdiag.distributed import finite_on_every_rank
 from nasdiag.search.base import Batch, CellWeights, SearchError, mean_over_ranks
 
 Params = Dict[str, torch.Tensor]
@@ -160,7 +161,7 @@ def host_checks_allowed() -> bool:
 
 
 def _check_finite(what: str, loss: torch.Tensor) -> None:
-    if host_checks_allowed() and not torch.isfinite(loss):
+    if host_checks_allowed() and not finite_on_every_rank(loss):  # under DDP: every rank stops here
         raise SearchError(f"the {what} loss is {float(loss)}: the unrolled step cannot continue "
                           "(lower the learning rates or check the data)")
 

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from nasdiag import vocabulary as V
+from nasdiag.distributed import finite_on_every_rank
 from nasdiag.search.base import Batch, CostStep, SearchError, SearchMethod, accuracy
 
 CellWeights = Dict[str, torch.Tensor]
@@ -97,7 +98,7 @@ def check_finite_loss(method: SearchMethod, result: CostStep, stats: Dict[str, t
     so the run can record the NaN row, flagged, before it stops; the method's state is that of the
     last finite step.
     """
-    if bool(torch.isfinite(result.loss)):
+    if finite_on_every_rank(result.loss):  # under DDP every rank stops at the same step, so the row is recorded
         return
     stats = dict(stats)
     stats["scalars/nonfinite_loss"] = torch.ones((), dtype=result.loss.dtype, device=result.loss.device)

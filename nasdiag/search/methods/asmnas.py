@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from nasdiag import vocabulary as V
+from nasdiag.distributed import finite_on_every_rank
 from nasdiag.search.base import Batch, SearchError, SearchMethod, accuracy
 from nasdiag.search.hyperparameters import Hyperparameters, hp
 from nasdiag.search.registry import register
@@ -139,7 +140,7 @@ class ASMNAS(SearchMethod):
         self._last_arch_batch = (x, y)  # the Hessian diagnostics' batch (single-level: the training batch)
         nn.utils.clip_grad_norm_(self.network.weight_parameters(), self.hp.grad_clip)
         self.w_optimizer.step()
-        if not torch.isfinite(loss):
+        if not finite_on_every_rank(loss):  # under DDP: every rank stops at this step
             raise SearchError(f"asmnas: the training loss is {float(loss)}; lower --hp w_lr")
         for t, rows in self._per_type(attn).items():
             self.attention_mean[t] = torch.stack(rows).mean(dim=(0, 2))  # cells of the type, then batch

@@ -16,6 +16,7 @@ from typing import Dict
 import torch
 
 from nasdiag.cost import darts_alpha_grad
+from nasdiag.distributed import finite_on_every_rank
 from nasdiag.search.base import Batch, SearchError, accuracy
 from nasdiag.search.hyperparameters import hp
 from nasdiag.search.methods.darts import DARTS
@@ -84,7 +85,7 @@ class DARTS2(DARTS):
         stats.update(self.alpha_step(train_batch, val_batch))
         weights = self.forward_weights()
         stats.update(self.weight_step(*train_batch, weights))
-        if host_checks_allowed() and not torch.isfinite(stats["scalars/train_loss"]):
+        if host_checks_allowed() and not finite_on_every_rank(stats["scalars/train_loss"]):  # DDP: every rank stops
             raise SearchError(f"the search-train loss is {float(stats['scalars/train_loss'])} after the α step: "
                               "lower the learning rates or check the data")
         stats.update(self.arch_statistics(weights))

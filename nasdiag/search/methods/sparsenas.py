@@ -23,6 +23,7 @@ from typing import Dict, Tuple
 import torch
 
 from nasdiag import vocabulary as V
+from nasdiag.distributed import finite_on_every_rank
 from nasdiag.search.base import Batch, SearchError, accuracy
 from nasdiag.search.hyperparameters import hp
 from nasdiag.errors import ConfigError
@@ -171,7 +172,7 @@ class SparseNAS(DARTS):
             self._observe_costs(unrolled.val.per_cell, None)
             self._last_arch_batch = val_batch
             grads, loss, logits = unrolled.arch_grad, unrolled.val.loss, unrolled.val.logits
-        if not torch.isfinite(loss):
+        if not finite_on_every_rank(loss):  # under DDP: every rank stops at this step
             raise SearchError(f"the search-val loss is {float(loss)}: lower the learning rates or check the data")
         for cell_type, a in self.network.alphas().items():
             a.grad = grads[cell_type].to(a.dtype)
@@ -190,7 +191,7 @@ class SparseNAS(DARTS):
         stats.update(self.arch_step(train_batch, val_batch))
         weights = self.forward_weights()
         stats.update(self.weight_step(*train_batch, weights))
-        if not torch.isfinite(stats["scalars/train_loss"]):
+        if not finite_on_every_rank(stats["scalars/train_loss"]):
             raise SearchError(f"the search-train loss is {float(stats['scalars/train_loss'])}: lower the learning rates")
         stats.update(self.arch_statistics(weights))
         return stats

@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from nasdiag import vocabulary as V
+from nasdiag.distributed import finite_on_every_rank
 from nasdiag.errors import ConfigError
 from nasdiag.regret import Forecaster, xnas_reward
 from nasdiag.search.base import Batch, CellWeights, SearchError, SearchMethod, accuracy
@@ -166,7 +167,7 @@ class XNAS(SearchMethod):
         self.w_optimizer.zero_grad(set_to_none=True)
         logits = self.model(x, weights) if active is None else self.model(x, weights, active=active)
         loss = nn.functional.cross_entropy(logits, y)
-        if not torch.isfinite(loss):
+        if not finite_on_every_rank(loss):  # under DDP: every rank stops at this step
             raise _nonfinite_loss(f"the search-train loss is {float(loss.detach())} (xnas step {self.rounds_played + 1}): "
                                   "lower w_lr or check the data", {"scalars/train_loss": loss.detach()})
         loss.backward()
@@ -200,7 +201,7 @@ class XNAS(SearchMethod):
         x, y = val_batch
         result = self.cost(x, y, u, active=active)
         stats.update({"scalars/val_loss": result.loss, "scalars/val_acc": accuracy(result.logits, y)})
-        if not torch.isfinite(result.loss):
+        if not finite_on_every_rank(result.loss):
             raise _nonfinite_loss(f"the search-val loss is {float(result.loss)} (xnas step {self.rounds_played + 1}): "
                                   "the rewards would corrupt the forecasters; lower w_lr or check the data", stats)
         L = self.loss_bound
