@@ -206,6 +206,7 @@ def plot(data, summary, figure_path, runs):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
     import seaborn as sns
 
     sns.set_theme(style="whitegrid", context="paper")
@@ -239,6 +240,10 @@ def plot(data, summary, figure_path, runs):
                               color=colors["gd"], lw=1, label=r"fit $b\sqrt{N}$")
         for row in range(2):
             axes[row, col].set_xscale("log")
+            # the grid values as the only labels: over less than a decade matplotlib labels its minor log
+            # ticks too ("2×10⁰ 3×10⁰ 4×10⁰ ..."), which overlap
+            axes[row, col].set_xticks(x, [f"{v:g}" for v in x])
+            axes[row, col].xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
             axes[row, col].set_xlabel(xlabel[sweep])
         axes[0, col].set_ylabel(f"mean regret (eq 2), T = {data['config_steps']}")
         axes[1, col].set_ylabel("fraction of correct selections")

@@ -169,8 +169,9 @@ def draw(record_path: str, out: str, fmt: str) -> list:
             steps, p = _series(record, f"toy/fig3/{opt}/p")
             ax3.plot(p[:, 0], p[:, 1], p[:, 2], color=colors[opt], lw=1.2, label=name)
             flat = p @ corners
-            cmap = "Reds" if opt == "xnas" else "Blues"
-            ax_s.scatter(flat[:, 0], flat[:, 1], c=steps, cmap=cmap, s=6, vmin=-40, label=name)
+            # reversed maps: the first step darkest, the last lightest (but not white), as in the paper's Fig. 3
+            cmap = "Reds_r" if opt == "xnas" else "Blues_r"
+            ax_s.scatter(flat[:, 0], flat[:, 1], c=steps, cmap=cmap, s=6, vmax=steps.max() + 40, label=name)
             steps, u = _series(record, f"toy/fig3/{opt}/update")
             ax_u.plot(steps, u[:, 2], color=colors[opt], lw=1.2, label=name)
         ax3.set_xlabel("x"), ax3.set_ylabel("y"), ax3.set_zlabel("z")

@@ -22,5 +22,7 @@ def loss_minus_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     """
     logp = torch.log_softmax(logits, dim=-1)
     loss = -logp.gather(1, targets.reshape(-1, 1)).mean()
-    entropy = -(logp.exp() * logp).sum(-1).mean()
+    p = logp.exp()
+    # 0·log 0 = 0: a class with logit −inf (masked) has p = 0 and logp = −inf, whose product is NaN; a NaN stays NaN
+    entropy = -torch.where(p == 0, torch.zeros_like(p), p * logp).sum(-1).mean()
     return loss - entropy
