@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import nasdiag
-from nasdiag.cost import CostMoments, loss_minus_entropy
+from nasdiag.cost import CostMoments, degree_rule, loss_minus_entropy, register_homogeneity_rule
 
 
 # --- streaming statistics (SNAS-Series E[C], Var[C]) ------------------------------------------------------------
@@ -112,3 +112,189 @@ def test_loss_minus_entropy_with_a_masked_class_is_finite():
     reference = loss_minus_entropy(logits[:, [0, 2]], torch.tensor([0, 1]))
     assert torch.isfinite(reference)
     torch.testing.assert_close(loss_minus_entropy(logits, y), reference, rtol=1e-15, atol=0)
+
+
+# --- Thm 1, Cor 1.2 and Thm 2 on a reduction cell written here --------------------------------------------------
+
+C, HW, B, N_CLS, EPS = 4, 8, 12, 3, 1e-12
+# DARTS order: node 2 <- 0, 1; node 3 <- 0, 1, 2; node 4 <- 0, 2, 3. Edges 4, 6, 7 are intermediate.
+EDGE_NODES = [(0, 2), (1, 2), (0, 3), (1, 3), (2, 3), (0, 4), (2, 4), (3, 4)]
+INTERMEDIATE = [e for e, (i, _) in enumerate(EDGE_NODES) if i >= 2]
+
+
+def _bn(affine=False):
+    return nn.BatchNorm2d(C, affine=affine, eps=EPS)
+
+
+class FactorizedReduce(nn.Module):
+    """ReLU, two stride-2 1×1 convs on the map and on the map shifted by one pixel, concatenated, BN."""
+
+    def __init__(self, c_in=C):
+        super().__init__()
+        self.relu = nn.ReLU()
+        self.conv_1 = nn.Conv2d(c_in, C // 2, 1, stride=2, bias=False)
+        self.conv_2 = nn.Conv2d(c_in, C - C // 2, 1, stride=2, bias=False)
+        self.bn = _bn(affine=True)
+
+    def forward(self, x):
+        x = self.relu(x)
+        return self.bn(torch.cat([self.conv_1(x), self.conv_2(x[:, :, 1:, 1:])], dim=1))
+
+
+# ends in a batch-statistics BN (degree 0 in train mode); only flagged on input edges, which this file does not judge
+register_homogeneity_rule(FactorizedReduce, degree_rule(0.0, "ReLU, convs, BatchNorm last"), overwrite=True)
+
+
+def _relu_conv_bn(stride, c_in=C, k=3):
+    return nn.Sequential(nn.ReLU(), nn.Conv2d(c_in, C, k, stride, k // 2, bias=False), _bn(affine=True))
+
+
+class MixedOp(nn.Module):
+    def __init__(self, ops):
+        super().__init__()
+        self._ops = nn.ModuleList(ops)
+
+    def forward(self, x, weights):
+        return sum(w * op(x) for w, op in zip(weights, self._ops))
+
+
+class Cell(nn.Module):
+    """Three intermediate nodes; a reduction cell's edges from its inputs have stride 2 (max-pool → BN,
+    ReLU-conv-BN, FactorizedReduce), the intermediate ones stride 1 (identity, ReLU-conv-BN, avg-pool → BN).
+    ``scales``: {edge: s} multiplies that edge's input by s; ``out_scale`` the cell output (reference taps)."""
+
+    edge_nodes = EDGE_NODES
+    output_node_slices = {2: (0, C), 3: (C, 2 * C), 4: (2 * C, 3 * C)}
+
+    def __init__(self, reduction, pre0, pre1):
+        super().__init__()
+        self.cell_type = "reduce" if reduction else "normal"
+        self.pre0, self.pre1 = pre0, pre1
+        stride = 2 if reduction else 1
+
+        def ops(e):
+            if EDGE_NODES[e][0] >= 2:
+                return [nn.Identity(), _relu_conv_bn(1), nn.Sequential(nn.AvgPool2d(3, 1, 1, count_include_pad=False), _bn())]
+            return [nn.Sequential(nn.MaxPool2d(3, stride, 1), _bn()), _relu_conv_bn(stride),
+                    FactorizedReduce() if reduction else nn.Identity()]
+
+        self.edges = nn.ModuleList(MixedOp(ops(e)) for e in range(len(EDGE_NODES)))
+        self.scales, self.out_scale = {}, None
+
+    def forward(self, s0, s1, weights):
+        states = [self.pre0(s0), self.pre1(s1)]
+        for j in (2, 3, 4):
+            node = 0
+            for e, (i, end) in enumerate(EDGE_NODES):
+                if end == j:
+                    x = states[i] * self.scales[e] if e in self.scales else states[i]
+                    node = node + self.edges[e](x, weights[e])
+            states.append(node)
+        out = torch.cat(states[2:], 1)
+        return out if self.out_scale is None else out * self.out_scale
+
+
+class ReductionNet(nn.Module):
+    """stem → reduction cell → normal cell (FactorizedReduce of the stem, ReLU-conv1×1-BN of the reduction
+    cell) → global average pooling → bias-free linear: Cor 1.2 for the first cell, Thm 2 for the last."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, C, 3, padding=1, bias=False), _bn(affine=True))
+        self.reduce = Cell(True, _relu_conv_bn(1, k=1), _relu_conv_bn(1, k=1))
+        self.normal = Cell(False, FactorizedReduce(), _relu_conv_bn(1, c_in=3 * C, k=1))
+        self.head = nn.Linear(3 * C, N_CLS, bias=False)
+
+    def forward(self, x, W_reduce, W_normal):
+        s = self.stem(x)
+        return self.head(self.normal(s, self.reduce(s, s, W_reduce), W_normal).mean((2, 3)))
+
+
+def _weights(seed, skip_on_intermediate):
+    """Per cell, a (K,) softmax leaf per edge; on the intermediate edges the identity gets weight 0 unless
+    ``skip_on_intermediate`` (Thm 1 is about normalized ops; the identity passes cost on, eq. 11)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(2):
+        cell = []
+        for e in range(len(EDGE_NODES)):
+            z = torch.softmax(torch.randn(3, generator=g, dtype=torch.float64), -1)
+            if e in INTERMEDIATE and not skip_on_intermediate:
+                z = torch.cat([z.new_zeros(1), z[1:] / z[1:].sum()])
+            cell.append(z.requires_grad_())
+        out.append(cell)
+    return out
+
+
+def _taps(net, x, y, W):
+    """∂L/∂s at s = 1 for s scaling each intermediate edge's input (<J_eᵀ ∂L/∂x_end, x_start>, Thm 1's cost)
+    and the reduction cell's output (Cor 1.2's <∂L/∂out, out>), by autograd; and ∂L/∂Z of every leaf."""
+    cell = net.reduce
+    scales = {e: torch.ones((), dtype=torch.float64, requires_grad=True) for e in INTERMEDIATE}
+    cell.scales, cell.out_scale = scales, torch.ones((), dtype=torch.float64, requires_grad=True)
+    try:
+        leaves = [[w.detach().clone().requires_grad_() for w in cell_w] for cell_w in W]
+        F.cross_entropy(net(x, *leaves), y).backward()
+        return {e: float(s.grad) for e, s in scales.items()}, float(cell.out_scale.grad), leaves
+    finally:
+        cell.scales, cell.out_scale = {}, None
+
+
+@pytest.mark.parametrize("setting", ["train", "skip", "eval"])
+def test_thm1_cor12_thm2_in_a_reduction_cell(setting):
+    """train: BN with batch statistics and no weight on the intermediate identity: every cost passed back
+    through an intermediate edge is 0 (Thm 1, two edges leave node 2), the reduction cell's output costs sum
+    to 0 (Cor 1.2) and the last cell's to L − H, per sample too (Thm 2); every correctly classified sample
+    has C_Z ≤ 0 (§6). skip / eval (running statistics): Thm 1 and Cor 1.2 fail, and the probe must not flag
+    those ops invariant. The probe's costs, path split and output costs equal the autograd taps."""
+    torch.manual_seed(0)
+    net = ReductionNet().double()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(B, 3, HW, HW, generator=g, dtype=torch.float64), torch.randint(0, N_CLS, (B,), generator=g)
+    if setting == "eval":
+        with torch.no_grad():  # running statistics that differ from the batch's
+            for m in net.modules():
+                if isinstance(m, nn.BatchNorm2d):
+                    m.running_mean.uniform_(-0.5, 0.5), m.running_var.uniform_(0.5, 2.0)
+        net.eval()
+    W = _weights(2, skip_on_intermediate=setting == "skip")
+    through, out_tap, leaves = _taps(net, x, y, W)
+
+    probe = nasdiag.attach(net, path_split=True)
+    with probe.record():
+        logits = net(x, *W)
+        F.cross_entropy(logits, y).backward()
+    costs, parts, out_costs = probe.costs(), probe.path_costs(), probe.output_costs()
+    flags = probe.scale_invariant_ops()
+    for c, name in enumerate(("reduce", "normal")):
+        for e in range(len(EDGE_NODES)):
+            torch.testing.assert_close(costs[f"{name}.edges.{e}"], leaves[c][e].grad, rtol=1e-10, atol=1e-13)
+    scale = max(float(w.grad.abs().max()) for w in leaves[0])
+    for e in INTERMEDIATE:
+        start = EDGE_NODES[e][0]
+        split = sum((W[0][d].detach() * parts[f"reduce.edges.{d}"][f"reduce.edges.{e}"]).sum()
+                    for d, (_, j) in enumerate(EDGE_NODES) if j == start)
+        assert abs(float(split) - through[e]) <= 1e-9 * scale, (e, float(split), through[e])
+        norm_ops = flags[f"reduce.edges.{e}"][1:]
+        assert bool(norm_ops.all()) == (setting != "eval") and not bool(flags[f"reduce.edges.{e}"][0])
+        if setting == "train":
+            assert abs(through[e]) <= 1e-9 * scale, (e, through[e])
+        else:
+            assert abs(through[e]) > 1e-4 * scale, (setting, e, through[e])
+    reduce_out = sum(float(v) for v in out_costs["reduce"].values())
+    assert abs(reduce_out - out_tap) <= 1e-9 * max(abs(out_tap), scale)
+    if setting == "eval":
+        assert abs(out_tap) > 1e-4 * scale  # the next cell's preprocessing uses running statistics
+    else:
+        assert abs(out_tap) <= 1e-9 * scale  # Cor 1.2 (the identity on an intermediate edge does not matter here)
+
+    # Thm 2 per sample, from a transcription of eq 12: C_Z,b = −log p_{b,y_b} + Σ_n p_bn log p_bn (× 1/B)
+    logp = torch.log_softmax(logits.detach(), -1)
+    per_sample = -logp.gather(1, y[:, None]).squeeze(1) + (logp.exp() * logp).sum(-1)
+    measured = B * sum(probe.output_costs(per_sample=True)["normal"].values())
+    torch.testing.assert_close(measured, per_sample, rtol=1e-9, atol=1e-12)
+    right = logits.argmax(1) == y
+    assert right.any() and (~right).any()
+    assert bool((measured[right] <= 1e-12).all()), measured[right]
+    torch.testing.assert_close(sum(out_costs["normal"].values()), loss_minus_entropy(logits.detach(), y),
+                               rtol=1e-9, atol=1e-12)
