@@ -298,3 +298,62 @@ def test_thm1_cor12_thm2_in_a_reduction_cell(setting):
     assert bool((measured[right] <= 1e-12).all()), measured[right]
     torch.testing.assert_close(sum(out_costs["normal"].values()), loss_minus_entropy(logits.detach(), y),
                                rtol=1e-9, atol=1e-12)
+
+
+# --- the cost assignment on bare tensors (§2.1) ------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(3, 5), (2, 4, 5, 5), (2, 3, 128, 129)])  # the last beyond the CPU bmm crossover
+def test_edge_costs_equal_an_einsum_transcription_on_both_sides_of_the_crossover(shape):
+    """C_k = Σ_b <∂L/∂x_j[b], O_k(x_i)[b]> (per sample: the b-th term), float64 exact to rounding; float16 inputs
+    are accumulated in float32 (bounded by the float16 rounding of the inputs, not by float16 sums)."""
+    g = torch.Generator().manual_seed(7)
+    grad = torch.randn(shape, generator=g, dtype=torch.float64)
+    outs = [torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(3)]
+    want = torch.einsum("bn,kbn->bk", grad.reshape(shape[0], -1), torch.stack(outs).reshape(3, shape[0], -1))
+    torch.testing.assert_close(nasdiag.cost.edge_costs(grad, outs, per_sample=True), want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(nasdiag.cost.edge_costs(grad, outs), want.sum(0), rtol=1e-12, atol=1e-11)
+    half = nasdiag.cost.edge_costs(grad.half(), [o.half() for o in outs])
+    assert half.dtype == torch.float32
+    exact = torch.einsum("bn,kbn->k", grad.half().double().reshape(shape[0], -1),
+                         torch.stack([o.half().double() for o in outs]).reshape(3, shape[0], -1))
+    magnitude = float((grad.abs().reshape(1, -1) * torch.stack(outs).abs().reshape(3, -1)).sum(-1).max())
+    assert float((half.double() - exact).abs().max()) <= 1e-5 * magnitude
+
+
+# --- §8.3: the statistical setting against a transcription --------------------------------------------------------
+
+def test_gaussian_experts_simulation_against_a_transcription_of_algorithm_1_and_eq_6():
+    """Per run, in plain float64: XNAS keeps A_i = Σ_s R_s,i (v = exp(η A)), wipes i when A_i < max_{I} A −
+    2L(T − t) (η cancels in line 11-12), predicts with u ∝ exp(η A) on I; GD steps α += η u ⊙ (R − u·R) (eq 6).
+    Regret (eq 2, linear losses −R): max_i S_i − Σ_t u_{t−1}·R_t. Correct: argmax of the final weights is
+    argmax b (§8.3)."""
+    from nasdiag.regret import Forecaster, simulate_gaussian_experts
+
+    runs, steps, n, sigma, L, seed = 6, 60, 5, 2.0, 2.5, 11
+    eta = Forecaster.optimal_lr(steps, L, n)
+    out = simulate_gaussian_experts(n, sigma, runs, steps, loss_bound=L, generator=torch.Generator().manual_seed(seed))
+    g = torch.Generator().manual_seed(seed)  # the documented draws: biases, then one (runs, N) normal per step
+    b = torch.randn(runs, n, generator=g, dtype=torch.float64)
+    R = torch.stack([torch.randn(runs, n, generator=g, dtype=torch.float64) * sigma + b for _ in range(steps)]).numpy()
+    assert out.lr == eta
+    for r in range(runs):
+        A, alive, alpha = np.zeros(n), np.ones(n, bool), np.zeros(n)
+        mix_x = mix_g = 0.0
+        for t in range(1, steps + 1):
+            rt = R[t - 1, r]
+            u = np.where(alive, np.exp(eta * (A - A[alive].max())), 0.0)
+            u /= u.sum()
+            ug = np.exp(alpha - alpha.max())
+            ug /= ug.sum()
+            mix_x += u @ rt
+            mix_g += ug @ rt
+            A = np.where(alive, A + rt, A)
+            alive &= ~(A < A[alive].max() - 2 * L * (steps - t))
+            alpha = alpha + eta * ug * (rt - ug @ rt)
+        S = R[:, r].sum(0)
+        assert abs(float(out.xnas_regret[r]) - (S.max() - mix_x)) <= 1e-9 * steps
+        assert abs(float(out.gd_regret[r]) - (S.max() - mix_g)) <= 1e-9 * steps
+        assert abs(float(out.uniform_regret[r]) - (S.max() - S.mean())) <= 1e-9 * steps
+        assert int(out.xnas_alive[r]) == alive.sum()
+        assert bool(out.xnas_correct[r]) == (int(np.argmax(np.where(alive, A, -np.inf))) == int(b[r].argmax()))
+        assert bool(out.gd_correct[r]) == (int(np.argmax(alpha)) == int(b[r].argmax()))
