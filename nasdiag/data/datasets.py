@@ -109,15 +109,36 @@ def _read_cifar_batch(path: Path) -> Tuple[np.ndarray, np.ndarray]:
     data = batch.get(b"data", batch.get("data")) if isinstance(batch, dict) else None
     labels = batch.get(b"labels", batch.get("labels")) if isinstance(batch, dict) else None
     if data is None or labels is None:
-        raise DataError(f"{path} is not a CIFAR-10 python batch (no 'data'/'labels' entries)")
-    try:
-        images = np.asarray(data, dtype=np.uint8).reshape(-1, 3, 32, 32)
-        labels = np.asarray(labels, dtype=np.int64).reshape(-1)
-    except (TypeError, ValueError) as exc:
-        raise DataError(f"{path} is not a CIFAR-10 python batch: 'data' must be N x 3072 bytes ({exc})") from None
-    if len(images) != len(labels) or (labels.size and not (0 <= labels.min() and labels.max() < 10)):
-        raise DataError(f"{path} is not a CIFAR-10 python batch: {len(images)} images, {len(labels)} labels in 0..9 expected")
+        cifar100 = isinstance(batch, dict) and any(k in batch for k in (b"fine_labels", "fine_labels"))
+        raise DataError(f"{path} is not a CIFAR-10 python batch (no 'data'/'labels' entries"
+                        + ("; it is a CIFAR-100 batch, with 'fine_labels')" if cifar100 else ")"))
+    images = _integers(data, path, "data", "bytes (integers 0..255)", 255)
+    if images.size % 3072:
+        raise DataError(f"{path} is not a CIFAR-10 python batch: 'data' must be N x 3072 bytes (3 x 32 x 32 per image), "
+                        f"got {images.size} bytes")
+    images = images.astype(np.uint8, copy=False).reshape(-1, 3, 32, 32)
+    labels = _integers(labels, path, "labels", "class numbers 0..9", 9).astype(np.int64).reshape(-1)
+    if len(images) != len(labels) or not len(images):
+        raise DataError(f"{path} is not a CIFAR-10 python batch: {len(images)} images and {len(labels)} labels "
+                        "(one label in 0..9 per image, at least one image, expected)")
     return images, labels
+
+
+def _integers(values, path: Path, entry: str, expected: str, top: int) -> np.ndarray:
+    """``values`` as an integer array (its own dtype), refused (one `DataError`) unless every value is an integer in
+    [0, ``top``]: a cast would silently wrap 300 or -1 to a byte and floor 0.7 to 0 (float images in [0, 1] became
+    all black)."""
+    try:
+        array = np.asarray(values)
+    except (TypeError, ValueError, OverflowError) as exc:  # ragged lists
+        raise DataError(f"{path} is not a CIFAR-10 python batch: {entry!r} must hold {expected} ({exc})") from None
+    if array.size and array.dtype.kind not in "iu":  # float, bool, str, object ([] is float64: left to the count)
+        kind = {"f": "floating-point", "b": "true/false", "U": "text", "S": "text", "c": "complex"}.get(array.dtype.kind, "mixed")
+        raise DataError(f"{path} is not a CIFAR-10 python batch: {entry!r} must hold {expected}, not {kind} values")
+    if array.size and (array.min() < 0 or array.max() > top):
+        raise DataError(f"{path} is not a CIFAR-10 python batch: {entry!r} must hold {expected}, not values from "
+                        f"{array.min()} to {array.max()}")
+    return array
 
 def cifar10(root, seed: int = 0, train_fraction: float = 0.5, dtype: torch.dtype = torch.float32, limit: Optional[int] = None) -> Splits:
     """CIFAR-10 from a local folder of the standard python batches (read with numpy/pickle).

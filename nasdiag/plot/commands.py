@@ -26,6 +26,9 @@ FORMATS = ("png", "pdf", "svg")
 EXIT_PARTIAL = 1
 #: the largest --dpi (a heatmap figure is about 10 inches wide: 12000 pixels, half a GB of pixels at most)
 MAX_DPI = 1200
+#: the smallest --dpi: the smallest text of a figure (5 pt) must be at least one pixel high (5 * 15 / 72 > 1);
+#: below 7.2 dpi FreeType rounds it to 0 pixels and matplotlib's png renderer fails with a traceback
+MIN_DPI = 15
 
 
 def add_plot_arguments(subparsers) -> argparse.ArgumentParser:
@@ -42,7 +45,7 @@ def add_plot_arguments(subparsers) -> argparse.ArgumentParser:
                    help="comma-separated figure names or groups (e.g. cost,hessian,arch_evolution); default: all")
     p.add_argument("--at", default=None, metavar="ROWS",
                    help="rows of the heatmaps: comma-separated init, final or step numbers (default: final)")
-    p.add_argument("--dpi", type=positive_dpi, default=150, help=f"resolution of png figures, 1 to {MAX_DPI} (default 150)")
+    p.add_argument("--dpi", type=positive_dpi, default=150, help=f"resolution of png figures, {MIN_DPI} to {MAX_DPI} (default 150)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar over records")
     p.set_defaults(handler=run_plot)
     return p
@@ -57,7 +60,7 @@ def add_report_arguments(subparsers) -> argparse.ArgumentParser:
     p.add_argument("record", help="HDF5 record")
     p.add_argument("--out", required=True, help="HTML file to write, e.g. report.html")
     p.add_argument("--figures", default=None, metavar="NAMES", help="comma-separated figure names or groups; default: all")
-    p.add_argument("--dpi", type=positive_dpi, default=110, help=f"resolution of the inlined images, 1 to {MAX_DPI} (default 110)")
+    p.add_argument("--dpi", type=positive_dpi, default=110, help=f"resolution of the inlined images, {MIN_DPI} to {MAX_DPI} (default 110)")
     p.add_argument("--force", action="store_true",
                    help="replace an existing --out that is not a page nasdiag report wrote (never the record read "
                         "or any HDF5 file)")
@@ -66,14 +69,17 @@ def add_report_arguments(subparsers) -> argparse.ArgumentParser:
 
 
 def positive_dpi(text: str) -> int:
-    """``--dpi``: an integer in [1, `MAX_DPI`] (matplotlib refuses 0 and negative resolutions with a traceback,
-    and runs out of memory far above print quality)."""
+    """``--dpi``: an integer in [`MIN_DPI`, `MAX_DPI`] (matplotlib refuses 0 and negative resolutions with a
+    traceback, cannot render 5 pt text below 7.2 dpi, and runs out of memory far above print quality)."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"takes a whole number of dots per inch, e.g. 150, not {text!r}")
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive number of dots per inch, e.g. 150, not {value}")
+    if value < MIN_DPI:  # FreeType's "invalid ppem value" traceback: the figures' 5 pt text would be 0 pixels high
+        raise argparse.ArgumentTypeError(f"must be at least {MIN_DPI} dots per inch (the figures' smallest text would "
+                                         f"be less than a pixel high), not {value}")
     if value > MAX_DPI:  # matplotlib's renderer runs out of memory, or for minutes, far above print quality
         raise argparse.ArgumentTypeError(f"must be at most {MAX_DPI} dots per inch (print quality is 300-600), not {value}")
     return value

@@ -14,7 +14,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import List, Mapping, Optional, Sequence, Tuple
 
-import matplotlib
+# Figures are always drawn with Agg into files, whatever MPLBACKEND names; matplotlib validates MPLBACKEND when it
+# is imported, so an invalid one (a typo, a GUI backend of another machine) was a traceback at the end of a whole
+# search. It is hidden from that first import only, and left set for everything else.
+_backend = os.environ.pop("MPLBACKEND", None)
+try:
+    import matplotlib
+finally:
+    if _backend is not None:
+        os.environ["MPLBACKEND"] = _backend
 
 matplotlib.use("Agg")  # batch scripts and reports have no display
 

@@ -1,0 +1,101 @@
+"""A sixth new user's misuse of the ``nasdiag`` CLI: what rounds 1-5 (test_cli_errors.py, test_cli_search_misuse.py,
+test_cli_plot_misuse.py, test_cli_misuse_round3/4/5.py) did not cover: the environment (MPLBACKEND), resolutions too
+low to render text, CIFAR-10 folders whose batches are pickles of the wrong values. Every mistake is one line on
+stderr, exit code 2, and leaves the folder as it was (`refused` compares sha256s)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nasdiag.cli import main
+from plot_records import write_record
+from test_cli_errors import ROOT, TINY
+from test_cli_plot_misuse import refused, snapshot
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    """A tiny record (steps 1..4, one cell type)."""
+    return write_record(tmp_path_factory.mktemp("source") / "run.h5", epochs=1, steps_per_epoch=4, cells=("normal",))
+
+
+@pytest.fixture
+def rec(source, tmp_path) -> Path:
+    return Path(shutil.copy(source, tmp_path / "run.h5"))
+
+
+def _nasdiag(argv, env=None, **kwargs) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **(env or {})}
+    return subprocess.run([sys.executable, "-m", "nasdiag", *map(str, argv)], capture_output=True, text=True, env=env,
+                          timeout=120, **kwargs)
+
+
+# -- the environment ----------------------------------------------------------------------------------------
+def test_an_invalid_mplbackend_does_not_stop_the_figures(rec, tmp_path):
+    """``MPLBACKEND=nonsense`` (a typo, or a GUI backend set for another machine): matplotlib validates it when it
+    is imported, so plot and report ended in a ValueError traceback, and a search in one after it had run to
+    the end. nasdiag always draws with Agg into files, so the variable does not matter to it."""
+    proc = _nasdiag(["plot", rec, "--out", tmp_path / "figs", "--figures", "scalars", "--dpi", "20"],
+                    env={"MPLBACKEND": "nonsense"})
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert [p.suffix for p in (tmp_path / "figs").iterdir()] == [".png"]
+
+
+# -- resolutions ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("command,out", [("plot", "figs"), ("report", "r.html")])
+@pytest.mark.parametrize("dpi", ["1", "7", "14"])
+def test_a_resolution_too_low_for_the_text(rec, tmp_path, capsys, command, out, dpi):
+    """``--dpi 5`` passed the positive check, then FreeType refused the figures' 5 pt text at under half a pixel
+    ("invalid ppem value"): a RuntimeError traceback from matplotlib's png renderer, after some files were written."""
+    refused([command, rec, "--out", tmp_path / out, "--dpi", dpi], tmp_path, ["--dpi", "at least 15", f"not {dpi}"],
+            capsys)
+
+
+def test_the_lowest_resolution_draws_the_smallest_text(rec, tmp_path, capsys):
+    """At the smallest --dpi accepted, the figures with the smallest text (5.5 pt heatmap annotations and op names
+    of the genotype drawing) are drawn, none skipped."""
+    code = main(["plot", str(rec), "--out", str(tmp_path / "figs"), "--dpi", "15", "--figures", "cost,genotype"])
+    out, err = capsys.readouterr()
+    assert code == 0 and err == "", err
+    assert len(list((tmp_path / "figs").glob("*.png"))) == int(out.split(": ")[1].split()[0]) >= 2
+
+
+# -- --data-dir: batches of the wrong values -----------------------------------------------------------------
+def _batches(folder: Path, data, labels, extra=None) -> Path:
+    folder.mkdir()
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = {b"data": data, b"labels": labels} if extra is None else extra
+        (folder / name).write_bytes(pickle.dumps(batch))
+    return folder
+
+
+_RNG = np.random.default_rng(0)
+_LABELS = [i % 10 for i in range(20)]
+
+
+@pytest.mark.parametrize("data,labels,extra,needle", [
+    # a cast to uint8 silently floored images in [0, 1] to 0 (all black) and wrapped -1 to 255
+    (_RNG.random((20, 3072)), _LABELS, None, "'data' must hold bytes (integers 0..255), not floating-point values"),
+    (-np.ones((20, 3072), np.int64), _LABELS, None, "'data' must hold bytes (integers 0..255), not values from -1 to -1"),
+    # a Python list with 300 in it: numpy's OverflowError was a traceback
+    ([[300] * 3072] * 20, _LABELS, None, "not values from 300 to 300"),
+    # labels 0.0..8.9 were floored, True/False taken as classes 1/0
+    (np.zeros((20, 3072), np.uint8), [i * 0.45 for i in range(20)], None, "'labels' must hold class numbers 0..9, not floating-point"),
+    (np.zeros((20, 3072), np.uint8), [True] * 20, None, "'labels' must hold class numbers 0..9, not true/false"),
+    # no image at all: a ValueError traceback from the split ("need at least one array to concatenate")
+    (np.zeros((0, 3072), np.uint8), [], None, "0 images and 0 labels"),
+    # CIFAR-100 has fine_labels
+    (None, None, {b"data": np.zeros((20, 3072), np.uint8), b"fine_labels": _LABELS}, "it is a CIFAR-100 batch"),
+])
+def test_batches_of_the_wrong_values(data, labels, extra, needle, tmp_path, capsys):
+    folder = _batches(tmp_path / "cifar", data, labels, extra)
+    refused(["search", *TINY, "--dataset", "cifar10", "--data-dir", folder, "--out", tmp_path / "run.h5"], tmp_path,
+            [str(folder / "data_batch_1"), "is not a CIFAR-10 python batch", needle], capsys)
