@@ -19,7 +19,16 @@ per-sample (D, D) block, D = outputs per sample). Give every edge a per-sample s
 Both equal ``diag G`` exactly when samples do not interact in the forward (BatchNorm in eval mode,
 LayerNorm/InstanceNorm, no BN). With train-mode BatchNorm, sample n's shift also moves the batch
 statistics and so every other sample's output: ``∂/∂δ_n`` then carries ``Σ_m J_{m,n}ᵀ v_m`` instead
-of ``J_{n,n}ᵀ v_n``; the cross-sample parts are O(1/B) each. docs/hessian.md measures the result.
+of ``J_{n,n}ᵀ v_n``. Then the two differ:
+
+* ``"ggn"`` is ``Σ_c Σ_n (Σ_m √λ_mc u_mcᵀ J_mn)²``: row c pairs the c-th directions of all samples, so the
+  signs of the eigenvectors enter; they are made canonical (largest-magnitude entry positive) so that the
+  number does not depend on the eigensolver's convention (device, LAPACK build);
+* ``"ggn_mc"`` has expectation ``Σ_{m,n} diag(J_mnᵀ H_m J_mn)`` (independent ε per sample: no cross pairs),
+  which ``"ggn"`` could only match with one backward per sample and direction (B·D).
+
+Neither is the Gauss-Newton matrix of the shared Z, ``Σ_m J_mᵀ H_m J_m`` with ``J_m = Σ_n J_mn``. docs/hessian.md
+measures the results against ``exact``. Half-precision blocks are factored in float32 (eigh has no float16 kernels).
 """
 
 from __future__ import annotations
@@ -169,11 +178,13 @@ def ggn_factor_rows(
             leaves = [shift.leaves[n] for n in names]
             blocks = output_hessian_blocks(loss_fn, outputs.detach(), targets)  # (N, D, D), of the scalar
             finite = bool(torch.isfinite(blocks).all())  # a NaN is reported as NaN, not an eigh failure
+            round_off = torch.finfo(blocks.dtype).eps  # the blocks' round-off, also where they are factored in float32:
+            blocks = blocks.to(torch.promote_types(blocks.dtype, torch.float32))  # eigh has no float16/bfloat16 kernels
             lam, U = torch.linalg.eigh(blocks if finite else torch.nan_to_num(blocks, 0.0, 0.0, 0.0))
             # round-off of the O(1) quantities the blocks come from (softmax p − p² for CE) is ~eps/N in the blocks
             # of a batch-mean loss even when every block is tiny (near one-hot predictions): floor the scale at 1/N
             scale = torch.maximum(lam.abs().amax(), lam.new_tensor(1.0 / lam.shape[0]))
-            if bool((lam < -1e3 * torch.finfo(lam.dtype).eps * scale).any()):
+            if bool((lam < -1e3 * round_off * scale).any()):
                 raise CurvatureError(
                     "mode 'ggn'/'ggn_mc' needs a loss with non-negative curvature in the model outputs (a convex "
                     "per-sample loss such as cross-entropy or MSE); use mode='exact' or 'diag'"
@@ -185,7 +196,11 @@ def ggn_factor_rows(
                 eps = (2 * eps - 1).to(lam.dtype)  # (S, N, D) Rademacher
                 V = torch.einsum("ndc,snc->snd", root, eps) / samples**0.5  # (S, N, D)
             else:
-                V = root.permute(2, 0, 1)  # (D, N, D): direction c for every sample
+                # eigenvector signs made canonical (largest-magnitude entry positive): where samples couple
+                # (train-mode BN) row c sums sample m's direction c over m, so the signs enter diag G
+                pick = U.abs().argmax(1, keepdim=True)  # (N, 1, D)
+                sign = torch.where(torch.gather(U, 1, pick) < 0, -1.0, 1.0).to(root.dtype)
+                V = (root * sign).permute(2, 0, 1)  # (D, N, D): direction c for every sample
             V = V.reshape(V.shape[0], *outputs.shape).to(outputs.dtype)
             (grad_out,) = torch.autograd.grad(loss, outputs, retain_graph=True)
             rows = torch.cat([grad_out.unsqueeze(0), V])  # row 0: the gradient, for ∂L/∂Z

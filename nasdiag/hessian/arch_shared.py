@@ -77,7 +77,9 @@ def alpha_diag_hessian(
             single product does not fit is refused with the estimate and what to use instead.
 
     Returns:
-        ``{name: tensor shaped like the parameter}``, detached, in the loss's dtype.
+        ``{name: tensor shaped like the parameter}`` keyed by the model's own parameter names
+        (``model.named_parameters()``, e.g. ``"alphas.normal"``), whatever names ``params`` gave; detached, in the
+        loss's dtype.
 
     Raises:
         CurvatureError: a parameter that is not one of ``model``'s, or a net too large for ``max_memory`` (naming
