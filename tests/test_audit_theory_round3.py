@@ -357,3 +357,21 @@ def test_gaussian_experts_simulation_against_a_transcription_of_algorithm_1_and_
         assert int(out.xnas_alive[r]) == alive.sum()
         assert bool(out.xnas_correct[r]) == (int(np.argmax(np.where(alive, A, -np.inf))) == int(b[r].argmax()))
         assert bool(out.gd_correct[r]) == (int(np.argmax(alpha)) == int(b[r].argmax()))
+
+
+@pytest.mark.parametrize("hw", [4, 200])  # the bmm path and the per-op path (beyond the CPU crossover)
+def test_edge_costs_of_candidates_with_mixed_dtypes_as_under_autocast(hw):
+    """Under autocast a conv gives float16/bfloat16 while an identity keeps float32: the costs are the float64
+    inner products of the values as given, accumulated in float32 (the per-op path raised linalg.vecdot's
+    dtype error, the bmm path 'expected scalar type' for a half gradient)."""
+    g = torch.Generator().manual_seed(8)
+    grad = torch.randn(2, 3, hw, hw, generator=g)
+    outs = [torch.randn(2, 3, hw, hw, generator=g).to(dt) for dt in (torch.float16, torch.float32, torch.bfloat16)]
+    for gr in (grad, grad.half()):
+        exact = torch.stack([(gr.double() * o.double()).sum() for o in outs])
+        got = nasdiag.cost.edge_costs(gr, outs)
+        assert got.dtype == torch.float32
+        magnitude = float(max((gr.double() * o.double()).abs().sum() for o in outs))
+        assert float((got.double() - exact).abs().max()) <= 1e-5 * magnitude
+    per = nasdiag.cost.output_edge_costs(grad.half(), grad.float(), {2: (0, 1), 3: (1, 3)}, per_sample=True)
+    assert per.dtype == torch.float32 and per.shape == (2, 2)

@@ -9,6 +9,7 @@ whatever produced Z (softmax, one-hot sample, linear weights). The gradient at t
 
 from __future__ import annotations
 
+import functools
 from typing import Mapping, Sequence, Tuple
 
 import torch
@@ -20,15 +21,22 @@ from nasdiag.cost.errors import CostError
 _CPU_BATCHED_MAX_NUMEL = 1 << 17
 
 
+def _accumulation_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """The promoted dtype of the inputs, at least float32: candidates of one mixed op may differ in dtype
+    under autocast (a conv's float16 beside an identity's float32), and half sums lose the cost."""
+    promoted = functools.reduce(torch.promote_types, dtypes)
+    return torch.float32 if promoted in (torch.float16, torch.bfloat16) else promoted
+
+
 def _inner_per_sample(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Σ over all but the first dim of a·b, shape (B,). Half precision is accumulated in float32."""
+    """Σ over all but the first dim of a·b, shape (B,), in :func:`_accumulation_dtype` of a and b."""
     if a.shape != b.shape:
         raise CostError(
             f"cannot pair a gradient of shape {tuple(a.shape)} with a tensor of shape {tuple(b.shape)}: "
             "a candidate op's output must have the shape of the mixed op's output"
         )
-    if a.dtype in (torch.float16, torch.bfloat16):
-        a, b = a.float(), b.float()
+    dtype = _accumulation_dtype(a.dtype, b.dtype)
+    a, b = a.to(dtype), b.to(dtype)
     if a.dim() == 0:
         return (a * b).reshape(1)
     return torch.linalg.vecdot(a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1))
@@ -45,7 +53,8 @@ def edge_costs(
         per_sample: return the per-sample terms instead of their sum.
 
     Returns:
-        (K,) or, with ``per_sample``, (B, K), in the dtype of the inputs (float32 for half inputs).
+        (K,) or, with ``per_sample``, (B, K), in the promoted dtype of the inputs, at least float32 (half
+        inputs, and candidates of mixed dtypes under autocast, are accumulated in it).
         Batch convention: the per-sample terms **sum** to the (K,) costs; the loss's own reduction is
         inherited, so with a mean loss every per-sample term carries the 1/B factor.
     """
@@ -56,10 +65,9 @@ def edge_costs(
         # 2 kernels (stack, bmm) for the K ops instead of K dot products: the step is launch-bound on a
         # GPU, and dispatch-bound on a CPU for small maps; large CPU maps pay more for the stacked copy.
         K, B = len(candidate_outputs), grad_output.shape[0]
-        stacked = torch.stack(candidate_outputs).reshape(K, B, -1)
-        g = grad_output.reshape(B, 1, -1)
-        if stacked.dtype in (torch.float16, torch.bfloat16):
-            stacked, g = stacked.float(), g.float()
+        dtype = _accumulation_dtype(grad_output.dtype, *(o.dtype for o in candidate_outputs))
+        stacked = torch.stack([o.to(dtype) for o in candidate_outputs]).reshape(K, B, -1)
+        g = grad_output.to(dtype).reshape(B, 1, -1)
         # per[b, k] = Σ_n g[b, n] S[k, b, n]: one batched (1 × N)(N × K) product per sample
         per = torch.bmm(g, stacked.permute(1, 2, 0)).reshape(B, K)
     else:
