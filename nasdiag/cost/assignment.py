@@ -118,7 +118,9 @@ def scatter_cells(
         edge_index: (N,) int64, the edge's index inside its cell (DARTS order).
 
     Returns:
-        (n_cells, n_edges, K); ``.sum(0)`` is the cost of the shared Z (what ∂L/∂α needs, §2.1).
+        (n_cells, n_edges, K); ``.sum(0)`` is the cost of the shared Z (what ∂L/∂α needs, §2.1) where every
+        cell has every edge. An edge missing from a cell is NaN there and so in its sum: sum only the cells
+        that have it (``torch.nansum`` would also drop a NaN *cost*, which must be flagged, not dropped).
     """
     N, K = edge_costs_.shape
     out = edge_costs_.new_full((n_cells, n_edges, K), float("nan"))

@@ -4,7 +4,8 @@ DARTS, ProxylessNAS, SNAS and DSNAS differ only in how Z depends on α, so each 
 ∂Z/∂α (or a score-function factor) applied to the same C. The XNAS reward R = −C lives in
 ``nasdiag.regret``. All functions work on the last dim (K ops) and broadcast over leading dims, e.g.
 (E, K) for one cell type. For α shared across cells, pass C summed over those cells (§2.1 sums the
-chain rule over every use of α); ``nasdiag.cost.scatter_cells(...).sum(0)`` gives that sum.
+chain rule over every use of α); ``nasdiag.cost.scatter_cells(...).sum(0)`` gives that sum when every cell
+has every edge (a missing edge is NaN there).
 """
 
 from __future__ import annotations
