@@ -375,3 +375,48 @@ def test_edge_costs_of_candidates_with_mixed_dtypes_as_under_autocast(hw):
         assert float((got.double() - exact).abs().max()) <= 1e-5 * magnitude
     per = nasdiag.cost.output_edge_costs(grad.half(), grad.float(), {2: (0, 1), 3: (1, 3)}, per_sample=True)
     assert per.dtype == torch.float32 and per.shape == (2, 2)
+
+
+# --- Algorithm 1 with many experts and extreme learning rates ---------------------------------------------------
+
+@pytest.mark.parametrize("eta", [1e-3, 40.0])
+def test_algorithm_1_with_200_experts_and_extreme_learning_rates(eta):
+    """Rewards are multiples of L/8, so A_i = Σ_s R_s,i is exact and line 11-12 is decided exactly in rationals:
+    i leaves when A_i < max_{I_{t-1}} A − 2L(T − t) (η cancels). With η = 40 the weights span e^±4000 (one-hot
+    in float64), with η = 1e-3 they stay near uniform; ln γ_t (eq 28), the regret (eq 31, all N) and the
+    survivor regret against the transcription, in float64 from log-sum-exp of η A."""
+    from nasdiag.regret import Forecaster
+
+    N, T, L = 200, 30, 1.0
+    rng = np.random.default_rng(5)
+    levels = rng.integers(-8, 9, size=(T, N))
+    levels[:, 7] = np.where(np.arange(T) < T // 2, -8, 8)  # a late bloomer: worst first, then best
+    R = levels / 8.0 * L
+    fc = Forecaster(N, eta, L, T)
+    A = [Fraction(0)] * N
+    alive = np.ones(N, bool)
+    mixture, log_gamma = 0.0, 0.0
+
+    def lse(x):
+        return float(np.logaddexp.reduce(x)) if len(x) else -math.inf
+
+    for t in range(1, T + 1):
+        a = eta * np.array([float(v) for v in A])
+        mixture += float(np.exp(a[alive] - lse(a[alive])) @ R[t - 1, alive])
+        A = [A[i] + Fraction(int(levels[t - 1, i]), 8) if alive[i] else A[i] for i in range(N)]
+        top = max(A[i] for i in range(N) if alive[i])
+        wiped = np.array([alive[i] and A[i] < top - 2 * Fraction(L) * (T - t) for i in range(N)])
+        a = eta * np.array([float(v) for v in A])
+        if wiped.any():
+            log_gamma += math.log1p(math.exp(lse(a[wiped]) - lse(a[alive & ~wiped])))
+        got = fc.update(torch.from_numpy(R[t - 1]))
+        assert np.array_equal(got.numpy(), wiped), t
+        alive &= ~wiped
+        assert np.array_equal(fc.alive.numpy(), alive), t
+    S = R.sum(0)
+    assert abs(float(fc.log_gamma) - log_gamma) <= 1e-12 * max(1.0, log_gamma)
+    assert abs(float(fc.regret) - (S.max() - mixture)) <= 1e-10 * T * L
+    assert abs(float(fc.survivor_regret) - (S[alive].max() - mixture)) <= 1e-10 * T * L
+    assert alive.sum() == 1 and alive[int(np.argmax(S))]  # θ_T = max v leaves the best in hindsight alone
+    assert float(fc.regret) <= float(fc.bound())
+    torch.testing.assert_close(fc.weights.sum(), torch.tensor(1.0, dtype=torch.float64))
