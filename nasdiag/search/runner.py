@@ -100,6 +100,13 @@ class Committed:
         else:
             self.target.on_step_end(step, stats)
 
+    def on_failed_step(self, step: int, stats) -> None:
+        """The row of a step that stopped the run (a method's NaN loss, flagged): forwarded at once, also at an
+        epoch's last step, where holding it for the epoch statistics that never come lost it. A resume replays
+        the same NaN, so the row without its epoch statistics is never continued from."""
+        if step > self.after_step:
+            self.target.on_step_end(step, stats)
+
     def on_epoch_end(self, epoch: int, stats) -> None:
         held, self._held = self._held, None
         if held is None:  # the epoch's last step was replayed
@@ -212,7 +219,7 @@ def search_loop(method: SearchMethod, splits, *, epochs: int, batch_size: int, s
         failed = getattr(exc, "statistics", None)  # a method's SearchError carries the failing step's row (NaN loss)
         if isinstance(exc, SearchError) and failed and step is not None:
             for cb in callbacks:  # recorded, so the NaN is kept and flagged in the record, not lost with the run
-                cb.on_step_end(step, failed)
+                getattr(cb, "on_failed_step", cb.on_step_end)(step, failed)
             if world_size > 1:  # every rank stopped at this step (the methods decide by finite_on_every_rank): the
                 for cb in callbacks:  # rows held so far are reduced together now, which on_exception cannot do
                     settle = getattr(cb, "settle", None)
