@@ -15,7 +15,14 @@ Defects this round found (each test named below fails on the library before its 
 * a NaN batch made the exact routes' cross-checks (forward-over-reverse against reverse-over-reverse, batched against
   plain products) compare NaN with NaN, warn of "a wrong forward-mode rule of torch" / "a wrong vmap rule" and fall
   back to the slower products — ``test_a_nan_sample_is_nan_not_averaged_away``; the same false blame in bfloat16,
-  whose two roundings differ by more than the check's 1e-2 — ``test_exact_in_bfloat16_is_not_blamed_on_torch``.
+  whose two roundings differ by more than the check's 1e-2 — ``test_exact_in_bfloat16_is_not_blamed_on_torch``;
+* ``hutchinson:<k>`` with a huge k allocated its k·E probes at once: the allocator's bare RuntimeError, or at
+  k = 10⁸ minutes of swapping — ``test_a_huge_hutchinson_k_is_refused_before_its_probes_are_allocated``;
+* ``shared_weights_diag_hessian`` on a network whose forward takes no weights: the model's bare TypeError —
+  ``test_shared_weights_of_a_network_that_takes_no_weights_is_one_line``;
+* ``diag_hessian`` refused every default call on a supernet holding α in an ``nn.ParameterDict`` (taken for a module
+  without a rule) — ``test_alpha_in_a_parameter_dict_is_glue_for_the_weight_recursion``;
+* parameters on the meta device: torch's bare RuntimeError — ``test_parameters_on_the_meta_device_are_one_line_in_every_route``.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from nasdiag.hessian import (
     CurvatureError,
     alpha_diag_hessian,
     arch_diag_hessian,
+    diag_hessian,
     hessian_eigenvalues,
     shared_weights_diag_hessian,
 )
@@ -482,3 +490,61 @@ def test_c1_and_c3_recursions_on_a_dag_with_a_skip_and_per_sample_weights():
     net.w1, net.w2 = W
     diag = arch_diag_hessian(net, F.cross_entropy, x, y, edges, mode="diag")
     assert (torch.cat([diag["e1"], diag["e2"]]) - dense).abs().max() > 1e-3 * dense.abs().max()
+
+
+@pytest.mark.parametrize("call", ["arch", "weights"])
+def test_a_huge_hutchinson_k_is_refused_before_its_probes_are_allocated(call):
+    """``hutchinson:<k>`` holds its k (·E) probes and products at once: a k whose arrays cannot fit is one
+    CurvatureError naming the size (it was the allocator's RuntimeError, or, at k = 10⁸, minutes of swapping)."""
+    net, x, y = make(11)
+    mode = "hutchinson:10000000000"
+    with pytest.raises(CurvatureError, match=r"hutchinson:10000000000.*GiB at once.*lower k"):
+        if call == "arch":
+            arch_diag_hessian(net, F.cross_entropy, x, y, net.edges(), mode=mode)
+        else:
+            diag_hessian(net, F.cross_entropy, x, y, mode=mode)
+    assert_no_module_hooks(net)
+
+
+def test_shared_weights_of_a_network_that_takes_no_weights_is_one_line():
+    """shared_weights_diag_hessian calls network(inputs, weights): a forward without that argument raised the model's
+    bare TypeError from inside the products."""
+
+    class NoWeights(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, D)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    net = NoWeights().to(DT)
+    with pytest.raises(CurvatureError, match=r"network\(inputs, weights\).*forward\(x\) does not take them") as err:
+        shared_weights_diag_hessian(net, F.cross_entropy, torch.randn(B, 3, dtype=DT), torch.randint(0, D, (B,)),
+                                    {"normal": torch.full((K,), 1 / K, dtype=DT)})
+    assert isinstance(err.value, TypeError) and "\n" not in str(err.value)
+
+
+def test_alpha_in_a_parameter_dict_is_glue_for_the_weight_recursion():
+    """α held in an ``nn.ParameterDict`` (read by the supernet's forward through softmax): ``diag_hessian`` took the
+    never-called ParameterDict for a module without a rule and refused every default call. Now its α is glue, and in
+    mode ``diag`` its diagonal is the per-edge α chain of ``arch_diag_hessian`` summed over the cells of each type
+    (docs/hessian.md, α)."""
+    net, x, y = make(13)
+    w = diag_hessian(net, F.cross_entropy, x, y, mode="diag")
+    per_edge = arch_diag_hessian(net, F.cross_entropy, x, y, net.edges(), mode="diag", wrt="alpha")
+    for t in TYPES:
+        summed = sum(torch.stack([per_edge[f"c{i}.e{j}"] for j in range(E)]) for i, c in enumerate(CELL_TYPES) if c == t)
+        torch.testing.assert_close(w[f"alphas.{t}"], summed, rtol=1e-10, atol=1e-15)
+
+
+def test_parameters_on_the_meta_device_are_one_line_in_every_route():
+    net, x, y = make(14)
+    net.head.to("meta")
+    calls = [lambda m=m: arch_diag_hessian(net, F.cross_entropy, x, y, net.edges(), mode=m) for m in ("exact", "ggn", "diag")]
+    calls += [lambda: diag_hessian(net, F.cross_entropy, x, y, mode="exact"),
+              lambda: alpha_diag_hessian(net, F.cross_entropy, x, y, params=dict(net.alphas))]
+    for call in calls:
+        with pytest.raises(CurvatureError, match=r"head\.bias, head\.weight of the model are on the meta device"):
+            call()
+    assert_no_module_hooks(net)

@@ -108,6 +108,12 @@ def _refuse_unfit_inputs(model: nn.Module, inputs: Inputs, err: BaseException) -
     dtypes = {t.dtype for t in held}
     devices = {t.device for t in held}
     failed = f"model(inputs) failed ({type(err).__name__}: {str(err).strip().splitlines()[0][:160] if str(err).strip() else ''})"
+    meta = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if meta:
+        raise CurvatureError(
+            f"{failed}: {_listed(meta[:3])}{' ...' if len(meta) > 3 else ''} of the model are on the meta device (shapes "
+            "without values); materialise them (model.to_empty(device=...), then load the weights) before the curvature"
+        ) from err
     for t in tensors:
         if t.device not in devices:
             raise CurvatureTypeError(
@@ -543,15 +549,9 @@ def fit_chunk(saved_bytes: int, max_memory: Optional[int], chunk_size: int, what
 
     check_chunk_size(chunk_size, what)
     check_max_memory(max_memory, what)
-    if max_memory is None:
-        free = free_memory(device) if device is not None else None
-        if free is None:
-            return chunk_size
-        budget = int(free * DEFAULT_MEMORY_SHARE)
-        limit = f"only {_size(budget)} are free for it (half the free memory; max_memory= sets the cap)"
-    else:
-        budget = int(max_memory)
-        limit = f"max_memory is {_size(budget)}"
+    budget, limit = _memory_budget(max_memory, device)
+    if budget is None:
+        return chunk_size
     per_product = PRODUCT_FACTOR * max(int(saved_bytes), 1)
     fits = budget // per_product
     if fits < 1:
@@ -560,6 +560,30 @@ def fit_chunk(saved_bytes: int, max_memory: Optional[int], chunk_size: int, what
             f"({PRODUCT_FACTOR} x {_size(saved_bytes)} saved by the forward) but {limit}; {instead}"
         )
     return min(chunk_size, fits)
+
+
+def _memory_budget(max_memory: Optional[int], device) -> Tuple[Optional[int], str]:
+    """``(bytes, how the cap was set)``: ``max_memory``, else :data:`DEFAULT_MEMORY_SHARE` of the free memory on
+    ``device``; ``(None, "")`` where that is unknown."""
+    if max_memory is not None:
+        return int(max_memory), f"max_memory is {_size(int(max_memory))}"
+    free = free_memory(device) if device is not None else None
+    if free is None:
+        return None, ""
+    budget = int(free * DEFAULT_MEMORY_SHARE)
+    return budget, f"only {_size(budget)} are free for it (half the free memory; max_memory= sets the cap)"
+
+
+def check_probe_memory(n_bytes: int, max_memory: Optional[int], device, what: str, instead: str) -> None:
+    """A one-line :class:`~nasdiag.hessian.modes.CurvatureError` if the probe arrays of a Hutchinson estimate
+    (``n_bytes``, held at once) do not fit the cap of :func:`fit_chunk`; an allocator failure (or a machine driven
+    into swap by ``hutchinson:100000000``) otherwise."""
+    from nasdiag.hessian.modes import CurvatureError
+
+    budget, limit = _memory_budget(max_memory, device)
+    if budget is not None and n_bytes > budget:
+        raise CurvatureError(f"{what}: its probes and their products need about {_size(n_bytes)} at once but {limit}; "
+                             f"{instead}")
 
 
 def check_chunk_size(chunk_size, what: str) -> None:

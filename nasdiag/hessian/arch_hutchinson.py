@@ -41,6 +41,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from nasdiag.hessian._hvp import check_probe_memory
 from nasdiag.hessian.arch_exact import edge_hessian_products
 from nasdiag.hessian.arch_ggn import ggn_factor_rows
 from nasdiag.hessian.modes import CurvatureError
@@ -102,6 +103,10 @@ def hutchinson_arch_diag(
         what=f"arch_diag_hessian(mode='hutchinson:{probes}')",
     ) as ep:
         N, E = sum(n_ops), len(n_ops)
+        rows = probes * (E if per_edge else 1)  # V and its products (rows, N), the probes (k, N) in int64 and as floats
+        check_probe_memory((2 * rows + 3 * probes) * N * ep.dtype.itemsize + probes * N * 8, max_memory, ep.device,
+                           f"arch_diag_hessian(mode='hutchinson:{probes}')",
+                           f"lower k (k·E products; from k = {max(n_ops)} on, mode='exact' takes fewer and is exact)")
         eps = torch.randint(0, 2, (probes, N), generator=generator, dtype=torch.int64).mul_(2).sub_(1)
         eps = eps.to(dtype=ep.dtype, device=ep.device)
         if per_edge:  # probe s of edge e: ε_s on e's entries, 0 elsewhere (k·E products)

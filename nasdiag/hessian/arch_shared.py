@@ -15,6 +15,7 @@ this module nor its tests use them (docs/hessian.md).
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import Callable, Dict, Mapping, Optional
 
@@ -34,7 +35,7 @@ from nasdiag.hessian._hvp import (
     preserved_buffers,
     scalar_loss,
 )
-from nasdiag.hessian.modes import CurvatureError
+from nasdiag.hessian.modes import CurvatureError, CurvatureTypeError
 
 __all__ = ["alpha_diag_hessian", "shared_weights_diag_hessian"]
 
@@ -200,11 +201,29 @@ def shared_weights_diag_hessian(
     if not isinstance(weights, Mapping) or not weights or not all(isinstance(w, torch.Tensor) for w in weights.values()):
         raise CurvatureError("shared_weights_diag_hessian: weights must be a non-empty {group: tensor} mapping, "
                              f"got {type(weights).__name__}")
+    _check_takes_weights(network, inputs, weights)
     at = _AtWeights(network, weights)
     pairs = [(f"weights.{group}", at.weights[group]) for group in weights]
     diag = _exact_parameter_diag(at, loss_fn, inputs, targets, pairs, chunk_size, max_memory, "shared_weights_diag_hessian",
                                  INSTEAD_OF_SHARED_Z)
     return {group: diag[f"weights.{group}"] for group in weights}
+
+
+def _check_takes_weights(network: nn.Module, inputs, weights) -> None:
+    """A one-line :class:`CurvatureTypeError` if ``network.forward`` cannot be called as ``(*inputs, weights)`` (the
+    model's own TypeError, raised from inside the products, would not say what this function needs)."""
+    try:
+        signature = inspect.signature(network.forward)
+    except (TypeError, ValueError):  # no signature to read (a builtin): the call itself will tell
+        return
+    try:
+        signature.bind(*_as_args(inputs), dict(weights))
+    except TypeError as err:
+        raise CurvatureTypeError(
+            f"shared_weights_diag_hessian calls network(inputs, weights) with weights = {{group: Z}} ({list(weights)}), "
+            f"but {type(network).__name__}.forward{signature} does not take them ({err}); give the network a weights "
+            "argument, or use alpha_diag_hessian (α inside the model) or arch_diag_hessian(mode='exact') per edge"
+        ) from None
 
 
 class _AtWeights(nn.Module):

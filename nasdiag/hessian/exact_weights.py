@@ -18,7 +18,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 from torch import nn
 
-from nasdiag.hessian._hvp import HessianVectorProduct, functional_forward, preserved_buffers, scalar_loss
+from nasdiag.hessian._hvp import HessianVectorProduct, check_probe_memory, functional_forward, preserved_buffers, scalar_loss
 from nasdiag.hessian.loss_curvature import output_hessian_blocks
 from nasdiag.hessian.rules import ModuleCall, rule_for
 from nasdiag.hessian.rules.elementwise import ElementwiseRule, IdentityRule, ReshapeRule
@@ -197,6 +197,8 @@ def hvp_hutchinson_diag(
     """
     names = list(values)
     hvp = _loss_hvp(model, loss_fn, inputs, targets, values)
+    check_probe_memory(probes * hvp.dim * (8 + hvp.dtype.itemsize), None, hvp.device, f"diag_hessian(mode='hutchinson:{probes}')",
+                       "lower k (k products over all weights; mode='exact' takes one per weight and is exact)")
     generator = torch.Generator().manual_seed(int(seed))
     eps = torch.randint(0, 2, (probes, hvp.dim), generator=generator, dtype=torch.int64).mul_(2).sub_(1)
     eps = eps.to(dtype=hvp.dtype, device=hvp.device)

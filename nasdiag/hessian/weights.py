@@ -172,7 +172,9 @@ def _reject_unruled_owner(tracer: ModuleTracer, name: str, rules) -> None:
     glue code, like a supernet's α) cannot be handled."""
     module_name = name.rpartition(".")[0]
     module = tracer.opaque_leaves.get(module_name)
-    if module is not None:
+    # a ParameterDict/ParameterList is never called: its parameters (a supernet's α) are read by the forward of a
+    # module above it, glue like a module's own tensor
+    if module is not None and not isinstance(module, (nn.ParameterDict, nn.ParameterList)):
         raise UnsupportedModuleError(
             unsupported_module_message(module_name, module, f"owns parameter {name!r} but has no diagonal-Hessian rule", rules)
         )
