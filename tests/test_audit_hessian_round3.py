@@ -22,7 +22,11 @@ Defects this round found (each test named below fails on the library before its 
   ``test_shared_weights_of_a_network_that_takes_no_weights_is_one_line``;
 * ``diag_hessian`` refused every default call on a supernet holding α in an ``nn.ParameterDict`` (taken for a module
   without a rule) — ``test_alpha_in_a_parameter_dict_is_glue_for_the_weight_recursion``;
-* parameters on the meta device: torch's bare RuntimeError — ``test_parameters_on_the_meta_device_are_one_line_in_every_route``.
+* parameters on the meta device: torch's bare RuntimeError — ``test_parameters_on_the_meta_device_are_one_line_in_every_route``;
+* a complex model whose mixed op failed on (B, K) weights was told to convert its complex inputs to float64 (complex
+  parameters were not counted as the model's dtypes) — ``test_complex_features_real_mixing_weights``;
+* ``ggn_mc`` with a huge ``samples``: the allocator's bare RuntimeError —
+  ``test_a_huge_ggn_mc_sample_count_is_refused_before_its_draws_are_allocated``.
 """
 
 from __future__ import annotations
@@ -547,4 +551,57 @@ def test_parameters_on_the_meta_device_are_one_line_in_every_route():
     for call in calls:
         with pytest.raises(CurvatureError, match=r"head\.bias, head\.weight of the model are on the meta device"):
             call()
+    assert_no_module_hooks(net)
+
+
+class ComplexMixed(nn.Module):
+    """A mixed op whose first candidate is a complex linear map (real weights Z, complex features)."""
+
+    def __init__(self, per_sample=True):
+        super().__init__()
+        self.ops = nn.ModuleList([nn.Linear(3, 3).to(torch.complex128), nn.Identity()])
+        self.per_sample = per_sample
+
+    def forward(self, x, weights):
+        if self.per_sample and weights.dim() == 2:
+            return sum(weights[:, k, None] * op(x) for k, op in enumerate(self.ops))
+        return sum(weights[k] * op(x) for k, op in enumerate(self.ops))
+
+
+class ComplexNet(nn.Module):
+    def __init__(self, per_sample=True):
+        super().__init__()
+        self.e, self.head = ComplexMixed(per_sample), nn.Linear(3, D).to(DT)
+        self.z = torch.tensor([0.3, 0.7], dtype=DT)
+
+    def forward(self, x, z=None):
+        return self.head(self.e(x, self.z if z is None else z).abs())
+
+
+def test_complex_features_real_mixing_weights():
+    """Complex inputs and parameters with real mixing weights: ``exact`` is the dense Hessian, ``ggn`` the Gauss-Newton
+    diagonal ``Σ_m J_mᵀ H_m J_m`` (no coupling); a mixed op that cannot take (B, K) weights gets the GGN modes' own
+    message (the complex inputs were blamed: "convert them with inputs.to(torch.float64)")."""
+    torch.manual_seed(15)
+    net = ComplexNet()
+    x, y = torch.randn(B, 3, dtype=torch.complex128), torch.randint(0, D, (B,))
+    edges = {"e": (net.e, list(net.e.ops))}
+    dense = torch.autograd.functional.hessian(lambda z: F.cross_entropy(net(x, z), y), net.z)
+    torch.testing.assert_close(arch_diag_hessian(net, F.cross_entropy, x, y, edges, mode="exact")["e"],
+                               torch.diagonal(dense), rtol=1e-9, atol=1e-14)
+    J = torch.autograd.functional.jacobian(lambda z: net(x, z), net.z)  # (B, D, 2)
+    p = F.softmax(net(x), -1).detach()
+    Hb = (torch.diag_embed(p) - p[:, :, None] * p[:, None, :]) / B
+    ggn = torch.einsum("mdk,mdq,mqk->k", J, Hb, J)
+    torch.testing.assert_close(arch_diag_hessian(net, F.cross_entropy, x, y, edges, mode="ggn")["e"], ggn,
+                               rtol=1e-9, atol=1e-14)
+    plain = ComplexNet(per_sample=False)
+    with pytest.raises(CurvatureError, match=r"edge 'e': the GGN modes .*\(B, K\)"):
+        arch_diag_hessian(plain, F.cross_entropy, x, y, {"e": (plain.e, list(plain.e.ops))}, mode="ggn")
+
+
+def test_a_huge_ggn_mc_sample_count_is_refused_before_its_draws_are_allocated():
+    net, x, y = make(16)
+    with pytest.raises(CurvatureError, match=r"samples=10000000000: .*GiB at once.*lower samples"):
+        arch_diag_hessian(net, F.cross_entropy, x, y, net.edges(), mode="ggn_mc", samples=10**10)
     assert_no_module_hooks(net)

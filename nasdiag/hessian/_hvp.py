@@ -102,7 +102,7 @@ def _refuse_unfit_inputs(model: nn.Module, inputs: Inputs, err: BaseException) -
     from nasdiag.hessian.modes import CurvatureError, CurvatureTypeError
 
     tensors = [t for t in (inputs if isinstance(inputs, tuple) else (inputs,)) if isinstance(t, torch.Tensor)]
-    held = [t for t in (*model.parameters(), *model.buffers()) if torch.is_floating_point(t)]
+    held = [t for t in (*model.parameters(), *model.buffers()) if torch.is_floating_point(t) or t.is_complex()]
     if not tensors or not held:
         return
     dtypes = {t.dtype for t in held}

@@ -39,7 +39,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
-from nasdiag.hessian._hvp import call_model, preserved_buffers, scalar_loss
+from nasdiag.hessian._hvp import call_model, check_probe_memory, preserved_buffers, scalar_loss
 from nasdiag.hessian.loss_curvature import output_hessian_blocks
 from nasdiag.hessian.modes import CurvatureError, CurvatureTypeError
 from nasdiag.hooks import Hooks
@@ -191,6 +191,8 @@ def ggn_factor_rows(
                 )
             root = U * lam.clamp_min(0).sqrt()[:, None, :]  # (N, D, D): column c is √λ_c u_c
             if monte_carlo:
+                check_probe_memory(samples * lam.numel() * (8 + 2 * lam.dtype.itemsize), None, lam.device,
+                                   f"mode 'ggn_mc' with samples={samples}", "lower samples (each draw is one more backward)")
                 # drawn on the CPU (the generator's device), so a seed gives the same draws on any device
                 eps = torch.randint(0, 2, (samples, *lam.shape), generator=generator).to(lam.device)
                 eps = (2 * eps - 1).to(lam.dtype)  # (S, N, D) Rademacher
