@@ -122,8 +122,10 @@ class StepCapture:
     def __init__(self, edges: Sequence[EdgeSpec], cells: Sequence[CellInfo], *, path_split: bool,
                  check_convention: Sequence[bool], incoming: Dict[Tuple[int, int], List[int]],
                  hooks: Hooks, track_selected: bool = False, weights_names: Optional[Sequence[str]] = None,
-                 keep_model_io: bool = False):
+                 keep_model_io: bool = False, weights_presumed: Optional[Sequence[bool]] = None):
         N = len(edges)
+        # edges mapped by the caller whose forward is (x, w): w is their weights only where it is (K,) or (B, K)
+        self.weights_presumed = list(weights_presumed) if weights_presumed is not None else [False] * N
         self.edges, self.cells = edges, cells
         # the keyword the mixing weights go by when passed as one (the forward's second parameter)
         self.weights_names = list(weights_names) if weights_names is not None else ["weights"] * N
@@ -167,13 +169,16 @@ class StepCapture:
         # Only what a feature needs is kept: this hook runs for every edge at every step.
         if edge.weights_arg and (self.track_selected or self.check_convention[pos]):
             w = args[1] if len(args) > 1 else kwargs.get(self.weights_names[pos])
+            if self.weights_presumed[pos] and not (isinstance(w, torch.Tensor) and w.is_floating_point()
+                                                   and w.dim() in (1, 2) and w.shape[-1] == edge.n_ops):
+                w = None  # a second argument of another kind: not the weights (the output's span is checked instead)
             if isinstance(w, torch.Tensor):
                 call.weights = w.detach()
             elif self.track_selected:
                 raise ProbeError(
                     f"edge {edge.name!r}: statistics='sampled' needs the mixing weights of every forward, but this call "
-                    f"passed no tensor as the second argument or as {self.weights_names[pos]}=; pass the weights there "
-                    "or attach with statistics='all'"
+                    f"passed no (K,) or (B, K) tensor (K = {edge.n_ops}) as the second argument or as "
+                    f"{self.weights_names[pos]}=; pass the weights there or attach with statistics='all'"
                 )
         if self.path_split and edge.cell_index is not None:
             if args and isinstance(args[0], torch.Tensor):
@@ -236,6 +241,9 @@ class StepCapture:
             if self.check_convention[pos] and not missing:
                 self._check_weighted_sum(edge, call, output)
                 self.check_convention[pos] = False
+        elif self.check_convention[pos] and not missing:
+            self._check_span(edge, call, output)
+            self.check_convention[pos] = False
         if not output.requires_grad:
             if torch.is_grad_enabled():  # (under no_grad the message says to turn grad mode on)
                 self.n_without_grad[pos] += 1
@@ -264,6 +272,32 @@ class StepCapture:
                 f"(relative deviation {err:.3g}), so <∂L/∂out, op_k(x)> would not be ∂L/∂w_k. Map the edge, "
                 "with attach(model, edges={name: (module, [candidate ops])}), to a module whose output is that sum."
             )
+
+    def _check_span(self, edge: EdgeSpec, call: EdgeCall, output: torch.Tensor) -> None:
+        # Without the weights, out = Σ_k Z_k O_k(x) can still be checked: per sample, the output must lie in the
+        # span of the candidates' outputs (whatever Z the module used inside). A module that is not a mixed op
+        # (e.g. Sequential(Linear, ReLU) mapped with [Linear]) or a list missing candidates fails it.
+        shapes = {tuple(o.shape) for o in call.outputs}
+        err = self._span_error(call.outputs, output) if shapes == {tuple(output.shape)} else float("inf")
+        tol = 1e-3 if output.dtype in (torch.float16, torch.bfloat16) else 1e-5
+        if not err <= tol:
+            raise ProbeError(
+                f"edge {edge.name!r}: its output is not a weighted sum Σ_k w_k·op_k(x) of the outputs of its "
+                f"{edge.n_ops} candidate op(s) {list(edge.op_names)} (relative residual {err:.3g}), so it is not a mixed op "
+                "of these candidates and <∂L/∂out, op_k(x)> is no cost. Map the edge to the module that returns that "
+                "sum, with every candidate op it mixes: attach(model, edges={name: (module, [candidate ops])})."
+            )
+
+    @staticmethod
+    def _span_error(outputs, output: torch.Tensor) -> float:
+        """Largest relative least-squares residual of ``output[b]`` on ``{outputs[k][b]}`` over the first 4 samples."""
+        with torch.no_grad():
+            n = min(output.shape[0], 4) if output.dim() else 1
+            y = output.detach()[:n].reshape(n, -1, 1).to("cpu", torch.float64)
+            a = torch.stack([o.detach()[:n].reshape(n, -1) for o in outputs], -1).to("cpu", torch.float64)  # (n, F, K)
+            fit = a @ (torch.linalg.pinv(a) @ y)
+            scale = y.abs().max().clamp(min=1e-30)
+            return float((fit - y).abs().max() / scale)
 
     @staticmethod
     def _weighted_sum_error(w: torch.Tensor, outputs, output: torch.Tensor) -> float:

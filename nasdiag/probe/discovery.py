@@ -82,7 +82,8 @@ def is_darts_mixed_op(module: nn.Module) -> bool:
     return isinstance(ops, nn.ModuleList) and len(ops) > 0 and _positional_arity(module) == 2
 
 
-def _is_mixed_op(module: nn.Module) -> bool:
+def is_mixed_op(module: nn.Module) -> bool:
+    """A discovered mixed op: nasdiag's ``MixedOp`` or the DARTS convention (:func:`is_darts_mixed_op`)."""
     return isinstance(module, MixedOp) or is_darts_mixed_op(module)
 
 
@@ -205,7 +206,10 @@ def discover(model: nn.Module, edges: Optional[EdgesArg] = None) -> Tuple[List[E
                     if pairs is not None:
                         kw["src"], kw["dst"] = pairs[idx]
             cell_edges.setdefault(c, []).append(len(infos))
-        infos.append(dataclasses.replace(spec, weights_arg=_is_mixed_op(m), **kw))
+        # a mapped module with a forward (x, w) is taken to receive its mixing weights as w: checked on the first
+        # recorded step (a second argument that is not (K,) or (B, K) weights is ignored, see StepCapture.edge_pre)
+        takes_weights = is_mixed_op(m) or (edges is not None and _positional_arity(m) == 2)
+        infos.append(dataclasses.replace(spec, weights_arg=takes_weights, **kw))
 
     cells = [
         CellInfo(q, m, _cell_type(m), c, d[0], d[1], tuple(cell_edges.get(c, ())))

@@ -17,7 +17,7 @@ from nasdiag.hessian.modes import ARCH_MODES, CurvatureError, check_mode
 from nasdiag.hooks import Hooks
 from nasdiag.probe.capture import Router, StepCapture
 from nasdiag.edges import EdgesArg, EdgeSpec
-from nasdiag.probe.discovery import CellInfo, ProbeError, discover, weights_parameter as _weights_parameter
+from nasdiag.probe.discovery import CellInfo, ProbeError, discover, is_mixed_op, weights_parameter as _weights_parameter
 from nasdiag.probe.layout import Group, build_groups
 
 STATISTICS_MODES = ("all", "sampled")
@@ -119,8 +119,9 @@ class Probe:
             blind = [e.name for e in self._edges if not e.weights_arg]
             if blind:
                 raise ProbeError(
-                    f"statistics='sampled' needs each edge's mixing weights, passed as the second forward argument; "
-                    f"edges {_short_list(blind)} do not take them. Use statistics='all'."
+                    f"statistics='sampled' needs each edge's mixing weights, passed as the second argument of its forward "
+                    f"(x, weights); the forward of edge(s) {_short_list(blind)} does not take two positional arguments. "
+                    "Use statistics='all'."
                 )
         self.path_split = bool(path_split)
         if self.path_split:
@@ -144,7 +145,10 @@ class Probe:
                 slots.setdefault(id(op), []).append((p, k))
                 self._candidate_modules[id(op)] = op
         self._candidate_slots = slots
-        self._convention_unchecked = [e.weights_arg for e in self._edges]
+        # every edge's output is checked once to be Σ_k w_k·op_k(x): against its weights where the forward receives
+        # them, else to lie in the span of its candidates' outputs (a module that is not a mixed op)
+        self._convention_unchecked = [True] * len(self._edges)
+        self._weights_presumed = [e.weights_arg and not is_mixed_op(e.module) for e in self._edges]
         self._weights_names = [_weights_parameter(e.module) for e in self._edges]
         self._groups: Tuple[Group, ...] = tuple(build_groups(self._edges))
         self._moments: Dict[str, CostMoments] = {}
@@ -204,7 +208,8 @@ class Probe:
         cap = StepCapture(self._edges, self._cells, path_split=self.path_split,
                           check_convention=self._convention_unchecked, incoming=self._incoming,
                           hooks=plan, track_selected=self.statistics_mode == "sampled",
-                          weights_names=self._weights_names, keep_model_io=self.hessian_mode is not None)
+                          weights_names=self._weights_names, keep_model_io=self.hessian_mode is not None,
+                          weights_presumed=self._weights_presumed)
         self._router.capture = cap
         self._recording = True
         try:
@@ -459,8 +464,8 @@ class Probe:
         whole of x_j, e.g. DSNAS with the other incoming edges sampled to ``none``); see docs/probe.md.
 
         Returns:
-            ``{edge name: {path: (K,)}}``; ``per_sample``: (B, K) parts. Edges from the cell inputs have no
-            in-cell paths and map to ``{}``.
+            ``{edge name: {path: (K,)}}``; ``per_sample``: (B, K) parts. ``"output"`` is a path only for edges
+            ending at an output node; an edge whose end node feeds neither the output nor another edge maps to ``{}``.
         """
         if not self.path_split:
             raise ProbeError("path_costs() needs attach(model, ..., path_split=True) (it hooks the autograd nodes of every intermediate edge)")
