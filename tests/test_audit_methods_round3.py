@@ -132,3 +132,113 @@ def test_recorded_epoch_diagnostics_equal_autograd_on_the_checkpointed_state(met
         recorded = rec[V.HESSIAN_DIAG.path(cell=t)][1].reshape(-1)[entries]
         np.testing.assert_allclose(recorded, hessian[t].numpy(), rtol=1e-7, atol=1e-12)
         assert not rec[V.HESSIAN_NONFINITE.path(cell=t)][1]
+
+
+# -- a NaN/inf loss in the middle of a search ----------------------------------------------------------------------
+def _tiny_method(name, seed=0):
+    """A float64 method on Network(C=4, 3 classes, 3 layers, 2 steps) of its own primitives (the first 4)."""
+    from nasdiag.search import Schedule, get_method
+
+    cls = get_method(name)
+    prims = (cls.primitives or ("none", "skip_connect", "max_pool_3x3", "avg_pool_3x3", "sep_conv_3x3"))[:4]
+    torch.manual_seed(seed)
+    net = Network(4, 3, 3, steps=2, multiplier=2, in_channels=1, primitives=prims).double()
+    return cls(net, schedule=Schedule(epochs=2, steps_per_epoch=2, batch_size=4), seed=seed)
+
+
+def _batch(seed, nan=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, 1, 6, 6, generator=g, dtype=torch.float64)
+    if nan:
+        x[1, 0, 2, 3] = math.nan  # one pixel of one sample: its loss, so the batch mean, is NaN
+    return x, torch.randint(0, 3, (4,), generator=g)
+
+
+def _state(method):
+    """Every number a step may change: the network's parameters, the optimizers' and the plain state. (Not BatchNorm's
+    running statistics: the NaN batch's forward updates them before any loss exists, and no search reads them.)"""
+    import copy
+
+    state = method.state_dict()
+    state.pop("generator")
+    state["network"] = {k: v for k, v in state["network"].items() if "running_" not in k and "num_batches" not in k}
+    return copy.deepcopy(state)
+
+
+def _assert_same(a, b, where=""):
+    if torch.is_tensor(a):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _assert_same(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+NAN_SPLITS = [("darts2", "train"), ("darts2", "val"), ("sparsenas", "train"), ("sparsenas", "val"), ("snas", "train"),
+              ("dsnas", "train"), ("proxyless", "train"), ("bayesnas", "train"), ("asmnas", "train"), ("xnas", "train")]
+
+
+@pytest.mark.parametrize("name, split", NAN_SPLITS)
+def test_a_nan_loss_raises_before_the_update_and_carries_its_flagged_row(name, split):
+    """After one finite step, a batch with one NaN pixel: the step raises `SearchError` whose ``statistics`` (the row
+    the run records before it stops) hold ``scalars/nonfinite_loss`` = 1 and the NaN loss, and the method's state
+    (weights, α/A/w, optimizer moments, switches, counts) is the one after the finite step. ASM-NAS updated (w, Θ)
+    with the NaN gradient and then raised without a row; darts2, sparsenas and bayesnas raised without a row (or
+    not at all: bayesnas went on to the epoch end with NaN weights)."""
+    from nasdiag.search import SearchError
+
+    method = _tiny_method(name)
+    method.step(_batch(1), _batch(2))
+    before = _state(method)
+    train, val = (_batch(3, nan=True), _batch(4)) if split == "train" else (_batch(3), _batch(4, nan=True))
+    with pytest.raises(SearchError) as info:
+        method.step(train, val)
+    row = getattr(info.value, "statistics", None)
+    assert row is not None, f"{name}: the NaN step's row is lost"
+    assert float(row["scalars/nonfinite_loss"]) == 1.0
+    losses = [k for k in row if k.endswith("loss") and k != "scalars/nonfinite_loss"]
+    assert losses and any(not torch.isfinite(row[k]).all() for k in losses), (name, sorted(row))
+    assert "scalars/w_lr" in row  # what the step knew is kept with it
+    _assert_same(before, _state(method), name)
+
+
+@pytest.mark.slow  # a short run() (~4 s)
+def test_a_run_that_meets_a_nan_loss_records_the_rows_before_it_and_the_flagged_row(tmp_path, monkeypatch):
+    """ASM-NAS on 24 search samples (3 steps per epoch), one training sample NaN: the run stops with one
+    `SearchError` at the step whose batch holds it; the record holds every earlier step with a finite loss and,
+    as its last row, that step with ``scalars/nonfinite_loss`` = 1 and the NaN loss (before: no row, the NaN
+    hidden from the record)."""
+    import nasdiag.data
+    from torch.utils.data import TensorDataset
+
+    from nasdiag.record import load
+    from nasdiag.search import SearchError
+    from nasdiag.search.runner import epoch_batches
+
+    cut = _small_digits(monkeypatch, n=24)
+
+    def poisoned(name, **kwargs):
+        s = cut(name, **kwargs)
+        x, y = s.train.tensors
+        x = x.clone()
+        x[17, 0, 3, 3] = math.nan
+        return dataclasses.replace(s, train=TensorDataset(x, y))
+
+    monkeypatch.setattr(nasdiag.data, "load_dataset", poisoned)
+    out = str(tmp_path / "nan.h5")
+    cfg = SearchConfig(method="asmnas", C=2, layers=3, steps=2, multiplier=2, batch_size=8, epochs=2, dtype="float64",
+                       diagnostics=(), progress=False, threads=1, record=out)
+    with pytest.raises(SearchError, match="training loss is nan"):
+        run(cfg)
+    splits = poisoned("digits", seed=0, dtype=torch.float64)
+    hit = next(i + 1 for i, (x, _) in enumerate(epoch_batches(splits.train, 8, cfg.seed, 0)) if torch.isnan(x).any())
+    rec = load(out)
+    assert rec["step"].tolist() == list(range(1, hit + 1))
+    assert np.isfinite(rec["scalars/train_loss"][:-1]).all() and np.isnan(rec["scalars/train_loss"][-1])
+    assert rec["scalars/nonfinite_loss"][-1] == 1

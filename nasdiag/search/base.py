@@ -20,6 +20,7 @@ architecture gradient is a map of it (``nasdiag.cost.darts_alpha_grad`` and frie
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -37,6 +38,29 @@ CellWeights = Dict[str, torch.Tensor]
 
 class SearchError(NasdiagError, RuntimeError):
     """A search cannot go on (a NaN loss, every op of an edge removed, a bad supernet)."""
+
+
+def nonfinite_loss_error(message: str, stats: Mapping[str, torch.Tensor]) -> SearchError:
+    """The `SearchError` of a NaN/inf loss, raised before the step updates anything with it. It carries the step's
+    statistics (``err.statistics``) with ``scalars/nonfinite_loss`` = 1, so the run records the failing row,
+    flagged, before it stops (``nasdiag.search.runner.search_loop``)."""
+    err = SearchError(message)
+    # in the loss's dtype and on its device (the row is reduced over DDP ranks there)
+    like = next((v for v in stats.values() if torch.is_tensor(v) and v.is_floating_point()), torch.ones(()))
+    err.statistics = {**stats, "scalars/nonfinite_loss": torch.ones((), dtype=like.dtype, device=like.device)}
+    return err
+
+
+@contextmanager
+def failing_row(stats: Dict[str, torch.Tensor]):
+    """Around a step's updates: a NaN-loss `SearchError` raised inside (one carrying ``statistics``) also carries
+    what ``stats`` holds by then (the step's learning rate, the losses before the failing one)."""
+    try:
+        yield
+    except SearchError as err:
+        if getattr(err, "statistics", None) is not None:
+            err.statistics = {**stats, **err.statistics}
+        raise
 
 
 def accuracy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ from torch import nn
 from torch.func import functional_call
 
 from nasdiag.distributed import finite_on_every_rank
-from nasdiag.search.base import Batch, CellWeights, SearchError, mean_over_ranks
+from nasdiag.search.base import Batch, CellWeights, mean_over_ranks, nonfinite_loss_error
 
 Params = Dict[str, torch.Tensor]
 #: maps the step's costs {cell type: (E, K)} (summed over the cells of a type) to ∇_α {cell type: (E, K)}
@@ -160,10 +160,11 @@ def host_checks_allowed() -> bool:
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
-def _check_finite(what: str, loss: torch.Tensor) -> None:
+def _check_finite(what: str, loss: torch.Tensor, path: str) -> None:
+    """Raise before any update if ``loss`` is NaN/inf; the error carries it as the record path ``path``, flagged."""
     if host_checks_allowed() and not finite_on_every_rank(loss):  # under DDP: every rank stops here
-        raise SearchError(f"the {what} loss is {float(loss)}: the unrolled step cannot continue "
-                          "(lower the learning rates or check the data)")
+        raise nonfinite_loss_error(f"the {what} loss is {float(loss)}: the unrolled step cannot continue "
+                                   "(lower the learning rates or check the data)", {path: loss.detach()})
 
 
 def unrolled_gradient(network, train_batch: Batch, val_batch: Batch, weights: CellWeights, arch_grad: ArchGradMap, *,
@@ -200,13 +201,13 @@ def unrolled_gradient(network, train_batch: Batch, val_batch: Batch, weights: Ce
     x_v, y_v = val_batch
 
     train = functional_cost(network, params, buffers(), x_t, y_t, weights, weight_grads=True, active=active)
-    _check_finite("search-train (unrolled step)", train.loss)
+    _check_finite("search-train (unrolled step)", train.loss, "scalars/unrolled_train_loss")
     w_unrolled = unrolled_weights(params, train.weight_grads, xi=xi, momentum=momentum,
                                   momentum_buffers=momentum_buffers, weight_decay=weight_decay)
 
     val = functional_cost(network, w_unrolled, buffers(), x_v, y_v, weights, weight_grads=True, active=active,
                           context=val_context)
-    _check_finite("search-val (at the unrolled weights)", val.loss)
+    _check_finite("search-val (at the unrolled weights)", val.loss, "scalars/val_loss")
     val_grad = arch_grad(val.costs)
 
     v = val.weight_grads

@@ -15,7 +15,7 @@ from torch import nn
 
 from nasdiag import vocabulary as V
 from nasdiag.distributed import finite_on_every_rank
-from nasdiag.search.base import Batch, CostStep, SearchError, SearchMethod, accuracy
+from nasdiag.search.base import Batch, CostStep, SearchMethod, accuracy, nonfinite_loss_error
 
 CellWeights = Dict[str, torch.Tensor]
 
@@ -91,8 +91,8 @@ class SampleCounts:
         self.counts = {t: c.clone() for t, c in state.items()}
 
 
-def check_finite_loss(method: SearchMethod, result: CostStep, stats: Dict[str, torch.Tensor]) -> None:
-    """Raise `SearchError` before any update if the loss is NaN/inf (one host read of a 0-dim tensor).
+def check_finite_loss(method: SearchMethod, result: CostStep, stats: Dict[str, torch.Tensor], what: str = "training") -> None:
+    """Raise `SearchError` before any update with it if the ``what`` loss is NaN/inf (one host read of a 0-dim tensor).
 
     The error carries the step's statistics (``err.statistics``, with ``scalars/nonfinite_loss`` = 1)
     so the run can record the NaN row, flagged, before it stops; the method's state is that of the
@@ -100,12 +100,8 @@ def check_finite_loss(method: SearchMethod, result: CostStep, stats: Dict[str, t
     """
     if finite_on_every_rank(result.loss):  # under DDP every rank stops at the same step, so the row is recorded
         return
-    stats = dict(stats)
-    stats["scalars/nonfinite_loss"] = torch.ones((), dtype=result.loss.dtype, device=result.loss.device)
-    err = SearchError(f"{method.name}: the training loss is {float(result.loss)} (not finite); the search stops "
-                      "before updating w and α. Lower the learning rates or check the data for NaN/inf")
-    err.statistics = stats
-    raise err
+    raise nonfinite_loss_error(f"{method.name}: the {what} loss is {float(result.loss)} (not finite); the search stops "
+                               "before updating w or α with it. Lower the learning rates or check the data for NaN/inf", stats)
 
 
 def single_level_step(method: SearchMethod, batch: Batch, weights: CellWeights, active: Optional[CellWeights],

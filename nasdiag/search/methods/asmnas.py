@@ -38,7 +38,7 @@ from torch import nn
 
 from nasdiag import vocabulary as V
 from nasdiag.distributed import finite_on_every_rank
-from nasdiag.search.base import Batch, SearchError, SearchMethod, accuracy
+from nasdiag.search.base import Batch, SearchError, SearchMethod, accuracy, nonfinite_loss_error
 from nasdiag.search.hyperparameters import Hyperparameters, hp
 from nasdiag.search.registry import register
 from nasdiag.supernet.attention import attach_attention, attention_weights, collect_attention
@@ -137,11 +137,12 @@ class ASMNAS(SearchMethod):
         stats = {"scalars/w_lr": torch.tensor(self.w_optimizer.param_groups[0]["lr"])}
         self.w_optimizer.zero_grad(set_to_none=True)
         loss, logits, attn, _ = self.attention_cost(x, y)
+        if not finite_on_every_rank(loss):  # under DDP: every rank stops at this step, before (w, Θ) are updated with it
+            raise nonfinite_loss_error(f"asmnas: the training loss is {float(loss)}; lower --hp w_lr or check the data",
+                                       {**stats, "scalars/train_loss": loss})
         self._last_arch_batch = (x, y)  # the Hessian diagnostics' batch (single-level: the training batch)
         nn.utils.clip_grad_norm_(self.network.weight_parameters(), self.hp.grad_clip)
         self.w_optimizer.step()
-        if not finite_on_every_rank(loss):  # under DDP: every rank stops at this step
-            raise SearchError(f"asmnas: the training loss is {float(loss)}; lower --hp w_lr")
         for t, rows in self._per_type(attn).items():
             self.attention_mean[t] = torch.stack(rows).mean(dim=(0, 2))  # cells of the type, then batch
         stats.update({"scalars/train_loss": loss, "scalars/train_acc": accuracy(logits, y)})

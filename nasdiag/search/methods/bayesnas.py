@@ -60,8 +60,9 @@ from nasdiag import vocabulary as V
 from nasdiag.distributed import world_size
 from nasdiag.bayes import dependent_gamma, group_bayes_update, parent_matrix, prune
 from nasdiag.hessian import ARCH_MODES
-from nasdiag.search.base import Batch, CellWeights, SearchMethod, mean_over_ranks, accuracy
+from nasdiag.search.base import Batch, CellWeights, SearchMethod, accuracy, failing_row, mean_over_ranks
 from nasdiag.search.hyperparameters import Hyperparameters, hp
+from nasdiag.search.methods._sampling import check_finite_loss
 from nasdiag.search.registry import register
 from nasdiag.supernet import DARTS_PRIMITIVES, MixedGenotype, derive_mixed_genotype
 
@@ -184,6 +185,8 @@ class BayesNAS(SearchMethod):
         self.arch_optimizer.zero_grad(set_to_none=True)
         weights = self.forward_weights()
         result = self.cost(x, y, weights, active=self.active_ops(), train_weights=True)
+        stats = {"scalars/train_loss": result.loss, "scalars/train_acc": accuracy(result.logits, y)}
+        check_finite_loss(self, result, stats)  # before 𝒲, w and the switches take anything from a NaN/inf loss
         nn.utils.clip_grad_norm_(net.weight_parameters(), self.hp.grad_clip)
         for t, a in net.alphas().items():
             on = self.alive[t].to(a.device, a.dtype)
@@ -192,7 +195,7 @@ class BayesNAS(SearchMethod):
             a.grad = ((result.costs[t] + penalty) * on).to(a.dtype)
         self.w_optimizer.step()
         self.arch_optimizer.step()
-        return {"scalars/train_loss": result.loss, "scalars/train_acc": accuracy(result.logits, y)}
+        return stats
 
     def cell_curvatures(self, x: torch.Tensor, y: torch.Tensor) -> CellWeights:
         """diag ∂²L/∂Z² of each cell's own Z at the current Z (C.3), of the batch-mean cross-entropy:
@@ -284,7 +287,8 @@ class BayesNAS(SearchMethod):
 
     def step(self, train_batch: Batch, val_batch: Batch) -> Dict[str, torch.Tensor]:
         stats = {"scalars/w_lr": torch.tensor(self.w_optimizer.param_groups[0]["lr"])}
-        stats.update(self.likelihood_step(*train_batch))
+        with failing_row(stats):
+            stats.update(self.likelihood_step(*train_batch))
         updated = self.update_due()
         if updated:
             stats.update(self.bayes_update(*train_batch))

@@ -7,15 +7,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Tuple
+from typing import ClassVar, Dict, Tuple
 
 import torch
 from torch import nn
 
 from nasdiag.cost import darts_alpha_grad
-from nasdiag.search.base import Batch, SearchMethod, accuracy
+from nasdiag.distributed import finite_on_every_rank
+from nasdiag.search.base import Batch, SearchMethod, accuracy, failing_row, nonfinite_loss_error
 from nasdiag.search.hyperparameters import Hyperparameters, hp
 from nasdiag.search.registry import register
+from nasdiag.search.unrolled import host_checks_allowed
 
 
 @dataclass
@@ -45,6 +47,10 @@ class DARTS(SearchMethod):
 
     graph_capturable = True
     averages_own_gradients = True  # every op is computed in every weight step: no DDP wrapper needed
+    #: :meth:`weight_step` raises on a NaN/inf training loss before the update (one host read per step). First-order
+    #: DARTS does not: its step stays free of host reads, and the run stops at the epoch end's check instead, its
+    #: NaN rows recorded. Methods whose step reads the host anyway (darts2, sparsenas) turn it on.
+    check_train_loss: ClassVar[bool] = False
 
     #: Overrides applied on the embedded digits (the main job); the paper's values stay the defaults for
     #: CIFAR-10. With α lr 3e-4 the 88 α steps of 8 digits epochs move every mixing weight by < 0.003 from
@@ -91,6 +97,10 @@ class DARTS(SearchMethod):
         self.w_optimizer.zero_grad(set_to_none=True)
         logits = self.model(x, {t: z.detach() for t, z in weights.items()})
         loss = nn.functional.cross_entropy(logits, y)
+        if self.check_train_loss and host_checks_allowed() and not finite_on_every_rank(loss):  # DDP: every rank stops
+            raise nonfinite_loss_error(f"{self.name}: the search-train loss is {float(loss)} (not finite); the search stops "
+                                       "before the w step. Lower the learning rates or check the data for NaN/inf",
+                                       {"scalars/train_loss": loss.detach()})
         loss.backward()
         self.average_weight_gradients()  # data parallel: ∂L/∂w averaged over ranks (a no-op in one process)
         nn.utils.clip_grad_norm_(self.network.weight_parameters(), self.hp.grad_clip)
@@ -99,9 +109,10 @@ class DARTS(SearchMethod):
 
     def step(self, train_batch: Batch, val_batch: Batch) -> Dict[str, torch.Tensor]:
         stats = {"scalars/w_lr": torch.tensor(self.w_optimizer.param_groups[0]["lr"])}
-        stats.update(self.alpha_step(*val_batch))
-        weights = self.forward_weights()
-        stats.update(self.weight_step(*train_batch, weights))
+        with failing_row(stats):
+            stats.update(self.alpha_step(*val_batch))
+            weights = self.forward_weights()
+            stats.update(self.weight_step(*train_batch, weights))
         stats.update(self.arch_statistics(weights))
         return stats
 

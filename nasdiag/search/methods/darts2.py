@@ -16,12 +16,11 @@ from typing import Dict
 import torch
 
 from nasdiag.cost import darts_alpha_grad
-from nasdiag.distributed import finite_on_every_rank
-from nasdiag.search.base import Batch, SearchError, accuracy
+from nasdiag.search.base import Batch, accuracy, failing_row
 from nasdiag.search.hyperparameters import hp
 from nasdiag.search.methods.darts import DARTS
 from nasdiag.search.registry import register
-from nasdiag.search.unrolled import (UnrolledGradient, host_checks_allowed, sgd_momentum_buffers, unrolled_gradient,
+from nasdiag.search.unrolled import (UnrolledGradient, sgd_momentum_buffers, unrolled_gradient,
                                      weight_params)
 
 
@@ -40,6 +39,7 @@ class DARTS2(DARTS):
     # (``unrolled.host_checks_allowed``); every op is computed, so the weight step averages its own gradients.
     graph_capturable = True
     averages_own_gradients = True
+    check_train_loss = True  # the step reads the host anyway (the unrolled losses' checks)
 
     @dataclass
     class Hyperparameters(DARTS.Hyperparameters):
@@ -82,11 +82,9 @@ class DARTS2(DARTS):
 
     def step(self, train_batch: Batch, val_batch: Batch) -> Dict[str, torch.Tensor]:
         stats = {"scalars/w_lr": torch.tensor(self.w_optimizer.param_groups[0]["lr"])}
-        stats.update(self.alpha_step(train_batch, val_batch))
-        weights = self.forward_weights()
-        stats.update(self.weight_step(*train_batch, weights))
-        if host_checks_allowed() and not finite_on_every_rank(stats["scalars/train_loss"]):  # DDP: every rank stops
-            raise SearchError(f"the search-train loss is {float(stats['scalars/train_loss'])} after the α step: "
-                              "lower the learning rates or check the data")
+        with failing_row(stats):  # a NaN loss (unrolled forwards, w step) raises before its update, its row recorded
+            stats.update(self.alpha_step(train_batch, val_batch))
+            weights = self.forward_weights()
+            stats.update(self.weight_step(*train_batch, weights))
         stats.update(self.arch_statistics(weights))
         return stats

@@ -20,7 +20,7 @@ from typing import Dict, Optional
 import torch
 
 from nasdiag.cost import dsnas_alpha_grad
-from nasdiag.search.base import Batch
+from nasdiag.search.base import Batch, failing_row
 from nasdiag.search.methods._sampling import SampleCounts, argmax_onehot, host_masks, mean_entropy, sample_onehot, single_level_step
 from nasdiag.search.methods.darts import DARTS
 from nasdiag.search.registry import register
@@ -69,8 +69,9 @@ class DSNAS(DARTS):
         stats = {"scalars/w_lr": torch.tensor(self.w_optimizer.param_groups[0]["lr"])}
         probs = self.probabilities()
         z = self.forward_weights()
-        stats.update(single_level_step(self, train_batch, z, host_masks(z),
-                                       lambda t, cost: dsnas_alpha_grad(cost, z[t], probs[t])))
+        with failing_row(stats):
+            stats.update(single_level_step(self, train_batch, z, host_masks(z),
+                                           lambda t, cost: dsnas_alpha_grad(cost, z[t], probs[t])))
         self.sample_counts.update(z)
         stats.update(self.sample_counts.statistics(z))
         stats["scalars/entropy"] = mean_entropy(self.probabilities())

@@ -25,7 +25,7 @@ import torch
 
 from nasdiag import vocabulary as V
 from nasdiag.cost import proxyless_alpha_grad
-from nasdiag.search.base import Batch, accuracy
+from nasdiag.search.base import Batch, accuracy, failing_row
 from nasdiag.search.hyperparameters import hp
 from nasdiag.search.methods._sampling import (SampleCounts, argmax_onehot, check_finite_loss, host_masks, mean_entropy,
                                               sample_onehot, sample_two_paths)
@@ -100,7 +100,7 @@ class ProxylessNAS(DARTS):
             pairs[t], gates[t] = sample_two_paths(p, self.generator)
         result = self.cost(x, y, gates, active=host_masks(pairs))
         stats = {"scalars/val_loss": result.loss, "scalars/val_acc": accuracy(result.logits, y)}
-        check_finite_loss(self, result, stats)
+        check_finite_loss(self, result, stats, "search-val")
         alphas = self.network.alphas()
         old = {}
         for t, alpha in alphas.items():
@@ -126,6 +126,7 @@ class ProxylessNAS(DARTS):
     def step(self, train_batch: Batch, val_batch: Optional[Batch] = None) -> Dict[str, torch.Tensor]:
         """A w step on ``train_batch`` (one path per edge), then the two-path α step on ``val_batch``."""
         stats = {"scalars/w_lr": torch.tensor(self.w_optimizer.param_groups[0]["lr"])}
-        stats.update(self.weight_step(*train_batch, self.forward_weights()))
-        stats.update(self.alpha_step(*val_batch))
+        with failing_row(stats):
+            stats.update(self.weight_step(*train_batch, self.forward_weights()))
+            stats.update(self.alpha_step(*val_batch))
         return stats

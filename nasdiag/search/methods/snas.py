@@ -20,7 +20,7 @@ from typing import Dict, Optional
 import torch
 
 from nasdiag.cost import snas_alpha_grad
-from nasdiag.search.base import Batch
+from nasdiag.search.base import Batch, failing_row
 from nasdiag.search.hyperparameters import hp
 from nasdiag.search.methods._sampling import gumbel_noise, mean_entropy, single_level_step
 from nasdiag.search.methods.darts import DARTS
@@ -70,8 +70,9 @@ class SNAS(DARTS):
         stats = {"scalars/w_lr": torch.tensor(self.w_optimizer.param_groups[0]["lr"]),
                  "scalars/temperature": torch.tensor(tau, dtype=torch.float64)}
         z = self.forward_weights()
-        stats.update(single_level_step(self, train_batch, z, None,
-                                       lambda t, cost: snas_alpha_grad(cost, z[t], tau)))
+        with failing_row(stats):
+            stats.update(single_level_step(self, train_batch, z, None,
+                                           lambda t, cost: snas_alpha_grad(cost, z[t], tau)))
         stats["scalars/entropy"] = mean_entropy(self.probabilities())
         stats.update(self.arch_statistics(z))
         return stats

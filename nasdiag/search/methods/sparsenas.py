@@ -24,7 +24,7 @@ import torch
 
 from nasdiag import vocabulary as V
 from nasdiag.distributed import finite_on_every_rank
-from nasdiag.search.base import Batch, SearchError, accuracy
+from nasdiag.search.base import Batch, SearchError, accuracy, failing_row, nonfinite_loss_error
 from nasdiag.search.hyperparameters import hp
 from nasdiag.errors import ConfigError
 from nasdiag.search.methods.darts import DARTS, SGDAdamHyperparameters
@@ -61,6 +61,7 @@ class SparseNAS(DARTS):
     """
 
     graph_capturable = False  # the proximal step runs eagerly (its state: HAPG/AdamHAPG per-parameter dicts)
+    check_train_loss = True  # the step reads the host anyway (the val loss's check)
 
     #: the paper's search space is DARTS's without the zero op (§Convolutional Neural Architecture Search)
     primitives = tuple(p for p in DARTS_PRIMITIVES if p != "none")
@@ -172,8 +173,9 @@ class SparseNAS(DARTS):
             self._observe_costs(unrolled.val.per_cell, None)
             self._last_arch_batch = val_batch
             grads, loss, logits = unrolled.arch_grad, unrolled.val.loss, unrolled.val.logits
-        if not finite_on_every_rank(loss):  # under DDP: every rank stops at this step
-            raise SearchError(f"the search-val loss is {float(loss)}: lower the learning rates or check the data")
+        if not finite_on_every_rank(loss):  # under DDP: every rank stops at this step, before A's update
+            raise nonfinite_loss_error(f"the search-val loss is {float(loss)}: lower the learning rates or check the data",
+                                       {"scalars/val_loss": loss})
         for cell_type, a in self.network.alphas().items():
             a.grad = grads[cell_type].to(a.dtype)
         self.arch_optimizer.step()
@@ -188,11 +190,10 @@ class SparseNAS(DARTS):
 
     def step(self, train_batch: Batch, val_batch: Batch) -> Dict[str, torch.Tensor]:
         stats = {"scalars/w_lr": torch.tensor(self.w_optimizer.param_groups[0]["lr"])}
-        stats.update(self.arch_step(train_batch, val_batch))
-        weights = self.forward_weights()
-        stats.update(self.weight_step(*train_batch, weights))
-        if not finite_on_every_rank(stats["scalars/train_loss"]):
-            raise SearchError(f"the search-train loss is {float(stats['scalars/train_loss'])}: lower the learning rates")
+        with failing_row(stats):  # a NaN loss raises before its update (A's or w's), its row recorded
+            stats.update(self.arch_step(train_batch, val_batch))
+            weights = self.forward_weights()
+            stats.update(self.weight_step(*train_batch, weights))
         stats.update(self.arch_statistics(weights))
         return stats
 

@@ -50,7 +50,7 @@ from nasdiag import vocabulary as V
 from nasdiag.distributed import finite_on_every_rank
 from nasdiag.errors import ConfigError
 from nasdiag.regret import Forecaster, xnas_reward
-from nasdiag.search.base import Batch, CellWeights, SearchError, SearchMethod, accuracy
+from nasdiag.search.base import Batch, CellWeights, SearchError, SearchMethod, accuracy, nonfinite_loss_error
 from nasdiag.search.hyperparameters import Hyperparameters, hp
 from nasdiag.search.registry import register
 
@@ -69,14 +69,6 @@ class CellForecasters(dict):
             if not f.alive.any(-1).all():
                 raise SearchError(f"the saved {t} forecasters have an edge with every op wiped out; the state is corrupt")
 
-
-def _nonfinite_loss(message: str, stats: Dict[str, torch.Tensor]) -> SearchError:
-    """The `SearchError` of a NaN/inf loss, carrying the step's statistics with ``scalars/nonfinite_loss`` = 1
-    (``err.statistics``), so that the run records the failing row, flagged, before it stops (as the other
-    methods do). The forecasters are unchanged (a NaN val loss comes after the step's w update)."""
-    err = SearchError(message)
-    err.statistics = {**stats, "scalars/nonfinite_loss": torch.ones((), dtype=torch.float64)}
-    return err
 
 
 @register("xnas")
@@ -168,7 +160,7 @@ class XNAS(SearchMethod):
         logits = self.model(x, weights) if active is None else self.model(x, weights, active=active)
         loss = nn.functional.cross_entropy(logits, y)
         if not finite_on_every_rank(loss):  # under DDP: every rank stops at this step
-            raise _nonfinite_loss(f"the search-train loss is {float(loss.detach())} (xnas step {self.rounds_played + 1}): "
+            raise nonfinite_loss_error(f"the search-train loss is {float(loss.detach())} (xnas step {self.rounds_played + 1}): "
                                   "lower w_lr or check the data", {"scalars/train_loss": loss.detach()})
         loss.backward()
         nn.utils.clip_grad_norm_(self.network.weight_parameters(), self.hp.grad_clip)
@@ -202,7 +194,7 @@ class XNAS(SearchMethod):
         result = self.cost(x, y, u, active=active)
         stats.update({"scalars/val_loss": result.loss, "scalars/val_acc": accuracy(result.logits, y)})
         if not finite_on_every_rank(result.loss):
-            raise _nonfinite_loss(f"the search-val loss is {float(result.loss)} (xnas step {self.rounds_played + 1}): "
+            raise nonfinite_loss_error(f"the search-val loss is {float(result.loss)} (xnas step {self.rounds_played + 1}): "
                                   "the rewards would corrupt the forecasters; lower w_lr or check the data", stats)
         L = self.loss_bound
         clipped, counted = 0, 0
