@@ -22,6 +22,25 @@ A NaN is never reduced away: ``mean``, ``sum`` and ``pooled`` propagate it arith
 paths under ``min``, ``max``, ``all``, ``any`` and ``same`` the result is NaN wherever any rank holds a NaN
 (``same`` compares the ranks only where none does). The families' ``nonfinite`` flags reduce by ``any``.
 
+Batch convention of a search under DDP (``nasdiag.search.run``: every rank takes an equal batch of B samples,
+the losses are batch means; checked against autograd in tests/test_audit_ddp_round3.py):
+
+- scalars (losses, accuracies): the rank mean of each rank's batch mean, which is the global batch's mean;
+- ``cost/<cell>/{mean,var,count}``: one observation per rank, step and cell, C = ∂L_r/∂Z of rank r's mean loss on
+  its own batch, pooled over all of them (var with ddof 0, count = ranks × steps × cells). The α step uses the
+  rank mean of the C_r, the cost of the global mean loss;
+- ``hessian/<cell>/diag``: the rank mean of each rank's diagonal on its own last batch. It equals the global
+  batch's where the loss decouples the samples (LayerNorm, eval-mode BatchNorm) in the modes linear in them
+  (exact, exact_per_edge, diag, ggn), not for ``approx`` (its feature means are over the rank's batch), not
+  under train-mode BatchNorm (statistics per rank's batch); sampled modes average the ranks' estimates;
+- ``hessian/*top_eigenvalue``: the top eigenvalue of the rank-mean Hessian (Lanczos on HVPs averaged over ranks),
+  the same on every rank;
+- architecture and method state (α, forecasters, γ, switches, λ, sample counts): identical on every rank
+  (``same``), since every rank updates them from rank-averaged costs and curvature.
+
+A loop of one's own with unequal per-rank batches must log its ``count`` next to a ``mean``/``var`` and reduce
+them ``pooled``: the ``mean`` rule weighs every rank alike.
+
 A batch of rows can be reduced at once (``rows=True``: the first axis of every value is the row),
 so a recorder callback reduces all the rows it buffered with one collective per rule.
 
