@@ -168,7 +168,9 @@ def measure(name, repeats, device, seeds=3, size="small"):
     edges = net.edge_specs()
 
     def arch(mode, wrt="Z", seed=0):
-        return arch_diag_hessian(net, F.cross_entropy, x, y, edges, mode=mode, wrt=wrt, seed=seed)
+        # seed= is refused by the deterministic modes (an option they would ignore)
+        seeded = {"seed": seed} if mode in RANDOM else {}
+        return arch_diag_hessian(net, F.cross_entropy, x, y, edges, mode=mode, wrt=wrt, **seeded)
 
     exact, t_exact = _timed(lambda: arch("exact_per_edge"), 1, device)
     exact_alpha = arch("exact_per_edge", "alpha")

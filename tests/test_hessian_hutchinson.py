@@ -100,6 +100,17 @@ def test_k_is_explicit_in_the_mode_name():
             diag_hessian(net, F.cross_entropy, x, y, mode=bad)
 
 
+def test_k_has_one_spelling_so_a_resumed_record_compares_its_mode():
+    """A record's ``hessian_mode`` is compared as a string on resume: "hutchinson:01" must not be a second
+    name of "hutchinson:1"; it is refused, naming the spelling."""
+    for other in ("hutchinson:01", " hutchinson:1", "Hutchinson:1", "hutchinson: 1"):
+        assert other not in ARCH_MODES and other not in WEIGHT_MODES, other
+    net, x, y = one_cell(train=False)
+    with pytest.raises(CurvatureError, match=r"'hutchinson:01'; did you mean 'hutchinson:1'") as err:
+        diag_hessian(net, F.cross_entropy, x, y, mode="hutchinson:01")
+    assert "\n" not in str(err.value)
+
+
 def test_search_config_and_probe_accept_the_mode():
     import nasdiag
     from nasdiag.search import SearchConfig

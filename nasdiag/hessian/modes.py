@@ -37,7 +37,8 @@ class ModeNames(tuple):
         name, count = split_mode(mode)
         if count is None:
             return name not in COUNTED_MODES and ":" not in name and tuple.__contains__(self, name)
-        return count >= 1 and tuple.__contains__(self, f"{name}:<k>")
+        # one spelling per k ("hutchinson:01" is not "hutchinson:1"), so a record's hessian_mode compares as equal
+        return count >= 1 and mode == f"{name}:{count}" and tuple.__contains__(self, f"{name}:<k>")
 
 
 #: modes of ``diag_hessian`` (weights): bayesnas-appendix C.1-C.2, and Hutchinson's estimate of the
@@ -91,6 +92,9 @@ def check_mode(mode, modes=ARCH_MODES, what: str = "mode") -> str:
         return mode
     if isinstance(mode, str):
         name = mode.split(":", 1)[0]  # "hutchinson", "hutchinson:0", "hutchinson:-2", "hutchinson:four"
+        canonical = _canonical_count(mode)
+        if canonical is not None and canonical in modes:
+            raise CurvatureError(f"unknown curvature {what} {mode!r}; did you mean {canonical!r}? (k is written without leading zeros or spaces)")
         if name in COUNTED_MODES and f"{name}:<k>" in tuple(modes):
             raise CurvatureError(
                 f"curvature {what} {mode!r} needs {COUNTED_MODES[name]} (an integer >= 1) in its name, e.g. "
@@ -105,6 +109,14 @@ def check_mode(mode, modes=ARCH_MODES, what: str = "mode") -> str:
         if meant is not None:
             raise CurvatureError(f"unknown curvature {what} {mode!r}; did you mean {meant!r}? (modes: {', '.join(modes)})")
     raise CurvatureError(f"unknown curvature {what} {mode!r}; choose one of {', '.join(modes)}")
+
+
+def _canonical_count(mode: str) -> Optional[str]:
+    """``"hutchinson:1"`` for ``"hutchinson:01"`` or ``" hutchinson: 1"``; None where ``mode`` carries no count."""
+    name, _, count = mode.partition(":")
+    if not count.strip().isdigit():
+        return None
+    return f"{name.strip().lower()}:{int(count)}"
 
 
 def _near_miss(mode: str, modes) -> Optional[str]:
