@@ -58,7 +58,10 @@ class Terminated(BaseException):
 
 
 def _parser() -> argparse.ArgumentParser:
+    import nasdiag
+
     parser = _Parser(prog="nasdiag", description="Diagnostics for differentiable NAS supernets.")
+    parser.add_argument("--version", action="version", version=f"nasdiag {nasdiag.__version__}")  # was "unrecognized"
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     parser.commands = sub.choices  # name -> its parser, which reports the command's unknown arguments
     d = SearchConfig()
@@ -301,7 +304,22 @@ def _resume_command(argv: List[str]) -> str:
         return len(token) >= 5 and option.startswith(token)
 
     argv = [str(a) for a in argv if not abbreviates(str(a), "--force")]
-    return "nasdiag " + join(argv if any(abbreviates(a, "--resume") for a in argv) else [*argv, "--resume"])
+    command = join(argv if any(abbreviates(a, "--resume") for a in argv) else [*argv, "--resume"])
+    return f"{_launcher()}nasdiag {command}"
+
+
+def _launcher() -> str:
+    """``torchrun ... -m `` for a data-parallel run (WORLD_SIZE > 1): its record resumes only with the same world size,
+    so a plain ``nasdiag search ... --resume`` would be refused. Empty for one process."""
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "") or world)
+    except ValueError:
+        return ""
+    if world <= 1:
+        return ""
+    nodes = f"--nnodes={world // local} (and the rendezvous options you launched with) " if 0 < local < world else ""
+    return f"torchrun {nodes}--nproc_per_node={local} -m "
 
 
 def _damaged(exc) -> str:

@@ -441,7 +441,21 @@ def test_a_rank_that_dies_stops_the_other_with_one_line(ddp):
     errors = [line for line in died["stderr"].splitlines() if not line.startswith("nasdiag: warning:")]
     assert died["rc"] == 2, died["stderr"]
     assert len(errors) == 1 and errors[0].startswith("nasdiag: error: rank 0 of 2 stops"), died["stderr"]
-    assert "lost another rank" in errors[0] and "--resume" in errors[0]
+    assert "lost another rank" in errors[0]
+    # the record resumes only with its world size: the command given is the torchrun launch, not one process
+    assert errors[0].endswith("--resume") and ": torchrun --nproc_per_node=2 -m nasdiag search --epochs 1" in errors[0]
+
+
+def test_resume_command_of_a_ddp_run_is_its_torchrun_launch(monkeypatch):
+    from nasdiag.cli import _resume_command
+
+    argv = ["search", "--out", "r.h5", "--force"]
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert _resume_command(argv) == "nasdiag search --out r.h5 --resume"
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert _resume_command(argv).startswith("torchrun --nnodes=2 ")
+    assert _resume_command(argv).endswith("--nproc_per_node=4 -m nasdiag search --out r.h5 --resume")
 
 
 # -- the launcher's misuse, in this process -------------------------------------------------------------------
