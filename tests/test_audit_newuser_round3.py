@@ -407,3 +407,106 @@ def test_snas_per_sample_gumbel_weights_costs_sampled_statistics_and_curvature_e
         probe.hessian(inputs=(x, Z.detach()), targets=y, wrt="alpha")
     assert "\n" not in str(raised.value)
     assert_no_module_hooks(net)
+
+
+# -- hooks, memory, misuse -------------------------------------------------------------------------------------------
+def _live_tensors():
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+
+def test_hooks_are_gone_after_an_exception_in_the_users_forward_and_the_next_step_is_exact():
+    net = nb_net(cells=1)
+    x, y = image_batch()
+    probe = nasdiag.attach(net, path_split=True, hessian="exact")
+    for exc in (RuntimeError, KeyboardInterrupt):
+        net.fail = exc is RuntimeError
+        with pytest.raises(exc):
+            with probe.record():
+                loss = F.cross_entropy(net(x), y)
+                raise KeyboardInterrupt  # (the forward raised first when net.fail)
+        assert_no_module_hooks(net)
+        with pytest.raises(ProbeError, match="no completed"):
+            probe.costs()
+    net.fail = False
+    ref = nb_reference(net, x, y)
+    with probe.record():
+        F.cross_entropy(net(x), y).backward()
+    assert max(err(probe.costs()[n], ref[n]) for n in ref) < 1e-14
+    assert_no_module_hooks(net)
+    with pytest.raises(ProbeError):  # the probe's own error inside the block (a nested block) leaves nothing either
+        with probe.record():
+            with probe.record():
+                pass
+    assert_no_module_hooks(net)
+    del loss
+
+
+def test_no_tensor_is_kept_across_200_steps_of_a_user_supernet_with_sampled_statistics_and_curvature_io():
+    torch.manual_seed(0)
+    net = SNASNet().to(DT)
+    gen = torch.Generator().manual_seed(5)
+    x, y = torch.randn(B, 5, SNASNet.D, generator=gen, dtype=DT), torch.randint(0, N_CLS, (B,), generator=gen)
+    probe = nasdiag.attach(net, statistics="sampled", hessian="exact")
+
+    def step():
+        net.zero_grad(set_to_none=True)
+        with probe.record():
+            F.cross_entropy(net(x, net.sample(B, gen)), y).backward()
+        probe.costs(per_sample=True), probe.statistics()
+
+    for _ in range(5):
+        step()
+    before = _live_tensors()
+    for _ in range(200):
+        step()
+    assert _live_tensors() <= before
+    assert (probe.statistics()["cost/edges/count"] == 205).all()
+    assert_no_module_hooks(net)
+
+
+def test_misuse_of_the_public_api_on_a_user_supernet_is_one_nasdiag_error_line():
+    torch.manual_seed(0)
+    net = MLPSuper().to(DT)
+    x, y = mlp_batch()
+
+    def recorded(probe, **kw):
+        with probe.record(**kw):
+            F.cross_entropy(net(x), y).backward()
+        return probe
+
+    cases = [
+        lambda: nasdiag.attach(net, edges={"a01": net.a01}),                 # a mixed op whose candidates cannot be told
+        lambda: nasdiag.attach(net, edges={"h": net.head}),                  # a module that is not a mixed op
+        lambda: nasdiag.attach(net, edges=[net.a01, net.a12]),               # a list of modules, not a mapping
+        lambda: nasdiag.attach(net, edges=net.edge_map(), statistics="mean"),
+        lambda: nasdiag.attach(net, edges=net.edge_map(), hessian="Exact"),
+        lambda: nasdiag.attach(net, edges=net.edge_map(), path_split=True),  # no cells declared
+        lambda: nasdiag.attach(net, edges=net.edge_map(), hessian="exact").hessian(),  # before any record block
+        lambda: nasdiag.attach(net, edges=net.edge_map()).statistics(),
+        lambda: recorded(nasdiag.attach(net, edges=net.edge_map())).hessian(),  # no hessian mode
+        lambda: recorded(nasdiag.attach(net, edges=net.edge_map())).output_costs(),
+        lambda: recorded(nasdiag.attach(net, edges=net.edge_map(), hessian="exact")).hessian(wrt="z"),
+        lambda: recorded(nasdiag.attach(net, edges=net.edge_map(), hessian="exact")).hessian(targets=y[:3]),
+        # before: torch's 'mat1 and mat2 shapes cannot be multiplied' from deep inside the curvature engine
+        lambda: recorded(nasdiag.attach(net, edges=net.edge_map(), hessian="exact")).hessian(inputs=x[:, :5], targets=y),
+    ]
+    for i, case in enumerate(cases):
+        with pytest.raises(NasdiagError) as raised:
+            case()
+        assert "\n" not in str(raised.value), i
+        assert_no_module_hooks(net)
+    probe = nasdiag.attach(net, edges=net.edge_map(), hessian="exact")
+    with probe.record(targets=y):
+        F.cross_entropy(net(x), y).backward()
+        with pytest.raises(ProbeError, match="after the probe.record"):
+            probe.hessian()
+
+    nb = nb_net(cells=1)
+    probe = nasdiag.attach(nb)
+    wrong_k = {0: {e: torch.full((6,), 1 / 6, dtype=DT, requires_grad=True) for e in range(6)}}  # 6 weights, 5 ops
+    with pytest.raises(ProbeError, match=r"weights of shape \(6,\) for 5 candidate ops") as raised:
+        with probe.record():
+            F.cross_entropy(nb(image_batch()[0], wrong_k), image_batch()[1]).backward()
+    assert "\n" not in str(raised.value)
+    assert_no_module_hooks(nb)

@@ -260,8 +260,14 @@ class StepCapture:
         # A checkable invariant: the costs equal ∂L/∂w only if out = Σ_k w_k O_k (e.g. not PC-DARTS's
         # partial channels). Checked once per edge, on the first recorded forward.
         w = call.weights
+        if w.dim() == 0 or w.shape[-1] != len(call.outputs):
+            raise ProbeError(
+                f"edge {edge.name!r}: its forward received weights of shape {tuple(w.shape)} for {len(call.outputs)} "
+                f"candidate ops; pass (K,) or (B, K) weights with K = {len(call.outputs)}, one per candidate, in the order "
+                "of the candidate list"
+            )
         shapes = {tuple(o.shape) for o in call.outputs}
-        if shapes != {tuple(output.shape)} or w.shape[-1] != len(call.outputs):
+        if shapes != {tuple(output.shape)}:
             err = float("inf")
         else:
             err = self._weighted_sum_error(w, call.outputs, output)

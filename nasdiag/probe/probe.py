@@ -548,6 +548,8 @@ class Probe:
         if self._recording:
             raise ProbeError("call probe.hessian() after the probe.record() block, not inside it")
         r = self._require_step() if inputs is None or targets is None else self._last
+        if inputs is not None and r is not None and r.model_inputs is not None:
+            _check_like_recorded(inputs, r.model_inputs[0])
         model: nn.Module = self.model
         if inputs is None:
             if r.model_inputs is None:
@@ -676,6 +678,19 @@ class Probe:
     def __repr__(self) -> str:
         return (f"Probe({len(self._edges)} edges, {len(self._cells)} cells, groups={[g.name for g in self._groups]}, "
                 f"statistics={self.statistics_mode!r}, path_split={self.path_split}, hessian={self.hessian_mode!r})")
+
+
+def _check_like_recorded(inputs, recorded_args) -> None:
+    """``hessian(inputs=...)`` must look like the recorded call's positional arguments but for the batch size: a
+    tensor of another shape fails deep inside the curvature engine's forward with torch's traceback."""
+    given = inputs if isinstance(inputs, tuple) else (inputs,)
+    for i, (a, b) in enumerate(zip(given, recorded_args)):
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() >= 1 and b.dim() >= 1 \
+                and (a.dim() != b.dim() or a.shape[1:] != b.shape[1:]):
+            raise ProbeError(
+                f"hessian(inputs=...): argument {i} has shape {tuple(a.shape)} but the recorded model call had "
+                f"{tuple(b.shape)}; pass inputs shaped like the recorded batch (the batch size may differ)"
+            )
 
 
 def _cross_entropy_targets(logits: Optional[torch.Tensor], grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
