@@ -248,7 +248,8 @@ def test_sigterm_ends_a_run_waiting_for_peers_that_never_come(tmp_path):
         time.sleep(6)  # imports, then the wait
         assert proc.poll() is None, "the run did not wait for its peer"
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=10) == -signal.SIGTERM
+        # killed inside the C++ wait (-15), or by nasdiag's own handler (143) where a loaded machine was still importing
+        assert proc.wait(timeout=10) in (-signal.SIGTERM, 128 + signal.SIGTERM)
     finally:
         proc.kill()
         proc.wait()
