@@ -242,3 +242,60 @@ def test_a_run_that_meets_a_nan_loss_records_the_rows_before_it_and_the_flagged_
     assert rec["step"].tolist() == list(range(1, hit + 1))
     assert np.isfinite(rec["scalars/train_loss"][:-1]).all() and np.isnan(rec["scalars/train_loss"][-1])
     assert rec["scalars/nonfinite_loss"][-1] == 1
+
+
+# -- genotypes from weights built here -----------------------------------------------------------------------------
+def _darts_parse(weights, primitives, steps):
+    """DARTS's ``genotype()._parse`` (model_search.py), transcribed: per node, the 2 incoming edges with the largest
+    non-'none' weight (``sorted`` is stable: ties keep the lower edge), each with its first strictly largest
+    non-'none' op."""
+    gene, start, n = [], 0, 2
+    none = primitives.index("none")
+    for _ in range(steps):
+        W = weights[start:start + n].tolist()
+        edges = sorted(range(n), key=lambda x: -max(W[x][k] for k in range(len(W[x])) if k != none))[:2]
+        for j in edges:
+            k_best = None
+            for k in range(len(W[j])):
+                if k != none and (k_best is None or W[j][k] > W[j][k_best]):
+                    k_best = k
+            gene.append((primitives[k_best], j))
+        start, n = start + n, n + 1
+    return gene
+
+
+def test_darts_genotype_breaks_exact_ties_as_darts_and_refuses_nan_weights():
+    """Rows with exact ties (two ops of an edge equal; three edges of node 3 identical), 'none' dominant on an
+    edge: the genotype is DARTS's own rule, transcribed. A NaN α on one edge: one `SearchError` naming the cell
+    type and the edge (the rule picked an op of the NaN edge as if nothing were wrong)."""
+    from nasdiag.search import SearchError
+
+    method = _tiny_method("darts")
+    prims = list(method.network.primitives)
+    assert prims[0] == "none"
+    rows = {"normal": [[3.0, 1.0, 1.0, 0.0], [0.0, 1.0, 2.0, 2.0], [0.0, 0.5, 0.5, 0.5], [0.0, 0.5, 0.5, 0.5],
+                       [0.0, 0.5, 0.5, 0.5]],
+            "reduce": [[0.0, 0.0, 0.0, 0.0], [9.0, 0.0, 0.0, 0.0], [0.0, 2.0, 1.0, 2.0], [1.0, 1.0, 1.0, 1.0],
+                       [0.0, 2.0, 1.0, 2.0]]}
+    with torch.no_grad():
+        for t, a in method.network.alphas().items():
+            a.copy_(torch.tensor(rows[t], dtype=torch.float64))
+    got = method.genotype()
+    for t, genes in (("normal", got.normal), ("reduce", got.reduce)):
+        assert genes == _darts_parse(torch.softmax(torch.tensor(rows[t], dtype=torch.float64), -1), prims, 2), t
+    with torch.no_grad():
+        method.network.alphas()["reduce"][3, 2] = math.nan
+    with pytest.raises(SearchError, match=r"reduce architecture weights are NaN or inf on edge\(s\) \[3\]"):
+        method.genotype()
+
+
+def test_sparsenas_mixed_genotype_refuses_nan_weights():
+    """SparseNAS's mixed path keeps every op with a non-zero weight: a NaN weight compared false and its op was
+    silently dropped (an edge of NaNs looked pruned)."""
+    from nasdiag.search import SearchError
+
+    method = _tiny_method("sparsenas")
+    with torch.no_grad():
+        method.network.alphas()["normal"][1] = math.nan
+    with pytest.raises(SearchError, match=r"normal architecture weights are NaN or inf on edge\(s\) \[1\]"):
+        method.genotype()

@@ -237,9 +237,23 @@ class SearchMethod:
         self.schedule = dataclasses.replace(self.schedule, epochs=epochs)
 
     def genotype(self):
-        """The derived architecture (DARTS top-2 rule on :meth:`probabilities`; mixed-path methods override)."""
+        """The derived architecture (DARTS top-2 rule on :meth:`probabilities`; mixed-path methods override).
+        Raises `SearchError` where the weights hold a NaN or inf (`finite_architecture`)."""
         net = self.network
-        return derive_genotype(self.probabilities(), net.steps, net.multiplier, net.primitives)
+        return derive_genotype(self.finite_architecture(self.probabilities()), net.steps, net.multiplier, net.primitives)
+
+    def finite_architecture(self, weights: CellWeights) -> CellWeights:
+        """``weights`` (``{cell type: (E, K)}``, what a genotype is derived from), or `SearchError` naming the cell type
+        and edges where they are NaN or ±inf: a top-k or non-zero rule would otherwise pick ops at random there
+        (NaN compares false with everything) and return an architecture that looks like any other."""
+        for cell_type, w in weights.items():
+            bad = ~torch.isfinite(w.detach())
+            if bool(bad.any()):
+                edges = sorted({int(e) for e in bad.reshape(w.shape[0], -1).any(-1).nonzero()[:, 0]})
+                raise SearchError(f"{self.name}: the {cell_type} architecture weights are NaN or inf on edge(s) {edges}, so no "
+                                  "architecture can be derived from them: the search diverged; lower the learning rates "
+                                  "and search again")
+        return weights
 
     # -- CUDA-graph capture of the step (engine "fast"/"auto" on CUDA) ------------------------------------
     def _graph_enabled(self, tensors) -> bool:

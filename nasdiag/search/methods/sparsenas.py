@@ -139,7 +139,8 @@ class SparseNAS(DARTS):
         """The mixed path (every non-zero weight); a node without any incoming weight left is removed from the
         cell's output concatenation (the paper's node sparsity)."""
         net = self.network
-        genes = derive_mixed_genotype(self.forward_weights(), net.steps, net.multiplier, net.primitives)
+        genes = derive_mixed_genotype(self.finite_architecture(self.forward_weights()), net.steps, net.multiplier,
+                                      net.primitives)
         live = {t: {j for _, _, j in getattr(genes, t)} for t in ("normal", "reduce")}
         return MixedGenotype(genes.normal, [n for n in genes.normal_concat if n in live["normal"]],
                              genes.reduce, [n for n in genes.reduce_concat if n in live["reduce"]])
