@@ -299,3 +299,37 @@ def test_sparsenas_mixed_genotype_refuses_nan_weights():
         method.network.alphas()["normal"][1] = math.nan
     with pytest.raises(SearchError, match=r"normal architecture weights are NaN or inf on edge\(s\) \[1\]"):
         method.genotype()
+
+
+# -- resume at an epoch boundary -----------------------------------------------------------------------------------
+@pytest.mark.slow  # three short run()s (~6 s)
+@pytest.mark.parametrize("name", ["snas", "sparsenas"])
+def test_a_run_interrupted_right_after_an_epoch_end_resumes_to_the_uninterrupted_run(name, tmp_path, monkeypatch):
+    """Interrupted when the first epoch's last step reaches the user's callbacks (after the epoch end: the record
+    flushed, the checkpoint written with the annealed τ or the raised λ), then resumed: every recorded path and the
+    final checkpointed state equal those of an uninterrupted run, bit for bit."""
+    from nasdiag.record import load
+    from nasdiag.search.checkpoint import load_checkpoint
+    from test_run import _InterruptAt
+
+    _small_digits(monkeypatch, n=24)
+
+    def config(out, **kw):
+        return SearchConfig(method=name, C=2, layers=3, steps=2, multiplier=2, batch_size=8, epochs=2, dtype="float64",
+                            diagnostics=("cost",), progress=False, threads=1, record=str(tmp_path / out), **kw)
+
+    run(config("whole.h5"))
+    with pytest.raises(KeyboardInterrupt):
+        run(config("cut.h5"), callbacks=[_InterruptAt(3)])
+    assert load(str(tmp_path / "cut.h5"))["step"].tolist() == [1, 2, 3]
+    run(config("cut.h5", resume=True))
+    whole, cut = load(str(tmp_path / "whole.h5")), load(str(tmp_path / "cut.h5"))
+    assert whole["step"].tolist() == cut["step"].tolist() == list(range(1, 7))
+    for path in whole:
+        if not path.startswith("meta/"):
+            np.testing.assert_array_equal(whole[path], cut[path], err_msg=path)
+    a = load_checkpoint(str(tmp_path / "whole.h5.ckpt"))["method"]
+    b = load_checkpoint(str(tmp_path / "cut.h5.ckpt"))["method"]
+    _assert_same(a["network"], b["network"], "network")
+    _assert_same(a["attributes"], b["attributes"], "attributes")
+    _assert_same(a["objects"], b["objects"], "objects")
