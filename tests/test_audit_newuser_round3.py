@@ -270,6 +270,16 @@ def test_nb201_costs_per_sample_rows_paths_and_statistics_equal_autograd():
             assert set(parts) == expected, n
             assert err(sum(parts.values()), costs[n]) < 1e-14, n
         steps.append(np.stack([np.stack([ref[f"cells.{c}.edges.{e}"].numpy() for e in range(6)]) for c in range(2)]))
+    # output-edge costs (§5-6): <∂L/∂out, out> of node 3 = d/ds_b L(s_b · cell output) at s = 1, per sample
+    s = torch.ones(2, B, dtype=DT, requires_grad=True)
+    handles = [net.cells[c].register_forward_hook(lambda m, a, o, c=c: o * s[c].view(-1, 1, 1, 1)) for c in range(2)]
+    try:
+        g = torch.autograd.grad(F.cross_entropy(net(x), y), s)[0]
+    finally:
+        for h in handles:
+            h.remove()
+    out_costs = probe.output_costs(per_sample=True)
+    assert max(err(out_costs[f"cells.{c}"][3], g[c]) for c in range(2)) < 1e-14
     obs = np.concatenate(steps)  # (steps × cells, E, K): each cell of the type is one observation
     stats = probe.statistics()
     assert np.abs(stats["cost/normal/mean"] - obs.mean(0)).max() < 1e-14
