@@ -99,3 +99,54 @@ def test_batches_of_the_wrong_values(data, labels, extra, needle, tmp_path, caps
     folder = _batches(tmp_path / "cifar", data, labels, extra)
     refused(["search", *TINY, "--dataset", "cifar10", "--data-dir", folder, "--out", tmp_path / "run.h5"], tmp_path,
             [str(folder / "data_batch_1"), "is not a CIFAR-10 python batch", needle], capsys)
+
+
+# -- plot: where the figures cannot go ---------------------------------------------------------------------
+def _uncreatable(tmp_path: Path) -> Path:
+    """A folder that cannot be created (root ignores chmod, so /proc stands in)."""
+    if os.geteuid() == 0:
+        return Path("/proc/nasdiag-cannot-create/figs")
+    locked = tmp_path / "ro"
+    locked.mkdir(mode=0o555)
+    return locked / "figs"
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_a_figure_folder_that_cannot_be_created(rec, tmp_path, capsys, batch):
+    """Over many records, each was "skipped: cannot read it (No such file or directory)" as if the records were
+    unreadable, then "none of the 2 records could be drawn"; alone it said "No such file or directory (/proc/...)"."""
+    other = [Path(shutil.copy(rec, tmp_path / "other.h5"))] if batch else []
+    out = _uncreatable(tmp_path)
+    try:
+        refused(["plot", rec, *other, "--out", out, "--no-progress"], tmp_path,
+                [f"cannot create the figure folder {out}", "give an --out"], capsys)
+    finally:
+        if out.parent.is_relative_to(tmp_path):
+            out.parent.chmod(0o755)
+
+
+def test_a_figure_folder_name_too_long_is_a_write_error(rec, tmp_path, capsys):
+    """Two runs with the same 252-character file name in folders ``pp1/`` and ``pp2/`` get the folders ``pp1_<name>``
+    and ``pp2_<name>``: 256 characters, more than a file system allows. Each was "skipped: cannot read it (File
+    name too long)", blaming the record."""
+    name = "r" * 252 + ".h5"
+    records = []
+    for parent in ("pp1", "pp2"):
+        (tmp_path / parent).mkdir()
+        records.append(str(shutil.copy(rec, tmp_path / parent / name)))
+    code = main(["plot", *records, "--out", str(tmp_path / "figs"), "--no-progress", "--figures", "scalars"])
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 3 and "Traceback" not in err, err
+    for line, parent in zip(lines, ("pp1", "pp2")):
+        assert f"cannot write its figures into {tmp_path / 'figs' / parent}_r" in line and "cannot read" not in line, line
+    assert not (tmp_path / "figs").exists()
+
+
+def test_version(capsys):
+    """``nasdiag --version`` was "unrecognized arguments: --version"."""
+    import nasdiag
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0 and capsys.readouterr().out == f"nasdiag {nasdiag.__version__}\n"

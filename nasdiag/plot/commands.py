@@ -305,6 +305,21 @@ def _missing_folders(folder: Path) -> List[Path]:
     return missing
 
 
+def _make_folder(out: Path, created: List[Path]) -> None:
+    """Create the figure folder ``out`` (``created``: its missing folders, removed again if that fails); a location
+    that cannot hold it is one `PlotError` naming it. Over many records it was each record "skipped: cannot read
+    it (No such file or directory)", as if the records were unreadable."""
+    from nasdiag.plot.registry import PlotError
+    from nasdiag.record.lock import describe_os_error
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        _remove_empty(created)
+        raise PlotError(f"cannot create the figure folder {out}: {describe_os_error(exc)}; give an --out where "
+                        "folders can be created") from None
+
+
 def _remove_empty(folders: List[Path]) -> None:
     """Remove those of ``folders`` (deepest first) that are empty: a refused plot leaves no empty figure folder."""
     import os
@@ -348,6 +363,20 @@ def _nonfinite_line(drawn) -> str:
     return text + (" in the drawn families, marked in the figures" if drawn.nonfinite else " in the drawn families")
 
 
+def _read_or_write(exc: OSError, folder: Path) -> str:
+    """What failed for one record of many: writing into its figure ``folder`` (a file name too long, a full disk)
+    or reading it."""
+    import os
+
+    from nasdiag.record.lock import describe_os_error
+
+    target = os.path.abspath(exc.filename) if isinstance(exc.filename, str) else None
+    inside = target is not None and (target + os.sep).startswith(os.path.abspath(folder) + os.sep)
+    if inside:
+        return f"cannot write its figures into {folder} ({describe_os_error(exc)}: {exc.filename})"
+    return f"cannot read it ({exc.strerror or exc})"
+
+
 def run_plot(args) -> int:
     """Draw the figures of ``args.records`` (see the module docstring for folders and exit codes)."""
     from nasdiag.errors import NasdiagError
@@ -372,6 +401,7 @@ def run_plot(args) -> int:
         _check_at_steps(at_tokens, record, record_path)
         _refuse_nothing_to_draw(record, record_path, args.figures)
         created = _missing_folders(out)
+        _make_folder(out, created)
         drawn = draw_record(record, out, args.format, figures, args.at, args.dpi)
         for line in drawn.skipped:
             print(f"skipped {line}", file=sys.stderr)
@@ -388,6 +418,7 @@ def run_plot(args) -> int:
         _check_folder(folder, record_path)
     loaded, failed = {}, []
     created = _missing_folders(out)
+    _make_folder(out, created)
     bar = tqdm(records, unit="record", disable=args.no_progress, file=sys.stderr, dynamic_ncols=True)
     for record_path in bar:
         bar.set_postfix_str(Path(record_path).name, refresh=False)
@@ -412,7 +443,7 @@ def run_plot(args) -> int:
             continue
         except OSError as exc:
             failed.append(record_path)
-            bar.write(f"nasdiag: skipped {record_path}: cannot read it ({exc.strerror or exc})", file=sys.stderr)
+            bar.write(f"nasdiag: skipped {record_path}: {_read_or_write(exc, folders[record_path])}", file=sys.stderr)
             continue
         loaded[folders[record_path].name] = record
         bar.write(f"{record_path}: {len(drawn.files)} figures in {folders[record_path]}; {_nonfinite_line(drawn)}",
