@@ -333,3 +333,32 @@ def test_a_run_interrupted_right_after_an_epoch_end_resumes_to_the_uninterrupted
     _assert_same(a["network"], b["network"], "network")
     _assert_same(a["attributes"], b["attributes"], "attributes")
     _assert_same(a["objects"], b["objects"], "objects")
+
+
+def test_bayesnas_stays_finite_once_pruned_ops_have_zero_gamma(monkeypatch):
+    """Algorithm 2 with an update every step and a large curvature (1e6, standing in for the engine's): after the
+    first pruning a pruned op has γ = 0, so ω = ∞ (A.3.9); the next A.3.1 step formed its gradient as
+    (C + λ_w √ℵ ω sign(w))·mask = (0 + ∞·0)·0 = NaN, which turned every pruned w, then γ, s and the whole forward,
+    into NaN (a run went on with NaN losses). Every step's loss and every w stay finite, pruned w exactly 0."""
+    from nasdiag.search import Schedule, get_method
+
+    cls = get_method("bayesnas")
+    torch.manual_seed(0)
+    net = Network(4, 3, 3, steps=2, multiplier=2, in_channels=1, primitives=cls.primitives[:4]).double()
+    method = cls(net, cls.Hyperparameters(update_every=1, w_lr=1e-9), schedule=Schedule(2, 2, 4))
+    with torch.no_grad():
+        for a in net.arch_parameters():
+            a[:, 1:3] = 1e-4  # these ops' s = |w|/ω is tiny at H = 1e6: pruned at the first update
+
+    def large_curvature(x, y):
+        return {t: torch.full((sum(1 for c in net.cells if c.cell_type == t), *a.shape), 1e6, dtype=a.dtype)
+                for t, a in net.alphas().items()}
+
+    monkeypatch.setattr(method, "cell_curvatures", large_curvature)
+    for i in range(4):
+        stats = method.step(_batch(30 + i), _batch(40 + i))
+        assert torch.isfinite(stats["scalars/train_loss"]), i
+    for t, a in net.alphas().items():
+        assert not method.alive[t][:, 1:3].any(), t
+        assert torch.isfinite(a).all(), t
+        assert (a.detach()[~method.alive[t]] == 0).all(), t

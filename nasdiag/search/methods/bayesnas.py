@@ -142,7 +142,9 @@ class BayesNAS(SearchMethod):
     # -- relaxation ----------------------------------------------------------------------------------
     def forward_weights(self) -> CellWeights:
         """Z = w on alive ops, 0 on pruned ones (E, K): the linear mixing of the BayesNAS supernet."""
-        return {t: a.detach() * self.alive[t].to(a.device, a.dtype) for t, a in self.network.alphas().items()}
+        # selected, not multiplied: a pruned op's Z is exactly 0 whatever its w holds
+        return {t: torch.where(self.alive[t].to(a.device), a.detach(), torch.zeros_like(a.detach()))
+                for t, a in self.network.alphas().items()}
 
     def eval_weights(self) -> CellWeights:
         return self.forward_weights()
@@ -189,10 +191,12 @@ class BayesNAS(SearchMethod):
         check_finite_loss(self, result, stats)  # before 𝒲, w and the switches take anything from a NaN/inf loss
         nn.utils.clip_grad_norm_(net.weight_parameters(), self.hp.grad_clip)
         for t, a in net.alphas().items():
-            on = self.alive[t].to(a.device, a.dtype)
+            on = self.alive[t].to(a.device)
             # ∂/∂w of λ_w ω ‖w_group‖₂ (A.3.1) with the group's ℵ elements all equal to the shared w: √ℵ ω sign(w)
             penalty = self.hp.lambda_w * self._group_size[t] ** 0.5 * self.omega[t] * torch.sign(a.detach())
-            a.grad = ((result.costs[t] + penalty) * on).to(a.dtype)
+            # selected, not multiplied by the mask: a pruned op has γ = 0, so ω = ∞ (A.3.9) and ω·sign(0) is NaN
+            grad = torch.where(on, result.costs[t] + penalty, torch.zeros_like(penalty))
+            a.grad = grad.to(a.dtype)
         self.w_optimizer.step()
         self.arch_optimizer.step()
         return stats
@@ -261,8 +265,8 @@ class BayesNAS(SearchMethod):
             alive[t], _ = prune(alive[t], gamma[t].cpu())
             stats[V.HESSIAN_NONFINITE.path(cell=t)] = ~finite.all()
             with torch.no_grad():
-                on = alive[t].to(a.device, a.dtype)
-                a.copy_(on if self.hp.reset_w else a * on)
+                on = alive[t].to(a.device)
+                a.copy_(torch.where(on, torch.ones_like(a) if self.hp.reset_w else a, torch.zeros_like(a)))
         self.covariance, self.omega, self.prior_variance, self.gamma = cov, om, s, gamma
         self.alive = alive
         self.curvature_used = {t: h.sum(0) for t, h in curvature.items()}
