@@ -8,6 +8,12 @@ several steps, against references written here in float64.
 - A non-finite loss in the middle of a run: the failing step's row is in the record with
   ``scalars/nonfinite_loss`` = 1, and the method's parameters are those of the last finite step.
 - Genotypes derived from mixing weights built here: ties, edges whose only strong op is ``none``, NaN weights.
+- Resume right after an epoch end; BayesNAS over several updates once pruned ops have γ = 0.
+
+Defects these tests found (each fails without its fix): ASM-NAS updated (w, Θ) with a NaN gradient and raised without
+the step's row; darts2 and sparsenas raised without the row; BayesNAS never checked its loss and ran to the epoch end
+on NaN weights; DARTS's rule derived a genotype from NaN weights (SparseNAS's mixed path dropped NaN ops as pruned);
+BayesNAS turned every pruned w into NaN one update after pruning (∞·0 in A.3.1's masked gradient).
 """
 
 from __future__ import annotations
