@@ -150,3 +150,12 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as stop:
         main(["--version"])
     assert stop.value.code == 0 and capsys.readouterr().out == f"nasdiag {nasdiag.__version__}\n"
+
+
+@pytest.mark.parametrize("command,out,records", [("plot", "figs", [""]), ("plot", "figs", ["{rec}", " "]),
+                                                 ("report", "r.html", [""])])
+def test_an_empty_record_path(rec, tmp_path, capsys, command, out, records):
+    """``nasdiag plot "$RUN"`` with RUN unset said "no record at  (no file and no segments next to it)"."""
+    records = [r.replace("{rec}", str(rec)) for r in records]
+    refused([command, *records, "--out", tmp_path / out, "--no-progress"][: None if command == "plot" else -1],
+            tmp_path, "a record path is empty; pass the record file", capsys)

@@ -130,6 +130,14 @@ def file_in_the_way(path: Path) -> Optional[Path]:
     return None
 
 
+def refuse_empty_records(records: List[str]) -> None:
+    """An empty RECORD (an unset shell variable) was "no record at  (no file and no segments next to it)"."""
+    from nasdiag.plot.registry import PlotError
+
+    if any(not r.strip() for r in records):
+        raise PlotError("a record path is empty; pass the record file, such as runs/search.h5")
+
+
 def refuse_empty_out(out: str, example: str) -> None:
     """``--out ''`` is the current folder to `pathlib` (plot drew every figure there, report called it a folder)."""
     from nasdiag.plot.registry import PlotError
@@ -387,6 +395,7 @@ def run_plot(args) -> int:
     at_tokens = parse_at(args.at)
     _refuse_idle_at(at_tokens, specs)
     refuse_empty_out(args.out, "figure folder, e.g. --out figs")
+    refuse_empty_records(args.records)
     out = Path(args.out)
     _check_folder(out)
     _refuse_repeats(args.records)
@@ -465,6 +474,7 @@ def run_report(args) -> int:
     figures = _figure_names(args.figures)
     select_figures(figures)
     refuse_empty_out(args.out, "HTML file to write, e.g. --out report.html")
+    refuse_empty_records([args.record])
     refuse_segment(args.record)
     path = _as_not_a_record(args.record, write_report, args.record, args.out, figures, args.dpi, args.force)
     print(f"report: {path}")
