@@ -25,6 +25,7 @@ from nasdiag.errors import NasdiagError
 from nasdiag.probe import ProbeError
 
 from conftest import assert_no_module_hooks
+from test_audit_newuser_round3 import Mixed
 
 C, HW, B, N_CLS = 4, 4, 4, 3
 EDGE_NODES = [(0, 2), (1, 2), (0, 3), (1, 3), (2, 3), (0, 4), (2, 4), (3, 4)]
@@ -72,19 +73,6 @@ def op_sets(affine):
     ]
 
 
-class Mixed(nn.Module):
-    """DARTS-convention mixed op: candidates `_ops`, forward(x, weights) = Σ_k w_k op_k(x), weights (K,) or (B, K)."""
-
-    def __init__(self, ops):
-        super().__init__()
-        self._ops = nn.ModuleList(ops)
-
-    def forward(self, x, weights):
-        out = 0
-        for k, op in enumerate(self._ops):
-            w = weights[..., k]
-            out = out + (w.reshape(-1, 1, 1, 1) if w.dim() == 1 else w) * op(x)
-        return out
 
 
 class DagCell(nn.Module):

@@ -38,6 +38,7 @@ import pytest
 import torch
 
 from conftest import free_port, launch_ranks
+from test_run import _InterruptAt
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 
@@ -152,21 +153,6 @@ def diverged_part(rank: int, out: str) -> dict:
     return {"error": None}
 
 
-class _StopAt:
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, step, stats):
-        if step == self.step:
-            raise KeyboardInterrupt
-
-    def on_epoch_end(self, epoch, stats):
-        pass
-
-    def on_exception(self, exc):
-        pass
-
-
 def resume_part(rank: int, out: str) -> dict:
     from nasdiag.search import SearchConfig, run
 
@@ -175,7 +161,7 @@ def resume_part(rank: int, out: str) -> dict:
 
     whole = run(SearchConfig(method="darts", epochs=2, record=f"{out}/whole.h5", **RUN))
     with contextlib.suppress(KeyboardInterrupt):
-        run(SearchConfig(method="darts", epochs=2, record=f"{out}/cut.h5", **RUN), callbacks=[_StopAt(DIGITS_STEPS + 1)])
+        run(SearchConfig(method="darts", epochs=2, record=f"{out}/cut.h5", **RUN), callbacks=[_InterruptAt(DIGITS_STEPS + 1)])
     resumed = run(SearchConfig(method="darts", epochs=2, record=f"{out}/cut.h5", resume=True, **RUN))
     return {"whole": params(whole), "resumed": params(resumed), "pid": os.getpid()}
 

@@ -52,7 +52,7 @@ class Zero(nn.Module):
 class Mixed(nn.Module):
     """DARTS convention: candidates ``_ops``, forward(x, weights) = Σ_k w_k op_k(x), weights (K,) or (B, K)."""
 
-    def __init__(self, ops, fail_at=None):
+    def __init__(self, ops):
         super().__init__()
         self._ops = nn.ModuleList(ops)
 

@@ -16,20 +16,8 @@ import numpy as np
 import pytest
 
 from nasdiag.cli import main
-from plot_records import write_record
 from test_cli_errors import ROOT, TINY
-from test_cli_plot_misuse import refused, snapshot
-
-
-@pytest.fixture(scope="module")
-def source(tmp_path_factory) -> Path:
-    """A tiny record (steps 1..4, one cell type)."""
-    return write_record(tmp_path_factory.mktemp("source") / "run.h5", epochs=1, steps_per_epoch=4, cells=("normal",))
-
-
-@pytest.fixture
-def rec(source, tmp_path) -> Path:
-    return Path(shutil.copy(source, tmp_path / "run.h5"))
+from test_cli_plot_misuse import rec, refused, snapshot, source  # noqa: F401 (fixtures)
 
 
 def _nasdiag(argv, env=None, **kwargs) -> subprocess.CompletedProcess:
