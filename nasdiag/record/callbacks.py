@@ -378,12 +378,17 @@ def _columns(rows) -> dict[str, tuple[list[int], list]]:
     return columns
 
 
+_PYTHON_SCALARS = (bool, int, float)
+
+
 def _convert_rows(rows) -> list[dict]:
-    """The raw values of the rows as numpy arrays; one host copy per path and tensor kind."""
+    """The raw values of the rows as numpy arrays; one host copy per path and tensor kind. Python scalars stay
+    as they are, so that `Recorder.log` casts them to their path's dtype as it does when called directly (an
+    int 0 on a float path; as a numpy int64 it was refused, and its row lost)."""
     out: list[dict] = [{} for _ in rows]
     for path, (where, column) in _columns(rows).items():
-        for i, array in zip(where, stack_to_numpy(column)):
-            out[i][path] = array
+        for i, value, array in zip(where, column, stack_to_numpy(column)):
+            out[i][path] = value if type(value) in _PYTHON_SCALARS else array
     return out
 
 

@@ -176,7 +176,9 @@ def fill_value(dtype: np.dtype):
 
 _U64 = np.uint64
 _TOP_BIT = _U64(1 << 63)
-_DIGEST_BLOCK_ROWS = 4096
+#: bytes of rows summed at once: their uint64 copy is 8 times that (a block of whole rows made it 8 times the rows
+#: of a batch, or of 4096 rows of a record being loaded: gigabytes for rows of a few hundred KiB)
+_DIGEST_BLOCK_BYTES = 1 << 20
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
@@ -217,10 +219,17 @@ class RowDigest:
         weights = self._weights.get(key)
         if weights is None:
             weights = self._weights[key] = _byte_weights(name, raw.shape[1])
+        # Bounded temporaries on long records and large rows: blocks of rows and of their bytes (the sum modulo
+        # 2**64 may be taken in any order).
+        row_bytes = raw.shape[1]
+        byte_block = min(row_bytes, _DIGEST_BLOCK_BYTES)
+        row_block = max(1, _DIGEST_BLOCK_BYTES // byte_block)
         with np.errstate(over="ignore"):
-            for start in range(0, self.rows, _DIGEST_BLOCK_ROWS):  # bounded temporaries on long records
-                stop = start + _DIGEST_BLOCK_ROWS
-                self._sum[start:stop] += raw[start:stop].astype(_U64) @ weights
+            for start in range(0, self.rows, row_block):
+                stop = start + row_block
+                for first in range(0, row_bytes, byte_block):
+                    last = first + byte_block
+                    self._sum[start:stop] += raw[start:stop, first:last].astype(_U64) @ weights[first:last]
 
     def value(self) -> np.ndarray:
         """(rows,) uint64, bit 63 set."""

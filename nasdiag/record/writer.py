@@ -15,6 +15,8 @@ How durability is obtained (docs/schema.md has the format):
   segment cleanly and continues in the next one. Resuming always starts a new segment; a crashed
   file is never reopened for writing.
 - ``<path>.lock`` holds an ``flock`` for the writer's lifetime (see `lock.WriterLock`).
+- Each flush checks that the open segment is still the file at its path: rows are never written on
+  into a file that another program moved away or deleted.
 - Damage is detectable: each committed row carries a digest in ``/digest`` (`schema.RowDigest`),
   and each segment names the segments before it (``previous_segments``), which `reader` checks.
 """
@@ -46,6 +48,8 @@ from nasdiag.record.reader import merged_columns, read_segments
 from nasdiag.record.termination import GUARD
 
 _ALLOWED_KINDS = "biuf"
+#: /step is int64
+_MAX_STEP = int(np.iinfo(np.int64).max)
 _ERRNO_IN_MESSAGE = re.compile(r"errno\s*=\s*(\d+)")
 
 
@@ -124,7 +128,7 @@ def _detach_from_disk(f: h5py.File) -> None:
 
 def checked_step(step) -> int:
     """``step`` as an int: a non-negative Python or numpy int, or a 0-d tensor/array holding one;
-    anything else (a bool, a float, a negative number) raises `RecordError`."""
+    anything else (a bool, a float, a negative number, one beyond int64) raises `RecordError`."""
     if hasattr(step, "item") and not isinstance(step, (int, np.integer)):
         try:
             step = step.item()  # 0-d tensors and arrays
@@ -132,6 +136,8 @@ def checked_step(step) -> int:
             pass
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
         raise RecordError(f"step must be a non-negative int, got {step!r}")
+    if step > _MAX_STEP:  # else an OverflowError out of the int64 step buffer
+        raise RecordError(f"step {step} is beyond the largest step a record holds ({_MAX_STEP}, int64)")
     return int(step)
 
 
@@ -236,6 +242,7 @@ class Recorder:
         self._datasets: dict[str, h5py.Dataset] = {}
         self._segment_index = 0
         self._segment_rows = 0  # committed rows in the open segment
+        self._segment_identity: tuple | None = None  # (absolute path, st_dev, st_ino) of the open segment
         self._committed = 0  # committed rows in this session
         self._last_step: int | None = None
         self._session_last_step: int | None = None
@@ -422,10 +429,13 @@ class Recorder:
         if self._closed or self._failure is not None:
             self._refuse()
         last = self._session_last_step
-        if type(step) is not int or step < 0 or (last is not None and step <= last):
+        if type(step) is not int or step < 0 or step > _MAX_STEP or (last is not None and step <= last):
             step = self._check_step(step)
         if type(values) is not dict and not isinstance(values, Mapping):
             raise RecordError(f"values must be a dict of dataset path -> value, got {type(values).__name__}")
+        if self._rows >= self.flush_every:
+            # full: the flush of the last log could not create its segment (nothing of it was written); try again
+            self._flush()
         columns = self._columns
         # Fast path (the common row): Python floats on known float scalar paths need no conversion.
         row = []
@@ -584,6 +594,11 @@ class Recorder:
                 schema.check_path(path)
                 schema.check_no_prefix_clash(path, [*self._columns, *new_paths])
                 schema.check_against_meta(path, array.shape, self._meta)
+                if array.size == 0:  # an HDF5 chunk cannot have a 0-long axis: the segment would fail at the flush
+                    raise RecordError(
+                        f"{path!r} at step {step}: a value of shape {array.shape} has no elements and cannot be recorded; "
+                        "leave the path out of rows in which it has no values"
+                    )
                 new_columns.append((path, array.shape, array.dtype))
                 new_paths.append(path)
             elif array.shape != column.shape or array.dtype != column.dtype:
@@ -714,6 +729,31 @@ class Recorder:
             # its chunks from a destructor, where a failed write (disk full) cannot be reported.
             self._datasets = {path: f[path] for path in [*self._columns, schema.PRESENT, schema.DIGEST, schema.STEP]}
             self._segment_rows = 0
+            try:
+                found = os.fstat(f.id.get_vfd_handle())
+                self._segment_identity = (os.path.abspath(final), found.st_dev, found.st_ino)
+            except (OSError, RuntimeError, ValueError):
+                self._segment_identity = None  # a file driver without a descriptor: not checked
+
+    def _check_segment_in_place(self) -> None:
+        """Refuse to write on when the open segment is no longer at its path (moved or deleted by another
+        program): the rows would go to a file the record no longer names, or to no file at all."""
+        if self._segment_identity is None:
+            return
+        where, device, inode = self._segment_identity
+        try:
+            found = os.stat(where)
+        except (FileNotFoundError, NotADirectoryError):
+            found = None
+        except OSError:
+            return  # cannot tell (permissions of a folder above); the writes themselves will say
+        if found is not None and (found.st_dev, found.st_ino) == (device, inode):
+            return
+        self._failure = f"{self.segment_file} was moved or deleted while this recorder wrote it"
+        raise RecordError(
+            f"record segment {self._failure}; its {self._segment_rows} committed rows are where it was moved (lost if "
+            f"deleted) and the last {self._rows} buffered rows are not written; record to a path nothing moves or removes"
+        )
 
     def _publish(self, tmp: str, final: str, replace: bool) -> None:
         if replace:  # our own placeholder, under our lock: swap it atomically for the full segment
@@ -769,7 +809,12 @@ class Recorder:
 
     def _write_batch(self) -> None:
         if self._file is None:
-            self._create_segment()
+            try:
+                self._create_segment()
+            except RecordError as err:  # nothing was written: the rows stay buffered for the next try
+                raise RecordError(f"{err}; the {self._rows} buffered rows are not written yet") from None
+        else:
+            self._check_segment_in_place()
         f = self._file
         datasets = self._datasets
         rows = self._rows
