@@ -20,6 +20,7 @@ architecture gradient is a map of it (``nasdiag.cost.darts_alpha_grad`` and frie
 from __future__ import annotations
 
 import math
+import numbers
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -61,6 +62,44 @@ def failing_row(stats: Dict[str, torch.Tensor]):
         if getattr(err, "statistics", None) is not None:
             err.statistics = {**stats, **err.statistics}
         raise
+
+
+def check_batch(network, batch, what: str) -> None:
+    """Raise a one-line `SearchError` unless ``batch`` is an ``(x, y)`` pair the supernet can take: x a non-empty
+    floating tensor of the network's dtype and device (with the stem's input channels, where the network has a
+    ``stem`` starting with a convolution), y a 1-D integer tensor of class indices, one per sample of x. Reads
+    only shapes and dtypes (no device synchronisation)."""
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2 and all(isinstance(t, torch.Tensor) for t in batch)):
+        raise SearchError(f"the {what} batch must be a pair (x, y) of tensors, got {type(batch).__name__}")
+    x, y = batch
+    param = next(network.parameters())
+    if not x.is_floating_point() or x.dim() < 2 or len(x) == 0:
+        raise SearchError(f"the {what} inputs x must be a non-empty floating tensor (B, ...), got {x.dtype} "
+                          f"{tuple(x.shape)}")
+    if x.dtype != param.dtype or x.device != param.device:
+        raise SearchError(f"the {what} inputs x are {x.dtype} on {x.device}, the supernet is {param.dtype} on "
+                          f"{param.device}; move them with x.to(device, dtype)")
+    stem = getattr(network, "stem", None) or getattr(getattr(network, "model", None), "stem", None)
+    first = next((m for m in stem.modules() if isinstance(m, nn.Conv2d)), None) if isinstance(stem, nn.Module) else None
+    if first is not None and (x.dim() != 4 or x.shape[1] != first.in_channels):
+        raise SearchError(f"the {what} inputs x must be images (B, {first.in_channels}, H, W) for this supernet's stem, "
+                          f"got {tuple(x.shape)}")
+    if y.dim() != 1 or y.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8) or len(y) != len(x):
+        raise SearchError(f"the {what} labels y must be a 1-D integer tensor of class indices, one per sample "
+                          f"({len(x)}), got {y.dtype} {tuple(y.shape)}")
+
+
+def _checking_batches(network, step):
+    """``step`` that first checks its batches (`check_batch`): a wrong batch is one line before any update."""
+
+    def checked(train_batch, val_batch=None, *args, **kwargs):
+        check_batch(network, train_batch, "search-train")
+        if val_batch is not None:
+            check_batch(network, val_batch, "search-val")
+        return step(train_batch, val_batch, *args, **kwargs)
+
+    checked.__doc__, checked.__wrapped__ = step.__doc__, step
+    return checked
 
 
 def accuracy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -159,6 +198,20 @@ class SearchMethod:
             hp = self.Hyperparameters()
         if not isinstance(hp, self.Hyperparameters):
             raise NasdiagError(f"{type(self).__name__} takes {self.Hyperparameters.__qualname__}, got {type(hp).__name__}")
+        foreign = [k for k in hp.keys() if k not in self.Hyperparameters.keys()]
+        if foreign:  # another method's hyperparameters (SNAS's subclass DARTS's): their extra fields would do nothing
+            raise NasdiagError(f"{type(self).__name__} does not use {', '.join(foreign)} of {type(hp).__qualname__} (the "
+                               f"hyperparameters of another method, e.g. snas's for darts); pass "
+                               f"{type(self).__name__}.Hyperparameters(...)")
+        if not isinstance(schedule, Schedule):
+            raise NasdiagError(f"schedule must be a nasdiag.search.Schedule(epochs=..., steps_per_epoch=...), got "
+                               f"{type(schedule).__name__}")
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
+            raise NasdiagError(f"seed must be an integer >= 0, got {seed!r}")
+        if hessian_mode is not None:
+            from nasdiag.hessian.modes import ARCH_MODES, check_mode
+
+            check_mode(hessian_mode, ARCH_MODES, what="hessian_mode")  # one line, before a search runs into it
         self.hp = hp
         self.schedule = schedule
         self.probe = probe
@@ -176,6 +229,7 @@ class SearchMethod:
         self._curvature_graph = None  # built by curvature() on first use
         self._curvature_graph_mode: Optional[str] = None
         self.build()
+        self.step = _checking_batches(self.network, self.step)
         if type(self).__dict__.get("graph_capturable", False):
             from nasdiag.supernet.engine.graph import StepGraph
 

@@ -134,8 +134,10 @@ class SearchConfig:
     def __post_init__(self):
         if isinstance(self.diagnostics, str):
             self.diagnostics = tuple(d.strip() for d in self.diagnostics.split(",") if d.strip() and d.strip() != "none")
-        self.diagnostics = tuple(self.diagnostics)
-        self.hp = dict(self.hp)
+        if isinstance(self.diagnostics, (list, tuple, set, frozenset)):  # anything else is refused by validate()
+            self.diagnostics = tuple(self.diagnostics)
+        if isinstance(self.hp, Mapping):  # a string or None is refused by validate(), not dict()'s traceback
+            self.hp = dict(self.hp)
 
     # -- derived -----------------------------------------------------------------------------------------
     @property
@@ -155,6 +157,19 @@ class SearchConfig:
         _choice("order", self.order, ORDERS, what="op stacking order")
         _choice("norm", self.norm, NORMS)
         _choice("engine", self.engine, ENGINES)
+        if not isinstance(self.hp, Mapping):
+            raise ConfigError(f"hp must be a mapping of hyperparameter overrides such as {{'w_lr': 0.1}}, got "
+                              f"{type(self.hp).__name__} {self.hp!r}")
+        if not isinstance(self.diagnostics, tuple):
+            raise ConfigError(f"diagnostics must be a sequence of {', '.join(DIAGNOSTICS)} (or a comma-separated string), "
+                              f"got {self.diagnostics!r}")
+        for name in ("resume", "force", "progress"):  # force="no" is truthy: it would replace a record
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for name in ("record", "figures", "data_dir"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (str, os.PathLike)):
+                raise ConfigError(f"{name} must be a path (str or os.PathLike) or None, got {type(value).__name__} {value!r}")
         from nasdiag.hessian.modes import ARCH_MODES, CurvatureError, check_mode  # spelled once, by the curvature engine
 
         try:
@@ -201,8 +216,6 @@ class SearchConfig:
             raise ConfigError("resume and force contradict each other; pass only one")
         if (self.resume or self.force) and self.record is None:
             raise ConfigError("resume and force need a record path (--out)")
-        if not isinstance(self.hp, Mapping):
-            raise ConfigError(f"hp must be a mapping of hyperparameter overrides, got {type(self.hp).__name__}")
         return self
 
     # -- serialisation ---------------------------------------------------------------------------------

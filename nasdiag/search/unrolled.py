@@ -88,9 +88,12 @@ class UnrolledGradient:
 
 
 def weight_params(network) -> Params:
-    """``{name: parameter}`` of the weights w: every parameter that is not an architecture parameter."""
+    """``{name: parameter}`` of the weights w the unrolled step moves: every parameter that is not an architecture
+    parameter and requires a gradient. A frozen weight (``requires_grad=False``) takes no step of w's optimizer (it
+    gets no ``.grad``), so w' keeps it: it is left out of w' = w − ξ(…), of v = ∇_{w'} L_val and of ‖v‖ (moving it
+    in the virtual step gave the hypergradient of another bilevel problem, the one where it is trained)."""
     arch = {id(p) for p in network.arch_parameters()}
-    return {n: p for n, p in network.named_parameters() if id(p) not in arch}
+    return {n: p for n, p in network.named_parameters() if id(p) not in arch and p.requires_grad}
 
 
 def functional_cost(network, params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor],
