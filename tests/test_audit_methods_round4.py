@@ -210,14 +210,18 @@ def test_search_config_fields_of_the_wrong_type_are_one_line(field, value, words
     _refused(lambda: run(SearchConfig(**{field: value})), *words)
 
 
+@pytest.mark.slow  # one real search (~10 s on 2 busy cores) makes the record to keep
 def test_a_string_force_never_replaces_a_record(tmp_path):
-    """``force="no"`` was truthy: check_paths let it through and the run replaced the existing file."""
+    """``force="no"`` was truthy: check_paths let it through and the run replaced the existing record."""
     from nasdiag.search import run
 
     record = tmp_path / "run.h5"
-    record.write_bytes(b"keep me")
-    _refused(lambda: run(SearchConfig(record=str(record), force="no")), "force")
-    assert record.read_bytes() == b"keep me"
+    run(SearchConfig(record=str(record), epochs=1, C=2, layers=3, steps=1, batch_size=300, diagnostics=(),
+                     device="cpu", progress=False, threads=1))
+    kept = record.read_bytes()
+    _refused(lambda: run(SearchConfig(record=str(record), force="no", epochs=1, C=2, layers=3, steps=1, batch_size=300,
+                                      diagnostics=(), device="cpu", progress=False, threads=1)), "force")
+    assert record.read_bytes() == kept
 
 
 def test_a_method_built_by_hand_refuses_what_it_cannot_use():
@@ -243,3 +247,46 @@ def test_a_batch_the_supernet_cannot_take_is_one_line_before_any_update(name):
         assert "\n" not in str(info.value)
     after = net.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("name, module, primitive", [
+    ("darts", "nasdiag.search.methods.darts", "darts_alpha_grad"),
+    ("darts2", "nasdiag.search.methods.darts2", "darts_alpha_grad"),
+    ("darts2", "nasdiag.search.methods.darts2", "unrolled_gradient"),
+    ("snas", "nasdiag.search.methods.snas", "snas_alpha_grad"),
+    ("dsnas", "nasdiag.search.methods.dsnas", "dsnas_alpha_grad"),
+    ("proxyless", "nasdiag.search.methods.proxyless", "proxyless_alpha_grad"),
+    ("xnas", "nasdiag.search.methods.xnas", "xnas_reward"),
+    ("sparsenas", "nasdiag.search.methods.sparsenas", "unrolled_gradient"),
+    ("bayesnas", "nasdiag.search.methods.bayesnas", "group_bayes_update"),
+    ("bayesnas", "nasdiag.hessian", "arch_diag_hessian"),
+])
+def test_each_method_consumes_the_library_primitive_it_promises(name, module, primitive, monkeypatch):
+    """The α gradients, rewards, curvature and Bayesian updates come from the primitives (`nasdiag.cost`, `.regret`,
+    `.hessian`, `.bayes`, the unrolled step), not from a private copy that could drift from them: a spy in place of
+    the primitive is called by one step, and what it returned is what the method applied (α.grad for the gradient
+    maps)."""
+    import importlib
+
+    target = importlib.import_module(module)
+    original, returned = getattr(target, primitive), []
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        returned.append(out)
+        return out
+
+    monkeypatch.setattr(target, primitive, spy)
+    net = Network(2, 10, 3, steps=1, multiplier=1, in_channels=1).double()
+    cls = get_method(name)
+    hp = cls.Hyperparameters(update_every=1) if name == "bayesnas" else None
+    method = cls(net, hp, schedule=Schedule(epochs=1, steps_per_epoch=1, batch_size=4))
+    gen = torch.Generator().manual_seed(0)
+    batch = lambda: (torch.randn(4, 1, 8, 8, generator=gen, dtype=torch.float64), torch.randint(0, 10, (4,), generator=gen))  # noqa: E731
+    method.step(batch(), batch())
+    assert returned, f"{name} never called {module}.{primitive}"
+    if primitive.endswith("_alpha_grad"):  # one call per cell type (darts2: 3 per type), the last ones applied
+        applied = returned[-len(net.alphas()):] if name != "darts2" else None
+        if applied is not None:
+            for a, g in zip(net.alphas().values(), applied):
+                assert torch.equal(a.grad, g)
