@@ -11,6 +11,9 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import subprocess
+import sys
+import textwrap
 import tracemalloc
 import warnings
 
@@ -106,6 +109,54 @@ def test_a_segment_that_cannot_be_created_keeps_its_rows_and_every_later_log_is_
     np.testing.assert_array_equal(out["scalars/x"], [_x(s) for s in steps])
     np.testing.assert_array_equal(out["valid/scalars/y"], [s >= 4 for s in steps])
     np.testing.assert_array_equal(out["scalars/y"][4:], [-4.0, -5.0, -9.0])
+
+
+_FULL_DISK_CHILD = textwrap.dedent("""
+    import os, resource, sys, time, warnings
+    import numpy as np
+    from nasdiag.record import Recorder, RecordError, load
+    warnings.simplefilter("ignore")
+    path = sys.argv[1]
+    rec = Recorder(path, flush_every=4, flush_seconds=None)
+    row = lambda s: {"scalars/x": s * 0.5 + 0.125, "arch/w": np.full(64, float(s))}
+    for s in range(8):
+        rec.log(s, row(s))
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(path), hard))  # Python ignores SIGXFSZ: EFBIG
+    try:
+        for s in range(8, 5000):
+            rec.log(s, row(s))
+    except RecordError as err:
+        print("ERR", rec.rows_committed, err, flush=True)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    start = time.monotonic()
+    out = load(path)  # the failed recorder is still open
+    print("LOADED", out["step"].size, round(time.monotonic() - start, 2), flush=True)
+    np.testing.assert_array_equal(out["scalars/x"], out["step"] * 0.5 + 0.125)
+    np.testing.assert_array_equal(out["arch/w"], np.repeat(out["step"][:, None], 64, 1).astype(float))
+    print("VALUES OK", flush=True)
+""")
+
+
+def test_a_record_whose_writer_hit_a_full_disk_loads_in_the_same_process_before_the_recorder_is_closed(tmp_path):
+    """After a failed write the segment's descriptor points at /dev/null; the file stayed open until `close`, and
+    HDF5 hands an open file to every later open of it in the process, so a `load` meanwhile read nothing and
+    retried without end (killed after minutes; SIGTERM waited for it). Reference: the rows the writer reported
+    committed, each a known function of its step."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    try:
+        child = subprocess.run([sys.executable, "-c", _FULL_DISK_CHILD, str(tmp_path / "run.h5")], env=env,
+                               capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("loading the record of a recorder that hit a full disk hung")
+    lines = child.stdout.splitlines()
+    assert child.returncode == 0 and len(lines) == 3, (child.stdout, child.stderr[-2000:])
+    _, committed, message = lines[0].split(" ", 2)
+    assert "disk full or file-size limit" in message and int(committed) >= 8, message
+    _, loaded, seconds = lines[1].split()
+    assert int(loaded) == int(committed) and float(seconds) < 10, lines[1]
+    assert lines[2] == "VALUES OK"
 
 
 # --- steps and values ---------------------------------------------------------------------------------------

@@ -847,6 +847,13 @@ class Recorder:
             message = _storage_error(f"cannot write to {self.segment_file}", err)
             self._failure = message
             _detach_from_disk(f)  # before anything else tries to write
+            # Closed now, not at `close`: HDF5 shares an open file with every later open of it in this process, so
+            # a `load` of the record meanwhile read the detached file (nothing) and retried for ever.
+            self._file, self._datasets = None, {}
+            try:
+                f.close()  # its writes go to /dev/null
+            except Exception:
+                pass
             raise RecordError(
                 f"{message}; the {self._committed} rows committed before are intact, the last {rows} buffered rows may be lost"
             ) from None
