@@ -240,6 +240,19 @@ def test_float64_nonfinite_values_and_unicode_names_round_trip_exactly(tmp_path)
     assert list(out["meta/edge_names/normal"]) == ["0→2", "1/2"]
 
 
+@pytest.mark.parametrize("meta, key", [({"op_names": ["skip", "bad\udc80"]}, "op_names"),  # os.fsdecode of non-UTF-8 bytes
+                                       ({"edge_names": {"normal": ["0-2\ud800"]}}, "edge_names/normal"),
+                                       ({"method": "darts\udc80"}, "method"), ({"op_names": ["a\x00b"]}, "op_names")])
+def test_meta_text_hdf5_cannot_store_is_refused_naming_its_key_before_any_file_is_made(tmp_path, meta, key):
+    """Before, the recorder opened, then failed to create its segment with "cannot create record segment ...:
+    'utf-8' codec can't encode ..." (a storage error, no key named)."""
+    with pytest.raises(RecordError) as raised:
+        Recorder(tmp_path / "run.h5", meta=meta)
+    message = str(raised.value)
+    assert f"meta[{key!r}]" in message and "segment" not in message and "\n" not in message, message
+    assert os.listdir(tmp_path) == []
+
+
 # --- the row digest and the memory of reading large rows ----------------------------------------------------
 
 _MASK = (1 << 64) - 1

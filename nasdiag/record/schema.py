@@ -239,12 +239,24 @@ class RowDigest:
 # --- metadata ----------------------------------------------------------------------------------
 
 
+def _storable_text(key: str, text: str) -> str:
+    """``text`` if HDF5 can store it as a UTF-8 string: no NUL (a C string ends there) and no lone surrogate
+    (what ``os.fsdecode`` makes of bytes that are not UTF-8); checked here, or the segment fails to be created."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise RecordError(f"meta[{key!r}] holds {text!r}, which is not valid Unicode text ({err.reason}); pass plain text") from None
+    if "\x00" in text:
+        raise RecordError(f"meta[{key!r}] holds {text!r} with a NUL character, which HDF5 strings cannot hold; remove it")
+    return text
+
+
 def _str_list(key: str, value) -> list[str]:
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise RecordError(f"meta[{key!r}] must be a list of strings, got {type(value).__name__}")
     if not all(isinstance(v, str) for v in value):
         raise RecordError(f"meta[{key!r}] must be a list of strings, got {list(value)!r}")
-    return list(value)
+    return [_storable_text(key, v) for v in value]
 
 
 def _json(key: str, value) -> str:
@@ -275,6 +287,7 @@ def normalize_meta(meta: Mapping[str, Any] | None) -> dict[str, Any]:
         if key == "method":
             if not isinstance(value, str):
                 raise RecordError(f"meta['method'] must be a string, got {type(value).__name__}")
+            _storable_text(key, value)
         elif key == "config":
             if not isinstance(value, Mapping):
                 raise RecordError(f"meta['config'] must be a dict, got {type(value).__name__}")
