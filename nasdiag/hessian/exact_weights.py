@@ -41,7 +41,8 @@ def as_linear_chain(model: nn.Module) -> Optional[List[tuple]]:
     A module object may sit at several places (one ``nn.Tanh()`` reused): it is listed at each, as
     ``nn.Sequential`` calls it (``named_children`` would list it once). A ``Linear`` at two places, or two
     ``Linear`` modules sharing a parameter (tied weights), is no chain: its diagonal has cross-call terms the
-    per-layer recursion cannot hold."""
+    per-layer recursion cannot hold. Nor is a layer that does not compute its type's plain function (a subclass with
+    its own ``forward``, a pruned or parametrized weight, forward hooks: :func:`_plain`)."""
     layers = _chain_layers(model)
     if layers is None:
         return None
@@ -60,9 +61,26 @@ def as_linear_chain(model: nn.Module) -> Optional[List[tuple]]:
     return layers if seen_linear else None
 
 
+def _plain(module: nn.Module) -> bool:
+    """Whether ``module`` computes exactly what its chain type computes: the type's own ``forward`` (a subclass
+    that overrides it, a scaled or low-rank ``Linear``, does not), its own ``weight`` parameter (a pruned layer holds
+    ``weight_orig`` and a forward pre-hook makes ``weight``; a parametrized one computes it in a child), and no forward
+    hooks, which may change its input or output. The chain recursion reads the layer's weight and the activation's
+    derivatives off the module, so anything else would give a silently wrong diagonal; the HVP route is exact for it."""
+    from torch.nn.modules import module as _torch_module
+
+    base = next(t for t in _CHAIN_TYPES if isinstance(module, t))
+    if type(module).forward is not base.forward or next(module.children(), None) is not None:
+        return False
+    if module._forward_hooks or module._forward_pre_hooks or _torch_module._global_forward_hooks \
+            or _torch_module._global_forward_pre_hooks:
+        return False
+    return not isinstance(module, nn.Linear) or isinstance(module._parameters.get("weight"), torch.Tensor)
+
+
 def _chain_layers(model: nn.Module) -> Optional[List[tuple]]:
     if isinstance(model, _CHAIN_TYPES):
-        return [("", model)]
+        return [("", model)] if _plain(model) else None
     if type(model) is not nn.Sequential:
         return None
     layers = []

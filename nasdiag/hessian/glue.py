@@ -80,8 +80,18 @@ class ScaledInputs(GlueRule):
         self.coefficients = coefficients
 
     def apply(self, node, h_outs, grad_out, wanted):
-        out = _call(node, h_outs)
-        return tuple(None if o is None else o * c for o, c in zip(out, self.coefficients(node)))
+        out = _call(node, h_outs)  # c_i h per input
+        coefficients = tuple(self.coefficients(node))
+        # one tensor on several inputs (x + x, x.add(x, alpha=a), x - x) is one elementwise map of it, c = Σ c_i, whose
+        # squared backward is (Σ c_i)² h: each of its inputs passes c_i (Σ c_j) h, not c_i² h
+        total: Dict[object, float] = {}
+        for edge, c, want in zip(node.next_functions, coefficients, wanted):
+            if want:
+                total[edge] = total.get(edge, 0.0) + c
+        return tuple(
+            None if o is None else o * (total.get(edge, c) if want else c)
+            for o, c, edge, want in zip(out, coefficients, node.next_functions, wanted)
+        )
 
 
 class Product(GlueRule):

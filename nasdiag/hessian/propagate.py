@@ -25,6 +25,7 @@ from torch.autograd.graph import GradientEdge
 from nasdiag.hessian.glue import UnsupportedGlue, glue_rule_for
 from nasdiag.hessian.modes import CurvatureError
 from nasdiag.hessian.rules.base import UnsupportedModuleError, unsupported_module_message
+from nasdiag.hessian.rules.elementwise import ElementwiseRule
 from nasdiag.hessian.trace import Edge, ModuleTracer, RuleCall, edge_of
 from nasdiag.rules import SPATIAL, analyse
 
@@ -359,6 +360,16 @@ def _apply_glue(node, slots, needed, push, grad_of, tracer: ModuleTracer, reache
                     tracer.overrides,
                 )
             )
+        # In forward code between modules a product of two factors is a fan-out whose cross term the DAG recursion
+        # drops (w_k · O_k(x) of a mixed op); but two elementwise functions of one tensor (x * x, x * sigmoid(x)) are
+        # one elementwise function of it, whose own second derivative that would drop: a silently wrong diagonal
+        factors = [_elementwise_sources(e, needed, tracer.rule_calls) for e, w in zip(nexts, wanted) if w]
+        if set(factors[0]) & set(factors[1]):
+            raise UnsupportedModuleError(_glue_message(
+                node, "multiplies two elementwise functions of one tensor (as x * x or x * torch.sigmoid(x) do); the "
+                "diagonal recursion would drop the second-order cross term between the factors, so the product needs a "
+                "module with a rule (nn.SiLU for x * sigmoid(x); ElementwiseRule(fn) for any elementwise fn)",
+                tracer, reached_from))
     try:
         outs = glue.apply(node, h_outs, grad_out, wanted)
     except UnsupportedGlue as err:
@@ -370,6 +381,36 @@ def _apply_glue(node, slots, needed, push, grad_of, tracer: ModuleTracer, reache
             if tuple(h.shape) != shape:
                 h = h.sum_to_size(shape)
             push((child, nr), h, origin)
+
+
+#: autograd nodes of entrywise maps (also of views, which keep the entries): followed by
+#: :func:`_elementwise_sources` when one input of theirs depends on the requested tensors
+_ELEMENTWISE = frozenset((
+    "AddBackward0", "AddBackward1", "SubBackward0", "RsubBackward0", "RsubBackward1", "NegBackward0", "MulBackward0",
+    "MulBackward1", "DivBackward0", "DivBackward1", "SigmoidBackward0", "TanhBackward0", "ReluBackward0",
+    "ThresholdBackward0", "WhereBackward0", "CloneBackward0", "ToCopyBackward0", "AliasBackward0",
+    "NativeDropoutBackward0", "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "PermuteBackward0",
+    "TransposeBackward0", "TransposeBackward1", "TBackward0", "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2",
+    "SqueezeBackward3", "SqueezeBackward4", "UnsqueezeBackward0",
+))
+
+
+def _elementwise_sources(edge: Edge, needed, rule_calls) -> List[Edge]:
+    """The tensors (edges) ``edge`` is an elementwise function of: itself, then down through entrywise ops and
+    elementwise modules (``nn.Sigmoid``, ...) as long as one input of each depends on the requested tensors."""
+    found: List[Edge] = []
+    while edge is not None and edge not in found:
+        found.append(edge)
+        node = edge[0]
+        rc = rule_calls.get(node)
+        if rc is not None:
+            edge = rc.input_edge if isinstance(rc.rule, ElementwiseRule) else None
+            continue
+        if type(node).__name__ not in _ELEMENTWISE:
+            break
+        inputs = list(dict.fromkeys((n, nr) for n, nr in node.next_functions if n is not None and needed.get(n)))
+        edge = inputs[0] if len(inputs) == 1 else None
+    return found
 
 
 def _glue_message(node, why: str, tracer: ModuleTracer, reached_from) -> str:

@@ -105,6 +105,17 @@ class ModuleTracer:
         # One pre/post hook pair serves every rule leaf (looked up by module), so that entering costs
         # no allocation per module; re-entrant calls of one module nest on its pending stack.
         self._leaf_of = {id(m): (name, m, rule, []) for name, (m, rule) in self.rule_leaves.items()}
+        _refuse_global_forward_hooks(self.rule_leaves)
+        # the user's own forward hooks on a rule leaf run after ours (below), so that the rule sees the module's own
+        # output and what a hook does to it is walked as glue; their pre-hooks run before ours, so the rule sees the
+        # input the module saw
+        user_hooks = {id(m): (m, list(m._forward_hooks)) for m, _ in self.rule_leaves.values() if m._forward_hooks}
+        for name, (m, _) in self.rule_leaves.items():
+            if id(m) in user_hooks and not hasattr(m._forward_hooks, "move_to_end"):
+                raise CurvatureRuntimeError(
+                    f"module {name!r} ({type(m).__name__}) has forward hooks of its own, which may change its output, "
+                    "and this torch cannot run them after the curvature's; remove them for the call or use mode='exact'"
+                )
         self._hooks = Hooks()
         for module, _ in self.rule_leaves.values():
             self._hooks.forward_pre(module, self._rule_pre, with_kwargs=True)
@@ -114,6 +125,9 @@ class ModuleTracer:
             self._hooks.forward_pre(module, pre)
             self._hooks.forward(module, post)
         self._hooks.install()  # all or nothing: a failed install removes what it placed
+        for module, keys in user_hooks.values():  # ours were appended: moving the user's behind them puts ours first
+            for key in keys:
+                module._forward_hooks.move_to_end(key)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -148,7 +162,8 @@ class ModuleTracer:
                 f"module {name!r} ({type(module).__name__}) returned the output of another module unchanged, so the "
                 "diagonal recursions cannot tell the two apart; compute a new tensor in its forward, or use mode='exact'"
             )
-        self.rule_calls[out_edge[0]] = RuleCall(ModuleCall(name, module, x, output), rule, in_edge, out_edge)
+        self.rule_calls[out_edge[0]] = RuleCall(ModuleCall(name, module, x, output, _call_params(module, rule)), rule,
+                                                in_edge, out_edge)
 
     def _opaque_hooks(self, name: str):
         pending: List[List[Edge]] = []
@@ -164,3 +179,30 @@ class ModuleTracer:
                 self.opaque_calls.append(OpaqueCall(name, module, in_edges, out_edges))
 
         return pre, post
+
+
+def _call_params(module: nn.Module, rule: HessianRule) -> Dict[str, torch.Tensor]:
+    """The tensors the module's forward used for the parameters its rule reads: its own parameters, and for a name
+    the rule reads that is no parameter of the module the attribute the forward used instead, as a pruned layer's
+    ``weight`` (``weight_orig · mask``, set by its pre-hook) or a parametrized one's (computed from
+    ``parametrizations.weight``). Without it the rule would miss the weight (a ``KeyError``) or, for a norm, take γ = 1."""
+    params = dict(module._parameters)
+    for attr in rule.param_names:
+        if attr not in params:
+            value = getattr(module, attr, None)
+            if isinstance(value, torch.Tensor):
+                params[attr] = value
+    return params
+
+
+def _refuse_global_forward_hooks(rule_leaves) -> None:
+    """torch runs its global forward hooks (``register_module_forward_hook``) before a module's own, so one that
+    changes an output would change what a rule sees as its module's output: the diagonal would be silently wrong."""
+    from torch.nn.modules import module as _torch_module
+
+    if rule_leaves and _torch_module._global_forward_hooks:
+        raise CurvatureRuntimeError(
+            "global forward hooks are registered (torch.nn.modules.module.register_module_forward_hook); they run "
+            "before a module's own hooks and may change its output, which the diagonal-Hessian rules would not see; "
+            "remove them for the call or use mode='exact'"
+        )

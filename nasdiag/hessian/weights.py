@@ -88,6 +88,7 @@ def diag_hessian(
     if rules is not None and mode not in ("diag", "approx"):
         raise CurvatureError(f"rules= only applies to mode='diag' or 'approx'; mode={mode!r} uses no per-module rules")
     check_model(model, loss_fn, "diag_hessian")
+    _refuse_empty_batch(inputs)
     values = named_values(model, params)
     name, probes = split_mode(mode)
     if name == "hutchinson":
@@ -234,8 +235,25 @@ def named_values(model: nn.Module, params: Params) -> Dict[str, torch.Tensor]:
                 f"params[{name!r}] has dtype {value.dtype}; a Hessian needs floating point: pass a value of the parameter's dtype "
                 f"{known[name].dtype}"
             )
+        if value.dtype != known[name].dtype or value.device != known[name].device:
+            # substituted into the forward, it would meet the model's other tensors in another dtype or on another
+            # device: torch's bare "self and mat2 must have the same dtype" from inside the model
+            raise CurvatureTypeError(
+                f"params[{name!r}] is {value.dtype} on {value.device}, but the model's parameter is {known[name].dtype} on "
+                f"{known[name].device}; pass value.to(dtype={known[name].dtype}, device='{known[name].device}')"
+            )
         out[name] = value
     return out
+
+
+def _refuse_empty_batch(inputs) -> None:
+    """A batch of no samples has no loss to differentiate (a mean over it is NaN): one line, not an IndexError from
+    inside the recursion or a diagonal of zeros."""
+    first = inputs[0] if isinstance(inputs, tuple) and inputs else inputs
+    if isinstance(first, torch.Tensor) and first.dim() > 0 and first.shape[0] == 0:
+        raise CurvatureError(
+            f"inputs hold no samples (shape {tuple(first.shape)}, batch dim 0 of size 0); pass a batch of at least one sample"
+        )
 
 
 def _short(names, n: int = 5) -> str:
