@@ -199,6 +199,30 @@ def test_a_value_without_elements_is_refused_at_its_log_and_every_other_row_is_w
     assert "hessian/empty" not in out
 
 
+def test_a_ragged_list_is_one_record_error_at_its_call_and_costs_only_its_own_row(tmp_path):
+    """Before, `Recorder.log` let numpy's ValueError out, and through the callback the list failed at the hand-over
+    of its batch: that batch and every later one were lost, each call raising the same ValueError."""
+    ragged = [1.0, [2.0, 3.0]]
+    with Recorder(tmp_path / "direct.h5", flush_every=2, flush_seconds=None) as rec:
+        rec.log(0, {"scalars/x": _x(0)})
+        with pytest.raises(RecordError, match="cannot be made an array"):
+            rec.log(1, {"scalars/x": _x(1), "scalars/v": ragged})
+        rec.log(2, {"scalars/x": _x(2), "scalars/v": [1.0, 2.0]})
+    with RecorderCallback(tmp_path / "callback.h5", flush_every=2, flush_seconds=None) as callback:
+        for step in range(7):
+            values = {"scalars/x": _x(step), "scalars/v": ragged if step == 2 else [float(step), 0.0]}
+            if step == 2:
+                with pytest.raises(RecordError, match="cannot be made an array"):
+                    callback.on_step_end(step, values)
+            else:
+                callback.on_step_end(step, values)
+    for name, steps in (("direct.h5", [0, 2]), ("callback.h5", [0, 1, 3, 4, 5, 6])):
+        out = load(tmp_path / name)
+        np.testing.assert_array_equal(out["step"], steps)
+        np.testing.assert_array_equal(out["scalars/x"], [_x(s) for s in steps])
+    np.testing.assert_array_equal(load(tmp_path / "callback.h5")["scalars/v"][:, 0], [0, 1, 3, 4, 5, 6])
+
+
 def test_a_python_int_on_a_float_path_is_recorded_through_the_callback_as_through_the_recorder(tmp_path):
     """`Recorder.log` casts a Python int to its float path; the callback turned it into a numpy int64 first, so the
     same row was refused there (and lost). Reference: the values as Python computes them."""

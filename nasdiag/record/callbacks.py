@@ -363,6 +363,16 @@ def _snapshot(statistics) -> dict:
             value = value.detach().clone()
         elif isinstance(value, np.ndarray):
             value = value.copy()
+        elif type(value) not in _PYTHON_SCALARS:
+            # Lists and other host values become arrays here, so that one numpy cannot convert (a ragged list) is
+            # refused at its call: at the hand-over it failed the whole batch, and every batch after it.
+            try:
+                value = np.array(value)
+            except (ValueError, TypeError) as err:
+                raise RecordError(
+                    f"{path!r}: {type(value).__name__} value cannot be made an array ({str(err).splitlines()[0]}); "
+                    "log a scalar, an array or a tensor; nothing of this call was recorded"
+                ) from None
         out[path] = value
     return out
 

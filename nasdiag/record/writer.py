@@ -585,7 +585,13 @@ class Recorder:
                         ) from None
                 row.append((path, value))
                 continue
-            array = to_numpy(value)
+            try:
+                array = to_numpy(value)
+            except (ValueError, TypeError) as err:  # a ragged nested list, an object numpy cannot convert
+                raise RecordError(
+                    f"{path!r} at step {step}: {type(value).__name__} value cannot be made an array "
+                    f"({str(err).splitlines()[0] if str(err) else type(err).__name__}); log a scalar, an array or a tensor"
+                ) from None
             if array.dtype.kind not in _ALLOWED_KINDS:
                 raise RecordError(f"{path!r} at step {step}: dtype {array.dtype} cannot be recorded; log bool, int or float values")
             if array.dtype.byteorder == ">":
