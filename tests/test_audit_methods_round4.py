@@ -210,6 +210,13 @@ def test_search_config_fields_of_the_wrong_type_are_one_line(field, value, words
     _refused(lambda: run(SearchConfig(**{field: value})), *words)
 
 
+def test_run_refuses_what_is_not_a_search_config():
+    from nasdiag.search import run
+
+    _refused(lambda: run({"method": "darts"}), "SearchConfig.from_dict")
+    _refused(lambda: run("darts"), "SearchConfig")
+
+
 @pytest.mark.slow  # one real search (~10 s on 2 busy cores) makes the record to keep
 def test_a_string_force_never_replaces_a_record(tmp_path):
     """``force="no"`` was truthy: check_paths let it through and the run replaced the existing record."""

@@ -579,6 +579,9 @@ def run(config: SearchConfig, callbacks: Sequence = ()) -> SearchResult:
     (``method.distribute()``), rank 0 writes the record and the checkpoint, and only rank 0's result
     has figures. Every refusal is a one-line `NasdiagError` raised before anything is written.
     """
+    if not isinstance(config, SearchConfig):
+        how = "SearchConfig.from_dict(d)" if isinstance(config, Mapping) else "SearchConfig(method=..., ...)"
+        raise ConfigError(f"run() takes a SearchConfig, got {type(config).__name__}; build one with {how}")
     config.validate()
     method_cls, hp = _resolve_method(config)
     check_paths(config)
