@@ -21,7 +21,9 @@ Defects this round found (each test named below fails on the library before its 
   exact), refused only inside a module before — ``test_a_product_of_two_elementwise_functions_of_one_tensor_is_refused``;
 * a ``params`` value of another dtype than the model's parameter: torch's bare "self and mat2 must have the same
   dtype"; an empty batch: a bare ``IndexError`` (``exact``, ``diag``) or zeros for a NaN loss (``hutchinson``) —
-  ``test_a_value_of_another_dtype_and_an_empty_batch_are_one_line``.
+  ``test_a_value_of_another_dtype_and_an_empty_batch_are_one_line``;
+* a block under ``torch.utils.checkpoint(..., use_reentrant=True)`` (its parameters get gradients only inside
+  ``.backward()``): zeros for all its weights in every mode — ``test_activation_checkpointing_reentrant_is_refused_not_zero``.
 """
 
 from __future__ import annotations
@@ -405,3 +407,30 @@ def test_a_value_of_another_dtype_and_an_empty_batch_are_one_line(mode):
         diag_hessian(model, F.cross_entropy, x, y, mode=mode, params={"0.weight": model[0].weight.detach().float()})
     with pytest.raises(CurvatureError, match=r"inputs hold no samples \(shape \(0, 4\)"):
         diag_hessian(model, F.cross_entropy, x[:0], y[:0], mode=mode)  # was an IndexError, or zeros for a NaN loss
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, reentrant):
+        super().__init__()
+        self.first = nn.Conv2d(2, 2, 1)
+        self.conv, self.act = nn.Conv2d(2, 3, 3, padding=1), nn.Tanh()
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(lambda t: self.act(self.conv(t)), self.first(x), use_reentrant=self.reentrant).flatten(1)
+
+
+@pytest.mark.parametrize("mode", ["exact", "diag", "approx", "hutchinson:2"])
+def test_activation_checkpointing_reentrant_is_refused_not_zero(mode):
+    from nasdiag.hessian import CurvatureRuntimeError
+
+    torch.manual_seed(6)
+    x, y = torch.randn(2, 2, 4, 4, dtype=DT), torch.randn(2, 48, dtype=DT)
+    with pytest.raises(CurvatureRuntimeError, match="use_reentrant=True.*zeros.*use_reentrant=False"):
+        diag_hessian(Checkpointed(True).to(DT), sum_mse, x, y, mode=mode)  # was zeros for every weight in the block
+    if mode in ("exact", "diag"):  # non-reentrant: the graph is whole (diag exact on conv.* behind this tail)
+        model = Checkpointed(False).to(DT)
+        names = ["conv.weight", "conv.bias"]
+        assert_close(diag_hessian(model, sum_mse, x, y, mode=mode, params=names), dense_diagonals(model, sum_mse, x, y, names))

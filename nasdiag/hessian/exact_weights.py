@@ -23,7 +23,7 @@ from nasdiag.hessian.loss_curvature import output_hessian_blocks
 from nasdiag.hessian.rules import ModuleCall, rule_for
 from nasdiag.hessian.rules.elementwise import ElementwiseRule, IdentityRule, ReshapeRule
 
-__all__ = ["ChainDoesNotApply", "chain_exact_diag", "hvp_exact_diag", "as_linear_chain"]
+__all__ = ["ChainDoesNotApply", "chain_exact_diag", "hvp_exact_diag", "as_linear_chain", "refuse_reentrant_checkpoint"]
 
 
 class ChainDoesNotApply(ValueError):
@@ -156,6 +156,31 @@ def chain_exact_diag(
     return {k: out.get(k, torch.zeros_like(values[k])).detach() for k in values}
 
 
+def refuse_reentrant_checkpoint(loss: torch.Tensor) -> None:
+    """Refuse a graph holding a reentrant activation checkpoint (``torch.utils.checkpoint(..., use_reentrant=True)``).
+
+    Its segment runs without a graph in the forward and is recomputed inside ``.backward()``, where the parameters it
+    reads get their gradients; ``torch.autograd.grad`` w.r.t. them (every curvature route, with the values substituted
+    by ``functional_call``) never reaches them, so their diagonals would come out as zeros, silently."""
+    from nasdiag.hessian.modes import CurvatureRuntimeError
+
+    if loss.grad_fn is None:
+        return
+    seen, stack = set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "CheckpointFunctionBackward":
+            raise CurvatureRuntimeError(
+                "the model runs a block under torch.utils.checkpoint(..., use_reentrant=True), whose parameters "
+                "torch.autograd.grad cannot reach (they get gradients only inside .backward()), so their curvature "
+                "would come out as zeros; pass use_reentrant=False for the call (the same numbers, differentiable twice)"
+            )
+        stack.extend(n for n, _ in node.next_functions)
+
+
 def _loss_hvp(model: nn.Module, loss_fn: Callable, inputs, targets, values: Dict[str, torch.Tensor]):
     """Products with the Hessian of the loss w.r.t. ``values`` (by name, in their order), from one forward with
     ``values`` substituted (``functional_call``); train-mode BatchNorm is differentiated through its batch
@@ -165,6 +190,7 @@ def _loss_hvp(model: nn.Module, loss_fn: Callable, inputs, targets, values: Dict
     with preserved_buffers(model), torch.enable_grad():
         outputs = functional_forward(model, leaves, inputs)
         loss = scalar_loss(loss_fn, outputs, targets)
+    refuse_reentrant_checkpoint(loss)
     return HessianVectorProduct(loss, [leaves[n] for n in names], names)
 
 

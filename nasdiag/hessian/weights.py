@@ -10,7 +10,8 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from nasdiag.hessian._hvp import check_model, forward_failures_explained, functional_forward, preserved_buffers, scalar_loss
-from nasdiag.hessian.exact_weights import ChainDoesNotApply, as_linear_chain, chain_exact_diag, hvp_exact_diag, hvp_hutchinson_diag
+from nasdiag.hessian.exact_weights import (ChainDoesNotApply, as_linear_chain, chain_exact_diag, hvp_exact_diag,
+                                           hvp_hutchinson_diag, refuse_reentrant_checkpoint)
 from nasdiag.hessian.modes import WEIGHT_MODES, CurvatureError, CurvatureTypeError, check_mode, split_mode
 from nasdiag.hessian.loss_curvature import LossCouplesSamplesError, output_hessian_diagonal
 from nasdiag.hessian.propagate import walk_diagonals
@@ -143,6 +144,7 @@ def recursion_diag(model, loss_fn, inputs, targets, mode, values, rules=None) ->
                 "(or wrap the model), or use mode='exact', which takes any outputs loss_fn accepts"
             )
         loss = scalar_loss(loss_fn, outputs, targets)
+        refuse_reentrant_checkpoint(loss)
         for owner in module_targets:
             if owner in tracer.unrecorded:
                 module = tracer.rule_leaves[owner][0]
