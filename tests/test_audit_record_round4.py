@@ -199,20 +199,29 @@ def test_a_value_without_elements_is_refused_at_its_log_and_every_other_row_is_w
     assert "hessian/empty" not in out
 
 
-def test_a_ragged_list_is_one_record_error_at_its_call_and_costs_only_its_own_row(tmp_path):
-    """Before, `Recorder.log` let numpy's ValueError out, and through the callback the list failed at the hand-over
-    of its batch: that batch and every later one were lost, each call raising the same ValueError."""
-    ragged = [1.0, [2.0, 3.0]]
+def _unconvertible(kind: str):
+    import torch
+
+    return {"ragged list": lambda: [1.0, [2.0, 3.0]], "sparse tensor": lambda: torch.ones(2).to_sparse(),
+            "meta tensor": lambda: torch.ones(2, device="meta")}[kind]()
+
+
+@pytest.mark.parametrize("kind", ["ragged list", "sparse tensor", "meta tensor"])
+def test_a_value_that_cannot_become_an_array_is_one_record_error_at_its_call_and_costs_only_its_row(tmp_path, kind):
+    """Before, `Recorder.log` let numpy's or torch's own error out (ValueError, NotImplementedError),
+    and through the callback the value failed at the hand-over of its batch: that batch and every later one were
+    lost, each later call raising the same error."""
+    bad = _unconvertible(kind)
     with Recorder(tmp_path / "direct.h5", flush_every=2, flush_seconds=None) as rec:
         rec.log(0, {"scalars/x": _x(0)})
-        with pytest.raises(RecordError, match="cannot be made an array"):
-            rec.log(1, {"scalars/x": _x(1), "scalars/v": ragged})
-        rec.log(2, {"scalars/x": _x(2), "scalars/v": [1.0, 2.0]})
+        with pytest.raises(RecordError, match="cannot be"):
+            rec.log(1, {"scalars/x": _x(1), "scalars/v": bad})
+        rec.log(2, {"scalars/x": _x(2), "scalars/v": np.array([1.0, 2.0])})
     with RecorderCallback(tmp_path / "callback.h5", flush_every=2, flush_seconds=None) as callback:
         for step in range(7):
-            values = {"scalars/x": _x(step), "scalars/v": ragged if step == 2 else [float(step), 0.0]}
+            values = {"scalars/x": _x(step), "scalars/v": bad if step == 2 else np.array([float(step), 0.0])}
             if step == 2:
-                with pytest.raises(RecordError, match="cannot be made an array"):
+                with pytest.raises(RecordError, match="cannot be"):
                     callback.on_step_end(step, values)
             else:
                 callback.on_step_end(step, values)

@@ -30,7 +30,7 @@ import numpy as np
 
 from nasdiag.arrays import is_tensor, stack_to_numpy
 from nasdiag.record.errors import RecordError, RecordWarning
-from nasdiag.record.writer import Recorder, checked_step
+from nasdiag.record.writer import Recorder, checked_step, unrecordable_tensor
 from nasdiag.vocabulary import RULES
 
 
@@ -360,6 +360,12 @@ def _snapshot(statistics) -> dict:
     out = {}
     for path, value in statistics.items():
         if is_tensor(value):
+            kind = unrecordable_tensor(value)
+            if kind:  # refused at its call: at the hand-over it failed its batch and every later one
+                raise RecordError(
+                    f"{path!r}: a {kind} tensor cannot be recorded; log a dense tensor with data (e.g. .to_dense(), "
+                    ".dequantize()); nothing of this call was recorded"
+                )
             value = value.detach().clone()
         elif isinstance(value, np.ndarray):
             value = value.copy()
@@ -389,6 +395,7 @@ def _columns(rows) -> dict[str, tuple[list[int], list]]:
 
 
 _PYTHON_SCALARS = (bool, int, float)
+
 
 
 def _convert_rows(rows) -> list[dict]:

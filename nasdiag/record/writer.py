@@ -39,7 +39,7 @@ from collections.abc import Mapping
 import h5py
 import numpy as np
 
-from nasdiag.arrays import to_numpy
+from nasdiag.arrays import is_tensor, to_numpy
 from nasdiag.memory import free_cpu_memory
 from nasdiag.record import schema
 from nasdiag.record.errors import RecordError, RecordWarning, ResumeMismatchError
@@ -139,6 +139,18 @@ def checked_step(step) -> int:
     if step > _MAX_STEP:  # else an OverflowError out of the int64 step buffer
         raise RecordError(f"step {step} is beyond the largest step a record holds ({_MAX_STEP}, int64)")
     return int(step)
+
+
+def unrecordable_tensor(tensor) -> str | None:
+    """What keeps a torch tensor from becoming a numpy array ("sparse", "meta", "quantized", "nested"), or None
+    for a dense tensor with data (duck-typed: the record layer does not import torch)."""
+    layout = str(getattr(tensor, "layout", "torch.strided"))
+    if layout != "torch.strided":
+        return layout.removeprefix("torch.").removesuffix("_coo")
+    for kind in ("meta", "quantized", "nested"):
+        if getattr(tensor, f"is_{kind}", False):
+            return kind
+    return None
 
 
 def _describe_changes(changes: dict) -> str:
@@ -585,6 +597,12 @@ class Recorder:
                         ) from None
                 row.append((path, value))
                 continue
+            kind = unrecordable_tensor(value) if is_tensor(value) else None
+            if kind:
+                raise RecordError(
+                    f"{path!r} at step {step}: a {kind} tensor cannot be recorded; log a dense tensor with data "
+                    "(e.g. .to_dense(), .dequantize())"
+                )
             try:
                 array = to_numpy(value)
             except (ValueError, TypeError) as err:  # a ragged nested list, an object numpy cannot convert
