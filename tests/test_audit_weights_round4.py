@@ -16,12 +16,14 @@ Defects this round found (each test named below fails on the library before its 
   ran before the tracer's, so the rule took the hooked output for its own (74% off) —
   ``test_diag_sees_the_weights_and_output_the_forward_used``;
 * in forward code between modules ``x + x`` (and ``x.add(x, alpha=2)``) gave the squared backward ``2h`` instead of
-  ``4h`` (9h) — ``test_one_tensor_twice_in_an_elementwise_op_between_modules``; ``x * x`` / ``x * torch.sigmoid(x)``
+  ``4h`` (9h), and ``F.interpolate`` (nearest), ``F.pixel_shuffle``/``unshuffle``, ``F.unfold``/``F.fold`` were
+  refused though their Jacobians are 0/1 — ``test_diag_is_exact_through_elementwise_and_0_1_glue_between_modules``; ``x * x`` / ``x * torch.sigmoid(x)``
   dropped the second derivative of one elementwise function (72% / 48% off on an elementwise tail where ``diag`` is
   exact), refused only inside a module before — ``test_a_product_of_two_elementwise_functions_of_one_tensor_is_refused``;
 * a ``params`` value of another dtype than the model's parameter: torch's bare "self and mat2 must have the same
   dtype"; an empty batch: a bare ``IndexError`` (``exact``, ``diag``) or zeros for a NaN loss (``hutchinson``) —
-  ``test_a_value_of_another_dtype_and_an_empty_batch_are_one_line``;
+  ``test_a_value_of_another_dtype_and_an_empty_batch_are_one_line`` (also uninitialized lazy parameters: torch's
+  RuntimeError from deep inside);
 * a block under ``torch.utils.checkpoint(..., use_reentrant=True)`` (its parameters get gradients only inside
   ``.backward()``): zeros for all its weights in every mode — ``test_activation_checkpointing_reentrant_is_refused_not_zero``.
 """
@@ -223,11 +225,18 @@ EXACT_TAILS = {  # elementwise, views, pads, max pooling, slices, concatenation:
     "cat-scaled": lambda m, t: torch.cat([F.relu(t), 0.5 * t], 1),
     "permute-pool": lambda m, t: F.max_pool2d(torch.tanh(t), 3, stride=1, padding=1).permute(0, 2, 3, 1),
     "where-leaky": lambda m, t: torch.where(t > 0, t, 0.1 * t),
+    # the {0, 1}-Jacobian ops this round registered (refused before)
+    "interpolate-nearest": lambda m, t: F.interpolate(torch.tanh(t), scale_factor=2),
+    "interpolate-nearest-exact-1d": lambda m, t: F.interpolate(torch.tanh(t)[:, :, 1], scale_factor=1.5,
+                                                                mode="nearest-exact"),
+    "pixel-shuffle": lambda m, t: F.pixel_shuffle(torch.tanh(t).repeat(1, 4, 1, 1)[:, :8], 2),
+    "pixel-unshuffle-unfold": lambda m, t: F.unfold(F.pixel_unshuffle(torch.tanh(t), 2), 2, padding=1),
+    "fold": lambda m, t: F.fold(torch.tanh(t).flatten(2)[:, :, :12].reshape(2, 12, 3), (2, 6), (2, 2), stride=2),
 }
 
 
 @pytest.mark.parametrize("tail", EXACT_TAILS.values(), ids=EXACT_TAILS.keys())
-def test_one_tensor_twice_in_an_elementwise_op_between_modules(tail):
+def test_diag_is_exact_through_elementwise_and_0_1_glue_between_modules(tail):
     torch.manual_seed(2)
     model = FunctionalTail(tail).to(DT)
     x = torch.randn(2, 2, 4, 4, dtype=DT)
@@ -407,6 +416,9 @@ def test_a_value_of_another_dtype_and_an_empty_batch_are_one_line(mode):
         diag_hessian(model, F.cross_entropy, x, y, mode=mode, params={"0.weight": model[0].weight.detach().float()})
     with pytest.raises(CurvatureError, match=r"inputs hold no samples \(shape \(0, 4\)"):
         diag_hessian(model, F.cross_entropy, x[:0], y[:0], mode=mode)  # was an IndexError, or zeros for a NaN loss
+    lazy = nn.Sequential(nn.LazyLinear(5), nn.Tanh(), nn.Linear(5, 3)).to(DT)
+    with pytest.raises(CurvatureError, match="'0.weight', '0.bias' of the model are not initialized yet.*run one forward"):
+        diag_hessian(lazy, F.cross_entropy, x, y, mode=mode)
 
 
 class Checkpointed(nn.Module):

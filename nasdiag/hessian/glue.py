@@ -269,6 +269,18 @@ for _name in (
     "ThresholdBackward0",
     "MaxPool2DWithIndicesBackward0",
     "WhereBackward0",
+    # each output entry is one input entry (F.interpolate's nearest modes, pixel (un)shuffle, F.unfold) or a plain sum
+    # of input entries (F.fold): Jacobian entries in {0, 1}
+    "UpsampleNearest1DBackward0",
+    "UpsampleNearest2DBackward0",
+    "UpsampleNearest3DBackward0",
+    "UpsampleNearestExact1DBackward0",
+    "UpsampleNearestExact2DBackward0",
+    "UpsampleNearestExact3DBackward0",
+    "PixelShuffleBackward0",
+    "PixelUnshuffleBackward0",
+    "Im2ColBackward0",
+    "Col2ImBackward0",
 ):
     register_glue_rule(_name, _pass)
 

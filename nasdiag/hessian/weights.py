@@ -186,6 +186,12 @@ def _reject_unruled_owner(tracer: ModuleTracer, name: str, rules) -> None:
 def named_values(model: nn.Module, params: Params) -> Dict[str, torch.Tensor]:
     """Normalize ``params`` to ``{name: tensor}``, checking names and shapes against the model."""
     known = dict(model.named_parameters())
+    lazy = [n for n, p in known.items() if nn.parameter.is_lazy(p)]
+    if lazy:  # torch's "Can't access the shape of an uninitialized parameter" from deep inside otherwise
+        raise CurvatureError(
+            f"{_short(lazy)} of the model are not initialized yet (lazy modules such as nn.LazyLinear); run one forward "
+            "of the model on a batch first, then take the curvature"
+        )
     if params is None:
         pairs = list(known.items())
     elif isinstance(params, Mapping):
