@@ -232,6 +232,31 @@ def test_a_value_that_cannot_become_an_array_is_one_record_error_at_its_call_and
     np.testing.assert_array_equal(load(tmp_path / "callback.h5")["scalars/v"][:, 0], [0, 1, 3, 4, 5, 6])
 
 
+def test_under_ddp_a_row_of_another_shape_costs_only_itself(tmp_path, monkeypatch):
+    """Rows reduced across ranks are stacked per path; one row of another shape failed the stacking of its batch,
+    which then stayed held (raw, unreduced) and failed every later hand-over: rows held grew without bound and
+    nothing after it was recorded. One rank of two ranks holding the same rows (rule mean: the reduction returns
+    them), as a stand-in for a process group."""
+    from nasdiag import distributed
+
+    monkeypatch.setattr(distributed, "world_size", lambda group=None: 2)
+    monkeypatch.setattr(distributed, "reduce_statistics", lambda stats, **kw: {p: np.asarray(v) for p, v in stats.items()})
+    with RecorderCallback(tmp_path / "run.h5", flush_every=2, flush_seconds=None) as callback:
+        refused_at = {4: 2, 6: 5}  # the call handing over the batch that holds the row of shape (3,)
+        for step in range(8):
+            values = {"scalars/x": _x(step), "scalars/v": np.full(3 if step in (2, 5) else 2, float(step))}
+            if step in refused_at:
+                with pytest.raises(RecordError, match=f"at step {refused_at[step]}: got shape \\(3,\\)"):
+                    callback.on_step_end(step, values)
+            else:
+                callback.on_step_end(step, values)
+            assert callback.rows_held <= 2
+    steps = [0, 1, 3, 4, 6, 7]
+    out = load(tmp_path / "run.h5")
+    np.testing.assert_array_equal(out["step"], steps)
+    np.testing.assert_array_equal(out["scalars/v"], np.repeat(np.array(steps, float)[:, None], 2, 1))
+
+
 def test_a_python_int_on_a_float_path_is_recorded_through_the_callback_as_through_the_recorder(tmp_path):
     """`Recorder.log` casts a Python int to its float path; the callback turned it into a numpy int64 first, so the
     same row was refused there (and lost). Reference: the values as Python computes them."""

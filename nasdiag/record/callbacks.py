@@ -67,7 +67,8 @@ class RecorderCallback:
     device, numpy arrays copied) and handed to the recorder ``flush_every`` rows at a time (single
     process: also when the recorder's ``flush_seconds`` have passed) and at every epoch end: each
     path's tensors are stacked and copied to the host once, and under DDP the whole batch is reduced
-    with one call. After ``on_epoch_end`` every row so far, the open one included, is settled, so a
+    with one call (a row in which a path has another shape than in its first row is then refused, with a
+    `RecordError` at that hand-over, costing that row only). After ``on_epoch_end`` every row so far, the open one included, is settled, so a
     `Recorder.flush` on rank 0 alone (a checkpoint at the epoch boundary) commits all of them.
     `flush` (every rank), `close` (every rank) and, in a single process, the recorder's own flushes
     (``Recorder.flush``, SIGTERM, exit; through `Recorder.add_flush_listener`) write everything held.
@@ -101,6 +102,7 @@ class RecorderCallback:
         self._open: list | None = None
         self._rows: list[list] = []  # finished rows, in step order
         self._last_step: int | None = None  # step of the newest row, open or finished
+        self._shapes: dict = {}  # path -> (row shape, first step) of the rows reduced across ranks so far
         if isinstance(target, Recorder):
             if meta is not None or recorder_kwargs:
                 raise RecordError("meta and recorder options apply when target is a path, not an open Recorder")
@@ -274,10 +276,19 @@ class RecorderCallback:
         (it stays open). ``drop_unreduced``: rows that needed a reduction that cannot run now are
         dropped, with a warning."""
         rows = [row for row in self._rows + ([self._open] if open_row and self._open else []) if row[1]]
+        refused = []
         if rows:
             if not self._needs_reduction():
                 settled = _convert_rows(rows)
             elif collective:
+                # One shape per path in a reduced batch: a row of another shape is refused here (the ranks hold
+                # the same shapes, so they refuse the same rows); it failed the whole batch, held it, and every
+                # batch after it, for the rest of the run.
+                rows, refused = _one_shape_per_path(rows, self._shapes)
+                gone = [id(row) for row, _ in refused]
+                self._rows = [row for row in self._rows if id(row) not in gone]
+                if self._open is not None and id(self._open) in gone:
+                    self._open = None
                 settled = _reduce_rows(rows, self._rules, self._ddof, self._group)
             else:
                 settled = None
@@ -288,6 +299,9 @@ class RecorderCallback:
                     row[2].update(values)  # handed in later: replaces an earlier settled value
                     row[1] = {}
         self._log_settled()
+        if refused:
+            more = f" ({len(refused) - 1} more row(s) of this batch refused alike)" if len(refused) > 1 else ""
+            raise RecordError(refused[0][1] + more)
 
     def _log_settled(self) -> None:
         """Log the finished rows up to the first one that still holds raw values (order is kept)."""
@@ -407,6 +421,29 @@ def _convert_rows(rows) -> list[dict]:
         for i, value, array in zip(where, column, stack_to_numpy(column)):
             out[i][path] = value if type(value) in _PYTHON_SCALARS else array
     return out
+
+
+def _shape(value) -> tuple:
+    return tuple(value.shape) if hasattr(value, "shape") else ()
+
+
+def _one_shape_per_path(rows, known: dict):
+    """Split ``rows`` into those whose every path has its known shape and the refused others. ``known`` maps a
+    path to ``(shape, step)`` of its first row; it is kept across batches and updated here with the kept rows.
+    Returns ``(kept, refused)``, ``refused`` a list of ``(row, message)``."""
+    kept, refused = [], []
+    for row in rows:
+        shapes = {path: _shape(value) for path, value in row[1].items()}
+        wrong = next((path for path, shape in shapes.items() if known.get(path, (shape,))[0] != shape), None)
+        if wrong is not None:
+            shape, step = known[wrong]
+            refused.append((row, f"{wrong!r} at step {row[0]}: got shape {shapes[wrong]}, but step {step} logged it with "
+                                 f"shape {shape}; log one shape per path; nothing of step {row[0]} was recorded"))
+            continue
+        for path, shape in shapes.items():
+            known.setdefault(path, (shape, row[0]))
+        kept.append(row)
+    return kept, refused
 
 
 def _reduce_rows(rows, rules, ddof, group) -> list[dict]:
