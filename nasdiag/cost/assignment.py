@@ -9,6 +9,7 @@ whatever produced Z (softmax, one-hot sample, linear weights). The gradient at t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Mapping, Sequence, Tuple
 
@@ -26,6 +27,13 @@ def _accumulation_dtype(*dtypes: torch.dtype) -> torch.dtype:
     under autocast (a conv's float16 beside an identity's float32), and half sums lose the cost."""
     promoted = functools.reduce(torch.promote_types, dtypes)
     return torch.float32 if promoted in (torch.float16, torch.bfloat16) else promoted
+
+
+def _autocast_off(t: torch.Tensor):
+    """A context with autocast off on ``t``'s device where it is on: the costs are computed in a backward hook, and a
+    backward run inside ``torch.autocast`` would cast their bmm down to half precision (costs rounded to 3 digits)."""
+    device = t.device.type
+    return torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext()
 
 
 def _inner_per_sample(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -60,6 +68,11 @@ def edge_costs(
     """
     if len(candidate_outputs) == 0:
         raise CostError("an edge needs at least one candidate op output to assign costs")
+    with _autocast_off(grad_output):
+        return _edge_costs(grad_output, candidate_outputs, per_sample)
+
+
+def _edge_costs(grad_output: torch.Tensor, candidate_outputs: Sequence[torch.Tensor], per_sample: bool) -> torch.Tensor:
     batched = grad_output.dim() > 0 and all(o.shape == grad_output.shape for o in candidate_outputs)
     if batched and (grad_output.is_cuda or grad_output.numel() <= _CPU_BATCHED_MAX_NUMEL):
         # 2 kernels (stack, bmm) for the K ops instead of K dot products: the step is launch-bound on a
@@ -102,7 +115,8 @@ def output_edge_costs(
     for node, (start, stop) in node_slices.items():
         if not 0 <= start < stop <= C:
             raise CostError(f"output node {node} has channel range ({start}, {stop}) outside the {C} output channels")
-        cols.append(_inner_per_sample(grad_cell_output[:, start:stop], cell_output[:, start:stop]))
+        with _autocast_off(cell_output):
+            cols.append(_inner_per_sample(grad_cell_output[:, start:stop], cell_output[:, start:stop]))
     per = torch.stack(cols, dim=-1)
     return per if per_sample else per.sum(0)
 

@@ -83,7 +83,7 @@ class EdgeCall:
 class CellCall:
     """One forward of one cell inside the block."""
 
-    __slots__ = ("pos", "output", "version", "edge_calls", "model_call")
+    __slots__ = ("pos", "output", "version", "edge_calls", "model_call", "node_grad")
 
     def __init__(self, pos: int, model_call: int = 0):
         self.pos = pos
@@ -91,6 +91,9 @@ class CellCall:
         self.output: Optional[torch.Tensor] = None
         self.version = 0
         self.edge_calls: Dict[int, List[EdgeCall]] = {}
+        #: path split: node -> the gradient the split gathered there (output slice + J_eᵀ ∂L/∂x_m of the edges leaving
+        #: it), kept only while some edge ending at the node has not been checked against it
+        self.node_grad: Dict[int, torch.Tensor] = {}
 
 
 #: what the capture keeps per backward: (index of the model forward it belongs to, (B, K) or (B, n_nodes) terms)
@@ -122,7 +125,8 @@ class StepCapture:
     def __init__(self, edges: Sequence[EdgeSpec], cells: Sequence[CellInfo], *, path_split: bool,
                  check_convention: Sequence[bool], incoming: Dict[Tuple[int, int], List[int]],
                  hooks: Hooks, track_selected: bool = False, weights_names: Optional[Sequence[str]] = None,
-                 keep_model_io: bool = False, weights_presumed: Optional[Sequence[bool]] = None):
+                 keep_model_io: bool = False, weights_presumed: Optional[Sequence[bool]] = None,
+                 check_nodes: Optional[Sequence[bool]] = None):
         N = len(edges)
         # edges mapped by the caller whose forward is (x, w): w is their weights only where it is (K,) or (B, K)
         self.weights_presumed = list(weights_presumed) if weights_presumed is not None else [False] * N
@@ -134,6 +138,11 @@ class StepCapture:
         self.path_split = path_split
         self.track_selected = track_selected  # only statistics="sampled" needs which ops had weight != 0
         self.check_convention = list(check_convention)
+        # path split: per edge, whether ∂L/∂(its output) is still to be checked against the gradient the split gathers
+        # at its end node (the split is right only where the node is the plain sum of its incoming edges)
+        self.check_nodes = list(check_nodes) if check_nodes is not None else [path_split] * N
+        self.pending_nodes = {(edges[p].cell_index, edges[p].dst) for p in range(N) if self.check_nodes[p]} \
+            if path_split else set()
         self.incoming = incoming  # (cell pos, node) -> edge positions ending at that node
         self.per_sample: List[List[Part]] = [[] for _ in range(N)]
         self.n_forward = [0] * N
@@ -148,9 +157,15 @@ class StepCapture:
         self.modified_cells: set = set()  # cells whose output was modified in place after their forward
         self.deviation: Dict[Tuple[int, int], torch.Tensor] = {}
         self.open_edge: List[Optional[EdgeCall]] = [None] * N
+        #: per edge, (model forward, weights) of its last call: a second call in the same model forward must have
+        #: the same weights (tied Z), else the module is two edges with two Z and its summed costs belong to neither
+        self.call_weights: List[Optional[Tuple[int, torch.Tensor]]] = [None] * N
         self.open_cell: List[Optional[CellCall]] = [None] * len(cells)
         self.hooks = hooks  # the block's installed hooks; tensor hooks are added to them
         self.model_inputs = None
+        self.kept_call = -1  # which model forward model_inputs are of
+        #: hessian mode: each edge's weights at its first call in the first model forward (the re-run must see them)
+        self.first_weights: List[Optional[torch.Tensor]] = [None] * N
         self.model_output: Optional[torch.Tensor] = None  # logits of the first model call (hessian mode)
         self.output_grad: Optional[torch.Tensor] = None  # ∂L/∂logits, to infer cross-entropy targets
         self.split_calls: List[EdgeCall] = []  # path split: calls whose J_eᵀ g is gathered by node hooks
@@ -167,8 +182,13 @@ class StepCapture:
             return None
         call = EdgeCall(pos, edge.n_ops, self.model_calls)
         # Only what a feature needs is kept: this hook runs for every edge at every step.
-        if edge.weights_arg and (self.track_selected or self.check_convention[pos]):
+        if edge.weights_arg:
             w = args[1] if len(args) > 1 else kwargs.get(self.weights_names[pos])
+            self._check_tied(pos, w)
+            if self.keep_model_io and self.model_calls == self.kept_call and self.first_weights[pos] is None \
+                    and isinstance(w, torch.Tensor):
+                self.first_weights[pos] = w.detach()
+        if edge.weights_arg and (self.track_selected or self.check_convention[pos]):
             if self.weights_presumed[pos] and not (isinstance(w, torch.Tensor) and w.is_floating_point()
                                                    and w.dim() in (1, 2) and w.shape[-1] == edge.n_ops):
                 w = None  # a second argument of another kind: not the weights (the output's span is checked instead)
@@ -193,6 +213,26 @@ class StepCapture:
                 ccall.edge_calls.setdefault(pos, []).append(call)
         self.open_edge[pos] = call
         return None
+
+    def _check_tied(self, pos: int, w) -> None:
+        """A mixed op called again in the same forward of the model must get the same weights: calls with tied Z
+        add up to ∂L/∂Z, but one module serving two edges with two different Z (e.g. the same mixed op placed at two
+        positions of a cell's ``_ops``) would report the sum of two edges' costs under one name."""
+        if not isinstance(w, torch.Tensor):
+            return
+        prev = self.call_weights[pos]
+        self.call_weights[pos] = (self.model_calls, w)
+        if prev is None or prev[0] != self.model_calls:
+            return
+        v = prev[1]
+        if v is w or (v.shape == w.shape and v.dtype == w.dtype and v.device == w.device
+                      and (v.data_ptr() == w.data_ptr() and v.stride() == w.stride() or torch.equal(v.detach(), w.detach()))):
+            return
+        raise ProbeError(
+            f"edge {self.edges[pos].name!r}: its mixed op ran twice in one forward of the model with different mixing weights, so "
+            "one module serves two edges with two Z and its costs would add up both edges' costs under one name; give "
+            "each edge its own mixed-op module (candidate op modules may be shared between mixed ops)"
+        )
 
     def candidate_post(self, slots: Sequence[Tuple[int, int]], module, args, output):
         for pos, k in slots:
@@ -270,8 +310,10 @@ class StepCapture:
         if not err <= self._tolerance(output):
             raise ProbeError(
                 f"edge {edge.name!r}: its output is not Σ_k w_k·op_k(x) of its forward's weights and candidate ops "
-                f"(relative deviation {err:.3g}), so <∂L/∂out, op_k(x)> would not be ∂L/∂w_k. Map the edge, "
-                "with attach(model, edges={name: (module, [candidate ops])}), to a module whose output is that sum."
+                f"({self._how_far(call, output, err)}), so <∂L/∂out, op_k(x)> would not be ∂L/∂w_k. Map the edge, "
+                "with attach(model, edges={name: (module, [candidate ops])}), to a module whose output is that sum (for "
+                "PC-DARTS's partial channels: a module mixing the ops on the channel slice, with the split, concatenation "
+                "and shuffle outside it)."
             )
 
     def _check_span(self, edge: EdgeSpec, call: EdgeCall, output: torch.Tensor) -> None:
@@ -282,7 +324,7 @@ class StepCapture:
         if not err <= self._tolerance(output):
             raise ProbeError(
                 f"edge {edge.name!r}: its output is not a weighted sum Σ_k w_k·op_k(x) of the outputs of its "
-                f"{edge.n_ops} candidate op(s) {list(edge.op_names)} (relative residual {err:.3g}), so it is not a mixed op "
+                f"{edge.n_ops} candidate op(s) {list(edge.op_names)} ({self._how_far(call, output, err, 'residual')}), so it is not a mixed op "
                 "of these candidates and <∂L/∂out, op_k(x)> is no cost. Map the edge to the module that returns that "
                 "sum, with every candidate op it mixes: attach(model, edges={name: (module, [candidate ops])})."
             )
@@ -293,6 +335,14 @@ class StepCapture:
         if {tuple(o.shape) for o in call.outputs} != {tuple(output.shape)}:
             return float("inf")
         return relative_error()
+
+    @staticmethod
+    def _how_far(call: EdgeCall, output: torch.Tensor, err: float, what: str = "deviation") -> str:
+        shapes = sorted({tuple(o.shape) for o in call.outputs if o.shape != output.shape})
+        if shapes:  # the deviation is not even defined: say why
+            return (f"its candidate ops return shape {', '.join(map(str, shapes))} but it returns "
+                    f"{tuple(output.shape)}")
+        return f"relative {what} {err:.3g}"
 
     @staticmethod
     def _tolerance(output: torch.Tensor) -> float:
@@ -343,12 +393,16 @@ class StepCapture:
 
     def model_pre(self, module, args, kwargs):
         self.model_calls += 1
-        if self.keep_model_io and self.model_inputs is None:  # the first call of the model in the block
+        # the first call of the model in the block that has a backward: a validation forward under no_grad before it
+        # is not the batch the costs (and the curvature asked after them) are of
+        if self.keep_model_io and self.model_inputs is None and torch.is_grad_enabled():
             self.model_inputs = (args, kwargs)
+            self.kept_call = self.model_calls
         return None
 
     def model_post(self, module, args, output):
-        if self.keep_model_io and self.model_output is None and isinstance(output, torch.Tensor):
+        if self.keep_model_io and self.model_output is None and self.model_calls == self.kept_call \
+                and isinstance(output, torch.Tensor):
             self.model_output = output.detach()
             if output.requires_grad:
                 self.hooks.tensor(output, self._output_grad)
@@ -373,6 +427,8 @@ class StepCapture:
             return None
         self._check_versions(call)
         call.reached = True
+        if self.check_nodes[call.pos] and call.cell_call is not None:
+            self._check_node(call, g)
         if torch.is_grad_enabled():  # a create_graph backward must not record the probe's arithmetic
             with torch.no_grad():
                 self.per_sample[call.pos].append((call.model_call, _costs_with_missing(g, call.outputs)))
@@ -424,6 +480,7 @@ class StepCapture:
                 if grads[s] is not None:
                     g = grads[s].detach()
                     call.through = g if call.through is None else call.through + g
+                    self._gather_node(call.cell_call, self.edges[call.pos].src, g)
         call.left -= 1
         if call.left == 0:  # every node reading x_j has run: this backward's J_eᵀ ∂L/∂x_m is complete
             call.left = call.consumers
@@ -441,8 +498,48 @@ class StepCapture:
                 for icall in call.cell_call.edge_calls.get(ie, []):
                     if icall.outputs is not None:
                         self._check_versions(icall)
+                        self._check_shapes(icall, v, edge.src)
                         self.paths[ie].setdefault(edge.name, []).append(
                             (icall.model_call, _costs_with_missing(v, icall.outputs)))
+
+    def _gather_node(self, ccall: Optional[CellCall], node: Optional[int], g: torch.Tensor) -> None:
+        if ccall is None or (ccall.pos, node) not in self.pending_nodes:
+            return
+        prev = ccall.node_grad.get(node)
+        ccall.node_grad[node] = g if prev is None or prev.shape != g.shape else prev + g
+
+    def _not_plain_node(self, call: EdgeCall, node: int, what: str) -> ProbeError:
+        edge = self.edges[call.pos]
+        return ProbeError(
+            f"edge {edge.name!r}: path_split needs node {node} of cell {self.cells[edge.cell_index].name!r} to be the "
+            f"plain sum of its incoming edges' outputs, x_j = Σ_i edge_ij(x_i), but {what}: the node scales or reshapes "
+            "the edge's output (e.g. PC-DARTS's edge normalization β_ij·edge, partial channels, a channel shuffle) or "
+            "feeds something besides the cell output and its edges, so the path parts would be wrong. Fold such "
+            "factors into the edge's mixing weights, or attach without path_split (costs() do not need it)"
+        )
+
+    def _check_shapes(self, call: EdgeCall, g: torch.Tensor, node: int) -> None:
+        shape = next((tuple(o.shape) for o in call.outputs if o is not None and o.shape != g.shape), None)
+        if shape is not None:
+            raise self._not_plain_node(call, node, f"the edge's candidate outputs have shape {shape} and the node "
+                                                   f"{tuple(g.shape)}")
+
+    def _check_node(self, call: EdgeCall, g: torch.Tensor) -> None:
+        """∂L/∂(edge output) must equal the gradient the split gathered at the edge's end node j, as it does when
+        x_j = Σ_i edge_ij(x_i) and nothing else reads x_j; checked once per edge."""
+        node = self.edges[call.pos].dst
+        gathered = call.cell_call.node_grad.get(node)
+        if gathered is None or gathered.shape != g.shape:
+            what = ("no gradient reached the node through the cell output or its edges" if gathered is None else
+                    f"the edge's output has shape {tuple(g.shape)} and the node {tuple(gathered.shape)}")
+            raise self._not_plain_node(call, node, what)
+        with torch.no_grad():
+            scale = torch.maximum(g.abs().max(), gathered.abs().max())
+            dev = float((g - gathered).abs().max() / scale.clamp(min=1e-30))
+        if dev > (1e-2 if g.dtype in (torch.float16, torch.bfloat16) else 1e-4):
+            raise self._not_plain_node(call, node, f"∂L/∂(edge output) differs from the gradient gathered at node {node} "
+                                                   f"(relative deviation {dev:.3g})")
+        self.check_nodes[call.pos] = False
 
     def finish(self) -> None:
         """End of the block: splits not completed in a backward (some node reading x_j never ran), and the zero
@@ -471,9 +568,11 @@ class StepCapture:
         self.node_costs[ccall.pos].append((ccall.model_call, node_costs))
         if self.path_split:
             for node, (a, b) in slices.items():
+                self._gather_node(ccall, node, g[:, a:b])
                 for ie in self.incoming.get((ccall.pos, node), []):
                     for icall in ccall.edge_calls.get(ie, []):
                         if icall.outputs is not None:
+                            self._check_shapes(icall, g[:, a:b], node)
                             self.paths[ie].setdefault("output", []).append(
                                 (icall.model_call, _costs_with_missing(g[:, a:b], icall.outputs)))
 
@@ -481,4 +580,5 @@ class StepCapture:
         """Drop every captured tensor (the hooks are removed with the block's :class:`Hooks`)."""
         self.open_edge = [None] * len(self.open_edge)
         self.open_cell = [None] * len(self.open_cell)
+        self.call_weights = [None] * len(self.call_weights)
         self.split_calls = []

@@ -37,7 +37,7 @@ class _StepResult:
     """The small per-step results kept after a block (no activations, no graph)."""
 
     __slots__ = ("per_sample", "costs", "matrix", "available", "not_run", "selected", "paths", "node_costs", "deviation",
-                 "model_inputs", "targets", "model_output", "output_grad")
+                 "model_inputs", "targets", "model_output", "output_grad", "first_weights")
 
     def __init__(self):
         self.per_sample: List[Optional[torch.Tensor]] = []
@@ -53,6 +53,7 @@ class _StepResult:
         self.targets = None
         self.model_output = None
         self.output_grad = None
+        self.first_weights: List[Optional[torch.Tensor]] = []
 
 
 def _sum_calls(parts: List[Tuple[int, torch.Tensor]]) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
@@ -148,6 +149,7 @@ class Probe:
         # every edge's output is checked once to be Σ_k w_k·op_k(x): against its weights where the forward receives
         # them, else to lie in the span of its candidates' outputs (a module that is not a mixed op)
         self._convention_unchecked = [True] * len(self._edges)
+        self._nodes_unchecked = [self.path_split] * len(self._edges)  # path split: ∂L/∂(edge output) = gradient at j?
         self._weights_presumed = [e.weights_arg and not is_mixed_op(e.module) for e in self._edges]
         self._weights_names = [_weights_parameter(e.module) for e in self._edges]
         self._groups: Tuple[Group, ...] = tuple(build_groups(self._edges))
@@ -209,7 +211,7 @@ class Probe:
                           check_convention=self._convention_unchecked, incoming=self._incoming,
                           hooks=plan, track_selected=self.statistics_mode == "sampled",
                           weights_names=self._weights_names, keep_model_io=self.hessian_mode is not None,
-                          weights_presumed=self._weights_presumed)
+                          weights_presumed=self._weights_presumed, check_nodes=self._nodes_unchecked)
         self._router.capture = cap
         self._recording = True
         try:
@@ -236,6 +238,7 @@ class Probe:
             return
         result.targets = block.targets
         self._convention_unchecked = cap.check_convention
+        self._nodes_unchecked = cap.check_nodes
         self._last = result
         self._steps += 1
         self._any_step = True
@@ -327,6 +330,7 @@ class Probe:
             r.node_costs.append(_sum_calls(nodes)[0] if nodes else None)
         r.deviation = cap.deviation
         r.model_inputs = cap.model_inputs
+        r.first_weights = cap.first_weights
         r.model_output, r.output_grad = cap.model_output, cap.output_grad
         if no_forward:
             warnings.warn(
@@ -360,7 +364,9 @@ class Probe:
         if partial_ops:
             warnings.warn(
                 f"probe: some candidate ops did not run in their mixed op's forward ({_short_list(partial_ops)}); "
-                "their costs are NaN (not observed).", RuntimeWarning, stacklevel=4)
+                "their costs are NaN (not observed): C_k = <∂L/∂x_j, O_k(x_i)> needs O_k(x_i). Run every candidate op "
+                "to cost them all (a one-hot Z may multiply all of them), or attach(..., statistics='sampled') to "
+                "keep statistics of the ops that ran.", RuntimeWarning, stacklevel=4)
         return r
 
     # -- results of the last step ---------------------------------------------------------------
@@ -548,9 +554,22 @@ class Probe:
         if self._recording:
             raise ProbeError("call probe.hessian() after the probe.record() block, not inside it")
         r = self._require_step() if inputs is None or targets is None else self._last
+        partial = [(e.name, r.not_run[p]) for p, e in enumerate(self._edges) if r.not_run[p]] if r is not None else []
+        if partial:
+            # the re-run forward would compute the same ops: a Z_k whose op O_k did not run enters the forward at most as
+            # a bare term (GDAS adds w_k = 0), so its "curvature" would not be that of Σ_k Z_k O_k(x) (silently 0 or junk)
+            name, ops = partial[0]
+            more = f" (and {len(partial) - 1} more edge(s))" if len(partial) > 1 else ""
+            raise ProbeError(
+                f"hessian(): candidate op(s) {list(ops)} of edge {name!r}{more} did not run in the recorded step (only "
+                "the sampled op computed, as in GDAS or ProxylessNAS), so ∂²L/∂Z_k² of x_j = Σ_k Z_k O_k(x_i) cannot be "
+                "computed for them; run every candidate op in the forward (a one-hot Z may multiply all of them) to get "
+                "the curvature"
+            )
         if inputs is not None and r is not None and r.model_inputs is not None:
             _check_like_recorded(inputs, r.model_inputs[0])
         model: nn.Module = self.model
+        rerun = inputs is None and r is not None  # the recorded call is re-run: it must see the recorded weights
         if inputs is None:
             if r.model_inputs is None:
                 raise ProbeError("the model was not called inside the last probe.record() block; pass inputs=")
@@ -576,7 +595,36 @@ class Probe:
                 "pass the targets of the same batch (probe.record(targets=y) or hessian(inputs=x, targets=y))"
             )
         loss_fn = self.loss_fn or torch.nn.functional.cross_entropy
-        return arch_diag_hessian(model, loss_fn, inputs, targets, self._edges, mode=mode, wrt=wrt)
+        if not rerun:
+            return arch_diag_hessian(model, loss_fn, inputs, targets, self._edges, mode=mode, wrt=wrt)
+        with self._same_weights_as_recorded(r):  # re-running the recorded call: it must mix with the recorded Z
+            return arch_diag_hessian(model, loss_fn, inputs, targets, self._edges, mode=mode, wrt=wrt)
+
+    def _same_weights_as_recorded(self, r: _StepResult) -> Hooks:
+        """Hooks refusing a re-run forward whose mixing weights differ from the recorded step's (a forward that draws
+        its Z, as GDAS's or SNAS's Gumbel samples, would give the curvature at another sample, silently)."""
+        plan = Hooks()
+        for p, e in enumerate(self._edges):
+            if p < len(r.first_weights) and r.first_weights[p] is not None:
+                plan.forward_pre(e.module, partial(self._compare_weights, p, r.first_weights[p]), with_kwargs=True)
+        return plan
+
+    def _compare_weights(self, p: int, recorded: torch.Tensor, module, args, kwargs):
+        w = args[1] if len(args) > 1 else kwargs.get(self._weights_names[p])
+        if not isinstance(w, torch.Tensor) or w.shape != recorded.shape:
+            return None
+        try:
+            same = torch.equal(w.detach(), recorded)
+        except RuntimeError:  # inside a torch.func transform the values cannot be read; the plain passes are checked
+            return None
+        if not same:
+            raise ProbeError(
+                f"hessian(): edge {self._edges[p].name!r} got other mixing weights when the recorded batch was re-run "
+                "than in the recorded step (a forward that draws its Z, e.g. a Gumbel sample as in GDAS or SNAS), so "
+                "the curvature would be at another sample; make the draw repeatable (reseed its generator before each "
+                "forward) or pass the weights as an argument and call hessian(inputs=..., targets=...)"
+            )
+        return None
 
     def aggregate(self, per_edge: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """Lay any ``{edge: (K,)}`` result out per group and sum over the cells of the group, ``{group: (E, K)}``
