@@ -35,6 +35,7 @@ from torch import nn
 from torch.autograd.functional import hessian
 
 import nasdiag
+from nasdiag import cost
 from nasdiag.errors import NasdiagError
 from nasdiag.probe import ProbeError
 
@@ -528,13 +529,31 @@ class OneShotNet(nn.Module):
 
 
 def test_an_op_module_shared_by_two_edges_is_costed_split_and_curved_per_edge_exactly():
+    """Costs, path parts and exact curvature per edge equal autograd. Before: the BatchNorm of the shared op was
+    measured for invariance_deviation() at every call, so edge 1 reported edge 0's input (5.02e-4 for 3.86e-4)."""
     torch.manual_seed(0)
     net = OneShotNet("op").to(DT)
     x, y = batch(hw=6)
-    probe = nasdiag.attach(net, path_split=True, hessian="exact")
-    assert probe.edges[0].ops[3] is probe.edges[1].ops[3]
-    with probe.record(targets=y):
-        F.cross_entropy(net(x), y).backward()
+    rules = {Zero: cost.degree_rule(0.0, "zero"), Identity: cost.degree_rule(1.0, "identity"),
+             FactorizedReduce: cost.delegate_rule("bn")}
+    for t, rule in rules.items():
+        cost.register_homogeneity_rule(t, rule)
+    try:
+        probe = nasdiag.attach(net, path_split=True, hessian="exact", norm_deviation=True)
+        assert probe.edges[0].ops[3] is probe.edges[1].ops[3]
+        bn, seen = net.cell._ops[0]._ops[3][3], []
+        handle = bn.register_forward_pre_hook(lambda m, a: seen.append(m.eps / (a[0].var((0, 2, 3), unbiased=False) + m.eps)))
+        try:
+            with probe.record(targets=y):
+                F.cross_entropy(net(x), y).backward()
+        finally:
+            handle.remove()
+        deviation = probe.invariance_deviation()
+    finally:
+        for t in rules:
+            del cost.HOMOGENEITY_RULES[t]
+    for e in (0, 1):  # the shared op's BN ran once in each edge, in edge order
+        assert deviation[f"cell._ops.{e}"]["3:Sequential"] == pytest.approx(float(seen[e].max()), rel=1e-12)
     Z = F.softmax(net.alphas_normal.detach(), -1)
     leaves = {m: Z[e].clone().requires_grad_() for e, m in enumerate(net.cell._ops)}
     with Replaced(leaves):

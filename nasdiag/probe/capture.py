@@ -386,6 +386,10 @@ class StepCapture:
         return None
 
     def norm_pre(self, key: Tuple[int, int], module, args):
+        if self.open_edge[key[0]] is None:
+            # not inside this edge's forward: a normalization shared with another edge's op (one-shot weight sharing)
+            # or run outside any edge measures another input than the one this edge's op saw
+            return None
         dev = eps_deviation(module, args[0]).max()
         prev = self.deviation.get(key)
         self.deviation[key] = dev if prev is None else torch.maximum(prev, dev)
