@@ -218,7 +218,9 @@ class StepCapture:
         """A mixed op called again in the same forward of the model must get the same weights: calls with tied Z
         add up to ∂L/∂Z, but one module serving two edges with two different Z (e.g. the same mixed op placed at two
         positions of a cell's ``_ops``) would report the sum of two edges' costs under one name."""
-        if not isinstance(w, torch.Tensor):
+        if not isinstance(w, torch.Tensor) or w.dim() != 1 or self.model_calls == 0:
+            # only (K,) weights shared by the batch: (B, K) per-sample weights may differ between calls that see different
+            # samples (a forward run in chunks); and only where the model's forwards are told apart
             return
         prev = self.call_weights[pos]
         self.call_weights[pos] = (self.model_calls, w)
