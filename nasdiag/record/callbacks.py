@@ -67,9 +67,10 @@ class RecorderCallback:
     device, numpy arrays copied) and handed to the recorder ``flush_every`` rows at a time (single
     process: also when the recorder's ``flush_seconds`` have passed) and at every epoch end: each
     path's tensors are stacked and copied to the host once, and under DDP the whole batch is reduced
-    with one call (a row in which a path has another shape than in its first row is then refused, with a
-    `RecordError` at that hand-over, costing that row only). After ``on_epoch_end`` every row so far, the open one included, is settled, so a
-    `Recorder.flush` on rank 0 alone (a checkpoint at the epoch boundary) commits all of them.
+    with one call (a row in which a path has another shape than in its first row is then refused, with
+    a `RecordError` at that hand-over, costing that row only). After ``on_epoch_end`` every row so far,
+    the open one included, is settled, so a `Recorder.flush` on rank 0 alone (a checkpoint at the
+    epoch boundary) commits all of them.
     `flush` (every rank), `close` (every rank) and, in a single process, the recorder's own flushes
     (``Recorder.flush``, SIGTERM, exit; through `Recorder.add_flush_listener`) write everything held.
     Under DDP the recorder alone cannot reduce (the other ranks are not there): rows not yet reduced
@@ -409,7 +410,6 @@ def _columns(rows) -> dict[str, tuple[list[int], list]]:
 
 
 _PYTHON_SCALARS = (bool, int, float)
-
 
 
 def _convert_rows(rows) -> list[dict]:
