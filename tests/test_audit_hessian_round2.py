@@ -457,7 +457,7 @@ REFUSED = {
     "rms_norm": (nn.RMSNorm(5), "RMSNorm"),
     "reflect_padding": (nn.Conv2d(2, 2, 3, padding=1, padding_mode="reflect"), "padding_mode='reflect'"),
     "mish": (nn.Mish(), "Mish"),
-    "upsample": (nn.Upsample(scale_factor=2), "Upsample"),
+    "upsample": (nn.Upsample(scale_factor=2, mode="bilinear"), "Upsample"),  # nearest is a {0, 1} Jacobian: supported
 }
 
 
