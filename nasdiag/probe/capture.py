@@ -281,11 +281,9 @@ class StepCapture:
                 sel = (w != 0) if w.dim() == 1 else (w != 0).reshape(-1, w.shape[-1]).any(0)
                 self.selected[pos] = sel if self.selected[pos] is None else self.selected[pos] | sel
             if self.check_convention[pos] and not missing:
-                self._check_weighted_sum(edge, call, output)
-                self.check_convention[pos] = False
+                self.check_convention[pos] = not self._check_weighted_sum(edge, call, output)
         elif self.check_convention[pos] and not missing:
-            self._check_span(edge, call, output)
-            self.check_convention[pos] = False
+            self.check_convention[pos] = not self._check_span(edge, call, output)
         if not output.requires_grad:
             if torch.is_grad_enabled():  # (under no_grad the message says to turn grad mode on)
                 self.n_without_grad[pos] += 1
@@ -298,9 +296,9 @@ class StepCapture:
         self.hooks.tensor(output, lambda g, call=call: self.edge_grad(call, g))
         return None
 
-    def _check_weighted_sum(self, edge: EdgeSpec, call: EdgeCall, output: torch.Tensor) -> None:
+    def _check_weighted_sum(self, edge: EdgeSpec, call: EdgeCall, output: torch.Tensor) -> bool:
         # A checkable invariant: the costs equal ∂L/∂w only if out = Σ_k w_k O_k (e.g. not PC-DARTS's
-        # partial channels). Checked once per edge, on the first recorded forward.
+        # partial channels). Checked once per edge, on the first recorded forward with finite values.
         w = call.weights
         if w.dim() == 0 or w.shape[-1] != len(call.outputs):
             raise ProbeError(
@@ -309,6 +307,8 @@ class StepCapture:
                 "of the candidate list"
             )
         err = self._deviation(call, output, lambda: self._weighted_sum_error(w, call.outputs, output))
+        if math.isnan(err):  # a NaN/inf value (a NaN batch, diverged weights) decides nothing: checked at a finite step
+            return False
         if not err <= self._tolerance(output):
             raise ProbeError(
                 f"edge {edge.name!r}: its output is not Σ_k w_k·op_k(x) of its forward's weights and candidate ops "
@@ -317,12 +317,15 @@ class StepCapture:
                 "PC-DARTS's partial channels: a module mixing the ops on the channel slice, with the split, concatenation "
                 "and shuffle outside it)."
             )
+        return True
 
-    def _check_span(self, edge: EdgeSpec, call: EdgeCall, output: torch.Tensor) -> None:
+    def _check_span(self, edge: EdgeSpec, call: EdgeCall, output: torch.Tensor) -> bool:
         # Without the weights, out = Σ_k Z_k O_k(x) can still be checked: per sample, the output must lie in the
         # span of the candidates' outputs (whatever Z the module used inside). A module that is not a mixed op
         # (e.g. Sequential(Linear, ReLU) mapped with [Linear]) or a list missing candidates fails it.
         err = self._deviation(call, output, lambda: self._span_error(call.outputs, output))
+        if math.isnan(err):  # as in _check_weighted_sum
+            return False
         if not err <= self._tolerance(output):
             raise ProbeError(
                 f"edge {edge.name!r}: its output is not a weighted sum Σ_k w_k·op_k(x) of the outputs of its "
@@ -330,6 +333,7 @@ class StepCapture:
                 "of these candidates and <∂L/∂out, op_k(x)> is no cost. Map the edge to the module that returns that "
                 "sum, with every candidate op it mixes: attach(model, edges={name: (module, [candidate ops])})."
             )
+        return True
 
     @staticmethod
     def _deviation(call: EdgeCall, output: torch.Tensor, relative_error) -> float:
@@ -358,6 +362,8 @@ class StepCapture:
             n = min(output.shape[0], 4) if output.dim() else 1
             y = output.detach()[:n].reshape(n, -1, 1).to("cpu", torch.float64)
             a = torch.stack([o.detach()[:n].reshape(n, -1) for o in outputs], -1).to("cpu", torch.float64)  # (n, F, K)
+            if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(y).all())):
+                return math.nan  # no least squares through NaN/inf (pinv's SVD raises): nothing checked at this step
             fit = a @ (torch.linalg.pinv(a) @ y)
             scale = y.abs().max().clamp(min=1e-30)
             return float((fit - y).abs().max() / scale)
@@ -542,6 +548,8 @@ class StepCapture:
         with torch.no_grad():
             scale = torch.maximum(g.abs().max(), gathered.abs().max())
             dev = float((g - gathered).abs().max() / scale.clamp(min=1e-30))
+        if math.isnan(dev):  # as in _check_weighted_sum: checked at a finite step
+            return
         if dev > (1e-2 if g.dtype in (torch.float16, torch.bfloat16) else 1e-4):
             raise self._not_plain_node(call, node, f"∂L/∂(edge output) differs from the gradient gathered at node {node} "
                                                    f"(relative deviation {dev:.3g})")
