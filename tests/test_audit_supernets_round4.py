@@ -207,6 +207,11 @@ def per_sample_reference(net, x, y):
 def test_darts_code_costs_per_sample_output_costs_and_statistics_over_search_steps_equal_autograd():
     net = darts_net()
     probe = nasdiag.attach(net)
+    # the same edges mapped explicitly, recorded by a second probe in the same blocks
+    mapped = nasdiag.attach(net, edges={f"{c}/{e}": (m, list(m._ops)) for c, cell in enumerate(net.cells)
+                                        for e, m in enumerate(cell._ops)})
+    assert [(e.cell_type, e.edge_index, e.src, e.dst) for e in mapped.edges] == \
+        [(e.cell_type, e.edge_index, e.src, e.dst) for e in probe.edges]
     assert [c.cell_type for c in probe.cells] == ["normal", "reduce", "reduce"]
     assert [(e.name, e.src, e.dst) for e in probe.edges[3:5]] == [("cells.0._ops.3", 1, 3), ("cells.0._ops.4", 2, 3)]
     opt = torch.optim.SGD([net.alphas_normal, net.alphas_reduce], lr=0.5)
@@ -225,11 +230,12 @@ def test_darts_code_costs_per_sample_output_costs_and_statistics_over_search_ste
             for h in handles:
                 h.remove()
         opt.zero_grad()
-        with probe.record():
+        with probe.record(), mapped.record():
             F.cross_entropy(net(x), y).backward()
         costs, ps, oc = probe.costs(), probe.costs(per_sample=True), probe.output_costs(per_sample=True)
         for e in probe.edges:
             assert err(ps[e.name], ref[e.module]) < 1e-15 and err(costs[e.name], ref[e.module].sum(0)) < 1e-15, e.name
+        assert max(err(mapped.costs(per_sample=True)[e.name], ref[e.module]) for e in mapped.edges) < 1e-15
         assert max(err(oc[f"cells.{c}"][n], out_ref[c, n - 2]) for c in range(3) for n in (2, 3)) < 1e-15
         # DARTS's α gradient is the cost mapped through softmax, summed over the cells of a type (§2.1)
         for t, alpha in (("normal", net.alphas_normal), ("reduce", net.alphas_reduce)):
@@ -247,6 +253,7 @@ def test_darts_code_costs_per_sample_output_costs_and_statistics_over_search_ste
         assert np.abs(stats[f"cost/{t}/mean"] - obs.mean(0)).max() < 1e-15
         assert np.abs(stats[f"cost/{t}/var"] - obs.var(0)).max() < 1e-15
         assert (stats[f"cost/{t}/count"] == 3 * n_cells).all()
+        assert np.array_equal(mapped.statistics()[f"cost/{t}/mean"], stats[f"cost/{t}/mean"])
     assert_no_module_hooks(net)
 
 
