@@ -158,7 +158,8 @@ def search_config(args: argparse.Namespace) -> SearchConfig:
     if args.data_dir and os.path.exists(args.data_dir) and not os.path.isdir(args.data_dir):  # not "does not exist"
         raise ConfigError(f"--data-dir {args.data_dir} is a file, not a folder; pass the folder of the CIFAR-10 python "
                           "batches (data_batch_1..5, test_batch), e.g. cifar-10-batches-py/")
-    wanted = [d.strip() for d in args.diagnostics.split(",") if d.strip()]
+    # once each: "cost,cost" was recorded as such, and its resume with "cost" refused as other settings
+    wanted = list(dict.fromkeys(d.strip() for d in args.diagnostics.split(",") if d.strip()))
     if not wanted:  # an empty value (an unset shell variable) silently recorded no diagnostics
         raise ConfigError(f"--diagnostics {args.diagnostics!r} names no diagnostic; give {', '.join(DIAGNOSTICS)} "
                           "(comma-separated), or none to record no diagnostics")
@@ -173,7 +174,7 @@ def search_config(args: argparse.Namespace) -> SearchConfig:
         method=args.method, hp=hp, dataset=args.dataset, data_dir=args.data_dir, C=args.C, layers=args.layers,
         steps=args.steps, multiplier=args.multiplier, order=args.order, norm=args.norm, epochs=args.epochs,
         batch_size=args.batch_size, seed=args.seed, device=args.device, dtype=args.dtype,
-        diagnostics=args.diagnostics, hessian_mode=SearchConfig.hessian_mode if args.hessian_mode is None else args.hessian_mode, spectrum_every=args.spectrum_every,
+        diagnostics=",".join(wanted), hessian_mode=SearchConfig.hessian_mode if args.hessian_mode is None else args.hessian_mode, spectrum_every=args.spectrum_every,
         record=args.out, resume=args.resume, force=args.force, figures=figures, engine=args.engine,
         threads=args.threads, progress=not args.no_progress,
     )
@@ -257,10 +258,55 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     """Parse ``argv``; an unknown argument of a command is reported by that command's parser, so the
     message points at ``nasdiag <command> --help``."""
     parser = _parser()
+    tokens = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    _refuse_options_before_the_command(tokens, parser.commands)
     args, unknown = parser.parse_known_args(argv)
     if unknown:
-        parser.commands.get(args.command, parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+        command = parser.commands.get(args.command, parser)
+        raise ConfigError(f"{command.prog}: unrecognized arguments: {' '.join(unknown)} (see {command.prog} --help)"
+                          f"{_meant_option(unknown, command)}")
     return args
+
+
+def _refuse_options_before_the_command(tokens: List[str], commands) -> None:
+    """``nasdiag --epochs 1 search ...`` was "invalid choice: '1'" and ``nasdiag --no-progress search ...`` said that
+    search does not know --no-progress: the options of a command go after its name."""
+    first = next((i for i, t in enumerate(tokens) if t in commands), None)
+    if not first or not tokens[0].startswith("-") or tokens[0] in ("-h", "--help", "--version"):
+        return
+    from shlex import join
+
+    command, before = tokens[first], tokens[:first]
+    raise ConfigError(f"nasdiag: {join(before)} is given before the command {command}; options go after it: "
+                      f"nasdiag {join([command, *before, *tokens[first + 1:]])}")
+
+
+def _meant_option(unknown: List[str], command: argparse.ArgumentParser) -> str:
+    """What ``unknown`` (arguments ``command`` does not take) most likely meant: ``; did you mean --batch-size for
+    --batch_size?`` for an option close to one of ``command``'s (``--methods``), ``--method NAME`` for a method name
+    given without its option, and for ``report`` given several records, that it takes one; else ''."""
+    from nasdiag.search.config import near_miss
+
+    options = [o for o in command._option_string_actions if o.startswith("--")]
+    hints = []
+    for before, token in zip(["", *unknown], unknown):
+        name = token.split("=", 1)[0]
+        meant = near_miss(name.lstrip("-"), [o[2:] for o in options]) if name.startswith("--") else None
+        if meant is not None:
+            hints.append(f"--{meant} for {name}")
+        elif (command.prog.endswith(" search") and not token.startswith("-") and not before.startswith("-")
+              and _is_method(token)):  # not the value of an unknown option (--methods darts)
+            hints.append(f"--method {token}")
+    if command.prog.endswith(" report") and any(not t.startswith("-") for t in unknown):  # report runs/*.h5
+        return ("; report writes the page of one record: run it once per record, or draw several side by side with "
+                "nasdiag plot RECORD RECORD ... --out FOLDER")
+    return f"; did you mean {', '.join(hints)}?" if hints else ""
+
+
+def _is_method(name: str) -> bool:
+    from nasdiag.search.registry import available_methods
+
+    return name in available_methods()
 
 
 def _stopped(args: Optional[argparse.Namespace], how: str, exc: Optional[BaseException] = None,
@@ -300,11 +346,17 @@ def _resume_command(argv: List[str]) -> str:
     added), quoted for a shell."""
     from shlex import join
 
-    def abbreviates(token: str, option: str) -> bool:  # argparse takes a unique prefix, such as --forc
-        return len(token) >= 5 and option.startswith(token)
+    options = _parser().commands["search"]._option_string_actions
 
-    argv = [str(a) for a in argv if not abbreviates(str(a), "--force")]
-    command = join(argv if any(abbreviates(a, "--resume") for a in argv) else [*argv, "--resume"])
+    def names(token: str, dest: str) -> bool:  # as argparse reads it: the option or a unique prefix, such as --fo
+        name = token.split("=", 1)[0]
+        if not name.startswith("--"):
+            return False
+        hits = {options[name].dest} if name in options else {a.dest for o, a in options.items() if o.startswith(name)}
+        return hits == {dest}
+
+    argv = [str(a) for a in argv if not names(str(a), "force")]
+    command = join(argv if any(names(a, "resume") for a in argv) else [*argv, "--resume"])
     return f"{_launcher()}nasdiag {command}"
 
 

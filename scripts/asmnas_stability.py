@@ -25,13 +25,13 @@ Defaults: 3 min 19 s wall with ``--threads 1`` on the shared 2-core box at load 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import time
 from collections import Counter
 from nasdiag.errors import NasdiagError, run_script
+from script_args import Parser, at_least
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
@@ -39,15 +39,15 @@ METHODS = {"asmnas": "ASM-NAS", "darts": "DARTS"}
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="runs/asmnas_stability", help="output folder (records, summary.json, stability.png)")
-    parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per method")
-    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--seeds", type=at_least(1), default=3, help="seeds 0..N-1 per method")
+    parser.add_argument("--epochs", type=at_least(1), default=2)
     parser.add_argument("--C", type=int, default=4)
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2, help="intermediate nodes per cell (2: 5 edges)")
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--batch-size", type=at_least(1), default=64)
+    parser.add_argument("--threads", type=at_least(1), default=None)
     parser.add_argument("--plot-only", action="store_true", help="redraw the figure from summary.json")
     return parser.parse_args(argv)
 

@@ -28,7 +28,6 @@ Writes ``<out>/compression.h5`` (one row per iteration: test accuracy, groups al
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -36,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from nasdiag.errors import run_script
+from script_args import Parser, at_least
 
 LAYERS = {"conv1.weight": (0,), "conv2.weight": (0,), "fc1.weight": (1,), "fc2.weight": (1,)}  # group_dims
 LABELS = {"conv1": "conv1 filters", "conv2": "conv2 filters", "fc1": "fc1 inputs (features)", "fc2": "fc2 inputs (neurons)"}
@@ -144,17 +144,17 @@ def plot(path: Path, out: Path) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = Parser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="folder for compression.h5 and compression.png")
-    p.add_argument("--iterations", type=int, default=6)
-    p.add_argument("--epochs-per-iteration", type=int, default=3)
+    p.add_argument("--iterations", type=at_least(1), default=6)
+    p.add_argument("--epochs-per-iteration", type=at_least(1), default=3)
     p.add_argument("--lam", type=float, default=3e-4)
     p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--hessian-batch", type=int, default=256)
+    p.add_argument("--batch-size", type=at_least(1), default=64)
+    p.add_argument("--hessian-batch", type=at_least(1), default=256)
     p.add_argument("--prune-ratio", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=at_least(0), default=0)
+    p.add_argument("--threads", type=at_least(1), default=1)
     args = p.parse_args(argv)
     if args.lam <= 0 or args.iterations < 1 or args.epochs_per_iteration < 1 or not 0 < args.prune_ratio < 1:
         print("bayes_compression: error: need --lam > 0, --iterations >= 1, --epochs-per-iteration >= 1, "

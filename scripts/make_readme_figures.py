@@ -13,11 +13,11 @@ two runs on one colour scale. ``--plot-only`` redraws from the records. Two 2-ep
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 from nasdiag.errors import run_script
+from script_args import Parser, at_least, dpi
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
@@ -34,12 +34,12 @@ FIGURES = {
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="docs/img", help="folder of the README's images")
     parser.add_argument("--runs", default="runs/readme", help="folder of the records")
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--dpi", type=int, default=70, help="small PNGs: the README shows them at their size")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads of the searches (default: the run's)")
+    parser.add_argument("--epochs", type=at_least(1), default=2)
+    parser.add_argument("--dpi", type=dpi, default=70, help="small PNGs: the README shows them at their size")
+    parser.add_argument("--threads", type=at_least(1), default=None, help="torch threads of the searches (default: the run's)")
     parser.add_argument("--engine", default="auto", choices=("auto", "fast", "eager"), help="supernet engine")
     parser.add_argument("--plot-only", action="store_true")
     return parser.parse_args(argv)

@@ -26,28 +26,28 @@ the quick one; ``darts8`` the slowest).
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 import wiring_common as W
 from nasdiag.errors import run_script
+from script_args import Parser, UsageError, at_least
 
 CONFIGS = {"minimal1": ("minimal", 1), "minimal8": ("minimal", 8), "darts8": ("darts", 8)}
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="runs/wiring_cost")
     parser.add_argument("--configs", default="minimal1,minimal8,darts8", help=f"comma-separated, of {', '.join(CONFIGS)}")
     parser.add_argument("--protocol", default="dsnas", choices=W.PROTOCOLS)
-    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--epochs", type=at_least(1), default=5)
     parser.add_argument("--C", type=int, default=8)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--observe-batches", type=int, default=8, help="batches of the statistics at initialization")
+    parser.add_argument("--batch-size", type=at_least(1), default=64)
+    parser.add_argument("--observe-batches", type=at_least(1), default=8, help="batches of the statistics at initialization")
     parser.add_argument("--dataset", default="digits", choices=("digits", "cifar10"))
     parser.add_argument("--data-dir", default=None)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=at_least(0), default=0)
     parser.add_argument("--format", default="png", choices=("png", "pdf", "svg"))
     parser.add_argument("--plot-only", action="store_true", help="redraw the figures from existing records")
     return parser.parse_args(argv)
@@ -58,7 +58,7 @@ def main(argv=None):
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
-        raise SystemExit(f"unknown configuration(s) {unknown}; choose from {', '.join(CONFIGS)}")
+        raise UsageError(f"unknown configuration(s) {unknown}; choose from {', '.join(CONFIGS)}")
     splits = None if args.plot_only else W.load_splits(args.dataset, args.data_dir, args.seed)
     for name in configs:
         folder = os.path.join(args.out, name)
@@ -75,7 +75,7 @@ def main(argv=None):
                                     seed=args.seed)
             print(f"{name}: {record} ({seconds:.0f} s)")
         elif not os.path.exists(record):
-            raise SystemExit(f"no record at {record}; run without --plot-only first")
+            raise UsageError(f"no record at {record}; run without --plot-only first")
         for path in W.draw_cost_heatmaps(record, folder, args.format):
             print(path)
 

@@ -22,11 +22,11 @@ folder with ``--dataset cifar10 --data-dir DIR`` (then the paper's defaults). Ti
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 from nasdiag.errors import run_script
+from script_args import Parser, UsageError, at_least
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
@@ -34,15 +34,15 @@ FIGURES = ["arch_evolution", "wiring", "genotype"]
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="runs/wiring_evolution")
     parser.add_argument("--methods", default="dsnas,darts", help="comma-separated registered methods")
-    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--epochs", type=at_least(1), default=8)
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--C", type=int, default=8)
     parser.add_argument("--dataset", default="digits", choices=("digits", "cifar10"))
     parser.add_argument("--data-dir", default=None)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=at_least(0), default=0)
     parser.add_argument("--format", default="png", choices=("png", "pdf", "svg"))
     parser.add_argument("--plot-only", action="store_true")
     return parser.parse_args(argv)
@@ -52,7 +52,17 @@ def main(argv=None):
     from nasdiag.plot import write_figures
 
     args = parse_args(argv)
-    for method in [m.strip() for m in args.methods.split(",") if m.strip()]:
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not methods:
+        raise UsageError(f"--methods {args.methods!r} names no method; give registered methods, e.g. dsnas,darts")
+    from nasdiag.search.config import did_you_mean
+    from nasdiag.search.registry import available_methods
+
+    unknown = [m for m in methods if m not in available_methods()]  # before the first run, not after it
+    if unknown:
+        raise UsageError(f"unknown method(s) {', '.join(unknown)};{did_you_mean(unknown[0], available_methods()) or ''} "
+                         f"choose from {', '.join(sorted(available_methods()))}")
+    for method in methods:
         folder = os.path.join(args.out, method)
         record = os.path.join(folder, "record.h5")
         if not args.plot_only:
@@ -65,7 +75,7 @@ def main(argv=None):
                              force=True, progress=False))
             print(f"{method}: {record} ({time.perf_counter() - start:.0f} s)")
         elif not os.path.exists(record):
-            raise SystemExit(f"no record at {record}; run without --plot-only first")
+            raise UsageError(f"no record at {record}; run without --plot-only first")
         for path in write_figures(record, folder, fmt=args.format, figures=FIGURES):
             print(path)
 

@@ -31,7 +31,6 @@ What differs from the paper: digits instead of CIFAR-10, C = 8, 10 epochs instea
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -41,21 +40,22 @@ import torch
 
 import wiring_common as W
 from nasdiag.errors import run_script
+from script_args import Parser, UsageError, at_least
 
 QUANTITIES = {"loss": "L_θ (cross-entropy)", "entropy": "H_θ (output entropy)", "cz": "C_Z (output-edge cost)"}
 SPLITS = {"train": "search-train set (θ's data)", "search": "search set (held out from θ)"}
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="runs/wiring_output_cost")
     parser.add_argument("--protocol", default="dsnas", choices=W.PROTOCOLS)
-    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--epochs", type=at_least(1), default=10)
     parser.add_argument("--C", type=int, default=8)
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--batch-size", type=at_least(1), default=64)
     parser.add_argument("--dataset", default="digits", choices=("digits", "cifar10"))
     parser.add_argument("--data-dir", default=None)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=at_least(0), default=0)
     parser.add_argument("--format", default="png", choices=("png", "pdf", "svg"))
     parser.add_argument("--plot-only", action="store_true")
     return parser.parse_args(argv)
@@ -181,7 +181,7 @@ def main(argv=None):
             print(f"{split}: max |C_Z − (L_θ − H_θ)| = {worst:.2e}, largest C_Z of a correctly classified sample "
                   f"= {top:.2e} (Thm 2: ≤ 0)")
     elif not os.path.exists(record):
-        raise SystemExit(f"no record at {record}; run without --plot-only first")
+        raise UsageError(f"no record at {record}; run without --plot-only first")
     for path in draw(record, args.out, args.format):
         print(path)
 

@@ -23,12 +23,12 @@ a local folder with ``--dataset cifar10 --data-dir DIR``. Timing: BENCHMARKS.md.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 import wiring_common as W
 from nasdiag.errors import run_script
+from script_args import Parser, UsageError, at_least
 
 VARIANTS = {
     "batch": dict(norm="batch", order="relu-conv-bn"),
@@ -40,18 +40,18 @@ VARIANTS = {
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="runs/wiring_variants")
     parser.add_argument("--variants", default="layer,instance,conv-relu-bn,conv-bn-relu",
                         help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--protocol", default="dsnas", choices=W.PROTOCOLS)
-    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--epochs", type=at_least(1), default=5)
     parser.add_argument("--C", type=int, default=8)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--observe-batches", type=int, default=8)
+    parser.add_argument("--batch-size", type=at_least(1), default=64)
+    parser.add_argument("--observe-batches", type=at_least(1), default=8)
     parser.add_argument("--dataset", default="digits", choices=("digits", "cifar10"))
     parser.add_argument("--data-dir", default=None)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=at_least(0), default=0)
     parser.add_argument("--format", default="png", choices=("png", "pdf", "svg"))
     parser.add_argument("--plot-only", action="store_true")
     return parser.parse_args(argv)
@@ -62,7 +62,7 @@ def main(argv=None):
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
-        raise SystemExit(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
+        raise UsageError(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
     splits = None if args.plot_only else W.load_splits(args.dataset, args.data_dir, args.seed)
     for name in variants:
         folder = os.path.join(args.out, name)
@@ -78,7 +78,7 @@ def main(argv=None):
                                     seed=args.seed)
             print(f"{name}: {record} ({seconds:.0f} s)")
         elif not os.path.exists(record):
-            raise SystemExit(f"no record at {record}; run without --plot-only first")
+            raise UsageError(f"no record at {record}; run without --plot-only first")
         for path in W.draw_cost_heatmaps(record, folder, args.format):
             print(path)
 

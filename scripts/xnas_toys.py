@@ -28,13 +28,13 @@ uses L = max |R| of the problem and T = the number of steps. Runs in about 10 s 
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 
 import numpy as np
 from nasdiag.errors import NasdiagError, run_script
+from script_args import Parser
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
@@ -42,7 +42,7 @@ OPTIMIZERS = {"xnas": "XNAS", "gd": "GD with softmax"}
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="runs/xnas_toys", help="output folder (record.h5, fig*.png)")
     parser.add_argument("--lr", type=float, default=0.1, help="learning rate of both optimizers (§8.2: 0.1)")
     parser.add_argument("--format", default="png", choices=("png", "pdf", "svg"))

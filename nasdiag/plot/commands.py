@@ -303,6 +303,21 @@ def _refuse_nothing_to_draw(record, record_path, figures_arg) -> None:
                     "draw every figure it has")
 
 
+def absent_figures(record, figures) -> List[str]:
+    """One line per name of ``--figures`` (``figures``: its list, None for all) whose figures have no rows in
+    ``record``: ``--figures cost,arch`` on a record without costs drew the arch figures and said nothing of cost."""
+    from nasdiag.plot.registry import select
+
+    paths = [k for k in record if not k.startswith(("valid/", "meta/")) and k != "step"]
+    lines = []
+    for name in dict.fromkeys(n.strip() for n in figures or () if n.strip()):
+        specs = select([name])
+        if not any(spec.cells(paths) for spec in specs):
+            families = ", ".join(dict.fromkeys(fam.pattern for spec in specs for fam in spec.families))
+            lines.append(f"{name}: the record holds no {families}; nothing to draw")
+    return lines
+
+
 def _missing_folders(folder: Path) -> List[Path]:
     """``folder`` and its ancestors that do not exist yet, deepest first: what drawing into it creates."""
     missing = []
@@ -412,7 +427,7 @@ def run_plot(args) -> int:
         created = _missing_folders(out)
         _make_folder(out, created)
         drawn = draw_record(record, out, args.format, figures, args.at, args.dpi)
-        for line in drawn.skipped:
+        for line in [*absent_figures(record, figures), *drawn.skipped]:
             print(f"skipped {line}", file=sys.stderr)
         if not drawn.files:
             _remove_empty(created)
@@ -441,7 +456,7 @@ def run_plot(args) -> int:
             _refuse_nothing_to_draw(record, record_path, args.figures)
             made = [folders[record_path]] if not folders[record_path].exists() else []
             drawn = draw_record(record, folders[record_path], args.format, figures, args.at, args.dpi)
-            for line in drawn.skipped:
+            for line in [*absent_figures(record, figures), *drawn.skipped]:
                 bar.write(f"skipped {Path(record_path).name}/{line}", file=sys.stderr)
             if not drawn.files:
                 _remove_empty(made)
