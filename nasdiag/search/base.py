@@ -89,17 +89,20 @@ def check_batch(network, batch, what: str) -> None:
                           f"({len(x)}), got {y.dtype} {tuple(y.shape)}")
 
 
-def _checking_batches(network, step):
-    """``step`` that first checks its batches (`check_batch`): a wrong batch is one line before any update."""
+class _BatchChecked:
+    """``step`` that first checks its batches (`check_batch`): a wrong batch is one line before any update. An object,
+    not a closure, so that ``copy.deepcopy(method)`` gives the copy a step of its own (a closure is copied by
+    reference and would step the original)."""
 
-    def checked(train_batch, val_batch=None, *args, **kwargs):
-        check_batch(network, train_batch, "search-train")
+    def __init__(self, network, step):
+        self.network, self.step = network, step
+        self.__doc__ = getattr(step, "__doc__", None)
+
+    def __call__(self, train_batch, val_batch=None, *args, **kwargs):
+        check_batch(self.network, train_batch, "search-train")
         if val_batch is not None:
-            check_batch(network, val_batch, "search-val")
-        return step(train_batch, val_batch, *args, **kwargs)
-
-    checked.__doc__, checked.__wrapped__ = step.__doc__, step
-    return checked
+            check_batch(self.network, val_batch, "search-val")
+        return self.step(train_batch, val_batch, *args, **kwargs)
 
 
 def accuracy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -229,7 +232,7 @@ class SearchMethod:
         self._curvature_graph = None  # built by curvature() on first use
         self._curvature_graph_mode: Optional[str] = None
         self.build()
-        self.step = _checking_batches(self.network, self.step)
+        self.step = _BatchChecked(self.network, self.step)
         if type(self).__dict__.get("graph_capturable", False):
             from nasdiag.supernet.engine.graph import StepGraph
 
