@@ -111,7 +111,8 @@ def test_darts2_hypergradient_against_autograd_through_the_virtual_sgd_step(froz
     for r in (1e-2, 1e-3):
         method.hp.fd_eps_scale = r
         errors.append(_rel(method.arch_gradient(train, val), exact))
-    # DARTS eq 8 is a central difference: O(ε²), ~100x per decade of ε (measured 2e-4 -> 2e-6 and 3e-7 -> 3e-9)
+    # DARTS eq 8 is a central difference: O(ε²), 100x per decade of ε (measured r = 1e-2, 1e-3: 4.9e-4, 4.9e-6;
+    # frozen stem 2.2e-4, 2.2e-6; first order 0.64 / 0.45)
     assert errors[0] < 1e-3 and errors[1] < errors[0] / 30, errors
 
 
