@@ -25,7 +25,6 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.func import functional_call
 
 from nasdiag.errors import NasdiagError
