@@ -15,7 +15,9 @@ Defects these tests found (each fails without its fix): the unrolled step moved 
 that w's optimizer never moves, so darts2/sparsenas followed the hypergradient of another problem (rel. error 0.24);
 ``SearchConfig(force="no")`` was truthy and replaced an existing record, ``hp``/``diagnostics``/``record`` of the
 wrong type were TypeError/ValueError tracebacks; a method took another method's hyperparameters (SNAS's for DARTS)
-and ignored their extra fields, a dict schedule, a non-integer seed or an unknown hessian_mode without a clear line.
+and ignored their extra fields, a dict schedule, a non-integer seed or an unknown hessian_mode without a clear line;
+a batch of the wrong channels, dtype, label shape or length reached torch's RuntimeError/ValueError inside the
+step; ``run(dict)`` was an AttributeError.
 """
 
 from __future__ import annotations
