@@ -153,3 +153,46 @@ def test_checks_skipped_at_a_nan_step_run_at_the_next_finite_step(model):
             F.cross_entropy(net(x), y).backward()
     assert "\n" not in str(raised.value)
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in net.modules())
+
+
+# -- memory: nothing kept across steps ---------------------------------------------------------------------------
+
+
+def live_tensors() -> int:
+    import gc
+
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor))  # type(): no proxy lookups
+
+
+@pytest.mark.parametrize("case", ["layer_norm_training_steps", "batch_norm_curvature_calls"])
+def test_a_supernet_the_fast_engine_cannot_batch_keeps_nothing_across_steps(case):
+    """Before: the fast engine cached its Unsupported exception and raised that one object at every forward, so each
+    raise chained the forward's frames onto its traceback: every step's batch, logits and mixing weights stayed alive
+    (5 tensors a step on a LayerNorm or conv-bn-relu supernet; two curvature calls in a row under train-mode BatchNorm,
+    whose flag switch the engine does not batch, the same)."""
+    from nasdiag.hessian import hessian_eigenvalues
+
+    torch.manual_seed(0)
+    if case == "layer_norm_training_steps":
+        net = Network(C=2, num_classes=3, layers=2, steps=1, multiplier=1, in_channels=1, stem_multiplier=1,
+                      primitives=PRIMITIVES, reductions=(1,), norm="layer").to(DT)
+        opt = torch.optim.SGD(net.parameters(), lr=0.01)
+
+        def step():
+            x, y = torch.randn(3, 1, 4, 4, dtype=DT), torch.randint(0, 3, (3,))
+            opt.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            opt.step()
+    else:
+        net, x, y = supernet()
+
+        def step():
+            hessian_eigenvalues(net, F.cross_entropy, x, y, params=net.arch_parameters(), method="power", iters=2)
+
+    for _ in range(3):
+        step()
+    before = live_tensors()
+    for _ in range(10):
+        step()
+    assert live_tensors() == before

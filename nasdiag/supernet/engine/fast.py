@@ -719,11 +719,13 @@ def _plans(net: nn.Module) -> List[CellPlan]:
             plans = [plan_cell(cell) for cell in net.cells]
             statistics = _RunningStatistics([norm for plan in plans for norm in plan.norms])
         except Unsupported as exc:
-            plans, statistics = exc, None
+            plans, statistics = str(exc), None  # the reason only: a kept exception's traceback keeps its frames alive
         cached = net.__dict__["_fast_plans"] = (fingerprint, plans, [m for cell in net.cells for m in cell.modules()],
                                                 statistics)
-    if isinstance(cached[1], Unsupported):
-        raise cached[1]
+    if isinstance(cached[1], str):
+        # a new exception per call: raising one object again chains each raise's frames (the forward's batch and
+        # graph) onto its traceback, which then grew by a step's tensors at every forward
+        raise Unsupported(cached[1])
     return cached[1]
 
 
