@@ -13,7 +13,16 @@ Defects found (each test says which):
   model blamed (``test_a_nan_batch_or_inf_weight_at_the_first_step_is_recorded_as_nan_like_autograd``);
 * the path split's node check passed on a NaN deviation and was then marked done, so a node that is not the plain sum
   of its edges (PC-DARTS's β) gave silent path parts at every later step
-  (``test_checks_skipped_at_a_nan_step_run_at_the_next_finite_step``).
+  (``test_checks_skipped_at_a_nan_step_run_at_the_next_finite_step``); the span check's least squares raised torch's
+  ``LinAlgError`` on a NaN step (same test);
+* a supernet the fast engine cannot batch (LayerNorm, conv-bn-relu, or train-mode BatchNorm while a curvature call
+  switches its tracking off) kept every forward's batch, logits and mixing weights alive: the engine raised one cached
+  exception object again at each forward, chaining each raise's frames onto its traceback
+  (``test_a_supernet_the_fast_engine_cannot_batch_keeps_nothing_across_steps``).
+
+Verified and kept as one test each: every state-touching entry point leaves the model as it was when the user's
+forward (first, second or last module), loss or a KeyboardInterrupt fails at any of its calls; two models probed and
+curved at once in two threads give bit for bit the numbers of the same calls made one after the other.
 """
 
 import math
@@ -196,3 +205,172 @@ def test_a_supernet_the_fast_engine_cannot_batch_keeps_nothing_across_steps(case
     for _ in range(10):
         step()
     assert live_tensors() == before
+
+
+# -- failures at any stage leave the model as it was -------------------------------------------------------------
+
+HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
+              "_forward_hooks_always_called", "_backward_hooks", "_backward_pre_hooks")
+GLOBAL_HOOKS = [n for n in dir(torch_module) if n.startswith("_global_") and isinstance(getattr(torch_module, n), dict)]
+
+
+def snapshot(model):
+    """What no call may change: hooks (module, global, tensor), module attributes, parameter objects, values, flags
+    and .grad objects, buffers, train/eval and BatchNorm flags, grad mode, the global random stream."""
+    modules = dict(model.named_modules())
+    return {
+        "hooks": {(n, d): tuple(getattr(m, d, None) or ()) for n, m in modules.items() for d in HOOK_DICTS},
+        "global": {n: tuple(getattr(torch_module, n)) for n in GLOBAL_HOOKS},
+        "attributes": {n: sorted(vars(m)) for n, m in modules.items()},
+        "flags": {n: (m.training, getattr(m, "track_running_stats", None), getattr(m, "momentum", None))
+                  for n, m in modules.items()},
+        "parameters": {n: (id(p), p.requires_grad, id(p.grad), tuple(p._backward_hooks or ())) for n, p in model.named_parameters()},
+        "values": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+        "buffers": {n: b.clone() for n, b in model.named_buffers()},
+        "modes": (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_anomaly_enabled()),
+        "rng": torch.get_rng_state(),
+    }
+
+
+def assert_same_state(before, after, what):
+    for key in ("hooks", "global", "attributes", "flags", "parameters", "modes"):
+        assert after[key] == before[key], f"{what}: {key} changed"
+    for key in ("values", "grads", "buffers"):
+        for name, t in before[key].items():
+            assert torch.equal(after[key][name], t), f"{what}: {key} {name} changed"
+    assert torch.equal(after["rng"], before["rng"]), f"{what}: the global random stream moved"
+
+
+class Boom(Exception):
+    pass
+
+
+class Trap:
+    """Counts calls; raises ``exc`` at call ``at``."""
+
+    def __init__(self):
+        self.calls, self.at, self.exc = 0, None, Boom
+
+    def __call__(self, *args):
+        self.calls += 1
+        if self.calls == self.at:
+            raise self.exc(f"injected at call {self.calls}")
+
+
+def mlp():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 5), nn.BatchNorm1d(5), nn.Tanh(), nn.Linear(5, 3)).to(DT).train()
+    return net, torch.randn(6, 4, dtype=DT), torch.randint(0, 3, (6,))
+
+
+def _edges(net):
+    return {s.name: s for s in net.edge_specs()}
+
+
+def _probe_step(net, x, y, loss):
+    probe = nasdiag.attach(net, path_split=True, norm_deviation=True, hessian="approx", loss_fn=loss)
+    with probe.record(targets=y):
+        loss(net(x), y).backward()
+    probe.path_costs(), probe.output_costs(), probe.invariance_deviation(), probe.statistics()
+    probe.hessian()
+
+
+ENTRY_POINTS = {
+    "probe.record+hessian": (supernet, _probe_step),
+    "arch_diag_hessian[ggn_mc]": (supernet, lambda net, x, y, loss: nasdiag.hessian.arch_diag_hessian(
+        net, loss, x, y, _edges(net), mode="ggn_mc", seed=0)),
+    "exact_arch_diag_hessian[alpha, autograd]": (supernet, lambda net, x, y, loss: nasdiag.hessian.exact_arch_diag_hessian(
+        net, loss, x, y, _edges(net), wrt="alpha", shared_alpha="per_edge", backend="autograd")),
+    "diag_hessian[approx]": (mlp, lambda net, x, y, loss: nasdiag.hessian.diag_hessian(net, loss, x, y, mode="approx")),
+    "diag_hessian[exact]": (mlp, lambda net, x, y, loss: nasdiag.hessian.diag_hessian(net, loss, x, y, mode="exact")),
+    "alpha_diag_hessian": (mlp, lambda net, x, y, loss: nasdiag.hessian.alpha_diag_hessian(net, loss, x, y, params=[net[3].weight])),
+    "hessian_eigenvalues": (mlp, lambda net, x, y, loss: nasdiag.hessian.hessian_eigenvalues(
+        net, loss, x, y, params=list(net.parameters()), k=2)),
+    "input_ranks_of": (mlp, lambda net, x, y, loss: nasdiag.cost.input_ranks_of(net, x)),
+}
+
+
+@pytest.mark.parametrize("entry", list(ENTRY_POINTS))
+def test_a_failure_at_any_stage_leaves_the_model_as_it_was(entry):
+    """The user's forward (a pre-hook of the first, second and last leaf module), loss or a KeyboardInterrupt fails at
+    the first and at the last of that site's calls in the entry point: the exception comes out unchanged, and hooks,
+    attributes, parameters (objects, values, requires_grad, .grad), buffers, modes and the random stream are as before
+    (the probe's own step changes .grad and BatchNorm's statistics, as the user's backward does: only the rest there)."""
+    make, call = ENTRY_POINTS[entry]
+    net, x, y = make()
+    F.cross_entropy(net(x), y).backward()  # every parameter has a .grad that must stay put
+    leaves = [m for m in net.modules() if not list(m.children())]
+    traps = {"first": leaves[0], "second": leaves[1], "last": leaves[-1]}
+    for name, module in list(traps.items()):
+        traps[name] = trap = Trap()
+        module.register_forward_pre_hook(lambda m, a, trap=trap: trap())
+    traps["loss"] = loss_trap = Trap()
+
+    def loss(out, t):
+        loss_trap()
+        return F.cross_entropy(out, t)
+
+    user_step = entry.startswith("probe")
+    call(net, x, y, loss)  # a clean call: how often each site runs
+    counts = {name: trap.calls for name, trap in traps.items()}
+    assert all(counts.values()) or entry == "input_ranks_of"
+    for site, trap in traps.items():
+        for at in sorted({1, counts[site]}) if counts[site] else ():
+            for exc in (Boom, KeyboardInterrupt):
+                for t in traps.values():
+                    t.calls, t.at = 0, None
+                trap.at, trap.exc = at, exc
+                before = snapshot(net)
+                with pytest.raises(exc, match="injected"):
+                    call(net, x, y, loss)
+                after = snapshot(net)
+                if user_step:
+                    for key in ("values", "grads", "buffers", "rng"):
+                        after[key] = before[key]
+                assert_same_state(before, after, f"{entry}: {exc.__name__} at call {at} of {site}")
+        trap.at = None
+
+
+# -- threads -------------------------------------------------------------------------------------------------------
+
+
+def _probe_and_curve(made, steps, out, key):
+    net, x, y = made
+    probe = nasdiag.attach(net, path_split=True, hessian="approx")
+    results = []
+    for step in range(steps):
+        xs = x + 0.1 * step
+        with probe.record(targets=y):
+            F.cross_entropy(net(xs), y).backward()
+        results.append((probe.costs(), probe.path_costs(), probe.hessian(),
+                        nasdiag.hessian.diag_hessian(net, F.cross_entropy, xs, y, mode="approx")))
+        net.zero_grad()
+    out[key] = (results, {k: torch.from_numpy(v) for k, v in probe.statistics().items()})
+
+
+def _tensors(tree):
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for k in sorted(tree) for t in _tensors(tree[k])]
+    return [t for v in tree for t in _tensors(v)]
+
+
+def test_two_models_probed_and_curved_at_once_in_two_threads_match_the_calls_made_in_turn():
+    """The hook plans, captures and curvature calls of two models in two threads do not see each other: every number
+    equals, bit for bit, the one of the same calls made one after the other, and no hook is left on either model."""
+    alone, together = {}, {}
+    for seed in (1, 2):
+        _probe_and_curve(supernet(seed), 2, alone, seed)
+    models = {seed: supernet(seed) for seed in (1, 2)}  # built here: torch.manual_seed is global
+    threads = [threading.Thread(target=_probe_and_curve, args=(models[seed], 2, together, seed)) for seed in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for seed in (1, 2):
+        a, b = _tensors(alone[seed]), _tensors(together[seed])
+        assert len(a) == len(b) > 0
+        assert all(torch.equal(u, v) for u, v in zip(a, b)), f"model {seed}"
+        assert not any(m._forward_hooks or m._forward_pre_hooks for m in models[seed][0].modules())
