@@ -18,7 +18,10 @@ Defects found (each test says which):
 * a supernet the fast engine cannot batch (LayerNorm, conv-bn-relu, or train-mode BatchNorm while a curvature call
   switches its tracking off) kept every forward's batch, logits and mixing weights alive: the engine raised one cached
   exception object again at each forward, chaining each raise's frames onto its traceback
-  (``test_a_supernet_the_fast_engine_cannot_batch_keeps_nothing_across_steps``).
+  (``test_a_supernet_the_fast_engine_cannot_batch_keeps_nothing_across_steps``);
+* a model and batch on the meta device: torch's "Tensor.item() cannot be called on meta tensors" from most curvature
+  routes, dicts of meta tensors from the exact ones
+  (``test_a_model_and_batch_on_the_meta_device_are_one_line_in_every_curvature_route``).
 
 Verified and kept as one test each: every state-touching entry point leaves the model as it was when the user's
 forward (first, second or last module), loss or a KeyboardInterrupt fails at any of its calls; two models probed and
@@ -374,3 +377,38 @@ def test_two_models_probed_and_curved_at_once_in_two_threads_match_the_calls_mad
         assert len(a) == len(b) > 0
         assert all(torch.equal(u, v) for u, v in zip(a, b)), f"model {seed}"
         assert not any(m._forward_hooks or m._forward_pre_hooks for m in models[seed][0].modules())
+
+
+# -- device of the results ---------------------------------------------------------------------------------------
+
+META_CALLS = {
+    "diag_hessian[approx]": (mlp, lambda net, x, y: nasdiag.hessian.diag_hessian(net, F.cross_entropy, x, y, mode="approx")),
+    "diag_hessian[exact]": (mlp, lambda net, x, y: nasdiag.hessian.diag_hessian(net, F.cross_entropy, x, y, mode="exact")),
+    "diag_hessian[hutchinson:2]": (mlp, lambda net, x, y: nasdiag.hessian.diag_hessian(
+        net, F.cross_entropy, x, y, mode="hutchinson:2")),
+    "hessian_eigenvalues": (mlp, lambda net, x, y: nasdiag.hessian.hessian_eigenvalues(
+        net, F.cross_entropy, x, y, params=list(net.parameters()))),
+    "hutchinson_trace": (mlp, lambda net, x, y: nasdiag.hessian.hutchinson_trace(
+        net, F.cross_entropy, x, y, params=list(net.parameters()), samples=2)),
+    "arch_diag_hessian[diag, alpha]": (supernet, lambda net, x, y: nasdiag.hessian.arch_diag_hessian(
+        net, F.cross_entropy, x, y, _edges(net), mode="diag", wrt="alpha")),
+    "arch_diag_hessian[ggn]": (supernet, lambda net, x, y: nasdiag.hessian.arch_diag_hessian(
+        net, F.cross_entropy, x, y, _edges(net), mode="ggn")),
+    "arch_diag_hessian[exact]": (supernet, lambda net, x, y: nasdiag.hessian.arch_diag_hessian(
+        net, F.cross_entropy, x, y, _edges(net), mode="exact")),
+    "alpha_diag_hessian": (supernet, lambda net, x, y: nasdiag.hessian.alpha_diag_hessian(net, F.cross_entropy, x, y)),
+}
+
+
+@pytest.mark.parametrize("call", list(META_CALLS))
+def test_a_model_and_batch_on_the_meta_device_are_one_line_in_every_curvature_route(call):
+    """Before: torch's "Tensor.item() cannot be called on meta tensors" or "Cannot copy out of meta tensor" from deep
+    inside most routes, while the exact routes returned dicts of meta tensors (numbers without values); the probe
+    already refused a meta step in one line."""
+    make, run = META_CALLS[call]
+    net, x, y = make()
+    net, x, y = net.to("meta"), x.to("meta"), y.to("meta")
+    with pytest.raises(nasdiag.hessian.CurvatureError, match="meta device") as raised:
+        run(net, x, y)
+    assert "\n" not in str(raised.value)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in net.modules())

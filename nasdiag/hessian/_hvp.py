@@ -242,6 +242,11 @@ def scalar_loss(loss_fn: Callable, outputs, targets) -> torch.Tensor:
             f"loss_fn returned dtype {loss.dtype}; a Hessian needs a floating-point loss: compute it from the outputs "
             "without casting to an integer type"
         )
+    if loss.is_meta:  # every later step reads values (.item(), a copy to the host): torch's errors there name none of this
+        raise CurvatureError(
+            "the loss is on the meta device (the model and batch have shapes but no values), so there is no curvature "
+            "to compute; materialise the model (model.to_empty(device=...), then load the weights) and pass a batch with values"
+        )
     if isinstance(outputs, torch.Tensor) and outputs.requires_grad and loss.grad_fn is None and loss is not outputs:
         raise CurvatureError(
             "loss_fn(outputs, targets) does not depend on the model outputs (it returned a tensor without an autograd "

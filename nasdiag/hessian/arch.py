@@ -164,9 +164,9 @@ def arch_diag_hessian(
                 "(or wrap the model), or use mode='exact', which takes any outputs loss_fn accepts"
             )
         recorder.check_complete()
+        loss = scalar_loss(loss_fn, outputs, targets)
         if wrt == "alpha":  # while the graph from α to the weights is alive
             _check_softmax_weights(recorder.weights, recorder.with_graph)
-        loss = scalar_loss(loss_fn, outputs, targets)
         h_out = output_hessian_diagonal(loss_fn, outputs, targets)
         _, h_nodes, g_nodes = walk_diagonals(tracer, loss, outputs, h_out, mode, observe=recorder.observe)
 
