@@ -51,6 +51,14 @@ def assert_no_module_hooks(model) -> None:
             assert not getattr(m, attr, None), f"{attr} left on {name or 'model'}"
 
 
+def live_tensors() -> int:
+    """Tensors the garbage collector can reach, after a collection: a count that must not grow across steps."""
+    import gc
+
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor))  # type(): no proxy lookups
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free now (for a gloo rendezvous or torchrun's master)."""
     import socket

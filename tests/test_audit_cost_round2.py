@@ -10,7 +10,6 @@ L − H (Thm. 2, eq. 12). Thm. 1's "eps → 0" is eps = 1e-12.
 
 import contextlib
 import copy
-import gc
 import math
 import warnings
 
@@ -24,7 +23,7 @@ from nasdiag.cost import degree_rule, register_homogeneity_rule
 from nasdiag.errors import NasdiagError
 from nasdiag.probe import ProbeError
 
-from conftest import assert_no_module_hooks
+from conftest import assert_no_module_hooks, live_tensors
 from test_audit_newuser_round3 import Mixed
 
 C, HW, B, N_CLS = 4, 4, 4, 3
@@ -597,10 +596,6 @@ class TinyCell(nn.Module):
         return torch.cat([n1, self.edges[1](x, w[1]) + self.edges[2](n1, w[2])], 1)
 
 
-def _live_tensors():
-    gc.collect()
-    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
-
 
 def test_the_path_split_leaves_other_hooks_alone():
     """Before: the split ran a nested autograd.grad inside the backward, which fired every hook between an edge's
@@ -656,10 +651,10 @@ def test_no_tensor_is_kept_across_200_steps_with_every_option():
 
     for _ in range(5):
         step()
-    before = _live_tensors()
+    before = live_tensors()
     for _ in range(200):
         step()
-    assert _live_tensors() <= before
+    assert live_tensors() <= before
     assert probe.statistics()["cost/edges/count"].min() == 205
     assert_no_module_hooks(cell)
 

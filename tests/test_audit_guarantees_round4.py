@@ -43,6 +43,8 @@ from nasdiag.probe import ProbeError
 from nasdiag.supernet import Network
 from nasdiag.supernet.cell import Cell
 
+from conftest import live_tensors
+
 DT = torch.float64
 PRIMITIVES = ("none", "skip_connect", "avg_pool_3x3", "sep_conv_3x3")
 
@@ -168,13 +170,6 @@ def test_checks_skipped_at_a_nan_step_run_at_the_next_finite_step(model):
 
 
 # -- memory: nothing kept across steps ---------------------------------------------------------------------------
-
-
-def live_tensors() -> int:
-    import gc
-
-    gc.collect()
-    return sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor))  # type(): no proxy lookups
 
 
 @pytest.mark.parametrize("case", ["layer_norm_training_steps", "batch_norm_curvature_calls"])

@@ -11,6 +11,8 @@ from torch import nn
 
 from nasdiag.hessian import CurvatureError, UnsupportedModuleError, alpha_diag_hessian, arch_diag_hessian, diag_hessian
 
+from conftest import live_tensors
+
 DT = torch.float64
 
 
@@ -228,12 +230,6 @@ def test_batch_norm_followed_by_an_inplace_relu_stays_exact():
 # -- nothing kept alive between calls -------------------------------------------------------------------
 
 
-def _live_tensors() -> int:
-    import gc
-
-    gc.collect()
-    return sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor))  # type(): no proxy lookups
-
 
 @pytest.mark.parametrize("call", ["exact_z", "exact_alpha_per_edge", "alpha_diag", "eigenvalues"])
 def test_exact_curvature_calls_leave_no_tensors_behind(call):
@@ -252,10 +248,10 @@ def test_exact_curvature_calls_leave_no_tensors_behind(call):
         "eigenvalues": lambda: hessian_eigenvalues(net, F.cross_entropy, x, y, params=[net.alpha]),
     }[call]
     run()  # first call: lazily built caches
-    before = _live_tensors()
+    before = live_tensors()
     for _ in range(3):
         run()
-    assert _live_tensors() == before
+    assert live_tensors() == before
 
 
 # -- a fan-out that rejoins inside one module ------------------------------------------------------------

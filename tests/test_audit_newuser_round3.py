@@ -18,7 +18,6 @@ costs; ``statistics="sampled"`` refused a user's mixed op whose forward takes th
 it did not take them.
 """
 
-import gc
 import math
 import pathlib
 import re
@@ -35,7 +34,7 @@ import nasdiag
 from nasdiag.errors import NasdiagError
 from nasdiag.probe import ProbeError
 
-from conftest import assert_no_module_hooks
+from conftest import assert_no_module_hooks, live_tensors
 
 DT = torch.float64
 C, HW, B, N_CLS = 3, 4, 4, 3
@@ -420,11 +419,6 @@ def test_snas_per_sample_gumbel_weights_costs_sampled_statistics_and_curvature_e
 
 
 # -- hooks, memory, misuse -------------------------------------------------------------------------------------------
-def _live_tensors():
-    gc.collect()
-    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
-
-
 def test_hooks_are_gone_after_an_exception_in_the_users_forward_and_the_next_step_is_exact():
     net = nb_net(cells=1)
     x, y = image_batch()
@@ -467,10 +461,10 @@ def test_no_tensor_is_kept_across_200_steps_of_a_user_supernet_with_sampled_stat
 
     for _ in range(5):
         step()
-    before = _live_tensors()
+    before = live_tensors()
     for _ in range(200):
         step()
-    assert _live_tensors() <= before
+    assert live_tensors() <= before
     assert (probe.statistics()["cost/edges/count"] == 205).all()
     assert_no_module_hooks(net)
 

@@ -23,7 +23,6 @@ in a CostError that named no edge; one mixed op module serving two edges with di
 the PC-DARTS refusal said "relative deviation inf".
 """
 
-import gc
 import tracemalloc
 import warnings
 
@@ -39,7 +38,7 @@ from nasdiag import cost
 from nasdiag.errors import NasdiagError
 from nasdiag.probe import ProbeError
 
-from conftest import assert_no_module_hooks
+from conftest import assert_no_module_hooks, live_tensors
 
 DT = torch.float64
 PRIMS = ["none", "max_pool_3x3", "skip_connect", "sep_conv_3x3", "dil_conv_3x3"]
@@ -699,11 +698,6 @@ def test_hooks_are_gone_after_every_exit_path_and_the_next_step_is_exact():
     assert_no_module_hooks(net)
 
 
-def _live_tensors():
-    gc.collect()
-    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
-
-
 @pytest.mark.slow
 def test_300_search_steps_keep_no_tensor_and_no_python_memory():
     """300 steps with the path split (node hooks), the curvature's kept batch and weights, and every result read. Python
@@ -721,7 +715,7 @@ def test_300_search_steps_keep_no_tensor_and_no_python_memory():
 
     for _ in range(20):
         step()
-    before = _live_tensors()
+    before = live_tensors()
     tracemalloc.start()
     try:
         for _ in range(100):
@@ -732,7 +726,7 @@ def test_300_search_steps_keep_no_tensor_and_no_python_memory():
         grown = tracemalloc.get_traced_memory()[0] - start
     finally:
         tracemalloc.stop()
-    assert _live_tensors() <= before
+    assert live_tensors() <= before
     assert grown < 10 * 1024, grown
     assert (probe.statistics()["cost/normal/count"] == 300).all()
     assert_no_module_hooks(net)

@@ -2,7 +2,6 @@
 hooks, no side effects, streaming statistics, bad input."""
 
 import copy
-import gc
 import warnings
 
 import numpy as np
@@ -15,7 +14,7 @@ import nasdiag
 from nasdiag.probe import Probe, ProbeError
 from nasdiag.supernet import MixedOp, Network
 
-from conftest import assert_no_module_hooks, float64_batch as batch, tiny_network as tiny_net
+from conftest import assert_no_module_hooks, live_tensors, float64_batch as batch, tiny_network as tiny_net
 
 
 def z_leaves(net, kind, B=None, seed=2):
@@ -210,11 +209,6 @@ class Toy(nn.Module):
         return self.head(x.flatten(1))
 
 
-def _live_tensors():
-    gc.collect()
-    return sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
-
-
 def test_memory_stays_flat_over_1000_steps():
     torch.manual_seed(0)
     model = Toy()
@@ -231,10 +225,10 @@ def test_memory_stays_flat_over_1000_steps():
 
     for _ in range(20):
         step()
-    before = _live_tensors()
+    before = live_tensors()
     for _ in range(1000):
         step()
-    after = _live_tensors()
+    after = live_tensors()
     assert after <= before, f"{after - before} tensors leaked over 1000 steps"
     assert probe.statistics()["cost/edges/count"].min() == 1020
     assert_no_module_hooks(model)
