@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from nasdiag.cost.errors import CostError
 
 
 def loss_minus_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -19,7 +20,20 @@ def loss_minus_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
 
     Returns:
         0-dim tensor L − H (mean over the batch), dtype of ``logits``.
+
+    Raises:
+        CostError: logits not (B, N), or targets not B integer labels in [0, N) (fewer labels than rows would
+            average L over some samples and H over all of them).
     """
+    if logits.dim() != 2:
+        raise CostError(f"loss_minus_entropy: logits must be (B, N) classifier outputs, got shape {tuple(logits.shape)}")
+    B, N = logits.shape
+    if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool or targets.numel() != B:
+        raise CostError(f"loss_minus_entropy: targets must be {B} integer class labels, one per row of the (B, N) = "
+                        f"{(B, N)} logits, got a {targets.dtype} tensor of shape {tuple(targets.shape)}")
+    if B and not bool(((targets >= 0) & (targets < N)).all()):
+        raise CostError(f"loss_minus_entropy: targets must be class labels in [0, {N}), got values from "
+                        f"{int(targets.min())} to {int(targets.max())}")
     logp = torch.log_softmax(logits, dim=-1)
     loss = -logp.gather(1, targets.reshape(-1, 1)).mean()
     p = logp.exp()

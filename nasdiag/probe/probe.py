@@ -21,6 +21,8 @@ from nasdiag.probe.discovery import CellInfo, ProbeError, discover, is_mixed_op,
 from nasdiag.probe.layout import Group, build_groups
 
 STATISTICS_MODES = ("all", "sampled")
+#: the normalizations whose eps/(var + eps) ``nasdiag.cost.eps_deviation`` measures
+_EPS_NORMS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm, nn.GroupNorm, nn.LayerNorm)
 HESSIAN_MODES = ARCH_MODES  # the curvature modes, spelled once in nasdiag.hessian.modes
 
 
@@ -282,7 +284,8 @@ class Probe:
             for p, e in enumerate(self._edges):
                 for k, op in enumerate(e.ops):
                     norm = analyse(op).invariant_by
-                    if norm is not None and norm is not op and hasattr(norm, "eps"):
+                    # a candidate op that is itself a normalization (a bare BatchNorm2d or LayerNorm op) is measured too
+                    if norm is not None and hasattr(norm, "eps") and (norm is not op or isinstance(norm, _EPS_NORMS)):
                         norms[(p, k)] = norm
             self._norm_cache[key] = norms
         return self._norm_cache[key]
