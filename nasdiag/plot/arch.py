@@ -148,6 +148,8 @@ def wiring_evolution(record, cell: str):
     series(record, path)  # NothingToDraw when there are no rows or only NaN
     rows = valid_rows(record, path)
     rows = rows[np.isfinite(record[path][rows]).all(axis=(1, 2))]
+    if rows.size == 0:  # finite values, but a NaN/inf in every row: no row has a wiring
+        raise NothingToDraw(f"{path} has a NaN or inf in every row; no wiring to derive")
     if "scalars/epoch" in record:  # one cell per epoch end, else a few evenly spaced rows
         ends = np.flatnonzero(record.get("valid/scalars/epoch", np.zeros(len(record["step"]), bool)))
         picked = [int(rows[rows <= r][-1]) for r in ends if (rows <= r).any()]
