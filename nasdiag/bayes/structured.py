@@ -32,6 +32,7 @@ energy E_D/λ^l: the caller passes H of E_D/λ^l, E_D the batch's summed loss.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Sequence, Tuple
 
@@ -43,7 +44,16 @@ __all__ = ["StructuredUpdate", "group_norms", "group_lasso_penalty", "structured
 
 
 def _element_dims(weight: torch.Tensor, group_dims: Sequence[int]) -> Tuple[int, ...]:
-    dims = tuple(sorted(d % weight.dim() for d in group_dims))
+    def is_dim(d) -> bool:
+        try:
+            return not isinstance(d, bool) and -weight.dim() <= operator.index(d) < weight.dim()
+        except TypeError:
+            return False
+
+    if not all(is_dim(d) for d in group_dims):
+        raise BayesError(f"group_dims must be dimensions of the {weight.dim()}-d weight (−{weight.dim()} … "
+                         f"{weight.dim() - 1}), got {tuple(group_dims)}")
+    dims = tuple(sorted(operator.index(d) % weight.dim() for d in group_dims))
     if len(set(dims)) != len(dims) or not dims:
         raise BayesError(f"group_dims must be distinct dimensions of the {weight.dim()}-d weight, got {tuple(group_dims)}")
     return tuple(d for d in range(weight.dim()) if d not in dims)
@@ -88,6 +98,7 @@ def structured_update(weight: torch.Tensor, curvature: torch.Tensor, omega_prev:
         omega_prev: ω(t−1) per group (the shape of ``weight`` along ``group_dims``); Algorithm 3 starts at 1.
         group_dims: the dimensions that index the groups (module docstring).
     """
+    _element_dims(weight, group_dims)  # group_dims checked before they are used below
     if curvature.shape != weight.shape:
         raise BayesError(f"curvature must have the weight's shape {tuple(weight.shape)}, got {tuple(curvature.shape)}")
     want = tuple(weight.shape[d] for d in sorted(d % weight.dim() for d in group_dims))

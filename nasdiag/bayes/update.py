@@ -70,7 +70,9 @@ def omega(gamma_prev: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
     """
     _check_variance("gamma", gamma_prev)
     diff = (gamma_prev - cov).clamp_min(0)  # ≥ 0 up to rounding, since C ≤ γ for H ≥ 0
-    out = torch.where(gamma_prev > 0, diff.sqrt() / gamma_prev, torch.full_like(diff, math.inf))
+    # γ = 0 selects ∞ (not "γ > 0" selects the formula: a NaN γ must give a NaN ω, never the ∞ of a dead switch,
+    # which would make s = 0 and prune the op on a NaN)
+    out = torch.where(gamma_prev == 0, torch.full_like(diff, math.inf), diff.sqrt() / gamma_prev)
     return torch.where(torch.isinf(gamma_prev), torch.zeros_like(out), out)
 
 
@@ -121,6 +123,9 @@ def posterior_mean(w_star: torch.Tensor, grad: torch.Tensor, curvature: torch.Te
 def parent_matrix(edge_nodes: Sequence[Tuple[int, int]], device=None) -> torch.Tensor:
     """(E, E) float 0/1 matrix P with P[e, f] = 1 when edge f = (i, j) enters the source node j of edge
     e = (j, k): the predecessors Σ_{i<j} e_ij of A.2.14. Edges leaving a cell input have no predecessor."""
+    edge_nodes = list(edge_nodes)
+    if not all(isinstance(e, (tuple, list)) and len(e) == 2 for e in edge_nodes):
+        raise BayesError(f"edge_nodes must be (source node, target node) pairs, got {edge_nodes!r}")
     E = len(edge_nodes)
     P = torch.zeros(E, E, device=device)
     src = torch.tensor([i for i, _ in edge_nodes], device=device)
@@ -161,6 +166,9 @@ def prune(alive: torch.Tensor, gamma: torch.Tensor) -> Tuple[torch.Tensor, torch
     Shapes: alive (E, K) bool, gamma (E, K); returns (alive (E, K) bool, emptied (E,) bool — edges whose last
     alive ops this update pruned). NaN γ prunes nothing (the op stays; the caller records the NaN).
     """
+    if alive.shape != gamma.shape or alive.dtype != torch.bool:
+        raise BayesError(f"alive must be a bool tensor of gamma's shape {tuple(gamma.shape)}, got {alive.dtype} "
+                         f"{tuple(alive.shape)}")
     keep = alive & ~(entropy(gamma) <= 0)
     return keep, alive.any(-1) & ~keep.any(-1)
 

@@ -10,8 +10,19 @@ __all__ = ["cell_depth"]
 Cell = Sequence[Tuple]
 
 
+def _is_integer(value) -> bool:
+    try:
+        return not isinstance(value, (bool, str)) and int(value) == value
+    except (TypeError, ValueError, OverflowError):
+        return False
+
+
 def _sources(cell: Cell, edges_per_node: int):
-    cell = list(cell)
+    try:
+        cell = list(cell)
+    except TypeError:
+        raise RegretError(f"a cell is a list of (op name, input node) pairs (Genotype.normal) or a Genotype, got "
+                          f"{type(cell).__name__}") from None
     if not cell:
         raise RegretError("the cell is empty: a cell list needs (op name, input node) pairs")
     sources = []
@@ -25,7 +36,7 @@ def _sources(cell: Cell, edges_per_node: int):
             source, target = gene[1], 2 + position // edges_per_node
         else:
             source, target = gene[1], gene[2]
-        if isinstance(source, bool) or int(source) != source or not 0 <= source < target:
+        if not _is_integer(source) or not 0 <= source < target:
             raise RegretError(
                 f"gene {position} {tuple(gene)!r}: input node must be an integer in [0, {target}) for node "
                 f"{target} (0, 1 are the cell inputs, 2.. the intermediate nodes, edges_per_node="
@@ -71,7 +82,7 @@ def cell_depth(
                 depths[kind] = cell_depth(genes, getattr(cell, f"{kind}_concat", None),
                                           edges_per_node=edges_per_node)
         return depths
-    if isinstance(edges_per_node, bool) or int(edges_per_node) != edges_per_node or edges_per_node < 1:
+    if not _is_integer(edges_per_node) or edges_per_node < 1:
         raise RegretError(f"edges_per_node must be a positive integer, got {edges_per_node!r}")
     sources = _sources(cell, int(edges_per_node))
     if concat is not None:

@@ -103,6 +103,17 @@ def _positive(name: str, value, *, integer: bool = False, allow_inf: bool = Fals
     return value
 
 
+def _check_state_shapes(state: dict, shapes: dict) -> None:
+    """Refuse a state whose entries are missing or do not have this forecaster's shapes (a corrupt or edited state
+    would otherwise be loaded and break, or silently broadcast, at a later update)."""
+    for key, shape in shapes.items():
+        if key not in state:
+            raise RegretError(f"the state has no {key!r}; pass a Forecaster.state_dict() of this configuration")
+        got = tuple(torch.as_tensor(state[key]).shape)
+        if got != tuple(shape):
+            raise RegretError(f"the state's {key} has shape {got}, this forecaster's is {tuple(shape)}; the state is corrupt")
+
+
 class _RegretTally:
     """Cumulative linearized losses ``l'_t(.) = -R_t`` (eq 18-19) and the regret of eq 31 / 32.
 
@@ -148,7 +159,7 @@ class _ExpertsState:
         self.n_experts = _positive("n_experts", n_experts, integer=True)
         self.lr = _positive("lr", lr)
         self.shape = _as_shape(shape)
-        if not dtype.is_floating_point:
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise RegretTypeError(f"dtype must be a floating-point dtype, got {dtype}")
         self.dtype, self.device = dtype, torch.device(device) if device is not None else torch.device("cpu")
         full = self.shape + (self.n_experts,)
@@ -246,6 +257,7 @@ class _ExpertsState:
         if mine != theirs:
             diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
             raise RegretError(f"this state belongs to a forecaster configured differently (saved, current): {diff}")
+        _check_state_shapes(state, self._state_shapes())  # before anything is loaded
         as_state = lambda t: torch.as_tensor(t).to(dtype=self.dtype, device=self.device).clone()  # noqa: E731
         self._log_v = as_state(state["log_weights"])
         self._rounds = int(state["rounds"])
@@ -255,6 +267,11 @@ class _ExpertsState:
 
     def _config(self) -> dict:
         return {"kind": type(self).__name__, "n_experts": self.n_experts, "lr": self.lr, "shape": tuple(self.shape)}
+
+    def _state_shapes(self) -> dict:
+        """The shape of every tensor of :meth:`state_dict` that :meth:`load_state_dict` checks."""
+        full = tuple(self.shape) + (self.n_experts,)
+        return {"log_weights": full, "forecaster_reward": tuple(self.shape), "expert_reward": full}
 
 
 class Forecaster(_ExpertsState):
@@ -356,6 +373,10 @@ class Forecaster(_ExpertsState):
 
     def _config(self) -> dict:
         return {**super()._config(), "loss_bound": self.loss_bound, "horizon": self.horizon, "zeta": self.zeta}
+
+    def _state_shapes(self) -> dict:
+        return {**super()._state_shapes(), "alive": tuple(self.shape) + (self.n_experts,), "log_gamma": tuple(self.shape),
+                "bound_violations": tuple(self.shape)}
 
     @property
     def alive(self) -> torch.Tensor:

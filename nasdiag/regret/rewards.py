@@ -62,6 +62,13 @@ def rewards_from_gradient(grad_prediction: torch.Tensor, expert_predictions: tor
             "expert_predictions must have shape (..., K, D) with D the last dimension of "
             f"grad_prediction; got {tuple(expert_predictions.shape)} and {tuple(grad_prediction.shape)}"
         )
+    try:
+        torch.broadcast_shapes(expert_predictions.shape[:-2], grad_prediction.shape[:-1])
+    except RuntimeError:
+        raise RegretError(
+            f"the leading shapes of expert_predictions (..., K, D) and grad_prediction (..., D) must broadcast; got "
+            f"{tuple(expert_predictions.shape)} and {tuple(grad_prediction.shape)}"
+        ) from None
     return -(expert_predictions * grad_prediction.unsqueeze(-2)).sum(-1)
 
 
@@ -90,5 +97,8 @@ def gd_softmax_reward(rewards: torch.Tensor, weights: torch.Tensor) -> torch.Ten
         )
     # Eq 37 is DARTS's alpha-gradient (wiring supplement §2.1) with C = -R, negated: the maths lives
     # once, in nasdiag.cost.
-    rewards, weights = torch.broadcast_tensors(rewards, weights)
+    try:
+        rewards, weights = torch.broadcast_tensors(rewards, weights)
+    except RuntimeError:
+        raise RegretError(f"rewards and weights must broadcast, got {tuple(rewards.shape)} and {tuple(weights.shape)}") from None
     return -darts_alpha_grad(-rewards, weights)

@@ -8,8 +8,8 @@ from typing import Optional
 
 import torch
 
-from nasdiag.regret.forecaster import Forecaster, SoftmaxGD
-from nasdiag.regret.errors import RegretError
+from nasdiag.regret.forecaster import Forecaster, SoftmaxGD, _positive
+from nasdiag.regret.errors import RegretError, RegretTypeError
 
 __all__ = ["GaussianExpertsOutcome", "default_loss_bound", "simulate_gaussian_experts"]
 
@@ -86,11 +86,23 @@ def simulate_gaussian_experts(
         generator: torch RNG for reproducibility.
         dtype: float64 by default.
     """
+    try:
+        if isinstance(sigma, (str, bytes, bool)):
+            raise TypeError
+        sigma = float(sigma)
+    except (TypeError, ValueError):
+        raise RegretTypeError(f"sigma must be a number (the reward noise's standard deviation), got {sigma!r}") from None
     if sigma < 0 or not math.isfinite(sigma):
         raise RegretError(f"sigma must be a finite standard deviation >= 0, got {sigma}")
-    loss_bound = default_loss_bound(sigma) if loss_bound is None else float(loss_bound)
-    lr = Forecaster.optimal_lr(n_steps, loss_bound, n_experts) if lr is None else float(lr)
-    gd_lr = lr if gd_lr is None else float(gd_lr)
+    # named as the caller named them (Forecaster would call them N, T, shape)
+    n_experts = _positive("n_experts", n_experts, integer=True)
+    n_runs = _positive("n_runs", n_runs, integer=True)
+    n_steps = _positive("n_steps", n_steps, integer=True)
+    if n_experts < 2:
+        raise RegretError(f"n_experts must be >= 2 (one expert leaves nothing to select), got {n_experts}")
+    loss_bound = default_loss_bound(sigma) if loss_bound is None else _positive("loss_bound", loss_bound)
+    lr = Forecaster.optimal_lr(n_steps, loss_bound, n_experts) if lr is None else _positive("lr", lr)
+    gd_lr = lr if gd_lr is None else _positive("gd_lr", gd_lr)
     xnas = Forecaster(n_experts, lr, loss_bound, n_steps, zeta=zeta, shape=(n_runs,), dtype=dtype)
     gd = SoftmaxGD(n_experts, gd_lr, shape=(n_runs,), dtype=dtype)
     biases = torch.randn(n_runs, n_experts, generator=generator, dtype=dtype)

@@ -13,6 +13,7 @@ FISTA, which is the accelerated scheme eq 6–8 reformulate (Huang & Wang 2018).
 
 from __future__ import annotations
 
+import math
 from typing import Iterable, Optional
 
 import torch
@@ -26,14 +27,31 @@ def _momentum(t: int) -> float:
 
 
 def _check_options(lr: float, lam: float, alpha: float, *, scheduled: bool = False) -> None:
+    for name, value in (("learning rate", lr), ("sparsity strength lam (λ)", lam), ("alpha (α)", alpha)):
+        try:
+            if isinstance(value, (str, bytes, bool)):
+                raise TypeError
+            float(value)
+        except (TypeError, ValueError, RuntimeError):
+            raise ConfigError(f"{name} must be a number, got {value!r}") from None
     # a schedule may anneal η to 0 (cosine to eta_min = 0; a finished run extended stays there): a step at η = 0
     # leaves z = A and the prox the identity, so only the momentum of eq 7-8 moves A
-    if not (lr >= 0 if scheduled else lr > 0):
-        raise ConfigError(f"learning rate must be > 0, got {lr}")
-    if not lam >= 0:
-        raise ConfigError(f"sparsity strength lam (λ) must be >= 0, got {lam}")
+    if not (lr >= 0 if scheduled else lr > 0) or lr == math.inf:
+        raise ConfigError(f"learning rate must be a finite number > 0, got {lr}")
+    if not lam >= 0 or lam == math.inf:
+        raise ConfigError(f"sparsity strength lam (λ) must be a finite number >= 0, got {lam}")
     if not 0 <= alpha <= 1:
         raise ConfigError(f"alpha (α) balances element and group sparsity and must be in [0, 1], got {alpha}")
+
+
+def _check_group_ids(g, index: int, p: torch.Tensor) -> None:
+    if not isinstance(g, torch.Tensor) or g.dtype not in (torch.int32, torch.int64):
+        raise ConfigError(f"groups[{index}] must be an integer tensor of group ids, got "
+                          f"{g.dtype if isinstance(g, torch.Tensor) else type(g).__name__}")
+    if g.shape != p.shape:
+        raise ConfigError(f"groups[{index}] has shape {tuple(g.shape)} but its parameter has {tuple(p.shape)}")
+    if g.numel() and int(g.min()) < 0:
+        raise ConfigError(f"groups[{index}] must hold group ids 0..G−1, got the negative id {int(g.min())}")
 
 
 def _groups_of(group: dict, index: int, p: torch.Tensor) -> torch.Tensor:
@@ -56,6 +74,9 @@ class _HierarchicalProximal(torch.optim.Optimizer):
             if group.get("groups") is not None and len(group["groups"]) != len(group["params"]):
                 raise ConfigError(f"give one groups tensor per parameter: {len(group['params'])} parameters, "
                                   f"{len(group['groups'])} groups tensors")
+            for i, p in enumerate(group["params"]):
+                if group.get("groups") is not None:
+                    _check_group_ids(group["groups"][i], i, p)
 
     def _gradient_step(self, p, grad, state, group):  # -> (z_t, per-element step sizes η_i)
         raise NotImplementedError
@@ -121,8 +142,14 @@ class AdamHAPG(_HierarchicalProximal):
 
     def __init__(self, params: Iterable, lr: float = 3e-4, betas=(0.5, 0.999), eps: float = 1e-8, lam: float = 0.0,
                  alpha: float = 0.5, groups: Optional[list] = None):
-        if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
+        try:
+            b1, b2 = (float(b) for b in betas)
+        except (TypeError, ValueError):
+            raise ConfigError(f"Adam betas must be two numbers (β₁, β₂), got {betas!r}") from None
+        if not (0 <= b1 < 1 and 0 <= b2 < 1):
             raise ConfigError(f"Adam betas must be in [0, 1), got {tuple(betas)}")
+        if isinstance(eps, (str, bool)) or not isinstance(eps, (int, float)) or not eps > 0:
+            raise ConfigError(f"Adam eps must be a number > 0 (it keeps the step sizes η_i finite), got {eps!r}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, lam=lam, alpha=alpha, groups=groups))
 
     def _gradient_step(self, p, grad, state, group):

@@ -22,7 +22,19 @@ def _check_groups(z: torch.Tensor, groups: torch.Tensor) -> int:
         raise ConfigError(f"groups must have the parameter's shape {tuple(z.shape)}, got {tuple(groups.shape)}")
     if groups.dtype not in (torch.int32, torch.int64):
         raise ConfigError(f"groups must be an integer tensor of group ids, got {groups.dtype}")
+    if groups.numel() and int(groups.min()) < 0:
+        raise ConfigError(f"groups must hold group ids 0..G−1, got the negative id {int(groups.min())}")
     return int(groups.max()) + 1 if groups.numel() else 0
+
+
+def _check_threshold(threshold: Threshold, what: str) -> None:
+    """A proximal threshold t = η·λ·(…) must be ≥ 0: a negative one would expand z instead of shrinking it. (NaN is
+    let through: it makes the result NaN, visibly, as a NaN gradient does.)"""
+    t = torch.as_tensor(threshold)
+    if t.dtype == torch.bool or t.is_complex():
+        raise ConfigError(f"the {what} threshold must be a real number or tensor, got {t.dtype}")
+    if bool((t < 0).any()):
+        raise ConfigError(f"the {what} threshold must be >= 0 (a step size times λα or λ(1 − α)), got {float(t.min())}")
 
 
 def group_norms(z: torch.Tensor, groups: torch.Tensor) -> tuple:
@@ -41,6 +53,7 @@ def prox_l1(z: torch.Tensor, threshold: Threshold) -> torch.Tensor:
         z: any shape. threshold: t ≥ 0, a scalar or a tensor broadcastable to z (per-element step sizes
             of AdamHAPG: t_i = η_i λα).
     """
+    _check_threshold(threshold, "ℓ1")
     return torch.sign(z) * torch.clamp(z.abs() - threshold, min=0)
 
 
@@ -57,7 +70,11 @@ def prox_group(z: torch.Tensor, threshold: Threshold, groups: torch.Tensor) -> t
         z's shape; a group whose norm is at most √|z_(n)| t_n is exactly zero.
     """
     norms, sizes = group_norms(z, groups)
+    _check_threshold(threshold, "group")
     t = torch.as_tensor(threshold, dtype=z.dtype, device=z.device)
+    if t.dim() and t.shape != norms.shape:
+        raise ConfigError(f"the group threshold must be a scalar or one value per group, shape {tuple(norms.shape)}, "
+                          f"got {tuple(t.shape)}")
     # a zero group stays zero (0/0 is the subgradient case ‖z‖ ≤ threshold)
     scale = torch.clamp(1 - sizes.sqrt() * t / torch.where(norms > 0, norms, torch.ones_like(norms)), min=0)
     scale = torch.where(norms > 0, scale, torch.zeros_like(scale))
