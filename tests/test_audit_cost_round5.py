@@ -11,7 +11,12 @@ Defects found (each test fails without its fix):
 * ``invariance_deviation()`` was NaN, never measured, for a candidate op that is itself a normalization (a bare
   ``BatchNorm2d`` op), though ``scale_invariant_ops()`` flags it
   (test_a_bare_normalization_candidate_op_gets_its_measured_deviation).
+* A model deep-copied inside a ``record()`` block (second-order DARTS's unrolled twin) took copies of the probe's
+  router and of the step's captures along with the installed hooks, and every later forward and backward of the
+  twin appended to them: ~30 tensors a step, forever (test_a_twin_deep_copied_inside_the_block_is_inert).
 """
+
+import copy
 
 from fractions import Fraction
 
@@ -21,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from conftest import live_tensors
 
 import nasdiag
 from nasdiag.cost import CostError, CostMoments, degree_rule, loss_minus_entropy, register_homogeneity_rule
@@ -310,3 +317,28 @@ def test_two_probes_at_once_and_checkpointed_cells_equal_autograd(reentrant):
                 torch.testing.assert_close(costs[_name(i, e)], net.Z[i].grad[e], rtol=1e-12, atol=1e-15)
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in net.modules())
     assert R5Net.forward is original
+
+
+def test_a_twin_deep_copied_inside_the_block_is_inert():
+    """The twin's own step inside the block adds nothing to the probe's costs (its parameters are others), and
+    its hooks, copied with the model, keep nothing across its later steps."""
+    torch.manual_seed(0)
+    net = R5Net()
+    net.Z = _softmax_z(net)
+    probe = nasdiag.attach(net)
+    x, y = _batch()
+    with probe.record():
+        twin = copy.deepcopy(net)
+        twin.Z = [z.detach().clone().requires_grad_() for z in net.Z]
+        F.cross_entropy(twin(x), y).backward()
+        F.cross_entropy(net(x), y).backward()
+    costs = probe.costs()
+    for i in range(3):
+        for e in range(5):
+            torch.testing.assert_close(costs[_name(i, e)], net.Z[i].grad[e], rtol=1e-12, atol=1e-15)
+    twin.Z = [z.detach() for z in twin.Z]
+    counts = []
+    for _ in range(4):
+        F.cross_entropy(twin(x), y).backward()
+        counts.append(live_tensors())
+    assert counts[-1] == counts[1], counts

@@ -28,36 +28,52 @@ from nasdiag.probe.discovery import CellInfo, ProbeError
 
 class Router:
     """The probe's planned hooks (built once at ``attach``, see :mod:`nasdiag.hooks`) call these; they
-    forward to the step being recorded (``capture``)."""
+    forward to the step being recorded (``capture``), and do nothing outside a step.
+
+    A model deep-copied inside a ``record()`` block (e.g. the unrolled twin of second-order DARTS) copies the
+    installed hooks with it; their copy of the router is a fresh one without a step, so the twin's hooks record
+    nothing and keep nothing (a copied router held a copy of the step's captures, and every later forward and
+    backward of the twin appended to it: a leak of ~30 tensors a step on a 3-cell supernet)."""
 
     __slots__ = ("capture",)
 
     def __init__(self):
         self.capture: Optional["StepCapture"] = None
 
+    def __deepcopy__(self, memo) -> "Router":
+        return Router()
+
     def edge_pre(self, pos, module, args, kwargs):
-        return self.capture.edge_pre(pos, module, args, kwargs)
+        cap = self.capture
+        return None if cap is None else cap.edge_pre(pos, module, args, kwargs)
 
     def edge_post(self, pos, module, args, output):
-        return self.capture.edge_post(pos, module, args, output)
+        cap = self.capture
+        return None if cap is None else cap.edge_post(pos, module, args, output)
 
     def candidate_post(self, slots, module, args, output):
-        return self.capture.candidate_post(slots, module, args, output)
+        cap = self.capture
+        return None if cap is None else cap.candidate_post(slots, module, args, output)
 
     def cell_pre(self, pos, module, args):
-        return self.capture.cell_pre(pos, module, args)
+        cap = self.capture
+        return None if cap is None else cap.cell_pre(pos, module, args)
 
     def cell_post(self, pos, module, args, output):
-        return self.capture.cell_post(pos, module, args, output)
+        cap = self.capture
+        return None if cap is None else cap.cell_post(pos, module, args, output)
 
     def norm_pre(self, key, module, args):
-        return self.capture.norm_pre(key, module, args)
+        cap = self.capture
+        return None if cap is None else cap.norm_pre(key, module, args)
 
     def model_pre(self, module, args, kwargs):
-        return self.capture.model_pre(module, args, kwargs)
+        cap = self.capture
+        return None if cap is None else cap.model_pre(module, args, kwargs)
 
     def model_post(self, module, args, output):
-        return self.capture.model_post(module, args, output)
+        cap = self.capture
+        return None if cap is None else cap.model_post(module, args, output)
 
 
 class EdgeCall:
