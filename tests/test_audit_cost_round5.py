@@ -13,10 +13,12 @@ Defects found (each test fails without its fix):
   (test_a_bare_normalization_candidate_op_gets_its_measured_deviation).
 * A model deep-copied inside a ``record()`` block (second-order DARTS's unrolled twin) took copies of the probe's
   router and of the step's captures along with the installed hooks, and every later forward and backward of the
-  twin appended to them: ~30 tensors a step, forever (test_a_twin_deep_copied_inside_the_block_is_inert).
+  twin appended to them: ~30 tensors a step, forever; the same for a model saved whole (``torch.save(model)``) inside
+  the block and loaded (test_a_twin_deep_copied_inside_the_block_is_inert).
 """
 
 import copy
+import io
 
 from fractions import Fraction
 
@@ -319,7 +321,15 @@ def test_two_probes_at_once_and_checkpointed_cells_equal_autograd(reentrant):
     assert R5Net.forward is original
 
 
-def test_a_twin_deep_copied_inside_the_block_is_inert():
+def _saved_and_loaded(net):
+    buf = io.BytesIO()
+    torch.save(net, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+@pytest.mark.parametrize("duplicate", [copy.deepcopy, _saved_and_loaded], ids=["deepcopy", "torch.save"])
+def test_a_twin_deep_copied_inside_the_block_is_inert(duplicate):
     """The twin's own step inside the block adds nothing to the probe's costs (its parameters are others), and
     its hooks, copied with the model, keep nothing across its later steps."""
     torch.manual_seed(0)
@@ -328,7 +338,7 @@ def test_a_twin_deep_copied_inside_the_block_is_inert():
     probe = nasdiag.attach(net)
     x, y = _batch()
     with probe.record():
-        twin = copy.deepcopy(net)
+        twin = duplicate(net)
         twin.Z = [z.detach().clone().requires_grad_() for z in net.Z]
         F.cross_entropy(twin(x), y).backward()
         F.cross_entropy(net(x), y).backward()

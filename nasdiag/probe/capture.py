@@ -30,18 +30,19 @@ class Router:
     """The probe's planned hooks (built once at ``attach``, see :mod:`nasdiag.hooks`) call these; they
     forward to the step being recorded (``capture``), and do nothing outside a step.
 
-    A model deep-copied inside a ``record()`` block (e.g. the unrolled twin of second-order DARTS) copies the
-    installed hooks with it; their copy of the router is a fresh one without a step, so the twin's hooks record
-    nothing and keep nothing (a copied router held a copy of the step's captures, and every later forward and
-    backward of the twin appended to it: a leak of ~30 tensors a step on a 3-cell supernet)."""
+    A model deep-copied (or pickled, ``torch.save(model)``) inside a ``record()`` block (e.g. the unrolled twin of
+    second-order DARTS) copies the installed hooks with it; their copy of the router is a fresh one without a step,
+    so the twin's hooks record nothing and keep nothing (a copied router held a copy of the step's captures, and
+    every later forward and backward of the twin appended to it: a leak of ~30 tensors a step on a 3-cell
+    supernet)."""
 
     __slots__ = ("capture",)
 
     def __init__(self):
         self.capture: Optional["StepCapture"] = None
 
-    def __deepcopy__(self, memo) -> "Router":
-        return Router()
+    def __reduce__(self):  # copy.deepcopy and pickle: a router without a step
+        return (Router, ())
 
     def edge_pre(self, pos, module, args, kwargs):
         cap = self.capture
