@@ -15,6 +15,10 @@ Defects found (each test fails without its fix):
   router and of the step's captures along with the installed hooks, and every later forward and backward of the
   twin appended to them: ~30 tensors a step, forever; the same for a model saved whole (``torch.save(model)``) inside
   the block and loaded (test_a_twin_deep_copied_inside_the_block_is_inert).
+* ``invariance_deviation()`` chose its ops by the model's train/eval mode when read, not the step's: read after a
+  validation pass in eval mode it dropped every BatchNorm op measured in the training step, and after an eval-mode
+  step read in train mode it gave NaN for ops that were not invariant in that step
+  (test_invariance_deviation_is_that_of_the_steps_mode_whatever_the_mode_when_read).
 """
 
 import copy
@@ -352,3 +356,27 @@ def test_a_twin_deep_copied_inside_the_block_is_inert(duplicate):
         F.cross_entropy(twin(x), y).backward()
         counts.append(live_tensors())
     assert counts[-1] == counts[1], counts
+
+
+def test_invariance_deviation_is_that_of_the_steps_mode_whatever_the_mode_when_read():
+    torch.manual_seed(0)
+    net = R5Net(layers=2)
+    net.Z = _softmax_z(net)
+    bn = net.cells[1]._ops[3]._ops[2][2]  # relu -> conv -> BN of edge 3, op 2
+    seen = {}
+    h = bn.register_forward_pre_hook(lambda m, a: seen.__setitem__("x", a[0].detach()))
+    probe = nasdiag.attach(net, norm_deviation=True)
+    x, y = _batch()
+    with probe.record():  # a training step
+        F.cross_entropy(net(x), y).backward()
+    h.remove()
+    var = seen["x"].var(dim=(0, 2, 3), unbiased=False)
+    expected = float((bn.eps / (var + bn.eps)).max())
+    net.eval()  # e.g. a validation pass before the diagnostics are logged
+    row = probe.invariance_deviation()[_name(1, 3)]
+    assert set(row) == {"0:R5Zero", "2:Sequential", "3:Sequential", "4:Sequential"}
+    assert row["2:Sequential"] == pytest.approx(expected, rel=1e-12) and row["0:R5Zero"] == 0.0
+    with probe.record():  # an eval-mode step: BatchNorm with running statistics is affine, no op but Zero is invariant
+        F.cross_entropy(net(x), y).backward()
+    net.train()
+    assert probe.invariance_deviation()[_name(1, 3)] == {"0:R5Zero": 0.0}

@@ -38,7 +38,7 @@ def _check_hessian_mode(mode, where: str) -> None:
 class _StepResult:
     """The small per-step results kept after a block (no activations, no graph)."""
 
-    __slots__ = ("per_sample", "costs", "matrix", "available", "not_run", "selected", "paths", "node_costs", "deviation",
+    __slots__ = ("per_sample", "costs", "matrix", "available", "not_run", "selected", "paths", "node_costs", "deviation", "invariant",
                  "model_inputs", "targets", "model_output", "output_grad", "first_weights")
 
     def __init__(self):
@@ -51,6 +51,8 @@ class _StepResult:
         self.paths: List[Dict[str, List[torch.Tensor]]] = []
         self.node_costs: List[Optional[torch.Tensor]] = []
         self.deviation: Dict[Tuple[int, int], torch.Tensor] = {}
+        #: norm_deviation: the ops scale-invariant in the train/eval mode of the step, (edge, op) -> constant op?
+        self.invariant: Dict[Tuple[int, int], bool] = {}
         self.model_inputs = None
         self.targets = None
         self.model_output = None
@@ -158,6 +160,8 @@ class Probe:
         self._moments: Dict[str, CostMoments] = {}
         self._last: Optional[_StepResult] = None
         self._norm_cache: Dict[bool, Dict[Tuple[int, int], nn.Module]] = {}
+        self._invariant_cache: Dict[bool, Dict[Tuple[int, int], bool]] = {}  # per mode: (edge, op) -> constant op?
+        self._step_mode = False  # train/eval mode of the model when the current block began
         self._router = Router()
         self._plans: Dict[Optional[bool], Hooks] = {}
         if self.norm_deviation:
@@ -208,6 +212,7 @@ class Probe:
         if self._recording:
             raise ProbeError("probe.record() blocks cannot be nested")
         self._last = None  # a failed block leaves no stale step behind
+        self._step_mode = self.model.training
         plan = self._hook_plan()
         cap = StepCapture(self._edges, self._cells, path_split=self.path_split,
                           check_convention=self._convention_unchecked, incoming=self._incoming,
@@ -239,6 +244,8 @@ class Probe:
         if result is None:
             return
         result.targets = block.targets
+        if self.norm_deviation:  # which ops were invariant is a property of the step's mode, not of the mode when read
+            result.invariant = self._invariant_cache[self._step_mode]
         self._convention_unchecked = cap.check_convention
         self._nodes_unchecked = cap.check_nodes
         self._last = result
@@ -280,14 +287,18 @@ class Probe:
         """(edge, op) -> the normalization that makes the op scale-invariant; cached per train/eval mode."""
         key = self.model.training
         if key not in self._norm_cache:
-            norms = {}
+            norms, invariant = {}, {}
             for p, e in enumerate(self._edges):
                 for k, op in enumerate(e.ops):
-                    norm = analyse(op).invariant_by
+                    h = analyse(op)
+                    norm = h.invariant_by
+                    if h.invariant:
+                        invariant[(p, k)] = norm is op and not hasattr(op, "eps")  # a constant op: J = 0 exactly
                     # a candidate op that is itself a normalization (a bare BatchNorm2d or LayerNorm op) is measured too
                     if norm is not None and hasattr(norm, "eps") and (norm is not op or isinstance(norm, _EPS_NORMS)):
                         norms[(p, k)] = norm
             self._norm_cache[key] = norms
+            self._invariant_cache[key] = invariant
         return self._norm_cache[key]
 
     def _collect(self, cap: StepCapture) -> _StepResult:
@@ -502,8 +513,9 @@ class Probe:
     def invariance_deviation(self) -> Dict[str, Dict[str, float]]:
         """Relative deviation from exact invariance at the real eps, measured at the last step:
         ``{edge: {op name: max over groups of eps/(var + eps)}}`` of the normalization that makes the op
-        invariant (``nasdiag.cost.eps_deviation``), for every scale-invariant op; 0.0 for ``Zero`` ops.
-        Needs ``attach(..., norm_deviation=True)`` (one variance per normalization input)."""
+        invariant (``nasdiag.cost.eps_deviation``), for every op scale-invariant in the train/eval mode the step
+        ran in (whatever the mode is when this is read, e.g. after a validation pass in eval mode); 0.0 for
+        ``Zero`` ops. Needs ``attach(..., norm_deviation=True)`` (one variance per normalization input)."""
         if not self.norm_deviation:
             raise ProbeError("invariance_deviation() needs attach(model, ..., norm_deviation=True)")
         r = self._require_step()
@@ -511,10 +523,9 @@ class Probe:
         for p, e in enumerate(self._edges):
             row = {}
             for k, op in enumerate(e.ops):
-                h = analyse(op)
-                if not h.invariant:
+                if (p, k) not in r.invariant:
                     continue
-                if h.invariant_by is op and not hasattr(op, "eps"):
+                if r.invariant[(p, k)]:
                     row[e.op_names[k]] = 0.0  # constant op: J = 0 exactly
                 elif (p, k) in r.deviation:
                     row[e.op_names[k]] = float(r.deviation[(p, k)])
