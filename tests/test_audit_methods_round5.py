@@ -13,6 +13,7 @@ float64 ``Network``), used as a function of (w, Z).
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -24,6 +25,7 @@ from nasdiag.search import Schedule, get_method
 from nasdiag.supernet import Network
 from test_audit_methods_round2 import SGD, cosine  # momentum SGD with decay, the cosine lr
 from test_audit_methods_round2 import Reference as Round2Reference
+from test_audit_methods_round3 import _assert_same  # nested tensors/dicts/lists equal, bit for bit
 
 B = 4
 
@@ -471,3 +473,36 @@ def test_a_state_saved_after_wipeouts_prunes_or_second_order_steps_continues_bit
     for (n, a), b in zip(first.network.named_parameters(), second.network.parameters()):
         assert torch.equal(a, b), (name, n)
     assert first.genotype() == second.genotype()
+
+
+@pytest.mark.parametrize("first_order", [True, False])
+def test_sparsenas_arch_gradient_changes_no_state(first_order):
+    """``SparseNAS.arch_gradient`` promises ∇_A l_val "computed without changing any state". First order it went through
+    ``SearchMethod.cost``: a train-mode forward of the network itself, which moved every BatchNorm running statistic
+    (and replaced the batch the Hessian diagnostics use). Now both orders leave buffers, parameters, .grad, the
+    optimizers and the diagnostics' batch as they were; the first-order value is ∂l_val/∂A by autograd (Z = A)."""
+    cls = get_method("sparsenas")
+    torch.manual_seed(4)
+    net = Network(4, 3, 3, steps=2, multiplier=2, in_channels=1, primitives=cls.primitives[:3]).double()
+    method = cls(net, cls.Hyperparameters(first_order=first_order), schedule=Schedule(epochs=2, steps_per_epoch=2,
+                                                                                      batch_size=B))
+    train, val, other = batches(3, 17)
+    method.step(train, val)  # optimizer states and the diagnostics' batch exist
+    before = {n: b.clone() for n, b in net.named_buffers()}
+    params = {n: p.detach().clone() for n, p in net.named_parameters()}
+    last = getattr(method, "_last_arch_batch", None)
+    state = copy.deepcopy(method.state_dict())
+    net.zero_grad(set_to_none=True)
+    grads = method.arch_gradient(train, other)
+    for n, b in net.named_buffers():
+        assert torch.equal(b, before[n]), n
+    for n, p in net.named_parameters():
+        assert torch.equal(p.detach(), params[n]) and p.grad is None, n
+    assert getattr(method, "_last_arch_batch", None) is last
+    _assert_same(method.state_dict()["objects"], state["objects"])  # optimizers, schedulers
+    if first_order:
+        ref = Reference(net)
+        A = {t: a.detach().clone().requires_grad_(True) for t, a in net.alphas().items()}
+        want = torch.autograd.grad(ref.loss(ref.w, *other[:1], other[1], A), list(A.values()))
+        for (t, _), w in zip(A.items(), want):
+            torch.testing.assert_close(grads[t], w, rtol=1e-10, atol=1e-14)

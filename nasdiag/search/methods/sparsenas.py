@@ -29,7 +29,7 @@ from nasdiag.search.hyperparameters import hp
 from nasdiag.errors import ConfigError
 from nasdiag.search.methods.darts import DARTS, SGDAdamHyperparameters
 from nasdiag.search.registry import register
-from nasdiag.search.unrolled import sgd_momentum_buffers, unrolled_gradient, weight_params
+from nasdiag.search.unrolled import functional_cost, sgd_momentum_buffers, unrolled_gradient, weight_params
 from nasdiag.sparse import HAPG, AdamHAPG
 from nasdiag.supernet import DARTS_PRIMITIVES, MixedGenotype, derive_mixed_genotype
 
@@ -150,9 +150,10 @@ class SparseNAS(DARTS):
         """``{cell type: (E, K)}`` ∇_A l_val (eq 11): the second-order estimate of eq 13 (or the first-order
         one), computed without changing any state. The penalty enters through the proximal step, not here."""
         A = self.forward_weights()
-        if self.hp.first_order:
-            result = self.cost(*val_batch, A, observe=False)
-            return dict(result.costs)
+        if self.hp.first_order:  # functional, on copies of the buffers: SearchMethod.cost would move BatchNorm's
+            params = {n: p.detach() for n, p in weight_params(self.network).items()}  # running statistics
+            buffers = {n: b.detach().clone() for n, b in self.network.named_buffers()}
+            return dict(functional_cost(self.network, params, buffers, *val_batch, A).costs)
         return self._unrolled(train_batch, val_batch, A).arch_grad
 
     def _unrolled(self, train_batch, val_batch, A, observe_probe: bool = False):
