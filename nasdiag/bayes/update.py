@@ -66,7 +66,7 @@ def omega(gamma_prev: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
 
     ω² is the gradient in s of the concave part log s + log(1/s + H) of the cost A.2.1 at s = γ(t−1)
     (A.2.7). γ = 0 (a dead switch) gives ω = ∞, so the switch stays 0 (A.2.13); γ = ∞ gives the limit
-    ω = 0 (√(γ − C)/γ ~ 1/√γ).
+    ω = 0 (√(γ − C)/γ ~ 1/√γ); a NaN γ gives NaN (kept, never taken for a dead switch).
     """
     _check_variance("gamma", gamma_prev)
     diff = (gamma_prev - cov).clamp_min(0)  # ≥ 0 up to rounding, since C ≤ γ for H ≥ 0
