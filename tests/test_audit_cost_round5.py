@@ -380,3 +380,113 @@ def test_invariance_deviation_is_that_of_the_steps_mode_whatever_the_mode_when_r
         F.cross_entropy(net(x), y).backward()
     net.train()
     assert probe.invariance_deviation()[_name(1, 3)] == {"0:R5Zero": 0.0}
+
+
+class R5Gated(R5Mixed):
+    """ProxylessNAS/DSNAS style: only the ops some sample's gate selects are run."""
+
+    def forward(self, x, weights):
+        if weights.dim() == 2:
+            return sum(weights[:, k].reshape(-1, 1, 1, 1) * op(x) for k, op in enumerate(self._ops)
+                       if bool(weights[:, k].ne(0).any()))
+        return sum(w * op(x) for w, op in zip(weights, self._ops) if bool(w != 0))
+
+
+def test_sampled_statistics_of_per_sample_one_hot_gates_that_run_only_the_selected_ops():
+    """(B, K) one-hot gates per sample: the (B, K) costs of the ops that ran are ∂L/∂Z_bk, the others NaN; with
+    statistics='sampled' an (edge, op) is observed at a step where some sample selected it (docs/probe.md), and
+    count, mean and variance equal numpy's over the autograd costs of those steps."""
+    torch.manual_seed(0)
+    net = R5Net()
+    for c in net.cells:
+        for e in range(5):
+            gated = R5Gated("relu-conv-bn", "bn", 1e-5)
+            gated._ops = c._ops[e]._ops
+            c._ops[e] = gated
+    probe = nasdiag.attach(net, statistics="sampled")
+    g = torch.Generator().manual_seed(3)
+    rows, masks = [], []
+    for step in range(8):
+        x, y = _batch(step)
+        net.Z = [F.one_hot(torch.randint(0, K, (B, 5), generator=g), K).to(DT).requires_grad_() for _ in net.cells]
+        with pytest.warns(RuntimeWarning, match="did not run"):
+            with probe.record():
+                F.cross_entropy(net(x), y).backward()
+        per_sample = probe.costs(per_sample=True)
+        for i, z in enumerate(net.Z):
+            ran = z.detach().ne(0).any(0)  # (E, K)
+            for e in range(5):
+                got = per_sample[_name(i, e)]
+                torch.testing.assert_close(got[:, ran[e]], z.grad[:, e][:, ran[e]], rtol=1e-12, atol=1e-15)
+                assert bool(torch.isnan(got[:, ~ran[e]]).all())
+            rows.append(z.grad.sum(0).numpy())
+            masks.append(ran.numpy())
+    st = probe.statistics()
+    R, M = np.array(rows), np.array(masks)
+    count = M.sum(0)
+    assert (st["cost/normal/count"] == count).all() and (count > 0).all()
+    mean = (R * M).sum(0) / count
+    np.testing.assert_allclose(st["cost/normal/mean"], mean, rtol=1e-10, atol=1e-16)
+    np.testing.assert_allclose(st["cost/normal/var"], (((R - mean) ** 2) * M).sum(0) / count, rtol=1e-8, atol=1e-18)
+
+
+def _invariant_numerically(op, x):
+    with torch.no_grad():
+        a, b, c = op(x), op(2.7 * x), op(0.4 * x)
+    tol = 1e-7 * float(a.abs().max()) + 1e-12
+    return bool((a - b).abs().max() <= tol and (a - c).abs().max() <= tol)
+
+
+def test_a_float32_model_moved_to_float64_after_attach_and_switched_to_eval():
+    """Costs equal autograd in float64 after .double(); scale_invariant_ops() follows the current mode and agrees
+    with evaluating f(c·x) = f(x) on each op at its recorded input (eps = 1e-12)."""
+    torch.manual_seed(0)
+    net = R5Net(eps=1e-12).float()
+    probe = nasdiag.attach(net)
+    x, y = _batch()
+    net.Z = [z.detach().float() for z in _softmax_z(net)]
+    with probe.record():
+        F.cross_entropy(net(x.float()), y).backward()
+    net.double()
+    for mode in (True, False):
+        net.train(mode)
+        net.zero_grad()
+        net.Z = _softmax_z(net, seed=5)
+        inputs = {}
+        hooks = [m.register_forward_pre_hook(lambda mod, a, i=i, e=e: [inputs.setdefault((i, e), a[0].detach()), None][1])
+                 for i, c in enumerate(net.cells) for e, m in enumerate(c._ops)]
+        with probe.record():
+            F.cross_entropy(net(x), y).backward()
+        for h in hooks:
+            h.remove()
+        costs, flags = probe.costs(), probe.scale_invariant_ops()
+        for i, c in enumerate(net.cells):
+            for e, m in enumerate(c._ops):
+                assert costs[_name(i, e)].dtype == DT
+                torch.testing.assert_close(costs[_name(i, e)], net.Z[i].grad[e], rtol=1e-10, atol=1e-15)
+                numeric = [_invariant_numerically(op, inputs[(i, e)]) for op in m._ops]
+                assert flags[_name(i, e)].tolist() == numeric, (mode, i, e)
+        assert flags[_name(0, 0)].tolist() == ([True, False, True, True, True] if mode else [True, False, False, False, False])
+
+
+def test_bad_edge_maps_and_mixing_weights_are_one_line_probe_errors():
+    torch.manual_seed(0)
+    net = R5Net(layers=1)
+    mixed = net.cells[0]._ops[0]
+    bad_maps = [{"a": "cells.0._ops.0"}, {}, {"a": mixed, "b": mixed}, {"a": (mixed, [])},
+                {"a": (mixed, [net.cells[0]._ops[1]._ops[2]])}, {"a": net.cells[0]}, {"a": nn.Linear(2, 2)}]
+    for edges in bad_maps:
+        with pytest.raises(nasdiag.probe.ProbeError) as err:
+            nasdiag.attach(net, edges=edges)
+        assert "\n" not in str(err.value)
+    x, y = _batch()
+    z = _softmax_z(net)[0].detach()
+    net.Z = [torch.cat([z, z[:, :1]], 1)]  # K + 1 weights for K candidates
+    probe = nasdiag.attach(net)
+    with pytest.raises(nasdiag.probe.ProbeError, match="weights of shape") as err:
+        with probe.record():
+            F.cross_entropy(net(x), y).backward()
+    assert "\n" not in str(err.value)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in net.modules())
+    with pytest.raises(nasdiag.probe.ProbeError, match="no completed recorded step"):
+        probe.costs()
