@@ -49,7 +49,9 @@ def diag_hessian(
       (sums at fan-outs). Exact for the last layer when the loss Hessian's diagonal is all that layer
       sees (an FC last layer with any per-sample loss); drops off-diagonal pre-activation terms below.
     * ``"approx"``: the feature-mean approximation C.2.4-C.2.5 (and its FC analogue): each linear
-      layer replaces the pre-activation diagonal by its mean over batch and space per channel. Cheapest.
+      layer replaces the pre-activation diagonal by its mean over batch and space per channel, and a
+      BatchNorm/InstanceNorm through its statistics passes on the mean of its input diagonal over each of its
+      groups. Cheapest.
     * ``"hutchinson:<k>"`` (e.g. ``"hutchinson:16"``): Hutchinson's unbiased estimate of the exact
       diagonal from k Rademacher probes (k Hessian-vector products, seed 0); k has no default.
 

@@ -141,8 +141,10 @@ class NormRule(HessianRule):
     def input_approx(self, call: ModuleCall, h_out: torch.Tensor) -> torch.Tensor:
         """Feature-mean version for BatchNorm/InstanceNorm through their statistics: the mean over each
         normalization group (a channel, or a channel of one sample) of :meth:`input_diag`, from five
-        sums per group instead of the full elementwise formula; broadcast back over the group. The
-        feature-mean recursion averages over these groups at the next linear layer anyway."""
+        sums per group instead of the full elementwise formula; broadcast back over the group. Where a
+        linear layer produced the norm's input, its feature mean takes this same mean anyway; through an
+        activation in between, the activation then sees C.2.5's ``E(σ'²) E(h)`` instead of ``E(σ'² h)``
+        (docs/hessian.md, the ``approx`` row)."""
         m = call.module
         if not (self.through_statistics and _uses_batch_statistics(m)) or isinstance(m, (nn.GroupNorm, nn.LayerNorm)):
             return self.input_diag(call, h_out)
