@@ -490,3 +490,20 @@ def test_bad_edge_maps_and_mixing_weights_are_one_line_probe_errors():
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in net.modules())
     with pytest.raises(nasdiag.probe.ProbeError, match="no completed recorded step"):
         probe.costs()
+
+
+def test_results_read_inside_the_block_say_to_read_them_after_it():
+    """Before: 'no completed recorded step: run `with probe.record(): ...` first', inside that very block."""
+    torch.manual_seed(0)
+    net = R5Net(layers=1)
+    net.Z = _softmax_z(net)
+    probe = nasdiag.attach(net, path_split=True)
+    x, y = _batch()
+    for _ in range(2):  # also inside a second block, after a completed one
+        with probe.record():
+            F.cross_entropy(net(x), y).backward()
+            for read in (probe.costs, probe.output_costs, probe.path_costs, probe.cell_type_costs):
+                with pytest.raises(nasdiag.probe.ProbeError, match="after the block") as err:
+                    read()
+                assert "\n" not in str(err.value)
+    torch.testing.assert_close(probe.costs()[_name(0, 0)], net.Z[0].grad[0] / 2, rtol=1e-12, atol=1e-15)

@@ -385,6 +385,11 @@ class Probe:
 
     # -- results of the last step ---------------------------------------------------------------
     def _require_step(self) -> _StepResult:
+        if self._last is None and self._recording:
+            raise ProbeError(
+                "the step being recorded is complete only when its `with probe.record():` block ends (the costs are "
+                "collected then); read costs(), output_costs() and the other results after the block"
+            )
         if self._last is None:
             raise ProbeError(
                 "no completed recorded step: run `with probe.record(): loss = ...; loss.backward()` first "
