@@ -19,6 +19,15 @@ Defects found (each test fails without its fix):
   validation pass in eval mode it dropped every BatchNorm op measured in the training step, and after an eval-mode
   step read in train mode it gave NaN for ops that were not invariant in that step
   (test_invariance_deviation_is_that_of_the_steps_mode_whatever_the_mode_when_read).
+* Results read inside the ``record()`` block said "no completed recorded step: run `with probe.record(): ...`
+  first", inside that very block (test_results_read_inside_the_block_say_to_read_them_after_it).
+
+Checked and right (references in the tests): costs, per-sample costs (per-sample leaf Z), output costs (node
+multipliers), path parts (zero taps) on the minimal cell; Thm. 1 / Cor. 1.2 / Thm. 2 for three stacking orders and
+BatchNorm, affine BatchNorm and LayerNorm (GroupNorm(1, C)) at eps = 1e-12, L and H written out from eq. 3 and the
+entropy; streaming moments against fractions at |mean|/std up to 1e15 with masks and a merge; two probes at once;
+activation checkpointing (reentrant or not); sampled statistics of per-sample one-hot gates; a float32 model moved
+to float64 after attach; train/eval flags against f(c·x) = f(x).
 """
 
 import copy
