@@ -506,3 +506,26 @@ def test_sparsenas_arch_gradient_changes_no_state(first_order):
         want = torch.autograd.grad(ref.loss(ref.w, *other[:1], other[1], A), list(A.values()))
         for (t, _), w in zip(A.items(), want):
             torch.testing.assert_close(grads[t], w, rtol=1e-10, atol=1e-14)
+
+
+def test_xnas_step_past_its_horizon_is_one_search_error_before_anything_moves():
+    """T (eq 4, the thresholds' horizon) is the run's steps × r_c. A step past it took its SGD step on w (and moved
+    BatchNorm's statistics) and only then met the forecaster's HorizonError, whose advice ("create it with the horizon
+    you need") is for the regret API, not a search: the state was left half-updated. Now it is one SearchError line,
+    raised before w, the buffers or the forecasters change."""
+    from nasdiag.search import SearchError
+    cls = get_method("xnas")
+    torch.manual_seed(0)
+    net = Network(4, 3, 3, steps=2, multiplier=2, in_channels=1, primitives=("skip_connect", "avg_pool_3x3")).double()
+    method = cls(net, schedule=Schedule(epochs=1, steps_per_epoch=2, batch_size=B))
+    data = batches(6, 3)
+    method.step(data[0], data[1])
+    method.step(data[2], data[3])
+    before = {n: t.clone() for n, t in net.state_dict().items()}
+    forecasters = copy.deepcopy(method.forecasters.state_dict())
+    with pytest.raises(SearchError) as excinfo:
+        method.step(data[4], data[5])
+    _one_line(excinfo, "all 2 steps", "horizon", "--epochs")
+    for n, t in net.state_dict().items():
+        assert torch.equal(t, before[n]), n
+    _assert_same(method.forecasters.state_dict(), forecasters)

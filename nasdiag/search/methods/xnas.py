@@ -182,6 +182,11 @@ class XNAS(SearchMethod):
         return {t: torch.stack(rows) for t, rows in by_type.items()}
 
     def step(self, train_batch: Batch, val_batch: Batch) -> Dict[str, torch.Tensor]:
+        if any(f.rounds + self.replications[t] > f.horizon for t, f in self.forecasters.items()):
+            # before w moves: past the horizon the forecasters refuse their rounds (the thresholds depend on T − t)
+            raise SearchError(f"xnas has taken all {self.schedule.total_steps} steps of its run ({self.schedule.epochs} epochs "
+                              f"× {self.schedule.steps_per_epoch} steps): the wipeout thresholds and η* (eq 4) are fixed by "
+                              "that horizon T; start a new run with the wanted --epochs")
         u, active = self.probabilities(), self.active_ops()
         stats: Dict[str, torch.Tensor] = {"scalars/w_lr": torch.tensor(self.w_optimizer.param_groups[0]["lr"]),
                                           "scalars/active_fraction": self._active_fraction(active)}
