@@ -72,7 +72,7 @@ def prox_group(z: torch.Tensor, threshold: Threshold, groups: torch.Tensor) -> t
     norms, sizes = group_norms(z, groups)
     _check_threshold(threshold, "group")
     t = torch.as_tensor(threshold, dtype=z.dtype, device=z.device)
-    if t.dim() and t.shape != norms.shape:
+    if t.numel() != 1 and t.shape != norms.shape:
         raise ConfigError(f"the group threshold must be a scalar or one value per group, shape {tuple(norms.shape)}, "
                           f"got {tuple(t.shape)}")
     # a zero group stays zero (0/0 is the subgradient case ‖z‖ ≤ threshold)
