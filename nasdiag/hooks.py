@@ -99,10 +99,11 @@ class Hooks:
         """``fn(module, args, output)`` after ``module``'s forward (a non-None return replaces the output)."""
         self._plan(module, "forward", fn, False)
 
-    def forward_pre(self, module: nn.Module, fn: Callable, with_kwargs: bool = False) -> None:
+    def forward_pre(self, module: nn.Module, fn: Callable, with_kwargs: bool = False, prepend: bool = False) -> None:
         """``fn(module, args)`` (``fn(module, args, kwargs)`` with ``with_kwargs``) before ``module``'s forward;
-        a non-None return replaces the arguments."""
-        self._plan(module, "forward_pre", fn, bool(with_kwargs))
+        a non-None return replaces the arguments. ``prepend``: run before the module's pre-hooks installed earlier
+        (an argument substitution that hooks already in place, e.g. a probe's, must see)."""
+        self._plan(module, "forward_pre", fn, bool(with_kwargs), bool(prepend))
 
     def tensor(self, tensor: torch.Tensor, fn: Callable) -> None:
         """``fn(grad)`` when the gradient of ``tensor`` is computed; only while installed, removed with the plan."""
@@ -117,14 +118,14 @@ class Hooks:
             raise RuntimeError("Hooks.node() adds a hook for the current block only; call it inside `with hooks:`")
         self._tensor_handles.append(node.register_hook(fn))
 
-    def _plan(self, module: nn.Module, kind: str, fn: Callable, with_kwargs: bool) -> None:
+    def _plan(self, module: nn.Module, kind: str, fn: Callable, with_kwargs: bool, prepend: bool = False) -> None:
         if self.fast:
             hooks = module._forward_hooks if kind == "forward" else module._forward_pre_hooks
             flags = module._forward_pre_hooks_with_kwargs if with_kwargs else None
             # a unique object, never an int, so it cannot collide with a RemovableHandle id
-            entry = (hooks, object(), fn, flags)
+            entry = (hooks, object(), fn, flags, prepend)
         else:
-            entry = (module, kind, fn, with_kwargs)
+            entry = (module, kind, fn, with_kwargs, prepend)
         self._planned.append(entry)
         if self.installed:
             self._install((entry,))
@@ -143,21 +144,23 @@ class Hooks:
 
     def _install(self, entries) -> None:
         if self.fast:
-            for hooks, key, fn, flags in entries:
+            for hooks, key, fn, flags, prepend in entries:
                 hooks[key] = fn
+                if prepend:
+                    hooks.move_to_end(key, last=False)
                 if flags is not None:
                     flags[key] = True
             return
-        for module, kind, fn, with_kwargs in entries:
+        for module, kind, fn, with_kwargs, prepend in entries:
             if kind == "forward":
                 self._handles.append(module.register_forward_hook(fn))
             else:
-                self._handles.append(module.register_forward_pre_hook(fn, with_kwargs=with_kwargs))
+                self._handles.append(module.register_forward_pre_hook(fn, with_kwargs=with_kwargs, prepend=prepend))
 
     def remove(self) -> None:
         """Take every module and tensor hook of this plan off again (the plan itself is kept)."""
         if self.fast:
-            for hooks, key, _, flags in reversed(self._planned):
+            for hooks, key, _, flags, _ in reversed(self._planned):
                 hooks.pop(key, None)
                 if flags is not None:
                     flags.pop(key, None)

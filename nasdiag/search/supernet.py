@@ -78,8 +78,10 @@ class AdaptedSupernet(nn.Module):
 
     ``forward(x, weights, active)`` calls the model's own forward; for its duration (hooks of one
     ``nasdiag.hooks.Hooks`` plan, removed in ``finally`` on every path) a forward pre-hook on every mixed
-    op replaces the mixing-weights argument its cell passes (DARTS: softmax(α)) by the row of the given
-    per-cell Z, so ∂L/∂Z reaches the Z leaves and α is untouched by the forward.
+    op replaces the mixing-weights argument its cell passes (DARTS: softmax(α); positional, or by the keyword of the
+    op's second forward parameter) by the row of the given per-cell Z, so ∂L/∂Z reaches the Z leaves and α is
+    untouched by the forward. It runs before the op's other pre-hooks, so a probe (``nasdiag.attach(network)``) and the
+    curvature routes see the Z the method passes.
 
     Active ops: with ``active``, the pre-hook also hands the mixed op a ModuleList of its active candidates
     (swapped into ``_ops`` for this call, restored in ``finally``) and the matching entries of Z, so the
@@ -91,7 +93,7 @@ class AdaptedSupernet(nn.Module):
 
     def __init__(self, model: nn.Module, *, alphas=None, primitives=None, skip_inactive: bool = True):
         super().__init__()
-        from nasdiag.probe.discovery import ProbeError, discover
+        from nasdiag.probe.discovery import ProbeError, discover, weights_parameter
 
         self.model = model
         try:
@@ -130,9 +132,13 @@ class AdaptedSupernet(nn.Module):
         self._alpha_names = self._bind_alphas(alphas, K)
         # per mixed op: (cell slot, edge index, candidate ops); the pre-hook plan is built once
         self._where = {id(e.module): (slot_of[e.cell_index], e.edge_index, e.ops) for e in edges}
+        # the name of each mixed op's weights parameter, for a cell that passes them by keyword (``op(x, weights=w)``)
+        self._weights_names = {id(e.module): weights_parameter(e.module) for e in edges}
         self._hooks = Hooks()
         for e in edges:
-            self._hooks.forward_pre(e.module, self._substitute, with_kwargs=True)
+            # first among the op's pre-hooks: a probe's or a curvature route's hooks, installed before this forward,
+            # then see (and shift) the substituted Z, not the weights the cell passes
+            self._hooks.forward_pre(e.module, self._substitute, with_kwargs=True, prepend=True)
         self.skip_inactive = bool(skip_inactive)
         self._warned_dense = False
         self._forward_state: Optional[Tuple[list, Optional[list]]] = None
@@ -251,7 +257,8 @@ class AdaptedSupernet(nn.Module):
                 row = row * mask.to(row.device, row.dtype)
         if len(args) >= 2:
             return (args[0], row) + tuple(args[2:]), kwargs
-        if "weights" in kwargs:
-            return args, {**kwargs, "weights": row}
+        name = self._weights_names[id(module)]
+        if name in kwargs:
+            return args, {**kwargs, name: row}
         raise ConfigError(f"mixed op {type(module).__name__} was called without its mixing weights (the DARTS convention "
-                          "passes them as the second argument, forward(x, weights))")
+                          f"passes them as the second argument, forward(x, {name}))")
