@@ -21,6 +21,9 @@ Defects found (each test fails without its fix):
   (test_invariance_deviation_is_that_of_the_steps_mode_whatever_the_mode_when_read).
 * Results read inside the ``record()`` block said "no completed recorded step: run `with probe.record(): ...`
   first", inside that very block (test_results_read_inside_the_block_say_to_read_them_after_it).
+* A cell whose forward returns a tuple (output, auxiliary loss) got NaN output costs with "no gradient reached the
+  output of cell(s)", and with path_split a ProbeError "no gradient reached the node", though the gradient did reach
+  the cell's output (test_a_cell_returning_a_tuple_is_named_as_such_not_as_unreached).
 
 Checked and right (references in the tests): costs, per-sample costs (per-sample leaf Z), output costs (node
 multipliers), path parts (zero taps) on the minimal cell; Thm. 1 / Cor. 1.2 / Thm. 2 for three stacking orders and
@@ -516,3 +519,46 @@ def test_results_read_inside_the_block_say_to_read_them_after_it():
                     read()
                 assert "\n" not in str(err.value)
     torch.testing.assert_close(probe.costs()[_name(0, 0)], net.Z[0].grad[0] / 2, rtol=1e-12, atol=1e-15)
+
+
+class R5TupleCell(R5Cell):
+    def forward(self, s0, s1, weights):
+        out = super().forward(s0, s1, weights)
+        return out, out.pow(2).mean()  # (output, an auxiliary loss)
+
+
+class R5TupleNet(R5Net):
+    def forward(self, x):
+        s0 = s1 = self.stem(x)
+        aux = 0
+        for c, z in zip(self.cells, self.Z):
+            out, a = c(s0, s1, z)
+            s0, s1, aux = s1, out, aux + a
+        return self.classifier(F.adaptive_avg_pool2d(s1, 1).flatten(1)), aux
+
+
+def test_a_cell_returning_a_tuple_is_named_as_such_not_as_unreached():
+    """Before: 'no gradient reached the output of cell(s) ...' (output costs) and 'no gradient reached the node
+    through the cell output or its edges' (path split), though the gradient did reach the cell's output."""
+    torch.manual_seed(0)
+    net = R5TupleNet(layers=2)
+    for c in net.cells:
+        c.__class__ = R5TupleCell
+    net.Z = _softmax_z(net)
+    x, y = _batch()
+    probe = nasdiag.attach(net)
+    with probe.record():  # no warning here: a cell may return an auxiliary value if output costs are not read
+        logits, aux = net(x)
+        (F.cross_entropy(logits, y) + 0.1 * aux).backward()
+    for i in range(2):
+        for e in range(5):  # edge costs are unaffected
+            torch.testing.assert_close(probe.costs()[_name(i, e)], net.Z[i].grad[e], rtol=1e-12, atol=1e-15)
+    with pytest.warns(RuntimeWarning, match="returned tuple, not the tensor") as got:
+        oc = probe.output_costs()
+    assert all(torch.isnan(v) for nodes in oc.values() for v in nodes.values())
+    assert not any("no gradient reached" in str(w.message) for w in got)
+    with pytest.raises(nasdiag.probe.ProbeError, match="returned tuple") as err:
+        with nasdiag.attach(net, path_split=True).record():
+            logits, aux = net(x)
+            (F.cross_entropy(logits, y) + 0.1 * aux).backward()
+    assert "\n" not in str(err.value)

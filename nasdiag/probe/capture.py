@@ -172,6 +172,7 @@ class StepCapture:
         self.paths: List[Dict[str, List[Part]]] = [{} for _ in range(N)]
         self.node_costs: List[List[Part]] = [[] for _ in cells]
         self.modified_cells: set = set()  # cells whose output was modified in place after their forward
+        self.cells_not_tensor: Dict[int, str] = {}  # cells whose forward returned no tensor: the type it returned
         self.deviation: Dict[Tuple[int, int], torch.Tensor] = {}
         self.open_edge: List[Optional[EdgeCall]] = [None] * N
         #: per edge, (model forward, weights) of its last call: a second call in the same model forward must have
@@ -402,7 +403,10 @@ class StepCapture:
 
     def cell_post(self, pos: int, module, args, output):
         ccall, self.open_cell[pos] = self.open_cell[pos], None
-        if ccall is None or not isinstance(output, torch.Tensor):
+        if ccall is None:
+            return None
+        if not isinstance(output, torch.Tensor):  # e.g. (output, auxiliary loss): no output costs, output_costs() says why
+            self.cells_not_tensor[pos] = type(output).__name__
             return None
         if output.requires_grad:
             ccall.output = output.detach()  # shares the version counter: an in-place change after the cell shows
@@ -557,6 +561,14 @@ class StepCapture:
         """∂L/∂(edge output) must equal the gradient the split gathered at the edge's end node j, as it does when
         x_j = Σ_i edge_ij(x_i) and nothing else reads x_j; checked once per edge."""
         node = self.edges[call.pos].dst
+        returned = self.cells_not_tensor.get(call.cell_call.pos)
+        if returned is not None:
+            raise ProbeError(
+                f"edge {self.edges[call.pos].name!r}: path_split reads the gradient of cell "
+                f"{self.cells[call.cell_call.pos].name!r}'s output, but its forward returned {returned}, not the tensor of "
+                "its concatenated output nodes; return the cell output tensor from the cell's forward, or attach without "
+                "path_split (costs() do not need it)"
+            )
         gathered = call.cell_call.node_grad.get(node)
         if gathered is None or gathered.shape != g.shape:
             what = ("no gradient reached the node through the cell output or its edges" if gathered is None else
