@@ -13,7 +13,8 @@ per-sample (D, D) block, D = outputs per sample). Give every edge a per-sample s
 
 * ``"ggn"``: with ``v_n = √λ_nc u_nc`` for each c (D backwards, batched), ``Σ_c Σ_n (∂/∂δ_{e,n,k})²``;
 * ``"ggn_mc"``: with ``v_n = Σ_c ε_nc √λ_nc u_nc``, ε Rademacher (E[v vᵀ] = H_n), ``samples``
-  backwards, ``mean_s Σ_n (∂/∂δ_{e,n,k})²``: one extra backward for one sample. For cross-entropy this
+  backwards, ``mean_s Σ_n (∂/∂δ_{e,n,k})²``: one extra backward for one sample. ε is drawn on the CPU from
+  the seed and u_nc carries canonical signs (below), so a seed gives the same numbers on any device. For cross-entropy this
   is the Fisher at labels sampled from the model's predictive distribution in expectation.
 
 Both equal ``diag G`` exactly when samples do not interact in the forward (BatchNorm in eval mode,
@@ -189,7 +190,12 @@ def ggn_factor_rows(
                     "mode 'ggn'/'ggn_mc' needs a loss with non-negative curvature in the model outputs (a convex "
                     "per-sample loss such as cross-entropy or MSE); use mode='exact' or 'diag'"
                 )
-            root = U * lam.clamp_min(0).sqrt()[:, None, :]  # (N, D, D): column c is √λ_c u_c
+            # eigenvector signs made canonical (largest-magnitude entry positive), so that the number does not depend
+            # on the eigensolver's convention (device, LAPACK build): in ggn_mc each draw ε_nc multiplies u_nc, and
+            # where samples couple (train-mode BN) ggn's row c sums sample m's direction c over m
+            pick = U.abs().argmax(1, keepdim=True)  # (N, 1, D)
+            sign = torch.where(torch.gather(U, 1, pick) < 0, -1.0, 1.0).to(U.dtype)
+            root = U * sign * lam.clamp_min(0).sqrt()[:, None, :]  # (N, D, D): column c is √λ_c u_c
             if monte_carlo:
                 check_probe_memory(samples * lam.numel() * (8 + 2 * lam.dtype.itemsize), None, lam.device,
                                    f"mode 'ggn_mc' with samples={samples}", "lower samples (each draw is one more backward)")
@@ -198,11 +204,7 @@ def ggn_factor_rows(
                 eps = (2 * eps - 1).to(lam.dtype)  # (S, N, D) Rademacher
                 V = torch.einsum("ndc,snc->snd", root, eps) / samples**0.5  # (S, N, D)
             else:
-                # eigenvector signs made canonical (largest-magnitude entry positive): where samples couple
-                # (train-mode BN) row c sums sample m's direction c over m, so the signs enter diag G
-                pick = U.abs().argmax(1, keepdim=True)  # (N, 1, D)
-                sign = torch.where(torch.gather(U, 1, pick) < 0, -1.0, 1.0).to(root.dtype)
-                V = (root * sign).permute(2, 0, 1)  # (D, N, D): direction c for every sample
+                V = root.permute(2, 0, 1)  # (D, N, D): direction c for every sample
             V = V.reshape(V.shape[0], *outputs.shape).to(outputs.dtype)
             (grad_out,) = torch.autograd.grad(loss, outputs, retain_graph=True)
             rows = torch.cat([grad_out.unsqueeze(0), V])  # row 0: the gradient, for ∂L/∂Z
