@@ -529,3 +529,42 @@ def test_xnas_step_past_its_horizon_is_one_search_error_before_anything_moves():
     for n, t in net.state_dict().items():
         assert torch.equal(t, before[n]), n
     _assert_same(method.forecasters.state_dict(), forecasters)
+
+
+# == the derived mixed path: removed nodes take the ops leaving them along ==========================================
+@pytest.mark.parametrize("name", ["sparsenas", "bayesnas"])
+def test_a_removed_node_takes_the_ops_leaving_it_out_of_the_mixed_genotype(name):
+    """SparseNAS: "the final architecture will be derived by removing the operations with zero weights and the nodes
+    with all zero incoming weights". A removed node is x_j = 0, so the ops on the edges leaving it carry o(0) = 0: in
+    the supernet they change nothing (checked here: the logits equal those with their weights zeroed). The genotype
+    dropped the node from the output concatenation but kept those ops, e.g. ('sep_conv_3x3', 2, 3) with node 2 gone,
+    and kept a node fed only by removed nodes. BayesNAS the same at the end of a run: A.2.14 switches such ops off
+    only at the next update, which the last one does not have."""
+    cls = get_method(name)
+    prims = cls.primitives[:4]
+    torch.manual_seed(5)
+    net = Network(4, 3, 3, steps=3, multiplier=3, in_channels=1, primitives=prims).double()
+    method = cls(net, schedule=Schedule(epochs=1, steps_per_epoch=1, batch_size=B))
+    edges = net.edge_nodes  # (0,2) (1,2) (0,3) (1,3) (2,3) (0,4) (1,4) (2,4) (3,4)
+    on = torch.zeros(len(edges), len(prims), dtype=torch.bool)  # node 2 without input: removed
+    for edge in ((2, 3), (2, 4), (3, 4)):
+        on[edges.index(edge)] = True  # node 3 fed only by node 2: removed too; their ops into node 4 go with them
+    on[edges.index((1, 4)), 0] = True  # node 4 stays: one op from a cell input
+    with torch.no_grad():
+        for a in net.arch_parameters():
+            a.copy_(torch.where(on, 0.5 + torch.rand(a.shape, dtype=torch.float64), 0.0))
+    if name == "bayesnas":
+        method.alive = {t: on.clone() for t in method.alive}
+    genes = method.genotype()
+    kept = [(prims[0], 1, 4)]
+    assert genes.normal == kept and genes.reduce == kept
+    assert genes.normal_concat == [4] and genes.reduce_concat == [4]
+    # the dropped ops carry nothing: zeroing them leaves the supernet's function as it is
+    x, _ = batches(1, 2)[0]
+    alive_only = {t: torch.where(on, a.detach(), 0.0) for t, a in net.alphas().items()}
+    dropped = torch.zeros_like(on)
+    dropped[edges.index((1, 4)), 0] = True
+    with torch.no_grad():
+        full = net(x, alive_only)
+        reduced = net(x, {t: torch.where(dropped, a, 0.0) for t, a in alive_only.items()})
+    torch.testing.assert_close(full, reduced, rtol=1e-12, atol=1e-12)

@@ -45,7 +45,8 @@ value to every op of an edge and, on nasdiag's supernet, sometimes a negative on
 docs/bayesnas.md).
 
 The genotype is the surviving mixed path: every op still switched on (``derive_mixed_genotype``); a node
-without a surviving incoming op is dropped from the cell's output concatenation.
+without a surviving incoming op (or fed only by such nodes) is dropped from the cell's output concatenation, with
+the ops leaving it (``sparsenas.without_removed_nodes``).
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ from nasdiag.search.base import Batch, CellWeights, SearchMethod, accuracy, fail
 from nasdiag.search.hyperparameters import Hyperparameters, hp
 from nasdiag.search.methods._sampling import check_finite_loss
 from nasdiag.search.registry import register
-from nasdiag.supernet import DARTS_PRIMITIVES, MixedGenotype, derive_mixed_genotype
+from nasdiag.search.methods.sparsenas import without_removed_nodes
+from nasdiag.supernet import DARTS_PRIMITIVES, derive_mixed_genotype
 
 
 class _AtFixedWeights(nn.Module):
@@ -173,10 +175,9 @@ class BayesNAS(SearchMethod):
     def genotype(self):
         net = self.network
         on = {t: m.to(torch.float64) for t, m in self.alive.items()}
-        genes = derive_mixed_genotype(on, net.steps, net.multiplier, net.primitives)
-        live = {t: {j for _, _, j in getattr(genes, t)} for t in ("normal", "reduce")}
-        return MixedGenotype(genes.normal, [n for n in genes.normal_concat if n in live["normal"]],
-                             genes.reduce, [n for n in genes.reduce_concat if n in live["reduce"]])
+        # a node whose incoming ops are all switched off is removed with the ops leaving it (A.2.14 prunes those only
+        # at the next update, which the last one of a run does not have)
+        return without_removed_nodes(derive_mixed_genotype(on, net.steps, net.multiplier, net.primitives))
 
     # -- Algorithm 2 -----------------------------------------------------------------------------------
     def likelihood_step(self, x: torch.Tensor, y: torch.Tensor) -> Dict[str, torch.Tensor]:

@@ -34,6 +34,23 @@ from nasdiag.sparse import HAPG, AdamHAPG
 from nasdiag.supernet import DARTS_PRIMITIVES, MixedGenotype, derive_mixed_genotype
 
 
+def without_removed_nodes(genes: MixedGenotype) -> MixedGenotype:
+    """A mixed genotype with the paper's node sparsity applied: an intermediate node is removed when no op enters it from
+    a cell input or from a node that is kept ("the nodes with all zero incoming weights", §Sparse Supernet; such a node
+    is x_j = 0), and with it the ops that leave it and its place in the output concatenation. Nodes in order, so a node
+    fed only by removed nodes is removed too."""
+    parts = []
+    for kind in ("normal", "reduce"):
+        cell = getattr(genes, kind)
+        live = set()
+        for j in sorted({j for _, _, j in cell}):
+            if any(target == j and (i < 2 or i in live) for _, i, target in cell):
+                live.add(j)
+        kept = [(op, i, j) for op, i, j in cell if j in live and (i < 2 or i in live)]
+        parts += [kept, [n for n in getattr(genes, f"{kind}_concat") if n in live]]
+    return MixedGenotype(*parts)
+
+
 def _refuse_unused(h) -> None:
     """Raise `ConfigError` where a hyperparameter that the chosen configuration never reads was changed (it would be
     accepted and do nothing): ``hapg_lr`` under AdamHAPG, ``alpha_lr`` and ``alpha_betas`` under HAPG,
@@ -136,14 +153,12 @@ class SparseNAS(DARTS):
         return out
 
     def genotype(self):
-        """The mixed path (every non-zero weight); a node without any incoming weight left is removed from the
-        cell's output concatenation (the paper's node sparsity)."""
+        """The mixed path (every non-zero weight) without the removed nodes: a node without any incoming weight left (or
+        fed only by removed nodes) is removed, with the ops leaving it and from the cell's output concatenation (the
+        paper's node sparsity, :func:`without_removed_nodes`)."""
         net = self.network
-        genes = derive_mixed_genotype(self.finite_architecture(self.forward_weights()), net.steps, net.multiplier,
-                                      net.primitives)
-        live = {t: {j for _, _, j in getattr(genes, t)} for t in ("normal", "reduce")}
-        return MixedGenotype(genes.normal, [n for n in genes.normal_concat if n in live["normal"]],
-                             genes.reduce, [n for n in genes.reduce_concat if n in live["reduce"]])
+        return without_removed_nodes(derive_mixed_genotype(self.finite_architecture(self.forward_weights()), net.steps,
+                                                           net.multiplier, net.primitives))
 
     # -- the A step --------------------------------------------------------------------------------
     def arch_gradient(self, train_batch: Batch, val_batch: Batch) -> Dict[str, torch.Tensor]:
