@@ -834,3 +834,33 @@ def test_ggn_modes_do_not_depend_on_the_eigensolvers_sign_convention(mode, monke
     got = arch_diag_hessian(net, ce_sum, x, y, edges, mode=mode, **options)
     monkeypatch.setattr(torch.linalg, "eigh", eigh)
     assert_close(got, arch_diag_hessian(net, ce_sum, x, y, edges, mode=mode, **options), rtol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["ggn_mc", "ggn"])
+def test_ggn_signs_of_eigenvectors_with_entries_of_equal_magnitude_are_canonical_too(mode, monkeypatch):
+    """Two-class cross-entropy: each per-sample block's curvature direction is (1, −1)/√2, whose two entries are equal
+    in magnitude, so 'the largest-magnitude entry' is decided by round-off. An eigensolver answer that differs from
+    another by a sign and an ulp must not change the numbers (under train-mode BN, where ggn pairs directions)."""
+    from nasdiag.hessian import arch_diag_hessian
+
+    net, x, _ = shared_bn()
+    torch.manual_seed(11)
+    net.tail[-1] = nn.Linear(12, 2).double()
+    y = torch.tensor([0, 1, 1, 0])
+    edges = {f"e{i}": (m, list(m.ops)) for i, m in enumerate(net.e)}
+    options = {"samples": 2, "seed": 1} if mode == "ggn_mc" else {}
+    eigh = torch.linalg.eigh
+    results = []
+    for alternate in (False, True):
+        def perturbed(a, *args, alternate=alternate, **kwargs):
+            lam, U = eigh(a, *args, **kwargs)  # (N, 2, 2)
+            order = torch.ones(U.shape[0], dtype=U.dtype)
+            if alternate:
+                order[1::2] = -1
+            ramp = torch.linspace(-1, 1, U.shape[-2], dtype=U.dtype)
+            ulp = 1 + 4 * torch.finfo(U.dtype).eps * order[:, None, None] * ramp[:, None]
+            return lam, U * ulp  # two eigensolvers' answers: entries of equal magnitude an ulp apart, per sample either way
+        monkeypatch.setattr(torch.linalg, "eigh", perturbed)
+        results.append(arch_diag_hessian(net, F.cross_entropy, x, y, edges, mode=mode, **options))
+    # rtol: √λ of the null direction's round-off eigenvalue (~1e-17) enters at ~1e-8 relative
+    assert_close(results[0], results[1], rtol=1e-6)

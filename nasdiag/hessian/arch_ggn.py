@@ -23,7 +23,8 @@ statistics and so every other sample's output: ``∂/∂δ_n`` then carries ``Σ
 of ``J_{n,n}ᵀ v_n``. Then the two differ:
 
 * ``"ggn"`` is ``Σ_c Σ_n (Σ_m √λ_mc u_mcᵀ J_mn)²``: row c pairs the c-th directions of all samples, so the
-  signs of the eigenvectors enter; they are made canonical (largest-magnitude entry positive) so that the
+  signs of the eigenvectors enter; they are made canonical (largest-magnitude entry positive, the first of those
+  equal up to √eps) so that the
   number does not depend on the eigensolver's convention (device, LAPACK build);
 * ``"ggn_mc"`` has expectation ``Σ_{m,n} diag(J_mnᵀ H_m J_mn)`` (independent ε per sample: no cross pairs),
   which ``"ggn"`` could only match with one backward per sample and direction (B·D).
@@ -192,8 +193,12 @@ def ggn_factor_rows(
                 )
             # eigenvector signs made canonical (largest-magnitude entry positive), so that the number does not depend
             # on the eigensolver's convention (device, LAPACK build): in ggn_mc each draw ε_nc multiplies u_nc, and
-            # where samples couple (train-mode BN) ggn's row c sums sample m's direction c over m
-            pick = U.abs().argmax(1, keepdim=True)  # (N, 1, D)
+            # where samples couple (train-mode BN) ggn's row c sums sample m's direction c over m. Entries of equal
+            # magnitude (two-class cross-entropy: (1, −1)/√2) differ by round-off only, so the first entry within
+            # √eps of the largest is taken, not the largest itself
+            mag = U.abs()
+            near_max = mag >= mag.amax(1, keepdim=True) * (1 - torch.finfo(U.dtype).eps ** 0.5)
+            pick = near_max.to(U.dtype).argmax(1, keepdim=True)  # (N, 1, D): argmax returns the first maximum
             sign = torch.where(torch.gather(U, 1, pick) < 0, -1.0, 1.0).to(U.dtype)
             root = U * sign * lam.clamp_min(0).sqrt()[:, None, :]  # (N, D, D): column c is √λ_c u_c
             if monte_carlo:
