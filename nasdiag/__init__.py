@@ -16,3 +16,8 @@ def __getattr__(name):
 
         return attach
     raise AttributeError(f"module 'nasdiag' has no attribute {name!r}")
+
+
+def __dir__():
+    # `attach` is imported on first use: list it, as `dir()` and tab completion would without the laziness
+    return sorted(set(globals()) | set(__all__))

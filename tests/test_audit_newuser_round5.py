@@ -24,7 +24,16 @@ Defects found (each test says which):
   foreign supernets) and of the curvature routes ran before the adapter's substitution of Z: the probe stopped its
   first step blaming the model ("not Σ_k w_k·op_k(x) ... relative deviation 0.9"), and a method's ``exact_per_edge`` /
   ``ggn`` curvature came back as zeros (their shift of Z was overwritten)
-  (``test_a_probe_and_the_curvature_of_a_method_on_an_adapted_supernet_see_the_mixing_weights_the_method_passes``).
+  (``test_a_probe_and_the_curvature_of_a_method_on_an_adapted_supernet_see_the_mixing_weights_the_method_passes``);
+* ``cifar10(root, train_fraction=1.5)`` gave a 49/51 split, 1.0 / 0.0 an empty part, ``limit=-1`` dropped the last image
+  and ``limit=0`` gave empty parts standardised to NaN, silently; ``digits(seed=-1)`` was numpy's "expected
+  non-negative integer"; ``Network(num_classes=0)`` / ``in_channels=0`` built without a word
+  (``test_dataset_and_supernet_arguments_that_cannot_work_are_one_line_before_anything_is_built``);
+* ``nasdiag.attach`` was missing from ``dir(nasdiag)`` (``test_every_public_name_imports_is_listed_by_dir_and_documented``).
+
+Verified and kept as one test each: a user's NB-201 supernet (ModuleDict ops, ParameterList α, keyword weights) gives
+autograd's costs, per-sample costs, output costs and streaming statistics (all ops and sampled); two gloo ranks of a
+user's own loop record the pooled costs and counts, the loss and the exact curvature of the concatenated batch.
 """
 
 import copy
@@ -218,3 +227,340 @@ def test_a_probe_and_the_curvature_of_a_method_on_an_adapted_supernet_see_the_mi
         method.curvature(x, y)
     assert "\n" not in str(err.value) and "(B, K)" in str(err.value)
     assert_no_module_hooks(model)
+
+
+# -- an NB-201-style supernet with its own names: ModuleDict candidates, ParameterList α, weights by keyword ----------
+NB_NAMES = ("none", "skip", "conv", "pool")
+
+
+class Choice(nn.Module):
+    """The user's mixed op: candidates in an ``nn.ModuleDict``, forward ``(x, mix)``, called as ``op(h, mix=w)``."""
+
+    def __init__(self, C):
+        super().__init__()
+        self.paths = nn.ModuleDict({"none": Zero(), "skip": nn.Identity(),
+                                    "conv": nn.Sequential(nn.Tanh(), nn.Conv2d(C, C, 3, padding=1, bias=False)),
+                                    "pool": nn.AvgPool2d(3, 1, 1, count_include_pad=False)})
+
+    def forward(self, x, mix):
+        return sum(m * p(x) for m, p in zip(mix, self.paths.values()))
+
+
+class Block(nn.Module):
+    """NB-201 cell: 4 nodes, an edge for every i < j, node 3 the output; declares the node protocol."""
+
+    cell_type = "normal"
+    output_nodes = [3]
+
+    def __init__(self, C):
+        super().__init__()
+        self.links = nn.ModuleDict({f"{i}to{j}": Choice(C) for j in range(1, 4) for i in range(j)})
+        self.edges = list(self.links.values())  # a plain list: the edge order the node protocol reads
+        self.edge_nodes = [(int(k[0]), int(k[-1])) for k in self.links]
+        self.output_node_slices = {3: (0, C)}
+
+    def forward(self, x, mix):
+        nodes = [x]
+        for j in range(1, 4):
+            nodes.append(sum(self.links[f"{i}to{j}"](nodes[i], mix=mix[self.edge_nodes.index((i, j))]) for i in range(j)))
+        return nodes[3]
+
+
+class NB201Super(nn.Module):
+    """stem → 2 blocks (α of each block its own entry of an ``nn.ParameterList``) → GAP → linear. ``Z`` (one (6, K)
+    tensor per block) and ``scale`` (one scalar per block output) replace the mixing weights / multiply the block
+    outputs, for the autograd references."""
+
+    def __init__(self, C=3, classes=4, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.stem = nn.Conv2d(1, C, 3, padding=1)
+        self.blocks = nn.ModuleList([Block(C) for _ in range(2)])
+        self.head = nn.Linear(C, classes)
+        g = torch.Generator().manual_seed(seed + 3)
+        self.arch = nn.ParameterList([nn.Parameter(0.7 * torch.randn(6, 4, generator=g)) for _ in range(2)])
+
+    def forward(self, x, Z=None, scale=None):
+        h = self.stem(x)
+        for b, block in enumerate(self.blocks):
+            h = block(h, mix=F.softmax(self.arch[b], -1) if Z is None else Z[b])
+            if scale is not None:
+                h = h * scale[b]
+        return self.head(h.mean((2, 3)))
+
+
+def nb_edges(net):
+    return {f"block{b}.{k}": (op, list(op.paths.values())) for b, blk in enumerate(net.blocks) for k, op in blk.links.items()}
+
+
+def test_an_nb201_supernet_of_moduledict_ops_parameterlist_alpha_and_keyword_weights_equals_autograd():
+    """Verified: costs, per-sample costs, cell-type costs, output costs and the streaming statistics (all ops and
+    ``statistics="sampled"`` at a Z with zeros) of a supernet nasdiag knows nothing of but what ``edges=`` and the node
+    protocol say, over 3 steps, equal autograd on leaf mixing weights and scalar output multipliers (float64)."""
+    net = NB201Super().double()
+    probe = nasdiag.attach(net, edges=nb_edges(net))
+    sampled = nasdiag.attach(net, edges=nb_edges(net), statistics="sampled")
+    assert [e.edge_index for e in probe.edges] == list(range(6)) * 2 and [e.cell_index for e in probe.edges] == [0] * 6 + [1] * 6
+    assert [(e.src, e.dst) for e in probe.edges[:6]] == net.blocks[0].edge_nodes
+    rows, rows_sampled = [], []
+    g = torch.Generator().manual_seed(11)
+    for step in range(3):
+        x, y = image_batch(20 + step)
+        Z = [F.softmax(a.detach(), -1) for a in net.arch]
+        if step == 1:  # a Z with zeros: the sampled statistics skip those entries
+            Z = [z * (torch.rand(z.shape, generator=g) > 0.5) for z in Z]
+        for p in (probe, sampled):
+            with p.record():
+                F.cross_entropy(net(x, Z), y).backward()
+        leaves = [z.clone().requires_grad_(True) for z in Z]
+        scale = torch.ones(2, dtype=torch.float64, requires_grad=True)
+        loss = F.cross_entropy(net(x, leaves, scale), y, reduction="none")
+        per_sample = [torch.stack([torch.autograd.grad(loss[n], leaves, retain_graph=True)[b] for n in range(len(y))])
+                      for b in range(2)]
+        grads = torch.autograd.grad(loss.mean(), leaves + [scale])
+        costs, ps = probe.costs(), probe.costs(per_sample=True)
+        for e in probe.edges:
+            b, k = e.cell_index, e.edge_index
+            torch.testing.assert_close(costs[e.name], grads[b][k], rtol=1e-10, atol=1e-15)
+            torch.testing.assert_close(ps[e.name], per_sample[b][:, k] / len(y), rtol=1e-10, atol=1e-15)
+            torch.testing.assert_close(sampled.costs()[e.name], grads[b][k], rtol=1e-10, atol=1e-15)
+        torch.testing.assert_close(probe.cell_type_costs()["normal"], grads[0] + grads[1], rtol=1e-10, atol=1e-15)
+        out = probe.output_costs()
+        assert list(out) == ["blocks.0", "blocks.1"]
+        for b in range(2):
+            torch.testing.assert_close(out[f"blocks.{b}"][3], grads[2][b], rtol=1e-10, atol=1e-15)
+        rows.append(torch.stack([grads[0], grads[1]]))
+        rows_sampled.append([z != 0 for z in Z])
+    obs = torch.stack(rows).numpy()  # (steps, cells, E, K): each cell of the type one observation per step
+    stats = probe.statistics()
+    np.testing.assert_allclose(stats["cost/normal/mean"], obs.mean((0, 1)), rtol=1e-10, atol=1e-15)
+    np.testing.assert_allclose(stats["cost/normal/var"], obs.var((0, 1)), rtol=1e-8, atol=1e-15)
+    assert (stats["cost/normal/count"] == 6).all()
+    seen = np.stack([np.stack([m.numpy() for m in s]) for s in rows_sampled])  # (steps, cells, E, K)
+    stats = sampled.statistics()
+    count = seen.sum((0, 1))
+    assert (stats["cost/normal/count"] == count).all() and (count < 6).any()
+    with np.errstate(invalid="ignore"):
+        mean = np.where(seen, obs, 0).sum((0, 1)) / count
+        var = np.where(seen, (obs - mean) ** 2, 0).sum((0, 1)) / count
+    np.testing.assert_allclose(stats["cost/normal/mean"], mean, rtol=1e-10, atol=1e-15)
+    np.testing.assert_allclose(stats["cost/normal/var"], var, rtol=1e-8, atol=1e-15)
+    assert_no_module_hooks(net)
+
+
+# -- data parallel: 2 gloo ranks of a user's own loop (torch.multiprocessing.spawn) ------------------------------------
+MLP_NAMES = ("none", "skip", "lin", "tanh")
+WORLD, STEPS, GLOBAL_B = 2, 3, 6
+
+
+class MLPChoice(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.paths = nn.ModuleDict({"none": Zero(), "skip": nn.Identity(), "lin": nn.Linear(d, d, bias=False),
+                                    "tanh": nn.Sequential(nn.Linear(d, d), nn.Tanh())})
+
+    def forward(self, x, mix):
+        return sum(m * p(x) for m, p in zip(mix, self.paths.values()))
+
+
+class MLPCell(nn.Module):
+    """Nodes 0 → 1 → 2 and 0 → 2; node 2 the output (the node protocol declared)."""
+
+    cell_type = "normal"
+    output_nodes = [2]
+    edge_nodes = [(0, 1), (0, 2), (1, 2)]
+
+    def __init__(self, d):
+        super().__init__()
+        self.edges = nn.ModuleList(MLPChoice(d) for _ in range(3))
+        self.output_node_slices = {2: (0, d)}
+
+    def forward(self, h, mix):
+        h1 = self.edges[0](h, mix[0])
+        return self.edges[1](h, mix[1]) + self.edges[2](h1, mix[2])
+
+
+class MLPSuper(nn.Module):
+    def __init__(self, d=3):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(4, d)
+        self.cells = nn.ModuleList(MLPCell(d) for _ in range(2))
+        self.out = nn.Linear(d, 3)
+
+    def forward(self, x, Z):
+        h = self.inp(x)
+        for cell, z in zip(self.cells, Z):
+            h = cell(h, z)
+        return self.out(h)
+
+
+def ddp_data():
+    """Per step: the global batch, the Z of every cell (shared by the ranks) and one 0/1 mask of Z per rank."""
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(STEPS):
+        x, y = torch.randn(GLOBAL_B, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (GLOBAL_B,), generator=g)
+        Z = torch.softmax(torch.randn(2, 3, 4, generator=g, dtype=torch.float64), -1)
+        masks = (torch.rand(WORLD, 2, 3, 4, generator=g) > 0.4).double()
+        out.append((x, y, Z, masks))
+    return out
+
+
+def ddp_rank(rank, path, port):
+    """One rank of the user's loop: its half of each global batch, a probe of every op with exact curvature and a
+    probe of sampled statistics (rank-dependent zeros in Z), logged through ``RecorderCallback`` every step."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        from nasdiag.record import RecorderCallback
+
+        net = MLPSuper().double()
+        edges = {f"cell{c}.{e}": (op, list(op.paths.values())) for c, cell in enumerate(net.cells)
+                 for e, op in enumerate(cell.edges)}
+        probe = nasdiag.attach(net, edges=edges, hessian="exact")
+        sampled = nasdiag.attach(net, edges=edges, statistics="sampled")
+        half = GLOBAL_B // WORLD
+        with RecorderCallback(path, meta={"op_names": list(MLP_NAMES)}, flush_every=2) as callback:
+            for step, (x, y, Z, masks) in enumerate(ddp_data()):
+                x, y = x[rank * half:(rank + 1) * half], y[rank * half:(rank + 1) * half]
+                with probe.record(targets=y):
+                    loss = F.cross_entropy(net(x, Z), y)
+                    loss.backward()
+                with sampled.record():
+                    F.cross_entropy(net(x, Z * masks[rank]), y).backward()
+                net.zero_grad(set_to_none=True)
+                hessian = probe.aggregate(probe.hessian())
+                callback.on_step_end(step, {"scalars/train_loss": loss.detach(), "scalars/samples_count": float(len(y)),
+                                            "hessian/normal/diag": hessian["normal"], **probe.statistics(),
+                                            **{k.replace("cost/", "cost/sampled_"): v for k, v in sampled.statistics().items()}})
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_of_a_users_loop_record_the_pooled_costs_counts_losses_and_curvature_of_the_global_batch():
+    """Verified (world size 2, gloo, ``torch.multiprocessing.spawn``): the record rank 0 writes holds every step and
+    path, and equals the references on the concatenated batch built here in float64 — ``cost/.../mean`` and ``var``
+    are numpy's over every (rank, step, cell) observation (the mean also the concatenated batch's own cost, the ranks'
+    halves being equal), ``count`` = ranks × steps × cells (sampled: the observations whose Z entry was non-zero on
+    each rank), the loss the global batch's mean, a ``_count`` scalar summed, and the exact ``hessian/normal/diag``
+    (a loss that decouples the samples, same Z on both ranks) the global batch's ∂²L/∂Z² diagonal."""
+    import torch.multiprocessing as mp
+
+    from nasdiag.record import load, load_meta
+
+    folder = tempfile.mkdtemp(prefix="newuser_r5_")
+    path = os.path.join(folder, "ddp.h5")
+    mp.spawn(ddp_rank, args=(path, free_port()), nprocs=WORLD, join=True)
+    assert sorted(os.listdir(folder)) == ["ddp.h5"]  # one record, rank 0's; no side files left
+    record, meta = load(path), load_meta(path)
+    assert list(meta["op_names"]) == list(MLP_NAMES)
+    assert record["step"].tolist() == list(range(STEPS))
+    for key, value in record.items():
+        if key.startswith("valid/"):
+            assert np.asarray(value).all(), key  # every path logged at every step
+
+    net = MLPSuper().double()
+    half = GLOBAL_B // WORLD
+    obs, seen = [], []
+    for step, (x, y, Z, masks) in enumerate(ddp_data()):
+        leaves = [z.clone().requires_grad_(True) for z in Z]
+        full_loss = F.cross_entropy(net(x, leaves), y)
+        full = torch.stack(torch.autograd.grad(full_loss, leaves))
+        ranks, ranks_sampled = [], []
+        for r in range(WORLD):
+            part = slice(r * half, (r + 1) * half)
+            leaves = [z.clone().requires_grad_(True) for z in Z]
+            ranks.append(torch.stack(torch.autograd.grad(F.cross_entropy(net(x[part], leaves), y[part]), leaves)))
+            leaves = [(z * m).requires_grad_(True) for z, m in zip(Z, masks[r])]
+            ranks_sampled.append(torch.stack(torch.autograd.grad(F.cross_entropy(net(x[part], leaves), y[part]), leaves)))
+        torch.testing.assert_close(torch.stack(ranks).mean(0), full, rtol=1e-10, atol=1e-15)
+        obs.append(torch.stack(ranks_sampled).numpy())
+        seen.append(masks.numpy() != 0)
+        done = np.stack([o for o in obs])  # (steps so far, ranks, cells, E, K)
+        every = np.stack([torch.stack(ranks).numpy()])
+        obs_all = every if step == 0 else np.concatenate([obs_all, every])
+        np.testing.assert_allclose(record["cost/normal/mean"][step], obs_all.mean((0, 1, 2)), rtol=1e-10, atol=1e-15)
+        np.testing.assert_allclose(record["cost/normal/var"][step], obs_all.var((0, 1, 2)), rtol=1e-8, atol=1e-15)
+        assert (record["cost/normal/count"][step] == WORLD * 2 * (step + 1)).all()
+        mask = np.stack(seen)
+        count = mask.sum((0, 1, 2))
+        with np.errstate(invalid="ignore"):
+            mean = np.where(mask, done, 0).sum((0, 1, 2)) / count
+            var = np.where(mask, (done - mean) ** 2, 0).sum((0, 1, 2)) / count
+        assert (record["cost/sampled_normal/count"][step] == count).all()
+        np.testing.assert_allclose(record["cost/sampled_normal/mean"][step], mean, rtol=1e-10, atol=1e-15)
+        np.testing.assert_allclose(record["cost/sampled_normal/var"][step], var, rtol=1e-8, atol=1e-15)
+        np.testing.assert_allclose(record["scalars/train_loss"][step], full_loss.item(), rtol=1e-12)
+        assert record["scalars/samples_count"][step] == GLOBAL_B
+        diag = torch.zeros(3, 4, dtype=torch.float64)
+        for c in range(2):
+            for e in range(3):
+                def loss(row, c=c, e=e):
+                    zs = [z.clone() for z in Z]
+                    zs[c] = torch.cat([zs[c][:e], row[None], zs[c][e + 1:]])
+                    return F.cross_entropy(net(x, zs), y)
+                diag[e] += torch.autograd.functional.hessian(loss, Z[c][e]).diagonal()
+        np.testing.assert_allclose(record["hessian/normal/diag"][step], diag.numpy(), rtol=1e-9, atol=1e-13)
+
+
+# -- public API hygiene ---------------------------------------------------------------------------------------------------
+def test_every_public_name_imports_is_listed_by_dir_and_documented():
+    """Defect: ``nasdiag.attach``, the README's first call, was missing from ``dir(nasdiag)`` (imported lazily, with no
+    ``__dir__``), so tab completion and ``help(nasdiag)``-style listings did not show it. Every ``__all__`` name of the
+    packages a new user starts from resolves, is in ``dir()``, and each class/function has a docstring."""
+    import importlib
+    import inspect
+
+    for name in ("nasdiag", "nasdiag.search", "nasdiag.supernet", "nasdiag.data"):
+        module = importlib.import_module(name)
+        for attr in module.__all__:
+            value = getattr(module, attr)
+            assert attr in dir(module), f"{name}.{attr} is not in dir({name})"
+            if inspect.isclass(value) or inspect.isfunction(value):
+                assert inspect.getdoc(value), f"{name}.{attr} has no docstring"
+    doc = inspect.getdoc(nasdiag.attach)
+    assert "(K,)" in doc or "costs" in doc
+
+
+def fake_cifar(folder, n=20):
+    """The six standard CIFAR-10 python batches, ``n`` random images each (3072 bytes, labels 0..9)."""
+    import pickle
+
+    rng = np.random.default_rng(0)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        with open(os.path.join(folder, name), "wb") as fh:
+            pickle.dump({b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+                         b"labels": rng.integers(0, 10, n).tolist()}, fh)
+
+
+def test_dataset_and_supernet_arguments_that_cannot_work_are_one_line_before_anything_is_built(tmp_path):
+    """Defect: ``cifar10(root, train_fraction=1.5)`` returned a 49/51 split, ``train_fraction=1.0`` / ``0.0`` an empty
+    search-val / search-train part, ``limit=-1`` all images but the last, ``limit=0`` empty parts standardised to NaN,
+    all without a word; ``digits(seed=-1)`` said only numpy's "expected non-negative integer"; ``Network(num_classes=0)``
+    and ``Network(in_channels=0)`` built a classifier of no outputs / a stem of no input channels. Each is now one line
+    of the documented type (``DataError``, a ``ValueError``; ``ValueError`` for the supernet) naming the argument."""
+    from nasdiag.data import DataError, cifar10, digits
+    from nasdiag.supernet import Network
+
+    fake_cifar(tmp_path)
+    sizes = cifar10(tmp_path).sizes()  # the fake folder itself is fine: a stratified half of 100 images, 20 held out
+    assert sizes["train"] + sizes["val"] == 100 and abs(sizes["train"] - 50) <= 5 and sizes["test"] == 20
+    bad = [(dict(train_fraction=1.5), "train_fraction"), (dict(train_fraction=1.0), "train_fraction"),
+           (dict(train_fraction=0.0), "train_fraction"), (dict(train_fraction=math.nan), "train_fraction"),
+           (dict(limit=-1), "limit"), (dict(limit=0), "limit"), (dict(limit=2.5), "limit"), (dict(seed=-1), "seed")]
+    for kwargs, name in bad:
+        with pytest.raises(DataError) as err:
+            cifar10(tmp_path, **kwargs)
+        assert name in str(err.value) and "\n" not in str(err.value), kwargs
+    with pytest.raises(DataError, match="seed") as err:
+        digits(seed=-1)
+    assert isinstance(err.value, ValueError)
+    for kwargs, name in ((dict(num_classes=0), "num_classes"), (dict(in_channels=0), "in_channels"),
+                         (dict(stem_multiplier=0), "stem_multiplier")):
+        with pytest.raises(ValueError, match=name) as err:
+            Network(**{"C": 4, "num_classes": 10, "layers": 3, **kwargs})
+        assert "\n" not in str(err.value)

@@ -4,6 +4,7 @@ and a search-val part (for the architecture α); a held-out test part is never s
 from __future__ import annotations
 
 from nasdiag.errors import NasdiagError
+import numbers
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,6 +80,7 @@ def digits(seed: int = 0, test_fraction: float = 0.2, dtype: torch.dtype = torch
 
     if not 0 < test_fraction < 1:
         raise DataError(f"test_fraction must be in (0, 1), got {test_fraction}")
+    _check_seed(seed)
     bunch = load_digits()
     x = bunch.images.astype(np.float64)[:, None] / 16.0
     y = bunch.target.astype(np.int64)
@@ -145,8 +147,16 @@ def cifar10(root, seed: int = 0, train_fraction: float = 0.5, dtype: torch.dtype
 
     The 50k training images are split (stratified, by ``seed``) into search-train (``train_fraction``)
     and search-val; ``test_batch`` is the held-out test part. ``limit`` keeps only the first
-    ``limit`` images of each part (for quick runs). A missing file raises :class:`DataError` naming it.
+    ``limit`` images of each part (for quick runs). A missing file raises :class:`DataError` naming it, and
+    so do a ``train_fraction`` outside (0, 1) and a ``limit`` that is not a positive integer (they gave other
+    splits than asked, e.g. 1.5 a 49/51 split and -1 all but the last image, without a word).
     """
+    if not 0 < train_fraction < 1:  # also NaN
+        raise DataError(f"train_fraction must be in (0, 1) (the search-train share of the 50k training images), "
+                        f"got {train_fraction}")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, numbers.Integral) or limit < 1):
+        raise DataError(f"limit must be a positive integer (images kept per part) or None for all, got {limit!r}")
+    _check_seed(seed)
     folder = _cifar_folder(Path(root))
     parts = [_read_cifar_batch(folder / name) for name in CIFAR_FILES]
     x = np.concatenate([p[0] for p in parts[:5]]).astype(np.float64) / 255.0
@@ -174,6 +184,10 @@ def synthetic(
         return TensorDataset(torch.randn(n, *shape, generator=g, dtype=dtype), torch.randint(0, num_classes, (n,), generator=g))
 
     return Splits(part(), part(), part(), num_classes, "synthetic")
+
+def _check_seed(seed) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
+        raise DataError(f"seed must be an integer >= 0 (it fixes the split), got {seed!r}")
 
 DATASETS: Dict[str, Callable[..., Splits]] = {"digits": digits, "cifar10": cifar10, "synthetic": synthetic}
 

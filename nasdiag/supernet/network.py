@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -37,6 +38,10 @@ class Network(nn.Module):
         primitives: candidate op names.
         reductions: indices of reduction cells; default ``(layers // 3, 2 * layers // 3)`` as in DARTS.
         alpha_init_scale: α is initialised as ``alpha_init_scale * randn(E, K)`` (1e-3 in DARTS).
+
+    Raises:
+        ValueError: (one line) ``C`` not a positive even number, ``layers``, ``num_classes``, ``in_channels`` or
+            ``stem_multiplier`` below 1, a ``multiplier`` outside [1, steps], reduction indices outside the cells.
     """
 
     def __init__(
@@ -62,6 +67,10 @@ class Network(nn.Module):
             raise ValueError(f"layers must be >= 1, got {layers}")
         if C < 1 or C % 2:
             raise ValueError(f"C must be a positive even number (FactorizedReduce halves it), got {C}")
+        for name, value in (("num_classes", num_classes), ("in_channels", in_channels), ("stem_multiplier", stem_multiplier)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                # 0 built a classifier of no outputs / a stem of no input channels without a word
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.C = C
         self.num_classes = num_classes
         self.layers = layers
