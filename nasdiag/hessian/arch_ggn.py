@@ -24,8 +24,7 @@ of ``J_{n,n}ᵀ v_n``. Then the two differ:
 
 * ``"ggn"`` is ``Σ_c Σ_n (Σ_m √λ_mc u_mcᵀ J_mn)²``: row c pairs the c-th directions of all samples, so the
   signs of the eigenvectors enter; they are made canonical (largest-magnitude entry positive, the first of those
-  equal up to √eps) so that the
-  number does not depend on the eigensolver's convention (device, LAPACK build);
+  equal up to √eps) so that the number does not depend on the eigensolver's convention (device, LAPACK build);
 * ``"ggn_mc"`` has expectation ``Σ_{m,n} diag(J_mnᵀ H_m J_mn)`` (independent ε per sample: no cross pairs),
   which ``"ggn"`` could only match with one backward per sample and direction (B·D).
 

@@ -80,7 +80,7 @@ def alpha_diag_hessian(
     Returns:
         ``{name: tensor shaped like the parameter}`` keyed by the model's own parameter names
         (``model.named_parameters()``, e.g. ``"alphas.normal"``), whatever names ``params`` gave; detached, in the
-        loss's dtype.
+        parameters' dtype.
 
     Raises:
         CurvatureError: a parameter that is not one of ``model``'s, or a net too large for ``max_memory`` (naming
@@ -196,7 +196,8 @@ def shared_weights_diag_hessian(
             no gradient flows to them).
 
     Returns:
-        ``{group: tensor shaped like weights[group]}``, detached, in the loss's dtype.
+        ``{group: tensor shaped like weights[group]}``, detached, in the dtype of ``weights[group]`` (the products are
+        taken w.r.t. the weights as given: pass them in the network's dtype for its precision).
     """
     if not isinstance(weights, Mapping) or not weights or not all(isinstance(w, torch.Tensor) for w in weights.values()):
         raise CurvatureError("shared_weights_diag_hessian: weights must be a non-empty {group: tensor} mapping, "
