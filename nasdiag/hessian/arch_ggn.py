@@ -14,7 +14,8 @@ per-sample (D, D) block, D = outputs per sample). Give every edge a per-sample s
 * ``"ggn"``: with ``v_n = √λ_nc u_nc`` for each c (D backwards, batched), ``Σ_c Σ_n (∂/∂δ_{e,n,k})²``;
 * ``"ggn_mc"``: with ``v_n = Σ_c ε_nc √λ_nc u_nc``, ε Rademacher (E[v vᵀ] = H_n), ``samples``
   backwards, ``mean_s Σ_n (∂/∂δ_{e,n,k})²``: one extra backward for one sample. ε is drawn on the CPU from
-  the seed and u_nc carries canonical signs (below), so a seed gives the same numbers on any device. For cross-entropy this
+  the seed and u_nc carries canonical signs (below), so a seed gives the same numbers on any device (where the
+  eigenvalues of each block are distinct: a repeated one leaves its eigenvectors to the solver). For cross-entropy this
   is the Fisher at labels sampled from the model's predictive distribution in expectation.
 
 Both equal ``diag G`` exactly when samples do not interact in the forward (BatchNorm in eval mode,
