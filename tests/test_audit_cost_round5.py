@@ -24,6 +24,9 @@ Defects found (each test fails without its fix):
 * A cell whose forward returns a tuple (output, auxiliary loss) got NaN output costs with "no gradient reached the
   output of cell(s)", and with path_split a ProbeError "no gradient reached the node", though the gradient did reach
   the cell's output (test_a_cell_returning_a_tuple_is_named_as_such_not_as_unreached).
+* An edge mapped with its candidate ops in another order than its weights passed the weighted-sum check when the
+  first step's weights were equal (α initialised to zeros) and was never checked again: every later step's costs
+  were reported under the wrong ops (test_a_misordered_candidate_list_is_caught_after_a_uniform_first_step).
 
 Checked and right (references in the tests): costs, per-sample costs (per-sample leaf Z), output costs (node
 multipliers), path parts (zero taps) on the minimal cell; Thm. 1 / Cor. 1.2 / Thm. 2 for three stacking orders and
@@ -562,3 +565,26 @@ def test_a_cell_returning_a_tuple_is_named_as_such_not_as_unreached():
             logits, aux = net(x)
             (F.cross_entropy(logits, y) + 0.1 * aux).backward()
     assert "\n" not in str(err.value)
+
+
+def test_a_misordered_candidate_list_is_caught_after_a_uniform_first_step():
+    torch.manual_seed(0)
+    net = R5Net(layers=1)
+    mixed = net.cells[0]._ops[0]
+    edges = {f"e{e}": m for e, m in enumerate(net.cells[0]._ops)}
+    swapped = [mixed._ops[1], mixed._ops[0], mixed._ops[2], mixed._ops[3], mixed._ops[4]]  # none and skip swapped
+    x, y = _batch()
+    probe = nasdiag.attach(net, edges={**edges, "e0": (mixed, swapped)})
+    right = nasdiag.attach(net, edges={**edges, "e0": (mixed, list(mixed._ops))})
+    net.Z = [torch.full((5, K), 1.0 / K, dtype=DT)]  # softmax of a zero-initialised α
+    with probe.record(), right.record():
+        F.cross_entropy(net(x), y).backward()
+    net.Z = _softmax_z(net)
+    with pytest.raises(nasdiag.probe.ProbeError, match="order of its weights") as err:
+        with probe.record():
+            F.cross_entropy(net(x), y).backward()
+    assert "\n" not in str(err.value)
+    with right.record():  # the list in the order of the weights passes, and is checked no more
+        F.cross_entropy(net(x), y).backward()
+    assert not any(right._convention_unchecked)
+    torch.testing.assert_close(right.costs()["e0"], net.Z[0].grad[0], rtol=1e-12, atol=1e-15)

@@ -143,8 +143,10 @@ class StepCapture:
                  check_convention: Sequence[bool], incoming: Dict[Tuple[int, int], List[int]],
                  hooks: Hooks, track_selected: bool = False, weights_names: Optional[Sequence[str]] = None,
                  keep_model_io: bool = False, weights_presumed: Optional[Sequence[bool]] = None,
-                 check_nodes: Optional[Sequence[bool]] = None):
+                 check_nodes: Optional[Sequence[bool]] = None, order_given: Optional[Sequence[bool]] = None):
         N = len(edges)
+        #: per edge, whether its candidate list was given by the caller (its order against the weights is checked)
+        self.order_given = list(order_given) if order_given is not None else [False] * N
         # edges mapped by the caller whose forward is (x, w): w is their weights only where it is (K,) or (B, K)
         self.weights_presumed = list(weights_presumed) if weights_presumed is not None else [False] * N
         self.edges, self.cells = edges, cells
@@ -299,7 +301,9 @@ class StepCapture:
                 sel = (w != 0) if w.dim() == 1 else (w != 0).reshape(-1, w.shape[-1]).any(0)
                 self.selected[pos] = sel if self.selected[pos] is None else self.selected[pos] | sel
             if self.check_convention[pos] and not missing:
-                self.check_convention[pos] = not self._check_weighted_sum(edge, call, output)
+                # equal weights pass the check in any order of a caller's candidate list: checked again at the next step
+                self.check_convention[pos] = not self._check_weighted_sum(edge, call, output) or (
+                    self.order_given[pos] and w.shape[-1] > 1 and bool((w == w[..., :1]).all()))
         elif self.check_convention[pos] and not missing:
             self.check_convention[pos] = not self._check_span(edge, call, output)
         if not output.requires_grad:
@@ -331,7 +335,8 @@ class StepCapture:
             raise ProbeError(
                 f"edge {edge.name!r}: its output is not Σ_k w_k·op_k(x) of its forward's weights and candidate ops "
                 f"({self._how_far(call, output, err)}), so <∂L/∂out, op_k(x)> would not be ∂L/∂w_k. Map the edge, "
-                "with attach(model, edges={name: (module, [candidate ops])}), to a module whose output is that sum (for "
+                "with attach(model, edges={name: (module, [candidate ops in the order of its weights])}), to a module whose "
+                "output is that sum (for "
                 "PC-DARTS's partial channels: a module mixing the ops on the channel slice, with the split, concatenation "
                 "and shuffle outside it)."
             )

@@ -18,6 +18,7 @@ from nasdiag.hooks import Hooks
 from nasdiag.probe.capture import Router, StepCapture
 from nasdiag.edges import EdgesArg, EdgeSpec
 from nasdiag.probe.discovery import CellInfo, ProbeError, discover, is_mixed_op, weights_parameter as _weights_parameter
+from nasdiag.probe.discovery import _candidates
 from nasdiag.probe.layout import Group, build_groups
 
 STATISTICS_MODES = ("all", "sampled")
@@ -157,6 +158,9 @@ class Probe:
         self._convention_unchecked = [True] * len(self._edges)
         self._nodes_unchecked = [self.path_split] * len(self._edges)  # path split: ∂L/∂(edge output) = gradient at j?
         self._weights_presumed = [e.weights_arg and not is_mixed_op(e.module) for e in self._edges]
+        # a candidate list the caller gave (not the mixed op's own) may be in another order than the weights, which
+        # equal weights (a zero-initialised α) cannot tell: its check waits for a step whose weights differ
+        self._order_given = [tuple(e.ops) != tuple(_candidates(e.module) or ()) for e in self._edges]
         self._weights_names = [_weights_parameter(e.module) for e in self._edges]
         self._groups: Tuple[Group, ...] = tuple(build_groups(self._edges))
         self._moments: Dict[str, CostMoments] = {}
@@ -220,7 +224,8 @@ class Probe:
                           check_convention=self._convention_unchecked, incoming=self._incoming,
                           hooks=plan, track_selected=self.statistics_mode == "sampled",
                           weights_names=self._weights_names, keep_model_io=self.hessian_mode is not None,
-                          weights_presumed=self._weights_presumed, check_nodes=self._nodes_unchecked)
+                          weights_presumed=self._weights_presumed, check_nodes=self._nodes_unchecked,
+                          order_given=self._order_given)
         self._router.capture = cap
         self._recording = True
         try:
