@@ -111,6 +111,10 @@ class Probe:
                  hessian: Optional[str] = None, loss_fn: Optional[Callable] = None):
         if statistics not in STATISTICS_MODES:
             raise ProbeError(f"statistics must be one of {STATISTICS_MODES}, got {statistics!r}")
+        for option, value in (("path_split", path_split), ("norm_deviation", norm_deviation)):
+            # bool("no") is True: a string or number here would switch the option on silently
+            if not isinstance(value, (bool, np.bool_)):
+                raise ProbeError(f"{option} must be True or False, got {value!r} ({type(value).__name__})")
         if hessian is not None:
             _check_hessian_mode(hessian, "attach(hessian=...)")
         if loss_fn is not None and not callable(loss_fn):
