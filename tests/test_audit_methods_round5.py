@@ -9,6 +9,12 @@ second-order hypergradient of sparse-supernet eq 11-12 by autograd through w'(A)
 A.2.14 and the entropy pruning of Algorithm 2 on the per-cell curvature taken by double backward; ASM-NAS's eq 4.3-4.5
 and the argmax-count selection of Algorithm 1 on the validation set. The supernet's forward is nasdiag's (a tiny
 float64 ``Network``), used as a function of (w, Z).
+
+Defects these tests found (each fails without its fix): a negative proximal threshold moved weights away from zero;
+a NaN γ(t−1) became ω = ∞, s = 0 and pruned its op; group_dims out of range wrapped to another Table S3 row; a
+forecaster state of other shapes was loaded; HAPG/AdamHAPG, bayes and regret primitives raised builtin tracebacks on
+bad input; SparseNAS.arch_gradient (first order) moved BatchNorm's running statistics; an XNAS step past T moved w
+before failing; the SparseNAS/BayesNAS mixed genotype kept the ops leaving a removed node.
 """
 
 from __future__ import annotations
