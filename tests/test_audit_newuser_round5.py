@@ -29,6 +29,10 @@ Defects found (each test says which):
   and ``limit=0`` gave empty parts standardised to NaN, silently; ``digits(seed=-1)`` was numpy's "expected
   non-negative integer"; ``Network(num_classes=0)`` / ``in_channels=0`` built without a word
   (``test_dataset_and_supernet_arguments_that_cannot_work_are_one_line_before_anything_is_built``);
+* with the weights passed by keyword the curvature routes (``diag``, ``exact_per_edge``, ...) of a method on the adapted
+  supernet refused every edge ("called without mixing weights"): the adapter now hands them on positionally (same test,
+  ``keyword``); the docs said nowhere how to search one's own supernet with a method (docs/methods.md now does, and
+  ``test_the_docs_snippet_searching_your_own_supernet_with_darts_equals_first_order_darts_by_hand`` runs it);
 * ``nasdiag.attach`` was missing from ``dir(nasdiag)`` (``test_every_public_name_imports_is_listed_by_dir_and_documented``).
 
 Verified and kept as one test each: a user's NB-201 supernet (ModuleDict ops, ParameterList α, keyword weights) gives
@@ -172,7 +176,8 @@ def adapted_leaves(reference, z):
     return [z["reduce" if cell.reduction else "normal"].clone().requires_grad_(True) for cell in reference.cells]
 
 
-def test_a_probe_and_the_curvature_of_a_method_on_an_adapted_supernet_see_the_mixing_weights_the_method_passes():
+@pytest.mark.parametrize("by_keyword", [False, True], ids=["positional", "keyword"])
+def test_a_probe_and_the_curvature_of_a_method_on_an_adapted_supernet_see_the_mixing_weights_the_method_passes(by_keyword):
     """Defect: on an adapted supernet (positional weights, as DARTS's code), ``nasdiag.attach(network)`` — the probe
     ``SearchMethod(probe=...)`` documents for foreign supernets — stopped the first recorded step with "its output is
     not Σ_k w_k·op_k(x) ... (relative deviation 0.9)", and a method's ``curvature`` in ``exact_per_edge`` / ``ggn``
@@ -180,10 +185,12 @@ def test_a_probe_and_the_curvature_of_a_method_on_an_adapted_supernet_see_the_mi
     read (and shifted) softmax(α) of the user's cell, which the adapter then replaced by the method's Z. Now the
     adapter's substitution runs first: the probe's costs, its exact curvature and the method's ``exact_per_edge``
     curvature at Z ≠ softmax(α) equal autograd (float64), and the GGN modes, which this mixed op cannot run per sample
-    (``w * op(x)`` with (B, K) weights), are one ``CurvatureError`` line instead of zeros."""
+    (``w * op(x)`` with (B, K) weights), are one ``CurvatureError`` line instead of zeros. With the weights passed by
+    keyword the curvature routes refused every edge ("called without mixing weights"): the adapter now hands the
+    weights on positionally."""
     from nasdiag.hessian import CurvatureError
 
-    model = KwNetwork(by_keyword=False).double()
+    model = KwNetwork(by_keyword=by_keyword).double()
     reference = copy.deepcopy(model)
     net = adapt(model, alphas={"normal": model.arch[0], "reduce": model.arch[1]}, primitives=DARTS_NAMES)
     g = torch.Generator().manual_seed(5)
@@ -564,3 +571,49 @@ def test_dataset_and_supernet_arguments_that_cannot_work_are_one_line_before_any
         with pytest.raises(ValueError, match=name) as err:
             Network(**{"C": 4, "num_classes": 10, "layers": 3, **kwargs})
         assert "\n" not in str(err.value)
+
+
+def test_the_docs_snippet_searching_your_own_supernet_with_darts_equals_first_order_darts_by_hand():
+    """docs/methods.md, "A method on your own supernet", run as written (``model``, ``PRIMITIVES`` and ``loader`` filled
+    in: the keyword-weights DARTS-style supernet above, α bound as ``alphas_normal``/``alphas_reduce``): the user's own α
+    and weights after 2 epochs × 3 steps equal first-order DARTS written out with torch's optimizers on the user's own
+    forward (Adam on ∂L_val/∂α at the current w, then clipped momentum SGD on ∂L_train/∂w at the new softmax(α), the
+    cosine schedule stepped per epoch; the method's hyperparameters as configuration), float64; the genotype is the
+    top-2 rule on the user's softmax(α)."""
+    import re
+
+    blocks = re.findall(r"```python\n(.*?)```", open(os.path.join(os.path.dirname(__file__), "..", "docs", "methods.md")).read(), re.S)
+    (snippet,) = [b for b in blocks if "adapt(" in b]
+    model = KwNetwork(seed=4).double()
+    model.alphas_normal, model.alphas_reduce = model.arch[0], model.arch[1]  # DARTS's names, one Parameter each
+    reference = copy.deepcopy(model)
+    loader = [(image_batch(30 + 2 * i), image_batch(31 + 2 * i)) for i in range(3)]
+    namespace = {"model": model, "PRIMITIVES": DARTS_NAMES, "loader": loader}
+    exec(compile(snippet, "docs/methods.md", "exec"), namespace)
+    h = namespace["method"].hp
+
+    alphas = list(reference.arch)
+    weights = [p for n, p in reference.named_parameters() if not n.startswith(("arch.", "alphas_"))]
+    adam = torch.optim.Adam(alphas, lr=h.alpha_lr, betas=tuple(h.alpha_betas), weight_decay=h.alpha_weight_decay)
+    sgd = torch.optim.SGD(weights, lr=h.w_lr, momentum=h.w_momentum, weight_decay=h.w_weight_decay)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(sgd, 2, eta_min=h.w_lr_min)
+    for epoch in range(2):
+        for (xt, yt), (xv, yv) in loader:
+            adam.zero_grad()
+            grads = torch.autograd.grad(F.cross_entropy(reference(xv), yv), alphas)
+            for a, g in zip(alphas, grads):
+                a.grad = g
+            adam.step()
+            sgd.zero_grad()
+            F.cross_entropy(reference(xt), yt).backward()
+            nn.utils.clip_grad_norm_(weights, h.grad_clip)
+            sgd.step()
+        cosine.step()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12, msg=name)
+    assert model.arch[0] is model.alphas_normal and not torch.equal(model.arch[0], KwNetwork(seed=4).arch[0].double())
+    genotype = namespace["method"].genotype()
+    p = torch.softmax(reference.arch[0].detach(), -1)
+    for k, (op, j) in enumerate(genotype.normal[:2]):  # node 2: the two strongest inputs, each by its strongest non-none op
+        strongest = sorted(range(2), key=lambda e: -p[e, 1:].max().item())[k]
+        assert (op, j) == (DARTS_NAMES[1 + int(p[strongest, 1:].argmax())], strongest)

@@ -258,7 +258,8 @@ class AdaptedSupernet(nn.Module):
         if len(args) >= 2:
             return (args[0], row) + tuple(args[2:]), kwargs
         name = self._weights_names[id(module)]
-        if name in kwargs:
-            return args, {**kwargs, name: row}
+        if name in kwargs and len(args) == 1:
+            # passed on positionally (the op's second parameter), the way the curvature routes' hooks read them
+            return (args[0], row), {k: v for k, v in kwargs.items() if k != name}
         raise ConfigError(f"mixed op {type(module).__name__} was called without its mixing weights (the DARTS convention "
                           f"passes them as the second argument, forward(x, {name}))")
