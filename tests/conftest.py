@@ -5,6 +5,7 @@ puts this folder on ``sys.path`` when it loads this file).
 """
 
 import os
+import sys
 
 import pytest
 import torch
@@ -15,6 +16,12 @@ from hypothesis import settings
 settings.register_profile("reproducible", derandomize=True, database=None)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "reproducible"))
+
+# The batch scripts import their sibling ``script_args``, as they do when run as ``python scripts/x.py``;
+# tests that load a script by path need that folder importable whichever test file runs first or alone.
+SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+if SCRIPTS not in sys.path:
+    sys.path.insert(0, SCRIPTS)
 
 
 @pytest.fixture(autouse=True, scope="session")
