@@ -864,3 +864,55 @@ def test_ggn_signs_of_eigenvectors_with_entries_of_equal_magnitude_are_canonical
         results.append(arch_diag_hessian(net, F.cross_entropy, x, y, edges, mode=mode, **options))
     # rtol: √λ of the null direction's round-off eigenvalue (~1e-17) enters at ~1e-8 relative
     assert_close(results[0], results[1], rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a parameter a ruled module owns, used in forward code too
+
+
+class GatedByOwnBias(nn.Module):
+    """``head(tanh(fc(x)) · fc.bias)``: fc's bias is also a gate in forward code."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head = nn.Linear(3, 3), nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.fc(x)) * self.fc.bias)
+
+
+class ReusedWeightInForwardCode(GatedByOwnBias):
+    def forward(self, x):
+        return self.head(torch.tanh(self.fc(x)) + torch.tanh(F.linear(x, self.fc.weight)))
+
+
+def test_a_ruled_modules_parameter_used_in_forward_code_too_is_counted_or_refused_never_dropped():
+    """The recursion took the rule's part of fc.bias and dropped the product's (78% off on this net), and took only
+    the module call of fc.weight when F.linear used it as well (61% off the dense diagonal on another seed), silently."""
+    from nasdiag.hessian import UnsupportedModuleError
+
+    torch.manual_seed(12)
+    model = GatedByOwnBias().double()
+    g = torch.Generator().manual_seed(13)
+    x, y = torch.randn(5, 3, generator=g, dtype=DT), torch.randint(0, 2, (5,), generator=g)
+    # this file's recursion: u = t·b with t = tanh(fc(x)); the product sends b² h_u to t and t² h_u to b (their
+    # cross term, a fan-out's, dropped), so b's diagonal is the rule's Σ_rows h_pre plus the gate's Σ_rows t² h_u
+    b, W2 = model.fc.bias.detach(), model.head.weight.detach().square()
+    with torch.enable_grad():
+        pre = model.fc(x).detach().requires_grad_(True)
+        t = torch.tanh(pre)
+        u = t * b
+        out = model.head(u)
+        (g_u,) = torch.autograd.grad(F.cross_entropy(out, y), u)
+    h_u = loss_output_diagonal(F.cross_entropy, out, y) @ W2
+    d1, d2 = elementwise_derivatives(nn.Tanh(), pre)
+    h_pre = d1.square() * b.square() * h_u + d2 * g_u * b
+    want = {"fc.weight": h_pre.T @ x.square(), "fc.bias": h_pre.sum(0) + (t.detach().square() * h_u).sum(0)}
+    got = diag_hessian(model, F.cross_entropy, x, y, mode="diag", params=["fc.weight", "fc.bias"])
+    assert_close(got, want)
+    # a use the recursion has no glue rule for (a matrix product with the weight) is refused, naming the parameter
+    model = ReusedWeightInForwardCode().double()
+    for mode in ("diag", "approx"):
+        with pytest.raises(UnsupportedModuleError, match=r"MmBackward0.*'fc\.weight'"):
+            diag_hessian(model, F.cross_entropy, x, y, mode=mode)
+        assert_no_module_hooks(model)

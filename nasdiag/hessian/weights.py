@@ -157,7 +157,9 @@ def recursion_diag(model, loss_fn, inputs, targets, mode, values, rules=None) ->
                 )
         if not outputs.requires_grad:  # the outputs do not depend on the requested tensors: zero curvature
             return {n: torch.zeros_like(v) for n, v in values.items()}
-        leaf_targets = {get_gradient_edge(leaves[n]).node: n for n in glue_names}
+        # every requested tensor, also one a rule leaf owns: forward code may use it too (F.linear(x, self.fc.weight)),
+        # and the walk must reach that use (summed with the rule's, or refused where no glue rule applies), not skip it
+        leaf_targets = {get_gradient_edge(leaves[n]).node: n for n in values}
         h_out = output_hessian_diagonal(loss_fn, outputs, targets)
         found, _, _ = walk_diagonals(tracer, loss, outputs, h_out, mode, module_targets, leaf_targets)
     return {n: (found[n].detach().reshape(v.shape) if n in found else torch.zeros_like(v)).to(v.dtype) for n, v in values.items()}
