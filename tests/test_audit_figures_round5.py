@@ -282,3 +282,55 @@ def test_a_wiring_whose_every_row_holds_a_nan_is_skipped_with_a_reason_not_an_in
         "wiring_normal: arch/normal/probabilities has a NaN or inf in every row; no wiring to derive",
         "wiring_reduce: arch/reduce/probabilities has a NaN or inf in every row; no wiring to derive",
     ]
+
+
+def _malformed_record(path):
+    """A record written without op or edge names (so the recorder checks no E/K): some paths with rows of another
+    shape than their family's."""
+    rng = np.random.default_rng(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RecordWarning)
+        with Recorder(str(path), meta={"method": "custom"}, flush_seconds=None) as rec:
+            for step in range(3):
+                rec.log(step, {
+                    "arch/normal/probabilities": np.full(E, 1.0 / K),  # (E,), not (E, K)
+                    "cost/normal/mean": rng.standard_normal((E, K)),  # fine: drawn
+                    "regret/normal/regret": rng.random(E),
+                    "regret/normal/bound": rng.random(E - 1) + 1,  # E - 1 edges beside E
+                    "arch/reduce/params": rng.standard_normal((2, E, K)),  # read by the sparsity figures
+                    "sparsity/reduce/nonzero": rng.random((E, K)) > 0.5,
+                    "hessian/top_eigenvalue": np.ones(3),  # (3,), not ()
+                    "hessian/normal/top_eigenvalue": 1.0,
+                })
+    return str(path)
+
+
+def test_paths_whose_rows_are_not_their_familys_shape_are_left_out_with_a_reason_not_a_traceback(tmp_path):
+    """The recorder checks E and K only against meta that names them; figures unpacked (E, K) from an (E,) row
+    (ValueError), indexed an (E - 1,) bound per edge (IndexError), plotted a (T, 3) eigenvalue as one curve, and read
+    a 3-axis |A|, each out of `draw_record`, so `nasdiag plot` stopped with a traceback."""
+    record = load(_malformed_record(tmp_path / "run.h5"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        drawn = draw_record(record, tmp_path / "figs")
+    names = sorted(p.name for p in drawn.files)
+    assert "cost_normal_heatmap.png" in names and "hessian_normal_eigenvalue.png" in names
+    skipped = "\n".join(drawn.skipped)
+    for gone in ("arch_normal_heatmap", "arch_normal_evolution", "regret_bound_normal"):
+        assert gone not in " ".join(names) and gone in skipped, gone
+    assert "arch/normal/probabilities has rows of shape (5,), not the (E, K) of its family" in skipped
+    assert re.search(r"regret/normal/bound has rows of shape \(4,\): E = 4, but \S+/normal/\S+ gives E = 5", skipped)
+    assert not any(name.startswith("sparsity_reduce") for name in names)  # |A| of 3 axes is left out, and said so
+    assert "arch/reduce/params has rows of shape (2, 5, 4), not the (E, K) of its family; left out of the figures" in skipped
+    assert "hessian/top_eigenvalue has rows of shape (3,), not the () of its family; left out of the figures" in skipped
+
+
+def test_nasdiag_plot_of_a_record_with_malformed_paths_draws_the_rest(tmp_path, capsys):
+    from nasdiag.cli import main
+
+    path = _malformed_record(tmp_path / "run.h5")
+    code = main(["plot", path, "--out", str(tmp_path / "figs")])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "Traceback" not in captured.err + captured.out
+    assert (tmp_path / "figs" / "cost_normal_heatmap.png").exists()

@@ -271,6 +271,55 @@ def resolve_row(record: Record, path: str, at: Union[str, int]) -> int:
     return int(rows[before[-1]])
 
 
+def malformed_paths(record: Record) -> Dict[str, str]:
+    """``{path: why}`` for the record's paths of a `nasdiag.vocabulary` family whose rows do not have the family's
+    shape: another number of axes, or an E (edges of the cell type) or K (ops) other than meta's names give or,
+    without them, than the first such path gives. The recorder checks shapes against meta only, so a record written
+    without ``op_names`` / ``edge_names`` may hold them; figures leave these paths out instead of failing on them."""
+    sizes: Dict[Tuple[str, Optional[str]], Tuple[int, str]] = {}
+    if "meta/op_names" in record:
+        sizes[("K", None)] = (int(np.size(record["meta/op_names"])), "meta/op_names")
+    for key in record:
+        if key.startswith("meta/edge_names/"):
+            sizes[("E", key[len("meta/edge_names/"):])] = (int(np.size(record[key])), key)
+    bad: Dict[str, str] = {}
+    for path, values in record.items():
+        fam = None if path == "step" or path.startswith(("valid/", "meta/")) else V.family_of(path)
+        if fam is None or not fam.shape:
+            continue
+        dims = re.findall(r"[A-Za-z]+|\d+", fam.shape)
+        shape = tuple(np.shape(values)[1:])
+        if len(shape) != len(dims):
+            bad[path] = f"{path} has rows of shape {shape}, not the {fam.shape} of its family"
+            continue
+        parts = fam.pattern.split("/")
+        cell = path.split("/")[parts.index("<cell>")] if "<cell>" in parts else None
+        for dim, n in zip(dims, shape):
+            if dim in ("E", "K"):
+                n_known, source = sizes.setdefault((dim, cell if dim == "E" else None), (n, path))
+                if n != n_known:
+                    bad[path] = f"{path} has rows of shape {shape}: {dim} = {n}, but {source} gives {dim} = {n_known}"
+                    break
+    return bad
+
+
+def _without(record: Record, bad: Mapping[str, str]) -> Record:
+    """``record`` without the ``bad`` paths and their ``valid/`` masks."""
+    if not bad:
+        return record
+    return {k: v for k, v in record.items() if k not in bad and not (k.startswith("valid/") and k[len("valid/"):] in bad)}
+
+
+def _bad_path_of(spec: FigureSpec, cell: Optional[str], bad: Mapping[str, str]) -> Optional[str]:
+    """The first malformed path of the figure's own families for ``cell`` (families with ``<name>`` draw the rest)."""
+    for fam in spec.families:
+        if "<name>" not in fam.pattern:
+            path = fam.path(cell=cell) if cell is not None and "<cell>" in fam.pattern else fam.pattern
+            if path in bad:
+                return path
+    return None
+
+
 def _row_path(spec: FigureSpec, record: Record, cell: Optional[str]) -> str:
     for fam in spec.families:
         path = fam.path(cell=cell) if cell is not None and "<cell>" in fam.pattern else fam.pattern
@@ -377,8 +426,17 @@ def iter_figures(record: Record, figures: Optional[Sequence[str]] = None, at=Non
 
     ats = parse_at(at)
     paths = [k for k in record if not k.startswith(("valid/", "meta/")) and k != "step"]
+    bad = malformed_paths(record)
+    record = _without(record, bad)
     for spec in select(figures):
         for cell in spec.cells(paths):
+            malformed = _bad_path_of(spec, cell, bad)
+            if malformed is not None:
+                def refuse(why=f"{bad[malformed]}; left out of the figures"):
+                    raise NothingToDraw(why)
+
+                yield spec, cell, None if ats is None or not spec.rows else _at_label(ats[0]), refuse
+                continue
             if not spec.rows:
                 yield spec, cell, None, (lambda s=spec, c=cell: s.draw(record, c))
                 continue
@@ -451,6 +509,9 @@ def draw_record(record: Record, out_dir, fmt: str = "png", figures: Optional[Seq
         drawn.files.append(path)
         drawn.specs[path] = spec
     drawn.nonfinite = family_nonfinite(record, list(tried.values()))
+    # a malformed path that no figure of its own family named (one another figure reads, such as the |A| of SparseNAS)
+    drawn.skipped += [f"{why}; left out of the figures" for path, why in malformed_paths(record).items()
+                      if not any(f"{path} has rows" in line for line in drawn.skipped)]
     return drawn
 
 
@@ -510,6 +571,7 @@ def write_comparison(records: Mapping[str, Record], out_dir, fmt: str = "png", f
     ats = parse_at(at) or ["final"]
     out = Path(out_dir)
     drawn = Drawn()
+    records = {label: _without(record, malformed_paths(record)) for label, record in records.items()}
     for spec in select(figures):
         if not spec.is_heatmap:
             continue
