@@ -33,6 +33,8 @@ Defects found (each test says which):
   supernet refused every edge ("called without mixing weights"): the adapter now hands them on positionally (same test,
   ``keyword``); the docs said nowhere how to search one's own supernet with a method (docs/methods.md now does, and
   ``test_the_docs_snippet_searching_your_own_supernet_with_darts_equals_first_order_darts_by_hand`` runs it);
+* nasdiag's ``Network`` under its default fast engine took (E + 1, K) mixing weights silently and stopped (E, K − 1)
+  ones with "index out of range in self" (``test_mixing_weights_of_the_wrong_shape_are_one_line_under_every_engine``);
 * ``nasdiag.attach`` was missing from ``dir(nasdiag)`` (``test_every_public_name_imports_is_listed_by_dir_and_documented``).
 
 Verified and kept as one test each: a user's NB-201 supernet (ModuleDict ops, ParameterList α, keyword weights) gives
@@ -617,3 +619,30 @@ def test_the_docs_snippet_searching_your_own_supernet_with_darts_equals_first_or
     for k, (op, j) in enumerate(genotype.normal[:2]):  # node 2: the two strongest inputs, each by its strongest non-none op
         strongest = sorted(range(2), key=lambda e: -p[e, 1:].max().item())[k]
         assert (op, j) == (DARTS_NAMES[1 + int(p[strongest, 1:].argmax())], strongest)
+
+
+def test_mixing_weights_of_the_wrong_shape_are_one_line_under_every_engine():
+    """Defect: under the default (fast) engine nasdiag's ``Network`` took (E + 1, K) mixing weights for a cell of E
+    edges without a word (the eager engine refused them) and stopped (E, K − 1) weights with torch's "index out of
+    range in self"; per-sample (E, B', K) weights of another batch size were torch's broadcasting message under both.
+    Now every engine says in one ``ValueError`` line which cell's weights are wrong, what shape they must have, and
+    what came; well-shaped weights, shared (E, K) or per sample (E, B, K), still run."""
+    from nasdiag.supernet import Network
+
+    torch.manual_seed(0)
+    net = Network(C=4, num_classes=5, layers=3, in_channels=1, steps=2, multiplier=2).double()
+    x = torch.randn(3, 1, 8, 8, dtype=torch.float64)
+    E, K = 5, len(net.primitives)
+
+    def z(*shape):
+        return torch.softmax(torch.randn(*shape, dtype=torch.float64), -1)
+
+    for engine in ("auto", "fast", "eager"):
+        net.set_engine(engine)
+        assert net(x, {"normal": z(E, K), "reduce": z(E, K)}).shape == (3, 5)
+        assert net(x, {"normal": z(E, 3, K), "reduce": z(E, 3, K)}).shape == (3, 5)
+        for bad, shape in ((z(E + 1, K), "(6, 8)"), (z(E, K - 1), "(5, 7)"), (z(E, 2, K), "(5, 2, 8)"), (z(K), "(8,)")):
+            with pytest.raises(ValueError) as err:
+                net(x, {"normal": bad, "reduce": z(E, K)})
+            message = str(err.value)
+            assert "\n" not in message and "cell 0 (normal)" in message and shape in message and "(5, 8)" in message, (engine, message)

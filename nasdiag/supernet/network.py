@@ -188,21 +188,33 @@ class Network(nn.Module):
         return self
 
     # -- forward ---------------------------------------------------------------------------
-    def _cell_weights(self, weights: MixingWeights) -> List[torch.Tensor]:
+    def _cell_weights(self, weights: MixingWeights, batch: Optional[int] = None) -> List[torch.Tensor]:
+        """One entry per cell of ``weights`` (see :meth:`forward`), shapes checked; ``batch``: len(x), for (E, B, K)."""
         if weights is None:
             weights = self.softmax_weights()
         if isinstance(weights, Mapping):
             missing = [t for t in self.cell_types if t not in weights]
             if missing:
                 raise ValueError(f"mixing weights missing for cell types {missing}; got keys {list(weights)}")
-            return [weights[cell.cell_type] for cell in self.cells]
-        weights = list(weights)
-        if len(weights) != self.layers:
-            raise ValueError(
-                f"a sequence of mixing weights needs one (E, K) tensor per cell ({self.layers}), got {len(weights)}; "
-                "pass a dict {cell type: (E, K)} to share weights across cells"
-            )
-        return weights
+            per_cell = [weights[cell.cell_type] for cell in self.cells]
+        else:
+            per_cell = list(weights)
+            if len(per_cell) != self.layers:
+                raise ValueError(
+                    f"a sequence of mixing weights needs one (E, K) tensor per cell ({self.layers}), got {len(per_cell)}; "
+                    "pass a dict {cell type: (E, K)} to share weights across cells"
+                )
+        # shapes only (no device read), for every engine: the fast engine took (E + 1, K) weights without a word and
+        # failed on (E, K − 1) with "index out of range in self"
+        K = len(self.primitives)
+        for k, (cell, w) in enumerate(zip(self.cells, per_cell)):
+            if not isinstance(w, torch.Tensor):  # one entry per edge (the cell checks each; ASM-NAS's None = attention)
+                continue
+            E, shape = len(cell.edges), tuple(w.shape)
+            if len(shape) not in (2, 3) or shape[0] != E or shape[-1] != K or (len(shape) == 3 and batch not in (None, shape[1])):
+                raise ValueError(f"the mixing weights of cell {k} ({cell.cell_type}) must be (E, K) = ({E}, {K}) or, per "
+                                 f"sample, (E, B, K) = ({E}, {batch}, {K}); got {shape}")
+        return per_cell
 
     def _cell_active(self, active: MixingWeights) -> List[Optional[List[List[bool]]]]:
         # One host read per cell type and forward (a sync only if the masks live on the device), so
@@ -231,7 +243,7 @@ class Network(nn.Module):
         Returns:
             logits (B, num_classes).
         """
-        per_cell = self._cell_weights(weights)
+        per_cell = self._cell_weights(weights, len(x))
         if self.engine != "eager" and _engine.resolve(self, x, per_cell, active):  # batched cells (engine/fast.py)
             return _engine.fast_forward(self, x, per_cell)
         per_cell_active = [None] * len(per_cell) if active is None else self._cell_active(active)
