@@ -35,6 +35,9 @@ Defects found (each test says which):
   ``test_the_docs_snippet_searching_your_own_supernet_with_darts_equals_first_order_darts_by_hand`` runs it);
 * nasdiag's ``Network`` under its default fast engine took (E + 1, K) mixing weights silently and stopped (E, K − 1)
   ones with "index out of range in self" (``test_mixing_weights_of_the_wrong_shape_are_one_line_under_every_engine``);
+* float32 mixing weights on a float64 ``Network`` ran under the eager engine and stopped the default fast engine with
+  "expected scalar type Double but found Float"
+  (``test_float32_mixing_weights_on_a_float64_supernet_run_under_the_default_engine_as_under_eager``);
 * ``nasdiag.attach`` was missing from ``dir(nasdiag)`` (``test_every_public_name_imports_is_listed_by_dir_and_documented``).
 
 Verified and kept as one test each: a user's NB-201 supernet (ModuleDict ops, ParameterList α, keyword weights) gives
@@ -646,3 +649,29 @@ def test_mixing_weights_of_the_wrong_shape_are_one_line_under_every_engine():
                 net(x, {"normal": bad, "reduce": z(E, K)})
             message = str(err.value)
             assert "\n" not in message and "cell 0 (normal)" in message and shape in message and "(5, 8)" in message, (engine, message)
+
+
+def test_float32_mixing_weights_on_a_float64_supernet_run_under_the_default_engine_as_under_eager():
+    """Defect: ``torch.softmax(torch.randn(E, K), -1)`` (float32) as the mixing weights of a ``.double()`` supernet ran
+    under the eager engine (each row entry promotes like a scalar) and stopped the default fast engine with torch's
+    "expected scalar type Double but found Float". Now both engines give the logits of the float64-cast weights, and
+    ∂L/∂Z reaches float32 leaves: equal to autograd w.r.t. the float64 copy, to float32 rounding."""
+    from nasdiag.supernet import Network
+
+    torch.manual_seed(0)
+    net = Network(C=4, num_classes=5, layers=3, in_channels=1, steps=2, multiplier=2).double()
+    x, y = torch.randn(3, 1, 8, 8, dtype=torch.float64), torch.tensor([0, 3, 1])
+    g = torch.Generator().manual_seed(2)
+    z32 = {t: torch.softmax(torch.randn(5, 8, generator=g), -1) for t in ("normal", "reduce")}
+    net.set_engine("eager")
+    leaves = {t: v.double().requires_grad_(True) for t, v in z32.items()}
+    loss = F.cross_entropy(net(x, leaves), y)
+    reference = torch.autograd.grad(loss, list(leaves.values()))
+    for engine in ("auto", "eager"):
+        net.set_engine(engine)
+        leaves = {t: v.clone().requires_grad_(True) for t, v in z32.items()}
+        got = F.cross_entropy(net(x, leaves), y)
+        torch.testing.assert_close(got, loss.detach(), rtol=1e-12, atol=0)
+        for a, b in zip(torch.autograd.grad(got, list(leaves.values())), reference):
+            assert a.dtype == torch.float32
+            torch.testing.assert_close(a, b.float(), rtol=1e-6, atol=1e-7)
