@@ -285,3 +285,20 @@ def test_the_reserved_roots_docs_schema_lists_are_the_ones_the_recorder_refuses(
             assert "reserved" in str(err)
             refused.add(root)
     assert refused == documented
+
+
+def test_a_value_of_more_axes_than_hdf5_holds_is_refused_at_its_log_and_the_recorder_goes_on(tmp_path):
+    """A 32-axis row was accepted, then its segment could not be created (HDF5: at most 32 axes, the rows one of
+    them): that flush and every later log, flush and close failed, and every row after it was lost."""
+    path = str(tmp_path / "run.h5")
+    with Recorder(path, flush_every=2, flush_seconds=None) as rec:
+        rec.log(0, {"scalars/x": 0.0})
+        rec.log(1, {"scalars/x": 1.0})
+        with pytest.raises(RecordError, match="32 axes.*at most 31"):
+            rec.log(2, {"scalars/x": 2.0, "x/deep": np.ones((1,) * 32)})
+        rec.log(3, {"scalars/x": 3.0, "x/ok": np.full((1,) * 31, 7.0)})  # the most a row may have
+        rec.log(4, {"scalars/x": 4.0})
+    out = load(path)
+    np.testing.assert_array_equal(out["step"], [0, 1, 3, 4])
+    np.testing.assert_array_equal(out["scalars/x"], [0.0, 1.0, 3.0, 4.0])
+    assert out["x/ok"].shape == (4,) + (1,) * 31 and out["x/ok"][2].item() == 7.0

@@ -50,6 +50,8 @@ from nasdiag.record.termination import GUARD
 _ALLOWED_KINDS = "biuf"
 #: /step is int64
 _MAX_STEP = int(np.iinfo(np.int64).max)
+#: HDF5 datasets have at most 32 axes (H5S_MAX_RANK), and the first one is the rows
+_MAX_ROW_AXES = 31
 _ERRNO_IN_MESSAGE = re.compile(r"errno\s*=\s*(\d+)")
 
 
@@ -618,6 +620,11 @@ class Recorder:
                 schema.check_path(path)
                 schema.check_no_prefix_clash(path, [*self._columns, *new_paths])
                 schema.check_against_meta(path, array.shape, self._meta)
+                if array.ndim > _MAX_ROW_AXES:  # the segment would fail at the flush, and every flush after it
+                    raise RecordError(
+                        f"{path!r} at step {step}: a value of {array.ndim} axes cannot be recorded (an HDF5 dataset has at "
+                        f"most 32, one of them the rows); reshape it to at most {_MAX_ROW_AXES} axes"
+                    )
                 if array.size == 0:  # an HDF5 chunk cannot have a 0-long axis: the segment would fail at the flush
                     raise RecordError(
                         f"{path!r} at step {step}: a value of shape {array.shape} has no elements and cannot be recorded; "
