@@ -931,3 +931,17 @@ def test_a_ruled_modules_parameter_used_in_forward_code_too_is_counted_or_refuse
         with pytest.raises(UnsupportedModuleError, match=r"MmBackward0.*'fc\.weight'"):
             diag_hessian(model, F.cross_entropy, x, y, mode=mode)
         assert_no_module_hooks(model)
+
+
+@pytest.mark.parametrize("kwargs", [{"start_epoch": "10"}, {"start_epoch": None}, {"threshold": "0.75"},
+                                    {"threshold": None}, {"window": True}, {"threshold": True}])
+def test_early_stop_refuses_bad_settings_when_made_not_at_its_first_decision(kwargs):
+    """A string start_epoch was accepted and raised a bare TypeError ('>=') only 2·window epochs into a search;
+    a string threshold a bare TypeError; window=True counted as 1."""
+    from nasdiag.hessian import CurvatureError, EigenvalueEarlyStop
+
+    with pytest.raises(CurvatureError, match=next(iter(kwargs))) as err:
+        EigenvalueEarlyStop(**kwargs)
+    assert "\n" not in str(err.value)
+    rule = EigenvalueEarlyStop(window=1, start_epoch=1)  # valid settings still decide as RobustDARTS's rule says
+    assert [rule.update(v).stop for v in (1.0, 1.0, 2.0)] == [False, False, True] and rule.rollback_epoch == 1

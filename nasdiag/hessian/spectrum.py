@@ -20,6 +20,7 @@ Batch convention: the Hessian is the one of exactly the scalar ``loss_fn`` retur
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple
@@ -594,10 +595,14 @@ class EigenvalueEarlyStop:
     rollback_epoch: Optional[int] = field(default=None, init=False)
 
     def __post_init__(self):
-        if not 0 < self.threshold <= 1:
-            raise CurvatureError(f"threshold must be in (0, 1] (RobustDARTS uses 0.75), got {self.threshold!r}")
-        if not isinstance(self.window, int) or self.window < 1:
+        # checked here, not at the first decision 2·window epochs into a search
+        if not isinstance(self.threshold, numbers.Real) or isinstance(self.threshold, bool) or not 0 < self.threshold <= 1:
+            raise CurvatureError(f"threshold must be a number in (0, 1] (RobustDARTS uses 0.75), got {self.threshold!r}")
+        if not isinstance(self.window, numbers.Integral) or isinstance(self.window, bool) or self.window < 1:
             raise CurvatureError(f"window must be a positive int (RobustDARTS uses 5), got {self.window!r}")
+        if not isinstance(self.start_epoch, numbers.Integral) or isinstance(self.start_epoch, bool):
+            raise CurvatureError(f"start_epoch must be an int (the first epoch a stop may be declared; RobustDARTS's code "
+                                 f"waits for 10), got {self.start_epoch!r}")
 
     @property
     def stopped(self) -> bool:
