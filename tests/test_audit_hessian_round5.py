@@ -24,6 +24,8 @@ Defects this round found (each test named fails on the library before its fix):
   canonical sign of both GGN modes was decided by round-off between entries of equal magnitude (two-class
   cross-entropy: ``ggn`` 35%, ``ggn_mc`` 82% apart under train-mode BN) —
   ``test_ggn_signs_of_eigenvectors_with_entries_of_equal_magnitude_are_canonical_too``;
+* ``EigenvalueEarlyStop`` took a string or None ``start_epoch`` and failed with a bare TypeError 2·window epochs into
+  a search (a string threshold: a bare TypeError) — ``test_early_stop_refuses_bad_settings_when_made_not_at_its_first_decision``;
 * docs: ``approx``'s BatchNorm/InstanceNorm pass on the group mean of their input diagonal (1.6% apart from the
   documented recursion through an activation before the norm); the shared-α/Z diagonals come in the dtype of what
   they differentiate, not the loss's — ``test_diag_and_approx_are_the_appendix_recursions_on_conv_and_fc_nets``.
