@@ -302,3 +302,13 @@ def test_a_value_of_more_axes_than_hdf5_holds_is_refused_at_its_log_and_the_reco
     np.testing.assert_array_equal(out["step"], [0, 1, 3, 4])
     np.testing.assert_array_equal(out["scalars/x"], [0.0, 1.0, 3.0, 4.0])
     assert out["x/ok"].shape == (4,) + (1,) * 31 and out["x/ok"][2].item() == 7.0
+
+
+@pytest.mark.parametrize("cell", [".", ".."])
+def test_a_cell_type_named_dot_is_refused_as_a_name_before_any_file_is_made(tmp_path, cell):
+    """'.' passed the name check and failed as 'cannot create record segment ...: name already exists', blaming
+    the storage for the meta."""
+    path = tmp_path / "run.h5"
+    with pytest.raises(RecordError, match=r"cell type .* is invalid"):
+        Recorder(str(path), meta={"op_names": ["a", "b"], "edge_names": {cell: ["0->2"]}, "cell_types": [cell]})
+    assert os.listdir(tmp_path) == []

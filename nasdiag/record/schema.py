@@ -303,8 +303,9 @@ def normalize_meta(meta: Mapping[str, Any] | None) -> dict[str, Any]:
                 raise RecordError("meta['edge_names'] must be a dict mapping cell type -> list of edge names")
             value = {str(k): _str_list(f"edge_names/{k}", v) for k, v in value.items()}
             for cell in value:
-                if not _NAME.match(cell):
-                    raise RecordError(f"cell type {cell!r} in meta['edge_names'] is invalid: use letters, digits and _.-+=")
+                if not _NAME.match(cell) or cell in (".", ".."):  # an HDF5 name: "." and ".." are taken
+                    raise RecordError(f"cell type {cell!r} in meta['edge_names'] is invalid: use letters, digits and _.-+= "
+                                      "(not '.' or '..')")
         else:
             value = json.loads(_json(key, value))
         out[key] = value
