@@ -947,3 +947,56 @@ def test_early_stop_refuses_bad_settings_when_made_not_at_its_first_decision(kwa
     assert "\n" not in str(err.value)
     rule = EigenvalueEarlyStop(window=1, start_epoch=1)  # valid settings still decide as RobustDARTS's rule says
     assert [rule.update(v).stop for v in (1.0, 1.0, 2.0)] == [False, False, True] and rule.rollback_epoch == 1
+
+
+def conv_by_dense_jacobians(conv, x, h, mode):
+    """One convolution's step of the recursion from its dense Jacobians (any dimension, no unfolding): C.2.1-C.2.3 is
+    ``diag(J_Wᵀ diag(h) J_W)`` and ``(J_x∘J_x)ᵀ h``; C.2.4-C.2.5 the same with h replaced by its per-channel mean,
+    the input diagonal then averaged per channel (docs/hessian.md's folding)."""
+    spatial = (0,) + tuple(range(2, h.dim()))
+    if mode == "approx":
+        h = h.mean(spatial, keepdim=True).expand_as(h)
+    W, b = conv.weight.detach(), conv.bias
+    Jw = torch.autograd.functional.jacobian(
+        lambda w: functional_call(conv, {"weight": w, **({"bias": b} if b is not None else {})}, (x,)), W)
+    out = {"weight": (Jw.reshape(h.numel(), -1).square().T @ h.reshape(-1)).view_as(W)}
+    if b is not None:
+        out["bias"] = h.sum(spatial)
+    Jx = torch.autograd.functional.jacobian(conv, x).reshape(h.numel(), -1)
+    h_in = (Jx.square().T @ h.reshape(-1)).view_as(x)
+    if mode == "approx":
+        h_in = h_in.mean(spatial, keepdim=True).expand_as(x)
+    return h_in, out
+
+
+@pytest.mark.parametrize("mode", ["diag", "approx"])
+@pytest.mark.parametrize("conv", [
+    lambda: nn.Conv3d(4, 4, (2, 3, 1), stride=(1, 2, 1), padding=(1, 1, 0), dilation=(2, 1, 1), groups=2),
+    lambda: nn.Conv2d(4, 6, (3, 2), stride=2, padding=(2, 1), dilation=(1, 2), groups=2, bias=False),
+    lambda: nn.Conv1d(4, 4, 3, stride=3, padding=1, groups=4),
+], ids=["conv3d", "conv2d", "conv1d"])
+def test_convolutions_of_every_dimension_against_their_dense_jacobians(conv, mode):
+    torch.manual_seed(14)
+    conv = conv().double()
+    d = conv.weight.dim() - 2
+    pre = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[d](3, 4, 1).double()
+    g = torch.Generator().manual_seed(15)
+    x, y = torch.randn((2, 3) + (5,) * d, generator=g, dtype=DT), torch.randint(0, 3, (2,), generator=g)
+    with torch.no_grad():
+        n_out = conv(pre(x))[0].numel()
+    model = nn.Sequential(pre, nn.Tanh(), conv, nn.ELU(), nn.Flatten(), nn.Linear(n_out, 3)).double()
+    with torch.enable_grad():
+        p = pre(x)
+        a = torch.tanh(p)
+        c = conv(a)
+        e = F.elu(c)
+        out = model[5](e.flatten(1))
+        g_a, g_e = torch.autograd.grad(F.cross_entropy(out, y), [a, e])
+    h_lin, W2 = loss_output_diagonal(F.cross_entropy, out, y), model[5].weight.detach().square()
+    h_e = (h_lin @ W2 if mode == "diag" else (h_lin.mean(0) @ W2).expand(h_lin.shape[0], -1)).reshape(e.shape)
+    d1, d2 = elementwise_derivatives(nn.ELU(), c)
+    h_a, want_conv = conv_by_dense_jacobians(conv, a.detach(), d1.square() * h_e + d2 * g_e, mode)
+    d1, d2 = elementwise_derivatives(nn.Tanh(), p)
+    _, want_pre = conv_by_dense_jacobians(pre, x, d1.square() * h_a + d2 * g_a, mode)
+    want = {**{f"0.{k}": v for k, v in want_pre.items()}, **{f"2.{k}": v for k, v in want_conv.items()}}
+    assert_close(diag_hessian(model, F.cross_entropy, x, y, mode=mode, params=list(want)), want)
