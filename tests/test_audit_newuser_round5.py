@@ -38,6 +38,8 @@ Defects found (each test says which):
 * float32 mixing weights on a float64 ``Network`` ran under the eager engine and stopped the default fast engine with
   "expected scalar type Double but found Float"
   (``test_float32_mixing_weights_on_a_float64_supernet_run_under_the_default_engine_as_under_eager``);
+* ``derive_genotype`` / ``derive_cell`` derived an arbitrary architecture from NaN weights
+  (``test_a_genotype_is_the_darts_rule_and_nan_weights_are_one_line_not_an_arbitrary_architecture``);
 * ``nasdiag.attach`` was missing from ``dir(nasdiag)`` (``test_every_public_name_imports_is_listed_by_dir_and_documented``).
 
 Verified and kept as one test each: a user's NB-201 supernet (ModuleDict ops, ParameterList α, keyword weights) gives
@@ -675,3 +677,35 @@ def test_float32_mixing_weights_on_a_float64_supernet_run_under_the_default_engi
         for a, b in zip(torch.autograd.grad(got, list(leaves.values())), reference):
             assert a.dtype == torch.float32
             torch.testing.assert_close(a, b.float(), rtol=1e-6, atol=1e-7)
+
+
+def darts_rule(p, steps, names):
+    """The DARTS genotype rule written out: per node the 2 inputs whose best non-'none' op is largest."""
+    genes, offset = [], 0
+    for node in range(steps):
+        rows = [(max(p[offset + i][k] for k in range(len(names)) if names[k] != "none"), i) for i in range(node + 2)]
+        for _, i in sorted(rows, key=lambda r: (-r[0], r[1]))[:2]:
+            row = p[offset + i]
+            genes.append((max((k for k in range(len(names)) if names[k] != "none"), key=lambda k: (row[k], -k)), i))
+        offset += node + 2
+    return [(names[k], i) for k, i in genes]
+
+
+def test_a_genotype_is_the_darts_rule_and_nan_weights_are_one_line_not_an_arbitrary_architecture():
+    """Defect: ``nasdiag.supernet.derive_genotype`` / ``derive_cell`` (public) derived an architecture from NaN weights
+    (a diverged α), NaN comparing false with everything so the picks were arbitrary and looked like any other genotype
+    (the search methods and plots guard themselves; a user's own loop did not get that guard). Now one ``ValueError``
+    line naming the edges; on finite weights the genotype equals the DARTS rule written out here."""
+    from nasdiag.supernet import DARTS_PRIMITIVES, derive_genotype
+
+    g = torch.Generator().manual_seed(9)
+    p = {t: torch.softmax(torch.randn(14, 8, generator=g, dtype=torch.float64), -1) for t in ("normal", "reduce")}
+    genotype = derive_genotype(p, 4, 4, DARTS_PRIMITIVES)
+    assert genotype.normal == darts_rule(p["normal"].tolist(), 4, DARTS_PRIMITIVES)
+    assert genotype.reduce == darts_rule(p["reduce"].tolist(), 4, DARTS_PRIMITIVES)
+    assert genotype.normal_concat == [2, 3, 4, 5]
+    p["normal"][3, 5] = math.nan
+    p["normal"][9, 0] = math.nan
+    with pytest.raises(ValueError) as err:
+        derive_genotype(p, 4, 4, DARTS_PRIMITIVES)
+    assert "NaN" in str(err.value) and "[3, 9]" in str(err.value) and "\n" not in str(err.value)

@@ -26,6 +26,10 @@ def _check(weights: torch.Tensor, steps: int, primitives: Sequence[str]) -> torc
             f"weights must have shape (E, K) = ({E}, {len(primitives)}) for steps={steps} and "
             f"{len(primitives)} primitives, got {tuple(weights.shape)}"
         )
+    if weights.is_floating_point() and bool(torch.isnan(weights).any()):
+        # NaN compares false with every weight: the picks would be arbitrary, an architecture that looks like any other
+        edges = sorted({int(e) for e in torch.isnan(weights).any(1).nonzero()[:, 0]})
+        raise ValueError(f"weights are NaN on edge(s) {edges}: no architecture can be derived from them (a diverged search?)")
     return weights
 
 
