@@ -312,3 +312,16 @@ def test_a_cell_type_named_dot_is_refused_as_a_name_before_any_file_is_made(tmp_
     with pytest.raises(RecordError, match=r"cell type .* is invalid"):
         Recorder(str(path), meta={"op_names": ["a", "b"], "edge_names": {cell: ["0->2"]}, "cell_types": [cell]})
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("key", ["segments", "run_id", "schema_version", "nonfinite_counts", "torch_version"])
+def test_a_meta_key_that_load_meta_reports_for_the_record_is_refused_not_silently_replaced(tmp_path, key):
+    """meta={"segments": ...} was stored, and load_meta returned the record's segment list under it instead: the
+    user's value was gone from the documented view of the meta without a word."""
+    path = tmp_path / "run.h5"
+    with pytest.raises(RecordError, match=f"meta key '{key}' is reserved"):
+        Recorder(str(path), meta={"method": "darts", key: "mine"})
+    assert os.listdir(tmp_path) == []
+    with Recorder(str(path), meta={"method": "darts", "notes": "mine"}) as rec:  # any other key is kept
+        rec.log(0, {"scalars/x": 1.0})
+    assert load_meta(str(path))["notes"] == "mine"

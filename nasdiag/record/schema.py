@@ -50,6 +50,9 @@ NO_SEED = -1
 
 #: meta keys with a fixed meaning; any other key is kept as a JSON attribute of /meta.
 KNOWN_META_KEYS = ("method", "config", "seed", "op_names", "edge_names", "cell_types")
+#: what `reader.load_meta` adds to the meta: a meta key of one of these names would be hidden there
+LOAD_META_KEYS = ("schema_version", "nasdiag_version", "torch_version", "h5py_version", "hdf5_version", "run_id",
+                  "segments", "nonfinite_counts")
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-+=]+$")
 #: Target bytes of one HDF5 chunk; chunks are rewritten whole on each flush, so keep them small.
@@ -272,7 +275,7 @@ def normalize_meta(meta: Mapping[str, Any] | None) -> dict[str, Any]:
     Keys with a fixed meaning: ``method`` (str), ``config`` (dict, stored as JSON), ``seed`` (int),
     ``op_names`` (list[str], the K ops), ``edge_names`` (dict cell type -> list[str], the E edges),
     ``cell_types`` (list[str]). Every other key must be JSON-serialisable and is kept as a JSON
-    attribute of ``/meta``.
+    attribute of ``/meta``; the keys `LOAD_META_KEYS` that `load_meta` adds are refused.
     """
     if meta is None:
         return {}
@@ -282,6 +285,9 @@ def normalize_meta(meta: Mapping[str, Any] | None) -> dict[str, Any]:
     for key, value in meta.items():
         if not isinstance(key, str) or not _NAME.match(key):
             raise RecordError(f"meta key {key!r} is invalid: use letters, digits and _.-+=")
+        if key in LOAD_META_KEYS:
+            raise RecordError(f"meta key {key!r} is reserved: load_meta reports the record's own {key} under it; "
+                              "rename the key")
         if value is None:
             continue
         if key == "method":
