@@ -334,3 +334,35 @@ def test_nasdiag_plot_of_a_record_with_malformed_paths_draws_the_rest(tmp_path, 
     assert code == 0, captured.err
     assert "Traceback" not in captured.err + captured.out
     assert (tmp_path / "figs" / "cost_normal_heatmap.png").exists()
+
+
+def test_a_record_being_written_draws_its_committed_rows_only(tmp_path):
+    """Drawn while its recorder is open, with rows buffered after the last flush: the heatmap shows the last
+    committed row and the curves end there; the buffered rows appear once flushed."""
+    meta = {"method": "darts", "op_names": OPS, "edge_names": {"normal": EDGES["normal"]}, "cell_types": ["normal"]}
+    rng = np.random.default_rng(3)
+    logged = {}
+    path = str(tmp_path / "run.h5")
+    rec = Recorder(path, meta=meta, flush_every=4, flush_seconds=None)
+    try:
+        for step in range(10):  # steps 0-7 committed, 8 and 9 buffered
+            logged[step] = rng.dirichlet(np.ones(K), E).astype(np.float32)
+            rec.log(step, {"arch/normal/probabilities": logged[step]})
+        for committed in (7, 9):
+            record = load(path)
+            figures = {spec.name: thunk for spec, _, _, thunk in iter_figures(record, figures=["arch", "arch_evolution"])}
+            fig = figures["arch"]()
+            try:
+                shown = np.ma.filled(fig.axes[0].images[0].get_array().astype(float), np.nan)
+                np.testing.assert_allclose(shown, logged[committed].astype(float) - 1 / K, rtol=1e-12)
+            finally:
+                plt.close(fig)
+            fig = figures["arch_evolution"]()
+            try:
+                line = next(ln for ln in fig.axes[0].get_lines() if ln.get_label() == OPS[0])
+                np.testing.assert_array_equal(line.get_xdata(), np.arange(committed + 1))
+            finally:
+                plt.close(fig)
+            rec.flush()
+    finally:
+        rec.close()

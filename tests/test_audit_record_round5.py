@@ -325,3 +325,45 @@ def test_a_meta_key_that_load_meta_reports_for_the_record_is_refused_not_silentl
     with Recorder(str(path), meta={"method": "darts", "notes": "mine"}) as rec:  # any other key is kept
         rec.log(0, {"scalars/x": 1.0})
     assert load_meta(str(path))["notes"] == "mine"
+
+
+def _documented_families():
+    """(pattern, shape, dtype) of every row of the family table of docs/schema.md."""
+    import re
+
+    with open(os.path.join(ROOT, "docs", "schema.md"), encoding="utf-8") as fh:
+        text = fh.read()
+    table = text.split("<!-- families:")[1].split("<!-- end of families -->")[0]
+    return [(m.group(1), m.group(2), m.group(3)) for m in re.finditer(r"^\| `([^`]+)` \| ([^|]+?) \| (\w+) \|", table, re.M)]
+
+
+def test_load_returns_every_documented_family_with_its_row_shape_dtype_and_validity(tmp_path):
+    """One path of each family of docs/schema.md at its documented shape (E = 2 edges, K = 3 ops, R = 2 cells) and
+    dtype, logged at steps 0 and 2 and left out at step 1: load gives (T, *shape) of that dtype, the logged values,
+    the fill value and valid = False where it was left out."""
+    sizes = {"E": 2, "K": 3, "R": 2}
+    dtypes = {"float32": np.float32, "int64": np.int64, "bool": np.bool_}
+    families = _documented_families()
+    assert len(families) > 30
+    rng = np.random.default_rng(4)
+    values = {}
+    for pattern, shape, dtype in families:
+        path = pattern.replace("<cell>", "normal").replace("<name>", "some")
+        dims = tuple(sizes[d] for d in shape.strip("()").replace(" ", "").split(",") if d)
+        values[path] = (rng.standard_normal(dims) * 5).astype(dtypes[dtype])
+    meta = {"op_names": ["a", "b", "c"], "edge_names": {"normal": ["0->2", "1->2"]}, "cell_types": ["normal"]}
+    path = str(tmp_path / "run.h5")
+    with Recorder(path, meta=meta, flush_seconds=None) as rec:
+        rec.log(0, values)
+        rec.log(1, {"scalars/other": 1.0})
+        rec.log(2, values)
+    out = load(path)
+    np.testing.assert_array_equal(out["step"], [0, 1, 2])
+    for p, v in values.items():
+        assert out[p].dtype == v.dtype and out[p].shape == (3, *v.shape), p
+        np.testing.assert_array_equal(out[p][[0, 2]], np.stack([v, v]), err_msg=p)
+        np.testing.assert_array_equal(out[p][1], np.full(v.shape, {"f": np.nan, "b": False}.get(v.dtype.kind, 0), v.dtype))
+        np.testing.assert_array_equal(out[f"valid/{p}"], [True, False, True])
+    assert [str(s) for s in out["meta/op_names"]] == ["a", "b", "c"]
+    assert [str(s) for s in out["meta/edge_names/normal"]] == ["0->2", "1->2"]
+    assert load_meta(path)["edge_names"] == {"normal": ["0->2", "1->2"]}
