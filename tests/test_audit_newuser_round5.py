@@ -25,6 +25,8 @@ Defects found (each test says which):
   first step blaming the model ("not Σ_k w_k·op_k(x) ... relative deviation 0.9"), and a method's ``exact_per_edge`` /
   ``ggn`` curvature came back as zeros (their shift of Z was overwritten)
   (``test_a_probe_and_the_curvature_of_a_method_on_an_adapted_supernet_see_the_mixing_weights_the_method_passes``);
+* ``adapt`` on a model keeping α as buffers stopped with torch's ``KeyError: "attribute 'alphas_normal' already
+  exists"`` (``test_alpha_kept_as_buffers_is_adapted_like_a_plain_tensor``);
 * ``cifar10(root, train_fraction=1.5)`` gave a 49/51 split, 1.0 / 0.0 an empty part, ``limit=-1`` dropped the last image
   and ``limit=0`` gave empty parts standardised to NaN, silently; ``digits(seed=-1)`` was numpy's "expected
   non-negative integer"; ``Network(num_classes=0)`` / ``in_channels=0`` built without a word
@@ -709,3 +711,30 @@ def test_a_genotype_is_the_darts_rule_and_nan_weights_are_one_line_not_an_arbitr
     with pytest.raises(ValueError) as err:
         derive_genotype(p, 4, 4, DARTS_PRIMITIVES)
     assert "NaN" in str(err.value) and "[3, 9]" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_alpha_kept_as_buffers_is_adapted_like_a_plain_tensor():
+    """Defect: a DARTS-style model keeping α as buffers (``register_buffer("alphas_normal", ...)``, out of
+    ``parameters()``) stopped ``adapt`` with torch's ``KeyError: "attribute 'alphas_normal' already exists"``. Now α is
+    re-registered as a parameter sharing the buffer's storage, as plain tensors are: the method's updates reach the
+    user's tensor, and one step of the toy method on it equals the rule by hand (its costs, float64)."""
+    model = KwNetwork(seed=2).double()
+    g = torch.Generator().manual_seed(8)
+    for t in ("normal", "reduce"):
+        model.register_buffer(f"alphas_{t}", 0.3 * torch.randn(5, 4, generator=g, dtype=torch.float64))
+    mine = {t: getattr(model, f"alphas_{t}") for t in ("normal", "reduce")}
+    net = adapt(model, primitives=DARTS_NAMES)
+    for t, a in net.alphas().items():
+        assert isinstance(a, nn.Parameter) and a.data_ptr() == mine[t].data_ptr()
+    assert not [n for n, _ in model.named_buffers() if n.startswith("alphas_")]
+    assert sum(k.startswith("model.alphas_") for k in net.state_dict()) == 2
+    reference = copy.deepcopy(model)
+    method = Toy(net, Toy.Hyperparameters(eta=2.0, w_lr=0.1), schedule=Schedule(epochs=1, steps_per_epoch=1))
+    train, val = image_batch(40), image_batch(41)
+    method.step(train, val)
+    z = {t: torch.full((5, 4), 0.25, dtype=torch.float64) for t in ("normal", "reduce")}
+    leaves = adapted_leaves(reference, z)
+    grads = torch.autograd.grad(F.cross_entropy(reference(val[0], leaves), val[1]), leaves)
+    for t, c in (("normal", grads[0] + grads[2]), ("reduce", grads[1])):
+        expected = z[t] * torch.exp(-2.0 * c)
+        torch.testing.assert_close(method.z[t], expected / expected.sum(-1, keepdim=True), rtol=1e-12, atol=1e-14)

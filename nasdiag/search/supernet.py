@@ -58,8 +58,8 @@ def adapt(model: nn.Module, *, alphas: Optional[Mapping[str, torch.Tensor]] = No
         model: the supernet. Its edges and cells are found by ``nasdiag.probe`` discovery; every edge
             must belong to a cell with a type (``reduction``) and an edge index.
         alphas: ``{cell type: (E, K) tensor}``; default the model's ``alphas_<cell type>`` attributes.
-            α kept as plain tensors (DARTS keeps Variables outside the module) are re-registered as
-            ``nn.Parameter`` s of ``model`` sharing their storage, so that ``state_dict``, ``.to()`` and
+            α kept as plain tensors (DARTS keeps Variables outside the module) or as buffers are re-registered
+            as ``nn.Parameter`` s of ``model`` sharing their storage, so that ``state_dict``, ``.to()`` and
             DDP see them; the model's own lists of them (``_arch_parameters``) see every update.
         primitives: K op names (default: the mixed ops' ``primitives``, else ``"<k>:<class name>"``);
             the genotype rule needs a ``"none"`` name to exclude it.
@@ -167,6 +167,7 @@ class AdaptedSupernet(nn.Module):
                 param = nn.Parameter(a.detach(), requires_grad=True)
                 if owner in self.model.__dict__:
                     del self.model.__dict__[owner]
+                self.model._buffers.pop(owner, None)  # α kept as a buffer (out of parameters()): torch's KeyError before
                 self.model.register_parameter(owner, param)
             names[t] = owner
         return names
