@@ -27,6 +27,8 @@ Defects found (each test says which):
   (``test_a_probe_and_the_curvature_of_a_method_on_an_adapted_supernet_see_the_mixing_weights_the_method_passes``);
 * ``adapt`` on a model keeping α as buffers stopped with torch's ``KeyError: "attribute 'alphas_normal' already
   exists"`` (``test_alpha_kept_as_buffers_is_adapted_like_a_plain_tensor``);
+* ``check_batch`` passed int32/int16/int8 labels that cross-entropy refuses, so the step stopped in torch's "expected
+  target dtype to be Long or Byte" (``test_labels_the_loss_cannot_take_are_one_search_error_line_before_any_update``);
 * ``cifar10(root, train_fraction=1.5)`` gave a 49/51 split, 1.0 / 0.0 an empty part, ``limit=-1`` dropped the last image
   and ``limit=0`` gave empty parts standardised to NaN, silently; ``digits(seed=-1)`` was numpy's "expected
   non-negative integer"; ``Network(num_classes=0)`` / ``in_channels=0`` built without a word
@@ -738,3 +740,24 @@ def test_alpha_kept_as_buffers_is_adapted_like_a_plain_tensor():
     for t, c in (("normal", grads[0] + grads[2]), ("reduce", grads[1])):
         expected = z[t] * torch.exp(-2.0 * c)
         torch.testing.assert_close(method.z[t], expected / expected.sum(-1, keepdim=True), rtol=1e-12, atol=1e-14)
+
+
+def test_labels_the_loss_cannot_take_are_one_search_error_line_before_any_update():
+    """Defect: ``check_batch`` (docs/methods.md: "a batch the supernet cannot take is one ``SearchError`` line before any
+    update") passed int32 / int16 / int8 labels, and the step then stopped in torch's "expected target dtype to be Long
+    or Byte, but got Int". Now one ``SearchError`` line asking for ``y.long()``, the method's state untouched; int64
+    labels run."""
+    from nasdiag.search import SearchError
+
+    model = KwNetwork(seed=3).double()
+    net = adapt(model, alphas={"normal": model.arch[0], "reduce": model.arch[1]}, primitives=DARTS_NAMES)
+    method = Toy(net, schedule=Schedule(epochs=1, steps_per_epoch=1))
+    before = copy.deepcopy(model.state_dict())
+    x, y = image_batch(50)
+    for dtype in (torch.int32, torch.int16, torch.int8):
+        with pytest.raises(SearchError) as err:
+            method.step((x, y), (x, y.to(dtype)))
+        assert "y.long()" in str(err.value) and "\n" not in str(err.value)
+        assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+        assert all(torch.equal(z, torch.full((5, 4), 0.25, dtype=torch.float64)) for z in method.z.values())
+    method.step((x, y), (x, y))

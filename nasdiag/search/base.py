@@ -67,7 +67,7 @@ def failing_row(stats: Dict[str, torch.Tensor]):
 def check_batch(network, batch, what: str) -> None:
     """Raise a one-line `SearchError` unless ``batch`` is an ``(x, y)`` pair the supernet can take: x a non-empty
     floating tensor of the network's dtype and device (with the stem's input channels, where the network has a
-    ``stem`` starting with a convolution), y a 1-D integer tensor of class indices, one per sample of x. Reads
+    ``stem`` starting with a convolution), y a 1-D int64 (or uint8) tensor of class indices, one per sample of x. Reads
     only shapes and dtypes (no device synchronisation)."""
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2 and all(isinstance(t, torch.Tensor) for t in batch)):
         raise SearchError(f"the {what} batch must be a pair (x, y) of tensors, got {type(batch).__name__}")
@@ -84,8 +84,10 @@ def check_batch(network, batch, what: str) -> None:
     if first is not None and (x.dim() != 4 or x.shape[1] != first.in_channels):
         raise SearchError(f"the {what} inputs x must be images (B, {first.in_channels}, H, W) for this supernet's stem, "
                           f"got {tuple(x.shape)}")
-    if y.dim() != 1 or y.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8) or len(y) != len(x):
-        raise SearchError(f"the {what} labels y must be a 1-D integer tensor of class indices, one per sample "
+    # int64 (or uint8), what cross-entropy takes: int32 labels passed here and stopped the step in torch's "expected
+    # target dtype to be Long or Byte"
+    if y.dim() != 1 or y.dtype not in (torch.int64, torch.uint8) or len(y) != len(x):
+        raise SearchError(f"the {what} labels y must be a 1-D int64 tensor of class indices (y.long()), one per sample "
                           f"({len(x)}), got {y.dtype} {tuple(y.shape)}")
 
 
