@@ -25,6 +25,8 @@ Defects found (each test says which):
   first step blaming the model ("not Σ_k w_k·op_k(x) ... relative deviation 0.9"), and a method's ``exact_per_edge`` /
   ``ggn`` curvature came back as zeros (their shift of Z was overwritten)
   (``test_a_probe_and_the_curvature_of_a_method_on_an_adapted_supernet_see_the_mixing_weights_the_method_passes``);
+* an adapted supernet took (E + 1, K) and (E, K − 1) mixing weights silently (DARTS's ``zip`` drops the last op)
+  (``test_an_adapted_supernet_refuses_mixing_weights_of_the_wrong_shape_in_one_line``);
 * ``adapt`` on a model keeping α as buffers stopped with torch's ``KeyError: "attribute 'alphas_normal' already
   exists"`` (``test_alpha_kept_as_buffers_is_adapted_like_a_plain_tensor``);
 * ``check_batch`` passed int32/int16/int8 labels that cross-entropy refuses, so the step stopped in torch's "expected
@@ -761,3 +763,19 @@ def test_labels_the_loss_cannot_take_are_one_search_error_line_before_any_update
         assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
         assert all(torch.equal(z, torch.full((5, 4), 0.25, dtype=torch.float64)) for z in method.z.values())
     method.step((x, y), (x, y))
+
+
+def test_an_adapted_supernet_refuses_mixing_weights_of_the_wrong_shape_in_one_line():
+    """Defect: an adapted supernet took (E + 1, K) weights (their last row unused) and (E, K − 1) weights, with which
+    DARTS's ``sum(w * op(x) for w, op in zip(weights, self._ops))`` silently drops the last candidate op — a forward of
+    another supernet, without a word. Now one ``ValueError`` line naming the cell and both shapes."""
+    model = KwNetwork().double()
+    net = adapt(model, alphas={"normal": model.arch[0], "reduce": model.arch[1]}, primitives=DARTS_NAMES)
+    x, _ = image_batch(60)
+    good = torch.full((5, 4), 0.25, dtype=torch.float64)
+    for bad in (torch.full((6, 4), 0.25, dtype=torch.float64), torch.full((5, 3), 1 / 3, dtype=torch.float64)):
+        with pytest.raises(ValueError) as err:
+            net(x, {"normal": bad, "reduce": good})
+        message = str(err.value)
+        assert "\n" not in message and "'cells.0' (normal)" in message and "(5, 4)" in message and str(tuple(bad.shape)) in message
+    assert_no_module_hooks(model)

@@ -223,6 +223,11 @@ class AdaptedSupernet(nn.Module):
         if any(w.dim() != 2 for w in per_cell):
             raise ValueError("an adapted supernet takes (E, K) mixing weights per cell; per-sample (E, B, K) "
                              "weights need nasdiag's own Network")
+        K = len(self.primitives)
+        for cell, w in zip(self.cells, per_cell):  # DARTS's zip(weights, self._ops) dropped ops of a short row silently
+            if tuple(w.shape) != (self._E[cell.cell_type], K):
+                raise ValueError(f"the mixing weights of cell {cell.name!r} ({cell.cell_type}) must be (E, K) = "
+                                 f"({self._E[cell.cell_type]}, {K}), got {tuple(w.shape)}")
         masks = None
         if active is not None:
             masks = [torch.as_tensor(m).bool().cpu() for m in self._per_cell(active, "active-op masks")]
