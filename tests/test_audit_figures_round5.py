@@ -366,3 +366,17 @@ def test_a_record_being_written_draws_its_committed_rows_only(tmp_path):
             rec.flush()
     finally:
         rec.close()
+
+
+def test_nasdiag_report_of_a_record_with_malformed_paths_lists_them_instead_of_a_traceback(tmp_path):
+    """The report's genotype line unpacked (E, K) from the (E,) p: ValueError out of write_report."""
+    from nasdiag.plot import write_report
+
+    path = _malformed_record(tmp_path / "run.h5")
+    write_report(path, str(tmp_path / "report.html"))
+    page = (tmp_path / "report.html").read_text()
+    for line in ("arch/normal/probabilities has rows of shape (5,), not the (E, K) of its family",
+                 "arch/reduce/params has rows of shape (2, 5, 4), not the (E, K) of its family",
+                 "hessian/top_eigenvalue has rows of shape (3,), not the () of its family"):
+        assert line in page, line
+    assert 'id="cost_normal_heatmap"' in page

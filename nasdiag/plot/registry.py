@@ -310,6 +310,18 @@ def _without(record: Record, bad: Mapping[str, str]) -> Record:
     return {k: v for k, v in record.items() if k not in bad and not (k.startswith("valid/") and k[len("valid/"):] in bad)}
 
 
+def malformed_lines(record: Record, skipped: Sequence[str]) -> List[str]:
+    """One line for each malformed path (`malformed_paths`) that no line of ``skipped`` names yet: one that only
+    figures of other families read (the |A| of SparseNAS) or one of a ``<name>`` family (a scalar)."""
+    return [f"{why}; left out of the figures" for path, why in malformed_paths(record).items()
+            if not any(f"{path} has rows" in line for line in skipped)]
+
+
+def without_malformed(record: Record) -> Record:
+    """``record`` without its malformed paths (`malformed_paths`), for whatever reads it beside the figures."""
+    return _without(record, malformed_paths(record))
+
+
 def _bad_path_of(spec: FigureSpec, cell: Optional[str], bad: Mapping[str, str]) -> Optional[str]:
     """The first malformed path of the figure's own families for ``cell`` (families with ``<name>`` draw the rest)."""
     for fam in spec.families:
@@ -509,9 +521,7 @@ def draw_record(record: Record, out_dir, fmt: str = "png", figures: Optional[Seq
         drawn.files.append(path)
         drawn.specs[path] = spec
     drawn.nonfinite = family_nonfinite(record, list(tried.values()))
-    # a malformed path that no figure of its own family named (one another figure reads, such as the |A| of SparseNAS)
-    drawn.skipped += [f"{why}; left out of the figures" for path, why in malformed_paths(record).items()
-                      if not any(f"{path} has rows" in line for line in drawn.skipped)]
+    drawn.skipped += malformed_lines(record, drawn.skipped)
     return drawn
 
 
@@ -571,7 +581,7 @@ def write_comparison(records: Mapping[str, Record], out_dir, fmt: str = "png", f
     ats = parse_at(at) or ["final"]
     out = Path(out_dir)
     drawn = Drawn()
-    records = {label: _without(record, malformed_paths(record)) for label, record in records.items()}
+    records = {label: without_malformed(record) for label, record in records.items()}
     for spec in select(figures):
         if not spec.is_heatmap:
             continue

@@ -26,7 +26,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from nasdiag.plot.registry import NothingToDraw, PlotError, iter_figures, refuse_checkpoint
+from nasdiag.plot.registry import (
+    NothingToDraw, PlotError, iter_figures, malformed_lines, refuse_checkpoint, without_malformed,
+)
 
 #: section titles of the record groups, in page order (groups not listed follow in registry order)
 GROUP_TITLES = {
@@ -207,14 +209,15 @@ def build_report(record_path, figures: Optional[Sequence[str]] = None, dpi: int 
         run_rows.append(("NaN/inf values", _code(nonfinite)))
 
     key_rows = []
+    usable = without_malformed(record)  # paths whose rows are not their family's shape are left out, as in the figures
     for label, path in (("search-val accuracy (epoch evaluation)", "scalars/search_val_acc"),
                         ("search-val loss (epoch evaluation)", "scalars/search_val_loss"),
                         ("train accuracy (last w step's batch)", "scalars/train_acc"),
                         ("val accuracy (last α step's batch)", "scalars/val_acc")):
-        last = _last(record, path)
+        last = _last(usable, path)
         if last is not None:
             key_rows.append((label, f"{last[1]:.4f} (step {last[0]})"))
-    key_rows += _genotype_text(record)
+    key_rows += _genotype_text(usable)
     per_step = _seconds_per_step(record, segments)
     key_rows.append(("time per step", html.escape(per_step) if per_step else "not recorded"))
 
@@ -237,6 +240,7 @@ def build_report(record_path, figures: Optional[Sequence[str]] = None, dpi: int 
                      f"<figcaption><b>{html.escape(title)}</b>: {html.escape(spec.caption)}{mirrors}</figcaption></figure>")
             (genotype_html if spec.name == "genotype" else groups.setdefault(spec.group, [])).append(block)
 
+    skipped += malformed_lines(record, skipped)
     order = list(GROUP_TITLES) + [g for g in groups if g not in GROUP_TITLES]
     sections = "".join(f"<h2>{html.escape(GROUP_TITLES.get(g, g))}</h2>" + "".join(groups[g]) for g in order if g in groups)
     skipped_html = ("<h2>Not drawn</h2><ul class='skipped'>" + "".join(f"<li>{html.escape(s)}</li>" for s in skipped)
