@@ -521,7 +521,8 @@ def draw_record(record: Record, out_dir, fmt: str = "png", figures: Optional[Seq
         drawn.files.append(path)
         drawn.specs[path] = spec
     drawn.nonfinite = family_nonfinite(record, list(tried.values()))
-    drawn.skipped += malformed_lines(record, drawn.skipped)
+    if figures is None:  # every figure was tried: say what was left out of them
+        drawn.skipped += malformed_lines(record, drawn.skipped)
     return drawn
 
 

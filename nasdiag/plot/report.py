@@ -240,7 +240,8 @@ def build_report(record_path, figures: Optional[Sequence[str]] = None, dpi: int 
                      f"<figcaption><b>{html.escape(title)}</b>: {html.escape(spec.caption)}{mirrors}</figcaption></figure>")
             (genotype_html if spec.name == "genotype" else groups.setdefault(spec.group, [])).append(block)
 
-    skipped += malformed_lines(record, skipped)
+    if figures is None:  # every figure was tried: say what was left out of them
+        skipped += malformed_lines(record, skipped)
     order = list(GROUP_TITLES) + [g for g in groups if g not in GROUP_TITLES]
     sections = "".join(f"<h2>{html.escape(GROUP_TITLES.get(g, g))}</h2>" + "".join(groups[g]) for g in order if g in groups)
     skipped_html = ("<h2>Not drawn</h2><ul class='skipped'>" + "".join(f"<li>{html.escape(s)}</li>" for s in skipped)
