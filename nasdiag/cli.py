@@ -198,7 +198,7 @@ def run_search(args) -> int:
     from nasdiag.search import run
 
     result = run(search_config(args))
-    if int(os.environ.get("RANK", "0")) != 0:
+    if int(os.environ.get("RANK", "").strip() or 0) != 0:  # empty: unset, as the runner reads it (int('') was a traceback)
         return 0
     print(f"search-val accuracy (at the method's evaluation weights): {result.evaluation.get('acc', float('nan')):.4f}")
     print(f"genotype: {result.genotype}")
@@ -399,6 +399,23 @@ def _quiet_stdout() -> None:
         pass
 
 
+def _no_stderr() -> bool:
+    """Whether the command was started with standard error closed (``2>&-``, a daemon): `sys.stderr` is None, or its
+    descriptor is not open for writing (a launcher's file, such as pyenv's shim script, took its number). The progress
+    bar failed on it, and then the error line: exit code 1, nothing said, a record of no rows left behind."""
+    if sys.stderr is None:
+        return True
+    try:
+        fd = sys.stderr.fileno()
+    except (OSError, ValueError, AttributeError):  # captured (pytest, a notebook): it takes text
+        return False
+    try:
+        os.write(fd, b"")
+    except OSError:
+        return True
+    return False
+
+
 def _die_on_the_next_interrupt(argv, main_thread: bool) -> None:
     """After an interrupt is handled (the record closed, the line printed), a second Ctrl-C while the process exits
     ends it at once instead of printing a traceback from an exit handler of torch. Only for the command itself
@@ -416,6 +433,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     import warnings
 
     previous_format, warnings.formatwarning = warnings.formatwarning, _warning_line
+    previous_stderr, quiet = sys.stderr, open(os.devnull, "w") if _no_stderr() else None
+    if quiet is not None:  # nothing can be said; the exit code still tells (2 for a mistake)
+        sys.stderr = quiet
     args = None
     try:
         args = _parse(argv)
@@ -447,6 +467,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return EXIT_SIGTERM
     finally:
         warnings.formatwarning = previous_format
+        if quiet is not None:
+            sys.stderr = previous_stderr
+            quiet.close()
         if main_thread and previous is not None:
             signal.signal(signal.SIGTERM, previous)
 

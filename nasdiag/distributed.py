@@ -91,7 +91,7 @@ def rank(group=None) -> int:
     dist = _dist(group)
     if dist:
         return dist.get_rank(group)
-    return int(os.environ.get("RANK", "0"))
+    return int(os.environ.get("RANK", "").strip() or 0)  # set but empty: unset (int('') was a traceback)
 
 
 def is_writer(group=None) -> bool:

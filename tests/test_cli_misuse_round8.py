@@ -1,0 +1,123 @@
+"""An eighth new user's misuse of the ``nasdiag`` CLI and of the batch scripts: what rounds 1-7 (test_cli_errors.py,
+test_cli_search_misuse.py, test_cli_plot_misuse.py, test_cli_misuse_round3..7.py) did not cover: a command started with
+standard error closed (``2>&-``), an empty ``RANK`` variable, and the batch scripts' number options (nan, inf, zero,
+negative, a word, an empty list) and ``--plot-only`` without a record. Every mistake is one line on stderr, exit code
+2, and leaves the folder as it was (`snapshot` compares sha256s)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from nasdiag.cli import main
+from test_cli_errors import TINY
+from test_cli_misuse_round7 import test_a_script_argument_is_refused_in_one_line_before_any_work as script_refused
+from test_cli_plot_misuse import snapshot
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "scripts"))
+
+WITH_PROGRESS = [t for t in TINY if t != "--no-progress"]  # the bar is what wrote to the closed stream
+
+
+def _closed(kind: str, tmp_path):
+    """What `sys.stderr` is when the command starts with standard error closed: None (CPython, fd 2 closed), or a
+    stream on a descriptor that is not open for writing (a launcher's file took number 2: pyenv's shim script)."""
+    if kind == "none":
+        return None
+    (tmp_path / "launcher").write_text("#!/bin/sh\n")
+    return open(tmp_path / "launcher")  # read-only: os.write on it is EBADF, as on the shim's descriptor
+
+
+# -- standard error closed ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["none", "read-only"])
+def test_a_search_with_standard_error_closed_runs_to_the_end(kind, tmp_path, monkeypatch, capsys):
+    """``nasdiag search ... 2>&-`` failed at the progress bar's first write (AttributeError on None, EBADF on the
+    read-only descriptor), then again printing the error line: exit code 1, nothing said, and a record of no rows
+    and a checkpoint left behind, so the same command was then refused ("a record already exists")."""
+    from nasdiag.record import load
+
+    out = tmp_path / "run.h5"
+    stream = _closed(kind, tmp_path)
+    monkeypatch.setattr(sys, "stderr", stream)
+    try:
+        code = main(["search", *WITH_PROGRESS, "--out", str(out)])
+    finally:
+        if stream is not None:
+            stream.close()
+    assert code == 0
+    assert sys.stderr is stream  # given back as it was
+    assert len(load(str(out))["step"]) > 0
+    assert "record: " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kind", ["none", "read-only"])
+def test_a_mistake_with_standard_error_closed_still_exits_2(kind, tmp_path, monkeypatch):
+    """The error line could not be written to the read-only descriptor: OSError out of `main`, exit code 1."""
+    stream = _closed(kind, tmp_path)
+    monkeypatch.setattr(sys, "stderr", stream)
+    before = snapshot(tmp_path)
+    try:
+        code = main(["search", *TINY, "--out", str(tmp_path / "run.h5"), "--bogus"])
+    finally:
+        if stream is not None:
+            stream.close()
+    assert code == 2
+    assert snapshot(tmp_path) == before
+
+
+def test_a_captured_standard_error_is_kept(capsys):
+    """A stream without a descriptor (pytest, a notebook) is written to as before, not taken for a closed one."""
+    assert main(["search", "--bogus"]) == 2
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+# -- launcher variables -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("value", ["", " "])
+def test_an_empty_rank_variable_is_one_process(value, tmp_path, monkeypatch, capsys):
+    """``RANK=`` (set but empty, as ``export RANK=`` leaves it) passed the runner's check as unset, then the recorder's
+    ``int(os.environ['RANK'])`` was a ValueError traceback once the run began (and the CLI's, after it ended)."""
+    from nasdiag.record import load
+
+    monkeypatch.setenv("RANK", value)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    out = tmp_path / "run.h5"
+    assert main(["search", *TINY, "--out", str(out)]) == 0
+    assert "record: " in capsys.readouterr().out  # rank 0 says what it wrote
+    assert len(load(str(out))["step"]) > 0
+
+
+# -- the batch scripts ----------------------------------------------------------------------------------------
+BAYES = ["--iterations", "1", "--epochs-per-iteration", "1"]  # short, should a mistake run
+XNAS = ["--runs", "1", "--steps", "1"]
+
+
+@pytest.mark.parametrize("script,argv,needle", [  # before: what the mistake did
+    ("bayes_compression", ["--lam", "nan", *BAYES], "--lam: must be a finite number in (0, inf), not nan"),  # ran, exit 0
+    ("bayes_compression", ["--lr", "inf", *BAYES], "--lr: must be a finite number"),  # ran on NaN weights, exit 0
+    ("bayes_compression", ["--lr", "0", *BAYES], "--lr: must be a finite number"),  # trained nothing, exit 0
+    ("bayes_compression", ["--lr", "-1", *BAYES], "--lr: must be"),  # torch's ValueError traceback
+    ("bayes_compression", ["--prune-ratio", "nan"], "--prune-ratio: must be a finite number in (0, 1), not nan"),
+    ("xnas_toys", ["--lr", "nan"], "--lr: must be a finite number"),  # left an empty --out folder
+    ("xnas_statistical", ["--sigma", "nan", *XNAS], "--sigma: must be a finite number in [0, inf)"),  # "L must be"
+    ("xnas_statistical", ["--sigma-grid", "abc", *XNAS], "--sigma-grid: takes a number, not 'abc'"),  # traceback
+    ("xnas_statistical", ["--n-grid", "", *XNAS], "--n-grid: names no value"),  # ran, NumPy warnings, exit 0
+    ("xnas_statistical", ["--n-grid", "2,2.5", *XNAS], "--n-grid: takes a whole number, not '2.5' (in '2,2.5')"),
+    ("xnas_statistical", ["--lr-multipliers", "1,-1", *XNAS], "--lr-multipliers: must be a finite number"),  # "lr must"
+    ("xnas_statistical", ["--plot-only"], "no record at"),  # left an empty --out folder
+    ("xnas_toys", ["--plot-only"], "no record at"),
+    ("wiring_output_cost", ["--plot-only"], "no record at"),
+    ("curvature_accuracy", ["--seeds", "0", "--nets", "tanh_mlp", "--repeats", "1"], "--seeds: must be at least 1"),
+    ("curvature_accuracy", ["--repeats", "0", "--nets", "tanh_mlp"], "--repeats: must be at least 1, not 0"),
+])
+def test_a_script_number_is_refused_in_one_line_before_any_work(script, argv, needle, tmp_path, capsys):
+    script_refused(script, argv, needle, tmp_path, capsys)  # round 7's check: exit 2, one line, the folder as it was
+
+
+def test_script_number_types_take_what_they_should():
+    """The types accept the values the scripts' defaults and docs use (a 0 standard deviation, an empty vs_lr sweep)."""
+    from script_args import at_least, number, numbers
+
+    assert number()("3e-4") == 3e-4 and number(0, 1)("0.5") == 0.5 and number(0, low_open=False)("0") == 0.0
+    assert numbers(number(), empty=True)("") == "" and numbers(at_least(1))(" 2,4 ,8,") == " 2,4 ,8,"
