@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from nasdiag.errors import run_script
-from script_args import Parser, at_least
+from script_args import Parser, UsageError, at_least, number
 
 LAYERS = {"conv1.weight": (0,), "conv2.weight": (0,), "fc1.weight": (1,), "fc2.weight": (1,)}  # group_dims
 LABELS = {"conv1": "conv1 filters", "conv2": "conv2 filters", "fc1": "fc1 inputs (features)", "fc2": "fc2 inputs (neurons)"}
@@ -148,17 +148,17 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="folder for compression.h5 and compression.png")
     p.add_argument("--iterations", type=at_least(1), default=6)
     p.add_argument("--epochs-per-iteration", type=at_least(1), default=3)
-    p.add_argument("--lam", type=float, default=3e-4)
-    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--lam", type=number(), default=3e-4)
+    p.add_argument("--lr", type=number(), default=0.05)
     p.add_argument("--batch-size", type=at_least(1), default=64)
     p.add_argument("--hessian-batch", type=at_least(1), default=256)
-    p.add_argument("--prune-ratio", type=float, default=1e-3)
+    p.add_argument("--prune-ratio", type=number(0, 1), default=1e-3)
     p.add_argument("--seed", type=at_least(0), default=0)
     p.add_argument("--threads", type=at_least(1), default=1)
-    args = p.parse_args(argv)
-    if args.lam <= 0 or args.iterations < 1 or args.epochs_per_iteration < 1 or not 0 < args.prune_ratio < 1:
-        print("bayes_compression: error: need --lam > 0, --iterations >= 1, --epochs-per-iteration >= 1, "
-              "0 < --prune-ratio < 1", file=sys.stderr)
+    try:
+        args = p.parse_args(argv)
+    except UsageError as exc:  # main() returns 2 for a bad argument, as it did for --lam 0
+        print(f"bayes_compression: error: {exc}", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
     out = Path(args.out)

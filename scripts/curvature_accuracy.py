@@ -38,6 +38,7 @@ from torch import nn
 from nasdiag.errors import run_script
 from nasdiag.hessian import arch_diag_hessian, diag_hessian
 from nasdiag.supernet import Network
+from script_args import Parser, at_least
 
 DT = torch.float64
 CHEAP_ARCH = ("diag", "approx", "ggn", "ggn_mc", "hutchinson:1", "hutchinson:4", "hutchinson:16")
@@ -200,12 +201,12 @@ def _line(row):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nets", "--only", dest="nets", default="tanh_mlp,conv_bn,cell_train,cell_eval",
                         help=f"comma-separated, of {', '.join(NETS)} (search = darts)")
     parser.add_argument("--size", default="small", choices=tuple(SIZES), help="shape of the darts net (default: small)")
-    parser.add_argument("--repeats", type=int, default=3, help="timings: median of this many runs")
-    parser.add_argument("--seeds", type=int, default=3, help="random modes: accuracy averaged over this many seeds")
+    parser.add_argument("--repeats", type=at_least(1), default=3, help="timings: median of this many runs")
+    parser.add_argument("--seeds", type=at_least(1), default=3, help="random modes: accuracy averaged over this many seeds")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default=None, help="directory for curvature_accuracy.json and .md")
     args = parser.parse_args(argv)

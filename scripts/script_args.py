@@ -41,6 +41,48 @@ def at_least(low: int) -> Callable[[str], int]:
     return whole_number
 
 
+def number(low: float = 0.0, high: float = float("inf"), low_open: bool = True, high_open: bool = True) -> Callable[[str], float]:
+    """An argparse ``type``: a finite number in the interval from ``low`` to ``high`` (open ends by default: rates,
+    penalties, ratios). ``float`` took nan and inf (``--lam nan`` ran the whole compression and exited 0) and any
+    sign (``--lr -1`` was torch's ValueError traceback)."""
+    import math
+
+    shown = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+
+    def finite_number(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"takes a number, not {text!r}") from None
+        inside = (low < value if low_open else low <= value) and (value < high if high_open else value <= high)
+        if not math.isfinite(value) or not inside:
+            raise argparse.ArgumentTypeError(f"must be a finite number in {shown}, not {text}")
+        return value
+
+    finite_number.__name__ = f"number in {shown}"
+    return finite_number
+
+
+def numbers(each: Callable[[str], float], empty: bool = False) -> Callable[[str], str]:
+    """An argparse ``type``: comma-separated values, each checked by ``each`` (`number`, `at_least`); the text is
+    kept as given. Empty (no value) only with ``empty``. A bad value was a traceback from the run (``abc``), an error
+    naming another quantity than the option (``-1``), or an empty sweep that ran and exited 0."""
+
+    def comma_separated(text: str) -> str:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        if not items and not empty:
+            raise argparse.ArgumentTypeError(f"names no value; give comma-separated values, not {text!r}")
+        for item in items:
+            try:
+                each(item)
+            except argparse.ArgumentTypeError as exc:
+                raise argparse.ArgumentTypeError(f"{exc}{f' (in {text!r})' if len(items) > 1 else ''}") from None
+        return text
+
+    comma_separated.__name__ = "comma-separated list"
+    return comma_separated
+
+
 def dpi(text: str) -> int:
     """An argparse ``type``: a resolution the figures' smallest text renders at (``nasdiag plot --dpi``'s range)."""
     from nasdiag.plot.commands import positive_dpi

@@ -153,9 +153,9 @@ def main(argv=None):
     # under the dsnas protocol the unsampled ops do not run, so the probe's per-op costs of them are NaN by
     # design; only its output-edge costs are used here
     warnings.filterwarnings("ignore", message="probe: some candidate ops did not run", category=RuntimeWarning)
-    os.makedirs(args.out, exist_ok=True)
     record = os.path.join(args.out, "record.h5")
     if not args.plot_only:
+        os.makedirs(args.out, exist_ok=True)  # not for --plot-only: its refusal left an empty folder
         splits = W.load_splits(args.dataset, args.data_dir, args.seed)
         # Theorem 2 needs the classifier without bias, after global average pooling of the last cell
         net = W.make_network("minimal", 1, splits.num_classes, splits.in_channels, C=args.C, reductions=(),

@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 from nasdiag.errors import run_script
-from script_args import Parser, at_least
+from script_args import Parser, at_least, number, numbers
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
@@ -41,11 +41,12 @@ def parse_args(argv=None):
     parser.add_argument("--out", default="runs/xnas_statistical", help="output folder (record.h5, fig8.png, fits.json)")
     parser.add_argument("--runs", type=at_least(1), default=1000)
     parser.add_argument("--steps", type=at_least(1), default=1000)
-    parser.add_argument("--n-grid", default="2,4,8,16,32,64,128")
-    parser.add_argument("--sigma-grid", default="0.25,0.5,1,2,4,8,16")
-    parser.add_argument("--lr-multipliers", default="1,4,16,64", help="empty to skip the vs_lr sweep")
+    parser.add_argument("--n-grid", type=numbers(at_least(1)), default="2,4,8,16,32,64,128")
+    parser.add_argument("--sigma-grid", type=numbers(number(0, low_open=False)), default="0.25,0.5,1,2,4,8,16")
+    parser.add_argument("--lr-multipliers", type=numbers(number(), empty=True), default="1,4,16,64",
+                        help="empty to skip the vs_lr sweep")
     parser.add_argument("--n-experts", type=at_least(2), default=8, help="N of the vs_sigma and vs_lr sweeps")
-    parser.add_argument("--sigma", type=float, default=1.0, help="sigma of the vs_n and vs_lr sweeps")
+    parser.add_argument("--sigma", type=number(0, low_open=False), default=1.0, help="sigma of the vs_n and vs_lr sweeps")
     parser.add_argument("--seed", type=at_least(0), default=0)
     parser.add_argument("--threads", type=at_least(1), default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--plot-only", action="store_true", help="redraw figure and fits from an existing record")
@@ -257,9 +258,9 @@ def plot(data, summary, figure_path, runs):
 
 def main(argv=None):
     args = parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
     record_path = os.path.join(args.out, "record.h5")
     if not args.plot_only:
+        os.makedirs(args.out, exist_ok=True)  # not for --plot-only: its refusal left an empty folder
         run_experiment(args, record_path)
     from nasdiag.record import load, load_meta
 

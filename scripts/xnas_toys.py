@@ -34,7 +34,7 @@ import time
 
 import numpy as np
 from nasdiag.errors import NasdiagError, run_script
-from script_args import Parser
+from script_args import Parser, number
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
@@ -44,7 +44,7 @@ OPTIMIZERS = {"xnas": "XNAS", "gd": "GD with softmax"}
 def parse_args(argv=None):
     parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="runs/xnas_toys", help="output folder (record.h5, fig*.png)")
-    parser.add_argument("--lr", type=float, default=0.1, help="learning rate of both optimizers (§8.2: 0.1)")
+    parser.add_argument("--lr", type=number(), default=0.1, help="learning rate of both optimizers (§8.2: 0.1)")
     parser.add_argument("--format", default="png", choices=("png", "pdf", "svg"))
     parser.add_argument("--plot-only", action="store_true", help="redraw the figures from an existing record")
     return parser.parse_args(argv)
@@ -233,9 +233,9 @@ def _save(fig, out, name, fmt):
 
 def main(argv=None):
     args = parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
     record = os.path.join(args.out, "record.h5")
     if not args.plot_only:
+        os.makedirs(args.out, exist_ok=True)  # not for --plot-only: its refusal left an empty folder
         start = time.perf_counter()
         write_record(record, args.lr)
         print(f"record: {record} ({time.perf_counter() - start:.1f} s)")
