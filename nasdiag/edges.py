@@ -10,6 +10,7 @@ every layer may import it.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from dataclasses import dataclass, field
 from typing import Callable, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -179,3 +180,14 @@ def _spec_of(name: str, value, candidates) -> EdgeSpec:
     if isinstance(value, EdgeSpec):
         return value if value.name == name else dataclasses.replace(value, name=name)
     return EdgeSpec(name, module, ops, op_names_of(module, ops))
+
+
+def weights_parameter(module: nn.Module) -> str:
+    """The name of a mixed op's second forward parameter, the mixing weights when passed by keyword
+    (``forward(x, w)`` called as ``op(x, w=w)``); ``"weights"`` where the signature cannot tell."""
+    try:
+        params = [p for p in inspect.signature(module.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        return "weights"
+    return params[1].name if len(params) > 1 else "weights"

@@ -46,6 +46,10 @@ Defects found (each test says which):
   (``test_float32_mixing_weights_on_a_float64_supernet_run_under_the_default_engine_as_under_eager``);
 * ``derive_genotype`` / ``derive_cell`` derived an arbitrary architecture from NaN weights
   (``test_a_genotype_is_the_darts_rule_and_nan_weights_are_one_line_not_an_arbitrary_architecture``);
+* a mapped mixed op called with its weights by keyword (``op(h, mix=w)``): the probe's costs read them, but
+  ``probe.hessian()`` / ``arch_diag_hessian`` refused it in every mode, "called without mixing weights" (fixed outside
+  this area, minimally: ``weights_parameter`` moved to ``nasdiag.edges``, read by the curvature hooks)
+  (``test_the_curvature_of_a_user_supernet_whose_mixed_ops_take_their_weights_by_keyword_equals_autograd``);
 * ``nasdiag.attach`` was missing from ``dir(nasdiag)`` (``test_every_public_name_imports_is_listed_by_dir_and_documented``).
 
 Verified and kept as one test each: a user's NB-201 supernet (ModuleDict ops, ParameterList α, keyword weights) gives
@@ -779,3 +783,47 @@ def test_an_adapted_supernet_refuses_mixing_weights_of_the_wrong_shape_in_one_li
         message = str(err.value)
         assert "\n" not in message and "'cells.0' (normal)" in message and "(5, 4)" in message and str(tuple(bad.shape)) in message
     assert_no_module_hooks(model)
+
+
+def test_the_curvature_of_a_user_supernet_whose_mixed_ops_take_their_weights_by_keyword_equals_autograd():
+    """Defect: the probe reads a mapped mixed op's weights by the name of its second forward parameter (``op(h, mix=w)``
+    for ``forward(x, mix)``), but ``probe.hessian()`` / ``arch_diag_hessian`` in every mode refused the same op with
+    "the mixed op was called without mixing weights". Now the exact diagonal of ∂²L/∂Z² equals
+    ``torch.autograd.functional.hessian`` per edge (float64), and the ``diag`` / ``approx`` modes give what they give
+    on a twin supernet that passes the weights positionally."""
+    from nasdiag.hessian import arch_diag_hessian
+
+    net = NB201Super(seed=6).double()
+    x, y = image_batch(70)
+    probe = nasdiag.attach(net, edges=nb_edges(net), hessian="exact")
+    with probe.record(targets=y):
+        F.cross_entropy(net(x), y).backward()
+    curvature = probe.hessian()
+    Z = [F.softmax(a.detach(), -1) for a in net.arch]
+    for e in probe.edges:
+        b, k = e.cell_index, e.edge_index
+
+        def loss(row, b=b, k=k):
+            zs = [z.clone() for z in Z]
+            zs[b] = torch.cat([zs[b][:k], row[None], zs[b][k + 1:]])
+            return F.cross_entropy(net(x, zs), y)
+
+        torch.testing.assert_close(curvature[e.name], torch.autograd.functional.hessian(loss, Z[b][k]).diagonal(),
+                                   rtol=1e-9, atol=1e-12)
+
+    class PositionalBlock(Block):  # the same cell, each mixed op called as op(h, w)
+        def forward(self, x, mix):
+            nodes = [x]
+            for j in range(1, 4):
+                nodes.append(sum(self.links[f"{i}to{j}"](nodes[i], mix[self.edge_nodes.index((i, j))]) for i in range(j)))
+            return nodes[3]
+
+    twin = copy.deepcopy(net)
+    for block in twin.blocks:
+        block.__class__ = PositionalBlock
+    for mode in ("diag", "approx"):
+        got = arch_diag_hessian(net, F.cross_entropy, x, y, nb_edges(net), mode=mode)
+        want = arch_diag_hessian(twin, F.cross_entropy, x, y, nb_edges(twin), mode=mode)
+        for key in got:
+            torch.testing.assert_close(got[key], want[key], rtol=1e-12, atol=1e-15)
+    assert_no_module_hooks(net)

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from nasdiag.hessian._hvp import call_model, check_max_memory, check_model, preserved_buffers, scalar_loss
-from nasdiag.edges import resolve_edges
+from nasdiag.edges import resolve_edges, weights_parameter
 from nasdiag.hessian.arch_exact import _check_softmax_weights, exact_arch_diag_hessian, softmax_chain_diag
 from nasdiag.hessian.arch_ggn import ggn_arch_diag
 from nasdiag.hessian.arch_hutchinson import hutchinson_arch_diag
@@ -234,11 +234,12 @@ class _EdgeRecorder:
 
     def _pre(self, name, K):
         def hook(module, args, kwargs):
-            weights = kwargs.get("weights", args[1] if len(args) > 1 else None)
+            key = weights_parameter(module)  # the weights by keyword: op(x, mix=w) for forward(x, mix)
+            weights = kwargs.get(key, args[1] if len(args) > 1 else None)
             if not isinstance(weights, torch.Tensor):
                 raise CurvatureError(
                     f"edge {name!r}: the mixed op was called without mixing weights (expected forward(x, weights) "
-                    "with weights as the second positional argument or weights=); list mixed ops, not candidate ops, as edges"
+                    "with weights as the second argument, positional or by its name); list mixed ops, not candidate ops, as edges"
                 )
             if weights.dim() not in (1, 2) or weights.shape[-1] != K:
                 raise CurvatureError(
@@ -252,8 +253,8 @@ class _EdgeRecorder:
                 # a frozen model with fixed weights: a leaf copy gives the recursion the graph from the edge on
                 # (the curvature w.r.t. Z does not depend on what requires grad upstream)
                 weights = weights.detach().requires_grad_(True)
-                if "weights" in kwargs:
-                    return args, {**kwargs, "weights": weights}
+                if key in kwargs:
+                    return args, {**kwargs, key: weights}
                 return (args[0], weights, *args[2:]), kwargs
             return None
 

@@ -28,7 +28,7 @@ from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, 
 import torch
 from torch import nn
 
-from nasdiag.edges import resolve_edges
+from nasdiag.edges import resolve_edges, weights_parameter
 from nasdiag.hessian.modes import CurvatureError, CurvatureRuntimeError
 from nasdiag.hessian._hvp import (
     SavedBytes,
@@ -263,14 +263,15 @@ class _WeightShift:
         name, K, offset = self.names[i], self.n_ops[i], self.offsets[i]
 
         def hook(module, args, kwargs):
-            if "weights" in kwargs:
-                weights = kwargs["weights"]
+            key = weights_parameter(module)  # the weights by keyword: op(x, mix=w) for forward(x, mix)
+            if key in kwargs:
+                weights = kwargs[key]
             elif len(args) >= 2:
                 weights = args[1]
             else:
                 raise CurvatureError(
                     f"edge {name!r}: the mixed op was called without mixing weights (expected forward(x, weights) "
-                    "with weights as the second positional argument or weights=); list mixed ops, not candidate ops, as edges"
+                    "with weights as the second argument, positional or by its name); list mixed ops, not candidate ops, as edges"
                 )
             if not isinstance(weights, torch.Tensor) or weights.dim() not in (1, 2) or weights.shape[-1] != K:
                 shape = tuple(weights.shape) if isinstance(weights, torch.Tensor) else type(weights).__name__
@@ -287,8 +288,8 @@ class _WeightShift:
             else:
                 delta = self.flat[offset : offset + K].to(weights.dtype)
             shifted = weights + delta
-            if "weights" in kwargs:
-                return args, {**kwargs, "weights": shifted}
+            if key in kwargs:
+                return args, {**kwargs, key: shifted}
             return (args[0], shifted, *args[2:]), kwargs
 
         return hook

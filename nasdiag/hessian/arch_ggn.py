@@ -43,6 +43,7 @@ from torch import nn
 
 from nasdiag.hessian._hvp import call_model, check_probe_memory, preserved_buffers, scalar_loss
 from nasdiag.hessian.loss_curvature import output_hessian_blocks
+from nasdiag.edges import weights_parameter
 from nasdiag.hessian.modes import CurvatureError, CurvatureTypeError
 from nasdiag.hooks import Hooks
 
@@ -68,7 +69,8 @@ class _PerSampleShift:
         name, K = self.names[i], self.n_ops[i]
 
         def hook(module, args, kwargs):
-            weights = kwargs["weights"] if "weights" in kwargs else (args[1] if len(args) >= 2 else None)
+            key = weights_parameter(module)  # the weights by keyword: op(x, mix=w) for forward(x, mix)
+            weights = kwargs[key] if key in kwargs else (args[1] if len(args) >= 2 else None)
             x = args[0] if args else kwargs.get("x")
             if not isinstance(weights, torch.Tensor) or weights.dim() not in (1, 2) or weights.shape[-1] != K:
                 shape = tuple(weights.shape) if isinstance(weights, torch.Tensor) else type(weights).__name__
@@ -87,8 +89,8 @@ class _PerSampleShift:
             self.with_graph.setdefault(name, weights)
             shifted = weights + self.leaves[name]
             self.running.append(name)
-            if "weights" in kwargs:
-                return args, {**kwargs, "weights": shifted}
+            if key in kwargs:
+                return args, {**kwargs, key: shifted}
             return (args[0], shifted, *args[2:]), kwargs
 
         return hook

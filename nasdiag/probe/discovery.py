@@ -27,7 +27,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from torch import nn
 
-from nasdiag.edges import EdgesArg, EdgeSpec, EdgeSpecError, op_names_of, resolve_edges
+from nasdiag.edges import EdgesArg, EdgeSpec, EdgeSpecError, op_names_of, resolve_edges, weights_parameter  # noqa: F401 (re-exported)
 from nasdiag.errors import NasdiagError
 from nasdiag.supernet.cell import edge_nodes as darts_edge_nodes
 from nasdiag.supernet.mixed import MixedOp
@@ -62,17 +62,6 @@ def _positional_arity(module: nn.Module) -> int:
     if any(p.kind in (p.VAR_POSITIONAL,) for p in params):
         return -1
     return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
-
-
-def weights_parameter(module: nn.Module) -> str:
-    """The name of a mixed op's second forward parameter, the mixing weights when passed by keyword
-    (``forward(x, w)`` called as ``op(x, w=w)``); ``"weights"`` where the signature cannot tell."""
-    try:
-        params = [p for p in inspect.signature(module.forward).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    except (TypeError, ValueError):
-        return "weights"
-    return params[1].name if len(params) > 1 else "weights"
 
 
 def is_darts_mixed_op(module: nn.Module) -> bool:
