@@ -273,15 +273,11 @@ def resolve_row(record: Record, path: str, at: Union[str, int]) -> int:
 
 def malformed_paths(record: Record) -> Dict[str, str]:
     """``{path: why}`` for the record's paths of a `nasdiag.vocabulary` family whose rows do not have the family's
-    shape: another number of axes, or an E (edges of the cell type) or K (ops) other than meta's names give or,
-    without them, than the first such path gives. The recorder checks shapes against meta only, so a record written
-    without ``op_names`` / ``edge_names`` may hold them; figures leave these paths out instead of failing on them."""
+    shape: another number of axes, or an E (edges of the cell type) or K (ops) other than the first such path of the
+    record gives. The recorder checks shapes against meta only, so a record written without ``op_names`` /
+    ``edge_names`` may hold them; figures leave these paths out instead of failing on them. (Names in meta that do not
+    match the rows are no reason: the figures then label ops and edges by number.)"""
     sizes: Dict[Tuple[str, Optional[str]], Tuple[int, str]] = {}
-    if "meta/op_names" in record:
-        sizes[("K", None)] = (int(np.size(record["meta/op_names"])), "meta/op_names")
-    for key in record:
-        if key.startswith("meta/edge_names/"):
-            sizes[("E", key[len("meta/edge_names/"):])] = (int(np.size(record[key])), key)
     bad: Dict[str, str] = {}
     for path, values in record.items():
         fam = None if path == "step" or path.startswith(("valid/", "meta/")) else V.family_of(path)
