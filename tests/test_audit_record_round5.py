@@ -367,3 +367,24 @@ def test_load_returns_every_documented_family_with_its_row_shape_dtype_and_valid
     assert [str(s) for s in out["meta/op_names"]] == ["a", "b", "c"]
     assert [str(s) for s in out["meta/edge_names/normal"]] == ["0->2", "1->2"]
     assert load_meta(path)["edge_names"] == {"normal": ["0->2", "1->2"]}
+
+
+def test_a_resume_that_adds_names_which_do_not_fit_the_recorded_rows_is_refused_touching_nothing(tmp_path):
+    """A record written without op/edge names, resumed with names of another E or K: the names were taken and the
+    old rows kept, so the record said K = 3 over rows of K = 4 (and the recorder went on accepting K = 4)."""
+    from nasdiag.record import ResumeMismatchError
+
+    path = str(tmp_path / "run.h5")
+    with Recorder(path, meta={"method": "darts"}, flush_seconds=None) as rec:
+        rec.log(0, {"arch/normal/weights": np.ones((5, 4), np.float32)})
+    before = sorted(os.listdir(tmp_path)), open(path, "rb").read()
+    meta = {"method": "darts", "op_names": ["a", "b", "c"], "edge_names": {"normal": [f"e{i}" for i in range(5)]},
+            "cell_types": ["normal"]}
+    with pytest.raises(ResumeMismatchError, match=r"arch/normal/weights.*\(5, 3\).*got \(5, 4\)") as err:
+        Recorder(path, meta=meta, resume=True)
+    assert err.value.differences["op_names"] == (None, ["a", "b", "c"])
+    assert (sorted(os.listdir(tmp_path)), open(path, "rb").read()) == before
+    # names that fit are taken
+    with Recorder(path, meta={**meta, "op_names": ["a", "b", "c", "d"]}, resume=True, flush_seconds=None) as rec:
+        rec.log(1, {"arch/normal/weights": np.ones((5, 4), np.float32)})
+    assert load_meta(path)["op_names"] == ["a", "b", "c", "d"]

@@ -343,7 +343,17 @@ class Recorder:
             self.resume_differences = changed
             if changed:
                 warnings.warn(f"resuming {self.path} with a different {_describe_changes(changed)}", RecordWarning, stacklevel=4)
+        added = {k: (stored.get(k), self._meta[k]) for k in ("op_names", "edge_names", "cell_types")
+                 if k in self._meta and k not in stored}
         for path, col in merged_columns(segments).items():
+            try:  # names given now for the first time must fit the rows recorded without them
+                if added:
+                    schema.check_against_meta(path, col.shape, self._meta)
+            except RecordError as err:
+                raise ResumeMismatchError(
+                    f"cannot resume {self.path}: the given meta does not fit its recorded rows ({err}); resume with "
+                    "names that fit them or record to a new path", added,
+                ) from None
             self._add_column(path, col.shape, col.dtype, self._new_buffer(path, col.shape, col.dtype))
         self._run_id = segments[0].run_id or self._run_id
         steps = [int(seg.steps.max()) for seg in segments if seg.steps.size]
