@@ -50,6 +50,8 @@ Defects found (each test says which):
   ``probe.hessian()`` / ``arch_diag_hessian`` refused it in every mode, "called without mixing weights" (fixed outside
   this area, minimally: ``weights_parameter`` moved to ``nasdiag.edges``, read by the curvature hooks)
   (``test_the_curvature_of_a_user_supernet_whose_mixed_ops_take_their_weights_by_keyword_equals_autograd``);
+* ``Network(primitives=["none"])`` stopped the fast engine with "stack expects a non-empty TensorList";
+  ``primitives=[]`` was built (``test_a_supernet_of_none_ops_runs_under_every_engine_and_no_primitives_is_one_line``);
 * ``nasdiag.attach`` was missing from ``dir(nasdiag)`` (``test_every_public_name_imports_is_listed_by_dir_and_documented``).
 
 Verified and kept as one test each: a user's NB-201 supernet (ModuleDict ops, ParameterList α, keyword weights) gives
@@ -827,3 +829,20 @@ def test_the_curvature_of_a_user_supernet_whose_mixed_ops_take_their_weights_by_
         for key in got:
             torch.testing.assert_close(got[key], want[key], rtol=1e-12, atol=1e-15)
     assert_no_module_hooks(net)
+
+
+def test_a_supernet_of_none_ops_runs_under_every_engine_and_no_primitives_is_one_line():
+    """Defect: ``Network(primitives=["none"])`` ran under the eager engine but stopped the default fast engine's first
+    forward with torch's "stack expects a non-empty TensorList" (a stage with no op to batch), and
+    ``Network(primitives=[])`` was built and failed the same way. Now the fast engine leaves such a cell to the eager
+    modules (the logits are the classifier's bias, every cell output being 0) and no primitives is one ``ValueError``."""
+    from nasdiag.supernet import Network
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 1, 8, 8, dtype=torch.float64)
+    for engine in ("auto", "eager"):
+        net = Network(C=4, num_classes=3, layers=2, in_channels=1, primitives=["none"]).double().set_engine(engine)
+        torch.testing.assert_close(net(x), net.classifier.bias.detach().expand(2, 3), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="primitives") as err:
+        Network(C=4, num_classes=3, layers=2, in_channels=1, primitives=[])
+    assert "\n" not in str(err.value)

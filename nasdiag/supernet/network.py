@@ -41,7 +41,8 @@ class Network(nn.Module):
 
     Raises:
         ValueError: (one line) ``C`` not a positive even number, ``layers``, ``num_classes``, ``in_channels`` or
-            ``stem_multiplier`` below 1, a ``multiplier`` outside [1, steps], reduction indices outside the cells.
+            ``stem_multiplier`` below 1, no ``primitives``, a ``multiplier`` outside [1, steps], reduction indices
+            outside the cells.
     """
 
     def __init__(
@@ -77,6 +78,8 @@ class Network(nn.Module):
         self.steps = steps
         self.multiplier = multiplier
         self.primitives = list(primitives)
+        if not self.primitives:
+            raise ValueError("primitives must name at least one candidate op (nasdiag.supernet.OPS lists them)")
         self.op_config = OpConfig(order=order, norm=norm, affine=affine, eps=norm_eps)
         if reductions is None:
             reductions = sorted({layers // 3, 2 * layers // 3})

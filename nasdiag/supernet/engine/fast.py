@@ -255,6 +255,8 @@ def plan_cell(cell: nn.Module) -> CellPlan:
                     raise Unsupported(f"candidate op {edges[positions[0]].primitives[k]!r} differs between edges")
                 if kind != "zero":
                     columns.append(_column(k, kind, mods, sig, len(srcs)))
+            if not columns:  # torch.stack of no columns: "stack expects a non-empty TensorList" at the forward
+                raise Unsupported("every candidate op is 'none' (a stage with nothing to batch)")
             stage = _Stage(srcs, len(out_edges[srcs[0]]), positions, [nodes[e][1] for e in positions], columns)
             stage.z_index = [e * K + c.k for e in positions for c in columns]
             stages.append(stage)
