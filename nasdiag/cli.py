@@ -287,6 +287,8 @@ def _meant_option(unknown: List[str], command: argparse.ArgumentParser) -> str:
     given without its option, and for ``report`` given several records, that it takes one; else ''."""
     from nasdiag.search.config import near_miss
 
+    if "--" in unknown:  # each option after it was "unknown", and named itself as the one meant (--epochs for --epochs)
+        return "; every argument after -- is read as a value, not an option: drop the --"
     options = [o for o in command._option_string_actions if o.startswith("--")]
     hints = []
     for before, token in zip(["", *unknown], unknown):

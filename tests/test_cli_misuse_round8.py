@@ -14,7 +14,7 @@ import pytest
 from nasdiag.cli import main
 from test_cli_errors import TINY
 from test_cli_misuse_round7 import test_a_script_argument_is_refused_in_one_line_before_any_work as script_refused
-from test_cli_plot_misuse import snapshot
+from test_cli_plot_misuse import rec, refused, snapshot, source  # noqa: F401 (fixtures)
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "scripts"))
 
@@ -73,6 +73,23 @@ def test_a_captured_standard_error_is_kept(capsys):
     assert "unrecognized arguments: --bogus" in capsys.readouterr().err
 
 
+# -- the command line ---------------------------------------------------------------------------------------------
+def test_options_after_a_double_dash_are_not_named_as_meant(tmp_path, capsys):
+    """``nasdiag search -- --epochs 1`` said "did you mean --epochs for --epochs?": after ``--`` argparse reads every
+    token as a value, so each option was unknown and its own near miss."""
+    line = refused(["search", "--", "--epochs", "1", "--out", tmp_path / "run.h5"], tmp_path,
+                   ["unrecognized arguments: -- --epochs 1", "after -- is read as a value", "drop the --"], capsys)
+    assert "did you mean" not in line
+
+
+@pytest.mark.parametrize("command", ["report", "plot"])
+def test_out_dash_is_not_standard_output(command, rec, tmp_path, capsys, monkeypatch):
+    """``nasdiag report RUN.h5 --out -`` wrote a page named '-' into the current folder (and plot a folder of that
+    name); ``nasdiag search --out -`` is refused for the same reason."""
+    monkeypatch.chdir(tmp_path)
+    refused([command, rec, "--out", "-"], tmp_path, ["--out - is not standard output", "give the"], capsys)
+
+
 # -- launcher variables -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("value", ["", " "])
 def test_an_empty_rank_variable_is_one_process(value, tmp_path, monkeypatch, capsys):
@@ -110,6 +127,12 @@ XNAS = ["--runs", "1", "--steps", "1"]
     ("wiring_output_cost", ["--plot-only"], "no record at"),
     ("curvature_accuracy", ["--seeds", "0", "--nets", "tanh_mlp", "--repeats", "1"], "--seeds: must be at least 1"),
     ("curvature_accuracy", ["--repeats", "0", "--nets", "tanh_mlp"], "--repeats: must be at least 1, not 0"),
+    ("wiring_cost_heatmaps", ["--C", "3", "--epochs", "1", "--configs", "minimal1"], "--C: must be even"),  # traceback
+    ("wiring_variants", ["--C", "0", "--epochs", "1"], "--C: must be at least 2, not 0"),  # the supernet's ValueError
+    ("wiring_output_cost", ["--C", "3", "--epochs", "1"], "--C: must be even"),
+    ("asmnas_stability", ["--C", "5", "--seeds", "1", "--epochs", "1"], "--C: must be even"),  # left an empty folder
+    ("asmnas_stability", ["--layers", "2", "--seeds", "1", "--epochs", "1"], "layers must be >= 3"),  # the same
+    ("wiring_evolution", ["--layers", "2", "--epochs", "1"], "layers must be >= 3"),  # the same
 ])
 def test_a_script_number_is_refused_in_one_line_before_any_work(script, argv, needle, tmp_path, capsys):
     script_refused(script, argv, needle, tmp_path, capsys)  # round 7's check: exit 2, one line, the folder as it was

@@ -139,11 +139,14 @@ def refuse_empty_records(records: List[str]) -> None:
 
 
 def refuse_empty_out(out: str, example: str) -> None:
-    """``--out ''`` is the current folder to `pathlib` (plot drew every figure there, report called it a folder)."""
+    """``--out ''`` is the current folder to `pathlib` (plot drew every figure there, report called it a folder);
+    ``--out -`` is not standard output."""
     from nasdiag.plot.registry import PlotError
 
     if not out.strip():
         raise PlotError(f"--out is empty; give the {example}")
+    if out.strip() == "-":  # report wrote a page named '-', plot a folder of that name (search refuses it too)
+        raise PlotError(f"--out - is not standard output: it would write '-' into the current folder; give the {example}")
 
 
 def _check_folder(out: Path, record: Optional[str] = None) -> None:
