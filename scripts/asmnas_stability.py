@@ -31,7 +31,7 @@ import sys
 import time
 from collections import Counter
 from nasdiag.errors import NasdiagError, run_script
-from script_args import Parser, at_least
+from script_args import Parser, at_least, channels
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
@@ -43,7 +43,7 @@ def parse_args(argv=None):
     parser.add_argument("--out", default="runs/asmnas_stability", help="output folder (records, summary.json, stability.png)")
     parser.add_argument("--seeds", type=at_least(1), default=3, help="seeds 0..N-1 per method")
     parser.add_argument("--epochs", type=at_least(1), default=2)
-    parser.add_argument("--C", type=int, default=4)
+    parser.add_argument("--C", type=channels, default=4)
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2, help="intermediate nodes per cell (2: 5 edges)")
     parser.add_argument("--batch-size", type=at_least(1), default=64)
@@ -115,6 +115,8 @@ def run_study(args):
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    # the supernet options refused before the folder is made (--C 3 left an empty --out folder)
+    SearchConfig(C=args.C, layers=args.layers, steps=args.steps, batch_size=args.batch_size).validate()
     os.makedirs(args.out, exist_ok=True)
     runs = []
     started = time.perf_counter()

@@ -41,6 +41,15 @@ def at_least(low: int) -> Callable[[str], int]:
     return whole_number
 
 
+def channels(text: str) -> int:
+    """An argparse ``type``: the supernet's ``--C``, an even whole number >= 2 (``--C 3`` was the supernet's ValueError
+    traceback, after the output folder was made)."""
+    value = at_least(2)(text)
+    if value % 2:
+        raise argparse.ArgumentTypeError(f"must be even (FactorizedReduce halves it), not {value}")
+    return value
+
+
 def number(low: float = 0.0, high: float = float("inf"), low_open: bool = True, high_open: bool = True) -> Callable[[str], float]:
     """An argparse ``type``: a finite number in the interval from ``low`` to ``high`` (open ends by default: rates,
     penalties, ratios). ``float`` took nan and inf (``--lam nan`` ran the whole compression and exited 0) and any

@@ -26,7 +26,7 @@ import os
 import sys
 import time
 from nasdiag.errors import run_script
-from script_args import Parser, UsageError, at_least
+from script_args import Parser, UsageError, at_least, channels
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
@@ -39,7 +39,7 @@ def parse_args(argv=None):
     parser.add_argument("--methods", default="dsnas,darts", help="comma-separated registered methods")
     parser.add_argument("--epochs", type=at_least(1), default=8)
     parser.add_argument("--layers", type=int, default=3)
-    parser.add_argument("--C", type=int, default=8)
+    parser.add_argument("--C", type=channels, default=8)
     parser.add_argument("--dataset", default="digits", choices=("digits", "cifar10"))
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--seed", type=at_least(0), default=0)
@@ -62,6 +62,11 @@ def main(argv=None):
     if unknown:
         raise UsageError(f"unknown method(s) {', '.join(unknown)};{did_you_mean(unknown[0], available_methods()) or ''} "
                          f"choose from {', '.join(sorted(available_methods()))}")
+    if not args.plot_only:  # the run options refused before the first folder is made (--C 3 left an empty one)
+        from nasdiag.search import SearchConfig
+
+        SearchConfig(dataset=args.dataset, data_dir=args.data_dir, epochs=args.epochs, layers=args.layers, C=args.C,
+                     seed=args.seed).validate()
     for method in methods:
         folder = os.path.join(args.out, method)
         record = os.path.join(folder, "record.h5")

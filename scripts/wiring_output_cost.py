@@ -40,7 +40,7 @@ import torch
 
 import wiring_common as W
 from nasdiag.errors import run_script
-from script_args import Parser, UsageError, at_least
+from script_args import Parser, UsageError, at_least, channels
 
 QUANTITIES = {"loss": "L_θ (cross-entropy)", "entropy": "H_θ (output entropy)", "cz": "C_Z (output-edge cost)"}
 SPLITS = {"train": "search-train set (θ's data)", "search": "search set (held out from θ)"}
@@ -51,7 +51,7 @@ def parse_args(argv=None):
     parser.add_argument("--out", default="runs/wiring_output_cost")
     parser.add_argument("--protocol", default="dsnas", choices=W.PROTOCOLS)
     parser.add_argument("--epochs", type=at_least(1), default=10)
-    parser.add_argument("--C", type=int, default=8)
+    parser.add_argument("--C", type=channels, default=8)
     parser.add_argument("--batch-size", type=at_least(1), default=64)
     parser.add_argument("--dataset", default="digits", choices=("digits", "cifar10"))
     parser.add_argument("--data-dir", default=None)

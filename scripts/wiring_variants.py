@@ -28,7 +28,7 @@ import sys
 
 import wiring_common as W
 from nasdiag.errors import run_script
-from script_args import Parser, UsageError, at_least
+from script_args import Parser, UsageError, at_least, channels
 
 VARIANTS = {
     "batch": dict(norm="batch", order="relu-conv-bn"),
@@ -46,7 +46,7 @@ def parse_args(argv=None):
                         help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--protocol", default="dsnas", choices=W.PROTOCOLS)
     parser.add_argument("--epochs", type=at_least(1), default=5)
-    parser.add_argument("--C", type=int, default=8)
+    parser.add_argument("--C", type=channels, default=8)
     parser.add_argument("--batch-size", type=at_least(1), default=64)
     parser.add_argument("--observe-batches", type=at_least(1), default=8)
     parser.add_argument("--dataset", default="digits", choices=("digits", "cifar10"))
