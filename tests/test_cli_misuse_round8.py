@@ -90,6 +90,28 @@ def test_out_dash_is_not_standard_output(command, rec, tmp_path, capsys, monkeyp
     refused([command, rec, "--out", "-"], tmp_path, ["--out - is not standard output", "give the"], capsys)
 
 
+def test_a_resume_refused_for_another_writer_says_only_that(tmp_path, capsys):
+    """``--resume --epochs 2`` of a finished 1-epoch run that another process is writing warned that it "extends the
+    run from 1 to 2 epochs" and then refused it: two lines, the first about a run that did not happen."""
+    import warnings
+
+    from nasdiag.record.lock import WriterLock
+
+    out = tmp_path / "run.h5"
+    assert main(["search", *TINY, "--out", str(out)]) == 0
+    capsys.readouterr()
+    lock = WriterLock(str(out) + ".lock", str(out))
+    lock.acquire()
+    try:
+        with warnings.catch_warnings(record=True) as caught:  # pytest keeps warnings off stderr: catch them here
+            warnings.simplefilter("always")
+            refused(["search", *TINY, "--out", out, "--resume", "--epochs", "2"], tmp_path,
+                    "being written by another writer", capsys)
+    finally:
+        lock.release()
+    assert not [w for w in caught if "extends the run" in str(w.message)], [str(w.message) for w in caught]
+
+
 # -- launcher variables -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("value", ["", " "])
 def test_an_empty_rank_variable_is_one_process(value, tmp_path, monkeypatch, capsys):

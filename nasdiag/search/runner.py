@@ -671,10 +671,6 @@ def _run(config, callbacks, method_cls, hp, rank, world, device) -> SearchResult
         start_step = state["step"]
         if config.epochs > epochs:
             method.extend_schedule(config.epochs)
-            if rank == 0:  # --epochs has a default: a plain --resume of a shorter run lands here
-                warnings.warn(f"resuming {os.fspath(config.record)} extends the run from {epochs} to {config.epochs} epochs "
-                              f"(its schedule anneals on from the current rate); pass --epochs {epochs} to finish it as "
-                              "started", UserWarning, stacklevel=2)
     if world > 1:
         method.distribute(device_ids=[device.index] if device.type == "cuda" else None)
         import torch.distributed as dist
@@ -693,6 +689,11 @@ def _run(config, callbacks, method_cls, hp, rank, world, device) -> SearchResult
             if state is None:
                 checkpointer.save(0)  # a run killed before its first epoch end resumes from here
             loop_callbacks.append(checkpointer)
+    if state is not None and config.epochs > epochs and rank == 0:  # --epochs has a default: a plain --resume of a
+        # shorter run lands here; said once the record is open (a resume refused for another writer said it too)
+        warnings.warn(f"resuming {os.fspath(config.record)} extends the run from {epochs} to {config.epochs} epochs "
+                      f"(its schedule anneals on from the current rate); pass --epochs {epochs} to finish it as "
+                      "started", UserWarning, stacklevel=2)
     progress = Progress(config.epochs * S, start_step, enabled=rank == 0 and config.progress)
     loop_callbacks.append(progress)
     loop_callbacks.extend(Committed(cb, S, recorded_until) for cb in callbacks)
