@@ -463,6 +463,7 @@ def ddp_rank(rank, path, port):
                 callback.on_step_end(step, {"scalars/train_loss": loss.detach(), "scalars/samples_count": float(len(y)),
                                             "hessian/normal/diag": hessian["normal"], **probe.statistics(),
                                             **{k.replace("cost/", "cost/sampled_"): v for k, v in sampled.statistics().items()}})
+        dist.barrier()  # both ranks done before either tears gloo down (a rank leaving early aborted its peer's threads)
     finally:
         dist.destroy_process_group()
 
