@@ -112,6 +112,22 @@ def test_a_resume_refused_for_another_writer_says_only_that(tmp_path, capsys):
     assert not [w for w in caught if "extends the run" in str(w.message)], [str(w.message) for w in caught]
 
 
+@pytest.mark.parametrize("suffix,flag", [(".ckpt", "--force"), (".ckpt.tmp", "--force"), (".ckpt.tmp", "--resume")])
+def test_a_folder_where_a_side_file_goes_is_refused_before_the_record_is_touched(suffix, flag, tmp_path, capsys):
+    """A folder named like the checkpoint (``run.h5.ckpt/``): ``--force`` replaced the record with an empty one, then
+    failed to remove the folder ("Is a directory"): the old run was lost for nothing. The advice after an unreadable
+    checkpoint ("start again with --force") led there."""
+    out = tmp_path / "run.h5"
+    assert main(["search", *TINY, "--out", str(out)]) == 0
+    capsys.readouterr()
+    if suffix == ".ckpt":
+        os.unlink(str(out) + ".ckpt")
+    os.mkdir(str(out) + suffix)
+    extra = ["--resume", "--epochs", "2"] if flag == "--resume" else [flag]
+    refused(["search", *TINY, "--out", out, *extra], tmp_path, [f"run.h5{suffix} is a folder", "move the folder away"],
+            capsys)
+
+
 # -- launcher variables -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("value", ["", " "])
 def test_an_empty_rank_variable_is_one_process(value, tmp_path, monkeypatch, capsys):

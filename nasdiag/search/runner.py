@@ -302,6 +302,10 @@ def check_paths(config: SearchConfig) -> None:
             raise ConfigError("the record path (--out) is empty; pass a file path such as runs/search.h5")
         if os.path.isdir(record):
             raise ConfigError(f"record path {record} is a folder; pass a file path such as {os.path.join(record, 'run.h5')}")
+        folders = [record + suffix for suffix, _ in SIDE_FILES if os.path.isdir(record + suffix)]
+        if folders:  # --force replaced the record, then failed to remove the folder: "Is a directory", the old run lost
+            raise ConfigError(f"{folders[0]} is a folder, where the search keeps a file next to the record {record}; "
+                              "move the folder away or choose another --out")
         side = side_file_of(record)
         if side is not None:
             raise ConfigError(f"record path {record} is named like the {side[1]} of the record {side[0]} (nasdiag keeps "
