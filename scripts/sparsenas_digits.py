@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import os
 import re
 import sys
 import time
@@ -392,6 +393,8 @@ def parse_lambdas(text: str) -> List[float]:
             lam = 10 ** float(m.group(1)) if m else float(token)
         except ValueError:
             raise UsageError(f"λ {token!r} is not a number; give values like 1e-4 or 1e-3.7 (= 10^-3.7)") from None
+        except OverflowError:  # 1e400 read as 10^400 (an OverflowError traceback): refused below as not finite
+            lam = math.inf
         if not (lam > 0 and math.isfinite(lam)):
             raise UsageError(f"λ must be > 0 and finite (eq 2's sparsity strength), got {token}")
         out.append(lam)
@@ -433,6 +436,10 @@ def parse(argv) -> Tuple[argparse.Namespace, List[str], List[str], List[float]]:
     for name, low in (("epochs", 1), ("retrain_epochs", 0), ("workers", 1), ("seed", 0)):
         if getattr(args, name) < low:
             raise UsageError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
+    cpus = os.cpu_count() or 1
+    if args.workers > max(cpus, 2):  # --workers 100000 started processes until the machine stalled (2: the default)
+        raise UsageError(f"--workers {args.workers} is more than this machine's {cpus} CPUs (one process each); give at "
+                         f"most {max(cpus, 2)}")
     return args, opts, pens, lambdas
 
 

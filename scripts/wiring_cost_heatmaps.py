@@ -56,6 +56,8 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    if not configs:  # it ran nothing and exited 0
+        raise UsageError(f"--configs {args.configs!r} names no configuration; give comma-separated names, e.g. minimal1,darts8")
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         raise UsageError(f"unknown configuration(s) {unknown}; choose from {', '.join(CONFIGS)}")

@@ -60,6 +60,8 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if not variants:  # it ran nothing and exited 0
+        raise UsageError(f"--variants {args.variants!r} names no variant; give comma-separated names, e.g. layer,instance")
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise UsageError(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")

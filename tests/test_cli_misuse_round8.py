@@ -171,6 +171,10 @@ XNAS = ["--runs", "1", "--steps", "1"]
     ("asmnas_stability", ["--C", "5", "--seeds", "1", "--epochs", "1"], "--C: must be even"),  # left an empty folder
     ("asmnas_stability", ["--layers", "2", "--seeds", "1", "--epochs", "1"], "layers must be >= 3"),  # the same
     ("wiring_evolution", ["--layers", "2", "--epochs", "1"], "layers must be >= 3"),  # the same
+    ("sparsenas_digits", ["--lambdas", "1e-4,1e400", "--epochs", "1"], "λ must be > 0 and finite"),  # OverflowError
+    ("sparsenas_digits", ["--workers", "100000", "--plot-only"], "--workers 100000 is more than"),  # stalled the box
+    ("wiring_cost_heatmaps", ["--configs", " , ", "--epochs", "1"], "--configs ' , ' names no configuration"),  # exit 0
+    ("wiring_variants", ["--variants", "", "--epochs", "1"], "--variants '' names no variant"),  # ran nothing, exit 0
 ])
 def test_a_script_number_is_refused_in_one_line_before_any_work(script, argv, needle, tmp_path, capsys):
     script_refused(script, argv, needle, tmp_path, capsys)  # round 7's check: exit 2, one line, the folder as it was
