@@ -17,7 +17,7 @@ import os
 import sys
 import time
 from nasdiag.errors import run_script
-from script_args import Parser, at_least, dpi
+from script_args import Parser, UsageError, at_least, dpi
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
@@ -52,6 +52,9 @@ def main(argv=None):
 
     args = parse_args(argv)
     records = {f"seed {s}": os.path.join(args.runs, f"darts_seed{s}.h5") for s in (0, 1)}
+    missing = [path for path in records.values() if args.plot_only and not os.path.exists(path)]
+    if missing:  # before the folder is made: the refusal left an empty --out folder
+        raise UsageError(f"no record at {missing[0]}; run without --plot-only first")
     os.makedirs(args.out, exist_ok=True)  # before the runs: an unwritable folder fails at once, not after them
     if not args.plot_only:
         from nasdiag.search import SearchConfig, run

@@ -175,6 +175,7 @@ XNAS = ["--runs", "1", "--steps", "1"]
     ("sparsenas_digits", ["--workers", "100000", "--plot-only"], "--workers 100000 is more than"),  # stalled the box
     ("wiring_cost_heatmaps", ["--configs", " , ", "--epochs", "1"], "--configs ' , ' names no configuration"),  # exit 0
     ("wiring_variants", ["--variants", "", "--epochs", "1"], "--variants '' names no variant"),  # ran nothing, exit 0
+    ("make_readme_figures", ["--plot-only", "--runs", "/nonexistent/runs"], "no record at"),  # left an empty --out
 ])
 def test_a_script_number_is_refused_in_one_line_before_any_work(script, argv, needle, tmp_path, capsys):
     script_refused(script, argv, needle, tmp_path, capsys)  # round 7's check: exit 2, one line, the folder as it was
