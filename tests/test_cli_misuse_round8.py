@@ -1,8 +1,10 @@
 """An eighth new user's misuse of the ``nasdiag`` CLI and of the batch scripts: what rounds 1-7 (test_cli_errors.py,
 test_cli_search_misuse.py, test_cli_plot_misuse.py, test_cli_misuse_round3..7.py) did not cover: a command started with
-standard error closed (``2>&-``), an empty ``RANK`` variable, and the batch scripts' number options (nan, inf, zero,
-negative, a word, an empty list) and ``--plot-only`` without a record. Every mistake is one line on stderr, exit code
-2, and leaves the folder as it was (`snapshot` compares sha256s)."""
+standard error closed (``2>&-``), an empty ``RANK`` variable, options after ``--``, ``--out -`` for plot and report, a
+folder where the checkpoint goes, a refused resume that also warned it extends the run, and the batch scripts' number
+and list options (nan, inf, zero, negative, odd --C, a word, an empty list, 1e400, 100000 workers) and ``--plot-only``
+without a record. Every mistake is one line on stderr, exit code 2, and leaves the folder as it was (`snapshot`
+compares sha256s)."""
 
 from __future__ import annotations
 
