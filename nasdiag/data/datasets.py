@@ -100,12 +100,37 @@ def _cifar_folder(root: Path) -> Path:
     nested = root / "cifar-10-batches-py"
     return nested if not (root / "data_batch_1").exists() and nested.is_dir() else root
 
+# What a CIFAR-10 python batch pickles: a dict of numpy arrays, lists, bytes and ints (Python 2's cPickle, or
+# numpy 1/2 under protocols 2-5). Any other global is refused: unpickling calls it, so a batch from an
+# untrusted folder could otherwise run arbitrary code.
+_CIFAR_PICKLE_GLOBALS = frozenset(
+    [(f"numpy.{core}.{module}", name) for core in ("core", "_core")
+     for module, name in (("multiarray", "_reconstruct"), ("multiarray", "scalar"), ("numeric", "_frombuffer"))]
+    + [("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode"), ("builtins", "bytearray"),
+       ("__builtin__", "bytearray")]
+)
+
+
+class _ForeignPickleGlobal(pickle.UnpicklingError):
+    pass
+
+
+class _CifarUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if (module, name) not in _CIFAR_PICKLE_GLOBALS:
+            raise _ForeignPickleGlobal(f"{module}.{name}")
+        return super().find_class(module, name)
+
+
 def _read_cifar_batch(path: Path) -> Tuple[np.ndarray, np.ndarray]:
     if not path.is_file():
         raise DataError(f"CIFAR-10 file missing: {path} (expected the standard python batches {', '.join(CIFAR_FILES)})")
     try:
         with open(path, "rb") as fh:
-            batch = pickle.load(fh, encoding="bytes")
+            batch = _CifarUnpickler(fh, encoding="bytes").load()
+    except _ForeignPickleGlobal as exc:
+        raise DataError(f"{path} is not a CIFAR-10 python batch: it pickles {exc}, which a batch of numpy arrays and "
+                        "lists never does (refused unread, as loading it would run that code)") from None
     except Exception as exc:  # random bytes raise any of UnpicklingError, EOFError, ValueError, KeyError, ...
         raise DataError(f"{path} is not a CIFAR-10 python batch (unreadable pickle: {type(exc).__name__})") from None
     data = batch.get(b"data", batch.get("data")) if isinstance(batch, dict) else None
