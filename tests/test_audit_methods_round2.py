@@ -784,14 +784,17 @@ def test_bayesnas_run_interrupted_inside_an_epoch_and_resumed_equals_the_uninter
     a = load_checkpoint(config("whole.h5").checkpoint)["method"]
     b = load_checkpoint(config("resumed.h5").checkpoint)["method"]
     for k, v in a["network"].items():
-        assert _equal_to_rounding(v, b["network"][k]), k
+        # plus 1e-12 absolute: a BatchNorm behind a pooling of normalized features has a running mean that is 0 up
+        # to round-off (±5e-17 on the torch 2.11 host, signs differing between two runs); a lost prune mask or
+        # optimizer state moves the O(0.1) weights by far more
+        assert _equal_to_rounding(v, b["network"][k], atol=1e-12), k
     for k in ("gamma", "prior_variance", "alive"):
         for t in a["attributes"][k]:
             assert _equal_to_rounding(a["attributes"][k][t], b["attributes"][k][t]), (k, t)
 
 
-def _equal_to_rounding(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise for integer and bool tensors (counters, masks), to 1e-9 relative for floating ones (see above)."""
+def _equal_to_rounding(a: torch.Tensor, b: torch.Tensor, atol: float = 0.0) -> bool:
+    """Bitwise for integer and bool tensors (counters, masks), to 1e-9 relative (+ ``atol``) for floating ones (see above)."""
     if not a.is_floating_point():
         return torch.equal(a, b)
-    return a.shape == b.shape and torch.allclose(a, b, rtol=1e-9, atol=0, equal_nan=True)
+    return a.shape == b.shape and torch.allclose(a, b, rtol=1e-9, atol=atol, equal_nan=True)
