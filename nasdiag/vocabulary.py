@@ -98,14 +98,14 @@ SCALAR = family("scalars/<name>", "()", "float32", "mean", "A per-step scalar (l
 SCALAR_COUNT = family("scalars/<name>_count", "()", "float32", "sum", "A per-step count, summed over ranks.")
 EPOCH = family("scalars/epoch", "()", "float32", "same", "Index of the epoch that ended at this row.", when="epoch")
 SEARCH_VAL_LOSS = family("scalars/search_val_loss", "()", "float32", "mean",
-                         "Supernet loss on the whole search-val split at `probabilities()` (mean over samples), after an epoch.", when="epoch")
+                         "Supernet loss on the whole search-val split at the method's `eval_weights()` (softmax(α) for DARTS, the argmax one-hot for DSNAS and ProxylessNAS, A for SparseNAS; mean over samples), after an epoch.", when="epoch")
 SEARCH_VAL_ACC = family("scalars/search_val_acc", "()", "float32", "mean",
-                        "Supernet top-1 accuracy on the whole search-val split at `probabilities()`, after an epoch.", when="epoch")
+                        "Supernet top-1 accuracy on the whole search-val split at the method's `eval_weights()`, after an epoch.", when="epoch")
 
 # -- architecture --------------------------------------------------------------------------------
 ARCH_PARAMS = family("arch/<cell>/params", "(E, K)", "float32", "same", "The raw architecture parameters α of a cell type (shared by its cells).")
 ARCH_PROBABILITIES = family("arch/<cell>/probabilities", "(E, K)", "float32", "same",
-                            "`probabilities()`: what the genotype and evaluation are derived from (softmax(α), EG weights, |A|, ...).")
+                            "`probabilities()`: what the genotype is derived from (softmax(α), EG weights, |A|, ...; the search-val evaluation is at `eval_weights()`).")
 ARCH_WEIGHTS = family("arch/<cell>/weights", "(E, K)", "float32", "mean",
                       "The mixing weights Z the step's forward used (softmax for DARTS, a relaxed or one-hot sample for SNAS/DSNAS; batch mean where per sample).")
 

@@ -199,9 +199,10 @@ def search_loop(method: SearchMethod, splits, *, epochs: int, batch_size: int, s
             evaluation = method.evaluate(DataLoader(splits.val, batch_size=EVAL_BATCH_SIZE))
             phase = "diagnostics"
             epoch_stats = {
-                "scalars/epoch": torch.tensor(float(epoch)),
-                "scalars/search_val_loss": torch.tensor(evaluation["loss"]),
-                "scalars/search_val_acc": torch.tensor(evaluation["acc"]),
+                # in the run's dtype, as every float statistic (a float64 run's evaluation was rounded to float32)
+                "scalars/epoch": torch.tensor(float(epoch), dtype=dtype),
+                "scalars/search_val_loss": torch.tensor(evaluation["loss"], dtype=dtype),
+                "scalars/search_val_acc": torch.tensor(evaluation["acc"], dtype=dtype),
                 **{k: v for k, v in method.diagnostics().items() if k.startswith(keep)},
                 # a method's own epoch records (ASM-NAS: the selection counts of its evaluation above)
                 **(method.epoch_statistics() if hasattr(method, "epoch_statistics") else {}),

@@ -1,0 +1,230 @@
+"""Audit round 6 of the record <-> statistics-vocabulary contract, end to end: a tiny real `nasdiag.search.run`
+(digits cut to 12 search-train and 12 search-val samples, batch 4, so 3 steps in one epoch, float64) and every
+recorded path against `nasdiag.vocabulary` and docs/schema.md: its family, row shape and dtype, and its meaning,
+recomputed here with float64 autograd on the network states the run went through (the method's ``step`` is wrapped
+to snapshot the state and the batches it is given; nothing of nasdiag computes a reference value):
+
+- DARTS step 1: ``scalars/val_loss``/``val_acc`` on the search-val batch at (w0, softmax(α0)); ``alpha_grad_norm`` =
+  ‖∂L_val/∂α‖ through the softmax, α shared by a type's cells; ``arch/<cell>/params`` = α after one Adam step
+  with weight decay; ``probabilities`` = ``weights`` = softmax of it; ``train_loss``/``train_acc`` on the
+  search-train batch at (w0, softmax(α1)); ``w_lr``.
+- Step 3 (the epoch's last): ``cost/<cell>/{mean,var,count}`` pooled over the 3 steps × the type's cells, each at
+  the state before its step; ``hessian/<cell>/diag`` in mode exact_per_edge (per-cell diagonal blocks summed over
+  the cells) at the state after step 3 on its val batch; ``hessian/<cell>/top_eigenvalue`` and the joint
+  ``hessian/top_eigenvalue`` against ``eigvalsh`` of the full α-Hessian; ``search_val_loss``/``acc`` on the whole
+  search-val split.
+- DSNAS: ``search_val_loss`` is taken at the method's evaluation weights (the argmax one-hot), not at
+  ``probabilities()``, which the vocabulary said.
+
+Defects these tests found (each fails without its fix): the vocabulary and docs/schema.md said the search-val
+evaluation was at ``probabilities()`` (it is at ``eval_weights()``: DSNAS/ProxylessNAS evaluate the argmax child,
+SparseNAS and BayesNAS the raw A and w); ``scalars/search_val_loss``, ``search_val_acc`` and ``epoch`` were
+recorded as float32 in a float64 run (the vocabulary's float32 means the run's dtype), rounding the float64
+evaluation.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nasdiag import vocabulary as V
+from nasdiag.search import SearchConfig, run
+from nasdiag.supernet import Network
+
+TYPES = ("normal", "reduce")
+N, BATCH = 12, 4
+
+
+def _small_digits(monkeypatch):
+    import nasdiag.data
+    from torch.utils.data import TensorDataset
+
+    full = nasdiag.data.load_dataset
+
+    def cut(name, **kwargs):
+        s = full(name, **kwargs)
+        return dataclasses.replace(s, train=TensorDataset(*s.train[:N]), val=TensorDataset(*s.val[:N]))
+
+    monkeypatch.setattr(nasdiag.data, "load_dataset", cut)
+    return cut
+
+
+def _snapshots(monkeypatch, cls):
+    """Wrap ``cls.step`` to keep (network state before the step, train batch, val batch) of every step."""
+    seen = []
+    step = cls.step
+
+    def wrapped(self, train, val=None):
+        seen.append((copy.deepcopy(self.network.state_dict()), train, val))
+        return step(self, train, val)
+
+    monkeypatch.setattr(cls, "step", wrapped)
+    return seen
+
+
+def _net(state, primitives=None):
+    kwargs = {} if primitives is None else {"primitives": primitives}
+    net = Network(2, 10, 3, steps=2, multiplier=2, in_channels=1, **kwargs).double()
+    net.load_state_dict(state)
+    return net
+
+
+def _alphas(state):
+    return {t: state[f"alphas_{t}"].clone() for t in TYPES}
+
+
+def _loss_acc(net, x, y, z):
+    with torch.no_grad():
+        logits = net(x, z)
+    return F.cross_entropy(logits, y).item(), (logits.argmax(1) == y).double().mean().item()
+
+
+def _run(tmp_path, method, **extra):
+    out = str(tmp_path / "run.h5")
+    cfg = SearchConfig(method=method, C=2, layers=3, steps=2, multiplier=2, batch_size=BATCH, epochs=1, dtype="float64",
+                       progress=False, threads=1, record=out, **extra)
+    res = run(cfg)
+    from nasdiag.record import load
+
+    return cfg, res, load(out)
+
+
+def _check_vocabulary(rec, float_dtype=np.float64):
+    """Every recorded path has a family; its row shape and dtype are the family's (float32 = the run's dtype)."""
+    sizes = {"E": 5, "K": 8}
+    for path in rec:
+        if path.startswith(("meta/", "valid/")) or path == "step" or path == "scalars/w_lr":  # a setting, see report
+            continue
+        fam = V.family_of(path)
+        assert fam is not None, f"{path} is of no vocabulary family"
+        want = {"float32": float_dtype, "bool": np.bool_, "int64": np.int64}[fam.dtype]
+        assert rec[path].dtype == want, (path, rec[path].dtype, fam.dtype)
+        dims = [d.strip() for d in fam.shape.strip("()").split(",") if d.strip()]
+        if "R" not in dims:
+            assert rec[path].shape[1:] == tuple(sizes[d] for d in dims), (path, rec[path].shape, fam.shape)
+        rows = rec[f"valid/{path}"]
+        assert rows.tolist() == ([False, False, True] if fam.when == "epoch" else [True] * 3), path
+
+
+@pytest.mark.slow  # one 3-step run plus full α-Hessians (~15 s on a loaded core)
+def test_a_darts_run_records_what_the_vocabulary_says_at_the_steps_and_batches_it_names(tmp_path, monkeypatch):
+    from nasdiag.search.methods.darts import DARTS
+    from nasdiag.search.runner import epoch_batches
+
+    splits = _small_digits(monkeypatch)("digits", seed=0, dtype=torch.float64)
+    seen = _snapshots(monkeypatch, DARTS)
+    cfg, res, rec = _run(tmp_path, "darts", diagnostics=("cost", "hessian"), hessian_mode="exact_per_edge",
+                         spectrum_every=3)
+    _check_vocabulary(rec)
+    assert rec["step"].tolist() == [1, 2, 3] and len(seen) == 3
+    # the loop hands the search-train and search-val batches in the documented order
+    for s, (_, (xt, yt), (xv, yv)) in enumerate(seen):
+        ref_t = list(epoch_batches(splits.train, BATCH, cfg.seed, 0))[s]
+        ref_v = list(epoch_batches(splits.val, BATCH, cfg.seed + 1, 0))[s]
+        assert torch.equal(xt, ref_t[0]) and torch.equal(yv, ref_v[1]) and torch.equal(xv, ref_v[0])
+    hp = res.method.hp
+    final = copy.deepcopy(res.method.network.state_dict())
+    states = [s for s, _, _ in seen] + [final]
+
+    # -- step 1, replayed: α step on val at (w0, softmax α0), then w step on train at (w0, softmax α1)
+    s0, (xt, yt), (xv, yv) = seen[0]
+    net = _net(s0)
+    a0 = {t: a.clone().requires_grad_(True) for t, a in _alphas(s0).items()}
+    loss = F.cross_entropy(net(xv, {t: torch.softmax(a, -1) for t, a in a0.items()}), yv)
+    grads = dict(zip(a0, torch.autograd.grad(loss, list(a0.values()))))
+    val_loss, val_acc = _loss_acc(net, xv, yv, {t: torch.softmax(a.detach(), -1) for t, a in a0.items()})
+    np.testing.assert_allclose(rec["scalars/val_loss"][0], val_loss, rtol=1e-10)
+    np.testing.assert_allclose(rec["scalars/val_acc"][0], val_acc, rtol=0, atol=0)
+    norm = torch.sqrt(sum((g ** 2).sum() for g in grads.values())).item()
+    np.testing.assert_allclose(rec["scalars/alpha_grad_norm"][0], norm, rtol=1e-9)
+    a1 = {}
+    for t in TYPES:  # Adam's first step: m̂ = g', v̂ = g'², g' = g + wd·α
+        g = grads[t] + hp.alpha_weight_decay * a0[t].detach()
+        a1[t] = a0[t].detach() - hp.alpha_lr * g / (g.abs() + 1e-8)
+        np.testing.assert_allclose(rec[f"arch/{t}/params"][0], a1[t].numpy(), rtol=1e-10, atol=1e-14)
+        np.testing.assert_allclose(rec[f"arch/{t}/probabilities"][0], torch.softmax(a1[t], -1).numpy(), rtol=1e-10)
+        np.testing.assert_allclose(rec[f"arch/{t}/weights"][0], torch.softmax(a1[t], -1).numpy(), rtol=1e-10)
+    train_loss, train_acc = _loss_acc(net, xt, yt, {t: torch.softmax(a, -1) for t, a in a1.items()})
+    np.testing.assert_allclose(rec["scalars/train_loss"][0], train_loss, rtol=1e-10)
+    np.testing.assert_allclose(rec["scalars/train_acc"][0], train_acc, rtol=0, atol=0)
+    np.testing.assert_allclose(rec["scalars/w_lr"][0], hp.w_lr, rtol=1e-7)  # lr of epoch 0 (recorded in float32)
+    # every later row's α and probabilities are the state after its step
+    for s in (1, 2):
+        for t in TYPES:
+            np.testing.assert_allclose(rec[f"arch/{t}/params"][s], _alphas(states[s + 1])[t].numpy(), rtol=0, atol=0)
+
+    # -- step 3 (epoch end): cost pooled over the 3 steps × cells, each at the state before its step
+    per_type = {t: [] for t in TYPES}
+    for state, _, (xv, yv) in seen:
+        net = _net(state)
+        cells = [c.cell_type for c in net.cells]
+        leaves = [torch.softmax(_alphas(state)[t], -1).requires_grad_(True) for t in cells]
+        costs = torch.autograd.grad(F.cross_entropy(net(xv, leaves), yv), leaves)
+        for t, c in zip(cells, costs):
+            per_type[t].append(c)
+    for t in TYPES:
+        obs = torch.stack(per_type[t])
+        np.testing.assert_allclose(rec[f"cost/{t}/mean"][2], obs.mean(0).numpy(), rtol=1e-8, atol=1e-14)
+        np.testing.assert_allclose(rec[f"cost/{t}/var"][2], obs.var(0, unbiased=False).numpy(), rtol=1e-6, atol=1e-16)
+        assert (rec[f"cost/{t}/count"][2] == len(obs)).all()
+
+    # hessian/<cell>/diag, mode exact_per_edge: each cell's own ∂²L/∂Z_k², summed over the type's cells, at the
+    # state after step 3 and the last α batch (search-val of step 3)
+    _, _, (xv, yv) = seen[2]
+    net = _net(final)
+    z = {t: torch.softmax(a, -1) for t, a in _alphas(final).items()}
+    leaves = [z[c.cell_type].clone().requires_grad_(True) for c in net.cells]
+    grads = torch.autograd.grad(F.cross_entropy(net(xv, leaves), yv), leaves, create_graph=True)
+    diag = {t: torch.zeros(5, 8, dtype=torch.float64) for t in TYPES}
+    for cell, leaf, g in zip(net.cells, leaves, grads):
+        flat = g.reshape(-1)
+        d = torch.stack([torch.autograd.grad(flat[i], leaf, retain_graph=True)[0].reshape(-1)[i] for i in range(40)])
+        diag[cell.cell_type] += d.reshape(5, 8).detach()
+    for t in TYPES:
+        np.testing.assert_allclose(rec[f"hessian/{t}/diag"][2], diag[t].numpy(), rtol=1e-7, atol=1e-12)
+        assert not rec[f"hessian/{t}/nonfinite"][2]
+
+    # top eigenvalues of ∂²L_val/∂α² at the state after step 3 (the row's state), α shared by the type's cells
+    flat_a = torch.cat([_alphas(final)[t].reshape(-1) for t in TYPES])
+
+    def f(v):
+        return F.cross_entropy(net(xv, {t: torch.softmax(v[i * 40:(i + 1) * 40].reshape(5, 8), -1)
+                                        for i, t in enumerate(TYPES)}), yv)
+
+    h = torch.autograd.functional.hessian(f, flat_a)
+    np.testing.assert_allclose(rec["hessian/top_eigenvalue"][2], torch.linalg.eigvalsh(h)[-1].item(), rtol=1e-7)
+    for i, t in enumerate(TYPES):
+        block = h[i * 40:(i + 1) * 40, i * 40:(i + 1) * 40]
+        np.testing.assert_allclose(rec[f"hessian/{t}/top_eigenvalue"][2], torch.linalg.eigvalsh(block)[-1].item(),
+                                   rtol=1e-7)
+
+    # the epoch's evaluation: the whole search-val split at the final softmax(α), mean loss
+    xs, ys = splits.val.tensors
+    loss, acc = _loss_acc(net, xs, ys, z)
+    np.testing.assert_allclose(rec["scalars/search_val_loss"][2], loss, rtol=1e-12)
+    np.testing.assert_allclose(rec["scalars/search_val_acc"][2], acc, rtol=0, atol=0)
+    assert rec["scalars/epoch"][2] == 0
+
+
+def test_the_search_val_evaluation_is_at_the_methods_evaluation_weights_as_the_vocabulary_says(tmp_path, monkeypatch):
+    """DSNAS evaluates the argmax child of softmax(α) (one-hot), not the distribution ``probabilities()``: the
+    vocabulary must name what the run evaluates. Recorded in the run's float64."""
+    splits = _small_digits(monkeypatch)("digits", seed=0, dtype=torch.float64)
+    cfg, res, rec = _run(tmp_path, "dsnas", diagnostics=())
+    _check_vocabulary(rec)
+    net = _net(res.method.network.state_dict())
+    onehot = {t: F.one_hot(a.argmax(-1), 8).double() for t, a in _alphas(net.state_dict()).items()}
+    soft = {t: torch.softmax(a, -1) for t, a in _alphas(net.state_dict()).items()}
+    xs, ys = splits.val.tensors
+    loss, acc = _loss_acc(net, xs, ys, onehot)
+    assert abs(loss - _loss_acc(net, xs, ys, soft)[0]) > 1e-6  # the two readings differ here
+    np.testing.assert_allclose(rec["scalars/search_val_loss"][2], loss, rtol=1e-12)
+    np.testing.assert_allclose(rec["scalars/search_val_acc"][2], acc, rtol=0, atol=0)
+    for fam in (V.SEARCH_VAL_LOSS, V.SEARCH_VAL_ACC):
+        assert "eval_weights()" in fam.meaning and "at `probabilities()`" not in fam.meaning
