@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import namedtuple
-from typing import List, Mapping, Sequence, Tuple
+from typing import List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -39,12 +39,19 @@ def derive_cell(
     primitives: Sequence[str],
     edges_per_node: int = 2,
     exclude: Sequence[str] = ("none",),
+    eligible: Optional[torch.Tensor] = None,
 ) -> List[Tuple[str, int]]:
     """The DARTS rule for one cell: for each intermediate node keep the ``edges_per_node`` incoming
     edges whose strongest op outside ``exclude`` is strongest, each with that op.
 
     Args:
         weights: (E, K) mixing weights (e.g. softmax(α)) in :func:`edge_nodes` order.
+        eligible: optional (E, K) bool, the ops the genotype may name (XNAS: the experts not wiped out;
+            ASM-NAS: the ops selected at least once). An op outside it is never named, and an edge with no
+            eligible op outside ``exclude`` is not a candidate input. A node with fewer than
+            ``edges_per_node`` candidate inputs keeps them all and fills its remaining places with
+            ``(exclude[0], i)`` (``"none"``: no connection) on its other edges, strongest ``exclude[0]`` weight
+            first, where that op is eligible; it never names an op outside ``eligible``.
 
     Returns:
         ``[(op name, input node), ...]``, ``edges_per_node`` per node, nodes in order; within a node
@@ -54,18 +61,38 @@ def derive_cell(
     allowed = torch.tensor([p not in exclude for p in primitives])
     if not allowed.any():
         raise ValueError(f"every primitive is excluded ({list(exclude)}); nothing to derive")
-    masked = weights.masked_fill(~allowed, float("-inf"))
+    if eligible is None:
+        eligible = torch.ones(weights.shape, dtype=torch.bool)
+    eligible = torch.as_tensor(eligible).detach().cpu().bool()
+    if eligible.shape != weights.shape:
+        raise ValueError(f"eligible must have the shape of weights {tuple(weights.shape)}, got {tuple(eligible.shape)}")
+    usable = eligible & allowed
+    filler = primitives.index(exclude[0]) if exclude and exclude[0] in primitives else None
     genes: List[Tuple[str, int]] = []
     offset = 0
     for node in range(steps):
         n_in = node + 2
-        block = masked[offset : offset + n_in]
-        best_w, best_op = block.max(dim=1)
         if edges_per_node > n_in:
             raise ValueError(f"node {node + 2} has {n_in} incoming edges, cannot keep {edges_per_node}")
+        best = {}  # input node -> (strongest usable op, its weight); argmax among usable ops only, so a row of
+        for i in range(n_in):  # -inf never names an excluded op; ties keep the lower op index
+            ops = usable[offset + i].nonzero()[:, 0]
+            if len(ops):
+                k = int(ops[int(weights[offset + i, ops].argmax())])
+                best[i] = (k, weights[offset + i, k].item())
+        candidates = list(best)
         # stable sort so that ties keep the lower input node
-        order = sorted(range(n_in), key=lambda i: (-best_w[i].item(), i))[:edges_per_node]
-        genes.extend((primitives[int(best_op[i])], i) for i in order)
+        order = sorted(candidates, key=lambda i: (-best[i][1], i))[:edges_per_node]
+        genes.extend((primitives[best[i][0]], i) for i in order)
+        if len(order) < edges_per_node:
+            rest = [i for i in range(n_in) if i not in candidates
+                    and filler is not None and bool(eligible[offset + i, filler])]
+            rest = sorted(rest, key=lambda i: (-weights[offset + i, filler].item(), i))[: edges_per_node - len(order)]
+            if len(order) + len(rest) < edges_per_node:
+                raise ValueError(f"node {node + 2} has {len(order)} incoming edge(s) with an eligible op outside "
+                                 f"{list(exclude)} and no eligible {exclude[0] if exclude else 'excluded op'!r} "
+                                 f"to fill the other {edges_per_node - len(order)}: no {edges_per_node}-input genotype")
+            genes.extend((primitives[filler], i) for i in rest)
         offset += n_in
     return genes
 
@@ -76,11 +103,14 @@ def derive_genotype(
     multiplier: int,
     primitives: Sequence[str],
     edges_per_node: int = 2,
+    eligible: Optional[Mapping[str, torch.Tensor]] = None,
 ) -> Genotype:
     """:func:`derive_cell` for each cell type of ``weights`` (``{"normal": (E, K), "reduce": (E, K)}``);
-    a missing cell type gives an empty list."""
+    a missing cell type gives an empty list. ``eligible``: optional ``{cell type: (E, K) bool}``, the ops
+    each cell may name (:func:`derive_cell`)."""
     concat = list(range(2 + steps - multiplier, 2 + steps))
-    cells = {t: derive_cell(w, steps, primitives, edges_per_node) for t, w in weights.items()}
+    eligible = eligible or {}
+    cells = {t: derive_cell(w, steps, primitives, edges_per_node, eligible=eligible.get(t)) for t, w in weights.items()}
     return Genotype(cells.get("normal", []), concat, cells.get("reduce", []), concat)
 
 

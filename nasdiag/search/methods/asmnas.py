@@ -17,7 +17,8 @@ What nasdiag's contract cannot take from the paper as it stands, and what it doe
   reduction cell: counts are summed over the cells of a type.
 - The paper keeps the argmax op of every edge; nasdiag's genotype applies the DARTS rule (``none``
   excluded, the 2 strongest incoming edges per node) to the count-normalised selection frequencies,
-  so the genotype is comparable to DARTS's (the paper's cells in its Appendix A have 2 inputs per node).
+  so the genotype is comparable to DARTS's (the paper's cells in its Appendix A have 2 inputs per node);
+  an op never selected on its edge is never named (an edge that ``none`` won is no candidate input).
 - :meth:`probabilities` = counts / counts.sum(-1) (selection frequencies) once a selection has run;
   before the first one, the batch-mean attention of the latest step (uniform 1/K before any step).
 - The supernet evaluation after each epoch mixes by attention (data-dependent); ``eval_weights()``
@@ -41,6 +42,7 @@ from nasdiag.distributed import finite_on_every_rank
 from nasdiag.search.base import Batch, SearchError, SearchMethod, accuracy, nonfinite_loss_error
 from nasdiag.search.hyperparameters import Hyperparameters, hp
 from nasdiag.search.registry import register
+from nasdiag.supernet import derive_genotype
 from nasdiag.supernet.attention import attach_attention, attention_weights, collect_attention
 
 
@@ -96,6 +98,16 @@ class ASMNAS(SearchMethod):
             return {t: m.detach().clone() for t, m in self.attention_mean.items()}
         return {t: (c.double() / c.sum(-1, keepdim=True).clamp(min=1)).to(self.attention_mean[t].dtype)
                 for t, c in self.selection_counts.items()}
+
+    def genotype(self):
+        """DARTS's rule on :meth:`probabilities`; once a selection ran, only ops selected at least once on their edge
+        are named (``derive_genotype`` with ``eligible`` counts > 0). An edge where ``none`` won every sample is no
+        candidate input; a node left with fewer than two candidates keeps ``("none", i)`` (no connection) in the other
+        places, never an op the selection never chose."""
+        net = self.network
+        eligible = None if self.selection_counts is None else {t: c.cpu() > 0 for t, c in self.selection_counts.items()}
+        return derive_genotype(self.finite_architecture(self.probabilities()), net.steps, net.multiplier, net.primitives,
+                               eligible=eligible)
 
     def _per_type(self, per_cell: List[torch.Tensor]) -> Dict[str, List[torch.Tensor]]:
         out: Dict[str, List[torch.Tensor]] = {}

@@ -53,6 +53,7 @@ from nasdiag.regret import Forecaster, xnas_reward
 from nasdiag.search.base import Batch, CellWeights, SearchError, SearchMethod, accuracy, nonfinite_loss_error
 from nasdiag.search.hyperparameters import Hyperparameters, hp
 from nasdiag.search.registry import register
+from nasdiag.supernet import derive_genotype
 
 
 class CellForecasters(dict):
@@ -141,6 +142,17 @@ class XNAS(SearchMethod):
         """``{cell type: (E, K)}`` the EG mixing weights u = v / Σ v (eq 1), 0 for wiped-out experts."""
         dtype = next(self.network.parameters()).dtype
         return {t: f.weights.to(dtype) for t, f in self.forecasters.items()}
+
+    def genotype(self):
+        """The discretization stage (§2.1, DARTS's rule): per node the two edges with the strongest expert other than
+        ``none``, each replaced by that expert; from the float64 EG weights u, and only experts still alive are named
+        (``derive_genotype`` with ``eligible`` the alive experts). An edge whose only surviving expert is ``none`` is
+        no candidate input; a node left with fewer than two candidates keeps ``("none", i)`` (no connection) in the
+        other places, never an expert that was wiped out."""
+        net = self.network
+        u = self.finite_architecture({t: f.weights.detach().cpu() for t, f in self.forecasters.items()})
+        alive = {t: f.alive.cpu() for t, f in self.forecasters.items()}
+        return derive_genotype(u, net.steps, net.multiplier, net.primitives, eligible=alive)
 
     def active_ops(self) -> Optional[CellWeights]:
         """``{cell type: (E, K) bool}`` (CPU) the experts not wiped out: only these are computed. None while
