@@ -22,6 +22,7 @@ from typing import Callable, Iterator, List, Mapping, Optional, Sequence, Tuple,
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from nasdiag import memory
 
@@ -253,7 +254,25 @@ def scalar_loss(loss_fn: Callable, outputs, targets) -> torch.Tensor:
             "graph to them, e.g. a constant or a detached value), so its Hessian is not one of the model; compute the "
             "loss from outputs"
         )
-    return loss.reshape(())
+    return _nonfinite_kept(loss.reshape(()), outputs)
+
+
+def _nonfinite_kept(loss: torch.Tensor, outputs) -> torch.Tensor:
+    """``loss``, and where its value is NaN or inf, a loss whose every derivative through ``outputs`` is NaN.
+
+    A NaN loss must not turn into a finite curvature: cross-entropy whose every target is ``ignore_index`` is NaN
+    (0/0), yet torch's backward of it is exactly zero, so every route (HVPs, the output Hessian of the recursions,
+    the GGN) would report a flat loss. Adding ``c·‖y − y.detach()‖²`` with ``c = 0`` (finite loss: value,
+    gradient and Hessian unchanged, exactly) or ``c = NaN`` (non-finite loss) makes the gradient and Hessian NaN
+    through every output ``y`` in the second case, in every route at once. No host sync (a ``torch.where``), so
+    it runs under ``torch.func`` transforms and CUDA-graph capture alike."""
+    leaves = [t for t in tree_leaves(outputs)
+              if isinstance(t, torch.Tensor) and t.requires_grad and (torch.is_floating_point(t) or t.is_complex())]
+    if not leaves:
+        return loss
+    flag = torch.where(torch.isfinite(loss.detach()), 0.0, float("nan")).to(loss.dtype)
+    spread = sum((t - t.detach()).abs().square().sum().to(loss.dtype) for t in leaves)
+    return loss + flag * spread
 
 
 def _described(value) -> str:

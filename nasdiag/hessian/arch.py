@@ -102,7 +102,7 @@ def arch_diag_hessian(
         ``{edge name: tensor (K,)}`` in the model's dtype, in the order of ``edges``. With (B, K)
         per-sample weights the entry is the curvature of a (K,) shift shared by the batch,
         ``Σ_{n} Σ B_{k,n}² h_{j,n}``. A mixed op that runs several times (tied weights) gets the sum over
-        its calls.
+        its calls. A NaN or inf loss gives NaN entries in every mode (docs/hessian.md).
 
     Raises:
         CurvatureError (a ``ValueError``; ``CurvatureTypeError`` for a wrong type): unknown mode/wrt, bad ``edges``, an edge that never ran or skipped a candidate op,

@@ -75,7 +75,8 @@ def diag_hessian(
 
     Returns:
         ``{name: tensor}`` keyed and shaped as the parameters, detached, in the parameters' dtype.
-        Parameters the loss does not depend on get zeros.
+        Parameters the loss does not depend on get zeros; a NaN or inf loss gives NaN entries (never a finite
+        curvature, also where torch's backward of it is finite: docs/hessian.md).
 
     Raises:
         UnsupportedModuleError: (``diag``/``approx``) a module or op on the path has no rule; the
