@@ -36,7 +36,7 @@ from nasdiag.hessian._hvp import (
     preserved_buffers,
     scalar_loss,
 )
-from nasdiag.hessian.modes import CurvatureError
+from nasdiag.hessian.modes import CurvatureError, CurvatureTypeError
 
 __all__ = [
     "EarlyStopDecision",
@@ -162,7 +162,7 @@ def eigenvalues_from_hvp(
         raise CurvatureError(f"method must be one of {_METHODS}, got {method!r}")
     if not tol > 0:
         raise CurvatureError(f"tol must be positive, got {tol!r}")
-    generator = torch.Generator().manual_seed(int(seed))
+    generator = torch.Generator().manual_seed(_checked_seed(seed, "the start vector"))
     if method == "lanczos":
         iters = min(dim, max(100, 4 * k)) if iters is None else iters
         if not isinstance(iters, int) or iters < k:
@@ -174,6 +174,13 @@ def eigenvalues_from_hvp(
     if not isinstance(iters, int) or iters < 1:
         raise CurvatureError(f"iters must be a positive int, got {iters!r}")
     return _power(hvp, dim, iters, tol, generator, dtype, device)
+
+
+def _checked_seed(seed, seeds: str) -> int:
+    """``seed`` as an int; a float (1.5 was truncated to 1), bool or other type is refused as ``arch_diag_hessian`` does."""
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
+        raise CurvatureTypeError(f"seed must be an int (it seeds {seeds}), got {seed!r}")
+    return int(seed)
 
 
 def _apply(hvp: HVP, v: torch.Tensor, dtype, device) -> torch.Tensor:
@@ -372,7 +379,7 @@ def _probe_products(hvp, dim, samples, seed, batch_size, dtype, device, reduce_t
         raise CurvatureError(f"samples must be an int >= 2 (a standard error needs two probes), got {samples!r}")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise CurvatureError(f"batch_size must be a positive int, got {batch_size!r}")
-    generator = torch.Generator().manual_seed(int(seed))
+    generator = torch.Generator().manual_seed(_checked_seed(seed, "the probes"))
     out = []
     for start in range(0, samples, batch_size):
         m = min(batch_size, samples - start)
@@ -479,6 +486,7 @@ def hessian_eigenvalues(
     Returns:
         :class:`SpectrumResult`; eigenvalues in float64 whatever the model's dtype.
     """
+    _checked_seed(seed, "the start vector")  # before the forward
     op, n, dtype, device, _ = _operator(model, loss_fn, inputs, targets, params, hvp, dim)
     return eigenvalues_from_hvp(op, n, k=k, method=method, iters=iters, tol=tol, seed=seed, dtype=dtype, device=device)
 
@@ -505,6 +513,7 @@ def hutchinson_trace(
     Returns:
         :class:`HutchinsonEstimate` with float ``estimate`` and ``stderr``.
     """
+    _checked_seed(seed, "the probes")  # before the forward
     op, n, dtype, device, split = _operator(model, loss_fn, inputs, targets, params, hvp, dim)
     batch_size = (16 if split is not None else 1) if batch_size is None else batch_size
     return trace_from_hvp(op, n, samples=samples, seed=seed, batch_size=batch_size, dtype=dtype, device=device)
@@ -531,6 +540,7 @@ def hutchinson_diagonal(
         :class:`HutchinsonEstimate`: for a model, ``estimate`` and ``stderr`` are tuples of float64
         tensors shaped like ``params``, in their order; for a plain ``hvp``, (dim,) tensors.
     """
+    _checked_seed(seed, "the probes")  # before the forward
     op, n, dtype, device, split = _operator(model, loss_fn, inputs, targets, params, hvp, dim)
     batch_size = (16 if split is not None else 1) if batch_size is None else batch_size
     flat = diagonal_from_hvp(op, n, samples=samples, seed=seed, batch_size=batch_size, dtype=dtype, device=device)
