@@ -205,8 +205,17 @@ def shared_weights_diag_hessian(
     _check_takes_weights(network, inputs, weights)
     at = _AtWeights(network, weights)
     pairs = [(f"weights.{group}", at.weights[group]) for group in weights]
-    diag = _exact_parameter_diag(at, loss_fn, inputs, targets, pairs, chunk_size, max_memory, "shared_weights_diag_hessian",
-                                 INSTEAD_OF_SHARED_Z)
+    try:
+        diag = _exact_parameter_diag(at, loss_fn, inputs, targets, pairs, chunk_size, max_memory,
+                                     "shared_weights_diag_hessian", INSTEAD_OF_SHARED_Z)
+    except KeyError as err:  # the network looked up a group the mapping lacks: its bare KeyError named neither side
+        missing = err.args[0] if len(err.args) == 1 else None
+        if isinstance(missing, str) and missing not in weights:
+            raise CurvatureError(
+                f"shared_weights_diag_hessian: network(inputs, weights) looked up weights[{missing!r}], but weights has "
+                f"keys {list(weights)}; pass {{group: Z}} keyed as the network reads them (it expects {missing!r})"
+            ) from err
+        raise
     return {group: diag[f"weights.{group}"] for group in weights}
 
 
