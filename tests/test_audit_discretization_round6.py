@@ -17,7 +17,10 @@ References (all in this file, plain Python over float64 lists, never nasdiag):
 
 Defects these tests found (each fails without its fix): an XNAS edge whose only surviving expert was ``none`` put a
 wiped-out expert (u = 0) into the genotype; an ASM-NAS edge where ``none`` won every sample put an op the selection
-never chose into it; ``derive_cell`` named the excluded ``none`` on an edge whose weights were all -inf.
+never chose into it; ``derive_cell`` named the excluded ``none`` on an edge whose weights were all -inf; the genotype
+``nasdiag report`` shows (``plot.arch.cell_genes``) differed from the one the CLI prints: for XNAS it named wiped-out
+experts, for ASM-NAS it came from the previous epoch's selection, and for SparseNAS/BayesNAS it kept the ops leaving
+a removed node.
 """
 
 from __future__ import annotations
@@ -279,3 +282,99 @@ def test_derive_genotype_of_each_cell_type_takes_its_own_mask():
     assert partial.normal == ref_darts(w["normal"].tolist(), steps, masks["reduce"].tolist())
     assert partial.reduce == ref_darts(w["reduce"].tolist(), steps)
     assert got.normal_concat == got.reduce_concat == [2, 3]
+
+
+# -- the genotype `nasdiag report` shows is the method's ---------------------------------------------------------------
+def _report_genes(tmp_path, method, rows):
+    """Record ``rows`` (a list of statistics dicts, one per step) and read back the genotype the report shows."""
+    from nasdiag.plot.arch import cell_genes
+    from nasdiag.record import RecorderCallback, load
+
+    path = tmp_path / "run.h5"
+    meta = {"op_names": list(method.network.primitives), "cell_types": list(method.network.cell_types)}
+    with RecorderCallback(path, meta=meta) as cb:
+        for step, stats in enumerate(rows, start=1):
+            cb.on_step_end(step, stats)
+    record = load(path)
+    return {t: cell_genes(record, t, len(rows) - 1) for t in method.network.cell_types}
+
+
+def _as_triples(genes, steps=3):
+    return [(op, i, 2 + n // 2) for n, (op, i) in enumerate(genes)]
+
+
+def test_report_genotype_of_xnas_is_the_methods_with_wiped_out_experts_recorded_at_their_removal_weight(tmp_path):
+    """``regret/<cell>/log_weights`` keeps a wiped-out expert's ln v at removal (often larger than a survivor's); the
+    report must still name only the survivors, as XNAS.genotype does."""
+    method = _xnas()
+    E = method.network.num_edges
+    g = torch.Generator().manual_seed(11)
+    stats = {}
+    for t, f in method.forecasters.items():
+        alive = torch.rand(E, len(P), generator=g) < 0.3
+        alive[~alive.any(1), NONE] = True
+        alive[0] = False
+        alive[0, NONE] = True
+        log_v = torch.randn(E, len(P), generator=g, dtype=torch.float64)
+        _set_forecaster(f, log_v, alive)
+        at_removal = torch.where(alive, log_v, log_v + 5.0)  # the recorded ln v: finite, wiped ones at removal
+        stats.update({f"arch/{t}/probabilities": method.probabilities()[t], f"regret/{t}/alive": alive,
+                      f"regret/{t}/log_weights": at_removal})
+    genes = _report_genes(tmp_path, method, [stats])
+    genotype = method.genotype()
+    for t in ("normal", "reduce"):
+        assert genes[t] == _as_triples(getattr(genotype, t)), t
+
+
+def test_report_genotype_of_asmnas_is_the_last_selections(tmp_path):
+    """The step rows' ``arch/<cell>/probabilities`` come from the previous epoch's selection; the final genotype is the
+    last selection's (``attention/<cell>/count`` on the epoch row), with ops never chosen not named."""
+    torch.manual_seed(0)
+    net = Network(4, 3, 3, steps=3, multiplier=3, in_channels=1).double()
+    cls = get_method("asmnas")
+    method = cls(net, cls.Hyperparameters(), schedule=Schedule(epochs=1, steps_per_epoch=4, batch_size=4))
+    g = torch.Generator().manual_seed(2)
+    stale = {f"arch/{t}/probabilities": torch.rand(net.num_edges, len(P), generator=g, dtype=torch.float64)
+             for t in net.cell_types}
+    counts = {}
+    for t in net.cell_types:
+        c = torch.randint(0, 3, (net.num_edges, len(P)), generator=g) * (torch.rand(net.num_edges, len(P), generator=g) < 0.3)
+        c[:3] = 0
+        c[:3, NONE] = 24  # none won edges (0,2), (1,2), (0,3)
+        c[c.sum(1) == 0, 4] = 1
+        counts[t] = c
+    method.selection_counts = counts
+    genes = _report_genes(tmp_path, method, [stale, {**stale, **method.epoch_statistics()}])
+    genotype = method.genotype()
+    for t in net.cell_types:
+        assert genes[t] == _as_triples(getattr(genotype, t)), t
+        assert getattr(genotype, t)[:2] == [("none", 0), ("none", 1)]
+
+
+@pytest.mark.parametrize("name", ["sparsenas", "bayesnas"])
+def test_report_genotype_of_the_mixed_path_methods_drops_the_removed_nodes_as_the_method_does(tmp_path, name):
+    """Node 2 gets no op: the ops leaving it are not in the method's genotype, and must not be in the report's."""
+    from nasdiag import vocabulary as V
+
+    torch.manual_seed(0)
+    net = Network(4, 3, 3, steps=3, multiplier=3, in_channels=1).double()
+    cls = get_method(name)
+    method = cls(net, cls.Hyperparameters(), schedule=Schedule(epochs=1, steps_per_epoch=4, batch_size=4))
+    E = net.num_edges
+    on = torch.ones(E, len(P), dtype=torch.bool)
+    on[:2] = False  # node 2 removed; edges (2,3) and (2,4) leave it
+    stats = {}
+    fam = V.BAYES_SWITCH if name == "bayesnas" else V.SPARSITY_NONZERO
+    for t in net.cell_types:
+        if name == "bayesnas":
+            method.alive[t].copy_(on)
+        else:
+            with torch.no_grad():
+                net.alphas()[t].copy_(on.double())
+        stats[f"arch/{t}/probabilities"] = method.probabilities()[t]
+        stats[fam.path(cell=t)] = on
+    genes = _report_genes(tmp_path, method, [stats])
+    genotype = method.genotype()
+    for t in net.cell_types:
+        assert genes[t] == getattr(genotype, t), t
+        assert not any(i == 2 or j == 2 for _, i, j in genes[t])

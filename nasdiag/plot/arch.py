@@ -84,22 +84,46 @@ def _meta_json(record, key: str):
         return str(record[f"meta/{key}"])
 
 
+def _latest(record, fam, cell: str, row: int) -> Optional[np.ndarray]:
+    """``fam`` of ``cell`` at its last valid row up to ``row``, or None."""
+    path = fam.path(cell=cell)
+    if path in record:
+        rows = valid_rows(record, path)
+        rows = rows[rows <= row]
+        if rows.size:
+            return np.asarray(record[path][rows[-1]])
+    return None
+
+
 def _mixed_mask(record, cell: str, row: int) -> Optional[np.ndarray]:
     """Surviving ops of mixed-path methods at ``row`` (SparseNAS non-zeros, BayesNAS switches), or None."""
     for fam in (V.SPARSITY_NONZERO, V.BAYES_SWITCH):
-        path = fam.path(cell=cell)
-        if path in record:
-            rows = valid_rows(record, path)
-            rows = rows[rows <= row]
-            if rows.size:
-                return np.asarray(record[path][rows[-1]], dtype=bool)
+        found = _latest(record, fam, cell, row)
+        if found is not None:
+            return found.astype(bool)
     return None
+
+
+def _eligible(record, cell: str, row: int, p: np.ndarray):
+    """The distribution and the ops a genotype may name at ``row``, as the method derives them: XNAS the experts
+    alive (u from ln v, no float32 underflow), ASM-NAS the ops its last selection chose (count > 0); else all."""
+    alive, log_v = _latest(record, V.REGRET_ALIVE, cell, row), _latest(record, V.REGRET_LOG_WEIGHTS, cell, row)
+    if alive is not None and log_v is not None and alive.shape == p.shape == log_v.shape:
+        z = np.where(alive.astype(bool), log_v.astype(float), -np.inf)
+        z = np.exp(z - z.max(-1, keepdims=True))
+        return z / z.sum(-1, keepdims=True), alive.astype(bool)
+    counts = _latest(record, V.ATTENTION_COUNT, cell, row)
+    if counts is not None and counts.shape == p.shape:
+        counts = counts.astype(float)
+        return counts / np.maximum(counts.sum(-1, keepdims=True), 1), counts > 0
+    return p, None
 
 
 def cell_genes(record, cell: str, row: int) -> List[C.Gene]:
     """The genotype of ``cell`` at ``row``: the recorded genotype (``meta/genotype``) for the last row if
-    there is one; every surviving op for mixed-path methods; else the DARTS rule
-    (``nasdiag.supernet.derive_genotype``: two strongest non-``none`` inputs per node) on the distribution."""
+    there is one; every surviving op for mixed-path methods, removed nodes dropped; else the DARTS rule
+    (``nasdiag.supernet.derive_genotype``: two strongest non-``none`` inputs per node) on the distribution, naming
+    only the experts alive (XNAS) or the ops selected (ASM-NAS counts), as the method's own genotype does."""
     path = arch_path(record, cell)
     p = np.asarray(record[path][row], dtype=float)
     E, K = p.shape
@@ -112,16 +136,20 @@ def cell_genes(record, cell: str, row: int) -> List[C.Gene]:
             return C.genes_from_pairs(genotype[cell], steps)
     mask = _mixed_mask(record, cell, row)
     if mask is not None:
-        from nasdiag.supernet import edge_nodes
+        from nasdiag.supernet import MixedGenotype, edge_nodes
+        from nasdiag.supernet.genotype import without_removed_nodes
 
-        return [(ops[k], i, j) for e, (i, j) in enumerate(edge_nodes(steps)) for k in range(K) if mask[e, k] and ops[k] != "none"]
+        genes = [(ops[k], i, j) for e, (i, j) in enumerate(edge_nodes(steps)) for k in range(K) if mask[e, k] and ops[k] != "none"]
+        return without_removed_nodes(MixedGenotype(genes, [], [], [])).normal  # as the methods' genotype: removed nodes dropped
     if not np.isfinite(p).all():
         raise NothingToDraw(f"{path} has NaN at step {step_of(record, row)}; no genotype to derive")
     import torch
 
     from nasdiag.supernet import derive_cell  # the per-cell rule of derive_genotype
 
-    return C.genes_from_pairs(derive_cell(torch.as_tensor(p), steps, ops), steps)
+    p, eligible = _eligible(record, cell, row, p)
+    return C.genes_from_pairs(derive_cell(torch.as_tensor(p), steps, ops,
+                                          eligible=None if eligible is None else torch.as_tensor(eligible)), steps)
 
 
 def _concat(record, steps: int) -> List[int]:

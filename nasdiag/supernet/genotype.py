@@ -150,3 +150,20 @@ def derive_mixed_genotype(
     concat = list(range(2 + steps - multiplier, 2 + steps))
     cells = {t: derive_mixed_cell(w, steps, primitives, threshold) for t, w in weights.items()}
     return MixedGenotype(cells.get("normal", []), concat, cells.get("reduce", []), concat)
+
+
+def without_removed_nodes(genes: MixedGenotype) -> MixedGenotype:
+    """A mixed genotype with the paper's node sparsity applied: an intermediate node is removed when no op enters it from
+    a cell input or from a node that is kept ("the nodes with all zero incoming weights", §Sparse Supernet; such a node
+    is x_j = 0), and with it the ops that leave it and its place in the output concatenation. Nodes in order, so a node
+    fed only by removed nodes is removed too."""
+    parts = []
+    for kind in ("normal", "reduce"):
+        cell = getattr(genes, kind)
+        live = set()
+        for j in sorted({j for _, _, j in cell}):
+            if any(target == j and (i < 2 or i in live) for _, i, target in cell):
+                live.add(j)
+        kept = [(op, i, j) for op, i, j in cell if j in live and (i < 2 or i in live)]
+        parts += [kept, [n for n in getattr(genes, f"{kind}_concat") if n in live]]
+    return MixedGenotype(*parts)

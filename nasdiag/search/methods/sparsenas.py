@@ -31,24 +31,8 @@ from nasdiag.search.methods.darts import DARTS, SGDAdamHyperparameters
 from nasdiag.search.registry import register
 from nasdiag.search.unrolled import functional_cost, sgd_momentum_buffers, unrolled_gradient, weight_params
 from nasdiag.sparse import HAPG, AdamHAPG
-from nasdiag.supernet import DARTS_PRIMITIVES, MixedGenotype, derive_mixed_genotype
-
-
-def without_removed_nodes(genes: MixedGenotype) -> MixedGenotype:
-    """A mixed genotype with the paper's node sparsity applied: an intermediate node is removed when no op enters it from
-    a cell input or from a node that is kept ("the nodes with all zero incoming weights", §Sparse Supernet; such a node
-    is x_j = 0), and with it the ops that leave it and its place in the output concatenation. Nodes in order, so a node
-    fed only by removed nodes is removed too."""
-    parts = []
-    for kind in ("normal", "reduce"):
-        cell = getattr(genes, kind)
-        live = set()
-        for j in sorted({j for _, _, j in cell}):
-            if any(target == j and (i < 2 or i in live) for _, i, target in cell):
-                live.add(j)
-        kept = [(op, i, j) for op, i, j in cell if j in live and (i < 2 or i in live)]
-        parts += [kept, [n for n in getattr(genes, f"{kind}_concat") if n in live]]
-    return MixedGenotype(*parts)
+from nasdiag.supernet import DARTS_PRIMITIVES, derive_mixed_genotype
+from nasdiag.supernet.genotype import without_removed_nodes  # noqa: F401  (BayesNAS imports it from here)
 
 
 def _refuse_unused(h) -> None:
