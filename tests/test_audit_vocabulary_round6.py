@@ -228,3 +228,158 @@ def test_the_search_val_evaluation_is_at_the_methods_evaluation_weights_as_the_v
     np.testing.assert_allclose(rec["scalars/search_val_acc"][2], acc, rtol=0, atol=0)
     for fam in (V.SEARCH_VAL_LOSS, V.SEARCH_VAL_ACC):
         assert "eval_weights()" in fam.meaning and "at `probabilities()`" not in fam.meaning
+
+
+def _adam_first_step(alpha, grad, hp):
+    g = grad + hp.alpha_weight_decay * alpha
+    return alpha - hp.alpha_lr * g / (g.abs() + 1e-8)
+
+
+@pytest.mark.parametrize("method", ["snas", "dsnas"])
+def test_a_single_level_run_records_its_sample_the_state_after_the_step_and_the_cost_of_the_sampled_ops(
+        method, tmp_path, monkeypatch):
+    """SNAS and DSNAS, one epoch of 3 steps on the search-train batches. Per step, with the step's sample Z (read from
+    ``arch/<cell>/weights``: the noise is the method's own generator): ``train_loss``/``train_acc`` at (w before the
+    step, Z); ``alpha_grad_norm`` from C = ∂L/∂Z summed over the type's cells seen through Z's map from α (SNAS:
+    (1/τ)(diag Z − ZZᵀ)C; DSNAS: the credit (Z·C)(Z − p), p = softmax(α)); ``arch/<cell>/params`` = α after Adam's
+    first step; ``scalars/entropy`` = the mean over every edge of every type of H(softmax(α after the step)).
+    DSNAS: ``sample/<cell>/onehot`` = Z and ``sample/<cell>/count`` its running sum; ``cost/<cell>/*`` at the epoch
+    end the moments over the sampled entries only (count = steps × cells where sampled, NaN mean where never)."""
+    from nasdiag.search.methods.dsnas import DSNAS
+    from nasdiag.search.methods.snas import SNAS
+
+    _small_digits(monkeypatch)
+    seen = _snapshots(monkeypatch, {"snas": SNAS, "dsnas": DSNAS}[method])
+    cfg, res, rec = _run(tmp_path, method, diagnostics=("cost",))
+    _check_vocabulary(rec)
+    hp = res.method.hp
+    states = [s for s, _, _ in seen] + [copy.deepcopy(res.method.network.state_dict())]
+    counts = {t: np.zeros((5, 8), dtype=np.int64) for t in TYPES}
+    observed = {t: [] for t in TYPES}
+    for s, (state, (xt, yt), _) in enumerate(seen):
+        net = _net(state)
+        a0 = _alphas(state)
+        z = {t: torch.as_tensor(rec[f"arch/{t}/weights"][s]) for t in TYPES}
+        if method == "dsnas":
+            for t in TYPES:
+                assert ((z[t] == 0) | (z[t] == 1)).all() and (z[t].sum(-1) == 1).all()
+                np.testing.assert_array_equal(rec[f"sample/{t}/onehot"][s], z[t].numpy())
+                counts[t] += z[t].numpy().astype(np.int64)
+                np.testing.assert_array_equal(rec[f"sample/{t}/count"][s], counts[t])
+        else:
+            assert rec["scalars/temperature"][s] == hp.tau0  # τ of epoch 0
+        leaves = [z[c.cell_type].clone().requires_grad_(True) for c in net.cells]
+        logits = net(xt, leaves)
+        loss = F.cross_entropy(logits, yt)
+        per_cell = torch.autograd.grad(loss, leaves)
+        np.testing.assert_allclose(rec["scalars/train_loss"][s], loss.item(), rtol=1e-10)
+        np.testing.assert_allclose(rec["scalars/train_acc"][s], (logits.argmax(1) == yt).double().mean().item(), atol=0)
+        total = {t: sum(c for c, cell in zip(per_cell, net.cells) if cell.cell_type == t) for t in TYPES}
+        grads = {}
+        for t in TYPES:
+            c, zt = total[t], z[t]
+            if method == "snas":
+                grads[t] = (zt * c - zt * (zt * c).sum(-1, keepdim=True)) / hp.tau0
+            else:
+                grads[t] = (zt * c).sum(-1, keepdim=True) * (zt - torch.softmax(a0[t], -1))
+        norm = torch.sqrt(sum((g ** 2).sum() for g in grads.values())).item()
+        np.testing.assert_allclose(rec["scalars/alpha_grad_norm"][s], norm, rtol=1e-8)
+        after = _alphas(states[s + 1])
+        if s == 0:
+            for t in TYPES:
+                np.testing.assert_allclose(after[t].numpy(), _adam_first_step(a0[t], grads[t], hp).numpy(), rtol=1e-9,
+                                           atol=1e-13)
+        for t in TYPES:
+            np.testing.assert_array_equal(rec[f"arch/{t}/params"][s], after[t].numpy())
+            np.testing.assert_allclose(rec[f"arch/{t}/probabilities"][s], torch.softmax(after[t], -1).numpy(), rtol=1e-12)
+        p = torch.cat([torch.softmax(after[t], -1) for t in TYPES])
+        np.testing.assert_allclose(rec["scalars/entropy"][s], (-(p * p.log()).sum(-1)).mean().item(), rtol=1e-12)
+        for cell, c in zip(net.cells, per_cell):
+            observed[cell.cell_type].append((c, z[cell.cell_type] > 0 if method == "dsnas" else torch.ones(5, 8, dtype=bool)))
+    for t in TYPES:
+        c = torch.stack([o for o, _ in observed[t]])
+        m = torch.stack([k for _, k in observed[t]])
+        n = m.sum(0)
+        mean = torch.where(m, c, 0).sum(0) / n
+        var = torch.where(m, (c - mean) ** 2, 0).sum(0) / n
+        np.testing.assert_array_equal(rec[f"cost/{t}/count"][2], n.numpy())
+        np.testing.assert_allclose(rec[f"cost/{t}/mean"][2], mean.numpy(), rtol=1e-8, atol=1e-14)  # NaN where n = 0
+        np.testing.assert_allclose(rec[f"cost/{t}/var"][2], var.numpy(), rtol=1e-6, atol=1e-16)
+
+
+def test_a_proxyless_run_records_the_alpha_steps_gates_paths_and_the_pair_cost(tmp_path, monkeypatch):
+    """ProxylessNAS, one epoch of 3 steps. The α step runs after the w step, so its numbers are at the w of the
+    state after the step (α plays no part in a forward at given gates): ``val_loss``/``val_acc`` at the recorded
+    gates ``sample/<cell>/onehot`` (= ``arch/<cell>/weights``, one gated path inside the two ``paths``);
+    ``alpha_grad_norm`` of the BinaryConnect gradient through p' = softmax of α over the pair; ``arch/<cell>/params``
+    = Adam's first step (β1 = 0, no decay) on the pair, then shifted so the pair's logsumexp is kept;
+    ``sample/<cell>/count`` the running sum of the gates; ``cost/<cell>/*`` the moments over the paired entries."""
+    from nasdiag.search.methods.proxyless import ProxylessNAS
+
+    _small_digits(monkeypatch)
+    seen = _snapshots(monkeypatch, ProxylessNAS)
+    cfg, res, rec = _run(tmp_path, "proxyless", diagnostics=("cost",))
+    _check_vocabulary(rec)
+    hp = res.method.hp
+    states = [s for s, _, _ in seen] + [copy.deepcopy(res.method.network.state_dict())]
+    counts = {t: np.zeros((5, 8), dtype=np.int64) for t in TYPES}
+    observed = {t: [] for t in TYPES}
+    for s, (state, _, (xv, yv)) in enumerate(seen):
+        net = _net(states[s + 1])
+        a0, after = _alphas(state), _alphas(states[s + 1])
+        gates = {t: torch.as_tensor(rec[f"sample/{t}/onehot"][s]) for t in TYPES}
+        pairs = {t: torch.as_tensor(rec[f"sample/{t}/paths"][s]) > 0 for t in TYPES}
+        for t in TYPES:
+            np.testing.assert_array_equal(rec[f"arch/{t}/weights"][s], gates[t].numpy())
+            assert (pairs[t].sum(-1) == 2).all() and (gates[t].sum(-1) == 1).all() and (gates[t][~pairs[t]] == 0).all()
+            counts[t] += gates[t].numpy().astype(np.int64)
+            np.testing.assert_array_equal(rec[f"sample/{t}/count"][s], counts[t])
+        leaves = [gates[c.cell_type].clone().requires_grad_(True) for c in net.cells]
+        logits = net(xv, leaves)
+        loss = F.cross_entropy(logits, yv)
+        per_cell = torch.autograd.grad(loss, leaves)
+        np.testing.assert_allclose(rec["scalars/val_loss"][s], loss.item(), rtol=1e-10)
+        np.testing.assert_allclose(rec["scalars/val_acc"][s], (logits.argmax(1) == yv).double().mean().item(), atol=0)
+        grads = {}
+        for t in TYPES:
+            c = sum(g for g, cell in zip(per_cell, net.cells) if cell.cell_type == t)
+            a = a0[t].clone().requires_grad_(True)
+            p_pair = torch.softmax(a.masked_fill(~pairs[t], -torch.inf), -1)
+            grads[t] = torch.autograd.grad((torch.where(pairs[t], c, 0) * p_pair).sum(), a)[0]
+        norm = torch.sqrt(sum((g ** 2).sum() for g in grads.values())).item()
+        np.testing.assert_allclose(rec["scalars/alpha_grad_norm"][s], norm, rtol=1e-8)
+        for t in TYPES:
+            if s == 0:
+                new = a0[t] - hp.alpha_lr * grads[t] / (grads[t].abs() + 1e-8)
+                lse = lambda v: torch.logsumexp(v.masked_fill(~pairs[t], -torch.inf), -1, keepdim=True)  # noqa: E731
+                new = torch.where(pairs[t], new - (lse(new) - lse(a0[t])), a0[t])
+                np.testing.assert_allclose(after[t].numpy(), new.numpy(), rtol=1e-9, atol=1e-13)
+            np.testing.assert_array_equal(rec[f"arch/{t}/params"][s], after[t].numpy())
+        p = torch.cat([torch.softmax(after[t], -1) for t in TYPES])
+        np.testing.assert_allclose(rec["scalars/entropy"][s], (-(p * p.log()).sum(-1)).mean().item(), rtol=1e-12)
+        for cell, c in zip(net.cells, per_cell):
+            observed[cell.cell_type].append((c, pairs[cell.cell_type]))
+    for t in TYPES:
+        c = torch.stack([o for o, _ in observed[t]])
+        m = torch.stack([k for _, k in observed[t]])
+        n = m.sum(0)
+        mean = torch.where(m, c, 0).sum(0) / n
+        np.testing.assert_array_equal(rec[f"cost/{t}/count"][2], n.numpy())
+        np.testing.assert_allclose(rec[f"cost/{t}/mean"][2], mean.numpy(), rtol=1e-8, atol=1e-14)
+        np.testing.assert_allclose(rec[f"cost/{t}/var"][2], (torch.where(m, (c - mean) ** 2, 0).sum(0) / n).numpy(),
+                                   rtol=1e-6, atol=1e-16)
+
+
+@pytest.mark.parametrize("method", ["sparsenas", "bayesnas", "xnas", "asmnas"])
+def test_the_alpha_hessian_spectrum_is_refused_for_a_method_that_does_not_mix_by_softmax_alpha(method, tmp_path,
+                                                                                              monkeypatch):
+    """``hessian/<cell>/top_eigenvalue`` is ∂²L/∂α² through Z = softmax(α) (docs/spectrum.md). SparseNAS mixes by
+    A itself, BayesNAS by w, XNAS by its EG weights and ASM-NAS by attention: their α are never passed through a
+    softmax (XNAS's and ASM-NAS's are never even trained), so the number described another supernet; it was
+    recorded silently. Now one ConfigError line, before any file is made."""
+    from nasdiag.errors import ConfigError
+
+    _small_digits(monkeypatch)
+    with pytest.raises(ConfigError, match=r"^spectrum_every .* does not mix by softmax\(α\)[^\n]*--spectrum-every 0$"):
+        _run(tmp_path, method, diagnostics=(), spectrum_every=1)
+    assert list(tmp_path.iterdir()) == []

@@ -669,6 +669,8 @@ def _run(config, callbacks, method_cls, hp, rank, world, device) -> SearchResult
             _float_range(config, dtype):
         method = method_cls(net, hp, schedule=schedule,
                             hessian_mode=config.hessian_mode if "hessian" in config.diagnostics else None, seed=config.seed)
+    if config.spectrum_every:
+        _check_softmax_architecture(method, config.method)
     start_step = 0
     if state is not None:
         method.load_state_dict(state["method"])
@@ -728,6 +730,33 @@ def _run(config, callbacks, method_cls, hp, rank, world, device) -> SearchResult
             raise
     return SearchResult(method.genotype(), evaluation, None if config.record is None else os.fspath(config.record),
                         figures, config, method)
+
+
+def _check_softmax_architecture(method: SearchMethod, name: str) -> None:
+    """Refuse ``spectrum_every`` for a method whose architecture distribution is not softmax(α): the recorded top
+    eigenvalue is that of ∂²L/∂α² through Z = softmax(α) (docs/spectrum.md), which for SparseNAS (Z = A), BayesNAS
+    (Z = w), XNAS (EG weights) and ASM-NAS (attention) describes a supernet the method never trains."""
+    alphas = method.network.alphas()
+    saved = {t: a.detach().clone() for t, a in alphas.items()}
+    g = torch.Generator().manual_seed(0)
+    softmax = bool(alphas)
+    try:  # probabilities() as a function of α, at α and at a random α (a uniform α hides BayesNAS's uniform γ)
+        for shift in (0.0, 1.0):
+            with torch.no_grad():
+                for t, a in alphas.items():
+                    a.copy_(saved[t] + shift * torch.randn(a.shape, generator=g, dtype=a.dtype).to(a.device))
+            probs = method.probabilities()
+            softmax = softmax and probs.keys() == alphas.keys() and all(
+                torch.allclose(probs[t], torch.softmax(a.detach(), dim=-1), rtol=1e-5, atol=0) for t, a in alphas.items())
+    finally:
+        with torch.no_grad():
+            for t, a in alphas.items():
+                a.copy_(saved[t])
+    if softmax:
+        return
+    raise ConfigError(f"spectrum_every records the top eigenvalue of the α-Hessian through Z = softmax(α), and method "
+                      f"{name!r} does not mix by softmax(α) (its probabilities() are not softmax of its α), so the "
+                      "number would describe a supernet it never trains; pass --spectrum-every 0")
 
 
 def out_of_memory(exc: BaseException) -> bool:
