@@ -110,9 +110,9 @@ ARCH_WEIGHTS = family("arch/<cell>/weights", "(E, K)", "float32", "mean",
                       "The mixing weights Z the step's forward used (softmax for DARTS, a relaxed or one-hot sample for SNAS/DSNAS; batch mean where per sample).")
 
 # -- cost (wiring supplement §2) -----------------------------------------------------------------
-COST_MEAN = family("cost/<cell>/mean", "(E, K)", "float32", "pooled",
-                   "E[C] of C(Z) = ∂L/∂Z = <∂L/∂x_j, O(x_i)> over steps × cells of the type (mean-reduced loss).", when="epoch", section="cost")
-COST_VAR = family("cost/<cell>/var", "(E, K)", "float32", "pooled", "Var[C] over the same observations (ddof 0).", when="epoch", section="cost")
+COST_MEAN = family("cost/<cell>/mean", "(E, K)", "float64", "pooled",
+                   "E[C] of C(Z) = ∂L/∂Z = <∂L/∂x_j, O(x_i)> over steps × cells of the type (mean-reduced loss), accumulated in float64 whatever the run's dtype; NaN where count is 0.", when="epoch", section="cost")
+COST_VAR = family("cost/<cell>/var", "(E, K)", "float64", "pooled", "Var[C] over the same observations (ddof 0), in float64; NaN where count is 0.", when="epoch", section="cost")
 COST_COUNT = family("cost/<cell>/count", "(E, K)", "int64", "sum", "Observations behind mean and var.", when="epoch", section="cost")
 
 # -- curvature (BayesNAS appendix §C) ------------------------------------------------------------
@@ -128,7 +128,7 @@ HESSIAN_NONFINITE = family("hessian/<cell>/nonfinite", "()", "bool", "any", "Tru
 SAMPLE_ONEHOT = family("sample/<cell>/onehot", "(E, K)", "float32", "mean", "The step's one-hot sample (or binary gates) per edge; rank mean under DDP.", section="sample")
 SAMPLE_COUNT = family("sample/<cell>/count", "(E, K)", "int64", "same", "Cumulative number of times each op of each edge was sampled (Fig. 6b protocol); every DDP rank draws the same sample (one generator seed), so it is not summed.", section="sample")
 SAMPLE_PATHS = family("sample/<cell>/paths", "(E, K)", "float32", "mean", "ProxylessNAS two-path mode: the two paths sampled per edge for the α step (1 = sampled and computed).", section="sample")
-SAMPLE_TEMPERATURE = family("scalars/temperature", "()", "float32", "same", "The Gumbel-softmax temperature τ of the step's relaxed sample (SNAS).", section="sample")
+SAMPLE_TEMPERATURE = family("scalars/temperature", "()", "float64", "same", "The Gumbel-softmax temperature τ of the step's relaxed sample (SNAS), in float64 whatever the run's dtype.", section="sample")
 SAMPLE_ENTROPY = family("scalars/entropy", "()", "float32", "same", "Mean over the edges of every cell type of the entropy −Σ p log p (nats) of `probabilities()`, after the step.", section="sample")
 
 # -- regret (XNAS) -------------------------------------------------------------------------------

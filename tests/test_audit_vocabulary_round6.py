@@ -85,9 +85,9 @@ def _loss_acc(net, x, y, z):
     return F.cross_entropy(logits, y).item(), (logits.argmax(1) == y).double().mean().item()
 
 
-def _run(tmp_path, method, **extra):
+def _run(tmp_path, method, dtype="float64", **extra):
     out = str(tmp_path / "run.h5")
-    cfg = SearchConfig(method=method, C=2, layers=3, steps=2, multiplier=2, batch_size=BATCH, epochs=1, dtype="float64",
+    cfg = SearchConfig(method=method, C=2, layers=3, steps=2, multiplier=2, batch_size=BATCH, epochs=1, dtype=dtype,
                        progress=False, threads=1, record=out, **extra)
     res = run(cfg)
     from nasdiag.record import load
@@ -103,7 +103,7 @@ def _check_vocabulary(rec, float_dtype=np.float64):
             continue
         fam = V.family_of(path)
         assert fam is not None, f"{path} is of no vocabulary family"
-        want = {"float32": float_dtype, "bool": np.bool_, "int64": np.int64}[fam.dtype]
+        want = {"float32": float_dtype, "float64": np.float64, "bool": np.bool_, "int64": np.int64}[fam.dtype]
         assert rec[path].dtype == want, (path, rec[path].dtype, fam.dtype)
         dims = [d.strip() for d in fam.shape.strip("()").split(",") if d.strip()]
         if "R" not in dims:
@@ -383,3 +383,12 @@ def test_the_alpha_hessian_spectrum_is_refused_for_a_method_that_does_not_mix_by
     with pytest.raises(ConfigError, match=r"^spectrum_every .* does not mix by softmax\(α\)[^\n]*--spectrum-every 0$"):
         _run(tmp_path, method, diagnostics=(), spectrum_every=1)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("method", ["darts", "snas"])
+def test_a_float32_run_records_every_path_in_the_dtype_its_family_states(method, tmp_path, monkeypatch):
+    """In a float32 run the vocabulary's float32 is float32; the cost moments (accumulated in float64, Welford) and
+    SNAS's τ are float64 whatever the run's dtype, and the vocabulary and docs/schema.md said float32 for them."""
+    _small_digits(monkeypatch)
+    _, _, rec = _run(tmp_path, method, dtype="float32", diagnostics=("cost", "hessian"))
+    _check_vocabulary(rec, float_dtype=np.float32)
