@@ -392,3 +392,59 @@ def test_a_float32_run_records_every_path_in_the_dtype_its_family_states(method,
     _small_digits(monkeypatch)
     _, _, rec = _run(tmp_path, method, dtype="float32", diagnostics=("cost", "hessian"))
     _check_vocabulary(rec, float_dtype=np.float32)
+
+
+def test_a_darts2_run_records_the_unrolled_step_of_its_first_step(tmp_path, monkeypatch):
+    """Second-order DARTS, step 1 (no momentum yet), replayed with torch.func on the state before it:
+    ``unrolled_train_loss`` = L_train(w, α) on the search-train batch; w' = w − ξ(∇_w L_train + λw), ξ the lr of w;
+    ``val_loss``/``val_acc`` at (w', α) on the search-val batch; ``fd_eps`` = r/‖∇_w' L_val‖;
+    ``implicit_grad_norm`` = ‖ξ[∇_α L_train(w⁺) − ∇_α L_train(w⁻)]/(2ε)‖ with w± = w ± ε∇_w' L_val;
+    ``alpha_grad_norm`` the norm of ∇_α L_val(w') minus that term; ``arch/<cell>/params`` Adam's first step on it."""
+    from torch.func import functional_call
+
+    from nasdiag.search.methods.darts2 import DARTS2
+
+    _small_digits(monkeypatch)
+    seen = _snapshots(monkeypatch, DARTS2)
+    cfg, res, rec = _run(tmp_path, "darts2", diagnostics=())
+    _check_vocabulary(rec)
+    hp = res.method.hp
+    state, (xt, yt), (xv, yv) = seen[0]
+    net = _net(state)
+    buffers = {k: v.clone() for k, v in net.named_buffers()}
+    w = {k: p.detach() for k, p in net.named_parameters() if not k.startswith("alphas_")}
+    a0 = _alphas(state)
+
+    def loss(weights, alphas, x, y, logits=False):
+        params = {**weights, **{f"alphas_{t}": a for t, a in alphas.items()}}
+        out = functional_call(net, (params, {k: v.clone() for k, v in buffers.items()}),
+                              (x, {t: torch.softmax(a, -1) for t, a in alphas.items()}))
+        return (F.cross_entropy(out, y), out) if logits else F.cross_entropy(out, y)
+
+    def grad(f, wrt):
+        keys = list(wrt)
+        leaves = {k: wrt[k].clone().requires_grad_(True) for k in keys}
+        return dict(zip(keys, torch.autograd.grad(f(leaves), [leaves[k] for k in keys], allow_unused=True)))
+
+    xi, lam = hp.w_lr, hp.w_weight_decay
+    np.testing.assert_allclose(rec["scalars/unrolled_train_loss"][0], loss(w, a0, xt, yt).item(), rtol=1e-10)
+    dw = grad(lambda ws: loss(ws, a0, xt, yt), w)
+    w1 = {k: w[k] - xi * ((0 if dw[k] is None else dw[k]) + lam * w[k]) for k in w}
+    val_loss, logits = loss(w1, a0, xv, yv, logits=True)
+    np.testing.assert_allclose(rec["scalars/val_loss"][0], val_loss.item(), rtol=1e-10)
+    np.testing.assert_allclose(rec["scalars/val_acc"][0], (logits.argmax(1) == yv).double().mean().item(), atol=0)
+    v = {k: (torch.zeros_like(g) if g is None else g) for k, g in grad(lambda ws: loss(ws, a0, xv, yv), w1).items()}
+    eps = hp.fd_eps_scale / torch.sqrt(sum((g ** 2).sum() for g in v.values()))
+    np.testing.assert_allclose(rec["scalars/fd_eps"][0], eps.item(), rtol=1e-10)
+    plus = grad(lambda al: loss({k: w[k] + eps * v[k] for k in w}, al, xt, yt), a0)
+    minus = grad(lambda al: loss({k: w[k] - eps * v[k] for k in w}, al, xt, yt), a0)
+    implicit = {t: xi * (plus[t] - minus[t]) / (2 * eps) for t in TYPES}
+    np.testing.assert_allclose(rec["scalars/implicit_grad_norm"][0],
+                               torch.sqrt(sum((g ** 2).sum() for g in implicit.values())).item(), rtol=1e-6)
+    direct = grad(lambda al: loss(w1, al, xv, yv), a0)
+    g = {t: direct[t] - implicit[t] for t in TYPES}
+    np.testing.assert_allclose(rec["scalars/alpha_grad_norm"][0], torch.sqrt(sum((x ** 2).sum() for x in g.values())).item(),
+                               rtol=1e-6)
+    for t in TYPES:
+        np.testing.assert_allclose(rec[f"arch/{t}/params"][0], _adam_first_step(a0[t], g[t], hp).numpy(), rtol=1e-8,
+                                   atol=1e-12)
