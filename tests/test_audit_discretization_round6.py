@@ -378,3 +378,35 @@ def test_report_genotype_of_the_mixed_path_methods_drops_the_removed_nodes_as_th
     for t in net.cell_types:
         assert genes[t] == getattr(genotype, t), t
         assert not any(i == 2 or j == 2 for _, i, j in genes[t])
+
+
+@pytest.mark.parametrize("name", ["darts", "snas", "dsnas"])
+def test_darts_snas_dsnas_genotype_is_the_darts_rule_on_softmax_alpha(name):
+    """Random α, α with every op tied, α where none is strongest everywhere, α with ties between edges; NaN refused."""
+    from nasdiag.search.base import SearchError
+
+    torch.manual_seed(0)
+    net = Network(4, 3, 3, steps=3, multiplier=3, in_channels=1).double()
+    cls = get_method(name)
+    method = cls(net, cls.Hyperparameters(), schedule=Schedule(epochs=1, steps_per_epoch=4, batch_size=4))
+    E = net.num_edges
+    g = torch.Generator().manual_seed(4)
+    cases = [torch.randn(E, len(P), generator=g, dtype=torch.float64) for _ in range(5)]
+    cases += [torch.zeros(E, len(P), dtype=torch.float64)]
+    strong_none = torch.randn(E, len(P), generator=g, dtype=torch.float64)
+    strong_none[:, NONE] = 50.0
+    cases += [strong_none, torch.randint(0, 2, (E, len(P)), generator=g).double()]
+    for c, a in enumerate(cases):
+        with torch.no_grad():
+            for t, alpha in net.alphas().items():
+                alpha.copy_(a if t == "normal" else a.flip(0))
+        genotype = method.genotype()
+        for t in net.cell_types:
+            a_t = a if t == "normal" else a.flip(0)
+            p = [[math.exp(x) / sum(math.exp(y) for y in row) for x in row] for row in a_t.tolist()]
+            assert getattr(genotype, t) == ref_darts(p, 3), (c, t)
+            assert genotype.normal_concat == genotype.reduce_concat == [2, 3, 4]
+    with torch.no_grad():
+        net.alphas()["reduce"][3, 2] = math.nan
+    with pytest.raises(SearchError, match=r"reduce architecture weights are NaN or inf on edge\(s\) \[3\]"):
+        method.genotype()
