@@ -410,3 +410,15 @@ def test_darts_snas_dsnas_genotype_is_the_darts_rule_on_softmax_alpha(name):
         net.alphas()["reduce"][3, 2] = math.nan
     with pytest.raises(SearchError, match=r"reduce architecture weights are NaN or inf on edge\(s\) \[3\]"):
         method.genotype()
+
+
+def test_a_nonsense_edges_per_node_or_threshold_is_refused_in_one_line_not_a_silent_architecture():
+    """edges_per_node=-1 kept all but the weakest input of each node ([:-1]); threshold=NaN kept no op at all."""
+    w = torch.rand(5, len(P), dtype=torch.float64)
+    for bad in (-1, 0, 1.5, True):
+        with pytest.raises(ValueError, match="edges_per_node must be an integer >= 1") as info:
+            derive_cell(w, 2, P, edges_per_node=bad)
+        assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match="threshold must be >= 0, got nan"):
+        derive_mixed_cell(w, 2, P, threshold=math.nan)
+    assert derive_cell(w, 2, P, edges_per_node=1) == [g for n, g in enumerate(ref_darts(w.tolist(), 2)) if n % 2 == 0]

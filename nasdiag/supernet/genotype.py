@@ -57,6 +57,8 @@ def derive_cell(
         ``[(op name, input node), ...]``, ``edges_per_node`` per node, nodes in order; within a node
         the stronger edge comes first. Ties break towards the lower edge/op index.
     """
+    if isinstance(edges_per_node, bool) or not isinstance(edges_per_node, int) or edges_per_node < 1:
+        raise ValueError(f"edges_per_node must be an integer >= 1, got {edges_per_node!r}")
     weights = _check(weights, steps, primitives)
     allowed = torch.tensor([p not in exclude for p in primitives])
     if not allowed.any():
@@ -127,7 +129,7 @@ def derive_mixed_cell(
     Returns:
         ``[(op name, i, j), ...]`` in (edge, op) order.
     """
-    if threshold < 0:
+    if not threshold >= 0:  # NaN too: |w| > NaN is False everywhere, an empty architecture
         raise ValueError(f"threshold must be >= 0, got {threshold}")
     weights = _check(weights, steps, primitives)
     keep = weights.abs() > threshold
