@@ -20,7 +20,8 @@ What nasdiag's contract cannot take from the paper as it stands, and what it doe
   so the genotype is comparable to DARTS's (the paper's cells in its Appendix A have 2 inputs per node);
   an op never selected on its edge is never named (an edge that ``none`` won is no candidate input).
 - :meth:`probabilities` = counts / counts.sum(-1) (selection frequencies) once a selection has run;
-  before the first one, the batch-mean attention of the latest step (uniform 1/K before any step).
+  before the first one, the batch-mean attention of the latest step (uniform 1/K before any step); under DDP
+  the mean of the ranks' batch means (the global batch's), the same on every rank.
 - The supernet evaluation after each epoch mixes by attention (data-dependent); ``eval_weights()``
   (fixed (E, K), used by the Hessian diagnostics) are the :meth:`probabilities`.
 
@@ -39,7 +40,7 @@ from torch import nn
 
 from nasdiag import vocabulary as V
 from nasdiag.distributed import finite_on_every_rank
-from nasdiag.search.base import Batch, SearchError, SearchMethod, accuracy, nonfinite_loss_error
+from nasdiag.search.base import Batch, SearchError, SearchMethod, accuracy, mean_over_ranks, nonfinite_loss_error
 from nasdiag.search.hyperparameters import Hyperparameters, hp
 from nasdiag.search.registry import register
 from nasdiag.supernet import derive_genotype
@@ -155,8 +156,11 @@ class ASMNAS(SearchMethod):
         self._last_arch_batch = (x, y)  # the Hessian diagnostics' batch (single-level: the training batch)
         nn.utils.clip_grad_norm_(self.network.weight_parameters(), self.hp.grad_clip)
         self.w_optimizer.step()
-        for t, rows in self._per_type(attn).items():
-            self.attention_mean[t] = torch.stack(rows).mean(dim=(0, 2))  # cells of the type, then batch
+        per_type = self._per_type(attn)
+        # cells of the type, then batch; under DDP the rank mean (equal batches: the global batch's), so that the
+        # architecture state, its records (rule 'same') and a checkpoint's (rank 0's) agree on every rank
+        means = mean_over_ranks([torch.stack(rows).mean(dim=(0, 2)) for rows in per_type.values()])
+        self.attention_mean.update(zip(per_type, means))
         stats.update({"scalars/train_loss": loss, "scalars/train_acc": accuracy(logits, y)})
         for t, m in self.attention_mean.items():
             stats[V.ATTENTION_MEAN.path(cell=t)] = m.clone()
