@@ -215,3 +215,20 @@ def test_a_nan_operator_raises_and_the_early_stop_refuses_a_nan_eigenvalue(metho
     stop = EigenvalueEarlyStop()
     with pytest.raises(ValueError):
         stop.update(math.nan)
+
+
+@pytest.mark.parametrize("route", [r for r in ROUTES if r.startswith("arch:exact") or r == "alpha_diag_hessian"])
+def test_a_nan_in_one_row_of_alpha_is_nan_curvature_not_a_shared_alpha_refusal(route):
+    """Edges e0 and e1 read different rows of one α (2, K). Before: a NaN in row 0 made the softmax backward NaN over
+    row 0 for e1's probe too, so the shared-α check saw e1 depend on row 0 and refused "edges 'e0' and 'e1' take
+    their mixing weights from the same entries" (a NaN turned into a wrong diagnosis). Reference: torch's forward of
+    the same model is NaN, so every entry must be NaN."""
+    torch.manual_seed(0)
+    model, x = TinySupernet().to(DT), torch.randn(5, 4, dtype=DT)
+    with torch.no_grad():
+        model.alpha[0, 1] = math.nan
+    y = torch.tensor([0, 1, 2, 0, 1])
+    assert math.isnan(F.cross_entropy(model(x), y).item())
+    got = _curvature(route, model, x, y)
+    for name, value in got.items():
+        assert torch.isnan(value).all(), f"{route}: {name} = {value}"

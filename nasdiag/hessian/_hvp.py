@@ -677,7 +677,9 @@ def source_entries(t: torch.Tensor) -> set:
     sum to 1 for every α, so the gradient of ``t.sum()`` is zero in exact arithmetic and its entries are
     nonzero only by round-off (shared α was then missed at random). ``∂⟨r, softmax(α)⟩/∂α_k = z_k (r_k − r·z)``
     vanishes only where ``r_k`` equals the weighted mean of ``r``, which a sequence of distinct values
-    does not hit (and one entry of a shared row suffices to find the sharing)."""
+    does not hit (and one entry of a shared row suffices to find the sharing). A NaN gradient entry is no evidence:
+    a NaN in one row of α makes the softmax backward NaN over that row for any ``r``, also for an edge that reads
+    another row, and a NaN α was then refused as shared instead of giving its NaN curvature."""
     leaves = leaf_sources(t)
     if not leaves:
         return set()
@@ -686,7 +688,7 @@ def source_entries(t: torch.Tensor) -> set:
     out = set()
     for leaf, g in zip(leaves, grads):
         if g is not None:
-            out.update((id(leaf), int(i)) for i in torch.nonzero(g.reshape(-1)).reshape(-1).tolist())
+            out.update((id(leaf), int(i)) for i in torch.nonzero(g.reshape(-1).nan_to_num(nan=0.0)).reshape(-1).tolist())
     return out
 
 
