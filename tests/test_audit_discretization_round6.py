@@ -285,12 +285,12 @@ def test_derive_genotype_of_each_cell_type_takes_its_own_mask():
 
 
 # -- the genotype `nasdiag report` shows is the method's ---------------------------------------------------------------
-def _report_genes(tmp_path, method, rows):
+def _report_genes(tmp_path, method, rows, name="run.h5"):
     """Record ``rows`` (a list of statistics dicts, one per step) and read back the genotype the report shows."""
     from nasdiag.plot.arch import cell_genes
     from nasdiag.record import RecorderCallback, load
 
-    path = tmp_path / "run.h5"
+    path = tmp_path / name
     meta = {"op_names": list(method.network.primitives), "cell_types": list(method.network.cell_types)}
     with RecorderCallback(path, meta=meta) as cb:
         for step, stats in enumerate(rows, start=1):
@@ -305,7 +305,7 @@ def _as_triples(genes, steps=3):
 
 def test_report_genotype_of_xnas_is_the_methods_with_wiped_out_experts_recorded_at_their_removal_weight(tmp_path):
     """``regret/<cell>/log_weights`` keeps a wiped-out expert's ln v at removal (often larger than a survivor's); the
-    report must still name only the survivors, as XNAS.genotype does."""
+    report must still name only the survivors, as XNAS.genotype does (also from a record without the log weights)."""
     method = _xnas()
     E = method.network.num_edges
     g = torch.Generator().manual_seed(11)
@@ -320,10 +320,12 @@ def test_report_genotype_of_xnas_is_the_methods_with_wiped_out_experts_recorded_
         at_removal = torch.where(alive, log_v, log_v + 5.0)  # the recorded ln v: finite, wiped ones at removal
         stats.update({f"arch/{t}/probabilities": method.probabilities()[t], f"regret/{t}/alive": alive,
                       f"regret/{t}/log_weights": at_removal})
-    genes = _report_genes(tmp_path, method, [stats])
     genotype = method.genotype()
+    genes = _report_genes(tmp_path, method, [stats])
+    without_log_v = _report_genes(tmp_path, method, [{k: v for k, v in stats.items() if "log_weights" not in k}], "old.h5")
     for t in ("normal", "reduce"):
         assert genes[t] == _as_triples(getattr(genotype, t)), t
+        assert without_log_v[t] == _as_triples(getattr(genotype, t)), t
 
 
 def test_report_genotype_of_asmnas_is_the_last_selections(tmp_path):

@@ -112,6 +112,8 @@ def _eligible(record, cell: str, row: int, p: np.ndarray):
         z = np.where(alive.astype(bool), log_v.astype(float), -np.inf)
         z = np.exp(z - z.max(-1, keepdims=True))
         return z / z.sum(-1, keepdims=True), alive.astype(bool)
+    if alive is not None and alive.shape == p.shape:
+        return p, alive.astype(bool)
     counts = _latest(record, V.ATTENTION_COUNT, cell, row)
     if counts is not None and counts.shape == p.shape:
         counts = counts.astype(float)
