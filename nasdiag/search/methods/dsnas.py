@@ -8,8 +8,9 @@ uses the sampled entry: the credit C(Z^s) = ⟨∂L/∂x_j, O_s(x_i)⟩ scales t
 ∂L/∂α = (Z·C)(Z − p) (``nasdiag.cost.dsnas_alpha_grad``).
 
 The cost statistics are observed only for the sampled ops, so ``cost/<cell>/count`` is the per-op
-sample count and ``cost/<cell>/mean`` is E[C | sampled]: the DSNAS cost-mean protocol of the wiring
-supplement (Fig. 6b).
+sample count times the cells of the type (each cell one observation per sample; ``sample/<cell>/count``
+is the sample count itself) and ``cost/<cell>/mean`` is E[C | sampled], NaN for an op never sampled: the
+DSNAS cost-mean protocol of the wiring supplement (Fig. 6b).
 """
 
 from __future__ import annotations
