@@ -232,3 +232,16 @@ def test_a_nan_in_one_row_of_alpha_is_nan_curvature_not_a_shared_alpha_refusal(r
     got = _curvature(route, model, x, y)
     for name, value in got.items():
         assert torch.isnan(value).all(), f"{route}: {name} = {value}"
+
+
+@pytest.mark.parametrize("epoch, eigenvalue", [(1.5, 1.0), (math.nan, 1.0), ("1", 1.0), (True, 1.0), (1, "abc"),
+                                               (1, torch.ones(2))])
+def test_the_early_stop_refuses_a_non_int_epoch_and_a_non_number_eigenvalue_in_one_line(epoch, eigenvalue):
+    """Before: epoch=1.5 was truncated to 1 (as seed=1.5 was), epoch=NaN was Python's bare "cannot convert float NaN
+    to integer", eigenvalue='abc' float()'s bare error; nothing is recorded by a refused update."""
+    stop = EigenvalueEarlyStop()
+    stop.update(2.0, epoch=0)
+    with pytest.raises(CurvatureTypeError, match="must be") as info:
+        stop.update(eigenvalue, epoch=epoch)
+    assert "\n" not in str(info.value)
+    assert stop.history == [(0, 2.0)]

@@ -621,13 +621,20 @@ class EigenvalueEarlyStop:
     def update(self, eigenvalue: float, epoch: Optional[int] = None) -> EarlyStopDecision:
         """Record the dominant eigenvalue of ``epoch`` (default: one past the last epoch fed, from 0)
         and answer stop or continue."""
-        value = float(eigenvalue)
+        try:
+            value = float(eigenvalue)
+        except (TypeError, ValueError, RuntimeError):  # float('abc'), a tensor of several values: torch's bare error
+            raise CurvatureTypeError(
+                f"eigenvalue must be a number (the dominant eigenvalue of this epoch), got {eigenvalue!r}"
+            ) from None
         if not math.isfinite(value):
             raise CurvatureError(
                 f"eigenvalue {value} is not finite; the Hessian at this epoch is broken, fix it before early stopping"
             )
         if epoch is None:
             epoch = self.history[-1][0] + 1 if self.history else 0
+        if not isinstance(epoch, numbers.Integral) or isinstance(epoch, bool):  # 1.5 was truncated, NaN a bare ValueError
+            raise CurvatureTypeError(f"epoch must be an int (the epoch this eigenvalue belongs to), got {epoch!r}")
         epoch = int(epoch)
         if self.history and epoch <= self.history[-1][0]:
             raise CurvatureError(f"epochs must increase: got {epoch} after {self.history[-1][0]}")
