@@ -424,3 +424,18 @@ def test_a_nonsense_edges_per_node_or_threshold_is_refused_in_one_line_not_a_sil
     with pytest.raises(ValueError, match="threshold must be >= 0, got nan"):
         derive_mixed_cell(w, 2, P, threshold=math.nan)
     assert derive_cell(w, 2, P, edges_per_node=1) == [g for n, g in enumerate(ref_darts(w.tolist(), 2)) if n % 2 == 0]
+
+
+def test_report_genotype_of_a_record_with_an_edge_where_nothing_is_alive_says_so_instead_of_a_traceback(tmp_path):
+    from nasdiag.plot.registry import NothingToDraw
+
+    method = _xnas()
+    E = method.network.num_edges
+    stats = {}
+    for t in method.network.cell_types:
+        alive = torch.ones(E, len(P), dtype=torch.bool)
+        alive[0:2] = False  # node 2: nothing alive on either input (a corrupt record; XNAS never writes it)
+        stats.update({f"arch/{t}/probabilities": torch.full((E, len(P)), 1.0 / len(P), dtype=torch.float64),
+                      f"regret/{t}/alive": alive})
+    with pytest.raises(NothingToDraw, match="node 2 has 0 incoming edge"):
+        _report_genes(tmp_path, method, [stats])

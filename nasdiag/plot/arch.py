@@ -150,8 +150,11 @@ def cell_genes(record, cell: str, row: int) -> List[C.Gene]:
     from nasdiag.supernet import derive_cell  # the per-cell rule of derive_genotype
 
     p, eligible = _eligible(record, cell, row, p)
-    return C.genes_from_pairs(derive_cell(torch.as_tensor(p), steps, ops,
-                                          eligible=None if eligible is None else torch.as_tensor(eligible)), steps)
+    try:
+        genes = derive_cell(torch.as_tensor(p), steps, ops, eligible=None if eligible is None else torch.as_tensor(eligible))
+    except ValueError as exc:  # e.g. a recorded mask with an edge where nothing is alive
+        raise NothingToDraw(f"no genotype at step {step_of(record, row)}: {exc}") from None
+    return C.genes_from_pairs(genes, steps)
 
 
 def _concat(record, steps: int) -> List[int]:
