@@ -503,3 +503,33 @@ def test_the_families_of_a_run_agree_with_one_another_as_their_meanings_say(meth
     _, res, rec = _run(tmp_path, method, diagnostics=("cost",))
     _check_vocabulary(rec)
     _families_agree(method, rec, res.method.hp)
+
+
+def test_the_recorded_ggn_diagonal_is_the_gauss_newton_diagonal_of_each_cells_weights_summed_over_the_type(
+        tmp_path, monkeypatch):
+    """Mode ggn, instance norm (samples do not interact, where docs/hessian.md says ggn is Σ_n J_nᵀ H_n J_n): the
+    epoch row's ``hessian/<cell>/diag`` against Σ_k diag(J_kᵀ H J_k) built here from the full Jacobian of the
+    logits in each cell's own Z_k, H = (diag p_b − p_b p_bᵀ)/B the Hessian of the batch-mean cross-entropy in the
+    logits, at the state after the last step, its softmax(α) and its search-val batch."""
+    from nasdiag.search.methods.darts import DARTS
+
+    _small_digits(monkeypatch)
+    seen = _snapshots(monkeypatch, DARTS)
+    _, res, rec = _run(tmp_path, "darts", diagnostics=("hessian",), hessian_mode="ggn", norm="instance")
+    _check_vocabulary(rec)
+    _, _, (xv, yv) = seen[-1]
+    net = Network(2, 10, 3, steps=2, multiplier=2, in_channels=1, norm="instance").double()
+    net.load_state_dict(res.method.network.state_dict())
+    z = {t: torch.softmax(a, -1) for t, a in _alphas(net.state_dict()).items()}
+    leaves = [z[c.cell_type].clone() for c in net.cells]
+    with torch.no_grad():
+        p = torch.softmax(net(xv, leaves), -1)
+    H = (torch.diag_embed(p) - p[:, :, None] * p[:, None, :]) / len(yv)  # (B, classes, classes)
+    ggn = {t: torch.zeros(5, 8, dtype=torch.float64) for t in TYPES}
+    for k, cell in enumerate(net.cells):
+        def logits(zk, k=k):
+            return net(xv, [zk if i == k else leaf for i, leaf in enumerate(leaves)])
+        J = torch.autograd.functional.jacobian(logits, leaves[k]).reshape(len(yv), 10, 40)  # (B, classes, E·K)
+        ggn[cell.cell_type] += torch.einsum("bci,bcd,bdi->i", J, H, J).reshape(5, 8)
+    for t in TYPES:
+        np.testing.assert_allclose(rec[f"hessian/{t}/diag"][2], ggn[t].numpy(), rtol=1e-8, atol=1e-14)
