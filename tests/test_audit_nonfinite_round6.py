@@ -6,7 +6,12 @@
   functions a zero spectrum (``test_a_nan_loss_whose_backward_is_zero_is_nan_in_every_route``). Now NaN / a
   ``NonFiniteHessianError``, from one place (``scalar_loss``); a batch with *some* ignored targets (finite loss) is
   checked unchanged against ``torch.autograd.functional.hessian``
-  (``test_a_finite_loss_with_ignored_targets_keeps_the_autograd_hessian``).
+  (``test_a_finite_loss_with_ignored_targets_keeps_the_autograd_hessian``). The same for a NaN target of MSE, whose
+  output Hessian does not read the targets (``test_a_nan_target_of_mse_is_nan_curvature_though_the_mse_hessian_ignores_targets``).
+* A NaN in one row of α made ``arch_diag_hessian(mode="exact", wrt="alpha")`` refuse two edges reading different
+  rows as shared α (``test_a_nan_in_one_row_of_alpha_is_nan_curvature_not_a_shared_alpha_refusal``).
+* ``EigenvalueEarlyStop.update`` truncated ``epoch=1.5`` and gave bare errors for ``epoch=NaN`` or a non-number
+  eigenvalue (``test_the_early_stop_refuses_a_non_int_epoch_and_a_non_number_eigenvalue_in_one_line``).
 * The spectrum functions truncated ``seed=1.5`` to 1 where ``arch_diag_hessian`` refuses a non-int seed
   (``test_a_non_int_seed_is_refused_by_every_spectrum_function``).
 * ``shared_weights_diag_hessian`` with weights keyed by groups the network does not read raised the network's own
@@ -245,3 +250,17 @@ def test_the_early_stop_refuses_a_non_int_epoch_and_a_non_number_eigenvalue_in_o
         stop.update(eigenvalue, epoch=epoch)
     assert "\n" not in str(info.value)
     assert stop.history == [(0, 2.0)]
+
+
+@pytest.mark.parametrize("mode", ["exact", "diag", "approx", "hutchinson:2"])
+def test_a_nan_target_of_mse_is_nan_curvature_though_the_mse_hessian_ignores_targets(mode):
+    """∂²MSE/∂y² = 2/(N·D)·I whatever the targets, so one NaN target (a NaN loss, by torch itself) gave a fully finite
+    curvature in every mode before: the NaN of the loss was dropped without a trace."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2)).to(DT)
+    x, t = torch.randn(5, 4, dtype=DT), torch.randn(5, 2, dtype=DT)
+    t[3, 1] = math.nan
+    assert math.isnan(F.mse_loss(model(x), t).item())
+    got = diag_hessian(model, F.mse_loss, x, t, mode=mode)
+    for name, value in got.items():
+        assert torch.isnan(value).all(), f"{mode}: {name} = {value}"
