@@ -533,3 +533,21 @@ def test_the_recorded_ggn_diagonal_is_the_gauss_newton_diagonal_of_each_cells_we
         ggn[cell.cell_type] += torch.einsum("bci,bcd,bdi->i", J, H, J).reshape(5, 8)
     for t in TYPES:
         np.testing.assert_allclose(rec[f"hessian/{t}/diag"][2], ggn[t].numpy(), rtol=1e-8, atol=1e-14)
+
+
+def test_a_nan_top_eigenvalue_at_an_epochs_last_step_stays_flagged_beside_a_finite_diagonal(tmp_path, monkeypatch):
+    """--spectrum-every landing on the epoch's last step: the step's ``hessian/<cell>/nonfinite`` (True: its top
+    eigenvalue is NaN) and the epoch's (False: the diagonal is finite) go to one row. The epoch's flag replaced the
+    step's, so the row held a NaN ``hessian/top_eigenvalue`` flagged finite: the flag must be their logical or."""
+    import nasdiag.hessian
+
+    def nan_products(*args, **kwargs):
+        raise FloatingPointError("a Hessian-vector product is not finite")
+
+    monkeypatch.setattr(nasdiag.hessian, "eigenvalues_from_hvp", nan_products)
+    _small_digits(monkeypatch)
+    _, _, rec = _run(tmp_path, "darts", diagnostics=("hessian",), hessian_mode="diag", spectrum_every=3)
+    assert np.isnan(rec["hessian/top_eigenvalue"][2])
+    for t in TYPES:
+        assert np.isnan(rec[f"hessian/{t}/top_eigenvalue"][2]) and np.isfinite(rec[f"hessian/{t}/diag"][2]).all()
+        assert rec[f"hessian/{t}/nonfinite"][2]

@@ -169,6 +169,8 @@ def search_loop(method: SearchMethod, splits, *, epochs: int, batch_size: int, s
     """
     from torch.utils.data import DataLoader
 
+    from nasdiag import vocabulary as V
+
     S = steps_per_epoch(len(splits.train), len(splits.val), batch_size, world_size)
     p = next(method.network.parameters())
     device, dtype = p.device, p.dtype
@@ -180,6 +182,7 @@ def search_loop(method: SearchMethod, splits, *, epochs: int, batch_size: int, s
         start_epoch, position = divmod(start_step, S)
         for epoch in range(start_epoch, epochs):
             first = position if epoch == start_epoch else 0
+            stats = {}  # the statistics of the epoch's last step, once this session has run it
             shard = dict(rank=rank, world_size=world_size, start=first)
             batches = zip(epoch_batches(splits.train, batch_size, seed, epoch, **shard),
                           epoch_batches(splits.val, batch_size, seed + 1, epoch, **shard))
@@ -207,6 +210,10 @@ def search_loop(method: SearchMethod, splits, *, epochs: int, batch_size: int, s
                 # a method's own epoch records (ASM-NAS: the selection counts of its evaluation above)
                 **(method.epoch_statistics() if hasattr(method, "epoch_statistics") else {}),
             }
+            for key in [k for k in epoch_stats if k in stats and V.family_of(k) is V.HESSIAN_NONFINITE]:
+                # the epoch's flag joins the row of its last step: a NaN top eigenvalue of that step (--spectrum-every)
+                # stays flagged beside a finite diagonal instead of being replaced by the diagonal's flag
+                epoch_stats[key] = epoch_stats[key] | stats[key]
             phase = "epoch end"
             method.epoch_end(epoch)
             for cb in callbacks:
