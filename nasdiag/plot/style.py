@@ -7,6 +7,7 @@ positive), non-negative ones a sequential map (``viridis``). Annotations never p
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -348,15 +349,20 @@ def _extend(clipped: Optional[Clipped]) -> str:
 LABEL_PITCH = 0.15
 
 
-def _draw_matrix(ax, hm: Heatmap, matrix: np.ndarray, norm, cmap: str, annotate: bool, row_labels: bool = True):
+def _draw_matrix(ax, hm: Heatmap, matrix: np.ndarray, norm, cmap: str, annotate: bool, row_labels: bool = True,
+                 absent: Optional[np.ndarray] = None):
+    """``absent``: cells of an edge or op the run does not have (a comparison aligned by name), left blank."""
     cm = plt.get_cmap(cmap).with_extremes(bad="#d9d9d9")
     image = ax.imshow(np.ma.masked_invalid(matrix), cmap=cm, norm=norm, aspect="auto", interpolation="nearest")
     ax.set_xticks(range(len(hm.cols)), hm.cols, rotation=45, ha="right", rotation_mode="anchor")
     ax.set_yticks(range(len(hm.rows)), hm.rows if row_labels else [])
     ax.tick_params(length=0)
+    absent = np.zeros(matrix.shape, bool) if absent is None else absent
+    for i, j in np.argwhere(absent):
+        ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor="white", lw=0.0, zorder=2))
     for kind, hit in _nonfinite_masks(matrix).items():
         face, hatch = NONFINITE_CELLS[kind]
-        for i, j in np.argwhere(hit):
+        for i, j in np.argwhere(hit & ~absent):
             ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor=face, hatch=hatch, edgecolor="#555555",
                                    lw=0.0, zorder=2))
     for spine in ax.spines.values():
@@ -367,6 +373,8 @@ def _draw_matrix(ax, hm: Heatmap, matrix: np.ndarray, norm, cmap: str, annotate:
         if finite.size and np.array_equal(finite, np.round(finite)):
             decimals = 0  # counts (samples, argmax votes): "7", not "7.0"
         for (i, j), v in np.ndenumerate(matrix):
+            if absent[i, j]:
+                continue
             shade = norm(v) if np.isfinite(v) else 0.5
             dark = cmap == SEQUENTIAL and shade < 0.55 or cmap == DIVERGING and abs(float(shade) - 0.5) > 0.33
             ax.text(j, i, annotation(v, decimals), ha="center", va="center", fontsize=5.5,
@@ -422,8 +430,40 @@ def render_heatmap(hm: Heatmap, annotate: bool = True):
     return fig
 
 
+def _common_names(names: Sequence[Sequence[str]]) -> Optional[List[str]]:
+    """The longest list of ``names`` when it differs from another and holds the names of every list (each distinct):
+    the one axis the panels can share. None when they are equal, or not all in one list (unrelated runs keep theirs)."""
+    longest = list(max(names, key=len))
+    if all(list(n) == longest for n in names) or any(len(set(n)) != len(n) or not set(n) <= set(longest) for n in names):
+        return None
+    return longest
+
+
+def align_panels(panels: Mapping[str, Heatmap]):
+    """``(panels, absent)``: heatmaps whose op (or edge) names are all among one run's (a DARTS space of 8 ops beside a
+    SparseNAS or BayesNAS one of 7, without ``none``) put on that run's columns (rows), so that one op or edge is in one
+    place in every panel; ``absent[label]`` marks the cells of names that run lacks (None: it has all)."""
+    all_rows = _common_names([list(hm.rows) for hm in panels.values()])
+    all_cols = _common_names([list(hm.cols) for hm in panels.values()])
+    aligned, absent = {}, {}
+    for label, hm in panels.items():
+        rows, cols = all_rows or list(hm.rows), all_cols or list(hm.cols)
+        r, c = [rows.index(n) for n in hm.rows], [cols.index(n) for n in hm.cols]
+        matrix = np.full((len(rows), len(cols)), np.nan)
+        matrix[np.ix_(r, c)] = np.asarray(hm.matrix, dtype=float)
+        mask = np.ones(matrix.shape, bool)
+        mask[np.ix_(r, c)] = False
+        aligned[label] = dataclasses.replace(hm, matrix=matrix, rows=rows, cols=cols)
+        absent[label] = mask if mask.any() else None
+    return aligned, absent
+
+
 def render_heatmaps(panels: Mapping[str, Heatmap], annotate: bool = False):
-    """The same heatmap of several runs side by side on one colour scale (one colour bar)."""
+    """The same heatmap of several runs side by side on one colour scale (one colour bar). Panels whose edge or op
+    names are all among one run's are drawn on that run's (`align_panels`): a name a run lacks is a blank cell there,
+    and the panel's title says which."""
+    originals = {k: np.asarray(hm.matrix, dtype=float) for k, hm in panels.items()}  # the title counts their NaN/inf
+    panels, absent = align_panels(panels)
     labels = list(panels)
     matrices = {k: np.asarray(panels[k].matrix, dtype=float) for k in labels}
     every = np.concatenate([m.ravel() for m in matrices.values()])
@@ -452,10 +492,15 @@ def render_heatmaps(panels: Mapping[str, Heatmap], annotate: bool = False):
         # rows are named at the left of each grid row, and on any panel whose edges differ from that one's
         # (runs of different cells: their rows are not the neighbour's)
         named = i % cols == 0 or list(hm.rows) != list(panels[labels[i - i % cols]].rows)
-        image = _draw_matrix(ax, hm, matrices[labels[i]] / 10.0**p, norm, cmap, annotate, row_labels=named)
+        image = _draw_matrix(ax, hm, matrices[labels[i]] / 10.0**p, norm, cmap, annotate, row_labels=named,
+                             absent=absent[labels[i]])
         when = f" (step {hm.step})" if hm.step is not None else ""
-        counts = nonfinite_counts(matrices[labels[i]])
+        counts = nonfinite_counts(originals[labels[i]])
         title = labels[i] + when + (f" [{nonfinite_text(counts)}]" if counts else "")
+        if absent[labels[i]] is not None:  # the blank cells: names of the other runs this run does not have
+            lacks = [n for n in hm.rows if absent[labels[i]][hm.rows.index(n)].all()]
+            lacks += [n for n in hm.cols if absent[labels[i]][:, hm.cols.index(n)].all()]
+            title += f" [blank: no {', '.join(lacks)}]"
         if tails[labels[i]]:  # this run's part of the colour-bar label (its K, its unit), true for it alone
             title += "\n" + wrap(tails[labels[i]], panel_w, 6)
         ax.set_title(title, fontsize=7 if not tails[labels[i]] else 6, loc="left")
@@ -465,7 +510,7 @@ def render_heatmaps(panels: Mapping[str, Heatmap], annotate: bool = False):
     fig.suptitle(shared_title(first.title) + ", one colour scale across runs" + clip_note)
     bar = fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, pad=0.01, extend=_extend(clipped))
     bar.set_label(wrap(shared + (f"  (x 1e{p})" if p else ""), 0.7 * rows * (0.6 + 0.17 * n_rows), 7), fontsize=7)
-    _nonfinite_legend(fig, matrices.values())
+    _nonfinite_legend(fig, originals.values())
     return fig
 
 
