@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import pathlib
 
 import numpy as np
 import pytest
@@ -98,8 +99,9 @@ def _run(tmp_path, method, dtype="float64", **extra):
     return cfg, res, load(out)
 
 
-def _check_vocabulary(rec, float_dtype=np.float64):
-    """Every recorded path has a family; its row shape and dtype are the family's (float32 = the run's dtype)."""
+def _check_vocabulary(rec, float_dtype=np.float64, spectrum_every=0):
+    """Every recorded path has a family; its row shape and dtype are the family's (float32 = the run's dtype), its
+    rows those its ``when`` names (3 steps, one epoch)."""
     sizes = {"E": 5, "K": len(rec["meta/op_names"])}
     for path in rec:
         if path.startswith(("meta/", "valid/")) or path == "step":
@@ -114,8 +116,12 @@ def _check_vocabulary(rec, float_dtype=np.float64):
         dims = [d.strip() for d in fam.shape.strip("()").split(",") if d.strip()]
         if "R" not in dims:
             assert rec[path].shape[1:] == tuple(sizes[d] for d in dims), (path, rec[path].shape, fam.shape)
-        rows = rec[f"valid/{path}"]
-        assert rows.tolist() == ([False, False, True] if fam.when == "epoch" else [True] * 3), path
+        epoch_row = [False, False, True]
+        spectrum_rows = [bool(spectrum_every) and step % spectrum_every == 0 for step in (1, 2, 3)]
+        want = {"epoch": epoch_row, "spectrum": spectrum_rows, "step": [True] * 3}[fam.when]
+        if fam is V.HESSIAN_NONFINITE and spectrum_every:
+            want = [a or b for a, b in zip(epoch_row, spectrum_rows)]
+        assert rec[f"valid/{path}"].tolist() == want, (path, fam.when)
 
 
 @pytest.mark.slow  # one 3-step run plus full α-Hessians (~15 s on a loaded core)
@@ -127,7 +133,7 @@ def test_a_darts_run_records_what_the_vocabulary_says_at_the_steps_and_batches_i
     seen = _snapshots(monkeypatch, DARTS)
     cfg, res, rec = _run(tmp_path, "darts", diagnostics=("cost", "hessian"), hessian_mode="exact_per_edge",
                          spectrum_every=3)
-    _check_vocabulary(rec)
+    _check_vocabulary(rec, spectrum_every=3)
     assert rec["step"].tolist() == [1, 2, 3] and len(seen) == 3
     # the loop hands the search-train and search-val batches in the documented order
     for s, (_, (xt, yt), (xv, yv)) in enumerate(seen):
@@ -551,3 +557,14 @@ def test_a_nan_top_eigenvalue_at_an_epochs_last_step_stays_flagged_beside_a_fini
     for t in TYPES:
         assert np.isnan(rec[f"hessian/{t}/top_eigenvalue"][2]) and np.isfinite(rec[f"hessian/{t}/diag"][2]).all()
         assert rec[f"hessian/{t}/nonfinite"][2]
+
+
+def test_the_top_eigenvalues_are_on_the_rows_the_spectrum_interval_names_as_the_vocabulary_says(tmp_path, monkeypatch):
+    """--spectrum-every 1 over 3 steps: the top eigenvalues (and their nonfinite flags) are on every row, not on the
+    epoch row the vocabulary's ``when="epoch"`` named; now ``when="spectrum"``, described in docs/schema.md."""
+    _small_digits(monkeypatch)
+    _, _, rec = _run(tmp_path, "snas", diagnostics=(), spectrum_every=1)
+    _check_vocabulary(rec, spectrum_every=1)
+    assert rec["valid/hessian/top_eigenvalue"].all()
+    text = open(pathlib.Path(__file__).resolve().parents[1] / "docs" / "schema.md", encoding="utf-8").read()
+    assert "`spectrum` (the" in text
