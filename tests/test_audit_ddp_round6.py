@@ -306,6 +306,8 @@ def test_spawned_ranks_equal_one_process_on_the_concatenated_batches(spawned, na
             if torch.is_tensor(v) and v.is_floating_point():
                 # float64, the same sums in another order: round-off of a few steps (seen: 1e-15)
                 np.testing.assert_allclose(a[k].numpy(), v.numpy(), rtol=1e-9, atol=1e-12, err_msg=f"{name} epoch {epoch}: {k}")
+            elif torch.is_tensor(v):  # counts (ASM-NAS's selections over the whole validation set), switches, steps
+                assert torch.equal(a[k], v), f"{name} epoch {epoch}: {k}"
     ddp, one = _rows(out / f"{name}_ddp.h5"), _rows(out / f"{name}_one.h5")
     assert ddp["step"].tolist() == one["step"].tolist()
     cells = {}
