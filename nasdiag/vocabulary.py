@@ -120,7 +120,7 @@ COST_COUNT = family("cost/<cell>/count", "(E, K)", "int64", "sum", "Observations
 HESSIAN_DIAG = family("hessian/<cell>/diag", "(E, K)", "float32", "mean",
                       "Diagonal of ∂²L/∂Z² for the Z shared by the cells of the type, in the run's Hessian mode (C.3.1–C.3.2, GGN, Hutchinson, exact_per_edge: per-edge numbers summed over the cells; exact: cross-cell terms included), on the last recorded batch.", when="epoch", section="hessian")
 HESSIAN_TOP_EIGENVALUE = family("hessian/<cell>/top_eigenvalue", "()", "float32", "mean",
-                                "Largest algebraic eigenvalue of the α-Hessian of the cell type (RobustDARTS's early-stop signal).", when="spectrum", section="hessian")
+                                "Largest algebraic eigenvalue of the α-Hessian of the cell type through Z = softmax(α) (RobustDARTS's early-stop signal), after the step, on its α batch (search-val; search-train for single-level methods).", when="spectrum", section="hessian")
 HESSIAN_JOINT_TOP_EIGENVALUE = family("hessian/top_eigenvalue", "()", "float32", "mean",
                                       "Largest algebraic eigenvalue of the Hessian in the α of every cell type jointly, cross-type terms included: RobustDARTS's dominant eigenvalue of ∇²_α L_valid (NaN, with every cell type's nonfinite flag set, when a product was not finite).", when="spectrum", section="hessian")
 HESSIAN_NONFINITE = family("hessian/<cell>/nonfinite", "()", "bool", "any", "True where the curvature result held a NaN or inf (never averaged away): on the epoch rows (the diagonal) and on the rows of the top eigenvalues.", when="epoch", section="hessian")

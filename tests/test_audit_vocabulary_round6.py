@@ -20,7 +20,11 @@ Defects these tests found (each fails without its fix): the vocabulary and docs/
 evaluation was at ``probabilities()`` (it is at ``eval_weights()``: DSNAS/ProxylessNAS evaluate the argmax child,
 SparseNAS and BayesNAS the raw A and w); ``scalars/search_val_loss``, ``search_val_acc`` and ``epoch`` were
 recorded as float32 in a float64 run (the vocabulary's float32 means the run's dtype), rounding the float64
-evaluation.
+evaluation; the cost moments and SNAS's τ are float64 in every run, the vocabulary said the run's dtype;
+``--spectrum-every`` recorded the softmax(α)-Hessian's eigenvalue for SparseNAS, BayesNAS, XNAS and ASM-NAS,
+which never mix by softmax(α) (now refused in one line); a NaN top eigenvalue at an epoch's last step was
+recorded flagged finite (the epoch's diagonal flag replaced the step's); the top eigenvalues were declared
+epoch rows but are on every k-th row.
 """
 
 from __future__ import annotations
