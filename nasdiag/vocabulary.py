@@ -99,9 +99,9 @@ SCALAR = family("scalars/<name>", "()", "float32", "mean", "A per-step scalar (l
 SCALAR_COUNT = family("scalars/<name>_count", "()", "float32", "sum", "A per-step count, summed over ranks.")
 EPOCH = family("scalars/epoch", "()", "float32", "same", "Index of the epoch that ended at this row.", when="epoch")
 SEARCH_VAL_LOSS = family("scalars/search_val_loss", "()", "float32", "mean",
-                         "Supernet loss on the whole search-val split at the method's `eval_weights()` (softmax(α) for DARTS, the argmax one-hot for DSNAS and ProxylessNAS, A for SparseNAS; mean over samples), after an epoch.", when="epoch")
+                         "Supernet loss on the whole search-val split at the method's `eval_weights()` (softmax(α) for DARTS, the argmax one-hot for DSNAS and ProxylessNAS, A for SparseNAS; ASM-NAS mixes by its attention; mean over samples), after an epoch.", when="epoch")
 SEARCH_VAL_ACC = family("scalars/search_val_acc", "()", "float32", "mean",
-                        "Supernet top-1 accuracy on the whole search-val split at the method's `eval_weights()`, after an epoch.", when="epoch")
+                        "Supernet top-1 accuracy on the whole search-val split at the method's `eval_weights()` (ASM-NAS: by its attention), after an epoch.", when="epoch")
 
 # -- architecture --------------------------------------------------------------------------------
 ARCH_PARAMS = family("arch/<cell>/params", "(E, K)", "float32", "same", "The raw architecture parameters α of a cell type (shared by its cells).")
