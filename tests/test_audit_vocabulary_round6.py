@@ -572,3 +572,26 @@ def test_the_top_eigenvalues_are_on_the_rows_the_spectrum_interval_names_as_the_
     assert rec["valid/hessian/top_eigenvalue"].all()
     text = open(pathlib.Path(__file__).resolve().parents[1] / "docs" / "schema.md", encoding="utf-8").read()
     assert "`spectrum` (the" in text
+
+
+def test_epoch_scoped_values_belong_to_the_epoch_of_their_row(tmp_path, monkeypatch):
+    """SNAS over 2 epochs of 3 steps: the rows of epoch 1 hold τ0·decay and the cosine lr of epoch 1 (the ones its
+    steps used, not epoch 0's or epoch 2's), ``scalars/epoch`` names the epoch that ended at the row, and the epoch-1
+    cost counts are that epoch's 3 steps × the type's cells (the moments restart each epoch)."""
+    import math
+
+    _small_digits(monkeypatch)
+    out = str(tmp_path / "run.h5")
+    cfg = SearchConfig(method="snas", C=2, layers=3, steps=2, multiplier=2, batch_size=BATCH, epochs=2, dtype="float64",
+                       progress=False, threads=1, record=out, diagnostics=("cost",))
+    hp = run(cfg).method.hp
+    from nasdiag.record import load
+
+    rec = load(out)
+    assert rec["step"].tolist() == [1, 2, 3, 4, 5, 6]
+    np.testing.assert_allclose(rec["scalars/temperature"], [hp.tau0] * 3 + [hp.tau0 * hp.tau_decay] * 3, rtol=1e-15)
+    lr1 = hp.w_lr_min + (hp.w_lr - hp.w_lr_min) * (1 + math.cos(math.pi / 2)) / 2  # cosine over 2 epochs, after 1
+    np.testing.assert_allclose(rec["scalars/w_lr"], [hp.w_lr] * 3 + [lr1] * 3, rtol=1e-7)  # float32 settings
+    assert rec["valid/scalars/epoch"].tolist() == [False, False, True, False, False, True]
+    assert rec["scalars/epoch"][[2, 5]].tolist() == [0, 1]
+    assert (rec["cost/normal/count"][5] == 3).all() and (rec["cost/reduce/count"][5] == 6).all()
