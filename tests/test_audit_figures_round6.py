@@ -158,6 +158,9 @@ def test_the_comparison_of_two_methods_puts_each_op_in_one_column_of_every_panel
                     assert np.isnan(shown[:, [columns[0].index(o) for o in lacks]]).all()
                     title = ax.get_title(loc="left")
                     assert ("NaN" not in title) and (all(o in title for o in lacks)), title  # blank, said, not "NaN"
+                    dashes = [t.get_position() for t in ax.texts if t.get_text() == "–"]
+                    assert sorted(dashes) == sorted((columns[0].index(o), e) for o in lacks for e in range(shown.shape[0]))
+                    assert not any(patch.get_hatch() for patch in ax.patches)  # not drawn as a NaN cell
             finally:
                 plt.close(fig)
 

@@ -351,15 +351,16 @@ LABEL_PITCH = 0.15
 
 def _draw_matrix(ax, hm: Heatmap, matrix: np.ndarray, norm, cmap: str, annotate: bool, row_labels: bool = True,
                  absent: Optional[np.ndarray] = None):
-    """``absent``: cells of an edge or op the run does not have (a comparison aligned by name), left blank."""
+    """``absent``: cells of an edge or op the run does not have (a comparison aligned by name), left blank but for a dash."""
     cm = plt.get_cmap(cmap).with_extremes(bad="#d9d9d9")
     image = ax.imshow(np.ma.masked_invalid(matrix), cmap=cm, norm=norm, aspect="auto", interpolation="nearest")
     ax.set_xticks(range(len(hm.cols)), hm.cols, rotation=45, ha="right", rotation_mode="anchor")
     ax.set_yticks(range(len(hm.rows)), hm.rows if row_labels else [])
     ax.tick_params(length=0)
     absent = np.zeros(matrix.shape, bool) if absent is None else absent
-    for i, j in np.argwhere(absent):
+    for i, j in np.argwhere(absent):  # white with a dash: not a colour of the maps (0 is near-white on a diverging one)
         ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor="white", lw=0.0, zorder=2))
+        ax.text(j, i, "–", ha="center", va="center", fontsize=6, color="#888888", zorder=3)
     for kind, hit in _nonfinite_masks(matrix).items():
         face, hatch = NONFINITE_CELLS[kind]
         for i, j in np.argwhere(hit & ~absent):
