@@ -41,26 +41,13 @@ import torch.nn.functional as F
 from nasdiag import vocabulary as V
 from nasdiag.search import SearchConfig, run
 from nasdiag.supernet import Network
+from test_audit_methods_round3 import _small_digits  # digits cut to 12 search-train and 12 search-val samples
 
 TYPES = ("normal", "reduce")
 N, BATCH = 12, 4
 #: paths that record a hyperparameter's current value (a Python float) as float32 whatever the run's dtype: a
 #: rounding of 1e-8 relative of a setting, not of a computed statistic; left as it is (see the round's report)
 SETTINGS = ("scalars/w_lr", "sparsity/lambda")
-
-
-def _small_digits(monkeypatch):
-    import nasdiag.data
-    from torch.utils.data import TensorDataset
-
-    full = nasdiag.data.load_dataset
-
-    def cut(name, **kwargs):
-        s = full(name, **kwargs)
-        return dataclasses.replace(s, train=TensorDataset(*s.train[:N]), val=TensorDataset(*s.val[:N]))
-
-    monkeypatch.setattr(nasdiag.data, "load_dataset", cut)
-    return cut
 
 
 def _snapshots(monkeypatch, cls):
@@ -246,6 +233,30 @@ def test_the_search_val_evaluation_is_at_the_methods_evaluation_weights_as_the_v
         assert "eval_weights()" in fam.meaning and "at `probabilities()`" not in fam.meaning
 
 
+def _replayed_costs(net, x, y, z, rec, step, split):
+    """Per-cell C_k = ∂L/∂Z_k at the mixing weights ``z`` on (x, y); checks the row's ``<split>_loss``/``_acc``."""
+    leaves = [z[c.cell_type].clone().requires_grad_(True) for c in net.cells]
+    logits = net(x, leaves)
+    loss = F.cross_entropy(logits, y)
+    per_cell = torch.autograd.grad(loss, leaves)
+    np.testing.assert_allclose(rec[f"scalars/{split}_loss"][step], loss.item(), rtol=1e-10)
+    np.testing.assert_allclose(rec[f"scalars/{split}_acc"][step], (logits.argmax(1) == y).double().mean().item(), atol=0)
+    return per_cell
+
+
+def _check_observed_moments(rec, observed, row=2):
+    """``cost/<cell>/{count,mean,var}`` = the count, mean and population variance of the observed entries only."""
+    for t in TYPES:
+        c = torch.stack([o for o, _ in observed[t]])
+        m = torch.stack([k for _, k in observed[t]])
+        n = m.sum(0)
+        mean = torch.where(m, c, 0).sum(0) / n
+        np.testing.assert_array_equal(rec[f"cost/{t}/count"][row], n.numpy())
+        np.testing.assert_allclose(rec[f"cost/{t}/mean"][row], mean.numpy(), rtol=1e-8, atol=1e-14)  # NaN where n = 0
+        np.testing.assert_allclose(rec[f"cost/{t}/var"][row], (torch.where(m, (c - mean) ** 2, 0).sum(0) / n).numpy(),
+                                   rtol=1e-6, atol=1e-16)
+
+
 def _adam_first_step(alpha, grad, hp):
     g = grad + hp.alpha_weight_decay * alpha
     return alpha - hp.alpha_lr * g / (g.abs() + 1e-8)
@@ -284,12 +295,7 @@ def test_a_single_level_run_records_its_sample_the_state_after_the_step_and_the_
                 np.testing.assert_array_equal(rec[f"sample/{t}/count"][s], counts[t])
         else:
             assert rec["scalars/temperature"][s] == hp.tau0  # τ of epoch 0
-        leaves = [z[c.cell_type].clone().requires_grad_(True) for c in net.cells]
-        logits = net(xt, leaves)
-        loss = F.cross_entropy(logits, yt)
-        per_cell = torch.autograd.grad(loss, leaves)
-        np.testing.assert_allclose(rec["scalars/train_loss"][s], loss.item(), rtol=1e-10)
-        np.testing.assert_allclose(rec["scalars/train_acc"][s], (logits.argmax(1) == yt).double().mean().item(), atol=0)
+        per_cell = _replayed_costs(net, xt, yt, z, rec, s, "train")
         total = {t: sum(c for c, cell in zip(per_cell, net.cells) if cell.cell_type == t) for t in TYPES}
         grads = {}
         for t in TYPES:
@@ -312,18 +318,11 @@ def test_a_single_level_run_records_its_sample_the_state_after_the_step_and_the_
         np.testing.assert_allclose(rec["scalars/entropy"][s], (-(p * p.log()).sum(-1)).mean().item(), rtol=1e-12)
         for cell, c in zip(net.cells, per_cell):
             observed[cell.cell_type].append((c, z[cell.cell_type] > 0 if method == "dsnas" else torch.ones(5, 8, dtype=bool)))
+    _check_observed_moments(rec, observed)
     for t in TYPES:
-        c = torch.stack([o for o, _ in observed[t]])
-        m = torch.stack([k for _, k in observed[t]])
-        n = m.sum(0)
-        mean = torch.where(m, c, 0).sum(0) / n
-        var = torch.where(m, (c - mean) ** 2, 0).sum(0) / n
-        np.testing.assert_array_equal(rec[f"cost/{t}/count"][2], n.numpy())
         if method == "dsnas":  # one observation per sample and cell of the type
             cells = sum(1 for c in net.cells if c.cell_type == t)
             np.testing.assert_array_equal(rec[f"cost/{t}/count"][2], cells * rec[f"sample/{t}/count"][2])
-        np.testing.assert_allclose(rec[f"cost/{t}/mean"][2], mean.numpy(), rtol=1e-8, atol=1e-14)  # NaN where n = 0
-        np.testing.assert_allclose(rec[f"cost/{t}/var"][2], var.numpy(), rtol=1e-6, atol=1e-16)
 
 
 def test_a_proxyless_run_records_the_alpha_steps_gates_paths_and_the_pair_cost(tmp_path, monkeypatch):
@@ -353,12 +352,7 @@ def test_a_proxyless_run_records_the_alpha_steps_gates_paths_and_the_pair_cost(t
             assert (pairs[t].sum(-1) == 2).all() and (gates[t].sum(-1) == 1).all() and (gates[t][~pairs[t]] == 0).all()
             counts[t] += gates[t].numpy().astype(np.int64)
             np.testing.assert_array_equal(rec[f"sample/{t}/count"][s], counts[t])
-        leaves = [gates[c.cell_type].clone().requires_grad_(True) for c in net.cells]
-        logits = net(xv, leaves)
-        loss = F.cross_entropy(logits, yv)
-        per_cell = torch.autograd.grad(loss, leaves)
-        np.testing.assert_allclose(rec["scalars/val_loss"][s], loss.item(), rtol=1e-10)
-        np.testing.assert_allclose(rec["scalars/val_acc"][s], (logits.argmax(1) == yv).double().mean().item(), atol=0)
+        per_cell = _replayed_costs(net, xv, yv, gates, rec, s, "val")
         grads = {}
         for t in TYPES:
             c = sum(g for g, cell in zip(per_cell, net.cells) if cell.cell_type == t)
@@ -378,15 +372,7 @@ def test_a_proxyless_run_records_the_alpha_steps_gates_paths_and_the_pair_cost(t
         np.testing.assert_allclose(rec["scalars/entropy"][s], (-(p * p.log()).sum(-1)).mean().item(), rtol=1e-12)
         for cell, c in zip(net.cells, per_cell):
             observed[cell.cell_type].append((c, pairs[cell.cell_type]))
-    for t in TYPES:
-        c = torch.stack([o for o, _ in observed[t]])
-        m = torch.stack([k for _, k in observed[t]])
-        n = m.sum(0)
-        mean = torch.where(m, c, 0).sum(0) / n
-        np.testing.assert_array_equal(rec[f"cost/{t}/count"][2], n.numpy())
-        np.testing.assert_allclose(rec[f"cost/{t}/mean"][2], mean.numpy(), rtol=1e-8, atol=1e-14)
-        np.testing.assert_allclose(rec[f"cost/{t}/var"][2], (torch.where(m, (c - mean) ** 2, 0).sum(0) / n).numpy(),
-                                   rtol=1e-6, atol=1e-16)
+    _check_observed_moments(rec, observed)
 
 
 @pytest.mark.parametrize("method", ["sparsenas", "bayesnas", "xnas", "asmnas"])
