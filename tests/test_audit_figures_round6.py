@@ -225,3 +225,23 @@ def test_every_registered_figure_is_expected_of_some_method():
     """A figure registered for a family no method writes would go unchecked above."""
     every = set().union(COMMON, *OWN.values(), {"hessian_eigenvalue"})
     assert set(registered()) == every
+
+
+def test_the_python_api_refuses_a_step_after_the_record_as_the_cli_does(tmp_path):
+    """``write_figures(record, out, at="99")`` on a record ending at step 12 wrote ``cost_normal_heatmap_step99.png``
+    holding step 12's row (the CLI refused it in one line); `write_comparison` likewise."""
+    from nasdiag.plot.registry import PlotError
+    from plot_records import write_record
+
+    path = write_record(tmp_path / "run.h5", epochs=3, steps_per_epoch=4)
+    last = int(load(path)["step"][-1])
+    for at in (str(last + 87), f"init,{last + 1}", "0"):
+        with pytest.raises(PlotError, match=r"--at .*record .*(ends|starts) at step"):
+            write_figures(path, tmp_path / "figs", figures=["cost"], at=at)
+        assert not (tmp_path / "figs").exists()
+        runs = {"a": load(path), "b": load(path)}
+        with pytest.raises(PlotError, match=r"(ends|starts) at step"):
+            write_comparison(runs, tmp_path / "compare", figures=["cost"], at=at)
+        assert not (tmp_path / "compare").exists()
+    drawn = write_figures(path, tmp_path / "ok", figures=["cost"], at=str(last))  # the last step itself is drawn
+    assert sorted(p.name for p in drawn) == [f"cost_{c}_heatmap_step{last}.png" for c in ("normal", "reduce")]

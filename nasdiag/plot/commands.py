@@ -167,22 +167,6 @@ def _check_folder(out: Path, record: Optional[str] = None) -> None:
                     f"e.g. --out {blocker.with_suffix('')}-figs")
 
 
-def _check_at_steps(at_tokens, record, record_path) -> None:
-    """Refuse an ``--at`` step after the record's last step (its figure would show the last rows under a
-    file name promising a later step) or before its first (no figure has a row there: each was skipped)."""
-    from nasdiag.plot.registry import PlotError
-
-    first, last = int(record["step"][0]), int(record["step"][-1])
-    early = [t for t in at_tokens or () if isinstance(t, int) and t < first]
-    if early:
-        raise PlotError(f"--at {','.join(map(str, early))}: record {record_path} starts at step {first}, so no figure "
-                        f"has a row there; give steps from {first} to {last}, or init/final")
-    late = [t for t in at_tokens or () if isinstance(t, int) and t > last]
-    if late:
-        raise PlotError(f"--at {','.join(map(str, late))}: record {record_path} ends at step {last} "
-                        f"(row {len(record['step'])}); give steps up to {last}, or init/final")
-
-
 def _segment_owner(record_path) -> Optional[str]:
     """The record that ``record_path`` continues when it is an existing later segment of an existing record
     (``run.seg0001.h5`` next to ``run.h5``), else None."""
@@ -406,7 +390,9 @@ def _read_or_write(exc: OSError, folder: Path) -> str:
 def run_plot(args) -> int:
     """Draw the figures of ``args.records`` (see the module docstring for folders and exit codes)."""
     from nasdiag.errors import NasdiagError
-    from nasdiag.plot.registry import PlotError, draw_record, parse_at, refuse_checkpoint, write_comparison
+    from nasdiag.plot.registry import (
+        PlotError, check_at_steps, draw_record, parse_at, refuse_checkpoint, write_comparison,
+    )
 
     figures = _figure_names(args.figures)
     specs = select_figures(figures)  # unknown names fail before any record is read
@@ -425,7 +411,7 @@ def run_plot(args) -> int:
         record = _load(record_path)  # RecordError "no record at ..." if there is none
         if len(record["step"]) == 0:
             raise PlotError(f"record {record_path} has no committed rows yet; nothing to plot")
-        _check_at_steps(at_tokens, record, record_path)
+        check_at_steps(at_tokens, record, record_path)
         _refuse_nothing_to_draw(record, record_path, args.figures)
         created = _missing_folders(out)
         _make_folder(out, created)
@@ -455,7 +441,7 @@ def run_plot(args) -> int:
             record = _load(record_path)
             if len(record["step"]) == 0:
                 raise PlotError("no committed rows yet")
-            _check_at_steps(at_tokens, record, record_path)
+            check_at_steps(at_tokens, record, record_path)
             _refuse_nothing_to_draw(record, record_path, args.figures)
             made = [folders[record_path]] if not folders[record_path].exists() else []
             drawn = draw_record(record, folders[record_path], args.format, figures, args.at, args.dpi)

@@ -336,6 +336,23 @@ def _row_path(spec: FigureSpec, record: Record, cell: Optional[str]) -> str:
     raise NothingToDraw(f"the record has no {spec.families[0].pattern}")
 
 
+def check_at_steps(at_tokens, record: Record, record_path) -> None:
+    """Refuse (`PlotError`) an ``at`` step (``at_tokens``: `parse_at`'s list) after the record's last step (its figure
+    would show the last rows under a file name promising a later step) or before its first (no figure has a row there:
+    each was skipped)."""
+    if len(record["step"]) == 0:  # no rows: said by the caller
+        return
+    first, last = int(record["step"][0]), int(record["step"][-1])
+    early = [t for t in at_tokens or () if isinstance(t, int) and t < first]
+    if early:
+        raise PlotError(f"--at {','.join(map(str, early))}: record {record_path} starts at step {first}, so no figure "
+                        f"has a row there; give steps from {first} to {last}, or init/final")
+    late = [t for t in at_tokens or () if isinstance(t, int) and t > last]
+    if late:
+        raise PlotError(f"--at {','.join(map(str, late))}: record {record_path} ends at step {last} "
+                        f"(row {len(record['step'])}); give steps up to {last}, or init/final")
+
+
 def _at_label(at: Union[str, int]) -> str:
     return at if isinstance(at, str) else f"step{at}"
 
@@ -547,7 +564,8 @@ def write_figures(record_path, out_dir, fmt: str = "png", figures: Optional[Sequ
         The written files (a list), with ``.skipped`` listing the figures that had nothing to draw.
 
     Raises:
-        PlotError: the record has no committed rows, or an option is invalid.
+        PlotError: the record has no committed rows, or an option is invalid (also an ``at`` step before the
+            record's first step or after its last).
         RecordError: the record cannot be read.
     """
     from nasdiag.record import load
@@ -556,6 +574,7 @@ def write_figures(record_path, out_dir, fmt: str = "png", figures: Optional[Sequ
     record = load(record_path)
     if len(record["step"]) == 0:
         raise PlotError(f"record {record_path} has no committed rows yet; nothing to plot")
+    check_at_steps(parse_at(at), record, record_path)  # a later step drew the last rows into files named after it
     drawn = draw_record(record, out_dir, fmt, figures, at, dpi)
     written = WrittenFigures(drawn.files)
     written.skipped = drawn.skipped
@@ -576,6 +595,8 @@ def write_comparison(records: Mapping[str, Record], out_dir, fmt: str = "png", f
     if fmt not in FORMATS:
         raise PlotError(f"unknown figure format {fmt!r}; choose one of {', '.join(FORMATS)}")
     ats = parse_at(at) or ["final"]
+    for label, record in records.items():
+        check_at_steps(parse_at(at), record, label)
     out = Path(out_dir)
     drawn = Drawn()
     records = {label: without_malformed(record) for label, record in records.items()}
