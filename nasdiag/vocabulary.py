@@ -118,7 +118,7 @@ COST_COUNT = family("cost/<cell>/count", "(E, K)", "int64", "sum", "Observations
 
 # -- curvature (BayesNAS appendix §C) ------------------------------------------------------------
 HESSIAN_DIAG = family("hessian/<cell>/diag", "(E, K)", "float32", "mean",
-                      "Diagonal of ∂²L/∂Z² for the Z shared by the cells of the type, in the run's Hessian mode (C.3.1–C.3.2, GGN, Hutchinson, exact_per_edge: per-edge numbers summed over the cells; exact: cross-cell terms included), on the last recorded batch.", when="epoch", section="hessian")
+                      "Diagonal of ∂²L/∂Z² for the Z shared by the cells of the type, in the run's Hessian mode (C.3.1–C.3.2, GGN, Hutchinson, exact_per_edge: per-edge numbers summed over the cells; exact: cross-cell terms included), at the method's `eval_weights()` after the epoch's last step, on the last batch the architecture step used (search-val; search-train for single-level methods).", when="epoch", section="hessian")
 HESSIAN_TOP_EIGENVALUE = family("hessian/<cell>/top_eigenvalue", "()", "float32", "mean",
                                 "Largest algebraic eigenvalue of the α-Hessian of the cell type through Z = softmax(α) (RobustDARTS's early-stop signal), after the step, on its α batch (search-val; search-train for single-level methods).", when="spectrum", section="hessian")
 HESSIAN_JOINT_TOP_EIGENVALUE = family("hessian/top_eigenvalue", "()", "float32", "mean",

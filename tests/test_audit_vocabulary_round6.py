@@ -218,8 +218,11 @@ def test_a_darts_run_records_what_the_vocabulary_says_at_the_steps_and_batches_i
 def test_the_search_val_evaluation_is_at_the_methods_evaluation_weights_as_the_vocabulary_says(tmp_path, monkeypatch):
     """DSNAS evaluates the argmax child of softmax(α) (one-hot), not the distribution ``probabilities()``: the
     vocabulary must name what the run evaluates. Recorded in the run's float64."""
+    from nasdiag.search.methods.dsnas import DSNAS
+
     splits = _small_digits(monkeypatch)("digits", seed=0, dtype=torch.float64)
-    cfg, res, rec = _run(tmp_path, "dsnas", diagnostics=())
+    seen = _snapshots(monkeypatch, DSNAS)
+    cfg, res, rec = _run(tmp_path, "dsnas", diagnostics=("hessian",), hessian_mode="exact_per_edge")
     _check_vocabulary(rec)
     net = _net(res.method.network.state_dict())
     onehot = {t: F.one_hot(a.argmax(-1), 8).double() for t, a in _alphas(net.state_dict()).items()}
@@ -229,8 +232,19 @@ def test_the_search_val_evaluation_is_at_the_methods_evaluation_weights_as_the_v
     assert abs(loss - _loss_acc(net, xs, ys, soft)[0]) > 1e-6  # the two readings differ here
     np.testing.assert_allclose(rec["scalars/search_val_loss"][2], loss, rtol=1e-12)
     np.testing.assert_allclose(rec["scalars/search_val_acc"][2], acc, rtol=0, atol=0)
-    for fam in (V.SEARCH_VAL_LOSS, V.SEARCH_VAL_ACC):
+    for fam in (V.SEARCH_VAL_LOSS, V.SEARCH_VAL_ACC, V.HESSIAN_DIAG):
         assert "eval_weights()" in fam.meaning and "at `probabilities()`" not in fam.meaning
+    # the epoch's Hessian diagonal is at the same one-hot weights, on the last search-train batch (single level)
+    _, (xt, yt), _ = seen[-1]
+    leaves = [onehot[c.cell_type].clone().requires_grad_(True) for c in net.cells]
+    grads = torch.autograd.grad(F.cross_entropy(net(xt, leaves), yt), leaves, create_graph=True)
+    entries = [0, 11, 19, 26, 39]
+    for t in TYPES:
+        want = sum(torch.stack([torch.autograd.grad(g.reshape(-1)[i], leaf, retain_graph=True)[0].reshape(-1)[i]
+                                for i in entries])
+                   for cell, leaf, g in zip(net.cells, leaves, grads) if cell.cell_type == t)
+        np.testing.assert_allclose(rec[f"hessian/{t}/diag"][2].reshape(-1)[entries], want.detach().numpy(), rtol=1e-7,
+                                   atol=1e-12)
 
 
 def _replayed_costs(net, x, y, z, rec, step, split):
