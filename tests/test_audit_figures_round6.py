@@ -245,3 +245,23 @@ def test_the_python_api_refuses_a_step_after_the_record_as_the_cli_does(tmp_path
         assert not (tmp_path / "compare").exists()
     drawn = write_figures(path, tmp_path / "ok", figures=["cost"], at=str(last))  # the last step itself is drawn
     assert sorted(p.name for p in drawn) == [f"cost_{c}_heatmap_step{last}.png" for c in ("normal", "reduce")]
+
+
+def test_the_arch_heatmap_of_a_record_with_only_mixing_weights_labels_its_colour_bar_z_as_its_title_does(tmp_path):
+    """Records written before ``arch/<cell>/probabilities`` hold only the weights Z: the title said "mixing weight Z
+    − 1/K" over a colour bar labelled "p − 1/K"."""
+    from nasdiag.record import Recorder
+
+    ops, edges = ["none", "skip_connect", "sep_conv_3x3"], ["0->2", "1->2"]
+    z = np.array([[0.2, 0.5, 0.3], [0.6, 0.1, 0.3]])
+    with Recorder(str(tmp_path / "old.h5"), meta={"op_names": ops, "edge_names": {"normal": edges}}) as rec:
+        rec.log(1, {"arch/normal/weights": z})
+    record = load(str(tmp_path / "old.h5"))
+    (spec, cell, _, thunk), = [f for f in iter_figures(record, figures=["arch"])]
+    fig = thunk()
+    try:
+        np.testing.assert_allclose(_image_values(fig), z - 1 / 3, rtol=1e-6)
+        title, bar = fig.axes[0].get_title(loc="left"), fig.axes[1].get_ylabel().replace("\n", " ")
+        assert "Z − 1/K" in title and bar.startswith("Z − 1/K"), (title, bar)
+    finally:
+        plt.close(fig)

@@ -31,6 +31,11 @@ def _quantity(path: str) -> str:
     return "p = probabilities()" if path.endswith("probabilities") else "mixing weight Z"
 
 
+def _symbol(path: str) -> str:
+    """The symbol of `_quantity`: the colour bar of an old record's weights names Z, as its title does, not p."""
+    return "p" if path.endswith("probabilities") else "Z"
+
+
 @heatmap(ARCH_FAMILIES, name="arch", file="arch_{cell}_heatmap", paper="DARTS Fig. 3-style weights; wiring supplement Figs 2, 4 (last epoch)",
          caption="The architecture distribution of each edge as its deviation from uniform, p − 1/K: red ops gained "
                  "weight, blue ops lost it; a flat map means the search has not moved.")
@@ -40,7 +45,7 @@ def arch_deviation(record, cell: str, row: int) -> Heatmap:
     E, K = p.shape
     return Heatmap(p - 1.0 / K, edge_names(record, cell, E), op_names(record, K),
                    f"{cell} cell: {_quantity(path)} − 1/K, step {step_of(record, row)}",
-                   f"p − 1/K  (K = {K}; > 0: above uniform)", signed=True, step=step_of(record, row))
+                   f"{_symbol(path)} − 1/K  (K = {K}; > 0: above uniform)", signed=True, step=step_of(record, row))
 
 
 @figure(ARCH_FAMILIES, name="arch_evolution", file="arch_{cell}_evolution", paper="wiring supplement Figs 2, 4",
