@@ -9,8 +9,9 @@ The contract separates two things that DARTS happens to make equal:
 - the **forward relaxation**, :meth:`SearchMethod.forward_weights`: the mixing weights Z the training
   forward uses (softmax(α) for DARTS, a Gumbel-softmax or one-hot sample for SNAS/DSNAS, binary gates
   for ProxylessNAS, EG weights for XNAS, linear A for SparseNAS);
-- the **architecture distribution**, :meth:`SearchMethod.probabilities`: what the genotype, the
-  supernet evaluation and the ``arch/<cell>/probabilities`` records are derived from.
+- the **architecture distribution**, :meth:`SearchMethod.probabilities`: what the genotype and the
+  ``arch/<cell>/probabilities`` records are derived from (the supernet evaluation after each epoch runs at
+  :meth:`SearchMethod.eval_weights`, by default the same).
 
 Every method is built on the cost primitive of the wiring supplement (§2): :meth:`SearchMethod.cost`
 runs one forward/backward with per-cell Z leaves and returns C = ∂L/∂Z once per step; each method's
@@ -250,8 +251,8 @@ class SearchMethod:
         raise NotImplementedError(f"{type(self).__name__} must implement step()")
 
     def probabilities(self) -> CellWeights:
-        """``{cell type: (E, K)}``, detached: the architecture distribution the genotype, the supernet
-        evaluation and ``arch/<cell>/probabilities`` are derived from."""
+        """``{cell type: (E, K)}``, detached: the architecture distribution the genotype and
+        ``arch/<cell>/probabilities`` are derived from (the evaluation uses :meth:`eval_weights`)."""
         raise NotImplementedError(f"{type(self).__name__} must implement probabilities()")
 
     def forward_weights(self) -> CellWeights:
