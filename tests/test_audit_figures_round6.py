@@ -265,3 +265,21 @@ def test_the_arch_heatmap_of_a_record_with_only_mixing_weights_labels_its_colour
         assert "Z − 1/K" in title and bar.startswith("Z − 1/K"), (title, bar)
     finally:
         plt.close(fig)
+
+
+def test_the_groups_docs_figures_names_for_figures_select_what_it_says():
+    """docs/figures.md named `arch` and `cost` as groups of `--figures`; a figure of that name wins, so they select
+    the one heatmap (not arch_evolution, genotype, wiring, cost_std). The page now says which names are groups."""
+    from pathlib import Path
+
+    from nasdiag.plot.registry import select
+
+    text = Path(__file__).resolve().parents[1].joinpath("docs", "figures.md").read_text()
+    line = next(x for x in text.split("\n- ") if x.startswith("`--figures`"))
+    groups = re.findall(r"`(\w+)`", line.split("default all")[0])[1:]
+    shadowed = re.findall(r"`(\w+)`", line.split("default all")[1].split("selects")[0])
+    specs = registered()
+    for group in groups:  # every figure of the group's families
+        assert group not in specs and {s.name for s in select([group])} == {n for n, s in specs.items() if s.group == group}
+    for name in shadowed:  # that figure only
+        assert [s.name for s in select([name])] == [name] and any(s.group == name and n != name for n, s in specs.items())
