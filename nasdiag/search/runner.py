@@ -597,13 +597,30 @@ def run(config: SearchConfig, callbacks: Sequence = ()) -> SearchResult:
     config.validate()
     method_cls, hp = _resolve_method(config)
     check_paths(config)
-    with _threads(config.threads or default_threads()), _process_group(config.device) as (rank, world, device):
-        try:
-            return _run(config, callbacks, method_cls, hp, rank, world, device)
-        except RuntimeError as exc:
-            if world > 1 and not isinstance(exc, NasdiagError) and lost_a_rank(exc):
-                raise RankLostError(exc, rank, world) from exc
-            raise
+    with _threads(config.threads or default_threads()):
+        with _process_group(config.device) as (rank, world, device):
+            try:
+                result = _run(config, callbacks, method_cls, hp, rank, world, device)
+            except RuntimeError as exc:
+                if world > 1 and not isinstance(exc, NasdiagError) and lost_a_rank(exc):
+                    raise RankLostError(exc, rank, world) from exc
+                raise
+        # drawn once every rank left the process group: a rank that left it while rank 0 still drew them (in it)
+        # at times aborted on exit ("terminate called without an active exception"), and torchrun then killed rank 0
+        if config.figures is not None and rank == 0 and config.record is not None:
+            result.figures = _draw_figures(config)
+        return result
+
+
+def _draw_figures(config: SearchConfig) -> List[str]:
+    from nasdiag.plot import write_figures
+
+    try:
+        return [str(p) for p in write_figures(config.record, config.figures)]
+    except BaseException as exc:
+        if not isinstance(exc, Exception):  # Ctrl-C or a signal: the run itself is complete and recorded
+            exc.complete_run = (os.fspath(config.record), os.fspath(config.figures))
+        raise
 
 
 def lost_a_rank(exc: BaseException) -> bool:
@@ -725,18 +742,8 @@ def _run(config, callbacks, method_cls, hp, rank, world, device) -> SearchResult
         progress.close()
         if world > 1:  # graphs with captured collectives would hang the process group's destruction
             method.release_graphs()
-    figures: List[str] = []
-    if config.figures is not None and rank == 0 and config.record is not None:
-        from nasdiag.plot import write_figures
-
-        try:
-            figures = [str(p) for p in write_figures(config.record, config.figures)]
-        except BaseException as exc:
-            if not isinstance(exc, Exception):  # Ctrl-C or a signal: the run itself is complete and recorded
-                exc.complete_run = (os.fspath(config.record), os.fspath(config.figures))
-            raise
     return SearchResult(method.genotype(), evaluation, None if config.record is None else os.fspath(config.record),
-                        figures, config, method)
+                        [], config, method)
 
 
 def _check_softmax_architecture(method: SearchMethod, name: str) -> None:
