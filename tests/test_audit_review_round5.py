@@ -63,3 +63,18 @@ def test_cifar_batches_load_under_every_pickle_protocol_and_a_batch_that_runs_co
     with pytest.raises(DataError, match=r"data_batch_3 is not a CIFAR-10 python batch: it pickles (posix|os)\.mkdir"):
         cifar10(str(bad))
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("method,key", [("darts", "w_lr"), ("snas", "alpha_lr")])
+def test_a_float_hyperparameter_past_the_run_dtype_is_one_config_error_before_any_file(tmp_path, method, key):
+    """Before, ``--hp w_lr=1e39`` in a float32 run built the method and stopped the first optimizer step with
+    torch's "value cannot be converted to type float without overflow" traceback, after the record was made."""
+    from nasdiag.errors import ConfigError
+    from nasdiag.search import SearchConfig, run
+
+    record = tmp_path / "run.h5"
+    config = SearchConfig(method=method, dataset="digits", epochs=1, C=2, layers=3, steps=2, batch_size=240,
+                          diagnostics=(), progress=False, threads=1, hp={key: 1e39}, record=str(record))
+    with pytest.raises(ConfigError, match=rf"hyperparameter {key}=1e\+39 .* larger than float32 holds"):
+        run(config)
+    assert list(tmp_path.iterdir()) == []

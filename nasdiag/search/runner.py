@@ -668,6 +668,7 @@ def _run(config, callbacks, method_cls, hp, rank, world, device) -> SearchResult
                           f"<= {S * config.epochs}")
     hp.check_steps(S * config.epochs, f" ({config.epochs} epochs × {S} per epoch)")
     hp_values = hp.to_dict()
+    _check_representable(hp_values, dtype, config.method)
     defining = config.run_defining(hp_values, world)
     digest = config.config_hash(hp_values, world)
     state, recorded_until = (None, 0)
@@ -843,6 +844,18 @@ def _fits_in_memory(what: str, device, fix: str):
         if not (out_of_memory(exc) or "Overflow when unpacking long" in str(exc)):
             raise
         raise ConfigError(f"{what} does not fit in the memory of {device}; {fix}") from None
+
+
+def _check_representable(hp_values: Mapping[str, Any], dtype: torch.dtype, method: str) -> None:
+    """A float hyperparameter past the run dtype's largest value (``w_lr=1e39`` in float32) built the method, then
+    stopped the first optimizer step with torch's "cannot be converted ... without overflow" traceback."""
+    largest = torch.finfo(dtype).max
+    for key, value in hp_values.items():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(v, float) and math.isfinite(v) and abs(v) > largest:
+                raise ConfigError(f"hyperparameter {key}={v} of method {method!r} is larger than "
+                                  f"{str(dtype).replace('torch.', '')} holds ({largest:.3g}); give a value nearer its "
+                                  "default (nasdiag methods lists them) or --dtype float64")
 
 
 @contextlib.contextmanager
