@@ -342,7 +342,7 @@ def test_load_returns_every_documented_family_with_its_row_shape_dtype_and_valid
     dtype, logged at steps 0 and 2 and left out at step 1: load gives (T, *shape) of that dtype, the logged values,
     the fill value and valid = False where it was left out."""
     sizes = {"E": 2, "K": 3, "R": 2}
-    dtypes = {"float32": np.float32, "int64": np.int64, "bool": np.bool_}
+    dtypes = {"float32": np.float32, "float64": np.float64, "int64": np.int64, "bool": np.bool_}
     families = _documented_families()
     assert len(families) > 30
     rng = np.random.default_rng(4)
