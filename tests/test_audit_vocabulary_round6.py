@@ -82,8 +82,10 @@ def _loss_acc(net, x, y, z):
 
 def _run(tmp_path, method, dtype="float64", **extra):
     out = str(tmp_path / "run.h5")
+    # device="cpu": the replays below are CPU float64 autograd on the run's own state; under the default
+    # "auto" a machine with CUDA would run the search on the GPU (the GPU-marked tests cover that)
     cfg = SearchConfig(method=method, C=2, layers=3, steps=2, multiplier=2, batch_size=BATCH, epochs=1, dtype=dtype,
-                       progress=False, threads=1, record=out, **extra)
+                       progress=False, threads=1, record=out, device="cpu", **extra)
     res = run(cfg)
     from nasdiag.record import load
 
@@ -583,7 +585,7 @@ def test_epoch_scoped_values_belong_to_the_epoch_of_their_row(tmp_path, monkeypa
     _small_digits(monkeypatch)
     out = str(tmp_path / "run.h5")
     cfg = SearchConfig(method="snas", C=2, layers=3, steps=2, multiplier=2, batch_size=BATCH, epochs=2, dtype="float64",
-                       progress=False, threads=1, record=out, diagnostics=("cost",))
+                       progress=False, threads=1, record=out, diagnostics=("cost",), device="cpu")
     hp = run(cfg).method.hp
     from nasdiag.record import load
 
