@@ -124,9 +124,12 @@ def test_hyperparameters_past_their_bound(extra, needle, tmp_path, capsys):
 def test_a_method_built_past_floating_point_is_one_line(tmp_path, capsys):
     """``init_gamma=1e300`` (float32 overflow) and ``reward_bound=1e-300`` (L² underflows to 0 in eq 4's η*) were
     a RuntimeError and a ZeroDivisionError traceback from the method's build."""
-    for extra in (["--method", "bayesnas", "--hp", "init_gamma=1e300"], ["--method", "xnas", "--hp", "reward_bound=1e-300"]):
-        refused(_search(tmp_path / "run.h5", *extra), tmp_path,
-                [f"cannot be built with its hyperparameters ({extra[-1]})", "too large or too small for float32"], capsys)
+    # a value past the dtype's largest is refused before the build, naming it (runner._check_representable)
+    refused(_search(tmp_path / "run.h5", "--method", "bayesnas", "--hp", "init_gamma=1e300"), tmp_path,
+            ["hyperparameter init_gamma=1e+300 of method 'bayesnas' is larger than float32 holds"], capsys)
+    extra = ["--method", "xnas", "--hp", "reward_bound=1e-300"]
+    refused(_search(tmp_path / "run.h5", *extra), tmp_path,
+            [f"cannot be built with its hyperparameters ({extra[-1]})", "too large or too small for float32"], capsys)
 
 
 def test_methods_lists_the_ranges_and_takes_method_names(capsys):
