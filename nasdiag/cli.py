@@ -330,6 +330,13 @@ def _stopped(args: Optional[argparse.Namespace], how: str, exc: Optional[BaseExc
     return f"nasdiag: {how}; the record holds every completed step: continue it with {_resume_command(argv)}"
 
 
+def _say(line: str) -> None:
+    """``line`` on stderr in one write: print() writes the text and its newline apart, and the ranks of a torchrun
+    launch refusing at once ran their lines together ("...new pathnasdiag: error: ...")."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def _with_resume(line: str, exc: BaseException, args, argv) -> str:
     """``line`` plus, for a search that failed after it began recording (``exc.resumable``), what the record keeps
     (``exc.kept``, unless the line says it) and the command that resumes it."""
@@ -448,7 +455,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         from nasdiag.record.errors import DamagedRecordError
 
         line = _damaged(exc) if isinstance(exc, DamagedRecordError) else _one_line(exc)
-        print(_with_resume(line, exc, args, argv), file=sys.stderr)
+        _say(_with_resume(line, exc, args, argv))
         return EXIT_USAGE
     except BrokenPipeError:  # the reader of our output went away (| head): not an error of the command
         _quiet_stdout()
@@ -457,14 +464,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         from nasdiag.record.lock import describe_os_error
 
         where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
-        print(_with_resume(f"nasdiag: error: {describe_os_error(exc)}{where}", exc, args, argv), file=sys.stderr)
+        _say(_with_resume(f"nasdiag: error: {describe_os_error(exc)}{where}", exc, args, argv))
         return EXIT_USAGE
     except KeyboardInterrupt as exc:
-        print(_stopped(args, "interrupted", exc, argv), file=sys.stderr)
+        _say(_stopped(args, "interrupted", exc, argv))
         _die_on_the_next_interrupt(argv, main_thread)
         return EXIT_SIGINT
     except Terminated as exc:
-        print(_stopped(args, "terminated (SIGTERM)", exc, argv), file=sys.stderr)
+        _say(_stopped(args, "terminated (SIGTERM)", exc, argv))
         _die_on_the_next_interrupt(argv, main_thread)
         return EXIT_SIGTERM
     finally:

@@ -513,9 +513,16 @@ def _process_group(device_name: str):
             dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     try:
         yield dist.get_rank(), dist.get_world_size(), device
-    finally:
+    except BaseException:
         if created:
             dist.destroy_process_group()
+        raise
+    if created:
+        # a rank that tears gloo down while a peer is still finishing its last collective makes that peer's
+        # transport thread abort the process ("terminate called without an active exception", exit -6), failing a
+        # complete run under torchrun; after a run every rank leaves together
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 @contextlib.contextmanager
