@@ -3,6 +3,7 @@
     python scripts/record_kill_trials.py                  # 200 SIGKILL trials in a temporary folder
     python scripts/record_kill_trials.py --trials 1000 --dir /scratch/me   # on the file system you use
     python scripts/record_kill_trials.py --signal SIGTERM
+    python scripts/record_kill_trials.py --tear           # killed inside a write (needs cc)
 
 Each trial (`kill_trial`) starts a writer in a child process (fresh, or resuming and rewinding an
 existing record), kills it right after opening or after a random number of commits, then checks that
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import mmap
 import os
 import queue
 import random
@@ -158,11 +160,11 @@ class WriterProcess:
     tag, late_from, nan_every, bad_shape_at, sleep (s per row), fsize (RLIMIT_FSIZE bytes),
     end ("close", "hold": wait for a signal, "raise", "exit": leave without closing),
     own_sigterm (install an application SIGTERM handler first), after_term (rows logged after it ran).
-    ``wrapper``: argv prefix (for example an ``unshare`` command)."""
+    ``wrapper``: argv prefix (for example an ``unshare`` command); ``env``: extra environment variables."""
 
-    def __init__(self, cfg: dict, wrapper: list[str] | None = None):
+    def __init__(self, cfg: dict, wrapper: list[str] | None = None, env: dict | None = None):
         argv = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(cfg)]
-        env = dict(os.environ, PYTHONPATH=_pythonpath())
+        env = dict(os.environ, PYTHONPATH=_pythonpath(), **(env or {}))
         self.proc = subprocess.Popen(
             (wrapper or []) + argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
         )
@@ -267,7 +269,7 @@ def kill_trial(directory, seed: int, signum: int = signal.SIGKILL) -> dict:
     touching the earlier files. SIGKILL may lose at most one buffer; SIGTERM (which may land inside
     a flush) must lose nothing that was logged, close every file cleanly, remove the lock and end
     the process by the signal. Returns a summary of the trial."""
-    from nasdiag.record import Recorder, load
+    from nasdiag.record import Recorder
 
     rng = random.Random(seed)
     path = os.path.join(os.fspath(directory), f"kill{seed}-{signum}.h5")
@@ -319,6 +321,59 @@ def kill_trial(directory, seed: int, signum: int = signal.SIGKILL) -> dict:
         for _, file in list_segments(path):
             with h5py.File(file, "r"):  # without swmr=True: only a cleanly closed file opens
                 pass
+    _check_resume_leaves_files(path)
+    return {"seed": seed, "signal": signal.Signals(signum).name, "flush_every": flush_every,
+            "resume": cfg.get("resume", False), "moment": moment, "reported": reported, "rows_on_disk": rows,
+            "lost_at_most": flush_every if killed else 0}
+
+
+TEAR_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tear_writes.c")
+
+
+def build_tear_library(directory) -> str | None:
+    """Compile scripts/tear_writes.c into ``directory``; None where there is no C compiler (or no
+    LD_PRELOAD: the library interposes glibc's pwrite on Linux)."""
+    import shutil
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None or not sys.platform.startswith("linux"):
+        return None
+    out = os.path.join(os.fspath(directory), "tear_writes.so")
+    done = subprocess.run([compiler, "-shared", "-fPIC", "-O1", "-o", out, TEAR_SOURCE, "-ldl"], capture_output=True, text=True)
+    return out if done.returncode == 0 and os.path.exists(out) else None
+
+
+def tear_trial(directory, seed: int, tear_at: int, library: str, metadata_only: bool = False) -> dict:
+    """One trial of the worst a SIGKILL can do to one write: a fresh writer (``seed`` picks flush_every and
+    whether a late column opens a second segment) logs 400 rows under ``library`` (`build_tear_library`),
+    which writes only the first page of the ``tear_at``-th page-crossing write to the record (of HDF5
+    metadata only, with ``metadata_only``) and kills the writer (SIGKILL) there. The record must then load with exactly the first rows logged, lose at most one
+    buffer, and resume without touching the crashed files. If the writer makes fewer such writes, it ends
+    normally and every row must be there."""
+    rng = random.Random(seed)
+    path = os.path.join(os.fspath(directory), f"tear{seed}-{tear_at}{'m' if metadata_only else ''}.h5")
+    flush_every = rng.choice([1, 3, 8, 64])
+    cfg = {"path": path, "start": 0, "count": 400, "flush_every": flush_every, "tag": 0,
+           "late_from": rng.choice([None, rng.randint(0, 200)]), "nan_every": rng.choice([None, 5])}
+    child = WriterProcess(cfg, env={"LD_PRELOAD": library, "NASDIAG_TEAR_AT": str(tear_at),
+                                    "NASDIAG_TEAR_PAGE": str(mmap.PAGESIZE),
+                                    "NASDIAG_TEAR_METADATA": "1" if metadata_only else "0"})
+    code = child.finish(timeout=120)
+    torn = code == -signal.SIGKILL
+    assert torn or code == 0, f"writer ended with {code}: {child.stderr()[-2000:]}"
+    reported = child.committed
+    writer = {"start": 0, "tag": 0, "late_from": cfg["late_from"], "nan_every": cfg["nan_every"]}
+    writer.update({"min_rows": reported, "max_rows": reported + flush_every} if torn else {"rows": 400})
+    rows = verify_rows(path, [writer])
+    _check_resume_leaves_files(path)
+    return {"seed": seed, "tear_at": tear_at, "metadata_only": metadata_only, "flush_every": flush_every, "torn": torn, "reported": reported,
+            "rows_on_disk": rows}
+
+
+def _check_resume_leaves_files(path) -> None:
+    """A resume after a crash must start a new segment: the crashed files stay byte for byte as they were."""
+    from nasdiag.record import Recorder, load
+
     before = _file_digests(path)
     steps = load(path)["step"]
     with Recorder(path, resume=True, flush_seconds=None) as rec:
@@ -328,11 +383,7 @@ def kill_trial(directory, seed: int, signum: int = signal.SIGKILL) -> dict:
         rec.log(next_step, {"scalars/a": 0.25})
     after = _file_digests(path)
     assert all(after[file] == digest for file, digest in before.items()), "resume modified a crashed segment"
-    reloaded = load(path)
-    assert reloaded["step"].tolist() == steps.tolist() + [next_step]
-    return {"seed": seed, "signal": signal.Signals(signum).name, "flush_every": flush_every,
-            "resume": cfg.get("resume", False), "moment": moment, "reported": reported, "rows_on_disk": rows,
-            "lost_at_most": flush_every if killed else 0}
+    assert load(path)["step"].tolist() == steps.tolist() + [next_step]
 
 
 def main(argv=None) -> int:
@@ -341,11 +392,16 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
     parser.add_argument("--signal", default="SIGKILL", choices=["SIGKILL", "SIGTERM"])
+    parser.add_argument("--tear", action="store_true",
+                        help="tear trials instead: a writer killed inside a write, after its first page "
+                             "(needs a C compiler; see scripts/tear_writes.c)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child is not None:
         child_main(json.loads(args.child))
         return 0
+    if args.tear:
+        return _tear_main(args)
     failures = 0
     with tempfile.TemporaryDirectory(dir=args.dir) as directory:
         for seed in range(args.seed, args.seed + args.trials):
@@ -356,6 +412,26 @@ def main(argv=None) -> int:
                 failures += 1
                 print(json.dumps({"seed": seed, "failed": f"{type(err).__name__}: {err}"}), flush=True)
     print(f"{args.trials - failures}/{args.trials} {args.signal} trials intact")
+    return 1 if failures else 0
+
+
+def _tear_main(args) -> int:
+    failures = 0
+    with tempfile.TemporaryDirectory(dir=args.dir) as directory:
+        library = build_tear_library(directory)
+        if library is None:
+            print("tear trials need a C compiler (cc) on Linux; none found", file=sys.stderr)
+            return 2
+        rng = random.Random(args.seed)
+        for seed in range(args.seed, args.seed + args.trials):
+            metadata_only = seed % 2 == 1
+            tear_at = rng.randint(1, 100 if metadata_only else 600)
+            try:
+                print(json.dumps(tear_trial(directory, seed, tear_at, library, metadata_only)), flush=True)
+            except Exception as err:  # noqa: BLE001 - report every kind of failure, go on
+                failures += 1
+                print(json.dumps({"seed": seed, "tear_at": tear_at, "failed": f"{type(err).__name__}: {err}"}), flush=True)
+    print(f"{args.trials - failures}/{args.trials} tear trials intact")
     return 1 if failures else 0
 
 

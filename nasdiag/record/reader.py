@@ -308,6 +308,7 @@ def read_segment(index: int, file: str, with_data: bool = True, live: bool = Tru
             present_ds = f[schema.PRESENT]
             paths = [_attr_str(p) for p in present_ds.attrs[schema.PATHS_ATTR]]
             datasets = {path: f[path] for path in paths}
+            step_ds = f[schema.STEP]
             run_id = _attr_str(f.attrs.get("run_id", ""))
             meta = read_meta(f)
             previous = json.loads(_attr_str(f.attrs.get(schema.PREVIOUS_ATTR, "[]")))
@@ -317,7 +318,7 @@ def read_segment(index: int, file: str, with_data: bool = True, live: bool = Tru
             raise
         except _READ_ERRORS as err:
             return _damaged_segment(index, file, f"its structure cannot be read ({_first_line(err)})")
-        steps, bad, error = _read_prefix(f[schema.STEP], f[schema.STEP].shape[0])
+        steps, bad, error = _read_prefix(step_ds, step_ds.shape[0])
         steps = steps.astype(np.int64)
         n, data, present, damage = _check_rows(f, file, index, steps, committed_rows(steps), paths, datasets, present_ds)
         if bad is not None and damage is None and committed_rows(steps) == steps.size:

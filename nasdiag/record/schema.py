@@ -10,6 +10,7 @@ import glob
 import hashlib
 import json
 import math
+import mmap
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -28,6 +29,12 @@ SCHEMA_VERSION = 2
 #: HDF5 format bounds. SWMR needs at least the 1.10 format; capping it at 1.10 keeps records
 #: readable by every h5py built against HDF5 >= 1.10 (newer formats would lock out older readers).
 LIBVER = ("v110", "v110")
+#: File-space layout of every segment: HDF5's paged aggregation, in pages of the OS page size, so that each
+#: metadata block below a page (every object header and chunk index block a flush rewrites) lies inside one
+#: page. A SIGKILL lands between the pages of a write, never inside one: with the default layout a dataset's
+#: object header could straddle a page boundary, and a kill mid-write left it half old, half new (a bad
+#: checksum, the whole segment unreadable). Needs the 1.10 format (`LIBVER`).
+FILE_SPACE = {"fs_strategy": "page", "fs_page_size": max(4096, mmap.PAGESIZE), "fs_persist": False}
 
 STEP = "step"
 PRESENT = "present"

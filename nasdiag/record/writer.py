@@ -705,7 +705,7 @@ class Recorder:
         self._remove(tmp)
         f = None
         try:
-            f = h5py.File(tmp, "w-", libver=schema.LIBVER, rdcc_nbytes=schema.CHUNK_CACHE_BYTES)
+            f = h5py.File(tmp, "w-", libver=schema.LIBVER, rdcc_nbytes=schema.CHUNK_CACHE_BYTES, **schema.FILE_SPACE)
             self._write_header(f)
             columns = [] if placeholder else list(self._columns.values())
             for column in columns:
