@@ -10,14 +10,18 @@ tear on purpose (LD_PRELOAD); scripts/record_kill_trials.py --tear runs many suc
 from __future__ import annotations
 
 import mmap
+import os
+import subprocess
+import sys
 import warnings
 
 import h5py
 import numpy as np
 import pytest
-from record_kill_trials import build_tear_library, expected_row, tear_trial
+from record_kill_trials import _pythonpath, build_tear_library, expected_row, tear_trial
 
 from nasdiag.record import RecordError, Recorder, RecordWarning, load
+from nasdiag.record import schema
 from nasdiag.record.schema import list_segments
 
 PAGE = mmap.PAGESIZE
@@ -113,3 +117,59 @@ def test_a_segment_whose_step_header_is_damaged_is_reported_and_salvaged(tmp_pat
         out = load(path, salvage=True)
     np.testing.assert_array_equal(out["step"], np.arange(40))
     np.testing.assert_array_equal(out["scalars/i"], np.arange(40))
+
+
+def _wide_row(step: int, width: int = 4096) -> dict:
+    """A 16 KiB row (one HDF5 chunk each) and a scalar."""
+    return {"wide/x": np.full(width, step, np.float32), "scalars/a": float(step)}
+
+
+@pytest.mark.parametrize("flush_every, rows, segments", [(1, 9, 5), (2, 9, 5), (3, 10, 4)])
+def test_a_segment_is_closed_before_its_datasets_pass_the_chunk_limit(tmp_path, monkeypatch, flush_every, rows, segments):
+    """With the limit set to 2 chunks, a dataset of one row per chunk fills a segment every 2 rows; a
+    batch larger than that (flush_every=3) stays whole in its own segment. Every row loads, in order,
+    and a resume goes on in the next segment."""
+    monkeypatch.setattr(schema, "MAX_SEGMENT_CHUNKS", 2)
+    path = tmp_path / "run.h5"
+    with Recorder(path, flush_every=flush_every, flush_seconds=None) as rec:
+        for step in range(rows):
+            rec.log(step, _wide_row(step))
+    assert len(list_segments(str(path))) == segments
+    out = load(path)
+    np.testing.assert_array_equal(out["step"], np.arange(rows))
+    np.testing.assert_array_equal(out["wide/x"], np.repeat(np.arange(rows, dtype=np.float32)[:, None], 4096, axis=1))
+    with Recorder(path, resume=True, flush_seconds=None) as rec:
+        assert rec.last_step == rows - 1
+        rec.log(rows, _wide_row(rows))
+    np.testing.assert_array_equal(load(path)["step"], np.arange(rows + 1))
+
+
+WIDE_WRITER = """
+import sys
+import numpy as np
+from nasdiag.record import Recorder
+with Recorder(sys.argv[1], flush_every=64, flush_seconds=None) as rec:
+    for step in range(int(sys.argv[2])):
+        rec.log(step, {"wide/x": np.full(4096, step, np.float32), "scalars/a": float(step)})
+print("DONE", flush=True)
+"""
+
+
+def test_a_long_run_writes_no_metadata_block_across_a_page(tmp_path, tear_library):
+    """9000 rows of 16 KiB: one chunk per row, past the ~8192 chunks at which HDF5's chunk index writes
+    blocks of 4118 bytes. The injector cuts the first metadata write that crosses a page and kills the
+    writer; the writer must end normally (there was none), with every row on disk."""
+    path = tmp_path / "wide.h5"
+    env = {**os.environ, "PYTHONPATH": _pythonpath(), "LD_PRELOAD": tear_library,
+           "NASDIAG_TEAR_AT": "1", "NASDIAG_TEAR_PAGE": str(PAGE), "NASDIAG_TEAR_METADATA": "1"}
+    done = subprocess.run([sys.executable, "-c", WIDE_WRITER, str(path), "9000"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and "DONE" in done.stdout, (
+        f"the writer was killed at a metadata write across a page (exit {done.returncode}): {done.stderr[-500:]}"
+    )
+    out = load(path)
+    np.testing.assert_array_equal(out["step"], np.arange(9000))
+    expected = np.arange(0, 9000, 997, dtype=np.float32)[:, None]
+    np.testing.assert_array_equal(out["wide/x"][::997, ::1000], np.repeat(expected, 5, axis=1))
+    for _, file in list_segments(str(path)):  # 150 MB
+        os.remove(file)

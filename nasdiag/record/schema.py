@@ -158,6 +158,18 @@ def chunk_rows(row_shape: tuple[int, ...], itemsize: int) -> int:
     return 1 << (rows.bit_length() - 1)
 
 
+#: Chunks a dataset may get in one segment. HDF5 indexes the chunks of an appendable dataset in an extensible
+#: array whose data blocks grow as chunks are added: past about 8192 chunks a block (4118 bytes for 512 chunk
+#: addresses) is larger than a 4 KiB page, so paged aggregation (`FILE_SPACE`) can no longer keep it inside one
+#: page and a kill could tear it, losing committed rows. The writer starts the next segment before that.
+MAX_SEGMENT_CHUNKS = 4096
+
+
+def segment_row_limit(rows_per_chunk: Sequence[int]) -> int:
+    """Rows one segment may hold: `MAX_SEGMENT_CHUNKS` chunks of its dataset with the fewest rows per chunk."""
+    return MAX_SEGMENT_CHUNKS * min(rows_per_chunk)
+
+
 def fill_value(dtype: np.dtype):
     """Value stored for a row in which a dataset was not logged (NaN for floats)."""
     if dtype.kind == "f":

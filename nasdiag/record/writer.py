@@ -12,8 +12,11 @@ How durability is obtained (docs/schema.md has the format):
 - SWMR forbids creating datasets once it is on. A segment file is therefore created complete (all
   datasets known so far) under a temporary name, switched to SWMR and then linked to its final
   name, so every visible segment is readable. A dataset path first logged after that closes the
-  segment cleanly and continues in the next one. Resuming always starts a new segment; a crashed
+  segment cleanly and continues in the next one, and so does a segment about to pass
+  ``schema.MAX_SEGMENT_CHUNKS`` chunks in a dataset. Resuming always starts a new segment; a crashed
   file is never reopened for writing.
+- A kill can tear one write at a page boundary; segments use paged file space (``schema.FILE_SPACE``)
+  so that no metadata block a flush rewrites crosses one (docs/schema.md, "A kill inside a write").
 - ``<path>.lock`` holds an ``flock`` for the writer's lifetime (see `lock.WriterLock`).
 - Each flush checks that the open segment is still the file at its path: rows are never written on
   into a file that another program moved away or deleted.
@@ -256,6 +259,7 @@ class Recorder:
         self._datasets: dict[str, h5py.Dataset] = {}
         self._segment_index = 0
         self._segment_rows = 0  # committed rows in the open segment
+        self._segment_row_limit = 0  # rows the open segment may hold (schema.segment_row_limit)
         self._segment_identity: tuple | None = None  # (absolute path, st_dev, st_ino) of the open segment
         self._committed = 0  # committed rows in this session
         self._last_step: int | None = None
@@ -507,9 +511,7 @@ class Recorder:
                 # SWMR cannot create datasets in an open file: finish this segment, start the next.
                 # (A placeholder is replaced by the first flush, so it needs no switch.)
                 self._flush()
-                self._close_segment()
-                self._previous_segments.append([self._segment_index, self._segment_rows])
-                self._segment_index += 1
+                self._next_segment()
             for (path, shape, dtype), buffer in zip(new_columns, buffers):
                 self._add_column(path, shape, dtype, buffer)
         columns = self._columns
@@ -708,12 +710,14 @@ class Recorder:
             f = h5py.File(tmp, "w-", libver=schema.LIBVER, rdcc_nbytes=schema.CHUNK_CACHE_BYTES, **schema.FILE_SPACE)
             self._write_header(f)
             columns = [] if placeholder else list(self._columns.values())
+            rows_per_chunk = [schema.chunk_rows((), 8), schema.chunk_rows((max(len(columns), 1),), 1)]
             for column in columns:
+                rows_per_chunk.append(schema.chunk_rows(column.shape, column.dtype.itemsize))
                 ds = f.create_dataset(
                     column.path,
                     shape=(0, *column.shape),
                     maxshape=(None, *column.shape),
-                    chunks=(schema.chunk_rows(column.shape, column.dtype.itemsize), *column.shape),
+                    chunks=(rows_per_chunk[-1], *column.shape),
                     dtype=column.dtype,
                     fillvalue=schema.fill_value(column.dtype),
                 )
@@ -770,6 +774,7 @@ class Recorder:
             # its chunks from a destructor, where a failed write (disk full) cannot be reported.
             self._datasets = {path: f[path] for path in [*self._columns, schema.PRESENT, schema.DIGEST, schema.STEP]}
             self._segment_rows = 0
+            self._segment_row_limit = schema.segment_row_limit(rows_per_chunk)
             try:
                 found = os.fstat(f.id.get_vfd_handle())
                 self._segment_identity = (os.path.abspath(final), found.st_dev, found.st_ino)
@@ -849,6 +854,10 @@ class Recorder:
                 meta.attrs[key] = json.dumps(value, sort_keys=True)
 
     def _write_batch(self) -> None:
+        if self._file is not None and self._segment_rows and self._segment_rows + self._rows > self._segment_row_limit:
+            # Past schema.MAX_SEGMENT_CHUNKS chunks HDF5's chunk index writes blocks larger than a page, which a
+            # kill could tear: go on in the next segment. (A single batch larger than that stays in one segment.)
+            self._next_segment()
         if self._file is None:
             try:
                 self._create_segment()
@@ -904,6 +913,12 @@ class Recorder:
         self._rows = 0
         self._present[:rows] = False
         self._last_flush = time.monotonic()
+
+    def _next_segment(self) -> None:
+        """Close the open segment cleanly; the next batch creates the next one."""
+        self._close_segment()
+        self._previous_segments.append([self._segment_index, self._segment_rows])
+        self._segment_index += 1
 
     def _close_segment(self) -> None:
         f, self._file = self._file, None
