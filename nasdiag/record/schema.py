@@ -110,7 +110,8 @@ def segment_path(path: str, index: int) -> str:
     """File of segment ``index`` of the record at ``path``.
 
     Segment 0 is ``path`` itself; segment i > 0 is ``<root>.seg<iiii><ext>`` next to it, so
-    ``run.h5`` continues in ``run.seg0001.h5``, ``run.seg0002.h5``, ...
+    ``run.h5`` continues in ``run.seg0001.h5``, ``run.seg0002.h5``, ... (at least four digits: segment 10000
+    is ``run.seg10000.h5``).
     """
     if index == 0:
         return path
@@ -122,9 +123,16 @@ def segment_owner(path: str) -> str | None:
     """The record whose segment i > 0 `segment_path` would name ``path`` (``run.seg0001.h5`` -> ``run.h5``), else None."""
     for root, ext in (os.path.splitext(path), (path, "")):  # "run.seg0001" continues a record "run" without suffix
         stem, dot, number = root.rpartition(".seg")
-        if dot and os.path.basename(stem) and len(number) == 4 and number.isdigit():
+        if dot and os.path.basename(stem) and _segment_number(number) is not None:
             return stem + ext
     return None
+
+
+def _segment_number(text: str) -> int | None:
+    """The index i > 0 that `segment_path` writes as ``text`` (``"0001"``, ``"10000"``), else None."""
+    if not (text.isascii() and text.isdigit()) or len(text) < 4 or int(text) == 0:
+        return None
+    return int(text) if len(text) == 4 or text[0] != "0" else None  # past 4 digits, no leading zero
 
 
 def lock_path(path: str) -> str:
@@ -144,10 +152,13 @@ def list_segments(path: str) -> list[tuple[int, str]]:
     if os.path.exists(path):
         found.append((0, path))
     root, ext = os.path.splitext(path)
-    pattern = glob.escape(root) + ".seg" + "[0-9]" * 4 + glob.escape(ext)
+    # four digits or more: a glob of exactly four missed segment 10000 on, whose rows `load` then silently left out
+    pattern = glob.escape(root) + ".seg" + "[0-9]" * 4 + "*" + glob.escape(ext)
     prefix_len = len(root) + len(".seg")
     for file in glob.glob(pattern):
-        found.append((int(file[prefix_len : prefix_len + 4]), file))
+        index = _segment_number(file[prefix_len : len(file) - len(ext)])
+        if index is not None:
+            found.append((index, file))
     return sorted(found)
 
 
