@@ -193,6 +193,10 @@ def unrolled_gradient(network, train_batch: Batch, val_batch: Batch, weights: Ce
 
     Returns:
         :class:`UnrolledGradient`.
+
+    Raises:
+        SearchError: (``nonfinite_loss_error``, outside a CUDA-graph capture) where the loss of any of the four
+            forwards (train at w, val at w', train at w⁺ and w⁻) is NaN or inf, before anything uses it.
     """
     params = {n: p.detach() for n, p in weight_params(network).items()}
     buffer_names, buffer_values = zip(*network.named_buffers()) if any(True for _ in network.buffers()) else ((), ())
@@ -227,6 +231,13 @@ def unrolled_gradient(network, train_batch: Batch, val_batch: Batch, weights: Ce
     minus = dict(zip(names, torch._foreach_sub(w, shift)))
     c_plus = functional_cost(network, plus, buffers(), x_t, y_t, weights, active=active)
     c_minus = functional_cost(network, minus, buffers(), x_t, y_t, weights, active=active)
+    # the losses at w± are unrolled forwards too: a NaN/inf there made the hypergradient NaN, which the α step
+    # applied before the w step's check stopped the run (α already NaN, the error blaming the search-train batch)
+    if host_checks_allowed() and not finite_on_every_rank(torch.stack([c_plus.loss, c_minus.loss])):
+        raise nonfinite_loss_error(
+            f"the search-train loss at w ± εv (the finite difference of eq 13, ε = {float(eps):.3g}) is "
+            f"{float(c_plus.loss)} / {float(c_minus.loss)}: the unrolled step cannot continue (lower fd_eps_scale or "
+            "the learning rates)", {"scalars/unrolled_train_loss": train.loss.detach(), "scalars/fd_eps": eps.detach()})
     g_plus, g_minus = arch_grad(c_plus.costs), arch_grad(c_minus.costs)
     # the divisor is (2 * eps): `/ 2.*eps` would multiply by eps
     implicit = {t: torch.where(nonzero, (g_plus[t] - g_minus[t]) / (2.0 * eps), torch.zeros_like(g_plus[t]))
