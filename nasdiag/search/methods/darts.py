@@ -98,7 +98,7 @@ class DARTS(SearchMethod):
         logits = self.model(x, {t: z.detach() for t, z in weights.items()})
         loss = nn.functional.cross_entropy(logits, y)
         if self.check_train_loss and host_checks_allowed() and not finite_on_every_rank(loss):  # DDP: every rank stops
-            raise nonfinite_loss_error(f"{self.name}: the search-train loss is {float(loss)} (not finite); the search stops "
+            raise nonfinite_loss_error(f"{self.name}: the search-train loss is {float(loss.detach())} (not finite); the search stops "
                                        "before the w step. Lower the learning rates or check the data for NaN/inf",
                                        {"scalars/train_loss": loss.detach()})
         loss.backward()
