@@ -68,8 +68,9 @@ def failing_row(stats: Dict[str, torch.Tensor]):
 def check_batch(network, batch, what: str) -> None:
     """Raise a one-line `SearchError` unless ``batch`` is an ``(x, y)`` pair the supernet can take: x a non-empty
     floating tensor of the network's dtype and device (with the stem's input channels, where the network has a
-    ``stem`` starting with a convolution), y a 1-D int64 (or uint8) tensor of class indices, one per sample of x. Reads
-    only shapes and dtypes (no device synchronisation)."""
+    ``stem`` starting with a convolution), y a 1-D int64 (or uint8) tensor of class indices, one per sample of x, each in
+    [0, ``network.num_classes``) where the network states it and y is on the CPU. Reads only shapes and dtypes of
+    device tensors (no device synchronisation)."""
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2 and all(isinstance(t, torch.Tensor) for t in batch)):
         raise SearchError(f"the {what} batch must be a pair (x, y) of tensors, got {type(batch).__name__}")
     x, y = batch
@@ -90,6 +91,15 @@ def check_batch(network, batch, what: str) -> None:
     if y.dim() != 1 or y.dtype not in (torch.int64, torch.uint8) or len(y) != len(x):
         raise SearchError(f"the {what} labels y must be a 1-D int64 tensor of class indices (y.long()), one per sample "
                           f"({len(x)}), got {y.dtype} {tuple(y.shape)}")
+    # a label past the classifier stopped the step in cross-entropy's IndexError after a forward had moved BatchNorm's
+    # running statistics (and -100, its ignore_index, was silently left out of the loss). Read where it is free: labels
+    # on the CPU (on a GPU it would synchronise every step)
+    classes = getattr(network, "num_classes", None)
+    if isinstance(classes, int) and y.device.type == "cpu":
+        low, high = int(y.min()), int(y.max())
+        if low < 0 or high >= classes:
+            raise SearchError(f"the {what} labels y must be class indices in [0, {classes}) for this supernet's {classes} "
+                              f"classes, got values from {low} to {high}")
 
 
 class _BatchChecked:
