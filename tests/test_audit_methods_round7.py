@@ -1,0 +1,112 @@
+"""Audit round 7 of the search methods (nasdiag/search/methods, nasdiag/sparse, nasdiag/search/unrolled.py, base.py).
+
+Each test states the contract it holds the code to (the method docstrings, docs/darts2.md, docs/methods.md) and checks
+it with its own float64 computation: the state a failing step must leave (α, w, BatchNorm's running statistics, the
+optimizers' state, compared to deep copies taken before), torch forward hooks on the attention modules for ASM-NAS's
+recorded attention mean, plain arithmetic for the rest. Nothing here uses nasdiag to compute a reference.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+from nasdiag.errors import NasdiagError
+from nasdiag.search import Schedule, SearchError, get_method
+from nasdiag.supernet import Network
+from test_audit_methods_round3 import _assert_same as _same  # equal tensors, dicts, sequences, values
+
+CLASSES = 10
+
+
+def _net(seed=0, primitives=None):
+    torch.manual_seed(seed)
+    kwargs = {} if primitives is None else {"primitives": primitives}
+    return Network(2, CLASSES, 3, steps=1, multiplier=1, in_channels=1, **kwargs).double()
+
+
+def _batch(seed, B=4):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, 1, 8, 8, generator=g, dtype=torch.float64), torch.randint(0, CLASSES, (B,), generator=g)
+
+
+def _method(name, net, **hp):
+    cls = get_method(name)
+    return cls(net, cls.Hyperparameters(**hp), schedule=Schedule(epochs=2, steps_per_epoch=3, batch_size=4))
+
+
+def _snapshot(method):
+    """Everything a step may change: network parameters and buffers, each optimizer's state, the generator."""
+    return copy.deepcopy({"net": method.network.state_dict(),
+                          "objects": {k: v.state_dict() for k, v in method._stateful().items()},
+                          "generator": method.generator.get_state()})
+
+
+# -- the unrolled step: the losses at w± are unrolled forwards too -------------------------------------------------
+@pytest.mark.parametrize("name", ["darts2", "sparsenas"])
+def test_a_nonfinite_loss_at_the_finite_differences_w_plus_minus_stops_the_step_before_alpha_moves(name):
+    """docs/darts2.md: "A non-finite loss (of an unrolled forward, or of the w step's forward) raises SearchError
+    before the update that would use it". The finite difference of eq 13 evaluates L_train at w^± = w ± εv with
+    ε = r/‖v‖, i.e. at distance r from w. With r = 1e300 those losses are NaN while L_train(w) and L_val(w') are
+    finite: the step must stop there, every piece of state as before (the α step applied the NaN hypergradient and
+    the w step's check raised afterwards, blaming the search-train batch, with α NaN)."""
+    net = _net(1, primitives=("skip_connect", "avg_pool_3x3", "sep_conv_3x3") if name == "sparsenas" else None)
+    method = _method(name, net, fd_eps_scale=1e300)
+    train, val = _batch(2), _batch(3)
+    before = _snapshot(method)
+    with pytest.raises(SearchError) as info:
+        method.step(train, val)
+    message = str(info.value)
+    assert "\n" not in message and "w ± εv" in message and "fd_eps_scale" in message, message
+    _same(before, _snapshot(method))
+    assert all(torch.isfinite(a).all() for a in net.arch_parameters())
+    stats = info.value.statistics
+    assert float(stats["scalars/nonfinite_loss"]) == 1.0
+    # ε of the failing step is in its row: r / ‖∇_w' L_val‖, finite and huge
+    assert float(stats["scalars/fd_eps"]) > 1e290
+    # the same step with DARTS's r goes through and keeps α finite (the refusal is about the perturbed losses alone)
+    method.hp.fd_eps_scale = 0.01
+    method.step(train, val)
+    assert all(torch.isfinite(a).all() for a in net.arch_parameters())
+
+
+def test_a_nan_search_train_loss_of_the_w_step_is_one_error_and_no_warning():
+    """SparseNAS (first order) checks the w step's loss before its backward (``check_train_loss``); its message
+    formatted the loss with float() on a tensor that requires grad, so torch's UserWarning ("Converting a tensor with
+    requires_grad=True to a scalar") came out beside the one-line error."""
+    net = _net(4, primitives=("skip_connect", "avg_pool_3x3", "sep_conv_3x3"))
+    method = _method("sparsenas", net, first_order=True)
+    x, y = _batch(5)
+    x[0, 0, 0, 0] = float("nan")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(SearchError, match="search-train loss is nan"):
+            method.step((x, y), _batch(6))
+    assert [str(w.message) for w in caught] == []
+
+
+# -- a batch the supernet cannot take -------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["darts", "darts2", "snas", "dsnas", "proxyless", "sparsenas", "asmnas"])
+@pytest.mark.parametrize("bad", [CLASSES, -1, -100], ids=["past-the-classifier", "negative", "ignore-index"])
+def test_a_label_outside_the_classifiers_classes_is_one_line_before_any_update(name, bad):
+    """check_batch (docs/methods.md): "a batch the supernet cannot take is one SearchError line before any update". A
+    label ≥ num_classes stopped the step in cross-entropy's IndexError ("Target 10 is out of bounds") after a forward
+    had moved BatchNorm's running statistics; -100 (cross-entropy's ignore_index) was silently left out of the mean
+    loss. Either split's labels are checked."""
+    primitives = ("skip_connect", "avg_pool_3x3", "sep_conv_3x3") if name == "sparsenas" else None
+    method = _method(name, _net(7, primitives=primitives))
+    before = _snapshot(method)
+    good = _batch(8)
+    x, y = _batch(9)
+    y = y.clone()
+    y[2] = bad
+    for train, val in (((x, y), good), (good, (x, y))):
+        with pytest.raises(NasdiagError) as info:
+            method.step(train, val)
+        message = str(info.value)
+        assert "\n" not in message and f"[0, {CLASSES})" in message and str(bad) in message, message
+        _same(before, _snapshot(method))
+        assert all(p.grad is None for p in method.network.parameters())
