@@ -7,9 +7,18 @@ them), file names built by hand, plain h5py reads, and an uninterrupted run of t
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import subprocess
+import sys
+import textwrap
+import warnings
 
-from nasdiag.record import schema
+import h5py
+import numpy as np
+
+from nasdiag.record import Recorder, RecordWarning, load, schema
 
 
 def test_segments_past_9999_belong_to_their_record(tmp_path):
@@ -32,3 +41,120 @@ def test_segments_past_9999_belong_to_their_record(tmp_path):
     open(schema.segment_path(bare, 10000), "w").close()
     assert schema.list_segments(bare) == [(0, bare), (10000, bare + ".seg10000")]
     assert schema.segment_owner(bare + ".seg10000") == bare
+
+
+# --- the segment rollover ----------------------------------------------------------------------------------------
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WIDE = 4096  # float32: 16 KiB a row, one HDF5 chunk a row (schema.chunk_rows)
+
+
+def _row(step: int, session: int, late_from: int | None = None) -> dict:
+    """What a session logs at ``step``: a 16 KiB row whose value names step and session, a scalar, and from
+    ``late_from`` on a path first logged there."""
+    row = {"wide/x": np.full(WIDE, step + 1000 * session, np.float32), "scalars/a": float(step)}
+    if late_from is not None and step >= late_from:
+        row[f"scalars/late{session}"] = -float(step)
+    return row
+
+
+def _committed_rows(file: str) -> int:
+    """Committed rows of one segment, by plain h5py: /step up to its first -1 slot."""
+    with h5py.File(file, "r", swmr=True) as f:
+        steps = f["step"][()]
+    return int(np.argmax(steps < 0)) if (steps < 0).any() else int(steps.size)
+
+
+def _check_previous_segments(path: str) -> None:
+    """Every segment lists every earlier segment with its committed rows, read here with plain h5py."""
+    files = schema.list_segments(path)
+    assert [index for index, _ in files] == list(range(len(files)))
+    rows = [_committed_rows(file) for _, file in files]
+    for index, file in files:
+        with h5py.File(file, "r", swmr=True) as f:
+            listed = json.loads(f.attrs["previous_segments"])
+            assert int(f.attrs["segment"]) == index
+        assert listed == [[i, rows[i]] for i in range(index)], (file, listed)
+
+
+_KILLED_AFTER_ROLLOVER = textwrap.dedent("""
+    import os, signal, sys, warnings
+    import numpy as np
+    sys.path.insert(0, sys.argv[3])
+    from test_audit_record_round7 import _row
+    from nasdiag.record import Recorder, schema
+    schema.MAX_SEGMENT_CHUNKS = 2
+    warnings.simplefilter("ignore")
+    path, late_from = sys.argv[1], int(sys.argv[2])
+    rec = Recorder(path, flush_every=2, flush_seconds=None)
+    segments = 1
+    for step in range(100):
+        rec.log(step, _row(step, 0, late_from))
+        if len(schema.list_segments(path)) != segments:  # a flush opened a segment: killed right after it
+            segments = len(schema.list_segments(path))
+            if segments == 5:
+                print("KILLED", rec.last_committed_step, flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def test_a_path_first_logged_in_the_flush_that_rolls_over_and_a_resume_right_after_the_rollover(tmp_path, monkeypatch):
+    """MAX_SEGMENT_CHUNKS=2 with one chunk a row: a segment holds 2 rows. With flush_every=2 the row of step 5 brings
+    a new path while rows 4 (buffered) must go to a new segment: the flush that rolls over and the switch for the new
+    path happen at one log. A writer killed right after a rollover published a segment, resumed, and a second path
+    first logged in the resumed session: every step once, with its session's value and validity, and every segment
+    lists its predecessors as they are."""
+    monkeypatch.setattr(schema, "MAX_SEGMENT_CHUNKS", 2)
+    path = str(tmp_path / "run.h5")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    child = subprocess.run([sys.executable, "-c", _KILLED_AFTER_ROLLOVER, path, "5", os.path.dirname(__file__)],
+                           capture_output=True, text=True, env=env, timeout=120)
+    assert child.returncode == -signal.SIGKILL and "KILLED" in child.stdout, child.stderr[-2000:]
+    committed = int(child.stdout.split()[1])
+    out = load(path)
+    np.testing.assert_array_equal(out["step"], np.arange(committed + 1))
+    np.testing.assert_array_equal(out["wide/x"][:, 0], np.arange(committed + 1, dtype=np.float32))
+    np.testing.assert_array_equal(out["valid/scalars/late0"], np.arange(committed + 1) >= 5)
+    _check_previous_segments(path)
+    start = committed - 1  # a checkpoint one step back: that step is replayed into the new segment
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RecordWarning)
+        with Recorder(path, resume=True, flush_every=3, flush_seconds=None) as rec:
+            assert rec.last_committed_step == committed
+            for step in range(start, 20):
+                rec.log(step, _row(step, 1, late_from=start + 2))
+    out = load(path)
+    steps = np.arange(20)
+    np.testing.assert_array_equal(out["step"], steps)
+    session = np.where(steps >= start, 1, 0)
+    np.testing.assert_array_equal(out["wide/x"], np.repeat((steps + 1000 * session).astype(np.float32)[:, None], WIDE, 1))
+    np.testing.assert_array_equal(out["scalars/a"], steps.astype(float))
+    np.testing.assert_array_equal(out["valid/scalars/late0"], (steps >= 5) & (steps < start))
+    np.testing.assert_array_equal(out["valid/scalars/late1"], steps >= start + 2)
+    np.testing.assert_array_equal(out["scalars/late1"][steps >= start + 2], -steps[steps >= start + 2].astype(float))
+    _check_previous_segments(path)
+
+
+def test_every_segment_being_built_that_a_killed_writer_left_is_removed_by_the_next_writer(tmp_path):
+    """docs/schema.md: ``*.tmp``, a segment being built, is removed by the next writer. Only those of the segments the
+    next writer itself would number were: a record replaced with overwrite=True, or resumed with fewer segments than
+    the killed writer had reached, kept the others for good (and a search's --force left them next to its record)."""
+    path = str(tmp_path / "run.h5")
+    for step in range(3):
+        with Recorder(path, resume=True, flush_seconds=None) as rec:
+            rec.log(step, {"scalars/a": float(step)})
+    assert len(schema.list_segments(path)) == 3
+    left = [schema.temp_path(schema.segment_path(path, index)) for index in (0, 2, 7, 10000)]
+    others = [str(tmp_path / name) for name in ("run.seg007.h5.tmp", "other.seg0002.h5.tmp", "run.h5.ckpt.tmp")]
+    for file in left + others:
+        open(file, "w").close()
+    with Recorder(path, resume=True, flush_seconds=None) as rec:
+        rec.log(3, {"scalars/a": 3.0})
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        ["run.h5", *(os.path.basename(schema.segment_path(path, i)) for i in (1, 2, 3))] + [os.path.basename(f) for f in others])
+    for file in left:
+        open(file, "w").close()
+    with Recorder(path, overwrite=True, flush_seconds=None) as rec:
+        rec.log(0, {"scalars/a": 0.0})
+    assert sorted(os.listdir(tmp_path)) == sorted(["run.h5"] + [os.path.basename(f) for f in others])
+    np.testing.assert_array_equal(load(path)["step"], [0])

@@ -162,6 +162,16 @@ def list_segments(path: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
+def temp_files(path: str) -> list[str]:
+    """Existing segments of the record at ``path`` being built (`temp_path`): left by a writer killed while it
+    created one, whichever segment it was."""
+    suffix = temp_path("")
+    root, ext = os.path.splitext(path)
+    pattern = glob.escape(root) + ".seg" + "[0-9]" * 4 + "*" + glob.escape(ext + suffix)
+    found = [tmp for tmp in glob.glob(pattern) if segment_owner(tmp[: -len(suffix)]) == path]
+    return sorted(found + ([temp_path(path)] if os.path.exists(temp_path(path)) else []))
+
+
 def chunk_rows(row_shape: tuple[int, ...], itemsize: int) -> int:
     """Rows per HDF5 chunk for rows of ``row_shape`` (a power of two, at most 16 KiB a chunk)."""
     row_bytes = max(1, itemsize * math.prod(row_shape))

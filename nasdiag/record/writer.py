@@ -303,10 +303,8 @@ class Recorder:
                 self._remove(file)
         if existing and resume:
             self._adopt(existing)
-        for index, file in schema.list_segments(self.path) + [(self._segment_index, self.path)]:
-            tmp = schema.temp_path(schema.segment_path(self.path, index))
-            if os.path.exists(tmp):  # left by a writer killed while creating a segment; we hold the lock
-                self._remove(tmp)
+        for tmp in schema.temp_files(self.path):  # left by a writer killed while creating a segment; we hold the lock
+            self._remove(tmp)
         self._create_segment(placeholder=True)
 
     def _remove(self, file: str) -> None:
