@@ -35,7 +35,8 @@ from torch import nn
 
 from nasdiag.hessian._hvp import call_model, check_max_memory, check_model, preserved_buffers, scalar_loss
 from nasdiag.edges import resolve_edges, weights_parameter
-from nasdiag.hessian.arch_exact import _check_softmax_weights, exact_arch_diag_hessian, softmax_chain_diag
+from nasdiag.hessian.arch_exact import (_check_softmax_weights, _frozen_parameters_traced, exact_arch_diag_hessian,
+                                        softmax_chain_diag)
 from nasdiag.hessian.arch_ggn import ggn_arch_diag
 from nasdiag.hessian.arch_hutchinson import hutchinson_arch_diag
 from nasdiag.hessian.loss_curvature import output_hessian_diagonal
@@ -142,12 +143,13 @@ def arch_diag_hessian(
             hess = {n: softmax_chain_diag(observed[n][0].to(h.dtype), grad[n].to(h.dtype), torch.diag(h)) for n, h in hess.items()}
         return hess
     if mode in ("ggn", "ggn_mc"):
-        hess, grad, observed = ggn_arch_diag(
-            model, loss_fn, inputs, targets, [s.name for s in specs], [s.module for s in specs],
-            [s.n_ops for s in specs], monte_carlo=mode == "ggn_mc", samples=int(samples),
-            generator=torch.Generator().manual_seed(int(seed)),
-            check_weights=_check_softmax_weights if wrt == "alpha" else None,
-        )
+        with _frozen_parameters_traced(model, wrt == "alpha"):  # a frozen α's softmax is checked too
+            hess, grad, observed = ggn_arch_diag(
+                model, loss_fn, inputs, targets, [s.name for s in specs], [s.module for s in specs],
+                [s.n_ops for s in specs], monte_carlo=mode == "ggn_mc", samples=int(samples),
+                generator=torch.Generator().manual_seed(int(seed)),
+                check_weights=_check_softmax_weights if wrt == "alpha" else None,
+            )
         if wrt == "alpha":
             hess = {n: softmax_chain_diag(observed[n][0].to(h.dtype), grad[n], torch.diag(h)) for n, h in hess.items()}
         return hess
@@ -155,7 +157,7 @@ def arch_diag_hessian(
     names, modules, ops = [s.name for s in specs], [s.module for s in specs], [list(s.ops) for s in specs]
     recorder = _EdgeRecorder(names, modules, ops)
     tracer = ModuleTracer(model, rules)
-    with preserved_buffers(model), torch.enable_grad():
+    with preserved_buffers(model), torch.enable_grad(), _frozen_parameters_traced(model, wrt == "alpha"):
         with tracer, recorder:
             outputs = call_model(model, inputs)
         if not isinstance(outputs, torch.Tensor):

@@ -207,13 +207,14 @@ def edge_hessian_products(
             # Pass 1, plain autograd with a leaf δ_e per edge: checks that every edge ran with
             # weights of the right shape, finds edges the loss ignores, and gives ∂L/∂Z.
             shift.mode = "leaves"
-            with SavedBytes() as saved:
-                loss = scalar_loss(loss_fn, call_model(model, inputs), targets)
-            shift.check_all_ran()
-            if wrt == "alpha":
-                _check_softmax_weights(shift.observed, shift.with_graph)
-                if shared_alpha == "refuse":
-                    _refuse_shared_alpha({n: source_entries(w) for n, w in shift.with_graph.items()})
+            with _frozen_parameters_traced(model, wrt == "alpha"):
+                with SavedBytes() as saved:
+                    loss = scalar_loss(loss_fn, call_model(model, inputs), targets)
+                shift.check_all_ran()
+                if wrt == "alpha":
+                    _check_softmax_weights(shift.observed, shift.with_graph)
+                    if shared_alpha == "refuse":
+                        _refuse_shared_alpha({n: source_entries(w) for n, w in shift.with_graph.items()})
             chunk_size = fit_chunk(saved.bytes, max_memory, chunk_size, what, device=loss.device)
             leaves = [shift.leaves[n] for n in names]
             if backend == "autograd":
@@ -239,6 +240,23 @@ def edge_hessian_products(
             yield EdgeProducts(products, names, n_ops, grad_z, shift, chunk_size, leaves[0].dtype, leaves[0].device)
     finally:
         hooks.remove()
+
+
+@contextmanager
+def _frozen_parameters_traced(model: nn.Module, active: bool) -> Iterator[None]:
+    """For ``wrt="alpha"``: the model's frozen floating-point parameters (``requires_grad=False``) require grad for
+    the block, then are frozen again. The checks of pass 1 find where each edge's weights come from by a backward to
+    the parameters behind them (shared α, softmax's Jacobian); a frozen α leaves no graph to follow, and edges sharing
+    it passed as per-edge α, their cross-cell terms silently dropped (mode ``exact``). Only pass 1 records these
+    leaves; the products are taken w.r.t. the δ shifts alone, so the numbers do not change."""
+    frozen = [p for p in model.parameters() if active and not p.requires_grad and (p.is_floating_point() or p.is_complex())]
+    try:
+        for p in frozen:
+            p.requires_grad_(True)
+        yield
+    finally:
+        for p in frozen:
+            p.requires_grad_(False)
 
 
 class _WeightShift:

@@ -100,9 +100,9 @@ def alpha_diag_hessian(
 
 
 def _exact_parameter_diag(model, loss_fn, inputs, targets, pairs, chunk_size, max_memory, what,
-                          instead=INSTEAD_OF_EXACT) -> Dict[str, torch.Tensor]:
+                          instead=INSTEAD_OF_EXACT, labels=None) -> Dict[str, torch.Tensor]:
     """``{name: diag}`` for ``pairs = [(name in model, parameter)]``; ``what`` names the caller in errors,
-    ``instead`` says what to use when one product does not fit."""
+    ``instead`` says what to use when one product does not fit, ``labels`` ``{name: what the warnings call it}``."""
     names = [n for n, _ in pairs]
     shapes = [p.shape for _, p in pairs]
     sizes = [p.numel() for _, p in pairs]
@@ -141,7 +141,8 @@ def _exact_parameter_diag(model, loss_fn, inputs, targets, pairs, chunk_size, ma
             hvp = HessianVectorProduct(loss, [p for _, p in pairs], names)
             diag = exact_diagonal(hvp, hvp.dim, hvp.dtype, hvp.device, chunk_size)
     out = {n: part.reshape(shape).detach() for n, part, shape in zip(names, torch.split(diag, sizes), shapes)}
-    _warn_unused(what, out, dict(zip(names, grads)))
+    shown = {n: (labels or {}).get(n, n) for n in names}
+    _warn_unused(what, {shown[n]: h for n, h in out.items()}, {shown[n]: g for n, g in zip(names, grads)})
     return out
 
 
@@ -204,10 +205,11 @@ def shared_weights_diag_hessian(
                              f"got {type(weights).__name__}")
     _check_takes_weights(network, inputs, weights)
     at = _AtWeights(network, weights)
-    pairs = [(f"weights.{group}", at.weights[group]) for group in weights]
+    pairs = [(f"weights.{i}", p) for i, p in enumerate(at.weights)]
     try:
         diag = _exact_parameter_diag(at, loss_fn, inputs, targets, pairs, chunk_size, max_memory,
-                                     "shared_weights_diag_hessian", INSTEAD_OF_SHARED_Z)
+                                     "shared_weights_diag_hessian", INSTEAD_OF_SHARED_Z,
+                                     labels={f"weights.{i}": f"weights[{group!r}]" for i, group in enumerate(weights)})
     except KeyError as err:  # the network looked up a group the mapping lacks: its bare KeyError named neither side
         missing = err.args[0] if len(err.args) == 1 else None
         if isinstance(missing, str) and missing not in weights:
@@ -216,7 +218,7 @@ def shared_weights_diag_hessian(
                 f"keys {list(weights)}; pass {{group: Z}} keyed as the network reads them (it expects {missing!r})"
             ) from err
         raise
-    return {group: diag[f"weights.{group}"] for group in weights}
+    return {group: diag[f"weights.{i}"] for i, group in enumerate(weights)}
 
 
 def _check_takes_weights(network: nn.Module, inputs, weights) -> None:
@@ -242,10 +244,13 @@ class _AtWeights(nn.Module):
     def __init__(self, network: nn.Module, weights: Mapping[str, torch.Tensor]):
         super().__init__()
         self.network = network
-        self.weights = nn.ParameterDict({g: nn.Parameter(w.detach().clone()) for g, w in weights.items()})
+        # held by position: a group key is whatever the network looks up (an int, "cell.0"), not always a name that a
+        # ParameterDict takes (it raised torch's TypeError/KeyError on those)
+        self.groups = list(weights)
+        self.weights = nn.ParameterList([nn.Parameter(w.detach().clone()) for w in weights.values()])
 
     def forward(self, *inputs):
-        return self.network(*inputs, dict(self.weights))
+        return self.network(*inputs, dict(zip(self.groups, self.weights)))
 
 
 def _as_args(inputs):

@@ -1,0 +1,374 @@
+"""Round-7 audit of the curvature API on models the earlier hessian audits did not use: residual blocks, softmax /
+log-softmax / LayerNorm heads, depthwise-separable convolutions without bias, GroupNorm on conv features, class
+weights and label smoothing, frozen (``requires_grad=False``) architecture parameters, mixing-weight groups keyed by
+what the network reads (an int, a dotted name).
+
+Every reference is built here from scratch in float64: dense Hessians by ``torch.autograd.functional.hessian`` over
+the flattened parameters (``torch.func.functional_call``), a Gauss-Newton matrix from the Jacobian and the loss
+Hessian, never from nasdiag. Where a diagonal recursion is compared with equality, the reason it is exact on that
+model is given (the layer's output Hessian is diagonal all the way to the loss).
+"""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nasdiag.hessian import (CurvatureError, alpha_diag_hessian, arch_diag_hessian, diag_hessian,
+                             shared_weights_diag_hessian)
+
+DT = torch.float64
+
+
+# -- independent references ---------------------------------------------------------------------------------------
+
+
+def dense_param_diag(model, loss_fn, x, y, names=None):
+    """``{name: diag ∂²L/∂θ²}`` from the dense autograd Hessian over the flattened parameters ``names``."""
+    m = copy.deepcopy(model)  # buffers of a train-mode BN are updated by this forward: on a copy
+    params = dict(m.named_parameters())
+    names = list(params) if names is None else names
+    shapes = [params[n].shape for n in names]
+    sizes = [params[n].numel() for n in names]
+
+    def loss(flat):
+        values = {n: part.view(s) for n, part, s in zip(names, torch.split(flat, sizes), shapes)}
+        return loss_fn(torch.func.functional_call(m, values, (x,)), y)
+
+    flat = torch.cat([params[n].detach().reshape(-1) for n in names])
+    d = torch.diagonal(torch.autograd.functional.hessian(loss, flat))
+    return {n: part.view(s) for n, part, s in zip(names, torch.split(d, sizes), shapes)}
+
+
+def assert_close(got, ref, rtol=1e-10):
+    assert list(got) == list(ref)
+    for k in ref:
+        assert got[k].shape == ref[k].shape and got[k].dtype == ref[k].dtype, k
+        scale = ref[k].abs().max().item() or 1.0
+        assert (got[k] - ref[k]).abs().max().item() <= rtol * scale, (k, got[k], ref[k])
+
+
+class ResBlock(nn.Module):
+    def __init__(self, C):
+        super().__init__()
+        self.conv = nn.Conv2d(C, C, 3, padding=1, bias=False)
+        self.act = nn.Tanh()
+
+    def forward(self, x):
+        return x + self.conv(self.act(x))
+
+
+class DWSep(nn.Module):
+    """Depthwise-separable convolution, bias off, LayerNorm over (C, H, W) as GroupNorm(1, C)."""
+
+    def __init__(self, C):
+        super().__init__()
+        self.dw = nn.Conv2d(C, C, 3, padding=1, groups=C, bias=False)
+        self.pw = nn.Conv2d(C, C, 1, bias=False)
+        self.norm = nn.GroupNorm(1, C)
+
+    def forward(self, x):
+        return self.norm(self.pw(self.dw(x)))
+
+
+class GNOp(nn.Module):
+    def __init__(self, C):
+        super().__init__()
+        self.conv = nn.Conv2d(C, C, 1)
+        self.norm = nn.GroupNorm(2, C)
+        self.act = nn.ELU()
+
+    def forward(self, x):
+        return self.act(self.norm(self.conv(x)))
+
+
+class Mixed(nn.Module):
+    def __init__(self, C):
+        super().__init__()
+        self.ops = nn.ModuleList([ResBlock(C), DWSep(C), GNOp(C), nn.AvgPool2d(3, 1, 1)])
+
+    def forward(self, x, weights):
+        if weights.dim() == 2:  # (B, K): per-sample weights, as the GGN modes pass them
+            return sum(weights[:, k].view(-1, 1, 1, 1) * op(x) for k, op in enumerate(self.ops))
+        return sum(w * op(x) for w, op in zip(weights, self.ops))
+
+
+class TwoCellNet(nn.Module):
+    """stem → edge e1 → edge e2 → mean → Linear; the edges mix with softmax(α), one α for both (``shared``) or one
+    each. ``forward(x, weights)`` takes the two edges' Z instead."""
+
+    def __init__(self, shared, C=4):
+        super().__init__()
+        self.stem = nn.Conv2d(2, C, 3, padding=1)
+        self.m1, self.m2 = Mixed(C), Mixed(C)
+        self.shared = shared
+        self.alpha = nn.Parameter(0.5 * torch.randn(4))
+        if not shared:
+            self.alpha2 = nn.Parameter(0.5 * torch.randn(4))
+        self.head = nn.Linear(C, 3)
+
+    def zs(self):
+        return torch.softmax(self.alpha, 0), torch.softmax(self.alpha if self.shared else self.alpha2, 0)
+
+    def forward(self, x, weights=None):
+        z1, z2 = self.zs() if weights is None else weights
+        return self.head(self.m2(self.m1(self.stem(x), z1), z2).mean((2, 3)))
+
+    def edges(self):
+        return {"e1": (self.m1, list(self.m1.ops)), "e2": (self.m2, list(self.m2.ops))}
+
+
+def _net(shared, seed=1):
+    torch.manual_seed(seed)
+    net = TwoCellNet(shared).to(DT).eval()
+    x = torch.randn(5, 2, 5, 5, dtype=DT)
+    y = torch.randint(0, 3, (5,))
+    return net, x, y
+
+
+def _alpha_names(net):
+    return [n for n, _ in net.named_parameters() if n.startswith("alpha")]
+
+
+# -- defects found in this round ----------------------------------------------------------------------------------
+
+
+def test_exact_alpha_refuses_shared_alpha_also_when_frozen():
+    """mode='exact' with wrt='alpha' promises to refuse edges that take their weights from one α (no per-edge number
+    is the exact ∂²L/∂α² there). With α frozen (``requires_grad_(False)``: a warm-up phase, a fine-tuned supernet)
+    its weights had no graph to follow, and the per-edge blocks came back as the exact answer: their sum was up to
+    134% off the dense ∂²L/∂α² per entry on this net. Now refused as with a trainable α; flags and .grad left as they were."""
+    net, x, y = _net(shared=True)
+    net.alpha.requires_grad_(False)
+    frozen = {n: p.requires_grad for n, p in net.named_parameters()}
+    with pytest.raises(CurvatureError, match="shared α"):
+        arch_diag_hessian(net, F.cross_entropy, x, y, net.edges(), mode="exact", wrt="alpha")
+    assert {n: p.requires_grad for n, p in net.named_parameters()} == frozen
+    assert all(p.grad is None for p in net.parameters())
+    # exact_per_edge still gives the per-edge blocks on request
+    per_edge = arch_diag_hessian(net, F.cross_entropy, x, y, net.edges(), mode="exact_per_edge", wrt="alpha")
+    assert per_edge["e1"].shape == (4,)
+
+
+def test_exact_alpha_of_frozen_own_alpha_matches_dense():
+    """A frozen α that each edge owns is not shared: mode='exact' gives the dense ∂²L/∂α² diagonal (α's frozen flag
+    leaves the numbers alone), and both α and the network weights stay frozen / trainable as they were."""
+    net, x, y = _net(shared=False)
+    net.alpha.requires_grad_(False)
+    net.stem.weight.requires_grad_(False)
+    frozen = {n: p.requires_grad for n, p in net.named_parameters()}
+    ref = dense_param_diag(net, F.cross_entropy, x, y, _alpha_names(net))
+    got = arch_diag_hessian(net, F.cross_entropy, x, y, net.edges(), mode="exact", wrt="alpha")
+    assert_close({"alpha": got["e1"], "alpha2": got["e2"]}, ref)
+    assert {n: p.requires_grad for n, p in net.named_parameters()} == frozen
+    assert all(p.grad is None for p in net.parameters())
+
+
+class _Tempered(TwoCellNet):
+    """Z = softmax(α/τ), τ = 0.5: wrt='alpha' would chain through softmax(α) and be off by the factor 1/τ."""
+
+    def zs(self):
+        return torch.softmax(self.alpha / 0.5, 0), torch.softmax(self.alpha2 / 0.5, 0)
+
+
+@pytest.mark.parametrize("mode", ["ggn", "ggn_mc", "diag", "approx", "exact", "hutchinson:2"])
+def test_frozen_alpha_tempered_softmax_refused_in_every_mode(mode):
+    """docs/hessian.md: every mode checks ∂Z/∂α against softmax's Jacobian and refuses softmax(α/τ). With α frozen
+    the check had no graph to follow: ggn, ggn_mc, diag and approx chained through the wrong map silently. Now
+    refused as with a trainable α, the frozen flag left as it was."""
+    torch.manual_seed(1)
+    net = _Tempered(shared=False).to(DT).eval()
+    net.alpha.requires_grad_(False)
+    net.alpha2.requires_grad_(False)
+    x, y = torch.randn(5, 2, 5, 5, dtype=DT), torch.randint(0, 3, (5,))
+    with pytest.raises(CurvatureError, match="softmax"):
+        arch_diag_hessian(net, F.cross_entropy, x, y, net.edges(), mode=mode, wrt="alpha")
+    assert not net.alpha.requires_grad and not net.alpha2.requires_grad
+    assert all(p.grad is None for p in net.parameters())
+
+
+@pytest.mark.parametrize("mode", ["ggn", "diag", "approx"])
+def test_frozen_alpha_gives_the_numbers_of_a_trainable_one(mode):
+    """Freezing α changes no number of the α curvature (the check's extra graph is not differentiated)."""
+    net, x, y = _net(shared=False)
+    trainable = arch_diag_hessian(net, F.cross_entropy, x, y, net.edges(), mode=mode, wrt="alpha")
+    net.alpha.requires_grad_(False)
+    frozen = arch_diag_hessian(net, F.cross_entropy, x, y, net.edges(), mode=mode, wrt="alpha")
+    assert_close(frozen, trainable, rtol=1e-13)
+    assert not net.alpha.requires_grad
+
+
+class _ByKey(nn.Module):
+    """A network that reads its shared mixing weights under a key of its choosing."""
+
+    def __init__(self, key):
+        super().__init__()
+        self.key = key
+        torch.manual_seed(2)
+        self.net = TwoCellNet(shared=True).to(DT).eval()
+
+    def forward(self, x, weights):
+        z = weights[self.key]
+        return self.net(x, (z, z))
+
+
+@pytest.mark.parametrize("key", [0, "cell.normal", ""])
+def test_shared_weights_groups_keyed_as_the_network_reads_them(key):
+    """``weights = {group: Z}`` is handed to ``network(x, weights)``, so a group is whatever key the network looks up.
+    Keys that are no ParameterDict name (an int, a dotted or empty string) raised torch's bare TypeError/KeyError
+    ("Index given to ParameterDict cannot be used as a key ..."); now they work, equal to the dense Hessian w.r.t. the
+    shared Z (both cells, cross terms included)."""
+    net = _ByKey(key)
+    x = torch.randn(5, 2, 5, 5, dtype=DT)
+    y = torch.randint(0, 3, (5,))
+    z = net.net.zs()[0].detach()
+    ref = torch.diagonal(torch.autograd.functional.hessian(lambda v: F.cross_entropy(net(x, {key: v}), y), z))
+    got = shared_weights_diag_hessian(net, F.cross_entropy, x, y, {key: z})
+    assert list(got) == [key]
+    assert_close(got, {key: ref})
+
+
+# -- checked right (kept as regression tests) ---------------------------------------------------------------------
+
+
+def test_exact_and_alpha_diag_on_residual_groupnorm_supernet():
+    """Z-exact per edge, α-exact per edge (own α) and alpha_diag_hessian (shared α) against dense autograd Hessians on
+    a supernet of residual blocks, depthwise-separable convs without bias, GroupNorm on conv features."""
+    net, x, y = _net(shared=False)
+    z1, z2 = (z.detach() for z in net.zs())
+    Hz = torch.autograd.functional.hessian(lambda v: F.cross_entropy(net(x, (v[:4], v[4:])), y), torch.cat([z1, z2]))
+    got = arch_diag_hessian(net, F.cross_entropy, x, y, net.edges(), mode="exact")
+    assert_close({"e": torch.cat([got["e1"], got["e2"]])}, {"e": torch.diagonal(Hz)})
+    shared, xs, ys = _net(shared=True)
+    ref = dense_param_diag(shared, F.cross_entropy, xs, ys, ["alpha"])
+    assert_close(alpha_diag_hessian(shared, F.cross_entropy, xs, ys, params=[shared.alpha]), ref)
+
+
+def test_ggn_equals_own_gauss_newton_on_residual_supernet():
+    """``ggn`` w.r.t. Z is ``diag Σ_n J_nᵀ H_n J_n`` where samples do not interact (eval mode): J from
+    ``torch.autograd.functional.jacobian`` of the logits w.r.t. the stacked Z, H from the loss alone."""
+    net, x, y = _net(shared=False)
+    z = torch.cat([t.detach() for t in net.zs()])
+    out = net(x, (z[:4], z[4:])).detach()
+    J = torch.autograd.functional.jacobian(lambda v: net(x, (v[:4], v[4:])), z)  # (N, D, 8)
+    HL = torch.autograd.functional.hessian(lambda o: F.cross_entropy(o, y), out)  # (N, D, N, D)
+    G = torch.diagonal(torch.einsum("ndk,ndme,mel->kl", J, HL, J))
+    got = arch_diag_hessian(net, F.cross_entropy, x, y, net.edges(), mode="ggn")
+    assert_close({"e": torch.cat([got["e1"], got["e2"]])}, {"e": G})
+
+
+@pytest.mark.parametrize("head", ["softmax", "log_softmax", "layer_norm"])
+def test_diag_exact_for_linear_before_softmax_logsoftmax_layernorm_heads(head):
+    """A Linear layer whose output goes through one softmax / log-softmax / LayerNorm into a per-sample loss: its
+    weight W_oi moves only output o of each sample, so ``∂²L/∂W_oi² = Σ_n x_ni² (H_z)_n,oo`` needs just the diagonal
+    of the Hessian at its output, which the glue rules (Softmax, LogSoftmax) and the LayerNorm rule give exactly when
+    the loss Hessian above them is diagonal. So ``diag`` equals the dense diagonal for every parameter here."""
+    torch.manual_seed(3)
+    x = torch.randn(6, 5, dtype=DT)
+    if head == "softmax":
+        model, loss_fn, y = nn.Sequential(nn.Linear(5, 4), nn.Softmax(dim=1)), F.mse_loss, torch.rand(6, 4, dtype=DT)
+    elif head == "log_softmax":
+        model, loss_fn, y = nn.Sequential(nn.Linear(5, 4), nn.LogSoftmax(dim=1)), F.nll_loss, torch.randint(0, 4, (6,))
+    else:
+        model, loss_fn, y = nn.Sequential(nn.Linear(5, 4), nn.LayerNorm(4)), F.mse_loss, torch.rand(6, 4, dtype=DT)
+        with torch.no_grad():
+            model[1].weight.uniform_(0.5, 1.5)
+            model[1].bias.normal_()
+    model = model.to(DT)
+    assert_close(diag_hessian(model, loss_fn, x, y, mode="diag"), dense_param_diag(model, loss_fn, x, y))
+
+
+def test_class_weights_label_smoothing_sum_and_mean():
+    """Cross-entropy with class weights and label smoothing: ``exact`` and the last layer's ``diag`` are the dense
+    Hessian of exactly the scalar returned, for both reductions. The weighted mean divides by Σ_n w_{y_n}, not N, so
+    'sum' is (Σ_n w_{y_n}) times 'mean' here: checked against that factor, computed from the targets."""
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)).to(DT)
+    x, y = torch.randn(6, 5, dtype=DT), torch.randint(0, 3, (6,))
+    cw = torch.tensor([0.2, 1.0, 3.0], dtype=DT)
+    got = {}
+    for reduction in ("mean", "sum"):
+        def loss_fn(o, t, reduction=reduction):
+            return F.cross_entropy(o, t, weight=cw, label_smoothing=0.2, reduction=reduction)
+        ref = dense_param_diag(model, loss_fn, x, y)
+        got[reduction] = diag_hessian(model, loss_fn, x, y, mode="exact")
+        assert_close(got[reduction], ref)
+        last = diag_hessian(model, loss_fn, x, y, mode="diag", params=["2.weight", "2.bias"])
+        assert_close(last, {k: ref[k] for k in last})
+    # with label smoothing torch's weighted mean divides by Σ_n w_{y_n}
+    factor = cw[y].sum()
+    assert_close({k: v / factor for k, v in got["sum"].items()}, got["mean"], rtol=1e-12)
+
+
+def test_depthwise_separable_without_bias_diag_exact():
+    """Depthwise 3×3 (groups = C, no bias) → pointwise 1×1 (no bias) → tanh → MSE: the pointwise layer mixes channels
+    only within one position, so the Hessian at the depthwise output couples channels of one position, never two
+    positions of one channel; a depthwise weight reads one channel, so ``diag`` is exact for both layers."""
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1, groups=4, bias=False), nn.Conv2d(4, 6, 1, bias=False),
+                          nn.Tanh()).to(DT)
+    x, y = torch.randn(3, 4, 5, 5, dtype=DT), torch.rand(3, 6, 5, 5, dtype=DT)
+    assert_close(diag_hessian(model, F.mse_loss, x, y, mode="diag"), dense_param_diag(model, F.mse_loss, x, y))
+
+
+def test_frozen_eval_batchnorm_in_train_model_exact_and_state():
+    """A frozen (eval-mode) BatchNorm inside a train-mode model next to a train-mode one: ``exact`` equals the dense
+    Hessian (the eval BN an affine map on its running statistics, the train BN through its batch statistics), the
+    parameters' ``requires_grad`` flags do not matter, repeated calls give the same numbers, and no buffer, .grad or
+    hook is left changed, in every weight mode."""
+    torch.manual_seed(6)
+    m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.BatchNorm2d(4),
+                      nn.Tanh(), nn.Flatten(), nn.Linear(4, 3)).to(DT)
+    with torch.no_grad():
+        for bn in (m[1], m[4]):
+            bn.running_mean.normal_()
+            bn.running_var.uniform_(0.5, 2)
+            bn.weight.uniform_(0.5, 1.5)
+            bn.bias.normal_()
+    m.train()
+    m[1].eval()
+    m[7].weight.requires_grad_(False)
+    x, y = torch.randn(4, 3, 5, 5, dtype=DT), torch.randint(0, 3, (4,))
+    state = copy.deepcopy(m.state_dict())
+    ref = dense_param_diag(m, F.cross_entropy, x, y)
+    assert_close(diag_hessian(m, F.cross_entropy, x, y, mode="exact"), ref)
+    for mode in ("diag", "approx", "hutchinson:2"):
+        first = diag_hessian(m, F.cross_entropy, x, y, mode=mode)
+        again = diag_hessian(m, F.cross_entropy, x, y, mode=mode)
+        assert all(torch.equal(first[k], again[k]) for k in first), mode
+        assert {k: v.shape for k, v in first.items()} == {k: v.shape for k, v in ref.items()}
+        # the last layer's diagonal is exact in 'diag' (an FC last layer under a per-sample loss)
+        if mode == "diag":
+            assert_close({"7.weight": first["7.weight"]}, {"7.weight": ref["7.weight"]})
+    assert all(torch.equal(state[k], v) for k, v in m.state_dict().items())
+    assert all(p.grad is None for p in m.parameters())
+    assert not any(mod._forward_hooks or mod._forward_pre_hooks or mod._backward_hooks for mod in m.modules())
+
+
+def test_unruled_modules_fail_naming_them():
+    """ConvTranspose2d and Embedding have no rule: ``diag`` names the module (never a silent zero), whether its own
+    parameters are asked for or it only lies on the path to the requested ones."""
+    from nasdiag.hessian import UnsupportedModuleError
+
+    torch.manual_seed(7)
+    m = nn.Sequential(nn.Conv2d(4, 3, 3), nn.ConvTranspose2d(3, 2, 3)).to(DT)
+    x, y = torch.randn(3, 4, 5, 5, dtype=DT), torch.rand(3, 2, 5, 5, dtype=DT)
+    for params in (None, ["0.weight"]):
+        with pytest.raises(UnsupportedModuleError, match="ConvTranspose2d"):
+            diag_hessian(m, F.mse_loss, x, y, mode="diag", params=params)
+
+    class Emb(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.e = nn.Embedding(10, 4)
+            self.l = nn.Linear(4, 3)
+
+        def forward(self, i):
+            return self.l(self.e(i)).mean(1)
+
+    emb = Emb().to(DT)
+    with pytest.raises(UnsupportedModuleError, match="Embedding"):
+        diag_hessian(emb, F.cross_entropy, torch.randint(0, 10, (5, 7)), torch.randint(0, 3, (5,)), mode="approx")
