@@ -14,6 +14,7 @@ that is removed on every failure path.
 from __future__ import annotations
 
 import base64
+import contextlib
 import html
 import io
 import json
@@ -356,18 +357,22 @@ def write_report(record_path, out_html, figures: Optional[Sequence[str]] = None,
     check_report_out(record_path, out_html, force)
     out = Path(out_html)
     text = build_report(record_path, figures, dpi)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    missing = [folder for folder in out.parents if not folder.exists()]  # removed again if the page is not written
     # a fresh name ("x": never an existing file), removed on every path where it does not become the page
     tmp = out.with_name(f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    created = False
+    created = written = False
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "x", encoding="utf-8") as f:
             created = True
             f.write(text)
         check_report_out(record_path, out, force)  # the build takes a while: the path may have changed
         os.replace(tmp, out)
-        created = False
+        created, written = False, True
     finally:
         if created:
             tmp.unlink(missing_ok=True)
+        for folder in [] if written else missing:  # innermost first: a name too long left its folders behind
+            with contextlib.suppress(OSError):
+                folder.rmdir()
     return out

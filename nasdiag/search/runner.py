@@ -257,18 +257,46 @@ def _probe_writable(folder: str, what: str) -> None:
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         raise ConfigError(f"cannot put the {what} under {folder}: {existing} is a file, not a folder")
-    try:
+    created = []  # every missing level: one too long for the file system (a path past PATH_MAX) failed only after
+    try:          # the recorder had made the levels above it, and left them behind
         if existing == folder:
             with tempfile.TemporaryFile(dir=folder):
                 pass
         else:
-            child = os.path.join(existing, os.path.relpath(folder, existing).split(os.sep)[0])
-            os.mkdir(child)
-            os.rmdir(child)
+            for part in os.path.relpath(folder, existing).split(os.sep):
+                existing = os.path.join(existing, part)
+                os.mkdir(existing)
+                created.append(existing)
     except OSError as err:
         from nasdiag.record.lock import describe_os_error
 
         raise ConfigError(f"cannot write the {what} under {folder}: {describe_os_error(err)}") from None
+    finally:
+        for level in reversed(created):
+            os.rmdir(level)
+
+
+def _check_side_file_names(record: str) -> None:
+    """The longest file the search writes next to ``record`` (a later segment being built, ``<root>.seg0001<ext>.tmp``)
+    must fit the file system's limits: a name of 247 to 250 bytes (of 255) made the record, then failed on its
+    checkpoint's ``.ckpt.tmp`` (a record of no rows left behind, so the same command was refused), and one of 244 to
+    246 on the first segment roll-over, well into the run."""
+    from nasdiag.record.schema import segment_path
+
+    longest = temp_path(segment_path(os.path.abspath(record), 1))
+    existing = os.path.dirname(longest)
+    while not os.path.isdir(existing):
+        existing = os.path.dirname(existing)
+    try:
+        name_max, path_max = os.pathconf(existing, "PC_NAME_MAX"), os.pathconf(existing, "PC_PATH_MAX")
+    except (OSError, ValueError, AttributeError):  # pragma: no cover - no limits to read (Windows)
+        return
+    name, size = os.path.basename(longest), len(os.fsencode(longest))
+    if len(os.fsencode(name)) > name_max or size >= path_max:
+        limit = (f"a name of {len(os.fsencode(name))} bytes, more than the {name_max} this file system allows"
+                 if len(os.fsencode(name)) > name_max else f"a path of {size} bytes, more than the {path_max - 1} allowed")
+        raise ConfigError(f"record path {record} is too long: the search writes {name} next to it, {limit}; choose a "
+                          "shorter --out")
 
 
 #: files written next to a record ``<out>``, by suffix (the checkpoint is `SearchConfig.checkpoint`)
@@ -341,6 +369,7 @@ def check_paths(config: SearchConfig) -> None:
                               "replace them or choose another --out")
         if config.resume and not os.path.exists(record):
             raise ConfigError(f"nothing to resume at {record}: there is no record; drop --resume to start a run")
+        _check_side_file_names(record)
         _probe_writable(os.path.dirname(os.path.abspath(record)), "record")
     if config.figures is not None:
         figures = os.fspath(config.figures)

@@ -1,0 +1,65 @@
+"""A ninth new user's misuse of the ``nasdiag`` CLI and of the batch scripts: what rounds 1-8 (test_cli_errors.py,
+test_cli_search_misuse.py, test_cli_plot_misuse.py, test_cli_misuse_round3..8.py) did not cover: paths at the file
+system's limits (a record name too long for the files kept next to it, a folder path past PATH_MAX, a level of the
+folder too long), for search and report. Every mistake is one line on stderr, exit code 2, and leaves the folder as
+it was (`refused` compares sha256s)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from test_cli_errors import TINY
+from test_cli_plot_misuse import rec, refused, source  # noqa: F401 (fixtures)
+
+NAME_MAX = os.pathconf("/", "PC_NAME_MAX")  # 255 on Linux file systems
+PATH_MAX = os.pathconf("/", "PC_PATH_MAX")  # 4096
+
+
+def _search(out, *extra):
+    return ["search", *TINY, "--out", str(out), *extra]
+
+
+# -- paths at the file system's limits ------------------------------------------------------------------------
+@pytest.mark.parametrize("spare", [0, 3])
+def test_a_record_name_too_long_for_the_files_next_to_it_is_refused_before_any_file(spare, tmp_path, capsys):
+    """nasdiag keeps ``<out>.lock``, ``<out>.ckpt``, ``<out>.ckpt.tmp`` and, from the first segment roll-over on,
+    ``<root>.seg0001<ext>.tmp`` next to the record: 12 bytes more than its name. A name that fits but whose
+    ``.ckpt.tmp`` does not (``spare`` 3: 247 bytes) made the record, then stopped with "File name too long": a record
+    of no rows left behind, so the same command was then refused as "a record already exists". One that fits all but
+    the segment (``spare`` 0: 244 bytes) ran until the first roll-over (a new path recorded at an epoch end)."""
+    name = "r" * (NAME_MAX - 12 + 1 + spare - 3) + ".h5"  # + 12 is one byte over the limit (+ spare more)
+    assert len(name) + len(".ckpt.tmp") <= NAME_MAX or spare  # spare 0: every file but the segment's fits
+    line = refused(_search(tmp_path / name), tmp_path, ["is too long", ".seg0001.h5.tmp next to it",
+                                                          f"more than the {NAME_MAX}", "choose a shorter --out"], capsys)
+    assert "Traceback" not in line
+
+
+def test_a_record_folder_past_the_longest_path_leaves_no_folder(tmp_path, capsys):
+    """``--out`` in a folder path longer than PATH_MAX (levels of 200 characters each): the recorder's makedirs made
+    the first levels, then failed ("cannot create folder ... File name too long") and left them behind."""
+    levels = (PATH_MAX // 200) + 2
+    out = tmp_path.joinpath(*["d" * 200] * levels, "run.h5")
+    refused(_search(out), tmp_path, ["is too long", f"more than the {PATH_MAX - 1} allowed"], capsys)
+
+
+@pytest.mark.parametrize("option", ["--out", "--figs"])
+def test_a_folder_level_too_long_leaves_no_folder(option, tmp_path, capsys):
+    """``--out a/<300 characters>/run.h5``: the check before the run made and removed only ``a``; the recorder then
+    made ``a`` and failed on the next level, leaving ``a`` behind (the figure folder likewise)."""
+    folder = tmp_path / "a" / ("d" * (NAME_MAX + 45)) / "b"
+    argv = _search(folder / "run.h5") if option == "--out" else [
+        *[t for t in _search(tmp_path / "run.h5") if t != "--no-figs"], "--figs", str(folder)]
+    refused(argv, tmp_path, [f"cannot write the {'record' if option == '--out' else 'figures'} under",
+                             "name too long"], capsys)
+
+
+@pytest.mark.parametrize("where", ["level", "page"])
+def test_a_report_that_cannot_be_written_leaves_no_folder(where, rec, tmp_path, capsys):
+    """``nasdiag report RUN.h5 --out a/<300 characters>/r.html`` made ``a``, failed on the next level and left ``a``;
+    a page name that fits but whose temporary file (``.<name>.<pid>.<hex>.tmp``) does not left every folder made for
+    it."""
+    out = (tmp_path / "a" / ("d" * (NAME_MAX + 45)) / "r.html" if where == "level"
+           else tmp_path / "a" / "b" / ("p" * (NAME_MAX - 10) + ".html"))
+    refused(["report", rec, "--out", out, "--figures", "scalars", "--dpi", "20"], tmp_path, "name too long", capsys)
