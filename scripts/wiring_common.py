@@ -105,6 +105,9 @@ def load_splits(dataset: str, data_dir: Optional[str], seed: int):
     from nasdiag.data import load_dataset
 
     kwargs = {"seed": seed}
+    if data_dir is not None and dataset != "cifar10":  # it was silently ignored: the run was on digits
+        raise NasdiagError(f"--data-dir {data_dir} is only read with --dataset cifar10, not {dataset}; add --dataset cifar10 "
+                           "or drop --data-dir")
     if dataset == "cifar10":
         if not data_dir:
             raise NasdiagError("--dataset cifar10 needs --data-dir (the folder of the CIFAR-10 python batches)")

@@ -1,20 +1,24 @@
 """A ninth new user's misuse of the ``nasdiag`` CLI and of the batch scripts: what rounds 1-8 (test_cli_errors.py,
 test_cli_search_misuse.py, test_cli_plot_misuse.py, test_cli_misuse_round3..8.py) did not cover: paths at the file
 system's limits (a record name too long for the files kept next to it, a folder path past PATH_MAX, a level of the
-folder too long), for search and report. Every mistake is one line on stderr, exit code 2, and leaves the folder as
+folder too long), for search and report; the wiring scripts' --data-dir without --dataset cifar10. Every mistake is one line on stderr, exit code 2, and leaves the folder as
 it was (`refused` compares sha256s)."""
 
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
 from test_cli_errors import TINY
+from test_cli_misuse_round7 import test_a_script_argument_is_refused_in_one_line_before_any_work as script_refused
 from test_cli_plot_misuse import rec, refused, source  # noqa: F401 (fixtures)
 
 NAME_MAX = os.pathconf("/", "PC_NAME_MAX")  # 255 on Linux file systems
 PATH_MAX = os.pathconf("/", "PC_PATH_MAX")  # 4096
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "scripts"))
 
 
 def _search(out, *extra):
@@ -63,3 +67,19 @@ def test_a_report_that_cannot_be_written_leaves_no_folder(where, rec, tmp_path, 
     out = (tmp_path / "a" / ("d" * (NAME_MAX + 45)) / "r.html" if where == "level"
            else tmp_path / "a" / "b" / ("p" * (NAME_MAX - 10) + ".html"))
     refused(["report", rec, "--out", out, "--figures", "scalars", "--dpi", "20"], tmp_path, "name too long", capsys)
+
+
+# -- the batch scripts ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("script,argv,needle", [  # before: what the mistake did
+    ("wiring_cost_heatmaps", ["--data-dir", "cifar-10-batches-py", "--configs", "minimal1", "--epochs", "1"],
+     "--data-dir cifar-10-batches-py is only read with --dataset cifar10, not digits"),  # ran on digits, exit 0
+    ("wiring_variants", ["--data-dir", "cifar-10-batches-py", "--variants", "layer", "--epochs", "1"],
+     "--data-dir cifar-10-batches-py is only read with --dataset cifar10"),  # the same
+    ("wiring_output_cost", ["--data-dir", "cifar-10-batches-py", "--epochs", "1"],
+     "--data-dir cifar-10-batches-py is only read with --dataset cifar10"),  # the same
+    ("wiring_output_cost", ["--dataset", "cifar10", "--epochs", "1"], "--dataset cifar10 needs --data-dir"),  # left --out
+    ("wiring_output_cost", ["--dataset", "cifar10", "--data-dir", "/nonexistent/cifar", "--epochs", "1"],
+     "does not exist"),  # left an empty --out folder
+])
+def test_a_script_data_option_is_refused_in_one_line_before_any_work(script, argv, needle, tmp_path, capsys):
+    script_refused(script, argv, needle, tmp_path, capsys)  # round 7's check: exit 2, one line, the folder as it was
