@@ -7,6 +7,10 @@
  * and the process then kills itself with SIGKILL. Every other write goes through unchanged. With
  * NASDIAG_TEAR_METADATA=1 only writes of HDF5 metadata count: blocks that begin with a signature of four
  * capital letters (OHDR, EAIB, BTLF, ...); the rows' numbers never begin so.
+ *
+ * NASDIAG_TEAR_FILES (a comma-separated list of name endings, default ".h5,.h5.tmp") picks other files to tear:
+ * ".ckpt.tmp" (a checkpoint being written), ".png" (a figure), ".lock". write(2) at the file position is
+ * interposed as well as pwrite, since Python's files, torch.save and matplotlib write with it.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -27,6 +31,10 @@ static int is_metadata(const void *buf, size_t count) {
     return 1;
 }
 
+static int ends_with(const char *name, size_t len, const char *ending, size_t n) {
+    return len > n && strncmp(name + len - n, ending, n) == 0;
+}
+
 static int is_record_file(int fd) {
     char link[64], name[4096];
     snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
@@ -38,7 +46,14 @@ static int is_record_file(int fd) {
     const char *unlinked = " (deleted)";
     if (len > strlen(unlinked) && strcmp(name + len - strlen(unlinked), unlinked) == 0) len -= strlen(unlinked);
     name[len] = '\0';
-    return (len > 3 && strcmp(name + len - 3, ".h5") == 0) || (len > 7 && strcmp(name + len - 7, ".h5.tmp") == 0);
+    const char *files = getenv("NASDIAG_TEAR_FILES");
+    if (files == NULL || *files == '\0') files = ".h5,.h5.tmp";
+    for (const char *ending = files; *ending != '\0';) {
+        size_t n = strcspn(ending, ",");
+        if (n > 0 && ends_with(name, len, ending, n)) return 1;
+        ending += n + (ending[n] == ',');
+    }
+    return 0;
 }
 
 static ssize_t torn_pwrite(int fd, const void *buf, size_t count, off_t offset) {
@@ -59,6 +74,16 @@ static ssize_t torn_pwrite(int fd, const void *buf, size_t count, off_t offset) 
         }
     }
     return real(fd, buf, count, offset);
+}
+
+ssize_t write(int fd, const void *buf, size_t count) {
+    static ssize_t (*real)(int, const void *, size_t) = NULL;
+    if (real == NULL) real = (ssize_t (*)(int, const void *, size_t))dlsym(RTLD_NEXT, "write");
+    off_t offset = getenv("NASDIAG_TEAR_AT") && is_record_file(fd) ? lseek(fd, 0, SEEK_CUR) : -1;
+    if (offset < 0) return real(fd, buf, count); /* another file, or none to tear */
+    ssize_t done = torn_pwrite(fd, buf, count, offset);
+    if (done > 0) lseek(fd, offset + done, SEEK_SET); /* pwrite left the position alone; write moves it */
+    return done;
 }
 
 ssize_t pwrite(int fd, const void *buf, size_t count, off_t offset) { return torn_pwrite(fd, buf, count, offset); }

@@ -8,6 +8,7 @@ them), file names built by hand, plain h5py reads, and an uninterrupted run of t
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import signal
 import subprocess
@@ -17,6 +18,9 @@ import warnings
 
 import h5py
 import numpy as np
+import pytest
+
+from test_record_torn_writes import tear_library  # noqa: F401  (a fixture: scripts/tear_writes.c, built)
 
 from nasdiag.record import Recorder, RecordWarning, load, schema
 
@@ -106,7 +110,7 @@ def test_a_path_first_logged_in_the_flush_that_rolls_over_and_a_resume_right_aft
     lists its predecessors as they are."""
     monkeypatch.setattr(schema, "MAX_SEGMENT_CHUNKS", 2)
     path = str(tmp_path / "run.h5")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "scripts"), os.environ.get("PYTHONPATH", "")]))
     child = subprocess.run([sys.executable, "-c", _KILLED_AFTER_ROLLOVER, path, "5", os.path.dirname(__file__)],
                            capture_output=True, text=True, env=env, timeout=120)
     assert child.returncode == -signal.SIGKILL and "KILLED" in child.stdout, child.stderr[-2000:]
@@ -158,3 +162,41 @@ def test_every_segment_being_built_that_a_killed_writer_left_is_removed_by_the_n
         rec.log(0, {"scalars/a": 0.0})
     assert sorted(os.listdir(tmp_path)) == sorted(["run.h5"] + [os.path.basename(f) for f in others])
     np.testing.assert_array_equal(load(path)["step"], [0])
+
+
+# --- kills inside a write (scripts/tear_writes.c) ------------------------------------------------------------------
+
+
+def _torn_env(library: str, tear_at: int, files: str) -> dict:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), LD_PRELOAD=library,
+                NASDIAG_TEAR_AT=str(tear_at), NASDIAG_TEAR_PAGE=str(mmap.PAGESIZE), NASDIAG_TEAR_FILES=files,
+                MPLBACKEND="Agg")
+
+
+_DRAW = textwrap.dedent("""
+    import sys
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from nasdiag.plot.registry import save
+    fig, ax = plt.subplots()
+    ax.imshow(np.random.default_rng(0).random((300, 300)))  # noise: a PNG of many writes
+    save(fig, sys.argv[1], 100)
+    print("SAVED", flush=True)
+""")
+
+
+@pytest.mark.parametrize("tear_at", [2])
+def test_a_figure_killed_mid_write_leaves_no_truncated_file_under_its_name(tmp_path, tear_library, tear_at):
+    """A search killed while it drew its figures (its run complete, so --resume only says it finished) left the
+    figure being written truncated under its own name, a PNG that looks drawn and is not. The kill here comes after
+    the first page of the tear_at-th write that crosses a page; the figure is either whole or absent."""
+    path = tmp_path / "figs" / "arch_normal_heatmap.png"
+    path.parent.mkdir()
+    done = subprocess.run([sys.executable, "-c", _DRAW, str(path)], capture_output=True, text=True, timeout=120,
+                          env=_torn_env(tear_library, tear_at, ".png,.png.tmp"))
+    assert done.returncode == -signal.SIGKILL, f"no write was torn (exit {done.returncode}): {done.stderr[-1000:]}"
+    assert not path.exists(), f"a truncated figure of {path.stat().st_size} bytes is left under the figure's name"
+    again = subprocess.run([sys.executable, "-c", _DRAW, str(path)], capture_output=True, text=True, timeout=120,
+                           env=dict(os.environ, MPLBACKEND="Agg"))
+    assert again.returncode == 0, again.stderr[-1000:]
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and sorted(os.listdir(path.parent)) == [path.name]

@@ -22,8 +22,10 @@ colour scale. Nothing here imports matplotlib; figure modules do, when the regis
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
+import os
 import pkgutil
 import re
 from dataclasses import dataclass, field
@@ -490,14 +492,25 @@ _REPRODUCIBLE_RC = {"svg.hashsalt": "nasdiag"}
 
 
 def save(fig, path: Path, dpi: int) -> None:
-    """Write ``fig`` to ``path`` (format from the suffix) and close it; the same figure gives the same bytes."""
+    """Write ``fig`` to ``path`` (format from the suffix) and close it; the same figure gives the same bytes.
+
+    The file is written as ``.<name>.tmp`` next to it and renamed: a process killed mid-write (a search killed
+    while it drew its figures) left a truncated figure under the figure's own name."""
     import matplotlib
     import matplotlib.pyplot as plt
 
-    metadata = _REPRODUCIBLE_METADATA.get(Path(path).suffix.lstrip(".").lower())
+    path = Path(path)
+    fmt = path.suffix.lstrip(".").lower()
+    tmp = path.with_name(f".{path.name}.tmp")
     try:
         with matplotlib.rc_context(_REPRODUCIBLE_RC):
-            fig.savefig(path, dpi=dpi, bbox_inches="tight", pad_inches=0.04, metadata=metadata)
+            fig.savefig(tmp, format=fmt, dpi=dpi, bbox_inches="tight", pad_inches=0.04,
+                        metadata=_REPRODUCIBLE_METADATA.get(fmt))
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     finally:
         plt.close(fig)
 
