@@ -19,6 +19,7 @@ import warnings
 import h5py
 import numpy as np
 import pytest
+import torch
 
 from test_record_torn_writes import tear_library  # noqa: F401  (a fixture: scripts/tear_writes.c, built)
 
@@ -200,3 +201,64 @@ def test_a_figure_killed_mid_write_leaves_no_truncated_file_under_its_name(tmp_p
                            env=dict(os.environ, MPLBACKEND="Agg"))
     assert again.returncode == 0, again.stderr[-1000:]
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and sorted(os.listdir(path.parent)) == [path.name]
+
+
+_SEARCH = ["--epochs", "2", "--C", "4", "--layers", "3", "--steps", "2", "--batch-size", "240", "--diagnostics", "cost",
+           "--threads", "1", "--no-progress", "--no-figs", "--device", "cpu", "--dtype", "float64"]
+
+
+def _search(out, *extra, env=None):
+    return subprocess.run([sys.executable, "-m", "nasdiag", "search", *_SEARCH, "--out", str(out), *extra],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env=env or dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_search(tmp_path_factory):
+    reference = tmp_path_factory.mktemp("reference") / "run.h5"
+    done = _search(reference)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return reference
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("files, tear_at", [(".h5,.h5.tmp", 6), (".ckpt.tmp", 150)], ids=["record", "checkpoint"])
+def test_a_search_killed_inside_a_write_resumes_to_the_uninterrupted_record(tmp_path, tear_library, uninterrupted_search,
+                                                                           files, tear_at):
+    """A float64 search (CPU, bitwise reproducible) killed inside a write of its record or of its epoch checkpoint
+    (the write cut after its first page), then --resume: the checkpoint left is never past the record's last step,
+    and the record and final checkpoint equal an uninterrupted run's bit for bit, with no temporary file left."""
+    from kill_resume_trials import compare
+
+    out = tmp_path / "run.h5"
+    killed = _search(out, env=dict(_torn_env(tear_library, tear_at, files), OMP_NUM_THREADS="1"))
+    assert killed.returncode == -signal.SIGKILL, f"no write was torn (exit {killed.returncode}): {killed.stderr[-1000:]}"
+    if os.path.exists(f"{out}.ckpt"):
+        steps = load(out)["step"]
+        checkpoint = torch.load(f"{out}.ckpt", weights_only=False)["step"]
+        assert checkpoint <= (int(steps.max()) if steps.size else 0), (checkpoint, steps)
+    resumed = _search(out, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert compare(out, uninterrupted_search) == []
+
+
+def test_each_segment_counts_the_nonfinite_values_of_its_own_rows_across_a_rollover(tmp_path, monkeypatch):
+    """docs/schema.md: a data dataset's nonfinite_count is the number of NaN/inf elements in its committed rows of the
+    segment. A rollover closes the segment before the buffered batch is written, and reset the count of that batch
+    too: every segment after the first said 0 for rows full of NaN. Counted here from the rows with plain h5py."""
+    monkeypatch.setattr(schema, "MAX_SEGMENT_CHUNKS", 2)
+    path = str(tmp_path / "run.h5")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RecordWarning)
+        with Recorder(path, flush_every=3, flush_seconds=None) as rec:
+            for step in range(14):
+                row = np.full(WIDE, float(step), np.float32)
+                row[: step % 4] = [np.nan, np.inf, -np.inf][: step % 4]
+                rec.log(step, {"wide/x": row, "scalars/a": np.nan if step % 5 == 0 else float(step)})
+    assert len(schema.list_segments(path)) > 3
+    for _, file in schema.list_segments(path):
+        n = _committed_rows(file)
+        with h5py.File(file, "r") as f:
+            for name in ("wide/x", "scalars/a"):
+                expected = int(np.count_nonzero(~np.isfinite(f[name][:n])))
+                assert int(f[name].attrs["nonfinite_count"]) == expected, (file, name)

@@ -923,8 +923,9 @@ class Recorder:
         self._datasets = {}
         if f is None:
             return
-        for column in self._columns.values():  # the next segment counts its own rows
-            column.nonfinite = column.written_nonfinite = 0
+        for column in self._columns.values():  # the next segment counts its own rows, and the buffered ones it gets
+            column.nonfinite -= column.written_nonfinite
+            column.written_nonfinite = 0
         try:
             f.close()
         except Exception as err:
