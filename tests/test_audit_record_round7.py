@@ -262,3 +262,29 @@ def test_each_segment_counts_the_nonfinite_values_of_its_own_rows_across_a_rollo
             for name in ("wide/x", "scalars/a"):
                 expected = int(np.count_nonzero(~np.isfinite(f[name][:n])))
                 assert int(f[name].attrs["nonfinite_count"]) == expected, (file, name)
+
+
+def test_a_record_named_through_a_symbolic_link_keeps_every_segment_next_to_its_file(tmp_path):
+    """The lock of a record named through a link lies next to the file it points to, "so every name of a record has
+    one lock" (docs/schema.md); its later segments did not: a resume through ``runs/latest.h5 -> data/real.h5``
+    wrote ``runs/latest.seg0001.h5``, and the record read by its own name silently lacked those rows. A dangling link
+    made a new record fail ("appeared while this recorder held the lock"), and overwrite=True replaced the link."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "runs").mkdir()
+    real, link = str(tmp_path / "data" / "real.h5"), str(tmp_path / "runs" / "latest.h5")
+    os.symlink(os.path.join("..", "data", "real.h5"), link)  # dangling until the record is made
+    with Recorder(link, flush_seconds=None) as rec:
+        rec.log(0, {"scalars/a": 0.0})
+    for session in (1, 2):
+        with Recorder(link if session == 1 else real, resume=True, flush_seconds=None) as rec:
+            rec.log(session, {"scalars/a": float(session), f"scalars/s{session}": 1.0})
+    assert os.listdir(tmp_path / "runs") == ["latest.h5"] and os.path.islink(link)
+    for name in (real, link):
+        out = load(name)
+        np.testing.assert_array_equal(out["step"], [0, 1, 2])
+        np.testing.assert_array_equal(out["valid/scalars/s1"], [False, True, False])
+    with Recorder(link, overwrite=True, flush_seconds=None) as rec:
+        rec.log(7, {"scalars/b": 7.0})
+    assert os.path.islink(link) and sorted(os.listdir(tmp_path / "data")) == ["real.h5"]
+    for name in (real, link):
+        np.testing.assert_array_equal(load(name)["step"], [7])

@@ -399,6 +399,7 @@ def read_segments(path: str, with_data: bool = True, salvage: bool = False) -> l
     path = os.fspath(path)
     if os.path.isdir(path):
         raise RecordError(f"{path} is a folder, not a record; pass the record file (for example {os.path.join(path, 'run.h5')})")
+    path = schema.resolve_link(path)
     for attempt in range(4):
         files = schema.list_segments(path)
         if not files:

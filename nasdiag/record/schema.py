@@ -135,6 +135,12 @@ def _segment_number(text: str) -> int | None:
     return int(text) if len(text) == 4 or text[0] != "0" else None  # past 4 digits, no leading zero
 
 
+def resolve_link(path: str) -> str:
+    """The file a record path names: ``path``, or the file it points to if it is a symbolic link. Later segments and
+    files being built live next to that file, where every name of the record finds them (`lock_path` likewise)."""
+    return os.path.realpath(path) if os.path.islink(path) else path
+
+
 def lock_path(path: str) -> str:
     """The writer's lock file of the record at ``path``: ``<path>.lock``, with symbolic links resolved, so that a
     second writer given another name of the same record (a link to it) finds the first one's lock."""
@@ -147,7 +153,9 @@ def temp_path(final_path: str) -> str:
 
 
 def list_segments(path: str) -> list[tuple[int, str]]:
-    """Existing segment files of the record at ``path`` as ``(index, file)``, by index."""
+    """Existing segment files of the record at ``path`` (a symbolic link resolved, `resolve_link`) as ``(index, file)``,
+    by index."""
+    path = resolve_link(path)
     found = []
     if os.path.exists(path):
         found.append((0, path))

@@ -247,7 +247,9 @@ class Recorder:
         self._on_run_change = on_run_change
         if os.path.isdir(path):
             raise RecordError(f"record path {path} is a directory; pass a file path such as {os.path.join(path, 'run.h5')}")
-        self.path = path
+        # through a symbolic link: segments, temporary files and replacements go next to the file it names (a resume
+        # through the link put them next to the link, where the record read by its own name never saw them)
+        self.path = schema.resolve_link(path)
         self.flush_every = int(flush_every)
         self.flush_seconds = flush_seconds
         self._meta = schema.normalize_meta(meta)
