@@ -372,3 +372,12 @@ def test_unruled_modules_fail_naming_them():
     emb = Emb().to(DT)
     with pytest.raises(UnsupportedModuleError, match="Embedding"):
         diag_hessian(emb, F.cross_entropy, torch.randint(0, 10, (5, 7)), torch.randint(0, 3, (5,)), mode="approx")
+
+
+def test_frozen_tensor_refusal_names_the_models_parameter():
+    """``alpha_diag_hessian(net, ..., params=[net.alpha])`` with α frozen: the refusal named the tensor 'param.0',
+    a name the user never gave; it now also says which of the model's parameters that is."""
+    net, x, y = _net(shared=True)
+    net.alpha.requires_grad_(False)
+    with pytest.raises(CurvatureError, match=r"params\['param\.0'\] \(the model's 'alpha'\) does not require grad"):
+        alpha_diag_hessian(net, F.cross_entropy, x, y, params=[net.alpha])

@@ -328,7 +328,10 @@ def named_tensors(params, default_owner: nn.Module | None = None) -> List[Tuple[
                    else "; pass tensors, (name, tensor) pairs or a {name: tensor} dict")
             raise CurvatureTypeError(f"params[{name!r}] is a {type(p).__name__}, not a tensor{how}")
         if not p.requires_grad:
-            raise CurvatureError(f"params[{name!r}] does not require grad; call .requires_grad_(True) on it first")
+            # a tensor given without a name is called by the model's own name for it (not only "param.0")
+            owned = {id(t): n for n, t in default_owner.named_parameters()} if isinstance(default_owner, nn.Module) else {}
+            also = f" (the model's {owned[id(p)]!r})" if id(p) in owned and owned[id(p)] != name else ""
+            raise CurvatureError(f"params[{name!r}]{also} does not require grad; call .requires_grad_(True) on it first")
     return pairs
 
 
