@@ -274,11 +274,28 @@ def _refuse_options_before_the_command(tokens: List[str], commands) -> None:
     first = next((i for i, t in enumerate(tokens) if t in commands), None)
     if not first or not tokens[0].startswith("-") or tokens[0] in ("-h", "--help", "--version"):
         return
-    from shlex import join
-
     command, before = tokens[first], tokens[:first]
-    raise ConfigError(f"nasdiag: {join(before)} is given before the command {command}; options go after it: "
-                      f"nasdiag {join([command, *before, *tokens[first + 1:]])}")
+    raise ConfigError(f"nasdiag: {_join(before)} is given before the command {command}; options go after it: "
+                      f"nasdiag {_join([command, *before, *tokens[first + 1:]])}")
+
+
+def _quote(arg: str) -> str:
+    """``arg`` quoted for a shell, on one line: shlex.quote kept a control character (a newline in a file name) as is,
+    so the command printed after Ctrl-C took two lines (and one inside an error line lost its newline to a space, a
+    command naming another file); such an argument is written in ANSI-C quoting (``$'a\\nb.h5'``: bash, zsh, ksh,
+    POSIX sh 2024)."""
+    from shlex import quote
+
+    if not any(ord(c) < 32 or ord(c) == 127 for c in arg):
+        return quote(arg)
+    escaped = "".join("\\\\" if c == "\\" else "\\'" if c == "'" else f"\\x{ord(c):02x}" if ord(c) < 32 or ord(c) == 127
+                      else c for c in arg)
+    return f"$'{escaped}'"
+
+
+def _join(argv: List[str]) -> str:
+    """``argv`` as one line of shell words (`_quote`)."""
+    return " ".join(_quote(a) for a in argv)
 
 
 def _meant_option(unknown: List[str], command: argparse.ArgumentParser) -> str:
@@ -319,10 +336,8 @@ def _stopped(args: Optional[argparse.Namespace], how: str, exc: Optional[BaseExc
     complete = getattr(exc, "complete_run", None)  # set by the runner when the stop came while drawing figures
     if complete is not None:
         record, figures = complete
-        from shlex import quote  # a path with a space or quote must survive the copy into a shell
-
-        return (f"nasdiag: {how} while drawing the figures; the run is complete in {record}: "
-                f"draw them with nasdiag plot {quote(record)} --out {quote(figures)}")
+        return (f"nasdiag: {how} while drawing the figures; the run is complete in {record}: "  # quoted: a path with a
+                f"draw them with nasdiag plot {_quote(record)} --out {_quote(figures)}")        # space survives a shell
     if not args.out or not os.path.exists(args.out):
         return f"nasdiag: {how} before anything was recorded; run the command again (without --resume)"
     if argv is None:
@@ -353,8 +368,6 @@ def _with_resume(line: str, exc: BaseException, args, argv) -> str:
 def _resume_command(argv: List[str]) -> str:
     """The ``nasdiag search`` command that resumes the run ``argv`` started (``--force`` dropped, ``--resume``
     added), quoted for a shell."""
-    from shlex import join
-
     options = _parser().commands["search"]._option_string_actions
 
     def names(token: str, dest: str) -> bool:  # as argparse reads it: the option or a unique prefix, such as --fo
@@ -365,7 +378,7 @@ def _resume_command(argv: List[str]) -> str:
         return hits == {dest}
 
     argv = [str(a) for a in argv if not names(str(a), "force")]
-    command = join(argv if any(names(a, "resume") for a in argv) else [*argv, "--resume"])
+    command = _join(argv if any(names(a, "resume") for a in argv) else [*argv, "--resume"])
     return f"{_launcher()}nasdiag {command}"
 
 

@@ -1,7 +1,7 @@
 """A ninth new user's misuse of the ``nasdiag`` CLI and of the batch scripts: what rounds 1-8 (test_cli_errors.py,
 test_cli_search_misuse.py, test_cli_plot_misuse.py, test_cli_misuse_round3..8.py) did not cover: paths at the file
 system's limits (a record name too long for the files kept next to it, a folder path past PATH_MAX, a level of the
-folder too long), for search and report; the wiring scripts' --data-dir without --dataset cifar10. Every mistake is one line on stderr, exit code 2, and leaves the folder as
+folder too long), for search and report; a newline in a file name in the commands printed; the wiring scripts' --data-dir without --dataset cifar10. Every mistake is one line on stderr, exit code 2, and leaves the folder as
 it was (`refused` compares sha256s)."""
 
 from __future__ import annotations
@@ -67,6 +67,46 @@ def test_a_report_that_cannot_be_written_leaves_no_folder(where, rec, tmp_path, 
     out = (tmp_path / "a" / ("d" * (NAME_MAX + 45)) / "r.html" if where == "level"
            else tmp_path / "a" / "b" / ("p" * (NAME_MAX - 10) + ".html"))
     refused(["report", rec, "--out", out, "--figures", "scalars", "--dpi", "20"], tmp_path, "name too long", capsys)
+
+
+# -- a newline in a file name ------------------------------------------------------------------------------------
+def _bash_words(command: str) -> list:
+    """The words bash makes of ``command`` (an independent reader of the quoting nasdiag prints)."""
+    import subprocess
+
+    done = subprocess.run(["bash", "-c", f"printf '%s\\0' {command}"], capture_output=True, check=True)
+    return [w.decode() for w in done.stdout.split(b"\0")[:-1]]
+
+
+@pytest.mark.parametrize("name", ["a\nb.h5", "it's a\tb\\c.h5"])
+def test_the_resume_command_of_a_record_named_with_a_newline_is_one_line_bash_reads_back(name, tmp_path, capsys,
+                                                                                      monkeypatch):
+    """shlex.quote keeps a newline as is: after Ctrl-C, the line with the command that resumes the run took two lines
+    on stderr. The command is one line, and bash reads back the arguments given (the record path included)."""
+    import nasdiag.search
+    from nasdiag.cli import _parse, main
+
+    def interrupted(config, callbacks=()):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(nasdiag.search, "run", interrupted)
+    out = tmp_path / name
+    out.write_bytes(b"stands in for the record of this run")
+    assert main(_search(out)) == 130
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1, lines
+    words = _bash_words(lines[0].split("continue it with nasdiag ", 1)[1])
+    assert words == [*_search(out), "--resume"]
+    assert _parse(words).out == str(out)
+
+
+def test_options_before_the_command_are_given_back_with_a_newline_kept(tmp_path, capsys):
+    """The corrected command in the refusal of options put before the command went through the one-line error, which
+    turned the newline of ``--out`` into a space: a command naming another file."""
+    out = str(tmp_path / "a\nb.h5")
+    line = refused(["--epochs", "1", *_search(out)], tmp_path, "options go after it", capsys)
+    words = _bash_words(line.split("options go after it: nasdiag ", 1)[1])
+    assert words == ["search", "--epochs", "1", *_search(out)[1:]]
 
 
 # -- the batch scripts ----------------------------------------------------------------------------------------
