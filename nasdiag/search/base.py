@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from nasdiag.cost import CostMoments
-from nasdiag.errors import NasdiagError
+from nasdiag.errors import ConfigError, NasdiagError
 from nasdiag.search.hyperparameters import Hyperparameters
 from nasdiag.supernet import Genotype, derive_genotype
 
@@ -131,8 +131,11 @@ class Schedule:
         epochs: epochs of the whole run (the length of cosine schedules).
         steps_per_epoch: steps per epoch on this rank.
         batch_size: per-rank batch size.
-        train_size, val_size: samples in the search-train and search-val splits (all ranks).
+        train_size, val_size: samples in the search-train and search-val splits (all ranks; 0: not known).
         world_size: number of DDP ranks.
+
+    Raises:
+        ConfigError: (one line) a field that is not an integer, or below 1 (0 for the split sizes).
     """
 
     epochs: int
@@ -141,6 +144,15 @@ class Schedule:
     train_size: int = 0
     val_size: int = 0
     world_size: int = 1
+
+    def __post_init__(self):
+        # a run of 0 epochs stopped the first epoch end in the cosine schedule's ZeroDivisionError, a negative one
+        # dropped w's learning rate to its minimum after one epoch, 2.5 epochs annealed over a fractional period
+        for name, least in (("epochs", 1), ("steps_per_epoch", 1), ("batch_size", 1), ("train_size", 0), ("val_size", 0),
+                            ("world_size", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+                raise ConfigError(f"Schedule {name} must be an integer >= {least}, got {value!r}")
 
     @property
     def total_steps(self) -> int:
