@@ -110,3 +110,74 @@ def test_a_label_outside_the_classifiers_classes_is_one_line_before_any_update(n
         assert "\n" not in message and f"[0, {CLASSES})" in message and str(bad) in message, message
         _same(before, _snapshot(method))
         assert all(p.grad is None for p in method.network.parameters())
+
+
+# -- the run's shape ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("field, value", [("epochs", 0), ("epochs", -1), ("epochs", 2.5), ("epochs", "2"),
+                                          ("steps_per_epoch", 0), ("batch_size", 0), ("world_size", 0),
+                                          ("train_size", -1), ("epochs", True)])
+def test_a_schedule_that_is_no_run_shape_is_one_config_error(field, value):
+    """`Schedule` is "the run's shape" a hand-built method is given (docs/methods.md). It took anything: 0 epochs
+    stopped the first epoch end in the cosine schedule's ZeroDivisionError, -1 epochs dropped w's learning rate from
+    0.025 to its minimum 0.001 after one epoch (cosine over T_max = -1), 2.5 annealed over a fractional period, '2'
+    failed inside torch's scheduler with a TypeError."""
+    from nasdiag.errors import ConfigError
+
+    fields = {"epochs": 2, "steps_per_epoch": 3, field: value}
+    with pytest.raises(ConfigError) as info:
+        Schedule(**fields)
+    assert "\n" not in str(info.value) and field in str(info.value)
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")  # epoch ends without steps
+def test_a_valid_schedule_still_anneals_w_as_darts_cosine():
+    """The check refuses nothing valid: 3 epochs of DARTS anneal w's rate as lr_min + (lr0 − lr_min)(1 + cos(πe/3))/2
+    (DARTS's cosine schedule, written out here)."""
+    import math
+
+    method = get_method("darts")(_net(0), schedule=Schedule(epochs=3, steps_per_epoch=1, train_size=0, val_size=0))
+    h = method.hp
+    for epoch in range(3):
+        want = h.w_lr_min + (h.w_lr - h.w_lr_min) * (1 + math.cos(math.pi * epoch / 3)) / 2
+        assert method.w_optimizer.param_groups[0]["lr"] == pytest.approx(want, rel=1e-12)
+        method.epoch_end(epoch)
+
+
+# -- SparseNAS: what a second-order step records ------------------------------------------------------------------
+def test_a_second_order_sparsenas_step_records_the_loss_at_w_prime_and_the_norm_of_the_exact_hypergradient():
+    """docs/sparsenas.md: with the second-order step `scalars/val_loss`/`val_acc` are at the unrolled
+    w' = w − ξ(∇_w l_train(w, A) + μb + λw) (b = 0 at the first step) and `scalars/alpha_grad_norm` is ‖g‖ of eq 12
+    (before the prox). Reference: w' written out here and g = d/dA l_val(w'(A), A) by autograd through w'(A), on a
+    smooth supernet (tanh for ReLU) where eq 13's central difference with r = 1e-5 is within ~1e-9 of it."""
+    from torch import nn
+    from torch.func import functional_call
+    import torch.nn.functional as F
+
+    net = _net(11, primitives=("skip_connect", "avg_pool_3x3", "sep_conv_3x3"))
+    for module in list(net.modules()):
+        for child_name, child in module.named_children():
+            if isinstance(child, nn.ReLU):
+                setattr(module, child_name, nn.Tanh())
+    method = _method("sparsenas", net, fd_eps_scale=1e-5, w_lr=0.3, w_lr_min=0.3, init_scale=0.2)
+    (xt, yt), (xv, yv) = _batch(12, B=6), _batch(13, B=6)
+    arch = {id(a) for a in net.arch_parameters()}
+    names = [n for n, p in net.named_parameters() if id(p) not in arch]
+    w0 = {n: p.detach().clone() for n, p in net.named_parameters() if id(p) not in arch}
+    buffers = lambda: {n: b.clone() for n, b in net.named_buffers()}  # noqa: E731
+    A = {t: a.detach().clone().requires_grad_(True) for t, a in net.alphas().items()}
+    w = [w0[n].clone().requires_grad_(True) for n in names]
+    loss_t = F.cross_entropy(functional_call(net, {**dict(zip(names, w)), **buffers()}, (xt, A)), yt)
+    grads = torch.autograd.grad(loss_t, w, create_graph=True, allow_unused=True)
+    xi, wd = 0.3, method.hp.w_weight_decay
+    w1 = {n: w0[n] - xi * ((torch.zeros_like(w0[n]) if g is None else g) + wd * w0[n]) for n, g in zip(names, grads)}
+    logits = functional_call(net, {**w1, **buffers()}, (xv, A))
+    loss_v = F.cross_entropy(logits, yv)
+    exact = torch.autograd.grad(loss_v, list(A.values()))
+    stats = method.step((xt, yt), (xv, yv))
+    torch.testing.assert_close(stats["scalars/val_loss"], loss_v.detach(), rtol=1e-10, atol=0)
+    torch.testing.assert_close(stats["scalars/val_acc"], (logits.argmax(1) == yv).double().mean(), rtol=0, atol=0)
+    norm = torch.sqrt(sum((g ** 2).sum() for g in exact))
+    # first order (l_val at w) would differ from it here: the check sees which one was recorded
+    loss_w = F.cross_entropy(functional_call(net, {**w0, **buffers()}, (xv, A)), yv)
+    assert abs(float(loss_w.detach()) - float(loss_v.detach())) > 1e-3
+    torch.testing.assert_close(stats["scalars/alpha_grad_norm"], norm.detach(), rtol=1e-7, atol=0)

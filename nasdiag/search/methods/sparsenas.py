@@ -58,7 +58,9 @@ class SparseNAS(DARTS):
 
     The w step is DARTS's (SGD, momentum 0.9, weight decay 3e-4, cosine from 0.025: the paper's CNN search
     setting). Each :meth:`step` records what DARTS records plus ``sparsity/lambda``,
-    ``sparsity/<cell>/nonzero`` and ``arch/<cell>/weights`` = A.
+    ``sparsity/<cell>/nonzero`` and ``arch/<cell>/weights`` = A; with the second-order step ``scalars/val_loss`` and
+    ``scalars/val_acc`` are those at the unrolled w' (as darts2's) and ``scalars/alpha_grad_norm`` is ‖eq 13's
+    hypergradient‖, before the proximal step.
     """
 
     graph_capturable = False  # the proximal step runs eagerly (its state: HAPG/AdamHAPG per-parameter dicts)
