@@ -288,3 +288,87 @@ def test_a_record_named_through_a_symbolic_link_keeps_every_segment_next_to_its_
     assert os.path.islink(link) and sorted(os.listdir(tmp_path / "data")) == ["real.h5"]
     for name in (real, link):
         np.testing.assert_array_equal(load(name)["step"], [7])
+
+
+_LIVE_WRITER = textwrap.dedent("""
+    import sys, time, warnings
+    sys.path.insert(0, sys.argv[5])
+    from test_audit_record_round7 import _row
+    from nasdiag.record import Recorder, schema
+    schema.MAX_SEGMENT_CHUNKS = 2
+    warnings.simplefilter("ignore")
+    path, flush_every, session, start = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    rec = Recorder(path, flush_every=flush_every, flush_seconds=None, resume=True)
+    committed = rec.last_committed_step
+    for step in range(start, 40):
+        rec.log(step, _row(step, session, late_from=start + 3))
+        if rec.last_committed_step != committed:
+            committed = rec.last_committed_step
+            print("C", committed, flush=True)
+        time.sleep(0.004)
+    rec.close()
+    print("DONE", flush=True)
+""")
+
+_LIVE_READER = textwrap.dedent("""
+    import json, os, sys, time
+    import numpy as np
+    from nasdiag.record import load
+    path, stop = sys.argv[1], sys.argv[2]
+    seen, errors = [], []
+    while not os.path.exists(stop):
+        try:
+            out = load(path) if os.path.exists(path) else {"step": np.zeros(0)}
+            steps = out["step"]
+            if steps.size:
+                assert (np.diff(steps) > 0).all(), steps
+                assert (out["scalars/a"] == steps).all()
+                x = out["wide/x"]
+                assert (x == x[:, :1]).all() and (x[:, 0] % 1000 == steps).all(), "a row mixes values"
+            seen.append(int(steps.size))
+        except Exception as err:
+            errors.append(f"{type(err).__name__}: {str(err)[:300]}")
+        time.sleep(0.005)
+    print(json.dumps({"seen": seen, "errors": errors[:5]}), flush=True)
+""")
+
+
+@pytest.mark.slow
+def test_a_reader_in_another_process_sees_whole_rows_across_rollovers_kills_and_resumes(tmp_path):
+    """Writers with a segment of 2 rows (MAX_SEGMENT_CHUNKS=2, one chunk a row), each resumed a few steps before the
+    last committed one and killed after a few commits, then one that finishes; a reader process loads the record
+    all along. It never fails and never sees a row mixing two sessions' values; the record ends with every step
+    once, from the last session that committed it, and every segment lists its predecessors as they are."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "scripts"), os.environ.get("PYTHONPATH", "")]))
+    here = os.path.dirname(os.path.abspath(__file__))
+    path, stop = str(tmp_path / "run.h5"), str(tmp_path / "stop")
+    reader = subprocess.Popen([sys.executable, "-c", _LIVE_READER, path, stop], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env)
+    owner = {}  # step -> the session whose row the record must hold
+    start = 0
+    try:
+        for session, (flush_every, commits) in enumerate([(1, 5), (3, 3), (2, 4), (2, None)], start=1):
+            writer = subprocess.Popen([sys.executable, "-c", _LIVE_WRITER, path, str(flush_every), str(session),
+                                       str(start), here], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      env=env)
+            seen = 0
+            for line in writer.stdout:
+                if line.startswith("C "):
+                    seen += 1
+                    if seen == commits:
+                        writer.send_signal(signal.SIGKILL)
+                        break
+            assert writer.wait(timeout=120) in ((0,) if commits is None else (-signal.SIGKILL,)), writer.stderr.read()
+            steps = load(path)["step"]
+            assert int(steps.max()) > max(owner, default=-1)  # each session got past the last: it owns start..max
+            for step in range(start, int(steps.max()) + 1):
+                owner[step] = session
+            start = max(0, int(steps.max()) - 2)  # a checkpoint two steps back: those are replayed
+    finally:
+        open(stop, "w").close()
+        report = json.loads(reader.communicate(timeout=120)[0])
+    assert report["errors"] == [] and max(report["seen"]) >= 20, report
+    out = load(path)
+    np.testing.assert_array_equal(out["step"], np.arange(40))
+    np.testing.assert_array_equal(out["wide/x"][:, 0], [step + 1000 * owner[step] for step in range(40)])
+    _check_previous_segments(path)
