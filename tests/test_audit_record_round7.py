@@ -372,3 +372,31 @@ def test_a_reader_in_another_process_sees_whole_rows_across_rollovers_kills_and_
     np.testing.assert_array_equal(out["step"], np.arange(40))
     np.testing.assert_array_equal(out["wide/x"][:, 0], [step + 1000 * owner[step] for step in range(40)])
     _check_previous_segments(path)
+
+
+_RESUME_ONCE = textwrap.dedent("""
+    import sys
+    from nasdiag.record import Recorder
+    with Recorder(sys.argv[1], resume=True, flush_seconds=None) as rec:
+        rec.log(10, {"scalars/train_loss": 0.5})
+""")
+
+
+def test_the_report_counts_the_resumes_of_a_record_not_its_segments(tmp_path, monkeypatch):
+    """One session writes 4 segments (a path first logged after the first flush, then rollovers): the report said
+    "4 segment(s), 3 resume(s)" of a run never resumed (every search records its epoch values in a second segment,
+    so every report said 1 resume). A resume in another process is one."""
+    from nasdiag.plot.report import build_report
+
+    monkeypatch.setattr(schema, "MAX_SEGMENT_CHUNKS", 2)
+    path = str(tmp_path / "run.h5")
+    with Recorder(path, flush_every=1, flush_seconds=None) as rec:
+        for step in range(6):
+            rec.log(step, {"scalars/train_loss": 1.0 / (step + 1), "wide/x": np.zeros(WIDE, np.float32),
+                           **({"scalars/epoch": 0.0} if step >= 1 else {})})
+    segments = len(schema.list_segments(path))
+    assert segments > 3
+    assert f"{segments} segment(s), 0 resume(s)" in build_report(path, figures=["scalars"])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    subprocess.run([sys.executable, "-c", _RESUME_ONCE, path], check=True, env=env, timeout=120)
+    assert f"{segments + 1} segment(s), 1 resume(s)" in build_report(path, figures=["scalars"])

@@ -100,6 +100,14 @@ def _segment_attrs(path) -> List[Dict]:
     return out
 
 
+def _resumes(segments: List[Dict]) -> int:
+    """Segments written by another process than the segment before them. A session also starts a segment for a path
+    first logged after its first flush and before a dataset passes schema.MAX_SEGMENT_CHUNKS chunks: counting every
+    segment after the first called a search that was never resumed resumed (a resume in the same process, through
+    the Python API, is not told apart)."""
+    return sum((a.get("host"), a.get("pid")) != (b.get("host"), b.get("pid")) for a, b in zip(segments, segments[1:]))
+
+
 def _seconds_per_step(record, segments: List[Dict]) -> Optional[str]:
     for key in record:
         if key.startswith("scalars/") and ("time" in key or "seconds" in key) and record[key].ndim == 1:
@@ -200,7 +208,7 @@ def build_report(record_path, figures: Optional[Sequence[str]] = None, dpi: int 
                             ("nasdiag_version", "torch_version", "python_version", "h5py_version")})),
         ("seed", _code(meta.get("seed", "not recorded"))),
         ("rows", f"{len(steps)} (steps {int(steps[0])}–{int(steps[-1])})"),
-        ("segments and resumes", f"{len(segments)} segment(s), {len(segments) - 1} resume(s): " + "; ".join(
+        ("segments and resumes", f"{len(segments)} segment(s), {_resumes(segments)} resume(s): " + "; ".join(
             html.escape(f"{Path(s['file']).name}: steps {s['first_step']}–{s['last_step']}, created {s.get('created', '?')}")
             for s in segments)),
         ("full config", _code(config or "not recorded")),
