@@ -36,6 +36,7 @@ class FixedArchitecture(SearchMethod):
     """α fixed at uniform, θ trained: the measurement protocol of the wiring supplement (§3, §6, §8)."""
 
     name = "fixed_architecture"
+    single_level = True  # its step takes the training batch alone (a bi-level method is refused a step without search-val)
 
     @dataclass
     class Hyperparameters(Hyperparameters):

@@ -181,3 +181,20 @@ def test_a_second_order_sparsenas_step_records_the_loss_at_w_prime_and_the_norm_
     loss_w = F.cross_entropy(functional_call(net, {**w0, **buffers()}, (xv, A)), yv)
     assert abs(float(loss_w.detach()) - float(loss_v.detach())) > 1e-3
     torch.testing.assert_close(stats["scalars/alpha_grad_norm"], norm.detach(), rtol=1e-7, atol=0)
+
+
+@pytest.mark.parametrize("name", ["darts", "darts2", "proxyless", "sparsenas", "xnas"])
+def test_a_bilevel_step_without_its_search_val_batch_is_one_line_before_any_update(name):
+    """`step(train_batch, val_batch)`: a bi-level method (α on search-val) called with the training batch alone was a
+    TypeError ("argument after * must be an iterable, not NoneType"); ProxylessNAS and XNAS had taken their w step
+    on it by then. Single-level methods (SNAS, DSNAS, ASM-NAS) still take the training batch alone."""
+    primitives = ("skip_connect", "avg_pool_3x3", "sep_conv_3x3") if name == "sparsenas" else None
+    method = _method(name, _net(14, primitives=primitives))
+    before = _snapshot(method)
+    with pytest.raises(SearchError) as info:
+        method.step(_batch(15))
+    assert "\n" not in str(info.value) and "search-val" in str(info.value) and name in str(info.value)
+    _same(before, _snapshot(method))
+    single = _method("snas", _net(14))
+    single.step(_batch(15))
+    assert not single.network.alphas()["normal"].equal(_net(14).alphas()["normal"])

@@ -103,18 +103,22 @@ def check_batch(network, batch, what: str) -> None:
 
 
 class _BatchChecked:
-    """``step`` that first checks its batches (`check_batch`): a wrong batch is one line before any update. An object,
+    """``step`` that first checks its batches (`check_batch`), and that a bi-level method (not ``single_level``) is given
+    a search-val batch: a wrong or missing batch is one line before any update. An object,
     not a closure, so that ``copy.deepcopy(method)`` gives the copy a step of its own (a closure is copied by
     reference and would step the original)."""
 
-    def __init__(self, network, step):
-        self.network, self.step = network, step
+    def __init__(self, network, step, name: str = "", single_level: bool = True):
+        self.network, self.step, self.name, self.single_level = network, step, name, single_level
         self.__doc__ = getattr(step, "__doc__", None)
 
     def __call__(self, train_batch, val_batch=None, *args, **kwargs):
         check_batch(self.network, train_batch, "search-train")
         if val_batch is not None:
             check_batch(self.network, val_batch, "search-val")
+        elif not self.single_level:  # a bi-level step without it was a TypeError, at times after the w step had run
+            raise SearchError(f"{self.name} is bi-level: its step takes a search-train and a search-val batch, "
+                              "method.step(train_batch, val_batch)")
         return self.step(train_batch, val_batch, *args, **kwargs)
 
 
@@ -257,7 +261,7 @@ class SearchMethod:
         self._curvature_graph = None  # built by curvature() on first use
         self._curvature_graph_mode: Optional[str] = None
         self.build()
-        self.step = _BatchChecked(self.network, self.step)
+        self.step = _BatchChecked(self.network, self.step, self.name, self.single_level)
         if type(self).__dict__.get("graph_capturable", False):
             from nasdiag.supernet.engine.graph import StepGraph
 
