@@ -400,6 +400,8 @@ def main(argv=None) -> int:
     if args.child is not None:
         child_main(json.loads(args.child))
         return 0
+    if args.dir is not None:  # a folder not made yet (tempfile's traceback otherwise)
+        os.makedirs(args.dir, exist_ok=True)
     if args.tear:
         return _tear_main(args)
     failures = 0

@@ -400,3 +400,14 @@ def test_the_report_counts_the_resumes_of_a_record_not_its_segments(tmp_path, mo
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     subprocess.run([sys.executable, "-c", _RESUME_ONCE, path], check=True, env=env, timeout=120)
     assert f"{segments + 1} segment(s), 1 resume(s)" in build_report(path, figures=["scalars"])
+
+
+def test_the_kill_trials_make_the_folder_they_are_given(tmp_path, capsys):
+    """``record_kill_trials.py --dir /scratch/me`` (its docstring's example) ended in tempfile's traceback when the
+    folder did not exist yet."""
+    from record_kill_trials import main
+
+    folder = tmp_path / "not" / "yet"
+    assert main(["--trials", "0", "--dir", str(folder)]) == 0
+    assert folder.is_dir() and os.listdir(folder) == []
+    assert "0/0 SIGKILL trials intact" in capsys.readouterr().out
