@@ -39,7 +39,7 @@ METHODS = {"asmnas": "ASM-NAS", "darts": "DARTS"}
 
 
 def parse_args(argv=None):
-    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0], plot_options=('out',))  # the rest: refused with --plot-only
     parser.add_argument("--out", default="runs/asmnas_stability", help="output folder (records, summary.json, stability.png)")
     parser.add_argument("--seeds", type=at_least(1), default=3, help="seeds 0..N-1 per method")
     parser.add_argument("--epochs", type=at_least(1), default=2)

@@ -34,7 +34,7 @@ FIGURES = {
 
 
 def parse_args(argv=None):
-    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0], plot_options=('out', 'runs', 'dpi'))  # the rest: refused with --plot-only
     parser.add_argument("--out", default="docs/img", help="folder of the README's images")
     parser.add_argument("--runs", default="runs/readme", help="folder of the records")
     parser.add_argument("--epochs", type=at_least(1), default=2)

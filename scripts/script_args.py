@@ -19,10 +19,53 @@ class UsageError(NasdiagError):
 
 
 class Parser(argparse.ArgumentParser):
-    """An `argparse.ArgumentParser` whose errors are one `UsageError` line naming the script's ``--help``."""
+    """An `argparse.ArgumentParser` whose errors are one `UsageError` line naming the script's ``--help``.
+
+    ``plot_options``: the options (dests) that still act with ``--plot-only``; any other one given with it is refused
+    (`refuse_with_plot_only`). None: not checked."""
+
+    def __init__(self, *args, plot_options=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.plot_options = plot_options
 
     def error(self, message):
         raise UsageError(f"{message} (see {self.prog} --help)")
+
+    def parse_args(self, args=None, namespace=None):
+        parsed = super().parse_args(args, namespace)
+        if self.plot_options is not None:
+            refuse_with_plot_only(self, args, parsed, self.plot_options)
+        return parsed
+
+
+def given_options(parser: argparse.ArgumentParser, argv) -> list:
+    """The actions of ``parser`` given on the command line ``argv`` (also as a unique prefix, as argparse reads it):
+    ``argv`` parsed again with every default suppressed."""
+    defaults, parser_defaults = [(a, a.default) for a in parser._actions], dict(parser._defaults)
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    parser._defaults.clear()
+    try:
+        given = vars(argparse.ArgumentParser.parse_args(parser, argv))
+    finally:
+        for action, default in defaults:
+            action.default = default
+        parser._defaults.update(parser_defaults)
+    return [a for a in parser._actions if a.dest in given and a.option_strings]
+
+
+def refuse_with_plot_only(parser: argparse.ArgumentParser, argv, args: argparse.Namespace, acting) -> None:
+    """``--plot-only`` redraws from the records of an earlier run: an option that only shapes a run (``--epochs``,
+    ``--lr``, ``--threads``) was accepted and silently ignored, the figures drawn as that run left them. Refuse each
+    given with it, other than ``acting`` (the dests that still act: ``out``, ``format``, a selection of records)."""
+    if not getattr(args, "plot_only", False):
+        return
+    ignored = [a for a in given_options(parser, argv) if a.dest not in {*acting, "plot_only"}]
+    if ignored:
+        names = ", ".join(max(a.option_strings, key=len) for a in ignored)
+        one = len(ignored) == 1
+        raise UsageError(f"{names} {'does' if one else 'do'} nothing with --plot-only, which redraws from the records of "
+                         f"an earlier run; drop {'it' if one else 'them'}, or run without --plot-only")
 
 
 def at_least(low: int) -> Callable[[str], int]:

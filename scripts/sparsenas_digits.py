@@ -52,8 +52,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from nasdiag.errors import run_script
+from nasdiag.errors import NasdiagError, run_script
 from nasdiag.sparse import HAPG, AdamHAPG, sgl_penalty
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # script_args, also when loaded from a file path
+from script_args import refuse_with_plot_only  # noqa: E402
 
 OPTIMIZERS = ("sgd", "adam", "hapg", "adamhapg")
 PROXIMAL = ("hapg", "adamhapg")
@@ -440,6 +443,10 @@ def parse(argv) -> Tuple[argparse.Namespace, List[str], List[str], List[float]]:
     if args.workers > max(cpus, 2):  # --workers 100000 started processes until the machine stalled (2: the default)
         raise UsageError(f"--workers {args.workers} is more than this machine's {cpus} CPUs (one process each); give at "
                          f"most {max(cpus, 2)}")
+    try:  # an option of the run with --plot-only was silently ignored
+        refuse_with_plot_only(p, argv, args, ("out", "format"))
+    except NasdiagError as err:
+        raise UsageError(str(err)) from None
     return args, opts, pens, lambdas
 
 

@@ -37,7 +37,7 @@ CONFIGS = {"minimal1": ("minimal", 1), "minimal8": ("minimal", 8), "darts8": ("d
 
 
 def parse_args(argv=None):
-    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0], plot_options=('out', 'configs', 'format'))  # the rest: refused with --plot-only
     parser.add_argument("--out", default="runs/wiring_cost")
     parser.add_argument("--configs", default="minimal1,minimal8,darts8", help=f"comma-separated, of {', '.join(CONFIGS)}")
     parser.add_argument("--protocol", default="dsnas", choices=W.PROTOCOLS)

@@ -34,7 +34,7 @@ FIGURES = ["arch_evolution", "wiring", "genotype"]
 
 
 def parse_args(argv=None):
-    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0], plot_options=('out', 'methods', 'format'))  # the rest: refused with --plot-only
     parser.add_argument("--out", default="runs/wiring_evolution")
     parser.add_argument("--methods", default="dsnas,darts", help="comma-separated registered methods")
     parser.add_argument("--epochs", type=at_least(1), default=8)

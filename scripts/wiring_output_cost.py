@@ -47,7 +47,7 @@ SPLITS = {"train": "search-train set (θ's data)", "search": "search set (held o
 
 
 def parse_args(argv=None):
-    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0], plot_options=('out', 'format'))  # the rest: refused with --plot-only
     parser.add_argument("--out", default="runs/wiring_output_cost")
     parser.add_argument("--protocol", default="dsnas", choices=W.PROTOCOLS)
     parser.add_argument("--epochs", type=at_least(1), default=10)

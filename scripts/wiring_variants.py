@@ -40,7 +40,7 @@ VARIANTS = {
 
 
 def parse_args(argv=None):
-    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0], plot_options=('out', 'variants', 'format'))  # the rest: refused with --plot-only
     parser.add_argument("--out", default="runs/wiring_variants")
     parser.add_argument("--variants", default="layer,instance,conv-relu-bn,conv-bn-relu",
                         help=f"comma-separated, of {', '.join(VARIANTS)}")

@@ -37,7 +37,7 @@ METHODS = {"xnas": "XNAS", "gd": "GD with softmax"}
 
 
 def parse_args(argv=None):
-    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0], plot_options=('out',))  # the rest: refused with --plot-only
     parser.add_argument("--out", default="runs/xnas_statistical", help="output folder (record.h5, fig8.png, fits.json)")
     parser.add_argument("--runs", type=at_least(1), default=1000)
     parser.add_argument("--steps", type=at_least(1), default=1000)

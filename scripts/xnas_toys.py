@@ -42,7 +42,7 @@ OPTIMIZERS = {"xnas": "XNAS", "gd": "GD with softmax"}
 
 
 def parse_args(argv=None):
-    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0], plot_options=('out', 'format'))  # the rest: refused with --plot-only
     parser.add_argument("--out", default="runs/xnas_toys", help="output folder (record.h5, fig*.png)")
     parser.add_argument("--lr", type=number(), default=0.1, help="learning rate of both optimizers (§8.2: 0.1)")
     parser.add_argument("--format", default="png", choices=("png", "pdf", "svg"))

@@ -123,3 +123,37 @@ def test_options_before_the_command_are_given_back_with_a_newline_kept(tmp_path,
 ])
 def test_a_script_data_option_is_refused_in_one_line_before_any_work(script, argv, needle, tmp_path, capsys):
     script_refused(script, argv, needle, tmp_path, capsys)  # round 7's check: exit 2, one line, the folder as it was
+
+
+@pytest.mark.parametrize("script,argv,needle", [  # before: each ran, redrew the old figures and exited 0
+    ("xnas_toys", ["--plot-only", "--lr", "0.5"], "--lr does nothing with --plot-only"),
+    ("xnas_statistical", ["--plot-only", "--n-grid", "2,4", "--threads", "1"], "--n-grid, --threads do nothing with"),
+    ("wiring_cost_heatmaps", ["--plot-only", "--configs", "minimal1", "--epochs", "3"], "--epochs does nothing with"),
+    ("wiring_variants", ["--plot-only", "--variants", "layer", "--data-dir", "d"], "--data-dir does nothing with"),
+    ("wiring_output_cost", ["--plot-only", "--prot", "darts"], "--protocol does nothing with"),  # a prefix, as argparse
+    ("wiring_evolution", ["--plot-only", "--methods", "dsnas", "--seed", "1"], "--seed does nothing with"),
+    ("asmnas_stability", ["--plot-only", "--seeds", "5"], "--seeds does nothing with"),
+    ("make_readme_figures", ["--plot-only", "--engine", "eager"], "--engine does nothing with"),
+    ("sparsenas_digits", ["--plot-only", "--lambdas", "1e-4"], "--lambdas does nothing with"),
+])
+def test_an_option_of_the_run_with_plot_only_is_refused(script, argv, needle, tmp_path, capsys):
+    """``--plot-only`` redraws from the records of an earlier run: the options that shape a run (``--lr``, ``--epochs``,
+    ``--threads``, ...) were accepted and silently ignored, so ``xnas_toys.py --plot-only --lr 0.5`` drew the figures
+    of the old learning rate under a command naming the new one."""
+    script_refused(script, argv, needle, tmp_path, capsys)
+
+
+@pytest.mark.parametrize("script,argv", [
+    ("xnas_toys", ["--format", "svg"]),
+    ("wiring_cost_heatmaps", ["--con", "minimal1", "--format", "pdf"]),
+    ("wiring_evolution", ["--methods", "dsnas"]),
+    ("wiring_variants", ["--variants", "layer"]),
+    ("make_readme_figures", ["--runs", "r", "--dpi", "50"]),
+    ("asmnas_stability", []),
+])
+def test_the_options_that_act_on_the_figures_are_taken_with_plot_only(script, argv):
+    """What a redraw reads (the folders, the format, the records to redraw) is still taken with ``--plot-only``."""
+    import importlib
+
+    args = importlib.import_module(script).parse_args(["--plot-only", "--out", "o", *argv])
+    assert args.plot_only and args.out == "o"

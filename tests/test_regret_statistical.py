@@ -93,5 +93,5 @@ def test_script_writes_record_and_draws_figure_from_it(tmp_path):
     figure = out / "fig8.png"
     assert figure.stat().st_size > 10_000
     figure.unlink()
-    script.main(args + ["--plot-only"])  # redrawn from the record alone
+    script.main(["--out", str(out), "--plot-only"])  # redrawn from the record alone (the run's options are refused)
     assert figure.exists() and (out / "fits.json").exists()
