@@ -689,17 +689,33 @@ class SearchMethod:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`'s state. A captured step graph is dropped first: loading an optimizer
-        replaces its state tensors (Adam's moments), and a replay would keep updating the old ones."""
+        replaces its state tensors (Adam's moments), and a replay would keep updating the old ones.
+
+        Raises:
+            NasdiagError: (one line, before anything is loaded) a state of another method, one that lacks a stateful
+                object of this method, or one of a supernet whose tensors differ in names or shapes.
+        """
         if state.get("method", self.name) != self.name:
             raise NasdiagError(f"this state is of method {state.get('method')!r}, not {self.name!r}")
-        release = getattr(self.step, "release", None)
-        if release is not None:
-            release()
-        self.network.load_state_dict(state["network"])
         objects = self._stateful()
         missing = sorted(set(objects) - set(state["objects"]))
         if missing:
             raise NasdiagError(f"the saved state of {self.name!r} lacks {missing}")
+        # torch's load_state_dict copies every tensor that fits before it raises on the others (a 200-line error):
+        # a state of another supernet left this one half replaced (α, the classifier's bias)
+        current, saved = self.network.state_dict(), state["network"]
+        differ = [k for k in current if k not in saved or tuple(saved[k].shape) != tuple(current[k].shape)]
+        differ += [k for k in saved if k not in current]
+        if differ:
+            k = differ[0]
+            shapes = (f"{tuple(saved[k].shape) if k in saved else 'missing'} saved, "
+                      f"{tuple(current[k].shape) if k in current else 'missing'} here")
+            raise NasdiagError(f"this state is of another supernet: {len(differ)} of its tensors differ in name or shape "
+                               f"(first {k}: {shapes}); build the method on a supernet of the saved shape")
+        release = getattr(self.step, "release", None)
+        if release is not None:
+            release()
+        self.network.load_state_dict(state["network"])
         for k, obj in objects.items():
             obj.load_state_dict(state["objects"][k])
         self.generator.set_state(state["generator"])
