@@ -198,3 +198,41 @@ def test_a_bilevel_step_without_its_search_val_batch_is_one_line_before_any_upda
     single = _method("snas", _net(14))
     single.step(_batch(15))
     assert not single.network.alphas()["normal"].equal(_net(14).alphas()["normal"])
+
+
+# -- loading a state ------------------------------------------------------------------------------------------------
+def test_a_state_of_another_supernet_or_lacking_an_object_is_one_line_and_loads_nothing():
+    """`load_state_dict` of a state saved from a supernet of another shape raised torch's 200-line RuntimeError
+    after copying every tensor whose shape fitted (α and the classifier's bias were replaced); a state lacking one of
+    the method's stateful objects was refused only after the network had been loaded."""
+    small = _method("darts", _net(16))
+    torch.manual_seed(17)
+    wide = _method("darts", Network(4, CLASSES, 3, steps=1, multiplier=1, in_channels=1).double())
+    before = _snapshot(wide)
+    with pytest.raises(NasdiagError) as info:
+        wide.load_state_dict(small.state_dict())
+    assert "\n" not in str(info.value) and "another supernet" in str(info.value), str(info.value)[:300]
+    _same(before, _snapshot(wide))
+
+    twin = _method("darts", _net(18))
+    state = copy.deepcopy(small.state_dict())
+    del state["objects"]["scheduler"]
+    before = _snapshot(twin)
+    with pytest.raises(NasdiagError, match="lacks"):
+        twin.load_state_dict(state)
+    _same(before, _snapshot(twin))
+    # the whole state of the same shape loads as before
+    twin.load_state_dict(small.state_dict())
+    _same(_snapshot(small), _snapshot(twin))
+
+
+def test_proxyless_on_a_supernet_of_one_candidate_op_is_refused_when_built():
+    """ProxylessNAS's α step draws two distinct paths per edge. On a supernet with one candidate op its first step
+    took the w step and then stopped in torch.multinomial's RuntimeError ("cannot sample n_sample > prob_dist.size(-1)
+    samples without replacement"); it is refused when the method is built."""
+    with pytest.raises(SearchError) as info:
+        _method("proxyless", _net(19, primitives=("sep_conv_3x3",)))
+    assert "\n" not in str(info.value) and "at least 2" in str(info.value)
+    method = _method("proxyless", _net(19, primitives=("skip_connect", "sep_conv_3x3")))
+    stats = method.step(_batch(20), _batch(21))
+    assert torch.equal(stats["sample/normal/paths"].sum(-1), torch.full((method.network.num_edges,), 2.0))

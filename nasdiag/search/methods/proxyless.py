@@ -25,7 +25,7 @@ import torch
 
 from nasdiag import vocabulary as V
 from nasdiag.cost import proxyless_alpha_grad
-from nasdiag.search.base import Batch, accuracy, failing_row
+from nasdiag.search.base import Batch, SearchError, accuracy, failing_row
 from nasdiag.search.hyperparameters import hp
 from nasdiag.search.methods._sampling import (SampleCounts, argmax_onehot, check_finite_loss, host_masks, mean_entropy,
                                               sample_onehot, sample_two_paths)
@@ -67,6 +67,10 @@ class ProxylessNAS(DARTS):
         alpha_weight_decay: float = hp(0.0, "Weight decay of α (ProxylessNAS code default).", low=0)
 
     def build(self) -> None:
+        K = len(self.network.primitives)
+        if K < 2:  # the α step's two paths: with one op the first step ran the w step, then stopped in torch.multinomial
+            raise SearchError(f"proxyless samples two paths per edge for its α step: the supernet needs at least 2 "
+                              f"candidate ops, it has {K} ({', '.join(self.network.primitives)})")
         super().build()
         #: cumulative binary gates of the α steps: ``sample/<cell>/count``
         self.sample_counts = SampleCounts()
