@@ -133,6 +133,9 @@ def search_config(args: argparse.Namespace) -> SearchConfig:
         if not sep or not key.strip():
             raise ConfigError(f"--hp expects KEY=VALUE, got {item!r} (nasdiag methods lists the keys)")
         key = key.strip()
+        if not value.strip():  # an unset shell variable: an Optional one (xnas reward_bound) silently kept its default
+            raise ConfigError(f"--hp {key}= gives no value; give one (nasdiag methods lists the types and defaults), or "
+                              f"leave --hp {key} out for the default")
         if key in hp:  # the last would silently win
             raise ConfigError(f"--hp {key} is given twice ({key}={hp[key]} and {key}={value.strip()}); pass it once")
         hp[key] = value.strip()

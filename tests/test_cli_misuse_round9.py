@@ -1,8 +1,10 @@
 """A ninth new user's misuse of the ``nasdiag`` CLI and of the batch scripts: what rounds 1-8 (test_cli_errors.py,
 test_cli_search_misuse.py, test_cli_plot_misuse.py, test_cli_misuse_round3..8.py) did not cover: paths at the file
 system's limits (a record name too long for the files kept next to it, a folder path past PATH_MAX, a level of the
-folder too long), for search and report; a newline in a file name in the commands printed; the wiring scripts' --data-dir without --dataset cifar10. Every mistake is one line on stderr, exit code 2, and leaves the folder as
-it was (`refused` compares sha256s)."""
+folder too long), for search and report; a newline in a file name in the commands printed; an empty ``--hp`` value;
+the types ``nasdiag methods`` shows; the wiring scripts' --data-dir without --dataset cifar10; the options of a run
+given to a script with --plot-only. Every mistake is one line on stderr, exit code 2, and leaves the folder as it was
+(`refused` compares sha256s)."""
 
 from __future__ import annotations
 
@@ -67,6 +69,40 @@ def test_a_report_that_cannot_be_written_leaves_no_folder(where, rec, tmp_path, 
     out = (tmp_path / "a" / ("d" * (NAME_MAX + 45)) / "r.html" if where == "level"
            else tmp_path / "a" / "b" / ("p" * (NAME_MAX - 10) + ".html"))
     refused(["report", rec, "--out", out, "--figures", "scalars", "--dpi", "20"], tmp_path, "name too long", capsys)
+
+
+# -- hyperparameters ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("method,item", [("xnas", "reward_bound="), ("xnas", "reward_bound= "), ("darts", "w_lr=")])
+def test_an_empty_hyperparameter_value_is_refused(method, item, tmp_path, capsys):
+    """``--hp reward_bound=$L`` with L unset: an Optional hyperparameter took the empty value for None, its default,
+    and the run went on as if the option were not given (a float one was refused only as "must be of type float")."""
+    key = item.split("=")[0]
+    refused(_search(tmp_path / "run.h5", "--method", method, "--hp", item), tmp_path,
+            [f"--hp {key}= gives no value", f"leave --hp {key} out"], capsys)
+
+
+def test_nasdiag_methods_names_the_type_a_hyperparameter_takes(capsys):
+    """``nasdiag methods`` listed ``reward_bound: Optional = None`` and ``alpha_betas: Tuple = (0.5, 0.999)``: typing's
+    bare names, which say neither that a number is wanted nor how many. Each type shown is one the value parses as."""
+    import typing
+
+    from nasdiag.cli import main
+    from nasdiag.search.registry import available_methods
+
+    assert main(["methods"]) == 0
+    listing = capsys.readouterr().out
+    assert not any(f": {bare} =" in listing for bare in ("Optional", "Tuple", "Union")), listing
+    shown = {"reward_bound": "float or None", "alpha_betas": "(float, float)"}
+    for name, cls in available_methods().items():
+        hints = typing.get_type_hints(cls.Hyperparameters)
+        for field in cls.Hyperparameters.keys():
+            if field in shown:
+                assert f"    {field}: {shown[field]} = " in listing, (name, field)
+            else:  # a plain type, shown by its name
+                assert f"    {field}: {hints[field].__name__} = " in listing, (name, field)
+    xnas, darts = available_methods()["xnas"].Hyperparameters, available_methods()["darts"].Hyperparameters
+    assert xnas.parse(["reward_bound=0.5"]).reward_bound == 0.5 and xnas.parse(["reward_bound=none"]).reward_bound is None
+    assert darts.parse(["alpha_betas=0.4,0.9"]).alpha_betas == (0.4, 0.9)
 
 
 # -- a newline in a file name ------------------------------------------------------------------------------------

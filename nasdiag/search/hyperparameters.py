@@ -224,6 +224,13 @@ def _check_type(name: str, value, tp) -> None:
 
 
 def _type_name(tp) -> str:
+    """The type as ``nasdiag methods`` shows it: ``float``, ``float or None`` (an Optional), ``(float, float)`` (a tuple,
+    given comma-separated). typing's ``__name__`` of these was a bare ``Optional`` or ``Tuple``: no element type."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Union:
+        return " or ".join("None" if a is type(None) else _type_name(a) for a in args)
+    if origin in (tuple, typing.Tuple) and args:
+        return f"({', '.join('...' if a is Ellipsis else _type_name(a) for a in args)})"
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
