@@ -236,3 +236,28 @@ def test_proxyless_on_a_supernet_of_one_candidate_op_is_refused_when_built():
     method = _method("proxyless", _net(19, primitives=("skip_connect", "sep_conv_3x3")))
     stats = method.step(_batch(20), _batch(21))
     assert torch.equal(stats["sample/normal/paths"].sum(-1), torch.full((method.network.num_edges,), 2.0))
+
+
+# -- nasdiag.sparse ------------------------------------------------------------------------------------------------
+def test_sgl_penalty_refuses_what_eq_2_is_not_defined_for_and_prox_l1_a_threshold_of_another_shape():
+    """Ω_SGL (eq 2) is a penalty for λ ≥ 0 and α ∈ [0, 1]: sgl_penalty(λ = −1) returned a negative number, α = 2 a
+    value with a negative group weight λ(1 − α). prox_l1's threshold "broadcastable to z" of another shape was
+    torch's RuntimeError. Each is one ConfigError line; the valid call equals eq 2 written out here."""
+    import math
+
+    from nasdiag.errors import ConfigError
+    from nasdiag.sparse import prox_l1, sgl_penalty
+
+    a = torch.tensor([[0.5, -1.0], [0.0, 2.0], [-3.0, 0.25]], dtype=torch.float64)
+    groups = torch.tensor([[0, 0], [0, 0], [1, 1]])
+    for lam, alpha in ((-1.0, 0.5), (1.0, 2.0), (1.0, -0.1), (float("nan"), 0.5)):
+        with pytest.raises(ConfigError) as info:
+            sgl_penalty(a, lam, alpha, groups)
+        assert "\n" not in str(info.value)
+    want = 0.3 * 0.25 * 6.75 + 0.3 * 0.75 * (math.sqrt(4) * math.sqrt(0.25 + 1 + 4) + math.sqrt(2) * math.sqrt(9 + 0.0625))
+    assert float(sgl_penalty(a, 0.3, 0.25, groups)) == pytest.approx(want, rel=1e-14)
+    with pytest.raises(ConfigError) as info:
+        prox_l1(a, torch.ones(3))
+    assert "\n" not in str(info.value) and "(3, 2)" in str(info.value)
+    torch.testing.assert_close(prox_l1(a, torch.tensor([0.5, 1.0])),
+                               torch.tensor([[0.0, 0.0], [0.0, 1.0], [-2.5, 0.0]], dtype=torch.float64), rtol=0, atol=0)

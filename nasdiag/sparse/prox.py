@@ -54,6 +54,13 @@ def prox_l1(z: torch.Tensor, threshold: Threshold) -> torch.Tensor:
             of AdamHAPG: t_i = η_i λα).
     """
     _check_threshold(threshold, "ℓ1")
+    shape = torch.as_tensor(threshold).shape
+    try:  # a threshold that does not broadcast to z was torch's "The size of tensor a ... must match" RuntimeError
+        fits = torch.broadcast_shapes(shape, z.shape) == z.shape
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ConfigError(f"the ℓ1 threshold must be a scalar or broadcast to z's shape {tuple(z.shape)}, got {tuple(shape)}")
     return torch.sign(z) * torch.clamp(z.abs() - threshold, min=0)
 
 
@@ -91,6 +98,11 @@ def prox_sgl(z: torch.Tensor, l1_threshold: Threshold, group_threshold: Threshol
 
 
 def sgl_penalty(a: torch.Tensor, lam: float, alpha: float, groups: torch.Tensor) -> torch.Tensor:
-    """Ω_SGL(A) = λα‖A‖₁ + λ(1−α) Σ_n √|A_(n)| ‖A_(n)‖₂ (eq 2), a 0-dim tensor."""
+    """Ω_SGL(A) = λα‖A‖₁ + λ(1−α) Σ_n √|A_(n)| ‖A_(n)‖₂ (eq 2), a 0-dim tensor. `ConfigError` for λ < 0 or α outside
+    [0, 1] (eq 2's ranges; they gave a negative "penalty")."""
+    if not lam >= 0:
+        raise ConfigError(f"sgl_penalty: the sparsity strength lam (λ) must be >= 0, got {lam}")
+    if not 0 <= alpha <= 1:
+        raise ConfigError(f"sgl_penalty: alpha (α) balances element and group sparsity and must be in [0, 1], got {alpha}")
     norms, sizes = group_norms(a, groups)
     return lam * alpha * a.abs().sum() + lam * (1 - alpha) * (sizes.sqrt() * norms).sum()
