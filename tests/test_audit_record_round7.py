@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,7 +24,7 @@ import torch
 
 from test_record_torn_writes import tear_library  # noqa: F401  (a fixture: scripts/tear_writes.c, built)
 
-from nasdiag.record import Recorder, RecordWarning, load, schema
+from nasdiag.record import RecordError, Recorder, RecordWarning, load, schema
 
 
 def test_segments_past_9999_belong_to_their_record(tmp_path):
@@ -411,3 +412,30 @@ def test_the_kill_trials_make_the_folder_they_are_given(tmp_path, capsys):
     assert main(["--trials", "0", "--dir", str(folder)]) == 0
     assert folder.is_dir() and os.listdir(folder) == []
     assert "0/0 SIGKILL trials intact" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("how", ["copied over", "swapped"])
+def test_a_segment_replaced_by_another_of_its_run_is_damage_not_silently_missing_rows(tmp_path, how):
+    """A segment file replaced by a copy of another segment of the run (same run id, rows and predecessors that
+    check out) lost its own rows without a word; swapped segments let the older row of a replayed step win. Each
+    segment says its number (root attribute ``segment``); a file under another number is reported as damage, and
+    salvage keeps the segments before it."""
+    path = str(tmp_path / "run.h5")
+    for session, steps in enumerate([(0, 1), (2, 3), (4, 5), (4, 6)]):  # the last session replays step 4
+        with Recorder(path, resume=True, flush_seconds=None) as rec:
+            for step in steps:
+                rec.log(step, {"scalars/a": float(step + 10 * session)})
+    one, two = schema.segment_path(path, 2), schema.segment_path(path, 3)
+    if how == "copied over":
+        shutil.copyfile(one, two)
+    else:
+        os.rename(one, one + ".x")
+        os.rename(two, one)
+        os.rename(one + ".x", two)
+    with pytest.raises(RecordError, match=r"seg0002.*holds segment 3 of its run|seg0003.*holds segment 2 of its run"):
+        load(path)
+    with pytest.warns(RecordWarning, match="intact rows"):
+        out = load(path, salvage=True)
+    kept = 6 if how == "copied over" else 4  # the segments before the one under a wrong number
+    np.testing.assert_array_equal(out["step"], [0, 1, 2, 3, 4, 5][:kept])
+    np.testing.assert_array_equal(out["scalars/a"], [0.0, 1.0, 12.0, 13.0, 24.0, 25.0][:kept])

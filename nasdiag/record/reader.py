@@ -314,10 +314,14 @@ def read_segment(index: int, file: str, with_data: bool = True, live: bool = Tru
             previous = json.loads(_attr_str(f.attrs.get(schema.PREVIOUS_ATTR, "[]")))
             columns = {p: Column(p, tuple(ds.shape[1:]), ds.dtype) for p, ds in datasets.items()}
             nonfinite = {p: int(ds.attrs.get(schema.NONFINITE_ATTR, 0)) for p, ds in datasets.items()}
+            numbered = int(f.attrs.get("segment", index))
         except RecordError:
             raise
         except _READ_ERRORS as err:
             return _damaged_segment(index, file, f"its structure cannot be read ({_first_line(err)})")
+        if numbered != index:  # the segment of this number is gone: its rows would be missing without a word
+            return _damaged_segment(index, file, f"it holds segment {numbered} of its run, not segment {index} "
+                                                 "(a copy or a renamed file)")
         steps, bad, error = _read_prefix(step_ds, step_ds.shape[0])
         steps = steps.astype(np.int64)
         n, data, present, damage = _check_rows(f, file, index, steps, committed_rows(steps), paths, datasets, present_ds)
@@ -504,7 +508,8 @@ def load(path, *, salvage: bool = False) -> dict[str, np.ndarray]:
     checksum (``/digest``) does not match its content (flipped bytes; a truncated file, whose lost
     part reads back as zeros), steps that do not increase, a dataset shorter than the committed
     rows, a segment that cannot be opened or read, a missing segment (a gap in the numbering, or
-    one that a later segment lists), or a segment with fewer rows than a later one recorded for it.
+    one that a later segment lists), a segment with fewer rows than a later one recorded for it, or a segment file
+    whose ``segment`` attribute is not the number in its name (another segment copied or renamed over it).
     ``salvage=True`` returns the intact prefix instead (every row before the first bad one; later
     segments are dropped) with a `RecordWarning`. Raises `RecordError` if there is no record.
     """
