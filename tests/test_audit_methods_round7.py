@@ -261,3 +261,75 @@ def test_sgl_penalty_refuses_what_eq_2_is_not_defined_for_and_prox_l1_a_threshol
     assert "\n" not in str(info.value) and "(3, 2)" in str(info.value)
     torch.testing.assert_close(prox_l1(a, torch.tensor([0.5, 1.0])),
                                torch.tensor([[0.0, 0.0], [0.0, 1.0], [-2.5, 0.0]], dtype=torch.float64), rtol=0, atol=0)
+
+
+def _ref_prox(z, l1, group_t, groups):
+    """Eq 9 then eq 10, written out element by element and group by group (float64)."""
+    out = torch.where(z.abs() > l1, z - torch.sign(z) * l1, torch.zeros_like(z))
+    for n in groups.unique().tolist():
+        where = groups == n
+        norm = float(out[where].norm())
+        size = int(where.sum())
+        scale = max(0.0, 1 - size ** 0.5 * float(group_t[n]) / norm) if norm > 0 else 0.0
+        out[where] = out[where] * scale
+    return out
+
+
+@pytest.mark.parametrize("kind", ["hapg", "adamhapg"])
+def test_hapg_and_adamhapg_follow_eq_6_to_10_over_five_steps_with_the_momentum_of_eq_7(kind):
+    """Five steps of eq 6-10 on two parameters with their own groups, λ changed after step 2, the second parameter
+    without a gradient at step 3 (it skips the step, its t does not advance). The momentum term u_{t-1}·v_{t-1} of
+    eq 7 has a non-zero coefficient only from a parameter's third step on (u_t = (t − 2)/(t + 1), first step t = 2):
+    earlier audits compared two steps, where it is 0. AdamHAPG: per-weight η_i in eq 9, the group's lower median η_i
+    in eq 10 (sparse-supernet §Hierarchical Proximal Optimization)."""
+    from nasdiag.sparse import HAPG, AdamHAPG
+
+    g = torch.Generator().manual_seed(22)
+    shapes = [(3, 4), (5,)]
+    groups = [torch.tensor([[0] * 4, [0] * 4, [1] * 4]), torch.tensor([0, 0, 1, 1, 1])]
+    start = [0.4 * torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
+    params = [torch.nn.Parameter(a.clone()) for a in start]
+    lr, alpha, betas, eps = 0.3, 0.4, (0.6, 0.9), 1e-8
+    lams = [0.05, 0.05, 0.2, 0.2, 0.2]
+    if kind == "hapg":
+        opt = HAPG([{"params": params, "groups": groups}], lr=lr, lam=lams[0], alpha=alpha)
+    else:  # Adam's η_i ≈ lr/|g|: a larger λ so that the thresholds act
+        lr, lams = 0.05, [10 * lam for lam in lams]
+        opt = AdamHAPG([{"params": params, "groups": groups}], lr=lr, betas=betas, eps=eps, lam=lams[0], alpha=alpha)
+    u = lambda t: (t - 2) / (t + 1)  # noqa: E731
+    ref = [{"A": a.clone(), "v": torch.zeros_like(a), "t": 1, "m": torch.zeros_like(a), "s": torch.zeros_like(a), "n": 0}
+           for a in start]
+    momentum_used = zeros_seen = False
+    for step, lam in enumerate(lams):
+        opt.param_groups[0]["lam"] = lam
+        grads = [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
+        if step == 2:
+            grads[1] = None
+        for p, grad, r, grp in zip(params, grads, ref, groups):
+            p.grad = None if grad is None else grad.clone()
+            if grad is None:
+                continue
+            r["t"] += 1
+            if kind == "hapg":
+                eta = torch.full_like(r["A"], lr)
+                z = r["A"] - lr * grad  # eq 6
+            else:
+                r["n"] += 1
+                r["m"] = betas[0] * r["m"] + (1 - betas[0]) * grad
+                r["s"] = betas[1] * r["s"] + (1 - betas[1]) * grad * grad
+                eta = lr / (1 - betas[0] ** r["n"]) / ((r["s"] / (1 - betas[1] ** r["n"])).sqrt() + eps)
+                z = r["A"] - eta * r["m"]
+            group_eta = {}
+            for n in grp.unique().tolist():
+                values = eta[grp == n].sort().values
+                group_eta[n] = values[(values.numel() - 1) // 2]
+            prox = _ref_prox(z, eta * lam * alpha, {n: e * lam * (1 - alpha) for n, e in group_eta.items()}, grp)
+            momentum_used |= u(r["t"] - 1) != 0 and bool(r["v"].abs().sum() > 0)
+            zeros_seen |= bool((prox == 0).any())
+            v = prox - r["A"] + u(r["t"] - 1) * r["v"]  # eq 7
+            r["A"], r["v"] = prox + u(r["t"]) * v, v  # eq 8
+        opt.step()
+        for p, r in zip(params, ref):
+            torch.testing.assert_close(p.detach(), r["A"], rtol=1e-12, atol=1e-14)
+    assert momentum_used
+    assert zeros_seen  # the thresholds acted: the prox of eq 9-10 made exact zeros (the momentum of eq 8 may move them)
