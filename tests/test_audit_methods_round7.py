@@ -333,3 +333,11 @@ def test_hapg_and_adamhapg_follow_eq_6_to_10_over_five_steps_with_the_momentum_o
             torch.testing.assert_close(p.detach(), r["A"], rtol=1e-12, atol=1e-14)
     assert momentum_used
     assert zeros_seen  # the thresholds acted: the prox of eq 9-10 made exact zeros (the momentum of eq 8 may move them)
+
+
+def test_another_methods_hyperparameters_are_named_by_their_method_in_the_refusal():
+    """Every method's dataclass is called "Hyperparameters", so "SNAS takes SNAS.Hyperparameters, got
+    Hyperparameters" (for DSNAS's) did not say what was passed; the refusal names it DSNAS.Hyperparameters."""
+    with pytest.raises(NasdiagError) as info:
+        get_method("snas")(_net(23), get_method("dsnas").Hyperparameters(), schedule=Schedule(epochs=1, steps_per_epoch=1))
+    assert "got DSNAS.Hyperparameters" in str(info.value) and "SNAS.Hyperparameters(" in str(info.value)

@@ -229,7 +229,8 @@ class SearchMethod:
         if hp is None:
             hp = self.Hyperparameters()
         if not isinstance(hp, self.Hyperparameters):
-            raise NasdiagError(f"{type(self).__name__} takes {self.Hyperparameters.__qualname__}, got {type(hp).__name__}")
+            raise NasdiagError(f"{type(self).__name__} takes {self.Hyperparameters.__qualname__}(...), got "
+                               f"{type(hp).__qualname__}")  # the qualified name: every method's class is "Hyperparameters"
         foreign = [k for k in hp.keys() if k not in self.Hyperparameters.keys()]
         if foreign:  # another method's hyperparameters (SNAS's subclass DARTS's): their extra fields would do nothing
             raise NasdiagError(f"{type(self).__name__} does not use {', '.join(foreign)} of {type(hp).__qualname__} (the "
