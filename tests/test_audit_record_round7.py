@@ -1,6 +1,7 @@
 """Recorder audit, round 7: the segment rollover of schema.MAX_SEGMENT_CHUNKS (monkeypatched small) under live
-readers in another process, resumes and new paths; segment numbers past 9999; many segments; whole searches killed
-(SIGKILL, and inside a write by scripts/tear_writes.c) and resumed.
+readers in another process, resumes, new paths and NaN counts; segment numbers past 9999; segments left being built,
+replaced by another segment, or named through a symbolic link; the report's count of resumes; whole searches and
+figures killed inside a write (scripts/tear_writes.c) and resumed.
 
 References are this file's own: values logged as known functions of the step (and of the session that logged
 them), file names built by hand, plain h5py reads, and an uninterrupted run of the same seed for the searches."""
