@@ -381,3 +381,67 @@ def test_frozen_tensor_refusal_names_the_models_parameter():
     net.alpha.requires_grad_(False)
     with pytest.raises(CurvatureError, match=r"params\['param\.0'\] \(the model's 'alpha'\) does not require grad"):
         alpha_diag_hessian(net, F.cross_entropy, x, y, params=[net.alpha])
+
+
+def _own_recursion(model, x, y, approx):
+    """bayesnas-appendix C.1.4-C.1.5 (FC) and C.2.1-C.2.5 (conv, by F.unfold / F.fold) transcribed here, with
+    docs/hessian.md's corrections (E(M²), E(σ'²) through the per-element activation rule, the consistent fold):
+    h at the logits is the mean-CE loss Hessian's diagonal (p − p²)/N; an activation maps h to σ'² h + σ'' g."""
+    h = x.detach().requires_grad_(True)
+    acts = [h]
+    for layer in model:
+        h = layer(h)
+        h.retain_grad()
+        acts.append(h)
+    F.cross_entropy(h, y).backward()
+    p = torch.softmax(h.detach(), 1)
+    hd, res = (p - p * p) / x.shape[0], {}
+    for i in range(len(model) - 1, -1, -1):
+        layer, inp, out = model[i], acts[i].detach(), acts[i + 1]
+        if isinstance(layer, nn.Linear):
+            w2 = layer.weight.detach().square()
+            if approx:
+                hm = hd.mean(0)
+                res[f"{i}.weight"], res[f"{i}.bias"] = torch.outer(hm, inp.square().sum(0)), hd.shape[0] * hm
+                hd = (hm @ w2).expand(inp.shape)
+            else:
+                res[f"{i}.weight"], res[f"{i}.bias"], hd = hd.T @ inp.square(), hd.sum(0), hd @ w2
+        elif isinstance(layer, nn.Conv2d):
+            k, s, pd = layer.kernel_size, layer.stride, layer.padding
+            M = F.unfold(inp, k, padding=pd, stride=s)  # (N, C·taps, rows)
+            hr = hd.reshape(hd.shape[0], hd.shape[1], -1)  # (N, O, rows)
+            w2 = layer.weight.detach().reshape(layer.out_channels, -1).square()
+            if approx:  # C.2.4-C.2.5: the per-channel mean E(h)
+                eh = hr.mean((0, 2))
+                res[f"{i}.weight"] = torch.outer(eh, M.square().sum((0, 2))).view_as(layer.weight)
+                res[f"{i}.bias"] = eh * hr.shape[0] * hr.shape[2]
+                cols = torch.einsum("oi,o->i", w2, eh)[None, :, None].expand(hr.shape[0], -1, hr.shape[2])
+                hd = F.fold(cols.contiguous(), inp.shape[2:], k, padding=pd, stride=s).mean((0, 2, 3), keepdim=True)
+                hd = hd.expand(inp.shape)
+            else:  # C.2.1-C.2.3: every unfolded row an FC input
+                res[f"{i}.weight"] = torch.einsum("nol,nil->oi", hr, M.square()).view_as(layer.weight)
+                res[f"{i}.bias"] = hr.sum((0, 2))
+                hd = F.fold(torch.einsum("oi,nol->nil", w2, hr), inp.shape[2:], k, padding=pd, stride=s)
+        elif isinstance(layer, nn.Flatten):
+            hd = hd.reshape(inp.shape)
+        else:
+            t = out.detach()
+            d1, d2 = (t * (1 - t), t * (1 - t) * (1 - 2 * t)) if isinstance(layer, nn.Sigmoid) else \
+                (1 - t * t, -2 * t * (1 - t * t))
+            hd = d1.square() * hd + d2 * out.grad
+    return res
+
+
+@pytest.mark.parametrize("mode", ["diag", "approx"])
+def test_recursions_equal_own_transcription_of_the_appendix(mode):
+    """``diag`` and ``approx`` on an MLP (sigmoid, tanh) and a strided, padded conv net equal this file's own
+    transcription of C.1.4-C.1.5 / C.2.1-C.2.5 (to round-off: the same sums in another order)."""
+    torch.manual_seed(8)
+    mlp = nn.Sequential(nn.Linear(5, 6), nn.Sigmoid(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3)).to(DT)
+    conv = nn.Sequential(nn.Conv2d(2, 3, 3, stride=2, padding=1), nn.Sigmoid(), nn.Conv2d(3, 4, 2, padding=1),
+                         nn.Tanh(), nn.Flatten(), nn.Linear(4 * 5 * 5, 3)).to(DT)
+    for model, x in ((mlp, torch.randn(7, 5, dtype=DT)), (conv, torch.randn(5, 2, 8, 8, dtype=DT))):
+        y = torch.randint(0, 3, (x.shape[0],))
+        ref = _own_recursion(copy.deepcopy(model), x, y, approx=mode == "approx")
+        got = diag_hessian(model, F.cross_entropy, x, y, mode=mode)
+        assert_close({k: got[k] for k in ref}, ref, rtol=1e-12)
