@@ -367,3 +367,23 @@ def test_snas_relaxed_samples_follow_the_concrete_law_at_their_temperature():
     grid = torch.arange(1, n + 1, dtype=u.dtype) / n
     distance = float(torch.maximum((grid - u).abs(), (u - (grid - 1 / n)).abs()).max())
     assert distance < 1.95 / n ** 0.5, (distance, n)
+
+
+@pytest.mark.parametrize("name", ["dsnas", "proxyless"])
+def test_a_sampling_method_with_nan_architecture_parameters_is_one_search_error_before_any_update(name):
+    """DSNAS and ProxylessNAS sample from p = softmax(α): with a NaN in α (a diverged search, a state loaded from
+    one) the step stopped in torch.multinomial's RuntimeError ("probability tensor contains either inf, nan or
+    element < 0"); SNAS, DARTS2 and SparseNAS stop such a step with a SearchError. It is one SearchError naming the
+    cell type and edge, before any update."""
+    method = _method(name, _net(26))
+    with torch.no_grad():
+        method.network.alphas()["reduce"][1, 2] = float("nan")
+    before = _snapshot(method)
+    with pytest.raises(SearchError) as info:
+        method.step(_batch(27), _batch(28))
+    message = str(info.value)
+    assert "\n" not in message and "reduce" in message and "[1]" in message and "sampled" in message, message
+    after = _snapshot(method)
+    for key in ("alphas_normal", "alphas_reduce"):  # the NaN is kept where it was (NaN ≠ NaN for torch.equal)
+        torch.testing.assert_close(after["net"].pop(key), before["net"].pop(key), rtol=0, atol=0, equal_nan=True)
+    _same(before, after)

@@ -329,17 +329,17 @@ class SearchMethod:
         net = self.network
         return derive_genotype(self.finite_architecture(self.probabilities()), net.steps, net.multiplier, net.primitives)
 
-    def finite_architecture(self, weights: CellWeights) -> CellWeights:
-        """``weights`` (``{cell type: (E, K)}``, what a genotype is derived from), or `SearchError` naming the cell type
-        and edges where they are NaN or ±inf: a top-k or non-zero rule would otherwise pick ops at random there
-        (NaN compares false with everything) and return an architecture that looks like any other."""
+    def finite_architecture(self, weights: CellWeights, use: str = "no architecture can be derived from them") -> CellWeights:
+        """``weights`` (``{cell type: (E, K)}``, what a genotype is derived from, or a sampling method's p), or
+        `SearchError` naming the cell type and edges where they are NaN or ±inf, and what cannot be done (``use``): a
+        top-k or non-zero rule would otherwise pick ops at random there (NaN compares false with everything) and return
+        an architecture that looks like any other; a sampler stopped in torch.multinomial's RuntimeError."""
         for cell_type, w in weights.items():
             bad = ~torch.isfinite(w.detach())
             if bool(bad.any()):
                 edges = sorted({int(e) for e in bad.reshape(w.shape[0], -1).any(-1).nonzero()[:, 0]})
-                raise SearchError(f"{self.name}: the {cell_type} architecture weights are NaN or inf on edge(s) {edges}, so no "
-                                  "architecture can be derived from them: the search diverged; lower the learning rates "
-                                  "and search again")
+                raise SearchError(f"{self.name}: the {cell_type} architecture weights are NaN or inf on edge(s) {edges}, so "
+                                  f"{use}: the search diverged; lower the learning rates and search again")
         return weights
 
     # -- CUDA-graph capture of the step (engine "fast"/"auto" on CUDA) ------------------------------------

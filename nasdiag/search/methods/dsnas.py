@@ -58,8 +58,10 @@ class DSNAS(DARTS):
         self.sample_counts = SampleCounts()
 
     def forward_weights(self) -> Dict[str, torch.Tensor]:
-        """A fresh one-hot sample Z ~ Cat(softmax(α)) per cell type, (E, K), drawn with ``self.generator``."""
-        return {t: sample_onehot(p, self.generator) for t, p in self.probabilities().items()}
+        """A fresh one-hot sample Z ~ Cat(softmax(α)) per cell type, (E, K), drawn with ``self.generator``; `SearchError`
+        where p is NaN or inf (it was torch.multinomial's RuntimeError)."""
+        probs = self.finite_architecture(self.probabilities(), "no child can be sampled from them")
+        return {t: sample_onehot(p, self.generator) for t, p in probs.items()}
 
     def eval_weights(self) -> Dict[str, torch.Tensor]:
         """The most likely child: one-hot argmax of p per edge."""

@@ -76,8 +76,10 @@ class ProxylessNAS(DARTS):
         self.sample_counts = SampleCounts()
 
     def forward_weights(self) -> Dict[str, torch.Tensor]:
-        """Binary gates of one path per edge, sampled from p with ``self.generator`` (the w step's forward)."""
-        return {t: sample_onehot(p, self.generator) for t, p in self.probabilities().items()}
+        """Binary gates of one path per edge, sampled from p with ``self.generator`` (the w step's forward); `SearchError`
+        where p is NaN or inf (it was torch.multinomial's RuntimeError)."""
+        probs = self.finite_architecture(self.probabilities(), "no path can be sampled from them")
+        return {t: sample_onehot(p, self.generator) for t, p in probs.items()}
 
     def eval_weights(self) -> Dict[str, torch.Tensor]:
         """The most likely child: one-hot argmax of p per edge."""
@@ -100,7 +102,7 @@ class ProxylessNAS(DARTS):
         statistics after the update (``arch/<cell>/weights``: the binary gates).
         """
         pairs, gates = {}, {}
-        for t, p in self.probabilities().items():
+        for t, p in self.finite_architecture(self.probabilities(), "no path can be sampled from them").items():
             pairs[t], gates[t] = sample_two_paths(p, self.generator)
         result = self.cost(x, y, gates, active=host_masks(pairs))
         stats = {"scalars/val_loss": result.loss, "scalars/val_acc": accuracy(result.logits, y)}
