@@ -10,17 +10,22 @@ reported, with the machine, sizes, torch version and date. Optional rows: path s
 
 from __future__ import annotations
 
-import argparse
 import datetime
+import os
 import platform
 import statistics
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
 import nasdiag
+from nasdiag.errors import run_script
 from nasdiag.supernet import Network
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from script_args import Parser, at_least, channels, device as device_name  # noqa: E402
 
 
 def machine(device: torch.device) -> str:
@@ -35,19 +40,19 @@ def machine(device: torch.device) -> str:
     return f"CPU {cpu}, {torch.get_num_threads()} threads"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--C", type=int, default=8)
-    ap.add_argument("--layers", type=int, default=5)
-    ap.add_argument("--steps-per-cell", type=int, default=4, dest="cell_steps")
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--size", type=int, default=16, help="input height = width")
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave as is)")
+def main(argv=None) -> None:
+    ap = Parser(description=__doc__.splitlines()[0])  # one line, exit 2 for a bad value (tracebacks before)
+    ap.add_argument("--device", type=device_name, default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--C", type=channels, default=8)
+    ap.add_argument("--layers", type=at_least(1), default=5)
+    ap.add_argument("--steps-per-cell", type=at_least(1), default=4, dest="cell_steps")
+    ap.add_argument("--batch", type=at_least(1), default=16)
+    ap.add_argument("--size", type=at_least(1), default=16, help="input height = width")
+    ap.add_argument("--iters", type=at_least(1), default=20)
+    ap.add_argument("--warmup", type=at_least(0), default=3)
+    ap.add_argument("--threads", type=at_least(0), default=0, help="torch CPU threads (0: leave as is)")
     ap.add_argument("--extras", action="store_true", help="also time path_split=True and norm_deviation=True")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -97,4 +102,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_script("bench_cost", main))

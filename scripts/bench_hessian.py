@@ -24,11 +24,12 @@ Examples::
 
 from __future__ import annotations
 
-import argparse
 import copy
+import os
 import gc
 import math
 import statistics
+import sys
 import time
 import warnings
 from typing import Callable, Dict, List, Optional
@@ -39,7 +40,12 @@ from torch import nn
 
 from nasdiag.hessian import arch_diag_hessian, diag_hessian, exact_arch_diag_hessian
 from nasdiag.hessian.rules import NormRule
+from nasdiag.errors import run_script
 from nasdiag.supernet import Network
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from script_args import Parser, at_least, channels, number, numbers  # noqa: E402
+from script_args import device as device_name, names as section_names  # noqa: E402
 
 
 # -- timing --------------------------------------------------------------------------------------
@@ -244,7 +250,7 @@ def _exact_weights_row(args, model, x, y, timer: Timer, base) -> str:
 
 # -- scaling (§C.1 MAC counts) -------------------------------------------------------------------
 def scaling(args, device, dtype, timer: Timer):
-    widths = [int(w) for w in args.scaling_widths.split(",")]
+    widths = [int(w) for w in args.scaling_widths.split(",") if w.strip()]
     N = args.scaling_batch
     print(
         f"\n§C.1 scaling: MLP w→w→w→10 (sigmoid), batch {N}; per-layer MACs per sample from the appendix: "
@@ -343,36 +349,36 @@ def accuracy(args, device, timer):
             )
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cpu")
+def main(argv=None):
+    p = Parser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", type=device_name, default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--repeat", type=int, default=3, help="timed runs per row (best is reported)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sections", default="speed,scaling")
-    p.add_argument("--C", type=int, default=8, help="supernet channels")
-    p.add_argument("--layers", type=int, default=5, help="supernet cells")
-    p.add_argument("--batch", type=int, default=64, help="supernet batch")
-    p.add_argument("--image", type=int, default=8, help="supernet input size (8 with 1 channel: sklearn digits)")
-    p.add_argument("--in-channels", type=int, default=1)
-    p.add_argument("--conv-batch", type=int, default=16)
-    p.add_argument("--conv-width", type=float, default=0.25, help="3c3d channel/width multiplier (1 = DeepOBS)")
-    p.add_argument("--conv-image", type=int, default=32)
+    p.add_argument("--threads", type=at_least(1), default=None, help="torch CPU threads")
+    p.add_argument("--repeat", type=at_least(1), default=3, help="timed runs per row (best is reported)")
+    p.add_argument("--seed", type=at_least(0), default=0)
+    p.add_argument("--sections", type=section_names(('speed', 'supernet', 'convnet', 'scaling', 'accuracy'), "section"), default="speed,scaling")
+    p.add_argument("--C", type=channels, default=8, help="supernet channels")
+    p.add_argument("--layers", type=at_least(1), default=5, help="supernet cells")
+    p.add_argument("--batch", type=at_least(1), default=64, help="supernet batch")
+    p.add_argument("--image", type=at_least(1), default=8, help="supernet input size (8 with 1 channel: sklearn digits)")
+    p.add_argument("--in-channels", type=at_least(1), default=1)
+    p.add_argument("--conv-batch", type=at_least(1), default=16)
+    p.add_argument("--conv-width", type=number(), default=0.25, help="3c3d channel/width multiplier (1 = DeepOBS)")
+    p.add_argument("--conv-image", type=at_least(1), default=32)
     p.add_argument("--exact-arch", default="estimate", choices=["run", "estimate", "skip"])
-    p.add_argument("--exact-estimate-edges", type=int, default=2)
+    p.add_argument("--exact-estimate-edges", type=at_least(1), default=2)
     p.add_argument("--exact-weights", default="estimate", choices=["run", "estimate", "skip"])
-    p.add_argument("--scaling-widths", default="64,128,256,512,1024,2048,4096")
-    p.add_argument("--scaling-exact-max", type=int, default=1024, help="largest width for the O(w³) full recursion")
-    p.add_argument("--scaling-batch", type=int, default=32)
+    p.add_argument("--scaling-widths", type=numbers(at_least(1)), default="64,128,256,512,1024,2048,4096")
+    p.add_argument("--scaling-exact-max", type=at_least(1), default=1024, help="largest width for the O(w³) full recursion")
+    p.add_argument("--scaling-batch", type=at_least(1), default=32)
     p.add_argument(
         "--cpu-memory-limit-gb",
-        type=float,
+        type=number(),
         default=None,
         help="address-space cap on CPU so an allocation that cannot fit raises (printed as OOM) instead of "
         "waking the kernel's OOM killer; default 60%% of MemTotal",
     )
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
@@ -387,7 +393,7 @@ def main():
         limit = _limit_cpu_memory(args.cpu_memory_limit_gb)
         print(f"CPU address-space cap: {limit:.1f} GiB (allocations beyond it are reported as OOM)")
     timer = Timer(device, args.repeat)
-    sections = args.sections.split(",")
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     if "speed" in sections or "supernet" in sections:
         speed_supernet(args, device, dtype, timer)
     if "speed" in sections or "convnet" in sections:
@@ -424,4 +430,4 @@ def _cpu_name() -> str:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_script("bench_hessian", main))

@@ -10,33 +10,38 @@ version and date.
 
 from __future__ import annotations
 
-import argparse
 import datetime
+import os
 import statistics
+import sys
 import time
 
 import torch
 
-from nasdiag.search import Schedule, get_method
+from nasdiag.errors import run_script
+from nasdiag.search import Schedule, available_methods, get_method
 from nasdiag.supernet import Network
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from script_args import Parser, at_least, channels, names as known_names  # noqa: E402
 
-def main() -> None:
+
+def main(argv=None) -> None:
     from bench_cost import machine
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--methods", default="darts,dsnas,snas,proxyless")
-    ap.add_argument("--C", type=int, default=8)
-    ap.add_argument("--layers", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=4, help="intermediate nodes per cell")
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--size", type=int, default=8, help="input height = width")
-    ap.add_argument("--channels", type=int, default=1)
-    ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args()
+    ap = Parser(description=__doc__.splitlines()[0])  # one line, exit 2 for a bad value (tracebacks before)
+    ap.add_argument("--methods", type=known_names(sorted(available_methods()), "method"), default="darts,dsnas,snas,proxyless")
+    ap.add_argument("--C", type=channels, default=8)
+    ap.add_argument("--layers", type=at_least(1), default=3)
+    ap.add_argument("--steps", type=at_least(1), default=4, help="intermediate nodes per cell")
+    ap.add_argument("--batch", type=at_least(1), default=64)
+    ap.add_argument("--size", type=at_least(1), default=8, help="input height = width")
+    ap.add_argument("--channels", type=at_least(1), default=1)
+    ap.add_argument("--repeats", type=at_least(1), default=20)
+    ap.add_argument("--threads", type=at_least(1), default=1)
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    names = args.methods.split(",")
+    names = [n.strip() for n in args.methods.split(",") if n.strip()]
     g = torch.Generator().manual_seed(0)
 
     def batch():
@@ -68,4 +73,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_script("bench_methods", main))

@@ -28,7 +28,6 @@ Examples::
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import gc
@@ -46,7 +45,12 @@ import torch.nn.functional as F
 from nasdiag.search.base import Schedule
 from nasdiag.search.methods.darts import DARTS
 from nasdiag.supernet import Network
+from nasdiag.errors import run_script
 from nasdiag.supernet.engine.graph import StepGraph
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from script_args import Parser, at_least, channels, number, numbers  # noqa: E402
+from script_args import device as device_name, names as section_names  # noqa: E402
 
 ROWS: List[Dict] = []
 
@@ -454,20 +458,20 @@ def run_ddp(args):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--C", type=int, default=16)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--big-batch", type=int, default=256)
-    p.add_argument("--image", type=int, default=32)
-    p.add_argument("--in-channels", type=int, default=3)
-    p.add_argument("--steps", type=int, default=20, help="timed fast steps per round")
-    p.add_argument("--eager-steps", type=int, default=6, help="timed eager steps per round")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sections", default="darts,fwdbwd,hessian,memory,darts2,bf16,scaling,profile")
+    p = Parser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", type=device_name, default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--C", type=channels, default=16)
+    p.add_argument("--layers", type=at_least(1), default=8)
+    p.add_argument("--batch", type=at_least(1), default=64)
+    p.add_argument("--big-batch", type=at_least(1), default=256)
+    p.add_argument("--image", type=at_least(1), default=32)
+    p.add_argument("--in-channels", type=at_least(1), default=3)
+    p.add_argument("--steps", type=at_least(1), default=20, help="timed fast steps per round")
+    p.add_argument("--eager-steps", type=at_least(1), default=6, help="timed eager steps per round")
+    p.add_argument("--warmup", type=at_least(0), default=3)
+    p.add_argument("--threads", type=at_least(1), default=None)
+    p.add_argument("--seed", type=at_least(0), default=0)
+    p.add_argument("--sections", type=section_names(('darts', 'fwdbwd', 'hessian', 'memory', 'darts2', 'bf16', 'scaling', 'profile'), "section"), default="darts,fwdbwd,hessian,memory,darts2,bf16,scaling,profile")
     p.add_argument("--ddp", action="store_true")
     p.add_argument("--json", default=None, help="also write the rows to this file")
     args = p.parse_args(argv)
@@ -483,7 +487,7 @@ def main(argv=None):
     else:
         dtype = torch.float32
         base = make_net(args, device, dtype)
-        sections = args.sections.split(",")
+        sections = [s.strip() for s in args.sections.split(",") if s.strip()]
         fb = {}
         for name in sections:
             try:
@@ -519,4 +523,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_script("bench_search", main))

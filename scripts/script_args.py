@@ -140,3 +140,31 @@ def dpi(text: str) -> int:
     from nasdiag.plot.commands import positive_dpi
 
     return positive_dpi(text)
+
+
+def names(allowed, what: str = "name") -> Callable[[str], str]:
+    """An argparse ``type``: comma-separated names, each one of ``allowed`` (a benchmark's ``--sections``); the text is
+    kept as given. An unknown name was skipped (``--sections bogus`` timed nothing and exited 0), an empty list ran
+    nothing."""
+
+    def comma_separated_names(text: str) -> str:
+        given = [t.strip() for t in text.split(",") if t.strip()]
+        unknown = [t for t in given if t not in allowed]
+        if unknown or not given:
+            raise argparse.ArgumentTypeError(f"{'unknown ' + what + ' ' + ', '.join(map(repr, unknown)) if unknown else 'names no ' + what}"
+                                             f"; choose from {', '.join(allowed)}")
+        return text
+
+    comma_separated_names.__name__ = f"comma-separated {what}s"
+    return comma_separated_names
+
+
+def device(text: str) -> str:
+    """An argparse ``type``: a torch device name (``cpu``, ``cuda``, ``cuda:1``); a bad one was torch's traceback."""
+    import torch
+
+    try:
+        torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"is not a device, such as cpu, cuda or cuda:1: {text!r}") from None
+    return text

@@ -193,3 +193,35 @@ def test_the_options_that_act_on_the_figures_are_taken_with_plot_only(script, ar
 
     args = importlib.import_module(script).parse_args(["--plot-only", "--out", "o", *argv])
     assert args.plot_only and args.out == "o"
+
+
+@pytest.mark.parametrize("script,argv,needle", [  # before: what the mistake did
+    ("bench_cost", ["--iters", "0"], "--iters: must be at least 1, not 0"),  # StatisticsError traceback after the runs
+    ("bench_cost", ["--batch", "0"], "--batch: must be at least 1"),  # torch's reshape RuntimeError traceback
+    ("bench_cost", ["--threads", "-1"], "--threads: must be at least 0"),  # set_num_threads' RuntimeError traceback
+    ("bench_cost", ["--device", "gpu"], "--device: is not a device"),  # torch.device's RuntimeError traceback
+    ("bench_cost", ["--C", "3"], "--C: must be even"),  # the supernet's ValueError traceback
+    ("bench_methods", ["--repeats", "0"], "--repeats: must be at least 1"),  # StatisticsError traceback after the runs
+    ("bench_methods", ["--methods", "darts,dart"], "unknown method 'dart'"),  # ConfigError traceback after darts was built
+    ("bench_search", ["--sections", "bogus"], "unknown section 'bogus'; choose from darts,"),  # timed nothing, exit 0
+    ("bench_search", ["--sections", " , "], "names no section"),  # the same
+    ("bench_hessian", ["--sections", "speed,bogus"], "unknown section 'bogus'; choose from speed,"),  # bogus skipped
+    ("bench_hessian", ["--repeat", "0"], "--repeat: must be at least 1"),
+    ("bench_hessian", ["--scaling-widths", "64,abc"], "--scaling-widths: takes a whole number, not 'abc'"),
+    ("bench_hessian", ["--conv-width", "nan"], "--conv-width: must be a finite number"),
+])
+def test_a_benchmark_argument_is_refused_in_one_line_before_any_work(script, argv, needle, tmp_path, capsys,
+                                                                    monkeypatch):
+    """The benchmark scripts took any integer and name: a count of 0 was a traceback after the timed runs, an unknown
+    section was skipped (with --sections bogus nothing was timed, exit 0), a bad device torch's traceback."""
+    import importlib
+
+    from nasdiag.errors import run_script
+
+    monkeypatch.chdir(tmp_path)
+    code = run_script(script, importlib.import_module(script).main, argv)
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith(f"{script}: error: ") and needle in lines[0], lines
+    assert out == "" and not list(tmp_path.iterdir())
