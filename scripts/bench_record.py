@@ -14,7 +14,6 @@ Measures, with the default ``flush_every=64`` and SWMR on:
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -27,7 +26,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from nasdiag.errors import run_script  # noqa: E402
 from nasdiag.record import Recorder, load  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from script_args import Parser, UsageError  # noqa: E402
 
 
 def _cpu_model() -> str:
@@ -85,10 +88,12 @@ def time_search_step(repeats: int) -> tuple[float, str]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--dir", default=None, help="where to write the records (default: a temp folder)")
     args = parser.parse_args(argv)
+    if args.dir is not None and not os.path.isdir(args.dir):  # tempfile's NotADirectoryError traceback
+        raise UsageError(f"--dir {args.dir} is not a folder; give an existing folder for the records, or leave --dir out")
     n_scalar = 20_000 if args.quick else 200_000
     n_cli = 1_000 if args.quick else 10_000
     repeats = 3
@@ -143,4 +148,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_script("bench_record", main))

@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from curvature_accuracy import SIZES, _accuracy, _ops_told_apart, builder  # noqa: E402
 
 from nasdiag.errors import run_script  # noqa: E402
+from script_args import Parser, at_least, numbers  # noqa: E402
 from nasdiag.hessian import arch_diag_hessian  # noqa: E402
 from nasdiag.hessian._hvp import preserved_buffers  # noqa: E402
 from nasdiag.hooks import Hooks  # noqa: E402
@@ -226,11 +227,11 @@ def output_space_sketch(net, x, y, samples: int, seed: int = 0) -> Dict[str, tor
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--net", default="cell_train", choices=NETS)
     parser.add_argument("--size", default="small", choices=tuple(SIZES), help="shape of the darts net")
     parser.add_argument("--check", action="store_true", help="compare the line derivatives with exact_per_edge")
-    parser.add_argument("--sketch", default="", metavar="S1,S2,...",
+    parser.add_argument("--sketch", type=numbers(at_least(1), empty=True), default="", metavar="S1,S2,...",  # checked before the minutes of the decomposition (after them before)
                         help="also the output-space sketch with these numbers of samples (seeds 0-2 each)")
     args = parser.parse_args(argv)
     net, x, y = builder(args.net, args.size)(torch.device("cpu"))
@@ -258,13 +259,8 @@ def main(argv=None):
 
 
 def _counts(text: str) -> List[int]:
-    try:
-        counts = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise SystemExit(f"--sketch takes positive integers separated by commas, e.g. 1,16,256; got {text!r}")
-    if any(c < 1 for c in counts):
-        raise SystemExit(f"--sketch takes positive integers separated by commas, e.g. 1,16,256; got {text!r}")
-    return counts
+    """The numbers of samples of ``--sketch`` (checked by its argparse type)."""
+    return [int(v) for v in text.split(",") if v.strip()]
 
 
 if __name__ == "__main__":

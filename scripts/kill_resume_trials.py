@@ -19,7 +19,6 @@ Usage: ``python scripts/kill_resume_trials.py --trials 20 --kills-per-trial 3`` 
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import signal
@@ -30,6 +29,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from script_args import Parser, at_least  # noqa: E402
+
+from nasdiag.errors import run_script  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EPOCHS = 3
@@ -118,10 +122,10 @@ def compare(record: Path, reference_record: Path) -> list[str]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trials", type=int, default=20)
-    parser.add_argument("--kills-per-trial", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=0)
+    parser = Parser(description=__doc__.splitlines()[0])  # one line, exit 2 (--trials 0 reported "0 trials", exit 0)
+    parser.add_argument("--trials", type=at_least(1), default=20)
+    parser.add_argument("--kills-per-trial", type=at_least(1), default=3)
+    parser.add_argument("--seed", type=at_least(0), default=0)
     parser.add_argument("--folder", default="/tmp/nasdiag-kill-trials")
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
@@ -144,4 +148,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_script("kill_resume_trials", main))

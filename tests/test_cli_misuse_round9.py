@@ -209,19 +209,23 @@ def test_the_options_that_act_on_the_figures_are_taken_with_plot_only(script, ar
     ("bench_hessian", ["--repeat", "0"], "--repeat: must be at least 1"),
     ("bench_hessian", ["--scaling-widths", "64,abc"], "--scaling-widths: takes a whole number, not 'abc'"),
     ("bench_hessian", ["--conv-width", "nan"], "--conv-width: must be a finite number"),
+    ("curvature_residual", ["--sketch", "abc"], "--sketch: takes a whole number"),  # SystemExit after minutes of work
+    ("kill_resume_trials", ["--trials", "0"], "--trials: must be at least 1"),  # "0 trials", exit 0
+    ("bench_record", ["--dir", "notes.txt"], "--dir notes.txt is not a folder"),  # NotADirectoryError traceback
 ])
 def test_a_benchmark_argument_is_refused_in_one_line_before_any_work(script, argv, needle, tmp_path, capsys,
                                                                     monkeypatch):
-    """The benchmark scripts took any integer and name: a count of 0 was a traceback after the timed runs, an unknown
-    section was skipped (with --sections bogus nothing was timed, exit 0), a bad device torch's traceback."""
+    """The benchmark and study scripts took any integer and name: a count of 0 was a traceback after the timed runs, an
+    unknown section was skipped (with --sections bogus nothing was timed, exit 0), a bad device torch's traceback."""
     import importlib
 
     from nasdiag.errors import run_script
 
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("a file\n")
     code = run_script(script, importlib.import_module(script).main, argv)
     out, err = capsys.readouterr()
     lines = err.strip().splitlines()
     assert code == 2, err
     assert len(lines) == 1 and lines[0].startswith(f"{script}: error: ") and needle in lines[0], lines
-    assert out == "" and not list(tmp_path.iterdir())
+    assert out == "" and [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
