@@ -387,3 +387,22 @@ def test_a_sampling_method_with_nan_architecture_parameters_is_one_search_error_
     for key in ("alphas_normal", "alphas_reduce"):  # the NaN is kept where it was (NaN ≠ NaN for torch.equal)
         torch.testing.assert_close(after["net"].pop(key), before["net"].pop(key), rtol=0, atol=0, equal_nan=True)
     _same(before, after)
+
+
+def test_sparsenas_builds_and_steps_on_an_adapted_darts_convention_supernet():
+    """docs/methods.md: "To search a supernet of your own with any registered method, build the method on it"
+    (`nasdiag.search.supernet.adapt`). SparseNAS read `network.edge_nodes`, which the adapted supernet does not have:
+    its build stopped in an AttributeError. Its node groups (eq 2) are those of the DARTS edge order, written out
+    here: node n = 2, 3, ... receives n edges, group n − 2."""
+    from test_foreign_supernet import batch, foreign_supernet
+
+    net, _ = foreign_supernet(3)
+    method = _method("sparsenas", net, first_order=True, alpha_lr=0.05)
+    want = torch.tensor([n for n in range(net.steps) for _ in range(n + 2)])
+    for cell_type in net.alphas():
+        groups = method.node_groups(cell_type)
+        assert torch.equal(groups, want.unsqueeze(1).expand_as(groups))
+    before = {t: a.detach().clone() for t, a in net.alphas().items()}
+    stats = method.step(batch(4), batch(5))
+    assert torch.isfinite(stats["scalars/val_loss"])
+    assert all(not torch.equal(before[t], a) for t, a in net.alphas().items())

@@ -32,6 +32,7 @@ from nasdiag.search.registry import register
 from nasdiag.search.unrolled import functional_cost, sgd_momentum_buffers, unrolled_gradient, weight_params
 from nasdiag.sparse import HAPG, AdamHAPG
 from nasdiag.supernet import DARTS_PRIMITIVES, derive_mixed_genotype
+from nasdiag.supernet.cell import edge_nodes
 from nasdiag.supernet.genotype import without_removed_nodes  # noqa: F401  (BayesNAS imports it from here)
 
 
@@ -112,9 +113,13 @@ class SparseNAS(DARTS):
             self.arch_optimizer = AdamHAPG(params, lr=h.alpha_lr, betas=tuple(h.alpha_betas))
 
     def node_groups(self, cell_type: str) -> torch.Tensor:
-        """(E, K) group ids: every weight of an edge entering intermediate node n is in group n − 2 (eq 2)."""
+        """(E, K) group ids: every weight of an edge entering intermediate node n is in group n − 2 (eq 2). The edges are
+        the network's ``edge_nodes``, or, on a supernet without them (``nasdiag.search.supernet.adapt``: a
+        DARTS-convention supernet, which had no such attribute and stopped the build in an AttributeError), the DARTS
+        order of its ``steps``."""
         A = self.network.alphas()[cell_type]
-        dst = torch.tensor([j for _, j in self.network.edge_nodes], device=A.device)
+        pairs = getattr(self.network, "edge_nodes", None) or edge_nodes(self.network.steps)
+        dst = torch.tensor([j for _, j in pairs], device=A.device)
         return (dst - 2).unsqueeze(1).expand(A.shape).contiguous()
 
     @property
