@@ -81,8 +81,8 @@ class EdgeCall:
     """One forward of one edge inside the block (``model_call``: how many forwards of the whole model had
     started when it ran, so per-sample rows of different model forwards are told apart)."""
 
-    __slots__ = ("pos", "inp", "inp_edge", "first_node", "through", "consumers", "left", "split_done", "reached",
-                 "weights", "outputs", "versions", "cell_call", "model_call")
+    __slots__ = ("pos", "x", "inp", "inp_edge", "first_node", "through", "consumers", "left", "split_done", "reached",
+                 "weights", "outputs", "versions", "indirect", "cell_call", "model_call")
 
     def __init__(self, pos: int, n_ops: int, model_call: int = 0):
         self.pos = pos
@@ -95,12 +95,14 @@ class EdgeCall:
         self.reached = False
         self.outputs: Optional[List[Optional[torch.Tensor]]] = [None] * n_ops
         self.versions: List[int] = [0] * n_ops
+        self.x: Optional[torch.Tensor] = None  # the edge's input x_i, to tell a candidate's own call O_k(x_i) ...
+        self.indirect: Optional[set] = None  # ... from its calls on other inputs (ops whose output came from such a call)
 
 
 class CellCall:
     """One forward of one cell inside the block."""
 
-    __slots__ = ("pos", "output", "version", "edge_calls", "model_call", "node_grad")
+    __slots__ = ("pos", "output", "version", "edge_calls", "model_call", "node_grad", "node_channels")
 
     def __init__(self, pos: int, model_call: int = 0):
         self.pos = pos
@@ -111,6 +113,9 @@ class CellCall:
         #: path split: node -> the gradient the split gathered there (output slice + J_eᵀ ∂L/∂x_m of the edges leaving
         #: it), kept only while some edge ending at the node has not been checked against it
         self.node_grad: Dict[int, torch.Tensor] = {}
+        #: DARTS-convention cells: output node -> channels of the edges ending there (their output must be the
+        #: concatenation of those nodes in equal chunks)
+        self.node_channels: Optional[Dict[int, int]] = None
 
 
 #: what the capture keeps per backward: (index of the model forward it belongs to, (B, K) or (B, n_nodes) terms)
@@ -175,6 +180,11 @@ class StepCapture:
         self.node_costs: List[List[Part]] = [[] for _ in cells]
         self.modified_cells: set = set()  # cells whose output was modified in place after their forward
         self.cells_not_tensor: Dict[int, str] = {}  # cells whose forward returned no tensor: the type it returned
+        #: DARTS-convention cells whose output is not the concatenation of their output nodes (e.g. their sum): why
+        self.cells_not_concat: Dict[int, str] = {}
+        #: per edge, its end node where that is an output node of a DARTS-convention cell (undeclared slices), else None
+        self.chunk_node = [e.dst if e.cell_index is not None and cells[e.cell_index].output_node_slices is None
+                           and e.dst in cells[e.cell_index].output_nodes else None for e in edges]
         self.deviation: Dict[Tuple[int, int], torch.Tensor] = {}
         self.open_edge: List[Optional[EdgeCall]] = [None] * N
         #: per edge, (model forward, weights) of its last call: a second call in the same model forward must have
@@ -201,6 +211,7 @@ class StepCapture:
             self.open_edge[pos] = None
             return None
         call = EdgeCall(pos, edge.n_ops, self.model_calls)
+        call.x = args[0] if args else None
         # Only what a feature needs is kept: this hook runs for every edge at every step.
         if edge.weights_arg:
             w = args[1] if len(args) > 1 else kwargs.get(self.weights_names[pos])
@@ -263,6 +274,16 @@ class StepCapture:
                 continue
             if not isinstance(output, torch.Tensor):
                 raise ProbeError(f"edge {self.edges[pos].name!r}: candidate op {k} returned {type(output).__name__}, not a tensor")
+            # A candidate op module may also run inside another candidate, on another input (an op shared by two
+            # candidates, e.g. [conv, Sequential(pre, conv)]): O_k(x_i) is its call on the edge's own input, whichever
+            # ran last; only where no call of it had that input (a mixed op transforming x first) the last call counts.
+            if call.x is not None and args and args[0] is call.x:
+                if call.indirect is not None:
+                    call.indirect.discard(k)
+            elif call.outputs[k] is not None and (call.indirect is None or k not in call.indirect):
+                continue
+            else:
+                call.indirect = {k} if call.indirect is None else call.indirect | {k}
             # no detach() here (one dispatch per candidate per step): the costs are computed under
             # no_grad in edge_grad, so the graph is never extended through these references.
             call.outputs[k] = output
@@ -293,6 +314,11 @@ class StepCapture:
                 "from the gradient of the input's other consumers; return a new tensor, e.g. weights[k] * op(x)."
             )
         self.n_forward[pos] += 1
+        node = self.chunk_node[pos]
+        if node is not None and output.dim() >= 2 and self.open_cell[edge.cell_index] is not None:
+            ccall = self.open_cell[edge.cell_index]
+            ccall.node_channels = ccall.node_channels or {}
+            ccall.node_channels[node] = output.shape[1]
         missing = [k for k, o in enumerate(call.outputs) if o is None]
         self.missing_ops[pos].update(missing)
         if call.weights is not None:
@@ -413,6 +439,14 @@ class StepCapture:
         if not isinstance(output, torch.Tensor):  # e.g. (output, auxiliary loss): no output costs, output_costs() says why
             self.cells_not_tensor[pos] = type(output).__name__
             return None
+        cell = self.cells[pos]
+        if ccall.node_channels is not None and output.dim() >= 2:
+            widths = [ccall.node_channels.get(n) for n in cell.output_nodes]
+            if None not in widths and (len(set(widths)) != 1 or sum(widths) != output.shape[1]):
+                # the equal chunks of the DARTS convention would not be the nodes (a cell summing its nodes): NaN, flagged
+                self.cells_not_concat[pos] = (f"has {output.shape[1]} channels where its output nodes "
+                                              f"{list(cell.output_nodes)} have {widths}")
+                return None
         if output.requires_grad:
             ccall.output = output.detach()  # shares the version counter: an in-place change after the cell shows
             ccall.version = output._version
@@ -465,6 +499,8 @@ class StepCapture:
             return None
         self._check_versions(call)
         call.reached = True
+        if self.path_split and call.cell_call is None and self.edges[call.pos].cell_index is not None:
+            raise self._outside_cell(call)
         if self.check_nodes[call.pos] and call.cell_call is not None:
             self._check_node(call, g)
         if torch.is_grad_enabled():  # a create_graph backward must not record the probe's arithmetic
@@ -556,6 +592,18 @@ class StepCapture:
             "factors into the edge's mixing weights, or attach without path_split (costs() do not need it)"
         )
 
+    def _outside_cell(self, call: EdgeCall) -> ProbeError:
+        # a gradient reached a forward of the edge that ran while its cell's forward was not running: the path parts
+        # (and the "output" part) of that call cannot be tied to a node of the cell, so they would be silently missing
+        edge = self.edges[call.pos]
+        return ProbeError(
+            f"edge {edge.name!r}: path_split needs each edge of cell {self.cells[edge.cell_index].name!r} to run inside "
+            "that cell's forward, but the gradient reached a forward of the edge that ran outside it (e.g. recomputed in "
+            "the backward by torch.utils.checkpoint(..., use_reentrant=True) around an edge or node inside the cell, or "
+            "the edge called without its cell), so its path parts would be missing; checkpoint whole cells or use "
+            "use_reentrant=False, or attach without path_split (costs() do not need it)"
+        )
+
     def _check_shapes(self, call: EdgeCall, g: torch.Tensor, node: int) -> None:
         shape = next((tuple(o.shape) for o in call.outputs if o is not None and o.shape != g.shape), None)
         if shape is not None:
@@ -567,6 +615,14 @@ class StepCapture:
         x_j = Σ_i edge_ij(x_i) and nothing else reads x_j; checked once per edge."""
         node = self.edges[call.pos].dst
         returned = self.cells_not_tensor.get(call.cell_call.pos)
+        not_concat = self.cells_not_concat.get(call.cell_call.pos)
+        if not_concat is not None:
+            raise ProbeError(
+                f"edge {self.edges[call.pos].name!r}: path_split reads each output node's slice of cell "
+                f"{self.cells[call.cell_call.pos].name!r}'s output, but that output {not_concat}, so it is not their "
+                "concatenation (e.g. their sum) and has no slice per node; declare output_node_slices for a "
+                "concatenation in another layout, or attach without path_split (costs() do not need it)"
+            )
         if returned is not None:
             raise ProbeError(
                 f"edge {self.edges[call.pos].name!r}: path_split reads the gradient of cell "

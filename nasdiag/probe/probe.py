@@ -40,7 +40,7 @@ class _StepResult:
     """The small per-step results kept after a block (no activations, no graph)."""
 
     __slots__ = ("per_sample", "costs", "matrix", "available", "not_run", "selected", "paths", "node_costs", "deviation", "invariant",
-                 "cells_not_tensor",
+                 "cells_not_tensor", "cells_not_concat",
                  "model_inputs", "targets", "model_output", "output_grad", "first_weights")
 
     def __init__(self):
@@ -56,6 +56,7 @@ class _StepResult:
         #: norm_deviation: the ops scale-invariant in the train/eval mode of the step, (edge, op) -> constant op?
         self.invariant: Dict[Tuple[int, int], bool] = {}
         self.cells_not_tensor: Dict[int, str] = {}  # cells whose forward returned no tensor: the type it returned
+        self.cells_not_concat: Dict[int, str] = {}  # DARTS-convention cells whose output is not their nodes' concatenation
         self.model_inputs = None
         self.targets = None
         self.model_output = None
@@ -355,6 +356,7 @@ class Probe:
             r.node_costs.append(_sum_calls(nodes)[0] if nodes else None)
         r.deviation = cap.deviation
         r.cells_not_tensor = cap.cells_not_tensor
+        r.cells_not_concat = cap.cells_not_concat
         r.model_inputs = cap.model_inputs
         r.first_weights = cap.first_weights
         r.model_output, r.output_grad = cap.model_output, cap.output_grad
@@ -477,11 +479,11 @@ class Probe:
                 "output_costs() needs cells that declare their nodes: output_node_slices {node: (start, stop)} on the "
                 "cell module, or the DARTS convention (_ops, _steps, _multiplier); see docs/probe.md"
             )
-        out, unreached, not_tensor = {}, [], []
+        out, unreached, not_tensor, not_concat = {}, [], [], []
         for c, cell in enumerate(self._cells):
             ps = r.node_costs[c]
             if ps is None:
-                (not_tensor if c in r.cells_not_tensor else unreached).append(cell.name)
+                (not_tensor if c in r.cells_not_tensor else not_concat if c in r.cells_not_concat else unreached).append(cell.name)
                 ps = r.costs[0].new_full((1, len(cell.output_nodes)), math.nan)
             vals = ps if per_sample else ps.sum(0)
             out[cell.name] = {n: vals[..., i] for i, n in enumerate(cell.output_nodes)}
@@ -493,6 +495,12 @@ class Probe:
             warnings.warn(f"probe: the forward of cell(s) {_short_list(not_tensor)} returned {', '.join(kinds)}, not the "
                           "tensor of its concatenated output nodes, so their output costs are NaN (edge costs are "
                           "unaffected); return the cell output tensor from the cell's forward", RuntimeWarning, stacklevel=2)
+        if not_concat:
+            why = "; ".join(f"{cell.name!r} {r.cells_not_concat[c]}" for c, cell in enumerate(self._cells) if cell.name in not_concat)
+            warnings.warn(f"probe: the output of DARTS-convention cell(s) {_short_list(not_concat)} is not the concatenation "
+                          f"of their last _multiplier nodes in equal chunks ({why}; e.g. a sum of the nodes), so there is no "
+                          "slice per node and their output costs are NaN (edge costs are unaffected); declare "
+                          "output_node_slices on the cell for a concatenation in another layout", RuntimeWarning, stacklevel=2)
         return out
 
     def path_costs(self, per_sample: bool = False) -> Dict[str, Dict[str, torch.Tensor]]:
