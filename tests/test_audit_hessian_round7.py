@@ -445,3 +445,34 @@ def test_recursions_equal_own_transcription_of_the_appendix(mode):
         ref = _own_recursion(copy.deepcopy(model), x, y, approx=mode == "approx")
         got = diag_hessian(model, F.cross_entropy, x, y, mode=mode)
         assert_close({k: got[k] for k in ref}, ref, rtol=1e-12)
+
+
+def test_one_tensor_listed_twice_is_refused_not_counted_twice():
+    """``hessian_eigenvalues(params=[α, α])`` (or a model whose ``named_arch_parameters()`` lists a shared α once per
+    cell) took products w.r.t. [α, α], the operator [[H, H], [H, H]]: the top eigenvalue and the trace came out twice
+    the α block's, silently. Now one line; a list of distinct tensors still gives
+    the dense α-block spectrum."""
+    from nasdiag.hessian import hessian_eigenvalues, hutchinson_trace, loss_hvp
+
+    net, x, y = _net(shared=False)
+    for fn in (hessian_eigenvalues, hutchinson_trace, loss_hvp):
+        with pytest.raises(CurvatureError, match="one tensor twice"):
+            fn(net, F.cross_entropy, x, y, params=[net.alpha, net.alpha])
+
+    class Listed(TwoCellNet):
+        def named_arch_parameters(self):
+            return [("cell0.alpha", self.alpha), ("cell1.alpha", self.alpha)]
+
+    torch.manual_seed(1)
+    listed = Listed(shared=True).to(DT).eval()
+    with pytest.raises(CurvatureError, match=r"'cell0\.alpha' and 'cell1\.alpha'"):
+        hessian_eigenvalues(listed, F.cross_entropy, x, y)
+    names = _alpha_names(net)
+    flat = torch.cat([p.detach() for p in (net.alpha, net.alpha2)])
+
+    def loss(v):
+        return F.cross_entropy(torch.func.functional_call(net, dict(zip(names, (v[:4], v[4:]))), (x,)), y)
+
+    dense = torch.linalg.eigvalsh(torch.autograd.functional.hessian(loss, flat))
+    got = hessian_eigenvalues(net, F.cross_entropy, x, y, params=[net.alpha, net.alpha2], k=2)
+    assert torch.allclose(got.eigenvalues, dense.flip(0)[:2], rtol=1e-8, atol=1e-12)

@@ -322,16 +322,26 @@ def named_tensors(params, default_owner: nn.Module | None = None) -> List[Tuple[
             "params is empty: there is nothing to take a Hessian with respect to; pass the tensors (requires_grad) "
             "to differentiate, e.g. params=model.arch_parameters()"
         )
+    def also(name, p) -> str:  # (refusals only) a tensor given without a name is called by the model's name for it too
+        owned = {id(t): n for n, t in default_owner.named_parameters()} if isinstance(default_owner, nn.Module) else {}
+        return f" (the model's {owned[id(p)]!r})" if id(p) in owned and owned[id(p)] != name else ""
+
     for name, p in pairs:
         if not isinstance(p, torch.Tensor):
             how = (f"; pass the tensor itself, e.g. dict(model.named_parameters())[{p!r}]" if isinstance(p, str)
                    else "; pass tensors, (name, tensor) pairs or a {name: tensor} dict")
             raise CurvatureTypeError(f"params[{name!r}] is a {type(p).__name__}, not a tensor{how}")
         if not p.requires_grad:
-            # a tensor given without a name is called by the model's own name for it (not only "param.0")
-            owned = {id(t): n for n, t in default_owner.named_parameters()} if isinstance(default_owner, nn.Module) else {}
-            also = f" (the model's {owned[id(p)]!r})" if id(p) in owned and owned[id(p)] != name else ""
-            raise CurvatureError(f"params[{name!r}]{also} does not require grad; call .requires_grad_(True) on it first")
+            raise CurvatureError(f"params[{name!r}]{also(name, p)} does not require grad; call .requires_grad_(True) on it first")
+    first: dict = {}
+    for name, p in pairs:
+        if id(p) in first:  # the products would act on [[H, H], [H, H]]: every eigenvalue and the trace twice the tensor's
+            where = "params" if params is not None else f"{type(default_owner).__name__}'s arch parameters"
+            raise CurvatureError(
+                f"{where} list one tensor twice ({first[id(p)]!r} and {name!r}{also(name, p)}), so its Hessian block "
+                "would be counted twice (eigenvalues and trace doubled); pass each tensor once"
+            )
+        first[id(p)] = name
     return pairs
 
 
