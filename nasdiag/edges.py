@@ -156,6 +156,7 @@ def _spec_of(name: str, value, candidates) -> EdgeSpec:
     elif isinstance(value, (tuple, list)) and len(value) == 2 and isinstance(value[0], nn.Module):
         module, ops = value
     elif isinstance(value, nn.Module):
+        _check_called(name, value)
         module, ops = value, candidates(value) if candidates is not None else None
         if ops is None:
             raise EdgeSpecError(
@@ -171,6 +172,7 @@ def _spec_of(name: str, value, candidates) -> EdgeSpec:
         )
     if not isinstance(module, nn.Module):
         raise EdgeSpecError(f"edge {name!r}: the mixed op must be an nn.Module, got {type(module).__name__}")
+    _check_called(name, module)
     try:
         ops = tuple(ops)
     except TypeError:
@@ -180,6 +182,18 @@ def _spec_of(name: str, value, candidates) -> EdgeSpec:
     if isinstance(value, EdgeSpec):
         return value if value.name == name else dataclasses.replace(value, name=name)
     return EdgeSpec(name, module, ops, op_names_of(module, ops))
+
+
+def _check_called(name: str, module: nn.Module) -> None:
+    """A container without a forward of its own (``nn.ModuleList``, ``nn.ModuleDict``) is never called, so no edge
+    output exists to read: its costs would be NaN at every step, with a warning to run the forward that did run."""
+    if getattr(type(module), "forward", None) is nn.Module.forward:
+        raise EdgeSpecError(
+            f"edge {name!r}: the mixed op is a {type(module).__name__}, which has no forward of its own and is never "
+            "called, so there is no edge output Σ_k w_k·op_k(x) to read; map a module whose forward returns that sum "
+            "(where the cell's forward mixes the ops itself, as NAS-Bench-201's search cell does with "
+            "sum(op(x) * w for op, w in zip(ops, weights)), move that line into a small module with forward(x, weights))"
+        )
 
 
 def weights_parameter(module: nn.Module) -> str:

@@ -21,6 +21,10 @@ Defects found (each test fails without its fix):
   ``[conv, Sequential(pre, conv)]``) had its output taken from its last call, on the other candidate's input, so
   the probe refused a valid mixed op ("its output is not Σ_k w_k·op_k(x)") when the shared op came first
   (test_a_candidate_op_also_run_inside_another_candidate_is_costed_at_its_own_call).
+* NAS-Bench-201's own search cell keeps each edge as a ModuleList of ops and mixes them in the cell's forward; an
+  edge mapped to that ModuleList (alone or with its ops) was accepted and gave NaN costs at every step with a warning
+  to "run the model's forward inside the block", which did run; now one ProbeError line at attach
+  (test_an_edge_mapped_to_a_container_that_is_never_called_is_one_line_at_attach).
 """
 
 import contextlib
@@ -438,6 +442,33 @@ def test_a_candidate_op_also_run_inside_another_candidate_is_costed_at_its_own_c
         with probe.record():
             F.cross_entropy(net(x, w), y).backward()
         assert _max_rel(probe.costs()["edge"], w.grad) < 1e-12
+
+
+class NB201SearchCell(nn.Module):
+    """NAS-Bench-201's own search cell: each edge is a ModuleList of ops, mixed in the cell's forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.edges = nn.ModuleDict({f"{j}<-{i}": nn.ModuleList([nn.Identity(), _rcb(1, 1e-5)]) for i, j in EDGES_201})
+
+    def forward(self, x, W):
+        nodes = [x]
+        for j in (1, 2, 3):
+            nodes.append(sum(sum(op(nodes[i]) * w for op, w in zip(self.edges[f"{j}<-{i}"], W[e]))
+                             for e, (i, jj) in enumerate(EDGES_201) if jj == j))
+        return nodes[-1]
+
+
+@pytest.mark.parametrize("form", ["bare", "pair"])
+def test_an_edge_mapped_to_a_container_that_is_never_called_is_one_line_at_attach(form):
+    """The ModuleList of an NB-201 edge has no forward: mapped as the mixed op, it gave NaN costs at every step with
+    a warning to run the forward (which did run)."""
+    cell = NB201SearchCell()
+    edges = {k: (m if form == "bare" else (m, list(m))) for k, m in cell.edges.items()}
+    with pytest.raises(ProbeError, match="ModuleList, which has no forward") as err:
+        nasdiag.attach(cell, edges)
+    assert "\n" not in str(err.value)
+    assert_no_module_hooks(cell)
 
 
 # --- precision, batch size 1, eval mode ------------------------------------------------------------------------------
