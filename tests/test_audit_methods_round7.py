@@ -406,3 +406,21 @@ def test_sparsenas_builds_and_steps_on_an_adapted_darts_convention_supernet():
     stats = method.step(batch(4), batch(5))
     assert torch.isfinite(stats["scalars/val_loss"])
     assert all(not torch.equal(before[t], a) for t, a in net.alphas().items())
+
+
+def test_bayesnas_builds_and_runs_an_epoch_on_an_adapted_darts_convention_supernet():
+    """The same for BayesNAS (its parent matrix of A.2.14 read `network.edge_nodes`: AttributeError at the build). Its
+    parent matrix equals the one it builds on nasdiag's own supernet of the same steps (both in the DARTS edge order);
+    with a curvature mode the DARTS-convention mixed op can take (diag), an epoch runs to its update."""
+    from test_foreign_supernet import batch, foreign_supernet
+
+    net, _ = foreign_supernet(3)
+    cls = get_method("bayesnas")
+    method = cls(net, cls.Hyperparameters(hessian_mode="diag"), schedule=Schedule(epochs=2, steps_per_epoch=2))
+    own = cls(Network(2, CLASSES, 3, steps=net.steps, multiplier=net.multiplier, in_channels=1),
+              schedule=Schedule(epochs=2, steps_per_epoch=2))
+    assert torch.equal(method._parents.cpu(), own._parents.cpu())
+    for i in range(2):
+        stats = method.step(batch(6 + i), batch(8 + i))
+    method.epoch_end(0)
+    assert torch.isfinite(stats["scalars/train_loss"]) and method.genotype().normal

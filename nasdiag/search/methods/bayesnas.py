@@ -67,6 +67,7 @@ from nasdiag.search.methods._sampling import check_finite_loss
 from nasdiag.search.registry import register
 from nasdiag.search.methods.sparsenas import without_removed_nodes
 from nasdiag.supernet import DARTS_PRIMITIVES, derive_mixed_genotype
+from nasdiag.supernet.cell import edge_nodes
 
 
 class _AtFixedWeights(nn.Module):
@@ -138,7 +139,9 @@ class BayesNAS(SearchMethod):
         self.curvature_used = like(0.0)
         self.alive = {t: torch.ones_like(a, dtype=torch.bool, device="cpu") for t, a in alphas.items()}
         self.steps_done = 0
-        self._parents = parent_matrix(net.edge_nodes, device=next(iter(alphas.values())).device)
+        # an adapted DARTS-convention supernet has no edge_nodes (an AttributeError): its edges are in the DARTS order
+        pairs = getattr(net, "edge_nodes", None) or edge_nodes(net.steps)
+        self._parents = parent_matrix(pairs, device=next(iter(alphas.values())).device)
         self._group_size = {t: sum(1 for c in net.cells if c.cell_type == t) for t in alphas}  # ℵ of A.3.6
 
     # -- relaxation ----------------------------------------------------------------------------------
