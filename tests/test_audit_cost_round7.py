@@ -25,6 +25,10 @@ Defects found (each test fails without its fix):
   edge mapped to that ModuleList (alone or with its ops) was accepted and gave NaN costs at every step with a warning
   to "run the model's forward inside the block", which did run; now one ProbeError line at attach
   (test_an_edge_mapped_to_a_container_that_is_never_called_is_one_line_at_attach).
+* Under autocast bfloat16, a mixed op summing its K = 8 terms in another order than the check (reversed, or stacked
+  and summed) deviates from the check's own bfloat16 sum by ~1e-2 of its output, past the 1e-3 half-precision
+  tolerance: every step was refused as "not Σ_k w_k·op_k(x)". The check now sums in float32 and allows K roundings
+  of the half dtype (test_a_mixed_op_summing_in_its_own_order_under_autocast_is_accepted_and_costed).
 """
 
 import contextlib
@@ -501,6 +505,55 @@ def test_autocast_bfloat16_costs_come_back_in_float32_accumulated_from_the_half_
             assert _max_rel(per_sample[_name(c, e)].double(), ref) < 1e-5
             assert _max_rel(costs[_name(c, e)].double(), ref.sum(0)) < 1e-5
     assert probe.output_costs()["cells.1"][3].dtype == torch.float32
+
+
+class OrderedMixed(nn.Module):
+    """K = 8 convolutions summed in another order than Σ_k w_k·O_k (reversed, or stacked and summed), as mixed ops
+    are written; ``relu`` makes it no mixed op at all (the negative control)."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self._ops = nn.ModuleList(nn.Conv2d(8, 8, 3, padding=1, bias=False) for _ in range(8))
+        self.keep = []
+
+    def forward(self, x, w):
+        outs = [op(x) for op in self._ops]
+        if self.how == "stack":
+            out = (w.reshape(-1, 1, 1, 1, 1) * torch.stack(outs)).sum(0)
+        else:
+            out = sum(w[k] * outs[k] for k in reversed(range(8)))
+        out = F.relu(out) if self.how == "relu" else out
+        out.retain_grad()
+        self.keep.append((outs, out))
+        return out
+
+
+@pytest.mark.parametrize("how", ["reversed", "stack", "relu"])
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_a_mixed_op_summing_in_its_own_order_under_autocast_is_accepted_and_costed(how, half):
+    """bfloat16 rounds each of the K partial sums to 2⁻⁸: the weighted-sum check at 1e-3 refused every such step."""
+    torch.manual_seed(11)
+    edge, fc = OrderedMixed(how), nn.Linear(8, N_CLASSES)
+    net = nn.ModuleDict({"edge": edge, "fc": fc})
+    probe = nasdiag.attach(net)
+    g = torch.Generator().manual_seed(15)
+    x, y = torch.randn(4, 8, 6, 6, generator=g), torch.randint(0, N_CLASSES, (4,), generator=g)
+    w = torch.softmax(torch.randn(8, generator=g), 0).requires_grad_()
+    block = contextlib.ExitStack()
+    if how == "relu":
+        block.enter_context(pytest.raises(ProbeError, match="not Σ_k w_k·op_k"))
+    with block:
+        with probe.record():
+            with torch.autocast("cpu", dtype=half):
+                out = fc(edge(x, w).mean((2, 3)))
+            F.cross_entropy(out.float(), y).backward()
+    if how == "relu":
+        return
+    (outs, out), = edge.keep
+    assert all(o.dtype == half for o in outs)  # (stacked with a (K, 1, ...) float32 w, the sum is float32)
+    ref = torch.stack([(out.grad.double() * o.detach().double()).sum() for o in outs])
+    assert _max_rel(probe.costs()["edge"].double(), ref) < 1e-5
 
 
 @pytest.mark.parametrize("mode", ["train", "eval"])
