@@ -476,3 +476,31 @@ def test_one_tensor_listed_twice_is_refused_not_counted_twice():
     dense = torch.linalg.eigvalsh(torch.autograd.functional.hessian(loss, flat))
     got = hessian_eigenvalues(net, F.cross_entropy, x, y, params=[net.alpha, net.alpha2], k=2)
     assert torch.allclose(got.eigenvalues, dense.flip(0)[:2], rtol=1e-8, atol=1e-12)
+
+
+def test_multihead_attention_refusal_names_it():
+    """``nn.MultiheadAttention`` has no rule, and its forward reads ``out_proj.weight`` directly (F.linear inside
+    ``F.multi_head_attention_forward``), never calling ``out_proj``, a Linear that has one. The refusal named only
+    'a.out_proj' (NonDynamicallyQuantizableLinear), a module with a rule, not the module type that lacks one; it now
+    names 'a' (MultiheadAttention)."""
+    from nasdiag.hessian import UnsupportedModuleError
+
+    class Att(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.MultiheadAttention(4, 2, batch_first=True)
+            self.l = nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.l(self.a(x, x, x)[0].mean(1))
+
+    torch.manual_seed(9)
+    model = Att().to(DT)
+    x, y = torch.randn(3, 5, 4, dtype=DT), torch.randint(0, 3, (3,))
+    with pytest.raises(UnsupportedModuleError, match=r"'a' \(MultiheadAttention\)") as err:
+        diag_hessian(model, F.cross_entropy, x, y, mode="diag")
+    assert "\n" not in str(err.value)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    # the head alone is reachable without crossing the attention: exact there (an FC last layer)
+    ref = dense_param_diag(model, F.cross_entropy, x, y, ["l.weight", "l.bias"])
+    assert_close(diag_hessian(model, F.cross_entropy, x, y, mode="diag", params=["l.weight", "l.bias"]), ref)

@@ -441,8 +441,21 @@ def _parameter_owners(node, tracer: ModuleTracer) -> str:
                 continue
             module_name = name.rpartition(".")[0]
             module = tracer.model.get_submodule(module_name)
-            found.append(f"parameter {name!r} of module {module_name or '<root>'!r} ({type(module).__name__})")
+            noted = any(f"of module {module_name or '<root>'!r}" in f for f in found)  # the note once per module
+            found.append(f"parameter {name!r} of module {module_name or '<root>'!r} ({type(module).__name__})"
+                         + ("" if noted else _read_by_parent(module_name, tracer)))
     return (", using " + ", ".join(found)) if found else ""
+
+
+def _read_by_parent(module_name: str, tracer: ModuleTracer) -> str:
+    """For a rule leaf that never ran (its parent's forward reads its parameters directly, as
+    ``nn.MultiheadAttention`` reads ``out_proj.weight``): the parent, the module type that would need a rule."""
+    if module_name not in tracer.rule_leaves or not module_name or \
+            any(rc.call.name == module_name for rc in tracer.rule_calls.values()):
+        return ""
+    parent = module_name.rpartition(".")[0]
+    return (f", which is never called: the forward of {parent or '<root>'!r} "
+            f"({type(tracer.model.get_submodule(parent)).__name__}) reads it directly")
 
 
 class _OpaqueInteriors:
