@@ -230,6 +230,23 @@ def test_nb201_cells_costs_per_sample_output_costs_path_parts_and_statistics_equ
     np.testing.assert_allclose(st["cost/nb201/var"], R.var(0), rtol=1e-8, atol=1e-18)
 
 
+def test_nb201_alpha_shared_by_both_cells_gets_its_gradient_from_the_cell_type_costs():
+    """§2.1 summed over the cells using α: darts_alpha_grad(cell_type_costs(), softmax(α)) = ∂L/∂α (autograd)."""
+    torch.manual_seed(12)
+    net = NB201Net()
+    probe = nasdiag.attach(net)
+    x, y = _batch(9)
+    alpha = (1e-1 * torch.randn(6, K, generator=torch.Generator().manual_seed(9), dtype=DT)).requires_grad_()
+    with probe.record():
+        p = alpha.softmax(-1)
+        F.cross_entropy(net(x, [p, p]), y).backward()
+    summed = probe.cell_type_costs()["nb201"]
+    p = p.detach()
+    mine = p * (summed - (p * summed).sum(-1, keepdim=True))  # (diag p − ppᵀ) C, written out
+    assert _max_rel(mine, alpha.grad) < 1e-12
+    assert _max_rel(nasdiag.cost.darts_alpha_grad(summed, p), alpha.grad) < 1e-12
+
+
 def test_nb201_cells_obey_thm1_cor12_and_thm2_at_tiny_eps():
     """All ops scale-invariant, eps = 1e-12: node 1 is fed by edge 0->1 alone and read by edges 1->2, 1->3 only, so
     Σ_k Z_k part_k through each of them is 0 (Thm. 1); the first cell feeds only the ReLU-conv-BN block, so its
