@@ -424,3 +424,20 @@ def test_bayesnas_builds_and_runs_an_epoch_on_an_adapted_darts_convention_supern
         stats = method.step(batch(6 + i), batch(8 + i))
     method.epoch_end(0)
     assert torch.isfinite(stats["scalars/train_loss"]) and method.genotype().normal
+
+
+@pytest.mark.parametrize("name", ["darts2", "sparsenas"])
+def test_arch_gradient_checks_its_batches_as_the_step_does(name):
+    """`arch_gradient(train_batch, val_batch)` (docs/darts2.md: the hypergradient the next step would apply) took
+    batches step() refuses: float32 inputs on a float64 supernet stopped in the convolution's RuntimeError, a label
+    past the classifier in cross-entropy's IndexError. One SearchError line each, as from step()."""
+    primitives = ("skip_connect", "avg_pool_3x3", "sep_conv_3x3") if name == "sparsenas" else None
+    method = _method(name, _net(29, primitives=primitives))
+    good = _batch(30)
+    x, y = _batch(31)
+    for bad in ((x.float(), y), (x, torch.full_like(y, CLASSES))):
+        for train, val in ((bad, good), (good, bad)):
+            with pytest.raises(SearchError) as info:
+                method.arch_gradient(train, val)
+            assert "\n" not in str(info.value)
+    assert all(torch.isfinite(g).all() for g in method.arch_gradient(good, _batch(32)).values())

@@ -16,7 +16,7 @@ from typing import Dict
 import torch
 
 from nasdiag.cost import darts_alpha_grad
-from nasdiag.search.base import Batch, accuracy, failing_row
+from nasdiag.search.base import Batch, accuracy, check_batch, failing_row
 from nasdiag.search.hyperparameters import hp
 from nasdiag.search.methods.darts import DARTS
 from nasdiag.search.registry import register
@@ -50,6 +50,8 @@ class DARTS2(DARTS):
     def arch_gradient(self, train_batch: Batch, val_batch: Batch) -> Dict[str, torch.Tensor]:
         """``{cell type: (E, K)}``: the hypergradient of eq 13 the next :meth:`step` would apply to α,
         computed without changing any state (weights, BatchNorm statistics, optimizers)."""
+        check_batch(self.network, train_batch, "search-train")  # as step() does: a wrong batch is one line
+        check_batch(self.network, val_batch, "search-val")
         return self._unrolled(train_batch, val_batch).arch_grad
 
     def _unrolled(self, train_batch: Batch, val_batch: Batch, observe_probe: bool = False) -> UnrolledGradient:
