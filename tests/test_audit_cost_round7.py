@@ -29,6 +29,10 @@ Defects found (each test fails without its fix):
   and summed) deviates from the check's own bfloat16 sum by ~1e-2 of its output, past the 1e-3 half-precision
   tolerance: every step was refused as "not Σ_k w_k·op_k(x)". The check now sums in float32 and allows K roundings
   of the half dtype (test_a_mixed_op_summing_in_its_own_order_under_autocast_is_accepted_and_costed).
+* One mixed-op module at two positions of a cell's edge list (tied within the cell) with ``path_split=True`` got the
+  node pair of its first position for every call, and the first backward raised "node 2 is not the plain sum of its
+  incoming edges" naming another edge; now refused at attach, naming the positions
+  (test_one_mixed_op_at_two_positions_of_a_cell_adds_its_costs_and_refuses_the_split_in_one_line).
 """
 
 import contextlib
@@ -302,6 +306,30 @@ def _assert_parts_sum_to_autograd(probe, Z):
         for e in range(6):
             assert parts[_name(c, e)]
             assert _max_rel(sum(parts[_name(c, e)].values()), Z[c].grad[e]) < 1e-12
+
+
+def test_one_mixed_op_at_two_positions_of_a_cell_adds_its_costs_and_refuses_the_split_in_one_line():
+    """One module for 1->2 and 2->3 with the same Z row (tied within the cell): costs() add up both calls, as for
+    tied cells; path_split cannot tell the calls apart by node pair (before: a ProbeError blaming node 2 as "not
+    the plain sum of its incoming edges", naming another edge, in the first backward)."""
+    torch.manual_seed(13)
+    net = NB201Net()
+    for cell in net.cells:
+        cell.edges[5] = cell.edges[2]
+    x, y = _batch(10)
+    Z = [z.detach() for z in _z(seed=10)]
+    for z in Z:
+        z[5] = z[2]
+    Z = [z.requires_grad_() for z in Z]
+    probe = nasdiag.attach(net)
+    assert len(probe.edges) == 10
+    with probe.record():
+        F.cross_entropy(net(x, Z), y).backward()
+    for c in range(2):
+        assert _max_rel(probe.costs()[_name(c, 2)], Z[c].grad[2] + Z[c].grad[5]) < 1e-12
+    with pytest.raises(ProbeError, match=r"positions \[2, 5\]") as err:
+        nasdiag.attach(net, path_split=True)
+    assert "\n" not in str(err.value)
 
 
 # --- activation checkpointing inside a cell --------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from nasdiag.hooks import Hooks
 from nasdiag.probe.capture import Router, StepCapture
 from nasdiag.edges import EdgesArg, EdgeSpec
 from nasdiag.probe.discovery import CellInfo, ProbeError, discover, is_mixed_op, weights_parameter as _weights_parameter
-from nasdiag.probe.discovery import _candidates
+from nasdiag.probe.discovery import _candidates, _cell_edge_list
 from nasdiag.probe.layout import Group, build_groups
 
 STATISTICS_MODES = ("all", "sampled")
@@ -144,6 +144,19 @@ class Probe:
                     f"path_split=True needs every edge's cell and node pair (i, j); unknown for {_short_list(unplaced)}. "
                     "Declare them with the node protocol (docs/probe.md) or leave path_split off."
                 )
+            for cell in self._cells:
+                seq = list(_cell_edge_list(cell.module) or ())
+                twice = next((m for m in seq if sum(x is m for x in seq) > 1), None)
+                if twice is not None:
+                    # discovery gives such a module the node pair of its first position: the calls at its other
+                    # positions read and feed other nodes, so their parts would go to the wrong edges
+                    at = [e for e, x in enumerate(seq) if x is twice]
+                    raise ProbeError(
+                        f"path_split=True: one mixed-op module is at positions {at} of the edges of cell {cell.name!r} (one "
+                        "module for several node pairs, e.g. tied weights within the cell), so its calls cannot be told "
+                        "apart by node pair; give each position its own mixed op (candidate op modules may be shared) "
+                        "or leave path_split off (costs() add up its calls)"
+                    )
         self.norm_deviation = bool(norm_deviation)
         self.hessian_mode = hessian
         self.loss_fn = loss_fn
