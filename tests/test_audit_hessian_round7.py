@@ -504,3 +504,30 @@ def test_multihead_attention_refusal_names_it():
     # the head alone is reachable without crossing the attention: exact there (an FC last layer)
     ref = dense_param_diag(model, F.cross_entropy, x, y, ["l.weight", "l.bias"])
     assert_close(diag_hessian(model, F.cross_entropy, x, y, mode="diag", params=["l.weight", "l.bias"]), ref)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_exact_weights_equal_backpack_diag_hessian(reduction):
+    """BackPACK's DiagHessian (Sequential, no BatchNorm) as a second independent reference: ``exact`` on a net of a
+    depthwise conv without bias, ELU, a ConvTranspose2d (no diagonal rule: ``exact`` only), leaky ReLU and average
+    pooling equals it for both reductions (BackPACK follows the loss module's reduction)."""
+    backpack = pytest.importorskip("backpack")
+    from backpack.extensions import DiagHessian
+
+    torch.manual_seed(10)
+    net = nn.Sequential(nn.Conv2d(3, 3, 3, padding=1, groups=3, bias=False), nn.ELU(), nn.Conv2d(3, 2, 3, stride=2),
+                        nn.Tanh(), nn.ConvTranspose2d(2, 3, 3, stride=2), nn.LeakyReLU(0.1), nn.AvgPool2d(2),
+                        nn.Flatten(), nn.Linear(3 * 2 * 2, 3)).to(DT)
+    x, y = torch.randn(4, 3, 6, 6, dtype=DT), torch.randint(0, 3, (4,))
+    bp = backpack.extend(copy.deepcopy(net))
+    loss = backpack.extend(nn.CrossEntropyLoss(reduction=reduction))(bp(x), y)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(DT)  # BackPACK's ConvTranspose2d extension makes helper tensors in the default dtype
+    try:
+        with backpack.backpack(DiagHessian()):
+            loss.backward()
+    finally:
+        torch.set_default_dtype(default)
+    ref = {n: p.diag_h for n, p in bp.named_parameters()}
+    got = diag_hessian(net, lambda o, t: F.cross_entropy(o, t, reduction=reduction), x, y, mode="exact")
+    assert_close(got, ref, rtol=1e-9)
