@@ -2,9 +2,10 @@
 test_cli_search_misuse.py, test_cli_plot_misuse.py, test_cli_misuse_round3..8.py) did not cover: paths at the file
 system's limits (a record name too long for the files kept next to it, a folder path past PATH_MAX, a level of the
 folder too long), for search and report; a newline in a file name in the commands printed; an empty ``--hp`` value;
-the types ``nasdiag methods`` shows; the wiring scripts' --data-dir without --dataset cifar10; the options of a run
-given to a script with --plot-only. Every mistake is one line on stderr, exit code 2, and leaves the folder as it was
-(`refused` compares sha256s)."""
+the types ``nasdiag methods`` shows; the figures of a run replaced by ``--force``; the wiring scripts' --data-dir
+without --dataset cifar10; the options of a run given to a script with --plot-only; the benchmark scripts' numbers
+and names. Every mistake is one line on stderr, exit code 2, and leaves the folder as it was (`refused` compares
+sha256s)."""
 
 from __future__ import annotations
 
@@ -103,6 +104,28 @@ def test_nasdiag_methods_names_the_type_a_hyperparameter_takes(capsys):
     xnas, darts = available_methods()["xnas"].Hyperparameters, available_methods()["darts"].Hyperparameters
     assert xnas.parse(["reward_bound=0.5"]).reward_bound == 0.5 and xnas.parse(["reward_bound=none"]).reward_bound is None
     assert darts.parse(["alpha_betas=0.4,0.9"]).alpha_betas == (0.4, 0.9)
+
+
+# -- --force -------------------------------------------------------------------------------------------------------
+def test_a_forced_run_leaves_no_figure_of_the_run_it_replaced(tmp_path, capsys):
+    """``--force`` replaces a record and the leftover files of its run, but the figures of the replaced run stayed in
+    the figure folder: after an XNAS run replaced by a DARTS run, ``regret_bound_normal.png``, ``wipeouts_*.png`` and
+    ``alive_experts_*.png`` lay next to the DARTS figures, as if drawn from its record. A file of the user's (not
+    named as a figure) is kept."""
+    from nasdiag.cli import main
+
+    out, figs = tmp_path / "run.h5", tmp_path / "figs"
+    tiny = [t for t in TINY if t != "--no-figs"]
+    assert main(["search", *tiny, "--method", "xnas", "--out", str(out), "--figs", str(figs)]) == 0
+    before = {p.name for p in figs.iterdir()}
+    assert {"regret_bound_normal.png", "wipeouts_reduce.png"} <= before, before  # what only XNAS draws
+    (figs / "notes.txt").write_text("mine\n")
+    assert main(["search", *tiny, "--method", "darts", "--out", str(out), "--figs", str(figs), "--force"]) == 0
+    said = capsys.readouterr().out.strip().splitlines()[-1]  # "figures: FOLDER (N files)"
+    now = {p.name for p in figs.iterdir()} - {"notes.txt"}
+    assert said == f"figures: {figs} ({len(now)} files)", (said, sorted(now))
+    assert not any(n.startswith(("regret", "wipeouts", "alive_experts")) for n in now), sorted(now)
+    assert (figs / "notes.txt").read_text() == "mine\n"
 
 
 # -- a newline in a file name ------------------------------------------------------------------------------------

@@ -652,11 +652,28 @@ def _draw_figures(config: SearchConfig) -> List[str]:
     from nasdiag.plot import write_figures
 
     try:
-        return [str(p) for p in write_figures(config.record, config.figures)]
+        written = [str(p) for p in write_figures(config.record, config.figures)]
     except BaseException as exc:
         if not isinstance(exc, Exception):  # Ctrl-C or a signal: the run itself is complete and recorded
             exc.complete_run = (os.fspath(config.record), os.fspath(config.figures))
         raise
+    if config.force:
+        _remove_replaced_figures(os.fspath(config.figures), written, os.fspath(config.record))
+    return written
+
+
+def _remove_replaced_figures(folder: str, written: Sequence[str], record: str) -> None:
+    """``force`` replaces a run and the leftover files of its run: the figures the replaced run drew into this folder
+    that this one does not draw (the regret and wipeout figures of an XNAS run replaced by a DARTS run) stayed next to
+    the new ones, as if this run had drawn them. Only files named as a registered figure (png) are removed."""
+    from nasdiag.plot.registry import registered
+    from nasdiag.record import load_meta
+
+    cells = {None, "normal", "reduce", *load_meta(record).get("cell_types", [])}
+    names = {spec.filename(cell) + ".png" for spec in registered().values() for cell in cells}
+    for name in sorted(names - {os.path.basename(p) for p in written}):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(folder, name))
 
 
 def lost_a_rank(exc: BaseException) -> bool:
