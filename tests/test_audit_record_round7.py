@@ -13,6 +13,7 @@ import mmap
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -440,3 +441,35 @@ def test_a_segment_replaced_by_another_of_its_run_is_damage_not_silently_missing
     kept = 6 if how == "copied over" else 4  # the segments before the one under a wrong number
     np.testing.assert_array_equal(out["step"], [0, 1, 2, 3, 4, 5][:kept])
     np.testing.assert_array_equal(out["scalars/a"], [0.0, 1.0, 12.0, 13.0, 24.0, 25.0][:kept])
+
+
+_LOAD = textwrap.dedent("""
+    import sys
+    from nasdiag.record import RecordError, load
+    try:
+        load(sys.argv[1])
+    except RecordError as err:
+        print("REFUSED", err, flush=True)
+""")
+
+
+def test_a_damaged_record_whose_stale_lock_names_a_live_process_is_refused_at_once(tmp_path):
+    """A killed writer leaves its lock file, and its pid soon names another process (pid_max is often 32768). The
+    reader took that for a live writer and read a damaged segment with HDF5's SWMR retries: `load` hung for more
+    than ten minutes instead of failing at once. A live writer holds its flock, which the kernel lists."""
+    path = str(tmp_path / "run.h5")
+    for step in range(3):
+        with Recorder(path, resume=True, flush_seconds=None) as rec:
+            rec.log(step, {"scalars/a": float(step), "wide/x": np.zeros(WIDE, np.float32)})
+    middle = schema.segment_path(path, 1)
+    os.truncate(middle, os.path.getsize(middle) // 2)
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    try:
+        with open(schema.lock_path(path), "w") as fh:  # what the killed writer left, its pid now another's
+            json.dump({"pid": bystander.pid, "host": socket.gethostname(), "since": "2026-01-01T00:00:00"}, fh)
+        done = subprocess.run([sys.executable, "-c", _LOAD, path], capture_output=True, text=True, timeout=90,
+                              env=dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])))
+    finally:
+        bystander.kill()
+        bystander.wait()
+    assert done.stdout.startswith("REFUSED") and "seg0001" in done.stdout and "damaged" in done.stdout, done

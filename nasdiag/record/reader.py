@@ -388,8 +388,23 @@ def _writer_alive(path: str) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass
+    # The pid of a killed writer is soon another process's (pid_max is often 32768): then a damaged record was read
+    # with HDF5's retries and a load hung for many minutes instead of failing. A live writer holds its flock.
+    return _lock_listed(schema.lock_path(path)) is not False
+
+
+def _lock_listed(lock_file: str) -> bool | None:
+    """Whether the kernel lists a lock on ``lock_file``'s inode (Linux's /proc/locks; the inode alone is compared,
+    since its device may be written otherwise there), or None where that cannot be told."""
+    try:
+        inode = os.stat(lock_file).st_ino
+        with open("/proc/locks") as fh:
+            listed = fh.read()
+    except OSError:
+        return None
+    suffix = f":{inode}"
+    return any(field.endswith(suffix) and field.count(":") == 2 for line in listed.splitlines() for field in line.split())
 
 
 def read_segments(path: str, with_data: bool = True, salvage: bool = False) -> list[Segment]:
