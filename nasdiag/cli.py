@@ -266,8 +266,10 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         command = parser.commands.get(args.command, parser)
-        raise ConfigError(f"{command.prog}: unrecognized arguments: {' '.join(unknown)} (see {command.prog} --help)"
-                          f"{_meant_option(unknown, command)}")
+        empty = ("; an empty argument ('') is often a quoted shell variable that is not set: set it or drop it"
+                 if any(not u.strip() for u in unknown) else "")
+        raise ConfigError(f"{command.prog}: unrecognized arguments: {_join(unknown)} (see {command.prog} --help)"  # quoted:
+                          f"{_meant_option(unknown, command)}{empty}")  # an empty argument ('') was an invisible nothing
     return args
 
 

@@ -1,11 +1,11 @@
 """A ninth new user's misuse of the ``nasdiag`` CLI and of the batch scripts: what rounds 1-8 (test_cli_errors.py,
 test_cli_search_misuse.py, test_cli_plot_misuse.py, test_cli_misuse_round3..8.py) did not cover: paths at the file
 system's limits (a record name too long for the files kept next to it, a folder path past PATH_MAX, a level of the
-folder too long), for search and report; a newline in a file name in the commands printed; an empty ``--hp`` value;
-the types ``nasdiag methods`` shows; the figures of a run replaced by ``--force``; the wiring scripts' --data-dir
-without --dataset cifar10; the options of a run given to a script with --plot-only; the benchmark scripts' numbers
-and names. Every mistake is one line on stderr, exit code 2, and leaves the folder as it was (`refused` compares
-sha256s)."""
+folder too long), for search and report; a newline in a file name in the commands printed; an empty unknown argument;
+an empty ``--hp`` value; the types ``nasdiag methods`` shows; the figures of a run replaced by ``--force``; the wiring
+scripts' --data-dir without --dataset cifar10; the options of a run given to a script with --plot-only; the benchmark
+scripts' numbers and names. Every mistake is one line on stderr, exit code 2, and leaves the folder as it was
+(`refused` compares sha256s)."""
 
 from __future__ import annotations
 
@@ -70,6 +70,15 @@ def test_a_report_that_cannot_be_written_leaves_no_folder(where, rec, tmp_path, 
     out = (tmp_path / "a" / ("d" * (NAME_MAX + 45)) / "r.html" if where == "level"
            else tmp_path / "a" / "b" / ("p" * (NAME_MAX - 10) + ".html"))
     refused(["report", rec, "--out", out, "--figures", "scalars", "--dpi", "20"], tmp_path, "name too long", capsys)
+
+
+# -- the command line -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("extra,shown", [([""], "''"), (["--epochs", "1", " "], "' '"), (["a b"], "'a b'")])
+def test_an_empty_or_spaced_unknown_argument_is_shown_quoted(extra, shown, tmp_path, capsys):
+    """``nasdiag search ... "$EXTRA"`` with EXTRA unset: "unrecognized arguments:  (see ...)", naming nothing. The
+    unknown arguments are shown as a shell would need them, and an empty one is said to be one."""
+    line = refused(_search(tmp_path / "run.h5", *extra), tmp_path, f"unrecognized arguments: {shown} (see", capsys)
+    assert ("an empty argument ('')" in line) == (not extra[-1].strip()), line
 
 
 # -- hyperparameters ---------------------------------------------------------------------------------------------
