@@ -90,7 +90,7 @@ def _loss_hessian_columns(loss_fn, outputs, targets, chunk_size, generator, take
     for start in range(0, D, chunk_size):
         stop = min(start + chunk_size, D)
         basis = torch.zeros(stop - start, D, dtype=out.dtype, device=out.device)
-        basis[torch.arange(stop - start), torch.arange(start, stop)] = 1  # (c, D): class pattern e_d on every sample
+        basis.diagonal(start).fill_(1)  # (c, D): class pattern e_d on every sample (no host indices: CUDA-graph safe)
         ones = basis[:, None, :].expand(-1, N, -1)
         probe = torch.cat([ones, ones * weights[None, :, None]]).reshape(-1, *out.shape)
         hv = torch.autograd.grad(grad, out, probe, retain_graph=True, is_grads_batched=True)[0]
@@ -137,8 +137,8 @@ def output_hessian_diagonal(loss_fn: Callable, outputs: torch.Tensor, targets, *
     """Diagonal of ``∂²loss/∂outputs²``, in the shape of ``outputs`` (see :func:`output_hessian_blocks`), from the
     same products and check, holding the diagonal only (N·D numbers, not the blocks' N·D²)."""
 
-    def diagonal(start, stop, cols):  # cols[d − start, n, d] = H_n[d, d]
-        return cols[torch.arange(stop - start), :, torch.arange(start, stop)]  # (c, N)
+    def diagonal(start, stop, cols):  # cols[d − start, n, d] = H_n[d, d], as a view (no host indices)
+        return cols.diagonal(start, dim1=0, dim2=2).T.clone()  # (c, N), not a view holding the chunk
 
     parts, zero = _loss_hessian_columns(loss_fn, outputs, targets, chunk_size, generator, diagonal)
     if zero:
