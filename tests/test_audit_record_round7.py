@@ -26,7 +26,7 @@ import torch
 
 from test_record_torn_writes import tear_library  # noqa: F401  (a fixture: scripts/tear_writes.c, built)
 
-from nasdiag.record import RecordError, Recorder, RecordWarning, load, schema
+from nasdiag.record import RecordError, Recorder, RecordWarning, load, load_meta, schema
 
 
 def test_segments_past_9999_belong_to_their_record(tmp_path):
@@ -473,3 +473,22 @@ def test_a_damaged_record_whose_stale_lock_names_a_live_process_is_refused_at_on
         bystander.kill()
         bystander.wait()
     assert done.stdout.startswith("REFUSED") and "seg0001" in done.stdout and "damaged" in done.stdout, done
+
+
+def test_load_meta_counts_the_nonfinite_values_of_the_rows_the_record_holds(tmp_path):
+    """A resume replays the steps after its checkpoint into a new segment, and the later row wins. load_meta's
+    nonfinite_counts (shown on the report page) also counted the replaced rows: a NaN at a replayed step twice,
+    where `load` returns it once."""
+    path = str(tmp_path / "run.h5")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RecordWarning)  # the NaN/inf are meant
+        for start in (0, 2, 3):  # two resumes from a checkpoint before the last step
+            with Recorder(path, resume=True, flush_seconds=None) as rec:
+                for step in range(start, 6):
+                    rec.log(step, {"scalars/a": np.nan if step in (1, 3) else float(step),
+                                   "arch/x": np.full((2, 3), np.inf if step == 4 else 0.0)})
+    out = load(path)
+    np.testing.assert_array_equal(out["step"], np.arange(6))
+    counts = load_meta(path)["nonfinite_counts"]
+    assert counts == {"scalars/a": int(np.count_nonzero(~np.isfinite(out["scalars/a"]))),
+                      "arch/x": int(np.count_nonzero(~np.isfinite(out["arch/x"])))} == {"scalars/a": 2, "arch/x": 6}

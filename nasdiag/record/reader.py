@@ -501,6 +501,15 @@ def _meta_arrays(meta: dict) -> dict[str, np.ndarray]:
     return out
 
 
+def _winners(segments: list[Segment]) -> tuple[np.ndarray, np.ndarray]:
+    """The merged record's steps, sorted, and for each the index of its row among the segments' rows concatenated:
+    where a step appears more than once, the row of the later segment wins."""
+    all_steps = np.concatenate([seg.steps for seg in segments])
+    # Last occurrence of each step wins: unique over the reversed rows finds it, sorted by step.
+    steps, first_in_reversed = np.unique(all_steps[::-1], return_index=True)
+    return steps, all_steps.shape[0] - 1 - first_in_reversed
+
+
 def load(path, *, salvage: bool = False) -> dict[str, np.ndarray]:
     """Read a record (all its segments) into numpy arrays with aligned rows.
 
@@ -532,11 +541,8 @@ def load(path, *, salvage: bool = False) -> dict[str, np.ndarray]:
     if not segments:
         return {"step": np.zeros(0, np.int64)}
     columns = merged_columns(segments)
-    all_steps = np.concatenate([seg.steps for seg in segments])
-    total = all_steps.shape[0]
-    # Last occurrence of each step wins: unique over the reversed rows finds it, sorted by step.
-    steps, first_in_reversed = np.unique(all_steps[::-1], return_index=True)
-    winners = total - 1 - first_in_reversed
+    steps, winners = _winners(segments)
+    total = sum(seg.steps.shape[0] for seg in segments)
     out: dict[str, np.ndarray] = {"step": steps.astype(np.int64)}
     for path, col in columns.items():
         data = np.full((total, *col.shape), schema.fill_value(col.dtype), dtype=col.dtype)
@@ -561,7 +567,8 @@ def load_meta(path, *, salvage: bool = False) -> dict:
     Keys as passed to `Recorder` (``method``, ``config`` dict, ``seed``, ``op_names``,
     ``edge_names``, ``cell_types``, extra keys), plus ``schema_version``, ``nasdiag_version``,
     ``torch_version``, ``h5py_version``, ``hdf5_version``, ``run_id``, ``segments`` (list of segment
-    files) and ``nonfinite_counts`` (dict path -> NaN/inf count over all committed rows). A damaged
+    files) and ``nonfinite_counts`` (dict path -> NaN/inf count over the rows `load` returns: a row a later
+    segment replaced is not counted). A damaged
     record raises `RecordError` as in `load` (``salvage=True``: the meta of the intact prefix).
     """
     segments = read_segments(path, with_data=True, salvage=salvage)
@@ -575,9 +582,14 @@ def load_meta(path, *, salvage: bool = False) -> dict:
     meta["run_id"] = segments[0].run_id
     meta["segments"] = [seg.file for seg in segments]
     counts: dict[str, int] = {}
+    won = np.zeros(sum(seg.steps.shape[0] for seg in segments), bool)
+    won[_winners(segments)[1]] = True  # a row a later segment replaced (a replayed step) is not in the record
+    start = 0
     for seg in segments:
+        rows = won[start : start + seg.steps.shape[0]]
+        start += seg.steps.shape[0]
         for p, data in seg.data.items():
             if data.dtype.kind == "f":
-                counts[p] = counts.get(p, 0) + int(np.count_nonzero(~np.isfinite(data[seg.present[p]])))
+                counts[p] = counts.get(p, 0) + int(np.count_nonzero(~np.isfinite(data[seg.present[p] & rows])))
     meta["nonfinite_counts"] = counts
     return meta
