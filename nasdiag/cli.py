@@ -200,7 +200,9 @@ def _refuse_figures_in_the_record(figures: str, record: str, default: str) -> No
 def run_search(args) -> int:
     from nasdiag.search import run
 
-    result = run(search_config(args))
+    config = search_config(args)
+    args.replaced = _identity(args.out) if args.force else None  # to tell an interrupt before --force replaced it
+    result = run(config)
     if int(os.environ.get("RANK", "").strip() or 0) != 0:  # empty: unset, as the runner reads it (int('') was a traceback)
         return 0
     print(f"search-val accuracy (at the method's evaluation weights): {result.evaluation.get('acc', float('nan')):.4f}")
@@ -345,9 +347,21 @@ def _stopped(args: Optional[argparse.Namespace], how: str, exc: Optional[BaseExc
                 f"draw them with nasdiag plot {_quote(record)} --out {_quote(figures)}")        # space survives a shell
     if not args.out or not os.path.exists(args.out):
         return f"nasdiag: {how} before anything was recorded; run the command again (without --resume)"
+    if getattr(args, "replaced", None) is not None and _identity(args.out) == args.replaced:  # the old run's record
+        return (f"nasdiag: {how} before --force replaced the record at {args.out}, which is as it was; run the command "
+                "again")  # "continue it with ... --resume" continued the run --force was to replace (or was refused)
     if argv is None:
         argv = sys.argv[1:]
     return f"nasdiag: {how}; the record holds every completed step: continue it with {_resume_command(argv)}"
+
+
+def _identity(path: str):
+    """What tells a file at ``path`` from one written since: (inode, size, modification time), or None if missing."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _say(line: str) -> None:

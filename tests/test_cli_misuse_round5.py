@@ -260,6 +260,8 @@ def test_an_interrupt_prints_the_command_that_resumes(tmp_path, capsys, monkeypa
     import nasdiag.search
 
     def interrupted(config, callbacks=()):
+        with open(config.record, "ab") as record:  # --force replaced it (else: "run the command again", round 9)
+            record.write(b" (replaced)")
         raise KeyboardInterrupt
 
     monkeypatch.setattr(nasdiag.search, "run", interrupted)

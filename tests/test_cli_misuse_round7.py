@@ -33,6 +33,8 @@ def test_an_abbreviated_force_is_dropped_from_the_resume_command(force, tmp_path
     import nasdiag.search
 
     def interrupted(config, callbacks=()):
+        with open(config.record, "ab") as record:  # --force replaced it (else: "run the command again", round 9)
+            record.write(b" (replaced)")
         raise KeyboardInterrupt
 
     monkeypatch.setattr(nasdiag.search, "run", interrupted)

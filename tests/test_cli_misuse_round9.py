@@ -2,10 +2,10 @@
 test_cli_search_misuse.py, test_cli_plot_misuse.py, test_cli_misuse_round3..8.py) did not cover: paths at the file
 system's limits (a record name too long for the files kept next to it, a folder path past PATH_MAX, a level of the
 folder too long), for search and report; a newline in a file name in the commands printed; an empty unknown argument;
-an empty ``--hp`` value; the types ``nasdiag methods`` shows; the figures of a run replaced by ``--force``; the wiring
-scripts' --data-dir without --dataset cifar10; the options of a run given to a script with --plot-only; the benchmark
-scripts' numbers and names. Every mistake is one line on stderr, exit code 2, and leaves the folder as it was
-(`refused` compares sha256s)."""
+an empty ``--hp`` value; the types ``nasdiag methods`` shows; the figures of a run replaced by ``--force``, and an
+interrupt before it replaced the record; the wiring scripts' --data-dir without --dataset cifar10; the options of a
+run given to a script with --plot-only; the benchmark scripts' numbers and names. Every mistake is one line on stderr,
+exit code 2, and leaves the folder as it was (`refused` compares sha256s)."""
 
 from __future__ import annotations
 
@@ -135,6 +135,36 @@ def test_a_forced_run_leaves_no_figure_of_the_run_it_replaced(tmp_path, capsys):
     assert said == f"figures: {figs} ({len(now)} files)", (said, sorted(now))
     assert not any(n.startswith(("regret", "wipeouts", "alive_experts")) for n in now), sorted(now)
     assert (figs / "notes.txt").read_text() == "mine\n"
+
+
+
+@pytest.mark.parametrize("replaced", [False, True])
+def test_an_interrupt_before_force_replaced_the_record_says_to_run_the_command_again(replaced, tmp_path, capsys,
+                                                                                    monkeypatch):
+    """Ctrl-C early in ``nasdiag search --method xnas --out run.h5 --force`` over a DARTS record: the line said "the
+    record holds every completed step: continue it with nasdiag search --method xnas ... --resume", which continues
+    (or is refused for) the DARTS run that --force was to replace. Once the record is replaced, the resume command is
+    right, and still given."""
+    import nasdiag.search
+    from nasdiag.cli import main
+
+    out = tmp_path / "run.h5"
+    out.write_bytes(b"stands in for the record of the run to replace")
+
+    def interrupted(config, callbacks=()):
+        if replaced:
+            out.write_bytes(b"stands in for the new record")  # another file: what the recorder's overwrite makes
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(nasdiag.search, "run", interrupted)
+    assert main(_search(out, "--method", "xnas", "--force")) == 130
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1, lines
+    if replaced:
+        assert "continue it with nasdiag search" in lines[0] and lines[0].endswith("--resume"), lines
+    else:
+        assert lines[0] == (f"nasdiag: interrupted before --force replaced the record at {out}, which is as it was; "
+                            "run the command again"), lines
 
 
 # -- a newline in a file name ------------------------------------------------------------------------------------
