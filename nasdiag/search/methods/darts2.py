@@ -19,6 +19,7 @@ from nasdiag.cost import darts_alpha_grad
 from nasdiag.search.base import Batch, accuracy, check_batch, failing_row
 from nasdiag.search.hyperparameters import hp
 from nasdiag.search.methods.darts import DARTS
+from nasdiag.search import unrolled
 from nasdiag.search.registry import register
 from nasdiag.search.unrolled import (UnrolledGradient, sgd_momentum_buffers, unrolled_gradient,
                                      weight_params)
@@ -50,8 +51,9 @@ class DARTS2(DARTS):
     def arch_gradient(self, train_batch: Batch, val_batch: Batch) -> Dict[str, torch.Tensor]:
         """``{cell type: (E, K)}``: the hypergradient of eq 13 the next :meth:`step` would apply to α,
         computed without changing any state (weights, BatchNorm statistics, optimizers)."""
-        check_batch(self.network, train_batch, "search-train")  # as step() does: a wrong batch is one line
-        check_batch(self.network, val_batch, "search-val")
+        if unrolled.host_checks_allowed():  # as step() does: a wrong batch is one line (its label range is read
+            check_batch(self.network, train_batch, "search-train")  # back, which a graph capture must not do)
+            check_batch(self.network, val_batch, "search-val")
         return self._unrolled(train_batch, val_batch).arch_grad
 
     def _unrolled(self, train_batch: Batch, val_batch: Batch, observe_probe: bool = False) -> UnrolledGradient:
