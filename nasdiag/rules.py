@@ -12,8 +12,8 @@ A module type can carry rules for two aspects, each registered once per type:
 
 Lookup (:meth:`RuleRegistry.lookup`, the same for both aspects): per-call overrides by exact type,
 then the registered type nearest in the MRO, as long as the module's class does not rewrite
-``forward`` relative to it (a class defined inside ``torch`` belongs to its base's family, e.g.
-``nn.Conv2d`` under ``_ConvNd``). A miss is ``None``; callers raise :class:`UnsupportedModuleError`
+``forward`` (or a convolution's ``_conv_forward``) relative to it (a class defined inside ``torch`` belongs to its
+base's family, e.g. ``nn.Conv2d`` under ``_ConvNd``). A miss is ``None``; callers raise :class:`UnsupportedModuleError`
 with :func:`unsupported_message`.
 
 The reference supernet registers the rules of its own ops (``nasdiag.supernet.ops``), so neither
@@ -57,6 +57,10 @@ class UnsupportedModuleError(NasdiagError, NotImplementedError, TypeError):
     names the module, lists the supported types and says how to register a rule."""
 
 
+#: the methods through which torch's modules compute their forward; a subclass that rewrites one has no rule by descent
+_FORWARD_METHODS = ("forward", "_conv_forward")
+
+
 class RuleRegistry:
     """``{aspect: {module type: rule}}`` with one lookup rule (see the module docstring)."""
 
@@ -94,8 +98,10 @@ class RuleRegistry:
             if base is nn.Module:
                 break
             if base in table:
-                # A subclass written outside torch that rewrites forward is another function.
-                if not cls.__module__.startswith("torch.") and cls.forward is not base.forward:
+                # A subclass written outside torch that rewrites forward, or a method its forward computes through (a
+                # convolution's _conv_forward: weight standardization), is another function.
+                if not cls.__module__.startswith("torch.") and any(
+                        getattr(cls, m, None) is not getattr(base, m, None) for m in _FORWARD_METHODS):
                     return None
                 return table[base]
         return None

@@ -578,3 +578,28 @@ def test_loss_diagonal_holds_no_per_sample_blocks():
     # the blocks and products of D = 3072 alone are 2·3072²·8 B · 3 ≈ 450 MB; the old route peaked at ~1.2 GB, a
     # diagonal kept as a view of each chunk's products at ~0.5 GB, the diagonal alone at ~0.15-0.3 GB (allocator)
     assert grown_mb < 400, grown_mb
+
+
+def test_conv_subclass_rewriting_conv_forward_gets_no_inherited_rule():
+    """A Conv2d subclass that keeps ``forward`` but rewrites ``_conv_forward`` (the weight standardization pattern; here
+    the weight doubled) computes another function; the registry gave it Conv2d's rule, which reads the raw weight: its
+    ``diag`` was a quarter of the true diagonal on a last conv layer, where ``diag`` is exact, silently. Now it has no
+    rule by descent: ``diag`` refuses it naming it, ``exact`` gives the dense diagonal, and a plain subclass keeps the
+    rule."""
+    from nasdiag.hessian import UnsupportedModuleError
+
+    class Doubled(nn.Conv2d):
+        def _conv_forward(self, input, weight, bias):
+            return super()._conv_forward(input, 2.0 * weight, bias)
+
+    class Plain(nn.Conv2d):
+        pass
+
+    torch.manual_seed(12)
+    x, y = torch.randn(4, 2, 4, 4, dtype=DT), torch.randn(4, 3, 2, 2, dtype=DT)
+    model = nn.Sequential(Doubled(2, 3, 3), nn.Tanh()).to(DT)
+    with pytest.raises(UnsupportedModuleError, match="Doubled"):
+        diag_hessian(model, F.mse_loss, x, y, mode="diag")
+    assert_close(diag_hessian(model, F.mse_loss, x, y, mode="exact"), dense_param_diag(model, F.mse_loss, x, y))
+    plain = nn.Sequential(Plain(2, 3, 3), nn.Tanh()).to(DT)
+    assert_close(diag_hessian(plain, F.mse_loss, x, y, mode="diag"), dense_param_diag(plain, F.mse_loss, x, y))
