@@ -198,11 +198,10 @@ def _refuse_figures_in_the_record(figures: str, record: str, default: str) -> No
 
 
 def run_search(args) -> int:
-    from nasdiag.search import run
-
-    config = search_config(args)
     args.replaced = _identity(args.out) if args.force else None  # to tell an interrupt before --force replaced it
-    result = run(config)
+    from nasdiag.search import run  # torch: seconds, in which Ctrl-C comes before anything is replaced
+
+    result = run(search_config(args))
     if int(os.environ.get("RANK", "").strip() or 0) != 0:  # empty: unset, as the runner reads it (int('') was a traceback)
         return 0
     print(f"search-val accuracy (at the method's evaluation weights): {result.evaluation.get('acc', float('nan')):.4f}")
@@ -457,6 +456,14 @@ def _no_stderr() -> bool:
     return False
 
 
+def _import_numpy() -> None:
+    """Import NumPy before any command imports torch: torch's C module imports NumPy itself and, on a Ctrl-C in that
+    import, goes on without it, the KeyboardInterrupt lost; the command then failed on the half-imported NumPy left
+    behind ("module 'numpy' has no attribute 'nonzero'", a traceback and exit code 1). Imported here, the interrupt
+    reaches `main` as any other."""
+    import numpy  # noqa: F401
+
+
 def _die_on_the_next_interrupt(argv, main_thread: bool) -> None:
     """After an interrupt is handled (the record closed, the line printed), a second Ctrl-C while the process exits
     ends it at once instead of printing a traceback from an exit handler of torch. Only for the command itself
@@ -482,6 +489,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         args = _parse(argv)
         if args.command is None:
             raise ConfigError("nasdiag: choose a command: search, methods, plot or report (see nasdiag --help)")
+        _import_numpy()
         return COMMANDS[args.command](args)
     except NasdiagError as exc:
         from nasdiag.record.errors import DamagedRecordError

@@ -2,10 +2,10 @@
 test_cli_search_misuse.py, test_cli_plot_misuse.py, test_cli_misuse_round3..8.py) did not cover: paths at the file
 system's limits (a record name too long for the files kept next to it, a folder path past PATH_MAX, a level of the
 folder too long), for search and report; a newline in a file name in the commands printed; an empty unknown argument;
-an empty ``--hp`` value; the types ``nasdiag methods`` shows; the figures of a run replaced by ``--force``, and an
-interrupt before it replaced the record; the wiring scripts' --data-dir without --dataset cifar10; the options of a
-run given to a script with --plot-only; the benchmark scripts' numbers and names. Every mistake is one line on stderr,
-exit code 2, and leaves the folder as it was (`refused` compares sha256s)."""
+Ctrl-C while torch imports NumPy; an empty ``--hp`` value; the types ``nasdiag methods`` shows; the figures of a run
+replaced by ``--force``, and an interrupt before it replaced the record; the wiring scripts' --data-dir without
+--dataset cifar10; the options of a run given to a script with --plot-only; the benchmark scripts' numbers and names.
+Every mistake is one line on stderr, exit code 2, and leaves the folder as it was (`refused` compares sha256s)."""
 
 from __future__ import annotations
 
@@ -79,6 +79,33 @@ def test_an_empty_or_spaced_unknown_argument_is_shown_quoted(extra, shown, tmp_p
     unknown arguments are shown as a shell would need them, and an empty one is said to be one."""
     line = refused(_search(tmp_path / "run.h5", *extra), tmp_path, f"unrecognized arguments: {shown} (see", capsys)
     assert ("an empty argument ('')" in line) == (not extra[-1].strip()), line
+
+
+
+def test_ctrl_c_while_torch_imports_numpy_exits_130_in_one_line(tmp_path):
+    """Ctrl-C in the first second of ``nasdiag search`` could land while torch's C module imported NumPy: torch goes on
+    without NumPy when that import fails, so the KeyboardInterrupt was lost and the search went on with a half-imported
+    NumPy, to fail on it ("AttributeError: module 'numpy' has no attribute 'nonzero'", a traceback, exit code 1). The
+    interrupt is made to land at one module of NumPy's import (a finder that raises it), in a fresh interpreter."""
+    import subprocess
+
+    code = (
+        "import sys\n"
+        "class Interrupt:\n"
+        "    fired = False\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'numpy.matrixlib.defmatrix' and not Interrupt.fired:\n"
+        "            Interrupt.fired = True\n"
+        "            raise KeyboardInterrupt\n"
+        "sys.meta_path.insert(0, Interrupt())\n"
+        "from nasdiag.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n")
+    done = subprocess.run([sys.executable, "-c", code, *_search(tmp_path / "run.h5")], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "MPLBACKEND": "Agg"})
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 130 and len(lines) == 1, done.stderr[-2000:]
+    assert lines[0] == "nasdiag: interrupted before anything was recorded; run the command again (without --resume)"
+    assert not list(tmp_path.iterdir())
 
 
 # -- hyperparameters ---------------------------------------------------------------------------------------------
