@@ -492,3 +492,19 @@ def test_load_meta_counts_the_nonfinite_values_of_the_rows_the_record_holds(tmp_
     counts = load_meta(path)["nonfinite_counts"]
     assert counts == {"scalars/a": int(np.count_nonzero(~np.isfinite(out["scalars/a"]))),
                       "arch/x": int(np.count_nonzero(~np.isfinite(out["arch/x"])))} == {"scalars/a": 2, "arch/x": 6}
+
+
+def test_the_checkpoint_of_a_record_named_through_a_link_is_next_to_the_file_it_points_to(tmp_path):
+    """A search recorded at data/real.h5 and resumed with --out runs/latest.h5 (a link to it) was refused: "its
+    checkpoint runs/latest.h5.ckpt is missing; start again with --force", and --force replaces the record. The
+    checkpoint follows the record's file as its segments and lock do (schema.resolve_link)."""
+    from nasdiag.search.config import SearchConfig
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "runs").mkdir()
+    real, link = tmp_path / "data" / "real.h5", tmp_path / "runs" / "latest.h5"
+    os.symlink(os.path.join("..", "data", "real.h5"), link)
+    real.touch()
+    assert SearchConfig(record=str(link)).checkpoint == os.path.realpath(real) + ".ckpt"
+    assert SearchConfig(record=str(real)).checkpoint == str(real) + ".ckpt"
+    assert SearchConfig(record=None).checkpoint is None

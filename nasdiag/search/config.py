@@ -146,8 +146,12 @@ class SearchConfig:
 
     @property
     def checkpoint(self) -> Optional[str]:
-        """The checkpoint next to the record (``<record>.ckpt``)."""
-        return None if self.record is None else os.fspath(self.record) + ".ckpt"
+        """The checkpoint next to the record (``<record>.ckpt``; a record named through a symbolic link: next to the
+        file it points to, with its segments and lock, so that every name of the record finds it)."""
+        if self.record is None:
+            return None
+        record = os.fspath(self.record)
+        return (os.path.realpath(record) if os.path.islink(record) else record) + ".ckpt"
 
     # -- validation ------------------------------------------------------------------------------------
     def validate(self) -> "SearchConfig":
