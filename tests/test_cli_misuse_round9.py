@@ -108,6 +108,21 @@ def test_ctrl_c_while_torch_imports_numpy_exits_130_in_one_line(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+
+@pytest.mark.parametrize("value", ["00", "+0", " 0 "])
+def test_a_rank_variable_naming_rank_0_another_way_is_one_process(value, tmp_path, monkeypatch, capsys):
+    """``RANK=00`` is rank 0 to the recorder (``int``), but the launch check compared the text with "0" and refused
+    the run: "a single process would record nothing (only rank 0 writes)", which was not so."""
+    from nasdiag.cli import main
+    from nasdiag.record import load
+
+    monkeypatch.setenv("RANK", value)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    out = tmp_path / "run.h5"
+    assert main(_search(out)) == 0, capsys.readouterr().err
+    assert len(load(str(out))["step"]) > 0
+
+
 # -- hyperparameters ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("method,item", [("xnas", "reward_bound="), ("xnas", "reward_bound= "), ("darts", "w_lr=")])
 def test_an_empty_hyperparameter_value_is_refused(method, item, tmp_path, capsys):

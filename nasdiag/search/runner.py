@@ -466,7 +466,7 @@ def _launch_environment() -> Tuple[int, int, int]:
     if world < 1:  # ran as one process, silently
         raise ConfigError(f"environment variable WORLD_SIZE={world} is not a number of processes (at least 1); {how}")
     if world == 1:
-        if os.environ.get("RANK", "0").strip() not in ("0", ""):  # the recorder would take this process for another
+        if not _rank_zero(os.environ.get("RANK", "")):  # the recorder would take this process for another
             raise ConfigError(f"environment variable RANK={os.environ['RANK']!r} is set but WORLD_SIZE is not above 1: a "  # rank
                               "single process would record nothing (only rank 0 writes); unset RANK, or " + how)
         return 1, 0, 0
@@ -484,6 +484,15 @@ def _launch_environment() -> Tuple[int, int, int]:
         raise ConfigError(f"environment variable MASTER_PORT={port} is not a TCP port (1 to 65535); {how}")
     _check_master_address(os.environ["MASTER_ADDR"], port, how)
     return world, rank, local_rank
+
+
+def _rank_zero(text: str) -> bool:
+    """Whether ``RANK`` (unset or empty: one process) names rank 0 as the recorder reads it (``int``): ``00`` and ``+0``
+    were refused as "another rank", which would record nothing."""
+    try:
+        return not text.strip() or int(text) == 0
+    except ValueError:
+        return False
 
 
 def _check_master_address(address: str, port: int, how: str) -> None:
