@@ -2,10 +2,11 @@
 test_cli_search_misuse.py, test_cli_plot_misuse.py, test_cli_misuse_round3..8.py) did not cover: paths at the file
 system's limits (a record name too long for the files kept next to it, a folder path past PATH_MAX, a level of the
 folder too long), for search and report; a newline in a file name in the commands printed; an empty unknown argument;
-Ctrl-C while torch imports NumPy; an empty ``--hp`` value; the types ``nasdiag methods`` shows; the figures of a run
-replaced by ``--force``, and an interrupt before it replaced the record; the wiring scripts' --data-dir without
---dataset cifar10; the options of a run given to a script with --plot-only; the benchmark scripts' numbers and names.
-Every mistake is one line on stderr, exit code 2, and leaves the folder as it was (`refused` compares sha256s)."""
+Ctrl-C while torch imports NumPy; a file name that is not UTF-8; RANK=00; an empty ``--hp`` value; the types
+``nasdiag methods`` shows; the figures of a run replaced by ``--force``, and an interrupt before it replaced the
+record; the wiring scripts' --data-dir without --dataset cifar10; the options of a run given to a script with
+--plot-only; the benchmark scripts' numbers and names. Every mistake is one line on stderr, exit code 2, and leaves
+the folder as it was (`refused` compares sha256s)."""
 
 from __future__ import annotations
 
@@ -121,6 +122,27 @@ def test_a_rank_variable_naming_rank_0_another_way_is_one_process(value, tmp_pat
     out = tmp_path / "run.h5"
     assert main(_search(out)) == 0, capsys.readouterr().err
     assert len(load(str(out))["step"]) > 0
+
+
+
+def test_a_file_name_that_is_not_utf8_is_printed_as_its_bytes(rec, tmp_path):
+    """A record named in Latin-1 (``$'\\xff.h5'``) reaches Python as surrogates; a strict UTF-8 standard output (any
+    locale but C, here PYTHONIOENCODING=utf-8) refused them: a UnicodeEncodeError traceback and exit code 1 once the
+    figures were drawn (plot), the run done (search), and the page could not be written (report)."""
+    import subprocess
+
+    name = os.fsdecode(b"\xff.h5")
+    record = tmp_path / name
+    os.rename(rec, record)
+    env = {**os.environ, "MPLBACKEND": "Agg", "PYTHONIOENCODING": "utf-8"}
+    for argv in (["plot", str(record), "--out", str(tmp_path / os.fsdecode(b"\xfe")), "--figures", "scalars", "--dpi",
+                  "20", "--no-progress"],
+                 ["report", str(record), "--out", str(tmp_path / os.fsdecode(b"\xfe.html")), "--figures", "scalars",
+                  "--dpi", "20"]):
+        done = subprocess.run([sys.executable, "-m", "nasdiag", *argv], capture_output=True, env=env, timeout=300)
+        assert done.returncode == 0 and b"Traceback" not in done.stderr, done.stderr[-1500:]
+        assert os.fsencode(str(record)) in done.stdout or b"\xfe.html" in done.stdout, done.stdout
+    assert (tmp_path / os.fsdecode(b"\xfe") / "scalars.png").exists() and (tmp_path / os.fsdecode(b"\xfe.html")).exists()
 
 
 # -- hyperparameters ---------------------------------------------------------------------------------------------

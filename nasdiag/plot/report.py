@@ -371,7 +371,7 @@ def write_report(record_path, out_html, figures: Optional[Sequence[str]] = None,
     created = written = False
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "x", encoding="utf-8") as f:
+        with open(tmp, "x", encoding="utf-8", errors="backslashreplace") as f:  # a file name that is not UTF-8
             created = True
             f.write(text)
         check_report_out(record_path, out, force)  # the build takes a while: the path may have changed
