@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from nasdiag.errors import ConfigError, NasdiagError
+from nasdiag.errors import ConfigError, NasdiagError, paths_on_stdout
 from nasdiag.search.config import DATASETS, DIAGNOSTICS, DTYPES, ENGINES, NORMS, ORDERS, SearchConfig, no_hessian_recorded
 
 EXIT_USAGE = 2
@@ -456,21 +456,6 @@ def _no_stderr() -> bool:
     return False
 
 
-def _paths_on_stdout() -> Optional[str]:
-    """Let standard output print any file name: one that is not UTF-8 (``$'\\xff.h5'``, from a Latin-1 system) reaches
-    Python as surrogates, which a strict UTF-8 stdout (any locale but C, PYTHONIOENCODING=utf-8) refused with a
-    UnicodeEncodeError traceback after the run was done ("record: ..."). Written back as its bytes, as ``ls`` does.
-    Returns the previous error handler to restore, or None when nothing changed."""
-    errors = getattr(sys.stdout, "errors", None)
-    if errors != "strict" or not hasattr(sys.stdout, "reconfigure"):
-        return None
-    try:
-        sys.stdout.reconfigure(errors="surrogateescape")
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - a stream that cannot change now
-        return None
-    return errors
-
-
 def _import_numpy() -> None:
     """Import NumPy before any command imports torch: torch's C module imports NumPy itself and, on a Ctrl-C in that
     import, goes on without it, the KeyboardInterrupt lost; the command then failed on the half-imported NumPy left
@@ -496,7 +481,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     import warnings
 
     previous_format, warnings.formatwarning = warnings.formatwarning, _warning_line
-    previous_errors = _paths_on_stdout()
+    previous_errors = paths_on_stdout()
     previous_stderr, quiet = sys.stderr, open(os.devnull, "w") if _no_stderr() else None
     if quiet is not None:  # nothing can be said; the exit code still tells (2 for a mistake)
         sys.stderr = quiet

@@ -15,6 +15,24 @@ class ConfigError(NasdiagError, ValueError):
     """A search configuration or hyperparameter is invalid (unknown key, wrong type, out of range)."""
 
 
+def paths_on_stdout():
+    """Let standard output print any file name: one that is not UTF-8 (``$'\\xff.h5'``, from a Latin-1 system) reaches
+    Python as surrogates, which a strict UTF-8 stdout (any locale but C, PYTHONIOENCODING=utf-8) refused with a
+    UnicodeEncodeError traceback after the run was done ("record: ..."). Written back as its bytes, as ``ls`` does.
+    Returns the previous error handler to restore (``sys.stdout.reconfigure(errors=...)``), or None when nothing
+    changed."""
+    import sys
+
+    errors = getattr(sys.stdout, "errors", None)
+    if errors != "strict" or not hasattr(sys.stdout, "reconfigure"):
+        return None
+    try:
+        sys.stdout.reconfigure(errors="surrogateescape")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - a stream that cannot change now
+        return None
+    return errors
+
+
 def run_script(prog: str, main, argv=None) -> int:
     """Run a batch script's ``main(argv)`` as the CLI runs a command: a `NasdiagError` or an `OSError` (an
     output folder that cannot be created, a full disk) is one line on stderr and exit code 2, Ctrl-C exits 130;
@@ -24,6 +42,7 @@ def run_script(prog: str, main, argv=None) -> int:
     """
     import sys
 
+    previous_errors = paths_on_stdout()  # a script prints the paths it wrote
     try:
         return int(main(argv) or 0)
     except NasdiagError as err:
@@ -34,4 +53,7 @@ def run_script(prog: str, main, argv=None) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if previous_errors is not None:
+            sys.stdout.reconfigure(errors=previous_errors)
     return 2

@@ -128,7 +128,7 @@ def test_a_rank_variable_naming_rank_0_another_way_is_one_process(value, tmp_pat
 def test_a_file_name_that_is_not_utf8_is_printed_as_its_bytes(rec, tmp_path):
     """A record named in Latin-1 (``$'\\xff.h5'``) reaches Python as surrogates; a strict UTF-8 standard output (any
     locale but C, here PYTHONIOENCODING=utf-8) refused them: a UnicodeEncodeError traceback and exit code 1 once the
-    figures were drawn (plot), the run done (search), and the page could not be written (report)."""
+    figures were drawn (plot, the batch scripts), the run done (search), and the page could not be written (report)."""
     import subprocess
 
     name = os.fsdecode(b"\xff.h5")
@@ -143,6 +143,11 @@ def test_a_file_name_that_is_not_utf8_is_printed_as_its_bytes(rec, tmp_path):
         assert done.returncode == 0 and b"Traceback" not in done.stderr, done.stderr[-1500:]
         assert os.fsencode(str(record)) in done.stdout or b"\xfe.html" in done.stdout, done.stdout
     assert (tmp_path / os.fsdecode(b"\xfe") / "scalars.png").exists() and (tmp_path / os.fsdecode(b"\xfe.html")).exists()
+    script = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "xnas_toys.py")  # a batch script prints its
+    done = subprocess.run([sys.executable, script, "--out", str(tmp_path / os.fsdecode(b"\xfd"))], capture_output=True,
+                          env=env, timeout=300)  # figures' paths the same way (through run_script)
+    assert done.returncode == 0 and b"Traceback" not in done.stderr, done.stderr[-1500:]
+    assert b"\xfd/fig" in done.stdout, done.stdout
 
 
 # -- hyperparameters ---------------------------------------------------------------------------------------------
