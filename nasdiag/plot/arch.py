@@ -41,9 +41,13 @@ def _symbol(path: str) -> str:
                  "weight, blue ops lost it; a flat map means the search has not moved.")
 def arch_deviation(record, cell: str, row: int) -> Heatmap:
     path = arch_path(record, cell)
-    p = np.asarray(record[path][row], dtype=float)
+    stored = np.asarray(record[path][row])
+    p = stored.astype(float)
     E, K = p.shape
-    return Heatmap(p - 1.0 / K, edge_names(record, cell, E), op_names(record, K),
+    deviation = p - 1.0 / K
+    if stored.dtype.kind == "f":  # 1/K as the record stores it (float32: 1/3 is 0.33333334) is uniform, not 1e-8 above it
+        deviation[stored == stored.dtype.type(1.0 / K)] = 0.0
+    return Heatmap(deviation, edge_names(record, cell, E), op_names(record, K),
                    f"{cell} cell: {_quantity(path)} − 1/K, step {step_of(record, row)}",
                    f"{_symbol(path)} − 1/K  (K = {K}; > 0: above uniform)", signed=True, step=step_of(record, row))
 

@@ -1,0 +1,73 @@
+"""Figures audit, round 8: heatmaps of records built here through the public `Recorder` with known values (uniform
+distributions of every K, 14 edges × 8 ops, one edge and one op, cell types with different E, a resume that replays
+steps), read back from the matplotlib artists (the image's array and norm, the annotation texts, the tick labels).
+
+The references are the arrays logged here, cast to the record's float32 with numpy, and this file's own arithmetic
+on them; nothing is computed by nasdiag."""
+
+from __future__ import annotations
+
+import warnings
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from nasdiag.plot.registry import iter_figures  # noqa: E402
+from nasdiag.plot.style import plt  # noqa: E402
+from nasdiag.record import Recorder, RecordWarning, load  # noqa: E402
+
+
+def _write(path, meta, rows, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RecordWarning)
+        with Recorder(str(path), meta=meta, flush_seconds=None, **kwargs) as rec:
+            for step, row in rows:
+                rec.log(step, row)
+    return str(path)
+
+
+def _heatmaps(record, names, at=None):
+    """{(figure name, cell, at label): (image array in the record's units, annotation texts, axes, figure)} of the heatmaps."""
+    out = {}
+    for spec, cell, label, thunk in iter_figures(record, names, at=at):
+        fig = thunk()
+        bar = fig.axes[1].get_ylabel().replace("\n", " ")
+        p = int(bar.split("(x 1e")[1].split(")")[0]) if "(x 1e" in bar else 0
+        ax = fig.axes[0]
+        shown = np.ma.filled(ax.images[0].get_array().astype(float), np.nan) * 10.0**p
+        out[spec.name, cell, label] = shown, [t.get_text() for t in ax.texts], ax, fig
+    return out
+
+
+@pytest.mark.parametrize("K", [3, 5, 6, 7])
+def test_a_uniform_distribution_is_drawn_as_no_deviation_from_uniform_whatever_k(tmp_path, K):
+    """A search that has not moved (α = 0: p = 1/K, what DSNAS's fixed-α runs and every search's first step log) is
+    stored in float32, where 1/K (K = 3, 5, 6, 7) is not exact: 1/3 is 0.33333334. The arch heatmap showed
+    p − 1/K = +9.9e-9 in every cell, "(x 1e-9)" on the bar and every cell in the darkest red, i.e. every op above
+    uniform (impossible: the deviations of a distribution sum to 0). The docs: "a flat map means the search has
+    not moved"."""
+    E = 2
+    uniform = np.full((E, K), 1.0 / K, np.float32)  # what softmax(0) is in float32
+    moved = uniform.copy()
+    moved[0] = np.float32(0.5) / (K - 1)
+    moved[0, 0] = np.float32(0.5)  # a moved edge: the deviation is its own arithmetic, not snapped
+    meta = {"method": "darts", "op_names": [f"op{k}" for k in range(K)], "edge_names": {"normal": ["0->2", "1->2"]},
+            "cell_types": ["normal"]}
+    record = load(_write(tmp_path / "u.h5", meta, [(1, {"arch/normal/probabilities": uniform}),
+                                                   (2, {"arch/normal/probabilities": moved})]))
+    maps = _heatmaps(record, ["arch"], at="init,final")
+    first, texts, _, fig = maps["arch", "normal", "init"]
+    last, _, _, fig2 = maps["arch", "normal", "final"]
+    try:
+        np.testing.assert_array_equal(first, np.zeros((E, K)))
+        assert set(texts) == {"0"}
+        want = moved.astype(float) - 1.0 / K
+        want[1] = 0.0  # the edge that stayed uniform
+        np.testing.assert_allclose(last, want, rtol=1e-12, atol=0)
+    finally:
+        plt.close(fig)
+        plt.close(fig2)
