@@ -151,8 +151,10 @@ def plan_rules(arrays: Mapping[str, np.ndarray], rules: Mapping[str, str] | None
     return plan
 
 
-def _signature(arrays, plan) -> int:
-    text = json.dumps([[p, list(a.shape), a.dtype.str, plan[p]] for p, a in sorted(arrays.items())])
+def _signature(arrays, plan, row_steps=None) -> int:
+    steps = row_steps or {}
+    text = json.dumps([[p, list(a.shape), a.dtype.str, plan[p], [int(s) for s in steps.get(p, ())]]
+                       for p, a in sorted(arrays.items())])
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
 
 
@@ -165,7 +167,8 @@ def _aligned_count(count: np.ndarray, like: np.ndarray, rows: bool) -> np.ndarra
 
 
 def reduce_statistics(
-    statistics: Mapping, *, rules: Mapping[str, str] | None = None, ddof: int = 0, group=None, rows: bool = False
+    statistics: Mapping, *, rules: Mapping[str, str] | None = None, ddof: int = 0, group=None, rows: bool = False,
+    row_steps: Mapping[str, list[int]] | None = None,
 ) -> dict[str, np.ndarray]:
     """Reduce ``statistics`` over the ranks of ``group``; every rank must call it with the same paths.
 
@@ -173,11 +176,14 @@ def reduce_statistics(
     of the input shapes and dtypes (``mean`` of ints gives float64) on every rank. ``ddof`` is the
     convention of the ``var`` paths being pooled (0: population variance, 1: unbiased). ``rows``: the
     first axis of every value is a row (a batch of recorded steps, reduced elementwise); a ``count``
-    with fewer axes than its ``mean`` then lines up with the leading axes. Without an initialised
+    with fewer axes than its ``mean`` then lines up with the leading axes. ``row_steps`` (with ``rows``; every
+    path): the step of each row of the path, where a batch's paths are not all logged at the same steps; the ranks
+    must agree on them too, and a pooled ``mean``/``var`` takes its ``count`` at its own steps. Without an initialised
     process group (or with one rank) the statistics come back unchanged (as numpy). The work is
     batched into at most five collectives: a schema check, then one sum, one min, one max and, for
     pooled paths, one all-gather. Raises `ReductionError` if the ranks disagree on the paths, shapes
-    or dtypes, or on a ``same`` value.
+    or dtypes (or ``row_steps``), or on a ``same`` value, and where a pooled ``mean`` has no ``count`` at one of
+    its steps or its ``var`` other steps.
     """
     arrays = {path: np.asarray(to_numpy(value)) for path, value in statistics.items()}
     plan = plan_rules(arrays, rules)
@@ -187,15 +193,16 @@ def reduce_statistics(
     import torch
 
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    signature = _signature(arrays, plan)
+    signature = _signature(arrays, plan, row_steps)
     check = torch.tensor([signature, -signature], dtype=torch.int64, device=device)
     dist.all_reduce(check, op=dist.ReduceOp.MAX, group=group)
     if check.tolist() != [signature, -signature]:
         raise ReductionError(
-            "ranks passed different statistics (paths, shapes, dtypes or rules) to reduce_statistics; "
+            "ranks passed different statistics (paths, shapes, dtypes, rules or steps of the rows) to reduce_statistics; "
             "every rank must hand the same paths at the same step"
         )
     world = dist.get_world_size(group)
+    counts = _pooled_counts(arrays, plan, row_steps)  # after the check: every rank refuses alike
 
     sums, mins, maxs, gathered = _Packer(), _Packer(), _Packer(), _Packer()
     for path, array in arrays.items():
@@ -207,7 +214,7 @@ def reduce_statistics(
             parent, name = _split(path)
             gathered.add(path, x)
             if name == "mean":
-                gathered.add(f"{parent}/count#n", _aligned_count(arrays[f"{parent}/count"], x, rows))
+                gathered.add(f"{parent}/count#n", _aligned_count(counts[path], x, rows))
         elif rule in ("all", "min", "same"):
             mins.add(path, x)
         if rule in ("any", "max", "same"):
@@ -246,6 +253,33 @@ def reduce_statistics(
         else:
             value, dtype = pooled[path], array.dtype
         out[path] = np.asarray(value).astype(dtype)
+    return out
+
+
+def _pooled_counts(arrays, plan, row_steps) -> dict[str, np.ndarray]:
+    """Per pooled ``mean`` path: its ``count``, at the mean's own steps where ``row_steps`` says which rows hold which
+    path (a count logged at other steps than its mean was pooled with the wrong rows' counts, or broadcast into a
+    numpy ValueError)."""
+    out = {}
+    for path, rule in plan.items():
+        parent, name = _split(path)
+        if rule != "pooled":
+            continue
+        count = arrays[f"{parent}/count"]
+        if row_steps is None:
+            out[path] = count
+            continue
+        steps = [int(s) for s in row_steps[path]]
+        if name == "var":
+            if steps != [int(s) for s in row_steps[f"{parent}/mean"]]:
+                raise ReductionError(f"{path!r} is logged at other steps than '{parent}/mean'; log them in the same rows")
+            continue
+        where = {int(s): i for i, s in enumerate(row_steps[f"{parent}/count"])}
+        missing = [s for s in steps if s not in where]
+        if missing:
+            raise ReductionError(f"{path!r} is pooled by '{parent}/count', which step(s) {missing} do not log; log the "
+                                 "count in every row of its mean")
+        out[path] = count[[where[s] for s in steps]]
     return out
 
 

@@ -459,7 +459,10 @@ def _reduce_rows(rows, rules, ddof, group) -> list[dict]:
         except ValueError:
             shapes = sorted({a.shape for a in arrays})
             raise RecordError(f"{path!r} was logged with shapes {shapes} within one batch of rows; log one shape per path") from None
-    reduced = distributed.reduce_statistics(stacked, rules=rules, ddof=ddof, group=group, rows=True)
+    # The steps of each path's rows: a path one rank logs at another step than the others was reduced with their
+    # rows of that path (silently: the shapes agree), and a pooled mean took the counts of other rows.
+    steps = {path: [rows[i][0] for i in where] for path, (where, _) in columns.items()}
+    reduced = distributed.reduce_statistics(stacked, rules=rules, ddof=ddof, group=group, rows=True, row_steps=steps)
     out: list[dict] = [{} for _ in rows]
     for path, (where, _) in columns.items():
         for row, i in enumerate(where):

@@ -1,0 +1,104 @@
+"""Audit round 8 of data parallelism: a `RecorderCallback` batch of rows whose paths are not all logged at the same
+steps, reduced over 2 gloo ranks on CPU, against numpy references built here.
+
+Found: the batch was stacked per path and reduced with the paths' shapes as the only check, so
+- a path rank 0 logs at step 1 and rank 1 at step 2 was averaged across the two steps (silently: the shapes agree)
+  and recorded at step 1; the ranks must be refused (`ReductionError`, one line) as for different paths;
+- a pooled ``cost/<cell>/mean`` whose ``count`` is logged at more steps than the mean was pooled with the counts of
+  other rows, or failed in numpy's broadcasting (a ValueError traceback); it now takes the counts of its own steps,
+  and a mean logged at a step without its count is refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import numpy as np
+import pytest
+
+from nasdiag.record import load
+
+from conftest import launch_ranks
+
+WORKER = textwrap.dedent(
+    """
+    import datetime, json, sys
+    import numpy as np
+    import torch.distributed as dist
+    from nasdiag.record import RecorderCallback
+
+    rank, init, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30))
+    errors = {}
+
+    def attempt(name, steps):
+        callback = RecorderCallback(f"{out}/{name}.h5", flush_every=8, flush_seconds=None)
+        try:
+            for step, statistics in steps:
+                callback.on_step_end(step, statistics)
+            callback.close()
+        except Exception as err:  # recorded for the test, on every rank
+            errors[name] = [type(err).__name__, str(err)]
+            callback.__exit__(type(err), err, None)
+
+    # rank r logs scalars/x at step r + 1 only; both log scalars/loss at steps 1 and 2
+    attempt("shifted", [(s, {"scalars/loss": float(s), **({"scalars/x": 10.0 * (rank + 1)} if s == rank + 1 else {})})
+                        for s in (1, 2)])
+    # count at every step, mean and var at steps 1 and 3
+    def pooled(s):
+        x = np.random.default_rng(10 * s + rank).standard_normal((2 + rank + s, 3))
+        row = {"cost/normal/count": np.int64(len(x))}
+        if s != 2:
+            row.update({"cost/normal/mean": x.mean(0), "cost/normal/var": x.var(0)})
+        return s, row
+    attempt("pooled", [pooled(s) for s in (1, 2, 3)])
+    # mean at steps 1 and 2, its count at step 1 only
+    attempt("countless", [(s, {"cost/normal/mean": np.full(3, float(rank + s)),
+                               **({"cost/normal/count": np.int64(1 + rank)} if s == 1 else {})}) for s in (1, 2)])
+    dist.destroy_process_group()
+    with open(f"{out}/errors{rank}.json", "w") as file:
+        json.dump(errors, file)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp8")
+    (out / "worker.py").write_text(WORKER)
+    launch_ranks(out / "worker.py", lambda rank: [rank, f"file://{out}/pg", out])
+    return out, [json.loads((out / f"errors{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def test_a_path_two_ranks_log_at_different_steps_is_refused_not_averaged_across_steps(ranks):
+    out, errors = ranks
+    for rank_errors in errors:
+        kind, message = rank_errors["shifted"]
+        assert kind == "ReductionError" and "\n" not in message and "steps" in message, message
+    if (out / "shifted.h5").exists():  # nothing of the refused batch was recorded
+        assert "scalars/x" not in load(out / "shifted.h5")
+
+
+def test_a_pooled_mean_takes_the_counts_of_its_own_steps(ranks):
+    out, errors = ranks
+    assert all("pooled" not in e for e in errors), errors
+    record = load(out / "pooled.h5")
+    np.testing.assert_array_equal(record["step"], [1, 2, 3])
+    mean, var = np.asarray(record["cost/normal/mean"]), np.asarray(record["cost/normal/var"])
+    for row, s in enumerate((1, 2, 3)):
+        samples = np.concatenate([np.random.default_rng(10 * s + r).standard_normal((2 + r + s, 3)) for r in (0, 1)])
+        assert record["cost/normal/count"][row] == len(samples)  # sum over the ranks
+        if s == 2:
+            assert np.isnan(mean[row]).all()  # not logged at step 2
+            continue
+        np.testing.assert_allclose(mean[row], samples.mean(0), rtol=1e-12)  # pooled: float64 rounding only
+        np.testing.assert_allclose(var[row], samples.var(0), rtol=1e-10)
+
+
+def test_a_pooled_mean_without_its_count_at_one_step_is_one_line(ranks):
+    _, errors = ranks
+    for rank_errors in errors:
+        kind, message = rank_errors["countless"]
+        assert kind == "ReductionError" and "\n" not in message, message
+        assert "cost/normal/count" in message and "[2]" in message, message
