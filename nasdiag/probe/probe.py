@@ -180,6 +180,10 @@ class Probe:
         # equal weights (a zero-initialised α) cannot tell: its check waits for a step whose weights differ
         self._order_given = [tuple(e.ops) != tuple(_candidates(e.module) or ()) for e in self._edges]
         self._weights_names = [_weights_parameter(e.module) for e in self._edges]
+        # where each discovered edge sits in the model: a mixed op or candidate replaced or removed after attach is
+        # told apart from one that did not run (the planned hooks are on the modules seen at attach)
+        modules = dict(model.named_modules())
+        self._placed = [modules.get(e.name) is e.module for e in self._edges]
         self._groups: Tuple[Group, ...] = tuple(build_groups(self._edges))
         self._moments: Dict[str, CostMoments] = {}
         self._last: Optional[_StepResult] = None
@@ -373,6 +377,8 @@ class Probe:
         r.model_inputs = cap.model_inputs
         r.first_weights = cap.first_weights
         r.model_output, r.output_grad = cap.model_output, cap.output_grad
+        if no_forward or partial_ops:
+            self._check_unchanged([p for p in range(len(self._edges)) if cap.missing_ops[p] or not cap.n_forward[p]])
         if no_forward:
             warnings.warn(
                 f"probe: the forward of {len(no_forward)} edge(s) never ran inside probe.record() "
@@ -409,6 +415,21 @@ class Probe:
                 "to cost them all (a one-hot Z may multiply all of them), or attach(..., statistics='sampled') to "
                 "keep statistics of the ops that ran.", RuntimeWarning, stacklevel=4)
         return r
+
+    def _check_unchanged(self, suspects: Sequence[int]) -> None:
+        """Raise if the mixed op or a candidate op of an edge in ``suspects`` (some op or the whole edge unobserved)
+        was replaced or removed since attach: its hooks are on the modules seen at attach, so the new one is not
+        observed, which is not an op that did not run."""
+        modules = dict(self.model.named_modules()) if any(self._placed[p] for p in suspects) else {}
+        for p in suspects:
+            e = self._edges[p]
+            if self._placed[p] and modules.get(e.name) is not e.module:
+                what = f"the mixed op of edge {e.name!r} was replaced or removed"
+            elif not self._order_given[p] and (_candidates(e.module) or ()) != tuple(e.ops):
+                what = f"the candidate ops of edge {e.name!r} were replaced, added or removed"
+            else:
+                continue
+            raise ProbeError(f"the model changed since nasdiag.attach: {what}; attach again after changing the supernet")
 
     # -- results of the last step ---------------------------------------------------------------
     def _require_step(self) -> _StepResult:

@@ -1,0 +1,113 @@
+"""Round-8 new-user audit: a researcher's own DARTS-code supernet (α in a plain list, mixed ops with ``_ops``),
+attached with ``nasdiag.attach`` and run in their own loop.
+
+References are written here from scratch, in float64: the costs C_ek = ∂L/∂Z_ek by ``torch.autograd.grad`` with Z
+an explicit leaf fed through the same candidate ops (no nasdiag code).
+
+Checked and right: two probes attached to one model and recorded nested, and a probe on ``nn.DataParallel`` (CPU,
+edges named ``module.<path>``), both equal autograd's ∂L/∂Z.
+Found: a candidate op (or a whole mixed op) replaced or pruned after ``attach`` gave NaN with a warning to "run every
+candidate op" (every op had run; the probe's hooks were on the old modules); now one ProbeError line to attach again.
+"""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nasdiag
+from nasdiag.probe import ProbeError
+
+
+class _Mixed(nn.Module):  # DARTS code's MixedOp: candidates in `_ops`, forward (x, weights)
+    def __init__(self, C):
+        super().__init__()
+        self._ops = nn.ModuleList([nn.Identity(), nn.Linear(C, C, bias=False), nn.Sequential(nn.ReLU(), nn.Linear(C, C))])
+
+    def forward(self, x, weights):
+        return sum(w * op(x) for w, op in zip(weights, self._ops))
+
+
+class _Net(nn.Module):  # α in a plain Python list, as DARTS code keeps `_arch_parameters`
+    def __init__(self, C=4, E=3):
+        super().__init__()
+        self.stem = nn.Linear(5, C)
+        self._ops = nn.ModuleList([_Mixed(C) for _ in range(E)])
+        self.head = nn.Linear(C, 3)
+        self.alphas = [torch.randn(E, 3, dtype=torch.float64, requires_grad=True)]
+
+    def forward(self, x):
+        h = self.stem(x)
+        w = F.softmax(self.alphas[0], -1)
+        for e, m in enumerate(self._ops):
+            h = m(h, w[e])
+        return self.head(h)
+
+
+def _reference_costs(net, x, y):
+    """∂L/∂Z by autograd, Z a leaf equal to softmax(α), each edge Σ_k Z_ek·op_k(h)."""
+    Z = F.softmax(net.alphas[0], -1).detach().requires_grad_(True)
+    h = net.stem(x)
+    for e, m in enumerate(net._ops):
+        h = sum(Z[e, k] * op(h) for k, op in enumerate(m._ops))
+    return torch.autograd.grad(F.cross_entropy(net.head(h), y), Z)[0]
+
+
+def _setup(seed=0):
+    torch.manual_seed(seed)
+    net = _Net().double()
+    return net, torch.randn(6, 5, dtype=torch.float64), torch.randint(0, 3, (6,))
+
+
+def _hooks(model):
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def _max_error(costs, ref, prefix=""):
+    return max((costs[f"{prefix}_ops.{e}"] - ref[e]).abs().max().item() for e in range(ref.shape[0]))
+
+
+def test_two_probes_nested_and_a_probe_on_data_parallel_equal_autograd():
+    net, x, y = _setup()
+    ref = _reference_costs(net, x, y)
+    p1, p2 = nasdiag.attach(net), nasdiag.attach(net)
+    with p1.record(), p2.record():
+        F.cross_entropy(net(x), y).backward()
+    # float64, one product per entry: agreement to rounding
+    assert _max_error(p1.costs(), ref) < 1e-12 and _max_error(p2.costs(), ref) < 1e-12
+    dp = nn.DataParallel(net)  # on CPU it calls the module itself
+    p3 = nasdiag.attach(dp)
+    assert p3.edge_names == [f"module._ops.{e}" for e in range(3)]
+    with p3.record():
+        F.cross_entropy(dp(x), y).backward()
+    assert _max_error(p3.costs(), ref, "module.") < 1e-12
+    assert _hooks(net) == 0
+
+
+@pytest.mark.parametrize("change", ["replace candidate", "prune candidate", "replace mixed op"])
+def test_a_candidate_op_or_mixed_op_replaced_after_attach_is_one_line(change):
+    net, x, y = _setup()
+    probe = nasdiag.attach(net)
+    if change == "replace candidate":
+        net._ops[1]._ops[1] = nn.Linear(4, 4, bias=False).double()
+    elif change == "prune candidate":
+        for m in net._ops:
+            del m._ops[2]
+        net.alphas[0] = torch.randn(3, 2, dtype=torch.float64, requires_grad=True)
+    else:
+        net._ops[1] = _Mixed(4).double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no NaN warning instead of the error
+        with pytest.raises(ProbeError, match="changed since nasdiag.attach") as info:
+            with probe.record():
+                F.cross_entropy(net(x), y).backward()
+    assert "\n" not in str(info.value) and "attach again" in str(info.value)
+    assert _hooks(net) == 0
+    with pytest.raises(ProbeError):
+        probe.costs()  # no step is left behind
+    fresh = nasdiag.attach(net)
+    with fresh.record():
+        F.cross_entropy(net(x), y).backward()
+    assert _max_error(fresh.costs(), _reference_costs(net, x, y)) < 1e-12
