@@ -71,3 +71,47 @@ def test_a_uniform_distribution_is_drawn_as_no_deviation_from_uniform_whatever_k
     finally:
         plt.close(fig)
         plt.close(fig2)
+
+
+def _key_numbers(page: str) -> dict:
+    """{label: text} of the report's "Key numbers" table, parsed here with the standard library."""
+    from html.parser import HTMLParser
+
+    table = page.split("<h2>Key numbers</h2>", 1)[1].split("</table>", 1)[0]
+    cells: list = []
+
+    class Cells(HTMLParser):
+        def handle_starttag(self, tag, attrs):
+            if tag in ("th", "td"):
+                cells.append("")
+
+        def handle_data(self, data):
+            if cells:
+                cells[-1] += data
+
+    Cells().feed(table)
+    return dict(zip(cells[::2], cells[1::2]))
+
+
+def test_the_reports_final_accuracy_of_a_run_that_diverged_is_nan_not_an_earlier_value(tmp_path):
+    """The key numbers are the run's final accuracies ("final accuracies", docs/figures.md). A search whose last epoch
+    evaluation was NaN (it diverged) was reported as "0.7500 (step 8)", the last finite value, and a quantity NaN in
+    every row was left out of the table: the page hid the NaN. Each number must equal load()'s last logged value."""
+    from nasdiag.plot.report import build_report
+
+    meta = {"method": "darts", "op_names": ["a", "b"], "edge_names": {"normal": ["0->2", "1->2"]}, "cell_types": ["normal"]}
+    rows = [(4, {"scalars/search_val_acc": 0.5, "scalars/train_acc": 0.25, "scalars/val_acc": np.nan}),
+            (8, {"scalars/search_val_acc": 0.75, "scalars/train_acc": 0.375, "scalars/val_acc": np.nan}),
+            (12, {"scalars/search_val_acc": np.nan, "scalars/train_acc": 0.625, "scalars/val_acc": np.nan})]
+    path = _write(tmp_path / "diverged.h5", meta, rows)
+    record = load(path)
+    numbers = _key_numbers(build_report(path, figures=["scalars"]))
+
+    def last(name):
+        return int(record["step"][-1]), float(record[f"scalars/{name}"][-1])
+
+    assert np.isnan(last("search_val_acc")[1])  # the reference: what load() says the run ended with
+    acc = numbers["search-val accuracy (epoch evaluation)"]
+    assert acc.startswith("NaN (step 12") and "0.7500" in acc and "step 8" in acc, acc
+    assert numbers["train accuracy (last w step's batch)"] == f"{last('train_acc')[1]:.4f} (step 12)"
+    assert numbers["val accuracy (last α step's batch)"].startswith("NaN (step 12"), numbers

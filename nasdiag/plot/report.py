@@ -84,6 +84,23 @@ def _last(record, path: str) -> Optional[Tuple[int, float]]:
     return int(record["step"][valid[i]]), float(values[i])
 
 
+def _key_number(record, path: str) -> Optional[str]:
+    """``0.7500 (step 8)`` of the last row that logged ``path`` (None: none did). A last value that is NaN/inf (a run
+    that diverged) is the number shown, with the last finite one after it: a key number never hides a NaN behind an
+    earlier value."""
+    if path not in record:
+        return None
+    valid = np.flatnonzero(record.get(f"valid/{path}", np.ones(len(record["step"]), bool)))
+    if valid.size == 0:
+        return None
+    step, value = int(record["step"][valid[-1]]), float(np.asarray(record[path], dtype=float)[valid[-1]])
+    if np.isfinite(value):
+        return f"{value:.4f} (step {step})"
+    finite = _last(record, path)
+    before = f"last finite {finite[1]:.4f}, step {finite[0]}" if finite is not None else "never finite"
+    return f"{'NaN' if np.isnan(value) else value} (step {step}; {before})"
+
+
 def _segment_attrs(path) -> List[Dict]:
     """The attributes of each segment file (created, host, versions) and its rows and last write time."""
     from nasdiag.record.reader import read_segments, segment_attrs
@@ -223,9 +240,9 @@ def build_report(record_path, figures: Optional[Sequence[str]] = None, dpi: int 
                         ("search-val loss (epoch evaluation)", "scalars/search_val_loss"),
                         ("train accuracy (last w step's batch)", "scalars/train_acc"),
                         ("val accuracy (last α step's batch)", "scalars/val_acc")):
-        last = _last(usable, path)
-        if last is not None:
-            key_rows.append((label, f"{last[1]:.4f} (step {last[0]})"))
+        number = _key_number(usable, path)
+        if number is not None:
+            key_rows.append((label, number))
     key_rows += _genotype_text(usable)
     per_step = _seconds_per_step(record, segments)
     key_rows.append(("time per step", html.escape(per_step) if per_step else "not recorded"))
