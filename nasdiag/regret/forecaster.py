@@ -444,7 +444,8 @@ class Forecaster(_ExpertsState):
 
         Raises:
             RegretError: a non-finite reward of an alive expert of a forecaster not in ``skip`` (it
-                would corrupt the weights for good); nothing is changed.
+                would corrupt the weights for good), or a finite one whose EG step overflows ``ln v``
+                (``|ln v + eta R|`` past the dtype's range); nothing is changed.
 
         The round: record ``u_{t-1} . R_t`` for the regret (the mixture ``p_t`` predicts *before* the
         update, line 5), EG step ``v <- v exp(eta R)`` (line 9), threshold ``theta_t = max v
@@ -471,10 +472,19 @@ class Forecaster(_ExpertsState):
                     f"{where}); a NaN/inf cost would corrupt the weights for good -- skip those forecasters' "
                     "round (update(rewards, skip=forecaster.skip_nonfinite(rewards))) or fix the cost upstream"
                 )
-        self._tally.add(self.weights, rewards, all_finite, skip)
         playing = alive if skip is None else alive & ~skip.unsqueeze(-1)
-        self._bound_violations += (playing & (rewards.abs() > self.loss_bound)).sum(-1)
         log_v = torch.where(playing, self._log_v + self.lr * rewards, self._log_v).masked_fill(~alive, -math.inf)
+        if not self._all_finite(log_v.masked_fill(~alive, 0.0)):
+            # finite rewards whose EG step leaves the range of ln v (|ln v| past the dtype's largest number): the
+            # weights u = softmax(ln v) would be NaN from now on, with no error
+            where = tuple((alive & ~torch.isfinite(log_v)).nonzero()[0].tolist())
+            raise RegretError(
+                f"round {t}: the EG step ln v + eta R overflows {self.dtype} (first at index {where}, reward "
+                f"{float(rewards[where]):.3g}, eta {self.lr:.3g}); nothing was changed -- rewards this large are not "
+                "losses of a bounded scale L: clip or rescale them (the search clips them to L)"
+            )
+        self._tally.add(self.weights, rewards, all_finite, skip)
+        self._bound_violations += (playing & (rewards.abs() > self.loss_bound)).sum(-1)
         wiped = self._wipe_out(log_v, t)
         self._rounds = t
         return wiped
