@@ -107,7 +107,7 @@ def structured_update(weight: torch.Tensor, curvature: torch.Tensor, omega_prev:
     norms = group_norms(weight, group_dims)
     gamma = torch.where(norms == 0, torch.zeros_like(norms), norms / omega_prev)  # B.0.2 (A.3.8's form)
     cov = covariance(expand_groups(gamma, weight, group_dims), curvature)  # B.0.3
-    alpha = omega(expand_groups(gamma, weight, group_dims), cov).square()  # B.0.4: 1/γ − C/γ², ∞ where γ = 0
+    alpha = omega(expand_groups(gamma, weight, group_dims), cov, curvature=curvature).square()  # B.0.4: 1/γ − C/γ², ∞ where γ = 0
     elem = _element_dims(weight, group_dims)
     om = (alpha.sum(dim=elem) if elem else alpha).sqrt()  # B.0.5
     return StructuredUpdate(gamma=gamma, cov=cov, alpha=alpha, omega=om)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -57,22 +57,32 @@ def covariance(gamma_prev: torch.Tensor, curvature: torch.Tensor) -> torch.Tenso
     """
     _check_variance("gamma", gamma_prev)
     h = curvature.clamp_min(0)
-    # C = γ/(1 + γH): the same value as (1/γ + H)⁻¹ without dividing by γ = 0; γ = ∞ gives 1/H.
-    return torch.where(torch.isinf(gamma_prev), h.reciprocal(), gamma_prev / (1 + gamma_prev * h))
+    # C = γ/(1 + γH) where γH ≤ 1: the same value as (1/γ + H)⁻¹ without dividing by γ = 0; elsewhere (1/γ + H)⁻¹,
+    # which does not overflow where γH does (γ = 1e300, H = 1e10: C = 1e-10, not γ/∞ = 0); γ = ∞ gives 1/H.
+    gh = gamma_prev * h
+    return torch.where(gh <= 1, gamma_prev / (1 + gh), (gamma_prev.reciprocal() + h).reciprocal())
 
 
-def omega(gamma_prev: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
+def omega(gamma_prev: torch.Tensor, cov: torch.Tensor, *, curvature: Optional[torch.Tensor] = None) -> torch.Tensor:
     """ω = √(γ(t−1) − C(t)) / γ(t−1) (A.2.8, A.3.9 for a group of one), elementwise, shape of the inputs.
 
     ω² is the gradient in s of the concave part log s + log(1/s + H) of the cost A.2.1 at s = γ(t−1)
     (A.2.7). γ = 0 (a dead switch) gives ω = ∞, so the switch stays 0 (A.2.13); γ = ∞ gives the limit
     ω = 0 (√(γ − C)/γ ~ 1/√γ); a NaN γ gives NaN (kept, never taken for a dead switch).
+
+    With the ``curvature`` H that gave C = (1/γ + H)⁻¹ (:func:`covariance`), ω is computed as the same value
+    1/√(γ + 1/H) (γ − C = γ²H/(1 + γH)), which has no cancellation: γ − C loses every digit where γH is below
+    the precision (γ = 1, H = 1e-20 gives ω = 0 instead of 1e-10, and the switch s = |w|/ω = ∞).
     """
     _check_variance("gamma", gamma_prev)
-    diff = (gamma_prev - cov).clamp_min(0)  # ≥ 0 up to rounding, since C ≤ γ for H ≥ 0
+    if curvature is None:
+        diff = (gamma_prev - cov).clamp_min(0)  # ≥ 0 up to rounding, since C ≤ γ for H ≥ 0
+        value = diff.sqrt() / gamma_prev
+    else:
+        value = (gamma_prev + curvature.clamp_min(0).reciprocal()).rsqrt()
     # γ = 0 selects ∞ (not "γ > 0" selects the formula: a NaN γ must give a NaN ω, never the ∞ of a dead switch,
     # which would make s = 0 and prune the op on a NaN)
-    out = torch.where(gamma_prev == 0, torch.full_like(diff, math.inf), diff.sqrt() / gamma_prev)
+    out = torch.where(gamma_prev == 0, torch.full_like(value, math.inf), value)
     return torch.where(torch.isinf(gamma_prev), torch.zeros_like(out), out)
 
 
@@ -86,13 +96,14 @@ def switch(w: torch.Tensor, om: torch.Tensor) -> torch.Tensor:
     return torch.where(a == 0, torch.zeros_like(a), a / om)
 
 
-def group_omega(gamma_prev: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
+def group_omega(gamma_prev: torch.Tensor, cov: torch.Tensor, *, curvature: Optional[torch.Tensor] = None) -> torch.Tensor:
     """ω of a group (A.3.9, the inner √ of the text dropped so that ℵ = 1 is A.2.8): √(Σ_i ω_i²) with
-    ω_i = √(γ(t−1) − C_i)/γ(t−1) of each element i.
+    ω_i = √(γ(t−1) − C_i)/γ(t−1) of each element i (from the elements' ``curvature`` H_i, (ℵ, ...), when given:
+    see :func:`omega`).
 
     Shapes: gamma_prev (...) (one γ per group, A.3.5), cov (ℵ, ...); returns (...).
     """
-    return omega(gamma_prev, cov).square().sum(0).sqrt()
+    return omega(gamma_prev, cov, curvature=curvature).square().sum(0).sqrt()
 
 
 def group_switch(w: torch.Tensor, om: torch.Tensor) -> torch.Tensor:
@@ -218,6 +229,6 @@ def group_bayes_update(w: torch.Tensor, curvature: torch.Tensor, gamma_prev: tor
         raise BayesError(f"w and curvature must be (ℵ, E, K) and gamma (E, K) of the same E, K; got {tuple(w.shape)}, "
                          f"{tuple(curvature.shape)}, {tuple(gamma_prev.shape)}")
     cov = covariance(gamma_prev, curvature)
-    om = group_omega(gamma_prev, cov)
+    om = group_omega(gamma_prev, cov, curvature=curvature)
     s = group_switch(w, om)
     return BayesUpdate(cov=cov, omega=om, switch=s, gamma=dependent_gamma(s, parents))
