@@ -90,9 +90,18 @@ def evaluate(method, probe, dataset, split: str, batch_size: int = 256):
     return row
 
 
+def legend_entries(fig):
+    """(handles, labels) of every axes of ``fig``, each label once: the quantities and the NaN/inf marks of any panel."""
+    entries = {}
+    for ax in fig.axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(label, handle)
+    return list(entries.values()), list(entries)
+
+
 def draw(record_path: str, out: str, fmt: str) -> list:
     from nasdiag.plot.registry import save
-    from nasdiag.plot.style import PAGE, integer_steps, paper_style, plt
+    from nasdiag.plot.style import PAGE, integer_steps, paper_style, plot_series, plt
     from nasdiag.record import load
 
     record = load(record_path)
@@ -104,8 +113,9 @@ def draw(record_path: str, out: str, fmt: str) -> list:
     def panel(ax, suffix, title):
         twin = ax.twinx()
         for q, color in (("loss", "#1f77b4"), ("entropy", "#2ca02c")):
-            ax.plot(*series(f"{q}_{suffix}"), color=color, marker="o", ms=2.5, lw=1.1, label=QUANTITIES[q])
-        twin.plot(*series(f"cz_{suffix}"), color="#d62728", marker="s", ms=2.5, lw=1.1, label=QUANTITIES["cz"])
+            # NaN/inf marked at the axes edge (a split with no wrong sample has NaN means), not left as a gap
+            plot_series(ax, *series(f"{q}_{suffix}"), color=color, marker="o", ms=2.5, lw=1.1, label=QUANTITIES[q])
+        plot_series(twin, *series(f"cz_{suffix}"), color="#d62728", marker="s", ms=2.5, lw=1.1, label=QUANTITIES["cz"])
         twin.axhline(0, color="#d62728", lw=0.6, ls=":")
         twin.spines["right"].set_visible(True)
         ax.set_xlabel("epoch (−1: before training)")
@@ -120,8 +130,7 @@ def draw(record_path: str, out: str, fmt: str) -> list:
         fig, axes = plt.subplots(1, 2, figsize=(PAGE, 2.4))
         for ax, (split, label) in zip(axes, SPLITS.items()):
             panel(ax, split, label)
-        handles = [h for ax in fig.axes for h in ax.get_legend_handles_labels()[0]]
-        fig.legend(handles, [h.get_label() for h in handles], loc="outside lower center", ncol=3, frameon=False)
+        fig.legend(*legend_entries(fig), loc="outside lower center", ncol=3, frameon=False)
         fig.suptitle("Thm 2: output-edge cost C_Z = L_θ − H_θ of the last cell (wiring supplement Figs 11-13)")
         path = os.path.join(out, f"fig11_12_13.{fmt}")
         save(fig, path, 150)
@@ -131,8 +140,7 @@ def draw(record_path: str, out: str, fmt: str) -> list:
         for r, (split, label) in enumerate(SPLITS.items()):
             for c, part in enumerate(("correct", "wrong")):
                 panel(axes[r, c], f"{split}_{part}", f"{label}: {part}ly classified")
-        handles = [h for ax in fig.axes[:1] + fig.axes[4:5] for h in ax.get_legend_handles_labels()[0]]
-        fig.legend(handles, [h.get_label() for h in handles], loc="outside lower center", ncol=3, frameon=False)
+        fig.legend(*legend_entries(fig), loc="outside lower center", ncol=3, frameon=False)
         # only the correct side is a theorem (§6: Y_{b,n_b} = max_n Y_bn gives C_Z ≤ 0 per sample); a wrongly
         # classified sample can have C_Z < 0 too (p = (0.4, 0.35, 0.25) with label 1: −0.03), and the means
         # where wrong do turn negative as θ trains

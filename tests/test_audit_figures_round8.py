@@ -115,3 +115,48 @@ def test_the_reports_final_accuracy_of_a_run_that_diverged_is_nan_not_an_earlier
     assert acc.startswith("NaN (step 12") and "0.7500" in acc and "step 8" in acc, acc
     assert numbers["train accuracy (last w step's batch)"] == f"{last('train_acc')[1]:.4f} (step 12)"
     assert numbers["val accuracy (last α step's batch)"].startswith("NaN (step 12"), numbers
+
+
+def test_wiring_output_cost_marks_the_nan_means_of_an_epoch_with_no_wrong_sample(tmp_path, monkeypatch):
+    """scripts/wiring_output_cost.py logs the means over the wrongly classified samples as NaN when there are none
+    (100 % train accuracy, common on digits); Figs 14-16 drew them with ``ax.plot``, a silent gap. docs/figures.md:
+    "NaN and ±inf are drawn, never hidden. Line plots mark each non-finite step at the axes edge ... with legend
+    entries"."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "scripts"))
+    import wiring_output_cost
+
+    import nasdiag.plot.registry as registry
+
+    epochs = [-1, 0, 1, 2]
+    rows = []
+    for i, epoch in enumerate(epochs):
+        row = {"scalars/epoch": float(epoch)}
+        for split in ("train", "search"):
+            for part in ("", "_correct", "_wrong"):
+                wrong_and_none = part == "_wrong" and split == "train" and epoch == 2  # every sample right
+                for q, v in (("cz", -0.1 * i), ("loss", 1.0 / (i + 1)), ("entropy", 0.5 / (i + 1))):
+                    row[f"scalars/{q}_{split}{part}"] = np.nan if wrong_and_none else v
+        rows.append((i + 1, row))
+    path = _write(tmp_path / "record.h5", {"method": "fixed_architecture"}, rows)
+    figures = []
+    monkeypatch.setattr(registry, "save", lambda fig, p, dpi: figures.append((os.path.basename(p), fig)))
+    wiring_output_cost.draw(path, str(tmp_path), "png")
+    fig = dict(figures)["fig14_16.png"]
+    try:
+        marked = set()  # (title of the panel, x of each NaN mark)
+        for ax in fig.axes:
+            for line in ax.get_lines():
+                if line.get_marker() == "X" and len(line.get_xdata()):
+                    marked |= {(ax.get_title(loc="left"), float(x)) for x in line.get_xdata()}
+        # the three quantities of the train/wrong panel at epoch 2 (L, H on the axes, C_Z on its twin, untitled)
+        assert {x for _, x in marked} == {2.0}, marked
+        assert sum(1 for title, _ in marked if "wrong" in title) == 1 and len(marked) == 2, marked  # ax + twin
+        labels = [t.get_text() for legend in fig.legends for t in legend.get_texts()]
+        assert "NaN" in labels, labels
+    finally:
+        plt.close(fig)
+        for _, other in figures:
+            plt.close(other)
