@@ -5,8 +5,9 @@ Found: the batch was stacked per path and reduced with the paths' shapes as the 
 - a path rank 0 logs at step 1 and rank 1 at step 2 was averaged across the two steps (silently: the shapes agree)
   and recorded at step 1; the ranks must be refused (`ReductionError`, one line) as for different paths;
 - a pooled ``cost/<cell>/mean`` whose ``count`` is logged at more steps than the mean was pooled with the counts of
-  other rows, or failed in numpy's broadcasting (a ValueError traceback); it now takes the counts of its own steps,
-  and a mean logged at a step without its count is refused in one line.
+  other rows, or failed in numpy's broadcasting (a ValueError traceback); it now takes the counts of its own steps;
+- a row logging a pooled mean without its count failed the reduction of its batch and of every later batch (the row
+  stayed held): nothing more of the run was recorded; the row alone is refused, in one line, as a row of a wrong shape.
 """
 
 from __future__ import annotations
@@ -53,9 +54,18 @@ WORKER = textwrap.dedent(
             row.update({"cost/normal/mean": x.mean(0), "cost/normal/var": x.var(0)})
         return s, row
     attempt("pooled", [pooled(s) for s in (1, 2, 3)])
-    # mean at steps 1 and 2, its count at step 1 only
-    attempt("countless", [(s, {"cost/normal/mean": np.full(3, float(rank + s)),
-                               **({"cost/normal/count": np.int64(1 + rank)} if s == 1 else {})}) for s in (1, 2)])
+    # mean at steps 1..5, its count at every step but 2; batches of 2 rows
+    callback = RecorderCallback(f"{out}/countless.h5", flush_every=2, flush_seconds=None)
+    for s in range(1, 6):
+        try:
+            callback.on_step_end(s, {"cost/normal/mean": np.full(3, float(rank + s)),
+                                     **({"cost/normal/count": np.int64(1 + rank)} if s != 2 else {})})
+        except Exception as err:
+            errors.setdefault("countless", []).append([s, type(err).__name__, str(err)])
+    try:
+        callback.close()
+    except Exception as err:
+        errors.setdefault("countless", []).append(["close", type(err).__name__, str(err)])
     dist.destroy_process_group()
     with open(f"{out}/errors{rank}.json", "w") as file:
         json.dump(errors, file)
@@ -96,9 +106,15 @@ def test_a_pooled_mean_takes_the_counts_of_its_own_steps(ranks):
         np.testing.assert_allclose(var[row], samples.var(0), rtol=1e-10)
 
 
-def test_a_pooled_mean_without_its_count_at_one_step_is_one_line(ranks):
-    _, errors = ranks
+def test_a_row_with_a_pooled_mean_but_no_count_is_refused_alone_in_one_line(ranks):
+    """Such a row failed its batch's reduction, was held, and failed every batch after it: nothing more was recorded."""
+    out, errors = ranks
     for rank_errors in errors:
-        kind, message = rank_errors["countless"]
-        assert kind == "ReductionError" and "\n" not in message, message
-        assert "cost/normal/count" in message and "[2]" in message, message
+        assert len(rank_errors["countless"]) == 1, rank_errors["countless"]
+        (at, kind, message), = rank_errors["countless"]
+        assert at == 3 and kind == "RecordError" and "\n" not in message, message  # at the hand-over of rows 1, 2
+        assert "cost/normal/count" in message and "step 2" in message, message
+    record = load(out / "countless.h5")
+    np.testing.assert_array_equal(record["step"], [1, 3, 4, 5])
+    for row, s in enumerate((1, 3, 4, 5)):  # rank r: count 1 + r of value r + s
+        np.testing.assert_allclose(record["cost/normal/mean"][row], (1 * s + 2 * (1 + s)) / 3, rtol=1e-15)

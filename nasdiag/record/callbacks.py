@@ -286,6 +286,8 @@ class RecorderCallback:
                 # the same shapes, so they refuse the same rows); it failed the whole batch, held it, and every
                 # batch after it, for the rest of the run.
                 rows, refused = _one_shape_per_path(rows, self._shapes)
+                rows, uncounted = _pooled_with_counts(rows, self._rules)
+                refused += uncounted
                 gone = [id(row) for row, _ in refused]
                 self._rows = [row for row in self._rows if id(row) not in gone]
                 if self._open is not None and id(self._open) in gone:
@@ -442,6 +444,23 @@ def _one_shape_per_path(rows, known: dict):
             continue
         for path, shape in shapes.items():
             known.setdefault(path, (shape, row[0]))
+        kept.append(row)
+    return kept, refused
+
+
+def _pooled_with_counts(rows, rules):
+    """Split ``rows`` into those whose pooled ``mean``/``var`` paths have their ``count`` (and ``mean``) in the row and
+    the refused others, as `_one_shape_per_path` (such a row failed the reduction of its batch, and of every batch
+    after it, for the rest of the run). The ranks hold the same paths, so they refuse the same rows."""
+    from nasdiag import distributed
+
+    kept, refused = [], []
+    for row in rows:
+        try:  # the rules only: a path of no family is never pooled, whatever its dtype
+            distributed.plan_rules(dict.fromkeys(row[1], np.float64(0.0)), rules)
+        except distributed.ReductionError as err:
+            refused.append((row, f"step {row[0]}: {err}; nothing of step {row[0]} was recorded"))
+            continue
         kept.append(row)
     return kept, refused
 
