@@ -610,7 +610,9 @@ class Probe:
         given, the class labels are recovered from the block's backward: for L = CE(z, y) averaged (or summed)
         over the batch, ∂L/∂z = (softmax(z) − onehot(y)) / B (or without the 1/B), so onehot(y) =
         softmax(z) − B·∂L/∂z; the recovery is checked to give one-hot rows, else an error asks for targets. The model is re-run outside the block
-        with BatchNorm in its current mode; its running statistics are restored.
+        with BatchNorm in its current mode and its current parameters (call it before ``optimizer.step()`` for the
+        curvature of the recorded step; a re-run whose mixing weights differ from the step's is refused); its running
+        statistics are restored.
 
         Args:
             wrt: ``"Z"``, or ``"alpha"`` for the chain rule through Z = softmax(α) per edge (needs
@@ -698,9 +700,10 @@ class Probe:
         if not same:
             raise ProbeError(
                 f"hessian(): edge {self._edges[p].name!r} got other mixing weights when the recorded batch was re-run "
-                "than in the recorded step (a forward that draws its Z, e.g. a Gumbel sample as in GDAS or SNAS), so "
-                "the curvature would be at another sample; make the draw repeatable (reseed its generator before each "
-                "forward) or pass the weights as an argument and call hessian(inputs=..., targets=...)"
+                "than in the recorded step: α changed since the block (an optimizer step: call probe.hessian() before "
+                "optimizer.step()), or the forward draws its Z (a Gumbel sample as in GDAS or SNAS: make the draw "
+                "repeatable by reseeding its generator before each forward, or pass the weights as an argument and call "
+                "hessian(inputs=..., targets=...))"
             )
         return None
 
