@@ -131,3 +131,53 @@ def test_large_rewards_within_range_are_still_played_exactly():
         f.update(torch.tensor([2.0 ** 1020, -(2.0 ** 1020)], dtype=torch.float64))
     assert f.log_weights.tolist() == [1.5 * 2.0 ** 1020, -1.5 * 2.0 ** 1020]
     assert f.weights.tolist() == [1.0, 0.0]
+
+
+# --- the search: an infinite cost is flagged and kept out of the weights, as a NaN is -------------------
+
+def _xnas(cls=None, **hp):
+    from nasdiag.search import Schedule, get_method
+    from nasdiag.supernet import Network
+
+    torch.manual_seed(0)
+    net = Network(4, 5, 3, steps=2, multiplier=2, in_channels=1).double()
+    cls = cls or get_method("xnas")
+    return cls(net, cls.Hyperparameters(**hp), schedule=Schedule(epochs=1, steps_per_epoch=4, batch_size=6))
+
+
+def _data(n):
+    g = torch.Generator().manual_seed(1)
+    b = lambda: (torch.randn(6, 1, 8, 8, generator=g, dtype=torch.float64), torch.randint(0, 5, (6,), generator=g))  # noqa: E731
+    return [(b(), b()) for _ in range(n)]
+
+
+@pytest.mark.parametrize("bad", [math.inf, -math.inf])
+def test_an_infinite_cost_of_an_alive_op_is_not_clipped_to_l_but_flagged_and_kept_out_of_the_weights(bad):
+    """clamp(-L, L) keeps a NaN but turns ±inf into ±L: with clip_rewards (the default) an infinite cost of an
+    alive op was played as the finite reward ±L, unflagged (xnas docstring: a NaN/inf cost never reaches the
+    weights; vocabulary: NaN/inf kept in ``rewards``). Reference: the same run without the bad cost, where
+    that edge's weights and regret simply stay as after the step before (the round sits out)."""
+    from nasdiag.search import get_method
+
+    class BadAtStep2(get_method("xnas")):
+        def rewards(self, per_cell):
+            out = super().rewards(per_cell)
+            if self.forecasters["normal"].rounds == 1:
+                out["normal"][0, 2, 3] = -bad  # reward = −cost
+            return out
+
+    data = _data(3)
+    method = _xnas(BadAtStep2)
+    rows = [method.step(*b) for b in data]
+    twin = _xnas()
+    want = [twin.step(*b) for b in data[:2]][1]
+    got, prev = rows[1], rows[0]
+    assert got["regret/normal/nonfinite"].tolist() == [False, False, True, False, False]
+    assert got["regret/normal/rewards"][0, 2, 3] == -bad  # as it came, not ±L
+    assert torch.equal(got["regret/normal/log_weights"][2], prev["regret/normal/log_weights"][2])
+    assert torch.equal(got["regret/normal/regret"][2], prev["regret/normal/regret"][2])
+    others = [0, 1, 3, 4]
+    for k in ("log_weights", "regret", "gamma"):
+        assert torch.equal(got[f"regret/normal/{k}"][others], want[f"regret/normal/{k}"][others]), k
+    assert got["scalars/reward_clip_fraction"] == want["scalars/reward_clip_fraction"]  # an inf is not "clipped"
+    assert torch.isfinite(rows[2]["regret/normal/log_weights"]).all() and not rows[2]["regret/normal/nonfinite"].any()

@@ -218,10 +218,13 @@ class XNAS(SearchMethod):
         for t, rewards in self.rewards(result.per_cell).items():
             f = self.forecasters[t]
             alive = f.alive
-            clipped += int((rewards.abs() > L)[:, alive].sum())
+            finite = torch.isfinite(rewards)
+            clipped += int(((rewards.abs() > L) & finite)[:, alive].sum())
             counted += int(alive.sum()) * rewards.shape[0]
             if self.hp.clip_rewards:
-                rewards = rewards.clamp(-L, L)  # NaN stays NaN
+                # only finite rewards: clamp keeps NaN but makes ±inf ±L, a finite reward the forecaster would play
+                # (an infinite cost must sit its round out and be flagged, as a NaN does)
+                rewards = torch.where(finite, rewards.clamp(-L, L), rewards)
             # ops not computed in this step's forward (wiped out before it): reward unknown, not 0
             observed = rewards if active is None else rewards.masked_fill(~active[t].to(rewards.device), math.nan)
             wiped, nonfinite = torch.zeros_like(alive), torch.zeros_like(alive[:, 0])
