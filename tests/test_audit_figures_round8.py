@@ -160,3 +160,22 @@ def test_wiring_output_cost_marks_the_nan_means_of_an_epoch_with_no_wrong_sample
         plt.close(fig)
         for _, other in figures:
             plt.close(other)
+
+
+def test_a_minus_inf_variance_is_a_hatched_minus_inf_cell_of_the_cost_std_map_not_zero(tmp_path):
+    """docs/figures.md: heatmaps fill non-finite cells with a hatch and count them in the title, and `nasdiag plot`
+    reports the NaN/inf of the drawn families. The cost_std map clipped Var[C] at 0 before √, so a −inf variance was
+    drawn as a plain "0" cell (the value of an op with no spread), uncounted, while the plot line reported a −inf."""
+    meta = {"method": "darts", "op_names": ["a", "b", "c"], "edge_names": {"normal": ["0->2", "1->2"]},
+            "cell_types": ["normal"]}
+    var = np.array([[0.25, 4.0, 1.0], [-np.inf, np.inf, np.nan]], np.float32)
+    record = load(_write(tmp_path / "v.h5", meta, [(1, {"cost/normal/var": var})]))
+    shown, texts, ax, fig = _heatmaps(record, ["cost_std"])["cost_std", "normal", None]
+    try:
+        np.testing.assert_array_equal(shown[0], [0.5, 2.0, 1.0])  # √ of exact binary fractions
+        assert texts[3:] == ["-inf", "inf", "NaN"], texts
+        hatches = sorted(p.get_hatch() for p in ax.patches if p.get_hatch())
+        assert hatches == sorted(["xxx", "///", "\\\\\\"]), hatches
+        assert "1 −inf" in ax.get_title(loc="left"), ax.get_title(loc="left")
+    finally:
+        plt.close(fig)

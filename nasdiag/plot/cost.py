@@ -29,7 +29,9 @@ def cost_mean(record, cell: str, row: int) -> Heatmap:
                  "the sign of the mean is noise.")
 def cost_std(record, cell: str, row: int) -> Heatmap:
     path = V.COST_VAR.path(cell=cell)
-    s = np.sqrt(np.clip(np.asarray(record[path][row], dtype=float), 0, None))
+    var = np.asarray(record[path][row], dtype=float)
+    s = np.sqrt(np.clip(var, 0, None))
+    s[np.isneginf(var)] = -np.inf  # hatched and counted as the −inf it is; the clip made it a 0 cell
     E, K = s.shape
     return Heatmap(s, edge_names(record, cell, E), op_names(record, K),
                    f"{cell} cell: cost std √Var[C], {epoch_span(record, path, row)}", "√Var[C]  (L: batch-mean loss; ≥ 0)",
