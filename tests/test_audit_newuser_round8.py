@@ -8,10 +8,14 @@ Checked and right: two probes attached to one model and recorded nested, and a p
 edges named ``module.<path>``), both equal autograd's ∂L/∂Z.
 Found: ``probe.hessian()`` after the user's ``optimizer.step()`` on α was refused as "a forward that draws its Z (a
 Gumbel sample)", advice that does not apply to a deterministic DARTS supernet; the line now names the optimizer step.
+Found: a second thread entering the ``record()`` block of a probe another thread was recording with was told
+"blocks cannot be nested"; the line now says another thread is recording and to attach a probe per thread's model.
+Checked and right: three threads, each with its own model and probe, 10 steps each, equal autograd.
 Found: a candidate op (or a whole mixed op) replaced or pruned after ``attach`` gave NaN with a warning to "run every
 candidate op" (every op had run; the probe's hooks were on the old modules); now one ProbeError line to attach again.
 """
 
+import threading
 import warnings
 
 import pytest
@@ -142,4 +146,53 @@ def test_hessian_after_the_users_alpha_step_names_the_optimizer_step_and_before_
     with pytest.raises(ProbeError, match=r"optimizer\.step\(\)") as info:
         probe.hessian()
     assert "\n" not in str(info.value)
+    assert _hooks(net) == 0
+
+
+def test_threads_with_their_own_probe_equal_autograd_and_a_probe_shared_by_two_threads_is_one_line():
+    errors, failures = [], []
+
+    def own_model(seed):
+        try:
+            net, x, y = _setup(seed)
+            probe = nasdiag.attach(net)
+            for _ in range(10):
+                x = torch.randn_like(x)
+                ref = _reference_costs(net, x, y)
+                with probe.record():
+                    F.cross_entropy(net(x), y).backward()
+                errors.append(_max_error(probe.costs(), ref))
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            failures.append(exc)
+
+    threads = [threading.Thread(target=own_model, args=(seed,)) for seed in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures and len(errors) == 30 and max(errors) < 1e-12
+
+    net, x, y = _setup()
+    probe = nasdiag.attach(net)
+    inside, done, seen = threading.Event(), threading.Event(), []
+
+    def second():
+        inside.wait(30)
+        try:
+            with probe.record():
+                pass
+        except ProbeError as exc:
+            seen.append(str(exc))
+        finally:
+            done.set()
+
+    t = threading.Thread(target=second)
+    t.start()
+    with probe.record():
+        inside.set()
+        done.wait(30)
+        F.cross_entropy(net(x), y).backward()
+    t.join()
+    assert len(seen) == 1 and "another thread" in seen[0] and "\n" not in seen[0]
+    assert _max_error(probe.costs(), _reference_costs(net, x, y)) < 1e-12  # the first thread's step is intact
     assert _hooks(net) == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 from functools import partial
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -196,6 +197,7 @@ class Probe:
             self._invariance_norms()  # fails here, not in the first step, on an op without rules
         self._index_cache: Dict[Tuple[str, torch.device], Tuple[torch.Tensor, torch.Tensor]] = {}
         self._recording = False
+        self._recording_thread: Optional[int] = None  # the thread whose block is open
         self._steps = 0
         self._any_step = False  # a block has completed since attach (reset_statistics keeps it)
 
@@ -238,6 +240,11 @@ class Probe:
 
     def _begin(self, block: "Recording") -> "Probe":
         if self._recording:
+            if self._recording_thread != threading.get_ident():
+                raise ProbeError(
+                    "another thread is inside a probe.record() block of this probe: a probe records one step at a time; "
+                    "give each thread its own model and its own nasdiag.attach"
+                )
             raise ProbeError("probe.record() blocks cannot be nested")
         self._last = None  # a failed block leaves no stale step behind
         self._step_mode = self.model.training
@@ -250,6 +257,7 @@ class Probe:
                           order_given=self._order_given)
         self._router.capture = cap
         self._recording = True
+        self._recording_thread = threading.get_ident()
         try:
             plan.install()
         except BaseException:
