@@ -124,6 +124,21 @@ def test_an_eg_step_that_overflows_ln_v_is_one_regret_error_and_changes_nothing(
     assert torch.isfinite(f.weights).all() and f.rounds == 2
 
 
+def test_a_gd_softmax_step_that_overflows_alpha_is_one_regret_error_and_changes_nothing():
+    from nasdiag.regret import SoftmaxGD
+
+    g = SoftmaxGD(2, 10.0, shape=(2,))
+    g.update(torch.tensor([[0.05, -0.05], [0.1, 0.2]], dtype=torch.float64))  # α = ±0.25, u = (0.62, 0.38)
+    before = g.state_dict()
+    # eq 6: R~ = u (R − u.R) = ±u1 u2 · 2e308 = ±4.7e307, α + 10 R~ past the float64 range
+    with pytest.raises(RegretError, match="overflows .*nothing was changed"):
+        g.update(torch.tensor([[1e308, -1e308], [0.1, 0.2]], dtype=torch.float64))
+    after = g.state_dict()
+    for key in ("log_weights", "forecaster_reward", "expert_reward"):
+        assert torch.equal(before[key], after[key]), key
+    assert after["rounds"] == 1 and torch.isfinite(g.weights).all()
+
+
 def test_large_rewards_within_range_are_still_played_exactly():
     # just inside the range nothing is refused: ln v is the exact sum of the η R (dyadic values, no rounding)
     f = Forecaster(2, 0.5, 1.0, 4, zeta=math.inf)

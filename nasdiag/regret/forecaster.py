@@ -570,6 +570,8 @@ class SoftmaxGD(_ExpertsState):
     def update(self, rewards: torch.Tensor) -> torch.Tensor:
         """One GD step for every forecaster from the XNAS rewards ``R_t`` (``(*shape, N)``, finite).
 
+        Raises RegretError, changing nothing, for a non-finite reward or one whose step overflows ``alpha``.
+
         Returns:
             ``(*shape, N)`` the effective rewards ``R~_t`` of eq 6 that were applied.
         """
@@ -579,8 +581,14 @@ class SoftmaxGD(_ExpertsState):
                 f"round {self._rounds + 1}: non-finite rewards; fix or flag the cost upstream before updating"
             )
         weights = self.weights
-        self._tally.add(weights, rewards, True)
         effective = gd_softmax_reward(rewards, weights)
-        self._log_v = self._log_v + self.lr * effective
+        log_v = self._log_v + self.lr * effective
+        if not self._all_finite(log_v):  # as in Forecaster.update: u would be NaN from now on, with no error
+            raise RegretError(
+                f"round {self._rounds + 1}: the GD step alpha + eta R~ overflows {self.dtype}; nothing was changed -- "
+                "rewards this large are not losses of a bounded scale: clip or rescale them"
+            )
+        self._tally.add(weights, rewards, True)
+        self._log_v = log_v
         self._rounds += 1
         return effective
