@@ -179,3 +179,27 @@ def test_a_minus_inf_variance_is_a_hatched_minus_inf_cell_of_the_cost_std_map_no
         assert "1 −inf" in ax.get_title(loc="left"), ax.get_title(loc="left")
     finally:
         plt.close(fig)
+
+
+@pytest.mark.parametrize("fmt", ["pdf", "svg"])
+def test_pdf_and_svg_figures_have_the_fonts_of_the_paper_style(tmp_path, fmt):
+    """nasdiag.plot.style.RC (the paper style) sets pdf.fonttype 42 and svg.fonttype none: TrueType fonts in a PDF
+    (journal checks such as IEEE PDF eXpress refuse Type 3 fonts) and editable text in an SVG. matplotlib reads both
+    when the file is written, and `nasdiag plot` / `write_figures` wrote outside the style: every PDF had Type 3
+    fonts and every SVG its text as glyph paths."""
+    import re
+    import xml.etree.ElementTree as ET
+
+    from nasdiag.plot import write_figures
+
+    meta = {"method": "darts", "op_names": ["skip_connect", "sep_conv_3x3"], "edge_names": {"normal": ["0->2", "1->2"]},
+            "cell_types": ["normal"]}
+    path = _write(tmp_path / "f.h5", meta, [(1, {"cost/normal/mean": np.array([[0.5, -0.25], [0.125, 1.0]], np.float32)})])
+    (figure,) = write_figures(path, tmp_path / "figs", fmt=fmt, figures=["cost"])
+    data = figure.read_bytes()
+    if fmt == "pdf":
+        subtypes = set(re.findall(rb"/Subtype\s*/(\w+)", data))
+        assert b"Type3" not in subtypes and {b"Type0", b"CIDFontType2"} <= subtypes, subtypes  # Type 42 = CIDFontType2
+    else:
+        texts = {"".join(el.itertext()).strip() for el in ET.fromstring(data).iter("{http://www.w3.org/2000/svg}text")}
+        assert {"skip_connect", "sep_conv_3x3", "0->2", "1->2", "0.50", "-0.25"} <= texts, texts

@@ -489,6 +489,8 @@ def iter_figures(record: Record, figures: Optional[Sequence[str]] = None, at=Non
 #: SVG element ids from a fixed salt instead of a random one
 _REPRODUCIBLE_METADATA = {"svg": {"Date": None}, "pdf": {"CreationDate": None}}
 _REPRODUCIBLE_RC = {"svg.hashsalt": "nasdiag"}
+#: rcParams of `nasdiag.plot.style.RC` that act when a file is written: TrueType (42) fonts in PDFs, text in SVGs
+_FILE_FONTS = ("pdf.fonttype", "svg.fonttype")
 
 
 def save(fig, path: Path, dpi: int) -> None:
@@ -499,11 +501,16 @@ def save(fig, path: Path, dpi: int) -> None:
     import matplotlib
     import matplotlib.pyplot as plt
 
+    from nasdiag.plot.style import RC
+
     path = Path(path)
     fmt = path.suffix.lstrip(".").lower()
     tmp = path.with_name(f".{path.name}.tmp")
+    # the fonts of the paper style are read when the file is written, not when the figure is drawn: saved outside
+    # `paper_style`, a PDF got Type 3 fonts (refused by IEEE's and ACM's checks) and an SVG its text as paths
+    fonts = {key: RC[key] for key in _FILE_FONTS}
     try:
-        with matplotlib.rc_context(_REPRODUCIBLE_RC):
+        with matplotlib.rc_context({**_REPRODUCIBLE_RC, **fonts}):
             fig.savefig(tmp, format=fmt, dpi=dpi, bbox_inches="tight", pad_inches=0.04,
                         metadata=_REPRODUCIBLE_METADATA.get(fmt))
         os.replace(tmp, path)
