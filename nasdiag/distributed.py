@@ -158,12 +158,18 @@ def _signature(arrays, plan, row_steps=None) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
 
 
-def _aligned_count(count: np.ndarray, like: np.ndarray, rows: bool) -> np.ndarray:
-    """The sample count broadcast to a mean's shape (per row first when ``rows``)."""
+def _aligned_count(count: np.ndarray, like: np.ndarray, rows: bool, path: str) -> np.ndarray:
+    """The sample count broadcast to the shape of the mean at ``path`` (per row first when ``rows``)."""
+    shape = count.shape
     count = count.astype(np.float64)
     if rows and count.ndim < like.ndim:
         count = count.reshape(count.shape + (1,) * (like.ndim - count.ndim))
-    return np.broadcast_to(count, like.shape)
+    try:
+        return np.broadcast_to(count, like.shape)
+    except ValueError:  # numpy's broadcast traceback (every rank alike: their shapes agree)
+        parent, _ = _split(path)
+        raise ReductionError(f"'{parent}/count' of shape {shape} does not fit {path!r} of shape {like.shape}; log the count "
+                             "as a scalar or in the mean's shape") from None
 
 
 def reduce_statistics(
@@ -214,7 +220,7 @@ def reduce_statistics(
             parent, name = _split(path)
             gathered.add(path, x)
             if name == "mean":
-                gathered.add(f"{parent}/count#n", _aligned_count(counts[path], x, rows))
+                gathered.add(f"{parent}/count#n", _aligned_count(counts[path], x, rows, path))
         elif rule in ("all", "min", "same"):
             mins.add(path, x)
         if rule in ("any", "max", "same"):

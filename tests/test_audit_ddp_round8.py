@@ -7,7 +7,8 @@ Found: the batch was stacked per path and reduced with the paths' shapes as the 
 - a pooled ``cost/<cell>/mean`` whose ``count`` is logged at more steps than the mean was pooled with the counts of
   other rows, or failed in numpy's broadcasting (a ValueError traceback); it now takes the counts of its own steps;
 - a row logging a pooled mean without its count failed the reduction of its batch and of every later batch (the row
-  stayed held): nothing more of the run was recorded; the row alone is refused, in one line, as a row of a wrong shape.
+  stayed held): nothing more of the run was recorded; the row alone is refused, in one line, as a row of a wrong shape;
+- `reduce_statistics` of a pooled mean whose count does not broadcast to it was numpy's ValueError traceback.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ WORKER = textwrap.dedent(
     import datetime, json, sys
     import numpy as np
     import torch.distributed as dist
+    from nasdiag.distributed import reduce_statistics
     from nasdiag.record import RecorderCallback
 
     rank, init, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
@@ -66,6 +68,10 @@ WORKER = textwrap.dedent(
         callback.close()
     except Exception as err:
         errors.setdefault("countless", []).append(["close", type(err).__name__, str(err)])
+    try:  # a count that does not broadcast to its mean
+        reduce_statistics({"cost/normal/mean": np.zeros(2), "cost/normal/count": np.ones(3, np.int64)})
+    except Exception as err:
+        errors["misfit"] = [type(err).__name__, str(err)]
     dist.destroy_process_group()
     with open(f"{out}/errors{rank}.json", "w") as file:
         json.dump(errors, file)
@@ -118,3 +124,10 @@ def test_a_row_with_a_pooled_mean_but_no_count_is_refused_alone_in_one_line(rank
     np.testing.assert_array_equal(record["step"], [1, 3, 4, 5])
     for row, s in enumerate((1, 3, 4, 5)):  # rank r: count 1 + r of value r + s
         np.testing.assert_allclose(record["cost/normal/mean"][row], (1 * s + 2 * (1 + s)) / 3, rtol=1e-15)
+
+
+def test_a_count_that_does_not_fit_its_pooled_mean_is_one_line(ranks):
+    _, errors = ranks
+    for rank_errors in errors:
+        kind, message = rank_errors["misfit"]
+        assert kind == "ReductionError" and "\n" not in message and "cost/normal/count" in message, message
