@@ -203,3 +203,31 @@ def test_pdf_and_svg_figures_have_the_fonts_of_the_paper_style(tmp_path, fmt):
     else:
         texts = {"".join(el.itertext()).strip() for el in ET.fromstring(data).iter("{http://www.w3.org/2000/svg}text")}
         assert {"skip_connect", "sep_conv_3x3", "0->2", "1->2", "0.50", "-0.25"} <= texts, texts
+
+
+def test_the_wiring_figure_draws_each_row_once_and_names_an_epoch_it_could_not_draw(tmp_path):
+    """An epoch whose arch row holds a NaN fell back to the previous epoch's row: the wiring figure drew "epoch 1" twice
+    and nothing said epoch 2 was missing; its title also explained abbreviations of DARTS ops (sep3 = sep_conv_3x3,
+    max3 = max_pool_3x3) that a record of other ops does not have."""
+    ops, edges = ["none", "conv_a", "skip_connect"], ["0->2", "1->2", "0->3", "1->3", "2->3"]
+    meta = {"method": "darts", "op_names": ops, "edge_names": {"normal": edges}, "cell_types": ["normal"]}
+    rows = []
+    for epoch in range(4):
+        p = np.full((5, 3), 0.1, np.float32)
+        p[:, 1 + epoch % 2] = 0.8  # conv_a on even epochs, skip_connect on odd ones
+        if epoch == 2:
+            p[0, 0] = np.nan
+        rows.append((epoch + 1, {"scalars/epoch": float(epoch), "arch/normal/probabilities": p}))
+    record = load(_write(tmp_path / "w.h5", meta, rows))
+    ((spec, cell, _, thunk),) = list(iter_figures(record, ["wiring"]))
+    fig = thunk()
+    try:
+        titles = [ax.get_title(loc="left") for ax in fig.axes if ax.get_title(loc="left")]
+        assert titles == ["epoch 0 (step 1)", "epoch 1 (step 2)", "epoch 3 (step 4)"], titles
+        for ax, want in zip(fig.axes, ["conv_a", "skip", "skip"]):  # the argmax op on every edge of the panel's row
+            assert [t.get_text() for t in ax.texts][:5] == [want] * 5
+        title = fig._suptitle.get_text().replace("\n", " ")
+        assert "step 3" in title and "NaN" in title, title
+        assert "sep_conv_3x3" not in title and "max_pool_3x3" not in title and "skip = skip_connect" in title, title
+    finally:
+        plt.close(fig)

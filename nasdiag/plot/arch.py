@@ -13,6 +13,7 @@ from nasdiag.plot import cells as C
 from nasdiag.plot.registry import Heatmap, NothingToDraw, figure, heatmap, valid_rows
 from nasdiag.plot.style import (
     PAGE, edge_names, epoch_of, grid_shape, integer_steps, legend_outside, op_names, plot_series, plt, series, step_of,
+    wrap,
 )
 
 #: newer records hold the distribution the genotype comes from; older ones only the mixing weights Z
@@ -199,7 +200,8 @@ def wiring_evolution(record, cell: str):
         picked = []
     if not picked:
         picked = sorted({int(rows[i]) for i in np.linspace(0, rows.size - 1, min(rows.size, 6)).round().astype(int)})
-    picked = [int(rows[0])] + [r for r in picked if r != int(rows[0])]
+    # an epoch whose row holds a NaN/inf falls back to the previous epoch's row: that row is drawn once, not twice
+    picked = list(dict.fromkeys([int(rows[0])] + picked))
     if len(picked) > 12:  # at most 12 panels: first, last and evenly spaced between
         picked = [picked[int(i)] for i in np.linspace(0, len(picked) - 1, 12).round()]
     E, K = record[path].shape[1:]
@@ -215,5 +217,10 @@ def wiring_evolution(record, cell: str):
         C.draw_cell(ax, genes, steps, _concat(record, steps), label, short=True)
     for ax in axes.ravel()[len(picked):]:
         ax.axis("off")
-    fig.suptitle(f"{cell} cell: most probable wiring over the search (sep3 = sep_conv_3x3, max3 = max_pool_3x3, ...)")
+    short = [f"{C.short_name(op)} = {op}" for op in ops if C.short_name(op) != op]  # the record's ops, not DARTS's
+    title = f"{cell} cell: most probable wiring over the search" + (f" ({', '.join(short)})" if short else "")
+    unfinished = [step_of(record, r) for r in valid_rows(record, path) if not np.isfinite(record[path][r]).all()]
+    if unfinished:  # the rows left out: a reader must not take the next panel for them
+        title += f"  [no wiring at step {', '.join(map(str, unfinished[:5]))}{', ...' if len(unfinished) > 5 else ''}: NaN/inf]"
+    fig.suptitle(wrap(title, PAGE, 9))
     return fig
