@@ -231,3 +231,19 @@ def test_the_wiring_figure_draws_each_row_once_and_names_an_epoch_it_could_not_d
         assert "sep_conv_3x3" not in title and "max_pool_3x3" not in title and "skip = skip_connect" in title, title
     finally:
         plt.close(fig)
+
+
+def test_the_report_counts_a_resume_in_the_same_process_that_replayed_steps(tmp_path):
+    """A record resumed from a checkpoint in the same process (``Recorder(path, resume=True)`` in a notebook) replays
+    steps 6-10 in a second segment; the report said "2 segment(s), 0 resume(s)" next to the segments' own step
+    ranges (steps 1-10, steps 6-12), and its rows must be load()'s: 12 rows, the replayed steps once."""
+    from nasdiag.plot.report import build_report
+
+    meta = {"method": "darts"}
+    path = _write(tmp_path / "r.h5", meta, [(s, {"scalars/train_loss": float(s)}) for s in range(1, 11)])
+    _write(path, meta, [(s, {"scalars/train_loss": 100.0 + s}) for s in range(6, 13)], resume=True)
+    record = load(path)
+    page = build_report(path, figures=["scalars"])
+    assert "2 segment(s), 1 resume(s)" in page
+    assert list(record["step"]) == list(range(1, 13)) and float(record["scalars/train_loss"][6]) == 107.0  # later wins
+    assert "<th>rows</th><td>12 (steps 1–12)</td>" in page

@@ -120,9 +120,14 @@ def _segment_attrs(path) -> List[Dict]:
 def _resumes(segments: List[Dict]) -> int:
     """Segments written by another process than the segment before them. A session also starts a segment for a path
     first logged after its first flush and before a dataset passes schema.MAX_SEGMENT_CHUNKS chunks: counting every
-    segment after the first called a search that was never resumed resumed (a resume in the same process, through
-    the Python API, is not told apart)."""
-    return sum((a.get("host"), a.get("pid")) != (b.get("host"), b.get("pid")) for a, b in zip(segments, segments[1:]))
+    segment after the first called a search that was never resumed resumed. A segment that replays steps (its first
+    step at or before the last of the segment before it) is a resume too, also in the same process (``Recorder(...,
+    resume=True)`` in a notebook); a same-process resume that replays nothing is not told apart from a rollover."""
+    def replays(a: Dict, b: Dict) -> bool:
+        return a.get("last_step") is not None and b.get("first_step") is not None and b["first_step"] <= a["last_step"]
+
+    return sum((a.get("host"), a.get("pid")) != (b.get("host"), b.get("pid")) or replays(a, b)
+               for a, b in zip(segments, segments[1:]))
 
 
 def _seconds_per_step(record, segments: List[Dict]) -> Optional[str]:
