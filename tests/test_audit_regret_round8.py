@@ -196,3 +196,31 @@ def test_an_infinite_cost_of_an_alive_op_is_not_clipped_to_l_but_flagged_and_kep
         assert torch.equal(got[f"regret/normal/{k}"][others], want[f"regret/normal/{k}"][others]), k
     assert got["scalars/reward_clip_fraction"] == want["scalars/reward_clip_fraction"]  # an inf is not "clipped"
     assert torch.isfinite(rows[2]["regret/normal/log_weights"]).all() and not rows[2]["regret/normal/nonfinite"].any()
+
+
+# --- checked and right: float32 forecasters keep Lemma 1 and Theorem 1 ---------------------------------
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_float32_and_float64_forecasters_keep_lemma_1_and_theorem_1_on_adversarial_dyadic_sequences(seed):
+    """Rewards k/4·L (dyadic): the hindsight totals S_i = Σ_t R_t,i are exact in float64, so the best expert is
+    known exactly. A late bloomer (−L for T/2 rounds, then +L: it ends tied with the leader's equality case of
+    Lemma 1) sits in a quarter of the forecasters. In float32 and float64 the best expert in hindsight is never
+    wiped out (Lemma 1), the regret stays within eq 3 (Theorem 1; tolerance: float32 rounding of T terms of size
+    L), and both dtypes take the same wipeout decisions."""
+    g = torch.Generator().manual_seed(seed)
+    N, T, L = 5, 240, 1.5
+    eta = Forecaster.optimal_lr(T, L, N) * (0.5 + 10 * seed)
+    R = torch.randint(-4, 5, (T, 32, N), generator=g).double() / 4 * L
+    R[: T // 2, :8, 0], R[T // 2:, :8, 0] = -L, L
+    fs = {dt: Forecaster(N, eta, L, T, shape=(32,), dtype=dt) for dt in (torch.float32, torch.float64)}
+    for t in range(T):
+        for f in fs.values():
+            f.update(R[t])
+    S = R.sum(0)
+    best = S == S.amax(-1, keepdim=True)
+    for dt, f in fs.items():
+        assert (f.alive & best).any(-1).all(), dt  # some best expert survives (Lemma 1)
+        tol = 1e-9 if dt == torch.float64 else 1e-4 * T * L
+        assert (f.regret.double() <= f.bound().double() + tol).all(), dt
+        assert (f.gamma.double() >= 1).all() and (f.gamma.double() < N).all(), dt  # Lemma 2
+    assert torch.equal(fs[torch.float32].alive, fs[torch.float64].alive)
