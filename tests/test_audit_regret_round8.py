@@ -224,3 +224,16 @@ def test_float32_and_float64_forecasters_keep_lemma_1_and_theorem_1_on_adversari
         assert (f.regret.double() <= f.bound().double() + tol).all(), dt
         assert (f.gamma.double() >= 1).all() and (f.gamma.double() < N).all(), dt  # Lemma 2
     assert torch.equal(fs[torch.float32].alive, fs[torch.float64].alive)
+
+
+def test_covariance_and_omega_keep_their_documented_limits_at_zero_infinite_and_nan_gamma():
+    inf, nan = math.inf, math.nan
+    g = torch.tensor([0.0, 0.0, inf, inf, nan, 2.0, 2.0], dtype=torch.float64)
+    h = torch.tensor([0.0, inf, 4.0, 0.0, 1.0, 0.0, inf], dtype=torch.float64)
+    C = covariance(g, h)
+    # C = (1/γ + H)⁻¹: γ = 0 gives 0; γ = ∞ gives 1/H; H = ∞ gives 0; H = 0 gives γ
+    assert C[:4].tolist() == [0.0, 0.0, 0.25, inf] and math.isnan(C[4]) and C[5:].tolist() == [2.0, 0.0]
+    for om in (omega(g, C, curvature=h), omega(g, C)):
+        # A.2.8 limits (docstring): dead switch ∞, γ = ∞ gives 0, NaN kept, H = 0 gives 0, H = ∞ gives 1/√γ
+        assert om[:4].tolist() == [inf, inf, 0.0, 0.0] and math.isnan(om[4]) and om[5] == 0.0
+        assert om[6] == pytest.approx(1 / math.sqrt(2.0), rel=1e-15)
