@@ -8,12 +8,16 @@ Found: the batch was stacked per path and reduced with the paths' shapes as the 
   other rows, or failed in numpy's broadcasting (a ValueError traceback); it now takes the counts of its own steps;
 - a row logging a pooled mean without its count failed the reduction of its batch and of every later batch (the row
   stayed held): nothing more of the run was recorded; the row alone is refused, in one line, as a row of a wrong shape;
-- `reduce_statistics` of a pooled mean whose count does not broadcast to it was numpy's ValueError traceback.
+- `reduce_statistics` of a pooled mean whose count does not broadcast to it was numpy's ValueError traceback;
+- every rank probes the record's folder before the process group exists: a level one rank made (or removed) while
+  another probed refused the launch with 'File exists' / 'No such file or directory' (1 in 3000 lock-step probes).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 import textwrap
 
 import numpy as np
@@ -131,3 +135,48 @@ def test_a_count_that_does_not_fit_its_pooled_mean_is_one_line(ranks):
     for rank_errors in errors:
         kind, message = rank_errors["misfit"]
         assert kind == "ReductionError" and "\n" not in message and "cost/normal/count" in message, message
+
+
+# -- every rank of a launch probes the record's folder at once (check_paths runs before the process group) ----------
+def test_a_folder_level_another_rank_makes_meanwhile_is_not_refused(tmp_path, monkeypatch):
+    """Rank 1 made ``new`` between this rank's existence check and its mkdir: 'File exists' refused the launch."""
+    from nasdiag.search.runner import _probe_writable
+
+    real = os.mkdir
+
+    def raced(path, *args, **kwargs):
+        if not os.path.exists(path):
+            real(path, *args, **kwargs)  # the other rank's mkdir, just before this one
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", raced)
+    _probe_writable(str(tmp_path / "new" / "sub"), "record")
+
+
+def test_a_folder_another_rank_removes_meanwhile_is_probed_again(tmp_path, monkeypatch):
+    """Rank 1 removed its probe level ``new`` between this rank's existence check and its temporary file: 'No such file
+    or directory' refused the launch. Nothing is left behind either way."""
+    from nasdiag.search.runner import _probe_writable
+
+    folder = tmp_path / "new"
+    folder.mkdir()  # the other rank's probe level
+    real, calls = tempfile.TemporaryFile, []
+
+    def raced(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            os.rmdir(folder)  # the other rank's probe ends
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", raced)
+    _probe_writable(str(folder), "record")
+    assert not folder.exists()
+
+
+def test_a_dangling_link_as_the_folder_is_still_refused(tmp_path):
+    from nasdiag.errors import ConfigError
+    from nasdiag.search.runner import _probe_writable
+
+    os.symlink(tmp_path / "gone", tmp_path / "link")
+    with pytest.raises(ConfigError, match="cannot write the record under"):
+        _probe_writable(str(tmp_path / "link"), "record")

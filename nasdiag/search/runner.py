@@ -257,23 +257,37 @@ def _probe_writable(folder: str, what: str) -> None:
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         raise ConfigError(f"cannot put the {what} under {folder}: {existing} is a file, not a folder")
-    created = []  # every missing level: one too long for the file system (a path past PATH_MAX) failed only after
-    try:          # the recorder had made the levels above it, and left them behind
-        if existing == folder:
-            with tempfile.TemporaryFile(dir=folder):
-                pass
-        else:
-            for part in os.path.relpath(folder, existing).split(os.sep):
-                existing = os.path.join(existing, part)
-                os.mkdir(existing)
-                created.append(existing)
-    except OSError as err:
-        from nasdiag.record.lock import describe_os_error
+    # Under torchrun every rank probes the same folder at once: a level another rank made (or removed again) meanwhile
+    # was "File exists" or "No such file or directory", and its rmdir of a level in use a traceback; tried again.
+    for attempt in range(3):
+        created = []  # every missing level: one too long for the file system (a path past PATH_MAX) failed only after
+        try:          # the recorder had made the levels above it, and left them behind
+            if existing == folder:
+                with tempfile.TemporaryFile(dir=folder):
+                    pass
+            else:
+                for part in os.path.relpath(folder, existing).split(os.sep):
+                    existing = os.path.join(existing, part)
+                    try:
+                        os.mkdir(existing)
+                    except FileExistsError:
+                        if not os.path.isdir(existing):  # a file or a dangling link, not a level another rank made
+                            raise
+                        continue
+                    created.append(existing)
+            return
+        except OSError as err:
+            if not isinstance(err, FileNotFoundError) or attempt == 2:
+                from nasdiag.record.lock import describe_os_error
 
-        raise ConfigError(f"cannot write the {what} under {folder}: {describe_os_error(err)}") from None
-    finally:
-        for level in reversed(created):
-            os.rmdir(level)
+                raise ConfigError(f"cannot write the {what} under {folder}: {describe_os_error(err)}") from None
+        finally:
+            for level in reversed(created):
+                with contextlib.suppress(OSError):  # another rank probing inside it removes it in turn
+                    os.rmdir(level)
+        existing = folder
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
 
 
 def _check_side_file_names(record: str) -> None:
