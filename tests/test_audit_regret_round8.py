@@ -13,7 +13,17 @@ Found and fixed in this round:
 * ω computed as √(γ − C)/γ cancelled every digit where γH is below the precision (γ = 1, H = 1e-20: ω = 0,
   not 1e-10, and the switch s = |w|/ω became ∞); float32 lost digits from γH ~ 1e-4 on.
 * C = γ/(1 + γH) overflowed to 0 where γH passes the float range (γ = 1e300, H = 1e10: C = 0, not 1e-10).
-* a finite reward whose EG step ln v + ηR overflows made every weight NaN from then on, with no error.
+* a finite reward whose EG step ln v + ηR overflows made every weight NaN from then on, with no error (and the
+  same in SoftmaxGD's α + ηR~).
+* with clip_rewards (the default) the XNAS search clamped an infinite cost to ±L and played it as a finite
+  reward, unflagged, where a NaN sits the round out and is flagged.
+
+Checked and found right (references in parentheses): Γ_t and γ_T (eq 28, Lemma 2) and Lemma 1 / Theorem 1 in
+float32 and float64 on adversarial dyadic sequences (exact hindsight totals); float32 and float64 forecasters
+take the same wipeouts there; a BayesNAS search in float32 and float64 records the same γ, ω, C to ~1e-6 and the
+same switches (own script); the paper's Γ_t (28), I_t (21, v ≥ θ kept), (31) and (4) as the docstrings cite them.
+Left alone: the entropy pruning rule ½ ln(2πeγ) ≤ 0 evaluated in floating point prunes γ one or two ulps above
+the real threshold 1/(2πe) (ENTROPY_THRESHOLD_GAMMA is itself one ulp above the correctly rounded value).
 """
 
 from __future__ import annotations
