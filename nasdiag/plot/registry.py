@@ -275,8 +275,8 @@ def resolve_row(record: Record, path: str, at: Union[str, int]) -> int:
 
 def malformed_paths(record: Record) -> Dict[str, str]:
     """``{path: why}`` for the record's paths of a `nasdiag.vocabulary` family whose rows do not have the family's
-    shape: another number of axes, or an E (edges of the cell type) or K (ops) other than the first such path of the
-    record gives. The recorder checks shapes against meta only, so a record written without ``op_names`` /
+    shape: another number of axes, or an E (edges) or K (ops) other than the first such path of the cell type (of the
+    record, for a family without ``<cell>``) gives. The recorder checks shapes against meta only, so a record written without ``op_names`` /
     ``edge_names`` may hold them; figures leave these paths out instead of failing on them. (Names in meta that do not
     match the rows are no reason: the figures then label ops and edges by number.)"""
     sizes: Dict[Tuple[str, Optional[str]], Tuple[int, str]] = {}
@@ -294,7 +294,9 @@ def malformed_paths(record: Record) -> Dict[str, str]:
         cell = path.split("/")[parts.index("<cell>")] if "<cell>" in parts else None
         for dim, n in zip(dims, shape):
             if dim in ("E", "K"):
-                n_known, source = sizes.setdefault((dim, cell if dim == "E" else None), (n, path))
+                # per cell type: the probe's statistics of edges with different op sets are one group per edge,
+                # each with its own K (docs/probe.md, "Streaming statistics")
+                n_known, source = sizes.setdefault((dim, cell), (n, path))
                 if n != n_known:
                     bad[path] = f"{path} has rows of shape {shape}: {dim} = {n}, but {source} gives {dim} = {n_known}"
                     break
