@@ -276,9 +276,9 @@ def resolve_row(record: Record, path: str, at: Union[str, int]) -> int:
 def malformed_paths(record: Record) -> Dict[str, str]:
     """``{path: why}`` for the record's paths of a `nasdiag.vocabulary` family whose rows do not have the family's
     shape: another number of axes, or an E (edges) or K (ops) other than the first such path of the cell type (of the
-    record, for a family without ``<cell>``) gives. The recorder checks shapes against meta only, so a record written without ``op_names`` /
-    ``edge_names`` may hold them; figures leave these paths out instead of failing on them. (Names in meta that do not
-    match the rows are no reason: the figures then label ops and edges by number.)"""
+    record, for a family without ``<cell>``) gives. The recorder checks shapes against meta only, so a record written
+    without ``op_names`` / ``edge_names`` may hold them; figures leave these paths out instead of failing on them.
+    (Names in meta that do not match the rows are no reason: the figures then label ops and edges by number.)"""
     sizes: Dict[Tuple[str, Optional[str]], Tuple[int, str]] = {}
     bad: Dict[str, str] = {}
     for path, values in record.items():
