@@ -15,6 +15,10 @@ Found: a supernet whose edges have different op sets (statistics: one group per 
 docs/probe.md promises) recorded fine, but ``nasdiag plot`` left every edge but the first out ("K = 3, but
 cost/blocks.0/mean gives K = 2"): the figures checked one K for the whole record; K is now checked per cell type
 (nasdiag/plot/registry.py, outside this area, one line).
+Found: the DARTS-code mixed op ``sum(w * op(x) for w, op in zip(weights, self._ops))`` given the (B, K) weights of the
+GGN modes pairs batch rows with ops; where the output's last size is K (8 ops on 8x8 maps) it broadcasts, and
+``probe.hessian()`` in ``ggn`` returned silently wrong numbers (checked against J^T H J by autograd); now one
+CurvatureError line (nasdiag/hessian/arch_ggn.py, outside this area).
 Found: a candidate op (or a whole mixed op) replaced or pruned after ``attach`` gave NaN with a warning to "run every
 candidate op" (every op had run; the probe's hooks were on the old modules); now one ProbeError line to attach again.
 """
@@ -28,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import nasdiag
+from nasdiag.hessian.modes import CurvatureError
 from nasdiag.probe import ProbeError
 
 
@@ -247,3 +252,59 @@ def test_a_record_of_edges_with_different_op_sets_equals_autograd_and_is_drawn_f
     err = capsys.readouterr().err
     assert code == 0 and "left out" not in err, err
     assert all((tmp_path / "figs" / f"cost_blocks.{e}_heatmap.png").exists() for e in range(2))
+
+
+def _conv_supernet(per_sample_weights: bool):
+    K = 4
+
+    class Mixed(nn.Module):
+        def __init__(self, C):
+            super().__init__()
+            self._ops = nn.ModuleList([nn.Conv2d(C, C, 3, padding=1, bias=False) for _ in range(K)])
+
+        def forward(self, x, weights):
+            if per_sample_weights:
+                w = [weights[..., k].reshape(-1, 1, 1, 1) if weights.dim() == 2 else weights[k] for k in range(K)]
+                return sum(wk * op(x) for wk, op in zip(w, self._ops))
+            return sum(w * op(x) for w, op in zip(weights, self._ops))  # the DARTS code, (K,) weights only
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Conv2d(1, 3, 3, padding=1)
+            self.edges = nn.ModuleList([Mixed(3), Mixed(3)])
+            self.head = nn.Linear(3, 3)
+            self.alpha = nn.Parameter(torch.randn(2, K))
+
+        def forward(self, x, Z=None):
+            h = self.stem(x)
+            Z = F.softmax(self.alpha, -1) if Z is None else Z
+            for e, m in enumerate(self.edges):
+                h = torch.tanh(m(h, Z[e]))
+            return self.head(h.mean((2, 3)))
+
+    torch.manual_seed(4)
+    return Net().double(), K
+
+
+@pytest.mark.parametrize("per_sample_weights", [True, False])
+def test_ggn_of_a_darts_code_mixed_op_on_maps_as_wide_as_k_equals_autograd_or_is_one_line(per_sample_weights):
+    net, K = _conv_supernet(per_sample_weights)
+    B = 6
+    x, y = torch.randn(B, 1, K, K, dtype=torch.float64), torch.randint(0, 3, (B,))  # map width == K
+    Z = F.softmax(net.alpha, -1).detach()
+    J = torch.autograd.functional.jacobian(lambda z: net(x, z), Z).reshape(B, 3, Z.numel())
+    p = F.softmax(net(x, Z), -1).detach()
+    H = (torch.diag_embed(p) - p[:, :, None] * p[:, None, :]) / B  # mean cross-entropy's Hessian in the logits
+    ggn = torch.einsum("bci,bcd,bdi->i", J, H, J).reshape(Z.shape)  # diag of Jᵀ H J
+    probe = nasdiag.attach(net, hessian="ggn")
+    with probe.record(targets=y):
+        F.cross_entropy(net(x), y).backward()
+    if per_sample_weights:
+        got = probe.hessian()
+        assert max((got[f"edges.{e}"] - ggn[e]).abs().max().item() for e in range(2)) < 1e-12 * ggn.abs().max().item() + 1e-16
+    else:
+        with pytest.raises(CurvatureError, match="zip") as info:
+            probe.hessian()
+        assert "\n" not in str(info.value)
+    assert _hooks(net) == 0

@@ -60,10 +60,35 @@ class _PerSampleShift:
         self.with_graph: Dict[str, torch.Tensor] = {}  # first call's weights, still attached (the softmax check)
         #: the mixed ops whose forward has begun and not yet returned, innermost last (to name a failing one)
         self.running: List[str] = []
+        #: first call of an edge given (K,) weights: its arguments and RNG state, to check the (B, K) call against
+        self.pending: Dict[str, tuple] = {}
 
     def done(self, module, args, output):
-        if self.running:
-            self.running.pop()
+        name = self.running.pop() if self.running else None
+        if name in self.pending:
+            self._check_per_sample(name, module, output, *self.pending.pop(name))
+
+    def _check_per_sample(self, name, module, output, args, kwargs, cpu_state, device, cuda_state):
+        """The op given the (B, K) weights (rows all equal to its (K,) weights) must return what it returns for the
+        (K,) weights: a DARTS-code ``sum(w * op(x) for w, op in zip(weights, self._ops))`` pairs the batch rows with
+        the ops instead, which fails on most shapes but broadcasts silently when the output's last size is K."""
+        if not isinstance(output, torch.Tensor) or not output.is_floating_point():
+            return
+        with torch.no_grad(), torch.random.fork_rng(devices=[device] if cuda_state is not None else []):
+            torch.set_rng_state(cpu_state)  # the same dropout draws as the call being checked
+            if cuda_state is not None:
+                torch.cuda.set_rng_state(cuda_state, device)
+            reference = module.forward(*args, **kwargs)
+        if not isinstance(reference, torch.Tensor) or reference.shape == output.shape and bool(
+                ((output.detach() - reference).abs().amax() <= 1e-5 * reference.abs().amax()
+                 + torch.finfo(reference.dtype).tiny) or not torch.isfinite(reference).all()):
+            return
+        raise CurvatureError(
+            f"edge {name!r}: the GGN modes (ggn, ggn_mc, and the control variate of hutchinson:<k>) mix each sample "
+            "with its own weights, shape (B, K), and the mixed op returned another output for them than for its (K,) "
+            "weights (e.g. zip(weights, self._ops) pairs the batch rows with the ops); let its forward take (B, K) "
+            "weights as well as (K,) (weights[..., k] broadcast over each sample's output), or use mode='exact' or 'diag'"
+        )
 
     def hook(self, i: int):
         name, K = self.names[i], self.n_ops[i]
@@ -85,6 +110,10 @@ class _PerSampleShift:
                 )
             if name not in self.leaves:
                 self.leaves[name] = torch.zeros(x.shape[0], K, dtype=weights.dtype, device=weights.device, requires_grad=True)
+                if weights.dim() == 1 and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+                    cuda = x.device if x.is_cuda else None
+                    self.pending[name] = (args, kwargs, torch.get_rng_state(), cuda,
+                                          torch.cuda.get_rng_state(cuda) if cuda is not None else None)
             self.observed[name].append(weights.detach())
             self.with_graph.setdefault(name, weights)
             shifted = weights + self.leaves[name]
