@@ -388,3 +388,22 @@ def test_an_unknown_keyword_is_a_record_error_naming_the_valid_ones(tmp_path):
         RecorderCallback(tmp_path / "run.h5", bogus_option=3)
     assert not any(tmp_path.iterdir())
 
+
+
+def test_a_lightning_install_that_fails_at_import_is_one_record_error(monkeypatch, tmp_path):
+    """torchmetrics imports torchvision when it is installed, and a torchvision built for another torch fails with
+    a RuntimeError (this box: "operator torchvision::nms does not exist"): one line naming it, not a traceback."""
+    import importlib
+
+    real = importlib.import_module
+
+    def import_module(name, *args, **kwargs):
+        if name in ("lightning.pytorch", "pytorch_lightning"):
+            raise RuntimeError("operator torchvision::nms does not exist")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib, "import_module", import_module)
+    with pytest.raises(RecordError, match=r"^PyTorch Lightning is installed but 'import lightning.pytorch' fails "
+                                          r"\(RuntimeError: operator torchvision::nms does not exist\); repair"):
+        lightning_callback(tmp_path / "run.h5")
+    assert not list(tmp_path.iterdir())

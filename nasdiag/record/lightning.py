@@ -10,11 +10,22 @@ from nasdiag.record.errors import RecordError
 
 
 def _lightning_callback_base():
+    broken = None
     for module in ("lightning.pytorch", "pytorch_lightning"):
         try:
             return importlib.import_module(module).Callback
         except ImportError:
             continue
+        except Exception as err:  # an installed package that fails at import (a torchvision built for another torch)
+            broken = broken or (module, err)
+    if broken is not None:
+        module, err = broken
+        text = str(err).strip().splitlines()
+        raise RecordError(
+            f"PyTorch Lightning is installed but 'import {module}' fails ({type(err).__name__}: "
+            f"{text[0] if text else 'no message'}); repair that install (a torchvision built for another torch breaks "
+            "it: pip uninstall torchvision, which nasdiag does not use) or call RecorderCallback's hooks from your loop"
+        ) from None
     raise RecordError(
         "the Lightning adapter needs PyTorch Lightning (pip install lightning); nasdiag does not depend on it. "
         "Without it, call RecorderCallback's hooks from your loop"
@@ -96,7 +107,7 @@ def lightning_callback(path, *, meta=None, statistics=None, epoch_statistics=Non
     share a row, later values winning. ``epoch_statistics(trainer, pl_module)``, if given, adds to
     the last row of each epoch. ``callback_kwargs`` go to `RecorderCallback` (``reduce``, ``rules``)
     and `Recorder` (``flush_every``, ``resume``, ``overwrite``). Raises `RecordError` if neither
-    ``lightning`` nor ``pytorch_lightning`` is installed.
+    ``lightning`` nor ``pytorch_lightning`` is installed, or if the installed one fails to import.
     """
     base = _lightning_callback_base()
     return _adapter_class(base)(path, meta, statistics or _statistics_from_module, epoch_statistics, callback_kwargs)
