@@ -705,7 +705,7 @@ class Recorder:
         final = self.segment_file
         tmp = schema.temp_path(final)
         self._remove(tmp)
-        f = None
+        f = closing = None
         try:
             f = h5py.File(tmp, "w-", libver=schema.LIBVER, rdcc_nbytes=schema.CHUNK_CACHE_BYTES, **schema.FILE_SPACE)
             self._write_header(f)
@@ -748,7 +748,8 @@ class Recorder:
                 fillvalue=schema.STEP_FILL,
             )
             if placeholder:
-                f.close()
+                closing, f = f, None  # a close that fails has half-closed the file: HDF5 crashes on its handle
+                closing.close()
             else:
                 f.swmr_mode = True
         except (OSError, RuntimeError, ValueError) as err:
@@ -756,6 +757,11 @@ class Recorder:
                 try:
                     _detach_from_disk(f)  # the file is discarded; its close must not retry writes
                     f.close()
+                except Exception:
+                    pass
+            elif closing is not None:
+                try:
+                    closing.close()  # a second close finishes the failed one (its writes have failed already)
                 except Exception:
                     pass
             self._remove(tmp)
