@@ -16,14 +16,11 @@ from pathlib import Path
 from typing import List, Optional
 
 from nasdiag.errors import ConfigError, NasdiagError, paths_on_stdout
-from nasdiag.search.config import DATASETS, DIAGNOSTICS, DTYPES, ENGINES, NORMS, ORDERS, SearchConfig, no_hessian_recorded
+from nasdiag.search.config import (DATASETS, DIAGNOSTICS, DTYPES, ENGINES, MAX_SEED, NORMS, ORDERS, SearchConfig,
+                                   no_hessian_recorded)
 
 EXIT_USAGE = 2
 EXIT_SIGINT, EXIT_SIGTERM, EXIT_SIGPIPE = 130, 143, 141
-
-
-#: the largest --seed: the batch order seeds torch with ``(seed + 1) * 100_003 + epoch``, which must fit 64 bits
-MAX_SEED = 10 ** 14 - 1
 
 
 def _seed(text: str) -> int:

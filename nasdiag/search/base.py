@@ -36,6 +36,8 @@ from nasdiag.supernet import Genotype, derive_genotype
 
 Batch = Tuple[torch.Tensor, torch.Tensor]
 CellWeights = Dict[str, torch.Tensor]
+#: the largest seed a method takes: its generator is seeded with seed + 7919, at most 2⁶⁴ − 1 for torch
+MAX_METHOD_SEED = 2 ** 64 - 1 - 7919
 
 
 class SearchError(NasdiagError, RuntimeError):
@@ -239,8 +241,12 @@ class SearchMethod:
         if not isinstance(schedule, Schedule):
             raise NasdiagError(f"schedule must be a nasdiag.search.Schedule(epochs=..., steps_per_epoch=...), got "
                                f"{type(schedule).__name__}")
-        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
-            raise NasdiagError(f"seed must be an integer >= 0, got {seed!r}")
+        # the generator is seeded with seed + 7919, which torch takes up to 2⁶⁴ − 1 (above: a ValueError traceback)
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed <= MAX_METHOD_SEED:
+            raise NasdiagError(f"seed must be an integer from 0 to {MAX_METHOD_SEED}, got {seed!r}")
+        # a number of steps between actions above the run's steps never acts (BayesNAS's update_every): refused as run()
+        # refuses it, so a method built by hand does not silently skip the action
+        hp.check_steps(schedule.total_steps, f" ({schedule.epochs} epochs × {schedule.steps_per_epoch} steps per epoch)")
         if hessian_mode is not None:
             from nasdiag.hessian.modes import ARCH_MODES, check_mode
 

@@ -40,6 +40,8 @@ RECORD_DEFINING = ("diagnostics", "hessian_mode", "spectrum_every")
 MAX_HUTCHINSON_PROBES = 1024
 
 
+#: the largest seed: the batch order seeds torch with ``(seed + 1) * 100_003 + epoch``, which must fit 64 bits
+MAX_SEED = 10 ** 14 - 1
 #: the largest supernet shape: a cell of ``steps`` nodes has steps·(steps+3)/2 edges of K ops each (DARTS searches
 #: with 4 steps and 8 layers); past these, building it takes gigabytes of small modules and minutes, and
 #: ``--steps 1000`` or ``--layers 100000`` filled the machine's memory instead of failing
@@ -88,7 +90,7 @@ class SearchConfig:
             batches) or ``synthetic``.
         C, layers, steps, multiplier, order, norm: the supernet (`nasdiag.supernet.Network`);
             ``multiplier`` None means ``steps``.
-        epochs, batch_size, seed: ``batch_size`` is per DDP rank.
+        epochs, batch_size, seed: ``batch_size`` is per DDP rank; ``seed`` from 0 to `MAX_SEED`.
         device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
         dtype: ``float32`` or ``float64``.
         diagnostics: recorded once per epoch: ``cost`` (cost statistics), ``hessian`` (mixing-weight
@@ -189,6 +191,8 @@ class SearchConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+        if self.seed > MAX_SEED:  # run() stopped in torch's "Overflow when unpacking long long" ValueError traceback
+            raise ConfigError(f"seed {self.seed} is too large: give a seed from 0 to at most {MAX_SEED}")
         if self.C % 2:
             raise ConfigError(f"C must be even (FactorizedReduce halves it), got {self.C}")
         if self.steps > MAX_STEPS:
