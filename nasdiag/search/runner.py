@@ -751,14 +751,18 @@ def _run(config, callbacks, method_cls, hp, rank, world, device) -> SearchResult
     if config.resume:
         state, recorded_until = _resume_point(config, defining)
 
-    torch.manual_seed(config.seed)
+    def build_network():
+        return Network(config.C, splits.num_classes, config.layers, steps=config.steps, multiplier=config.cell_multiplier,
+                       in_channels=splits.in_channels, order=config.order, norm=config.norm,
+                       **({"primitives": method_cls.primitives} if getattr(method_cls, "primitives", None) else {}))
+
+    supernet = f"the supernet (C={config.C}, layers={config.layers}, steps={config.steps})"
+    smaller = "use a smaller --C, --layers or --steps"
     try:
-        with _fits_in_memory(f"the supernet (C={config.C}, layers={config.layers}, steps={config.steps})", device,
-                             "use a smaller --C, --layers or --steps"):
-            net = Network(config.C, splits.num_classes, config.layers, steps=config.steps, multiplier=config.cell_multiplier,
-                          in_channels=splits.in_channels, order=config.order, norm=config.norm,
-                          **({"primitives": method_cls.primitives} if getattr(method_cls, "primitives", None) else {}),
-                          ).to(device=device, dtype=dtype)
+        with _fits_in_memory(supernet, device, smaller):
+            _check_tensors_fit(build_network, supernet, device, dtype, smaller)
+            torch.manual_seed(config.seed)
+            net = build_network().to(device=device, dtype=dtype)
     except (ValueError, KeyError) as exc:
         raise ConfigError(f"invalid supernet settings: {exc.args[0] if exc.args else exc}") from None
     _set_engine(net, config.engine)
@@ -908,6 +912,36 @@ def _say_what_is_kept(exc: BaseException, config: SearchConfig, record_cb, lost_
     with contextlib.suppress(AttributeError):  # an exception type with __slots__
         exc.kept = (os.fspath(config.record), recorder.last_committed_step or 0)
         exc.resumable = True
+
+
+def _device_memory(device) -> Optional[int]:
+    """Bytes of memory ``device`` has in all (physical memory for the CPU), or None where it cannot be told."""
+    device = torch.device(device)
+    try:
+        if device.type == "cuda":
+            return int(torch.cuda.mem_get_info(device)[1])
+        if device.type == "cpu":
+            return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, RuntimeError, AttributeError):
+        pass
+    return None
+
+
+def _check_tensors_fit(build, what: str, device, dtype: torch.dtype, fix: str) -> None:
+    """Refuse a module whose parameters and buffers alone outgrow ``device``'s memory, counted on the meta device
+    before anything is allocated: where the kernel overcommits memory (``vm.overcommit_memory=1``), a
+    ``--C 2000000`` supernet was not refused by a failed allocation but started filling terabytes, until the OOM
+    killer ended the process without a word."""
+    total = _device_memory(device)
+    if total is None:
+        return
+    with torch.device("meta"):
+        module = build()
+    tensors = itertools.chain(module.parameters(), module.buffers())
+    need = sum(t.numel() * (dtype.itemsize if t.is_floating_point() else t.element_size()) for t in tensors)
+    if need > total:
+        raise ConfigError(f"{what} does not fit in the memory of {device} (its parameters and buffers alone take "
+                          f"{need / 2**30:,.1f} GiB of {total / 2**30:,.1f} GiB); {fix}")
 
 
 @contextlib.contextmanager
