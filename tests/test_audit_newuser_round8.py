@@ -84,7 +84,7 @@ def _max_error(costs, ref, prefix=""):
     return max((costs[f"{prefix}_ops.{e}"] - ref[e]).abs().max().item() for e in range(ref.shape[0]))
 
 
-def test_two_probes_nested_and_a_probe_on_data_parallel_equal_autograd():
+def test_two_probes_nested_equal_autograd():
     net, x, y = _setup()
     ref = _reference_costs(net, x, y)
     p1, p2 = nasdiag.attach(net), nasdiag.attach(net)
@@ -92,13 +92,8 @@ def test_two_probes_nested_and_a_probe_on_data_parallel_equal_autograd():
         F.cross_entropy(net(x), y).backward()
     # float64, one product per entry: agreement to rounding
     assert _max_error(p1.costs(), ref) < 1e-12 and _max_error(p2.costs(), ref) < 1e-12
-    dp = nn.DataParallel(net)  # on CPU it calls the module itself
-    p3 = nasdiag.attach(dp)
-    assert p3.edge_names == [f"module._ops.{e}" for e in range(3)]
-    with p3.record():
-        F.cross_entropy(dp(x), y).backward()
-    assert _max_error(p3.costs(), ref, "module.") < 1e-12
     assert _hooks(net) == 0
+    # nn.DataParallel: tests/test_probe_data_parallel.py (on a CUDA host its default device_ids are the GPUs)
 
 
 @pytest.mark.parametrize("change", ["replace candidate", "prune candidate", "replace mixed op"])

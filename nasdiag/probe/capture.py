@@ -26,6 +26,15 @@ from nasdiag.edges import EdgeSpec
 from nasdiag.probe.discovery import CellInfo, ProbeError
 
 
+def data_parallel_refusal(what: str) -> str:
+    """The line for ``nn.DataParallel`` over several devices: it runs shallow copies of the model in threads, one per
+    device, and every copy fires the original's hooks, so one step's captures would mix the devices' batch slices
+    (seen as "its mixed op ran twice in one forward")."""
+    return (f"{what}: nn.DataParallel over several devices runs per-device copies of the model in threads, which "
+            "nasdiag's hooks cannot tell apart; use torch.nn.parallel.DistributedDataParallel (one process per device, a "
+            "probe in each) or one device (nn.DataParallel(model, device_ids=[0]) or the bare model)")
+
+
 class Router:
     """The probe's planned hooks (built once at ``attach``, see :mod:`nasdiag.hooks`) call these; they
     forward to the step being recorded (``capture``), and do nothing outside a step.
@@ -203,6 +212,8 @@ class StepCapture:
 
     # -- forward hooks ---------------------------------------------------------------------
     def edge_pre(self, pos: int, module, args, kwargs):
+        if getattr(module, "_is_replica", False):
+            raise ProbeError(data_parallel_refusal(f"edge {self.edges[pos].name!r} ran in a copy of the model made by nn.DataParallel"))
         edge = self.edges[pos]
         if not torch.is_grad_enabled():
             # an evaluation forward (no_grad / inference_mode) has no backward, hence no cost; inference

@@ -16,7 +16,7 @@ from nasdiag.cost import CostMoments, analyse, scatter_cells
 from nasdiag.hessian import arch_diag_hessian
 from nasdiag.hessian.modes import ARCH_MODES, CurvatureError, check_mode
 from nasdiag.hooks import Hooks
-from nasdiag.probe.capture import Router, StepCapture
+from nasdiag.probe.capture import Router, StepCapture, data_parallel_refusal
 from nasdiag.edges import EdgesArg, EdgeSpec
 from nasdiag.probe.discovery import CellInfo, ProbeError, discover, is_mixed_op, weights_parameter as _weights_parameter
 from nasdiag.probe.discovery import _candidates, _cell_edge_list
@@ -123,6 +123,8 @@ class Probe:
             raise ProbeError("loss_fn must be callable as loss_fn(outputs, targets) -> scalar")
         if loss_fn is not None and hessian is None:
             raise ProbeError(f"loss_fn is only used by probe.hessian(); pass hessian=<mode> too (one of {HESSIAN_MODES})")
+        if isinstance(model, nn.DataParallel) and len(model.device_ids) > 1:
+            raise ProbeError(data_parallel_refusal(f"the model is nn.DataParallel over {len(model.device_ids)} devices"))
         self.model = model
         infos, cells = discover(model, edges)
         self._edges: Tuple[EdgeSpec, ...] = tuple(infos)
