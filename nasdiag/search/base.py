@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -396,7 +396,9 @@ class SearchMethod:
             train_weights: also accumulate ∂L/∂w into the weights' ``.grad`` (single-level methods share
                 one backward between w and α); the forward then goes through ``self.model`` (the DDP
                 wrapper, which averages ∂L/∂w over ranks).
-            observe: add the per-cell costs to the streaming cost statistics of :meth:`diagnostics`.
+            observe: add the per-cell costs to the streaming cost statistics of :meth:`diagnostics`, and record
+                this forward with the method's probe (``probe=``), if any: a forward that is not an observation
+                (ProxylessNAS's w step) stays out of the probe's costs and statistics too.
 
         Returns:
             :class:`CostStep`. Under DDP the costs are averaged over ranks (the cost of the global mean
@@ -405,7 +407,7 @@ class SearchMethod:
         leaves = [weights[c.cell_type].detach().clone().requires_grad_(True) for c in self.network.cells]
         module = self.model if train_weights else self.network
         kwargs = {} if active is None else {"active": active}
-        with self._probe_recording(y):
+        with self._probe_recording(y) if observe else nullcontext():
             logits = module(x, leaves, **kwargs)
             loss = nn.functional.cross_entropy(logits, y)
             if train_weights:
@@ -424,8 +426,6 @@ class SearchMethod:
         return CostStep(loss.detach(), logits.detach(), grads, costs)
 
     def _probe_recording(self, targets):
-        from contextlib import nullcontext
-
         return self.probe.record(targets=targets) if self.probe is not None else nullcontext()
 
     def _observe_costs(self, per_cell: Sequence[torch.Tensor], active: Optional[CellWeights]) -> None:
