@@ -11,6 +11,11 @@ Defects found (each test fails without its fix):
   path) besides the α step, so ``probe.steps_recorded`` was twice the steps and its ``cost/*/count`` and E[C] mixed
   the two batches, where the method's own statistics (and every other method's probe) hold only the α step's costs
   (test_a_probe_on_proxylessnas_records_the_alpha_steps_costs_only).
+* A probe with ``statistics="sampled"`` on a DARTS-code supernet adapted by ``nasdiag.search.supernet.adapt`` stopped
+  ProxylessNAS's α step in a size-mismatch RuntimeError traceback: the adapter's pre-hook, placed before the probe's,
+  handed the mixed op (and so the probe) the entries of Z of the active ops only, which the probe took for the (K,)
+  weights (a DSNAS one-op row broadcast over K by luck); the shortening now runs after every other pre-hook
+  (test_a_probe_on_an_adapted_darts_code_supernet_sees_the_full_mixing_weights_of_a_two_path_step).
 * docs/probe.md claimed Cor. 1.2 (a non-last cell's output-edge costs sum to 0) for every cell, and listed "BatchNorm in
   eval mode" as not invariant without the exception: in eval mode a BatchNorm with running statistics is an affine map,
   the preprocessing is not scale-invariant and the sum is not 0 (a counterexample below), while one with
@@ -186,6 +191,51 @@ def test_a_probe_on_proxylessnas_records_the_alpha_steps_costs_only():
         got, want = costs[e.name], ref[e.cell_index][e.edge_index]
         assert torch.isnan(got[~on]).all(), e.name
         assert (got[on] - want[on]).abs().max() <= 1e-12 * max(float(want.abs().max()), 1e-12), e.name
+
+
+def test_a_probe_on_an_adapted_darts_code_supernet_sees_the_full_mixing_weights_of_a_two_path_step():
+    """``adapt`` computes only the active ops by handing the mixed op its active candidates and their entries of Z;
+    a probe with ``statistics="sampled"`` read that shortened row as the (K,) weights and the ProxylessNAS α step
+    stopped in "The size of tensor a (8) must match the size of tensor b (2)". The probe sees the (K,) row: costs
+    equal the reference for the two paths run, NaN for the rest, and "sampled" counts the gated op."""
+    from test_foreign_supernet import PRIMITIVES, batch, darts_model
+
+    from nasdiag.search.supernet import adapt
+
+    model = darts_model(0)
+    net = adapt(model, primitives=PRIMITIVES)
+    probe = nasdiag.attach(net, statistics="sampled")
+    M = get_method("proxyless")
+    m = M(net, M.Hyperparameters(), schedule=Schedule(epochs=1, steps_per_epoch=2, batch_size=6), seed=3, probe=probe)
+    counts = {t: 0 for t in net.cell_types}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the paths not sampled did not run: a warning per step, documented
+        for s in range(2):
+            val = batch(10 * s + 1)
+            stats = m.step(batch(10 * s), val)
+            for cell in net.cells:
+                counts[cell.cell_type] = counts[cell.cell_type] + stats[f"sample/{cell.cell_type}/onehot"].numpy()
+    for t in net.cell_types:
+        np.testing.assert_array_equal(probe.statistics()[f"cost/{t}/count"], counts[t])
+    # reference: Z as leaves, fed to the DARTS model's own mixed ops by pre-hooks written here; ops off the pair
+    # weighed by 0 (their ∂L/∂Z is not compared)
+    gates = [stats[f"sample/{c.cell_type}/onehot"] for c in net.cells]
+    pairs = [stats[f"sample/{c.cell_type}/paths"].bool() for c in net.cells]
+    leaves = [g.clone().requires_grad_(True) for g in gates]
+    handles = [mixed.register_forward_pre_hook(lambda mod, args, k=k, e=e: (args[0], leaves[k][e] * pairs[k][e]))
+               for k, c in enumerate(net.cells) for e, mixed in enumerate(c.module._ops)]
+    try:
+        ref = torch.autograd.grad(F.cross_entropy(model(val[0]), val[1]), leaves)
+    finally:
+        for h in handles:
+            h.remove()
+    costs = probe.costs()
+    for e in probe.edges:
+        on = pairs[e.cell_index][e.edge_index]
+        got, want = costs[e.name], ref[e.cell_index][e.edge_index]
+        assert torch.isnan(got[~on]).all(), e.name
+        assert (got[on] - want[on]).abs().max() <= 1e-12 * max(float(want.abs().max()), 1e-12), e.name
+    assert_no_module_hooks(model)
 
 
 # -- Thm. 1 / Cor. 1.2 across normalization modes, on a cell written here ------------------------------------------

@@ -83,9 +83,10 @@ class AdaptedSupernet(nn.Module):
     untouched by the forward. It runs before the op's other pre-hooks, so a probe (``nasdiag.attach(network)``) and the
     curvature routes see the Z the method passes.
 
-    Active ops: with ``active``, the pre-hook also hands the mixed op a ModuleList of its active candidates
-    (swapped into ``_ops`` for this call, restored in ``finally``) and the matching entries of Z, so the
-    DARTS forward ``sum(w * op(x) for w, op in zip(weights, self._ops))`` computes only those. This relies
+    Active ops: with ``active``, a second pre-hook, run after every other (so a probe still sees the (K,) row of Z
+    and which ops it weighs), hands the mixed op a ModuleList of its active candidates (swapped into ``_ops`` for this
+    call, restored in ``finally``) and the matching entries of Z, so the DARTS forward
+    ``sum(w * op(x) for w, op in zip(weights, self._ops))`` computes only those. This relies
     on the convention that the mixed op iterates ``_ops`` together with ``weights``; for a mixed op that
     does otherwise, adapt with ``skip_inactive=False``: every op is then computed and inactive ones get
     mixing weight 0 (same outputs and costs, no saving).
@@ -139,6 +140,8 @@ class AdaptedSupernet(nn.Module):
             # first among the op's pre-hooks: a probe's or a curvature route's hooks, installed before this forward,
             # then see (and shift) the substituted Z, not the weights the cell passes
             self._hooks.forward_pre(e.module, self._substitute, with_kwargs=True, prepend=True)
+            # last: the pre-hooks before it (a probe's) read the (K,) row; only the op's own forward gets the active ops
+            self._hooks.forward_pre(e.module, self._keep_active, with_kwargs=True)
         self.skip_inactive = bool(skip_inactive)
         self._warned_dense = False
         self._forward_state: Optional[Tuple[list, Optional[list]]] = None
@@ -254,12 +257,7 @@ class AdaptedSupernet(nn.Module):
             if not bool(mask.any()):
                 raise ValueError(f"every candidate op of edge {e} of cell {self.cells[slot].name!r} is inactive; "
                                  "keep at least one op per edge active")
-            if self.skip_inactive:
-                idx = mask.nonzero().flatten()
-                self._swapped.setdefault(id(module), (module, module._ops))  # the original, once per forward
-                module._ops = nn.ModuleList(ops[k] for k in idx.tolist())
-                row = row[idx.to(row.device)]
-            else:
+            if not self.skip_inactive:
                 row = row * mask.to(row.device, row.dtype)
         if len(args) >= 2:
             return (args[0], row) + tuple(args[2:]), kwargs
@@ -269,3 +267,15 @@ class AdaptedSupernet(nn.Module):
             return (args[0], row), {k: v for k, v in kwargs.items() if k != name}
         raise ConfigError(f"mixed op {type(module).__name__} was called without its mixing weights (the DARTS convention "
                           f"passes them as the second argument, forward(x, {name}))")
+
+    def _keep_active(self, module: nn.Module, args: tuple, kwargs: dict):
+        """With ``active`` and ``skip_inactive``: the active candidates swapped into ``_ops`` and their entries of the
+        (K,) row (the second positional argument, where :meth:`_substitute` put it)."""
+        per_cell, masks = self._forward_state
+        if masks is None or not self.skip_inactive:
+            return None
+        slot, e, ops = self._where[id(module)]
+        idx = masks[slot][e].nonzero().flatten()
+        self._swapped.setdefault(id(module), (module, module._ops))  # the original, once per forward
+        module._ops = nn.ModuleList(ops[k] for k in idx.tolist())
+        return (args[0], args[1][idx.to(args[1].device)]) + tuple(args[2:]), kwargs
