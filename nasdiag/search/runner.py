@@ -19,6 +19,7 @@ import inspect
 import itertools
 import math
 import os
+import re
 import tempfile
 import warnings
 from dataclasses import dataclass, field
@@ -799,7 +800,11 @@ def _run(config, callbacks, method_cls, hp, rank, world, device) -> SearchResult
                 config.checkpoint, method, S, commit=record_cb.recorder.flush,
                 extra={"run": defining, "config_hash": digest, "config": config.to_dict(), "epochs": config.epochs})
             if state is None:
-                checkpointer.save(0)  # a run killed before its first epoch end resumes from here
+                try:
+                    checkpointer.save(0)  # a run killed before its first epoch end resumes from here
+                except Exception as exc:  # a full disk: the record made stays, and a rerun was refused as existing
+                    _say_what_is_kept(exc, config, record_cb)
+                    raise
             loop_callbacks.append(checkpointer)
     if state is not None and config.epochs > epochs and rank == 0:  # --epochs has a default: a plain --resume of a
         # shorter run lands here; said once the record is open (a resume refused for another writer said it too)
@@ -902,16 +907,32 @@ def _ran_out_of_memory(exc: BaseException, config: SearchConfig, device, record_
 
 
 def _say_what_is_kept(exc: BaseException, config: SearchConfig, record_cb, lost_rank: bool = False) -> None:
-    """On a machine failure during the loop (an OSError it is or was raised while handling, `os_error_in`, or a
-    collective that lost another rank, ``lost_rank``), tell the caller what the record keeps:
+    """On a machine failure during the loop (a failed write it is or was raised while handling,
+    `_storage_failure_in`, or a collective that lost another rank, ``lost_rank``), tell the caller what the record keeps:
     ``exc.kept = (record, last committed step)`` and ``exc.resumable``, which the CLI turns into the command
     that resumes it (a full disk said only "disk full", as if the run were lost)."""
     recorder = getattr(record_cb, "recorder", None)
-    if recorder is None or (os_error_in(exc) is None and not lost_rank) or not os.path.exists(os.fspath(config.record)):
+    if recorder is None or not (_storage_failure_in(exc) or lost_rank) or not os.path.exists(os.fspath(config.record)):
         return
     with contextlib.suppress(AttributeError):  # an exception type with __slots__
         exc.kept = (os.fspath(config.record), recorder.last_committed_step or 0)
         exc.resumable = True
+
+
+def _storage_failure_in(exc: BaseException) -> bool:
+    """Whether ``exc`` is or was raised while handling a failed write to storage: an OSError (`os_error_in`), or
+    HDF5's RuntimeError naming the errno of its failed write ("file write failed: ... errno = 27"), which the record
+    writer raises again as a RecordError; that one was not seen, so a search stopped by a full disk or a file-size
+    limit in a record write said nothing of the steps the record keeps or of the command that resumes it."""
+    if os_error_in(exc) is not None:
+        return True
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, RuntimeError) and re.search(r"errno\s*=\s*[1-9]", str(exc)):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def _device_memory(device) -> Optional[int]:

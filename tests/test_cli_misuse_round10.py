@@ -1,0 +1,178 @@
+"""A tenth new user's misuse of the ``nasdiag`` CLI: what rounds 1-9 (test_cli_errors.py, test_cli_search_misuse.py,
+test_cli_plot_misuse.py, test_cli_misuse_round3..9.py) did not cover: resource limits (``ulimit -f`` so that a write
+fails with EFBIG, ``ulimit -v`` so that torch cannot load) and CIFAR-10 batches pickled in another layout
+(torchvision's N x 32 x 32 x 3). Every mistake is one line on stderr, exit code 2, no traceback, the folder left as it
+was; a run stopped by a full disk says what its record keeps and the command that resumes it, and that command
+finishes the run.
+
+Checked and found right (no test added): ``--device`` cuda, cuda:7, cuda:0, mps, meta, cpu:0, CPU, ' cpu', cuda:-1 on
+a CPU machine (one line each, nothing written); every integer option at 0, -1, nan, '' (one line each); LANG=C
+LC_ALL=C with non-ASCII --out, --figs, plot and report paths (Python's C-locale coercion: the files get their names).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import resource
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nasdiag.cli import main
+from test_cli_errors import ROOT, TINY, refused, snapshot
+
+
+def _search(out, *extra):
+    return ["search", *TINY, "--out", str(out), *extra]
+
+
+def _steps(record) -> list:
+    from nasdiag.record import load
+
+    return [int(s) for s in load(str(record))["step"]]
+
+
+def _limited(kind: int, size: int):
+    """A ``preexec_fn`` setting the soft and hard limit ``kind`` (resource.RLIMIT_*) to ``size`` bytes, as ``ulimit``
+    does in the shell (Python ignores SIGXFSZ, so a write past ``ulimit -f`` fails with EFBIG)."""
+    return lambda: resource.setrlimit(kind, (size, size))
+
+
+def _nasdiag(argv, cwd, limit):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MPLBACKEND": "Agg"}
+    return subprocess.run([sys.executable, "-m", "nasdiag", *argv], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=300, preexec_fn=limit)
+
+
+def _resume_by_the_line(line: str, capsys) -> None:
+    """Run the command the line ends with (quoted for a shell) once the limit is gone."""
+    command = shlex.split(line.split(": nasdiag ", 1)[1])
+    assert "--resume" in command and "--force" not in command, line
+    assert main(command) == 0
+    capsys.readouterr()
+
+
+# -- ulimit -f: a full disk ------------------------------------------------------------------------------------------
+def test_a_file_size_limit_at_the_first_checkpoint_says_the_record_resumes(tmp_path, capsys):
+    """``ulimit -f 48``: the record's header fits, its first checkpoint (step 0, before any step) does not. The line
+    said only "cannot write checkpoint run.h5.ckpt: disk full or file-size limit reached", and the same command, once
+    there was space, was refused as "a record already exists". It says the record holds no step yet and gives the
+    command that continues it, which runs the search to its end."""
+    out = tmp_path / "run.h5"
+    done = _nasdiag(_search(out), tmp_path, _limited(resource.RLIMIT_FSIZE, 48 * 1024))
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "cannot write checkpoint" in lines[0] and "file-size limit reached" in lines[0], lines[0]
+    assert f"the record {out} holds no step yet: fix that and continue it with the same settings: nasdiag " in lines[0]
+    assert out.exists() and _steps(out) == []
+    _resume_by_the_line(lines[0], capsys)
+    full = tmp_path / "full.h5"  # the same run, never stopped
+    assert main(_search(full)) == 0
+    capsys.readouterr()
+    assert _steps(out) == _steps(full) != []
+
+
+def test_a_full_disk_in_a_record_write_says_what_the_record_keeps(tmp_path, capsys, monkeypatch):
+    """A record write that fails for a full disk or ``ulimit -f`` is HDF5's RuntimeError ("Unable to synchronously
+    flush file (file write failed: ... errno = 27, error message = 'File too large' ...)"), not an OSError: the line
+    was "recorder for run.h5 failed earlier (cannot write to run.h5: disk full ...); it accepts no more rows", with
+    neither the steps kept nor the command that resumes (what a full disk at a checkpoint says since round 5). Here
+    the record's second batch (epoch 2) fails as HDF5 fails it; the first epoch's steps stay and the run resumes."""
+    from nasdiag.record import writer
+
+    append = writer._append
+
+    def full(dataset, start, block):
+        if start > 0:  # the second batch of the segment
+            raise RuntimeError("Unable to synchronously flush file (file write failed: time = Fri Nov 27 15:41:49 2026, "
+                               "filename = 'run.h5', file descriptor = 5, errno = 28, error message = 'No space left "
+                               "on device', buf = 0x1, total write size = 4096, bytes this sub-write = 4096, bytes "
+                               "actually written = 18446744073709551615, offset = 0)")
+        return append(dataset, start, block)
+
+    out = tmp_path / "run.h5"
+    monkeypatch.setattr(writer, "_append", full)
+    assert main(_search(out, "--epochs", "2")) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "disk full" in lines[0], lines
+    kept = _steps(out)
+    assert kept and kept == list(range(1, len(kept) + 1))
+    assert f"the record {out} keeps steps 1 to {kept[-1]}: fix that and continue it with the same settings: " in lines[0]
+    monkeypatch.undo()
+    _resume_by_the_line(lines[0], capsys)
+    assert _steps(out) == list(range(1, 2 * len(kept) + 1))
+
+
+# -- ulimit -v: torch cannot load ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("command", ["search", "plot"])
+def test_a_memory_limit_too_small_to_load_torch_is_one_line(command, tmp_path):
+    """``ulimit -v 400000`` (390 MiB): importing torch failed with "ImportError: libtorch_cpu.so: failed to map segment
+    from shared object" (or a MemoryError, or scipy's SystemError, by the limit): a traceback and exit code 1. One line
+    says the limit is too small to load the libraries and how to raise it; nothing is written."""
+    record = tmp_path / "given" / "run.h5"
+    if command == "plot":
+        assert main(_search(record)) == 0
+    argv = _search(tmp_path / "run.h5") if command == "search" else ["plot", str(record), "--out", "figs",
+                                                                     "--figures", "genotype", "--dpi", "20"]
+    before = snapshot(tmp_path)
+    done = _nasdiag(argv, tmp_path, _limited(resource.RLIMIT_AS, 400_000 * 1024))
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "out of memory under the memory limit of 390 MiB (ulimit -v 400000)" in lines[0], lines[0]
+    assert "raise the limit (ulimit -v unlimited)" in lines[0], lines[0]
+    assert snapshot(tmp_path) == before
+
+
+# -- CIFAR-10 batches in another layout ------------------------------------------------------------------------------
+def _cifar(folder: Path, layout) -> Path:
+    """Six batches of 20 images whose pixel (c, h, w) is (37 c + 5 h + 3 w + n) mod 256, stored by ``layout``."""
+    folder.mkdir()
+    c, h, w = np.meshgrid(np.arange(3), np.arange(32), np.arange(32), indexing="ij")
+    images = np.stack([(37 * c + 5 * h + 3 * w + n) % 256 for n in range(20)]).astype(np.uint8)  # N x 3 x 32 x 32
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = {b"data": layout(images), b"labels": [i % 10 for i in range(20)], b"batch_label": name.encode()}
+        (folder / name).write_bytes(pickle.dumps(batch, protocol=2))
+    return folder
+
+
+@pytest.mark.parametrize("layout,needle", [
+    (lambda x: x.transpose(0, 2, 3, 1), "'data' is N x 32 x 32 x 3 (height, width, channel, as torchvision's "
+                                        "CIFAR10.data)"),
+    (lambda x: x.reshape(20, 3072).T.copy(), "'data' must be N x 3072 bytes (3 x 32 x 32 per image), got an array of "
+                                             "shape (3072, 20)"),
+    (lambda x: x.reshape(20, 1024, 3), "got an array of shape (20, 1024, 3)"),
+])
+def test_a_cifar_batch_in_another_layout_is_refused(layout, needle, tmp_path, capsys):
+    """torchvision's ``CIFAR10.data`` is N x 32 x 32 x 3; pickled as a batch's 'data', it has N x 3072 bytes and was
+    read as 3 x 32 x 32: every image's colours and rows silently scrambled, and the search ran on them. So was a
+    3072 x N array (transposed). Only N x 3072 and N x 3 x 32 x 32 are a batch's layout."""
+    data = _cifar(tmp_path / "cifar", layout)
+    argv = _search(tmp_path / "run.h5", "--dataset", "cifar10", "--data-dir", str(data), "--batch-size", "4")
+    line = refused(argv, tmp_path, needle, capsys)  # a batch of 4: without the check, the search ran
+    assert "data_batch_1 is not a CIFAR-10 python batch" in line
+
+
+def test_a_cifar_batch_of_n_x_3_x_32_x_32_reads_as_the_flat_one(tmp_path):
+    """The layout kept: an N x 3 x 32 x 32 'data' is the same bytes in the same order as N x 3072, and gives the same
+    splits; the images are the pixels written, channel first (own reference: the formula of `_cifar`)."""
+    import torch
+
+    from nasdiag.data import cifar10
+
+    flat = cifar10(_cifar(tmp_path / "flat", lambda x: x.reshape(20, 3072)), limit=5, dtype=torch.float64)
+    square = cifar10(_cifar(tmp_path / "square", lambda x: x), limit=5, dtype=torch.float64)
+    for part in ("train", "val", "test"):
+        for a, b in zip(getattr(flat, part).tensors, getattr(square, part).tensors):
+            assert torch.equal(a, b)
+    test = flat.test.tensors[0].numpy()  # standardized per channel: an affine map of the pixels, slope > 0
+    c, h, w = np.meshgrid(np.arange(3), np.arange(32), np.arange(32), indexing="ij")
+    expected = np.stack([(37 * c + 5 * h + 3 * w + n) % 256 for n in range(5)]).astype(np.float64)
+    for channel in range(3):
+        x, y = expected[:, channel].ravel(), test[:, channel].ravel()
+        slope, offset = np.polyfit(x, y, 1)
+        assert slope > 0 and np.abs(slope * x + offset - y).max() < 1e-9 * np.abs(y).max()
