@@ -9,6 +9,7 @@ one line on stderr with exit code 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -16,6 +17,11 @@ from pathlib import Path
 from typing import List, Optional
 
 from nasdiag.errors import ConfigError, NasdiagError, paths_on_stdout
+
+try:  # loaded now: under a memory limit, loading it when torch failed to load failed too
+    import resource
+except ImportError:  # pragma: no cover - not POSIX
+    resource = None
 from nasdiag.search.config import (DATASETS, DIAGNOSTICS, DTYPES, ENGINES, MAX_SEED, NORMS, ORDERS, SearchConfig,
                                    no_hessian_recorded)
 
@@ -453,6 +459,21 @@ def _no_stderr() -> bool:
     return False
 
 
+def _memory_limit():
+    """``(ulimit option, bytes)`` of the smallest finite limit on this process's memory (address space: ``-v``, data
+    segment: ``-d``), or None where there is none: under one, importing torch, scipy or matplotlib failed with a
+    traceback of ImportError ("failed to map segment from shared object"), MemoryError or SystemError, exit code 1."""
+    if resource is None:  # pragma: no cover - not POSIX
+        return None
+    limits = []
+    for option, name in (("-v", "RLIMIT_AS"), ("-d", "RLIMIT_DATA")):
+        with contextlib.suppress(AttributeError, OSError, ValueError):
+            soft = resource.getrlimit(getattr(resource, name))[0]
+            if soft != resource.RLIM_INFINITY:
+                limits.append((soft, option))
+    return None if not limits else min(limits)[::-1]
+
+
 def _import_numpy() -> None:
     """Import NumPy before any command imports torch: torch's C module imports NumPy itself and, on a Ctrl-C in that
     import, goes on without it, the KeyboardInterrupt lost; the command then failed on the half-imported NumPy left
@@ -503,6 +524,15 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
         _say(_with_resume(f"nasdiag: error: {describe_os_error(exc)}{where}", exc, args, argv))
+        return EXIT_USAGE
+    except (ImportError, MemoryError, SystemError) as exc:  # torch, scipy or matplotlib loaded under `ulimit -v`
+        limit = _memory_limit()
+        if limit is None:
+            raise
+        reason = " ".join(str(exc).split())
+        _say(f"nasdiag: error: out of memory under the memory limit of {limit[1] // 2 ** 20} MiB (ulimit {limit[0]} "
+             f"{limit[1] // 1024}) ({type(exc).__name__}{': ' + reason if reason else ''}): torch and the libraries it "
+             f"loads need more; raise the limit (ulimit {limit[0]} unlimited) and run the command again")
         return EXIT_USAGE
     except KeyboardInterrupt as exc:
         _say(_stopped(args, "interrupted", exc, argv))

@@ -415,7 +415,11 @@ def run_plot(args) -> int:
         _refuse_nothing_to_draw(record, record_path, args.figures)
         created = _missing_folders(out)
         _make_folder(out, created)
-        drawn = draw_record(record, out, args.format, figures, args.at, args.dpi)
+        try:
+            drawn = draw_record(record, out, args.format, figures, args.at, args.dpi)
+        except BaseException:  # torch or matplotlib that cannot load (ulimit -v), Ctrl-C: no empty folder left behind
+            _remove_empty(created)
+            raise
         for line in [*absent_figures(record, figures), *drawn.skipped]:
             print(f"skipped {line}", file=sys.stderr)
         if not drawn.files:
@@ -444,7 +448,12 @@ def run_plot(args) -> int:
             check_at_steps(at_tokens, record, record_path)
             _refuse_nothing_to_draw(record, record_path, args.figures)
             made = [folders[record_path]] if not folders[record_path].exists() else []
-            drawn = draw_record(record, folders[record_path], args.format, figures, args.at, args.dpi)
+            try:
+                drawn = draw_record(record, folders[record_path], args.format, figures, args.at, args.dpi)
+            except BaseException as exc:  # as for one record; a record skipped below keeps the folders of the others
+                if not isinstance(exc, (NasdiagError, OSError)):
+                    _remove_empty([*made, *created])
+                raise
             for line in [*absent_figures(record, figures), *drawn.skipped]:
                 bar.write(f"skipped {Path(record_path).name}/{line}", file=sys.stderr)
             if not drawn.files:
