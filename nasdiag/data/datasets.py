@@ -140,9 +140,14 @@ def _read_cifar_batch(path: Path) -> Tuple[np.ndarray, np.ndarray]:
         raise DataError(f"{path} is not a CIFAR-10 python batch (no 'data'/'labels' entries"
                         + ("; it is a CIFAR-100 batch, with 'fine_labels')" if cifar100 else ")"))
     images = _integers(data, path, "data", "bytes (integers 0..255)", 255)
-    if images.size % 3072:
+    if images.ndim == 4 and images.shape[1:] == (32, 32, 3):  # torchvision's CIFAR10.data: read as 3 x 32 x 32, the
+        # colours and rows of every image were silently scrambled
+        raise DataError(f"{path} is not a CIFAR-10 python batch: 'data' is N x 32 x 32 x 3 (height, width, channel, "
+                        "as torchvision's CIFAR10.data), where a batch holds N x 3072 bytes channel by channel "
+                        "(3 x 32 x 32); store data.transpose(0, 3, 1, 2).reshape(len(data), 3072)")
+    if images.ndim > 1 and images.shape[1:] not in ((3072,), (3, 32, 32)):  # 3072 x N, N x 1024 x 3: scrambled alike
         raise DataError(f"{path} is not a CIFAR-10 python batch: 'data' must be N x 3072 bytes (3 x 32 x 32 per image), "
-                        f"got {images.size} bytes")
+                        f"got an array of shape {images.shape}")
     images = images.astype(np.uint8, copy=False).reshape(-1, 3, 32, 32)
     labels = _integers(labels, path, "labels", "class numbers 0..9", 9).astype(np.int64).reshape(-1)
     if len(images) != len(labels) or not len(images):
