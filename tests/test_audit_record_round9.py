@@ -111,3 +111,157 @@ def test_a_writer_under_any_file_size_limit_says_so_in_one_line_keeps_its_rows_a
             assert (r["committed"] if r["committed"] is not None else -1) == len(r["steps"]) - 1, r
         assert r["resume_error"] is None and r["exact"] and r["tmp"] == [], r
     assert any(r["steps"] == "no record" for r in results) and any(r["error"] and r["steps"] for r in results)
+
+
+# --- the documented load surface against plain h5py ---------------------------------------------------------------
+
+
+def _h5py_record(path: str) -> dict:
+    """The merged record as docs/schema.md describes it, read with plain h5py only: segment 0 is ``path``, segment
+    i is ``<root>.seg<iiii><ext>``; a segment's committed rows are /step up to its first -1; where a step appears in
+    several segments the later segment's row wins; rows sorted by step; a path not logged in a row is its fill."""
+    import glob
+
+    import h5py
+    import numpy as np
+
+    root, ext = os.path.splitext(path)
+    files = [path] + sorted(glob.glob(root + ".seg[0-9][0-9][0-9][0-9]" + ext))
+    rows: dict[int, dict] = {}  # step -> {path: value}, later segments overwrite
+    dtypes: dict[str, tuple] = {}
+    nonfinite_attrs = []
+    for file in files:
+        with h5py.File(file, "r", swmr=True) as f:
+            steps = f["step"][()]
+            n = int(np.argmax(steps < 0)) if (steps < 0).any() else len(steps)
+            paths = [p.decode() if isinstance(p, bytes) else str(p) for p in f["present"].attrs["paths"]]
+            present = f["present"][:n]
+            segment, logged = {}, {int(steps[t]): {} for t in range(n)}
+            for j, p in enumerate(paths):
+                dtypes[p] = (f[p].dtype, f[p].shape[1:])
+                values = f[p][:n]
+                own = int(np.count_nonzero(~np.isfinite(values[present[:, j]]))) if values.dtype.kind == "f" else 0
+                segment[p] = (int(f[p].attrs["nonfinite_count"]), own)
+                for t in np.flatnonzero(present[:, j]):
+                    logged[int(steps[t])][p] = values[t]
+            rows.update(logged)  # the later segment's row, whole
+            nonfinite_attrs.append(segment)
+            meta = {"op_names": f["meta/op_names"].asstr()[()].tolist() if "meta/op_names" in f else None,
+                    "method": f.attrs["method"], "seed": int(f.attrs["seed"])}
+    order = sorted(rows)
+    out = {"step": np.array(order, np.int64)}
+    for p, (dtype, shape) in dtypes.items():
+        fill = np.nan if dtype.kind == "f" else (False if dtype.kind == "b" else 0)
+        out[p] = np.stack([np.asarray(rows[s].get(p, np.full(shape, fill, dtype)), dtype) for s in order])
+        out[f"valid/{p}"] = np.array([p in rows[s] for s in order])
+    return {"data": out, "nonfinite": nonfinite_attrs, "meta": meta}
+
+
+def _wide_row(step: int, session: int, width: int) -> dict:
+    import numpy as np
+
+    row = {f"wide/c{j:04d}": float(step * 10000 + j + session / 4) for j in range(width) if j % 5 == 0 or step < 6}
+    row["wide/c0003"] = [np.nan, np.inf, -np.inf, 1.5][step % 4]  # NaN/inf rows, recorded as they are
+    row["arch/normal/weights"] = np.arange(6, dtype=np.float64).reshape(2, 3) * step + session
+    row["f32/x"] = np.float32(step / 3)
+    row["f16/x"] = np.float16(-step / 7)
+    row["int/i8"] = np.int8(-step)
+    row["int/u64"] = np.uint64(2**64 - 1 - step)
+    row["flags/b"] = bool(step % 3)
+    if session == 0 and step < 7:
+        row["gone/after"] = np.full(3, step + 0.25)  # stops appearing
+    if session == 1 and step >= 9:
+        row["late/since"] = np.int64(step * step)  # first appears late, after the session's first flush
+    return row
+
+
+def test_load_equals_a_plain_h5py_reading_of_a_wide_record_with_late_gone_replayed_and_nonfinite_paths(tmp_path):
+    """`load` against this file's h5py reading of the same segments (docs/schema.md: committed rows, the later
+    segment's row wins whole, fill values, ``valid/``), on a record of about 1000 columns: a path that stops
+    appearing, one that first appears late (a rollover), steps replayed by a resume, NaN/inf rows, every kind of
+    dtype (float64/32/16, int8, uint64 beyond int64, bool), Unicode meta. Also: each segment's ``nonfinite_count``
+    attribute is the NaN/inf count of its logged rows, and `load_meta`'s ``nonfinite_counts`` that of the rows
+    `load` returns."""
+    import warnings
+
+    import numpy as np
+
+    from nasdiag.record import Recorder, RecordWarning, load, load_meta
+
+    path = str(tmp_path / "run.h5")
+    width = 1000
+    meta = {"method": "dárts", "seed": 3, "op_names": ["none", "0→2", "conv/3x3"], "cell_types": ["normal"],
+            "edge_names": {"normal": ["é→1", "ü→2"]}, "note": {"ключ": "значение"}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RecordWarning)
+        with Recorder(path, meta=meta, flush_every=3, flush_seconds=None) as rec:
+            for step in range(0, 8):
+                rec.log(step, _wide_row(step, 0, width))
+        with Recorder(path, flush_every=3, flush_seconds=None, resume=True) as rec:
+            for step in range(5, 12):  # replays 5..7 from a "checkpoint"
+                rec.log(step, _wide_row(step, 1, width))
+    reference = _h5py_record(path)
+    want = reference["data"]
+    got = load(path)
+    assert len(reference["nonfinite"]) >= 3  # segment 0, the resume, the rollover of late/since
+    np.testing.assert_array_equal(want["step"], np.arange(12))
+    data_keys = {k for k in got if not k.startswith("meta/")}
+    assert data_keys == set(want), sorted(data_keys ^ set(want))
+    for key, expected in want.items():
+        assert got[key].dtype == expected.dtype and got[key].shape == expected.shape, key
+        np.testing.assert_array_equal(got[key], expected, err_msg=key)  # NaN == NaN for numpy here
+    # the rows as logged, not only as h5py reads them back
+    for i, step in enumerate(range(12)):
+        session = 1 if step >= 5 else 0
+        for p, value in _wide_row(step, session, width).items():
+            np.testing.assert_array_equal(got[p][i], np.asarray(value, dtype=got[p].dtype), err_msg=f"{p} {step}")
+            assert got[f"valid/{p}"][i], (p, step)
+    assert not got["valid/gone/after"][5:].any() and np.isnan(got["gone/after"][5:]).all()  # replaced rows, whole
+    assert not got["valid/late/since"][:9].any() and (got["late/since"][:9] == 0).all()
+    assert got["int/u64"].dtype == np.uint64 and got["int/u64"][0] == 2**64 - 1
+    np.testing.assert_array_equal(got["meta/op_names"], meta["op_names"])
+    np.testing.assert_array_equal(got["meta/edge_names/normal"], meta["edge_names"]["normal"])
+    assert got["meta/method"] == "dárts" and got["meta/seed"] == 3 and got["meta/seed"].dtype == np.int64
+    assert json.loads(str(got["meta/note"])) == meta["note"]
+    assert reference["meta"]["op_names"] == meta["op_names"]
+    for segment in reference["nonfinite"]:
+        for p, (attribute, own) in segment.items():
+            assert attribute == own, (p, attribute, own)
+    counts = load_meta(path)["nonfinite_counts"]
+    for p in want:
+        if p.startswith("valid/") or p == "step" or want[p].dtype.kind != "f":
+            continue
+        own = int(np.count_nonzero(~np.isfinite(want[p][want[f"valid/{p}"]])))
+        assert counts.get(p, 0) == own, (p, counts.get(p), own)
+
+
+# --- two writers on one path ---------------------------------------------------------------------------------------
+
+
+def test_a_second_writer_that_meets_a_lock_taken_a_moment_ago_names_its_holder_not_pid_none(tmp_path):
+    """Two writers started together: the loser may read the lock file between the winner's flock and the winner
+    writing its description into it. It said "another writer (pid None on None since None)" (2 in 24 races of two
+    processes here). The lock is taken here with an empty file, and described 50 ms later as a writer would: the
+    refusal names that pid; a lock never described says "holder unknown", without None."""
+    import fcntl
+    import threading
+
+    from nasdiag.record import RecordError, Recorder, schema
+
+    path = str(tmp_path / "run.h5")
+    fd = os.open(schema.lock_path(path), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(RecordError) as never_described:
+            Recorder(path)
+        describe = threading.Timer(0.05, os.write, (fd, json.dumps({"pid": 4242, "host": "elsewhere",
+                                                                    "since": "2026-01-01T00:00:00"}).encode()))
+        describe.start()
+        with pytest.raises(RecordError) as described:
+            Recorder(path)
+        describe.join()
+    finally:
+        os.close(fd)
+    assert "None" not in str(never_described.value) and "holder unknown" in str(never_described.value)
+    assert "pid 4242 on elsewhere" in str(described.value), str(described.value)
+    assert not os.path.exists(path)  # neither refused writer made a file

@@ -85,12 +85,18 @@ class WriterLock:
             pass  # the lock itself is what matters; the holder description is a courtesy
 
     def _holder(self) -> str:
-        try:
-            with open(self.lock_file) as fh:
-                info = json.loads(fh.read() or "{}")
-            return f"pid {info.get('pid')} on {info.get('host')} since {info.get('since')}"
-        except (OSError, ValueError):
-            return "holder unknown"
+        # A writer that has just taken the lock writes its description right after; until then the file is empty
+        # (or half written): look again shortly instead of naming "pid None on None".
+        for attempt in range(10):
+            try:
+                with open(self.lock_file) as fh:
+                    info = json.loads(fh.read() or "{}")
+            except (OSError, ValueError):
+                info = {}
+            if isinstance(info, dict) and info.get("pid") is not None:
+                return f"pid {info.get('pid')} on {info.get('host')} since {info.get('since')}"
+            time.sleep(0.01 * (attempt + 1))
+        return "holder unknown"
 
     def release(self) -> None:
         if self._fd is None:
