@@ -10,8 +10,8 @@ How durability is obtained (docs/schema.md has the format):
 - Files are written in SWMR mode, which HDF5 keeps consistent on disk at every flush; readers open
   them with ``swmr=True`` while they are written or after a crash.
 - SWMR forbids creating datasets once it is on. A segment file is therefore created complete (all
-  datasets known so far) under a temporary name, switched to SWMR and then linked to its final
-  name, so every visible segment is readable. A dataset path first logged after that closes the
+  datasets known so far: built in memory, written in one write) under a temporary name, switched to SWMR
+  and then linked to its final name, so every visible segment is readable. A dataset path first logged after that closes the
   segment cleanly and continues in the next one, and so does a segment about to pass
   ``schema.MAX_SEGMENT_CHUNKS`` chunks in a dataset. Resuming always starts a new segment; a crashed
   file is never reopened for writing.
@@ -111,6 +111,17 @@ def _append(dataset: h5py.Dataset, start: int, block: np.ndarray) -> None:
     file_space = dsid.get_space()
     file_space.select_hyperslab((start,) + (0,) * (block.ndim - 1), block.shape)
     dsid.write(h5py.h5s.create_simple(block.shape), file_space, block)
+
+
+def _write_image(file: str, image: bytes) -> None:
+    """Write a new file holding ``image`` (an HDF5 file built in memory); a failed write raises its OSError."""
+    fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        view = memoryview(image)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
 
 
 def _detach_from_disk(f: h5py.File) -> None:
@@ -705,15 +716,18 @@ class Recorder:
         final = self.segment_file
         tmp = schema.temp_path(final)
         self._remove(tmp)
-        f = closing = None
+        f = built = None
         try:
-            f = h5py.File(tmp, "w-", libver=schema.LIBVER, rdcc_nbytes=schema.CHUNK_CACHE_BYTES, **schema.FILE_SPACE)
-            self._write_header(f)
+            # Built in memory and written out as one image: HDF5 swallows a write that fails while it creates
+            # objects (disk full, a file-size limit) and then crashed the process closing the file (a segmentation
+            # fault, not an error). Only the image's write, os.write's OSError, and reopening it touch the disk.
+            built = h5py.File(tmp, "w", driver="core", backing_store=False, libver=schema.LIBVER, **schema.FILE_SPACE)
+            self._write_header(built)
             columns = [] if placeholder else list(self._columns.values())
             rows_per_chunk = [schema.chunk_rows((), 8), schema.chunk_rows((max(len(columns), 1),), 1)]
             for column in columns:
                 rows_per_chunk.append(schema.chunk_rows(column.shape, column.dtype.itemsize))
-                ds = f.create_dataset(
+                ds = built.create_dataset(
                     column.path,
                     shape=(0, *column.shape),
                     maxshape=(None, *column.shape),
@@ -722,7 +736,7 @@ class Recorder:
                     fillvalue=schema.fill_value(column.dtype),
                 )
                 ds.attrs[schema.NONFINITE_ATTR] = np.int64(0)
-            f.create_dataset(
+            built.create_dataset(
                 schema.DIGEST,
                 shape=(0,),
                 maxshape=(None,),
@@ -731,7 +745,7 @@ class Recorder:
                 fillvalue=0,  # never a valid digest (bit 63 is always set)
             )
             n_cols = len(columns)
-            present = f.create_dataset(
+            present = built.create_dataset(
                 schema.PRESENT,
                 shape=(0, n_cols),
                 maxshape=(None, None),  # a fixed 0-wide axis could not be chunked
@@ -739,7 +753,7 @@ class Recorder:
                 dtype=bool,
             )
             present.attrs[schema.PATHS_ATTR] = np.array([c.path for c in columns], dtype=h5py.string_dtype())
-            f.create_dataset(
+            built.create_dataset(
                 schema.STEP,
                 shape=(0,),
                 maxshape=(None,),
@@ -747,23 +761,23 @@ class Recorder:
                 dtype=np.int64,
                 fillvalue=schema.STEP_FILL,
             )
-            if placeholder:
-                closing, f = f, None  # a close that fails has half-closed the file: HDF5 crashes on its handle
-                closing.close()
-            else:
+            built.flush()
+            image = built.id.get_file_image()
+            built.close()
+            built = None
+            _write_image(tmp, image)
+            if not placeholder:
+                f = h5py.File(tmp, "r+", libver=schema.LIBVER, rdcc_nbytes=schema.CHUNK_CACHE_BYTES)
                 f.swmr_mode = True
         except (OSError, RuntimeError, ValueError) as err:
-            if f is not None:
-                try:
-                    _detach_from_disk(f)  # the file is discarded; its close must not retry writes
-                    f.close()
-                except Exception:
-                    pass
-            elif closing is not None:
-                try:
-                    closing.close()  # a second close finishes the failed one (its writes have failed already)
-                except Exception:
-                    pass
+            for opened, on_disk in ((built, False), (f, True)):
+                if opened is not None:
+                    try:
+                        if on_disk:
+                            _detach_from_disk(opened)  # the file is discarded; its close must not retry writes
+                        opened.close()
+                    except Exception:
+                        pass
             self._remove(tmp)
             raise RecordError(_storage_error(f"cannot create record segment {final}", err)) from None
         try:
