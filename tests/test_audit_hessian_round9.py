@@ -498,3 +498,68 @@ def test_curvature_calls_leave_no_state_and_repeat_bitwise_on_a_shared_alpha_sup
                 assert all(torch.equal(first[k], second[k]) for k in first), name
             else:
                 assert torch.equal(torch.as_tensor(first), torch.as_tensor(second)), name
+
+
+def _with_dropout(net):
+    """Train-mode dropout in front of candidate op 2 of every edge: a random forward (and one that ``torch.func``'s
+    vmap refuses, so the exact routes fall back to reverse-over-reverse products)."""
+    for cell in net.cells:
+        for edge in cell.edges:
+            edge.ops[2] = nn.Sequential(nn.Dropout(0.5), *edge.ops[2])
+    return net.train()
+
+
+def test_a_seeded_random_forward_is_one_net_in_the_exact_routes_and_hutchinson():
+    """docs/hessian.md: a train-mode dropout draws its masks in every forward; seeding before each call makes each
+    call differentiate the net of the masks its seed gives, so modes can be compared. The exact routes ran a second
+    forward when ``torch.func`` could not trace the model (``backend='auto'``'s fallback) and ``hutchinson:<k>`` ran
+    its control variate and its products on two forwards: each drew other masks, so ``exact`` (Z and α) and
+    ``alpha_diag_hessian`` were the curvature of another net than the seeded one (5% apart here) and
+    ``hutchinson:<k>`` mixed two nets (biased: 5% off at k = 64 and k = 256 alike). Reference: the dense Hessian of
+    the net whose masks the seed's first forward draws."""
+    torch.manual_seed(11)
+    net = _with_dropout(Supernet(dims=1).to(DT))
+    K, edges = net.K, net.edges()
+    x, y = _batch(1)
+    Zs = [z.detach() for z in net.probabilities()]
+    torch.manual_seed(12)
+    H, _ = dense_hessian(lambda t: F.cross_entropy(net(x, list(t.view(2, 3, K))), y), torch.cat([z.reshape(-1) for z in Zs]))
+    torch.manual_seed(12)
+    HA, _ = dense_hessian(lambda t: F.cross_entropy(net(x, [F.softmax(a, -1) for a in t.view(2, 3, K)]), y),
+                          torch.cat([a.detach().reshape(-1) for a in net.alphas]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the fallback's warning
+        for wrt, ref in (("Z", H), ("alpha", HA)):
+            torch.manual_seed(12)
+            got = _stack(arch_diag_hessian(net, F.cross_entropy, x, y, edges, mode="exact", wrt=wrt))
+            torch.testing.assert_close(got, ref.diagonal().view(2, 3, K), rtol=1e-10, atol=1e-14)
+        torch.manual_seed(12)
+        got = alpha_diag_hessian(net, F.cross_entropy, x, y)
+        torch.testing.assert_close(torch.stack([got["alphas.0"], got["alphas.1"]]), HA.diagonal().view(2, 3, K),
+                                   rtol=1e-10, atol=1e-14)
+    # hutchinson:<k> with its GGN control variate: on the last cell's edges e1, e2 before an MSE head the output is
+    # linear in their Z and the loss quadratic, so H = C within each edge and the estimate is exact for any probes,
+    # provided C and H are of one net
+    net.head = nn.Flatten()
+    y = torch.randn_like(net(x))
+
+    class AtZ(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = net
+
+        def forward(self, inp):
+            return self.net(inp, Zs)
+
+    def loss_of_shift(t):
+        d = t.view(2, 3, K)
+        return F.mse_loss(net(x, [[Zs[c][e] + d[c, e] for e in range(3)] for c in range(2)]), y)
+
+    torch.manual_seed(12)
+    H, _ = dense_hessian(loss_of_shift, torch.zeros(2 * 3 * K, dtype=DT))
+    ref = H.diagonal().view(2, 3, K)[1, 1:]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        torch.manual_seed(12)
+        got = _stack(arch_diag_hessian(AtZ(), F.mse_loss, x, y, edges, mode="hutchinson:2"))[1, 1:]
+    assert (got - ref).abs().max().item() <= 1e-10 * ref.abs().max().item(), (got, ref)

@@ -42,6 +42,19 @@ def call_model(model: nn.Module, inputs: Inputs):
         return model(inputs)
 
 
+def random_state() -> Tuple[torch.Tensor, Optional[List[torch.Tensor]]]:
+    """The global generators' state (the CPU's, CUDA's where initialised), for :func:`set_random_state`: a route that
+    runs the forward again (a fallback, a second pass) draws what the call's first forward drew, so with a random
+    forward (train-mode dropout) every pass differentiates the one net the caller's seed gives."""
+    return torch.get_rng_state(), (torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
+
+
+def set_random_state(state: Tuple[torch.Tensor, Optional[List[torch.Tensor]]]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])
+
+
 def functional_forward(model: nn.Module, values: Mapping[str, torch.Tensor], inputs: Inputs):
     """``torch.func.functional_call(model, values, inputs)``, its failures explained as :func:`call_model`'s."""
     with forward_failures_explained(model, inputs):

@@ -44,7 +44,9 @@ from nasdiag.hessian._hvp import (
     call_model,
     functional_hvp,
     preserved_buffers,
+    random_state,
     scalar_loss,
+    set_random_state,
 )
 from nasdiag.hooks import Hooks
 
@@ -204,6 +206,7 @@ def edge_hessian_products(
     try:
         hooks.install()
         with preserved_buffers(model), torch.enable_grad():
+            drawn = random_state()  # a fallback's forward draws pass 1's dropout masks: the products are of one net
             # Pass 1, plain autograd with a leaf δ_e per edge: checks that every edge ran with
             # weights of the right shape, finds edges the loss ignores, and gives ∂L/∂Z.
             shift.mode = "leaves"
@@ -226,6 +229,7 @@ def edge_hessian_products(
                 grad_z = [(torch.zeros_like(t) if g is None else g).detach() for t, g in zip(leaves, grads)]
                 products = _functional_products(model, loss_fn, inputs, targets, shift, leaves[0], backend)
                 if products is None:  # auto fell back: a fresh graph for second backwards
+                    set_random_state(drawn)
                     loss = scalar_loss(loss_fn, call_model(model, inputs), targets)
                     products = HessianVectorProduct(loss, leaves, names)
             if isinstance(products, HessianVectorProduct):

@@ -41,7 +41,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from nasdiag.hessian._hvp import check_probe_memory
+from nasdiag.hessian._hvp import check_probe_memory, random_state, set_random_state
 from nasdiag.hessian.arch_exact import edge_hessian_products
 from nasdiag.hessian.arch_ggn import ggn_factor_rows
 from nasdiag.hessian.modes import CurvatureError
@@ -91,12 +91,14 @@ def hutchinson_arch_diag(
     if control not in CONTROLS:
         raise CurvatureError(f"control must be one of {', '.join(CONTROLS)}, got {control!r}; 'ggn' is what mode='hutchinson:<k>' uses")
     names, modules, n_ops = [s.name for s in specs], [s.module for s in specs], [s.n_ops for s in specs]
+    drawn = random_state()  # C and H of the one net: the products' forward draws the control's dropout masks
     if control != "none":
         rows, _, _ = ggn_factor_rows(
             model, loss_fn, inputs, targets, names, modules, n_ops, monte_carlo=control == "ggn_mc", generator=generator,
             warn_unused=False,  # the products above said it
         )
         R = torch.cat([rows[n].flatten(0, 1) for n in names], dim=1)  # (R·B, N): C = Rᵀ R over all edges
+        set_random_state(drawn)
     with edge_hessian_products(
         model, loss_fn, inputs, targets, specs, wrt=wrt, chunk_size=min(chunk_size, probes * (len(specs) if per_edge else 1)),
         max_memory=max_memory,

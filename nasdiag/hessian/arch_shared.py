@@ -33,7 +33,9 @@ from nasdiag.hessian._hvp import (
     functional_hvp,
     named_tensors,
     preserved_buffers,
+    random_state,
     scalar_loss,
+    set_random_state,
 )
 from nasdiag.hessian.modes import CurvatureError, CurvatureTypeError
 
@@ -113,6 +115,7 @@ def _exact_parameter_diag(model, loss_fn, inputs, targets, pairs, chunk_size, ma
         return scalar_loss(loss_fn, torch.func.functional_call(model, values, _as_args(inputs)), targets)
 
     with preserved_buffers(model), torch.enable_grad():
+        drawn = random_state()  # a fallback's forward draws this one's dropout masks: the products are of one net
         with SavedBytes() as saved:
             loss = scalar_loss(loss_fn, call_model(model, inputs), targets)
         # the gradient, to tell the entries the loss does not use (exact zeros of both gradient and curvature)
@@ -137,6 +140,7 @@ def _exact_parameter_diag(model, loss_fn, inputs, targets, pairs, chunk_size, ma
                 RuntimeWarning,
                 stacklevel=2,
             )
+            set_random_state(drawn)
             loss = scalar_loss(loss_fn, call_model(model, inputs), targets)
             hvp = HessianVectorProduct(loss, [p for _, p in pairs], names)
             diag = exact_diagonal(hvp, hvp.dim, hvp.dtype, hvp.device, chunk_size)
