@@ -318,6 +318,17 @@ class Supernet(nn.Module):
         return {f"c{c}.e{e}": (m, list(m.ops)) for c, cell in enumerate(self.cells) for e, m in enumerate(cell.edges)}
 
 
+class AtWeights(nn.Module):
+    """The supernet at fixed mixing weights ``Zs`` ((K,) or (B, K) per edge): ``model(x)`` for the arch functions."""
+
+    def __init__(self, net, Zs):
+        super().__init__()
+        self.net, self.Zs = net, Zs
+
+    def forward(self, inp):
+        return self.net(inp, self.Zs)
+
+
 def _stack(result, cells=2):
     return torch.stack([result[f"c{c}.e{e}"] for c in range(cells) for e in range(3)]).view(cells, 3, -1)
 
@@ -433,15 +444,7 @@ def test_last_edges_are_exact_in_diag_and_approx_under_mse_with_k_or_per_sample_
     if per_sample:
         Zs = [z.transpose(0, 1) for z in Zs]  # edge e gets (B, K)
 
-    class AtZ(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.net = net
-
-        def forward(self, inp):
-            return self.net(inp, Zs)
-
-    model, edges = AtZ(), net.edges()
+    model, edges = AtWeights(net, Zs), net.edges()
     results = {}
     for reduction in ("mean", "sum"):
         def loss_of_shift(t):
@@ -543,14 +546,6 @@ def test_a_seeded_random_forward_is_one_net_in_the_exact_routes_and_hutchinson()
     net.head = nn.Flatten()
     y = torch.randn_like(net(x))
 
-    class AtZ(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.net = net
-
-        def forward(self, inp):
-            return self.net(inp, Zs)
-
     def loss_of_shift(t):
         d = t.view(2, 3, K)
         return F.mse_loss(net(x, [[Zs[c][e] + d[c, e] for e in range(3)] for c in range(2)]), y)
@@ -561,5 +556,5 @@ def test_a_seeded_random_forward_is_one_net_in_the_exact_routes_and_hutchinson()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         torch.manual_seed(12)
-        got = _stack(arch_diag_hessian(AtZ(), F.mse_loss, x, y, edges, mode="hutchinson:2"))[1, 1:]
+        got = _stack(arch_diag_hessian(AtWeights(net, Zs), F.mse_loss, x, y, edges, mode="hutchinson:2"))[1, 1:]
     assert (got - ref).abs().max().item() <= 1e-10 * ref.abs().max().item(), (got, ref)
