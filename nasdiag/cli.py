@@ -44,6 +44,19 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line instead of usage + message
         raise ConfigError(f"{self.prog}: {message} (see {self.prog} --help)")
 
+    def _print_message(self, message, file=None):  # --help, --version: argparse dropped a failed write (> /dev/full)
+        target = file or sys.stderr  # and exited 0, nothing said; it is one line and exit code 2
+        if not message or target is None:
+            return
+        try:
+            target.write(message)
+            target.flush()
+        except BrokenPipeError:  # | head: handled as such
+            raise
+        except OSError as exc:
+            _quiet_stdout()
+            raise OSError(exc.errno, exc.strerror, "standard output" if target is sys.stdout else "standard error") from None
+
     def _check_value(self, action, value):  # an invalid choice names the near miss (--dataset Digits)
         try:
             super()._check_value(action, value)
@@ -442,6 +455,26 @@ def _quiet_stdout() -> None:
         pass
 
 
+def _printed(command, args) -> int:
+    """Run ``command``, which only prints (``methods``), and make sure its text reached standard output: closed
+    (``>&-``), print() wrote nowhere, exit code 0 and nothing said. That is a `ConfigError`, and a write that failed
+    (``> /dev/full``) an OSError naming standard output (exit code 2)."""
+    if sys.stdout is None:
+        raise ConfigError("nasdiag: error: standard output is closed (>&-), so what this command prints is lost; run "
+                          "it with standard output open, e.g. > FILE")
+    try:
+        code = command(args)
+        sys.stdout.flush()
+    except BrokenPipeError:  # | head: handled as such
+        raise
+    except OSError as exc:
+        if exc.filename is not None:
+            raise
+        _quiet_stdout()  # what is left is not written again at exit
+        raise OSError(exc.errno, exc.strerror, "standard output") from None
+    return code
+
+
 def _no_stderr() -> bool:
     """Whether the command was started with standard error closed (``2>&-``, a daemon): `sys.stderr` is None, or its
     descriptor is not open for writing (a launcher's file, such as pyenv's shim script, took its number). The progress
@@ -509,6 +542,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.command is None:
             raise ConfigError("nasdiag: choose a command: search, methods, plot or report (see nasdiag --help)")
         _import_numpy()
+        if args.command == "methods":  # printing is all it does
+            return _printed(COMMANDS[args.command], args)
         return COMMANDS[args.command](args)
     except NasdiagError as exc:
         from nasdiag.record.errors import DamagedRecordError

@@ -176,3 +176,33 @@ def test_a_cifar_batch_of_n_x_3_x_32_x_32_reads_as_the_flat_one(tmp_path):
         x, y = expected[:, channel].ravel(), test[:, channel].ravel()
         slope, offset = np.polyfit(x, y, 1)
         assert slope > 0 and np.abs(slope * x + offset - y).max() < 1e-9 * np.abs(y).max()
+
+
+# -- standard output that cannot be written ---------------------------------------------------------------------------
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["search", "--help"], ["plot", "--help"], ["methods"]])
+def test_output_that_cannot_be_written_is_one_line(argv, tmp_path):
+    """``nasdiag --help > /dev/full``: argparse drops a failed write of the help or the version, and the command
+    exited 0 with nothing written and nothing said (``nasdiag methods > /dev/full`` said it). It is one line naming
+    standard output, exit code 2."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "nasdiag", *argv], stdout=full, stderr=subprocess.PIPE, text=True,
+                              env=env, cwd=tmp_path, timeout=120)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert lines[0].startswith("nasdiag: error: disk full or file-size limit reached") and "standard output" in lines[0]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_methods_with_standard_output_closed_says_so(tmp_path):
+    """``nasdiag methods >&-``: Python's stdout is None and print() writes nowhere: exit code 0, nothing said, the
+    list lost. (``--help`` and ``--version`` then write to standard error, as argparse does: the user sees them.)"""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "nasdiag", "methods", "darts"], stderr=subprocess.PIPE, text=True,
+                          env=env, cwd=tmp_path, timeout=120, preexec_fn=lambda: os.close(1))
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert "standard output is closed (>&-)" in lines[0], lines[0]
+    shown = subprocess.run([sys.executable, "-m", "nasdiag", "--version"], stderr=subprocess.PIPE, text=True, env=env,
+                           cwd=tmp_path, timeout=120, preexec_fn=lambda: os.close(1))
+    assert shown.returncode == 0 and shown.stderr.startswith("nasdiag "), shown.stderr
