@@ -1,7 +1,8 @@
 """A tenth new user's misuse of the ``nasdiag`` CLI: what rounds 1-9 (test_cli_errors.py, test_cli_search_misuse.py,
 test_cli_plot_misuse.py, test_cli_misuse_round3..9.py) did not cover: resource limits (``ulimit -f`` so that a write
-fails with EFBIG, ``ulimit -v`` so that torch cannot load) and CIFAR-10 batches pickled in another layout
-(torchvision's N x 32 x 32 x 3). Every mistake is one line on stderr, exit code 2, no traceback, the folder left as it
+fails with EFBIG, ``ulimit -v`` so that torch cannot load), standard output full or closed, and CIFAR-10 folders a
+user gets wrong (batches pickled in torchvision's N x 32 x 32 x 3 layout, a batch that is a folder, the download
+not unpacked). Every mistake is one line on stderr, exit code 2, no traceback, the folder left as it
 was; a run stopped by a full disk says what its record keeps and the command that resumes it, and that command
 finishes the run.
 
@@ -155,6 +156,21 @@ def test_a_cifar_batch_in_another_layout_is_refused(layout, needle, tmp_path, ca
     argv = _search(tmp_path / "run.h5", "--dataset", "cifar10", "--data-dir", str(data), "--batch-size", "4")
     line = refused(argv, tmp_path, needle, capsys)  # a batch of 4: without the check, the search ran
     assert "data_batch_1 is not a CIFAR-10 python batch" in line
+
+
+@pytest.mark.parametrize("what", ["folder", "archive"])
+def test_a_cifar_folder_of_a_folder_or_the_download_says_what_to_do(what, tmp_path, capsys):
+    """A ``data_batch_1`` that is a folder was "CIFAR-10 file missing"; a folder holding the download
+    (cifar-10-python.tar.gz) not unpacked said the batches were missing without a word of the archive next to them."""
+    data = tmp_path / "data"
+    data.mkdir()
+    if what == "folder":
+        (data / "data_batch_1").mkdir()
+        needle = f"CIFAR-10 batch {data / 'data_batch_1'} is a folder, not a file"
+    else:
+        (data / "cifar-10-python.tar.gz").write_bytes(b"\x1f\x8b")
+        needle = f"cifar-10-python.tar.gz is there: unpack it (tar xzf {data / 'cifar-10-python.tar.gz'} -C {data})"
+    refused(_search(tmp_path / "run.h5", "--dataset", "cifar10", "--data-dir", str(data)), tmp_path, needle, capsys)
 
 
 def test_a_cifar_batch_of_n_x_3_x_32_x_32_reads_as_the_flat_one(tmp_path):

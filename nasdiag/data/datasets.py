@@ -6,6 +6,7 @@ from __future__ import annotations
 from nasdiag.errors import NasdiagError
 import numbers
 import pickle
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Optional, Sequence, Tuple
@@ -123,8 +124,15 @@ class _CifarUnpickler(pickle.Unpickler):
 
 
 def _read_cifar_batch(path: Path) -> Tuple[np.ndarray, np.ndarray]:
+    if path.is_dir():  # it said "file missing"
+        raise DataError(f"CIFAR-10 batch {path} is a folder, not a file; pass as --data-dir the folder that holds the "
+                        f"standard python batches {', '.join(CIFAR_FILES)} as files")
     if not path.is_file():
-        raise DataError(f"CIFAR-10 file missing: {path} (expected the standard python batches {', '.join(CIFAR_FILES)})")
+        archive = next(iter(sorted(path.parent.glob("cifar-10-python.tar*"))), None)  # the download, not unpacked
+        unpack = (f"; {archive.name} is there: unpack it (tar xzf {shlex.quote(str(archive))} -C "
+                  f"{shlex.quote(str(path.parent))}) and run again") if archive else ""
+        raise DataError(f"CIFAR-10 file missing: {path} (expected the standard python batches {', '.join(CIFAR_FILES)})"
+                        f"{unpack}")
     try:
         with open(path, "rb") as fh:
             batch = _CifarUnpickler(fh, encoding="bytes").load()
