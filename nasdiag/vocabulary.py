@@ -123,7 +123,7 @@ HESSIAN_TOP_EIGENVALUE = family("hessian/<cell>/top_eigenvalue", "()", "float32"
                                 "Largest algebraic eigenvalue of the α-Hessian of the cell type through Z = softmax(α) (RobustDARTS's early-stop signal), after the step, on its α batch (search-val; search-train for single-level methods).", when="spectrum", section="hessian")
 HESSIAN_JOINT_TOP_EIGENVALUE = family("hessian/top_eigenvalue", "()", "float32", "mean",
                                       "Largest algebraic eigenvalue of the Hessian in the α of every cell type jointly, cross-type terms included: RobustDARTS's dominant eigenvalue of ∇²_α L_valid (NaN, with every cell type's nonfinite flag set, when a product was not finite).", when="spectrum", section="hessian")
-HESSIAN_NONFINITE = family("hessian/<cell>/nonfinite", "()", "bool", "any", "True where the curvature result held a NaN or inf (never averaged away): on the epoch rows (the diagonal) and on the rows of the top eigenvalues.", when="epoch", section="hessian")
+HESSIAN_NONFINITE = family("hessian/<cell>/nonfinite", "()", "bool", "any", "True where the curvature result held a NaN or inf (never averaged away): on the epoch rows (the diagonal), on the rows of the top eigenvalues and, for BayesNAS, on the rows of its updates (`bayes/updated`; every `update_every`-th step): the curvature the update used.", when="epoch", section="hessian")
 
 # -- samples (SNAS, DSNAS, ProxylessNAS) ---------------------------------------------------------
 SAMPLE_ONEHOT = family("sample/<cell>/onehot", "(E, K)", "float32", "mean", "The step's one-hot sample (or binary gates) per edge; rank mean under DDP.", section="sample")

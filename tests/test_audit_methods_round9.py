@@ -72,3 +72,82 @@ def test_a_search_config_seed_the_batch_order_cannot_take_is_one_config_error():
 
     assert (MAX_SEED + 1) * 100_003 + 10 ** 6 < 2 ** 64
     SearchConfig(seed=MAX_SEED).validate()
+
+
+# -- the vocabulary says on which rows a family is written -------------------------------------------------------------
+def test_every_family_a_step_writes_off_its_vocabulary_rows_says_so():
+    """A family declared for the epoch (or spectrum) rows that a method's step writes on other rows must say so in its
+    meaning: BayesNAS wrote `hessian/<cell>/nonfinite` (declared "on the epoch rows and the rows of the top
+    eigenvalues") on every update row, which with update_every = 1 is every step, without the vocabulary naming it."""
+    from nasdiag import vocabulary as V
+
+    cls = get_method("bayesnas")
+    method = cls(_net(cls.primitives), cls.Hyperparameters(update_every=1), schedule=Schedule(epochs=2, steps_per_epoch=2))
+    stats = method.step(_batch(1), _batch(2))  # step 1 of 4: not an epoch row, and an update row
+    assert bool(stats["bayes/updated"])
+    off_rows = {V.family_of(k) for k in stats if V.family_of(k).when != "step"}
+    assert off_rows == {V.HESSIAN_NONFINITE}
+    assert all("BayesNAS" in f.meaning and "`bayes/updated`" in f.meaning for f in off_rows)
+
+
+# -- SNAS's temperature schedule ---------------------------------------------------------------------------------------
+def test_snas_temperature_is_the_geometric_schedule_held_at_its_floor_and_survives_the_state():
+    """SNAS: "τ is multiplied by tau_decay after every epoch", floored at tau_min; scalars/temperature is the τ of the
+    step's sample (float64). Own sequence τ_e = max(τ0·d^e, τ_min) written here; the sample of each step is
+    softmax((α + G)/τ_e): its τ·log Z − α differs from G by a per-edge constant, so with the noise drawn again from a
+    copy of the generator the relaxation is checked at that τ (not only the recorded number)."""
+    from nasdiag.search.methods._sampling import gumbel_noise
+
+    cls = get_method("snas")
+    h = cls.Hyperparameters(tau0=2.0, tau_decay=0.5, tau_min=0.3, alpha_lr=0.05)
+    method = cls(_net(), h, schedule=Schedule(epochs=4, steps_per_epoch=1), seed=5)
+    want = [max(2.0 * 0.5 ** e, 0.3) for e in range(4)]  # 2, 1, 0.5, 0.3 (0.25 floored)
+    got = []
+    for epoch in range(4):
+        alpha = {t: a.detach().clone() for t, a in method.network.alphas().items()}
+        generator = torch.Generator().set_state(method.generator.get_state())
+        noise = {t: gumbel_noise(a.shape, generator, a.dtype, a.device) for t, a in alpha.items()}
+        stats = method.step(_batch(epoch))
+        tau = stats["scalars/temperature"]
+        assert tau.dtype == torch.float64
+        got.append(float(tau))
+        for t, a in alpha.items():
+            z = stats[f"arch/{t}/weights"]
+            torch.testing.assert_close(z, torch.softmax((a + noise[t]) / want[epoch], -1), rtol=1e-12, atol=1e-15)
+        if epoch == 1:  # the state carries τ: a copy built afresh and loaded continues the same schedule
+            twin = cls(_net(seed=9), h, schedule=Schedule(epochs=4, steps_per_epoch=1), seed=6)
+            twin.load_state_dict(method.state_dict())
+        method.epoch_end(epoch)
+        if epoch >= 1:
+            twin.epoch_end(epoch)
+            assert twin.temperature == method.temperature
+    assert got == pytest.approx(want, rel=1e-15)
+
+
+# -- a seed: the same numbers, and other samples only where the method samples -------------------------------------------
+@pytest.mark.parametrize("name, samples", [("darts", False), ("xnas", False), ("snas", True), ("dsnas", True),
+                                           ("proxyless", True), ("sparsenas", True)])
+def test_a_seed_gives_bitwise_the_same_float64_run_and_another_seed_other_samples(name, samples):
+    """docs/methods.md: "Draw every random number from self.generator", seeded by the method's seed. Two methods built
+    with one seed on identical supernets give bitwise equal statistics and state over an epoch boundary; another seed
+    changes them exactly for the methods that draw (SNAS/DSNAS/ProxylessNAS samples, SparseNAS's A(0) = 1/K + noise),
+    and changes nothing for DARTS and XNAS, whose steps draw nothing."""
+    cls = get_method(name)
+
+    def run(seed):
+        method = cls(_net(cls.primitives), schedule=Schedule(epochs=2, steps_per_epoch=1), seed=seed)
+        rows = []
+        for epoch in range(2):
+            rows.append(method.step(_batch(10 + epoch), _batch(20 + epoch)))
+            method.epoch_end(epoch)
+        return rows, method.network.state_dict()
+
+    def equal(a, b):
+        (rows_a, net_a), (rows_b, net_b) = a, b
+        same_rows = all(ra.keys() == rb.keys() and all(torch.equal(ra[k], rb[k]) for k in ra)
+                        for ra, rb in zip(rows_a, rows_b))
+        return same_rows and all(torch.equal(net_a[k], net_b[k]) for k in net_a)
+
+    first = run(3)
+    assert equal(first, run(3))
+    assert equal(first, run(4)) is not samples
