@@ -386,6 +386,18 @@ def _say(line: str) -> None:
     sys.stderr.flush()
 
 
+def _with_complete_run(line: str, exc: BaseException) -> str:
+    """``line`` plus, for a search that failed while drawing its figures (``exc.complete_run``: a full disk), that
+    the run is complete and the command that draws them: it said only "disk full", and the same command was then
+    refused as a record that exists, its --resume as a run already finished."""
+    complete = getattr(exc, "complete_run", None)
+    if complete is None:
+        return line
+    record, figures = complete
+    return (f"{line}; while drawing the figures: the run is complete in {record}; draw them with nasdiag plot "
+            f"{_quote(record)} --out {_quote(figures)}")
+
+
 def _with_resume(line: str, exc: BaseException, args, argv) -> str:
     """``line`` plus, for a search that failed after it began recording (``exc.resumable``), what the record keeps
     (``exc.kept``, unless the line says it) and the command that resumes it."""
@@ -549,7 +561,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         from nasdiag.record.errors import DamagedRecordError
 
         line = _damaged(exc) if isinstance(exc, DamagedRecordError) else _one_line(exc)
-        _say(_with_resume(line, exc, args, argv))
+        _say(_with_complete_run(_with_resume(line, exc, args, argv), exc))
         return EXIT_USAGE
     except BrokenPipeError:  # the reader of our output went away (| head): not an error of the command
         _quiet_stdout()
@@ -558,7 +570,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         from nasdiag.record.lock import describe_os_error
 
         where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
-        _say(_with_resume(f"nasdiag: error: {describe_os_error(exc)}{where}", exc, args, argv))
+        _say(_with_complete_run(_with_resume(f"nasdiag: error: {describe_os_error(exc)}{where}", exc, args, argv), exc))
         return EXIT_USAGE
     except (ImportError, MemoryError, SystemError) as exc:  # torch, scipy or matplotlib loaded under `ulimit -v`
         limit = _memory_limit()

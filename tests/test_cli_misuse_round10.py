@@ -222,3 +222,30 @@ def test_methods_with_standard_output_closed_says_so(tmp_path):
     shown = subprocess.run([sys.executable, "-m", "nasdiag", "--version"], stderr=subprocess.PIPE, text=True, env=env,
                            cwd=tmp_path, timeout=120, preexec_fn=lambda: os.close(1))
     assert shown.returncode == 0 and shown.stderr.startswith("nasdiag "), shown.stderr
+
+
+def test_a_full_disk_while_drawing_the_figures_says_the_run_is_complete(tmp_path, capsys, monkeypatch):
+    """The run recorded to its end, then its first figure met a full disk: the line was only "disk full ...
+    (run-figs/.arch_normal_heatmap.png.tmp)", an empty figure folder stayed, the same command was refused as a record
+    that exists and its --resume as a run already finished. The line says the run is complete and gives the plot
+    command (as Ctrl-C while drawing does), no folder is left, and that command draws them."""
+    import errno
+
+    from matplotlib.figure import Figure
+
+    def full(self, fname, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(fname))
+
+    out = tmp_path / "run.h5"
+    monkeypatch.setattr(Figure, "savefig", full)
+    assert main([t for t in _search(out) if t != "--no-figs"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "disk full" in lines[0], lines
+    figures = tmp_path / "run-figs"
+    assert f"while drawing the figures: the run is complete in {out}; draw them with nasdiag plot " in lines[0]
+    assert not figures.exists() and len(_steps(out)) > 0
+    monkeypatch.undo()
+    command = shlex.split(lines[0].split("; draw them with nasdiag ", 1)[1])
+    assert command == ["plot", str(out), "--out", str(figures)]
+    assert main([*command, "--figures", "scalars", "--dpi", "20"]) == 0
+    assert [p.name for p in figures.iterdir()] == ["scalars.png"]

@@ -675,11 +675,15 @@ def run(config: SearchConfig, callbacks: Sequence = ()) -> SearchResult:
 def _draw_figures(config: SearchConfig) -> List[str]:
     from nasdiag.plot import write_figures
 
+    made = not os.path.isdir(os.fspath(config.figures))
     try:
         written = [str(p) for p in write_figures(config.record, config.figures)]
-    except BaseException as exc:
-        if not isinstance(exc, Exception):  # Ctrl-C or a signal: the run itself is complete and recorded
+    except BaseException as exc:  # Ctrl-C, a signal, a full disk: the run itself is complete and recorded (a full
+        with contextlib.suppress(AttributeError):  # disk said only "disk full", its empty figure folder left behind)
             exc.complete_run = (os.fspath(config.record), os.fspath(config.figures))
+        if made:
+            with contextlib.suppress(OSError):  # only if empty
+                os.rmdir(os.fspath(config.figures))
         raise
     if config.force:
         _remove_replaced_figures(os.fspath(config.figures), written, os.fspath(config.record))
