@@ -151,3 +151,39 @@ def test_a_seed_gives_bitwise_the_same_float64_run_and_another_seed_other_sample
     first = run(3)
     assert equal(first, run(3))
     assert equal(first, run(4)) is not samples
+
+
+# -- the registry --------------------------------------------------------------------------------------------------------
+def test_a_method_registered_under_a_built_in_name_is_refused_there_and_the_built_ins_stay():
+    """docs/methods.md: a method defined anywhere "registers itself when its module is imported", and registering a
+    different method under a taken name is refused. In a fresh process, before anything had read the registry, a
+    method of the user's registered as 'asmnas' was taken; the next get_method('darts') then stopped in ASM-NAS's own
+    registration (a ValueError from inside the import of the built-ins) and, tried again, said "unknown method
+    'darts'; available: asmnas": every built-in after it was lost. (A fresh interpreter: this process has read the
+    registry long ago.)"""
+    import subprocess
+    import sys
+
+    script = """
+from dataclasses import dataclass
+from nasdiag.search import Hyperparameters, SearchMethod, get_method, register
+try:
+    @register("asmnas")
+    class Mine(SearchMethod):
+        @dataclass
+        class Hyperparameters(Hyperparameters):
+            pass
+    print("taken")
+except ValueError as err:
+    print("refused:", err)
+for name in ("darts", "asmnas", "xnas"):
+    try:
+        print(name, get_method(name).__module__)
+    except Exception as err:
+        print(name, "error:", type(err).__name__, err)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    lines = out.stdout.splitlines()
+    assert out.returncode == 0, out.stderr
+    assert lines[0].startswith("refused:") and "nasdiag.search.methods.asmnas" in lines[0], lines
+    assert lines[1:] == [f"{n} nasdiag.search.methods.{n}" for n in ("darts", "asmnas", "xnas")], lines

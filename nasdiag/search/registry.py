@@ -31,6 +31,11 @@ def register(name: str) -> Callable[[type], type]:
         hp_cls = getattr(cls, "Hyperparameters", None)
         if not (isinstance(hp_cls, type) and issubclass(hp_cls, Hyperparameters)):
             raise TypeError(f"method {name!r} needs a nested dataclass `Hyperparameters(nasdiag.search.Hyperparameters)`")
+        if not cls.__module__.startswith("nasdiag.search.methods."):
+            # the built-ins first: a method of the user's registered under a built-in's name before they were loaded
+            # was taken, and the next get_method() stopped in the built-in's own registration (its ValueError), with
+            # the built-ins after it in the folder never loaded ("unknown method 'darts'")
+            _load_builtins()
         previous = _METHODS.get(name)
         if previous is not None and previous.__qualname__ != cls.__qualname__:
             raise ValueError(f"a different method is already registered as {name!r}: {previous.__module__}.{previous.__qualname__}")
