@@ -386,6 +386,18 @@ def _say(line: str) -> None:
     sys.stderr.flush()
 
 
+def _writing(args, exc: OSError) -> str:
+    """`` (writing OUT)`` for a write of ``plot`` or ``report`` that failed for a full disk or a read-only place
+    without naming its file (a page's ``f.write``, PIL's png chunks): the line said "disk full" and not where."""
+    import errno
+
+    out = getattr(args, "out", None)
+    if args is None or args.command not in ("plot", "report") or not out or exc.errno not in (
+            errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS):
+        return ""
+    return f" (writing {'the figures under ' if args.command == 'plot' else ''}{_quote(str(out))})"
+
+
 def _with_complete_run(line: str, exc: BaseException) -> str:
     """``line`` plus, for a search that failed while drawing its figures (``exc.complete_run``: a full disk), that
     the run is complete and the command that draws them: it said only "disk full", and the same command was then
@@ -569,7 +581,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except OSError as exc:  # a location the checks above could not foresee (a mount gone read-only, a full disk)
         from nasdiag.record.lock import describe_os_error
 
-        where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
+        where = f" ({exc.filename})" if getattr(exc, "filename", None) else _writing(args, exc)
         _say(_with_complete_run(_with_resume(f"nasdiag: error: {describe_os_error(exc)}{where}", exc, args, argv), exc))
         return EXIT_USAGE
     except (ImportError, MemoryError, SystemError) as exc:  # torch, scipy or matplotlib loaded under `ulimit -v`

@@ -26,6 +26,7 @@ import pytest
 
 from nasdiag.cli import main
 from test_cli_errors import ROOT, TINY, refused, snapshot
+from test_cli_plot_misuse import rec, source  # noqa: F401 (fixtures)
 
 
 def _search(out, *extra):
@@ -249,3 +250,19 @@ def test_a_full_disk_while_drawing_the_figures_says_the_run_is_complete(tmp_path
     assert command == ["plot", str(out), "--out", str(figures)]
     assert main([*command, "--figures", "scalars", "--dpi", "20"]) == 0
     assert [p.name for p in figures.iterdir()] == ["scalars.png"]
+
+
+@pytest.mark.parametrize("command", ["plot", "report"])
+def test_a_file_size_limit_in_plot_or_report_names_what_was_written(command, rec, tmp_path):
+    """``ulimit -f 1`` (1 KiB): the page's write and PIL's png chunks fail with EFBIG without naming their file, and
+    the line was "disk full or file-size limit reached (File too large)", not saying which write. It names the page
+    or the figure folder; nothing is left (the page's temporary file, the figure folder made for it)."""
+    argv = ([command, str(rec), "--out", "figs", "--figures", "scalars", "--dpi", "20"] if command == "plot"
+            else [command, str(rec), "--out", "page.html", "--dpi", "20"])
+    before = snapshot(tmp_path)
+    done = _nasdiag(argv, tmp_path, _limited(resource.RLIMIT_FSIZE, 1024))
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    where = "(writing the figures under figs)" if command == "plot" else "(writing page.html)"
+    assert lines[0] == f"nasdiag: error: disk full or file-size limit reached (File too large) {where}", lines[0]
+    assert snapshot(tmp_path) == before
