@@ -218,6 +218,36 @@ def test_recursions_equal_an_own_transcription_of_c1_c2_on_a_conv_gelu_adaptive_
     assert_close({k: got[k] for k in ref}, ref)
 
 
+def test_approx_input_rule_of_a_strided_dilated_grouped_conv_is_c25_folded_as_documented():
+    """docs/hessian.md: ``approx`` folds a conv's per-channel input diagonal as ``Σ_{c_out, tap} W² E(h) · (rows using
+    the tap) / (H_in W_in)``, i.e. the mean over input positions of ``Σ_{o,p} J_{o p, c q}² E(h)_o`` with J the conv's
+    dense Jacobian (stride 2, dilation 2, groups 2, zero padding that some taps fall into); through GELU's
+    ``σ'² h + σ'' g`` and the first conv's channel mean this gives its weight and bias diagonals."""
+    torch.manual_seed(13)
+    c1, c2 = nn.Conv2d(2, 4, 3, padding=1).to(DT), nn.Conv2d(4, 6, 3, stride=2, dilation=2, padding=1, groups=2).to(DT)
+    fc = nn.Linear(6 * 3 * 3, 3).to(DT)
+    net = nn.Sequential(c1, nn.GELU(), c2, nn.Flatten(), fc)
+    B = 3
+    x, y = torch.randn(B, 2, 7, 7, dtype=DT), torch.randint(0, 3, (B,))
+    pre = c1(x).detach()
+    a = F.gelu(pre).requires_grad_(True)
+    logits = fc(c2(a).flatten(1))
+    (g,) = torch.autograd.grad(F.cross_entropy(logits, y), a)
+    p = logits.detach().softmax(-1)
+    h = ((p - p.square()) / B).mean(0)  # the Linear's row mean of the loss diagonal
+    Eh = (h @ fc.weight.detach().square()).view(6, 9).mean(1)  # c2's output diagonal, its channel mean
+    J = torch.autograd.functional.jacobian(c2, torch.zeros(1, 4, 7, 7, dtype=DT)).reshape(6, 9, 4, 49)
+    h_a = (J.square() * Eh.view(6, 1, 1, 1)).sum((0, 1)).mean(-1).view(1, 4, 1, 1)
+    d1, d2 = _gelu_derivatives(pre)
+    h_pre = (d1.square() * h_a + d2 * g).mean((0, 2, 3))
+    Jw1 = torch.autograd.functional.jacobian(lambda w: F.conv2d(x, w, None, 1, 1), c1.weight.detach())
+    Jw2 = torch.autograd.functional.jacobian(lambda w: F.conv2d(a.detach(), w, None, 2, 1, 2, 2), c2.weight.detach())
+    ref = {"0.weight": (Jw1.square() * h_pre.view(1, 4, 1, 1, 1, 1, 1, 1)).sum((0, 1, 2, 3)), "0.bias": h_pre * B * 49,
+           "2.weight": (Jw2.square() * Eh.view(1, 6, 1, 1, 1, 1, 1, 1)).sum((0, 1, 2, 3))}
+    got = diag_hessian(net, F.cross_entropy, x, y, mode="approx")
+    assert_close({k: got[k] for k in ref}, ref)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_exact_weights_equal_backpack_on_strided_dilated_grouped_convs_and_pools(reduction):
     """BackPACK's DiagHessian (a Sequential without BatchNorm) as a second reference: a strided, dilated, grouped
