@@ -586,7 +586,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return EXIT_USAGE
     except (ImportError, MemoryError, SystemError) as exc:  # torch, scipy or matplotlib loaded under `ulimit -v`
         limit = _memory_limit()
-        if limit is None:
+        if limit is None or (isinstance(exc, ImportError) and not any(  # a missing module stays itself
+                text in str(exc).lower() for text in ("failed to map segment", "cannot allocate memory"))):
             raise
         reason = " ".join(str(exc).split())
         _say(f"nasdiag: error: out of memory under the memory limit of {limit[1] // 2 ** 20} MiB (ulimit {limit[0]} "

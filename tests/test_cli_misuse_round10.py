@@ -130,6 +130,20 @@ def test_a_memory_limit_too_small_to_load_torch_is_one_line(command, tmp_path):
     assert snapshot(tmp_path) == before
 
 
+def test_a_missing_module_under_a_memory_limit_is_not_said_to_be_memory(monkeypatch):
+    """Clusters set ``ulimit -v`` by default: there, a module that is not installed must stay its own error, not be
+    called out of memory."""
+    from nasdiag import cli
+
+    def methods(args):
+        raise ModuleNotFoundError("No module named 'lightning'")
+
+    monkeypatch.setattr(cli, "_memory_limit", lambda: ("-v", 8 * 2 ** 30))
+    monkeypatch.setitem(cli.COMMANDS, "methods", methods)
+    with pytest.raises(ModuleNotFoundError):
+        main(["methods"])
+
+
 # -- CIFAR-10 batches in another layout ------------------------------------------------------------------------------
 def _cifar(folder: Path, layout) -> Path:
     """Six batches of 20 images whose pixel (c, h, w) is (37 c + 5 h + 3 w + n) mod 256, stored by ``layout``."""
