@@ -163,6 +163,20 @@ def test_diag_is_exact_where_the_output_hessian_stays_diagonal_through_every_act
         assert_close(diag_hessian(net, mse(reduction), x, y, mode="diag"), ref)
 
 
+@pytest.mark.parametrize("batch", [1, 4])
+def test_exact_on_linear_chains_is_c13_for_every_activation(batch):
+    """``exact`` on a chain of Linear layers and elementwise activations (the per-sample full pre-activation recursion
+    C.1.2–C.1.3, which carries ``σ'' ∘ g`` on its diagonal) equals the dense Hessian for every activation here, a
+    Softplus with a threshold the inputs cross, cross-entropy summed and MSE averaged, batch 1 and 4."""
+    torch.manual_seed(14)
+    for act in ACTIVATIONS:
+        net = nn.Sequential(nn.Linear(5, 6), act, nn.Linear(6, 4), nn.Softplus(beta=3, threshold=0.2), nn.Linear(4, 3))
+        net = net.to(DT)
+        x = torch.randn(batch, 5, dtype=DT)
+        for loss_fn, y in ((ce("sum"), torch.randint(0, 3, (batch,))), (mse("mean"), torch.randn(batch, 3, dtype=DT))):
+            assert_close(diag_hessian(net, loss_fn, x, y, mode="exact"), dense_param_diag(net, loss_fn, x, y))
+
+
 def test_approx_is_exact_for_a_strided_dilated_grouped_conv1d_last_layer_under_mse():
     """``approx`` is exact for the last layer when its pre-activation Hessian is constant per channel (MSE straight
     after it: ``2/(N·D)`` everywhere), also for a Conv1d with stride, dilation, groups and zero padding."""
