@@ -407,3 +407,23 @@ def test_a_search_killed_at_each_write_of_its_record_and_checkpoint_resumes_to_t
         assert all(torch.equal(state["network"][name], t) for name, t in final["network"].items()), trial
         assert torch.equal(state["generator"], final["generator"]), trial
         assert not [name for name in os.listdir(tmp_path) if name.endswith(".tmp")], trial
+
+
+def test_load_takes_every_path_type_the_recorder_takes_and_refuses_others_in_one_record_error(tmp_path):
+    """`Recorder` takes str, os.PathLike and bytes (os.fsdecode), and refuses anything else with a RecordError;
+    `load`/`load_meta` of the same record by its bytes path was a TypeError traceback ("can't concat str to bytes",
+    from the segment glob), and of an int or None a TypeError of os.fspath."""
+    import numpy as np
+
+    from nasdiag.record import RecordError, Recorder, load, load_meta
+
+    path = str(tmp_path / "run.h5")
+    with Recorder(os.fsencode(path), flush_seconds=None) as rec:
+        rec.log(4, {"scalars/x": 0.5})
+    for name in (path, os.fsencode(path), tmp_path / "run.h5"):
+        np.testing.assert_array_equal(load(name)["scalars/x"], [0.5])
+        assert load_meta(name)["segments"] == [path]
+    for bad in (3, None, 1.5):
+        for function in (load, load_meta):
+            with pytest.raises(RecordError, match="path must be a str or os.PathLike"):
+                function(bad)

@@ -415,7 +415,12 @@ def read_segments(path: str, with_data: bool = True, salvage: bool = False) -> l
     row; with ``salvage=True`` the intact prefix is returned instead, with a `RecordWarning`. Raises
     `RecordError` if there is no segment at all.
     """
-    path = os.fspath(path)
+    try:
+        path = os.fspath(path)
+    except TypeError:
+        raise RecordError(f"path must be a str or os.PathLike, got {type(path).__name__}") from None
+    if isinstance(path, bytes):  # as `Recorder` takes it
+        path = os.fsdecode(path)
     if os.path.isdir(path):
         raise RecordError(f"{path} is a folder, not a record; pass the record file (for example {os.path.join(path, 'run.h5')})")
     path = schema.resolve_link(path)
