@@ -160,11 +160,18 @@ def names(allowed, what: str = "name") -> Callable[[str], str]:
 
 
 def device(text: str) -> str:
-    """An argparse ``type``: a torch device name (``cpu``, ``cuda``, ``cuda:1``); a bad one was torch's traceback."""
+    """An argparse ``type``: a torch device name (``cpu``, ``cuda``, ``cuda:1``) this machine has; a bad one was torch's
+    traceback, and one it lacks (cuda:7, mps, cuda on a CPU machine) a traceback of torch's after the script's setup,
+    meta one line after it."""
     import torch
 
+    from nasdiag.search.runner import available_devices
+
     try:
-        torch.device(text)
+        kind = torch.device(text).type
     except (RuntimeError, ValueError):
         raise argparse.ArgumentTypeError(f"is not a device, such as cpu, cuda or cuda:1: {text!r}") from None
+    available = [name for name in available_devices() if name != "auto"]
+    if kind != "cpu" and text not in available:
+        raise argparse.ArgumentTypeError(f"{text!r} is not available on this machine; use one of {', '.join(available)}")
     return text

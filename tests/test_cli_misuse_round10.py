@@ -280,3 +280,21 @@ def test_a_file_size_limit_in_plot_or_report_names_what_was_written(command, rec
     where = "(writing the figures under figs)" if command == "plot" else "(writing page.html)"
     assert lines[0] == f"nasdiag: error: disk full or file-size limit reached (File too large) {where}", lines[0]
     assert snapshot(tmp_path) == before
+
+
+# -- the batch scripts' --device -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("script", ["bench_cost", "bench_hessian", "bench_search"])
+@pytest.mark.parametrize("name", ["cuda:7", "mps", "meta"])
+def test_a_script_device_this_machine_lacks_is_one_line_before_any_work(script, name, tmp_path, capsys, monkeypatch):
+    """``bench_cost.py --device cuda:7`` (or mps) on a machine without it was torch's AssertionError ("Torch not compiled
+    with CUDA enabled") or RuntimeError traceback once the supernet was built; meta a line after the setup. The
+    available devices are named before any work (on this CPU machine: cpu; cuda needs a GPU, and is refused alike
+    where there is none)."""
+    import torch
+
+    from test_cli_misuse_round9 import test_a_benchmark_argument_is_refused_in_one_line_before_any_work as refused_script
+
+    if (name == "cuda:7" and torch.cuda.device_count() > 7) or (name == "mps" and torch.backends.mps.is_available()):
+        pytest.skip(f"this machine has {name}")  # pragma: no cover
+    refused_script(script, ["--device", name], f"--device: {name!r} is not available on this machine; use one of cpu",
+                   tmp_path, capsys, monkeypatch)
