@@ -298,3 +298,22 @@ def test_a_script_device_this_machine_lacks_is_one_line_before_any_work(script, 
         pytest.skip(f"this machine has {name}")  # pragma: no cover
     refused_script(script, ["--device", name], f"--device: {name!r} is not available on this machine; use one of cpu",
                    tmp_path, capsys, monkeypatch)
+
+
+def test_a_resume_whose_next_segment_a_full_disk_cannot_hold_is_one_line(tmp_path, capsys):
+    """``--resume --epochs 2`` under ``ulimit -f 20``: the record's next segment cannot be made. The error line came
+    after a warning saying the same failure again ("while handling RecordError, closing the recorder failed: cannot
+    create record segment ..."): two lines. One line, the record as it was (its steps readable), and the resume then
+    runs."""
+    out = tmp_path / "run.h5"
+    first = _search(out, "--diagnostics", "cost,hessian")  # a segment header of every path: more than 20 KiB
+    assert main(first) == 0
+    capsys.readouterr()
+    kept = _steps(out)
+    done = _nasdiag([*first, "--epochs", "2", "--resume"], tmp_path, _limited(resource.RLIMIT_FSIZE, 20 * 1024))
+    lines = [line for line in done.stderr.strip().splitlines() if "(UserWarning)" not in line]  # "extends the run"
+    assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "file-size limit reached" in lines[0] and f"the record {out} keeps steps 1 to {kept[-1]}" in lines[0], lines
+    assert _steps(out) == kept
+    _resume_by_the_line(lines[0], capsys)
+    assert _steps(out) == list(range(1, 2 * len(kept) + 1))

@@ -581,8 +581,9 @@ class Recorder:
             return
         try:
             self.close()
-        except Exception as err:  # keep the original exception; report ours alongside it
-            warnings.warn(f"while handling {exc_type.__name__}, closing the recorder failed: {err}", RecordWarning)
+        except Exception as err:  # keep the original exception; report ours alongside it, unless it is the same
+            if str(err) != str(exc):  # failure again (a segment a full disk cannot hold: the line said twice)
+                warnings.warn(f"while handling {exc_type.__name__}, closing the recorder failed: {err}", RecordWarning)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self._committed} rows committed, {self._rows} buffered"
