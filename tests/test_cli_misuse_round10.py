@@ -1,14 +1,17 @@
 """A tenth new user's misuse of the ``nasdiag`` CLI: what rounds 1-9 (test_cli_errors.py, test_cli_search_misuse.py,
 test_cli_plot_misuse.py, test_cli_misuse_round3..9.py) did not cover: resource limits (``ulimit -f`` so that a write
-fails with EFBIG, ``ulimit -v`` so that torch cannot load), standard output full or closed, and CIFAR-10 folders a
-user gets wrong (batches pickled in torchvision's N x 32 x 32 x 3 layout, a batch that is a folder, the download
-not unpacked). Every mistake is one line on stderr, exit code 2, no traceback, the folder left as it
-was; a run stopped by a full disk says what its record keeps and the command that resumes it, and that command
-finishes the run.
+fails with EFBIG: at the first checkpoint, in a record write, in a resumed run's next segment, while drawing the
+figures, in plot and report; ``ulimit -v`` so that torch cannot load), standard output full or closed, CIFAR-10
+folders a user gets wrong (batches pickled in torchvision's N x 32 x 32 x 3 layout, a batch that is a folder, the
+download not unpacked) and the benchmark scripts' --device. Every mistake is one line on stderr, exit code 2, no
+traceback, the folder left as it was; a run stopped by a full disk says what its record keeps and the command that
+resumes it, and that command finishes the run.
 
 Checked and found right (no test added): ``--device`` cuda, cuda:7, cuda:0, mps, meta, cpu:0, CPU, ' cpu', cuda:-1 on
-a CPU machine (one line each, nothing written); every integer option at 0, -1, nan, '' (one line each); LANG=C
-LC_ALL=C with non-ASCII --out, --figs, plot and report paths (Python's C-locale coercion: the files get their names).
+a CPU machine (one line each, nothing written); every integer option at 0, -1, nan, '' (one line each); --hp w_lr at
+inf, 1e400, NaN, alpha_betas of 1 or 3 values (one line each); LANG=C LC_ALL=C with non-ASCII --out, --figs, plot and
+report paths (Python's C-locale coercion: the files get their names); a resume after a checkpoint a full disk refused
+(the record past the checkpoint: its steps are kept once each).
 """
 
 from __future__ import annotations
