@@ -69,7 +69,7 @@ def evaluate(method, probe, dataset, split: str, batch_size: int = 256):
     correct = []
     for x, y in W.batches(dataset, batch_size, 0, shuffle=False):
         weights = method.forward_weights()
-        result = method.cost(x, y, weights, active=method.active_for(weights), observe=False)  # runs inside the probe
+        result = method.cost(x, y, weights, active=method.active_for(weights), observe=False, record_probe=True)
         nodes = probe.output_costs(per_sample=True)
         last_cell = last_cell or list(nodes)[-1]
         columns["cz"].append(len(y) * sum(nodes[last_cell].values()))

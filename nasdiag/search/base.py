@@ -382,7 +382,7 @@ class SearchMethod:
 
     # -- the cost primitive as a service ---------------------------------------------------------------
     def cost(self, x: torch.Tensor, y: torch.Tensor, weights: CellWeights, *, active: Optional[CellWeights] = None,
-             train_weights: bool = False, observe: bool = True) -> CostStep:
+             train_weights: bool = False, observe: bool = True, record_probe: Optional[bool] = None) -> CostStep:
         """One forward/backward with per-cell leaves Z_k = weights[type of cell k]; returns C = ∂L/∂Z_k.
 
         C(Z) = ∂L/∂Z = <∂L/∂x_j, O(x_i)> (wiring supplement §2) for every edge and candidate op, computed
@@ -396,9 +396,11 @@ class SearchMethod:
             train_weights: also accumulate ∂L/∂w into the weights' ``.grad`` (single-level methods share
                 one backward between w and α); the forward then goes through ``self.model`` (the DDP
                 wrapper, which averages ∂L/∂w over ranks).
-            observe: add the per-cell costs to the streaming cost statistics of :meth:`diagnostics`, and record
-                this forward with the method's probe (``probe=``), if any: a forward that is not an observation
-                (ProxylessNAS's w step) stays out of the probe's costs and statistics too.
+            observe: add the per-cell costs to the streaming cost statistics of :meth:`diagnostics`.
+            record_probe: record this forward with the method's probe (``probe=``), if any; None (default) means
+                ``observe``, so a forward that is not an observation (ProxylessNAS's w step) stays out of the
+                probe's costs and statistics too. True records an evaluation forward that must not move the
+                method's statistics (``scripts/wiring_output_cost.py`` reads its per-sample output costs).
 
         Returns:
             :class:`CostStep`. Under DDP the costs are averaged over ranks (the cost of the global mean
@@ -407,7 +409,7 @@ class SearchMethod:
         leaves = [weights[c.cell_type].detach().clone().requires_grad_(True) for c in self.network.cells]
         module = self.model if train_weights else self.network
         kwargs = {} if active is None else {"active": active}
-        with self._probe_recording(y) if observe else nullcontext():
+        with self._probe_recording(y) if (observe if record_probe is None else record_probe) else nullcontext():
             logits = module(x, leaves, **kwargs)
             loss = nn.functional.cross_entropy(logits, y)
             if train_weights:
