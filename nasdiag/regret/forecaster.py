@@ -9,6 +9,8 @@ Weights are kept as logarithms (``alpha = ln v``) so that long runs neither over
 from __future__ import annotations
 
 import math
+import operator
+from collections.abc import Mapping
 from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
@@ -253,17 +255,37 @@ class _ExpertsState:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a :meth:`state_dict` of a forecaster with the same configuration (else ValueError)."""
+        if not isinstance(state, Mapping):
+            raise RegretError(f"a state is the dict of {type(self).__name__}.state_dict(), got {type(state).__name__}")
         mine, theirs = self._config(), dict(state.get("config", {}))
         if mine != theirs:
             diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
             raise RegretError(f"this state belongs to a forecaster configured differently (saved, current): {diff}")
-        _check_state_shapes(state, self._state_shapes())  # before anything is loaded
+        self._check_state(state)  # before anything is loaded
         as_state = lambda t: torch.as_tensor(t).to(dtype=self.dtype, device=self.device).clone()  # noqa: E731
         self._log_v = as_state(state["log_weights"])
         self._rounds = int(state["rounds"])
         self._uniform_init = bool(state["uniform_init"])
         self._tally.forecaster_reward = as_state(state["forecaster_reward"])
         self._tally.expert_reward = as_state(state["expert_reward"])
+
+    def _check_state(self, state: dict) -> None:
+        """Refuse a state with an entry missing or malformed before anything is loaded (a truncated or edited state
+        would otherwise be half loaded and fail with a bare KeyError, or load a round count the update cannot use)."""
+        _check_state_shapes(state, self._state_shapes())
+        for key in ("rounds", "uniform_init"):
+            if key not in state:
+                raise RegretError(f"the state has no {key!r}; pass a {type(self).__name__}.state_dict() of this configuration")
+        try:
+            rounds = operator.index(state["rounds"])
+        except TypeError:
+            rounds = None
+        if rounds is None or not 0 <= rounds <= self._max_rounds():
+            raise RegretError(f"the state's rounds is {state['rounds']!r}, not a round count in [0, {self._max_rounds()}]; "
+                              "the state is corrupt")
+
+    def _max_rounds(self) -> float:
+        return math.inf
 
     def _config(self) -> dict:
         return {"kind": type(self).__name__, "n_experts": self.n_experts, "lr": self.lr, "shape": tuple(self.shape)}
@@ -370,6 +392,22 @@ class Forecaster(_ExpertsState):
         self._log_gamma = torch.as_tensor(state["log_gamma"]).to(dtype=self.dtype, device=self.device).clone()
         self._bound_violations = torch.as_tensor(state["bound_violations"]).to(dtype=torch.int64, device=self.device).clone()
         self._wipeouts = [{k: v.to(self.device).clone() for k, v in entry.items()} for entry in state["wipeouts"]]
+
+    def _check_state(self, state: dict) -> None:
+        super()._check_state(state)
+        if "wipeouts" not in state:
+            raise RegretError("the state has no 'wipeouts'; pass a Forecaster.state_dict() of this configuration")
+        columns = {"round", "expert", "forecaster", "log_threshold", "log_weight"}
+        if not isinstance(state["wipeouts"], (list, tuple)) or not all(
+                isinstance(entry, Mapping) and columns <= set(entry) for entry in state["wipeouts"]):
+            raise RegretError(f"the state's wipeouts must be a list of dicts with the columns {sorted(columns)}; the state "
+                              "is corrupt")
+        if not torch.as_tensor(state["alive"]).to(torch.bool).any(-1).all():
+            raise RegretError("the state has a forecaster with every expert wiped out (Lemma 1 keeps the best one); the "
+                              "state is corrupt")
+
+    def _max_rounds(self) -> float:
+        return self.horizon
 
     def _config(self) -> dict:
         return {**super()._config(), "loss_bound": self.loss_bound, "horizon": self.horizon, "zeta": self.zeta}
