@@ -184,6 +184,8 @@ class StepCapture:
         #: forwards whose output did not require grad (nothing before the edge carries a gradient)
         self.n_without_grad = [0] * N
         self.missing_ops: List[set] = [set() for _ in range(N)]
+        #: edge -> length of weights its forward got that is not its K (a candidate added since attach?)
+        self.k_changed: Dict[int, int] = {}
         self.selected: List[Optional[torch.Tensor]] = [None] * N
         self.paths: List[Dict[str, List[Part]]] = [{} for _ in range(N)]
         self.node_costs: List[List[Part]] = [[] for _ in cells]
@@ -227,6 +229,8 @@ class StepCapture:
         if edge.weights_arg:
             w = args[1] if len(args) > 1 else kwargs.get(self.weights_names[pos])
             self._check_tied(pos, w)
+            if isinstance(w, torch.Tensor) and w.dim() in (1, 2) and w.shape[-1] != edge.n_ops:
+                self.k_changed[pos] = w.shape[-1]
             if self.keep_model_io and self.model_calls == self.kept_call and self.first_weights[pos] is None \
                     and isinstance(w, torch.Tensor):
                 self.first_weights[pos] = w.detach()

@@ -387,8 +387,14 @@ class Probe:
         r.model_inputs = cap.model_inputs
         r.first_weights = cap.first_weights
         r.model_output, r.output_grad = cap.model_output, cap.output_grad
-        if no_forward or partial_ops:
-            self._check_unchanged([p for p in range(len(self._edges)) if cap.missing_ops[p] or not cap.n_forward[p]])
+        if no_forward or partial_ops or cap.k_changed:
+            self._check_unchanged([p for p in range(len(self._edges))
+                                   if cap.missing_ops[p] or not cap.n_forward[p] or p in cap.k_changed])
+        if cap.k_changed and self.statistics_mode == "sampled":
+            p, k = next(iter(cap.k_changed.items()))
+            raise ProbeError(
+                f"edge {self._edges[p].name!r}: statistics='sampled' reads which ops had weight != 0, but its forward got "
+                f"{k} mixing weights for its {self._edges[p].n_ops} candidate ops; pass one weight per candidate op")
         if no_forward:
             warnings.warn(
                 f"probe: the forward of {len(no_forward)} edge(s) never ran inside probe.record() "
@@ -427,9 +433,9 @@ class Probe:
         return r
 
     def _check_unchanged(self, suspects: Sequence[int]) -> None:
-        """Raise if the mixed op or a candidate op of an edge in ``suspects`` (some op or the whole edge unobserved)
-        was replaced or removed since attach: its hooks are on the modules seen at attach, so the new one is not
-        observed, which is not an op that did not run."""
+        """Raise if the mixed op or a candidate op of an edge in ``suspects`` (some op or the whole edge unobserved, or
+        weights of another length than its K) was replaced, added or removed since attach: its hooks are on the
+        modules seen at attach, so the new one is not observed, which is not an op that did not run."""
         modules = dict(self.model.named_modules()) if any(self._placed[p] for p in suspects) else {}
         for p in suspects:
             e = self._edges[p]
