@@ -196,10 +196,15 @@ def reduce_statistics(
     process group (or with one rank) the statistics come back unchanged (as numpy). The work is
     batched into at most five collectives: a schema check, then one sum, one min, one max and, for
     pooled paths, one all-gather. Raises `ReductionError` if the ranks disagree on the paths, shapes
-    or dtypes (or ``row_steps``), or on a ``same`` value, and where a pooled ``mean`` has no ``count`` at one of
-    its steps or its ``var`` other steps.
+    or dtypes (or ``row_steps``), or on a ``same`` value, where a pooled ``mean`` has no ``count`` at one of
+    its steps or its ``var`` other steps, and for a value that is not bool, int or float (complex, strings), on every
+    rank and in a single process alike.
     """
     arrays = {path: np.asarray(to_numpy(value)) for path, value in statistics.items()}
+    for path, array in arrays.items():  # the collectives run in float64: a complex part was dropped (a ComplexWarning)
+        if array.dtype.kind not in "biuf":
+            raise ReductionError(f"{path!r} has dtype {array.dtype}, which cannot be reduced across ranks (nor recorded); "
+                                 "hand bool, int or float values (a complex value as its real and imaginary parts)")
     plan = plan_rules(arrays, rules)
     dist = _dist(group)
     if dist is None or dist.get_world_size(group) == 1:

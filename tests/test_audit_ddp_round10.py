@@ -53,6 +53,7 @@ WORKER = textwrap.dedent(
     attempt("own_int_count", lambda: reduce_statistics(moments(samples(rank, 1), "loss", np.int64), rules=pooled))
     attempt("own_float_count", lambda: reduce_statistics(moments(samples(rank, 1), "loss", np.float64), rules=pooled))
     attempt("cost_family", lambda: reduce_statistics(moments(samples(rank, 1), "cost/normal", np.int64)))
+    attempt("complex", lambda: reduce_statistics({"x/eig": np.array([1.0 + 2.0j, -1.0j])}))
     # a NaN loss on the last rank only: every rank must decide alike
     results["finite"] = [finite_on_every_rank(torch.tensor([1.0, float("nan") if r == WORLD - 1 and rank == r else 2.0]))
                          for r in range(WORLD)]
@@ -64,6 +65,17 @@ WORKER = textwrap.dedent(
         callback.on_step_end(step, {**moments(x, "loss", np.int64), **moments(x, "cost/normal", np.int64),
                                     "scalars/seen_count": np.float32(len(x)), "scalars/rank_mean": np.float64(x.mean())})
     callback.close()
+    # a complex value at step 2: refused at its call, alone (the batch's reduction failed with it, every row of it lost)
+    callback = RecorderCallback(f"{out}/complex{rank}.h5", flush_every=4, flush_seconds=None)
+    for step in range(1, 4):
+        try:
+            callback.on_step_end(step, {"x/eig": np.array([1.0 + 2.0j]) if step == 2 else np.array([float(step)])})
+        except Exception as err:
+            results.setdefault("complex_row", []).append([step, type(err).__name__, str(err)])
+    try:
+        callback.close()
+    except Exception as err:
+        results.setdefault("complex_row", []).append(["close", type(err).__name__, str(err)])
     dist.barrier()
     dist.destroy_process_group()
     json.dump(results, open(f"{out}/results{rank}.json", "w"))
@@ -123,3 +135,31 @@ def test_only_rank_0_writes_and_its_record_holds_the_global_statistics(ranks):
         # a plain scalar is the rank mean of the ranks' means (documented): not the global mean here
         want = np.mean([samples(rank, step).mean() for rank in range(WORLD)])
         np.testing.assert_allclose(record["scalars/rank_mean"][i], want, rtol=1e-14)
+
+
+def test_a_complex_value_is_refused_in_one_line_not_stripped_of_its_imaginary_part(ranks):
+    """The collectives run in float64: (1+2j, -1j) came back as (1, 0) (only a ComplexWarning said so); a single
+    process handed it back unchanged. Refused alike on every rank and in one process."""
+    from nasdiag.distributed import ReductionError, reduce_statistics
+
+    _, results = ranks
+    for rank in range(WORLD):
+        kind, message = results[rank]["complex"]["error"]
+        assert kind == "ReductionError" and "'x/eig' has dtype complex128" in message and "\n" not in message
+    with pytest.raises(ReductionError, match="'x/eig' has dtype complex128"):
+        reduce_statistics({"x/eig": np.array([1.0 + 2.0j])})
+    with pytest.raises(ReductionError, match="'x/name' has dtype <U"):
+        reduce_statistics({"x/name": "abc"})
+
+
+def test_a_complex_row_of_a_ddp_callback_is_refused_at_its_call_and_costs_no_other_row(ranks):
+    from nasdiag.record import load
+
+    out, results = ranks
+    for rank in range(WORLD):
+        (step, kind, message), = results[rank]["complex_row"]
+        assert (step, kind) == (2, "RecordError") and "dtype complex128 cannot be recorded" in message
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("complex")) == ["complex0.h5"]
+    record = load(out / "complex0.h5")
+    assert list(record["step"]) == [1, 3]
+    np.testing.assert_array_equal(record["x/eig"][:, 0], [1.0, 3.0])

@@ -134,8 +134,9 @@ class RecorderCallback:
         """Record the statistics of ``step`` (a mapping of record path -> array-like).
 
         Tensors are kept on their device (snapshotted, not copied to the host) until the batch is
-        handed to the recorder. A step before the open row's (or one already written) raises
-        `RecordError`; nothing of this call is recorded and the callback stays usable."""
+        handed to the recorder. A step before the open row's (or one already written), or a value of a dtype
+        the recorder cannot store (complex, strings), raises `RecordError`; nothing of this call is recorded
+        and the callback stays usable."""
         step = self._row_step(step, "on_step_end")
         statistics = _snapshot(statistics)
         try:
@@ -396,6 +397,11 @@ def _snapshot(statistics) -> dict:
                     f"{path!r}: {type(value).__name__} value cannot be made an array ({str(err).splitlines()[0]}); "
                     "log a scalar, an array or a tensor; nothing of this call was recorded"
                 ) from None
+        dtype = value.dtype if is_tensor(value) or isinstance(value, (np.ndarray, np.generic)) else np.asarray(value).dtype
+        if (dtype.is_complex if is_tensor(value) else dtype.kind not in "biuf"):
+            # refused at its call: under DDP the hand-over's reduction failed the whole batch with it
+            raise RecordError(f"{path!r}: dtype {dtype} cannot be recorded; log bool, int or float values (a complex "
+                              "value as its real and imaginary parts); nothing of this call was recorded")
         out[path] = value
     return out
 
