@@ -184,3 +184,46 @@ def test_sampled_statistics_with_weights_of_another_length_than_the_ops_is_one_l
             F.cross_entropy(net(x, Z), y).backward()
     assert "\n" not in str(info.value)
     assert _hooks(net) == 0
+
+
+class _DropoutNet(_Net):
+    """The user's supernet with train-mode dropout after the stem (a random forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x, Z=None):
+        Z = self.arch() if Z is None else Z
+        h0 = self.drop(self.inp(x))
+        h1 = self.e[0](h0, Z[0])
+        return self.out(self.e[1](h0, Z[1]) + self.e[2](h1, Z[2]))
+
+
+def test_hessian_of_a_step_with_dropout_is_that_of_the_recorded_masks_and_leaves_the_callers_generator():
+    # probe.hessian() re-ran the recorded batch drawing new dropout masks: the curvature of another net than the step
+    # whose costs it sits next to, silently (measured: off by half of max |H|)
+    torch.manual_seed(0)
+    net = _DropoutNet().double()
+    x, y = torch.randn(6, 3, dtype=D), torch.randint(0, 4, (6,))
+    probe = nasdiag.attach(net, hessian="exact")
+    torch.manual_seed(5)
+    with probe.record(targets=y):
+        F.cross_entropy(net(x), y).backward()
+    torch.manual_seed(11)
+    expected_next = torch.rand(3)
+    torch.manual_seed(11)
+    with pytest.warns(RuntimeWarning, match="torch.func products are not usable"):  # vmap refuses dropout
+        h = probe.hessian()
+    assert torch.equal(torch.rand(3), expected_next)  # the caller's generator is where it was
+    Z = net.arch().detach().clone().requires_grad_()
+
+    def loss(z):
+        torch.manual_seed(5)  # the recorded step's masks
+        return F.cross_entropy(net(x, z), y)
+
+    g, = torch.autograd.grad(loss(Z), Z)
+    H = torch.autograd.functional.hessian(loss, Z).reshape(9, 9).diagonal().reshape(3, 3)
+    for i, name in enumerate(probe.edge_names):
+        torch.testing.assert_close(probe.costs()[name], g[i], rtol=0, atol=1e-12)
+        torch.testing.assert_close(h[name], H[i], rtol=0, atol=1e-12)  # float64 Hessian-vector products: rounding

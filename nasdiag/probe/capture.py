@@ -21,6 +21,7 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from nasdiag.cost import edge_costs, eps_deviation, output_edge_costs
+from nasdiag.hessian._hvp import random_state
 from nasdiag.hooks import Hooks
 from nasdiag.edges import EdgeSpec
 from nasdiag.probe.discovery import CellInfo, ProbeError
@@ -205,6 +206,7 @@ class StepCapture:
         self.hooks = hooks  # the block's installed hooks; tensor hooks are added to them
         self.model_inputs = None
         self.kept_call = -1  # which model forward model_inputs are of
+        self.rng_state = None  # the global generators' state when that forward began
         #: hessian mode: each edge's weights at its first call in the first model forward (the re-run must see them)
         self.first_weights: List[Optional[torch.Tensor]] = [None] * N
         self.model_output: Optional[torch.Tensor] = None  # logits of the first model call (hessian mode)
@@ -492,6 +494,7 @@ class StepCapture:
         if self.keep_model_io and self.model_inputs is None and torch.is_grad_enabled():
             self.model_inputs = (args, kwargs)
             self.kept_call = self.model_calls
+            self.rng_state = random_state()  # hessian()'s re-run draws this forward's dropout masks
         return None
 
     def model_post(self, module, args, output):

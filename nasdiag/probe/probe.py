@@ -14,6 +14,7 @@ from torch import nn
 
 from nasdiag.cost import CostMoments, analyse, scatter_cells
 from nasdiag.hessian import arch_diag_hessian
+from nasdiag.hessian._hvp import random_state, set_random_state
 from nasdiag.hessian.modes import ARCH_MODES, CurvatureError, check_mode
 from nasdiag.hooks import Hooks
 from nasdiag.probe.capture import Router, StepCapture, data_parallel_refusal
@@ -42,7 +43,7 @@ class _StepResult:
 
     __slots__ = ("per_sample", "costs", "matrix", "available", "not_run", "selected", "paths", "node_costs", "deviation", "invariant",
                  "cells_not_tensor", "cells_not_concat",
-                 "model_inputs", "targets", "model_output", "output_grad", "first_weights")
+                 "model_inputs", "rng_state", "targets", "model_output", "output_grad", "first_weights")
 
     def __init__(self):
         self.per_sample: List[Optional[torch.Tensor]] = []
@@ -59,6 +60,7 @@ class _StepResult:
         self.cells_not_tensor: Dict[int, str] = {}  # cells whose forward returned no tensor: the type it returned
         self.cells_not_concat: Dict[int, str] = {}  # DARTS-convention cells whose output is not their nodes' concatenation
         self.model_inputs = None
+        self.rng_state = None
         self.targets = None
         self.model_output = None
         self.output_grad = None
@@ -384,7 +386,7 @@ class Probe:
         r.deviation = cap.deviation
         r.cells_not_tensor = cap.cells_not_tensor
         r.cells_not_concat = cap.cells_not_concat
-        r.model_inputs = cap.model_inputs
+        r.model_inputs, r.rng_state = cap.model_inputs, cap.rng_state
         r.first_weights = cap.first_weights
         r.model_output, r.output_grad = cap.model_output, cap.output_grad
         if no_forward or partial_ops or cap.k_changed:
@@ -628,7 +630,8 @@ class Probe:
         softmax(z) − B·∂L/∂z; the recovery is checked to give one-hot rows, else an error asks for targets. The model is re-run outside the block
         with BatchNorm in its current mode and its current parameters (call it before ``optimizer.step()`` for the
         curvature of the recorded step; a re-run whose mixing weights differ from the step's is refused); its running
-        statistics are restored.
+        statistics are restored, and it draws the random numbers the recorded call drew (its dropout masks) with
+        the caller's generators left as they were.
 
         Args:
             wrt: ``"Z"``, or ``"alpha"`` for the chain rule through Z = softmax(α) per edge (needs
@@ -693,8 +696,14 @@ class Probe:
         loss_fn = self.loss_fn or torch.nn.functional.cross_entropy
         if not rerun:
             return arch_diag_hessian(model, loss_fn, inputs, targets, self._edges, mode=mode, wrt=wrt)
-        with self._same_weights_as_recorded(r):  # re-running the recorded call: it must mix with the recorded Z
-            return arch_diag_hessian(model, loss_fn, inputs, targets, self._edges, mode=mode, wrt=wrt)
+        caller = random_state()
+        # re-running the recorded call: it must mix with the recorded Z and draw the recorded forward's dropout masks
+        set_random_state(r.rng_state)
+        try:
+            with self._same_weights_as_recorded(r):
+                return arch_diag_hessian(model, loss_fn, inputs, targets, self._edges, mode=mode, wrt=wrt)
+        finally:
+            set_random_state(caller)
 
     def _same_weights_as_recorded(self, r: _StepResult) -> Hooks:
         """Hooks refusing a re-run forward whose mixing weights differ from the recorded step's (a forward that draws
