@@ -227,11 +227,18 @@ def integer_steps(ax) -> None:
 
 
 # -- numbers -----------------------------------------------------------------------------------------
+#: integers up to this are annotated as they are (6 digits fit a heatmap cell at 5.5 pt), never scaled to 1e3, 1e4 ...
+INTEGER_LIMIT = 1e6
+
+
 def scale_exponent(values: np.ndarray) -> int:
-    """Power of ten that brings the largest |value| into [1, 1000) when it is outside [0.01, 1000); else 0."""
+    """Power of ten that brings the largest |value| into [1, 1000) when it is outside [0.01, 1000); else 0.
+
+    Integers below `INTEGER_LIMIT` (counts: samples of a long DSNAS run, argmax votes) are not scaled: scaled, 1247
+    and 3 samples were annotated ``1.25`` and ``3e-3`` (x 1e3), no longer the counts they are."""
     finite = np.abs(values[np.isfinite(values)])
     top = float(finite.max()) if finite.size else 0.0
-    if top == 0.0 or 0.01 <= top < 1000:
+    if top == 0.0 or 0.01 <= top < 1000 or top < INTEGER_LIMIT and np.array_equal(finite, np.round(finite)):
         return 0
     return int(math.floor(math.log10(top)))
 

@@ -1,0 +1,63 @@
+"""Figures audit, round 10: heatmaps of records written here through the public `Recorder` with known values (sample
+counts of a long run, a resume that replays steps), read back from the matplotlib artists (the image's array, the
+annotation texts, the colour bar's label, the tick labels).
+
+The references are the arrays logged here and this file's own arithmetic on them; nothing is computed by nasdiag."""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import numpy as np  # noqa: E402
+
+from nasdiag.record import load  # noqa: E402
+
+from test_audit_figures_round8 import _heatmaps, _write  # noqa: E402
+
+OPS = ["none", "skip_connect", "sep_conv_3x3", "max_pool_3x3"]
+EDGES = ["0->2", "1->2", "0->3"]
+META = {"method": "dsnas", "op_names": OPS, "edge_names": {"normal": EDGES}, "cell_types": ["normal"]}
+
+
+def _drawn(record, name, at=None):
+    """{at label: (image array in the record's units, annotation texts, colour-bar label, axes)} of heatmap ``name``."""
+    return {label: (shown, texts, fig.axes[1].get_ylabel().replace("\n", " "), ax)
+            for (_, _, label), (shown, texts, ax, fig) in _heatmaps(record, [name], at=at).items()}
+
+
+def test_sample_counts_of_a_run_of_thousands_of_steps_are_annotated_as_the_counts_they_are(tmp_path):
+    """DSNAS samples one op per edge per step, so after some thousand steps the counts pass 1000. The heatmap scaled
+    them by the largest (x 1e3 on the bar) and annotated 1247 as "1.25" and 3 as "3e-3"; at 10^4 steps 625 was "0.06"
+    (600). The counts are integers and must read as such (docs: the annotations keep every value)."""
+    counts = np.array([[1247, 3, 0, 250], [625, 1000, 125, 2], [12470, 7, 30, 999]], np.int64)
+    record = load(_write(tmp_path / "c.h5", META, [(13900, {"sample/normal/count": counts})]))
+    shown, texts, bar, ax = _drawn(record, "sample_counts")[None]
+    assert texts == [str(c) for c in counts.ravel()], texts  # row-major: edges down, ops across
+    np.testing.assert_array_equal(shown, counts)  # the colour maps back to the count
+    assert "(x 1e" not in bar, bar
+    assert [t.get_text() for t in ax.get_yticklabels()] == EDGES
+    assert [t.get_text() for t in ax.get_xticklabels()] == OPS
+
+
+def test_heatmaps_at_a_step_a_resume_replayed_show_the_later_segments_row(tmp_path):
+    """A resume that replays steps 6-10: `--at 8` and `final` draw the rows the resumed run wrote (cost 100 + step),
+    never the replaced segment's (cost = step), and the title names the step."""
+    def row(step, offset):
+        m = np.full((len(EDGES), len(OPS)), offset + step, np.float32)
+        m[0, 1] = -(offset + step)  # a signed map, and the first edge's second op tells rows from columns
+        return {"cost/normal/mean": m}
+
+    path = _write(tmp_path / "r.h5", META, [(s, row(s, 0)) for s in range(1, 11)])
+    _write(path, META, [(s, row(s, 100)) for s in range(6, 13)], resume=True)
+    drawn = _drawn(load(path), "cost", at="8,final")
+    for label, step in (("step8", 8), ("final", 12)):
+        shown, texts, _, ax = drawn[label]
+        expected = np.full((len(EDGES), len(OPS)), 100.0 + step)
+        expected[0, 1] = -(100.0 + step)
+        np.testing.assert_array_equal(shown, expected)
+        assert texts == [f"{v:.0f}" for v in expected.ravel()]
+        assert f"step {step}" in ax.get_title(loc="left")
+        norm = ax.images[0].norm
+        assert norm.vmin == -norm.vmax and norm.vmax >= 100 + step  # diverging, centred on 0, every value in range
