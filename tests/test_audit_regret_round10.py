@@ -11,6 +11,9 @@ Found and fixed in this round:
   tensors first and then failed with a bare KeyError / ValueError / TypeError, leaving a half-loaded forecaster
   (ln v of the state, the round count of the old one); a negative or past-horizon round count loaded silently.
   docs/regret.md promises one RegretError and nothing loaded.
+* η* of eq 4 computed as √(2 ln N / (T L²)): a ZeroDivisionError traceback where T L² underflows (an XNAS search
+  with reward_bound = 1e-200), digits lost where it is subnormal, η* = 0 where it overflows (L = 1e200), and an
+  OverflowError for T past 1e308. Reference: eq 4 in log space.
 
 Checked and found right: Algorithm 1 (weights, survivors, ln γ, regret, eq 3) against the reference above over
 random bounded sequences with ζ ∈ {0.3, 1, 2}, resumed half way through a state_dict round trip bit-identically;
@@ -153,3 +156,34 @@ def test_float32_and_float64_forecasters_take_the_same_wipeouts_on_a_long_random
         b.update(r.float())
     assert torch.equal(a.alive, b.alive)
     torch.testing.assert_close(b.regret.double(), a.regret, rtol=1e-4, atol=1e-4)
+
+
+def eta_star(T, L, N):
+    """Eq 4 in log space: ln η* = ½(ln(2 ln N) − ln T) − ln L (no product T L² to underflow or overflow)."""
+    return math.exp(0.5 * (math.log(2 * math.log(N)) - math.log(T)) - math.log(L))
+
+
+@pytest.mark.parametrize("T, L, N", [(100, 1e-200, 4), (100, 1e-160, 8), (40, 1e200, 2), (10**5, 1e300, 2),
+                                     (10**400, 1.0, 4), (50, 1.0, 5)], ids=lambda v: f"1e{len(str(v)) - 1}" if isinstance(v, int) and v > 10**6 else None)
+def test_eta_star_is_eq_4_where_t_l_squared_leaves_the_float_range(T, L, N):
+    # before: L = 1e-200 divided by T L² = 0 (ZeroDivisionError), L = 1e-160 lost digits in a subnormal T L²,
+    # L = 1e200 gave η* = 0 (T L² = inf), and T = 10^400 an OverflowError
+    assert Forecaster.optimal_lr(T, L, N) == pytest.approx(eta_star(T, L, N), rel=1e-14, abs=0)
+
+
+@pytest.mark.parametrize("L", [1e-320, 1e-310, 5e-324])
+def test_an_eta_star_outside_the_float_range_is_one_regret_error(L):
+    with pytest.raises(RegretError, match="outside the float range") as err:
+        Forecaster.optimal_lr(100, L, 4)
+    assert "\n" not in str(err.value)
+
+
+def test_an_xnas_search_whose_reward_bound_makes_eta_star_overflow_is_one_nasdiag_error():
+    from nasdiag.errors import NasdiagError
+    from nasdiag.search import Schedule, get_method
+    from nasdiag.supernet import Network
+
+    cls = get_method("xnas")
+    net = Network(4, 5, 3, steps=2, multiplier=2, in_channels=1)
+    with pytest.raises(NasdiagError, match="eta"):
+        cls(net, cls.Hyperparameters(reward_bound=1e-320), schedule=Schedule(epochs=1, steps_per_epoch=2, batch_size=4))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import operator
+import sys
 from collections.abc import Mapping
 from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -99,7 +100,7 @@ def _positive(name: str, value, *, integer: bool = False, allow_inf: bool = Fals
             raise
         kind = "an integer" if integer else "a number"
         raise (RegretTypeError if isinstance(err, TypeError) else RegretError)(f"{name} must be {kind}, got {value!r}") from None
-    if not (value > 0) or (math.isinf(value) and not allow_inf):
+    if not (value > 0) or (not integer and math.isinf(value) and not allow_inf):  # isinf of an int past 1e308 overflows
         raise RegretError(f"{name} must be a {'positive' if not allow_inf else 'positive (or inf)'} "
                          f"{'integer' if integer else 'finite number'}, got {value!r}")
     return value
@@ -344,14 +345,28 @@ class Forecaster(_ExpertsState):
         """``eta* = sqrt(2 ln N / (T L^2))``, the minimizer of the first two terms of eq 3 (eq 4).
 
         With ``eta*``, eq 3 becomes ``L sqrt(2 T ln N) (1 - ln gamma_T / (2 ln N))`` (eq 4).
-        Callable on the class (``Forecaster.optimal_lr(T, L, N)``) and on instances.
+        Callable on the class (``Forecaster.optimal_lr(T, L, N)``) and on instances. Computed without
+        underflow or overflow of ``T L^2``; an ``eta*`` itself outside the float range raises RegretError.
         """
         T = _positive("T", T, integer=True)
         L = _positive("L", L)
         N = _positive("N", N, integer=True)
         if N < 2:
             raise RegretError("eta* needs N >= 2 experts: with one expert ln N = 0 and there is nothing to select")
-        return math.sqrt(2.0 * math.log(N) / (T * L * L))
+        try:
+            scale = T * L * L
+        except OverflowError:  # T past the float range
+            scale = math.inf
+        if sys.float_info.min <= scale < math.inf:
+            return math.sqrt(2.0 * math.log(N) / scale)
+        # T L^2 underflows (L = 1e-200: a ZeroDivisionError, or digits lost in a subnormal) or overflows (eta* = 0):
+        # the same eta* in log space, and one error where it is itself outside the float range
+        log_eta = 0.5 * (math.log(2.0 * math.log(N)) - math.log(T)) - math.log(L)
+        eta = math.exp(log_eta) if log_eta < math.log(sys.float_info.max) else math.inf
+        if not sys.float_info.min <= eta < math.inf:
+            raise RegretError(f"eta* = sqrt(2 ln N / (T L^2)) is {eta:.3g} for T = {T}, L = {L:.3g}, N = {N}, outside the "
+                              "float range; rescale the rewards so that L is nearer 1")
+        return eta
 
     def bound(self) -> torch.Tensor:
         """``(*shape,)`` the regret bound of Theorem 1 (eq 3) after the rounds played so far:
