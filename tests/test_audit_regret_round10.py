@@ -14,6 +14,8 @@ Found and fixed in this round:
 * η* of eq 4 computed as √(2 ln N / (T L²)): a ZeroDivisionError traceback where T L² underflows (an XNAS search
   with reward_bound = 1e-200), digits lost where it is subnormal, η* = 0 where it overflows (L = 1e200), and an
   OverflowError for T past 1e308. Reference: eq 4 in log space.
+* ``cell_depth(cell, concat)`` with a concat that is not a list of node indices: a bare ValueError / TypeError
+  from ``int()``, and 2.5 or True taken for a node.
 
 Checked and found right: Algorithm 1 (weights, survivors, ln γ, regret, eq 3) against the reference above over
 random bounded sequences with ζ ∈ {0.3, 1, 2}, resumed half way through a state_dict round trip bit-identically;
@@ -187,3 +189,14 @@ def test_an_xnas_search_whose_reward_bound_makes_eta_star_overflow_is_one_nasdia
     net = Network(4, 5, 3, steps=2, multiplier=2, in_channels=1)
     with pytest.raises(NasdiagError, match="eta"):
         cls(net, cls.Hyperparameters(reward_bound=1e-320), schedule=Schedule(epochs=1, steps_per_epoch=2, batch_size=4))
+
+
+@pytest.mark.parametrize("concat", [["a"], [2.5], [None], 5, [True]])
+def test_a_cell_depth_concat_that_is_not_a_list_of_node_indices_is_one_regret_error(concat):
+    from nasdiag.regret import cell_depth
+
+    cell = [("sep_conv_3x3", 0), ("sep_conv_3x3", 1), ("skip_connect", 0), ("sep_conv_3x3", 2)]
+    assert cell_depth(cell, [2, 3]) == (0 + 1 + 0 + 2) / 4  # Table 4: the mean input-node index
+    with pytest.raises(RegretError, match="concat") as err:
+        cell_depth(cell, concat)
+    assert "\n" not in str(err.value)

@@ -91,7 +91,11 @@ def cell_depth(
             n_nodes = 2 + -(-len(cell) // edges_per_node)
         else:
             n_nodes = 1 + max(gene[2] for gene in cell)
-        bad = [node for node in concat if not 0 <= int(node) < n_nodes]
+        try:
+            concat = list(concat)
+        except TypeError:
+            raise RegretError(f"concat must be a list of output nodes (Genotype.normal_concat), got {concat!r}") from None
+        bad = [node for node in concat if not (_is_integer(node) and 0 <= node < n_nodes)]
         if bad:
             raise RegretError(f"concat names nodes {bad} that the cell does not have (nodes 0..{n_nodes - 1})")
     return sum(sources) / len(sources)
