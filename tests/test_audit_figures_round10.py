@@ -11,6 +11,7 @@ import matplotlib
 matplotlib.use("Agg")
 
 import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 from nasdiag.record import load  # noqa: E402
 
@@ -27,13 +28,15 @@ def _drawn(record, name, at=None):
             for (_, _, label), (shown, texts, ax, fig) in _heatmaps(record, [name], at=at).items()}
 
 
-def test_sample_counts_of_a_run_of_thousands_of_steps_are_annotated_as_the_counts_they_are(tmp_path):
+@pytest.mark.parametrize("path, name", [("sample/normal/count", "sample_counts"), ("attention/normal/count", "attention_counts")])
+def test_sample_counts_of_a_run_of_thousands_of_steps_are_annotated_as_the_counts_they_are(tmp_path, path, name):
     """DSNAS samples one op per edge per step, so after some thousand steps the counts pass 1000. The heatmap scaled
     them by the largest (x 1e3 on the bar) and annotated 1247 as "1.25" and 3 as "3e-3"; at 10^4 steps 625 was "0.06"
-    (600). The counts are integers and must read as such (docs: the annotations keep every value)."""
+    (600). The counts are integers and must read as such (docs: the annotations keep every value). ASM-NAS's argmax
+    counts over a validation split of thousands of samples are the same case."""
     counts = np.array([[1247, 3, 0, 250], [625, 1000, 125, 2], [12470, 7, 30, 999]], np.int64)
-    record = load(_write(tmp_path / "c.h5", META, [(13900, {"sample/normal/count": counts})]))
-    shown, texts, bar, ax = _drawn(record, "sample_counts")[None]
+    record = load(_write(tmp_path / "c.h5", META, [(13900, {path: counts})]))
+    shown, texts, bar, ax = _drawn(record, name)[None]
     assert texts == [str(c) for c in counts.ravel()], texts  # row-major: edges down, ops across
     np.testing.assert_array_equal(shown, counts)  # the colour maps back to the count
     assert "(x 1e" not in bar, bar
