@@ -39,8 +39,8 @@ the losses are batch means; checked against autograd in tests/test_audit_ddp_rou
   (``same``), since every rank updates them from rank-averaged costs and curvature.
 
 A loop of one's own with unequal per-rank batches must log its ``count`` next to a ``mean``/``var`` and reduce
-them ``pooled``: the ``mean`` rule weighs every rank alike. A ``<prefix>/count`` next to a pooled ``<prefix>/mean`` is
-summed (the number of samples of all ranks) unless ``rules`` names it.
+them ``pooled``: the ``mean`` rule weighs every rank alike. Next to a pooled ``<prefix>/mean``, ``<prefix>/count`` is
+summed (the number of samples of all ranks) and ``<prefix>/var`` pooled unless ``rules`` names them.
 
 A batch of rows can be reduced at once (``rows=True``: the first axis of every value is the row),
 so a recorder callback reduces all the rows it buffered with one collective per rule.
@@ -126,9 +126,9 @@ def _split(path: str) -> tuple[str, str]:
 
 def plan_rules(arrays: Mapping[str, np.ndarray], rules: Mapping[str, str] | None = None) -> dict[str, str]:
     """Rule per path: the first matching pattern of ``rules`` (exact path or fnmatch glob), else the
-    vocabulary's rule (`nasdiag.vocabulary.reduction_rule`); a ``<prefix>/count`` next to a pooled ``<prefix>/mean``
-    is summed unless ``rules`` names it (a count of no family was 'same' for ints, refused as the ranks' counts differ,
-    and 'mean' for floats). Raises `ReductionError` for an unknown
+    vocabulary's rule (`nasdiag.vocabulary.reduction_rule`); next to a pooled ``<prefix>/mean``, ``<prefix>/count`` is
+    summed and ``<prefix>/var`` pooled unless ``rules`` names them (of no family, an int count was 'same', refused as
+    the ranks' counts differ, a float count and the var 'mean': the rank means). Raises `ReductionError` for an unknown
     rule or a ``pooled`` path without its ``count`` (and, for ``var``, its ``mean``) sibling."""
     plan, chosen = {}, set()
     for path, array in arrays.items():
@@ -152,10 +152,10 @@ def plan_rules(arrays: Mapping[str, np.ndarray], rules: Mapping[str, str] | None
             if name == "var" and f"{parent}/mean" not in arrays:
                 raise ReductionError(f"pooling {path!r} needs '{parent}/mean' in the same row too")
         plan[path] = rule
-    for path in plan:  # the count of a pooled mean counts every rank's samples: summed, unless ``rules`` says otherwise
+    for path in plan:  # the count and var of a pooled mean are of every rank's samples, unless ``rules`` says otherwise
         parent, name = _split(path)
-        if name == "count" and path not in chosen and plan.get(f"{parent}/mean") == "pooled":
-            plan[path] = "sum"
+        if name in ("count", "var") and path not in chosen and plan.get(f"{parent}/mean") == "pooled":
+            plan[path] = "sum" if name == "count" else "pooled"
     return plan
 
 

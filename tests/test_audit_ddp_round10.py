@@ -52,6 +52,8 @@ WORKER = textwrap.dedent(
     pooled = {"loss/mean": "pooled", "loss/var": "pooled"}
     attempt("own_int_count", lambda: reduce_statistics(moments(samples(rank, 1), "loss", np.int64), rules=pooled))
     attempt("own_float_count", lambda: reduce_statistics(moments(samples(rank, 1), "loss", np.float64), rules=pooled))
+    attempt("own_mean_rule_only", lambda: reduce_statistics(moments(samples(rank, 1), "loss", np.int64),
+                                                            rules={"loss/mean": "pooled"}))
     attempt("cost_family", lambda: reduce_statistics(moments(samples(rank, 1), "cost/normal", np.int64)))
     attempt("complex", lambda: reduce_statistics({"x/eig": np.array([1.0 + 2.0j, -1.0j])}))
     # a NaN loss on the last rank only: every rank must decide alike
@@ -96,11 +98,12 @@ def _everything(step: int) -> np.ndarray:
     return np.concatenate([samples(rank, step) for rank in range(WORLD)])
 
 
-@pytest.mark.parametrize("name", ["own_int_count", "own_float_count", "cost_family"])
+@pytest.mark.parametrize("name", ["own_int_count", "own_float_count", "own_mean_rule_only", "cost_family"])
 def test_pooled_moments_of_unequal_rank_batches_equal_the_concatenated_batchs(ranks, name):
     """A ``<prefix>/count`` beside a pooled mean/var counts the samples of every rank: summed. A count of a path of no
     family took the default rule of its dtype: an int count 'same' (ReductionError: the ranks' counts differ), a float
-    count 'mean' (the rank mean 11/3 recorded as the number of samples behind the pooled moments)."""
+    count 'mean' (the rank mean 11/3 recorded as the number of samples behind the pooled moments). So is a var beside
+    a mean that ``rules`` pools: it was the rank mean of the ranks' variances (the spread of their means lost)."""
     _, results = ranks
     prefix = "cost/normal" if name == "cost_family" else "loss"
     everything = _everything(1)
