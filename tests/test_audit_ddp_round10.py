@@ -3,6 +3,21 @@ epoch of a loop of one's own), against numpy references built here on the concat
 
 One launch (``ranks``, module fixture) runs every distributed part on the 3 ranks; the tests compare what they
 saved (and the one record rank 0 wrote) with references computed in this process.
+
+Found: following `nasdiag.distributed`'s advice for unequal per-rank batches (log the count beside a mean/var and
+reduce them ``pooled``) with paths of no family, ``rules={"<p>/mean": "pooled", "<p>/var": "pooled"}``, an int
+``<p>/count`` took the int default 'same' (ReductionError: the ranks' counts differ; a DDP RecorderCallback lost its
+batch), a float one the rank mean; with only the mean named, the var was the rank mean of the ranks' variances. A
+complex value went through the float64 collectives without its imaginary part (a ComplexWarning only), and in a DDP
+RecorderCallback failed its whole batch of rows.
+
+Checked and found right (references here or in scratch, not all kept): pooled mean/var of 3 unequal rank batches far
+from 0 equal numpy's on the concatenated samples (cost family too), counts summed, ``scalars/<name>_count`` summed,
+a plain scalar the rank mean of the ranks' means (as documented), a NaN on one rank seen by every rank
+(``finite_on_every_rank``), only rank 0 writes (ranks given their own paths); the Hessian diagonal of a LayerNorm
+supernet in the modes exact, exact_per_edge, ggn and diag is linear in the samples (the mean of two half batches'
+equals the whole batch's to 1e-16; approx is not, as documented), which is what the rank mean relies on; a Probe on a
+DistributedDataParallel-wrapped supernet records under gloo.
 """
 
 from __future__ import annotations
