@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 
 from nasdiag.record import load  # noqa: E402
 
-from test_audit_figures_round8 import _heatmaps, _write  # noqa: E402
+from test_audit_figures_round8 import _heatmaps, _key_numbers, _write  # noqa: E402
 
 OPS = ["none", "skip_connect", "sep_conv_3x3", "max_pool_3x3"]
 EDGES = ["0->2", "1->2", "0->3"]
@@ -64,3 +64,21 @@ def test_heatmaps_at_a_step_a_resume_replayed_show_the_later_segments_row(tmp_pa
         assert f"step {step}" in ax.get_title(loc="left")
         norm = ax.images[0].norm
         assert norm.vmin == -norm.vmax and norm.vmax >= 100 + step  # diverging, centred on 0, every value in range
+
+
+def test_the_reports_key_numbers_show_a_tiny_loss_as_its_value_not_zero(tmp_path):
+    """The report printed every key number with four decimals: a search-val loss of 2.5e-5 (a run that fits its
+    split) read "0.0000 (step 2)", a loss of exactly zero. The number must read back as the logged value to four
+    significant digits; accuracies keep their four decimals."""
+    loss = 2.5e-5
+    from nasdiag.plot import write_report
+
+    path = _write(tmp_path / "k.h5", META, [(1, {"scalars/search_val_loss": 0.5, "scalars/search_val_acc": 0.5}),
+                                             (2, {"scalars/search_val_loss": loss, "scalars/search_val_acc": 0.96875})])
+    logged = load(path)["scalars/search_val_loss"][-1]  # the record's float32
+    write_report(path, tmp_path / "k.html", figures=["scalars"])
+    numbers = _key_numbers((tmp_path / "k.html").read_text())
+    text = numbers["search-val loss (epoch evaluation)"]
+    value, rest = text.split(" ", 1)
+    assert rest == "(step 2)" and float(value) == pytest.approx(float(logged), rel=5e-4), text
+    assert numbers["search-val accuracy (epoch evaluation)"] == "0.9688 (step 2)"

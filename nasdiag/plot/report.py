@@ -84,6 +84,12 @@ def _last(record, path: str) -> Optional[Tuple[int, float]]:
     return int(record["step"][valid[i]]), float(values[i])
 
 
+def _value(value: float) -> str:
+    """A key number with four decimals (accuracies), or four significant digits where four decimals would not show it: a
+    search-val loss of 2.5e-05 was reported as ``0.0000``, a loss of exactly zero."""
+    return f"{value:.4f}" if value == 0 or 1e-3 <= abs(value) < 1e6 else f"{value:.4g}"
+
+
 def _key_number(record, path: str) -> Optional[str]:
     """``0.7500 (step 8)`` of the last row that logged ``path`` (None: none did). A last value that is NaN/inf (a run
     that diverged) is the number shown, with the last finite one after it: a key number never hides a NaN behind an
@@ -95,9 +101,9 @@ def _key_number(record, path: str) -> Optional[str]:
         return None
     step, value = int(record["step"][valid[-1]]), float(np.asarray(record[path], dtype=float)[valid[-1]])
     if np.isfinite(value):
-        return f"{value:.4f} (step {step})"
+        return f"{_value(value)} (step {step})"
     finite = _last(record, path)
-    before = f"last finite {finite[1]:.4f}, step {finite[0]}" if finite is not None else "never finite"
+    before = f"last finite {_value(finite[1])}, step {finite[0]}" if finite is not None else "never finite"
     return f"{'NaN' if np.isnan(value) else value} (step {step}; {before})"
 
 
