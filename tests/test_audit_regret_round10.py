@@ -14,6 +14,8 @@ Found and fixed in this round:
 * η* of eq 4 computed as √(2 ln N / (T L²)): a ZeroDivisionError traceback where T L² underflows (an XNAS search
   with reward_bound = 1e-200), digits lost where it is subnormal, η* = 0 where it overflows (L = 1e200), and an
   OverflowError for T past 1e308. Reference: eq 4 in log space.
+* rewards given as Python floats (a list) were rounded to float32 by ``torch.as_tensor`` before a float64
+  forecaster played them (ln v = 0.10000000149 for η R = 0.1); a list that is not numbers was a bare ValueError.
 * ``cell_depth(cell, concat)`` with a concat that is not a list of node indices: a bare ValueError / TypeError
   from ``int()``, and 2.5 or True taken for a node.
 
@@ -200,3 +202,17 @@ def test_a_cell_depth_concat_that_is_not_a_list_of_node_indices_is_one_regret_er
     with pytest.raises(RegretError, match="concat") as err:
         cell_depth(cell, concat)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("kind", ["xnas", "gd"])
+def test_rewards_given_as_python_floats_are_played_in_float64_not_rounded_to_float32(kind):
+    # before: torch.as_tensor([0.1, ...]) made float32 first, so ln v = 0.10000000149 in a float64 forecaster
+    rewards = [[0.1, 0.2, 0.3], [-0.7, 1 / 3, 0.9]]
+    f, g = _fresh(kind), _fresh(kind)
+    f.update(rewards)
+    g.update(torch.tensor(rewards, dtype=torch.float64))
+    assert torch.equal(f.log_weights, g.log_weights) and torch.equal(f.regret, g.regret)
+    if kind == "xnas":
+        assert f.log_weights[0, 0].item() == 0.4 * 0.1  # line 9: ln v = η R, the float64 product
+    with pytest.raises(RegretError, match="rewards must be"):
+        f.update([["a", 1, 2], [0, 1, 2]])

@@ -193,7 +193,11 @@ class _ExpertsState:
         return bool(torch.isfinite(rewards.sum())) or bool(torch.isfinite(rewards).all())
 
     def _checked_rewards(self, rewards) -> torch.Tensor:
-        rewards = torch.as_tensor(rewards)
+        if not isinstance(rewards, torch.Tensor):  # Python floats straight to the state's dtype, not via torch's float32
+            try:
+                rewards = torch.as_tensor(rewards, dtype=self.dtype, device=self.device)
+            except (TypeError, ValueError, RuntimeError):
+                raise RegretTypeError(f"rewards must be a tensor (or nested lists) of numbers, got {rewards!r}") from None
         expected = self.shape + (self.n_experts,)
         if rewards.shape != expected:
             raise RegretError(
