@@ -16,6 +16,7 @@ Found and fixed in this round:
   OverflowError for T past 1e308. Reference: eq 4 in log space.
 * rewards given as Python floats (a list) were rounded to float32 by ``torch.as_tensor`` before a float64
   forecaster played them (ln v = 0.10000000149 for η R = 0.1); a list that is not numbers was a bare ValueError.
+  The same float32 rounding in ``normalized_entropy`` and the reward functions of a list.
 * ``cell_depth(cell, concat)`` with a concat that is not a list of node indices: a bare ValueError / TypeError
   from ``int()``, and 2.5 or True taken for a node.
 
@@ -216,3 +217,12 @@ def test_rewards_given_as_python_floats_are_played_in_float64_not_rounded_to_flo
         assert f.log_weights[0, 0].item() == 0.4 * 0.1  # line 9: ln v = η R, the float64 product
     with pytest.raises(RegretError, match="rewards must be"):
         f.update([["a", 1, 2], [0, 1, 2]])
+
+
+def test_entropy_and_rewards_of_python_floats_are_float64_not_rounded_to_float32():
+    from nasdiag.regret import normalized_entropy, xnas_reward
+
+    u = [0.1, 0.2, 0.7]
+    reference = -sum(p * math.log(p) for p in u) / math.log(3)  # eq 54 in Python floats
+    assert normalized_entropy(u).item() == pytest.approx(reference, rel=1e-15, abs=0)
+    assert xnas_reward([0.1, -0.3]).tolist() == [-0.1, 0.3]  # R = −C exactly

@@ -16,8 +16,17 @@ from nasdiag.regret.errors import RegretError, RegretTypeError
 __all__ = ["xnas_reward", "rewards_from_gradient", "gd_softmax_reward"]
 
 
+def _as_tensor(value) -> torch.Tensor:
+    """``torch.as_tensor``, except that Python floats (lists, tuples) become float64, not torch's default float32,
+    which would round them before any arithmetic."""
+    tensor = torch.as_tensor(value)
+    if isinstance(value, (list, tuple, float)) and tensor.is_floating_point():
+        tensor = torch.as_tensor(value, dtype=torch.float64)
+    return tensor
+
+
 def _floating(name: str, tensor) -> torch.Tensor:
-    tensor = torch.as_tensor(tensor)
+    tensor = _as_tensor(tensor)
     if not tensor.is_floating_point():
         raise RegretTypeError(f"{name} must be a floating-point tensor, got dtype {tensor.dtype}")
     if tensor.ndim < 1:
