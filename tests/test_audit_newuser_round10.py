@@ -23,7 +23,7 @@ from torch import nn
 
 import nasdiag
 from nasdiag.probe import ProbeError
-from nasdiag.record import RecorderCallback, load
+from nasdiag.record import RecordError, RecorderCallback, load
 
 D = torch.float64
 
@@ -227,3 +227,54 @@ def test_hessian_of_a_step_with_dropout_is_that_of_the_recorded_masks_and_leaves
     for i, name in enumerate(probe.edge_names):
         torch.testing.assert_close(probe.costs()[name], g[i], rtol=0, atol=1e-12)
         torch.testing.assert_close(h[name], H[i], rtol=0, atol=1e-12)  # float64 Hessian-vector products: rounding
+
+
+def test_a_recorder_callback_hook_after_close_is_one_line_not_a_silently_dropped_row(tmp_path):
+    path = tmp_path / "run.h5"
+    callback = RecorderCallback(path)
+    callback.on_step_end(0, {"scalars/loss": torch.tensor(1.0)})
+    callback.close()
+    for hook in (lambda: callback.on_step_end(1, {"scalars/loss": torch.tensor(2.0)}),
+                 lambda: callback.on_epoch_end(0, step=1)):
+        with pytest.raises(RecordError, match="after close") as info:
+            hook()
+        assert "\n" not in str(info.value) and "resume=True" in str(info.value)
+    np.testing.assert_array_equal(load(path)["step"], [0])
+
+
+class _Base:
+    """Stands in for lightning's Callback (lightning cannot be imported on this box): the adapter only subclasses it."""
+
+
+class _Trainer:
+    global_rank, global_step, current_epoch = 0, 0, 0
+
+
+class _Module:
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def nasdiag_statistics(self):
+        return {"scalars/loss": torch.tensor(float(self.trainer.global_step))}
+
+
+def test_a_second_fit_with_the_same_lightning_callback_continues_the_record(tmp_path):
+    # teardown closed the RecorderCallback; the second fit's setup kept the closed one and every row of that fit was
+    # dropped silently (the record ended at the first fit's last step)
+    from nasdiag.record.lightning import _adapter_class, _statistics_from_module
+
+    path = tmp_path / "fit.h5"
+    callback = _adapter_class(_Base)(path, None, _statistics_from_module, None, {})
+    trainer = _Trainer()
+    module = _Module(trainer)
+    for _ in range(2):  # the hook order of Trainer.fit
+        callback.setup(trainer, module, "fit")
+        for batch in range(3):
+            callback.on_train_batch_end(trainer, module, None, None, batch)
+            trainer.global_step += 1
+        callback.on_train_epoch_end(trainer, module)
+        trainer.current_epoch += 1
+        callback.teardown(trainer, module, "fit")
+    record = load(path)
+    np.testing.assert_array_equal(record["step"], np.arange(6))
+    np.testing.assert_array_equal(record["scalars/loss"], np.arange(6, dtype=np.float32))

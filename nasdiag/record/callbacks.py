@@ -61,7 +61,8 @@ class RecorderCallback:
     of a path replace earlier ones. ``on_epoch_end`` adds ``scalars/epoch`` (float32) when absent.
     Steps never go back: a hook called with a step before the open row's, or with the step of a row
     a flush has already written, raises `RecordError` at that call and records nothing of it; the
-    callback stays usable and everything recorded before is kept.
+    callback stays usable and everything recorded before is kept. After `close`, ``on_step_end`` and
+    ``on_epoch_end`` raise `RecordError` (the record is closed; a new callback with ``resume=True`` goes on).
 
     Batches: rows are kept as handed in (tensors are snapshotted with ``detach().clone()`` on their
     device, numpy arrays copied) and handed to the recorder ``flush_every`` rows at a time (single
@@ -104,6 +105,7 @@ class RecorderCallback:
         self._rows: list[list] = []  # finished rows, in step order
         self._last_step: int | None = None  # step of the newest row, open or finished
         self._shapes: dict = {}  # path -> (row shape, first step) of the rows reduced across ranks so far
+        self._closed = False  # close() ran: later hooks are refused, not dropped
         if isinstance(target, Recorder):
             if meta is not None or recorder_kwargs:
                 raise RecordError("meta and recorder options apply when target is a path, not an open Recorder")
@@ -130,6 +132,11 @@ class RecorderCallback:
         """Rows handed to the hooks but not yet given to the recorder (the open row included)."""
         return len(self._rows) + (self._open is not None)
 
+    @property
+    def closed(self) -> bool:
+        """`close` has run: the hooks refuse further rows."""
+        return self._closed
+
     def on_step_end(self, step: int, statistics: Mapping) -> None:
         """Record the statistics of ``step`` (a mapping of record path -> array-like).
 
@@ -139,6 +146,7 @@ class RecorderCallback:
         and the callback stays usable."""
         step = self._row_step(step, "on_step_end")
         statistics = _snapshot(statistics)
+        self._check_open("on_step_end")
         try:
             if self._open is not None and step != self._open[0]:
                 self._finish_row()
@@ -153,6 +161,7 @@ class RecorderCallback:
         a `Recorder.flush` on rank 0 alone (a checkpoint at the epoch boundary) commits all of them."""
         row_step = self._open_row_step(f"on_epoch_end(epoch={epoch})") if step is None else self._row_step(step, "on_epoch_end")
         statistics = _snapshot(statistics or {})
+        self._check_open("on_epoch_end")
         statistics.setdefault("scalars/epoch", np.float32(epoch))
         if self._open is not None and row_step != self._open[0]:
             self._finish_row(hand_over=False)
@@ -203,6 +212,7 @@ class RecorderCallback:
             self._finish_row(hand_over=False)
             self._hand_over(collective=True)
         finally:
+            self._closed = True
             if self.recorder is not None:
                 self.recorder.close()
 
@@ -224,6 +234,15 @@ class RecorderCallback:
         from nasdiag import distributed
 
         return distributed.world_size(self._group) > 1
+
+    def _check_open(self, hook: str) -> None:
+        """A hook after `close` would hand rows to a closed recorder, which drops them: refused on every rank."""
+        if self._closed:
+            where = f" of {self.recorder.path}" if self.recorder is not None else ""
+            raise RecordError(
+                f"{hook} after close(): the record{where} is closed and nothing of this call was recorded; to go on "
+                "recording, make a new RecorderCallback(path, resume=True)"
+            )
 
     def _row_step(self, step, hook: str) -> int:
         """``step`` checked against the rows so far: the open row's step (merge) or a later one.

@@ -57,6 +57,7 @@ def _adapter_class(base):
             self.epoch_statistics = epoch_statistics
             self.callback_kwargs = callback_kwargs
             self.callback = None
+            self.fits = 0  # setups that opened the record: a later fit with this callback continues it
 
         def __reduce__(self):
             # The class is made at run time, so pickle (ddp_spawn sends callbacks to the workers)
@@ -64,12 +65,16 @@ def _adapter_class(base):
             return (_rebuild, (self.path, self.meta, self.statistics, self.epoch_statistics, self.callback_kwargs))
 
         def setup(self, trainer, pl_module, stage=None):
-            if self.callback is not None:
+            if self.callback is not None and not self.callback.closed:
                 return
             from nasdiag.record.callbacks import RecorderCallback
 
             writes = trainer.global_rank == 0
             kwargs = dict(self.callback_kwargs)
+            if self.fits and writes:  # another fit after teardown closed the record: append to it
+                kwargs.pop("overwrite", None)
+                kwargs["resume"] = True
+            self.fits += 1
             if not writes:
                 kwargs = {k: v for k, v in kwargs.items() if k in ("reduce", "rules", "ddof", "group", "flush_every")}
             self.callback = RecorderCallback(self.path if writes else None, meta=self.meta if writes else None, **kwargs)
@@ -106,7 +111,8 @@ def lightning_callback(path, *, meta=None, statistics=None, epoch_statistics=Non
     step is ``trainer.global_step``; batches with the same global step (gradient accumulation)
     share a row, later values winning. ``epoch_statistics(trainer, pl_module)``, if given, adds to
     the last row of each epoch. ``callback_kwargs`` go to `RecorderCallback` (``reduce``, ``rules``)
-    and `Recorder` (``flush_every``, ``resume``, ``overwrite``). Raises `RecordError` if neither
+    and `Recorder` (``flush_every``, ``resume``, ``overwrite``). Teardown closes the record; another fit with the
+    same callback continues it (``resume=True``). Raises `RecordError` if neither
     ``lightning`` nor ``pytorch_lightning`` is installed, or if the installed one fails to import.
     """
     base = _lightning_callback_base()
