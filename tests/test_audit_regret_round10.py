@@ -17,6 +17,7 @@ Found and fixed in this round:
 * rewards given as Python floats (a list) were rounded to float32 by ``torch.as_tensor`` before a float64
   forecaster played them (ln v = 0.10000000149 for η R = 0.1); a list that is not numbers was a bare ValueError.
   The same float32 rounding in ``normalized_entropy`` and the reward functions of a list.
+* ``default_loss_bound(sigma)`` = 3√(1 + σ²) was inf for σ > 1.3e154 (σ² overflowed).
 * ``cell_depth(cell, concat)`` with a concat that is not a list of node indices: a bare ValueError / TypeError
   from ``int()``, and 2.5 or True taken for a node.
 
@@ -226,3 +227,15 @@ def test_entropy_and_rewards_of_python_floats_are_float64_not_rounded_to_float32
     reference = -sum(p * math.log(p) for p in u) / math.log(3)  # eq 54 in Python floats
     assert normalized_entropy(u).item() == pytest.approx(reference, rel=1e-15, abs=0)
     assert xnas_reward([0.1, -0.3]).tolist() == [-0.1, 0.3]  # R = −C exactly
+
+
+@pytest.mark.parametrize("sigma", [0.0, 1.0, 16.0, 1e160, 1e300])
+def test_default_loss_bound_is_three_sqrt_one_plus_sigma_squared_without_overflow(sigma):
+    from fractions import Fraction
+
+    from nasdiag.regret import default_loss_bound
+
+    # before: sigma^2 overflowed for sigma > 1.3e154 and L came out inf
+    exact = 9 * (1 + Fraction(sigma) ** 2)  # L^2, exactly
+    got = default_loss_bound(sigma)
+    assert math.isfinite(got) and abs(Fraction(got) ** 2 / exact - 1) < 1e-15

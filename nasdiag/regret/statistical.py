@@ -53,7 +53,9 @@ class GaussianExpertsOutcome:
 def default_loss_bound(sigma: float) -> float:
     """``L = 3 sqrt(1 + sigma^2)``: three standard deviations of a reward ``R = b + sigma z`` with
     ``b, z ~ N(0, 1)``; §8.3 does not state the L it used for these unbounded rewards."""
-    return 3.0 * math.sqrt(1.0 + sigma * sigma)
+    square = sigma * sigma
+    # hypot where sigma^2 overflows (sigma = 1e200: L = 3e200, not inf); the plain form elsewhere keeps past runs' L
+    return 3.0 * (math.sqrt(1.0 + square) if square < math.inf else math.hypot(1.0, sigma))
 
 
 def simulate_gaussian_experts(
