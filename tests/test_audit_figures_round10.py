@@ -13,6 +13,8 @@ matplotlib.use("Agg")
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+from nasdiag.plot.registry import iter_figures  # noqa: E402
+from nasdiag.plot.style import plt  # noqa: E402
 from nasdiag.record import load  # noqa: E402
 
 from test_audit_figures_round8 import _heatmaps, _key_numbers, _write  # noqa: E402
@@ -82,3 +84,28 @@ def test_the_reports_key_numbers_show_a_tiny_loss_as_its_value_not_zero(tmp_path
     value, rest = text.split(" ", 1)
     assert rest == "(step 2)" and float(value) == pytest.approx(float(logged), rel=5e-4), text
     assert numbers["search-val accuracy (epoch evaluation)"] == "0.9688 (step 2)"
+
+
+def _visible_points(ax) -> set:
+    """(x, y) of what the lines of ``ax`` draw: every point of a line of two or more points, or of a marker."""
+    points = set()
+    for line in ax.get_lines():
+        x, y = np.asarray(line.get_xdata(), float), np.asarray(line.get_ydata(), float)
+        if x.size >= 2 and line.get_linestyle() not in ("None", "", " ") or line.get_marker() not in (None, "None", "", " "):
+            points |= {(float(a), round(float(b))) for a, b in zip(x, y) if np.isfinite(b)}
+    return points
+
+
+@pytest.mark.parametrize("path, name", [("regret/normal/alive", "alive_experts"), ("bayes/normal/switch", "bayes_switches")])
+def test_ops_still_on_after_a_single_step_are_drawn_not_an_empty_plot(tmp_path, path, name):
+    """A record of one step (an XNAS run stopped after its first α step, BayesNAS's first update): the step curve of
+    each edge was one point without a marker, so the figure was empty axes (docs: no empty plot is drawn; the other
+    line figures mark such a lone value with a dot)."""
+    on = np.array([[True, True, False, True], [True, False, False, False], [True, True, True, True]])
+    record = load(_write(tmp_path / "a.h5", META, [(5, {path: on})]))
+    (thunk,) = [t for spec, cell, _, t in iter_figures(record, [name])]
+    fig = thunk()
+    try:
+        assert _visible_points(fig.axes[0]) >= {(5.0, int(n)) for n in on.sum(-1)}
+    finally:
+        plt.close(fig)

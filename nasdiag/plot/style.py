@@ -123,8 +123,9 @@ def ops_on_per_edge(record: Mapping[str, np.ndarray], cell: str, path: str, *, y
     colors = plt.get_cmap("tab20")
     for e in range(E):
         # a small vertical offset per edge keeps overlapping step curves apart
-        ax.step(steps, counts[:, e] + 0.04 * (e - (E - 1) / 2), where="post", color=colors(e % 20), lw=1.0,
-                label=names[e])
+        y = counts[:, e] + 0.04 * (e - (E - 1) / 2)
+        ax.step(steps, y, where="post", color=colors(e % 20), lw=1.0, label=names[e])
+        mark_isolated(ax, steps, y, color=colors(e % 20))  # one row (one step, one update): a dot, not empty axes
     ax.set_ylim(0.5, K + 0.5)
     ax.set_yticks(range(1, K + 1))
     ax.set_xlabel("step")
