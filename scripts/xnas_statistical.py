@@ -239,8 +239,12 @@ def plot(data, summary, figure_path, runs):
                               color=colors["xnas"], lw=1, label=r"fit $a\sqrt{\ln N}$")
             axes[0, col].plot(fine, f["gd"]["sqrt_n"]["coefficient"] * np.sqrt(fine), ":",
                               color=colors["gd"], lw=1, label=r"fit $b\sqrt{N}$")
+        positive = x[x > 0]
         for row in range(2):
-            axes[row, col].set_xscale("log")
+            if x.min() > 0:
+                axes[row, col].set_xscale("log")
+            else:  # σ_R = 0 (no noise) has no logarithm: on a log axis σ = 1 and 2 fell on one point at its edge
+                axes[row, col].set_xscale("symlog", linthresh=float(positive.min()) if positive.size else 1.0)
             # the grid values as the only labels: over less than a decade matplotlib labels its minor log
             # ticks too ("2×10⁰ 3×10⁰ 4×10⁰ ..."), which overlap
             axes[row, col].set_xticks(x, [f"{v:g}" for v in x])

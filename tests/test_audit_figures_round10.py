@@ -109,3 +109,31 @@ def test_ops_still_on_after_a_single_step_are_drawn_not_an_empty_plot(tmp_path, 
         assert _visible_points(fig.axes[0]) >= {(5.0, int(n)) for n in on.sum(-1)}
     finally:
         plt.close(fig)
+
+
+def test_xnas_fig8_with_a_noise_free_sigma_places_every_sigma_apart_in_order(tmp_path, monkeypatch):
+    """`scripts/xnas_statistical.py --sigma-grid 0,1,2` (σ_R = 0, the noise-free baseline, is accepted) drew the σ
+    panels on a log x axis: 0 has no logarithm, matplotlib's limits then ran from ~0 to 2 and put σ = 1 and σ = 2 (and
+    their tick labels) on top of each other at the right edge. Every σ of the grid must have its own place, in order."""
+    import os
+    import sys
+
+    from matplotlib.figure import Figure
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "scripts"))
+    import xnas_statistical
+
+    saved = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *args, **kwargs: saved.append(fig))
+    xnas_statistical.main(["--out", str(tmp_path), "--runs", "2", "--steps", "5", "--n-grid", "2,4",
+                           "--sigma-grid", "0,1,2", "--lr-multipliers", ""])
+    (fig,) = saved
+    for ax in fig.axes:
+        if "σ" not in ax.get_xlabel() and "sigma" not in ax.get_xlabel():
+            continue
+        ticks = np.asarray(ax.get_xticks(), float)
+        np.testing.assert_array_equal(ticks, [0.0, 1.0, 2.0])
+        pixels = ax.transData.transform(np.c_[ticks, np.ones_like(ticks)])[:, 0]
+        width = ax.bbox.width
+        assert np.all(np.diff(pixels) > 0.1 * width), (ax.get_xscale(), pixels, width)  # apart, left to right
+        assert np.all((pixels >= ax.bbox.x0 - 1) & (pixels <= ax.bbox.x1 + 1)), (pixels, ax.bbox)  # inside the axes
