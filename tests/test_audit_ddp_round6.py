@@ -191,7 +191,10 @@ def test_kill_9_of_ranks_under_torchrun_then_resume_equals_the_uninterrupted_lau
     kept = _rows(tmp_path / "cut.h5")["step"]
     assert kept.tolist() == list(range(1, S + 1)), kept  # epoch 1, committed with its checkpoint
     resumed = _torchrun(tmp_path, 2, "--out", "cut.h5", "--resume")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # gloo's teardown abort (see _fresh_launch; seen once here in .ci/run) comes after a complete run: the checks
+    # below still hold the record and the checkpoint to the uninterrupted launch's, so the run is judged by them
+    aborted_at_teardown = resumed.returncode != 0 and TEARDOWN_ABORT in resumed.stderr
+    assert resumed.returncode == 0 or aborted_at_teardown, resumed.stderr[-3000:]
     assert _nasdiag_lines(resumed.stderr) == []
     rows = _rows(tmp_path / "cut.h5")
     assert rows["step"].tolist() == list(range(1, EPOCHS * S + 1))  # every step once
