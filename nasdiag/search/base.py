@@ -447,6 +447,13 @@ class SearchMethod:
             moments.update(obs, mask)
 
     # -- statistics ------------------------------------------------------------------------------------
+    def scalar_statistic(self, value: float) -> torch.Tensor:
+        """A number the host holds (w's learning rate, SparseNAS's λ) as a 0-dim CPU statistic in the run's float dtype,
+        which the vocabulary's ``float32`` stands for (``torch.tensor(lr)`` is float32: a float64 run recorded its
+        rate rounded to 24 bits, a λ past 3.4e38 as inf). Half precision networks get float32."""
+        dtype = next(self.network.parameters()).dtype
+        return torch.tensor(value, dtype=torch.promote_types(dtype, torch.float32) if dtype.is_floating_point else torch.float32)
+
     def arch_statistics(self, forward_weights: Optional[CellWeights] = None) -> Dict[str, torch.Tensor]:
         """``arch/<cell>/params`` (α, where the method has them), ``arch/<cell>/probabilities`` and, if
         given, ``arch/<cell>/weights`` (the step's Z; batch mean where per sample)."""

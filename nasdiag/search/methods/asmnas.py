@@ -147,7 +147,7 @@ class ASMNAS(SearchMethod):
     def step(self, train_batch: Batch, val_batch: Optional[Batch] = None) -> Dict[str, torch.Tensor]:
         """One SGD step on (w, Θ) with the training loss (Algorithm 1, line 4); ``val_batch`` is not used."""
         x, y = train_batch
-        stats = {"scalars/w_lr": torch.tensor(self.w_optimizer.param_groups[0]["lr"])}
+        stats = {"scalars/w_lr": self.scalar_statistic(self.w_optimizer.param_groups[0]["lr"])}
         self.w_optimizer.zero_grad(set_to_none=True)
         loss, logits, attn, _ = self.attention_cost(x, y)
         if not finite_on_every_rank(loss):  # under DDP: every rank stops at this step, before (w, Θ) are updated with it

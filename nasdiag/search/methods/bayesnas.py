@@ -294,7 +294,7 @@ class BayesNAS(SearchMethod):
         return stats
 
     def step(self, train_batch: Batch, val_batch: Batch) -> Dict[str, torch.Tensor]:
-        stats = {"scalars/w_lr": torch.tensor(self.w_optimizer.param_groups[0]["lr"])}
+        stats = {"scalars/w_lr": self.scalar_statistic(self.w_optimizer.param_groups[0]["lr"])}
         with failing_row(stats):
             stats.update(self.likelihood_step(*train_batch))
         updated = self.update_due()

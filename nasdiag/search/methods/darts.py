@@ -108,7 +108,7 @@ class DARTS(SearchMethod):
         return {"scalars/train_loss": loss.detach(), "scalars/train_acc": accuracy(logits.detach(), y)}
 
     def step(self, train_batch: Batch, val_batch: Batch) -> Dict[str, torch.Tensor]:
-        stats = {"scalars/w_lr": torch.tensor(self.w_optimizer.param_groups[0]["lr"])}
+        stats = {"scalars/w_lr": self.scalar_statistic(self.w_optimizer.param_groups[0]["lr"])}
         with failing_row(stats):
             stats.update(self.alpha_step(*val_batch))
             weights = self.forward_weights()

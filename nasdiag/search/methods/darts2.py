@@ -85,7 +85,7 @@ class DARTS2(DARTS):
                 "scalars/fd_eps": torch.where(torch.isfinite(result.eps), result.eps, torch.full_like(result.eps, math.nan))}
 
     def step(self, train_batch: Batch, val_batch: Batch) -> Dict[str, torch.Tensor]:
-        stats = {"scalars/w_lr": torch.tensor(self.w_optimizer.param_groups[0]["lr"])}
+        stats = {"scalars/w_lr": self.scalar_statistic(self.w_optimizer.param_groups[0]["lr"])}
         with failing_row(stats):  # a NaN loss (unrolled forwards, w step) raises before its update, its row recorded
             stats.update(self.alpha_step(train_batch, val_batch))
             weights = self.forward_weights()

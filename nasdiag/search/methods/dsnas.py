@@ -69,7 +69,7 @@ class DSNAS(DARTS):
 
     def step(self, train_batch: Batch, val_batch: Optional[Batch] = None) -> Dict[str, torch.Tensor]:
         """One single-level step on ``train_batch`` (``val_batch`` is not used)."""
-        stats = {"scalars/w_lr": torch.tensor(self.w_optimizer.param_groups[0]["lr"])}
+        stats = {"scalars/w_lr": self.scalar_statistic(self.w_optimizer.param_groups[0]["lr"])}
         probs = self.probabilities()
         z = self.forward_weights()
         with failing_row(stats):

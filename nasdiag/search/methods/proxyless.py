@@ -131,7 +131,7 @@ class ProxylessNAS(DARTS):
 
     def step(self, train_batch: Batch, val_batch: Optional[Batch] = None) -> Dict[str, torch.Tensor]:
         """A w step on ``train_batch`` (one path per edge), then the two-path α step on ``val_batch``."""
-        stats = {"scalars/w_lr": torch.tensor(self.w_optimizer.param_groups[0]["lr"])}
+        stats = {"scalars/w_lr": self.scalar_statistic(self.w_optimizer.param_groups[0]["lr"])}
         with failing_row(stats):
             stats.update(self.weight_step(*train_batch, self.forward_weights()))
             stats.update(self.alpha_step(*val_batch))

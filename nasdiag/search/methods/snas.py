@@ -67,7 +67,7 @@ class SNAS(DARTS):
     def step(self, train_batch: Batch, val_batch: Optional[Batch] = None) -> Dict[str, torch.Tensor]:
         """One single-level step on ``train_batch`` (``val_batch`` is not used)."""
         tau = self.temperature
-        stats = {"scalars/w_lr": torch.tensor(self.w_optimizer.param_groups[0]["lr"]),
+        stats = {"scalars/w_lr": self.scalar_statistic(self.w_optimizer.param_groups[0]["lr"]),
                  "scalars/temperature": torch.tensor(tau, dtype=torch.float64)}
         z = self.forward_weights()
         with failing_row(stats):

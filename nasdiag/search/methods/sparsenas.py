@@ -197,11 +197,11 @@ class SparseNAS(DARTS):
         # back on every emptied edge would make the removal of a node impossible.
         for cell_type, a in self.network.alphas().items():
             stats[V.SPARSITY_NONZERO.path(cell=cell_type)] = a.detach() != 0
-        stats[V.SPARSITY_LAMBDA.path()] = torch.tensor(self.lam)
+        stats[V.SPARSITY_LAMBDA.path()] = self.scalar_statistic(self.lam)
         return stats
 
     def step(self, train_batch: Batch, val_batch: Batch) -> Dict[str, torch.Tensor]:
-        stats = {"scalars/w_lr": torch.tensor(self.w_optimizer.param_groups[0]["lr"])}
+        stats = {"scalars/w_lr": self.scalar_statistic(self.w_optimizer.param_groups[0]["lr"])}
         with failing_row(stats):  # a NaN loss raises before its update (A's or w's), its row recorded
             stats.update(self.arch_step(train_batch, val_batch))
             weights = self.forward_weights()

@@ -200,7 +200,7 @@ class XNAS(SearchMethod):
                               f"× {self.schedule.steps_per_epoch} steps): the wipeout thresholds and η* (eq 4) are fixed by "
                               "that horizon T; start a new run with the wanted --epochs")
         u, active = self.probabilities(), self.active_ops()
-        stats: Dict[str, torch.Tensor] = {"scalars/w_lr": torch.tensor(self.w_optimizer.param_groups[0]["lr"]),
+        stats: Dict[str, torch.Tensor] = {"scalars/w_lr": self.scalar_statistic(self.w_optimizer.param_groups[0]["lr"]),
                                           "scalars/active_fraction": self._active_fraction(active)}
         try:
             stats.update(self.weight_step(*train_batch, u, active))
