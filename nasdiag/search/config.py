@@ -246,10 +246,14 @@ class SearchConfig:
 
     def run_defining(self, hp: Optional[Mapping[str, Any]] = None, world_size: int = 1) -> Dict[str, Any]:
         """The values that define the run: a resumed run must have the same. ``hp``: the effective
-        hyperparameters (default: the overrides as given)."""
+        hyperparameters (default: the overrides as given). ``data_dir`` is the folder's resolved path
+        (`os.path.realpath`), so that the same folder named from elsewhere is the same run, and another
+        folder under the same relative name is not."""
         values = {k: getattr(self, k) for k in RUN_DEFINING}
         values["hp"] = dict(self.hp if hp is None else hp)
         values["multiplier"] = self.cell_multiplier
+        if self.data_dir:  # the folder itself: as typed, a resume from another folder was refused for the same data
+            values["data_dir"] = os.path.realpath(os.fspath(self.data_dir))  # and ran on other data under its name
         values["world_size"] = int(world_size)
         return json.loads(json.dumps(values, sort_keys=True, default=str))
 
@@ -268,6 +272,8 @@ def differing_fields(given: Mapping[str, Any], stored: Mapping[str, Any]) -> Dic
     out: Dict[str, Tuple[Any, Any]] = {}
     for key in sorted(set(given) | set(stored)):
         a, b = given.get(key), stored.get(key)
+        if key == "data_dir" and isinstance(a, str) and isinstance(b, str) and os.path.realpath(b) == a:
+            continue  # a record written before data_dir was stored resolved: the folder as typed, here, is the same
         if key == "hp" and isinstance(a, Mapping) and isinstance(b, Mapping):
             for k in sorted(set(a) | set(b)):
                 if a.get(k) != b.get(k):

@@ -1,0 +1,67 @@
+"""An eleventh new user's misuse of the ``nasdiag`` CLI: what rounds 1-10 (test_cli_errors.py, test_cli_search_misuse.py,
+test_cli_plot_misuse.py, test_cli_misuse_round3..10.py) did not cover: a CIFAR-10 run resumed from another working
+directory (the README's relative ``--data-dir``), and ``--out`` through symbolic links that lead nowhere (a dangling
+link or a loop as a folder of the path). Every mistake is one line on stderr, exit code 2, no traceback, the folder
+left as it was.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import numpy as np
+
+from nasdiag.cli import main
+from test_cli_errors import TINY, refused
+
+
+def _fake_cifar(folder, seed: int) -> None:
+    """Six python batches of 20 random images each, in the standard layout (N x 3072 bytes, a list of labels)."""
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(seed)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = {b"data": rng.integers(0, 256, (20, 3072), dtype=np.uint8), b"labels": rng.integers(0, 10, 20).tolist()}
+        (folder / name).write_bytes(pickle.dumps(batch))
+
+
+def _cifar(out, data_dir, epochs, *extra):
+    # 100 training images, split about 50/50 into search-train and search-val: a step or two of 25 per epoch
+    return ["search", *TINY, "--dataset", "cifar10", "--data-dir", str(data_dir), "--batch-size", "25",
+            "--epochs", str(epochs), "--out", str(out), *extra]
+
+
+def test_a_cifar_run_resumed_from_another_folder_reads_its_own_data(tmp_path, monkeypatch, capsys):
+    """The README's ``--data-dir`` is typed relative to where the search starts. It was compared as typed: from
+    another folder, ``--data-dir data`` (other images there) resumed the run on those other images without a word
+    (the record then mixed two datasets), while the run's own folder named by its absolute path (the only way to
+    reach it from there) was refused as "different settings". The folder is compared resolved: the other images are
+    refused in one line, the same folder by any name resumes."""
+    _fake_cifar(tmp_path / "a" / "data", seed=0)
+    _fake_cifar(tmp_path / "b" / "data", seed=1)
+    monkeypatch.chdir(tmp_path / "a")
+    assert main(_cifar("runs/c.h5", "data", 1)) == 0
+    capsys.readouterr()
+    from nasdiag.record import load
+
+    first = len(load("runs/c.h5")["step"])  # one epoch's steps
+    monkeypatch.chdir(tmp_path / "b")
+    record = tmp_path / "a" / "runs" / "c.h5"
+    line = refused(_cifar(record, "data", 2, "--resume"), tmp_path, "--resume with different settings", capsys)
+    assert "data_dir=" in line and str(tmp_path / "b" / "data") in line, line
+    assert main(_cifar(record, f"{tmp_path / 'a' / 'data'}{os.sep}", 2, "--resume")) == 0  # the same folder
+    capsys.readouterr()
+    assert load(str(record))["step"].tolist() == list(range(1, 2 * first + 1))
+
+
+def test_a_record_of_an_unresolved_data_dir_resumes_from_its_folder(tmp_path, monkeypatch):
+    """Records written before the folder was stored resolved hold it as typed: from the folder it was typed in,
+    it still names the same data, so resuming them there is not refused."""
+    from nasdiag.search.config import SearchConfig, differing_fields
+
+    (tmp_path / "data").mkdir()
+    monkeypatch.chdir(tmp_path)
+    given = SearchConfig(dataset="cifar10", data_dir="data").run_defining()
+    assert given["data_dir"] == os.path.realpath(tmp_path / "data")
+    assert differing_fields(given, {**given, "data_dir": "data"}) == {}
+    assert "data_dir" in differing_fields(given, {**given, "data_dir": "elsewhere"})
