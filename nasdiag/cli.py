@@ -171,9 +171,6 @@ def search_config(args: argparse.Namespace) -> SearchConfig:
     if args.out.endswith(("/", os.sep)) and not os.path.isdir(args.out):  # an existing folder has its own message
         raise ConfigError(f"--out {args.out} ends in /, so it names a folder; pass the record's file path, such as "
                           f"{args.out}run.h5")
-    if os.path.islink(args.out) and not os.path.exists(args.out):  # the recorder would see a file appear
-        raise ConfigError(f"--out {args.out} is a symbolic link to {os.readlink(args.out)}, which does not exist; "
-                          "remove the link or choose another --out")
     if args.data_dir and os.path.exists(args.data_dir) and not os.path.isdir(args.data_dir):  # not "does not exist"
         raise ConfigError(f"--data-dir {args.data_dir} is a file, not a folder; pass the folder of the CIFAR-10 python "
                           "batches (data_batch_1..5, test_batch), e.g. cifar-10-batches-py/")
@@ -200,6 +197,41 @@ def search_config(args: argparse.Namespace) -> SearchConfig:
     if args.hessian_mode is not None and "hessian" not in config.validate().diagnostics:  # given, even as the default:
         raise ConfigError(no_hessian_recorded(args.hessian_mode, config.diagnostics))    # it would do nothing
     return config
+
+
+def _refuse_broken_links(args) -> None:
+    """Refuse an output path (``--out``, and the figure folder of ``search``) through a symbolic link that leads
+    nowhere: the path itself or a folder of it a dangling link, or a loop of links. Each was an error that named
+    neither ("cannot write the record under dir: File exists", "File exists (dir)", "--out x.html exists and is not a
+    regular file"); for the record itself, the recorder would see a file appear."""
+    import errno
+
+    outputs = [(f"--out {args.out}", args.out, "choose another --out")]
+    if args.command == "search" and not args.no_figs:
+        out = Path(args.out)
+        default = str(out.with_name(out.stem + "-figs"))
+        outputs.append((f"--figs {args.figs}", args.figs, "choose another --figs") if args.figs else
+                       (f"the figure folder {default} (of --out {args.out})", default, "pass another --figs"))
+    for label, value, instead in outputs:
+        if not value or not value.strip():
+            continue  # refused as empty by the command
+        parts = Path(value).parts
+        for i in range(1, len(parts) + 1):
+            level = os.path.join(*parts[:i])
+            if not os.path.lexists(level):
+                break  # this level and those below it are created
+            if not os.path.islink(level):
+                continue
+            try:
+                os.stat(level)
+                continue
+            except OSError as exc:
+                loop = exc.errno == errno.ELOOP
+            what = (f"{label} is a symbolic link" if i == len(parts) else
+                    f"{label}: its folder {level} is a symbolic link")
+            where = "a loop of links that never reaches a file or folder" if loop else "which does not exist"
+            fix = "remove the link" if i == len(parts) else "remove the link or point it at a folder"
+            raise ConfigError(f"{what} to {os.readlink(level)}, {where}; {fix}, or {instead}")
 
 
 def _refuse_figures_in_the_record(figures: str, record: str, default: str) -> None:
@@ -565,6 +597,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         args = _parse(argv)
         if args.command is None:
             raise ConfigError("nasdiag: choose a command: search, methods, plot or report (see nasdiag --help)")
+        if args.command in ("search", "plot", "report"):
+            _refuse_broken_links(args)
         _import_numpy()
         if args.command == "methods":  # printing is all it does
             return _printed(COMMANDS[args.command], args)

@@ -11,9 +11,11 @@ import os
 import pickle
 
 import numpy as np
+import pytest
 
 from nasdiag.cli import main
 from test_cli_errors import TINY, refused
+from test_cli_plot_misuse import rec, source  # noqa: F401 (fixtures)
 
 
 def _fake_cifar(folder, seed: int) -> None:
@@ -65,3 +67,33 @@ def test_a_record_of_an_unresolved_data_dir_resumes_from_its_folder(tmp_path, mo
     assert given["data_dir"] == os.path.realpath(tmp_path / "data")
     assert differing_fields(given, {**given, "data_dir": "data"}) == {}
     assert "data_dir" in differing_fields(given, {**given, "data_dir": "elsewhere"})
+
+
+_FIGS = [a for a in TINY if a != "--no-figs"]
+_LINKED_OUTPUTS = {  # (command line, the level that is a link), the link made by the test
+    "search, a folder of --out dangling": (["search", *TINY, "--out", "L/run.h5"], "its folder L"),
+    "search, a folder of --out a loop": (["search", *TINY, "--out", "loop/run.h5"], "its folder loop"),
+    "search, --out itself a loop": (["search", *TINY, "--out", "loop"], "--out loop is"),
+    "search, --figs dangling": (["search", *_FIGS, "--out", "run2.h5", "--figs", "L"], "--figs L is"),
+    "search, the default figure folder dangling": (["search", *_FIGS, "--out", "x.h5"], "figure folder x-figs"),
+    "plot, --out dangling": (["plot", "run.h5", "--out", "L"], "--out L is"),
+    "plot, a folder of --out a loop": (["plot", "run.h5", "--out", "loop/figs"], "its folder loop"),
+    "report, a folder of --out a loop": (["report", "run.h5", "--out", "loop/page.html"], "its folder loop"),
+    "report, --out dangling": (["report", "run.h5", "--out", "L"], "--out L is"),
+}
+
+
+@pytest.mark.parametrize("case", list(_LINKED_OUTPUTS))
+def test_an_output_through_a_link_that_leads_nowhere_names_the_link(case, rec, tmp_path, monkeypatch, capsys):
+    """``--out`` (or the figure folder) through a symbolic link that leads nowhere, a dangling one or a loop, itself
+    or as one of its folders: the lines were "cannot write the record under .../L: File exists", "cannot create the
+    figure folder L: File exists", "File exists (loop)", "--out L exists and is not a regular file", none naming the
+    link, nor what to do. The line names the link, where it leads and the way out; nothing is created."""
+    monkeypatch.chdir(tmp_path)
+    os.symlink("gone/nowhere", "L")  # dangling
+    os.symlink("x-gone", "x-figs")
+    os.symlink("loop", "loop")  # a loop
+    argv, needle = _LINKED_OUTPUTS[case]
+    line = refused(argv, tmp_path, needle, capsys)
+    assert "symbolic link to" in line and ("a loop of links" if "loop" in case else "which does not exist") in line, line
+    assert "remove the link" in line, line
