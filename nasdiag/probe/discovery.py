@@ -25,6 +25,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+import torch
 from torch import nn
 
 from nasdiag.edges import EdgesArg, EdgeSpec, EdgeSpecError, op_names_of, resolve_edges, weights_parameter  # noqa: F401 (re-exported)
@@ -142,6 +143,17 @@ def _cell_edge_nodes(cell: nn.Module, n_edges: int) -> Optional[List[Tuple[int, 
     return None
 
 
+def _torchscript_refusal(what: str) -> str:
+    """The line for a TorchScript module where the probe must hook Python forwards."""
+    return (f"{what} is TorchScript (torch.jit.script or torch.jit.trace): its forward runs in the TorchScript "
+            "interpreter, which calls no Python forward hooks on the modules inside it, so the probe cannot capture "
+            "x_i, O_k(x_i) or ∂L/∂x_j there; attach the eager model (a torch.compile'd model works)")
+
+
+def _scripted_part(modules) -> Optional[nn.Module]:
+    return next((sub for m in modules for sub in m.modules() if isinstance(sub, torch.jit.ScriptModule)), None)
+
+
 def discover(model: nn.Module, edges: Optional[EdgesArg] = None) -> Tuple[List[EdgeSpec], List[CellInfo]]:
     """The edges and cells of ``model`` (see the module docstring for naming and the node protocol).
 
@@ -150,10 +162,13 @@ def discover(model: nn.Module, edges: Optional[EdgesArg] = None) -> Tuple[List[E
 
     Raises:
         ProbeError: no discoverable edge; an edge map naming a module not in the model; a module that is
-            two edges; candidate ops that cannot be inferred.
+            two edges; candidate ops that cannot be inferred; a TorchScript model, or an edge (or a scripted mixed op
+            discovery would skip) holding TorchScript modules, whose forward calls no Python hooks.
     """
     if not isinstance(model, nn.Module):
         raise ProbeError(f"attach() needs an nn.Module, got {type(model).__name__}")
+    if isinstance(model, torch.jit.ScriptModule):
+        raise ProbeError(_torchscript_refusal(f"the model ({type(model).__name__})"))
     named = list(model.named_modules())
     if edges is not None:
         try:
@@ -162,12 +177,22 @@ def discover(model: nn.Module, edges: Optional[EdgesArg] = None) -> Tuple[List[E
             raise ProbeError(str(err)) from None
     else:
         given = [EdgeSpec(qual, m, ops, op_names_of(m, ops)) for qual, m in named if (ops := _candidates(m)) is not None]
+        # a scripted mixed op (or cell) has no ModuleList `_ops` any more: it would be left out silently
+        scripted = next((q for q, m in named if isinstance(m, torch.jit.ScriptModule)
+                         and (hasattr(m, "_ops") or getattr(m, "original_name", None) == MixedOp.__name__)), None)
+        if scripted is not None:
+            raise ProbeError(_torchscript_refusal(f"module {scripted!r}"))
         if not given:
             raise ProbeError(
                 f"no edges found in {type(model).__name__}: nasdiag discovers nasdiag.supernet.MixedOp and "
                 "DARTS-convention mixed ops (candidates in a ModuleList `_ops`, forward(x, weights) = Σ_k w_k·op_k(x)). "
                 "For any other supernet pass edges={name: mixed-op module or (module, [candidate op modules])}."
             )
+
+    for spec in given:
+        scripted = _scripted_part((spec.module, *spec.ops))
+        if scripted is not None:
+            raise ProbeError(_torchscript_refusal(f"edge {spec.name!r} holds a {type(scripted).__name__}, which"))
 
     # Cells: modules declaring their nodes; an edge belongs to its nearest cell ancestor.
     cells_raw = [(q, m, d) for q, m in named if (d := _cell_declaration(m)) is not None]

@@ -43,7 +43,7 @@ class _StepResult:
 
     __slots__ = ("per_sample", "costs", "matrix", "available", "not_run", "selected", "paths", "node_costs", "deviation", "invariant",
                  "cells_not_tensor", "cells_not_concat",
-                 "model_inputs", "rng_state", "targets", "model_output", "output_grad", "first_weights")
+                 "model_inputs", "rng_state", "targets", "model_output", "output_grad", "first_weights", "ran_kept")
 
     def __init__(self):
         self.per_sample: List[Optional[torch.Tensor]] = []
@@ -65,6 +65,7 @@ class _StepResult:
         self.model_output = None
         self.output_grad = None
         self.first_weights: List[Optional[torch.Tensor]] = []
+        self.ran_kept: List[bool] = []  # hessian mode: per edge, whether the kept model call ran it (with grad mode on)
 
 
 def _sum_calls(parts: List[Tuple[int, torch.Tensor]]) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
@@ -388,6 +389,7 @@ class Probe:
         r.cells_not_concat = cap.cells_not_concat
         r.model_inputs, r.rng_state = cap.model_inputs, cap.rng_state
         r.first_weights = cap.first_weights
+        r.ran_kept = cap.ran_kept
         r.model_output, r.output_grad = cap.model_output, cap.output_grad
         if no_forward or partial_ops or cap.k_changed:
             self._check_unchanged([p for p in range(len(self._edges))
@@ -469,11 +471,14 @@ class Probe:
 
         Returns:
             ``{edge name: (K,)}``; with ``per_sample``, ``{edge name: (B, K)}``. Dtype and device of the
-            model's activations. Batch convention: the per-sample terms **sum** to the (K,) costs, so with a
-            mean loss each carries the 1/B. With per-sample weights Z of shape (B, K), the (B, K) terms are
-            exactly ∂L/∂Z_bk. Several calls of an edge in one forward of the model (weight tying) and several
-            backwards through it add up per sample; the rows of different forwards of the model in one block
-            (micro-batches) are concatenated in call order, so B is then the total over those forwards.
+            model's activations. Batch convention: the per-sample terms <∂L/∂x_j[b], O_k(x_i)[b]> **sum** to the
+            (K,) costs, so with a mean loss each carries the loss's normaliser (1/B). With per-sample weights Z of
+            shape (B, K), the (B, K) terms are exactly ∂L/∂Z_bk; row b is sample b's own loss gradient only where
+            nothing couples the samples (not under train-mode BatchNorm). A loss term on Z or α themselves (a
+            regularizer) is not part of the cost: it does not reach x_j. Several calls of an edge in one forward
+            of the model (weight tying) and several backwards through it add up per sample; the rows of different
+            forwards of the model in one block (micro-batches) are concatenated in call order, so B is then the
+            total over those forwards.
             NaN (with a warning at the end of the block) where the edge's forward never ran,
             the backward never reached it, or a candidate op did not run.
         """
@@ -696,14 +701,28 @@ class Probe:
         loss_fn = self.loss_fn or torch.nn.functional.cross_entropy
         if not rerun:
             return arch_diag_hessian(model, loss_fn, inputs, targets, self._edges, mode=mode, wrt=wrt)
+        # an edge the recorded call did not run (a path dropped at this step, progressive shrinking) has no curvature
+        # there: NaN, as its cost, and the curvature of the edges that ran (the engine refuses an edge that never runs)
+        ran = [e for p, e in enumerate(self._edges) if r.ran_kept[p]]
+        if not ran:
+            raise ProbeError("hessian(): no edge ran (with grad mode on) in the recorded model call, so there is no "
+                             "mixing-weight curvature to compute; record a step whose forward runs the edges")
         caller = random_state()
         # re-running the recorded call: it must mix with the recorded Z and draw the recorded forward's dropout masks
         set_random_state(r.rng_state)
         try:
             with self._same_weights_as_recorded(r):
-                return arch_diag_hessian(model, loss_fn, inputs, targets, self._edges, mode=mode, wrt=wrt)
+                out = arch_diag_hessian(model, loss_fn, inputs, targets, ran, mode=mode, wrt=wrt)
         finally:
             set_random_state(caller)
+        if len(ran) == len(self._edges):
+            return out
+        skipped = [e.name for p, e in enumerate(self._edges) if not r.ran_kept[p]]
+        warnings.warn(f"probe.hessian(): the recorded model call did not run {len(skipped)} edge(s) "
+                      f"({_short_list(skipped)}); their curvature is NaN for this step", RuntimeWarning, stacklevel=2)
+        like = next(iter(out.values()))
+        return {e.name: out[e.name] if r.ran_kept[p] else like.new_full((e.n_ops,), math.nan)
+                for p, e in enumerate(self._edges)}
 
     def _same_weights_as_recorded(self, r: _StepResult) -> Hooks:
         """Hooks refusing a re-run forward whose mixing weights differ from the recorded step's (a forward that draws

@@ -1,0 +1,410 @@
+"""Cost audit round 11: the wiring paper's cost C(Z) = ∂L/∂Z = <∂L/∂x_j, O(x_i)> (supplement §2, §2.1) against a
+float64 supernet written from scratch here (three DARTS-convention mixed ops on a two-node DAG, leaf mixing weights Z,
+plain autograd for ∂L/∂Z; numpy for the streaming moments; f(c·x) = f(x) evaluated directly for the scale-invariance
+rules). Never nasdiag against nasdiag.
+
+Defects found (each test fails without its fix):
+
+* A TorchScript model (``torch.jit.trace``) was refused as "no edges found ... pass edges=", and mapping its mixed ops
+  with ``edges=`` gave NaN costs with a warning that their forward "never ran" (it ran, in the TorchScript interpreter,
+  which calls no Python hooks); a scripted mixed op inside an eager model was silently left out of the discovered edges
+  (its ``_ops`` is no ModuleList any more), and a scripted candidate op raised torch's "register_forward_hook is not
+  supported on ScriptModules" traceback at the first block. Now one ProbeError line at ``attach`` saying so
+  (test_torchscript_models_edges_and_candidates_are_one_probe_error_line_at_attach).
+* docs/probe.md said ``costs()`` "= autograd's ∂L/∂Z" without the condition the equation rests on: a loss term on Z
+  or α themselves (a regularizer of the architecture) is in autograd's ∂L/∂Z but never reaches x_j, so not in the
+  cost; and that per-sample rows of a mean loss "each carry the 1/B", which reads as sample b's own gradient: under
+  train-mode BatchNorm the rows hold the other samples' terms too (a sample dropped by ``ignore_index`` has a non-zero
+  row). Both documented now (test_costs_under_other_losses_equal_autograd_and_a_regularizer_on_z_is_left_out_as_documented,
+  test_per_sample_rows_are_the_per_sample_weight_gradients_and_couple_under_train_mode_batchnorm).
+
+Checked and right: costs and per-sample rows (their sum) under label smoothing, class weights, ignore_index,
+reduction="sum", MSE and a loss with a regularizer on α (1e-15); per-sample rows = ∂L/∂Z_bk of per-sample weights in
+train-mode BatchNorm at B = 1 and B = 5; streaming mean/var/count against numpy over steps of unequal batch size (each
+step one observation, unweighted, as documented) with a NaN step kept and flagged; the homogeneity rules on random
+compositions of 16 module kinds (train and eval mode) never call an op invariant that f(c·x) refutes; an op output
+also consumed outside its edge, one candidate module at two positions of an edge and one shared between edges;
+evaluation forwards under no_grad / inference_mode inside and between blocks (exact costs, per-sample rows of the
+training forward only, no tensor kept); ``torch.compile`` (eager backend here; inductor checked by hand) gives
+autograd's costs.
+"""
+
+import math
+import random
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from conftest import assert_no_module_hooks, live_tensors
+
+import nasdiag
+from nasdiag.cost import analyse, is_scale_invariant
+from nasdiag.probe.discovery import ProbeError
+
+DT = torch.float64
+EDGES = ("e01", "e02", "e12")
+
+
+class Mix(nn.Module):
+    """A DARTS-convention mixed op: x_j += Σ_k w_k·op_k(x_i); weights (K,) or per sample (B, K)."""
+
+    def __init__(self, ops):
+        super().__init__()
+        self._ops = nn.ModuleList(ops)
+
+    def forward(self, x, weights):
+        out = torch.zeros_like(x)
+        for k, op in enumerate(self._ops):
+            w = weights[k] if weights.dim() == 1 else weights[:, k].reshape(-1, 1, 1, 1)
+            out = out + w * op(x)
+        return out
+
+
+def _ops(C):
+    return [nn.Sequential(nn.ReLU(), nn.Conv2d(C, C, 3, padding=1, bias=False), nn.BatchNorm2d(C, affine=False)),
+            nn.Identity(), nn.AvgPool2d(3, 1, 1), nn.Sequential(nn.Conv2d(C, C, 1), nn.Tanh())]
+
+
+class Net(nn.Module):
+    """n0 = stem(x); n1 = e01(n0); n2 = e02(n0) + e12(n1); logits = head(GAP(n1 ‖ n2)). Z: (3, K) or (3, B, K)."""
+
+    def __init__(self, C=3, n=5, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.stem = nn.Conv2d(2, C, 3, padding=1)
+        self.e01, self.e02, self.e12 = Mix(_ops(C)), Mix(_ops(C)), Mix(_ops(C))
+        self.head = nn.Linear(2 * C, n)
+        self.to(DT)
+
+    def forward(self, x, Z):
+        n0 = self.stem(x)
+        n1 = self.e01(n0, Z[0])
+        n2 = self.e02(n0, Z[1]) + self.e12(n1, Z[2])
+        return self.head(torch.cat([n1, n2], 1).mean((2, 3)))
+
+
+def _batch(B, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, 2, 5, 5, generator=g, dtype=DT), torch.randint(0, 5, (B,), generator=g)
+
+
+def _weights(seed=2, B=None):
+    g = torch.Generator().manual_seed(seed)
+    shape = (3, 4) if B is None else (3, B, 4)
+    return torch.softmax(torch.randn(shape, generator=g, dtype=DT), -1)
+
+
+def _autograd(net, x, Z, loss):
+    """The reference: ∂L/∂Z with Z a leaf, (3, K) or (3, B, K)."""
+    Z = Z.detach().clone().requires_grad_()
+    return torch.autograd.grad(loss(net(x, Z), Z), Z)[0]
+
+
+def _probed(probe, net, x, Z, loss, model=None):
+    """One recorded step; (costs (3, K), per-sample rows (3, B, K)) in EDGES order."""
+    Z = Z.detach().clone().requires_grad_()
+    with probe.record():
+        loss((net if model is None else model)(x, Z), Z).backward()
+    names = probe.edge_names
+    costs, rows = probe.costs(), probe.costs(per_sample=True)
+    return torch.stack([costs[n] for n in names]), torch.stack([rows[n] for n in names])
+
+
+# --- losses other than the plain mean cross-entropy -------------------------------------------------------------------
+
+def test_costs_under_other_losses_equal_autograd_and_a_regularizer_on_z_is_left_out_as_documented():
+    net = Net()
+    x, y = _batch(6)
+    y_ignored = y.clone()
+    y_ignored[2] = -100
+    class_weights = torch.rand(5, dtype=DT, generator=torch.Generator().manual_seed(3)) + 0.5
+    target = torch.randn(6, 5, dtype=DT, generator=torch.Generator().manual_seed(4))
+    alpha = torch.randn(3, 4, dtype=DT, generator=torch.Generator().manual_seed(5))
+    Z = torch.softmax(alpha, -1)
+    losses = {
+        "label_smoothing": lambda o, Z: F.cross_entropy(o, y, label_smoothing=0.2),
+        "class weights": lambda o, Z: F.cross_entropy(o, y, weight=class_weights),
+        "ignore_index": lambda o, Z: F.cross_entropy(o, y_ignored),
+        "sum": lambda o, Z: F.cross_entropy(o, y, reduction="sum"),
+        "mse": lambda o, Z: F.mse_loss(o, target),
+        # α is not Z: a regularizer on α leaves ∂L/∂Z (Z a leaf) alone
+        "regularizer on alpha": lambda o, Z: F.cross_entropy(o, y) + 0.3 * (alpha ** 2).sum(),
+    }
+    probe = nasdiag.attach(net)
+    for name, loss in losses.items():
+        ref = _autograd(net, x, Z, loss)
+        costs, rows = _probed(probe, net, x, Z, loss)
+        assert torch.allclose(costs, ref, rtol=1e-10, atol=1e-15), name
+        assert torch.allclose(rows.sum(1), costs, rtol=1e-12, atol=1e-16), name
+    # ignore_index in eval mode (no batch coupling): the ignored sample's row is exactly 0
+    net.eval()
+    _, rows = _probed(probe, net, x, Z, losses["ignore_index"])
+    assert torch.equal(rows[:, 2], torch.zeros_like(rows[:, 2]))
+    net.train()
+    # a term on Z itself: autograd's ∂L/∂Z holds its gradient 2λZ, the cost (what reaches x_j) does not
+    lam = 0.3
+    regularized = lambda o, Z: F.cross_entropy(o, y) + lam * (Z ** 2).sum()  # noqa: E731
+    costs, _ = _probed(probe, net, x, Z, regularized)
+    ref = _autograd(net, x, Z, regularized)
+    assert (costs - ref).abs().max() > 0.1
+    assert torch.allclose(costs, ref - 2 * lam * Z, rtol=1e-10, atol=1e-15)
+    text = (Path(__file__).resolve().parents[1] / "docs" / "probe.md").read_text(encoding="utf-8")
+    assert "A loss term on Z or α themselves" in text and "not in the cost" in text
+
+
+def test_per_sample_rows_are_the_per_sample_weight_gradients_and_couple_under_train_mode_batchnorm():
+    for B in (1, 5):
+        net = Net(seed=B)
+        x, y = _batch(B, seed=10 + B)
+        Z = _weights(seed=20 + B, B=B)
+        loss = lambda o, Z: F.cross_entropy(o, y)  # noqa: E731
+        ref = _autograd(net, x, Z, loss)  # (3, B, K): ∂L/∂Z_bk, BatchNorm in train mode
+        costs, rows = _probed(nasdiag.attach(net), net, x, Z, loss)
+        assert rows.shape == (3, B, 4)
+        assert torch.allclose(rows, ref, rtol=1e-10, atol=1e-16)
+        assert torch.allclose(costs, ref.sum(1), rtol=1e-10, atol=1e-16)
+    # shared Z: row b = <∂L/∂x_j[b], O(x_i)[b]>. In eval mode it is the gradient of sample b's own (1/B-scaled) loss;
+    # in train mode BatchNorm's batch statistics couple the samples, so it is not (docs/probe.md says so)
+    net = Net(seed=7)
+    x, y = _batch(4, seed=8)
+    Z = _weights(seed=9)
+    probe = nasdiag.attach(net)
+    for train in (False, True):
+        net.train(train)
+        _, rows = _probed(probe, net, x, Z, lambda o, Z: F.cross_entropy(o, y))
+        own = torch.stack([_autograd(net, x, Z, lambda o, Z, b=b: F.cross_entropy(o, y, reduction="none")[b] / 4)
+                           for b in range(4)], 1)
+        gap = (rows - own).abs().max()
+        assert (gap < 1e-15) if not train else (gap > 1e-4), (train, gap)
+
+
+# --- streaming moments ------------------------------------------------------------------------------------------------
+
+def test_streaming_statistics_over_unequal_batches_and_a_nan_step_equal_numpy_per_step():
+    net = Net(seed=3)
+    probe = nasdiag.attach(net)
+    seen = []
+    for step in range(24):
+        B = (1, 3, 8, 2)[step % 4]
+        x, y = _batch(B, seed=100 + step)
+        x = x * 10.0 ** (step % 3)
+        if step == 20:
+            x[0, 0, 0, 0] = math.nan
+        Z = _weights(seed=200 + step)
+        loss = lambda o, Z: F.cross_entropy(o, y)  # noqa: E731
+        seen.append(_autograd(net, x, Z, loss).numpy())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _probed(probe, net, x, Z, loss)
+        assert any("NaN" in str(w.message) for w in caught) == (step == 20)
+        if step == 19:
+            stats, obs = probe.statistics(), np.array(seen)
+            # one observation per step, not weighted by its batch size
+            np.testing.assert_allclose(stats["cost/edges/mean"], obs.mean(0), rtol=1e-12, atol=1e-18)
+            np.testing.assert_allclose(stats["cost/edges/var"], obs.var(0), rtol=1e-10, atol=1e-30)
+            assert (stats["cost/edges/count"] == 20).all()
+    with pytest.warns(RuntimeWarning, match="NaN"):
+        stats = probe.statistics()
+    obs = np.array(seen)
+    assert np.isnan(obs.mean(0)).all() and np.isnan(stats["cost/edges/mean"]).all()
+    assert np.isnan(stats["cost/edges/var"]).all() and (stats["cost/edges/count"] == 24).all()
+
+
+# --- the homogeneity rules against f(c·x) = f(x) ----------------------------------------------------------------------
+
+C_FUZZ = 4
+
+
+def _fuzz_module(kind, r):
+    rng = random.Random(r)
+    C = C_FUZZ
+    makers = [
+        lambda: nn.ReLU(), lambda: nn.LeakyReLU(0.2), lambda: nn.PReLU(C),
+        lambda: nn.Conv2d(C, C, rng.choice([1, 3]), padding=rng.choice([0, 1]), bias=rng.random() < .5,
+                          groups=rng.choice([1, C]), padding_mode=rng.choice(["zeros", "reflect", "circular"])),
+        lambda: nn.BatchNorm2d(C, affine=rng.random() < .5, track_running_stats=rng.random() < .7),
+        lambda: nn.InstanceNorm2d(C, affine=rng.random() < .5, track_running_stats=rng.random() < .3),
+        lambda: nn.GroupNorm(rng.choice([1, 2, 4]), C, affine=rng.random() < .5),
+        lambda: nn.AvgPool2d(3, 1, rng.choice([0, 1]), count_include_pad=rng.random() < .5),
+        lambda: nn.MaxPool2d(3, 1, rng.choice([0, 1])),
+        lambda: nn.AdaptiveAvgPool2d(rng.choice([2, 3])),  # not 1: a norm of one pixel is 0/0 rounding noise
+        lambda: nn.Dropout(0.3), lambda: nn.Dropout2d(0.3),
+        lambda: nn.ZeroPad2d(1), lambda: nn.ConstantPad2d(1, rng.choice([0.0, 0.5])),
+        lambda: nn.Tanh(), lambda: nn.Identity(),
+    ]
+    return makers[kind % len(makers)]()
+
+
+def _fuzz_op(kinds, seed, train):
+    op = nn.Sequential(*[_fuzz_module(k, seed * 31 + i) for i, k in enumerate(kinds)]).to(DT)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in op.modules():
+            if hasattr(m, "eps"):
+                m.eps = 1e-14  # "as eps → 0"
+            if getattr(m, "running_var", None) is not None:
+                m.running_mean.copy_(torch.randn(m.running_mean.shape, generator=g, dtype=DT))
+                m.running_var.copy_(torch.rand(m.running_var.shape, generator=g, dtype=DT) + 0.5)
+            for p in m.parameters(recurse=False):
+                p.copy_(torch.randn(p.shape, generator=g, dtype=DT))
+    return op.train(train)
+
+
+@settings(max_examples=120, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(kinds=st.lists(st.integers(0, 16), min_size=1, max_size=5), seed=st.integers(0, 10 ** 6),
+       train=st.booleans(), shift=st.sampled_from([0.0, 1.5]))
+def test_random_compositions_flagged_invariant_satisfy_f_of_cx_equal_f_of_x(kinds, seed, train, shift):
+    op = _fuzz_op(kinds, seed, train)
+    x = torch.randn(5, C_FUZZ, 7, 7, generator=torch.Generator().manual_seed(seed), dtype=DT) + shift
+    outs = []
+    for c in (1.0, 0.31, 2.9):
+        torch.manual_seed(5)  # the same dropout masks at every scale
+        with torch.no_grad():
+            outs.append(op(c * x))
+    scale = max(outs[0].abs().max().item(), 1e-8)
+    deviation = max((o - outs[0]).abs().max().item() for o in outs[1:]) / scale
+    flags = (analyse(op).invariant, is_scale_invariant(op, x))
+    if any(flags):
+        assert deviation < 1e-7, (flags, deviation, op)
+    if flags[0]:
+        assert flags[1]  # an example input only adds knowledge (ranks): never withdraws an invariance
+
+
+# --- reuse and sharing --------------------------------------------------------------------------------------------------
+
+class MixKeeps(Mix):
+    """A mixed op that keeps its candidates' outputs for another consumer (an auxiliary loss)."""
+
+    def forward(self, x, weights):
+        self.last = [op(x) for op in self._ops]
+        return sum(w * o for w, o in zip(weights, self.last))
+
+
+def test_an_op_output_consumed_outside_its_edge_and_shared_candidate_modules_cost_as_autograd():
+    net = Net(seed=4)
+    for name in EDGES:
+        keeps = MixKeeps([])
+        keeps._ops = getattr(net, name)._ops
+        setattr(net, name, keeps)
+    identity = nn.Identity()
+    net.e12._ops[1] = identity
+    net.e12._ops.append(identity)  # one module at two positions of an edge: K = 5 there
+    net.e01._ops[2] = net.e02._ops[2]  # one pool module in two edges
+    x, y = _batch(4, seed=5)
+    Zs = [_weights(seed=6)[0], _weights(seed=7)[1], torch.softmax(torch.randn(5, dtype=DT), 0)]
+
+    def loss(Zl):
+        out = net(x, Zl)
+        return F.cross_entropy(out, y) + 0.7 * (net.e01.last[0] ** 2).mean() + 0.003 * net.e12.last[1].sum()
+
+    leaves = [z.clone().requires_grad_() for z in Zs]
+    ref = torch.autograd.grad(loss(leaves), leaves)
+    probe = nasdiag.attach(net)
+    leaves = [z.clone().requires_grad_() for z in Zs]
+    with probe.record():
+        loss(leaves).backward()
+    for name, r in zip(EDGES, ref):
+        assert torch.allclose(probe.costs()[name], r, rtol=1e-10, atol=1e-16), name
+    assert_no_module_hooks(net)
+
+
+# --- evaluation forwards interleaved with training steps ----------------------------------------------------------------
+
+def test_no_grad_evaluation_forwards_inside_and_between_blocks_record_nothing_and_keep_nothing():
+    net = Net(seed=6)
+    probe = nasdiag.attach(net)
+    x_val, _ = _batch(7, seed=50)
+    seen, before = [], None
+    for step in range(16):
+        B = 2 + step % 3
+        x, y = _batch(B, seed=60 + step)
+        Z = _weights(seed=70 + step)
+        loss = lambda o, Z: F.cross_entropy(o, y)  # noqa: E731
+        net.train()
+        seen.append(_autograd(net, x, Z, loss).numpy())
+        Zl = Z.clone().requires_grad_()
+        with probe.record():
+            net.eval()
+            with torch.no_grad():
+                net(x_val, Z)
+            net.train()
+            loss(net(x, Zl), Zl).backward()
+            net.eval()
+            with torch.inference_mode():
+                net(x_val, Z)
+        net.train()
+        costs, rows = probe.costs(), probe.costs(per_sample=True)
+        assert torch.allclose(torch.stack([costs[n] for n in EDGES]), torch.from_numpy(seen[-1]), rtol=1e-10, atol=1e-16)
+        assert all(rows[n].shape == (B, 4) for n in EDGES)  # the training forward's rows only
+        with torch.no_grad():
+            net.eval()
+            net(x_val, Z)  # an evaluation loop between steps
+            net.train()
+        del costs, rows, Zl
+        if step == 3:
+            before = live_tensors()
+    assert live_tensors() <= before + len(seen) - 4  # only the reference arrays kept here grow (numpy, not tensors)
+    stats = probe.statistics()
+    np.testing.assert_allclose(stats["cost/edges/mean"], np.array(seen).mean(0), rtol=1e-12, atol=1e-18)
+    assert (stats["cost/edges/count"] == 16).all()
+    assert_no_module_hooks(net)
+
+
+# --- scripted, traced and compiled models -------------------------------------------------------------------------------
+
+def _line(exc):
+    msg = str(exc.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_torchscript_models_edges_and_candidates_are_one_probe_error_line_at_attach():
+    net = Net(seed=8)
+    x, _ = _batch(3, seed=9)
+    Z = _weights(seed=10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        traced = torch.jit.trace(net, (x, Z))
+    with pytest.raises(ProbeError) as exc:
+        nasdiag.attach(traced)
+    assert "TorchScript" in _line(exc) and "eager" in _line(exc)
+    # its mixed ops mapped by hand inside an eager wrapper: their hooks would never fire (NaN, "never ran")
+    wrapper = nn.ModuleDict({"inner": traced})
+    with pytest.raises(ProbeError) as exc:
+        nasdiag.attach(wrapper, edges={"a": (traced.e01, [getattr(traced.e01._ops, str(k)) for k in range(4)])})
+    assert "TorchScript" in _line(exc)
+    # a scripted mixed op inside an eager model would be left out of the discovered edges
+    net.e12 = torch.jit.script(net.e12)
+    with pytest.raises(ProbeError) as exc:
+        nasdiag.attach(net)
+    assert "'e12'" in _line(exc) and "TorchScript" in _line(exc)
+    # a scripted candidate op of an eager mixed op: hooks cannot be placed on it
+    net = Net(seed=8)
+    net.e01._ops[1] = torch.jit.script(nn.Identity())
+    with pytest.raises(ProbeError) as exc:
+        nasdiag.attach(net)
+    assert "'e01'" in _line(exc) and "TorchScript" in _line(exc)
+    assert_no_module_hooks(net)
+
+
+def test_a_compiled_model_gives_autograds_costs():
+    net = Net(seed=11)
+    x, y = _batch(4, seed=12)
+    Z = _weights(seed=13)
+    loss = lambda o, Z: F.cross_entropy(o, y)  # noqa: E731
+    ref = _autograd(net, x, Z, loss)
+    compiled = torch.compile(net, backend="eager")
+    for probe in (nasdiag.attach(compiled), nasdiag.attach(net)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            costs, rows = _probed(probe, net, x, Z, loss, model=compiled)
+        assert torch.allclose(costs, ref, rtol=1e-10, atol=1e-16)
+        assert torch.allclose(rows.sum(1), ref, rtol=1e-10, atol=1e-16)
+    assert_no_module_hooks(net)
