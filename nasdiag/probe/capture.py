@@ -209,6 +209,7 @@ class StepCapture:
         self.rng_state = None  # the global generators' state when that forward began
         #: hessian mode: each edge's weights at its first call in the first model forward (the re-run must see them)
         self.first_weights: List[Optional[torch.Tensor]] = [None] * N
+        self.ran_kept = [False] * N  # hessian mode: per edge, whether the kept model forward ran it (its re-run will)
         self.model_output: Optional[torch.Tensor] = None  # logits of the first model call (hessian mode)
         self.output_grad: Optional[torch.Tensor] = None  # ∂L/∂logits, to infer cross-entropy targets
         self.split_calls: List[EdgeCall] = []  # path split: calls whose J_eᵀ g is gathered by node hooks
@@ -226,6 +227,8 @@ class StepCapture:
             self.open_edge[pos] = None
             return None
         call = EdgeCall(pos, edge.n_ops, self.model_calls)
+        if self.keep_model_io and self.model_calls == self.kept_call:
+            self.ran_kept[pos] = True
         call.x = args[0] if args else None
         # Only what a feature needs is kept: this hook runs for every edge at every step.
         if edge.weights_arg:
