@@ -74,3 +74,115 @@ def test_sparsenas_records_its_progressive_lambda_in_the_runs_dtype():
         method.epoch_end(0)
         lam = method.step(*data[2:])["sparsity/lambda"]
         assert lam.dtype == torch.float64 and float(lam) == want
+
+
+# -- second-order DARTS over several steps: DARTS's architect.py transcribed ------------------------------------
+SMOOTH = ("none", "skip_connect", "avg_pool_3x3", "sep_conv_3x3")
+
+
+class DartsArchitect:
+    """The DARTS code's second-order search loop, written here on a copy of the supernet as a function of (w, α):
+    ``architect._compute_unrolled_model`` (w' = w − ξ(∇_w L_train + μ·b + λw), b = 0 before w's first step, as its
+    ``try/except``), ``_hessian_vector_product`` (R = r/‖∇_w' L_val‖, (∇_α L_train(w + Rv) − ∇_α L_train(w − Rv))/(2R)),
+    ``g = ∇_α L_val(w') − ξ·that``, Adam on α (L2 weight decay), then ``train()``'s w step: clip the gradient norm,
+    momentum SGD with weight decay. ∇_α by autograd through softmax; everything float64."""
+
+    def __init__(self, net, h):
+        import copy
+
+        self.net, self.h = copy.deepcopy(net), h
+        arch = {id(a) for a in self.net.arch_parameters()}
+        self.w = {n: p.detach().clone() for n, p in self.net.named_parameters() if id(p) not in arch}
+        self.alpha = {t: a.detach().clone() for t, a in self.net.alphas().items()}
+        self.buf, self.adam, self.lr = None, {}, h.w_lr
+
+    def loss(self, w, alpha, batch):
+        from torch.func import functional_call
+
+        x, y = batch
+        buffers = {n: b.clone() for n, b in self.net.named_buffers()}
+        z = {t: torch.softmax(a, -1) for t, a in alpha.items()}
+        return torch.nn.functional.cross_entropy(functional_call(self.net, {**w, **buffers}, (x, z)), y)
+
+    def grads(self, w, alpha, batch, wrt):
+        w = {n: t.detach().clone().requires_grad_(wrt == "w") for n, t in w.items()}
+        alpha = {t: a.detach().clone().requires_grad_(wrt == "alpha") for t, a in alpha.items()}
+        leaves = w if wrt == "w" else alpha
+        loss = self.loss(w, alpha, batch)
+        return loss.detach(), dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
+
+    def step(self, train, val):
+        h, xi = self.h, self.lr
+        # architect.step(unrolled=True) with eta = the current lr of w
+        unrolled_loss, gw = self.grads(self.w, self.alpha, train, "w")
+        moment = {n: torch.zeros_like(t) for n, t in self.w.items()} if self.buf is None else \
+            {n: h.w_momentum * b for n, b in self.buf.items()}
+        w1 = {n: self.w[n] - xi * (moment[n] + gw[n] + h.w_weight_decay * self.w[n]) for n in self.w}
+        w1 = {n: t.detach().clone().requires_grad_(True) for n, t in w1.items()}
+        alpha = {t: a.clone().requires_grad_(True) for t, a in self.alpha.items()}
+        val_loss = self.loss(w1, alpha, val)
+        both = torch.autograd.grad(val_loss, list(alpha.values()) + list(w1.values()))
+        dalpha, vector = dict(zip(alpha, both[:len(alpha)])), dict(zip(w1, both[len(alpha):]))
+        R = h.fd_eps_scale / torch.sqrt(sum((v ** 2).sum() for v in vector.values()))
+        _, gp = self.grads({n: self.w[n] + R * vector[n] for n in self.w}, self.alpha, train, "alpha")
+        _, gn = self.grads({n: self.w[n] - R * vector[n] for n in self.w}, self.alpha, train, "alpha")
+        implicit = {t: (gp[t] - gn[t]) / (2 * R) for t in self.alpha}
+        g = {t: dalpha[t] - xi * implicit[t] for t in self.alpha}
+        norm_of = lambda d: torch.sqrt(sum((v ** 2).sum() for v in d.values()))  # noqa: E731
+        b1, b2 = h.alpha_betas
+        for t, a in self.alpha.items():  # torch.optim.Adam(weight_decay=...) as DARTS builds it
+            d = g[t] + h.alpha_weight_decay * a
+            m, v, k = self.adam.get(t, (torch.zeros_like(a), torch.zeros_like(a), 0))
+            m, v, k = b1 * m + (1 - b1) * d, b2 * v + (1 - b2) * d * d, k + 1
+            self.adam[t] = (m, v, k)
+            self.alpha[t] = a - h.alpha_lr * (m / (1 - b1 ** k)) / ((v / (1 - b2 ** k)).sqrt() + 1e-8)
+        # train(): w step at the new α, clip_grad_norm then SGD(momentum, weight_decay)
+        train_loss, gw = self.grads(self.w, self.alpha, train, "w")
+        norm = torch.sqrt(sum((g_ ** 2).sum() for g_ in gw.values()))
+        scale = torch.clamp(h.grad_clip / (norm + 1e-6), max=1.0)
+        d = {n: gw[n] * scale + h.w_weight_decay * self.w[n] for n in self.w}
+        self.buf = d if self.buf is None else {n: h.w_momentum * self.buf[n] + d[n] for n in self.w}
+        self.w = {n: self.w[n] - xi * self.buf[n] for n in self.w}
+        return {"val_loss": val_loss.detach(), "fd_eps": R, "train_loss": train_loss, "unrolled_train_loss": unrolled_loss,
+                "alpha_grad_norm": norm_of(g), "implicit_grad_norm": xi * norm_of(implicit)}
+
+
+def test_darts2_five_steps_over_an_epoch_end_follow_dartss_architect_step_by_step():
+    """Five second-order steps (3 epochs of 2 steps, cut after the 5th) against DartsArchitect above: α, w, the
+    recorded ε (``scalars/fd_eps`` = r/‖∇_w' L_val‖), ``scalars/val_loss`` (at w'), ``scalars/unrolled_train_loss`` (at
+    w), ``scalars/alpha_grad_norm`` (‖g‖ before Adam), ``scalars/implicit_grad_norm`` (ξ‖finite difference‖) and
+    ``scalars/w_lr`` (ξ) after EVERY step, so the state carried between steps (w's momentum buffers in w' and in the w step, Adam's moments and
+    bias corrections of α, ξ following the cosine after the epoch end) is held to the paper's code. ξ = 0.3 and a
+    clip that binds make the second-order term, the momentum and the clip each matter (checked)."""
+    cls = get_method("darts2")
+    h = cls.Hyperparameters(w_lr=0.3, w_lr_min=0.01, grad_clip=0.5, alpha_lr=0.05)
+    torch.manual_seed(2)
+    net = Network(4, CLASSES, 3, steps=2, multiplier=2, in_channels=1, primitives=SMOOTH).double()
+    with torch.no_grad():
+        for a in net.arch_parameters():
+            a.normal_(0, 0.5)
+    method = cls(net, h, schedule=Schedule(epochs=3, steps_per_epoch=2, batch_size=4))
+    ref = DartsArchitect(net, h)
+    data = _batches(10, 7)
+    moved = []
+    for k in range(5):
+        if k in (2, 4):
+            method.epoch_end(k // 2 - 1)
+            ref.lr = _cosine(h.w_lr, h.w_lr_min, k // 2, 3)
+        train, val = data[2 * k], data[2 * k + 1]
+        alpha_before = {t: a.detach().clone() for t, a in net.alphas().items()}
+        stats = method.step(train, val)
+        want = ref.step(train, val)
+        for t, a in net.alphas().items():
+            torch.testing.assert_close(a.detach(), ref.alpha[t], rtol=1e-9, atol=1e-12, msg=lambda m: f"step {k} α {t}: {m}")
+            moved.append(float((a.detach() - alpha_before[t]).abs().max()))
+        for n, p in net.named_parameters():
+            if n in ref.w:
+                torch.testing.assert_close(p.detach(), ref.w[n], rtol=1e-9, atol=1e-12, msg=lambda m: f"step {k} {n}: {m}")
+        for key, rtol in (("fd_eps", 1e-12), ("val_loss", 1e-12), ("train_loss", 1e-12), ("unrolled_train_loss", 1e-12),
+                          ("alpha_grad_norm", 1e-9), ("implicit_grad_norm", 1e-8)):
+            torch.testing.assert_close(stats[f"scalars/{key}"], want[key], rtol=rtol, atol=0, msg=lambda m: f"step {k} {key}: {m}")
+        assert float(stats["scalars/w_lr"]) == pytest.approx(ref.lr, rel=1e-14)
+        assert float(stats["scalars/implicit_grad_norm"]) > 1e-3 * float(stats["scalars/alpha_grad_norm"])
+    assert min(moved) > 1e-3
+    assert method.w_optimizer.param_groups[0]["lr"] < h.w_lr  # the cosine moved ξ
