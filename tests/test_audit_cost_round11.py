@@ -17,6 +17,11 @@ Defects found (each test fails without its fix):
   train-mode BatchNorm the rows hold the other samples' terms too (a sample dropped by ``ignore_index`` has a non-zero
   row). Both documented now (test_costs_under_other_losses_equal_autograd_and_a_regularizer_on_z_is_left_out_as_documented,
   test_per_sample_rows_are_the_per_sample_weight_gradients_and_couple_under_train_mode_batchnorm).
+* A candidate op returning a tuple (output, auxiliary) stopped the step with "candidate op 3 returned tuple, not a
+  tensor", naming neither the op nor a way out; the line now says to list the submodule that returns the weighted
+  tensor in ``edges=`` (which then costs exactly)
+  (test_a_candidate_returning_a_tuple_is_one_line_saying_how_to_map_it_and_the_mapped_inner_module_is_exact).
+  docs/probe.md now also says that the streaming statistics take each step's costs unweighted by its batch size.
 
 Checked and right: costs and per-sample rows (their sum) under label smoothing, class weights, ignore_index,
 reduction="sum", MSE and a loss with a regularizer on α (1e-15); per-sample rows = ∂L/∂Z_bk of per-sample weights in
@@ -88,6 +93,15 @@ class Net(nn.Module):
         n1 = self.e01(n0, Z[0])
         n2 = self.e02(n0, Z[1]) + self.e12(n1, Z[2])
         return self.head(torch.cat([n1, n2], 1).mean((2, 3)))
+
+
+def _with_mixed_op(net, cls):
+    """``net`` with each mixed op replaced by a ``cls`` over the same candidate modules."""
+    for name in EDGES:
+        mixed = cls([])
+        mixed._ops = getattr(net, name)._ops
+        setattr(net, name, mixed)
+    return net
 
 
 def _batch(B, seed=1):
@@ -288,11 +302,7 @@ class MixKeeps(Mix):
 
 
 def test_an_op_output_consumed_outside_its_edge_and_shared_candidate_modules_cost_as_autograd():
-    net = Net(seed=4)
-    for name in EDGES:
-        keeps = MixKeeps([])
-        keeps._ops = getattr(net, name)._ops
-        setattr(net, name, keeps)
+    net = _with_mixed_op(Net(seed=4), MixKeeps)
     identity = nn.Identity()
     net.e12._ops[1] = identity
     net.e12._ops.append(identity)  # one module at two positions of an edge: K = 5 there
@@ -408,3 +418,45 @@ def test_a_compiled_model_gives_autograds_costs():
         assert torch.allclose(costs, ref, rtol=1e-10, atol=1e-16)
         assert torch.allclose(rows.sum(1), ref, rtol=1e-10, atol=1e-16)
     assert_no_module_hooks(net)
+
+
+# --- a candidate op returning a tuple -----------------------------------------------------------------------------------
+
+class ConvWithAux(nn.Module):
+    """A candidate op returning (output, auxiliary scalar); its mixed op weights the output."""
+
+    def __init__(self, C):
+        super().__init__()
+        self.conv = nn.Conv2d(C, C, 1, bias=False)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return y, y.abs().mean()
+
+
+class MixFirst(Mix):
+    def forward(self, x, weights):
+        out = torch.zeros_like(x)
+        for w, op in zip(weights, self._ops):
+            o = op(x)
+            out = out + w * (o[0] if isinstance(o, tuple) else o)
+        return out
+
+
+def test_a_candidate_returning_a_tuple_is_one_line_saying_how_to_map_it_and_the_mapped_inner_module_is_exact():
+    net = _with_mixed_op(Net(seed=14), MixFirst)
+    net.e02._ops[3] = ConvWithAux(3).to(DT)
+    x, y = _batch(4, seed=15)
+    Z = _weights(seed=16)
+    loss = lambda o, Z: F.cross_entropy(o, y)  # noqa: E731
+    with pytest.raises(ProbeError) as exc:
+        _probed(nasdiag.attach(net), net, x, Z, loss)
+    msg = _line(exc)
+    assert "'e02'" in msg and "tuple" in msg and "edges=" in msg
+    assert_no_module_hooks(net)
+    # mapped as the message says: the submodule returning the weighted tensor
+    ops = {name: list(getattr(net, name)._ops) for name in EDGES}
+    ops["e02"][3] = net.e02._ops[3].conv
+    probe = nasdiag.attach(net, edges={name: (getattr(net, name), ops[name]) for name in EDGES})
+    costs, _ = _probed(probe, net, x, Z, loss)
+    assert torch.allclose(costs, _autograd(net, x, Z, loss), rtol=1e-10, atol=1e-16)

@@ -293,7 +293,11 @@ class StepCapture:
             if call is None:  # the candidate ran outside its mixed op's forward
                 continue
             if not isinstance(output, torch.Tensor):
-                raise ProbeError(f"edge {self.edges[pos].name!r}: candidate op {k} returned {type(output).__name__}, not a tensor")
+                raise ProbeError(
+                    f"edge {self.edges[pos].name!r}: candidate op {k} ({type(module).__name__}) returned "
+                    f"{type(output).__name__}, not a tensor, so O_k(x_i) of the cost <∂L/∂x_j, O_k(x_i)> is not known; "
+                    "list as candidate the submodule that returns the tensor the mixed op weights "
+                    "(attach(model, edges={name: (mixed op, [candidate modules])})), or have the op return only that tensor")
             # A candidate op module may also run inside another candidate, on another input (an op shared by two
             # candidates, e.g. [conv, Sequential(pre, conv)]): O_k(x_i) is its call on the edge's own input, whichever
             # ran last; only where no call of it had that input (a mixed op transforming x first) the last call counts.
