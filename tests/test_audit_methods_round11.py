@@ -5,7 +5,9 @@ Defects these tests found (each fails without its fix):
 
 - every method recorded ``scalars/w_lr`` (and SparseNAS ``sparsity/lambda``) as a float32 tensor, so a float64 run
   stored its learning rate rounded to 24 bits (0.013 as 0.013000000268…) and a λ past 3.4e38 as inf, although the
-  vocabulary's ``float32`` means the run's float dtype (docs/schema.md).
+  vocabulary's ``float32`` means the run's float dtype (docs/schema.md);
+- a hyperparameter given as a Python int past 1.8e308 was float()'s OverflowError traceback in ``from_dict`` (so in
+  ``run``) and was accepted by the dataclass (the method then overflowed in its first step).
 """
 
 from __future__ import annotations
@@ -186,3 +188,35 @@ def test_darts2_five_steps_over_an_epoch_end_follow_dartss_architect_step_by_ste
         assert float(stats["scalars/implicit_grad_norm"]) > 1e-3 * float(stats["scalars/alpha_grad_norm"])
     assert min(moved) > 1e-3
     assert method.w_optimizer.param_groups[0]["lr"] < h.w_lr  # the cosine moved ξ
+
+
+# -- hyperparameters past the float range ------------------------------------------------------------------------
+@pytest.mark.parametrize("build", [
+    lambda: get_method("darts").Hyperparameters.from_dict({"w_lr": 10 ** 400}, "darts"),  # run()/SearchConfig's path
+    lambda: get_method("darts").Hyperparameters.from_dict({"alpha_betas": (0.5, -10 ** 400)}, "darts"),
+    lambda: get_method("darts").Hyperparameters(w_lr=10 ** 400),  # a method built by hand
+    lambda: get_method("xnas").Hyperparameters(reward_bound=10 ** 309),
+    lambda: get_method("bayesnas").Hyperparameters(update_every=10 ** 5000),  # str() of it fails too (4300 digits)
+], ids=["from_dict", "from_dict-tuple", "dataclass", "optional-float", "int-field"])
+def test_a_python_int_past_the_float_range_is_one_config_error(build):
+    """docs/methods.md: "an unknown key or a bad value is a one-line ConfigError"; floats must be finite. A Python int
+    past 1.8e308 given for a hyperparameter was float()'s OverflowError traceback in ``from_dict`` (so in ``run``), and
+    was accepted by the dataclass (an int is a valid float there, and only float infinities were refused): the
+    method then stopped its first step in an overflow. One line, with the number in a few characters."""
+    from nasdiag.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        build()
+    message = str(info.value)
+    assert "\n" not in message and "beyond what a float holds" in message and len(message) < 250, message
+
+
+def test_run_refuses_a_learning_rate_past_the_float_range_before_anything_is_written(tmp_path):
+    """``run(SearchConfig(hp={"w_lr": 10**400}))``: one ConfigError line, no record or checkpoint left."""
+    from nasdiag.errors import ConfigError
+    from nasdiag.search import SearchConfig, run
+
+    out = tmp_path / "r.h5"
+    with pytest.raises(ConfigError, match="w_lr of method 'darts' is 1.00e400"):
+        run(SearchConfig(method="darts", hp={"w_lr": 10 ** 400}, epochs=1, progress=False, record=str(out)))
+    assert list(tmp_path.iterdir()) == []

@@ -179,6 +179,9 @@ def _check_number(name: str, value, meta: Mapping, shown: Optional[str] = None) 
     """``value`` (a field, or one element of a tuple field shown as ``shown``) against the field's range."""
     if not _is_number(value):
         return
+    if isinstance(value, int) and _beyond_float(value):  # a Python int past 1.8e308: accepted, then an OverflowError
+        raise ConfigError(f"hyperparameter {name} is {_huge(value)}, beyond what a float holds (1.8e308); give a finite "
+                          "value nearer its default (nasdiag methods lists them)")
     what = f"{name}={shown if shown is not None else repr(value)}"
     element = "" if shown is None else f" (element {value!r})"
     if isinstance(value, float) and not math.isfinite(value):
@@ -190,6 +193,24 @@ def _check_number(name: str, value, meta: Mapping, shown: Optional[str] = None) 
     if high is not None and (value > high or (meta.get("high_open") and value == high)):
         op = "<" if meta.get("high_open") else "<="
         raise ConfigError(f"hyperparameter {what} is out of range{element}; {'each value' if element else 'it'} must be {op} {high}")
+
+
+def _beyond_float(value: int) -> bool:
+    try:
+        float(value)
+    except OverflowError:
+        return True
+    return False
+
+
+def _huge(value: int) -> str:
+    """An int too large for a float, in a few characters (its repr runs to hundreds of digits, and past 4300 digits
+    str() itself refuses it)."""
+    exponent = int(math.log10(abs(value)))
+    mantissa = abs(value) / 10 ** exponent  # int / int is correctly rounded, whatever their size
+    if round(mantissa, 2) >= 10:  # log10 rounded up past a power of ten, or 9.999 shown as 10.00
+        exponent, mantissa = exponent + 1, mantissa / 10
+    return f"{'-' if value < 0 else ''}{mantissa:.2f}e{exponent} (an integer)"
 
 
 def _check_type(name: str, value, tp) -> None:
@@ -268,6 +289,9 @@ def _coerce(key: str, value: Any, tp, method: str):
         if tp is float:
             if isinstance(value, bool):
                 raise ValueError
+            if isinstance(value, int) and _beyond_float(value):  # float() raised OverflowError, a traceback
+                raise ConfigError(f"hyperparameter {key}{where} is {_huge(value)}, beyond what a float holds (1.8e308); "
+                                  "give a finite value nearer its default (nasdiag methods lists them)")
             return float(value)
         if tp is str:
             return str(value)
@@ -275,6 +299,8 @@ def _coerce(key: str, value: Any, tp, method: str):
             parts = value if isinstance(value, (list, tuple)) else [p for p in str(value).strip("()[] ").split(",") if p.strip()]
             inner = args[0] if args else float
             return tuple(_coerce(key, p, inner, method) for p in parts)
+    except ConfigError:  # a ValueError too: said as it is
+        raise
     except (TypeError, ValueError):
         raise ConfigError(f"hyperparameter {key}{where} must be of type {_type_name(tp)}, got {value!r}") from None
     return value
