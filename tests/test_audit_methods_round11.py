@@ -220,3 +220,88 @@ def test_run_refuses_a_learning_rate_past_the_float_range_before_anything_is_wri
     with pytest.raises(ConfigError, match="w_lr of method 'darts' is 1.00e400"):
         run(SearchConfig(method="darts", hp={"w_lr": 10 ** 400}, epochs=1, progress=False, record=str(out)))
     assert list(tmp_path.iterdir()) == []
+
+
+# -- a run resumed inside an epoch, every method ------------------------------------------------------------------
+def _same_nan_aware(a, b, where):
+    """Equal, bit for bit, NaN where the other has NaN (XNAS's forecasters keep NaN for the unknown rewards of wiped-out
+    experts; torch.equal is False on NaN)."""
+    if torch.is_tensor(a):
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        if a.is_floating_point():
+            assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0)), where
+        else:
+            assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _same_nan_aware(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same_nan_aware(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+RUN_RESUME = {"darts": {}, "darts2": {}, "dsnas": {}, "proxyless": {}, "asmnas": {"attention_hidden": 4},
+              "xnas": {"reward_bound": 2e-3, "zeta": 0.25}}  # snas, sparsenas, bayesnas: round 2/3 tests
+
+
+@pytest.mark.slow  # three short run()s per method (~3 s)
+@pytest.mark.parametrize("name", sorted(RUN_RESUME))
+def test_a_run_killed_inside_its_second_epoch_resumes_to_the_uninterrupted_run(name, tmp_path, monkeypatch):
+    """docs/methods.md: a resumed run "continues from exactly the state it stopped in" (bit-identically on the CPU). A
+    float64 run of 2 epochs × 3 steps interrupted after step 5 (its checkpoint is at the epoch end, step 3: the resume
+    replays step 4 from it, with the checkpoint's optimizer state, method generator and global RNG, and the data order
+    of (seed, epoch)), then resumed: every recorded path of every row and the final checkpointed method state (network,
+    optimizers, forecasters or sample counts, generator) equal the uninterrupted run's."""
+    import dataclasses
+
+    import numpy as np
+
+    import nasdiag.data
+    from torch.utils.data import TensorDataset
+
+    from nasdiag.record import load
+    from nasdiag.search import SearchConfig, run
+    from nasdiag.search.checkpoint import load_checkpoint
+
+    full = nasdiag.data.load_dataset
+
+    def cut(dataset, **kwargs):  # 24 search-train and search-val samples: 3 steps of 8 per epoch
+        s = full(dataset, **kwargs)
+        return dataclasses.replace(s, train=TensorDataset(*s.train[:24]), val=TensorDataset(*s.val[:24]))
+
+    monkeypatch.setattr(nasdiag.data, "load_dataset", cut)
+
+    class Interrupt:
+        def on_step_end(self, step, stats):
+            if step == 5:
+                raise KeyboardInterrupt
+
+        def on_epoch_end(self, epoch, stats):
+            pass
+
+        def on_exception(self, exc):
+            pass
+
+    def config(out, **kw):
+        return SearchConfig(method=name, C=2, layers=3, steps=2, multiplier=2, batch_size=8, epochs=2, dtype="float64",
+                            diagnostics=("cost",), progress=False, threads=1, record=str(tmp_path / out),
+                            hp=RUN_RESUME[name], **kw)
+
+    run(config("whole.h5"))
+    with pytest.raises(KeyboardInterrupt):
+        run(config("cut.h5"), callbacks=[Interrupt()])
+    assert load(str(tmp_path / "cut.h5"))["step"].tolist() == [1, 2, 3, 4, 5]
+    run(config("cut.h5", resume=True))
+    whole, resumed = load(str(tmp_path / "whole.h5")), load(str(tmp_path / "cut.h5"))
+    assert whole["step"].tolist() == resumed["step"].tolist() == list(range(1, 7))
+    for path in whole:
+        if not path.startswith("meta/"):
+            np.testing.assert_array_equal(whole[path], resumed[path], err_msg=path)
+    a = load_checkpoint(str(tmp_path / "whole.h5.ckpt"))["method"]
+    b = load_checkpoint(str(tmp_path / "cut.h5.ckpt"))["method"]
+    assert a["generator"] is not None
+    _same_nan_aware(a, b, name)
