@@ -111,3 +111,71 @@ def test_hessian_of_a_step_with_a_dropped_path_is_nan_there_and_the_curvature_of
         ref = _exact_diag(net, x, y)
         assert max(float((H[f"e.{e}"] - ref[e]).abs().max()) for e in range(3)) < 1e-12
     assert not any(bool(torch.isnan(h).any()) for h in H.values())
+
+
+class _Block(nn.Module):
+    """The three edges of `_Net` as a sub-module: (n0, Z) -> n2."""
+
+    def __init__(self):
+        super().__init__()
+        self.e = nn.ModuleList([_Mix() for _ in range(3)])
+
+    def forward(self, n0, Z):
+        return self.e[1](n0, Z[1]) + self.e[2](self.e[0](n0, Z[0]), Z[2])
+
+
+class _Deep(nn.Module):
+    """One block applied at two depths (weights shared between depths); ``tied``: one Z for both, else its own each."""
+
+    def __init__(self, tied):
+        super().__init__()
+        self.stem, self.head, self.block = nn.Linear(4, W), nn.Linear(W, 3), _Block()
+        self.alpha = nn.Parameter(torch.randn(1 if tied else 2, 3, 3) * 0.5)
+
+    def forward(self, x, Z=None):
+        Z = F.softmax(self.alpha, -1) if Z is None else Z
+        h = self.block(torch.tanh(self.stem(x)), Z[0])
+        return self.head(self.block(torch.tanh(h), Z[-1]))
+
+
+def _deep(tied):
+    torch.manual_seed(0)
+    return _Deep(tied).to(D)
+
+
+def test_a_sub_module_applied_twice_in_one_forward_is_one_forward_of_it_not_two_batches():
+    """Before: attached to a sub-module that the model applies at two depths, the probe counted each application as
+    a forward of its own (a micro-batch): per-sample costs came back as 2B rows, and with its own Z at each depth the
+    two Z's costs were silently added under one edge name (attached to the whole model the same forward is refused).
+    Now an application that reads what the last one computed is the same forward: tied Z add up per sample
+    (autograd's per-sample ∂ℓ_b/∂Z), two different Z are one ProbeError line, and true micro-batches (two forwards of
+    the model) are still rows of their own."""
+    x, y = _batch()
+    B = x.shape[0]
+    net = _deep(tied=True)
+    probe = nasdiag.attach(net.block)
+    with probe.record():
+        F.cross_entropy(net(x), y).backward()
+    Z = F.softmax(net.alpha, -1).detach().clone().requires_grad_()
+    g, = torch.autograd.grad(F.cross_entropy(net(x, Z), y), Z)
+    rows = torch.stack([torch.autograd.grad(F.cross_entropy(net(x[b:b + 1], Z), y[b:b + 1]) / B, Z)[0][0]
+                        for b in range(B)])  # (B, E, K): sample b's own term of the mean loss
+    costs, per_sample = probe.costs(), probe.costs(per_sample=True)
+    for e in range(3):
+        assert float((costs[f"e.{e}"] - g[0, e]).abs().max()) < 1e-12
+        assert per_sample[f"e.{e}"].shape == (B, 3)
+        assert float((per_sample[f"e.{e}"] - rows[:, e]).abs().max()) < 1e-12
+
+    # two micro-batches (two forwards of the model, one block): rows of each, in call order
+    with probe.record():
+        for part in (slice(0, 2), slice(2, B)):
+            (F.cross_entropy(net(x[part]), y[part]) * (part.stop - part.start) / B).backward()
+    per_sample = probe.costs(per_sample=True)
+    assert all(float((per_sample[f"e.{e}"] - rows[:, e]).abs().max()) < 1e-12 for e in range(3))
+
+    net = _deep(tied=False)
+    probe = nasdiag.attach(net.block)
+    with pytest.raises(nasdiag.probe.ProbeError, match=r"^edge 'e\.1': its mixed op ran twice in one forward .* two Z"):
+        with probe.record():
+            F.cross_entropy(net(x), y).backward()
+    assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in net.modules()) == 0

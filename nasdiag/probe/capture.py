@@ -169,6 +169,8 @@ class StepCapture:
         self.weights_names = list(weights_names) if weights_names is not None else ["weights"] * N
         self.keep_model_io = keep_model_io  # only probe.hessian() needs the batch and the logits
         self.model_calls = 0  # forwards of the whole model started in this block
+        #: autograd's node numbers at the start and end of the attached module's last call (with grad mode on)
+        self.call_span: Optional[List[Optional[int]]] = None
         self.path_split = path_split
         self.track_selected = track_selected  # only statistics="sampled" needs which ops had weight != 0
         self.check_convention = list(check_convention)
@@ -495,7 +497,9 @@ class StepCapture:
         return None
 
     def model_pre(self, module, args, kwargs):
-        self.model_calls += 1
+        if not self._continues_last_call(args, kwargs):
+            self.model_calls += 1
+        self.call_span = [self._sequence_now(), None] if torch.is_grad_enabled() else None
         # the first call of the model in the block that has a backward: a validation forward under no_grad before it
         # is not the batch the costs (and the curvature asked after them) are of
         if self.keep_model_io and self.model_inputs is None and torch.is_grad_enabled():
@@ -505,12 +509,38 @@ class StepCapture:
         return None
 
     def model_post(self, module, args, output):
+        if self.call_span is not None and self.call_span[1] is None and torch.is_grad_enabled():
+            self.call_span[1] = self._sequence_now()
         if self.keep_model_io and self.model_output is None and self.model_calls == self.kept_call \
                 and isinstance(output, torch.Tensor):
             self.model_output = output.detach()
             if output.requires_grad:
                 self.hooks.tensor(output, self._output_grad)
         return None
+
+    def _continues_last_call(self, args, kwargs) -> bool:
+        """Whether this call of the attached module reads what its last call computed: a sub-module applied twice in one
+        forward of the whole model (a cell reused at two depths) is one forward, whose calls of an edge must share Z and
+        add up per sample, not two micro-batches. The autograd nodes of the inputs are searched back to the last call's
+        (autograd numbers its nodes in creation order; nodes made before that call cannot depend on it)."""
+        span = self.call_span
+        if span is None or span[1] is None or not self.model_calls:
+            return False
+        lo, hi = span
+        inputs = [*args, *kwargs.values()]
+        inputs += [t for a in inputs if isinstance(a, (tuple, list)) for t in a]
+        stack = [t.grad_fn for t in inputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        seen = {id(n): n for n in stack}  # the node objects are kept alive: an id is not reused while searching
+        while stack:
+            node = stack.pop()
+            nr = node._sequence_nr()
+            if lo <= nr <= hi:
+                return True
+            for child, _ in node.next_functions:
+                if child is not None and id(child) not in seen and child._sequence_nr() >= lo:
+                    seen[id(child)] = child
+                    stack.append(child)
+        return False
 
     def _output_grad(self, g: torch.Tensor):
         self.output_grad = g.detach() if self.output_grad is None else self.output_grad + g.detach()

@@ -317,11 +317,11 @@ class Probe:
         if self.norm_deviation:
             for (p, k), norm in self._invariance_norms().items():
                 plan.forward_pre(norm, partial(r.norm_pre, (p, k)))
-        # counts the model's forwards (per-sample rows of different forwards are kept apart) and, for
-        # hessian(), keeps the first one's batch and logits
+        # counts the model's forwards (per-sample rows of different forwards are kept apart; a call reading what the
+        # last one computed, a sub-module applied twice, is the same forward) and, for hessian(), keeps the first
+        # one's batch and logits
         plan.forward_pre(self.model, r.model_pre, with_kwargs=True)
-        if self.hessian_mode is not None:
-            plan.forward(self.model, r.model_post)
+        plan.forward(self.model, r.model_post)
         self._plans[key] = plan
         return plan
 
@@ -478,7 +478,8 @@ class Probe:
             regularizer) is not part of the cost: it does not reach x_j. Several calls of an edge in one forward
             of the model (weight tying) and several backwards through it add up per sample; the rows of different
             forwards of the model in one block (micro-batches) are concatenated in call order, so B is then the
-            total over those forwards.
+            total over those forwards. The model is the attached module: a call of it that reads what its previous
+            call computed (a sub-module applied at two depths) is the same forward.
             NaN (with a warning at the end of the block) where the edge's forward never ran,
             the backward never reached it, or a candidate op did not run.
         """
