@@ -107,7 +107,9 @@ def arch_diag_hessian(
 
     Raises:
         CurvatureError (a ``ValueError``; ``CurvatureTypeError`` for a wrong type): unknown mode/wrt, bad ``edges``, an edge that never ran or skipped a candidate op,
-            ``wrt="alpha"`` on weights that are not a softmax.
+            ``wrt="alpha"`` on weights that are not a softmax; in ``diag``/``approx``, a mixed op whose output is not
+            ``Σ_k weights[k]·ops[k](x)`` of the ops as listed (listed in another order than it pairs them with its
+            weights, or a sum it changes), whose numbers would pair each weight with another op's output.
         UnsupportedModuleError: a module or op on the path has no rule (names it, lists the supported
             modules, says how to register one).
 
@@ -220,6 +222,7 @@ class _EdgeRecorder:
         self.calls: Dict[str, List[tuple]] = {n: [] for n in names}
         self.observe: Dict[tuple, str] = {}
         self._frames: Dict[str, List[Dict[int, torch.Tensor]]] = {n: [] for n in names}
+        self._gaps: List[tuple] = []  # (edge, device scalar > 0 where its output is not Σ_k w_k B_k of the listed ops)
         self._hooks = Hooks()
         for name, module, ops in zip(self.names, self.modules, self.ops):
             self._hooks.forward_pre(module, self._pre(name, len(ops)), with_kwargs=True)
@@ -279,6 +282,9 @@ class _EdgeRecorder:
                     f"edge {name!r}: candidate op(s) {missing} did not run in this call of the mixed op, so their "
                     "curvature is undefined; run every candidate (the BayesNAS formula needs each op output B_k)"
                 )
+            gap = _mixture_gap(self.weights[name][-1], [frame[k] for k in range(K)], output)
+            if gap is not None:
+                self._gaps.append((name, gap))
             e = edge_of(output)
             key = f"{name}#{len(self.calls[name])}"
             self.calls[name].append((key, [frame[k] for k in range(K)]))
@@ -294,6 +300,44 @@ class _EdgeRecorder:
                 f"mixed op(s) {never} never ran in the forward pass, so their curvature is undefined; "
                 "pass only edges that model(inputs) actually uses"
             )
+        if self._gaps:  # one host read for all edges (none while a CUDA graph is captured: nothing was checked then)
+            gaps = torch.stack([g.to(device=self._gaps[0][1].device, dtype=torch.float64) for _, g in self._gaps]).tolist()
+            wrong = [(name, gap) for (name, _), gap in zip(self._gaps, gaps) if gap > 0]
+            if wrong:
+                name, gap = wrong[0]
+                raise CurvatureError(
+                    f"edge {name!r}: the mixed op's output is not Σ_k weights[k]·ops[k](x) of the candidate ops as listed "
+                    f"(off by up to {gap:.3g}); list the ops in the order the mixed op pairs them with its weights, e.g. "
+                    "(module, list(module.ops)), and return that sum alone, or use mode='exact' or 'ggn', which read "
+                    "only the weights"
+                )
+
+
+def _mixture_gap(weights: torch.Tensor, op_outputs: List[torch.Tensor], output) -> Optional[torch.Tensor]:
+    """How far a mixed op's output is from ``Σ_k weights[..., k] · ops[k](x)`` of the ops as listed, as a device scalar:
+    the largest gap beyond 1000 ulp of the terms' magnitudes (> 0: not that sum). The recursions pair ``B_k`` (the
+    k-th listed op's output) with ``Z_k`` (the k-th weight), so ops listed in another order than the mixed op pairs
+    them with its weights (or a mixed op that changes the sum, e.g. normalizes it) gave silently wrong numbers, while
+    ``exact`` and the GGN modes, which read only the weights, were right. Non-finite entries (a NaN batch) are left
+    out: they give NaN curvature, not a refusal. None (nothing checked) for shapes that do not broadcast, and while
+    a CUDA graph is captured (the plain call before the capture checked it; a host read is not allowed there)."""
+    if not isinstance(output, torch.Tensor) or not output.is_floating_point():
+        return None
+    if output.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    w = weights.detach().to(output.dtype)
+    total = scale = None
+    try:
+        for k, b in enumerate(op_outputs):
+            wk = w[..., k].reshape(-1, *([1] * (output.dim() - 1))) if w.dim() == 2 else w[k]
+            term = wk * b
+            total, scale = (term, term.abs()) if total is None else (total + term, scale + term.abs())
+        gap = (output.detach() - total).abs()
+    except RuntimeError:
+        return None
+    over = gap - 1e3 * torch.finfo(output.dtype).eps * scale
+    finite = torch.isfinite(gap) & torch.isfinite(scale)
+    return torch.where(finite & (over > 0), gap, torch.zeros_like(gap)).amax()
 
 
 #: which options of arch_diag_hessian each mode family uses; any other given explicitly would do nothing
