@@ -22,6 +22,10 @@ Defects found (each test fails without its fix):
   tensor in ``edges=`` (which then costs exactly)
   (test_a_candidate_returning_a_tuple_is_one_line_saying_how_to_map_it_and_the_mapped_inner_module_is_exact).
   docs/probe.md now also says that the streaming statistics take each step's costs unweighted by its batch size.
+* Per-sample gradients by ``torch.func.vmap(grad(...))`` inside a block leaked vmap's batched tensors into the costs:
+  torch's "INTERNAL ASSERT FAILED ... maybe_level.has_value()" at the end of the block (on a first step, a ``.item()``
+  error in the convention check). Now one ProbeError line at the forward
+  (test_vmap_inside_a_block_is_one_probe_error_line_and_torch_func_grad_gives_the_costs).
 
 Checked and right: costs and per-sample rows (their sum) under label smoothing, class weights, ignore_index,
 reduction="sum", MSE and a loss with a regularizer on α (1e-15); per-sample rows = ∂L/∂Z_bk of per-sample weights in
@@ -460,3 +464,36 @@ def test_a_candidate_returning_a_tuple_is_one_line_saying_how_to_map_it_and_the_
     probe = nasdiag.attach(net, edges={name: (getattr(net, name), ops[name]) for name in EDGES})
     costs, _ = _probed(probe, net, x, Z, loss)
     assert torch.allclose(costs, _autograd(net, x, Z, loss), rtol=1e-10, atol=1e-16)
+
+
+# --- torch.func inside a block --------------------------------------------------------------------------------------------
+
+def test_vmap_inside_a_block_is_one_probe_error_line_and_torch_func_grad_gives_the_costs():
+    from torch.func import functional_call, grad, vmap
+
+    net = Net(seed=17).eval()
+    x, y = _batch(4, seed=18)
+    Z = _weights(seed=19)
+    loss = lambda o, Z: F.cross_entropy(o, y)  # noqa: E731
+    ref = _autograd(net, x, Z, loss)
+    probe = nasdiag.attach(net)
+    # torch.func.grad (no vmap) of the step's loss: the tensor hooks see ∂L/∂x_j as in a backward
+    with probe.record():
+        grad(lambda Zl: loss(net(x, Zl), Zl))(Z)
+    assert torch.allclose(torch.stack([probe.costs()[n] for n in EDGES]), ref, rtol=1e-10, atol=1e-16)
+    params = {k: v.detach() for k, v in net.named_parameters()}
+    buffers = dict(net.named_buffers())
+
+    def sample_loss(p, xb, yb):
+        return F.cross_entropy(functional_call(net, (p, buffers), (xb[None], Z)), yb[None])
+
+    # per-sample gradients by vmap inside the block: batched tensors leaked into the costs (torch's internal assert
+    # "maybe_level.has_value()" at the end of the block, or a .item() error on the first step)
+    for _ in range(2):
+        with pytest.raises(ProbeError) as exc:
+            with probe.record():
+                vmap(grad(sample_loss), in_dims=(None, 0, 0))(params, x, y)
+        assert "vmap" in _line(exc) and "outside the block" in _line(exc)
+        assert_no_module_hooks(net)
+    costs, _ = _probed(probe, net, x, Z, loss)  # the probe still records the next plain step
+    assert torch.allclose(costs, ref, rtol=1e-10, atol=1e-16)

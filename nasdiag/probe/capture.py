@@ -144,6 +144,16 @@ def _costs_with_missing(g: torch.Tensor, outputs: Sequence[Optional[torch.Tensor
     return out
 
 
+_VMAP = getattr(getattr(torch._C._functorch, "TransformType", None), "Vmap", None)
+
+
+def _under_vmap() -> bool:
+    """Whether the current forward runs inside ``torch.func.vmap``: its tensors are per-vmap-call batched wrappers,
+    not the step's x_i, O_k(x_i) and ∂L/∂x_j (the costs leaked them out of the transform: torch's internal assert)."""
+    stack = torch._C._functorch.get_interpreter_stack() if _VMAP is not None else None
+    return bool(stack) and any(i.key() == _VMAP for i in stack)
+
+
 def _equal_chunks(nodes: Sequence[int], channels: int) -> Dict[int, Tuple[int, int]]:
     if channels % len(nodes):
         raise ProbeError(f"a DARTS-convention cell output has {channels} channels, not divisible among its {len(nodes)} output nodes")
@@ -228,6 +238,11 @@ class StepCapture:
             self.n_grad_off[pos] += 1
             self.open_edge[pos] = None
             return None
+        if _under_vmap():
+            raise ProbeError(
+                f"edge {edge.name!r} ran inside torch.func.vmap within probe.record(): its tensors are batched per vmap "
+                "call, not the step's x_i, O_k(x_i) and ∂L/∂x_j; run vmap outside the block and record a plain forward "
+                "and backward (costs(per_sample=True) gives the per-sample terms)")
         call = EdgeCall(pos, edge.n_ops, self.model_calls)
         if self.keep_model_io and self.model_calls == self.kept_call:
             self.ran_kept[pos] = True
