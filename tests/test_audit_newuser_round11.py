@@ -179,3 +179,29 @@ def test_a_sub_module_applied_twice_in_one_forward_is_one_forward_of_it_not_two_
         with probe.record():
             F.cross_entropy(net(x), y).backward()
     assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in net.modules()) == 0
+
+
+def test_hessian_after_a_validation_forward_with_grad_on_in_the_block_is_one_line_not_the_validation_batch():
+    """Before: a validation forward run without torch.no_grad() before the training step inside the block was the
+    call hessian() re-ran: with probe.record(targets=y) and a validation batch of the training batch's size, it
+    returned the curvature of the validation inputs under the training labels, silently (here 0.04 to 2.3
+    times the training batch's). Now that
+    is one ProbeError line; under no_grad the validation forward is skipped, and hessian(inputs=, targets=) is
+    the curvature of the batch given."""
+    net, (x, y) = _net(), _batch()
+    xv, _ = _batch(seed=7)
+    probe = nasdiag.attach(net, hessian="exact")
+    ref = _exact_diag(net, x, y)
+    with probe.record(targets=y):
+        net(xv)  # a validation loss for the log, grad mode on, never backwarded
+        F.cross_entropy(net(x), y).backward()
+    with pytest.raises(nasdiag.probe.ProbeError, match=r"^hessian\(\): the block's first model call .* torch\.no_grad\(\)"):
+        probe.hessian()
+    H = probe.hessian(inputs=x, targets=y)
+    assert max(float((H[f"e.{e}"] - ref[e]).abs().max()) for e in range(3)) < 1e-12
+    with probe.record(targets=y):
+        with torch.no_grad():
+            net(xv)
+        F.cross_entropy(net(x), y).backward()
+    H = probe.hessian()
+    assert max(float((H[f"e.{e}"] - ref[e]).abs().max()) for e in range(3)) < 1e-12

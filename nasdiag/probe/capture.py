@@ -218,6 +218,7 @@ class StepCapture:
         self.hooks = hooks  # the block's installed hooks; tensor hooks are added to them
         self.model_inputs = None
         self.kept_call = -1  # which model forward model_inputs are of
+        self.kept_reached = False  # a backward reached an edge of that forward (else hessian() would re-run another batch)
         self.rng_state = None  # the global generators' state when that forward began
         #: hessian mode: each edge's weights at its first call in the first model forward (the re-run must see them)
         self.first_weights: List[Optional[torch.Tensor]] = [None] * N
@@ -576,6 +577,8 @@ class StepCapture:
             return None
         self._check_versions(call)
         call.reached = True
+        if call.model_call == self.kept_call:
+            self.kept_reached = True
         if self.path_split and call.cell_call is None and self.edges[call.pos].cell_index is not None:
             raise self._outside_cell(call)
         if self.check_nodes[call.pos] and call.cell_call is not None:

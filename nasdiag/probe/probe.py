@@ -43,7 +43,8 @@ class _StepResult:
 
     __slots__ = ("per_sample", "costs", "matrix", "available", "not_run", "selected", "paths", "node_costs", "deviation", "invariant",
                  "cells_not_tensor", "cells_not_concat",
-                 "model_inputs", "rng_state", "targets", "model_output", "output_grad", "first_weights", "ran_kept")
+                 "model_inputs", "rng_state", "targets", "model_output", "output_grad", "first_weights", "ran_kept",
+                 "kept_reached")
 
     def __init__(self):
         self.per_sample: List[Optional[torch.Tensor]] = []
@@ -66,6 +67,7 @@ class _StepResult:
         self.output_grad = None
         self.first_weights: List[Optional[torch.Tensor]] = []
         self.ran_kept: List[bool] = []  # hessian mode: per edge, whether the kept model call ran it (with grad mode on)
+        self.kept_reached = False  # hessian mode: the block's backward reached an edge of the kept model call
 
 
 def _sum_calls(parts: List[Tuple[int, torch.Tensor]]) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
@@ -389,7 +391,7 @@ class Probe:
         r.cells_not_concat = cap.cells_not_concat
         r.model_inputs, r.rng_state = cap.model_inputs, cap.rng_state
         r.first_weights = cap.first_weights
-        r.ran_kept = cap.ran_kept
+        r.ran_kept, r.kept_reached = cap.ran_kept, cap.kept_reached
         r.model_output, r.output_grad = cap.model_output, cap.output_grad
         if no_forward or partial_ops or cap.k_changed:
             self._check_unchanged([p for p in range(len(self._edges))
@@ -675,6 +677,15 @@ class Probe:
             _check_like_recorded(inputs, r.model_inputs[0])
         model: nn.Module = self.model
         rerun = inputs is None and r is not None  # the recorded call is re-run: it must see the recorded weights
+        if rerun and not r.kept_reached and any(r.available):
+            # the costs are of a later forward (the training batch); this one (a validation forward run with grad mode
+            # on) was never backwarded: its re-run would give the curvature of another batch, with these targets
+            raise ProbeError(
+                "hessian(): the block's first model call with grad mode on, whose batch hessian() re-runs, was not "
+                "reached by the block's backward (e.g. a validation forward without torch.no_grad() before the training "
+                "forward), so it is not the batch of the costs; run evaluation forwards under torch.no_grad(), or pass "
+                "hessian(inputs=x, targets=y)"
+            )
         if inputs is None:
             if r.model_inputs is None:
                 raise ProbeError("the model was not called inside the last probe.record() block; pass inputs=")
