@@ -205,3 +205,25 @@ def test_hessian_after_a_validation_forward_with_grad_on_in_the_block_is_one_lin
         F.cross_entropy(net(x), y).backward()
     H = probe.hessian()
     assert max(float((H[f"e.{e}"] - ref[e]).abs().max()) for e in range(3)) < 1e-12
+
+
+def test_accumulated_micro_batches_under_a_grad_scaler_cost_the_scaled_step_as_docs_say():
+    """docs/probe.md: the micro-batches of one optimizer step in one block add up, and under a GradScaler the costs
+    carry its scale (divide by get_scale()). Reference: ∂/∂Z of Σ_m L_m/M with Z a leaf, per-sample rows of each."""
+    net, (x, y) = _net(), _batch(b=6)
+    scaler = torch.amp.GradScaler("cpu", init_scale=512.0)
+    parts = (slice(0, 4), slice(4, 6))
+    probe = nasdiag.attach(net)
+    with probe.record():
+        for part in parts:
+            scaler.scale(F.cross_entropy(net(x[part]), y[part]) / len(parts)).backward()
+    Z = F.softmax(net.alpha, -1).detach().clone().requires_grad_()
+    g, = torch.autograd.grad(sum(F.cross_entropy(net(x[p], Z), y[p]) for p in parts) / len(parts), Z)
+    rows = torch.stack([torch.autograd.grad(F.cross_entropy(net(x[b:b + 1], Z), y[b:b + 1])
+                                            / (len(parts) * (p.stop - p.start)), Z)[0]
+                        for p in parts for b in range(p.start, p.stop)])
+    costs, per_sample = probe.costs(), probe.costs(per_sample=True)
+    for e in range(3):
+        assert float((costs[f"e.{e}"] / scaler.get_scale() - g[e]).abs().max()) < 1e-12
+        assert float((per_sample[f"e.{e}"] / scaler.get_scale() - rows[:, e]).abs().max()) < 1e-12
+    assert (probe.statistics()["cost/edges/count"] == 1).all()
