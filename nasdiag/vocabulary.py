@@ -133,14 +133,16 @@ SAMPLE_TEMPERATURE = family("scalars/temperature", "()", "float64", "same", "The
 SAMPLE_ENTROPY = family("scalars/entropy", "()", "float32", "same", "Mean over the edges of every cell type of the entropy −Σ p log p (nats) of `probabilities()`, after the step.", section="sample")
 
 # -- regret (XNAS) -------------------------------------------------------------------------------
-REGRET_LOG_WEIGHTS = family("regret/<cell>/log_weights", "(E, K)", "float32", "same", "log v of the EG forecaster per edge (Algorithm 1, lines 9-10).", section="regret")
+REGRET_LOG_WEIGHTS = family("regret/<cell>/log_weights", "(E, K)", "float64", "same", "log v of the EG forecaster per edge (Algorithm 1, lines 9-10). In float64 whatever the run's dtype (the forecasters are float64).", section="regret")
 REGRET_ALIVE = family("regret/<cell>/alive", "(E, K)", "bool", "same", "Experts not wiped out (Algorithm 1, lines 11-12).", section="regret")
-REGRET_REGRET = family("regret/<cell>/regret", "(E,)", "float32", "same", "Linearized regret per edge so far (eq 31) against the experts still alive (min over I_t; wiped-out ops are not computed, their later rewards unknown): eq 31 over all N experts when ζ ≥ 1 and |R| ≤ L (Lemma 1), possibly less when ζ < 1.", section="regret")
-REGRET_BOUND = family("regret/<cell>/bound", "(E,)", "float32", "same", "The regret bound of Theorem 1 (eq 3) per edge; it bounds the recorded regret for every ζ when |R| ≤ L (the regret over all N experts only for ζ ≥ 1, §3.2.2).", section="regret")
-REGRET_GAMMA = family("regret/<cell>/gamma", "(E,)", "float32", "same", "γ_T of eq 28 per edge.", section="regret")
+REGRET_REGRET = family("regret/<cell>/regret", "(E,)", "float64", "same", "Linearized regret per edge so far (eq 31) against the experts still alive (min over I_t; wiped-out ops are not computed, their later rewards unknown): eq 31 over all N experts when ζ ≥ 1 and |R| ≤ L (Lemma 1), possibly less when ζ < 1. In float64 whatever the run's dtype (the forecasters are float64).", section="regret")
+REGRET_BOUND = family("regret/<cell>/bound", "(E,)", "float64", "same", "The regret bound of Theorem 1 (eq 3) per edge; it bounds the recorded regret for every ζ when |R| ≤ L (the regret over all N experts only for ζ ≥ 1, §3.2.2). In float64 whatever the run's dtype (the forecasters are float64).", section="regret")
+REGRET_GAMMA = family("regret/<cell>/gamma", "(E,)", "float64", "same", "γ_T of eq 28 per edge. In float64 whatever the run's dtype (the forecasters are float64).", section="regret")
 REGRET_WIPEOUTS = family("regret/<cell>/wipeouts", "(E, K)", "bool", "same", "Experts wiped out at this step.", section="regret")
-REGRET_REWARDS = family("regret/<cell>/rewards", "(R, E, K)", "float32", "same",
-                        "The step's rewards R = -C on the val batch (Algorithm 1 line 8), one round per cell of the type (R cells, network order), as the forecaster received them (clipped to [-L, L] with clip_rewards; NaN/inf kept, see nonfinite); 0 for ops not computed in the step (wiped out before it), which the forecaster is given as unknown.", section="regret")
+REGRET_REWARDS = family("regret/<cell>/rewards", "(R, E, K)", "float64", "same",
+                        "The step's rewards R = -C on the val batch (Algorithm 1 line 8), one round per cell of the type (R cells, network order), as the forecaster received them (clipped to [-L, L] with clip_rewards; NaN/inf kept, see nonfinite); 0 for ops not computed in the step (wiped out before it), which the forecaster is given as unknown. In float64 whatever the run's dtype (the forecasters are float64).", section="regret")
+REGRET_ACTIVE_FRACTION = family("scalars/active_fraction", "()", "float64", "mean", "XNAS: the fraction of the supernet's (cell, edge, op) computations this step's forwards made (wiped-out experts are not computed), in float64 whatever the run's dtype.", section="regret")
+REGRET_CLIP_FRACTION = family("scalars/reward_clip_fraction", "()", "float64", "mean", "XNAS: the fraction of this step's finite rewards of alive experts that were clipped to [-L, L] (clip_rewards), in float64 whatever the run's dtype.", section="regret")
 REGRET_NONFINITE = family("regret/<cell>/nonfinite", "(E,)", "bool", "any", "True for an edge where an alive op's reward (cost) was NaN or inf in a round of the step: that edge's forecaster sat the round out (no EG step, nothing added to its regret; the round still counts towards T).", section="regret")
 
 # -- attention (ASM-NAS) -------------------------------------------------------------------------

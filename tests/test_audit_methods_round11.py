@@ -7,7 +7,10 @@ Defects these tests found (each fails without its fix):
   stored its learning rate rounded to 24 bits (0.013 as 0.013000000268…) and a λ past 3.4e38 as inf, although the
   vocabulary's ``float32`` means the run's float dtype (docs/schema.md);
 - a hyperparameter given as a Python int past 1.8e308 was float()'s OverflowError traceback in ``from_dict`` (so in
-  ``run``) and was accepted by the dataclass (the method then overflowed in its first step).
+  ``run``) and was accepted by the dataclass (the method then overflowed in its first step);
+- the vocabulary (docs/schema.md) gave XNAS's regret statistics (log_weights, regret, bound, gamma, rewards) and its
+  ``scalars/active_fraction`` and ``reward_clip_fraction`` the run's dtype, but they are float64 in every run (the
+  forecasters are float64), so a float32 run's record disagreed with its own schema.
 """
 
 from __future__ import annotations
@@ -298,3 +301,32 @@ def test_a_run_killed_inside_its_second_epoch_resumes_to_the_uninterrupted_run(n
     b = load_checkpoint(str(tmp_path / "cut.h5.ckpt"))["method"]
     assert a["generator"] is not None
     _assert_same(_nan_marked(a), _nan_marked(b), name)
+
+
+# -- every statistic of a step in the dtype its family states ---------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_every_statistic_of_every_method_has_the_dtype_and_shape_of_its_family(dtype):
+    """docs/schema.md: a family's dtype ``float32`` "means the run's float dtype". Two steps of every method on a
+    network of ``dtype`` plus its epoch diagnostics: each statistic belongs to a family and has its dtype (float32 →
+    ``dtype``) and, where the family names only E and K, its shape. In a float32 run XNAS's regret statistics and its
+    two fractions are float64 (its forecasters are float64); the vocabulary said the run's dtype for them."""
+    from nasdiag import vocabulary as V
+
+    for name in sorted(available_methods()):
+        cls = get_method(name)
+        net = _net(cls, dtype=dtype)
+        method = cls(net, cls.Hyperparameters(), schedule=Schedule(epochs=2, steps_per_epoch=2, batch_size=4),
+                     hessian_mode="diag")
+        data = _batches(4, 8, dtype=dtype)
+        stats = method.step(*data[:2])
+        stats.update(method.step(*data[2:]))
+        stats.update(method.diagnostics())
+        sizes = {"E": net.num_edges, "K": len(net.primitives)}
+        for path, value in stats.items():
+            family = V.family_of(path)
+            assert family is not None, (name, path)
+            want = {"float32": dtype, "float64": torch.float64, "bool": torch.bool, "int64": torch.int64}[family.dtype]
+            assert value.dtype == want, (name, path, value.dtype, family.dtype)
+            dims = [d.strip() for d in family.shape.strip("()").split(",") if d.strip()]
+            if set(dims) <= set(sizes):
+                assert tuple(value.shape) == tuple(sizes[d] for d in dims), (name, path, tuple(value.shape), family.shape)

@@ -45,9 +45,6 @@ from test_audit_methods_round3 import _small_digits  # digits cut to 12 search-t
 
 TYPES = ("normal", "reduce")
 N, BATCH = 12, 4
-#: paths that record a hyperparameter's current value (a Python float) as float32 whatever the run's dtype: a
-#: rounding of 1e-8 relative of a setting, not of a computed statistic; left as it is (see the round's report)
-SETTINGS = ("scalars/w_lr", "sparsity/lambda")
 
 
 def _snapshots(monkeypatch, cls):
@@ -98,9 +95,6 @@ def _check_vocabulary(rec, float_dtype=np.float64, spectrum_every=0):
     sizes = {"E": 5, "K": len(rec["meta/op_names"])}
     for path in rec:
         if path.startswith(("meta/", "valid/")) or path == "step":
-            continue
-        if path in SETTINGS and float_dtype == np.float64:
-            assert rec[path].dtype == np.float32  # a hyperparameter's value, recorded in float32 by every method
             continue
         fam = V.family_of(path)
         assert fam is not None, f"{path} is of no vocabulary family"
@@ -158,7 +152,7 @@ def test_a_darts_run_records_what_the_vocabulary_says_at_the_steps_and_batches_i
     train_loss, train_acc = _loss_acc(net, xt, yt, {t: torch.softmax(a, -1) for t, a in a1.items()})
     np.testing.assert_allclose(rec["scalars/train_loss"][0], train_loss, rtol=1e-10)
     np.testing.assert_allclose(rec["scalars/train_acc"][0], train_acc, rtol=0, atol=0)
-    np.testing.assert_allclose(rec["scalars/w_lr"][0], hp.w_lr, rtol=1e-7)  # lr of epoch 0 (recorded in float32)
+    np.testing.assert_allclose(rec["scalars/w_lr"][0], hp.w_lr, rtol=1e-15)  # lr of epoch 0 (run dtype since round 11)
     # every later row's α and probabilities are the state after its step
     for s in (1, 2):
         for t in TYPES:
@@ -475,7 +469,7 @@ def _families_agree(method, rec, hp):
     """What one family's rows say about another's, per the vocabulary's meanings (no nasdiag code involved)."""
     last = 2
     if method == "sparsenas":
-        assert (rec["sparsity/lambda"] == np.float32(hp.lambda_step)).all()  # epoch 0: λ = lambda_step
+        assert (rec["sparsity/lambda"] == hp.lambda_step).all()  # epoch 0: λ = lambda_step (the run's dtype since round 11)
         for t in TYPES:
             A = rec[f"arch/{t}/params"]
             np.testing.assert_array_equal(rec[f"sparsity/{t}/nonzero"], A != 0)
@@ -593,7 +587,7 @@ def test_epoch_scoped_values_belong_to_the_epoch_of_their_row(tmp_path, monkeypa
     assert rec["step"].tolist() == [1, 2, 3, 4, 5, 6]
     np.testing.assert_allclose(rec["scalars/temperature"], [hp.tau0] * 3 + [hp.tau0 * hp.tau_decay] * 3, rtol=1e-15)
     lr1 = hp.w_lr_min + (hp.w_lr - hp.w_lr_min) * (1 + math.cos(math.pi / 2)) / 2  # cosine over 2 epochs, after 1
-    np.testing.assert_allclose(rec["scalars/w_lr"], [hp.w_lr] * 3 + [lr1] * 3, rtol=1e-7)  # float32 settings
+    np.testing.assert_allclose(rec["scalars/w_lr"], [hp.w_lr] * 3 + [lr1] * 3, rtol=1e-15)  # the run's dtype (round 11)
     assert rec["valid/scalars/epoch"].tolist() == [False, False, True, False, False, True]
     assert rec["scalars/epoch"][[2, 5]].tolist() == [0, 1]
     assert (rec["cost/normal/count"][5] == 3).all() and (rec["cost/reduce/count"][5] == 6).all()
