@@ -14,6 +14,7 @@ and the GGN modes, which read only the weights, were right.
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -339,6 +340,12 @@ def test_ops_listed_in_another_order_than_the_mixed_op_pairs_them_are_refused_no
     # in order: accepted (the sum of the listed ops is the output, to round-off)
     for mode in ("diag", "approx"):
         arch_diag_hessian(net, F.cross_entropy, x, y, edges, mode=mode, wrt="alpha")
+    net32 = copy.deepcopy(net).float()  # float32: checked to 1e-2 of the terms (TF32 mixes on a GPU), still refused
+    edges32 = net32.edges()
+    with pytest.raises(CurvatureError, match="c0e0.*as listed"):
+        arch_diag_hessian(net32, F.cross_entropy, x.float(), y, {n: (m, ops[::-1]) for n, (m, ops) in edges32.items()},
+                          mode="diag")
+    arch_diag_hessian(net32, F.cross_entropy, x.float(), y, edges32, mode="diag")
     x_nan = x.clone()
     x_nan[0, 0, 0, 0] = float("nan")
     nan = arch_diag_hessian(net, F.cross_entropy, x_nan, y, edges, mode="diag")
