@@ -286,7 +286,8 @@ class _Analyser:
 def input_ranks_of(module: nn.Module, example_input) -> Dict[nn.Module, int]:
     """``{submodule: rank of its first input}`` from one forward of ``module`` on ``example_input`` (a tensor or
     a tuple of arguments), for :func:`analyse`. No gradient is taken, buffers (BatchNorm's running statistics)
-    are restored and the hooks removed on every path. A submodule called at two ranks is left out (unknown)."""
+    and the global random generators (a train-mode dropout draws from them) are restored and the hooks removed on
+    every path. A submodule called at two ranks is left out (unknown)."""
     seen: Dict[nn.Module, Optional[int]] = {}
 
     def record(sub, args):
@@ -296,6 +297,7 @@ def input_ranks_of(module: nn.Module, example_input) -> Dict[nn.Module, int]:
     from nasdiag.hooks import Hooks
 
     saved = [(b, b.detach().clone()) for b in module.buffers()]
+    rng = torch.get_rng_state(), (torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
     hooks = Hooks()
     for sub in module.modules():
         hooks.forward_pre(sub, record)
@@ -306,6 +308,9 @@ def input_ranks_of(module: nn.Module, example_input) -> Dict[nn.Module, int]:
         with torch.no_grad():
             for b, value in saved:
                 b.copy_(value)
+        torch.set_rng_state(rng[0])
+        if rng[1] is not None:
+            torch.cuda.set_rng_state_all(rng[1])
     return {sub: rank for sub, rank in seen.items() if rank is not None}
 
 

@@ -26,6 +26,10 @@ Defects found (each test fails without its fix):
   torch's "INTERNAL ASSERT FAILED ... maybe_level.has_value()" at the end of the block (on a first step, a ``.item()``
   error in the convention check). Now one ProbeError line at the forward
   (test_vmap_inside_a_block_is_one_probe_error_line_and_torch_func_grad_gives_the_costs).
+* ``is_scale_invariant(op, example_input)`` (``nasdiag.rules.input_ranks_of``: one forward to learn the ranks) restored
+  the buffers but not the global random generator: a train-mode dropout in the op advanced it, so asking the question
+  shifted the training's later dropout masks (test_asking_with_an_example_input_leaves_the_buffers_and_the_random_
+  stream_as_they_were; the fix is in nasdiag/rules.py, outside this area, 5 lines).
 
 Checked and right: costs and per-sample rows (their sum) under label smoothing, class weights, ignore_index,
 reduction="sum", MSE and a loss with a regularizer on α (1e-15); per-sample rows = ∂L/∂Z_bk of per-sample weights in
@@ -501,3 +505,16 @@ def test_vmap_inside_a_block_is_one_probe_error_line_and_torch_func_grad_gives_t
         assert_no_module_hooks(net)
     costs, _ = _probed(probe, net, x, Z, loss)  # the probe still records the next plain step
     assert torch.allclose(costs, ref, rtol=1e-10, atol=1e-16)
+
+
+def test_asking_with_an_example_input_leaves_the_buffers_and_the_random_stream_as_they_were():
+    op = nn.Sequential(nn.Conv2d(3, 3, 1, bias=False), nn.Dropout(0.5), nn.BatchNorm2d(3)).to(DT).train()
+    x = torch.randn(4, 3, 5, 5, dtype=DT)
+    buffers = [b.clone() for b in op.buffers()]
+    torch.manual_seed(0)
+    expected = torch.rand(5)
+    torch.manual_seed(0)
+    assert is_scale_invariant(op, x)
+    assert torch.equal(torch.rand(5), expected)  # a diagnostic query must not shift the training's dropout masks
+    assert all(torch.equal(a, b) for a, b in zip(buffers, op.buffers()))
+    assert_no_module_hooks(op)
