@@ -287,7 +287,8 @@ def input_ranks_of(module: nn.Module, example_input) -> Dict[nn.Module, int]:
     """``{submodule: rank of its first input}`` from one forward of ``module`` on ``example_input`` (a tensor or
     a tuple of arguments), for :func:`analyse`. No gradient is taken, buffers (BatchNorm's running statistics)
     and the global random generators (a train-mode dropout draws from them) are restored and the hooks removed on
-    every path. A submodule called at two ranks is left out (unknown)."""
+    every path; the forward runs on copies of the example tensors (an in-place ReLU first would change the caller's
+    batch). A submodule called at two ranks is left out (unknown)."""
     seen: Dict[nn.Module, Optional[int]] = {}
 
     def record(sub, args):
@@ -303,7 +304,8 @@ def input_ranks_of(module: nn.Module, example_input) -> Dict[nn.Module, int]:
         hooks.forward_pre(sub, record)
     try:
         with hooks, torch.no_grad():
-            module(*(example_input if isinstance(example_input, tuple) else (example_input,)))
+            args = example_input if isinstance(example_input, tuple) else (example_input,)
+            module(*(a.clone() if isinstance(a, torch.Tensor) else a for a in args))
     finally:
         with torch.no_grad():
             for b, value in saved:

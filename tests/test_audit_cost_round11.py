@@ -28,8 +28,10 @@ Defects found (each test fails without its fix):
   (test_vmap_inside_a_block_is_one_probe_error_line_and_torch_func_grad_gives_the_costs).
 * ``is_scale_invariant(op, example_input)`` (``nasdiag.rules.input_ranks_of``: one forward to learn the ranks) restored
   the buffers but not the global random generator: a train-mode dropout in the op advanced it, so asking the question
-  shifted the training's later dropout masks (test_asking_with_an_example_input_leaves_the_buffers_and_the_random_
-  stream_as_they_were; the fix is in nasdiag/rules.py, outside this area, 5 lines).
+  shifted the training's later dropout masks; and an op starting with an in-place ReLU zeroed the negative entries of
+  the caller's example tensor (the forward now runs on copies)
+  (test_asking_with_an_example_input_leaves_the_buffers_the_random_stream_and_the_input_as_they_were; the fix is in
+  nasdiag/rules.py, outside this area, a few lines).
 
 Checked and right: costs and per-sample rows (their sum) under label smoothing, class weights, ignore_index,
 reduction="sum", MSE and a loss with a regularizer on α (1e-15); per-sample rows = ∂L/∂Z_bk of per-sample weights in
@@ -507,7 +509,7 @@ def test_vmap_inside_a_block_is_one_probe_error_line_and_torch_func_grad_gives_t
     assert torch.allclose(costs, ref, rtol=1e-10, atol=1e-16)
 
 
-def test_asking_with_an_example_input_leaves_the_buffers_and_the_random_stream_as_they_were():
+def test_asking_with_an_example_input_leaves_the_buffers_the_random_stream_and_the_input_as_they_were():
     op = nn.Sequential(nn.Conv2d(3, 3, 1, bias=False), nn.Dropout(0.5), nn.BatchNorm2d(3)).to(DT).train()
     x = torch.randn(4, 3, 5, 5, dtype=DT)
     buffers = [b.clone() for b in op.buffers()]
@@ -518,3 +520,8 @@ def test_asking_with_an_example_input_leaves_the_buffers_and_the_random_stream_a
     assert torch.equal(torch.rand(5), expected)  # a diagnostic query must not shift the training's dropout masks
     assert all(torch.equal(a, b) for a, b in zip(buffers, op.buffers()))
     assert_no_module_hooks(op)
+    # an in-place ReLU first: the caller's example batch is theirs (its negative entries were zeroed)
+    op = nn.Sequential(nn.ReLU(inplace=True), nn.Conv2d(3, 3, 3, padding=1, bias=False), nn.BatchNorm2d(3)).to(DT)
+    before = x.clone()
+    assert is_scale_invariant(op, x) and is_scale_invariant(op, (x,))
+    assert torch.equal(x, before)
