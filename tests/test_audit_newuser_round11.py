@@ -227,3 +227,16 @@ def test_accumulated_micro_batches_under_a_grad_scaler_cost_the_scaled_step_as_d
         assert float((costs[f"e.{e}"] / scaler.get_scale() - g[e]).abs().max()) < 1e-12
         assert float((per_sample[f"e.{e}"] / scaler.get_scale() - rows[:, e]).abs().max()) < 1e-12
     assert (probe.statistics()["cost/edges/count"] == 1).all()
+
+
+@pytest.mark.parametrize("result", ["costs", "output_costs", "path_costs"])
+def test_per_sample_given_a_string_is_one_line_not_switched_on(result):
+    """Before: costs(per_sample="no") returned the per-sample (B, K) rows (bool("no") is True), where attach refuses a
+    string for its own switches (path_split, norm_deviation). Now one ProbeError line, as at attach."""
+    net, (x, y) = _net(), _batch()
+    probe = nasdiag.attach(net)
+    with probe.record():
+        F.cross_entropy(net(x), y).backward()
+    with pytest.raises(nasdiag.probe.ProbeError, match=r"^per_sample must be True or False, got 'no' \(str\)$"):
+        getattr(probe, result)(per_sample="no")
+    assert probe.costs(per_sample=False)["e.0"].shape == (3,)

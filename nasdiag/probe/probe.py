@@ -92,6 +92,12 @@ def _sum_calls(parts: List[Tuple[int, torch.Tensor]]) -> Tuple[Optional[torch.Te
     return (rows[0] if len(rows) == 1 else torch.cat(rows, 0)), total
 
 
+def _check_flag(option: str, value) -> None:
+    # bool("no") is True: a string or number here would switch the option on silently
+    if not isinstance(value, (bool, np.bool_)):
+        raise ProbeError(f"{option} must be True or False, got {value!r} ({type(value).__name__})")
+
+
 def _short_list(names: Sequence[str], n: int = 5) -> str:
     head = ", ".join(repr(x) for x in names[:n])
     return head + (f" and {len(names) - n} more" if len(names) > n else "")
@@ -119,9 +125,7 @@ class Probe:
         if statistics not in STATISTICS_MODES:
             raise ProbeError(f"statistics must be one of {STATISTICS_MODES}, got {statistics!r}")
         for option, value in (("path_split", path_split), ("norm_deviation", norm_deviation)):
-            # bool("no") is True: a string or number here would switch the option on silently
-            if not isinstance(value, (bool, np.bool_)):
-                raise ProbeError(f"{option} must be True or False, got {value!r} ({type(value).__name__})")
+            _check_flag(option, value)
         if hessian is not None:
             _check_hessian_mode(hessian, "attach(hessian=...)")
         if loss_fn is not None and not callable(loss_fn):
@@ -485,6 +489,7 @@ class Probe:
             NaN (with a warning at the end of the block) where the edge's forward never ran,
             the backward never reached it, or a candidate op did not run.
         """
+        _check_flag("per_sample", per_sample)
         r = self._require_step()
         self._flag_nan(r)
         if not per_sample:
@@ -533,6 +538,7 @@ class Probe:
         Raises:
             ProbeError: the model has no cells declaring their nodes (docs/probe.md, "node protocol").
         """
+        _check_flag("per_sample", per_sample)
         r = self._require_step()
         if not self._cells:
             raise ProbeError(
@@ -577,6 +583,7 @@ class Probe:
             ``{edge name: {path: (K,)}}``; ``per_sample``: (B, K) parts. ``"output"`` is a path only for edges
             ending at an output node; an edge whose end node feeds neither the output nor another edge maps to ``{}``.
         """
+        _check_flag("per_sample", per_sample)
         if not self.path_split:
             raise ProbeError("path_costs() needs attach(model, ..., path_split=True) (it hooks the autograd nodes of every intermediate edge)")
         r = self._require_step()
