@@ -106,8 +106,24 @@ class DartsArchitect:
 
         x, y = batch
         buffers = {n: b.clone() for n, b in self.net.named_buffers()}
-        z = {t: torch.softmax(a, -1) for t, a in alpha.items()}
+        z = {t: self.mix(a) for t, a in alpha.items()}
         return torch.nn.functional.cross_entropy(functional_call(self.net, {**w, **buffers}, (x, z)), y)
+
+    @staticmethod
+    def mix(alpha):
+        """Z(α): DARTS's softmax."""
+        return torch.softmax(alpha, -1)
+
+    def arch_update(self, g):
+        """α ← torch.optim.Adam(weight_decay=...) as DARTS builds it, on the hypergradient g."""
+        h = self.h
+        b1, b2 = h.alpha_betas
+        for t, a in self.alpha.items():
+            d = g[t] + h.alpha_weight_decay * a
+            m, v, k = self.adam.get(t, (torch.zeros_like(a), torch.zeros_like(a), 0))
+            m, v, k = b1 * m + (1 - b1) * d, b2 * v + (1 - b2) * d * d, k + 1
+            self.adam[t] = (m, v, k)
+            self.alpha[t] = a - h.alpha_lr * (m / (1 - b1 ** k)) / ((v / (1 - b2 ** k)).sqrt() + 1e-8)
 
     def grads(self, w, alpha, batch, wrt):
         w = {n: t.detach().clone().requires_grad_(wrt == "w") for n, t in w.items()}
@@ -134,13 +150,7 @@ class DartsArchitect:
         implicit = {t: (gp[t] - gn[t]) / (2 * R) for t in self.alpha}
         g = {t: dalpha[t] - xi * implicit[t] for t in self.alpha}
         norm_of = lambda d: torch.sqrt(sum((v ** 2).sum() for v in d.values()))  # noqa: E731
-        b1, b2 = h.alpha_betas
-        for t, a in self.alpha.items():  # torch.optim.Adam(weight_decay=...) as DARTS builds it
-            d = g[t] + h.alpha_weight_decay * a
-            m, v, k = self.adam.get(t, (torch.zeros_like(a), torch.zeros_like(a), 0))
-            m, v, k = b1 * m + (1 - b1) * d, b2 * v + (1 - b2) * d * d, k + 1
-            self.adam[t] = (m, v, k)
-            self.alpha[t] = a - h.alpha_lr * (m / (1 - b1 ** k)) / ((v / (1 - b2 ** k)).sqrt() + 1e-8)
+        self.arch_update(g)
         # train(): w step at the new α, clip_grad_norm then SGD(momentum, weight_decay)
         train_loss, gw = self.grads(self.w, self.alpha, train, "w")
         norm = torch.sqrt(sum((g_ ** 2).sum() for g_ in gw.values()))
@@ -330,3 +340,94 @@ def test_every_statistic_of_every_method_has_the_dtype_and_shape_of_its_family(d
             dims = [d.strip() for d in family.shape.strip("()").split(",") if d.strip()]
             if set(dims) <= set(sizes):
                 assert tuple(value.shape) == tuple(sizes[d] for d in dims), (name, path, tuple(value.shape), family.shape)
+
+
+# -- second-order SparseNAS over several steps: eq 1, 6-13 and the progressive λ transcribed ---------------------------
+class SparseArchitect(DartsArchitect):
+    """SparseNAS (sparse-supernet Alg. 1) as a function of (w, A): linear mixing Z = A (eq 1), the hypergradient of eq
+    11-12 by DARTS's finite difference (eq 13 as DARTS eq 8, the docs' reading), then HAPG or AdamHAPG (eq 6-10): z = A −
+    η∘m (Adam's m̂ and per-weight η_i = lr/(1 − β₁ⁿ)/(√v̂ + 1e-8) for AdamHAPG; η the cosine-annealed step size and m = g
+    for HAPG), the ℓ1 soft threshold at η_i λα (eq 9), the group threshold at the lower median of the group's η_i times
+    λ(1 − α)·√|group| (eq 10, groups = the edges entering a node), then eq 7-8 with u_t = (t − 2)/(t + 1), the first
+    step counted as t = 2. λ = lambda_step·(epoch + 1)."""
+
+    def __init__(self, net, h, epochs):
+        super().__init__(net, h)
+        self.epochs, self.lam, self.eta, self.t = epochs, h.lambda_step, h.hapg_lr, 1
+        self.velocity = {t: torch.zeros_like(a) for t, a in self.alpha.items()}
+        pairs = [(i, j) for j in range(2, 2 + net.steps) for i in range(j)]  # DARTS's edge order
+        self.group = torch.tensor([j - 2 for _, j in pairs])
+
+    @staticmethod
+    def mix(alpha):
+        return alpha
+
+    def epoch_end(self, epoch):
+        self.lr = _cosine(self.h.w_lr, self.h.w_lr_min, epoch + 1, self.epochs)
+        self.eta = _cosine(self.h.hapg_lr, 0.0, epoch + 1, self.epochs)
+        self.lam = self.h.lambda_step * (epoch + 2)
+
+    def arch_update(self, g):
+        h, lam, a_ = self.h, self.lam, self.h.sgl_alpha
+        self.t += 1
+        u = lambda t: (t - 2) / (t + 1)  # noqa: E731
+        b1, b2 = h.alpha_betas
+        for t, A in self.alpha.items():
+            if h.optimizer == "adamhapg":
+                m, v, n = self.adam.get(t, (torch.zeros_like(A), torch.zeros_like(A), 0))
+                m, v, n = b1 * m + (1 - b1) * g[t], b2 * v + (1 - b2) * g[t] ** 2, n + 1
+                self.adam[t] = (m, v, n)
+                eta = h.alpha_lr / (1 - b1 ** n) / ((v / (1 - b2 ** n)).sqrt() + 1e-8)
+                z = A - eta * m
+            else:
+                eta = torch.full_like(A, self.eta)
+                z = A - eta * g[t]
+            x = torch.sign(z) * torch.clamp(z.abs() - eta * lam * a_, min=0)
+            prox = torch.zeros_like(x)
+            for node in self.group.unique():
+                rows = self.group == node
+                eta_node = eta[rows].reshape(-1).sort().values[(rows.sum() * A.shape[1] - 1) // 2]  # lower median
+                norm = x[rows].norm()
+                shrink = torch.clamp(1 - math.sqrt(rows.sum() * A.shape[1]) * eta_node * lam * (1 - a_) / norm, min=0) \
+                    if norm > 0 else torch.zeros(())
+                prox[rows] = x[rows] * shrink
+            self.velocity[t] = prox - A + u(self.t - 1) * self.velocity[t]
+            self.alpha[t] = prox + u(self.t) * self.velocity[t]
+
+
+@pytest.mark.parametrize("optimizer", ["adamhapg", "hapg"])
+def test_sparsenas_second_order_five_steps_follow_eq_6_to_13_with_the_progressive_lambda(optimizer):
+    """Five second-order SparseNAS steps over two epoch ends against SparseArchitect above: A (with its exact zeros),
+    w, ``sparsity/lambda``, ``sparsity/<cell>/nonzero``, ``scalars/alpha_grad_norm`` (‖eq 13's hypergradient‖ before
+    the proximal step) and ``scalars/val_loss`` (at w') after EVERY step: the AdamHAPG moments, the momentum v and
+    counter t of eq 7-8, HAPG's annealed η, λ and w's momentum buffers (in w' and in the w step) carried between steps.
+    The thresholds are set so that ops are zeroed and revived along the way (checked)."""
+    cls = get_method("sparsenas")
+    hp = dict(optimizer=optimizer, w_lr=0.3, grad_clip=0.5, init_scale=0.1)
+    hp.update({"alpha_lr": 0.05, "lambda_step": 0.6} if optimizer == "adamhapg" else {"hapg_lr": 0.4, "lambda_step": 0.25})
+    h = cls.Hyperparameters(**hp)
+    torch.manual_seed(3)
+    net = Network(4, CLASSES, 3, steps=2, multiplier=2, in_channels=1,
+                  primitives=("skip_connect", "avg_pool_3x3", "sep_conv_3x3")).double()
+    method = cls(net, h, schedule=Schedule(epochs=3, steps_per_epoch=2, batch_size=4), seed=5)
+    ref = SparseArchitect(net, h, epochs=3)
+    data = _batches(10, 9)
+    zeros = []
+    for k in range(5):
+        if k in (2, 4):
+            method.epoch_end(k // 2 - 1)
+            ref.epoch_end(k // 2 - 1)
+        train, val = data[2 * k], data[2 * k + 1]
+        stats = method.step(train, val)
+        want = ref.step(train, val)
+        for t, a in net.alphas().items():
+            torch.testing.assert_close(a.detach(), ref.alpha[t], rtol=1e-9, atol=1e-12, msg=lambda m: f"step {k} A {t}: {m}")
+            assert torch.equal(stats[f"sparsity/{t}/nonzero"], ref.alpha[t] != 0), (k, t)
+            zeros.append(int((ref.alpha[t] == 0).sum()))
+        for n, p in net.named_parameters():
+            if n in ref.w:
+                torch.testing.assert_close(p.detach(), ref.w[n], rtol=1e-9, atol=1e-12, msg=lambda m: f"step {k} {n}: {m}")
+        assert float(stats["sparsity/lambda"]) == pytest.approx(ref.lam, rel=1e-15)
+        for key, rtol in (("val_loss", 1e-12), ("train_loss", 1e-12), ("alpha_grad_norm", 1e-9)):
+            torch.testing.assert_close(stats[f"scalars/{key}"], want[key], rtol=rtol, atol=0, msg=lambda m: f"step {k} {key}: {m}")
+    assert max(zeros) > 0 and min(zeros) < max(zeros), zeros  # the proximal steps zeroed ops (and not all at once)
