@@ -9,7 +9,8 @@ Defects found (each test fails without its fix):
   with ``edges=`` gave NaN costs with a warning that their forward "never ran" (it ran, in the TorchScript interpreter,
   which calls no Python hooks); a scripted mixed op inside an eager model was silently left out of the discovered edges
   (its ``_ops`` is no ModuleList any more), and a scripted candidate op raised torch's "register_forward_hook is not
-  supported on ScriptModules" traceback at the first block. Now one ProbeError line at ``attach`` saying so
+  supported on ScriptModules" traceback at the first block; a ``torch.export`` graph got the same "pass edges=" advice,
+  whose modules never run there. Now one ProbeError line at ``attach`` saying so
   (test_torchscript_models_edges_and_candidates_are_one_probe_error_line_at_attach).
 * docs/probe.md said ``costs()`` "= autograd's ∂L/∂Z" without the condition the equation rests on: a loss term on Z
   or α themselves (a regularizer of the architecture) is in autograd's ∂L/∂Z but never reaches x_j, so not in the
@@ -400,6 +401,10 @@ def test_torchscript_models_edges_and_candidates_are_one_probe_error_line_at_att
     with pytest.raises(ProbeError) as exc:
         nasdiag.attach(wrapper, edges={"a": (traced.e01, [getattr(traced.e01._ops, str(k)) for k in range(4)])})
     assert "TorchScript" in _line(exc)
+    # a torch.export graph: its mixed ops are traced operations (the line pointed to edges=, whose modules never run)
+    with pytest.raises(ProbeError) as exc:
+        nasdiag.attach(torch.export.export(net, (x, Z)).module())
+    assert "torch.fx" in _line(exc) and "eager" in _line(exc)
     # a scripted mixed op inside an eager model would be left out of the discovered edges
     net.e12 = torch.jit.script(net.e12)
     with pytest.raises(ProbeError) as exc:

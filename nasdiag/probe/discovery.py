@@ -182,6 +182,12 @@ def discover(model: nn.Module, edges: Optional[EdgesArg] = None) -> Tuple[List[E
                          and (hasattr(m, "_ops") or getattr(m, "original_name", None) == MixedOp.__name__)), None)
         if scripted is not None:
             raise ProbeError(_torchscript_refusal(f"module {scripted!r}"))
+        if not given and isinstance(model, torch.fx.GraphModule):
+            raise ProbeError(
+                f"no edges found in {type(model).__name__}: a torch.fx graph (torch.export, torch.fx.symbolic_trace) runs "
+                "its mixed ops as traced operations, not as modules, so no forward hook of theirs fires; attach the eager "
+                "model (a torch.compile'd model works)"
+            )
         if not given:
             raise ProbeError(
                 f"no edges found in {type(model).__name__}: nasdiag discovers nasdiag.supernet.MixedOp and "
