@@ -240,3 +240,25 @@ def test_per_sample_given_a_string_is_one_line_not_switched_on(result):
     with pytest.raises(nasdiag.probe.ProbeError, match=r"^per_sample must be True or False, got 'no' \(str\)$"):
         getattr(probe, result)(per_sample="no")
     assert probe.costs(per_sample=False)["e.0"].shape == (3,)
+
+
+class _Once(_Deep):
+    """stem -> block -> head, the block applied once."""
+
+    def forward(self, x, Z=None):
+        Z = F.softmax(self.alpha, -1)[0] if Z is None else Z
+        return self.head(self.block(torch.tanh(self.stem(x)), Z))
+
+
+def test_curvature_through_a_sub_module_with_the_rest_of_the_network_in_loss_fn_is_the_models():
+    """docs/probe.md: attached to a sub-module, hessian() re-runs it on its recorded inputs, and loss_fn carries the
+    rest of the network. Reference: diag ∂²L/∂Z² of the whole model's loss, Z a leaf."""
+    torch.manual_seed(0)
+    net, (x, y) = _Once(tied=True).to(D), _batch()
+    probe = nasdiag.attach(net.block, hessian="exact", loss_fn=lambda h, t: F.cross_entropy(net.head(h), t))
+    with probe.record(targets=y):
+        F.cross_entropy(net(x), y).backward()
+    Z = F.softmax(net.alpha, -1)[0].detach().clone()
+    H = torch.autograd.functional.hessian(lambda z: F.cross_entropy(net(x, z), y), Z)
+    got = probe.hessian()
+    assert max(float((got[f"e.{e}"] - H[e, :, e, :].diagonal()).abs().max()) for e in range(3)) < 1e-12
