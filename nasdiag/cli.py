@@ -312,14 +312,46 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     parser = _parser()
     tokens = sys.argv[1:] if argv is None else [str(a) for a in argv]
     _refuse_options_before_the_command(tokens, parser.commands)
-    args, unknown = parser.parse_known_args(argv)
+    try:
+        args, unknown = parser.parse_known_args(argv)
+    except ConfigError as exc:  # "--out: expected one argument" for --out -x.h5, "required: RECORD" for plot -x.h5
+        raise ConfigError(f"{exc}{_dash_value(tokens, parser)}") from None
     if unknown:
         command = parser.commands.get(args.command, parser)
         empty = ("; an empty argument ('') is often a quoted shell variable that is not set: set it or drop it"
                  if any(not u.strip() for u in unknown) else "")
+        hint = _meant_option(unknown, command) or _dash_value(tokens, parser)
         raise ConfigError(f"{command.prog}: unrecognized arguments: {_join(unknown)} (see {command.prog} --help)"  # quoted:
-                          f"{_meant_option(unknown, command)}{empty}")  # an empty argument ('') was an invisible nothing
+                          f"{hint}{empty}")  # an empty argument ('') was an invisible nothing
     return args
+
+
+def _dash_value(tokens: List[str], parser) -> str:
+    """For a value that begins with ``-`` (a file named ``-x.h5``), which argparse reads as an option: how to give it
+    (``--out=-x.h5``, ``./-x.h5``); else ''. The line said only that --out expected one argument, or that the record
+    (given) was required."""
+    name = next((t for t in tokens if t in parser.commands), None)
+    command = parser.commands[name] if name else parser
+    options = command._option_string_actions
+    files = name in ("plot", "report")  # the commands that take files as arguments
+    for before, token in zip(["", *tokens], tokens):
+        if not token.startswith("-") or token in ("-", "--") or token.split("=", 1)[0] in options:
+            continue
+        if before.startswith("-") and before.split("=", 1)[0] not in options:
+            continue  # the value of an unknown option: that one is the mistake
+        try:
+            float(token)  # a negative number is read as a value
+            continue
+        except ValueError:
+            pass
+        if token.startswith("--") and any(o.startswith(token.split("=", 1)[0]) for o in options):
+            continue  # an abbreviated option
+        action = options.get(before)
+        if action is not None and action.nargs is None:  # an option that takes one value
+            return f"; {_quote(token)} begins with - and is read as an option: write {before}={_quote(token)}"
+        if files and not token.startswith("--"):
+            return f"; {_quote(token)} begins with - and is read as an option: if it is a file, write ./{_quote(token)}"
+    return ""
 
 
 def _refuse_options_before_the_command(tokens: List[str], commands) -> None:

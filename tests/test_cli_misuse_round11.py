@@ -97,3 +97,38 @@ def test_an_output_through_a_link_that_leads_nowhere_names_the_link(case, rec, t
     line = refused(argv, tmp_path, needle, capsys)
     assert "symbolic link to" in line and ("a loop of links" if "loop" in case else "which does not exist") in line, line
     assert "remove the link" in line, line
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["search", "--out", "-x.h5"], "write --out=-x.h5"),
+    (["search", "--figs", "-figs", "--out", "run.h5"], "write --figs=-figs"),
+    (["plot", "run.h5", "--out", "-figs"], "write --out=-figs"),
+    (["plot", "run.h5", "-b.h5", "--out", "figs"], "write ./-b.h5"),
+    (["report", "-r.h5", "--out", "page.html"], "write ./-r.h5"),
+])
+def test_a_value_that_begins_with_a_dash_says_how_to_give_it(argv, needle, rec, tmp_path, monkeypatch, capsys):
+    """A file named ``-x.h5`` is read by argparse as an option: the line said "argument --out: expected one argument"
+    (one was given), or for ``nasdiag report -r.h5 --out page.html`` that the record, given, was required. It says
+    that the value begins with - and how to give it (``--out=-x.h5``, ``./-r.h5``)."""
+    monkeypatch.chdir(tmp_path)
+    line = refused(argv, tmp_path, needle, capsys)
+    assert "begins with - and is read as an option" in line, line
+
+
+def test_the_dash_value_given_as_told_runs(rec, tmp_path, monkeypatch, capsys):
+    """The way the line gives works: ``--out=-x.h5`` records to the file ``-x.h5``, ``./-r.h5`` is read."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["search", *TINY, "--out=-x.h5"]) == 0
+    os.replace("run.h5", "-r.h5")
+    assert main(["report", "./-r.h5", "--out", "page.html"]) == 0
+    capsys.readouterr()
+    assert os.path.isfile("-x.h5") and os.path.isfile("page.html")
+
+
+def test_negative_numbers_and_unknown_options_get_no_dash_hint(tmp_path, monkeypatch, capsys):
+    """A negative number is a value (its own range check speaks), and the value of an unknown option is not the
+    mistake: neither gets the hint."""
+    monkeypatch.chdir(tmp_path)
+    assert "begins with -" not in refused(["search", *TINY, "--seed", "-1"], tmp_path, "seed must be", capsys)
+    line = refused(["search", "--bogus", "-x"], tmp_path, "unrecognized arguments: --bogus -x", capsys)
+    assert "begins with -" not in line, line
