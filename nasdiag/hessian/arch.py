@@ -314,9 +314,9 @@ class _EdgeRecorder:
 
 
 def _mixture_gap(weights: torch.Tensor, op_outputs: List[torch.Tensor], output) -> Optional[torch.Tensor]:
-    """How far a mixed op's output is from ``Σ_k weights[..., k] · ops[k](x)`` of the ops as listed, as a device scalar:
-    the largest gap beyond 1000 ulp of the terms' magnitudes in float64, 1e-2 of them in lower precisions (> 0: not
-    that sum). The recursions pair ``B_k`` (the k-th listed op's output) with ``Z_k`` (the k-th weight), so ops listed
+    """How far a mixed op's output is from ``Σ_k weights[..., k] · ops[k](x)`` of the ops as listed (on the batch's
+    first sample), as a device scalar: the largest gap beyond 1000 ulp of the terms' magnitudes in float64, 1e-2 of
+    them in lower precisions (> 0: not that sum). The recursions pair ``B_k`` (the k-th listed op's output) with ``Z_k`` (the k-th weight), so ops listed
     in another order than the mixed op pairs them with its weights (or a mixed op that changes the sum, e.g. normalizes
     it) gave silently wrong numbers, while ``exact``, ``hutchinson:<k>`` and the GGN modes, which read only the
     weights, were right. Non-finite entries (a NaN batch) are left out: they give NaN curvature, not a refusal. None
@@ -326,16 +326,17 @@ def _mixture_gap(weights: torch.Tensor, op_outputs: List[torch.Tensor], output) 
         return None
     if output.is_cuda and torch.cuda.is_current_stream_capturing():
         return None
-    w = weights.detach().to(output.dtype)
-    total = scale = None
+    if output.dim() == 0:
+        return None
+    # the first sample only: a reordering or a changed sum shows there as anywhere, at 1/B of the cost
+    first = output.detach()[:1]
     try:
-        for k, b in enumerate(op_outputs):
-            wk = w[..., k].reshape(-1, *([1] * (output.dim() - 1))) if w.dim() == 2 else w[k]
-            term = wk * b
-            total, scale = (term, term.abs()) if total is None else (total + term, scale + term.abs())
-        gap = (output.detach() - total).abs()
+        B = torch.stack([(b[:1] if b.dim() == output.dim() else b).expand_as(first) for b in op_outputs])  # (K, 1, ...)
     except RuntimeError:
         return None
+    w = weights.detach().to(output.dtype).reshape(-1, weights.shape[-1])[0]  # (K,): the first sample's row of (B, K)
+    terms = w.reshape(-1, *([1] * first.dim())) * B
+    gap, scale = (first - terms.sum(0)).abs(), terms.abs().sum(0)
     eps = torch.finfo(output.dtype).eps  # float32 and below: 1e-2 (a mix by einsum/matmul may run in TF32 on a GPU)
     over = gap - (1e3 * eps if output.dtype == torch.float64 else max(1e-2, 64 * eps)) * scale
     finite = torch.isfinite(gap) & torch.isfinite(scale)
