@@ -10,7 +10,9 @@ Defects these tests found (each fails without its fix):
   ``run``) and was accepted by the dataclass (the method then overflowed in its first step);
 - the vocabulary (docs/schema.md) gave XNAS's regret statistics (log_weights, regret, bound, gamma, rewards) and its
   ``scalars/active_fraction`` and ``reward_clip_fraction`` the run's dtype, but they are float64 in every run (the
-  forecasters are float64), so a float32 run's record disagreed with its own schema.
+  forecasters are float64), so a float32 run's record disagreed with its own schema;
+- a Python int given for a float hyperparameter by hand (``alpha_betas=(0, 0.999)``) passed the checks and stopped the
+  method's build in torch.optim.Adam's ValueError ("betas must be either both floats or both Tensors").
 """
 
 from __future__ import annotations
@@ -431,3 +433,23 @@ def test_sparsenas_second_order_five_steps_follow_eq_6_to_13_with_the_progressiv
         for key, rtol in (("val_loss", 1e-12), ("train_loss", 1e-12), ("alpha_grad_norm", 1e-9)):
             torch.testing.assert_close(stats[f"scalars/{key}"], want[key], rtol=rtol, atol=0, msg=lambda m: f"step {k} {key}: {m}")
     assert max(zeros) > 0 and min(zeros) < max(zeros), zeros  # the proximal steps zeroed ops (and not all at once)
+
+
+@pytest.mark.parametrize("name, hp", [("darts", {"alpha_betas": (0, 0.999)}), ("proxyless", {"alpha_betas": (0, 0.999)}),
+                                      ("sparsenas", {"alpha_betas": (0, 0.999)}), ("xnas", {"reward_bound": 1})])
+def test_an_int_given_for_a_float_hyperparameter_is_that_float(name, hp):
+    """A Python caller's ``alpha_betas=(0, 0.999)`` (ProxylessNAS's default is β₁ = 0) passed the checks (an int is a
+    number) and stopped the method's build in torch.optim.Adam's "betas must be either both floats or both Tensors"
+    ValueError. It is the float it stands for: the method builds and steps as with ``(0.0, 0.999)``, bit for bit."""
+    cls = get_method(name)
+    floats = {k: tuple(float(e) for e in v) if isinstance(v, tuple) else float(v) for k, v in hp.items()}
+    runs = []
+    for given in (hp, floats):
+        h = cls.Hyperparameters(**given)
+        assert all(type(e) is float for k in given for e in (getattr(h, k) if isinstance(getattr(h, k), tuple) else (getattr(h, k),)))
+        method = cls(_net(cls), h, schedule=Schedule(epochs=1, steps_per_epoch=2, batch_size=4))
+        data = _batches(4, 11)
+        method.step(*data[:2])
+        method.step(*data[2:])
+        runs.append([p.detach().clone() for p in method.network.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))

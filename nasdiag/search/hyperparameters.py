@@ -44,7 +44,23 @@ class Hyperparameters:
     """Base of every method's hyperparameters (no fields of its own)."""
 
     def __post_init__(self):
+        self._ints_as_floats()
         self.validate()
+
+    def _ints_as_floats(self) -> None:
+        """A Python int given for a float field (or a tuple element of one) becomes that float: ``alpha_betas=(0,
+        0.999)`` was kept as given and stopped the method's build in torch.optim.Adam's "betas must be either both
+        floats or both Tensors" ValueError. Ints past the float range are left for `validate` to refuse."""
+        hints = typing.get_type_hints(type(self))
+        for f in self.fields():
+            value, tp = getattr(self, f.name), hints[f.name]
+            if typing.get_origin(tp) is typing.Union and type(None) in typing.get_args(tp):
+                tp = next(a for a in typing.get_args(tp) if a is not type(None))
+            if tp is float and _plain_int(value):
+                setattr(self, f.name, float(value))
+            elif typing.get_origin(tp) in (tuple, typing.Tuple) and set(typing.get_args(tp)) <= {float, Ellipsis} \
+                    and isinstance(value, tuple) and any(_plain_int(e) for e in value):
+                setattr(self, f.name, tuple(float(e) if _plain_int(e) else e for e in value))
 
     # -- introspection ---------------------------------------------------------------------------
     @classmethod
@@ -193,6 +209,11 @@ def _check_number(name: str, value, meta: Mapping, shown: Optional[str] = None) 
     if high is not None and (value > high or (meta.get("high_open") and value == high)):
         op = "<" if meta.get("high_open") else "<="
         raise ConfigError(f"hyperparameter {what} is out of range{element}; {'each value' if element else 'it'} must be {op} {high}")
+
+
+def _plain_int(value) -> bool:
+    """An int (not a bool) that a float holds."""
+    return isinstance(value, int) and not isinstance(value, bool) and not _beyond_float(value)
 
 
 def _beyond_float(value: int) -> bool:
