@@ -34,18 +34,20 @@ class Zero(nn.Module):
         return x * 0.0
 
 
-def conv_bn(C, k=3, affine=False):
-    return nn.Sequential(nn.ReLU(), nn.Conv2d(C, C, k, padding=k // 2, bias=False), nn.BatchNorm2d(C, affine=affine))
+def conv_bn(C, k=3, affine=False, norm=None):
+    """ReLU-conv-norm; ``norm(C, affine)`` replaces the BatchNorm."""
+    return nn.Sequential(nn.ReLU(), nn.Conv2d(C, C, k, padding=k // 2, bias=False),
+                         (norm or (lambda c, a: nn.BatchNorm2d(c, affine=a)))(C, affine))
 
 
-def op_lists(C):
+def op_lists(C, norm=None):
     return [
         [nn.Identity(), Zero(), nn.AvgPool2d(3, 1, 1, count_include_pad=False)],  # parameter-free ops only
-        [conv_bn(C, 1), nn.Identity()],
-        [conv_bn(C, 3)],  # K = 1
-        [conv_bn(C, 3), nn.MaxPool2d(3, 1, 1), Zero(), nn.Identity()],
-        [nn.Identity(), conv_bn(C, 1, affine=True)],
-        [nn.AvgPool2d(3, 1, 1), conv_bn(C, 3), nn.Identity()],
+        [conv_bn(C, 1, norm=norm), nn.Identity()],
+        [conv_bn(C, 3, norm=norm)],  # K = 1
+        [conv_bn(C, 3, norm=norm), nn.MaxPool2d(3, 1, 1), Zero(), nn.Identity()],
+        [nn.Identity(), conv_bn(C, 1, affine=True, norm=norm)],
+        [nn.AvgPool2d(3, 1, 1), conv_bn(C, 3, norm=norm), nn.Identity()],
     ]
 
 
@@ -53,9 +55,9 @@ PAIRS = [(0, 1), (0, 2), (1, 2), (0, 3), (1, 3), (2, 3)]  # NB-201: node j reads
 
 
 class Cell(nn.Module):
-    def __init__(self, C):
+    def __init__(self, C, norm=None):
         super().__init__()
-        self.edges = nn.ModuleList([Mixed(ops) for ops in op_lists(C)])
+        self.edges = nn.ModuleList([Mixed(ops) for ops in op_lists(C, norm)])
 
     def forward(self, x, ws):
         nodes = [x]
@@ -78,10 +80,10 @@ class Arch(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, C=3, cells=2, shared=True, ncls=4):
+    def __init__(self, C=3, cells=2, shared=True, ncls=4, norm=None):
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(1, C, 3, padding=1), nn.BatchNorm2d(C))
-        self.cells = nn.ModuleList([Cell(C) for _ in range(cells)])
+        self.cells = nn.ModuleList([Cell(C, norm) for _ in range(cells)])
         self.arch = Arch([len(o) for o in op_lists(C)], shared, cells)
         self.head = nn.Linear(C, ncls)
         self.double()
@@ -276,6 +278,49 @@ def test_ggn_hutchinson_and_exact_equal_own_gauss_newton_in_eval_mode_and_alpha_
     for mode in ("ggn", "hutchinson:2", "exact"):
         got = torch.cat(list(arch_diag_hessian(net, F.cross_entropy, x, y, net.edges(), mode=mode).values()))
         assert (got - G).abs().max() <= 1e-12 * G.abs().max(), mode
+
+
+CANDIDATE_NORMS = {
+    "batchnorm_eval": lambda C, affine: nn.BatchNorm2d(C, affine=affine),
+    "none": lambda C, affine: nn.Identity(),
+    "instancenorm": lambda C, affine: nn.InstanceNorm2d(C, affine=affine),
+    "layernorm_as_groupnorm": lambda C, affine: nn.GroupNorm(1, C, affine=affine),
+}
+
+
+@pytest.mark.parametrize("norm", sorted(CANDIDATE_NORMS))
+def test_without_sample_coupling_ggn_is_own_gauss_newton_and_exact_only_where_the_net_is_piecewise_linear(norm):
+    """docs/hessian.md said that with BatchNorm in eval mode "(or LayerNorm/InstanceNorm, or none)" and piecewise-
+    linear ops `ggn` equals `exact` and `hutchinson:<k>` is exact for any k. Per-sample normalizations couple no
+    samples, so `ggn` is the Gauss-Newton diagonal there too (own `Jᵀ H_out J`, 1e-12), but they are not linear in
+    their input: their residual `Σ g ∂²f/∂Z²` stays, and `exact` (= own dense diagonal) is > 1% away from it.
+    With eval-mode BN or no norm, ggn = exact = own Gauss-Newton (1e-12)."""
+    torch.manual_seed(12)
+    net = Net(C=3, cells=1, shared=True, norm=CANDIDATE_NORMS[norm])
+    with torch.no_grad():  # running statistics that are not the initial ones
+        net(torch.randn(8, 1, 4, 4, dtype=DT))
+    net.eval()
+    x, y = torch.randn(5, 1, 4, 4, dtype=DT), torch.randint(0, 4, (5,))
+    Ks = net.arch.Ks
+    with torch.no_grad():
+        z = torch.cat([F.softmax(a, -1) for a in net.arch.per_cell(0)])
+
+    def logits(v):
+        return net(x, [list(torch.split(v, Ks))])
+
+    J = torch.autograd.functional.jacobian(logits, z)
+    H_out = torch.autograd.functional.hessian(lambda o: F.cross_entropy(o, y), logits(z).detach())
+    G = torch.einsum("bin,bicj,cjm->nm", J, H_out, J).diagonal()
+    H, _ = dense_hessian(lambda v: F.cross_entropy(logits(v), y), z)
+    ggn = torch.cat(list(arch_diag_hessian(net, F.cross_entropy, x, y, net.edges(), mode="ggn").values()))
+    exact = torch.cat(list(arch_diag_hessian(net, F.cross_entropy, x, y, net.edges(), mode="exact").values()))
+    assert (ggn - G).abs().max() <= 1e-12 * G.abs().max()
+    assert (exact - H.diagonal()).abs().max() <= 1e-10 * H.diagonal().abs().max()
+    apart = float((exact - ggn).norm() / exact.norm())
+    if norm in ("batchnorm_eval", "none"):
+        assert apart <= 1e-12
+    else:
+        assert apart > 1e-2
 
 
 NORMS = {

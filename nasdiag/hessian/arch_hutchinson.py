@@ -24,8 +24,9 @@ probes spanning all edges (k HVPs) reach only ρ ≈ 0.4-0.5 at k = 16. So each 
 one probe per edge, ε_s restricted to that edge's K entries: an entry then sees only the noise of its
 own edge's K × K block of H − C. Cost: k·E products (E edges) against exact's N = Σ_e K_e, i.e. k/K of
 ``exact``: below K it is cheaper, from K on ``exact`` is cheaper and exact. With BatchNorm in eval mode
-(or no cross-sample coupling) and piecewise-linear ops, each edge block of C equals that of H and the
-estimate is exact for any k; with train-mode BatchNorm the probes estimate the residual of the
+(or no normalization) and piecewise-linear ops, each edge block of C equals that of H and the estimate is
+exact for any k (not with LayerNorm/GroupNorm/InstanceNorm: they couple no samples but are not linear, so
+H − C keeps their residual); with train-mode BatchNorm the probes estimate the residual of the
 downstream normalizations that C lacks (docs/hessian.md has the measurements).
 
 The products come from :func:`~nasdiag.hessian.arch_exact.edge_hessian_products`: forward-over-reverse
