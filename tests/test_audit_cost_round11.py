@@ -63,6 +63,7 @@ from conftest import assert_no_module_hooks, live_tensors
 import nasdiag
 from nasdiag.cost import analyse, is_scale_invariant
 from nasdiag.probe.discovery import ProbeError
+from nasdiag import vocabulary
 
 DT = torch.float64
 EDGES = ("e01", "e02", "e12")
@@ -530,3 +531,28 @@ def test_asking_with_an_example_input_leaves_the_buffers_the_random_stream_and_t
     before = x.clone()
     assert is_scale_invariant(op, x) and is_scale_invariant(op, (x,))
     assert torch.equal(x, before)
+
+
+
+# --- statistics group names are record path parts -----------------------------------------------------------------------
+
+def test_per_edge_statistics_of_edges_named_with_path_characters_stay_in_the_cost_families():
+    net = Net(seed=20)
+    net.e12._ops.append(nn.Identity())  # K differs: one statistics group per edge, named by the edge
+    x, y = _batch(3, seed=21)
+    Zs = [_weights(seed=22)[0], _weights(seed=22)[1], torch.softmax(torch.randn(5, dtype=DT), 0)]
+    probe = nasdiag.attach(net, edges={"0->1": net.e01, "cell/b": net.e02, "x y": net.e12})
+    leaves = [z.clone().requires_grad_() for z in Zs]
+    with probe.record():
+        F.cross_entropy(net(x, leaves), y).backward()
+    stats = probe.statistics()
+    # "cost/cell/b/mean" was no path of the cost/<cell>/mean family: averaged, not pooled, across DDP ranks and
+    # invisible to the plots
+    fams = {vocabulary.family_of(p) for p in stats}
+    assert fams == {vocabulary.COST_MEAN, vocabulary.COST_VAR, vocabulary.COST_COUNT}, sorted(stats)
+    assert vocabulary.cells_with(stats, vocabulary.COST_MEAN) == [g.name for g in probe.groups] == ["0-_1", "cell_b", "x_y"]
+    for name, group in zip(("0->1", "cell/b", "x y"), probe.groups):
+        np.testing.assert_array_equal(stats[f"cost/{group.name}/mean"][0], probe.costs()[name].numpy())
+    with pytest.raises(ProbeError) as exc:
+        nasdiag.attach(net, edges={"a/b": net.e01, "a_b": net.e02, "c": net.e12})
+    assert "'a/b'" in _line(exc) and "'a_b'" in _line(exc)

@@ -7,10 +7,16 @@
 * Otherwise, if all edges have the same K: one group ``"edges"`` of shape (n_edges, K), edges in probe
   order, one observation per step.
 * Otherwise: one group per edge, named by the edge, shape (1, K_e).
+
+A group name is the ``<cell>`` part of the record paths ``cost/<cell>/mean`` (``nasdiag.vocabulary``), which holds
+letters, digits and ``_ . - + =`` only: any other character of a cell type or edge name (``"0->2"``, ``"cell/a"``)
+becomes ``_`` there, so that the path stays one of its family (pooled across DDP ranks, found by the plots).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
@@ -50,7 +56,26 @@ def _same_k_per_cell_type(edges: Sequence[EdgeSpec]) -> bool:
     return all(len(k) == 1 for k in ks.values())
 
 
+#: what a ``<cell>`` placeholder of a record path may not hold (``nasdiag.vocabulary.Family.regex``)
+_NOT_IN_PATH = re.compile(r"[^A-Za-z0-9_.\-+=]")
+
+
 def build_groups(edges: Sequence[EdgeSpec]) -> List[Group]:
+    out, named = [], {}
+    for g in _groups(edges):
+        path_name = _NOT_IN_PATH.sub("_", g.name) or "_"
+        if path_name in named:
+            raise ProbeError(
+                f"the statistics groups {named[path_name]!r} and {g.name!r} both go to the record paths "
+                f"cost/{path_name}/... (characters other than letters, digits and _ . - + = become _); give the edges "
+                "(or cell types) names that differ there"
+            )
+        named[path_name] = g.name
+        out.append(g if g.name == path_name else dataclasses.replace(g, name=path_name))
+    return out
+
+
+def _groups(edges: Sequence[EdgeSpec]) -> List[Group]:
     if all(e.cell_type is not None and e.edge_index is not None for e in edges) and _same_k_per_cell_type(edges):
         groups = []
         for t in dict.fromkeys(e.cell_type for e in edges):
