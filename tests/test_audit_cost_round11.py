@@ -33,6 +33,10 @@ Defects found (each test fails without its fix):
   the caller's example tensor (the forward now runs on copies)
   (test_asking_with_an_example_input_leaves_the_buffers_the_random_stream_and_the_input_as_they_were; the fix is in
   nasdiag/rules.py, outside this area, a few lines).
+* The per-edge statistics groups (edges of different K, no cell types) are named by the edge, and an edge named
+  ``"0->2"`` or ``"cell/a"`` wrote ``cost/cell/a/mean``, a path of no ``cost/<cell>/...`` family: averaged instead of
+  pooled across DDP ranks, invisible to ``nasdiag plot``. Such characters become ``_`` in the group name now
+  (test_per_edge_statistics_of_edges_named_with_path_characters_stay_in_the_cost_families).
 
 Checked and right: costs and per-sample rows (their sum) under label smoothing, class weights, ignore_index,
 reduction="sum", MSE and a loss with a regularizer on α (1e-15); per-sample rows = ∂L/∂Z_bk of per-sample weights in
