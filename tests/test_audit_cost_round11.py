@@ -422,6 +422,13 @@ def test_torchscript_models_edges_and_candidates_are_one_probe_error_line_at_att
         nasdiag.attach(net)
     assert "'e01'" in _line(exc) and "TorchScript" in _line(exc)
     assert_no_module_hooks(net)
+    # a scripted module inside an eager candidate op is never hooked: costs as autograd's
+    net = Net(seed=8)
+    net.e01._ops[3][1] = torch.jit.script(nn.Tanh())
+    y = torch.randint(0, 5, (3,))
+    loss = lambda o, Z: F.cross_entropy(o, y)  # noqa: E731
+    costs, _ = _probed(nasdiag.attach(net), net, x, Z, loss)
+    assert torch.allclose(costs, _autograd(net, x, Z, loss), rtol=1e-10, atol=1e-16)
 
 
 def test_a_compiled_model_gives_autograds_costs():

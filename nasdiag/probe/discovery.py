@@ -150,8 +150,10 @@ def _torchscript_refusal(what: str) -> str:
             "x_i, O_k(x_i) or ∂L/∂x_j there; attach the eager model (a torch.compile'd model works)")
 
 
-def _scripted_part(modules) -> Optional[nn.Module]:
-    return next((sub for m in modules for sub in m.modules() if isinstance(sub, torch.jit.ScriptModule)), None)
+def _scripted(modules) -> Optional[nn.Module]:
+    """The first of ``modules`` (an edge's mixed op and candidate ops: the modules the probe hooks) that is TorchScript;
+    a scripted submodule inside an eager candidate op (a scripted activation) is not hooked and harms nothing."""
+    return next((m for m in modules if isinstance(m, torch.jit.ScriptModule)), None)
 
 
 def discover(model: nn.Module, edges: Optional[EdgesArg] = None) -> Tuple[List[EdgeSpec], List[CellInfo]]:
@@ -196,7 +198,7 @@ def discover(model: nn.Module, edges: Optional[EdgesArg] = None) -> Tuple[List[E
             )
 
     for spec in given:
-        scripted = _scripted_part((spec.module, *spec.ops))
+        scripted = _scripted((spec.module, *spec.ops))
         if scripted is not None:
             raise ProbeError(_torchscript_refusal(f"edge {spec.name!r} holds a {type(scripted).__name__}, which"))
 
