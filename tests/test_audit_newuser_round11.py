@@ -262,3 +262,22 @@ def test_curvature_through_a_sub_module_with_the_rest_of_the_network_in_loss_fn_
     H = torch.autograd.functional.hessian(lambda z: F.cross_entropy(net(x, z), y), Z)
     got = probe.hessian()
     assert max(float((got[f"e.{e}"] - H[e, :, e, :].diagonal()).abs().max()) for e in range(3)) < 1e-12
+
+
+def test_labels_are_read_off_a_bfloat16_autocast_backward_as_off_a_float32_one():
+    """Before: under torch.autocast(bfloat16) the logits' gradient is bfloat16, so softmax(z) − B·∂L/∂z missed one-hot by
+    ~2e-3 (2⁻⁹ relative rounding), over the 1e-3 the recovery allowed: hessian() without targets said the loss was not
+    the default cross-entropy, which it was. Now the tolerance follows the gradient's dtype; the result is the
+    curvature with the true labels given."""
+    torch.manual_seed(0)
+    net = _Net().float()
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(64, 4, generator=g) * 3, torch.randint(0, 3, (64,), generator=g)
+    probe = nasdiag.attach(net, hessian="exact")
+    with probe.record():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(net(x), y)
+        loss.backward()
+    inferred = probe.hessian()
+    given = probe.hessian(targets=y)
+    assert all(torch.equal(inferred[n], given[n]) for n in given)
