@@ -281,3 +281,17 @@ def test_labels_are_read_off_a_bfloat16_autocast_backward_as_off_a_float32_one()
     inferred = probe.hessian()
     given = probe.hessian(targets=y)
     assert all(torch.equal(inferred[n], given[n]) for n in given)
+
+
+def test_hessian_after_a_block_that_called_model_forward_directly_says_so():
+    """model.forward(x) runs no module hooks, so the probe keeps no batch for hessian(): one line saying to call
+    model(x) (not the validation-forward line, whose condition also holds here: no kept call was reached)."""
+    net, (x, y) = _net(), _batch()
+    probe = nasdiag.attach(net, hessian="exact")
+    with probe.record(targets=y):
+        F.cross_entropy(net.forward(x), y).backward()
+    with pytest.raises(nasdiag.probe.ProbeError, match=r"^the model was not called .* model\.forward\(x\) runs no hooks"):
+        probe.hessian()
+    ref = _exact_diag(net, x, y)
+    H = probe.hessian(inputs=x, targets=y)
+    assert max(float((H[f"e.{e}"] - ref[e]).abs().max()) for e in range(3)) < 1e-12

@@ -684,7 +684,7 @@ class Probe:
             _check_like_recorded(inputs, r.model_inputs[0])
         model: nn.Module = self.model
         rerun = inputs is None and r is not None  # the recorded call is re-run: it must see the recorded weights
-        if rerun and not r.kept_reached and any(r.available):
+        if rerun and r.model_inputs is not None and not r.kept_reached and any(r.available):
             # the costs are of a later forward (the training batch); this one (a validation forward run with grad mode
             # on) was never backwarded: its re-run would give the curvature of another batch, with these targets
             raise ProbeError(
@@ -695,7 +695,8 @@ class Probe:
             )
         if inputs is None:
             if r.model_inputs is None:
-                raise ProbeError("the model was not called inside the last probe.record() block; pass inputs=")
+                raise ProbeError("the model was not called inside the last probe.record() block (call it as model(x): "
+                                 "model.forward(x) runs no hooks); pass inputs=")
             args, kwargs = r.model_inputs
             inputs = args[0] if len(args) == 1 else tuple(args)
             if kwargs:
