@@ -623,6 +623,13 @@ def _padding(module, analyse):
     return Homogeneity(1.0, f"{type(module).__name__} pads with 0", keeps=keeps, mixes=frozenset())
 
 
+def _copy_padding(module, analyse):
+    # reflect / replicate / circular padding copies entries of the same sample and channel to the border: linear,
+    # and a term (or a positive factor) constant along an axis comes out constant along it (a copy of a constant)
+    return Homogeneity(1.0, f"{type(module).__name__}: linear (copies entries to the border)", keeps=ALL_AXES,
+                       mixes=frozenset())
+
+
 def _avg_pool(module, analyse):
     # Without divisor_override a window divides by its count of real entries, or with count_include_pad by one
     # that counts the padding too (then the border windows average in zeros: a constant does not stay one). A
@@ -663,6 +670,8 @@ for _t in (nn.modules.conv._ConvNd, nn.Linear):
     _register_homogeneity(_t, _affine_layer)
 for _t in (nn.ZeroPad2d, nn.ConstantPad1d, nn.ConstantPad2d, nn.ConstantPad3d):
     _register_homogeneity(_t, _padding)
+for _t in (nn.modules.padding._ReflectionPadNd, nn.modules.padding._ReplicationPadNd, nn.modules.padding._CircularPadNd):
+    _register_homogeneity(_t, _copy_padding)
 for _t in (nn.Sigmoid, nn.Tanh, nn.GELU, nn.SiLU, nn.ELU, nn.Softplus, nn.Softmax):
     _register_homogeneity(_t, degree_rule(None, "not positively homogeneous"))
 _register_homogeneity(nn.modules.batchnorm._BatchNorm, _batch_norm)

@@ -364,6 +364,42 @@ def test_a_bias_the_next_normalization_removes_has_zero_curvature_in_every_weigh
     net.load_state_dict(before[0])
 
 
+COPY_PADS = {
+    "reflection2d": lambda: nn.ReflectionPad2d(1),
+    "replication2d": lambda: nn.ReplicationPad2d((1, 2, 0, 1)),
+    "reflection_then_conv": lambda: nn.Sequential(nn.ReflectionPad2d(1), nn.Conv2d(3, 3, 3)),
+}
+
+
+@pytest.mark.parametrize("pad", sorted(COPY_PADS))
+def test_a_bias_before_reflect_or_replicate_padding_and_a_batch_norm_is_removed_and_zero(pad):
+    """docs/hessian.md lists reflect/replicate padding among what carries a bias into a normalization that removes
+    it; the padding *modules* had no homogeneity rule, so `diag`/`approx` kept the recursion's value (0.25 where
+    the own gradient and `exact` are round-off). Now exactly 0, and an op padding by reflection before a conv and BN
+    is scale-invariant (own check: f(c·x) = f(x) for c = 3 and 0.1, train-mode BN)."""
+    from nasdiag.cost import is_scale_invariant
+
+    torch.manual_seed(13)
+    net = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), COPY_PADS[pad](), nn.BatchNorm2d(3), nn.Tanh(),
+                        nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(12, 3)).double()
+    x, y = torch.randn(4, 2, 6, 6, dtype=DT), torch.randint(0, 3, (4,))
+    before = frozen(net)
+    g = torch.autograd.grad(F.cross_entropy(net(x), y), net[0].bias)[0]
+    assert float(g.abs().max()) <= 1e-12
+    scale = max(float(h.abs().max()) for h in diag_hessian(net, F.cross_entropy, x, y, mode="exact").values())
+    assert float(diag_hessian(net, F.cross_entropy, x, y, mode="exact", params=["0.bias"])["0.bias"].abs().max()) <= 1e-12 * scale
+    for mode in ("diag", "approx"):
+        assert bool((diag_hessian(net, F.cross_entropy, x, y, mode=mode, params=["0.bias"])["0.bias"] == 0).all()), mode
+    net.load_state_dict(before[0])
+    # eps of BN tiny: the invariance holds as eps → 0 (is_scale_invariant's contract)
+    op = nn.Sequential(nn.ReLU(), COPY_PADS[pad](), nn.Conv2d(3, 3, 3, bias=True), nn.BatchNorm2d(3, eps=1e-14)).double()
+    h = torch.randn(4, 3, 6, 6, dtype=DT)
+    with torch.no_grad():
+        out = op(h)
+        assert all(torch.allclose(op(c * h), out, rtol=0, atol=1e-8) for c in (3.0, 0.1))
+    assert is_scale_invariant(op, h)
+
+
 def test_ops_listed_in_another_order_than_the_mixed_op_pairs_them_are_refused_not_permuted_silently():
     """`diag`/`approx` take B_k from the k-th *listed* candidate op and pair it with the k-th weight. Listed in
     another order (here reversed) than the mixed op mixes them, the Z-curvature came out permuted against `exact`
