@@ -295,3 +295,18 @@ def test_hessian_after_a_block_that_called_model_forward_directly_says_so():
     ref = _exact_diag(net, x, y)
     H = probe.hessian(inputs=x, targets=y)
     assert max(float((H[f"e.{e}"] - ref[e]).abs().max()) for e in range(3)) < 1e-12
+
+
+def test_micro_batches_through_one_backward_keep_their_per_sample_rows_in_call_order():
+    """Before: micro-batches whose losses were summed into one backward (not a backward each) came back as per-sample
+    rows in the order the backward reached them, the last forward first: row b was another sample's cost, silently,
+    where docs/probe.md says "concatenated in call order". Reference: autograd's ∂(ℓ_b/B)/∂Z per sample."""
+    net, (x, y) = _net(), _batch()
+    B, parts = x.shape[0], (slice(0, 2), slice(2, 6))
+    probe = nasdiag.attach(net)
+    with probe.record():
+        sum(F.cross_entropy(net(x[p]), y[p]) * (p.stop - p.start) / B for p in parts).backward()
+    Z = F.softmax(net.alpha, -1).detach().clone().requires_grad_()
+    rows = torch.stack([torch.autograd.grad(F.cross_entropy(net(x[b:b + 1], Z), y[b:b + 1]) / B, Z)[0] for b in range(B)])
+    per_sample = probe.costs(per_sample=True)
+    assert all(float((per_sample[f"e.{e}"] - rows[:, e]).abs().max()) < 1e-12 for e in range(3))

@@ -83,7 +83,7 @@ def _sum_calls(parts: List[Tuple[int, torch.Tensor]]) -> Tuple[Optional[torch.Te
     for call, t in parts:
         by_call.setdefault(call, []).append(t)
     rows = []
-    for ts in by_call.values():
+    for _, ts in sorted(by_call.items()):  # in call order: one backward through several forwards reaches the last first
         if len({t.shape for t in ts}) != 1:
             return None, total
         rows.append(ts[0] if len(ts) == 1 else sum(ts))
