@@ -37,6 +37,10 @@ Defects found (each test fails without its fix):
   ``"0->2"`` or ``"cell/a"`` wrote ``cost/cell/a/mean``, a path of no ``cost/<cell>/...`` family: averaged instead of
   pooled across DDP ranks, invisible to ``nasdiag plot``. Such characters become ``_`` in the group name now
   (test_per_edge_statistics_of_edges_named_with_path_characters_stay_in_the_cost_families).
+* ``invariance_deviation()`` (norm_deviation=True) took the max of eps/(var + eps) over every grad-enabled call in the
+  block, also an eval-mode validation pass (not backwarded), where a BatchNorm is an affine map of its running
+  statistics and the op is not invariant: 125x the training forward's value in the test's case
+  (test_invariance_deviation_leaves_out_an_eval_mode_pass_with_grad_inside_the_block).
 
 Checked and right: costs and per-sample rows (their sum) under label smoothing, class weights, ignore_index,
 reduction="sum", MSE and a loss with a regularizer on α (1e-15); per-sample rows = ∂L/∂Z_bk of per-sample weights in
@@ -567,3 +571,27 @@ def test_per_edge_statistics_of_edges_named_with_path_characters_stay_in_the_cos
     with pytest.raises(ProbeError) as exc:
         nasdiag.attach(net, edges={"a/b": net.e01, "a_b": net.e02, "c": net.e12})
     assert "'a/b'" in _line(exc) and "'a_b'" in _line(exc)
+
+
+
+# --- the measured deviation from invariance ------------------------------------------------------------------------------
+
+def test_invariance_deviation_leaves_out_an_eval_mode_pass_with_grad_inside_the_block():
+    net = Net(seed=23)
+    x, y = _batch(4, seed=24)
+    Z = _weights(seed=25)
+    conv_outputs = []
+    hook = net.e01._ops[0][1].register_forward_hook(lambda m, a, o: conv_outputs.append((m.training, o.detach())))
+    probe = nasdiag.attach(net, norm_deviation=True)
+    with probe.record():
+        net.eval()
+        net(x * 1e-3, Z)  # a validation pass with grad on (never backwarded): BatchNorm on its running statistics
+        net.train()
+        F.cross_entropy(net(x, Z.clone().requires_grad_()), y).backward()
+    hook.remove()
+    # eps/(var + eps) of the BatchNorm input of the training forward, per channel, by hand (§8 "the real eps")
+    bn_input = next(o for training, o in conv_outputs if training)
+    eps = net.e01._ops[0][2].eps
+    expected = (eps / (bn_input.var(dim=(0, 2, 3), unbiased=False) + eps)).max().item()
+    got = probe.invariance_deviation()["e01"]["0:Sequential"]
+    assert got == pytest.approx(expected, rel=1e-12)  # was 125x that: the validation batch's tiny variance

@@ -507,6 +507,10 @@ class StepCapture:
             # not inside this edge's forward: a normalization shared with another edge's op (one-shot weight sharing)
             # or run outside any edge measures another input than the one this edge's op saw
             return None
+        if getattr(module, "track_running_stats", False) and not module.training:
+            # a forward in eval mode (a validation pass with grad on inside the block): this BatchNorm/InstanceNorm is an
+            # affine map of its running statistics there, the op is not invariant, and its input is another batch's
+            return None
         dev = eps_deviation(module, args[0]).max()
         prev = self.deviation.get(key)
         self.deviation[key] = dev if prev is None else torch.maximum(prev, dev)
