@@ -310,3 +310,56 @@ def test_micro_batches_through_one_backward_keep_their_per_sample_rows_in_call_o
     rows = torch.stack([torch.autograd.grad(F.cross_entropy(net(x[b:b + 1], Z), y[b:b + 1]) / B, Z)[0] for b in range(B)])
     per_sample = probe.costs(per_sample=True)
     assert all(float((per_sample[f"e.{e}"] - rows[:, e]).abs().max()) < 1e-12 for e in range(3))
+
+
+class _FakeLightningCallback:
+    """Stand-in for lightning.pytorch.Callback (Lightning itself may not import here)."""
+
+    def setup(self, trainer, pl_module, stage=None):
+        pass
+
+
+class _Trainer:
+    global_rank, global_step, current_epoch = 0, 0, 0
+
+
+class _Module:
+    def nasdiag_statistics(self):
+        return {"scalars/loss": 1.0}
+
+
+def test_lightning_validate_and_test_after_fit_leave_the_record_as_the_fit_wrote_it(tmp_path, monkeypatch):
+    """Before: setup/teardown of trainer.validate(), test() or predict() opened the record for resume and closed it,
+    adding an empty segment file at every call (seen with a real Trainer: run.seg0001.h5 after fit + validate), and
+    made a record where there was none. They run no training batch: now they leave the files alone, and a second fit
+    still continues the record."""
+    import sys
+    import types
+
+    lightning, pytorch = types.ModuleType("lightning"), types.ModuleType("lightning.pytorch")
+    pytorch.Callback, lightning.pytorch = _FakeLightningCallback, pytorch
+    monkeypatch.setitem(sys.modules, "lightning", lightning)
+    monkeypatch.setitem(sys.modules, "lightning.pytorch", pytorch)
+    from nasdiag.record import lightning_callback, load
+
+    def fit(cb, trainer, steps):
+        cb.setup(trainer, _Module(), stage="fit")
+        for _ in range(steps):
+            trainer.global_step += 1
+            cb.on_train_batch_end(trainer, _Module(), None, None, 0)
+        cb.on_train_epoch_end(trainer, _Module())
+        cb.teardown(trainer, _Module(), stage="fit")
+
+    path, trainer = tmp_path / "run.h5", _Trainer()
+    cb = lightning_callback(path, flush_seconds=None)
+    for stage in ("validate", "test", "predict"):  # before any fit: no record is made
+        cb.setup(trainer, _Module(), stage=stage)
+        cb.teardown(trainer, _Module(), stage=stage)
+    assert list(tmp_path.iterdir()) == []
+    fit(cb, trainer, 2)
+    for stage in ("validate", "test", "predict"):
+        cb.setup(trainer, _Module(), stage=stage)
+        cb.teardown(trainer, _Module(), stage=stage)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.h5"]
+    fit(cb, trainer, 2)
+    assert load(path)["step"].tolist() == [1, 2, 3, 4]

@@ -65,6 +65,10 @@ def _adapter_class(base):
             return (_rebuild, (self.path, self.meta, self.statistics, self.epoch_statistics, self.callback_kwargs))
 
         def setup(self, trainer, pl_module, stage=None):
+            if stage not in (None, "fit"):
+                # trainer.validate/test/predict run no training batch: opening the record (for resume) added an empty
+                # segment to it at every such call, and made a record where there was none
+                return
             if self.callback is not None and not self.callback.closed:
                 return
             from nasdiag.record.callbacks import RecorderCallback
@@ -93,7 +97,7 @@ def _adapter_class(base):
                 self.callback.close()
 
         def teardown(self, trainer, pl_module, stage=None):
-            if self.callback is not None:
+            if self.callback is not None and stage in (None, "fit"):
                 self.callback.close()
 
     return NasdiagRecorder
@@ -112,7 +116,7 @@ def lightning_callback(path, *, meta=None, statistics=None, epoch_statistics=Non
     share a row, later values winning. ``epoch_statistics(trainer, pl_module)``, if given, adds to
     the last row of each epoch. ``callback_kwargs`` go to `RecorderCallback` (``reduce``, ``rules``)
     and `Recorder` (``flush_every``, ``resume``, ``overwrite``). Teardown closes the record; another fit with the
-    same callback continues it (``resume=True``). Raises `RecordError` if neither
+    same callback continues it (``resume=True``); ``trainer.validate``, ``test`` and ``predict`` leave the record alone. Raises `RecordError` if neither
     ``lightning`` nor ``pytorch_lightning`` is installed, or if the installed one fails to import.
     """
     base = _lightning_callback_base()
