@@ -41,6 +41,9 @@ Defects found (each test fails without its fix):
   block, also an eval-mode validation pass (not backwarded), where a BatchNorm is an affine map of its running
   statistics and the op is not invariant: 125x the training forward's value in the test's case
   (test_invariance_deviation_leaves_out_an_eval_mode_pass_with_grad_inside_the_block).
+  A block begun in eval mode whose step ran in train mode (``model.train()`` inside it) measured the eval mode's
+  normalizations (none) and gave empty rows, read as "no invariant op"; now NaN for the step's invariant ops with a
+  warning (test_a_block_begun_in_eval_mode_whose_step_runs_in_train_mode_flags_the_deviation_nan_not_an_empty_row).
 
 Checked and right: costs and per-sample rows (their sum) under label smoothing, class weights, ignore_index,
 reduction="sum", MSE and a loss with a regularizer on α (1e-15); per-sample rows = ∂L/∂Z_bk of per-sample weights in
@@ -595,3 +598,25 @@ def test_invariance_deviation_leaves_out_an_eval_mode_pass_with_grad_inside_the_
     expected = (eps / (bn_input.var(dim=(0, 2, 3), unbiased=False) + eps)).max().item()
     got = probe.invariance_deviation()["e01"]["0:Sequential"]
     assert got == pytest.approx(expected, rel=1e-12)  # was 125x that: the validation batch's tiny variance
+
+
+
+def test_a_block_begun_in_eval_mode_whose_step_runs_in_train_mode_flags_the_deviation_nan_not_an_empty_row():
+    net = Net(seed=26)
+    x, y = _batch(4, seed=27)
+    Z = _weights(seed=28)
+    probe = nasdiag.attach(net, norm_deviation=True)
+    net.eval()  # e.g. after a validation pass
+    with pytest.warns(RuntimeWarning, match="train mode inside this probe.record"):
+        with probe.record():
+            net.train()
+            F.cross_entropy(net(x, Z.clone().requires_grad_()), y).backward()
+    deviation = probe.invariance_deviation()
+    # the relu-conv-BatchNorm op is invariant in the train mode the step ran in: listed, NaN (not measured), where
+    # the row was empty (read as "no invariant op")
+    assert all(list(deviation[n]) == ["0:Sequential"] and math.isnan(deviation[n]["0:Sequential"]) for n in EDGES)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the next step, begun in train mode, is measured
+        with probe.record():
+            F.cross_entropy(net(x, Z.clone().requires_grad_()), y).backward()
+    assert all(0 < probe.invariance_deviation()[n]["0:Sequential"] < 1 for n in EDGES)

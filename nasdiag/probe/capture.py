@@ -179,6 +179,7 @@ class StepCapture:
         self.weights_names = list(weights_names) if weights_names is not None else ["weights"] * N
         self.keep_model_io = keep_model_io  # only probe.hessian() needs the batch and the logits
         self.model_calls = 0  # forwards of the whole model started in this block
+        self.call_modes: Dict[int, bool] = {}  # model forward (index) -> the model's train/eval mode in it
         #: autograd's node numbers at the start and end of the attached module's last call (with grad mode on)
         self.call_span: Optional[List[Optional[int]]] = None
         self.path_split = path_split
@@ -520,6 +521,7 @@ class StepCapture:
         if not self._continues_last_call(args, kwargs):
             self.model_calls += 1
         self.call_span = [self._sequence_now(), None] if torch.is_grad_enabled() else None
+        self.call_modes.setdefault(self.model_calls, module.training)
         # the first call of the model in the block that has a backward: a validation forward under no_grad before it
         # is not the batch the costs (and the curvature asked after them) are of
         if self.keep_model_io and self.model_inputs is None and torch.is_grad_enabled():

@@ -293,7 +293,23 @@ class Probe:
             return
         result.targets = block.targets
         if self.norm_deviation:  # which ops were invariant is a property of the step's mode, not of the mode when read
-            result.invariant = self._invariant_cache[self._step_mode]
+            # the mode of the model forwards the backward reached (a validation pass in the block is not the step)
+            modes = {cap.call_modes.get(call, self._step_mode) for parts in cap.per_sample for call, _ in parts}
+            ran = (not self._step_mode) if modes and self._step_mode not in modes else self._step_mode
+            if ran == self._step_mode:
+                result.invariant = self._invariant_cache[self._step_mode]
+            else:
+                # the normalizations measured were chosen for the mode the block began in: none of the step's own
+                result.deviation = {}
+                if ran not in self._invariant_cache and self.model.training == ran:
+                    self._invariance_norms()  # the model is in the step's mode now: which of its ops are invariant
+                result.invariant = self._invariant_cache.get(ran, {})
+                names = ("eval", "train")
+                warnings.warn(
+                    f"probe: the model ran in {names[ran]} mode inside this probe.record() block but was in "
+                    f"{names[self._step_mode]} mode when the block began, so invariance_deviation() of this step is NaN "
+                    f"(the normalizations to measure are chosen when the block begins); call model.{names[ran]}() "
+                    "before the block", RuntimeWarning, stacklevel=3)
         self._convention_unchecked = cap.check_convention
         self._nodes_unchecked = cap.check_nodes
         self._last = result
