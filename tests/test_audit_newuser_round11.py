@@ -363,3 +363,34 @@ def test_lightning_validate_and_test_after_fit_leave_the_record_as_the_fit_wrote
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.h5"]
     fit(cb, trainer, 2)
     assert load(path)["step"].tolist() == [1, 2, 3, 4]
+
+
+def test_hessian_after_the_recorded_batch_buffer_was_refilled_is_one_line_not_the_next_batch():
+    """Before: the probe keeps the recorded batch by reference, so a loop with static input buffers (CUDA graphs,
+    pinned buffers) that copied the next batch in before calling hessian() got the curvature of the next batch with
+    the next labels, silently (here 37% off the recorded batch's). Now one ProbeError line; a forward that modifies
+    its own input in place inside the block is not taken for a refill."""
+    net, (x, y) = _net(), _batch()
+    ref = _exact_diag(net, x, y)
+    buf_x, buf_y = x.clone(), y.clone()
+    probe = nasdiag.attach(net, hessian="exact")
+    with probe.record(targets=buf_y):
+        F.cross_entropy(net(buf_x), buf_y).backward()
+    x2, y2 = _batch(seed=9)
+    buf_x.copy_(x2)
+    buf_y.copy_(y2)
+    with pytest.raises(nasdiag.probe.ProbeError, match=r"^hessian\(\): the recorded batch .* modified in place"):
+        probe.hessian()
+    H = probe.hessian(inputs=x, targets=y)
+    assert max(float((H[f"e.{e}"] - ref[e]).abs().max()) for e in range(3)) < 1e-12
+
+    class InPlace(_Net):  # scales its input in place: the re-run sees the input as the block left it
+        def forward(self, x, Z=None):
+            return super().forward(x.mul_(1.0), Z)
+    torch.manual_seed(0)
+    net = InPlace().to(D)
+    probe = nasdiag.attach(net, hessian="exact")
+    with probe.record(targets=y):
+        F.cross_entropy(net(x.clone()), y).backward()
+    H = probe.hessian()
+    assert max(float((H[f"e.{e}"] - ref[e]).abs().max()) for e in range(3)) < 1e-12

@@ -44,7 +44,7 @@ class _StepResult:
     __slots__ = ("per_sample", "costs", "matrix", "available", "not_run", "selected", "paths", "node_costs", "deviation", "invariant",
                  "cells_not_tensor", "cells_not_concat",
                  "model_inputs", "rng_state", "targets", "model_output", "output_grad", "first_weights", "ran_kept",
-                 "kept_reached")
+                 "kept_reached", "input_versions", "targets_versions")
 
     def __init__(self):
         self.per_sample: List[Optional[torch.Tensor]] = []
@@ -68,28 +68,49 @@ class _StepResult:
         self.first_weights: List[Optional[torch.Tensor]] = []
         self.ran_kept: List[bool] = []  # hessian mode: per edge, whether the kept model call ran it (with grad mode on)
         self.kept_reached = False  # hessian mode: the block's backward reached an edge of the kept model call
+        #: hessian mode: the kept call's tensors and those of record(targets=...), with their versions at the block's end
+        self.input_versions: List[Tuple[torch.Tensor, int]] = []
+        self.targets_versions: List[Tuple[torch.Tensor, int]] = []
 
 
-def _sum_calls(parts: List[Tuple[int, torch.Tensor]]) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
+def _sum_calls(parts: List[Tuple[int, torch.Tensor]],
+               call_batch: Optional[Mapping[int, int]] = None) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
     """(per-sample rows or None, summed (K,)) of ``(model forward, (B, K) terms)`` parts.
 
     Parts of one forward of the model (an edge called twice in it, several backwards through it) are terms of
     the same samples and add up; different forwards (micro-batches accumulated in one block) see different
     samples, so their rows are concatenated in call order. None where the rows of one forward differ in
-    shape or the forwards differ in K.
+    shape or the forwards differ in K, or where ``call_batch`` (model forward -> its input's batch size) shows
+    that one forward ran its batch through the edge in chunks (calls of fewer samples adding up to it: other
+    samples, whose rows must not add up).
     """
     total = sum(t.sum(0) for _, t in parts)
     by_call: Dict[int, List[torch.Tensor]] = {}
     for call, t in parts:
         by_call.setdefault(call, []).append(t)
     rows = []
-    for _, ts in sorted(by_call.items()):  # in call order: one backward through several forwards reaches the last first
+    for call, ts in sorted(by_call.items()):  # in call order: one backward through several forwards reaches the last first
+        batch = (call_batch or {}).get(call)
+        if len(ts) > 1 and batch is not None and all(t.dim() and t.shape[0] < batch for t in ts) \
+                and sum(t.shape[0] for t in ts) == batch:
+            return None, total
         if len({t.shape for t in ts}) != 1:
             return None, total
         rows.append(ts[0] if len(ts) == 1 else sum(ts))
     if len({r.shape[1:] for r in rows}) != 1:
         return None, total
     return (rows[0] if len(rows) == 1 else torch.cat(rows, 0)), total
+
+
+def _tensor_versions(values) -> List[Tuple[torch.Tensor, int]]:
+    """``(tensor, version counter)`` of the tensors among ``values`` (and in their tuples and lists): a tensor modified
+    in place later (a static input buffer refilled with the next batch) shows a higher version."""
+    flat = [*values, *(t for v in values if isinstance(v, (tuple, list)) for t in v)]
+    out = []
+    for t in flat:
+        if isinstance(t, torch.Tensor) and not t.is_inference():  # an inference tensor has no version counter
+            out.append((t, t._version))
+    return out
 
 
 def _check_flag(option: str, value) -> None:
@@ -292,6 +313,10 @@ class Probe:
         if result is None:
             return
         result.targets = block.targets
+        if self.hessian_mode is not None:  # as the block leaves them (a forward may modify its input in place)
+            if result.model_inputs is not None:
+                result.input_versions = _tensor_versions((*result.model_inputs[0], *result.model_inputs[1].values()))
+            result.targets_versions = _tensor_versions((block.targets,))
         if self.norm_deviation:  # which ops were invariant is a property of the step's mode, not of the mode when read
             # the mode of the model forwards the backward reached (a validation pass in the block is not the step)
             modes = {cap.call_modes.get(call, self._step_mode) for parts in cap.per_sample for call, _ in parts}
@@ -378,7 +403,7 @@ class Probe:
             r.costs = list(r.matrix.unbind(0))
         else:
             for pp in parts:
-                ps, total = _sum_calls(pp) if pp else (None, None)
+                ps, total = _sum_calls(pp, cap.call_batch) if pp else (None, None)
                 r.per_sample.append(ps)
                 r.costs.append(total)
         no_grad_path: List[str] = []
@@ -514,8 +539,9 @@ class Probe:
         for p, e in enumerate(self._edges):
             ps = r.per_sample[p]
             if ps is None and r.available[p]:
-                raise ProbeError(f"edge {e.name!r} ran with different batch sizes in one forward of the model; per-sample "
-                                 "costs are undefined (costs() still sums them)")
+                raise ProbeError(f"edge {e.name!r} ran with different batch sizes, or on chunks of the model's batch, in one "
+                                 "forward of the model; per-sample costs are undefined (costs() still sums them): run "
+                                 "chunks as separate model calls, whose rows are concatenated")
             out[e.name] = ps if ps is not None else r.costs[p].new_full((1, e.n_ops), math.nan)
         return out
 
@@ -708,6 +734,14 @@ class Probe:
                 "reached by the block's backward (e.g. a validation forward without torch.no_grad() before the training "
                 "forward), so it is not the batch of the costs; run evaluation forwards under torch.no_grad(), or pass "
                 "hessian(inputs=x, targets=y)"
+            )
+        recorded = (r.input_versions if inputs is None else []) + (r.targets_versions if targets is None else []) \
+            if r is not None else []
+        if any(t._version != v for t, v in recorded):
+            raise ProbeError(
+                "hessian(): the recorded batch (the model call's inputs or the targets given to probe.record) was modified "
+                "in place since the block (e.g. a static input buffer refilled with the next batch), so its re-run would "
+                "be another batch; call probe.hessian() before refilling it, or pass hessian(inputs=x, targets=y)"
             )
         if inputs is None:
             if r.model_inputs is None:
