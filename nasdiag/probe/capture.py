@@ -180,6 +180,7 @@ class StepCapture:
         self.keep_model_io = keep_model_io  # only probe.hessian() needs the batch and the logits
         self.model_calls = 0  # forwards of the whole model started in this block
         self.call_modes: Dict[int, bool] = {}  # model forward (index) -> the model's train/eval mode in it
+        self.call_batch: Dict[int, int] = {}  # model forward (index) -> the batch size of its first argument
         #: autograd's node numbers at the start and end of the attached module's last call (with grad mode on)
         self.call_span: Optional[List[Optional[int]]] = None
         self.path_split = path_split
@@ -522,6 +523,8 @@ class StepCapture:
             self.model_calls += 1
         self.call_span = [self._sequence_now(), None] if torch.is_grad_enabled() else None
         self.call_modes.setdefault(self.model_calls, module.training)
+        if self.model_calls not in self.call_batch and args and isinstance(args[0], torch.Tensor) and args[0].dim():
+            self.call_batch[self.model_calls] = args[0].shape[0]
         # the first call of the model in the block that has a backward: a validation forward under no_grad before it
         # is not the batch the costs (and the curvature asked after them) are of
         if self.keep_model_io and self.model_inputs is None and torch.is_grad_enabled():
