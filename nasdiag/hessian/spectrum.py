@@ -72,9 +72,11 @@ class SpectrumResult:
 
     Attributes:
         eigenvalues: (k,) float64, the k largest algebraic eigenvalues, descending.
-        largest_algebraic: max λ (can be negative).
-        largest_magnitude: the λ of largest |λ|, with its sign (RobustDARTS's "dominant eigenvalue";
-            it differs from ``largest_algebraic`` when the most negative eigenvalue is the larger in size).
+        largest_algebraic: max λ (can be negative): RobustDARTS's "dominant eigenvalue" λ_max of the α-Hessian,
+            the one ``nasdiag search`` records as ``hessian/top_eigenvalue``.
+        largest_magnitude: the λ of largest |λ|, with its sign (the power method's dominant eigenvalue in the
+            numerical sense); it differs from ``largest_algebraic`` when the most negative eigenvalue is the larger
+            in size.
         smallest_algebraic: min λ (Lanczos), or ``None`` when the method does not find it (power).
         iterations: Hessian-vector products used.
         converged: every reported eigenvalue met ``tol`` (see the producing function).
@@ -473,8 +475,8 @@ def hessian_eigenvalues(
     """Extreme eigenvalues of the Hessian of the mini-batch loss w.r.t. ``params`` (default: α).
 
     RobustDARTS (Zela et al. 2020) tracks the dominant eigenvalue of the validation-loss α-Hessian to
-    detect collapse; feed ``result.largest_magnitude`` (or ``largest_algebraic``, consistently) to an
-    :class:`EigenvalueEarlyStop` once per epoch. The Hessian is the one of exactly ``loss_fn``'s scalar
+    detect collapse: that is ``result.largest_algebraic`` (λ_max, as ``nasdiag search`` records it); feed it (or,
+    consistently, ``largest_magnitude``) to an :class:`EigenvalueEarlyStop` once per epoch. The Hessian is the one of exactly ``loss_fn``'s scalar
     (batch mean for ``reduction="mean"``), joint over all ``params`` (for a DARTS ``Network``: both
     ``alphas_normal`` and ``alphas_reduce``, shared across cells, cross-cell terms included).
 
