@@ -620,3 +620,35 @@ def test_a_block_begun_in_eval_mode_whose_step_runs_in_train_mode_flags_the_devi
         with probe.record():
             F.cross_entropy(net(x, Z.clone().requires_grad_()), y).backward()
     assert all(0 < probe.invariance_deviation()[n]["0:Sequential"] < 1 for n in EDGES)
+
+
+# --- a model forward that runs its batch through the edges in chunks ----------------------------------------------------
+
+class ChunkedNet(Net):
+    """A forward running the batch in two chunks (to save memory): each edge is called twice in one model forward,
+    on different samples."""
+
+    def forward(self, x, Z):
+        return torch.cat([super(ChunkedNet, self).forward(chunk, Z) for chunk in x.chunk(2)])
+
+
+def test_per_sample_costs_of_a_forward_run_in_chunks_are_refused_not_summed_across_samples():
+    net = ChunkedNet(seed=29)
+    x, y = _batch(4, seed=30)
+    Z = _weights(seed=31)
+    loss = lambda o, Z: F.cross_entropy(o, y)  # noqa: E731
+    probe = nasdiag.attach(net)
+    Zl = Z.clone().requires_grad_()
+    with probe.record():
+        loss(net(x, Zl), Zl).backward()
+    assert torch.allclose(torch.stack([probe.costs()[n] for n in EDGES]), _autograd(net, x, Z, loss), rtol=1e-10, atol=1e-16)
+    # the rows of samples 0 and 2 (1 and 3) added up to a (2, K) "per-sample" result of a batch of 4
+    with pytest.raises(ProbeError) as exc:
+        probe.costs(per_sample=True)
+    assert "chunks" in _line(exc)
+    # tying within one forward (every call on the whole batch) still adds up per sample, as documented
+    tied = Net(seed=29)
+    tied.forward = lambda x, Z: Net.forward(tied, x, Z) + Net.forward(tied, x, Z)
+    probe = nasdiag.attach(tied)
+    costs, rows = _probed(probe, tied, x, Z, loss)
+    assert rows.shape == (3, 4, 4) and torch.allclose(rows.sum(1), costs, rtol=1e-12, atol=1e-16)
