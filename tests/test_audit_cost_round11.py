@@ -44,6 +44,11 @@ Defects found (each test fails without its fix):
   A block begun in eval mode whose step ran in train mode (``model.train()`` inside it) measured the eval mode's
   normalizations (none) and gave empty rows, read as "no invariant op"; now NaN for the step's invariant ops with a
   warning (test_a_block_begun_in_eval_mode_whose_step_runs_in_train_mode_flags_the_deviation_nan_not_an_empty_row).
+* A model forward that runs its batch through the edges in chunks (``torch.cat([f(c) for c in x.chunk(2)])``) gave
+  "per-sample" costs of shape (B/2, K), rows of different samples added up as if the edge were tied; now a ProbeError
+  line (test_per_sample_costs_of_a_forward_run_in_chunks_are_refused_not_summed_across_samples; its library half was
+  committed by the newuser helper, in be5c0ea and 1cf3b3f). Output-cost and path per-sample rows still add up across
+  chunks (documented).
 
 Checked and right: costs and per-sample rows (their sum) under label smoothing, class weights, ignore_index,
 reduction="sum", MSE and a loss with a regularizer on α (1e-15); per-sample rows = ∂L/∂Z_bk of per-sample weights in
