@@ -13,7 +13,12 @@ of the loss w.r.t. all parameters or only α instead of backward; non-reentrant 
 wrt='alpha' refused in one line); input-conditioned (B, K) weights per sample; `.double()` and `.float()` after
 attach; validation forwards under no_grad / inference_mode inside the block (costs, curvature); attach to a
 sub-module called once; a probe dropped and a new one attached (collected, no hook left); bf16 autocast with a
-scaled loss (float32 costs within 0.6 % of float64).
+scaled loss (float32 costs within 0.6 % of float64); the whole model under reentrant and non-reentrant checkpoint
+(costs, exact curvature); torch.func.grad of a functional_call inside a block; nasdiag's Network moved to
+channels_last after attach; a real Lightning Trainer with manual optimization and two optimizers (rows at
+global_step 2, 4, ...; E[C] to 1e-17); a RecorderCallback record of a user loop (cost/edges/{mean,var,count},
+hessian/edges/diag against autograd, shapes and dtypes as docs/schema.md) drawn by `nasdiag plot`; 300 steps of
+a sub-module probe and a micro-batch probe with validation forwards keep no tensor and leave no hook.
 """
 
 import warnings
