@@ -61,7 +61,8 @@ KNOWN_META_KEYS = ("method", "config", "seed", "op_names", "edge_names", "cell_t
 LOAD_META_KEYS = ("schema_version", "nasdiag_version", "torch_version", "h5py_version", "hdf5_version", "run_id",
                   "segments", "nonfinite_counts")
 
-_NAME = re.compile(r"^[A-Za-z0-9_.\-+=]+$")
+#: ``\Z``, not ``$``: ``$`` also matches before a trailing newline, which let "loss\n" through as a name
+_NAME = re.compile(r"^[A-Za-z0-9_.\-+=]+\Z")
 #: Target bytes of one HDF5 chunk; chunks are rewritten whole on each flush, so keep them small.
 _CHUNK_BYTES = 16 * 1024
 _MAX_CHUNK_ROWS = 1024
