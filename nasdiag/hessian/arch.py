@@ -320,12 +320,12 @@ def _mixture_gap(weights: torch.Tensor, op_outputs: List[torch.Tensor], output) 
     in another order than the mixed op pairs them with its weights (or a mixed op that changes the sum, e.g. normalizes
     it) gave silently wrong numbers, while ``exact``, ``hutchinson:<k>`` and the GGN modes, which read only the
     weights, were right. Non-finite entries (a NaN batch) are left out: they give NaN curvature, not a refusal. None
-    (nothing checked) for shapes that do not broadcast, and while a CUDA graph is captured (the plain call before the
-    capture checked it; a host read is not allowed there)."""
+    (nothing checked) for shapes that do not broadcast, on the meta device, and while a CUDA graph is captured (the
+    plain call before the capture checked it; a host read is not allowed there)."""
     if not isinstance(output, torch.Tensor) or not output.is_floating_point():
         return None
-    if output.is_cuda and torch.cuda.is_current_stream_capturing():
-        return None
+    if output.is_meta or (output.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return None  # a meta tensor has no values to read: the call's own meta-device refusal speaks
     if output.dim() == 0:
         return None
     # the first sample only: a reordering or a changed sum shows there as anywhere, at 1/B of the cost
