@@ -399,3 +399,24 @@ def test_hessian_after_the_recorded_batch_buffer_was_refilled_is_one_line_not_th
         F.cross_entropy(net(x.clone()), y).backward()
     H = probe.hessian()
     assert max(float((H[f"e.{e}"] - ref[e]).abs().max()) for e in range(3)) < 1e-12
+
+
+def test_a_recorder_callback_of_a_single_process_with_a_stray_rank_variable_says_it_records_nothing(tmp_path, monkeypatch):
+    """Before: a single process whose environment holds RANK=1 (a job array, a shell of a torchrun launch) and no
+    process group took itself for a non-writing rank: RecorderCallback(path) wrote no file and dropped every row,
+    without a word (the CLI refuses that environment in one line). Now a RecordWarning, once, at the first rows it
+    drops. Under a process group of several ranks, where rank 0 writes the reduced rows, it stays quiet (checked
+    with two gloo ranks, warnings as errors, the callback made before init_process_group)."""
+    from nasdiag.record import RecordWarning, RecorderCallback
+
+    monkeypatch.setenv("RANK", "1")
+    callback = RecorderCallback(tmp_path / "run.h5")
+    for step in range(3):
+        callback.on_step_end(step, {"scalars/loss": 1.0})
+    with pytest.warns(RecordWarning, match=r"does not write: the environment says RANK=1 and no process group"):
+        callback.on_epoch_end(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        callback.on_step_end(4, {"scalars/loss": 1.0})
+        callback.close()
+    assert list(tmp_path.iterdir()) == []

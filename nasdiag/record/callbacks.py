@@ -42,7 +42,8 @@ class RecorderCallback:
     target:
         A record path (rank 0 opens a `Recorder` there with ``meta`` and ``recorder_kwargs``; other
         ranks open nothing), an open `Recorder` (used as is; it must live on rank 0 only), or None
-        (this rank reduces but does not write).
+        (this rank reduces but does not write). Without a process group the rank is read from the ``RANK``
+        variable a launcher sets: a process it calls rank 1 writes nothing (a `RecordWarning` says so at its first rows).
     meta, **recorder_kwargs:
         Passed to `Recorder` when ``target`` is a path (``flush_every``, ``resume``, ``overwrite``...).
         ``flush_every`` (default 64, or the given recorder's) is also the number of rows the callback
@@ -106,6 +107,7 @@ class RecorderCallback:
         self._last_step: int | None = None  # step of the newest row, open or finished
         self._shapes: dict = {}  # path -> (row shape, first step) of the rows reduced across ranks so far
         self._closed = False  # close() ran: later hooks are refused, not dropped
+        self._path = None  # a record path this rank does not write (another rank's recorder writes it)
         if isinstance(target, Recorder):
             if meta is not None or recorder_kwargs:
                 raise RecordError("meta and recorder options apply when target is a path, not an open Recorder")
@@ -118,6 +120,7 @@ class RecorderCallback:
             if not isinstance(target, (str, os.PathLike)):
                 raise RecordError(f"target must be a path, a Recorder or None, got {type(target).__name__}")
             self.recorder = Recorder(target, meta=meta, **recorder_kwargs) if distributed.is_writer(group) else None
+            self._path = None if self.recorder is not None else os.fspath(target)
         self.rows_per_batch = self.recorder.flush_every if self.recorder is not None else int(recorder_kwargs.get("flush_every", 64))
         if self.recorder is not None:
             self.recorder.add_flush_listener(self._on_recorder_flush)
@@ -329,6 +332,8 @@ class RecorderCallback:
     def _log_settled(self) -> None:
         """Log the finished rows up to the first one that still holds raw values (order is kept)."""
         errors = []
+        if self._path is not None and self._rows and not self._rows[0][1]:
+            self._warn_no_writer()
         while self._rows and not self._rows[0][1]:
             step, _, values = self._rows.pop(0)  # popped first: a SIGTERM flush meanwhile skips it
             if self.recorder is None or self.recorder.closed:
@@ -343,6 +348,25 @@ class RecorderCallback:
                 raise
         if errors:
             raise errors[0]
+
+    def _warn_no_writer(self) -> None:
+        """Rows of a non-writing rank are dropped (rank 0 writes them, reduced): right under a process group, but a
+        single process that is not rank 0 only by a ``RANK`` variable in its environment (a job array, a shell of a
+        torchrun launch, no ``init_process_group``) would drop every row of its own run, silently."""
+        from nasdiag import distributed
+
+        if distributed.world_size(self._group) > 1:
+            self._path = None  # the reduction hands the rows to rank 0: nothing to say
+            return
+        path, self._path = self._path, None  # once
+        warnings.warn(
+            f"RecorderCallback({path!r}) does not write: the environment says RANK={os.environ.get('RANK')} and no process group is "
+            "initialised, so this process takes itself for a rank other than 0 and leaves the record to rank 0; its rows "
+            "are not recorded. Call torch.distributed.init_process_group before making the callback, or for a run of its "
+            "own unset RANK (or give it an open Recorder)",
+            RecordWarning,
+            stacklevel=5,
+        )
 
     def _drop_unreduced(self) -> None:
         dropped = [row[0] for row in self._rows if row[1]]
