@@ -629,6 +629,12 @@ class Recorder:
                     f"{path!r} at step {step}: a {kind} tensor cannot be recorded; log a dense tensor with data "
                     "(e.g. .to_dense(), .dequantize())"
                 )
+            if is_tensor(value) and value.dtype.is_complex:
+                # complex32 has no numpy dtype: its conversion (as bfloat16's, through float32) kept the real part only
+                raise RecordError(
+                    f"{path!r} at step {step}: dtype {value.dtype} cannot be recorded; log bool, int or float values "
+                    "(a complex value as its real and imaginary parts)"
+                )
             try:
                 array = to_numpy(value)
             except (ValueError, TypeError) as err:  # a ragged nested list, an object numpy cannot convert
