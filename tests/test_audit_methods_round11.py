@@ -12,7 +12,10 @@ Defects these tests found (each fails without its fix):
   ``scalars/active_fraction`` and ``reward_clip_fraction`` the run's dtype, but they are float64 in every run (the
   forecasters are float64), so a float32 run's record disagreed with its own schema;
 - a Python int given for a float hyperparameter by hand (``alpha_betas=(0, 0.999)``) passed the checks and stopped the
-  method's build in torch.optim.Adam's ValueError ("betas must be either both floats or both Tensors").
+  method's build in torch.optim.Adam's ValueError ("betas must be either both floats or both Tensors");
+- ``load_state_dict`` of a state of another configuration: SparseNAS's HAPG state was taken by an AdamHAPG method
+  (its next step a KeyError traceback), and XNAS's forecasters of another ζ refused theirs only after the network had
+  been replaced (a half-loaded method).
 """
 
 from __future__ import annotations
@@ -453,3 +456,44 @@ def test_an_int_given_for_a_float_hyperparameter_is_that_float(name, hp):
         method.step(*data[2:])
         runs.append([p.detach().clone() for p in method.network.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+# -- a state of another configuration ---------------------------------------------------------------------------------
+def _everything(method):
+    import copy
+
+    return copy.deepcopy({"network": method.network.state_dict(),
+                          "objects": {k: v.state_dict() for k, v in method._stateful().items()},
+                          "generator": method.generator.get_state()})
+
+
+@pytest.mark.parametrize("name, saved_hp, own_hp, error", [
+    ("sparsenas", {"optimizer": "hapg", "first_order": True}, {"first_order": True}, "arch_optimizer is HAPG"),
+    ("xnas", {"zeta": 0.5}, {"zeta": 1.0}, "configured differently"),
+], ids=["sparsenas-hapg-into-adamhapg", "xnas-another-zeta"])
+def test_a_state_of_another_configuration_is_one_line_and_leaves_the_method_as_it_was(name, saved_hp, own_hp, error):
+    """``load_state_dict`` (base.py): a refused state loads nothing. SparseNAS's HAPG state was loaded into an AdamHAPG
+    method (the optimizers' param groups of the other class) and its next step stopped in a KeyError 'betas'
+    traceback; XNAS's forecasters of another ζ refused their state in one line, but only after the network (and the
+    objects before them) had been replaced: a method half of one run, half of another. Now one NasdiagError line, and
+    the network, every stateful object and the generator as they were: the next step equals a twin's never touched."""
+    from nasdiag.errors import NasdiagError
+
+    cls = get_method(name)
+    data = _batches(6, 12)
+    saved = cls(_net(cls, seed=1), cls.Hyperparameters(**saved_hp), schedule=Schedule(epochs=2, steps_per_epoch=3, batch_size=4))
+    saved.step(*data[:2])
+    method, twin = (cls(_net(cls, seed=2), cls.Hyperparameters(**own_hp), schedule=Schedule(epochs=2, steps_per_epoch=3,
+                                                                                              batch_size=4), seed=3)
+                    for _ in range(2))
+    method.step(*data[2:4])
+    twin.step(*data[2:4])
+    before = _everything(method)
+    with pytest.raises(NasdiagError, match=error) as info:
+        method.load_state_dict(saved.state_dict())
+    assert "\n" not in str(info.value)
+    from test_audit_methods_round3 import _assert_same
+
+    _assert_same(_nan_marked(before), _nan_marked(_everything(method)), name)
+    a, b = method.step(*data[4:]), twin.step(*data[4:])
+    assert all(torch.equal(a[k].nan_to_num(0.0), b[k].nan_to_num(0.0)) for k in a)

@@ -699,6 +699,8 @@ class SearchMethod:
             "method": self.name,
             "network": self.network.state_dict(),
             "objects": {k: v.state_dict() for k, v in self._stateful().items()},
+            # the class of each object: a state of another configuration (SparseNAS's HAPG for an AdamHAPG) is refused
+            "types": {k: type(v).__name__ for k, v in self._stateful().items()},
             "generator": self.generator.get_state(),
             "attributes": {k: getattr(self, k) for k in self.state_attributes},
         }
@@ -709,7 +711,10 @@ class SearchMethod:
 
         Raises:
             NasdiagError: (one line, before anything is loaded) a state of another method, one that lacks a stateful
-                object of this method, or one of a supernet whose tensors differ in names or shapes.
+                object of this method, one whose objects are of other classes (another configuration: SparseNAS's
+                HAPG state for an AdamHAPG), or one of a supernet whose tensors differ in names or shapes. An object
+                that refuses its saved state (XNAS's forecasters of another ζ) raises its own one-line error, the
+                objects loaded before it are restored and the network is not touched.
         """
         if state.get("method", self.name) != self.name:
             raise NasdiagError(f"this state is of method {state.get('method')!r}, not {self.name!r}")
@@ -717,6 +722,12 @@ class SearchMethod:
         missing = sorted(set(objects) - set(state["objects"]))
         if missing:
             raise NasdiagError(f"the saved state of {self.name!r} lacks {missing}")
+        other = {k: (t, type(objects[k]).__name__) for k, t in state.get("types", {}).items()
+                 if k in objects and t != type(objects[k]).__name__}
+        if other:  # loaded, it failed only later, in a step (a KeyError of the other optimizer's settings)
+            k, (saved_type, own) = next(iter(other.items()))
+            raise NasdiagError(f"the saved state of {self.name!r} is of another configuration: its {k} is {saved_type}, "
+                               f"this method's is {own}; build the method with the hyperparameters the state was saved with")
         # torch's load_state_dict copies every tensor that fits before it raises on the others (a 200-line error):
         # a state of another supernet left this one half replaced (α, the classifier's bias)
         current, saved = self.network.state_dict(), state["network"]
@@ -731,9 +742,17 @@ class SearchMethod:
         release = getattr(self.step, "release", None)
         if release is not None:
             release()
+        # the objects first, undone if one refuses its state, then the network: a refusal leaves the method as it was
+        previous = {}
+        try:
+            for k, obj in objects.items():
+                previous[k] = obj.state_dict()
+                obj.load_state_dict(state["objects"][k])
+        except Exception:
+            for k, saved in previous.items():
+                objects[k].load_state_dict(saved)
+            raise
         self.network.load_state_dict(state["network"])
-        for k, obj in objects.items():
-            obj.load_state_dict(state["objects"][k])
         self.generator.set_state(state["generator"])
         for k, v in state.get("attributes", {}).items():
             setattr(self, k, _on_devices_of(getattr(self, k, None), v))
