@@ -420,3 +420,32 @@ def test_a_recorder_callback_of_a_single_process_with_a_stray_rank_variable_says
         callback.on_step_end(4, {"scalars/loss": 1.0})
         callback.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_path_dropped_in_one_micro_batch_keeps_every_edges_row_b_on_sample_b():
+    """Before: two micro-batches in one block, the second dropping edge e.2 (and e.0, which feeds only it): e.2's
+    per-sample rows were the first micro-batch's only, so with equal micro-batches row b of e.2 and row b of e.1 were
+    different samples, silently. Now the rows of a forward an edge took no
+    part in are NaN, with a warning, and every other row is autograd's ∂(ℓ_b/B)/∂Z of its own sample."""
+    net, (x, y) = _net(), _batch()
+    B, parts = x.shape[0], (slice(0, 3), slice(3, 6))
+    probe = nasdiag.attach(net)
+    with pytest.warns(RuntimeWarning, match=r"took no part in some of the block's 2 model forwards"):
+        with probe.record():
+            for drop, p in zip((False, True), parts):
+                net.drop = drop
+                (F.cross_entropy(net(x[p]), y[p]) * (p.stop - p.start) / B).backward()
+    Z = F.softmax(net.alpha, -1).detach().clone().requires_grad_()
+    rows = []
+    for b in range(B):
+        net.drop = b >= 3
+        rows.append(torch.autograd.grad(F.cross_entropy(net(x[b:b + 1], Z), y[b:b + 1]) / B, Z)[0])
+    rows = torch.stack(rows)
+    per_sample, costs = probe.costs(per_sample=True), probe.costs()
+    for e in range(3):
+        got = per_sample[f"e.{e}"]
+        assert got.shape == (B, 3)
+        ran = slice(0, 3) if e != 1 else slice(0, 6)
+        assert float((got[ran] - rows[ran, e]).abs().max()) < 1e-12
+        assert torch.isnan(got[3:]).all() == (e != 1)
+        assert float((costs[f"e.{e}"] - rows[:, e].sum(0)).abs().max()) < 1e-12

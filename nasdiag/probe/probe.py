@@ -73,8 +73,8 @@ class _StepResult:
         self.targets_versions: List[Tuple[torch.Tensor, int]] = []
 
 
-def _sum_calls(parts: List[Tuple[int, torch.Tensor]],
-               call_batch: Optional[Mapping[int, int]] = None) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
+def _sum_calls(parts: List[Tuple[int, torch.Tensor]], call_batch: Optional[Mapping[int, int]] = None,
+               calls: Sequence[int] = ()) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
     """(per-sample rows or None, summed (K,)) of ``(model forward, (B, K) terms)`` parts.
 
     Parts of one forward of the model (an edge called twice in it, several backwards through it) are terms of
@@ -82,15 +82,23 @@ def _sum_calls(parts: List[Tuple[int, torch.Tensor]],
     samples, so their rows are concatenated in call order. None where the rows of one forward differ in
     shape or the forwards differ in K, or where ``call_batch`` (model forward -> its input's batch size) shows
     that one forward ran its batch through the edge in chunks (calls of fewer samples adding up to it: other
-    samples, whose rows must not add up).
+    samples, whose rows must not add up). ``calls``: the forwards with rows at any edge; one this edge has no part of
+    (a path dropped in that micro-batch) gets NaN rows, ``call_batch`` of them, so that row b is sample b at every edge
+    (None where its batch size is unknown).
     """
     total = sum(t.sum(0) for _, t in parts)
     by_call: Dict[int, List[torch.Tensor]] = {}
     for call, t in parts:
         by_call.setdefault(call, []).append(t)
     rows = []
-    for call, ts in sorted(by_call.items()):  # in call order: one backward through several forwards reaches the last first
+    for call in sorted(set(by_call) | set(calls)):  # in call order: one backward through several forwards reaches the last first
         batch = (call_batch or {}).get(call)
+        ts = by_call.get(call)
+        if ts is None:
+            if batch is None:
+                return None, total
+            rows.append(total.new_full((batch, total.shape[-1]), math.nan))
+            continue
         if len(ts) > 1 and batch is not None and all(t.dim() and t.shape[0] < batch for t in ts) \
                 and sum(t.shape[0] for t in ts) == batch:
             return None, total
@@ -395,17 +403,25 @@ class Probe:
         no_forward, no_grad, partial_ops = [], [], []
         parts = cap.per_sample
         r.available = [bool(pp) for pp in parts]
-        if all(len(pp) == 1 for pp in parts) and len({pp[0][1].shape for pp in parts}) == 1:
-            # the common case: one call per edge, same batch and K: two kernels for all edges
+        if all(len(pp) == 1 for pp in parts) and len({pp[0][1].shape for pp in parts}) == 1 \
+                and len({pp[0][0] for pp in parts}) == 1:
+            # the common case: one call per edge, same forward, batch and K: two kernels for all edges
             stacked = torch.stack([pp[0][1] for pp in parts])  # (N, B, K)
             r.per_sample = list(stacked.unbind(0))
             r.matrix = stacked.sum(1)
             r.costs = list(r.matrix.unbind(0))
         else:
+            calls = sorted({call for pp in parts for call, _ in pp})  # the forwards the backward reached
             for pp in parts:
-                ps, total = _sum_calls(pp, cap.call_batch) if pp else (None, None)
+                ps, total = _sum_calls(pp, cap.call_batch, calls) if pp else (None, None)
                 r.per_sample.append(ps)
                 r.costs.append(total)
+            absent = [e.name for e, pp in zip(self._edges, parts) if pp and len({c for c, _ in pp}) < len(calls)]
+            if absent:
+                warnings.warn(
+                    f"probe: {len(absent)} edge(s) ({_short_list(absent)}) took no part in some of the block's "
+                    f"{len(calls)} model forwards (e.g. a path dropped in a micro-batch): their per-sample rows of those "
+                    "forwards' samples are NaN; costs() sums the forwards they took part in", RuntimeWarning, stacklevel=4)
         no_grad_path: List[str] = []
         grad_off: List[str] = []
         for p, e in enumerate(self._edges):
