@@ -2,6 +2,7 @@
 documented contract, checked against plain h5py readings of the files made here (never nasdiag reading itself)."""
 
 import os
+import warnings
 
 import h5py
 import numpy as np
@@ -44,6 +45,8 @@ def _plain_rows(file, path):
         steps = f["step"][()]
         n = int(np.argmax(steps < 0)) if (steps < 0).any() else len(steps)
         paths = [p.decode() if isinstance(p, bytes) else p for p in f["present"].attrs["paths"]]
+        if path not in paths:  # a segment has the datasets of the paths known when it was created
+            return steps[:n], np.full(n, np.nan), np.zeros(n, bool)
         return steps[:n], f[path][:n], f["present"][:n, paths.index(path)]
 
 
@@ -65,3 +68,63 @@ def test_a_complex32_tensor_is_refused_like_every_complex_value_not_recorded_as_
     assert "x/c" not in _plain_paths(path)
     steps, real, logged = _plain_rows(path, "x/real")
     assert steps.tolist() == [0, 2] and real.tolist() == [[1.0, 3.0], [5.0, 6.0]] and logged.all()
+
+
+def _segment_name(path, index):
+    """docs/schema.md's file names: run.h5, run.seg0001.h5, ..."""
+    return path if index == 0 else path[: -len(".h5")] + f".seg{index:04d}.h5"
+
+
+class _PlainFollower:
+    """A live reader written from docs/schema.md alone: opens the record's segments by name at each look (plain
+    h5py, swmr=True), takes the committed rows (``/step`` up to its first -1) it has not taken yet, and moves to the
+    next segment once that one's file exists."""
+
+    def __init__(self, path, column):
+        self.path, self.column, self.index, self.taken, self.rows = path, column, 0, 0, []
+
+    def look(self):
+        while os.path.exists(_segment_name(self.path, self.index)):
+            final = os.path.exists(_segment_name(self.path, self.index + 1))  # checked before reading: then it is whole
+            steps, values, logged = _plain_rows(_segment_name(self.path, self.index), self.column)
+            self.rows += [(int(s), float(v), bool(ok)) for s, v, ok in
+                          zip(steps[self.taken:], values[self.taken:], logged[self.taken:])]
+            self.taken = len(steps)
+            if not final:
+                return
+            self.index, self.taken = self.index + 1, 0
+
+
+def test_a_reader_that_opens_the_record_by_name_at_each_look_sees_every_row_once_in_order_across_rollovers(
+        tmp_path, monkeypatch):
+    # Rollovers of both kinds (a path first logged after the first flush; a dataset at the chunk limit, made small
+    # here), NaN rows and rows without the followed path; a handle opened before the first flush is the header-only
+    # placeholder, which the first flush replaces, and never sees a row (docs/schema.md, "Live and crashed files").
+    from nasdiag.record import schema
+
+    monkeypatch.setattr(schema, "MAX_SEGMENT_CHUNKS", 3)
+    path = str(tmp_path / "run.h5")
+    expected = []
+    follower = _PlainFollower(path, "scalars/a")
+    with warnings.catch_warnings(record=True) as caught, Recorder(path, flush_every=5, flush_seconds=None) as rec:
+        warnings.simplefilter("always")
+        early = h5py.File(path, "r", swmr=True)
+        follower.look()
+        for step in range(0, 600, 3):
+            row = {"wide/x": np.full(2048, step, np.float64)}  # 16 KiB: a chunk a row, 3 rows a segment
+            if step % 7:
+                row["scalars/a"] = float("nan") if step % 11 == 0 else float(step)
+            if step >= 300:
+                row["scalars/late"] = 1.0
+            rec.log(step, row)
+            expected.append((step, row.get("scalars/a", float("nan")), "scalars/a" in row))
+            follower.look()
+        early["step"].refresh()
+        assert early["step"].shape == (0,)
+        early.close()
+    follower.look()
+    assert any("'scalars/a' at step 33: 1 NaN" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    assert follower.index >= 30  # it followed rollovers: here every flush of 5 rows opens a segment
+    assert [r[0] for r in follower.rows] == [e[0] for e in expected]
+    assert [r[2] for r in follower.rows] == [e[2] for e in expected]
+    np.testing.assert_array_equal([r[1] for r in follower.rows], [e[1] for e in expected])  # NaN where NaN
