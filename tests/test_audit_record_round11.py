@@ -128,3 +128,16 @@ def test_a_reader_that_opens_the_record_by_name_at_each_look_sees_every_row_once
     assert [r[0] for r in follower.rows] == [e[0] for e in expected]
     assert [r[2] for r in follower.rows] == [e[2] for e in expected]
     np.testing.assert_array_equal([r[1] for r in follower.rows], [e[1] for e in expected])  # NaN where NaN
+
+
+@pytest.mark.parametrize("name", ["loss_λ", "épaisseur", "ｌｏｓｓ"])
+def test_a_name_of_non_ascii_letters_is_refused_saying_ascii_not_use_letters(tmp_path, name):
+    # The message said "use '/'-separated names of letters, digits and _.-+=" to someone who had used letters
+    # (λ, é, fullwidth l): names are ASCII only, as the check (and HDF5 path handling in every reader) has it.
+    with Recorder(tmp_path / "run.h5") as rec:
+        with pytest.raises(RecordError, match="ASCII letters") as err:
+            rec.log(0, {f"scalars/{name}": 1.0})
+        assert len(str(err.value).splitlines()) == 1
+    for meta in ({name: 1}, {"cell_types": [name], "edge_names": {name: ["0<-1"]}}):
+        with pytest.raises(RecordError, match="ASCII letters"):
+            Recorder(tmp_path / "meta.h5", meta=meta)

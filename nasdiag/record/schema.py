@@ -77,14 +77,14 @@ def check_path(path: Any) -> str:
     """Validate a dataset path such as ``"scalars/train_loss"`` or ``"arch/normal/weights"``.
 
     Returns the path unchanged. Raises `RecordError` if it is not a non-empty ``/``-separated
-    string of names made of letters, digits and ``_ . - + =``, or if it uses a reserved root.
+    string of names made of ASCII letters, digits and ``_ . - + =``, or if it uses a reserved root.
     """
     if not isinstance(path, str) or not path:
         raise RecordError(f"dataset path must be a non-empty string like 'scalars/loss', got {path!r}")
     parts = path.split("/")
     if any(not _NAME.match(p) or p in (".", "..") for p in parts):
         raise RecordError(
-            f"dataset path {path!r} is invalid: use '/'-separated names of letters, digits and _.-+= "
+            f"dataset path {path!r} is invalid: use '/'-separated names of ASCII letters, digits and _.-+= "
             "(for example 'scalars/train_loss' or 'arch/normal/weights')"
         )
     if parts[0] in RESERVED_ROOTS:
@@ -333,7 +333,7 @@ def normalize_meta(meta: Mapping[str, Any] | None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in meta.items():
         if not isinstance(key, str) or not _NAME.match(key):
-            raise RecordError(f"meta key {key!r} is invalid: use letters, digits and _.-+=")
+            raise RecordError(f"meta key {key!r} is invalid: use ASCII letters, digits and _.-+=")
         if key in LOAD_META_KEYS:
             raise RecordError(f"meta key {key!r} is reserved: load_meta reports the record's own {key} under it; "
                               "rename the key")
@@ -359,7 +359,7 @@ def normalize_meta(meta: Mapping[str, Any] | None) -> dict[str, Any]:
             value = {str(k): _str_list(f"edge_names/{k}", v) for k, v in value.items()}
             for cell in value:
                 if not _NAME.match(cell) or cell in (".", ".."):  # an HDF5 name: "." and ".." are taken
-                    raise RecordError(f"cell type {cell!r} in meta['edge_names'] is invalid: use letters, digits and _.-+= "
+                    raise RecordError(f"cell type {cell!r} in meta['edge_names'] is invalid: use ASCII letters, digits and _.-+= "
                                       "(not '.' or '..')")
         else:
             value = json.loads(_json(key, value))
