@@ -176,8 +176,8 @@ def unrolled_gradient(network, train_batch: Batch, val_batch: Batch, weights: Ce
                       val_context: Callable[[], ContextManager] = nullcontext) -> UnrolledGradient:
     """The second-order hypergradient of eq 12–13 at the network's current weights, without changing them.
 
-    Five forwards (train at w, val at w', train at w⁺ and w⁻; the first two with a backward to w) and no
-    copy of the network.
+    Four forwards (train at w, val at w', train at w⁺ and w⁻), each with a backward (to the mixing weights; the
+    first two also to w), and no copy of the network.
 
     Args:
         network: the supernet; its weights w are read, never written.
