@@ -15,7 +15,8 @@ Defects these tests found (each fails without its fix):
   method's build in torch.optim.Adam's ValueError ("betas must be either both floats or both Tensors");
 - ``load_state_dict`` of a state of another configuration: SparseNAS's HAPG state was taken by an AdamHAPG method
   (its next step a KeyError traceback), and XNAS's forecasters of another ζ refused theirs only after the network had
-  been replaced (a half-loaded method).
+  been replaced (a half-loaded method); a dict without the generator, objects or network was a KeyError traceback
+  (for the generator after everything else had been loaded), a string an AttributeError.
 """
 
 from __future__ import annotations
@@ -497,3 +498,27 @@ def test_a_state_of_another_configuration_is_one_line_and_leaves_the_method_as_i
     _assert_same(_nan_marked(before), _nan_marked(_everything(method)), name)
     a, b = method.step(*data[4:]), twin.step(*data[4:])
     assert all(torch.equal(a[k].nan_to_num(0.0), b[k].nan_to_num(0.0)) for k in a)
+
+
+@pytest.mark.parametrize("spoil", ["generator", "objects", "network", "a string"])
+def test_what_is_not_a_methods_state_is_one_line_and_loads_nothing(spoil):
+    """``load_state_dict`` of a dict without the generator (or objects, or network) of ``state_dict()`` was a KeyError
+    traceback, for the generator after the network and every object had been replaced; of a string an AttributeError.
+    One NasdiagError line naming what is missing, and the method as it was."""
+    from nasdiag.errors import NasdiagError
+    from test_audit_methods_round3 import _assert_same
+
+    cls = get_method("darts")
+    method = cls(_net(cls, seed=1), cls.Hyperparameters(), schedule=Schedule(epochs=1, steps_per_epoch=2, batch_size=4))
+    other = cls(_net(cls, seed=2), cls.Hyperparameters(), schedule=Schedule(epochs=1, steps_per_epoch=2, batch_size=4))
+    other.step(*_batches(2, 13))
+    state = other.state_dict()
+    if spoil == "a string":
+        state = "checkpoint.pt"
+    else:
+        del state[spoil]
+    before = _everything(method)
+    with pytest.raises(NasdiagError, match="lacks") as info:
+        method.load_state_dict(state)
+    assert "\n" not in str(info.value)
+    _assert_same(before, _everything(method), spoil)

@@ -710,12 +710,17 @@ class SearchMethod:
         replaces its state tensors (Adam's moments), and a replay would keep updating the old ones.
 
         Raises:
-            NasdiagError: (one line, before anything is loaded) a state of another method, one that lacks a stateful
-                object of this method, one whose objects are of other classes (another configuration: SparseNAS's
+            NasdiagError: (one line, before anything is loaded) what is not a state_dict() (no network, objects or
+                generator), a state of another method, one that lacks a stateful object of this method, one whose objects are of other classes (another configuration: SparseNAS's
                 HAPG state for an AdamHAPG), or one of a supernet whose tensors differ in names or shapes. An object
                 that refuses its saved state (XNAS's forecasters of another ζ) raises its own one-line error, the
                 objects loaded before it are restored and the network is not touched.
         """
+        lacking = ["network", "objects", "generator"] if not isinstance(state, Mapping) else \
+            [k for k in ("network", "objects", "generator") if not isinstance(state.get(k), (Mapping, torch.Tensor))]
+        if lacking:  # a KeyError (or AttributeError) traceback, the first two after the network had been loaded
+            raise NasdiagError(f"this is not a state of a {self.name} method (its state_dict()): it lacks {lacking}"
+                               + ("" if isinstance(state, Mapping) else f" (got a {type(state).__name__})"))
         if state.get("method", self.name) != self.name:
             raise NasdiagError(f"this state is of method {state.get('method')!r}, not {self.name!r}")
         objects = self._stateful()
