@@ -16,7 +16,9 @@ Defects these tests found (each fails without its fix):
 - ``load_state_dict`` of a state of another configuration: SparseNAS's HAPG state was taken by an AdamHAPG method
   (its next step a KeyError traceback), and XNAS's forecasters of another ζ refused theirs only after the network had
   been replaced (a half-loaded method); a dict without the generator, objects or network was a KeyError traceback
-  (for the generator after everything else had been loaded), a string an AttributeError.
+  (for the generator after everything else had been loaded), a string an AttributeError;
+- ``cost()`` (the cost service of docs/methods.md) took mixing weights it cannot use into a KeyError, TypeError or
+  torch RuntimeError traceback, or the network's ValueError after the stem's BatchNorm had taken the batch.
 """
 
 from __future__ import annotations
@@ -522,3 +524,33 @@ def test_what_is_not_a_methods_state_is_one_line_and_loads_nothing(spoil):
         method.load_state_dict(state)
     assert "\n" not in str(info.value)
     _assert_same(before, _everything(method), spoil)
+
+
+@pytest.mark.parametrize("spoil", ["a missing cell type", "K + 1 ops", "another batch", "integers", "a list"])
+def test_the_cost_service_refuses_mixing_weights_it_cannot_use_in_one_line_before_any_forward(spoil):
+    """docs/methods.md: ``cost(x, y, weights)`` is the service a method (a user's, as the toy) calls with
+    ``{cell type: (E, K)}`` (or per-sample (E, B, K)) weights. A missing cell type was a KeyError, a list a TypeError,
+    integer weights torch's "only Tensors of floating point dtype can require gradients"; wrong shapes the network's
+    ValueError after the stem had run, its BatchNorm statistics moved by the refused call. One SearchError line
+    naming the cell types and shapes wanted, before any forward."""
+    from nasdiag.search import SearchError
+
+    cls = get_method("darts")
+    net = _net(cls)
+    method = cls(net, cls.Hyperparameters(), schedule=Schedule(epochs=1, steps_per_epoch=2, batch_size=4))
+    x, y = _batches(1, 14)[0]
+    p = method.probabilities()
+    E, K = p["normal"].shape
+    weights = {"a missing cell type": {"normal": p["normal"]},
+               "K + 1 ops": {t: torch.ones(E, K + 1, dtype=torch.float64) for t in p},
+               "another batch": {t: torch.ones(E, len(x) + 1, K, dtype=torch.float64) for t in p},
+               "integers": {t: torch.ones(E, K, dtype=torch.int64) for t in p},
+               "a list": list(p.values())}[spoil]
+    buffers = {n: b.clone() for n, b in net.named_buffers()}
+    with pytest.raises(SearchError, match=r"cost\(\) takes the mixing weights as \{cell type: \(E, K\)") as info:
+        method.cost(x, y, weights)
+    assert "\n" not in str(info.value)
+    assert all(torch.equal(b, buffers[n]) for n, b in net.named_buffers())
+    assert all(p_.grad is None for p_ in net.parameters())
+    per_sample = {t: v.unsqueeze(1).expand(E, len(x), K) for t, v in p.items()}  # still taken, per sample
+    assert tuple(method.cost(x, y, per_sample).costs["normal"].shape) == (E, len(x), K)

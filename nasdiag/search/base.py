@@ -406,6 +406,7 @@ class SearchMethod:
             :class:`CostStep`. Under DDP the costs are averaged over ranks (the cost of the global mean
             loss), so every rank applies the same architecture update.
         """
+        self._check_cell_weights(weights, len(x))
         leaves = [weights[c.cell_type].detach().clone().requires_grad_(True) for c in self.network.cells]
         module = self.model if train_weights else self.network
         kwargs = {} if active is None else {"active": active}
@@ -426,6 +427,25 @@ class SearchMethod:
             costs[cell.cell_type] = costs[cell.cell_type] + g if cell.cell_type in costs else g
         self._last_arch_batch = (x, y)
         return CostStep(loss.detach(), logits.detach(), grads, costs)
+
+    def _check_cell_weights(self, weights, batch: int) -> None:
+        """`SearchError` (one line, before any forward: the stem's BatchNorm would have taken the batch) unless
+        ``weights`` maps every cell type to a floating (E, K) or per-sample (E, B, K) tensor; a missing cell type was a
+        KeyError, a list a TypeError, integer weights torch's "only Tensors of floating point dtype can require
+        gradients". Reads shapes and dtypes only."""
+        net = self.network
+        types = sorted({c.cell_type for c in net.cells})
+        E, K = getattr(net, "num_edges", None), len(net.primitives)
+        wanted = f"{{cell type: (E, K) = ({E}, {K}) floating tensor, or (E, B, K) per sample}} for the cell types {types}"
+        if not isinstance(weights, Mapping) or not set(types) <= set(weights):
+            got = sorted(weights) if isinstance(weights, Mapping) else type(weights).__name__
+            raise SearchError(f"{self.name}: cost() takes the mixing weights as {wanted}; got {got}")
+        for t in types:
+            w = weights[t]
+            shapes = ((E, K), (E, batch, K)) if E is not None else ()
+            if not torch.is_tensor(w) or not w.is_floating_point() or (shapes and tuple(w.shape) not in shapes):
+                got = f"{w.dtype} {tuple(w.shape)}" if torch.is_tensor(w) else type(w).__name__
+                raise SearchError(f"{self.name}: cost() takes the mixing weights as {wanted}; the {t} ones are {got}")
 
     def _probe_recording(self, targets):
         return self.probe.record(targets=targets) if self.probe is not None else nullcontext()
