@@ -141,3 +141,50 @@ def test_a_name_of_non_ascii_letters_is_refused_saying_ascii_not_use_letters(tmp
     for meta in ({name: 1}, {"cell_types": [name], "edge_names": {name: ["0<-1"]}}):
         with pytest.raises(RecordError, match="ASCII letters"):
             Recorder(tmp_path / "meta.h5", meta=meta)
+
+
+def _two_segment_record(path):
+    with Recorder(path, flush_every=2, flush_seconds=None) as rec:
+        for step in range(4):
+            rec.log(step, {"scalars/a": float(step)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with Recorder(path, resume=True, flush_every=2, flush_seconds=None) as rec:
+            for step in range(4, 8):
+                rec.log(step, {"scalars/a": float(step)})
+
+
+def _plain_record_rows(path):
+    """(segment file, its steps) of every segment file next to ``path`` that docs/schema.md names, by plain h5py."""
+    found, index = [], 0
+    while os.path.exists(_segment_name(path, index)):
+        found.append((os.path.basename(_segment_name(path, index)), _plain_rows(_segment_name(path, index), "scalars/a")[0].tolist()))
+        index += 1
+    return found
+
+
+def test_a_recorder_named_like_a_later_segment_of_a_record_is_refused_leaving_that_record_whole(tmp_path):
+    # Recorder("run.seg0001.h5", overwrite=True) deleted segment 1 of the record run.h5 (its rows after the resume)
+    # and wrote a record of its own there: run.h5 was then "damaged at run.seg0001.h5 row 0", 4 of 8 rows left. A new
+    # run.seg0002.h5 likewise damaged it. And load("run.seg0001.h5") called the segment damaged, offering 0 rows.
+    path = str(tmp_path / "run.h5")
+    _two_segment_record(path)
+    before = _plain_record_rows(path)
+    assert before == [("run.h5", [0, 1, 2, 3]), ("run.seg0001.h5", [4, 5, 6, 7])]
+    for name in ("run.seg0001.h5", "run.seg0002.h5"):
+        for options in ({"overwrite": True}, {"resume": True}, {}):
+            with pytest.raises(RecordError, match="later segment of the record") as err:
+                Recorder(tmp_path / name, **options)
+            assert len(str(err.value).splitlines()) == 1
+    assert _plain_record_rows(path) == before
+    assert sorted(os.listdir(tmp_path)) == ["run.h5", "run.seg0001.h5"]
+    from nasdiag.record import load
+
+    with pytest.raises(RecordError, match=r"is segment 1 of the record .*run\.h5.*load .*run\.h5") as err:
+        load(tmp_path / "run.seg0001.h5")
+    assert "damaged" not in str(err.value) and len(str(err.value).splitlines()) == 1
+    # a record that merely has such a name, with no record it would continue, is a record like any other
+    other = tmp_path / "solo" / "exp.seg0001.h5"
+    with Recorder(other) as rec:
+        rec.log(0, {"scalars/a": 1.0})
+    assert load(other)["step"].tolist() == [0]

@@ -407,6 +407,29 @@ def _lock_listed(lock_file: str) -> bool | None:
     return any(field.endswith(suffix) and field.count(":") == 2 for line in listed.splitlines() for field in line.split())
 
 
+def record_of_segment(path: str) -> str | None:
+    """The existing record whose later segment `schema.segment_path` names ``path`` (``run.seg0001.h5`` next to
+    ``run.h5`` -> ``run.h5``), else None."""
+    owner = schema.segment_owner(path)
+    return owner if owner is not None and os.path.isfile(owner) else None
+
+
+def _refuse_a_segment_of_another_record(path: str) -> None:
+    """A later segment read as a record was called damaged ("it holds segment 1 of its run, not segment 0"), with
+    a salvage of 0 rows offered: say which record it belongs to instead."""
+    owner = record_of_segment(path)
+    if owner is None or not os.path.isfile(path):
+        return
+    try:
+        with _READS, open_segment_file(path, live=False) as f:
+            numbered = int(f.attrs.get("segment", 0))
+    except (RecordError, *_READ_ERRORS):
+        return  # unreadable: judged as a record below
+    if numbered > 0:
+        raise RecordError(f"{path} is segment {numbered} of the record {owner} (rows after a resume or a new path), not "
+                          f"a record of its own; load {owner}, which is read with all its segments")
+
+
 def read_segments(path: str, with_data: bool = True, salvage: bool = False) -> list[Segment]:
     """All segments of the record at ``path`` that belong to its run, by index, verified.
 
@@ -424,6 +447,7 @@ def read_segments(path: str, with_data: bool = True, salvage: bool = False) -> l
     if os.path.isdir(path):
         raise RecordError(f"{path} is a folder, not a record; pass the record file (for example {os.path.join(path, 'run.h5')})")
     path = schema.resolve_link(path)
+    _refuse_a_segment_of_another_record(path)
     for attempt in range(4):
         files = schema.list_segments(path)
         if not files:

@@ -47,7 +47,7 @@ from nasdiag.memory import free_cpu_memory
 from nasdiag.record import schema
 from nasdiag.record.errors import RecordError, RecordWarning, ResumeMismatchError
 from nasdiag.record.lock import WriterLock, describe_os_error
-from nasdiag.record.reader import merged_columns, read_segments
+from nasdiag.record.reader import merged_columns, read_segments, record_of_segment
 from nasdiag.record.termination import GUARD
 
 _ALLOWED_KINDS = "biuf"
@@ -261,6 +261,12 @@ class Recorder:
         # through a symbolic link: segments, temporary files and replacements go next to the file it names (a resume
         # through the link put them next to the link, where the record read by its own name never saw them)
         self.path = schema.resolve_link(path)
+        owner = record_of_segment(self.path)
+        if owner is not None:  # overwrite=True deleted that record's segment, a new file made the record damaged
+            raise RecordError(
+                f"{path} is the name of a later segment of the record {owner}; record to another name, or continue "
+                f"that record with Recorder({owner!r}, resume=True)"
+            )
         self.flush_every = int(flush_every)
         self.flush_seconds = flush_seconds
         self._meta = schema.normalize_meta(meta)
