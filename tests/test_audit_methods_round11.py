@@ -18,7 +18,9 @@ Defects these tests found (each fails without its fix):
   been replaced (a half-loaded method); a dict without the generator, objects or network was a KeyError traceback
   (for the generator after everything else had been loaded), a string an AttributeError;
 - ``cost()`` (the cost service of docs/methods.md) took mixing weights it cannot use into a KeyError, TypeError or
-  torch RuntimeError traceback, or the network's ValueError after the stem's BatchNorm had taken the batch.
+  torch RuntimeError traceback, or the network's ValueError after the stem's BatchNorm had taken the batch;
+- ``evaluate(loader)`` with a label past the classifier or images of other channels was a torch traceback;
+  ``extend_schedule`` to fewer epochs than the run's shrank its schedule silently, and a string was a TypeError.
 """
 
 from __future__ import annotations
@@ -554,3 +556,38 @@ def test_the_cost_service_refuses_mixing_weights_it_cannot_use_in_one_line_befor
     assert all(p_.grad is None for p_ in net.parameters())
     per_sample = {t: v.unsqueeze(1).expand(E, len(x), K) for t, v in p.items()}  # still taken, per sample
     assert tuple(method.cost(x, y, per_sample).costs["normal"].shape) == (E, len(x), K)
+
+
+@pytest.mark.parametrize("name", ["darts", "asmnas"])
+def test_an_evaluation_batch_the_supernet_cannot_take_is_one_line(name):
+    """``evaluate(loader)`` (the supernet evaluation, ASM-NAS's selection pass): a label past the classifier was
+    cross-entropy's IndexError traceback, images of other channels a convolution's RuntimeError; check_batch's one
+    SearchError line, as for a step's batches."""
+    from nasdiag.search import SearchError
+
+    cls = get_method(name)
+    method = cls(_net(cls), cls.Hyperparameters(), schedule=Schedule(epochs=1, steps_per_epoch=2, batch_size=4))
+    x, y = _batches(1, 15)[0]
+    with pytest.raises(SearchError, match=r"evaluation labels y must be class indices in \[0, 3\)"):
+        method.evaluate([(x, torch.full_like(y, CLASSES))])
+    with pytest.raises(SearchError, match=r"evaluation inputs x must be images \(B, 1, H, W\)"):
+        method.evaluate([(torch.randn(4, 2, 6, 6), y)])
+    assert set(method.evaluate([(x.float(), y)])) == {"loss", "acc"}  # cast to the supernet's dtype, as before
+
+
+@pytest.mark.parametrize("epochs", [1, "3", 2.5, True])
+def test_extend_schedule_refuses_what_does_not_extend_the_run(epochs):
+    """``extend_schedule(epochs)`` continues the run to ``epochs`` in all: fewer epochs than the run's shrank its
+    schedule silently (the cosine of w left where it was), a string was a TypeError traceback. One SearchError line;
+    the schedule as it was."""
+    from nasdiag.search import SearchError
+
+    cls = get_method("darts")
+    method = cls(_net(cls), cls.Hyperparameters(), schedule=Schedule(epochs=2, steps_per_epoch=1, batch_size=4))
+    method.step(*_batches(2, 16))
+    method.epoch_end(0)
+    with pytest.raises(SearchError, match=r"at least its 2; got"):
+        method.extend_schedule(epochs)
+    assert method.schedule.epochs == 2 and method.scheduler.T_max == 2
+    method.extend_schedule(2)  # the run's own length: nothing to extend, accepted
+    assert method.schedule.epochs == 2

@@ -310,11 +310,20 @@ class SearchMethod:
         Every cosine learning-rate schedule anneals from its current learning rate to its minimum over
         the remaining epochs, lr = lr_min + (lr_now − lr_min)·(1 + cos(π t / (N − e)))/2 after t more
         epochs (cosine annealing restarted at lr_now): it never rises, and a finished run, at lr_min, stays
-        there. Methods with other schedules override this; by default they raise `SearchError`.
+        there. Methods with other schedules override this; by default they raise `SearchError`. ``epochs`` below
+        the run's own (or not an integer) is one `SearchError` line.
         """
         import dataclasses
 
         from torch.optim.lr_scheduler import CosineAnnealingLR, LRScheduler
+
+        now = self.schedule.epochs
+        if isinstance(epochs, bool) or not isinstance(epochs, numbers.Integral) or epochs < now:
+            # fewer epochs shrank the schedule silently (the run's length, its cosine left as it was); a string was a
+            # TypeError traceback
+            raise SearchError(f"extend_schedule(epochs) continues the run to that many epochs in all, at least its {now}; "
+                              f"got {epochs!r}")
+        epochs = int(epochs)
 
         for name, obj in self._stateful().items():
             if isinstance(obj, CosineAnnealingLR):
@@ -650,6 +659,7 @@ class SearchMethod:
         kwargs = {} if active is None else {"active": active}
         for x, y in loader:
             x, y = x.to(p.device, p.dtype), y.to(p.device)
+            check_batch(net, (x, y), "evaluation")  # a label past the classifier was cross-entropy's IndexError
             logits = net(x, weights, **kwargs)
             loss_sum += nn.functional.cross_entropy(logits, y, reduction="sum").double()
             correct += (logits.argmax(1) == y).sum()

@@ -40,7 +40,7 @@ from torch import nn
 
 from nasdiag import vocabulary as V
 from nasdiag.distributed import finite_on_every_rank
-from nasdiag.search.base import Batch, SearchError, SearchMethod, accuracy, mean_over_ranks, nonfinite_loss_error
+from nasdiag.search.base import Batch, SearchError, SearchMethod, accuracy, check_batch, mean_over_ranks, nonfinite_loss_error
 from nasdiag.search.hyperparameters import Hyperparameters, hp
 from nasdiag.search.registry import register
 from nasdiag.supernet import derive_genotype
@@ -191,6 +191,7 @@ class ASMNAS(SearchMethod):
         with collect_attention(net) as store:
             for x, y in loader:
                 x, y = x.to(p.device, p.dtype), y.to(p.device)
+                check_batch(net, (x, y), "evaluation")  # a label past the classifier was cross-entropy's IndexError
                 logits = net(x, attention_weights(net))
                 loss_sum += nn.functional.cross_entropy(logits, y, reduction="sum").double()
                 correct += (logits.argmax(1) == y).sum()
