@@ -20,7 +20,8 @@ Defects these tests found (each fails without its fix):
 - ``cost()`` (the cost service of docs/methods.md) took mixing weights it cannot use into a KeyError, TypeError or
   torch RuntimeError traceback, or the network's ValueError after the stem's BatchNorm had taken the batch;
 - ``evaluate(loader)`` with a label past the classifier or images of other channels was a torch traceback;
-  ``extend_schedule`` to fewer epochs than the run's shrank its schedule silently, and a string was a TypeError.
+  ``extend_schedule`` to fewer epochs than the run's shrank its schedule silently, and a string was a TypeError;
+  ``curvature(x, y)`` of images of other channels or dtype was a torch RuntimeError traceback.
 """
 
 from __future__ import annotations
@@ -591,3 +592,20 @@ def test_extend_schedule_refuses_what_does_not_extend_the_run(epochs):
     assert method.schedule.epochs == 2 and method.scheduler.T_max == 2
     method.extend_schedule(2)  # the run's own length: nothing to extend, accepted
     assert method.schedule.epochs == 2
+
+
+def test_a_curvature_batch_the_supernet_cannot_take_is_one_line():
+    """``curvature(x, y)`` (docs/spectrum.md: the run calls it every k steps; a user may call it on a batch of their
+    own): images of other channels were a convolution's RuntimeError traceback, float32 images on a float64 supernet
+    a dtype RuntimeError; check_batch's one SearchError line, as for a step."""
+    from nasdiag.search import SearchError
+
+    cls = get_method("darts")
+    method = cls(_net(cls), cls.Hyperparameters(), schedule=Schedule(epochs=1, steps_per_epoch=2, batch_size=4),
+                 hessian_mode="diag")
+    x, y = _batches(1, 17)[0]
+    with pytest.raises(SearchError, match=r"curvature inputs x must be images \(B, 1, H, W\)"):
+        method.curvature(torch.randn(4, 2, 6, 6, dtype=torch.float64), y)
+    with pytest.raises(SearchError, match=r"curvature inputs x are torch.float32"):
+        method.curvature(x.float(), y)
+    assert method.curvature(x, y)["hessian/normal/diag"].shape == method.probabilities()["normal"].shape

@@ -534,6 +534,7 @@ class SearchMethod:
         from nasdiag.hessian import eigenvalues_from_hvp, loss_hvp
 
         net = self.network
+        check_batch(net, (x, y), "curvature")  # images of other channels were a convolution's RuntimeError traceback
         stats: Dict[str, torch.Tensor] = {}
         bad: Dict[str, torch.Tensor] = {}
         if self.hessian_mode is not None:
