@@ -188,3 +188,22 @@ def test_a_recorder_named_like_a_later_segment_of_a_record_is_refused_leaving_th
     with Recorder(other) as rec:
         rec.log(0, {"scalars/a": 1.0})
     assert load(other)["step"].tolist() == [0]
+
+
+def test_every_hook_of_a_closed_callback_says_it_is_closed_not_that_its_step_is_wrong(tmp_path):
+    # on_epoch_end without step= after close() said "the row of step 4 is already written ...; pass step= a step
+    # after 4", and on_step_end of an earlier step said the step goes back: doing as told then met the close.
+    from nasdiag.record import RecorderCallback
+
+    path = tmp_path / "run.h5"
+    callback = RecorderCallback(path, flush_every=3)
+    for step in range(5):
+        callback.on_step_end(step, {"scalars/a": float(step)})
+    callback.close()
+    for call in (lambda: callback.on_epoch_end(0, {"scalars/x": 1.0}), lambda: callback.on_epoch_end(0, step=2),
+                 lambda: callback.on_step_end(3, {"scalars/a": 1.0}), lambda: callback.on_step_end(4, {"scalars/a": 1.0})):
+        with pytest.raises(RecordError, match=r"after close\(\)") as err:
+            call()
+        assert len(str(err.value).splitlines()) == 1
+    steps, values, logged = _plain_rows(path, "scalars/a")
+    assert steps.tolist() == [0, 1, 2, 3, 4] and values.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0] and logged.all()

@@ -147,9 +147,9 @@ class RecorderCallback:
         handed to the recorder. A step before the open row's (or one already written), or a value of a dtype
         the recorder cannot store (complex, strings), raises `RecordError`; nothing of this call is recorded
         and the callback stays usable."""
-        step = self._row_step(step, "on_step_end")
         statistics = _snapshot(statistics)
-        self._check_open("on_step_end")
+        self._check_open("on_step_end")  # before the step: a closed record is what is wrong, whatever the step
+        step = self._row_step(step, "on_step_end")
         try:
             if self._open is not None and step != self._open[0]:
                 self._finish_row()
@@ -162,9 +162,9 @@ class RecorderCallback:
         An epoch end is a point every rank reaches: the rows so far, the open one included, are
         converted (and reduced across ranks) now and the finished ones handed to the recorder, so that
         a `Recorder.flush` on rank 0 alone (a checkpoint at the epoch boundary) commits all of them."""
-        row_step = self._open_row_step(f"on_epoch_end(epoch={epoch})") if step is None else self._row_step(step, "on_epoch_end")
         statistics = _snapshot(statistics or {})
-        self._check_open("on_epoch_end")
+        self._check_open("on_epoch_end")  # before the step: after close there is no open row, which said "pass step="
+        row_step = self._open_row_step(f"on_epoch_end(epoch={epoch})") if step is None else self._row_step(step, "on_epoch_end")
         statistics.setdefault("scalars/epoch", np.float32(epoch))
         if self._open is not None and row_step != self._open[0]:
             self._finish_row(hand_over=False)
