@@ -21,7 +21,8 @@ Defects these tests found (each fails without its fix):
   torch RuntimeError traceback, or the network's ValueError after the stem's BatchNorm had taken the batch;
 - ``evaluate(loader)`` with a label past the classifier or images of other channels was a torch traceback;
   ``extend_schedule`` to fewer epochs than the run's shrank its schedule silently, and a string was a TypeError;
-  ``curvature(x, y)`` of images of other channels or dtype was a torch RuntimeError traceback.
+  ``curvature(x, y)`` of images of other channels or dtype was a torch RuntimeError traceback; ``probe=`` given
+  what is not a probe (a path string) was an AttributeError traceback.
 """
 
 from __future__ import annotations
@@ -609,3 +610,18 @@ def test_a_curvature_batch_the_supernet_cannot_take_is_one_line():
     with pytest.raises(SearchError, match=r"curvature inputs x are torch.float32"):
         method.curvature(x.float(), y)
     assert method.curvature(x, y)["hessian/normal/diag"].shape == method.probabilities()["normal"].shape
+
+
+@pytest.mark.parametrize("probe", ["run.h5", "another model's probe"])
+def test_a_probe_that_is_not_the_networks_is_one_line(probe):
+    """``probe=`` takes ``nasdiag.attach(network)``: a string (say, a path) was an AttributeError traceback ('str'
+    object has no attribute 'model'); a probe of another model was refused, and still is, in one line."""
+    import nasdiag
+    from nasdiag.errors import NasdiagError
+
+    cls = get_method("darts")
+    if probe != "run.h5":
+        probe = nasdiag.attach(_net(cls, seed=4))
+    with pytest.raises(NasdiagError, match="the probe must be attached to the method's network") as info:
+        cls(_net(cls), cls.Hyperparameters(), schedule=Schedule(epochs=1, steps_per_epoch=2, batch_size=4), probe=probe)
+    assert "\n" not in str(info.value)

@@ -226,8 +226,10 @@ class SearchMethod:
         from nasdiag.search.supernet import as_supernet
 
         self.network = as_supernet(network)
-        if probe is not None and probe.model is not self.network and probe.model is not network:
-            raise NasdiagError("the probe must be attached to the method's network: nasdiag.attach(network, ...)")
+        if probe is not None and getattr(probe, "model", None) is not self.network and getattr(probe, "model", None) is not network:
+            # (anything but a probe, e.g. a path string, was an AttributeError traceback)
+            raise NasdiagError("the probe must be attached to the method's network: nasdiag.attach(network, ...); got "
+                               f"{'a probe of another model' if hasattr(probe, 'model') else type(probe).__name__}")
         if hp is None:
             hp = self.Hyperparameters()
         if not isinstance(hp, self.Hyperparameters):
