@@ -207,3 +207,13 @@ def test_every_hook_of_a_closed_callback_says_it_is_closed_not_that_its_step_is_
         assert len(str(err.value).splitlines()) == 1
     steps, values, logged = _plain_rows(path, "scalars/a")
     assert steps.tolist() == [0, 1, 2, 3, 4] and values.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0] and logged.all()
+
+
+def test_a_record_named_like_a_segment_of_an_hdf5_file_that_is_no_record_is_a_record_like_any_other(tmp_path):
+    with h5py.File(tmp_path / "data.h5", "w") as f:
+        f["images"] = np.zeros(3)
+    from nasdiag.record import load
+
+    with Recorder(tmp_path / "data.seg2024.h5") as rec:
+        rec.log(0, {"scalars/a": 1.0})
+    assert load(tmp_path / "data.seg2024.h5")["scalars/a"].tolist() == [1.0]

@@ -409,9 +409,10 @@ def _lock_listed(lock_file: str) -> bool | None:
 
 def record_of_segment(path: str) -> str | None:
     """The existing record whose later segment `schema.segment_path` names ``path`` (``run.seg0001.h5`` next to
-    ``run.h5`` -> ``run.h5``), else None."""
+    ``run.h5`` -> ``run.h5``), else None (also where that file is not a record: ``data.seg2024.h5`` next to a
+    ``data.h5`` of someone else's)."""
     owner = schema.segment_owner(path)
-    return owner if owner is not None and os.path.isfile(owner) else None
+    return owner if owner is not None and os.path.isfile(owner) and not_a_record(owner) is None else None
 
 
 def _refuse_a_segment_of_another_record(path: str) -> None:
