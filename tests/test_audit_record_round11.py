@@ -217,3 +217,20 @@ def test_a_record_named_like_a_segment_of_an_hdf5_file_that_is_no_record_is_a_re
     with Recorder(tmp_path / "data.seg2024.h5") as rec:
         rec.log(0, {"scalars/a": 1.0})
     assert load(tmp_path / "data.seg2024.h5")["scalars/a"].tolist() == [1.0]
+
+
+@pytest.mark.parametrize("empty", ["", b""])
+def test_an_empty_record_path_is_one_line_that_says_so(tmp_path, monkeypatch, empty):
+    # Recorder("") (an unset variable) said "cannot create : No such file or directory"; load("") "no record at  (no
+    # file  and no segments next to it)".
+    from nasdiag.record import RecorderCallback, load, load_meta
+
+    monkeypatch.chdir(tmp_path)
+    makers = [lambda: Recorder(empty), lambda: load(empty), lambda: load_meta(empty)]
+    if isinstance(empty, str):  # a callback's target is a str path, a Recorder or None
+        makers.append(lambda: RecorderCallback(empty))
+    for make in makers:
+        with pytest.raises(RecordError, match="record path is empty") as err:
+            make()
+        assert len(str(err.value).splitlines()) == 1
+    assert os.listdir(tmp_path) == []

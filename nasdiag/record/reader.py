@@ -445,6 +445,8 @@ def read_segments(path: str, with_data: bool = True, salvage: bool = False) -> l
         raise RecordError(f"path must be a str or os.PathLike, got {type(path).__name__}") from None
     if isinstance(path, bytes):  # as `Recorder` takes it
         path = os.fsdecode(path)
+    if not path:
+        raise RecordError("the record path is empty; pass a record file such as runs/run.h5")
     if os.path.isdir(path):
         raise RecordError(f"{path} is a folder, not a record; pass the record file (for example {os.path.join(path, 'run.h5')})")
     path = schema.resolve_link(path)

@@ -247,6 +247,8 @@ class Recorder:
             raise RecordError(f"path must be a str or os.PathLike, got {type(path).__name__}") from None
         if isinstance(path, bytes):
             path = os.fsdecode(path)
+        if not path:  # an unset variable: "cannot create : No such file or directory" said nothing of it
+            raise RecordError("the record path is empty; pass a file path such as runs/run.h5")
         if isinstance(flush_every, bool) or not isinstance(flush_every, (int, np.integer)) or flush_every < 1:
             raise RecordError(f"flush_every must be a positive int, got {flush_every!r}")
         if flush_seconds is not None and not (isinstance(flush_seconds, (int, float)) and flush_seconds > 0):
