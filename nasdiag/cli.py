@@ -247,6 +247,12 @@ def _refuse_figures_in_the_record(figures: str, record: str, default: str) -> No
 
 def run_search(args) -> int:
     args.replaced = _identity(args.out) if args.force else None  # to tell an interrupt before --force replaced it
+    if args.resume and os.path.isfile(args.out):  # it said the checkpoint was missing: "start again with --force"
+        from nasdiag.plot.commands import renamed_record
+
+        renamed = renamed_record(args.out)
+        if renamed is not None:
+            raise ConfigError(f"cannot resume: {renamed}")
     from nasdiag.search import run  # torch: seconds, in which Ctrl-C comes before anything is replaced
 
     result = run(search_config(args))

@@ -132,3 +132,50 @@ def test_negative_numbers_and_unknown_options_get_no_dash_hint(tmp_path, monkeyp
     assert "begins with -" not in refused(["search", *TINY, "--seed", "-1"], tmp_path, "seed must be", capsys)
     line = refused(["search", "--bogus", "-x"], tmp_path, "unrecognized arguments: --bogus -x", capsys)
     assert "begins with -" not in line, line
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """A run of two epochs, the second resumed: its rows lie in run.h5 and run.seg0001.h5."""
+    folder = tmp_path_factory.mktemp("resumed")
+    assert main(["search", *TINY, "--out", str(folder / "run.h5")]) == 0
+    assert main(["search", *TINY, "--epochs", "2", "--out", str(folder / "run.h5"), "--resume"]) == 0
+    return folder
+
+
+def test_a_record_renamed_without_its_segments_is_not_read_as_a_shorter_run(resumed, tmp_path, monkeypatch, capsys):
+    """``mv run.h5 lr01.h5`` (naming a run after its settings) leaves run.seg0001.h5 behind: plot and report drew
+    lr01.h5 as a run that ended at its first resume, without a word, and its --resume was "its checkpoint lr01.h5.ckpt
+    is missing; start again with --force" (which replaces it). Each says the record was renamed without its later
+    segments, and doing what the line says reads every row."""
+    import shutil
+
+    from nasdiag.record import load
+
+    capsys.readouterr()
+    for f in resumed.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    monkeypatch.chdir(tmp_path)
+    steps = load("run.h5")["step"].tolist()
+    assert os.path.exists("run.seg0001.h5") and steps == list(range(1, len(steps) + 1))
+    os.rename("run.h5", "lr01.h5")
+    needle = "lr01.h5 is the first file of the record run.h5, renamed without its later segments (run.seg0001.h5"
+    for argv in (["plot", "lr01.h5", "--out", "figs"], ["report", "lr01.h5", "--out", "page.html"],
+                 ["search", *TINY, "--epochs", "3", "--out", "lr01.h5", "--resume"]):
+        line = refused(argv, tmp_path, needle, capsys)
+        assert "rename each run.segNNNN.h5 to lr01.segNNNN.h5 (and run.h5.ckpt to lr01.h5.ckpt" in line, line
+    os.rename("run.seg0001.h5", "lr01.seg0001.h5")  # as the line says
+    os.rename("run.h5.ckpt", "lr01.h5.ckpt")
+    assert load("lr01.h5")["step"].tolist() == steps
+    assert main(["search", *TINY, "--epochs", "3", "--out", "lr01.h5", "--resume"]) == 0
+
+
+def test_a_record_next_to_the_segments_of_another_run_is_read(resumed, tmp_path, capsys):
+    """Segments of another run in the same folder (another run id) say nothing about a record: it is drawn."""
+    import shutil
+
+    for f in resumed.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    assert main(["search", *TINY, "--out", str(tmp_path / "other.h5")]) == 0
+    assert main(["report", str(tmp_path / "other.h5"), "--out", str(tmp_path / "page.html")]) == 0
+    capsys.readouterr()

@@ -187,6 +187,51 @@ def refuse_segment(record_path) -> None:
     if owner is not None:
         raise PlotError(f"{record_path} is a continuation segment of the record {owner} (the rows after a resume), "
                         f"not a record of its own; pass the record {owner}, which is read with all its segments")
+    renamed = renamed_record(record_path)
+    if renamed is not None:
+        raise PlotError(renamed)
+
+
+def renamed_record(record_path) -> Optional[str]:
+    """Why ``record_path`` is not a whole record if it is the first file of a run renamed without its later segments
+    (``mv run.h5 lr01.h5`` leaves ``run.seg0001.h5``, ... behind, named after ``run.h5``, which is gone), else None:
+    read alone it gave the rows before the first resume as if the run ended there, and its resume was told to start
+    again with --force, which replaces it. A later segment next to it, named after a record that is not there, that
+    carries this file's run id, tells."""
+    import glob
+    import os
+
+    from nasdiag.record.errors import RecordError
+    from nasdiag.record.reader import open_segment_file
+    from nasdiag.record.schema import resolve_link, segment_owner, segment_path
+
+    path = resolve_link(str(record_path))
+    if not os.path.isfile(path) or os.path.lexists(segment_path(path, 1)):
+        return None
+    root, ext = os.path.splitext(os.path.basename(path))
+    others = [f for f in sorted(glob.glob(os.path.join(glob.escape(os.path.dirname(path) or "."), f"*.seg0001{glob.escape(ext)}")))
+              if segment_owner(f) is not None and not os.path.lexists(segment_owner(f))]  # a copy keeps its record
+
+    def run_id(file):
+        try:  # read once: a damaged file's SWMR retries took minutes
+            with open_segment_file(file, live=False) as f:
+                return f.attrs.get("run_id")
+        except (RecordError, OSError):
+            return None
+
+    mine = run_id(path) if others else None
+    if mine is None:
+        return None
+    owner = next((segment_owner(f) for f in others if run_id(f) == mine), None)
+    if owner is None:
+        return None
+    owner = os.path.join(os.path.dirname(path), os.path.basename(owner))  # as the user named the folder
+    first, theirs = os.path.basename(segment_path(owner, 1)), os.path.splitext(os.path.basename(owner))[0]
+    also = (f" (and {os.path.basename(owner)}.ckpt to {os.path.basename(path)}.ckpt, to resume it)"
+            if os.path.exists(owner + ".ckpt") else "")
+    return (f"{record_path} is the first file of the record {owner}, renamed without its later segments ({first}, ...), "
+            f"which hold the rest of its rows; rename it back to {owner}, or rename each {theirs}.segNNNN{ext} to "
+            f"{root}.segNNNN{ext}{also} too")
 
 
 def _load(record_path):
