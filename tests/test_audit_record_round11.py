@@ -234,3 +234,35 @@ def test_an_empty_record_path_is_one_line_that_says_so(tmp_path, monkeypatch, em
             make()
         assert len(str(err.value).splitlines()) == 1
     assert os.listdir(tmp_path) == []
+
+
+_KILLED_LOOP = """
+import os, signal, sys, warnings
+from nasdiag.record import RecorderCallback
+warnings.simplefilter("ignore")
+callback = RecorderCallback(sys.argv[1], flush_every=8, flush_seconds=None)
+for step in range(1, 100):
+    callback.on_step_end(step, {"scalars/a": float(step)})
+    if step == 3:
+        callback.on_epoch_end(0)  # hands over a partial batch: steps 1, 2 (3 stays open for its epoch statistics)
+    if step == int(sys.argv[2]):
+        os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.parametrize("killed_at", [9, 10, 17, 18])
+def test_a_loop_killed_after_an_epoch_end_loses_at_most_flush_every_rows_plus_the_open_one(tmp_path, killed_at):
+    # docs/schema.md, "Buffered rows": at most flush_every rows (plus the callback's open row) are lost to a SIGKILL.
+    # An epoch end hands the recorder a partial batch (2 rows here), which it held until its buffer filled, while the
+    # callback gathered a whole batch of 8 more on top: killed after step 10, none of the 10 rows was on disk.
+    import subprocess
+    import sys
+
+    path = tmp_path / "run.h5"
+    done = subprocess.run([sys.executable, "-c", _KILLED_LOOP, str(path), str(killed_at)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == -9, done.stderr[-500:]
+    steps, values, logged = _plain_rows(path, "scalars/a")  # every committed row, whole and in order
+    assert steps.tolist() == list(range(1, len(steps) + 1)) and values.tolist() == [float(s) for s in steps]
+    assert logged.all()
+    assert killed_at - len(steps) <= 8 + 1

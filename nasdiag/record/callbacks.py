@@ -67,7 +67,8 @@ class RecorderCallback:
 
     Batches: rows are kept as handed in (tensors are snapshotted with ``detach().clone()`` on their
     device, numpy arrays copied) and handed to the recorder ``flush_every`` rows at a time (single
-    process: also when the recorder's ``flush_seconds`` have passed) and at every epoch end: each
+    process: also when the recorder's ``flush_seconds`` have passed, and after an epoch end as many as
+    fill up the recorder's buffer, so that it writes them) and at every epoch end: each
     path's tensors are stacked and copied to the host once, and under DDP the whole batch is reduced
     with one call (a row in which a path has another shape than in its first row is then refused, with
     a `RecordError` at that hand-over, costing that row only). After ``on_epoch_end`` every row so far,
@@ -289,10 +290,19 @@ class RecorderCallback:
             self._open = None
         if not hand_over or not self._rows:
             return
-        if len(self._rows) >= self.rows_per_batch:
+        if len(self._rows) >= self.rows_per_batch - self._rows_in_recorder():
             self._hand_over(collective=True)
         elif self.recorder is not None and self.recorder.flush_due and not self._needs_reduction():
             self._hand_over(collective=False)
+
+    def _rows_in_recorder(self) -> int:
+        """Rows the recorder holds unwritten (a partial batch an epoch end handed over). The next batch fills its buffer
+        up, so that the recorder writes when it comes: a full batch on top of them stayed unwritten, and a kill lost up
+        to twice ``flush_every`` rows. Under DDP the ranks hand over at the same rows, which rank 0's buffer cannot
+        decide: 0 there."""
+        if self.recorder is None or self.recorder.closed or self._needs_reduction():
+            return 0
+        return min(self.recorder.rows_buffered, self.rows_per_batch - 1)
 
     def _hand_over(self, collective: bool, open_row: bool = False, drop_unreduced: bool = False) -> None:
         """Settle the raw values of the held rows (convert; under DDP reduce, which needs
