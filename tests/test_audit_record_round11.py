@@ -266,3 +266,49 @@ def test_a_loop_killed_after_an_epoch_end_loses_at_most_flush_every_rows_plus_th
     assert steps.tolist() == list(range(1, len(steps) + 1)) and values.tolist() == [float(s) for s in steps]
     assert logged.all()
     assert killed_at - len(steps) <= 8 + 1
+
+
+def test_a_callback_hook_called_from_another_thread_while_one_runs_is_refused_not_merged_into_its_row(tmp_path):
+    # Two threads feeding one RecorderCallback: a value of one step was recorded under another step (seen: step 2269
+    # holding 1835), with no error. The Recorder refuses a second thread; the callback now does too, at the call.
+    import threading
+    from collections.abc import Mapping
+
+    from nasdiag.record import RecorderCallback
+
+    inside, go_on = threading.Event(), threading.Event()
+
+    class Slow(Mapping):
+        """Statistics whose reading, inside the hook, waits until the other thread has called in."""
+
+        def __init__(self, values):
+            self.values = values
+
+        def __getitem__(self, key):
+            return self.values[key]
+
+        def __len__(self):
+            return len(self.values)
+
+        def __iter__(self):
+            inside.set()
+            assert go_on.wait(30)
+            return iter(self.values)
+
+    path = tmp_path / "run.h5"
+    callback = RecorderCallback(path, flush_every=4, flush_seconds=None)
+    callback.on_step_end(1, {"scalars/a": 1.0})
+    first = threading.Thread(target=callback.on_step_end, args=(2, Slow({"scalars/a": 2.0})))
+    first.start()
+    assert inside.wait(30)
+    try:
+        with pytest.raises(RecordError, match="another thread") as err:
+            callback.on_step_end(3, {"scalars/a": 30.0})
+        assert len(str(err.value).splitlines()) == 1
+    finally:
+        go_on.set()
+        first.join(30)
+    callback.on_step_end(3, {"scalars/a": 3.0})
+    callback.close()
+    steps, values, logged = _plain_rows(path, "scalars/a")
+    assert steps.tolist() == [1, 2, 3] and values.tolist() == [1.0, 2.0, 3.0] and logged.all()

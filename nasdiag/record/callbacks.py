@@ -21,8 +21,10 @@ calls every hook; the rows of a batch are reduced across ranks with one call of
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
+import threading
 import warnings
 from collections.abc import Mapping
 
@@ -32,6 +34,24 @@ from nasdiag.arrays import is_tensor, stack_to_numpy
 from nasdiag.record.errors import RecordError, RecordWarning
 from nasdiag.record.writer import Recorder, checked_step, unrecordable_tensor
 from nasdiag.vocabulary import RULES
+
+
+def _one_thread_at_a_time(hook):
+    """A hook called from another thread while one runs is refused: the two threads' rows were merged into one
+    another's steps (a value recorded under another step), silently. The thread that runs a hook may enter another
+    (a flush of the recorder calls the flush listener)."""
+    @functools.wraps(hook)
+    def guarded(self, *args, **kwargs):
+        if not self._turn.acquire(blocking=False):
+            raise RecordError(
+                f"RecorderCallback.{hook.__name__.lstrip('_')} called from another thread while a hook runs; a callback "
+                "serves one thread: call its hooks from one thread, or under one lock"
+            )
+        try:
+            return hook(self, *args, **kwargs)
+        finally:
+            self._turn.release()
+    return guarded
 
 
 class RecorderCallback:
@@ -64,6 +84,7 @@ class RecorderCallback:
     a flush has already written, raises `RecordError` at that call and records nothing of it; the
     callback stays usable and everything recorded before is kept. After `close`, ``on_step_end`` and
     ``on_epoch_end`` raise `RecordError` (the record is closed; a new callback with ``resume=True`` goes on).
+    A callback serves one thread: a hook called from another thread while one runs raises `RecordError`.
 
     Batches: rows are kept as handed in (tensors are snapshotted with ``detach().clone()`` on their
     device, numpy arrays copied) and handed to the recorder ``flush_every`` rows at a time (single
@@ -95,6 +116,7 @@ class RecorderCallback:
     ):
         from nasdiag import distributed
 
+        self._turn = threading.RLock()  # see _one_thread_at_a_time
         _check_recorder_options(recorder_kwargs)
         _check_rules(rules)
         self._reduce = reduce
@@ -141,6 +163,7 @@ class RecorderCallback:
         """`close` has run: the hooks refuse further rows."""
         return self._closed
 
+    @_one_thread_at_a_time
     def on_step_end(self, step: int, statistics: Mapping) -> None:
         """Record the statistics of ``step`` (a mapping of record path -> array-like).
 
@@ -157,6 +180,7 @@ class RecorderCallback:
         finally:  # a bad earlier row raised at its hand-over: this call's row is still kept
             self._add(step, statistics)
 
+    @_one_thread_at_a_time
     def on_epoch_end(self, epoch: int, statistics: Mapping | None = None, *, step: int | None = None) -> None:
         """Record the epoch's statistics in the row of its last step (or of ``step`` if given).
 
@@ -173,6 +197,7 @@ class RecorderCallback:
         self._add(row_step, statistics)
         self._hand_over(collective=True, open_row=True)
 
+    @_one_thread_at_a_time
     def on_exception(self, exception: BaseException, statistics: Mapping | None = None, *, step: int | None = None) -> None:
         """Write what is held back (and ``statistics``, if any, at ``step``) and flush to disk.
 
@@ -201,6 +226,7 @@ class RecorderCallback:
         if refused is not None:
             raise refused
 
+    @_one_thread_at_a_time
     def flush(self) -> None:
         """Hand every held row to the recorder (reducing across ranks: under DDP every rank must call
         it) and commit it to disk. Afterwards ``recorder.last_committed_step`` is the last step seen."""
@@ -209,6 +235,7 @@ class RecorderCallback:
         if self.recorder is not None and not self.recorder.closed:
             self.recorder.flush()
 
+    @_one_thread_at_a_time
     def close(self) -> None:
         """Write what is held back and close the recorder (if this rank has one). Under DDP every rank
         must call it (the last rows are reduced first)."""
@@ -389,6 +416,7 @@ class RecorderCallback:
                 stacklevel=4,
             )
 
+    @_one_thread_at_a_time
     def _on_recorder_flush(self, closing: bool) -> None:
         """Flush listener: the recorder flushes or closes on its own (no other rank takes part)."""
         if self._open is not None and not (self._open[1] and self._needs_reduction()):
