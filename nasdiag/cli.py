@@ -199,6 +199,30 @@ def search_config(args: argparse.Namespace) -> SearchConfig:
     return config
 
 
+def _refuse_unexpanded_home(args) -> None:
+    """Refuse a path that begins with ``~`` the shell left as is (it expands it in a word of its own, not after
+    ``--out=`` nor in quotes): ``--out=~/runs/a.h5`` made a folder named ``~`` in the current one and said "record:
+    ~/runs/a.h5", as if in the home folder. A folder really named ``~`` here is taken as meant."""
+    paths = [("--out", args.out)]
+    if args.command == "search":
+        paths += [("--figs", args.figs), ("--data-dir", args.data_dir)]
+    else:
+        paths += [("RECORD", r) for r in (args.records if args.command == "plot" else [args.record])]
+    for option, value in paths:
+        if not value or not value.startswith("~"):
+            continue
+        first = Path(value).parts[0]
+        expanded = os.path.expanduser(value)
+        if os.path.lexists(first) or expanded == value:  # a folder named so, or no such user: the path as given
+            continue
+        given = f"{option}={value}" if option.startswith("-") else value
+        instead = f"{option} {value} (a space, not =)" if option.startswith("-") else value + " unquoted"
+        names = "would name a folder {} here" if option in ("--out", "--figs") else "names a folder {} here, which is not there"
+        raise ConfigError(f"{given} begins with {first}, which the shell expands only in a word of its own, not after = "
+                          f"nor in quotes, so it {names.format(first)}; write {instead}, or the full path "
+                          f"{_quote(expanded)}")
+
+
 def _refuse_broken_links(args) -> None:
     """Refuse an output path (``--out``, and the figure folder of ``search``) through a symbolic link that leads
     nowhere: the path itself or a folder of it a dangling link, or a loop of links. Each was an error that named
@@ -636,6 +660,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.command is None:
             raise ConfigError("nasdiag: choose a command: search, methods, plot or report (see nasdiag --help)")
         if args.command in ("search", "plot", "report"):
+            _refuse_unexpanded_home(args)
             _refuse_broken_links(args)
         _import_numpy()
         if args.command == "methods":  # printing is all it does

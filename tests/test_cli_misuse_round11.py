@@ -179,3 +179,33 @@ def test_a_record_next_to_the_segments_of_another_run_is_read(resumed, tmp_path,
     assert main(["search", *TINY, "--out", str(tmp_path / "other.h5")]) == 0
     assert main(["report", str(tmp_path / "other.h5"), "--out", str(tmp_path / "page.html")]) == 0
     capsys.readouterr()
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["search", *TINY, "--out=~/run.h5"], "write --out ~/run.h5 (a space, not =)"),
+    (["search", *_FIGS, "--out", "run.h5", "--figs=~/figs"], "write --figs ~/figs (a space, not =)"),
+    (["search", *TINY, "--dataset", "cifar10", "--data-dir=~/cifar", "--out", "run.h5"], "write --data-dir ~/cifar"),
+    (["plot", "~/run.h5", "--out", "figs"], "write ~/run.h5 unquoted"),
+    (["report", "run.h5", "--out=~/page.html"], "write --out ~/page.html (a space, not =)"),
+])
+def test_a_tilde_the_shell_left_as_is_is_not_a_folder_named_tilde(argv, needle, tmp_path, monkeypatch, capsys):
+    """The shell expands ``~`` only in a word of its own: ``--out=~/run.h5`` reaches nasdiag as is, and the search made
+    a folder named ``~`` in the current one and printed "record: ~/run.h5", as if the record were in the home folder
+    (where it was not). Refused in one line naming the way to write it and the full path; nothing is created."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    line = refused(argv, tmp_path, needle, capsys)
+    assert "the shell expands only in a word of its own" in line and str(home) in line, line
+
+
+def test_a_folder_really_named_tilde_is_taken(tmp_path, monkeypatch, capsys):
+    """Where a folder named ``~`` exists in the current one, ``--out=~/run.h5`` means it."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "~").mkdir()
+    assert main(["search", *TINY, "--out=~/run.h5"]) == 0
+    capsys.readouterr()
+    assert (tmp_path / "~" / "run.h5").is_file()
