@@ -33,9 +33,29 @@ class Parser(argparse.ArgumentParser):
 
     def parse_args(self, args=None, namespace=None):
         parsed = super().parse_args(args, namespace)
+        refuse_unexpanded_home(self, parsed)
         if self.plot_options is not None:
             refuse_with_plot_only(self, args, parsed, self.plot_options)
         return parsed
+
+
+def refuse_unexpanded_home(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse a path that begins with a ``~`` the shell left as is (it expands it in a word of its own, not after
+    ``--out=`` nor in quotes): ``--out=~/figs`` wrote into a folder named ``~`` in the current one. A folder really
+    named so there is taken as meant."""
+    import os
+
+    for action in parser._actions:
+        value = getattr(args, action.dest, None)
+        if not action.option_strings or not isinstance(value, str) or not value.startswith("~"):
+            continue
+        first, expanded = value.split(os.sep, 1)[0], os.path.expanduser(value)
+        if os.path.lexists(first) or expanded == value:  # a folder named so, or no such user: the path as given
+            continue
+        option = max(action.option_strings, key=len)
+        raise UsageError(f"{option}={value} begins with {first}, which the shell expands only in a word of its own, not "
+                         f"after = nor in quotes, so it would name a folder {first} here; write {option} {value} (a "
+                         f"space, not =), or the full path {expanded}")
 
 
 def given_options(parser: argparse.ArgumentParser, argv) -> list:

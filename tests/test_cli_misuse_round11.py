@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 
 import numpy as np
 import pytest
@@ -16,6 +17,8 @@ import pytest
 from nasdiag.cli import main
 from test_cli_errors import TINY, refused
 from test_cli_plot_misuse import rec, source  # noqa: F401 (fixtures)
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "scripts"))  # the batch scripts' script_args
 
 
 def _fake_cifar(folder, seed: int) -> None:
@@ -209,3 +212,25 @@ def test_a_folder_really_named_tilde_is_taken(tmp_path, monkeypatch, capsys):
     assert main(["search", *TINY, "--out=~/run.h5"]) == 0
     capsys.readouterr()
     assert (tmp_path / "~" / "run.h5").is_file()
+
+
+@pytest.mark.parametrize("script, argv, option", [
+    ("xnas_toys", ["--out=~/figs"], "--out"),
+    ("make_readme_figures", ["--plot-only", "--runs=~/runs"], "--runs"),
+    ("bayes_compression", ["--out=~/figs", "--seed", "0"], "--out"),
+])
+def test_a_script_path_with_a_tilde_the_shell_left_is_refused(script, argv, option, tmp_path, monkeypatch, capsys):
+    """The batch scripts took ``--out=~/figs`` as a folder named ``~`` in the current one; one line, nothing made."""
+    import importlib
+
+    from nasdiag.errors import run_script
+    from test_cli_errors import snapshot
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    code = run_script(script, importlib.import_module(script).main, argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert f"write {option} ~/" in err[0] and str(tmp_path / "home") in err[0], err
+    assert snapshot(tmp_path / "work") == {}  # (matplotlib may make its cache under the home folder)
