@@ -103,7 +103,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--no-figs", action="store_true", help="draw no figures at the end")
     mode = s.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true",
-                      help="continue the run recorded at --out (same settings); with a larger --epochs, extend it")
+                      help="continue the run recorded at --out; the settings that define it (method, --hp, data, "
+                      "supernet, seed, batch size, dtype) and what it records (--diagnostics, --hessian-mode, "
+                      "--spectrum-every) must match, a mismatch is named; --device, --engine, --threads, the figures and "
+                      "the progress bar may change; a larger --epochs extends the run")
     mode.add_argument("--force", action="store_true", help="replace the record at --out and the leftover files of its run (refused while it is "
                       "written, and for a file that is not a nasdiag record)")
     s.add_argument("--C", type=int, default=d.C, help=f"channels of the first cell, even (default: {d.C})")

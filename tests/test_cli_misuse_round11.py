@@ -234,3 +234,25 @@ def test_a_script_path_with_a_tilde_the_shell_left_is_refused(script, argv, opti
     assert code == 2 and len(err) == 1, err
     assert f"write {option} ~/" in err[0] and str(tmp_path / "home") in err[0], err
     assert snapshot(tmp_path / "work") == {}  # (matplotlib may make its cache under the home folder)
+
+
+def test_resume_help_names_what_may_change_and_it_may(tmp_path, capsys):
+    """``--resume``'s help said only "(same settings)": a user could not tell that --device, --engine or --threads
+    may change (and may have refused to resume a CPU run on a GPU). It names them, each option the help says must
+    match is compared, and each it says may change is accepted."""
+    from nasdiag.cli import _parser
+    from nasdiag.search.config import RECORD_DEFINING, RUN_DEFINING
+
+    actions = {a.dest: a for a in _parser().commands["search"]._actions}
+    text = actions["resume"].help
+    may = text.split(" may change")[0].rsplit("; ", 1)[1]
+    for option in ("--device", "--engine", "--threads"):
+        assert option in may and actions[option[2:]].dest not in RUN_DEFINING + RECORD_DEFINING, (option, text)
+    for option in ("--diagnostics", "--hessian-mode", "--spectrum-every"):
+        assert option in text.split(" must match")[0] and option[2:].replace("-", "_") in RECORD_DEFINING
+    out = tmp_path / "run.h5"
+    assert main(["search", *TINY, "--out", str(out)]) == 0
+    refused(["search", *TINY, "--epochs", "2", "--out", str(out), "--resume", "--order", "conv-bn-relu"], tmp_path,
+            "order='conv-bn-relu' (recorded 'relu-conv-bn')", capsys)
+    assert main(["search", *TINY, "--epochs", "2", "--out", str(out), "--resume", "--engine", "eager"]) == 0
+    capsys.readouterr()
