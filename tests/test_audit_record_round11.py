@@ -312,3 +312,44 @@ def test_a_callback_hook_called_from_another_thread_while_one_runs_is_refused_no
     callback.close()
     steps, values, logged = _plain_rows(path, "scalars/a")
     assert steps.tolist() == [1, 2, 3] and values.tolist() == [1.0, 2.0, 3.0] and logged.all()
+
+
+_FORKED = """
+import os, signal, sys, warnings
+warnings.simplefilter("ignore")
+from nasdiag.record import Recorder
+folder = sys.argv[1]
+parent = Recorder(os.path.join(folder, "parent.h5"), flush_seconds=None)
+parent.log(0, {"scalars/a": 0.0})
+children = []
+for how in ("exit", "sigterm"):
+    pid = os.fork()
+    if pid == 0:
+        child = Recorder(os.path.join(folder, how + ".h5"), flush_seconds=None)  # never closed by the child's code
+        for step in range(3):
+            child.log(step, {"scalars/a": float(step)})
+        if how == "sigterm":
+            os.kill(os.getpid(), signal.SIGTERM)
+        sys.exit(0)
+    children.append(pid)
+print([os.waitpid(pid, 0)[1] for pid in children], flush=True)
+parent.log(1, {"scalars/a": 1.0})
+parent.close()
+"""
+
+
+def test_a_recorder_a_forked_child_opens_is_flushed_at_its_exit_and_sigterm_while_the_parent_holds_one(tmp_path):
+    # docs/schema.md, Durability: buffered rows are written at SIGTERM and at interpreter exit. The guard skipped
+    # every recorder in a process other than the one that first installed its handler, so a child forked while the
+    # parent held a recorder lost the rows of its own recorder (none on disk) and left its lock behind.
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _FORKED, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-1000:]
+    for how in ("exit", "sigterm"):
+        steps, values, logged = _plain_rows(str(tmp_path / f"{how}.h5"), "scalars/a")
+        assert steps.tolist() == [0, 1, 2] and values.tolist() == [0.0, 1.0, 2.0] and logged.all(), how
+        assert not (tmp_path / f"{how}.h5.lock").exists()
+    steps, values, _ = _plain_rows(str(tmp_path / "parent.h5"), "scalars/a")  # the children never touched it
+    assert steps.tolist() == [0, 1] and values.tolist() == [0.0, 1.0]

@@ -35,15 +35,14 @@ def _outside_function_transforms():
 
 class _TerminationGuard:
     def __init__(self):
-        self._recorders: dict = {}  # insertion-ordered set of open recorders
+        self._recorders: dict = {}  # open recorder -> pid of the process that opened it (insertion-ordered)
         self._previous = None
         self._installed = False
-        self._pid = os.getpid()
         self._pending_signal: int | None = None
         atexit.register(self._close_all)
 
     def register(self, recorder, handle_sigterm: bool) -> None:
-        self._recorders[recorder] = None
+        self._recorders[recorder] = os.getpid()  # the process that opened it: the only one that may write it
         if not handle_sigterm or self._installed:
             return
         if threading.current_thread() is not threading.main_thread():
@@ -56,7 +55,6 @@ class _TerminationGuard:
             return
         self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         self._installed = True
-        self._pid = os.getpid()
 
     def unregister(self, recorder) -> None:
         self._recorders.pop(recorder, None)
@@ -69,18 +67,22 @@ class _TerminationGuard:
     def _close_all(self) -> None:
         self._for_all("close")
 
+    def _own(self) -> list:
+        """The open recorders this process opened. A forked child (e.g. a DataLoader worker) must never touch its
+        parent's; those it opened itself it must flush (one process-wide pid check skipped them, and their rows)."""
+        pid = os.getpid()
+        return [recorder for recorder, opener in list(self._recorders.items()) if opener == pid]
+
     def _for_all(self, action: str) -> None:
-        if os.getpid() != self._pid:
-            return  # a forked child (e.g. a DataLoader worker) must never touch the parent's files
         with _outside_function_transforms():
-            for recorder in list(self._recorders):
+            for recorder in self._own():
                 try:
                     getattr(recorder, action)()
                 except Exception as err:  # in a signal handler or at exit there is no caller to raise to
                     warnings.warn(f"{action} of {recorder.path} failed: {err}", RecordWarning)
 
     def _on_sigterm(self, signum, frame) -> None:
-        if os.getpid() == self._pid and any(r.writing for r in list(self._recorders)):
+        if any(r.writing for r in self._own()):
             # The signal arrived inside log/flush; acting now would re-enter the recorder mid-write.
             # The recorder calls `finish_pending_signal` when it is done.
             self._pending_signal = signum
