@@ -20,13 +20,15 @@ step; a ``RemovableHandle`` and its weak references per hook per step allocate e
 garbage collector over the model's large object graph (a measured 3-4 % of a CPU step). So, on the torch
 releases whose ``nn.Module`` keeps its hooks in the dicts checked by :func:`fast_path_available`, a plan
 writes its hooks straight into those dicts (the very dicts ``register_forward_hook`` fills, so
-``nn.Module.__call__`` runs them the same way) under keys that are unique objects, so they never collide
-with a handle's integer id. On any other torch release it uses the public ``register_forward_hook`` /
+``nn.Module.__call__`` runs them the same way) under negative integer keys, which never collide with a
+handle's id (torch counts those up from 0). Integers, not unique ``object()``s: ``torch.compile`` of
+torch 2.11 reads a module's hook dict keys as constants and stops in an internal assertion on an ``object()``. On any other torch release it uses the public ``register_forward_hook`` /
 ``register_forward_pre_hook``. Tensor hooks always use the public ``Tensor.register_hook``.
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 from typing import Callable, List, Optional, Tuple
 
@@ -62,6 +64,7 @@ def fast_path_available(version: Optional[str] = None) -> bool:
 
 
 _FAST = fast_path_available()
+_KEYS = itertools.count(-1, -1)  # fast-path hook keys: -1, -2, ...; a RemovableHandle's id is >= 0
 
 
 def has_module_hooks(modules) -> bool:
@@ -122,8 +125,7 @@ class Hooks:
         if self.fast:
             hooks = module._forward_hooks if kind == "forward" else module._forward_pre_hooks
             flags = module._forward_pre_hooks_with_kwargs if with_kwargs else None
-            # a unique object, never an int, so it cannot collide with a RemovableHandle id
-            entry = (hooks, object(), fn, flags, prepend)
+            entry = (hooks, next(_KEYS), fn, flags, prepend)  # < 0: never a RemovableHandle id
         else:
             entry = (module, kind, fn, with_kwargs, prepend)
         self._planned.append(entry)
