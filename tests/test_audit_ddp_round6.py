@@ -24,6 +24,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -336,7 +337,11 @@ def test_spawned_ranks_equal_one_process_on_the_concatenated_batches(spawned, na
     for variable in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(variable, raising=False)
     out = spawned
-    assert sorted(p.name for p in out.glob(f"{name}_ddp*")) == [f"{name}_ddp.h5", f"{name}_ddp.h5.ckpt"]
+    # one record (rank 0's) and its checkpoint; a later segment is the record's own when a time-based flush (10 s, on a
+    # loaded box) came before the epoch end's first paths (seen once in .ci/run)
+    files = sorted(p.name for p in out.glob(f"{name}_ddp*"))
+    assert files[:2] == [f"{name}_ddp.h5", f"{name}_ddp.h5.ckpt"], files
+    assert all(re.fullmatch(rf"{name}_ddp\.seg\d{{4}}\.h5", f) for f in files[2:]), files
     per_rank = [torch.load(out / f"{name}_rank{r}.pt", weights_only=False) for r in (0, 1)]
     assert len(per_rank[0]) == len(per_rank[1]) == EPOCHS
     for epoch, (a, b) in enumerate(zip(*per_rank)):  # every rank takes the same steps: bitwise equal states
