@@ -158,7 +158,8 @@ def whole(tmp_path_factory):
 @pytest.mark.slow
 def test_torchrun_launch_writes_one_record_with_threads_divided_among_the_ranks(whole):
     folder, done = whole
-    assert sorted(p.name for p in folder.iterdir()) == ["whole.h5", "whole.h5.ckpt", "wrapper.py"]
+    files = sorted(p.name for p in folder.iterdir())  # a later segment of the record: a time-based flush, loaded host
+    assert [f for f in files if not re.fullmatch(r"whole\.seg\d{4}\.h5", f)] == ["whole.h5", "whole.h5.ckpt", "wrapper.py"]
     assert _nasdiag_lines(done.stderr) == []
     steps = _rows(folder / "whole.h5")["step"]
     S = len(steps) // EPOCHS
