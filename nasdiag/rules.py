@@ -561,7 +561,9 @@ def _running_statistics_affine(module):
 
 
 def _batch_norm(module, analyse):
-    if module.training or not module.track_running_stats:
+    # as nn.BatchNorm*'s forward decides it: batch statistics in training or without running buffers; an eval-mode
+    # layer whose track_running_stats was turned off after construction still normalizes with its buffers (affine)
+    if module.training or (module.running_mean is None and module.running_var is None):
         return _normalization(module, "with batch statistics")
     return _running_statistics_affine(module)
 
