@@ -958,8 +958,10 @@ def _cross_entropy_targets(logits: Optional[torch.Tensor], grad: Optional[torch.
     if logits is None or grad is None or logits.dim() != 2 or grad.shape != logits.shape:
         return None
     probs = torch.softmax(logits.to(torch.float64), dim=1)
-    # a bfloat16 gradient (a backward under torch.autocast) is rounded to 2⁻⁹ relative: 2e-3 of a one-hot entry, measured
-    tol = 1e-6 if logits.dtype == torch.float64 else max(1e-3, torch.finfo(grad.dtype).eps if grad.is_floating_point() else 0.0)
+    # a bfloat16 gradient (a backward under torch.autocast) is rounded to 2⁻⁹ relative: 2e-3 of a one-hot entry, measured;
+    # a float32 one to ~3e-7 (B up to 4096, N up to 1000), so 1e-5 there: the half floor 1e-3 let label smoothing 5e-4 pass
+    half = grad.dtype in (torch.float16, torch.bfloat16) or logits.dtype in (torch.float16, torch.bfloat16)
+    tol = 1e-6 if logits.dtype == torch.float64 else max(1e-3, torch.finfo(grad.dtype).eps) if half else 1e-5
     for scale in (logits.shape[0], 1):  # mean, then sum reduction
         onehot = probs - scale * grad.to(torch.float64)
         labels = onehot.argmax(dim=1)
