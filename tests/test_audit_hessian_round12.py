@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.functional import hessian
 
-from nasdiag.hessian import diag_hessian
+from nasdiag.hessian import arch_diag_hessian, diag_hessian
 
 
 def _dense_diag(net, loss_fn, x, y, name):
@@ -52,3 +52,126 @@ def test_a_bias_before_an_eval_batch_norm_whose_tracking_flag_was_turned_off_kee
     assert dense_train.abs().max() < 1e-12
     for mode in ("diag", "approx"):
         assert torch.equal(diag_hessian(net, F.mse_loss, x, y, mode=mode)["0.bias"], torch.zeros(4, dtype=torch.float64))
+
+
+# --- an own supernet of another shape than DARTS's -------------------------------------------------------------------
+# Edges with different op lists (a conv op, identity, zero; pooling and identity only; a single op, K = 1; identity and
+# zero), a node fed by three edges, the cell's output a sum (not a concat), α held in an nn.ParameterList of a separate
+# module. The network can be run at given Z (the dense reference's variable) or at softmax(α).
+
+class _Zero(nn.Module):
+    def forward(self, x):
+        return x * 0.0
+
+
+class _Mixed(nn.Module):
+    def __init__(self, ops):
+        super().__init__()
+        self.ops = nn.ModuleList(ops)
+
+    def forward(self, x, weights):
+        if weights.dim() == 1:
+            return sum(w * op(x) for w, op in zip(weights, self.ops))
+        return sum(weights[:, k].view(-1, *([1] * (x.dim() - 1))) * op(x) for k, op in enumerate(self.ops))
+
+
+class _Arch(nn.Module):
+    def __init__(self, sizes):
+        super().__init__()
+        self.alphas = nn.ParameterList([nn.Parameter(0.1 * torch.randn(k, dtype=torch.float64)) for k in sizes])
+
+
+class _SumCellNet(nn.Module):
+    sizes = (3, 3, 1, 2)
+
+    def __init__(self, C=3):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(1, C, 3, padding=1), nn.BatchNorm2d(C))
+        self.e0 = _Mixed([nn.Sequential(nn.ReLU(), nn.Conv2d(C, C, 3, padding=1, bias=False), nn.BatchNorm2d(C)),
+                          nn.Identity(), _Zero()])
+        self.e1 = _Mixed([nn.AvgPool2d(3, 1, 1, count_include_pad=False), nn.MaxPool2d(3, 1, 1), nn.Identity()])
+        self.e2 = _Mixed([nn.Sequential(nn.Tanh(), nn.Conv2d(C, C, 1))])
+        self.e3 = _Mixed([nn.Identity(), _Zero()])
+        self.arch = _Arch(self.sizes)
+        self.head = nn.Linear(C, 4)
+        self.Z = None  # set by the reference: the mixing weights to run at
+
+    def forward(self, x):
+        w = [F.softmax(a, -1) for a in self.arch.alphas] if self.Z is None else self.Z
+        s0 = self.stem(x)
+        n1 = self.e0(s0, w[0])
+        n2 = self.e1(s0, w[1]) + self.e2(n1, w[2]) + self.e3(n1, w[3])
+        return self.head((n1 + n2).mean((2, 3)))
+
+
+def _sum_cell_setup():
+    torch.manual_seed(3)
+    net = _SumCellNet().double()
+    x, y = torch.randn(5, 1, 6, 6, dtype=torch.float64), torch.randint(0, 4, (5,))
+    edges = {f"e{i}": (getattr(net, f"e{i}"), list(getattr(net, f"e{i}").ops)) for i in range(4)}
+    return net, x, y, edges
+
+
+def _sum_cell_dense(net, x, y):
+    """Dense float64 Hessians and gradient of the train-mode loss w.r.t. the stacked Z and the stacked α."""
+    sizes = list(net.sizes)
+    stats = [(m.running_mean.clone(), m.running_var.clone(), m.num_batches_tracked.clone())
+             for m in net.modules() if isinstance(m, nn.BatchNorm2d)]
+
+    def loss_z(flat):
+        net.Z = list(torch.split(flat, sizes))
+        try:
+            return F.cross_entropy(net(x), y)
+        finally:
+            net.Z = None
+
+    def loss_a(flat):
+        return loss_z(torch.cat([F.softmax(a, -1) for a in torch.split(flat, sizes)]))
+
+    alpha = torch.cat([a.detach() for a in net.arch.alphas])
+    z = torch.cat([F.softmax(a.detach(), -1) for a in net.arch.alphas])
+    out = hessian(loss_z, z), hessian(loss_a, alpha), torch.autograd.functional.jacobian(loss_z, z), z
+    for m, (mean, var, count) in zip([m for m in net.modules() if isinstance(m, nn.BatchNorm2d)], stats):
+        m.running_mean.copy_(mean), m.running_var.copy_(var), m.num_batches_tracked.copy_(count)
+    return out
+
+
+def _own_softmax_chain(hz, g, z):
+    """Σ_k (∂Z_k/∂α_i)² hz_k + Σ_k g_k ∂²Z_k/∂α_i², the softmax derivatives by autograd at α = log z."""
+    a = torch.log(z)
+    J = torch.autograd.functional.jacobian(lambda a: F.softmax(a, -1), a)
+    second = torch.stack([torch.diagonal(hessian(lambda a, k=k: F.softmax(a, -1)[k], a)) for k in range(len(z))])
+    return (J ** 2 * hz[:, None]).sum(0) + (g[:, None] * second).sum(0)
+
+
+def test_every_mode_on_a_sum_cell_with_per_edge_op_lists_k1_and_zero_ops_is_exact_or_its_documented_chain():
+    # exact/exact_per_edge (each edge owns its α row) equal the dense diagonals for Z and α; every mode's wrt='alpha'
+    # is its own wrt='Z' diagonal chained through softmax as docs/hessian.md states it (Σ J_ki² H_Z,k + Σ g_k ∂²Z_k/∂α_i²,
+    # g the exact gradient); a zero op and the K = 1 edge's α get exactly 0; diag_hessian through the model's own
+    # softmax (glue) on the ParameterList gives diag's numbers; buffers, .grad untouched and repeated calls identical.
+    net, x, y, edges = _sum_cell_setup()
+    HZ, HA, gZ, z = _sum_cell_dense(net, x, y)
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    split = lambda v: dict(zip(edges, torch.split(v, list(net.sizes))))  # noqa: E731
+    dz, da, g, zs = split(torch.diagonal(HZ)), split(torch.diagonal(HA)), split(gZ), split(z)
+    assert torch.diagonal(HZ).abs().max() > 1e-2 and torch.diagonal(HA).abs().max() > 1e-3
+    for mode in ("exact", "exact_per_edge", "ggn", "ggn_mc", "hutchinson:3", "diag", "approx"):
+        kw = {"seed": 1} if mode in ("ggn_mc", "hutchinson:3") else {}
+        hz = arch_diag_hessian(net, F.cross_entropy, x, y, edges, mode=mode, wrt="Z", **kw)
+        ha = arch_diag_hessian(net, F.cross_entropy, x, y, edges, mode=mode, wrt="alpha", **kw)
+        again = arch_diag_hessian(net, F.cross_entropy, x, y, edges, mode=mode, wrt="alpha", **kw)
+        assert all(torch.equal(ha[n], again[n]) for n in edges), mode
+        for n in edges:
+            if mode.startswith("exact"):
+                torch.testing.assert_close(hz[n], dz[n], rtol=1e-9, atol=1e-13, msg=f"{mode} Z {n}")
+                torch.testing.assert_close(ha[n], da[n], rtol=1e-9, atol=1e-13, msg=f"{mode} alpha {n}")
+            else:
+                torch.testing.assert_close(ha[n], _own_softmax_chain(hz[n], g[n], zs[n]), rtol=1e-9, atol=1e-15,
+                                           msg=f"{mode} chain {n}")
+        assert hz["e0"][2] == 0 and hz["e3"][1] == 0 and ha["e2"][0] == 0, mode  # zero ops; softmax of one entry
+    glue = diag_hessian(net, F.cross_entropy, x, y, mode="diag", params=[f"arch.alphas.{i}" for i in range(4)])
+    ha = arch_diag_hessian(net, F.cross_entropy, x, y, edges, mode="diag", wrt="alpha")
+    for i, n in enumerate(edges):
+        torch.testing.assert_close(glue[f"arch.alphas.{i}"], ha[n], rtol=1e-9, atol=1e-15)
+    assert all(torch.equal(v, net.state_dict()[k]) for k, v in state.items())
+    assert all(p.grad is None for p in net.parameters())
