@@ -44,3 +44,66 @@ def test_hessian_without_targets_of_a_float32_step_with_slight_label_smoothing_i
         F.cross_entropy(net(x), y).backward()
     assert set(probe.hessian()) == set(probe.edge_names)  # the plain loss's labels are still recovered in float32
     assert_no_module_hooks(net)
+
+
+class _Mixed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ops = torch.nn.ModuleList([torch.nn.Conv2d(3, 3, 3, padding=1), torch.nn.AvgPool2d(3, 1, 1),
+                                        torch.nn.Identity()])
+
+    def forward(self, x, w):
+        return sum(wk * op(x) for wk, op in zip(w, self.ops))
+
+
+class _Net(torch.nn.Module):
+    """A from-scratch one-edge supernet: stem -> tanh -> mixed op (Z = softmax(α), or a Z passed in) -> GAP -> linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem, self.m, self.fc = torch.nn.Conv2d(1, 3, 3, padding=1), _Mixed(), torch.nn.Linear(3, 4)
+        self.alpha = torch.nn.Parameter(torch.randn(3))
+
+    def forward(self, x, Z=None):
+        Z = torch.softmax(self.alpha, 0) if Z is None else Z
+        self.h_in = torch.tanh(self.stem(x))
+        self.h = self.m(self.h_in, Z)
+        return self.fc(self.h.mean((2, 3)))
+
+
+def test_an_autograd_grad_pass_inside_the_block_adds_its_costs_as_the_docs_now_say():
+    """Defect (r12, docs): docs/probe.md said backwards in a block add up 'as .grad does', but a torch.autograd.grad
+    pass (a gradient norm logged before loss.backward(), a gradient penalty) adds its costs too, which .grad never
+    sees: the costs of the logging pattern were 2·∂L/∂Z, silently. Recording autograd.grad passes is needed (nasdiag's
+    own cost steps take ∂L/∂Z that way), so the contract is stated; the references here are autograd's ∂L/∂Z with Z a
+    leaf and the definition <∂L/∂x_j, O_k(x_i)> computed by hand."""
+    torch.manual_seed(0)
+    net = _Net().double()
+    x, y = torch.randn(5, 1, 6, 6, dtype=torch.float64), torch.randint(0, 4, (5,))
+    Z = torch.softmax(net.alpha, 0).detach().requires_grad_()
+    (ref,) = torch.autograd.grad(F.cross_entropy(net(x, Z), y), Z)
+    probe = nasdiag.attach(net, edges={"e": (net.m, list(net.m.ops))})
+    with probe.record():
+        loss = F.cross_entropy(net(x), y)
+        torch.autograd.grad(loss, list(net.stem.parameters()), retain_graph=True)  # a gradient norm for the log
+        loss.backward()
+    torch.testing.assert_close(probe.costs()["e"], 2 * ref, rtol=1e-10, atol=1e-12)
+    assert_no_module_hooks(net)
+
+    # a gradient penalty: the costs are <g_ce + g_total, O_k> (both passes through the forward), not ∂total/∂Z
+    xr = x.clone().requires_grad_()
+    Z = torch.softmax(net.alpha, 0).detach().requires_grad_()
+    ce = F.cross_entropy(net(xr, Z), y)
+    (gx,) = torch.autograd.grad(ce, xr, create_graph=True)
+    total = ce + 10 * gx.pow(2).sum()
+    outs = [op(net.h_in).detach() for op in net.m.ops]
+    g_ce, g_total = (torch.autograd.grad(f, net.h, retain_graph=True)[0].detach() for f in (ce, total))
+    expected = torch.stack([((g_ce + g_total) * o).sum() for o in outs])
+    (d_total,) = torch.autograd.grad(total, Z)
+    with probe.record():
+        xr = x.clone().requires_grad_()
+        ce = F.cross_entropy(net(xr), y)
+        (gx,) = torch.autograd.grad(ce, xr, create_graph=True)
+        (ce + 10 * gx.pow(2).sum()).backward()
+    torch.testing.assert_close(probe.costs()["e"], expected, rtol=1e-10, atol=1e-12)
+    assert not torch.allclose(expected, d_total, rtol=1e-3)  # the penalty's Z-dependence through the backward is left out

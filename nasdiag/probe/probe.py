@@ -272,7 +272,8 @@ class Probe:
 
         Hooks are registered on entry and removed on every exit path (also when the body raises); the
         backward must run inside the block. ``targets`` are kept for :meth:`hessian` only.
-        Several forwards or backwards in one block add up, as ``.grad`` does. Forwards run with grad mode off
+        Several forwards or backwards in one block add up, as ``.grad`` does; a ``torch.autograd.grad`` pass that
+        reaches the edges counts too (.grad does not see it: docs/probe.md, "Recording a step"). Forwards run with grad mode off
         (``torch.no_grad()``, ``torch.inference_mode()``, e.g. a validation pass) are left alone: no cost exists there.
         The returned block may be entered again, one step per ``with``; entering it returns the probe.
         """
