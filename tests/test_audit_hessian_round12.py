@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.functional import hessian
 
-from nasdiag.hessian import arch_diag_hessian, diag_hessian
+from nasdiag.hessian import alpha_diag_hessian, arch_diag_hessian, diag_hessian, hessian_eigenvalues
 
 
 def _dense_diag(net, loss_fn, x, y, name):
@@ -175,3 +175,52 @@ def test_every_mode_on_a_sum_cell_with_per_edge_op_lists_k1_and_zero_ops_is_exac
         torch.testing.assert_close(glue[f"arch.alphas.{i}"], ha[n], rtol=1e-9, atol=1e-15)
     assert all(torch.equal(v, net.state_dict()[k]) for k, v in state.items())
     assert all(p.grad is None for p in net.parameters())
+
+
+def test_spectrum_and_shared_diagonal_of_a_parameter_list_alpha_with_a_negative_dominant_eigenvalue():
+    # docs/spectrum.md: eigenvalues are the k largest algebraic, largest_magnitude is signed, and the power method's
+    # dominant eigenvalue is followed by a shifted run for the largest algebraic one. At this α the dense α-Hessian
+    # (train-mode BN, null directions from each edge's softmax shift and the K = 1 edge) has its largest-magnitude
+    # eigenvalue negative, so the two differ; checked against torch.linalg.eigvalsh of the own dense Hessian.
+    net, x, y, _ = _sum_cell_setup()
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for a in net.arch.alphas:
+            a.copy_(2 * torch.randn_like(a))
+    _, HA, _, _ = _sum_cell_dense(net, x, y)
+    ev = torch.linalg.eigvalsh(HA)
+    assert -ev[0] > 1.1 * ev[-1] > 0  # a negative dominant eigenvalue: the test tells the two conventions apart
+    params = list(net.arch.alphas)
+    scale = ev.abs().max().item()
+    res = hessian_eigenvalues(net, F.cross_entropy, x, y, params=params, k=3, iters=HA.shape[0])
+    assert res.converged
+    for got, want in ((res.largest_algebraic, ev[-1]), (res.smallest_algebraic, ev[0]), (res.largest_magnitude, ev[0])):
+        assert abs(got - want.item()) <= 1e-8 * scale
+    torch.testing.assert_close(torch.as_tensor(res.eigenvalues, dtype=torch.float64), ev.flip(0)[:3], rtol=0, atol=1e-8 * scale)
+    power = hessian_eigenvalues(net, F.cross_entropy, x, y, params=params, k=1, method="power", iters=2000, tol=1e-10)
+    assert power.converged and abs(power.largest_algebraic - ev[-1].item()) <= 1e-6 * scale
+    assert abs(power.largest_magnitude - ev[0].item()) <= 1e-6 * scale
+    shared = alpha_diag_hessian(net, F.cross_entropy, x, y, params=params)
+    torch.testing.assert_close(torch.cat([v.reshape(-1) for v in shared.values()]), torch.diagonal(HA), rtol=1e-9, atol=1e-14)
+
+
+def test_float32_supernet_gives_the_float64_numbers_in_every_arch_mode():
+    # the same net and batch in float32: every mode's numbers within float32 round-off of the float64 ones (relative
+    # to the largest entry; measured a few 1e-7), in float32. ggn_mc draws ε on √λ of each loss block, and the zero
+    # eigenvalue of a cross-entropy block comes out as round-off, ~eps·λ_max, whose square root puts a direction of
+    # relative size √eps (3e-4 in float32, 1e-8 in float64) into the draw: measured 4.7e-4 apart
+    import copy
+
+    net, x, y, edges = _sum_cell_setup()
+    net32 = copy.deepcopy(net).float()
+    edges32 = {n: (getattr(net32, n), list(getattr(net32, n).ops)) for n in edges}
+    for mode in ("exact", "ggn", "ggn_mc", "hutchinson:3", "diag", "approx"):
+        kw = {"seed": 1} if mode in ("ggn_mc", "hutchinson:3") else {}
+        for wrt in ("Z", "alpha"):
+            ref = arch_diag_hessian(net, F.cross_entropy, x, y, edges, mode=mode, wrt=wrt, **kw)
+            got = arch_diag_hessian(net32, F.cross_entropy, x.float(), y, edges32, mode=mode, wrt=wrt, **kw)
+            scale = max(v.abs().max().item() for v in ref.values())
+            for n in edges:
+                assert got[n].dtype == torch.float32
+                tol = 3e-3 if mode == "ggn_mc" else 1e-5
+                torch.testing.assert_close(got[n].double(), ref[n], rtol=0, atol=tol * scale, msg=f"{mode} {wrt} {n}")
