@@ -99,7 +99,8 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"random seed of the initialization, sampling and batch order, 0 to {MAX_SEED} (default: {d.seed})")
     s.add_argument("--out", default="runs/search.h5",
                    help="record path (HDF5); the checkpoint is <out>.ckpt (default: runs/search.h5)")
-    s.add_argument("--figs", default=None, help="figure folder (default: <out without suffix>-figs)")
+    s.add_argument("--figs", default=None, help="figure folder (default: <out without suffix>-figs; a file of a "
+                   "figure's name that nasdiag did not draw is never replaced)")
     s.add_argument("--no-figs", action="store_true", help="draw no figures at the end")
     mode = s.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true",
@@ -189,6 +190,10 @@ def search_config(args: argparse.Namespace) -> SearchConfig:
     figures = None if args.no_figs else (args.figs or str(out.with_name(out.stem + "-figs")))
     if figures is not None:
         _refuse_figures_in_the_record(figures, args.out, str(out.with_name(out.stem + "-figs")))
+        from nasdiag.plot.commands import refuse_foreign_figures
+
+        refuse_foreign_figures(figures, "png", "--figs" if args.figs else "the figure folder",
+                               instead="give another --figs" + ("" if args.figs else ", or --no-figs"))
     config = SearchConfig(
         method=args.method, hp=hp, dataset=args.dataset, data_dir=args.data_dir, C=args.C, layers=args.layers,
         steps=args.steps, multiplier=args.multiplier, order=args.order, norm=args.norm, epochs=args.epochs,

@@ -39,7 +39,8 @@ def add_plot_arguments(subparsers) -> argparse.ArgumentParser:
         "several records: one folder per record under --out and, in --out/compare, each heatmap of every run side by "
         "side on one colour scale. Exit code 0: all drew; 1: some records were skipped; 2: none drew.")
     p.add_argument("records", nargs="+", metavar="RECORD", help="HDF5 record(s), e.g. runs/*.h5")
-    p.add_argument("--out", required=True, help="figure folder")
+    p.add_argument("--out", required=True, help="figure folder (figures nasdiag drew there are redrawn; a file of a "
+                   "figure's name that it did not draw is never replaced)")
     p.add_argument("--format", default="png", choices=FORMATS, help="png, or pdf/svg for papers (default: png)")
     p.add_argument("--figures", default=None, metavar="NAMES",
                    help="comma-separated figure names or groups (e.g. cost,hessian,arch_evolution); default: all")
@@ -165,6 +166,38 @@ def _check_folder(out: Path, record: Optional[str] = None) -> None:
                         f"give a folder, e.g. --out {out.with_suffix('')}-figs")
     raise PlotError(f"--out {out} cannot be a folder: {blocker} is a file; give a folder path outside it, "
                     f"e.g. --out {blocker.with_suffix('')}-figs")
+
+
+def foreign_figures(folder, fmt: str, cells=()) -> List[Path]:
+    """The files in ``folder`` named as a figure nasdiag draws there (``scalars.png``, ``cost_normal_heatmap_final.png``;
+    ``cells``: cell types besides normal and reduce) that nasdiag did not draw: drawing would replace them."""
+    import re
+
+    from nasdiag.plot.registry import is_nasdiag_figure, registered
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    names = {spec.filename(cell) for spec in registered().values() for cell in {None, "normal", "reduce", *cells}}
+    named = re.compile(f"({'|'.join(map(re.escape, sorted(names)))})(_(init|final|step[0-9]+))?\\.{re.escape(fmt)}")
+    return [p for p in sorted(folder.iterdir()) if named.fullmatch(p.name) and p.is_file() and not is_nasdiag_figure(p)]
+
+
+def refuse_foreign_figures(folder, fmt: str, option: str, cells=(), instead: Optional[str] = None) -> None:
+    """Refuse (one line) a figure folder holding a file of a figure's name that nasdiag did not draw (the user's own
+    ``scalars.png``): it was replaced without a word."""
+    from nasdiag.plot.registry import PlotError
+
+    foreign = foreign_figures(folder, fmt, cells)
+    if foreign:
+        shown = ", ".join(p.name for p in foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise PlotError(f"{option} {folder} holds {shown}, named as a figure but not drawn by nasdiag, which drawing would "
+                        f"replace; move {'it' if len(foreign) == 1 else 'them'} away or {instead or 'give another ' + option}")
+
+
+def _cells(record) -> set:
+    """The cell types of a loaded record (``cost/<cell>/mean`` and the like)."""
+    return {key.split("/")[1] for key in record if key.count("/") >= 2 and not key.startswith("valid/")}
 
 
 def _segment_owner(record_path) -> Optional[str]:
@@ -458,6 +491,7 @@ def run_plot(args) -> int:
             raise PlotError(f"record {record_path} has no committed rows yet; nothing to plot")
         check_at_steps(at_tokens, record, record_path)
         _refuse_nothing_to_draw(record, record_path, args.figures)
+        refuse_foreign_figures(out, args.format, "--out", _cells(record))
         created = _missing_folders(out)
         _make_folder(out, created)
         try:
@@ -478,6 +512,7 @@ def run_plot(args) -> int:
     folders = _folders(records, out)
     for record_path, folder in (*folders.items(), ("the comparison", out / "compare")):
         _check_folder(folder, record_path)
+    refuse_foreign_figures(out / "compare", args.format, "the comparison folder", (), "give another --out")
     loaded, failed = {}, []
     created = _missing_folders(out)
     _make_folder(out, created)
@@ -492,6 +527,7 @@ def run_plot(args) -> int:
                 raise PlotError("no committed rows yet")
             check_at_steps(at_tokens, record, record_path)
             _refuse_nothing_to_draw(record, record_path, args.figures)
+            refuse_foreign_figures(folders[record_path], args.format, "the figure folder", _cells(record), "give another --out")
             made = [folders[record_path]] if not folders[record_path].exists() else []
             try:
                 drawn = draw_record(record, folders[record_path], args.format, figures, args.at, args.dpi)

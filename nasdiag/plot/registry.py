@@ -493,6 +493,20 @@ _REPRODUCIBLE_METADATA = {"svg": {"Date": None}, "pdf": {"CreationDate": None}}
 _REPRODUCIBLE_RC = {"svg.hashsalt": "nasdiag"}
 #: rcParams of `nasdiag.plot.style.RC` that act when a file is written: TrueType (42) fonts in PDFs, text in SVGs
 _FILE_FONTS = ("pdf.fonttype", "svg.fonttype")
+#: written into every figure file (a PNG text chunk, the PDF's and SVG's Creator): `is_nasdiag_figure` tells a figure
+#: nasdiag drew from a file of the same name it did not (``scalars.png`` of the user's own), which plot and search
+#: refuse to replace
+FIGURE_MARK = "nasdiag figure"
+_METADATA = {fmt: {**_REPRODUCIBLE_METADATA.get(fmt, {}), "Creator": FIGURE_MARK} for fmt in ("png", "pdf", "svg")}
+
+
+def is_nasdiag_figure(path) -> bool:
+    """Whether the file at ``path`` is a figure nasdiag drew (it holds `FIGURE_MARK`); False if it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            return FIGURE_MARK.encode() in f.read()
+    except OSError:
+        return False
 
 
 def save(fig, path: Path, dpi: int) -> None:
@@ -514,7 +528,7 @@ def save(fig, path: Path, dpi: int) -> None:
     try:
         with matplotlib.rc_context({**_REPRODUCIBLE_RC, **fonts}):
             fig.savefig(tmp, format=fmt, dpi=dpi, bbox_inches="tight", pad_inches=0.04,
-                        metadata=_REPRODUCIBLE_METADATA.get(fmt))
+                        metadata=_METADATA.get(fmt))
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
