@@ -67,3 +67,19 @@ def test_a_search_whose_figure_folder_holds_the_users_own_figure_names_is_refuse
     line = refused(argv, tmp_path, ["holds scalars.png", "not drawn by nasdiag", "give another --figs"], capsys)
     assert ("--no-figs" in line) is not given
     assert not (tmp_path / "run.h5").exists()
+
+
+def test_the_progress_bar_into_a_log_file_is_a_few_ascii_states_not_one_per_step(tmp_path, capsys):
+    """``nasdiag search ... 2> log`` (stderr not a terminal) wrote a bar state for up to every step (ten a second:
+    megabytes an hour of carriage-return states) in block characters; into a file the bar is redrawn only at its
+    start, at each epoch end and at its close (once a minute besides), in ASCII."""
+    epochs = 2
+    argv = ["search", *[a for a in TINY if a != "--no-progress"], "--out", str(tmp_path / "run.h5")]
+    argv[argv.index("--epochs") + 1] = str(epochs)
+    argv[argv.index("--batch-size") + 1] = "32"  # 22 steps an epoch: each a state of the bar before
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    states = [s for s in err.replace("\n", "\r").split("\r") if "step" in s]
+    assert states and "/44 " in states[-1], err
+    assert len(states) <= epochs + 2, states  # the start, each epoch end, the close
+    assert err.isascii(), err

@@ -20,6 +20,7 @@ import itertools
 import math
 import os
 import re
+import sys
 import tempfile
 import warnings
 from dataclasses import dataclass, field
@@ -129,12 +130,19 @@ class Committed:
 
 class Progress:
     """A tqdm bar over the steps. The losses in its postfix are read from the device only every
-    ``every`` steps and at epoch ends, so the bar adds no per-step host–device synchronisation."""
+    ``every`` steps and at epoch ends, so the bar adds no per-step host–device synchronisation. Into a file or a
+    pipe (``2> log``, a batch job) it is redrawn once a minute and at epoch ends, in ASCII: it was up to ten
+    carriage-return states a second (megabytes an hour of a long run) and block characters in the log."""
 
     def __init__(self, total: int, initial: int = 0, enabled: bool = True, every: int = 25):
         from tqdm.auto import tqdm
 
-        self.bar = tqdm(total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True)
+        try:
+            terminal = sys.stderr.isatty()
+        except (AttributeError, ValueError):  # no stderr, or a closed one
+            terminal = False
+        self.bar = tqdm(total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True,
+                        mininterval=0.1 if terminal else 60.0, ascii=None if terminal else True)
         self.every = every
         self.postfix: Dict[str, str] = {}
 
