@@ -87,7 +87,8 @@ def arch_diag_hessian(
               tracks ``exact`` and tells the ops of an edge apart); see :mod:`nasdiag.hessian.arch_ggn`;
             * ``"hutchinson:<k>"``, e.g. ``"hutchinson:4"``: Hutchinson's unbiased estimate of the exact
               diagonal from k Rademacher probes per edge (k·E Hessian-vector products, ``seed``), with the
-              ``ggn`` matrix as control variate (:mod:`nasdiag.hessian.arch_hutchinson`); k has no default
+              ``ggn`` matrix as control variate (:mod:`nasdiag.hessian.arch_hutchinson`); with ``wrt="alpha"``
+              the probes are in α, so it is unbiased for the α diagonal (within-edge terms kept); k has no default
               (it sets cost and noise; from k = K on, ``exact`` is cheaper);
             * ``"diag"``: C.3.1 on the diagonal recursion; ``"approx"``: C.3.2 on the feature-mean recursion.
         wrt: ``"Z"`` for the mixing weights; ``"alpha"`` chains through ``Z = softmax(α)`` per edge
@@ -140,9 +141,11 @@ def arch_diag_hessian(
         hess, _, grad, observed = hutchinson_arch_diag(
             model, loss_fn, inputs, targets, specs, probes, control="ggn",
             generator=torch.Generator().manual_seed(int(seed)), max_memory=max_memory, wrt=wrt,
+            through_softmax=wrt == "alpha",  # probed in α: unbiased for ∂²L/∂α², within-edge k ≠ k' terms included
         )
-        if wrt == "alpha":
-            hess = {n: softmax_chain_diag(observed[n][0].to(h.dtype), grad[n].to(h.dtype), torch.diag(h)) for n, h in hess.items()}
+        if wrt == "alpha":  # + Σ_k g_k ∂²Z_k/∂α² (the chain with a zero Z-Hessian)
+            hess = {n: h + softmax_chain_diag(observed[n][0].to(h.dtype), grad[n].to(h.dtype), torch.diag(torch.zeros_like(h)))
+                    for n, h in hess.items()}
         return hess
     if mode in ("ggn", "ggn_mc"):
         with _frozen_parameters_traced(model, wrt == "alpha"):  # a frozen α's softmax is checked too

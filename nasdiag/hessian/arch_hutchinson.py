@@ -67,6 +67,7 @@ def hutchinson_arch_diag(
     max_memory: Optional[int] = None,
     wrt: str = "Z",
     per_edge: bool = True,
+    through_softmax: bool = False,
 ) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor], Dict[str, torch.Tensor], Dict[str, List[torch.Tensor]]]:
     """Unbiased estimate of ``diag ∂²L/∂Z²`` per edge from ``probes`` Hessian-vector products (module docstring).
 
@@ -82,6 +83,10 @@ def hutchinson_arch_diag(
         wrt: ``"alpha"`` also checks that the weights are a softmax (the chain rule is the caller's).
         per_edge: probe each edge on its own (k·E products, shipped) or all edges at once (k products;
             measured far noisier on supernets, module docstring).
+        through_softmax: estimate ``diag(J H J)`` instead, ``J = diag(z) − z zᵀ`` = ∂Z/∂α per edge, by probes in α
+            (products with ``J ε``, control ``J C J``): unbiased for the curvature part of ``∂²L/∂α²``, to which the
+            caller adds ``Σ_k g_k ∂²Z_k/∂α²``. Chaining the Z-diagonal instead drops the within-edge ``k ≠ k'``
+            entries of H, a bias no k removes (``mode='hutchinson:<k>', wrt='alpha'``).
 
     Returns:
         ``(estimate, stderr, ∂L/∂Z, observed weights)``, the first three ``{edge: (K,)}`` in the loss's dtype:
@@ -118,10 +123,17 @@ def hutchinson_arch_diag(
             V = (eps[:, None, :] * mask[None]).reshape(probes * E, N)
         else:
             V = eps
+        if through_softmax:  # probes ε in α: products with J ε, read back through J (J symmetric, block diagonal)
+            J = torch.block_diag(*[_softmax_jacobian(ep.shift.observed[n][0].to(ep.dtype)) for n in names])
+            V = V @ J
         step = max(1, ep.chunk_size)
         HV = torch.cat([ep.products(V[s : s + step]).detach() for s in range(0, V.shape[0], step)])
         if control != "none":
             HV = HV - (V @ R.T.to(ep.dtype)) @ R.to(ep.dtype)  # (H − C) v
+        if through_softmax:
+            HV = HV @ J  # J (H − C) J ε
+            if control != "none":
+                R = R.to(ep.dtype) @ J  # diag(J C J) below
         if per_edge:  # entry i reads the product of its own edge's probe
             HV = HV.reshape(probes, E, N).gather(1, edge[None, None, :].expand(probes, 1, N)).squeeze(1)
     base = torch.zeros(N, dtype=ep.dtype, device=ep.device) if control == "none" else R.to(ep.dtype).square().sum(0)
@@ -129,6 +141,11 @@ def hutchinson_arch_diag(
     estimate = per_probe.mean(0)
     stderr = per_probe.std(0, unbiased=True) / probes**0.5 if probes > 1 else torch.full_like(estimate, float("nan"))
     return _per_edge(estimate, names, n_ops), _per_edge(stderr, names, n_ops), dict(zip(names, ep.grad_z)), ep.shift.observed
+
+
+def _softmax_jacobian(z: torch.Tensor) -> torch.Tensor:
+    """``∂z/∂α = diag(z) − z zᵀ`` of ``z = softmax(α)`` (symmetric)."""
+    return torch.diag(z) - torch.outer(z, z)
 
 
 def _per_edge(flat: torch.Tensor, names: List[str], n_ops: List[int]) -> Dict[str, torch.Tensor]:
