@@ -2,7 +2,12 @@
 test_cli_plot_misuse.py, test_cli_misuse_round3..11.py) did not cover: a figure folder (``search --figs``, ``plot
 --out``) that already holds the user's own files named as figures (``scalars.png`` of another tool, a hand-edited
 ``cost_normal_heatmap_final.png``). They were replaced without a word. Every such mistake is one line on stderr, exit
-code 2, no traceback, the folder left as it was; figures nasdiag drew itself are still redrawn in place.
+code 2, no traceback, the folder left as it was; figures nasdiag drew itself are still redrawn in place. And the
+progress bar of a search whose stderr is a file or a pipe (a batch job's log): one state per step before.
+
+Checked and found right (not repeated as tests): --hp of the wrong type or shape per method (bayesnas hessian_mode
+empty, hutchinson:0, update_every=0x10 past the run's steps; sparsenas options of the other optimizer), a batch size
+past the search split, MPLBACKEND=foo or TkAgg for plot (Agg is used), OMP_NUM_THREADS=abc for search.
 """
 
 from __future__ import annotations
