@@ -171,13 +171,13 @@ def _check_folder(out: Path, record: Optional[str] = None) -> None:
 def foreign_figures(folder, fmt: str, cells=()) -> List[Path]:
     """The files in ``folder`` named as a figure nasdiag draws there (``scalars.png``, ``cost_normal_heatmap_final.png``;
     ``cells``: cell types besides normal and reduce) that nasdiag did not draw: drawing would replace them."""
+    folder = Path(folder)
+    if not folder.is_dir():  # a new folder: nothing in the way, and no figure module loaded for it
+        return []
     import re
 
     from nasdiag.plot.registry import is_nasdiag_figure, registered
 
-    folder = Path(folder)
-    if not folder.is_dir():
-        return []
     names = {spec.filename(cell) for spec in registered().values() for cell in {None, "normal", "reduce", *cells}}
     named = re.compile(f"({'|'.join(map(re.escape, sorted(names)))})(_(init|final|step[0-9]+))?\\.{re.escape(fmt)}")
     return [p for p in sorted(folder.iterdir()) if named.fullmatch(p.name) and p.is_file() and not is_nasdiag_figure(p)]
