@@ -154,6 +154,15 @@ def _under_vmap() -> bool:
     return bool(stack) and any(i.key() == _VMAP for i in stack)
 
 
+def _normalizes_with_buffers(module) -> bool:
+    """Whether a normalization's forward is an affine map of its running statistics, as torch decides it: a BatchNorm
+    in eval mode with its buffers (kept when ``track_running_stats`` is turned off after construction), an
+    InstanceNorm in eval mode with ``track_running_stats`` on."""
+    if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+        return not module.training and not (module.running_mean is None and module.running_var is None)
+    return bool(getattr(module, "track_running_stats", False)) and not module.training
+
+
 def _equal_chunks(nodes: Sequence[int], channels: int) -> Dict[int, Tuple[int, int]]:
     if channels % len(nodes):
         raise ProbeError(f"a DARTS-convention cell output has {channels} channels, not divisible among its {len(nodes)} output nodes")
@@ -509,7 +518,7 @@ class StepCapture:
             # not inside this edge's forward: a normalization shared with another edge's op (one-shot weight sharing)
             # or run outside any edge measures another input than the one this edge's op saw
             return None
-        if getattr(module, "track_running_stats", False) and not module.training:
+        if _normalizes_with_buffers(module):
             # a forward in eval mode (a validation pass with grad on inside the block): this BatchNorm/InstanceNorm is an
             # affine map of its running statistics there, the op is not invariant, and its input is another batch's
             return None
