@@ -32,6 +32,7 @@ sample), comes out of the same backward as ∂L/∂(w, Θ) and feeds the streami
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -80,6 +81,12 @@ class ASMNAS(SearchMethod):
         except ValueError as exc:
             raise SearchError(f"asmnas: {exc}") from None
         if hasattr(self.network, "set_engine"):
+            if getattr(self.network, "engine", None) == "fast":  # asked for by name (--engine fast): said, as set_engine
+                from nasdiag.supernet.engine import EngineWarning  # promises where the fast engine cannot apply
+
+                warnings.warn("engine 'fast': asmnas runs the eager modules, since attention mixing is per sample and "
+                              "data-dependent, which the fast engine does not batch; pass engine auto or eager",
+                              EngineWarning, stacklevel=3)
             self.network.set_engine("eager")  # attention mixing is per-sample and data-dependent: the batched engine does not apply
         self.w_optimizer = torch.optim.SGD(self.network.weight_parameters(), lr=h.w_lr, momentum=h.w_momentum,
                                            weight_decay=h.w_weight_decay)
