@@ -42,7 +42,8 @@ def as_linear_chain(model: nn.Module) -> Optional[List[tuple]]:
     ``nn.Sequential`` calls it (``named_children`` would list it once). A ``Linear`` at two places, or two
     ``Linear`` modules sharing a parameter (tied weights), is no chain: its diagonal has cross-call terms the
     per-layer recursion cannot hold. Nor is a layer that does not compute its type's plain function (a subclass with
-    its own ``forward``, a pruned or parametrized weight, forward hooks: :func:`_plain`)."""
+    its own ``forward``, a pruned or parametrized weight, forward hooks: :func:`_plain`), nor a ``Sequential`` with a
+    forward hook or pre-hook of its own (its layers are called one by one here, so the hook would never run)."""
     layers = _chain_layers(model)
     if layers is None:
         return None
@@ -81,8 +82,8 @@ def _plain(module: nn.Module) -> bool:
 def _chain_layers(model: nn.Module) -> Optional[List[tuple]]:
     if isinstance(model, _CHAIN_TYPES):
         return [("", model)] if _plain(model) else None
-    if type(model) is not nn.Sequential:
-        return None
+    if type(model) is not nn.Sequential or model._forward_hooks or model._forward_pre_hooks:
+        return None  # a hook on a container changes what the layers inside it compute between them, or its output
     layers = []
     for name, child in model._modules.items():  # every place, as nn.Sequential.forward calls them
         sub = _chain_layers(child)
