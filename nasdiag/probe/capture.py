@@ -112,7 +112,7 @@ class EdgeCall:
 class CellCall:
     """One forward of one cell inside the block."""
 
-    __slots__ = ("pos", "output", "version", "edge_calls", "model_call", "node_grad", "node_channels")
+    __slots__ = ("pos", "output", "version", "edge_calls", "model_call", "node_grad", "node_channels", "node_edges")
 
     def __init__(self, pos: int, model_call: int = 0):
         self.pos = pos
@@ -126,6 +126,8 @@ class CellCall:
         #: DARTS-convention cells: output node -> channels of the edges ending there (their output must be the
         #: concatenation of those nodes in equal chunks)
         self.node_channels: Optional[Dict[int, int]] = None
+        #: ... and the outputs of those edges, until the cell output is checked to be those nodes
+        self.node_edges: Optional[Dict[int, List[torch.Tensor]]] = None
 
 
 #: what the capture keeps per backward: (index of the model forward it belongs to, (B, K) or (B, n_nodes) terms)
@@ -177,7 +179,8 @@ class StepCapture:
                  check_convention: Sequence[bool], incoming: Dict[Tuple[int, int], List[int]],
                  hooks: Hooks, track_selected: bool = False, weights_names: Optional[Sequence[str]] = None,
                  keep_model_io: bool = False, weights_presumed: Optional[Sequence[bool]] = None,
-                 check_nodes: Optional[Sequence[bool]] = None, order_given: Optional[Sequence[bool]] = None):
+                 check_nodes: Optional[Sequence[bool]] = None, order_given: Optional[Sequence[bool]] = None,
+                 check_concat: Optional[Sequence[bool]] = None):
         N = len(edges)
         #: per edge, whether its candidate list was given by the caller (its order against the weights is checked)
         self.order_given = list(order_given) if order_given is not None else [False] * N
@@ -217,6 +220,8 @@ class StepCapture:
         self.cells_not_tensor: Dict[int, str] = {}  # cells whose forward returned no tensor: the type it returned
         #: DARTS-convention cells whose output is not the concatenation of their output nodes (e.g. their sum): why
         self.cells_not_concat: Dict[int, str] = {}
+        #: per cell, whether its output is still to be checked to be its output nodes (DARTS convention; once it is)
+        self.check_concat = list(check_concat) if check_concat is not None else [True] * len(cells)
         #: per edge, its end node where that is an output node of a DARTS-convention cell (undeclared slices), else None
         self.chunk_node = [e.dst if e.cell_index is not None and cells[e.cell_index].output_node_slices is None
                            and e.dst in cells[e.cell_index].output_nodes else None for e in edges]
@@ -372,6 +377,9 @@ class StepCapture:
             ccall = self.open_cell[edge.cell_index]
             ccall.node_channels = ccall.node_channels or {}
             ccall.node_channels[node] = output.shape[1]
+            if self.check_concat[edge.cell_index]:
+                ccall.node_edges = ccall.node_edges or {}
+                ccall.node_edges.setdefault(node, []).append(output.detach())
         missing = [k for k, o in enumerate(call.outputs) if o is None]
         self.missing_ops[pos].update(missing)
         if call.weights is not None:
@@ -507,10 +515,33 @@ class StepCapture:
                 self.cells_not_concat[pos] = (f"has {output.shape[1]} channels where its output nodes "
                                               f"{list(cell.output_nodes)} have {widths}")
                 return None
+            node_edges, ccall.node_edges = ccall.node_edges, None
+            if self.check_concat[pos] and node_edges is not None and None not in widths:
+                # equal widths are not yet the nodes: a 1x1 convolution of the concatenation keeps them
+                why = self._not_the_nodes(cell, node_edges, output)
+                if why is not None:
+                    self.cells_not_concat[pos] = why
+                    return None
+                self.check_concat[pos] = False
         if output.requires_grad:
             ccall.output = output.detach()  # shares the version counter: an in-place change after the cell shows
             ccall.version = output._version
             self.hooks.tensor(output, lambda g, c=ccall: self.cell_grad(c, g))
+        return None
+
+    def _not_the_nodes(self, cell: CellInfo, node_edges: Dict[int, List[torch.Tensor]], output: torch.Tensor):
+        """Why each equal chunk of a DARTS-convention cell's output is not its output node (per sample, in the span of
+        the outputs of the edges ending there: a node is their sum, maybe scaled per edge, e.g. by a drop-path), or
+        None."""
+        for node, (a, b) in _equal_chunks(cell.output_nodes, output.shape[1]).items():
+            chunk, parts = output[:, a:b], node_edges.get(node, [])
+            if not parts or any(t.shape != chunk.shape for t in parts):
+                return (f"has chunk {tuple(chunk.shape)} for node {node}, whose edges return "
+                        f"{sorted({tuple(t.shape) for t in parts})}")
+            err = self._span_error(parts, chunk)
+            if err > self._tolerance(chunk, len(parts)):  # NaN: not checked at this step
+                return (f"has a chunk for node {node} that is not that node (relative residual {err:.3g} off the span of "
+                        "its edges' outputs)")
         return None
 
     def norm_pre(self, key: Tuple[int, int], module, args):
@@ -718,7 +749,7 @@ class StepCapture:
             raise ProbeError(
                 f"edge {self.edges[call.pos].name!r}: path_split reads each output node's slice of cell "
                 f"{self.cells[call.cell_call.pos].name!r}'s output, but that output {not_concat}, so it is not their "
-                "concatenation (e.g. their sum) and has no slice per node; declare output_node_slices for a "
+                "concatenation (e.g. their sum, or a 1x1 convolution of it) and has no slice per node; declare output_node_slices for a "
                 "concatenation in another layout, or attach without path_split (costs() do not need it)"
             )
         if returned is not None:

@@ -216,6 +216,7 @@ class Probe:
         # them, else to lie in the span of its candidates' outputs (a module that is not a mixed op)
         self._convention_unchecked = [True] * len(self._edges)
         self._nodes_unchecked = [self.path_split] * len(self._edges)  # path split: ∂L/∂(edge output) = gradient at j?
+        self._concat_unchecked = [True] * len(self._cells)  # DARTS-convention cells: is the output the nodes' concat?
         self._weights_presumed = [e.weights_arg and not is_mixed_op(e.module) for e in self._edges]
         # a candidate list the caller gave (not the mixed op's own) may be in another order than the weights, which
         # equal weights (a zero-initialised α) cannot tell: its check waits for a step whose weights differ
@@ -295,7 +296,7 @@ class Probe:
                           hooks=plan, track_selected=self.statistics_mode == "sampled",
                           weights_names=self._weights_names, keep_model_io=self.hessian_mode is not None,
                           weights_presumed=self._weights_presumed, check_nodes=self._nodes_unchecked,
-                          order_given=self._order_given)
+                          order_given=self._order_given, check_concat=self._concat_unchecked)
         self._router.capture = cap
         self._recording = True
         self._recording_thread = threading.get_ident()
@@ -346,6 +347,7 @@ class Probe:
                     "before the block", RuntimeWarning, stacklevel=3)
         self._convention_unchecked = cap.check_convention
         self._nodes_unchecked = cap.check_nodes
+        self._concat_unchecked = cap.check_concat
         self._last = result
         self._steps += 1
         self._any_step = True
@@ -623,7 +625,8 @@ class Probe:
         if not_concat:
             why = "; ".join(f"{cell.name!r} {r.cells_not_concat[c]}" for c, cell in enumerate(self._cells) if cell.name in not_concat)
             warnings.warn(f"probe: the output of DARTS-convention cell(s) {_short_list(not_concat)} is not the concatenation "
-                          f"of their last _multiplier nodes in equal chunks ({why}; e.g. a sum of the nodes), so there is no "
+                          f"of their last _multiplier nodes in equal chunks ({why}; e.g. a sum of the nodes, or a 1x1 convolution "
+                          "of their concatenation), so there is no "
                           "slice per node and their output costs are NaN (edge costs are unaffected); declare "
                           "output_node_slices on the cell for a concatenation in another layout", RuntimeWarning, stacklevel=2)
         return out
