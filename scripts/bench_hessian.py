@@ -44,7 +44,7 @@ from nasdiag.errors import run_script
 from nasdiag.supernet import Network
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from script_args import Parser, at_least, channels, number, numbers  # noqa: E402
+from script_args import Parser, at_least, channels, number, numbers, seed as seed_number  # noqa: E402
 from script_args import device as device_name, names as section_names  # noqa: E402
 
 
@@ -355,7 +355,7 @@ def main(argv=None):
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     p.add_argument("--threads", type=at_least(1), default=None, help="torch CPU threads")
     p.add_argument("--repeat", type=at_least(1), default=3, help="timed runs per row (best is reported)")
-    p.add_argument("--seed", type=at_least(0), default=0)
+    p.add_argument("--seed", type=seed_number(), default=0)
     p.add_argument("--sections", type=section_names(('speed', 'supernet', 'convnet', 'scaling', 'accuracy'), "section"), default="speed,scaling")
     p.add_argument("--C", type=channels, default=8, help="supernet channels")
     p.add_argument("--layers", type=at_least(1), default=5, help="supernet cells")

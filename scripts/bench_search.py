@@ -49,7 +49,7 @@ from nasdiag.errors import run_script
 from nasdiag.supernet.engine.graph import StepGraph
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from script_args import Parser, at_least, channels, number, numbers  # noqa: E402
+from script_args import Parser, at_least, channels, number, numbers, seed as seed_number  # noqa: E402
 from script_args import device as device_name, names as section_names  # noqa: E402
 
 ROWS: List[Dict] = []
@@ -470,7 +470,7 @@ def main(argv=None):
     p.add_argument("--eager-steps", type=at_least(1), default=6, help="timed eager steps per round")
     p.add_argument("--warmup", type=at_least(0), default=3)
     p.add_argument("--threads", type=at_least(1), default=None)
-    p.add_argument("--seed", type=at_least(0), default=0)
+    p.add_argument("--seed", type=seed_number(), default=0)
     p.add_argument("--sections", type=section_names(('darts', 'fwdbwd', 'hessian', 'memory', 'darts2', 'bf16', 'scaling', 'profile'), "section"), default="darts,fwdbwd,hessian,memory,darts2,bf16,scaling,profile")
     p.add_argument("--ddp", action="store_true")
     p.add_argument("--json", default=None, help="also write the rows to this file")

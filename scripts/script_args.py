@@ -104,6 +104,26 @@ def at_least(low: int) -> Callable[[str], int]:
     return whole_number
 
 
+def seed(high: int = None) -> Callable[[str], int]:
+    """An argparse ``type``: a seed, a whole number from 0 to ``high`` (default: `nasdiag.search.config.MAX_SEED`, as
+    ``nasdiag search --seed``; sklearn's ``random_state`` takes at most 2**32 - 1). ``at_least(0)`` took any: past
+    2**63 it was torch's "Overflow when unpacking long long" traceback (sklearn's InvalidParameterError past 2**32)
+    after the output folder was made."""
+    if high is None:
+        from nasdiag.search.config import MAX_SEED
+
+        high = MAX_SEED
+
+    def whole_number(text: str) -> int:
+        value = at_least(0)(text)
+        if value > high:
+            raise argparse.ArgumentTypeError(f"{value} is too large: give a seed from 0 to at most {high}")
+        return value
+
+    whole_number.__name__ = f"seed from 0 to {high}"
+    return whole_number
+
+
 def channels(text: str) -> int:
     """An argparse ``type``: the supernet's ``--C``, an even whole number >= 2 (``--C 3`` was the supernet's ValueError
     traceback, after the output folder was made)."""

@@ -56,7 +56,7 @@ from nasdiag.errors import NasdiagError, run_script
 from nasdiag.sparse import HAPG, AdamHAPG, sgl_penalty
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # script_args, also when loaded from a file path
-from script_args import refuse_with_plot_only  # noqa: E402
+from script_args import refuse_with_plot_only, seed as seed_number  # noqa: E402
 
 OPTIMIZERS = ("sgd", "adam", "hapg", "adamhapg")
 PROXIMAL = ("hapg", "adamhapg")
@@ -427,7 +427,7 @@ def parse(argv) -> Tuple[argparse.Namespace, List[str], List[str], List[float]]:
     p.add_argument("--lambdas", default=LAMBDAS, help="comma-separated λ values; '1e-3.7' means 10^-3.7")
     p.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     p.add_argument("--penalties", default=",".join(PENALTIES))
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_number(2 ** 32 - 1), default=0)  # sklearn's random_state
     p.add_argument("--workers", type=int, default=2, help="processes, one torch thread each (default: 2 cores)")
     p.add_argument("--format", default="png", choices=("png", "pdf", "svg"))
     p.add_argument("--plot-only", action="store_true", help="redraw the figure from the existing record")
@@ -436,7 +436,7 @@ def parse(argv) -> Tuple[argparse.Namespace, List[str], List[str], List[float]]:
     opts = _choices(args.optimizers, OPTIMIZERS, "optimizer(s)")
     pens = _choices(args.penalties, tuple(PENALTIES), "penalty(ies)")
     lambdas = parse_lambdas(args.lambdas)
-    for name, low in (("epochs", 1), ("retrain_epochs", 0), ("workers", 1), ("seed", 0)):
+    for name, low in (("epochs", 1), ("retrain_epochs", 0), ("workers", 1)):
         if getattr(args, name) < low:
             raise UsageError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
     cpus = os.cpu_count() or 1

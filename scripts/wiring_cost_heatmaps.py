@@ -31,7 +31,7 @@ import sys
 
 import wiring_common as W
 from nasdiag.errors import run_script
-from script_args import Parser, UsageError, at_least, channels
+from script_args import Parser, UsageError, at_least, channels, seed as seed_number
 
 CONFIGS = {"minimal1": ("minimal", 1), "minimal8": ("minimal", 8), "darts8": ("darts", 8)}
 
@@ -47,7 +47,7 @@ def parse_args(argv=None):
     parser.add_argument("--observe-batches", type=at_least(1), default=8, help="batches of the statistics at initialization")
     parser.add_argument("--dataset", default="digits", choices=("digits", "cifar10"))
     parser.add_argument("--data-dir", default=None)
-    parser.add_argument("--seed", type=at_least(0), default=0)
+    parser.add_argument("--seed", type=seed_number(), default=0)
     parser.add_argument("--format", default="png", choices=("png", "pdf", "svg"))
     parser.add_argument("--plot-only", action="store_true", help="redraw the figures from existing records")
     return parser.parse_args(argv)

@@ -26,7 +26,7 @@ import os
 import sys
 import time
 from nasdiag.errors import run_script
-from script_args import Parser, UsageError, at_least, channels
+from script_args import Parser, UsageError, at_least, channels, seed as seed_number
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
@@ -42,7 +42,7 @@ def parse_args(argv=None):
     parser.add_argument("--C", type=channels, default=8)
     parser.add_argument("--dataset", default="digits", choices=("digits", "cifar10"))
     parser.add_argument("--data-dir", default=None)
-    parser.add_argument("--seed", type=at_least(0), default=0)
+    parser.add_argument("--seed", type=seed_number(), default=0)
     parser.add_argument("--format", default="png", choices=("png", "pdf", "svg"))
     parser.add_argument("--plot-only", action="store_true")
     return parser.parse_args(argv)

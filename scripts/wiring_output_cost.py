@@ -40,7 +40,7 @@ import torch
 
 import wiring_common as W
 from nasdiag.errors import run_script
-from script_args import Parser, UsageError, at_least, channels
+from script_args import Parser, UsageError, at_least, channels, seed as seed_number
 
 QUANTITIES = {"loss": "L_θ (cross-entropy)", "entropy": "H_θ (output entropy)", "cz": "C_Z (output-edge cost)"}
 SPLITS = {"train": "search-train set (θ's data)", "search": "search set (held out from θ)"}
@@ -55,7 +55,7 @@ def parse_args(argv=None):
     parser.add_argument("--batch-size", type=at_least(1), default=64)
     parser.add_argument("--dataset", default="digits", choices=("digits", "cifar10"))
     parser.add_argument("--data-dir", default=None)
-    parser.add_argument("--seed", type=at_least(0), default=0)
+    parser.add_argument("--seed", type=seed_number(), default=0)
     parser.add_argument("--format", default="png", choices=("png", "pdf", "svg"))
     parser.add_argument("--plot-only", action="store_true")
     return parser.parse_args(argv)

@@ -28,7 +28,7 @@ import sys
 
 import wiring_common as W
 from nasdiag.errors import run_script
-from script_args import Parser, UsageError, at_least, channels
+from script_args import Parser, UsageError, at_least, channels, seed as seed_number
 
 VARIANTS = {
     "batch": dict(norm="batch", order="relu-conv-bn"),
@@ -51,7 +51,7 @@ def parse_args(argv=None):
     parser.add_argument("--observe-batches", type=at_least(1), default=8)
     parser.add_argument("--dataset", default="digits", choices=("digits", "cifar10"))
     parser.add_argument("--data-dir", default=None)
-    parser.add_argument("--seed", type=at_least(0), default=0)
+    parser.add_argument("--seed", type=seed_number(), default=0)
     parser.add_argument("--format", default="png", choices=("png", "pdf", "svg"))
     parser.add_argument("--plot-only", action="store_true")
     return parser.parse_args(argv)

@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 from nasdiag.errors import run_script
-from script_args import Parser, at_least, number, numbers
+from script_args import Parser, at_least, number, numbers, seed as seed_number
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
@@ -47,7 +47,7 @@ def parse_args(argv=None):
                         help="empty to skip the vs_lr sweep")
     parser.add_argument("--n-experts", type=at_least(2), default=8, help="N of the vs_sigma and vs_lr sweeps")
     parser.add_argument("--sigma", type=number(0, low_open=False), default=1.0, help="sigma of the vs_n and vs_lr sweeps")
-    parser.add_argument("--seed", type=at_least(0), default=0)
+    parser.add_argument("--seed", type=seed_number(), default=0)
     parser.add_argument("--threads", type=at_least(1), default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--plot-only", action="store_true", help="redraw figure and fits from an existing record")
     return parser.parse_args(argv)

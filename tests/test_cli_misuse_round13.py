@@ -1,0 +1,92 @@
+"""A thirteenth new user's misuse of the ``nasdiag`` CLI and the batch scripts: what rounds 1-12 (test_cli_errors.py,
+test_cli_search_misuse.py, test_cli_plot_misuse.py, test_cli_misuse_round3..12.py) did not cover: a batch script's
+``--seed`` past what torch or sklearn take, a CIFAR-10 batch cut short by an interrupted download or copy. Every such
+mistake is one line on stderr saying what was wrong and what to do, exit code 2, no traceback, nothing left behind.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import sys
+
+import numpy as np
+import pytest
+
+from nasdiag.cli import main
+from test_cli_errors import TINY, refused, snapshot
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "scripts"))  # the batch scripts
+
+
+def _script(script, argv, tmp_path, capsys):
+    """Run a batch script in-process as its command does; (exit code, stderr lines), the folder checked unchanged."""
+    from nasdiag.errors import run_script
+
+    before = snapshot(tmp_path)
+    code = run_script(script, importlib.import_module(script).main, argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert snapshot(tmp_path) == before, err
+    return code, err
+
+
+@pytest.mark.parametrize("script,seed,largest", [
+    ("bayes_compression", 2 ** 64, "99999999999999"),  # torch.manual_seed: "Overflow when unpacking long long"
+    ("xnas_statistical", 2 ** 63, "99999999999999"),   # torch.Generator().manual_seed: the same
+    ("sparsenas_digits", 2 ** 32, "4294967295"),      # sklearn's train_test_split(random_state=): InvalidParameterError
+])
+def test_a_script_seed_past_what_the_generators_take_is_one_line_before_any_work(script, seed, largest, tmp_path, capsys):
+    """``--seed`` of the batch scripts took any whole number >= 0 (``nasdiag search --seed`` stops at MAX_SEED): past
+    2**63 (sklearn: 2**32) the run stopped in a traceback, exit code 1, its output folder left behind."""
+    out = tmp_path / "out"
+    code, err = _script(script, ["--out", str(out), "--seed", str(seed)], tmp_path, capsys)
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"{script}: error: argument --seed: {seed} is too large") and largest in err[0], err
+    assert not out.exists()
+
+
+def test_a_script_seed_at_its_largest_is_taken():
+    """The bound is the largest seed the run takes, not one below it: the parsers accept it."""
+    from script_args import seed
+
+    from nasdiag.search.config import MAX_SEED
+
+    assert seed()(str(MAX_SEED)) == MAX_SEED and seed(2 ** 32 - 1)(str(2 ** 32 - 1)) == 2 ** 32 - 1
+    import torch
+    from sklearn.model_selection import train_test_split
+
+    torch.Generator().manual_seed(MAX_SEED + 1)  # bench_search seeds a generator with seed + 1
+    train_test_split(np.arange(10), test_size=0.2, random_state=2 ** 32 - 1)
+
+
+def _cifar(folder, cut=None):
+    """Six python batches of 20 random images (protocol 2, as the download's), ``data_batch_3`` cut to ``cut`` bytes."""
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = {b"data": rng.integers(0, 256, (20, 3072), dtype=np.uint8), b"labels": rng.integers(0, 10, 20).tolist()}
+        data = pickle.dumps(batch, protocol=2)
+        (folder / name).write_bytes(data[:cut] if name == "data_batch_3" and cut is not None else data)
+
+
+@pytest.mark.parametrize("cut,said", [(0, "is empty (0 bytes)"), (1000, "ends early (1,000 bytes"),
+                                      (-1, "ends early (")])
+def test_a_cifar_batch_cut_short_says_so_and_what_to_do(cut, said, tmp_path, capsys):
+    """A batch cut short (an interrupted download, ``cp`` or ``tar``: empty, or a pickle that stops) was "is not a
+    CIFAR-10 python batch (unreadable pickle: EOFError)", naming neither what happened nor what to do."""
+    _cifar(tmp_path / "data", cut)
+    argv = ["search", *TINY, "--dataset", "cifar10", "--data-dir", str(tmp_path / "data"), "--batch-size", "25",
+            "--out", str(tmp_path / "run.h5")]
+    line = refused(argv, tmp_path, f"data_batch_3 {said}", capsys)
+    assert "cut short" in line and "replace it with the data_batch_3 of cifar-10-python.tar.gz" in line, line
+
+
+def test_a_cifar_batch_of_other_bytes_is_not_said_to_be_cut_short(tmp_path, capsys):
+    """Bytes that are no pickle at all (a text file saved under the batch's name) stay "not a CIFAR-10 python batch",
+    now with what to do."""
+    _cifar(tmp_path / "data")
+    (tmp_path / "data" / "data_batch_3").write_bytes(b"garbage")
+    argv = ["search", *TINY, "--dataset", "cifar10", "--data-dir", str(tmp_path / "data"), "--out", str(tmp_path / "r.h5")]
+    line = refused(argv, tmp_path, "data_batch_3 is not a CIFAR-10 python batch (unreadable pickle", capsys)
+    assert "cut short" not in line and "replace it with the data_batch_3" in line, line
