@@ -140,7 +140,17 @@ def _read_cifar_batch(path: Path) -> Tuple[np.ndarray, np.ndarray]:
         raise DataError(f"{path} is not a CIFAR-10 python batch: it pickles {exc}, which a batch of numpy arrays and "
                         "lists never does (refused unread, as loading it would run that code)") from None
     except Exception as exc:  # random bytes raise any of UnpicklingError, EOFError, ValueError, KeyError, ...
-        raise DataError(f"{path} is not a CIFAR-10 python batch (unreadable pickle: {type(exc).__name__})") from None
+        again = f"replace it with the {path.name} of cifar-10-python.tar.gz (unpacked: cifar-10-batches-py/{path.name})"
+        with open(path, "rb") as fh:  # a pickle (protocol 2+) that stops early, or nothing: an interrupted download,
+            start = fh.read(2)         # copy or unpack; it said only "unreadable pickle", not what to do
+        size = path.stat().st_size
+        pickle_start = start[:1] == b"\x80" and start[1:] in (b"", b"\x02", b"\x03", b"\x04", b"\x05")  # PROTO 2-5
+        if (isinstance(exc, EOFError) or "truncated" in str(exc)) and (not size or pickle_start):
+            cut = "is empty (0 bytes)" if not size else f"ends early ({size:,} bytes; a batch of 10,000 images is about 30 MB)"
+            raise DataError(f"CIFAR-10 batch {path} {cut}: it was cut short, likely by an interrupted download, copy or "
+                            f"unpack; {again}") from None
+        raise DataError(f"{path} is not a CIFAR-10 python batch (unreadable pickle: {type(exc).__name__}); "
+                        f"{again}") from None
     data = batch.get(b"data", batch.get("data")) if isinstance(batch, dict) else None
     labels = batch.get(b"labels", batch.get("labels")) if isinstance(batch, dict) else None
     if data is None or labels is None:
