@@ -14,6 +14,8 @@ from torch import nn
 
 from nasdiag.hessian import diag_hessian
 
+from test_audit_hessian_round2 import Scaled  # module(x ∘ w), w one weight per input entry
+
 DT = torch.float64
 
 
@@ -61,3 +63,32 @@ def test_exact_on_a_linear_chain_whose_sequential_has_a_hook_runs_the_hook(hook)
     ref = dense_diag(net, F.cross_entropy, x, y)
     assert any((plain[k] - ref[k]).abs().max() > 0.1 * ref[k].abs().max() for k in ref)
     assert_close(diag_hessian(net, F.cross_entropy, x, y, mode="exact"), ref)
+
+
+# -- a hooked activation whose rule takes its derivatives from the module ----------------------------------------------
+
+
+@pytest.mark.parametrize("act", [nn.GELU, nn.ELU, nn.Softplus, nn.Hardtanh])
+@pytest.mark.parametrize("hook", ["forward", "pre"])
+def test_diag_through_an_activation_with_a_user_hook_differentiates_the_activation_alone(act, hook):
+    # docs/hessian.md: a user's pre-hook on a rule leaf runs before the tracer's (the rule sees the input the module
+    # saw) and a forward hook after it (what it does is walked as glue). The rule of GELU/ELU/SiLU/Softplus/Hardtanh/
+    # ReLU6 (ElementwiseRule() without fn) took σ', σ'' by forward-mode AD of the module *called*, which ran the hooks
+    # again inside the derivative: 2·gelu for a doubling forward hook (then doubled once more as glue), gelu(1.5 x)
+    # for a pre-hook: 100-340% off, silently. Under a separable loss on the activation's output diag is exact for w.
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, 5, dtype=DT)
+    module = act().to(DT)
+    if hook == "forward":
+        module.register_forward_hook(lambda m, i, o: 2 * o)
+    else:
+        module.register_forward_pre_hook(lambda m, i: (1.5 * i[0],))
+    net = Scaled(module, x.shape)
+    out = net(x)
+    h, c = torch.randn_like(out), torch.randn_like(out)
+
+    def separable(o, _):
+        return (0.5 * h * o * o + c * o).sum()
+
+    ref = dense_diag(net, separable, x, None)
+    assert_close(diag_hessian(net, separable, x, None, mode="diag"), ref)

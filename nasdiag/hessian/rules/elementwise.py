@@ -26,7 +26,7 @@ class ElementwiseRule(HessianRule):
     """Rule for any elementwise module ``y = fn(x)``.
 
     Args:
-        fn: the elementwise function; ``None`` calls the module itself. Its first and second
+        fn: the elementwise function; ``None`` calls the module's ``forward`` (without its hooks). Its first and second
             derivatives are taken by forward-mode autodiff (``torch.func.jvp``), so any function made of
             differentiable elementwise torch ops works, e.g. ``register_rule(nn.GELU, ElementwiseRule())``.
         piecewise_linear: declare ``fn''`` ≡ 0 (ReLU-like), which skips the residual term and the
@@ -51,7 +51,9 @@ class ElementwiseRule(HessianRule):
 
     def derivatives(self, call: ModuleCall) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """``(σ'(x), σ''(x))`` elementwise, ``σ''`` None when identically zero."""
-        fn = self.fn if self.fn is not None else call.module
+        # the module's own function: its forward, not its __call__, which would run the user's hooks on it again (a
+        # pre-hook's change of the input, a forward hook's of the output: already in the traced input, walked as glue)
+        fn = self.fn if self.fn is not None else call.module.forward
         x = call.input
         ones = torch.ones_like(x)
 
