@@ -100,7 +100,11 @@ def test_invariance_deviation_leaves_out_an_eval_pass_of_a_batchnorm_whose_track
         assert torch.allclose(net.bn(probe_in), (probe_in - 0.5) / (1 + net.bn.eps) ** 0.5, atol=1e-14)
         net.bn.train()
     got, expected = _deviation_with_an_eval_pass(net, x, y, _z(seed=5))
-    assert got == pytest.approx(expected, rel=1e-12)  # was the 1e-3-scaled validation batch's factor (~1e6 x)
+    assert got == pytest.approx(expected, rel=1e-12)  # was the 1e-3-scaled validation batch's factor (115x)
+    op = net.e._ops[0].eval()  # and the rules agree with f(2x) != f(x) there (docs/probe.md "Which ops are flagged")
+    with torch.no_grad():
+        assert not torch.allclose(op(2 * x.new_ones(2, 3, 4, 4).cumsum(-1)), op(x.new_ones(2, 3, 4, 4).cumsum(-1)))
+    assert not nasdiag.cost.is_scale_invariant(op)
 
 
 def test_invariance_deviation_of_an_instancenorm_op_with_tracking_switched_off_keeps_its_per_sample_eval_pass():
