@@ -12,9 +12,9 @@ A module type can carry rules for two aspects, each registered once per type:
 
 Lookup (:meth:`RuleRegistry.lookup`, the same for both aspects): per-call overrides by exact type,
 then the registered type nearest in the MRO, as long as the module's class does not rewrite
-``forward`` (or a convolution's ``_conv_forward``) relative to it (a class defined inside ``torch`` belongs to its
-base's family, e.g. ``nn.Conv2d`` under ``_ConvNd``). A miss is ``None``; callers raise :class:`UnsupportedModuleError`
-with :func:`unsupported_message`.
+``forward`` (or a convolution's ``_conv_forward``) relative to it (a class defined inside ``torch.nn`` belongs to its
+base's family, e.g. ``nn.Conv2d`` under ``_ConvNd``; ``torch.ao``'s fused and quantization-aware subclasses do not).
+A miss is ``None``; callers raise :class:`UnsupportedModuleError` with :func:`unsupported_message`.
 
 The reference supernet registers the rules of its own ops (``nasdiag.supernet.ops``), so neither
 ``nasdiag.cost`` nor ``nasdiag.hessian`` imports it.
@@ -98,9 +98,10 @@ class RuleRegistry:
             if base is nn.Module:
                 break
             if base in table:
-                # A subclass written outside torch that rewrites forward, or a method its forward computes through (a
-                # convolution's _conv_forward: weight standardization), is another function.
-                if not cls.__module__.startswith("torch.") and any(
+                # A subclass written outside torch.nn that rewrites forward, or a method its forward computes through (a
+                # convolution's _conv_forward: weight standardization), is another function; so are torch.ao's
+                # quantization-aware and fused ones (LinearReLU, ConvBn2d: a ReLU or a BatchNorm inside the call).
+                if not cls.__module__.startswith("torch.nn.") and any(
                         getattr(cls, m, None) is not getattr(base, m, None) for m in _FORWARD_METHODS):
                     return None
                 return table[base]
