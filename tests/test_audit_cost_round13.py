@@ -14,6 +14,10 @@ Defects found (each test fails without its fix):
   the convolution's output for the nodes and returned numbers of no edge (0.018 off autograd's, no warning); now NaN
   with the warning of a summed output (each chunk is checked once against the span of the outputs of the edges
   ending at its node) (test_output_costs_of_a_darts_cell_with_a_1x1_conv_after_the_concat_are_nan_not_other_numbers).
+* ``nasdiag.cost.output_edge_costs(grad, out, slices)`` with a gradient of another shape than the output (a (B, 6)
+  gradient of a (B, 5) output) returned <grad[:, a:b], out[:, a:b]> of unrelated channels, silently; a 1-D output
+  was an IndexError and a list of slices an AttributeError. One CostError line each
+  (test_output_edge_costs_of_a_gradient_not_shaped_as_the_output_is_one_cost_error_line).
 """
 
 import warnings
@@ -210,3 +214,14 @@ def test_output_costs_of_a_darts_cell_with_a_1x1_conv_after_the_concat_are_nan_n
     got, ref, caught = _darts_step("conv", seed=7)
     assert torch.isnan(got).all()
     assert any("not the concatenation" in str(w.message) and "1x1 convolution" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("grad,out,slices", [
+    (torch.ones(4, 6), torch.ones(4, 5), {2: (0, 3)}),  # was a silent number
+    (torch.ones(4), torch.ones(4), {2: (0, 1)}),  # was IndexError
+    (torch.ones(4, 6), torch.ones(4, 6), [(0, 3)]),  # was AttributeError
+])
+def test_output_edge_costs_of_a_gradient_not_shaped_as_the_output_is_one_cost_error_line(grad, out, slices):
+    with pytest.raises(nasdiag.cost.CostError) as info:
+        nasdiag.cost.output_edge_costs(grad, out, slices)
+    assert "\n" not in str(info.value)

@@ -108,8 +108,13 @@ def output_edge_costs(
     Returns:
         (n_nodes,) or, with ``per_sample``, (B, n_nodes); per-sample terms sum to the former.
     """
-    if not node_slices:
-        raise CostError("node_slices is empty: declare at least one output node with its channel range")
+    if not isinstance(node_slices, Mapping) or not node_slices:
+        raise CostError(f"node_slices must be a non-empty {{node: (start, stop)}} mapping of the output nodes' channel "
+                        f"ranges, got {node_slices!r}")
+    if cell_output.dim() < 2 or grad_cell_output.shape != cell_output.shape:
+        # a gradient of another shape would pair its channels with other channels of the output: a number of no node
+        raise CostError(f"output_edge_costs: the gradient has shape {tuple(grad_cell_output.shape)} and the cell output "
+                        f"{tuple(cell_output.shape)}; pass the cell output (B, C_out, ...) and ∂L/∂ of it, of its shape")
     C = cell_output.shape[1]
     cols = []
     for node, (start, stop) in node_slices.items():
