@@ -105,8 +105,9 @@ class XNAS(SearchMethod):
         grad_clip: float = hp(5.0, "Gradient-norm clip of w and the reward bound L of eq 3-4 (XNAS §3.2.2 sets L "
                                    "to the gradient clip; 5 is the DARTS code default, §3.2.2's example uses 1).",
                               low=0, low_open=True)
-        zeta: float = hp(1.0, "Wipeout relaxation ζ of the threshold (XNAS §3.2.2; 1 = Algorithm 1, the only "
-                              "value with Lemma 1's guarantee; smaller wipes out sooner).", low=0, low_open=True)
+        zeta: float = hp(1.0, "Wipeout relaxation ζ of the threshold (XNAS §3.2.2; 1 = Algorithm 1; ζ >= 1 keeps "
+                              "Lemma 1's guarantee, larger wipes out later; smaller wipes out sooner and voids it).",
+                         low=0, low_open=True)
         lr_scale: float = hp(1.0, "η_c = lr_scale · η*_c of eq 4 (XNAS §3.2.2 Remark 1: η* is an upper bound that "
                                   "can be fine-tuned; 1 = the theoretical rate).", low=0, low_open=True)
         reward_bound: Optional[float] = hp(None, "L of eq 3-4 if set; default (None) the gradient clip grad_clip "
