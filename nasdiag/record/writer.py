@@ -198,7 +198,8 @@ class Recorder:
     Parameters
     ----------
     path:
-        The record file (segment 0). Later segments live next to it (``run.seg0001.h5``, ...).
+        The record file (segment 0). Later segments live next to it (``run.seg0001.h5``, ...). A relative
+        path is taken in the working folder of the moment the recorder opens; a later ``chdir`` does not move it.
     meta:
         Run metadata: ``method`` (str), ``config`` (dict, stored as JSON), ``seed`` (int),
         ``op_names`` (list[str], the K candidate ops), ``edge_names`` (dict cell type -> list[str],
@@ -263,6 +264,9 @@ class Recorder:
         # through a symbolic link: segments, temporary files and replacements go next to the file it names (a resume
         # through the link put them next to the link, where the record read by its own name never saw them)
         self.path = schema.resolve_link(path)
+        # where its files are written: a relative path named a file of the working folder at each write, so after a
+        # chdir the first flush replaced a placeholder in the new folder and later segments went there too
+        self._anchor = os.path.abspath(self.path)
         owner = record_of_segment(self.path)
         if owner is not None:  # overwrite=True deleted that record's segment, a new file made the record damaged
             raise RecordError(
@@ -728,7 +732,7 @@ class Recorder:
         record exists (and loads, empty) from the moment the recorder opens. The first flush
         replaces it with the full segment; every other publication refuses to replace a file.
         """
-        final = self.segment_file
+        final = schema.segment_path(self._anchor, self._segment_index)  # not in a working folder changed since
         tmp = schema.temp_path(final)
         self._remove(tmp)
         f = built = None
@@ -794,7 +798,7 @@ class Recorder:
                     except Exception:
                         pass
             self._remove(tmp)
-            raise RecordError(_storage_error(f"cannot create record segment {final}", err)) from None
+            raise RecordError(_storage_error(f"cannot create record segment {self.segment_file}", err)) from None
         try:
             self._publish(tmp, final, replace=self._placeholder_published)
         except BaseException:
