@@ -202,18 +202,24 @@ def _darts_step(out, seed):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = probe.output_costs()
-    return torch.tensor([float(got[c][n]) for c in ("c0", "c1") for n in (2, 3)], dtype=DT), torch.stack(out_ref), caught
+    step = lambda: F.cross_entropy(net(x, [z.detach() for z in Z]), y).backward()  # noqa: E731
+    return (torch.tensor([float(got[c][n]) for c in ("c0", "c1") for n in (2, 3)], dtype=DT), torch.stack(out_ref),
+            caught, probe, step)
 
 
 def test_output_costs_of_a_darts_cell_with_a_1x1_conv_after_the_concat_are_nan_not_other_numbers():
     """Defect (r13): the output costs of a DARTS-convention cell whose output is conv1x1(concat(nodes)) (same width)
     were <∂L/∂(chunk of the conv output), chunk>, numbers of no node (0.018 off here, no warning)."""
-    got, ref, caught = _darts_step("concat", seed=7)  # the concatenation (reduction cell included): autograd's
+    got, ref, caught, _, _ = _darts_step("concat", seed=7)  # the concatenation (reduction cell included): autograd's
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-13)
     assert not caught
-    got, ref, caught = _darts_step("conv", seed=7)
+    got, ref, caught, probe, step = _darts_step("conv", seed=7)
     assert torch.isnan(got).all()
     assert any("not the concatenation" in str(w.message) and "1x1 convolution" in str(w.message) for w in caught)
+    with probe.record():  # checked once, flagged at every step
+        step()
+    with pytest.warns(RuntimeWarning, match="not the concatenation"):
+        assert all(torch.isnan(v).all() for cell in probe.output_costs().values() for v in cell.values())
 
 
 @pytest.mark.parametrize("grad,out,slices", [

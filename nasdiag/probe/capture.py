@@ -180,7 +180,7 @@ class StepCapture:
                  hooks: Hooks, track_selected: bool = False, weights_names: Optional[Sequence[str]] = None,
                  keep_model_io: bool = False, weights_presumed: Optional[Sequence[bool]] = None,
                  check_nodes: Optional[Sequence[bool]] = None, order_given: Optional[Sequence[bool]] = None,
-                 check_concat: Optional[Sequence[bool]] = None):
+                 check_concat: Optional[Sequence[object]] = None):
         N = len(edges)
         #: per edge, whether its candidate list was given by the caller (its order against the weights is checked)
         self.order_given = list(order_given) if order_given is not None else [False] * N
@@ -220,7 +220,8 @@ class StepCapture:
         self.cells_not_tensor: Dict[int, str] = {}  # cells whose forward returned no tensor: the type it returned
         #: DARTS-convention cells whose output is not the concatenation of their output nodes (e.g. their sum): why
         self.cells_not_concat: Dict[int, str] = {}
-        #: per cell, whether its output is still to be checked to be its output nodes (DARTS convention; once it is)
+        #: per cell, whether its output is still to be checked to be its output nodes (DARTS convention): True, False
+        #: once it was, or why it is not (flagged at every step without checking again)
         self.check_concat = list(check_concat) if check_concat is not None else [True] * len(cells)
         #: per edge, its end node where that is an output node of a DARTS-convention cell (undeclared slices), else None
         self.chunk_node = [e.dst if e.cell_index is not None and cells[e.cell_index].output_node_slices is None
@@ -377,7 +378,7 @@ class StepCapture:
             ccall = self.open_cell[edge.cell_index]
             ccall.node_channels = ccall.node_channels or {}
             ccall.node_channels[node] = output.shape[1]
-            if self.check_concat[edge.cell_index]:
+            if self.check_concat[edge.cell_index] is True:
                 ccall.node_edges = ccall.node_edges or {}
                 ccall.node_edges.setdefault(node, []).append(output.detach())
         missing = [k for k, o in enumerate(call.outputs) if o is None]
@@ -514,15 +515,15 @@ class StepCapture:
                 # the equal chunks of the DARTS convention would not be the nodes (a cell summing its nodes): NaN, flagged
                 self.cells_not_concat[pos] = (f"has {output.shape[1]} channels where its output nodes "
                                               f"{list(cell.output_nodes)} have {widths}")
+                self.check_concat[pos] = False  # the widths tell at every step: no edge outputs to keep for the check
                 return None
             node_edges, ccall.node_edges = ccall.node_edges, None
-            if self.check_concat[pos] and node_edges is not None and None not in widths:
+            if self.check_concat[pos] is True and node_edges is not None and None not in widths:
                 # equal widths are not yet the nodes: a 1x1 convolution of the concatenation keeps them
-                why = self._not_the_nodes(cell, node_edges, output)
-                if why is not None:
-                    self.cells_not_concat[pos] = why
-                    return None
-                self.check_concat[pos] = False
+                self.check_concat[pos] = self._not_the_nodes(cell, node_edges, output) or False
+            if isinstance(self.check_concat[pos], str):
+                self.cells_not_concat[pos] = self.check_concat[pos]
+                return None
         if output.requires_grad:
             ccall.output = output.detach()  # shares the version counter: an in-place change after the cell shows
             ccall.version = output._version
