@@ -176,3 +176,22 @@ def test_a_resume_that_logs_another_dtype_on_a_recorded_path_is_one_line_and_wri
     plain = _plain_record(path)
     assert sorted(plain) == list(range(6))
     assert plain[5]["ints/i"].dtype == np.int32 and plain[5]["ints/i"] == 5 and plain[5]["scalars/x"] == 5.0
+
+
+def test_tensors_of_dtypes_numpy_lacks_are_recorded_as_float32_with_their_nan_counted(tmp_path):
+    """docs/schema.md: bfloat16 and the float8 types (no numpy dtype) are recorded as float32, NaN kept and counted."""
+    torch = pytest.importorskip("torch")
+    path = tmp_path / "run.h5"
+    kinds = [torch.bfloat16] + [getattr(torch, k) for k in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, k)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RecordWarning)
+        with Recorder(path, flush_every=2, flush_seconds=None) as rec:
+            for step in range(3):
+                rec.log(step, {f"low/{str(k)[6:]}": torch.tensor([0.5, float("nan") if step == 1 else 1.0, -2.0]).to(k)
+                               for k in kinds})
+    plain = _plain_record(path)
+    with h5py.File(path, "r", swmr=True) as f:
+        counts = {p: int(f[p].attrs["nonfinite_count"]) for p in plain[0]}
+    for p in plain[0]:
+        assert plain[0][p].dtype == np.float32, p
+        assert plain[0][p].tolist() == [0.5, 1.0, -2.0] and np.isnan(plain[1][p][1]) and counts[p] == 1, p
