@@ -31,7 +31,7 @@ import sys
 import time
 from collections import Counter
 from nasdiag.errors import NasdiagError, run_script
-from script_args import Parser, at_least, channels
+from script_args import Parser, at_least, channels, threads as thread_count
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
@@ -47,7 +47,7 @@ def parse_args(argv=None):
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2, help="intermediate nodes per cell (2: 5 edges)")
     parser.add_argument("--batch-size", type=at_least(1), default=64)
-    parser.add_argument("--threads", type=at_least(1), default=None)
+    parser.add_argument("--threads", type=thread_count(), default=None)
     parser.add_argument("--plot-only", action="store_true", help="redraw the figure from summary.json")
     return parser.parse_args(argv)
 

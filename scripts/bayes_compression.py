@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from nasdiag.errors import run_script
-from script_args import Parser, UsageError, at_least, number, seed as seed_number
+from script_args import Parser, UsageError, at_least, number, seed as seed_number, threads as thread_count
 
 LAYERS = {"conv1.weight": (0,), "conv2.weight": (0,), "fc1.weight": (1,), "fc2.weight": (1,)}  # group_dims
 LABELS = {"conv1": "conv1 filters", "conv2": "conv2 filters", "fc1": "fc1 inputs (features)", "fc2": "fc2 inputs (neurons)"}
@@ -154,7 +154,7 @@ def main(argv=None) -> int:
     p.add_argument("--hessian-batch", type=at_least(1), default=256)
     p.add_argument("--prune-ratio", type=number(0, 1), default=1e-3)
     p.add_argument("--seed", type=seed_number(), default=0)
-    p.add_argument("--threads", type=at_least(1), default=1)
+    p.add_argument("--threads", type=thread_count(), default=1)
     try:
         args = p.parse_args(argv)
     except UsageError as exc:  # main() returns 2 for a bad argument, as it did for --lam 0

@@ -25,7 +25,7 @@ from nasdiag.errors import run_script
 from nasdiag.supernet import Network
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from script_args import Parser, at_least, channels, device as device_name  # noqa: E402
+from script_args import Parser, at_least, channels, device as device_name, threads as thread_count  # noqa: E402
 
 
 def machine(device: torch.device) -> str:
@@ -50,7 +50,7 @@ def main(argv=None) -> None:
     ap.add_argument("--size", type=at_least(1), default=16, help="input height = width")
     ap.add_argument("--iters", type=at_least(1), default=20)
     ap.add_argument("--warmup", type=at_least(0), default=3)
-    ap.add_argument("--threads", type=at_least(0), default=0, help="torch CPU threads (0: leave as is)")
+    ap.add_argument("--threads", type=thread_count(0), default=0, help="torch CPU threads (0: leave as is)")
     ap.add_argument("--extras", action="store_true", help="also time path_split=True and norm_deviation=True")
     args = ap.parse_args(argv)
     if args.threads:

@@ -45,7 +45,7 @@ from nasdiag.supernet import Network
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from script_args import Parser, at_least, channels, number, numbers, seed as seed_number  # noqa: E402
-from script_args import device as device_name, names as section_names  # noqa: E402
+from script_args import device as device_name, names as section_names, threads as thread_count  # noqa: E402
 
 
 # -- timing --------------------------------------------------------------------------------------
@@ -353,7 +353,7 @@ def main(argv=None):
     p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", type=device_name, default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
-    p.add_argument("--threads", type=at_least(1), default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=thread_count(), default=None, help="torch CPU threads")
     p.add_argument("--repeat", type=at_least(1), default=3, help="timed runs per row (best is reported)")
     p.add_argument("--seed", type=seed_number(), default=0)
     p.add_argument("--sections", type=section_names(('speed', 'supernet', 'convnet', 'scaling', 'accuracy'), "section"), default="speed,scaling")

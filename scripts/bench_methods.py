@@ -23,7 +23,7 @@ from nasdiag.search import Schedule, available_methods, get_method
 from nasdiag.supernet import Network
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from script_args import Parser, at_least, channels, names as known_names  # noqa: E402
+from script_args import Parser, at_least, channels, names as known_names, threads as thread_count  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -38,7 +38,7 @@ def main(argv=None) -> None:
     ap.add_argument("--size", type=at_least(1), default=8, help="input height = width")
     ap.add_argument("--channels", type=at_least(1), default=1)
     ap.add_argument("--repeats", type=at_least(1), default=20)
-    ap.add_argument("--threads", type=at_least(1), default=1)
+    ap.add_argument("--threads", type=thread_count(), default=1)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     names = [n.strip() for n in args.methods.split(",") if n.strip()]

@@ -50,7 +50,7 @@ from nasdiag.supernet.engine.graph import StepGraph
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from script_args import Parser, at_least, channels, number, numbers, seed as seed_number  # noqa: E402
-from script_args import device as device_name, names as section_names  # noqa: E402
+from script_args import device as device_name, names as section_names, threads as thread_count  # noqa: E402
 
 ROWS: List[Dict] = []
 
@@ -469,7 +469,7 @@ def main(argv=None):
     p.add_argument("--steps", type=at_least(1), default=20, help="timed fast steps per round")
     p.add_argument("--eager-steps", type=at_least(1), default=6, help="timed eager steps per round")
     p.add_argument("--warmup", type=at_least(0), default=3)
-    p.add_argument("--threads", type=at_least(1), default=None)
+    p.add_argument("--threads", type=thread_count(), default=None)
     p.add_argument("--seed", type=seed_number(), default=0)
     p.add_argument("--sections", type=section_names(('darts', 'fwdbwd', 'hessian', 'memory', 'darts2', 'bf16', 'scaling', 'profile'), "section"), default="darts,fwdbwd,hessian,memory,darts2,bf16,scaling,profile")
     p.add_argument("--ddp", action="store_true")

@@ -17,7 +17,7 @@ import os
 import sys
 import time
 from nasdiag.errors import run_script
-from script_args import Parser, UsageError, at_least, dpi
+from script_args import Parser, UsageError, at_least, dpi, threads as thread_count
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
@@ -39,7 +39,7 @@ def parse_args(argv=None):
     parser.add_argument("--runs", default="runs/readme", help="folder of the records")
     parser.add_argument("--epochs", type=at_least(1), default=2)
     parser.add_argument("--dpi", type=dpi, default=70, help="small PNGs: the README shows them at their size")
-    parser.add_argument("--threads", type=at_least(1), default=None, help="torch threads of the searches (default: the run's)")
+    parser.add_argument("--threads", type=thread_count(), default=None, help="torch threads of the searches (default: the run's)")
     parser.add_argument("--engine", default="auto", choices=("auto", "fast", "eager"), help="supernet engine")
     parser.add_argument("--plot-only", action="store_true")
     return parser.parse_args(argv)

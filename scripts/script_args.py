@@ -124,6 +124,26 @@ def seed(high: int = None) -> Callable[[str], int]:
     return whole_number
 
 
+def threads(low: int = 1) -> Callable[[str], int]:
+    """An argparse ``type``: torch threads, a whole number from ``low`` (0: leave torch's as is) to this machine's
+    CPUs, as ``nasdiag search --threads``. ``at_least(1)`` took any: ``--threads 100000`` made libgomp allocate the
+    stacks of 100000 threads at the first parallel op ("libgomp: Out of memory", exit code 1, the output folder left)
+    and a few more than the cores stalled the run."""
+    import os
+
+    cpus = os.cpu_count() or 1
+
+    def whole_number(text: str) -> int:
+        value = at_least(low)(text)
+        if value > cpus:
+            raise argparse.ArgumentTypeError(f"{value} is more than the {cpus} CPUs of this machine (more threads than "
+                                             f"cores stall a run); give at most {cpus}, or leave --threads out")
+        return value
+
+    whole_number.__name__ = f"threads from {low} to {cpus}"
+    return whole_number
+
+
 def channels(text: str) -> int:
     """An argparse ``type``: the supernet's ``--C``, an even whole number >= 2 (``--C 3`` was the supernet's ValueError
     traceback, after the output folder was made)."""

@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 from nasdiag.errors import run_script
-from script_args import Parser, at_least, number, numbers, seed as seed_number
+from script_args import Parser, at_least, number, numbers, seed as seed_number, threads as thread_count
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
@@ -48,7 +48,7 @@ def parse_args(argv=None):
     parser.add_argument("--n-experts", type=at_least(2), default=8, help="N of the vs_sigma and vs_lr sweeps")
     parser.add_argument("--sigma", type=number(0, low_open=False), default=1.0, help="sigma of the vs_n and vs_lr sweeps")
     parser.add_argument("--seed", type=seed_number(), default=0)
-    parser.add_argument("--threads", type=at_least(1), default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--threads", type=thread_count(), default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--plot-only", action="store_true", help="redraw figure and fits from an existing record")
     return parser.parse_args(argv)
 

@@ -1,6 +1,6 @@
 """A thirteenth new user's misuse of the ``nasdiag`` CLI and the batch scripts: what rounds 1-12 (test_cli_errors.py,
 test_cli_search_misuse.py, test_cli_plot_misuse.py, test_cli_misuse_round3..12.py) did not cover: a batch script's
-``--seed`` past what torch or sklearn take, a CIFAR-10 batch cut short by an interrupted download or copy. Every such
+``--seed`` past what torch or sklearn take and ``--threads`` past the machine's CPUs, a CIFAR-10 batch cut short by an interrupted download or copy. Every such
 mistake is one line on stderr saying what was wrong and what to do, exit code 2, no traceback, nothing left behind.
 """
 
@@ -58,6 +58,23 @@ def test_a_script_seed_at_its_largest_is_taken():
 
     torch.Generator().manual_seed(MAX_SEED + 1)  # bench_search seeds a generator with seed + 1
     train_test_split(np.arange(10), test_size=0.2, random_state=2 ** 32 - 1)
+
+
+@pytest.mark.parametrize("script,takes_out", [("bayes_compression", True), ("xnas_statistical", True),
+                                              ("asmnas_stability", True), ("bench_cost", False)])
+def test_a_script_thread_count_past_the_cpus_is_one_line_before_any_work(script, takes_out, tmp_path, capsys):
+    """``--threads`` of the batch scripts took any count >= 1 (``nasdiag search --threads`` stops at the CPUs): torch was
+    set to it, and ``--threads 100000`` made libgomp allocate 100000 thread stacks at the first parallel op ("libgomp:
+    Out of memory", exit code 1) after the output folder was made."""
+    cpus = os.cpu_count() or 1
+    out = tmp_path / "out"
+    code, err = _script(script, ["--out", str(out)] * takes_out + ["--threads", str(cpus + 1)], tmp_path, capsys)
+    assert code == 2 and len(err) == 1, err
+    assert f"--threads: {cpus + 1} is more than the {cpus} CPUs" in err[0] and f"give at most {cpus}" in err[0], err
+    assert not out.exists()
+    from script_args import threads
+
+    assert threads()(str(cpus)) == cpus and threads(0)("0") == 0  # the machine's CPUs are taken (bench_cost: 0 too)
 
 
 def _cifar(folder, cut=None):
