@@ -254,8 +254,11 @@ class RecorderCallback:
         if exc_type is None:
             self.close()
             return
-        if self.recorder is not None:
-            self.recorder.__exit__(exc_type, exc, tb)
+        try:
+            if self.recorder is not None:
+                self.recorder.__exit__(exc_type, exc, tb)
+        finally:  # the recorder is closed: later hooks are refused, as after close(), not dropped without a word
+            self._closed = True
 
     # --- batching ------------------------------------------------------------------------------
 
