@@ -18,6 +18,8 @@ Defects found (each test fails without its fix):
   gradient of a (B, 5) output) returned <grad[:, a:b], out[:, a:b]> of unrelated channels, silently; a 1-D output
   was an IndexError and a list of slices an AttributeError. One CostError line each
   (test_output_edge_costs_of_a_gradient_not_shaped_as_the_output_is_one_cost_error_line).
+  The check is made once, at the first step whose values are finite
+  (test_a_first_step_with_nan_leaves_the_concatenation_check_open_for_the_next_finite_step).
 """
 
 import warnings
@@ -231,3 +233,23 @@ def test_output_edge_costs_of_a_gradient_not_shaped_as_the_output_is_one_cost_er
     with pytest.raises(nasdiag.cost.CostError) as info:
         nasdiag.cost.output_edge_costs(grad, out, slices)
     assert "\n" not in str(info.value)
+
+
+def test_a_first_step_with_nan_leaves_the_concatenation_check_open_for_the_next_finite_step():
+    """The check of a cell output against its nodes is a least-squares fit over the first samples: a NaN batch (a
+    diverged step) fits nothing and must not pass the check, or the next finite step's chunks of a 1x1 conv would
+    be read as nodes again, silently."""
+    net = DartsNet(out="conv", seed=9)
+    g = torch.Generator().manual_seed(10)
+    x, y = torch.randn(5, 1, 6, 6, generator=g, dtype=DT), torch.randint(0, 4, (5,), generator=g)
+    Z = [torch.softmax(torch.randn(5, 3, generator=g, dtype=DT), -1).requires_grad_() for _ in range(2)]
+    probe = nasdiag.attach(net)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the NaN step's own warnings
+        with probe.record():
+            F.cross_entropy(net(torch.full_like(x, float("nan")), Z), y).backward()
+        net.zero_grad(set_to_none=True)
+    with probe.record():
+        F.cross_entropy(net(x, Z), y).backward()
+    with pytest.warns(RuntimeWarning, match="not the concatenation"):
+        assert all(torch.isnan(v).all() for cell in probe.output_costs().values() for v in cell.values())

@@ -520,7 +520,9 @@ class StepCapture:
             node_edges, ccall.node_edges = ccall.node_edges, None
             if self.check_concat[pos] is True and node_edges is not None and None not in widths:
                 # equal widths are not yet the nodes: a 1x1 convolution of the concatenation keeps them
-                self.check_concat[pos] = self._not_the_nodes(cell, node_edges, output) or False
+                why = self._not_the_nodes(cell, node_edges, output)  # "": not checked at this step (NaN)
+                if why != "":
+                    self.check_concat[pos] = why or False
             if isinstance(self.check_concat[pos], str):
                 self.cells_not_concat[pos] = self.check_concat[pos]
                 return None
@@ -532,18 +534,21 @@ class StepCapture:
 
     def _not_the_nodes(self, cell: CellInfo, node_edges: Dict[int, List[torch.Tensor]], output: torch.Tensor):
         """Why each equal chunk of a DARTS-convention cell's output is not its output node (per sample, in the span of
-        the outputs of the edges ending there: a node is their sum, maybe scaled per edge, e.g. by a drop-path), or
-        None."""
+        the outputs of the edges ending there: a node is their sum, maybe scaled per edge, e.g. by a drop-path), None
+        where they are, or "" where a NaN/inf leaves it open (checked at a finite step)."""
+        unchecked = None
         for node, (a, b) in _equal_chunks(cell.output_nodes, output.shape[1]).items():
             chunk, parts = output[:, a:b], node_edges.get(node, [])
             if not parts or any(t.shape != chunk.shape for t in parts):
                 return (f"has chunk {tuple(chunk.shape)} for node {node}, whose edges return "
                         f"{sorted({tuple(t.shape) for t in parts})}")
             err = self._span_error(parts, chunk)
-            if err > self._tolerance(chunk, len(parts)):  # NaN: not checked at this step
+            if math.isnan(err):
+                unchecked = ""
+            elif err > self._tolerance(chunk, len(parts)):
                 return (f"has a chunk for node {node} that is not that node (relative residual {err:.3g} off the span of "
                         "its edges' outputs)")
-        return None
+        return unchecked
 
     def norm_pre(self, key: Tuple[int, int], module, args):
         if self.open_edge[key[0]] is None:
