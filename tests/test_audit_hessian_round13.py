@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nasdiag.hessian import diag_hessian
+from nasdiag.hessian import diag_hessian, hessian_eigenvalues, hutchinson_trace
 
 from test_audit_hessian_round2 import Scaled  # module(x ∘ w), w one weight per input entry
 
@@ -120,3 +120,56 @@ def test_a_fused_quantization_aware_linear_relu_gets_no_linear_rule():
             diag_hessian(net, F.cross_entropy, x, y, mode=mode)
         assert "\n" not in str(err.value)
     assert_close(diag_hessian(net, F.cross_entropy, x, y, mode="exact"), dense_diag(net, F.cross_entropy, x, y))
+
+
+# -- a block under a non-reentrant activation checkpoint with a train-mode BatchNorm ----------------------------------
+
+
+class CheckpointedNet(nn.Module):
+    """stem conv -> a block run under ``torch.utils.checkpoint(..., use_reentrant=False)``: ``Σ_k softmax(α)_k op_k``
+    with train-mode BatchNorms in the ops -> Linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(1, 2, 3, padding=1)
+        self.ops = nn.ModuleList([nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), nn.BatchNorm2d(2)),
+                                  nn.Sequential(nn.Tanh(), nn.Conv2d(2, 2, 1), nn.BatchNorm2d(2))])
+        self.alpha = nn.Parameter(0.5 * torch.randn(2))
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(2 * 16, 3))
+
+    def arch_parameters(self):
+        return [self.alpha]
+
+    def block(self, h, z):
+        return sum(z[k] * op(h) for k, op in enumerate(self.ops))
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(self.block, self.stem(x), F.softmax(self.alpha, 0), use_reentrant=False)
+        return self.head(h)
+
+
+def test_the_hvp_routes_through_a_non_reentrant_checkpoint_with_train_batch_norm_are_exact_and_leave_its_statistics():
+    # docs/hessian.md: use_reentrant=False works, and a curvature call leaves BatchNorm running statistics unchanged.
+    # The Hessian-vector-product routes (diag_hessian 'exact'/'hutchinson:<k>', hessian_eigenvalues, hutchinson_trace)
+    # ran the forward with train-mode BatchNorm's tracking turned off and the backwards after it was back on: the
+    # checkpoint's recomputation inside the backward then saw another BatchNorm (torch's multi-line CheckpointError)
+    # and updated the real running statistics. Now every backward runs under the forward's settings.
+    torch.manual_seed(0)
+    net = CheckpointedNet().to(DT)
+    x, y = torch.randn(4, 1, 4, 4, dtype=DT), torch.randint(0, 3, (4,))
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    got = diag_hessian(net, F.cross_entropy, x, y, mode="exact")
+    diag_hessian(net, F.cross_entropy, x, y, mode="hutchinson:2")
+    res = hessian_eigenvalues(net, F.cross_entropy, x, y)
+    hutchinson_trace(net, F.cross_entropy, x, y, samples=2)
+    assert all(torch.equal(v, net.state_dict()[k]) for k, v in state.items())
+    ref = dense_diag(net, F.cross_entropy, x, y)  # the reference updates the running statistics: taken last
+    assert_close(got, ref)
+    # the α-Hessian (2 × 2, from the dense one of all parameters' rows: its α block) and its top eigenvalue
+    params = dict(net.named_parameters())
+    alpha = params["alpha"].detach().clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(F.cross_entropy(torch.func.functional_call(net, {**params, "alpha": alpha}, (x,)), y),
+                               alpha, create_graph=True)
+    H = torch.stack([torch.autograd.grad(g[i], alpha, retain_graph=True)[0] for i in range(2)])
+    top = torch.linalg.eigvalsh((H + H.T) / 2)[-1].item()
+    assert res.converged and abs(res.largest_algebraic - top) <= 1e-9 * abs(top)

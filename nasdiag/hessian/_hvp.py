@@ -17,7 +17,7 @@ Two routes, same numbers:
 from __future__ import annotations
 
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Callable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -368,18 +368,25 @@ class HessianVectorProduct:
         loss: scalar tensor.
         wrt: tensors the loss depends on; the Hessian acts on ``cat([t.flatten() for t in wrt])``.
         names: labels for error messages and warnings.
+        context: ``() -> context manager`` entered around every backward (the gradient and each product), e.g.
+            ``lambda: preserved_buffers(model)`` around the one the forward ran in: a block under
+            ``torch.utils.checkpoint(..., use_reentrant=False)`` reruns its forward inside the backwards, where a
+            train-mode BatchNorm must see the forward's settings (else torch's CheckpointError, and its running
+            statistics updated).
 
     Call with ``v`` of shape ``(dim,)`` or a stack ``(m, dim)`` (m products, one vmapped backward).
     """
 
-    def __init__(self, loss: torch.Tensor, wrt: Sequence[torch.Tensor], names: Sequence[str] | None = None):
+    def __init__(self, loss: torch.Tensor, wrt: Sequence[torch.Tensor], names: Sequence[str] | None = None,
+                 context: Optional[Callable[[], object]] = None):
+        self._context = context if context is not None else nullcontext
         self.wrt = list(wrt)
         self.names = list(names) if names is not None else [f"tensor {i}" for i in range(len(self.wrt))]
         self.sizes = [t.numel() for t in self.wrt]
         self.dim = sum(self.sizes)
         self.dtype = loss.dtype
         self.device = loss.device
-        with torch.enable_grad():  # under no_grad, the graph of the gradient would silently be dropped
+        with torch.enable_grad(), self._context():  # under no_grad, the graph of the gradient would be dropped
             # a loss without a graph (the model ignores every tensor in `wrt`) depends on none of them
             grads = (torch.autograd.grad(loss, self.wrt, create_graph=True, allow_unused=True) if loss.requires_grad
                      else [None] * len(self.wrt))
@@ -441,14 +448,15 @@ class HessianVectorProduct:
         return out[0] if single else out
 
     def _products(self, V: torch.Tensor, batched: bool) -> torch.Tensor:
-        hv = torch.autograd.grad(  # no graph is built for these: grad mode does not matter
-            self.gradient,
-            self.wrt,
-            grad_outputs=V,
-            retain_graph=True,
-            allow_unused=True,
-            is_grads_batched=batched,
-        )
+        with self._context():
+            hv = torch.autograd.grad(  # no graph is built for these: grad mode does not matter
+                self.gradient,
+                self.wrt,
+                grad_outputs=V,
+                retain_graph=True,
+                allow_unused=True,
+                is_grads_batched=batched,
+            )
         lead = (V.shape[0],) if batched else ()
         return torch.cat(
             [

@@ -192,7 +192,7 @@ def _loss_hvp(model: nn.Module, loss_fn: Callable, inputs, targets, values: Dict
         outputs = functional_forward(model, leaves, inputs)
         loss = scalar_loss(loss_fn, outputs, targets)
     refuse_reentrant_checkpoint(loss)
-    return HessianVectorProduct(loss, [leaves[n] for n in names], names)
+    return HessianVectorProduct(loss, [leaves[n] for n in names], names, context=lambda: preserved_buffers(model))
 
 
 def hvp_exact_diag(

@@ -422,7 +422,8 @@ def loss_hvp(
     pairs = named_tensors(params, default_owner=model)
     with preserved_buffers(model), torch.enable_grad():
         loss = scalar_loss(loss_fn, call_model(model, inputs), targets)
-    hvp = HessianVectorProduct(loss, [p for _, p in pairs], [n for n, _ in pairs])
+    hvp = HessianVectorProduct(loss, [p for _, p in pairs], [n for n, _ in pairs],
+                               context=lambda: preserved_buffers(model))  # a checkpoint's recompute in the backwards
     if hvp.unused:
         warnings.warn(
             f"the loss does not depend on {hvp.unused}: their Hessian rows and columns are zero",
