@@ -1,7 +1,8 @@
 """A thirteenth new user's misuse of the ``nasdiag`` CLI and the batch scripts: what rounds 1-12 (test_cli_errors.py,
 test_cli_search_misuse.py, test_cli_plot_misuse.py, test_cli_misuse_round3..12.py) did not cover: a batch script's
-``--seed`` past what torch or sklearn take and ``--threads`` past the machine's CPUs, a CIFAR-10 batch cut short by an interrupted download or copy. Every such
-mistake is one line on stderr saying what was wrong and what to do, exit code 2, no traceback, nothing left behind.
+``--seed`` past what torch or sklearn take and ``--threads`` past the machine's CPUs, a CIFAR-10 batch cut short by an
+interrupted download or copy, an ``--hp`` key of another method (``--method`` forgotten). Every such mistake is one
+line on stderr saying what was wrong and what to do, exit code 2, no traceback, nothing left behind.
 """
 
 from __future__ import annotations
@@ -107,3 +108,20 @@ def test_a_cifar_batch_of_other_bytes_is_not_said_to_be_cut_short(tmp_path, caps
     argv = ["search", *TINY, "--dataset", "cifar10", "--data-dir", str(tmp_path / "data"), "--out", str(tmp_path / "r.h5")]
     line = refused(argv, tmp_path, "data_batch_3 is not a CIFAR-10 python batch (unreadable pickle", capsys)
     assert "cut short" not in line and "replace it with the data_batch_3" in line, line
+
+
+@pytest.mark.parametrize("method,key", [
+    ("darts", "reward_bound"),  # one other method takes it: named with its --method
+    ("xnas", "alpha_lr"),       # several do
+])
+def test_a_hyperparameter_of_another_method_names_the_method_that_takes_it(method, key, tmp_path, capsys):
+    """``--hp reward_bound=1`` without ``--method xnas`` was "unknown hyperparameter 'reward_bound' for method 'darts';
+    valid keys: <darts's>": the line named neither the method that takes it nor that --method was forgotten."""
+    from nasdiag.search.registry import available_methods
+
+    owners = [n for n, cls in available_methods().items() if n != method and key in cls.Hyperparameters.keys()]
+    assert owners  # the case is real: some other method takes the key
+    argv = ["search", *TINY, "--method", method, "--out", str(tmp_path / "run.h5"), "--hp", f"{key}=1"]
+    line = refused(argv, tmp_path, f"unknown hyperparameter {key!r} for method {method!r}", capsys)
+    assert f"it is a hyperparameter of {', '.join(owners)} (" in line and f"not of {method}" in line, line
+    assert (f"--method {owners[0]}" if len(owners) == 1 else "choose one with --method") in line, line

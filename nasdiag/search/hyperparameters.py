@@ -99,7 +99,7 @@ class Hyperparameters:
 
                 raise ConfigError(
                     f"unknown hyperparameter {key!r}{' for method ' + repr(method) if method else ''};"
-                    f"{did_you_mean(key, known)} valid keys: {', '.join(known) or '(none)'}"
+                    f"{did_you_mean(key, known) or _of_other_methods(key, method)} valid keys: {', '.join(known) or '(none)'}"
                 )
             kwargs[key] = _coerce(key, value, hints[key], method)
         return cls(**kwargs)
@@ -166,6 +166,21 @@ class Hyperparameters:
             if start_key is not None and floor > values[start_key]:
                 raise ConfigError(f"hyperparameter {name}={floor!r} is above {start_key}={values[start_key]!r}: the "
                                   f"schedule would rise instead of decay; give {name} <= {start_key}")
+
+
+def _of_other_methods(key: str, method: str) -> str:
+    """`` it is a hyperparameter of xnas (--method xnas), not of darts;`` for a ``key`` that other registered methods
+    take (``--hp reward_bound=1`` without ``--method xnas``: the line listed darts's keys, not the method forgotten), or
+    ''. Only for a named ``method`` (a search's)."""
+    if not method:
+        return ""
+    from nasdiag.search.registry import available_methods
+
+    others = [name for name, cls in available_methods().items() if name != method and key in cls.Hyperparameters.keys()]
+    if not others:
+        return ""
+    choose = f"--method {others[0]}" if len(others) == 1 else "choose one with --method"
+    return f" it is a hyperparameter of {', '.join(others)} ({choose}), not of {method};"
 
 
 def _range_text(meta: Mapping) -> str:
