@@ -10,6 +10,9 @@ Defects these tests found (each fails without its fix):
 - ASM-NAS set the network's engine to ``eager`` in its build without a word where the user had asked for
   ``fast`` by name (``--engine fast``, ``SearchConfig(engine="fast")``, ``net.set_engine("fast")``): an option
   silently undone, where ``set_engine`` promises a one-line warning wherever ``fast`` cannot apply.
+- a plain ``--resume`` (``--epochs`` has a default) of a killed XNAS run started with fewer epochs asks to extend it,
+  which XNAS refuses; the line said only "start a new run with the wanted --epochs", although the run resumes as
+  started with ``--epochs`` = its own: it now names that value.
 """
 
 from __future__ import annotations
@@ -61,3 +64,30 @@ def test_asmnas_on_a_supernet_asked_to_run_the_fast_engine_says_it_runs_eager():
             assert "\n" not in text and "fast" in text and "eager" in text and "asmnas" in text
         assert method.network.engine == "eager"
         method.step(*batches(1, 4))  # and it still searches
+
+
+def test_a_plain_resume_of_a_killed_xnas_run_says_how_to_resume_it_not_only_to_start_again(tmp_path):
+    """docs/methods.md: --resume continues a killed run; --epochs has a default, so a plain ``--resume`` of a run started
+    with fewer epochs asks to extend it, which XNAS cannot (its horizon T fixes η* and the thresholds). The refusal said
+    only "start a new run with the wanted --epochs", although the run resumes as started with --epochs = its own: a
+    user was sent to throw a resumable run away. One SearchError line naming the epochs to pass; nothing written."""
+    import os
+
+    from nasdiag.errors import NasdiagError
+    from nasdiag.record import load
+    from nasdiag.search import SearchConfig, run
+    from test_run import TINY, _InterruptAt
+
+    out = str(tmp_path / "x.h5")
+    tiny = dict(TINY, method="xnas")  # digits, 2 steps an epoch
+    with pytest.raises(KeyboardInterrupt):
+        run(SearchConfig(epochs=2, record=out, **tiny), callbacks=[_InterruptAt(3)])
+    steps = load(out)["step"].tolist()
+    files = sorted(os.listdir(tmp_path))
+    with pytest.raises(NasdiagError) as info:
+        run(SearchConfig(epochs=3, record=out, resume=True, **tiny))
+    message = str(info.value)
+    assert "\n" not in message and "cannot extend" in message and "--epochs 2" in message, message
+    assert sorted(os.listdir(tmp_path)) == files and load(out)["step"].tolist() == steps
+    done = run(SearchConfig(epochs=2, record=out, resume=True, **tiny))  # what the line says resumes it
+    assert load(done.record)["step"].tolist()[-1] > steps[-1]

@@ -795,7 +795,14 @@ def _run(config, callbacks, method_cls, hp, rank, world, device) -> SearchResult
         set_rng_state(state["rng"])
         start_step = state["step"]
         if config.epochs > epochs:
-            method.extend_schedule(config.epochs)
+            try:
+                method.extend_schedule(config.epochs)
+            except SearchError as exc:  # --epochs has a default: a plain --resume of a killed shorter run asks for this
+                # too, and was told only to start a new run, although the run resumes as started with its own epochs
+                if state["epoch"] >= epochs:
+                    raise
+                raise SearchError(f"{exc}; to resume this run of {epochs} epochs as it was started, pass --epochs "
+                                  f"{epochs} (epochs={epochs})") from None
     if world > 1:
         method.distribute(device_ids=[device.index] if device.type == "cuda" else None)
         import torch.distributed as dist
