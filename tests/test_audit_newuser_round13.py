@@ -39,3 +39,61 @@ def test_hooks_of_a_recorder_callback_whose_with_block_ended_in_an_exception_are
     callback.flush()
     callback.close()
     assert list(load(path)["step"]) == [0, 1, 2]
+
+
+W = 4  # node width
+
+
+class _Mix(nn.Module):
+    """A DARTS-convention mixed op of three candidates."""
+
+    def __init__(self):
+        super().__init__()
+        self._ops = nn.ModuleList([nn.Linear(W, W), nn.Tanh(), nn.Identity()])
+
+    def forward(self, x, weights):
+        return sum(w * op(x) for w, op in zip(weights, self._ops))
+
+
+class _Net(nn.Module):
+    """stem -> e0 -> e1 -> head, Z = softmax(α) unless given."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem, self.head = nn.Linear(3, W), nn.Linear(W, 2)
+        self.e = nn.ModuleList([_Mix(), _Mix()])
+        self.alpha = nn.Parameter(torch.randn(2, 3) * 0.5)
+
+    def forward(self, x, Z=None):
+        Z = F.softmax(self.alpha, -1) if Z is None else Z
+        return self.head(self.e[1](self.e[0](torch.tanh(self.stem(x)), Z[0]), Z[1]))
+
+
+def _net_and_batch(seed=0):
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    return _Net().to(D), torch.randn(5, 3, generator=g, dtype=D), torch.randint(0, 2, (5,), generator=g)
+
+
+def _recorded(probe, net, x, y, **kw):
+    with probe.record(**kw):
+        F.cross_entropy(net(x), y).backward()
+    return probe
+
+
+@pytest.mark.parametrize("value", ["per_sample", "other_k", "numpy"])
+def test_aggregate_of_values_that_are_not_each_edges_k_is_one_line_not_a_torch_error_or_a_wrong_layout(value):
+    """Defect: ``probe.aggregate`` (docs/probe.md: ``{edge: (K,)}`` laid out as ``{group: (E, K)}``) given per-sample
+    ``costs(per_sample=True)`` rows raised torch's 'too many values to unpack', a numpy array 'expected Tensor', and (4,)
+    values for edges of K = 3 came back as an (E, 4) array, ready to be recorded under the op names of K = 3."""
+    net, x, y = _net_and_batch()
+    probe = _recorded(nasdiag.attach(net), net, x, y)
+    given = {"per_sample": probe.costs(per_sample=True), "other_k": {e: torch.zeros(4, dtype=D) for e in probe.edge_names},
+             "numpy": {e: c.numpy() for e, c in probe.costs().items()}}[value]
+    with pytest.raises(nasdiag.probe.ProbeError, match=r"takes one \(K,\) tensor per edge.*'e\.0' has K = 3") as raised:
+        probe.aggregate(given)
+    assert "\n" not in str(raised.value)
+    costs = probe.costs()  # the documented input still lays out: rows in edge order, against an independent ∂L/∂Z
+    Z = F.softmax(net.alpha, -1).detach().clone().requires_grad_()
+    reference = torch.autograd.grad(F.cross_entropy(net(x, Z), y), Z)[0]
+    torch.testing.assert_close(probe.aggregate(costs)["edges"], reference, rtol=1e-10, atol=1e-14)

@@ -843,10 +843,19 @@ class Probe:
 
     def aggregate(self, per_edge: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """Lay any ``{edge: (K,)}`` result out per group and sum over the cells of the group, ``{group: (E, K)}``
-        (e.g. ``{"hessian/<t>/diag": v}`` for the recorder); NaN where an edge is missing."""
+        (e.g. ``{"hessian/<t>/diag": v}`` for the recorder); NaN in a slot no cell has an edge for. An edge without a value,
+        or a value that is not a tensor of that edge's (K,) shape (per-sample (B, K) rows), is a `ProbeError`."""
         missing = [e.name for e in self._edges if e.name not in per_edge]
         if missing:
             raise ProbeError(f"aggregate() needs a value for every edge; missing {_short_list(missing)}")
+        for e in self._edges:  # a (B, K) per-sample result or another K was a torch unpacking error, or an (E, K') array
+            v = per_edge[e.name]
+            if not isinstance(v, torch.Tensor) or tuple(v.shape) != (e.n_ops,):
+                got = f"shape {tuple(v.shape)}" if isinstance(v, torch.Tensor) else type(v).__name__
+                raise ProbeError(
+                    f"aggregate() takes one (K,) tensor per edge, e.g. costs() or hessian(); edge {e.name!r} has "
+                    f"K = {e.n_ops} candidate ops, got {got} (per-sample rows: sum them over dim 0 first)"
+                )
         out = {}
         for g in self._groups:
             rows = torch.stack([per_edge[self._edges[p].name] for p in g.members])
