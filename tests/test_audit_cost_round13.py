@@ -253,3 +253,26 @@ def test_a_first_step_with_nan_leaves_the_concatenation_check_open_for_the_next_
         F.cross_entropy(net(x, Z), y).backward()
     with pytest.warns(RuntimeWarning, match="not the concatenation"):
         assert all(torch.isnan(v).all() for cell in probe.output_costs().values() for v in cell.values())
+
+
+def test_a_darts_cell_mapped_in_part_keeps_its_output_costs():
+    """The concatenation check compares each chunk with the outputs of the probe's edges ending at its node; where the
+    caller maps only some mixed ops of a cell (edges=), a node also sums an unmapped one, so the check cannot be made
+    and the output costs stay those of the chunks (autograd's here), not NaN."""
+    net = DartsNet(seed=11)
+    g = torch.Generator().manual_seed(12)
+    x, y = torch.randn(5, 1, 6, 6, generator=g, dtype=DT), torch.randint(0, 4, (5,), generator=g)
+    Z = [torch.softmax(torch.randn(5, 3, generator=g, dtype=DT), -1) for _ in range(2)]
+    for cell in (net.c0, net.c1):
+        cell.mults = [torch.ones((), dtype=DT, requires_grad=True) for _ in range(2)]
+    ref = torch.autograd.grad(F.cross_entropy(net(x, Z), y), net.c0.mults + net.c1.mults)
+    net.c0.mults = net.c1.mults = None
+    edges = {f"c{c}.{e}": getattr(net, f"c{c}")._ops[e] for c in (0, 1) for e in range(5) if (c, e) != (0, 4)}
+    probe = nasdiag.attach(net, edges=edges)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with probe.record():
+            F.cross_entropy(net(x, [z.clone().requires_grad_() for z in Z]), y).backward()
+        got = probe.output_costs()
+    torch.testing.assert_close(torch.stack([got[c][n] for c in ("c0", "c1") for n in (2, 3)]), torch.stack(ref),
+                               rtol=0, atol=1e-13)

@@ -20,7 +20,7 @@ from nasdiag.hooks import Hooks
 from nasdiag.probe.capture import Router, StepCapture, data_parallel_refusal
 from nasdiag.edges import EdgesArg, EdgeSpec
 from nasdiag.probe.discovery import CellInfo, ProbeError, discover, is_mixed_op, weights_parameter as _weights_parameter
-from nasdiag.probe.discovery import _candidates, _cell_edge_list
+from nasdiag.probe.discovery import _candidates, _cell_edge_list, _cell_edge_nodes
 from nasdiag.probe.layout import Group, build_groups
 
 STATISTICS_MODES = ("all", "sampled")
@@ -216,7 +216,9 @@ class Probe:
         # them, else to lie in the span of its candidates' outputs (a module that is not a mixed op)
         self._convention_unchecked = [True] * len(self._edges)
         self._nodes_unchecked = [self.path_split] * len(self._edges)  # path split: ∂L/∂(edge output) = gradient at j?
-        self._concat_unchecked = [True] * len(self._cells)  # DARTS-convention cells: is the output the nodes' concat?
+        # DARTS-convention cells: is the output the nodes' concatenation? Checkable where every edge ending at an output
+        # node is an edge of the probe (a node summing an unmapped module's output is no sum of the probe's edges)
+        self._concat_unchecked = [self._nodes_are_edge_sums(cell) for cell in self._cells]
         self._weights_presumed = [e.weights_arg and not is_mixed_op(e.module) for e in self._edges]
         # a candidate list the caller gave (not the mixed op's own) may be in another order than the weights, which
         # equal weights (a zero-initialised α) cannot tell: its check waits for a step whose weights differ
@@ -382,6 +384,14 @@ class Probe:
         plan.forward(self.model, r.model_post)
         self._plans[key] = plan
         return plan
+
+    def _nodes_are_edge_sums(self, cell: CellInfo) -> bool:
+        if cell.output_node_slices is not None:
+            return False  # declared slices are taken as given
+        seq = list(_cell_edge_list(cell.module) or ())
+        pairs = _cell_edge_nodes(cell.module, len(seq)) or []
+        ours = {id(e.module) for e in self._edges}
+        return bool(pairs) and all(id(m) in ours for m, (_, j) in zip(seq, pairs) if j in cell.output_nodes)
 
     def _invariance_norms(self) -> Dict[Tuple[int, int], nn.Module]:
         """(edge, op) -> the normalization that makes the op scale-invariant; cached per train/eval mode."""
