@@ -1,8 +1,9 @@
 """A thirteenth new user's misuse of the ``nasdiag`` CLI and the batch scripts: what rounds 1-12 (test_cli_errors.py,
 test_cli_search_misuse.py, test_cli_plot_misuse.py, test_cli_misuse_round3..12.py) did not cover: a batch script's
-``--seed`` past what torch or sklearn take and ``--threads`` past the machine's CPUs, a CIFAR-10 batch cut short by an
-interrupted download or copy, an ``--hp`` key of another method (``--method`` forgotten). Every such mistake is one
-line on stderr saying what was wrong and what to do, exit code 2, no traceback, nothing left behind.
+``--seed`` past what torch or sklearn take and ``--threads`` past the machine's CPUs; a CIFAR-10 ``--data-dir`` with a
+batch cut short by an interrupted download or copy, or of the binary version; an ``--hp`` key of another method
+(``--method`` forgotten). Every such mistake is one line on stderr saying what was wrong and what to do, exit code 2,
+no traceback, nothing left behind.
 """
 
 from __future__ import annotations
@@ -125,3 +126,19 @@ def test_a_hyperparameter_of_another_method_names_the_method_that_takes_it(metho
     line = refused(argv, tmp_path, f"unknown hyperparameter {key!r} for method {method!r}", capsys)
     assert f"it is a hyperparameter of {', '.join(owners)} (" in line and f"not of {method}" in line, line
     assert (f"--method {owners[0]}" if len(owners) == 1 else "choose one with --method") in line, line
+
+
+@pytest.mark.parametrize("nested", [True, False])
+def test_a_cifar_folder_of_the_binary_version_says_it_is_the_binary_version(nested, tmp_path, capsys):
+    """``--data-dir`` of CIFAR-10's binary version (cifar-10-binary.tar.gz: data_batch_1.bin ..., in
+    cifar-10-batches-bin/) was "file missing: data/data_batch_1" while data_batch_1.bin lay there: it says which version
+    it is and which one nasdiag reads."""
+    data = tmp_path / "data"
+    batches = data / "cifar-10-batches-bin" if nested else data
+    batches.mkdir(parents=True)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        (batches / f"{name}.bin").write_bytes(bytes(3073))  # one record of the binary layout: a label, 3072 bytes
+    argv = ["search", *TINY, "--dataset", "cifar10", "--data-dir", str(data), "--out", str(tmp_path / "run.h5")]
+    line = refused(argv, tmp_path, "CIFAR-10 file missing", capsys)
+    there = batches if nested else batches / "data_batch_1.bin"
+    assert f"{there} is there: that is CIFAR-10's binary version" in line and "cifar-10-python.tar.gz" in line, line

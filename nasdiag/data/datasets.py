@@ -131,6 +131,10 @@ def _read_cifar_batch(path: Path) -> Tuple[np.ndarray, np.ndarray]:
         archive = next(iter(sorted(path.parent.glob("cifar-10-python.tar*"))), None)  # the download, not unpacked
         unpack = (f"; {archive.name} is there: unpack it (tar xzf {shlex.quote(str(archive))} -C "
                   f"{shlex.quote(str(path.parent))}) and run again") if archive else ""
+        binary = next((p for p in (path.with_suffix(".bin"), path.parent / "cifar-10-batches-bin") if p.exists()), None)
+        if binary is not None and not unpack:  # the binary version (cifar-10-binary.tar.gz): "missing" said no more
+            unpack = (f"; {binary} is there: that is CIFAR-10's binary version, and nasdiag reads its python version "
+                      "(cifar-10-python.tar.gz, unpacked: cifar-10-batches-py/)")
         raise DataError(f"CIFAR-10 file missing: {path} (expected the standard python batches {', '.join(CIFAR_FILES)})"
                         f"{unpack}")
     try:
