@@ -13,6 +13,8 @@ Defects these tests found (each fails without its fix):
 - a plain ``--resume`` (``--epochs`` has a default) of a killed XNAS run started with fewer epochs asks to extend it,
   which XNAS refuses; the line said only "start a new run with the wanted --epochs", although the run resumes as
   started with ``--epochs`` = its own: it now names that value.
+- the registry let a class of the same name as the one registered replace it (meant for a definition run again), so a
+  user's own ``class DARTS`` registered as 'darts' silently took the built-in's place.
 """
 
 from __future__ import annotations
@@ -91,3 +93,35 @@ def test_a_plain_resume_of_a_killed_xnas_run_says_how_to_resume_it_not_only_to_s
     assert sorted(os.listdir(tmp_path)) == files and load(out)["step"].tolist() == steps
     done = run(SearchConfig(epochs=2, record=out, resume=True, **tiny))  # what the line says resumes it
     assert load(done.record)["step"].tolist()[-1] > steps[-1]
+
+
+def test_a_users_class_named_like_a_built_in_does_not_take_the_built_ins_name():
+    """docs/methods.md: registering a different method under a taken name is refused. The registry let a class of the
+    same name replace the one registered (so that a definition run again, a notebook cell, replaces itself), so a
+    user's own ``class DARTS`` registered as 'darts' silently took the built-in's place: run(method='darts') then ran
+    the user's method. One ValueError line naming the built-in; 'darts' stays the built-in; the user's own class
+    defined twice still replaces itself. (A fresh interpreter: a failure must not replace this process's DARTS.)"""
+    import subprocess
+    import sys
+
+    script = """
+import dataclasses
+from nasdiag.search import Hyperparameters, SearchMethod, get_method, register
+
+HP = dataclasses.dataclass(type("Hyperparameters", (Hyperparameters,), {}))
+define = lambda name, cls_name: register(name)(type(cls_name, (SearchMethod,), {"Hyperparameters": HP}))
+try:
+    define("darts", "DARTS")  # a class of the user's (module __main__) named DARTS, as the built-in
+    print("taken")
+except ValueError as err:
+    print("refused:", err)
+print(get_method("darts").__module__)
+first, again = define("mine", "Mine"), define("mine", "Mine")
+print(get_method("mine") is again and again.__qualname__ == "Mine" and again.__module__ == "__main__")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    refusal, module, replaced = out.stdout.splitlines()
+    assert refusal.startswith("refused:") and "'darts'" in refusal and "nasdiag.search.methods.darts" in refusal, refusal
+    assert module == "nasdiag.search.methods.darts"
+    assert replaced == "True"

@@ -37,7 +37,11 @@ def register(name: str) -> Callable[[type], type]:
             # the built-ins after it in the folder never loaded ("unknown method 'darts'")
             _load_builtins()
         previous = _METHODS.get(name)
-        if previous is not None and previous.__qualname__ != cls.__qualname__:
+        # the same class defined again (a notebook cell run twice, a module imported under another name) replaces
+        # itself; a built-in only by its own module: a user's class that happens to be named DARTS took 'darts' silently
+        builtin = previous is not None and previous.__module__.startswith("nasdiag.search.methods.")
+        if previous is not None and (previous.__qualname__ != cls.__qualname__
+                                     or (builtin and previous.__module__ != cls.__module__)):
             raise ValueError(f"a different method is already registered as {name!r}: {previous.__module__}.{previous.__qualname__}")
         cls.name = name
         _METHODS[name] = cls
