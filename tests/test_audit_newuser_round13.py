@@ -97,3 +97,29 @@ def test_aggregate_of_values_that_are_not_each_edges_k_is_one_line_not_a_torch_e
     Z = F.softmax(net.alpha, -1).detach().clone().requires_grad_()
     reference = torch.autograd.grad(F.cross_entropy(net(x, Z), y), Z)[0]
     torch.testing.assert_close(probe.aggregate(costs)["edges"], reference, rtol=1e-10, atol=1e-14)
+
+
+def test_a_figure_with_only_inf_values_says_inf_not_nan(tmp_path):
+    """Defect: a map or curve whose values are all +inf (a diverged run's curvature) was skipped saying "every value is
+    NaN" (`render_heatmap`, the documented helper) or "is NaN in every row" (`series` of a user's own figure, the top
+    α-Hessian eigenvalue): docs/figures.md promises NaN and ±inf are told apart, never hidden; all-NaN keeps its line."""
+    from nasdiag.plot import NothingToDraw, write_figures
+    from nasdiag.plot.registry import Heatmap
+    from nasdiag.plot.style import render_heatmap, series
+
+    with pytest.raises(NothingToDraw, match=r"no finite value \(2 \+inf, 1 −inf\)"):
+        render_heatmap(Heatmap(np.array([[np.inf, np.inf, -np.inf]]), ["e"], ["a", "b", "c"], "t", "c"))
+    with pytest.raises(NothingToDraw, match="every value is NaN"):
+        render_heatmap(Heatmap(np.full((1, 2), np.nan), ["e"], ["a", "b"], "t", "c"))
+    record = {"step": np.arange(2), "scalars/x": np.array([np.inf, np.nan]), "valid/scalars/x": np.ones(2, bool)}
+    with pytest.raises(NothingToDraw, match=r"scalars/x has no finite value \(1 NaN, 1 \+inf\)"):
+        series(record, "scalars/x")
+    from nasdiag.record import Recorder
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the recorder warns of the +inf it records
+        with Recorder(tmp_path / "run.h5") as rec:
+            for step in range(2):
+                rec.log(step, {"hessian/edges/top_eigenvalue": np.inf, "scalars/loss": 1.0})
+    skipped = write_figures(tmp_path / "run.h5", tmp_path / "figs").skipped
+    assert any("top_eigenvalue has no finite value (2 +inf)" in line for line in skipped), skipped

@@ -9,7 +9,9 @@ import numpy as np
 
 from nasdiag import vocabulary as V
 from nasdiag.plot.registry import Heatmap, NothingToDraw, figure, heatmap
-from nasdiag.plot.style import COLUMN, edge_names, integer_steps, marked_series, op_names, plot_series, plt, step_of
+from nasdiag.plot.style import (
+    COLUMN, edge_names, integer_steps, marked_series, none_finite, op_names, plot_series, plt, step_of,
+)
 
 
 def _mode(record, sep: str = ", ") -> str:
@@ -56,7 +58,9 @@ def top_eigenvalue(record, cell: str):
         raise NothingToDraw(f"{V.HESSIAN_TOP_EIGENVALUE.path(cell=cell)} has no rows yet")
     if not any(np.isfinite(values).any() for (_, values), _ in drawn):
         names = [p for p in (V.HESSIAN_TOP_EIGENVALUE.path(cell=cell), V.HESSIAN_JOINT_TOP_EIGENVALUE.path()) if p in record]
-        raise NothingToDraw(f"{' and '.join(names)} {'is' if len(names) == 1 else 'are'} NaN in every row; nothing to draw")
+        every = np.concatenate([values.ravel() for (_, values), _ in drawn])
+        raise NothingToDraw(f"{' and '.join(names)} " + none_finite(every, f"{'is' if len(names) == 1 else 'are'} NaN in every row",
+                                                                    "has" if len(names) == 1 else "have") + "; nothing to draw")
     fig, ax = plt.subplots(figsize=(COLUMN, 2.0))
     for (steps, values), style in drawn:
         plot_series(ax, steps, values, **style)

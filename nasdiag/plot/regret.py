@@ -8,7 +8,7 @@ import numpy as np
 from nasdiag import vocabulary as V
 from nasdiag.plot.registry import NothingToDraw, figure
 from nasdiag.plot.style import (
-    COLUMN, PAGE, edge_names, integer_steps, logged_rows, op_names, ops_on_per_edge, plot_series, plt,
+    COLUMN, PAGE, edge_names, integer_steps, logged_rows, none_finite, op_names, ops_on_per_edge, plot_series, plt,
 )
 
 
@@ -21,7 +21,7 @@ def regret_bound(record, cell):
     rows, steps = logged_rows(record, regret_path)
     regret = np.asarray(record[regret_path][rows], dtype=float)
     if not np.isfinite(regret).any():
-        raise NothingToDraw(f"{regret_path} is NaN in every row; nothing to draw")
+        raise NothingToDraw(f"{regret_path} {none_finite(regret, 'is NaN in every row', 'has')}; nothing to draw")
     bound = np.asarray(record[bound_path][rows], dtype=float) if bound_path in record else None
     E = regret.shape[1]
     names = edge_names(record, cell, E)

@@ -83,15 +83,22 @@ def edge_names(record: Mapping[str, np.ndarray], cell: str, n: int) -> List[str]
     return _strings(record, f"meta/edge_names/{cell}", n, "edge ")
 
 
+def none_finite(values: np.ndarray, all_nan: str, subject: str) -> str:
+    """Why ``values`` (none finite) have nothing to draw: ``all_nan`` where they are all NaN (or none), else
+    ``subject`` with their counts (an all-inf map or curve was said to be NaN)."""
+    counts = nonfinite_counts(np.asarray(values, dtype=float))
+    return all_nan if set(counts) <= {"NaN"} else f"{subject} no finite value ({nonfinite_text(counts)})"
+
+
 def series(record: Mapping[str, np.ndarray], path: str) -> Tuple[np.ndarray, np.ndarray]:
     """(steps, values) of the rows in which ``path`` was logged; `NothingToDraw` if there are none or
-    every value is NaN."""
+    no value is finite (NaN, ±inf)."""
     rows = valid_rows(record, path)
     values = np.asarray(record[path][rows], dtype=float)
     if rows.size == 0:
         raise NothingToDraw(f"{path} has no rows yet")
     if not np.isfinite(values).any():
-        raise NothingToDraw(f"{path} is NaN in every row; nothing to draw")
+        raise NothingToDraw(f"{path} {none_finite(values, 'is NaN in every row', 'has')}; nothing to draw")
     return record["step"][rows], values
 
 
@@ -419,7 +426,7 @@ def render_heatmap(hm: Heatmap, annotate: bool = True):
     """One heatmap figure: title, axis labels, colour bar labelled with ``hm.colorbar``."""
     matrix = np.asarray(hm.matrix, dtype=float)
     if matrix.size == 0 or not np.isfinite(matrix).any():
-        raise NothingToDraw(f"{hm.title}: every value is NaN; nothing to draw")
+        raise NothingToDraw(f"{hm.title}: {none_finite(matrix, 'every value is NaN', 'it has')}; nothing to draw")
     p = scale_exponent(matrix)
     shown = matrix / 10.0**p
     limits = None if hm.limits is None else (hm.limits[0] / 10.0**p, hm.limits[1] / 10.0**p)
@@ -477,7 +484,8 @@ def render_heatmaps(panels: Mapping[str, Heatmap], annotate: bool = False):
     matrices = {k: np.asarray(panels[k].matrix, dtype=float) for k in labels}
     every = np.concatenate([m.ravel() for m in matrices.values()])
     if not np.isfinite(every).any():
-        raise NothingToDraw("every value of every run is NaN; nothing to draw")
+        every_run = np.concatenate([m.ravel() for m in originals.values()])
+        raise NothingToDraw(f"{none_finite(every_run, 'every value of every run is NaN', 'the runs have')}; nothing to draw")
     p = scale_exponent(every)
     first = panels[labels[0]]
     limits = None if first.limits is None else (first.limits[0] / 10.0**p, first.limits[1] / 10.0**p)
