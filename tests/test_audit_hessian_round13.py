@@ -173,3 +173,23 @@ def test_the_hvp_routes_through_a_non_reentrant_checkpoint_with_train_batch_norm
     H = torch.stack([torch.autograd.grad(g[i], alpha, retain_graph=True)[0] for i in range(2)])
     top = torch.linalg.eigvalsh((H + H.T) / 2)[-1].item()
     assert res.converged and abs(res.largest_algebraic - top) <= 1e-9 * abs(top)
+
+
+def test_a_full_backward_hook_is_refused_naming_its_module_not_blamed_on_forward_code():
+    # A full backward hook (here one that only records, as a gradient monitor does) makes torch wrap the module's call
+    # in a BackwardHookFunctionBackward node, which the recursions cannot cross. The refusal said that op sat "in the
+    # forward code between modules, on the path reached from module '2' (Linear)" and to wrap it in a module and
+    # register a rule; it names the hooked module and the way out, one line, and leaves no hook of its own behind.
+    from nasdiag.hessian import UnsupportedModuleError
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).to(DT)
+    seen = []
+    net[1].register_full_backward_hook(lambda m, gi, go: seen.append(1))
+    x, y = torch.randn(6, 4, dtype=DT), torch.randint(0, 3, (6,))
+    for mode in ("diag", "approx"):
+        with pytest.raises(UnsupportedModuleError, match=r"backward hook .* module '1' \(Tanh\)") as err:
+            diag_hessian(net, F.cross_entropy, x, y, mode=mode)
+        assert "\n" not in str(err.value) and "Wrap the computation" not in str(err.value)
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in net.modules())
+    assert len(net[1]._backward_hooks) == 1

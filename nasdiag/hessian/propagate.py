@@ -327,6 +327,8 @@ def _apply_glue(node, slots, needed, push, grad_of, tracer: ModuleTracer, reache
     nexts = node.next_functions
     wanted = [n is not None and bool(needed.get(n)) for n, _ in nexts]
     if glue is None:
+        if type(node).__name__ == "BackwardHookFunctionBackward":
+            raise UnsupportedModuleError(_backward_hook_message(tracer))
         raise UnsupportedModuleError(_glue_message(node, "has no diagonal-Hessian rule", tracer, reached_from))
     n_out = max(slots) + 1 if slots else 1
     n_out = max(n_out, len(getattr(node, "_input_metadata", ())) or 1)
@@ -411,6 +413,20 @@ def _elementwise_sources(edge: Edge, needed, rule_calls) -> List[Edge]:
         inputs = list(dict.fromkeys((n, nr) for n, nr in node.next_functions if n is not None and needed.get(n)))
         edge = inputs[0] if len(inputs) == 1 else None
     return found
+
+
+def _backward_hook_message(tracer: ModuleTracer) -> str:
+    """One line for the autograd op torch wraps around a module call with a full backward hook (or pre-hook), which
+    the glue message would blame on the forward code between modules and tell to wrap in a module."""
+    from torch.nn.modules import module as _torch_module
+
+    hooked = [f"{name or '<root>'!r} ({type(m).__name__})" for name, m in tracer.model.named_modules()
+              if m._backward_hooks or m._backward_pre_hooks]
+    if _torch_module._global_backward_hooks or _torch_module._global_backward_pre_hooks:
+        hooked.append("every module (a global one: torch.nn.modules.module.register_module_full_backward_hook)")
+    return (f"a full backward hook (register_full_backward_hook / register_full_backward_pre_hook) on module "
+            f"{', '.join(hooked) or 'of the model'} wraps its call in an autograd op the diagonal recursions cannot "
+            "cross; remove the hook for the curvature call or use mode='exact'")
 
 
 def _glue_message(node, why: str, tracer: ModuleTracer, reached_from) -> str:
