@@ -228,7 +228,9 @@ class BayesNAS(SearchMethod):
 
     def mixing_curvature(self, x: torch.Tensor, y: torch.Tensor) -> CellWeights:
         """diag ∂²L/∂Z² (E, K) per cell type, :meth:`cell_curvatures` summed over the cells of the type (C.3), of
-        the batch-mean cross-entropy (the number ``SearchMethod.curvature`` records as ``hessian/<cell>/diag``)."""
+        the batch-mean cross-entropy, in the update's mode ``hp.hessian_mode``: the number ``SearchMethod.curvature``
+        records as ``hessian/<cell>/diag`` where the run's ``hessian_mode`` is that mode, except ``exact`` (whose
+        recorded diagonal adds the cross-cell terms of the shared Z; each cell's own curvature here has none)."""
         return {t: h.sum(0) for t, h in self.cell_curvatures(x, y).items()}
 
     def energy_curvature(self, x: torch.Tensor, y: torch.Tensor) -> CellWeights:
