@@ -350,6 +350,7 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     parser = _parser()
     tokens = sys.argv[1:] if argv is None else [str(a) for a in argv]
     _refuse_options_before_the_command(tokens, parser.commands)
+    _refuse_version_after_the_command(tokens, parser.commands)
     try:
         args, unknown = parser.parse_known_args(argv)
     except ConfigError as exc:  # "--out: expected one argument" for --out -x.h5, "required: RECORD" for plot -x.h5
@@ -401,6 +402,18 @@ def _refuse_options_before_the_command(tokens: List[str], commands) -> None:
     command, before = tokens[first], tokens[:first]
     raise ConfigError(f"nasdiag: {_join(before)} is given before the command {command}; options go after it: "
                       f"nasdiag {_join([command, *before, *tokens[first + 1:]])}")
+
+
+def _refuse_version_after_the_command(tokens: List[str], commands) -> None:
+    """``nasdiag search --version`` was "unrecognized arguments: --version" and ``nasdiag plot --version`` "the following
+    arguments are required: RECORD, --out": --version is nasdiag's own option, before any command."""
+    first = next((i for i, t in enumerate(tokens) if t in commands), None)
+    if first is None or "--version" not in tokens[first + 1:] or {"-h", "--help"} & set(tokens[first + 1:]):
+        return  # --help is answered as such
+    if "--" in tokens[first + 1:] and tokens.index("--", first + 1) < tokens.index("--version", first + 1):
+        return  # a value after --: unknown, as any
+    raise ConfigError(f"nasdiag: --version is an option of nasdiag itself, not of the command {tokens[first]}: "
+                      "run nasdiag --version")
 
 
 def _quote(arg: str) -> str:

@@ -142,3 +142,16 @@ def test_a_cifar_folder_of_the_binary_version_says_it_is_the_binary_version(nest
     line = refused(argv, tmp_path, "CIFAR-10 file missing", capsys)
     there = batches if nested else batches / "data_batch_1.bin"
     assert f"{there} is there: that is CIFAR-10's binary version" in line and "cifar-10-python.tar.gz" in line, line
+
+
+@pytest.mark.parametrize("argv", [["search", "--version"], ["plot", "--version"], ["methods", "darts", "--version"],
+                                  ["report", "run.h5", "--version", "--out", "r.html"]])
+def test_version_after_a_command_says_where_it_goes(argv, tmp_path, monkeypatch, capsys):
+    """``nasdiag search --version`` was "unrecognized arguments: --version", and ``nasdiag plot --version`` "the
+    following arguments are required: RECORD, --out", as if the version needed a record: --version is nasdiag's own."""
+    monkeypatch.chdir(tmp_path)
+    refused(argv, tmp_path, f"--version is an option of nasdiag itself, not of the command {argv[0]}: run nasdiag "
+            "--version", capsys)
+    with pytest.raises(SystemExit) as exit:
+        main(["--version"])
+    assert exit.value.code == 0 and capsys.readouterr().out.startswith("nasdiag ")
