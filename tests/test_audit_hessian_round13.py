@@ -3,6 +3,24 @@
 Every reference is built here from scratch: the dense Hessian of the loss by reverse-over-reverse autograd
 (``torch.autograd.grad`` twice, the model called through ``torch.func.functional_call``), never ``torch.func.hessian``
 and no nasdiag code on the reference side.
+
+Checked and found right (scratch scripts, not kept as tests; the earlier rounds' files pin most of it): every rule
+one layer at a time under a separable loss (``module(x ∘ w)``, diag exact for w and the module's parameters) on
+Conv3d grouped/strided/dilated/depthwise, AvgPool3d ceil_mode/count_include_pad=False/divisor_override, overlapping
+and ceil-mode MaxPool3d, AdaptiveMaxPool3d, Conv1d padding='same', stride-2 Conv2d whose padding does not divide,
+grouped non-depthwise Conv2d, Linear on 3-D and 4-D inputs, Flatten(2) and Unflatten in the middle, ELU/GELU/SiLU/
+Softplus chains, Softmax/LogSoftmax/Softmin, F.threshold, pixel shuffle, zero and constant padding, F.unfold, every
+norm in eval and train mode, channels_last inputs, train-mode Dropout/Dropout1d/2d/3d/AlphaDropout/
+FeatureAlphaDropout with a seeded mask (all 1e-16); Hardswish, CELU, SELU, Softsign, LogSigmoid, LPPool,
+ChannelShuffle, ReplicationPad1d, CircularPad2d, LocalResponseNorm, AdaptiveAvgPool3d refused in one line naming
+the module; approx of Conv3d equal to approx of the same Conv2d (depth 1) in four geometries; diag/approx of Linear on
+(B, T, D) equal to an own transcription of C.1.4-C.1.5 and its feature mean; the exact chain route (inplace ReLU and
+LeakyReLU, a reused Tanh, Identity, bias-free Linear) and diag's last layer for CE with class weights, ignore_index
+and label smoothing, CE sum, NLL after log_softmax, BCE with pos_weight, MSE sum, Huber, smooth L1, KL, Gaussian
+and Poisson NLL; ggn equal to an own Gauss-Newton and exact to the dense Z-Hessian on round 9's supernet for five of
+those losses, ggn_mc within its noise; the Lanczos/power flags on dense spectra (near-degenerate, ±λ, negative
+dominant, zero, K = 2, dim 1, clustered): non-convergence is reported; Lanczos's second eigenvalue of a cluster closer
+than tol is that documented Krylov limit; exact Embedding/GRU/MultiheadAttention nets equal the dense Hessian.
 """
 
 from __future__ import annotations
