@@ -6,6 +6,7 @@ References are written here from scratch in float64: Z a leaf, ∂L/∂Z by torc
 """
 
 import gc
+import pathlib
 import tracemalloc
 import warnings
 
@@ -123,3 +124,34 @@ def test_a_figure_with_only_inf_values_says_inf_not_nan(tmp_path):
                 rec.log(step, {"hessian/edges/top_eigenvalue": np.inf, "scalars/loss": 1.0})
     skipped = write_figures(tmp_path / "run.h5", tmp_path / "figs").skipped
     assert any("top_eigenvalue has no finite value (2 +inf)" in line for line in skipped), skipped
+
+
+def test_the_probe_docs_loop_records_rows_whose_heatmap_title_names_the_steps_they_average(tmp_path, monkeypatch):
+    """Defect (docs): docs/probe.md's loop logged ``probe.statistics()`` at every step without a reset, so each row held
+    the running mean since step 0 while `nasdiag plot` (docs/figures.md: "titled with the steps and epoch it averages")
+    titled it "step 2": the cost map of three steps read as one step's. The block, run as written, now logs them at each
+    epoch's last step and resets them; the title's span times the normal cells (counted here) is the row's count, and the
+    rows and columns carry the network's own edge labels and op names."""
+    import re
+
+    from nasdiag.plot import registered
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "probe.md").read_text()
+    block = re.search(r"^```python\n(.*?)^```", text, re.S | re.M).group(1)
+    monkeypatch.chdir(tmp_path)
+    namespace = {"__name__": "__main__"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exec(compile(block, "docs/probe.md", "exec"), namespace)
+    net = namespace["net"]
+    normal_cells = sum(not cell.reduction for cell in net.cells)
+    record = load(tmp_path / "costs.h5")
+    rows = np.flatnonzero(record["valid/cost/normal/mean"])
+    assert len(rows) >= 2
+    for row in rows:
+        heat = registered()["cost"].draw(record, "normal", row)
+        span = re.search(r"steps? (\d+)(?:-(\d+))?", heat.title)
+        first, last = int(span.group(1)), int(span.group(2) or span.group(1))
+        assert last == record["step"][row]
+        np.testing.assert_array_equal(record["cost/normal/count"][row], (last - first + 1) * normal_cells)
+    assert list(heat.rows) == net.edge_labels() and list(heat.cols) == list(net.primitives)

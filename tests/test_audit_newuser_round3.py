@@ -229,7 +229,8 @@ def test_readme_and_probe_doc_snippets_run_as_written(tmp_path, monkeypatch):
 
     rec = load(tmp_path / "costs.h5")
     normal_cells = sum(c.cell_type == "normal" for c in ns["probe"].cells)
-    assert rec["cost/normal/count"].shape == (3, 14, 8) and (rec["cost/normal/count"][-1] == 3 * normal_cells).all()
+    logged = rec["valid/cost/normal/count"]  # at each epoch's last step, reset after (round 13), of its 3 steps
+    assert list(rec["step"][logged]) == [2, 5] and (rec["cost/normal/count"][logged] == 3 * normal_cells).all()
     assert ns["probe"].edges[0].name == "cells.0.edges.0"
 
 
