@@ -33,10 +33,31 @@ class Parser(argparse.ArgumentParser):
 
     def parse_args(self, args=None, namespace=None):
         parsed = super().parse_args(args, namespace)
+        refuse_empty_paths(self, parsed)
         refuse_unexpanded_home(self, parsed)
         if self.plot_options is not None:
             refuse_with_plot_only(self, args, parsed, self.plot_options)
         return parsed
+
+
+#: the options of the batch scripts that name a file or folder
+PATH_OPTIONS = ("out", "runs", "dir", "folder", "data_dir", "json")
+
+
+def refuse_empty_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse a path option (`PATH_OPTIONS`) given empty or blank, as an unset shell variable gives it (``--out
+    "$OUT"``): ``--out ''`` wrote the records and figures into the current folder and ``--data-dir ''`` was taken as
+    not given, without a word (``nasdiag`` refuses its own empty paths)."""
+    for action in parser._actions:
+        value = getattr(args, action.dest, None)
+        if action.dest not in PATH_OPTIONS or not action.option_strings or not isinstance(value, str) or value.strip() \
+                or value == action.default:
+            continue
+        option = max(action.option_strings, key=len)
+        default = f" for its default ({action.default})" if action.default not in (None, "") else ""
+        leave = "" if action.required else f", or leave {option} out{default}"
+        raise UsageError(f"{option} is empty ({value!r}: often a quoted shell variable that is not set); give a path"
+                         f"{leave}")
 
 
 def refuse_unexpanded_home(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -155,3 +155,18 @@ def test_version_after_a_command_says_where_it_goes(argv, tmp_path, monkeypatch,
     with pytest.raises(SystemExit) as exit:
         main(["--version"])
     assert exit.value.code == 0 and capsys.readouterr().out.startswith("nasdiag ")
+
+
+@pytest.mark.parametrize("script,argv,option", [
+    ("xnas_toys", ["--out", "", "--plot-only"], "--out"),             # a run wrote record.h5 and fig*.png right here
+    ("sparsenas_digits", ["--out", " ", "--plot-only"], "--out"),     # its own parser
+    ("wiring_evolution", ["--plot-only", "--data-dir", ""], "--data-dir"),
+])
+def test_an_empty_script_option_is_refused_not_taken_as_the_current_folder(script, argv, option, tmp_path, monkeypatch,
+                                                                           capsys):
+    """``--out "$OUT"`` with OUT unset: the batch scripts took ``--out ''`` as the current folder (a run wrote its
+    record and figures there, --plot-only looked for them there), ``--data-dir ''`` as not given."""
+    monkeypatch.chdir(tmp_path)
+    code, err = _script(script, argv, tmp_path, capsys)
+    assert code == 2 and len(err) == 1, err
+    assert f"{option} is empty" in err[0] and "shell variable that is not set" in err[0], err
