@@ -33,21 +33,25 @@ class Parser(argparse.ArgumentParser):
 
     def parse_args(self, args=None, namespace=None):
         parsed = super().parse_args(args, namespace)
-        refuse_empty_paths(self, parsed)
+        refuse_bad_paths(self, parsed)
         refuse_unexpanded_home(self, parsed)
         if self.plot_options is not None:
             refuse_with_plot_only(self, args, parsed, self.plot_options)
         return parsed
 
 
-#: the options of the batch scripts that name a file or folder
+#: the options of the batch scripts that name a file or folder, and of those the folders they write or read
 PATH_OPTIONS = ("out", "runs", "dir", "folder", "data_dir", "json")
+FOLDER_OPTIONS = ("out", "runs", "dir", "folder")
 
 
-def refuse_empty_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+def refuse_bad_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse a path option (`PATH_OPTIONS`) given empty or blank, as an unset shell variable gives it (``--out
     "$OUT"``): ``--out ''`` wrote the records and figures into the current folder and ``--data-dir ''`` was taken as
-    not given, without a word (``nasdiag`` refuses its own empty paths)."""
+    not given, without a word (``nasdiag`` refuses its own empty paths); and a folder option (`FOLDER_OPTIONS`) that
+    names a file."""
+    import os
+
     for action in parser._actions:
         value = getattr(args, action.dest, None)
         if action.dest not in PATH_OPTIONS or not action.option_strings or not isinstance(value, str) or value.strip() \
@@ -58,6 +62,13 @@ def refuse_empty_paths(parser: argparse.ArgumentParser, args: argparse.Namespace
         leave = "" if action.required else f", or leave {option} out{default}"
         raise UsageError(f"{option} is empty ({value!r}: often a quoted shell variable that is not set); give a path"
                          f"{leave}")
+    for action in parser._actions:  # "File exists: out.h5" or "Not a directory: out.h5/dsnas" named no option nor fix
+        value = getattr(args, action.dest, None)
+        if action.dest in FOLDER_OPTIONS and action.option_strings and isinstance(value, str) and value.strip() \
+                and os.path.exists(value) and not os.path.isdir(value):
+            option = max(action.option_strings, key=len)
+            raise UsageError(f"{option} {value} is not a folder but a file: {option} names the folder the script writes "
+                             f"(or reads) its files in; give another {option}, or move the file away")
 
 
 def refuse_unexpanded_home(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

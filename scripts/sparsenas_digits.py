@@ -56,7 +56,7 @@ from nasdiag.errors import NasdiagError, run_script
 from nasdiag.sparse import HAPG, AdamHAPG, sgl_penalty
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # script_args, also when loaded from a file path
-from script_args import refuse_empty_paths, refuse_with_plot_only, seed as seed_number  # noqa: E402
+from script_args import refuse_bad_paths, refuse_with_plot_only, seed as seed_number  # noqa: E402
 
 OPTIMIZERS = ("sgd", "adam", "hapg", "adamhapg")
 PROXIMAL = ("hapg", "adamhapg")
@@ -433,7 +433,7 @@ def parse(argv) -> Tuple[argparse.Namespace, List[str], List[str], List[float]]:
     p.add_argument("--plot-only", action="store_true", help="redraw the figure from the existing record")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
-    refuse_empty_paths(p, args)  # --out '' wrote into the current folder
+    refuse_bad_paths(p, args)  # --out '' wrote into the current folder
     opts = _choices(args.optimizers, OPTIMIZERS, "optimizer(s)")
     pens = _choices(args.penalties, tuple(PENALTIES), "penalty(ies)")
     lambdas = parse_lambdas(args.lambdas)

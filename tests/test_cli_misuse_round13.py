@@ -2,8 +2,9 @@
 test_cli_search_misuse.py, test_cli_plot_misuse.py, test_cli_misuse_round3..12.py) did not cover: a batch script's
 ``--seed`` past what torch or sklearn take and ``--threads`` past the machine's CPUs; a CIFAR-10 ``--data-dir`` with a
 batch cut short by an interrupted download or copy, or of the binary version; an ``--hp`` key of another method
-(``--method`` forgotten). Every such mistake is one line on stderr saying what was wrong and what to do, exit code 2,
-no traceback, nothing left behind.
+(``--method`` forgotten); ``--version`` after a command; a batch script's path option empty or its folder a file.
+Every such mistake is one line on stderr saying what was wrong and what to do, exit code 2, no traceback, nothing
+left behind.
 """
 
 from __future__ import annotations
@@ -170,3 +171,19 @@ def test_an_empty_script_option_is_refused_not_taken_as_the_current_folder(scrip
     code, err = _script(script, argv, tmp_path, capsys)
     assert code == 2 and len(err) == 1, err
     assert f"{option} is empty" in err[0] and "shell variable that is not set" in err[0], err
+
+
+@pytest.mark.parametrize("script,argv", [
+    ("xnas_toys", ["--out", "notes.txt"]),                            # "File exists: notes.txt"
+    ("wiring_evolution", ["--out", "notes.txt", "--epochs", "1"]),    # "Not a directory: notes.txt/dsnas"
+    ("make_readme_figures", ["--plot-only", "--runs", "notes.txt"]),  # "no record at notes.txt/darts_seed0.h5"
+])
+def test_a_script_folder_option_naming_a_file_says_so(script, argv, tmp_path, monkeypatch, capsys):
+    """A batch script's output folder (``--out``, ``--runs``) that is a file was "File exists: notes.txt" or "Not a
+    directory: notes.txt/dsnas": naming neither the option nor what to do. The file is kept as it was."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("mine\n")
+    code, err = _script(script, argv, tmp_path, capsys)
+    option = argv[argv.index("notes.txt") - 1]
+    assert code == 2 and len(err) == 1, err
+    assert f"{option} notes.txt is not a folder but a file" in err[0] and f"give another {option}" in err[0], err
