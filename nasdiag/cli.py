@@ -183,6 +183,15 @@ def search_config(args: argparse.Namespace) -> SearchConfig:
     if not wanted:  # an empty value (an unset shell variable) silently recorded no diagnostics
         raise ConfigError(f"--diagnostics {args.diagnostics!r} names no diagnostic; give {', '.join(DIAGNOSTICS)} "
                           "(comma-separated), or none to record no diagnostics")
+    for item in wanted:  # "choose one of cost, hessian" for None, NONE, all or cost;hessian: no word of none or commas
+        if item not in (*DIAGNOSTICS, "none"):
+            from nasdiag.search.config import did_you_mean
+
+            parts = [p for p in item.replace(";", " ").split() if p]
+            hint = (f" did you mean {','.join(p.lower() for p in parts)!r}?" if len(parts) > 1 and
+                    all(p.lower() in DIAGNOSTICS for p in parts) else did_you_mean(item, (*DIAGNOSTICS, "none")))
+            raise ConfigError(f"unknown diagnostics {item!r};{hint or ''} --diagnostics takes {', '.join(DIAGNOSTICS)} "
+                              "(comma-separated), or none to record no diagnostics")
     if "none" in wanted and len(wanted) > 1:  # "none" would silently lose to the others
         raise ConfigError(f"--diagnostics {args.diagnostics} contradicts itself: none records no diagnostics; "
                           "pass none alone, or only the diagnostics to record")

@@ -2,7 +2,7 @@
 test_cli_search_misuse.py, test_cli_plot_misuse.py, test_cli_misuse_round3..12.py) did not cover: a batch script's
 ``--seed`` past what torch or sklearn take and ``--threads`` past the machine's CPUs; a CIFAR-10 ``--data-dir`` with a
 batch cut short by an interrupted download or copy, or of the binary version; an ``--hp`` key of another method
-(``--method`` forgotten); ``--version`` after a command; a batch script's path option empty or its folder a file.
+(``--method`` forgotten); ``--diagnostics None`` or ``cost;hessian``; ``--version`` after a command; a batch script's path option empty or its folder a file.
 Every such mistake is one line on stderr saying what was wrong and what to do, exit code 2, no traceback, nothing
 left behind.
 """
@@ -187,3 +187,14 @@ def test_a_script_folder_option_naming_a_file_says_so(script, argv, tmp_path, mo
     option = argv[argv.index("notes.txt") - 1]
     assert code == 2 and len(err) == 1, err
     assert f"{option} notes.txt is not a folder but a file" in err[0] and f"give another {option}" in err[0], err
+
+
+@pytest.mark.parametrize("value,meant", [("None", "'none'"), ("NONE", "'none'"), ("cost;hessian", "'cost,hessian'"),
+                                         ("cost hessian", "'cost,hessian'"), ("all", None)])
+def test_an_unknown_diagnostic_names_none_and_the_commas(value, meant, tmp_path, capsys):
+    """``--diagnostics None`` (or NONE, all, cost;hessian) was "unknown diagnostics 'None'; choose one of cost,
+    hessian": no word of ``none``, which --help offers, nor of the commas that separate them."""
+    line = refused(["search", *TINY, "--out", str(tmp_path / "run.h5"), "--diagnostics", value], tmp_path,
+                   f"unknown diagnostics {value!r};", capsys)
+    assert "(comma-separated), or none to record no diagnostics" in line, line
+    assert (f"did you mean {meant}?" in line) if meant else "did you mean" not in line, line
