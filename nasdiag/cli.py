@@ -156,6 +156,13 @@ def search_config(args: argparse.Namespace) -> SearchConfig:
         if not value.strip():  # an unset shell variable: an Optional one (xnas reward_bound) silently kept its default
             raise ConfigError(f"--hp {key}= gives no value; give one (nasdiag methods lists the types and defaults), or "
                               f"leave --hp {key} out for the default")
+        tokens = value.replace(",", " ").split()  # w_lr=0.1,w_momentum=0.8: "w_lr must be a float, got '0.1,w_mom...'"
+        starts = [i for i, t in enumerate(tokens) if t.partition("=")[0] and "=" in t]
+        if starts:
+            settings = [f"{key}={','.join(tokens[:starts[0]])}"] + [",".join(tokens[a:b]) for a, b in
+                                                                   zip(starts, [*starts[1:], len(tokens)])]
+            raise ConfigError(f"--hp {_quote(item)} sets {len(settings)} hyperparameters at once; --hp takes one "
+                              f"KEY=VALUE, repeated for each: {' '.join('--hp ' + _quote(t) for t in settings)}")
         if key in hp:  # the last would silently win
             raise ConfigError(f"--hp {key} is given twice ({key}={hp[key]} and {key}={value.strip()}); pass it once")
         hp[key] = value.strip()

@@ -198,3 +198,16 @@ def test_an_unknown_diagnostic_names_none_and_the_commas(value, meant, tmp_path,
                    f"unknown diagnostics {value!r};", capsys)
     assert "(comma-separated), or none to record no diagnostics" in line, line
     assert (f"did you mean {meant}?" in line) if meant else "did you mean" not in line, line
+
+
+@pytest.mark.parametrize("given,again", [
+    ("w_lr=0.1,w_momentum=0.8", "--hp w_lr=0.1 --hp w_momentum=0.8"),
+    ("w_lr=0.1 w_momentum=0.8", "--hp w_lr=0.1 --hp w_momentum=0.8"),
+    ("alpha_betas=0.5,0.999,w_lr=0.1", "--hp alpha_betas=0.5,0.999 --hp w_lr=0.1"),  # a tuple's commas kept
+])
+def test_several_hyperparameters_in_one_hp_say_to_repeat_it(given, again, tmp_path, capsys):
+    """``--hp w_lr=0.1,w_momentum=0.8`` was "hyperparameter w_lr must be of type float, got '0.1,w_momentum=0.8'": not
+    that --hp takes one setting and is repeated."""
+    line = refused(["search", *TINY, "--out", str(tmp_path / "run.h5"), "--hp", given], tmp_path,
+                   "hyperparameters at once; --hp takes one KEY=VALUE, repeated for each: " + again, capsys)
+    assert line.endswith(again), line
