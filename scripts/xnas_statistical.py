@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 from nasdiag.errors import run_script
-from script_args import Parser, at_least, number, numbers, seed as seed_number, threads as thread_count
+from script_args import Parser, UsageError, at_least, number, numbers, seed as seed_number, threads as thread_count
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
@@ -197,7 +197,7 @@ def summarize(data):
             row["xnas_runs_with_bound_violations"] = float((table["xnas/bound_violations"][i] > 0).mean())
             rows.append(row)
         summary[sweep] = {"rows": rows}
-        if sweep == "vs_n":
+        if sweep == "vs_n" and len(rows) > 1:  # a fit of one point divided 0 by 0 (a run stopped or still writing)
             summary[sweep]["fits"] = fits(table)
     return summary
 
@@ -232,7 +232,7 @@ def plot(data, summary, figure_path, runs):
             axes[1, col].errorbar(x, frac, yerr=half, capsize=2, color=colors[method], label=label, **style[method])
         axes[0, col].plot(x, table["uniform/regret"].mean(1), color="0.55", lw=1, ls="-.",
                           label="uniform mixture (no learning)")
-        if sweep == "vs_n":
+        if "fits" in summary[sweep]:
             fine = np.geomspace(x.min(), x.max(), 100)
             f = summary[sweep]["fits"]
             axes[0, col].plot(fine, f["xnas"]["sqrt_ln_n"]["coefficient"] * np.sqrt(np.log(fine)), "--",
@@ -272,12 +272,15 @@ def main(argv=None):
     config = load_meta(record_path)["config"]
     data["config_steps"] = config["steps"]
     summary = summarize(data)
+    if not summary:  # a run stopped before its first point, or still writing it: a ValueError traceback from matplotlib
+        raise UsageError(f"{record_path} holds no finished point yet (a run stopped before its first point, or one "
+                         "still writing it); let the run write one, or run again without --plot-only")
     summary["config"] = config
     with open(os.path.join(args.out, "fits.json"), "w") as fh:
         json.dump(summary, fh, indent=1)
     figure_path = os.path.join(args.out, "fig8.png")
     plot(data, summary, figure_path, config["runs"])
-    if "vs_n" in summary:
+    if "fits" in summary.get("vs_n", {}):
         for method, f in summary["vs_n"]["fits"].items():
             print(f"{METHODS[method]:16s} regret vs N: a sqrt(ln N) R^2 = {f['sqrt_ln_n']['r2']:.3f}, "
                   f"b sqrt(N) R^2 = {f['sqrt_n']['r2']:.3f}, log-log slope {f['loglog_slope']:.3f}")

@@ -211,3 +211,31 @@ def test_several_hyperparameters_in_one_hp_say_to_repeat_it(given, again, tmp_pa
     line = refused(["search", *TINY, "--out", str(tmp_path / "run.h5"), "--hp", given], tmp_path,
                    "hyperparameters at once; --hp takes one KEY=VALUE, repeated for each: " + again, capsys)
     assert line.endswith(again), line
+
+
+def test_xnas_statistical_plot_only_of_a_record_without_a_point_is_one_line(tmp_path, capsys):
+    """``xnas_statistical.py --plot-only`` on the record of a run still writing its first point (or stopped before it)
+    was matplotlib's "Number of columns must be a positive integer, not 0" traceback, exit code 1."""
+    from nasdiag.record import Recorder
+
+    (tmp_path / "out").mkdir()
+    with Recorder(str(tmp_path / "out" / "record.h5"), meta={"method": "xnas_statistical",
+                                                              "config": {"steps": 2, "runs": 2}}):
+        pass
+    code, err = _script("xnas_statistical", ["--out", str(tmp_path / "out"), "--plot-only"], tmp_path, capsys)
+    assert code == 2 and len(err) == 1 and "holds no finished point yet" in err[0], err
+
+
+def test_xnas_statistical_with_one_number_of_experts_draws_without_a_fit(tmp_path, capsys):
+    """One N in the regret-vs-N sweep (``--n-grid 8``, or a run stopped or still writing after its first point): the
+    fits of regret against N divided 0 by 0 (a ZeroDivisionError traceback after the run). The point is drawn, no fit."""
+    import json
+
+    from nasdiag.errors import run_script
+
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--runs", "2", "--steps", "2", "--n-grid", "8", "--sigma-grid", "1", "--lr-multipliers", ""]
+    assert run_script("xnas_statistical", importlib.import_module("xnas_statistical").main, argv) == 0, capsys.readouterr()
+    summary = json.loads((out / "fits.json").read_text())
+    assert len(summary["vs_n"]["rows"]) == 1 and "fits" not in summary["vs_n"], summary
+    assert (out / "fig8.png").stat().st_size > 0
