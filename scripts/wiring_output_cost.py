@@ -105,6 +105,9 @@ def draw(record_path: str, out: str, fmt: str) -> list:
     from nasdiag.record import load
 
     record = load(record_path)
+    if not np.any(record.get("valid/scalars/loss_train", False)):  # no evaluation yet (stopped, or live): a KeyError
+        raise UsageError(f"{record_path} holds no evaluated epoch yet (a run stopped before its first evaluation, or "
+                         "one still writing it); let the run evaluate an epoch, or run again without --plot-only")
 
     def series(name):
         rows = record[f"valid/scalars/{name}"]

@@ -239,3 +239,15 @@ def test_xnas_statistical_with_one_number_of_experts_draws_without_a_fit(tmp_pat
     summary = json.loads((out / "fits.json").read_text())
     assert len(summary["vs_n"]["rows"]) == 1 and "fits" not in summary["vs_n"], summary
     assert (out / "fig8.png").stat().st_size > 0
+
+
+def test_wiring_output_cost_plot_only_of_a_record_without_an_evaluation_is_one_line(tmp_path, capsys):
+    """``wiring_output_cost.py --plot-only`` on the record of a run stopped (or still running) before its first epoch
+    evaluation was a KeyError traceback ('valid/scalars/loss_train'), exit code 1."""
+    from nasdiag.record import Recorder
+
+    (tmp_path / "out").mkdir()
+    with Recorder(str(tmp_path / "out" / "record.h5"), meta={"method": "fixed"}) as rec:
+        rec.log(1, {"scalars/loss": 2.3, "scalars/epoch": 0})  # a training step's row, no evaluation yet
+    code, err = _script("wiring_output_cost", ["--out", str(tmp_path / "out"), "--plot-only"], tmp_path, capsys)
+    assert code == 2 and len(err) == 1 and "holds no evaluated epoch yet" in err[0], err
