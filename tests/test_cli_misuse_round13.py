@@ -2,9 +2,20 @@
 test_cli_search_misuse.py, test_cli_plot_misuse.py, test_cli_misuse_round3..12.py) did not cover: a batch script's
 ``--seed`` past what torch or sklearn take and ``--threads`` past the machine's CPUs; a CIFAR-10 ``--data-dir`` with a
 batch cut short by an interrupted download or copy, or of the binary version; an ``--hp`` key of another method
-(``--method`` forgotten); ``--diagnostics None`` or ``cost;hessian``; ``--version`` after a command; a batch script's path option empty or its folder a file.
-Every such mistake is one line on stderr saying what was wrong and what to do, exit code 2, no traceback, nothing
-left behind.
+(``--method`` forgotten) and several settings in one ``--hp``; ``--diagnostics None`` or ``cost;hessian``;
+``--version`` after a command; a batch script's path option empty or its folder a file; ``--plot-only`` of a batch
+script on the record of a run stopped or still writing (xnas_statistical, wiring_output_cost). Every such mistake is
+one line on stderr saying what was wrong and what to do, exit code 2, no traceback, nothing left behind.
+
+Checked and found right (not repeated as tests): every numeric option of search at 0, -1, nan, inf, 1e3, ' 5', '５'
+(int() takes the unicode digit and the spaces: the same number), huge (--C 10**6 and --epochs 10**20 refused or run
+as asked, --spectrum-every past the steps refused); --hp nan/inf/1e400/-1/empty key; --diagnostics with duplicates and
+empty items; ambiguous prefixes (--d, --no: one line naming the candidates) and unique ones (--ep 3: taken, and
+README now says so, and that an option given twice takes its last value); --hessian-mode hutchinson:1e3, :５, ': 4';
+plot --at -1/0/nan/1e1/huge/''/final,final and --figures ''/,,/bogus; plot of one record twice; report --out of the
+record, a folder, '', a page of the user's; plot and report of a record a running search writes (no rows yet: one
+line; later: drawn); --help/--version with stdout closed (written to stderr, exit 0); search, plot, report, methods
+and --help into a closed pipe (exit 141, nothing said); python -m nasdiag and the nasdiag entry point alike.
 """
 
 from __future__ import annotations
