@@ -42,14 +42,14 @@ class Parser(argparse.ArgumentParser):
 
 #: the options of the batch scripts that name a file or folder, and of those the folders they write or read
 PATH_OPTIONS = ("out", "runs", "dir", "folder", "data_dir", "json")
-FOLDER_OPTIONS = ("out", "runs", "dir", "folder")
+FOLDER_OPTIONS, FILE_OPTIONS = ("out", "runs", "dir", "folder"), ("json",)
 
 
 def refuse_bad_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse a path option (`PATH_OPTIONS`) given empty or blank, as an unset shell variable gives it (``--out
     "$OUT"``): ``--out ''`` wrote the records and figures into the current folder and ``--data-dir ''`` was taken as
-    not given, without a word (``nasdiag`` refuses its own empty paths); and a folder option (`FOLDER_OPTIONS`) that
-    names a file."""
+    not given, without a word (``nasdiag`` refuses its own empty paths); a folder option (`FOLDER_OPTIONS`) that names
+    a file; a file option (`FILE_OPTIONS`) that names a folder or lies in none."""
     import os
 
     for action in parser._actions:
@@ -69,6 +69,14 @@ def refuse_bad_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) 
             option = max(action.option_strings, key=len)
             raise UsageError(f"{option} {value} is not a folder but a file: {option} names the folder the script writes "
                              f"(or reads) its files in; give another {option}, or move the file away")
+        if action.dest in FILE_OPTIONS and action.option_strings and isinstance(value, str) and value.strip():
+            option, folder = max(action.option_strings, key=len), os.path.dirname(os.path.abspath(value))
+            where = (f"is a folder; give the file to write, such as {os.path.join(value, 'rows.json')}"
+                     if os.path.isdir(value) else None if os.path.isdir(folder) else
+                     f"is in {folder}, which is a file, not a folder; give another {option}" if os.path.exists(folder)
+                     else f"is in {folder}, which does not exist; create it, or give another {option}")
+            if where is not None:  # "Is a directory" or "No such file" once the minutes of timing were done
+                raise UsageError(f"{option} {value} {where}")
 
 
 def refuse_unexpanded_home(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -262,3 +262,15 @@ def test_wiring_output_cost_plot_only_of_a_record_without_an_evaluation_is_one_l
         rec.log(1, {"scalars/loss": 2.3, "scalars/epoch": 0})  # a training step's row, no evaluation yet
     code, err = _script("wiring_output_cost", ["--out", str(tmp_path / "out"), "--plot-only"], tmp_path, capsys)
     assert code == 2 and len(err) == 1 and "holds no evaluated epoch yet" in err[0], err
+
+
+@pytest.mark.parametrize("where,said", [("folder", "is a folder; give the file to write"),
+                                        ("missing/rows.json", "which does not exist; create it")])
+def test_a_benchmark_json_that_cannot_be_written_is_refused_before_the_timing(where, said, tmp_path, capsys):
+    """``bench_search.py --json FOLDER`` (or in a folder that is not there) timed every section for minutes, then
+    stopped at the write: "Is a directory" / "No such file or directory". Refused before any work."""
+    (tmp_path / "folder").mkdir()
+    small = ["--sections", "fwdbwd", "--C", "2", "--layers", "3", "--batch", "2", "--image", "8", "--in-channels", "1",
+             "--steps", "1", "--eager-steps", "1", "--warmup", "0", "--device", "cpu"]
+    code, err = _script("bench_search", [*small, "--json", str(tmp_path / where)], tmp_path, capsys)
+    assert code == 2 and len(err) == 1 and f"--json {tmp_path / where} " in err[0] and said in err[0], err
