@@ -2,10 +2,11 @@
 test_cli_search_misuse.py, test_cli_plot_misuse.py, test_cli_misuse_round3..12.py) did not cover: a batch script's
 ``--seed`` past what torch or sklearn take and ``--threads`` past the machine's CPUs; a CIFAR-10 ``--data-dir`` with a
 batch cut short by an interrupted download or copy, or of the binary version; an ``--hp`` key of another method
-(``--method`` forgotten) and several settings in one ``--hp``; ``--diagnostics None`` or ``cost;hessian``;
-``--version`` after a command; a batch script's path option empty or its folder a file; ``--plot-only`` of a batch
-script on the record of a run stopped or still writing (xnas_statistical, wiring_output_cost). Every such mistake is
-one line on stderr saying what was wrong and what to do, exit code 2, no traceback, nothing left behind.
+(``--method`` forgotten) and several settings in one ``--hp``; ``--diagnostics None``, ``cost;hessian`` (and plot
+``--figures cost;hessian``); ``--version`` after a command; a batch script's path option empty, its folder a file or
+its ``--json`` unwritable; ``--plot-only`` of a batch script on the record of a run stopped or still writing
+(xnas_statistical, wiring_output_cost). Every such mistake is one line on stderr saying what was wrong and what to
+do, exit code 2, no traceback, nothing left behind.
 
 Checked and found right (not repeated as tests): every numeric option of search at 0, -1, nan, inf, 1e3, ' 5', '５'
 (int() takes the unicode digit and the spaces: the same number), huge (--C 10**6 and --epochs 10**20 refused or run
@@ -30,6 +31,7 @@ import pytest
 
 from nasdiag.cli import main
 from test_cli_errors import TINY, refused, snapshot
+from test_cli_plot_misuse import rec, source  # noqa: F401 (fixtures)
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "scripts"))  # the batch scripts
 
@@ -274,3 +276,11 @@ def test_a_benchmark_json_that_cannot_be_written_is_refused_before_the_timing(wh
              "--steps", "1", "--eager-steps", "1", "--warmup", "0", "--device", "cpu"]
     code, err = _script("bench_search", [*small, "--json", str(tmp_path / where)], tmp_path, capsys)
     assert code == 2 and len(err) == 1 and f"--json {tmp_path / where} " in err[0] and said in err[0], err
+
+
+@pytest.mark.parametrize("given", ["cost;hessian", "cost hessian"])
+def test_figures_separated_by_other_than_commas_name_the_commas(given, rec, tmp_path, capsys):
+    """``nasdiag plot --figures 'cost;hessian'`` was "did you mean 'hessian' for 'cost;hessian'?": one of the two
+    figures, the other dropped; the line gives them comma-separated."""
+    refused(["plot", str(rec), "--out", str(tmp_path / "figs"), "--no-progress", "--figures", given], tmp_path,
+            f"(did you mean 'cost,hessian' for {given!r}?)", capsys)

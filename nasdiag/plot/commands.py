@@ -114,8 +114,13 @@ def select_figures(names):
     except PlotError as exc:
         specs = registered()
         choices = [*specs, *sorted({s.group for s in specs.values()} - set(specs))]
-        near = [(t, difflib.get_close_matches(t.lower(), choices, 1)) for t in (n.strip() for n in names or ())
-                if t and t not in choices]
+        def meant(t):  # "cost;hessian" (or "cost hessian") was "did you mean 'hessian'": the commas, not one of them
+            parts = t.replace(";", " ").split()
+            if len(parts) > 1 and all(p.lower() in choices for p in parts):
+                return [",".join(p.lower() for p in parts)]
+            return difflib.get_close_matches(t.lower(), choices, 1)
+
+        near = [(t, meant(t)) for t in (n.strip() for n in names or ()) if t and t not in choices]
         hints = [f"{m[0]!r} for {t!r}" for t, m in near if m]
         if not hints:
             raise
