@@ -155,3 +155,78 @@ def test_the_probe_docs_loop_records_rows_whose_heatmap_title_names_the_steps_th
         assert last == record["step"][row]
         np.testing.assert_array_equal(record["cost/normal/count"][row], (last - first + 1) * normal_cells)
     assert list(heat.rows) == net.edge_labels() and list(heat.cols) == list(net.primitives)
+
+
+class _BNMix(_Mix):
+    def __init__(self):
+        super().__init__()
+        self._ops[1] = nn.Sequential(nn.Tanh(), nn.BatchNorm1d(W))
+
+
+class _Cell(nn.Module):
+    """A DARTS-convention cell of two nodes (five edges), understood without declarations."""
+
+    def __init__(self):
+        super().__init__()
+        self._ops, self._steps, self._multiplier = nn.ModuleList([_BNMix() for _ in range(5)]), 2, 2
+
+    def forward(self, s0, s1, weights):
+        states, offset = [s0, s1], 0
+        for _ in range(self._steps):
+            states.append(sum(self._ops[offset + j](h, weights[offset + j]) for j, h in enumerate(states)))
+            offset += len(states) - 1
+        return torch.cat(states[-2:], 1)
+
+
+class _CellNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem, self.cell, self.head = nn.Linear(3, W), _Cell(), nn.Linear(2 * W, 2)
+        self.alpha = nn.Parameter(torch.zeros(5, 3))
+
+    def forward(self, x):
+        h = self.stem(x)
+        return self.head(self.cell(h, h, F.softmax(self.alpha, -1)))
+
+
+def _hooks_on(model):
+    modules = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
+                  + len(m._backward_pre_hooks) for m in model.modules())
+    return modules + sum(len(p._backward_hooks or {}) for p in model.parameters())
+
+
+def test_a_hundred_attach_record_drop_cycles_with_every_option_leave_no_hook_probe_or_memory_behind():
+    """Checked right (no defect): 100 cycles of attach (path_split, norm_deviation, exact curvature), one recorded step,
+    its results read (the curvature in the first 10), the probe dropped: no hook on any module or parameter, every
+    probe collected, and the traced memory of the last 40 cycles flat (measured: 1-7 kB in 40 cycles)."""
+    import weakref
+
+    torch.manual_seed(0)
+    net = _CellNet().to(D)
+    x, y = torch.randn(6, 3, dtype=D), torch.randint(0, 2, (6,))
+
+    def cycle(curvature):
+        probe = nasdiag.attach(net, path_split=True, norm_deviation=True, hessian="exact")
+        with probe.record(targets=y):
+            F.cross_entropy(net(x), y).backward()
+        probe.costs(per_sample=True), probe.output_costs(), probe.path_costs(), probe.statistics()
+        probe.invariance_deviation()
+        if curvature:
+            probe.hessian()
+        net.zero_grad(set_to_none=True)
+        return weakref.ref(probe)
+
+    refs = [cycle(i < 10) for i in range(40)]
+    tracemalloc.start()
+    try:
+        refs += [cycle(False) for _ in range(20)]  # what tracemalloc's start and torch's caches take settles first
+        gc.collect()
+        before = tracemalloc.get_traced_memory()[0]
+        refs += [cycle(False) for _ in range(40)]
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert _hooks_on(net) == 0
+    assert all(r() is None for r in refs)
+    assert grown < 25_000, grown
