@@ -92,14 +92,22 @@ def make_network(cell: str, layers: int, num_classes: int, in_channels: int, C: 
                  seed: int = 0):
     """The supernet of an experiment: the minimal cell (Fig. 7: 2 nodes, 5 edges) or the DARTS cell
     (4 nodes, 14 edges), ``layers`` cells with DARTS's reductions unless ``reductions`` is given."""
+    from nasdiag.search.runner import _check_tensors_fit
     from nasdiag.supernet import Network
 
-    torch.manual_seed(seed)
     kwargs = dict(in_channels=in_channels, norm=norm, order=order, affine=affine, classifier_bias=classifier_bias,
                   reductions=reductions)
-    if cell == "minimal":
-        return Network.minimal(C, num_classes, layers, **kwargs)
-    return Network(C, num_classes, layers, steps=4, multiplier=4, **kwargs)
+
+    def build():
+        if cell == "minimal":
+            return Network.minimal(C, num_classes, layers, **kwargs)
+        return Network(C, num_classes, layers, steps=4, multiplier=4, **kwargs)
+
+    # --C 1000000 was torch's "can't allocate memory" traceback (or, with overcommit, the OOM killer), as nasdiag search
+    _check_tensors_fit(build, f"the supernet (--C {C}, {layers} cell(s))", torch.device("cpu"), torch.float32,
+                       "use a smaller --C")
+    torch.manual_seed(seed)
+    return build()
 
 
 def load_splits(dataset: str, data_dir: Optional[str], seed: int):

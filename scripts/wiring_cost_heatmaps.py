@@ -66,10 +66,10 @@ def main(argv=None):
         folder = os.path.join(args.out, name)
         record = os.path.join(folder, "record.h5")
         if not args.plot_only:
-            os.makedirs(folder, exist_ok=True)
             cell, layers = CONFIGS[name]
             net = W.make_network(cell, layers, splits.num_classes, splits.in_channels, C=args.C,
                                  reductions=() if layers == 1 else None, seed=args.seed)
+            os.makedirs(folder, exist_ok=True)  # after the supernet: one too large for memory left an empty folder
             config = {"experiment": "wiring cost heatmaps", "configuration": name, "cell": cell, "layers": layers,
                       "protocol": args.protocol, "epochs": args.epochs, "C": args.C, "dataset": args.dataset,
                       "batch_size": args.batch_size, "seed": args.seed, "steps": net.steps, "multiplier": net.multiplier}

@@ -167,10 +167,11 @@ def main(argv=None):
     record = os.path.join(args.out, "record.h5")
     if not args.plot_only:
         splits = W.load_splits(args.dataset, args.data_dir, args.seed)  # first: a refused --data-dir left an empty folder
-        os.makedirs(args.out, exist_ok=True)  # not for --plot-only: its refusal left an empty folder
         # Theorem 2 needs the classifier without bias, after global average pooling of the last cell
         net = W.make_network("minimal", 1, splits.num_classes, splits.in_channels, C=args.C, reductions=(),
                              classifier_bias=False, seed=args.seed)
+        os.makedirs(args.out, exist_ok=True)  # not for --plot-only (its refusal left an empty folder), nor before the
+        # supernet (one too large for memory left it too)
         probe = nasdiag.attach(net)
         config = {"experiment": "wiring Thm 2", "protocol": args.protocol, "epochs": args.epochs, "C": args.C,
                   "dataset": args.dataset, "batch_size": args.batch_size, "seed": args.seed, "classifier_bias": False,

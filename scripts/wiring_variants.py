@@ -70,9 +70,9 @@ def main(argv=None):
         folder = os.path.join(args.out, name)
         record = os.path.join(folder, "record.h5")
         if not args.plot_only:
-            os.makedirs(folder, exist_ok=True)
             net = W.make_network("minimal", 1, splits.num_classes, splits.in_channels, C=args.C, reductions=(),
                                  seed=args.seed, **VARIANTS[name])
+            os.makedirs(folder, exist_ok=True)  # after the supernet: one too large for memory left an empty folder
             config = {"experiment": "wiring §8 variants", "variant": name, **VARIANTS[name], "protocol": args.protocol,
                       "epochs": args.epochs, "C": args.C, "dataset": args.dataset, "batch_size": args.batch_size,
                       "seed": args.seed, "steps": net.steps, "multiplier": net.multiplier}

@@ -4,8 +4,8 @@ test_cli_search_misuse.py, test_cli_plot_misuse.py, test_cli_misuse_round3..12.p
 batch cut short by an interrupted download or copy, or of the binary version; an ``--hp`` key of another method
 (``--method`` forgotten) and several settings in one ``--hp``; ``--diagnostics None``, ``cost;hessian`` (and plot
 ``--figures cost;hessian``); ``--version`` after a command; a batch script's path option empty, its folder a file or
-its ``--json`` unwritable; ``--plot-only`` of a batch script on the record of a run stopped or still writing
-(xnas_statistical, wiring_output_cost). Every such mistake is one line on stderr saying what was wrong and what to
+its ``--json`` unwritable, a wiring script's supernet too large for memory; ``--plot-only`` of a batch script on the
+record of a run stopped or still writing (xnas_statistical, wiring_output_cost). Every such mistake is one line on stderr saying what was wrong and what to
 do, exit code 2, no traceback, nothing left behind.
 
 Checked and found right (not repeated as tests): every numeric option of search at 0, -1, nan, inf, 1e3, ' 5', '５'
@@ -284,3 +284,15 @@ def test_figures_separated_by_other_than_commas_name_the_commas(given, rec, tmp_
     figures, the other dropped; the line gives them comma-separated."""
     refused(["plot", str(rec), "--out", str(tmp_path / "figs"), "--no-progress", "--figures", given], tmp_path,
             f"(did you mean 'cost,hessian' for {given!r}?)", capsys)
+
+
+@pytest.mark.parametrize("script", ["wiring_variants", "wiring_output_cost"])
+def test_a_wiring_supernet_too_large_for_memory_is_one_line_before_any_folder(script, tmp_path, capsys):
+    """The wiring scripts build their supernet themselves: ``--C 1000000`` was torch's "DefaultCPUAllocator: can't
+    allocate memory" traceback (with memory overcommitted, the OOM killer) after the output folder was made;
+    ``nasdiag search`` refuses it counted on the meta device, and so do they now."""
+    out = tmp_path / "out"
+    code, err = _script(script, ["--out", str(out), "--C", "1000000", "--epochs", "1"], tmp_path, capsys)
+    assert code == 2 and len(err) == 1, err
+    assert "the supernet (--C 1000000" in err[0] and "does not fit in the memory of cpu" in err[0], err
+    assert not out.exists()
