@@ -230,3 +230,49 @@ def test_a_hundred_attach_record_drop_cycles_with_every_option_leave_no_hook_pro
     assert _hooks_on(net) == 0
     assert all(r() is None for r in refs)
     assert grown < 25_000, grown
+
+
+def test_heatmaps_of_a_users_own_record_put_each_value_under_its_edge_and_op_and_hatch_a_nan(tmp_path, monkeypatch):
+    """Checked right (no defect): a user's supernet recorded by a RecorderCallback with the names of ``probe.groups``,
+    drawn by ``write_figures``: in the drawn cost map the cell under (edge 'e.1', op '2:Identity') is autograd's ∂L/∂Z
+    there (times the colour bar's 1eP), every cell is the one of its labels, and a NaN planted in the curvature record
+    at ('e.0', '1:Tanh') is masked, hatched at that cell and counted in the title."""
+    import re
+
+    import nasdiag.plot.registry as registry
+    from matplotlib.patches import Rectangle
+
+    net, x, y = _net_and_batch()
+    probe = _recorded(nasdiag.attach(net, hessian="exact"), net, x, y, targets=y)
+    group = probe.groups[0]
+    curvature = probe.aggregate(probe.hessian())[group.name].clone()
+    curvature[0, 1] = float("nan")
+    meta = {"op_names": list(group.op_names), "edge_names": {group.name: list(group.edge_labels)}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the NaN is recorded with a warning
+        with RecorderCallback(tmp_path / "mine.h5", meta=meta) as callback:
+            callback.on_step_end(0, {**probe.statistics(), f"hessian/{group.name}/diag": curvature})
+    drawn = {}
+    monkeypatch.setattr(registry, "save", lambda fig, path, dpi: drawn.setdefault(path.stem, fig))
+    registry.write_figures(tmp_path / "mine.h5", tmp_path / "figs", figures=["cost", "hessian"])
+
+    Z = F.softmax(net.alpha, -1).detach().clone().requires_grad_()
+    reference = torch.autograd.grad(F.cross_entropy(net(x, Z), y), Z)[0].numpy()  # rows e.0, e.1; ops in _ops order
+    ax, bar = drawn["cost_edges_heatmap"].axes[:2]
+    rows, cols = [t.get_text() for t in ax.get_yticklabels()], [t.get_text() for t in ax.get_xticklabels()]
+    assert rows == ["e.0", "e.1"] and cols == ["0:Linear", "1:Tanh", "2:Identity"]
+    exponent = re.search(r"x 1e(-?\d+)", bar.get_ylabel())
+    shown = np.ma.filled(ax.images[0].get_array(), np.nan) * 10.0 ** (int(exponent.group(1)) if exponent else 0)
+    assert shown[rows.index("e.1"), cols.index("2:Identity")] == pytest.approx(reference[1, 2], rel=1e-12)
+    np.testing.assert_allclose(shown, reference, rtol=1e-12)
+
+    ax = drawn["hessian_edges_heatmap"].axes[0]
+    image = ax.images[0].get_array()
+    assert image.mask[0, 1] and not image.mask.sum() - 1
+    hatched = [(p.get_x(), p.get_y()) for p in ax.patches if isinstance(p, Rectangle) and p.get_hatch() == "xxx"]
+    assert hatched == [(1 - 0.5, 0 - 0.5)]
+    assert "[1 NaN]" in ax.get_title(loc="left")
+    import matplotlib.pyplot as plt
+
+    for fig in drawn.values():
+        plt.close(fig)
