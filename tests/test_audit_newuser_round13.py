@@ -276,3 +276,14 @@ def test_heatmaps_of_a_users_own_record_put_each_value_under_its_edge_and_op_and
 
     for fig in drawn.values():
         plt.close(fig)
+
+
+def test_every_public_name_of_the_figure_helpers_is_documented():
+    """Defect (docs): ``step_of`` (imported by docs/figures.md's "add a figure" module) and ``grid_shape``, in
+    ``nasdiag.plot.style.__all__``, had no docstring: ``help()`` said nothing of what they return."""
+    import inspect
+
+    import nasdiag.plot.style as style
+
+    bare = [name for name in style.__all__ if callable(getattr(style, name)) and not inspect.getdoc(getattr(style, name))]
+    assert bare == []

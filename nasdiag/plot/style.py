@@ -171,6 +171,7 @@ def epoch_of(record: Mapping[str, np.ndarray], row: int) -> Optional[int]:
 
 
 def step_of(record: Mapping[str, np.ndarray], row: int) -> int:
+    """The step (``record["step"]``) of the record's ``row``, as an int: what a figure's title names."""
     return int(record["step"][row])
 
 
@@ -573,6 +574,7 @@ def legend_outside(fig, axes, ncol: int = 1) -> None:
 
 
 def grid_shape(n: int, max_cols: int = 5) -> Tuple[int, int]:
+    """(rows, cols) of a grid of ``n`` panels, at most ``max_cols`` wide."""
     cols = min(n, max_cols)
     return math.ceil(n / cols), cols
 
