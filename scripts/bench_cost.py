@@ -25,7 +25,7 @@ from nasdiag.errors import run_script
 from nasdiag.supernet import Network
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from script_args import Parser, at_least, channels, device as device_name, threads as thread_count  # noqa: E402
+from script_args import Parser, at_least, channels, device as device_name, supernet, threads as thread_count  # noqa: E402
 
 
 def machine(device: torch.device) -> str:
@@ -58,7 +58,8 @@ def main(argv=None) -> None:
     device = torch.device(args.device)
 
     torch.manual_seed(0)
-    net = Network(args.C, 10, args.layers, steps=args.cell_steps, multiplier=args.cell_steps).to(device)
+    net = supernet(lambda: Network(args.C, 10, args.layers, steps=args.cell_steps, multiplier=args.cell_steps),
+                   device).to(device)
     x = torch.randn(args.batch, 3, args.size, args.size, device=device)
     y = torch.randint(0, 10, (args.batch,), device=device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)

@@ -45,7 +45,7 @@ from nasdiag.supernet import Network
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from script_args import Parser, at_least, channels, number, numbers, seed as seed_number  # noqa: E402
-from script_args import device as device_name, names as section_names, threads as thread_count  # noqa: E402
+from script_args import device as device_name, names as section_names, supernet, threads as thread_count  # noqa: E402
 
 
 # -- timing --------------------------------------------------------------------------------------
@@ -121,7 +121,8 @@ def sigmoid_convnet(width: float, image: int, in_channels: int = 3, classes: int
 
 def supernet_batch(args, device, dtype):
     torch.manual_seed(args.seed)
-    net = Network(args.C, 10, args.layers, in_channels=args.in_channels).to(device=device, dtype=dtype)
+    net = supernet(lambda: Network(args.C, 10, args.layers, in_channels=args.in_channels), device,
+                   dtype).to(device=device, dtype=dtype)
     if args.image == 8 and args.in_channels == 1:
         from nasdiag.data import digits
 

@@ -23,7 +23,7 @@ from nasdiag.search import Schedule, available_methods, get_method
 from nasdiag.supernet import Network
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from script_args import Parser, at_least, channels, names as known_names, threads as thread_count  # noqa: E402
+from script_args import Parser, at_least, channels, names as known_names, supernet, threads as thread_count  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -51,7 +51,8 @@ def main(argv=None) -> None:
     methods = {}
     for name in names:
         torch.manual_seed(0)  # the same supernet for every method
-        net = Network(args.C, 10, args.layers, steps=args.steps, in_channels=args.channels)
+        net = supernet(lambda: Network(args.C, 10, args.layers, steps=args.steps, multiplier=args.steps,  # 4 by default:
+                                       in_channels=args.channels))  # --steps 1-3 was the cell's ValueError traceback
         methods[name] = get_method(name)(net, schedule=Schedule(epochs=1, steps_per_epoch=args.repeats + 1))
     times = {name: [] for name in names}
     for rep in range(args.repeats + 1):

@@ -50,7 +50,7 @@ from nasdiag.supernet.engine.graph import StepGraph
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from script_args import Parser, at_least, channels, number, numbers, seed as seed_number  # noqa: E402
-from script_args import device as device_name, names as section_names, threads as thread_count  # noqa: E402
+from script_args import device as device_name, names as section_names, supernet, threads as thread_count  # noqa: E402
 
 ROWS: List[Dict] = []
 
@@ -100,7 +100,8 @@ def record(section, what, engine, seconds, ref=None, mem=None, note=""):
 
 def make_net(args, device, dtype, C=None):
     torch.manual_seed(args.seed)
-    net = Network(C or args.C, 10, args.layers, in_channels=args.in_channels).to(device, dtype)
+    net = supernet(lambda: Network(C or args.C, 10, args.layers, in_channels=args.in_channels), device,
+                   dtype).to(device, dtype)
     return net
 
 

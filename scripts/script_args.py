@@ -184,6 +184,20 @@ def threads(low: int = 1) -> Callable[[str], int]:
     return whole_number
 
 
+def supernet(build, device="cpu", dtype=None):
+    """``build()``, a supernet sized by the script's ``--C`` and ``--layers``, refused in one line when its parameters
+    and buffers alone outgrow ``device``'s memory, counted on the meta device first as ``nasdiag search`` counts it
+    (which draws nothing from the random generators): ``--C 1000000`` was torch's "DefaultCPUAllocator: can't
+    allocate memory" traceback, or with memory overcommitted the OOM killer."""
+    import torch
+
+    from nasdiag.search.runner import _check_tensors_fit
+
+    _check_tensors_fit(build, "the supernet of --C and --layers", torch.device(device), dtype or torch.float32,
+                       "use a smaller --C or --layers")
+    return build()
+
+
 def channels(text: str) -> int:
     """An argparse ``type``: the supernet's ``--C``, an even whole number >= 2 (``--C 3`` was the supernet's ValueError
     traceback, after the output folder was made)."""

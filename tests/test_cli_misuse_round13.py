@@ -296,3 +296,22 @@ def test_a_wiring_supernet_too_large_for_memory_is_one_line_before_any_folder(sc
     assert code == 2 and len(err) == 1, err
     assert "the supernet (--C 1000000" in err[0] and "does not fit in the memory of cpu" in err[0], err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("script", ["bench_methods", "bench_cost"])
+def test_a_benchmark_supernet_too_large_for_memory_is_one_line(script, tmp_path, capsys):
+    """The benchmarks build their supernet from --C and --layers: ``--C 1000000`` was torch's "can't allocate memory"
+    traceback, exit code 1."""
+    code, err = _script(script, ["--C", "1000000"], tmp_path, capsys)
+    assert code == 2 and len(err) == 1 and "does not fit in the memory of cpu" in err[0], err
+    assert "use a smaller --C or --layers" in err[0], err
+
+
+def test_bench_methods_with_fewer_than_four_steps_runs(capsys):
+    """``bench_methods.py --steps 2`` (its --help: intermediate nodes per cell) was the cell's "multiplier must be in
+    [1, steps=2], got 4" ValueError traceback: the supernet kept DARTS's multiplier 4."""
+    from nasdiag.errors import run_script
+
+    argv = ["--C", "2", "--layers", "3", "--steps", "2", "--repeats", "1", "--methods", "darts", "--batch", "4"]
+    assert run_script("bench_methods", importlib.import_module("bench_methods").main, argv) == 0, capsys.readouterr().err
+    assert "| darts |" in capsys.readouterr().out
