@@ -4,9 +4,9 @@ test_cli_search_misuse.py, test_cli_plot_misuse.py, test_cli_misuse_round3..12.p
 batch cut short by an interrupted download or copy, or of the binary version; an ``--hp`` key of another method
 (``--method`` forgotten) and several settings in one ``--hp``; ``--diagnostics None``, ``cost;hessian`` (and plot
 ``--figures cost;hessian``); ``--version`` after a command; a batch script's path option empty, its folder a file or
-its ``--json`` unwritable, a wiring script's supernet too large for memory; ``--plot-only`` of a batch script on the
-record of a run stopped or still writing (xnas_statistical, wiring_output_cost). Every such mistake is one line on stderr saying what was wrong and what to
-do, exit code 2, no traceback, nothing left behind.
+its ``--json`` unwritable, a wiring script's or benchmark's supernet too large for memory; ``--plot-only`` of a batch
+script on the record of a run stopped or still writing (xnas_statistical, wiring_output_cost). Every such mistake is
+one line on stderr saying what was wrong and what to do, exit code 2, no traceback, nothing left behind.
 
 Checked and found right (not repeated as tests): every numeric option of search at 0, -1, nan, inf, 1e3, ' 5', '５'
 (int() takes the unicode digit and the spaces: the same number), huge (--C 10**6 and --epochs 10**20 refused or run
