@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import nasdiag
+from nasdiag.probe import ProbeError
 from nasdiag.record import RecordError, RecorderCallback, load
 
 D = torch.float64
@@ -101,7 +102,7 @@ def test_aggregate_of_values_that_are_not_each_edges_k_is_one_line_not_a_torch_e
     probe = _recorded(nasdiag.attach(net), net, x, y)
     given = {"per_sample": probe.costs(per_sample=True), "other_k": {e: torch.zeros(4, dtype=D) for e in probe.edge_names},
              "numpy": {e: c.numpy() for e, c in probe.costs().items()}}[value]
-    with pytest.raises(nasdiag.probe.ProbeError, match=r"takes one \(K,\) tensor per edge.*'e\.0' has K = 3") as raised:
+    with pytest.raises(ProbeError, match=r"takes one \(K,\) tensor per edge.*'e\.0' has K = 3") as raised:
         probe.aggregate(given)
     assert "\n" not in str(raised.value)
     costs = probe.costs()  # the documented input still lays out: rows in edge order, against an independent ∂L/∂Z
@@ -297,3 +298,27 @@ def test_every_public_name_of_the_figure_helpers_is_documented():
 
     bare = [name for name in style.__all__ if callable(getattr(style, name)) and not inspect.getdoc(getattr(style, name))]
     assert bare == []
+
+
+class _TauMix(_Mix):
+    """A DARTS-style mixed op whose forward takes an optional third argument."""
+
+    def forward(self, x, weights, tau=1.0):
+        return sum(w * op(x) for w, op in zip(weights, self._ops))
+
+
+def test_a_mixed_op_with_ops_but_a_third_forward_argument_mapped_bare_says_why_not_that_it_has_no_ops():
+    """Defect: ``attach(net, edges={"m": mix})`` with a mixed op holding its candidates in ``_ops`` but a forward
+    ``(x, weights, tau=1.0)`` said it was "neither a nasdiag MixedOp nor a DARTS-convention mixed op with `_ops`" (it has
+    them): the line now says its forward is not ``(x, weights)`` and shows the mapping that works, which this test runs
+    against autograd."""
+    net, x, y = _net_and_batch()
+    net.e[0] = _TauMix().to(D)
+    with pytest.raises(ProbeError, match=r"forward does not take exactly two positional arguments \(x, "
+                                                        r"weights\).*\(module, list\(module\._ops\)\)") as raised:
+        nasdiag.attach(net, edges={"e0": net.e[0], "e1": net.e[1]})
+    assert "\n" not in str(raised.value) and "with `_ops`" not in str(raised.value)
+    probe = _recorded(nasdiag.attach(net, edges={"e0": (net.e[0], list(net.e[0]._ops)), "e1": net.e[1]}), net, x, y)
+    Z = F.softmax(net.alpha, -1).detach().clone().requires_grad_()
+    reference = torch.autograd.grad(F.cross_entropy(net(x, Z), y), Z)[0]
+    torch.testing.assert_close(torch.stack([probe.costs()["e0"], probe.costs()["e1"]]), reference, rtol=1e-10, atol=1e-14)
