@@ -159,12 +159,17 @@ def _spec_of(name: str, value, candidates) -> EdgeSpec:
         _check_called(name, value)
         module, ops = value, candidates(value) if candidates is not None else None
         if ops is None:
-            # a module with `_ops` whose forward takes another argument (x, weights, tau=1.0) was told it had no `_ops`
-            why = ("its forward does not take exactly two positional arguments (x, weights), so it is not taken for a "
-                   "DARTS-convention mixed op; pass (module, list(module._ops))"
-                   if isinstance(getattr(value, "_ops", None), nn.ModuleList) else
-                   "it is neither a nasdiag MixedOp nor a DARTS-convention mixed op with `_ops`; pass (module, [candidate "
-                   "op modules])")
+            # a module with `_ops` whose forward takes another argument (x, weights, tau=1.0) was told it had no `_ops`;
+            # without a discovery rule (the curvature functions) the reason is only that ops are taken explicitly
+            listed = next((a for a in ("_ops", "ops") if isinstance(getattr(value, a, None), nn.ModuleList)), None)
+            how = f"(module, list(module.{listed}))" if listed else "(module, [candidate op modules])"
+            if candidates is None:
+                why = f"this function takes each edge's candidate ops explicitly, in the order the module mixes them; pass {how}"
+            elif listed == "_ops":
+                why = ("its forward does not take exactly two positional arguments (x, weights), so it is not taken for a "
+                       f"DARTS-convention mixed op; pass {how}")
+            else:
+                why = f"it is neither a nasdiag MixedOp nor a DARTS-convention mixed op with `_ops`; pass {how}"
             raise EdgeSpecError(f"edge {name!r}: cannot tell the candidate ops of a {type(value).__name__}: {why}")
     elif hasattr(value, "module") and hasattr(value, "ops"):
         module, ops = value.module, value.ops

@@ -36,6 +36,7 @@ from nasdiag.hessian._hvp import (
     check_max_memory,
     check_model,
     fit_chunk,
+    leaf_sources,
     softmax_jacobian_ratio,
     source_entries,
     HessianVectorProduct,
@@ -415,14 +416,18 @@ def _check_softmax_weights(observed: Dict[str, List[torch.Tensor]], with_graph: 
             raise CurvatureError(
                 f"edge {name!r} ran {len(calls)} times with different weights; wrt='alpha' needs one Z per edge: use wrt='Z'"
             )
-        tol = 1e3 * torch.finfo(z.dtype).eps
+        # a float32 α whose softmax the forward casts up is a probability vector to float32's round-off, not Z's
+        graph = with_graph.get(name) if with_graph else None
+        eps = max([torch.finfo(z.dtype).eps] + [torch.finfo(leaf.dtype).eps for leaf in (leaf_sources(graph) if graph is not None else ())
+                                               if leaf.dtype.is_floating_point])
+        tol = 1e3 * eps
         if bool((z < 0).any()) or abs(float(z.sum()) - 1.0) > tol:
             raise CurvatureError(
                 f"edge {name!r}: wrt='alpha' assumes Z = softmax(α) but the weights {z.tolist()} are not a "
                 "probability vector; use wrt='Z' (or chain through your own map)"
             )
         ratio = softmax_jacobian_ratio(with_graph[name]) if with_graph and name in with_graph and z.dim() == 1 else None
-        if ratio is not None and abs(ratio - 1.0) > 1e4 * torch.finfo(z.dtype).eps:
+        if ratio is not None and abs(ratio - 1.0) > 1e4 * eps:
             raise CurvatureError(
                 f"edge {name!r}: wrt='alpha' assumes Z = softmax(α) of the architecture parameter itself, but ∂Z/∂α is "
                 f"{ratio:.4g} times softmax's (e.g. softmax(α/τ) with τ = {1 / ratio:.4g}, or logits computed from α); "
