@@ -110,7 +110,9 @@ def make_network(cell: str, layers: int, num_classes: int, in_channels: int, C: 
     return build()
 
 
-def load_splits(dataset: str, data_dir: Optional[str], seed: int):
+def load_splits(dataset: str, data_dir: Optional[str], seed: int, batch_size: Optional[int] = None):
+    """The search splits of ``dataset``; with ``batch_size``, refused in one line where the training split holds fewer
+    images than one batch (no training step: it was the Schedule's ValueError after the output folder was made)."""
     from nasdiag.data import load_dataset
 
     kwargs = {"seed": seed}
@@ -121,7 +123,11 @@ def load_splits(dataset: str, data_dir: Optional[str], seed: int):
         if not data_dir:
             raise NasdiagError("--dataset cifar10 needs --data-dir (the folder of the CIFAR-10 python batches)")
         kwargs.update(root=data_dir, limit=5000)  # a CPU-sized subset; raise it on a GPU machine
-    return load_dataset(dataset, **kwargs)
+    splits = load_dataset(dataset, **kwargs)
+    if batch_size is not None and batch_size > len(splits.train):
+        raise NasdiagError(f"--batch-size {batch_size} is more than the {len(splits.train)} images of the training split "
+                           f"of {dataset}, so an epoch has no step; give --batch-size {len(splits.train)} or less")
+    return splits
 
 
 def batches(dataset, batch_size: int, seed: int, shuffle: bool = True):

@@ -166,7 +166,7 @@ def main(argv=None):
     warnings.filterwarnings("ignore", message="probe: some candidate ops did not run", category=RuntimeWarning)
     record = os.path.join(args.out, "record.h5")
     if not args.plot_only:
-        splits = W.load_splits(args.dataset, args.data_dir, args.seed)  # first: a refused --data-dir left an empty folder
+        splits = W.load_splits(args.dataset, args.data_dir, args.seed, args.batch_size)  # first: a refused --data-dir left an empty folder
         # Theorem 2 needs the classifier without bias, after global average pooling of the last cell
         net = W.make_network("minimal", 1, splits.num_classes, splits.in_channels, C=args.C, reductions=(),
                              classifier_bias=False, seed=args.seed)

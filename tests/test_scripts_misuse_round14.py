@@ -1,0 +1,25 @@
+"""Round 14: a user turning records into heatmaps with the batch scripts (scripts/wiring_*.py, xnas_*.py) and the
+figure registry: misuse of a script is one line on stderr, exit code 2, nothing left behind; the heatmaps drawn from a
+record whose values this file plants itself (plain `nasdiag.record.Recorder` rows, docs/schema.md) show those values
+in the labelled rows and columns, on the stated colour scale, with the stated step span.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from test_cli_misuse_round13 import _script  # runs a script in-process, the folder checked unchanged
+
+
+@pytest.mark.parametrize("script,extra", [("wiring_cost_heatmaps", ["--configs", "minimal1"]),
+                                          ("wiring_variants", ["--variants", "batch"]),
+                                          ("wiring_output_cost", [])])
+def test_a_wiring_batch_larger_than_the_training_split_is_one_line_before_any_folder(script, extra, tmp_path, capsys):
+    """``--batch-size 5000`` on digits (719 training images): no step in an epoch. It was the Schedule's 'steps_per_epoch
+    must be an integer >= 1, got 0', naming no option, after the output folder was made (left behind, empty)."""
+    out = tmp_path / "out"
+    code, err = _script(script, ["--out", str(out), "--batch-size", "5000", "--epochs", "1", *extra], tmp_path, capsys)
+    assert code == 2 and len(err) == 1, err
+    assert "--batch-size 5000" in err[0] and "719" in err[0], err
+    assert not out.exists()
