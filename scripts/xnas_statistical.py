@@ -197,7 +197,9 @@ def summarize(data):
             row["xnas_runs_with_bound_violations"] = float((table["xnas/bound_violations"][i] > 0).mean())
             rows.append(row)
         summary[sweep] = {"rows": rows}
-        if sweep == "vs_n" and len(rows) > 1:  # a fit of one point divided 0 by 0 (a run stopped or still writing)
+        # a fit of one N divided 0 by 0 (a run stopped or still writing after its first point), and one N given twice
+        # (--n-grid 2,2) fitted a log-log slope through two points above one another (numpy's RankWarning, any slope)
+        if sweep == "vs_n" and np.unique(table["n_experts"]).size > 1:
             summary[sweep]["fits"] = fits(table)
     return summary
 

@@ -23,3 +23,20 @@ def test_a_wiring_batch_larger_than_the_training_split_is_one_line_before_any_fo
     assert code == 2 and len(err) == 1, err
     assert "--batch-size 5000" in err[0] and "719" in err[0], err
     assert not out.exists()
+
+
+def test_xnas_statistical_fits_no_line_through_one_number_of_experts_given_twice(tmp_path, capsys):
+    """``--n-grid 2,2``: the regret-vs-N fits ran on one N twice; a log-log slope through two points at one x is no slope
+    (numpy's polyfit warns the fit is poorly conditioned and returns a number anyway, printed and written to fits.json
+    as 'log-log slope 0.924'). As for one N (round 13): the points are drawn, no fit."""
+    import importlib
+    import json
+
+    from nasdiag.errors import run_script
+
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--runs", "2", "--steps", "2", "--n-grid", "2,2", "--sigma-grid", "1", "--lr-multipliers", ""]
+    assert run_script("xnas_statistical", importlib.import_module("xnas_statistical").main, argv) == 0, capsys.readouterr()
+    assert "log-log slope" not in capsys.readouterr().out
+    summary = json.loads((out / "fits.json").read_text())
+    assert [row["n_experts"] for row in summary["vs_n"]["rows"]] == [2.0, 2.0] and "fits" not in summary["vs_n"], summary
