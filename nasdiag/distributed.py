@@ -13,7 +13,7 @@ mean       (1/R) sum_r x_r (equal per-rank batches: the global batch mean); ints
 sum        sum_r x_r
 pooled     ``<prefix>/mean`` and ``<prefix>/var`` next to ``<prefix>/count``: the mean and
            variance of all samples of all ranks, by `nasdiag.vocabulary.pooled_moments`
-all, any   logical and / or
+all, any   logical and / or (ints and floats: 1 where true, 0 where false; NaN stays NaN)
 min, max   elementwise extremes
 same       the value, which must agree on all ranks (else `ReductionError`)
 =========  ================================================================================
@@ -37,6 +37,12 @@ the losses are batch means; checked against autograd in tests/test_audit_ddp_rou
   the same on every rank;
 - architecture and method state (α, forecasters, γ, switches, λ, sample counts): identical on every rank
   (``same``), since every rank updates them from rank-averaged costs and curvature.
+
+"The global batch" above holds where the supernet treats each sample on its own (``--norm layer``, eval-mode BatchNorm).
+Under train-mode BatchNorm (``--norm batch``, the default) every rank normalises with its own batch's statistics (there
+is no SyncBatchNorm): losses, costs, ∂L/∂w and the steps taken are the rank means over R batches of B samples each
+normalised apart, not those of one batch of R·B samples (a single process with ``--batch-size`` R·B), as in any DDP
+training.
 
 A loop of one's own with unequal per-rank batches must log its ``count`` next to a ``mean``/``var`` and reduce
 them ``pooled``: the ``mean`` rule weighs every rank alike. Next to a pooled ``<prefix>/mean``, ``<prefix>/count`` is
@@ -227,6 +233,8 @@ def reduce_statistics(
     for path, array in arrays.items():
         rule = plan[path]
         x = array.astype(np.float64)
+        if rule in ("all", "any"):  # logical: as the min/max of the truth values (the min of flags 0 and -1 was -1, true)
+            x = np.where(np.isnan(x), np.nan, x != 0)
         if rule in ("mean", "sum"):
             sums.add(path, x)
         elif rule == "pooled":

@@ -415,7 +415,9 @@ class SearchMethod:
 
         Returns:
             :class:`CostStep`. Under DDP the costs are averaged over ranks (the cost of the global mean
-            loss), so every rank applies the same architecture update.
+            loss), so every rank applies the same architecture update. Under train-mode BatchNorm each rank
+            normalises with its own batch's statistics: the rank mean of costs of batches normalised apart, not
+            the cost of the concatenated batch (`nasdiag.distributed`, batch convention).
         """
         self._check_cell_weights(weights, len(x))
         leaves = [weights[c.cell_type].detach().clone().requires_grad_(True) for c in self.network.cells]

@@ -1,0 +1,129 @@
+"""Audit round 14 of data parallelism: 2 gloo ranks on CPU (one launch, ``ranks``), against references built here in
+float64 (numpy's logic, autograd on the concatenated batch).
+
+Found: ``reduce_statistics``'s ``all``/``any`` ("logical and / or") were the min/max of the values, right for bools and
+for non-negative flags only: int flags 0 and -1 gave ``all`` = -1 (true) and ``any`` = 0 (false), floats alike. The
+docs said that a 2-rank search equals one process on the concatenated batch (the costs "the cost of the global mean
+loss") without saying that under train-mode BatchNorm (``--norm batch``, the default) each rank normalises with its
+own batch's statistics, so the losses, costs and steps are those of R separately normalised batches (checked here:
+LayerNorm equal to 1e-12, BatchNorm not).
+
+Checked and found right (references here or in scratch, not kept where earlier rounds cover them): ProxylessNAS on 2
+ranks equals one process on the concatenated batches (weights and α after 4 steps to 1e-16, samples and counts alike:
+the one method test_search_ddp_methods.py leaves out); pooled moments with ddof=1 of unequal rank batches against
+the hand formula; a NaN on one rank under max; a user callback raising on rank 0 at the last epoch end of ``run``
+leaves rank 1 finishing, no hang.
+"""
+
+from __future__ import annotations
+
+import os
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import free_port, launch_ranks
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+
+B = 4  # samples per rank
+NORMS = ("layer", "batch")
+# per rank: (int flag, float flag); the logical and/or over the ranks is taken here from the truth values
+FLAGS = {"int_all": (np.array([0, -1, 2, 3]), np.array([-1, -1, 2, 0])),
+         "float_any": (np.array([0.0, -0.5, 0.0, np.nan]), np.array([-2.0, 0.0, 0.0, 1.0]))}
+
+
+def network(norm: str):
+    from nasdiag.supernet import Network
+
+    torch.manual_seed(0)
+    return Network(4, 5, 3, steps=2, multiplier=2, in_channels=1, norm=norm).double()
+
+
+def batch():
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(2 * B, 1, 8, 8, generator=g, dtype=torch.float64), torch.randint(0, 5, (2 * B,), generator=g)
+
+
+WORKER = textwrap.dedent(
+    """
+    import datetime, sys
+    import numpy as np
+    import torch, torch.distributed as dist
+    from test_audit_ddp_round14 import B, FLAGS, NORMS, batch, network
+    from nasdiag.distributed import reduce_statistics
+    from nasdiag.search import Schedule, get_method
+
+    rank, init, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    results = {}
+    for name, per_rank in FLAGS.items():
+        rule = name.split("_")[1]
+        results[name] = reduce_statistics({"x/flag": per_rank[rank]}, rules={"x/flag": rule})["x/flag"]
+    x, y = batch()
+    part = slice(rank * B, (rank + 1) * B)
+    for norm in NORMS:
+        cls = get_method("darts")
+        method = cls(network(norm), cls.Hyperparameters(), schedule=Schedule(epochs=1, steps_per_epoch=1, batch_size=B))
+        method.distribute()
+        result = method.cost(x[part], y[part], method.probabilities(), observe=False)
+        results[norm] = {t: c.detach().clone() for t, c in result.costs.items()}
+    torch.save(results, f"{out}.{rank}")
+    dist.barrier()
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """What each of the 2 ranks of WORKER saved: one launch for every test of this file."""
+    out = tmp_path_factory.mktemp("ddp14") / "results.pt"
+    script, init = out.with_name("worker.py"), f"tcp://127.0.0.1:{free_port()}"
+    script.write_text(WORKER)
+    launch_ranks(script, lambda r: [r, init, out], timeout=120)
+    return [torch.load(f"{out}.{r}", weights_only=False) for r in (0, 1)]
+
+
+@pytest.mark.parametrize("name", list(FLAGS))
+def test_all_and_any_are_logical_for_flags_of_either_sign(ranks, name):
+    a, b = FLAGS[name]
+    truth = np.logical_and(a != 0, b != 0) if name.endswith("all") else np.logical_or(a != 0, b != 0)
+    want = np.where(np.isnan(a) | np.isnan(b), np.nan, truth.astype(float))  # a NaN on one rank stays visible
+    for rank in (0, 1):
+        got = ranks[rank][name]
+        assert got.dtype == a.dtype, (name, got.dtype)
+        np.testing.assert_array_equal(got.astype(float), want, err_msg=f"{name} rank {rank}")
+
+
+def _costs_of_the_concatenated_batch(norm: str) -> dict:
+    """C = ∂L/∂Z of the mean loss of all 2B samples, Z = softmax(α) one leaf per cell type (autograd, float64)."""
+    net = network(norm).train()
+    x, y = batch()
+    leaves = {t: torch.softmax(a.detach(), -1).requires_grad_(True) for t, a in net.alphas().items()}
+    loss = torch.nn.functional.cross_entropy(net(x, leaves), y)
+    grads = torch.autograd.grad(loss, list(leaves.values()))
+    return dict(zip(leaves, grads))
+
+
+def test_ranks_costs_are_the_concatenated_batchs_with_layernorm_and_the_docs_say_batchnorm_differs(ranks):
+    import nasdiag.distributed
+    import nasdiag.search.base
+
+    for norm in NORMS:
+        want = _costs_of_the_concatenated_batch(norm)
+        for t, c in want.items():
+            for rank in (0, 1):
+                got = ranks[rank][norm][t]
+                if norm == "layer":  # each sample normalised on its own: the rank mean is the global batch's cost
+                    torch.testing.assert_close(got, c, rtol=1e-10, atol=1e-12, msg=f"{norm} {t} rank {rank}")
+                else:  # train-mode BatchNorm: each rank's own batch statistics, not those of the 2B samples
+                    assert (got - c).abs().max() > 1e-3 * c.abs().max(), f"{norm} {t}: expected to differ"
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    launch = readme[readme.index("Data-parallel over several processes"):].split("\n\n")[0]  # its DDP paragraph
+    for doc in (nasdiag.distributed.__doc__, nasdiag.search.base.SearchMethod.cost.__doc__, launch):
+        text = " ".join(doc.split())
+        assert "train-mode BatchNorm" in text and "normalises with its own batch" in text, text[:300]
