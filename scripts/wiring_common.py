@@ -110,9 +110,12 @@ def make_network(cell: str, layers: int, num_classes: int, in_channels: int, C: 
     return build()
 
 
-def load_splits(dataset: str, data_dir: Optional[str], seed: int, batch_size: Optional[int] = None):
+def load_splits(dataset: str, data_dir: Optional[str], seed: int, batch_size: Optional[int] = None,
+                observe_batches: Optional[int] = None):
     """The search splits of ``dataset``; with ``batch_size``, refused in one line where the training split holds fewer
-    images than one batch (no training step: it was the Schedule's ValueError after the output folder was made)."""
+    images than one batch (no training step: it was the Schedule's ValueError after the output folder was made), and
+    with ``observe_batches`` too, where it asks for more batches than the split has (the rest were silently not
+    observed: --observe-batches 100 and 11 observed the same batches)."""
     from nasdiag.data import load_dataset
 
     kwargs = {"seed": seed}
@@ -127,6 +130,11 @@ def load_splits(dataset: str, data_dir: Optional[str], seed: int, batch_size: Op
     if batch_size is not None and batch_size > len(splits.train):
         raise NasdiagError(f"--batch-size {batch_size} is more than the {len(splits.train)} images of the training split "
                            f"of {dataset}, so an epoch has no step; give --batch-size {len(splits.train)} or less")
+    if batch_size is not None and observe_batches is not None and observe_batches > len(splits.train) // batch_size:
+        have = len(splits.train) // batch_size
+        raise NasdiagError(f"--observe-batches {observe_batches} is more than the {have} batches of {batch_size} images the "
+                           f"training split of {dataset} holds ({len(splits.train)} images); give --observe-batches {have} "
+                           "or less, or a smaller --batch-size")
     return splits
 
 

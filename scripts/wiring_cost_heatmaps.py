@@ -61,7 +61,8 @@ def main(argv=None):
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         raise UsageError(f"unknown configuration(s) {unknown}; choose from {', '.join(CONFIGS)}")
-    splits = None if args.plot_only else W.load_splits(args.dataset, args.data_dir, args.seed, args.batch_size)
+    splits = None if args.plot_only else W.load_splits(args.dataset, args.data_dir, args.seed, args.batch_size,
+                                                                   args.observe_batches)
     for name in configs:
         folder = os.path.join(args.out, name)
         record = os.path.join(folder, "record.h5")

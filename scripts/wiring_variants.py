@@ -65,7 +65,8 @@ def main(argv=None):
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise UsageError(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
-    splits = None if args.plot_only else W.load_splits(args.dataset, args.data_dir, args.seed, args.batch_size)
+    splits = None if args.plot_only else W.load_splits(args.dataset, args.data_dir, args.seed, args.batch_size,
+                                                                   args.observe_batches)
     for name in variants:
         folder = os.path.join(args.out, name)
         record = os.path.join(folder, "record.h5")

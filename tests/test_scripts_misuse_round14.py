@@ -40,3 +40,15 @@ def test_xnas_statistical_fits_no_line_through_one_number_of_experts_given_twice
     assert "log-log slope" not in capsys.readouterr().out
     summary = json.loads((out / "fits.json").read_text())
     assert [row["n_experts"] for row in summary["vs_n"]["rows"]] == [2.0, 2.0] and "fits" not in summary["vs_n"], summary
+
+
+@pytest.mark.parametrize("script,extra", [("wiring_cost_heatmaps", ["--configs", "minimal1"]),
+                                          ("wiring_variants", ["--variants", "batch"])])
+def test_observing_more_batches_than_the_split_holds_is_one_line_not_a_silent_cap(script, extra, tmp_path, capsys):
+    """``--observe-batches`` past the training split's batches (719 digits images: 11 batches of 64) observed the 11
+    there are: --observe-batches 12 or 1000 gave the same record as 11, without a word. One line, before any folder."""
+    out = tmp_path / "out"
+    code, err = _script(script, ["--out", str(out), "--observe-batches", "12", "--epochs", "1", *extra], tmp_path, capsys)
+    assert code == 2 and len(err) == 1, err
+    assert "--observe-batches 12" in err[0] and "11 batches of 64" in err[0], err
+    assert not out.exists()
