@@ -127,3 +127,26 @@ def test_ranks_costs_are_the_concatenated_batchs_with_layernorm_and_the_docs_say
     for doc in (nasdiag.distributed.__doc__, nasdiag.search.base.SearchMethod.cost.__doc__, launch):
         text = " ".join(doc.split())
         assert "train-mode BatchNorm" in text and "normalises with its own batch" in text, text[:300]
+
+
+def test_a_resume_under_another_world_size_says_how_to_launch_the_recorded_one(tmp_path, monkeypatch):
+    """world_size is set by no option: the refusal says it is the number of processes and how to launch that many."""
+    from nasdiag.errors import ConfigError
+    from nasdiag.search import SearchConfig, run
+    from nasdiag.search.runner import _resume_point
+
+    for variable in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(variable, raising=False)
+    config = SearchConfig(method="darts", epochs=1, C=2, layers=3, steps=1, batch_size=256, device="cpu", threads=1,
+                          progress=False, diagnostics=("cost",), record=str(tmp_path / "one.h5"))
+    run(config)
+    resume = SearchConfig(**{**config.to_dict(), "resume": True, "epochs": 2})
+    state = torch.load(config.checkpoint, weights_only=False)
+    # a record of one process resumed by 2 torchrun ranks (each would say it; run() finds its world size in the group)
+    with pytest.raises(ConfigError, match=r"world_size=2 \(recorded 1\).*resume in one process, without torchrun$"):
+        _resume_point(resume, {**state["run"], "world_size": 2})
+    # a record of 2 ranks resumed in one process: the checkpoint says the run's world size
+    state["run"]["world_size"] = 2
+    torch.save(state, config.checkpoint)
+    with pytest.raises(ConfigError, match=r"world_size=1 \(recorded 2\).*torchrun --nproc_per_node=2 -m nasdiag search"):
+        run(resume)

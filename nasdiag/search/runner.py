@@ -635,8 +635,12 @@ def _resume_point(config: SearchConfig, defining: Mapping[str, Any]) -> Tuple[Op
                               "pass the recorded method or record to a new path")
         if diff:
             listed = ", ".join(f"{k}={a!r} (recorded {b!r})" for k, a, b in ((k, *v) for k, v in diff.items()))
+            world = diff.get("world_size", (None, None))[1]  # no option sets it: say how the launch does
+            how = "" if not isinstance(world, int) else "; world_size is the number of data-parallel processes: " + (
+                f"relaunch with {world} of them (torchrun --nproc_per_node={world} -m nasdiag search ... on one host)"
+                if world > 1 else "resume in one process, without torchrun")
             raise ConfigError(f"--resume with different settings than the {where}: {listed}; "
-                              "resume with the recorded settings or record to a new path")
+                              f"resume with the recorded settings or record to a new path{how}")
     if state is None:
         return None, 0
     if last < state["step"]:
