@@ -9,7 +9,9 @@ drew, 2 (one-line error) when none drew (so a single unreadable record exits 2).
 figure was skipped (nothing to show) drew nothing and counts as skipped.
 
 ``nasdiag report RECORD --out PAGE.html`` replaces an existing PAGE only if it is a page ``report``
-wrote before, or with ``--force``; never the record it reads, and never an HDF5 file.
+wrote before, or with ``--force``; never the record it reads, and never an HDF5 file. An ``--out`` named as a file
+of another format (``report.pdf``, ``report.md``; for ``plot`` a new folder ``figs.pdf``) is refused: the page is
+HTML, and ``plot --format`` chooses the figures' format.
 
 Importing this module imports only argparse: building the CLI parser must stay instant.
 """
@@ -118,13 +120,58 @@ def select_figures(names):
             parts = t.replace(";", " ").split()
             if len(parts) > 1 and all(p.lower() in choices for p in parts):
                 return [",".join(p.lower() for p in parts)]
-            return difflib.get_close_matches(t.lower(), choices, 1)
+            return _of_file(t, specs) or difflib.get_close_matches(t.lower(), choices, 1)
+
 
         near = [(t, meant(t)) for t in (n.strip() for n in names or ()) if t and t not in choices]
         hints = [f"{m[0]!r} for {t!r}" for t, m in near if m]
         if not hints:
             raise
         raise PlotError(f"{exc} (did you mean {', '.join(hints)}?)") from None
+
+
+def _of_file(name: str, specs) -> List[str]:
+    """``[figure]`` whose file ``name`` is (``cost_heatmap`` as README's image, ``cost_normal_heatmap.png`` or
+    ``..._final`` as drawn), else []: ``--figures cost_heatmap`` was "did you mean 'cost_std'?", another figure."""
+    import re
+
+    stem = re.sub(r"\.(png|pdf|svg)$", "", name.strip().lower())
+    stem = re.sub(r"_(init|final|step\d+)$", "", stem)
+    return [s.name for s in specs.values() if stem in {s.filename(cell) for cell in (None, "normal", "reduce")}][:1]
+
+
+#: suffixes of a file of another format than ``report``'s page or ``plot``'s folder: a page written as rep.pdf was
+#: HTML under a PDF's name, figures drawn into figs.pdf/ png files in a folder so named, both without a word
+OTHER_FORMATS = (".pdf", ".png", ".svg", ".jpg", ".jpeg", ".eps", ".ps", ".md", ".tex", ".docx", ".ipynb", ".html",
+                 ".htm")
+
+
+def refuse_other_format(out: str, command: str, fmt: str = "png") -> None:
+    """Refuse (one line) a ``--out`` named as a file of another format: for ``report`` (an HTML page) one not .html,
+    for ``plot`` (a folder of figure files) a folder not there yet named as a figure or page file."""
+    from nasdiag.plot.registry import PlotError
+
+    path = Path(out)
+    suffix = path.suffix.lower()
+    if suffix not in OTHER_FORMATS:
+        return
+    if command == "report":
+        if suffix in (".html", ".htm"):
+            return
+        raise PlotError(f"--out {out} names a {suffix} file, but report writes an HTML page (it would be HTML under "
+                        f"a {suffix} name); give an .html file, e.g. --out {path.with_suffix('.html')}"
+                        + (" (a browser prints it to PDF)" if suffix == ".pdf" else
+                           f" (nasdiag plot RECORD --out FOLDER --format {suffix[1:]} draws the figures as {suffix} files)"
+                           if suffix[1:] in FORMATS else ""))
+    if path.is_dir():  # a folder so named already: taken as the user's
+        return
+    if suffix in (".html", ".htm"):
+        raise PlotError(f"--out {out} names an HTML page, but plot writes one file per figure into the folder --out "
+                        f"names; give a folder, e.g. --out {path.with_suffix('')}, or write one page of a run with "
+                        f"nasdiag report RECORD --out {out}")
+    again = f" --format {suffix[1:]}" if suffix[1:] in FORMATS and suffix[1:] != fmt else ""
+    raise PlotError(f"--out {out} names a {suffix} file, but plot writes one {fmt} file per figure into the folder "
+                    f"--out names; give a folder, e.g. --out {path.with_suffix('')}{again}")
 
 
 def file_in_the_way(path: Path) -> Optional[Path]:
@@ -482,6 +529,7 @@ def run_plot(args) -> int:
     at_tokens = parse_at(args.at)
     _refuse_idle_at(at_tokens, specs)
     refuse_empty_out(args.out, "figure folder, e.g. --out figs")
+    refuse_other_format(args.out, "plot", args.format)
     refuse_empty_records(args.records)
     out = Path(args.out)
     _check_folder(out)
@@ -573,6 +621,7 @@ def run_report(args) -> int:
     figures = _figure_names(args.figures)
     select_figures(figures)
     refuse_empty_out(args.out, "HTML file to write, e.g. --out report.html")
+    refuse_other_format(args.out, "report")
     refuse_empty_records([args.record])
     refuse_segment(args.record)
     path = _as_not_a_record(args.record, write_report, args.record, args.out, figures, args.dpi, args.force)

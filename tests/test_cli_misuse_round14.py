@@ -1,0 +1,51 @@
+"""A fourteenth new user's misuse of the ``nasdiag`` CLI, armed with README.md and ``--help``: what rounds 1-13
+(test_cli_errors.py, test_cli_search_misuse.py, test_cli_plot_misuse.py, test_cli_misuse_round3..13.py) did not
+cover: an output named as a file of another format (``report --out report.pdf`` wrote an HTML page under a PDF's
+name, ``plot --out figs.pdf`` a folder of png files so named, both exit 0 without a word), and ``--figures`` given a
+figure's file name (``cost_heatmap`` as README's image, ``cost_normal_heatmap.png`` as drawn: "did you mean
+'cost_std'?", another figure). Every such mistake is one line on stderr saying what was wrong and what to do, exit
+code 2, no traceback, nothing left behind.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from nasdiag.cli import main
+from test_cli_errors import refused
+from test_cli_plot_misuse import rec, source  # noqa: F401 (fixtures)
+
+
+@pytest.mark.parametrize("page,said", [("report.pdf", "--out report.html"), ("report.md", "--out report.html"),
+                                       ("report.svg", "--format svg")])
+def test_a_report_named_as_another_format_is_refused_not_written_as_html(page, said, rec, tmp_path, capsys):
+    """``nasdiag report RUN.h5 --out report.pdf`` wrote the HTML page into report.pdf (exit 0): no PDF viewer opens
+    it. The line says the page is HTML and gives the .html name."""
+    out = tmp_path / page
+    line = refused(["report", str(rec), "--out", str(out), "--figures", "scalars", "--dpi", "20"], tmp_path,
+                   "writes an HTML page", capsys)
+    assert said in line.replace(str(tmp_path) + "/", ""), line
+    assert main(["report", str(rec), "--out", str(tmp_path / "report.html"), "--figures", "scalars", "--dpi", "20"]) == 0
+
+
+@pytest.mark.parametrize("folder,fmt,said", [("figs.pdf", "png", "--format pdf"), ("figs.svg", "svg", "e.g. --out figs"),
+                                             ("figs.html", "png", "nasdiag report")])
+def test_a_figure_folder_named_as_a_file_is_refused(folder, fmt, said, rec, tmp_path, capsys):
+    """``nasdiag plot RUN.h5 --out figs.pdf`` drew png files into a new folder named figs.pdf (exit 0, "1 figures in
+    figs.pdf"), as if one PDF had been written. A folder of that name already there is the user's and is drawn into."""
+    argv = ["plot", str(rec), "--out", str(tmp_path / folder), "--format", fmt, "--figures", "scalars", "--dpi", "20",
+            "--no-progress"]
+    line = refused(argv, tmp_path, "writes one", capsys)
+    assert said in line.replace(str(tmp_path) + "/", ""), line
+    (tmp_path / folder).mkdir()
+    assert main(argv) == 0 and [p.suffix for p in (tmp_path / folder).iterdir()] == [f".{fmt}"]
+
+
+@pytest.mark.parametrize("given,meant", [("cost_heatmap", "cost"), ("cost_normal_heatmap.png", "cost"),
+                                         ("hessian_reduce_heatmap_final", "hessian"), ("arch_normal_evolution", "arch_evolution"),
+                                         ("cost_normal_std", "cost_std")])
+def test_a_figure_given_by_its_file_name_names_that_figure(given, meant, rec, tmp_path, capsys):
+    """``--figures cost_heatmap`` (README's image cost_heatmap.png, the drawn cost_normal_heatmap.png) was "did you
+    mean 'cost_std'?": another figure than the file's. The near miss is the figure that draws the file."""
+    refused(["plot", str(rec), "--out", str(tmp_path / "figs"), "--no-progress", "--figures", given], tmp_path,
+            f"(did you mean {meant!r} for {given!r}?)", capsys)
