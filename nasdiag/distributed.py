@@ -207,13 +207,19 @@ def reduce_statistics(
     rank and in a single process alike.
     """
     arrays = {path: np.asarray(to_numpy(value)) for path, value in statistics.items()}
-    for path, array in arrays.items():  # the collectives run in float64: a complex part was dropped (a ComplexWarning)
-        if array.dtype.kind not in "biuf":
-            raise ReductionError(f"{path!r} has dtype {array.dtype}, which cannot be reduced across ranks (nor recorded); "
-                                 "hand bool, int or float values (a complex value as its real and imaginary parts)")
-    plan = plan_rules(arrays, rules)
+    refused = None  # raised after the ranks' check: a rank refusing alone, before it, left the others in the check's
+    try:  # collective, which then paired with that rank's next reduction (another step's statistics)
+        for path, array in arrays.items():  # the collectives run in float64: a complex part was dropped (a ComplexWarning)
+            if array.dtype.kind not in "biuf":
+                raise ReductionError(f"{path!r} has dtype {array.dtype}, which cannot be reduced across ranks (nor "
+                                     "recorded); hand bool, int or float values (a complex value as its real and imaginary parts)")
+        plan = plan_rules(arrays, rules)
+    except ReductionError as err:
+        refused, plan = err, {path: f"refused: {err}" for path in arrays}
     dist = _dist(group)
     if dist is None or dist.get_world_size(group) == 1:
+        if refused is not None:
+            raise refused
         return arrays
     import torch
 
@@ -226,6 +232,8 @@ def reduce_statistics(
             "ranks passed different statistics (paths, shapes, dtypes, rules or steps of the rows) to reduce_statistics; "
             "every rank must hand the same paths at the same step"
         )
+    if refused is not None:  # every rank refuses alike
+        raise refused
     world = dist.get_world_size(group)
     counts = _pooled_counts(arrays, plan, row_steps)  # after the check: every rank refuses alike
 

@@ -63,6 +63,18 @@ WORKER = textwrap.dedent(
     for name, per_rank in FLAGS.items():
         rule = name.split("_")[1]
         results[name] = reduce_statistics({"x/flag": per_rank[rank]}, rules={"x/flag": rule})["x/flag"]
+
+    def attempt(stats, rules=None):
+        try:
+            return reduce_statistics(stats, rules=rules)
+        except Exception as err:  # recorded for the test, on every rank
+            return [type(err).__name__, str(err)]
+
+    # statistics only one rank refuses (a pooled mean without its count, a complex value), then the next step's
+    nxt = {"y/value": np.float64(rank + 1)}
+    lone = {"x/mean": np.array([1.0, 2.0]), **({"x/count": np.int64(3)} if rank == 0 else {})}
+    results["lone_count"] = [attempt(lone, {"x/mean": "pooled"}), attempt(nxt)]
+    results["lone_complex"] = [attempt({"z/value": np.array([1.0]) if rank == 0 else np.array([1.0 + 1j])}), attempt(nxt)]
     x, y = batch()
     part = slice(rank * B, (rank + 1) * B)
     for norm in NORMS:
@@ -97,6 +109,16 @@ def test_all_and_any_are_logical_for_flags_of_either_sign(ranks, name):
         got = ranks[rank][name]
         assert got.dtype == a.dtype, (name, got.dtype)
         np.testing.assert_array_equal(got.astype(float), want, err_msg=f"{name} rank {rank}")
+
+
+@pytest.mark.parametrize("name", ["lone_count", "lone_complex"])
+def test_statistics_one_rank_refuses_are_refused_on_every_rank_and_the_next_step_is_reduced(ranks, name):
+    """A rank refusing its statistics before the ranks' check left the others in that collective, which then paired
+    with the refusing rank's next reduction: the next step was refused there, or reduced with another step's values."""
+    for rank in (0, 1):
+        refused, following = ranks[rank][name]
+        assert refused[0] == "ReductionError" and "ranks passed different statistics" in refused[1], (rank, refused)
+        assert following == {"y/value": np.float64(1.5)}, (rank, following)  # (1 + 2) / 2, the rank mean
 
 
 def _costs_of_the_concatenated_batch(norm: str) -> dict:
