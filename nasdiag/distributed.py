@@ -134,8 +134,9 @@ def plan_rules(arrays: Mapping[str, np.ndarray], rules: Mapping[str, str] | None
     """Rule per path: the first matching pattern of ``rules`` (exact path or fnmatch glob), else the
     vocabulary's rule (`nasdiag.vocabulary.reduction_rule`); next to a pooled ``<prefix>/mean``, ``<prefix>/count`` is
     summed and ``<prefix>/var`` pooled unless ``rules`` names them (of no family, an int count was 'same', refused as
-    the ranks' counts differ, a float count and the var 'mean': the rank means). Raises `ReductionError` for an unknown
-    rule or a ``pooled`` path without its ``count`` (and, for ``var``, its ``mean``) sibling."""
+    the ranks' counts differ, a float count and the var 'mean': the rank means); a count ``rules`` calls ``pooled`` (a
+    glob ``'<prefix>/*'``) is summed too. Raises `ReductionError` for an unknown rule, a ``pooled`` path other than a
+    ``mean``/``var``/``count``, or one without its ``count`` (for ``var``, its ``mean``; for ``count``, a pooled mean)."""
     plan, chosen = {}, set()
     for path, array in arrays.items():
         rule = None
@@ -150,7 +151,10 @@ def plan_rules(arrays: Mapping[str, np.ndarray], rules: Mapping[str, str] | None
             raise ReductionError(f"unknown reduction rule {rule!r} for {path!r}; use one of {RULES}")
         if rule == "pooled":
             parent, name = _split(path)
-            if name not in ("mean", "var") or f"{parent}/count" not in arrays:
+            if name not in ("mean", "var", "count"):
+                raise ReductionError(f"rule 'pooled' is for a '<prefix>/mean' and '/var' beside their '<prefix>/count', "
+                                     f"not {path!r}; give it another rule (one of {RULES})")
+            if name != "count" and f"{parent}/count" not in arrays:
                 raise ReductionError(
                     f"rule 'pooled' for {path!r} needs a '<prefix>/mean' or '/var' path with '{parent}/count' next to it; "
                     f"log '{parent}/count' in the same row"
@@ -160,7 +164,13 @@ def plan_rules(arrays: Mapping[str, np.ndarray], rules: Mapping[str, str] | None
         plan[path] = rule
     for path in plan:  # the count and var of a pooled mean are of every rank's samples, unless ``rules`` says otherwise
         parent, name = _split(path)
-        if name in ("count", "var") and path not in chosen and plan.get(f"{parent}/mean") == "pooled":
+        pooled_mean = plan.get(f"{parent}/mean") == "pooled"
+        if name == "count" and plan[path] == "pooled":  # as a glob '<prefix>/*' names it: the count of the pooled mean
+            if not pooled_mean:  # (it was refused as lacking the count it is)
+                raise ReductionError(f"rule 'pooled' for {path!r} pools nothing without a pooled '{parent}/mean' beside "
+                                     "it; pool the mean, or give the count the rule 'sum'")
+            plan[path] = "sum"
+        elif name in ("count", "var") and path not in chosen and pooled_mean:
             plan[path] = "sum" if name == "count" else "pooled"
     return plan
 

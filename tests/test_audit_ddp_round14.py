@@ -35,6 +35,11 @@ FLAGS = {"int_all": (np.array([0, -1, 2, 3]), np.array([-1, -1, 2, 0])),
          "float_any": (np.array([0.0, -0.5, 0.0, np.nan]), np.array([-2.0, 0.0, 0.0, 1.0]))}
 
 
+def samples(rank: int) -> np.ndarray:
+    """Rank ``rank``'s (2 or 5, 3) float64 samples, mean 1e3, sd 1: unequal batches, as an epoch's last."""
+    return 1e3 + np.random.default_rng(rank).standard_normal((2 + 3 * rank, 3))
+
+
 def network(norm: str):
     from nasdiag.supernet import Network
 
@@ -52,7 +57,7 @@ WORKER = textwrap.dedent(
     import datetime, sys
     import numpy as np
     import torch, torch.distributed as dist
-    from test_audit_ddp_round14 import B, FLAGS, NORMS, batch, network
+    from test_audit_ddp_round14 import B, FLAGS, NORMS, batch, network, samples
     from nasdiag.distributed import reduce_statistics
     from nasdiag.search import Schedule, get_method
 
@@ -75,6 +80,10 @@ WORKER = textwrap.dedent(
     lone = {"x/mean": np.array([1.0, 2.0]), **({"x/count": np.int64(3)} if rank == 0 else {})}
     results["lone_count"] = [attempt(lone, {"x/mean": "pooled"}), attempt(nxt)]
     results["lone_complex"] = [attempt({"z/value": np.array([1.0]) if rank == 0 else np.array([1.0 + 1j])}), attempt(nxt)]
+    # unequal rank batches far from 0 pooled as the docs advise, the moments named by one glob
+    own = samples(rank)
+    results["glob"] = attempt({"loss/mean": own.mean(0), "loss/var": own.var(0), "loss/count": np.int64(len(own))},
+                              {"loss/*": "pooled"})
     x, y = batch()
     part = slice(rank * B, (rank + 1) * B)
     for norm in NORMS:
@@ -119,6 +128,18 @@ def test_statistics_one_rank_refuses_are_refused_on_every_rank_and_the_next_step
         refused, following = ranks[rank][name]
         assert refused[0] == "ReductionError" and "ranks passed different statistics" in refused[1], (rank, refused)
         assert following == {"y/value": np.float64(1.5)}, (rank, following)  # (1 + 2) / 2, the rank mean
+
+
+def test_moments_pooled_by_one_glob_equal_the_concatenated_samples(ranks):
+    """rules={"loss/*": "pooled"} took the count for a pooled path and refused it as lacking 'loss/count' (the count
+    it is), on every rank; a count named pooled beside a pooled mean is summed."""
+    both = np.concatenate([samples(0), samples(1)])
+    for rank in (0, 1):
+        got = ranks[rank]["glob"]
+        assert isinstance(got, dict), got
+        np.testing.assert_allclose(got["loss/mean"], both.mean(0), rtol=1e-15)
+        np.testing.assert_allclose(got["loss/var"], both.var(0), rtol=1e-9)  # sd 1 at 1e3: the squares about 1e3 cancel
+        assert got["loss/count"] == len(both) and got["loss/count"].dtype == np.int64
 
 
 def _costs_of_the_concatenated_batch(norm: str) -> dict:
