@@ -213,6 +213,7 @@ def test_xnas_twenty_steps_follow_algorithm_1_with_its_wipeouts_regret_and_bound
     T = {t: steps * types.count(t) for t in logv}
     eta = {t: 3.0 * math.sqrt(2 * math.log(N) / (T[t] * L * L)) for t in logv}
     buf, wiped_any = {}, 0
+    removed = {t: torch.full((E, N), math.nan, dtype=torch.float64) for t in logv}
     data = _batches(40, 21)
     for step in range(20):
         (x, y), (xv, yv) = data[2 * step], data[2 * step + 1]
@@ -260,6 +261,7 @@ def test_xnas_twenty_steps_follow_algorithm_1_with_its_wipeouts_regret_and_bound
                 lng[t] += torch.log1p(torch.logsumexp(logv[t].masked_fill(~gone, -math.inf), -1).exp()
                                       / torch.logsumexp(logv[t].masked_fill(~kept, -math.inf), -1).exp())
                 alive[t] = kept
+                removed[t] = torch.where(out, logv[t], removed[t])  # recorded as the ln v at its removal
                 logv[t] = logv[t].masked_fill(out, -math.inf)
                 wiped_now[t] |= out
         stats = method.step((x, y), (xv, yv))
@@ -274,7 +276,7 @@ def test_xnas_twenty_steps_follow_algorithm_1_with_its_wipeouts_regret_and_bound
             assert torch.equal(stats[f"regret/{t}/wipeouts"].cpu(), wiped_now[t]), (step, t)
             torch.testing.assert_close(stats[f"arch/{t}/probabilities"], torch.softmax(logv[t], -1), rtol=1e-9, atol=1e-14)
             lw = stats[f"regret/{t}/log_weights"]
-            torch.testing.assert_close(lw[alive[t]], logv[t][alive[t]], rtol=1e-9, atol=1e-12)
+            torch.testing.assert_close(lw, torch.where(alive[t], logv[t], removed[t]), rtol=1e-9, atol=1e-12)
             surv = tally_e[t].masked_fill(~alive[t], -math.inf).amax(-1) - tally_f[t]
             torch.testing.assert_close(stats[f"regret/{t}/regret"], surv, rtol=1e-8, atol=1e-14)
             torch.testing.assert_close(stats[f"regret/{t}/gamma"], lng[t].exp(), rtol=1e-10, atol=0)
@@ -396,6 +398,9 @@ def test_bayesnas_four_steps_with_two_updates_follow_algorithm_2_transcribed():
         assert bool(stats["bayes/updated"]) == updated
         for t in aleph:
             torch.testing.assert_close(method.network.alphas()[t].detach(), wv[t], rtol=1e-9, atol=1e-12)
+            share = gamma[t] * alive[t]  # each alive op's share of its edge's prior variance
+            torch.testing.assert_close(stats[f"arch/{t}/probabilities"], share / share.sum(-1, keepdim=True), rtol=1e-8, atol=1e-14)
+            torch.testing.assert_close(stats[f"arch/{t}/weights"], torch.where(alive[t], wv[t], 0.0), rtol=1e-9, atol=1e-12)
             assert torch.equal(stats[f"bayes/{t}/switch"].cpu(), alive[t]), (step, t)
             every = torch.ones_like(alive[t])  # C, ω and H only where alive: a pruned op's are left as they were
             for key, want, on in (("gamma", gamma[t], every), ("prior_variance", s[t], every), ("covariance", cov[t], alive[t]),
@@ -445,10 +450,12 @@ def test_proxyless_four_steps_follow_the_two_path_binary_gate_update_transcribed
         val_loss = torch.nn.functional.cross_entropy(functional_call(ref.net, {**ref.w, **buffers}, (val[0], gl)), val[1])
         C = dict(zip(gl, torch.autograd.grad(val_loss, list(gl.values()))))
         b1, b2 = h.alpha_betas
+        gsq = 0.0
         for t, a in ref.alpha.items():
             al = a.clone().requires_grad_(True)
             pp = torch.softmax(al.masked_fill(~pairs[t], -math.inf), -1)
             (g,) = torch.autograd.grad((C[t].detach() * pp).sum(), al)
+            gsq = gsq + (g ** 2).sum()
             m, v, k = ref.adam.get(t, (torch.zeros_like(a), torch.zeros_like(a), 0))
             m, v, k = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g, k + 1
             ref.adam[t] = (m, v, k)
@@ -462,7 +469,9 @@ def test_proxyless_four_steps_follow_the_two_path_binary_gate_update_transcribed
         assert float(stats["scalars/val_loss"]) == pytest.approx(float(val_loss.detach()), rel=1e-10)
         for t in p:
             assert torch.equal(stats[f"sample/{t}/onehot"], gates[t]) and torch.equal(stats[f"sample/{t}/paths"], pairs[t].double())
-        _close(method, ref, stats, {}, 1e-10)
+        probs = [torch.softmax(a, -1) for a in ref.alpha.values()]
+        _close(method, ref, stats, {"scalars/alpha_grad_norm": gsq.sqrt(),
+                                    "scalars/entropy": torch.cat([-(q * q.log()).sum(-1) for q in probs]).mean()}, 1e-10)
 
 
 # -- every method's genotype against the DARTS / mixed-path rule applied to what it recorded -----------------------
@@ -617,3 +626,43 @@ def test_asmnas_one_step_and_selection_follow_eq_4_2_to_4_5_transcribed():
         assert torch.equal(method.epoch_statistics()[f"attention/{t}/count"], counts[t])
     for hk in hooks:
         hk.remove()
+
+
+@pytest.mark.filterwarnings("ignore:.*NaN/inf")  # cost means of ops never observed (wiped out, never selected)
+@pytest.mark.parametrize("name", ["dsnas", "xnas", "asmnas"])
+def test_the_run_objects_genotype_is_the_rule_applied_to_the_records_last_row(name, tmp_path, monkeypatch):
+    """run() returns SearchResult.genotype: the rule applied to the architecture the record's last row holds (softmax
+    of arch/<cell>/params; XNAS's EG weights over the alive experts; ASM-NAS's last selection counts, recorded at the
+    epoch end), not to a state before or after it."""
+    import dataclasses
+
+    import nasdiag.data
+    from torch.utils.data import TensorDataset
+
+    from nasdiag.record import load
+    from nasdiag.search import SearchConfig, run
+
+    full = nasdiag.data.load_dataset
+
+    def cut(dataset, **kwargs):  # 16 samples per split: 2 steps of 8 per epoch
+        s = full(dataset, **kwargs)
+        return dataclasses.replace(s, train=TensorDataset(*s.train[:16]), val=TensorDataset(*s.val[:16]))
+
+    monkeypatch.setattr(nasdiag.data, "load_dataset", cut)
+    hp = {"xnas": {"reward_bound": 2e-3, "zeta": 0.25}, "asmnas": {"attention_hidden": 4}}.get(name, {"alpha_lr": 0.3})
+    result = run(SearchConfig(method=name, C=2, layers=3, steps=2, multiplier=2, batch_size=8, epochs=2, dtype="float64",
+                              progress=False, threads=1, record=str(tmp_path / "r.h5"), device="cpu", hp=hp))
+    rec = load(str(tmp_path / "r.h5"))
+    prims = [str(p) for p in rec["meta/op_names"]]
+    for t in ("normal", "reduce"):
+        if name == "dsnas":
+            want = _darts_rule(torch.softmax(torch.as_tensor(rec[f"arch/{t}/params"][-1]), -1), 2, prims)
+        elif name == "xnas":
+            alive = torch.as_tensor(rec[f"regret/{t}/alive"][-1])
+            u = torch.softmax(torch.as_tensor(rec[f"regret/{t}/log_weights"][-1]).masked_fill(~alive, -math.inf), -1)
+            want = _darts_rule(u, 2, prims, alive)
+        else:
+            rows = rec[f"valid/attention/{t}/count"].nonzero()[0]
+            counts = torch.as_tensor(rec[f"attention/{t}/count"][rows[-1]]).double()
+            want = _darts_rule(counts / counts.sum(-1, keepdim=True), 2, prims, counts > 0)
+        assert list(map(tuple, getattr(result.genotype, t))) == want, (t, getattr(result.genotype, t), want)
