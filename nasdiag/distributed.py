@@ -253,6 +253,11 @@ def reduce_statistics(
         x = array.astype(np.float64)
         if rule in ("all", "any"):  # logical: as the min/max of the truth values (the min of flags 0 and -1 was -1, true)
             x = np.where(np.isnan(x), np.nan, x != 0)
+        if rule == "same" and array.dtype.kind in "iu":  # exact (float64 rounds past 2**53: 2**60 + 1 became 2**60, and
+            for key, half in _halves(array, path):  # values differing only there passed as the same)
+                mins.add(key, half)
+                maxs.add(key, half)
+            continue
         if rule in ("mean", "sum"):
             sums.add(path, x)
         elif rule == "pooled":
@@ -288,8 +293,13 @@ def reduce_statistics(
         elif rule in ("any", "max"):
             value, dtype = _nan_where(reduced_max[path], reduced_max, path), array.dtype
         elif rule == "same":
-            low, high = (_nan_where(reduced_min[path], reduced_max, path), _nan_where(reduced_max[path], reduced_max, path))
-            if not np.array_equal(low, high, equal_nan=array.dtype.kind in "fc"):
+            if array.dtype.kind in "iu":
+                low = array  # agreeing on every rank, as compared in 32-bit halves
+                agree = all(np.array_equal(reduced_min[key], reduced_max[key]) for key, _ in _halves(array, path))
+            else:
+                low, high = (_nan_where(reduced_min[path], reduced_max, path), _nan_where(reduced_max[path], reduced_max, path))
+                agree = np.array_equal(low, high, equal_nan=array.dtype.kind in "fc")
+            if not agree:
                 raise ReductionError(
                     f"{path!r} differs across ranks but its reduction rule is 'same'; pass rules={{{path!r}: 'sum'}} "
                     "(or mean/min/max) to reduce_statistics"
@@ -326,6 +336,12 @@ def _pooled_counts(arrays, plan, row_steps) -> dict[str, np.ndarray]:
                                  "count in every row of its mean")
         out[path] = count[[where[s] for s in steps]]
     return out
+
+
+def _halves(array: np.ndarray, path: str) -> list[tuple[str, np.ndarray]]:
+    """An integer array as its high and low 32 bits, each exact in float64 (the collectives' dtype)."""
+    wide = array.astype(np.int64 if array.dtype.kind == "i" else np.uint64)
+    return [(f"{path}#hi", (wide >> 32).astype(np.float64)), (f"{path}#lo", (wide & 0xFFFFFFFF).astype(np.float64))]
 
 
 def _nan_where(value: np.ndarray, reduced_max: Mapping[str, np.ndarray], path: str) -> np.ndarray:

@@ -80,6 +80,8 @@ WORKER = textwrap.dedent(
     lone = {"x/mean": np.array([1.0, 2.0]), **({"x/count": np.int64(3)} if rank == 0 else {})}
     results["lone_count"] = [attempt(lone, {"x/mean": "pooled"}), attempt(nxt)]
     results["lone_complex"] = [attempt({"z/value": np.array([1.0]) if rank == 0 else np.array([1.0 + 1j])}), attempt(nxt)]
+    # an int of no family ('same') past 2**53, the float64 of the collectives: alike on the ranks, and differing in bit 0
+    results["big_int"] = [attempt({"run/seed": np.int64(2**60 + 1)}), attempt({"run/seed": np.int64(2**60 + rank)})]
     # unequal rank batches far from 0 pooled as the docs advise, the moments named by one glob
     own = samples(rank)
     results["glob"] = attempt({"loss/mean": own.mean(0), "loss/var": own.var(0), "loss/count": np.int64(len(own))},
@@ -140,6 +142,14 @@ def test_moments_pooled_by_one_glob_equal_the_concatenated_samples(ranks):
         np.testing.assert_allclose(got["loss/mean"], both.mean(0), rtol=1e-15)
         np.testing.assert_allclose(got["loss/var"], both.var(0), rtol=1e-9)  # sd 1 at 1e3: the squares about 1e3 cancel
         assert got["loss/count"] == len(both) and got["loss/count"].dtype == np.int64
+
+
+def test_an_int_reduced_same_is_compared_and_kept_exactly_past_2_to_the_53(ranks):
+    """'same' ran through float64: 2**60 + 1 on every rank was recorded as 2**60, and 2**60 against 2**60 + 1 passed."""
+    for rank in (0, 1):
+        alike, differing = ranks[rank]["big_int"]
+        assert isinstance(alike, dict) and int(alike["run/seed"]) == 2**60 + 1, alike
+        assert differing[0] == "ReductionError" and "differs across ranks" in differing[1], differing
 
 
 def _costs_of_the_concatenated_batch(norm: str) -> dict:
