@@ -80,6 +80,7 @@ WORKER = textwrap.dedent(
     lone = {"x/mean": np.array([1.0, 2.0]), **({"x/count": np.int64(3)} if rank == 0 else {})}
     results["lone_count"] = [attempt(lone, {"x/mean": "pooled"}), attempt(nxt)]
     results["lone_complex"] = [attempt({"z/value": np.array([1.0]) if rank == 0 else np.array([1.0 + 1j])}), attempt(nxt)]
+    results["bool_sum"] = attempt({"x/mask": np.array([True, rank == 1, False])}, {"x/mask": "sum"})
     # an int of no family ('same') past 2**53, the float64 of the collectives: alike on the ranks, and differing in bit 0
     results["big_int"] = [attempt({"run/seed": np.int64(2**60 + 1)}), attempt({"run/seed": np.int64(2**60 + rank)})]
     # unequal rank batches far from 0 pooled as the docs advise, the moments named by one glob
@@ -142,6 +143,13 @@ def test_moments_pooled_by_one_glob_equal_the_concatenated_samples(ranks):
         np.testing.assert_allclose(got["loss/mean"], both.mean(0), rtol=1e-15)
         np.testing.assert_allclose(got["loss/var"], both.var(0), rtol=1e-9)  # sd 1 at 1e3: the squares about 1e3 cancel
         assert got["loss/count"] == len(both) and got["loss/count"].dtype == np.int64
+
+
+def test_a_sum_of_bools_counts_the_ranks_holding_true(ranks):
+    """rules={...: 'sum'} of a bool mask came back cast to bool: the count of ranks holding True (2) was True."""
+    for rank in (0, 1):
+        got = ranks[rank]["bool_sum"]["x/mask"]
+        assert got.tolist() == [2, 1, 0] and got.dtype.kind == "i", got
 
 
 def test_an_int_reduced_same_is_compared_and_kept_exactly_past_2_to_the_53(ranks):
