@@ -38,11 +38,11 @@ the losses are batch means; checked against autograd in tests/test_audit_ddp_rou
 - architecture and method state (α, forecasters, γ, switches, λ, sample counts): identical on every rank
   (``same``), since every rank updates them from rank-averaged costs and curvature.
 
-"The global batch" above holds where the supernet treats each sample on its own (``--norm layer``, eval-mode BatchNorm).
-Under train-mode BatchNorm (``--norm batch``, the default) every rank normalises with its own batch's statistics (there
-is no SyncBatchNorm): losses, costs, ∂L/∂w and the steps taken are the rank means over R batches of B samples each
-normalised apart, not those of one batch of R·B samples (a single process with ``--batch-size`` R·B), as in any DDP
-training.
+"The global batch" above holds where the supernet treats each sample on its own (``--norm layer`` or ``instance``,
+eval-mode BatchNorm). Under train-mode BatchNorm (``--norm batch``, the default) every rank normalises with its own
+batch's statistics (there is no SyncBatchNorm): losses, costs, ∂L/∂w and the steps taken are the rank means over R
+batches of B samples each normalised apart, not those of one batch of R·B samples (a single process with
+``--batch-size`` R·B), as in any DDP training.
 
 A loop of one's own with unequal per-rank batches must log its ``count`` next to a ``mean``/``var`` and reduce
 them ``pooled``: the ``mean`` rule weighs every rank alike. Next to a pooled ``<prefix>/mean``, ``<prefix>/count`` is

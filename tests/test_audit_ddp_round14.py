@@ -1,18 +1,26 @@
 """Audit round 14 of data parallelism: 2 gloo ranks on CPU (one launch, ``ranks``), against references built here in
-float64 (numpy's logic, autograd on the concatenated batch).
+float64 (numpy on the concatenated samples, logic on the truth values, autograd on the concatenated batch).
 
-Found: ``reduce_statistics``'s ``all``/``any`` ("logical and / or") were the min/max of the values, right for bools and
-for non-negative flags only: int flags 0 and -1 gave ``all`` = -1 (true) and ``any`` = 0 (false), floats alike. The
-docs said that a 2-rank search equals one process on the concatenated batch (the costs "the cost of the global mean
-loss") without saying that under train-mode BatchNorm (``--norm batch``, the default) each rank normalises with its
-own batch's statistics, so the losses, costs and steps are those of R separately normalised batches (checked here:
-LayerNorm equal to 1e-12, BatchNorm not).
+Found, in ``nasdiag.distributed.reduce_statistics``:
+- ``all``/``any`` ("logical and / or") were the min/max of the values: int flags 0 and -1 gave all = -1, any = 0;
+- a rank refusing its statistics alone (a pooled mean without its count, a complex value) raised before the ranks'
+  check, leaving the others in that collective, which then paired with its next reduction (a valid step refused
+  there, or reduced with another step's values);
+- ``rules={"loss/*": "pooled"}`` (the docs' advice for unequal rank batches, as one glob) refused 'loss/count' as
+  lacking 'loss/count';
+- ``same`` ran ints through float64: 2**60 + 1 came back 2**60, and ranks differing past 2**53 passed;
+- ``sum`` of a bool mask came back cast to bool (an 'any', not the number of ranks).
+In the docs: a DDP search was said to equal one process on the concatenated batch without saying that under
+train-mode BatchNorm (``--norm batch``, the default) each rank normalises with its own batch (checked here: LayerNorm
+equal to 1e-12, BatchNorm not); a resume under another world size named ``world_size``, which no option sets, without
+saying how to launch the recorded number of processes.
 
 Checked and found right (references here or in scratch, not kept where earlier rounds cover them): ProxylessNAS on 2
 ranks equals one process on the concatenated batches (weights and α after 4 steps to 1e-16, samples and counts alike:
 the one method test_search_ddp_methods.py leaves out); pooled moments with ddof=1 of unequal rank batches against
 the hand formula; a NaN on one rank under max; a user callback raising on rank 0 at the last epoch end of ``run``
-leaves rank 1 finishing, no hang.
+leaves rank 1 finishing, no hang; the vocabulary's rule of every family against its meaning (counts summed or, drawn
+alike on every rank, 'same'; nonfinite flags 'any'; no extreme averaged).
 """
 
 from __future__ import annotations
