@@ -10,7 +10,7 @@ rule in the statistics vocabulary (`nasdiag.vocabulary.reduction_rule`; paths of
 rule       result over ranks r = 1..R
 =========  ================================================================================
 mean       (1/R) sum_r x_r (equal per-rank batches: the global batch mean); ints give float64
-sum        sum_r x_r (bools give int64: the number of ranks holding True)
+sum        sum_r x_r (bools and ints give int64, unsigned ints uint64: a bool's sum counts the ranks holding True)
 pooled     ``<prefix>/mean`` and ``<prefix>/var`` next to ``<prefix>/count``: the mean and
            variance of all samples of all ranks, by `nasdiag.vocabulary.pooled_moments`
 all, any   logical and / or (ints and floats: 1 where true, 0 where false; NaN stays NaN)
@@ -286,8 +286,8 @@ def reduce_statistics(
         if rule == "mean":
             value = reduced_sum[path] / world
             dtype = array.dtype if array.dtype.kind == "f" else np.float64
-        elif rule == "sum":  # of bools: how many ranks hold True (cast back to bool, the sum was an 'any')
-            value, dtype = reduced_sum[path], np.int64 if array.dtype.kind == "b" else array.dtype
+        elif rule == "sum":  # of bools: how many ranks hold True (cast back to bool, the sum was an 'any'); of narrow
+            value, dtype = reduced_sum[path], _summed_dtype(array.dtype)  # ints: 64 bits (200 + 200 in uint8 was 144)
         elif rule in ("all", "min"):
             value, dtype = _nan_where(reduced_min[path], reduced_max, path), array.dtype
         elif rule in ("any", "max"):
@@ -336,6 +336,11 @@ def _pooled_counts(arrays, plan, row_steps) -> dict[str, np.ndarray]:
                                  "count in every row of its mean")
         out[path] = count[[where[s] for s in steps]]
     return out
+
+
+def _summed_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype of a sum over ranks: 64-bit for bools and ints (narrower ones overflowed, a bool was an 'any')."""
+    return np.dtype(np.uint64 if dtype.kind == "u" else np.int64) if dtype.kind in "biu" else dtype
 
 
 def _halves(array: np.ndarray, path: str) -> list[tuple[str, np.ndarray]]:

@@ -9,7 +9,7 @@ Found, in ``nasdiag.distributed.reduce_statistics``:
 - ``rules={"loss/*": "pooled"}`` (the docs' advice for unequal rank batches, as one glob) refused 'loss/count' as
   lacking 'loss/count';
 - ``same`` ran ints through float64: 2**60 + 1 came back 2**60, and ranks differing past 2**53 passed;
-- ``sum`` of a bool mask came back cast to bool (an 'any', not the number of ranks).
+- ``sum`` of a bool mask came back cast to bool (an 'any', not the number of ranks), of narrow ints wrapped.
 In the docs: a DDP search was said to equal one process on the concatenated batch without saying that under
 train-mode BatchNorm (``--norm batch``, the default) each rank normalises with its own batch (checked here: LayerNorm
 equal to 1e-12, BatchNorm not); a resume under another world size named ``world_size``, which no option sets, without
@@ -88,7 +88,8 @@ WORKER = textwrap.dedent(
     lone = {"x/mean": np.array([1.0, 2.0]), **({"x/count": np.int64(3)} if rank == 0 else {})}
     results["lone_count"] = [attempt(lone, {"x/mean": "pooled"}), attempt(nxt)]
     results["lone_complex"] = [attempt({"z/value": np.array([1.0]) if rank == 0 else np.array([1.0 + 1j])}), attempt(nxt)]
-    results["bool_sum"] = attempt({"x/mask": np.array([True, rank == 1, False])}, {"x/mask": "sum"})
+    results["bool_sum"] = attempt({"x/mask": np.array([True, rank == 1, False]), "x/n": np.uint8(200),
+                                   "x/m": np.int16(30000)}, {"x/*": "sum"})
     # an int of no family ('same') past 2**53, the float64 of the collectives: alike on the ranks, and differing in bit 0
     results["big_int"] = [attempt({"run/seed": np.int64(2**60 + 1)}), attempt({"run/seed": np.int64(2**60 + rank)})]
     # unequal rank batches far from 0 pooled as the docs advise, the moments named by one glob
@@ -153,11 +154,13 @@ def test_moments_pooled_by_one_glob_equal_the_concatenated_samples(ranks):
         assert got["loss/count"] == len(both) and got["loss/count"].dtype == np.int64
 
 
-def test_a_sum_of_bools_counts_the_ranks_holding_true(ranks):
-    """rules={...: 'sum'} of a bool mask came back cast to bool: the count of ranks holding True (2) was True."""
+def test_a_sum_of_bools_counts_the_ranks_holding_true_and_narrow_ints_do_not_wrap(ranks):
+    """rules={...: 'sum'} of a bool mask came back cast to bool (the count of ranks holding True, 2, was True), and a
+    sum of narrow ints in their dtype (uint8 200 + 200 was 144, int16 30000 + 30000 was -5536)."""
     for rank in (0, 1):
-        got = ranks[rank]["bool_sum"]["x/mask"]
-        assert got.tolist() == [2, 1, 0] and got.dtype.kind == "i", got
+        got = ranks[rank]["bool_sum"]
+        assert got["x/mask"].tolist() == [2, 1, 0] and got["x/mask"].dtype.kind == "i", got
+        assert int(got["x/n"]) == 400 and int(got["x/m"]) == 60000, got
 
 
 def test_an_int_reduced_same_is_compared_and_kept_exactly_past_2_to_the_53(ranks):
