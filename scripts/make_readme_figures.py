@@ -17,7 +17,7 @@ import os
 import sys
 import time
 from nasdiag.errors import run_script
-from script_args import Parser, UsageError, at_least, dpi, threads as thread_count
+from script_args import Parser, UsageError, at_least, dpi, refuse_other_records, threads as thread_count
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
@@ -55,6 +55,8 @@ def main(argv=None):
     missing = [path for path in records.values() if args.plot_only and not os.path.exists(path)]
     if missing:  # before the folder is made: the refusal left an empty --out folder
         raise UsageError(f"no record at {missing[0]}; run without --plot-only first")
+    if not args.plot_only:
+        refuse_other_records(records.values(), "darts", "--runs")
     os.makedirs(args.out, exist_ok=True)  # before the runs: an unwritable folder fails at once, not after them
     if not args.plot_only:
         from nasdiag.search import SearchConfig, run

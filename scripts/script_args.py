@@ -289,3 +289,24 @@ def device(text: str) -> str:
     if kind != "cpu" and text not in available:
         raise argparse.ArgumentTypeError(f"{text!r} is not available on this machine; use one of {', '.join(available)}")
     return text
+
+
+def refuse_other_records(paths, method: str, option: str = "--out") -> None:
+    """Refuse in one line, before any work, a record path of the script that holds anything but a record the script
+    wrote (``meta['method']`` is ``method``): the scripts write their records replacing what is there (``overwrite``,
+    ``force``), which deleted a search's ``record.h5`` (every segment of it) or any file of that name without a word."""
+    import os
+
+    from nasdiag.record import load_meta
+
+    for path in paths:
+        if not os.path.lexists(path):
+            continue
+        try:
+            found = load_meta(path).get("method")
+        except (NasdiagError, OSError):
+            found = None
+        if found != method:
+            what = f"a record of {found}" if found else "no nasdiag record"
+            raise UsageError(f"{path} holds {what}, not a record of this script (method {method}), and the run would "
+                             f"replace it; give another {option}, or move it away")

@@ -26,7 +26,7 @@ import os
 import sys
 import time
 from nasdiag.errors import run_script
-from script_args import Parser, UsageError, at_least, channels, seed as seed_number
+from script_args import Parser, UsageError, at_least, channels, refuse_other_records, seed as seed_number
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
@@ -67,6 +67,8 @@ def main(argv=None):
 
         SearchConfig(dataset=args.dataset, data_dir=args.data_dir, epochs=args.epochs, layers=args.layers, C=args.C,
                      seed=args.seed).validate()
+        for method in methods:  # each one's own method: a record of another is the user's, not this script's
+            refuse_other_records([os.path.join(args.out, method, "record.h5")], method)
     for method in methods:
         folder = os.path.join(args.out, method)
         record = os.path.join(folder, "record.h5")

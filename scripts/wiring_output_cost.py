@@ -40,7 +40,7 @@ import torch
 
 import wiring_common as W
 from nasdiag.errors import run_script
-from script_args import Parser, UsageError, at_least, channels, seed as seed_number
+from script_args import Parser, UsageError, at_least, channels, refuse_other_records, seed as seed_number
 
 QUANTITIES = {"loss": "L_θ (cross-entropy)", "entropy": "H_θ (output entropy)", "cz": "C_Z (output-edge cost)"}
 SPLITS = {"train": "search-train set (θ's data)", "search": "search set (held out from θ)"}
@@ -166,6 +166,7 @@ def main(argv=None):
     warnings.filterwarnings("ignore", message="probe: some candidate ops did not run", category=RuntimeWarning)
     record = os.path.join(args.out, "record.h5")
     if not args.plot_only:
+        refuse_other_records([record], W.FixedArchitecture.name)
         splits = W.load_splits(args.dataset, args.data_dir, args.seed, args.batch_size)  # first: a refused --data-dir left an empty folder
         # Theorem 2 needs the classifier without bias, after global average pooling of the last cell
         net = W.make_network("minimal", 1, splits.num_classes, splits.in_channels, C=args.C, reductions=(),

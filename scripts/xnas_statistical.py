@@ -28,7 +28,9 @@ import time
 
 import numpy as np
 from nasdiag.errors import run_script
-from script_args import Parser, UsageError, at_least, number, numbers, seed as seed_number, threads as thread_count
+from script_args import (
+    Parser, UsageError, at_least, number, numbers, refuse_other_records, seed as seed_number, threads as thread_count,
+)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
@@ -266,6 +268,7 @@ def main(argv=None):
     args = parse_args(argv)
     record_path = os.path.join(args.out, "record.h5")
     if not args.plot_only:
+        refuse_other_records([record_path], "xnas_statistical")
         os.makedirs(args.out, exist_ok=True)  # not for --plot-only: its refusal left an empty folder
         run_experiment(args, record_path)
     from nasdiag.record import load, load_meta

@@ -34,7 +34,7 @@ import time
 
 import numpy as np
 from nasdiag.errors import NasdiagError, run_script
-from script_args import Parser, number
+from script_args import Parser, number, refuse_other_records
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
@@ -235,6 +235,7 @@ def main(argv=None):
     args = parse_args(argv)
     record = os.path.join(args.out, "record.h5")
     if not args.plot_only:
+        refuse_other_records([record], "xnas_toys")
         os.makedirs(args.out, exist_ok=True)  # not for --plot-only: its refusal left an empty folder
         start = time.perf_counter()
         write_record(record, args.lr)

@@ -52,3 +52,49 @@ def test_observing_more_batches_than_the_split_holds_is_one_line_not_a_silent_ca
     assert code == 2 and len(err) == 1, err
     assert "--observe-batches 12" in err[0] and "11 batches of 64" in err[0], err
     assert not out.exists()
+
+
+def _record_of(path, method):
+    from nasdiag.record import Recorder
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with Recorder(str(path), meta={"method": method}) as rec:
+        rec.log(0, {"scalars/loss": np.float32(1.0)})
+
+
+@pytest.mark.parametrize("script,argv,where,own", [
+    ("xnas_toys", [], "record.h5", "xnas_toys"),
+    ("xnas_statistical", ["--runs", "2", "--steps", "2", "--n-grid", "2,4", "--sigma-grid", "1", "--lr-multipliers", ""],
+     "record.h5", "xnas_statistical"),
+    ("wiring_output_cost", ["--epochs", "1"], "record.h5", "fixed_architecture"),
+    ("wiring_cost_heatmaps", ["--configs", "minimal1,minimal8", "--epochs", "1"], "minimal8/record.h5", "fixed_architecture"),
+    ("wiring_evolution", ["--methods", "darts", "--epochs", "1"], "darts/record.h5", "darts"),
+])
+@pytest.mark.parametrize("other", ["a search's record", "a file of the user's"])
+def test_a_script_replaces_no_record_but_its_own(script, argv, where, own, other, tmp_path, capsys):
+    """The scripts write ``<out>/record.h5`` (``<out>/<config>/record.h5``) with ``overwrite=True`` (``force``): a
+    user's own file of that name in the folder, a search's record and every segment of it, was deleted without a word
+    and replaced by the script's. Refused in one line before any work (every config's record before the first run);
+    a record the script wrote itself is still replaced (the rerun test below)."""
+    target = tmp_path / "out" / where
+    if other == "a search's record":
+        _record_of(target, "snas" if own != "snas" else "darts")
+    else:
+        target.parent.mkdir(parents=True)
+        target.write_text("my notes\n")
+    code, err = _script(script, ["--out", str(tmp_path / "out"), *argv], tmp_path, capsys)
+    assert code == 2 and len(err) == 1, err
+    assert str(target) in err[0] and "give another --out" in err[0], err
+
+
+def test_a_script_rerun_replaces_its_own_record(tmp_path, capsys):
+    """The refusal above keeps a rerun into the same folder working: the script's own record is replaced."""
+    import importlib
+
+    from nasdiag.errors import run_script
+    from nasdiag.record import load_meta
+
+    target = tmp_path / "record.h5"
+    _record_of(target, "xnas_toys")
+    assert run_script("xnas_toys", importlib.import_module("xnas_toys").main, ["--out", str(tmp_path)]) == 0, capsys.readouterr()
+    assert "lr" in load_meta(str(target))["config"]
