@@ -203,8 +203,8 @@ def reduce_statistics(
     """Reduce ``statistics`` over the ranks of ``group``; every rank must call it with the same paths.
 
     ``statistics`` maps record paths to Python scalars, numpy arrays or tensors. Returns numpy arrays
-    of the input shapes and dtypes (``mean`` of ints gives float64) on every rank. ``ddof`` is the
-    convention of the ``var`` paths being pooled (0: population variance, 1: unbiased). ``rows``: the
+    of the input shapes and dtypes (``mean`` of ints gives float64, ``sum`` of bools and ints 64-bit ints) on every
+    rank. ``ddof`` is the convention of the ``var`` paths being pooled (0: population variance, 1: unbiased). ``rows``: the
     first axis of every value is a row (a batch of recorded steps, reduced elementwise); a ``count``
     with fewer axes than its ``mean`` then lines up with the leading axes. ``row_steps`` (with ``rows``; every
     path): the step of each row of the path, where a batch's paths are not all logged at the same steps; the ranks
