@@ -65,7 +65,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from nasdiag.arrays import to_numpy
-from nasdiag.errors import NasdiagError
+from nasdiag.errors import ConfigError, NasdiagError
 from nasdiag.vocabulary import RULES, pooled_moments, reduction_rule
 
 
@@ -98,7 +98,12 @@ def rank(group=None) -> int:
     dist = _dist(group)
     if dist:
         return dist.get_rank(group)
-    return int(os.environ.get("RANK", "").strip() or 0)  # set but empty: unset (int('') was a traceback)
+    text = os.environ.get("RANK", "").strip()
+    try:
+        return int(text or 0)  # set but empty: unset (int('') was a traceback)
+    except ValueError:  # int()'s traceback from inside the caller (a RecorderCallback)
+        raise ConfigError(f"environment variable RANK={text!r} is not a process rank (an integer, as a launcher sets it); "
+                          "unset it for a single process") from None
 
 
 def is_writer(group=None) -> bool:

@@ -13,7 +13,8 @@ Found, in ``nasdiag.distributed.reduce_statistics``:
 In the docs: a DDP search was said to equal one process on the concatenated batch without saying that under
 train-mode BatchNorm (``--norm batch``, the default) each rank normalises with its own batch (checked here: LayerNorm
 equal to 1e-12, BatchNorm not); a resume under another world size named ``world_size``, which no option sets, without
-saying how to launch the recorded number of processes.
+saying how to launch the recorded number of processes; a RecorderCallback of a process whose RANK is no integer was
+int()'s traceback.
 
 Checked and found right (references here or in scratch, not kept where earlier rounds cover them): ProxylessNAS on 2
 ranks equals one process on the concatenated batches (weights and α after 4 steps to 1e-16, samples and counts alike:
@@ -222,3 +223,14 @@ def test_a_resume_under_another_world_size_says_how_to_launch_the_recorded_one(t
     torch.save(state, config.checkpoint)
     with pytest.raises(ConfigError, match=r"world_size=1 \(recorded 2\).*torchrun --nproc_per_node=2 -m nasdiag search"):
         run(resume)
+
+
+def test_a_rank_variable_that_is_no_integer_is_one_line_before_any_file(tmp_path, monkeypatch):
+    """A RecorderCallback of a process whose RANK is not an integer was int()'s ValueError traceback."""
+    from nasdiag.errors import ConfigError
+    from nasdiag.record import RecorderCallback
+
+    monkeypatch.setenv("RANK", "first")
+    with pytest.raises(ConfigError, match=r"^environment variable RANK='first' is not a process rank .*unset it"):
+        RecorderCallback(tmp_path / "run.h5")
+    assert list(tmp_path.iterdir()) == []
