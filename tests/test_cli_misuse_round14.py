@@ -49,3 +49,24 @@ def test_a_figure_given_by_its_file_name_names_that_figure(given, meant, rec, tm
     mean 'cost_std'?": another figure than the file's. The near miss is the figure that draws the file."""
     refused(["plot", str(rec), "--out", str(tmp_path / "figs"), "--no-progress", "--figures", given], tmp_path,
             f"(did you mean {meant!r} for {given!r}?)", capsys)
+
+
+def test_a_report_of_figures_the_record_has_none_of_is_refused(rec, tmp_path, capsys):
+    """``nasdiag report RUN.h5 --out r.html --figures bayes`` of a run without BayesNAS rows wrote a page without a
+    figure (exit 0), where ``nasdiag plot --figures bayes`` refuses: one line, no page, no folder."""
+    refused(["report", str(rec), "--out", str(tmp_path / "new" / "r.html"), "--figures", "bayes"], tmp_path,
+            "holds nothing that --figures bayes draws", capsys)
+
+
+def test_a_report_without_the_genotype_figure_does_not_say_the_run_has_no_architecture(rec, tmp_path, capsys):
+    """``report --figures scalars`` said under "Genotype": "No architecture rows to derive a genotype from." of a
+    record that has them (its key numbers give the genotype): the section is left out when the genotype is."""
+    import h5py
+
+    with h5py.File(rec, "r") as f:  # the fixture's record has architecture rows: a genotype can be derived
+        assert "arch" in f
+    page = tmp_path / "r.html"
+    assert main(["report", str(rec), "--out", str(page), "--figures", "scalars", "--dpi", "20"]) == 0
+    assert "No architecture rows" not in page.read_text()
+    assert main(["report", str(rec), "--out", str(page), "--figures", "scalars,genotype", "--dpi", "20"]) == 0
+    assert "<h2>Genotype</h2><figure" in page.read_text()

@@ -624,6 +624,15 @@ def run_report(args) -> int:
     refuse_other_format(args.out, "report")
     refuse_empty_records([args.record])
     refuse_segment(args.record)
+    if figures is not None:  # --figures bayes of a DARTS run wrote a page of no figure, exit 0 (plot refuses it)
+        from nasdiag.plot.registry import refuse_checkpoint
+        from nasdiag.plot.report import check_report_out
+
+        check_report_out(args.record, args.out, args.force)
+        refuse_checkpoint(args.record)
+        record = _load(args.record)
+        if len(record["step"]):
+            _refuse_nothing_to_draw(record, args.record, args.figures)
     path = _as_not_a_record(args.record, write_report, args.record, args.out, figures, args.dpi, args.force)
     print(f"report: {path}")
     return 0

@@ -28,7 +28,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from nasdiag.plot.registry import (
-    NothingToDraw, PlotError, iter_figures, malformed_lines, refuse_checkpoint, without_malformed,
+    NothingToDraw, PlotError, iter_figures, malformed_lines, refuse_checkpoint, select, without_malformed,
 )
 
 #: section titles of the record groups, in page order (groups not listed follow in registry order)
@@ -290,9 +290,17 @@ def build_report(record_path, figures: Optional[Sequence[str]] = None, dpi: int 
         f"<p>{html.escape(str(meta.get('method', '?')))} run, generated {time.strftime('%Y-%m-%d %H:%M:%S %Z')} "
         f"from {len(steps)} committed rows.</p>{_live_note(record_path)}"
         f"<h2>Run</h2>{_table(run_rows)}<h2>Key numbers</h2>{_table(key_rows)}"
-        f"<h2>Genotype</h2>{''.join(genotype_html) or '<p>No architecture rows to derive a genotype from.</p>'}"
+        f"{_genotype_section(genotype_html, figures)}"
         f"{sections}{skipped_html}</body></html>"
     )
+
+
+def _genotype_section(blocks: List[str], figures: Optional[Sequence[str]]) -> str:
+    """The page's genotype section; none when ``figures`` leave the genotype out (``--figures scalars`` said "No
+    architecture rows to derive a genotype from." of a record that has them)."""
+    if not blocks and figures is not None and "genotype" not in {s.name for s in select(figures)}:
+        return ""
+    return f"<h2>Genotype</h2>{''.join(blocks) or '<p>No architecture rows to derive a genotype from.</p>'}"
 
 
 def is_previous_report(path: Path) -> bool:
