@@ -341,7 +341,7 @@ def test_bayesnas_four_steps_with_two_updates_follow_algorithm_2_transcribed():
         if step and step % per_epoch == 0:
             method.epoch_end(epoch - 1)
         lr = _cosine(h.w_lr, h.w_lr_min, epoch, epochs)
-        Z = {t: torch.where(alive[t], wv[t], 0.0) for t in aleph}
+        Z = Z_step = {t: torch.where(alive[t], wv[t], 0.0) for t in aleph}
 
         def on_path(name):
             parts = name.split(".")
@@ -400,7 +400,7 @@ def test_bayesnas_four_steps_with_two_updates_follow_algorithm_2_transcribed():
             torch.testing.assert_close(method.network.alphas()[t].detach(), wv[t], rtol=1e-9, atol=1e-12)
             share = gamma[t] * alive[t]  # each alive op's share of its edge's prior variance
             torch.testing.assert_close(stats[f"arch/{t}/probabilities"], share / share.sum(-1, keepdim=True), rtol=1e-8, atol=1e-14)
-            torch.testing.assert_close(stats[f"arch/{t}/weights"], torch.where(alive[t], wv[t], 0.0), rtol=1e-9, atol=1e-12)
+            torch.testing.assert_close(stats[f"arch/{t}/weights"], Z_step[t], rtol=1e-9, atol=1e-12)  # its forward's Z
             assert torch.equal(stats[f"bayes/{t}/switch"].cpu(), alive[t]), (step, t)
             every = torch.ones_like(alive[t])  # C, ω and H only where alive: a pruned op's are left as they were
             for key, want, on in (("gamma", gamma[t], every), ("prior_variance", s[t], every), ("covariance", cov[t], alive[t]),
@@ -571,7 +571,7 @@ def test_asmnas_one_step_and_selection_follow_eq_4_2_to_4_5_transcribed():
     h = cls.Hyperparameters()
     method = cls(_net(10), h, schedule=Schedule(epochs=2, steps_per_epoch=1, batch_size=4))
     ref = copy.deepcopy(method.network)
-    taps = []
+    taps, costs = [], {}
 
     def check(module, args, out):
         x, weights = args[0], args[1] if len(args) > 1 else None
@@ -586,6 +586,9 @@ def test_asmnas_one_step_and_selection_follow_eq_4_2_to_4_5_transcribed():
         a = torch.softmax(z, -1)
         torch.testing.assert_close(out, sum(a[:, k, None, None, None] * y for k, y in enumerate(ys)), rtol=1e-12, atol=1e-14)
         taps.append(a.detach())
+        if out.requires_grad:  # C = ∂L/∂a per sample = <∂L/∂(edge output), y^k> (wiring supplement §2)
+            out.register_hook(lambda g, ys=[y.detach() for y in ys], n=len(taps) - 1: costs.__setitem__(
+                n, torch.stack([(g * y).flatten(1).sum(1) for y in ys], -1)))  # keyed by the forward's edge order
 
     hooks = [m.register_forward_hook(check) for m in ref.modules() if isinstance(m, AttentionMixedOp)]
     assert len(hooks) == len(ref.cells) * ref.num_edges
@@ -604,9 +607,15 @@ def test_asmnas_one_step_and_selection_follow_eq_4_2_to_4_5_transcribed():
         torch.testing.assert_close(p.detach(), w_, rtol=1e-10, atol=1e-13)
     types = [c.cell_type for c in ref.cells]
     per_cell = [torch.stack(taps[i * ref.num_edges:(i + 1) * ref.num_edges]) for i in range(len(ref.cells))]  # (E, B, K)
+    assert sorted(costs) == list(range(len(ref.cells) * ref.num_edges))
+    by_edge = {(n // ref.num_edges, n % ref.num_edges): c for n, c in costs.items()}  # cells, then edges, in order
+    diag = method.diagnostics()
     for t in set(types):
         mean = torch.stack([a for a, c in zip(per_cell, types) if c == t]).mean(dim=(0, 2))
         torch.testing.assert_close(stats[f"attention/{t}/mean"], mean, rtol=1e-12, atol=1e-14)
+        cells = [i for i, c in enumerate(types) if c == t]  # the batch cost of each cell, one observation per cell
+        obs = torch.stack([torch.stack([by_edge[(i, e)].sum(0) for e in range(ref.num_edges)]) for i in cells])
+        torch.testing.assert_close(diag[f"cost/{t}/mean"], obs.mean(0), rtol=1e-9, atol=1e-15)
     # selection: the copy takes the same step by hand, then both count argmaxes over the same two batches
     with torch.no_grad():
         for p, w_ in zip(params, want):
@@ -666,3 +675,17 @@ def test_the_run_objects_genotype_is_the_rule_applied_to_the_records_last_row(na
             counts = torch.as_tensor(rec[f"attention/{t}/count"][rows[-1]]).double()
             want = _darts_rule(counts / counts.sum(-1, keepdim=True), 2, prims, counts > 0)
         assert list(map(tuple, getattr(result.genotype, t))) == want, (t, getattr(result.genotype, t), want)
+
+
+def test_bayesnas_records_the_mixing_weights_its_step_forward_used():
+    """arch/<cell>/weights is "the mixing weights Z the step's forward used" (docs/schema.md): for BayesNAS the Z of the
+    likelihood step's forward, w(0) = 1 at the first step. It recorded the Z after the step (w after its SGD step, and
+    0 for the ops an update had just pruned), which no forward used (a 0.05-sized difference after one step here)."""
+    cls = get_method("bayesnas")
+    method = cls(_net(11, prims=cls.primitives), cls.Hyperparameters(),
+                 schedule=Schedule(epochs=1, steps_per_epoch=2, batch_size=4))
+    for x, y in _batches(2, 71):
+        used = {t: torch.where(method.alive[t], a.detach(), 0.0) for t, a in method.network.alphas().items()}
+        stats = method.step((x, y), (x, y))
+        for t, z in used.items():
+            assert torch.equal(stats[f"arch/{t}/weights"], z), (t, (stats[f"arch/{t}/weights"] - z).abs().max())

@@ -487,8 +487,10 @@ def _families_agree(method, rec, hp):
             assert rec[f"regret/{t}/rewards"].shape[1] == cells
     elif method == "bayesnas":
         for t in TYPES:
-            s = rec[f"bayes/{t}/switch"]
-            np.testing.assert_array_equal(rec[f"arch/{t}/weights"], np.where(s, rec[f"arch/{t}/params"], 0))
+            s, w = rec[f"bayes/{t}/switch"], rec[f"arch/{t}/params"]
+            # the Z of the step's forward: w(0) = 1 at the first step, then the previous step's w on its switched-on ops
+            used = np.concatenate([np.ones_like(w[:1]), np.where(s[:-1], w[:-1], 0)])
+            np.testing.assert_array_equal(rec[f"arch/{t}/weights"], used)
     elif method == "asmnas":
         for t in TYPES:
             counts = rec[f"attention/{t}/count"][last]
@@ -503,8 +505,9 @@ def _families_agree(method, rec, hp):
 def test_the_families_of_a_run_agree_with_one_another_as_their_meanings_say(method, tmp_path, monkeypatch):
     """SparseNAS: ``nonzero`` = A ≠ 0, ``weights`` = A, ``probabilities`` = |A| normalised, λ of epoch 0. XNAS:
     ``probabilities`` = the EG weights v normalised over the alive experts, ``alive`` = never wiped out so far,
-    one reward round per cell. BayesNAS: ``weights`` = w on switched-on ops, 0 elsewhere. ASM-NAS: the epoch's
-    ``attention/count`` holds one argmax per val sample, edge and cell; ``weights`` = ``attention/mean``."""
+    one reward round per cell. BayesNAS: ``weights`` = the Z of the step's forward, the w before the step on
+    switched-on ops, 0 elsewhere. ASM-NAS: the epoch's ``attention/count`` holds one argmax per val sample, edge and
+    cell; ``weights`` = ``attention/mean``."""
     _small_digits(monkeypatch)
     _, res, rec = _run(tmp_path, method, diagnostics=("cost",))
     _check_vocabulary(rec)

@@ -87,8 +87,9 @@ class BayesNAS(SearchMethod):
     """BayesNAS: reweighted-ℓ1 training of the mixing weights, sparse-Bayesian switches, entropy pruning.
 
     Each :meth:`step` returns ``scalars/{train_loss,train_acc,w_lr}``, ``arch/<cell>/{params,probabilities,weights}``
-    and, every step (the values of the last update), ``bayes/<cell>/{gamma,omega,prior_variance,covariance,
-    curvature,switch}`` and ``bayes/updated``; on update steps also ``hessian/<cell>/nonfinite``.
+    (``params`` and ``probabilities`` after the step, ``weights`` the Z its likelihood forward used) and, every step
+    (the values of the last update), ``bayes/<cell>/{gamma,omega,prior_variance,covariance,curvature,switch}`` and
+    ``bayes/updated``; on update steps also ``hessian/<cell>/nonfinite``.
     """
 
     single_level = True
@@ -297,6 +298,7 @@ class BayesNAS(SearchMethod):
 
     def step(self, train_batch: Batch, val_batch: Batch) -> Dict[str, torch.Tensor]:
         stats = {"scalars/w_lr": self.scalar_statistic(self.w_optimizer.param_groups[0]["lr"])}
+        used = self.forward_weights()  # arch/<cell>/weights: the Z of this step's forward, not the w after it
         with failing_row(stats):
             stats.update(self.likelihood_step(*train_batch))
         updated = self.update_due()
@@ -305,7 +307,7 @@ class BayesNAS(SearchMethod):
         self.steps_done += 1
         stats[V.BAYES_UPDATED.path()] = torch.tensor(updated)
         stats.update(self.bayes_statistics())
-        stats.update(self.arch_statistics(self.forward_weights()))
+        stats.update(self.arch_statistics(used))
         return stats
 
     def epoch_end(self, epoch: int) -> None:
