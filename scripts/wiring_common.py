@@ -195,6 +195,15 @@ def train_fixed(net, splits, record_path: str, config: Dict, epochs: int, batch_
 def draw_cost_heatmaps(record_path: str, out: str, fmt: str) -> list:
     """The cost-mean heatmaps of a record at initialization and near θ's convergence (first and last
     cost rows), drawn by nasdiag's figure registry."""
+    return draw_figures(record_path, out, fmt, ["cost"], "init,final")
+
+
+def draw_figures(record_path: str, out: str, fmt: str, figures, at=None) -> list:
+    """`nasdiag.plot.write_figures`, with a line on stderr for each figure it skipped, as ``nasdiag plot`` says: a
+    heatmap whose row is NaN in every cell (a diverged run) was left out without a word, the script exiting 0."""
     from nasdiag.plot import write_figures
 
-    return list(write_figures(record_path, out, fmt=fmt, figures=["cost"], at="init,final"))
+    written = write_figures(record_path, out, fmt=fmt, figures=figures, at=at)
+    for line in written.skipped:
+        print(f"skipped {line}", file=sys.stderr)
+    return list(written)

@@ -25,6 +25,8 @@ from __future__ import annotations
 import os
 import sys
 import time
+
+import wiring_common as W
 from nasdiag.errors import run_script
 from script_args import Parser, UsageError, at_least, channels, refuse_other_records, seed as seed_number
 
@@ -49,8 +51,6 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    from nasdiag.plot import write_figures
-
     args = parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if not methods:
@@ -83,7 +83,7 @@ def main(argv=None):
             print(f"{method}: {record} ({time.perf_counter() - start:.0f} s)")
         elif not os.path.exists(record):
             raise UsageError(f"no record at {record}; run without --plot-only first")
-        for path in write_figures(record, folder, fmt=args.format, figures=FIGURES):
+        for path in W.draw_figures(record, folder, args.format, FIGURES):
             print(path)
 
 

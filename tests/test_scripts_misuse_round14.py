@@ -98,3 +98,24 @@ def test_a_script_rerun_replaces_its_own_record(tmp_path, capsys):
     _record_of(target, "xnas_toys")
     assert run_script("xnas_toys", importlib.import_module("xnas_toys").main, ["--out", str(tmp_path)]) == 0, capsys.readouterr()
     assert "lr" in load_meta(str(target))["config"]
+
+
+def test_a_heatmap_the_script_cannot_draw_is_said_not_silently_left_out(tmp_path, capsys):
+    """``wiring_cost_heatmaps.py --plot-only`` of a record whose cost at initialization is NaN in every cell (a run
+    whose loss diverged there) drew the final heatmap only and exited 0 without a word of the missing one: the
+    registry's skipped lines were dropped. One line on stderr names it, as ``nasdiag plot`` does."""
+    import importlib
+
+    from nasdiag.errors import run_script
+    from nasdiag.record import Recorder
+
+    edges, ops = ["0->2", "1->2", "0->3", "1->3", "2->3"], ["none", "skip_connect"]
+    meta = {"method": "fixed_architecture", "op_names": ops, "edge_names": {"normal": edges}, "cell_types": ["normal"]}
+    with Recorder(str(tmp_path / "minimal1" / "record.h5"), meta=meta) as rec:
+        rec.log(0, {"cost/normal/mean": np.full((5, 2), np.nan, np.float32), "scalars/epoch": np.float32(-1)})
+        rec.log(3, {"cost/normal/mean": np.ones((5, 2), np.float32), "scalars/epoch": np.float32(0)})
+    argv = ["--out", str(tmp_path), "--configs", "minimal1", "--plot-only"]
+    assert run_script("wiring_cost_heatmaps", importlib.import_module("wiring_cost_heatmaps").main, argv) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("skipped cost_normal_heatmap_init") and "NaN" in err[0], err
+    assert sorted(p.name for p in (tmp_path / "minimal1").glob("*.png")) == ["cost_normal_heatmap_final.png"]
