@@ -70,3 +70,18 @@ def test_a_report_without_the_genotype_figure_does_not_say_the_run_has_no_archit
     assert "No architecture rows" not in page.read_text()
     assert main(["report", str(rec), "--out", str(page), "--figures", "scalars,genotype", "--dpi", "20"]) == 0
     assert "<h2>Genotype</h2><figure" in page.read_text()
+
+
+def test_plot_of_several_records_into_a_log_writes_each_skipped_record_on_a_line_of_its_own(rec, tmp_path, capsys):
+    """``nasdiag plot a.h5 b.h5 missing.h5 --out figs 2> log``: the bar over records wrote its states (block
+    characters, carriage returns) into the log ahead of "nasdiag: skipped missing.h5: ..." on the same line (round 12
+    kept search's bar out of logs); off a terminal there is no bar, each line is itself."""
+    import shutil
+
+    other = shutil.copy(rec, tmp_path / "other.h5")
+    code = main(["plot", str(rec), str(other), str(tmp_path / "missing.h5"), "--out", str(tmp_path / "figs"),
+                 "--figures", "scalars", "--dpi", "20"])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert "\r" not in err and err.splitlines() == [line for line in err.splitlines() if line.startswith("nasdiag: ")], err
+    assert len(err.splitlines()) == 1 and "missing.h5" in err, err

@@ -49,7 +49,7 @@ def add_plot_arguments(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--at", default=None, metavar="ROWS",
                    help="rows of the heatmaps: comma-separated init, final or step numbers (default: final)")
     p.add_argument("--dpi", type=positive_dpi, default=150, help=f"resolution of png figures, {MIN_DPI} to {MAX_DPI} (default 150)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar over records")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar over records (there is none off a terminal)")
     p.set_defaults(handler=run_plot)
     return p
 
@@ -569,7 +569,11 @@ def run_plot(args) -> int:
     loaded, failed = {}, []
     created = _missing_folders(out)
     _make_folder(out, created)
-    bar = tqdm(records, unit="record", disable=args.no_progress, file=sys.stderr, dynamic_ncols=True)
+    try:  # into a log (2> log) the bar's states in block characters and carriage returns ran ahead of each line
+        terminal = sys.stderr.isatty()  # on the line of a skipped record: none off a terminal, as the lines say it all
+    except (AttributeError, ValueError):
+        terminal = False
+    bar = tqdm(records, unit="record", disable=args.no_progress or not terminal, file=sys.stderr, dynamic_ncols=True)
     for record_path in bar:
         bar.set_postfix_str(Path(record_path).name, refresh=False)
         try:
