@@ -26,8 +26,8 @@ batched call on a tape, from which :mod:`nasdiag.supernet.engine.curvature` runs
 recursion on the same batched calls.
 
 The engine applies to supernets built of those op structures (the DARTS primitives, order
-``relu-conv-bn``, BatchNorm), in training mode, with (E, K) mixing weights shared by the batch, no
-active-ops mask, no hooks on the cells' modules and no ``torch.func`` transform running: anything else
+``relu-conv-bn``, BatchNorm), in training mode (every module of the cells too), with (E, K) mixing weights
+shared by the batch, no active-ops mask, no hooks on the cells' modules and no ``torch.func`` transform running: anything else
 runs on the eager modules (:func:`fast_forward` returns None and says why).
 """
 
@@ -750,9 +750,24 @@ def why_not_fast(net: nn.Module, x: torch.Tensor, per_cell: Sequence[torch.Tenso
         return str(exc)
     if _cell_modules_hooked(net):
         return "hooks are registered on the cells' modules (a probe or a Hessian rule)"
+    eval_module = _cell_module_in_eval(net)
+    if eval_module is not None:
+        return (f"the supernet is in train mode but its module {eval_module} is in eval mode (a BatchNorm there "
+                "normalizes with its running statistics)")
     if _running_statistics_off(net):
         return "BatchNorm running statistics are off (track_running_stats=False or momentum=None after the plan was built)"
     return None
+
+
+def _cell_module_in_eval(net: nn.Module) -> Optional[str]:
+    # The batched calls normalize every edge by the batch's statistics and update every running statistic, as in
+    # training; a cell module switched to eval on its own (frozen BatchNorms, ``net.cells[k].eval()``) normalizes
+    # with its running statistics in the eager forward, which the batched path silently did not (other costs).
+    mods = net.__dict__["_fast_plans"][2]
+    if all(m.training for m in mods):
+        return None
+    names = {id(m): n for n, m in net.named_modules()}
+    return next(names.get(id(m), type(m).__name__) for m in mods if not m.training)
 
 
 def _running_statistics_off(net: nn.Module) -> bool:
@@ -783,7 +798,8 @@ def fast_forward(net: nn.Module, x: torch.Tensor, per_cell: Sequence[torch.Tenso
     return net.classifier(net.global_pooling(s1).flatten(1))
 
 
-_QUIET_UNDER_AUTO = ("hooks are registered", "the supernet is in eval mode", "a torch.func transform",
+_QUIET_UNDER_AUTO = ("hooks are registered", "the supernet is in eval mode", "the supernet is in train mode but",
+                     "a torch.func transform",
                      "BatchNorm running statistics are off")
 
 
