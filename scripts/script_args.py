@@ -310,3 +310,23 @@ def refuse_other_records(paths, method: str, option: str = "--out") -> None:
             what = f"a record of {found}" if found else "no nasdiag record"
             raise UsageError(f"{path} holds {what}, not a record of this script (method {method}), and the run would "
                              f"replace it; give another {option}, or move it away")
+
+
+def refuse_other_figures(folder: str, names, fmt: str, option: str = "--out") -> None:
+    """Refuse in one line, before any work, an output folder holding a file of one of the script's figure ``names``
+    (``fig3``, ...; None: the figures of nasdiag's registry) that nasdiag did not draw: the script replaced the user's
+    own ``fig3.png`` without a word (``nasdiag plot`` and ``search`` refuse it since round 12)."""
+    import os
+
+    from nasdiag.plot.commands import foreign_figures
+    from nasdiag.plot.registry import is_nasdiag_figure
+
+    if names is None:
+        foreign = [str(p) for p in foreign_figures(folder, fmt)]
+    else:
+        foreign = [p for p in (os.path.join(folder, f"{name}.{fmt}") for name in names)
+                   if os.path.lexists(p) and not is_nasdiag_figure(p)]
+    if foreign:
+        shown = ", ".join(os.path.basename(p) for p in foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise UsageError(f"{option} {folder} holds {shown}, named as a figure of this script but not drawn by nasdiag, which "
+                         f"drawing would replace; move {'it' if len(foreign) == 1 else 'them'} away or give another {option}")

@@ -31,7 +31,10 @@ import sys
 
 import wiring_common as W
 from nasdiag.errors import run_script
-from script_args import Parser, UsageError, at_least, channels, refuse_other_records, seed as seed_number
+from script_args import (
+    Parser, UsageError, at_least, channels, refuse_other_figures,
+    refuse_other_records, seed as seed_number,
+)
 
 CONFIGS = {"minimal1": ("minimal", 1), "minimal8": ("minimal", 8), "darts8": ("darts", 8)}
 
@@ -61,6 +64,8 @@ def main(argv=None):
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         raise UsageError(f"unknown configuration(s) {unknown}; choose from {', '.join(CONFIGS)}")
+    for name in configs:  # the heatmaps' folders, also for --plot-only
+        refuse_other_figures(os.path.join(args.out, name), None, args.format)
     if not args.plot_only:  # every record before the first run, not after it
         refuse_other_records([os.path.join(args.out, name, "record.h5") for name in configs], W.FixedArchitecture.name)
     splits = None if args.plot_only else W.load_splits(args.dataset, args.data_dir, args.seed, args.batch_size,

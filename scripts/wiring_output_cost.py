@@ -40,7 +40,10 @@ import torch
 
 import wiring_common as W
 from nasdiag.errors import run_script
-from script_args import Parser, UsageError, at_least, channels, refuse_other_records, seed as seed_number
+from script_args import (
+    Parser, UsageError, at_least, channels, refuse_other_figures,
+    refuse_other_records, seed as seed_number,
+)
 
 QUANTITIES = {"loss": "L_θ (cross-entropy)", "entropy": "H_θ (output entropy)", "cz": "C_Z (output-edge cost)"}
 SPLITS = {"train": "search-train set (θ's data)", "search": "search set (held out from θ)"}
@@ -165,6 +168,7 @@ def main(argv=None):
     # design; only its output-edge costs are used here
     warnings.filterwarnings("ignore", message="probe: some candidate ops did not run", category=RuntimeWarning)
     record = os.path.join(args.out, "record.h5")
+    refuse_other_figures(args.out, ["fig11_12_13", "fig14_16"], args.format)
     if not args.plot_only:
         refuse_other_records([record], W.FixedArchitecture.name)
         splits = W.load_splits(args.dataset, args.data_dir, args.seed, args.batch_size)  # first: a refused --data-dir left an empty folder

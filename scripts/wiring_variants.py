@@ -28,7 +28,10 @@ import sys
 
 import wiring_common as W
 from nasdiag.errors import run_script
-from script_args import Parser, UsageError, at_least, channels, refuse_other_records, seed as seed_number
+from script_args import (
+    Parser, UsageError, at_least, channels, refuse_other_figures,
+    refuse_other_records, seed as seed_number,
+)
 
 VARIANTS = {
     "batch": dict(norm="batch", order="relu-conv-bn"),
@@ -65,6 +68,8 @@ def main(argv=None):
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise UsageError(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
+    for name in variants:  # the heatmaps' folders, also for --plot-only
+        refuse_other_figures(os.path.join(args.out, name), None, args.format)
     if not args.plot_only:  # every record before the first run, not after it
         refuse_other_records([os.path.join(args.out, name, "record.h5") for name in variants], W.FixedArchitecture.name)
     splits = None if args.plot_only else W.load_splits(args.dataset, args.data_dir, args.seed, args.batch_size,

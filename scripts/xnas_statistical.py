@@ -29,7 +29,8 @@ import time
 import numpy as np
 from nasdiag.errors import run_script
 from script_args import (
-    Parser, UsageError, at_least, number, numbers, refuse_other_records, seed as seed_number, threads as thread_count,
+    Parser, UsageError, at_least, number, numbers, refuse_other_figures, refuse_other_records,
+    seed as seed_number, threads as thread_count,
 )
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
@@ -260,13 +261,15 @@ def plot(data, summary, figure_path, runs):
     fig.suptitle(f"XNAS vs GD with softmax, {runs} runs per point (95% CI)", fontsize=10)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(figure_path)), exist_ok=True)
-    fig.savefig(figure_path, dpi=130)
-    plt.close(fig)
+    from nasdiag.plot.registry import save
+
+    save(fig, figure_path, 130)  # with nasdiag's mark: a rerun replaces it, the user's own fig8.png is refused
 
 
 def main(argv=None):
     args = parse_args(argv)
     record_path = os.path.join(args.out, "record.h5")
+    refuse_other_figures(args.out, ["fig8"], "png")
     if not args.plot_only:
         refuse_other_records([record_path], "xnas_statistical")
         os.makedirs(args.out, exist_ok=True)  # not for --plot-only: its refusal left an empty folder

@@ -34,7 +34,7 @@ import time
 
 import numpy as np
 from nasdiag.errors import NasdiagError, run_script
-from script_args import Parser, number, refuse_other_records
+from script_args import Parser, number, refuse_other_figures, refuse_other_records
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
@@ -234,6 +234,7 @@ def _save(fig, out, name, fmt):
 def main(argv=None):
     args = parse_args(argv)
     record = os.path.join(args.out, "record.h5")
+    refuse_other_figures(args.out, ["fig3", "fig4", "fig5", "fig6", "fig7"], args.format)
     if not args.plot_only:
         refuse_other_records([record], "xnas_toys")
         os.makedirs(args.out, exist_ok=True)  # not for --plot-only: its refusal left an empty folder

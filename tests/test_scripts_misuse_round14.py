@@ -88,7 +88,8 @@ def test_a_script_replaces_no_record_but_its_own(script, argv, where, own, other
 
 
 def test_a_script_rerun_replaces_its_own_record(tmp_path, capsys):
-    """The refusal above keeps a rerun into the same folder working: the script's own record is replaced."""
+    """The refusals above and below keep a rerun into the same folder working: the script's own record and figures are
+    replaced."""
     import importlib
 
     from nasdiag.errors import run_script
@@ -96,7 +97,8 @@ def test_a_script_rerun_replaces_its_own_record(tmp_path, capsys):
 
     target = tmp_path / "record.h5"
     _record_of(target, "xnas_toys")
-    assert run_script("xnas_toys", importlib.import_module("xnas_toys").main, ["--out", str(tmp_path)]) == 0, capsys.readouterr()
+    for _ in range(2):  # the second run replaces the script's own figures too (they carry nasdiag's mark)
+        assert run_script("xnas_toys", importlib.import_module("xnas_toys").main, ["--out", str(tmp_path)]) == 0, capsys.readouterr()
     assert "lr" in load_meta(str(target))["config"]
 
 
@@ -119,3 +121,22 @@ def test_a_heatmap_the_script_cannot_draw_is_said_not_silently_left_out(tmp_path
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("skipped cost_normal_heatmap_init") and "NaN" in err[0], err
     assert sorted(p.name for p in (tmp_path / "minimal1").glob("*.png")) == ["cost_normal_heatmap_final.png"]
+
+
+@pytest.mark.parametrize("script,argv,where", [
+    ("xnas_toys", [], "fig5.png"),
+    ("xnas_statistical", ["--runs", "2", "--steps", "2", "--n-grid", "2,4", "--sigma-grid", "1", "--lr-multipliers", ""],
+     "fig8.png"),
+    ("wiring_output_cost", ["--epochs", "1"], "fig14_16.png"),
+    ("wiring_variants", ["--variants", "batch", "--epochs", "1"], "batch/cost_normal_heatmap_final.png"),
+    ("wiring_evolution", ["--methods", "darts", "--plot-only"], "darts/wiring_normal.png"),
+])
+def test_a_script_replaces_no_figure_file_of_the_users(script, argv, where, tmp_path, capsys):
+    """A user's own ``fig5.png`` (a paper's folder given as --out) was replaced by the script's figure without a word,
+    as ``nasdiag plot`` did before round 12: refused in one line before any work, the file kept."""
+    target = tmp_path / "out" / where
+    target.parent.mkdir(parents=True)
+    target.write_bytes(b"\x89PNG my own figure")
+    code, err = _script(script, ["--out", str(tmp_path / "out"), *argv], tmp_path, capsys)
+    assert code == 2 and len(err) == 1, err
+    assert target.name in err[0] and "not drawn by nasdiag" in err[0], err
