@@ -85,3 +85,16 @@ def test_plot_of_several_records_into_a_log_writes_each_skipped_record_on_a_line
     assert code == 1, err
     assert "\r" not in err and err.splitlines() == [line for line in err.splitlines() if line.startswith("nasdiag: ")], err
     assert len(err.splitlines()) == 1 and "missing.h5" in err, err
+
+
+def test_extending_a_finished_run_does_not_say_to_finish_it_as_started(tmp_path, capsys):
+    """``--resume --epochs 2`` of a finished 1-epoch run warned "pass --epochs 1 to finish it as started", which is
+    refused as a run already finished; the warning says the run had finished."""
+    from test_cli_errors import TINY
+
+    out = str(tmp_path / "run.h5")
+    assert main(["search", *TINY, "--out", out]) == 0
+    capsys.readouterr()
+    with pytest.warns(UserWarning, match=r"extends the run from 1 to 2 epochs \(it had finished;") as said:
+        assert main(["search", *TINY, "--out", out, "--resume", "--epochs", "2"]) == 0
+    assert not [w for w in said if "finish it as started" in str(w.message)], [str(w.message) for w in said]

@@ -831,9 +831,10 @@ def _run(config, callbacks, method_cls, hp, rank, world, device) -> SearchResult
             loop_callbacks.append(checkpointer)
     if state is not None and config.epochs > epochs and rank == 0:  # --epochs has a default: a plain --resume of a
         # shorter run lands here; said once the record is open (a resume refused for another writer said it too)
+        finished = state["epoch"] >= epochs  # "pass --epochs 3 to finish it as started" was then "already finished"
         warnings.warn(f"resuming {os.fspath(config.record)} extends the run from {epochs} to {config.epochs} epochs "
-                      f"(its schedule anneals on from the current rate); pass --epochs {epochs} to finish it as "
-                      "started", UserWarning, stacklevel=2)
+                      f"({'it had finished; ' if finished else ''}its schedule anneals on from the current rate)"
+                      + ("" if finished else f"; pass --epochs {epochs} to finish it as started"), UserWarning, stacklevel=2)
     progress = Progress(config.epochs * S, start_step, enabled=rank == 0 and config.progress)
     loop_callbacks.append(progress)
     loop_callbacks.extend(Committed(cb, S, recorded_until) for cb in callbacks)
