@@ -229,11 +229,12 @@ def plot(data, summary, figure_path, runs):
         x = table[xkey[sweep]].astype(float)
         for method, label in reversed(list(METHODS.items())):
             regret = table[f"{method}/regret"]
-            mean, half = regret.mean(1), 1.96 * regret.std(1, ddof=1) / math.sqrt(regret.shape[1])
+            # one run has no spread: its std (ddof=1) was numpy's 'Degrees of freedom <= 0' warnings and NaN bars
+            mean, half = regret.mean(1), 1.96 * regret.std(1, ddof=1) / math.sqrt(regret.shape[1]) if runs > 1 else None
             axes[0, col].errorbar(x, mean, yerr=half, capsize=2, color=colors[method], label=label, **style[method])
             correct = table[f"{method}/correct"].astype(float)
             frac = correct.mean(1)
-            half = 1.96 * np.sqrt(frac * (1 - frac) / correct.shape[1])
+            half = 1.96 * np.sqrt(frac * (1 - frac) / correct.shape[1]) if runs > 1 else None
             axes[1, col].errorbar(x, frac, yerr=half, capsize=2, color=colors[method], label=label, **style[method])
         axes[0, col].plot(x, table["uniform/regret"].mean(1), color="0.55", lw=1, ls="-.",
                           label="uniform mixture (no learning)")
@@ -258,7 +259,8 @@ def plot(data, summary, figure_path, runs):
         axes[0, col].set_ylabel(f"mean regret (eq 2), T = {data['config_steps']}")
         axes[1, col].set_ylabel("fraction of correct selections")
         axes[0, col].legend(fontsize=7)
-    fig.suptitle(f"XNAS vs GD with softmax, {runs} runs per point (95% CI)", fontsize=10)
+    spread = "95% CI" if runs > 1 else "one run: no confidence interval"
+    fig.suptitle(f"XNAS vs GD with softmax, {runs} run{'s' if runs > 1 else ''} per point ({spread})", fontsize=10)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(figure_path)), exist_ok=True)
     from nasdiag.plot.registry import save

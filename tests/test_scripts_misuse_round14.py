@@ -140,3 +140,31 @@ def test_a_script_replaces_no_figure_file_of_the_users(script, argv, where, tmp_
     code, err = _script(script, ["--out", str(tmp_path / "out"), *argv], tmp_path, capsys)
     assert code == 2 and len(err) == 1, err
     assert target.name in err[0] and "not drawn by nasdiag" in err[0], err
+
+
+def test_xnas_statistical_of_one_run_draws_no_interval_and_warns_nothing(tmp_path, capsys):
+    """``--runs 1`` (taken: at least 1): the 95% intervals of one run were a std with ddof=1 of one value, numpy's
+    'Degrees of freedom <= 0' and 'invalid value' RuntimeWarnings on stderr and NaN bars, the title still saying
+    '1 runs per point (95% CI)'. Drawn without bars, the title saying there is no interval."""
+    import importlib
+    import warnings
+
+    import matplotlib.figure
+
+    from nasdiag.errors import run_script
+
+    titles = []
+    real = matplotlib.figure.Figure.suptitle
+
+    def spy(self, text, **kwargs):
+        titles.append(text)
+        return real(self, text, **kwargs)
+
+    argv = ["--out", str(tmp_path), "--runs", "1", "--steps", "3", "--n-grid", "2,4", "--sigma-grid", "1",
+            "--lr-multipliers", ""]
+    with warnings.catch_warnings(record=True) as caught, pytest.MonkeyPatch.context() as mp:
+        warnings.simplefilter("always")
+        mp.setattr(matplotlib.figure.Figure, "suptitle", spy)
+        assert run_script("xnas_statistical", importlib.import_module("xnas_statistical").main, argv) == 0
+    assert not [w for w in caught if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in caught]
+    assert titles and "1 run per point" in titles[-1] and "95% CI" not in titles[-1], titles
