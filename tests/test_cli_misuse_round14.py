@@ -98,3 +98,16 @@ def test_extending_a_finished_run_does_not_say_to_finish_it_as_started(tmp_path,
     with pytest.warns(UserWarning, match=r"extends the run from 1 to 2 epochs \(it had finished;") as said:
         assert main(["search", *TINY, "--out", out, "--resume", "--epochs", "2"]) == 0
     assert not [w for w in said if "finish it as started" in str(w.message)], [str(w.message) for w in said]
+
+
+def test_plot_of_several_records_without_a_heatmap_does_not_name_a_comparison_folder_it_did_not_make(rec, tmp_path,
+                                                                                                     capsys):
+    """``nasdiag plot a.h5 b.h5 --out figs --figures scalars`` ended "0 comparison figures in figs/compare", a folder
+    that is not there; the line says no comparison figure is drawn and why (heatmaps are compared)."""
+    import shutil
+
+    other = shutil.copy(rec, tmp_path / "other.h5")
+    assert main(["plot", str(rec), str(other), "--out", str(tmp_path / "figs"), "--figures", "scalars", "--dpi", "20"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert not (tmp_path / "figs" / "compare").exists()
+    assert "/compare" not in last and "no comparison figure (heatmaps are compared" in last, last

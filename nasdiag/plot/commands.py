@@ -613,8 +613,13 @@ def run_plot(args) -> int:
         _remove_empty(created)
         raise PlotError(f"none of the {len(records)} records could be drawn (see the lines above)")
     compared = write_comparison(loaded, out / "compare", args.format, figures, args.at, args.dpi) if len(loaded) > 1 else None
+    if compared is not None and not compared.files:  # "0 comparison figures in figs/compare", a folder not there
+        for line in compared.skipped:
+            print(f"skipped compare/{line}", file=sys.stderr)
     print(f"{len(loaded)} of {len(records)} records drawn into {out}"
-          + (f"; {len(compared.files)} comparison figures in {out / 'compare'}" if compared else ""))
+          + (f"; {len(compared.files)} comparison figures in {out / 'compare'}" if compared and compared.files else
+             "; no comparison figure (" + ("heatmaps are compared: none of the chosen figures is one)" if not any(
+                 s.is_heatmap for s in specs) else "the lines above say why)") if compared else ""))
     return EXIT_PARTIAL if failed else 0
 
 
