@@ -168,3 +168,5 @@ def test_xnas_statistical_of_one_run_draws_no_interval_and_warns_nothing(tmp_pat
         assert run_script("xnas_statistical", importlib.import_module("xnas_statistical").main, argv) == 0
     assert not [w for w in caught if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in caught]
     assert titles and "1 run per point" in titles[-1] and "95% CI" not in titles[-1], titles
+    # fig8.png carries nasdiag's mark: a rerun into the folder replaces it (a user's own fig8.png is refused)
+    assert run_script("xnas_statistical", importlib.import_module("xnas_statistical").main, argv) == 0, capsys.readouterr()
