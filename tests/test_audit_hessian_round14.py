@@ -21,8 +21,8 @@ no float32 step inside a float64 run (its results equal the dense float64 refere
 batched C.3.1/C.3.2 (nasdiag.supernet.engine) equals the eager recursion in float64 (1e-16) and float32 (1e-6).
 probe.hessian() in a user's loop whose loss is a sum or a mean, default or given loss_fn, modes exact/diag/ggn, Z and
 α: the numbers of arch_diag_hessian on the same batch (bitwise), in the attach loss's convention, running statistics
-untouched. BayesNAS after real pruning (active ops not computed in the training forward) still takes and records its curvature; edges
-listed with a missing or an extra op are one-line errors in every mode.
+untouched. BayesNAS after real pruning (active ops not computed in the training forward) still takes and records its
+curvature; edges listed with a missing or an extra op are one-line errors in every mode.
 
 Noticed, left alone: torch 2.13's forward-over-reverse of ``F.mse_loss`` raises "ZeroTensors are immutable" (a plain
 ``jvp(grad(f))`` too), so every exact route on an MSE model warns and takes reverse-over-reverse products (right
