@@ -330,3 +330,11 @@ def refuse_other_figures(folder: str, names, fmt: str, option: str = "--out") ->
         shown = ", ".join(os.path.basename(p) for p in foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         raise UsageError(f"{option} {folder} holds {shown}, named as a figure of this script but not drawn by nasdiag, which "
                          f"drawing would replace; move {'it' if len(foreign) == 1 else 'them'} away or give another {option}")
+
+
+def refuse_repeats(items, option: str) -> None:
+    """One line for a comma-separated option naming something twice (``--configs minimal1,minimal1``): the run was
+    made twice into the same folder, the second replacing the first, minutes spent for nothing without a word."""
+    repeated = list(dict.fromkeys(item for item in items if list(items).count(item) > 1))
+    if repeated:
+        raise UsageError(f"{option} names {', '.join(repeated)} more than once; give each once")

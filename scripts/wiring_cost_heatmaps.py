@@ -33,7 +33,7 @@ import wiring_common as W
 from nasdiag.errors import run_script
 from script_args import (
     Parser, UsageError, at_least, channels, refuse_other_figures,
-    refuse_other_records, seed as seed_number,
+    refuse_other_records, refuse_repeats, seed as seed_number,
 )
 
 CONFIGS = {"minimal1": ("minimal", 1), "minimal8": ("minimal", 8), "darts8": ("darts", 8)}
@@ -64,6 +64,7 @@ def main(argv=None):
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         raise UsageError(f"unknown configuration(s) {unknown}; choose from {', '.join(CONFIGS)}")
+    refuse_repeats(configs, "--configs")
     for name in configs:  # the heatmaps' folders, also for --plot-only
         refuse_other_figures(os.path.join(args.out, name), None, args.format)
     if not args.plot_only:  # every record before the first run, not after it

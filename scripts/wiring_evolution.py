@@ -30,7 +30,7 @@ import wiring_common as W
 from nasdiag.errors import run_script
 from script_args import (
     Parser, UsageError, at_least, channels, refuse_other_figures,
-    refuse_other_records, seed as seed_number,
+    refuse_other_records, refuse_repeats, seed as seed_number,
 )
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
@@ -65,6 +65,7 @@ def main(argv=None):
     if unknown:
         raise UsageError(f"unknown method(s) {', '.join(unknown)};{did_you_mean(unknown[0], available_methods()) or ''} "
                          f"choose from {', '.join(sorted(available_methods()))}")
+    refuse_repeats(methods, "--methods")
     for method in methods:  # the figures' folders, also for --plot-only
         refuse_other_figures(os.path.join(args.out, method), None, args.format)
     if not args.plot_only:  # the run options refused before the first folder is made (--C 3 left an empty one)

@@ -30,7 +30,7 @@ import wiring_common as W
 from nasdiag.errors import run_script
 from script_args import (
     Parser, UsageError, at_least, channels, refuse_other_figures,
-    refuse_other_records, seed as seed_number,
+    refuse_other_records, refuse_repeats, seed as seed_number,
 )
 
 VARIANTS = {
@@ -68,6 +68,7 @@ def main(argv=None):
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise UsageError(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
+    refuse_repeats(variants, "--variants")
     for name in variants:  # the heatmaps' folders, also for --plot-only
         refuse_other_figures(os.path.join(args.out, name), None, args.format)
     if not args.plot_only:  # every record before the first run, not after it

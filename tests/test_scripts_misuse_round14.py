@@ -170,3 +170,15 @@ def test_xnas_statistical_of_one_run_draws_no_interval_and_warns_nothing(tmp_pat
     assert titles and "1 run per point" in titles[-1] and "95% CI" not in titles[-1], titles
     # fig8.png carries nasdiag's mark: a rerun into the folder replaces it (a user's own fig8.png is refused)
     assert run_script("xnas_statistical", importlib.import_module("xnas_statistical").main, argv) == 0, capsys.readouterr()
+
+
+@pytest.mark.parametrize("script,argv,said", [
+    ("wiring_cost_heatmaps", ["--configs", "minimal1, minimal1"], "--configs names minimal1 more than once"),
+    ("wiring_variants", ["--variants", "batch,layer,batch"], "--variants names batch more than once"),
+    ("wiring_evolution", ["--methods", "darts,darts"], "--methods names darts more than once"),
+])
+def test_a_configuration_named_twice_is_one_line_not_two_runs_into_one_folder(script, argv, said, tmp_path, capsys):
+    """``--configs minimal1,minimal1`` trained the configuration twice into one folder, the second run replacing the
+    first: minutes (darts8: most of an hour) spent for nothing without a word. One line before any work."""
+    code, err = _script(script, ["--out", str(tmp_path / "out"), *argv], tmp_path, capsys)
+    assert code == 2 and len(err) == 1 and said in err[0], err
