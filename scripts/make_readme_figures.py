@@ -55,8 +55,7 @@ def main(argv=None):
     missing = [path for path in records.values() if args.plot_only and not os.path.exists(path)]
     if missing:  # before the folder is made: the refusal left an empty --out folder
         raise UsageError(f"no record at {missing[0]}; run without --plot-only first")
-    if not args.plot_only:
-        refuse_other_records(records.values(), "darts", "--runs")
+    refuse_other_records(records.values(), "darts", "--runs", plot_only=args.plot_only)
     os.makedirs(args.out, exist_ok=True)  # before the runs: an unwritable folder fails at once, not after them
     if not args.plot_only:
         from nasdiag.search import SearchConfig, run

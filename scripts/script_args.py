@@ -291,10 +291,12 @@ def device(text: str) -> str:
     return text
 
 
-def refuse_other_records(paths, method: str, option: str = "--out") -> None:
+def refuse_other_records(paths, method: str, option: str = "--out", plot_only: bool = False) -> None:
     """Refuse in one line, before any work, a record path of the script that holds anything but a record the script
     wrote (``meta['method']`` is ``method``): the scripts write their records replacing what is there (``overwrite``,
-    ``force``), which deleted a search's ``record.h5`` (every segment of it) or any file of that name without a word."""
+    ``force``), which deleted a search's ``record.h5`` (every segment of it) or any file of that name without a word;
+    with ``plot_only``, a redraw of another script's record (the folder of xnas_statistical given to xnas_toys) was a
+    KeyError traceback."""
     import os
 
     from nasdiag.record import load_meta
@@ -308,6 +310,9 @@ def refuse_other_records(paths, method: str, option: str = "--out") -> None:
             found = None
         if found != method:
             what = f"a record of {found}" if found else "no nasdiag record"
+            if plot_only:
+                raise UsageError(f"{path} holds {what}, not a record of this script (method {method}), so --plot-only has "
+                                 f"nothing of it to redraw; give the {option} of a run of this script")
             raise UsageError(f"{path} holds {what}, not a record of this script (method {method}), and the run would "
                              f"replace it; give another {option}, or move it away")
 

@@ -66,15 +66,14 @@ def main(argv=None):
         raise UsageError(f"unknown method(s) {', '.join(unknown)};{did_you_mean(unknown[0], available_methods()) or ''} "
                          f"choose from {', '.join(sorted(available_methods()))}")
     refuse_repeats(methods, "--methods")
-    for method in methods:  # the figures' folders, also for --plot-only
+    for method in methods:  # the figures' folders, also for --plot-only; each record of its own method
         refuse_other_figures(os.path.join(args.out, method), None, args.format)
+        refuse_other_records([os.path.join(args.out, method, "record.h5")], method, plot_only=args.plot_only)
     if not args.plot_only:  # the run options refused before the first folder is made (--C 3 left an empty one)
         from nasdiag.search import SearchConfig
 
         SearchConfig(dataset=args.dataset, data_dir=args.data_dir, epochs=args.epochs, layers=args.layers, C=args.C,
                      seed=args.seed).validate()
-        for method in methods:  # each one's own method: a record of another is the user's, not this script's
-            refuse_other_records([os.path.join(args.out, method, "record.h5")], method)
     for method in methods:
         folder = os.path.join(args.out, method)
         record = os.path.join(folder, "record.h5")

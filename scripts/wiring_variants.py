@@ -71,8 +71,9 @@ def main(argv=None):
     refuse_repeats(variants, "--variants")
     for name in variants:  # the heatmaps' folders, also for --plot-only
         refuse_other_figures(os.path.join(args.out, name), None, args.format)
-    if not args.plot_only:  # every record before the first run, not after it
-        refuse_other_records([os.path.join(args.out, name, "record.h5") for name in variants], W.FixedArchitecture.name)
+    # every record before the first run, not after it
+    refuse_other_records([os.path.join(args.out, name, "record.h5") for name in variants], W.FixedArchitecture.name,
+                         plot_only=args.plot_only)
     splits = None if args.plot_only else W.load_splits(args.dataset, args.data_dir, args.seed, args.batch_size,
                                                                    args.observe_batches)
     for name in variants:

@@ -274,8 +274,8 @@ def main(argv=None):
     args = parse_args(argv)
     record_path = os.path.join(args.out, "record.h5")
     refuse_other_figures(args.out, ["fig8"], "png")
+    refuse_other_records([record_path], "xnas_statistical", plot_only=args.plot_only)
     if not args.plot_only:
-        refuse_other_records([record_path], "xnas_statistical")
         os.makedirs(args.out, exist_ok=True)  # not for --plot-only: its refusal left an empty folder
         run_experiment(args, record_path)
     from nasdiag.record import load, load_meta

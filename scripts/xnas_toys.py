@@ -235,8 +235,8 @@ def main(argv=None):
     args = parse_args(argv)
     record = os.path.join(args.out, "record.h5")
     refuse_other_figures(args.out, ["fig3", "fig4", "fig5", "fig6", "fig7"], args.format)
+    refuse_other_records([record], "xnas_toys", plot_only=args.plot_only)
     if not args.plot_only:
-        refuse_other_records([record], "xnas_toys")
         os.makedirs(args.out, exist_ok=True)  # not for --plot-only: its refusal left an empty folder
         start = time.perf_counter()
         write_record(record, args.lr)

@@ -182,3 +182,12 @@ def test_a_configuration_named_twice_is_one_line_not_two_runs_into_one_folder(sc
     first: minutes (darts8: most of an hour) spent for nothing without a word. One line before any work."""
     code, err = _script(script, ["--out", str(tmp_path / "out"), *argv], tmp_path, capsys)
     assert code == 2 and len(err) == 1 and said in err[0], err
+
+
+@pytest.mark.parametrize("script,other", [("xnas_toys", "xnas_statistical"), ("xnas_statistical", "xnas_toys")])
+def test_plot_only_of_another_scripts_record_is_one_line(script, other, tmp_path, capsys):
+    """Both scripts keep ``<out>/record.h5``: ``xnas_toys.py --plot-only`` given xnas_statistical's folder (or the
+    other way round) was a KeyError traceback ('problems', 'steps'), exit 1. One line naming whose record it is."""
+    _record_of(tmp_path / "out" / "record.h5", other)
+    code, err = _script(script, ["--out", str(tmp_path / "out"), "--plot-only"], tmp_path, capsys)
+    assert code == 2 and len(err) == 1 and f"a record of {other}" in err[0] and "--plot-only" in err[0], err
