@@ -2,6 +2,20 @@
 figure registry: misuse of a script is one line on stderr, exit code 2, nothing left behind; the heatmaps drawn from a
 record whose values this file plants itself (plain `nasdiag.record.Recorder` rows, docs/schema.md) show those values
 in the labelled rows and columns, on the stated colour scale, with the stated step span.
+
+Checked and found right (not repeated as tests; references built here, not with nasdiag): the cost, cost_std and
+hessian heatmaps of a planted record (Recorder rows of known (E, K) values with NaN, +inf, -inf and negatives) read
+back from the drawn image (AxesImage array, tick labels, annotation texts, title): rows and columns in meta's order,
+every value in its cell, NaN/±inf hatched and counted in the title and kept out of the colour limits, a signed map
+symmetric about 0 (±max |finite|), a non-negative Hessian sequential from min to max, integers annotated as such; the
+title's step span ("step 0 (before training)", "steps 1-5 (epoch 0)") on one segment and on a resumed record of two
+segments whose killed epoch row was replaced (the replayed row drawn, "steps 5-8 (epoch 1)", --at 7 drawing step 4);
+the comparison of two runs whose ops and edges differ in order and number (columns and rows aligned by name, a dash
+for the missing op, one colour scale); wiring_cost_heatmaps' per-op counts (one sampled op per edge and observation);
+xnas_toys' fig4 trajectories against my own EG and softmax-GD recursion (GD exact; XNAS equal until the wipeout of y
+at t = 34, where log v_x - log v_y = 3.4 first exceeds 2 eta L (T - t) = 3.2); make_readme_figures and
+wiring_evolution --plot-only on a resumed nasdiag search record of three segments; every option of every script
+reaching the run (a value past the split's batches was not: fixed).
 """
 
 from __future__ import annotations
