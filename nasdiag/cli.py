@@ -84,7 +84,9 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser(
         "search", help="run a search, write an HDF5 record, a checkpoint and figures",
         description="Run a search and write an HDF5 record, its checkpoint (<out>.ckpt) and figures. Data-parallel "
-        "when launched with torchrun (torchrun --nproc_per_node=N -m nasdiag search ...; --batch-size is per process).")
+        "when launched with torchrun (torchrun --nproc_per_node=N -m nasdiag search ...; --batch-size is per process). "
+        f"Exit code 0: done; {EXIT_USAGE}: a mistake, said in one line; {EXIT_SIGINT} (Ctrl-C) or {EXIT_SIGTERM} "
+        "(SIGTERM): stopped, the line gives the command that resumes the run.")
     s.add_argument("--method", default=d.method, help="a registered method (nasdiag methods lists them; default: darts)")
     s.add_argument("--hp", action="append", default=[], metavar="KEY=VALUE",
                    help="method hyperparameter override, repeatable (nasdiag methods lists the keys)")

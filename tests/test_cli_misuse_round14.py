@@ -111,3 +111,20 @@ def test_plot_of_several_records_without_a_heatmap_does_not_name_a_comparison_fo
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert not (tmp_path / "figs" / "compare").exists()
     assert "/compare" not in last and "no comparison figure (heatmaps are compared" in last, last
+
+
+def test_the_exit_codes_of_an_interrupted_search_are_in_its_help_and_the_readme(capsys):
+    """A batch job around ``nasdiag search`` reads its exit code: 130 (Ctrl-C) and 143 (SIGTERM), with the line that
+    gives the resume command, were in no --help nor in README (only 2 for a mistake)."""
+    from pathlib import Path
+
+    from nasdiag.cli import EXIT_SIGINT, EXIT_SIGTERM, EXIT_USAGE
+
+    with pytest.raises(SystemExit):
+        main(["search", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    for text in (shown, readme):
+        assert f"{EXIT_SIGINT}" in text and f"{EXIT_SIGTERM}" in text and f"{EXIT_USAGE}" in text
+        assert "resumes" in text
+    assert f"Ctrl-C (exit code {EXIT_SIGINT}) or SIGTERM ({EXIT_SIGTERM})" in readme
