@@ -71,3 +71,37 @@ def test_a_bare_mixed_op_given_to_the_curvature_functions_is_told_to_list_its_op
         arch_diag_hessian(net, F.cross_entropy, x, y, {"e": net.mix}, mode="exact", wrt="alpha")
     msg = str(err.value)
     assert "positional" not in msg and "list(module._ops)" in msg and "\n" not in msg
+
+
+def test_a_group_of_edges_with_other_op_lists_labels_no_column_with_an_op_another_edge_does_not_run():
+    """scripts14's finding: edges of one K but different op lists made one group labelled with edge 0's ops."""
+    import nasdiag
+
+    class Mixed(nn.Module):
+        def __init__(self, ops, names):
+            super().__init__()
+            self._ops, self.primitives = nn.ModuleList(ops), list(names)
+
+        def forward(self, x, weights):
+            return sum(w * op(x) for w, op in zip(weights, self._ops))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = Mixed([nn.Identity(), nn.Tanh()], ["skip", "tanh"])
+            self.b = Mixed([nn.Identity(), nn.ReLU()], ["skip", "relu"])
+            self.alpha = nn.Parameter(torch.zeros(2, 2))
+            self.head = nn.Linear(4, 3)
+
+        def forward(self, x):
+            w = F.softmax(self.alpha, -1)
+            return self.head(self.b(self.a(x, w[0]), w[1]))
+
+    net = Net()
+    probe = nasdiag.attach(net, edges={"a": net.a, "b": net.b})
+    (group,) = probe.groups
+    ops_per_edge = [set(names) for names in zip(*(m.primitives for m in (net.a, net.b)))]
+    for k, label in enumerate(group.op_names):
+        # a label names an op only if every edge of the group runs that op in column k
+        assert label == f"op {k}" if len(ops_per_edge[k]) > 1 else label in ops_per_edge[k]
+    assert group.op_names == ("skip", "op 1")

@@ -35,7 +35,8 @@ class Group:
         members: positions into ``Probe.edges``.
         cell_slot, edge_index: (len(members),) int64 layout of each member in (n_cells, E, K).
         n_cells, n_edges, n_ops: the layout's shape.
-        edge_labels: E labels (``"i->j"`` or edge names). op_names: K labels.
+        edge_labels: E labels (``"i->j"`` or edge names). op_names: K labels, column k's op name where every
+            member names it alike, else ``"op k"`` (edges of one K but other op lists share the columns by position).
     """
 
     name: str
@@ -47,6 +48,11 @@ class Group:
     n_ops: int
     edge_labels: Tuple[str, ...]
     op_names: Tuple[str, ...]
+
+
+def _column_names(members: Sequence[EdgeSpec]) -> Tuple[str, ...]:
+    # edge 0's names were given to every edge: another edge's column k silently got a name it does not run
+    return tuple(names[0] if len(set(names)) == 1 else f"op {k}" for k, names in enumerate(zip(*(e.op_names for e in members))))
 
 
 def _same_k_per_cell_type(edges: Sequence[EdgeSpec]) -> bool:
@@ -94,14 +100,14 @@ def _groups(edges: Sequence[EdgeSpec]) -> List[Group]:
             labels = [lab or f"edge {i}" for i, lab in enumerate(labels)]
             groups.append(
                 Group(t, tuple(members), torch.tensor(slot), torch.tensor(eidx), len(cell_ids), E, Ks.pop(),
-                      tuple(labels), edges[members[0]].op_names)
+                      tuple(labels), _column_names([edges[p] for p in members]))
             )
         return groups
     Ks = {e.n_ops for e in edges}
     if len(Ks) == 1:
         n = len(edges)
         return [Group("edges", tuple(range(n)), torch.zeros(n, dtype=torch.long), torch.arange(n), 1, n, Ks.pop(),
-                      tuple(e.label for e in edges), edges[0].op_names)]
+                      tuple(e.label for e in edges), _column_names(edges))]
     return [
         Group(e.name, (p,), torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), 1, 1, e.n_ops,
               (e.label,), e.op_names)
