@@ -208,7 +208,10 @@ def search_config(args: argparse.Namespace) -> SearchConfig:
     figures = None if args.no_figs else (args.figs or str(out.with_name(out.stem + "-figs")))
     if figures is not None:
         _refuse_figures_in_the_record(figures, args.out, str(out.with_name(out.stem + "-figs")))
-        from nasdiag.plot.commands import refuse_foreign_figures
+        from nasdiag.plot.commands import refuse_foreign_figures, refuse_other_format
+
+        if args.figs:  # --figs figs.pdf drew png files into a new folder so named
+            refuse_other_format(args.figs, "search", "png", "--figs")
 
         refuse_foreign_figures(figures, "png", "--figs" if args.figs else "the figure folder",
                                instead="give another --figs" + ("" if args.figs else ", or --no-figs"))

@@ -128,3 +128,13 @@ def test_the_exit_codes_of_an_interrupted_search_are_in_its_help_and_the_readme(
         assert f"{EXIT_SIGINT}" in text and f"{EXIT_SIGTERM}" in text and f"{EXIT_USAGE}" in text
         assert "resumes" in text
     assert f"Ctrl-C (exit code {EXIT_SIGINT}) or SIGTERM ({EXIT_SIGTERM})" in readme
+
+
+def test_a_search_figure_folder_named_as_a_file_is_refused_before_the_run(tmp_path, capsys):
+    """``nasdiag search ... --figs figs.pdf`` ran the search and drew png files into a new folder named figs.pdf, as
+    ``plot --out figs.pdf`` did: refused in one line before any file."""
+    from test_cli_errors import TINY
+
+    argv = ["search", *[a for a in TINY if a != "--no-figs"], "--out", str(tmp_path / "run.h5")]
+    line = refused([*argv, "--figs", str(tmp_path / "figs.pdf")], tmp_path, "the search draws one png file", capsys)
+    assert "--format pdf" in line, line

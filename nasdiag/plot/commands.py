@@ -146,9 +146,10 @@ OTHER_FORMATS = (".pdf", ".png", ".svg", ".jpg", ".jpeg", ".eps", ".ps", ".md", 
                  ".htm")
 
 
-def refuse_other_format(out: str, command: str, fmt: str = "png") -> None:
+def refuse_other_format(out: str, command: str, fmt: str = "png", option: str = "--out") -> None:
     """Refuse (one line) a ``--out`` named as a file of another format: for ``report`` (an HTML page) one not .html,
-    for ``plot`` (a folder of figure files) a folder not there yet named as a figure or page file."""
+    for ``plot`` (a folder of figure files; and ``search``, its ``option`` --figs) a folder not there yet named as a
+    figure or page file."""
     from nasdiag.plot.registry import PlotError
 
     path = Path(out)
@@ -165,13 +166,17 @@ def refuse_other_format(out: str, command: str, fmt: str = "png") -> None:
                            if suffix[1:] in FORMATS else ""))
     if path.is_dir():  # a folder so named already: taken as the user's
         return
+    who = "the search draws" if command == "search" else "plot writes"
     if suffix in (".html", ".htm"):
-        raise PlotError(f"--out {out} names an HTML page, but plot writes one file per figure into the folder --out "
-                        f"names; give a folder, e.g. --out {path.with_suffix('')}, or write one page of a run with "
+        raise PlotError(f"{option} {out} names an HTML page, but {who} one file per figure into the folder {option} "
+                        f"names; give a folder, e.g. {option} {path.with_suffix('')}, or write one page of a run with "
                         f"nasdiag report RECORD --out {out}")
-    again = f" --format {suffix[1:]}" if suffix[1:] in FORMATS and suffix[1:] != fmt else ""
-    raise PlotError(f"--out {out} names a {suffix} file, but plot writes one {fmt} file per figure into the folder "
-                    f"--out names; give a folder, e.g. --out {path.with_suffix('')}{again}")
+    again = ""
+    if suffix[1:] in FORMATS and suffix[1:] != fmt:
+        again = (f" --format {suffix[1:]}" if command == "plot" else
+                 f" (nasdiag plot RECORD --out FOLDER --format {suffix[1:]} then draws them as {suffix} files)")
+    raise PlotError(f"{option} {out} names a {suffix} file, but {who} one {fmt} file per figure into the folder "
+                    f"{option} names; give a folder, e.g. {option} {path.with_suffix('')}{again}")
 
 
 def file_in_the_way(path: Path) -> Optional[Path]:
