@@ -1,10 +1,26 @@
 """A fourteenth new user's misuse of the ``nasdiag`` CLI, armed with README.md and ``--help``: what rounds 1-13
 (test_cli_errors.py, test_cli_search_misuse.py, test_cli_plot_misuse.py, test_cli_misuse_round3..13.py) did not
 cover: an output named as a file of another format (``report --out report.pdf`` wrote an HTML page under a PDF's
-name, ``plot --out figs.pdf`` a folder of png files so named, both exit 0 without a word), and ``--figures`` given a
-figure's file name (``cost_heatmap`` as README's image, ``cost_normal_heatmap.png`` as drawn: "did you mean
-'cost_std'?", another figure). Every such mistake is one line on stderr saying what was wrong and what to do, exit
-code 2, no traceback, nothing left behind.
+name, ``plot --out figs.pdf`` and ``search --figs figs.pdf`` a folder of png files so named, all exit 0 without a
+word); ``--figures`` given a figure's file name (``cost_heatmap`` as README's image: "did you mean 'cost_std'?");
+``report --figures`` of figures the record has none of (a page of no figure, exit 0) or without the genotype ("No
+architecture rows" of a run that has them); ``plot`` of several records into a log (the bar's states ahead of each
+error line) or with no heatmap chosen ("0 comparison figures in figs/compare", a folder not made); ``--resume
+--epochs N`` of a finished run told to "pass --epochs 3 to finish it as started" (refused as finished); the exit codes
+of an interrupted search documented nowhere. Every such mistake is one line on stderr saying what was wrong and what
+to do, exit code 2, no traceback, nothing left behind.
+
+Checked and found right (not repeated as tests, run as a user in a shell): ``nasdiag search`` stopped by SIGINT,
+SIGTERM (at start-up, loading, the first epoch, mid-epoch, the evaluation) and SIGHUP (exit 129, nothing said, the
+lock left: as kill -9), then ``--resume``: every recorded array equal to an uninterrupted run's, bit for bit in
+float64 (scalars, α, costs, Hessians); an interrupt before anything was recorded leaves no folder; ``--force`` over a
+run killed by SIGHUP (its stale lock) runs; ``--resume`` with another --batch-size, --diagnostics, --hessian-mode,
+--spectrum-every, --seed refused in one line naming the field, --threads/--device/--figs taken, --epochs below the
+run's or equal to a finished run's refused; ``plot --at`` past the end (per record with several), before the first
+cost row, between cost rows of a resumed record (the last row at or before it, as docs/figures.md says); --dpi
+changes the rasterised heatmaps of pdf/svg figures too; ``plot --out`` of the record or its checkpoint refused;
+--data-dir with digits/synthetic refused; --spectrum-every with --diagnostics none records the eigenvalues; no ANSI
+colour anywhere (NO_COLOR, TERM=dumb need nothing); messages on stderr, results on stdout.
 """
 
 from __future__ import annotations
