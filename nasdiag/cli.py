@@ -26,7 +26,7 @@ from nasdiag.search.config import (DATASETS, DIAGNOSTICS, DTYPES, ENGINES, MAX_S
                                    no_hessian_recorded)
 
 EXIT_USAGE = 2
-EXIT_SIGINT, EXIT_SIGTERM, EXIT_SIGPIPE = 130, 143, 141
+EXIT_SIGINT, EXIT_SIGTERM, EXIT_SIGPIPE, EXIT_SIGHUP = 130, 143, 141, 129
 
 
 def _seed(text: str) -> int:
@@ -73,6 +73,10 @@ class Terminated(BaseException):
     """SIGTERM, raised in the main thread so that the search ends through its normal exception path."""
 
 
+class HungUp(Terminated):
+    """SIGHUP (the terminal closed, an ssh session dropped): ended as SIGTERM is, with its own exit code."""
+
+
 def _parser() -> argparse.ArgumentParser:
     import nasdiag
 
@@ -85,8 +89,8 @@ def _parser() -> argparse.ArgumentParser:
         "search", help="run a search, write an HDF5 record, a checkpoint and figures",
         description="Run a search and write an HDF5 record, its checkpoint (<out>.ckpt) and figures. Data-parallel "
         "when launched with torchrun (torchrun --nproc_per_node=N -m nasdiag search ...; --batch-size is per process). "
-        f"Exit code 0: done; {EXIT_USAGE}: a mistake, said in one line; {EXIT_SIGINT} (Ctrl-C) or {EXIT_SIGTERM} "
-        "(SIGTERM): stopped, the line gives the command that resumes the run.")
+        f"Exit code 0: done; {EXIT_USAGE}: a mistake, said in one line; {EXIT_SIGINT} (Ctrl-C), {EXIT_SIGTERM} "
+        f"(SIGTERM) or {EXIT_SIGHUP} (SIGHUP, a hang-up): stopped, the line gives the command that resumes the run.")
     s.add_argument("--method", default=d.method, help="a registered method (nasdiag methods lists them; default: darts)")
     s.add_argument("--hp", action="append", default=[], metavar="KEY=VALUE",
                    help="method hyperparameter override, repeatable (nasdiag methods lists the keys)")
@@ -363,6 +367,19 @@ def _one_line(exc: BaseException) -> str:
 
 def _on_sigterm(signum, frame):
     raise Terminated()
+
+
+def _on_sighup(signum, frame):
+    raise HungUp()
+
+
+def _catch_hangup() -> object:
+    """Handle SIGHUP as SIGTERM (the rows held since the last flush were lost with the default action, as on kill -9),
+    unless it is ignored (``nohup``): the previous handler, or None where nothing was installed."""
+    hup = getattr(signal, "SIGHUP", None)
+    if hup is None or signal.getsignal(hup) is not signal.SIG_DFL:
+        return None
+    return signal.signal(hup, _on_sighup)
 
 
 def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
@@ -684,11 +701,12 @@ def _die_on_the_next_interrupt(argv, main_thread: bool) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Run the ``nasdiag`` command; returns the exit code (0, 2 for user errors, 130/143 when interrupted)."""
+    """Run the ``nasdiag`` command; returns the exit code (0, 2 for user errors, 130/143/129 when interrupted)."""
     import threading
 
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
+    previous_hup = _catch_hangup() if main_thread else None
     import warnings
 
     previous_format, warnings.formatwarning = warnings.formatwarning, _warning_line
@@ -737,6 +755,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         _say(_stopped(args, "interrupted", exc, argv))
         _die_on_the_next_interrupt(argv, main_thread)
         return EXIT_SIGINT
+    except HungUp as exc:
+        with contextlib.suppress(OSError):  # the terminal that would show the line may be gone
+            _say(_stopped(args, "hung up (SIGHUP)", exc, argv))
+        _die_on_the_next_interrupt(argv, main_thread)
+        return EXIT_SIGHUP
     except Terminated as exc:
         _say(_stopped(args, "terminated (SIGTERM)", exc, argv))
         _die_on_the_next_interrupt(argv, main_thread)
@@ -750,6 +773,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             quiet.close()
         if main_thread and previous is not None:
             signal.signal(signal.SIGTERM, previous)
+        if main_thread and previous_hup is not None:
+            signal.signal(signal.SIGHUP, previous_hup)
 
 
 if __name__ == "__main__":

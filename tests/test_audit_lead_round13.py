@@ -105,3 +105,49 @@ def test_a_group_of_edges_with_other_op_lists_labels_no_column_with_an_op_anothe
         # a label names an op only if every edge of the group runs that op in column k
         assert label == f"op {k}" if len(ops_per_edge[k]) > 1 else label in ops_per_edge[k]
     assert group.op_names == ("skip", "op 1")
+
+
+def _search_then_signal(tmp_path, preexec=None):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from test_cli_errors import ROOT, TINY
+
+    out = tmp_path / "run.h5"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    argv = ["search", *TINY, "--epochs", "3", "--out", str(out)]
+    proc = subprocess.Popen([sys.executable, "-m", "nasdiag", *argv], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=env, preexec_fn=preexec)
+    deadline = time.monotonic() + 120
+    while not Path(str(out) + ".ckpt").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGHUP)
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, err, argv
+
+
+def test_a_hang_up_ends_a_search_with_its_rows_flushed_and_the_line_that_resumes_it(tmp_path):
+    """cli14's finding: SIGHUP (a closed terminal, a dropped ssh session) ended a search as kill -9 does: nothing
+    said, the rows held since the last flush lost, the lock left. It now ends as SIGTERM does, exit 129."""
+    from nasdiag.cli import main
+
+    code, err, argv = _search_then_signal(tmp_path)
+    if code == 0:
+        pytest.skip("the search finished before SIGHUP arrived")
+    assert code == 129 and err.count("\n") == 1 and "hung up (SIGHUP)" in err and "--resume" in err, err
+    assert main([*argv, "--resume"]) == 0
+
+
+def test_a_search_under_nohup_ignores_the_hang_up():
+    """``nohup`` sets SIGHUP to be ignored: the search must keep that, not install its own handler."""
+    import signal
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as folder:
+        code, err, _ = _search_then_signal(Path(folder), preexec=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    assert code == 0, err

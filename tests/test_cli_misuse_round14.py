@@ -11,8 +11,8 @@ of an interrupted search documented nowhere. Every such mistake is one line on s
 to do, exit code 2, no traceback, nothing left behind.
 
 Checked and found right (not repeated as tests, run as a user in a shell): ``nasdiag search`` stopped by SIGINT,
-SIGTERM (at start-up, loading, the first epoch, mid-epoch, the evaluation) and SIGHUP (exit 129, nothing said, the
-lock left: as kill -9), then ``--resume``: every recorded array equal to an uninterrupted run's, bit for bit in
+SIGTERM (at start-up, loading, the first epoch, mid-epoch, the evaluation) and SIGHUP (then exit 129, nothing said, the
+lock left: as kill -9; since the lead's round-14 change, ended as SIGTERM is, tests/test_audit_lead_round13.py), then ``--resume``: every recorded array equal to an uninterrupted run's, bit for bit in
 float64 (scalars, α, costs, Hessians); an interrupt before anything was recorded leaves no folder; ``--force`` over a
 run killed by SIGHUP (its stale lock) runs; ``--resume`` with another --batch-size, --diagnostics, --hessian-mode,
 --spectrum-every, --seed refused in one line naming the field, --threads/--device/--figs taken, --epochs below the
@@ -143,7 +143,7 @@ def test_the_exit_codes_of_an_interrupted_search_are_in_its_help_and_the_readme(
     for text in (shown, readme):
         assert f"{EXIT_SIGINT}" in text and f"{EXIT_SIGTERM}" in text and f"{EXIT_USAGE}" in text
         assert "resumes" in text
-    assert f"Ctrl-C (exit code {EXIT_SIGINT}) or SIGTERM ({EXIT_SIGTERM})" in readme
+    assert f"Ctrl-C (exit code {EXIT_SIGINT}), SIGTERM ({EXIT_SIGTERM})" in readme
 
 
 def test_a_search_figure_folder_named_as_a_file_is_refused_before_the_run(tmp_path, capsys):
