@@ -366,7 +366,7 @@ class SearchMethod:
 
     def _graph_state_key(self):
         """What a captured step bakes in besides the batch: optimizer settings (the scheduled learning rate),
-        the identities of the cost accumulators, train mode and where the parameters live."""
+        the identities of the cost accumulators, the train mode of every module and where the parameters live."""
         settings = []
         for name, obj in sorted(self._stateful().items()):
             if isinstance(obj, torch.optim.Optimizer):
@@ -374,7 +374,10 @@ class SearchMethod:
                                                                    and isinstance(v, (bool, int, float, str, tuple, type(None)))))
                                                       for g in obj.param_groups)))
         params = list(self.network.parameters())
-        return (tuple(settings), tuple((t, id(m)) for t, m in self._cost_moments.items()), self.network.training,
+        # every module's mode, not only the network's: a cell module switched to eval on its own (frozen BatchNorms)
+        # runs eager (nasdiag.supernet.engine.why_not_fast), and a replay of the step captured before would not
+        modes = tuple(m.training for m in self.network.modules())
+        return (tuple(settings), tuple((t, id(m)) for t, m in self._cost_moments.items()), modes,
                 torch.is_grad_enabled(), params[0].data_ptr(), params[-1].data_ptr())
 
     def _graph_prepare(self) -> None:
