@@ -722,10 +722,14 @@ class Probe:
 
         Args:
             wrt: ``"Z"``, or ``"alpha"`` for the chain rule through Z = softmax(α) per edge (needs
-                probability-vector weights; cross-cell terms of a shared α are not included).
+                probability-vector weights). Edges whose weights come from one shared α: ``"exact"`` refuses them
+                (one line naming ``nasdiag.hessian.alpha_diag_hessian``, the exact shared-α diagonal), the other
+                modes give per-edge numbers without the cross-cell terms.
             inputs, targets: override the captured batch (``inputs`` a tensor or a tuple of positional args).
-            mode: one of ``nasdiag.hessian.ARCH_MODES`` for this call (default: ``attach(..., hessian=mode)``);
-                ``"ggn_mc"`` is the cheap mode that tracks ``"exact"`` (docs/hessian.md).
+            mode: one of ``nasdiag.hessian.ARCH_MODES`` for this call (default: ``attach(..., hessian=mode)``).
+                Where no sample interacts (eval-mode BatchNorm, no normalization) ``"ggn"`` equals ``"exact"`` and
+                ``"ggn_mc"`` tracks it; under train-mode BatchNorm no cheap mode does (docs/hessian.md, "Choosing a
+                mode", gives the accuracy and cost of each).
 
         Returns:
             ``{edge name: (K,)}``, dtype of the loss, batch convention of ``loss_fn`` (mean: of the batch mean).
