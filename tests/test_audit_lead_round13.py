@@ -151,3 +151,24 @@ def test_a_search_under_nohup_ignores_the_hang_up():
     with tempfile.TemporaryDirectory() as folder:
         code, err, _ = _search_then_signal(Path(folder), preexec=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
     assert code == 0, err
+
+
+@pytest.mark.parametrize("mode", ["ggn", "hutchinson:2"])
+def test_a_mixed_op_whose_own_hook_changes_its_output_is_named_not_blamed_on_the_pairing_of_its_weights(mode):
+    """hessian13's finding: the GGN modes' per-sample-weights check calls the mixed op's forward alone, so a user's
+    forward hook that changes the output was reported as the op pairing batch rows with ops."""
+    from nasdiag.supernet import Network
+
+    torch.manual_seed(0)
+    net = Network(4, 5, 2, in_channels=2, steps=2, multiplier=2).double()
+    specs = net.edge_specs()
+    handle = specs[0].module.register_forward_hook(lambda m, i, o: 2.0 * o)
+    x, y = torch.randn(4, 2, 8, 8, dtype=torch.float64), torch.randint(0, 5, (4,))
+    try:
+        with pytest.raises(CurvatureError) as err:
+            arch_diag_hessian(net, F.cross_entropy, x, y, specs, mode=mode)
+        msg = str(err.value)
+        assert "forward hook of its own" in msg and "zip(weights" not in msg and "\n" not in msg
+    finally:
+        handle.remove()
+    arch_diag_hessian(net, F.cross_entropy, x, y, specs, mode=mode)  # without the hook the same call runs

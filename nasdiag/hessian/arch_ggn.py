@@ -83,12 +83,27 @@ class _PerSampleShift:
                 ((output.detach() - reference).abs().amax() <= 1e-5 * reference.abs().amax()
                  + torch.finfo(reference.dtype).tiny) or not torch.isfinite(reference).all()):
             return
+        hooked = self._own_hooks_of(module)
+        if hooked:  # the check calls forward alone: a hook that changes the output was blamed on the weights' pairing
+            raise CurvatureError(
+                f"edge {name!r}: the mixed op has a {' and a '.join(hooked)} of its own that changes its output, which "
+                "the GGN modes (ggn, ggn_mc, and the control variate of hutchinson:<k>) cannot check their per-sample "
+                "(B, K) weights through; remove the hook for this call, or use mode='exact', which runs it"
+            )
         raise CurvatureError(
             f"edge {name!r}: the GGN modes (ggn, ggn_mc, and the control variate of hutchinson:<k>) mix each sample "
             "with its own weights, shape (B, K), and the mixed op returned another output for them than for its (K,) "
             "weights (e.g. zip(weights, self._ops) pairs the batch rows with the ops); let its forward take (B, K) "
             "weights as well as (K,) (weights[..., k] broadcast over each sample's output), or use mode='exact' or 'diag'"
         )
+
+    def _own_hooks_of(self, module) -> List[str]:
+        """The kinds of forward hooks on ``module`` that are not this object's."""
+        def ours(fn) -> bool:
+            return fn == self.done or getattr(fn, "__qualname__", "").startswith(f"{type(self).__name__}.hook.")
+
+        return [kind for kind, hooks in (("forward pre-hook", module._forward_pre_hooks), ("forward hook", module._forward_hooks))
+                if any(not ours(fn) for fn in hooks.values())]
 
     def hook(self, i: int):
         name, K = self.names[i], self.n_ops[i]
