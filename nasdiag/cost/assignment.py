@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
+import operator
 from typing import Mapping, Sequence, Tuple
 
 import torch
@@ -47,7 +49,8 @@ def _inner_per_sample(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     a, b = a.to(dtype), b.to(dtype)
     if a.dim() == 0:
         return (a * b).reshape(1)
-    return torch.linalg.vecdot(a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1))
+    N = math.prod(a.shape[1:])  # not -1: an empty batch (B = 0) leaves -1 undetermined
+    return torch.linalg.vecdot(a.reshape(a.shape[0], N), b.reshape(b.shape[0], N))
 
 
 def edge_costs(
@@ -79,8 +82,9 @@ def _edge_costs(grad_output: torch.Tensor, candidate_outputs: Sequence[torch.Ten
         # GPU, and dispatch-bound on a CPU for small maps; large CPU maps pay more for the stacked copy.
         K, B = len(candidate_outputs), grad_output.shape[0]
         dtype = _accumulation_dtype(grad_output.dtype, *(o.dtype for o in candidate_outputs))
-        stacked = torch.stack([o.to(dtype) for o in candidate_outputs]).reshape(K, B, -1)
-        g = grad_output.to(dtype).reshape(B, 1, -1)
+        N = math.prod(grad_output.shape[1:])  # not -1: an empty batch (B = 0) leaves -1 undetermined
+        stacked = torch.stack([o.to(dtype) for o in candidate_outputs]).reshape(K, B, N)
+        g = grad_output.to(dtype).reshape(B, 1, N)
         # per[b, k] = Σ_n g[b, n] S[k, b, n]: one batched (1 × N)(N × K) product per sample
         per = torch.bmm(g, stacked.permute(1, 2, 0)).reshape(B, K)
     else:
@@ -117,7 +121,11 @@ def output_edge_costs(
                         f"{tuple(cell_output.shape)}; pass the cell output (B, C_out, ...) and ∂L/∂ of it, of its shape")
     C = cell_output.shape[1]
     cols = []
-    for node, (start, stop) in node_slices.items():
+    for node, bounds in node_slices.items():
+        try:
+            start, stop = (operator.index(b) for b in bounds)
+        except (TypeError, ValueError):
+            raise CostError(f"output node {node} has channel range {bounds!r}; give each node a (start, stop) pair of ints") from None
         if not 0 <= start < stop <= C:
             raise CostError(f"output node {node} has channel range ({start}, {stop}) outside the {C} output channels")
         with _autocast_off(cell_output):
@@ -136,12 +144,35 @@ def scatter_cells(
         cell_slot: (N,) int64, the position of the edge's cell among the cells of its type.
         edge_index: (N,) int64, the edge's index inside its cell (DARTS order).
 
+    Raises:
+        CostError: costs not (N, K); indices not N integers in range; a (cell, edge) slot given twice (the later
+            row would silently overwrite the earlier).
+
     Returns:
         (n_cells, n_edges, K); ``.sum(0)`` is the cost of the shared Z (what ∂L/∂α needs, §2.1) where every
         cell has every edge. An edge missing from a cell is NaN there and so in its sum: sum only the cells
         that have it (``torch.nansum`` would also drop a NaN *cost*, which must be flagged, not dropped).
     """
+    if edge_costs_.dim() != 2:
+        raise CostError(f"scatter_cells: edge costs must be (N, K), one row per edge, got shape {tuple(edge_costs_.shape)}")
     N, K = edge_costs_.shape
+    for name, idx, size in (("cell_slot", cell_slot, n_cells), ("edge_index", edge_index, n_edges)):
+        if idx.shape != (N,) or idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
+            raise CostError(f"scatter_cells: {name} must be {N} integer indices, one per row of the costs, got a "
+                            f"{idx.dtype} tensor of shape {tuple(idx.shape)}")
+        if N and not bool(((idx >= 0) & (idx < size)).all()):
+            raise CostError(f"scatter_cells: {name} must lie in [0, {size}), got values from {int(idx.min())} to {int(idx.max())}")
+    if N and len(torch.unique(cell_slot.long() * n_edges + edge_index.long())) != N:
+        # a second row for a (cell, edge) slot would overwrite the first: a cost silently lost
+        raise CostError("scatter_cells: two rows of the costs have the same (cell_slot, edge_index); each edge of each "
+                        "cell must appear once")
+    return _scatter(edge_costs_, cell_slot, edge_index, n_cells, n_edges)
+
+
+def _scatter(edge_costs_: torch.Tensor, cell_slot: torch.Tensor, edge_index: torch.Tensor, n_cells: int,
+             n_edges: int) -> torch.Tensor:
+    """:func:`scatter_cells` without its checks (host syncs): for a layout checked once, e.g. the probe's per step."""
+    K = edge_costs_.shape[-1]
     out = edge_costs_.new_full((n_cells, n_edges, K), float("nan"))
     out[cell_slot, edge_index] = edge_costs_
     return out
