@@ -95,3 +95,64 @@ def test_loss_minus_entropy_is_the_autograd_output_cost_of_mean_cross_entropy():
     t = torch.randint(0, 5, (6,))
     (gY,) = torch.autograd.grad(F.cross_entropy(Y, t), Y)
     torch.testing.assert_close(loss_minus_entropy(Y.detach(), t), (gY * Y.detach()).sum(), rtol=1e-12, atol=1e-14)
+
+
+class _Mixed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self._ops = torch.nn.ModuleList([torch.nn.Linear(4, 4, bias=False), torch.nn.Identity(), torch.nn.Tanh()])
+
+    def forward(self, x, w):
+        return sum(wk * op(x) for wk, op in zip(w, self._ops))
+
+
+class _ChainWithSkips(torch.nn.Module):
+    """α (E, K) = (3, 3), a chain of mixed ops whose forward skips the edges in ``skip`` (rows of α unused)."""
+
+    def __init__(self):
+        super().__init__()
+        self.edges = torch.nn.ModuleList([_Mixed() for _ in range(3)])
+        self.alpha = torch.nn.Parameter(torch.randn(3, 3))
+        self.head = torch.nn.Linear(4, 2)
+        self.skip = set()
+
+    def forward(self, x, Z=None):
+        Z = torch.softmax(self.alpha, -1) if Z is None else Z
+        for e, m in enumerate(self.edges):
+            if e not in self.skip:
+                x = m(x, Z[e])
+        return self.head(x)
+
+
+def test_an_edge_skipped_this_step_is_nan_in_b_rows_of_per_sample_costs_and_not_counted():
+    import nasdiag
+    torch.manual_seed(2)
+    net = _ChainWithSkips().double()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 2, (5,))
+    probe = nasdiag.attach(net)
+    for skip in (set(), {1}):
+        net.skip = skip
+        with pytest.warns(RuntimeWarning, match="never ran") if skip else _no_warning():
+            with probe.record():
+                F.cross_entropy(net(x), y).backward()
+        Z = torch.softmax(net.alpha, -1).detach().requires_grad_()
+        (gZ,) = torch.autograd.grad(F.cross_entropy(net(x, Z), y), Z)
+        costs, per = probe.costs(), probe.costs(per_sample=True)
+        for e in range(3):
+            if e in skip:  # autograd says 0 (the row is unused): the probe must say NaN, never 0
+                assert torch.isnan(costs[f"edges.{e}"]).all()
+                # (B, K) as documented, so that row b is sample b at every edge (it was a (1, K) row)
+                assert per[f"edges.{e}"].shape == (5, 3) and torch.isnan(per[f"edges.{e}"]).all()
+            else:
+                torch.testing.assert_close(costs[f"edges.{e}"], gZ[e], rtol=1e-10, atol=1e-14)
+                torch.testing.assert_close(per[f"edges.{e}"].sum(0), gZ[e], rtol=1e-10, atol=1e-14)
+    assert probe.statistics()["cost/edges/count"][:, 0].tolist() == [2, 1, 2]
+
+
+def _no_warning():
+    import contextlib
+    import warnings
+    cm = contextlib.ExitStack()
+    cm.enter_context(warnings.catch_warnings())
+    warnings.simplefilter("error", RuntimeWarning)
+    return cm

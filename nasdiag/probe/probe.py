@@ -417,6 +417,7 @@ class Probe:
         no_forward, no_grad, partial_ops = [], [], []
         parts = cap.per_sample
         r.available = [bool(pp) for pp in parts]
+        n_rows = None
         if all(len(pp) == 1 for pp in parts) and len({pp[0][1].shape for pp in parts}) == 1 \
                 and len({pp[0][0] for pp in parts}) == 1:
             # the common case: one call per edge, same forward, batch and K: two kernels for all edges
@@ -426,6 +427,10 @@ class Probe:
             r.costs = list(r.matrix.unbind(0))
         else:
             calls = sorted({call for pp in parts for call, _ in pp})  # the forwards the backward reached
+            batches = [(cap.call_batch or {}).get(call) for call in calls]
+            # an edge with no rows at all (forward never ran, backward never reached it) gets a NaN row per sample of
+            # those forwards, as one missing from some of them does: (B, K), row b sample b at every edge
+            n_rows = sum(batches) if batches and None not in batches else None
             for pp in parts:
                 ps, total = _sum_calls(pp, cap.call_batch, calls) if pp else (None, None)
                 r.per_sample.append(ps)
@@ -456,6 +461,9 @@ class Probe:
             ref = next(self.model.parameters(), torch.empty(0)).detach()
             ref = ref if ref.is_floating_point() else ref.float()
         r.costs = [t if t is not None else ref.new_full((e.n_ops,), math.nan) for t, e in zip(r.costs, self._edges)]
+        if n_rows is not None:
+            r.per_sample = [ref.new_full((n_rows, e.n_ops), math.nan) if not r.available[p] else ps
+                            for p, (ps, e) in enumerate(zip(r.per_sample, self._edges))]
         r.selected = cap.selected
         r.paths = cap.paths
         for c in range(len(self._cells)):
@@ -558,7 +566,8 @@ class Probe:
             total over those forwards. The model is the attached module: a call of it that reads what its previous
             call computed (a sub-module applied at two depths) is the same forward.
             NaN (with a warning at the end of the block) where the edge's forward never ran,
-            the backward never reached it, or a candidate op did not run.
+            the backward never reached it, or a candidate op did not run; per sample such an edge has NaN rows
+            for every sample of the block's forwards (one NaN row where no edge was reached).
         """
         _check_flag("per_sample", per_sample)
         r = self._require_step()
