@@ -237,7 +237,8 @@ def build_report(record_path, figures: Optional[Sequence[str]] = None, dpi: int 
         ("seed", _code(meta.get("seed", "not recorded"))),
         ("rows", f"{len(steps)} (steps {int(steps[0])}–{int(steps[-1])})"),
         ("segments and resumes", f"{len(segments)} segment(s), {_resumes(segments)} resume(s): " + "; ".join(
-            html.escape(f"{Path(s['file']).name}: steps {s['first_step']}–{s['last_step']}, created {s.get('created', '?')}")
+            html.escape(f"{Path(s['file']).name}: " + (f"steps {s['first_step']}–{s['last_step']}" if s["rows"] else "no rows yet")
+                        + f", created {s.get('created', '?')}")
             for s in segments)),
         ("full config", _code(config or "not recorded")),
     ]

@@ -1,0 +1,39 @@
+"""A fifteenth new user's misuse of the ``nasdiag`` CLI, armed with README.md and ``--help``: what rounds 1-14
+(test_cli_errors.py, test_cli_search_misuse.py, test_cli_plot_misuse.py, test_cli_misuse_round3..14.py) did not
+cover: ``nasdiag report`` of a record whose run was just resumed and is still locked by its live writer, its new
+segment holding no row yet: the page said ``run.seg0001.h5: steps None–None`` (Python's None on the page).
+
+Checked and found right (not repeated as tests, run as a user in a shell): ``nasdiag methods`` with options it does
+not take (--method, --hp, --no-progress: argparse's one line), with DARTS, darts=1, darts,snas, '' or -x (one line,
+the near miss named), a method named twice (listed once); ``nasdiag search --method M --hp K=V`` for every method M
+with a key K of another method (reward_bound, alpha_lr, tau0, optimizer, update_every, hessian_mode, fd_eps_scale:
+one line naming the methods that take K); --engine fast with --device cpu, --norm layer/instance, --order
+conv-bn-relu, --method dsnas/xnas/asmnas (runs; where the fast engine cannot apply, one warning line and eager, as
+Network.set_engine documents); --dtype float16/bfloat16 (argparse's one line, the choices named); README's main-job
+command with --epochs 0, --batch-size 0 or past the search split (one line before any file), --batch-size 1 (runs)
+and 718 (a last batch of one sample: runs); ``plot`` and ``report`` of a record locked by a live writer, before and
+after a resume (drawn, the page says a writer lock exists), and of its segment run.seg0001.h5 (one line naming the
+record).
+"""
+
+from __future__ import annotations
+
+from nasdiag.cli import main
+from nasdiag.record import Recorder
+from test_cli_plot_misuse import rec, source  # noqa: F401 (fixtures)
+
+
+def test_a_report_of_a_run_just_resumed_does_not_print_none_for_its_empty_segment(rec, tmp_path, capsys):
+    """A resumed search opens run.seg0001.h5 at once and commits its first rows only at its first flush; a report
+    meanwhile listed that segment as ``steps None–None``. It says the segment has no rows yet."""
+    writer = Recorder(str(rec), resume=True, handle_sigterm=False)  # the live writer of the resumed run
+    try:
+        assert (tmp_path / "run.seg0001.h5").exists()
+        page = tmp_path / "page.html"
+        assert main(["report", str(rec), "--out", str(page), "--figures", "scalars"]) == 0
+        capsys.readouterr()
+        text = page.read_text()
+    finally:
+        writer.close()
+    assert "None" not in text.split("segments and resumes", 1)[1].split("</tr>", 1)[0]
+    assert "run.seg0001.h5: no rows yet" in text and "run.h5: steps 1–4" in text
