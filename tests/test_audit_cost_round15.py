@@ -156,3 +156,15 @@ def _no_warning():
     cm.enter_context(warnings.catch_warnings())
     warnings.simplefilter("error", RuntimeWarning)
     return cm
+
+
+@pytest.mark.parametrize("call, named", [
+    (lambda: loss_minus_entropy(torch.zeros(2, 3), [0, 1]), "loss_minus_entropy: targets must be a torch.Tensor"),
+    (lambda: loss_minus_entropy([[0.0, 1.0]], torch.tensor([0])), "loss_minus_entropy: logits must be a torch.Tensor"),
+    (lambda: edge_costs(torch.zeros(2, 3), [torch.zeros(2, 3), 1.0]), r"edge_costs: candidate_outputs\[1\] must be"),
+    (lambda: output_edge_costs([[0.0]], torch.zeros(1, 1), {0: (0, 1)}), "output_edge_costs: grad_cell_output must be"),
+])
+def test_a_list_or_float_where_a_tensor_is_expected_is_one_cost_error_line_not_an_attribute_error(call, named):
+    with pytest.raises(CostError, match=named) as info:
+        call()
+    assert "\n" not in str(info.value)

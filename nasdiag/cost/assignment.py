@@ -16,7 +16,7 @@ import operator
 from typing import Mapping, Sequence, Tuple
 
 import torch
-from nasdiag.cost.errors import CostError
+from nasdiag.cost.errors import CostError, require_tensors
 
 
 #: On a CPU, edge outputs up to this many elements are stacked into one bmm; larger ones are paired op
@@ -71,6 +71,9 @@ def edge_costs(
     """
     if len(candidate_outputs) == 0:
         raise CostError("an edge needs at least one candidate op output to assign costs")
+    if not (isinstance(grad_output, torch.Tensor) and all(isinstance(o, torch.Tensor) for o in candidate_outputs)):
+        require_tensors("edge_costs", grad_output=grad_output,
+                        **{f"candidate_outputs[{k}]": o for k, o in enumerate(candidate_outputs)})
     with _autocast_off(grad_output):
         return _edge_costs(grad_output, candidate_outputs, per_sample)
 
@@ -115,6 +118,7 @@ def output_edge_costs(
     if not isinstance(node_slices, Mapping) or not node_slices:
         raise CostError(f"node_slices must be a non-empty {{node: (start, stop)}} mapping of the output nodes' channel "
                         f"ranges, got {node_slices!r}")
+    require_tensors("output_edge_costs", grad_cell_output=grad_cell_output, cell_output=cell_output)
     if cell_output.dim() < 2 or grad_cell_output.shape != cell_output.shape:
         # a gradient of another shape would pair its channels with other channels of the output: a number of no node
         raise CostError(f"output_edge_costs: the gradient has shape {tuple(grad_cell_output.shape)} and the cell output "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from nasdiag.cost.errors import CostError
+from nasdiag.cost.errors import CostError, require_tensors
 
 
 def loss_minus_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -25,6 +25,7 @@ def loss_minus_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
         CostError: logits not (B, N), or targets not B integer labels in [0, N) (fewer labels than rows would
             average L over some samples and H over all of them).
     """
+    require_tensors("loss_minus_entropy", logits=logits, targets=targets)
     if logits.dim() != 2:
         raise CostError(f"loss_minus_entropy: logits must be (B, N) classifier outputs, got shape {tuple(logits.shape)}")
     B, N = logits.shape
