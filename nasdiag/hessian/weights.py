@@ -232,6 +232,12 @@ def named_values(model: nn.Module, params: Params) -> Dict[str, torch.Tensor]:
     out = {}
     for name, value in pairs:
         if name not in known:
+            tied = [a for a, names in _parameter_aliases(model).items() if name in names]
+            if tied:  # registered under this name too, but named_parameters (and the result) list it once
+                raise CurvatureError(
+                    f"{name!r} is the same Parameter as {tied[0]!r} (tied weights), which model.named_parameters() "
+                    f"and the result list once, under {tied[0]!r}; name it {tied[0]!r}"
+                )
             close = [k for k in known if name.split(".")[-1] in k][:5] if isinstance(name, str) else []
             raise CurvatureError(
                 f"{name!r} is not a parameter of the model; name one as in model.named_parameters()"
