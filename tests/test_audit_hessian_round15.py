@@ -10,7 +10,9 @@ DARTS ``Network`` in train mode): ``diag`` on the classifier equals the dense di
 untouched; ``params=`` as names, (name, value) pairs and a mapping give the dense numbers of those entries only; a
 parameter the loss does not reach gets zeros; a frozen parameter (requires_grad False) is returned with its true
 curvature and stays frozen; a Linear called twice (exact) gets its full diagonal, cross-call terms included; the result
-is keyed in ``model.named_parameters()`` order, shaped and typed as the parameters, detached.
+is keyed in ``model.named_parameters()`` order, shaped and typed as the parameters, detached. ``diag``/``approx`` at
+values passed in ``params`` (a frozen weight among them) equal an own C.1.4-C.1.5 transcription and its FC batch-mean
+analogue (1e-16).
 
 Defect found: naming a tied weight by its second name (``l2.weight`` where ``l2.weight = l1.weight``) was refused as
 "not a parameter of the model", which it is; the line now says it is the same Parameter as ``l1.weight`` and to name
@@ -150,3 +152,36 @@ def test_a_tied_weight_named_by_its_second_name_is_refused_naming_the_first():
     # named by its first name it is the tied weight's full diagonal (both calls, cross-call terms included)
     got = diag_hessian(net, F.cross_entropy, x, y, mode="exact", params=["l1.weight"])
     assert _rel(got["l1.weight"], _dense_diagonal(net, x, y, ["l1.weight"])["l1.weight"]) < 1e-10
+
+
+def test_diag_and_approx_at_a_substituted_point_are_own_c14_c15_and_its_batch_mean_analogue():
+    """An own transcription of C.1.4-C.1.5 (diag: W² back, σ'² h + σ'' g at an activation) and its FC feature-mean
+    analogue (approx: the batch mean at every Linear's output) on a tanh MLP, evaluated at values passed in ``params``
+    (one of them a frozen weight), against the net holding those values."""
+    net, x, y = _tanh_mlp()
+    net[2].weight.requires_grad_(False)
+    w2, w4 = torch.randn(4, 5, dtype=DT), torch.randn(4, 4, dtype=DT)
+    values = {"2.weight": w2, "4.weight": w4, "0.weight": net[0].weight}
+    n = x.shape[0]
+    z1 = net[0](x).detach()
+    a1 = torch.tanh(z1)
+    a2 = torch.tanh(F.linear(a1, w2, net[2].bias)).detach()
+    p = torch.softmax(F.linear(a2, w4, net[4].bias), 1).detach()
+    h3, g3 = (p - p**2) / n, (p - F.one_hot(y, 4)) / n  # mean cross-entropy: diag of its logit Hessian, gradient
+    s2, s1 = 1 - a2**2, 1 - a1**2  # tanh' ; tanh'' = -2 a tanh'
+
+    def back(h, g, w, a, s):  # through Linear (weights squared) then tanh (C.1.5 with the gradient term)
+        ga = g @ w
+        return (h @ w**2) * s**2 + ga * (-2 * a * s), ga * s
+
+    hz2, gz2 = back(h3, g3, w4, a2, s2)
+    hz1, _ = back(hz2, gz2, w2, a1, s1)
+    diag = diag_hessian(net, F.cross_entropy, x, y, mode="diag", params=values)
+    for name, own in (("4.weight", h3.T @ a2**2), ("2.weight", hz2.T @ a1**2), ("0.weight", hz1.T @ x**2)):
+        assert _rel(diag[name], own) < 1e-10, name
+    mean = lambda h: h.mean(0, keepdim=True).expand_as(h)  # noqa: E731
+    hz2m, _ = back(mean(h3), g3, w4, a2, s2)
+    approx = diag_hessian(net, F.cross_entropy, x, y, mode="approx", params=values)
+    for name, own in (("4.weight", mean(h3).T @ a2**2), ("2.weight", mean(hz2m).T @ a1**2)):
+        assert _rel(approx[name], own) < 1e-10, name
+    assert not net[2].weight.requires_grad and not torch.equal(net[2].weight, w2)
