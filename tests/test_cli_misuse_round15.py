@@ -1,7 +1,9 @@
 """A fifteenth new user's misuse of the ``nasdiag`` CLI, armed with README.md and ``--help``: what rounds 1-14
 (test_cli_errors.py, test_cli_search_misuse.py, test_cli_plot_misuse.py, test_cli_misuse_round3..14.py) did not
 cover: ``nasdiag report`` of a record whose run was just resumed and is still locked by its live writer, its new
-segment holding no row yet: the page said ``run.seg0001.h5: steps None–None`` (Python's None on the page).
+segment holding no row yet: the page said ``run.seg0001.h5: steps None–None`` (Python's None on the page); ``nasdiag
+search --figs run.seg0001.h5`` (a figure folder named as a later segment of its own record) ran and drew there, and
+then plot, report and --resume called the record damaged at that segment.
 
 Checked and found right (not repeated as tests, run as a user in a shell): ``nasdiag methods`` with options it does
 not take (--method, --hp, --no-progress: argparse's one line), with DARTS, darts=1, darts,snas, '' or -x (one line,
@@ -18,9 +20,12 @@ record).
 
 from __future__ import annotations
 
+import pytest
+
 from nasdiag.cli import main
 from nasdiag.record import Recorder
-from test_cli_plot_misuse import rec, source  # noqa: F401 (fixtures)
+from test_cli_errors import TINY
+from test_cli_plot_misuse import rec, refused, source  # noqa: F401 (fixtures)
 
 
 def test_a_report_of_a_run_just_resumed_does_not_print_none_for_its_empty_segment(rec, tmp_path, capsys):
@@ -37,3 +42,11 @@ def test_a_report_of_a_run_just_resumed_does_not_print_none_for_its_empty_segmen
         writer.close()
     assert "None" not in text.split("segments and resumes", 1)[1].split("</tr>", 1)[0]
     assert "run.seg0001.h5: no rows yet" in text and "run.h5: steps 1–4" in text
+
+
+@pytest.mark.parametrize("figs", ["run.seg0001.h5", "run.seg0002.h5/figs", "run.seg0001.h5.tmp"])
+def test_a_search_figure_folder_named_as_a_segment_of_its_record_is_refused_before_the_run(figs, tmp_path, capsys):
+    """``--figs run.seg0001.h5`` was checked against the record, its checkpoint and lock only: the search ran, drew
+    into that folder, and plot, report and ``--resume`` then read the folder as the record's damaged segment 1."""
+    refused(["search", *[a for a in TINY if a != "--no-figs"], "--out", tmp_path / "run.h5", "--figs", tmp_path / figs],
+            tmp_path, ["a later segment of the record", "pass another --figs"], capsys)
