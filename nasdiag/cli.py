@@ -293,26 +293,20 @@ def _refuse_broken_links(args) -> None:
 
 def _refuse_figures_in_the_record(figures: str, record: str, default: str) -> None:
     """The figure folder must not be the record or its checkpoint or lock, nor lie inside one: the search
-    would run to the end and then fail to draw."""
+    would run to the end and then fail to draw; nor be named as a later segment of the record."""
     folder = os.path.abspath(figures)
     for path in (record, record + ".ckpt", record + ".lock"):
         own = os.path.abspath(path)
         if folder == own or folder.startswith(own + os.sep):
             raise ConfigError(f"--figs {figures} is {'inside ' if folder != own else ''}the file {path} that the search "
                               f"writes (--out {record}); pass another --figs, such as {default}")
-    # a folder named as a later segment (run.seg0001.h5, or one being built: .tmp) made the record read as damaged
-    # by plot, report and --resume once the search had drawn into it
-    from nasdiag.record.schema import segment_owner, temp_path
+    from nasdiag.plot.commands import later_segment_in
 
-    level, own = folder, os.path.abspath(record)
-    while os.path.dirname(level) != level:
-        name = level[: -len(temp_path(""))] if level.endswith(temp_path("")) else level
-        if segment_owner(name) is not None and os.path.abspath(segment_owner(name)) == own:
-            raise ConfigError(f"--figs {figures} is {'inside ' if level != folder else ''}a folder named as "
-                              f"{os.path.basename(name)}, a later segment of the record {record} (its rows after a "
-                              f"resume), which plot, report and --resume would read as damaged; pass another --figs, "
-                              f"such as {default}")
-        level = os.path.dirname(level)
+    segment = later_segment_in(figures, record)
+    if segment is not None:
+        raise ConfigError(f"--figs {figures} is or lies in {segment}, the name of a later segment of the record {record} (its rows "
+                          f"after a resume), which plot, report and --resume would read as damaged; pass another --figs, "
+                          f"such as {default}")
 
 
 def run_search(args) -> int:

@@ -3,7 +3,8 @@
 cover: ``nasdiag report`` of a record whose run was just resumed and is still locked by its live writer, its new
 segment holding no row yet: the page said ``run.seg0001.h5: steps None–None`` (Python's None on the page); ``nasdiag
 search --figs run.seg0001.h5`` (a figure folder named as a later segment of its own record) ran and drew there, and
-then plot, report and --resume called the record damaged at that segment.
+then plot, report and --resume called the record damaged at that segment; so did ``nasdiag plot run.h5 --out
+run.seg0001.h5`` and ``nasdiag report run.h5 --out run.seg0001.h5``.
 
 Checked and found right (not repeated as tests, run as a user in a shell): ``nasdiag methods`` with options it does
 not take (--method, --hp, --no-progress: argparse's one line), with DARTS, darts=1, darts,snas, '' or -x (one line,
@@ -49,4 +50,12 @@ def test_a_search_figure_folder_named_as_a_segment_of_its_record_is_refused_befo
     """``--figs run.seg0001.h5`` was checked against the record, its checkpoint and lock only: the search ran, drew
     into that folder, and plot, report and ``--resume`` then read the folder as the record's damaged segment 1."""
     refused(["search", *[a for a in TINY if a != "--no-figs"], "--out", tmp_path / "run.h5", "--figs", tmp_path / figs],
-            tmp_path, ["a later segment of the record", "pass another --figs"], capsys)
+            tmp_path, ["the name of a later segment of the record", "pass another --figs"], capsys)
+
+
+@pytest.mark.parametrize("command,out", [("plot", "run.seg0001.h5"), ("plot", "run.seg0003.h5/figs"),
+                                         ("report", "run.seg0001.h5"), ("report", "run.seg0002.h5.tmp")])
+def test_a_plot_or_report_out_named_as_a_segment_of_the_record_is_refused(command, out, rec, tmp_path, capsys):
+    """``nasdiag plot run.h5 --out run.seg0001.h5`` drew its figures into a folder of that name and ``nasdiag report
+    run.h5 --out run.seg0001.h5`` wrote its page there, exit 0: the record was then read as damaged at segment 1."""
+    refused([command, rec, "--out", tmp_path / out], tmp_path, ["the name of a later segment of the record", "give"], capsys)

@@ -19,6 +19,7 @@ Importing this module imports only argparse: building the CLI parser must stay i
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -205,6 +206,31 @@ def refuse_empty_out(out: str, example: str) -> None:
         raise PlotError(f"--out is empty; give the {example}")
     if out.strip() == "-":  # report wrote a page named '-', plot a folder of that name (search refuses it too)
         raise PlotError(f"--out - is not standard output: it would write '-' into the current folder; give the {example}")
+
+
+def later_segment_in(path, record) -> Optional[str]:
+    """The name of a later segment of ``record`` (``run.seg0001.h5``, also one being built: ``.tmp``) that ``path`` is
+    or lies in, else None: a folder or page written there made plot, report and --resume read the record as damaged."""
+    from nasdiag.record.schema import segment_owner, temp_path
+
+    level, own = os.path.abspath(path), os.path.abspath(record)
+    while os.path.dirname(level) != level:
+        name = level[: -len(temp_path(""))] if level.endswith(temp_path("")) else level
+        if segment_owner(name) is not None and os.path.abspath(segment_owner(name)) == own:
+            return os.path.basename(name)
+        level = os.path.dirname(level)
+    return None
+
+
+def _refuse_segment_out(out, records: List[str]) -> None:
+    from nasdiag.plot.registry import PlotError
+
+    for record in records:
+        segment = later_segment_in(out, record)
+        if segment is not None:
+            raise PlotError(f"--out {out} is or lies in {segment}, the name of a later segment of the record {record} (its rows after "
+                            f"a resume), which plot, report and --resume would then read as damaged; give another "
+                            f"--out, e.g. --out figs")
 
 
 def _check_folder(out: Path, record: Optional[str] = None) -> None:
@@ -540,6 +566,7 @@ def run_plot(args) -> int:
     _check_folder(out)
     _refuse_repeats(args.records)
     records = _segments_with_their_record(args.records)
+    _refuse_segment_out(out, records)
     if len(records) == 1:
         record_path = records[0]
         refuse_checkpoint(record_path)

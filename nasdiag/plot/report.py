@@ -344,7 +344,8 @@ def _same_file(a, b) -> bool:
 
 def check_report_out(record_path, out_html, force: bool = False) -> None:
     """Refuse (`PlotError`, one line) an ``out_html`` the page must not be written to: a folder (also a
-    path ending in a slash), a path under a file, the record being read (any of its files), an HDF5 file
+    path ending in a slash), a path under a file, the record being read (any of its files, or a later segment's
+    name), an HDF5 file
     (even with ``force``), or an existing file that is not a previous report (unless ``force``)."""
     text = os.fspath(out_html)
     out = Path(text)
@@ -356,6 +357,13 @@ def check_report_out(record_path, out_html, force: bool = False) -> None:
                 raise PlotError(f"--out {text} cannot be written: {ancestor} is a file, not a folder; "
                                 f"give a path in a folder, e.g. --out {ancestor.with_suffix('')}-report.html")
             break
+    from nasdiag.plot.commands import later_segment_in
+
+    segment = later_segment_in(text, record_path)
+    if segment is not None:
+        raise PlotError(f"--out {text} is or lies in {segment}, the name of a later segment of the record {os.fspath(record_path)} (its "
+                        f"rows after a resume), which plot, report and --resume would then read as damaged; give an HTML "
+                        f"file, e.g. --out {Path(os.fspath(record_path)).with_suffix('')}-report.html")
     if not (out.exists() or out.is_symlink()):
         return
     target = os.path.realpath(out)
