@@ -292,10 +292,13 @@ def _refuse_broken_links(args) -> None:
 
 
 def _refuse_figures_in_the_record(figures: str, record: str, default: str) -> None:
-    """The figure folder must not be the record or its checkpoint or lock, nor lie inside one: the search
-    would run to the end and then fail to draw; nor be named as a later segment of the record."""
+    """The figure folder must not be the record or its checkpoint, lock or a file being built, nor lie inside one:
+    the search would run to the end and then fail to draw, or its --resume be refused; nor be named as a later
+    segment of the record."""
+    from nasdiag.search.runner import SIDE_FILES
+
     folder = os.path.abspath(figures)
-    for path in (record, record + ".ckpt", record + ".lock"):
+    for path in (record, *(record + suffix for suffix, _ in SIDE_FILES)):
         own = os.path.abspath(path)
         if folder == own or folder.startswith(own + os.sep):
             raise ConfigError(f"--figs {figures} is {'inside ' if folder != own else ''}the file {path} that the search "

@@ -4,7 +4,8 @@ cover: ``nasdiag report`` of a record whose run was just resumed and is still lo
 segment holding no row yet: the page said ``run.seg0001.h5: steps None–None`` (Python's None on the page); ``nasdiag
 search --figs run.seg0001.h5`` (a figure folder named as a later segment of its own record) ran and drew there, and
 then plot, report and --resume called the record damaged at that segment; so did ``nasdiag plot run.h5 --out
-run.seg0001.h5`` and ``nasdiag report run.h5 --out run.seg0001.h5``.
+run.seg0001.h5`` and ``nasdiag report run.h5 --out run.seg0001.h5``; ``search --figs run.h5.tmp`` (or
+run.h5.ckpt.tmp, where the record and checkpoint are built) ran, then its own --resume and --force were refused.
 
 Checked and found right (not repeated as tests, run as a user in a shell): ``nasdiag methods`` with options it does
 not take (--method, --hp, --no-progress: argparse's one line), with DARTS, darts=1, darts,snas, '' or -x (one line,
@@ -59,3 +60,11 @@ def test_a_plot_or_report_out_named_as_a_segment_of_the_record_is_refused(comman
     """``nasdiag plot run.h5 --out run.seg0001.h5`` drew its figures into a folder of that name and ``nasdiag report
     run.h5 --out run.seg0001.h5`` wrote its page there, exit 0: the record was then read as damaged at segment 1."""
     refused([command, rec, "--out", tmp_path / out], tmp_path, ["the name of a later segment of the record", "give"], capsys)
+
+
+@pytest.mark.parametrize("figs", ["run.h5.tmp", "run.h5.ckpt.tmp/figs"])
+def test_a_search_figure_folder_where_the_search_builds_a_file_is_refused_before_the_run(figs, tmp_path, capsys):
+    """``--figs run.h5.tmp`` ran and drew there; ``--resume`` and ``--force`` of that run were then refused with
+    "run.h5.tmp is a folder, where the search keeps a file next to the record"."""
+    refused(["search", *[a for a in TINY if a != "--no-figs"], "--out", tmp_path / "run.h5", "--figs", tmp_path / figs],
+            tmp_path, ["that the search writes", "pass another --figs"], capsys)
