@@ -17,7 +17,13 @@ Network.set_engine documents); --dtype float16/bfloat16 (argparse's one line, th
 command with --epochs 0, --batch-size 0 or past the search split (one line before any file), --batch-size 1 (runs)
 and 718 (a last batch of one sample: runs); ``plot`` and ``report`` of a record locked by a live writer, before and
 after a resume (drawn, the page says a writer lock exists), and of its segment run.seg0001.h5 (one line naming the
-record).
+record); --spectrum-every with --diagnostics cost or none (the eigenvalues recorded; asmnas and bayesnas refused in one
+line); --hessian-mode with --diagnostics cost or none (one line: no effect); --hp given twice, W_LR, w_lr:0.1, --hp=K=V;
+xnas --hp clip_rewards=yes/TRUE/no/off/0 (read as the bools they say); --device cuda, mps, CPU, cpu:0, gpu, '' (one
+line); search --figs naming the record, checkpoint or lock (one line), plot --at with no heatmap chosen (one line).
+Left alone: plot --out run.h5.lock (or .tmp, .ckpt.tmp) draws into a folder of that name, after which --resume is
+refused in one line that says to move the folder away (not silent; the check would load torch for plot's
+one-line errors); plot --dpi with svg/pdf of line figures only changes nothing; --dtype float16 suggests float64.
 """
 
 from __future__ import annotations
