@@ -83,8 +83,9 @@ class _PerSampleShift:
                 ((output.detach() - reference).abs().amax() <= 1e-5 * reference.abs().amax()
                  + torch.finfo(reference.dtype).tiny) or not torch.isfinite(reference).all()):
             return
-        hooked = self._own_hooks_of(module)
-        if hooked:  # the check calls forward alone: a hook that changes the output was blamed on the weights' pairing
+        if self._forward_takes_per_sample_weights(module, args, kwargs, reference, cpu_state, device, cuda_state):
+            # forward alone mixes (B, K) weights right: the call differed by a user's hook, not by the pairing
+            hooked = self._own_hooks_of(module) or ["hook"]
             raise CurvatureError(
                 f"edge {name!r}: the mixed op has a {' and a '.join(hooked)} of its own that changes its output, which "
                 "the GGN modes (ggn, ggn_mc, and the control variate of hutchinson:<k>) cannot check their per-sample "
@@ -97,10 +98,31 @@ class _PerSampleShift:
             "weights as well as (K,) (weights[..., k] broadcast over each sample's output), or use mode='exact' or 'diag'"
         )
 
+    @staticmethod
+    def _forward_takes_per_sample_weights(module, args, kwargs, reference, cpu_state, device, cuda_state) -> bool:
+        """Whether ``module.forward`` alone returns ``reference`` for the (K,) weights repeated as (B, K) rows."""
+        key = weights_parameter(module)
+        weights = kwargs[key] if key in kwargs else (args[1] if len(args) >= 2 else None)
+        x = args[0] if args else kwargs.get("x")
+        if not isinstance(weights, torch.Tensor) or not isinstance(x, torch.Tensor) or weights.dim() != 1:
+            return False
+        rows = weights.expand(x.shape[0], -1)
+        args, kwargs = ((args, {**kwargs, key: rows}) if key in kwargs else ((args[0], rows, *args[2:]), kwargs))
+        with torch.no_grad(), torch.random.fork_rng(devices=[device] if cuda_state is not None else []):
+            torch.set_rng_state(cpu_state)
+            if cuda_state is not None:
+                torch.cuda.set_rng_state(cuda_state, device)
+            try:
+                alone = module.forward(*args, **kwargs)
+            except Exception:  # a forward that cannot take (B, K) weights: the pairing message stands
+                return False
+        return (isinstance(alone, torch.Tensor) and alone.shape == reference.shape
+                and bool((alone - reference).abs().amax() <= 1e-5 * reference.abs().amax() + torch.finfo(reference.dtype).tiny))
+
     def _own_hooks_of(self, module) -> List[str]:
-        """The kinds of forward hooks on ``module`` that are not this object's."""
+        """The kinds of forward hooks on ``module`` that nasdiag did not put there."""
         def ours(fn) -> bool:
-            return fn == self.done or getattr(fn, "__qualname__", "").startswith(f"{type(self).__name__}.hook.")
+            return str(getattr(getattr(fn, "func", fn), "__module__", "") or "").startswith("nasdiag.")
 
         return [kind for kind, hooks in (("forward pre-hook", module._forward_pre_hooks), ("forward hook", module._forward_hooks))
                 if any(not ours(fn) for fn in hooks.values())]
