@@ -18,7 +18,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -86,6 +86,26 @@ class FixedArchitecture(SearchMethod):
         weights = self.forward_weights()
         self.cost(x, y, weights, active=self.active_for(weights))
 
+
+
+def chosen_runs(value: str, option: str, what: str, known, example: str, out: str, fmt: str, plot_only: bool) -> List[str]:
+    """The comma-separated names of ``option`` (``--configs``, ``--variants``), each one of ``known`` and given once,
+    with every run's folder free of other figures and records: all refused in one line before the first run."""
+    from script_args import UsageError, refuse_other_figures, refuse_other_records, refuse_repeats
+
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    if not names:  # it ran nothing and exited 0
+        raise UsageError(f"{option} {value!r} names no {what}; give comma-separated names, e.g. {example}")
+    unknown = [v for v in names if v not in known]
+    if unknown:
+        raise UsageError(f"unknown {what}(s) {unknown}; choose from {', '.join(known)}")
+    refuse_repeats(names, option)
+    for name in names:  # the heatmaps' folders, also for --plot-only
+        refuse_other_figures(os.path.join(out, name), None, fmt)
+    # every record before the first run, not after it
+    refuse_other_records([os.path.join(out, name, "record.h5") for name in names], FixedArchitecture.name,
+                         plot_only=plot_only)
+    return names
 
 def make_network(cell: str, layers: int, num_classes: int, in_channels: int, C: int = 8, norm: str = "batch",
                  order: str = "relu-conv-bn", affine: bool = False, classifier_bias: bool = True, reductions=None,

@@ -32,8 +32,7 @@ import sys
 import wiring_common as W
 from nasdiag.errors import run_script
 from script_args import (
-    Parser, UsageError, at_least, channels, refuse_other_figures,
-    refuse_other_records, refuse_repeats, seed as seed_number,
+    Parser, UsageError, at_least, channels, seed as seed_number,
 )
 
 CONFIGS = {"minimal1": ("minimal", 1), "minimal8": ("minimal", 8), "darts8": ("darts", 8)}
@@ -58,18 +57,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    if not configs:  # it ran nothing and exited 0
-        raise UsageError(f"--configs {args.configs!r} names no configuration; give comma-separated names, e.g. minimal1,darts8")
-    unknown = [c for c in configs if c not in CONFIGS]
-    if unknown:
-        raise UsageError(f"unknown configuration(s) {unknown}; choose from {', '.join(CONFIGS)}")
-    refuse_repeats(configs, "--configs")
-    for name in configs:  # the heatmaps' folders, also for --plot-only
-        refuse_other_figures(os.path.join(args.out, name), None, args.format)
-    # every record before the first run, not after it
-    refuse_other_records([os.path.join(args.out, name, "record.h5") for name in configs], W.FixedArchitecture.name,
-                         plot_only=args.plot_only)
+    configs = W.chosen_runs(args.configs, "--configs", "configuration", CONFIGS, "minimal1,darts8", args.out,
+                            args.format, args.plot_only)
     splits = None if args.plot_only else W.load_splits(args.dataset, args.data_dir, args.seed, args.batch_size,
                                                                    args.observe_batches)
     for name in configs:

@@ -29,8 +29,7 @@ import sys
 import wiring_common as W
 from nasdiag.errors import run_script
 from script_args import (
-    Parser, UsageError, at_least, channels, refuse_other_figures,
-    refuse_other_records, refuse_repeats, seed as seed_number,
+    Parser, UsageError, at_least, channels, seed as seed_number,
 )
 
 VARIANTS = {
@@ -62,18 +61,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    if not variants:  # it ran nothing and exited 0
-        raise UsageError(f"--variants {args.variants!r} names no variant; give comma-separated names, e.g. layer,instance")
-    unknown = [v for v in variants if v not in VARIANTS]
-    if unknown:
-        raise UsageError(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
-    refuse_repeats(variants, "--variants")
-    for name in variants:  # the heatmaps' folders, also for --plot-only
-        refuse_other_figures(os.path.join(args.out, name), None, args.format)
-    # every record before the first run, not after it
-    refuse_other_records([os.path.join(args.out, name, "record.h5") for name in variants], W.FixedArchitecture.name,
-                         plot_only=args.plot_only)
+    variants = W.chosen_runs(args.variants, "--variants", "variant", VARIANTS, "layer,instance", args.out,
+                             args.format, args.plot_only)
     splits = None if args.plot_only else W.load_splits(args.dataset, args.data_dir, args.seed, args.batch_size,
                                                                    args.observe_batches)
     for name in variants:
