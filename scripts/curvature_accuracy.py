@@ -38,7 +38,7 @@ from torch import nn
 from nasdiag.errors import run_script
 from nasdiag.hessian import arch_diag_hessian, diag_hessian
 from nasdiag.supernet import Network
-from script_args import Parser, at_least
+from script_args import Parser, at_least, device as device_name
 
 DT = torch.float64
 CHEAP_ARCH = ("diag", "approx", "ggn", "ggn_mc", "hutchinson:1", "hutchinson:4", "hutchinson:16")
@@ -207,7 +207,7 @@ def main(argv=None):
     parser.add_argument("--size", default="small", choices=tuple(SIZES), help="shape of the darts net (default: small)")
     parser.add_argument("--repeats", type=at_least(1), default=3, help="timings: median of this many runs")
     parser.add_argument("--seeds", type=at_least(1), default=3, help="random modes: accuracy averaged over this many seeds")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", type=device_name, default="cpu")  # a bad or absent one was torch's traceback
     parser.add_argument("--out", default=None, help="directory for curvature_accuracy.json and .md")
     args = parser.parse_args(argv)
     names = [ALIASES.get(n.strip(), n.strip()) for n in args.nets.split(",") if n.strip()]

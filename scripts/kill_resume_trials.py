@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from script_args import Parser, at_least  # noqa: E402
+from script_args import Parser, UsageError, at_least  # noqa: E402
 
 from nasdiag.errors import run_script  # noqa: E402
 
@@ -129,7 +129,13 @@ def main(argv=None) -> int:
     parser.add_argument("--folder", default="/tmp/nasdiag-kill-trials")
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
-    folder = Path(args.folder)
+    # the searches run in the repository's folder (cwd=ROOT): a relative --folder wrote their records there, and the
+    # trials then looked for them here; a folder of an earlier run was the reference search's refusal as a traceback
+    folder = Path(args.folder).resolve()
+    earlier = [p.name for p in (folder / "ref", *(folder / f"trial{i:03d}" for i in range(args.trials))) if p.exists()]
+    if earlier:
+        raise UsageError(f"--folder {args.folder} holds {', '.join(earlier[:3])}{' ...' if len(earlier) > 3 else ''} of an "
+                         f"earlier run, which the trials would write again; give another --folder, or remove it")
     folder.mkdir(parents=True, exist_ok=True)
     ref, duration = reference(folder / "ref")
     print(f"uninterrupted run: {duration:.1f} s")

@@ -1,0 +1,61 @@
+"""A sixteenth new user's misuse of the ``nasdiag`` CLI and the batch scripts, armed with README.md and ``--help``: what
+rounds 1-15 (test_cli_errors.py, test_cli_search_misuse.py, test_cli_plot_misuse.py, test_cli_misuse_round3..15.py,
+test_scripts_misuse_round14.py) did not cover: curvature_accuracy.py's ``--device`` (any text, torch's traceback for a
+bad or absent device); kill_resume_trials.py's ``--folder`` given relative (the searches ran in the repository's folder,
+so their records went there and the trials failed) or holding an earlier run (the reference search's refusal as a
+RuntimeError traceback). Every such mistake is one line on stderr saying what was wrong and what to do, exit code 2,
+no traceback, nothing left behind.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+
+from test_cli_misuse_round13 import _script  # runs a script in-process, the folder checked unchanged
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "scripts"))  # the batch scripts
+
+
+@pytest.mark.parametrize("device,said", [("bogus", "is not a device"), ("cuda:7", "is not available on this machine")])
+def test_curvature_accuracy_device_is_checked_in_one_line_before_any_folder(device, said, tmp_path, capsys):
+    """``--device bogus`` was torch's RuntimeError traceback ('Expected one of cpu, cuda, ...') and ``--device cuda`` on
+    a CPU machine its AssertionError ('Torch not compiled with CUDA enabled'), after ``--out`` was made; the other
+    scripts' --device is checked as they parse (script_args.device)."""
+    out = tmp_path / "out"
+    code, err = _script("curvature_accuracy", ["--nets", "tanh_mlp", "--device", device, "--out", str(out)], tmp_path,
+                        capsys)
+    assert code == 2 and len(err) == 1 and "--device" in err[0] and said in err[0], err
+    assert not out.exists()
+
+
+def test_kill_resume_trials_relative_folder_is_taken_from_where_it_is_run(tmp_path, monkeypatch, capsys):
+    """The searches run with the repository as their working folder: ``--folder k`` wrote the reference and trial
+    records under the repository's k/, and each trial then missed its record here (a fresh start refused as 'a record
+    already exists'). The folder is the user's k/ here; the searches are stood in for (no run)."""
+    trials = importlib.import_module("kill_resume_trials")
+    seen = []
+
+    def reference(folder, epochs=3):
+        seen.append(folder)
+        raise KeyboardInterrupt  # stop before any search (exit 130)
+
+    monkeypatch.setattr(trials, "reference", reference)
+    monkeypatch.chdir(tmp_path)
+    from nasdiag.errors import run_script
+
+    assert run_script("kill_resume_trials", trials.main, ["--folder", "k", "--trials", "1"]) == 130
+    capsys.readouterr()
+    assert seen == [tmp_path / "k" / "ref"], seen
+
+
+def test_kill_resume_trials_into_the_folder_of_an_earlier_run_is_one_line(tmp_path, capsys):
+    """A second run into the same --folder (the default /tmp/nasdiag-kill-trials, say) was the reference search's
+    refusal ('a record already exists at .../ref/reference.h5') raised as a RuntimeError traceback, exit 1."""
+    (tmp_path / "k" / "ref").mkdir(parents=True)
+    (tmp_path / "k" / "ref" / "reference.h5").write_bytes(b"")
+    code, err = _script("kill_resume_trials", ["--folder", str(tmp_path / "k"), "--trials", "1"], tmp_path, capsys)
+    assert code == 2 and len(err) == 1 and "--folder" in err[0] and "earlier run" in err[0], err
