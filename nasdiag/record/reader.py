@@ -302,13 +302,23 @@ def read_segment(index: int, file: str, with_data: bool = True, live: bool = Tru
         return _damaged_segment(index, file, f"it cannot be opened ({err})")
     with f:
         try:
+            if "nasdiag_version" in f.attrs:  # nasdiag's: a newer layout (without /present, say) is said to be one
+                _check_version(f, file)
             if schema.STEP not in f or schema.PRESENT not in f:
                 raise RecordError(f"{file} is not a nasdiag record segment (no /step or /present); remove or rename it")
             _check_version(f, file)
-            present_ds = f[schema.PRESENT]
+            present_ds, step_ds = f[schema.PRESENT], f[schema.STEP]
+            if not (isinstance(step_ds, h5py.Dataset) and step_ds.ndim == 1 and step_ds.dtype.kind in "iu"
+                    and isinstance(present_ds, h5py.Dataset) and present_ds.ndim == 2):
+                # a group, a 0-d or float /step (someone else's file) raised IndexError or AttributeError further on
+                raise RecordError(f"{file} is not a nasdiag record segment (its /step is not a column of steps or its "
+                                  "/present not a table of flags); remove or rename it")
             paths = [_attr_str(p) for p in present_ds.attrs[schema.PATHS_ATTR]]
             datasets = {path: f[path] for path in paths}
-            step_ds = f[schema.STEP]
+            lost = next((path for path, ds in datasets.items() if not isinstance(ds, h5py.Dataset)), None)
+            if lost is not None or present_ds.shape[1] != len(paths):
+                raise KeyError(f"/{lost} is not a dataset" if lost is not None else
+                               f"/present has {present_ds.shape[1]} columns for {len(paths)} paths")
             run_id = _attr_str(f.attrs.get("run_id", ""))
             meta = read_meta(f)
             previous = json.loads(_attr_str(f.attrs.get(schema.PREVIOUS_ATTR, "[]")))

@@ -1,0 +1,94 @@
+"""Round-16 audit of the record (nasdiag/record): files that are not records, or records of a newer layout, handed
+to the reader; unusual values; a live reader in another process beside a writer of several families at different
+rates, killed with SIGKILL and resumed.
+
+References are this file's own: the files below are written with plain h5py, the values logged are known
+functions of the step, and what comes back is compared with them in numpy, bit for bit.
+
+Checked and found right (scratch runs, not all kept as tests): NaN (with payloads), ±inf, ±0.0, the smallest
+subnormal, the largest and smallest normal of float16/32/64, the extremes of every int and uint width, bools,
+0-d tensors and arrays, bfloat16 tensors, Fortran-ordered, negatively strided, big-endian arrays and transposed
+tensors round-trip through `Recorder.log`, `load` and plain h5py bit for bit, with `nonfinite_count` and
+`load_meta(...)["nonfinite_counts"]` the numpy count; names of 70000 characters and 200 levels; 300 paths of
+300-character names write no HDF5 metadata block across a page (scripts/tear_writes.c, the first such write
+killed: none); an empty file, a text file, an HDF5 file of other datasets, one with a user block, a folder and a
+dangling link are each one `RecordError` line for `load`, `load_meta` and a resume.
+"""
+
+from __future__ import annotations
+
+import os
+
+import h5py
+import numpy as np
+import pytest
+
+from nasdiag.record import RecordError, Recorder, load, load_meta
+
+
+def _paths_attr(names):
+    return np.array(names, dtype=h5py.string_dtype())
+
+
+def _zero_d_step(f):  # someone's file of a step counter and a mask
+    f["step"] = np.int64(5)
+    f["present"] = np.zeros((3, 0), bool)
+    f["present"].attrs["paths"] = _paths_attr([])
+
+
+def _step_group(f):
+    f.create_group("step")
+    f.create_group("present")
+
+
+def _float_step(f):
+    f["step"] = np.array([0.5, 1.5, 2.5])
+    f["present"] = np.zeros((3, 0), bool)
+    f["present"].attrs["paths"] = _paths_attr([])
+
+
+def _path_is_a_group(f):
+    f["step"] = np.arange(3)
+    f["present"] = np.ones((3, 1), bool)
+    f["present"].attrs["paths"] = _paths_attr(["losses"])
+    f.create_group("losses")
+
+
+def _present_narrower_than_paths(f):
+    f["step"] = np.arange(3)
+    f["present"] = np.ones((3, 1), bool)
+    f["present"].attrs["paths"] = _paths_attr(["a/x", "a/y"])
+    f["a/x"] = np.arange(3.0)
+    f["a/y"] = np.arange(3.0)
+
+
+@pytest.mark.parametrize("make", [_zero_d_step, _step_group, _float_step, _path_is_a_group, _present_narrower_than_paths])
+def test_an_hdf5_file_whose_step_or_present_is_of_another_kind_is_one_record_error_for_load_and_resume(tmp_path, make):
+    """read_segment took any file with a /step and a /present for a record: a 0-d /step raised IndexError, a path
+    naming a group AttributeError, a /present narrower than its paths IndexError (tracebacks), and a float /step
+    loaded as steps truncated to ints (0.5 -> 0) and was resumed into."""
+    path = tmp_path / "other.h5"
+    with h5py.File(path, "w") as f:
+        make(f)
+    before = sorted(os.listdir(tmp_path))
+    for call in (load, load_meta, lambda p: Recorder(p, resume=True).close()):
+        with pytest.raises(RecordError) as info:
+            call(path)
+        message = str(info.value)
+        assert str(path) in message and "\n" not in message, message
+    assert sorted(os.listdir(tmp_path)) == before  # no lock, no segment left behind
+
+
+def test_a_record_of_a_newer_schema_without_present_says_upgrade_not_remove_it(tmp_path):
+    """A newer layout is what a schema version bump means: one without /present was called 'not a nasdiag record
+    segment ...; remove or rename it', advice that deletes a record a newer nasdiag reads."""
+    path = tmp_path / "run.h5"
+    with h5py.File(path, "w") as f:
+        f.attrs["schema_version"] = np.int64(3)
+        f.attrs["nasdiag_version"] = "9.0"
+        f["step"] = np.arange(3)
+        f["rows/loss"] = np.arange(3.0)
+    for call in (load, lambda p: Recorder(p, resume=True).close()):
+        with pytest.raises(RecordError, match="upgrade nasdiag") as info:
+            call(path)
+        assert "remove" not in str(info.value) and "\n" not in str(info.value)
