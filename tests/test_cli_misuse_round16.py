@@ -15,7 +15,10 @@ import sys
 
 import pytest
 
+from nasdiag.cli import main
+from test_cli_errors import refused
 from test_cli_misuse_round13 import _script  # runs a script in-process, the folder checked unchanged
+from test_cli_plot_misuse import rec, source  # noqa: F401 (fixtures)
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "scripts"))  # the batch scripts
 
@@ -59,3 +62,31 @@ def test_kill_resume_trials_into_the_folder_of_an_earlier_run_is_one_line(tmp_pa
     (tmp_path / "k" / "ref" / "reference.h5").write_bytes(b"")
     code, err = _script("kill_resume_trials", ["--folder", str(tmp_path / "k"), "--trials", "1"], tmp_path, capsys)
     assert code == 2 and len(err) == 1 and "--folder" in err[0] and "earlier run" in err[0], err
+
+
+def test_a_report_into_a_folder_that_cannot_hold_it_names_the_out_not_a_hidden_file(rec, tmp_path, monkeypatch, capsys):
+    """``nasdiag report run.h5 --out r.html`` run in a folder where no file can be made (a read-only one; root ignores
+    chmod, so /proc stands in) said 'nasdiag: error: No such file or directory (.r.html.16283.c5273b4a.tmp)': a
+    hidden file the user never named, and no way out. The line names the --out, the folder and what to do."""
+    if os.geteuid() == 0:
+        where = "/proc"
+    else:
+        where = tmp_path / "ro"
+        where.mkdir()
+        where.chmod(0o555)
+    monkeypatch.chdir(where)
+    try:
+        line = refused(["report", str(rec), "--out", "r.html"], tmp_path, "--out r.html cannot be written", capsys)
+    finally:
+        if where != "/proc":  # pytest must be able to remove it
+            where.chmod(0o755)
+    assert ".tmp" not in line and "give an --out" in line and os.path.abspath(".") in line, line
+
+
+def test_a_report_of_a_long_name_the_file_system_takes_is_written(rec, tmp_path, capsys):
+    """A page named with 245 characters (the file system takes 255) was refused as 'File name too long' of its hidden
+    temporary name (the page's name plus '.<pid>.<hex>.tmp'), exit 2; it is written."""
+    out = tmp_path / ("r" * 245 + ".html")
+    assert main(["report", str(rec), "--out", str(out), "--figures", "scalars"]) == 0, capsys.readouterr().err
+    assert out.read_text(encoding="utf-8").lstrip().lower().startswith("<!doctype html")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["run.h5", out.name])

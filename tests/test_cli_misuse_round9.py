@@ -66,10 +66,10 @@ def test_a_folder_level_too_long_leaves_no_folder(option, tmp_path, capsys):
 @pytest.mark.parametrize("where", ["level", "page"])
 def test_a_report_that_cannot_be_written_leaves_no_folder(where, rec, tmp_path, capsys):
     """``nasdiag report RUN.h5 --out a/<300 characters>/r.html`` made ``a``, failed on the next level and left ``a``;
-    a page name that fits but whose temporary file (``.<name>.<pid>.<hex>.tmp``) does not left every folder made for
-    it."""
+    a page name that does not fit left every folder made for it. (A page name that fits is written, round 16: its
+    temporary file no longer repeats a name near the limit.)"""
     out = (tmp_path / "a" / ("d" * (NAME_MAX + 45)) / "r.html" if where == "level"
-           else tmp_path / "a" / "b" / ("p" * (NAME_MAX - 10) + ".html"))
+           else tmp_path / "a" / "b" / ("p" * (NAME_MAX - 4) + ".html"))
     refused(["report", rec, "--out", out, "--figures", "scalars", "--dpi", "20"], tmp_path, "name too long", capsys)
 
 

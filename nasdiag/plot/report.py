@@ -405,18 +405,28 @@ def write_report(record_path, out_html, figures: Optional[Sequence[str]] = None,
 
     Raises:
         PlotError: ``out_html`` must not be written (checked before the record is read and again just
-            before the page replaces it), or the record has nothing to report.
+            before the page replaces it), cannot be made in its folder, or the record has nothing to report.
     """
     check_report_out(record_path, out_html, force)
     out = Path(out_html)
     text = build_report(record_path, figures, dpi)
     missing = [folder for folder in out.parents if not folder.exists()]  # removed again if the page is not written
-    # a fresh name ("x": never an existing file), removed on every path where it does not become the page
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    # a fresh name ("x": never an existing file), removed on every path where it does not become the page; a page's
+    # name near the file system's 255 bytes is not repeated in it ("File name too long" of a name that is not)
+    stem = out.name if len(os.fsencode(out.name)) <= 200 else "report.html"
+    tmp = out.with_name(f".{stem}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     created = written = False
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "x", encoding="utf-8", errors="backslashreplace") as f:  # a file name that is not UTF-8
+        try:  # a folder that cannot hold the page was "No such file or directory (.report.html.123.ab12cd34.tmp)"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            page = open(tmp, "x", encoding="utf-8", errors="backslashreplace")  # a file name that is not UTF-8
+        except OSError as exc:
+            from nasdiag.record.lock import describe_os_error
+
+            where = os.path.abspath(exc.filename if exc.filename not in (None, str(tmp)) else out.parent)
+            raise PlotError(f"--out {out_html} cannot be written: {describe_os_error(exc)} in {where}; give an --out in "
+                            f"a folder where files can be written") from None
+        with page as f:
             created = True
             f.write(text)
         check_report_out(record_path, out, force)  # the build takes a while: the path may have changed
