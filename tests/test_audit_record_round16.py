@@ -92,3 +92,42 @@ def test_a_record_of_a_newer_schema_without_present_says_upgrade_not_remove_it(t
         with pytest.raises(RecordError, match="upgrade nasdiag") as info:
             call(path)
         assert "remove" not in str(info.value) and "\n" not in str(info.value)
+
+
+def _loop_with_a_row_of_another_shape(path, steps, bad_step):
+    """A callback holding rows of ``steps`` (flush_every above them, so nothing is handed over yet), the row of
+    ``bad_step`` with a vector of another length; ``s/a`` is the step."""
+    import torch
+
+    from nasdiag.record.callbacks import RecorderCallback
+
+    callback = RecorderCallback(path, flush_every=64, flush_seconds=None)
+    for step in steps:
+        callback.on_step_end(step, {"s/a": torch.tensor(float(step), dtype=torch.float64),
+                                    "v/x": torch.zeros(4 if step == bad_step else 3)})
+    return callback
+
+
+def _committed_on_disk(path):
+    with h5py.File(path, "r", swmr=True) as f:
+        steps = f["step"][()]
+        n = int(np.argmax(steps < 0)) if (steps < 0).any() else len(steps)
+        return steps[:n], f["s/a"][:n]
+
+
+@pytest.mark.parametrize("hook", ["on_exception", "flush"])
+def test_a_held_row_of_another_shape_costs_only_itself_when_on_exception_or_flush_commits_the_rows(tmp_path, hook):
+    """on_exception ('writes what is held first, then raises') and flush ('commit it to disk') raised at the hand-over
+    of the bad row before the recorder's flush: the 5 good rows stayed in memory (0 committed, on disk nothing), lost
+    to the kill that often follows an exception."""
+    path = tmp_path / "run.h5"
+    callback = _loop_with_a_row_of_another_shape(path, range(6), bad_step=2)
+    with pytest.raises(RecordError, match="at step 2") as info:
+        callback.on_exception(RuntimeError("out of memory")) if hook == "on_exception" else callback.flush()
+    assert "\n" not in str(info.value)
+    kept = np.array([0, 1, 3, 4, 5])
+    assert callback.recorder.rows_buffered == 0 and callback.recorder.last_committed_step == 5
+    steps, values = _committed_on_disk(path)  # before close: what a kill now would leave
+    np.testing.assert_array_equal(steps, kept)
+    np.testing.assert_array_equal(values, kept.astype(np.float64))
+    callback.close()

@@ -219,10 +219,12 @@ class RecorderCallback:
                 if self._open is not None and row_step != self._open[0]:
                     self._finish_row(hand_over=False)
                 self._add(row_step, statistics)
-        self._finish_row(hand_over=False)
-        self._hand_over(collective=False, drop_unreduced=True)
-        if self.recorder is not None and not self.recorder.closed:
-            self.recorder.flush()
+        try:
+            self._finish_row(hand_over=False)
+            self._hand_over(collective=False, drop_unreduced=True)
+        finally:  # a held row of another shape raised at its hand-over: the rows logged before it were left unwritten
+            if self.recorder is not None and not self.recorder.closed:
+                self.recorder.flush()
         if refused is not None:
             raise refused
 
@@ -230,10 +232,12 @@ class RecorderCallback:
     def flush(self) -> None:
         """Hand every held row to the recorder (reducing across ranks: under DDP every rank must call
         it) and commit it to disk. Afterwards ``recorder.last_committed_step`` is the last step seen."""
-        self._finish_row(hand_over=False)
-        self._hand_over(collective=True)
-        if self.recorder is not None and not self.recorder.closed:
-            self.recorder.flush()
+        try:
+            self._finish_row(hand_over=False)
+            self._hand_over(collective=True)
+        finally:  # as in on_exception: a refused row costs only itself, the others are committed before it raises
+            if self.recorder is not None and not self.recorder.closed:
+                self.recorder.flush()
 
     @_one_thread_at_a_time
     def close(self) -> None:
