@@ -154,6 +154,11 @@ def draw(record_path: str, out: str, fmt: str) -> list:
     record = load(record_path)
     config = json.loads(str(record["meta/config"]))
     problems = config["problems"]
+    for name, problem in problems.items():  # a run stopped before its last row: a traceback of no row, or cut curves
+        done = int(np.sum(record.get(f"valid/toy/{name}/xnas/p", 0)))
+        if done < problem["steps"]:
+            raise NasdiagError(f"{record_path} holds {done} of the {problem['steps']} steps of {name}: its run stopped "
+                               f"before it finished (interrupted, or a full disk); run again without --plot-only")
     colors = {"xnas": "#d62728", "gd": "#1f77b4"}
     written = []
     with paper_style():

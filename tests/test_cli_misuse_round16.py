@@ -90,3 +90,27 @@ def test_a_report_of_a_long_name_the_file_system_takes_is_written(rec, tmp_path,
     assert main(["report", str(rec), "--out", str(out), "--figures", "scalars"]) == 0, capsys.readouterr().err
     assert out.read_text(encoding="utf-8").lstrip().lower().startswith("<!doctype html")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["run.h5", out.name])
+
+
+@pytest.mark.parametrize("rows", [0, 5])
+def test_xnas_toys_plot_only_of_a_run_stopped_before_it_finished_is_one_line(rows, tmp_path, capsys):
+    """xnas_toys.py writes its record in one pass; a run stopped in it (Ctrl-C, or ``ulimit -f 100``: 'cannot write
+    to t3/record.h5: disk full ...; the 0 rows committed before are intact') left a record that --plot-only drew from:
+    with no row a ValueError traceback ('zero-size array to reduction operation maximum'), with some rows the
+    paper's figures of curves cut short, exit 0. One line naming the steps there are, no figure drawn."""
+    import numpy as np
+
+    from nasdiag.record import Recorder
+
+    out = tmp_path / "out"
+    out.mkdir()
+    problems = {name: {"steps": steps, "alpha": [0.0] * n, "optimum": [1.0] + [0.0] * (n - 1)}
+                for name, steps, n in (("fig3", 120, 3), ("fig4", 50, 2), ("fig5", 50, 2), ("fig7", 50, 2))}
+    with Recorder(str(out / "record.h5"), meta={"method": "xnas_toys", "config": {"lr": 0.1, "problems": problems}}) as rec:
+        for t in range(rows):
+            row = {f"toy/{name}/{opt}/{key}": np.full(len(p["alpha"]) if key != "loss" else (), 0.5)
+                   for name, p in problems.items() for opt in ("xnas", "gd") for key in ("p", "update", "loss")}
+            rec.log(t, {**row, **{f"toy/fig6/{key}": 0.5 for key in ("x", "factor_simplex", "alpha_x", "factor_alpha")}})
+    code, err = _script("xnas_toys", ["--out", str(out), "--plot-only"], tmp_path, capsys)
+    assert code == 2 and len(err) == 1 and f"holds {rows} of the 120 steps of fig3" in err[0], err
+    assert "without --plot-only" in err[0], err
