@@ -148,6 +148,8 @@ def unrolled_weights(params: Mapping[str, torch.Tensor], train_grads: Mapping[st
     momentum buffer b and weight decay λ of DARTS's ``architect._compute_unrolled_model``); detached."""
     # foreach ops: a handful of kernels for all ~1400 weight tensors of a supernet, not six per tensor
     names = list(params)
+    if not names:  # every weight frozen: nothing to move (the foreach ops refuse an empty list)
+        return {}
     w = [params[n].detach() for n in names]
     d = torch._foreach_add([train_grads[n] for n in names], w, alpha=weight_decay) if weight_decay else \
         [train_grads[n] for n in names]
@@ -218,7 +220,8 @@ def unrolled_gradient(network, train_batch: Batch, val_batch: Batch, weights: Ce
     val_grad = arch_grad(val.costs)
 
     v = val.weight_grads
-    norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(list(v.values()))))
+    # every weight frozen (no w, so w' = w): v is empty, a zero vector, and the mixed term vanishes as for v = 0
+    norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(list(v.values())))) if v else val.loss.new_zeros(())
     # ε stays on the device (no host sync, so the step can be captured as a CUDA graph). Where v = 0 there is
     # no direction to differentiate along: the mixed term vanishes (ε = inf, w± = w, implicit = 0).
     nonzero = norm > 0
@@ -226,9 +229,9 @@ def unrolled_gradient(network, train_batch: Batch, val_batch: Batch, weights: Ce
     step = torch.where(nonzero, eps, torch.zeros_like(norm))
     names = list(params)
     w = [params[n] for n in names]
-    shift = torch._foreach_mul([v[n] for n in names], step)
-    plus = dict(zip(names, torch._foreach_add(w, shift)))
-    minus = dict(zip(names, torch._foreach_sub(w, shift)))
+    shift = torch._foreach_mul([v[n] for n in names], step) if names else []
+    plus = dict(zip(names, torch._foreach_add(w, shift))) if names else {}
+    minus = dict(zip(names, torch._foreach_sub(w, shift))) if names else {}
     c_plus = functional_cost(network, plus, buffers(), x_t, y_t, weights, active=active)
     c_minus = functional_cost(network, minus, buffers(), x_t, y_t, weights, active=active)
     # the losses at w± are unrolled forwards too: a NaN/inf there made the hypergradient NaN, which the α step

@@ -101,7 +101,8 @@ class DARTS(SearchMethod):
             raise nonfinite_loss_error(f"{self.name}: the search-train loss is {float(loss.detach())} (not finite); the search stops "
                                        "before the w step. Lower the learning rates or check the data for NaN/inf",
                                        {"scalars/train_loss": loss.detach()})
-        loss.backward()
+        if loss.requires_grad:  # every weight frozen (requires_grad=False): α is searched on fixed weights, no w step
+            loss.backward()
         self.average_weight_gradients()  # data parallel: ∂L/∂w averaged over ranks (a no-op in one process)
         nn.utils.clip_grad_norm_(self.network.weight_parameters(), self.hp.grad_clip)
         self.w_optimizer.step()

@@ -175,7 +175,8 @@ class XNAS(SearchMethod):
         if not finite_on_every_rank(loss):  # under DDP: every rank stops at this step
             raise nonfinite_loss_error(f"the search-train loss is {float(loss.detach())} (xnas step {self.rounds_played + 1}): "
                                   "lower w_lr or check the data", {"scalars/train_loss": loss.detach()})
-        loss.backward()
+        if loss.requires_grad:  # every weight frozen (requires_grad=False): the experts learn on fixed weights, no w step
+            loss.backward()
         nn.utils.clip_grad_norm_(self.network.weight_parameters(), self.hp.grad_clip)
         self.w_optimizer.step()
         return {"scalars/train_loss": loss.detach(), "scalars/train_acc": accuracy(logits.detach(), y)}

@@ -1,0 +1,88 @@
+"""Audit round 16 of the search methods: the method contract and the run object against an auditor's own float64
+arithmetic (references written here from the papers and plain torch; no nasdiag helper computes one): the separation
+of α from the weights (optimizer parameter ids, frozen weights), darts2 at its edge cases (ξ = 0, a zero ∇_w' L_val).
+
+Defects these tests found (each fails without its fix):
+
+- a supernet whose weights are all frozen (``requires_grad=False``: α searched on fixed, e.g. pretrained, weights)
+  stopped DARTS's and XNAS's first step in torch's "element 0 of tensors does not require grad" (the w step's
+  backward of a loss without a graph) and darts2's and SparseNAS's in "Tensor list must have at least one tensor"
+  (the unrolled step's foreach ops on an empty w), while SNAS, DSNAS, ProxylessNAS, BayesNAS and ASM-NAS searched
+  on; docs/darts2.md promises that a frozen weight stays where it is, also in w', w^± and ‖∇_w' L_val‖.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch.func import functional_call
+
+from nasdiag.search import Schedule, get_method
+from test_audit_methods_round14 import SMOOTH, _batches, _net
+
+BUILT_IN = ("asmnas", "bayesnas", "darts", "darts2", "dsnas", "proxyless", "snas", "sparsenas", "xnas")
+
+
+def _method(name, net, epochs=2, steps=2, **hp):
+    cls = get_method(name)
+    return cls(net, cls.Hyperparameters(**hp), schedule=Schedule(epochs=epochs, steps_per_epoch=steps, batch_size=4))
+
+
+def _prims(name):
+    cls = get_method(name)
+    return cls.primitives[:4] if cls.primitives else SMOOTH
+
+
+def _val_alpha_gradient(net, x, y):
+    """∂L_val/∂α by autograd through Z = softmax(α) (DARTS eq 7 at ξ = 0: w' = w), on a copy of the network with
+    copies of its buffers; one Z per cell, each cell's α its type's."""
+    ref = copy.deepcopy(net)
+    alphas = {t: a.detach().clone().requires_grad_(True) for t, a in ref.alphas().items()}
+    arch = {id(a) for a in ref.arch_parameters()}
+    params = {n: p.detach() for n, p in ref.named_parameters() if id(p) not in arch}
+    buffers = {n: b.clone() for n, b in ref.named_buffers()}
+    zs = [torch.softmax(alphas[c.cell_type], -1) for c in ref.cells]
+    loss = torch.nn.functional.cross_entropy(functional_call(ref, {**params, **buffers}, (x, zs)), y)
+    return dict(zip(alphas, torch.autograd.grad(loss, list(alphas.values()))))
+
+
+# -- α searched on frozen weights ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["darts", "darts2", "sparsenas", "xnas"])
+def test_every_method_searches_its_architecture_on_a_supernet_whose_weights_are_all_frozen(name):
+    """A frozen weight (requires_grad=False) takes no step of w's optimizer and stays where it is, in the w step and
+    in darts2's w', w^± and ‖∇_w' L_val‖ (docs/darts2.md); with every weight frozen a step moves only the
+    architecture, as SNAS, DSNAS, ProxylessNAS, BayesNAS and ASM-NAS already did."""
+    net = _net(1, _prims(name))
+    for p in net.weight_parameters():
+        p.requires_grad_(False)
+    frozen = {n: p.detach().clone() for n, p in net.named_weight_parameters()}
+    method = _method(name, net)
+    before = [a.detach().clone() for a in net.arch_parameters()] + [f.log_weights for f in
+                                                                    getattr(method, "forecasters", {}).values()]
+    data = _batches(4, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        method.step(data[0], data[1])
+        method.step(data[2], data[3])
+    for n, p in net.named_weight_parameters():
+        assert torch.equal(p, frozen[n]) and p.grad is None, n
+    after = [a.detach() for a in net.arch_parameters()] + [f.log_weights for f in
+                                                           getattr(method, "forecasters", {}).values()]
+    assert any(not torch.equal(a, b) for a, b in zip(before, after))  # the architecture was searched
+
+
+def test_darts2_on_frozen_weights_applies_the_first_order_gradient_at_w():
+    """With every weight frozen w' = w (nothing moves in the virtual step) and ∇_w' L_val is the empty (zero) vector,
+    so the mixed term of eq 8 vanishes: the hypergradient is ∂L_val(w, α)/∂α, autograd through softmax(α)."""
+    net = _net(2)
+    for p in net.weight_parameters():
+        p.requires_grad_(False)
+    method = _method("darts2", net)
+    (xt, yt), (xv, yv) = _batches(2, 3)
+    expected = _val_alpha_gradient(net, xv, yv)
+    got = method.arch_gradient((xt, yt), (xv, yv))
+    for t in expected:
+        torch.testing.assert_close(got[t], expected[t], rtol=1e-10, atol=1e-15)
