@@ -61,5 +61,5 @@ def stack_to_numpy(values: Sequence) -> list[np.ndarray]:
                 continue
             stacked = _tensor_to_numpy(torch.stack([values[i].detach() for i in indices]))
             for row, i in enumerate(indices):
-                out[i] = stacked[row]
+                out[i] = stacked[row, ...]  # an array also for 0-d values: stacked[row] is a numpy scalar, a float subclass
     return out

@@ -131,3 +131,34 @@ def test_a_held_row_of_another_shape_costs_only_itself_when_on_exception_or_flus
     np.testing.assert_array_equal(steps, kept)
     np.testing.assert_array_equal(values, kept.astype(np.float64))
     callback.close()
+
+
+@pytest.mark.parametrize("how", ["one row in its batch", "two rows in a batch", "Recorder.log of np.float64"])
+def test_a_float64_value_on_a_float32_path_is_refused_however_it_comes(tmp_path, how):
+    """A 0-d float64 tensor on a float32 path was refused when alone in the callback's batch but, two in a batch,
+    stacked into np.float64 scalars (a Python float subclass) and cast to float32 without a word; Recorder.log took
+    np.float64 likewise while refusing np.array(1.1) and a float64 tensor."""
+    import torch
+
+    from nasdiag.record.callbacks import RecorderCallback
+
+    path = tmp_path / "run.h5"
+    value = np.float64(1.1)  # float32(1.1) != 1.1: a silent cast is visible in the record
+    if how == "Recorder.log of np.float64":
+        with Recorder(path, flush_seconds=None) as rec:
+            rec.log(0, {"s/a": np.float32(0.5)})
+            with pytest.raises(RecordError, match="float64") as info:
+                rec.log(1, {"s/a": value})
+    else:
+        callback = RecorderCallback(path, flush_every=8, flush_seconds=None)
+        callback.on_step_end(0, {"s/a": torch.tensor(0.5, dtype=torch.float32)})
+        callback.flush()
+        for step in range(1, 2 if how == "one row in its batch" else 3):
+            callback.on_step_end(step, {"s/a": torch.tensor(value + step, dtype=torch.float64)})
+        with pytest.raises(RecordError, match="float64") as info:
+            callback.flush()
+        callback.close()
+    assert "\n" not in str(info.value)
+    data = load(path)
+    np.testing.assert_array_equal(data["step"], [0])  # nothing of a float64 row went into the float32 path
+    assert data["s/a"].dtype == np.float32 and data["s/a"][0] == np.float32(0.5)

@@ -618,8 +618,9 @@ class Recorder:
         new_paths: list[str] = []
         for path, value in values.items():
             column = self._columns.get(path)
-            if column is not None and column.shape == () and isinstance(value, (float, int)):
-                # Fast path: a Python scalar on a known scalar path is cast to the path's dtype.
+            if column is not None and column.shape == () and isinstance(value, (float, int)) and not isinstance(value, np.generic):
+                # Fast path: a Python scalar on a known scalar path is cast to the path's dtype. (np.float64 is a float
+                # subclass, but a numpy value keeps its dtype: it was cast into a float32 path, a 0-d array refused.)
                 if not _python_scalar_fits(value, column.dtype):
                     raise RecordError(
                         f"{path!r} at step {step}: got Python {type(value).__name__} {value!r}, but the path holds "
