@@ -31,7 +31,7 @@ import sys
 import time
 from collections import Counter
 from nasdiag.errors import NasdiagError, run_script
-from script_args import Parser, at_least, channels, threads as thread_count
+from script_args import Parser, at_least, channels, refuse_other_figures, threads as thread_count
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
@@ -193,13 +193,16 @@ def plot(summary, path):
     axes[2].legend(fontsize=7, frameon=False)
     fig.suptitle("ASM-NAS vs DARTS: performance stability over seeds (asm-nas §5.3.1, Fig. 3; digits)", fontsize=9)
     fig.tight_layout(rect=(0, 0, 1, 0.94))
-    fig.savefig(path, dpi=150)
+    from nasdiag.plot.registry import FIGURE_MARK
+
+    fig.savefig(path, dpi=150, metadata={"Creator": FIGURE_MARK})  # nasdiag's mark: a rerun replaces it
     plt.close(fig)
 
 
 def main(argv=None):
     args = parse_args(argv)
     summary_path = os.path.join(args.out, "summary.json")
+    refuse_other_figures(args.out, ["stability"], "png")  # the user's own stability.png was replaced without a word
     if args.plot_only:
         if not os.path.exists(summary_path):
             raise NasdiagError(f"{summary_path} does not exist; run without --plot-only first")

@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from nasdiag.errors import run_script
-from script_args import Parser, UsageError, at_least, number, seed as seed_number, threads as thread_count
+from script_args import (Parser, UsageError, at_least, number, refuse_other_figures, refuse_other_records, seed as seed_number,
+                         threads as thread_count)
 
 LAYERS = {"conv1.weight": (0,), "conv2.weight": (0,), "fc1.weight": (1,), "fc2.weight": (1,)}  # group_dims
 LABELS = {"conv1": "conv1 filters", "conv2": "conv2 filters", "fc1": "fc1 inputs (features)", "fc2": "fc2 inputs (neurons)"}
@@ -112,7 +113,7 @@ def compress(args) -> list:
 def write_record(rows, path: Path, settings) -> None:
     from nasdiag.record import Recorder
 
-    with Recorder(str(path), meta={"script": "bayes_compression", "settings": settings}, overwrite=True) as rec:
+    with Recorder(str(path), meta={"method": "bayes_compression", "script": "bayes_compression", "settings": settings}, overwrite=True) as rec:
         for r in rows:
             rec.log(r["iteration"], {f"scalars/{k.replace('/', '_')}": float(v) for k, v in r.items() if k != "iteration"})
 
@@ -139,7 +140,9 @@ def plot(path: Path, out: Path) -> None:
     a2.set_ylabel("test accuracy")
     fig.suptitle("BayesNAS §B structured compression on digits")
     fig.tight_layout()
-    fig.savefig(out)
+    from nasdiag.plot.registry import FIGURE_MARK
+
+    fig.savefig(out, metadata={"Creator": FIGURE_MARK})  # nasdiag's mark: a rerun replaces it, the user's own is refused
     plt.close(fig)
 
 
@@ -160,11 +163,14 @@ def main(argv=None) -> int:
     except UsageError as exc:  # main() returns 2 for a bad argument, as it did for --lam 0
         print(f"bayes_compression: error: {exc}", file=sys.stderr)
         return 2
-    torch.set_num_threads(args.threads)
     out = Path(args.out)
+    record, figure = out / "compression.h5", out / "compression.png"
+    # a file of either name the script did not write (a search's record, the user's figure) was replaced without a word
+    refuse_other_records([str(record)], "bayes_compression")
+    refuse_other_figures(str(out), ["compression"], "png")
+    torch.set_num_threads(args.threads)
     out.mkdir(parents=True, exist_ok=True)
     rows = compress(args)
-    record, figure = out / "compression.h5", out / "compression.png"
     write_record(rows, record, vars(args))
     plot(record, figure)
     last = rows[-1]

@@ -56,7 +56,8 @@ from nasdiag.errors import NasdiagError, run_script
 from nasdiag.sparse import HAPG, AdamHAPG, sgl_penalty
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # script_args, also when loaded from a file path
-from script_args import refuse_bad_paths, refuse_with_plot_only, seed as seed_number  # noqa: E402
+from script_args import (refuse_bad_paths, refuse_other_figures, refuse_other_records, refuse_with_plot_only,  # noqa: E402
+                         seed as seed_number)
 
 OPTIMIZERS = ("sgd", "adam", "hapg", "adamhapg")
 PROXIMAL = ("hapg", "adamhapg")
@@ -288,7 +289,9 @@ def draw(results: Sequence[Result], path: Path) -> Path:
         handles, labels = axes[0].get_legend_handles_labels()
         fig.legend(handles, labels, loc="outside right center", frameon=False, fontsize=6)
         fig.suptitle("sparse-supernet Fig. 3: pruning a 64-40-20-10 MLP on DIGITS (shaded: the paper's λ range)")
-        fig.savefig(path, dpi=150)
+        from nasdiag.plot.registry import FIGURE_MARK
+
+        fig.savefig(path, dpi=150, metadata={"Creator": FIGURE_MARK})  # nasdiag's mark: a rerun replaces it
         plt.close(fig)
     return path
 
@@ -459,6 +462,9 @@ def main(argv=None) -> int:
         return 2
     out = Path(args.out)
     record = out / "fig3.h5"
+    # a file of either name the script did not write (a search's record, the user's fig3.png) was replaced without a word
+    refuse_other_figures(str(out), ["fig3"], args.format)
+    refuse_other_records([str(record)], "sparsenas-digits-ablation", plot_only=args.plot_only)
     if args.plot_only:
         if not record.exists():
             print(f"sparsenas_digits: error: no record at {record}; run without --plot-only first", file=sys.stderr)

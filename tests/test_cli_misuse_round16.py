@@ -114,3 +114,55 @@ def test_xnas_toys_plot_only_of_a_run_stopped_before_it_finished_is_one_line(row
     code, err = _script("xnas_toys", ["--out", str(out), "--plot-only"], tmp_path, capsys)
     assert code == 2 and len(err) == 1 and f"holds {rows} of the 120 steps of fig3" in err[0], err
     assert "without --plot-only" in err[0], err
+
+
+def _search_record(path, method="darts"):
+    """A record as nasdiag search writes it (meta's method), at ``path``."""
+    import numpy as np
+
+    from nasdiag.record import Recorder
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with Recorder(str(path), meta={"method": method}) as rec:
+        rec.log(1, {"scalars/loss": np.float32(1.0)})
+
+
+@pytest.mark.parametrize("script,argv,where", [
+    ("bayes_compression", ["--iterations", "1", "--epochs-per-iteration", "1"], "compression.png"),
+    ("bayes_compression", ["--iterations", "1", "--epochs-per-iteration", "1"], "compression.h5"),
+    ("sparsenas_digits", ["--epochs", "1", "--retrain-epochs", "0", "--lambdas", "1e-3", "--optimizers", "sgd",
+                          "--penalties", "lasso", "--workers", "1", "--no-progress"], "fig3.png"),
+    ("sparsenas_digits", ["--plot-only"], "fig3.h5"),
+    ("asmnas_stability", ["--plot-only"], "stability.png"),
+])
+def test_a_paper_script_replaces_no_file_of_the_users(script, argv, where, tmp_path, capsys):
+    """Round 14 kept the wiring and XNAS scripts from replacing a user's own record.h5 or fig5.png; the paper scripts
+    were left: bayes_compression.py wrote compression.png and compression.h5 (Recorder(overwrite=True): a search's
+    record deleted), sparsenas_digits.py fig3.png (the most common name of a paper's figure) and fig3.h5 (with
+    --plot-only a KeyError traceback of another record), asmnas_stability.py stability.png, without a word. One line
+    before any work, the folder as it was."""
+    out = tmp_path / "out"
+    out.mkdir()
+    if where.endswith(".h5"):
+        _search_record(out / where)
+    else:
+        (out / where).write_bytes(b"\x89PNG\r\n\x1a\n the user's own figure")
+    code, err = _script(script, ["--out", str(out), *argv], tmp_path, capsys)
+    assert code == 2 and len(err) == 1 and where in err[0], err
+    assert "record of darts" in err[0] if where.endswith(".h5") else "not drawn by nasdiag" in err[0], err
+
+
+def test_sparsenas_digits_redraws_its_own_figure(tmp_path, capsys):
+    """Its own fig3.png (drawn with nasdiag's mark now) is redrawn by the next --plot-only, not refused as the user's."""
+    script = importlib.import_module("sparsenas_digits")
+    out = tmp_path / "out"
+    out.mkdir()
+    results = [script.Result(opt, pen, lam, 0.9, 30, 40, 0.5) for opt in ("sgd", "hapg") for pen in ("lasso", "sgl")
+               for lam in (1e-4, 1e-3)]
+    script.write_record(results, out / "fig3.h5", {"epochs": 1})
+    from nasdiag.errors import run_script
+
+    for _ in range(2):
+        assert run_script("sparsenas_digits", script.main, ["--out", str(out), "--plot-only"]) == 0, capsys.readouterr()
+    capsys.readouterr()
+    assert b"nasdiag figure" in (out / "fig3.png").read_bytes()
