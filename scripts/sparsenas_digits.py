@@ -255,6 +255,9 @@ def read_record(path: Path) -> List[Result]:
     from nasdiag.record import load, load_meta
 
     rec, rows = load(str(path)), load_meta(str(path))["rows"]
+    if len(rec["step"]) < len(rows):  # its write stopped (interrupted, a full disk): a KeyError or IndexError traceback
+        raise NasdiagError(f"{path} holds {len(rec['step'])} of the {len(rows)} configurations of its run: its write "
+                           f"stopped before it finished (interrupted, or a full disk); run again without --plot-only")
     col = {attr: rec[f"scalars/{name}"] for name, attr in COLUMNS.items()}
     return [Result(row["optimizer"], row["penalty"], float(col["lam"][i]), float(col["accuracy"][i]),
                    int(col["features"][i]), int(col["neurons"][i]), float(col["sparsity"][i]), float(col["seconds"][i]))

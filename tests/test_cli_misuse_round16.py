@@ -166,3 +166,21 @@ def test_sparsenas_digits_redraws_its_own_figure(tmp_path, capsys):
         assert run_script("sparsenas_digits", script.main, ["--out", str(out), "--plot-only"]) == 0, capsys.readouterr()
     capsys.readouterr()
     assert b"nasdiag figure" in (out / "fig3.png").read_bytes()
+
+
+@pytest.mark.parametrize("rows", [0, 1])
+def test_sparsenas_digits_plot_only_of_a_record_whose_write_stopped_is_one_line(rows, tmp_path, capsys):
+    """fig3.h5 is written in one pass after the grid; a write stopped by a full disk or Ctrl-C keeps meta's list of
+    the 4 configurations and fewer rows: --plot-only was a KeyError ('scalars/lambda', no row) or IndexError (some)
+    traceback. One line naming what the record holds."""
+    from nasdiag.record import Recorder
+
+    out = tmp_path / "out"
+    out.mkdir()
+    meta = {"method": "sparsenas-digits-ablation", "config": {}, "rows": [{"optimizer": "sgd", "penalty": "lasso"}] * 4}
+    with Recorder(str(out / "fig3.h5"), meta=meta) as rec:
+        for i in range(1, rows + 1):
+            rec.log(i, {f"scalars/{c}": 0.5 for c in ("lambda", "valid_acc", "selected_features", "remaining_neurons",
+                                                       "weight_sparsity", "seconds")})
+    code, err = _script("sparsenas_digits", ["--out", str(out), "--plot-only"], tmp_path, capsys)
+    assert code == 2 and len(err) == 1 and f"holds {rows} of the 4 configurations" in err[0], err
