@@ -9,6 +9,10 @@ Defects these tests found (each fails without its fix):
   backward of a loss without a graph) and darts2's and SparseNAS's in "Tensor list must have at least one tensor"
   (the unrolled step's foreach ops on an empty w), while SNAS, DSNAS, ProxylessNAS, BayesNAS and ASM-NAS searched
   on; docs/darts2.md promises that a frozen weight stays where it is, also in w', w^± and ‖∇_w' L_val‖.
+- ``load_state_dict`` took the state of a run of another schedule (2 epochs into a method built for 6) without a word:
+  the saved cosine schedule (its T_max) ran on under the method's own, so w's learning rate went back up past the
+  saved run's end (0.025 → 0.001 → 0.013 → 0.025 over the next epochs) while ``method.schedule`` said 6 epochs; the
+  state now holds the schedule and another one is refused in one line, before anything is loaded.
 """
 
 from __future__ import annotations
@@ -86,3 +90,41 @@ def test_darts2_on_frozen_weights_applies_the_first_order_gradient_at_w():
     got = method.arch_gradient((xt, yt), (xv, yv))
     for t in expected:
         torch.testing.assert_close(got[t], expected[t], rtol=1e-10, atol=1e-15)
+
+
+# -- a state of another schedule -------------------------------------------------------------------------------------
+def _cosine(lr0, lr_min, epoch, epochs):
+    import math
+
+    return lr_min + (lr0 - lr_min) * (1 + math.cos(math.pi * epoch / epochs)) / 2
+
+
+@pytest.mark.parametrize("name", ["darts", "bayesnas"])
+def test_a_state_of_a_run_of_another_schedule_is_refused_and_the_saved_schedule_extends_without_rising(name):
+    """DARTS §A.1.1: w's learning rate follows a cosine annealing over the run, never rising. A state saved by a run of
+    2 epochs × 3 steps, loaded into a method built for 6 × 3, is refused in one line with nothing loaded; built with
+    the saved schedule and extended (extend_schedule, docs/methods.md), the rate anneals on from where it was to its
+    minimum at epoch 6, the cosine restarted at the current rate."""
+    from nasdiag.errors import NasdiagError
+
+    saved = _method(name, _net(3, _prims(name)), epochs=2, steps=3)
+    saved.epoch_end(0)
+    state = copy.deepcopy(saved.state_dict())
+    other = _method(name, _net(4, _prims(name)), epochs=6, steps=3)
+    before = {k: v.clone() for k, v in other.network.state_dict().items()}
+    lr_before = other.w_optimizer.param_groups[0]["lr"]
+    with pytest.raises(NasdiagError, match=r"2 epochs × 3 steps.*6 × 3") as err:
+        other.load_state_dict(state)
+    assert "\n" not in str(err.value)
+    assert all(torch.equal(v, before[k]) for k, v in other.network.state_dict().items())
+    assert other.w_optimizer.param_groups[0]["lr"] == lr_before
+    resumed = _method(name, _net(4, _prims(name)), epochs=2, steps=3)
+    resumed.load_state_dict(state)
+    resumed.extend_schedule(6)
+    h = resumed.hp
+    now = _cosine(h.w_lr, h.w_lr_min, 1, 2)  # after one of the saved run's 2 epochs
+    for epoch in range(1, 6):
+        assert resumed.w_optimizer.param_groups[0]["lr"] == pytest.approx(
+            _cosine(now, h.w_lr_min, epoch - 1, 5), rel=1e-12, abs=1e-15), epoch
+        resumed.epoch_end(epoch)
+    assert resumed.w_optimizer.param_groups[0]["lr"] == pytest.approx(h.w_lr_min, abs=1e-15)

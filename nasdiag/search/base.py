@@ -741,6 +741,8 @@ class SearchMethod:
             "types": {k: type(v).__name__ for k, v in self._stateful().items()},
             "generator": self.generator.get_state(),
             "attributes": {k: getattr(self, k) for k in self.state_attributes},
+            # the run's shape the schedules (cosine T_max, XNAS's horizon, BayesNAS's update steps) were built for
+            "schedule": {"epochs": self.schedule.epochs, "steps_per_epoch": self.schedule.steps_per_epoch},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -749,7 +751,8 @@ class SearchMethod:
 
         Raises:
             NasdiagError: (one line, before anything is loaded) what is not a state_dict() (no network, objects or
-                generator), a state of another method, one that lacks a stateful object of this method, one whose objects are of other classes (another configuration: SparseNAS's
+                generator), a state of another method, one of a run of another schedule (epochs, steps per epoch: the saved
+                learning-rate schedules would run on under this one's), one that lacks a stateful object of this method, one whose objects are of other classes (another configuration: SparseNAS's
                 HAPG state for an AdamHAPG), or one of a supernet whose tensors differ in names or shapes. An object
                 that refuses its saved state (XNAS's forecasters of another ζ) raises its own one-line error, the
                 objects loaded before it are restored and the network is not touched.
@@ -761,6 +764,15 @@ class SearchMethod:
                                + ("" if isinstance(state, Mapping) else f" (got a {type(state).__name__})"))
         if state.get("method", self.name) != self.name:
             raise NasdiagError(f"this state is of method {state.get('method')!r}, not {self.name!r}")
+        saved_schedule = state.get("schedule")
+        if isinstance(saved_schedule, Mapping):  # (a state saved before it was stored: not checked)
+            theirs = (saved_schedule.get("epochs"), saved_schedule.get("steps_per_epoch"))
+            mine = (self.schedule.epochs, self.schedule.steps_per_epoch)
+            if theirs != mine:  # loaded, the saved cosine schedule ran on (and rose again past its end) under this one
+                raise NasdiagError(
+                    f"this state is of a run of {theirs[0]} epochs × {theirs[1]} steps per epoch, this {self.name} method's "
+                    f"schedule is {mine[0]} × {mine[1]}; build the method with the saved Schedule(epochs={theirs[0]}, "
+                    f"steps_per_epoch={theirs[1]}), then extend_schedule(epochs) to continue it to more epochs")
         objects = self._stateful()
         missing = sorted(set(objects) - set(state["objects"]))
         if missing:
