@@ -199,15 +199,31 @@ def plot(summary, path):
     plt.close(fig)
 
 
+def _summary(path):
+    """The summary.json of a run of this script at ``path`` (None: there is none); a file of that name cut short (a
+    full disk, a kill while it was written) or of another tool is one `NasdiagError` line: --plot-only was a
+    JSONDecodeError or KeyError traceback, and a run replaced another tool's summary.json without a word."""
+    if not os.path.lexists(path):
+        return None
+    try:
+        with open(path) as f:
+            summary = json.load(f)
+    except (ValueError, UnicodeDecodeError):
+        summary = None
+    if not isinstance(summary, dict) or not isinstance(summary.get("runs"), list):
+        raise NasdiagError(f"{path} is not a summary of asmnas_stability.py (cut short, or another tool's file); move it "
+                           f"away (then run the study again), or give another --out")
+    return summary
+
+
 def main(argv=None):
     args = parse_args(argv)
     summary_path = os.path.join(args.out, "summary.json")
     refuse_other_figures(args.out, ["stability"], "png")  # the user's own stability.png was replaced without a word
+    summary = _summary(summary_path)
     if args.plot_only:
-        if not os.path.exists(summary_path):
+        if summary is None:
             raise NasdiagError(f"{summary_path} does not exist; run without --plot-only first")
-        with open(summary_path) as f:
-            summary = json.load(f)
     else:
         summary = run_study(args)
     figure = os.path.join(args.out, "stability.png")

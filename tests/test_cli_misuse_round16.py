@@ -184,3 +184,18 @@ def test_sparsenas_digits_plot_only_of_a_record_whose_write_stopped_is_one_line(
                                                        "weight_sparsity", "seconds")})
     code, err = _script("sparsenas_digits", ["--out", str(out), "--plot-only"], tmp_path, capsys)
     assert code == 2 and len(err) == 1 and f"holds {rows} of the 4 configurations" in err[0], err
+
+
+@pytest.mark.parametrize("text,argv", [('{"config": {"seeds": 1}, "ru', ["--plot-only"]),  # cut short
+                                       ('{"accuracy": 0.9}', ["--plot-only"]),  # another tool's
+                                       ('{"accuracy": 0.9}', ["--seeds", "1", "--epochs", "1"])],
+                         ids=["cut-short", "another-tools", "another-tools-run"])
+def test_asmnas_stability_summary_cut_short_or_of_another_tool_is_one_line(text, argv, tmp_path, capsys):
+    """asmnas_stability.py writes summary.json after its runs with a plain open(): a full disk or a kill there cuts it
+    short, and --plot-only was json's JSONDecodeError traceback; another tool's summary.json (a common name) was a
+    KeyError ('runs') traceback, and a run replaced it without a word. One line before any work."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "summary.json").write_text(text)
+    code, err = _script("asmnas_stability", ["--out", str(out), *argv], tmp_path, capsys)
+    assert code == 2 and len(err) == 1 and "summary.json is not a summary of asmnas_stability.py" in err[0], err
