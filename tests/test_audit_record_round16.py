@@ -162,3 +162,40 @@ def test_a_float64_value_on_a_float32_path_is_refused_however_it_comes(tmp_path,
     data = load(path)
     np.testing.assert_array_equal(data["step"], [0])  # nothing of a float64 row went into the float32 path
     assert data["s/a"].dtype == np.float32 and data["s/a"][0] == np.float32(0.5)
+
+
+def test_under_ddp_a_row_of_another_dtype_costs_only_itself_and_no_value_is_promoted(tmp_path, monkeypatch):
+    """Rows reduced across ranks were stacked per path into their common dtype: one float64 row among float32 ones
+    made the whole batch float64, and the recorder refused all four rows (naming step 4, a float32 one); in the first
+    batch an int64 2**60 + 1 beside a Python float 3.5 became the float64 2**60. Each such row is now refused alone,
+    as `Recorder.log` refuses it in a single process. One rank of two holding the same rows (rule mean returns them),
+    as a stand-in for a process group, as in round 4."""
+    import torch
+
+    from nasdiag import distributed
+    from nasdiag.record.callbacks import RecorderCallback
+
+    monkeypatch.setattr(distributed, "world_size", lambda group=None: 2)
+    monkeypatch.setattr(distributed, "reduce_statistics", lambda stats, **kw: {p: np.asarray(v) for p, v in stats.items()})
+    big = 2**60 + 1  # not a float64
+    refused = {}
+    callback = RecorderCallback(tmp_path / "run.h5", flush_every=4, flush_seconds=None)
+    for step in range(8):
+        x = torch.tensor(step + 0.5, dtype=torch.float64 if step == 6 else torch.float32)
+        n = torch.tensor(big) if step == 0 else 3.5 if step == 1 else 7  # Python ints are cast to int64, a float is not
+        try:
+            callback.on_step_end(step, {"s/x": x, "s/n": n})
+        except RecordError as err:
+            refused[step] = str(err)
+    try:
+        callback.close()
+    except RecordError as err:
+        refused["close"] = str(err)
+    assert "at step 1: got Python float 3.5" in refused.pop(4) and "at step 6: got dtype float64" in refused.pop("close")
+    assert not refused, refused
+    out = load(tmp_path / "run.h5")
+    kept = np.array([0, 2, 3, 4, 5, 7])
+    np.testing.assert_array_equal(out["step"], kept)
+    assert out["s/x"].dtype == np.float32 and out["s/n"].dtype == np.int64
+    np.testing.assert_array_equal(out["s/x"], (kept + 0.5).astype(np.float32))
+    assert out["s/n"].tolist() == [big] + [7] * 5

@@ -32,7 +32,7 @@ import numpy as np
 
 from nasdiag.arrays import is_tensor, stack_to_numpy
 from nasdiag.record.errors import RecordError, RecordWarning
-from nasdiag.record.writer import Recorder, checked_step, unrecordable_tensor
+from nasdiag.record.writer import Recorder, _python_scalar_fits, checked_step, unrecordable_tensor
 from nasdiag.vocabulary import RULES
 
 
@@ -91,8 +91,8 @@ class RecorderCallback:
     process: also when the recorder's ``flush_seconds`` have passed, and after an epoch end as many as
     fill up the recorder's buffer, so that it writes them) and at every epoch end: each
     path's tensors are stacked and copied to the host once, and under DDP the whole batch is reduced
-    with one call (a row in which a path has another shape than in its first row is then refused, with
-    a `RecordError` at that hand-over, costing that row only). After ``on_epoch_end`` every row so far,
+    with one call (a row in which a path has another shape or dtype than in its first row is then refused, with
+    a `RecordError` at that hand-over, costing that row only; Python scalars are cast as `Recorder.log` casts them). After ``on_epoch_end`` every row so far,
     the open one included, is settled, so a `Recorder.flush` on rank 0 alone (a checkpoint at the
     epoch boundary) commits all of them.
     `flush` (every rank), `close` (every rank) and, in a single process, the recorder's own flushes
@@ -128,7 +128,7 @@ class RecorderCallback:
         self._open: list | None = None
         self._rows: list[list] = []  # finished rows, in step order
         self._last_step: int | None = None  # step of the newest row, open or finished
-        self._shapes: dict = {}  # path -> (row shape, first step) of the rows reduced across ranks so far
+        self._shapes: dict = {}  # path -> (row shape, first step, dtype) of the rows reduced across ranks so far
         self._closed = False  # close() ran: later hooks are refused, not dropped
         self._path = None  # a record path this rank does not write (another rank's recorder writes it)
         if isinstance(target, Recorder):
@@ -349,7 +349,7 @@ class RecorderCallback:
             if not self._needs_reduction():
                 settled = _convert_rows(rows)
             elif collective:
-                # One shape per path in a reduced batch: a row of another shape is refused here (the ranks hold
+                # One shape and dtype per path in a reduced batch: a row of another is refused here (the ranks hold
                 # the same shapes, so they refuse the same rows); it failed the whole batch, held it, and every
                 # batch after it, for the rest of the run.
                 rows, refused = _one_shape_per_path(rows, self._shapes)
@@ -359,7 +359,7 @@ class RecorderCallback:
                 self._rows = [row for row in self._rows if id(row) not in gone]
                 if self._open is not None and id(self._open) in gone:
                     self._open = None
-                settled = _reduce_rows(rows, self._rules, self._ddof, self._group)
+                settled = _reduce_rows(rows, self._rules, self._ddof, self._group, self._shapes)
             else:
                 settled = None
                 if drop_unreduced:
@@ -523,21 +523,52 @@ def _shape(value) -> tuple:
     return tuple(value.shape) if hasattr(value, "shape") else ()
 
 
+def _recorded_dtype(value) -> np.dtype:
+    """The dtype ``value`` reaches the recorder with (a tensor's without a host copy; bfloat16 and the float8 types
+    as float32, as `nasdiag.arrays` converts them)."""
+    if is_tensor(value):
+        try:
+            return np.dtype(str(value.dtype).removeprefix("torch."))
+        except TypeError:
+            return np.dtype(np.float32)
+    return np.asarray(value).dtype
+
+
+def _fits(value, dtype: np.dtype) -> bool:
+    """Whether the recorder takes ``value`` into a path of ``dtype``: of that dtype, or a Python scalar it casts there."""
+    if type(value) not in _PYTHON_SCALARS:
+        return _recorded_dtype(value) == dtype
+    try:
+        return _python_scalar_fits(value, dtype) and np.asarray(value, dtype=dtype) is not None
+    except OverflowError:  # an int beyond any float
+        return False
+
+
 def _one_shape_per_path(rows, known: dict):
-    """Split ``rows`` into those whose every path has its known shape and the refused others. ``known`` maps a
-    path to ``(shape, step)`` of its first row; it is kept across batches and updated here with the kept rows.
-    Returns ``(kept, refused)``, ``refused`` a list of ``(row, message)``."""
+    """Split ``rows`` into those whose every path has its known shape and dtype and the refused others. ``known`` maps
+    a path to ``(shape, step, dtype)`` of its first row; it is kept across batches and updated here with the kept rows.
+    Returns ``(kept, refused)``, ``refused`` a list of ``(row, message)``. (A row of another dtype was stacked with the
+    others into their common dtype: its whole batch was then refused by the recorder, or, in the first batch, the
+    path took that dtype, an int64 2**60 + 1 recorded as the float64 2**60.)"""
     kept, refused = [], []
     for row in rows:
-        shapes = {path: _shape(value) for path, value in row[1].items()}
-        wrong = next((path for path, shape in shapes.items() if known.get(path, (shape,))[0] != shape), None)
+        wrong = None
+        for path, value in row[1].items():
+            if path not in known:
+                continue
+            shape, step, dtype = known[path]
+            if _shape(value) != shape:
+                wrong = f"got shape {_shape(value)}, but step {step} logged it with shape {shape}; log one shape per path"
+            elif not _fits(value, dtype):
+                got = f"Python {type(value).__name__} {value!r}" if type(value) in _PYTHON_SCALARS else f"dtype {_recorded_dtype(value)}"
+                wrong = f"got {got}, but step {step} logged it with dtype {dtype}; log values of one dtype per path"
+            if wrong is not None:
+                refused.append((row, f"{path!r} at step {row[0]}: {wrong}; nothing of step {row[0]} was recorded"))
+                break
         if wrong is not None:
-            shape, step = known[wrong]
-            refused.append((row, f"{wrong!r} at step {row[0]}: got shape {shapes[wrong]}, but step {step} logged it with "
-                                 f"shape {shape}; log one shape per path; nothing of step {row[0]} was recorded"))
             continue
-        for path, shape in shapes.items():
-            known.setdefault(path, (shape, row[0]))
+        for path, value in row[1].items():
+            known.setdefault(path, (_shape(value), row[0], _recorded_dtype(value)))
         kept.append(row)
     return kept, refused
 
@@ -559,14 +590,15 @@ def _pooled_with_counts(rows, rules):
     return kept, refused
 
 
-def _reduce_rows(rows, rules, ddof, group) -> list[dict]:
-    """The raw values of the rows reduced across ranks, all of them with one `reduce_statistics` call."""
+def _reduce_rows(rows, rules, ddof, group, known: dict) -> list[dict]:
+    """The raw values of the rows reduced across ranks, all of them with one `reduce_statistics` call; ``known`` as
+    `_one_shape_per_path` left it (Python scalars are cast to their path's dtype, as `Recorder.log` casts them)."""
     from nasdiag import distributed
 
     columns = _columns(rows)
     stacked = {}
     for path, (where, column) in columns.items():
-        arrays = stack_to_numpy(column)
+        arrays = [array.astype(known[path][2], copy=False) for array in stack_to_numpy(column)]
         try:
             stacked[path] = np.stack(arrays)
         except ValueError:
