@@ -539,7 +539,8 @@ def _fits(value, dtype: np.dtype) -> bool:
     if type(value) not in _PYTHON_SCALARS:
         return _recorded_dtype(value) == dtype
     try:
-        return _python_scalar_fits(value, dtype) and np.asarray(value, dtype=dtype) is not None
+        with np.errstate(over="ignore"):  # a finite int that overflows a float32 path is inf there, as the recorder stores it
+            return _python_scalar_fits(value, dtype) and np.asarray(value, dtype=dtype) is not None
     except OverflowError:  # an int beyond any float
         return False
 
@@ -598,7 +599,8 @@ def _reduce_rows(rows, rules, ddof, group, known: dict) -> list[dict]:
     columns = _columns(rows)
     stacked = {}
     for path, (where, column) in columns.items():
-        arrays = [array.astype(known[path][2], copy=False) for array in stack_to_numpy(column)]
+        with np.errstate(over="ignore"):
+            arrays = [array.astype(known[path][2], copy=False) for array in stack_to_numpy(column)]
         try:
             stacked[path] = np.stack(arrays)
         except ValueError:
