@@ -210,7 +210,8 @@ def ggn_factor_rows(
     ``1/√samples`` for ``monte_carlo``, so that over all edges stacked along K the matrix
     ``C = Σ_{r,n} row_{r,n} row_{r,n}ᵀ`` (N × N, cross-edge blocks included) has ``diag C`` = the
     ``ggn``/``ggn_mc`` result and ``C ε = Rᵀ(R ε)`` costs two small matrix products: the control
-    variate of :mod:`nasdiag.hessian.arch_hutchinson`. Rows are NaN where the loss curvature was not finite.
+    variate of :mod:`nasdiag.hessian.arch_hutchinson`. Rows are NaN where the loss curvature was not finite,
+    zeros for an edge the loss does not depend on.
     """
     shift = _PerSampleShift(names, n_ops)
     hooks = Hooks()
@@ -271,7 +272,8 @@ def ggn_factor_rows(
             root = U * sign * lam.clamp_min(0).sqrt()[:, None, :]  # (N, D, D): column c is √λ_c u_c
             if monte_carlo:
                 check_probe_memory(samples * lam.numel() * (8 + 2 * lam.dtype.itemsize), None, lam.device,
-                                   f"mode 'ggn_mc' with samples={samples}", "lower samples (each draw is one more backward)")
+                                   f"mode 'ggn_mc' with samples={samples}", "lower samples (each draw is one more backward)",
+                                   settable=False)  # ggn_mc refuses max_memory=
                 # drawn on the CPU (the generator's device), so a seed gives the same draws on any device
                 eps = torch.randint(0, 2, (samples, *lam.shape), generator=generator).to(lam.device)
                 eps = (2 * eps - 1).to(lam.dtype)  # (S, N, D) Rademacher
@@ -291,8 +293,9 @@ def ggn_factor_rows(
             stacklevel=4,
         )
     factor, gradient = {}, {}
-    for name, g in zip(names, per_sample):  # g: (1 + R, B, K)
-        factor[name] = g[1:].detach() if finite else torch.full_like(g[1:], float("nan"))
+    for i, (name, g) in enumerate(zip(names, per_sample)):  # g: (1 + R, B, K)
+        # a non-finite loss curvature is NaN for every edge it reaches; one the loss ignores keeps its zeros
+        factor[name] = g[1:].detach() if finite or i in unused else torch.full_like(g[1:], float("nan"))
         gradient[name] = g[0].sum(0).detach()
     return factor, gradient, shift.observed
 

@@ -124,16 +124,17 @@ def hutchinson_arch_diag(
         else:
             V = eps
         if through_softmax:  # probes ε in α: products with J ε, read back through J (J symmetric, block diagonal)
-            J = torch.block_diag(*[_softmax_jacobian(ep.shift.observed[n][0].to(ep.dtype)) for n in names])
-            V = V @ J
+            J = [_softmax_jacobian(ep.shift.observed[n][0].to(ep.dtype)) for n in names]
+            V = _by_blocks(V, J, n_ops)
         step = max(1, ep.chunk_size)
         HV = torch.cat([ep.products(V[s : s + step]).detach() for s in range(0, V.shape[0], step)])
-        if control != "none":
-            HV = HV - (V @ R.T.to(ep.dtype)) @ R.to(ep.dtype)  # (H − C) v
+        if control != "none":  # (H − C) v; per edge, only the probe's own block of C is read below
+            R = R.to(ep.dtype)
+            HV = HV - (_own_blocks(V, R, n_ops) if per_edge else (V @ R.T) @ R)
         if through_softmax:
-            HV = HV @ J  # J (H − C) J ε
+            HV = _by_blocks(HV, J, n_ops)  # J (H − C) J ε
             if control != "none":
-                R = R.to(ep.dtype) @ J  # diag(J C J) below
+                R = _by_blocks(R, J, n_ops)  # diag(J C J) below
         if per_edge:  # entry i reads the product of its own edge's probe
             HV = HV.reshape(probes, E, N).gather(1, edge[None, None, :].expand(probes, 1, N)).squeeze(1)
     base = torch.zeros(N, dtype=ep.dtype, device=ep.device) if control == "none" else R.to(ep.dtype).square().sum(0)
@@ -141,6 +142,19 @@ def hutchinson_arch_diag(
     estimate = per_probe.mean(0)
     stderr = per_probe.std(0, unbiased=True) / probes**0.5 if probes > 1 else torch.full_like(estimate, float("nan"))
     return _per_edge(estimate, names, n_ops), _per_edge(stderr, names, n_ops), dict(zip(names, ep.grad_z)), ep.shift.observed
+
+
+def _by_blocks(A: torch.Tensor, blocks: List[torch.Tensor], n_ops: List[int]) -> torch.Tensor:
+    """``A @ block_diag(*blocks)``, taken edge by edge (see :func:`_own_blocks`)."""
+    return torch.cat([a @ b for a, b in zip(torch.split(A, n_ops, dim=1), blocks)], dim=1)
+
+
+def _own_blocks(V: torch.Tensor, R: torch.Tensor, n_ops: List[int]) -> torch.Tensor:
+    """``V_e R_eᵀ R_e`` for each edge e (``V_e``, ``R_e`` its columns): the block-diagonal part of ``C = Rᵀ R`` applied
+    to V. For a probe of one edge the entries it is read at are the same as ``(V Rᵀ) R``'s, but a product with the whole
+    matrix multiplies another edge's NaN columns (a NaN batch) by the zeros outside the probe: an edge the loss does not
+    depend on came out NaN instead of zeros."""
+    return torch.cat([(v @ r.T) @ r for v, r in zip(torch.split(V, n_ops, dim=1), torch.split(R, n_ops, dim=1))], dim=1)
 
 
 def _softmax_jacobian(z: torch.Tensor) -> torch.Tensor:
