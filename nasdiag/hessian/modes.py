@@ -114,7 +114,7 @@ def check_mode(mode, modes=ARCH_MODES, what: str = "mode") -> str:
 def _canonical_count(mode: str) -> Optional[str]:
     """``"hutchinson:1"`` for ``"hutchinson:01"`` or ``" hutchinson: 1"``; None where ``mode`` carries no count."""
     name, _, count = mode.partition(":")
-    if not count.strip().isdigit():
+    if not count.strip().isdecimal():  # isdigit() also takes "²", which int() refuses (a ValueError traceback)
         return None
     return f"{name.strip().lower()}:{int(count)}"
 
