@@ -18,12 +18,13 @@ from typing import Callable, Dict, List, Optional
 import torch
 from torch import nn
 
-from nasdiag.hessian._hvp import HessianVectorProduct, check_probe_memory, functional_forward, preserved_buffers, scalar_loss
+from nasdiag.hessian._hvp import (HessianVectorProduct, _memory_budget, check_probe_memory, functional_forward,
+                                  preserved_buffers, scalar_loss)
 from nasdiag.hessian.loss_curvature import output_hessian_blocks
 from nasdiag.hessian.rules import ModuleCall, rule_for
 from nasdiag.hessian.rules.elementwise import ElementwiseRule, IdentityRule, ReshapeRule
 
-__all__ = ["ChainDoesNotApply", "chain_exact_diag", "hvp_exact_diag", "as_linear_chain", "refuse_reentrant_checkpoint"]
+__all__ = ["ChainDoesNotApply", "chain_exact_diag", "chain_fits", "hvp_exact_diag", "as_linear_chain", "refuse_reentrant_checkpoint"]
 
 
 class ChainDoesNotApply(ValueError):
@@ -144,6 +145,8 @@ def chain_exact_diag(
                 if key in wanted:
                     out[key] = value
                     remaining.discard(key)
+            if not remaining:
+                break  # the layers below are not asked for: their (N, D, D) Hessians are not needed
             H = W.T @ H @ W  # C.1.3 without the activation: the next layer's output Hessian
             continue
         rule = rule_for(m)
@@ -155,6 +158,18 @@ def chain_exact_diag(
         if d2 is not None:
             H = H + torch.diag_embed(d2 * (torch.zeros_like(y) if g is None else g))  # + D
     return {k: out.get(k, torch.zeros_like(values[k])).detach() for k in values}
+
+
+def chain_fits(layers: List[tuple], inputs: torch.Tensor) -> bool:
+    """Whether the chain recursion's per-sample Hessians, ``(N, D, D)`` for the widest layer and two temporaries of
+    that size, fit the memory cap of the exact modes (half the free memory on the device; ``_hvp.fit_chunk``).
+    Where they do not, the Hessian-vector products give the same diagonal in O(chunk · params) memory: before, an
+    (N, D, D) of 200 GB was asked of the allocator (its multi-line error, or the kernel's OOM killer)."""
+    widths = [m.out_features for _, m in layers if isinstance(m, nn.Linear)]
+    if inputs.dim() == 0 or not widths:
+        return True
+    budget, _ = _memory_budget(None, inputs.device)
+    return budget is None or 3 * inputs.shape[0] * max(widths) ** 2 * inputs.element_size() <= budget
 
 
 def refuse_reentrant_checkpoint(loss: torch.Tensor) -> None:
@@ -243,7 +258,7 @@ def hvp_hutchinson_diag(
     names = list(values)
     hvp = _loss_hvp(model, loss_fn, inputs, targets, values)
     check_probe_memory(probes * hvp.dim * (8 + hvp.dtype.itemsize), None, hvp.device, f"diag_hessian(mode='hutchinson:{probes}')",
-                       "lower k (k products over all weights; mode='exact' takes one per weight and is exact)")
+                       "lower k (k products over all weights; mode='exact' takes one per weight and is exact)", settable=False)
     generator = torch.Generator().manual_seed(int(seed))
     eps = torch.randint(0, 2, (probes, hvp.dim), generator=generator, dtype=torch.int64).mul_(2).sub_(1)
     eps = eps.to(dtype=hvp.dtype, device=hvp.device)

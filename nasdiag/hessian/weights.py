@@ -10,7 +10,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from nasdiag.hessian._hvp import check_model, forward_failures_explained, functional_forward, preserved_buffers, scalar_loss
-from nasdiag.hessian.exact_weights import (ChainDoesNotApply, as_linear_chain, chain_exact_diag, hvp_exact_diag,
+from nasdiag.hessian.exact_weights import (ChainDoesNotApply, as_linear_chain, chain_exact_diag, chain_fits, hvp_exact_diag,
                                            hvp_hutchinson_diag, refuse_reentrant_checkpoint)
 from nasdiag.hessian.modes import WEIGHT_MODES, CurvatureError, CurvatureTypeError, check_mode, split_mode
 from nasdiag.hessian.loss_curvature import LossCouplesSamplesError, output_hessian_diagonal
@@ -101,7 +101,7 @@ def diag_hessian(
         chain = as_linear_chain(model)
         if chain is not None and isinstance(inputs, torch.Tensor):
             owned = {f"{n}.{k}" if n else k for n, m in chain for k, _ in m.named_parameters(recurse=False)}
-            if set(values) <= owned:
+            if set(values) <= owned and chain_fits(chain, inputs):
                 try:
                     with forward_failures_explained(model, inputs):
                         return chain_exact_diag(chain, loss_fn, inputs, targets, values)
