@@ -620,25 +620,27 @@ def fit_chunk(saved_bytes: int, max_memory: Optional[int], chunk_size: int, what
     return min(chunk_size, fits)
 
 
-def _memory_budget(max_memory: Optional[int], device) -> Tuple[Optional[int], str]:
+def _memory_budget(max_memory: Optional[int], device, settable: bool = True) -> Tuple[Optional[int], str]:
     """``(bytes, how the cap was set)``: ``max_memory``, else :data:`DEFAULT_MEMORY_SHARE` of the free memory on
-    ``device``; ``(None, "")`` where that is unknown."""
+    ``device``; ``(None, "")`` where that is unknown. ``settable``: whether the caller takes ``max_memory=``."""
     if max_memory is not None:
         return int(max_memory), f"max_memory is {_size(int(max_memory))}"
     free = free_memory(device) if device is not None else None
     if free is None:
         return None, ""
     budget = int(free * DEFAULT_MEMORY_SHARE)
-    return budget, f"only {_size(budget)} are free for it (half the free memory; max_memory= sets the cap)"
+    return budget, f"only {_size(budget)} are free for it (half the free memory{'; max_memory= sets the cap' if settable else ''})"
 
 
-def check_probe_memory(n_bytes: int, max_memory: Optional[int], device, what: str, instead: str) -> None:
+def check_probe_memory(n_bytes: int, max_memory: Optional[int], device, what: str, instead: str,
+                       settable: bool = True) -> None:
     """A one-line :class:`~nasdiag.hessian.modes.CurvatureError` if the probe arrays of a Hutchinson estimate
     (``n_bytes``, held at once) do not fit the cap of :func:`fit_chunk`; an allocator failure (or a machine driven
-    into swap by ``hutchinson:100000000``) otherwise."""
+    into swap by ``hutchinson:100000000``) otherwise. ``settable=False`` for a caller without ``max_memory=``
+    (``diag_hessian``, the spectrum's Hutchinson diagonal, ``ggn_mc``): the line does not point to it."""
     from nasdiag.hessian.modes import CurvatureError
 
-    budget, limit = _memory_budget(max_memory, device)
+    budget, limit = _memory_budget(max_memory, device, settable)
     if budget is not None and n_bytes > budget:
         raise CurvatureError(f"{what}: its probes and their products need about {_size(n_bytes)} at once but {limit}; "
                              f"{instead}")

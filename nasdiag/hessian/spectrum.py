@@ -32,6 +32,7 @@ from nasdiag.hessian._hvp import (
     HessianVectorProduct,
     Inputs,
     call_model,
+    check_probe_memory,
     named_tensors,
     preserved_buffers,
     scalar_loss,
@@ -158,12 +159,13 @@ def eigenvalues_from_hvp(
     """
     if not isinstance(dim, int) or dim < 1:
         raise CurvatureError(f"dim must be a positive int, got {dim!r}")
-    if not isinstance(k, int) or not 1 <= k <= dim:
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= dim:
         raise CurvatureError(f"k must be an int in [1, dim={dim}], got {k!r}")
     if method not in _METHODS:
         raise CurvatureError(f"method must be one of {_METHODS}, got {method!r}")
-    if not tol > 0:
-        raise CurvatureError(f"tol must be positive, got {tol!r}")
+    if isinstance(iters, bool):  # True was taken as 1 (power) or reached torch.zeros (lanczos: a TypeError traceback)
+        raise CurvatureError(f"iters must be an int (the most Hessian-vector products), got {iters!r}")
+    _checked_tol(tol)
     generator = torch.Generator().manual_seed(_checked_seed(seed, "the start vector"))
     if method == "lanczos":
         iters = min(dim, max(100, 4 * k)) if iters is None else iters
@@ -176,6 +178,15 @@ def eigenvalues_from_hvp(
     if not isinstance(iters, int) or iters < 1:
         raise CurvatureError(f"iters must be a positive int, got {iters!r}")
     return _power(hvp, dim, iters, tol, generator, dtype, device)
+
+
+def _checked_tol(tol) -> None:
+    """A positive finite number: a string or None was a bare ``TypeError`` of ``tol > 0``, and ``inf`` made every
+    residual 'converged' (a random Rayleigh quotient reported as the top eigenvalue with ``converged=True``)."""
+    if isinstance(tol, (str, bool)) or not isinstance(tol, (numbers.Real, torch.Tensor)):
+        raise CurvatureTypeError(f"tol must be a number (a relative residual, e.g. 1e-6), got {tol!r}")
+    if isinstance(tol, torch.Tensor) and tol.numel() != 1 or not 0 < float(tol) < math.inf:
+        raise CurvatureError(f"tol must be a positive finite number (a relative residual, e.g. 1e-6), got {tol!r}")
 
 
 def _checked_seed(seed, seeds: str) -> int:
@@ -381,6 +392,9 @@ def _probe_products(hvp, dim, samples, seed, batch_size, dtype, device, reduce_t
         raise CurvatureError(f"samples must be an int >= 2 (a standard error needs two probes), got {samples!r}")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise CurvatureError(f"batch_size must be a positive int, got {batch_size!r}")
+    if not reduce_to_scalar:  # every probe's (dim,) product is held (float64, CPU), then concatenated
+        check_probe_memory(2 * samples * dim * 8, None, "cpu", f"hutchinson_diagonal(samples={samples})",
+                           "lower samples (the error falls as 1/sqrt(samples))", settable=False)
     generator = torch.Generator().manual_seed(_checked_seed(seed, "the probes"))
     out = []
     for start in range(0, samples, batch_size):
