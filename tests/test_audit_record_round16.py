@@ -199,3 +199,18 @@ def test_under_ddp_a_row_of_another_dtype_costs_only_itself_and_no_value_is_prom
     assert out["s/x"].dtype == np.float32 and out["s/n"].dtype == np.int64
     np.testing.assert_array_equal(out["s/x"], (kept + 0.5).astype(np.float32))
     assert out["s/n"].tolist() == [big] + [7] * 5
+
+
+def test_recorder_flush_with_a_callback_holding_a_row_of_another_shape_writes_the_other_rows(tmp_path):
+    """`Recorder.flush` (a checkpoint's, or the SIGTERM guard's under an application handler) reaches the callback's
+    held rows through its flush listener; the listener raised at the bad row and the flush stopped, leaving the 5 good
+    rows the listener had handed over unwritten (0 committed)."""
+    path = tmp_path / "run.h5"
+    callback = _loop_with_a_row_of_another_shape(path, range(6), bad_step=2)
+    with pytest.raises(RecordError, match="at step 2"):
+        callback.recorder.flush()
+    kept = np.array([0, 1, 3, 4, 5])
+    steps, values = _committed_on_disk(path)
+    np.testing.assert_array_equal(steps, kept)
+    np.testing.assert_array_equal(values, kept.astype(np.float64))
+    callback.close()

@@ -444,7 +444,9 @@ class Recorder:
 
         A listener that holds rows back (`RecorderCallback` holds the current step's row, and its
         buffered device tensors) logs them from there, so that they are written with this flush.
-        Listeners run in the order they were added; one that raises stops the flush.
+        Listeners run in the order they were added. One that raises `RecordError` (a held row it could not hand
+        over) does not cost the others: the flush goes on and its error is raised after the rows are written; any
+        other exception stops the flush.
         """
         if not callable(listener):
             raise RecordError(f"a flush listener must be callable, got {type(listener).__name__}")
@@ -543,9 +545,13 @@ class Recorder:
     def flush(self) -> None:
         """Call the flush listeners, then write and commit the buffered rows now (no-op when none
         are buffered). When it returns, `last_step` and every row before it are on disk."""
+        refused = None
         if not self._busy and not self._closed:
             for listener in list(self._flush_listeners):
-                listener(closing=False)
+                try:
+                    listener(closing=False)
+                except RecordError as err:  # a callback's held row of another shape: the rows it handed over are
+                    refused = refused or err  # written all the same (the flush of a checkpoint or of a SIGTERM lost them)
         if self._busy:
             raise RecordError("Recorder.flush re-entered (from a signal handler or another thread); a recorder serves one thread")
         self._busy = True
@@ -555,6 +561,8 @@ class Recorder:
             self._busy = False
             if GUARD.pending:
                 GUARD.finish_pending_signal()
+        if refused is not None:
+            raise refused
 
     def _flush(self) -> None:
         if self._rows == 0 or self._closed:
