@@ -28,7 +28,8 @@ Defects found:
   Rayleigh quotient as the top eigenvalue with ``converged=True``, ``iters=True`` reached ``torch.zeros``;
 * ``hutchinson_diagonal`` holds every probe's product: a ``samples`` whose products cannot fit ran until memory gave
   out; now one line before any product, as ``hutchinson:<k>`` does (and, like ``diag_hessian``'s, without pointing to
-  a ``max_memory=`` the function does not take).
+  a ``max_memory=`` the function does not take);
+* ``max_memory=float("inf")`` (exact, hutchinson:<k>, alpha_diag_hessian) was ``int()``'s ``OverflowError``.
 """
 
 from __future__ import annotations
@@ -271,3 +272,13 @@ def test_hutchinson_diagonal_whose_products_cannot_fit_is_one_line_before_any_pr
         hutchinson_diagonal(hvp=hvp, dim=10**5, samples=10**8)  # 10^13 float64 entries held
     assert _one_line(err.value) and "samples" in str(err.value) and "max_memory" not in str(err.value)
     assert not calls
+
+
+def test_an_infinite_max_memory_is_one_line():
+    torch.manual_seed(3)
+    net = _DeadEdge()
+    x, y = torch.randn(4, 1, 4, 4, dtype=DT), torch.tensor([0, 1, 2, 0])
+    for mode in ("exact", "hutchinson:2"):
+        with pytest.raises(CurvatureError) as err:  # was int()'s OverflowError traceback
+            arch_diag_hessian(net, F.cross_entropy, x, y, net.edges(), mode=mode, max_memory=float("inf"))
+        assert _one_line(err.value) and "max_memory" in str(err.value) and "finite" in str(err.value)

@@ -667,8 +667,8 @@ def check_max_memory(max_memory, what: str) -> None:
     if not isinstance(max_memory, (int, float)) or isinstance(max_memory, bool):
         raise CurvatureTypeError(f"{what}: max_memory must be a number of bytes (or None for half the free memory), got "
                                  f"{max_memory!r} ({type(max_memory).__name__}); pass e.g. max_memory=2 * 2**30 for 2 GiB")
-    if not max_memory > 0:
-        raise CurvatureError(f"{what}: max_memory must be a positive number of bytes (or None for half the free memory), "
+    if not 0 < max_memory < float("inf"):  # inf was int()'s OverflowError traceback
+        raise CurvatureError(f"{what}: max_memory must be a positive finite number of bytes (or None for half the free memory), "
                              f"got {max_memory!r}; pass e.g. max_memory=2 * 2**30 for 2 GiB")
 
 
