@@ -17,7 +17,8 @@ def is_tensor(value) -> bool:
 
 
 def _tensor_to_numpy(tensor) -> np.ndarray:
-    tensor = tensor.detach().cpu()
+    # resolve_neg: a view with the negative bit (z.conj().imag, the imaginary part the docs ask for) refused .numpy()
+    tensor = tensor.detach().cpu().resolve_neg()
     try:
         return tensor.numpy()
     except TypeError:  # bfloat16 and friends have no numpy dtype

@@ -214,3 +214,18 @@ def test_recorder_flush_with_a_callback_holding_a_row_of_another_shape_writes_th
     np.testing.assert_array_equal(steps, kept)
     np.testing.assert_array_equal(values, kept.astype(np.float64))
     callback.close()
+
+
+def test_the_imaginary_part_of_a_conjugate_is_recorded_as_numpy_computes_it(tmp_path):
+    """docs/schema.md refuses complex tensors and asks for 'a complex value as its real and imaginary parts'; the
+    imaginary part of a conjugate, z.conj().imag, is a view with torch's negative bit, whose .numpy() raised
+    RuntimeError out of Recorder.log (a traceback, the row lost)."""
+    import torch
+
+    z = np.array([1 + 2j, 3 - 4j, -0.5 + 0j], np.complex64)
+    with Recorder(tmp_path / "run.h5", flush_seconds=None) as rec:
+        rec.log(0, {"z/re": torch.from_numpy(z).conj().real, "z/im": torch.from_numpy(z).conj().imag})
+    out = load(tmp_path / "run.h5")
+    assert out["z/im"].dtype == np.float32
+    np.testing.assert_array_equal(out["z/im"][0], np.conj(z).imag)
+    np.testing.assert_array_equal(out["z/re"][0], z.real)
