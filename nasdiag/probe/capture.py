@@ -14,6 +14,7 @@ Everything here lives for one block; the probe keeps only the small per-step res
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -193,6 +194,7 @@ class StepCapture:
         self.model_calls = 0  # forwards of the whole model started in this block
         self.call_modes: Dict[int, bool] = {}  # model forward (index) -> the model's train/eval mode in it
         self.call_batch: Dict[int, int] = {}  # model forward (index) -> the batch size of its first argument
+        self.first_name: Optional[str] = None  # the name of the model forward's first parameter ("" where none)
         #: autograd's node numbers at the start and end of the attached module's last call (with grad mode on)
         self.call_span: Optional[List[Optional[int]]] = None
         self.path_split = path_split
@@ -569,8 +571,9 @@ class StepCapture:
             self.model_calls += 1
         self.call_span = [self._sequence_now(), None] if torch.is_grad_enabled() else None
         self.call_modes.setdefault(self.model_calls, module.training)
-        if self.model_calls not in self.call_batch and args and isinstance(args[0], torch.Tensor) and args[0].dim():
-            self.call_batch[self.model_calls] = args[0].shape[0]
+        first = self._first_argument(module, args, kwargs)
+        if self.model_calls not in self.call_batch and isinstance(first, torch.Tensor) and first.dim():
+            self.call_batch[self.model_calls] = first.shape[0]
         # the first call of the model in the block that has a backward: a validation forward under no_grad before it
         # is not the batch the costs (and the curvature asked after them) are of
         if self.keep_model_io and self.model_inputs is None and torch.is_grad_enabled():
@@ -578,6 +581,22 @@ class StepCapture:
             self.kept_call = self.model_calls
             self.rng_state = random_state()  # hessian()'s re-run draws this forward's dropout masks
         return None
+
+    def _first_argument(self, module, args, kwargs):
+        """The model call's first argument, passed positionally or by its name (``model(x=x)``, a keyword-only input):
+        dim 0 of it is the batch its edges' rows are counted in (read by position only, a model called by keyword had no
+        batch size, so a forward running an edge in chunks added other samples' rows up and a path dropped in a
+        micro-batch was refused as such a forward)."""
+        if args or not kwargs:
+            return args[0] if args else None
+        if self.first_name is None:
+            try:
+                params = [p.name for p in inspect.signature(module.forward).parameters.values()
+                          if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+            except (TypeError, ValueError):
+                params = []
+            self.first_name = params[0] if params else ""
+        return kwargs.get(self.first_name)
 
     def model_post(self, module, args, output):
         if self.call_span is not None and self.call_span[1] is None and torch.is_grad_enabled():

@@ -1,0 +1,104 @@
+"""Cost audit round 16 (cost16): the probe (``nasdiag.attach``) in a user's own training loop, against float64 models
+written from scratch here (DARTS-convention mixed ops, leaf mixing weights Z, per-sample leaf weights Z_b, plain
+autograd for ∂L/∂Z and ∂L/∂Z_bk; wiring supplement §2.1: C_k = ∂L/∂Z_k = <∂L/∂x_j, O_k(x_i)>). Never nasdiag against
+nasdiag.
+
+Defects found (each test fails without its fix):
+
+* A model called with its batch by keyword (``model(x=x)``, a keyword-only input) had no batch size in the probe
+  (read off the first *positional* argument only): a forward running an edge on chunks of its batch returned (B/2, K)
+  per-sample rows, each the sum of two samples' rows, silently, where the docs promise a ProbeError; and gradient
+  accumulation with a path dropped in one micro-batch was refused as such a chunked forward, where the docs (and the
+  block's own warning) promise NaN rows for the samples of that micro-batch. The batch is now the model forward's
+  first parameter, positional or by its name
+  (test_a_model_called_by_keyword_keeps_its_batch_per_sample_rows_as_a_positional_call_does).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import nasdiag
+from nasdiag.probe.discovery import ProbeError
+
+DT = torch.float64
+
+
+class _Mixed(nn.Module):
+    """A DARTS-convention mixed op, Σ_k w_k·op_k(x), for (K,) or per-sample (B, K) weights."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self._ops = nn.ModuleList([nn.Linear(width, width, bias=False), nn.Tanh(), nn.Identity()])
+
+    def forward(self, x, weights):
+        if weights.dim() == 1:
+            return sum(w * op(x) for w, op in zip(weights, self._ops))
+        return sum(weights[:, k:k + 1] * op(x) for k, op in enumerate(self._ops))
+
+
+class _KeywordNet(nn.Module):
+    """Two edges in a chain, called as ``net(inp=x, Z=Z)`` (a keyword-only input); ``chunks`` runs edge a on chunks of
+    the batch, ``skip_b`` drops edge b (a path dropped in a micro-batch)."""
+
+    def __init__(self, width: int = 3):
+        super().__init__()
+        self.a, self.b = _Mixed(width), _Mixed(width)
+        self.chunks, self.skip_b = 1, False
+
+    def forward(self, *, inp, Z):
+        za = Z[0] if Z[0].dim() == 1 else None
+        h = torch.cat([self.a(c, za if za is not None else zc) for c, zc in
+                       zip(inp.chunk(self.chunks), Z[0].expand(inp.shape[0], -1).chunk(self.chunks))])
+        return h if self.skip_b else self.b(h, Z[1])
+
+
+def _loss(out):
+    return (out ** 2).sum() + out.sum()
+
+
+def _per_sample_reference(net, x, Z):
+    """∂L/∂Z_bk of per-sample leaf weights Z_b = Z for every sample: the (B, K) per-sample cost terms of each edge."""
+    leaves = [z.detach().expand(x.shape[0], -1).clone().requires_grad_() for z in Z]
+    out = net(inp=x, Z=leaves)
+    grads = torch.autograd.grad(_loss(out), leaves)
+    return {"a": grads[0], "b": grads[1]}
+
+
+def test_a_model_called_by_keyword_keeps_its_batch_per_sample_rows_as_a_positional_call_does():
+    torch.manual_seed(0)
+    net = _KeywordNet().to(DT)
+    probe = nasdiag.attach(net)
+    x1, x2 = torch.randn(4, 3, dtype=DT), torch.randn(2, 3, dtype=DT)
+    Z = torch.softmax(torch.randn(2, 3, dtype=DT), -1)
+    ref1, ref2 = _per_sample_reference(net, x1, Z), _per_sample_reference(net, x2, Z)
+
+    # gradient accumulation, edge b dropped in the second micro-batch: rows of the first forward, then NaN rows for b
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with probe.record():
+            _loss(net(inp=x1, Z=Z.clone().requires_grad_())).backward()
+            net.skip_b = True
+            _loss(net(inp=x2, Z=Z.clone().requires_grad_())).backward()
+            net.skip_b = False
+    assert any("took no part" in str(w.message) for w in caught)
+    rows = probe.costs(per_sample=True)  # was a ProbeError "ran ... on chunks of the model's batch"
+    assert rows["a"].shape == rows["b"].shape == (6, 3)
+    # edge a ran in both micro-batches; its rows without b downstream are those of the chain cut at a
+    zb = Z[0].expand(2, -1).clone().requires_grad_()
+    ref2_cut = torch.autograd.grad(_loss(net.a(x2, zb)), zb)[0]
+    torch.testing.assert_close(rows["a"], torch.cat([ref1["a"], ref2_cut]), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(rows["b"][:4], ref1["b"], rtol=1e-12, atol=1e-14)
+    assert torch.isnan(rows["b"][4:]).all()
+
+    # a forward running edge a on halves of its batch: per-sample rows undefined, refused as for a positional call
+    net.chunks = 2
+    with probe.record():
+        _loss(net(inp=x1, Z=Z.clone().requires_grad_())).backward()
+    torch.testing.assert_close(probe.costs()["a"], ref1["a"].sum(0), rtol=1e-12, atol=1e-14)  # the sum is still right
+    with pytest.raises(ProbeError, match="chunks"):
+        probe.costs(per_sample=True)  # were (2, K) rows, row b the sum of samples b and b + 2
