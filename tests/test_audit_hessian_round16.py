@@ -29,7 +29,9 @@ Defects found:
 * ``hutchinson_diagonal`` holds every probe's product: a ``samples`` whose products cannot fit ran until memory gave
   out; now one line before any product, as ``hutchinson:<k>`` does (and, like ``diag_hessian``'s, without pointing to
   a ``max_memory=`` the function does not take);
-* ``max_memory=float("inf")`` (exact, hutchinson:<k>, alpha_diag_hessian) was ``int()``'s ``OverflowError``.
+* ``max_memory=float("inf")`` (exact, hutchinson:<k>, alpha_diag_hessian) was ``int()``'s ``OverflowError``;
+* Lanczos allocated its ``(iters + 1, dim)`` basis whole though it stops at ``dim`` products: ``iters=10**10`` on a
+  3 × 3 operator asked for 240 GB.
 """
 
 from __future__ import annotations
@@ -282,3 +284,11 @@ def test_an_infinite_max_memory_is_one_line():
         with pytest.raises(CurvatureError) as err:  # was int()'s OverflowError traceback
             arch_diag_hessian(net, F.cross_entropy, x, y, net.edges(), mode=mode, max_memory=float("inf"))
         assert _one_line(err.value) and "max_memory" in str(err.value) and "finite" in str(err.value)
+
+
+def test_lanczos_given_more_iterations_than_the_dimension_stops_at_it_without_allocating_them():
+    A = torch.diag(torch.tensor([-5.0, 1.0, 2.0], dtype=DT))
+    # the (iters + 1, dim) Krylov basis was allocated whole: 240 GB here, the allocator's multi-line error
+    res = hessian_eigenvalues(lambda v: v @ A, 3, k=3, iters=10**10)
+    assert res.converged and res.iterations <= 3
+    torch.testing.assert_close(res.eigenvalues, torch.tensor([2.0, 1.0, -5.0], dtype=DT), rtol=0, atol=1e-12)

@@ -149,7 +149,8 @@ def eigenvalues_from_hvp(
         hvp: maps a (dim,) tensor to H v, H symmetric. Called with ``dtype``/``device`` vectors.
         dim: the operator's dimension.
         k: how many of the largest algebraic eigenvalues to report.
-        iters: maximum HVPs per run (default ``min(dim, max(100, 4k))``; power: 1000).
+        iters: maximum HVPs per run (default ``min(dim, max(100, 4k))``, and Lanczos never takes more than ``dim``;
+            power: 1000).
         tol: relative tolerance, see above.
         seed: seeds the start vector (CPU generator, so results do not depend on the device).
         dtype, device: of the vectors passed to ``hvp``.
@@ -171,7 +172,8 @@ def eigenvalues_from_hvp(
         iters = min(dim, max(100, 4 * k)) if iters is None else iters
         if not isinstance(iters, int) or iters < k:
             raise CurvatureError(f"iters must be an int >= k={k}, got {iters!r}")
-        return _lanczos(hvp, dim, k, iters, tol, generator, dtype, device)
+        # it stops at dim products (the basis then spans the space); its (iters + 1, dim) basis was allocated whole
+        return _lanczos(hvp, dim, k, min(iters, dim), tol, generator, dtype, device)
     if k != 1:
         raise CurvatureError(f"method='power' finds one eigenvalue; for k={k} use method='lanczos'")
     iters = 1000 if iters is None else iters
