@@ -229,3 +229,135 @@ def test_the_imaginary_part_of_a_conjugate_is_recorded_as_numpy_computes_it(tmp_
     assert out["z/im"].dtype == np.float32
     np.testing.assert_array_equal(out["z/im"][0], np.conj(z).imag)
     np.testing.assert_array_equal(out["z/re"][0], z.real)
+
+
+_FAMILIES = '''
+import numpy as np
+
+
+def expected_problem(d):
+    """None if ``d`` (a `load`) is rows 0..T-1 of the loop below, each family at its rate; else what is wrong."""
+    s = d["step"]
+    if not np.array_equal(s, np.arange(s.size)):
+        return f"steps are not a prefix: {s.tolist()}"
+    if s.size == 0:
+        return None
+    loss = np.where(s % 11 != 0, s.astype(np.float32) * np.float32(0.5), np.float32(np.nan)).astype(np.float32)
+    if d["scalars/loss"].tobytes() != loss.tobytes() or not d["valid/scalars/loss"].all():
+        return "scalars/loss"
+    every2 = s % 2 == 0
+    w = np.arange(15, dtype=np.float32).reshape(5, 3)[None] + s[:, None, None].astype(np.float32)
+    got = d["arch/normal/weights"]
+    if not (np.array_equal(d["valid/arch/normal/weights"], every2) and np.array_equal(got[every2], w[every2])
+            and np.isnan(got[~every2]).all()):
+        return "arch/normal/weights"
+    epoch = s % 7 == 6
+    if epoch.any() or "scalars/epoch" in d:
+        if not (np.array_equal(d["valid/scalars/epoch"], epoch) and np.array_equal(d["scalars/epoch"][epoch], s[epoch] // 7)
+                and np.array_equal(d["scalars/search_val_loss"][epoch], -s[epoch].astype(np.float64))):
+            return "epoch rows"
+    return None
+
+
+def row(step):
+    import torch
+
+    out = {"scalars/loss": torch.tensor(np.float32(step) * np.float32(0.5) if step % 11 else np.nan, dtype=torch.float32)}
+    if step % 2 == 0:
+        out["arch/normal/weights"] = torch.arange(15, dtype=torch.float32).reshape(5, 3) + step
+    return out
+'''
+
+_LOCKSTEP_WRITER = '''
+import sys, torch
+from families import row
+from nasdiag.record.callbacks import RecorderCallback
+path, start, stop, resume = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+meta = {"op_names": ["a", "b", "c"], "edge_names": {"normal": [f"e{i}" for i in range(5)]}, "cell_types": ["normal"]}
+callback = RecorderCallback(path, meta=meta, flush_every=5, flush_seconds=None, resume=resume)
+for step in range(start, stop):
+    callback.on_step_end(step, row(step))
+    if step % 7 == 6:
+        callback.on_epoch_end(step // 7, {"scalars/search_val_loss": torch.tensor(-float(step), dtype=torch.float64)})
+    print("handed", step, flush=True)
+    sys.stdin.readline()  # lockstep: the parent kills here, knowing every step handed in
+callback.close()
+print("closed", flush=True)
+'''
+
+_LIVE_READER = '''
+import sys, time, warnings
+from families import expected_problem
+from nasdiag.record import RecordError, load
+path, stop_file = sys.argv[1], sys.argv[2]
+reads = 0
+import os
+while not os.path.exists(stop_file):
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            data = load(path)
+    except RecordError as err:
+        if "no record at" in str(err):
+            continue
+        print("BAD", err, flush=True)
+        continue
+    problem = expected_problem(data)
+    if problem:
+        print("BAD", problem, flush=True)
+    reads += 1
+print("READS", reads, flush=True)
+'''
+
+
+def test_a_live_reader_beside_a_callback_of_three_rates_killed_and_resumed_sees_prefixes_and_the_end_is_whole(tmp_path):
+    """A RecorderCallback (flush_every 5) records a per-step scalar (NaN every 11th), an (E, K) family every 2nd
+    step and epoch rows every 7th through on_epoch_end; it is SIGKILLed after step 23 is handed in, and resumed from
+    a checkpoint 3 steps before the last committed one, while another process loads the record in a loop. Every read
+    is rows 0..T-1 exactly, each family at its rate; the kill loses at most flush_every rows plus the open one
+    (docs/schema.md, Durability); the end holds every step once, exactly; the stale lock blocks nothing."""
+    import signal
+    import subprocess
+    import sys
+
+    (tmp_path / "families.py").write_text(_FAMILIES)
+    (tmp_path / "writer.py").write_text(_LOCKSTEP_WRITER)
+    (tmp_path / "reader.py").write_text(_LIVE_READER)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        from families import expected_problem
+    finally:
+        sys.path.remove(str(tmp_path))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), root, os.environ.get("PYTHONPATH", "")]))
+    path, stop_file = tmp_path / "run.h5", tmp_path / "stop"
+    reader = subprocess.Popen([sys.executable, str(tmp_path / "reader.py"), str(path), str(stop_file)], env=env,
+                              stdout=subprocess.PIPE, text=True)
+
+    def session(start, stop, resume, kill_after=None):
+        writer = subprocess.Popen([sys.executable, str(tmp_path / "writer.py"), str(path), str(start), str(stop),
+                                   "1" if resume else "0"], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        for line in writer.stdout:
+            if line.startswith("handed") and int(line.split()[1]) == kill_after:
+                writer.send_signal(signal.SIGKILL)
+                break
+            writer.stdin.write("\n")
+            writer.stdin.flush()
+        writer.wait(timeout=120)
+        return writer.returncode
+
+    try:
+        assert session(0, 60, False, kill_after=23) == -signal.SIGKILL
+        crashed = load(path)
+        assert expected_problem(crashed) is None
+        assert 24 - (5 + 1) <= crashed["step"].size <= 24  # at most flush_every rows plus the open one lost
+        assert os.path.exists(f"{path}.lock")  # the killed writer's: stale, it blocks no one
+        assert session(max(int(crashed["step"][-1]) - 3, 0), 60, True) == 0
+    finally:
+        stop_file.touch()
+        out, _ = reader.communicate(timeout=120)
+    assert "BAD" not in out and "READS" in out, out
+    assert int(out.split("READS")[1].split()[0]) > 0
+    final = load(path)
+    assert expected_problem(final) is None and final["step"].size == 60
+    assert not os.path.exists(f"{path}.lock")
