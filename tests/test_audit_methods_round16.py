@@ -13,6 +13,10 @@ Defects these tests found (each fails without its fix):
   the saved cosine schedule (its T_max) ran on under the method's own, so w's learning rate went back up past the
   saved run's end (0.025 → 0.001 → 0.013 → 0.025 over the next epochs) while ``method.schedule`` said 6 epochs; the
   state now holds the schedule and another one is refused in one line, before anything is loaded.
+- ``extend_schedule`` of a run extended before (``--resume --epochs 4`` of a 2-epoch run, killed, then ``--resume
+  --epochs 6``) annealed over ``epochs − last_epoch`` epochs, taking the scheduler's count since its restart at the
+  first extension for the completed epochs: 5 epochs left instead of 4, so w's learning rate ended the run at 0.00186,
+  not its minimum 0.001.
 """
 
 from __future__ import annotations
@@ -128,3 +132,46 @@ def test_a_state_of_a_run_of_another_schedule_is_refused_and_the_saved_schedule_
             _cosine(now, h.w_lr_min, epoch - 1, 5), rel=1e-12, abs=1e-15), epoch
         resumed.epoch_end(epoch)
     assert resumed.w_optimizer.param_groups[0]["lr"] == pytest.approx(h.w_lr_min, abs=1e-15)
+
+
+def test_a_run_extended_twice_anneals_to_its_minimum_at_its_last_epoch():
+    """docs/methods.md: an extension anneals from the current rate to the minimum over the remaining epochs,
+    lr = lr_min + (lr_now − lr_min)(1 + cos(π t / (N − e)))/2 after t more epochs. 2 epochs, extended to 4 after one,
+    then to 6 after two: 4 epochs remain, and the rate reaches lr_min exactly at the sixth."""
+    method = _method("darts", _net(5), epochs=2, steps=3)
+    h = method.hp
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's "scheduler step before optimizer step": no step is taken here
+        method.epoch_end(0)
+        method.extend_schedule(4)
+        method.epoch_end(1)
+        now = method.w_optimizer.param_groups[0]["lr"]
+        # the first extension: from the rate after epoch 1 of 2 over the 3 epochs left of 4
+        assert now == pytest.approx(_cosine(_cosine(h.w_lr, h.w_lr_min, 1, 2), h.w_lr_min, 1, 3), rel=1e-12)
+        method.extend_schedule(6)
+        for t in range(1, 5):
+            method.epoch_end(1 + t)
+            assert method.w_optimizer.param_groups[0]["lr"] == pytest.approx(
+                _cosine(now, h.w_lr_min, t, 4), rel=1e-12, abs=1e-15), t
+    assert method.schedule.epochs == 6
+
+
+# -- darts2 at ξ = 0 ---------------------------------------------------------------------------------------------------
+def test_darts2_at_xi_zero_is_first_order_darts_bit_for_bit():
+    """DARTS eq 7: ξ = 0 is the first-order approximation. With w's learning rate (ξ) 0, w' = w − 0·(…) = w and the
+    mixed term is multiplied by 0, so three steps of darts2 (momentum buffers filled after the first) give the very
+    statistics, α and weights of first-order DARTS from the same start (its extra forwards leave BatchNorm's running
+    statistics alone, documented, which the train-mode forwards never read)."""
+    first = _method("darts", _net(6), epochs=1, steps=3)
+    second = _method("darts2", copy.deepcopy(first.network), epochs=1, steps=3)
+    for m in (first, second):
+        for group in m.w_optimizer.param_groups:
+            group["lr"] = 0.0
+    data = _batches(6, 7)
+    for i in range(3):
+        s1, s2 = first.step(data[2 * i], data[2 * i + 1]), second.step(data[2 * i], data[2 * i + 1])
+        for path, value in s1.items():
+            assert torch.equal(value, s2[path]), (i, path)
+        assert float(s2["scalars/implicit_grad_norm"]) == 0.0 and 0 < float(s2["scalars/fd_eps"]) < float("inf")
+    for (n, a), b in zip(first.network.named_parameters(), second.network.parameters()):
+        assert torch.equal(a, b), n

@@ -329,7 +329,10 @@ class SearchMethod:
 
         for name, obj in self._stateful().items():
             if isinstance(obj, CosineAnnealingLR):
-                remaining = epochs - obj.last_epoch  # one scheduler step per completed epoch
+                # the epochs its cosine has left (T_max − last_epoch: one scheduler step per completed epoch, T_max the
+                # run's epochs or, after an extension, the epochs left then) plus the added ones; epochs − last_epoch
+                # took last_epoch for the completed epochs, which it is not after an extension (its restart at 0)
+                remaining = epochs - self.schedule.epochs + obj.T_max - obj.last_epoch
                 if remaining > 0:
                     obj.base_lrs = [group["lr"] for group in obj.optimizer.param_groups]
                     for group in obj.optimizer.param_groups:
