@@ -32,8 +32,8 @@ class DARTS2(DARTS):
     ξ is the current learning rate of w and the unrolled step uses w's SGD momentum buffer and weight
     decay, as in DARTS's ``architect.py``. Each :meth:`step` returns what first-order DARTS returns
     (``scalars/val_loss`` and ``scalars/val_acc`` are those of the forward at w') plus
-    ``scalars/fd_eps`` (ε), ``scalars/unrolled_train_loss`` (L_train at w) and
-    ``scalars/implicit_grad_norm`` (‖ξ·[∇_α L_train(w⁺) − ∇_α L_train(w⁻)]/(2ε)‖).
+    ``scalars/fd_eps`` (ε; NaN where ∇_w' L_val = 0, the mixed term then 0), ``scalars/unrolled_train_loss``
+    (L_train at w) and ``scalars/implicit_grad_norm`` (‖ξ·[∇_α L_train(w⁺) − ∇_α L_train(w⁻)]/(2ε)‖).
     """
 
     # Capture-safe: ε stays on the device and the finiteness checks are skipped while capturing
