@@ -13,6 +13,10 @@ check what the commands print or write against the text. Here:
   11 steps) ends at step 87, and a step after a record's last is refused (exit 2, "give steps up to 87"). It now
   names a step of the main job (test_the_figures_doc_plot_commands_run_on_the_readme_main_jobs_record, which also
   checks the `_init`/`_final`/`_step<N>` file names and the format the text promises).
+* docs/hessian.md's `alpha_diag_hessian(net, ...)  # {"alphas_normal": (E, K), ...}` is of the file's own
+  `Network(..., layers=2)`, whose two cells are both reduction cells: the call returns `alphas_reduce` alone.
+  The comment (and docs/spectrum.md's "joint over alphas_normal and alphas_reduce", of the same net) now say so
+  (test_the_hessian_doc_names_the_alpha_keys_its_own_net_has).
 
 Checked and right (no change): the README's curvature, regret and records blocks and docs/probe.md's loop print
 the shapes their comments give (the round-3 test checks them; rerun here by hand); every equation number cited
@@ -23,6 +27,7 @@ C.3.1-C.3.2, A.1.6b, A.3.2) names what the paper's text copy says there; docs/sp
 sparse-supernet eq 1-13 and DARTS eq 7-8, docs/bayesnas.md's B.0.2-B.0.5.
 """
 import glob
+import math
 import pathlib
 import re
 import shlex
@@ -129,3 +134,50 @@ def test_the_figures_doc_plot_commands_run_on_the_readme_main_jobs_record(tmp_pa
             suffix = at if at in ("init", "final") else f"step{int(at)}"
             for figure in option(doc_argv, "--figures").split(","):
                 assert (folder / f"{figure}_normal_heatmap_{suffix}.{fmt}").is_file(), (figure, at, sorted(folder.iterdir()))
+
+
+def test_the_readme_regret_block_plays_one_round_of_algorithm_1_as_its_comments_say():
+    """README.md's XNAS block as written, against this file's own transcription of XNAS Algorithm 1 (lines 2, 8-12)
+    and eq 2-4 for one round from the uniform start: v_1 = exp(η R) (η = η* of eq 4 for T, L, N = 8), nobody below
+    θ_1 = max v_1 · exp(-2ηL(T - 1)), the linearized regret ℓ'(p_1) - min_i L'_{1,i} = max_i R_i - mean_i R_i
+    (eq 18-19, 31, p_1 the uniform mixture), and eq 3 at t = 1 with γ = 1: η L²/2 + ln N / η."""
+    import torch
+
+    block = next(b for b in fenced(README, "python") if "Forecaster(" in b)
+    ns = {"torch": torch}
+    exec(compile(block, "README.md", "exec"), ns)
+    fc, T, L, E, N = ns["fc"], ns["T"], ns["L"], ns["E"], 8
+    R = -ns["costs"].double()  # xnas_reward: R = -C (Algorithm 1 line 8 with the cost as ∇_p ℓ · f)
+    assert R.shape == (E, N)
+    eta = math.sqrt(2 * math.log(N) / (T * L * L))
+    log_v = eta * R
+    alive = log_v >= log_v.max(-1, keepdim=True).values - 2 * eta * L * (T - 1)
+    assert alive.all() and torch.equal(fc.alive, alive)
+    torch.testing.assert_close(fc.weights, torch.softmax(log_v, -1), rtol=1e-12, atol=0)
+    torch.testing.assert_close(fc.regret, R.max(-1).values - R.mean(-1), rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(fc.bound(), torch.full((E,), eta * L * L / 2 + math.log(N) / eta, dtype=torch.float64),
+                               rtol=1e-12, atol=0)
+    assert torch.equal(fc.gamma, torch.ones(E, dtype=torch.float64))
+
+
+def test_the_hessian_doc_names_the_alpha_keys_its_own_net_has():
+    """docs/hessian.md's shared-α line said `alpha_diag_hessian(net, ...)  # {"alphas_normal": (E, K), ...}` of the
+    file's own net, `Network(..., layers=2)`, whose two cells are both reduction cells (DARTS: reductions at
+    layers//3 and 2·layers//3): the call returns {"alphas_reduce": (14, 8)} only (measured: 30 s here, so not rerun).
+    The keys a comment names must be the α of the cell types that net has, read off its cells."""
+    import torch
+
+    blocks = fenced(ROOT / "docs" / "hessian.md", "python")
+    setup = blocks[0].split("h_w = ")[0]  # the imports, the net and the batch of the file's first block
+    ns = {}
+    exec(compile(setup, "docs/hessian.md", "exec"), ns)
+    net = ns["net"]
+    types = {"reduce" if cell.reduction else "normal" for cell in net.cells}
+    have = {f"alphas_{t}" for t in types}
+    assert have == {name for name, p in net.named_parameters() if name.startswith("alphas_")}
+    claims = [(line, set(re.findall(r'"(alphas_\w+)"', line.split("#", 1)[1])))
+              for b in blocks for line in b.splitlines() if "alpha_diag_hessian(" in line and "#" in line]
+    claims = [(line, named) for line, named in claims if named]
+    assert claims, "docs/hessian.md no longer says which keys alpha_diag_hessian returns"
+    for line, named in claims:
+        assert named <= have, f"{line.strip()!r} names {sorted(named - have)}; the net has {sorted(have)}"
