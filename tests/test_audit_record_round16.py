@@ -361,3 +361,21 @@ def test_a_live_reader_beside_a_callback_of_three_rates_killed_and_resumed_sees_
     final = load(path)
     assert expected_problem(final) is None and final["step"].size == 60
     assert not os.path.exists(f"{path}.lock")
+
+
+def test_under_ddp_a_big_endian_row_is_recorded_as_the_recorder_records_it(tmp_path, monkeypatch):
+    """`Recorder.log` stores a big-endian array in the native byte order; the DDP dtype check must not take '>f8'
+    for another dtype than float64 (the stand-in process group of the test above)."""
+    from nasdiag import distributed
+    from nasdiag.record.callbacks import RecorderCallback
+
+    monkeypatch.setattr(distributed, "world_size", lambda group=None: 2)
+    monkeypatch.setattr(distributed, "reduce_statistics", lambda stats, **kw: {p: np.asarray(v) for p, v in stats.items()})
+    with RecorderCallback(tmp_path / "run.h5", flush_every=4, flush_seconds=None) as callback:
+        for step in range(4):
+            callback.on_step_end(step, {"s/v": np.array([step, -0.0], ">f8" if step % 2 else "<f8")})
+    out = load(tmp_path / "run.h5")
+    np.testing.assert_array_equal(out["step"], np.arange(4))
+    assert out["s/v"].dtype == np.float64
+    np.testing.assert_array_equal(out["s/v"][:, 0], np.arange(4.0))
+    assert np.signbit(out["s/v"][:, 1]).all()

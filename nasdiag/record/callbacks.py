@@ -531,7 +531,7 @@ def _recorded_dtype(value) -> np.dtype:
             return np.dtype(str(value.dtype).removeprefix("torch."))
         except TypeError:
             return np.dtype(np.float32)
-    return np.asarray(value).dtype
+    return np.asarray(value).dtype.newbyteorder("=")  # the recorder stores big-endian values in the native order
 
 
 def _fits(value, dtype: np.dtype) -> bool:
