@@ -12,7 +12,17 @@ tensors round-trip through `Recorder.log`, `load` and plain h5py bit for bit, wi
 `load_meta(...)["nonfinite_counts"]` the numpy count; names of 70000 characters and 200 levels; 300 paths of
 300-character names write no HDF5 metadata block across a page (scripts/tear_writes.c, the first such write
 killed: none); an empty file, a text file, an HDF5 file of other datasets, one with a user block, a folder and a
-dangling link are each one `RecordError` line for `load`, `load_meta` and a resume.
+dangling link are each one `RecordError` line for `load`, `load_meta` and a resume; a plain h5py reader in another
+process following a live record with `dataset.refresh()` as docs/schema.md says (4000 reads) sees exact prefixes.
+
+Defects these tests found (each fails without its fix): HDF5 files with a /step and /present of another kind
+(0-d or float /step, a path naming a group, a /present narrower than its paths) raised IndexError/AttributeError or
+loaded truncated steps, and a newer-schema record without /present was called "not a record; remove it";
+RecorderCallback.on_exception, .flush and Recorder.flush left every row of a batch unwritten when one held row had
+another shape; a float64 value on a float32 path was cast silently (two 0-d tensors in a callback batch, or
+np.float64 through Recorder.log) where it is refused otherwise; under DDP one row of another dtype cost its whole
+batch or, in a first batch, promoted the path (an int64 2**60 + 1 recorded as 2**60); z.conj().imag, the imaginary
+part the docs ask for, raised torch's RuntimeError out of Recorder.log.
 """
 
 from __future__ import annotations
