@@ -204,12 +204,22 @@ def _check_called(name: str, module: nn.Module) -> None:
         )
 
 
-def weights_parameter(module: nn.Module) -> str:
-    """The name of a mixed op's second forward parameter, the mixing weights when passed by keyword
-    (``forward(x, w)`` called as ``op(x, w=w)``); ``"weights"`` where the signature cannot tell."""
+def _positional_parameter(module: nn.Module, index: int, default: str) -> str:
     try:
         params = [p for p in inspect.signature(module.forward).parameters.values()
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     except (TypeError, ValueError):
-        return "weights"
-    return params[1].name if len(params) > 1 else "weights"
+        return default
+    return params[index].name if len(params) > index else default
+
+
+def weights_parameter(module: nn.Module) -> str:
+    """The name of a mixed op's second forward parameter, the mixing weights when passed by keyword
+    (``forward(x, w)`` called as ``op(x, w=w)``); ``"weights"`` where the signature cannot tell."""
+    return _positional_parameter(module, 1, "weights")
+
+
+def input_parameter(module: nn.Module) -> str:
+    """The name of a mixed op's first forward parameter, its input x_i when passed by keyword
+    (``op(x=h, weights=w)``); ``"x"`` where the signature cannot tell."""
+    return _positional_parameter(module, 0, "x")

@@ -12,6 +12,11 @@ Defects found (each test fails without its fix):
   block's own warning) promise NaN rows for the samples of that micro-batch. The batch is now the model forward's
   first parameter, positional or by its name
   (test_a_model_called_by_keyword_keeps_its_batch_per_sample_rows_as_a_positional_call_does).
+* A mixed op called with its input by keyword (``op(x=h, weights=w)``; the weights by keyword were already read) had
+  no input x_i in the probe: with ``path_split=True`` the parts through it were never gathered and the first backward
+  stopped in a ProbeError blaming the node for scaling its edges (relative deviation 0.5), and a mixed op returning its
+  input object so called was not refused, its cost read off x_i's whole gradient
+  (test_mixed_ops_called_by_keyword_split_their_costs_and_refuse_returning_their_input).
 """
 
 from __future__ import annotations
@@ -102,3 +107,64 @@ def test_a_model_called_by_keyword_keeps_its_batch_per_sample_rows_as_a_position
     torch.testing.assert_close(probe.costs()["a"], ref1["a"].sum(0), rtol=1e-12, atol=1e-14)  # the sum is still right
     with pytest.raises(ProbeError, match="chunks"):
         probe.costs(per_sample=True)  # were (2, K) rows, row b the sum of samples b and b + 2
+
+
+class _KeywordCell(nn.Module):
+    """A DARTS-convention cell (``_ops``, ``_steps``, ``_multiplier``, forward ``(s0, s1, weights)``) whose mixed ops are
+    called by keyword, ``op(x=h, weights=w)``."""
+
+    def __init__(self, width: int = 3):
+        super().__init__()
+        self._steps, self._multiplier = 2, 2
+        self._ops = nn.ModuleList([_Mixed(width) for i in range(2) for _ in range(2 + i)])
+
+    def forward(self, s0, s1, weights):
+        states, off = [s0, s1], 0
+        for _ in range(self._steps):
+            node = sum(self._ops[off + j](x=h, weights=weights[off + j]) for j, h in enumerate(states))
+            off += len(states)
+            states.append(node)
+        return torch.cat(states[-self._multiplier:], 1)
+
+
+class _KeywordCellNet(nn.Module):
+    def __init__(self, width: int = 3):
+        super().__init__()
+        self.stem = nn.Linear(2, width)
+        self.cell = _KeywordCell(width)
+        self.head = nn.Linear(2 * width, 4)
+
+    def forward(self, x, Z):
+        s = torch.tanh(self.stem(x))
+        return self.head(torch.tanh(self.cell(s, s * s, Z)))
+
+
+def test_mixed_ops_called_by_keyword_split_their_costs_and_refuse_returning_their_input():
+    torch.manual_seed(1)
+    net = _KeywordCellNet().to(DT)
+    x, y = torch.randn(5, 2, dtype=DT), torch.randint(0, 4, (5,))
+    Z = torch.softmax(torch.randn(5, 3, dtype=DT), -1).requires_grad_()
+    probe = nasdiag.attach(net, path_split=True)
+    with probe.record():
+        nn.functional.cross_entropy(net(x, Z), y).backward()
+    reference = Z.grad.clone()  # autograd's ∂L/∂Z, the leaf the forward mixed with
+    costs, parts = probe.costs(), probe.path_costs()
+    for e, name in enumerate(probe.edge_names):
+        torch.testing.assert_close(costs[name], reference[e], rtol=1e-12, atol=1e-15)
+        # every edge ends at a node feeding the output or another edge: its parts sum to ∂L/∂Z (were a ProbeError
+        # blaming node 2 for scaling its edges: the split of an edge called by keyword was never gathered)
+        assert parts[name]
+        torch.testing.assert_close(sum(parts[name].values()), reference[e], rtol=1e-10, atol=1e-14)
+
+    # a mixed op returning its input object, called by keyword: the hook there would read x_i's whole gradient
+    class ReturnsInput(_Mixed):
+        def forward(self, x, weights):
+            return x if bool(weights[-1] == 1) else super().forward(x, weights)
+
+    net.cell._ops[0] = ReturnsInput(3).to(DT)
+    probe = nasdiag.attach(net)
+    onehot = torch.zeros(5, 3, dtype=DT)
+    onehot[:, -1] = 1
+    with pytest.raises(ProbeError, match="returned its input tensor object"):
+        with probe.record():
+            nn.functional.cross_entropy(net(x, onehot.requires_grad_()), y).backward()

@@ -179,6 +179,7 @@ class StepCapture:
     def __init__(self, edges: Sequence[EdgeSpec], cells: Sequence[CellInfo], *, path_split: bool,
                  check_convention: Sequence[bool], incoming: Dict[Tuple[int, int], List[int]],
                  hooks: Hooks, track_selected: bool = False, weights_names: Optional[Sequence[str]] = None,
+                 input_names: Optional[Sequence[str]] = None,
                  keep_model_io: bool = False, weights_presumed: Optional[Sequence[bool]] = None,
                  check_nodes: Optional[Sequence[bool]] = None, order_given: Optional[Sequence[bool]] = None,
                  check_concat: Optional[Sequence[object]] = None):
@@ -190,6 +191,8 @@ class StepCapture:
         self.edges, self.cells = edges, cells
         # the keyword the mixing weights go by when passed as one (the forward's second parameter)
         self.weights_names = list(weights_names) if weights_names is not None else ["weights"] * N
+        # ... and the keyword of the input x_i (op(x=h, weights=w): its path split and the returned-input check need it)
+        self.input_names = list(input_names) if input_names is not None else ["x"] * N
         self.keep_model_io = keep_model_io  # only probe.hessian() needs the batch and the logits
         self.model_calls = 0  # forwards of the whole model started in this block
         self.call_modes: Dict[int, bool] = {}  # model forward (index) -> the model's train/eval mode in it
@@ -266,7 +269,7 @@ class StepCapture:
         call = EdgeCall(pos, edge.n_ops, self.model_calls)
         if self.keep_model_io and self.model_calls == self.kept_call:
             self.ran_kept[pos] = True
-        call.x = args[0] if args else None
+        call.x = args[0] if args else kwargs.get(self.input_names[pos])
         # Only what a feature needs is kept: this hook runs for every edge at every step.
         if edge.weights_arg:
             w = args[1] if len(args) > 1 else kwargs.get(self.weights_names[pos])
@@ -289,8 +292,8 @@ class StepCapture:
                     f"{self.weights_names[pos]}=; pass the weights there or attach with statistics='all'"
                 )
         if self.path_split and edge.cell_index is not None:
-            if args and isinstance(args[0], torch.Tensor):
-                call.inp = args[0]
+            if isinstance(call.x, torch.Tensor):
+                call.inp = call.x
                 if call.inp.requires_grad and self.incoming.get((edge.cell_index, edge.src)):
                     # the input as this edge read it, even if the tensor is modified in place afterwards
                     call.inp_edge = get_gradient_edge(call.inp)
@@ -367,7 +370,7 @@ class StepCapture:
                 "compute; materialize the model first (model.to_empty(device=...) and load its weights) and record "
                 "real inputs"
             )
-        if args and output is args[0]:
+        if call.x is not None and output is call.x:
             # A hook on this tensor is a hook on x_i: it would fire with the gradient of x_i's other consumers too,
             # not ∂L/∂x_j alone (e.g. skip_connect returned as is for a one-hot Z): a wrong cost, never a silent one.
             raise ProbeError(

@@ -28,7 +28,8 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from nasdiag.edges import EdgesArg, EdgeSpec, EdgeSpecError, op_names_of, resolve_edges, weights_parameter  # noqa: F401 (re-exported)
+from nasdiag.edges import EdgesArg, EdgeSpec, EdgeSpecError, op_names_of, resolve_edges  # noqa: F401 (re-exported)
+from nasdiag.edges import input_parameter, weights_parameter  # noqa: F401 (re-exported)
 from nasdiag.errors import NasdiagError
 from nasdiag.supernet.cell import edge_nodes as darts_edge_nodes
 from nasdiag.supernet.mixed import MixedOp

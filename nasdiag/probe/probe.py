@@ -21,6 +21,7 @@ from nasdiag.hooks import Hooks
 from nasdiag.probe.capture import Router, StepCapture, data_parallel_refusal
 from nasdiag.edges import EdgesArg, EdgeSpec
 from nasdiag.probe.discovery import CellInfo, ProbeError, discover, is_mixed_op, weights_parameter as _weights_parameter
+from nasdiag.probe.discovery import input_parameter as _input_parameter
 from nasdiag.probe.discovery import _candidates, _cell_edge_list, _cell_edge_nodes
 from nasdiag.probe.layout import Group, build_groups
 
@@ -225,6 +226,7 @@ class Probe:
         # equal weights (a zero-initialised α) cannot tell: its check waits for a step whose weights differ
         self._order_given = [tuple(e.ops) != tuple(_candidates(e.module) or ()) for e in self._edges]
         self._weights_names = [_weights_parameter(e.module) for e in self._edges]
+        self._input_names = [_input_parameter(e.module) for e in self._edges]  # x_i passed by keyword
         # where each discovered edge sits in the model: a mixed op or candidate replaced or removed after attach is
         # told apart from one that did not run (the planned hooks are on the modules seen at attach)
         modules = dict(model.named_modules())
@@ -297,7 +299,8 @@ class Probe:
         cap = StepCapture(self._edges, self._cells, path_split=self.path_split,
                           check_convention=self._convention_unchecked, incoming=self._incoming,
                           hooks=plan, track_selected=self.statistics_mode == "sampled",
-                          weights_names=self._weights_names, keep_model_io=self.hessian_mode is not None,
+                          weights_names=self._weights_names, input_names=self._input_names,
+                          keep_model_io=self.hessian_mode is not None,
                           weights_presumed=self._weights_presumed, check_nodes=self._nodes_unchecked,
                           order_given=self._order_given, check_concat=self._concat_unchecked)
         self._router.capture = cap
