@@ -17,6 +17,17 @@ Defects found (each test fails without its fix):
   stopped in a ProbeError blaming the node for scaling its edges (relative deviation 0.5), and a mixed op returning its
   input object so called was not refused, its cost read off x_i's whole gradient
   (test_mixed_ops_called_by_keyword_split_their_costs_and_refuse_returning_their_input).
+
+Checked and right (test_a_users_loop_accumulation_double_backward_evaluation_wrappers_and_two_probes_cost_as_autograd,
+against autograd's ∂L/∂Z of the leaf Z the forwards mixed with): micro-batches accumulated in one block (mean loss / n,
+a smaller last one) with a grad-off evaluation forward and a forward without backward in the block; retain_graph and
+create_graph backwards; two probes at once and a probe of a user's module holding the supernet as ``.net``; a body
+raising KeyboardInterrupt after its backward leaves no hook and no step. By hand (too slow for this box): a
+``torch.compile(backend="aot_eager")`` supernet costs as autograd (dynamo traces into the probe's hooks and hits its
+recompile limit: warnings, not errors); a model deep-copied inside a block keeps inert hooks and can be attached and
+costed itself; 200 steps of accumulation + evaluation + path_split + norm_deviation + hessian keep the tensor count
+flat; with micro-batches in one block the candidate outputs of a micro-batch are freed with its graph (not held to the
+block's end).
 """
 
 from __future__ import annotations
@@ -168,3 +179,80 @@ def test_mixed_ops_called_by_keyword_split_their_costs_and_refuse_returning_thei
     with pytest.raises(ProbeError, match="returned its input tensor object"):
         with probe.record():
             nn.functional.cross_entropy(net(x, onehot.requires_grad_()), y).backward()
+
+
+def _no_hooks(model: nn.Module) -> bool:
+    return not any(getattr(m, d) for m in model.modules() for d in
+                   ("_forward_hooks", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
+                    "_backward_pre_hooks"))
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph:UserWarning")
+def test_a_users_loop_accumulation_double_backward_evaluation_wrappers_and_two_probes_cost_as_autograd():
+    """The loop patterns of docs/probe.md ("Several forwards or backwards in one block add up, as .grad does"; grad-off
+    forwards left alone; nothing left on the model, also when the body raises), each against autograd's ∂L/∂Z of the
+    leaf Z the forwards mixed with."""
+    torch.manual_seed(2)
+    net = _KeywordCellNet().to(DT)
+    batches = [(torch.randn(b, 2, dtype=DT), torch.randint(0, 4, (b,))) for b in (4, 4, 3)]
+    ce = nn.functional.cross_entropy
+
+    class Holder(nn.Module):  # a user's module holding the supernet as .net
+        def __init__(self, inner):
+            super().__init__()
+            self.net = inner
+
+        def forward(self, x, Z):
+            return self.net(x, Z)
+
+    holder = Holder(net)
+    probe, second, wrapped = nasdiag.attach(net), nasdiag.attach(net), nasdiag.attach(holder)
+    assert wrapped.edge_names == ["net." + n for n in probe.edge_names]
+
+    def leaf():
+        return torch.softmax(torch.randn(5, 3, dtype=DT), -1).requires_grad_()
+
+    def check(p, Z, prefix=""):
+        for e, name in enumerate(probe.edge_names):
+            torch.testing.assert_close(p.costs()[prefix + name], Z.grad[e], rtol=1e-12, atol=1e-15)
+
+    # gradient accumulation: micro-batches (the last one smaller) in one block, mean loss / n; a grad-off evaluation
+    # forward and a forward without backward in the block add nothing; rows are the backwarded forwards' samples
+    Z = leaf()
+    with probe.record():
+        for x, y in batches:
+            (ce(net(x, Z), y) / len(batches)).backward()
+        with torch.no_grad():
+            net(batches[0][0], Z)
+        net(batches[1][0], Z)
+    check(probe, Z)
+    assert all(v.shape == (11, 3) for v in probe.costs(per_sample=True).values())
+    # retain_graph: two backwards through one forward add up; create_graph: costs stay out of the graph
+    Z = leaf()
+    with probe.record():
+        loss = ce(net(*batches[0][:1], Z), batches[0][1])
+        loss.backward(retain_graph=True)
+        (3 * loss).backward(create_graph=True)
+    check(probe, Z)
+    assert not any(v.requires_grad for v in probe.costs().values())
+    net.zero_grad(set_to_none=True)  # (the create_graph .grad holds a graph)
+    # two probes at once, and a probe of the module holding the supernet
+    Z = leaf()
+    with probe.record(), second.record(), wrapped.record():
+        ce(holder(batches[2][0], Z), batches[2][1]).backward()
+    check(probe, Z)
+    check(second, Z)
+    check(wrapped, Z, "net.")
+    # the body raises inside the backward's block: nothing left on any module, the next step exact
+    with pytest.raises(KeyboardInterrupt):
+        with probe.record(), second.record():
+            ce(net(batches[0][0], leaf()), batches[0][1]).backward()
+            raise KeyboardInterrupt
+    assert _no_hooks(holder)
+    with pytest.raises(ProbeError, match="no completed recorded step"):
+        probe.costs()
+    Z = leaf()
+    with probe.record():
+        ce(net(batches[1][0], Z), batches[1][1]).backward()
+    check(probe, Z)
+    assert _no_hooks(holder)
