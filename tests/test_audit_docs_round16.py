@@ -17,6 +17,9 @@ check what the commands print or write against the text. Here:
   `Network(..., layers=2)`, whose two cells are both reduction cells: the call returns `alphas_reduce` alone.
   The comment (and docs/spectrum.md's "joint over alphas_normal and alphas_reduce", of the same net) now say so
   (test_the_hessian_doc_names_the_alpha_keys_its_own_net_has).
+* docs/methods.md: the toy method "once the module that defines it is imported" ran as `nasdiag search --method toy`;
+  no shell can import a module into that process, which says "unknown method 'toy'". The doc now gives a command
+  that imports it first (test_the_methods_doc_command_line_for_a_method_of_ones_own_works_from_a_shell).
 
 Checked and right (no change): the README's curvature, regret and records blocks and docs/probe.md's loop print
 the shapes their comments give (the round-3 test checks them; rerun here by hand); every equation number cited
@@ -28,6 +31,7 @@ sparse-supernet eq 1-13 and DARTS eq 7-8, docs/bayesnas.md's B.0.2-B.0.5.
 """
 import glob
 import math
+import os
 import pathlib
 import re
 import shlex
@@ -181,3 +185,23 @@ def test_the_hessian_doc_names_the_alpha_keys_its_own_net_has():
     assert claims, "docs/hessian.md no longer says which keys alpha_diag_hessian returns"
     for line, named in claims:
         assert named <= have, f"{line.strip()!r} names {sorted(named - have)}; the net has {sorted(have)}"
+
+
+def test_the_methods_doc_command_line_for_a_method_of_ones_own_works_from_a_shell(tmp_path):
+    """docs/methods.md said the toy method runs as `nasdiag search --method toy --hp eta=1.5` "once the module that
+    defines it is imported"; no shell user can import a module into the `nasdiag` process, which answers
+    "unknown method 'toy'" (exit 2). The doc now gives a command that imports it first: run here with the doc's
+    first block saved as toy_method.py and `methods toy` in place of `search ...`, as the text says, in a fresh
+    process (the method must be registered by that import alone)."""
+    import subprocess
+    import sys
+
+    doc = ROOT / "docs" / "methods.md"
+    (tmp_path / "toy_method.py").write_text(fenced(doc, "python")[0])
+    line = next(l for b in fenced(doc, "bash") for l in b.splitlines() if "toy_method" in l)
+    argv = shlex.split(line)
+    assert argv[0] == "python" and argv[1] == "-c" and argv[3] == "search" and option(argv, "--method") == "toy"
+    done = subprocess.run([sys.executable, "-c", argv[2], "methods", "toy"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "MPLBACKEND": "Agg"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("toy:") and "eta: float = 0.5" in done.stdout, done.stdout
