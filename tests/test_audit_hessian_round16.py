@@ -31,7 +31,10 @@ Defects found:
   a ``max_memory=`` the function does not take);
 * ``max_memory=float("inf")`` (exact, hutchinson:<k>, alpha_diag_hessian) was ``int()``'s ``OverflowError``;
 * Lanczos allocated its ``(iters + 1, dim)`` basis whole though it stops at ``dim`` products: ``iters=10**10`` on a
-  3 × 3 operator asked for 240 GB.
+  3 × 3 operator asked for 240 GB;
+* ``diag_hessian``'s ``exact`` (Hessian-vector route) and ``hutchinson:<k>`` took a fixed 32 products per batched
+  second backward whatever the net, where the mixing-weight modes fit the batch to half the free memory (the main
+  job's OOM kill, docs/hessian.md); now fitted the same way, one line where not one product fits.
 """
 
 from __future__ import annotations
@@ -292,3 +295,43 @@ def test_lanczos_given_more_iterations_than_the_dimension_stops_at_it_without_al
     res = hessian_eigenvalues(lambda v: v @ A, 3, k=3, iters=10**10)
     assert res.converged and res.iterations <= 3
     torch.testing.assert_close(res.eigenvalues, torch.tensor([2.0, 1.0, -5.0], dtype=DT), rtol=0, atol=1e-12)
+
+
+def test_weight_exact_and_hutchinson_fit_their_batch_of_products_to_the_free_memory(monkeypatch):
+    from nasdiag import memory
+    from nasdiag.hessian._hvp import HessianVectorProduct
+
+    torch.manual_seed(4)
+    net = nn.Sequential(nn.Conv2d(1, 3, 3, padding=1, dtype=DT), nn.BatchNorm2d(3, dtype=DT), nn.Tanh(), nn.Flatten(),
+                        nn.Linear(48, 2, dtype=DT)).train()
+    x, y = torch.randn(4, 1, 4, 4, dtype=DT), torch.tensor([0, 1, 1, 0])
+    state = _batch_norm_state(net)
+    H = _dense_hessian(lambda: F.cross_entropy(net(x), y), [net[0].weight, net[0].bias])
+    for m, (mean, var, count) in zip([net[1]], state):
+        m.running_mean.copy_(mean), m.running_var.copy_(var), m.num_batches_tracked.copy_(count)
+    rows, call = [], HessianVectorProduct.__call__
+
+    def counted(self, v):
+        rows.append(1 if v.dim() == 1 else v.shape[0])
+        return call(self, v)
+
+    monkeypatch.setattr(HessianVectorProduct, "__call__", counted)
+    # what this forward saves is a few KiB (at most every intermediate, float64: `saved`); a budget of 3 products of
+    # that bound by the documented factor 8 is well below the default chunk of 32 products
+    saved = 16 * 4 * 3 * 16 * 8
+    monkeypatch.setattr(memory, "free_cpu_memory", lambda: 2 * 3 * 8 * saved)
+    got = diag_hessian(net, F.cross_entropy, x, y, mode="exact", params=["0.weight", "0.bias"])
+    assert max(rows) < 32, rows  # 30 entries were one batch of 30 products
+    torch.testing.assert_close(torch.cat([got["0.weight"].reshape(-1), got["0.bias"]]), H.diag(), rtol=1e-10, atol=1e-15)
+    rows.clear()
+    small = diag_hessian(net, F.cross_entropy, x, y, mode="hutchinson:40", params=["0.weight", "0.bias"])
+    assert max(rows) < 32, rows
+    monkeypatch.setattr(memory, "free_cpu_memory", lambda: 2**40)
+    large = diag_hessian(net, F.cross_entropy, x, y, mode="hutchinson:40", params=["0.weight", "0.bias"])
+    for name in large:  # the same probes in other batches: the same estimate
+        torch.testing.assert_close(small[name], large[name], rtol=1e-12, atol=1e-15)
+    monkeypatch.setattr(memory, "free_cpu_memory", lambda: 128)  # 64 bytes: not one product
+    with pytest.raises(CurvatureError) as err:
+        diag_hessian(net, F.cross_entropy, x, y, mode="exact", params=["0.weight", "0.bias"])
+    assert _one_line(err.value) and "Hessian-vector product needs about" in str(err.value)
+    assert "max_memory" not in str(err.value) and "approx" in str(err.value)

@@ -596,18 +596,19 @@ INSTEAD_OF_EXACT = "use mode='ggn_mc' (one extra backward) or 'approx', a smalle
 
 
 def fit_chunk(saved_bytes: int, max_memory: Optional[int], chunk_size: int, what: str,
-              device: Union[str, torch.device, None] = None, instead: str = INSTEAD_OF_EXACT) -> int:
+              device: Union[str, torch.device, None] = None, instead: str = INSTEAD_OF_EXACT,
+              settable: bool = True) -> int:
     """The largest chunk ≤ ``chunk_size`` whose products fit ``max_memory`` bytes, or a one-line
     :class:`~nasdiag.hessian.modes.CurvatureError` with the estimate and what to use instead.
 
     ``max_memory=None`` caps at :data:`DEFAULT_MEMORY_SHARE` of :func:`free_memory` on ``device`` (no cap
     where that is unknown): a vmapped batch of products that exhausts the machine's memory is killed
-    without a message, so the default is a cap, not none."""
+    without a message, so the default is a cap, not none. ``settable``: as :func:`check_probe_memory`'s."""
     from nasdiag.hessian.modes import CurvatureError
 
     check_chunk_size(chunk_size, what)
     check_max_memory(max_memory, what)
-    budget, limit = _memory_budget(max_memory, device)
+    budget, limit = _memory_budget(max_memory, device, settable)
     if budget is None:
         return chunk_size
     per_product = PRODUCT_FACTOR * max(int(saved_bytes), 1)

@@ -18,8 +18,8 @@ from typing import Callable, Dict, List, Optional
 import torch
 from torch import nn
 
-from nasdiag.hessian._hvp import (HessianVectorProduct, _memory_budget, check_probe_memory, functional_forward,
-                                  preserved_buffers, scalar_loss)
+from nasdiag.hessian._hvp import (HessianVectorProduct, SavedBytes, _memory_budget, check_probe_memory, fit_chunk,
+                                  functional_forward, preserved_buffers, scalar_loss)
 from nasdiag.hessian.loss_curvature import output_hessian_blocks
 from nasdiag.hessian.rules import ModuleCall, rule_for
 from nasdiag.hessian.rules.elementwise import ElementwiseRule, IdentityRule, ReshapeRule
@@ -203,11 +203,21 @@ def _loss_hvp(model: nn.Module, loss_fn: Callable, inputs, targets, values: Dict
     statistics and its running statistics are left untouched."""
     names = list(values)
     leaves = {n: v.detach().clone().requires_grad_(True) for n, v in values.items()}
-    with preserved_buffers(model), torch.enable_grad():
+    with preserved_buffers(model), torch.enable_grad(), SavedBytes() as saved:
         outputs = functional_forward(model, leaves, inputs)
         loss = scalar_loss(loss_fn, outputs, targets)
     refuse_reentrant_checkpoint(loss)
-    return HessianVectorProduct(loss, [leaves[n] for n in names], names, context=lambda: preserved_buffers(model))
+    hvp = HessianVectorProduct(loss, [leaves[n] for n in names], names, context=lambda: preserved_buffers(model))
+    hvp.saved_bytes = saved.bytes  # what a product's batched second backward multiplies (fit_chunk)
+    return hvp
+
+
+def _fitted_chunk(hvp: HessianVectorProduct, chunk_size: int, mode: str) -> int:
+    """``chunk_size`` lowered so that a batch of products fits half the free memory (as the exact mixing-weight
+    modes do): a fixed 32 products at once of a net whose forward saves 650 MiB is about 166 GB by that estimate, and
+    the kernel's OOM killer ends such a process without a message. One product that does not fit is a one-line ``CurvatureError``."""
+    return fit_chunk(hvp.saved_bytes, None, chunk_size, f"diag_hessian(mode={mode!r})", device=hvp.device,
+                     instead="use mode='diag' or 'approx', or a smaller batch", settable=False)
 
 
 def hvp_exact_diag(
@@ -226,6 +236,7 @@ def hvp_exact_diag(
     """
     names = list(values)
     hvp = _loss_hvp(model, loss_fn, inputs, targets, values)
+    chunk_size = _fitted_chunk(hvp, chunk_size, "exact")
     diag = torch.empty(hvp.dim, dtype=hvp.dtype, device=hvp.device)
     for start in range(0, hvp.dim, chunk_size):
         stop = min(start + chunk_size, hvp.dim)
@@ -259,6 +270,7 @@ def hvp_hutchinson_diag(
     hvp = _loss_hvp(model, loss_fn, inputs, targets, values)
     check_probe_memory(probes * hvp.dim * (8 + hvp.dtype.itemsize), None, hvp.device, f"diag_hessian(mode='hutchinson:{probes}')",
                        "lower k (k products over all weights; mode='exact' takes one per weight and is exact)", settable=False)
+    chunk_size = _fitted_chunk(hvp, chunk_size, f"hutchinson:{probes}")
     generator = torch.Generator().manual_seed(int(seed))
     eps = torch.randint(0, 2, (probes, hvp.dim), generator=generator, dtype=torch.int64).mul_(2).sub_(1)
     eps = eps.to(dtype=hvp.dtype, device=hvp.device)
