@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from nasdiag.errors import ConfigError, NasdiagError, paths_on_stdout
+from nasdiag.errors import ConfigError, NasdiagError, paths_on_stdout, raised_warning
 
 try:  # loaded now: under a memory limit, loading it when torch failed to load failed too
     import resource
@@ -741,6 +741,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         line = _damaged(exc) if isinstance(exc, DamagedRecordError) else _one_line(exc)
         _say(_with_complete_run(_with_resume(line, exc, args, argv), exc))
+        return EXIT_USAGE
+    except Warning as exc:  # a warning that PYTHONWARNINGS=error or python -W error raised: chained tracebacks, exit 1
+        _say(f"nasdiag: error: {raised_warning(exc)}")
         return EXIT_USAGE
     except BrokenPipeError:  # the reader of our output went away (| head): not an error of the command
         _quiet_stdout()

@@ -33,9 +33,21 @@ def paths_on_stdout():
     return errors
 
 
+def raised_warning(exc: Warning) -> str:
+    """What to say of a warning raised as an error (``PYTHONWARNINGS=error``, ``python -W error``): the warning itself
+    (not one of a cleanup it interrupted, such as the recorder's close) and how to let it be a warning; it was three
+    chained tracebacks, exit code 1."""
+    first = exc
+    while isinstance(first.__context__, Warning):
+        first = first.__context__
+    return (f"{' '.join(str(first).split())} ({type(first).__name__}: a warning, raised as an error by PYTHONWARNINGS or "
+            f"python -W); run with PYTHONWARNINGS unset, or 'default', to let nasdiag warn and go on")
+
+
 def run_script(prog: str, main, argv=None) -> int:
-    """Run a batch script's ``main(argv)`` as the CLI runs a command: a `NasdiagError` or an `OSError` (an
-    output folder that cannot be created, a full disk) is one line on stderr and exit code 2, Ctrl-C exits 130;
+    """Run a batch script's ``main(argv)`` as the CLI runs a command: a `NasdiagError`, an `OSError` (an
+    output folder that cannot be created, a full disk) or a warning raised as an error (`raised_warning`) is one line
+    on stderr and exit code 2, Ctrl-C exits 130;
     anything else is a bug and keeps its traceback. ``main`` returns an exit code or None (0).
 
     Use it as ``sys.exit(run_script("name", main))`` under ``if __name__ == "__main__":``.
@@ -47,6 +59,8 @@ def run_script(prog: str, main, argv=None) -> int:
         return int(main(argv) or 0)
     except NasdiagError as err:
         print(f"{prog}: error: {' '.join(str(err).split())}", file=sys.stderr)
+    except Warning as err:
+        print(f"{prog}: error: {raised_warning(err)}", file=sys.stderr)
     except OSError as err:
         where = f": {err.filename}" if getattr(err, "filename", None) else ""
         print(f"{prog}: error: {err.strerror or err}{where}", file=sys.stderr)

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from nasdiag.cli import main
-from test_cli_errors import refused
+from test_cli_errors import TINY, refused
 from test_cli_misuse_round13 import _script  # runs a script in-process, the folder checked unchanged
 from test_cli_plot_misuse import rec, source  # noqa: F401 (fixtures)
 
@@ -199,3 +199,41 @@ def test_asmnas_stability_summary_cut_short_or_of_another_tool_is_one_line(text,
     (out / "summary.json").write_text(text)
     code, err = _script("asmnas_stability", ["--out", str(out), *argv], tmp_path, capsys)
     assert code == 2 and len(err) == 1 and "summary.json is not a summary of asmnas_stability.py" in err[0], err
+
+
+def test_a_warning_raised_as_an_error_is_one_line_not_chained_tracebacks(tmp_path, capsys):
+    """``PYTHONWARNINGS=error nasdiag search --method dsnas`` (a CI job's setting): the RecordWarning of the NaN costs
+    of the ops DSNAS did not sample (recorded and flagged by design) was raised, then again by the recorder's close
+    while handling it: three chained tracebacks ending in 'while handling RecordWarning, closing the recorder
+    failed', exit 1. One line naming the warning itself and the setting that made it an error."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # as PYTHONWARNINGS=error does for the process
+        code = main(["search", *TINY, "--method", "dsnas", "--diagnostics", "cost", "--out", str(tmp_path / "run.h5")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "RecordWarning" in err[0] and "NaN/inf" in err[0] and "PYTHONWARNINGS" in err[0], err
+    assert "closing the recorder failed" not in err[0], err
+
+
+def test_a_script_warning_raised_as_an_error_is_one_line(tmp_path, capsys):
+    """The batch scripts likewise: ``PYTHONWARNINGS=error python scripts/wiring_output_cost.py`` ended in the same
+    chained tracebacks (the NaN costs of the unsampled ops); run_script says it in one line, exit 2."""
+    import warnings
+
+    from nasdiag.errors import run_script
+    from nasdiag.record.errors import RecordWarning
+
+    def main(argv):
+        try:
+            warnings.warn("'cost/normal/mean' at step 11: 5 NaN/inf value(s)", RecordWarning)
+        finally:
+            warnings.warn("while handling RecordWarning, closing the recorder failed", RecordWarning)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert run_script("wiring_output_cost", main, []) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("wiring_output_cost: error: 'cost/normal/mean' at step 11"), err
+    assert "PYTHONWARNINGS" in err[0], err
