@@ -292,9 +292,19 @@ def test_an_infinite_max_memory_is_one_line():
 def test_lanczos_given_more_iterations_than_the_dimension_stops_at_it_without_allocating_them():
     A = torch.diag(torch.tensor([-5.0, 1.0, 2.0], dtype=DT))
     # the (iters + 1, dim) Krylov basis was allocated whole: 240 GB here, the allocator's multi-line error
-    res = hessian_eigenvalues(lambda v: v @ A, 3, k=3, iters=10**10)
-    assert res.converged and res.iterations <= 3
+    calls = []
+
+    def hvp(v):
+        calls.append(1)
+        return v @ A
+
+    res = hessian_eigenvalues(hvp, 3, k=3, iters=10**10)
+    assert res.converged and res.iterations == len(calls) <= 3  # iterations: the products taken
     torch.testing.assert_close(res.eigenvalues, torch.tensor([2.0, 1.0, -5.0], dtype=DT), rtol=0, atol=1e-12)
+    calls.clear()
+    power = hessian_eigenvalues(hvp, 3, method="power", iters=10**10)  # negative dominant: two runs, both counted
+    assert power.converged and power.iterations == len(calls) and power.largest_magnitude == pytest.approx(-5, rel=1e-6)
+    assert power.largest_algebraic == pytest.approx(2, rel=1e-6)
 
 
 def test_weight_exact_and_hutchinson_fit_their_batch_of_products_to_the_free_memory(monkeypatch):
