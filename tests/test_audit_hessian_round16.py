@@ -34,7 +34,9 @@ Defects found:
   3 × 3 operator asked for 240 GB;
 * ``diag_hessian``'s ``exact`` (Hessian-vector route) and ``hutchinson:<k>`` took a fixed 32 products per batched
   second backward whatever the net, where the mixing-weight modes fit the batch to half the free memory (the main
-  job's OOM kill, docs/hessian.md); now fitted the same way, one line where not one product fits.
+  job's OOM kill, docs/hessian.md); now fitted the same way, one line where not one product fits;
+* ``dim=`` given to the model form of the spectrum functions was ignored silently (refused now, as docs/hessian.md
+  refuses options a call does not use).
 """
 
 from __future__ import annotations
@@ -345,3 +347,11 @@ def test_weight_exact_and_hutchinson_fit_their_batch_of_products_to_the_free_mem
         diag_hessian(net, F.cross_entropy, x, y, mode="exact", params=["0.weight", "0.bias"])
     assert _one_line(err.value) and "Hessian-vector product needs about" in str(err.value)
     assert "max_memory" not in str(err.value) and "approx" in str(err.value)
+
+
+def test_a_dimension_given_with_a_model_is_refused_not_ignored(shared):
+    net, x, y, _ = shared
+    for f in (hessian_eigenvalues, hutchinson_trace, hutchinson_diagonal):
+        with pytest.raises(CurvatureError) as err:  # dim=4 was ignored: the spectrum of all 9 entries came back
+            f(net, F.cross_entropy, x, y, dim=4)
+        assert _one_line(err.value) and "dim=4" in str(err.value), f.__name__

@@ -465,6 +465,9 @@ def _operator(model, loss_fn, inputs, targets, params, hvp, dim):
         raise CurvatureError(f"model must be an nn.Module (or pass hvp= and dim=), got {type(model).__name__}")
     if loss_fn is None or inputs is None or targets is None:
         raise CurvatureError("a model needs loss_fn, inputs and targets: the Hessian is of loss_fn(model(inputs), targets)")
+    if dim is not None:  # it was ignored: the dimension is the number of entries of params
+        raise CurvatureError(f"dim={dim!r} is for a plain hvp callable; with a model the dimension is the number of entries "
+                             "of params, so leave dim out (or pass params= to choose them)")
     op = loss_hvp(model, loss_fn, inputs, targets, params)
     shapes = [t.shape for t in op.wrt]
 
