@@ -56,8 +56,8 @@ from nasdiag.errors import NasdiagError, run_script
 from nasdiag.sparse import HAPG, AdamHAPG, sgl_penalty
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # script_args, also when loaded from a file path
-from script_args import (refuse_bad_paths, refuse_other_figures, refuse_other_records, refuse_with_plot_only,  # noqa: E402
-                         seed as seed_number)
+from script_args import (refuse_bad_paths, refuse_other_figures, refuse_other_records, refuse_repeats,  # noqa: E402
+                         refuse_with_plot_only, seed as seed_number)
 
 OPTIMIZERS = ("sgd", "adam", "hapg", "adamhapg")
 PROXIMAL = ("hapg", "adamhapg")
@@ -443,6 +443,12 @@ def parse(argv) -> Tuple[argparse.Namespace, List[str], List[str], List[float]]:
     opts = _choices(args.optimizers, OPTIMIZERS, "optimizer(s)")
     pens = _choices(args.penalties, tuple(PENALTIES), "penalty(ies)")
     lambdas = parse_lambdas(args.lambdas)
+    try:  # --lambdas 1e-3,0.001 (--optimizers sgd,sgd) trained each configuration twice, drawn as two points at one λ
+        shown = [f"{lam:g}" for lam in lambdas]  # 1e-3 and 0.001 alike
+        for items, option in ((opts, "--optimizers"), (pens, "--penalties"), (shown, "--lambdas")):
+            refuse_repeats(items, option)
+    except NasdiagError as err:
+        raise UsageError(str(err)) from None
     for name, low in (("epochs", 1), ("retrain_epochs", 0), ("workers", 1)):
         if getattr(args, name) < low:
             raise UsageError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")

@@ -237,3 +237,17 @@ def test_a_script_warning_raised_as_an_error_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("wiring_output_cost: error: 'cost/normal/mean' at step 11"), err
     assert "PYTHONWARNINGS" in err[0], err
+
+
+@pytest.mark.parametrize("option,value,said", [("--lambdas", "1e-3,0.001", "0.001"), ("--optimizers", "sgd,sgd", "sgd"),
+                                               ("--penalties", "sgl,lasso,sgl", "sgl")])
+def test_sparsenas_digits_value_given_twice_is_one_line_not_two_runs(option, value, said, tmp_path, capsys):
+    """Round 14 refused --configs minimal1,minimal1 of the wiring scripts; sparsenas_digits.py's --lambdas 1e-3,0.001
+    (one λ written two ways), --optimizers sgd,sgd or --penalties sgl,lasso,sgl trained each configuration twice, the
+    record holding both rows and the figure two points at one λ, exit 0. One line before any work."""
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--epochs", "1", "--retrain-epochs", "0", "--workers", "1", "--no-progress",
+            "--lambdas", "1e-3", "--optimizers", "sgd", "--penalties", "lasso", option, value]
+    code, err = _script("sparsenas_digits", argv, tmp_path, capsys)
+    assert code == 2 and len(err) == 1 and f"{option} names {said} more than once" in err[0], err
+    assert not out.exists()
