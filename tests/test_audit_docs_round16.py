@@ -20,6 +20,10 @@ check what the commands print or write against the text. Here:
 * docs/methods.md: the toy method "once the module that defines it is imported" ran as `nasdiag search --method toy`;
   no shell can import a module into that process, which says "unknown method 'toy'". The doc now gives a command
   that imports it first (test_the_methods_doc_command_line_for_a_method_of_ones_own_works_from_a_shell).
+* docs/figures.md wrote `write_figures(record, out)` / `write_report(record, ...)` beside `write_comparison({label:
+  load(path)}, out)`: both read a record file, and a loaded record stopped in pathlib's TypeError traceback. The doc
+  says `record_path`; nasdiag/plot/registry.py and report.py refuse a loaded record in one PlotError line (also a
+  TypeError), nothing written (test_a_loaded_record_given_to_a_function_that_reads_a_record_file_is_one_line).
 
 Checked and right (no change): the README's curvature, regret and records blocks and docs/probe.md's loop print
 the shapes their comments give (the round-3 test checks them; rerun here by hand); every equation number cited
@@ -205,3 +209,28 @@ def test_the_methods_doc_command_line_for_a_method_of_ones_own_works_from_a_shel
                           text=True, timeout=300, env={**os.environ, "MPLBACKEND": "Agg"})
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("toy:") and "eta: float = 0.5" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("function", ["write_figures", "write_report"])
+def test_a_loaded_record_given_to_a_function_that_reads_a_record_file_is_one_line(tmp_path, monkeypatch, function):
+    """docs/figures.md wrote `write_figures(record, out, ...)` and `write_report(record, "report.html")` beside
+    `write_comparison({label: nasdiag.record.load(path)}, out)`; both read a record *file*, and the record a user had
+    loaded stopped in pathlib's `TypeError: expected str, bytes or os.PathLike object, not dict` traceback. Now the
+    doc names `record_path`, and a loaded record is one PlotError line (also a TypeError) that says what to pass;
+    nothing is written."""
+    import nasdiag.plot
+    from nasdiag.plot import PlotError
+    from nasdiag.record import Recorder, load
+
+    monkeypatch.chdir(tmp_path)
+    with Recorder("run.h5", meta={"method": "darts"}) as rec:
+        rec.log(0, {"scalars/train_loss": 1.0})
+    record = load("run.h5")
+    out = "figs" if function == "write_figures" else "report.html"
+    with pytest.raises(PlotError) as info:
+        getattr(nasdiag.plot, function)(record, out)
+    assert isinstance(info.value, TypeError)
+    message = str(info.value)
+    assert "\n" not in message and function in message and "path" in message and "write_comparison" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.h5"]
+    assert f"{function}(record_path" in FIGURES_DOC.read_text()

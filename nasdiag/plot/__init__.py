@@ -1,6 +1,6 @@
 """Figures drawn from records (files), never from live models, so any old run can be redrawn.
 
-- `write_figures(record, out, fmt, figures=None, at=None)`: every registered figure the record supports.
+- `write_figures(record_path, out, fmt, figures=None, at=None)`: every registered figure the record supports.
 - `figure`, `heatmap`, `Heatmap`: register a figure for a record path family (``nasdiag.plot.registry``);
   a module placed in ``nasdiag/plot/`` is imported, and its figures registered, automatically.
 - `write_comparison`: the same heatmap of several runs side by side, on one colour scale.

@@ -46,6 +46,20 @@ class PlotError(NasdiagError, ValueError):
     """A record lacks what a figure needs, or a figure option is invalid; the message says which."""
 
 
+class PlotTypeError(PlotError, TypeError):
+    """An argument of the wrong type (a loaded record where the function reads a record's path)."""
+
+
+def checked_record_path(record_path, function: str):
+    """``record_path`` if it names a file (str or os.PathLike); else one `PlotTypeError` line: a dict of `load` passed
+    to ``function`` stopped in pathlib's TypeError traceback."""
+    if isinstance(record_path, (str, os.PathLike)):
+        return record_path
+    got = "a loaded record (a dict of nasdiag.record.load)" if isinstance(record_path, Mapping) else type(record_path).__name__
+    raise PlotTypeError(f"{function} takes the path of a record file, got {got}; pass the file name (what load() was "
+                        "given), or draw loaded records with nasdiag.plot.write_comparison({label: record}, out)")
+
+
 class NothingToDraw(PlotError):
     """A figure has no data to show in this record (no rows yet, or every value NaN); it is skipped
     with this one-line message instead of drawing an empty plot."""
@@ -606,7 +620,7 @@ def write_figures(record_path, out_dir, fmt: str = "png", figures: Optional[Sequ
     """
     from nasdiag.record import load
 
-    refuse_checkpoint(record_path)
+    refuse_checkpoint(checked_record_path(record_path, "write_figures"))
     record = load(record_path)
     if len(record["step"]) == 0:
         raise PlotError(f"record {record_path} has no committed rows yet; nothing to plot")

@@ -28,7 +28,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from nasdiag.plot.registry import (
-    NothingToDraw, PlotError, iter_figures, malformed_lines, refuse_checkpoint, select, without_malformed,
+    NothingToDraw, PlotError, checked_record_path, iter_figures, malformed_lines, refuse_checkpoint, select,
+    without_malformed,
 )
 
 #: section titles of the record groups, in page order (groups not listed follow in registry order)
@@ -407,7 +408,7 @@ def write_report(record_path, out_html, figures: Optional[Sequence[str]] = None,
         PlotError: ``out_html`` must not be written (checked before the record is read and again just
             before the page replaces it), cannot be made in its folder, or the record has nothing to report.
     """
-    check_report_out(record_path, out_html, force)
+    check_report_out(checked_record_path(record_path, "write_report"), out_html, force)
     out = Path(out_html)
     text = build_report(record_path, figures, dpi)
     missing = [folder for folder in out.parents if not folder.exists()]  # removed again if the page is not written
