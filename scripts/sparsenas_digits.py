@@ -57,7 +57,7 @@ from nasdiag.sparse import HAPG, AdamHAPG, sgl_penalty
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # script_args, also when loaded from a file path
 from script_args import (refuse_bad_paths, refuse_other_figures, refuse_other_records, refuse_repeats,  # noqa: E402
-                         refuse_with_plot_only, seed as seed_number)
+                         refuse_unexpanded_home, refuse_with_plot_only, seed as seed_number)
 
 OPTIMIZERS = ("sgd", "adam", "hapg", "adamhapg")
 PROXIMAL = ("hapg", "adamhapg")
@@ -440,6 +440,7 @@ def parse(argv) -> Tuple[argparse.Namespace, List[str], List[str], List[float]]:
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     refuse_bad_paths(p, args)  # --out '' wrote into the current folder
+    refuse_unexpanded_home(p, args)  # --out=~/sp made a folder named ~ here (its own parser skipped script_args's)
     opts = _choices(args.optimizers, OPTIMIZERS, "optimizer(s)")
     pens = _choices(args.penalties, tuple(PENALTIES), "penalty(ies)")
     lambdas = parse_lambdas(args.lambdas)

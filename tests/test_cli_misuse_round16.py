@@ -251,3 +251,15 @@ def test_sparsenas_digits_value_given_twice_is_one_line_not_two_runs(option, val
     code, err = _script("sparsenas_digits", argv, tmp_path, capsys)
     assert code == 2 and len(err) == 1 and f"{option} names {said} more than once" in err[0], err
     assert not out.exists()
+
+
+def test_sparsenas_digits_out_with_a_tilde_the_shell_left_is_refused(tmp_path, monkeypatch, capsys):
+    """Round 11 refused ``--out=~/figs`` for the scripts of script_args.Parser; sparsenas_digits.py has a parser of its
+    own and ran the grid into a new folder named ``~`` in the current one, exit 0. One line, nothing made."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    argv = ["--out=~/sp", "--epochs", "1", "--retrain-epochs", "0", "--workers", "1", "--no-progress", "--lambdas",
+            "1e-3", "--optimizers", "sgd", "--penalties", "lasso"]
+    code, err = _script("sparsenas_digits", argv, tmp_path, capsys)
+    assert code == 2 and len(err) == 1 and "write --out ~/sp" in err[0] and str(tmp_path / "home") in err[0], err
