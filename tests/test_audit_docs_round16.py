@@ -24,6 +24,11 @@ check what the commands print or write against the text. Here:
   load(path)}, out)`: both read a record file, and a loaded record stopped in pathlib's TypeError traceback. The doc
   says `record_path`; nasdiag/plot/registry.py and report.py refuse a loaded record in one PlotError line (also a
   TypeError), nothing written (test_a_loaded_record_given_to_a_function_that_reads_a_record_file_is_one_line).
+* docs/figures.md's "add a figure" module (re-registering the shipped `attention`, "a second registration of a name
+  is refused") imported before anything read the figure registry was accepted, and every later read (`registered()`,
+  `write_figures`, `nasdiag plot` in that process) stopped in the built-in attention.py's ValueError. The registry
+  (nasdiag/plot/registry.py) now loads the built-ins before a user's registration, as the search registry does
+  (test_the_figures_doc_module_registering_a_built_in_name_first_is_refused_and_the_built_ins_still_load).
 
 Checked and right (no change): the README's curvature, regret and records blocks and docs/probe.md's loop print
 the shapes their comments give (the round-3 test checks them; rerun here by hand); every equation number cited
@@ -234,3 +239,32 @@ def test_a_loaded_record_given_to_a_function_that_reads_a_record_file_is_one_lin
     assert "\n" not in message and function in message and "path" in message and "write_comparison" in message
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.h5"]
     assert f"{function}(record_path" in FIGURES_DOC.read_text()
+
+
+def test_the_figures_doc_module_registering_a_built_in_name_first_is_refused_and_the_built_ins_still_load(monkeypatch):
+    """docs/figures.md's "add a figure" module re-registers the shipped `attention` name and says a second registration
+    is refused. Run before anything read the figure registry (a fresh process: a user's module imported first), it was
+    taken instead, and every later read of the registry (`registered()`, `nasdiag plot`, `write_figures`) stopped in
+    the built-in attention.py's own registration: `ValueError: a different figure is already registered as
+    'attention': __main__.attention`. Now the user's registration is the one refused, and the built-ins load.
+    The fresh process is imitated by an empty registry and the built-in figure modules unimported."""
+    import sys
+
+    from nasdiag.plot import registry
+
+    monkeypatch.setattr(registry, "_FIGURES", {})
+    monkeypatch.setattr(registry, "_BUILTINS_LOADED", False)
+    import nasdiag.plot
+
+    for name in [m for m in sys.modules if m.startswith("nasdiag.plot.") and m != "nasdiag.plot.registry"]:
+        monkeypatch.delitem(sys.modules, name)  # restored after the test, and the package's attribute with it
+        parent, _, child = name.rpartition(".")
+        if parent == "nasdiag.plot" and hasattr(nasdiag.plot, child):
+            monkeypatch.setattr(nasdiag.plot, child, getattr(nasdiag.plot, child))
+    block = fenced(FIGURES_DOC, "python")[0]
+    assert 'name="attention"' in block
+    with pytest.raises(ValueError, match="already registered as 'attention': nasdiag.plot.attention"):
+        exec(compile(block, "docs/figures.md", "exec"), {"__name__": "__main__"})
+    figures = registry.registered()
+    assert figures["attention"].draw.__module__ == "nasdiag.plot.attention"
+    assert {"arch", "cost", "hessian", "scalars", "attention_counts"} <= set(figures)

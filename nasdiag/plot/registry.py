@@ -164,8 +164,14 @@ def _register(families, name: str, file: Optional[str], caption: str, paper: str
             raise TypeError(f"figure {name!r} selects rows, so it takes (record, cell, row)")
         template = file or (f"{name}_{{cell}}" if any("<cell>" in f.pattern for f in fams) else name)
         spec = FigureSpec(name, fams, fn, template, caption.strip(), paper, rows, is_heatmap)
+        if not fn.__module__.startswith("nasdiag.plot."):
+            # the built-ins first: a user's figure registered under a built-in's name before the registry was read
+            # was taken, and every later read stopped in the built-in module's own registration (its ValueError)
+            _load_builtins()
         previous = _FIGURES.get(name)
-        if previous is not None and previous.draw.__qualname__ != fn.__qualname__:
+        builtin = previous is not None and previous.draw.__module__.startswith("nasdiag.plot.")
+        if previous is not None and (previous.draw.__qualname__ != fn.__qualname__
+                                     or (builtin and previous.draw.__module__ != fn.__module__)):
             raise ValueError(f"a different figure is already registered as {name!r}: {previous.draw.__module__}.{previous.draw.__qualname__}")
         _FIGURES[name] = spec
         return fn
