@@ -1,10 +1,34 @@
 """A sixteenth new user's misuse of the ``nasdiag`` CLI and the batch scripts, armed with README.md and ``--help``: what
 rounds 1-15 (test_cli_errors.py, test_cli_search_misuse.py, test_cli_plot_misuse.py, test_cli_misuse_round3..15.py,
-test_scripts_misuse_round14.py) did not cover: curvature_accuracy.py's ``--device`` (any text, torch's traceback for a
-bad or absent device); kill_resume_trials.py's ``--folder`` given relative (the searches ran in the repository's folder,
-so their records went there and the trials failed) or holding an earlier run (the reference search's refusal as a
-RuntimeError traceback). Every such mistake is one line on stderr saying what was wrong and what to do, exit code 2,
-no traceback, nothing left behind.
+test_scripts_misuse_round14.py) did not cover: curvature_accuracy.py's ``--device`` (any text: torch's traceback);
+kill_resume_trials.py's ``--folder`` given relative (the searches ran in the repository's folder, their records went
+there) or holding an earlier run (a RuntimeError traceback); ``nasdiag report`` in a folder that cannot hold a file
+(the line named a hidden temporary file) or of a long name the file system takes (refused for its temporary name);
+``--plot-only`` of a run stopped before it finished (xnas_toys: a traceback or cut curves drawn; sparsenas_digits: a
+KeyError/IndexError) or of a summary.json cut short or of another tool (asmnas_stability); the paper scripts
+(bayes_compression, sparsenas_digits, asmnas_stability) replacing a user's fig3.png, compression.h5, ... without a
+word; sparsenas_digits' values given twice and ``--out=~/sp``; ``PYTHONWARNINGS=error`` (chained tracebacks for the
+CLI and the scripts). Every such mistake is one line on stderr saying what was wrong and what to do, exit code 2, no
+traceback, nothing left behind.
+
+Checked and found right (not repeated as tests, run as a user in a shell): ``--out`` under a file (search, report),
+in a read-only current folder (/proc: search, plot, and search --figs refused before the run), through a dangling
+link (plot, report: "no record at"), a record named through a link (report); PYTHONWARNINGS=error with darts,
+bayesnas, xnas searches (no warning), plot and report, xnas_toys and xnas_statistical; HOME unwritable (matplotlib's
+own cache line, then drawn); every script's ``--help`` (exit 0) and every typed option of every script given x, -1,
+nan (one line, exit 2, nothing made: in-process over the parsers' actions); asmnas/wiring_evolution --layers 0/-1,
+--steps 0; wiring_* --methods bogus, --data-dir with digits, cifar10 without or with a missing --data-dir;
+sparsenas_digits --lambdas nan/0/-1/1e400/1e-3.x, --penalties ','; the scripts under ``ulimit -f`` (one line, the
+record kept); the scripts run with no argument for a while, then Ctrl-C (exit 130, 'interrupted'); the search's
+--help defaults against SearchConfig's; search --no-figs with --figs, --multiplier past --steps, --resume with
+--force, --resume of nothing, --out -; ``nasdiag methods`` naming the digits presets.
+
+Left alone: torch's threads default to the usable CPUs (at most 4) whatever OMP_NUM_THREADS says, as --help and
+README document; the batch scripts print Python's two-line warnings (the CLI prints one line each); asmnas_stability
+replaces a search record named like its own (darts_seed0.h5: the same method, not told apart); wiring_evolution
+--plot-only of a record without architecture rows draws nothing and exits 0; the benchmarks and curvature_accuracy
+take a name given twice (--sections, --nets) and time it twice; kill_resume_trials' reference or trial search failing
+for the machine (a full disk) is a RuntimeError with the search's stderr (a harness, its failures are its output).
 """
 
 from __future__ import annotations
