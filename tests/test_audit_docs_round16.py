@@ -36,7 +36,15 @@ in the public docstrings of nasdiag/cost (wiring supplement §2, §2.1, §2.2, �
 eq. 16, §8.1-8.2), nasdiag/regret (XNAS eq 1-6, 18-21, 23-32, 35, 37, 54-55, Lemma 1/2, Theorem 1, Algorithm 1
 lines 2/8/9-12, §3.2.1-2, §8.2-8.5, §10) and nasdiag/hessian (bayesnas-appendix C.1.2-C.1.5, C.2.1-C.2.5,
 C.3.1-C.3.2, A.1.6b, A.3.2) names what the paper's text copy says there; docs/sparsenas.md's and docs/darts2.md's
-sparse-supernet eq 1-13 and DARTS eq 7-8, docs/bayesnas.md's B.0.2-B.0.5.
+sparse-supernet eq 1-13 and DARTS eq 7-8, docs/bayesnas.md's B.0.2-B.0.5; every dotted `nasdiag.*` name, repository
+path, script option, figure file name, record path and method hyperparameter default the docs cite exists as cited;
+docs/figures.md's "add a figure" module, saved as a module under another name, draws both of its figures.
+
+Left alone: the BayesNAS mixing-weight formula H = E(Σ B_i² H_j) is cited as C.3.1 throughout (docs, docstrings, the
+vocabulary); in the text copy it is the unnumbered line just before (C.3.1), whose number sits on the recursion
+H_i = Σ_o w² H_j of the same step (one display in the PDF, it seems), and the papers' README maps §C.3 to C.3.1-C.3.2.
+Slow blocks are not defects: README's hessian_eigenvalues (28 Lanczos HVPs) took 50-80 s, docs/spectrum.md's blocks
+over 10 min, on this shared 2-core box.
 """
 import glob
 import math
