@@ -17,6 +17,9 @@ Defects these tests found (each fails without its fix):
   --epochs 6``) annealed over ``epochs − last_epoch`` epochs, taking the scheduler's count since its restart at the
   first extension for the completed epochs: 5 epochs left instead of 4, so w's learning rate ended the run at 0.00186,
   not its minimum 0.001.
+- ``evaluate(loader)`` (each epoch's supernet evaluation, or a user's on a test set) ran its train-mode forwards on the
+  network's own BatchNorm buffers, so every batch it measured went into the running statistics (and batch counts) that
+  an eval-mode use of the searched network then normalises with; a measurement now leaves them as they were.
 """
 
 from __future__ import annotations
@@ -175,3 +178,41 @@ def test_darts2_at_xi_zero_is_first_order_darts_bit_for_bit():
         assert float(s2["scalars/implicit_grad_norm"]) == 0.0 and 0 < float(s2["scalars/fd_eps"]) < float("inf")
     for (n, a), b in zip(first.network.named_parameters(), second.network.parameters()):
         assert torch.equal(a, b), n
+
+
+# -- evaluate() is a measurement ---------------------------------------------------------------------------------------
+def test_evaluate_is_the_batch_statistics_mean_and_leaves_the_running_statistics_alone():
+    """evaluate: the mean cross-entropy (summed over samples / their number) and the top-1 accuracy of the supernet at
+    the mixing weights, BatchNorm on batch statistics (train mode), here by functional_call on copies of the buffers;
+    the network's buffers (running mean, var, batch counts) are bit for bit those before the call."""
+    method = _method("darts", _net(8), epochs=1, steps=1)
+    net = method.network
+    data = _batches(3, 9, B=5)
+    method.step(data[0], data[1])  # running statistics that are not the initial ones
+    before = {n: b.clone() for n, b in net.named_buffers()}
+    params = dict(net.named_parameters())
+    z = {t: torch.softmax(a.detach(), -1) for t, a in net.alphas().items()}
+    loss, correct, n = 0.0, 0, 0
+    with torch.no_grad():
+        for x, y in data:
+            logits = functional_call(net, {**params, **{k: v.clone() for k, v in before.items()}}, (x, z))
+            loss += float(torch.nn.functional.cross_entropy(logits, y, reduction="sum"))
+            correct += int((logits.argmax(1) == y).sum())
+            n += len(y)
+    got = method.evaluate(data)
+    assert got["loss"] == pytest.approx(loss / n, rel=1e-12) and got["acc"] == correct / n
+    for name, b in net.named_buffers():
+        assert torch.equal(b, before[name]), name
+
+
+def test_asmnas_selection_pass_leaves_the_running_statistics_alone():
+    """ASM-NAS's evaluate (Algorithm 1's selection by attention counts) is a forward-only pass like
+    SearchMethod.evaluate: the network's buffers are bit for bit those before it."""
+    method = _method("asmnas", _net(10, _prims("asmnas")), epochs=1, steps=1)
+    data = _batches(3, 11)
+    method.step(data[0], data[1])
+    before = {n: b.clone() for n, b in method.network.named_buffers()}
+    method.evaluate(data)
+    assert method.selection_counts is not None
+    for name, b in method.network.named_buffers():
+        assert torch.equal(b, before[name]), name

@@ -104,6 +104,20 @@ def check_batch(network, batch, what: str) -> None:
                               f"classes, got values from {low} to {high}")
 
 
+@contextmanager
+def buffers_kept(network):
+    """Around a measurement's train-mode forwards (``evaluate``): the network's buffers (BatchNorm's running statistics
+    and batch counts) are put back as they were, in place, on every path. The forwards moved them: the measured
+    batches (the search-val split, a user's test set) went into the statistics an eval-mode use then normalises with."""
+    saved = [(b, b.clone()) for b in network.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, value in saved:
+                b.copy_(value)
+
+
 class _BatchChecked:
     """``step`` that first checks its batches (`check_batch`), and that a bi-level method (not ``single_level``) is given
     a search-val batch: a wrong or missing batch is one line before any update. An object,
@@ -660,7 +674,9 @@ class SearchMethod:
     def evaluate(self, loader) -> Dict[str, float]:
         """Mean loss and accuracy of the supernet at :meth:`eval_weights` over ``loader``.
 
-        BatchNorm uses batch statistics, as during the search (DARTS evaluates the supernet this way).
+        BatchNorm uses batch statistics, as during the search (DARTS's own ``infer`` uses eval mode, its running
+        statistics). A measurement: the network's buffers (BatchNorm's running statistics and batch counts) are as they
+        were before the call.
         """
         net = self.network
         p = next(net.parameters())
@@ -668,13 +684,14 @@ class SearchMethod:
         weights = self.eval_weights()
         active = self.active_ops()
         kwargs = {} if active is None else {"active": active}
-        for x, y in loader:
-            x, y = x.to(p.device, p.dtype), y.to(p.device)
-            check_batch(net, (x, y), "evaluation")  # a label past the classifier was cross-entropy's IndexError
-            logits = net(x, weights, **kwargs)
-            loss_sum += nn.functional.cross_entropy(logits, y, reduction="sum").double()
-            correct += (logits.argmax(1) == y).sum()
-            total += len(y)
+        with buffers_kept(net):
+            for x, y in loader:
+                x, y = x.to(p.device, p.dtype), y.to(p.device)
+                check_batch(net, (x, y), "evaluation")  # a label past the classifier was cross-entropy's IndexError
+                logits = net(x, weights, **kwargs)
+                loss_sum += nn.functional.cross_entropy(logits, y, reduction="sum").double()
+                correct += (logits.argmax(1) == y).sum()
+                total += len(y)
         if total == 0:
             raise SearchError("evaluate() got an empty loader")
         return {"loss": float(loss_sum) / total, "acc": float(correct) / total}

@@ -41,7 +41,8 @@ from torch import nn
 
 from nasdiag import vocabulary as V
 from nasdiag.distributed import finite_on_every_rank
-from nasdiag.search.base import Batch, SearchError, SearchMethod, accuracy, check_batch, mean_over_ranks, nonfinite_loss_error
+from nasdiag.search.base import (Batch, SearchError, SearchMethod, accuracy, buffers_kept, check_batch, mean_over_ranks,
+                                 nonfinite_loss_error)
 from nasdiag.search.hyperparameters import Hyperparameters, hp
 from nasdiag.search.registry import register
 from nasdiag.supernet import derive_genotype
@@ -186,7 +187,8 @@ class ASMNAS(SearchMethod):
         per cell type, the per-sample argmax counts of a (w, Θ frozen; forward only). The counts become
         :attr:`selection_counts` (and so :meth:`probabilities` and the genotype).
 
-        BatchNorm uses batch statistics, as during the search (as ``SearchMethod.evaluate``).
+        BatchNorm uses batch statistics, as during the search, and its running statistics are left as they were (as
+        ``SearchMethod.evaluate``).
         """
         net = self.network
         p = next(net.parameters())
@@ -195,7 +197,7 @@ class ASMNAS(SearchMethod):
         loss_sum = torch.zeros((), dtype=torch.float64, device=p.device)
         correct = torch.zeros((), dtype=torch.int64, device=p.device)
         total = 0
-        with collect_attention(net) as store:
+        with collect_attention(net) as store, buffers_kept(net):
             for x, y in loader:
                 x, y = x.to(p.device, p.dtype), y.to(p.device)
                 check_batch(net, (x, y), "evaluation")  # a label past the classifier was cross-entropy's IndexError
