@@ -107,6 +107,7 @@ def _cosine(lr0, lr_min, epoch, epochs):
 
 
 @pytest.mark.parametrize("name", ["darts", "bayesnas"])
+@pytest.mark.filterwarnings("ignore")
 def test_a_state_of_a_run_of_another_schedule_is_refused_and_the_saved_schedule_extends_without_rising(name):
     """DARTS §A.1.1: w's learning rate follows a cosine annealing over the run, never rising. A state saved by a run of
     2 epochs × 3 steps, loaded into a method built for 6 × 3, is refused in one line with nothing loaded; built with
