@@ -23,7 +23,9 @@ check what the commands print or write against the text. Here:
 * docs/figures.md wrote `write_figures(record, out)` / `write_report(record, ...)` beside `write_comparison({label:
   load(path)}, out)`: both read a record file, and a loaded record stopped in pathlib's TypeError traceback. The doc
   says `record_path`; nasdiag/plot/registry.py and report.py refuse a loaded record in one PlotError line (also a
-  TypeError), nothing written (test_a_loaded_record_given_to_a_function_that_reads_a_record_file_is_one_line).
+  TypeError), nothing written (test_a_loaded_record_given_to_a_function_that_reads_a_record_file_is_one_line);
+  paths given to write_comparison, which takes loaded records, were "string indices must be integers": one line
+  too (test_record_paths_given_to_write_comparison_which_takes_loaded_records_are_one_line).
 * docs/figures.md's "add a figure" module (re-registering the shipped `attention`, "a second registration of a name
   is refused") imported before anything read the figure registry was accepted, and every later read (`registered()`,
   `write_figures`, `nasdiag plot` in that process) stopped in the built-in attention.py's ValueError. The registry
@@ -276,3 +278,22 @@ def test_the_figures_doc_module_registering_a_built_in_name_first_is_refused_and
     figures = registry.registered()
     assert figures["attention"].draw.__module__ == "nasdiag.plot.attention"
     assert {"arch", "cost", "hessian", "scalars", "attention_counts"} <= set(figures)
+
+
+def test_record_paths_given_to_write_comparison_which_takes_loaded_records_are_one_line(tmp_path, monkeypatch):
+    """The other way round: docs/figures.md's `write_comparison({label: nasdiag.record.load(path)}, out)` given
+    `{label: path}` (as write_figures takes) stopped in `TypeError: string indices must be integers, not 'str'`
+    inside check_at_steps. Now one PlotError line (also a TypeError) naming the label and what to pass; nothing
+    is written."""
+    from nasdiag.plot import PlotError, write_comparison
+    from nasdiag.record import Recorder
+
+    monkeypatch.chdir(tmp_path)
+    with Recorder("run.h5", meta={"method": "darts"}) as rec:
+        rec.log(0, {"scalars/train_loss": 1.0})
+    with pytest.raises(PlotError) as info:
+        write_comparison({"first": "run.h5", "second": pathlib.Path("run.h5")}, "compare")
+    assert isinstance(info.value, TypeError)
+    message = str(info.value)
+    assert "\n" not in message and "'first'" in message and "load(path)" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.h5"]

@@ -652,6 +652,9 @@ def write_comparison(records: Mapping[str, Record], out_dir, fmt: str = "png", f
         raise PlotError(f"unknown figure format {fmt!r}; choose one of {', '.join(FORMATS)}")
     ats = parse_at(at) or ["final"]
     for label, record in records.items():
+        if not isinstance(record, Mapping):  # a path here stopped in "string indices must be integers" of check_at_steps
+            raise PlotTypeError(f"write_comparison takes loaded records, {{label: nasdiag.record.load(path)}}, got "
+                                f"{type(record).__name__} {record!r} for {label!r}; load it first")
         check_at_steps(parse_at(at), record, label)
     out = Path(out_dir)
     drawn = Drawn()
