@@ -232,6 +232,17 @@ def search_config(args: argparse.Namespace) -> SearchConfig:
     return config
 
 
+def _refuse_deleted_folder() -> None:
+    """Refuse to run in a current folder that no longer exists (removed, by another shell, since this one entered
+    it): torch cannot load there, and its loader ended the process with "Intel oneMKL FATAL ERROR: Cannot load
+    .../torch/lib/libtorch_cpu.so.", exit 2, as if the installation were broken (``nasdiag methods`` too)."""
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        raise ConfigError("the current folder no longer exists (removed since this shell entered it), and torch cannot "
+                          "load in it; cd to a folder that exists and run the command again") from None
+
+
 def _refuse_unexpanded_home(args) -> None:
     """Refuse a path that begins with ``~`` the shell left as is (it expands it in a word of its own, not after
     ``--out=`` nor in quotes): ``--out=~/runs/a.h5`` made a folder named ``~`` in the current one and said "record:
@@ -729,6 +740,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         args = _parse(argv)
         if args.command is None:
             raise ConfigError("nasdiag: choose a command: search, methods, plot or report (see nasdiag --help)")
+        if args.command != "plot":  # the commands that load torch (plot draws from a record with absolute paths)
+            _refuse_deleted_folder()
         if args.command in ("search", "plot", "report"):
             _refuse_unexpanded_home(args)
             _refuse_broken_links(args)

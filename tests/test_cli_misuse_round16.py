@@ -8,7 +8,8 @@ there) or holding an earlier run (a RuntimeError traceback); ``nasdiag report`` 
 KeyError/IndexError) or of a summary.json cut short or of another tool (asmnas_stability); the paper scripts
 (bayes_compression, sparsenas_digits, asmnas_stability) replacing a user's fig3.png, compression.h5, ... without a
 word; sparsenas_digits' values given twice and ``--out=~/sp``; ``PYTHONWARNINGS=error`` (chained tracebacks for the
-CLI and the scripts). Every such mistake is one line on stderr saying what was wrong and what to do, exit code 2, no
+CLI and the scripts); a command run in a current folder removed meanwhile (torch's loader: 'Intel oneMKL FATAL ERROR:
+Cannot load libtorch_cpu.so'). Every such mistake is one line on stderr saying what was wrong and what to do, exit code 2, no
 traceback, nothing left behind.
 
 Checked and found right (not repeated as tests, run as a user in a shell): ``--out`` under a file (search, report),
@@ -28,7 +29,8 @@ README document; the batch scripts print Python's two-line warnings (the CLI pri
 replaces a search record named like its own (darts_seed0.h5: the same method, not told apart); wiring_evolution
 --plot-only of a record without architecture rows draws nothing and exits 0; the benchmarks and curvature_accuracy
 take a name given twice (--sections, --nets) and time it twice; kill_resume_trials' reference or trial search failing
-for the machine (a full disk) is a RuntimeError with the search's stderr (a harness, its failures are its output).
+for the machine (a full disk) is a RuntimeError with the search's stderr (a harness, its failures are its output);
+the batch scripts in a removed current folder end at torch's import as above (each imports torch before run_script).
 """
 
 from __future__ import annotations
@@ -287,3 +289,23 @@ def test_sparsenas_digits_out_with_a_tilde_the_shell_left_is_refused(tmp_path, m
             "1e-3", "--optimizers", "sgd", "--penalties", "lasso"]
     code, err = _script("sparsenas_digits", argv, tmp_path, capsys)
     assert code == 2 and len(err) == 1 and "write --out ~/sp" in err[0] and str(tmp_path / "home") in err[0], err
+
+
+@pytest.mark.parametrize("command", [["methods", "darts"], ["search", "--epochs", "1"]])
+def test_a_command_run_in_a_removed_folder_says_so(command, tmp_path):
+    """A shell still in a folder that was removed (``rm -rf runs`` from another terminal, then the command again):
+    importing torch there ended the process with 'Intel oneMKL FATAL ERROR: Cannot load .../libtorch_cpu.so.', exit 2,
+    as if the installation were broken, for every command that loads torch. One line saying what is wrong."""
+    import subprocess
+
+    (tmp_path / "gone").mkdir()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # no relative entry: none resolves in there
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, *(p for p in os.environ.get("PYTHONPATH", "").split(
+        os.pathsep) if os.path.isabs(p))])}
+    script = f"cd gone && rmdir ../gone && exec {sys.executable} -m nasdiag \"$@\""
+    argv = [*command, *(["--out", str(tmp_path / "run.h5")] if command[0] == "search" else [])]
+    done = subprocess.run(["sh", "-c", script, "sh", *argv], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(err) == 1 and "the current folder no longer exists" in err[0], done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
