@@ -25,7 +25,9 @@ check what the commands print or write against the text. Here:
   says `record_path`; nasdiag/plot/registry.py and report.py refuse a loaded record in one PlotError line (also a
   TypeError), nothing written (test_a_loaded_record_given_to_a_function_that_reads_a_record_file_is_one_line);
   paths given to write_comparison, which takes loaded records, were "string indices must be integers": one line
-  too (test_record_paths_given_to_write_comparison_which_takes_loaded_records_are_one_line).
+  too (test_record_paths_given_to_write_comparison_which_takes_loaded_records_are_one_line); write_figures's
+  `figures="cost,hessian"` was read letter by letter ("unknown figure(s) c, o, s, t, ...") after making the folder
+  (test_write_figures_takes_figure_names_as_the_command_line_does_and_an_unknown_one_makes_no_folder).
 * docs/figures.md's "add a figure" module (re-registering the shipped `attention`, "a second registration of a name
   is refused") imported before anything read the figure registry was accepted, and every later read (`registered()`,
   `write_figures`, `nasdiag plot` in that process) stopped in the built-in attention.py's ValueError. The registry
@@ -297,3 +299,25 @@ def test_record_paths_given_to_write_comparison_which_takes_loaded_records_are_o
     message = str(info.value)
     assert "\n" not in message and "'first'" in message and "load(path)" in message
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.h5"]
+
+
+def test_write_figures_takes_figure_names_as_the_command_line_does_and_an_unknown_one_makes_no_folder(tmp_path,
+                                                                                                     monkeypatch):
+    """docs/figures.md: `write_figures(record_path, out, fmt="png", figures=None, at=None)` beside `--figures cost,hessian`
+    and `at="init,final,120"`. `figures="cost,hessian"` (a string, as `at` takes one) was read letter by letter:
+    "unknown figure(s) c, o, s, t, ..." and the folder `out` was made before the refusal. Now a comma-separated string
+    selects as --figures does, and an unknown name is refused before anything is made."""
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    from nasdiag.plot import PlotError, write_figures
+    from nasdiag.record import Recorder
+
+    monkeypatch.chdir(tmp_path)
+    meta = {"method": "darts", "op_names": ["a", "b"], "edge_names": {"normal": ["0->2"]}, "cell_types": ["normal"]}
+    with Recorder("run.h5", meta=meta) as rec:
+        rec.log(0, {"scalars/train_loss": 1.0, "cost/normal/mean": np.array([[0.5, -0.5]]),
+                    "cost/normal/var": np.zeros((1, 2)), "cost/normal/count": np.ones((1, 2), dtype=np.int64)})
+    with pytest.raises(PlotError, match="unknown figure.*costt") as info:
+        write_figures("run.h5", "refused", figures="costt")
+    assert "c, o" not in str(info.value) and not (tmp_path / "refused").exists()
+    written = write_figures("run.h5", "figs", figures="cost,scalars")
+    assert sorted(p.name for p in written) == ["cost_normal_heatmap.png", "scalars.png"]

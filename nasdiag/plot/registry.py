@@ -224,11 +224,13 @@ def registered() -> Dict[str, FigureSpec]:
 
 
 def select(names: Optional[Sequence[str]]) -> List[FigureSpec]:
-    """The specs chosen by ``names`` (None: all). A name selects the figure of that name or, if there is
+    """The specs chosen by ``names`` (a list, or comma-separated in one string; None: all). A name selects the figure of that name or, if there is
     none, every figure of that record group (``regret`` selects all figures of ``regret/`` families)."""
     specs = registered()
     if names is None:
         return list(specs.values())
+    if isinstance(names, str):  # "cost,hessian", as --figures and `at` take it (was read letter by letter)
+        names = names.split(",")
     chosen: Dict[str, FigureSpec] = {}
     unknown = []
     for token in names:
@@ -571,6 +573,7 @@ def draw_record(record: Record, out_dir, fmt: str = "png", figures: Optional[Seq
 
     from nasdiag.plot.style import paper_style
 
+    select(figures)  # an unknown name is refused before the folder is made
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     drawn = Drawn()
@@ -611,7 +614,7 @@ def write_figures(record_path, out_dir, fmt: str = "png", figures: Optional[Sequ
         record_path: an HDF5 record (also one that a search is still writing).
         out_dir: folder, created if needed.
         fmt: ``png``, ``pdf`` or ``svg``.
-        figures: figure names to draw (see `select`); None: all.
+        figures: figure names to draw, a list or comma-separated as ``--figures`` (see `select`); None: all.
         at: rows of the row figures (heatmaps): ``"init,final,120"`` or a list; None: the last row, and
             file names without an ``_<at>`` suffix.
         dpi: raster resolution (png).
