@@ -27,7 +27,9 @@ check what the commands print or write against the text. Here:
   paths given to write_comparison, which takes loaded records, were "string indices must be integers": one line
   too (test_record_paths_given_to_write_comparison_which_takes_loaded_records_are_one_line); write_figures's
   `figures="cost,hessian"` was read letter by letter ("unknown figure(s) c, o, s, t, ...") after making the folder
-  (test_write_figures_takes_figure_names_as_the_command_line_does_and_an_unknown_one_makes_no_folder).
+  (test_write_figures_takes_figure_names_as_the_command_line_does_and_an_unknown_one_makes_no_folder); their
+  dpi=0 was matplotlib's ValueError traceback after the folder was made
+  (test_a_dpi_that_is_not_a_positive_number_is_one_plot_error_line_before_any_folder).
 * docs/figures.md's "add a figure" module (re-registering the shipped `attention`, "a second registration of a name
   is refused") imported before anything read the figure registry was accepted, and every later read (`registered()`,
   `write_figures`, `nasdiag plot` in that process) stopped in the built-in attention.py's ValueError. The registry
@@ -321,3 +323,20 @@ def test_write_figures_takes_figure_names_as_the_command_line_does_and_an_unknow
     assert "c, o" not in str(info.value) and not (tmp_path / "refused").exists()
     written = write_figures("run.h5", "figs", figures="cost,scalars")
     assert sorted(p.name for p in written) == ["cost_normal_heatmap.png", "scalars.png"]
+
+
+@pytest.mark.parametrize("dpi", [0, -3, float("nan"), "150"])
+def test_a_dpi_that_is_not_a_positive_number_is_one_plot_error_line_before_any_folder(tmp_path, monkeypatch, dpi):
+    """write_figures / write_comparison (docs/figures.md) with dpi=0 stopped in matplotlib's `ValueError: dpi must be
+    positive` traceback after making the folder (nasdiag plot --dpi and write_report check it; these did not)."""
+    from nasdiag.plot import PlotError, write_comparison, write_figures
+    from nasdiag.record import Recorder, load
+
+    monkeypatch.chdir(tmp_path)
+    with Recorder("run.h5", meta={"method": "darts"}) as rec:
+        rec.log(0, {"scalars/train_loss": 1.0})
+    with pytest.raises(PlotError, match="dpi must be a positive number"):
+        write_figures("run.h5", "figs", dpi=dpi)
+    with pytest.raises(PlotError, match="dpi must be a positive number"):
+        write_comparison({"a": load("run.h5")}, "compare", dpi=dpi)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.h5"]

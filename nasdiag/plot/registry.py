@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+import numbers
 import os
 import pkgutil
 import re
@@ -560,6 +561,15 @@ def save(fig, path: Path, dpi: int) -> None:
         plt.close(fig)
 
 
+def check_output(fmt: str, dpi) -> None:
+    """Refuse (`PlotError`) an unknown figure format or a dpi that is not a positive number (matplotlib's ValueError
+    traceback, after the folder was made)."""
+    if fmt not in FORMATS:
+        raise PlotError(f"unknown figure format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if isinstance(dpi, bool) or not isinstance(dpi, numbers.Real) or not dpi > 0:
+        raise PlotError(f"dpi must be a positive number of dots per inch, e.g. 150, not {dpi!r}")
+
+
 def draw_record(record: Record, out_dir, fmt: str = "png", figures: Optional[Sequence[str]] = None, at=None,
                 dpi: int = 150) -> Drawn:
     """Draw every registered figure ``record`` (a dict from `nasdiag.record.load`) supports into ``out_dir``.
@@ -567,8 +577,7 @@ def draw_record(record: Record, out_dir, fmt: str = "png", figures: Optional[Seq
     Files are ``<figure file>[_<at>].<fmt>``; a figure with nothing to show is skipped with one line in
     ``Drawn.skipped``. Raises `PlotError` if ``fmt`` or ``figures`` is unknown.
     """
-    if fmt not in FORMATS:
-        raise PlotError(f"unknown figure format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    check_output(fmt, dpi)
     import warnings
 
     from nasdiag.plot.style import paper_style
@@ -651,8 +660,7 @@ def write_comparison(records: Mapping[str, Record], out_dir, fmt: str = "png", f
     """
     from nasdiag.plot.style import paper_style, render_heatmaps
 
-    if fmt not in FORMATS:
-        raise PlotError(f"unknown figure format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    check_output(fmt, dpi)
     ats = parse_at(at) or ["final"]
     for label, record in records.items():
         if not isinstance(record, Mapping):  # a path here stopped in "string indices must be integers" of check_at_steps
