@@ -49,8 +49,10 @@ def refuse_bad_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     """Refuse a path option (`PATH_OPTIONS`) given empty or blank, as an unset shell variable gives it (``--out
     "$OUT"``): ``--out ''`` wrote the records and figures into the current folder and ``--data-dir ''`` was taken as
     not given, without a word (``nasdiag`` refuses its own empty paths); a folder option (`FOLDER_OPTIONS`) that names
-    a file; a file option (`FILE_OPTIONS`) that names a folder or lies in none."""
+    a file or leads through a symbolic link to nothing; a file option (`FILE_OPTIONS`) that names a folder or lies in
+    none."""
     import os
+    from pathlib import Path
 
     for action in parser._actions:
         value = getattr(args, action.dest, None)
@@ -64,6 +66,15 @@ def refuse_bad_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) 
                          f"{leave}")
     for action in parser._actions:  # "File exists: out.h5" or "Not a directory: out.h5/dsnas" named no option nor fix
         value = getattr(args, action.dest, None)
+        if action.dest in FOLDER_OPTIONS and action.option_strings and isinstance(value, str) and value.strip():
+            # a link that leads nowhere, as the folder or one above it: "File exists: L", naming neither
+            broken = next((p for p in (value, *map(str, Path(value).parents)) if os.path.islink(p)
+                           and not os.path.exists(p)), None)
+            if broken is not None:
+                option = max(action.option_strings, key=len)
+                raise UsageError(f"{option} {value}: {broken} is a symbolic link to {os.readlink(broken)}, which does not "
+                                 f"exist, so no folder can be made there; create what it names, remove the link, or give "
+                                 f"another {option}")
         if action.dest in FOLDER_OPTIONS and action.option_strings and isinstance(value, str) and value.strip() \
                 and os.path.exists(value) and not os.path.isdir(value):
             option = max(action.option_strings, key=len)

@@ -9,7 +9,8 @@ KeyError/IndexError) or of a summary.json cut short or of another tool (asmnas_s
 (bayes_compression, sparsenas_digits, asmnas_stability) replacing a user's fig3.png, compression.h5, ... without a
 word; sparsenas_digits' values given twice and ``--out=~/sp``; ``PYTHONWARNINGS=error`` (chained tracebacks for the
 CLI and the scripts); a command run in a current folder removed meanwhile (torch's loader: 'Intel oneMKL FATAL ERROR:
-Cannot load libtorch_cpu.so'). Every such mistake is one line on stderr saying what was wrong and what to do, exit code 2, no
+Cannot load libtorch_cpu.so'); a script's --out through a symbolic link that leads nowhere ('File exists: L'). Every
+such mistake is one line on stderr saying what was wrong and what to do, exit code 2, no
 traceback, nothing left behind.
 
 Checked and found right (not repeated as tests, run as a user in a shell): ``--out`` under a file (search, report),
@@ -309,3 +310,15 @@ def test_a_command_run_in_a_removed_folder_says_so(command, tmp_path):
     err = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(err) == 1 and "the current folder no longer exists" in err[0], done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("script", ["xnas_toys", "sparsenas_digits", "bayes_compression"])
+@pytest.mark.parametrize("below", [False, True])
+def test_a_script_folder_through_a_link_that_leads_nowhere_says_so(script, below, tmp_path, capsys):
+    """Round 11 refused ``nasdiag search --out`` through a dangling link; the batch scripts said 'File exists: L' (their
+    os.makedirs on a link to a folder that is not there), naming neither the link nor what to do."""
+    (tmp_path / "L").symlink_to(tmp_path / "gone" / "nowhere")
+    out = tmp_path / "L" / "sub" if below else tmp_path / "L"
+    code, err = _script(script, ["--out", str(out)], tmp_path, capsys)
+    assert code == 2 and len(err) == 1, err
+    assert f"{tmp_path / 'L'} is a symbolic link to {tmp_path / 'gone' / 'nowhere'}, which does not exist" in err[0], err
