@@ -31,6 +31,9 @@ GROUPS = (
 )
 #: counters, not curves
 SKIPPED = ("epoch",)
+#: flags (``scalars/nonfinite_loss`` = 1 on the row whose loss was NaN/inf), not values of a meaning group: in the
+#: losses panel the flag was a point of cross-entropy 1 on the failing step
+FLAGS = ("nonfinite_",)
 
 
 def group_scalars(names: List[str]) -> Dict[str, List[str]]:
@@ -39,7 +42,7 @@ def group_scalars(names: List[str]) -> Dict[str, List[str]]:
     for name in names:
         if name in SKIPPED:
             continue
-        title = next((t for t, _, test in GROUPS if test(name)), name)
+        title = name if name.startswith(FLAGS) else next((t for t, _, test in GROUPS if test(name)), name)
         groups.setdefault(title, []).append(name)
     order = [t for t, _, _ in GROUPS]
     return dict(sorted(groups.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)))

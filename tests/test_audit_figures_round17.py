@@ -1,0 +1,56 @@
+"""Figures audit, round 17: records written here through the public `Recorder` with planted values of known structure
+(a distinct value per edge × op, a gradient over the steps, NaN/inf in known cells), every figure drawn through the
+plot API and its drawn data read back from the matplotlib artists (line data, panel titles, axis labels).
+
+The references are the arrays logged here and this file's own numpy on them; nothing is computed by nasdiag."""
+
+from __future__ import annotations
+
+import warnings
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import numpy as np  # noqa: E402
+
+from nasdiag.plot.registry import iter_figures  # noqa: E402
+from nasdiag.plot.style import plt  # noqa: E402
+from nasdiag.record import Recorder, RecordWarning, load  # noqa: E402
+
+
+def _write(path, meta, rows):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RecordWarning)
+        with Recorder(str(path), meta=meta, flush_seconds=None) as rec:
+            for step, row in rows:
+                rec.log(step, row)
+    return str(path)
+
+
+def _figure(record, name):
+    (fig,) = [thunk() for spec, _, _, thunk in iter_figures(record, [name])]
+    return fig
+
+
+def test_the_nonfinite_loss_flag_is_not_drawn_as_a_loss_of_one(tmp_path):
+    """A search whose loss turns NaN records the failing row with ``scalars/nonfinite_loss`` = 1 (search/base.py). The
+    scalars figure grouped every name holding "loss" into the losses panel, y label "cross-entropy": the flag was a
+    point of loss 1.0 at the failing step, and it stretched the y axis of a run whose losses are 0.02-0.1 tenfold. The
+    panel of losses holds the logged losses only, on their own range; the flag is drawn in a panel of its own."""
+    losses = [0.1 / s for s in range(1, 6)]
+    rows = [(s, {"scalars/train_loss": loss}) for s, loss in zip(range(1, 6), losses)]
+    rows.append((6, {"scalars/train_loss": np.nan, "scalars/nonfinite_loss": 1.0}))
+    fig = _figure(load(_write(tmp_path / "r.h5", {"method": "darts"}, rows)), "scalars")
+    try:
+        panels = {ax.get_title(loc="left"): ax for ax in fig.axes if ax.get_title(loc="left")}
+        ax = panels["losses"]
+        curves = {ln.get_label(): ln for ln in ax.get_lines() if len(ln.get_xdata()) == 6}
+        assert [label.split("\n")[0] for label in curves] == ["train_loss"], list(curves)
+        np.testing.assert_allclose(next(iter(curves.values())).get_ydata()[:5], np.float32(losses))
+        assert ax.get_ylim()[1] < 0.2, ax.get_ylim()  # the losses' range (0.02-0.1), not stretched to a flag's 1
+        flag = [ln for a in fig.axes for ln in a.get_lines() if ln.get_label() == "nonfinite_loss"]
+        assert flag and all(ln.axes is not ax for ln in flag)
+        assert flag[0].get_ydata()[-1] == 1.0
+    finally:
+        plt.close(fig)
