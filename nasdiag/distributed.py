@@ -10,11 +10,11 @@ rule in the statistics vocabulary (`nasdiag.vocabulary.reduction_rule`; paths of
 rule       result over ranks r = 1..R
 =========  ================================================================================
 mean       (1/R) sum_r x_r (equal per-rank batches: the global batch mean); ints give float64
-sum        sum_r x_r (bools and ints give int64, unsigned ints uint64: a bool's sum counts the ranks holding True)
+sum        sum_r x_r (bools and ints give int64, unsigned ints uint64, exact: a bool's sum counts the ranks holding True)
 pooled     ``<prefix>/mean`` and ``<prefix>/var`` next to ``<prefix>/count``: the mean and
            variance of all samples of all ranks, by `nasdiag.vocabulary.pooled_moments`
 all, any   logical and / or (ints and floats: 1 where true, 0 where false; NaN stays NaN)
-min, max   elementwise extremes
+min, max   elementwise extremes (of ints exact in 64 bits)
 same       the value, which must agree on all ranks (else `ReductionError`)
 =========  ================================================================================
 
@@ -216,7 +216,8 @@ def reduce_statistics(
     must agree on them too, and a pooled ``mean``/``var`` takes its ``count`` at its own steps. Without an initialised
     process group (or with one rank) the statistics come back unchanged (as numpy). The work is
     batched into at most five collectives: a schema check, then one sum, one min, one max and, for
-    pooled paths, one all-gather. Raises `ReductionError` if the ranks disagree on the paths, shapes
+    pooled paths and the ``sum``, ``min`` and ``max`` of ints (exact in 64 bits, not through float64), one
+    all-gather. Raises `ReductionError` if the ranks disagree on the paths, shapes
     or dtypes (or ``row_steps``), or on a ``same`` value, where a pooled ``mean`` has no ``count`` at one of
     its steps or its ``var`` other steps, and for a value that is not bool, int or float (complex, strings), on every
     rank and in a single process alike.
@@ -263,6 +264,10 @@ def reduce_statistics(
                 mins.add(key, half)
                 maxs.add(key, half)
             continue
+        if rule in ("sum", "min", "max") and array.dtype.kind in "iu":  # exact, from every rank's value: through float64
+            for key, half in _halves(array, path):  # the sum of 2**53 + 1 and 2 was 2**53 + 2, the min of 2**53 + 1 and
+                gathered.add(key, half)  # 2**53 + 3 was 2**53, a value no rank held
+            continue
         if rule in ("mean", "sum"):
             sums.add(path, x)
         elif rule == "pooled":
@@ -291,8 +296,10 @@ def reduce_statistics(
         if rule == "mean":
             value = reduced_sum[path] / world
             dtype = array.dtype if array.dtype.kind == "f" else np.float64
-        elif rule == "sum":  # of bools: how many ranks hold True (cast back to bool, the sum was an 'any'); of narrow
-            value, dtype = reduced_sum[path], _summed_dtype(array.dtype)  # ints: 64 bits (200 + 200 in uint8 was 144)
+        elif rule in ("sum", "min", "max") and array.dtype.kind in "iu":  # in 64 bits (200 + 200 in uint8 was 144)
+            value, dtype = _exact_int(per_rank, path, array.dtype, rule), (_summed_dtype(array.dtype) if rule == "sum" else array.dtype)
+        elif rule == "sum":  # of bools: how many ranks hold True (cast back to bool, the sum was an 'any')
+            value, dtype = reduced_sum[path], _summed_dtype(array.dtype)
         elif rule in ("all", "min"):
             value, dtype = _nan_where(reduced_min[path], reduced_max, path), array.dtype
         elif rule in ("any", "max"):
@@ -352,6 +359,16 @@ def _halves(array: np.ndarray, path: str) -> list[tuple[str, np.ndarray]]:
     """An integer array as its high and low 32 bits, each exact in float64 (the collectives' dtype)."""
     wide = array.astype(np.int64 if array.dtype.kind == "i" else np.uint64)
     return [(f"{path}#hi", (wide >> 32).astype(np.float64)), (f"{path}#lo", (wide & 0xFFFFFFFF).astype(np.float64))]
+
+
+def _exact_int(per_rank: Mapping[str, np.ndarray], path: str, dtype: np.dtype, rule: str) -> np.ndarray:
+    """The ``sum``/``min``/``max`` over ranks of an integer path, from every rank's value gathered as its 32-bit halves."""
+    wide = np.dtype(np.int64 if dtype.kind == "i" else np.uint64)
+    values = (per_rank[f"{path}#hi"].astype(wide) << wide.type(32)) | per_rank[f"{path}#lo"].astype(wide)
+    if rule == "sum":
+        with np.errstate(over="ignore"):
+            return values.sum(axis=0, dtype=wide)
+    return values.min(axis=0) if rule == "min" else values.max(axis=0)
 
 
 def _nan_where(value: np.ndarray, reduced_max: Mapping[str, np.ndarray], path: str) -> np.ndarray:
