@@ -169,6 +169,8 @@ class AdamHAPG(_HierarchicalProximal):
     @staticmethod
     def _group_step_size(eta, groups: torch.Tensor, p: torch.Tensor):
         flat_groups = groups.reshape(-1)
+        if not flat_groups.numel():  # an empty parameter has no group (its max() was torch's RuntimeError)
+            return eta.reshape(-1)
         G = int(flat_groups.max()) + 1
         sizes = torch.bincount(flat_groups, minlength=G)
         # pad each group's step sizes into one row and take the NaN-aware median of every row at once
