@@ -38,12 +38,22 @@ def _check_threshold(threshold: Threshold, what: str) -> None:
 
 
 def group_norms(z: torch.Tensor, groups: torch.Tensor) -> tuple:
-    """(‖z_(n)‖₂, |z_(n)|) per group n, each (G,): Euclidean norm and size of every group."""
+    """(‖z_(n)‖₂, |z_(n)|) per group n, each (G,): Euclidean norm and size of every group.
+
+    The norm is taken of z_(n) / max|z_(n)| (as ``torch.linalg.vector_norm`` does), so that z² neither underflows
+    (a group of weights below 1e-154, float32 1e-19, had norm 0: ``prox_group`` zeroed it even at threshold 0, λ = 0
+    or α = 1) nor overflows (above 1e154 it was ∞); a NaN element gives a NaN norm, and a zero group norm 0 with
+    gradient 0 (a subgradient of ‖·‖₂ at 0; the gradient of √0 was NaN)."""
     G = _check_groups(z, groups)
     flat_groups = groups.reshape(-1).long()
-    sq = torch.zeros(G, dtype=z.dtype, device=z.device).index_add_(0, flat_groups, z.reshape(-1) ** 2)
+    flat = z.reshape(-1)
+    peak = torch.zeros(G, dtype=z.dtype, device=z.device).scatter_reduce(0, flat_groups, flat.detach().abs(), "amax")
+    unit = torch.where((peak > 0) & torch.isfinite(peak), peak, torch.ones_like(peak))
+    sq = torch.zeros(G, dtype=z.dtype, device=z.device).index_add_(0, flat_groups, (flat / unit[flat_groups]) ** 2)
+    zero = sq == 0
+    norms = torch.where(zero, torch.zeros_like(sq), unit * torch.where(zero, torch.ones_like(sq), sq).sqrt())
     sizes = torch.bincount(flat_groups, minlength=G).to(z.dtype)
-    return sq.sqrt(), sizes
+    return norms, sizes
 
 
 def prox_l1(z: torch.Tensor, threshold: Threshold) -> torch.Tensor:
@@ -82,9 +92,11 @@ def prox_group(z: torch.Tensor, threshold: Threshold, groups: torch.Tensor) -> t
     if t.numel() != 1 and t.shape != norms.shape:
         raise ConfigError(f"the group threshold must be a scalar or one value per group, shape {tuple(norms.shape)}, "
                           f"got {tuple(t.shape)}")
-    # a zero group stays zero (0/0 is the subgradient case ‖z‖ ≤ threshold)
-    scale = torch.clamp(1 - sizes.sqrt() * t / torch.where(norms > 0, norms, torch.ones_like(norms)), min=0)
-    scale = torch.where(norms > 0, scale, torch.zeros_like(scale))
+    # a zero group stays zero (0/0 is the subgradient case ‖z‖ ≤ threshold); a NaN norm (a NaN element) makes the
+    # whole group NaN, not its other elements 0 as "norm > 0" selected
+    zero = norms == 0
+    scale = torch.clamp(1 - sizes.sqrt() * t / torch.where(zero, torch.ones_like(norms), norms), min=0)
+    scale = torch.where(zero, torch.zeros_like(scale), scale)
     return z * scale[groups.long()]
 
 
