@@ -336,3 +336,80 @@ def test_supernets_nasdiag_cannot_read_are_refused_in_one_line_at_attach():
     for l, r in enumerate(reference):
         torch.testing.assert_close(probe.costs()[f"layer{l}"], r, rtol=1e-12, atol=1e-17)
     assert hooks_on(net) == 0
+
+
+class DeclaredNBCell(NBCell):
+    """The NB-201 cell declaring its nodes (docs/probe.md's node protocol): node 1 has one input, node 0."""
+
+    cell_type = "nb201"
+    edge_nodes = [(0, 1), (0, 2), (1, 2), (0, 3), (1, 3), (2, 3)]
+    output_nodes = [3]
+    output_node_slices = {3: (0, 4)}
+
+
+class DeclaredDartsCell(nn.Module):
+    """A declared cell in DARTS's layout (inputs 0 and 1, nodes 2 and 3 fed by every earlier node), no `_steps`."""
+
+    cell_type = "normal"
+    edge_nodes = [(0, 2), (1, 2), (0, 3), (1, 3), (2, 3)]
+    output_nodes = [2, 3]
+    output_node_slices = {2: (0, 4), 3: (4, 8)}
+
+    def __init__(self):
+        super().__init__()
+        self.edges = nn.ModuleList(NBMixed(4) for _ in range(5))
+
+    def forward(self, s0, s1, W):
+        n2 = self.edges[0](s0, W[0]) + self.edges[1](s1, W[1])
+        n3 = self.edges[2](s0, W[2]) + self.edges[3](s1, W[3]) + self.edges[4](n2, W[4])
+        return torch.cat([n2, n3], 1)
+
+
+class DeclaredDartsNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(1, 4, 3, padding=1)
+        self.cell = DeclaredDartsCell()
+        self.head = nn.Linear(8, 3)
+        self.alphas_normal = nn.Parameter(1e-1 * torch.randn(5, len(NB_OPS)))
+
+    def forward(self, x):
+        h = self.stem(x)
+        return self.head(self.cell(h, h, F.softmax(self.alphas_normal, -1)).mean((2, 3)))
+
+
+def test_adapt_refuses_a_cell_that_is_not_in_darts_layout_in_one_line_and_reads_a_declared_darts_cell():
+    """Defect: ``adapt`` took a cell declaring its nodes (docs/probe.md's protocol) but without ``_steps`` as one of 0
+    nodes and 0 concatenated outputs: on NB-201's cell a DARTS search ran, then ``method.genotype()`` (docs/methods.md's
+    fragment) stopped in derive_genotype's ValueError "(E, K) = (0, 5) for steps=0", SparseNAS's first step in torch's
+    "expanded size ... (6) must match ... (0)" and BayesNAS built its edge dependencies from no node pairs. A cell
+    whose edges are not DARTS's layout is one ConfigError line at ``adapt``; a declared cell that is (edges in DARTS
+    order, the last nodes its output) gets its steps and multiplier from its nodes and derives a genotype."""
+    from nasdiag.errors import ConfigError
+    from nasdiag.search import Schedule, get_method
+    from nasdiag.search.supernet import adapt
+
+    net = NB201().to(D)
+    net.cells = nn.ModuleList(DeclaredNBCell(4) for _ in range(2)).to(D)
+    with pytest.raises(ConfigError, match="not a DARTS cell") as info:
+        adapt(net, alphas={"nb201": net.arch_parameters})
+    assert "\n" not in str(info.value)
+
+    torch.manual_seed(0)
+    model = DeclaredDartsNet().to(D)
+    supernet = adapt(model)
+    assert (supernet.steps, supernet.multiplier) == (2, 2)
+    DARTS = get_method("darts")
+    method = DARTS(supernet, DARTS.Hyperparameters(), schedule=Schedule(epochs=1, steps_per_epoch=1))
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randn(4, 1, 8, 8, dtype=D, generator=g), torch.randint(0, 3, (4,), generator=g))
+    method.step(batch, batch)
+    genotype = method.genotype()
+    p = F.softmax(model.alphas_normal.detach(), -1)
+    # DARTS's rule by hand: node 2 takes both inputs; node 3 its 2 strongest of 3; each edge its strongest op but none
+    strength, best = p[:, 1:].max(1)
+    node3 = sorted(range(2, 5), key=lambda e: -strength[e].item())[:2]
+    gene = lambda e: (NB_OPS[1 + best[e].item()], model.cell.edge_nodes[e][0])  # noqa: E731
+    genes = list(genotype.normal)  # per node, in any order within it
+    assert sorted(genes[:2]) == sorted(map(gene, [0, 1])) and sorted(genes[2:]) == sorted(map(gene, node3))
+    assert list(genotype.normal_concat) == [2, 3]

@@ -18,6 +18,7 @@ forward ``(s0, s1, weights)``, and α as ``alphas_<cell type>`` attributes of th
 
 from __future__ import annotations
 
+import operator
 import warnings
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
@@ -68,9 +69,54 @@ def adapt(model: nn.Module, *, alphas: Optional[Mapping[str, torch.Tensor]] = No
 
     Raises:
         ConfigError: no edges, edges outside typed cells, cells of one type with different edge
-            counts, missing α, α of the wrong shape.
+            counts, a cell whose edges are not in DARTS's layout (a cell declaring its nodes, docs/probe.md, is
+            read when they are: its steps and multiplier from its node pairs and last output nodes; NAS-Bench-201's
+            cell is not), missing α, α of the wrong shape.
     """
     return AdaptedSupernet(model, alphas=alphas, primitives=primitives, skip_inactive=skip_inactive)
+
+
+def _whole(value) -> Optional[int]:
+    """``value`` as an int where it is a whole number (an int, numpy's or torch's integer), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _darts_layout(model: nn.Module, cells, edges) -> Tuple[int, int]:
+    """(steps, multiplier) of the DARTS cells of ``model``, which every method's genotype and edge dependencies read:
+    a cell's ``_steps``/``steps`` (else the count whose DARTS order its declared node pairs follow) and
+    ``_multiplier``/``multiplier`` (else its declared output nodes, the last ones). A cell of another layout
+    (NAS-Bench-201's, whose node 1 has one input) or cells of different sizes raise `ConfigError`."""
+    from nasdiag.supernet.cell import edge_nodes
+
+    found = set()
+    for cell in cells:
+        pairs = [(e.src, e.dst) for e in sorted((e for e in edges if e.cell_index == cell.cell_index), key=lambda e: e.edge_index)]
+        steps = _whole(getattr(cell.module, "_steps", getattr(cell.module, "steps", None)))
+        if steps is None:
+            steps = next((s for s in range(len(pairs) + 1) if len(edge_nodes(s)) == len(pairs)), None)
+        if (steps is None or steps < 1 or len(pairs) != len(edge_nodes(steps))
+                or any(p != q for p, q in zip(pairs, edge_nodes(steps)) if None not in p)):
+            raise ConfigError(
+                f"cannot adapt {type(model).__name__}: cell {cell.name!r} is not a DARTS cell (its {len(pairs)} edges join the "
+                f"nodes {pairs}; a DARTS cell of `_steps` nodes feeds each node j >= 2 from every earlier one, nodes 0 and 1 its "
+                "inputs), and the methods' genotype and edge dependencies read that layout; search it in a loop of your own "
+                "with nasdiag.attach (docs/probe.md)")
+        multiplier = _whole(getattr(cell.module, "_multiplier", getattr(cell.module, "multiplier", None)))
+        if multiplier is None and tuple(cell.output_nodes) == tuple(range(2 + steps - len(cell.output_nodes), 2 + steps)):
+            multiplier = len(cell.output_nodes)
+        if multiplier is None or not 1 <= multiplier <= steps:
+            raise ConfigError(f"cannot adapt {type(model).__name__}: cell {cell.name!r} has no `_multiplier` in [1, {steps}] "
+                              f"(the last nodes its output concatenates), got {multiplier!r}; give the cell `_multiplier`")
+        found.add((steps, multiplier))
+    if len(found) != 1:
+        raise ConfigError(f"cannot adapt {type(model).__name__}: its cells differ in (steps, multiplier) {sorted(found)}; "
+                          "nasdiag's methods read one cell layout")
+    return found.pop()
 
 
 class AdaptedSupernet(nn.Module):
@@ -127,9 +173,7 @@ class AdaptedSupernet(nn.Module):
         if len(self.primitives) != K:
             raise ConfigError(f"primitives names {len(self.primitives)} ops but the mixed ops have K={K}")
         self._E = E
-        first = self.cells[0].module
-        self.steps = int(getattr(first, "_steps", getattr(first, "steps", 0)))
-        self.multiplier = int(getattr(first, "_multiplier", getattr(first, "multiplier", 0)))
+        self.steps, self.multiplier = _darts_layout(model, [cells[c] for c in used], edges)
         self._alpha_names = self._bind_alphas(alphas, K)
         # per mixed op: (cell slot, edge index, candidate ops); the pre-hook plan is built once
         self._where = {id(e.module): (slot_of[e.cell_index], e.edge_index, e.ops) for e in edges}
