@@ -54,3 +54,35 @@ def test_the_nonfinite_loss_flag_is_not_drawn_as_a_loss_of_one(tmp_path):
         assert flag[0].get_ydata()[-1] == 1.0
     finally:
         plt.close(fig)
+
+
+def _bar_exponent(fig) -> int:
+    bar = fig.axes[1].get_ylabel().replace("\n", " ")
+    return int(bar.split("(x 1e")[1].split(")")[0]) if "(x 1e" in bar else 0
+
+
+def test_one_diverged_cell_sets_neither_the_power_of_ten_nor_the_annotations_of_the_others(tmp_path):
+    """docs/figures.md: a few outlier cells are kept out of the colour scale and "the annotations keep every value". The
+    power of ten of the colour bar came from the largest cell all the same: a cost map of 1.1e-4 .. 3.4e-4 with one
+    diverged entry of 1e6 was drawn "(x 1e6)" and every other cell annotated with one digit, 1.2e-4, 1.4e-4 and 1.1e-4
+    all "1e-10" (the bar's ticks scaled twice, an offset 1e-10 on top). Each annotation, times the bar's power of ten,
+    is its cell's value to the printed precision (the planted values are 0.1e-4 apart), the outlier's too."""
+    ops, edges = ["none", "skip", "conv", "pool"], ["0->2", "1->2", "0->3"]
+    cost = np.array([[1.2, -2.3, 3.4, 1.6], [1.1, 2.7, -1.9, 0.0], [1.5, 1.4, -1.3, 2.2]]) * 1e-4
+    cost[1, 3] = 1e6  # a diverged entry
+    meta = {"method": "darts", "op_names": ops, "edge_names": {"normal": edges}, "cell_types": ["normal"]}
+    fig = _figure(load(_write(tmp_path / "c.h5", meta, [(1, {"cost/normal/mean": cost})])), "cost")
+    try:
+        fig.canvas.draw()
+        ax, bar = fig.axes[0], fig.axes[1]
+        p = _bar_exponent(fig)
+        texts = [t.get_text() for t in ax.texts]
+        assert len(texts) == cost.size
+        for text, value in zip(texts, cost.ravel()):
+            assert abs(float(text) * 10.0**p - value) <= 0.02 * abs(value), (text, p, value)
+        kept = np.abs(np.delete(cost.ravel(), 7)).max()
+        np.testing.assert_allclose(ax.images[0].norm.vmax * 10.0**p, kept, rtol=1e-12)  # the scale ends at the kept cells
+        assert bar.yaxis.get_offset_text().get_text() == ""  # the bar's ticks read in the bar's own units
+        assert "1 cell beyond it" in ax.get_title(loc="left").replace("\n", " ")
+    finally:
+        plt.close(fig)

@@ -97,8 +97,10 @@ def _outlier_matrix():
 
 
 def _colour_limits(fig):
-    image = fig.axes[0].images[0]
-    return image.norm.vmin, image.norm.vmax
+    """The colour scale's ends in the values' units (the colour bar's ``(x 1e<p>)`` undone)."""
+    image, bar = fig.axes[0].images[0], fig.axes[-1].get_ylabel().replace("\n", " ")
+    scale = 10.0 ** int(bar.split("(x 1e")[1].split(")")[0]) if "(x 1e" in bar else 1.0
+    return image.norm.vmin * scale, image.norm.vmax * scale
 
 
 def test_one_outlier_cell_does_not_flatten_the_colour_scale_and_the_figure_says_so():
@@ -114,7 +116,8 @@ def test_one_outlier_cell_does_not_flatten_the_colour_scale_and_the_figure_says_
         assert fig.axes[1].get_label() == "<colorbar>"
         # the outlier cell still shows its own value
         texts = {(round(t.get_position()[1]), round(t.get_position()[0])): t.get_text() for t in fig.axes[0].texts}
-        assert texts[(3, 2)] == "0.500"
+        bar = fig.axes[1].get_ylabel().replace("\n", " ")
+        assert float(texts[(3, 2)]) * 10.0 ** int(bar.split("(x 1e")[1].split(")")[0]) == pytest.approx(0.5)
         # labels are the given names, in order
         assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ops
         assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == edges

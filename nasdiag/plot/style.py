@@ -252,6 +252,16 @@ def scale_exponent(values: np.ndarray) -> int:
     return int(math.floor(math.log10(top)))
 
 
+def kept_exponent(values: np.ndarray, signed: Optional[bool], limits: Optional[Tuple[float, float]]) -> int:
+    """`scale_exponent` of the cells the colour scale keeps (`colour_scale`): an outlier it leaves out (one diverged
+    entry) set the power of ten, and every other cell was annotated with one digit (1.2e-4 and 1.4e-4 both ``1e-10``
+    on a bar ``(x 1e6)``, the bar's ticks scaled twice)."""
+    norm, _, clipped = colour_scale(values, signed, limits)
+    if clipped is None:
+        return scale_exponent(values)
+    return scale_exponent(values[np.isfinite(values) & (values >= norm.vmin) & (values <= norm.vmax)])
+
+
 def number(value: float, decimals: int = 2) -> str:
     """A short annotation: NaN as ``NaN``, and anything that rounds to zero as ``0`` (never ``-0.00``)."""
     if not np.isfinite(value):
@@ -266,6 +276,10 @@ def annotation(value: float, decimals: int) -> str:
     """A heatmap cell's text: :func:`number`, except that a non-zero value too small for the map's
     ``decimals`` is written ``2e-4``, so that ``0`` is only ever an exact zero (a pruned op, no cost)
     and a cell of a map spanning many decades still shows its own magnitude and sign."""
+    if np.isfinite(value) and abs(value) >= 1e4 and not (value == round(value) and abs(value) < INTEGER_LIMIT):
+        # a cell beyond a clipped scale, in the kept cells' units: 2.5e9, not "2500000000.00"
+        mantissa, exponent = f"{value:.1e}".split("e")
+        return f"{mantissa}e{int(exponent)}"
     text = number(value, decimals)
     if text == "0" and value != 0:
         mantissa, exponent = f"{value:.0e}".split("e")
@@ -386,7 +400,8 @@ def _draw_matrix(ax, hm: Heatmap, matrix: np.ndarray, norm, cmap: str, annotate:
         spine.set_visible(False)
     if annotate and matrix.size <= 240:
         finite = matrix[np.isfinite(matrix)]
-        decimals = _decimals(float(np.abs(finite).max()) if finite.size else 0.0)
+        kept = finite[(finite >= norm.vmin) & (finite <= norm.vmax)]  # a cell beyond a clipped scale sets no decimals
+        decimals = _decimals(float(np.abs(kept).max()) if kept.size else 0.0)
         if finite.size and np.array_equal(finite, np.round(finite)):
             decimals = 0  # counts (samples, argmax votes): "7", not "7.0"
         for (i, j), v in np.ndenumerate(matrix):
@@ -428,7 +443,7 @@ def render_heatmap(hm: Heatmap, annotate: bool = True):
     matrix = np.asarray(hm.matrix, dtype=float)
     if matrix.size == 0 or not np.isfinite(matrix).any():
         raise NothingToDraw(f"{hm.title}: {none_finite(matrix, 'every value is NaN', 'it has')}; nothing to draw")
-    p = scale_exponent(matrix)
+    p = kept_exponent(matrix, hm.signed, hm.limits)
     shown = matrix / 10.0**p
     limits = None if hm.limits is None else (hm.limits[0] / 10.0**p, hm.limits[1] / 10.0**p)
     norm, cmap, clipped = colour_scale(shown, hm.signed, limits)
@@ -487,8 +502,8 @@ def render_heatmaps(panels: Mapping[str, Heatmap], annotate: bool = False):
     if not np.isfinite(every).any():
         every_run = np.concatenate([m.ravel() for m in originals.values()])
         raise NothingToDraw(f"{none_finite(every_run, 'every value of every run is NaN', 'the runs have')}; nothing to draw")
-    p = scale_exponent(every)
     first = panels[labels[0]]
+    p = kept_exponent(every, first.signed, first.limits)
     limits = None if first.limits is None else (first.limits[0] / 10.0**p, first.limits[1] / 10.0**p)
     norm, cmap, clipped = colour_scale(every / 10.0**p, first.signed, limits)
     n = len(labels)
@@ -580,7 +595,7 @@ def grid_shape(n: int, max_cols: int = 5) -> Tuple[int, int]:
 
 
 __all__ = [
-    "COLUMN", "DIVERGING", "PAGE", "SEQUENTIAL", "colour_scale", "edge_names", "epoch_of", "epoch_span", "grid_shape", "integer_steps",
+    "COLUMN", "DIVERGING", "PAGE", "SEQUENTIAL", "colour_scale", "edge_names", "epoch_of", "epoch_span", "grid_shape", "integer_steps", "kept_exponent",
     "annotation", "legend_outside", "mark_isolated", "mark_nonfinite", "marked_series", "number", "op_names", "paper_style", "plot_series", "render_heatmap",
     "render_heatmaps", "scale_exponent", "series", "shared_title", "split_colorbar_labels", "step_of",
 ]
