@@ -21,6 +21,9 @@ Defects these tests found (each fails without its fix):
 - ``prox_group`` of a group holding a NaN zeroed its other elements (a NaN norm failed "norm > 0", the test of a
   zero group): ops silently pruned by a NaN; the group is NaN now (test_a_nan_element_makes_its_group_nan_not_its
   _other_elements_zero);
+- ``switch`` (A.2.13) read w = 0 as s = 0 also where ω is NaN (a NaN curvature or γ(t−1)), so γ = 0 pruned the op on a
+  NaN, which docs/bayesnas.md says never happens (test_a_nan_curvature_or_gamma_at_w_zero_gives_a_nan_switch_never_a
+  _pruned_op);
 - ``AdamHAPG.step`` with an empty parameter stopped in torch's "max(): Expected reduction dim" RuntimeError (HAPG
   and torch.optim.Adam step it) (test_adamhapg_steps_an_empty_parameter_as_hapg_does).
 """
@@ -34,7 +37,8 @@ import numpy as np
 import pytest
 import torch
 
-from nasdiag.bayes import covariance, dependent_gamma, group_bayes_update, omega, parent_matrix, prune, switch
+from nasdiag.bayes import (covariance, dependent_gamma, group_bayes_update, omega, parent_matrix, prune, sparse_bayes_update,
+                           switch)
 from nasdiag.sparse import HAPG, AdamHAPG, prox_group, prox_l1, prox_sgl, sgl_penalty
 
 D = torch.float64
@@ -338,3 +342,18 @@ def test_group_update_of_one_element_is_the_single_update_and_groups_sum_their_o
         assert upd.switch[e, k].item() == pytest.approx(math.sqrt(N) * abs(w[e, k].item()) / om, rel=1e-12)
         for i in range(N):
             assert upd.cov[i, e, k].item() == pytest.approx(Cs[i], rel=1e-14)
+
+
+def test_a_nan_curvature_or_gamma_at_w_zero_gives_a_nan_switch_never_a_pruned_op():
+    # docs/bayesnas.md: "a NaN γ(t−1), curvature or w gives NaN ω, s and γ, never the ω = ∞ of a dead switch that
+    # would prune the op"; at w = 0 the switch was |w|/ω read as 0 (the w = 0 case) and γ = 0 pruned the op
+    P = parent_matrix([(0, 2), (1, 2)]).to(D)
+    w = torch.tensor([[0.0, 0.5], [0.0, 0.2]], dtype=D)
+    for H, gamma in ((torch.tensor([[math.nan, 1.0], [1.0, 1.0]], dtype=D), torch.ones(2, 2, dtype=D)),
+                     (torch.ones(2, 2, dtype=D), torch.tensor([[math.nan, 1.0], [1.0, 1.0]], dtype=D))):
+        upd = sparse_bayes_update(w, H, gamma, P)
+        assert math.isnan(upd.switch[0, 0].item()) and math.isnan(upd.gamma[0, 0].item())
+        keep, _ = prune(torch.ones(2, 2, dtype=torch.bool), upd.gamma)
+        assert bool(keep[0, 0])
+        # a finite ω at w = 0 is s = 0 (A.2.13: the minimiser of w²/s + ω²s), so that op is pruned (γ = 0 ≤ 1/(2πe))
+        assert upd.switch[1, 0].item() == 0.0 and not bool(keep[1, 0])

@@ -90,10 +90,11 @@ def switch(w: torch.Tensor, om: torch.Tensor) -> torch.Tensor:
     """Switch (prior variance) s = |w|/ω (A.2.11, A.2.13; A.3.8 for a group of one), elementwise.
 
     It minimises w²/s + ω² s over s > 0 (the bound w²/s + ω²s ≥ 2|ω w| of A.2.10 holds with equality).
-    ω = 0 (zero curvature: the data say nothing) gives s = ∞ for w ≠ 0 and 0 for w = 0.
+    ω = 0 (zero curvature: the data say nothing) gives s = ∞ for w ≠ 0 and 0 for w = 0. A NaN ω (of a NaN γ or
+    curvature) gives NaN also for w = 0: s = 0 would make γ = 0 (A.2.14) and prune the op on a NaN.
     """
     a = w.abs()
-    return torch.where(a == 0, torch.zeros_like(a), a / om)
+    return torch.where((a == 0) & ~om.isnan(), torch.zeros_like(a), a / om)
 
 
 def group_omega(gamma_prev: torch.Tensor, cov: torch.Tensor, *, curvature: Optional[torch.Tensor] = None) -> torch.Tensor:
