@@ -86,3 +86,25 @@ def test_one_diverged_cell_sets_neither_the_power_of_ten_nor_the_annotations_of_
         assert "1 cell beyond it" in ax.get_title(loc="left").replace("\n", " ")
     finally:
         plt.close(fig)
+
+
+def test_the_entropy_ceiling_of_cell_types_with_different_k_is_the_mean_over_their_edges(tmp_path):
+    """``scalars/entropy`` is the mean over the edges of every cell type of −Σ p log p (vocabulary; `mean_entropy`
+    concatenates the edges), so its ceiling, uniform p on every edge, is Σ_c E_c log K_c / Σ_c E_c. A record of cell
+    types with different K (written without op names: the recorder checks K per cell type only against them) had the
+    dashed line at the first cell type's log K (log 4 = 1.39 for 5 edges of 4 ops beside 2 edges of 3 ops: 1.30), a
+    "ceiling" that uniform p never reaches; the one-K case stays log K."""
+    def uniform(E, K):
+        return np.full((E, K), 1.0 / K, np.float32)
+
+    rows = [(s, {"scalars/entropy": 1.0 - 0.1 * s, "arch/normal/probabilities": uniform(5, 4),
+                 "arch/reduce/probabilities": uniform(2, 3)}) for s in range(1, 4)]
+    fig = _figure(load(_write(tmp_path / "k.h5", {"method": "snas"}, rows)), "sampling")
+    try:
+        dashed = [ln for ax in fig.axes for ln in ax.get_lines() if ln.get_linestyle() == "--"]
+        assert len(dashed) == 1
+        np.testing.assert_allclose(dashed[0].get_ydata()[0], (5 * np.log(4) + 2 * np.log(3)) / 7, rtol=1e-12)
+        entropy = [ln for ax in fig.axes for ln in ax.get_lines() if ln.get_linestyle() == "-" and len(ln.get_xdata()) == 3]
+        np.testing.assert_allclose(entropy[-1].get_ydata(), np.float32([0.9, 0.8, 0.7]))
+    finally:
+        plt.close(fig)

@@ -31,12 +31,26 @@ def temperature_entropy(record, cell=None):
         ax.set_xlabel("step")
         integer_steps(ax)
     if any(label.startswith("mean entropy") for label, *_ in panels):
-        K = next((np.shape(record[k])[-1] for k in record if V.SAMPLE_COUNT.regex.match(k) or V.ARCH_PROBABILITIES.regex.match(k)), None)
-        if K:  # the uniform distribution's entropy, the ceiling
-            axes.ravel()[-1].axhline(np.log(K), color="grey", lw=0.8, ls="--", label=f"log K = {np.log(K):.2f}")
+        ceiling = _uniform_entropy(record)
+        if ceiling is not None:  # the uniform distribution's entropy, the ceiling
+            axes.ravel()[-1].axhline(ceiling[0], color="grey", lw=0.8, ls="--", label=f"{ceiling[1]} = {ceiling[0]:.2f}")
             axes.ravel()[-1].legend(fontsize=6, frameon=False)
     fig.suptitle("Sampling: temperature and entropy")
     return fig
+
+
+def _uniform_entropy(record):
+    """(value, label) of the mean entropy's ceiling, the uniform p on every edge: log K, or where the cell types have
+    different K the mean of log K over the edges of every cell type, as ``scalars/entropy`` averages (the first cell
+    type's log K was drawn); None without (E, K) rows to read E and K from."""
+    shapes = [np.shape(record[k])[1:] for k in record if V.ARCH_PROBABILITIES.regex.match(k)]
+    shapes = shapes or [np.shape(record[k])[1:] for k in record if V.SAMPLE_COUNT.regex.match(k)]
+    shapes = [s for s in shapes if len(s) == 2 and s[0] > 0 and s[1] > 0]
+    if not shapes:
+        return None
+    if len({K for _, K in shapes}) == 1:
+        return float(np.log(shapes[0][1])), "log K"
+    return float(sum(E * np.log(K) for E, K in shapes) / sum(E for E, _ in shapes)), "mean log K over the edges"
 
 
 @heatmap(V.SAMPLE_COUNT, name="sample_counts", file="sample_count_{cell}_heatmap",
