@@ -24,6 +24,10 @@ Defects these tests found (each fails without its fix):
 - ``switch`` (A.2.13) read w = 0 as s = 0 also where ω is NaN (a NaN curvature or γ(t−1)), so γ = 0 pruned the op on a
   NaN, which docs/bayesnas.md says never happens (test_a_nan_curvature_or_gamma_at_w_zero_gives_a_nan_switch_never_a
   _pruned_op);
+- ``add_param_group`` on HAPG/AdamHAPG gave the new group the constructor's ``groups`` (a default), so a tensor of the
+  same shape was grouped as the constructor's parameter, silently (docs: None is one group per tensor), and took
+  float or negative group ids unchecked (test_a_param_group_added_later_is_one_group_per_tensor_not_the
+  _constructors_grouping);
 - ``AdamHAPG.step`` with an empty parameter stopped in torch's "max(): Expected reduction dim" RuntimeError (HAPG
   and torch.optim.Adam step it) (test_adamhapg_steps_an_empty_parameter_as_hapg_does).
 """
@@ -39,6 +43,7 @@ import torch
 
 from nasdiag.bayes import (covariance, dependent_gamma, group_bayes_update, omega, parent_matrix, prune, sparse_bayes_update,
                            switch)
+from nasdiag.errors import ConfigError
 from nasdiag.sparse import HAPG, AdamHAPG, prox_group, prox_l1, prox_sgl, sgl_penalty
 
 D = torch.float64
@@ -357,3 +362,30 @@ def test_a_nan_curvature_or_gamma_at_w_zero_gives_a_nan_switch_never_a_pruned_op
         assert bool(keep[0, 0])
         # a finite ω at w = 0 is s = 0 (A.2.13: the minimiser of w²/s + ω²s), so that op is pruned (γ = 0 ≤ 1/(2πe))
         assert upd.switch[1, 0].item() == 0.0 and not bool(keep[1, 0])
+
+
+def test_a_param_group_added_later_is_one_group_per_tensor_not_the_constructors_grouping():
+    # docs/sparsenas.md: groups None = the whole tensor one group; the constructor's groups (of p) were inherited as a
+    # default by add_param_group, so q (same shape) was split as p is, silently
+    p = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0], dtype=D))
+    q0, g = [0.1, 0.2, 5.0], [0.3, -0.2, 0.1]
+    lr, lam = 0.1, 0.3
+    for kind in ("hapg", "adam"):
+        q = torch.nn.Parameter(torch.tensor(q0, dtype=D))
+        opt = (HAPG if kind == "hapg" else AdamHAPG)([p], lr=lr, lam=lam, alpha=0.0, groups=[torch.tensor([0, 0, 1])])
+        opt.add_param_group({"params": [q]})
+        q.grad, p.grad = torch.tensor(g, dtype=D), None
+        opt.step()
+        if kind == "hapg":
+            step, eta = [lr * gi for gi in g], [lr] * 3
+        else:
+            step, eta = ref_adam_direction({"n": 0, "m": [0.0] * 3, "s": [0.0] * 3}, g, lr, 0.5, 0.999, 1e-8)
+        z = [a - b for a, b in zip(q0, step)]
+        want = ref_prox_sgl(z, [0.0] * 3, [lower_median(eta) * lam], [0, 0, 0])  # one group of three
+        assert 0 < want[0] and q.tolist() == pytest.approx(want, rel=1e-13, abs=0)
+        # an added group's own groups are checked as the constructor's: one line, nothing added
+        n = len(opt.param_groups)
+        for bad in ([torch.tensor([0.5, 1.0])], [torch.tensor([0, -1])], [torch.tensor([0, 0]), torch.tensor([0])]):
+            with pytest.raises(ConfigError, match="groups"):
+                opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2, dtype=D))], "groups": bad})
+            assert len(opt.param_groups) == n

@@ -70,13 +70,33 @@ class _HierarchicalProximal(torch.optim.Optimizer):
     def __init__(self, params, defaults):
         super().__init__(params, defaults)
         for group in self.param_groups:
-            _check_options(group["lr"], group["lam"], group["alpha"])
-            if group.get("groups") is not None and len(group["groups"]) != len(group["params"]):
-                raise ConfigError(f"give one groups tensor per parameter: {len(group['params'])} parameters, "
-                                  f"{len(group['groups'])} groups tensors")
-            for i, p in enumerate(group["params"]):
-                if group.get("groups") is not None:
-                    _check_group_ids(group["groups"][i], i, p)
+            self._check_group(group)
+        self._built = True
+
+    @staticmethod
+    def _check_group(group: dict) -> None:
+        _check_options(group["lr"], group["lam"], group["alpha"])
+        if group.get("groups") is not None and len(group["groups"]) != len(group["params"]):
+            raise ConfigError(f"give one groups tensor per parameter: {len(group['params'])} parameters, "
+                              f"{len(group['groups'])} groups tensors")
+        for i, p in enumerate(group["params"]):
+            if group.get("groups") is not None:
+                _check_group_ids(group["groups"][i], i, p)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's, with the constructor's checks. A group added after construction without its own ``groups`` has
+        each tensor one group: the constructor's ``groups`` name the constructor's parameters (they were inherited
+        as a default, so a tensor of the same shape was grouped as another parameter, silently)."""
+        built = getattr(self, "_built", False)
+        if built and "groups" not in param_group:
+            param_group = dict(param_group, groups=None)
+        super().add_param_group(param_group)
+        if built:
+            try:
+                self._check_group(self.param_groups[-1])
+            except ConfigError:
+                self.param_groups.pop()  # nothing added
+                raise
 
     def _gradient_step(self, p, grad, state, group):  # -> (z_t, per-element step sizes η_i)
         raise NotImplementedError
