@@ -5,6 +5,10 @@ Found, in ``nasdiag.distributed.reduce_statistics``: the ``sum``, ``min`` and ``
 float64 collectives, so past 2**53 they were rounded: the sum of 2**53 + 1 and 2 came back 2**53 + 2, the min of
 2**53 + 1 and 2**53 + 3 came back 2**53 and their max 2**53 + 4 (values no rank held), the max of the uint64 2**63 + 1
 and 2**63 + 2 came back 2**63; they are reduced exactly in 64 bits now (round 14 fixed ``same`` alike).
+In ``Probe.hessian`` of a DistributedDataParallel-wrapped supernet: the re-run forward went through the wrapper, whose
+forward broadcasts rank 0's buffers (BatchNorm's running statistics), a collective: ``probe.hessian()`` on one rank
+alone (diagnostics on rank 0) paired that broadcast with the other rank's next forward, and both ranks stalled in
+mismatched collectives until gloo's timeout (30 minutes by default). The wrapped module is re-run now, no collective.
 
 Checked and found right (references here or in scratch): a `Probe` on a DistributedDataParallel-wrapped LayerNorm
 supernet with unequal rank batches (5 and 4 samples, an epoch's last): each rank's per-sample cost rows are
@@ -72,9 +76,12 @@ class Net(nn.Module):
         return self.out(torch.tanh(self.e[1](h0, Z[1]) + self.e[2](h1, Z[2])))
 
 
-def network():
+def network(norm: str = "layer"):
     torch.manual_seed(0)
-    return Net().double()
+    net = Net().double()
+    if norm == "batch":  # train mode: each rank normalises with its own batch
+        net.norm = nn.BatchNorm1d(5).double()
+    return net
 
 
 def batch():
@@ -99,7 +106,7 @@ WORKER = textwrap.dedent(
 
     rank, init, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=20))
     res = {}
     try:
         res["ints"] = reduce_statistics({p: v[rank] for p, (v, _) in INTS.items()}, rules={p: r for p, (_, r) in INTS.items()})
@@ -119,6 +126,18 @@ WORKER = textwrap.dedent(
     with probe.record():  # a step after hessian(): DDP must still average the weight gradients
         F.cross_entropy(ddp(x), y).backward()
     res["grad"] = {n: p.grad.clone() for n, p in net.named_parameters() if n != "alpha"}
+    # BatchNorm (DDP broadcasts its buffers at every forward): hessian() on rank 0 alone, then a step on both ranks
+    bn = network("batch")
+    ddp = torch.nn.parallel.DistributedDataParallel(bn)
+    probe = nasdiag.attach(ddp, hessian="exact")
+    with probe.record():
+        F.cross_entropy(ddp(x), y).backward()
+    if rank == 0:
+        res["bn_hessian"] = {k: v.detach().clone() for k, v in probe.hessian().items()}
+    for p in bn.parameters():
+        p.grad = None
+    F.cross_entropy(ddp(x), y).backward()
+    res["bn_grad"] = {n: p.grad.clone() for n, p in bn.named_parameters() if n != "alpha"}
     # a NaN diagonal on rank 1 only, flagged there: the one record rank 0 writes must keep it
     diag = torch.stack(list(res["hessian"].values()))
     if rank == 1:
@@ -153,13 +172,14 @@ def test_an_int_summed_or_taken_min_or_max_is_exact_past_2_to_the_53(ranks, path
         assert got[path].dtype == want_dtype and int(got[path]) == want, (rank, path, got[path], want)
 
 
-def _reference():
+def _reference(norm: str = "layer"):
     """Independent of nasdiag: per-sample ∂ℓ_b/∂Z (B, E, K) and the exact diag ∂²/∂Z² of the mean loss of each rank's
     part and of the concatenated batch, by autograd at Z = softmax(α); the weight gradients of each rank's mean loss."""
-    net, (x, y) = network(), batch()
+    net, (x, y) = network(norm), batch()
     Z = F.softmax(net.alpha, -1).detach()
-    rows = torch.stack([torch.autograd.grad(F.cross_entropy(net(x[b:b + 1], z), y[b:b + 1]), z)[0]
-                        for b in range(len(y)) for z in [Z.clone().requires_grad_()]])
+    rows = None if norm == "batch" else torch.stack(  # a sample's own loss: train-mode BatchNorm couples them
+        [torch.autograd.grad(F.cross_entropy(net(x[b:b + 1], z), y[b:b + 1]), z)[0]
+         for b in range(len(y)) for z in [Z.clone().requires_grad_()]])
 
     def diag(sl):
         H = torch.autograd.functional.hessian(lambda z: F.cross_entropy(net(x[sl], z), y[sl]), Z)
@@ -207,3 +227,17 @@ def test_a_nan_diagonal_on_one_rank_is_recorded_nan_and_flagged(ranks):
     with h5py.File(record, "r") as f:
         counts = {k: int(v) for k, v in f["hessian/edges/diag"].attrs.items() if "nonfinite" in k}
     assert counts and max(counts.values()) == 1, counts
+
+
+def test_hessian_of_a_ddp_batchnorm_supernet_on_one_rank_alone_is_its_batchs_and_the_next_step_goes_on(ranks):
+    """The re-run forward went through the DDP wrapper, whose forward broadcasts rank 0's buffers: rank 0 alone in
+    hessian() paired that broadcast with rank 1's next forward, and both ranks then timed out in mismatched collectives
+    (after 30 minutes at the default timeout). The wrapped module is re-run, with no collective."""
+    results, _ = ranks
+    _, rank_diag, _, grads = _reference("batch")
+    assert "bn_hessian" in results[0] and "bn_hessian" not in results[1]
+    for e, name in enumerate(["module.e.0", "module.e.1", "module.e.2"]):
+        torch.testing.assert_close(results[0]["bn_hessian"][name], rank_diag[0][e], rtol=0, atol=1e-12)
+    for r in (0, 1):
+        for n, g in results[r]["bn_grad"].items():
+            torch.testing.assert_close(g, (grads[0][n] + grads[1][n]) / 2, rtol=0, atol=1e-13)

@@ -731,7 +731,8 @@ class Probe:
         with BatchNorm in its current mode and its current parameters (call it before ``optimizer.step()`` for the
         curvature of the recorded step; a re-run whose mixing weights differ from the step's is refused); its running
         statistics are restored, and it draws the random numbers the recorded call drew (its dropout masks) with
-        the caller's generators left as they were.
+        the caller's generators left as they were. A `DistributedDataParallel` wrapper is re-run as the module it wraps
+        (the curvature of this rank's batch, no collective: one rank may call it alone).
 
         Args:
             wrt: ``"Z"``, or ``"alpha"`` for the chain rule through Z = softmax(α) per edge (needs
@@ -771,7 +772,9 @@ class Probe:
             )
         if inputs is not None and r is not None and r.model_inputs is not None:
             _check_like_recorded(inputs, r.model_inputs[0])
-        model: nn.Module = self.model
+        # a DistributedDataParallel wrapper's forward is a collective (rank 0's buffers broadcast, when the module has
+        # any): a hessian() of one rank alone waited for the others, or paired with their next step's forward
+        model, device = _local_module(self.model)
         rerun = inputs is None and r is not None  # the recorded call is re-run: it must see the recorded weights
         if rerun and r.model_inputs is not None and not r.kept_reached and any(r.available):
             # the costs are of a later forward (the training batch); this one (a validation forward run with grad mode
@@ -797,7 +800,8 @@ class Probe:
             args, kwargs = r.model_inputs
             inputs = args[0] if len(args) == 1 else tuple(args)
             if kwargs:
-                model = _BoundKeywords(self.model, kwargs)
+                model = _BoundKeywords(model, _to_device(kwargs, device))
+        inputs = _to_device(inputs, device)  # as the wrapper moves them
         if targets is None:
             targets = r.targets if r is not None else None
             if targets is None and self.loss_fn is None and r is not None:
@@ -1008,6 +1012,25 @@ def _cross_entropy_targets(logits: Optional[torch.Tensor], grad: Optional[torch.
         if (onehot - torch.nn.functional.one_hot(labels, logits.shape[1])).abs().max() <= tol:
             return labels
     return None
+
+
+def _local_module(model: nn.Module) -> Tuple[nn.Module, Optional[torch.device]]:
+    """The module a DistributedDataParallel wrapper runs, and the device the wrapper moves the inputs to (None: as
+    they are); other models as they are. The wrapper's forward adds only communication: the broadcast of rank 0's
+    buffers, which the recorded forward already made, and the reducer's bookkeeping for a backward."""
+    if not isinstance(model, nn.parallel.DistributedDataParallel):
+        return model, None
+    ids = model.device_ids
+    return model.module, (torch.device(model.device_type, ids[0]) if ids else None)
+
+
+def _to_device(values, device: Optional[torch.device]):
+    """``values`` (tensors in tuples, lists and dicts) on ``device`` (None: unchanged)."""
+    from torch.utils._pytree import tree_map
+
+    if device is None:
+        return values
+    return tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, values)
 
 
 class _BoundKeywords(nn.Module):
