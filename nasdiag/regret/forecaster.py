@@ -318,7 +318,9 @@ class Forecaster(_ExpertsState):
             (Algorithm 1 line 2). A non-uniform start voids Lemma 1 and eq 3 (:meth:`bound` raises).
         dtype, device: of the state; float64 by default.
 
-    All tensors are detached state; no autograd flows through a forecaster.
+    ``lr``, ``loss_bound``, ``horizon`` and ``zeta`` are fixed for the run (an assignment raises RegretError): the
+    thresholds of line 11 and eq 3 assume one value from round 1 to T. All tensors are detached state; no autograd
+    flows through a forecaster.
     """
 
     def __init__(
@@ -342,6 +344,17 @@ class Forecaster(_ExpertsState):
         self._log_gamma = torch.zeros(self.shape, dtype=dtype, device=self.device)
         self._bound_violations = torch.zeros(self.shape, dtype=torch.int64, device=self.device)
         self._wipeouts: List[dict] = []  # one dict of column tensors per round with removals
+
+    _FIXED = ("lr", "loss_bound", "horizon", "zeta")
+
+    def __setattr__(self, name, value):
+        # Algorithm 1 plays one eta, L, T and zeta from round 1 to T: the thresholds (line 11) weigh a gap of ln v summed
+        # under the old eta against the margin of the new one (an eta lowered mid-run wipes out the best expert in
+        # hindsight, Lemma 1), and bound() would put the last eta into eq 3 for every round
+        if name in self._FIXED and name in self.__dict__:
+            raise RegretError(f"a Forecaster's {name} is fixed for its run (Algorithm 1, Lemma 1 and eq 3 assume one {name} "
+                              f"from round 1 to T); create a new Forecaster with {name}={value!r} for a new run")
+        super().__setattr__(name, value)
 
     # ---------------------------------------------------------------- theory
     @staticmethod
