@@ -108,3 +108,24 @@ def test_the_entropy_ceiling_of_cell_types_with_different_k_is_the_mean_over_the
         np.testing.assert_allclose(entropy[-1].get_ydata(), np.float32([0.9, 0.8, 0.7]))
     finally:
         plt.close(fig)
+
+
+def test_a_nan_in_the_weights_the_sparsity_figures_draw_is_counted_in_the_plot_line(tmp_path, capsys):
+    """The SparseNAS figures are registered for the boolean ``sparsity/<cell>/nonzero`` and draw |A| of
+    ``arch/<cell>/params``: a NaN weight was a hatched cell counted in the heatmap's title ("[1 NaN]"), while `nasdiag
+    plot`'s line for the record (docs: "the NaN/inf counts of the drawn families") said "no NaN/inf in the drawn
+    families". The line counts the NaN the figures draw."""
+    from nasdiag.cli import main
+
+    a = np.arange(1, 21, dtype=np.float32).reshape(5, 4)
+    a[2, 1], a[0, 0] = np.nan, 0.0
+    meta = {"method": "sparsenas", "op_names": ["a", "b", "c", "d"], "cell_types": ["normal"]}
+    path = _write(tmp_path / "s.h5", meta, [(1, {"arch/normal/params": a, "sparsity/normal/nonzero": a != 0})])
+    fig = _figure(load(path), "sparsity_weights")
+    try:
+        assert "[1 NaN]" in fig.axes[0].get_title(loc="left").replace("\n", " ")  # what the figure shows
+    finally:
+        plt.close(fig)
+    assert main(["plot", path, "--out", str(tmp_path / "figs"), "--figures", "sparsity", "--dpi", "20"]) == 0
+    out = capsys.readouterr().out
+    assert "arch/normal/params: 1 NaN" in out and "no NaN/inf" not in out, out

@@ -107,6 +107,8 @@ class FigureSpec:
         paper: the paper figure it mirrors (``""`` if none).
         rows: the figure shows one recorded row, selectable with ``at`` (init, final, a step).
         is_heatmap: ``draw`` returns a :class:`Heatmap` (also drawn across runs by `write_comparison`).
+        reads: families of other paths whose values it draws (SparseNAS's |A| of ``arch/<cell>/params`` beside the
+            boolean ``sparsity/`` family it is drawn for): their NaN/inf are counted with the figure's (`Drawn.nonfinite`).
     """
 
     name: str
@@ -117,6 +119,7 @@ class FigureSpec:
     paper: str = ""
     rows: bool = False
     is_heatmap: bool = False
+    reads: Tuple[V.Family, ...] = ()
 
     @property
     def group(self) -> str:
@@ -153,7 +156,8 @@ def _as_family(spec: FamilyLike) -> V.Family:
     return V.Family(spec, "", "", "same", "")
 
 
-def _register(families, name: str, file: Optional[str], caption: str, paper: str, rows: bool, is_heatmap: bool):
+def _register(families, name: str, file: Optional[str], caption: str, paper: str, rows: bool, is_heatmap: bool,
+              reads: Sequence[FamilyLike] = ()):
     if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
         raise ValueError(f"figure name {name!r} must be lower-case letters, digits and '_'")
     fams = tuple(_as_family(f) for f in (families if isinstance(families, (tuple, list)) else (families,)))
@@ -164,7 +168,8 @@ def _register(families, name: str, file: Optional[str], caption: str, paper: str
         if rows and len(inspect.signature(fn).parameters) < 3:
             raise TypeError(f"figure {name!r} selects rows, so it takes (record, cell, row)")
         template = file or (f"{name}_{{cell}}" if any("<cell>" in f.pattern for f in fams) else name)
-        spec = FigureSpec(name, fams, fn, template, caption.strip(), paper, rows, is_heatmap)
+        spec = FigureSpec(name, fams, fn, template, caption.strip(), paper, rows, is_heatmap,
+                          tuple(_as_family(f) for f in (reads if isinstance(reads, (tuple, list)) else (reads,))))
         if not fn.__module__.startswith("nasdiag.plot."):
             # the built-ins first: a user's figure registered under a built-in's name before the registry was read
             # was taken, and every later read stopped in the built-in module's own registration (its ValueError)
@@ -181,7 +186,7 @@ def _register(families, name: str, file: Optional[str], caption: str, paper: str
 
 
 def figure(families: Union[FamilyLike, Sequence[FamilyLike]], *, name: str, caption: str, paper: str = "",
-           file: Optional[str] = None, rows: bool = False) -> Callable:
+           file: Optional[str] = None, rows: bool = False, reads: Sequence[FamilyLike] = ()) -> Callable:
     """Register ``fn(record, cell) -> matplotlib Figure`` (``fn(record, cell, row)`` with ``rows=True``).
 
     Args:
@@ -193,17 +198,19 @@ def figure(families: Union[FamilyLike, Sequence[FamilyLike]], *, name: str, capt
         caption: one sentence saying what the figure shows (shown in ``nasdiag report``).
         paper: the paper figure it mirrors, e.g. ``"wiring supplement Figs 5, 6"``.
         rows: ``fn`` draws one recorded row (an index into ``record["step"]``), chosen by ``at``.
+        reads: families of other paths whose values ``fn`` draws (not ones it is drawn for): their NaN/inf are
+            counted in ``nasdiag plot``'s line as the figure's own.
 
     ``fn`` raises :class:`NothingToDraw` when the record has nothing to show; it must not draw empty plots.
     """
-    return _register(families, name, file, caption, paper, rows, is_heatmap=False)
+    return _register(families, name, file, caption, paper, rows, is_heatmap=False, reads=reads)
 
 
 def heatmap(families: Union[FamilyLike, Sequence[FamilyLike]], *, name: str, caption: str, paper: str = "",
-            file: Optional[str] = None) -> Callable:
+            file: Optional[str] = None, reads: Sequence[FamilyLike] = ()) -> Callable:
     """Register ``fn(record, cell, row) -> Heatmap``: drawn per record (rows chosen by ``at``) and side by
     side across records on one colour scale (`write_comparison`). Arguments as for :func:`figure`."""
-    return _register(families, name, file, caption, paper, rows=True, is_heatmap=True)
+    return _register(families, name, file, caption, paper, rows=True, is_heatmap=True, reads=reads)
 
 
 def _load_builtins() -> None:
@@ -437,7 +444,8 @@ def nonfinite_text(counts: Mapping[str, int]) -> str:
 def family_nonfinite(record: Record, specs: Sequence["FigureSpec"]) -> Dict[str, Dict[str, int]]:
     """``{path: nonfinite_counts}`` over the logged rows of every record path of the ``specs``' families
     that holds a NaN or inf (paths in record order)."""
-    families = {fam.pattern: fam for spec in specs for fam in spec.families}.values()
+    # the paths a figure draws beside those it is drawn for (SparseNAS's |A|): a NaN there was "no NaN/inf"
+    families = {fam.pattern: fam for spec in specs for fam in spec.families + spec.reads}.values()
     found = {}
     for path in record:
         if path.startswith(("valid/", "meta/")) or path == "step" or not any(f.regex.match(path) for f in families):

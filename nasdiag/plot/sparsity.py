@@ -37,7 +37,7 @@ def _weights_heatmap(record, cell: str, row: int, title: str) -> Heatmap:
                    "|A| (0: pruned by the proximal step)", signed=False, step=step_of(record, row))
 
 
-@heatmap(V.SPARSITY_NONZERO, name="sparsity_weights", file="sparsity_{cell}_weights",
+@heatmap(V.SPARSITY_NONZERO, name="sparsity_weights", file="sparsity_{cell}_weights", reads=V.ARCH_PARAMS,
          paper="sparse-supernet Fig. 7 (Fig. 8 is the same map transposed)",
          caption="The magnitude |A| of the linear mixing weight of every op on every edge (eq 1) at the step: a darker "
                  "cell is a smaller weight, 0 an op the proximal step pruned; a good search leaves a few clearly "
@@ -67,7 +67,7 @@ def _label(record, row: int) -> str:
     return f"epoch {epoch}" if epoch is not None else f"step {step_of(record, row)}"
 
 
-@figure(V.SPARSITY_NONZERO, name="sparsity_evolution", file="sparsity_{cell}_evolution",
+@figure(V.SPARSITY_NONZERO, name="sparsity_evolution", file="sparsity_{cell}_evolution", reads=V.ARCH_PARAMS,
         paper="sparse-supernet Figs 7, 8, over the epochs",
         caption="|A| of every op on every edge after the first step and at each epoch end, each panel divided by its "
                 "largest |A| (given in its title) so that the shape of the distribution stays visible while λ rises: "
