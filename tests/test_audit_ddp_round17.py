@@ -241,3 +241,19 @@ def test_hessian_of_a_ddp_batchnorm_supernet_on_one_rank_alone_is_its_batchs_and
     for r in (0, 1):
         for n, g in results[r]["bn_grad"].items():
             torch.testing.assert_close(g, (grads[0][n] + grads[1][n]) / 2, rtol=0, atol=1e-13)
+
+
+@pytest.mark.parametrize("flush_every", ["64", 0, 2.5, True])
+def test_a_flush_every_rank_0_refuses_is_refused_alike_on_a_rank_that_writes_nothing(tmp_path, monkeypatch, flush_every):
+    """Rank 0's Recorder refuses these in one line; a rank that opens no recorder took int() of them (0, 2, 1: it went
+    on into its loop while rank 0 stopped) or raised int()'s ValueError traceback for the string."""
+    from nasdiag.record import RecordError, RecorderCallback
+
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(RecordError) as writer:
+        RecorderCallback(tmp_path / "run.h5", flush_every=flush_every)
+    monkeypatch.setenv("RANK", "1")  # no process group: the rank a launcher's variable names
+    with pytest.raises(RecordError) as other:
+        RecorderCallback(tmp_path / "run.h5", flush_every=flush_every)
+    assert str(other.value) == str(writer.value) and "\n" not in str(other.value) and "flush_every" in str(other.value)
+    assert list(tmp_path.iterdir()) == []

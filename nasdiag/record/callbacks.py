@@ -144,7 +144,7 @@ class RecorderCallback:
                 raise RecordError(f"target must be a path, a Recorder or None, got {type(target).__name__}")
             self.recorder = Recorder(target, meta=meta, **recorder_kwargs) if distributed.is_writer(group) else None
             self._path = None if self.recorder is not None else os.fspath(target)
-        self.rows_per_batch = self.recorder.flush_every if self.recorder is not None else int(recorder_kwargs.get("flush_every", 64))
+        self.rows_per_batch = self.recorder.flush_every if self.recorder is not None else _rows_per_batch(recorder_kwargs)
         if self.recorder is not None:
             self.recorder.add_flush_listener(self._on_recorder_flush)
 
@@ -443,6 +443,15 @@ def _check_recorder_options(options: Mapping) -> None:
             f"RecorderCallback got unknown keyword argument(s) {', '.join(unknown)}; it takes meta, reduce, rules, "
             f"ddof, group and the Recorder options {', '.join(known)}"
         )
+
+
+def _rows_per_batch(options: Mapping) -> int:
+    """``flush_every`` of a rank that opens no recorder, refused as rank 0's `Recorder` refuses it: int() took 0, 2.5 and
+    True (so rank 1 went on into its loop while rank 0 stopped) and was a ValueError traceback for a string."""
+    flush_every = options.get("flush_every", 64)
+    if isinstance(flush_every, bool) or not isinstance(flush_every, (int, np.integer)) or flush_every < 1:
+        raise RecordError(f"flush_every must be a positive int, got {flush_every!r}")
+    return int(flush_every)
 
 
 def _check_rules(rules) -> None:
