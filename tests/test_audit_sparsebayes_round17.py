@@ -42,7 +42,7 @@ import pytest
 import torch
 
 from nasdiag.bayes import (covariance, dependent_gamma, group_bayes_update, omega, parent_matrix, prune, sparse_bayes_update,
-                           switch)
+                           structured_update, switch)
 from nasdiag.errors import ConfigError
 from nasdiag.sparse import HAPG, AdamHAPG, prox_group, prox_l1, prox_sgl, sgl_penalty
 
@@ -389,3 +389,45 @@ def test_a_param_group_added_later_is_one_group_per_tensor_not_the_constructors_
             with pytest.raises(ConfigError, match="groups"):
                 opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2, dtype=D))], "groups": bad})
             assert len(opt.param_groups) == n
+
+
+def test_alpha_one_is_the_lasso_step_and_alpha_zero_the_group_lasso_step():
+    # eq 2's α: α = 1 leaves only λ‖A‖₁ (eq 10's threshold 0: the identity, exactly), α = 0 only the group term
+    gen = torch.Generator().manual_seed(8)
+    A0, g = torch.randn(7, generator=gen, dtype=D), torch.randn(7, generator=gen, dtype=D)
+    groups = [0, 0, 0, 1, 1, 2, 2]
+    lr, lam = 0.1, 2.0
+    for alpha in (1.0, 0.0):
+        p = torch.nn.Parameter(A0.clone())
+        opt = HAPG([p], lr=lr, lam=lam, alpha=alpha, groups=[torch.tensor(groups)])
+        p.grad = g.clone()
+        opt.step()
+        z = (A0 - lr * g).tolist()
+        want = (ref_soft(z, [lr * lam] * 7) if alpha == 1.0
+                else ref_prox_sgl(z, [0.0] * 7, [lr * lam] * 3, groups))
+        assert p.tolist() == pytest.approx(want, rel=1e-14, abs=1e-16)
+        if alpha == 1.0:
+            assert p.tolist() == ref_soft(z, [lr * lam] * 7)  # no group factor at all, bit for bit
+
+
+def test_structured_update_channel_wise_with_a_zero_channel_and_negative_curvature():
+    # B.0.2-B.0.5, Table S3 (e) channel-wise on a conv weight (N, C, M, K), transcribed with loops
+    gen = torch.Generator().manual_seed(0)
+    W = torch.randn(3, 4, 2, 2, generator=gen, dtype=D)
+    W[:, 1] = 0.0  # a removed channel: γ = 0, ω = ∞ (stays removed)
+    H = torch.rand(3, 4, 2, 2, generator=gen, dtype=D) * 3
+    H[0, 0, 0, 0] = -1.0  # counts as 0 (B.0.3 as A.3.2)
+    om0 = torch.rand(4, generator=gen, dtype=D) + 0.5
+    upd = structured_update(W, H, om0, (-3,))  # a negative dim names the same channel axis
+    for c in range(4):
+        norm = math.sqrt(float((W[:, c] ** 2).sum()))
+        gam = norm / om0[c].item() if norm else 0.0
+        assert upd.gamma[c].item() == pytest.approx(gam, rel=1e-14)
+        if gam == 0:
+            assert upd.omega[c].item() == math.inf
+            continue
+        total = 0.0
+        for n, m, k in itertools.product(range(3), range(2), range(2)):
+            C = 1 / (1 / gam + max(H[n, c, m, k].item(), 0.0))
+            total += -C / gam**2 + 1 / gam
+        assert upd.omega[c].item() == pytest.approx(math.sqrt(total), rel=1e-12)
