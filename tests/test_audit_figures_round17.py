@@ -129,3 +129,24 @@ def test_a_nan_in_the_weights_the_sparsity_figures_draw_is_counted_in_the_plot_l
     assert main(["plot", path, "--out", str(tmp_path / "figs"), "--figures", "sparsity", "--dpi", "20"]) == 0
     out = capsys.readouterr().out
     assert "arch/normal/params: 1 NaN" in out and "no NaN/inf" not in out, out
+
+
+def test_a_nan_of_the_joint_eigenvalue_the_eigenvalue_figure_draws_is_counted_in_the_plot_line(tmp_path, capsys):
+    """The eigenvalue figure is registered for ``hessian/<cell>/top_eigenvalue`` and also draws ``hessian/top_eigenvalue``
+    (all α jointly, dashed): a NaN of the joint one was marked in the figure while `nasdiag plot`'s line said "no NaN/inf
+    in the drawn families"."""
+    from nasdiag.cli import main
+
+    rows = [(s, {"hessian/normal/top_eigenvalue": float(s), "hessian/top_eigenvalue": np.nan if s == 2 else 2.0 * s})
+            for s in (1, 2, 3)]
+    path = _write(tmp_path / "h.h5", {"method": "darts", "cell_types": ["normal"]}, rows)
+    fig = _figure(load(path), "hessian_eigenvalue")
+    try:
+        joint = [ln for ln in fig.axes[0].get_lines() if ln.get_label() == "all α jointly"]
+        np.testing.assert_array_equal(joint[0].get_ydata(), [2.0, np.nan, 6.0])  # drawn, its NaN marked
+        assert "NaN" in [ln.get_label() for ln in fig.axes[0].get_lines()]
+    finally:
+        plt.close(fig)
+    assert main(["plot", path, "--out", str(tmp_path / "figs"), "--figures", "hessian_eigenvalue", "--dpi", "20"]) == 0
+    out = capsys.readouterr().out
+    assert "hessian/top_eigenvalue: 1 NaN" in out and "no NaN/inf" not in out, out

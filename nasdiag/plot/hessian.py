@@ -39,7 +39,7 @@ def hessian_diag(record, cell: str, row: int) -> Heatmap:
 
 
 @figure(V.HESSIAN_TOP_EIGENVALUE, name="hessian_eigenvalue", file="hessian_{cell}_eigenvalue",
-        paper="RobustDARTS's dominant-eigenvalue curve",
+        reads=V.HESSIAN_JOINT_TOP_EIGENVALUE, paper="RobustDARTS's dominant-eigenvalue curve",
         caption="Largest eigenvalue of the α-Hessian of the cell type, and (dashed) of all cell types' α jointly, at "
                 "the recorded steps: a steady rise of the joint one is the early-stopping signal of RobustDARTS.")
 def top_eigenvalue(record, cell: str):
