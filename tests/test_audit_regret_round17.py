@@ -25,7 +25,8 @@ no-learning regret, correct selections, bound, γ, survivors, violations); eq 54
 
 Left alone (judgement calls): a float32 Forecaster's slack 8ε(t+1)(|max ln v| + margin + 1) is ~10 % relative after
 10^5 rounds, so the last wipeouts (θ_T = max v) may never come (N = 4, T = 10^5: two experts alive at T where
-float64 keeps one); docs/regret.md already advises float64 and the XNAS search always uses it. SoftmaxGD's lr stays
+float64 keeps one); docs/regret.md advises float64 (now with this number) and the XNAS search always uses it. A
+float32 regret or bound past 3.4e38 (rewards ~1e38) is inf: the value itself is outside float32's range. SoftmaxGD's lr stays
 settable (no guarantee rests on it).
 """
 
