@@ -23,7 +23,7 @@ from torch import nn
 
 import nasdiag
 from nasdiag.probe import ProbeError
-from nasdiag.record import Recorder, RecorderCallback, load
+from nasdiag.record import RecordError, Recorder, RecorderCallback, load
 
 D = torch.float64
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "probe.md"
@@ -413,3 +413,31 @@ def test_adapt_refuses_a_cell_that_is_not_in_darts_layout_in_one_line_and_reads_
     genes = list(genotype.normal)  # per node, in any order within it
     assert sorted(genes[:2]) == sorted(map(gene, [0, 1])) and sorted(genes[2:]) == sorted(map(gene, node3))
     assert list(genotype.normal_concat) == [2, 3]
+
+
+def test_a_row_the_records_meta_refuses_is_refused_at_its_callback_call_not_with_every_row_at_close(tmp_path):
+    """Defect: RecorderCallback checked a row against the record's meta (docs/schema.md: (E, K) rows with
+    E = len(edge_names[cell]), K = len(op_names)) only at the hand-over, flush_every rows or the close later: the
+    per-layer chain's cost rows under one op_names list were refused there, each row with the path, so a loop that
+    logged them every step ended with a record of no row and the error after the loop. In a single process the call
+    that brings such a value raises, nothing of it recorded, and the rows before and after it are kept."""
+    torch.manual_seed(0)
+    net = Chain().to(D)
+    probe = nasdiag.attach(net)
+    one_step(net, probe)
+    meta = {"op_names": list(probe.groups[0].op_names), "edge_names": {g.name: list(g.edge_labels) for g in probe.groups}}
+    stats = dict(probe.statistics())
+    good = {p: v for p, v in stats.items() if p.split("/")[1] in ("blocks.0", "blocks.1")}  # K = 3, as op_names
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # NaN means of unobserved ops
+        with RecorderCallback(tmp_path / "run.h5", meta=meta) as callback:
+            callback.on_step_end(0, {"scalars/loss": 1.0, **good})
+            with pytest.raises(RecordError, match=r"'cost/blocks\.2/mean'.*\(1, 3\).*got \(1, 4\).*nothing of this call") as info:
+                callback.on_step_end(1, {"scalars/loss": 2.0, **stats})
+            assert "\n" not in str(info.value)
+            with pytest.raises(RecordError, match="blocks.3"):
+                callback.on_epoch_end(0, {"cost/blocks.3/mean": stats["cost/blocks.3/mean"]}, step=1)
+            callback.on_step_end(1, {"scalars/loss": 3.0, **good})
+    record = load(tmp_path / "run.h5")
+    assert list(record["step"]) == [0, 1] and list(record["scalars/loss"]) == [1.0, 3.0]
+    np.testing.assert_array_equal(record["cost/blocks.1/mean"][1], good["cost/blocks.1/mean"])

@@ -31,6 +31,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from nasdiag.arrays import is_tensor, stack_to_numpy
+from nasdiag.record import schema
 from nasdiag.record.errors import RecordError, RecordWarning
 from nasdiag.record.writer import Recorder, _python_scalar_fits, checked_step, unrecordable_tensor
 from nasdiag.vocabulary import RULES
@@ -168,12 +169,14 @@ class RecorderCallback:
         """Record the statistics of ``step`` (a mapping of record path -> array-like).
 
         Tensors are kept on their device (snapshotted, not copied to the host) until the batch is
-        handed to the recorder. A step before the open row's (or one already written), or a value of a dtype
-        the recorder cannot store (complex, strings), raises `RecordError`; nothing of this call is recorded
-        and the callback stays usable."""
+        handed to the recorder. A step before the open row's (or one already written), a value of a dtype
+        the recorder cannot store (complex, strings) or, where this rank writes and does not reduce, a value of a
+        shape the record's meta contradicts (docs/schema.md: (E, K) against ``edge_names`` and ``op_names``) raises
+        `RecordError`; nothing of this call is recorded and the callback stays usable."""
         statistics = _snapshot(statistics)
         self._check_open("on_step_end")  # before the step: a closed record is what is wrong, whatever the step
         step = self._row_step(step, "on_step_end")
+        self._check_meta_shapes(statistics)
         try:
             if self._open is not None and step != self._open[0]:
                 self._finish_row()
@@ -191,6 +194,7 @@ class RecorderCallback:
         self._check_open("on_epoch_end")  # before the step: after close there is no open row, which said "pass step="
         row_step = self._open_row_step(f"on_epoch_end(epoch={epoch})") if step is None else self._row_step(step, "on_epoch_end")
         statistics.setdefault("scalars/epoch", np.float32(epoch))
+        self._check_meta_shapes(statistics)
         if self._open is not None and row_step != self._open[0]:
             self._finish_row(hand_over=False)
         # Still open: a Lightning batch right after the epoch can carry the same global step.
@@ -265,6 +269,19 @@ class RecorderCallback:
             self._closed = True
 
     # --- batching ------------------------------------------------------------------------------
+
+    def _check_meta_shapes(self, statistics: dict) -> None:
+        """A value whose shape the record's meta contradicts (an (E, K) family against ``op_names`` and
+        ``edge_names``) is refused at its call, nothing of the call recorded: at the hand-over it cost every row that
+        held the path, the whole record of a loop that logs it each step, after the loop. Where this rank writes
+        and its rows are not reduced across ranks (there every rank must refuse a row alike, at the hand-over)."""
+        if self.recorder is None or self._needs_reduction():
+            return
+        for path, value in statistics.items():
+            try:
+                schema.check_against_meta(path, tuple(np.shape(value)), self.recorder._meta)
+            except RecordError as err:
+                raise RecordError(f"{err}; nothing of this call was recorded") from None
 
     def _needs_reduction(self) -> bool:
         if not self._reduce:
