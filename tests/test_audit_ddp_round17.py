@@ -9,6 +9,8 @@ In ``Probe.hessian`` of a DistributedDataParallel-wrapped supernet: the re-run f
 forward broadcasts rank 0's buffers (BatchNorm's running statistics), a collective: ``probe.hessian()`` on one rank
 alone (diagnostics on rank 0) paired that broadcast with the other rank's next forward, and both ranks stalled in
 mismatched collectives until gloo's timeout (30 minutes by default). The wrapped module is re-run now, no collective.
+In ``RecorderCallback``: a rank that opens no recorder took ``int()`` of ``flush_every`` (0, 2.5, True accepted where
+rank 0's Recorder refuses them, so rank 1 went on into its loop alone; a string was int()'s ValueError traceback).
 
 Checked and found right (references here or in scratch): a `Probe` on a DistributedDataParallel-wrapped LayerNorm
 supernet with unequal rank batches (5 and 4 samples, an epoch's last): each rank's per-sample cost rows are
@@ -20,7 +22,8 @@ leaves its reducer usable); a NaN diagonal on one rank only is NaN in the one re
 flag set and counted, not averaged away. In scratch, not kept (earlier rounds cover them): ``nasdiag.search.run`` on 2
 ranks (DARTS, LayerNorm, float64) leaves only the record and its checkpoint in the folder, α and every weight bitwise
 the same on both ranks after every step; a disk error (ENOSPC) of rank 0's recorder at an epoch end stops rank 0 with
-it and rank 1 with one RankLostError line, in seconds.
+it and rank 1 with one RankLostError line, in seconds, and a 2-rank ``--resume``-style ``run`` of that record equals
+the uninterrupted run (every row bitwise, steps 1..88 once; α and weights after every resumed step).
 """
 
 from __future__ import annotations
