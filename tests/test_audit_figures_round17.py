@@ -2,7 +2,22 @@
 (a distinct value per edge × op, a gradient over the steps, NaN/inf in known cells), every figure drawn through the
 plot API and its drawn data read back from the matplotlib artists (line data, panel titles, axis labels).
 
-The references are the arrays logged here and this file's own numpy on them; nothing is computed by nasdiag."""
+The references are the arrays logged here and this file's own numpy on them; nothing is computed by nasdiag.
+
+Checked and found right (probes in the round's scratch, not kept as tests where earlier rounds cover them): every
+heatmap (cost, cost_std, hessian, arch, attention, attention_counts, sample_counts, sparsity_weights) of a record with a
+distinct value per edge × op, a gradient over the steps, NaN/+inf in known cells and a second cell type of other E and
+K draws the logged row edges down, ops across as its tick labels say, at ``--at init``, a middle step and ``final``,
+titled with that row's step (the cost with the steps it averages), the NaN/inf counted in the title and annotated
+"NaN"/"inf"; the comparison's panels share one norm that spans every run's finite cells; the BayesNAS γ/ω/curvature
+panels, switches, the eigenvalue curves, the sampling curves and the SparseNAS evolution (each panel over its own
+largest |A|, the max in its label) plot the logged numbers at the logged steps; the genotype (DARTS rule) and the most
+probable wiring are this file's own transcription of the rule on random p; `nasdiag plot` and `report` of that record
+draw and list the same 20 figures.
+
+Left alone: a map whose decimals a larger value sets writes 0.06 as "0.1" but 0.04 as "4e-2" (the documented rule
+for values below the decimals); a comparison leaves out, without a line of its own, a run that has no row at the
+``--at`` step (its own folder's line says so)."""
 
 from __future__ import annotations
 
