@@ -8,7 +8,22 @@ weights, Adam on α), logs with the recorder callback each step and draws the re
   candidates of several kernels and expansions, stride 2 on some layers, a zero op where the shape allows).
 
 References are written here from scratch in float64: per cell (per layer) a softmax Z whose gradient autograd retains
-in the same backward, ∂L/∂Z compared with the probe's costs at every step.
+in the same backward, ∂L/∂Z compared with the probe's costs at every step; torch.autograd.functional.hessian of the
+same loss for the curvature; DARTS's genotype rule by hand.
+
+Checked and found right (beyond the tests below): per-layer exact curvature of the chain, wrt Z and wrt α (4e-16 against
+autograd's Hessian diagonal), its diag/approx modes shaped (K_l,) per layer; an OFA elastic kernel (3x3/5x5/7x7 centres
+of one shared depthwise weight, a candidate module that is no submodule owner of it) costs and exact curvature as
+autograd; a ProxylessNAS mixed op keeping α inside, mapped with edges=; adapt of NB-201's declared cell running a
+first-order DARTS step: costs mean/var over the cells and α's gradient equal autograd's; ``nasdiag search`` on its
+own supernet still records (4 rows, (E, K) costs); every name docs/probe.md, README, schema.md and figures.md call
+is reachable from a public module (``nasdiag.hessian._hvp`` is named once as where a route takes its loss, no call).
+
+Left alone: the record holds one ``op_names`` list (docs/schema.md), so the heatmaps of groups with other ops number
+their columns (``op k``) rather than name them: naming them per group is a schema change. An NB-201 net without cell
+declarations is one group ``edges`` (12, 5) of per-cell rows (the docs' rule 2): summing a shared α's costs over the
+cells needs the node protocol's declared cells. The Lightning adapter was not run (lightning fails to import here:
+torchvision built for another torch; its one-line RecordError says so).
 """
 
 import re
