@@ -14,6 +14,10 @@ Found and fixed in this round:
   against the margin of the new one: an η lowered mid-run wiped out the expert that ends best in hindsight (Lemma 1
   broken with every reward within L, ζ = 1, nothing flagged), and ``bound()`` put the last η into eq 3 for every
   round, below the regret. They are fixed for the run now; an assignment is one RegretError and changes nothing.
+* ``init_log_weights`` that requires grad (a network's α Parameter as ln v_0) was kept attached: ln v, the weights,
+  the regret and the state carried a grad_fn, every round chained onto the graph of the one before (memory growing
+  with the rounds) and a loss of the weights backpropagated into the Parameter, although "all tensors are detached
+  state; no autograd flows through a forecaster". A state whose tensors require grad loaded the same way.
 
 Checked and found right: Algorithm 1 (alive sets, ln v, ln γ, both regrets, eq 3) per round against the reference on
 adversarial sequences (one expert best early, another late; a leader-penalizing adversary), rewards at ±L, K = 1,
@@ -249,3 +253,32 @@ def test_entropy_and_depth_are_eq_54_55_and_table_4():
     assert normalized_entropy(torch.full((4,), 0.25, dtype=torch.float64)).item() == pytest.approx(1.0, rel=1e-15)
     cell = [("sep_conv_3x3", int(rng.integers(0, 2 + k // 2))) for k in range(8)]
     assert cell_depth(cell) == sum(src for _, src in cell) / 8
+
+
+@pytest.mark.parametrize("cls", ["Forecaster", "SoftmaxGD"])
+def test_init_log_weights_of_a_parameter_leave_no_graph_in_the_forecaster(cls):
+    import nasdiag.regret as regret
+    alpha = torch.nn.Parameter(torch.tensor([0.0, 0.5, -0.5], dtype=torch.float64))
+    make = (lambda **kw: regret.Forecaster(3, 0.2, 1.0, 8, **kw)) if cls == "Forecaster" else (
+        lambda **kw: regret.SoftmaxGD(3, 0.2, **kw))
+    f = make(init_log_weights=alpha)
+    for r in ([1.0, 0.0, -1.0], [0.5, 0.5, 0.0], [-1.0, 1.0, 0.0]):
+        f.update(torch.tensor(r, dtype=torch.float64))
+    state = f.state_dict()
+    for name, value in [("log_weights", f.log_weights), ("weights", f.weights), ("regret", f.regret)] + list(state.items()):
+        if isinstance(value, torch.Tensor):
+            assert value.grad_fn is None and not value.requires_grad, name
+    # ln v_0 + η Σ R (+ the wipeouts): the Parameter's values, not a graph of them
+    assert alpha.grad is None
+    expected = alpha.detach() + 0.2 * torch.tensor([0.5, 1.5, -1.0], dtype=torch.float64)
+    if cls == "Forecaster":
+        assert torch.equal(f.log_weights.isfinite(), f.alive)
+        torch.testing.assert_close(f.log_weights[f.alive], expected[f.alive], rtol=1e-15, atol=1e-15)
+    # a state whose tensors require grad loads detached
+    attached = {k: (v.clone().requires_grad_(True) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+                for k, v in state.items()}
+    g = make(init_log_weights=alpha)
+    g.load_state_dict(attached)
+    assert not g.log_weights.requires_grad and not g.regret.requires_grad
+    if cls == "Forecaster":
+        assert not g.log_gamma.requires_grad and not g.weights.requires_grad

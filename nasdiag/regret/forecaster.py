@@ -171,7 +171,8 @@ class _ExpertsState:
             log_v = torch.zeros(full, dtype=dtype, device=self.device)
             self._uniform_init = True
         else:
-            log_v = torch.as_tensor(init_log_weights, dtype=dtype, device=self.device)
+            # detached: ln v_0 taken from a network's alpha (a Parameter) would chain every round onto its graph
+            log_v = torch.as_tensor(init_log_weights, dtype=dtype, device=self.device).detach()
             try:
                 log_v = log_v.expand(full).clone()
             except RuntimeError as err:
@@ -267,7 +268,7 @@ class _ExpertsState:
             diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
             raise RegretError(f"this state belongs to a forecaster configured differently (saved, current): {diff}")
         self._check_state(state)  # before anything is loaded
-        as_state = lambda t: torch.as_tensor(t).to(dtype=self.dtype, device=self.device).clone()  # noqa: E731
+        as_state = lambda t: torch.as_tensor(t).detach().to(dtype=self.dtype, device=self.device).clone()  # noqa: E731
         self._log_v = as_state(state["log_weights"])
         self._rounds = int(state["rounds"])
         self._uniform_init = bool(state["uniform_init"])
@@ -421,9 +422,9 @@ class Forecaster(_ExpertsState):
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self._alive = torch.as_tensor(state["alive"]).to(dtype=torch.bool, device=self.device).clone()
-        self._log_gamma = torch.as_tensor(state["log_gamma"]).to(dtype=self.dtype, device=self.device).clone()
+        self._log_gamma = torch.as_tensor(state["log_gamma"]).detach().to(dtype=self.dtype, device=self.device).clone()
         self._bound_violations = torch.as_tensor(state["bound_violations"]).to(dtype=torch.int64, device=self.device).clone()
-        self._wipeouts = [{k: v.to(self.device).clone() for k, v in entry.items()} for entry in state["wipeouts"]]
+        self._wipeouts = [{k: v.detach().to(self.device).clone() for k, v in entry.items()} for entry in state["wipeouts"]]
 
     def _check_state(self, state: dict) -> None:
         super()._check_state(state)
