@@ -18,6 +18,9 @@ Found and fixed in this round:
   the regret and the state carried a grad_fn, every round chained onto the graph of the one before (memory growing
   with the rounds) and a loss of the weights backpropagated into the Parameter, although "all tensors are detached
   state; no autograd flows through a forecaster". A state whose tensors require grad loaded the same way.
+* the reward functions and the entropy given what is no tensor of numbers (None, a string, a ragged list) failed in
+  torch's bare 'Could not infer dtype of NoneType' (RuntimeError) / "too many dimensions 'str'" (ValueError), where
+  docs/regret.md promises one RegretError for bad input (round 10 fixed this for Forecaster.update only).
 
 Checked and found right: Algorithm 1 (alive sets, ln v, ln γ, both regrets, eq 3) per round against the reference on
 adversarial sequences (one expert best early, another late; a leader-penalizing adversary), rewards at ±L, K = 1,
@@ -43,8 +46,8 @@ import numpy as np
 import pytest
 import torch
 
-from nasdiag.regret import (Forecaster, RegretError, cell_depth, mean_normalized_entropy, normalized_entropy,
-                            simulate_gaussian_experts)
+from nasdiag.regret import (Forecaster, RegretError, cell_depth, gd_softmax_reward, mean_normalized_entropy,
+                            normalized_entropy, rewards_from_gradient, simulate_gaussian_experts, xnas_reward)
 
 
 def _algorithm_1(R, eta, L, T, zeta=1.0):
@@ -282,3 +285,17 @@ def test_init_log_weights_of_a_parameter_leave_no_graph_in_the_forecaster(cls):
     assert not g.log_weights.requires_grad and not g.regret.requires_grad
     if cls == "Forecaster":
         assert not g.log_gamma.requires_grad and not g.weights.requires_grad
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda: xnas_reward(None), "cost"),
+    (lambda: xnas_reward(["a", "b"]), "cost"),
+    (lambda: gd_softmax_reward([1.0, 2.0], None), "weights"),
+    (lambda: rewards_from_gradient([1.0], {"a": 1}), "expert_predictions"),
+    (lambda: normalized_entropy([[0.5], [0.5, 0.5]]), "weights"),
+    (lambda: mean_normalized_entropy("uniform"), "weights"),
+])
+def test_a_reward_or_entropy_of_what_is_no_tensor_of_numbers_is_one_regret_error(call, name):
+    with pytest.raises(RegretError, match=f"^{name} must be a tensor \\(or nested lists\\) of numbers, got [^\\n]*$") as err:
+        call()
+    assert isinstance(err.value, TypeError)

@@ -25,7 +25,7 @@ def normalized_entropy(weights: torch.Tensor) -> torch.Tensor:
         ``(...,)`` tensor, same floating dtype. A forecaster whose weights contain NaN/inf gets NaN
         (kept, not hidden); all finite rows are validated.
     """
-    weights = _as_tensor(weights)
+    weights = _as_tensor(weights, "weights")
     if not weights.is_floating_point():
         raise RegretTypeError(f"weights must be a floating-point tensor, got dtype {weights.dtype}")
     if weights.ndim < 1 or weights.shape[-1] < 2:

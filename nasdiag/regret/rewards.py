@@ -16,17 +16,21 @@ from nasdiag.regret.errors import RegretError, RegretTypeError
 __all__ = ["xnas_reward", "rewards_from_gradient", "gd_softmax_reward"]
 
 
-def _as_tensor(value) -> torch.Tensor:
+def _as_tensor(value, name: str = "the argument") -> torch.Tensor:
     """``torch.as_tensor``, except that Python floats (lists, tuples) become float64, not torch's default float32,
-    which would round them before any arithmetic."""
-    tensor = torch.as_tensor(value)
+    which would round them before any arithmetic; what is no tensor of numbers (None, strings, ragged lists) is one
+    RegretTypeError naming ``name``, not torch's bare 'Could not infer dtype of NoneType'."""
+    try:
+        tensor = torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise RegretTypeError(f"{name} must be a tensor (or nested lists) of numbers, got {value!r:.80}") from None
     if isinstance(value, (list, tuple, float)) and tensor.is_floating_point():
         tensor = torch.as_tensor(value, dtype=torch.float64)
     return tensor
 
 
 def _floating(name: str, tensor) -> torch.Tensor:
-    tensor = _as_tensor(tensor)
+    tensor = _as_tensor(tensor, name)
     if not tensor.is_floating_point():
         raise RegretTypeError(f"{name} must be a floating-point tensor, got dtype {tensor.dtype}")
     if tensor.ndim < 1:
