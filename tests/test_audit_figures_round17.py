@@ -165,3 +165,27 @@ def test_a_nan_of_the_joint_eigenvalue_the_eigenvalue_figure_draws_is_counted_in
     assert main(["plot", path, "--out", str(tmp_path / "figs"), "--figures", "hessian_eigenvalue", "--dpi", "20"]) == 0
     out = capsys.readouterr().out
     assert "hessian/top_eigenvalue: 1 NaN" in out and "no NaN/inf" not in out, out
+
+
+def test_a_bound_logged_in_fewer_rows_than_the_regret_is_drawn_at_its_own_steps_not_marked_nan(tmp_path):
+    """The regret figure read the bound at the regret's rows: a record that logs the bound of Theorem 1 less often
+    (every other step) had NaN, the reader's fill for a row without the path, at the other steps, each marked with the
+    NaN cross and a "NaN" legend entry, for values the record never held. The bound is drawn at the steps it was logged
+    in, with its logged values; no NaN is marked where none was recorded."""
+    E = 3
+    regret = {s: np.arange(E) + 0.1 * s for s in range(1, 5)}
+    bound = {s: 10.0 + np.arange(E) + s for s in (2, 4)}
+    rows = [(s, {"regret/normal/regret": regret[s], **({"regret/normal/bound": bound[s]} if s in bound else {})})
+            for s in range(1, 5)]
+    path = _write(tmp_path / "x.h5", {"method": "xnas", "cell_types": ["normal"]}, rows)
+    fig = _figure(load(path), "regret_bound")
+    try:
+        ax = fig.axes[0]
+        dashed = [ln for ln in ax.get_lines() if ln.get_linestyle() == "--"]
+        assert len(dashed) == E
+        for e, line in enumerate(dashed):
+            np.testing.assert_array_equal(line.get_xdata(), [2, 4])
+            np.testing.assert_allclose(line.get_ydata(), [bound[2][e], bound[4][e]])
+        assert "NaN" not in [ln.get_label() for ln in ax.get_lines()]
+    finally:
+        plt.close(fig)

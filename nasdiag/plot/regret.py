@@ -8,7 +8,8 @@ import numpy as np
 from nasdiag import vocabulary as V
 from nasdiag.plot.registry import NothingToDraw, figure
 from nasdiag.plot.style import (
-    COLUMN, PAGE, edge_names, integer_steps, logged_rows, none_finite, op_names, ops_on_per_edge, plot_series, plt,
+    COLUMN, PAGE, edge_names, integer_steps, logged_rows, marked_series, none_finite, op_names, ops_on_per_edge,
+    plot_series, plt,
 )
 
 
@@ -22,7 +23,8 @@ def regret_bound(record, cell):
     regret = np.asarray(record[regret_path][rows], dtype=float)
     if not np.isfinite(regret).any():
         raise NothingToDraw(f"{regret_path} {none_finite(regret, 'is NaN in every row', 'has')}; nothing to draw")
-    bound = np.asarray(record[bound_path][rows], dtype=float) if bound_path in record else None
+    # the bound at the rows it was logged in: at the regret's rows, a row without it read as a recorded NaN (marked)
+    bound_steps, bound = marked_series(record, bound_path) if bound_path in record else (None, None)
     E = regret.shape[1]
     names = edge_names(record, cell, E)
     fig, ax = plt.subplots(figsize=(COLUMN, 2.4))
@@ -31,7 +33,7 @@ def regret_bound(record, cell):
     for e in range(E):
         plot_series(ax, steps, regret[:, e], color=colors(e % colors.N), lw=1.1, label=names[e])
         if bound is not None:
-            plot_series(ax, steps, bound[:, e], color=colors(e % colors.N), lw=0.8, ls="--")
+            plot_series(ax, bound_steps, bound[:, e], color=colors(e % colors.N), lw=0.8, ls="--")
     ax.set_xlabel("step")
     ax.set_ylabel("regret (solid), bound (dashed)")
     integer_steps(ax)
