@@ -20,7 +20,9 @@ Found and fixed in this round:
   state; no autograd flows through a forecaster". A state whose tensors require grad loaded the same way.
 * the reward functions and the entropy given what is no tensor of numbers (None, a string, a ragged list) failed in
   torch's bare 'Could not infer dtype of NoneType' (RuntimeError) / "too many dimensions 'str'" (ValueError), where
-  docs/regret.md promises one RegretError for bad input (round 10 fixed this for Forecaster.update only).
+  docs/regret.md promises one RegretError for bad input (round 10 fixed this for Forecaster.update only); the same
+  for a Forecaster's / SoftmaxGD's ``init_log_weights`` and ``update``'s ``skip``, and a state whose config is no
+  dict ('int' object is not iterable). ``shape=(2.5,)`` made a batch of 2 forecasters (int(2.5)), silently.
 
 Checked and found right: Algorithm 1 (alive sets, ln v, ln γ, both regrets, eq 3) per round against the reference on
 adversarial sequences (one expert best early, another late; a leader-penalizing adversary), rewards at ±L, K = 1,
@@ -299,3 +301,19 @@ def test_a_reward_or_entropy_of_what_is_no_tensor_of_numbers_is_one_regret_error
     with pytest.raises(RegretError, match=f"^{name} must be a tensor \\(or nested lists\\) of numbers, got [^\\n]*$") as err:
         call()
     assert isinstance(err.value, TypeError)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: Forecaster(3, 0.1, 1.0, 5, init_log_weights="x"), "init_log_weights must be a tensor"),
+    (lambda: Forecaster(3, 0.1, 1.0, 5, init_log_weights=[[0, 1], [1]]), "init_log_weights must be a tensor"),
+    (lambda: Forecaster(3, 0.1, 1.0, 5, shape=(2,)).update([[0, 0, 0], [1, 1, 1]], skip=[True, None]),
+     r"skip must be a bool tensor of the forecasters' shape \(2,\)"),
+    (lambda: Forecaster(3, 0.1, 1.0, 5).load_state_dict({"config": 5}), "the state's config is 5, not a Forecaster's"),
+    (lambda: Forecaster(3, 0.1, 1.0, 5, shape=(2.5,)), r"shape must be an int or a sequence of ints, got \(2.5,\)"),
+    (lambda: Forecaster(3, 0.1, 1.0, 5, shape=(True, 2)), "shape must be an int or a sequence of ints"),
+])
+def test_a_forecaster_given_what_is_no_number_or_no_size_is_one_regret_error(call, match):
+    with pytest.raises(RegretError, match=match) as err:
+        call()
+    assert "\n" not in str(err.value)
+    assert Forecaster(3, 0.1, 1.0, 5, shape=(2.0, np.int64(3))).shape == (2, 3)  # integral values are still sizes

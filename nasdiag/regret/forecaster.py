@@ -79,12 +79,14 @@ def _as_shape(shape: ShapeLike) -> torch.Size:
     if isinstance(shape, int):
         shape = (shape,)
     try:
-        shape = torch.Size(tuple(int(s) for s in shape))
+        size = torch.Size(tuple(int(s) for s in shape))
+        if any(isinstance(s, bool) or s != n for s, n in zip(shape, size)):  # int(2.5) = 2: a forecaster lost
+            raise TypeError
     except (TypeError, ValueError) as err:
         raise RegretTypeError(f"shape must be an int or a sequence of ints, got {shape!r}") from err
-    if any(s < 0 for s in shape):
-        raise RegretError(f"shape must have non-negative sizes, got {tuple(shape)}")
-    return shape
+    if any(s < 0 for s in size):
+        raise RegretError(f"shape must have non-negative sizes, got {tuple(size)}")
+    return size
 
 
 def _positive(name: str, value, *, integer: bool = False, allow_inf: bool = False):
@@ -172,7 +174,11 @@ class _ExpertsState:
             self._uniform_init = True
         else:
             # detached: ln v_0 taken from a network's alpha (a Parameter) would chain every round onto its graph
-            log_v = torch.as_tensor(init_log_weights, dtype=dtype, device=self.device).detach()
+            try:
+                log_v = torch.as_tensor(init_log_weights, dtype=dtype, device=self.device).detach()
+            except (TypeError, ValueError) as err:  # torch's "new(): invalid data type 'str'" names no argument
+                raise RegretTypeError(f"init_log_weights must be a tensor (or nested lists) of numbers, ln v_0, got "
+                                      f"{init_log_weights!r:.80}") from None
             try:
                 log_v = log_v.expand(full).clone()
             except RuntimeError as err:
@@ -263,7 +269,10 @@ class _ExpertsState:
         """Restore a :meth:`state_dict` of a forecaster with the same configuration (else ValueError)."""
         if not isinstance(state, Mapping):
             raise RegretError(f"a state is the dict of {type(self).__name__}.state_dict(), got {type(state).__name__}")
-        mine, theirs = self._config(), dict(state.get("config", {}))
+        theirs = state.get("config", {})
+        if not isinstance(theirs, Mapping):
+            raise RegretError(f"the state's config is {theirs!r:.80}, not a {type(self).__name__}'s; the state is corrupt")
+        mine, theirs = self._config(), dict(theirs)
         if mine != theirs:
             diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
             raise RegretError(f"this state belongs to a forecaster configured differently (saved, current): {diff}")
@@ -569,7 +578,11 @@ class Forecaster(_ExpertsState):
     def _checked_skip(self, skip) -> Optional[torch.Tensor]:
         if skip is None:
             return None
-        skip = torch.as_tensor(skip, device=self.device)
+        try:
+            skip = torch.as_tensor(skip, device=self.device)
+        except (TypeError, ValueError, RuntimeError):
+            raise RegretTypeError(f"skip must be a bool tensor of the forecasters' shape {tuple(self.shape)}, got "
+                                  f"{skip!r:.80}") from None
         if skip.dtype != torch.bool or skip.shape != self.shape:
             raise RegretError(f"skip must be a bool tensor of the forecasters' shape {tuple(self.shape)}, got "
                               f"{skip.dtype} of shape {tuple(skip.shape)}")
