@@ -12,7 +12,7 @@ rule       result over ranks r = 1..R
 mean       (1/R) sum_r x_r (equal per-rank batches: the global batch mean); ints give float64
 sum        sum_r x_r (bools and ints give int64, unsigned ints uint64, exact: a bool's sum counts the ranks holding True)
 pooled     ``<prefix>/mean`` and ``<prefix>/var`` next to ``<prefix>/count``: the mean and
-           variance of all samples of all ranks, by `nasdiag.vocabulary.pooled_moments`
+           variance of all samples of all ranks, by `nasdiag.vocabulary.pooled_moments`; ints give float64
 all, any   logical and / or (ints and floats: 1 where true, 0 where false; NaN stays NaN)
 min, max   elementwise extremes (of ints exact in 64 bits)
 same       the value, which must agree on all ranks (else `ReductionError`)
@@ -208,7 +208,7 @@ def reduce_statistics(
     """Reduce ``statistics`` over the ranks of ``group``; every rank must call it with the same paths.
 
     ``statistics`` maps record paths to Python scalars, numpy arrays or tensors. Returns numpy arrays
-    of the input shapes and dtypes (``mean`` of ints gives float64, ``sum`` of bools and ints 64-bit ints) on every
+    of the input shapes and dtypes (``mean`` and ``pooled`` of ints give float64, ``sum`` of bools and ints 64-bit ints) on every
     rank. ``ddof`` is the convention of the ``var`` paths being pooled (0: population variance, 1: unbiased). ``rows``: the
     first axis of every value is a row (a batch of recorded steps, reduced elementwise); a ``count``
     with fewer axes than its ``mean`` then lines up with the leading axes. ``row_steps`` (with ``rows``; every
@@ -317,8 +317,8 @@ def reduce_statistics(
                     "(or mean/min/max) to reduce_statistics"
                 )
             value, dtype = low, array.dtype
-        else:
-            value, dtype = pooled[path], array.dtype
+        else:  # of ints float64, as the mean's (in their dtype the pooled mean of 1 and 2 was 1)
+            value, dtype = pooled[path], array.dtype if array.dtype.kind == "f" else np.float64
         out[path] = np.asarray(value).astype(dtype)
     return out
 

@@ -4,7 +4,9 @@ float64 (autograd on the concatenated batch, Python integers).
 Found, in ``nasdiag.distributed.reduce_statistics``: the ``sum``, ``min`` and ``max`` of integer paths ran through the
 float64 collectives, so past 2**53 they were rounded: the sum of 2**53 + 1 and 2 came back 2**53 + 2, the min of
 2**53 + 1 and 2**53 + 3 came back 2**53 and their max 2**53 + 4 (values no rank held), the max of the uint64 2**63 + 1
-and 2**63 + 2 came back 2**63; they are reduced exactly in 64 bits now (round 14 fixed ``same`` alike).
+and 2**63 + 2 came back 2**63; they are reduced exactly in 64 bits now (round 14 fixed ``same`` alike). A ``pooled``
+mean and var of ints came back in the ints' dtype, truncated: the pooled mean of the samples 1 and 2 was 1, their
+variance 0; float64 now, as the ``mean`` of ints.
 In ``Probe.hessian`` of a DistributedDataParallel-wrapped supernet: the re-run forward went through the wrapper, whose
 forward broadcasts rank 0's buffers (BatchNorm's running statistics), a collective: ``probe.hessian()`` on one rank
 alone (diagnostics on rank 0) paired that broadcast with the other rank's next forward, and both ranks stalled in
@@ -115,6 +117,9 @@ WORKER = textwrap.dedent(
         res["ints"] = reduce_statistics({p: v[rank] for p, (v, _) in INTS.items()}, rules={p: r for p, (_, r) in INTS.items()})
     except Exception as err:  # recorded for the test
         res["ints"] = f"{type(err).__name__}: {err}"
+    # one integer sample per rank (1 and 2), its int mean and var pooled as the docs advise for unequal batches
+    res["pooled_int"] = reduce_statistics({"x/mean": np.int64(1 + rank), "x/var": np.int64(0), "x/count": np.int64(1)},
+                                          rules={"x/mean": "pooled"})
     x, y = batch()
     x, y = x[part(rank)], y[part(rank)]
     net = network()
@@ -173,6 +178,16 @@ def test_an_int_summed_or_taken_min_or_max_is_exact_past_2_to_the_53(ranks, path
         got = ranks[0][rank]["ints"]
         assert isinstance(got, dict), got
         assert got[path].dtype == want_dtype and int(got[path]) == want, (rank, path, got[path], want)
+
+
+def test_moments_of_int_samples_pooled_are_the_samples_moments_not_truncated_to_ints(ranks):
+    """Kept in the ints' dtype, the pooled mean of the samples 1 and 2 was 1 and their variance 0."""
+    samples = np.array([1.0, 2.0])
+    want = {"x/mean": samples.mean(), "x/var": samples.var(), "x/count": 2}
+    for rank in (0, 1):
+        got = ranks[0][rank]["pooled_int"]
+        assert {p: float(v) for p, v in got.items()} == want, (rank, got)
+        assert got["x/mean"].dtype == got["x/var"].dtype == np.float64 and got["x/count"].dtype == np.int64
 
 
 def _reference(norm: str = "layer"):
