@@ -23,6 +23,7 @@ Found and fixed in this round:
   docs/regret.md promises one RegretError for bad input (round 10 fixed this for Forecaster.update only); the same
   for a Forecaster's / SoftmaxGD's ``init_log_weights`` and ``update``'s ``skip``, and a state whose config is no
   dict ('int' object is not iterable). ``shape=(2.5,)`` made a batch of 2 forecasters (int(2.5)), silently.
+  ``simulate_gaussian_experts(generator=0)`` (a seed for the generator) was torch's multi-line randn() overload list.
 
 Checked and found right: Algorithm 1 (alive sets, ln v, ln γ, both regrets, eq 3) per round against the reference on
 adversarial sequences (one expert best early, another late; a leader-penalizing adversary), rewards at ±L, K = 1,
@@ -311,6 +312,7 @@ def test_a_reward_or_entropy_of_what_is_no_tensor_of_numbers_is_one_regret_error
     (lambda: Forecaster(3, 0.1, 1.0, 5).load_state_dict({"config": 5}), "the state's config is 5, not a Forecaster's"),
     (lambda: Forecaster(3, 0.1, 1.0, 5, shape=(2.5,)), r"shape must be an int or a sequence of ints, got \(2.5,\)"),
     (lambda: Forecaster(3, 0.1, 1.0, 5, shape=(True, 2)), "shape must be an int or a sequence of ints"),
+    (lambda: simulate_gaussian_experts(3, 1.0, 2, 3, generator=0), r"generator must be a torch.Generator \(torch"),
 ])
 def test_a_forecaster_given_what_is_no_number_or_no_size_is_one_regret_error(call, match):
     with pytest.raises(RegretError, match=match) as err:

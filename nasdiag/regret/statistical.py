@@ -97,6 +97,9 @@ def simulate_gaussian_experts(
     if sigma < 0 or not math.isfinite(sigma):
         raise RegretError(f"sigma must be a finite standard deviation >= 0, got {sigma}")
     # named as the caller named them (Forecaster would call them N, T, shape)
+    if generator is not None and not isinstance(generator, torch.Generator):  # torch's randn() would list its overloads
+        raise RegretTypeError(f"generator must be a torch.Generator (torch.Generator().manual_seed(seed)) or None, got "
+                              f"{generator!r:.80}")
     n_experts = _positive("n_experts", n_experts, integer=True)
     n_runs = _positive("n_runs", n_runs, integer=True)
     n_steps = _positive("n_steps", n_steps, integer=True)
