@@ -24,6 +24,8 @@ Found and fixed in this round:
   for a Forecaster's / SoftmaxGD's ``init_log_weights`` and ``update``'s ``skip``, and a state whose config is no
   dict ('int' object is not iterable). ``shape=(2.5,)`` made a batch of 2 forecasters (int(2.5)), silently.
   ``simulate_gaussian_experts(generator=0)`` (a seed for the generator) was torch's multi-line randn() overload list.
+  SoftmaxGD's lr (settable: a schedule voids no guarantee of GD) took -1 or 'fast' unchecked, failing or ascending
+  later; it is checked as the constructor checks it.
 
 Checked and found right: Algorithm 1 (alive sets, ln v, ln γ, both regrets, eq 3) per round against the reference on
 adversarial sequences (one expert best early, another late; a leader-penalizing adversary), rewards at ±L, K = 1,
@@ -49,7 +51,7 @@ import numpy as np
 import pytest
 import torch
 
-from nasdiag.regret import (Forecaster, RegretError, cell_depth, gd_softmax_reward, mean_normalized_entropy,
+from nasdiag.regret import (Forecaster, RegretError, SoftmaxGD, cell_depth, gd_softmax_reward, mean_normalized_entropy,
                             normalized_entropy, rewards_from_gradient, simulate_gaussian_experts, xnas_reward)
 
 
@@ -319,3 +321,14 @@ def test_a_forecaster_given_what_is_no_number_or_no_size_is_one_regret_error(cal
         call()
     assert "\n" not in str(err.value)
     assert Forecaster(3, 0.1, 1.0, 5, shape=(2.0, np.int64(3))).shape == (2, 3)  # integral values are still sizes
+
+
+def test_softmax_gd_follows_an_lr_schedule_set_between_rounds():
+    gd, alpha = SoftmaxGD(3, 0.1), np.zeros(3)
+    for eta, r in ((0.1, [1.0, 0.0, -1.0]), (0.7, [0.0, 2.0, -1.0]), (0.05, [-1.0, 0.5, 0.5])):
+        gd.lr = eta
+        u = np.exp(alpha - alpha.max())
+        u /= u.sum()
+        alpha = alpha + eta * u * (np.array(r) - u @ np.array(r))  # eq 5-6 with this round's η
+        gd.update(torch.tensor(r, dtype=torch.float64))
+        np.testing.assert_allclose(gd.log_weights.numpy(), alpha, rtol=1e-15, atol=1e-16)

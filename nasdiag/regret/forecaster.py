@@ -160,6 +160,11 @@ class _RegretTally:
 class _ExpertsState:
     """What XNAS and GD with softmax share: shapes, ``alpha = ln v``, the regret tally."""
 
+    def __setattr__(self, name, value):
+        if name == "lr":  # SoftmaxGD's may follow a schedule: a negative or NaN eta would still be refused
+            value = _positive("lr", value)
+        super().__setattr__(name, value)
+
     def __init__(self, n_experts, lr, shape, init_log_weights, dtype, device):
         self.n_experts = _positive("n_experts", n_experts, integer=True)
         self.lr = _positive("lr", lr)
