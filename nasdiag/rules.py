@@ -462,8 +462,10 @@ def _affine_layer(module, analyse):
     if isinstance(module, nn.modules.conv._ConvTransposeNd):
         # a transposed convolution scatters each input pixel through the whole kernel: the border pixels of the
         # output sum fewer taps, and with stride each output pixel takes another tap, so a constant input comes
-        # out as a pattern (constant only for a 1x1 kernel at stride 1, a 1x1 convolution)
-        pointwise = all(k == 1 for k in module.kernel_size) and all(s == 1 for s in module.stride)
+        # out as a pattern (constant only for a 1x1 kernel at stride 1, a 1x1 convolution); output_padding appends
+        # rows no input tap reaches (0 there, W·o elsewhere), so with it no constant stays one
+        pointwise = (all(k == 1 for k in module.kernel_size) and all(s == 1 for s in module.stride)
+                     and not any(module.output_padding))
         keeps = frozenset((BATCH, SPATIAL)) if pointwise else frozenset((BATCH,))
         offset = frozenset((BATCH, SPATIAL))
         mixes = _conv_mixes(module)

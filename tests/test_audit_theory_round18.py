@@ -1,0 +1,69 @@
+"""Audit round 18 of the wiring paper's theorems (supplement §4 Thm. 1, §5 Cor. 1.2, §6 Thm. 2, §8.1-8.2) and the
+structural scale-invariance flag, against references written here in float64 with every normalization at a tiny
+eps (1e-14): f(c·x) = f(x) evaluated for c > 0 (the flag's stated contract; c < 0 is not part of it: ReLU, and an
+affine-free normalization alone, N(−x) = −N(x), break it), J_f(x)·x by ``torch.func.jvp``, and autograd.
+
+Defects this file found (each test named below fails without its fix):
+- a bias before a pointwise transposed convolution with ``output_padding`` (kernel 1, stride 1, dilation 2) and a
+  normalization was called removed: the rows ``output_padding`` appends take no input tap, so a constant input
+  comes out constant only where a tap lands (0 on the appended rows) and the normalization keeps it; the op was
+  flagged scale-invariant (f(0.3·x) off by 12 %) and the bias got exactly zero curvature in diag/approx
+  (``test_a_bias_before_a_transposed_convolution_with_output_padding_is_not_removed``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nasdiag.cost import is_scale_invariant
+
+DT = torch.float64
+EPS = 1e-14
+SCALES = (0.3, 3.7)
+
+
+def _randomized(net: nn.Module, seed: int = 0) -> nn.Module:
+    """``net`` in float64 with every parameter drawn N(0, 1) (biases and norm shifts non-zero)."""
+    torch.manual_seed(seed)
+    net = net.to(DT)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.normal_()
+    return net
+
+
+def _relative_change(f: nn.Module, x: torch.Tensor, c: float) -> float:
+    """max |f(c·x) − f(x)| / max |f(x)|, without touching running statistics (train-mode norms here track none
+    or are restored by the caller)."""
+    with torch.no_grad():
+        y = f(x)
+        return float((f(c * x) - y).abs().max() / y.abs().max())
+
+
+def _numerically_invariant(f: nn.Module, x: torch.Tensor) -> bool:
+    # at eps = 1e-14 an invariant composition differs by round-off (≤ 1e-12 relative here), a non-invariant one by
+    # whole percents: 1e-8 separates them by four orders of magnitude either side
+    return all(_relative_change(f, x, c) < 1e-8 for c in SCALES)
+
+
+# --- the structural flag against f(c·x) = f(x) ----------------------------------------------------------------
+
+def test_a_bias_before_a_transposed_convolution_with_output_padding_is_not_removed():
+    """ConvTranspose2d(k=1, stride=1, dilation=2, output_padding=1) appends a row and a column that no input tap
+    reaches: a per-channel bias o entering it comes out as W·o inside and 0 there, not constant over space, so the
+    BatchNorm after it keeps it. Without output_padding (or without the bias) the same op is invariant."""
+    def body(output_padding, bias):
+        return nn.Sequential(nn.Conv2d(3, 3, 1, bias=bias),
+                             nn.ConvTranspose2d(3, 3, 1, stride=1, dilation=2, output_padding=output_padding, bias=False),
+                             nn.BatchNorm2d(3, eps=EPS, track_running_stats=False))
+
+    x = torch.randn(4, 3, 5, 5, dtype=DT)
+    for output_padding, bias in ((1, True), (0, True), (1, False)):
+        f = _randomized(body(output_padding, bias))
+        same = _numerically_invariant(f, x)
+        assert same == (not (output_padding and bias))  # the reference itself
+        assert is_scale_invariant(f, x) == same, (output_padding, bias)
+        assert is_scale_invariant(f) == same, (output_padding, bias)
