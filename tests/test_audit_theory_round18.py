@@ -67,3 +67,31 @@ def test_a_bias_before_a_transposed_convolution_with_output_padding_is_not_remov
         assert same == (not (output_padding and bias))  # the reference itself
         assert is_scale_invariant(f, x) == same, (output_padding, bias)
         assert is_scale_invariant(f) == same, (output_padding, bias)
+
+
+# --- the credit maps (supplement §2) ----------------------------------------------------------------------------
+
+def test_the_credit_maps_given_a_list_or_float_for_a_tensor_are_one_cost_error_line():
+    """Round 15 made loss_minus_entropy / edge_costs / output_edge_costs refuse a non-tensor in one CostError line;
+    the credit maps raised AttributeError ('list' object has no attribute 'shape') or torch's TypeError."""
+    from nasdiag.cost import CostError, darts_alpha_grad, dsnas_alpha_grad, proxyless_alpha_grad, snas_alpha_grad
+    from nasdiag.cost.credit import softmax_jacobian
+
+    p = torch.softmax(torch.randn(3, dtype=DT), 0)
+    calls = {
+        "costs": lambda: darts_alpha_grad([1.0, 2.0, 3.0], p),
+        "probs": lambda: darts_alpha_grad(p, [0.2, 0.3, 0.5]),
+        "gate_costs": lambda: proxyless_alpha_grad(0.5, p),
+        "relaxed": lambda: snas_alpha_grad(p, 0.5, 1.0),
+        "onehot": lambda: dsnas_alpha_grad(p, [0.0, 1.0, 0.0], p),
+        "probs ": lambda: softmax_jacobian([0.5, 0.5]),
+    }
+    for name, call in calls.items():
+        with pytest.raises(CostError, match=rf"{name.strip()} must be a torch.Tensor") as info:
+            call()
+        assert "\n" not in str(info.value)
+    # and the tensors themselves still go through: (diag p − ppᵀ) C against autograd of <C, softmax(α)>
+    alpha = torch.randn(3, dtype=DT, requires_grad=True)
+    C = torch.randn(3, dtype=DT)
+    (g,) = torch.autograd.grad((torch.softmax(alpha, 0) * C).sum(), alpha)
+    assert torch.allclose(darts_alpha_grad(C, torch.softmax(alpha, 0).detach()), g, rtol=1e-13, atol=1e-15)

@@ -11,7 +11,7 @@ has every edge (a missing edge is NaN there).
 from __future__ import annotations
 
 import torch
-from nasdiag.cost.errors import CostError
+from nasdiag.cost.errors import CostError, require_tensors
 
 
 def _check_pair(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -21,6 +21,7 @@ def _check_pair(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
 
 def softmax_jacobian(probs: torch.Tensor) -> torch.Tensor:
     """∂softmax(α)/∂α = diag(p) − ppᵀ, shape (..., K, K) for probs (..., K). Symmetric."""
+    require_tensors("softmax_jacobian", probs=probs)
     return torch.diag_embed(probs) - probs.unsqueeze(-1) * probs.unsqueeze(-2)
 
 
@@ -39,6 +40,7 @@ def darts_alpha_grad(costs: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     Returns:
         (..., K) ∂L/∂α, same batch convention as the costs (the loss's reduction).
     """
+    require_tensors("darts_alpha_grad", costs=costs, probs=probs)
     _check_pair("darts_alpha_grad", costs, probs)
     return _softmax_vjp(probs, costs)
 
@@ -53,6 +55,7 @@ def proxyless_alpha_grad(gate_costs: torch.Tensor, probs: torch.Tensor) -> torch
         gate_costs: (..., K) costs C(Z) of a forward with one-hot gates Z.
         probs: (..., K) softmax(α).
     """
+    require_tensors("proxyless_alpha_grad", gate_costs=gate_costs, probs=probs)
     _check_pair("proxyless_alpha_grad", gate_costs, probs)
     return _softmax_vjp(probs, gate_costs)
 
@@ -66,6 +69,7 @@ def snas_alpha_grad(costs: torch.Tensor, relaxed: torch.Tensor, temperature: flo
     """
     if not temperature > 0:
         raise CostError(f"temperature must be > 0, got {temperature}")
+    require_tensors("snas_alpha_grad", costs=costs, relaxed=relaxed)
     _check_pair("snas_alpha_grad", costs, relaxed)
     return _softmax_vjp(relaxed, costs) / temperature
 
@@ -80,6 +84,7 @@ def dsnas_alpha_grad(costs: torch.Tensor, onehot: torch.Tensor, probs: torch.Ten
         costs: (..., K) costs at the one-hot forward (only the sampled entry is used).
         onehot: (..., K) the one-hot sample Z. probs: (..., K) softmax(α).
     """
+    require_tensors("dsnas_alpha_grad", costs=costs, onehot=onehot, probs=probs)
     _check_pair("dsnas_alpha_grad", costs, onehot)
     _check_pair("dsnas_alpha_grad", costs, probs)
     return (onehot * costs).sum(-1, keepdim=True) * (onehot - probs)
