@@ -95,3 +95,44 @@ def test_the_credit_maps_given_a_list_or_float_for_a_tensor_are_one_cost_error_l
     C = torch.randn(3, dtype=DT)
     (g,) = torch.autograd.grad((torch.softmax(alpha, 0) * C).sum(), alpha)
     assert torch.allclose(darts_alpha_grad(C, torch.softmax(alpha, 0).detach()), g, rtol=1e-13, atol=1e-15)
+
+
+# --- the deviation at finite eps: J_N(x)·x = (N(x) − β)·eps/(var + eps) per group -----------------------------------
+
+def test_eps_deviation_of_an_unbatched_instance_norm_is_per_channel_as_its_jvp_says():
+    """InstanceNorm1d takes an unbatched (C, L) input and normalizes each channel over L; eps_deviation took the
+    variance over no dim (x.var(dim=[]): all entries at once), one number for every channel. Reference: the
+    directional derivative d/dc N(c·x)|_{c=1} = J_N(x)·x by torch.func.jvp, which is (N(x) − β)·eps/(var_c + eps)."""
+    from torch.func import jvp
+
+    from nasdiag.cost import eps_deviation
+
+    torch.manual_seed(1)
+    norm = nn.InstanceNorm1d(3, eps=1e-2, affine=True).to(DT)
+    with torch.no_grad():
+        norm.weight.normal_()
+        norm.bias.normal_()
+    # channels of very different spread, so one global variance is far from each channel's
+    x = torch.randn(3, 8, dtype=DT) * torch.tensor([[0.05], [0.3], [2.0]], dtype=DT)
+    y, jx = jvp(norm, (x,), (x,))
+    factor = (jx / (y - norm.bias.reshape(3, 1))).detach()  # constant along L within a channel
+    assert torch.allclose(factor, factor[:, :1].expand(3, 8), rtol=1e-10)
+    dev = eps_deviation(norm, x)
+    assert dev.shape == (1, 3)
+    assert torch.allclose(dev[0], factor[:, 0], rtol=1e-10)
+    # batched, the same channels are what it always gave
+    assert torch.allclose(eps_deviation(norm, x.unsqueeze(0)), dev, rtol=1e-14)
+
+
+def test_eps_deviation_and_the_flag_given_a_list_are_one_cost_error_line():
+    from nasdiag.cost import CostError, eps_deviation
+
+    with pytest.raises(CostError, match="norm_input must be a torch.Tensor") as info:
+        eps_deviation(nn.BatchNorm2d(3), [[1.0, 2.0, 3.0]])
+    assert "\n" not in str(info.value)
+    op = nn.Sequential(nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3))
+    before = [b.clone() for b in op.buffers()]
+    with pytest.raises(CostError, match="example_input must be") as info:
+        is_scale_invariant(op, [[1.0, 2.0, 3.0]])  # was conv2d's many-line TypeError from the rank-learning forward
+    assert "\n" not in str(info.value)
+    assert all(torch.equal(a, b) for a, b in zip(before, op.buffers()))

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nasdiag.cost.errors import CostError, require_tensors
 from nasdiag.rules import (
     REGISTRY,
     Homogeneity,
@@ -79,6 +80,9 @@ def is_scale_invariant(module: nn.Module, example_input=None) -> bool:
     (:func:`~nasdiag.rules.input_ranks_of`: one forward, buffers restored). Without it, ``nn.Linear`` (which
     acts on the last dim: the channel of a 2-D input, a spatial dim otherwise) is taken at its most cautious,
     so Linear(bias) → BatchNorm1d is called invariant only when the example shows a 2-D input."""
+    if example_input is not None and not isinstance(example_input, (torch.Tensor, tuple)):
+        raise CostError(f"is_scale_invariant: example_input must be the op's input tensor or a tuple of its arguments, "
+                        f"got {type(example_input).__name__}")
     ranks = input_ranks_of(module, example_input) if example_input is not None else None
     return analyse(module, ranks).invariant
 
@@ -91,6 +95,8 @@ def _group_variance(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         dims = [0] + list(range(2, x.dim()))
         return x.var(dim=dims, unbiased=False)
     if isinstance(module, nn.modules.instancenorm._InstanceNorm):
+        if x.dim() == module._get_no_batch_dim():  # an unbatched (C, ...) input: one sample
+            x = x.unsqueeze(0)
         return x.var(dim=list(range(2, x.dim())), unbiased=False)
     if isinstance(module, nn.GroupNorm):
         return x.reshape(x.shape[0], module.num_groups, -1).var(dim=-1, unbiased=False)
@@ -114,8 +120,14 @@ def eps_deviation(norm: nn.Module, norm_input: torch.Tensor) -> torch.Tensor:
         norm_input: its input x, (B, C, ...).
 
     Returns:
-        eps/(var + eps) per normalization group: (C,) for BatchNorm, (B, C) for InstanceNorm,
-        (B, G) for GroupNorm, (B,) for LayerNorm; dtype of the input.
+        eps/(var + eps) per normalization group: (C,) for BatchNorm, (B, C) for InstanceNorm (an unbatched
+        (C, ...) input is one sample: (1, C)), (B, G) for GroupNorm, the input's shape without the normalized
+        dims for LayerNorm ((B,) over all but the batch dim, (B, C) over the spatial dims); dtype of the input.
+
+    Raises:
+        CostError: ``norm_input`` is not a tensor.
+        UnsupportedModuleError: ``norm`` is not one of the normalizations above.
     """
+    require_tensors("eps_deviation", norm_input=norm_input)
     var = _group_variance(norm, norm_input.detach())
     return norm.eps / (var + norm.eps)
