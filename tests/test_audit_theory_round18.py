@@ -136,3 +136,28 @@ def test_eps_deviation_and_the_flag_given_a_list_are_one_cost_error_line():
         is_scale_invariant(op, [[1.0, 2.0, 3.0]])  # was conv2d's many-line TypeError from the rank-learning forward
     assert "\n" not in str(info.value)
     assert all(torch.equal(a, b) for a, b in zip(before, op.buffers()))
+
+
+# --- Thm. 2 (supplement §6, eq. 12) -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("label_dtype", [torch.int64, torch.int32, torch.int16, torch.uint8])
+def test_thm2_output_cost_of_the_last_cell_is_l_minus_h_for_labels_of_every_integer_dtype(label_dtype):
+    """<∂L/∂X4, X4> by autograd for X4 → global average pooling → bias-free linear → batch-mean cross-entropy equals
+    loss_minus_entropy(Y, labels). The function's check accepts any integer labels ("integer class labels"), but
+    uint8 / int16 ones then stopped in torch's gather (int32/int64 index only) instead of giving L − H."""
+    from nasdiag.cost import loss_minus_entropy
+
+    torch.manual_seed(2)
+    B, C, N = 6, 5, 4
+    X4 = torch.randn(B, C, 3, 3, dtype=DT, requires_grad=True)
+    W = torch.randn(C, N, dtype=DT)
+    labels = torch.randint(0, N, (B,))
+    Y = X4.mean((2, 3)) @ W
+    L = F.cross_entropy(Y, labels)
+    (g,) = torch.autograd.grad(L, X4)
+    cost = (g * X4).sum()
+    p = torch.softmax(Y.detach(), -1)
+    H = -(p * p.log()).sum(-1).mean()
+    assert torch.allclose(cost, L.detach() - H, rtol=1e-12)  # the reference agrees with eq. 12 re-derived
+    got = loss_minus_entropy(Y.detach(), labels.to(label_dtype))
+    assert torch.allclose(got, cost, rtol=1e-12)

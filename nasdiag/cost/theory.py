@@ -36,7 +36,7 @@ def loss_minus_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
         raise CostError(f"loss_minus_entropy: targets must be class labels in [0, {N}), got values from "
                         f"{int(targets.min())} to {int(targets.max())}")
     logp = torch.log_softmax(logits, dim=-1)
-    loss = -logp.gather(1, targets.reshape(-1, 1)).mean()
+    loss = -logp.gather(1, targets.reshape(-1, 1).long()).mean()  # gather: int32/int64 indices only
     p = logp.exp()
     # 0·log 0 = 0: a class with logit −inf (masked) has p = 0 and logp = −inf, whose product is NaN; a NaN stays NaN
     entropy = -torch.where(p == 0, torch.zeros_like(p), p * logp).sum(-1).mean()
