@@ -161,3 +161,17 @@ def test_thm2_output_cost_of_the_last_cell_is_l_minus_h_for_labels_of_every_inte
     assert torch.allclose(cost, L.detach() - H, rtol=1e-12)  # the reference agrees with eq. 12 re-derived
     got = loss_minus_entropy(Y.detach(), labels.to(label_dtype))
     assert torch.allclose(got, cost, rtol=1e-12)
+
+
+def test_scatter_cells_given_a_list_is_one_cost_error_line():
+    """Round 15 gave scatter_cells one-line errors for bad layouts; a list for the costs or the indices still raised
+    AttributeError ('list' object has no attribute 'dim' / 'shape')."""
+    from nasdiag.cost import CostError, scatter_cells
+
+    costs, slot, index = torch.randn(2, 3), torch.tensor([0, 1]), torch.tensor([0, 0])
+    for name, args in (("edge_costs_", (costs.tolist(), slot, index)), ("cell_slot", (costs, [0, 1], index)),
+                       ("edge_index", (costs, slot, [0, 0]))):
+        with pytest.raises(CostError, match=f"{name} must be a torch.Tensor") as info:
+            scatter_cells(*args, 2, 1)
+        assert "\n" not in str(info.value)
+    assert torch.equal(scatter_cells(costs, slot, index, 2, 1), costs.reshape(2, 1, 3))

@@ -149,7 +149,7 @@ def scatter_cells(
         edge_index: (N,) int64, the edge's index inside its cell (DARTS order).
 
     Raises:
-        CostError: costs not (N, K); indices not N integers in range; a (cell, edge) slot given twice (the later
+        CostError: an argument that is not a tensor; costs not (N, K); indices not N integers in range; a (cell, edge) slot given twice (the later
             row would silently overwrite the earlier).
 
     Returns:
@@ -157,6 +157,7 @@ def scatter_cells(
         cell has every edge. An edge missing from a cell is NaN there and so in its sum: sum only the cells
         that have it (``torch.nansum`` would also drop a NaN *cost*, which must be flagged, not dropped).
     """
+    require_tensors("scatter_cells", edge_costs_=edge_costs_, cell_slot=cell_slot, edge_index=edge_index)
     if edge_costs_.dim() != 2:
         raise CostError(f"scatter_cells: edge costs must be (N, K), one row per edge, got shape {tuple(edge_costs_.shape)}")
     N, K = edge_costs_.shape
