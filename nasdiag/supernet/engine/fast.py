@@ -711,19 +711,32 @@ def _fingerprint(net: nn.Module) -> tuple:
     return tuple(id(op) for cell in net.cells for edge in cell.edges for op in edge.ops) + tuple(map(id, net.cells))
 
 
+def _children(net: nn.Module) -> Tuple[list, list]:
+    # The child dicts of every module in the cells and their modules: a module swapped in *inside* a candidate op
+    # (an op's BatchNorm or conv replaced, nn.SyncBatchNorm.convert_sync_batchnorm) keeps the op's identity, and the
+    # plan, which holds the old module, computed with it (the new one's eps, weights, hooks and buffers unseen)
+    dicts = [m._modules for cell in net.cells for m in cell.modules() if m._modules]
+    return dicts, list(map(tuple, map(dict.values, dicts)))
+
+
+def _children_replaced(cached: tuple) -> bool:
+    dicts, children = cached[4]
+    return list(map(tuple, map(dict.values, dicts))) != children
+
+
 def _plans(net: nn.Module) -> List[CellPlan]:
-    """Cell plans, cached outside the module tree and rebuilt when a cell or op module is replaced;
+    """Cell plans, cached outside the module tree and rebuilt when a cell, op or module inside an op is replaced;
     raises :class:`Unsupported`."""
     fingerprint = _fingerprint(net)
     cached = net.__dict__.get("_fast_plans")
-    if cached is None or cached[0] != fingerprint:
+    if cached is None or cached[0] != fingerprint or _children_replaced(cached):
         try:
             plans = [plan_cell(cell) for cell in net.cells]
             statistics = _RunningStatistics([norm for plan in plans for norm in plan.norms])
         except Unsupported as exc:
             plans, statistics = str(exc), None  # the reason only: a kept exception's traceback keeps its frames alive
         cached = net.__dict__["_fast_plans"] = (fingerprint, plans, [m for cell in net.cells for m in cell.modules()],
-                                                statistics)
+                                                statistics, _children(net))
     if isinstance(cached[1], str):
         # a new exception per call: raising one object again chains each raise's frames (the forward's batch and
         # graph) onto its traceback, which then grew by a step's tensors at every forward
@@ -780,7 +793,7 @@ def _running_statistics_off(net: nn.Module) -> bool:
 
 def fast_forward(net: nn.Module, x: torch.Tensor, per_cell: Sequence[torch.Tensor]) -> torch.Tensor:
     """``Network.forward(x, per_cell)`` through the batched cells (call :func:`why_not_fast` first)."""
-    _, plans, _, statistics = net.__dict__["_fast_plans"]
+    _, plans, _, statistics, _ = net.__dict__["_fast_plans"]
     linked = statistics.ensure_linked()
     if linked and statistics.counts is not None:
         with torch.no_grad():

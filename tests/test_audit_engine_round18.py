@@ -1,0 +1,139 @@
+"""Round-18 audit of the fast engine (``nasdiag.supernet.engine``): a pure speed-up, the same numbers as the eager
+modules. References: the eager forward (torch's own modules run one by one) and, for the module swapped in below, the
+BatchNorm written out by hand; live tensors counted with ``gc``.
+
+Defect found (the test fails without its fix):
+
+* The engine's plans were keyed by the identities of the cells and candidate ops only. A module replaced *inside* an
+  op after the first forward (an op's BatchNorm or conv swapped, as ``nn.SyncBatchNorm.convert_sync_batchnorm`` or a
+  user freezing/re-initialising a layer does) kept the op's identity, so the plan went on computing with the old
+  module: the new one's eps, weights, buffers and hooks unseen (output 2e-3 off with one BatchNorm of another eps,
+  a probe's hook on it never called). The plan is rebuilt when any child of a cell module is replaced
+  (test_a_module_swapped_inside_a_candidate_op_after_the_first_forward_is_the_one_computed).
+
+Checked and right (fast vs eager in float64, 3 steps of each method through the method API, records compared to
+1e-12: α, weights, BN buffers, step outputs, diagnostics incl. per-sample rows, curvature): every registered method
+(asmnas and the sampled dsnas/proxyless run the eager modules by design: per-sample attention, active-op masks) with
+hessian modes diag, approx, exact, exact_per_edge, ggn, hutchinson:2; norms layer/instance and order conv-bn-relu (eager
+by design, said in an EngineWarning); 5×5 and 1×1 images, 3 steps and 3 layers (reduction after reduction); live tensors
+flat over 50-200 steps of each method (the sampled ones fluctuate with the sample, bounded), the plan cache one entry.
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from nasdiag.search.base import Schedule
+from nasdiag.search.registry import available_methods
+from nasdiag.supernet import Network
+
+DT = torch.float64
+
+
+def _net(**kw):
+    torch.manual_seed(0)
+    return Network(4, 3, 2, steps=2, multiplier=2, reductions=[1], **kw).to(DT)
+
+
+def test_a_module_swapped_inside_a_candidate_op_after_the_first_forward_is_the_one_computed():
+    """A BatchNorm of another eps swapped into an op of a net whose fast plan is built: the fast forward = the eager
+    one, and a hook on the new module is called with its input normalized by hand (batch mean, biased variance, its
+    own eps); the old plan computed with the old module (2e-3 off) and never called the hook."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 3, 7, 7, generator=g, dtype=DT)
+    net = _net()
+    net.set_engine("fast")
+    net(x)  # builds the plan
+    k = net.primitives.index("sep_conv_3x3")
+    block = net.cells[0].edges[0].ops[k][0]
+    block[3] = nn.BatchNorm2d(block[3].num_features, affine=False, eps=0.5).to(DT)
+    eager = _net()
+    eager.load_state_dict(net.state_dict())
+    eager.cells[0].edges[0].ops[k][0][3].eps = 0.5
+    eager.set_engine("eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = net(x)
+    ref = eager(x)
+    assert torch.allclose(out, ref, rtol=0, atol=1e-12), (out - ref).abs().max()
+    sd, se = net.state_dict(), eager.state_dict()
+    for name in sd:  # the new module's running statistics got this forward's update, as in the eager net
+        assert torch.allclose(sd[name].to(DT), se[name].to(DT), rtol=0, atol=1e-12), name
+
+    seen = []
+    handle = block[3].register_forward_hook(lambda m, inp, o: seen.append((inp[0].detach(), o.detach())))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            net(x)
+    finally:
+        handle.remove()
+    assert len(seen) == 1
+    y, o = seen[0]
+    mean = y.mean((0, 2, 3), keepdim=True)
+    var = y.var((0, 2, 3), unbiased=False, keepdim=True)
+    assert torch.allclose(o, (y - mean) / torch.sqrt(var + 0.5), rtol=0, atol=1e-12)
+
+
+def _three_steps(name, engine, mode, H):
+    cls = available_methods()[name]
+    torch.manual_seed(0)
+    net = Network(4, 3, 3, steps=3, multiplier=3, reductions=[1, 2]).to(DT)
+    net.set_engine(engine)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(4, 3, H, H, generator=g, dtype=DT), torch.randint(0, 3, (4,), generator=g)) for _ in range(6)]
+    m = cls(net, None, schedule=Schedule(epochs=1, steps_per_epoch=3, batch_size=4), hessian_mode=mode)
+    outs = [m.step(data[2 * s], data[2 * s + 1]) for s in range(3)]
+    return outs, m.diagnostics(), net.state_dict()
+
+
+@pytest.mark.parametrize("name,mode", [("darts", "diag"), ("snas", "approx")])
+def test_fast_equals_eager_over_three_steps_with_curvature_on_odd_images_and_consecutive_reductions(name, mode):
+    """5×5 images through two reduction cells in a row (stride-2 pooling and FactorizedReduce on odd sizes), three
+    steps, the mixing-weight curvature of the fast engine's batched recursion: every record = the eager engine's."""
+    fast, eager = _three_steps(name, "fast", mode, 5), _three_steps(name, "eager", mode, 5)
+
+    def flat(obj):
+        if isinstance(obj, dict):
+            return [v for k in sorted(obj) for v in flat(obj[k])]
+        if isinstance(obj, (list, tuple)):
+            return [v for o in obj for v in flat(o)]
+        return [obj] if torch.is_tensor(obj) else []
+
+    a, b = flat(fast), flat(eager)
+    assert len(a) == len(b) and any(t.is_floating_point() and t.numel() > 1 for t in a)
+    assert any(k.startswith("hessian/") for k in fast[1])
+    for s, t in zip(a, b):
+        if s.is_floating_point():
+            assert torch.allclose(s, t, rtol=0, atol=1e-12, equal_nan=True), (s - t).abs().max()
+        else:
+            assert torch.equal(s, t)
+
+
+def test_fifty_fast_steps_keep_the_live_tensors_flat():
+    """darts on the fast engine with cost and curvature diagnostics: no tensor kept per step."""
+    cls = available_methods()["darts"]
+    net = _net()
+    net.set_engine("fast")
+    m = cls(net, None, schedule=Schedule(epochs=1, steps_per_epoch=60, batch_size=4), hessian_mode="diag")
+    g = torch.Generator().manual_seed(1)
+
+    def live():
+        gc.collect()
+        with warnings.catch_warnings():  # isinstance on torch.distributed's deprecated reduce_op warns
+            warnings.simplefilter("ignore")
+            return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+    counts = []
+    for s in range(50):
+        x, y = torch.randn(4, 3, 7, 7, generator=g, dtype=DT), torch.randint(0, 3, (4,), generator=g)
+        m.step((x, y), (x, y))
+        if s % 10 == 9:
+            m.diagnostics()
+            counts.append(live())
+    assert len(set(counts[1:])) == 1, counts
