@@ -175,3 +175,24 @@ def test_scatter_cells_given_a_list_is_one_cost_error_line():
             scatter_cells(*args, 2, 1)
         assert "\n" not in str(info.value)
     assert torch.equal(scatter_cells(costs, slot, index, 2, 1), costs.reshape(2, 1, 3))
+
+
+def test_registering_a_rule_that_is_not_callable_is_refused_and_leaves_the_registry_as_it_was():
+    """register_homogeneity_rule(MyOp, "degree 1") was stored: every later flag of a model holding a MyOp then
+    stopped in "'str' object is not callable", and fixing it needed overwrite=True."""
+    from nasdiag.cost import HOMOGENEITY_RULES, degree_rule, register_homogeneity_rule
+
+    class Doubling(nn.Module):
+        def forward(self, x):
+            return 2 * x
+
+    with pytest.raises(TypeError, match="rule must be callable") as info:
+        register_homogeneity_rule(Doubling, "positively homogeneous of degree 1")
+    assert "\n" not in str(info.value)
+    assert Doubling not in HOMOGENEITY_RULES
+    register_homogeneity_rule(Doubling, degree_rule(1.0, "2·x", mixes=frozenset()))  # no overwrite needed
+    try:
+        op = nn.Sequential(Doubling(), nn.Conv2d(2, 2, 1, bias=False), nn.BatchNorm2d(2))
+        assert is_scale_invariant(op)
+    finally:
+        HOMOGENEITY_RULES.pop(Doubling)

@@ -66,7 +66,15 @@ HOMOGENEITY_RULES = REGISTRY.table("homogeneity")
 def register_homogeneity_rule(module_type, rule: Rule, *, overwrite: bool = False) -> None:
     """Register ``rule(module, analyse) -> Homogeneity`` for ``module_type`` (and subclasses that keep
     its ``forward``). ``analyse`` analyses a child module. Helpers: :func:`degree_rule`,
-    :func:`sequential_rule`, :func:`delegate_rule`, :func:`compose`."""
+    :func:`sequential_rule`, :func:`delegate_rule`, :func:`compose`.
+
+    Raises:
+        TypeError: ``module_type`` is not an ``nn.Module`` subclass, or ``rule`` is not callable (it would be
+            stored and fail, as "'str' object is not callable", in every later analysis of a model holding one).
+        ValueError: a rule for ``module_type`` exists and ``overwrite`` is False."""
+    if not callable(rule):
+        raise TypeError(f"register_homogeneity_rule: rule must be callable as rule(module, analyse) -> Homogeneity, got "
+                        f"{type(rule).__name__}; e.g. nasdiag.cost.degree_rule(1.0, 'why')")
     REGISTRY.register("homogeneity", module_type, rule, overwrite=overwrite)
 
 
