@@ -10,6 +10,10 @@ Defect found (the test fails without its fix):
   module: the new one's eps, weights, buffers and hooks unseen (output 2e-3 off with one BatchNorm of another eps,
   a probe's hook on it never called). The plan is rebuilt when any child of a cell module is replaced
   (test_a_module_swapped_inside_a_candidate_op_after_the_first_forward_is_the_one_computed).
+* The same for a BatchNorm's eps or momentum set on some edges after the first forward: the plan refuses to batch
+  edges that differ in them when it is built, but then each batched call read its first module's values for all
+  (output 4e-3 off with one eps, running statistics 0.7 off with one momentum); a change rebuilds the plan
+  (test_a_batchnorm_eps_or_momentum_set_on_some_edges_after_the_first_forward_is_used).
 
 Checked and right (fast vs eager in float64, 3 steps of each method through the method API, records compared to
 1e-12: α, weights, BN buffers, step outputs, diagnostics incl. per-sample rows, curvature): every registered method
@@ -40,6 +44,18 @@ def _net(**kw):
     return Network(4, 3, 2, steps=2, multiplier=2, reductions=[1], **kw).to(DT)
 
 
+def _same_forward(net, eager, x):
+    """net(x) = eager(x) and every buffer after it (running statistics, counts) equal, to 1e-12 in float64."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the engine's fallback notes
+        out = net(x)
+    ref = eager(x)
+    assert torch.allclose(out, ref, rtol=0, atol=1e-12), (out - ref).abs().max()
+    sd, se = net.state_dict(), eager.state_dict()
+    for name in sd:
+        assert torch.allclose(sd[name].to(DT), se[name].to(DT), rtol=0, atol=1e-12), name
+
+
 def test_a_module_swapped_inside_a_candidate_op_after_the_first_forward_is_the_one_computed():
     """A BatchNorm of another eps swapped into an op of a net whose fast plan is built: the fast forward = the eager
     one, and a hook on the new module is called with its input normalized by hand (batch mean, biased variance, its
@@ -56,14 +72,7 @@ def test_a_module_swapped_inside_a_candidate_op_after_the_first_forward_is_the_o
     eager.load_state_dict(net.state_dict())
     eager.cells[0].edges[0].ops[k][0][3].eps = 0.5
     eager.set_engine("eager")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        out = net(x)
-    ref = eager(x)
-    assert torch.allclose(out, ref, rtol=0, atol=1e-12), (out - ref).abs().max()
-    sd, se = net.state_dict(), eager.state_dict()
-    for name in sd:  # the new module's running statistics got this forward's update, as in the eager net
-        assert torch.allclose(sd[name].to(DT), se[name].to(DT), rtol=0, atol=1e-12), name
+    _same_forward(net, eager, x)  # the new module's running statistics got this forward's update too
 
     seen = []
     handle = block[3].register_forward_hook(lambda m, inp, o: seen.append((inp[0].detach(), o.detach())))
@@ -78,6 +87,26 @@ def test_a_module_swapped_inside_a_candidate_op_after_the_first_forward_is_the_o
     mean = y.mean((0, 2, 3), keepdim=True)
     var = y.var((0, 2, 3), unbiased=False, keepdim=True)
     assert torch.allclose(o, (y - mean) / torch.sqrt(var + 0.5), rtol=0, atol=1e-12)
+
+
+def test_a_batchnorm_eps_or_momentum_set_on_some_edges_after_the_first_forward_is_used():
+    """eps and momentum set on the BatchNorms of some edges of a net whose fast plan is built: the plan refuses to
+    batch edges that differ in them when it is built, but after that each batched call read its first module's values
+    for every edge (output 4e-3 off, running statistics 0.7 off); the forward = the eager one, buffers included."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 3, 7, 7, generator=g, dtype=DT)
+    net = _net()
+    net.set_engine("fast")
+    net(x)  # builds the plan
+    eager = _net()
+    eager.load_state_dict(net.state_dict())
+    eager.set_engine("eager")
+    sep, pool = net.primitives.index("sep_conv_3x3"), net.primitives.index("max_pool_3x3")
+    for n in (net, eager):
+        n.cells[0].edges[1].ops[sep][0][3].momentum = 0.7
+        n.cells[0].edges[2].ops[sep][0][3].eps = 0.3
+        n.cells[0].edges[1].ops[pool][1].momentum = 0.6
+    _same_forward(net, eager, x)
 
 
 def _three_steps(name, engine, mode, H):

@@ -711,22 +711,27 @@ def _fingerprint(net: nn.Module) -> tuple:
     return tuple(id(op) for cell in net.cells for edge in cell.edges for op in edge.ops) + tuple(map(id, net.cells))
 
 
-def _children(net: nn.Module) -> Tuple[list, list]:
+def _children(net: nn.Module) -> tuple:
     # The child dicts of every module in the cells and their modules: a module swapped in *inside* a candidate op
     # (an op's BatchNorm or conv replaced, nn.SyncBatchNorm.convert_sync_batchnorm) keeps the op's identity, and the
-    # plan, which holds the old module, computed with it (the new one's eps, weights, hooks and buffers unseen)
-    dicts = [m._modules for cell in net.cells for m in cell.modules() if m._modules]
-    return dicts, list(map(tuple, map(dict.values, dicts)))
+    # plan, which holds the old module, computed with it (the new one's eps, weights, hooks and buffers unseen).
+    # And every BatchNorm's eps and momentum: a batched call reads its first module's, and edges that differ in them
+    # are not batched together (the plan says so), but a value set on some modules after the plan was built was
+    # silently the first module's for all of them
+    mods = [m for cell in net.cells for m in cell.modules()]
+    dicts = [m._modules for m in mods if m._modules]
+    bns = [m for m in mods if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    return dicts, list(map(tuple, map(dict.values, dicts))), bns, [(m.eps, m.momentum) for m in bns]
 
 
 def _children_replaced(cached: tuple) -> bool:
-    dicts, children = cached[4]
-    return list(map(tuple, map(dict.values, dicts))) != children
+    dicts, children, bns, settings = cached[4]
+    return list(map(tuple, map(dict.values, dicts))) != children or [(m.eps, m.momentum) for m in bns] != settings
 
 
 def _plans(net: nn.Module) -> List[CellPlan]:
-    """Cell plans, cached outside the module tree and rebuilt when a cell, op or module inside an op is replaced;
-    raises :class:`Unsupported`."""
+    """Cell plans, cached outside the module tree and rebuilt when a cell, op or module inside an op is replaced or
+    a BatchNorm's eps or momentum is set; raises :class:`Unsupported`."""
     fingerprint = _fingerprint(net)
     cached = net.__dict__.get("_fast_plans")
     if cached is None or cached[0] != fingerprint or _children_replaced(cached):
