@@ -196,3 +196,53 @@ def test_registering_a_rule_that_is_not_callable_is_refused_and_leaves_the_regis
         assert is_scale_invariant(op)
     finally:
         HOMOGENEITY_RULES.pop(Doubling)
+
+
+def _conv_bias(C=4):
+    return nn.Conv2d(C, C, 3, bias=True)
+
+
+_NAMED = {  # name: (op, invariant as the numbers say it, for the record)
+    "conv(bias)->GroupNorm(2, 4): the per-channel bias varies inside a group":
+        (lambda: nn.Sequential(_conv_bias(), nn.GroupNorm(2, 4, eps=EPS)), False),
+    "conv(bias)->GroupNorm(4, 4) (instance norm): removed":
+        (lambda: nn.Sequential(_conv_bias(), nn.GroupNorm(4, 4, eps=EPS)), True),
+    "conv(bias)->LayerNorm(C, H, W): the bias varies along the channel":
+        (lambda: nn.Sequential(_conv_bias(), nn.LayerNorm([4, 4, 4], eps=EPS)), False),
+    "conv(bias)->LayerNorm(H, W): removed per (sample, channel)":
+        (lambda: nn.Sequential(_conv_bias(), nn.LayerNorm([4, 4], eps=EPS)), True),
+    "conv->InstanceNorm(track_running_stats) in eval mode: affine":
+        (lambda: nn.Sequential(_conv_bias(), nn.InstanceNorm2d(4, eps=EPS, track_running_stats=True)).eval(), False),
+    "conv->BatchNorm in eval mode: affine":
+        (lambda: nn.Sequential(nn.Conv2d(4, 4, 3, bias=False), nn.BatchNorm2d(4, eps=EPS)).eval(), False),
+    "conv(bias)->GroupNorm(1, 4)->InstanceNorm: the factor and the term go":
+        (lambda: nn.Sequential(_conv_bias(), nn.GroupNorm(1, 4, eps=EPS), nn.InstanceNorm2d(4, eps=EPS)), True),
+    "conv(bias)->GroupNorm(1, 4)->ReLU->InstanceNorm: the ReLU breaks it":
+        (lambda: nn.Sequential(_conv_bias(), nn.GroupNorm(1, 4, eps=EPS), nn.ReLU(), nn.InstanceNorm2d(4, eps=EPS)),
+         False),
+    "tanh->conv->BatchNorm": (lambda: nn.Sequential(nn.Tanh(), _conv_bias(), nn.BatchNorm2d(4, eps=EPS)), False),
+}
+
+
+@pytest.mark.parametrize("name", list(_NAMED))
+def test_named_compositions_flag_as_f_of_scaled_input_says(name):
+    """The compositions the brief names, in float64 at eps = 1e-14 (train mode unless said): the flag (with and,
+    more cautious, without an example) against f(c·x) = f(x) for c = 0.3, 3.7. The table's expectation is the
+    reference's, asserted first, so a wrong row fails instead of testing nothing."""
+    make, invariant = _NAMED[name]
+    f = _randomized(make())
+    x = torch.randn(3, 4, 6, 6, dtype=DT)
+    state = {k: v.clone() for k, v in f.state_dict().items()}
+    assert _numerically_invariant(f, x) == invariant
+    f.load_state_dict(state)
+    assert is_scale_invariant(f, x) == invariant
+    assert not is_scale_invariant(f) or invariant
+
+
+def test_the_flag_is_about_c_greater_than_0_relu_conv_bn_is_not_invariant_for_negative_c():
+    """Thm. 1's J_f(x)·x = 0 needs f(c·x) = f(x) only near c = 1; the flag's contract says c > 0. For c < 0 the
+    invariant DARTS op ReLU→conv→BN changes (relu(−x) is another input), which is why the docs say c > 0."""
+    f = _randomized(nn.Sequential(nn.ReLU(), nn.Conv2d(4, 4, 3, bias=False), nn.BatchNorm2d(4, eps=EPS)))
+    x = torch.randn(3, 4, 6, 6, dtype=DT)
+    assert is_scale_invariant(f, x) and _numerically_invariant(f, x)
+    assert _relative_change(f, x, -1.0) > 0.1
