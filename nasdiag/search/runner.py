@@ -1058,6 +1058,9 @@ def _open_record(config, net, method, hp_values, defining, digest, world):
         "run": defining,
         "config_hash": digest,
         "world_size": world,
+        # torch's intra-op threads of this session (a session field, not in config): another count sums in another
+        # order, so a float64 DSNAS rerun from the config alone with 2 threads for 1 differed by 1 ulp in α
+        "threads": torch.get_num_threads(),
     }
     with warnings.catch_warnings():
         # the run-defining settings were compared above; only epochs (an explicit extension) may differ
