@@ -14,6 +14,11 @@ Defect found (the test fails without its fix):
   edges that differ in them when it is built, but then each batched call read its first module's values for all
   (output 4e-3 off with one eps, running statistics 0.7 off with one momentum); a change rebuilds the plan
   (test_a_batchnorm_eps_or_momentum_set_on_some_edges_after_the_first_forward_is_used).
+* A method's step captured as a CUDA graph (fast engine on CUDA) was keyed by optimizer settings, accumulators, module
+  modes and two parameter addresses only: after either change above, or a hook put on a cell module (which sends the
+  plain forward to the eager modules and calls the hook), the graph replayed the old plan's kernels; the key now holds
+  the plan in use and whether the cells are hooked (checked on the key: a CPU replay stand-in re-runs Python)
+  (test_the_captured_steps_state_key_changes_with_what_the_engine_plan_bakes_in).
 
 Checked and right (fast vs eager in float64, 3 steps of each method through the method API, records compared to
 1e-12: α, weights, BN buffers, step outputs, diagnostics incl. per-sample rows, curvature): every registered method
@@ -107,6 +112,39 @@ def test_a_batchnorm_eps_or_momentum_set_on_some_edges_after_the_first_forward_i
         n.cells[0].edges[2].ops[sep][0][3].eps = 0.3
         n.cells[0].edges[1].ops[pool][1].momentum = 0.6
     _same_forward(net, eager, x)
+
+
+@pytest.mark.parametrize("change", ["momentum", "eps", "swap", "hook"])
+def test_the_captured_steps_state_key_changes_with_what_the_engine_plan_bakes_in(change):
+    """A step captured as a CUDA graph replays the kernels of the plan it was captured with: a BatchNorm's momentum or
+    eps set, a module swapped inside an op, a hook put on a cell module (the eager forward then runs, the hook is
+    called) must drop the graph, i.e. change the step's state key (the momentum, eps and swap are the two fixes above;
+    the key held only optimizer settings, accumulators, modes and two parameter addresses)."""
+    cls = available_methods()["darts"]
+    net = _net()
+    net.set_engine("fast")
+    m = cls(net, None, schedule=Schedule(epochs=1, steps_per_epoch=4, batch_size=4))
+    g = torch.Generator().manual_seed(3)
+    batch = (torch.randn(4, 3, 7, 7, generator=g, dtype=DT), torch.randint(0, 3, (4,), generator=g))
+    m.step(batch, batch)
+    before = m._graph_state_key()
+    assert m._graph_state_key() == before
+    bn = net.cells[0].edges[1].ops[net.primitives.index("sep_conv_3x3")][0][3]
+    handle = None
+    if change == "momentum":
+        bn.momentum = 0.7
+    elif change == "eps":
+        bn.eps = 0.3
+    elif change == "swap":
+        net.cells[0].edges[1].ops[net.primitives.index("sep_conv_3x3")][0][3] = nn.BatchNorm2d(
+            bn.num_features, affine=False).to(DT)
+    else:
+        handle = bn.register_forward_hook(lambda *a: None)
+    try:
+        assert m._graph_state_key() != before
+    finally:
+        if handle is not None:
+            handle.remove()
 
 
 def _three_steps(name, engine, mode, H):

@@ -33,11 +33,12 @@ runs on the eager modules (:func:`fast_forward` returns None and says why).
 
 from __future__ import annotations
 
+import itertools
 import warnings
 import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -729,6 +730,22 @@ def _children_replaced(cached: tuple) -> bool:
     return list(map(tuple, map(dict.values, dicts))) != children or [(m.eps, m.momentum) for m in bns] != settings
 
 
+_GENERATIONS = itertools.count()
+
+
+def plan_key(net: nn.Module) -> Hashable:
+    """What a step captured as a CUDA graph bakes in of the engine (a part of its state key): the plan in use (a new
+    one when a cell, op, module inside an op, or a BatchNorm's eps or momentum changes) and whether hooks on the
+    cells' modules send the forwards to the eager modules. None before the first forward or for another supernet."""
+    if "_fast_plans" not in net.__dict__:
+        return None
+    try:
+        _plans(net)
+    except Unsupported as exc:
+        return str(exc)
+    return net.__dict__["_fast_plans"][5], _cell_modules_hooked(net)
+
+
 def _plans(net: nn.Module) -> List[CellPlan]:
     """Cell plans, cached outside the module tree and rebuilt when a cell, op or module inside an op is replaced or
     a BatchNorm's eps or momentum is set; raises :class:`Unsupported`."""
@@ -741,7 +758,7 @@ def _plans(net: nn.Module) -> List[CellPlan]:
         except Unsupported as exc:
             plans, statistics = str(exc), None  # the reason only: a kept exception's traceback keeps its frames alive
         cached = net.__dict__["_fast_plans"] = (fingerprint, plans, [m for cell in net.cells for m in cell.modules()],
-                                                statistics, _children(net))
+                                                statistics, _children(net), next(_GENERATIONS))
     if isinstance(cached[1], str):
         # a new exception per call: raising one object again chains each raise's frames (the forward's batch and
         # graph) onto its traceback, which then grew by a step's tensors at every forward
@@ -798,7 +815,7 @@ def _running_statistics_off(net: nn.Module) -> bool:
 
 def fast_forward(net: nn.Module, x: torch.Tensor, per_cell: Sequence[torch.Tensor]) -> torch.Tensor:
     """``Network.forward(x, per_cell)`` through the batched cells (call :func:`why_not_fast` first)."""
-    _, plans, _, statistics, _ = net.__dict__["_fast_plans"]
+    _, plans, _, statistics, _, _ = net.__dict__["_fast_plans"]
     linked = statistics.ensure_linked()
     if linked and statistics.counts is not None:
         with torch.no_grad():
