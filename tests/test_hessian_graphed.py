@@ -98,6 +98,20 @@ def test_the_curvature_graph_is_keyed_on_every_modules_mode():
     assert graph.state_key() != key
 
 
+def test_the_curvature_graph_is_keyed_on_a_normalizations_eps_and_on_a_swapped_module():
+    # eps is a Python float baked into a captured batch_norm kernel, and a parameter-free module put in place
+    # of another (a GELU for the ReLU) changes no storage the key would see: either change must capture anew.
+    net = _conv_bn()
+    graph = curvature_graph(lambda x, y: {}, net, "approx", name="test")
+    key = graph.state_key()
+    net[1].eps = 1e-3
+    assert graph.state_key() != key
+    net[1].eps = 1e-5
+    assert graph.state_key() == key
+    net[2] = nn.GELU()
+    assert graph.state_key() != key
+
+
 def test_on_the_cpu_the_calls_are_plain_and_equal_diag_hessian():
     net = _conv_bn()
     x, y = _batch(8)

@@ -36,9 +36,11 @@ def has_user_hooks(model: nn.Module) -> bool:
 
 
 def _module_flags(model: nn.Module) -> Hashable:
-    """Every module's train/eval mode and its normalization flags: what decides which kernels a capture records
-    (a submodule put in eval mode, a BatchNorm's tracking switched off)."""
-    return tuple((m.training, getattr(m, "track_running_stats", None), getattr(m, "momentum", None))
+    """Every module's identity, train/eval mode and normalization settings: what decides which kernels a capture
+    records and with which constants (a submodule put in eval mode or swapped for another, a BatchNorm's tracking
+    switched off, its eps or momentum changed: each a Python number baked into the captured kernels)."""
+    return tuple((id(m), m.training, getattr(m, "track_running_stats", None), getattr(m, "momentum", None),
+                  getattr(m, "eps", None))
                  for m in model.modules())
 
 
