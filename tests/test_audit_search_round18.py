@@ -13,7 +13,8 @@ Checked and found right (by hand, on tiny float64 CPU runs of every method, C=2,
   bit-equal in float64, and an interrupt at an epoch boundary then mid-epoch, each resumed, bit-equal to an
   uninterrupted run for two methods round 14 did not interrupt (xnas: forecaster state; darts2: unrolled step).
 
-Defect: the meta held no thread count, on which a CPU run's last bits depend (the second test).
+Defects: the meta held no thread count, on which a CPU run's last bits depend (the second test); the genotype figure
+of a pruned SparseNAS/BayesNAS cell drew removed nodes as concatenated outputs (the last test; nasdiag/plot/arch.py).
 
 Left alone: the record's meta has no ``genotype`` key (docs/figures.md reads ``meta/genotype`` if a record has one;
 docs/schema.md does not promise the search writes it, and the figures derive the same genotype from the rows).
@@ -156,3 +157,44 @@ def test_a_search_interrupted_at_an_epoch_boundary_then_mid_epoch_resumes_bit_eq
     _assert_same_record(ref.record, path)
     assert len(load_meta(path)["segments"]) >= 2
     assert resumed.genotype == ref.genotype
+
+
+def _surviving_nodes(mask: np.ndarray, steps: int):
+    """The paper's node sparsity, transcribed: node j (2 ..) survives when a kept op enters it from a cell input (0, 1)
+    or from a surviving node; edges in DARTS order."""
+    live, e = set(), 0
+    for j in range(2, steps + 2):
+        for i in range(j):
+            if mask[e].any() and (i < 2 or i in live):
+                live.add(j)
+            e += 1
+    return live
+
+
+def test_the_genotype_figure_of_a_pruned_cell_concatenates_only_the_nodes_the_methods_genotype_keeps(tmp_path,
+                                                                                                     monkeypatch):
+    """A SparseNAS search (steps 3, hapg, lambda_step 0.1, 2 epochs on digits) kept reduce_concat=[3] (nodes 2 and 4
+    removed), while the genotype figure drew nodes 2, 3 and 4 as the cell's concatenated outputs (the config's
+    multiplier), so the record's drawn genotype was not the method's. (nasdiag/plot/arch.py, outside this area.)"""
+    from nasdiag.plot import arch
+    from nasdiag.record import Recorder
+
+    steps, ops = 3, ["skip_connect", "max_pool_3x3", "sep_conv_3x3"]
+    edges = [f"{j}<-{i}" for j in range(2, steps + 2) for i in range(j)]           # 2+3+4 = 9
+    mask = np.zeros((len(edges), len(ops)), bool)
+    mask[2, 0] = mask[3, 2] = True        # 0->3, 1->3: node 3 kept; node 2 gets nothing
+    mask[7, 1] = True                     # 2->4 only: node 4 fed by the removed node 2 alone
+    path = str(tmp_path / "r.h5")
+    meta = {"method": "sparsenas", "config": {"steps": steps, "multiplier": steps}, "op_names": ops,
+            "edge_names": {"normal": edges}, "cell_types": ["normal"]}
+    with Recorder(path, meta=meta) as rec:
+        rec.log(1, {"arch/normal/probabilities": np.where(mask, 0.5, 0.0), "sparsity/normal/nonzero": mask})
+    record = load(path)
+    drawn = {}
+    real = arch.C.cell_figure
+    monkeypatch.setattr(arch.C, "cell_figure", lambda genes, s, concat, title: drawn.update(genes=genes, concat=concat)
+                        or real(genes, s, concat, title))
+    arch.genotype_cell(record, "normal", 0)
+    live = _surviving_nodes(mask, steps)
+    assert sorted(drawn["concat"]) == sorted(live) == [3]
+    assert all(j in live and (i < 2 or i in live) for _, i, j in drawn["genes"])

@@ -180,7 +180,10 @@ def genotype_cell(record, cell: str, row: int):
     path = arch_path(record, cell)
     steps = C.steps_of(record[path].shape[1])
     genes = cell_genes(record, cell, row)
-    return C.cell_figure(genes, steps, _concat(record, steps), f"{cell} cell, derived at step {step_of(record, row)}")
+    # a node no op enters was removed (mixed-path methods: without_removed_nodes), and with it its place in the output
+    # concatenation, as in the method's genotype; every node of a DARTS-rule cell has its inputs
+    concat = [n for n in _concat(record, steps) if any(j == n for _, _, j in genes)]
+    return C.cell_figure(genes, steps, concat, f"{cell} cell, derived at step {step_of(record, row)}")
 
 
 @figure(ARCH_FAMILIES, name="wiring", file="wiring_{cell}", paper="wiring supplement Figs 1, 3",
