@@ -14,7 +14,8 @@ Checked and found right (by hand, on tiny float64 CPU runs of every method, C=2,
   uninterrupted run for two methods round 14 did not interrupt (xnas: forecaster state; darts2: unrolled step).
 
 Defects: the meta held no thread count, on which a CPU run's last bits depend (the second test); the genotype figure
-of a pruned SparseNAS/BayesNAS cell drew removed nodes as concatenated outputs (the last test; nasdiag/plot/arch.py).
+of a pruned SparseNAS/BayesNAS cell drew removed nodes as concatenated outputs (nasdiag/plot/arch.py); a diagnostic
+named twice was stored twice and a resume naming it once was refused.
 
 Left alone: the record's meta has no ``genotype`` key (docs/figures.md reads ``meta/genotype`` if a record has one;
 docs/schema.md does not promise the search writes it, and the figures derive the same genotype from the rows).
@@ -198,3 +199,16 @@ def test_the_genotype_figure_of_a_pruned_cell_concatenates_only_the_nodes_the_me
     live = _surviving_nodes(mask, steps)
     assert sorted(drawn["concat"]) == sorted(live) == [3]
     assert all(j in live and (i < 2 or i in live) for _, i, j in drawn["genes"])
+
+
+def test_a_diagnostic_named_twice_records_as_once_and_resumes_with_it_named_once(tmp_path):
+    """--diagnostics cost,cost records what cost does, but was stored as ['cost', 'cost']: the resume of the run with
+    --diagnostics cost was refused as another setting ("diagnostics=['cost'] (recorded ['cost', 'cost'])")."""
+    path = str(tmp_path / "r.h5")
+    base = dict(method="darts", record=path, **{**TINY, "steps": 1})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run(SearchConfig(epochs=1, diagnostics="cost,cost", **base))
+        assert load_meta(path)["config"]["diagnostics"] == ["cost"]
+        run(SearchConfig(epochs=2, diagnostics="cost", resume=True, **base))
+    assert list(load(path)["step"]) == list(range(1, 2 * S + 1))

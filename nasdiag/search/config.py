@@ -137,7 +137,9 @@ class SearchConfig:
         if isinstance(self.diagnostics, str):
             self.diagnostics = tuple(d.strip() for d in self.diagnostics.split(",") if d.strip() and d.strip() != "none")
         if isinstance(self.diagnostics, (list, tuple, set, frozenset)):  # anything else is refused by validate()
-            self.diagnostics = tuple(self.diagnostics)
+            # once each: "cost,cost" records what "cost" does, and a resume given "cost" was refused as another setting
+            self.diagnostics = tuple(dict.fromkeys(self.diagnostics)) if all(
+                isinstance(d, str) for d in self.diagnostics) else tuple(self.diagnostics)
         if isinstance(self.hp, Mapping):  # a string or None is refused by validate(), not dict()'s traceback
             self.hp = dict(self.hp)
 

@@ -628,7 +628,7 @@ def _resume_point(config: SearchConfig, defining: Mapping[str, Any]) -> Tuple[Op
         shared = [k for k in RECORD_DEFINING if k in stored_config]
         given = {**defining, **{k: recorded[k] for k in shared}}
         stored = {**source.get("run", {}),
-                  **{k: sorted(stored_config[k]) if k == "diagnostics" else stored_config[k] for k in shared}}
+                  **{k: sorted(set(stored_config[k])) if k == "diagnostics" else stored_config[k] for k in shared}}
         diff = differing_fields(given, stored)
         if "method" in diff:
             raise ConfigError(f"--resume with method {diff['method'][0]}, but the {where} was written by {diff['method'][1]}; "
