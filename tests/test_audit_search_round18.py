@@ -99,8 +99,14 @@ def test_a_records_paths_and_genotype_are_the_documented_ones_and_its_meta_alone
     for name in ("train_loss", "train_acc", "temperature", "entropy", "epoch", "search_val_loss", "search_val_acc"):
         assert f"scalars/{name}" in paths
     assert meta["method"] == "snas" and meta["seed"] == cfg.seed and meta["hp"]["alpha_lr"] == 0.03  # digits preset
+    documented = {"method", "seed", "op_names", "edge_names", "cell_types", "config", "hp", "run", "config_hash",
+                  "world_size", "threads"}       # docs/schema.md, the meta of a nasdiag search record
+    added = {"schema_version", "nasdiag_version", "torch_version", "h5py_version", "hdf5_version", "run_id", "segments",
+             "nonfinite_counts"}                  # what load_meta adds
+    assert set(meta) == documented | added
+    assert not {"resume", "force", "progress", "threads"} & set(meta["config"])
 
-    again = SearchConfig.from_dict({**meta["config"], "record": str(tmp_path / "b.h5"), "progress": False,
+    again = SearchConfig.from_dict({**meta["config"], "record": str(tmp_path / "b.h5"), "figures": None,
                                     "threads": meta["threads"]})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
