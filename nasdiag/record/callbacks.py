@@ -31,7 +31,6 @@ from collections.abc import Mapping
 import numpy as np
 
 from nasdiag.arrays import is_tensor, stack_to_numpy
-from nasdiag.record import schema
 from nasdiag.record.errors import RecordError, RecordWarning
 from nasdiag.record.writer import Recorder, _python_scalar_fits, checked_step, unrecordable_tensor
 from nasdiag.vocabulary import RULES
@@ -279,7 +278,7 @@ class RecorderCallback:
             return
         for path, value in statistics.items():
             try:
-                schema.check_against_meta(path, tuple(np.shape(value)), self.recorder._meta)
+                self.recorder.check_shape(path, np.shape(value))
             except RecordError as err:
                 raise RecordError(f"{err}; nothing of this call was recorded") from None
 

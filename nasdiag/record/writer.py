@@ -427,6 +427,12 @@ class Recorder:
     def closed(self) -> bool:
         return self._closed
 
+    def check_shape(self, path: str, shape: tuple) -> None:
+        """Raise `RecordError` (one line) if a value of ``shape`` at ``path`` contradicts the record's meta (an
+        (E, K) family against its ``edge_names`` and ``op_names``), as `log` would at the hand-over; a caller that
+        holds rows back (`RecorderCallback`) checks at its own call, so a refusal costs only that call."""
+        schema.check_against_meta(path, tuple(shape), self._meta)
+
     @property
     def writing(self) -> bool:
         """True while `log` or `flush` is writing; a SIGTERM arriving then is handled right after."""
