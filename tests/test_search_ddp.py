@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import free_port, launch_ranks
+from test_audit_ddp_round6 import TEARDOWN_ABORT
 from nasdiag.record import load, load_meta
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
@@ -83,6 +84,13 @@ def _torchrun_search(out, device: str, **env) -> subprocess.CompletedProcess:
     root = os.path.dirname(os.path.dirname(__file__))
     env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    if proc.returncode != 0 and TEARDOWN_ABORT in proc.stderr:
+        # gloo's teardown abort after a complete run (about 1 launch in 30 on the 2-core box, a known issue of torch's:
+        # tests/test_audit_ddp_round6.py): launched once more from scratch; any other failure, or a second abort, fails
+        for path in out.parent.iterdir():
+            if path.name.startswith(out.name) and path.is_file():
+                path.unlink()
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc
 
