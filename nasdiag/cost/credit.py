@@ -81,10 +81,14 @@ def dsnas_alpha_grad(costs: torch.Tensor, onehot: torch.Tensor, probs: torch.Ten
     score function ∇_α log p(Z) = Z − p of the categorical sample.
 
     Args:
-        costs: (..., K) costs at the one-hot forward (only the sampled entry is used).
+        costs: (..., K) costs at the one-hot forward (only the sampled entry is used: the others may be NaN, as a
+            probe reports the ops that did not run).
         onehot: (..., K) the one-hot sample Z. probs: (..., K) softmax(α).
     """
     require_tensors("dsnas_alpha_grad", costs=costs, onehot=onehot, probs=probs)
     _check_pair("dsnas_alpha_grad", costs, onehot)
     _check_pair("dsnas_alpha_grad", costs, probs)
-    return (onehot * costs).sum(-1, keepdim=True) * (onehot - probs)
+    # the sampled entry only: a probe's costs are NaN for the ops that did not run (all but the sampled one under
+    # DSNAS), and 0·NaN would make every entry NaN; a NaN cost of the sampled op itself stays NaN
+    sampled = torch.where(onehot != 0, onehot * costs, torch.zeros_like(costs))
+    return sampled.sum(-1, keepdim=True) * (onehot - probs)

@@ -1,0 +1,74 @@
+"""Cost audit round 19 (cost19): the per-edge cost C(Z) = ∂L/∂Z = <∂L/∂x_j, O(x_i)> (wiring supplement §2.1) under
+execution conditions earlier rounds did not try, against float64 models written from scratch here (leaf mixing
+weights Z, per-sample leaf weights Z_b, plain autograd for ∂L/∂Z; numpy for the streaming moments). Never nasdiag
+against nasdiag.
+
+Defects found (each test fails without its fix):
+
+* ``dsnas_alpha_grad(C, onehot, p)`` promises that "only the sampled entry is used", but computed (Z·C) as a product
+  over all K entries, so the NaN a probe reports for every op that did not run (DSNAS runs only the sampled op, the
+  point of the method) made the whole credit NaN: the documented use, the probe's costs of a DSNAS supernet, gave
+  NaN for every α (test_dsnas_credit_of_a_probe_on_a_supernet_running_only_the_sampled_op_is_autograds).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nasdiag
+from nasdiag.cost import dsnas_alpha_grad
+
+DT = torch.float64
+C = 3
+
+
+class _SampledMixed(nn.Module):
+    """A DARTS-convention mixed op that, as DSNAS does, runs only the ops whose weight is non-zero."""
+
+    def __init__(self):
+        super().__init__()
+        self._ops = nn.ModuleList([nn.Linear(C, C, bias=False), nn.Tanh(), nn.Identity(), nn.Linear(C, C)])
+
+    def forward(self, x, weights):
+        return sum(w * op(x) for w, op in zip(weights, self._ops) if float(w) != 0.0)
+
+
+class _Chain(nn.Module):
+    def __init__(self, mixed=_SampledMixed):
+        super().__init__()
+        self.a, self.b = mixed(), mixed()
+        self.head = nn.Linear(C, 4)
+
+    def forward(self, x, Z):
+        return self.head(self.b(self.a(x, Z[0]), Z[1]))
+
+
+def test_dsnas_credit_of_a_probe_on_a_supernet_running_only_the_sampled_op_is_autograds():
+    torch.manual_seed(0)
+    net = _Chain().to(DT)
+    x, y = torch.randn(5, C, dtype=DT), torch.randint(0, 4, (5,))
+    alpha = torch.randn(2, 4, dtype=DT, requires_grad=True)
+    onehot = F.one_hot(torch.tensor([1, 3]), 4).to(DT)
+    # DSNAS's Z: value one-hot, gradient ∇_α log p_s (so autograd's α.grad is C(Z^s)·∇ log p_s, the reference)
+    lp = torch.log_softmax(alpha, -1)
+    lp_s = (lp * onehot).sum(-1, keepdim=True)
+    Z = onehot * torch.exp(lp_s - lp_s.detach())
+    probe = nasdiag.attach(net)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the ops that did not run are NaN, with a warning saying so
+        with probe.record():
+            F.cross_entropy(net(x, Z), y).backward()
+        costs = probe.costs()
+    p = torch.softmax(alpha.detach(), -1)
+    for e, name in enumerate(("a", "b")):
+        assert torch.isnan(costs[name][onehot[e] == 0]).all()  # the unsampled ops: NaN, not observed
+        got = dsnas_alpha_grad(costs[name], onehot[e], p[e])  # was NaN in every entry
+        torch.testing.assert_close(got, alpha.grad[e], rtol=1e-12, atol=1e-14)
+    # a NaN cost of the sampled op itself is still NaN, never dropped
+    nan_sampled = costs["a"].clone()
+    nan_sampled[1] = float("nan")
+    assert torch.isnan(dsnas_alpha_grad(nan_sampled, onehot[0], p[0])).all()
