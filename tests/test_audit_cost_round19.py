@@ -9,18 +9,27 @@ Defects found (each test fails without its fix):
   over all K entries, so the NaN a probe reports for every op that did not run (DSNAS runs only the sampled op, the
   point of the method) made the whole credit NaN: the documented use, the probe's costs of a DSNAS supernet, gave
   NaN for every α (test_dsnas_credit_of_a_probe_on_a_supernet_running_only_the_sampled_op_is_autograds).
+* A mixed op that weights its candidates' outputs in place (``sum(op(x).mul_(w) ...)``: exactly Σ_k w_k·O_k, autograd's
+  ∂L/∂Z is fine), or a candidate whose in-place first op (``ReLU(inplace=True)``) rewrites an earlier candidate's
+  output (an Identity's x_i), was refused at its first step as "its output is not Σ_k w_k·op_k(x) ... map the edge to a
+  module whose output is that sum" (or "not in the span of its candidates' outputs" without the weights): the wrong
+  reason and advice for the very mixed op it is; the docs promise the in-place error ("a candidate output modified in
+  place after its forward raises"), given at later steps. Now that line, naming the op
+  (test_a_candidate_output_changed_in_place_inside_the_mixed_op_is_named_as_such_at_the_first_step).
 """
 
 from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import nasdiag
 from nasdiag.cost import dsnas_alpha_grad
+from nasdiag.probe.discovery import ProbeError
 
 DT = torch.float64
 C = 3
@@ -72,3 +81,44 @@ def test_dsnas_credit_of_a_probe_on_a_supernet_running_only_the_sampled_op_is_au
     nan_sampled = costs["a"].clone()
     nan_sampled[1] = float("nan")
     assert torch.isnan(dsnas_alpha_grad(nan_sampled, onehot[0], p[0])).all()
+
+
+class _InPlaceWeighted(nn.Module):
+    """Σ_k w_k·O_k(x) with the weights applied in place on each candidate output (with ``inner``: weights of its own)."""
+
+    def __init__(self, inner: bool):
+        super().__init__()
+        self._ops = nn.ModuleList([nn.Linear(C, C, bias=False), nn.Linear(C, C), nn.Linear(C, C)])  # keep no output
+        self.inner = nn.Parameter(torch.tensor([0.5, 0.3, 0.2])) if inner else None
+
+    def forward(self, x, weights):
+        w = self.inner if self.inner is not None else weights
+        return sum(op(x).mul_(wk) for wk, op in zip(w, self._ops))
+
+
+class _ReluInPlaceAfterIdentity(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self._ops = nn.ModuleList([nn.Identity(), nn.Sequential(nn.ReLU(inplace=True), nn.Linear(C, C)), nn.Tanh()])
+
+    def forward(self, x, weights):
+        return sum(w * op(x) for w, op in zip(weights, self._ops))
+
+
+@pytest.mark.parametrize("mixed", [lambda: _InPlaceWeighted(False), lambda: _InPlaceWeighted(True),
+                                   _ReluInPlaceAfterIdentity], ids=["mul_-weights", "mul_-inner-weights", "relu_"])
+def test_a_candidate_output_changed_in_place_inside_the_mixed_op_is_named_as_such_at_the_first_step(mixed):
+    torch.manual_seed(0)
+    net = _Chain(mixed).to(DT)
+    x, y = torch.randn(4, C, dtype=DT), torch.randint(0, 4, (4,))
+    Z = torch.softmax(torch.randn(2, 3, dtype=DT), -1).requires_grad_()
+    if not isinstance(net.a, _ReluInPlaceAfterIdentity):  # a valid mixed op for autograd: ∂L/∂Z exists
+        F.cross_entropy(net(x, Z), y).backward()
+        assert all(torch.isfinite(t.grad).all() for t in [Z, *net.parameters()] if t.grad is not None)
+    probe = nasdiag.attach(net)
+    with pytest.raises(ProbeError) as err:
+        with probe.record():
+            F.cross_entropy(net(x, Z), y).backward()
+    msg = str(err.value)
+    assert "\n" not in msg and "candidate op 0" in msg and "modified in place" in msg, msg
+    assert "not Σ" not in msg and "span" not in msg, msg  # was: not a weighted sum, map another module

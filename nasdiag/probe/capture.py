@@ -425,6 +425,7 @@ class StepCapture:
         if math.isnan(err):  # a NaN/inf value (a NaN batch, diverged weights) decides nothing: checked at a finite step
             return False
         if not err <= self._tolerance(output, len(call.outputs)):
+            self._check_versions(call)  # a candidate output changed in place since (op(x).mul_(w)) says so, not this
             raise ProbeError(
                 f"edge {edge.name!r}: its output is not Σ_k w_k·op_k(x) of its forward's weights and candidate ops "
                 f"({self._how_far(call, output, err)}), so <∂L/∂out, op_k(x)> would not be ∂L/∂w_k. Map the edge, "
@@ -443,6 +444,7 @@ class StepCapture:
         if math.isnan(err):  # as in _check_weighted_sum
             return False
         if not err <= self._tolerance(output, len(call.outputs)):
+            self._check_versions(call)  # as in _check_weighted_sum
             raise ProbeError(
                 f"edge {edge.name!r}: its output is not a weighted sum Σ_k w_k·op_k(x) of the outputs of its "
                 f"{edge.n_ops} candidate op(s) {list(edge.op_names)} ({self._how_far(call, output, err, 'residual')}), so it is not a mixed op "
@@ -646,7 +648,8 @@ class StepCapture:
             if o is not None and o._version != call.versions[k]:
                 raise ProbeError(
                     f"edge {edge.name!r}: the output of candidate op {k} ({edge.op_names[k]}) was modified in place "
-                    "after the forward; its cost cannot be computed. Use out-of-place ops (e.g. ReLU(inplace=False))."
+                    "after the forward; its cost cannot be computed. Use out-of-place ops (e.g. w * op(x), not op(x).mul_(w); "
+                    "ReLU(inplace=False))."
                 )
 
     def edge_grad(self, call: EdgeCall, g: torch.Tensor):
