@@ -9,6 +9,10 @@ Defects found (each test fails without its fix):
   over all K entries, so the NaN a probe reports for every op that did not run (DSNAS runs only the sampled op, the
   point of the method) made the whole credit NaN: the documented use, the probe's costs of a DSNAS supernet, gave
   NaN for every α (test_dsnas_credit_of_a_probe_on_a_supernet_running_only_the_sampled_op_is_autograds).
+* ``proxyless_alpha_grad(C, p')`` of ProxylessNAS's two-path update (p' = softmax of α over the sampled pair S, zero
+  outside it; nasdiag's own method and docstring: ``proxyless_alpha_grad(C·1_S, p')``) was NaN in every entry when C
+  came from a probe, whose costs of the ops that did not run (all but S) are NaN: 0·NaN in <p', C>, where p'_j = 0
+  means op j takes no part (test_proxyless_two_path_credit_of_a_probes_costs_is_the_binaryconnect_gradient).
 * A mixed op that weights its candidates' outputs in place (``sum(op(x).mul_(w) ...)``: exactly Σ_k w_k·O_k, autograd's
   ∂L/∂Z is fine), or a candidate whose in-place first op (``ReLU(inplace=True)``) rewrites an earlier candidate's
   output (an Identity's x_i), was refused at its first step as "its output is not Σ_k w_k·op_k(x) ... map the edge to a
@@ -28,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import nasdiag
-from nasdiag.cost import dsnas_alpha_grad
+from nasdiag.cost import dsnas_alpha_grad, proxyless_alpha_grad
 from nasdiag.probe.discovery import ProbeError
 
 DT = torch.float64
@@ -122,3 +126,47 @@ def test_a_candidate_output_changed_in_place_inside_the_mixed_op_is_named_as_suc
     msg = str(err.value)
     assert "\n" not in msg and "candidate op 0" in msg and "modified in place" in msg, msg
     assert "not Σ" not in msg and "span" not in msg, msg  # was: not a weighted sum, map another module
+
+
+class _ActiveMixed(nn.Module):
+    """A mixed op computing only the ops of ``active`` (ProxylessNAS: the sampled pair S, the gated-off one times 0)."""
+
+    def __init__(self):
+        super().__init__()
+        self._ops = nn.ModuleList([nn.Linear(C, C, bias=False), nn.Tanh(), nn.Identity(), nn.Linear(C, C)])
+        self.active = (0, 1, 2, 3)
+
+    def forward(self, x, weights):
+        return sum(weights[k] * self._ops[k](x) for k in self.active)
+
+
+def test_proxyless_two_path_credit_of_a_probes_costs_is_the_binaryconnect_gradient():
+    torch.manual_seed(1)
+    net = _Chain(_ActiveMixed).to(DT)
+    x, y = torch.randn(6, C, dtype=DT), torch.randint(0, 4, (6,))
+    alpha = torch.randn(2, 4, dtype=DT)
+    pairs, on = [(0, 3), (1, 2)], [3, 1]  # per edge the sampled pair S and the path gated on
+    net.a.active, net.b.active = pairs
+    gates = torch.zeros(2, 4, dtype=DT)
+    gates[0, on[0]] = gates[1, on[1]] = 1.0
+    # reference: C_j = ∂L/∂g_j of leaf gates (j ∈ S), then ProxylessNAS's eq. 4 restricted to S, written out
+    g_leaf = gates.clone().requires_grad_()
+    cost_ref = torch.autograd.grad(F.cross_entropy(net(x, g_leaf), y), g_leaf)[0]
+    probe = nasdiag.attach(net)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the ops outside S did not run: NaN, with a warning
+        with probe.record():
+            F.cross_entropy(net(x, gates.clone().requires_grad_()), y).backward()
+        costs = probe.costs()
+    for e, name in enumerate(("a", "b")):
+        S = list(pairs[e])
+        p_pair = torch.zeros(4, dtype=DT)
+        p_pair[S] = torch.softmax(alpha[e, S], -1)
+        want = torch.zeros(4, dtype=DT)
+        for i in S:
+            want[i] = sum(cost_ref[e, j] * p_pair[j] * (float(i == j) - p_pair[i]) for j in S)
+        assert torch.isnan(costs[name][[k for k in range(4) if k not in S]]).all()
+        mask = torch.zeros(4, dtype=DT)
+        mask[S] = 1.0
+        for c in (costs[name], costs[name] * mask):  # as given, and as C·1_S (the method's docstring)
+            torch.testing.assert_close(proxyless_alpha_grad(c, p_pair), want, rtol=1e-12, atol=1e-15)  # was NaN

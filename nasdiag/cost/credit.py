@@ -53,11 +53,14 @@ def proxyless_alpha_grad(gate_costs: torch.Tensor, probs: torch.Tensor) -> torch
 
     Args:
         gate_costs: (..., K) costs C(Z) of a forward with one-hot gates Z.
-        probs: (..., K) softmax(α).
+        probs: (..., K) softmax(α), or, for ProxylessNAS's two-path update, softmax over the sampled pair S and 0
+            outside it: an op with probability 0 takes no part, so its cost may be NaN (a probe's, of an op that did
+            not run).
     """
     require_tensors("proxyless_alpha_grad", gate_costs=gate_costs, probs=probs)
     _check_pair("proxyless_alpha_grad", gate_costs, probs)
-    return _softmax_vjp(probs, gate_costs)
+    # p_j·C_j = 0 where p_j = 0 whatever C_j is: 0·NaN would make every entry NaN through <p, C>
+    return _softmax_vjp(probs, torch.where(probs != 0, gate_costs, torch.zeros_like(gate_costs)))
 
 
 def snas_alpha_grad(costs: torch.Tensor, relaxed: torch.Tensor, temperature: float) -> torch.Tensor:
