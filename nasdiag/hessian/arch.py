@@ -43,6 +43,7 @@ from nasdiag.hessian.loss_curvature import output_hessian_diagonal
 from nasdiag.hessian.modes import ARCH_MODES, CurvatureError, CurvatureTypeError, check_mode, split_mode
 from nasdiag.hessian.propagate import walk_diagonals
 from nasdiag.hessian.rules import HessianRule
+from nasdiag.hessian.rules.base import check_rules
 from nasdiag.hessian.trace import ModuleTracer, edge_of
 from nasdiag.hooks import Hooks
 
@@ -119,6 +120,7 @@ def arch_diag_hessian(
     check_mode(mode, ARCH_MODES)
     if wrt not in ("Z", "alpha"):
         raise CurvatureError(f"wrt must be 'Z' (the mixing weights) or 'alpha' (through Z = softmax(α)), got {wrt!r}")
+    rules = check_rules(rules)
     if rules is not None and mode not in ("diag", "approx"):
         raise CurvatureError(f"rules= only applies to mode='diag' or 'approx'; mode={mode!r} uses no per-module rules")
     check_model(model, loss_fn, "arch_diag_hessian")

@@ -16,7 +16,7 @@ from nasdiag.hessian.modes import WEIGHT_MODES, CurvatureError, CurvatureTypeErr
 from nasdiag.hessian.loss_curvature import LossCouplesSamplesError, output_hessian_diagonal
 from nasdiag.hessian.propagate import walk_diagonals
 from nasdiag.hessian.rules import HessianRule, UnsupportedModuleError
-from nasdiag.hessian.rules.base import unsupported_module_message
+from nasdiag.hessian.rules.base import check_rules, unsupported_module_message
 from nasdiag.hessian.trace import ModuleTracer
 
 __all__ = ["diag_hessian", "HESSIAN_MODES"]
@@ -71,7 +71,9 @@ def diag_hessian(
             tensor is the value to evaluate at (substituted by ``torch.func.functional_call``), so
             frozen parameters and other points are fine.
         rules: per-call ``{module type: HessianRule}`` overriding the registry (``diag``/``approx``), e.g.
-            ``{nn.BatchNorm2d: NormRule(through_statistics=False)}``.
+            ``{nn.BatchNorm2d: NormRule(through_statistics=False)}``; looked up as the registry is, so a subclass
+            that keeps its base's ``forward`` takes its base's override. Keys that are no module types (a name, a
+            module instance) and values that are no rule instances are refused.
 
     Returns:
         ``{name: tensor}`` keyed and shaped as the parameters, detached, in the parameters' dtype.
@@ -89,6 +91,7 @@ def diag_hessian(
     nothing is kept between calls.
     """
     check_mode(mode, WEIGHT_MODES)
+    rules = check_rules(rules)
     if rules is not None and mode not in ("diag", "approx"):
         raise CurvatureError(f"rules= only applies to mode='diag' or 'approx'; mode={mode!r} uses no per-module rules")
     check_model(model, loss_fn, "diag_hessian")

@@ -23,13 +23,14 @@ import torch
 from torch import nn
 
 from nasdiag.hessian.modes import CurvatureRuntimeError, CurvatureTypeError
-from nasdiag.rules import REGISTRY, UnsupportedModuleError, unsupported_message
+from nasdiag.rules import REGISTRY, RuleRegistry, UnsupportedModuleError, type_name, unsupported_message
 
 __all__ = [
     "HessianRule",
     "channel_mean",
     "ModuleCall",
     "UnsupportedModuleError",
+    "check_rules",
     "register_rule",
     "rule_for",
     "supported_modules",
@@ -160,6 +161,7 @@ def register_rule(module_type: Type[nn.Module], rule: HessianRule, *, overwrite:
 
         register_rule(Swish, ElementwiseRule(lambda x: x * torch.sigmoid(x)))
     """
+    _check_module_type(module_type, "module_type")
     if not isinstance(rule, HessianRule):
         raise CurvatureTypeError(
             f"rule must be a HessianRule instance, got {type(rule).__name__}; pass an instance, e.g. ElementwiseRule(fn), not a class"
@@ -167,9 +169,48 @@ def register_rule(module_type: Type[nn.Module], rule: HessianRule, *, overwrite:
     REGISTRY.register("hessian", module_type, rule, overwrite=overwrite, how=" (or pass rules={type: rule} to a single call)")
 
 
+def _check_module_type(key, what: str) -> None:
+    if not (isinstance(key, type) and issubclass(key, nn.Module)):
+        hint = f"nn.{key}" if isinstance(key, str) else type_name(type(key)) if isinstance(key, nn.Module) else "nn.BatchNorm2d"
+        raise CurvatureTypeError(
+            f"{what} must be a module type (an nn.Module subclass), got {key!r} ({type(key).__name__}); name the class "
+            f"itself, e.g. {hint}"
+        )
+
+
+def check_rules(rules) -> Optional[Dict[Type[nn.Module], HessianRule]]:
+    """``rules=`` of a curvature call as a dict ``{module type: HessianRule instance}``, or one
+    :class:`CurvatureTypeError` line: a key that is no module type (a name ``"BatchNorm2d"``, a module instance)
+    matches no module and the override would be ignored silently; a value that is no rule instance fails deep inside."""
+    if rules is None:
+        return None
+    if not isinstance(rules, Mapping):
+        raise CurvatureTypeError(
+            f"rules must be a mapping {{module type: HessianRule}}, got {type(rules).__name__}; pass e.g. "
+            "rules={nn.BatchNorm2d: NormRule(through_statistics=False)}"
+        )
+    for key, rule in rules.items():
+        _check_module_type(key, "each key of rules")
+        if not isinstance(rule, HessianRule):
+            shown = rule.__name__ if isinstance(rule, type) else type(rule).__name__
+            raise CurvatureTypeError(
+                f"rules[{key.__name__}] must be a HessianRule instance, got {shown}; pass an instance, e.g. "
+                "ElementwiseRule(fn) or NormRule(through_statistics=False)" + (", not the class" if isinstance(rule, type) else "")
+            )
+    return dict(rules)
+
+
 def rule_for(module: nn.Module, overrides: Mapping[type, HessianRule] | None = None) -> Optional[HessianRule]:
-    """The rule for ``module`` (per-call ``overrides`` first), or None."""
-    return REGISTRY.lookup(module, "hessian", overrides)
+    """The rule for ``module``, or None: per-call ``overrides`` first, looked up as the registry is (the module's type,
+    then the type nearest in its MRO whose ``forward`` it keeps), so an override of ``nn.BatchNorm2d`` also holds for a
+    subclass of it that the registry's ``nn.BatchNorm2d`` rule would cover; then the registry."""
+    if overrides:
+        scratch = RuleRegistry()
+        scratch.tables["hessian"] = dict(overrides)
+        rule = scratch.lookup(module, "hessian")
+        if rule is not None:
+            return rule
+    return REGISTRY.lookup(module, "hessian")
 
 
 def supported_modules(overrides: Mapping[type, HessianRule] | None = None) -> List[str]:
