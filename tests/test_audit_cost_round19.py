@@ -13,6 +13,11 @@ Defects found (each test fails without its fix):
   outside it; nasdiag's own method and docstring: ``proxyless_alpha_grad(C·1_S, p')``) was NaN in every entry when C
   came from a probe, whose costs of the ops that did not run (all but S) are NaN: 0·NaN in <p', C>, where p'_j = 0
   means op j takes no part (test_proxyless_two_path_credit_of_a_probes_costs_is_the_binaryconnect_gradient).
+* ``torch.autograd.grad(..., is_grads_batched=True)`` inside a block (a Jacobian, one vector-Jacobian product per row
+  of ``grad_outputs``, run by torch's legacy vmap) handed the probe's backward hooks batched gradients: the costs held
+  tensors leaked out of the transform and the block ended in torch's "Batching rule not implemented for aten::detach"
+  traceback (with ``path_split``/output costs in others). Now one ProbeError line at that backward, hooks removed, the
+  next step exact (test_a_batched_backward_inside_the_block_is_one_probe_error_line_and_the_next_step_is_exact).
 * A mixed op that weights its candidates' outputs in place (``sum(op(x).mul_(w) ...)``: exactly Σ_k w_k·O_k, autograd's
   ∂L/∂Z is fine), or a candidate whose in-place first op (``ReLU(inplace=True)``) rewrites an earlier candidate's
   output (an Identity's x_i), was refused at its first step as "its output is not Σ_k w_k·op_k(x) ... map the edge to a
@@ -170,3 +175,52 @@ def test_proxyless_two_path_credit_of_a_probes_costs_is_the_binaryconnect_gradie
         mask[S] = 1.0
         for c in (costs[name], costs[name] * mask):  # as given, and as C·1_S (the method's docstring)
             torch.testing.assert_close(proxyless_alpha_grad(c, p_pair), want, rtol=1e-12, atol=1e-15)  # was NaN
+
+
+class _Cell(nn.Module):
+    """A declared cell (nodes 0 -> 1, 0 -> 2, 1 -> 2; output the concatenation of nodes 1 and 2): output costs and the
+    path split have hooks of their own in the backward."""
+
+    edge_nodes = [(0, 1), (0, 2), (1, 2)]
+    output_nodes = [1, 2]
+    output_node_slices = {1: (0, C), 2: (C, 2 * C)}
+
+    def __init__(self):
+        super().__init__()
+        self.edges = nn.ModuleList([_ActiveMixed() for _ in range(3)])
+
+    def forward(self, x, Z):
+        x1 = self.edges[0](x, Z[0])
+        return torch.cat([x1, self.edges[1](x, Z[1]) + self.edges[2](x1, Z[2])], 1)
+
+
+class _CellNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cell, self.head = _Cell(), nn.Linear(2 * C, 2)
+
+    def forward(self, x, Z):
+        return self.head(self.cell(x, Z))
+
+
+@pytest.mark.parametrize("options", [{}, {"path_split": True}])
+def test_a_batched_backward_inside_the_block_is_one_probe_error_line_and_the_next_step_is_exact(options):
+    torch.manual_seed(2)
+    net = _CellNet().to(DT)
+    x, y = torch.randn(5, C, dtype=DT), torch.randint(0, 2, (5,))
+    Z = torch.softmax(torch.randn(3, 4, dtype=DT), -1)
+    probe = nasdiag.attach(net, **options)
+    rows = torch.eye(2, dtype=DT)[:, None, :].expand(2, 5, 2).contiguous()  # ∂(logit c)/∂Z for c = 0, 1
+    with pytest.raises(ProbeError, match="is_grads_batched") as err:
+        with probe.record():
+            Zl = Z.clone().requires_grad_()
+            torch.autograd.grad(net(x, Zl), Zl, grad_outputs=rows, is_grads_batched=True)
+    assert "\n" not in str(err.value)
+    modules = list(net.modules())
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+    # the next, plain step: autograd's ∂L/∂Z
+    with probe.record():
+        Zl = Z.clone().requires_grad_()
+        F.cross_entropy(net(x, Zl), y).backward()
+    got = probe.costs()
+    torch.testing.assert_close(torch.stack([got[f"cell.edges.{e}"] for e in range(3)]), Zl.grad, rtol=1e-12, atol=1e-15)

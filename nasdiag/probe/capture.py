@@ -157,6 +157,24 @@ def _under_vmap() -> bool:
     return bool(stack) and any(i.key() == _VMAP for i in stack)
 
 
+_FT = torch._C._functorch
+_BATCHED = [getattr(_FT, n) for n in ("is_batchedtensor", "is_legacy_batchedtensor") if hasattr(_FT, n)]
+
+
+def _is_batched(g: torch.Tensor) -> bool:
+    """Whether a backward hook got a gradient batched over the rows of ``grad_outputs``
+    (``torch.autograd.grad(..., is_grads_batched=True)`` runs the backward under vmap): one vector-Jacobian product per
+    row, not the step's ∂L/∂x_j (tensors of the transform kept in the costs broke the end of the block)."""
+    return any(f(g) for f in _BATCHED)
+
+
+def _batched_backward(where: str) -> ProbeError:
+    return ProbeError(
+        f"{where}: a backward batched over its grad_outputs (torch.autograd.grad(..., is_grads_batched=True), under "
+        "vmap) reached it inside probe.record(); its gradients are one vector-Jacobian product per row, not the step's "
+        "∂L/∂x_j; take batched gradients outside the block and record a plain backward of the loss")
+
+
 def _normalizes_with_buffers(module) -> bool:
     """Whether a normalization's forward is an affine map of its running statistics, as torch decides it: a BatchNorm
     in eval mode with its buffers (kept when ``track_running_stats`` is turned off after construction), an
@@ -638,6 +656,8 @@ class StepCapture:
         return False
 
     def _output_grad(self, g: torch.Tensor):
+        if _is_batched(g):
+            raise _batched_backward("the model output")
         self.output_grad = g.detach() if self.output_grad is None else self.output_grad + g.detach()
         return None
 
@@ -655,6 +675,8 @@ class StepCapture:
     def edge_grad(self, call: EdgeCall, g: torch.Tensor):
         if call.outputs is None:
             return None
+        if _is_batched(g):
+            raise _batched_backward(f"edge {self.edges[call.pos].name!r}")
         self._check_versions(call)
         call.reached = True
         if call.model_call == self.kept_call:
@@ -712,6 +734,8 @@ class StepCapture:
         with torch.no_grad():
             for s in slots:
                 if grads[s] is not None:
+                    if _is_batched(grads[s]):
+                        raise _batched_backward(f"edge {self.edges[call.pos].name!r}")
                     g = grads[s].detach()
                     call.through = g if call.through is None else call.through + g
                     self._gather_node(call.cell_call, self.edges[call.pos].src, g)
@@ -815,6 +839,8 @@ class StepCapture:
     def cell_grad(self, ccall: CellCall, g: torch.Tensor):
         if ccall.output is None:
             return None
+        if _is_batched(g):
+            raise _batched_backward(f"the output of cell {self.cells[ccall.pos].name!r}")
         cell = self.cells[ccall.pos]
         out = ccall.output
         slices = cell.output_node_slices or _equal_chunks(cell.output_nodes, out.shape[1])
