@@ -16,8 +16,9 @@ Defects found (each test fails without its fix):
 * ``torch.autograd.grad(..., is_grads_batched=True)`` inside a block (a Jacobian, one vector-Jacobian product per row
   of ``grad_outputs``, run by torch's legacy vmap) handed the probe's backward hooks batched gradients: the costs held
   tensors leaked out of the transform and the block ended in torch's "Batching rule not implemented for aten::detach"
-  traceback (with ``path_split``/output costs in others). Now one ProbeError line at that backward, hooks removed, the
-  next step exact (test_a_batched_backward_inside_the_block_is_one_probe_error_line_and_the_next_step_is_exact).
+  traceback (``torch.func.jacrev`` of the model: torch's "maybe_level.has_value() INTERNAL ASSERT FAILED" in its
+  backward). Now one ProbeError line at that backward, hooks removed, the next step exact
+  (test_a_batched_backward_inside_the_block_is_one_probe_error_line_and_the_next_step_is_exact).
 * A mixed op that weights its candidates' outputs in place (``sum(op(x).mul_(w) ...)``: exactly Σ_k w_k·O_k, autograd's
   ∂L/∂Z is fine), or a candidate whose in-place first op (``ReLU(inplace=True)``) rewrites an earlier candidate's
   output (an Identity's x_i), was refused at its first step as "its output is not Σ_k w_k·op_k(x) ... map the edge to a
@@ -216,6 +217,9 @@ def test_a_batched_backward_inside_the_block_is_one_probe_error_line_and_the_nex
             Zl = Z.clone().requires_grad_()
             torch.autograd.grad(net(x, Zl), Zl, grad_outputs=rows, is_grads_batched=True)
     assert "\n" not in str(err.value)
+    with pytest.raises(ProbeError, match="jacrev"):
+        with probe.record():
+            torch.func.jacrev(lambda z: net(x, z))(Z)
     modules = list(net.modules())
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in modules)
     # the next, plain step: autograd's ∂L/∂Z

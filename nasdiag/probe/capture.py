@@ -170,8 +170,8 @@ def _is_batched(g: torch.Tensor) -> bool:
 
 def _batched_backward(where: str) -> ProbeError:
     return ProbeError(
-        f"{where}: a backward batched over its grad_outputs (torch.autograd.grad(..., is_grads_batched=True), under "
-        "vmap) reached it inside probe.record(); its gradients are one vector-Jacobian product per row, not the step's "
+        f"{where}: a backward batched over its grad_outputs (torch.autograd.grad(..., is_grads_batched=True), "
+        "torch.func.jacrev: under vmap) reached it inside probe.record(); its gradients are one vector-Jacobian product per row, not the step's "
         "∂L/∂x_j; take batched gradients outside the block and record a plain backward of the loss")
 
 
