@@ -158,7 +158,7 @@ def eigenvalues_from_hvp(
     Returns:
         :class:`SpectrumResult`.
     """
-    if not isinstance(dim, int) or dim < 1:
+    if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:  # True was a 1-dim operator (torch's errors)
         raise CurvatureError(f"dim must be a positive int, got {dim!r}")
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= dim:
         raise CurvatureError(f"k must be an int in [1, dim={dim}], got {k!r}")
@@ -388,11 +388,12 @@ def diagonal_from_hvp(
 
 def _probe_products(hvp, dim, samples, seed, batch_size, dtype, device, reduce_to_scalar: bool) -> torch.Tensor:
     """Per probe: ``zᵀHz`` (n,) or ``z ⊙ Hz`` (n, dim), float64 on the CPU."""
-    if not isinstance(dim, int) or dim < 1:
+    if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:
         raise CurvatureError(f"dim must be a positive int, got {dim!r}")
-    if not isinstance(samples, int) or samples < 2:
+    if not isinstance(samples, int) or isinstance(samples, bool) or samples < 2:
         raise CurvatureError(f"samples must be an int >= 2 (a standard error needs two probes), got {samples!r}")
-    if not isinstance(batch_size, int) or batch_size < 1:
+    # batch_size=True reached torch.randint as a size (its multi-line TypeError)
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise CurvatureError(f"batch_size must be a positive int, got {batch_size!r}")
     if not reduce_to_scalar:  # every probe's (dim,) product is held (float64, CPU), then concatenated
         check_probe_memory(2 * samples * dim * 8, None, "cpu", f"hutchinson_diagonal(samples={samples})",
@@ -458,7 +459,7 @@ def _operator(model, loss_fn, inputs, targets, params, hvp, dim):
     if hvp is not None:
         if model is not None or loss_fn is not None or inputs is not None or targets is not None or params is not None:
             raise CurvatureError("pass either a model with loss_fn, inputs, targets (and params), or hvp= and dim=, not both")
-        if not isinstance(dim, int) or dim < 1:
+        if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:
             raise CurvatureError(f"with a plain hvp callable, give its dimension: dim must be a positive int, got {dim!r}")
         return hvp, dim, torch.float64, None, None
     if not isinstance(model, nn.Module):
