@@ -302,6 +302,29 @@ def _refuse_broken_links(args) -> None:
             raise ConfigError(f"{what} to {os.readlink(level)}, {where}; {fix}, or {instead}")
 
 
+def _refuse_special_files(args) -> None:
+    """Refuse a record path (``search --out``, the RECORD of ``plot`` and ``report``) that is a named pipe, a device or a
+    socket: reading a named pipe waits for a writer, so each command hung before a word (and a search stopped then
+    said "the record holds every completed step"), and /dev/null was called a damaged record."""
+    import stat
+
+    if args.command == "search":
+        paths = [("--out ", args.out, "pass the record's file path, such as runs/search.h5")]
+    else:
+        given = args.records if args.command == "plot" else [args.record]
+        paths = [("", r, "pass the .h5 record that nasdiag search (or nasdiag.record.Recorder) wrote") for r in given]
+    for option, value, instead in paths:
+        try:
+            mode = os.stat(value).st_mode
+        except (OSError, ValueError):  # missing (a search creates it) or a dangling link: said elsewhere
+            continue
+        if stat.S_ISREG(mode) or stat.S_ISDIR(mode):  # a folder has its own line
+            continue
+        kind = ("a named pipe (FIFO)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else
+                "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
+        raise ConfigError(f"{option}{value} is {kind}, not a record file, which is an HDF5 file on disk; {instead}")
+
+
 def _refuse_figures_in_the_record(figures: str, record: str, default: str) -> None:
     """The figure folder must not be the record or its checkpoint, lock or a file being built, nor lie inside one:
     the search would run to the end and then fail to draw, or its --resume be refused; nor be named as a later
@@ -745,6 +768,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.command in ("search", "plot", "report"):
             _refuse_unexpanded_home(args)
             _refuse_broken_links(args)
+            _refuse_special_files(args)
         _import_numpy()
         if args.command == "methods":  # printing is all it does
             return _printed(COMMANDS[args.command], args)

@@ -1,0 +1,52 @@
+"""A nineteenth new user's misuse of the ``nasdiag`` CLI, armed with README.md and ``--help``: what rounds 1-16
+(test_cli_errors.py, test_cli_search_misuse.py, test_cli_plot_misuse.py, test_cli_misuse_round3..16.py,
+test_scripts_misuse_round14.py) did not cover: a record path that is a named pipe (``mkfifo run.h5``, a path of
+process substitution) or a device (/dev/null): ``nasdiag search --out``, ``plot`` and ``report`` of it hung before a
+word (reading a pipe waits for a writer), a search stopped then said "the record holds every completed step", and
+plot/report called /dev/null a damaged record. Every such mistake is one line on stderr saying what was wrong and
+what to do, exit code 2, no traceback, nothing left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _nasdiag(argv, cwd, timeout=120):
+    """``python -m nasdiag argv`` in ``cwd``: (exit code, stderr lines); a hang fails the test at ``timeout``."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), "MPLBACKEND": "Agg"}
+    done = subprocess.run([sys.executable, "-m", "nasdiag", *argv], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+    return done.returncode, done.stderr.strip().splitlines()
+
+
+@pytest.mark.parametrize("command", [["search", "--epochs", "1", "--out", "run.h5"], ["plot", "run.h5", "--out", "figs"],
+                                     ["report", "run.h5", "--out", "run.html"]])
+def test_a_record_path_that_is_a_named_pipe_is_one_line_not_a_hang(command, tmp_path):
+    """``mkfifo run.h5`` (or a path of the shell's process substitution): the search's check whether the existing file
+    is a record, plot's and report's check whether it is a checkpoint, opened it for reading, which waits for a writer
+    that never comes: the command hung, nothing said (ended by a signal, the search said the record holds every
+    completed step). One line naming the pipe, before any work."""
+    os.mkfifo(tmp_path / "run.h5")
+    code, err = _nasdiag(command, tmp_path, timeout=90)
+    assert code == 2 and len(err) == 1 and "Traceback" not in err[0], err
+    assert "run.h5 is a named pipe (FIFO)" in err[0] and "pass" in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.h5"]
+
+
+@pytest.mark.parametrize("command,out", [("plot", "figs"), ("report", "r.html")])
+def test_a_record_that_is_a_device_is_not_called_damaged(command, out, tmp_path, capsys):
+    """``nasdiag plot /dev/null`` said 'record /dev/null is damaged at /dev/null row 0 ... no row of it can be read'."""
+    from nasdiag.cli import main
+
+    code = main([command, os.devnull, "--out", str(tmp_path / out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert f"{os.devnull} is a device" in err[0] and "damaged" not in err[0], err
+    assert list(tmp_path.iterdir()) == []
