@@ -13,7 +13,6 @@ fixed for ``iters``) reached torch: ``torch.zeros``' / ``randint``'s multi-line 
 """
 
 import copy
-import dataclasses
 import math
 
 import pytest
@@ -25,6 +24,7 @@ from nasdiag.hessian import CurvatureError, alpha_diag_hessian, arch_diag_hessia
 from nasdiag.hessian import eigenvalues_from_hvp, hessian_eigenvalues, hutchinson_diagonal, hutchinson_trace, trace_from_hvp
 from nasdiag.hessian.spectrum import NonFiniteHessianError
 from test_audit_hessian_round16 import _Zero as Zero  # the zero op, x · 0
+from test_audit_methods_round3 import _small_digits
 
 DT = torch.float64
 
@@ -238,3 +238,54 @@ def test_a_bool_dimension_or_batch_size_is_one_line_not_torchs_error():
     for call in calls:
         with pytest.raises(CurvatureError, match=r"^[^\n]*(dim|batch_size) must be a positive int, got True$"):
             call()
+
+
+def test_a_single_level_search_records_the_dense_top_eigenvalues_of_its_row_and_is_not_perturbed_by_them(
+        tmp_path, monkeypatch):
+    """SNAS (single-level: the spectrum is taken on the step's search-train batch), ``spectrum_every=3``: the last
+    row's per-type and joint λ_max are eigvalsh of the own dense ∂²L/∂α² at the final state (α shared by the cells of
+    a type, Z = softmax(α), train-mode BatchNorm); and the run with the measurement records every other path bitwise
+    as the run without it (running statistics, train mode and the random draws untouched by the measurement)."""
+    import numpy as np
+
+    from nasdiag.record import load
+    from nasdiag.search import SearchConfig, run
+    from nasdiag.search.runner import epoch_batches
+
+    cut = _small_digits(monkeypatch)  # digits cut to 12 search-train and 12 search-val samples: 3 steps of 4
+    recs, results = {}, {}
+    for every in (0, 3):
+        cfg = SearchConfig(method="snas", C=2, layers=3, steps=2, multiplier=2, batch_size=4, epochs=1, dtype="float64",
+                           progress=False, threads=1, record=str(tmp_path / f"run{every}.h5"), device="cpu",
+                           spectrum_every=every, diagnostics=())
+        results[every] = run(cfg)
+        recs[every] = load(cfg.record)
+    for path, values in recs[0].items():
+        if path != "meta/config":
+            np.testing.assert_array_equal(np.asarray(recs[3][path]), np.asarray(values), err_msg=path)
+    assert "hessian/top_eigenvalue" not in recs[0]
+
+    method = results[3].method
+    assert method.single_level
+    net = copy.deepcopy(method.network)  # the state after step 3, the row's (the epoch end changes no weight)
+    x, y = list(epoch_batches(cut("digits", seed=cfg.seed, dtype=DT).train, 4, cfg.seed, 0))[2]
+    alphas = {t: a.detach() for t, a in net.alphas().items()}
+    sizes = [a.numel() for a in alphas.values()]
+
+    def loss(flat):
+        parts = torch.split(flat, sizes)
+        return F.cross_entropy(net(x, {t: torch.softmax(p.reshape(a.shape), -1)
+                                       for (t, a), p in zip(alphas.items(), parts)}), y)
+
+    H = dense(loss, torch.cat([a.reshape(-1) for a in alphas.values()]))
+    scale = float(H.abs().max())
+    assert float((H - H.T).abs().max()) < 1e-12 * scale
+    row = recs[3]
+    assert row["valid/hessian/top_eigenvalue"].tolist() == [False, False, True]
+    assert abs(float(row["hessian/top_eigenvalue"][2]) - float(torch.linalg.eigvalsh(H)[-1])) <= 1e-8 * scale
+    start = 0
+    for t, n in zip(alphas, sizes):
+        block = H[start:start + n, start:start + n]
+        assert abs(float(row[f"hessian/{t}/top_eigenvalue"][2]) - float(torch.linalg.eigvalsh(block)[-1])) <= 1e-8 * scale
+        assert not row[f"hessian/{t}/nonfinite"][2]
+        start += n
