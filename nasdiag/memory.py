@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 #: where a CPU's free memory is read: the kernel's estimate, and the limit and usage of this process's cgroup
 #: (v2), which a container may set far below the machine's memory while ``MemAvailable`` still shows the host's
 MEMINFO = "/proc/meminfo"
 CGROUP_MEMORY = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current")
+#: the key of the cgroup's ``memory.stat`` (beside ``memory.current``) whose bytes ``memory.current`` counts but the kernel
+#: reclaims first when the limit is reached: inactive page cache (a dataset read, a record written). The usage less it is
+#: the working set, as cAdvisor and the kubelet count it
+RECLAIMABLE = "inactive_file"
 
 
 def _read(path: str) -> str:
@@ -15,10 +20,23 @@ def _read(path: str) -> str:
         return f.read().strip()
 
 
+def _reclaimable(stat: str) -> int:
+    """Bytes of the cgroup's usage the kernel reclaims for new allocations (``inactive_file`` of ``stat``), 0 where
+    unknown."""
+    try:
+        with open(stat) as f:
+            return next((int(line.split()[1]) for line in f if line.split()[:1] == [RECLAIMABLE]), 0)
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def free_cpu_memory() -> Optional[int]:
     """Bytes free for new allocations: the kernel's ``MemAvailable`` (Linux), or what the process's cgroup limit
     leaves if that is less; None where neither can be read. Checked before a large allocation because a kernel
-    that overcommits hands out any size, and the process is killed without a message when it is written."""
+    that overcommits hands out any size, and the process is killed without a message when it is written.
+    The cgroup's usage (``memory.current``) counts its page cache too, which a run that reads a dataset and writes a
+    record fills up to the limit; the inactive part of it (:data:`RECLAIMABLE`) is reclaimed for new allocations, so
+    it counts as free (limit − usage alone was near 0 there, and refused a record's buffer or an exact curvature)."""
     found = []
     try:
         with open(MEMINFO) as info:
@@ -28,7 +46,8 @@ def free_cpu_memory() -> Optional[int]:
     try:
         limit, used = (_read(path) for path in CGROUP_MEMORY)
         if limit != "max":
-            found.append(max(int(limit) - int(used), 0))
+            working = max(int(used) - _reclaimable(os.path.join(os.path.dirname(CGROUP_MEMORY[1]), "memory.stat")), 0)
+            found.append(max(int(limit) - working, 0))
     except (OSError, ValueError):
         pass
     return min(found) if found else None

@@ -1,0 +1,67 @@
+"""Audit round 19, resource lifecycle (nasdiag/hooks.py, nasdiag/probe/, nasdiag/memory.py, the per-step resources of
+nasdiag/search, nasdiag/record/callbacks.py).
+
+Found: the CPU's free memory read from a container's cgroup counted its page cache as used (``memory.current``
+includes it), so a run that had read its dataset and written its record, with the cache grown to the limit, was
+refused a record's row buffer (and an exact curvature) for want of memory the kernel reclaims on demand.
+
+Checked and right (own references: every hook dict of every module, torch's global module hooks, the saved-tensor
+hook stack, BN buffers, ``.grad``, grad mode, default dtype, the deterministic flag and the global RNG compared
+before and after; ``gc``/``tracemalloc`` censuses): a probe's block with path_split, norm_deviation and hessian
+leaves nothing behind when the body, a user's forward hook, a candidate op, a user's tensor hook in the backward or
+KeyboardInterrupt raises, when a generator holding the block is closed or dropped, with two probes nested on one
+model; a backward outside the block on the block's graph (retained or never run) calls none of the probe's code;
+probe.hessian in every mode, with a loss_fn raising (also KeyboardInterrupt), leaves buffers, .grad and the RNG as
+they were; a dropped probe is freed without gc (no cycle; the model does not hold it); the methods' curvature()
+and evaluate(), also interrupted mid-forward, restore buffers and RNG; every built-in method run 200 steps with a
+probe (all options) and hessian diagnostics holds a constant number of live tensors (the few hundred bytes a step
+tracemalloc shows are torch's own pybind11 records, there without nasdiag's probe too).
+"""
+
+import numpy as np
+import pytest
+
+from nasdiag import memory
+
+
+def _cgroup(tmp_path, monkeypatch, *, limit: int, current: int, inactive_file: int, available: int):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemTotal:       {4 * available // 1024} kB\nMemAvailable:   {available // 1024} kB\n")
+    folder = tmp_path / "cgroup"
+    folder.mkdir()
+    (folder / "memory.max").write_text(f"{limit}\n")
+    (folder / "memory.current").write_text(f"{current}\n")
+    # the layout of a cgroup v2 memory.stat: flat keys in bytes, inactive_file among them (not first)
+    (folder / "memory.stat").write_text(f"anon {current - 2 * inactive_file}\nfile {2 * inactive_file}\n"
+                                        f"active_file {inactive_file}\ninactive_file {inactive_file}\n"
+                                        "inactive_anon 0\n")
+    monkeypatch.setattr(memory, "MEMINFO", str(meminfo))
+    monkeypatch.setattr(memory, "CGROUP_MEMORY", (str(folder / "memory.max"), str(folder / "memory.current")))
+
+
+def test_a_cgroups_reclaimable_page_cache_counts_as_free_memory_and_a_record_buffer_fits_in_it(tmp_path, monkeypatch):
+    """A container at its limit, most of it inactive page cache (what the kernel hands back first): free is the limit
+    less the working set (usage − inactive_file, as cAdvisor and the kubelet count it), not limit − usage ≈ 0."""
+    from nasdiag.record import Recorder
+
+    gib, mib = 2**30, 2**20
+    limit, cache = 8 * gib, 6 * gib
+    _cgroup(tmp_path, monkeypatch, limit=limit, current=limit - 64 * 1024, inactive_file=cache, available=64 * gib)
+    assert memory.free_cpu_memory() == limit - (limit - 64 * 1024 - cache)
+    # the kernel's own estimate stays the bound where it is smaller
+    _cgroup(tmp_path / "b", monkeypatch, limit=limit, current=limit - mib, inactive_file=cache, available=gib)
+    assert memory.free_cpu_memory() == gib
+    # a stat without inactive_file, or none at all: the usage as it is (no memory made up)
+    _cgroup(tmp_path / "c", monkeypatch, limit=limit, current=limit - mib, inactive_file=cache, available=64 * gib)
+    (tmp_path / "c" / "cgroup" / "memory.stat").write_text("anon 5\nfile 7\n")
+    assert memory.free_cpu_memory() == mib
+    (tmp_path / "c" / "cgroup" / "memory.stat").unlink()
+    assert memory.free_cpu_memory() == mib
+
+    # the consequence: a 4 MiB row buffer (64 rows of 8192 float64) in a container whose usage is all but 64 KiB of
+    # its limit, 6 GiB of that page cache, was refused as not fitting in memory
+    _cgroup(tmp_path / "d", monkeypatch, limit=limit, current=limit - 64 * 1024, inactive_file=cache, available=64 * gib)
+    with Recorder(tmp_path / "run.h5") as rec:
+        rec.log(1, {"cost/normal/mean": np.zeros(8192)})
+    assert (tmp_path / "run.h5").exists()
