@@ -26,6 +26,23 @@ Defects found (each test fails without its fix):
   reason and advice for the very mixed op it is; the docs promise the in-place error ("a candidate output modified in
   place after its forward raises"), given at later steps. Now that line, naming the op
   (test_a_candidate_output_changed_in_place_inside_the_mixed_op_is_named_as_such_at_the_first_step).
+
+Checked and right (test_costs_and_per_sample_rows_under_execution_conditions_are_autograds, against ∂L/∂Z of leaf Z
+and ∂L/∂Z_bk of per-sample leaves): an in-place ReLU as the first op of a candidate (on a stem output, and on the
+previous edge's hooked output that is read again after it), candidates returning views of their input (a slice, a
+double transpose), dropout inside candidates (the captured output carries the step's mask), channels_last and
+transposed (non-contiguous) inputs, eval mode, a loss summing two forwards of the model (costs add, rows concatenated),
+micro-batches accumulated, a mixed op called twice in one forward (tied Z), a candidate module shared by two edges and
+by two candidates. By hand: per-sample (B, K) Gumbel weights (exactly ∂L/∂Z_bk); CostMoments over random masked
+batches with NaN steps and merges of split halves (Chan) and ``vocabulary.pooled_moments`` against numpy (1e-15);
+torch.func.grad / vjp / functional_call, ``save_on_cpu``, ``backward(inputs=...)``, forward-over-reverse HVP,
+forward-mode dual numbers with a backward, a user's full backward hooks and output-replacing forward hooks (also with
+``path_split``), ``torch.compile(backend="eager")``: costs as autograd; autocast bfloat16/float16 with channels_last
+convolutions and BatchNorm: float32 costs within the half-precision rounding of autograd's own ∂L/∂Z.
+
+Noticed and left: path_split refuses a node rewritten by a downstream candidate's in-place ReLU with the generic "not
+the plain sum of its incoming edges" line (right refusal, names no in-place op); a mixed op run under
+``torch.func.jvp`` alone (no backward) gets the "did not require grad" warning, NaN flagged.
 """
 
 from __future__ import annotations
@@ -228,3 +245,97 @@ def test_a_batched_backward_inside_the_block_is_one_probe_error_line_and_the_nex
         F.cross_entropy(net(x, Zl), y).backward()
     got = probe.costs()
     torch.testing.assert_close(torch.stack([got[f"cell.edges.{e}"] for e in range(3)]), Zl.grad, rtol=1e-12, atol=1e-15)
+
+
+class _View(nn.Module):
+    def forward(self, x):
+        return x[:, :, :, :]
+
+
+class _Transposed(nn.Module):
+    def forward(self, x):
+        return x.transpose(2, 3).transpose(2, 3)
+
+
+class _Mixed(nn.Module):
+    def __init__(self, ops):
+        super().__init__()
+        self._ops = nn.ModuleList(ops)
+
+    def forward(self, x, weights):
+        if weights.dim() == 1:
+            return sum(w * op(x) for w, op in zip(weights, self._ops))
+        return sum(weights[:, k, None, None, None] * op(x) for k, op in enumerate(self._ops))
+
+
+def _conv(k=1, bias=True):
+    return nn.Conv2d(C, C, k, padding=k // 2, bias=bias)
+
+
+class _ConvNet(nn.Module):
+    """stem -> edge a -> edge b (+ the output of a, read after b's candidates ran) -> GAP -> linear; ``tied`` runs b
+    twice; ``shared`` puts one conv module in both edges and in two candidates of b."""
+
+    def __init__(self, a_ops, tied=False, shared=False):
+        super().__init__()
+        self.stem = nn.Conv2d(1, C, 3, padding=1)
+        self.a = _Mixed(a_ops)
+        one = a_ops[-1] if shared else _conv()
+        b_first = nn.Sequential(nn.ReLU(inplace=True), _conv(3, False)) if not shared else nn.Sequential(nn.ReLU(), one)
+        self.b = _Mixed([b_first, one, nn.Sequential(_conv(), nn.BatchNorm2d(C))])
+        self.head, self.tied = nn.Linear(C, 4), tied
+
+    def forward(self, x, Z):
+        h1 = self.a(self.stem(x), Z[:, 0] if Z.dim() == 3 else Z[0])
+        zb = Z[:, 1] if Z.dim() == 3 else Z[1]
+        h2 = self.b(h1, zb)
+        if self.tied:
+            h2 = self.b(h2, zb)
+        return self.head((h2 + h1).mean((2, 3)))
+
+
+_CONDITIONS = {
+    "inplace-relu-first": (lambda: [nn.Sequential(nn.ReLU(inplace=True), _conv(3, False)), nn.Identity(), _conv()], {}),
+    "views": (lambda: [_View(), _Transposed(), _conv()], {}),
+    "dropout": (lambda: [nn.Sequential(_conv(), nn.Dropout(0.5)), nn.Dropout2d(0.3), _conv()], {}),
+    "channels_last": (lambda: [_conv(3, False), nn.Identity(), nn.Sequential(nn.ReLU(), _conv())], {"layout": "cl"}),
+    "transposed-input": (lambda: [_conv(3, False), _Transposed(), nn.Sequential(nn.ReLU(), _conv())], {"layout": "t"}),
+    "eval": (lambda: [nn.Sequential(_conv(), nn.Dropout(0.5)), nn.Identity(), _conv()], {"eval": True}),
+    "tied-and-shared": (lambda: [_conv(3, False), nn.Identity(), _conv()], {"tied": True, "shared": True}),
+}
+
+
+@pytest.mark.parametrize("condition", list(_CONDITIONS))
+def test_costs_and_per_sample_rows_under_execution_conditions_are_autograds(condition):
+    a_ops, how = _CONDITIONS[condition]
+    torch.manual_seed(3)
+    net = _ConvNet(a_ops(), tied=how.get("tied", False), shared=how.get("shared", False)).to(DT)
+    net.train(not how.get("eval", False))
+    x1, x2 = torch.randn(4, 1, 5, 5, dtype=DT), torch.randn(3, 1, 5, 5, dtype=DT)
+    if how.get("layout") == "cl":
+        net = net.to(memory_format=torch.channels_last)
+        x1, x2 = (t.contiguous(memory_format=torch.channels_last) for t in (x1, x2))
+    elif how.get("layout") == "t":
+        x1, x2 = (t.transpose(2, 3) for t in (x1, x2))
+    y1, y2 = torch.randint(0, 4, (4,)), torch.randint(0, 4, (3,))
+    Z = torch.softmax(torch.randn(2, 3, dtype=DT), -1)
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+
+    def loss(z1, z2):  # two forwards of the model in one loss, each drawing its dropout masks from seed 11, 12
+        torch.manual_seed(11)
+        first = F.cross_entropy(net(x1, z1), y1)
+        torch.manual_seed(12)
+        return first + F.cross_entropy(net(x2, z2), y2)
+
+    # reference: per-sample leaves Z_b (one per sample of each forward); their sum over b is ∂L/∂Z
+    leaves = [Z.expand(n, 2, 3).clone().requires_grad_() for n in (4, 3)]
+    ref_rows = torch.cat(torch.autograd.grad(loss(*leaves), leaves))  # (7, 2, 3)
+    net.load_state_dict(state)
+    probe = nasdiag.attach(net)
+    with probe.record():
+        Zl = Z.clone().requires_grad_()
+        loss(Zl, Zl).backward()
+    costs, rows = probe.costs(), probe.costs(per_sample=True)
+    torch.testing.assert_close(Zl.grad, ref_rows.sum(0), rtol=1e-10, atol=1e-13)  # the (K,) and (B, K) Z agree
+    torch.testing.assert_close(torch.stack([costs["a"], costs["b"]]), Zl.grad, rtol=1e-10, atol=1e-13)
+    torch.testing.assert_close(torch.stack([rows["a"], rows["b"]], 1), ref_rows, rtol=1e-10, atol=1e-13)
