@@ -85,8 +85,12 @@ def _loss_hessian_columns(loss_fn, outputs, targets, chunk_size, generator, take
     if not grad.requires_grad:  # loss linear in the outputs
         return out.new_zeros(N, D, D), True
     weights = _sample_weights(N, out, generator)
+    # The coupling check compares two products to 1e3 ulp of their magnitudes; in float16/bfloat16 that tolerance is
+    # the whole Hessian (a loss coupling samples as strongly as its per-sample terms passed, and diag/approx came out
+    # 120% off), so there it is made on a float32 copy of the loss (the diagonal itself stays in the outputs' dtype).
+    check = _float32_copy(loss_fn, outputs, targets) if out.dtype in (torch.float16, torch.bfloat16) else (grad, out)
     parts = []
-    col_max = diff_max = out.new_zeros(())
+    col_max = diff_max = check[1].new_zeros(())
     for start in range(0, D, chunk_size):
         stop = min(start + chunk_size, D)
         basis = torch.zeros(stop - start, D, dtype=out.dtype, device=out.device)
@@ -95,12 +99,29 @@ def _loss_hessian_columns(loss_fn, outputs, targets, chunk_size, generator, take
         probe = torch.cat([ones, ones * weights[None, :, None]]).reshape(-1, *out.shape)
         hv = torch.autograd.grad(grad, out, probe, retain_graph=True, is_grads_batched=True)[0]
         hv = hv.reshape(2, -1, N, D)
+        hc = hv
+        if check[1] is not out:
+            hc = torch.autograd.grad(check[0], check[1], probe.to(check[1].dtype), retain_graph=True, is_grads_batched=True)[0]
+            hc = hc.reshape(2, -1, N, D)
         # running maxima (NaN propagates, as in one max over all columns), compared once at the end
-        col_max = torch.maximum(col_max, hv[0].abs().max())
-        diff_max = torch.maximum(diff_max, (hv[1] - hv[0] * weights[None, :, None]).abs().max())
+        col_max = torch.maximum(col_max, hc[0].abs().max())
+        diff_max = torch.maximum(diff_max, (hc[1] - hc[0] * weights.to(hc.dtype)[None, :, None]).abs().max())
         parts.append(take(start, stop, hv[0]))
-    tol = 1e3 * torch.finfo(out.dtype).eps * col_max * weights.abs().max()
+    tol = 1e3 * torch.finfo(check[1].dtype).eps * col_max * weights.abs().max().to(col_max.dtype)
     return (parts, diff_max > tol), False
+
+
+def _float32_copy(loss_fn, outputs: torch.Tensor, targets):
+    """``(∂loss/∂y, y)`` with a graph, for ``y`` a float32 copy of 16-bit ``outputs`` (targets of their dtype cast
+    alike), on which the coupling check's products carry float32 round-off."""
+    out = outputs.detach().float().requires_grad_(True)
+    if isinstance(targets, torch.Tensor) and targets.dtype == outputs.dtype:
+        targets = targets.float()
+    with torch.enable_grad():
+        (grad,) = torch.autograd.grad(scalar_loss(loss_fn, out, targets), out, create_graph=True, allow_unused=True)
+    if grad is None or not grad.requires_grad:
+        grad = torch.zeros_like(out).requires_grad_(True)  # no second derivative in float32 either: nothing couples
+    return grad, out
 
 
 def _refused_if_coupled(coupled: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
