@@ -518,3 +518,27 @@ def test_bayesnas_two_steps_with_updates_follow_algorithm_2_on_a_foreign_superne
         if step % 2 == 1:
             m.epoch_end(step // 2)
     assert pruned_any and not all(bool(a.any()) is False for a in alive.values())
+
+
+def test_bayesnas_on_darts_code_whose_mixed_op_cannot_take_per_sample_weights_is_refused_before_any_update():
+    """docs/methods.md: any registered method searches an adapted DARTS-code supernet. BayesNAS's default curvature
+    (ggn) mixes each sample with its own (B, K) weights, which DARTS's ``zip(weights, self._ops)`` cannot take: the
+    first update (the last step of epoch 1) stopped in the curvature's CurvatureError after that step's likelihood update
+    had moved w, 𝒲 and the momentum (steps_done not counted), advising a ``mode=`` argument BayesNAS does not have.
+    Now the first step refuses in one SearchError line naming the hyperparameter, nothing changed; diag runs on."""
+    from test_foreign_supernet import batch, foreign_supernet
+
+    net, _ = foreign_supernet(3)
+    M = get_method("bayesnas")
+    m = M(net, M.Hyperparameters(), schedule=Schedule(epochs=2, steps_per_epoch=2))
+    before = copy.deepcopy(m.state_dict())
+    with pytest.raises(SearchError, match=r"hessian_mode='ggn'.*pass --hp hessian_mode=diag") as err:
+        m.step(batch(1), batch(2))
+    assert "\n" not in str(err.value) and m.steps_done == 0
+    after = m.state_dict()
+    for k, v in before["network"].items():
+        assert torch.equal(v, after["network"][k]), k
+    assert all(not st for st in (m.w_optimizer.state, m.arch_optimizer.state))
+    net, _ = foreign_supernet(3)
+    m = M(net, M.Hyperparameters(hessian_mode="diag", update_every=1), schedule=Schedule(epochs=2, steps_per_epoch=2))
+    assert bool(m.step(batch(1), batch(2))["bayes/updated"])

@@ -60,13 +60,13 @@ from torch import nn
 from nasdiag import vocabulary as V
 from nasdiag.distributed import world_size
 from nasdiag.bayes import dependent_gamma, group_bayes_update, parent_matrix, prune
-from nasdiag.hessian import ARCH_MODES
-from nasdiag.search.base import Batch, CellWeights, SearchMethod, accuracy, failing_row, mean_over_ranks
+from nasdiag.hessian import ARCH_MODES, CurvatureError
+from nasdiag.search.base import Batch, CellWeights, SearchError, SearchMethod, accuracy, failing_row, mean_over_ranks
 from nasdiag.search.hyperparameters import Hyperparameters, hp
 from nasdiag.search.methods._sampling import check_finite_loss
 from nasdiag.search.registry import register
 from nasdiag.search.methods.sparsenas import without_removed_nodes
-from nasdiag.supernet import DARTS_PRIMITIVES, derive_mixed_genotype
+from nasdiag.supernet import DARTS_PRIMITIVES, Network, derive_mixed_genotype
 from nasdiag.supernet.cell import edge_nodes
 
 
@@ -144,6 +144,9 @@ class BayesNAS(SearchMethod):
         pairs = getattr(net, "edge_nodes", None) or edge_nodes(net.steps)
         self._parents = parent_matrix(pairs, device=next(iter(alphas.values())).device)
         self._group_size = {t: sum(1 for c in net.cells if c.cell_type == t) for t in alphas}  # ℵ of A.3.6
+        #: whether this process has seen the curvature mode run on the supernet's mixed ops (not saved: checked again
+        #: after a resume)
+        self._curvature_checked = isinstance(net, Network)
 
     # -- relaxation ----------------------------------------------------------------------------------
     def forward_weights(self) -> CellWeights:
@@ -296,7 +299,22 @@ class BayesNAS(SearchMethod):
             stats[V.BAYES_SWITCH.path(cell=t)] = self.alive[t].clone()
         return stats
 
+    def check_curvature(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """`SearchError` unless the update's curvature mode runs on the supernet's mixed ops: a supernet nasdiag did
+        not build (``adapt``) may have mixed ops that cannot take the per-sample (B, K) weights of the GGN modes (DARTS's
+        ``zip(weights, self._ops)``), which stopped the first update, an epoch in, after its likelihood step had moved
+        w and 𝒲. One curvature on the first batch, before any update; nasdiag's own Network needs none."""
+        try:
+            self.cell_curvatures(x, y)
+        except CurvatureError as err:
+            raise SearchError(f"bayesnas: its update's curvature, hessian_mode={self.hp.hessian_mode!r}, cannot run on "
+                              f"this supernet ({err}); pass --hp hessian_mode=diag (or exact), "
+                              "Hyperparameters(hessian_mode='diag') in code") from None
+        self._curvature_checked = True
+
     def step(self, train_batch: Batch, val_batch: Batch) -> Dict[str, torch.Tensor]:
+        if not self._curvature_checked:
+            self.check_curvature(*train_batch)
         stats = {"scalars/w_lr": self.scalar_statistic(self.w_optimizer.param_groups[0]["lr"])}
         used = self.forward_weights()  # arch/<cell>/weights: the Z of this step's forward, not the w after it
         with failing_row(stats):
