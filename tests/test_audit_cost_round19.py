@@ -13,6 +13,9 @@ Defects found (each test fails without its fix):
   outside it; nasdiag's own method and docstring: ``proxyless_alpha_grad(C·1_S, p')``) was NaN in every entry when C
   came from a probe, whose costs of the ops that did not run (all but S) are NaN: 0·NaN in <p', C>, where p'_j = 0
   means op j takes no part (test_proxyless_two_path_credit_of_a_probes_costs_is_the_binaryconnect_gradient).
+* The same 0·NaN in ``darts_alpha_grad``: a supernet with pruned ops (α_j = −inf, p_j = 0, not run) got NaN for every
+  α of the edge from the probe's costs, where autograd gives finite numbers
+  (test_darts_credit_of_a_probe_on_a_supernet_with_pruned_ops_is_autograds).
 * ``torch.autograd.grad(..., is_grads_batched=True)`` inside a block (a Jacobian, one vector-Jacobian product per row
   of ``grad_outputs``, run by torch's legacy vmap) handed the probe's backward hooks batched gradients: the costs held
   tensors leaked out of the transform and the block ended in torch's "Batching rule not implemented for aten::detach"
@@ -339,3 +342,26 @@ def test_costs_and_per_sample_rows_under_execution_conditions_are_autograds(cond
     torch.testing.assert_close(Zl.grad, ref_rows.sum(0), rtol=1e-10, atol=1e-13)  # the (K,) and (B, K) Z agree
     torch.testing.assert_close(torch.stack([costs["a"], costs["b"]]), Zl.grad, rtol=1e-10, atol=1e-13)
     torch.testing.assert_close(torch.stack([rows["a"], rows["b"]], 1), ref_rows, rtol=1e-10, atol=1e-13)
+
+
+def test_darts_credit_of_a_probe_on_a_supernet_with_pruned_ops_is_autograds():
+    from nasdiag.cost import darts_alpha_grad
+
+    torch.manual_seed(4)
+    net = _Chain(_ActiveMixed).to(DT)
+    net.a.active, net.b.active = (0, 2, 3), (1, 3)  # the others pruned: α = −inf, p = 0, not run
+    x, y = torch.randn(6, C, dtype=DT), torch.randint(0, 4, (6,))
+    alpha = torch.randn(2, 4, dtype=DT)
+    alpha[0, 1] = alpha[1, 0] = alpha[1, 2] = -float("inf")
+    alpha.requires_grad_()
+    probe = nasdiag.attach(net)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the pruned ops did not run: NaN, with a warning
+        with probe.record():
+            F.cross_entropy(net(x, torch.softmax(alpha, -1)), y).backward()
+        costs = probe.costs()
+    p = torch.softmax(alpha.detach(), -1)
+    assert torch.isfinite(alpha.grad).all()
+    for e, name in enumerate(("a", "b")):
+        assert torch.isnan(costs[name][p[e] == 0]).all()
+        torch.testing.assert_close(darts_alpha_grad(costs[name], p[e]), alpha.grad[e], rtol=1e-12, atol=1e-15)  # was NaN

@@ -26,7 +26,10 @@ def softmax_jacobian(probs: torch.Tensor) -> torch.Tensor:
 
 
 def _softmax_vjp(probs: torch.Tensor, costs: torch.Tensor) -> torch.Tensor:
-    # (diag p − ppᵀ) C without forming the K×K matrix: p ⊙ (C − <p, C>).
+    # (diag p − ppᵀ) C without forming the K×K matrix: p ⊙ (C − <p, C>). An op with p_j = 0 (pruned: α_j = −inf; outside
+    # ProxylessNAS's sampled pair) takes no part, p_j·C_j = 0 whatever C_j is: a probe's cost of an op that did not run
+    # is NaN, and 0·NaN in <p, C> made every entry NaN
+    costs = torch.where(probs != 0, costs, torch.zeros_like(costs))
     return probs * (costs - (probs * costs).sum(-1, keepdim=True))
 
 
@@ -34,7 +37,8 @@ def darts_alpha_grad(costs: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     """DARTS, supplement §2.1: ∂L/∂α = (∂Ẑ/∂α)ᵀ C(Ẑ) = (diag(p) − ppᵀ) C, with Ẑ = p = softmax(α).
 
     Args:
-        costs: (..., K) costs C(Ẑ) measured at the softmax weights (summed over cells sharing α).
+        costs: (..., K) costs C(Ẑ) measured at the softmax weights (summed over cells sharing α); entries where
+            p = 0 (an op pruned with α = −inf) are not used, so they may be NaN (a probe's, of an op that did not run).
         probs: (..., K) softmax(α).
 
     Returns:
@@ -59,8 +63,7 @@ def proxyless_alpha_grad(gate_costs: torch.Tensor, probs: torch.Tensor) -> torch
     """
     require_tensors("proxyless_alpha_grad", gate_costs=gate_costs, probs=probs)
     _check_pair("proxyless_alpha_grad", gate_costs, probs)
-    # p_j·C_j = 0 where p_j = 0 whatever C_j is: 0·NaN would make every entry NaN through <p, C>
-    return _softmax_vjp(probs, torch.where(probs != 0, gate_costs, torch.zeros_like(gate_costs)))
+    return _softmax_vjp(probs, gate_costs)
 
 
 def snas_alpha_grad(costs: torch.Tensor, relaxed: torch.Tensor, temperature: float) -> torch.Tensor:
