@@ -197,6 +197,8 @@ def test_snas_two_steps_follow_the_gumbel_softmax_relaxation_its_temperature_sch
         for t in Z:
             torch.testing.assert_close(stats[f"arch/{t}/weights"], Z[t].detach(), **TOL)
         assert_state(m, ref)
+        p_new = torch.cat([torch.softmax(a, -1) for a in ref.alpha.values()])  # H(p) in nats after the update, edge mean
+        torch.testing.assert_close(stats["scalars/entropy"], -(p_new * p_new.log()).sum(-1).mean(), **TOL)
         m.epoch_end(epoch)
     assert taus == [2.0, 1.0, 0.7] and m.temperature == 0.7
 
@@ -209,6 +211,7 @@ def test_dsnas_two_steps_follow_the_one_hot_credit_and_only_the_sampled_ops_weig
     model = tiny(2)
     m = method("dsnas", model, alpha_lr=0.05)
     ref = Ref(model, m.hp)
+    counts = {}
     for epoch, batch in enumerate(batches(2, 12)):
         g = generator_copy(m)
         p = {t: torch.softmax(a, -1) for t, a in ref.alpha.items()}
@@ -234,8 +237,10 @@ def test_dsnas_two_steps_follow_the_one_hot_credit_and_only_the_sampled_ops_weig
         ref.adam_step(ga, m.hp.alpha_betas, m.hp.alpha_weight_decay)
         ref.sgd(used, cosine(m.hp, epoch, 3))
         stats = m.step(batch)
+        counts = {t: counts.get(t, 0) + Z[t] for t in Z} if epoch else dict(Z)
         for t in Z:
             torch.testing.assert_close(stats[f"sample/{t}/onehot"], Z[t], rtol=0, atol=0)
+            assert torch.equal(stats[f"sample/{t}/count"], counts[t].long())
         assert_state(m, ref)
         assert any(torch.equal(ref.w[n], before[n]) for n in ref.w if n not in used)
         m.epoch_end(epoch)
@@ -322,7 +327,10 @@ def _fd_hypergradient(ref, tb, vb, xi, r):
         return dict(zip(alpha, torch.autograd.grad(ref.loss(wpm, Zof(alpha), tb), list(alpha.values()))))
 
     gp, gm = ga(1.0), ga(-1.0)
-    return {t: dalpha[t] - xi * (gp[t] - gm[t]) / (2 * eps) for t in alpha}, exact
+    implicit = {t: (gp[t] - gm[t]) / (2 * eps) for t in alpha}
+    extra = {"scalars/fd_eps": eps, "scalars/implicit_grad_norm": xi * torch.sqrt(sum((g ** 2).sum() for g in implicit.values())),
+             "scalars/val_loss": ref.loss(w1, Zof(ref.alpha), vb), "scalars/unrolled_train_loss": ref.loss(ref.w, Zof(ref.alpha), tb)}
+    return {t: dalpha[t] - xi * implicit[t] for t in alpha}, exact, extra
 
 
 def test_darts2_hypergradient_and_step_follow_darts_architect_with_the_momentum_buffer_and_weight_decay():
@@ -334,7 +342,7 @@ def test_darts2_hypergradient_and_step_follow_darts_architect_with_the_momentum_
     ref = Ref(model, m.hp)
     for epoch, (tb, vb) in enumerate(zip(batches(2, 15), batches(2, 16))):
         xi = cosine(m.hp, epoch, 3)
-        g_fd, g_exact = _fd_hypergradient(ref, tb, vb, xi, m.hp.fd_eps_scale)
+        g_fd, g_exact, extra = _fd_hypergradient(ref, tb, vb, xi, m.hp.fd_eps_scale)
         g_m = m.arch_gradient(tb, vb)
         for t in g_fd:
             torch.testing.assert_close(g_m[t], g_fd[t], rtol=1e-9, atol=1e-11)
@@ -343,8 +351,11 @@ def test_darts2_hypergradient_and_step_follow_darts_architect_with_the_momentum_
         w = {n: v.clone().requires_grad_(True) for n, v in ref.w.items()}
         Z = {t: torch.softmax(a, -1) for t, a in ref.alpha.items()}
         ref.sgd(dict(zip(w, torch.autograd.grad(ref.loss(w, Z, tb), list(w.values())))), xi)
-        m.step(tb, vb)
+        stats = m.step(tb, vb)
         assert_state(m, ref)
+        for k, v in extra.items():  # ε = r/‖∇_w' L_val‖, ξ‖mixed term‖, L_val at w', L_train at w
+            torch.testing.assert_close(stats[k], v.detach(), rtol=1e-9, atol=1e-12, msg=k)
+        torch.testing.assert_close(stats["scalars/w_lr"], torch.tensor(xi, dtype=torch.float64), rtol=0, atol=0)
         m.epoch_end(epoch)
 
 
