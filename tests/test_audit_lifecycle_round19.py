@@ -4,6 +4,9 @@ nasdiag/search, nasdiag/record/callbacks.py).
 Found: the CPU's free memory read from a container's cgroup counted its page cache as used (``memory.current``
 includes it), so a run that had read its dataset and written its record, with the cache grown to the limit, was
 refused a record's row buffer (and an exact curvature) for want of memory the kernel reclaims on demand.
+And only the root folder of the cgroup mount was read: a batch job's cgroup below it (Slurm on cgroup v2, no
+namespace), whose limit is on the job's level, got the host's MemAvailable, so the cap meant to keep a batch of
+exact products inside the memory the process may use did not see the job's limit.
 
 Checked and right (own references: every hook dict of every module, torch's global module hooks, the saved-tensor
 hook stack, BN buffers, ``.grad``, grad mode, default dtype, the deterministic flag and the global RNG compared
@@ -65,3 +68,32 @@ def test_a_cgroups_reclaimable_page_cache_counts_as_free_memory_and_a_record_buf
     with Recorder(tmp_path / "run.h5") as rec:
         rec.log(1, {"cost/normal/mean": np.zeros(8192)})
     assert (tmp_path / "run.h5").exists()
+
+
+def test_the_limit_of_a_batch_jobs_cgroup_below_the_root_bounds_the_free_memory(tmp_path, monkeypatch):
+    """A Slurm job on a cgroup v2 host without a cgroup namespace: /proc/self/cgroup names .../job_7/step_0; the root
+    folder has no memory.max (the root cgroup has none), the step's is "max" and the job's holds the limit. Free is
+    what the job's limit leaves (it was the host's MemAvailable, 60 GiB here, for a job of 4 GiB: a batch of exact
+    products sized to half of it is the kill without a message the cap is there to prevent)."""
+    gib = 2**30
+    root = tmp_path / "fs"
+    job, step = root / "system.slice" / "slurmstepd.scope" / "job_7", root / "system.slice" / "slurmstepd.scope" / "job_7" / "step_0"
+    step.mkdir(parents=True)
+    (root / "memory.stat").write_text("anon 1\ninactive_file 1\n")  # the root cgroup: statistics, no limit
+    (step / "memory.max").write_text("max\n")
+    (step / "memory.current").write_text(f"{gib}\n")
+    (job / "memory.max").write_text(f"{4 * gib}\n")
+    (job / "memory.current").write_text(f"{gib + gib // 2}\n")
+    (job / "memory.stat").write_text(f"anon {gib}\ninactive_file {gib // 4}\n")
+    (tmp_path / "meminfo").write_text(f"MemAvailable:   {60 * gib // 1024} kB\n")
+    (tmp_path / "cgroup").write_text("0::/system.slice/slurmstepd.scope/job_7/step_0\n")
+    monkeypatch.setattr(memory, "MEMINFO", str(tmp_path / "meminfo"))
+    monkeypatch.setattr(memory, "CGROUP_MEMORY", (str(root / "memory.max"), str(root / "memory.current")))
+    monkeypatch.setattr(memory, "PROC_CGROUP", str(tmp_path / "cgroup"), raising=False)
+    assert memory.free_cpu_memory() == 4 * gib - (gib + gib // 2 - gib // 4)
+    # the step's own limit, where tighter, is the bound
+    (step / "memory.max").write_text(f"{gib + gib // 8}\n")
+    assert memory.free_cpu_memory() == gib // 8
+    # a cgroup outside this namespace's root ("/../x"): no folder here is it; the root's files, where present, count
+    (tmp_path / "cgroup").write_text("0::/../other/job_9\n")
+    assert memory.free_cpu_memory() == 60 * gib
