@@ -3,7 +3,8 @@
 test_scripts_misuse_round14.py) did not cover: a record path that is a named pipe (``mkfifo run.h5``, a path of
 process substitution) or a device (/dev/null): ``nasdiag search --out``, ``plot`` and ``report`` of it hung before a
 word (reading a pipe waits for a writer), a search stopped then said "the record holds every completed step", and
-plot/report called /dev/null a damaged record. Every such mistake is one line on stderr saying what was wrong and
+plot/report called /dev/null a damaged record; ``--hp "alpha_betas=0.5 0.999"`` (a tuple not given by commas) was said to
+need a float. Every such mistake is one line on stderr saying what was wrong and
 what to do, exit code 2, no traceback, nothing left behind.
 """
 
@@ -49,4 +50,19 @@ def test_a_record_that_is_a_device_is_not_called_damaged(command, out, tmp_path,
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     assert f"{os.devnull} is a device" in err[0] and "damaged" not in err[0], err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("value", ["0.5 0.999", "0.5;0.999", "0.5,abc"])
+def test_a_tuple_hyperparameter_not_given_by_commas_is_not_said_to_be_a_float(value, tmp_path, capsys):
+    """``--hp "alpha_betas=0.5 0.999"`` (Adam's betas, ``(float, float)`` in nasdiag methods) was refused as 'alpha_betas
+    of method 'darts' must be of type float, got '0.5 0.999'': the element's type, so a user fixing it gave one float and
+    was told it needs 2 values. The line names the tuple's type and the commas."""
+    from nasdiag.cli import main
+
+    out = tmp_path / "run.h5"
+    code = main(["search", "--hp", f"alpha_betas={value}", "--epochs", "1", "--out", str(out), "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "alpha_betas of method 'darts' must be of type (float, float)" in err[0] and "commas" in err[0], err
     assert list(tmp_path.iterdir()) == []

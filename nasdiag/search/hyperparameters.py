@@ -334,7 +334,13 @@ def _coerce(key: str, value: Any, tp, method: str):
         if origin in (tuple, typing.Tuple):
             parts = value if isinstance(value, (list, tuple)) else [p for p in str(value).strip("()[] ").split(",") if p.strip()]
             inner = args[0] if args else float
-            return tuple(_coerce(key, p, inner, method) for p in parts)
+            try:
+                return tuple(_coerce(key, p, inner, method) for p in parts)
+            except ConfigError:  # "alpha_betas ... must be of type float, got '0.5 0.999'": a tuple is no float
+                if not isinstance(value, str):
+                    raise
+                raise ConfigError(f"hyperparameter {key}{where} must be of type {_type_name(tp)}, got {value!r}; give its "
+                                  "values separated by commas, as nasdiag methods shows its default") from None
     except ConfigError:  # a ValueError too: said as it is
         raise
     except (TypeError, ValueError):
