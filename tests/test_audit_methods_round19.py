@@ -537,6 +537,7 @@ def test_bayesnas_on_darts_code_whose_mixed_op_cannot_take_per_sample_weights_is
     first update (the last step of epoch 1) stopped in the curvature's CurvatureError after that step's likelihood update
     had moved w, 𝒲 and the momentum (steps_done not counted), advising a ``mode=`` argument BayesNAS does not have.
     Now the first step refuses in one SearchError line naming the hyperparameter, nothing changed; diag runs on."""
+    from conftest import assert_no_module_hooks
     from test_foreign_supernet import batch, foreign_supernet
 
     net, _ = foreign_supernet(3)
@@ -550,6 +551,8 @@ def test_bayesnas_on_darts_code_whose_mixed_op_cannot_take_per_sample_weights_is
     for k, v in before["network"].items():
         assert torch.equal(v, after["network"][k]), k
     assert all(not st for st in (m.w_optimizer.state, m.arch_optimizer.state))
+    assert_no_module_hooks(net.model)
+    assert all(len(e.module._ops) == len(net.primitives) for e in net.edge_specs())
     net, _ = foreign_supernet(3)
     m = M(net, M.Hyperparameters(hessian_mode="diag", update_every=1), schedule=Schedule(epochs=2, steps_per_epoch=2))
     assert bool(m.step(batch(1), batch(2))["bayes/updated"])
