@@ -556,3 +556,47 @@ def test_bayesnas_on_darts_code_whose_mixed_op_cannot_take_per_sample_weights_is
     net, _ = foreign_supernet(3)
     m = M(net, M.Hyperparameters(hessian_mode="diag", update_every=1), schedule=Schedule(epochs=2, steps_per_epoch=2))
     assert bool(m.step(batch(1), batch(2))["bayes/updated"])
+
+
+# --------------------------------------------------------------------------------------------------- sampling laws
+def test_the_samples_follow_their_laws_snas_gumbel_max_dsnas_categorical_proxyless_pairs_without_replacement():
+    """Frequencies over N draws with each method's generator against the laws written here (5 standard errors):
+    argmax of SNAS's relaxed sample ~ Cat(softmax(α)) (the Gumbel-max property, at any τ); DSNAS's one-hot ~ Cat(p);
+    ProxylessNAS's pair {a, b} with P = p_a p_b (1/(1 − p_a) + 1/(1 − p_b)) (two draws without replacement) and its
+    gate a given the pair with p_a/(p_a + p_b)."""
+    from nasdiag.search.methods._sampling import sample_two_paths
+
+    N = 6000
+    model = tiny(12)
+    p = {t: torch.softmax(getattr(model, "alphas_" + t).detach(), -1) for t in ("normal", "reduce")}
+
+    def close(freq, prob):
+        se = torch.sqrt(prob * (1 - prob) / N)
+        assert bool(((freq - prob).abs() <= 5 * se + 1e-12).all()), (freq, prob)
+
+    for name in ("snas", "dsnas"):
+        m = method(name, model, tau0=0.3) if name == "snas" else method(name, model)
+        counts = {t: torch.zeros(5, 3, dtype=torch.float64) for t in p}
+        for _ in range(N):
+            for t, z in m.forward_weights().items():
+                counts[t] += torch.zeros_like(z).scatter_(-1, z.argmax(-1, keepdim=True), 1.0)
+        for t in p:
+            close(counts[t] / N, p[t])
+    g = torch.Generator().manual_seed(4)
+    q = p["normal"]
+    pair_n = torch.zeros(5, 3, 3, dtype=torch.float64)
+    gate_n = torch.zeros(5, 3, 3, dtype=torch.float64)
+    for _ in range(N):
+        pair, gates = sample_two_paths(q, g)
+        for e in range(5):
+            a, b = pair[e].nonzero()[:, 0].tolist()
+            pair_n[e, a, b] += 1
+            gate_n[e, a, b] += gates[e, a]
+    for e in range(5):
+        for a in range(3):
+            for b in range(a + 1, 3):
+                pa, pb = q[e, a], q[e, b]
+                close(pair_n[e, a, b] / N, pa * pb * (1 / (1 - pa) + 1 / (1 - pb)))
+                n_ab = pair_n[e, a, b]
+                want = pa / (pa + pb)
+                assert abs(gate_n[e, a, b] / n_ab - want) <= 5 * torch.sqrt(want * (1 - want) / n_ab)
