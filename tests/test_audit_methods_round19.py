@@ -192,6 +192,7 @@ def test_snas_two_steps_follow_the_gumbel_softmax_relaxation_its_temperature_sch
         ref.adam_step(ga, m.hp.alpha_betas, m.hp.alpha_weight_decay)
         ref.sgd(gw, cosine(m.hp, epoch, 3))
         stats = m.step(batch)
+        torch.testing.assert_close(stats["scalars/alpha_grad_norm"], torch.sqrt(sum((g ** 2).sum() for g in ga.values())), **TOL)
         taus.append(float(stats["scalars/temperature"]))
         torch.testing.assert_close(stats["scalars/train_loss"], loss.detach(), **TOL)
         for t in Z:
@@ -237,6 +238,7 @@ def test_dsnas_two_steps_follow_the_one_hot_credit_and_only_the_sampled_ops_weig
         ref.adam_step(ga, m.hp.alpha_betas, m.hp.alpha_weight_decay)
         ref.sgd(used, cosine(m.hp, epoch, 3))
         stats = m.step(batch)
+        torch.testing.assert_close(stats["scalars/alpha_grad_norm"], torch.sqrt(sum((g ** 2).sum() for g in ga.values())), **TOL)
         counts = {t: counts.get(t, 0) + Z[t] for t in Z} if epoch else dict(Z)
         for t in Z:
             torch.testing.assert_close(stats[f"sample/{t}/onehot"], Z[t], rtol=0, atol=0)
@@ -291,6 +293,7 @@ def test_proxyless_step_follows_two_path_binary_gates_and_rescales_the_pair():
                 off = torch.log(ref.alpha[t][e, S].exp().sum() / old[t][e, S].exp().sum())
                 ref.alpha[t][e, S] -= off
         stats = m.step(tb, vb)
+        torch.testing.assert_close(stats["scalars/alpha_grad_norm"], torch.sqrt(sum((g ** 2).sum() for g in ga.values())), **TOL)
         for t in p:
             torch.testing.assert_close(stats[f"sample/{t}/paths"].bool(), pairs[t], rtol=0, atol=0)
             torch.testing.assert_close(stats[f"sample/{t}/onehot"], gates[t], rtol=0, atol=0)
