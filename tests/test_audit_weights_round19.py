@@ -48,7 +48,11 @@ Defects found (each test fails on the library before its fix):
   per-sample terms passed, so ``diag``/``approx`` came out 120% off on the last layer, where ``diag`` is exact, and
   ``exact`` took the per-sample C.1.2-C.1.3 chain on a Linear net: 370% off, silently (docs/hessian.md: a float16/
   bfloat16 model works in every mode; a coupling loss is detected and refused); the check runs on a float32 copy of
-  the loss there — ``test_a_loss_coupling_samples_is_caught_in_half_precision_and_exact_stays_exact``.
+  the loss there — ``test_a_loss_coupling_samples_is_caught_in_half_precision_and_exact_stays_exact``;
+* ``params=`` given a submodule (``params=model.fc``, the classifier's curvature) or a number was torch's bare
+  ``TypeError: 'Linear' object is not iterable`` (a ``Sequential`` was taken apart into modules); one
+  ``CurvatureTypeError`` line saying to pass ``list(module.parameters())`` or names —
+  ``test_params_given_a_module_or_a_number_is_one_line_and_its_parameters_work``.
 """
 
 from __future__ import annotations
@@ -202,3 +206,23 @@ def test_a_loss_coupling_samples_is_caught_in_half_precision_and_exact_stays_exa
     y = torch.randint(0, 3, (8,))
     got = diag_hessian(net, F.cross_entropy, x, y, mode="diag")["2.weight"]
     assert _rel(got.to(DT), dense(F.cross_entropy, y)["2.weight"]) < 3e-2
+
+
+def test_params_given_a_module_or_a_number_is_one_line_and_its_parameters_work():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).to(DT)
+    x, y = torch.randn(6, 4, dtype=DT), torch.randint(0, 3, (6,))
+    for params, words in ((net[2], "list(module.parameters())"), (net, "list(module.parameters())"), (5, "params=['fc.weight']"),
+                          (True, "params=None")):
+        with pytest.raises(CurvatureTypeError) as err:
+            diag_hessian(net, F.cross_entropy, x, y, mode="diag", params=params)
+        assert words in str(err.value) and "\n" not in str(err.value)
+    # what the line says to do: the module's parameters, keyed by their names in the model; the last layer's diag is
+    # its dense diagonal (only the loss Hessian's diagonal reaches an FC last layer)
+    got = diag_hessian(net, F.cross_entropy, x, y, mode="diag", params=list(net[2].parameters()))
+    assert list(got) == ["2.weight", "2.bias"]
+    for name, p in net[2].named_parameters():
+        leaf = p.detach().clone().requires_grad_(True)
+        params = {**{k: v.detach() for k, v in net.named_parameters()}, f"2.{name}": leaf}
+        (g,) = torch.autograd.grad(F.cross_entropy(functional_call(net, params, (x,)), y), leaf, create_graph=True)
+        assert _rel(got[f"2.{name}"], _diag_of_grad(g, leaf)) < 1e-12

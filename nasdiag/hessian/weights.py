@@ -211,6 +211,16 @@ def named_values(model: nn.Module, params: Params) -> Dict[str, torch.Tensor]:
             "params must be a collection (names, (name, tensor) pairs or a {name: tensor} mapping), got one tensor; "
             "pass params=[tensor] (a parameter of the model) or {name: value}"
         )
+    elif isinstance(params, nn.Module):  # iterating it raised a bare TypeError (or, for a Sequential, listed modules)
+        raise CurvatureTypeError(
+            f"params must name tensors of the model, got a module ({type(params).__name__}); for its parameters pass "
+            "params=list(module.parameters()), or their names as in model.named_parameters()"
+        )
+    elif not isinstance(params, Iterable):
+        raise CurvatureTypeError(
+            f"params must be a collection (names, (name, tensor) pairs or a {{name: tensor}} mapping), got "
+            f"{type(params).__name__} {params!r}; pass e.g. params=['fc.weight'], or params=None for every parameter"
+        )
     else:
         by_id = {id(p): n for n, p in known.items()}
         pairs = []
