@@ -42,7 +42,8 @@ Defects found (each test fails on the library before its fix):
   nor an override keyed by a base class (``_BatchNorm``): the default rule was used, silently (the conv weight 13%
   off the frozen-statistics curvature asked for); a key that is no type (``"BatchNorm2d"``, a module instance) was
   ignored silently; a rule class instead of an instance, or a list, was a bare ``TypeError``/``AttributeError``
-  from inside — ``test_per_call_rules_hold_for_subclasses_and_bases_and_bad_ones_are_one_line``;
+  from inside (``register_rule`` of a name, or of a type that has a rule: the registry's bare ``TypeError``/
+  ``ValueError``, no ``NasdiagError``) — ``test_per_call_rules_hold_for_subclasses_and_bases_and_bad_ones_are_one_line``;
 * the check that the loss does not couple samples (the per-sample recursions' premise) compared two products to 1e3
   ulp of their magnitudes, which in float16/bfloat16 is the whole Hessian: a loss coupling samples as strongly as its
   per-sample terms passed, so ``diag``/``approx`` came out 120% off on the last layer, where ``diag`` is exact, and
@@ -170,6 +171,9 @@ def test_per_call_rules_hold_for_subclasses_and_bases_and_bad_ones_are_one_line(
         assert words in str(err.value) and "\n" not in str(err.value)
     with pytest.raises(CurvatureTypeError, match="module type") as err:
         register_rule("Swish", ElementwiseRule())
+    assert "\n" not in str(err.value)
+    with pytest.raises(CurvatureError, match="already registered.*overwrite=True") as err:  # was the registry's bare ValueError
+        register_rule(nn.Tanh, ElementwiseRule())
     assert "\n" not in str(err.value)
 
 

@@ -22,7 +22,7 @@ from typing import Dict, List, Mapping, Optional, Tuple, Type
 import torch
 from torch import nn
 
-from nasdiag.hessian.modes import CurvatureRuntimeError, CurvatureTypeError
+from nasdiag.hessian.modes import CurvatureError, CurvatureRuntimeError, CurvatureTypeError
 from nasdiag.rules import REGISTRY, RuleRegistry, UnsupportedModuleError, type_name, unsupported_message
 
 __all__ = [
@@ -166,7 +166,10 @@ def register_rule(module_type: Type[nn.Module], rule: HessianRule, *, overwrite:
         raise CurvatureTypeError(
             f"rule must be a HessianRule instance, got {type(rule).__name__}; pass an instance, e.g. ElementwiseRule(fn), not a class"
         )
-    REGISTRY.register("hessian", module_type, rule, overwrite=overwrite, how=" (or pass rules={type: rule} to a single call)")
+    try:
+        REGISTRY.register("hessian", module_type, rule, overwrite=overwrite, how=" (or pass rules={type: rule} to a single call)")
+    except ValueError as err:  # a rule for the type exists: the registry's line, as the curvature API's error (a ValueError)
+        raise CurvatureError(str(err)) from None
 
 
 def _check_module_type(key, what: str) -> None:
