@@ -264,6 +264,8 @@ def test_a_single_level_search_records_the_dense_top_eigenvalues_of_its_row_and_
         if path != "meta/config":
             np.testing.assert_array_equal(np.asarray(recs[3][path]), np.asarray(values), err_msg=path)
     assert "hessian/top_eigenvalue" not in recs[0]
+    (plain, plain_modes), (measured, measured_modes) = (_state(results[e].method.network) for e in (0, 3))
+    assert measured_modes == plain_modes and all(torch.equal(plain[k], measured[k]) for k in plain)  # running stats too
 
     method = results[3].method
     assert method.single_level
@@ -289,3 +291,29 @@ def test_a_single_level_search_records_the_dense_top_eigenvalues_of_its_row_and_
         assert abs(float(row[f"hessian/{t}/top_eigenvalue"][2]) - float(torch.linalg.eigvalsh(block)[-1])) <= 1e-8 * scale
         assert not row[f"hessian/{t}/nonfinite"][2]
         start += n
+
+
+def test_an_empty_batch_is_one_line_not_a_zero_spectrum_of_a_nan_loss(shared):
+    """x[:0]: the mean loss over no samples is NaN, but nothing carries it into the products (no output entry to
+    differentiate through): the spectrum was 0.0 'converged', the trace and the shared diagonal zeros, and
+    arch_diag_hessian(mode='diag') torch's amax RuntimeError; diag_hessian refuses such a batch in one line, so do
+    these now, before any forward."""
+    from nasdiag.hessian import exact_arch_diag_hessian, loss_hvp
+
+    net, x, y, _, _ = shared
+    before, modes = _state(net)
+    calls = [
+        lambda: hessian_eigenvalues(net, F.cross_entropy, x[:0], y[:0]),
+        lambda: hutchinson_trace(net, F.cross_entropy, x[:0], y[:0]),
+        lambda: hutchinson_diagonal(net, F.cross_entropy, x[:0], y[:0]),
+        lambda: loss_hvp(net, F.cross_entropy, x[:0], y[:0]),
+        lambda: alpha_diag_hessian(net, F.cross_entropy, x[:0], y[:0]),
+        lambda: arch_diag_hessian(net, F.cross_entropy, x[:0], y[:0], net.edges(), mode="diag"),
+        lambda: arch_diag_hessian(net, F.cross_entropy, x[:0], y[:0], net.edges(), mode="exact_per_edge", wrt="alpha"),
+        lambda: exact_arch_diag_hessian(net, F.cross_entropy, x[:0], y[:0], net.edges()),
+    ]
+    for call in calls:
+        with pytest.raises(CurvatureError, match=r"^inputs hold no samples [^\n]*pass a batch of at least one sample$"):
+            call()
+    after, modes_after = _state(net)
+    assert modes_after == modes and all(torch.equal(before[k], after[k]) for k in before)

@@ -45,6 +45,7 @@ from nasdiag.hessian.propagate import walk_diagonals
 from nasdiag.hessian.rules import HessianRule
 from nasdiag.hessian.rules.base import check_rules
 from nasdiag.hessian.trace import ModuleTracer, edge_of
+from nasdiag.hessian.weights import _refuse_empty_batch
 from nasdiag.hooks import Hooks
 
 __all__ = ["arch_diag_hessian", "ARCH_MODES"]
@@ -124,6 +125,7 @@ def arch_diag_hessian(
     if rules is not None and mode not in ("diag", "approx"):
         raise CurvatureError(f"rules= only applies to mode='diag' or 'approx'; mode={mode!r} uses no per-module rules")
     check_model(model, loss_fn, "arch_diag_hessian")
+    _refuse_empty_batch(inputs)  # a NaN mean loss of zeros (exact) or torch's amax error (diag/approx)
     check_max_memory(max_memory, "arch_diag_hessian")
     if samples is not None and (not isinstance(samples, numbers.Integral) or isinstance(samples, bool) or samples < 1):
         raise CurvatureError(f"samples must be an int >= 1 (Monte-Carlo draws of ggn_mc), got {samples!r}")

@@ -49,6 +49,7 @@ from nasdiag.hessian._hvp import (
     scalar_loss,
     set_random_state,
 )
+from nasdiag.hessian.weights import _refuse_empty_batch
 from nasdiag.hooks import Hooks
 
 __all__ = ["EdgeProducts", "edge_hessian_products", "exact_arch_diag_hessian", "softmax_chain_diag"]
@@ -142,6 +143,7 @@ def exact_arch_diag_hessian(
     check_chunk_size(chunk_size, "exact_arch_diag_hessian")
     check_max_memory(max_memory, "exact_arch_diag_hessian")
     check_model(model, loss_fn, "exact_arch_diag_hessian")
+    _refuse_empty_batch(inputs)  # its mean loss is NaN, but no output entry carries that into the products (zeros)
     specs = resolve_edges(model, edges)
     n_ops = [s.n_ops for s in specs]
     with edge_hessian_products(

@@ -38,6 +38,7 @@ from nasdiag.hessian._hvp import (
     set_random_state,
 )
 from nasdiag.hessian.modes import CurvatureError, CurvatureTypeError
+from nasdiag.hessian.weights import _refuse_empty_batch
 
 __all__ = ["alpha_diag_hessian", "shared_weights_diag_hessian"]
 
@@ -105,6 +106,7 @@ def _exact_parameter_diag(model, loss_fn, inputs, targets, pairs, chunk_size, ma
                           instead=INSTEAD_OF_EXACT, labels=None) -> Dict[str, torch.Tensor]:
     """``{name: diag}`` for ``pairs = [(name in model, parameter)]``; ``what`` names the caller in errors,
     ``instead`` says what to use when one product does not fit, ``labels`` ``{name: what the warnings call it}``."""
+    _refuse_empty_batch(inputs)  # its mean loss is NaN, but no output entry carries that into the products (zeros)
     names = [n for n, _ in pairs]
     shapes = [p.shape for _, p in pairs]
     sizes = [p.numel() for _, p in pairs]

@@ -38,6 +38,7 @@ from nasdiag.hessian._hvp import (
     scalar_loss,
 )
 from nasdiag.hessian.modes import CurvatureError, CurvatureTypeError
+from nasdiag.hessian.weights import _refuse_empty_batch
 
 __all__ = [
     "EarlyStopDecision",
@@ -437,6 +438,7 @@ def loss_hvp(
         ``params`` (attributes ``dim``, ``sizes``, ``names``, ``gradient``).
     """
     pairs = named_tensors(params, default_owner=model)
+    _refuse_empty_batch(inputs)  # its mean loss is NaN, but no output entry carries that into the products (zeros)
     with preserved_buffers(model), torch.enable_grad():
         loss = scalar_loss(loss_fn, call_model(model, inputs), targets)
     hvp = HessianVectorProduct(loss, [p for _, p in pairs], [n for n, _ in pairs],
