@@ -603,3 +603,22 @@ def test_the_samples_follow_their_laws_snas_gumbel_max_dsnas_categorical_proxyle
                 n_ab = pair_n[e, a, b]
                 want = pa / (pa + pb)
                 assert abs(gate_n[e, a, b] / n_ab - want) <= 5 * torch.sqrt(want * (1 - want) / n_ab)
+
+
+@pytest.mark.parametrize("derive", ["derive_genotype", "derive_mixed_genotype"])
+def test_derive_genotype_refuses_a_cell_layout_that_does_not_exist_in_one_line(derive):
+    """nasdiag.supernet's derive_genotype / derive_mixed_genotype (docs/methods.md) took a multiplier past steps
+    silently: steps = 2, multiplier = 5 concatenated nodes [-1, 0, 1, 2, 3] (node −1 does not exist, 0 and 1 are the
+    cell inputs); multiplier 0 gave a cell with no output, steps = 0 a cell of no node, a float multiplier was range()'s
+    TypeError. A DARTS cell (nasdiag.supernet.Cell) takes multiplier in [1, steps]: each is one ValueError line now."""
+    import nasdiag.supernet as S
+
+    f = getattr(S, derive)
+    w = {"normal": torch.rand(5, 3, dtype=torch.float64)}
+    assert f(w, 2, 1, PRIMS).normal_concat == [3] and f(w, 2, 2, PRIMS).normal_concat == [2, 3]
+    for steps, mult, what in ((2, 5, "multiplier"), (2, 0, "multiplier"), (2, 2.0, "multiplier"), (2, True, "multiplier"),
+                              (0, 1, "steps"), (2.0, 1, "steps")):
+        weights = {"normal": torch.rand(0, 3)} if steps == 0 else w
+        with pytest.raises(ValueError, match=f"^{what} must be an integer") as err:
+            f(weights, steps, mult, PRIMS)
+        assert "\n" not in str(err.value)

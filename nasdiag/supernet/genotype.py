@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections import namedtuple
 from typing import List, Mapping, Optional, Sequence, Tuple
 
@@ -18,7 +19,24 @@ Genotype = namedtuple("Genotype", "normal normal_concat reduce reduce_concat")
 MixedGenotype = namedtuple("MixedGenotype", "normal normal_concat reduce reduce_concat")
 
 
+def _whole(name: str, value, low: int, high: Optional[int] = None, high_name: str = "") -> int:
+    """``value`` as an int in [low, high], or a one-line ValueError (a float was range()'s TypeError; steps = 0 or a
+    multiplier past steps derived a cell of no node or concatenated nodes that do not exist, node −1 and the inputs)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low or (high is not None and value > high):
+        bound = f"from {low} to {high_name}{high}" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be an integer {bound}, got {value!r}")
+    return int(value)
+
+
+def _concat(steps: int, multiplier: int) -> List[int]:
+    """The nodes concatenated into the cell output: the last ``multiplier`` of the ``steps`` intermediate nodes."""
+    steps = _whole("steps", steps, 1)
+    multiplier = _whole("multiplier", multiplier, 1, steps, "steps = ")
+    return list(range(2 + steps - multiplier, 2 + steps))
+
+
 def _check(weights: torch.Tensor, steps: int, primitives: Sequence[str]) -> torch.Tensor:
+    _whole("steps", steps, 1)
     weights = torch.as_tensor(weights).detach().cpu()
     E = len(edge_nodes(steps))
     if weights.shape != (E, len(primitives)):
@@ -109,8 +127,9 @@ def derive_genotype(
 ) -> Genotype:
     """:func:`derive_cell` for each cell type of ``weights`` (``{"normal": (E, K), "reduce": (E, K)}``);
     a missing cell type gives an empty list. ``eligible``: optional ``{cell type: (E, K) bool}``, the ops
-    each cell may name (:func:`derive_cell`)."""
-    concat = list(range(2 + steps - multiplier, 2 + steps))
+    each cell may name (:func:`derive_cell`). ValueError (one line) unless steps is an integer >= 1 and multiplier one
+    from 1 to steps (the nodes concatenated into the output are the last ``multiplier`` intermediate nodes)."""
+    concat = _concat(steps, multiplier)
     eligible = eligible or {}
     cells = {t: derive_cell(w, steps, primitives, edges_per_node, eligible=eligible.get(t)) for t, w in weights.items()}
     return Genotype(cells.get("normal", []), concat, cells.get("reduce", []), concat)
@@ -148,8 +167,8 @@ def derive_mixed_genotype(
     primitives: Sequence[str],
     threshold: float = 0.0,
 ) -> MixedGenotype:
-    """:func:`derive_mixed_cell` for each cell type of ``weights``."""
-    concat = list(range(2 + steps - multiplier, 2 + steps))
+    """:func:`derive_mixed_cell` for each cell type of ``weights``; steps and multiplier as :func:`derive_genotype` takes them."""
+    concat = _concat(steps, multiplier)
     cells = {t: derive_mixed_cell(w, steps, primitives, threshold) for t, w in weights.items()}
     return MixedGenotype(cells.get("normal", []), concat, cells.get("reduce", []), concat)
 
