@@ -5,6 +5,16 @@ normal cells and one reduce cell), adapted with ``nasdiag.search.supernet.adapt`
 step of nasdiag's method and of the transcription from the same state and batch; every updated tensor compared to
 1e-10. References: plain torch autograd on the model's own forward (``Tiny.forward(x, Z)``), torch.func, and the
 optimizers written out (torch SGD/Adam semantics as DARTS uses them); no nasdiag helper computes a reference.
+
+Defects these tests found (each fails without its fix):
+
+- BayesNAS with its default curvature (``ggn``) on a supernet adapted from DARTS's own code (docs/methods.md: any
+  registered method searches one) stopped at its first update, an epoch in, in the GGN's CurvatureError (DARTS's
+  ``zip(weights, self._ops)`` cannot take per-sample (B, K) weights), after that step's likelihood update had moved w,
+  the network weights and the momentum, advising a ``mode=`` argument BayesNAS does not have; the first step now checks
+  the mode and refuses in one SearchError line naming ``hessian_mode=diag``, before any update.
+- ``derive_genotype`` / ``derive_mixed_genotype`` took a cell layout that does not exist (multiplier past steps: nodes
+  [-1, 0, 1, 2, 3] concatenated; multiplier 0, steps 0) silently, a float multiplier in range()'s TypeError.
 """
 
 from __future__ import annotations
