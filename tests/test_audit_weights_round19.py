@@ -25,7 +25,8 @@ Checked and found right (scratch sweeps; the sharpest kept below where not alrea
   an MLP with LayerNorm/SiLU/train BatchNorm1d (label-smoothed cross-entropy), a conv net with strided/dilated/
   depthwise convs, train BatchNorm, MaxPool ``ceil_mode``, AvgPool ``count_include_pad=False`` (summed
   cross-entropy), a conv net with InstanceNorm/GroupNorm/AdaptiveAvgPool (MSE), a Conv1d and a Conv3d net; the only
-  entries apart are biases right before a batch-statistics normalization, which the library reports as exactly 0
+  entries apart are biases right before a batch-statistics normalization (the conv net kept as
+  ``test_diag_and_approx_are_the_own_recursion_on_a_conv_net_of_strides_dilations_groups_and_ceil_pooling``), which the library reports as exactly 0
   (their true value, ≤ 1e-26 by the dense diagonal in 35 compositions of padding, pooling, norms, dropout, shuffles:
   every bias it zeroed is zero, none it kept is).
 * ``exact``'s C.1.2-C.1.3 chain: inplace ReLU/LeakyReLU after a Flatten, one Tanh reused at two places, nested
@@ -89,9 +90,18 @@ def _diag_of_grad(grad: torch.Tensor, wrt: torch.Tensor) -> torch.Tensor:
     return out.view_as(wrt)
 
 
-def _own_diag_recursion(layers, loss_fn, x, t):
+def _channel_mean(h, m):
+    dims = tuple(range(h.dim() - 1)) if isinstance(m, nn.Linear) else (0,) + tuple(range(2, h.dim()))
+    return h.mean(dims, keepdim=True).expand_as(h)
+
+
+def _own_diag_recursion(layers, loss_fn, x, t, approx=False):
     """C.1.4-C.1.5 / C.2.1-C.2.3 on a list of modules applied in turn, from each module's dense Jacobians:
-    ``h_in = (J∘J)ᵀ h + diag ∂²(gᵀy)/∂x²``, ``H_θ = (J_θ∘J_θ)ᵀ h``. Keys ``"<index>.<param>"``."""
+    ``h_in = (J∘J)ᵀ h + diag ∂²(gᵀy)/∂x²``, ``H_θ = (J_θ∘J_θ)ᵀ h``. Keys ``"<index>.<param>"``.
+
+    ``approx``: C.2.4-C.2.5 as docs/hessian.md states them: the diagonal at a Linear/Conv output replaced by its mean
+    over batch and space per channel (so ``H_W = Σ_rows M² ⊗ E(h)``), and at a convolution's or a train-mode
+    BatchNorm's input by its mean per channel over batch and space."""
     xs = [x]
     with torch.no_grad():
         for m in layers:
@@ -103,6 +113,8 @@ def _own_diag_recursion(layers, loss_fn, x, t):
     for idx in range(len(layers) - 1, -1, -1):
         m, xin = layers[idx], xs[idx]
         params = {k: v.detach() for k, v in m.named_parameters(recurse=False)}
+        if approx and isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+            h = _channel_mean(h, m)
 
         def f(inp, params=params, m=m):
             return functional_call(m, params, (inp,))
@@ -115,6 +127,9 @@ def _own_diag_recursion(layers, loss_fn, x, t):
         (gx,) = torch.autograd.grad((f(leaf) * g).sum(), leaf, create_graph=True)
         h = (J.square().T @ h.reshape(-1)).view_as(xin) + _diag_of_grad(gx, leaf)
         g = (J.T @ g.reshape(-1)).view_as(xin)
+        if approx and (isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) or isinstance(m, nn.modules.batchnorm._BatchNorm)
+                       and m.training):
+            h = _channel_mean(h, m)
     return found
 
 
@@ -230,3 +245,22 @@ def test_params_given_a_module_or_a_number_is_one_line_and_its_parameters_work()
         params = {**{k: v.detach() for k, v in net.named_parameters()}, f"2.{name}": leaf}
         (g,) = torch.autograd.grad(F.cross_entropy(functional_call(net, params, (x,)), y), leaf, create_graph=True)
         assert _rel(got[f"2.{name}"], _diag_of_grad(g, leaf)) < 1e-12
+
+
+def test_diag_and_approx_are_the_own_recursion_on_a_conv_net_of_strides_dilations_groups_and_ceil_pooling():
+    """C.2.1-C.2.5 through every kind of geometry at once; the own recursion knows nothing of unfolding, taps or
+    folding back (dense module Jacobians), so the conv rules' unfold/fold bookkeeping is checked entry by entry."""
+    torch.manual_seed(2)
+    layers = [nn.Conv2d(2, 3, 3, padding=1, stride=2, bias=False), nn.BatchNorm2d(3), nn.Tanh(),
+              nn.Conv2d(3, 4, 3, padding=2, dilation=2), nn.ELU(), nn.Conv2d(4, 4, 3, padding=1, groups=4),
+              nn.MaxPool2d(2, ceil_mode=True), nn.Softplus(), nn.AvgPool2d(2, padding=1, count_include_pad=False),
+              nn.Flatten(), nn.Linear(16, 3)]
+    layers = [m.to(DT) for m in layers]
+    net = nn.Sequential(*layers)
+    x, y = torch.randn(3, 2, 7, 7, dtype=DT), torch.randint(0, 3, (3,))
+    loss = lambda o, t: F.cross_entropy(o, t, reduction="sum")  # noqa: E731
+    for mode in ("diag", "approx"):
+        ref = _own_diag_recursion(layers, loss, x, y, approx=mode == "approx")
+        got = diag_hessian(net, loss, x, y, mode=mode)
+        for name in ref:
+            assert _rel(got[name], ref[name]) < 1e-10, (mode, name, _rel(got[name], ref[name]))
