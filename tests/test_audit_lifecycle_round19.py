@@ -7,6 +7,9 @@ refused a record's row buffer (and an exact curvature) for want of memory the ke
 And only the root folder of the cgroup mount was read: a batch job's cgroup below it (Slurm on cgroup v2, no
 namespace), whose limit is on the job's level, got the host's MemAvailable, so the cap meant to keep a batch of
 exact products inside the memory the process may use did not see the job's limit.
+probe.hessian(wrt="alpha") after the usual block ``net(x, softmax(α))`` + ``backward()`` kept the recorded weights with the
+graph the backward had freed, and the softmax check of the chain rule stopped in torch's "backward through the graph a
+second time" traceback, in every mode.
 
 Checked and right (own references: every hook dict of every module, torch's global module hooks, the saved-tensor
 hook stack, BN buffers, ``.grad``, grad mode, default dtype, the deterministic flag and the global RNG compared
@@ -23,8 +26,14 @@ tracemalloc shows are torch's own pybind11 records, there without nasdiag's prob
 
 import numpy as np
 import pytest
+import torch
+from torch import nn
 
+import nasdiag
 from nasdiag import memory
+from nasdiag.probe import ProbeError
+
+from conftest import float64_batch, tiny_network
 
 
 def _cgroup(tmp_path, monkeypatch, *, limit: int, current: int, inactive_file: int, available: int):
@@ -97,3 +106,39 @@ def test_the_limit_of_a_batch_jobs_cgroup_below_the_root_bounds_the_free_memory(
     # a cgroup outside this namespace's root ("/../x"): no folder here is it; the root's files, where present, count
     (tmp_path / "cgroup").write_text("0::/../other/job_9\n")
     assert memory.free_cpu_memory() == 60 * gib
+
+
+def _per_edge_alpha_hessian(net, x, y, cell: int, edge: int) -> torch.Tensor:
+    """diag ∂²L/∂a² of the mean cross-entropy where edge ``edge`` of cell ``cell`` mixes by softmax(a), a its type's α
+    row, every other edge at softmax(α) as a constant: the per-edge number (no cross-cell term), by autograd."""
+    alphas = {t: a.detach() for t, a in net.alphas().items()}
+    t = net.cells[cell].cell_type
+
+    def loss(a):
+        per_cell = [torch.softmax(alphas[c.cell_type], -1) for c in net.cells]
+        rows = list(per_cell[cell].unbind(0))
+        rows[edge] = torch.softmax(a, -1)
+        per_cell[cell] = torch.stack(rows)
+        return nn.functional.cross_entropy(net(x, per_cell), y)
+
+    return torch.diagonal(torch.autograd.functional.hessian(loss, alphas[t][edge].clone()))
+
+
+def test_hessian_wrt_alpha_of_a_block_given_softmax_weights_is_the_per_edge_alpha_curvature():
+    net = tiny_network(2).eval()  # eval: the reference's forwards leave the running statistics alone
+    x, y = float64_batch(4)
+    probe = nasdiag.attach(net, hessian="exact_per_edge")
+    with probe.record(targets=y):
+        nn.functional.cross_entropy(net(x, net.softmax_weights()), y).backward()
+    net.zero_grad(set_to_none=True)
+    got = probe.hessian(wrt="alpha")  # was torch's "backward through the graph a second time" traceback
+    for name, (c, e) in (("cells.0.edges.0", (0, 0)), ("cells.1.edges.3", (1, 3)), ("cells.0.edges.4", (0, 4))):
+        want = _per_edge_alpha_hessian(net, x, y, c, e)
+        torch.testing.assert_close(got[name], want, rtol=1e-9, atol=1e-13)
+    # the recursions give their numbers too (they were the same traceback), and exact, which reads shared α from the
+    # graph, says in one line why it cannot
+    assert set(probe.hessian(wrt="alpha", mode="diag")) == set(got)
+    with pytest.raises(ProbeError, match=r"wrt='alpha', mode='exact'.*freed.*retain_graph=True") as info:
+        probe.hessian(wrt="alpha", mode="exact")
+    assert "\n" not in str(info.value)
+    assert all(p.grad is None for p in net.parameters())

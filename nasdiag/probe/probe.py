@@ -15,7 +15,7 @@ from torch import nn
 from nasdiag.cost import CostMoments, analyse
 from nasdiag.cost.assignment import _scatter
 from nasdiag.hessian import arch_diag_hessian
-from nasdiag.hessian._hvp import random_state, set_random_state
+from nasdiag.hessian._hvp import leaf_sources, random_state, set_random_state
 from nasdiag.hessian.modes import ARCH_MODES, CurvatureError, check_mode
 from nasdiag.hooks import Hooks
 from nasdiag.probe.capture import Router, StepCapture, data_parallel_refusal
@@ -738,7 +738,9 @@ class Probe:
             wrt: ``"Z"``, or ``"alpha"`` for the chain rule through Z = softmax(α) per edge (needs
                 probability-vector weights). Edges whose weights come from one shared α: ``"exact"`` refuses them
                 (one line naming ``nasdiag.hessian.alpha_diag_hessian``, the exact shared-α diagonal), the other
-                modes give per-edge numbers without the cross-cell terms.
+                modes give per-edge numbers without the cross-cell terms. Weights computed before the model call
+                (``net(x, softmax(α))``) lose their graph in the block's backward: they are re-run as values, each
+                edge's own softmax, and ``"exact"`` (which reads shared α from that graph) is then one line.
             inputs, targets: override the captured batch (``inputs`` a tensor or a tuple of positional args).
             mode: one of ``nasdiag.hessian.ARCH_MODES`` for this call (default: ``attach(..., hessian=mode)``).
                 Where no sample interacts (eval-mode BatchNorm, no normalization) ``"ggn"`` equals ``"exact"`` and
@@ -798,6 +800,8 @@ class Probe:
                 raise ProbeError("the model was not called inside the last probe.record() block (call it as model(x): "
                                  "model.forward(x) runs no hooks); pass inputs=")
             args, kwargs = r.model_inputs
+            if wrt == "alpha":
+                args, kwargs = _without_freed_graphs(args, kwargs, mode)
             inputs = args[0] if len(args) == 1 else tuple(args)
             if kwargs:
                 model = _BoundKeywords(model, _to_device(kwargs, device))
@@ -994,6 +998,41 @@ def _check_like_recorded(inputs, recorded_args) -> None:
                 f"hessian(inputs=...): argument {i} has shape {tuple(a.shape)} but the recorded model call had "
                 f"{tuple(b.shape)}; pass inputs shaped like the recorded batch (the batch size may differ)"
             )
+
+
+def _graph_freed(t: torch.Tensor) -> bool:
+    """Whether a backward has freed the graph that computed ``t`` from its leaves (its saved tensors are gone)."""
+    leaves = leaf_sources(t) if t.grad_fn is not None else []
+    if not leaves:
+        return False
+    try:
+        torch.autograd.grad(t, leaves, grad_outputs=torch.ones_like(t), retain_graph=True, allow_unused=True)
+    except RuntimeError as err:
+        if "freed" in str(err):
+            return True
+        raise
+    return False
+
+
+def _without_freed_graphs(args, kwargs, mode: str):
+    """The recorded call's arguments for ``hessian(wrt="alpha")``, those whose graph the block's backward freed as
+    values: weights computed before the model call (``net(x, softmax(α))``) keep a graph that can no longer be
+    differentiated, which the chain rule's softmax check stopped in (torch's "backward through the graph a second
+    time"); as values they are weights without a graph, taken as softmax(α) of each edge's own α. ``exact`` reads from
+    that graph whether edges share one α (which it refuses): without it, one line."""
+    from torch.utils._pytree import tree_map
+
+    freed = []
+    values = tree_map(lambda v: (freed.append(v) or v.detach()) if isinstance(v, torch.Tensor) and _graph_freed(v)
+                      else v, (tuple(args), dict(kwargs)))
+    if freed and mode == "exact":
+        raise ProbeError(
+            "hessian(wrt='alpha', mode='exact'): the recorded model call was given tensors computed before it (mixing "
+            "weights such as net(x, softmax(α))) whose graph the block's backward freed, so whether edges share one α, "
+            "which exact refuses (nasdiag.hessian.alpha_diag_hessian gives that diagonal), cannot be read; compute the "
+            "weights inside the model's forward, call backward(retain_graph=True) in the block, or use another mode"
+        )
+    return values
 
 
 def _cross_entropy_targets(logits: Optional[torch.Tensor], grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
