@@ -88,7 +88,7 @@ def _loss_hessian_columns(loss_fn, outputs, targets, chunk_size, generator, take
     # The coupling check compares two products to 1e3 ulp of their magnitudes; in float16/bfloat16 that tolerance is
     # the whole Hessian (a loss coupling samples as strongly as its per-sample terms passed, and diag/approx came out
     # 120% off), so there it is made on a float32 copy of the loss (the diagonal itself stays in the outputs' dtype).
-    check = _float32_copy(loss_fn, outputs, targets) if out.dtype in (torch.float16, torch.bfloat16) else (grad, out)
+    check = (_float32_copy(loss_fn, outputs, targets) if out.dtype in (torch.float16, torch.bfloat16) else None) or (grad, out)
     parts = []
     col_max = diff_max = check[1].new_zeros(())
     for start in range(0, D, chunk_size):
@@ -113,14 +113,14 @@ def _loss_hessian_columns(loss_fn, outputs, targets, chunk_size, generator, take
 
 def _float32_copy(loss_fn, outputs: torch.Tensor, targets):
     """``(∂loss/∂y, y)`` with a graph, for ``y`` a float32 copy of 16-bit ``outputs`` (targets of their dtype cast
-    alike), on which the coupling check's products carry float32 round-off."""
+    alike), on which the coupling check's products carry float32 round-off; None where it has no second derivative."""
     out = outputs.detach().float().requires_grad_(True)
     if isinstance(targets, torch.Tensor) and targets.dtype == outputs.dtype:
         targets = targets.float()
     with torch.enable_grad():
         (grad,) = torch.autograd.grad(scalar_loss(loss_fn, out, targets), out, create_graph=True, allow_unused=True)
-    if grad is None or not grad.requires_grad:
-        grad = torch.zeros_like(out).requires_grad_(True)  # no second derivative in float32 either: nothing couples
+    if grad is None or not grad.requires_grad:  # no second derivative in float32 (where the 16-bit loss had one)
+        return None
     return grad, out
 
 
