@@ -15,19 +15,33 @@ class ConfigError(NasdiagError, ValueError):
     """A search configuration or hyperparameter is invalid (unknown key, wrong type, out of range)."""
 
 
+def _bytes_or_escape(exc):
+    """The error handler of `paths_on_stdout`: a file name's surrogates back as its bytes (``surrogateescape``), any
+    other character the encoding lacks as its escape (``\\u03b1``, as standard error writes it)."""
+    import codecs
+
+    if isinstance(exc, UnicodeEncodeError) and all(0xDC80 <= ord(c) <= 0xDCFF for c in exc.object[exc.start:exc.end]):
+        return codecs.lookup_error("surrogateescape")(exc)
+    return codecs.lookup_error("backslashreplace")(exc)
+
+
 def paths_on_stdout():
     """Let standard output print any file name: one that is not UTF-8 (``$'\\xff.h5'``, from a Latin-1 system) reaches
     Python as surrogates, which a strict UTF-8 stdout (any locale but C, PYTHONIOENCODING=utf-8) refused with a
     UnicodeEncodeError traceback after the run was done ("record: ..."). Written back as its bytes, as ``ls`` does.
-    Returns the previous error handler to restore (``sys.stdout.reconfigure(errors=...)``), or None when nothing
-    changed."""
+    And any text on a stdout whose encoding lacks its characters (a Latin-1 locale, PYTHONIOENCODING=ascii, the C locale
+    without UTF-8 mode): ``nasdiag methods`` and ``nasdiag search --help`` (α, Θ, ξ) were a UnicodeEncodeError
+    traceback; such a character is written as its escape. Returns the previous error handler to restore
+    (``sys.stdout.reconfigure(errors=...)``), or None when nothing changed."""
+    import codecs
     import sys
 
     errors = getattr(sys.stdout, "errors", None)
-    if errors != "strict" or not hasattr(sys.stdout, "reconfigure"):
+    if errors not in ("strict", "surrogateescape") or not hasattr(sys.stdout, "reconfigure"):
         return None
     try:
-        sys.stdout.reconfigure(errors="surrogateescape")
+        codecs.register_error("nasdiag.bytes_or_escape", _bytes_or_escape)
+        sys.stdout.reconfigure(errors="nasdiag.bytes_or_escape")
     except (ValueError, OSError, AttributeError):  # pragma: no cover - a stream that cannot change now
         return None
     return errors

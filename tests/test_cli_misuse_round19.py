@@ -4,7 +4,8 @@ test_scripts_misuse_round14.py) did not cover: a record path that is a named pip
 process substitution) or a device (/dev/null): ``nasdiag search --out``, ``plot`` and ``report`` of it hung before a
 word (reading a pipe waits for a writer), a search stopped then said "the record holds every completed step", and
 plot/report called /dev/null a damaged record; ``--hp "alpha_betas=0.5 0.999"`` (a tuple not given by commas) was said to
-need a float. Every such mistake is one line on stderr saying what was wrong and
+need a float; ``nasdiag methods`` and ``nasdiag search --help`` on a standard output without unicode
+(PYTHONIOENCODING=ascii, a Latin-1 locale) were a UnicodeEncodeError traceback. Every such mistake is one line on stderr saying what was wrong and
 what to do, exit code 2, no traceback, nothing left behind.
 """
 
@@ -65,4 +66,19 @@ def test_a_tuple_hyperparameter_not_given_by_commas_is_not_said_to_be_a_float(va
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     assert "alpha_betas of method 'darts' must be of type (float, float)" in err[0] and "commas" in err[0], err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command,escaped", [(["methods", "darts"], "\\u03be"), (["search", "--help"], "\\u03b1")])
+def test_help_and_methods_on_a_standard_output_without_unicode_are_printed_not_a_traceback(command, escaped, tmp_path):
+    """On a standard output whose encoding lacks Greek letters (PYTHONIOENCODING=ascii here; a Latin-1 locale, or the C
+    locale without Python's UTF-8 mode, are alike), ``nasdiag methods`` (ξ, Θ, ℓ in the methods' docstrings) and
+    ``nasdiag search --help`` (α) were a UnicodeEncodeError traceback, exit code 1. Each such character is written as
+    its escape, as Python writes it to standard error; the rest as is."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), "PYTHONIOENCODING": "ascii"}
+    done = subprocess.run([sys.executable, "-m", "nasdiag", *command], cwd=tmp_path, env=env, capture_output=True,
+                          timeout=120, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0 and b"Traceback" not in done.stderr, done.stderr.decode(errors="replace")
+    out = done.stdout.decode("ascii")  # nothing but ASCII reached it
+    assert escaped in out and ("w_lr: float = 0.025" in out if command[0] == "methods" else "--spectrum-every" in out)
     assert list(tmp_path.iterdir()) == []
