@@ -482,6 +482,12 @@ def _refuse_options_before_the_command(tokens: List[str], commands) -> None:
     if not first or not tokens[0].startswith("-") or tokens[0] in ("-h", "--help", "--version"):
         return
     command, before = tokens[first], tokens[:first]
+    if "--" in before:  # it said to run "nasdiag search -- --epochs 1", where every option after -- is a value
+        moved = [t for t in before if t != "--"]
+        also = ", and give options after the command" if moved else ""
+        raise ConfigError(f"nasdiag: {_join(before)} is given before the command {command}; drop the --, which makes "
+                          f"every argument after it a value, not an option{also}: "
+                          f"nasdiag {_join([command, *moved, *tokens[first + 1:]])}")
     raise ConfigError(f"nasdiag: {_join(before)} is given before the command {command}; options go after it: "
                       f"nasdiag {_join([command, *before, *tokens[first + 1:]])}")
 

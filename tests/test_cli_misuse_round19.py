@@ -5,7 +5,8 @@ process substitution) or a device (/dev/null): ``nasdiag search --out``, ``plot`
 word (reading a pipe waits for a writer), a search stopped then said "the record holds every completed step", and
 plot/report called /dev/null a damaged record; ``--hp "alpha_betas=0.5 0.999"`` (a tuple not given by commas) was said to
 need a float; ``nasdiag methods`` and ``nasdiag search --help`` on a standard output without unicode
-(PYTHONIOENCODING=ascii, a Latin-1 locale) were a UnicodeEncodeError traceback. Every such mistake is one line on stderr saying what was wrong and
+(PYTHONIOENCODING=ascii, a Latin-1 locale) were a UnicodeEncodeError traceback; ``nasdiag -- search ...`` was told to run
+``nasdiag search -- ...``, refused in turn. Every such mistake is one line on stderr saying what was wrong and
 what to do, exit code 2, no traceback, nothing left behind.
 """
 
@@ -81,4 +82,23 @@ def test_help_and_methods_on_a_standard_output_without_unicode_are_printed_not_a
     assert done.returncode == 0 and b"Traceback" not in done.stderr, done.stderr.decode(errors="replace")
     out = done.stdout.decode("ascii")  # nothing but ASCII reached it
     assert escaped in out and ("w_lr: float = 0.025" in out if command[0] == "methods" else "--spectrum-every" in out)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("before", [["--"], ["--no-progress", "--"]])
+def test_a_double_dash_before_the_command_is_not_moved_after_it(before, tmp_path, capsys):
+    """``nasdiag -- search --epochs 1`` was told to run ``nasdiag search -- --epochs 1``, which is refused in turn (after
+    --, every argument is a value). The command given back drops the --, and runs as told."""
+    from nasdiag.cli import main
+
+    out = str(tmp_path / "run.h5")
+    rest = ["--epochs", "0", "--out", out]  # 0: the command given back stops at its own check, before any work
+    assert main([*before, "search", *rest]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "drop the --" in err[0], err
+    told = err[0].split(": nasdiag ", 1)[1].split()
+    assert "--" not in told and told[0] == "search" and told[-len(rest):] == rest, err
+    assert main(told) == 2
+    again = capsys.readouterr().err.strip().splitlines()
+    assert len(again) == 1 and "epochs must be an integer >= 1, got 0" in again[0], again
     assert list(tmp_path.iterdir()) == []
