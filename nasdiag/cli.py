@@ -347,7 +347,6 @@ def _refuse_figures_in_the_record(figures: str, record: str, default: str) -> No
 
 
 def run_search(args) -> int:
-    args.replaced = _identity(args.out) if args.force else None  # to tell an interrupt before --force replaced it
     if args.resume and os.path.isfile(args.out):  # it said the checkpoint was missing: "start again with --force"
         from nasdiag.plot.commands import renamed_record
 
@@ -565,9 +564,14 @@ def _stopped(args: Optional[argparse.Namespace], how: str, exc: Optional[BaseExc
                 f"draw them with nasdiag plot {_quote(record)} --out {_quote(figures)}")        # space survives a shell
     if not args.out or not os.path.exists(args.out):
         return f"nasdiag: {how} before anything was recorded; run the command again (without --resume)"
-    if getattr(args, "replaced", None) is not None and _identity(args.out) == args.replaced:  # the old run's record
+    found = getattr(args, "found", None)  # the file at --out as the command started, but for --resume
+    if found is not None and _identity(args.out) == found and args.force:  # the old run's record
         return (f"nasdiag: {how} before --force replaced the record at {args.out}, which is as it was; run the command "
                 "again")  # "continue it with ... --resume" continued the run --force was to replace (or was refused)
+    if found is not None and _identity(args.out) == found:  # an earlier run's, which a run without --resume was to
+        return (f"nasdiag: {how} before anything was recorded; {args.out} was there before this command and is as "
+                "it was (a search continues it only with --resume, replaces it only with --force)")  # refuse: it said
+    # "the record holds every completed step: continue it with ... --resume", which continued that earlier run
     if argv is None:
         argv = sys.argv[1:]
     return f"nasdiag: {how}; the record holds every completed step: continue it with {_resume_command(argv)}"
@@ -769,6 +773,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         args = _parse(argv)
         if args.command is None:
             raise ConfigError("nasdiag: choose a command: search, methods, plot or report (see nasdiag --help)")
+        if args.command == "search":  # what --out was as the command started: an interrupt tells an earlier run's
+            args.found = None if args.resume else _identity(args.out)  # record, as it was, from one this run wrote
         if args.command != "plot":  # the commands that load torch (plot draws from a record with absolute paths)
             _refuse_deleted_folder()
         if args.command in ("search", "plot", "report"):

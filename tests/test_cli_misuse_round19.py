@@ -102,3 +102,35 @@ def test_a_double_dash_before_the_command_is_not_moved_after_it(before, tmp_path
     again = capsys.readouterr().err.strip().splitlines()
     assert len(again) == 1 and "epochs must be an integer >= 1, got 0" in again[0], again
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def earlier_run(tmp_path_factory):
+    """A finished search's record (one epoch of the smallest supernet), the earlier run at an --out given again."""
+    from nasdiag.cli import main
+    from test_cli_errors import TINY
+
+    out = tmp_path_factory.mktemp("earlier") / "run.h5"
+    assert main(["search", *TINY, "--out", str(out)]) == 0
+    return out
+
+
+@pytest.mark.parametrize("flag", [[], ["--force"]])
+def test_an_interrupt_at_start_up_does_not_offer_to_continue_an_earlier_runs_record(flag, earlier_run, monkeypatch, capsys):
+    """``nasdiag search --out run.h5`` (a record there from an earlier run: the command would be refused), or with
+    ``--force``, stopped by Ctrl-C while it starts (loading numpy and torch, before the record is touched) said "the
+    record holds every completed step: continue it with nasdiag search ... --resume", which continued the earlier run,
+    not this one. It says nothing was recorded, and the record is as it was."""
+    from nasdiag import cli
+    from test_cli_errors import TINY, snapshot
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_import_numpy", interrupted)
+    before = snapshot(earlier_run.parent)
+    assert cli.main(["search", *TINY, "--out", str(earlier_run), *flag]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--resume" not in err[0].replace("only with --resume", ""), err
+    assert ("before --force replaced the record" if flag else "before anything was recorded") in err[0], err
+    assert snapshot(earlier_run.parent) == before

@@ -253,12 +253,13 @@ def test_the_resume_command_of_a_record_named_with_a_newline_is_one_line_bash_re
     import nasdiag.search
     from nasdiag.cli import _parse, main
 
+    out = tmp_path / name
+
     def interrupted(config, callbacks=()):
+        out.write_bytes(b"stands in for the record of this run")  # written by this run (one there before: round 19)
         raise KeyboardInterrupt
 
     monkeypatch.setattr(nasdiag.search, "run", interrupted)
-    out = tmp_path / name
-    out.write_bytes(b"stands in for the record of this run")
     assert main(_search(out)) == 130
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1, lines
