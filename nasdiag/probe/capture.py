@@ -266,6 +266,10 @@ class StepCapture:
         self.model_output: Optional[torch.Tensor] = None  # logits of the first model call (hessian mode)
         self.output_grad: Optional[torch.Tensor] = None  # ∂L/∂logits, to infer cross-entropy targets
         self.split_calls: List[EdgeCall] = []  # path split: calls whose J_eᵀ g is gathered by node hooks
+        #: path split: the block's cell calls; their edge calls point back at them (call.cell_call), a reference cycle that
+        #: only Python's cyclic collector freed, so each step's captured activations outlived the block (several steps of
+        #: them on the device at a time) unless the cycle is broken when the block ends (release)
+        self.cell_calls: List[CellCall] = []
         self._marker: Optional[torch.Tensor] = None  # a leaf whose products read autograd's sequence counter
 
     # -- forward hooks ---------------------------------------------------------------------
@@ -524,6 +528,8 @@ class StepCapture:
 
     def cell_pre(self, pos: int, module, args):
         self.open_cell[pos] = CellCall(pos, self.model_calls)
+        if self.path_split:
+            self.cell_calls.append(self.open_cell[pos])
         return None
 
     def cell_post(self, pos: int, module, args, output):
@@ -872,3 +878,6 @@ class StepCapture:
         self.open_cell = [None] * len(self.open_cell)
         self.call_weights = [None] * len(self.call_weights)
         self.split_calls = []
+        for ccall in self.cell_calls:  # the cycle cell call -> edge calls -> cell call (path split)
+            ccall.edge_calls, ccall.node_grad = {}, {}
+        self.cell_calls = []
