@@ -231,18 +231,22 @@ class _EdgeRecorder:
         self._frames: Dict[str, List[Dict[int, torch.Tensor]]] = {n: [] for n in names}
         self._gaps: List[tuple] = []  # (edge, device scalar > 0 where its output is not Σ_k w_k B_k of the listed ops)
         self._hooks = Hooks()
+
+    def __enter__(self):
+        # planned here and dropped on exit: the hooks are closures over this recorder, and a plan kept on it closed a
+        # reference cycle that held the recorded op outputs until Python's cyclic collector ran
+        self._hooks = Hooks()
         for name, module, ops in zip(self.names, self.modules, self.ops):
             self._hooks.forward_pre(module, self._pre(name, len(ops)), with_kwargs=True)
             self._hooks.forward(module, self._post(name, len(ops)))
             for k, op in enumerate(ops):
                 self._hooks.forward(op, self._op(name, k))
-
-    def __enter__(self):
         self._hooks.install()
         return self
 
     def __exit__(self, *exc):
         self._hooks.remove()
+        self._hooks = Hooks()
 
     def _pre(self, name, K):
         def hook(module, args, kwargs):

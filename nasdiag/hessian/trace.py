@@ -132,6 +132,9 @@ class ModuleTracer:
 
     def __exit__(self, *exc) -> None:
         self._hooks.remove()
+        # the plan's hooks are this tracer's bound methods: kept, they closed a reference cycle that held the traced
+        # forward's tensors (rule_calls) until Python's cyclic collector ran; entering builds a new plan
+        self._hooks = Hooks()
         self._leaf_of = {}
 
     def _rule_pre(self, module, args, kwargs):
