@@ -6,7 +6,8 @@ word (reading a pipe waits for a writer), a search stopped then said "the record
 plot/report called /dev/null a damaged record; ``--hp "alpha_betas=0.5 0.999"`` (a tuple not given by commas) was said to
 need a float; ``nasdiag methods`` and ``nasdiag search --help`` on a standard output without unicode
 (PYTHONIOENCODING=ascii, a Latin-1 locale) were a UnicodeEncodeError traceback; ``nasdiag -- search ...`` was told to run
-``nasdiag search -- ...``, refused in turn. Every such mistake is one line on stderr saying what was wrong and
+``nasdiag search -- ...``, refused in turn; Ctrl-C while ``nasdiag search --out run.h5`` (an earlier run's record there)
+started offered to continue that earlier run; docs/figures.md gave the main job steps 0-87 (1-88). Every such mistake is one line on stderr saying what was wrong and
 what to do, exit code 2, no traceback, nothing left behind.
 """
 
@@ -134,3 +135,24 @@ def test_an_interrupt_at_start_up_does_not_offer_to_continue_an_earlier_runs_rec
     assert len(err) == 1 and "--resume" not in err[0].replace("only with --resume", ""), err
     assert ("before --force replaced the record" if flag else "before anything was recorded") in err[0], err
     assert snapshot(earlier_run.parent) == before
+
+
+def test_the_step_range_docs_figures_gives_the_main_job_is_the_records(earlier_run):
+    """docs/figures.md's ``nasdiag plot ... --at init,final,40`` said 'the main job has steps 0-87': a search records
+    steps from 1 (``--at 0`` is refused: 'starts at step 1'), one per full batch of the smaller search split, so README's
+    main job (digits, 8 epochs, batch 64) has steps 1 to 8 · ⌊min(train, val) / 64⌋ = 88."""
+    import re
+
+    import h5py
+
+    from nasdiag.data import load_dataset
+
+    text = open(os.path.join(ROOT, "docs", "figures.md"), encoding="utf-8").read()
+    first, last = map(int, re.search(r"the main job has steps (\d+)-(\d+)", text).groups())
+    with h5py.File(earlier_run, "r") as f:  # the record's own step column, read without nasdiag
+        steps = f["step"][()]
+    splits = load_dataset("digits")
+    assert first == int(steps.min()) == 1
+    assert "--epochs 8" in open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    assert "--batch-size" not in open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().split("--epochs 8")[1][:40]
+    assert last == 8 * (min(len(splits.train), len(splits.val)) // 64)
