@@ -7,7 +7,8 @@ plot/report called /dev/null a damaged record; ``--hp "alpha_betas=0.5 0.999"`` 
 need a float; ``nasdiag methods`` and ``nasdiag search --help`` on a standard output without unicode
 (PYTHONIOENCODING=ascii, a Latin-1 locale) were a UnicodeEncodeError traceback; ``nasdiag -- search ...`` was told to run
 ``nasdiag search -- ...``, refused in turn; Ctrl-C while ``nasdiag search --out run.h5`` (an earlier run's record there)
-started offered to continue that earlier run; docs/figures.md gave the main job steps 0-87 (1-88). Every such mistake is one line on stderr saying what was wrong and
+started offered to continue that earlier run; docs/figures.md gave the main job steps 0-87 (1-88); a figure folder holding a
+folder named as a figure (figs/scalars.png/) failed after the whole search. Every such mistake is one line on stderr saying what was wrong and
 what to do, exit code 2, no traceback, nothing left behind.
 """
 
@@ -156,3 +157,25 @@ def test_the_step_range_docs_figures_gives_the_main_job_is_the_records(earlier_r
     assert "--epochs 8" in open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
     assert "--batch-size" not in open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().split("--epochs 8")[1][:40]
     assert last == 8 * (min(len(splits.train), len(splits.val)) // 64)
+
+
+@pytest.mark.parametrize("command", ["search", "plot"])
+def test_a_figure_folder_holding_a_folder_named_as_a_figure_is_refused_before_the_run(command, earlier_run, tmp_path,
+                                                                                   capsys):
+    """A figure folder holding a folder named as a figure (``figs/scalars.png/``): ``nasdiag search --figs figs`` ran to
+    its end, then failed 'Is a directory (figs/.scalars.png.tmp)', naming a hidden temporary file, and told to draw them
+    with nasdiag plot, which failed alike. Refused in one line before the run, as a user's own file of that name is."""
+    from nasdiag.cli import main
+    from test_cli_errors import TINY, snapshot
+
+    (tmp_path / "figs" / "scalars.png").mkdir(parents=True)
+    before = snapshot(tmp_path)
+    if command == "search":
+        argv = ["search", *[a for a in TINY if a != "--no-figs"], "--out", str(tmp_path / "run.h5"), "--figs",
+                str(tmp_path / "figs")]
+    else:
+        argv = ["plot", str(earlier_run), "--out", str(tmp_path / "figs"), "--no-progress"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds scalars.png/, named as a figure" in err[0] and ".tmp" not in err[0], err
+    assert snapshot(tmp_path) == before

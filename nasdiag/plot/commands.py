@@ -253,7 +253,9 @@ def _check_folder(out: Path, record: Optional[str] = None) -> None:
 
 def foreign_figures(folder, fmt: str, cells=()) -> List[Path]:
     """The files in ``folder`` named as a figure nasdiag draws there (``scalars.png``, ``cost_normal_heatmap_final.png``;
-    ``cells``: cell types besides normal and reduce) that nasdiag did not draw: drawing would replace them."""
+    ``cells``: cell types besides normal and reduce) that nasdiag did not draw: drawing would replace them; and a
+    folder so named, which no figure can replace (a search ran to its end, then failed "Is a directory" naming a
+    hidden temporary file, as plot did)."""
     folder = Path(folder)
     if not folder.is_dir():  # a new folder: nothing in the way, and no figure module loaded for it
         return []
@@ -263,7 +265,8 @@ def foreign_figures(folder, fmt: str, cells=()) -> List[Path]:
 
     names = {spec.filename(cell) for spec in registered().values() for cell in {None, "normal", "reduce", *cells}}
     named = re.compile(f"({'|'.join(map(re.escape, sorted(names)))})(_(init|final|step[0-9]+))?\\.{re.escape(fmt)}")
-    return [p for p in sorted(folder.iterdir()) if named.fullmatch(p.name) and p.is_file() and not is_nasdiag_figure(p)]
+    return [p for p in sorted(folder.iterdir()) if named.fullmatch(p.name) and (
+        p.is_dir() and not p.is_symlink() or p.is_file() and not is_nasdiag_figure(p))]
 
 
 def refuse_foreign_figures(folder, fmt: str, option: str, cells=(), instead: Optional[str] = None) -> None:
@@ -273,7 +276,8 @@ def refuse_foreign_figures(folder, fmt: str, option: str, cells=(), instead: Opt
 
     foreign = foreign_figures(folder, fmt, cells)
     if foreign:
-        shown = ", ".join(p.name for p in foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        shown = ", ".join(p.name + "/" * p.is_dir() for p in foreign[:3]) + (f" and {len(foreign) - 3} more" if
+                                                                              len(foreign) > 3 else "")
         raise PlotError(f"{option} {folder} holds {shown}, named as a figure but not drawn by nasdiag, which drawing would "
                         f"replace; move {'it' if len(foreign) == 1 else 'them'} away or {instead or 'give another ' + option}")
 
