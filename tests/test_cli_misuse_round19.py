@@ -8,7 +8,8 @@ need a float; ``nasdiag methods`` and ``nasdiag search --help`` on a standard ou
 (PYTHONIOENCODING=ascii, a Latin-1 locale) were a UnicodeEncodeError traceback; ``nasdiag -- search ...`` was told to run
 ``nasdiag search -- ...``, refused in turn; Ctrl-C while ``nasdiag search --out run.h5`` (an earlier run's record there)
 started offered to continue that earlier run; docs/figures.md gave the main job steps 0-87 (1-88); a figure folder holding a
-folder named as a figure (figs/scalars.png/) failed after the whole search. Every such mistake is one line on stderr saying what was wrong and
+folder named as a figure (figs/scalars.png/) failed after the whole search; an integer hyperparameter given zero-padded (010)
+was refused as not an int. Every such mistake is one line on stderr saying what was wrong and
 what to do, exit code 2, no traceback, nothing left behind.
 """
 
@@ -179,3 +180,14 @@ def test_a_figure_folder_holding_a_folder_named_as_a_figure_is_refused_before_th
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "holds scalars.png/, named as a figure" in err[0] and ".tmp" not in err[0], err
     assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("method,key", [("bayesnas", "update_every"), ("asmnas", "attention_hidden")])
+def test_a_zero_padded_integer_hyperparameter_is_taken_as_the_decimal_it_is(method, key):
+    """``--hp update_every=010`` was refused as 'must be of type int, got '010'' (Python's int(text, 0), which takes 0x10
+    but no zero-padded decimal), where ``--epochs 010`` is 10; it is 10, and 0x10 still 16."""
+    from nasdiag.search.registry import available_methods
+
+    hp = available_methods()[method].Hyperparameters
+    assert getattr(hp.parse([f"{key}=010"], method), key) == 10
+    assert getattr(hp.parse([f"{key}=0x10"], method), key) == 16

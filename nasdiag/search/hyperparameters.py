@@ -321,7 +321,12 @@ def _coerce(key: str, value: Any, tp, method: str):
                 raise ValueError
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError
-            return int(value) if not isinstance(value, str) else int(value, 0)
+            if not isinstance(value, str):
+                return int(value)
+            try:  # decimal first: int('010', 0) is a ValueError, so a zero-padded 010 was "must be of type int"
+                return int(value)
+            except ValueError:
+                return int(value, 0)  # 0x10, 0o7, 0b11
         if tp is float:
             if isinstance(value, bool):
                 raise ValueError
