@@ -320,6 +320,19 @@ class SearchMethod:
     def epoch_end(self, epoch: int) -> None:
         """Called after each epoch (schedules, annealing)."""
 
+    @staticmethod
+    def step_schedules(*schedulers) -> None:
+        """One epoch of each learning-rate schedule. A cosine schedule at its end (``last_epoch`` ≥ ``T_max``, the
+        run's epochs) stays at its minimum: torch's `CosineAnnealingLR` is periodic and rose again past its end
+        (0.001 → 0.013 → 0.025 for DARTS's defaults) where a hand-written loop calls `epoch_end` more often than
+        ``schedule.epochs``; `extend_schedule` is the way to lengthen a run."""
+        from torch.optim.lr_scheduler import CosineAnnealingLR
+
+        for scheduler in schedulers:
+            if isinstance(scheduler, CosineAnnealingLR) and scheduler.last_epoch >= scheduler.T_max:
+                continue
+            scheduler.step()
+
     def extend_schedule(self, epochs: int) -> None:
         """Continue the run to ``epochs`` epochs in all (``nasdiag search --resume --epochs N``).
 

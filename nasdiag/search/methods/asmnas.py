@@ -178,7 +178,7 @@ class ASMNAS(SearchMethod):
         return stats
 
     def epoch_end(self, epoch: int) -> None:
-        self.scheduler.step()
+        self.step_schedules(self.scheduler)
 
     # -- selection (Algorithm 1, lines 6-12) -----------------------------------------------------------
     @torch.no_grad()

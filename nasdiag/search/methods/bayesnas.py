@@ -329,5 +329,4 @@ class BayesNAS(SearchMethod):
         return stats
 
     def epoch_end(self, epoch: int) -> None:
-        self.scheduler.step()
-        self.arch_scheduler.step()
+        self.step_schedules(self.scheduler, self.arch_scheduler)

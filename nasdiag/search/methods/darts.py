@@ -118,4 +118,4 @@ class DARTS(SearchMethod):
         return stats
 
     def epoch_end(self, epoch: int) -> None:
-        self.scheduler.step()
+        self.step_schedules(self.scheduler)

@@ -211,9 +211,7 @@ class SparseNAS(DARTS):
 
     def epoch_end(self, epoch: int) -> None:
         """Cosine schedules step; λ rises linearly: λ = lambda_step · (epochs done + 1)."""
-        self.scheduler.step()
-        if hasattr(self, "arch_scheduler"):
-            self.arch_scheduler.step()
+        self.step_schedules(self.scheduler, *([self.arch_scheduler] if hasattr(self, "arch_scheduler") else []))
         for group in self.arch_optimizer.param_groups:
             group["lam"] = self.hp.lambda_step * (epoch + 2)
         if not math.isfinite(self.lam):

@@ -272,7 +272,7 @@ class XNAS(SearchMethod):
         return torch.tensor(on / total, dtype=torch.float64)
 
     def epoch_end(self, epoch: int) -> None:
-        self.scheduler.step()
+        self.step_schedules(self.scheduler)
 
     def extend_schedule(self, epochs: int) -> None:
         raise SearchError("xnas cannot extend a run: the wipeout thresholds and η* (eq 4) are fixed by the horizon "
