@@ -182,6 +182,13 @@ def search_config(args: argparse.Namespace) -> SearchConfig:
     if args.out.strip() == "-":  # it wrote a record named "-" into the current folder
         raise ConfigError("--out - would name a record file '-': a record is an HDF5 file and cannot go to standard "
                           "output; pass the record path, such as runs/search.h5")
+    from nasdiag.plot.commands import OTHER_FORMATS
+
+    suffix = Path(args.out).suffix.lower()
+    if suffix in OTHER_FORMATS and not os.path.lexists(args.out):  # one there (a record so named) is the user's
+        raise ConfigError(f"--out {args.out} names a {suffix} file, but the search writes its record there, an HDF5 "
+                          f"file (it would be HDF5 under a {suffix} name); give an .h5 path, e.g. --out "
+                          f"{Path(args.out).with_suffix('.h5')} (the figures go to the folder --figs names)")
     if args.hessian_mode is not None and not args.hessian_mode.strip():  # it silently ran the default mode
         raise ConfigError("--hessian-mode is empty; give a mode such as diag, approx, ggn, hutchinson:4 or exact, or "
                           "leave the option out for the default (diag)")

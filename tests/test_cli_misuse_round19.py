@@ -9,7 +9,8 @@ need a float; ``nasdiag methods`` and ``nasdiag search --help`` on a standard ou
 ``nasdiag search -- ...``, refused in turn; Ctrl-C while ``nasdiag search --out run.h5`` (an earlier run's record there)
 started offered to continue that earlier run; docs/figures.md gave the main job steps 0-87 (1-88); a figure folder holding a
 folder named as a figure (figs/scalars.png/) failed after the whole search; an integer hyperparameter given zero-padded (010)
-was refused as not an int. Every such mistake is one line on stderr saying what was wrong and
+was refused as not an int; ``nasdiag search --out run.png`` (or .html) wrote its HDF5 record under that name. Every such
+mistake is one line on stderr saying what was wrong and
 what to do, exit code 2, no traceback, nothing left behind.
 """
 
@@ -191,3 +192,33 @@ def test_a_zero_padded_integer_hyperparameter_is_taken_as_the_decimal_it_is(meth
     hp = available_methods()[method].Hyperparameters
     assert getattr(hp.parse([f"{key}=010"], method), key) == 10
     assert getattr(hp.parse([f"{key}=0x10"], method), key) == 16
+
+
+@pytest.mark.parametrize("name", ["run.png", "results.html", "run.PDF"])
+def test_a_search_record_named_as_another_format_is_refused_before_the_run(name, tmp_path, capsys):
+    """``nasdiag search --out run.png`` (or results.html: --out taken for the figures or a page) ran and wrote its HDF5
+    record under that name, exit 0, as round 14 found report --out report.pdf writing HTML; one line naming the .h5
+    record to give, before any file."""
+    from nasdiag.cli import main
+    from test_cli_errors import TINY
+
+    assert main(["search", *TINY, "--out", str(tmp_path / name)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"names a {os.path.splitext(name)[1].lower()} file" in err[0], err
+    assert f"--out {tmp_path / os.path.splitext(name)[0]}.h5" in err[0], err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_record_already_named_as_another_format_is_still_resumed_or_replaced(earlier_run, tmp_path, capsys):
+    """A record written under such a name before the refusal (or renamed so) stays the user's to continue."""
+    import shutil
+
+    from nasdiag.cli import main
+    from test_cli_errors import TINY
+
+    record = tmp_path / "run.png"
+    shutil.copyfile(earlier_run, record)
+    shutil.copyfile(f"{earlier_run}.ckpt", f"{record}.ckpt")
+    assert main(["search", *TINY, "--out", str(record), "--resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "already finished" in err[0], err  # read as the run it is: refused as finished
