@@ -10,8 +10,30 @@ need a float; ``nasdiag methods`` and ``nasdiag search --help`` on a standard ou
 started offered to continue that earlier run; docs/figures.md gave the main job steps 0-87 (1-88); a figure folder holding a
 folder named as a figure (figs/scalars.png/) failed after the whole search; an integer hyperparameter given zero-padded (010)
 was refused as not an int; ``nasdiag search --out run.png`` (or .html) wrote its HDF5 record under that name. Every such
-mistake is one line on stderr saying what was wrong and
-what to do, exit code 2, no traceback, nothing left behind.
+mistake is one line on stderr saying what was wrong and what to do, exit code 2, no traceback, nothing left behind.
+
+Checked and found right (not repeated as tests, run as a user in a shell): ``nasdiag``, ``python -m nasdiag``,
+``--version`` and every command's ``--help`` (exit 0, one page on stdout; with stdout closed help goes to stderr); a
+command misspelt (serach, searc: the near miss named), ambiguous prefixes (--e, --h, --no: the candidates named);
+every numeric option of search given 0, -1, nan, inf, 1e309, 0x10, 1_000, '', ' 3', +2 (one line each, or the value
+Python's int reads); --hp of wrong types, unknown, duplicate, empty keys and 1e309/nan/inf (one line); SIGINT and
+SIGTERM mid-run (job control on), then --resume, and kill -9 then --resume: every array of a float64 DSNAS record with
+cost and Hessian diagnostics bit-equal to an uninterrupted run's (meta's record path aside), exit 130/143, one line;
+--resume with another method, dataset or of a finished run (one line naming it), with equal settings spelt otherwise
+(--hp alpha_lr=3e-2 for the digits preset, alpha_betas=(0.5, 0.999), --multiplier = --steps, an absolute --out:
+taken); two searches started at once on one --out, fresh or --force (one runs, the other refused naming the writer);
+stdout closed, stdin closed, | head -1, HOME unset with TMPDIR nowhere, LANG=C with a path of ü and a space, a path
+named with no suffix or '.h5' (runs, resumes, plots); --spectrum-every past the run (refused before any file);
+--hessian-mode hutchinson:0/-1/1_000/ 4/99999999999999999999, DIAG (one line); plot --at 0/05/'5, 10'/+5/a huge step
+(one line, or drawn at the step named); report --out of the checkpoint (refused, with --force too).
+
+Left alone: a record path of a named pipe among several records of ``nasdiag plot`` refuses the whole batch in one line
+(the other unreadable records of a batch are skipped: the check runs before any record is read); ``nasdiag plot``
+interrupted leaves the figures it drew (each written whole); a search with stdout closed runs and exits 0, its
+summary lines lost (the record holds them); a SIGTERM after the search returned, while Python exits, ends it by the
+signal without a line (the run is complete); 'finished 1 epochs'; --hp alpha_betas=0.5,,0.999 reads as (0.5, 0.999);
+--resume --out r.h5 without the run's --epochs extends it to the default 8 with a warning line, as --help says; a
+checkpoint, lock or segment file that is itself a named pipe (made by hand) still blocks the reader.
 """
 
 from __future__ import annotations
