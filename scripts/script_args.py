@@ -80,6 +80,15 @@ def refuse_bad_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) 
             option = max(action.option_strings, key=len)
             raise UsageError(f"{option} {value} is not a folder but a file: {option} names the folder the script writes "
                              f"(or reads) its files in; give another {option}, or move the file away")
+        suffix = Path(value).suffix.lower() if action.dest == "out" and isinstance(value, str) else ""
+        if suffix and not os.path.isdir(value):  # --out figs.pdf made a folder so named of png files and a record
+            from nasdiag.plot.commands import OTHER_FORMATS
+
+            if suffix in OTHER_FORMATS:
+                option = max(action.option_strings, key=len)
+                raise UsageError(f"{option} {value} names a {suffix} file, but the script writes its files (records, "
+                                 f"figures, tables) into the folder {option} names; give a folder, e.g. {option} "
+                                 f"{Path(value).with_suffix('')}")
         if action.dest in FILE_OPTIONS and action.option_strings and isinstance(value, str) and value.strip():
             option, folder = max(action.option_strings, key=len), os.path.dirname(os.path.abspath(value))
             where = (f"is a folder; give the file to write, such as {os.path.join(value, 'rows.json')}"

@@ -9,7 +9,8 @@ need a float; ``nasdiag methods`` and ``nasdiag search --help`` on a standard ou
 ``nasdiag search -- ...``, refused in turn; Ctrl-C while ``nasdiag search --out run.h5`` (an earlier run's record there)
 started offered to continue that earlier run; docs/figures.md gave the main job steps 0-87 (1-88); a figure folder holding a
 folder named as a figure (figs/scalars.png/) failed after the whole search; an integer hyperparameter given zero-padded (010)
-was refused as not an int; ``nasdiag search --out run.png`` (or .html) wrote its HDF5 record under that name. Every such
+was refused as not an int; ``nasdiag search --out run.png`` (or .html) wrote its HDF5 record under that name, and a batch
+script's --out figs.pdf a folder so named. Every such
 mistake is one line on stderr saying what was wrong and what to do, exit code 2, no traceback, nothing left behind.
 
 Checked and found right (not repeated as tests, run as a user in a shell): ``nasdiag``, ``python -m nasdiag``,
@@ -244,3 +245,19 @@ def test_a_record_already_named_as_another_format_is_still_resumed_or_replaced(e
     assert main(["search", *TINY, "--out", str(record), "--resume"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "already finished" in err[0], err  # read as the run it is: refused as finished
+
+
+@pytest.mark.parametrize("script,argv", [("xnas_toys", []), ("curvature_accuracy", ["--nets", "tanh_mlp"])])
+@pytest.mark.parametrize("name", ["figs.pdf", "notes.md"])
+def test_a_script_folder_named_as_another_format_is_refused_before_any_work(script, argv, name, tmp_path, capsys):
+    """Round 14 refused ``nasdiag plot --out figs.pdf`` (a folder of png files so named); a batch script's --out figs.pdf
+    still made that folder, its record and png figures in it, exit 0. One line naming a folder to give."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    from test_cli_misuse_round13 import _script  # in-process, the folder checked unchanged
+
+    out = tmp_path / name
+    code, err = _script(script, ["--out", str(out), *argv], tmp_path, capsys)
+    assert code == 2 and len(err) == 1, err
+    assert f"--out {out} names a {os.path.splitext(name)[1]} file" in err[0], err
+    assert f"give a folder, e.g. --out {tmp_path / os.path.splitext(name)[0]}" in err[0], err
+    assert not out.exists()
