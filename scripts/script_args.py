@@ -82,9 +82,9 @@ def refuse_bad_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) 
                              f"(or reads) its files in; give another {option}, or move the file away")
         suffix = Path(value).suffix.lower() if action.dest == "out" and isinstance(value, str) else ""
         if suffix and not os.path.isdir(value):  # --out figs.pdf made a folder so named of png files and a record
-            from nasdiag.plot.commands import OTHER_FORMATS
+            from nasdiag.plot.commands import OTHER_FORMATS, RECORD_SUFFIXES
 
-            if suffix in OTHER_FORMATS:
+            if suffix in OTHER_FORMATS + RECORD_SUFFIXES:  # a folder run.h5/ is read as a record by plot runs/*.h5
                 option = max(action.option_strings, key=len)
                 raise UsageError(f"{option} {value} names a {suffix} file, but the script writes its files (records, "
                                  f"figures, tables) into the folder {option} names; give a folder, e.g. {option} "

@@ -10,8 +10,9 @@ need a float; ``nasdiag methods`` and ``nasdiag search --help`` on a standard ou
 started offered to continue that earlier run; docs/figures.md gave the main job steps 0-87 (1-88); a figure folder holding a
 folder named as a figure (figs/scalars.png/) failed after the whole search; an integer hyperparameter given zero-padded (010)
 was refused as not an int; ``nasdiag search --out run.png`` (or .html) wrote its HDF5 record under that name, and a batch
-script's --out figs.pdf a folder so named. Every such
-mistake is one line on stderr saying what was wrong and what to do, exit code 2, no traceback, nothing left behind.
+script's --out figs.pdf a folder so named; report --out page.h5 and plot --out figs.h5 a page or a folder under a record's name.
+Every such mistake is one line on stderr saying what was wrong and what to do, exit code 2, no traceback, nothing left
+behind.
 
 Checked and found right (not repeated as tests, run as a user in a shell): ``nasdiag``, ``python -m nasdiag``,
 ``--version`` and every command's ``--help`` (exit 0, one page on stdout; with stdout closed help goes to stderr); a
@@ -248,7 +249,7 @@ def test_a_record_already_named_as_another_format_is_still_resumed_or_replaced(e
 
 
 @pytest.mark.parametrize("script,argv", [("xnas_toys", []), ("curvature_accuracy", ["--nets", "tanh_mlp"])])
-@pytest.mark.parametrize("name", ["figs.pdf", "notes.md"])
+@pytest.mark.parametrize("name", ["figs.pdf", "notes.md", "out.h5"])
 def test_a_script_folder_named_as_another_format_is_refused_before_any_work(script, argv, name, tmp_path, capsys):
     """Round 14 refused ``nasdiag plot --out figs.pdf`` (a folder of png files so named); a batch script's --out figs.pdf
     still made that folder, its record and png figures in it, exit 0. One line naming a folder to give."""
@@ -261,3 +262,22 @@ def test_a_script_folder_named_as_another_format_is_refused_before_any_work(scri
     assert f"--out {out} names a {os.path.splitext(name)[1]} file" in err[0], err
     assert f"give a folder, e.g. --out {tmp_path / os.path.splitext(name)[0]}" in err[0], err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("command,name,said", [("report", "page.h5", "report writes an HTML page"),
+                                               ("plot", "figs.h5", "plot writes one png file per figure"),
+                                               ("search", "figs.hdf5", "the search draws one png file per figure")])
+def test_a_page_or_figure_folder_named_as_a_record_is_refused(command, name, said, earlier_run, tmp_path, capsys):
+    """``nasdiag report run.h5 --out page.h5`` wrote its HTML page under a record's name, ``plot --out figs.h5`` (and
+    search --figs figs.hdf5) a folder of png files so named, exit 0; ``nasdiag plot runs/*.h5`` then read them as
+    records. Refused in one line, as a page or folder named .pdf is (round 14)."""
+    from nasdiag.cli import main
+    from test_cli_errors import TINY
+
+    out = str(tmp_path / name)
+    argv = {"report": ["report", str(earlier_run), "--out", out], "plot": ["plot", str(earlier_run), "--out", out],
+            "search": ["search", *[a for a in TINY if a != "--no-figs"], "--out", str(tmp_path / "run.h5"), "--figs", out]}
+    assert main(argv[command]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{out} names a {os.path.splitext(name)[1]} file, but {said}" in err[0], err
+    assert list(tmp_path.iterdir()) == []

@@ -145,6 +145,8 @@ def _of_file(name: str, specs) -> List[str]:
 #: HTML under a PDF's name, figures drawn into figs.pdf/ png files in a folder so named, both without a word
 OTHER_FORMATS = (".pdf", ".png", ".svg", ".jpg", ".jpeg", ".eps", ".ps", ".md", ".tex", ".docx", ".ipynb", ".html",
                  ".htm")
+#: the names of an HDF5 record: a page, or a folder of figures, so named is read as one (``nasdiag plot runs/*.h5``)
+RECORD_SUFFIXES = (".h5", ".hdf5", ".hdf")
 
 
 def refuse_other_format(out: str, command: str, fmt: str = "png", option: str = "--out") -> None:
@@ -155,8 +157,15 @@ def refuse_other_format(out: str, command: str, fmt: str = "png", option: str = 
 
     path = Path(out)
     suffix = path.suffix.lower()
-    if suffix not in OTHER_FORMATS:
+    if suffix not in OTHER_FORMATS + RECORD_SUFFIXES:  # report --out b.h5 wrote HTML there, plot a folder of figures
         return
+    if suffix in RECORD_SUFFIXES:
+        import os
+
+        from nasdiag.record.schema import segment_owner
+
+        if os.path.lexists(out) or segment_owner(str(out)) is not None:
+            return  # a file there, or a segment's name: said by their own checks (the record read, never an HDF5 file)
     if command == "report":
         if suffix in (".html", ".htm"):
             return
