@@ -135,7 +135,52 @@ class _BatchChecked:
         elif not self.single_level:  # a bi-level step without it was a TypeError, at times after the w step had run
             raise SearchError(f"{self.name} is bi-level: its step takes a search-train and a search-val batch, "
                               "method.step(train_batch, val_batch)")
-        return self.step(train_batch, val_batch, *args, **kwargs)
+        stats = self.step(train_batch, val_batch, *args, **kwargs)
+        check_statistics(self.network, stats, self.name)
+        return stats
+
+
+def check_statistics(network, stats, name: str = "") -> None:
+    """What a method's ``step`` returns: a mapping of record paths (str) to values whose row shape is their vocabulary
+    family's (``scalars/<name>`` one number, ``(E, K)`` the cell type's α shape) and, for the ``bool`` families (masks,
+    flags), bool. A wrong one was recorded silently (a per-sample loss as ``scalars/train_loss``: rows of B numbers
+    the figures and the DDP mean took for one), or stopped the recorder in a traceback (a key that is no string).
+    Reads shapes and dtypes only (no host synchronisation). Raises `SearchError` naming the method."""
+    from nasdiag import vocabulary as V
+
+    who = f"{name or 'the method'}: step() must return"
+    if not isinstance(stats, Mapping):
+        raise SearchError(f"{who} a dict {{record path: tensor}} (nasdiag.vocabulary, e.g. 'scalars/train_loss'), "
+                          f"got {type(stats).__name__}")
+    alphas = None
+    for path, value in stats.items():
+        if not isinstance(path, str):
+            raise SearchError(f"{who} record paths (str, e.g. 'scalars/train_loss') as keys, got {path!r}")
+        fam = V.family_of(path)
+        if fam is None:
+            continue  # a path of the method's own (docs/schema.md: any other group/name)
+        shape = tuple(value.shape) if hasattr(value, "shape") else ()
+        dims = tuple(d.strip() for d in fam.shape.strip("()").split(",") if d.strip())
+        want: Tuple = dims
+        if dims and set(dims) & {"E", "K"}:
+            if alphas is None:
+                alphas = {t: tuple(a.shape) for t, a in network.alphas().items()}
+            cell = path.split("/")[fam.pattern.split("/").index("<cell>")] if "<cell>" in fam.pattern else None
+            if cell not in alphas:
+                continue  # (the record refuses a cell type not in its meta)
+            edges, ops = alphas[cell]
+            want = tuple(edges if d == "E" else ops if d == "K" else None for d in dims)
+        if len(shape) != len(want) or any(w is not None and not isinstance(w, str) and got != w
+                                           for got, w in zip(shape, want)):
+            text = ", ".join(str(w) if w is not None else d for w, d in zip(want, dims))
+            what = f"of shape {fam.shape} = ({text}{',' if len(dims) == 1 else ''})" if dims else "as one number, shape ()"
+            raise SearchError(f"{who} {path!r} {what} (nasdiag.vocabulary: {fam.pattern}), got {shape}"
+                              + ("; reduce it to one number per step (a mean over the batch)" if not dims else ""))
+        is_bool = getattr(value, "dtype", None) in (torch.bool, bool) or str(getattr(value, "dtype", "")) == "bool" \
+            or isinstance(value, bool)
+        if (fam.dtype == "bool") != is_bool:
+            raise SearchError(f"{who} {path!r} as {'bool' if fam.dtype == 'bool' else 'numbers, not bool'} "
+                              f"(nasdiag.vocabulary: {fam.pattern} is {fam.dtype}), got {getattr(value, 'dtype', type(value).__name__)}")
 
 
 def accuracy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

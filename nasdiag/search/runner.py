@@ -435,6 +435,11 @@ def _resolve_method(config: SearchConfig):
     if config.dataset == "digits":
         for key, value in dict(getattr(cls, "digits_preset", {}) or {}).items():
             values.setdefault(key, value)
+    missing = [m for m in ("step", "probabilities") if getattr(cls, m) is getattr(SearchMethod, m)]
+    if missing:  # was the base's NotImplementedError at the first step, the record and a checkpoint written by then
+        raise ConfigError(f"method {config.method!r} ({cls.__qualname__}) does not implement {' and '.join(f'{m}()' for m in missing)}: "
+                          "a SearchMethod defines step(train_batch, val_batch) -> {record path: tensor} and "
+                          "probabilities() -> {cell type: (E, K)} (docs/methods.md)")
     hp = cls.Hyperparameters.from_dict(values, method=config.method)
     for key, value in hp.to_dict().items():  # a curvature mode among them (bayesnas's hessian_mode)
         check_probe_count(value, f"hyperparameter {key}")

@@ -1,0 +1,127 @@
+"""Audit round 19 of the method contract, the run object and the statistics vocabulary, from a method written from
+scratch as a user would (docs/methods.md's recipe: a SearchMethod subclass with a nested Hyperparameters dataclass,
+registered with ``@register``): a REINFORCE method over one-hot samples of softmax(θ), with its own θ and baseline.
+
+Defects these tests found (each fails without its fix):
+
+- a ``step`` returning a per-sample loss as ``scalars/train_loss`` (``reduction="none"``: shape (B,)) was recorded
+  silently as rows of B numbers under a family whose row is one number (the figures and the DDP mean took it for
+  one); a key that is no string stopped the recorder in ``TypeError: expected string or bytes-like object``; a list
+  or None was the recorder's ``RecordError`` naming neither the method nor its ``step``; a bool under
+  ``scalars/<name>`` (float, mean-reduced) was recorded as such. Each is one `SearchError` line naming the method,
+  the path, the vocabulary's family and what to return (`nasdiag.search.base.check_statistics`, run after every
+  ``step``: shapes and dtypes only, no host synchronisation).
+- a registered method without ``step()`` or ``probabilities()`` was refused only by the base's NotImplementedError at
+  the run's first step, the record and its checkpoint written by then; `run` refuses it in one `ConfigError` line
+  before anything is written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nasdiag.search import Hyperparameters, Schedule, SearchConfig, SearchMethod, hp, register, run
+from nasdiag.search.base import SearchError, accuracy
+from nasdiag.errors import ConfigError
+from nasdiag.supernet import Network
+
+
+@register("reinforce-r19")
+class Reinforce(SearchMethod):
+    """REINFORCE on one-hot samples of softmax(θ), SGD on w (a test method)."""
+
+    state_attributes = ("theta", "baseline")  # plain state saved with the method
+
+    @dataclass
+    class Hyperparameters(Hyperparameters):
+        lr: float = hp(0.1, "Policy-gradient step size of θ.", low=0, low_open=True)
+        w_lr: float = hp(0.05, "SGD learning rate of w.", low=0, low_open=True)
+
+    def build(self):
+        self.theta = {t: torch.zeros_like(a.detach()) for t, a in self.network.alphas().items()}
+        self.baseline = torch.zeros((), dtype=next(self.network.parameters()).dtype)
+        self.w_optimizer = torch.optim.SGD(self.network.weight_parameters(), lr=self.hp.w_lr)
+
+    def probabilities(self):
+        return {t: torch.softmax(th, -1) for t, th in self.theta.items()}
+
+    def sample(self):
+        p = self.probabilities()
+        return p, {t: F.one_hot(torch.multinomial(q, 1, generator=self.generator).squeeze(-1), q.shape[-1]).to(q.dtype)
+                   for t, q in p.items()}
+
+    def step(self, train_batch, val_batch):
+        p, z = self.sample()
+        (x, y), (xv, yv) = train_batch, val_batch
+        self.w_optimizer.zero_grad(set_to_none=True)
+        logits = self.model(x, z)
+        loss = F.cross_entropy(logits, y)
+        loss.backward()
+        self.w_optimizer.step()
+        with torch.no_grad():
+            val_loss = F.cross_entropy(self.model(xv, z), yv)
+            for t in self.theta:  # ∇_θ log p(z) = onehot − softmax(θ)
+                self.theta[t] += self.hp.lr * (self.baseline - val_loss) * (z[t] - p[t])
+            self.baseline = 0.9 * self.baseline + 0.1 * val_loss
+        return {"scalars/train_loss": loss.detach(), "scalars/train_acc": accuracy(logits.detach(), y),
+                "scalars/val_loss": val_loss, **self.arch_statistics(z)}
+
+
+def _method(cls):
+    torch.manual_seed(0)
+    net = Network(4, 5, 3, steps=2, multiplier=2, in_channels=1).double()
+    return cls(net, cls.Hyperparameters(), schedule=Schedule(epochs=1, steps_per_epoch=3, batch_size=6))
+
+
+def _batch():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(6, 1, 8, 8, dtype=torch.float64, generator=g), torch.randint(0, 5, (6,), generator=g)
+
+
+@pytest.mark.parametrize("case", ["per_sample_loss", "key_no_string", "a_list", "bool_scalar", "arch_of_other_shape"])
+def test_a_step_returning_statistics_the_vocabulary_does_not_take_is_one_line_naming_the_method(case):
+    class Wrong(Reinforce):
+        def step(self, train_batch, val_batch):
+            stats = Reinforce.step(self, train_batch, val_batch)
+            x, y = train_batch
+            if case == "per_sample_loss":
+                with torch.no_grad():
+                    stats["scalars/train_loss"] = F.cross_entropy(self.model(x, self.probabilities()), y, reduction="none")
+            elif case == "key_no_string":
+                stats[3] = stats["scalars/train_loss"]
+            elif case == "a_list":
+                return list(stats.values())
+            elif case == "bool_scalar":
+                stats["scalars/improved"] = stats["scalars/val_loss"] < 1
+            else:
+                stats["arch/normal/weights"] = stats["arch/normal/weights"][:, :3]
+            return stats
+
+    Wrong.name = "wrong-r19"
+    method = _method(Wrong)
+    _method(Reinforce).step(_batch(), _batch())  # the method as written is taken
+    with pytest.raises(SearchError) as err:
+        method.step(_batch(), _batch())
+    text = str(err.value)
+    assert "\n" not in text and text.startswith("wrong-r19: step() must return"), text
+    expected = {"per_sample_loss": ("'scalars/train_loss'", "(6,)", "one number"), "key_no_string": ("got 3",),
+                "a_list": ("got list",), "bool_scalar": ("'scalars/improved'", "not bool"),
+                "arch_of_other_shape": ("'arch/normal/weights'", "(5, 8)", "(5, 3)")}[case]
+    assert all(part in text for part in expected), text
+
+
+def test_a_registered_method_without_step_or_probabilities_is_refused_before_anything_is_written(tmp_path):
+    class NoProbabilities(Reinforce):
+        probabilities = SearchMethod.probabilities
+
+    register("noprob-r19")(NoProbabilities)
+    with pytest.raises(ConfigError) as err:
+        run(SearchConfig(method="noprob-r19", epochs=1, C=2, layers=3, steps=2, batch_size=240, diagnostics=(),
+                         record=str(tmp_path / "run.h5"), progress=False))
+    text = str(err.value)
+    assert "\n" not in text and "'noprob-r19'" in text and "probabilities()" in text and "step()" not in text.split(":")[0]
+    assert list(tmp_path.iterdir()) == []
