@@ -125,3 +125,25 @@ def test_a_registered_method_without_step_or_probabilities_is_refused_before_any
     text = str(err.value)
     assert "\n" not in text and "'noprob-r19'" in text and "probabilities()" in text and "step()" not in text.split(":")[0]
     assert list(tmp_path.iterdir()) == []
+
+
+class _StepsOnly:  # a user's callback that only reads the rows
+    def __init__(self):
+        self.steps = []
+
+    def on_step_end(self, step, stats):
+        self.steps.append(step)
+
+
+@pytest.mark.parametrize("callbacks", ["lacks_hooks", "not_a_list"])
+def test_a_callback_run_cannot_call_is_refused_before_anything_is_written(callbacks, tmp_path):
+    """A callback without on_exception ran until the run failed, then replaced the failure by its AttributeError (an
+    interrupt, a NaN loss lost its message); a single callback not in a list was a TypeError once the record was open."""
+    given = [_StepsOnly()] if callbacks == "lacks_hooks" else _StepsOnly()
+    with pytest.raises(ConfigError) as err:
+        run(SearchConfig(method="reinforce-r19", epochs=1, C=2, layers=3, steps=2, batch_size=240, diagnostics=(),
+                         record=str(tmp_path / "run.h5"), progress=False), callbacks=given)
+    text = str(err.value)
+    assert "\n" not in text and "_StepsOnly" in text, text
+    assert ("on_epoch_end, on_exception" in text) if callbacks == "lacks_hooks" else ("callbacks=[_StepsOnly(...)]" in text)
+    assert list(tmp_path.iterdir()) == []

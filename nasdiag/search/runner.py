@@ -419,6 +419,33 @@ def _refuse_a_record_of_another_program(record: str, flag: str) -> None:
                       "it, not even with --force; choose another --out")
 
 
+CALLBACK_HOOKS = ("on_step_end", "on_epoch_end", "on_exception")
+
+
+def _checked_callbacks(callbacks) -> Tuple:
+    """``run``'s callbacks as a tuple, each with the three hooks the loop calls. One without ``on_exception`` ran until
+    the run failed and then replaced the failure (a NaN loss, an interrupt) by its AttributeError; one without
+    ``on_epoch_end`` stopped the first epoch end; a single callback not in a list was a TypeError once the record was
+    open. Each is one `ConfigError` line before anything is written."""
+    if callbacks is None:
+        return ()
+    single = any(hasattr(callbacks, hook) for hook in CALLBACK_HOOKS)
+    try:
+        listed = tuple(callbacks) if not single and not isinstance(callbacks, (str, bytes, Mapping)) else None
+    except TypeError:
+        listed = None
+    if listed is None:
+        raise ConfigError(f"callbacks must be a list of callback objects, got {type(callbacks).__name__}"
+                          + (f"; pass callbacks=[{type(callbacks).__name__}(...)]" if single else ""))
+    for cb in listed:
+        missing = [hook for hook in CALLBACK_HOOKS if not callable(getattr(cb, hook, None))]
+        if missing:
+            raise ConfigError(f"callback {type(cb).__name__} lacks {', '.join(missing)}: run() calls on_step_end(step, stats), "
+                              "on_epoch_end(epoch, stats) and on_exception(exc) on each callback (define the ones it "
+                              "does not need as methods that do nothing)")
+    return listed
+
+
 def _resolve_method(config: SearchConfig):
     """The method class and its effective hyperparameters (overrides, then the digits preset, then defaults)."""
     try:
@@ -672,6 +699,7 @@ def run(config: SearchConfig, callbacks: Sequence = ()) -> SearchResult:
         how = "SearchConfig.from_dict(d)" if isinstance(config, Mapping) else "SearchConfig(method=..., ...)"
         raise ConfigError(f"run() takes a SearchConfig, got {type(config).__name__}; build one with {how}")
     config.validate()
+    callbacks = _checked_callbacks(callbacks)
     method_cls, hp = _resolve_method(config)
     check_paths(config)
     with _threads(config.threads or default_threads()):
