@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from nasdiag.errors import ConfigError, NasdiagError, paths_on_stdout, raised_warning
+from nasdiag.errors import ConfigError, NasdiagError, paths_on_stderr, paths_on_stdout, raised_warning
 
 try:  # loaded now: under a memory limit, loading it when torch failed to load failed too
     import resource
@@ -771,7 +771,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     import warnings
 
     previous_format, warnings.formatwarning = warnings.formatwarning, _warning_line
-    previous_errors = paths_on_stdout()
+    previous_errors, previous_stderr_errors = paths_on_stdout(), paths_on_stderr()
     previous_stderr, quiet = sys.stderr, open(os.devnull, "w") if _no_stderr() else None
     if quiet is not None:  # nothing can be said; the exit code still tells (2 for a mistake)
         sys.stderr = quiet
@@ -840,6 +840,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if quiet is not None:
             sys.stderr = previous_stderr
             quiet.close()
+        if previous_stderr_errors is not None:
+            sys.stderr.reconfigure(errors=previous_stderr_errors)
         if main_thread and previous is not None:
             signal.signal(signal.SIGTERM, previous)
         if main_thread and previous_hup is not None:

@@ -33,15 +33,30 @@ def paths_on_stdout():
     without UTF-8 mode): ``nasdiag methods`` and ``nasdiag search --help`` (α, Θ, ξ) were a UnicodeEncodeError
     traceback; such a character is written as its escape. Returns the previous error handler to restore
     (``sys.stdout.reconfigure(errors=...)``), or None when nothing changed."""
-    import codecs
     import sys
 
-    errors = getattr(sys.stdout, "errors", None)
-    if errors not in ("strict", "surrogateescape") or not hasattr(sys.stdout, "reconfigure"):
+    return _bytes_on(sys.stdout, ("strict", "surrogateescape"))
+
+
+def paths_on_stderr():
+    """As `paths_on_stdout`, for the error lines on standard error, whose handler writes a file name's surrogates as
+    escapes: ``$'\\xff.h5'`` was '\\udcff.h5', so the command printed after Ctrl-C to resume the run named another
+    file. Returns the previous error handler to restore, or None."""
+    import sys
+
+    return _bytes_on(sys.stderr, ("strict", "surrogateescape", "backslashreplace"))
+
+
+def _bytes_on(stream, handlers):
+    """Give ``stream`` the handler `_bytes_or_escape` if its own is one of ``handlers``: the previous one, or None."""
+    import codecs
+
+    errors = getattr(stream, "errors", None)
+    if errors not in handlers or not hasattr(stream, "reconfigure"):
         return None
     try:
         codecs.register_error("nasdiag.bytes_or_escape", _bytes_or_escape)
-        sys.stdout.reconfigure(errors="nasdiag.bytes_or_escape")
+        stream.reconfigure(errors="nasdiag.bytes_or_escape")
     except (ValueError, OSError, AttributeError):  # pragma: no cover - a stream that cannot change now
         return None
     return errors
@@ -68,7 +83,7 @@ def run_script(prog: str, main, argv=None) -> int:
     """
     import sys
 
-    previous_errors = paths_on_stdout()  # a script prints the paths it wrote
+    previous_errors, previous_stderr = paths_on_stdout(), paths_on_stderr()  # a script prints the paths it wrote
     try:
         return int(main(argv) or 0)
     except NasdiagError as err:
@@ -84,4 +99,6 @@ def run_script(prog: str, main, argv=None) -> int:
     finally:
         if previous_errors is not None:
             sys.stdout.reconfigure(errors=previous_errors)
+        if previous_stderr is not None:
+            sys.stderr.reconfigure(errors=previous_stderr)
     return 2

@@ -10,7 +10,8 @@ need a float; ``nasdiag methods`` and ``nasdiag search --help`` on a standard ou
 started offered to continue that earlier run; docs/figures.md gave the main job steps 0-87 (1-88); a figure folder holding a
 folder named as a figure (figs/scalars.png/) failed after the whole search; an integer hyperparameter given zero-padded (010)
 was refused as not an int; ``nasdiag search --out run.png`` (or .html) wrote its HDF5 record under that name, and a batch
-script's --out figs.pdf a folder so named; report --out page.h5 and plot --out figs.h5 a page or a folder under a record's name.
+script's --out figs.pdf a folder so named; report --out page.h5 and plot --out figs.h5 a page or a folder under a record's name;
+the resume command printed on stderr after Ctrl-C escaped a Latin-1 file name (\\udcff), naming another file.
 Every such mistake is one line on stderr saying what was wrong and what to do, exit code 2, no traceback, nothing left
 behind.
 
@@ -281,3 +282,24 @@ def test_a_page_or_figure_folder_named_as_a_record_is_refused(command, name, sai
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"{out} names a {os.path.splitext(name)[1]} file, but {said}" in err[0], err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_resume_command_of_a_record_named_in_latin1_names_that_file(tmp_path):
+    """A record named in Latin-1 (``$'\\xff.h5'``) reaches Python as surrogates; standard error wrote them as escapes,
+    so the line after Ctrl-C said 'continue it with nasdiag search ... --out .../\\udcff.h5 --resume', a file that is not
+    there (round 9 wrote such a name on stdout as its bytes; stderr still escaped it). Its bytes, as on stdout."""
+    out = tmp_path / os.fsdecode(b"\xff.h5")
+    script = ("import sys, nasdiag.search\nfrom nasdiag.cli import main\n"
+              "def run(config, callbacks=()):\n"
+              "    open(config.record, 'wb').write(b'stands in for the record of this run')\n"
+              "    raise KeyboardInterrupt\n"
+              "nasdiag.search.run = run\nsys.exit(main(sys.argv[1:]))\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", script, "search", "--epochs", "1", "--out", str(out)], cwd=tmp_path,
+                          env=env, capture_output=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert done.returncode == 130, done.stderr
+    line = done.stderr.strip()
+    assert b"\n" not in line and b"\\udc" not in line and b"continue it with nasdiag search" in line, line
+    words = subprocess.run(["bash", "-c", f"printf '%s\\0' {os.fsdecode(line.split(b'continue it with nasdiag ', 1)[1])}"],
+                           capture_output=True, check=True).stdout.split(b"\0")[:-1]
+    assert words[words.index(b"--out") + 1] == os.fsencode(str(out)), words
