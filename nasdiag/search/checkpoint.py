@@ -12,6 +12,7 @@ reader sees the old or the new file, never a partial one; a failed write removes
 
 from __future__ import annotations
 
+import math
 import os
 import random
 from typing import Any, Callable, Dict, Mapping, Optional
@@ -99,7 +100,8 @@ def load_checkpoint(path: str) -> Dict[str, Any]:
 
 
 class Checkpointer:
-    """A search callback that checkpoints at every epoch end.
+    """A search callback that checkpoints at every epoch end, but one whose ``scalars/search_val_loss`` is NaN/inf
+    (the run stops there: its last checkpoint stays the one before the divergence).
 
     Args:
         path: the checkpoint file.
@@ -141,6 +143,13 @@ class Checkpointer:
         pass
 
     def on_epoch_end(self, epoch: int, stats) -> None:
+        loss = stats.get("scalars/search_val_loss")
+        if loss is not None and not math.isfinite(float(loss)):
+            # the run stops at this epoch end (`search_loop`'s check): the checkpoint stays the one before, so that
+            # --resume replays to the same stop writing nothing, as after a method's NaN-loss step (saved, a NaN state
+            # was continued, one more epoch of NaN rows per resume, and a diverged last epoch read as a finished run)
+            self.commit()
+            return
         self.save((epoch + 1) * self.steps_per_epoch)
 
     def on_exception(self, exc: BaseException) -> None:
