@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -147,3 +148,17 @@ def test_a_callback_run_cannot_call_is_refused_before_anything_is_written(callba
     assert "\n" not in text and "_StepsOnly" in text, text
     assert ("on_epoch_end, on_exception" in text) if callbacks == "lacks_hooks" else ("callbacks=[_StepsOnly(...)]" in text)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_method_that_never_calls_the_cost_service_is_told_its_requested_diagnostics_are_not_recorded(tmp_path):
+    """diagnostics=("cost", "hessian") with a method that never calls self.cost(): the record held neither family and
+    nothing said so. One warning at the first epoch end, naming the method and the families; the run goes on."""
+    config = SearchConfig(method="reinforce-r19", epochs=1, C=2, layers=3, steps=2, batch_size=240,
+                          diagnostics=("cost", "hessian"), record=str(tmp_path / "run.h5"), progress=False, threads=1)
+    with pytest.warns(UserWarning, match=r"'reinforce-r19' never called self\.cost.*no cost/ statistics and no hessian/"):
+        result = run(config)
+    from nasdiag.record import load
+
+    rec = load(result.record)
+    assert not any(k.startswith(("cost/", "hessian/")) for k in rec)
+    assert rec["step"].tolist() == [1, 2] and np.isfinite(rec["scalars/search_val_loss"][-1])

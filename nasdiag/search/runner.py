@@ -219,6 +219,8 @@ def search_loop(method: SearchMethod, splits, *, epochs: int, batch_size: int, s
                 # a method's own epoch records (ASM-NAS: the selection counts of its evaluation above)
                 **(method.epoch_statistics() if hasattr(method, "epoch_statistics") else {}),
             }
+            if epoch == start_epoch and rank == 0:
+                _warn_missing_diagnostics(method, diagnostics, epoch_stats)
             for key in [k for k in epoch_stats if k in stats and V.family_of(k) is V.HESSIAN_NONFINITE]:
                 # the epoch's flag joins the row of its last step: a NaN top eigenvalue of that step (--spectrum-every)
                 # stays flagged beside a finite diagonal instead of being replaced by the diagonal's flag
@@ -246,6 +248,19 @@ def search_loop(method: SearchMethod, splits, *, epochs: int, batch_size: int, s
             cb.on_exception(exc)
         raise
     return evaluation
+
+
+def _warn_missing_diagnostics(method: SearchMethod, diagnostics: Sequence[str], epoch_stats: Mapping) -> None:
+    """The ``cost/`` and ``hessian/`` statistics come from the cost service (``self.cost``: the Hessian is taken on the
+    last batch it was given, or the one a method sets as ``_last_arch_batch``). A method that never calls it (a user's
+    own update) recorded neither, silently, while the run was asked for them: said once, at the session's first epoch
+    end."""
+    wanted = [d for d in ("cost", "hessian") if d in diagnostics and not any(k.startswith(f"{d}/") for k in epoch_stats)]
+    if wanted:
+        warnings.warn(f"method {method.name!r} never called self.cost(x, y, weights) in its epoch, so the run records no "
+                      f"{' and no '.join(f'{d}/ statistics' for d in wanted)} though diagnostics asks for them; call "
+                      "the cost service on the architecture batch (docs/methods.md) or pass diagnostics=() "
+                      "(--diagnostics none)", UserWarning, stacklevel=2)
 
 
 def _top_eigenvalues(method: SearchMethod, batch) -> Dict[str, torch.Tensor]:
