@@ -6,6 +6,11 @@ epoch end first, NaN weights and all: ``--resume`` continued the NaN state, wrot
 checkpoint now stays the one before the divergence
 (``test_a_resumed_diverged_first_order_darts_run_stops_where_it_stopped_and_writes_nothing``).
 
+Defect found: under DDP a rank stopped by another rank's NaN loss (every rank stops at that step) said its own finite
+loss was not finite ('the search-val loss is 2.3874398620832817 (not finite)', rank 0 of a 2-rank gloo run with a NaN
+pixel in rank 1's batch); the message says the loss is finite on this rank and not on another
+(``test_a_rank_stopped_by_another_ranks_nan_does_not_call_its_own_finite_loss_not_finite``).
+
 Checked by hand on the landed code (scratch scripts, tiny digits searches, float64):
 
 * a NaN in one sample of the search-train or search-val batch, at the first step and at an epoch's last step, for
@@ -166,3 +171,32 @@ def test_a_resumed_diverged_first_order_darts_run_stops_where_it_stopped_and_wri
         run(SearchConfig(**{**cfg, "epochs": 1, "record": str(tmp_path / "one.h5")}))
     with pytest.raises(SearchError, match="after epoch 0"):
         run(SearchConfig(**{**cfg, "epochs": 1, "record": str(tmp_path / "one.h5")}, resume=True))
+
+
+# -- a NaN on another DDP rank only ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("method, module", [("snas", "nasdiag.search.methods._sampling"),
+                                            ("xnas", "nasdiag.search.methods.xnas"),
+                                            ("darts2", "nasdiag.search.unrolled")])
+def test_a_rank_stopped_by_another_ranks_nan_does_not_call_its_own_finite_loss_not_finite(method, module, monkeypatch):
+    """Under DDP every rank stops at the step where any rank's loss is NaN (`finite_on_every_rank`). A rank whose own
+    loss was finite said 'the search-val loss is 2.3874398620832817 (not finite)' (seen on rank 0 of a 2-rank gloo
+    run with a NaN pixel in rank 1's search-val batch): a finite number called not finite, nothing of another rank.
+    Here the collective's answer is that of a NaN on another rank; this rank's batch is finite."""
+    import importlib
+
+    from nasdiag.search import Schedule
+    from nasdiag.supernet import Network
+
+    monkeypatch.setattr(importlib.import_module(module), "finite_on_every_rank", lambda value: False)
+    torch.manual_seed(0)
+    net = Network(4, 5, 3, steps=2, multiplier=2, in_channels=1).double()
+    cls = get_method(method)
+    m = cls(net, cls.Hyperparameters(), schedule=Schedule(epochs=1, steps_per_epoch=4, batch_size=6))
+    g = torch.Generator().manual_seed(1)
+    batch = lambda: (torch.randn(6, 1, 8, 8, generator=g, dtype=torch.float64), torch.randint(0, 5, (6,), generator=g))  # noqa: E731
+    with pytest.raises(SearchError) as err:
+        m.step(batch(), batch())
+    text = str(err.value)
+    assert len(text.splitlines()) == 1 and "nan" not in text.lower().replace("nan/inf", "")
+    assert "on this rank, not finite on another DDP rank" in text
+    assert err.value.statistics["scalars/nonfinite_loss"] == 1  # the row is still recorded and flagged

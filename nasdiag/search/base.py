@@ -55,6 +55,17 @@ def nonfinite_loss_error(message: str, stats: Mapping[str, torch.Tensor]) -> Sea
     return err
 
 
+def loss_text(loss) -> str:
+    """The value of a loss a `nonfinite_loss_error` message names (several as ``a / b``). A rank stopped by another DDP
+    rank's NaN (`finite_on_every_rank`) has a finite loss of its own: its message said 'the search-val loss is 2.387
+    (not finite)'; it now says the loss is finite on this rank and not on another."""
+    values = torch.as_tensor(loss).detach().reshape(-1).tolist()
+    text = " / ".join(str(float(v)) for v in values)
+    if all(math.isfinite(v) for v in values):
+        text += " on this rank, not finite on another DDP rank"
+    return text
+
+
 @contextmanager
 def failing_row(stats: Dict[str, torch.Tensor]):
     """Around a step's updates: a NaN-loss `SearchError` raised inside (one carrying ``statistics``) also carries

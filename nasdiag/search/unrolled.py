@@ -37,7 +37,7 @@ from torch import nn
 from torch.func import functional_call
 
 from nasdiag.distributed import finite_on_every_rank
-from nasdiag.search.base import Batch, CellWeights, mean_over_ranks, nonfinite_loss_error
+from nasdiag.search.base import Batch, CellWeights, loss_text, mean_over_ranks, nonfinite_loss_error
 
 Params = Dict[str, torch.Tensor]
 #: maps the step's costs {cell type: (E, K)} (summed over the cells of a type) to ∇_α {cell type: (E, K)}
@@ -168,7 +168,7 @@ def host_checks_allowed() -> bool:
 def _check_finite(what: str, loss: torch.Tensor, path: str) -> None:
     """Raise before any update if ``loss`` is NaN/inf; the error carries it as the record path ``path``, flagged."""
     if host_checks_allowed() and not finite_on_every_rank(loss):  # under DDP: every rank stops here
-        raise nonfinite_loss_error(f"the {what} loss is {float(loss)}: the unrolled step cannot continue "
+        raise nonfinite_loss_error(f"the {what} loss is {loss_text(loss)}: the unrolled step cannot continue "
                                    "(lower the learning rates or check the data)", {path: loss.detach()})
 
 
@@ -239,7 +239,7 @@ def unrolled_gradient(network, train_batch: Batch, val_batch: Batch, weights: Ce
     if host_checks_allowed() and not finite_on_every_rank(torch.stack([c_plus.loss, c_minus.loss])):
         raise nonfinite_loss_error(
             f"the search-train loss at w ± εv (the finite difference of eq 13, ε = {float(eps):.3g}) is "
-            f"{float(c_plus.loss)} / {float(c_minus.loss)}: the unrolled step cannot continue (lower fd_eps_scale or "
+            f"{loss_text(torch.stack([c_plus.loss, c_minus.loss]))}: the unrolled step cannot continue (lower fd_eps_scale or "
             "the learning rates)", {"scalars/unrolled_train_loss": train.loss.detach(), "scalars/fd_eps": eps.detach()})
     g_plus, g_minus = arch_grad(c_plus.costs), arch_grad(c_minus.costs)
     # the divisor is (2 * eps): `/ 2.*eps` would multiply by eps

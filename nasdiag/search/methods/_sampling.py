@@ -15,7 +15,7 @@ from torch import nn
 
 from nasdiag import vocabulary as V
 from nasdiag.distributed import finite_on_every_rank
-from nasdiag.search.base import Batch, CostStep, SearchMethod, accuracy, nonfinite_loss_error
+from nasdiag.search.base import Batch, CostStep, SearchMethod, accuracy, loss_text, nonfinite_loss_error
 
 CellWeights = Dict[str, torch.Tensor]
 
@@ -100,7 +100,7 @@ def check_finite_loss(method: SearchMethod, result: CostStep, stats: Dict[str, t
     """
     if finite_on_every_rank(result.loss):  # under DDP every rank stops at the same step, so the row is recorded
         return
-    raise nonfinite_loss_error(f"{method.name}: the {what} loss is {float(result.loss)} (not finite); the search stops "
+    raise nonfinite_loss_error(f"{method.name}: the {what} loss is {loss_text(result.loss)} (not finite); the search stops "
                                "before updating w or α with it. Lower the learning rates or check the data for NaN/inf", stats)
 
 

@@ -42,7 +42,7 @@ from torch import nn
 from nasdiag import vocabulary as V
 from nasdiag.distributed import finite_on_every_rank
 from nasdiag.search.base import (Batch, SearchError, SearchMethod, accuracy, buffers_kept, check_batch, mean_over_ranks,
-                                 nonfinite_loss_error)
+                                 loss_text, nonfinite_loss_error)
 from nasdiag.search.hyperparameters import Hyperparameters, hp
 from nasdiag.search.registry import register
 from nasdiag.supernet import derive_genotype
@@ -159,7 +159,7 @@ class ASMNAS(SearchMethod):
         self.w_optimizer.zero_grad(set_to_none=True)
         loss, logits, attn, _ = self.attention_cost(x, y)
         if not finite_on_every_rank(loss):  # under DDP: every rank stops at this step, before (w, Θ) are updated with it
-            raise nonfinite_loss_error(f"asmnas: the training loss is {float(loss)}; lower --hp w_lr or check the data",
+            raise nonfinite_loss_error(f"asmnas: the training loss is {loss_text(loss)}; lower --hp w_lr or check the data",
                                        {**stats, "scalars/train_loss": loss})
         self._last_arch_batch = (x, y)  # the Hessian diagnostics' batch (single-level: the training batch)
         nn.utils.clip_grad_norm_(self.network.weight_parameters(), self.hp.grad_clip)

@@ -14,7 +14,7 @@ from torch import nn
 
 from nasdiag.cost import darts_alpha_grad
 from nasdiag.distributed import finite_on_every_rank
-from nasdiag.search.base import Batch, SearchMethod, accuracy, failing_row, nonfinite_loss_error
+from nasdiag.search.base import Batch, SearchMethod, accuracy, failing_row, loss_text, nonfinite_loss_error
 from nasdiag.search.hyperparameters import Hyperparameters, hp
 from nasdiag.search.registry import register
 from nasdiag.search.unrolled import host_checks_allowed
@@ -98,7 +98,7 @@ class DARTS(SearchMethod):
         logits = self.model(x, {t: z.detach() for t, z in weights.items()})
         loss = nn.functional.cross_entropy(logits, y)
         if self.check_train_loss and host_checks_allowed() and not finite_on_every_rank(loss):  # DDP: every rank stops
-            raise nonfinite_loss_error(f"{self.name}: the search-train loss is {float(loss.detach())} (not finite); the search stops "
+            raise nonfinite_loss_error(f"{self.name}: the search-train loss is {loss_text(loss)} (not finite); the search stops "
                                        "before the w step. Lower the learning rates or check the data for NaN/inf",
                                        {"scalars/train_loss": loss.detach()})
         if loss.requires_grad:  # every weight frozen (requires_grad=False): α is searched on fixed weights, no w step

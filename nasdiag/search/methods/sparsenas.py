@@ -24,7 +24,7 @@ import torch
 
 from nasdiag import vocabulary as V
 from nasdiag.distributed import finite_on_every_rank
-from nasdiag.search.base import Batch, SearchError, accuracy, check_batch, failing_row, nonfinite_loss_error
+from nasdiag.search.base import Batch, SearchError, accuracy, check_batch, failing_row, loss_text, nonfinite_loss_error
 from nasdiag.search.hyperparameters import hp
 from nasdiag.errors import ConfigError
 from nasdiag.search.methods.darts import DARTS, SGDAdamHyperparameters
@@ -186,7 +186,7 @@ class SparseNAS(DARTS):
             self._last_arch_batch = val_batch
             grads, loss, logits = unrolled.arch_grad, unrolled.val.loss, unrolled.val.logits
         if not finite_on_every_rank(loss):  # under DDP: every rank stops at this step, before A's update
-            raise nonfinite_loss_error(f"the search-val loss is {float(loss)}: lower the learning rates or check the data",
+            raise nonfinite_loss_error(f"the search-val loss is {loss_text(loss)}: lower the learning rates or check the data",
                                        {"scalars/val_loss": loss})
         for cell_type, a in self.network.alphas().items():
             a.grad = grads[cell_type].to(a.dtype)

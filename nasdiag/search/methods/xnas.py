@@ -50,7 +50,7 @@ from nasdiag import vocabulary as V
 from nasdiag.distributed import finite_on_every_rank
 from nasdiag.errors import ConfigError
 from nasdiag.regret import Forecaster, xnas_reward
-from nasdiag.search.base import Batch, CellWeights, SearchError, SearchMethod, accuracy, nonfinite_loss_error
+from nasdiag.search.base import Batch, CellWeights, SearchError, SearchMethod, accuracy, loss_text, nonfinite_loss_error
 from nasdiag.search.hyperparameters import Hyperparameters, hp
 from nasdiag.search.registry import register
 from nasdiag.supernet import derive_genotype
@@ -173,7 +173,7 @@ class XNAS(SearchMethod):
         logits = self.model(x, weights) if active is None else self.model(x, weights, active=active)
         loss = nn.functional.cross_entropy(logits, y)
         if not finite_on_every_rank(loss):  # under DDP: every rank stops at this step
-            raise nonfinite_loss_error(f"the search-train loss is {float(loss.detach())} (xnas step {self.rounds_played + 1}): "
+            raise nonfinite_loss_error(f"the search-train loss is {loss_text(loss)} (xnas step {self.rounds_played + 1}): "
                                   "lower w_lr or check the data", {"scalars/train_loss": loss.detach()})
         if loss.requires_grad:  # every weight frozen (requires_grad=False): the experts learn on fixed weights, no w step
             loss.backward()
@@ -213,7 +213,7 @@ class XNAS(SearchMethod):
         result = self.cost(x, y, u, active=active)
         stats.update({"scalars/val_loss": result.loss, "scalars/val_acc": accuracy(result.logits, y)})
         if not finite_on_every_rank(result.loss):
-            raise nonfinite_loss_error(f"the search-val loss is {float(result.loss)} (xnas step {self.rounds_played + 1}): "
+            raise nonfinite_loss_error(f"the search-val loss is {loss_text(result.loss)} (xnas step {self.rounds_played + 1}): "
                                   "the rewards would corrupt the forecasters; lower w_lr or check the data", stats)
         L = self.loss_bound
         clipped, counted = 0, 0
