@@ -11,6 +11,10 @@ loss was not finite ('the search-val loss is 2.3874398620832817 (not finite)', r
 pixel in rank 1's batch); the message says the loss is finite on this rank and not on another
 (``test_a_rank_stopped_by_another_ranks_nan_does_not_call_its_own_finite_loss_not_finite``).
 
+Defect found: ``nasdiag report`` listed the NaN/inf counts only, so a result flagged non-finite with no value recorded
+(BayesNAS's update curvature: flag only) was nowhere on the page; the set flags are listed with their steps
+(``test_the_report_names_a_nonfinite_flag_that_no_recorded_value_shows``).
+
 Checked by hand on the landed code (scratch scripts, tiny digits searches, float64):
 
 * a NaN in one sample of the search-train or search-val batch, at the first step and at an epoch's last step, for
@@ -200,3 +204,26 @@ def test_a_rank_stopped_by_another_ranks_nan_does_not_call_its_own_finite_loss_n
     assert len(text.splitlines()) == 1 and "nan" not in text.lower().replace("nan/inf", "")
     assert "on this rank, not finite on another DDP rank" in text
     assert err.value.statistics["scalars/nonfinite_loss"] == 1  # the row is still recorded and flagged
+
+
+# -- the report of a flag-only non-finite result -----------------------------------------------------------------
+def test_the_report_names_a_nonfinite_flag_that_no_recorded_value_shows(tmp_path):
+    """BayesNAS flags a non-finite curvature on its update rows (``hessian/<cell>/nonfinite``) and keeps C, ω, s as they
+    were, recording no value of it (docs/bayesnas.md): the record's NaN/inf counts are all 0, and the report page said
+    nothing of it. It now lists the flags that are set, with their steps."""
+    from nasdiag.plot.report import build_report
+    from nasdiag.record import Recorder
+
+    path = tmp_path / "bayes.h5"
+    with Recorder(str(path), meta={"method": "bayesnas"}, flush_seconds=None) as rec:
+        for step in range(1, 7):
+            row = {"scalars/train_loss": 1.0 / step}
+            if step % 2 == 0:  # the update rows: the update at step 4 met a NaN curvature
+                row["hessian/normal/nonfinite"] = np.bool_(step == 4)
+                row["hessian/reduce/nonfinite"] = np.bool_(False)
+            rec.log(step, row)
+    page = build_report(path, figures=["scalars"])
+    assert "NaN/inf values" not in page  # nothing recorded is NaN: the flag is the only trace
+    assert "non-finite flags set" in page
+    flags = page[page.index("non-finite flags set"):].split("</tr>")[0]
+    assert "hessian/normal/nonfinite" in flags and "step 4" in flags and "hessian/reduce" not in flags
