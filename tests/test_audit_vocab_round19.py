@@ -162,3 +162,24 @@ def test_a_method_that_never_calls_the_cost_service_is_told_its_requested_diagno
     rec = load(result.record)
     assert not any(k.startswith(("cost/", "hessian/")) for k in rec)
     assert rec["step"].tolist() == [1, 2] and np.isfinite(rec["scalars/search_val_loss"][-1])
+
+
+@pytest.mark.parametrize("wrong", ["one_cell_type", "transposed", "a_list", "numpy"])
+def test_a_probabilities_return_of_the_wrong_form_is_one_line_at_the_genotype_and_the_evaluation(wrong):
+    """probabilities() giving only the normal cell's weights derived a genotype silently (its reduce cell without
+    nodes); a list or numpy arrays were AttributeError tracebacks of the genotype and the evaluation, (K, E) torch's
+    or the network's ValueError naming no method. One SearchError line naming the method and probabilities()."""
+    class Wrong(Reinforce):
+        def probabilities(self):
+            p = {t: torch.softmax(th, -1) for t, th in self.theta.items()}
+            return {"one_cell_type": lambda: {"normal": p["normal"]}, "transposed": lambda: {t: q.T for t, q in p.items()},
+                    "a_list": lambda: list(p.values()), "numpy": lambda: {t: q.numpy() for t, q in p.items()}}[wrong]()
+
+    Wrong.name = "wrong-r19"
+    method = _method(Wrong)
+    for call in (method.genotype, lambda: method.evaluate([_batch()])):
+        with pytest.raises(SearchError) as err:
+            call()
+        text = str(err.value)
+        assert "\n" not in text and text.startswith("wrong-r19: probabilities()") and "'reduce': (5, 8)" in text, text
+    assert _method(Reinforce).genotype() is not None

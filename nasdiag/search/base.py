@@ -445,7 +445,26 @@ class SearchMethod:
         """The derived architecture (DARTS top-2 rule on :meth:`probabilities`; mixed-path methods override).
         Raises `SearchError` where the weights hold a NaN or inf (`finite_architecture`)."""
         net = self.network
-        return derive_genotype(self.finite_architecture(self.probabilities()), net.steps, net.multiplier, net.primitives)
+        weights = self.architecture_of(self.probabilities(), "probabilities()")
+        return derive_genotype(self.finite_architecture(weights), net.steps, net.multiplier, net.primitives)
+
+    def architecture_of(self, weights, source: str) -> CellWeights:
+        """``weights`` if they are ``{cell type: (E, K) tensor}`` for every cell type of the network (α's shapes), else
+        one `SearchError` line naming the method's ``source`` (``probabilities()``, ``eval_weights()``). A third-party
+        method's wrong return was a silent genotype without the missing cell type's nodes (one cell type given), or
+        an AttributeError/ValueError traceback of the genotype or the network at the epoch's evaluation."""
+        shapes = {t: tuple(a.shape) for t, a in self.network.alphas().items()}
+        want = ", ".join(f"{t!r}: {s}" for t, s in shapes.items())
+        if not isinstance(weights, Mapping):
+            raise SearchError(f"{self.name}: {source} must return a dict {{cell type: (E, K) tensor}}, {{{want}}}; got "
+                              f"{type(weights).__name__}")
+        for t, s in shapes.items():
+            w = weights.get(t)
+            if not isinstance(w, torch.Tensor) or tuple(w.shape) != s:
+                got = "nothing" if w is None else type(w).__name__ if not isinstance(w, torch.Tensor) else f"shape {tuple(w.shape)}"
+                raise SearchError(f"{self.name}: {source} must return a dict {{cell type: (E, K) tensor}}, {{{want}}}; "
+                                  f"got {got} for {t!r}")
+        return weights
 
     def finite_architecture(self, weights: CellWeights, use: str = "no architecture can be derived from them") -> CellWeights:
         """``weights`` (``{cell type: (E, K)}``, what a genotype is derived from, or a sampling method's p), or
@@ -769,6 +788,9 @@ class SearchMethod:
         p = next(net.parameters())
         total, loss_sum, correct = 0, torch.zeros((), dtype=torch.float64, device=p.device), torch.zeros((), dtype=torch.float64, device=p.device)
         weights = self.eval_weights()
+        if not (isinstance(weights, Mapping) and any(isinstance(w, torch.Tensor) and w.dim() == 3 for w in weights.values())):
+            self.architecture_of(weights, "eval_weights()" if type(self).eval_weights is not SearchMethod.eval_weights
+                                 else "probabilities() (the default eval_weights())")  # (per-sample (E, B, K): the network checks)
         active = self.active_ops()
         kwargs = {} if active is None else {"active": active}
         with buffers_kept(net):
