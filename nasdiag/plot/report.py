@@ -108,28 +108,6 @@ def _key_number(record, path: str) -> Optional[str]:
     return f"{'NaN' if np.isnan(value) else value} (step {step}; {before})"
 
 
-def _nonfinite_flags(record) -> Dict[str, str]:
-    """``{flag path: the steps it is set at}`` of the flags saying a result went NaN/inf (``hessian/<cell>/nonfinite``,
-    ``regret/<cell>/nonfinite``, ``scalars/nonfinite_loss``). A flag may be the record's only trace of one: BayesNAS's
-    update flags a NaN curvature it did not use and records no value of it, so the page said nothing of it."""
-    from nasdiag import vocabulary as V
-
-    out = {}
-    for path, values in record.items():
-        if path.startswith("valid/") or not (path == "scalars/nonfinite_loss" or path.endswith("/nonfinite") and
-                                             V.family_of(path) in (V.HESSIAN_NONFINITE, V.REGRET_NONFINITE)):
-            continue
-        values = np.asarray(values)
-        valid = np.asarray(record.get(f"valid/{path}", np.ones(len(values), bool)), bool)
-        with np.errstate(invalid="ignore"):
-            set_ = (np.nan_to_num(values.reshape(len(values), -1).astype(np.float64), nan=0.0) != 0).any(1) & valid
-        steps = [int(s) for s in np.asarray(record["step"])[set_]]
-        if steps:
-            shown = ", ".join(map(str, steps[:10])) + (f" and {len(steps) - 10} more" if len(steps) > 10 else "")
-            out[path] = f"step{'s' if len(steps) > 1 else ''} {shown}"
-    return out
-
-
 def _segment_attrs(path) -> List[Dict]:
     """The attributes of each segment file (created, host, versions) and its rows and last write time."""
     from nasdiag.record.reader import read_segments, segment_attrs
@@ -268,9 +246,6 @@ def build_report(record_path, figures: Optional[Sequence[str]] = None, dpi: int 
     nonfinite = {k: v for k, v in meta.get("nonfinite_counts", {}).items() if v}
     if nonfinite:
         run_rows.append(("NaN/inf values", _code(nonfinite)))
-    flags = _nonfinite_flags(record)
-    if flags:
-        run_rows.append(("non-finite flags set", _code(flags)))
 
     key_rows = []
     usable = without_malformed(record)  # paths whose rows are not their family's shape are left out, as in the figures
