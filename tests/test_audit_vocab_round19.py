@@ -14,6 +14,24 @@ Defects these tests found (each fails without its fix):
 - a registered method without ``step()`` or ``probabilities()`` was refused only by the base's NotImplementedError at
   the run's first step, the record and its checkpoint written by then; `run` refuses it in one `ConfigError` line
   before anything is written.
+- ``run(config, callbacks=[cb])`` with a callback lacking ``on_exception`` ran until the run failed and then replaced
+  the failure by its AttributeError (lacking ``on_epoch_end``: the first epoch end); a single callback not in a list
+  was a TypeError with the record open. One `ConfigError` line before anything is written.
+- such a method (it never calls ``self.cost``) run with diagnostics cost,hessian recorded neither family, silently:
+  one warning at the first epoch end.
+- ``probabilities()`` of one cell type only derived a genotype silently; a list, numpy arrays or a (K, E) tensor were
+  tracebacks of ``genotype()``/``evaluate()``: one `SearchError` line naming the method and ``probabilities()``.
+
+Checked and right: the REINFORCE method through ``run`` (float64, cost and hessian diagnostics) and through the CLI
+(``python -c "import mod; from nasdiag.cli import main" search --method ...``), its figures, ``nasdiag plot`` and
+``nasdiag report``; an interrupted run resumed to the uninterrupted record and state bit for bit (θ, baseline and the
+network), and ``run(SearchConfig.from_dict(meta["config"]...))`` repeated it bit for bit (scratch scripts, ~25 s, not
+kept as tests); every path every built-in method's step and diagnostics emit belongs to a family (no undeclared one);
+XNAS's, BayesNAS's and SparseNAS's step losses, w_lr and mixing weights (the last test).
+
+Left alone: paths of no family are recorded (docs/schema.md: "any other group/name"), not refused; per-method scalars
+(``train_loss``, ``val_loss``, ``w_lr``, ``alpha_grad_norm``) have their meaning in each method's docstring and docs page
+rather than a family of their own; `SearchResult` has no timings and keeps ``record`` as given (relative).
 """
 
 from __future__ import annotations
@@ -183,3 +201,44 @@ def test_a_probabilities_return_of_the_wrong_form_is_one_line_at_the_genotype_an
         text = str(err.value)
         assert "\n" not in text and text.startswith("wrong-r19: probabilities()") and "'reduce': (5, 8)" in text, text
     assert _method(Reinforce).genotype() is not None
+
+
+@pytest.mark.parametrize("name", ["xnas", "bayesnas", "sparsenas"])
+def test_the_step_losses_w_lr_and_mixing_weights_are_the_states_and_batches_their_families_name(name):
+    """scalars/train_loss and train_acc: the mean cross-entropy and top-1 accuracy of the search-train batch at the
+    weights w before the step, mixed by the Z the w step used (XNAS, BayesNAS: the forward weights before the step;
+    SparseNAS, as DARTS: A after its architecture step); XNAS's val_loss: the search-val batch at w after its w step
+    (Algorithm 1 lines 4 then 8); w_lr the rate the step used; arch/<cell>/weights that Z and probabilities
+    probabilities() after the step. Own float64 cross-entropy and accuracy on copies of the states (all correct)."""
+    import copy
+
+    from nasdiag.search import get_method
+
+    cls = get_method(name)
+    torch.manual_seed(0)
+    net = Network(4, 5, 3, steps=2, multiplier=2, in_channels=1,
+                  **({"primitives": cls.primitives} if getattr(cls, "primitives", None) else {})).double()
+    method = cls(net, cls.Hyperparameters(), schedule=Schedule(epochs=1, steps_per_epoch=3, batch_size=6))
+    train, val = _batch(), (_batch()[0].flip(0), _batch()[1].flip(0))
+    for _ in range(2):
+        before = copy.deepcopy(method)
+        z, active = before.forward_weights(), before.active_ops()
+        stats = method.step(train, val)
+        if name == "sparsenas":
+            z = method.forward_weights()
+        kwargs = {} if active is None else {"active": active}
+        with torch.no_grad():
+            logits = before.network(train[0], z, **kwargs)
+            after = copy.deepcopy(before.network)
+            after.load_state_dict(method.network.state_dict())
+            val_logits = after(val[0], z, **kwargs)
+        own = -torch.log_softmax(logits, -1).gather(1, train[1][:, None]).mean()
+        assert torch.allclose(stats["scalars/train_loss"], own, rtol=1e-12, atol=0)
+        assert float(stats["scalars/train_acc"]) == float((logits.argmax(1) == train[1]).double().mean())
+        if name == "xnas":
+            own_val = -torch.log_softmax(val_logits, -1).gather(1, val[1][:, None]).mean()
+            assert torch.allclose(stats["scalars/val_loss"], own_val, rtol=1e-12, atol=0)
+        assert float(stats["scalars/w_lr"]) == before.w_optimizer.param_groups[0]["lr"]
+        for t in z:
+            assert torch.equal(stats[f"arch/{t}/weights"], z[t]) and torch.equal(stats[f"arch/{t}/probabilities"],
+                                                                                  method.probabilities()[t])
