@@ -14,6 +14,26 @@ Found and fixed:
   8-16-109-31 at 0.967). The commit that wrote those numbers (9094bae) gives 8-13-58-3 at 0.100 here, so they came
   from another build: the last iterations' pruning turns on the last bits. The doc states what the script gives and
   that the final row is fragile (test_the_bayes_compression_result_the_doc_states_is_what_the_script_prints).
+
+Checked and right (run literally in a fresh folder, torch 2.13 CPU): README's quickstart (8 epochs: prints the
+genotype, writes runs/darts.h5 with steps 1-88, 88 rows of losses/accuracies/arch, 8 of cost and hessian, 15 figures
+in runs/darts-figs; meta's threads present and not in config, and every meta key docs/schema.md lists), its costs,
+regret and records blocks (shapes as commented; per-sample costs sum to the batch costs exactly), docs/figures.md's
+four commands on that record (the _init/_final/_step40 pdfs; runs/*.h5 with README's runs/mine.h5: one folder each
+and compare/), docs/schema.md's and docs/probe.md's blocks, docs/methods.md's toy module and its `methods toy`
+command line, docs/hessian.md's first block; `nasdiag search --help`/`plot --help`/`report --help` against every
+flag the docs give, every script flag the docs give against the script's parser, every repository path, dotted
+nasdiag name, test name, record path (against the vocabulary) and quoted section title the docs cite; the
+docs' `--figures` groups; EigenvalueEarlyStop against an own transcription of DARTS-ES (rollback epoch, windows
+fed every 2 epochs, negative means, NaN refused); diag_hessian exact against autograd's dense Hessian (1e-17) and
+GraphedDiagHessian equal to diag_hessian on the CPU, as docs/hessian.md says; MAX_METHOD_SEED = 2^64 - 7920.
+
+Left alone: a fresh quickstart run writes runs/darts.seg0001.h5 beside runs/darts.h5 (its cost paths first come
+after the first flush, as docs/schema.md says); README's "after a resume a record is several files" does not say a
+first run can be too (judgement, wording). docs/figures.md's `nasdiag plot runs/*.h5` also matches that segment,
+which the command reads as part of its record in one line. README's curvature block (hessian_eigenvalues) and
+docs/hessian.md's alpha_diag_hessian blocks took minutes on this loaded box: slow, not wrong (round 16 noted it).
+The long paper scripts (sparsenas_digits, asmnas_stability, xnas_statistical, curvature_accuracy) were not run.
 """
 import importlib
 import inspect
