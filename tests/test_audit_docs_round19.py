@@ -14,6 +14,9 @@ Found and fixed:
   8-16-109-31 at 0.967). The commit that wrote those numbers (9094bae) gives 8-13-58-3 at 0.100 here, so they came
   from another build: the last iterations' pruning turns on the last bits. The doc states what the script gives and
   that the final row is fragile (test_the_bayes_compression_result_the_doc_states_is_what_the_script_prints).
+* docs/figures.md said `--dpi` must be positive; `nasdiag plot --dpi 10` is refused (15 to 1200, as --help says),
+  while write_figures takes any positive dpi. The doc states both
+  (test_the_dpi_range_docs_figures_states_is_the_one_nasdiag_plot_takes).
 
 Checked and right (run literally in a fresh folder, torch 2.13 CPU): README's quickstart (8 epochs: prints the
 genotype, writes runs/darts.h5 with steps 1-88, 88 rows of losses/accuracies/arch, 8 of cost and hessian, 15 figures
@@ -124,3 +127,23 @@ def test_the_bayes_compression_result_the_doc_states_is_what_the_script_prints(t
     printed = re.search(r"8-16-256-32 -> ([\d-]+), test accuracy ([\d.]+)", capsys.readouterr().out)
     assert printed.group(1) == stated.group(1)
     assert abs(float(printed.group(2)) - float(stated.group(2))) <= 0.0005 + 1e-12  # the doc rounds to 3 decimals
+
+
+def test_the_dpi_range_docs_figures_states_is_the_one_nasdiag_plot_takes():
+    """docs/figures.md said `--dpi` must be positive; `nasdiag plot --dpi 10` is refused (below 15 the smallest text
+    is under a pixel), as `--help` says ("15 to 1200"). The doc states the range; checked at both ends, through the
+    command's own parser (nothing drawn)."""
+    from nasdiag.cli import _parse
+    from nasdiag.errors import NasdiagError
+
+    stated = re.search(r"`--dpi` must be (\d+) to (\d+)", (ROOT / "docs" / "figures.md").read_text())
+    assert stated, "docs/figures.md does not state the range of --dpi"
+    low, high = int(stated.group(1)), int(stated.group(2))
+
+    def takes(dpi):
+        try:
+            return _parse(["plot", "run.h5", "--out", "figs", "--dpi", str(dpi)]).dpi == dpi
+        except (SystemExit, NasdiagError):
+            return False
+
+    assert takes(low) and takes(high) and not takes(low - 1) and not takes(high + 1)
