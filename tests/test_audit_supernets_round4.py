@@ -702,7 +702,10 @@ def test_hooks_are_gone_after_every_exit_path_and_the_next_step_is_exact():
 def test_300_search_steps_keep_no_tensor_and_no_python_memory():
     """300 steps with the path split (node hooks), the curvature's kept batch and weights, and every result read. Python
     memory settles within ~100 steps (torch's and CPython's caches: +18 KB, then +3 KB, then +0.3 KB per 100 steps);
-    a leak of one small object per step would add ≥ 10 KB over the last 180."""
+    a leak of one small object per step would add ≥ 10 KB over the last 180. torch 2.13 itself keeps ~48 B per plain
+    forward+backward of a conv in tracemalloc's count (for thousands of steps, with no nasdiag imported), which put
+    the measured growth at 9–21 KB from run to run: the bound is on the growth beyond 180 plain steps of the same net
+    and batch without the probe, measured in the same window."""
     net = darts_net(layers=1, C=2)
     x, y = batch(b=2)
     probe = nasdiag.attach(net, path_split=True, hessian="exact")
@@ -713,13 +716,23 @@ def test_300_search_steps_keep_no_tensor_and_no_python_memory():
             F.cross_entropy(net(x), y).backward()
         probe.costs(per_sample=True), probe.path_costs(), probe.output_costs(), probe.statistics()
 
+    def plain_step():
+        net.zero_grad(set_to_none=True)
+        F.cross_entropy(net(x), y).backward()
+
     for _ in range(20):
         step()
+        plain_step()
     before = live_tensors()
     tracemalloc.start()
     try:
         for _ in range(100):
             step()
+            plain_step()
+        start = tracemalloc.get_traced_memory()[0]
+        for _ in range(180):
+            plain_step()
+        torch_own = tracemalloc.get_traced_memory()[0] - start
         start = tracemalloc.get_traced_memory()[0]
         for _ in range(180):
             step()
@@ -727,6 +740,6 @@ def test_300_search_steps_keep_no_tensor_and_no_python_memory():
     finally:
         tracemalloc.stop()
     assert live_tensors() <= before
-    assert grown < 10 * 1024, grown
+    assert grown - max(torch_own, 0) < 10 * 1024, (grown, torch_own)
     assert (probe.statistics()["cost/normal/count"] == 300).all()
     assert_no_module_hooks(net)
