@@ -112,9 +112,16 @@ def test_the_bayes_compression_result_the_doc_states_is_what_the_script_prints(t
     """docs/bayesnas.md states what `python scripts/bayes_compression.py --out DIR` gives at its defaults (seed 0):
     the pruned architecture and its test accuracy. Runs the script as written (6 s of one CPU thread) and compares
     what it prints with the doc's numbers. Before round 19 the doc (and the script's docstring) said 8-13-61-24 at
-    0.958; the script gives 8-13-58-5 at 0.176 here, at every commit tried since the one that wrote those numbers."""
+    0.958; the script gives 8-13-58-5 at 0.176 here, at every commit tried since the one that wrote those numbers.
+    That default λ (3e-4) pruned fc2 below 10 neurons; it is 1e-4 since (8-16-109-31 at 0.967). Skipped off torch 2.13
+    CPU, the build the doc names (torch 2.11 on the GPU host gave 8-10-16-27 at 3e-4)."""
     import importlib.util
 
+    import torch
+
+    if not (torch.__version__.startswith("2.13.") and torch.version.cuda is None):
+        pytest.skip(f"the doc states the result on torch 2.13 CPU; its last pruning steps depend on the last bits of the "
+                    f"training, which differ on torch {torch.__version__}")
     text = (ROOT / "docs" / "bayesnas.md").read_text()
     stated = re.search(r"`python scripts/bayes_compression\.py --out DIR`.*?Seed 0.*?8-16-256-32 → \*\*([\d-]+)\*\*"
                        r".*? at ([\d.]+) test accuracy", text, re.S)
