@@ -146,10 +146,14 @@ def ops_on_per_edge(record: Mapping[str, np.ndarray], cell: str, path: str, *, y
 def epoch_span(record: Mapping[str, np.ndarray], path: str, row: int) -> str:
     """Which steps an epoch statistic at ``row`` averages: ``"steps a-b (epoch e)"``.
 
-    Epoch statistics (cost moments) cover the steps after the previous row that logged ``path``, up
-    to this row's step; the first one starts at the record's first step.
+    Epoch statistics (cost moments) cover the steps after the previous epoch end, up to this row's step: the previous
+    row that logged ``path`` or, where this row logged ``scalars/epoch`` (a search's epoch end), ``scalars/epoch``;
+    the search resets the moments at every epoch end, also one that logged no row of ``path`` (a cell type with no
+    cost observation that epoch). The first one starts at the record's first step.
     """
     rows = valid_rows(record, path)
+    if epoch_of(record, row) is not None:
+        rows = np.union1d(rows, valid_rows(record, "scalars/epoch"))
     steps = record["step"]
     earlier = rows[rows < row]
     first = int(steps[earlier[-1]]) + 1 if earlier.size else int(steps[0])
