@@ -603,6 +603,12 @@ class StepCapture:
         first = self._first_argument(module, args, kwargs)
         if self.model_calls not in self.call_batch and isinstance(first, torch.Tensor) and first.dim():
             self.call_batch[self.model_calls] = first.shape[0]
+        if torch.is_grad_enabled() and isinstance(first, torch.Tensor) and first.dim() and first.shape[0] == 0:
+            # a rank's last batch of drop_last=False can be empty: its mean loss is NaN, yet ∂L/∂Z sums over no sample
+            # to 0, a cost of 0 observed as a step's (and pooled across ranks), or a torch max() traceback in the checks
+            raise ProbeError(f"the model's input {tuple(first.shape)} holds no samples: a recorded step needs at least one "
+                             "(its mean loss is NaN, its costs would be 0); skip empty batches (under DDP every rank needs "
+                             "samples: shard with DistributedSampler, which pads, or drop_last=True)")
         # the first call of the model in the block that has a backward: a validation forward under no_grad before it
         # is not the batch the costs (and the curvature asked after them) are of
         if self.keep_model_io and self.model_inputs is None and torch.is_grad_enabled():
