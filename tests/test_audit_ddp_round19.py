@@ -6,6 +6,16 @@ with drop_last=False) has a NaN mean loss, yet ∂L/∂Z sums over no sample to 
 is done, the step was observed as a cost of 0 (count 1 higher, the mean pulled toward 0, no flag: a silently wrong
 mean, pooled so across the ranks); at the first step it was torch's ``max(): Expected reduction dim`` traceback from
 inside the check. It is one ProbeError line at the forward now, before anything is observed.
+
+Checked and found right in scratch, not kept (2 gloo ranks; references numpy on the concatenated samples): pooled
+mean/var (ddof 0 and 1, data at 1e6 ± 1) with rank 1 empty (count 0, mean and var NaN) and with rank 1 holding one
+sample under ddof 1 (its var NaN) equal numpy's on the concatenated samples exactly or to 1e-16, counts summed, min/max
+exact with the empty rank's ±inf; ``rows=True`` with per-row counts, one row empty on a rank, alike; values of zero
+size (float, int ``sum``, bool, a pooled triple of zero rows) and an empty mapping come back unreduced, no collective
+mismatch. The runner's sharding (rank r takes every R-th sample of the epoch's order, full batches only, S = 0
+refused in one line) gives rank batches whose union is the single process's batch of R·B; the spectrum, XNAS's
+forecaster and BayesNAS's curvature under DDP are covered by tests/test_audit_ddp_round3.py and
+tests/test_search_ddp_methods.py (read, not repeated).
 """
 
 from __future__ import annotations
