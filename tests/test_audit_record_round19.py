@@ -11,6 +11,9 @@ Defects these tests found (each fails without its fix):
   resume was refused, for ever ('File name too long'); a lock file's ENAMETOOLONG said 'record to a writable
   location'. Refused at the `Recorder`'s construction in one line giving the longest name that fits, before any
   file (or folder) is made.
+- ``flush_seconds`` of numpy's numbers (np.float32(0.5), np.int64(2)) was refused as 'must be a positive number',
+  True was taken as 1 s, and a callback that opens no recorder (target None, a rank > 0) took any value that rank
+  0's Recorder refused. One check for both.
 """
 
 from __future__ import annotations
@@ -79,3 +82,28 @@ def test_a_record_name_whose_later_segments_cannot_exist_is_refused_before_any_f
         rec.log(9, {"scalars/a": 9.0, "scalars/b": -9.0})
     got = _plain_rows(tmp_path, name[: -len(".h5")])
     assert got == logged
+
+
+@pytest.mark.parametrize("value", [np.float32(0.5), np.int64(2), np.float16(0.25)])
+def test_a_numpy_number_of_seconds_is_a_flush_interval_like_the_python_number(tmp_path, value):
+    """flush_seconds=np.float32(0.5) (a config read with numpy) was refused as 'must be a positive number, got 0.5'."""
+    with Recorder(str(tmp_path / "run.h5"), meta={}, flush_seconds=value) as rec:
+        assert rec.flush_seconds == float(value)
+
+
+@pytest.mark.parametrize("value", [True, np.bool_(True), "10", 0, -1.0, float("nan")])
+def test_a_flush_interval_that_is_no_positive_number_is_refused_alike_by_the_recorder_and_a_rank_that_writes_nothing(
+    tmp_path, value
+):
+    """True was taken as 1 s; a callback that opens no recorder (target None, a rank > 0) took any flush_seconds while
+    rank 0's Recorder refused it, so that rank went on into its loop."""
+    from nasdiag.record import RecorderCallback
+
+    for make in (
+        lambda: Recorder(str(tmp_path / "run.h5"), meta={}, flush_seconds=value),
+        lambda: RecorderCallback(None, flush_seconds=value),
+    ):
+        with pytest.raises(RecordError, match="flush_seconds must be a positive number") as err:
+            make()
+        assert "\n" not in str(err.value)
+    assert os.listdir(tmp_path) == []

@@ -32,7 +32,13 @@ import numpy as np
 
 from nasdiag.arrays import is_tensor, stack_to_numpy
 from nasdiag.record.errors import RecordError, RecordWarning
-from nasdiag.record.writer import Recorder, _python_scalar_fits, checked_step, unrecordable_tensor
+from nasdiag.record.writer import (
+    Recorder,
+    _python_scalar_fits,
+    checked_flush_seconds,
+    checked_step,
+    unrecordable_tensor,
+)
 from nasdiag.vocabulary import RULES
 
 
@@ -463,7 +469,9 @@ def _check_recorder_options(options: Mapping) -> None:
 
 def _rows_per_batch(options: Mapping) -> int:
     """``flush_every`` of a rank that opens no recorder, refused as rank 0's `Recorder` refuses it: int() took 0, 2.5 and
-    True (so rank 1 went on into its loop while rank 0 stopped) and was a ValueError traceback for a string."""
+    True (so rank 1 went on into its loop while rank 0 stopped) and was a ValueError traceback for a string; its
+    ``flush_seconds`` likewise (any value was taken)."""
+    checked_flush_seconds(options.get("flush_seconds"))
     flush_every = options.get("flush_every", 64)
     if isinstance(flush_every, bool) or not isinstance(flush_every, (int, np.integer)) or flush_every < 1:
         raise RecordError(f"flush_every must be a positive int, got {flush_every!r}")

@@ -192,6 +192,16 @@ class _Column:
         self.warned = False
 
 
+def checked_flush_seconds(value) -> float | None:
+    """``flush_seconds`` as a float (or None), else one `RecordError`: numpy's numbers (a config read with numpy) were
+    refused as 'no positive number', True was taken as 1 s, and a rank that opens no recorder took any value."""
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)) or not value > 0:
+        raise RecordError(f"flush_seconds must be a positive number of seconds or None, got {value!r}")
+    return float(value)
+
+
 def _check_name_length(path: str) -> None:
     """Refuse a record name whose later segments could not be created: ``<root>.seg0001<ext>.tmp`` (12 bytes longer)
     past the file system's limits was taken, and the run lost its buffered rows at its first rollover (a path first
@@ -280,8 +290,7 @@ class Recorder:
             raise RecordError("the record path is empty; pass a file path such as runs/run.h5")
         if isinstance(flush_every, bool) or not isinstance(flush_every, (int, np.integer)) or flush_every < 1:
             raise RecordError(f"flush_every must be a positive int, got {flush_every!r}")
-        if flush_seconds is not None and not (isinstance(flush_seconds, (int, float)) and flush_seconds > 0):
-            raise RecordError(f"flush_seconds must be a positive number or None, got {flush_seconds!r}")
+        checked_flush_seconds(flush_seconds)
         if resume and overwrite:
             raise RecordError("resume=True and overwrite=True contradict each other; pass only one")
         if on_run_change not in ("warn", "error"):
@@ -303,7 +312,7 @@ class Recorder:
             )
         _check_name_length(self._anchor)
         self.flush_every = int(flush_every)
-        self.flush_seconds = flush_seconds
+        self.flush_seconds = checked_flush_seconds(flush_seconds)
         self._meta = schema.normalize_meta(meta)
         self._columns: dict[str, _Column] = {}
         self._step_buffer = self._new_buffer("step", (), np.int64)
