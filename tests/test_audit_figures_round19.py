@@ -4,6 +4,20 @@ K = 1, cost rows at some epoch ends only), read back from the matplotlib artists
 annotation texts, the tick labels, the titles) and compared cell by cell with this file's own expectation.
 
 The references are the arrays logged here and this file's own arithmetic on them; nothing is computed by nasdiag.
+
+Checked and found right (probes in the round's scratch, not kept as tests where earlier rounds cover them): cost, cost_std,
+hessian, arch and sample_counts heatmaps of cells with negative values, all-equal values (hessian all −2: diverging
+−2..2; all 3: sequential 3..4; cost_std all 2), one edge with K = 1 (arch p − 1/K = 0 on ±1, cost −0.3 on ±0.3), a
+second cell type of other E, and values of 1e-6 (x 1e-6 on the bar) draw the logged (float32) numbers cell by cell, edges
+down and ops across under the record's names (``op k`` where meta has none), annotated as logged; ``--at 6`` between
+the cost rows of steps 4 and 8 draws step 4's and says so; the comparison of a 3-op and a 2-op run (hessian ≥ 0 in one,
+signed in the other) puts both on one diverging scale spanning every run, the missing op blank and named; the
+regret_bound and arch_evolution lines plot the logged numbers at the logged steps; ``nasdiag plot`` and ``report`` of
+a record still being written draw its committed rows, the report saying it is being written.
+
+Left alone: ``nasdiag plot`` of a record still being written does not say so (docs/figures.md promises it of the
+report only); the comparison's panel of a cost map is titled with its row's step, not the steps it averages (the
+single figure names them); a title wrapped at a hyphen splits "steps 5-8" over two lines.
 """
 
 from __future__ import annotations
