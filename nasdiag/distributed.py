@@ -130,6 +130,14 @@ def finite_on_every_rank(value, group=None) -> bool:
     return bool(flag)
 
 
+def check_ddof(ddof, error: type[Exception] = ReductionError) -> None:
+    """Raise ``error`` (one line) unless ``ddof`` is a non-negative int: under DDP ``'1'`` or None was numpy's
+    traceback after the collectives, -1 and 1.5 pooled silently (and a single process ignored it)."""
+    if isinstance(ddof, bool) or not isinstance(ddof, (int, np.integer)) or ddof < 0:
+        raise error(f"ddof must be a non-negative int (0: the var paths are population variances, 1: unbiased ones), "
+                    f"got {ddof!r}")
+
+
 def _split(path: str) -> tuple[str, str]:
     parent, _, name = path.rpartition("/")
     return parent, name
@@ -209,7 +217,8 @@ def reduce_statistics(
 
     ``statistics`` maps record paths to Python scalars, numpy arrays or tensors. Returns numpy arrays
     of the input shapes and dtypes (``mean`` and ``pooled`` of ints give float64, ``sum`` of bools and ints 64-bit ints) on every
-    rank. ``ddof`` is the convention of the ``var`` paths being pooled (0: population variance, 1: unbiased). ``rows``: the
+    rank. ``ddof`` is the convention of the ``var`` paths being pooled (0: population variance, 1: unbiased; a non-negative
+    int, else `ReductionError`). ``rows``: the
     first axis of every value is a row (a batch of recorded steps, reduced elementwise); a ``count``
     with fewer axes than its ``mean`` then lines up with the leading axes. ``row_steps`` (with ``rows``; every
     path): the step of each row of the path, where a batch's paths are not all logged at the same steps; the ranks
@@ -225,6 +234,7 @@ def reduce_statistics(
     arrays = {path: np.asarray(to_numpy(value)) for path, value in statistics.items()}
     refused = None  # raised after the ranks' check: a rank refusing alone, before it, left the others in the check's
     try:  # collective, which then paired with that rank's next reduction (another step's statistics)
+        check_ddof(ddof)
         for path, array in arrays.items():  # the collectives run in float64: a complex part was dropped (a ComplexWarning)
             if array.dtype.kind not in "biuf":
                 raise ReductionError(f"{path!r} has dtype {array.dtype}, which cannot be reduced across ranks (nor "

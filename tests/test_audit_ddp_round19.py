@@ -5,7 +5,10 @@ Found: a `Probe` step on an empty batch (every per-rank loop's last batch can be
 with drop_last=False) has a NaN mean loss, yet ∂L/∂Z sums over no sample to 0: once the first steps' mixed-op check
 is done, the step was observed as a cost of 0 (count 1 higher, the mean pulled toward 0, no flag: a silently wrong
 mean, pooled so across the ranks); at the first step it was torch's ``max(): Expected reduction dim`` traceback from
-inside the check. It is one ProbeError line at the forward now, before anything is observed.
+inside the check. It is one ProbeError line at the forward now, before anything is observed. `reduce_statistics`'s
+``ddof`` was not checked: under DDP ``'1'`` or None was numpy's traceback after the collectives and -1 or 1.5 pooled a
+variance silently (a single process ignored it), and a RecorderCallback took it until its first reduction; a
+ReductionError / RecordError line at the call now.
 
 Checked and found right in scratch, not kept (2 gloo ranks; references numpy on the concatenated samples): pooled
 mean/var (ddof 0 and 1, data at 1e6 ± 1) with rank 1 empty (count 0, mean and var NaN) and with rank 1 holding one
@@ -20,6 +23,7 @@ tests/test_search_ddp_methods.py (read, not repeated).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -115,3 +119,23 @@ def test_a_probe_step_on_an_empty_rank_batch_is_one_line_and_observes_nothing(fi
     # an empty batch outside a recorded block (or an evaluation under no_grad inside one) is no step: not refused
     with pytest.warns(RuntimeWarning, match="grad mode off"), torch.no_grad(), probe.record():
         net(x[:0])
+
+
+@pytest.mark.parametrize("ddof", ["1", None, -1, 1.5, True])
+def test_a_ddof_that_is_no_non_negative_int_is_one_line_at_the_call_and_at_the_callback(ddof, tmp_path):
+    """Under DDP (2 gloo ranks, scratch) ``ddof='1'`` or None was numpy's UFuncTypeError/TypeError traceback after the
+    collectives, -1 and 1.5 pooled a variance silently (1.37 and 0.91 for samples whose ddof-0 variance is 1.24); in a
+    single process it was ignored. A RecorderCallback took it and failed only at its first reduction under DDP."""
+    from nasdiag.distributed import ReductionError, reduce_statistics
+    from nasdiag.record import RecordError, RecorderCallback
+
+    stats = {"x/mean": np.float64(0.5), "x/var": np.float64(1.0), "x/count": np.int64(3)}
+    with pytest.raises(ReductionError) as err:
+        reduce_statistics(stats, rules={"x/mean": "pooled"}, ddof=ddof)
+    assert "\n" not in str(err.value) and "ddof" in str(err.value), err.value
+    with pytest.raises(RecordError) as err:
+        RecorderCallback(tmp_path / "run.h5", ddof=ddof)
+    assert "\n" not in str(err.value) and "ddof" in str(err.value), err.value
+    assert list(tmp_path.iterdir()) == []  # no record opened
+    for fine in (0, np.int64(1)):  # numpy's ints are ints here
+        assert reduce_statistics(stats, rules={"x/mean": "pooled"}, ddof=fine)["x/var"] == 1.0

@@ -125,6 +125,7 @@ class RecorderCallback:
         self._turn = threading.RLock()  # see _one_thread_at_a_time
         _check_recorder_options(recorder_kwargs)
         _check_rules(rules)
+        distributed.check_ddof(ddof, RecordError)  # else refused only at the first reduction under DDP, rows held
         self._reduce = reduce
         self._rules = rules
         self._ddof = ddof
