@@ -18,7 +18,9 @@ size (float, int ``sum``, bool, a pooled triple of zero rows) and an empty mappi
 mismatch. The runner's sharding (rank r takes every R-th sample of the epoch's order, full batches only, S = 0
 refused in one line) gives rank batches whose union is the single process's batch of R·B; the spectrum, XNAS's
 forecaster and BayesNAS's curvature under DDP are covered by tests/test_audit_ddp_round3.py and
-tests/test_search_ddp_methods.py (read, not repeated).
+tests/test_search_ddp_methods.py (read, not repeated); unrolled.py averages ∇_w L_train, ∇_{w'} L_val and the costs
+over ranks before the finite difference (read). After a refused empty step ``probe.hessian()`` refuses as after any
+block whose body raised, and the statistics keep the earlier steps (checked above).
 """
 
 from __future__ import annotations
