@@ -14,6 +14,8 @@ Defects these tests found (each fails without its fix):
 - ``flush_seconds`` of numpy's numbers (np.float32(0.5), np.int64(2)) was refused as 'must be a positive number',
   True was taken as 1 s, and a callback that opens no recorder (target None, a rank > 0) took any value that rank
   0's Recorder refused. One check for both.
+- `nasdiag report` of a live record read it three times (rows, NaN/inf counts, segments): a flush between the reads
+  put NaNs of rows the page does not show into its counts. One reading for all three (nasdiag/plot/report.py).
 """
 
 from __future__ import annotations
@@ -107,3 +109,40 @@ def test_a_flush_interval_that_is_no_positive_number_is_refused_alike_by_the_rec
             make()
         assert "\n" not in str(err.value)
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.filterwarnings("ignore::nasdiag.record.RecordWarning")  # the NaN logged, as the writer says
+def test_the_report_of_a_live_record_counts_the_nonfinite_values_and_segments_of_the_rows_it_shows(tmp_path, monkeypatch):
+    """build_report read the rows (`load`), then the NaN/inf counts (`load_meta`), then the segments, each a reading of
+    its own: a writer flushing between them put a NaN of a row the page does not show into its 'NaN/inf values' line
+    (a page of steps 0-9, all finite, said scalars/a: 1) and its segment line said steps 0-10. The writer's flush is
+    made to fall right after the first reading here; the reference is numpy's count over the rows the page lists."""
+    import nasdiag.record.reader as reader
+    from nasdiag.plot.report import build_report
+
+    path = str(tmp_path / "run.h5")
+    rec = Recorder(path, meta={}, flush_every=1000)
+    for s in range(10):
+        rec.log(s, {"scalars/a": float(s)})
+    rec.flush()
+    real_read = reader.read_segments
+    readings = []
+
+    def read_then_the_writer_goes_on(*args, **kwargs):
+        segments = real_read(*args, **kwargs)
+        if not readings:
+            rec.log(10, {"scalars/a": float("nan")})
+            rec.flush()
+        readings.append(len(segments))
+        return segments
+
+    monkeypatch.setattr(reader, "read_segments", read_then_the_writer_goes_on)
+    try:
+        page = build_report(path, figures=[], dpi=20)
+    finally:
+        rec.close()
+    monkeypatch.undo()
+    with h5py.File(path, "r") as f:  # plain h5py: the rows the page lists, steps 0-9
+        shown = f["scalars/a"][:10]
+    assert "steps 0–9" in page and np.isfinite(shown).all()
+    assert "NaN/inf values" not in page and "steps 0–10" not in page

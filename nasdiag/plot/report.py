@@ -108,12 +108,12 @@ def _key_number(record, path: str) -> Optional[str]:
     return f"{'NaN' if np.isnan(value) else value} (step {step}; {before})"
 
 
-def _segment_attrs(path) -> List[Dict]:
+def _segment_attrs(segments) -> List[Dict]:
     """The attributes of each segment file (created, host, versions) and its rows and last write time."""
-    from nasdiag.record.reader import read_segments, segment_attrs
+    from nasdiag.record.reader import segment_attrs
 
     out = []
-    for seg in read_segments(path, with_data=False):
+    for seg in segments:
         attrs = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in segment_attrs(seg.file).items()}
         attrs["rows"] = int(seg.steps.shape[0])
         attrs["first_step"] = int(seg.steps[0]) if seg.steps.size else None
@@ -210,16 +210,18 @@ def _genotype_text(record) -> List[Tuple[str, str]]:
 def build_report(record_path, figures: Optional[Sequence[str]] = None, dpi: int = 110) -> str:
     """The HTML text of the report of the record at ``record_path`` (see :func:`write_report`)."""
     from nasdiag.plot.style import paper_style
-    from nasdiag.record import load, load_meta
+    from nasdiag.record.reader import meta_of, read_segments, record_of
 
     if not isinstance(dpi, int) or dpi < 1:
         raise PlotError(f"dpi must be a positive number of dots per inch, e.g. 110, not {dpi!r}")
     refuse_checkpoint(record_path)
-    record = load(record_path)
-    meta = load_meta(record_path)
+    # one reading of a live record for the rows, NaN counts and segments alike: three reads met a writer's flushes
+    # between them (a NaN of a row the page does not show counted, segments of rows past its last step)
+    read = read_segments(record_path, with_data=True)
+    record, meta = record_of(read), meta_of(read)
     if len(record["step"]) == 0:
         raise PlotError(f"record {record_path} has no committed rows yet; nothing to report")
-    segments = _segment_attrs(record_path)
+    segments = _segment_attrs(read)
     config = meta.get("config") if isinstance(meta.get("config"), dict) else {}
     name = Path(os.fspath(record_path)).name
     steps = record["step"]

@@ -579,7 +579,12 @@ def load(path, *, salvage: bool = False) -> dict[str, np.ndarray]:
     ``salvage=True`` returns the intact prefix instead (every row before the first bad one; later
     segments are dropped) with a `RecordWarning`. Raises `RecordError` if there is no record.
     """
-    segments = read_segments(path, with_data=True, salvage=salvage)
+    return record_of(read_segments(path, with_data=True, salvage=salvage))
+
+
+def record_of(segments: list[Segment]) -> dict[str, np.ndarray]:
+    """What `load` returns for ``segments`` (`read_segments` with data): a caller that also needs `meta_of` of the
+    same rows reads the record once (a live writer's next flush between two reads made them disagree)."""
     if not segments:
         return {"step": np.zeros(0, np.int64)}
     columns = merged_columns(segments)
@@ -613,7 +618,11 @@ def load_meta(path, *, salvage: bool = False) -> dict:
     segment replaced is not counted). A damaged
     record raises `RecordError` as in `load` (``salvage=True``: the meta of the intact prefix).
     """
-    segments = read_segments(path, with_data=True, salvage=salvage)
+    return meta_of(read_segments(path, with_data=True, salvage=salvage))
+
+
+def meta_of(segments: list[Segment]) -> dict:
+    """What `load_meta` returns for ``segments`` (`read_segments` with data; see `record_of`)."""
     if not segments:
         return {"segments": [], "nonfinite_counts": {}}
     meta = dict(segments[-1].meta)
