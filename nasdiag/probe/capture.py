@@ -158,7 +158,7 @@ def _under_vmap() -> bool:
 
 
 _FT = torch._C._functorch
-_BATCHED = [getattr(_FT, n) for n in ("is_batchedtensor", "is_legacy_batchedtensor") if hasattr(_FT, n)]
+_BATCHED = tuple(getattr(_FT, n) for n in ("is_batchedtensor", "is_legacy_batchedtensor") if hasattr(_FT, n))
 
 
 def _is_batched(g: torch.Tensor) -> bool:

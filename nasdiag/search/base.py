@@ -151,29 +151,14 @@ class _BatchChecked:
         return stats
 
 
-_FAMILY_OF: Dict[str, Any] = {}
-_FAMILIES_SEEN = [0]  # len(FAMILIES) when _FAMILY_OF was filled
-
-
-def _family_of(path: str):
-    """`nasdiag.vocabulary.family_of`, remembered per path (every step returns the same paths; the families' regexes
-    took milliseconds a step). Cleared when a method module declares a family later."""
-    from nasdiag import vocabulary as V
-
-    if _FAMILIES_SEEN[0] != len(V.FAMILIES):
-        _FAMILY_OF.clear()
-        _FAMILIES_SEEN[0] = len(V.FAMILIES)
-    if path not in _FAMILY_OF:
-        _FAMILY_OF[path] = V.family_of(path)
-    return _FAMILY_OF[path]
-
-
 def check_statistics(network, stats, name: str = "") -> None:
     """What a method's ``step`` returns: a mapping of record paths (str) to values whose row shape is their vocabulary
     family's (``scalars/<name>`` one number, ``(E, K)`` the cell type's α shape) and, for the ``bool`` families (masks,
     flags), bool. A wrong one was recorded silently (a per-sample loss as ``scalars/train_loss``: rows of B numbers
     the figures and the DDP mean took for one), or stopped the recorder in a traceback (a key that is no string).
     Reads shapes and dtypes only (no host synchronisation). Raises `SearchError` naming the method."""
+    from nasdiag import vocabulary as V
+
     who = f"{name or 'the method'}: step() must return"
     if not isinstance(stats, Mapping):
         raise SearchError(f"{who} a dict {{record path: tensor}} (nasdiag.vocabulary, e.g. 'scalars/train_loss'), "
@@ -182,7 +167,7 @@ def check_statistics(network, stats, name: str = "") -> None:
     for path, value in stats.items():
         if not isinstance(path, str):
             raise SearchError(f"{who} record paths (str, e.g. 'scalars/train_loss') as keys, got {path!r}")
-        fam = _family_of(path)
+        fam = V.family_of(path)
         if fam is None:
             continue  # a path of the method's own (docs/schema.md: any other group/name)
         shape = tuple(value.shape) if hasattr(value, "shape") else ()
