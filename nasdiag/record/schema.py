@@ -153,6 +153,29 @@ def temp_path(final_path: str) -> str:
     return final_path + ".tmp"
 
 
+def side_file_too_long(path: str) -> str | None:
+    """Why a file the recorder writes next to the record at ``path`` cannot exist on its file system, or None. The
+    longest is a later segment being built, ``<root>.seg0001<ext>.tmp`` (12 bytes longer than the name), or the lock:
+    past NAME_MAX/PATH_MAX a record was made, then lost its buffered rows at its first rollover and could never resume.
+    The limits are read from the nearest existing folder (the record's may not be made yet)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    while not os.path.isdir(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)
+    try:
+        name_max, path_max = os.pathconf(folder, "PC_NAME_MAX"), os.pathconf(folder, "PC_PATH_MAX")
+    except (OSError, ValueError, AttributeError):  # pragma: no cover - no limits to read (Windows)
+        return None
+    longest = max(temp_path(segment_path(path, 1)), path + ".lock", key=lambda f: len(os.fsencode(os.path.basename(f))))
+    name, extra = os.path.basename(longest), len(os.fsencode(longest)) - len(os.fsencode(path))
+    if len(os.fsencode(name)) > name_max:
+        return (f"the recorder writes {name} next to it, a name of {len(os.fsencode(name))} bytes, more than the {name_max} "
+                f"this file system allows; a record name of at most {name_max - extra} bytes fits")
+    size = len(os.fsencode(os.path.abspath(longest)))
+    if size >= path_max:
+        return f"the recorder writes {name} next to it, a path of {size} bytes, more than the {path_max - 1} allowed"
+    return None
+
+
 def list_segments(path: str) -> list[tuple[int, str]]:
     """Existing segment files of the record at ``path`` (a symbolic link resolved, `resolve_link`) as ``(index, file)``,
     by index."""

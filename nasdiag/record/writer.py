@@ -202,34 +202,6 @@ def checked_flush_seconds(value) -> float | None:
     return float(value)
 
 
-def _check_name_length(path: str) -> None:
-    """Refuse a record name whose later segments could not be created: ``<root>.seg0001<ext>.tmp`` (12 bytes longer)
-    past the file system's limits was taken, and the run lost its buffered rows at its first rollover (a path first
-    logged late) and every resume was refused (the search checks its ``--out`` alike, `runner._check_side_file_names`).
-    Checked against the nearest existing folder (the record's may not be made yet)."""
-    folder = os.path.dirname(path)
-    while not os.path.isdir(folder) and os.path.dirname(folder) != folder:
-        folder = os.path.dirname(folder)
-    try:
-        name_max, path_max = os.pathconf(folder, "PC_NAME_MAX"), os.pathconf(folder, "PC_PATH_MAX")
-    except (OSError, ValueError, AttributeError):  # pragma: no cover - no limits to read (Windows)
-        return
-    name = os.path.basename(path)
-    longest = [schema.temp_path(schema.segment_path(path, 1)), path + ".lock"]
-    longest = max(longest, key=lambda file: len(os.fsencode(os.path.basename(file))))
-    extra = len(os.fsencode(longest)) - len(os.fsencode(path))
-    if len(os.fsencode(os.path.basename(longest))) > name_max:
-        raise RecordError(
-            f"record name {name} is too long: the recorder writes {os.path.basename(longest)} next to it, more than "
-            f"the {name_max} bytes this file system allows in a name; use a name of at most {name_max - extra} bytes"
-        )
-    if len(os.fsencode(longest)) >= path_max:
-        raise RecordError(
-            f"record path {path} is too long: the recorder writes {longest} next to it, more than the {path_max - 1} "
-            "bytes this file system allows in a path; record to a shorter path"
-        )
-
-
 class Recorder:
     """Append rows of diagnostics to an HDF5 record, durably.
 
@@ -290,7 +262,7 @@ class Recorder:
             raise RecordError("the record path is empty; pass a file path such as runs/run.h5")
         if isinstance(flush_every, bool) or not isinstance(flush_every, (int, np.integer)) or flush_every < 1:
             raise RecordError(f"flush_every must be a positive int, got {flush_every!r}")
-        checked_flush_seconds(flush_seconds)
+        flush_seconds = checked_flush_seconds(flush_seconds)
         if resume and overwrite:
             raise RecordError("resume=True and overwrite=True contradict each other; pass only one")
         if on_run_change not in ("warn", "error"):
@@ -310,9 +282,11 @@ class Recorder:
                 f"{path} is the name of a later segment of the record {owner}; record to another name, or continue "
                 f"that record with Recorder({owner!r}, resume=True)"
             )
-        _check_name_length(self._anchor)
+        too_long = schema.side_file_too_long(self._anchor)
+        if too_long:
+            raise RecordError(f"record {self._anchor} is too long: {too_long}")
         self.flush_every = int(flush_every)
-        self.flush_seconds = checked_flush_seconds(flush_seconds)
+        self.flush_seconds = flush_seconds
         self._meta = schema.normalize_meta(meta)
         self._columns: dict[str, _Column] = {}
         self._step_buffer = self._new_buffer("step", (), np.int64)

@@ -315,26 +315,14 @@ def _probe_writable(folder: str, what: str) -> None:
 
 
 def _check_side_file_names(record: str) -> None:
-    """The longest file the search writes next to ``record`` (a later segment being built, ``<root>.seg0001<ext>.tmp``)
-    must fit the file system's limits: a name of 247 to 250 bytes (of 255) made the record, then failed on its
-    checkpoint's ``.ckpt.tmp`` (a record of no rows left behind, so the same command was refused), and one of 244 to
-    246 on the first segment roll-over, well into the run."""
-    from nasdiag.record.schema import segment_path
+    """The files the search writes next to ``record`` must fit the file system's limits: a name of 247 to 250 bytes (of
+    255) made the record, then failed on its checkpoint's ``.ckpt.tmp`` (a record of no rows left behind, so the same
+    command was refused), and one of 244 to 246 on the first segment roll-over, well into the run."""
+    from nasdiag.record.schema import side_file_too_long
 
-    longest = temp_path(segment_path(os.path.abspath(record), 1))
-    existing = os.path.dirname(longest)
-    while not os.path.isdir(existing):
-        existing = os.path.dirname(existing)
-    try:
-        name_max, path_max = os.pathconf(existing, "PC_NAME_MAX"), os.pathconf(existing, "PC_PATH_MAX")
-    except (OSError, ValueError, AttributeError):  # pragma: no cover - no limits to read (Windows)
-        return
-    name, size = os.path.basename(longest), len(os.fsencode(longest))
-    if len(os.fsencode(name)) > name_max or size >= path_max:
-        limit = (f"a name of {len(os.fsencode(name))} bytes, more than the {name_max} this file system allows"
-                 if len(os.fsencode(name)) > name_max else f"a path of {size} bytes, more than the {path_max - 1} allowed")
-        raise ConfigError(f"record path {record} is too long: the search writes {name} next to it, {limit}; choose a "
-                          "shorter --out")
+    too_long = side_file_too_long(record)
+    if too_long:
+        raise ConfigError(f"record path {record} is too long: {too_long}; choose a shorter --out")
 
 
 #: files written next to a record ``<out>``, by suffix (the checkpoint is `SearchConfig.checkpoint`)
