@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch.autograd.graph import get_gradient_edge
@@ -182,6 +182,17 @@ def _normalizes_with_buffers(module) -> bool:
     if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
         return not module.training and not (module.running_mean is None and module.running_var is None)
     return bool(getattr(module, "track_running_stats", False)) and not module.training
+
+
+def _first_tensor(value):
+    """``value`` if it is no container, else the first tensor in it (dict values, tuple and list items, depth first)."""
+    if not isinstance(value, (Mapping, tuple, list)):
+        return value
+    for item in value.values() if isinstance(value, Mapping) else value:
+        found = _first_tensor(item)
+        if isinstance(found, torch.Tensor):
+            return found
+    return None
 
 
 def _equal_chunks(nodes: Sequence[int], channels: int) -> Dict[int, Tuple[int, int]]:
@@ -621,17 +632,21 @@ class StepCapture:
         """The model call's first argument, passed positionally or by its name (``model(x=x)``, a keyword-only input):
         dim 0 of it is the batch its edges' rows are counted in (read by position only, a model called by keyword had no
         batch size, so a forward running an edge in chunks added other samples' rows up and a path dropped in a
-        micro-batch was refused as such a forward)."""
+        micro-batch was refused as such a forward). A batch given as a dict, tuple or list (``model({"x": x, ...})``,
+        ``model((x, y))``) is counted by its first tensor: read as no batch at all, an edge run on chunks of it added
+        other samples' rows up silently, and a path dropped in a micro-batch was refused as such a forward."""
         if args or not kwargs:
-            return args[0] if args else None
-        if self.first_name is None:
-            try:
-                params = [p.name for p in inspect.signature(module.forward).parameters.values()
-                          if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-            except (TypeError, ValueError):
-                params = []
-            self.first_name = params[0] if params else ""
-        return kwargs.get(self.first_name)
+            first = args[0] if args else None
+        else:
+            if self.first_name is None:
+                try:
+                    params = [p.name for p in inspect.signature(module.forward).parameters.values()
+                              if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+                except (TypeError, ValueError):
+                    params = []
+                self.first_name = params[0] if params else ""
+            first = kwargs.get(self.first_name)
+        return _first_tensor(first)
 
     def model_post(self, module, args, output):
         if self.call_span is not None and self.call_span[1] is None and torch.is_grad_enabled():

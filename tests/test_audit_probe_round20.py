@@ -1,0 +1,97 @@
+"""Probe audit round 20 (probe20): a NAS researcher's own supernets, written from scratch here in the styles of the
+field, attached with ``nasdiag.attach``, against float64 references computed here with plain autograd (leaf mixing
+weights Z and per-sample leaves Z_b: C_k = ∂L/∂Z_k, wiring supplement §2.1). Never nasdiag against nasdiag.
+
+Defects found (each test fails without its fix):
+
+* A model whose batch is a dict or a tuple (``model({"x": x})``, ``model((x, y))``, the usual form of multi-input
+  and HF-style models) had no batch size in the probe (only a tensor as the first argument counted): an edge run on
+  chunks of the batch returned (B/2, K) per-sample rows, each the sum of two samples' rows, silently, where the docs
+  promise a ProbeError; and gradient accumulation with a path dropped in one micro-batch, which the block's own
+  warning says gives NaN rows for that micro-batch, ended in costs(per_sample=True)'s "ran ... on chunks" ProbeError.
+  The batch is the first tensor of the first argument (test_a_batch_given_as_a_dict_or_tuple_counts_its_samples).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nasdiag
+from nasdiag.probe import ProbeError
+
+DT = torch.float64
+
+
+def _no_hooks(model: nn.Module) -> bool:
+    return not any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+                   for m in model.modules())
+
+
+# -- a DARTS-convention user supernet whose batch comes in a container ------------------------------------------------
+class _Mixed(nn.Module):
+    """forward(x, w) = Σ_k w_k·op_k(x); w is (K,) or per sample (B, K)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self._ops = nn.ModuleList([nn.Linear(d, d, dtype=DT), nn.Identity(), nn.Tanh()])
+
+    def forward(self, x, w):
+        return sum((w[:, k:k + 1] if w.dim() == 2 else w[k]) * op(x) for k, op in enumerate(self._ops))
+
+
+class _DictNet(nn.Module):
+    def __init__(self, d: int = 4, chunked: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.head = _Mixed(d), _Mixed(d), nn.Linear(d, 3, dtype=DT)
+        self.alpha = nn.Parameter(0.5 * torch.randn(2, 3, dtype=DT))
+        self.chunked = chunked
+        self.Z = None  # a reference run's per-sample leaves (B, 2, K); None: softmax(α)
+
+    def forward(self, batch, drop: bool = False):
+        x = batch["x"] if isinstance(batch, dict) else batch[0]
+        w = F.softmax(self.alpha, -1) if self.Z is None else self.Z
+        wa, wb = (w[0], w[1]) if self.Z is None else (w[:, 0], w[:, 1])
+        h = torch.cat([self.a(c, wa) for c in x.chunk(2)]) if self.chunked else self.a(x, wa)
+        if not drop:
+            h = h + self.b(x, wb)
+        return self.head(h)
+
+
+def _rows_by_autograd(net: _DictNet, x, y, drop: bool) -> torch.Tensor:
+    """(B, 2, K) ∂L/∂Z_b of per-sample leaves Z_b = softmax(α), the loss the micro-batch's mean cross-entropy."""
+    net.Z = F.softmax(net.alpha, -1).detach().expand(len(x), 2, 3).clone().requires_grad_()
+    try:
+        (g,) = torch.autograd.grad(F.cross_entropy(net({"x": x}, drop=drop), y), net.Z)
+    finally:
+        net.Z = None
+    return g
+
+
+def test_a_batch_given_as_a_dict_or_tuple_counts_its_samples():
+    x, y = torch.randn(6, 4, dtype=DT), torch.randint(0, 3, (6,))
+    net = _DictNet()
+    probe = nasdiag.attach(net)
+    want = torch.cat([_rows_by_autograd(net, x[:3], y[:3], False), _rows_by_autograd(net, x[3:], y[3:], True)])
+    for wrap in (lambda t: {"x": t}, lambda t: (t, None)):
+        with pytest.warns(RuntimeWarning, match="took no part in some"):
+            with probe.record():  # gradient accumulation, the path through b dropped in the second micro-batch
+                F.cross_entropy(net(wrap(x[:3])), y[:3]).backward()
+                F.cross_entropy(net(wrap(x[3:]), drop=True), y[3:]).backward()
+        rows = probe.costs(per_sample=True)
+        torch.testing.assert_close(rows["a"], want[:, 0], rtol=1e-12, atol=1e-15)
+        torch.testing.assert_close(rows["b"][:3], want[:3, 1], rtol=1e-12, atol=1e-15)
+        assert rows["b"][3:].isnan().all()
+    chunked = _DictNet(chunked=True)
+    probe = nasdiag.attach(chunked)
+    for batch in ({"x": x}, (x, y)):
+        with probe.record():  # edge a runs on two halves of the batch in one forward
+            F.cross_entropy(chunked(batch), y).backward()
+        with pytest.raises(ProbeError, match="chunks"):
+            probe.costs(per_sample=True)
+    assert _no_hooks(net) and _no_hooks(chunked)
