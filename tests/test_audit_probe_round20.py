@@ -10,6 +10,10 @@ Defects found (each test fails without its fix):
   promise a ProbeError; and gradient accumulation with a path dropped in one micro-batch, which the block's own
   warning says gives NaN rows for that micro-batch, ended in costs(per_sample=True)'s "ran ... on chunks" ProbeError.
   The batch is the first tensor of the first argument (test_a_batch_given_as_a_dict_or_tuple_counts_its_samples).
+* ``probe.hessian()`` after the recorded batch was refilled in place (a static input buffer), which the docs promise
+  is a ProbeError, looked for the input tensors in the call's arguments and their tuples and lists only: a batch given
+  as ``{"x": x}`` refilled with the next batch was re-run silently, the curvature of another batch (2.5x off here)
+  (test_hessian_of_a_dict_batch_is_autograds_and_refuses_the_batch_refilled_in_place).
 """
 
 from __future__ import annotations
@@ -95,3 +99,27 @@ def test_a_batch_given_as_a_dict_or_tuple_counts_its_samples():
         with pytest.raises(ProbeError, match="chunks"):
             probe.costs(per_sample=True)
     assert _no_hooks(net) and _no_hooks(chunked)
+
+
+def test_hessian_of_a_dict_batch_is_autograds_and_refuses_the_batch_refilled_in_place():
+    x, y = torch.randn(6, 4, dtype=DT), torch.randint(0, 3, (6,))
+    net = _DictNet()
+    probe = nasdiag.attach(net, hessian="exact")
+    batch = {"x": x.clone()}
+    with probe.record():
+        F.cross_entropy(net(batch), y).backward()
+
+    def loss_of(z):  # one Z per edge, shared by the batch
+        net.Z = z.expand(len(x), 2, 3)
+        try:
+            return F.cross_entropy(net({"x": x}), y)
+        finally:
+            net.Z = None
+
+    H = torch.autograd.functional.hessian(loss_of, F.softmax(net.alpha, -1).detach())  # (2, 3, 2, 3)
+    got = probe.hessian()
+    for e, name in enumerate(("a", "b")):
+        torch.testing.assert_close(got[name], torch.diagonal(H[e, :, e, :]), rtol=1e-10, atol=1e-14)
+    batch["x"].add_(1.0)  # a static input buffer refilled with the next batch
+    with pytest.raises(ProbeError, match="modified in place"):
+        probe.hessian()

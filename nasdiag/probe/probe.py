@@ -113,12 +113,16 @@ def _sum_calls(parts: List[Tuple[int, torch.Tensor]], call_batch: Optional[Mappi
 
 
 def _tensor_versions(values) -> List[Tuple[torch.Tensor, int]]:
-    """``(tensor, version counter)`` of the tensors among ``values`` (and in their tuples and lists): a tensor modified
-    in place later (a static input buffer refilled with the next batch) shows a higher version."""
-    flat = [*values, *(t for v in values if isinstance(v, (tuple, list)) for t in v)]
+    """``(tensor, version counter)`` of the tensors among ``values`` (and in their tuples, lists and dicts, at any depth: a
+    batch given as ``{"x": x}`` was not looked into): a tensor modified in place later (a static input buffer refilled
+    with the next batch) shows a higher version."""
     out = []
-    for t in flat:
-        if isinstance(t, torch.Tensor) and not t.is_inference():  # an inference tensor has no version counter
+    for t in values:
+        if isinstance(t, Mapping):
+            out += _tensor_versions(list(t.values()))
+        elif isinstance(t, (tuple, list)):
+            out += _tensor_versions(t)
+        elif isinstance(t, torch.Tensor) and not t.is_inference():  # an inference tensor has no version counter
             out.append((t, t._version))
     return out
 
