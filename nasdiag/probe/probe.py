@@ -411,9 +411,11 @@ class Probe:
                     h = analyse(op)
                     norm = h.invariant_by
                     if h.invariant:
-                        invariant[(p, k)] = norm is op and not hasattr(op, "eps")  # a constant op: J = 0 exactly
-                    # a candidate op that is itself a normalization (a bare BatchNorm2d or LayerNorm op) is measured too
-                    if norm is not None and hasattr(norm, "eps") and (norm is not op or isinstance(norm, _EPS_NORMS)):
+                        # a constant op (Zero, bare or last in a Sequential): J = 0 exactly
+                        invariant[(p, k)] = norm is not None and not hasattr(norm, "eps")
+                    # a candidate op that is itself a normalization (a bare BatchNorm2d or LayerNorm op) is measured too;
+                    # a module of the user's own degree-0 rule (nn.RMSNorm) has no eps/(var + eps) here: NaN, as bare
+                    if isinstance(norm, _EPS_NORMS):
                         norms[(p, k)] = norm
             self._norm_cache[key] = norms
             self._invariant_cache[key] = invariant
@@ -701,7 +703,8 @@ class Probe:
         ``{edge: {op name: max over groups of eps/(var + eps)}}`` of the normalization that makes the op
         invariant (``nasdiag.cost.eps_deviation``), for every op scale-invariant in the train/eval mode the step
         ran in (whatever the mode is when this is read, e.g. after a validation pass in eval mode); 0.0 for
-        ``Zero`` ops. Needs ``attach(..., norm_deviation=True)`` (one variance per normalization input)."""
+        ``Zero`` ops (and ops ending in one); NaN where that module is not a BatchNorm, InstanceNorm, GroupNorm or
+        LayerNorm (a module of your own degree-0 rule). Needs ``attach(..., norm_deviation=True)`` (one variance per normalization input)."""
         if not self.norm_deviation:
             raise ProbeError("invariance_deviation() needs attach(model, ..., norm_deviation=True)")
         r = self._require_step()
