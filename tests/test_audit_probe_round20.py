@@ -13,7 +13,8 @@ Defects found (each test fails without its fix):
 * ``probe.hessian()`` after the recorded batch was refilled in place (a static input buffer), which the docs promise
   is a ProbeError, looked for the input tensors in the call's arguments and their tuples and lists only: a batch given
   as ``{"x": x}`` refilled with the next batch was re-run silently, the curvature of another batch (2.5x off here)
-  (test_hessian_of_a_dict_batch_is_autograds_and_refuses_the_batch_refilled_in_place).
+  Targets of another batch size than a dict batch were the loss's CurvatureError, not the documented ProbeError
+  naming both sizes (test_hessian_of_a_dict_batch_is_autograds_and_refuses_the_batch_refilled_in_place).
 """
 
 from __future__ import annotations
@@ -120,6 +121,8 @@ def test_hessian_of_a_dict_batch_is_autograds_and_refuses_the_batch_refilled_in_
     got = probe.hessian()
     for e, name in enumerate(("a", "b")):
         torch.testing.assert_close(got[name], torch.diagonal(H[e, :, e, :]), rtol=1e-10, atol=1e-14)
+    with pytest.raises(ProbeError, match="targets hold 5 labels but the batch has 6 samples"):
+        probe.hessian(targets=y[:5])  # the docs' one line (it was the loss's CurvatureError for a dict batch)
     batch["x"].add_(1.0)  # a static input buffer refilled with the next batch
     with pytest.raises(ProbeError, match="modified in place"):
         probe.hessian()

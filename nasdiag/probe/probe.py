@@ -18,7 +18,7 @@ from nasdiag.hessian import arch_diag_hessian
 from nasdiag.hessian._hvp import leaf_sources, random_state, set_random_state
 from nasdiag.hessian.modes import ARCH_MODES, CurvatureError, check_mode
 from nasdiag.hooks import Hooks
-from nasdiag.probe.capture import Router, StepCapture, data_parallel_refusal
+from nasdiag.probe.capture import Router, StepCapture, _first_tensor, data_parallel_refusal
 from nasdiag.edges import EdgesArg, EdgeSpec
 from nasdiag.probe.discovery import CellInfo, ProbeError, discover, is_mixed_op, weights_parameter as _weights_parameter
 from nasdiag.probe.discovery import input_parameter as _input_parameter
@@ -823,7 +823,7 @@ class Probe:
                     "(they are inferred only when the block's loss is the default mean or summed cross-entropy of the "
                     "model's output)"
                 )
-        first = inputs[0] if isinstance(inputs, tuple) and inputs else inputs
+        first = _first_tensor(inputs)  # of a dict or tuple batch too
         if (self.loss_fn is None and isinstance(targets, torch.Tensor) and isinstance(first, torch.Tensor)
                 and targets.dim() >= 1 and first.dim() >= 1 and targets.shape[0] != first.shape[0]):
             raise ProbeError(
