@@ -14,7 +14,14 @@ the prox against a brute-force minimiser, ASM-NAS's one step and its argmax coun
 - the DIGITS ablation's pruning (appendix "Architecture Evaluation"): SGD/Adam's 10^-3 threshold, neurons without
   outgoing weights removed with their incoming ones, propagated from the output backwards, and the counts of
   features, neurons and weight sparsity; the SGD/Adam penalty is eq 2 with groups = outgoing weights of a unit;
-- ASM-NAS's selection when the attention of two ops is equal in the network's dtype but not in exact arithmetic.
+- ASM-NAS built on a supernet that already carries attention modules.
+
+Defects these tests found (each fails without its fix):
+
+- ``attach_attention`` kept the attention modules a supernet already carried whatever widths were asked for, so an
+  ASM-NAS built with ``attention_hidden=4`` on a network an earlier ASM-NAS (16) had searched ran eq 4.4 with 16-wide
+  layers while its hyperparameters said 4, silently; other widths are one SearchError line before anything changes
+  (test_asmnas_on_a_supernet_already_carrying_attention_of_other_widths_is_one_line_not_the_old_modules).
 """
 
 from __future__ import annotations
@@ -177,3 +184,35 @@ def test_digits_pruning_removes_dead_neurons_backwards_and_counts_what_is_left()
     for w, gr in zip(W, sd.weight_groups(net)):
         want = lam * alpha * w.abs().sum() + lam * (1 - alpha) * math.sqrt(w.shape[0]) * w.norm(dim=0).sum()
         torch.testing.assert_close(sgl_penalty(w, lam, alpha, gr), want, rtol=1e-6, atol=0)
+
+
+# -- ASM-NAS: the attention modules the method is built with ----------------------------------------------------------
+def test_asmnas_on_a_supernet_already_carrying_attention_of_other_widths_is_one_line_not_the_old_modules():
+    """attach_attention kept attention modules already on the network whatever the widths asked for, so an ASM-NAS built
+    with ``attention_hidden=4`` on a supernet an earlier ASM-NAS (16) had searched ran eq 4.4 with 16-wide layers while
+    its hyperparameters (and a record's meta/hp) said 4. The same widths are still kept (with their weights); other
+    widths are one SearchError line and the network is left as it was."""
+    from nasdiag.search import Schedule, SearchError, get_method
+    from nasdiag.supernet import Network
+    from nasdiag.supernet.attention import AttentionMixedOp
+
+    torch.manual_seed(0)
+    net = Network(2, 5, 3, steps=2, multiplier=2, in_channels=1)
+    cls = get_method("asmnas")
+    schedule = Schedule(epochs=1, steps_per_epoch=1, batch_size=2)
+    cls(net, cls.Hyperparameters(attention_hidden=6), schedule=schedule)
+    modules = [m for m in net.modules() if isinstance(m, AttentionMixedOp)]
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+
+    def widths():
+        return {tuple(lin.out_features for lin in m.attention.net if isinstance(lin, torch.nn.Linear)) for m in modules}
+
+    assert widths() == {(6, 6, 6, 8)}
+    with pytest.raises(SearchError, match=r"hidden widths \[6, 6, 6\].*not the \[4, 4, 4\]") as err:
+        cls(net, cls.Hyperparameters(attention_hidden=4), schedule=schedule)
+    assert "\n" not in str(err.value)
+    assert [m for m in net.modules() if isinstance(m, AttentionMixedOp)] == modules and widths() == {(6, 6, 6, 8)}
+    assert all(torch.equal(v, state[k]) for k, v in net.state_dict().items())
+    again = cls(net, cls.Hyperparameters(attention_hidden=6), schedule=schedule)  # the same widths: kept, weights too
+    assert [m for m in again.network.modules() if isinstance(m, AttentionMixedOp)] == modules
+    assert all(torch.equal(v, state[k]) for k, v in net.state_dict().items())

@@ -100,24 +100,35 @@ class AttentionMixedOp(MixedOp):
 
 
 def attach_attention(network: nn.Module, hidden: Sequence[int]) -> List[List[AttentionMixedOp]]:
-    """Replace every mixed op of ``network.cells[k].edges`` by an :class:`AttentionMixedOp` (idempotent).
+    """Replace every mixed op of ``network.cells[k].edges`` by an :class:`AttentionMixedOp` (idempotent: attention
+    modules already there, of the same widths, are kept with their weights).
 
     The new attention modules get the device and dtype of the network's parameters. Returns the
     attention mixed ops as ``[cell][edge]``.
 
     Raises:
-        ValueError: the network has no nasdiag cells with mixed-op edges.
+        ValueError: the network has no nasdiag cells with mixed-op edges, or already carries attention modules of
+            other hidden widths (they were kept and the widths asked for silently ignored); nothing is replaced then.
     """
     cells = getattr(network, "cells", None)
     if cells is None or not all(isinstance(getattr(c, "edges", None), nn.ModuleList) for c in cells):
         raise ValueError(f"{type(network).__name__} has no nasdiag cells (cells[k].edges of mixed ops) to attach attention to")
+    want = tuple(int(h) for h in hidden)
+    for k, cell in enumerate(cells):  # every edge checked before any is replaced
+        for e, mixed in enumerate(cell.edges):
+            if not isinstance(mixed, MixedOp):
+                raise ValueError(f"edge {e} of a cell is a {type(mixed).__name__}, not a MixedOp")
+            have = want if not isinstance(mixed, AttentionMixedOp) else tuple(
+                m.out_features for m in mixed.attention.modules() if isinstance(m, nn.Linear))[:3]
+            if have != want:
+                raise ValueError(f"the network already carries attention modules of hidden widths {list(have)} (cell {k}, "
+                                 f"edge {e}), not the {list(want)} asked for; build on a fresh supernet, or ask for "
+                                 f"{list(have)}")
     p = next(network.parameters())
     out = []
     for cell in cells:
         row = []
         for e, mixed in enumerate(cell.edges):
-            if not isinstance(mixed, MixedOp):
-                raise ValueError(f"edge {e} of a cell is a {type(mixed).__name__}, not a MixedOp")
             if not isinstance(mixed, AttentionMixedOp):
                 mixed = AttentionMixedOp(mixed, hidden).to(device=p.device, dtype=p.dtype)
                 cell.edges[e] = mixed
