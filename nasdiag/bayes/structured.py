@@ -38,7 +38,7 @@ from typing import Sequence, Tuple
 
 import torch
 
-from nasdiag.bayes.update import BayesError, covariance, omega
+from nasdiag.bayes.update import BayesError, covariance, omega, switch
 
 __all__ = ["StructuredUpdate", "group_norms", "group_lasso_penalty", "structured_update", "expand_groups"]
 
@@ -95,7 +95,8 @@ def structured_update(weight: torch.Tensor, curvature: torch.Tensor, omega_prev:
     Args:
         weight: W(t) after step 1, any shape.
         curvature: diag H(t) of the energy, the shape of ``weight`` (negative entries count as 0).
-        omega_prev: ω(t−1) per group (the shape of ``weight`` along ``group_dims``); Algorithm 3 starts at 1.
+        omega_prev: ω(t−1) ≥ 0 per group (the shape of ``weight`` along ``group_dims``); Algorithm 3 starts at 1.
+            A NaN ω(t−1) (or weight) gives its group a NaN γ and ω, never the γ = 0 of a zero group (a dead one).
         group_dims: the dimensions that index the groups (module docstring).
     """
     _element_dims(weight, group_dims)  # group_dims checked before they are used below
@@ -104,8 +105,12 @@ def structured_update(weight: torch.Tensor, curvature: torch.Tensor, omega_prev:
     want = tuple(weight.shape[d] for d in sorted(d % weight.dim() for d in group_dims))
     if tuple(omega_prev.shape) != want:
         raise BayesError(f"omega must have one entry per group, shape {want}, got {tuple(omega_prev.shape)}")
+    if bool((omega_prev < 0).any()):  # else refused below as a negative gamma, which the caller did not pass
+        raise BayesError(f"omega must be >= 0 (a reweighting of the group lasso); got min {float(omega_prev.min()):.3g}")
     norms = group_norms(weight, group_dims)
-    gamma = torch.where(norms == 0, torch.zeros_like(norms), norms / omega_prev)  # B.0.2 (A.3.8's form)
+    # B.0.2 in A.3.8's form, :func:`switch`'s conventions: a zero group gives 0 (ω = ∞ next: dead), except where ω(t−1)
+    # is NaN, which gives NaN, never the γ = 0 of a dead group
+    gamma = switch(norms, omega_prev)
     cov = covariance(expand_groups(gamma, weight, group_dims), curvature)  # B.0.3
     alpha = omega(expand_groups(gamma, weight, group_dims), cov, curvature=curvature).square()  # B.0.4: 1/γ − C/γ², ∞ where γ = 0
     elem = _element_dims(weight, group_dims)
