@@ -116,10 +116,12 @@ def group_switch(w: torch.Tensor, om: torch.Tensor) -> torch.Tensor:
 def lasso_weights(w_star: torch.Tensor, grad: torch.Tensor, curvature: torch.Tensor, om: torch.Tensor) -> torch.Tensor:
     """w(t) = argmin_w ½ H w² + w (g − H w*) + ω|w| (A.2.12) for a diagonal H, elementwise.
 
-    Soft thresholding: with b = H w* − g, w = sign(b)·max(|b| − ω, 0)/H. Where H ≤ 0 the problem is
-    unbounded unless |b| ≤ ω (then 0); such entries are returned as 0 when |b| ≤ ω and NaN otherwise
-    (recorded, never hidden).
+    Soft thresholding: with b = H w* − g, w = sign(b)·max(|b| − ω, 0)/H. Where H < 0 the problem has no
+    minimum (½ H w² wins); such H is taken as 0, as in :func:`covariance` and :func:`posterior_mean` (the same
+    Laplace model). Where H = 0 the objective −b w + ω|w| is bounded only if |b| ≤ ω (then w = 0): such entries are
+    returned as 0 when |b| ≤ ω and NaN otherwise (recorded, never hidden).
     """
+    curvature = curvature.clamp_min(0)
     b = curvature * w_star - grad
     shrunk = torch.sign(b) * (b.abs() - om).clamp_min(0)
     safe = torch.where(curvature > 0, curvature, torch.ones_like(curvature))
