@@ -19,7 +19,7 @@ on the last bits of the training; with the former default λ = 3e-4 the 6th iter
 | T_max, epochs per iteration | 6, 3 | §B.2.1 uses 10 × 10 on MNIST; cut for a ≤ 1 min CPU budget |
 | λ | 1e-4 for every layer | ours (the paper gives λ^l ∈ R+ only): on seed 0, 1e-4 → 8-16-109-31 at 0.967, 3e-4 → 8-13-58-5 at 0.176 (fc2 pruned below 10 neurons in the 6th iteration; the default before round 19), 1e-3 → 7-9-44-15 at 0.791 test accuracy |
 | optimizer | SGD 0.05, momentum 0.9, batch 64 | ours |
-| pruning ("prune the unimportant connections") | a group whose γ_g ≤ ``--prune-ratio`` (1e-3) × the layer's largest γ is zeroed for good | ours: the paper gives no rule for §B; Algorithm 2's entropy threshold is not scale-free for weights |
+| pruning ("prune the unimportant connections") | a group whose γ_g ≤ ``--prune-ratio`` (1e-3) × the layer's largest γ is zeroed for good (a filter with its bias); a NaN/inf training loss stops the script in one line | ours: the paper gives no rule for §B; Algorithm 2's entropy threshold is not scale-free for weights |
 
 Writes ``<out>/compression.h5`` (one row per iteration: test accuracy, groups alive per layer) and
 ``<out>/compression.png`` drawn from the record only. Prints both paths and the pruned architecture.
@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from nasdiag.errors import run_script
+from nasdiag.errors import NasdiagError, run_script
 from script_args import (Parser, UsageError, at_least, number, refuse_other_figures, refuse_other_records, seed as seed_number,
                          threads as thread_count)
 
@@ -56,13 +56,26 @@ class SmallConvNet(nn.Module):
         return self.fc2(F.relu(self.fc1(x.flatten(1))))
 
 
+def zero_pruned(params, alive) -> None:
+    """Zero the weights of the pruned groups, and the bias of a pruned filter (a filter-wise group owns its output
+    channel: with its bias kept it would still output relu(b) everywhere, not be pruned)."""
+    from nasdiag.bayes import expand_groups
+
+    with torch.no_grad():
+        for n, dims in LAYERS.items():
+            params[n].mul_(expand_groups(alive[n], params[n], dims))
+            bias = params.get(n.rsplit(".", 1)[0] + ".bias")
+            if tuple(dims) == (0,) and bias is not None:
+                bias.mul_(alive[n])
+
+
 def accuracy(net, x, y) -> float:
     with torch.no_grad():
         return float((net(x).argmax(1) == y).double().mean())
 
 
 def compress(args) -> list:
-    from nasdiag.bayes import expand_groups, group_lasso_penalty, group_norms, structured_update
+    from nasdiag.bayes import group_lasso_penalty, group_norms, structured_update
     from nasdiag.data import load_dataset
     from nasdiag.hessian import diag_hessian
 
@@ -85,12 +98,13 @@ def compress(args) -> list:
                 for n, dims in LAYERS.items():
                     on = alive[n]
                     loss = loss + args.lam * group_lasso_penalty(params[n], torch.where(on, omega[n], 0.0), dims)
+                if not torch.isfinite(loss):  # a diverged run: its NaN γ would be read as every group pruned
+                    raise NasdiagError(f"the training loss is {float(loss.detach())} (not finite) in iteration {t}: the training "
+                                       "diverged; lower --lr (or --lam)")
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
-                with torch.no_grad():  # pruned groups stay zero
-                    for n, dims in LAYERS.items():
-                        params[n].mul_(expand_groups(alive[n], params[n], dims))
+                zero_pruned(params, alive)  # pruned groups stay zero
         batch = torch.randperm(len(y), generator=g)[: args.hessian_batch]
         H = diag_hessian(net, F.cross_entropy, x[batch], y[batch], mode="diag", params=list(LAYERS))  # step 2
         for n, dims in LAYERS.items():  # step 3 (B.0.2-B.0.5), energy E_D/λ
@@ -102,8 +116,7 @@ def compress(args) -> list:
             # step 4: ours (see the table): γ far below the layer's largest
             top = u.gamma[alive[n]].max() if alive[n].any() else torch.zeros(())
             alive[n] = alive[n] & (u.gamma > args.prune_ratio * top)
-            with torch.no_grad():
-                params[n].mul_(expand_groups(alive[n], params[n], dims))
+        zero_pruned(params, alive)
         row = {"iteration": t, "test_acc": accuracy(net, xt, yt), **{f"alive/{n.split('.')[0]}": int(alive[n].sum())
                                                                        for n in LAYERS}}
         rows.append(row)
