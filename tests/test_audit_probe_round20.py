@@ -15,6 +15,10 @@ Defects found (each test fails without its fix):
   as ``{"x": x}`` refilled with the next batch was re-run silently, the curvature of another batch (2.5x off here)
   Targets of another batch size than a dict batch were the loss's CurvatureError, not the documented ProbeError
   naming both sizes (test_hessian_of_a_dict_batch_is_autograds_and_refuses_the_batch_refilled_in_place).
+* An attached sub-module whose input is a dict (``block({"h": h, "w": w})``) applied at two depths of one forward was
+  taken for two forwards (a call reading what the previous one computed was searched in tuples and lists only): its
+  per-sample rows were (2B, K), the depths' rows concatenated as if micro-batches, and two depths mixing with two
+  different Z were not refused (test_a_sub_module_taking_a_dict_applied_at_two_depths_is_one_forward).
 """
 
 from __future__ import annotations
@@ -126,3 +130,51 @@ def test_hessian_of_a_dict_batch_is_autograds_and_refuses_the_batch_refilled_in_
     batch["x"].add_(1.0)  # a static input buffer refilled with the next batch
     with pytest.raises(ProbeError, match="modified in place"):
         probe.hessian()
+
+
+
+class _DictBlock(nn.Module):
+    """A sub-supernet passing its state as a dict, {"h": h, "w": w} -> the same keys."""
+
+    def __init__(self, d: int = 4):
+        super().__init__()
+        self.m = _Mixed(d)
+
+    def forward(self, state):
+        return {"h": torch.tanh(self.m(state["h"], state["w"])), "w": state["w"]}
+
+
+class _TwoDepths(nn.Module):
+    def __init__(self, d: int = 4):
+        super().__init__()
+        torch.manual_seed(1)
+        self.block, self.head = _DictBlock(d), nn.Linear(d, 3, dtype=DT)
+        self.alpha = nn.Parameter(torch.randn(2, 3, dtype=DT))
+        self.Z = None  # a reference run's per-sample leaves (B, K)
+        self.untied = False  # the second depth mixes with another Z
+
+    def forward(self, x):
+        w = F.softmax(self.alpha, -1)
+        w0 = w[0] if self.Z is None else self.Z
+        state = self.block({"h": x, "w": w0})
+        if self.untied:
+            state = {"h": state["h"], "w": w[1]}
+        return self.head(self.block(state)["h"])
+
+
+def test_a_sub_module_taking_a_dict_applied_at_two_depths_is_one_forward():
+    x, y = torch.randn(6, 4, dtype=DT), torch.randint(0, 3, (6,))
+    net = _TwoDepths()
+    net.Z = F.softmax(net.alpha[0], -1).detach().expand(6, 3).clone().requires_grad_()
+    (want,) = torch.autograd.grad(F.cross_entropy(net(x), y), net.Z)  # tied Z: both depths add up per sample
+    net.Z = None
+    probe = nasdiag.attach(net.block)
+    with probe.record():
+        F.cross_entropy(net(x), y).backward()
+    torch.testing.assert_close(probe.costs(per_sample=True)["m"], want, rtol=1e-12, atol=1e-15)
+    net.untied = True  # one mixed op serving two depths with two Z: the docs' one line at the second call
+    with pytest.raises(ProbeError, match="ran twice in one forward of the model with different mixing weights"):
+        with probe.record():
+            F.cross_entropy(net(x), y).backward()
+    assert _no_hooks(net)
+

@@ -184,6 +184,15 @@ def _normalizes_with_buffers(module) -> bool:
     return bool(getattr(module, "track_running_stats", False)) and not module.training
 
 
+def _tensors_in(value) -> List[torch.Tensor]:
+    """The tensors of ``value`` and of its dicts, tuples and lists, at any depth."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (Mapping, tuple, list)):
+        return [t for item in (value.values() if isinstance(value, Mapping) else value) for t in _tensors_in(item)]
+    return []
+
+
 def _first_tensor(value):
     """``value`` if it is no container, else the first tensor in it (dict values, tuple and list items, depth first)."""
     if not isinstance(value, (Mapping, tuple, list)):
@@ -667,9 +676,8 @@ class StepCapture:
         if span is None or span[1] is None or not self.model_calls:
             return False
         lo, hi = span
-        inputs = [*args, *kwargs.values()]
-        inputs += [t for a in inputs if isinstance(a, (tuple, list)) for t in a]
-        stack = [t.grad_fn for t in inputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        inputs = _tensors_in((args, kwargs))  # in dicts too: a block taking {"h": h, ...} applied at two depths
+        stack = [t.grad_fn for t in inputs if t.grad_fn is not None]
         seen = {id(n): n for n in stack}  # the node objects are kept alive: an id is not reused while searching
         while stack:
             node = stack.pop()

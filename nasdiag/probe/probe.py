@@ -18,7 +18,7 @@ from nasdiag.hessian import arch_diag_hessian
 from nasdiag.hessian._hvp import leaf_sources, random_state, set_random_state
 from nasdiag.hessian.modes import ARCH_MODES, CurvatureError, check_mode
 from nasdiag.hooks import Hooks
-from nasdiag.probe.capture import Router, StepCapture, _first_tensor, data_parallel_refusal
+from nasdiag.probe.capture import Router, StepCapture, _first_tensor, _tensors_in, data_parallel_refusal
 from nasdiag.edges import EdgesArg, EdgeSpec
 from nasdiag.probe.discovery import CellInfo, ProbeError, discover, is_mixed_op, weights_parameter as _weights_parameter
 from nasdiag.probe.discovery import input_parameter as _input_parameter
@@ -116,15 +116,8 @@ def _tensor_versions(values) -> List[Tuple[torch.Tensor, int]]:
     """``(tensor, version counter)`` of the tensors among ``values`` (and in their tuples, lists and dicts, at any depth: a
     batch given as ``{"x": x}`` was not looked into): a tensor modified in place later (a static input buffer refilled
     with the next batch) shows a higher version."""
-    out = []
-    for t in values:
-        if isinstance(t, Mapping):
-            out += _tensor_versions(list(t.values()))
-        elif isinstance(t, (tuple, list)):
-            out += _tensor_versions(t)
-        elif isinstance(t, torch.Tensor) and not t.is_inference():  # an inference tensor has no version counter
-            out.append((t, t._version))
-    return out
+    # an inference tensor has no version counter
+    return [(t, t._version) for t in _tensors_in(list(values)) if not t.is_inference()]
 
 
 def _check_flag(option: str, value) -> None:
