@@ -178,3 +178,10 @@ def test_a_sub_module_taking_a_dict_applied_at_two_depths_is_one_forward():
             F.cross_entropy(net(x), y).backward()
     assert _no_hooks(net)
 
+
+
+def test_the_docs_names_of_a_compiled_or_wrapped_supernets_edges():
+    net = _DictNet()
+    assert nasdiag.attach(net).edge_names == ["a", "b"]
+    assert nasdiag.attach(torch.compile(net, backend="eager")).edge_names == ["_orig_mod.a", "_orig_mod.b"]
+    assert nasdiag.attach(nn.DataParallel(net)).edge_names == ["module.a", "module.b"]
