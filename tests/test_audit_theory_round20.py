@@ -14,6 +14,18 @@ Defects found (each test fails without its fix):
   (``Sequential(conv, Zero())``, J = 0 exactly) was NaN where a bare ``Zero`` is 0.0. Only torch's normalizations
   are measured; a constant module is 0.0 wherever it sits
   (test_invariance_deviation_of_a_users_degree_0_module_inside_an_op_is_nan_and_a_constant_one_is_0).
+* docs/probe.md stated the cost an invariant relu→conv→conv→BN op passes back at the real eps as
+  Σ_c eps/(var_c + eps)·<∂L/∂x_m[:, c], f(x_j)[:, c]>, right only for an affine-free norm: with an affine BatchNorm
+  it is f(x_j) − β (here the β-less form is off by more than 10 %; the probe's path part is the right one). The doc
+  line's fix landed in probe20's commit e022947 (a shared working tree)
+  (test_the_cost_passed_through_an_affine_normalized_op_at_the_real_eps_is_the_one_docs_probe_states).
+
+Checked and right (test_own_minimal_cell_costs_paths_and_theorems_for_each_methods_weights): with DARTS's softmax,
+SNAS's Gumbel-softmax and DSNAS's / ProxylessNAS's straight-through one-hot weights (only the sampled op run), in the
+orders ReLU-conv-BN, conv-BN-ReLU, conv-ReLU-BN and BN-ReLU-conv, BatchNorm and GroupNorm(1, C): the probe's costs,
+per-sample rows, path parts and output-edge costs equal autograd's (1e-9); Thm. 1 holds exactly where the intermediate
+edge's active ops are invariant and fails where skip is active (eq. 11); Cor. 1.2 in both forms; Thm. 2 with H the
+batch-mean entropy; the flags of none, skip, pool → norm and the conv op.
 """
 
 from __future__ import annotations
@@ -100,4 +112,238 @@ def test_invariance_deviation_of_a_users_degree_0_module_inside_an_op_is_nan_and
         assert dev[names[4]] == pytest.approx(float(expected), rel=1e-12)
     finally:
         HOMOGENEITY_RULES.pop(_RMSNorm, None)
+        HOMOGENEITY_RULES.pop(_Zero, None)
+
+
+# --- an own supernet: the minimal cell of Fig. 7 ---------------------------------------------------------------
+
+def _norm(kind: str, C: int, eps: float, affine: bool = False) -> nn.Module:
+    if kind == "bn":
+        return nn.BatchNorm2d(C, eps=eps, affine=affine)
+    if kind == "gn":
+        return nn.GroupNorm(1, C, eps=eps, affine=affine)
+    return nn.InstanceNorm2d(C, eps=eps, affine=affine)
+
+
+def _conv_op(C: int, order: str, kind: str, eps: float, affine: bool) -> nn.Sequential:
+    """§8.2's stacking orders, and BN-ReLU-conv (the normalization first), none of them nasdiag's supernet's."""
+    conv, norm, relu = nn.Conv2d(C, C, 3, padding=1, bias=False), _norm(kind, C, eps, affine), nn.ReLU()
+    layers = {"relu-conv-bn": [relu, conv, norm], "conv-bn-relu": [conv, norm, relu],
+              "conv-relu-bn": [conv, relu, norm], "bn-relu-conv": [norm, relu, conv]}[order]
+    return nn.Sequential(*layers)
+
+
+class _Sampled(_Mixed):
+    """A mixed op that runs only the ops of non-zero weight (DSNAS, ProxylessNAS: the sampled op alone)."""
+
+    def forward(self, x, weights):
+        return sum(w * op(x) for w, op in zip(weights, self._ops) if bool(w.detach() != 0))
+
+
+class _MinimalCell(nn.Module):
+    """Fig. 7: input nodes 0, 1 (ReLU-conv-norm preprocessing of the two previous cells' outputs), intermediate
+    nodes 2, 3, edges (0,2) (1,2) (0,3) (1,3) and the intermediate edge (2,3); output cat(x_2, x_3). Candidates:
+    none, skip, max pool → norm, a conv op. ``copies``: the reference's own Z per consumer of node 2."""
+
+    cell_type = "normal"
+    edge_nodes = [(0, 2), (1, 2), (0, 3), (1, 3), (2, 3)]
+    output_nodes = [2, 3]
+
+    def __init__(self, C_pp, C_p, C, order, kind, eps, affine, mixed):
+        super().__init__()
+        self.pre0 = nn.Sequential(nn.ReLU(), nn.Conv2d(C_pp, C, 1, bias=False), _norm(kind, C, eps))
+        self.pre1 = nn.Sequential(nn.ReLU(), nn.Conv2d(C_p, C, 1, bias=False), _norm(kind, C, eps))
+        self.edges = nn.ModuleList(
+            mixed([_Zero(), nn.Identity(), nn.Sequential(nn.MaxPool2d(3, 1, 1), _norm(kind, C, eps)),
+                   _conv_op(C, order, kind, eps, affine)]) for _ in range(5))
+        self.output_node_slices = {2: (0, C), 3: (C, 2 * C)}
+
+    def forward(self, s0, s1, Z, copies=None):
+        (Za, Zb), E = copies or (Z, Z), self.edges
+        x0, x1 = self.pre0(s0), self.pre1(s1)
+        x2_in4 = E[0](x0, Za[0]) + E[1](x1, Za[1])  # node 2 as edge (2,3) reads it
+        x2_out = x2_in4 if copies is None else E[0](x0, Zb[0]) + E[1](x1, Zb[1])  # as the output reads it
+        x3 = E[2](x0, Z[2]) + E[3](x1, Z[3]) + E[4](x2_in4, Z[4])
+        return torch.cat([x2_out, x3], 1)
+
+
+class _Net(nn.Module):
+    """Stem, ``layers`` minimal cells, global average pooling and a linear classifier (bias-free: Thm. 2's)."""
+
+    def __init__(self, C=4, layers=3, classes=5, order="relu-conv-bn", kind="bn", eps=1e-12, affine=False,
+                 mixed=_Mixed, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.stem = nn.Sequential(nn.Conv2d(3, C, 3, padding=1, bias=False), _norm(kind, C, eps))
+        self.cells = nn.ModuleList(_MinimalCell(C if i < 2 else 2 * C, C if i < 1 else 2 * C, C, order, kind, eps,
+                                                affine, mixed) for i in range(layers))
+        self.classifier = nn.Linear(2 * C, classes, bias=False)
+        self.to(DT)
+        with torch.no_grad():
+            for m in self.modules():
+                if isinstance(m, (nn.BatchNorm2d, nn.GroupNorm, nn.InstanceNorm2d)) and m.weight is not None:
+                    m.weight.uniform_(0.5, 1.5)
+                    m.bias.normal_()
+        self.Z = None  # (cells, 5, K) mixing weights
+
+    def forward(self, x, copies=None):
+        s0 = s1 = self.stem(x)
+        for c, cell in enumerate(self.cells):
+            s0, s1 = s1, cell(s0, s1, self.Z[c], None if copies is None else (copies[0][c], copies[1][c]))
+        return self.classifier(s1.mean((2, 3)))
+
+
+def _weights(method: str, cells: int, seed: int, samples=None) -> torch.Tensor:
+    """Each method's Z (supplement §2), (cells, 5, 4): DARTS softmax(α); SNAS Gumbel-softmax at λ = 0.7;
+    DSNAS and ProxylessNAS a one-hot sample in the straight-through form onehot − p.detach() + p (value one-hot,
+    its gradient p's), ``samples`` (cells, 5) the op indices."""
+    g = torch.Generator().manual_seed(seed)
+    alpha = torch.randn(cells, 5, 4, generator=g, dtype=DT)
+    p = torch.softmax(alpha, -1)
+    if method == "darts":
+        return p
+    if method == "snas":
+        gumbel = -torch.log(-torch.log(torch.rand(alpha.shape, generator=g, dtype=DT)))
+        return torch.softmax((alpha + gumbel) / 0.7, -1)
+    return F.one_hot(samples, 4).to(DT) - p.detach() + p
+
+
+def _reference(net: _Net, Z: torch.Tensor, x, y):
+    """Plain autograd: ∂L/∂Z of leaf copies (the part of edges (0,2), (1,2) through edge (2,3), through the output,
+    and the other edges' costs), the cell outputs' <∂L/∂out, out> per node slice, the logits."""
+    Z0, Za, Zb = (Z.detach().clone().requires_grad_(True) for _ in range(3))
+    outs = []
+    hooks = [cell.register_forward_hook(lambda m, a, o: outs.append(o)) for cell in net.cells]
+    try:
+        net.Z = Z0
+        logits = net(x, copies=(Za, Zb))
+    finally:
+        for h in hooks:
+            h.remove()
+    loss = F.cross_entropy(logits, y)
+    g0, ga, gb, *gouts = torch.autograd.grad(loss, [Z0, Za, Zb, *outs])
+    C = outs[0].shape[1] // 2
+    node_costs = [[float((g[:, :C] * o[:, :C]).sum()), float((g[:, C:] * o[:, C:]).sum())]
+                  for g, o in zip(gouts, (o.detach() for o in outs))]
+    return g0, ga, gb, node_costs, logits.detach()
+
+
+_CASES = {  # method: (order, norm, mixed op, DSNAS/ProxylessNAS samples of edge (2,3) per cell)
+    "darts": ("relu-conv-bn", "bn", _Mixed, None),
+    "snas": ("bn-relu-conv", "gn", _Mixed, None),
+    "dsnas": ("conv-bn-relu", "bn", _Sampled, (3, 2, 1)),
+    "proxyless": ("conv-relu-bn", "gn", _Sampled, (2, 3, 1)),
+}
+
+
+@pytest.mark.parametrize("method", sorted(_CASES))
+def test_own_minimal_cell_costs_paths_and_theorems_for_each_methods_weights(method):
+    """On the minimal-cell supernet above (3 cells, eps = 1e-12 for "eps → 0"), with each method's Z: the probe's
+    costs, per-sample rows, path parts and output-edge costs against plain autograd; Thm. 1 (the Z-weighted part
+    of node 2's incoming edges through edge (2,3) is 0 where (2,3)'s active ops are all invariant, not 0 where skip
+    is active, eq. 11), Cor. 1.2 in both forms (a non-last cell's output-edge costs sum to 0; with an invariant
+    intermediate edge its Z-weighted edge costs do too: d/dt L(t·Z) = <∂L/∂out, out> there), Thm. 2 (the last
+    cell's sum is L − H, own transcription and ``loss_minus_entropy``), and the flags against f(c·x) = f(x)."""
+    from nasdiag.cost import loss_minus_entropy
+
+    order, kind, mixed, edge4 = _CASES[method]
+    register_homogeneity_rule(_Zero, degree_rule(0.0, "constant zero"))
+    try:
+        net = _Net(order=order, kind=kind, mixed=mixed, seed=1)
+        samples = None
+        if edge4 is not None:
+            samples = torch.randint(0, 4, (3, 5), generator=torch.Generator().manual_seed(2))
+            samples[:, 1] = 0  # edge (1,2) none: the op of (0,2) is the whole of x_2
+            samples[:, 4] = torch.tensor(edge4)
+        Z = _weights(method, 3, seed=3, samples=samples)
+        x, y = torch.randn(6, 3, 6, 6, dtype=DT), torch.randint(0, 5, (6,))
+        g0, ga, gb, node_costs, logits = _reference(net, Z, x, y)
+
+        net.Z = Z.detach()
+        probe = nasdiag.attach(net, path_split=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the ops a sampled Z did not run: NaN by design
+            with probe.record():
+                F.cross_entropy(net(x), y).backward()
+            costs, rows = probe.costs(), probe.costs(per_sample=True)
+            paths, outputs, flags = probe.path_costs(), probe.output_costs(), probe.scale_invariant_ops()
+        ran = Z.detach() != 0
+        for c in range(3):
+            for e in range(5):
+                name, k = f"cells.{c}.edges.{e}", ran[c, e]
+                ref = ga[c, e] + gb[c, e] if e < 2 else g0[c, e]
+                torch.testing.assert_close(costs[name][k], ref[k], rtol=1e-9, atol=1e-14)
+                assert bool(torch.isnan(costs[name][~k]).all())
+                torch.testing.assert_close(rows[name].sum(0)[k], costs[name][k], rtol=1e-9, atol=1e-14)
+                parts = paths[name]
+                torch.testing.assert_close(parts["output"][k], (gb if e < 2 else g0)[c, e][k], rtol=1e-9, atol=1e-14)
+                if e < 2:
+                    torch.testing.assert_close(parts[f"cells.{c}.edges.4"][k], ga[c, e][k], rtol=1e-9, atol=1e-14)
+            for n, ref in zip((2, 3), node_costs[c]):
+                assert float(outputs[f"cells.{c}"][n]) == pytest.approx(ref, rel=1e-9, abs=1e-14)
+            # the flags: none, pool → norm and the conv op invariant in train mode, skip not (own knowledge)
+            assert flags[f"cells.{c}.edges.4"].tolist() == [True, False, True, True]
+
+            # Thm. 1: Σ over node 2's incoming edges and their ops of Z · (part through edge (2,3))
+            through = sum((Z[c, e].detach()[ran[c, e]] * ga[c, e][ran[c, e]]).sum() for e in (0, 1))
+            skip_active = bool(Z[c, 4, 1].detach() != 0)
+            assert (abs(float(through)) > 1e-8) if skip_active else (abs(float(through)) < 1e-10), (c, float(through))
+            if c < 2:  # Cor. 1.2
+                assert abs(sum(node_costs[c])) < 1e-10
+                if not skip_active:
+                    weighted = sum((Z[c, e].detach()[ran[c, e]] * costs[f"cells.{c}.edges.{e}"][ran[c, e]]).sum()
+                                   for e in range(5))
+                    assert abs(float(weighted)) < 1e-10
+        # Thm. 2: own L − H (H the batch-mean entropy of softmax(logits), natural log)
+        logp = torch.log_softmax(logits, 1)
+        l_minus_h = float(-logp.gather(1, y[:, None]).mean() + (logp.exp() * logp).sum(1).mean())
+        assert sum(node_costs[2]) == pytest.approx(l_minus_h, rel=1e-9)
+        assert float(sum(outputs["cells.2"].values())) == pytest.approx(l_minus_h, rel=1e-9)
+        assert float(loss_minus_entropy(logits, y)) == pytest.approx(l_minus_h, rel=1e-12)
+    finally:
+        HOMOGENEITY_RULES.pop(_Zero, None)
+
+
+def test_the_cost_passed_through_an_affine_normalized_op_at_the_real_eps_is_the_one_docs_probe_states():
+    """docs/probe.md: at finite eps the cost an invariant op f = norm ∘ (positively homogeneous part) passes back
+    onto its input x_j is <J_fᵀ g, x_j> = Σ_c eps/(var_c + eps)·<g[:, c], f(x_j)[:, c] − β_c> (differentiate
+    γ (c·y − c·μ)/sqrt(c²·var + eps) + β at c = 1), g = ∂L/∂x_m. The docs wrote f(x_j) without − β: right only for
+    an affine-free norm; with the affine BatchNorm here (β ~ N(0, 1), eps = 0.1) that form is off by far. The
+    probe's path part of the one op making up x_2 (edge (1,2) samples none) through edge (2,3) is the reference."""
+    register_homogeneity_rule(_Zero, degree_rule(0.0, "constant zero"))
+    try:
+        net = _Net(layers=1, order="relu-conv-bn", kind="bn", eps=0.1, affine=True, mixed=_Sampled, seed=4)
+        samples = torch.tensor([[3, 0, 2, 1, 3]])  # (0,2) the conv op alone is x_2; (2,3) the affine-BN conv op
+        Z = _weights("dsnas", 1, seed=5, samples=samples).detach()
+        x, y = torch.randn(6, 3, 6, 6, dtype=DT), torch.randint(0, 5, (6,))
+        op = net.cells[0].edges[4]._ops[3]
+        seen = {}
+        hooks = [op.register_forward_hook(lambda m, a, o: seen.update(x2=a[0], f=o)),
+                 op[2].register_forward_pre_hook(lambda m, a: seen.update(y=a[0])),
+                 net.cells[0].register_forward_hook(lambda m, a, o: seen.update(out=o))]
+        try:
+            net.Z = Z
+            loss = F.cross_entropy(net(x), y)
+            g = torch.autograd.grad(loss, seen["out"])[0][:, 4:]  # ∂L/∂x_3: x_3 is the output's second half
+        finally:
+            for h in hooks:
+                h.remove()
+        eps, beta = op[2].eps, op[2].bias.detach().view(1, -1, 1, 1)
+        factor = eps / (seen["y"].detach().var((0, 2, 3), unbiased=False).view(1, -1, 1, 1) + eps)
+        with_beta = float((g * (seen["f"].detach() - beta) * factor).sum())
+        without_beta = float((g * seen["f"].detach() * factor).sum())
+        assert abs(with_beta - without_beta) > 0.1 * abs(with_beta)  # the case tells the two forms apart
+
+        probe = nasdiag.attach(net, path_split=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the ops the sample did not run: NaN by design
+            with probe.record():
+                F.cross_entropy(net(x), y).backward()
+            part = probe.path_costs()["cells.0.edges.0"]["cells.0.edges.4"][3]
+        assert float(part) == pytest.approx(with_beta, rel=1e-9)
+
+        from pathlib import Path
+        doc = " ".join((Path(__file__).resolve().parents[1] / "docs" / "probe.md").read_text().split())
+        assert "Σ_c eps/(var_c + eps)·<∂L/∂x_m[:, c], f(x_j)[:, c] − β_c>" in doc
+    finally:
         HOMOGENEITY_RULES.pop(_Zero, None)
