@@ -34,6 +34,8 @@ Checked and found right (scratch sweeps, the sharpest kept below):
   ``diag`` on the last layer. ``padding_mode`` replicate is refused in one line by diag (reflect/circular: round 19).
 - §A on bare tensors against the own transcription: C (A.3.2), ω (A.2.8 as 1/√(γ + 1/H)), s (A.2.13), γ (A.2.14) at
   γ(t−1) ∈ {0, tiny, 1, huge, ∞} and H ∈ {0, tiny, 1, huge, ∞}; a NaN H or γ is NaN through to γ(t), never pruned.
+- BayesNAS's steps 3-5 on a crafted per-cell curvature of mixed signs, zeros, NaN and +inf (negative counted as 0,
+  uninformative or non-finite ops keeping C, ω, s, flagged), two updates with pruning, against the own per-op loops.
 - BayesNAS with every op switched off keeps stepping (finite loss, no NaN, nothing flagged), its genotype is empty and
   its probabilities zeros; with one op left on, that op is the genotype.
 
@@ -346,3 +348,98 @@ def test_bayesnas_with_every_op_switched_off_keeps_stepping_and_derives_an_empty
     kind = next(iter(m.alive))
     m.alive[kind][0, 0] = True
     assert len(getattr(m.genotype(), kind)) == 1
+
+
+def test_bayesnas_update_on_a_curvature_of_mixed_signs_zeros_and_nan_is_the_own_transcription():
+    """Steps 3-5 of Algorithm 2 (docs/bayesnas.md) on a crafted per-cell energy curvature (ℵ, E, K), two updates in a
+    row (the state carried): per op, C_i = (1/γ(t−1) + max(H_i, 0))⁻¹ (A.3.2, a negative entry counted as 0),
+    ω = √Σ_i (γ(t−1) − C_i)/γ(t−1)² (A.3.9), s = √ℵ|w|/ω (A.3.8), γ by A.2.14 over the DARTS edge pairs written
+    here, entropy pruning; an op where no cell has H > 0 or some H is not finite keeps its C, ω, s; a non-finite H is
+    flagged in hessian/<cell>/nonfinite. The reduce type is a group of two cells: one op with one cell negative and
+    one positive, one all-negative, one all-zero, one NaN in one cell, one +inf."""
+    from nasdiag.search import Schedule, get_method
+    from nasdiag.supernet import Network
+
+    cls = get_method("bayesnas")
+    torch.manual_seed(0)
+    net = Network(4, 5, 3, steps=2, multiplier=2, in_channels=1, primitives=cls.primitives).double()
+    m = cls(net, cls.Hyperparameters(update_every=1, init_gamma=0.8, w_lr=1e-6),
+            schedule=Schedule(epochs=1, steps_per_epoch=4, batch_size=4))
+    with torch.no_grad():  # small w (kept so by the small rate) on edges 0, 1 and part of 3: pruned by the entropy rule
+        for a in net.alphas().values():
+            a[:2] = 0.01
+            a[3, :3] = 0.02
+    aleph = {t: sum(1 for c in net.cells if c.cell_type == t) for t in net.alphas()}
+    assert aleph == {"normal": 1, "reduce": 2}
+    pairs = [(0, 2), (1, 2), (0, 3), (1, 3), (2, 3)]  # DARTS's edge order for 2 steps
+    E, K = 5, len(cls.primitives)
+    gen = torch.Generator().manual_seed(3)
+
+    def crafted():
+        out = {}
+        for t, n in aleph.items():
+            H = torch.rand(n, E, K, generator=gen, dtype=F64) * 50 + 1e-3
+            H[:, 0, 1] = 0.0  # no information
+            H[:, 0, 2] = -2.0  # all negative: no information
+            H[0, 1, 0] = math.nan  # not finite: kept, flagged
+            H[0, 1, 3] = math.inf
+            H[0, 2, 4] = -5.0  # mixed (reduce: the other cell positive; normal: all negative)
+            H[:, 4, 6] = 1e-4  # tiny: a large switch relative to w
+            out[t] = H
+        return out
+
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randn(4, 1, 8, 8, generator=g, dtype=F64), torch.randint(0, 5, (4,), generator=g))
+    # own state, from the method's initial one (Algorithm 2's initialisation)
+    gamma = {t: torch.full((E, K), 0.8, dtype=F64) for t in aleph}
+    omega = {t: torch.ones(E, K, dtype=F64) for t in aleph}
+    s = {t: torch.full((E, K), 0.8, dtype=F64) for t in aleph}
+    cov = {t: torch.full((E, K), 0.8, dtype=F64) for t in aleph}
+    alive = {t: torch.ones(E, K, dtype=torch.bool) for t in aleph}
+    for _ in range(2):
+        H = crafted()
+        m.energy_curvature = lambda x, y, H=H: {t: h.clone() for t, h in H.items()}
+        seen = {}
+        likelihood = m.likelihood_step
+
+        def keep_w(x, y, likelihood=likelihood):
+            out = likelihood(x, y)
+            seen.update({t: a.detach().clone() for t, a in m.network.alphas().items()})
+            return out
+
+        m.likelihood_step = keep_w
+        stats = m.step(batch, batch)
+        m.likelihood_step = likelihood
+        for t, n in aleph.items():
+            w = torch.where(alive[t], seen[t], torch.zeros_like(seen[t]))
+            new_s = s[t].clone()
+            for e in range(E):
+                for k in range(K):
+                    hs = [float(H[t][i, e, k]) for i in range(n)]
+                    finite = all(math.isfinite(h) for h in hs)
+                    informative = finite and any(h > 0 for h in hs)
+                    gp = float(gamma[t][e, k])
+                    if informative:
+                        cov[t][e, k] = sum(own_cov(gp, h) for h in hs) / n
+                        omega[t][e, k] = math.sqrt(sum(own_alpha(gp, h) for h in hs))
+                    if informative or not alive[t][e, k]:
+                        a = math.sqrt(n) * abs(float(w[e, k]))
+                        new_s[e, k] = 0.0 if a == 0 else a / float(omega[t][e, k])
+            s[t] = new_s
+            new_gamma = new_s.clone()
+            for e, (i, j) in enumerate(pairs):
+                if i >= 2:
+                    into = sum(float(new_s[f].sum()) for f, (_, jj) in enumerate(pairs) if jj == i)
+                    for k in range(K):
+                        sk = float(new_s[e, k])
+                        new_gamma[e, k] = 0.0 if into == 0 or sk == 0 else 1 / (1 / into + 1 / sk)
+            gamma[t] = new_gamma
+            alive[t] = alive[t] & (new_gamma > 1 / (2 * math.pi * math.e))
+            assert bool(stats[f"hessian/{t}/nonfinite"])
+            for key, want in (("gamma", gamma[t]), ("omega", omega[t]), ("prior_variance", s[t]),
+                              ("covariance", cov[t])):
+                torch.testing.assert_close(stats[f"bayes/{t}/{key}"], want, rtol=1e-12, atol=0,
+                                           msg=lambda msg, key=key, t=t: f"{t} {key}: {msg}")
+            assert torch.equal(stats[f"bayes/{t}/switch"].cpu(), alive[t]), t
+            assert bool((m.network.alphas()[t].detach()[~alive[t]] == 0).all())
+            assert int((~alive[t]).sum()) >= 10  # the small w were pruned (the test exercises step 4)
