@@ -21,7 +21,11 @@ Defects these tests found (each fails without its fix):
 - ``attach_attention`` kept the attention modules a supernet already carried whatever widths were asked for, so an
   ASM-NAS built with ``attention_hidden=4`` on a network an earlier ASM-NAS (16) had searched ran eq 4.4 with 16-wide
   layers while its hyperparameters said 4, silently; other widths are one SearchError line before anything changes
-  (test_asmnas_on_a_supernet_already_carrying_attention_of_other_widths_is_one_line_not_the_old_modules).
+  (test_asmnas_on_a_supernet_already_carrying_attention_of_other_widths_is_one_line_not_the_old_modules);
+- ``sgl_penalty`` with λ or α not a number was Python's "'>=' not supported" TypeError naming neither, a vector λ torch's
+  "Boolean value of Tensor" RuntimeError, λ = ∞ at α = 1 a NaN penalty (HAPG refuses an infinite λ); ``prox_l1`` and
+  ``prox_group`` with a string or None threshold torch's TypeError/RuntimeError; one ConfigError line each
+  (test_the_operators_refuse_what_is_not_a_number_in_one_line).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nasdiag.sparse import HAPG, sgl_penalty
+from nasdiag.sparse import HAPG, prox_group, prox_l1, sgl_penalty
 
 D = torch.float64
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "sparsenas_digits.py"
@@ -216,3 +220,29 @@ def test_asmnas_on_a_supernet_already_carrying_attention_of_other_widths_is_one_
     again = cls(net, cls.Hyperparameters(attention_hidden=6), schedule=schedule)  # the same widths: kept, weights too
     assert [m for m in again.network.modules() if isinstance(m, AttentionMixedOp)] == modules
     assert all(torch.equal(v, state[k]) for k, v in net.state_dict().items())
+
+
+# -- one-line refusals of the pure operators --------------------------------------------------------------------------
+@pytest.mark.parametrize("call, message", [
+    (lambda z, g: sgl_penalty(z, "0.01", 0.5, g), r"lam \(λ\) must be a number, got '0.01'"),
+    (lambda z, g: sgl_penalty(z, None, 0.5, g), r"lam \(λ\) must be a number, got None"),
+    (lambda z, g: sgl_penalty(z, 0.01, "0.5", g), r"alpha \(α\) must be a number, got '0.5'"),
+    (lambda z, g: sgl_penalty(z, torch.tensor([0.1, 0.2]), 0.5, g), r"lam \(λ\) must be a number"),
+    (lambda z, g: sgl_penalty(z, math.inf, 1.0, g), r"lam \(λ\) must be a finite number >= 0, got inf"),
+    (lambda z, g: prox_l1(z, "0.1"), r"ℓ1 threshold must be a real number or tensor, got '0.1'"),
+    (lambda z, g: prox_l1(z, None), r"ℓ1 threshold must be a real number or tensor, got None"),
+    (lambda z, g: prox_group(z, "0.1", g), r"group threshold must be a real number or tensor, got '0.1'"),
+])
+def test_the_operators_refuse_what_is_not_a_number_in_one_line(call, message):
+    """sgl_penalty promises a ConfigError for λ and α outside eq 2's ranges: a string or None was Python's "'>=' not
+    supported between instances of 'str' and 'int'" TypeError (naming neither argument), a vector λ torch's "Boolean value
+    of Tensor with more than one value is ambiguous" RuntimeError, and λ = ∞ with α = 1 returned NaN (∞·0, where HAPG
+    refuses an infinite λ); prox_l1/prox_group with a string or None threshold were torch's "new(): invalid data type
+    'str'" TypeError and "Could not infer dtype of NoneType" RuntimeError."""
+    from nasdiag.errors import ConfigError
+
+    z = torch.tensor([[0.5, -0.2, 0.1], [0.3, 0.0, -0.7]], dtype=D)
+    g = torch.tensor([[0, 0, 1], [1, 1, 0]])
+    with pytest.raises(ConfigError, match=message) as err:
+        call(z, g)
+    assert "\n" not in str(err.value)

@@ -19,7 +19,7 @@ from typing import Iterable, Optional
 import torch
 
 from nasdiag.errors import ConfigError
-from nasdiag.sparse.prox import prox_group, prox_l1
+from nasdiag.sparse.prox import check_number, prox_group, prox_l1
 
 
 def _momentum(t: int) -> float:
@@ -28,12 +28,7 @@ def _momentum(t: int) -> float:
 
 def _check_options(lr: float, lam: float, alpha: float, *, scheduled: bool = False) -> None:
     for name, value in (("learning rate", lr), ("sparsity strength lam (λ)", lam), ("alpha (α)", alpha)):
-        try:
-            if isinstance(value, (str, bytes, bool)):
-                raise TypeError
-            float(value)
-        except (TypeError, ValueError, RuntimeError):
-            raise ConfigError(f"{name} must be a number, got {value!r}") from None
+        check_number(value, name)
     # a schedule may anneal η to 0 (cosine to eta_min = 0; a finished run extended stays there): a step at η = 0
     # leaves z = A and the prox the identity, so only the momentum of eq 7-8 moves A
     if not (lr >= 0 if scheduled else lr > 0) or lr == math.inf:

@@ -8,6 +8,7 @@ No Python loop over groups: norms are gathered with ``index_add_``.
 
 from __future__ import annotations
 
+import math
 from typing import Union
 
 import torch
@@ -27,10 +28,24 @@ def _check_groups(z: torch.Tensor, groups: torch.Tensor) -> int:
     return int(groups.max()) + 1 if groups.numel() else 0
 
 
+def check_number(value, what: str) -> None:
+    """`ConfigError` naming ``what`` unless ``value`` is one real number (a Python number or a one-element tensor): a
+    string, bool, None or vector went on into a comparison's TypeError or torch's RuntimeError."""
+    try:
+        if isinstance(value, (str, bytes, bool)):
+            raise TypeError
+        float(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise ConfigError(f"{what} must be a number, got {value!r}") from None
+
+
 def _check_threshold(threshold: Threshold, what: str) -> None:
     """A proximal threshold t = η·λ·(…) must be ≥ 0: a negative one would expand z instead of shrinking it. (NaN is
     let through: it makes the result NaN, visibly, as a NaN gradient does.)"""
-    t = torch.as_tensor(threshold)
+    try:  # a string or None was torch's "new(): invalid data type 'str'" TypeError or "Could not infer dtype" RuntimeError
+        t = torch.as_tensor(threshold)
+    except (TypeError, ValueError, RuntimeError):
+        raise ConfigError(f"the {what} threshold must be a real number or tensor, got {threshold!r}") from None
     if t.dtype == torch.bool or t.is_complex():
         raise ConfigError(f"the {what} threshold must be a real number or tensor, got {t.dtype}")
     if bool((t < 0).any()):
@@ -110,10 +125,13 @@ def prox_sgl(z: torch.Tensor, l1_threshold: Threshold, group_threshold: Threshol
 
 
 def sgl_penalty(a: torch.Tensor, lam: float, alpha: float, groups: torch.Tensor) -> torch.Tensor:
-    """Ω_SGL(A) = λα‖A‖₁ + λ(1−α) Σ_n √|A_(n)| ‖A_(n)‖₂ (eq 2), a 0-dim tensor. `ConfigError` for λ < 0 or α outside
-    [0, 1] (eq 2's ranges; they gave a negative "penalty")."""
-    if not lam >= 0:
-        raise ConfigError(f"sgl_penalty: the sparsity strength lam (λ) must be >= 0, got {lam}")
+    """Ω_SGL(A) = λα‖A‖₁ + λ(1−α) Σ_n √|A_(n)| ‖A_(n)‖₂ (eq 2), a 0-dim tensor. `ConfigError` for λ < 0 or infinite, α
+    outside [0, 1] (eq 2's ranges; they gave a negative "penalty", and λ = ∞ a NaN one: ∞·0) or either not a number (a
+    string or a vector was Python's "'>=' not supported" TypeError or torch's "Boolean value of Tensor" RuntimeError)."""
+    for name, value in (("the sparsity strength lam (λ)", lam), ("alpha (α)", alpha)):
+        check_number(value, f"sgl_penalty: {name}")
+    if not 0 <= lam < math.inf:
+        raise ConfigError(f"sgl_penalty: the sparsity strength lam (λ) must be a finite number >= 0, got {lam}")
     if not 0 <= alpha <= 1:
         raise ConfigError(f"sgl_penalty: alpha (α) balances element and group sparsity and must be in [0, 1], got {alpha}")
     norms, sizes = group_norms(a, groups)
