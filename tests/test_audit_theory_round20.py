@@ -20,6 +20,9 @@ Defects found (each test fails without its fix):
   line's fix landed in probe20's commit e022947 (a shared working tree)
   (test_the_cost_passed_through_an_affine_normalized_op_at_the_real_eps_is_the_one_docs_probe_states).
 
+* ``snas_alpha_grad(C, Z, λ)`` given a λ that is no number (None, a string, a per-edge tensor) raised TypeError /
+  RuntimeError tracebacks; one CostError line (test_snas_credit_given_a_temperature_that_is_no_number_is_one_cost_error_line).
+
 Checked and right (test_own_minimal_cell_costs_paths_and_theorems_for_each_methods_weights): with DARTS's softmax,
 SNAS's Gumbel-softmax and DSNAS's / ProxylessNAS's straight-through one-hot weights (only the sampled op run), in the
 orders ReLU-conv-BN, conv-BN-ReLU, conv-ReLU-BN and BN-ReLU-conv, BatchNorm and GroupNorm(1, C): the probe's costs,
@@ -347,3 +350,23 @@ def test_the_cost_passed_through_an_affine_normalized_op_at_the_real_eps_is_the_
         assert "Σ_c eps/(var_c + eps)·<∂L/∂x_m[:, c], f(x_j)[:, c] − β_c>" in doc
     finally:
         HOMOGENEITY_RULES.pop(_Zero, None)
+
+
+def test_snas_credit_given_a_temperature_that_is_no_number_is_one_cost_error_line():
+    """snas_alpha_grad(C, Z, λ): λ None or a string was '>' not supported's TypeError, a per-edge tensor torch's
+    "Boolean value of Tensor with more than one value is ambiguous"; one CostError line naming the argument. A number
+    (Python's, numpy's, a 0-dim tensor) is the credit (1/λ)(diag Z − ZZᵀ)C, autograd's through Z = softmax((α + G)/λ)."""
+    from nasdiag.cost import CostError, snas_alpha_grad
+
+    alpha, gumbel = torch.randn(3, 4, dtype=DT, requires_grad=True), torch.rand(3, 4, dtype=DT)
+    C = torch.randn(3, 4, dtype=DT)
+    for bad in (None, "0.5", torch.full((3, 1), 0.5, dtype=DT), True):
+        with pytest.raises(CostError, match="temperature") as err:
+            snas_alpha_grad(C, torch.softmax(alpha.detach(), -1), bad)
+        assert "\n" not in str(err.value)
+    import numpy as np
+
+    for lam in (0.7, np.float32(0.7), torch.tensor(0.7, dtype=DT)):
+        Z = torch.softmax((alpha + gumbel) / float(lam), -1)
+        (reference,) = torch.autograd.grad(Z, alpha, C)  # ∂(C·Z)/∂α with C held constant
+        torch.testing.assert_close(snas_alpha_grad(C, Z.detach(), lam), reference, rtol=1e-12, atol=1e-15)
