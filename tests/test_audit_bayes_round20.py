@@ -11,6 +11,9 @@ Defects these tests found (each fails without its fix):
 - ``structured_update`` (B.0.2) read a zero group as γ = 0 also where ω(t−1) is NaN: the NaN became a dead group
   (ω = ∞ at the next iteration, pruned), where §A's ``switch`` (round 17) gives NaN; a negative ω(t−1) was refused as
   a negative "gamma" the caller never passed (test_a_nan_omega_of_a_zero_group_gives_a_nan_gamma_never_a_dead_group);
+- ``expand_groups`` spread any per-group tensor of as many entries (a transposed one silently), ``group_lasso_penalty``
+  took an ω of another shape to torch's RuntimeError and ``group_dims=0`` was a bare TypeError
+  (test_per_group_tensors_of_another_shape_and_a_bare_dimension_are_one_line);
 - ``lasso_weights`` (A.2.12) used a negative H in b = H w* − g while its docstring said such a problem is bounded
   when |b| ≤ ω (it never is: ½ H w² wins), unlike ``covariance``/``posterior_mean`` of the same Laplace model, which
   take H < 0 as 0; now the same (test_lasso_weights_takes_a_negative_curvature_as_zero_as_the_covariance_does);
@@ -61,7 +64,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from nasdiag.bayes import lasso_weights, sparse_bayes_update, structured_update
+from nasdiag.bayes import expand_groups, group_lasso_penalty, lasso_weights, sparse_bayes_update, structured_update
 from nasdiag.bayes.update import BayesError, parent_matrix
 from nasdiag.hessian import diag_hessian
 from nasdiag.hessian.rules import UnsupportedModuleError
@@ -121,6 +124,27 @@ def test_a_nan_omega_of_a_zero_group_gives_a_nan_gamma_never_a_dead_group():
     with pytest.raises(BayesError, match=r"^omega must be >= 0") as err:
         structured_update(W, H, T(0.7, -1.0, 1.3, 2.0), (0,))
     assert "\n" not in str(err.value)
+
+
+def test_per_group_tensors_of_another_shape_and_a_bare_dimension_are_one_line():
+    """BayesError is the error of 'shape mismatch' (nasdiag.bayes). expand_groups reshaped any tensor of as many entries:
+    a (in, out) tensor of per-group values for the (out, in) groups of a weight was spread transposed, silently; of
+    another size, and group_lasso_penalty's ω of another shape, torch's RuntimeError; ``group_dims=0`` (for (0,))
+    was a bare TypeError. A scalar ω (one for every group) still works."""
+    W = torch.randn(8, 2, dtype=F64)
+    with pytest.raises(BayesError, match=r"one entry per group, shape \(8, 2\), got \(2, 8\)"):
+        expand_groups(torch.ones(2, 8, dtype=F64), W, (1, 0))
+    with pytest.raises(BayesError, match=r"shape \(8,\), got \(5,\)"):
+        expand_groups(torch.ones(5, dtype=F64), W, (0,))
+    with pytest.raises(BayesError, match=r"^omega must have one entry per group"):
+        group_lasso_penalty(W, torch.ones(5, dtype=F64), (0,))
+    for dims in (0, None):
+        with pytest.raises(BayesError, match=r"^group_dims must be a sequence of dimensions") as err:
+            structured_update(W, torch.ones_like(W), torch.ones(8, dtype=F64), dims)
+        assert "\n" not in str(err.value)
+    norms = [math.sqrt(sum(float(v) ** 2 for v in row)) for row in W]
+    assert float(group_lasso_penalty(W, torch.tensor(2.0, dtype=F64), (0,))) == pytest.approx(2 * sum(norms), rel=1e-14)
+    assert float(group_lasso_penalty(W, torch.full((8,), 2.0, dtype=F64), [0])) == pytest.approx(2 * sum(norms), rel=1e-14)
 
 
 def test_lasso_weights_takes_a_negative_curvature_as_zero_as_the_covariance_does():

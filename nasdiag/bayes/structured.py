@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Sequence, Tuple
+from typing import Iterable, Sequence, Tuple
 
 import torch
 
@@ -50,6 +50,10 @@ def _element_dims(weight: torch.Tensor, group_dims: Sequence[int]) -> Tuple[int,
         except TypeError:
             return False
 
+    if isinstance(group_dims, (str, bytes)) or not isinstance(group_dims, Iterable):  # 0 for (0,): a bare TypeError
+        raise BayesError(f"group_dims must be a sequence of dimensions, e.g. (0,) for one group per filter, got "
+                         f"{group_dims!r}")
+    group_dims = tuple(group_dims)
     if not all(is_dim(d) for d in group_dims):
         raise BayesError(f"group_dims must be dimensions of the {weight.dim()}-d weight (−{weight.dim()} … "
                          f"{weight.dim() - 1}), got {tuple(group_dims)}")
@@ -59,8 +63,21 @@ def _element_dims(weight: torch.Tensor, group_dims: Sequence[int]) -> Tuple[int,
     return tuple(d for d in range(weight.dim()) if d not in dims)
 
 
+def _groups_shape(weight: torch.Tensor, group_dims: Sequence[int]) -> Tuple[int, ...]:
+    """The shape of a per-group tensor: ``weight``'s along ``group_dims`` (sorted)."""
+    elem = _element_dims(weight, group_dims)
+    return tuple(n for d, n in enumerate(weight.shape) if d not in elem)
+
+
+def _check_per_group(name: str, per_group: torch.Tensor, weight: torch.Tensor, group_dims: Sequence[int]) -> None:
+    want = _groups_shape(weight, group_dims)
+    if tuple(per_group.shape) != want:  # a reshape would take any tensor of as many entries, in its order
+        raise BayesError(f"{name} must have one entry per group, shape {want}, got {tuple(per_group.shape)}")
+
+
 def expand_groups(per_group: torch.Tensor, weight: torch.Tensor, group_dims: Sequence[int]) -> torch.Tensor:
     """A per-group tensor (the shape of ``weight`` along ``group_dims``) broadcast to every element: Γ of B.0.3."""
+    _check_per_group("per_group", per_group, weight, group_dims)
     elem = _element_dims(weight, group_dims)
     shape = [1 if d in elem else weight.shape[d] for d in range(weight.dim())]
     return per_group.reshape(shape).expand_as(weight)
@@ -74,8 +91,11 @@ def group_norms(weight: torch.Tensor, group_dims: Sequence[int]) -> torch.Tensor
 
 def group_lasso_penalty(weight: torch.Tensor, om: torch.Tensor, group_dims: Sequence[int]) -> torch.Tensor:
     """R(ω ∘ W) = Σ_g ω_g ‖W_g‖₂ (Table S3), a differentiable scalar; groups with ω = ∞ (dead) must be masked
-    out by the caller (their weights are zero and stay zero)."""
-    return (om * group_norms(weight, group_dims)).sum()
+    out by the caller (their weights are zero and stay zero). ``om``: one entry per group (or a scalar)."""
+    norms = group_norms(weight, group_dims)
+    if isinstance(om, torch.Tensor) and om.dim():
+        _check_per_group("omega", om, weight, group_dims)
+    return (om * norms).sum()
 
 
 @dataclass
@@ -102,9 +122,7 @@ def structured_update(weight: torch.Tensor, curvature: torch.Tensor, omega_prev:
     _element_dims(weight, group_dims)  # group_dims checked before they are used below
     if curvature.shape != weight.shape:
         raise BayesError(f"curvature must have the weight's shape {tuple(weight.shape)}, got {tuple(curvature.shape)}")
-    want = tuple(weight.shape[d] for d in sorted(d % weight.dim() for d in group_dims))
-    if tuple(omega_prev.shape) != want:
-        raise BayesError(f"omega must have one entry per group, shape {want}, got {tuple(omega_prev.shape)}")
+    _check_per_group("omega", omega_prev, weight, group_dims)
     if bool((omega_prev < 0).any()):  # else refused below as a negative gamma, which the caller did not pass
         raise BayesError(f"omega must be >= 0 (a reweighting of the group lasso); got min {float(omega_prev.min()):.3g}")
     norms = group_norms(weight, group_dims)
