@@ -23,6 +23,10 @@ Defects found (each test fails without its fix):
 * ``snas_alpha_grad(C, Z, λ)`` given a λ that is no number (None, a string, a per-edge tensor) raised TypeError /
   RuntimeError tracebacks; one CostError line (test_snas_credit_given_a_temperature_that_is_no_number_is_one_cost_error_line).
 
+* ``CostMoments`` given observations or a mask as a list, a shape that is no tuple of non-negative ints, or another
+  object to merge raised AttributeError / TypeError / RuntimeError tracebacks; one CostError line each (numpy's
+  integers are dims) (test_cost_moments_given_no_tensor_or_a_bad_shape_is_one_cost_error_line_and_numbers_are_numpys).
+
 Checked and right (test_own_minimal_cell_costs_paths_and_theorems_for_each_methods_weights): with DARTS's softmax,
 SNAS's Gumbel-softmax and DSNAS's / ProxylessNAS's straight-through one-hot weights (only the sampled op run), in the
 orders ReLU-conv-BN, conv-BN-ReLU, conv-ReLU-BN and BN-ReLU-conv, BatchNorm and GroupNorm(1, C): the probe's costs,
@@ -370,3 +374,38 @@ def test_snas_credit_given_a_temperature_that_is_no_number_is_one_cost_error_lin
         Z = torch.softmax((alpha + gumbel) / float(lam), -1)
         (reference,) = torch.autograd.grad(Z, alpha, C)  # ∂(C·Z)/∂α with C held constant
         torch.testing.assert_close(snas_alpha_grad(C, Z.detach(), lam), reference, rtol=1e-12, atol=1e-15)
+
+
+def test_cost_moments_given_no_tensor_or_a_bad_shape_is_one_cost_error_line_and_numbers_are_numpys():
+    """CostMoments (the streaming E[C], E[C²] of nasdiag.cost): observations or a mask given as a list were
+    AttributeError tracebacks, a shape given as an int "'int' object is not iterable", a float or negative dim
+    torch.zeros' TypeError / RuntimeError, merge of another object an AttributeError; one CostError line each, the
+    accumulator unchanged. Then the moments of masked observations are numpy's (population variance)."""
+    import numpy as np
+    from nasdiag.cost import CostError, CostMoments
+
+    for shape in (5, "ab", (2.5,), (-1,), (True,)):
+        with pytest.raises(CostError, match="shape") as err:
+            CostMoments(shape)
+        assert "\n" not in str(err.value)
+    m = CostMoments((np.int64(2), 3))
+    for args in (([[1.0] * 3] * 2,), (torch.ones(2, 3), [[True] * 3] * 2)):
+        with pytest.raises(CostError, match="must be a torch.Tensor") as err:
+            m.update(*args)
+        assert "\n" not in str(err.value)
+    with pytest.raises(CostError, match="CostMoments"):
+        m.merge({"count": torch.ones(2, 3)})
+    assert m.shape == (2, 3) and int(m.count.sum()) == 0
+
+    obs = torch.randn(7, 2, 3, dtype=DT) * 1e3 + 5e4
+    mask = torch.rand(7, 2, 3, generator=torch.Generator().manual_seed(0)) < 0.6
+    m.update(obs[:4], mask[:4])
+    m.update(obs[4:], mask[4:])
+    o, k = obs.numpy(), mask.numpy()
+    for e in range(2):
+        for j in range(3):
+            sel = o[k[:, e, j], e, j]
+            assert int(m.count[e, j]) == sel.size
+            if sel.size:
+                assert float(m.mean[e, j]) == pytest.approx(sel.mean(), rel=1e-14)
+                assert float(m.var[e, j]) == pytest.approx(sel.var(), rel=1e-9, abs=1e-9)

@@ -8,9 +8,10 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import math
+import numbers
 
 import torch
-from nasdiag.cost.errors import CostError
+from nasdiag.cost.errors import CostError, require_tensors
 
 
 class CostMoments:
@@ -32,7 +33,11 @@ class CostMoments:
     """
 
     def __init__(self, shape: Tuple[int, ...], device: torch.device | str | None = None):
-        self.shape = tuple(shape)
+        dims = tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else None
+        if dims is None or not all(isinstance(d, numbers.Integral) and not isinstance(d, bool) and d >= 0 for d in dims):
+            # an int was "'int' object is not iterable", a float or negative dim torch.zeros' TypeError / RuntimeError
+            raise CostError(f"CostMoments: shape must be a tuple of non-negative ints, e.g. (E, K), got {shape!r}")
+        self.shape = tuple(int(d) for d in dims)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.reset()
 
@@ -56,6 +61,7 @@ class CostMoments:
 
     def update(self, observations: torch.Tensor, mask: Optional[torch.Tensor] = None) -> None:
         """Add observations of shape (N, *shape) (or ``shape`` for one); ``mask`` is bool, same shape."""
+        require_tensors("CostMoments.update", observations=observations, **({} if mask is None else {"mask": mask}))
         obs = observations.detach().to(self.device, torch.float64)
         if obs.shape == self.shape:
             obs = obs.unsqueeze(0)
@@ -109,6 +115,8 @@ class CostMoments:
 
     def merge(self, other: "CostMoments") -> None:
         """Fold in the statistics of another accumulator (e.g. another DDP rank)."""
+        if not isinstance(other, CostMoments):
+            raise CostError(f"CostMoments.merge: other must be a CostMoments, got {type(other).__name__}")
         if other.shape != self.shape:
             raise CostError(f"cannot merge moments of shape {other.shape} into {self.shape}")
         count, shift = other.count.to(self.device), other._shift.to(self.device)
