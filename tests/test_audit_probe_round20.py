@@ -19,6 +19,11 @@ Defects found (each test fails without its fix):
   taken for two forwards (a call reading what the previous one computed was searched in tuples and lists only): its
   per-sample rows were (2B, K), the depths' rows concatenated as if micro-batches, and two depths mixing with two
   different Z were not refused (test_a_sub_module_taking_a_dict_applied_at_two_depths_is_one_forward).
+* ``probe.hessian()`` of a time-major recurrent supernet (input (T, B, D), as DARTS's RNN search takes it) with the
+  default loss compared its targets with dim 0 of the input, T, and refused every call with "the targets hold B labels
+  but the batch has T samples; pass the targets of the same batch", which no targets could satisfy; a re-run of the
+  recorded call compares them with the recorded logits' rows
+  (test_hessian_of_a_time_major_recurrent_supernet_is_autograds).
 """
 
 from __future__ import annotations
@@ -82,6 +87,19 @@ def _rows_by_autograd(net: _DictNet, x, y, drop: bool) -> torch.Tensor:
     return g
 
 
+def _hessian_by_autograd(net: nn.Module, as_z, loss) -> torch.Tensor:
+    """(E, K, E, K) ∂²L/∂Z² at Z = softmax(net.alpha), a leaf placed into the forward as ``net.Z = as_z(Z)``."""
+
+    def loss_of(z):
+        net.Z = as_z(z)
+        try:
+            return loss()
+        finally:
+            net.Z = None
+
+    return torch.autograd.functional.hessian(loss_of, F.softmax(net.alpha, -1).detach())
+
+
 def test_a_batch_given_as_a_dict_or_tuple_counts_its_samples():
     x, y = torch.randn(6, 4, dtype=DT), torch.randint(0, 3, (6,))
     net = _DictNet()
@@ -113,15 +131,8 @@ def test_hessian_of_a_dict_batch_is_autograds_and_refuses_the_batch_refilled_in_
     batch = {"x": x.clone()}
     with probe.record():
         F.cross_entropy(net(batch), y).backward()
-
-    def loss_of(z):  # one Z per edge, shared by the batch
-        net.Z = z.expand(len(x), 2, 3)
-        try:
-            return F.cross_entropy(net({"x": x}), y)
-        finally:
-            net.Z = None
-
-    H = torch.autograd.functional.hessian(loss_of, F.softmax(net.alpha, -1).detach())  # (2, 3, 2, 3)
+    # one Z per edge, shared by the batch: (2, 3, 2, 3)
+    H = _hessian_by_autograd(net, lambda z: z.expand(len(x), 2, 3), lambda: F.cross_entropy(net({"x": x}), y))
     got = probe.hessian()
     for e, name in enumerate(("a", "b")):
         torch.testing.assert_close(got[name], torch.diagonal(H[e, :, e, :]), rtol=1e-10, atol=1e-14)
@@ -179,6 +190,43 @@ def test_a_sub_module_taking_a_dict_applied_at_two_depths_is_one_forward():
     assert _no_hooks(net)
 
 
+
+
+class _TimeMajorRNN(nn.Module):
+    """A recurrent cell search in the style of DARTS's RNN space: input (T, B, D), one mixed op applied at every step
+    with the same Z (tied), a second edge on the last state and an edge whose output is never used."""
+
+    def __init__(self, d: int = 4):
+        super().__init__()
+        torch.manual_seed(2)
+        self.cell, self.out_edge, self.unused = _Mixed(d), _Mixed(d), _Mixed(d)
+        self.head = nn.Linear(d, 3, dtype=DT)
+        self.alpha = nn.Parameter(0.5 * torch.randn(3, 3, dtype=DT))
+        self.Z = None  # a reference run's (3, K) leaves
+
+    def forward(self, xs):
+        w = F.softmax(self.alpha, -1) if self.Z is None else self.Z
+        h = torch.zeros_like(xs[0])
+        for x in xs:
+            h = torch.tanh(self.cell(h + x, w[0]))
+        h = h + self.out_edge(h, w[1])
+        self.unused(h, w[2])
+        return self.head(h)
+
+
+def test_hessian_of_a_time_major_recurrent_supernet_is_autograds():
+    xs, y = torch.randn(3, 5, 4, dtype=DT), torch.randint(0, 3, (5,))  # T = 3 steps of B = 5 samples
+    net = _TimeMajorRNN()
+    H = _hessian_by_autograd(net, lambda z: z, lambda: F.cross_entropy(net(xs), y))  # (3, K, 3, K)
+    probe = nasdiag.attach(net, hessian="exact")
+    with pytest.warns(RuntimeWarning, match="never reached 1 edge"):
+        with probe.record():  # the default loss, its targets read off the backward
+            F.cross_entropy(net(xs), y).backward()
+    got = probe.hessian()  # was refused: "the targets hold 5 labels but the batch has 3 samples" (T taken for B)
+    for e, name in enumerate(("cell", "out_edge", "unused")):
+        torch.testing.assert_close(got[name], torch.diagonal(H[e, :, e, :]), rtol=1e-10, atol=1e-14)
+    with pytest.raises(ProbeError, match="targets hold 4 labels but the batch has 5 samples"):
+        probe.hessian(targets=y[:4])  # the docs' one line still compares with the model's rows
 
 def test_the_docs_names_of_a_compiled_or_wrapped_supernets_edges():
     net = _DictNet()

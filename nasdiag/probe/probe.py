@@ -816,7 +816,10 @@ class Probe:
                     "(they are inferred only when the block's loss is the default mean or summed cross-entropy of the "
                     "model's output)"
                 )
-        first = _first_tensor(inputs)  # of a dict or tuple batch too
+        # the default loss pairs the targets with the rows of the model's output: the recorded call's logits where it is
+        # re-run (a time-major input (T, B, ...), as a recurrent cell search takes, holds its batch in dim 1), else dim 0
+        # of the first input tensor (of a dict or tuple batch too)
+        first = r.model_output if rerun and isinstance(r.model_output, torch.Tensor) else _first_tensor(inputs)
         if (self.loss_fn is None and isinstance(targets, torch.Tensor) and isinstance(first, torch.Tensor)
                 and targets.dim() >= 1 and first.dim() >= 1 and targets.shape[0] != first.shape[0]):
             raise ProbeError(
