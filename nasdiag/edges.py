@@ -66,9 +66,15 @@ class EdgeSpec:
 
 
 def op_names_of(module: nn.Module, ops: Sequence[nn.Module]) -> Tuple[str, ...]:
-    """K labels of a mixed op's candidates: its ``primitives`` if it has one per op, else ``"<k>:<class>"``."""
+    """K labels of a mixed op's candidates: its ``primitives`` if it has one name (a string) per op, else
+    ``"<k>:<class>"``. NASLib's ``MixedOp.primitives`` is the list of op modules themselves: their multi-line reprs were
+    taken for the labels of the record's columns."""
     names = getattr(module, "primitives", None)
-    if names is not None and len(names) == len(ops):
+    try:  # a list, tuple or array of names (not a string, whose letters would be taken for them)
+        names = list(names) if names is not None and not isinstance(names, (str, nn.Module)) else None
+    except TypeError:
+        names = None
+    if names is not None and len(names) == len(ops) and all(isinstance(n, str) for n in names):
         return tuple(str(n) for n in names)
     return tuple(f"{k}:{type(op).__name__}" for k, op in enumerate(ops))
 

@@ -24,6 +24,9 @@ Defects found (each test fails without its fix):
   but the batch has T samples; pass the targets of the same batch", which no targets could satisfy; a re-run of the
   recorded call compares them with the recorded logits' rows
   (test_hessian_of_a_time_major_recurrent_supernet_is_autograds).
+* A mixed op whose ``primitives`` are its op modules, not names (NASLib's ``MixedOp``), had their multi-line reprs
+  taken for its op names, the record's column labels; ``primitives`` name the ops only where they are strings, else
+  ``"<k>:<class>"`` (test_a_naslib_style_graph_mapped_by_its_keys_costs_as_autograd_and_labels_its_ops_by_class).
 """
 
 from __future__ import annotations
@@ -227,6 +230,66 @@ def test_hessian_of_a_time_major_recurrent_supernet_is_autograds():
         torch.testing.assert_close(got[name], torch.diagonal(H[e, :, e, :]), rtol=1e-10, atol=1e-14)
     with pytest.raises(ProbeError, match="targets hold 4 labels but the batch has 5 samples"):
         probe.hessian(targets=y[:4])  # the docs' one line still compares with the model's rows
+
+
+# -- a NASLib-style graph: edges in an nn.ModuleDict keyed "i-j", MixedOp.primitives = the op modules ------------------
+class _Primitive(nn.Module):
+    """NASLib's AbstractPrimitive: forward(x, edge_data)."""
+
+    def __init__(self, m: nn.Module):
+        super().__init__()
+        self.m = m
+
+    def forward(self, x, edge_data):
+        return self.m(x)
+
+
+class _NaslibMixedOp(nn.Module):
+    """NASLib's DARTSMixedOp, transcribed: ``primitives`` holds the op modules, the weights come from the edge data."""
+
+    def __init__(self, primitives):
+        super().__init__()
+        self.primitives = primitives
+        for i, p in enumerate(primitives):
+            self.add_module(f"primitive-{i}", p)
+
+    def forward(self, x, edge_data):
+        w = torch.softmax(edge_data["alpha"], -1) if edge_data.get("Z") is None else edge_data["Z"]
+        return sum(wk * op(x, None) for wk, op in zip(w, self.primitives))
+
+
+class _NaslibGraph(nn.Module):
+    def __init__(self, d: int = 4):
+        super().__init__()
+        torch.manual_seed(3)
+        ops = lambda: [_Primitive(nn.Linear(d, d, dtype=DT)), _Primitive(nn.Identity()), _Primitive(nn.Tanh())]  # noqa: E731
+        self.edges = nn.ModuleDict({k: _NaslibMixedOp(ops()) for k in ("1-2", "1-3", "2-3")})
+        self.alphas = nn.ParameterDict({k: nn.Parameter(torch.randn(3, dtype=DT)) for k in self.edges})
+        self.head = nn.Linear(d, 3, dtype=DT)
+        self.Z = {}  # a reference run's leaves
+
+    def forward(self, x):
+        data = {k: {"alpha": self.alphas[k], "Z": self.Z.get(k)} for k in self.edges}
+        h2 = self.edges["1-2"](x, data["1-2"])
+        return self.head(self.edges["1-3"](x, data["1-3"]) + self.edges["2-3"](h2, data["2-3"]))
+
+
+def test_a_naslib_style_graph_mapped_by_its_keys_costs_as_autograd_and_labels_its_ops_by_class():
+    x, y = torch.randn(6, 4, dtype=DT), torch.randint(0, 3, (6,))
+    net = _NaslibGraph()
+    net.Z = {k: torch.softmax(a, -1).detach().requires_grad_() for k, a in net.alphas.items()}
+    want = dict(zip(net.Z, torch.autograd.grad(F.cross_entropy(net(x), y), list(net.Z.values()))))
+    net.Z = {}
+    probe = nasdiag.attach(net, edges={k: (m, m.primitives) for k, m in net.edges.items()})
+    assert probe.edge_names == ["1-2", "1-3", "2-3"]
+    # were the multi-line reprs of the op modules ("_Primitive(\n  (m): Linear(...)\n)"), the record's column labels
+    assert probe.edges[0].op_names == ("0:_Primitive", "1:_Primitive", "2:_Primitive")
+    assert probe.groups[0].op_names == probe.edges[0].op_names
+    with probe.record():
+        F.cross_entropy(net(x), y).backward()
+    for k, c in probe.costs().items():
+        torch.testing.assert_close(c, want[k], rtol=1e-12, atol=1e-15)
+    assert _no_hooks(net)
 
 def test_the_docs_names_of_a_compiled_or_wrapped_supernets_edges():
     net = _DictNet()
