@@ -10,8 +10,10 @@ over the epochs (the "pathwise" progressive sparsification of the paper's §Opti
 
 The derived architecture is the mixed path: every op whose weight is non-zero (``derive_mixed_genotype``),
 and the cell output concatenates only the nodes that kept an incoming weight ("removing the operations with zero
-weights and the nodes with all zero incoming weights", §Sparse Supernet). The proximal step's zeros are kept as
-they are: an edge, or a whole node group (eq 10), may be emptied; that is the node sparsity the paper searches for.
+weights and the nodes with all zero incoming weights", §Sparse Supernet). The proximal step's zeros are not repaired
+(no op is put back on an emptied edge): an edge, or a whole node group (eq 10), may be emptied; that is the node
+sparsity the paper searches for. They are not frozen either: as in any proximal method, a later step moves a zero
+weight again where its gradient step passes the thresholds (eq 9, 10), so the genotype is that of the last A.
 """
 
 from __future__ import annotations
@@ -175,7 +177,8 @@ class SparseNAS(DARTS):
                                  weight_decay=group["weight_decay"], eps_scale=self.hp.fd_eps_scale, **extra)
 
     def arch_step(self, train_batch: Batch, val_batch: Batch) -> Dict[str, torch.Tensor]:
-        """One proximal step of A (eq 6–10) on the hypergradient; its exact zeros (ops, edges, whole nodes) stay."""
+        """One proximal step of A (eq 6–10) on the hypergradient; its exact zeros (ops, edges, whole nodes) are not
+        repaired, and a later step may move them again (where its gradient step passes the thresholds of eq 9, 10)."""
         A = self.forward_weights()
         if self.hp.first_order:
             result = self.cost(*val_batch, A)
