@@ -103,9 +103,31 @@ def chosen_runs(value: str, option: str, what: str, known, example: str, out: st
     for name in names:  # the heatmaps' folders, also for --plot-only
         refuse_other_figures(os.path.join(out, name), None, fmt)
     # every record before the first run, not after it
-    refuse_other_records([os.path.join(out, name, "record.h5") for name in names], FixedArchitecture.name,
-                         plot_only=plot_only)
+    records = [os.path.join(out, name, "record.h5") for name in names]
+    refuse_other_records(records, FixedArchitecture.name, plot_only=plot_only)
+    if plot_only:
+        refuse_records_without(records, ["cost"])
     return names
+
+
+def refuse_records_without(records, figures) -> None:
+    """With ``--plot-only``, refuse in one line before the first figure a record that is missing or holds none of the
+    families the script's ``figures`` draw: a record of the script's method without ``cost/<cell>/mean`` drew nothing
+    and the script exited 0 without a word (``nasdiag plot --figures cost`` of it exits 2), and a missing record of
+    the second configuration was refused after the first one's figures were drawn."""
+    from nasdiag.plot.registry import iter_figures, select
+    from nasdiag.record import load
+    from script_args import UsageError
+
+    for path in records:
+        if not os.path.exists(path):
+            raise UsageError(f"no record at {path}; run without --plot-only first")
+        if next(iter(iter_figures(load(path), figures)), None) is None:
+            families = ", ".join(dict.fromkeys(f.pattern for spec in select(figures) for f in spec.families))
+            raise UsageError(f"{path} holds no {families}, which {', '.join(figures)} "
+                             f"draw{'s' if len(figures) == 1 else ''}, so --plot-only has nothing of it to redraw; "
+                             "run again without --plot-only")
+
 
 def make_network(cell: str, layers: int, num_classes: int, in_channels: int, C: int = 8, norm: str = "batch",
                  order: str = "relu-conv-bn", affine: bool = False, classifier_bias: bool = True, reductions=None,

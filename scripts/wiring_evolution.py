@@ -69,6 +69,8 @@ def main(argv=None):
     for method in methods:  # the figures' folders, also for --plot-only; each record of its own method
         refuse_other_figures(os.path.join(args.out, method), None, args.format)
         refuse_other_records([os.path.join(args.out, method, "record.h5")], method, plot_only=args.plot_only)
+    if args.plot_only:  # every record there and holding p_α, before the first method's figures
+        W.refuse_records_without([os.path.join(args.out, method, "record.h5") for method in methods], FIGURES)
     if not args.plot_only:  # the run options refused before the first folder is made (--C 3 left an empty one)
         from nasdiag.search import SearchConfig
 
