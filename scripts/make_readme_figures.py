@@ -17,7 +17,9 @@ import os
 import sys
 import time
 from nasdiag.errors import run_script
-from script_args import Parser, UsageError, at_least, dpi, refuse_other_records, threads as thread_count
+from script_args import (
+    Parser, UsageError, at_least, dpi, refuse_other_figures, refuse_other_records, threads as thread_count,
+)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
@@ -31,6 +33,9 @@ FIGURES = {
     "genotype": ("genotype", "normal"),
     "wiring": ("wiring", "normal"),
 }
+
+#: the README image of the two runs' cost heatmaps side by side
+COMPARED = "compare_cost_heatmap"
 
 
 def parse_args(argv=None):
@@ -56,6 +61,9 @@ def main(argv=None):
     if missing:  # before the folder is made: the refusal left an empty --out folder
         raise UsageError(f"no record at {missing[0]}; run without --plot-only first")
     refuse_other_records(records.values(), "darts", "--runs", plot_only=args.plot_only)
+    # the user's own docs/img/scalars.png (or a comparison of theirs in <runs>/compare) was replaced without a word
+    refuse_other_figures(args.out, [*FIGURES, COMPARED], "png")
+    refuse_other_figures(os.path.join(args.runs, "compare"), None, "png", "--runs")
     os.makedirs(args.out, exist_ok=True)  # before the runs: an unwritable folder fails at once, not after them
     if not args.plot_only:
         from nasdiag.search import SearchConfig, run
@@ -85,7 +93,7 @@ def main(argv=None):
     compared = write_comparison(loaded, os.path.join(args.runs, "compare"), figures=["cost"], dpi=args.dpi)
     for path in compared.files:
         if "normal" in path.name:
-            target = os.path.join(args.out, "compare_cost_heatmap.png")
+            target = os.path.join(args.out, f"{COMPARED}.png")
             os.replace(path, target)
             print(target)
 
