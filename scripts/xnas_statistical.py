@@ -195,7 +195,10 @@ def summarize(data):
                 row[f"{method}_regret_mean"] = float(table[f"{method}/regret"][i].mean())
                 row[f"{method}_correct_fraction"] = float(table[f"{method}/correct"][i].mean())
             row["uniform_regret_mean"] = float(table["uniform/regret"][i].mean())
-            row["xnas_regret_below_bound_fraction"] = float((table["xnas/regret"][i] <= table["xnas/bound"][i]).mean())
+            regret, bound = table["xnas/regret"][i], table["xnas/bound"][i]
+            # a NaN regret (or bound) compared False and was counted as a run above the bound: NaN, as its mean is
+            row["xnas_regret_below_bound_fraction"] = (float("nan") if np.isnan(regret).any() or np.isnan(bound).any()
+                                                       else float((regret <= bound).mean()))
             row["xnas_bound_mean"] = float(table["xnas/bound"][i].mean())
             row["xnas_runs_with_bound_violations"] = float((table["xnas/bound_violations"][i] > 0).mean())
             rows.append(row)
@@ -215,6 +218,8 @@ def plot(data, summary, figure_path, runs):
     import matplotlib.ticker
     import seaborn as sns
 
+    from nasdiag.plot.style import mark_nonfinite, plot_series
+
     sns.set_theme(style="whitegrid", context="paper")
     sweeps = [s for s in SWEEPS if s in summary]
     xkey = {"vs_n": "n_experts", "vs_sigma": "sigma", "vs_lr": "lr_multiplier"}
@@ -232,12 +237,13 @@ def plot(data, summary, figure_path, runs):
             # one run has no spread: its std (ddof=1) was numpy's 'Degrees of freedom <= 0' warnings and NaN bars
             mean, half = regret.mean(1), 1.96 * regret.std(1, ddof=1) / math.sqrt(regret.shape[1]) if runs > 1 else None
             axes[0, col].errorbar(x, mean, yerr=half, capsize=2, color=colors[method], label=label, **style[method])
+            mark_nonfinite(axes[0, col], x, mean, colors[method])  # a NaN mean was a point left out without a mark
             correct = table[f"{method}/correct"].astype(float)
             frac = correct.mean(1)
             half = 1.96 * np.sqrt(frac * (1 - frac) / correct.shape[1]) if runs > 1 else None
             axes[1, col].errorbar(x, frac, yerr=half, capsize=2, color=colors[method], label=label, **style[method])
-        axes[0, col].plot(x, table["uniform/regret"].mean(1), color="0.55", lw=1, ls="-.",
-                          label="uniform mixture (no learning)")
+        plot_series(axes[0, col], x, table["uniform/regret"].mean(1), color="0.55", lw=1, ls="-.",
+                    label="uniform mixture (no learning)")
         if "fits" in summary[sweep]:
             fine = np.geomspace(x.min(), x.max(), 100)
             f = summary[sweep]["fits"]
