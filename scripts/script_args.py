@@ -316,7 +316,7 @@ def refuse_other_records(paths, method: str, option: str = "--out", plot_only: b
     wrote (``meta['method']`` is ``method``): the scripts write their records replacing what is there (``overwrite``,
     ``force``), which deleted a search's ``record.h5`` (every segment of it) or any file of that name without a word;
     with ``plot_only``, a redraw of another script's record (the folder of xnas_statistical given to xnas_toys) was a
-    KeyError traceback."""
+    KeyError traceback. A nasdiag record that cannot be read (damaged) is refused with the reader's reason."""
     import os
 
     from nasdiag.record import load_meta
@@ -325,9 +325,16 @@ def refuse_other_records(paths, method: str, option: str = "--out", plot_only: b
         if not os.path.lexists(path):
             continue
         try:
-            found = load_meta(path).get("method")
-        except (NasdiagError, OSError):
-            found = None
+            found, why = load_meta(path).get("method"), None
+        except (NasdiagError, OSError) as err:
+            found, why = None, err
+        if why is not None and _nasdiag_segment(path):  # a damaged record was "no nasdiag record", its damage unsaid
+            why = " ".join(str(why).split())
+            if plot_only:
+                raise UsageError(f"{path} holds a nasdiag record that cannot be read, so --plot-only has nothing of it "
+                                 f"to redraw: {why}")
+            raise UsageError(f"{path} holds a nasdiag record that cannot be read, of a run the script cannot tell, and "
+                             f"the run would replace it; give another {option}, or move it away ({why})")
         if found != method:
             what = f"a record of {found}" if found else "no nasdiag record"
             if plot_only:
@@ -335,6 +342,17 @@ def refuse_other_records(paths, method: str, option: str = "--out", plot_only: b
                                  f"nothing of it to redraw; give the {option} of a run of this script")
             raise UsageError(f"{path} holds {what}, not a record of this script (method {method}), and the run would "
                              f"replace it; give another {option}, or move it away")
+
+
+def _nasdiag_segment(path) -> bool:
+    """Whether ``path`` is an HDF5 file a nasdiag `Recorder` wrote (its root has ``schema_version``), readable or not."""
+    try:
+        import h5py
+
+        with h5py.File(path, "r") as f:
+            return "schema_version" in f.attrs
+    except (OSError, ValueError):
+        return False
 
 
 def refuse_other_figures(folder: str, names, fmt: str, option: str = "--out") -> None:
