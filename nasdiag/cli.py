@@ -172,6 +172,7 @@ def search_config(args: argparse.Namespace) -> SearchConfig:
         if key in hp:  # the last would silently win
             raise ConfigError(f"--hp {key} is given twice ({key}={hp[key]} and {key}={value.strip()}); pass it once")
         hp[key] = value.strip()
+    _refuse_options_given_as_hp(hp, args.method)
     for option, value in (("--figs", args.figs), ("--data-dir", args.data_dir)):
         if value is not None and not value.strip():  # an unset shell variable: silently the default, or ignored
             raise ConfigError(f"{option} is empty; give a folder, or leave {option} out")
@@ -237,6 +238,30 @@ def search_config(args: argparse.Namespace) -> SearchConfig:
     if args.hessian_mode is not None and "hessian" not in config.validate().diagnostics:  # given, even as the default:
         raise ConfigError(no_hessian_recorded(args.hessian_mode, config.diagnostics))    # it would do nothing
     return config
+
+
+def _refuse_options_given_as_hp(hp: dict, method: str) -> None:
+    """Refuse ``--hp KEY=VALUE`` whose key is an option of ``nasdiag search`` (``seed``, ``epochs``, ``batch_size``,
+    ``hessian_mode``, ...) and no hyperparameter of ``method``: the line listed the method's keys, not the option meant,
+    and for ``--hp hessian_mode=ggn`` of darts sent the user to ``--method bayesnas`` (whose own curvature it sets),
+    where ``--hessian-mode ggn`` (the recorded diagnostics' mode) was meant."""
+    from nasdiag.search.registry import available_methods
+
+    cls = available_methods().get(method)
+    if cls is None:  # an unknown method has its own line
+        return
+    options = {action.dest.lower(): action for action in _parser().commands["search"]._actions
+               if action.option_strings and action.dest not in ("help", "hp")}
+    for key, value in hp.items():
+        action = options.get(key.replace("-", "_").lower())
+        if action is None or key in cls.Hyperparameters.keys():
+            continue
+        option = action.option_strings[-1]
+        given = f"{option}, a flag without a value" if action.nargs == 0 else f"{option} {_quote(value)}"
+        others = [name for name, other in available_methods().items() if key in other.Hyperparameters.keys()]
+        also = f" (or, for the hyperparameter of {', '.join(others)}, choose that --method)" if others else ""
+        raise ConfigError(f"--hp {_quote(f'{key}={value}')}: {key} is an option of nasdiag search, not a hyperparameter of "
+                          f"{method} (nasdiag methods {method} lists those); give it as {given}{also}")
 
 
 def _refuse_deleted_folder() -> None:

@@ -1,0 +1,34 @@
+"""A twentieth new user's misuse of the ``nasdiag`` CLI, armed with README.md and ``--help``: what rounds 1-19
+(test_cli_errors.py, test_cli_search_misuse.py, test_cli_plot_misuse.py, test_cli_misuse_round3..19.py,
+test_scripts_misuse_round14.py) did not cover: an option of ``nasdiag search`` given as a method hyperparameter
+(``--hp seed=3``, ``--hp epochs=2``, ``--hp batch_size=32``) was refused with the method's keys listed and no word of
+the option meant, and ``--hp hessian_mode=ggn`` of darts sent the user to ``--method bayesnas`` (whose own curvature
+it sets) where ``--hessian-mode ggn`` (the recorded diagnostics' mode) was meant.
+Every such mistake is one line on stderr saying what was wrong and what to do, exit code 2, no traceback, nothing left
+behind.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from test_cli_errors import TINY, snapshot
+
+
+@pytest.mark.parametrize("method,item,meant", [("darts", "seed=3", "--seed 3"), ("darts", "hessian_mode=ggn", "--hessian-mode ggn"),
+                                               ("snas", "batch_size=32", "--batch-size 32"), ("bayesnas", "epochs=2", "--epochs 2"),
+                                               ("xnas", "resume=yes", "--resume, a flag")])
+def test_an_option_of_the_search_given_as_a_hyperparameter_names_the_option(method, item, meant, tmp_path, capsys):
+    """``--hp seed=3`` was "unknown hyperparameter 'seed' for method 'darts'; valid keys: w_lr, ...", no word of --seed;
+    ``--hp hessian_mode=ggn`` of darts said "it is a hyperparameter of bayesnas (--method bayesnas)": another method,
+    where the option --hessian-mode was meant. The line names the option and how to give it, before any file."""
+    from nasdiag.cli import main
+
+    before = snapshot(tmp_path)
+    code = main(["search", *TINY, "--method", method, "--hp", item, "--out", str(tmp_path / "run.h5")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "Traceback" not in err[0], err
+    key = item.partition("=")[0]
+    assert f"{key} is an option of nasdiag search" in err[0] and f"give it as {meant}" in err[0], err
+    assert err[0].find("--method") == -1 or err[0].find("--method") > err[0].find(meant), err  # the option first
+    assert snapshot(tmp_path) == before
