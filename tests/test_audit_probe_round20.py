@@ -108,7 +108,7 @@ def test_a_batch_given_as_a_dict_or_tuple_counts_its_samples():
     net = _DictNet()
     probe = nasdiag.attach(net)
     want = torch.cat([_rows_by_autograd(net, x[:3], y[:3], False), _rows_by_autograd(net, x[3:], y[3:], True)])
-    for wrap in (lambda t: {"x": t}, lambda t: (t, None)):
+    for wrap in (lambda t: {"x": t}, lambda t: (t, None), lambda t: {"tau": torch.tensor(1.0), "x": t}):
         with pytest.warns(RuntimeWarning, match="took no part in some"):
             with probe.record():  # gradient accumulation, the path through b dropped in the second micro-batch
                 F.cross_entropy(net(wrap(x[:3])), y[:3]).backward()

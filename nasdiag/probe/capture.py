@@ -194,14 +194,11 @@ def _tensors_in(value) -> List[torch.Tensor]:
 
 
 def _first_tensor(value):
-    """``value`` if it is no container, else the first tensor in it (dict values, tuple and list items, depth first)."""
+    """``value`` if it is no container, else the first tensor with a dimension in it (dict values, tuple and list items,
+    depth first: a scalar such as ``{"tau": tensor(0.5), "x": x}``'s holds no batch)."""
     if not isinstance(value, (Mapping, tuple, list)):
         return value
-    for item in value.values() if isinstance(value, Mapping) else value:
-        found = _first_tensor(item)
-        if isinstance(found, torch.Tensor):
-            return found
-    return None
+    return next((t for t in _tensors_in(value) if t.dim()), None)
 
 
 def _equal_chunks(nodes: Sequence[int], channels: int) -> Dict[int, Tuple[int, int]]:
