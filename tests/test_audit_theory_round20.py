@@ -27,6 +27,11 @@ Defects found (each test fails without its fix):
   object to merge raised AttributeError / TypeError / RuntimeError tracebacks; one CostError line each (numpy's
   integers are dims) (test_cost_moments_given_no_tensor_or_a_bad_shape_is_one_cost_error_line_and_numbers_are_numpys).
 
+* ``eps_deviation(norm, x)`` returned eps/(var + eps) of whatever groups x had where torch's forward of the norm
+  refuses x (other channel counts with an affine map or running buffers, another rank, other trailing dims for
+  LayerNorm): a number of no normalization; one CostError line, checked as torch checks it
+  (test_eps_deviation_of_an_input_its_norm_cannot_take_is_one_cost_error_line).
+
 Checked and right (test_own_minimal_cell_costs_paths_and_theorems_for_each_methods_weights): with DARTS's softmax,
 SNAS's Gumbel-softmax and DSNAS's / ProxylessNAS's straight-through one-hot weights (only the sampled op run), in the
 orders ReLU-conv-BN, conv-BN-ReLU, conv-ReLU-BN and BN-ReLU-conv, BatchNorm and GroupNorm(1, C): the probe's costs,
@@ -409,3 +414,33 @@ def test_cost_moments_given_no_tensor_or_a_bad_shape_is_one_cost_error_line_and_
             if sel.size:
                 assert float(m.mean[e, j]) == pytest.approx(sel.mean(), rel=1e-14)
                 assert float(m.var[e, j]) == pytest.approx(sel.var(), rel=1e-9, abs=1e-9)
+
+
+def test_eps_deviation_of_an_input_its_norm_cannot_take_is_one_cost_error_line():
+    """eps_deviation(norm, x) returned eps/(var + eps) of whatever groups x had where torch's forward of the norm
+    refuses x (3 channels for BatchNorm2d(4), a 3-D input to BatchNorm2d, (B, 6) for GroupNorm(2, 4) with an affine
+    map, trailing dims (4,) for LayerNorm(8)): a number of no normalization. Now one CostError line; what torch's
+    forward takes (an affine-free, untracked BatchNorm or an affine-free GroupNorm of other channel counts) is still
+    measured, as J_N(x)·x = N(x)·eps/(var + eps) by torch.func.jvp says."""
+    from nasdiag.cost import CostError, eps_deviation
+
+    refused = [(nn.BatchNorm2d(4), (2, 3, 5, 5)), (nn.BatchNorm2d(4), (2, 4, 5)), (nn.GroupNorm(2, 4), (2, 6, 5)),
+               (nn.LayerNorm(8), (2, 4)), (nn.InstanceNorm2d(4, affine=True), (2, 3, 5, 5)),
+               (nn.GroupNorm(2, 4, affine=False), (2, 5, 5))]
+    for norm, shape in refused:
+        x = torch.randn(shape, dtype=DT)
+        with pytest.raises(Exception):  # the reference: torch's own forward refuses it
+            norm.to(DT)(x)
+        with pytest.raises(CostError, match="cannot normalize") as err:
+            eps_deviation(norm, x)
+        assert "\n" not in str(err.value)
+    taken = [(nn.BatchNorm2d(4, affine=False, track_running_stats=False, eps=0.5), (3, 3, 4, 4), (0, 2, 3)),
+             (nn.GroupNorm(2, 4, affine=False, eps=0.5), (3, 6, 4), None)]
+    for norm, shape, dims in taken:
+        x = torch.randn(shape, dtype=DT)
+        out, jx = torch.func.jvp(norm.to(DT), (x,), (x,))
+        dev = eps_deviation(norm, x)
+        if dims is not None:  # per channel
+            torch.testing.assert_close((jx / out).mean(dims), dev, rtol=1e-10, atol=0)
+        else:  # per (sample, group)
+            torch.testing.assert_close((jx / out).reshape(3, 2, -1).mean(-1), dev, rtol=1e-10, atol=0)

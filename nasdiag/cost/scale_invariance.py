@@ -116,6 +116,42 @@ def _group_variance(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     )
 
 
+def _check_norm_input(norm: nn.Module, x: torch.Tensor) -> None:
+    """A CostError where ``norm`` could not be called on ``x`` (its variance would be that of other groups: a number of
+    no normalization), checked as torch's forward checks it."""
+    why = None
+    if isinstance(norm, nn.modules.lazy.LazyModuleMixin) and norm.has_uninitialized_params():
+        return  # its sizes are those of its first input
+    if isinstance(norm, (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)):
+        try:
+            norm._check_input_dim(x)
+        except NotImplementedError:  # a subclass of the bare _BatchNorm: no rank of its own
+            pass
+        except ValueError as err:
+            why = str(err)
+        else:
+            batched = not isinstance(norm, nn.modules.instancenorm._InstanceNorm) or x.dim() != norm._get_no_batch_dim()
+            channels = x.shape[1 if batched else 0]
+            # as torch: a norm takes any number of channels where it uses no affine map and no running buffers (a
+            # BatchNorm in training uses them only with track_running_stats)
+            buffers = norm.running_mean is not None and (not isinstance(norm, nn.modules.batchnorm._BatchNorm)
+                                                         or not norm.training or norm.track_running_stats)
+            strict = norm.affine or buffers
+            if strict and channels != norm.num_features:
+                why = f"{channels} channels where it normalizes {norm.num_features}"
+    elif isinstance(norm, nn.GroupNorm):
+        if x.dim() < 2 or (x.shape[1] != norm.num_channels if norm.affine else x.shape[1] % norm.num_groups):
+            why = (f"expected (B, {norm.num_channels}, ...)" if norm.affine
+                   else f"expected (B, C, ...) with C divisible by its {norm.num_groups} groups")
+    elif isinstance(norm, nn.LayerNorm):
+        n = len(norm.normalized_shape)
+        if x.dim() < n or tuple(x.shape[x.dim() - n:]) != tuple(norm.normalized_shape):
+            why = f"expected trailing dims {tuple(norm.normalized_shape)}"
+    if why is not None:
+        raise CostError(f"eps_deviation: {type(norm).__name__} cannot normalize an input of shape {tuple(x.shape)} ({why}); "
+                        "pass the tensor the normalization is called on")
+
+
 def eps_deviation(norm: nn.Module, norm_input: torch.Tensor) -> torch.Tensor:
     """Relative deviation from scale invariance of a normalization at its real eps.
 
@@ -133,9 +169,10 @@ def eps_deviation(norm: nn.Module, norm_input: torch.Tensor) -> torch.Tensor:
         dims for LayerNorm ((B,) over all but the batch dim, (B, C) over the spatial dims); dtype of the input.
 
     Raises:
-        CostError: ``norm_input`` is not a tensor.
+        CostError: ``norm_input`` is not a tensor, or not one ``norm`` can normalize (rank, channels, normalized shape).
         UnsupportedModuleError: ``norm`` is not one of the normalizations above.
     """
     require_tensors("eps_deviation", norm_input=norm_input)
+    _check_norm_input(norm, norm_input)
     var = _group_variance(norm, norm_input.detach())
     return norm.eps / (var + norm.eps)
