@@ -19,7 +19,9 @@ Defects these tests found (each fails without its fix):
   take H < 0 as 0; now the same (test_lasso_weights_takes_a_negative_curvature_as_zero_as_the_covariance_does);
 - scripts/bayes_compression.py on a diverged training (NaN weights) read every NaN γ as below the pruning threshold
   and printed "8-16-256-32 -> 0-0-0-0" with a test accuracy, exit 0, writing its record and figure; one line, exit 2,
-  nothing written (test_a_diverged_compression_run_is_one_line_not_a_pruned_architecture);
+  nothing written (test_a_diverged_compression_run_is_one_line_not_a_pruned_architecture); likewise a λ so small that
+  the energy curvature H·N/λ overflows (inf·0 = NaN entries, NaN ω, then NaN γ read as pruned or a NaN loss blamed on
+  --lr) (test_a_lambda_whose_energy_curvature_overflows_is_one_line_not_a_nan_pruning);
 - the script zeroed a pruned filter's weights but not its bias: the "pruned" filter still output its bias everywhere
   (relu(b) > 0 into the next layer), so the net it evaluated was not the architecture it printed
   (test_a_pruned_filter_outputs_nothing_in_the_evaluated_network). At the documented settings the printed numbers do
@@ -222,6 +224,22 @@ def test_a_diverged_compression_run_is_one_line_not_a_pruned_architecture(tmp_pa
     assert err.count("\n") == 1 and "not finite" in err and "--lr" in err, err
     assert "architecture" not in out
     assert not (tmp_path / "out" / "compression.h5").exists() and not (tmp_path / "out" / "compression.png").exists()
+
+
+def test_a_lambda_whose_energy_curvature_overflows_is_one_line_not_a_nan_pruning(tmp_path, capsys):
+    """--lam 1e-320 (a finite number > 0, accepted) scales the curvature by N/λ = inf: inf·0 = NaN entries made NaN ω
+    (B.0.5), whose NaN γ the next iteration read as pruned, or NaN'ed the loss ('training diverged; lower --lr'); the
+    update stops in one line naming the scaled curvature and --lam."""
+    from nasdiag.errors import run_script
+
+    bc = _script()
+    torch.set_num_threads(1)
+    code = run_script("bayes_compression", bc.main, ["--out", str(tmp_path / "out"), "--lam", "1e-320", "--iterations",
+                                                     "2", "--epochs-per-iteration", "1", "--hessian-batch", "32"])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert err.count("\n") == 1 and "not finite in iteration 1" in err and "--lam" in err, err
+    assert not (tmp_path / "out" / "compression.h5").exists()
 
 
 def test_a_pruned_filter_outputs_nothing_in_the_evaluated_network():
