@@ -296,3 +296,36 @@ def test_the_docs_names_of_a_compiled_or_wrapped_supernets_edges():
     assert nasdiag.attach(net).edge_names == ["a", "b"]
     assert nasdiag.attach(torch.compile(net, backend="eager")).edge_names == ["_orig_mod.a", "_orig_mod.b"]
     assert nasdiag.attach(nn.DataParallel(net)).edge_names == ["module.a", "module.b"]
+
+
+def test_every_exit_of_a_block_leaves_no_hook_and_the_next_step_is_autograds():
+    x, y = torch.randn(6, 4, dtype=DT), torch.randint(0, 3, (6,))
+    net = _DictNet()
+    probe = nasdiag.attach(net)
+    want = _rows_by_autograd(net, x, y, False).sum(0)
+
+    def steps():  # a generator-style training loop, abandoned inside its block
+        while True:
+            with probe.record():
+                loss = F.cross_entropy(net({"x": x}), y)
+                yield loss
+                loss.backward()
+
+    loop = steps()
+    next(loop).backward(retain_graph=True)
+    assert not _no_hooks(net)
+    loop.close()  # GeneratorExit inside the block
+    for interrupt in (KeyboardInterrupt, RuntimeError):  # Ctrl-C in the backward, an error in the user's forward
+        with pytest.raises(interrupt):
+            with probe.record():
+                loss = F.cross_entropy(net({"x": x}), y)
+                raise interrupt()
+        assert _no_hooks(net)
+        loss.backward()  # the abandoned step's graph, backwarded after the block, reaches no hook
+    with pytest.raises(ProbeError, match="no completed recorded step"):
+        probe.costs()
+    with probe.record():
+        F.cross_entropy(net({"x": x}), y).backward()
+    for e, name in enumerate(("a", "b")):
+        torch.testing.assert_close(probe.costs()[name], want[e], rtol=1e-12, atol=1e-15)
+    assert _no_hooks(net)
