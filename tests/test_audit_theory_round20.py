@@ -37,7 +37,17 @@ SNAS's Gumbel-softmax and DSNAS's / ProxylessNAS's straight-through one-hot weig
 orders ReLU-conv-BN, conv-BN-ReLU, conv-ReLU-BN and BN-ReLU-conv, BatchNorm and GroupNorm(1, C): the probe's costs,
 per-sample rows, path parts and output-edge costs equal autograd's (1e-9); Thm. 1 holds exactly where the intermediate
 edge's active ops are invariant and fails where skip is active (eq. 11); Cor. 1.2 in both forms; Thm. 2 with H the
-batch-mean entropy; the flags of none, skip, pool → norm and the conv op.
+batch-mean entropy; the flags of none, skip, pool → norm and the conv op. Where a theorem must not hold
+(test_in_eval_mode_thm1_and_cor12_hold_only_for_per_sample_statistics_and_the_flags_say_so): eval-mode BatchNorm
+with running statistics breaks Thm. 1 and Cor. 1.2 and its ops are not flagged; GroupNorm keeps both and its flags.
+By hand: ``darts_alpha_grad`` / ``snas_alpha_grad`` of ``cell_type_costs()`` with α shared by the 3 cells equal
+autograd's ∂L/∂α (3e-17); ``statistics()`` (all / sampled, DSNAS steps) equal numpy's masked mean, population
+variance and counts; ``is_scale_invariant`` against f(c·x) = f(x) (eps = 1e-14, c = 0.3, 3.7) on 3000 random
+compositions of convs (padding modes, groups, strides, transposed with output_padding), Linear on rank 2/3,
+Batch/Instance/Group/LayerNorm (affine, tracking, train/eval), ReLU/LeakyReLU/PReLU/ELU, pools (ceil_mode,
+count_include_pad), dropout, pads, Flatten and nested Sequentials: no flag claims an invariance f(c·x) = f(x)
+denies, and the only invariances it misses are ELU followed by ReLU (relu∘elu = relu) and a negative PReLU slope
+before ELU (elu of a non-negative input is the identity).
 """
 
 from __future__ import annotations
@@ -444,3 +454,33 @@ def test_eps_deviation_of_an_input_its_norm_cannot_take_is_one_cost_error_line()
             torch.testing.assert_close((jx / out).mean(dims), dev, rtol=1e-10, atol=0)
         else:  # per (sample, group)
             torch.testing.assert_close((jx / out).reshape(3, 2, -1).mean(-1), dev, rtol=1e-10, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["bn", "gn"])
+def test_in_eval_mode_thm1_and_cor12_hold_only_for_per_sample_statistics_and_the_flags_say_so(kind):
+    """Where a theorem must NOT hold: in eval mode a BatchNorm with running statistics is an affine map, so the
+    cost the conv op of edge (2,3) passes back onto x_2 (edge (0,2)'s sampled conv op is all of x_2) and a non-last
+    cell's output-edge costs are not 0, and the flags of the BN ops are False; GroupNorm keeps per-sample statistics,
+    so both are 0 (eps = 1e-12) and its ops stay flagged. Autograd is the reference; the flags come from the probe."""
+    register_homogeneity_rule(_Zero, degree_rule(0.0, "constant zero"))
+    try:
+        net = _Net(kind=kind, mixed=_Sampled, seed=1)
+        with torch.no_grad():  # running statistics of a few batches
+            net.Z = torch.full((3, 5, 4), 0.25, dtype=DT)
+            for _ in range(3):
+                net(torch.randn(6, 3, 6, 6, dtype=DT))
+        net.eval()
+        Z = _weights("dsnas", 3, seed=3, samples=torch.tensor([[3, 0, 2, 1, 3]] * 3))
+        x, y = torch.randn(6, 3, 6, 6, dtype=DT), torch.randint(0, 5, (6,))
+        g0, ga, gb, node_costs, logits = _reference(net, Z, x, y)
+        through = [abs(float(Z[c, 0, 3].detach() * ga[c, 0, 3])) for c in range(3)]
+        cor12 = [abs(sum(node_costs[c])) for c in range(2)]
+        flags = nasdiag.attach(net).scale_invariant_ops()["cells.0.edges.4"].tolist()
+        if kind == "bn":
+            assert min(through) > 1e-6 and min(cor12) > 1e-6
+            assert flags == [True, False, False, False]
+        else:
+            assert max(through) < 1e-10 and max(cor12) < 1e-10
+            assert flags == [True, False, True, True]
+    finally:
+        HOMOGENEITY_RULES.pop(_Zero, None)
