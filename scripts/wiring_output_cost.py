@@ -182,8 +182,10 @@ def main(argv=None):
     warnings.filterwarnings("ignore", message="probe: some candidate ops did not run", category=RuntimeWarning)
     record = os.path.join(args.out, "record.h5")
     refuse_other_figures(args.out, ["fig11_12_13", "fig14_16"], args.format)
-    if not args.plot_only:  # (--plot-only of a record without this script's evaluations is refused by draw)
-        refuse_other_records([record], W.FixedArchitecture.name)
+    # --plot-only of another script's record (xnas_toys', a search's) was "holds no evaluated epoch yet (a run stopped
+    # before its first evaluation...)"; one of this method without this script's evaluations is refused by draw
+    refuse_other_records([record], W.FixedArchitecture.name, plot_only=args.plot_only)
+    if not args.plot_only:
         splits = W.load_splits(args.dataset, args.data_dir, args.seed, args.batch_size)  # first: a refused --data-dir left an empty folder
         # Theorem 2 needs the classifier without bias, after global average pooling of the last cell
         net = W.make_network("minimal", 1, splits.num_classes, splits.in_channels, C=args.C, reductions=(),

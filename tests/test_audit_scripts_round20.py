@@ -398,3 +398,21 @@ def test_a_damaged_record_of_the_script_is_named_damaged_not_no_record(tmp_path,
         assert "cannot be read" in err[0] and "checksum" in err[0] and "row 1" in err[0], err
         assert "no nasdiag record" not in err[0], err
         assert _tree(tmp_path) == before
+
+
+def test_wiring_output_cost_plot_only_of_another_scripts_record_names_whose_it_is(searches, tmp_path, capsys):
+    """wiring_output_cost --plot-only of a darts search's record (or xnas_toys') said it 'holds no evaluated epoch yet (a
+    run stopped before its first evaluation, or one still writing it)', and of a file of the user's that it is a
+    damaged record: round 14 named whose record it is for the other scripts. One line naming it."""
+    out = tmp_path / "out"
+    out.mkdir()
+    shutil.copy(searches["darts"], out / "record.h5")
+    before = _tree(tmp_path)
+    code, _, err = _run("wiring_output_cost", ["--out", str(out), "--plot-only"], capsys)
+    assert code == 2 and len(err) == 1 and "a record of darts" in err[0] and "evaluated epoch" not in err[0], err
+    assert _tree(tmp_path) == before
+    (out / "record.h5").write_text("my notes")
+    before = _tree(tmp_path)
+    code, _, err = _run("wiring_output_cost", ["--out", str(out), "--plot-only"], capsys)
+    assert code == 2 and len(err) == 1 and "no nasdiag record" in err[0] and "damaged" not in err[0], err
+    assert _tree(tmp_path) == before
