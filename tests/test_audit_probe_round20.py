@@ -27,6 +27,9 @@ Defects found (each test fails without its fix):
 * A mixed op whose ``primitives`` are its op modules, not names (NASLib's ``MixedOp``), had their multi-line reprs
   taken for its op names, the record's column labels; ``primitives`` name the ops only where they are strings, else
   ``"<k>:<class>"`` (test_a_naslib_style_graph_mapped_by_its_keys_costs_as_autograd_and_labels_its_ops_by_class).
+* ``MixedOp(x, weights)`` with per-sample weights of another batch than x, which its docstring promises as a ValueError
+  (wrong weight shape), was torch's RuntimeError from the first product
+  (test_mixed_op_per_sample_weights_of_another_batch_are_one_value_error_line).
 """
 
 from __future__ import annotations
@@ -329,3 +332,15 @@ def test_every_exit_of_a_block_leaves_no_hook_and_the_next_step_is_autograds():
     for e, name in enumerate(("a", "b")):
         torch.testing.assert_close(probe.costs()[name], want[e], rtol=1e-12, atol=1e-15)
     assert _no_hooks(net)
+
+
+def test_mixed_op_per_sample_weights_of_another_batch_are_one_value_error_line():
+    from nasdiag.supernet.mixed import MixedOp
+
+    op = MixedOp(2, 1, ["skip_connect", "avg_pool_3x3"])
+    x = torch.randn(3, 2, 4, 4)
+    with pytest.raises(ValueError, match=r"row per sample of x: got \(2, 2\) for x of batch 3"):
+        op(x, torch.rand(2, 2))  # was torch's "The size of tensor a (2) must match the size of tensor b (3)"
+    w = torch.rand(2)
+    torch.testing.assert_close(op(x, w.expand(3, 2)), op(x, w))  # (B, K) rows equal to the (K,) weights
+    torch.testing.assert_close(op(x, w[None]), op(x, w))  # a (1, K) row broadcasts, as it did

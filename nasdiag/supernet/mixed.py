@@ -59,13 +59,17 @@ class MixedOp(nn.Module):
             (B, C, H/stride, W/stride).
 
         Raises:
-            ValueError: wrong weight shape, a mask of the wrong length, or a mask with no active op.
+            ValueError: wrong weight shape (also per-sample weights of another batch than x), a mask of the wrong
+                length, or a mask with no active op.
         """
         K = len(self.ops)
         if weights.shape[-1] != K or weights.dim() not in (1, 2):
             raise ValueError(
                 f"mixing weights must have shape (K,) or (B, K) with K={K} candidate ops, got {tuple(weights.shape)}"
             )
+        if weights.dim() == 2 and weights.shape[0] not in (1, x.shape[0]):  # was torch's broadcasting error
+            raise ValueError(f"per-sample mixing weights (B, K) must have a row per sample of x: got {tuple(weights.shape)} "
+                             f"for x of batch {x.shape[0]}")
         chosen = range(K) if active is None else active_indices(active, K)
         if weights.dim() == 2:
             weights = weights.reshape(weights.shape[0], K, *([1] * (x.dim() - 1)))
