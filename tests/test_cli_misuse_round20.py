@@ -3,7 +3,8 @@
 test_scripts_misuse_round14.py) did not cover: an option of ``nasdiag search`` given as a method hyperparameter
 (``--hp seed=3``, ``--hp epochs=2``, ``--hp batch_size=32``) was refused with the method's keys listed and no word of
 the option meant, and ``--hp hessian_mode=ggn`` of darts sent the user to ``--method bayesnas`` (whose own curvature
-it sets) where ``--hessian-mode ggn`` (the recorded diagnostics' mode) was meant.
+it sets) where ``--hessian-mode ggn`` (the recorded diagnostics' mode) was meant; ``nasdiag search --out mine.h5`` over
+a record of the user's own loop (Recorder, no search settings) said to pass --resume or --force, each then refused.
 Every such mistake is one line on stderr saying what was wrong and what to do, exit code 2, no traceback, nothing left
 behind.
 """
@@ -31,4 +32,26 @@ def test_an_option_of_the_search_given_as_a_hyperparameter_names_the_option(meth
     key = item.partition("=")[0]
     assert f"{key} is an option of nasdiag search" in err[0] and f"give it as {meant}" in err[0], err
     assert err[0].find("--method") == -1 or err[0].find("--method") > err[0].find(meant), err  # the option first
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("flag", [[], ["--resume"], ["--force"]])
+def test_a_record_of_another_program_at_out_is_not_offered_resume_or_force(flag, tmp_path, capsys):
+    """``nasdiag search --out mine.h5`` over a record a user's own loop wrote (nasdiag.record.Recorder, no search
+    settings) said "a record already exists at mine.h5; pass --resume to continue it or --force to replace it"; each
+    was then refused ("a search can neither continue it nor replace it, not even with --force"). Every form of the
+    command says so at once, and the record is untouched."""
+    from nasdiag.cli import main
+    from nasdiag.record import Recorder
+
+    mine = tmp_path / "mine.h5"
+    with Recorder(str(mine)) as rec:
+        for step in (1, 2):
+            rec.log(step, {"scalars/loss": 1.0 / step})
+    before = snapshot(tmp_path)
+    code = main(["search", *TINY, "--out", str(mine), *flag])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "was written by another program" in err[0] and "choose another --out" in err[0], err
+    assert "pass --resume" not in err[0] and "pass --force" not in err[0], err
     assert snapshot(tmp_path) == before

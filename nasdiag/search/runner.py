@@ -380,10 +380,10 @@ def check_paths(config: SearchConfig) -> None:
             if reason is not None:
                 raise ConfigError(f"{record} exists and is not a nasdiag record: {reason}; it is never replaced, "
                                   "not even with --force; choose another --out")
+        if os.path.exists(record):  # first: without either flag, the line below sent the user to both, each refused
+            _refuse_a_record_of_another_program(record, "--resume" if config.resume else "--force" if config.force else None)
         if os.path.exists(record) and not (config.resume or config.force):
             raise ConfigError(f"a record already exists at {record}; pass --resume to continue it or --force to replace it")
-        if os.path.exists(record):
-            _refuse_a_record_of_another_program(record, "--resume" if config.resume else "--force")
         leftovers = [] if os.path.exists(record) or config.force else _leftovers(config)
         if leftovers:
             names = ", ".join(os.path.basename(f) for f in leftovers)
@@ -404,9 +404,10 @@ def check_paths(config: SearchConfig) -> None:
         _probe_writable(figures, "figures")
 
 
-def _refuse_a_record_of_another_program(record: str, flag: str) -> None:
+def _refuse_a_record_of_another_program(record: str, flag: Optional[str]) -> None:
     """A record that a user's own loop wrote through `nasdiag.record.Recorder` (no search settings in its meta) can
-    neither be resumed by a search nor replaced by one: --force silently deleted it."""
+    neither be resumed by a search nor replaced by one: --force silently deleted it. ``flag``: the one given, if any
+    (without one, the line was "pass --resume to continue it or --force to replace it", each then refused)."""
     from nasdiag.record import load_meta
     from nasdiag.record.errors import RecordError
 
@@ -418,8 +419,8 @@ def _refuse_a_record_of_another_program(record: str, flag: str) -> None:
     if meta.get("run") or meta.get("config_hash") or (isinstance(config, Mapping) and "method" in config):
         return
     raise ConfigError(f"{record} was written by another program (a nasdiag record without the settings of a nasdiag "
-                      f"search; method {meta.get('method')!r}): a search can neither continue it ({flag} given) nor replace "
-                      "it, not even with --force; choose another --out")
+                      f"search; method {meta.get('method')!r}): a search can neither continue it (--resume{' given' * (flag == '--resume')}) "
+                      "nor replace it, not even with --force; choose another --out")
 
 
 CALLBACK_HOOKS = ("on_step_end", "on_epoch_end", "on_exception")
