@@ -14,6 +14,9 @@ Defects these tests found (each fails without its fix):
 - ``expand_groups`` spread any per-group tensor of as many entries (a transposed one silently), ``group_lasso_penalty``
   took an ω of another shape to torch's RuntimeError and ``group_dims=0`` was a bare TypeError
   (test_per_group_tensors_of_another_shape_and_a_bare_dimension_are_one_line);
+- BayesNAS's ``probabilities()`` (recorded as arch/<cell>/probabilities) zeroed an alive op's NaN γ, so its edge
+  showed a clean distribution without it (test_bayesnas_probabilities_of_an_edge_with_a_nan_gamma_are_nan_not_a_zero
+  _share);
 - ``lasso_weights`` (A.2.12) used a negative H in b = H w* − g while its docstring said such a problem is bounded
   when |b| ≤ ω (it never is: ½ H w² wins), unlike ``covariance``/``posterior_mean`` of the same Laplace model, which
   take H < 0 as 0; now the same (test_lasso_weights_takes_a_negative_curvature_as_zero_as_the_covariance_does);
@@ -485,3 +488,31 @@ def test_bayesnas_update_on_a_curvature_of_mixed_signs_zeros_and_nan_is_the_own_
             assert torch.equal(stats[f"bayes/{t}/switch"].cpu(), alive[t]), t
             assert bool((m.network.alphas()[t].detach()[~alive[t]] == 0).all())
             assert int((~alive[t]).sum()) >= 10  # the small w were pruned (the test exercises step 4)
+
+
+def test_bayesnas_probabilities_of_an_edge_with_a_nan_gamma_are_nan_not_a_zero_share():
+    """probabilities() is γ on switched-on ops normalised per edge (docs/bayesnas.md), recorded as
+    arch/<cell>/probabilities. A NaN γ of an alive op (the update keeps such an op: never pruned on a NaN) was zeroed
+    (nan_to_num), so its edge showed a clean distribution without it; the edge is NaN now. A pruned op's share is 0
+    whatever its γ; other edges are γ/Σγ of their alive ops (own arithmetic)."""
+    from nasdiag.search import Schedule, get_method
+    from nasdiag.supernet import Network
+
+    cls = get_method("bayesnas")
+    torch.manual_seed(0)
+    net = Network(4, 5, 3, steps=2, multiplier=2, in_channels=1, primitives=cls.primitives).double()
+    m = cls(net, cls.Hyperparameters(), schedule=Schedule(epochs=1, steps_per_epoch=2, batch_size=4))
+    t = "normal"
+    gamma = torch.rand(5, 7, generator=torch.Generator().manual_seed(2), dtype=F64) + 0.1
+    gamma[0, 1] = math.nan  # alive
+    gamma[1, 2] = math.nan  # pruned
+    m.gamma = {**m.gamma, t: gamma}
+    m.alive[t][1, 2] = False
+    m.alive[t][3, :4] = False
+    p = m.probabilities()[t]
+    assert bool(p[0].isnan().all())
+    for e in range(1, 5):
+        on = [k for k in range(7) if bool(m.alive[t][e, k])]
+        total = sum(float(gamma[e, k]) for k in on)
+        for k in range(7):
+            assert float(p[e, k]) == (pytest.approx(float(gamma[e, k]) / total, rel=1e-15) if k in on else 0.0), (e, k)

@@ -172,10 +172,12 @@ class BayesNAS(SearchMethod):
         return out
 
     def probabilities(self) -> CellWeights:
-        """γ on alive ops normalised per edge (E, K): each op's share of its edge's prior variance."""
+        """γ on alive ops normalised per edge (E, K): each op's share of its edge's prior variance. A NaN γ of an alive
+        op makes its edge's shares NaN (recorded, never its share 0); a pruned op's share is 0 whatever its γ."""
         out = {}
         for t, g in self.gamma.items():
-            m = (g * self.alive[t].to(g.device, g.dtype)).nan_to_num(0.0)
+            # selected, not multiplied and NaN-zeroed: an alive op's NaN γ stays NaN, a pruned op's γ is never read
+            m = torch.where(self.alive[t].to(g.device), g, torch.zeros_like(g))
             out[t] = m / m.sum(-1, keepdim=True).clamp_min(torch.finfo(m.dtype).tiny)
         return out
 
