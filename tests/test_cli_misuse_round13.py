@@ -260,7 +260,7 @@ def test_wiring_output_cost_plot_only_of_a_record_without_an_evaluation_is_one_l
     from nasdiag.record import Recorder
 
     (tmp_path / "out").mkdir()
-    with Recorder(str(tmp_path / "out" / "record.h5"), meta={"method": "fixed"}) as rec:
+    with Recorder(str(tmp_path / "out" / "record.h5"), meta={"method": "fixed_architecture"}) as rec:
         rec.log(1, {"scalars/loss": 2.3, "scalars/epoch": 0})  # a training step's row, no evaluation yet
     code, err = _script("wiring_output_cost", ["--out", str(tmp_path / "out"), "--plot-only"], tmp_path, capsys)
     assert code == 2 and len(err) == 1 and "holds no evaluated epoch yet" in err[0], err
