@@ -32,6 +32,13 @@ Defects found (each test fails without its fix):
   LayerNorm): a number of no normalization; one CostError line, checked as torch checks it
   (test_eps_deviation_of_an_input_its_norm_cannot_take_is_one_cost_error_line).
 
+* ``probe.scale_invariant_ops()`` has no input ranks, so an MLP supernet's op Linear(bias) → BatchNorm1d (f(c·x) =
+  f(x) on its 2-D input) is flagged False, a missed invariance, and not measured by ``invariance_deviation()``, where
+  docs/probe.md promised the flag "from module structure"; the docs and the docstring now say which answer it gives
+  and that ``is_scale_invariant(op, x_i)`` decides it (giving the probe the ranks needs a forward of every op
+  before the first step's hooks, in files under another auditor's edit this round)
+  (test_a_linear_bias_batchnorm1d_op_of_an_mlp_supernet_is_flagged_with_its_input_or_said_to_be_missed).
+
 Checked and right (test_own_minimal_cell_costs_paths_and_theorems_for_each_methods_weights): with DARTS's softmax,
 SNAS's Gumbel-softmax and DSNAS's / ProxylessNAS's straight-through one-hot weights (only the sampled op run), in the
 orders ReLU-conv-BN, conv-BN-ReLU, conv-ReLU-BN and BN-ReLU-conv, BatchNorm and GroupNorm(1, C): the probe's costs,
@@ -484,3 +491,42 @@ def test_in_eval_mode_thm1_and_cor12_hold_only_for_per_sample_statistics_and_the
             assert flags == [True, False, True, True]
     finally:
         HOMOGENEITY_RULES.pop(_Zero, None)
+
+
+def test_a_linear_bias_batchnorm1d_op_of_an_mlp_supernet_is_flagged_with_its_input_or_said_to_be_missed():
+    """A non-DARTS supernet: an MLP whose candidate is Linear(6, 6) (bias on, torch's default) → BatchNorm1d. On its
+    2-D input the per-feature bias is removed by the batch mean, f(c·x) = f(x) (eps = 1e-14); on a (B, C, L) input
+    (the Linear acting on L) it is not. is_scale_invariant with an example tells the two apart; the probe's
+    scale_invariant_ops() has no input ranks and answers what holds at every rank: where it misses the 2-D
+    invariance, docs/probe.md must say so and point to is_scale_invariant(op, x_i) (it said only "from module
+    structure", which promised f(c·x) = f(x) ⇔ flag)."""
+    from pathlib import Path
+
+    from nasdiag.cost import is_scale_invariant
+
+    class _MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.edge = _Mixed([nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6, eps=1e-14)), nn.Identity()])
+            self.head = nn.Linear(6, 3)
+
+        def forward(self, x, w):
+            return self.head(self.edge(x, w))
+
+    torch.manual_seed(0)
+    net = _MLP().to(DT)
+    op = net.edge._ops[0]
+    x2, x3 = torch.randn(8, 6, dtype=DT), torch.randn(8, 6, 6, dtype=DT)
+    state = {k: v.clone() for k, v in op.state_dict().items()}
+    with torch.no_grad():
+        for x, invariant in ((x2, True), (x3, False)):
+            change = max(float((op(c * x) - op(x)).abs().max() / op(x).abs().max()) for c in (0.3, 3.7))
+            assert (change < 1e-8) if invariant else (change > 1e-3)
+            assert is_scale_invariant(op, x) == invariant
+    op.load_state_dict(state)
+    flag = bool(nasdiag.attach(net).scale_invariant_ops()["edge"][0])
+    if not flag:
+        doc = " ".join((Path(__file__).resolve().parents[1] / "docs" / "probe.md").read_text().split())
+        start = doc.index("| `scale_invariant_ops()` |")
+        row = doc[start:doc.index("| `invariance_deviation()` |", start)]
+        assert "Linear(bias) → BatchNorm1d" in row and "is_scale_invariant(op, x_i)" in row

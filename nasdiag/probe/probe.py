@@ -684,7 +684,10 @@ class Probe:
     def scale_invariant_ops(self) -> Dict[str, torch.Tensor]:
         """``{edge: (K,) bool}``: candidate ops f with f(c·x) = f(x) for c > 0, decided from module structure
         by the rules of ``nasdiag.cost.HOMOGENEITY_RULES`` in the model's current train/eval mode. Such an op
-        passes back no cost (Thm. 1), exactly only as the norm eps → 0 (see :meth:`invariance_deviation`).
+        passes back no cost (Thm. 1), exactly only as the norm eps → 0 (see :meth:`invariance_deviation`). The ranks
+        of the ops' inputs are not used: where the answer depends on them it is the one that holds at every rank (an
+        op ``Linear(bias) → BatchNorm1d``, invariant on 2-D inputs only, is False); ``nasdiag.cost.is_scale_invariant(op,
+        x_i)`` decides it with an example input.
 
         Raises:
             nasdiag.cost.UnsupportedModuleError: an op contains a module without a rule (the message says how to register one).
