@@ -25,6 +25,7 @@ Defaults: 3 min 19 s wall with ``--threads 1`` on the shared 2-core box at load 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -117,6 +118,10 @@ def run_study(args):
         torch.set_num_threads(args.threads)
     # the supernet options refused before the folder is made (--C 3 left an empty --out folder)
     SearchConfig(C=args.C, layers=args.layers, steps=args.steps, batch_size=args.batch_size).validate()
+    made, folder = [], os.path.abspath(args.out)
+    while not os.path.exists(folder):  # the folders makedirs makes, deepest first
+        made.append(folder)
+        folder = os.path.dirname(folder)
     os.makedirs(args.out, exist_ok=True)
     runs = []
     started = time.perf_counter()
@@ -124,10 +129,18 @@ def run_study(args):
         for seed in range(args.seeds):
             tic = time.perf_counter()
             record = os.path.join(args.out, f"{name}_seed{seed}.h5")
-            result = run(SearchConfig(method=name, dataset="digits", seed=seed, epochs=args.epochs, C=args.C,
-                                      layers=args.layers, steps=args.steps, batch_size=args.batch_size,
-                                      diagnostics=(), progress=False, record=record, force=True,
-                                      threads=args.threads))
+            config = SearchConfig(method=name, dataset="digits", seed=seed, epochs=args.epochs, C=args.C, layers=args.layers,
+                                  steps=args.steps, batch_size=args.batch_size, diagnostics=(), progress=False,
+                                  record=record, force=True, threads=args.threads)
+            try:
+                result = run(config)
+            except BaseException:
+                # a run refused before it wrote anything (--batch-size past the digits split: known only to run) left
+                # the empty --out folder, and its parents, behind; only empty folders this call made are removed
+                for path in made:
+                    with contextlib.suppress(OSError):
+                        os.rmdir(path)
+                raise
             val = load_dataset("digits", seed=seed).val
             out = study_one(result.method, DataLoader(val, batch_size=512))
             out.update(method=name, seed=seed, record=record, seconds=time.perf_counter() - tic)

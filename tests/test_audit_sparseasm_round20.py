@@ -29,7 +29,10 @@ Defects these tests found (each fails without its fix):
 - docs/sparsenas.md and SparseNAS's docstrings said the proximal step's exact zeros "stay" (meant: no op is put back on
   an emptied edge), which reads as a pruned op staying pruned; eq 6-10 move a zero weight again where a later gradient
   step passes the thresholds (a 6-epoch digits search revived every op it had zeroed); the docs say so now
-  (test_a_weight_the_prox_zeroed_moves_again_where_a_later_gradient_passes_the_threshold checks the step).
+  (test_a_weight_the_prox_zeroed_moves_again_where_a_later_gradient_passes_the_threshold checks the step);
+- ``asmnas_stability.py --batch-size 1000`` (past digits' smaller search split, which only the run checks) left the empty
+  ``--out`` folder and its parents (the default: runs/ and runs/asmnas_stability) behind its one-line refusal
+  (test_asmnas_stability_refused_by_its_first_run_leaves_no_empty_out_folder).
 """
 
 from __future__ import annotations
@@ -272,3 +275,25 @@ def test_a_weight_the_prox_zeroed_moves_again_where_a_later_gradient_passes_the_
     want = [b + 1 / 4 * (b - a) for a, b in zip(x1, x2)]  # u = (2 − 1)/(2 + 2) at the second step
     torch.testing.assert_close(p.detach(), torch.tensor(want, dtype=D), rtol=1e-13, atol=1e-15)
     assert p[0].item() > 0.1
+
+
+# -- the §5.3.1 stability script --------------------------------------------------------------------------------------
+def test_asmnas_stability_refused_by_its_first_run_leaves_no_empty_out_folder(tmp_path, capsys, monkeypatch):
+    """``asmnas_stability.py --batch-size 1000`` (past the 719 samples of digits' smaller search split, which only the
+    run knows) made ``--out`` and its missing parents (the default ``runs/asmnas_stability``: both), then the first
+    run refused the batch size in one line: the empty folders were left behind. They are removed; a folder that
+    existed before is kept."""
+    import importlib
+
+    from nasdiag.errors import run_script
+
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    monkeypatch.chdir(tmp_path)
+    script = importlib.import_module("asmnas_stability")
+    code = run_script("asmnas_stability", script.main, ["--batch-size", "1000", "--seeds", "1", "--epochs", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0 and len(err) == 1 and "batch size 1000 is larger than" in err[0], err
+    assert list(tmp_path.iterdir()) == []  # neither runs/ nor runs/asmnas_stability
+    (tmp_path / "mine").mkdir()
+    code = run_script("asmnas_stability", script.main, ["--out", "mine/a/b", "--batch-size", "1000", "--seeds", "1"])
+    assert code != 0 and [p.name for p in tmp_path.iterdir()] == ["mine"] and list((tmp_path / "mine").iterdir()) == []
