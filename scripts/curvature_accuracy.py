@@ -3,8 +3,9 @@
 For each net: relative error ‖mode − exact‖/‖exact‖, Spearman ρ over the entries (exact zeros left
 out), time as a multiple of one forward+backward of the same batch (median of ``--repeats``), and
 for the mixing weights the share of op pairs of an edge that the mode tells apart where exact does.
-The mixing weights are measured w.r.t. Z and w.r.t. α (per edge, against ``exact_per_edge``); the
-random modes (``ggn_mc``, ``hutchinson:<k>``) report the mean over ``--seeds`` seeds.
+The mixing weights are measured w.r.t. Z and w.r.t. α (per edge, against ``exact_per_edge``); their
+random modes (``ggn_mc``, ``hutchinson:<k>``) report the mean over ``--seeds`` seeds (the weight nets'
+``hutchinson:<k>``: seed 0, the only one ``diag_hessian`` draws).
 
     python scripts/curvature_accuracy.py                               # the docs table (CPU, minutes)
     python scripts/curvature_accuracy.py --only darts --device cuda --out runs/curvature   # the DARTS row on a GPU
