@@ -472,7 +472,7 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
         command = parser.commands.get(args.command, parser)
         empty = ("; an empty argument ('') is often a quoted shell variable that is not set: set it or drop it"
                  if any(not u.strip() for u in unknown) else "")
-        hint = _meant_option(unknown, command) or _dash_value(tokens, parser)
+        hint = _meant_option(unknown, command, parser.commands) or _dash_value(tokens, parser)
         raise ConfigError(f"{command.prog}: unrecognized arguments: {_join(unknown)} (see {command.prog} --help)"  # quoted:
                           f"{hint}{empty}")  # an empty argument ('') was an invisible nothing
     return args
@@ -554,28 +554,35 @@ def _join(argv: List[str]) -> str:
     return " ".join(_quote(a) for a in argv)
 
 
-def _meant_option(unknown: List[str], command: argparse.ArgumentParser) -> str:
+def _meant_option(unknown: List[str], command: argparse.ArgumentParser, commands=None) -> str:
     """What ``unknown`` (arguments ``command`` does not take) most likely meant: ``; did you mean --batch-size for
     --batch_size?`` for an option close to one of ``command``'s (``--methods``), ``--method NAME`` for a method name
-    given without its option, and for ``report`` given several records, that it takes one; else ''."""
+    given without its option, an option of another of ``commands`` (``report --format pdf``: plot's), and for
+    ``report`` given several records, that it takes one; else ''."""
     from nasdiag.search.config import near_miss
 
     if "--" in unknown:  # each option after it was "unknown", and named itself as the one meant (--epochs for --epochs)
         return "; every argument after -- is read as a value, not an option: drop the --"
     options = [o for o in command._option_string_actions if o.startswith("--")]
-    hints = []
+    hints, elsewhere = [], []
     for before, token in zip(["", *unknown], unknown):
         name = token.split("=", 1)[0]
         meant = near_miss(name.lstrip("-"), [o[2:] for o in options]) if name.startswith("--") else None
+        others = [f"nasdiag {n}" for n, p in (commands or {}).items() if p is not command and name in p._option_string_actions]
         if meant is not None:
             hints.append(f"--{meant} for {name}")
+        elif name.startswith("--") and others:  # report --format pdf was told report takes one record
+            elsewhere.append(f"{name} is an option of {' and '.join([', '.join(others[:-1]), others[-1]] if others[:-1] else others)}, "
+                             f"not of {command.prog}")
         elif (command.prog.endswith(" search") and not token.startswith("-") and not before.startswith("-")
               and _is_method(token)):  # not the value of an unknown option (--methods darts)
             hints.append(f"--method {token}")
-    if command.prog.endswith(" report") and any(not t.startswith("-") for t in unknown):  # report runs/*.h5
-        return ("; report writes the page of one record: run it once per record, or draw several side by side with "
+    said = (f"; did you mean {', '.join(hints)}?" if hints else "") + "".join(f"; {e}" for e in elsewhere)
+    if command.prog.endswith(" report") and any(  # report runs/*.h5; not the value of an unknown option (--format pdf)
+            not t.startswith("-") and (not b.startswith("-") or os.path.isfile(t)) for b, t in zip(["", *unknown], unknown)):
+        return (f"{said}; report writes the page of one record: run it once per record, or draw several side by side with "
                 "nasdiag plot RECORD RECORD ... --out FOLDER")
-    return f"; did you mean {', '.join(hints)}?" if hints else ""
+    return said
 
 
 def _is_method(name: str) -> bool:

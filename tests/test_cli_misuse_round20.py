@@ -4,7 +4,9 @@ test_scripts_misuse_round14.py) did not cover: an option of ``nasdiag search`` g
 (``--hp seed=3``, ``--hp epochs=2``, ``--hp batch_size=32``) was refused with the method's keys listed and no word of
 the option meant, and ``--hp hessian_mode=ggn`` of darts sent the user to ``--method bayesnas`` (whose own curvature
 it sets) where ``--hessian-mode ggn`` (the recorded diagnostics' mode) was meant; ``nasdiag search --out mine.h5`` over
-a record of the user's own loop (Recorder, no search settings) said to pass --resume or --force, each then refused.
+a record of the user's own loop (Recorder, no search settings) said to pass --resume or --force, each then refused;
+``nasdiag report run.h5 --out r.html --format pdf`` (plot's option) was told report takes one record, run it once per
+record (the value pdf taken for a second record), and an option of another command was only 'unrecognized'.
 Every such mistake is one line on stderr saying what was wrong and what to do, exit code 2, no traceback, nothing left
 behind.
 """
@@ -55,3 +57,25 @@ def test_a_record_of_another_program_at_out_is_not_offered_resume_or_force(flag,
     assert "was written by another program" in err[0] and "choose another --out" in err[0], err
     assert "pass --resume" not in err[0] and "pass --force" not in err[0], err
     assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("argv,other", [
+    (["report", "run.h5", "--out", "r.html", "--format", "pdf"], "--format is an option of nasdiag plot, not of nasdiag report"),
+    (["report", "run.h5", "--out", "r.html", "--at", "final"], "--at is an option of nasdiag plot, not of nasdiag report"),
+    (["search", "--figures", "cost", "--out", "run.h5"], "--figures is an option of nasdiag plot and nasdiag report"),
+    (["plot", "run.h5", "--out", "figs", "--epochs", "3"], "--epochs is an option of nasdiag search, not of nasdiag plot"),
+])
+def test_an_option_of_another_command_is_named_so_not_taken_for_a_record(argv, other, tmp_path, monkeypatch, capsys):
+    """``nasdiag report run.h5 --out r.html --format pdf`` (plot's option, as its --help names it) was told "report writes
+    the page of one record: run it once per record, or draw several side by side with nasdiag plot RECORD RECORD ...":
+    the value pdf taken for a second record, when one was given; ``search --figures cost`` and ``plot --epochs 3`` were
+    only 'unrecognized'. The line names the command that takes the option."""
+    from nasdiag.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    code = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "unrecognized arguments" in err[0] and other in err[0], err
+    assert "once per record" not in err[0], err
+    assert list(tmp_path.iterdir()) == []
