@@ -15,6 +15,11 @@ What nasdiag's contract cannot take from the paper as it stands, and what it doe
 
 - The paper selects per cell (15 cells, 15 selected cells). nasdiag derives one normal and one
   reduction cell: counts are summed over the cells of a type.
+- Algorithm 1 (lines 7-12) counts cell ℓ with cells 1..ℓ−1 already replaced by their selected ops; nasdiag counts
+  every cell in one pass of the attention supernet (its cells of a type share one selection, so there is no
+  per-cell replacement to make first).
+- A sample counts for one op per edge: torch's argmax, so where several ops share the largest a (a sigmoid of
+  eq 4.4 saturated at 1 in the run's dtype) the first of them in the primitive order.
 - The paper keeps the argmax op of every edge; nasdiag's genotype applies the DARTS rule (``none``
   excluded, the 2 strongest incoming edges per node) to the count-normalised selection frequencies,
   so the genotype is comparable to DARTS's (the paper's cells in its Appendix A have 2 inputs per node);
