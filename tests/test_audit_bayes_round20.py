@@ -40,6 +40,13 @@ Checked and found right (scratch sweeps, the sharpest kept below):
   non-divisible sizes (7×5 → 3×2: overlapping windows; (4, None)), AdaptiveAvgPool1d 7 → 3, AdaptiveMaxPool2d 7×5 →
   3×2, MaxPool2d stride 3 > kernel 2 ``ceil_mode``; Conv → Tanh → Flatten → Linear (no biases): ``exact`` everywhere,
   ``diag`` on the last layer. ``padding_mode`` replicate is refused in one line by diag (reflect/circular: round 19).
+- scratch only: ``approx`` of Conv2d at stride 3 > kernel 2 with padding and groups, rectangular strides/dilations,
+  depthwise without bias, against the own C.2.4-C.2.5 as Conv2dRule's docstring states it (1e-15); conv biases before
+  a train BatchNorm through AvgPool(count_include_pad, padding), ceil pooling, adaptive pooling, padded and strided
+  1×1/3×3 convs: zeroed exactly where the dense diagonal is ≤ 1e-20, kept where it is not; float32/bfloat16/float16
+  conv nets within their precision of float64 in every mode; ``structured_update`` for every Table S3 grouping
+  ((1,2,3), (1,2), (1,3), (1,), (2,3), (0,), (3,), (0,2), all dims) against own per-group loops; BayesNAS steps in
+  every curvature mode hold no hook and no growing tensor count.
 - §A on bare tensors against the own transcription: C (A.3.2), ω (A.2.8 as 1/√(γ + 1/H)), s (A.2.13), γ (A.2.14) at
   γ(t−1) ∈ {0, tiny, 1, huge, ∞} and H ∈ {0, tiny, 1, huge, ∞}; a NaN H or γ is NaN through to γ(t), never pruned.
 - BayesNAS's steps 3-5 on a crafted per-cell curvature of mixed signs, zeros, NaN and +inf (negative counted as 0,
@@ -76,6 +83,14 @@ from nasdiag.hessian.rules import UnsupportedModuleError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 F64 = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def _threads_restored():
+    """The script sets torch's thread count (its --threads): restored, so that no other test module runs on one."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 def T(*v):
