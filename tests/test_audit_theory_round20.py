@@ -381,7 +381,7 @@ def test_the_cost_passed_through_an_affine_normalized_op_at_the_real_eps_is_the_
 def test_snas_credit_given_a_temperature_that_is_no_number_is_one_cost_error_line():
     """snas_alpha_grad(C, Z, λ): λ None or a string was '>' not supported's TypeError, a per-edge tensor torch's
     "Boolean value of Tensor with more than one value is ambiguous"; one CostError line naming the argument. A number
-    (Python's, numpy's, a 0-dim tensor) is the credit (1/λ)(diag Z − ZZᵀ)C, autograd's through Z = softmax((α + G)/λ)."""
+    (Python's, numpy's, a tensor or array of one element) is the credit (1/λ)(diag Z − ZZᵀ)C, autograd's through Z = softmax((α + G)/λ)."""
     from nasdiag.cost import CostError, snas_alpha_grad
 
     alpha, gumbel = torch.randn(3, 4, dtype=DT, requires_grad=True), torch.rand(3, 4, dtype=DT)
@@ -392,7 +392,7 @@ def test_snas_credit_given_a_temperature_that_is_no_number_is_one_cost_error_lin
         assert "\n" not in str(err.value)
     import numpy as np
 
-    for lam in (0.7, np.float32(0.7), torch.tensor(0.7, dtype=DT)):
+    for lam in (0.7, np.float32(0.7), np.array(0.7), torch.tensor(0.7, dtype=DT), torch.tensor([[0.7]], dtype=DT)):
         Z = torch.softmax((alpha + gumbel) / float(lam), -1)
         (reference,) = torch.autograd.grad(Z, alpha, C)  # ∂(C·Z)/∂α with C held constant
         torch.testing.assert_close(snas_alpha_grad(C, Z.detach(), lam), reference, rtol=1e-12, atol=1e-15)

@@ -10,6 +10,7 @@ has every edge (a missing edge is NaN there).
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -75,12 +76,13 @@ def snas_alpha_grad(costs: torch.Tensor, relaxed: torch.Tensor, temperature: flo
     Args:
         costs: (..., K) C(Z) at the relaxed sample. relaxed: (..., K) the sample Z. temperature: λ > 0.
     """
-    scalar = isinstance(temperature, torch.Tensor) and temperature.numel() == 1 and not temperature.is_complex()
-    if not (scalar or isinstance(temperature, numbers.Real)) or isinstance(temperature, bool):
+    shape = getattr(temperature, "shape", None)  # a tensor or numpy array holding one number is that number
+    if shape is not None and math.prod(shape) == 1 and hasattr(temperature, "item"):
+        temperature = temperature.item()
+    if not isinstance(temperature, numbers.Real) or isinstance(temperature, bool):
         # None or a string was '>' not supported's TypeError, a per-edge tensor "Boolean value ... is ambiguous"
         raise CostError(f"snas_alpha_grad: temperature must be one number λ > 0 (the Gumbel-softmax temperature), got "
-                        f"{type(temperature).__name__}" + (f" of shape {tuple(temperature.shape)}"
-                                                           if isinstance(temperature, torch.Tensor) else ""))
+                        f"{type(temperature).__name__}" + (f" of shape {tuple(shape)}" if shape is not None else ""))
     if not temperature > 0:
         raise CostError(f"temperature must be > 0, got {temperature}")
     require_tensors("snas_alpha_grad", costs=costs, relaxed=relaxed)
