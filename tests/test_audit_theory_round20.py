@@ -54,7 +54,14 @@ compositions of convs (padding modes, groups, strides, transposed with output_pa
 Batch/Instance/Group/LayerNorm (affine, tracking, train/eval), ReLU/LeakyReLU/PReLU/ELU, pools (ceil_mode,
 count_include_pad), dropout, pads, Flatten and nested Sequentials: no flag claims an invariance f(c·x) = f(x)
 denies, and the only invariances it misses are ELU followed by ReLU (relu∘elu = relu) and a negative PReLU slope
-before ELU (elu of a non-negative input is the identity).
+before ELU (elu of a non-negative input is the identity). By hand also: path parts of a 3-node cell whose node 2 feeds
+two edges and the output, and invariance_deviation() of every op in three orders and norms, equal autograd's and own
+eps/(var + eps) exactly.
+
+Noticed and left: is_scale_invariant(f, x) with an example f cannot run raises torch's own one-line error (state
+restored); nn.RMSNorm (invariant as eps → 0, removes no bias) has no homogeneity rule: UnsupportedModuleError, not a
+wrong flag; the paper's Cor. 1.2 is the Z-weighted sum of a non-last cell's edge costs, docs/probe.md states the
+output-edge form: both hold, the paper's only where the intermediate edge is invariant (tested above).
 """
 
 from __future__ import annotations
