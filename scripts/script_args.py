@@ -375,6 +375,21 @@ def refuse_other_figures(folder: str, names, fmt: str, option: str = "--out") ->
                          f"drawing would replace; move {'it' if len(foreign) == 1 else 'them'} away or give another {option}")
 
 
+#: the largest η L T (a learning rate, the reward bound, the steps) the batch scripts play: ln v of an EG forecaster
+#: sums T steps of η R, which past float64's 1.8e308 was the forecaster's RegretError ("rewards this large are not losses
+#: of a bounded scale L") after the output folder (and part of the record) was written
+EG_LIMIT = 1e300
+
+
+def refuse_overflowing_lr(option: str, given, lr: float, loss_bound: float, steps: int) -> None:
+    """One line, before any work, where ``steps`` EG steps of ``lr`` times rewards of ``loss_bound`` could pass
+    float64's range (`EG_LIMIT`): ``option`` ``given`` is named, with what to give instead."""
+    if not lr * loss_bound * steps <= EG_LIMIT:
+        raise UsageError(f"{option} {given} gives the forecasters a learning rate of {lr:.3g}, whose {steps} EG steps "
+                         f"of rewards up to {loss_bound:.3g} (η L T = {lr * loss_bound * steps:.3g}) pass float64's range; "
+                         f"give a smaller {option}")
+
+
 def refuse_repeats(items, option: str) -> None:
     """One line for a comma-separated option naming something twice (``--configs minimal1,minimal1``): the run was
     made twice into the same folder, the second replacing the first, minutes spent for nothing without a word."""

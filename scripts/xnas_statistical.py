@@ -29,7 +29,7 @@ import time
 import numpy as np
 from nasdiag.errors import run_script
 from script_args import (
-    Parser, UsageError, at_least, number, numbers, refuse_other_figures, refuse_other_records,
+    Parser, UsageError, at_least, number, numbers, refuse_other_figures, refuse_other_records, refuse_overflowing_lr,
     seed as seed_number, threads as thread_count,
 )
 
@@ -44,7 +44,8 @@ def parse_args(argv=None):
     parser.add_argument("--out", default="runs/xnas_statistical", help="output folder (record.h5, fig8.png, fits.json)")
     parser.add_argument("--runs", type=at_least(1), default=1000)
     parser.add_argument("--steps", type=at_least(1), default=1000)
-    parser.add_argument("--n-grid", type=numbers(at_least(1)), default="2,4,8,16,32,64,128")
+    # N = 1 has no eta* (ln 1 = 0): the run's RegretError, after the folder and the record were made
+    parser.add_argument("--n-grid", type=numbers(at_least(2)), default="2,4,8,16,32,64,128")
     parser.add_argument("--sigma-grid", type=numbers(number(0, low_open=False)), default="0.25,0.5,1,2,4,8,16")
     parser.add_argument("--lr-multipliers", type=numbers(number(), empty=True), default="1,4,16,64",
                         help="empty to skip the vs_lr sweep")
@@ -66,6 +67,17 @@ def grid(args):
     points += [("vs_sigma", args.n_experts, s, 1.0) for s in floats(args.sigma_grid)]
     points += [("vs_lr", args.n_experts, args.sigma, k) for k in floats(args.lr_multipliers)]
     return points
+
+
+def refuse_overflowing_lrs(args) -> None:
+    """Every grid point's learning rate checked before any work: --lr-multipliers 1e308 ran the Fig. 8 sweeps, then
+    stopped in the forecaster's RegretError, the record holding the points before it."""
+    from nasdiag.regret import Forecaster, default_loss_bound
+
+    for _, n, sigma, multiplier in grid(args):  # eta* L T = sqrt(2 T ln N): only a multiplier takes it past float64
+        loss_bound = default_loss_bound(sigma)
+        refuse_overflowing_lr("--lr-multipliers", args.lr_multipliers,
+                              multiplier * Forecaster.optimal_lr(args.steps, loss_bound, n), loss_bound, args.steps)
 
 
 def run_experiment(args, record_path):
@@ -282,6 +294,7 @@ def main(argv=None):
     refuse_other_figures(args.out, ["fig8"], "png")
     refuse_other_records([record_path], "xnas_statistical", plot_only=args.plot_only)
     if not args.plot_only:
+        refuse_overflowing_lrs(args)
         os.makedirs(args.out, exist_ok=True)  # not for --plot-only: its refusal left an empty folder
         run_experiment(args, record_path)
     from nasdiag.record import load, load_meta

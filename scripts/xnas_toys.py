@@ -34,7 +34,7 @@ import time
 
 import numpy as np
 from nasdiag.errors import NasdiagError, run_script
-from script_args import Parser, number, refuse_other_figures, refuse_other_records
+from script_args import Parser, number, refuse_other_figures, refuse_other_records, refuse_overflowing_lr
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
@@ -242,6 +242,8 @@ def main(argv=None):
     refuse_other_figures(args.out, ["fig3", "fig4", "fig5", "fig6", "fig7"], args.format)
     refuse_other_records([record], "xnas_toys", plot_only=args.plot_only)
     if not args.plot_only:
+        for problem in _problems().values():  # --lr 1e308: the forecaster's RegretError, the folder made
+            refuse_overflowing_lr("--lr", args.lr, args.lr, problem["bound"], problem["steps"])
         os.makedirs(args.out, exist_ok=True)  # not for --plot-only: its refusal left an empty folder
         start = time.perf_counter()
         write_record(record, args.lr)

@@ -416,3 +416,22 @@ def test_wiring_output_cost_plot_only_of_another_scripts_record_names_whose_it_i
     code, _, err = _run("wiring_output_cost", ["--out", str(out), "--plot-only"], capsys)
     assert code == 2 and len(err) == 1 and "no nasdiag record" in err[0] and "damaged" not in err[0], err
     assert _tree(tmp_path) == before
+
+
+# -- a learning rate the forecasters cannot play, an N without eta* ------------------------------------------------------
+@pytest.mark.parametrize("script,argv,said", [
+    ("xnas_toys", ["--lr", "1e308"], "--lr 1e+308"),
+    ("xnas_statistical", ["--runs", "2", "--steps", "5", "--n-grid", "2", "--sigma-grid", "1", "--lr-multipliers",
+                          "1,1e308"], "--lr-multipliers 1,1e308"),
+    ("xnas_statistical", ["--runs", "2", "--steps", "5", "--n-grid", "1,2", "--sigma-grid", "1", "--lr-multipliers", ""],
+     "--n-grid"),
+])
+def test_an_eg_step_past_float64_or_one_expert_is_one_line_before_any_folder(script, argv, said, tmp_path, capsys):
+    """xnas_toys --lr 1e308 (and xnas_statistical's --lr-multipliers 1,1e308 after the Fig. 8 sweeps) stopped in the
+    forecaster's RegretError 'the EG step ln v + eta R overflows ... rewards this large are not losses of a bounded scale
+    L: clip or rescale them', naming no option, an empty folder (a record of the points before it) left; --n-grid 1 was
+    'eta* needs N >= 2 experts' after the folder and the record were made. One line naming the option, nothing made."""
+    out = tmp_path / "out"
+    code, _, err = _run(script, ["--out", str(out), *argv], capsys)
+    assert code == 2 and len(err) == 1 and said in err[0] and "clip or rescale" not in err[0], err
+    assert not out.exists()
