@@ -32,7 +32,10 @@ Defects these tests found (each fails without its fix):
   (test_a_weight_the_prox_zeroed_moves_again_where_a_later_gradient_passes_the_threshold checks the step);
 - ``asmnas_stability.py --batch-size 1000`` (past digits' smaller search split, which only the run checks) left the empty
   ``--out`` folder and its parents (the default: runs/ and runs/asmnas_stability) behind its one-line refusal
-  (test_asmnas_stability_refused_by_its_first_run_leaves_no_empty_out_folder).
+  (test_asmnas_stability_refused_by_its_first_run_leaves_no_empty_out_folder);
+- HAPG/AdamHAPG given ``groups=ids`` (one tensor, not ``[ids]``) read it as the list: for a (1, 7) parameter and ids of
+  its shape the refusal named a (7,) shape the user had not given, a 0-dim one was len()'s TypeError traceback
+  (test_groups_given_as_one_tensor_instead_of_a_list_is_one_line_naming_the_list).
 """
 
 from __future__ import annotations
@@ -297,3 +300,20 @@ def test_asmnas_stability_refused_by_its_first_run_leaves_no_empty_out_folder(tm
     (tmp_path / "mine").mkdir()
     code = run_script("asmnas_stability", script.main, ["--out", "mine/a/b", "--batch-size", "1000", "--seeds", "1"])
     assert code != 0 and [p.name for p in tmp_path.iterdir()] == ["mine"] and list((tmp_path / "mine").iterdir()) == []
+
+
+@pytest.mark.parametrize("ids", [torch.zeros(1, 7, dtype=torch.long), torch.tensor(0)], ids=["(1, 7)", "0-dim"])
+def test_groups_given_as_one_tensor_instead_of_a_list_is_one_line_naming_the_list(ids):
+    """``HAPG([A], lr, groups=ids)`` (one tensor, not ``[ids]``) was read as the list: for A of shape (1, 7) and ids of
+    the same shape the refusal said "groups[0] has shape (7,) but its parameter has (1, 7)" (the shape given was right),
+    and a 0-dim ids (a 0-dim A) was len()'s "len() of a 0-d tensor" TypeError traceback."""
+    from nasdiag.errors import ConfigError
+    from nasdiag.sparse import AdamHAPG
+
+    param = torch.zeros(ids.shape, dtype=D, requires_grad=True)
+    for cls in (HAPG, AdamHAPG):
+        with pytest.raises(ConfigError, match=r"groups must be a list with one integer tensor of group ids per parameter "
+                                              r"\(groups=\[ids\] for one parameter\), got a Tensor") as err:
+            cls([param], lr=0.1, groups=ids)
+        assert "\n" not in str(err.value)
+        cls([param], lr=0.1, groups=[ids])  # the list form is taken

@@ -71,6 +71,11 @@ class _HierarchicalProximal(torch.optim.Optimizer):
     @staticmethod
     def _check_group(group: dict) -> None:
         _check_options(group["lr"], group["lam"], group["alpha"])
+        if group.get("groups") is not None and not isinstance(group["groups"], (list, tuple)):
+            # one tensor for one parameter read as the list: "groups[0] has shape (7,) but its parameter has (1, 7)"
+            # of a (1, 7) tensor given for a (1, 7) parameter, and a 0-dim one was len()'s TypeError
+            raise ConfigError(f"groups must be a list with one integer tensor of group ids per parameter (groups=[ids] for "
+                              f"one parameter), got a {type(group['groups']).__name__}")
         if group.get("groups") is not None and len(group["groups"]) != len(group["params"]):
             raise ConfigError(f"give one groups tensor per parameter: {len(group['params'])} parameters, "
                               f"{len(group['groups'])} groups tensors")
