@@ -30,10 +30,15 @@ Defects found (each test fails without its fix):
 * ``MixedOp(x, weights)`` with per-sample weights of another batch than x, which its docstring promises as a ValueError
   (wrong weight shape), was torch's RuntimeError from the first product
   (test_mixed_op_per_sample_weights_of_another_batch_are_one_value_error_line).
+* A cell's declared ``edge_nodes`` (docs/probe.md's node protocol) of another length than its edge list was ignored
+  without a word (no node pairs: edges labelled by name, ``path_split`` refused as if undeclared), and a pair j -> i
+  (i >= j) was taken as given; one ProbeError line at ``attach``
+  (test_a_nas_bench_201_cell_costs_as_autograd_and_a_misdeclared_edge_nodes_is_one_line).
 """
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -293,6 +298,89 @@ def test_a_naslib_style_graph_mapped_by_its_keys_costs_as_autograd_and_labels_it
     for k, c in probe.costs().items():
         torch.testing.assert_close(c, want[k], rtol=1e-12, atol=1e-15)
     assert _no_hooks(net)
+
+
+# -- a NAS-Bench-201 cell (6 edges, 5 ops with none / skip / avg pool) declaring its nodes ----------------------------
+_NB201_PAIRS = [(0, 1), (0, 2), (1, 2), (0, 3), (1, 3), (2, 3)]
+
+
+class _Zero(nn.Module):
+    def forward(self, x):
+        return x.mul(0.0)
+
+
+class _NB201Mixed(nn.Module):
+    primitives = ["none", "skip_connect", "avg_pool_3x3", "nor_conv_1x1", "nor_conv_3x3"]
+
+    def __init__(self, C: int):
+        super().__init__()
+        conv = lambda k: nn.Sequential(nn.ReLU(), nn.Conv2d(C, C, k, padding=k // 2, bias=False, dtype=DT),  # noqa: E731
+                                       nn.BatchNorm2d(C, dtype=DT))
+        self._ops = nn.ModuleList([_Zero(), nn.Identity(), nn.AvgPool2d(3, 1, 1, count_include_pad=False), conv(1), conv(3)])
+
+    def forward(self, x, w):
+        return sum(wk * op(x) for wk, op in zip(w, self._ops))
+
+
+class _NB201Cell(nn.Module):
+    cell_type = "normal"
+    output_nodes = [3]
+
+    def __init__(self, C: int, edge_nodes=_NB201_PAIRS):
+        super().__init__()
+        self.edges = nn.ModuleList([_NB201Mixed(C) for _ in _NB201_PAIRS])
+        self.edge_nodes, self.output_node_slices = edge_nodes, {3: (0, C)}
+        self.scale = None  # a reference run's multiplier of the output
+
+    def forward(self, x, W):
+        nodes = [x]
+        for j in (1, 2, 3):
+            nodes.append(sum(self.edges[e](nodes[i], W[e]) for e, (i, jj) in enumerate(_NB201_PAIRS) if jj == j))
+        return nodes[3] if self.scale is None else nodes[3] * self.scale
+
+
+class _NB201Net(nn.Module):
+    def __init__(self, C: int = 2, **cell):
+        super().__init__()
+        torch.manual_seed(4)
+        self.stem = nn.Conv2d(1, C, 3, padding=1, dtype=DT)
+        self.cells = nn.ModuleList([_NB201Cell(C, **cell), _NB201Cell(C, **cell)])
+        self.head = nn.Linear(C, 3, dtype=DT)
+        self.alpha = nn.Parameter(0.3 * torch.randn(6, 5, dtype=DT))  # one α shared by the two cells
+        self.Z = None
+
+    def forward(self, x):
+        W = F.softmax(self.alpha, -1) if self.Z is None else self.Z
+        h = self.stem(x)
+        for cell in self.cells:
+            h = cell(h, W)
+        return self.head(h.mean((2, 3)))
+
+
+def test_a_nas_bench_201_cell_costs_as_autograd_and_a_misdeclared_edge_nodes_is_one_line():
+    x, y = torch.randn(3, 1, 4, 4, dtype=DT), torch.randint(0, 3, (3,))
+    net = _NB201Net()
+    ref = copy.deepcopy(net)  # its forward moves BatchNorm's running statistics, not the probed net's
+    ref.Z = F.softmax(ref.alpha, -1).detach().requires_grad_()
+    scales = [torch.ones((), dtype=DT, requires_grad=True) for _ in ref.cells]
+    for cell, s in zip(ref.cells, scales):
+        cell.scale = s
+    gZ, *gs = torch.autograd.grad(F.cross_entropy(ref(x), y), [ref.Z, *scales])
+    probe = nasdiag.attach(net)
+    assert [(e.src, e.dst) for e in probe.edges[:6]] == _NB201_PAIRS
+    assert probe.groups[0].edge_labels == ("0->1", "0->2", "1->2", "0->3", "1->3", "2->3")
+    assert probe.groups[0].op_names == tuple(_NB201Mixed.primitives)
+    with probe.record():
+        F.cross_entropy(net(x), y).backward()
+    torch.testing.assert_close(probe.cell_type_costs()["normal"], gZ, rtol=1e-10, atol=1e-15)  # the shared α's Z
+    assert (probe.cell_type_costs()["normal"][:, 0] == 0).all()  # none: a computed zero
+    for c, g in enumerate(gs):  # output-edge cost = ∂L/∂(a multiplier of the cell's output node)
+        torch.testing.assert_close(probe.output_costs()[f"cells.{c}"][3], g, rtol=1e-10, atol=1e-15)
+    # a declaration missing a pair was ignored (no node pairs: edge names for labels, path_split refused as undeclared);
+    # a pair j -> i was taken as given
+    for wrong in (_NB201_PAIRS[:5], _NB201_PAIRS[:5] + [(3, 2)]):
+        with pytest.raises(ProbeError, match="declares edge_nodes .* 0 <= i < j per edge of its edge list"):
+            nasdiag.attach(_NB201Net(edge_nodes=wrong))
 
 def test_the_docs_names_of_a_compiled_or_wrapped_supernets_edges():
     net = _DictNet()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import numbers
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -132,6 +133,24 @@ def _cell_type(cell: nn.Module) -> Optional[str]:
     return None
 
 
+def _declared_edge_nodes(cell: nn.Module, name: str, n_edges: int) -> None:
+    """A cell's declared ``edge_nodes`` must be one (i, j), 0 <= i < j, per edge of its list: one of another length was
+    ignored without a word (no node pairs, or DARTS's order from ``steps``), a pair j -> i taken as given."""
+    nodes = getattr(cell, "edge_nodes", None)
+    if nodes is None or callable(nodes):
+        return
+    try:
+        pairs = [(i, j) for i, j in nodes]
+        ok = all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for pair in pairs for v in pair)
+    except (TypeError, ValueError):
+        pairs, ok = [], False
+    if not ok or len(pairs) != n_edges or any(not 0 <= i < j for i, j in pairs):
+        raise ProbeError(
+            f"cell {name!r} declares edge_nodes {nodes!r}, but they must be one (i, j) pair of node numbers with "
+            f"0 <= i < j per edge of its edge list, in its order ({n_edges} edges); fix or remove the declaration"
+        )
+
+
 def _cell_edge_nodes(cell: nn.Module, n_edges: int) -> Optional[List[Tuple[int, int]]]:
     nodes = getattr(cell, "edge_nodes", None)
     if nodes is not None and not callable(nodes) and len(nodes) == n_edges:
@@ -205,6 +224,10 @@ def discover(model: nn.Module, edges: Optional[EdgesArg] = None) -> Tuple[List[E
 
     # Cells: modules declaring their nodes; an edge belongs to its nearest cell ancestor.
     cells_raw = [(q, m, d) for q, m in named if (d := _cell_declaration(m)) is not None]
+    for q, m, _ in cells_raw:
+        seq = _cell_edge_list(m)
+        if seq is not None:
+            _declared_edge_nodes(m, q, len(seq))
     cell_of_module: Dict[int, int] = {}
     for c, (q, m, _) in enumerate(cells_raw):
         for sub in m.modules():
