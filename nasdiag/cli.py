@@ -357,6 +357,22 @@ def _refuse_special_files(args) -> None:
         raise ConfigError(f"{option}{value} is {kind}, not a record file, which is an HDF5 file on disk; {instead}")
 
 
+def _refuse_unmatched_pattern(args) -> None:
+    """Refuse the one RECORD of ``plot`` or ``report`` that is a shell pattern no file matched (``runs/*.h5``, passed on
+    as is): it was "no record at runs/*.h5 (no file runs/*.h5 and no segments next to it)", as if a file of that name
+    were missing. Among several records of ``plot`` it is skipped as any missing record."""
+    import glob
+
+    given = args.records if args.command == "plot" else [args.record] if args.command == "report" else []
+    if len(given) != 1 or not glob.has_magic(given[0]) or os.path.lexists(given[0]):
+        return
+    folder = os.path.dirname(given[0])
+    where = (f"the folder {folder}" if os.path.isdir(folder) else f"{folder}, which is not a folder" if os.path.lexists(folder)
+             else f"{folder}, which does not exist") if folder else "the current folder"
+    raise ConfigError(f"no file matches {given[0]} (a shell passes on a pattern that matches nothing unexpanded); check "
+                      f"the pattern against the files in {where}, or pass the record's path")
+
+
 def _refuse_figures_in_the_record(figures: str, record: str, default: str) -> None:
     """The figure folder must not be the record or its checkpoint, lock or a file being built, nor lie inside one:
     the search would run to the end and then fail to draw, or its --resume be refused; nor be named as a later
@@ -820,6 +836,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             _refuse_unexpanded_home(args)
             _refuse_broken_links(args)
             _refuse_special_files(args)
+            _refuse_unmatched_pattern(args)
         _import_numpy()
         if args.command == "methods":  # printing is all it does
             return _printed(COMMANDS[args.command], args)

@@ -6,7 +6,8 @@ the option meant, and ``--hp hessian_mode=ggn`` of darts sent the user to ``--me
 it sets) where ``--hessian-mode ggn`` (the recorded diagnostics' mode) was meant; ``nasdiag search --out mine.h5`` over
 a record of the user's own loop (Recorder, no search settings) said to pass --resume or --force, each then refused;
 ``nasdiag report run.h5 --out r.html --format pdf`` (plot's option) was told report takes one record, run it once per
-record (the value pdf taken for a second record), and an option of another command was only 'unrecognized'.
+record (the value pdf taken for a second record), and an option of another command was only 'unrecognized';
+``nasdiag plot runs/*.h5`` where the shell matched no file said "no record at runs/*.h5", as of a missing file so named.
 Every such mistake is one line on stderr saying what was wrong and what to do, exit code 2, no traceback, nothing left
 behind.
 """
@@ -79,3 +80,21 @@ def test_an_option_of_another_command_is_named_so_not_taken_for_a_record(argv, o
     assert "unrecognized arguments" in err[0] and other in err[0], err
     assert "once per record" not in err[0], err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", [["plot", "runs/*.h5", "--out", "figs"], ["report", "runs/r?.h5", "--out", "r.html"]])
+def test_a_pattern_that_matched_no_record_is_said_to_be_one(command, tmp_path, monkeypatch, capsys):
+    """``nasdiag plot runs/*.h5 --out figs`` where the shell matched no file (it passes the pattern on unexpanded) said
+    "no record at runs/*.h5 (no file runs/*.h5 and no segments next to it)", as if a file of that name were missing.
+    The line says no file matches the pattern and where to look; nothing is made."""
+    from nasdiag.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "notes.txt").write_text("not a record")
+    before = snapshot(tmp_path)
+    code = main(command)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert f"no file matches {command[1]}" in err[0] and "the folder runs" in err[0], err
+    assert snapshot(tmp_path) == before
