@@ -36,6 +36,18 @@ Defects these tests found (each fails without its fix):
 - HAPG/AdamHAPG given ``groups=ids`` (one tensor, not ``[ids]``) read it as the list: for a (1, 7) parameter and ids of
   its shape the refusal named a (7,) shape the user had not given, a 0-dim one was len()'s TypeError traceback
   (test_groups_given_as_one_tensor_instead_of_a_list_is_one_line_naming_the_list).
+
+Checked by hand and right (scratch scripts, not kept): SparseNAS's arch_gradient (both orders) leaves buffers and .grad
+as they were; a 2-epoch ASM-NAS run's attention heatmaps draw exactly the recorded attention/<cell>/mean and /count
+rows with the meta's edge and op names; the counts equal the method's selection; the scripts' command-line refusals.
+
+Left alone (judgement calls, documented where they depart from the papers): ties of the largest attention go to the
+first op (a saturated sigmoid; none in a 2-epoch digits run, pre-sigmoid logits ≤ 0.4); the selection counts per-sample
+argmaxes ("count the attention coefficients" may also read as their sum) with BatchNorm on batch statistics, in one pass
+rather than cell by cell; AdamHAPG's lower median for even groups (SparseNAS's node groups of 14 and 28); the
+stability script's DARTS op is argmax softmax(α) with none (asm-nas §3 describes DARTS so), replaced in every cell of
+the type; a SparseNAS state loaded into a method of other sgl_alpha/lambda_step takes the saved optimizer's values
+(torch's load_state_dict, as for every method's optimizer settings).
 """
 
 from __future__ import annotations
