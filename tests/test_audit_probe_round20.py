@@ -116,7 +116,7 @@ def test_a_batch_given_as_a_dict_or_tuple_counts_its_samples():
     net = _DictNet()
     probe = nasdiag.attach(net)
     want = torch.cat([_rows_by_autograd(net, x[:3], y[:3], False), _rows_by_autograd(net, x[3:], y[3:], True)])
-    for wrap in (lambda t: {"x": t}, lambda t: (t, None), lambda t: {"tau": torch.tensor(1.0), "x": t}):
+    for wrap in (lambda t: {"x": t}, lambda t: (t, None), lambda t: {"tau": torch.tensor(1.0), "mask": torch.ones(0), "x": t}):
         with pytest.warns(RuntimeWarning, match="took no part in some"):
             with probe.record():  # gradient accumulation, the path through b dropped in the second micro-batch
                 F.cross_entropy(net(wrap(x[:3])), y[:3]).backward()
@@ -125,6 +125,9 @@ def test_a_batch_given_as_a_dict_or_tuple_counts_its_samples():
         torch.testing.assert_close(rows["a"], want[:, 0], rtol=1e-12, atol=1e-15)
         torch.testing.assert_close(rows["b"][:3], want[:3, 1], rtol=1e-12, atol=1e-15)
         assert rows["b"][3:].isnan().all()
+    with pytest.raises(ProbeError, match="holds no samples"):  # an empty batch (a rank's last), in a dict too
+        with probe.record():
+            net({"x": x[:0]})
     chunked = _DictNet(chunked=True)
     probe = nasdiag.attach(chunked)
     for batch in ({"x": x}, (x, y)):

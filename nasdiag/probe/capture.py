@@ -195,10 +195,12 @@ def _tensors_in(value) -> List[torch.Tensor]:
 
 def _first_tensor(value):
     """``value`` if it is no container, else the first tensor with a dimension in it (dict values, tuple and list items,
-    depth first: a scalar such as ``{"tau": tensor(0.5), "x": x}``'s holds no batch)."""
+    depth first: a scalar such as ``{"tau": tensor(0.5), "x": x}``'s holds no batch) and with samples where any has
+    (an empty placeholder entry is no empty batch)."""
     if not isinstance(value, (Mapping, tuple, list)):
         return value
-    return next((t for t in _tensors_in(value) if t.dim()), None)
+    tensors = [t for t in _tensors_in(value) if t.dim()]
+    return next((t for t in tensors if t.shape[0]), tensors[0] if tensors else None)
 
 
 def _equal_chunks(nodes: Sequence[int], channels: int) -> Dict[int, Tuple[int, int]]:
