@@ -685,6 +685,19 @@ def _with_resume(line: str, exc: BaseException, args, argv) -> str:
     return f"{line}: {_resume_command(sys.argv[1:] if argv is None else argv)}"
 
 
+def _with_removed_folder(line: str) -> str:
+    """``line`` plus, when the current folder was removed while the command ran (another shell's rm -r), that it was:
+    a search recording to a relative --out ended "cannot create record segment run.h5: No such file or directory", plot
+    "No such file or directory (figs)", naming a path that looked right and no way out."""
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        if "current folder no longer exists" not in line:  # refused at the start, said so
+            return (f"{line}; the current folder was removed while the command ran, and with it what the command had written "
+                    "there by relative paths: cd to a folder that exists and run the command again")
+    return line
+
+
 def _resume_command(argv: List[str]) -> str:
     """The ``nasdiag search`` command that resumes the run ``argv`` started (``--force`` dropped, ``--resume``
     added), quoted for a shell."""
@@ -845,7 +858,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         from nasdiag.record.errors import DamagedRecordError
 
         line = _damaged(exc) if isinstance(exc, DamagedRecordError) else _one_line(exc)
-        _say(_with_complete_run(_with_resume(line, exc, args, argv), exc))
+        _say(_with_removed_folder(_with_complete_run(_with_resume(line, exc, args, argv), exc)))
         return EXIT_USAGE
     except Warning as exc:  # a warning that PYTHONWARNINGS=error or python -W error raised: chained tracebacks, exit 1
         _say(f"nasdiag: error: {raised_warning(exc)}")
@@ -857,7 +870,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         from nasdiag.record.lock import describe_os_error
 
         where = f" ({exc.filename})" if getattr(exc, "filename", None) else _writing(args, exc)
-        _say(_with_complete_run(_with_resume(f"nasdiag: error: {describe_os_error(exc)}{where}", exc, args, argv), exc))
+        _say(_with_removed_folder(_with_complete_run(_with_resume(f"nasdiag: error: {describe_os_error(exc)}{where}", exc,
+                                                                   args, argv), exc)))
         return EXIT_USAGE
     except (ImportError, MemoryError, SystemError) as exc:  # torch, scipy or matplotlib loaded under `ulimit -v`
         limit = _memory_limit()

@@ -7,7 +7,8 @@ it sets) where ``--hessian-mode ggn`` (the recorded diagnostics' mode) was meant
 a record of the user's own loop (Recorder, no search settings) said to pass --resume or --force, each then refused;
 ``nasdiag report run.h5 --out r.html --format pdf`` (plot's option) was told report takes one record, run it once per
 record (the value pdf taken for a second record), and an option of another command was only 'unrecognized';
-``nasdiag plot runs/*.h5`` where the shell matched no file said "no record at runs/*.h5", as of a missing file so named.
+``nasdiag plot runs/*.h5`` where the shell matched no file said "no record at runs/*.h5", as of a missing file so named;
+a current folder removed while a search or plot ran (relative --out) ended in "No such file or directory (figs)".
 Every such mistake is one line on stderr saying what was wrong and what to do, exit code 2, no traceback, nothing left
 behind.
 """
@@ -98,3 +99,44 @@ def test_a_pattern_that_matched_no_record_is_said_to_be_one(command, tmp_path, m
     assert code == 2 and len(err) == 1, err
     assert f"no file matches {command[1]}" in err[0] and "the folder runs" in err[0], err
     assert snapshot(tmp_path) == before
+
+
+def _removing_the_current_folder(function):
+    """``function`` that first removes the current folder (another shell's ``rm -r`` of it, mid-command)."""
+    import os
+    import shutil
+
+    def removed_first(*args, **kwargs):
+        shutil.rmtree(os.getcwd())
+        return function(*args, **kwargs)
+
+    return removed_first
+
+
+@pytest.mark.parametrize("command", ["search", "plot"])
+def test_a_current_folder_removed_while_the_command_runs_is_named(command, tmp_path, monkeypatch, capsys):
+    """A search recording to a relative --out whose current folder another shell removed mid-run ended "cannot create
+    record segment run.h5: No such file or directory; the 4 buffered rows are not written yet", and plot drawing into a
+    relative --out "No such file or directory (figs)": a path that looked right, no word of the folder, no way out
+    (round 16 covered a folder removed before the command started). The line says the folder was removed."""
+    from nasdiag import cli
+    from nasdiag.plot import registry
+    from nasdiag.search import runner
+
+    work = tmp_path / "work"
+    work.mkdir()
+    record = tmp_path / "earlier.h5"
+    if command == "plot":
+        assert cli.main(["search", *TINY, "--out", str(record)]) == 0
+        monkeypatch.setattr(registry, "draw_record", _removing_the_current_folder(registry.draw_record))
+        argv = ["plot", str(record), "--out", "figs"]
+    else:
+        monkeypatch.setattr(runner, "search_loop", _removing_the_current_folder(runner.search_loop))
+        argv = ["search", *TINY, "--out", "run.h5"]
+    monkeypatch.chdir(work)
+    capsys.readouterr()
+    code = cli.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "Traceback" not in err[0], err
+    assert "the current folder was removed while the command ran" in err[0] and "cd to a folder that exists" in err[0], err
+    assert not work.exists()
