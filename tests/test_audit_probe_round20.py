@@ -34,6 +34,10 @@ Defects found (each test fails without its fix):
   without a word (no node pairs: edges labelled by name, ``path_split`` refused as if undeclared), and a pair j -> i
   (i >= j) was taken as given; one ProbeError line at ``attach``
   (test_a_nas_bench_201_cell_costs_as_autograd_and_a_misdeclared_edge_nodes_is_one_line).
+* ``probe.hessian(mode=...)`` (its docstring: a mode for this call) on a probe attached without ``hessian=`` said "the
+  model was not called inside the last probe.record() block (call it as model(x) ...)" after a block that called it;
+  the batch is kept only with ``attach(..., hessian=...)``, which the line now says, with ``hessian(inputs=, targets=)``
+  (test_hessian_mode_per_call_on_a_probe_attached_without_hessian_says_why_it_has_no_batch).
 """
 
 from __future__ import annotations
@@ -435,3 +439,17 @@ def test_mixed_op_per_sample_weights_of_another_batch_are_one_value_error_line()
     w = torch.rand(2)
     torch.testing.assert_close(op(x, w.expand(3, 2)), op(x, w))  # (B, K) rows equal to the (K,) weights
     torch.testing.assert_close(op(x, w[None]), op(x, w))  # a (1, K) row broadcasts, as it did
+
+
+def test_hessian_mode_per_call_on_a_probe_attached_without_hessian_says_why_it_has_no_batch():
+    x, y = torch.randn(6, 4, dtype=DT), torch.randint(0, 3, (6,))
+    net = _DictNet()
+    probe = nasdiag.attach(net)
+    with probe.record():
+        F.cross_entropy(net({"x": x}), y).backward()
+    # was "the model was not called inside the last probe.record() block (call it as model(x) ...)": it was
+    with pytest.raises(ProbeError, match=r"kept only by a probe attached with attach\(model, ..., hessian=<mode>\)"):
+        probe.hessian(mode="exact")
+    H = _hessian_by_autograd(net, lambda z: z.expand(len(x), 2, 3), lambda: F.cross_entropy(net({"x": x}), y))
+    got = probe.hessian(mode="exact", inputs=({"x": x},), targets=y)  # the way the line gives
+    torch.testing.assert_close(got["b"], torch.diagonal(H[1, :, 1, :]), rtol=1e-10, atol=1e-14)

@@ -799,6 +799,11 @@ class Probe:
                 "be another batch; call probe.hessian() before refilling it, or pass hessian(inputs=x, targets=y)"
             )
         if inputs is None:
+            if r.model_inputs is None and self.hessian_mode is None:
+                # hessian(mode=...) on a probe attached without hessian=: the block kept no batch (it was told the model
+                # was not called in the block)
+                raise ProbeError(f"hessian(mode={mode!r}): the recorded batch is kept only by a probe attached with "
+                                 "attach(model, ..., hessian=<mode>); attach it so, or pass hessian(inputs=x, targets=y)")
             if r.model_inputs is None:
                 raise ProbeError("the model was not called inside the last probe.record() block (call it as model(x): "
                                  "model.forward(x) runs no hooks); pass inputs=")
