@@ -517,9 +517,21 @@ def _dash_value(tokens: List[str], parser) -> str:
         action = options.get(before)
         if action is not None and action.nargs is None:  # an option that takes one value
             return f"; {_quote(token)} begins with - and is read as an option: write {before}={_quote(token)}"
+        short = _short_for_long(token, options)
+        if short:  # plot RUN.h5 -o figs: "if it is a file, write ./-o"
+            return short
         if files and not token.startswith("--"):
             return f"; {_quote(token)} begins with - and is read as an option: if it is a file, write ./{_quote(token)}"
     return ""
+
+
+def _short_for_long(token: str, options) -> str:
+    """``; did you mean --out for -o?`` for a one-letter option (the -o of other tools) that begins exactly one long option
+    of ``options`` (a command's), else ''."""
+    if len(token) != 2 or not token[1].isalpha() or token in options:
+        return ""
+    longs = [o for o in options if o.startswith(f"--{token[1]}")]
+    return f"; did you mean {longs[0]} for {token}? (nasdiag's options are long)" if len(longs) == 1 else ""
 
 
 def _refuse_options_before_the_command(tokens: List[str], commands) -> None:
@@ -584,6 +596,9 @@ def _meant_option(unknown: List[str], command: argparse.ArgumentParser, commands
     for before, token in zip(["", *unknown], unknown):
         name = token.split("=", 1)[0]
         meant = near_miss(name.lstrip("-"), [o[2:] for o in options]) if name.startswith("--") else None
+        short = _short_for_long(name, command._option_string_actions)
+        if short:
+            return short
         others = [f"nasdiag {n}" for n, p in (commands or {}).items() if p is not command and name in p._option_string_actions]
         if meant is not None:
             hints.append(f"--{meant} for {name}")

@@ -8,7 +8,8 @@ a record of the user's own loop (Recorder, no search settings) said to pass --re
 ``nasdiag report run.h5 --out r.html --format pdf`` (plot's option) was told report takes one record, run it once per
 record (the value pdf taken for a second record), and an option of another command was only 'unrecognized';
 ``nasdiag plot runs/*.h5`` where the shell matched no file said "no record at runs/*.h5", as of a missing file so named;
-a current folder removed while a search or plot ran (relative --out) ended in "No such file or directory (figs)".
+a current folder removed while a search or plot ran (relative --out) ended in "No such file or directory (figs)";
+``nasdiag plot run.h5 -o figs`` was told to write ./-o if -o is a file.
 Every such mistake is one line on stderr saying what was wrong and what to do, exit code 2, no traceback, nothing left
 behind.
 """
@@ -140,3 +141,19 @@ def test_a_current_folder_removed_while_the_command_runs_is_named(command, tmp_p
     assert code == 2 and len(err) == 1 and "Traceback" not in err[0], err
     assert "the current folder was removed while the command ran" in err[0] and "cd to a folder that exists" in err[0], err
     assert not work.exists()
+
+
+@pytest.mark.parametrize("argv,meant", [(["plot", "run.h5", "-o", "figs"], "did you mean --out for -o?"),
+                                        (["report", "run.h5", "-o", "r.html"], "did you mean --out for -o?"),
+                                        (["plot", "run.h5", "--out", "figs", "-a", "3"], "did you mean --at for -a?")])
+def test_a_one_letter_option_is_pointed_at_its_long_form(argv, meant, tmp_path, monkeypatch, capsys):
+    """``nasdiag plot run.h5 -o figs`` (the -o of other tools) said "the following arguments are required: --out; -o
+    begins with - and is read as an option: if it is a file, write ./-o": a file named -o. The line names --out."""
+    from nasdiag.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    code = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert meant in err[0] and "./-" not in err[0], err
+    assert list(tmp_path.iterdir()) == []
