@@ -17,9 +17,19 @@ at t = 100, where the gap of x to z is exactly 2ηL(T − t) = 8 and Algorithm 1
 does); curvature_accuracy's relative error ‖g − e‖/‖e‖ and Spearman ρ (scipy's, exact zeros left out) as its
 docstring defines them; curvature_residual's Gauss-Newton term Σ_b (Σ_c p v² − (Σ_c p v)²)/B.
 
+Also right: every line figure of those records (arch_evolution, regret_bound, alive_experts, bayes γ/ω/curvature and
+switches, sampling, hessian_eigenvalue of a --spectrum-every run over its two segments, scalars) plots h5py's values at
+h5py's steps; the comparison of darts, bayesnas (7 ops) and xnas aligns columns by op name on one norm spanning every
+run; ``nasdiag plot`` of a record with planted NaN/inf rows counts them per path as h5py does, skips the all-NaN maps in
+one line each and titles the wiring's NaN epoch; the report's key numbers are the last logged rows; xnas_toys' fig6 is
+x(1 − x) and σ(α)(1 − σ(α)).
+
 Left alone: xnas_statistical's fraction of correct selections draws a Wald interval past [0, 1] for few runs (a
-cosmetic choice of the 95% interval); make_readme_figures prints its 'skipped' lines on stdout, not stderr; as root
-here, a read-only folder cannot be made, so the unwritable output is the earlier rounds' file-as-folder case.
+cosmetic choice of the 95% interval), joins the points of an unsorted --n-grid in the order given, and at --sigma-grid
+1e300 warns numpy's overflow of the interval's square (absurd input); make_readme_figures prints its 'skipped' lines on
+stdout, not stderr; as root here a read-only folder cannot be made, so the unwritable output is the earlier rounds'
+file-as-folder case; xnas_statistical's XNAS and GD correct-selection fractions are equal at almost every point of
+short runs (nasdiag/regret, outside this area).
 """
 
 from __future__ import annotations
@@ -95,6 +105,7 @@ def searches(tmp_path_factory):
             warnings.simplefilter("ignore")
             run(SearchConfig(method=method, dataset="digits", epochs=2, batch_size=200, C=4, layers=3, steps=2, seed=0,
                              record=paths[method], force=True, progress=False, threads=1, device="cpu", figures=None))
+        assert not os.path.exists(paths[method][:-3] + ".seg0001.h5")  # one segment: h5py of the file reads every row
     return paths
 
 
