@@ -38,6 +38,11 @@ Defects found (each test fails without its fix):
   model was not called inside the last probe.record() block (call it as model(x) ...)" after a block that called it;
   the batch is kept only with ``attach(..., hessian=...)``, which the line now says, with ``hessian(inputs=, targets=)``
   (test_hessian_mode_per_call_on_a_probe_attached_without_hessian_says_why_it_has_no_batch).
+* One mixed-op module placed in the edge lists of two cells (tied across cells) was given the *last* cell (an edge
+  named ``cells.0.edges.3`` of cell ``cells.1``), and with ``path_split`` its call in the other cell was refused in the
+  first backward as a forward run outside its cell (blaming checkpointing); it now belongs to the cell its name is in,
+  and ``path_split`` refuses it at ``attach`` in one line, as it refuses a module tied within a cell
+  (test_a_mixed_op_tied_across_two_cells_is_placed_in_the_cell_its_name_is_in_and_path_split_refuses_it).
 """
 
 from __future__ import annotations
@@ -388,6 +393,25 @@ def test_a_nas_bench_201_cell_costs_as_autograd_and_a_misdeclared_edge_nodes_is_
     for wrong in (_NB201_PAIRS[:5], _NB201_PAIRS[:5] + [(3, 2)]):
         with pytest.raises(ProbeError, match="declares edge_nodes .* 0 <= i < j per edge of its edge list"):
             nasdiag.attach(_NB201Net(edge_nodes=wrong))
+
+
+def test_a_mixed_op_tied_across_two_cells_is_placed_in_the_cell_its_name_is_in_and_path_split_refuses_it():
+    x, y = torch.randn(3, 1, 4, 4, dtype=DT), torch.randint(0, 3, (3,))
+    net = _NB201Net()
+    net.cells[1].edges[3] = net.cells[0].edges[3]  # one mixed op serving edge 0->3 of both cells (tied Z)
+    ref = copy.deepcopy(net)
+    ref.Z = F.softmax(ref.alpha, -1).detach().requires_grad_()
+    (gZ,) = torch.autograd.grad(F.cross_entropy(ref(x), y), ref.Z)
+    probe = nasdiag.attach(net)
+    tied = next(e for e in probe.edges if e.module is net.cells[0].edges[3])
+    assert (tied.name, tied.cell, tied.cell_index) == ("cells.0.edges.3", "cells.0", 0)  # was cell 'cells.1', index 1
+    with probe.record():
+        F.cross_entropy(net(x), y).backward()
+    torch.testing.assert_close(probe.cell_type_costs()["normal"], gZ, rtol=1e-10, atol=1e-15)  # its two calls add up
+    # was accepted, then its call in the other cell refused in the first backward as "ran outside" its cell's forward,
+    # blaming checkpointing
+    with pytest.raises(ProbeError, match=r"edge of cells \['cells.0', 'cells.1'\] \(one module tied across cells\)"):
+        nasdiag.attach(net, path_split=True)
 
 def test_the_docs_names_of_a_compiled_or_wrapped_supernets_edges():
     net = _DictNet()

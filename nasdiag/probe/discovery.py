@@ -229,10 +229,15 @@ def discover(model: nn.Module, edges: Optional[EdgesArg] = None) -> Tuple[List[E
         if seq is not None:
             _declared_edge_nodes(m, q, len(seq))
     cell_of_module: Dict[int, int] = {}
+    inside = [{id(sub) for sub in m.modules()} for _, m, _ in cells_raw]
     for c, (q, m, _) in enumerate(cells_raw):
         for sub in m.modules():
-            if sub is not m:
-                cell_of_module[id(sub)] = c  # later (deeper) cells overwrite: nearest ancestor wins
+            prev = cell_of_module.get(id(sub))
+            # a deeper cell (inside the one seen before) is nearer: it takes the module; a sibling cell holding it too
+            # (a mixed op tied across cells) leaves it with the first, whose path names it (it was given the last cell,
+            # an edge "cells.0.edges.3" of cell "cells.1")
+            if sub is not m and (prev is None or id(m) in inside[prev]):
+                cell_of_module[id(sub)] = c
 
     infos: List[EdgeSpec] = []
     cell_edges: Dict[int, List[int]] = {}

@@ -184,8 +184,11 @@ class Probe:
                     f"path_split=True needs every edge's cell and node pair (i, j); unknown for {_short_list(unplaced)}. "
                     "Declare them with the node protocol (docs/probe.md) or leave path_split off."
                 )
+            owners: Dict[int, List[str]] = {}  # mixed op -> the cells it is an edge of
             for cell in self._cells:
                 seq = list(_cell_edge_list(cell.module) or ())
+                for m in dict.fromkeys(seq):
+                    owners.setdefault(id(m), []).append(cell.name)
                 twice = next((m for m in seq if sum(x is m for x in seq) > 1), None)
                 if twice is not None:
                     # discovery gives such a module the node pair of its first position: the calls at its other
@@ -197,6 +200,16 @@ class Probe:
                         "apart by node pair; give each position its own mixed op (candidate op modules may be shared) "
                         "or leave path_split off (costs() add up its calls)"
                     )
+            tied = next((e for e in self._edges if len(owners.get(id(e.module), ())) > 1), None)
+            if tied is not None:
+                # its calls in the other cells ran outside the cell it is placed in: refused in the first backward as a
+                # forward outside its cell's (checkpointing), the wrong reason
+                raise ProbeError(
+                    f"path_split=True: the mixed op of edge {tied.name!r} is an edge of cells {owners[id(tied.module)]} "
+                    "(one module tied across cells), so its calls cannot be told apart by cell and node pair; give each "
+                    "cell its own mixed op (candidate op modules may be shared) or leave path_split off (costs() add up "
+                    "its calls)"
+                )
         self.norm_deviation = bool(norm_deviation)
         self.hessian_mode = hessian
         self.loss_fn = loss_fn
