@@ -9,7 +9,8 @@ a record of the user's own loop (Recorder, no search settings) said to pass --re
 record (the value pdf taken for a second record), and an option of another command was only 'unrecognized';
 ``nasdiag plot runs/*.h5`` where the shell matched no file said "no record at runs/*.h5", as of a missing file so named;
 a current folder removed while a search or plot ran (relative --out) ended in "No such file or directory (figs)";
-``nasdiag plot run.h5 -o figs`` was told to write ./-o if -o is a file.
+``nasdiag plot run.h5 -o figs`` was told to write ./-o if -o is a file; ``--hp init_gamma=1e-300`` (range > 0) ran as
+float32's 0: BayesNAS pruned every op, exit code 0 (XNAS's float64 forecaster values, reward_bound=1e-300, still run).
 Every such mistake is one line on stderr saying what was wrong and what to do, exit code 2, no traceback, nothing left
 behind.
 """
@@ -157,3 +158,23 @@ def test_a_one_letter_option_is_pointed_at_its_long_form(argv, meant, tmp_path, 
     assert code == 2 and len(err) == 1, err
     assert meant in err[0] and "./-" not in err[0], err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("method,item", [("bayesnas", "init_gamma=1e-300"), ("snas", "tau0=1e-300")])
+def test_a_positive_hyperparameter_the_run_dtype_rounds_to_zero_is_refused(method, item, tmp_path, capsys):
+    """``--hp init_gamma=1e-300`` passed the range check (> 0) as a Python float and ran as 0 in float32: BayesNAS pruned
+    every op, exit code 0 with an empty genotype and NaN omegas; ``--hp tau0=1e-300`` divided SNAS's logits by 0 (a NaN
+    loss at the first step, "lower the learning rates"). The run's dtype is what holds the value: refused in one line
+    before any file, as a value past its largest (round 8) is."""
+    import numpy as np
+
+    from nasdiag.cli import main
+
+    assert np.float32(float(item.partition("=")[2])) == 0  # the premise: float32 holds it as 0, out of the range > 0
+    before = snapshot(tmp_path)
+    code = main(["search", *TINY, "--method", method, "--hp", item, "--out", str(tmp_path / "run.h5")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert f"hyperparameter {item} of method {method!r} is so small that float32 rounds it to 0" in err[0], err
+    assert "--dtype float64" in err[0], err
+    assert snapshot(tmp_path) == before

@@ -27,13 +27,16 @@ from nasdiag.errors import ConfigError
 
 
 def hp(default: Any, help: str, *, low: Optional[float] = None, high: Optional[float] = None,
-       low_open: bool = False, high_open: bool = False, choices: Optional[Tuple] = None, steps: bool = False):
+       low_open: bool = False, high_open: bool = False, choices: Optional[Tuple] = None, steps: bool = False,
+       float64: bool = False):
     """A hyperparameter field: its default (the paper's), one sentence of help saying where the
     default comes from, and an optional range (``low``/``high`` inclusive unless ``low_open``/``high_open``;
     for a tuple, the range of each element, and the tuple keeps the default's length) or ``choices``.
-    ``steps=True`` marks a number of steps: more than the run has would never act (`check_steps`)."""
+    ``steps=True`` marks a number of steps: more than the run has would never act (`check_steps`).
+    ``float64=True`` marks a number the method holds in float64 whatever the run's dtype (XNAS's forecasters): a search
+    does not refuse a positive value that the run's float32 would round to 0 (it refuses one of any other field)."""
     meta = {"help": help, "low": low, "high": high, "low_open": low_open, "high_open": high_open, "choices": choices,
-            "length": len(default) if isinstance(default, tuple) else None, "steps": steps}
+            "length": len(default) if isinstance(default, tuple) else None, "steps": steps, "float64": float64}
     if isinstance(default, (list, dict, set)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)

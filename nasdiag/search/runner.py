@@ -798,7 +798,9 @@ def _run(config, callbacks, method_cls, hp, rank, world, device) -> SearchResult
                           f"<= {S * config.epochs}")
     hp.check_steps(S * config.epochs, f" ({config.epochs} epochs × {S} per epoch)")
     hp_values = hp.to_dict()
-    _check_representable(hp_values, dtype, config.method)
+    _check_representable(hp_values, dtype, config.method, positive={
+        f.name for f in hp.fields() if f.metadata.get("low") is not None and (f.metadata["low"] > 0 or f.metadata.get("low_open"))
+        and not f.metadata.get("float64")})
     defining = config.run_defining(hp_values, world)
     digest = config.config_hash(hp_values, world)
     state, recorded_until = (None, 0)
@@ -1038,16 +1040,22 @@ def _fits_in_memory(what: str, device, fix: str):
         raise ConfigError(f"{what} does not fit in the memory of {device}; {fix}") from None
 
 
-def _check_representable(hp_values: Mapping[str, Any], dtype: torch.dtype, method: str) -> None:
+def _check_representable(hp_values: Mapping[str, Any], dtype: torch.dtype, method: str, positive=()) -> None:
     """A float hyperparameter past the run dtype's largest value (``w_lr=1e39`` in float32) built the method, then
-    stopped the first optimizer step with torch's "cannot be converted ... without overflow" traceback."""
-    largest = torch.finfo(dtype).max
+    stopped the first optimizer step with torch's "cannot be converted ... without overflow" traceback; one so small
+    that the dtype rounds it to 0 (``init_gamma=1e-300`` in float32, its range > 0) ran as 0: BayesNAS pruned every op
+    (an empty genotype, exit code 0), SNAS's ``tau0`` divided by 0. ``positive``: the keys whose range excludes 0."""
+    largest, name = torch.finfo(dtype).max, str(dtype).replace('torch.', '')
     for key, value in hp_values.items():
         for v in value if isinstance(value, (tuple, list)) else (value,):
             if isinstance(v, float) and math.isfinite(v) and abs(v) > largest:
                 raise ConfigError(f"hyperparameter {key}={v} of method {method!r} is larger than "
-                                  f"{str(dtype).replace('torch.', '')} holds ({largest:.3g}); give a value nearer its "
+                                  f"{name} holds ({largest:.3g}); give a value nearer its "
                                   "default (nasdiag methods lists them) or --dtype float64")
+            if key in positive and isinstance(v, float) and v != 0 and torch.tensor(v, dtype=dtype).item() == 0:
+                raise ConfigError(f"hyperparameter {key}={v} of method {method!r} is so small that {name} rounds it to 0 "
+                                  f"(its smallest positive value is {torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps:.3g}); give a value "
+                                  "nearer its default (nasdiag methods lists them) or --dtype float64")
 
 
 @contextlib.contextmanager

@@ -107,11 +107,11 @@ class XNAS(SearchMethod):
                               low=0, low_open=True)
         zeta: float = hp(1.0, "Wipeout relaxation ζ of the threshold (XNAS §3.2.2; 1 = Algorithm 1; ζ >= 1 keeps "
                               "Lemma 1's guarantee, larger wipes out later; smaller wipes out sooner and voids it).",
-                         low=0, low_open=True)
+                         low=0, low_open=True, float64=True)
         lr_scale: float = hp(1.0, "η_c = lr_scale · η*_c of eq 4 (XNAS §3.2.2 Remark 1: η* is an upper bound that "
-                                  "can be fine-tuned; 1 = the theoretical rate).", low=0, low_open=True)
+                                  "can be fine-tuned; 1 = the theoretical rate).", low=0, low_open=True, float64=True)
         reward_bound: Optional[float] = hp(None, "L of eq 3-4 if set; default (None) the gradient clip grad_clip "
-                                                 "(XNAS §3.2.2).", low=0, low_open=True)
+                                                 "(XNAS §3.2.2).", low=0, low_open=True, float64=True)
         clip_rewards: bool = hp(True, "Clip each reward to [-L, L], the gradient clip that makes L a bound on |R| "
                                       "(eq 20; XNAS §3.2.2 'gradient clipping').")
 
