@@ -85,7 +85,7 @@ def main(argv=None):
             with paper_style():
                 fig = thunk()
         except NothingToDraw as exc:
-            print(f"skipped {image}: {exc}")
+            print(f"skipped {image}: {exc}", file=sys.stderr)  # stdout lists the images written, as the other scripts
             continue
         path = os.path.join(args.out, f"{image}.png")
         save(fig, path, args.dpi)

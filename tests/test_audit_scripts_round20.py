@@ -446,3 +446,21 @@ def test_an_eg_step_past_float64_or_one_expert_is_one_line_before_any_folder(scr
     code, _, err = _run(script, ["--out", str(out), *argv], capsys)
     assert code == 2 and len(err) == 1 and said in err[0] and "clip or rescale" not in err[0], err
     assert not out.exists()
+
+
+def test_make_readme_figures_says_a_skipped_image_on_stderr_not_among_the_paths(tmp_path, capsys):
+    """A README image the record cannot draw (the Hessian row NaN in every cell) was said on stdout, among the paths of
+    the images written, which the scripts print there (run_script); on stderr, as the wiring scripts and nasdiag plot."""
+    runs, img = tmp_path / "runs", tmp_path / "img"
+    ops, edges = ["none", "skip_connect", "sep_conv_3x3"], ["0->2", "1->2"]
+    meta = {"op_names": ops, "edge_names": {"normal": edges}, "cell_types": ["normal"]}
+    for seed in (0, 1):
+        p = np.full((2, 3), 1 / 3, np.float32) + np.float32(0.01 * seed)
+        _plant(runs / f"darts_seed{seed}.h5", "darts", {
+            1: {"arch/normal/probabilities": p, "scalars/train_loss": np.float32(2.0), "scalars/epoch": np.float32(0),
+                "cost/normal/mean": np.array([[0.1, -0.2, 0.3], [0.0, 0.2, -0.1]]) * (seed + 1),
+                "hessian/normal/diag": np.full((2, 3), np.nan, np.float32)}}, meta)
+    code, printed, err = _run("make_readme_figures", ["--out", str(img), "--runs", str(runs), "--plot-only"], capsys)
+    assert code == 0, err
+    assert [ln for ln in err if ln.startswith("skipped hessian_heatmap")], err
+    assert all(os.path.exists(ln) for ln in printed.splitlines()), printed
