@@ -91,6 +91,8 @@ def main(argv=None):
         save(fig, path, args.dpi)
         print(path)
     compared = write_comparison(loaded, os.path.join(args.runs, "compare"), figures=["cost"], dpi=args.dpi)
+    for line in compared.skipped:  # no compare_cost_heatmap.png (a run without costs) was not said
+        print(f"skipped compare: {line}", file=sys.stderr)
     for path in compared.files:
         if "normal" in path.name:
             target = os.path.join(args.out, f"{COMPARED}.png")

@@ -26,8 +26,7 @@ x(1 − x) and σ(α)(1 − σ(α)).
 
 Left alone: xnas_statistical's fraction of correct selections draws a Wald interval past [0, 1] for few runs (a
 cosmetic choice of the 95% interval), joins the points of an unsorted --n-grid in the order given, and at --sigma-grid
-1e300 warns numpy's overflow of the interval's square (absurd input); make_readme_figures prints its 'skipped' lines on
-stdout, not stderr; as root here a read-only folder cannot be made, so the unwritable output is the earlier rounds'
+1e300 warns numpy's overflow of the interval's square (absurd input); as root here a read-only folder cannot be made, so the unwritable output is the earlier rounds'
 file-as-folder case; xnas_statistical's XNAS and GD correct-selection fractions are equal at almost every point of
 short runs (nasdiag/regret, outside this area).
 """
@@ -450,7 +449,8 @@ def test_an_eg_step_past_float64_or_one_expert_is_one_line_before_any_folder(scr
 
 def test_make_readme_figures_says_a_skipped_image_on_stderr_not_among_the_paths(tmp_path, capsys):
     """A README image the record cannot draw (the Hessian row NaN in every cell) was said on stdout, among the paths of
-    the images written, which the scripts print there (run_script); on stderr, as the wiring scripts and nasdiag plot."""
+    the images written, which the scripts print there (run_script), and a comparison that could not be drawn (a run
+    without costs) not at all; on stderr, as the wiring scripts and nasdiag plot."""
     runs, img = tmp_path / "runs", tmp_path / "img"
     ops, edges = ["none", "skip_connect", "sep_conv_3x3"], ["0->2", "1->2"]
     meta = {"op_names": ops, "edge_names": {"normal": edges}, "cell_types": ["normal"]}
@@ -464,3 +464,12 @@ def test_make_readme_figures_says_a_skipped_image_on_stderr_not_among_the_paths(
     assert code == 0, err
     assert [ln for ln in err if ln.startswith("skipped hessian_heatmap")], err
     assert all(os.path.exists(ln) for ln in printed.splitlines()), printed
+    assert (img / "compare_cost_heatmap.png").exists()
+
+    # the second run without costs (recorded with --diagnostics none): no comparison, which was not said at all
+    (img / "compare_cost_heatmap.png").unlink()
+    (runs / "darts_seed1.h5").unlink()
+    _plant(runs / "darts_seed1.h5", "darts", {1: {"arch/normal/probabilities": np.full((2, 3), 0.3, np.float32)}}, meta)
+    code, printed, err = _run("make_readme_figures", ["--out", str(img), "--runs", str(runs), "--plot-only"], capsys)
+    assert code == 0 and not (img / "compare_cost_heatmap.png").exists(), err
+    assert [ln for ln in err if ln.startswith("skipped compare: cost_normal_heatmap")], err
