@@ -26,9 +26,10 @@ x(1 − x) and σ(α)(1 − σ(α)).
 
 Left alone: xnas_statistical's fraction of correct selections draws a Wald interval past [0, 1] for few runs (a
 cosmetic choice of the 95% interval), joins the points of an unsorted --n-grid in the order given, and at --sigma-grid
-1e300 warns numpy's overflow of the interval's square (absurd input); as root here a read-only folder cannot be made, so the unwritable output is the earlier rounds'
-file-as-folder case; xnas_statistical's XNAS and GD correct-selection fractions are equal at almost every point of
-short runs (nasdiag/regret, outside this area).
+1e300 warns numpy's overflow of the interval's square (absurd input); as root here a read-only folder cannot be made,
+so the unwritable output is the earlier rounds' file-as-folder case (--out under /sys: one line each); xnas_statistical's
+XNAS and GD correct-selection fractions are equal at almost every point of short runs (nasdiag/regret, outside this
+area); a comparison panel of a run whose row is NaN in every cell is drawn hatched, where the single figure is skipped.
 """
 
 from __future__ import annotations
