@@ -390,9 +390,11 @@ def test_a_nas_bench_201_cell_costs_as_autograd_and_a_misdeclared_edge_nodes_is_
         torch.testing.assert_close(probe.output_costs()[f"cells.{c}"][3], g, rtol=1e-10, atol=1e-15)
     # a declaration missing a pair was ignored (no node pairs: edge names for labels, path_split refused as undeclared);
     # a pair j -> i was taken as given
-    for wrong in (_NB201_PAIRS[:5], _NB201_PAIRS[:5] + [(3, 2)]):
+    for wrong in (_NB201_PAIRS[:5], _NB201_PAIRS[:5] + [(3, 2)], torch.tensor(_NB201_PAIRS[:5])):
         with pytest.raises(ProbeError, match="declares edge_nodes .* 0 <= i < j per edge of its edge list"):
             nasdiag.attach(_NB201Net(edge_nodes=wrong))
+    probe = nasdiag.attach(_NB201Net(edge_nodes=torch.tensor(_NB201_PAIRS)))  # integer tensors are node numbers
+    assert [(e.src, e.dst) for e in probe.edges[:6]] == _NB201_PAIRS
 
 
 def test_a_mixed_op_tied_across_two_cells_is_placed_in_the_cell_its_name_is_in_and_path_split_refuses_it():

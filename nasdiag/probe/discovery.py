@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import numbers
+import operator
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -139,14 +139,15 @@ def _declared_edge_nodes(cell: nn.Module, name: str, n_edges: int) -> None:
     nodes = getattr(cell, "edge_nodes", None)
     if nodes is None or callable(nodes):
         return
-    try:
-        pairs = [(i, j) for i, j in nodes]
-        ok = all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for pair in pairs for v in pair)
+    try:  # ints, numpy or 0-dim torch integers (operator.index); a float or bool node number is no node
+        ok = not any(isinstance(v, bool) for pair in nodes for v in pair)
+        pairs = [(operator.index(i), operator.index(j)) for i, j in nodes]
     except (TypeError, ValueError):
         pairs, ok = [], False
     if not ok or len(pairs) != n_edges or any(not 0 <= i < j for i, j in pairs):
+        shown = pairs if ok else " ".join(repr(nodes).split())[:80]  # one line, also for a tensor's repr
         raise ProbeError(
-            f"cell {name!r} declares edge_nodes {nodes!r}, but they must be one (i, j) pair of node numbers with "
+            f"cell {name!r} declares edge_nodes {shown}, but they must be one (i, j) pair of node numbers with "
             f"0 <= i < j per edge of its edge list, in its order ({n_edges} edges); fix or remove the declaration"
         )
 
