@@ -43,6 +43,10 @@ Defects found (each test fails without its fix):
   first backward as a forward run outside its cell (blaming checkpointing); it now belongs to the cell its name is in,
   and ``path_split`` refuses it at ``attach`` in one line, as it refuses a module tied within a cell
   (test_a_mixed_op_tied_across_two_cells_is_placed_in_the_cell_its_name_is_in_and_path_split_refuses_it).
+* A cell declaring its nodes with its edges in an ``nn.ModuleDict`` (keyed ``"1-2"`` as in NASLib, ``"2<-1"`` as in
+  NAS-Bench-201) had its declaration ignored: no edge index or node pair (edges labelled by name, ``path_split``
+  refused as undeclared); a ModuleDict is read in its order, as a list
+  (test_a_cell_keeping_its_edges_in_a_module_dict_gets_its_declared_node_pairs).
 """
 
 from __future__ import annotations
@@ -338,16 +342,17 @@ class _NB201Cell(nn.Module):
     cell_type = "normal"
     output_nodes = [3]
 
-    def __init__(self, C: int, edge_nodes=_NB201_PAIRS):
+    def __init__(self, C: int, edge_nodes=_NB201_PAIRS, keyed: bool = False):
         super().__init__()
-        self.edges = nn.ModuleList([_NB201Mixed(C) for _ in _NB201_PAIRS])
+        edges = [_NB201Mixed(C) for _ in _NB201_PAIRS]  # keyed: NAS-Bench-201's ModuleDict, "j<-i"
+        self.edges = nn.ModuleDict({f"{j}<-{i}": m for m, (i, j) in zip(edges, _NB201_PAIRS)}) if keyed else nn.ModuleList(edges)
         self.edge_nodes, self.output_node_slices = edge_nodes, {3: (0, C)}
         self.scale = None  # a reference run's multiplier of the output
 
     def forward(self, x, W):
-        nodes = [x]
+        nodes, edges = [x], list(self.edges.values() if isinstance(self.edges, nn.ModuleDict) else self.edges)
         for j in (1, 2, 3):
-            nodes.append(sum(self.edges[e](nodes[i], W[e]) for e, (i, jj) in enumerate(_NB201_PAIRS) if jj == j))
+            nodes.append(sum(edges[e](nodes[i], W[e]) for e, (i, jj) in enumerate(_NB201_PAIRS) if jj == j))
         return nodes[3] if self.scale is None else nodes[3] * self.scale
 
 
@@ -396,6 +401,20 @@ def test_a_nas_bench_201_cell_costs_as_autograd_and_a_misdeclared_edge_nodes_is_
     probe = nasdiag.attach(_NB201Net(edge_nodes=torch.tensor(_NB201_PAIRS)))  # integer tensors are node numbers
     assert [(e.src, e.dst) for e in probe.edges[:6]] == _NB201_PAIRS
 
+
+
+def test_a_cell_keeping_its_edges_in_a_module_dict_gets_its_declared_node_pairs():
+    net = _NB201Net(keyed=True)
+    probe = nasdiag.attach(net, path_split=True)  # was refused: "needs every edge's cell and node pair (i, j)"
+    assert probe.edge_names[:3] == ["cells.0.edges.1<-0", "cells.0.edges.2<-0", "cells.0.edges.2<-1"]
+    assert [(e.src, e.dst, e.edge_index) for e in probe.edges[:6]] == [(i, j, e) for e, (i, j) in enumerate(_NB201_PAIRS)]
+    assert probe.groups[0].edge_labels == ("0->1", "0->2", "1->2", "0->3", "1->3", "2->3")
+    x, y = torch.randn(3, 1, 4, 4, dtype=DT), torch.randint(0, 3, (3,))
+    with probe.record():
+        F.cross_entropy(net(x), y).backward()
+    parts = probe.path_costs()["cells.0.edges.1<-0"]  # node 1 feeds the edges 1 -> 2 and 1 -> 3
+    assert set(parts) == {"cells.0.edges.2<-1", "cells.0.edges.3<-1"}
+    torch.testing.assert_close(sum(parts.values()), probe.costs()["cells.0.edges.1<-0"], rtol=1e-10, atol=1e-15)
 
 def test_a_mixed_op_tied_across_two_cells_is_placed_in_the_cell_its_name_is_in_and_path_split_refuses_it():
     x, y = torch.randn(3, 1, 4, 4, dtype=DT), torch.randint(0, 3, (3,))

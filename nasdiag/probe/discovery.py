@@ -92,6 +92,8 @@ def _cell_edge_list(cell: nn.Module) -> Optional[Sequence[nn.Module]]:
         seq = getattr(cell, attr, None)
         if isinstance(seq, (nn.ModuleList, list, tuple)):
             return seq
+        if isinstance(seq, nn.ModuleDict):  # edges keyed by name ("1-2", NASLib's; "2<-1", NAS-Bench-201's), in its order
+            return list(seq.values())
     return None
 
 
