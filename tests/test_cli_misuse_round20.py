@@ -10,7 +10,8 @@ record (the value pdf taken for a second record), and an option of another comma
 ``nasdiag plot runs/*.h5`` where the shell matched no file said "no record at runs/*.h5", as of a missing file so named;
 a current folder removed while a search or plot ran (relative --out) ended in "No such file or directory (figs)";
 ``nasdiag plot run.h5 -o figs`` was told to write ./-o if -o is a file; ``--hp init_gamma=1e-300`` (range > 0) ran as
-float32's 0: BayesNAS pruned every op, exit code 0 (XNAS's float64 forecaster values, reward_bound=1e-300, still run).
+float32's 0: BayesNAS pruned every op, exit code 0 (XNAS's float64 forecaster values, reward_bound=1e-300, still run);
+``--force --no-figs`` (or another --figs) left the replaced run's figures in run-figs/, which README says --force removes.
 Every such mistake is one line on stderr saying what was wrong and what to do, exit code 2, no traceback, nothing left
 behind.
 """
@@ -178,3 +179,20 @@ def test_a_positive_hyperparameter_the_run_dtype_rounds_to_zero_is_refused(metho
     assert f"hyperparameter {item} of method {method!r} is so small that float32 rounds it to 0" in err[0], err
     assert "--dtype float64" in err[0], err
     assert snapshot(tmp_path) == before
+
+
+def test_force_removes_the_figures_of_the_run_it_replaces_when_the_new_run_draws_none_there(tmp_path, monkeypatch, capsys):
+    """README: "--force replaces a record and the leftover files of its run, the figures it drew included". Only the
+    figures in the new run's own figure folder were: with --no-figs (or another --figs) the replaced run's figures
+    stayed in run-figs/ next to the new record, as if of its run. They go (a file of the user's there stays)."""
+    from nasdiag.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with_figures = [a for a in TINY if a != "--no-figs"]
+    assert main(["search", *with_figures, "--out", "run.h5"]) == 0
+    drawn = sorted(p.name for p in (tmp_path / "run-figs").iterdir())
+    assert "scalars.png" in drawn, drawn
+    (tmp_path / "run-figs" / "notes.txt").write_text("mine")
+    assert main(["search", *TINY, "--seed", "1", "--out", "run.h5", "--force"]) == 0  # TINY: --no-figs
+    capsys.readouterr()
+    assert sorted(p.name for p in (tmp_path / "run-figs").iterdir()) == ["notes.txt"]

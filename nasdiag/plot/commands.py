@@ -260,22 +260,29 @@ def _check_folder(out: Path, record: Optional[str] = None) -> None:
                     f"e.g. --out {blocker.with_suffix('')}-figs")
 
 
-def foreign_figures(folder, fmt: str, cells=()) -> List[Path]:
-    """The files in ``folder`` named as a figure nasdiag draws there (``scalars.png``, ``cost_normal_heatmap_final.png``;
-    ``cells``: cell types besides normal and reduce) that nasdiag did not draw: drawing would replace them; and a
-    folder so named, which no figure can replace (a search ran to its end, then failed "Is a directory" naming a
-    hidden temporary file, as plot did)."""
+def named_as_figures(folder, fmt: str, cells=()) -> List[Path]:
+    """The entries of ``folder`` named as a figure nasdiag draws there (``scalars.png``, ``cost_normal_heatmap_final.png``;
+    ``cells``: cell types besides normal and reduce), drawn by nasdiag or not."""
     folder = Path(folder)
     if not folder.is_dir():  # a new folder: nothing in the way, and no figure module loaded for it
         return []
     import re
 
-    from nasdiag.plot.registry import is_nasdiag_figure, registered
+    from nasdiag.plot.registry import registered
 
     names = {spec.filename(cell) for spec in registered().values() for cell in {None, "normal", "reduce", *cells}}
     named = re.compile(f"({'|'.join(map(re.escape, sorted(names)))})(_(init|final|step[0-9]+))?\\.{re.escape(fmt)}")
-    return [p for p in sorted(folder.iterdir()) if named.fullmatch(p.name) and (
-        p.is_dir() and not p.is_symlink() or p.is_file() and not is_nasdiag_figure(p))]
+    return [p for p in sorted(folder.iterdir()) if named.fullmatch(p.name)]
+
+
+def foreign_figures(folder, fmt: str, cells=()) -> List[Path]:
+    """The files in ``folder`` named as a figure nasdiag draws there (`named_as_figures`) that nasdiag did not draw:
+    drawing would replace them; and a folder so named, which no figure can replace (a search ran to its end, then failed
+    "Is a directory" naming a hidden temporary file, as plot did)."""
+    from nasdiag.plot.registry import is_nasdiag_figure
+
+    return [p for p in named_as_figures(folder, fmt, cells) if
+            p.is_dir() and not p.is_symlink() or p.is_file() and not is_nasdiag_figure(p)]
 
 
 def refuse_foreign_figures(folder, fmt: str, option: str, cells=(), instead: Optional[str] = None) -> None:

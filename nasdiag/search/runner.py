@@ -1107,6 +1107,7 @@ def _open_record(config, net, method, hp_values, defining, digest, world):
         # order, so a float64 DSNAS rerun from the config alone with 2 threads for 1 differed by 1 ulp in α
         "threads": torch.get_num_threads(),
     }
+    replaced = _figures_of(os.fspath(config.record)) if config.force else None
     with warnings.catch_warnings():
         # the run-defining settings were compared above; only epochs (an explicit extension) may differ
         warnings.simplefilter("ignore", RecordWarning)
@@ -1116,7 +1117,50 @@ def _open_record(config, net, method, hp_values, defining, digest, world):
         for path in stale:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+        if replaced is not None and (config.figures is None or os.path.abspath(os.fspath(config.figures)) != replaced[0]):
+            _remove_figures_drawn_in(*replaced)  # in this run's own folder: _remove_replaced_figures, once drawn
     return record_cb
+
+
+def _figures_of(record: str) -> Optional[Tuple[str, List[str]]]:
+    """(the absolute figure folder, the cell types) of the search that wrote ``record`` (its meta), None where the
+    folder is not known: a relative folder is taken from the folder that search ran in, the record's absolute path less
+    the path the search was given, and is unknown when those do not match (the record moved since)."""
+    from nasdiag.record import load_meta
+    from nasdiag.record.errors import RecordError
+
+    try:
+        meta = load_meta(record)
+    except (RecordError, OSError):
+        return None
+    stored = meta.get("config")
+    figures, named = (stored.get("figures"), stored.get("record")) if isinstance(stored, Mapping) else (None, None)
+    if not isinstance(figures, str) or not figures or not isinstance(named, str) or not named:
+        return None
+    cells = [c for c in meta.get("cell_types", []) if isinstance(c, str)]
+    if os.path.isabs(figures):
+        return os.path.normpath(figures), cells
+    given = os.path.normpath(named).split(os.sep)
+    here = os.path.abspath(record).split(os.sep)
+    if os.path.isabs(named) or ".." in given or here[-len(given):] != given:
+        return None
+    return os.path.normpath(os.path.join(os.sep, *here[:-len(given)], figures)), cells
+
+
+def _remove_figures_drawn_in(folder: str, cells: Sequence[str]) -> None:
+    """Remove the figures nasdiag drew in ``folder`` (files named as a registered figure that hold its mark), and the
+    folder if that leaves it empty: the figures of a run that --force replaced, when the new run draws elsewhere or none
+    (``--no-figs``, another ``--figs``) stayed next to the new record, as if of its run."""
+    from nasdiag.plot.commands import named_as_figures
+    from nasdiag.plot.registry import is_nasdiag_figure
+
+    for fmt in ("png", "pdf", "svg"):  # a search draws png; nasdiag plot --out of the same folder, any
+        for path in named_as_figures(folder, fmt, cells):
+            if path.is_file() and not path.is_symlink() and is_nasdiag_figure(path):
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+    with contextlib.suppress(OSError):  # only if empty
+        os.rmdir(folder)
 
 
 __all__ = ["Committed", "OutOfMemoryError", "Progress", "RankLostError", "SearchResult", "check_paths", "epoch_batches", "run", "search_loop", "steps_per_epoch"]
