@@ -434,6 +434,37 @@ def test_a_mixed_op_tied_across_two_cells_is_placed_in_the_cell_its_name_is_in_a
     with pytest.raises(ProbeError, match=r"edge of cells \['cells.0', 'cells.1'\] \(one module tied across cells\)"):
         nasdiag.attach(net, path_split=True)
 
+
+class _NniLayerChoice(nn.Module):
+    """NNI's DARTS LayerChoice, transcribed: candidates by name in a ModuleDict, α inside, forward(*args)."""
+
+    def __init__(self, d: int = 4):
+        super().__init__()
+        self.op_choices = nn.ModuleDict({"linear": nn.Linear(d, d, dtype=DT), "skip": nn.Identity(), "tanh": nn.Tanh()})
+        self.alpha = nn.Parameter(0.3 * torch.randn(3, dtype=DT))
+        self.Z = None  # a reference run's leaf
+
+    def forward(self, *args, **kwargs):
+        op_results = torch.stack([op(*args, **kwargs) for op in self.op_choices.values()])
+        w = F.softmax(self.alpha, -1) if self.Z is None else self.Z
+        return torch.sum(op_results * w.view([-1] + [1] * (op_results.dim() - 1)), 0)
+
+
+def test_nni_style_layer_choices_with_their_weights_inside_cost_as_autograd():
+    torch.manual_seed(5)
+    x, y = torch.randn(6, 4, dtype=DT), torch.randint(0, 3, (6,))
+    net = nn.Sequential(_NniLayerChoice(), _NniLayerChoice(), nn.Linear(4, 3, dtype=DT))
+    Zs = [F.softmax(net[i].alpha, -1).detach().requires_grad_() for i in (0, 1)]
+    net[0].Z, net[1].Z = Zs
+    want = torch.autograd.grad(F.cross_entropy(net(x), y), Zs)
+    net[0].Z = net[1].Z = None
+    probe = nasdiag.attach(net, edges={f"choice{i}": (net[i], list(net[i].op_choices.values())) for i in (0, 1)})
+    assert probe.groups[0].op_names == ("0:Linear", "1:Identity", "2:Tanh")  # the docs' labels (no primitives)
+    with probe.record():  # checked against the span of its candidates (its forward does not receive the weights)
+        F.cross_entropy(net(x), y).backward()
+    for i in (0, 1):
+        torch.testing.assert_close(probe.costs()[f"choice{i}"], want[i], rtol=1e-12, atol=1e-15)
+
 def test_the_docs_names_of_a_compiled_or_wrapped_supernets_edges():
     net = _DictNet()
     assert nasdiag.attach(net).edge_names == ["a", "b"]
