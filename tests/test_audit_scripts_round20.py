@@ -11,7 +11,8 @@ p − 1/K for arch, the float32 1/K drawn as 0), tick labels meta's op and edge 
 step and the epoch's steps, colour limits ±max|finite| (signed) or min..max (sequential), DSNAS's unsampled-op NaN cells
 counted in the title; xnas_statistical's fits.json and printed fits against this file's own means, least squares
 through the origin, R², log-log slope (scipy's linregress), its bound against eq 3 (η T L²/2 + ln N/η − ln γ_T/η)
-and its η against eq 4 with L = 3√(1 + σ²); xnas_toys' fig4, fig5, fig7 trajectories, update terms and losses against
+and its η against eq 4 with L = 3√(1 + σ²); its per-run regret (eq 2), uniform regret, bound (eq 3 with eq 28's
+γ_T), experts alive and correct selections against this file's Algorithm 1 and GD-with-softmax fed the same draws; xnas_toys' fig4, fig5, fig7 trajectories, update terms and losses against
 this file's EG-with-wipeout and softmax-GD recursions (fig3's XNAS differs from a float transcription only by the tie
 at t = 100, where the gap of x to z is exactly 2ηL(T − t) = 8 and Algorithm 1's ≥ keeps x one more round, as nasdiag
 does); curvature_accuracy's relative error ‖g − e‖/‖e‖ and Spearman ρ (scipy's, exact zeros left out) as its
@@ -474,3 +475,61 @@ def test_make_readme_figures_says_a_skipped_image_on_stderr_not_among_the_paths(
     code, printed, err = _run("make_readme_figures", ["--out", str(img), "--runs", str(runs), "--plot-only"], capsys)
     assert code == 0 and not (img / "compare_cost_heatmap.png").exists(), err
     assert [ln for ln in err if ln.startswith("skipped compare: cost_normal_heatmap")], err
+
+
+def test_xnas_statistical_records_eq_2_regret_and_eq_3_bound_of_its_own_rewards(tmp_path, capsys):
+    """Every per-run number of xnas_statistical's record against this file's float64 transcription, fed the same
+    draws (biases N(0, 1), then each step's N(b, σ²) rewards, from one generator seeded with --seed, in grid order):
+    Algorithm 1 (EG on ln v, wipeout below max v · exp(−2ηL(T − t))), GD with softmax (eq 5-6: α += η u (R − u·R)),
+    the regret of eq 2 with the linear losses −R·p (max_i S_i − Σ_t R_t·p_t), the uniform mixture's, eq 3's bound
+    with γ_T = Π Γ_t of eq 28, the experts alive, and correct selection (argmax of the final weights = argmax b)."""
+    import math
+
+    import torch
+
+    out = tmp_path / "xs"
+    argv = ["--out", str(out), "--runs", "3", "--steps", "40", "--n-grid", "2,4", "--sigma-grid", "0.5",
+            "--lr-multipliers", "8", "--n-experts", "3", "--sigma", "1", "--seed", "5"]
+    code, _, err = _run("xnas_statistical", argv, capsys)
+    assert code == 0, err
+    f, logged = _h5(out / "record.h5")
+    T, runs = 40, 3
+    generator = torch.Generator().manual_seed(5)
+    for row, (sweep, N, sigma, k) in enumerate([("vs_n", 2, 1.0, 1.0), ("vs_n", 4, 1.0, 1.0), ("vs_sigma", 3, 0.5, 1.0),
+                                                ("vs_lr", 3, 1.0, 8.0)]):
+        assert row in logged[f"regret/{sweep}/n_experts"]
+        L = 3 * math.sqrt(1 + sigma ** 2)
+        lr = k * math.sqrt(2 * math.log(N) / (T * L * L))  # eq 4 times the multiplier
+        b = torch.randn(runs, N, generator=generator, dtype=torch.float64).numpy()
+        rewards = np.stack([torch.randn(runs, N, generator=generator, dtype=torch.float64).numpy() * sigma + b
+                            for _ in range(T)])
+        want = {name: [] for name in ("xnas/regret", "gd/regret", "uniform/regret", "xnas/bound", "xnas/correct",
+                                      "gd/correct", "xnas/alive")}
+        for r in range(runs):
+            log_v, alive, alpha = np.zeros(N), np.ones(N, bool), np.zeros(N)
+            xnas_gain = gd_gain = log_gamma = 0.0
+            for t in range(T):
+                R = rewards[t, r]
+                v = np.where(alive, np.exp(log_v - log_v[alive].max()), 0.0)
+                xnas_gain += v / v.sum() @ R
+                log_v = log_v + lr * R
+                top = log_v[alive].max()
+                keep = alive & (log_v >= top - 2 * lr * L * (T - (t + 1)))
+                log_gamma += math.log(np.exp(log_v[alive] - top).sum() / np.exp(log_v[keep] - top).sum())  # ln Γ_t
+                alive = keep
+                u = np.exp(alpha - alpha.max())
+                u /= u.sum()
+                gd_gain += u @ R
+                alpha = alpha + lr * u * (R - u @ R)
+            S = rewards[:, r].sum(0)
+            want["xnas/regret"].append(S.max() - xnas_gain)
+            want["gd/regret"].append(S.max() - gd_gain)
+            want["uniform/regret"].append(S.max() - S.mean())
+            want["xnas/bound"].append(lr * T * L * L / 2 + math.log(N) / lr - log_gamma / lr)
+            want["xnas/correct"].append(np.where(alive, log_v, -np.inf).argmax() == b[r].argmax())
+            want["gd/correct"].append(alpha.argmax() == b[r].argmax())
+            want["xnas/alive"].append(alive.sum())
+        for name, values in want.items():
+            np.testing.assert_allclose(f[f"regret/{sweep}/{name}"][row].astype(float), np.asarray(values, float),
+                                       rtol=1e-10, atol=1e-10, err_msg=f"{sweep} N={N} {name}")
+    f.close()
