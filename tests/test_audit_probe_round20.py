@@ -47,6 +47,27 @@ Defects found (each test fails without its fix):
   NAS-Bench-201) had its declaration ignored: no edge index or node pair (edges labelled by name, ``path_split``
   refused as undeclared); a ModuleDict is read in its order, as a list
   (test_a_cell_keeping_its_edges_in_a_module_dict_gets_its_declared_node_pairs).
+
+Checked and right (autograd references in this file or by hand): costs, per-sample rows and output costs of an
+NNI-style LayerChoice (weights inside, forward(*args)), a NASLib-style graph, a NAS-Bench-201 cell (none is a computed
+0, output-edge costs against a multiplier on the output node, path_split parts against per-consumer copies of each node
+in train-mode BatchNorm), a ProxylessNAS chain with straight-through binary gates and with its ArchGradientFunction
+transcribed (the active op's cost is its own binary_grads; the rest NaN as documented), a cell reused at three depths,
+a recurrent cell with a tied mixed op, an edge whose output is unused (NaN + warning; its curvature a computed 0),
+hierarchical mixed ops (a mixed op among another's candidates), an InputChoice mapped with Identity candidates, α as one
+(E, K) parameter or a ParameterList (hessian(wrt="alpha") exact = autograd), the exact curvature of the NB-201 supernet,
+two probes recording one model at once, every diag mode leaving no .grad, BatchNorm buffer or hook;
+derive_cell against DARTS's _parse transcribed (60 tables with ties, none at any index, k = 1, 2: equal; round 3 holds
+the same transcription, so that test is not kept here).
+
+Noticed and left: derive_genotype keeps only the "normal" and "reduce" keys, so weights of another cell type (an
+adapted supernet's own type, a probe's "edges" group) are derived and dropped silently (the Genotype has two fields;
+refusing them would stop nasdiag search's end on such supernets, outside this area); with statistics="sampled" the
+"some candidate ops did not run" warning still advises statistics="sampled"; a generator suspended inside its block and
+kept alive keeps the hooks (Python has not exited the block) and the next block is "cannot be nested"; time-major
+inputs: hessian(inputs=xs) with the default loss still compares the targets with dim 0 of xs, and a batch of 1 sample
+is refused by costs(per_sample=True) as chunks; a list of unbatched samples (detection style) is counted by its first
+tensor's dim 0; candidates kept in an nn.ModuleDict are labelled "<k>:<class>" as documented, not by their keys.
 """
 
 from __future__ import annotations
