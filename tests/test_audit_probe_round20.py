@@ -9,6 +9,7 @@ Defects found (each test fails without its fix):
   chunks of the batch returned (B/2, K) per-sample rows, each the sum of two samples' rows, silently, where the docs
   promise a ProbeError; and gradient accumulation with a path dropped in one micro-batch, which the block's own
   warning says gives NaN rows for that micro-batch, ended in costs(per_sample=True)'s "ran ... on chunks" ProbeError.
+  The same for a forward taking its batch as keywords only (``forward(self, **batch)``, called ``model(**batch)``).
   The batch is the first tensor of the first argument (test_a_batch_given_as_a_dict_or_tuple_counts_its_samples).
 * ``probe.hessian()`` after the recorded batch was refilled in place (a static input buffer), which the docs promise
   is a ProbeError, looked for the input tensors in the call's arguments and their tuples and lists only: a batch given
@@ -122,6 +123,13 @@ class _DictNet(nn.Module):
         return self.head(h)
 
 
+class _KeywordsNet(_DictNet):
+    """A forward taking its batch as keywords only, called as model(**batch) (HF style)."""
+
+    def forward(self, **batch):
+        return super().forward(batch)
+
+
 def _rows_by_autograd(net: _DictNet, x, y, drop: bool) -> torch.Tensor:
     """(B, 2, K) ∂L/∂Z_b of per-sample leaves Z_b = softmax(α), the loss the micro-batch's mean cross-entropy."""
     net.Z = F.softmax(net.alpha, -1).detach().expand(len(x), 2, 3).clone().requires_grad_()
@@ -169,7 +177,13 @@ def test_a_batch_given_as_a_dict_or_tuple_counts_its_samples():
             F.cross_entropy(chunked(batch), y).backward()
         with pytest.raises(ProbeError, match="chunks"):
             probe.costs(per_sample=True)
-    assert _no_hooks(net) and _no_hooks(chunked)
+    keywords = _KeywordsNet(chunked=True)
+    probe = nasdiag.attach(keywords)
+    with probe.record():
+        F.cross_entropy(keywords(x=x), y).backward()
+    with pytest.raises(ProbeError, match="chunks"):
+        probe.costs(per_sample=True)
+    assert _no_hooks(net) and _no_hooks(chunked) and _no_hooks(keywords)
 
 
 def test_hessian_of_a_dict_batch_is_autograds_and_refuses_the_batch_refilled_in_place():

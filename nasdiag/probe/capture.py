@@ -653,7 +653,8 @@ class StepCapture:
                 except (TypeError, ValueError):
                     params = []
                 self.first_name = params[0] if params else ""
-            first = kwargs.get(self.first_name)
+            # a forward(**batch) (HF style, model(**batch)) names no parameter: its batch is in the keywords' values
+            first = kwargs.get(self.first_name) if self.first_name else list(kwargs.values())
         return _first_tensor(first)
 
     def model_post(self, module, args, output):
