@@ -483,15 +483,32 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     try:
         args, unknown = parser.parse_known_args(argv)
     except ConfigError as exc:  # "--out: expected one argument" for --out -x.h5, "required: RECORD" for plot -x.h5
-        raise ConfigError(f"{exc}{_dash_value(tokens, parser)}") from None
+        raise ConfigError(f"{exc}{_typographic_dash(tokens, str(exc)) or _dash_value(tokens, parser)}") from None
     if unknown:
         command = parser.commands.get(args.command, parser)
         empty = ("; an empty argument ('') is often a quoted shell variable that is not set: set it or drop it"
                  if any(not u.strip() for u in unknown) else "")
-        hint = _meant_option(unknown, command, parser.commands) or _dash_value(tokens, parser)
+        hint = (_typographic_dash(unknown, "", every=True) or _meant_option(unknown, command, parser.commands)
+                or _dash_value(tokens, parser))
         raise ConfigError(f"{command.prog}: unrecognized arguments: {_join(unknown)} (see {command.prog} --help)"  # quoted:
                           f"{hint}{empty}")  # an empty argument ('') was an invisible nothing
     return args
+
+
+def _typographic_dash(tokens: List[str], message: str, every: bool = False) -> str:
+    """``; '—epochs' holds '—' (em dash), ...; type --epochs`` for the first of ``tokens`` that begins with a dash that is
+    not the keyboard's hyphen-minus (an option copied from a rendered page: "unrecognized arguments: '—epochs' 2", or
+    "required: --out" for plot's —out), or holds one and is named in ``message`` (``--seed −1``: "takes a whole number,
+    not '−1'"), or with ``every`` holds one at all (an unknown argument); else ''. A file name with an en dash given
+    where it is valid is not one."""
+    from nasdiag.search.config import TYPOGRAPHIC_DASHES, typographic_dash
+
+    for token in tokens:
+        if token[:1] in TYPOGRAPHIC_DASHES or every or (repr(token) in message or f" {token} " in f" {message} "):
+            said = typographic_dash(token)
+            if said:
+                return f"; {said}"
+    return ""
 
 
 def _dash_value(tokens: List[str], parser) -> str:

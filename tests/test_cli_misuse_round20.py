@@ -11,7 +11,9 @@ record (the value pdf taken for a second record), and an option of another comma
 a current folder removed while a search or plot ran (relative --out) ended in "No such file or directory (figs)";
 ``nasdiag plot run.h5 -o figs`` was told to write ./-o if -o is a file; ``--hp init_gamma=1e-300`` (range > 0) ran as
 float32's 0: BayesNAS pruned every op, exit code 0 (XNAS's float64 forecaster values, reward_bound=1e-300, still run);
-``--force --no-figs`` (or another --figs) left the replaced run's figures in run-figs/, which README says --force removes.
+``--force --no-figs`` (or another --figs) left the replaced run's figures in run-figs/, which README says --force removes;
+a command copied from a rendered page (``—epochs 2``, ``--hp w_lr=3e−4``: an em dash, a minus sign) was refused in a line
+whose wrong character could not be seen ("must be of type float, got '3e−4'").
 Every such mistake is one line on stderr saying what was wrong and what to do, exit code 2, no traceback, nothing left
 behind.
 """
@@ -196,3 +198,25 @@ def test_force_removes_the_figures_of_the_run_it_replaces_when_the_new_run_draws
     assert main(["search", *TINY, "--seed", "1", "--out", "run.h5", "--force"]) == 0  # TINY: --no-figs
     capsys.readouterr()
     assert sorted(p.name for p in (tmp_path / "run-figs").iterdir()) == ["notes.txt"]
+
+
+@pytest.mark.parametrize("given,typed", [(["search", "--hp", "w_lr=3e\u22124"], "type 3e-4"),
+                                         (["search", "\u2014epochs", "2"], "type --epochs"),
+                                         (["search", "\u2013epochs", "2"], "type --epochs"),
+                                         (["search", "--seed", "\u22121"], "type -1"),
+                                         (["search", "--hp", "alpha_betas=0.5,\u22120.9"], "type 0.5,-0.9"),
+                                         (["plot", "run.h5", "\u2014out", "figs"], "type --out")])
+def test_a_typographic_dash_copied_from_a_page_is_named(given, typed, tmp_path, monkeypatch, capsys):
+    """A command copied from a rendered page or a word processor carries its dashes: ``—epochs 2`` (em dash for --) was
+    "unrecognized arguments: '—epochs' 2", ``plot run.h5 —out figs`` "the following arguments are required: --out" (given,
+    to the eye), ``--hp w_lr=3e−4`` (a minus sign) "must be of type float, got '3e−4'": what was wrong could not be
+    seen. The line names the character and the text to type."""
+    from nasdiag.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    argv = [*given, "--out", "run.h5", *TINY] if given[0] == "search" else given
+    code = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "which a document or word processor writes for the hyphen-minus" in err[0] and err[0].endswith(typed), err
+    assert list(tmp_path.iterdir()) == []

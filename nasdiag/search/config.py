@@ -313,6 +313,26 @@ def did_you_mean(value, choices) -> str:
     return "" if meant is None else f" did you mean {meant!r}?"
 
 
+#: dashes and minus signs that a document or word processor writes for the ASCII hyphen-minus (``—epochs`` for
+#: ``--epochs``, ``3e−4`` for ``3e-4``): each looks like it, and no option or number reads it
+TYPOGRAPHIC_DASHES = "\u2010\u2011\u2012\u2013\u2014\u2015\u2212\ufe58\ufe63\uff0d"
+
+
+def typographic_dash(text) -> str:
+    """``'—epochs' holds '—' (EM DASH), ...; type --epochs`` for a ``text`` holding a dash that is not the ASCII
+    hyphen-minus (copied from a rendered page or a word processor), else ''."""
+    found = next((c for c in text if c in TYPOGRAPHIC_DASHES), None) if isinstance(text, str) else None
+    if found is None:
+        return ""
+    import unicodedata
+
+    rest = text.lstrip(TYPOGRAPHIC_DASHES)
+    fixed = (f"--{rest}" if text[0] in TYPOGRAPHIC_DASHES and rest[:1].isalpha() else
+             "".join("-" if c in TYPOGRAPHIC_DASHES else c for c in text))
+    return (f"{text!r} holds {found!r} ({unicodedata.name(found, 'a dash').lower()}), which a document or word processor "
+            f"writes for the hyphen-minus - of a keyboard; type {fixed}")
+
+
 def _choice(name: str, value, allowed, what: Optional[str] = None) -> None:
     if value not in allowed:
         hint = did_you_mean(value, allowed)
