@@ -184,22 +184,22 @@ def _normalizes_with_buffers(module) -> bool:
     return bool(getattr(module, "track_running_stats", False)) and not module.training
 
 
-def _tensors_in(value) -> List[torch.Tensor]:
+def tensors_in(value) -> List[torch.Tensor]:
     """The tensors of ``value`` and of its dicts, tuples and lists, at any depth."""
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (Mapping, tuple, list)):
-        return [t for item in (value.values() if isinstance(value, Mapping) else value) for t in _tensors_in(item)]
+        return [t for item in (value.values() if isinstance(value, Mapping) else value) for t in tensors_in(item)]
     return []
 
 
-def _first_tensor(value):
+def first_tensor(value):
     """``value`` if it is no container, else the first tensor with a dimension in it (dict values, tuple and list items,
     depth first: a scalar such as ``{"tau": tensor(0.5), "x": x}``'s holds no batch) and with samples where any has
     (an empty placeholder entry is no empty batch)."""
     if not isinstance(value, (Mapping, tuple, list)):
         return value
-    tensors = [t for t in _tensors_in(value) if t.dim()]
+    tensors = [t for t in tensors_in(value) if t.dim()]
     return next((t for t in tensors if t.shape[0]), tensors[0] if tensors else None)
 
 
@@ -655,7 +655,7 @@ class StepCapture:
                 self.first_name = params[0] if params else ""
             # a forward(**batch) (HF style, model(**batch)) names no parameter: its batch is in the keywords' values
             first = kwargs.get(self.first_name) if self.first_name else list(kwargs.values())
-        return _first_tensor(first)
+        return first_tensor(first)
 
     def model_post(self, module, args, output):
         if self.call_span is not None and self.call_span[1] is None and torch.is_grad_enabled():
@@ -676,7 +676,7 @@ class StepCapture:
         if span is None or span[1] is None or not self.model_calls:
             return False
         lo, hi = span
-        inputs = _tensors_in((args, kwargs))  # in dicts too: a block taking {"h": h, ...} applied at two depths
+        inputs = tensors_in((args, kwargs))  # in dicts too: a block taking {"h": h, ...} applied at two depths
         stack = [t.grad_fn for t in inputs if t.grad_fn is not None]
         seen = {id(n): n for n in stack}  # the node objects are kept alive: an id is not reused while searching
         while stack:

@@ -18,7 +18,7 @@ from nasdiag.hessian import arch_diag_hessian
 from nasdiag.hessian._hvp import leaf_sources, random_state, set_random_state
 from nasdiag.hessian.modes import ARCH_MODES, CurvatureError, check_mode
 from nasdiag.hooks import Hooks
-from nasdiag.probe.capture import Router, StepCapture, _first_tensor, _tensors_in, data_parallel_refusal
+from nasdiag.probe.capture import Router, StepCapture, first_tensor, tensors_in, data_parallel_refusal
 from nasdiag.edges import EdgesArg, EdgeSpec
 from nasdiag.probe.discovery import CellInfo, ProbeError, discover, is_mixed_op, weights_parameter as _weights_parameter
 from nasdiag.probe.discovery import input_parameter as _input_parameter
@@ -117,7 +117,7 @@ def _tensor_versions(values) -> List[Tuple[torch.Tensor, int]]:
     batch given as ``{"x": x}`` was not looked into): a tensor modified in place later (a static input buffer refilled
     with the next batch) shows a higher version."""
     # an inference tensor has no version counter
-    return [(t, t._version) for t in _tensors_in(list(values)) if not t.is_inference()]
+    return [(t, t._version) for t in tensors_in(list(values)) if not t.is_inference()]
 
 
 def _check_flag(option: str, value) -> None:
@@ -840,7 +840,7 @@ class Probe:
         # the default loss pairs the targets with the rows of the model's output: the recorded call's logits where it is
         # re-run (a time-major input (T, B, ...), as a recurrent cell search takes, holds its batch in dim 1), else dim 0
         # of the first input tensor (of a dict or tuple batch too)
-        first = r.model_output if rerun and isinstance(r.model_output, torch.Tensor) else _first_tensor(inputs)
+        first = r.model_output if rerun and isinstance(r.model_output, torch.Tensor) else first_tensor(inputs)
         if (self.loss_fn is None and isinstance(targets, torch.Tensor) and isinstance(first, torch.Tensor)
                 and targets.dim() >= 1 and first.dim() >= 1 and targets.shape[0] != first.shape[0]):
             raise ProbeError(
