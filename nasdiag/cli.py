@@ -357,6 +357,23 @@ def _refuse_special_files(args) -> None:
         raise ConfigError(f"{option}{value} is {kind}, not a record file, which is an HDF5 file on disk; {instead}")
 
 
+def _refuse_typographic_quotes(args) -> None:
+    """Refuse a path in typographic quotes (``--out “run.h5”``, copied from a rendered page): a shell removes only ASCII
+    quotes, so the search wrote its record as “run.h5” and plot drew into a folder “figs”, exit code 0, files a user
+    cannot name without the same characters. A file so named that exists is taken as meant."""
+    from nasdiag.search.config import typographic_quotes
+
+    paths = [("--out", args.out)]
+    if args.command == "search":
+        paths += [("--figs", args.figs), ("--data-dir", args.data_dir)]
+    else:
+        paths += [("RECORD", r) for r in (args.records if args.command == "plot" else [args.record])]
+    for option, value in paths:
+        said = typographic_quotes(value) if value and not os.path.lexists(value) else ""
+        if said:
+            raise ConfigError(f"{option if option.startswith('-') else 'the record'} {said}")
+
+
 def _refuse_unmatched_pattern(args) -> None:
     """Refuse the one RECORD of ``plot`` or ``report`` that is a shell pattern no file matched (``runs/*.h5``, passed on
     as is): it was "no record at runs/*.h5 (no file runs/*.h5 and no segments next to it)", as if a file of that name
@@ -882,6 +899,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             _refuse_broken_links(args)
             _refuse_special_files(args)
             _refuse_unmatched_pattern(args)
+            _refuse_typographic_quotes(args)
         _import_numpy()
         if args.command == "methods":  # printing is all it does
             return _printed(COMMANDS[args.command], args)

@@ -13,7 +13,8 @@ a current folder removed while a search or plot ran (relative --out) ended in "N
 float32's 0: BayesNAS pruned every op, exit code 0 (XNAS's float64 forecaster values, reward_bound=1e-300, still run);
 ``--force --no-figs`` (or another --figs) left the replaced run's figures in run-figs/, which README says --force removes;
 a command copied from a rendered page (``—epochs 2``, ``--hp w_lr=3e−4``: an em dash, a minus sign) was refused in a line
-whose wrong character could not be seen ("must be of type float, got '3e−4'").
+whose wrong character could not be seen ("must be of type float, got '3e−4'"), and ``--out “run.h5”`` (quotes a shell
+keeps) wrote a record so named, exit code 0.
 Every such mistake is one line on stderr saying what was wrong and what to do, exit code 2, no traceback, nothing left
 behind.
 """
@@ -219,4 +220,24 @@ def test_a_typographic_dash_copied_from_a_page_is_named(given, typed, tmp_path, 
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     assert "which a document or word processor writes for the hyphen-minus" in err[0] and err[0].endswith(typed), err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv,typed", [(["search", *TINY, "--out", "\u201crun.h5\u201d"], "type run.h5 without them"),
+                                        (["plot", "\u201crun.h5\u201d", "--out", "figs"], "type run.h5 without them"),
+                                        (["report", "run.h5", "--out", "\u2018r.html\u2019"], "type r.html without them"),
+                                        (["search", *TINY, "--out", "run.h5", "--hp", "w_lr=\u201c0.1\u201d"],
+                                         "type 0.1 without them")])
+def test_a_path_or_value_in_typographic_quotes_is_named(argv, typed, tmp_path, monkeypatch, capsys):
+    """``nasdiag search --out “run.h5”`` (quotes of a rendered page, which a shell keeps in the word) wrote its record as
+    “run.h5” and “run.h5”.ckpt, exit code 0, and ``plot --out “figs”`` a folder so named: files a user cannot name
+    without the same characters; ``--hp w_lr=“0.1”`` was "must be of type float, got '“0.1”'". One line naming the
+    quotes and the text to type, nothing made."""
+    from nasdiag.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    code = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "is in typographic quotes" in err[0] and typed in err[0], err
     assert list(tmp_path.iterdir()) == []

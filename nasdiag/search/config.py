@@ -333,6 +333,20 @@ def typographic_dash(text) -> str:
             f"writes for the hyphen-minus - of a keyboard; type {fixed}")
 
 
+#: quotation marks that a rendered page or word processor writes for ASCII quotes; a shell keeps them in the word
+TYPOGRAPHIC_QUOTES = "\u201c\u201d\u201e\u2018\u2019\u201a\u00ab\u00bb\u2039\u203a"
+
+
+def typographic_quotes(text) -> str:
+    """``'“run.h5”' is in typographic quotes, ...; type run.h5`` for a ``text`` that begins or ends with one (copied
+    from a rendered page: the shell removes only ASCII quotes, so they became part of a file name), else ''."""
+    if not isinstance(text, str) or not text or (text[0] not in TYPOGRAPHIC_QUOTES and text[-1] not in TYPOGRAPHIC_QUOTES):
+        return ""
+    return (f"{text!r} is in typographic quotes ({text[0] if text[0] in TYPOGRAPHIC_QUOTES else text[-1]}), which a "
+            f"document or word processor writes and a shell keeps as part of the word (it removes only ASCII ' and \"); "
+            f"type {text.strip(TYPOGRAPHIC_QUOTES) or 'the value'} without them, or in ASCII quotes")
+
+
 def _choice(name: str, value, allowed, what: Optional[str] = None) -> None:
     if value not in allowed:
         hint = did_you_mean(value, allowed)

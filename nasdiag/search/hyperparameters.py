@@ -347,16 +347,17 @@ def _coerce(key: str, value: Any, tp, method: str):
             except ConfigError:  # "alpha_betas ... must be of type float, got '0.5 0.999'": a tuple is no float
                 if not isinstance(value, str):
                     raise
-                from nasdiag.search.config import typographic_dash
+                from nasdiag.search.config import typographic_dash, typographic_quotes
 
                 raise ConfigError(f"hyperparameter {key}{where} must be of type {_type_name(tp)}, got {value!r}; "
-                                  f"{typographic_dash(value) or 'give its values separated by commas, as nasdiag methods shows its default'}") from None
+                                  f"{typographic_quotes(value) or typographic_dash(value) or 'give its values separated by commas, as nasdiag methods shows its default'}") from None
     except ConfigError:  # a ValueError too: said as it is
         raise
     except (TypeError, ValueError):
-        from nasdiag.search.config import typographic_dash
+        from nasdiag.search.config import typographic_dash, typographic_quotes
 
-        dash = typographic_dash(value)  # 3e−4 (a minus sign): "must be of type float, got '3e−4'", a float to the eye
+        # 3e−4 (a minus sign), “0.1” (quotes a shell keeps): "must be of type float, got '3e−4'", a float to the eye
+        dash = typographic_quotes(value) or typographic_dash(value)
         raise ConfigError(f"hyperparameter {key}{where} must be of type {_type_name(tp)}, got {value!r}"
                           f"{'; ' + dash if dash else ''}") from None
     return value
