@@ -275,16 +275,20 @@ def _refuse_deleted_folder() -> None:
                           "load in it; cd to a folder that exists and run the command again") from None
 
 
+def _paths_given(args) -> List[tuple]:
+    """``[(option, path)]`` of the paths a ``search``, ``plot`` or ``report`` command was given (``RECORD`` for a record
+    argument); a path not given is None."""
+    paths = [("--out", args.out)]
+    if args.command == "search":
+        return paths + [("--figs", args.figs), ("--data-dir", args.data_dir)]
+    return paths + [("RECORD", r) for r in (args.records if args.command == "plot" else [args.record])]
+
+
 def _refuse_unexpanded_home(args) -> None:
     """Refuse a path that begins with ``~`` the shell left as is (it expands it in a word of its own, not after
     ``--out=`` nor in quotes): ``--out=~/runs/a.h5`` made a folder named ``~`` in the current one and said "record:
     ~/runs/a.h5", as if in the home folder. A folder really named ``~`` here is taken as meant."""
-    paths = [("--out", args.out)]
-    if args.command == "search":
-        paths += [("--figs", args.figs), ("--data-dir", args.data_dir)]
-    else:
-        paths += [("RECORD", r) for r in (args.records if args.command == "plot" else [args.record])]
-    for option, value in paths:
+    for option, value in _paths_given(args):
         if not value or not value.startswith("~"):
             continue
         first = Path(value).parts[0]
@@ -363,12 +367,7 @@ def _refuse_typographic_quotes(args) -> None:
     cannot name without the same characters. A file so named that exists is taken as meant."""
     from nasdiag.search.config import typographic_quotes
 
-    paths = [("--out", args.out)]
-    if args.command == "search":
-        paths += [("--figs", args.figs), ("--data-dir", args.data_dir)]
-    else:
-        paths += [("RECORD", r) for r in (args.records if args.command == "plot" else [args.record])]
-    for option, value in paths:
+    for option, value in _paths_given(args):
         said = typographic_quotes(value) if value and not os.path.lexists(value) else ""
         if said:
             raise ConfigError(f"{option if option.startswith('-') else 'the record'} {said}")
