@@ -135,6 +135,11 @@ def _read_cifar_batch(path: Path) -> Tuple[np.ndarray, np.ndarray]:
         if binary is not None and not unpack:  # the binary version (cifar-10-binary.tar.gz): "missing" said no more
             unpack = (f"; {binary} is there: that is CIFAR-10's binary version, and nasdiag reads its python version "
                       "(cifar-10-python.tar.gz, unpacked: cifar-10-batches-py/)")
+        cifar100 = next((p for p in (path.parent / "train", path.parent / "cifar-100-python",
+                                     *sorted(path.parent.glob("cifar-100-python.tar*"))) if p.exists()), None)
+        if cifar100 is not None and not unpack and (cifar100.name != "train" or (path.parent / "meta").exists()):
+            unpack = (f"; {cifar100} is there: that is CIFAR-100 (train, test, meta), and nasdiag reads CIFAR-10's python "
+                      "batches (cifar-10-python.tar.gz, unpacked: cifar-10-batches-py/)")  # it said "missing", no more
         raise DataError(f"CIFAR-10 file missing: {path} (expected the standard python batches {', '.join(CIFAR_FILES)})"
                         f"{unpack}")
     try:
@@ -167,7 +172,8 @@ def _read_cifar_batch(path: Path) -> Tuple[np.ndarray, np.ndarray]:
         raise DataError(f"{path} is not a CIFAR-10 python batch: 'data' is N x 32 x 32 x 3 (height, width, channel, "
                         "as torchvision's CIFAR10.data), where a batch holds N x 3072 bytes channel by channel "
                         "(3 x 32 x 32); store data.transpose(0, 3, 1, 2).reshape(len(data), 3072)")
-    if images.ndim > 1 and images.shape[1:] not in ((3072,), (3, 32, 32)):  # 3072 x N, N x 1024 x 3: scrambled alike
+    if images.shape[1:] not in ((3072,), (3, 32, 32)) and not (images.ndim == 1 and images.size % 3072 == 0):
+        # 3072 x N, N x 1024 x 3: scrambled alike; 1000 bytes or one number: numpy's reshape error, a traceback
         raise DataError(f"{path} is not a CIFAR-10 python batch: 'data' must be N x 3072 bytes (3 x 32 x 32 per image), "
                         f"got an array of shape {images.shape}")
     images = images.astype(np.uint8, copy=False).reshape(-1, 3, 32, 32)
