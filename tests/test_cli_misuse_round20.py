@@ -14,7 +14,8 @@ float32's 0: BayesNAS pruned every op, exit code 0 (XNAS's float64 forecaster va
 ``--force --no-figs`` (or another --figs) left the replaced run's figures in run-figs/, which README says --force removes;
 a command copied from a rendered page (``—epochs 2``, ``--hp w_lr=3e−4``: an em dash, a minus sign) was refused in a line
 whose wrong character could not be seen ("must be of type float, got '3e−4'"), and ``--out “run.h5”`` (quotes a shell
-keeps) wrote a record so named, exit code 0.
+keeps) wrote a record so named, exit code 0; ``--resume`` without a readable checkpoint said only "start again with
+--force", which replaces the record.
 Every such mistake is one line on stderr saying what was wrong and what to do, exit code 2, no traceback, nothing left
 behind.
 """
@@ -241,3 +242,26 @@ def test_a_path_or_value_in_typographic_quotes_is_named(argv, typed, tmp_path, m
     assert code == 2 and len(err) == 1, err
     assert "is in typographic quotes" in err[0] and typed in err[0], err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("checkpoint", [None, b"garbage"])
+def test_a_resume_without_a_readable_checkpoint_offers_a_way_that_keeps_the_record(checkpoint, tmp_path, capsys):
+    """``--resume`` of a finished run (to extend it) whose checkpoint is missing or damaged said only "start again with
+    --force", which replaces the record and every step it holds; the line also offers a new --out, as the damaged
+    record's line does, and names what --force replaces. The record stays as it was."""
+    from nasdiag.cli import main
+
+    out = tmp_path / "run.h5"
+    assert main(["search", *TINY, "--out", str(out)]) == 0
+    if checkpoint is None:
+        (tmp_path / "run.h5.ckpt").unlink()
+    else:
+        (tmp_path / "run.h5.ckpt").write_bytes(checkpoint)
+    capsys.readouterr()
+    before = snapshot(tmp_path)
+    argv = ["search", *TINY, "--out", str(out), "--resume"]
+    argv[argv.index("--epochs") + 1] = "2"
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "start the run again under a new --out, or with --force, which replaces" in err[0], err
+    assert snapshot(tmp_path) == before

@@ -92,8 +92,8 @@ def load_checkpoint(path: str) -> Dict[str, Any]:
     except FileNotFoundError:
         raise CheckpointError(f"no checkpoint at {path}") from None
     except Exception as exc:  # a truncated zip, random bytes, a pickle of something else
-        raise CheckpointError(f"checkpoint {path} is unreadable ({type(exc).__name__}); it was damaged, "
-                              "start again with --force") from None
+        raise CheckpointError(f"checkpoint {path} is unreadable ({type(exc).__name__}); it was damaged: start the run "
+                              "again under a new --out, or with --force, which replaces its record") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a nasdiag checkpoint (format {FORMAT})")
     return state

@@ -651,7 +651,8 @@ def _resume_point(config: SearchConfig, defining: Mapping[str, Any]) -> Tuple[Op
     last = int(steps.max()) if steps.size else 0
     if not os.path.exists(ckpt):
         if last:
-            raise ConfigError(f"cannot resume {record}: its checkpoint {ckpt} is missing; start again with --force")
+            raise ConfigError(f"cannot resume {record}: its checkpoint {ckpt} is missing; start the run again under a new "
+                              f"--out, or with --force, which replaces the record {record} and its {last} steps")
         state = None  # killed before its first checkpoint: the record holds no step, so nothing is rewritten
     else:
         state = load_checkpoint(ckpt)
@@ -681,7 +682,8 @@ def _resume_point(config: SearchConfig, defining: Mapping[str, Any]) -> Tuple[Op
         return None, 0
     if last < state["step"]:
         raise ConfigError(f"the record at {record} ends at step {last}, before its checkpoint (step {state['step']}); "
-                          "the record lost rows, start again with --force")
+                          f"the record lost rows; start the run again under a new --out, or with --force, which replaces "
+                          f"the record {record}")
     if config.epochs < state["epochs"]:
         raise ConfigError(f"--epochs {config.epochs} is shorter than the run's {state['epochs']} epochs; "
                           "resume with at least as many epochs")
