@@ -13,7 +13,8 @@ Two routes, both exact to round-off:
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 from torch import nn
@@ -220,6 +221,27 @@ def _fitted_chunk(hvp: HessianVectorProduct, chunk_size: int, mode: str) -> int:
                      instead="use mode='diag' or 'approx', or a smaller batch", settable=False)
 
 
+@contextmanager
+def _second_derivatives_of_torch(mode: str) -> Iterator[None]:
+    """Products taken inside: torch's ``RuntimeError`` for an op of the model without a second derivative
+    (``derivative for aten::hardsigmoid_backward is not implemented``, after the batched products' fallback warning)
+    becomes one ``CurvatureRuntimeError`` line naming the op and the way out (the recursions, which need only σ')."""
+    from nasdiag.hessian.modes import CurvatureRuntimeError
+
+    try:
+        yield
+    except RuntimeError as err:
+        first = str(err).splitlines()[0] if str(err) else ""
+        if not (first.startswith("derivative for ") and first.endswith("is not implemented")):
+            raise
+        raise CurvatureRuntimeError(
+            f"diag_hessian(mode={mode!r}) takes Hessian-vector products, and torch has no second derivative of an op "
+            f"of the model ({first}); use mode='diag' or 'approx' (which need only its first derivative; a module of your "
+            "own computing it takes rules={YourModule: ElementwiseRule(piecewise_linear=True)} if piecewise linear), "
+            "or replace the op"
+        ) from None
+
+
 def hvp_exact_diag(
     model: nn.Module,
     loss_fn: Callable,
@@ -238,12 +260,13 @@ def hvp_exact_diag(
     hvp = _loss_hvp(model, loss_fn, inputs, targets, values)
     chunk_size = _fitted_chunk(hvp, chunk_size, "exact")
     diag = torch.empty(hvp.dim, dtype=hvp.dtype, device=hvp.device)
-    for start in range(0, hvp.dim, chunk_size):
-        stop = min(start + chunk_size, hvp.dim)
-        idx = torch.arange(start, stop, device=hvp.device)
-        basis = torch.zeros(stop - start, hvp.dim, dtype=hvp.dtype, device=hvp.device)
-        basis[idx - start, idx] = 1
-        diag[start:stop] = hvp(basis)[idx - start, idx]
+    with _second_derivatives_of_torch("exact"):
+        for start in range(0, hvp.dim, chunk_size):
+            stop = min(start + chunk_size, hvp.dim)
+            idx = torch.arange(start, stop, device=hvp.device)
+            basis = torch.zeros(stop - start, hvp.dim, dtype=hvp.dtype, device=hvp.device)
+            basis[idx - start, idx] = 1
+            diag[start:stop] = hvp(basis)[idx - start, idx]
     return {n: part.view_as(values[n]) for n, part in zip(names, torch.split(diag, hvp.sizes))}
 
 
@@ -275,8 +298,9 @@ def hvp_hutchinson_diag(
     eps = torch.randint(0, 2, (probes, hvp.dim), generator=generator, dtype=torch.int64).mul_(2).sub_(1)
     eps = eps.to(dtype=hvp.dtype, device=hvp.device)
     total = torch.zeros(hvp.dim, dtype=hvp.dtype, device=hvp.device)
-    for start in range(0, probes, chunk_size):
-        block = eps[start : start + chunk_size]
-        total += (block * hvp(block)).sum(0)
+    with _second_derivatives_of_torch(f"hutchinson:{probes}"):
+        for start in range(0, probes, chunk_size):
+            block = eps[start : start + chunk_size]
+            total += (block * hvp(block)).sum(0)
     diag = total / probes
     return {n: part.view_as(values[n]).detach() for n, part in zip(names, torch.split(diag, hvp.sizes))}

@@ -61,9 +61,11 @@ class ElementwiseRule(HessianRule):
             return torch.func.jvp(fn, (t,), (ones,))[1]
 
         try:
+            if self.piecewise_linear:  # σ'' ≡ 0 is declared: no second derivative asked of torch (Hardsigmoid has none)
+                return first(x), None
             d1, d2 = torch.func.jvp(first, (x,), (ones,))
         except NotImplementedError:  # no forward-over-forward AD for an op (torch 2.13, no_grad: aten::silu_backward)
-            d1, d2 = _reverse_derivatives(fn, x)
+            d1, d2 = _reverse_derivatives(fn, x, call, self.piecewise_linear)
         return d1, (None if self.piecewise_linear else d2)
 
     def input_diag(self, call: ModuleCall, h_out: torch.Tensor) -> torch.Tensor:
@@ -74,13 +76,24 @@ class ElementwiseRule(HessianRule):
         return h_in
 
 
-def _reverse_derivatives(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def _reverse_derivatives(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, call: ModuleCall,
+                         piecewise_linear: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(σ'(x), σ''(x))`` by two reverse passes: for an elementwise σ the gradient of ``Σ σ(x)`` is σ'(x), and
-    that of ``Σ σ'(x)`` is σ''(x)."""
+    that of ``Σ σ'(x)`` is σ''(x) (not taken for a ``piecewise_linear`` σ). An op without a second derivative in
+    torch (``aten::hardsigmoid_backward``) is one line naming the module, not torch's bare ``RuntimeError``."""
     with torch.enable_grad():
         t = x.detach().requires_grad_(True)
-        (d1,) = torch.autograd.grad(fn(t).sum(), t, create_graph=True)
-        d2 = torch.autograd.grad(d1.sum(), t, allow_unused=True)[0] if d1.requires_grad else None
+        (d1,) = torch.autograd.grad(fn(t).sum(), t, create_graph=not piecewise_linear)
+        try:
+            d2 = None if piecewise_linear or not d1.requires_grad else torch.autograd.grad(d1.sum(), t, allow_unused=True)[0]
+        except RuntimeError as err:
+            if "is not implemented" not in str(err):
+                raise
+            raise UnsupportedModuleError(
+                f"module {call.name!r} ({type(call.module).__name__}): torch has no second derivative of its function "
+                f"({str(err).splitlines()[0]}); if it is piecewise linear, give it ElementwiseRule(piecewise_linear=True) "
+                "(rules= or register_rule), else a rule whose derivatives() returns σ'' in closed form"
+            ) from None
     return d1.detach(), (torch.zeros_like(x) if d2 is None else d2)
 
 
@@ -132,6 +145,18 @@ class TanhRule(ElementwiseRule):
         return d1, -2 * t * d1
 
 
+class HardsigmoidRule(ElementwiseRule):
+    """``relu6(x + 3) / 6``: σ' = 1/6 on (−3, 3), σ'' ≡ 0. In closed form: torch has no second derivative of it, and
+    its first derivative in float64 is float32's 1/6 (3e-8 off)."""
+
+    def __init__(self):
+        super().__init__(piecewise_linear=True)
+
+    def derivatives(self, call):
+        x = call.input
+        return ((x > -3) & (x < 3)).to(x.dtype) / 6, None
+
+
 class IdentityRule(HessianRule):
     """``y = x`` (also a no-op ``nn.Dropout`` in eval mode is traced through, not ruled)."""
 
@@ -155,5 +180,6 @@ register_rule(nn.Flatten, ReshapeRule())
 register_rule(nn.Unflatten, ReshapeRule())
 for _smooth in (nn.GELU, nn.SiLU, nn.ELU, nn.Softplus):
     register_rule(_smooth, ElementwiseRule())
+register_rule(nn.Hardsigmoid, HardsigmoidRule())
 for _kinked in (nn.ReLU6, nn.Hardtanh):
     register_rule(_kinked, ElementwiseRule(piecewise_linear=True))
