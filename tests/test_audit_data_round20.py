@@ -247,3 +247,28 @@ def test_ranks_shards_are_disjoint_full_batches_of_the_one_process_order(n, worl
     steps = steps_per_epoch(n, n + 1, batch, world)
     for rank in range(world):
         assert len(list(epoch_batches(val, batch, 12, 2, rank=rank, world_size=world))) >= steps <= len(shards[rank]) // batch
+
+
+# -- fractions inside (0, 1) that leave a part empty, a data folder that is a file ------------------------------------
+def test_a_fraction_that_leaves_a_part_empty_is_one_data_error(tmp_path):
+    """Round 5 refused ``train_fraction`` 0 and 1 (an empty part); fractions inside (0, 1) did the same: digits'
+    ``test_fraction=0.999`` was numpy's "need at least one array to concatenate" ValueError, 0.995 an empty search-val
+    split and 0.001 no test image (1 of 174..183 images per class rounds to 0); ``cifar10(train_fraction=0.01)`` of
+    7 images per batch an empty search-train split."""
+    from sklearn.datasets import load_digits
+
+    per_class = np.bincount(load_digits().target)
+    for fraction in (0.999, 0.995, 0.001):
+        test = np.round(fraction * per_class)  # this file's own rounding of the documented per-class share
+        assert test.min() < 1 or (per_class - test).min() < 2  # each of these leaves a class without a part
+        with pytest.raises(DataError, match=f"test_fraction {fraction} leaves .* use a test_fraction nearer"):
+            digits(test_fraction=fraction)
+    s = digits(test_fraction=0.99)  # 1 .. 2 search images per class: every part still has every class
+    assert all(len(torch.unique(p.tensors[1])) == 10 for p in (s.train, s.val, s.test))
+    _fake_cifar(tmp_path / "c")
+    for fraction in (0.01, 0.99):
+        with pytest.raises(DataError, match=f"train_fraction {fraction} of the 35 training images leaves"):
+            cifar10(tmp_path / "c", train_fraction=fraction)
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(DataError, match="is a file, not a folder"):  # it said "does not exist" (scripts, the API)
+        cifar10(tmp_path / "file")

@@ -75,7 +75,8 @@ def digits(seed: int = 0, test_fraction: float = 0.2, dtype: torch.dtype = torch
 
     A stratified ``test_fraction`` is held out; the rest is split 50/50 (stratified) into
     search-train and search-val. The split depends only on ``seed``. Pixels are standardized with
-    the search data's mean and standard deviation.
+    the search data's mean and standard deviation. A ``test_fraction`` that leaves a class without a test image or
+    without one image in each search split raises :class:`DataError`.
     """
     from sklearn.datasets import load_digits
 
@@ -87,12 +88,20 @@ def digits(seed: int = 0, test_fraction: float = 0.2, dtype: torch.dtype = torch
     y = bunch.target.astype(np.int64)
     rng = np.random.default_rng(seed)
     search_idx, test_idx = _stratified_split(y, test_fraction, rng)
+    if np.bincount(y[test_idx], minlength=10).min() < 1 or np.bincount(y[search_idx], minlength=10).min() < 2:
+        # 0.999 was numpy's "need at least one array" traceback, 0.995 an empty search-val split, 0.001 no test image
+        raise DataError(f"test_fraction {test_fraction} leaves {len(search_idx)} of the {len(y)} digits images for the "
+                        f"search and {len(test_idx)} for the test part, where each of the 10 classes needs one test image "
+                        "and two search images (search-train and search-val); use a test_fraction nearer the default 0.2")
     train_rel, val_rel = _stratified_split(y[search_idx], 0.5, rng)
     return _to_splits(x, y, search_idx[train_rel], search_idx[val_rel], x[test_idx], y[test_idx], 10, "digits", dtype)
 
 CIFAR_FILES = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
 
 def _cifar_folder(root: Path) -> Path:
+    if root.exists() and not root.is_dir():  # it said "does not exist" (the scripts and the API; nasdiag search checks)
+        raise DataError(f"CIFAR-10 folder {str(root)!r} is a file, not a folder; pass --data-dir pointing at the folder "
+                        "of the standard python batches (data_batch_1..5, test_batch), e.g. cifar-10-batches-py/")
     if not root.is_dir():
         raise DataError(
             f"CIFAR-10 folder {str(root)!r} does not exist; pass --data-dir pointing at the folder of the "
@@ -207,7 +216,8 @@ def cifar10(root, seed: int = 0, train_fraction: float = 0.5, dtype: torch.dtype
     and search-val; ``test_batch`` is the held-out test part. ``limit`` keeps only the first
     ``limit`` images of each part (for quick runs). A missing file raises :class:`DataError` naming it, and
     so do a ``train_fraction`` outside (0, 1) and a ``limit`` that is not a positive integer (they gave other
-    splits than asked, e.g. 1.5 a 49/51 split and -1 all but the last image, without a word).
+    splits than asked, e.g. 1.5 a 49/51 split and -1 all but the last image, without a word), and a ``train_fraction``
+    that leaves search-train or search-val empty.
     """
     if not 0 < train_fraction < 1:  # also NaN
         raise DataError(f"train_fraction must be in (0, 1) (the search-train share of the 50k training images), "
@@ -224,6 +234,9 @@ def cifar10(root, seed: int = 0, train_fraction: float = 0.5, dtype: torch.dtype
     train_idx, val_idx = _stratified_split(y, 1.0 - train_fraction, rng)
     if limit is not None:
         train_idx, val_idx, tx, ty = train_idx[:limit], val_idx[:limit], tx[:limit], ty[:limit]
+    if not len(train_idx) or not len(val_idx):  # a fraction near 0 or 1 of few images per class: an empty part, silently
+        raise DataError(f"train_fraction {train_fraction} of the {len(y)} training images leaves {len(train_idx)} for "
+                        f"search-train and {len(val_idx)} for search-val (split per class); use a train_fraction nearer 0.5")
     return _to_splits(x, y, train_idx, val_idx, tx, ty, 10, "cifar10", dtype)
 
 def synthetic(
