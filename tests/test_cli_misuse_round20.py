@@ -15,12 +15,15 @@ float32's 0: BayesNAS pruned every op, exit code 0 (XNAS's float64 forecaster va
 a command copied from a rendered page (``—epochs 2``, ``--hp w_lr=3e−4``: an em dash, a minus sign) was refused in a line
 whose wrong character could not be seen ("must be of type float, got '3e−4'"), and ``--out “run.h5”`` (quotes a shell
 keeps) wrote a record so named, exit code 0; ``--resume`` without a readable checkpoint said only "start again with
---force", which replaces the record.
+--force", which replaces the record; ``nasdiag search --out run.h5`` while another search writes run.h5 said to pass
+--resume or --force, each refused while it writes.
 Every such mistake is one line on stderr saying what was wrong and what to do, exit code 2, no traceback, nothing left
 behind.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -110,7 +113,6 @@ def test_a_pattern_that_matched_no_record_is_said_to_be_one(command, tmp_path, m
 
 def _removing_the_current_folder(function):
     """``function`` that first removes the current folder (another shell's ``rm -r`` of it, mid-command)."""
-    import os
     import shutil
 
     def removed_first(*args, **kwargs):
@@ -265,3 +267,30 @@ def test_a_resume_without_a_readable_checkpoint_offers_a_way_that_keeps_the_reco
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "start the run again under a new --out, or with --force, which replaces" in err[0], err
     assert snapshot(tmp_path) == before
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/locks"), reason="the kernel's lock table is Linux's")
+def test_a_search_over_a_record_being_written_says_so_not_resume_or_force(tmp_path, capsys):
+    """``nasdiag search --out run.h5`` while another search writes run.h5 said "a record already exists at run.h5; pass
+    --resume to continue it or --force to replace it", and each was then refused as "being written by another writer".
+    It says so at once; the record and its lock are untouched (no lock is taken to look)."""
+    from nasdiag.cli import main
+    from nasdiag.record.lock import WriterLock
+    from nasdiag.record.schema import lock_path
+
+    out = tmp_path / "run.h5"
+    assert main(["search", *TINY, "--out", str(out)]) == 0
+    capsys.readouterr()
+    writer = WriterLock(lock_path(str(out)), str(out))  # the other search's lock, as its Recorder holds it
+    writer.acquire()
+    try:
+        before = snapshot(tmp_path)
+        assert main(["search", *TINY, "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"is being written by another search (pid {os.getpid()} on" in err[0], err
+        assert "pass --resume" not in err[0] and "record to another --out" in err[0], err
+        assert snapshot(tmp_path) == before
+    finally:
+        writer.release()
+    assert main(["search", *TINY, "--out", str(out)]) == 2  # released: the record of a finished run, as before
+    assert "a record already exists" in capsys.readouterr().err
