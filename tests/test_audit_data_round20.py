@@ -163,6 +163,9 @@ def test_cifar10_pixels_are_the_batches_bytes_in_chw_order_standardized_per_chan
         assert abs(t - v) <= 1, (c, t, v)
     again = cifar10(tmp_path, seed=5, dtype=torch.float64)
     assert torch.equal(again.train.tensors[0], s.train.tensors[0]) and torch.equal(again.val.tensors[1], s.val.tensors[1])
+    other = cifar10(tmp_path, seed=6, dtype=torch.float64)
+    assert _source_rows(other.val, (x - mean) / sd, y, 1e-7) != val  # another seed, another split (the same test part)
+    assert torch.allclose(other.test.tensors[0], s.test.tensors[0], rtol=0, atol=1e-12)  # statistics summed in another order
 
 
 def test_a_cifar_batch_of_flat_bytes_not_whole_images_is_one_line(tmp_path, capsys):
@@ -272,3 +275,27 @@ def test_a_fraction_that_leaves_a_part_empty_is_one_data_error(tmp_path):
     (tmp_path / "file").write_text("not a folder")
     with pytest.raises(DataError, match="is a file, not a folder"):  # it said "does not exist" (scripts, the API)
         cifar10(tmp_path / "file")
+
+
+def test_the_runner_loads_the_split_from_the_seed_alone_whatever_the_batch_size_or_method(monkeypatch):
+    """Found right: ``run`` asks for the dataset with the seed and dtype only (the dtype does not move the split:
+    test_digits_split_scaling_and_seed_as_documented), so batch size and method cannot change which images are
+    search-train, search-val or test."""
+    import nasdiag.data
+    from nasdiag.search import SearchConfig, run
+
+    class Loaded(Exception):
+        pass
+
+    calls = []
+
+    def spy(name, **kwargs):
+        calls.append((name, kwargs))
+        raise Loaded
+
+    monkeypatch.setattr(nasdiag.data, "load_dataset", spy)
+    for method, batch in (("darts", 64), ("snas", 5), ("xnas", 7)):
+        with pytest.raises(Loaded):
+            run(SearchConfig(method=method, batch_size=batch, dataset="digits", epochs=1, record=None, seed=9,
+                             progress=False, figures=None, device="cpu"))
+    assert calls == [("digits", {"seed": 9, "dtype": torch.float32})] * 3

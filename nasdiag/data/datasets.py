@@ -214,7 +214,10 @@ def cifar10(root, seed: int = 0, train_fraction: float = 0.5, dtype: torch.dtype
 
     The 50k training images are split (stratified, by ``seed``) into search-train (``train_fraction``)
     and search-val; ``test_batch`` is the held-out test part. ``limit`` keeps only the first
-    ``limit`` images of each part (for quick runs). A missing file raises :class:`DataError` naming it, and
+    ``limit`` images of each part (for quick runs). Image row ``c * 1024 + h * 32 + w`` of a batch is channel ``c`` (R, G,
+    B), row ``h``, column ``w``; pixels are divided by 255 and standardized per channel with the mean and standard
+    deviation of the search images (search-train + search-val, after ``limit``), the test part with the same numbers
+    (no fixed CIFAR-10 constants). A missing file raises :class:`DataError` naming it, and
     so do a ``train_fraction`` outside (0, 1) and a ``limit`` that is not a positive integer (they gave other
     splits than asked, e.g. 1.5 a 49/51 split and -1 all but the last image, without a word), and a ``train_fraction``
     that leaves search-train or search-val empty.
