@@ -15,7 +15,10 @@ The rules that keep a replay equal to the step it stands for:
   runs eagerly (it creates what the step creates lazily) and the next is captured;
 - the step function must be *capture-safe*: no host synchronisation, no Python state that changes per
   step (counters), no random numbers, every accumulator updated in place. A capture that fails or that
-  changes the state key disables the graph for good, with a one-line warning; steps then run eagerly.
+  changes the state key disables the graph for good, with a one-line warning; steps then run eagerly;
+- a replay runs no Python: an attribute the step sets (``python_state``, e.g. a method's reference to the
+  batch it took last, which is that graph's static input) keeps what the last *capture* set, which may be
+  another graph's. Those named are kept per graph and put back after each of its replays.
 
 Outputs are cloned after each replay, so a caller may keep them across steps.
 """
@@ -163,12 +166,17 @@ class StepGraph:
         prepare: called once before the first capture (e.g. switch Adam to ``capturable=True``).
         backend: :class:`CudaGraphBackend` (default) or a stand-in with the same three methods.
         name: what the warnings call the step.
+        python_state: ``(obj, names)``: attributes of ``obj`` the step sets in Python; their values after a capture
+            are put back after every replay of that graph (with two graphs, e.g. a last partial batch, a replay of
+            the first left what the second's capture set: a reference to the other graph's static batch).
     """
 
     def __init__(self, step: Callable[..., Any], state_key: Callable[[], Hashable], *,
                  enabled: Callable[[Tuple[torch.Tensor, ...]], bool] = lambda tensors: True,
-                 prepare: Optional[Callable[[], None]] = None, backend: Any = None, name: str = "step"):
+                 prepare: Optional[Callable[[], None]] = None, backend: Any = None, name: str = "step",
+                 python_state: Optional[Tuple[Any, Tuple[str, ...]]] = None):
         self.step = step
+        self.python_state = python_state
         self.state_key = state_key
         self.enabled = enabled
         self.prepare = prepare
@@ -177,7 +185,8 @@ class StepGraph:
         self.disabled_reason: Optional[str] = None
         self._prepared = False
         self._key: Hashable = None
-        self._graphs: Dict[tuple, Tuple[Any, List[torch.Tensor], Any]] = {}  # signature -> (graph, static inputs, outputs)
+        # signature -> (graph, static inputs, outputs, the python_state its capture left)
+        self._graphs: Dict[tuple, Tuple[Any, List[torch.Tensor], Any, Dict[str, Any]]] = {}
         self._seen: set = set()  # signatures stepped eagerly since the key last changed
         self._last_signature: Optional[tuple] = None
         self._told: set = set()
@@ -203,12 +212,14 @@ class StepGraph:
             self._key = key
         entry = self._graphs.get(signature)
         if entry is not None:
-            graph, static, static_out = entry
+            graph, static, static_out, kept = entry
             for dst, src in zip(static, tensors):
                 dst.copy_(src, non_blocking=True)
             self.counts["replay"] += 1
             self._last_signature = signature
-            return _clone_outputs(self.backend.replay(graph, static_out))
+            out = _clone_outputs(self.backend.replay(graph, static_out))
+            self._put_back(kept)
+            return out
         if signature in self._seen:
             return self._capture_and_run(signature, structure, tensors)
         if self._graphs or (self._last_signature is not None and self._last_signature != signature):
@@ -227,7 +238,7 @@ class StepGraph:
         """The memory pool of one of this step's live graphs (None when it has none, or its backend cannot say),
         for another graph to share (:class:`CudaGraphBackend`'s ``pool``)."""
         pool_of = getattr(self.backend, "pool_of", None)
-        for graph, _, _ in self._graphs.values():
+        for graph, *_ in self._graphs.values():
             return None if pool_of is None else pool_of(graph)
         return None
 
@@ -237,7 +248,7 @@ class StepGraph:
         whose collectives were captured: NCCL cannot tear down a communicator that a live graph still uses
         (the destroy hangs)."""
         release = getattr(self.backend, "release", None)
-        for graph, _, _ in self._graphs.values():
+        for graph, *_ in self._graphs.values():
             if release is not None:
                 release(graph)
         self._graphs.clear()
@@ -265,11 +276,23 @@ class StepGraph:
             self._graphs.clear()
             raise RuntimeError(f"{self.name}: the captured step changed Python-side state; it was not run. "
                                "Mark the method graph_capturable = False.")
-        self._graphs[signature] = (graph, static, static_out)
+        self._graphs[signature] = (graph, static, static_out, self._python_state_now())
         self._key = key_before
         self.counts["capture"] += 1
         self._last_signature = signature
         return _clone_outputs(self.backend.replay(graph, static_out))
+
+    def _python_state_now(self) -> Dict[str, Any]:
+        if self.python_state is None:
+            return {}
+        obj, names = self.python_state
+        return {name: getattr(obj, name) for name in names if hasattr(obj, name)}
+
+    def _put_back(self, kept: Dict[str, Any]) -> None:
+        if kept:
+            obj = self.python_state[0]
+            for name, value in kept.items():
+                setattr(obj, name, value)
 
 
 def _shapes(signature: Optional[tuple]) -> str:

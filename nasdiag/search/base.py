@@ -344,8 +344,11 @@ class SearchMethod:
         if type(self).__dict__.get("graph_capturable", False):
             from nasdiag.supernet.engine.graph import StepGraph
 
+            # the cost service (darts2: its step) keeps the architecture batch that diagnostics() takes the Hessian on,
+            # in a replay the graph's static batch, which no replay sets (Python does not run)
             self.step = StepGraph(self.step, self._graph_state_key, enabled=self._graph_enabled,
-                                  prepare=self._graph_prepare, name=f"{self.name} step", backend=self._graph_backend())
+                                  prepare=self._graph_prepare, name=f"{self.name} step", backend=self._graph_backend(),
+                                  python_state=(self, ("_last_arch_batch",)))
 
     # -- to implement ------------------------------------------------------------------------------
     def build(self) -> None:

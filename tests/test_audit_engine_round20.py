@@ -1,0 +1,99 @@
+"""Round-20 audit of the fast path (``nasdiag.supernet.engine``, ``nasdiag.cuda_graphs``): the search's batched engine and
+its CUDA-graph step must be the eager computation. References: the eager modules of the same network (every op called
+one by one), and, for the graphed step, a stand-in of ``torch.cuda`` on the CPU that is faithful to what a replay does
+and does not do (its kernels change tensors in place; no Python of the step runs).
+
+Defects found (each test fails without its fix):
+
+* A replayed step runs no Python, so what the step sets on the method in Python stays as the *last capture* left it. The
+  cost service (and darts2's step) keep the architecture batch as ``_last_arch_batch``, which ``diagnostics()`` takes
+  the Hessian diagonal on ("on the last cost batch"): with two graphs (a user loop whose last batch of an epoch is
+  smaller, which StepGraph captures once it comes again) the replays of the full-batch graph left it pointing at the
+  partial batch's static buffers, so the recorded ``hessian/<cell>/diag`` was that of an old partial batch, silently
+  (CUDA only). StepGraph keeps such attributes per graph and puts them back after each replay
+  (test_the_hessian_after_a_replayed_step_is_taken_on_that_steps_batch_with_two_graphs).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nasdiag.search.base import Schedule
+from nasdiag.search.registry import available_methods
+from nasdiag.supernet import Network
+
+DT = torch.float64
+
+
+def _net(**kw):
+    torch.manual_seed(0)
+    return Network(4, 3, 3, steps=2, multiplier=2, reductions=[1], **kw).to(DT)
+
+
+def _batch(g, B, H=6):
+    return torch.randn(B, 3, H, H, generator=g, dtype=DT), torch.randint(0, 3, (B,), generator=g)
+
+
+class _ReplayRunsNoPython:
+    """``torch.cuda``'s graphs at StepGraph's boundary, on the CPU. A capture runs the step's Python once (recording its
+    kernels): here it runs the step, and the replay that StepGraph does right after a capture returns those outputs
+    (the capture and its first replay: one step). A later replay runs the recorded kernels on the static inputs and no
+    Python: here the step runs on the static inputs, and the method's attributes are put back as they were before it."""
+
+    def __init__(self, method):
+        self.method = method
+
+    def eager(self, fn, args):
+        return fn(*args)
+
+    def capture(self, fn, args):
+        return [fn, args, fn(*args)], None
+
+    def replay(self, graph, static_out):
+        fn, args, first = graph
+        if first is not None:
+            graph[2] = None
+            return first
+        kept = dict(self.method.__dict__)
+        out = fn(*args)
+        self.method.__dict__.clear()
+        self.method.__dict__.update(kept)
+        return out
+
+
+@pytest.mark.parametrize("name", ["darts", "darts2"])
+def test_the_hessian_after_a_replayed_step_is_taken_on_that_steps_batch_with_two_graphs(name):
+    """Steps of 4, then of 3 samples (a last partial batch), each signature captured when it comes again, then a
+    replay of the 4-sample graph: ``diagnostics()`` takes the mixing-weight Hessian on the last cost batch, which must
+    hold that step's search-val batch (it held the 3-sample graph's buffers: the Hessian of an older batch), and equal
+    the Hessian of a plain (eager, ungraphed) method stepped on the same batches."""
+    cls = available_methods()[name]
+    methods = []
+    for engine in ("fast", "eager"):
+        net = _net().set_engine(engine)
+        methods.append(cls(net, None, schedule=Schedule(epochs=1, steps_per_epoch=8, batch_size=4), hessian_mode="diag"))
+    graphed, plain = methods
+    graphed.step.backend = _ReplayRunsNoPython(graphed)
+    graphed.step.enabled = lambda tensors: True
+    graphed.step.prepare = None  # Adam's capturable=True, which only CUDA tensors take
+    g = torch.Generator().manual_seed(1)
+    sizes = [4, 3, 4, 3, 4]  # eager, eager, capture, capture, replay
+    batches = [(_batch(g, B), _batch(g, B)) for B in sizes]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the graph's one line on the changed batch shape
+        for train, val in batches:
+            graphed.step(train, val)
+            plain.step(train, val)
+    assert graphed.step.counts == {"eager": 2, "capture": 2, "replay": 1, "plain": 0}
+    x, y = graphed._last_arch_batch
+    last = batches[-1][1]
+    assert x.shape == last[0].shape and torch.equal(x, last[0]) and torch.equal(y, last[1]), "a stale batch"
+    a, b = graphed.diagnostics(), plain.diagnostics()
+    keys = [k for k in b if k.startswith("hessian/") and k.endswith("/diag")]
+    assert keys and sorted(a) == sorted(b)
+    for k in keys:
+        assert torch.allclose(a[k], b[k], rtol=0, atol=1e-12), k
