@@ -206,6 +206,12 @@ def test_a_cifar_100_folder_says_it_is_cifar_100(parent, tmp_path, capsys):
     data_dir = tmp_path if parent else tmp_path / "cifar-100-python"
     _refused(["search", *SEARCH, "--dataset", "cifar10", "--data-dir", data_dir, "--out", tmp_path / "run.h5"], tmp_path,
              ["data_batch_1", "CIFAR-100", "cifar-10-python.tar.gz"], capsys)
+    other = tmp_path / "other"  # a folder train/ and a file meta of some other data set is not called CIFAR-100
+    (other / "train").mkdir(parents=True)
+    (other / "meta").write_text("labels")
+    with pytest.raises(DataError, match="file missing") as info:
+        cifar10(other)
+    assert "CIFAR-100" not in str(info.value)
 
 
 def test_cifar_misuse_is_one_line_and_writes_nothing(tmp_path, capsys):

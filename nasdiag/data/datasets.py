@@ -146,7 +146,8 @@ def _read_cifar_batch(path: Path) -> Tuple[np.ndarray, np.ndarray]:
                       "(cifar-10-python.tar.gz, unpacked: cifar-10-batches-py/)")
         cifar100 = next((p for p in (path.parent / "train", path.parent / "cifar-100-python",
                                      *sorted(path.parent.glob("cifar-100-python.tar*"))) if p.exists()), None)
-        if cifar100 is not None and not unpack and (cifar100.name != "train" or (path.parent / "meta").exists()):
+        if cifar100 is not None and not unpack and (cifar100.name != "train" or (path.parent / "meta").is_file()
+                                                    and cifar100.is_file()):  # not a folder train/ of some other set
             unpack = (f"; {cifar100} is there: that is CIFAR-100 (train, test, meta), and nasdiag reads CIFAR-10's python "
                       "batches (cifar-10-python.tar.gz, unpacked: cifar-10-batches-py/)")  # it said "missing", no more
         raise DataError(f"CIFAR-10 file missing: {path} (expected the standard python batches {', '.join(CIFAR_FILES)})"
