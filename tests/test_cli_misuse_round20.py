@@ -16,7 +16,8 @@ a command copied from a rendered page (``—epochs 2``, ``--hp w_lr=3e−4``: an
 whose wrong character could not be seen ("must be of type float, got '3e−4'"), and ``--out “run.h5”`` (quotes a shell
 keeps) wrote a record so named, exit code 0; ``--resume`` without a readable checkpoint said only "start again with
 --force", which replaces the record; ``nasdiag search --out run.h5`` while another search writes run.h5 said to pass
---resume or --force, each refused while it writes.
+--resume or --force, each refused while it writes; plot and report of a record of no row left by a search killed
+before its first flush said "no committed rows yet", as of a run still starting.
 Every such mistake is one line on stderr saying what was wrong and what to do, exit code 2, no traceback, nothing left
 behind.
 """
@@ -294,3 +295,35 @@ def test_a_search_over_a_record_being_written_says_so_not_resume_or_force(tmp_pa
         writer.release()
     assert main(["search", *TINY, "--out", str(out)]) == 2  # released: the record of a finished run, as before
     assert "a record already exists" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/locks"), reason="the kernel's lock table is Linux's")
+@pytest.mark.parametrize("command", [["plot", "run.h5", "--out", "figs"], ["report", "run.h5", "--out", "r.html"]])
+def test_plot_and_report_of_a_record_of_no_row_tell_a_killed_writer_from_a_starting_one(command, tmp_path, monkeypatch,
+                                                                                        capsys):
+    """A search killed (kill -9) before its first flush leaves a record of no row and its lock file; plot and report said
+    "record run.h5 has no committed rows yet; nothing to plot", as of a run still starting, forever. A writer that
+    holds the lock is at its first steps ("run the command again in a while"); a lock held by none was left by a
+    writer that stopped, and the line says how the record goes on."""
+    from nasdiag.cli import main
+    from nasdiag.record import Recorder
+    from nasdiag.record.lock import WriterLock
+    from nasdiag.record.schema import lock_path
+
+    monkeypatch.chdir(tmp_path)
+    Recorder("run.h5").close()  # the file a recorder publishes first: no row
+    (tmp_path / "run.h5.lock").write_text('{"pid": 999999999, "host": "gone", "since": "then"}')  # as kill -9 leaves it
+    before = snapshot(tmp_path)
+    assert main(command) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds no row: its writer stopped (killed) before it recorded any" in err[0], err
+    assert "--resume" in err[0] and snapshot(tmp_path) == before
+    writer = WriterLock(lock_path("run.h5"), "run.h5")
+    writer.acquire()
+    try:
+        assert main(command) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"no committed rows yet: its writer (pid {os.getpid()} on" in err[0], err
+        assert "run the command again in a while" in err[0], err
+    finally:
+        writer.release()

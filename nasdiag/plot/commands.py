@@ -572,7 +572,7 @@ def run_plot(args) -> int:
     """Draw the figures of ``args.records`` (see the module docstring for folders and exit codes)."""
     from nasdiag.errors import NasdiagError
     from nasdiag.plot.registry import (
-        PlotError, check_at_steps, draw_record, parse_at, refuse_checkpoint, write_comparison,
+        PlotError, check_at_steps, draw_record, no_rows, parse_at, refuse_checkpoint, write_comparison,
     )
 
     figures = _figure_names(args.figures)
@@ -593,7 +593,7 @@ def run_plot(args) -> int:
         refuse_segment(record_path)
         record = _load(record_path)  # RecordError "no record at ..." if there is none
         if len(record["step"]) == 0:
-            raise PlotError(f"record {record_path} has no committed rows yet; nothing to plot")
+            raise no_rows(record_path, "nothing to plot")
         check_at_steps(at_tokens, record, record_path)
         _refuse_nothing_to_draw(record, record_path, args.figures)
         refuse_foreign_figures(out, args.format, "--out", _cells(record))
@@ -633,7 +633,7 @@ def run_plot(args) -> int:
             refuse_segment(record_path)
             record = _load(record_path)
             if len(record["step"]) == 0:
-                raise PlotError("no committed rows yet")
+                raise no_rows(record_path, "nothing to plot")
             check_at_steps(at_tokens, record, record_path)
             _refuse_nothing_to_draw(record, record_path, args.figures)
             refuse_foreign_figures(folders[record_path], args.format, "the figure folder", _cells(record), "give another --out")

@@ -397,6 +397,24 @@ _TORCH_SIGNATURES = (b"PK\x03\x04", b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x8
 _CHECKPOINT_SUFFIXES = (".ckpt", ".ckpt.tmp")
 
 
+def no_rows(record_path, nothing: str) -> "PlotError":
+    """The error for a record of no committed row (``nothing``: "nothing to plot"): its writer is at its first steps (it
+    holds the lock), or stopped before recording any (killed: its lock file is left, held by none), which "no committed
+    rows yet" made look like a run still starting."""
+    from nasdiag.record.lock import LOCK_TABLE, live_holder
+    from nasdiag.record.schema import lock_path
+
+    holder = live_holder(os.fspath(record_path))
+    if holder is not None:
+        return PlotError(f"record {record_path} has no committed rows yet: its writer ({holder}) has recorded none so far; "
+                         f"{nothing} now, run the command again in a while")
+    if os.path.exists(lock_path(os.fspath(record_path))) and os.path.exists(LOCK_TABLE):
+        return PlotError(f"record {record_path} holds no row: its writer stopped (killed) before it recorded any, leaving its "
+                         f"lock file; {nothing}. A nasdiag search continues it with --resume and the options it was started "
+                         "with, or starts it again with --force")
+    return PlotError(f"record {record_path} has no committed rows yet; {nothing}")
+
+
 def refuse_checkpoint(record_path) -> None:
     """Raise `PlotError` when ``record_path`` is a search checkpoint (``<record>.ckpt``, or any file that is
     not HDF5 but starts like a torch.save file) instead of a record, naming the record to pass; a missing
@@ -649,7 +667,7 @@ def write_figures(record_path, out_dir, fmt: str = "png", figures: Optional[Sequ
     refuse_checkpoint(checked_record_path(record_path, "write_figures"))
     record = load(record_path)
     if len(record["step"]) == 0:
-        raise PlotError(f"record {record_path} has no committed rows yet; nothing to plot")
+        raise no_rows(record_path, "nothing to plot")
     check_at_steps(parse_at(at), record, record_path)  # a later step drew the last rows into files named after it
     drawn = draw_record(record, out_dir, fmt, figures, at, dpi)
     written = WrittenFigures(drawn.files)

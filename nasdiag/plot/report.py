@@ -28,7 +28,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from nasdiag.plot.registry import (
-    NothingToDraw, PlotError, checked_record_path, iter_figures, malformed_lines, refuse_checkpoint, select,
+    NothingToDraw, PlotError, checked_record_path, iter_figures, malformed_lines, no_rows, refuse_checkpoint, select,
     without_malformed,
 )
 
@@ -220,7 +220,7 @@ def build_report(record_path, figures: Optional[Sequence[str]] = None, dpi: int 
     read = read_segments(record_path, with_data=True)
     record, meta = record_of(read), meta_of(read)
     if len(record["step"]) == 0:
-        raise PlotError(f"record {record_path} has no committed rows yet; nothing to report")
+        raise no_rows(record_path, "nothing to report")
     segments = _segment_attrs(read)
     config = meta.get("config") if isinstance(meta.get("config"), dict) else {}
     name = Path(os.fspath(record_path)).name

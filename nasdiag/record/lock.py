@@ -31,6 +31,36 @@ def describe_os_error(err: OSError) -> str:
     return os.strerror(err.errno) if err.errno else str(err)
 
 
+def live_holder(record: str):
+    """Who holds the writer lock of ``record`` (``pid 123 on host since ...``), read from the kernel's table of locks
+    (/proc/locks on Linux, so that no lock is taken to look: a writer starting then would be refused), else None: no
+    lock held (a lock file left by a writer that died holds none), or no such table (`LOCK_TABLE`)."""
+    from nasdiag.record.schema import lock_path
+
+    lock = lock_path(record)
+    try:
+        st = os.stat(lock)
+        with open(LOCK_TABLE) as fh:
+            table = fh.read()
+    except OSError:
+        return None
+    device = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    if not any(line.split()[1:2] == ["FLOCK"] and device in line.split() for line in table.splitlines()):
+        return None
+    try:
+        with open(lock) as fh:
+            holder = json.loads(fh.read() or "{}")
+    except (OSError, ValueError):
+        holder = {}
+    if not isinstance(holder, dict) or holder.get("pid") is None:
+        return "holder unknown"
+    return f"pid {holder.get('pid')} on {holder.get('host')} since {holder.get('since')}"
+
+
+#: the kernel's table of file locks (Linux), read by `live_holder`
+LOCK_TABLE = "/proc/locks"
+
+
 class WriterLock:
     """An exclusive, non-blocking ``flock`` on ``lock_file``.
 

@@ -383,7 +383,9 @@ def check_paths(config: SearchConfig) -> None:
         if os.path.exists(record):  # first: without either flag, the line below sent the user to both, each refused
             _refuse_a_record_of_another_program(record, "--resume" if config.resume else "--force" if config.force else None)
         if os.path.exists(record) and not (config.resume or config.force):
-            writer = _live_writer(record)  # both flags are refused while it writes: "pass --resume or --force" led there
+            from nasdiag.record.lock import live_holder
+
+            writer = live_holder(record)  # both flags are refused while it writes: "pass --resume or --force" led there
             if writer is not None:
                 raise ConfigError(f"record {record} is being written by another search ({writer}); wait for it to finish "
                                   "(then --resume extends it), or record to another --out")
@@ -406,34 +408,6 @@ def check_paths(config: SearchConfig) -> None:
         if os.path.exists(figures) and not os.path.isdir(figures):
             raise ConfigError(f"figure folder {figures} is a file; pass a folder")
         _probe_writable(figures, "figures")
-
-
-def _live_writer(record: str) -> Optional[str]:
-    """Who holds the writer lock of ``record`` (``pid 123 on host since ...``), read from the kernel's table of locks
-    (/proc/locks on Linux, so that no lock is taken to look: a writer starting then would be refused), else None: no
-    lock held, or no such table."""
-    import json
-
-    from nasdiag.record.schema import lock_path
-
-    lock = lock_path(record)
-    try:
-        st = os.stat(lock)
-        with open("/proc/locks") as fh:
-            table = fh.read()
-    except OSError:
-        return None
-    device = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    if not any(line.split()[1:2] == ["FLOCK"] and device in line.split() for line in table.splitlines()):
-        return None
-    try:
-        with open(lock) as fh:
-            holder = json.loads(fh.read() or "{}")
-    except (OSError, ValueError):
-        holder = {}
-    if not isinstance(holder, dict) or holder.get("pid") is None:
-        return "holder unknown"
-    return f"pid {holder.get('pid')} on {holder.get('host')} since {holder.get('since')}"
 
 
 def _refuse_a_record_of_another_program(record: str, flag: Optional[str]) -> None:
