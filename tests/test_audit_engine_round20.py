@@ -12,6 +12,12 @@ Defects found (each test fails without its fix):
   partial batch's static buffers, so the recorded ``hessian/<cell>/diag`` was that of an old partial batch, silently
   (CUDA only). StepGraph keeps such attributes per graph and puts them back after each replay
   (test_the_hessian_after_a_replayed_step_is_taken_on_that_steps_batch_with_two_graphs).
+* A method's step on a network with a hook on any module was captured and replayed: a hook on the classifier or stem
+  (outside the cells, which the round-18 key did not cover) or one attached globally ran at the capture only; one on a
+  cell module changed the engine's plan key, so the graph was captured anew, with the eager forward, and then replayed
+  without calling the hook (a probe attached to the network outside the method, a user's statistics, a hook scaling a
+  tensor by a Python value: silently skipped or frozen at the capture's value). A hooked network's step runs plainly,
+  as ``nasdiag.hessian.graphed`` already did for a hooked model (test_a_step_of_a_network_with_a_hook_is_never_replayed).
 """
 
 from __future__ import annotations
@@ -97,3 +103,67 @@ def test_the_hessian_after_a_replayed_step_is_taken_on_that_steps_batch_with_two
     assert keys and sorted(a) == sorted(b)
     for k in keys:
         assert torch.allclose(a[k], b[k], rtol=0, atol=1e-12), k
+
+
+@pytest.mark.parametrize("where", ["classifier", "cell", "global"])
+def test_a_step_of_a_network_with_a_hook_is_never_replayed(where):
+    """A replay runs no Python: a hook on a module of the network (a user's statistics, an attached probe's) would be
+    called at the capture only, and a hook that scales a tensor by a value read in Python would replay the capture's
+    value. A hooked network's step runs plainly (what nasdiag.hessian.graphed does for a hooked model): a hook on the
+    classifier (outside the cells) was captured and replayed; one on a cell module made the engine's plan key change,
+    the graph was captured anew with the eager forward and then replayed without the hook. Here a hook multiplies the
+    logits by a factor read in Python at each call, changed between steps: every step = a plain eager method's with
+    the same hook (1e-12, float64), the hook called once per training forward, none captured or replayed (the CPU
+    stand-in's replay runs the step's Python, so what is checked is that no step was replayed); once the hook is
+    removed the step is captured and replayed again."""
+    cls = available_methods()["darts"]
+    methods = []
+    for engine in ("fast", "eager"):
+        net = _net().set_engine(engine)
+        methods.append(cls(net, None, schedule=Schedule(epochs=1, steps_per_epoch=8, batch_size=4)))
+    graphed, plain = methods
+    graphed.step.backend = _ReplayRunsNoPython(graphed)
+    graphed.step.enabled = lambda tensors: graphed._graph_applies()  # CPU tensors: the rest of _graph_enabled
+    graphed.step.prepare = None
+    scale = {"value": 1.0}
+    calls = []
+
+    def hook(module, inputs, output):
+        calls.append(module)
+        return output * scale["value"] if where != "cell" else output
+
+    handles = []
+    for m in methods:
+        if where == "classifier":
+            handles.append(m.network.classifier.register_forward_hook(hook))
+        elif where == "cell":
+            handles.append(m.network.cells[1].preprocess1[2].register_forward_hook(hook))
+    if where == "global":
+        handles.append(torch.nn.modules.module.register_module_forward_hook(
+            lambda mod, i, o: calls.append(mod) if mod is graphed.network.classifier else None))
+    g = torch.Generator().manual_seed(2)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for s in range(4):
+                scale["value"] = 1.0 + 0.5 * s
+                train, val = _batch(g, 4), _batch(g, 4)
+                before = len(calls)
+                a = graphed.step(train, val)
+                if where != "global":
+                    assert len(calls) - before == 2, (s, len(calls) - before)  # the α step's forward and the w step's
+                    b = plain.step(train, val)
+                    assert len(calls) - before == 4
+                    for k in b:
+                        assert torch.allclose(a[k].to(DT), b[k].to(DT), rtol=0, atol=1e-12), (s, k)
+                else:
+                    assert len(calls) - before == 2, (s, len(calls) - before)
+    finally:
+        for h in handles:
+            h.remove()
+    assert graphed.step.counts["replay"] == graphed.step.counts["capture"] == 0, graphed.step.counts
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for s in range(3):
+            graphed.step(_batch(g, 4), _batch(g, 4))
+    assert graphed.step.counts["capture"] == 1 and graphed.step.counts["replay"] == 1

@@ -31,6 +31,7 @@ from torch import nn
 
 from nasdiag.cost import CostMoments
 from nasdiag.errors import ConfigError, NasdiagError
+from nasdiag.hooks import has_module_hooks
 from nasdiag.search.hyperparameters import Hyperparameters
 from nasdiag.supernet import Genotype, derive_genotype
 
@@ -469,8 +470,15 @@ class SearchMethod:
 
     # -- CUDA-graph capture of the step (engine "fast"/"auto" on CUDA) ------------------------------------
     def _graph_enabled(self, tensors) -> bool:
-        return (all(t.is_cuda for t in tensors) and getattr(self.network, "engine", "eager") != "eager"
-                and self.model is self.network and self.probe is None)
+        return all(t.is_cuda for t in tensors) and self._graph_applies()
+
+    def _graph_applies(self) -> bool:
+        """Whether a captured step may stand for this step (on CUDA tensors): the engine not ``eager``, no DDP wrapper,
+        no probe, and no hook on any module of the network, nor a global one: a replay runs no Python, so a hook (a
+        user's, an attached probe's) would be called at the capture only, and one that changes a tensor with a value
+        read in Python would replay the capture's value (nasdiag.hessian.graphed calls a hooked model plainly too)."""
+        return (getattr(self.network, "engine", "eager") != "eager" and self.model is self.network and self.probe is None
+                and not has_module_hooks(self.network.modules()))
 
     def _graph_state_key(self):
         """What a captured step bakes in besides the batch: optimizer settings (the scheduled learning rate),
