@@ -47,7 +47,7 @@ Checked and found right (scratch sweeps; Linear(4, 3|5) → act → Linear, N = 
   a bias-only parameter ``x + b``, a per-feature scale ``x * g``; RMSNorm (affine: owns a weight with no rule; not
   affine: a product of two functions of its input) and Embedding refused in one line each, ``exact`` right.
 
-Defect found (the test fails on the library before the fix):
+Defects found (each test fails on the library before its fix):
 
 * ``nn.Hardsigmoid``: ``diag``/``approx`` refused it advising ``ElementwiseRule`` or ``mode='exact'``; both ended in
   torch's bare ``RuntimeError: derivative for aten::hardsigmoid_backward is not implemented`` (``exact`` and
@@ -56,6 +56,10 @@ Defect found (the test fails on the library before the fix):
   closed-form rule (beside ReLU6 and Hardtanh; torch's own float64 derivative of it is float32's 1/6), an elementwise function without a second derivative in torch is one
   ``UnsupportedModuleError`` line, and the Hessian-vector routes say so in one ``CurvatureRuntimeError`` line —
   ``test_hardsigmoid_has_its_exact_diagonal_and_no_second_derivative_is_one_line``.
+* one unbatched sample (``model(x)`` on (features,), cross-entropy over its (C,) logits) was refused by ``diag``/
+  ``approx`` as "loss_fn couples different samples", which the user's per-sample loss does not (the (C,) outputs are
+  read as C samples of one entry); the line names the shape so read and the batch of one that works —
+  ``test_one_unbatched_sample_is_not_refused_as_a_loss_coupling_samples``.
 
 Noticed, left alone: ``diag``/``approx`` refuse Mish, CELU, SELU, Hardswish, LogSigmoid, Softsign (smooth elementwise
 functions an ``ElementwiseRule()`` handles exactly, as checked above): loud and with the right advice, so not a
@@ -177,3 +181,22 @@ def test_the_last_layer_is_exact_under_each_per_sample_loss_and_the_whole_net_un
         h = diag_hessian(net, loss_fn, x, t, mode="exact")
         for k in ref:
             torch.testing.assert_close(h[k], ref[k], rtol=1e-12, atol=1e-15, msg=lambda m, k=k: f"{name} {k}: {m}")
+
+
+def test_one_unbatched_sample_is_not_refused_as_a_loss_coupling_samples():
+    """``diag_hessian`` reads the outputs' first dim as the batch. One unbatched sample, ``model(x)`` on (features,)
+    with cross-entropy over its (C,) logits, was refused as "loss_fn couples different samples", which the user's
+    per-sample loss does not: the line names the shape read as C samples and the batch of one that works, whose
+    ``diag`` is the own dense diagonal on the last layer."""
+    torch.manual_seed(4)
+    net = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).to(DT)
+    x, y = torch.randn(4, dtype=DT), torch.tensor(1)
+    for mode in ("diag", "approx"):
+        with pytest.raises(ValueError) as err:
+            diag_hessian(net, F.cross_entropy, x, y, mode=mode)
+        msg = str(err.value)
+        assert "\n" not in msg and "(3,)" in msg and "unsqueeze(0)" in msg, msg
+    h = diag_hessian(net, F.cross_entropy, x.unsqueeze(0), y.unsqueeze(0), mode="diag")
+    ref = _dense_diagonal(net, F.cross_entropy, x.unsqueeze(0), y.unsqueeze(0))
+    for k in ("2.weight", "2.bias"):
+        torch.testing.assert_close(h[k], ref[k], rtol=1e-12, atol=1e-15)

@@ -49,7 +49,7 @@ def output_hessian_blocks(
         return parts
     cols, coupled = parts
     cols = torch.cat(cols)  # (D, N, D): [d, n] = H_n[:, d]
-    return _refused_if_coupled(coupled, cols).permute(1, 2, 0).contiguous()
+    return _refused_if_coupled(coupled, cols, outputs).permute(1, 2, 0).contiguous()
 
 
 def _loss_hessian_columns(loss_fn, outputs, targets, chunk_size, generator, take):
@@ -124,13 +124,21 @@ def _float32_copy(loss_fn, outputs: torch.Tensor, targets):
     return grad, out
 
 
-def _refused_if_coupled(coupled: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
-    """``result``, or a :class:`LossCouplesSamplesError` where the loss couples samples."""
+def _refused_if_coupled(coupled: torch.Tensor, result: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
+    """``result``, or a :class:`LossCouplesSamplesError` where the loss couples samples. 1-D ``outputs`` are N samples
+    of one entry each: an unbatched call's logits (``model(x)`` on one (features,) sample, then cross-entropy over
+    them) are refused saying so, not as a loss that couples samples (the user's loss does not)."""
     if _capturing(result):
         # Inside a CUDA-graph capture the check cannot reach the host; the capturer ran the same call eagerly
         # first (nasdiag.cuda_graphs.StepGraph does), where it raised. Here a coupling loss turns the
         # result into NaN, which the callers flag, instead of passing as a per-sample Hessian.
         return torch.where(coupled, torch.full_like(result, float("nan")), result)
+    if coupled and outputs.dim() == 1:
+        raise LossCouplesSamplesError(
+            f"the model outputs have shape {tuple(outputs.shape)}, read as {outputs.shape[0]} samples of one entry each, "
+            "and loss_fn couples them (as cross-entropy over one sample's logits does); for one sample pass a batch of "
+            "one (inputs.unsqueeze(0), targets.unsqueeze(0)), or use mode='exact'"
+        )
     if coupled:
         raise LossCouplesSamplesError(
             "loss_fn couples different samples (∂²loss/∂y_n∂y_m ≠ 0 for n ≠ m), so its Hessian w.r.t. the outputs is "
@@ -165,4 +173,4 @@ def output_hessian_diagonal(loss_fn: Callable, outputs: torch.Tensor, targets, *
     if zero:
         return torch.zeros_like(outputs)
     diag, coupled = parts
-    return _refused_if_coupled(coupled, torch.cat(diag).T).reshape(outputs.shape)
+    return _refused_if_coupled(coupled, torch.cat(diag).T, outputs).reshape(outputs.shape)
