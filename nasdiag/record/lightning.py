@@ -58,6 +58,7 @@ def _adapter_class(base):
             self.callback_kwargs = callback_kwargs
             self.callback = None
             self.fits = 0  # setups that opened the record: a later fit with this callback continues it
+            self.steps_before = None  # trainer.global_step as the current training batch began
 
         def __reduce__(self):
             # The class is made at run time, so pickle (ddp_spawn sends callbacks to the workers)
@@ -83,9 +84,17 @@ def _adapter_class(base):
                 kwargs = {k: v for k, v in kwargs.items() if k in ("reduce", "rules", "ddof", "group", "flush_every")}
             self.callback = RecorderCallback(self.path if writes else None, meta=self.meta if writes else None, **kwargs)
 
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.steps_before = trainer.global_step
+
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             stats = self.statistics(trainer, pl_module, outputs)
-            self.callback.on_step_end(trainer.global_step, stats)
+            step = trainer.global_step
+            if step == self.steps_before:
+                # No optimizer step in this batch (a micro-batch of gradient accumulation): it goes into the row of
+                # the step it accumulates into, global_step after that step, not the row of the step before it
+                step += 1
+            self.callback.on_step_end(step, stats)
 
         def on_train_epoch_end(self, trainer, pl_module):
             stats = self.epoch_statistics(trainer, pl_module) if self.epoch_statistics is not None else None
@@ -112,8 +121,9 @@ def lightning_callback(path, *, meta=None, statistics=None, epoch_statistics=Non
 
     ``statistics(trainer, pl_module, outputs) -> {record path: value}`` gives each training batch's
     statistics; by default ``pl_module.nasdiag_statistics()`` or ``outputs["nasdiag"]``. The row's
-    step is ``trainer.global_step``; batches with the same global step (gradient accumulation)
-    share a row, later values winning. ``epoch_statistics(trainer, pl_module)``, if given, adds to
+    step is ``trainer.global_step`` after the batch's optimizer step: the batches of one step under gradient
+    accumulation (``accumulate_grad_batches``, or a manual loop stepping every few batches) share the row of the
+    step they accumulate into, later values winning. ``epoch_statistics(trainer, pl_module)``, if given, adds to
     the last row of each epoch. ``callback_kwargs`` go to `RecorderCallback` (``reduce``, ``rules``)
     and `Recorder` (``flush_every``, ``resume``, ``overwrite``). Teardown closes the record; another fit with the
     same callback continues it (``resume=True``); ``trainer.validate``, ``test`` and ``predict`` leave the record alone. Raises `RecordError` if neither

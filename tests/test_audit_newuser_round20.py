@@ -1,0 +1,122 @@
+"""Round-20 new-user audit: a NAS researcher who has never seen nasdiag installs it as README.md says, runs its main
+job, then attaches it to a supernet and a training loop of their own following only docs/probe.md, docs/schema.md,
+docs/methods.md and docs/figures.md, each code example copied literally into a script; the loop does what real loops
+do that rounds 5/11/13/17 did not combine: gradient accumulation, bf16 autocast, a validation pass in eval mode inside
+the same epoch (and inside the probed block), a KeyboardInterrupt mid-epoch, and the same under PyTorch Lightning.
+
+References are written here from scratch: the optimizer steps a batch belongs to under gradient accumulation
+(batches 2k-2 and 2k-1 make step k with accumulate_grad_batches=2), counted from the definition, not from nasdiag.
+
+Found and fixed:
+
+* ``nasdiag.record.lightning_callback`` put a training batch in the row of ``trainer.global_step`` as it was at
+  the batch's end, so under ``accumulate_grad_batches=2`` the micro-batches of one optimizer step were split over two
+  rows (the first one, taken before the step, in the row of the step before) and each row held the last micro-batch
+  of one step and the first of the next, later winning: the epoch's row (its cost statistics and ``scalars/epoch``)
+  carried the scalars of the next epoch's first batch, and step 0 held a row of half a step. The docstring said
+  "batches with the same global step (gradient accumulation) share a row". A batch that takes no optimizer step now
+  goes into the row of the step it accumulates into (test_lightning_gradient_accumulation_puts_an_optimizer_steps_micro_batches_in_its_row).
+
+Checked and right (scripts in a scratch folder, torch 2.13 CPU):
+
+* README's install as the brief ran it, ``pip install torch==2.13.0`` then ``pip install -e .`` in two calls, replaced
+  the CPU torch by torch 2.14.1 with its CUDA libraries (BackPACK's torchvision pins it), the case README's note warns
+  about; README's own one-call ``pip install torch==2.13.0 -e .`` put torch 2.13.0+cpu back. Its main job in a fresh
+  folder and a few tests of its test command: see the report.
+* docs/probe.md's, docs/schema.md's blocks run as written (costs.h5: 6 rows, (14, 8) cost rows on the epoch rows;
+  run.h5: (3,), (3, 5, 3)); docs/methods.md's "A method on your own supernet" fragment on a DARTS-convention supernet
+  of this audit's own (two normal cells, no reduce cell): stats keys and shapes as its comment, ``cost/normal/mean``
+  after one step equal to autograd's ∂L/∂Z of the val batch with Z a leaf per cell (1e-8, float32); docs/figures.md's
+  fragment registered under another name and drawn from a record with a NaN λ.
+* The node-protocol block of docs/probe.md (``MyCell`` declaring ``edges``, ``edge_nodes``, ``output_nodes``,
+  ``output_node_slices``) completed with a forward: node pairs and indices as declared, ``output_costs()`` equal to
+  autograd's gradient of a scalar multiplier on each node's slice, path parts summing to ``costs()`` (1e-17, float64).
+* An own loop with two micro-batches of loss/2 in one block: costs equal autograd's ∂(ΣL_m/2)/∂Z (1e-17, float64);
+  under bf16 autocast within 0.3 % of autograd's ∂L/∂Z under the same autocast (10 % from float64: bf16's own
+  error); a validation pass in eval mode inside the block, under no_grad or with grad on, before or after the
+  training forward, leaves costs, per-sample rows (B, K) and output costs those of the training batch;
+  KeyboardInterrupt raised in the forward or in the backward of a block with path_split and hessian: no hook left,
+  costs() refused in one line, the next step's costs exact and counted once; RecorderCallback's ``on_exception``
+  and its ``with`` block after a KeyboardInterrupt keep every row handed in, the epoch's statistics in its row;
+  ``nasdiag plot`` of that record titles the cost map "steps 0-4 (epoch 0)". Under Lightning (manual optimization,
+  KeyboardInterrupt at batch 5, which Lightning turns into on_exception and an exit): rows 1-5, the batch that raised
+  not recorded.
+
+Noticed and left alone: the scalars figure labels a user's ``scalars/val_loss`` "(α step, batch)" (docs/figures.md
+gives ``val_*`` that meaning: naming). ``probe.hessian()`` after accumulated micro-batches takes the first one (the
+doc says the first model call), and its targets-of-another-size line calls that micro-batch "the batch" (wording).
+With the README's install the ``[test]`` extra's Lightning fails at import (pip's torchvision for the CPU torch is a
+CUDA build: ``operator torchvision::nms does not exist``); lightning_callback says so in one line and the Lightning
+tests hide torchvision (the local index holds no CPU torchvision: environment).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nasdiag.record import lightning_callback, load
+
+
+def _lightning(monkeypatch):
+    """``lightning.pytorch`` with torchvision hidden from torchmetrics's import probe while it is imported (a torchvision
+    built for another torch fails at import; nasdiag never uses it), or a skip without the lightning extra."""
+    imports = pytest.importorskip("lightning_utilities.core.imports", reason="the lightning extra is not installed")
+    with monkeypatch.context() as patch:
+        real = imports._version
+        patch.setattr(imports, "_version", lambda name: _absent(name) if name == "torchvision" else real(name))
+        if "torchvision" not in sys.modules:
+            patch.setitem(sys.modules, "torchvision", None)
+        return pytest.importorskip("lightning.pytorch", reason="the lightning extra is not installed")
+
+
+def _absent(name):
+    raise importlib.metadata.PackageNotFoundError(name)
+
+
+def test_lightning_gradient_accumulation_puts_an_optimizer_steps_micro_batches_in_its_row(tmp_path, monkeypatch):
+    pl = _lightning(monkeypatch)
+    batches, accumulate, epochs = 8, 2, 2
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(3, 2)
+            self.seen = 0
+
+        def training_step(self, batch, batch_idx):
+            self.batch = float(self.seen)  # the batch's index over the whole fit
+            self.seen += 1
+            return F.cross_entropy(self.layer(batch[0]), batch[1])
+
+        def nasdiag_statistics(self):
+            return {"scalars/batch": self.batch}
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(4 * batches, 3), torch.randint(0, 2, (4 * batches,)))
+    record = tmp_path / "accumulated.h5"
+    trainer = pl.Trainer(max_epochs=epochs, accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[lightning_callback(record, epoch_statistics=lambda t, m: {"scalars/at_epoch_end": float(m.seen - 1)})])
+    with warnings.catch_warnings():  # Lightning's own advice (few dataloader workers, ...)
+        warnings.simplefilter("ignore")
+        trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=4))
+    got = load(record)
+    # Optimizer step k (global_step k after it, 1-based) is made of batches accumulate*(k-1) ... accumulate*k - 1;
+    # its row holds the last of them (later values win).
+    steps = batches * epochs // accumulate
+    assert got["step"].tolist() == list(range(1, steps + 1))
+    assert got["scalars/batch"].tolist() == [float(accumulate * k - 1) for k in range(1, steps + 1)]
+    # The epoch's row is its last step's, holding that step's batch, not the next epoch's first one.
+    epoch_rows = got["valid/scalars/epoch"].nonzero()[0]
+    assert got["step"][epoch_rows].tolist() == [batches // accumulate * (e + 1) for e in range(epochs)]
+    assert got["scalars/batch"][epoch_rows].tolist() == got["scalars/at_epoch_end"][epoch_rows].tolist()
+
