@@ -1115,7 +1115,10 @@ def _open_record(config, net, method, hp_values, defining, digest, world):
         # order, so a float64 DSNAS rerun from the config alone with 2 threads for 1 differed by 1 ulp in α
         "threads": torch.get_num_threads(),
     }
-    replaced = _figures_of(os.fspath(config.record)) if config.force else None
+    from nasdiag.distributed import rank
+
+    # rank 0 replaces the record (the others would read it while it is replaced)
+    replaced = _figures_of(os.fspath(config.record)) if config.force and rank() == 0 else None
     with warnings.catch_warnings():
         # the run-defining settings were compared above; only epochs (an explicit extension) may differ
         warnings.simplefilter("ignore", RecordWarning)
