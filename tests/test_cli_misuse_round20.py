@@ -20,6 +20,29 @@ keeps) wrote a record so named, exit code 0; ``--resume`` without a readable che
 before its first flush said "no committed rows yet", as of a run still starting.
 Every such mistake is one line on stderr saying what was wrong and what to do, exit code 2, no traceback, nothing left
 behind.
+
+Checked and found right (not repeated as tests, run as a user in a shell): every method's documented hyperparameters
+out of range (tau0=0, tau_decay=0, tau_min above tau0, w_momentum=1.5, w_lr=-1, alpha_betas=1,0.9 or one value,
+zeta=0, reward_bound=-1/0, lambda_w=0, init_gamma=0, update_every=-1 or past the run, hessian_mode=bogus/hutchinson:0,
+optimizer=HAPG, sgl_alpha=2, lambda_step=-1, attention_hidden=0, a SparseNAS key its optimizer does not use, values past
+float32): one line each; the --help contract: --seed 99999999999999 runs, --spectrum-every 3 records the eigenvalues at
+steps 3 and 6 of 8, --hessian-mode approx ends in the record's config and gives one value per parametric op of an edge,
+--diagnostics cost/hessian/none record only those families (BayesNAS's hessian/<cell>/nonfinite on its update rows, as
+docs/schema.md says), report --dpi 15/300 sizes the inlined images, plot --at init draws each family's first row, the
+figures of every method's record are those of its recorded families and its report is written; --device cuda, cuda:7,
+cuda:-1, mps and ' cpu' (one line), CUDA_VISIBLE_DEVICES='' (auto is the CPU), OMP_NUM_THREADS=0 (runs), --threads past
+the CPUs (one line), MPLBACKEND=bogus or TkAgg (plot draws); plot of a record given twice (also as ./run.h5), a folder,
+two records of one name in two folders (two figure folders); --resume with the checkpoint of another run (the seed
+named), of a record behind its checkpoint (refused), of a diverged run (replays to the same stop, writes nothing); a
+search with an absolute --out whose current folder is removed mid-run (runs to its end).
+
+Left alone: --threads is bounded by the machine's CPUs (os.cpu_count), its default by the usable ones (taskset -c 0
+takes --threads 2): the batch scripts bound it alike and round 4's test pins the line; a checkpoint restored from an
+earlier session of a run extended since replays the later steps under the new schedule, while the record keeps their
+rows of the old one (a file replaced by hand); --method darts,snas is "unknown method", with no word of one method per
+search; plot's "skipped ..." lines carry no "nasdiag:" prefix; a DARTS step whose training loss is NaN (w_lr=1e30) is
+recorded and the epoch goes on to its search-val check, where SNAS stops at the step (the methods' area); a darts2
+search's record gains a segment at its first epoch end (a path first logged then: SWMR cannot add datasets).
 """
 
 from __future__ import annotations
