@@ -26,7 +26,8 @@ out of range (tau0=0, tau_decay=0, tau_min above tau0, w_momentum=1.5, w_lr=-1, 
 zeta=0, reward_bound=-1/0, lambda_w=0, init_gamma=0, update_every=-1 or past the run, hessian_mode=bogus/hutchinson:0,
 optimizer=HAPG, sgl_alpha=2, lambda_step=-1, attention_hidden=0, a SparseNAS key its optimizer does not use, values past
 float32): one line each; the --help contract: --seed 99999999999999 runs, --spectrum-every 3 records the eigenvalues at
-steps 3 and 6 of 8, --hessian-mode approx ends in the record's config and gives one value per parametric op of an edge,
+steps 3 and 6 of 8, --hessian-mode approx ends in the record's config and gives one value to the ops of an edge that end in BatchNorm
+(skip_connect of an intermediate node apart, as --help says),
 --diagnostics cost/hessian/none record only those families (BayesNAS's hessian/<cell>/nonfinite on its update rows, as
 docs/schema.md says), report --dpi 15/300 sizes the inlined images, plot --at init draws each family's first row, the
 figures of every method's record are those of its recorded families and its report is written; --device cuda, cuda:7,
