@@ -92,6 +92,14 @@ def _clone_outputs(out: Any) -> Any:
     return out
 
 
+def ambient_state() -> Hashable:
+    """What a capture bakes in of torch's ambient state, for a state key: grad mode and, per device type, whether
+    autocast is on and to which dtype (a step captured outside ``torch.autocast`` replays its float32 kernels inside
+    it, one captured inside replays half-precision kernels outside it)."""
+    return (torch.is_grad_enabled(),) + tuple((device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+                                              for device in ("cuda", "cpu"))
+
+
 class CudaGraphBackend:
     """The boundary to ``torch.cuda``: eager steps on a side stream, capture, replay (mocked in CPU tests).
 

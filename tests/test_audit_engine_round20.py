@@ -18,6 +18,10 @@ Defects found (each test fails without its fix):
   without calling the hook (a probe attached to the network outside the method, a user's statistics, a hook scaling a
   tensor by a Python value: silently skipped or frozen at the capture's value). A hooked network's step runs plainly,
   as ``nasdiag.hessian.graphed`` already did for a hooked model (test_a_step_of_a_network_with_a_hook_is_never_replayed).
+* The state keys of a captured step, of the search's curvature graph and of GraphedDiagHessian did not hold autocast: a
+  step captured outside ``torch.autocast`` replayed float32 kernels inside it and one captured inside replayed
+  half-precision kernels outside it; ``nasdiag.cuda_graphs.ambient_state`` (grad mode, autocast per device) is part of
+  each key (test_a_captured_steps_and_curvatures_state_key_holds_autocast).
 """
 
 from __future__ import annotations
@@ -167,3 +171,28 @@ def test_a_step_of_a_network_with_a_hook_is_never_replayed(where):
         for s in range(3):
             graphed.step(_batch(g, 4), _batch(g, 4))
     assert graphed.step.counts["capture"] == 1 and graphed.step.counts["replay"] == 1
+
+
+def test_a_captured_steps_and_curvatures_state_key_holds_autocast():
+    """A capture records the kernels autocast chose: a step (or curvature) captured outside ``torch.autocast`` would
+    replay its float32 kernels inside it, and one captured inside replay half-precision kernels outside it. The state
+    keys of a method's step and of its curvature graph, and of GraphedDiagHessian, held grad mode (the step) but not
+    autocast; each changes with it (checked on the key: a replay stand-in on the CPU re-runs Python under the
+    current autocast, so it cannot show the stale kernels)."""
+    from nasdiag.hessian.graphed import GraphedDiagHessian
+
+    cls = available_methods()["darts"]
+    net = _net().set_engine("fast")
+    m = cls(net, None, schedule=Schedule(epochs=1, steps_per_epoch=4, batch_size=4), hessian_mode="diag")
+    g = torch.Generator().manual_seed(3)
+    m.step(_batch(g, 4), _batch(g, 4))
+    m.diagnostics()
+    weights = GraphedDiagHessian(torch.nn.Sequential(torch.nn.Linear(3, 2)), F.cross_entropy, mode="diag")
+    keys = (m._graph_state_key, m._curvature_graph.state_key, weights.graph.state_key)
+    outside = [key() for key in keys]
+    assert [key() for key in keys] == outside
+    for dtype in (torch.bfloat16, torch.float16):
+        with torch.autocast("cpu", dtype=dtype):
+            inside = [key() for key in keys]
+        assert all(a != b for a, b in zip(inside, outside)), dtype
+    assert [key() for key in keys] == outside

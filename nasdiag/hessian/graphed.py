@@ -11,7 +11,7 @@ kernels run back to back, the Python walk runs once per batch shape.
 The replay returns the numbers of a plain call on the same inputs (tested on the GPU in float32). What the
 graph bakes in, and what therefore makes it capture anew: the batch's shapes and dtypes (another shape runs
 plainly once, with a one-line warning, and is captured when it comes again) and any non-tensor argument,
-the mode, every module's train/eval mode and normalization flags, and the storage of the parameters (``model.to(...)`` or replaced parameters). Parameter *values* may change
+the mode, every module's train/eval mode and normalization flags, the storage of the parameters (``model.to(...)`` or replaced parameters), grad mode and autocast. Parameter *values* may change
 freely between calls (optimizer steps update them in place). On the CPU, or for other modes, the call is
 plain. Hooks a user registered on the model would run only while capturing, so a model with hooks is
 called plainly too.
@@ -54,14 +54,14 @@ def curvature_graph(fn: Callable, model: nn.Module, mode: str, *, name: str, bac
     :class:`~nasdiag.cuda_graphs.StepGraph`: replayed on CUDA where the mode is graphable and the
     model has no hooks, plain otherwise. ``backend`` as ``StepGraph``'s (e.g. a
     :class:`~nasdiag.cuda_graphs.CudaGraphBackend` whose memory pool the graph shares with a training step's)."""
-    from nasdiag.cuda_graphs import StepGraph
+    from nasdiag.cuda_graphs import StepGraph, ambient_state
 
     def enabled(tensors: Sequence[torch.Tensor]) -> bool:
         return (mode in GRAPHABLE_MODES and len(tensors) > 0 and all(t.is_cuda for t in tensors)
                 and not has_user_hooks(model))
 
     def state_key() -> Hashable:
-        return (mode, _module_flags(model), _storage_key(model))
+        return (mode, _module_flags(model), _storage_key(model), ambient_state())
 
     return StepGraph(fn, state_key, enabled=enabled, name=name, backend=backend)
 

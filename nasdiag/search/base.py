@@ -493,11 +493,13 @@ class SearchMethod:
         # every module's mode, not only the network's: a cell module switched to eval on its own (frozen BatchNorms)
         # runs eager (nasdiag.supernet.engine.why_not_fast), and a replay of the step captured before would not
         modes = tuple(m.training for m in self.network.modules())
+        from nasdiag.cuda_graphs import ambient_state
         from nasdiag.supernet.engine.fast import plan_key
 
-        # the engine's plan (a module swapped inside an op, a BatchNorm's eps or momentum set) and hooks on the cells
+        # the engine's plan (a module swapped inside an op, a BatchNorm's eps or momentum set) and hooks on the cells;
+        # grad mode and autocast
         return (tuple(settings), tuple((t, id(m)) for t, m in self._cost_moments.items()), modes,
-                torch.is_grad_enabled(), params[0].data_ptr(), params[-1].data_ptr(), plan_key(self.network))
+                ambient_state(), params[0].data_ptr(), params[-1].data_ptr(), plan_key(self.network))
 
     def _graph_prepare(self) -> None:
         """Adam/AdamW keep their step count on the device (``capturable=True``) so a replay advances it.
