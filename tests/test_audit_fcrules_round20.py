@@ -60,6 +60,12 @@ Defects found (each test fails on the library before its fix):
   ``approx`` as "loss_fn couples different samples", which the user's per-sample loss does not (the (C,) outputs are
   read as C samples of one entry); the line names the shape so read and the batch of one that works —
   ``test_one_unbatched_sample_is_not_refused_as_a_loss_coupling_samples``.
+* a float64 model whose loss computes in float32 (``F.cross_entropy(outputs.float(), t)``) was refused by
+  ``diag``/``approx`` as coupling samples (the check's tolerance was 1e3 ulp of the outputs' float64, its products
+  carry float32 round-off), and ``exact``/``hutchinson:<k>`` returned float32 diagonals of float64 parameters
+  (bfloat16 of float32 ones under CPU autocast) where the docstring promises the parameters' dtype; the tolerance
+  is of the coarser dtype, results are cast —
+  ``test_a_loss_computed_in_float32_on_float64_outputs_is_per_sample_and_every_mode_keeps_the_parameters_dtype``.
 
 Noticed, left alone: ``diag``/``approx`` refuse Mish, CELU, SELU, Hardswish, LogSigmoid, Softsign (smooth elementwise
 functions an ``ElementwiseRule()`` handles exactly, as checked above): loud and with the right advice, so not a
@@ -200,3 +206,30 @@ def test_one_unbatched_sample_is_not_refused_as_a_loss_coupling_samples():
     ref = _dense_diagonal(net, F.cross_entropy, x.unsqueeze(0), y.unsqueeze(0))
     for k in ("2.weight", "2.bias"):
         torch.testing.assert_close(h[k], ref[k], rtol=1e-12, atol=1e-15)
+
+
+def test_a_loss_computed_in_float32_on_float64_outputs_is_per_sample_and_every_mode_keeps_the_parameters_dtype():
+    """A float64 model whose loss casts its outputs (``F.cross_entropy(outputs.float(), t)``): the check that the loss
+    does not couple samples compared products carrying float32 round-off to 1e3 ulp of float64 and refused this
+    per-sample loss as coupling samples (``diag``/``approx``); ``exact`` and ``hutchinson:<k>`` returned the loss's
+    dtype, float32 diagonals of float64 parameters (under CPU autocast, bfloat16 of float32 ones), where the docstring
+    promises the parameters' dtype. The last layer's ``diag`` is the own float64 dense diagonal to float32's round-off;
+    a float32 loss that does couple samples is still refused."""
+    torch.manual_seed(5)
+    net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 10)).to(DT)
+    x, y = torch.randn(64, 6, dtype=DT), torch.randint(0, 10, (64,))
+    ref = _dense_diagonal(net, F.cross_entropy, x, y)
+    in_float32 = lambda o, t: F.cross_entropy(o.float(), t)
+    for mode in ("diag", "approx", "exact", "hutchinson:1"):
+        h = diag_hessian(net, in_float32, x, y, mode=mode)
+        assert all(h[k].dtype == DT for k in h), mode
+    h = diag_hessian(net, in_float32, x, y, mode="diag")
+    for k in ("2.weight", "2.bias"):
+        torch.testing.assert_close(h[k], ref[k], rtol=1e-5, atol=1e-6 * ref[k].abs().max().item())
+    with pytest.raises(ValueError, match="couples different samples"):
+        diag_hessian(net, lambda o, t: in_float32(o, t) + 0.01 * o.float().sum() ** 2, x, y, mode="diag")
+    small = nn.Sequential(nn.Linear(6, 3)).float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for mode in ("exact", "hutchinson:1", "diag"):
+            h = diag_hessian(small, F.cross_entropy, x[:8].float(), y[:8] % 3, mode=mode)
+            assert all(v.dtype == torch.float32 for v in h.values()), mode

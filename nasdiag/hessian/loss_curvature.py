@@ -88,7 +88,7 @@ def _loss_hessian_columns(loss_fn, outputs, targets, chunk_size, generator, take
     # The coupling check compares two products to 1e3 ulp of their magnitudes; in float16/bfloat16 that tolerance is
     # the whole Hessian (a loss coupling samples as strongly as its per-sample terms passed, and diag/approx came out
     # 120% off), so there it is made on a float32 copy of the loss (the diagonal itself stays in the outputs' dtype).
-    check = (_float32_copy(loss_fn, outputs, targets) if out.dtype in (torch.float16, torch.bfloat16) else None) or (grad, out)
+    check = (_float32_copy(loss_fn, outputs, targets) if out.dtype in (torch.float16, torch.bfloat16) else None) or (grad, out, loss.dtype)
     parts = []
     col_max = diff_max = check[1].new_zeros(())
     for start in range(0, D, chunk_size):
@@ -107,21 +107,28 @@ def _loss_hessian_columns(loss_fn, outputs, targets, chunk_size, generator, take
         col_max = torch.maximum(col_max, hc[0].abs().max())
         diff_max = torch.maximum(diff_max, (hc[1] - hc[0] * weights.to(hc.dtype)[None, :, None]).abs().max())
         parts.append(take(start, stop, hv[0]))
-    tol = 1e3 * torch.finfo(check[1].dtype).eps * col_max * weights.abs().max().to(col_max.dtype)
+    # the products carry the round-off of the dtype the loss is computed in where that is coarser than the outputs'
+    # (F.cross_entropy(outputs.float(), t) of a float64 model: 1e3 ulp of float64 refused it as coupling samples); a
+    # loss computed in 16 bits whatever its outputs gets 32 ulp, as 1e3 is the whole Hessian there
+    eps = max(torch.finfo(check[1].dtype).eps, torch.finfo(check[2]).eps)
+    ulps = 1e3 if eps <= torch.finfo(torch.float32).eps else 32
+    tol = ulps * eps * col_max * weights.abs().max().to(col_max.dtype)
     return (parts, diff_max > tol), False
 
 
 def _float32_copy(loss_fn, outputs: torch.Tensor, targets):
-    """``(∂loss/∂y, y)`` with a graph, for ``y`` a float32 copy of 16-bit ``outputs`` (targets of their dtype cast
-    alike), on which the coupling check's products carry float32 round-off; None where it has no second derivative."""
+    """``(∂loss/∂y, y, the loss's dtype)`` with a graph, for ``y`` a float32 copy of 16-bit ``outputs`` (targets of
+    their dtype cast alike), on which the coupling check's products carry float32 round-off; None where it has no
+    second derivative."""
     out = outputs.detach().float().requires_grad_(True)
     if isinstance(targets, torch.Tensor) and targets.dtype == outputs.dtype:
         targets = targets.float()
     with torch.enable_grad():
-        (grad,) = torch.autograd.grad(scalar_loss(loss_fn, out, targets), out, create_graph=True, allow_unused=True)
+        loss = scalar_loss(loss_fn, out, targets)
+        (grad,) = torch.autograd.grad(loss, out, create_graph=True, allow_unused=True)
     if grad is None or not grad.requires_grad:  # no second derivative in float32 (where the 16-bit loss had one)
         return None
-    return grad, out
+    return grad, out, loss.dtype
 
 
 def _refused_if_coupled(coupled: torch.Tensor, result: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:

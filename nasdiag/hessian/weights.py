@@ -99,7 +99,7 @@ def diag_hessian(
     values = named_values(model, params)
     name, probes = split_mode(mode)
     if name == "hutchinson":
-        return hvp_hutchinson_diag(model, loss_fn, inputs, targets, values, probes)
+        return _in_dtypes_of(values, hvp_hutchinson_diag(model, loss_fn, inputs, targets, values, probes))
     if mode == "exact":
         chain = as_linear_chain(model)
         if chain is not None and isinstance(inputs, torch.Tensor):
@@ -107,11 +107,18 @@ def diag_hessian(
             if set(values) <= owned and chain_fits(chain, inputs):
                 try:
                     with forward_failures_explained(model, inputs):
-                        return chain_exact_diag(chain, loss_fn, inputs, targets, values)
+                        return _in_dtypes_of(values, chain_exact_diag(chain, loss_fn, inputs, targets, values))
                 except (LossCouplesSamplesError, ChainDoesNotApply):
                     pass  # the per-sample recursion does not apply (a coupling loss, rows that are not (N, F)); HVPs do
-        return hvp_exact_diag(model, loss_fn, inputs, targets, values)
+        return _in_dtypes_of(values, hvp_exact_diag(model, loss_fn, inputs, targets, values))
     return recursion_diag(model, loss_fn, inputs, targets, mode, values, rules)
+
+
+def _in_dtypes_of(values: Dict[str, torch.Tensor], result: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """``result`` in the dtypes of ``values`` (the parameters'), as documented: the Hessian-vector products are in the
+    loss's dtype, which a loss computed in float32 on float64 outputs, or autocast, makes another (float32 or bfloat16
+    diagonals of float64 or float32 parameters, where ``diag``/``approx`` gave the parameters' dtype)."""
+    return {k: v.to(values[k].dtype) for k, v in result.items()}
 
 
 def recursion_diag(model, loss_fn, inputs, targets, mode, values, rules=None) -> Dict[str, torch.Tensor]:
