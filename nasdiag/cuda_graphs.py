@@ -100,6 +100,15 @@ def ambient_state() -> Hashable:
                                               for device in ("cuda", "cpu"))
 
 
+def module_flags(model: torch.nn.Module) -> Hashable:
+    """Every module's identity, train/eval mode and normalization settings, for a state key: what decides which
+    kernels a capture records and with which constants (a submodule put in eval mode or swapped for another, a
+    BatchNorm's tracking switched off, its eps or momentum changed: each a Python number baked into the kernels)."""
+    return tuple((id(m), m.training, getattr(m, "track_running_stats", None), getattr(m, "momentum", None),
+                  getattr(m, "eps", None))
+                 for m in model.modules())
+
+
 class CudaGraphBackend:
     """The boundary to ``torch.cuda``: eager steps on a side stream, capture, replay (mocked in CPU tests).
 

@@ -22,6 +22,12 @@ Defects found (each test fails without its fix):
   step captured outside ``torch.autocast`` replayed float32 kernels inside it and one captured inside replayed
   half-precision kernels outside it; ``nasdiag.cuda_graphs.ambient_state`` (grad mode, autocast per device) is part of
   each key (test_a_captured_steps_and_curvatures_state_key_holds_autocast).
+* The same for a hook on a parameter's gradient (``register_hook``, ``register_post_accumulate_grad_hook``): the step was
+  captured and replayed without calling it; such a step runs plainly
+  (test_a_step_with_a_gradient_hook_on_a_parameter_is_never_replayed). And the step's key held the cells' BatchNorm
+  settings (through the engine's plan) but not the stem's: its momentum or eps set between steps was replayed with
+  the old value; the key holds every module's identity, mode and normalization settings, as the curvature graph's
+  (``nasdiag.cuda_graphs.module_flags``) (test_the_captured_steps_state_key_changes_with_the_stems_batchnorm_settings).
 """
 
 from __future__ import annotations
@@ -196,3 +202,50 @@ def test_a_captured_steps_and_curvatures_state_key_holds_autocast():
             inside = [key() for key in keys]
         assert all(a != b for a, b in zip(inside, outside)), dtype
     assert [key() for key in keys] == outside
+
+
+def test_a_step_with_a_gradient_hook_on_a_parameter_is_never_replayed():
+    """A hook on a weight's gradient (``register_hook``: a user's clipping or logging) runs in the backward's Python,
+    which a replay does not run: such a step was captured and replayed. Each step runs plainly while the hook is on
+    (called once per step: the w step's backward) and equals a plain eager method with the same hook (float64)."""
+    cls = available_methods()["darts"]
+    methods = [cls(_net().set_engine(e), None, schedule=Schedule(epochs=1, steps_per_epoch=8, batch_size=4))
+               for e in ("fast", "eager")]
+    graphed, plain = methods
+    graphed.step.backend = _ReplayRunsNoPython(graphed)
+    graphed.step.enabled = lambda tensors: graphed._graph_applies()
+    graphed.step.prepare = None
+    calls, scale = [], {"value": 1.0}
+    handles = [m.network.cells[0].preprocess0[1].weight.register_hook(lambda grad: calls.append(1) or grad * scale["value"])
+               for m in methods]
+    g = torch.Generator().manual_seed(4)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for s in range(3):
+                scale["value"] = 0.5 * (s + 1)
+                train, val = _batch(g, 4), _batch(g, 4)
+                a = graphed.step(train, val)
+                assert len(calls) == 2 * s + 1
+                b = plain.step(train, val)
+                for k in b:
+                    assert torch.allclose(a[k].to(DT), b[k].to(DT), rtol=0, atol=1e-12), (s, k)
+    finally:
+        for h in handles:
+            h.remove()
+    assert graphed.step.counts == {"eager": 0, "capture": 0, "replay": 0, "plain": 3}
+
+
+def test_the_captured_steps_state_key_changes_with_the_stems_batchnorm_settings():
+    """The stem's BatchNorm is outside the engine's plan (round 18 keyed the cells' BatchNorms through it): its
+    momentum or eps set between steps is a constant of the captured kernels, so the step's state key must change."""
+    cls = available_methods()["darts"]
+    net = _net().set_engine("fast")
+    m = cls(net, None, schedule=Schedule(epochs=1, steps_per_epoch=4, batch_size=4))
+    g = torch.Generator().manual_seed(5)
+    m.step(_batch(g, 4), _batch(g, 4))
+    bn = net.stem[1]
+    for attr, value in (("momentum", 0.5), ("eps", 1e-3)):
+        before = m._graph_state_key()
+        setattr(bn, attr, value)
+        assert m._graph_state_key() != before, attr

@@ -35,15 +35,6 @@ def has_user_hooks(model: nn.Module) -> bool:
     return has_module_hooks(model.modules())
 
 
-def _module_flags(model: nn.Module) -> Hashable:
-    """Every module's identity, train/eval mode and normalization settings: what decides which kernels a capture
-    records and with which constants (a submodule put in eval mode or swapped for another, a BatchNorm's tracking
-    switched off, its eps or momentum changed: each a Python number baked into the captured kernels)."""
-    return tuple((id(m), m.training, getattr(m, "track_running_stats", None), getattr(m, "momentum", None),
-                  getattr(m, "eps", None))
-                 for m in model.modules())
-
-
 def _storage_key(model: nn.Module) -> Hashable:
     return tuple((p.data_ptr(), p.dtype, p.device) for p in model.parameters()) + \
         tuple((b.data_ptr(), b.dtype) for b in model.buffers())
@@ -54,14 +45,14 @@ def curvature_graph(fn: Callable, model: nn.Module, mode: str, *, name: str, bac
     :class:`~nasdiag.cuda_graphs.StepGraph`: replayed on CUDA where the mode is graphable and the
     model has no hooks, plain otherwise. ``backend`` as ``StepGraph``'s (e.g. a
     :class:`~nasdiag.cuda_graphs.CudaGraphBackend` whose memory pool the graph shares with a training step's)."""
-    from nasdiag.cuda_graphs import StepGraph, ambient_state
+    from nasdiag.cuda_graphs import StepGraph, ambient_state, module_flags
 
     def enabled(tensors: Sequence[torch.Tensor]) -> bool:
         return (mode in GRAPHABLE_MODES and len(tensors) > 0 and all(t.is_cuda for t in tensors)
                 and not has_user_hooks(model))
 
     def state_key() -> Hashable:
-        return (mode, _module_flags(model), _storage_key(model), ambient_state())
+        return (mode, module_flags(model), _storage_key(model), ambient_state())
 
     return StepGraph(fn, state_key, enabled=enabled, name=name, backend=backend)
 

@@ -474,15 +474,19 @@ class SearchMethod:
 
     def _graph_applies(self) -> bool:
         """Whether a captured step may stand for this step (on CUDA tensors): the engine not ``eager``, no DDP wrapper,
-        no probe, and no hook on any module of the network, nor a global one: a replay runs no Python, so a hook (a
+        no probe, and no hook on any module of the network (nor a global one) or its parameters (``register_hook``,
+        ``register_post_accumulate_grad_hook``): a replay runs no Python, so a hook (a
         user's, an attached probe's) would be called at the capture only, and one that changes a tensor with a value
         read in Python would replay the capture's value (nasdiag.hessian.graphed calls a hooked model plainly too)."""
         return (getattr(self.network, "engine", "eager") != "eager" and self.model is self.network and self.probe is None
-                and not has_module_hooks(self.network.modules()))
+                and not has_module_hooks(self.network.modules())
+                and not any(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None)
+                            for p in self.network.parameters()))
 
     def _graph_state_key(self):
         """What a captured step bakes in besides the batch: optimizer settings (the scheduled learning rate),
-        the identities of the cost accumulators, the train mode of every module and where the parameters live."""
+        the identities of the cost accumulators, every module's identity, train mode and normalization settings, grad
+        mode and autocast, where the parameters live and the engine's plan."""
         settings = []
         for name, obj in sorted(self._stateful().items()):
             if isinstance(obj, torch.optim.Optimizer):
@@ -490,10 +494,12 @@ class SearchMethod:
                                                                    and isinstance(v, (bool, int, float, str, tuple, type(None)))))
                                                       for g in obj.param_groups)))
         params = list(self.network.parameters())
+        from nasdiag.cuda_graphs import ambient_state, module_flags
+
         # every module's mode, not only the network's: a cell module switched to eval on its own (frozen BatchNorms)
-        # runs eager (nasdiag.supernet.engine.why_not_fast), and a replay of the step captured before would not
-        modes = tuple(m.training for m in self.network.modules())
-        from nasdiag.cuda_graphs import ambient_state
+        # runs eager (nasdiag.supernet.engine.why_not_fast), and a replay of the step captured before would not; and
+        # every module's identity and normalization settings (the stem's BatchNorm too, outside the engine's plan)
+        modes = module_flags(self.network)
         from nasdiag.supernet.engine.fast import plan_key
 
         # the engine's plan (a module swapped inside an op, a BatchNorm's eps or momentum set) and hooks on the cells;
