@@ -16,6 +16,13 @@ Found and fixed:
   carried the scalars of the next epoch's first batch, and step 0 held a row of half a step. The docstring said
   "batches with the same global step (gradient accumulation) share a row". A batch that takes no optimizer step now
   goes into the row of the step it accumulates into (test_lightning_gradient_accumulation_puts_an_optimizer_steps_micro_batches_in_its_row).
+* docs/probe.md said ``probe.hessian()`` re-runs the model "with its running statistics restored, drawing the recorded
+  call's random numbers (the same dropout masks)", which reads as the recorded step's curvature; it re-runs it in its
+  current train/eval mode (as its docstring says), so the loop of this audit, a validation pass under ``model.eval()``
+  before the epoch's ``probe.hessian()``, got the eval-mode curvature (running statistics, no dropout; here up to
+  0.07 off the step's) without a word. The doc says so and when to call it
+  (test_probe_hessian_after_a_validation_pass_in_eval_mode_is_the_eval_mode_curvature_as_docs_now_say, against
+  autograd's Hessian of each edge's Z in either mode, float64).
 
 Checked and right (scripts in a scratch folder, torch 2.13 CPU):
 
@@ -120,3 +127,79 @@ def test_lightning_gradient_accumulation_puts_an_optimizer_steps_micro_batches_i
     assert got["step"][epoch_rows].tolist() == [batches // accumulate * (e + 1) for e in range(epochs)]
     assert got["scalars/batch"][epoch_rows].tolist() == got["scalars/at_epoch_end"][epoch_rows].tolist()
 
+
+
+class _Mixed(torch.nn.Module):
+    """A DARTS-convention mixed op: candidates in ``_ops``, forward (x, weights) -> Σ_k w_k·op_k(x)."""
+
+    def __init__(self, C):
+        super().__init__()
+        self._ops = torch.nn.ModuleList([
+            torch.nn.Identity(),
+            torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Conv2d(C, C, 3, padding=1, bias=False), torch.nn.BatchNorm2d(C)),
+            torch.nn.Sequential(torch.nn.Conv2d(C, C, 1, bias=False), torch.nn.BatchNorm2d(C), torch.nn.Tanh())])
+
+    def forward(self, x, weights):
+        return sum(w * op(x) for w, op in zip(weights, self._ops))
+
+
+class _ChainNet(torch.nn.Module):
+    """Two mixed ops in a chain with their own α; ``z`` replaces one edge's mixing weights (the reference's leaf)."""
+
+    def __init__(self, C=3):
+        super().__init__()
+        self.stem = torch.nn.Sequential(torch.nn.Conv2d(1, C, 3, padding=1, bias=False), torch.nn.BatchNorm2d(C))
+        self.edges = torch.nn.ModuleList([_Mixed(C), _Mixed(C)])
+        self.head = torch.nn.Linear(C, 4)
+        self.alpha = torch.nn.Parameter(torch.randn(2, 3))
+
+    def forward(self, x, z=None, at=None):
+        h = self.stem(x)
+        for e, edge in enumerate(self.edges):
+            h = edge(h, z if e == at else F.softmax(self.alpha[e], -1))
+        return self.head(h.mean((2, 3)))
+
+
+def _diag_hessian_of_each_edge(net, x, y):
+    """diag ∂²L/∂Z² of each edge's own Z by autograd.functional.hessian, the model in its current mode, BatchNorm's
+    running statistics put back after each evaluation."""
+    import copy
+
+    out = {}
+    for e in range(len(net.edges)):
+        z = F.softmax(net.alpha[e], -1).detach()
+        twin = copy.deepcopy(net)
+        hess = torch.autograd.functional.hessian(lambda z: F.cross_entropy(twin(x, z, e), y), z)
+        out[f"edges.{e}"] = hess.diagonal()
+    return out
+
+
+def test_probe_hessian_after_a_validation_pass_in_eval_mode_is_the_eval_mode_curvature_as_docs_now_say():
+    """The loop of this audit: a train-mode step in a block, then a validation pass in eval mode, then the epoch's
+    probe.hessian(). The re-run is in the model's current mode: eval-mode curvature, not the recorded step's; docs/probe.md
+    said it re-runs the recorded call with its dropout masks and did not say so."""
+    import nasdiag
+
+    torch.manual_seed(0)
+    net = _ChainNet().double()
+    x, y = torch.randn(6, 1, 5, 5, dtype=torch.float64), torch.randint(0, 4, (6,))
+    probe = nasdiag.attach(net, hessian="exact")
+    with probe.record(targets=y):
+        F.cross_entropy(net(x), y).backward()
+    train_reference = _diag_hessian_of_each_edge(net, x, y)
+    recorded_step = probe.hessian()
+    net.eval()  # the validation pass
+    with torch.no_grad():
+        net(torch.randn(2, 1, 5, 5, dtype=torch.float64))
+    after_eval = probe.hessian()
+    eval_reference = _diag_hessian_of_each_edge(net, x, y)
+    for name in train_reference:
+        torch.testing.assert_close(recorded_step[name], train_reference[name], rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(after_eval[name], eval_reference[name], rtol=1e-9, atol=1e-12)
+    # running statistics a step from their init are far from the batch's own: the two curvatures differ
+    assert max(float((train_reference[n] - eval_reference[n]).abs().max()) for n in train_reference) > 1e-3
+    from pathlib import Path
+
+    doc = " ".join((Path(__file__).parents[1] / "docs" / "probe.md").read_text().split())
+    assert "re-run outside the block, in its current train/eval mode" in doc
+    assert "call `probe.hessian()` before `optimizer.step()` and before a validation pass's `model.eval()`" in doc
