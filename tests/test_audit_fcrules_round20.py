@@ -66,6 +66,10 @@ Defects found (each test fails on the library before its fix):
   (bfloat16 of float32 ones under CPU autocast) where the docstring promises the parameters' dtype; the tolerance
   is of the coarser dtype, results are cast —
   ``test_a_loss_computed_in_float32_on_float64_outputs_is_per_sample_and_every_mode_keeps_the_parameters_dtype``.
+* a ``loss_fn`` closing over the model's parameters (weight decay written into the loss) had the Hessian of its
+  penalty (2λ per entry) left out by every mode, silently (``exact`` too: the penalty reads the real parameters, the
+  products are taken at the substituted values); one ``CurvatureError`` line now —
+  ``test_a_loss_reading_the_model_parameters_itself_is_refused_not_its_curvature_left_out``.
 
 Noticed, left alone: ``diag``/``approx`` refuse Mish, CELU, SELU, Hardswish, LogSigmoid, Softsign (smooth elementwise
 functions an ``ElementwiseRule()`` handles exactly, as checked above): loud and with the right advice, so not a
@@ -233,3 +237,26 @@ def test_a_loss_computed_in_float32_on_float64_outputs_is_per_sample_and_every_m
         for mode in ("exact", "hutchinson:1", "diag"):
             h = diag_hessian(small, F.cross_entropy, x[:8].float(), y[:8] % 3, mode=mode)
             assert all(v.dtype == torch.float32 for v in h.values()), mode
+
+
+def test_a_loss_reading_the_model_parameters_itself_is_refused_not_its_curvature_left_out():
+    """Weight decay written into the loss, ``loss_fn = CE(o, t) + λ Σ‖θ‖²`` closing over ``model.parameters()``: the
+    Hessian of that scalar has 2λ more on every entry, but every mode differentiates the loss in the outputs (or at the
+    values substituted into the forward) and returned the CE diagonal alone, silently (own dense reference: 0.1 per
+    entry missing here). One ``CurvatureError`` line in every mode; a penalty on a parameter that is not requested does
+    not change the requested diagonal and is taken."""
+    torch.manual_seed(6)
+    net = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).to(DT)
+    x, y = torch.randn(6, 4, dtype=DT), torch.randint(0, 3, (6,))
+    decayed = lambda o, t: F.cross_entropy(o, t) + 0.05 * sum(p.square().sum() for p in net.parameters())
+    for mode in ("diag", "approx", "exact", "hutchinson:1"):
+        with pytest.raises(ValueError) as err:
+            diag_hessian(net, decayed, x, y, mode=mode)
+        msg = str(err.value)
+        assert "\n" not in msg and "weight decay" in msg and "2.bias" in msg, (mode, msg)
+    first_only = lambda o, t: F.cross_entropy(o, t) + 0.05 * net[0].weight.square().sum()
+    ref = _dense_diagonal(net, F.cross_entropy, x, y)
+    h = diag_hessian(net, first_only, x, y, mode="diag", params=["2.weight", "2.bias"])
+    for k in h:
+        torch.testing.assert_close(h[k], ref[k], rtol=1e-12, atol=1e-15)
+    assert all(p.grad is None for p in net.parameters())

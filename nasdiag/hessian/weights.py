@@ -63,7 +63,8 @@ def diag_hessian(
         loss_fn: ``loss_fn(outputs, targets) -> scalar``, e.g. ``F.cross_entropy`` or ``F.mse_loss``,
             mean or sum. The result is the Hessian of exactly that scalar: with ``reduction="mean"``
             (the nasdiag default) it is the Hessian of the batch mean, ``"sum"`` gives N times that.
-            ``diag``/``approx`` need a per-sample loss (checked).
+            ``diag``/``approx`` need a per-sample loss (checked). A loss that reads a requested parameter itself
+            (weight decay written into it) is refused: its curvature in that term would be left out.
         inputs, targets: one mini-batch.
         mode: ``"exact"``, ``"diag"``, ``"approx"`` or ``"hutchinson:<k>"``.
         params: which tensors; default ``model.named_parameters()``. Names (``"fc.weight"``),
@@ -97,6 +98,7 @@ def diag_hessian(
     check_model(model, loss_fn, "diag_hessian")
     _refuse_empty_batch(inputs)
     values = named_values(model, params)
+    loss_fn = _outputs_only(loss_fn, model, values)
     name, probes = split_mode(mode)
     if name == "hutchinson":
         return _in_dtypes_of(values, hvp_hutchinson_diag(model, loss_fn, inputs, targets, values, probes))
@@ -112,6 +114,50 @@ def diag_hessian(
                     pass  # the per-sample recursion does not apply (a coupling loss, rows that are not (N, F)); HVPs do
         return _in_dtypes_of(values, hvp_exact_diag(model, loss_fn, inputs, targets, values))
     return recursion_diag(model, loss_fn, inputs, targets, mode, values, rules)
+
+
+def _outputs_only(loss_fn: Callable, model: nn.Module, values: Dict[str, torch.Tensor]) -> Callable:
+    """``loss_fn``, refusing in one line a call whose loss reads a requested parameter of the model itself, besides
+    the outputs (weight decay written into the loss: ``F.cross_entropy(o, t) + λ Σ‖θ‖²`` closing over
+    ``model.parameters()``). Every mode differentiates the loss in the outputs (the recursions' seed) or at the values
+    substituted into the forward, so such a term's curvature (2λ per entry) was left out, silently. The loss's own
+    graph is walked, stopping at the outputs."""
+    aliases = _parameter_aliases(model)
+    requested = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)
+                 if any(n in aliases.get(v, (v,)) for v in values)}
+
+    def checked(outputs, targets):
+        loss = loss_fn(outputs, targets)
+        if isinstance(loss, torch.Tensor) and loss.grad_fn is not None:
+            parts = outputs.values() if isinstance(outputs, Mapping) else outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+            tensors = [t for t in parts if isinstance(t, torch.Tensor)]
+            name = _parameter_read_by(loss, {t.grad_fn for t in tensors if t.grad_fn is not None}, requested)
+            if name is not None:
+                raise CurvatureError(
+                    f"loss_fn reads the model's parameter {name!r} itself, not only through the model outputs (a penalty "
+                    "such as weight decay written into the loss), and diag_hessian differentiates the loss in the outputs, "
+                    "so that term's curvature would be left out; keep loss_fn a function of (outputs, targets) and add the "
+                    "penalty's curvature yourself (2·λ per entry for λ·‖θ‖²)"
+                )
+        return loss
+
+    return checked
+
+
+def _parameter_read_by(loss: torch.Tensor, stops: set, requested: Dict[int, str]) -> Optional[str]:
+    """The name of a ``requested`` parameter whose gradient accumulator the loss's graph reaches without passing
+    through ``stops`` (the nodes that made the outputs), or None."""
+    seen, stack = set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen or node in stops:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None and id(variable) in requested:
+            return requested[id(variable)]
+        stack.extend(n for n, _ in node.next_functions)
+    return None
 
 
 def _in_dtypes_of(values: Dict[str, torch.Tensor], result: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
