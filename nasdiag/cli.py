@@ -520,7 +520,8 @@ def _typographic_dash(tokens: List[str], message: str, every: bool = False) -> s
     from nasdiag.search.config import TYPOGRAPHIC_DASHES, typographic_dash
 
     for token in tokens:
-        if token[:1] in TYPOGRAPHIC_DASHES or every or (repr(token) in message or f" {token} " in f" {message} "):
+        if token[:1] in TYPOGRAPHIC_DASHES or (every and not os.path.lexists(token)) or (
+                repr(token) in message or f" {token} " in f" {message} "):  # a file so named is no typo
             said = typographic_dash(token)
             if said:
                 return f"; {said}"
