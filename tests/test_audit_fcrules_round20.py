@@ -70,6 +70,10 @@ Defects found (each test fails on the library before its fix):
   penalty (2λ per entry) left out by every mode, silently (``exact`` too: the penalty reads the real parameters, the
   products are taken at the substituted values); one ``CurvatureError`` line now —
   ``test_a_loss_reading_the_model_parameters_itself_is_refused_not_its_curvature_left_out``.
+* an auxiliary loss on features the model stored (``CE(o, t) + λ‖model.features‖²``) was left out of ``diag``/
+  ``approx``, seeded at the outputs only: 110-130% off on the layer below, silently; one ``CurvatureError`` line
+  pointing to ``exact`` (which is right) —
+  ``test_an_auxiliary_loss_on_stored_features_is_refused_by_the_recursions_and_exact_in_exact``.
 
 Noticed, left alone: ``diag``/``approx`` refuse Mish, CELU, SELU, Hardswish, LogSigmoid, Softsign (smooth elementwise
 functions an ``ElementwiseRule()`` handles exactly, as checked above): loud and with the right advice, so not a
@@ -260,3 +264,36 @@ def test_a_loss_reading_the_model_parameters_itself_is_refused_not_its_curvature
     for k in h:
         torch.testing.assert_close(h[k], ref[k], rtol=1e-12, atol=1e-15)
     assert all(p.grad is None for p in net.parameters())
+
+
+class _StoresFeatures(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.features = nn.Linear(4, 5), nn.Linear(5, 3), None
+
+    def forward(self, x):
+        self.features = torch.tanh(self.a(x))
+        return self.b(self.features)
+
+
+def test_an_auxiliary_loss_on_stored_features_is_refused_by_the_recursions_and_exact_in_exact():
+    """An auxiliary loss on features the model stored (``CE(o, t) + λ‖model.features‖²``, center-loss style): ``diag``
+    and ``approx`` seed their recursion at the outputs, so the term's curvature on the layer below was left out,
+    silently (110-130% off the own dense diagonal on ``a``); one ``CurvatureError`` line pointing to ``exact``, which
+    equals the dense diagonal. A requested parameter the features do not depend on is still taken."""
+    torch.manual_seed(7)
+    net = _StoresFeatures().to(DT)
+    x, y = torch.randn(6, 4, dtype=DT), torch.randint(0, 3, (6,))
+    aux = lambda o, t: F.cross_entropy(o, t) + 0.1 * net.features.square().sum()
+    for mode in ("diag", "approx"):
+        with pytest.raises(ValueError) as err:
+            diag_hessian(net, aux, x, y, mode=mode)
+        msg = str(err.value)
+        assert "\n" not in msg and "'a.weight'" in msg and "mode='exact'" in msg, (mode, msg)
+    ref = _dense_diagonal(net, aux, x, y)
+    h = diag_hessian(net, aux, x, y, mode="exact")
+    for k in ref:
+        torch.testing.assert_close(h[k], ref[k], rtol=1e-12, atol=1e-15)
+    h = diag_hessian(net, aux, x, y, mode="diag", params=["b.weight", "b.bias"])
+    for k in h:
+        torch.testing.assert_close(h[k], ref[k], rtol=1e-12, atol=1e-15)

@@ -214,6 +214,16 @@ def recursion_diag(model, loss_fn, inputs, targets, mode, values, rules=None) ->
                 )
         if not outputs.requires_grad:  # the outputs do not depend on the requested tensors: zero curvature
             return {n: torch.zeros_like(v) for n, v in values.items()}
+        # a loss reading the forward elsewhere than at its outputs (an auxiliary loss on features the model stored):
+        # the recursion is seeded at the outputs only, so that term was left out (110% off on the layer below)
+        name = _parameter_read_by(loss, {outputs.grad_fn}, {id(leaf): n for n, leaf in leaves.items()})
+        if name is not None:
+            raise CurvatureError(
+                f"loss_fn reads a tensor the forward computed from {name!r} besides the model outputs (an auxiliary loss "
+                f"on features the model stored), and mode={mode!r} starts its recursion from the loss Hessian at the "
+                "outputs, so that term's curvature would be left out; use mode='exact', which differentiates the whole "
+                "loss"
+            )
         # every requested tensor, also one a rule leaf owns: forward code may use it too (F.linear(x, self.fc.weight)),
         # and the walk must reach that use (summed with the rule's, or refused where no glue rule applies), not skip it
         leaf_targets = {get_gradient_edge(leaves[n]).node: n for n in values}
