@@ -53,8 +53,9 @@ Defects found (each test fails on the library before its fix):
   torch's bare ``RuntimeError: derivative for aten::hardsigmoid_backward is not implemented`` (``exact`` and
   ``hutchinson:<k>`` after a warning promising "same numbers, slower"), even ``ElementwiseRule(piecewise_linear=True)``,
   which declares σ'' ≡ 0 yet asked torch for it. A piecewise-linear rule now takes σ' alone, Hardsigmoid has a
-  closed-form rule (beside ReLU6 and Hardtanh; torch's own float64 derivative of it is float32's 1/6), an elementwise function without a second derivative in torch is one
-  ``UnsupportedModuleError`` line, and the Hessian-vector routes say so in one ``CurvatureRuntimeError`` line —
+  closed-form rule (beside ReLU6 and Hardtanh; torch's own float64 derivative of it is float32's 1/6), an
+  elementwise function without a second derivative in torch is one ``UnsupportedModuleError`` line, and the
+  Hessian-vector routes say so in one ``CurvatureRuntimeError`` line —
   ``test_hardsigmoid_has_its_exact_diagonal_and_no_second_derivative_is_one_line``.
 * one unbatched sample (``model(x)`` on (features,), cross-entropy over its (C,) logits) was refused by ``diag``/
   ``approx`` as "loss_fn couples different samples", which the user's per-sample loss does not (the (C,) outputs are
@@ -77,14 +78,15 @@ Defects found (each test fails on the library before its fix):
 
 Noticed, left alone: ``diag``/``approx`` refuse Mish, CELU, SELU, Hardswish, LogSigmoid, Softsign (smooth elementwise
 functions an ``ElementwiseRule()`` handles exactly, as checked above): loud and with the right advice, so not a
-defect, but registering them would be one line each; a train-mode RReLU given an ``ElementwiseRule`` by the user
+defect (tests/test_audit_hessian_round2.py keeps Mish as its refusal example); a train-mode RReLU given an ``ElementwiseRule`` by the user
 calls its forward again, drawing another slope (the user's own rule of a random function); ``nn.Softmax(0)`` (over
 the batch) after the last Linear couples samples, so ``diag`` is 57% off there and gives its bias 0.028 where the
 true value is 0 (the documented drop of terms between samples coupled by later layers, but not zeroed as the
 normalizations' are); an op without a rule inside a custom module's forward (``F.gelu``) is refused as "in the
 forward code between modules, reached from" the next rule leaf, not naming the custom module it sits in (the tracer
-hooks rule leaves only; the parameters named point to it); the mixing-weight exact routes through a Hardsigmoid were not
-changed or checked (nasdiag/hessian/arch_exact.py, outside this area).
+hooks rule leaves only; the parameters named point to it); the mixing-weight routes (``arch_diag_hessian``,
+``alpha_diag_hessian``: a Hardsigmoid, a loss reading α or stored features) were not changed or checked (outside
+this area).
 """
 
 import pytest
