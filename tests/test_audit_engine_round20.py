@@ -28,6 +28,13 @@ Defects found (each test fails without its fix):
   settings (through the engine's plan) but not the stem's: its momentum or eps set between steps was replayed with
   the old value; the key holds every module's identity, mode and normalization settings, as the curvature graph's
   (``nasdiag.cuda_graphs.module_flags``) (test_the_captured_steps_state_key_changes_with_the_stems_batchnorm_settings).
+* The fast engine recognised candidate ops by structure with ``isinstance(op, nn.Sequential)``: a Sequential subclass
+  with a forward of its own (a user's residual around sep_conv's very blocks) or an op whose forward was set on the
+  instance was batched as the plain op, silently under the default engine ``auto`` (output 0.5 off). Types are
+  matched exactly and a forward set on a module makes the op unbatched: eager, said in an EngineWarning under ``fast``
+  (test_an_op_of_a_known_structure_with_a_forward_of_its_own_runs_eager_and_says_so). Likewise the curvature tape ran
+  a Sequential preprocessing as its layers, a subclass's forward ignored; it now declines
+  (test_a_cell_preprocessing_with_a_forward_of_its_own_leaves_the_curvature_to_the_per_op_modules).
 """
 
 from __future__ import annotations
@@ -249,3 +256,69 @@ def test_the_captured_steps_state_key_changes_with_the_stems_batchnorm_settings(
         before = m._graph_state_key()
         setattr(bn, attr, value)
         assert m._graph_state_key() != before, attr
+
+
+class _Residual(torch.nn.Sequential):
+    """A candidate op built of the very blocks of sep_conv_3x3, whose forward adds its input (a user's residual op)."""
+
+    def forward(self, x):
+        return x + super().forward(x)
+
+
+@pytest.mark.parametrize("how", ["subclass", "instance forward"])
+def test_an_op_of_a_known_structure_with_a_forward_of_its_own_runs_eager_and_says_so(how):
+    """The engine recognised ops by structure with ``isinstance(op, nn.Sequential)``: a Sequential subclass whose
+    forward adds a residual around sep_conv's blocks (or a pooling op whose forward was set on the instance) was
+    batched as the plain op, silently under the default engine (output 0.5 off here). Such an op is not batched: the
+    forward under ``fast`` = the eager modules' (which call the op's own forward), buffers included, with one
+    EngineWarning naming the op."""
+    from nasdiag.supernet.engine import EngineWarning, why_not_fast
+
+    def built():
+        net = _net()
+        k = net.primitives.index("sep_conv_3x3" if how == "subclass" else "max_pool_3x3")
+        for cell in net.cells:
+            for edge in cell.edges:
+                if how == "subclass" and edge.stride == 1:
+                    edge.ops[k] = _Residual(*edge.ops[k])
+                elif how != "subclass":
+                    op = edge.ops[k]
+                    op.forward = lambda x, op=op: torch.nn.Sequential.forward(op, x) * 0.5
+        return net, net.primitives[k]
+
+    (net, name), (eager, _) = built(), built()
+    eager.set_engine("eager")
+    x = torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(6), dtype=DT)
+    reason = why_not_fast(net.set_engine("fast"), x, [net.softmax_weights()[c.cell_type] for c in net.cells])
+    assert reason is not None and name in reason
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _same_forward(net, eager, x)
+    assert [str(w.message).count(name) for w in caught if w.category is EngineWarning] == [1]
+
+
+def _same_forward(net, eager, x):
+    """net(x) = eager(x), and every buffer after it, to 1e-12 in float64."""
+    out, ref = net(x), eager(x)
+    assert torch.allclose(out, ref, rtol=0, atol=1e-12), (out - ref).abs().max()
+    sd, se = net.state_dict(), eager.state_dict()
+    for key in sd:
+        assert torch.allclose(sd[key].to(DT), se[key].to(DT), rtol=0, atol=1e-12), key
+
+
+def test_a_cell_preprocessing_with_a_forward_of_its_own_leaves_the_curvature_to_the_per_op_modules():
+    """The curvature's tape ran a Sequential preprocessing as its layers one by one: a subclass with a forward of its
+    own (here ReLU-conv-BN halved) was computed as the plain layers, so the recursion walked another function than
+    the forward. The batched recursion now declines (None: the search then runs it on the per-op modules), as for any
+    preprocessing it does not know."""
+    from nasdiag.supernet.engine.curvature import mixing_curvature
+
+    class Halved(torch.nn.Sequential):
+        def forward(self, x):
+            return 0.5 * super().forward(x)
+
+    net = _net().set_engine("fast")
+    net.cells[2].preprocess1 = Halved(*net.cells[2].preprocess1)
+    x, y = _batch(torch.Generator().manual_seed(7), 4)
+    per_cell = [net.softmax_weights()[c.cell_type].detach() for c in net.cells]
+    assert mixing_curvature(net, x, y, per_cell, "diag") is None

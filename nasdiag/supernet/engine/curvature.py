@@ -300,7 +300,8 @@ def _preprocess_leaves(module: nn.Module) -> List[nn.Module]:
         if _classify(module, 2)[0] != "factorized":
             raise Unsupported("a FactorizedReduce preprocessing the engine does not batch")
         return []
-    if isinstance(module, nn.Sequential) and all(len(list(c.children())) == 0 for c in module):
+    if type(module) is nn.Sequential and all(len(list(c.children())) == 0 for c in module) \
+            and not any("forward" in vars(m) for m in module.modules()):  # (a subclass's forward: not its leaves')
         return list(module)
     raise Unsupported(f"a cell preprocessing of type {type(module).__name__} (not a Sequential of layers)")
 

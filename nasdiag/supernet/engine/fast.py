@@ -87,9 +87,9 @@ def _conv_signature(conv: nn.Module) -> Optional[tuple]:
 
 def _chain_blocks(op: nn.Module) -> Optional[List[nn.Sequential]]:
     """The ReLU → depthwise conv → 1×1 conv → BN blocks of ``op`` (``dil_conv``: one, ``sep_conv``: two), or None."""
-    blocks = list(op) if isinstance(op, nn.Sequential) and all(isinstance(b, nn.Sequential) for b in op) else [op]
+    blocks = list(op) if type(op) is nn.Sequential and all(type(b) is nn.Sequential for b in op) else [op]
     for b in blocks:
-        if not (isinstance(b, nn.Sequential) and len(b) == 4 and type(b[0]) is nn.ReLU and not b[0].inplace):
+        if not (type(b) is nn.Sequential and len(b) == 4 and type(b[0]) is nn.ReLU and not b[0].inplace):
             return None
         dw, pw = b[1], b[2]
         if _conv_signature(dw) is None or _conv_signature(pw) is None or _bn_signature(b[3]) is None:
@@ -100,8 +100,17 @@ def _chain_blocks(op: nn.Module) -> Optional[List[nn.Sequential]]:
     return blocks
 
 
+def _own_forward(op: nn.Module) -> bool:
+    """Whether a module of ``op`` has a forward set on the instance (``module.forward = ...``): the engine computes
+    what the module classes it recognises compute, which such a forward may not."""
+    return any("forward" in vars(m) for m in op.modules())
+
+
 def _classify(op: nn.Module, stride: int) -> Tuple[Optional[str], tuple]:
-    """(kind, signature) of one candidate op; kind None when the engine does not know its structure."""
+    """(kind, signature) of one candidate op; kind None when the engine does not know its structure. Types are
+    matched exactly: a subclass (an ``nn.Sequential`` whose forward adds a residual) computes something else."""
+    if _own_forward(op):
+        return None, ()
     if type(op) is Zero:
         return "zero", ("zero", op.stride)
     if type(op) is nn.Identity:
@@ -111,7 +120,7 @@ def _classify(op: nn.Module, stride: int) -> Tuple[Optional[str], tuple]:
         if op.order != "relu-conv-bn" or None in sig or op.conv_1.kernel_size != (1, 1) or op.conv_1.stride != (2, 2):
             return None, ()
         return "factorized", ("factorized",) + sig
-    if isinstance(op, nn.Sequential) and len(op) == 2 and type(op[0]) in (nn.MaxPool2d, nn.AvgPool2d):
+    if type(op) is nn.Sequential and len(op) == 2 and type(op[0]) in (nn.MaxPool2d, nn.AvgPool2d):
         p, bn = op[0], op[1]
         if _bn_signature(bn) is None or bn.affine or getattr(p, "ceil_mode", False):
             return None, ()
