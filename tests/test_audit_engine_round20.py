@@ -35,6 +35,12 @@ Defects found (each test fails without its fix):
   (test_an_op_of_a_known_structure_with_a_forward_of_its_own_runs_eager_and_says_so). Likewise the curvature tape ran
   a Sequential preprocessing as its layers, a subclass's forward ignored; it now declines
   (test_a_cell_preprocessing_with_a_forward_of_its_own_leaves_the_curvature_to_the_per_op_modules).
+* The same one level up: the batched cells compute ``Cell.forward`` and ``MixedOp.forward``, and a subclass overriding
+  either (a partial-channel mixed op, a cell with drop-path) was never called (output 0.15-0.3 off, silently under
+  ``auto``); such a network runs eager, said under ``fast``
+  (test_a_mixed_op_or_cell_with_a_forward_of_its_own_runs_eager_and_says_so). nasdiag's own AttentionMixedOp
+  overrides the forward too, so a network with attention attached now runs eager also when given explicit weights
+  (ASM-NAS, its one user, runs eager by design).
 """
 
 from __future__ import annotations
@@ -322,3 +328,40 @@ def test_a_cell_preprocessing_with_a_forward_of_its_own_leaves_the_curvature_to_
     x, y = _batch(torch.Generator().manual_seed(7), 4)
     per_cell = [net.softmax_weights()[c.cell_type].detach() for c in net.cells]
     assert mixing_curvature(net, x, y, per_cell, "diag") is None
+
+
+@pytest.mark.parametrize("what", ["mixed op", "cell"])
+def test_a_mixed_op_or_cell_with_a_forward_of_its_own_runs_eager_and_says_so(what):
+    """The batched cells compute ``Cell.forward`` and ``MixedOp.forward``; a subclass overriding either (a user's
+    partial-channel mixed op, a cell with drop-path: here each output scaled) was never called by the fast engine: its
+    forward silently ignored under the default engine (output 0.15 / 0.3 off). Such a network runs eager, said in an
+    EngineWarning naming the class under ``fast``; the forward = the eager modules' (which call the overrides)."""
+    from nasdiag.supernet.cell import Cell
+    from nasdiag.supernet.engine import EngineWarning
+    from nasdiag.supernet.mixed import MixedOp
+
+    class HalfMixed(MixedOp):
+        def forward(self, x, weights, active=None):
+            return 0.5 * super().forward(x, weights, active)
+
+    class DoubledCell(Cell):
+        def forward(self, s0, s1, weights, active=None):
+            return 2 * super().forward(s0, s1, weights, active)
+
+    def built():
+        net = _net()
+        for cell in net.cells:
+            if what == "cell":
+                cell.__class__ = DoubledCell
+            else:
+                for edge in cell.edges:
+                    edge.__class__ = HalfMixed
+        return net
+
+    net, eager = built().set_engine("fast"), built().set_engine("eager")
+    x = torch.randn(3, 3, 6, 6, generator=torch.Generator().manual_seed(8), dtype=DT)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _same_forward(net, eager, x)
+    name = "DoubledCell" if what == "cell" else "HalfMixed"
+    assert [name in str(w.message) for w in caught if w.category is EngineWarning] == [True]

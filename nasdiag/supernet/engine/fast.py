@@ -226,8 +226,17 @@ def plan_cell(cell: nn.Module) -> CellPlan:
     """Group a nasdiag :class:`~nasdiag.supernet.Cell`'s edges into stages and its ops into batched columns.
 
     Raises:
-        Unsupported: an op whose structure the engine does not know, or ops of one column that differ.
+        Unsupported: a cell or mixed op with a forward of its own (a subclass's, or one set on the instance: the
+            engine computes ``Cell.forward`` and ``MixedOp.forward``), an op whose structure the engine does not know,
+            or ops of one column that differ.
     """
+    from nasdiag.supernet.cell import Cell
+    from nasdiag.supernet.mixed import MixedOp
+
+    for module, base, what in [(cell, Cell, "cell")] + [(e, MixedOp, "mixed op") for e in cell.edges]:
+        if getattr(type(module), "forward", None) is not base.forward or "forward" in vars(module):
+            raise Unsupported(f"a {what} of type {type(module).__name__} has a forward of its own (the engine batches "
+                              f"{base.__name__}.forward)")
     edges = list(cell.edges)
     nodes = list(cell.edge_nodes)
     K = len(edges[0].ops)
