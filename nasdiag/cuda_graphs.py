@@ -105,7 +105,7 @@ def module_flags(model: torch.nn.Module) -> Hashable:
     kernels a capture records and with which constants (a submodule put in eval mode or swapped for another, a
     BatchNorm's tracking switched off, its eps or momentum changed: each a Python number baked into the kernels)."""
     # read from each module's __dict__ (plain attributes): getattr of one a module lacks goes through nn.Module's
-    # __getattr__ and its AttributeError, 5x slower, which a step's key pays on every call
+    # __getattr__ and its AttributeError, about 2x slower, which a step's key pays on every call
     return tuple((id(m), m.training, d.get("track_running_stats"), d.get("momentum"), d.get("eps"))
                  for m in model.modules() for d in (m.__dict__,))
 
