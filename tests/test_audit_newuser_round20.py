@@ -23,13 +23,24 @@ Found and fixed:
   0.07 off the step's) without a word. The doc says so and when to call it
   (test_probe_hessian_after_a_validation_pass_in_eval_mode_is_the_eval_mode_curvature_as_docs_now_say, against
   autograd's Hessian of each edge's Z in either mode, float64).
+* docs/spectrum.md commented ``dg = hutchinson_diagonal(...)`` as "tuples shaped like params"; it is a
+  HutchinsonEstimate whose ``estimate`` and ``stderr`` are (``len(dg)`` a TypeError). The comment says so
+  (test_hutchinson_diagonal_returns_an_estimate_whose_fields_are_tuples_shaped_like_params_as_docs_spectrum_says,
+  against a loss whose Hessian in θ is diagonal, which Rademacher probes give exactly).
 
 Checked and right (scripts in a scratch folder, torch 2.13 CPU):
 
 * README's install as the brief ran it, ``pip install torch==2.13.0`` then ``pip install -e .`` in two calls, replaced
   the CPU torch by torch 2.14.1 with its CUDA libraries (BackPACK's torchvision pins it), the case README's note warns
   about; README's own one-call ``pip install torch==2.13.0 -e .`` put torch 2.13.0+cpu back. Its main job in a fresh
-  folder and a few tests of its test command: see the report.
+  folder (on a snapshot of the committed tree: a run on the shared working tree died in its figures on another
+  helper's half-made edit) printed the search-val accuracy and genotype and wrote runs/darts.h5 (steps 1-88, cost and
+  Hessian rows at the 8 epoch ends) and 15 figures in runs/darts-figs (5.5 min on this loaded box); README's test
+  command with ``-k`` for five tests passed in that venv.
+* ``run(SearchConfig(...), callbacks=[...])`` from Python with a KeyboardInterrupt at step 5: rows 1-5 on disk, then
+  ``resume=True`` gives a record and genotype equal to an uninterrupted run's (every float path bit for bit).
+* docs/hessian.md's and docs/spectrum.md's blocks run as written (shapes as commented; alphas_reduce (14, 8) for
+  layers=2; GraphedDiagHessian's third call equal to diag_hessian on the CPU).
 * docs/probe.md's, docs/schema.md's blocks run as written (costs.h5: 6 rows, (14, 8) cost rows on the epoch rows;
   run.h5: (3,), (3, 5, 3)); docs/methods.md's "A method on your own supernet" fragment on a DARTS-convention supernet
   of this audit's own (two normal cells, no reduce cell): stats keys and shapes as its comment, ``cost/normal/mean``
@@ -203,3 +214,34 @@ def test_probe_hessian_after_a_validation_pass_in_eval_mode_is_the_eval_mode_cur
     doc = " ".join((Path(__file__).parents[1] / "docs" / "probe.md").read_text().split())
     assert "re-run outside the block, in its current train/eval mode" in doc
     assert "call `probe.hessian()` before `optimizer.step()` and before a validation pass's `model.eval()`" in doc
+
+
+def test_hutchinson_diagonal_returns_an_estimate_whose_fields_are_tuples_shaped_like_params_as_docs_spectrum_says():
+    """docs/spectrum.md commented ``dg = hutchinson_diagonal(...)`` as "tuples shaped like params": ``dg`` is a
+    HutchinsonEstimate (``len(dg)``, ``dg[0]`` fail); its ``estimate`` and ``stderr`` are those tuples. Reference: a
+    loss ½Σ y·(θ⊙x)² whose Hessian in θ is diagonal, diag(x²·y) summed over the batch, which Rademacher probes give
+    exactly (v_i² = 1), so the estimate is exact and its standard error 0."""
+    from pathlib import Path
+
+    from nasdiag.hessian import hutchinson_diagonal
+
+    class Scale(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.theta = torch.nn.Parameter(torch.randn(2, 3, dtype=torch.float64))
+            self.shift = torch.nn.Parameter(torch.randn(3, dtype=torch.float64))
+
+        def forward(self, x):
+            return self.theta * x + self.shift
+
+    torch.manual_seed(0)
+    model = Scale()
+    x, y = torch.randn(5, 2, 3, dtype=torch.float64), torch.rand(5, 1, 1, dtype=torch.float64)
+    dg = hutchinson_diagonal(model, lambda out, y: 0.5 * (y * out ** 2).sum(), x, y,
+                             params=[model.theta], samples=8, seed=0)  # θ alone: the θ-shift block is off the diagonal
+    assert isinstance(dg.estimate, tuple) and isinstance(dg.stderr, tuple)
+    torch.testing.assert_close(dg.estimate[0], (x ** 2 * y).sum(0), rtol=1e-12, atol=1e-12)
+    assert [t.shape for t in dg.stderr] == [model.theta.shape] and float(dg.stderr[0].abs().max()) < 1e-12
+    doc = (Path(__file__).parents[1] / "docs" / "spectrum.md").read_text()
+    line = next(text for text in doc.splitlines() if text.startswith("dg = hutchinson_diagonal("))
+    assert "# .estimate, .stderr: tuples shaped like params" in line
