@@ -184,9 +184,9 @@ class StepGraph:
         prepare: called once before the first capture (e.g. switch Adam to ``capturable=True``).
         backend: :class:`CudaGraphBackend` (default) or a stand-in with the same three methods.
         name: what the warnings call the step.
-        python_state: ``(obj, names)``: attributes of ``obj`` the step sets in Python; their values after a capture
-            are put back after every replay of that graph (with two graphs, e.g. a last partial batch, a replay of
-            the first left what the second's capture set: a reference to the other graph's static batch).
+        python_state: ``(obj, names)``: attributes of ``obj`` the step may set in Python; those its capture set are
+            put back after every replay of that graph (with two graphs, e.g. a last partial batch, a replay of the
+            first left what the second's capture set: a reference to the other graph's static batch).
     """
 
     def __init__(self, step: Callable[..., Any], state_key: Callable[[], Hashable], *,
@@ -280,6 +280,7 @@ class StepGraph:
         static = [t.detach().clone() for t in tensors]
         static_args = _fill(structure, static)
         key_before = self.state_key()
+        python_before = self._python_state_now()
         try:
             graph, static_out = self.backend.capture(self.step, static_args)
         except Exception as exc:  # a host sync, an unsupported op: this step cannot be captured
@@ -294,7 +295,10 @@ class StepGraph:
             self._graphs.clear()
             raise RuntimeError(f"{self.name}: the captured step changed Python-side state; it was not run. "
                                "Mark the method graph_capturable = False.")
-        self._graphs[signature] = (graph, static, static_out, self._python_state_now())
+        # only what the step set (a replay of a step that leaves an attribute alone must leave it alone too)
+        set_by_step = {name: value for name, value in self._python_state_now().items()
+                       if name not in python_before or python_before[name] is not value}
+        self._graphs[signature] = (graph, static, static_out, set_by_step)
         self._key = key_before
         self.counts["capture"] += 1
         self._last_signature = signature

@@ -11,7 +11,8 @@ Defects found (each test fails without its fix):
   smaller, which StepGraph captures once it comes again) the replays of the full-batch graph left it pointing at the
   partial batch's static buffers, so the recorded ``hessian/<cell>/diag`` was that of an old partial batch, silently
   (CUDA only). StepGraph keeps such attributes per graph and puts them back after each replay
-  (test_the_hessian_after_a_replayed_step_is_taken_on_that_steps_batch_with_two_graphs).
+  (test_the_hessian_after_a_replayed_step_is_taken_on_that_steps_batch_with_two_graphs; only what a capture set is
+  put back: test_a_replay_puts_back_only_what_its_capture_set).
 * A method's step on a network with a hook on any module was captured and replayed: a hook on the classifier or stem
   (outside the cells, which the round-18 key did not cover) or one attached globally ran at the capture only; one on a
   cell module changed the engine's plan key, so the graph was captured anew, with the eager forward, and then replayed
@@ -365,3 +366,39 @@ def test_a_mixed_op_or_cell_with_a_forward_of_its_own_runs_eager_and_says_so(wha
         _same_forward(net, eager, x)
     name = "DoubledCell" if what == "cell" else "HalfMixed"
     assert [name in str(w.message) for w in caught if w.category is EngineWarning] == [True]
+
+
+def test_a_replay_puts_back_only_what_its_capture_set():
+    """StepGraph's python_state: a step that sets the attribute gets its capture's value back after each replay; a
+    step that leaves it alone leaves alone what was set between its replays (here by the caller)."""
+    from nasdiag.cuda_graphs import StepGraph
+
+    class Holder:
+        last = None
+
+    holder = Holder()
+
+    def setting(x):
+        holder.last = x
+        return x * 2
+
+    def leaving(x):
+        return x * 3
+
+    runs = {}
+    for name, fn in (("setting", setting), ("leaving", leaving)):
+        graph = StepGraph(fn, lambda: 0, python_state=(holder, ("last",)), name=name)
+        graph.backend = _ReplayRunsNoPython(holder)
+        runs[name] = graph
+    a, b = torch.zeros(2), torch.zeros(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the graph's one line on the changed shape
+        for t in (a, a, b, b):  # eager, capture, eager (a new shape), capture
+            runs["setting"](t)
+    runs["setting"](torch.ones(2))  # a replay of the first graph: its static batch, now holding ones
+    assert holder.last.shape == (2,) and torch.equal(holder.last, torch.ones(2))
+    for t in (a, a):
+        runs["leaving"](t)
+    holder.last = "set by the caller"
+    runs["leaving"](a)
+    assert runs["leaving"].counts["replay"] == 1 and holder.last == "set by the caller"
