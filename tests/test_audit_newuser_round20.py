@@ -5,7 +5,9 @@ do that rounds 5/11/13/17 did not combine: gradient accumulation, bf16 autocast,
 the same epoch (and inside the probed block), a KeyboardInterrupt mid-epoch, and the same under PyTorch Lightning.
 
 References are written here from scratch: the optimizer steps a batch belongs to under gradient accumulation
-(batches 2k-2 and 2k-1 make step k with accumulate_grad_batches=2), counted from the definition, not from nasdiag.
+(batches 2k-2 and 2k-1 make step k with accumulate_grad_batches=2), counted from the definition; each edge's diag
+∂²L/∂Z² by torch.autograd.functional.hessian with that edge's Z passed in (float64); a loss whose Hessian is diagonal,
+for which Hutchinson's estimate is exact.
 
 Found and fixed:
 
@@ -58,7 +60,11 @@ Checked and right (scripts in a scratch folder, torch 2.13 CPU):
   and its ``with`` block after a KeyboardInterrupt keep every row handed in, the epoch's statistics in its row;
   ``nasdiag plot`` of that record titles the cost map "steps 0-4 (epoch 0)". Under Lightning (manual optimization,
   KeyboardInterrupt at batch 5, which Lightning turns into on_exception and an exit): rows 1-5, the batch that raised
-  not recorded.
+  not recorded. A KeyboardInterrupt inside ``probe.hessian()`` (exact, diag, approx) leaves no hook, BatchNorm's
+  buffers, the RNG state and the train flag as they were, and the next call works; ``norm_deviation`` is the same with
+  eval-mode validation passes with grad on around the training forward in the block; a new
+  ``RecorderCallback(path, resume=True)`` after the interrupt replaying steps 5-14 gives every step once, the later
+  segment's row winning.
 
 Noticed and left alone: the scalars figure labels a user's ``scalars/val_loss`` "(α step, batch)" (docs/figures.md
 gives ``val_*`` that meaning: naming). ``probe.hessian()`` after accumulated micro-batches takes the first one (the
