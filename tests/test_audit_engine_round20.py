@@ -42,10 +42,15 @@ Defects found (each test fails without its fix):
   (test_a_mixed_op_or_cell_with_a_forward_of_its_own_runs_eager_and_says_so). nasdiag's own AttentionMixedOp
   overrides the forward too, so a network with attention attached now runs eager also when given explicit weights
   (ASM-NAS, its one user, runs eager by design).
+* ``_graph_prepare`` switches Adam to ``capturable=True`` before a capture, and the checkpoint of a graphed GPU run
+  (the default engine on CUDA) holds the switch: resumed with ``--device cpu`` (a resume may change the device) the
+  first α step stopped in Adam's AssertionError that capturable steps need a GPU. ``load_state_dict`` keeps a group
+  capturable only where it was before the load (test_a_checkpoint_of_a_graphed_run_resumes_on_the_cpu_as_a_plain_one).
 """
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -402,3 +407,32 @@ def test_a_replay_puts_back_only_what_its_capture_set():
     holder.last = "set by the caller"
     runs["leaving"](a)
     assert runs["leaving"].counts["replay"] == 1 and holder.last == "set by the caller"
+
+
+def test_a_checkpoint_of_a_graphed_run_resumes_on_the_cpu_as_a_plain_one():
+    """A step captured as a CUDA graph first switches Adam to ``capturable=True`` (its step count on the device), and
+    the checkpoint of that run holds the switch: resumed on the CPU (``--device`` may change on a resume) the α step
+    stopped in Adam's AssertionError "If capturable=True, params and state_steps must be on supported devices". The
+    state of a method prepared for capture (as on the GPU) loads into a fresh CPU method, whose next steps equal those
+    resumed from the same point's unprepared state (float64, 1e-12)."""
+    cls = available_methods()["darts"]
+
+    def fresh():
+        return cls(_net().set_engine("fast"), None, schedule=Schedule(epochs=1, steps_per_epoch=8, batch_size=4))
+
+    g = torch.Generator().manual_seed(9)
+    batches = [(_batch(g, 4), _batch(g, 4)) for _ in range(4)]
+    m = fresh()
+    for train, val in batches[:2]:
+        m.step(train, val)
+    plain = copy.deepcopy(m.state_dict())  # (torch's optimizers load a state's tensors without copying them)
+    m._graph_prepare()  # what the graphed GPU run did before its capture
+    prepared = copy.deepcopy(m.state_dict())
+    assert prepared["objects"]["alpha_optimizer"]["param_groups"][0]["capturable"] is True
+    a, b = fresh(), fresh()
+    a.load_state_dict(prepared)
+    b.load_state_dict(plain)
+    for train, val in batches[2:]:
+        sa, sb = a.step(train, val), b.step(train, val)
+        for k in sb:
+            assert torch.allclose(sa[k].to(DT), sb[k].to(DT), rtol=0, atol=1e-12), k

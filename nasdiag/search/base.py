@@ -936,6 +936,7 @@ class SearchMethod:
             for k, obj in objects.items():
                 previous[k] = obj.state_dict()
                 obj.load_state_dict(state["objects"][k])
+                _capturable_as_before(obj, previous[k])
         except Exception:
             for k, saved in previous.items():
                 objects[k].load_state_dict(saved)
@@ -944,6 +945,23 @@ class SearchMethod:
         self.generator.set_state(state["generator"])
         for k, v in state.get("attributes", {}).items():
             setattr(self, k, _on_devices_of(getattr(self, k, None), v))
+
+
+def _capturable_as_before(obj: Any, before: Mapping[str, Any]) -> None:
+    """An optimizer's ``capturable`` is how this process steps, not a part of the run: ``_graph_prepare`` turns it on
+    before a CUDA-graph capture (and runs again before the next one), so a checkpoint of a graphed GPU run holds it on.
+    Loaded into a method that was not prepared, it was kept: resumed with ``--device cpu`` Adam stopped in its
+    assertion that capturable steps need a GPU (and an eager GPU run took the capturable path). A group keeps it on only
+    where it was on before the load; the step count it then holds goes back to the host, where the plain step reads it."""
+    if not isinstance(obj, torch.optim.Optimizer) or "capturable" not in obj.defaults:
+        return
+    for group, old in zip(obj.param_groups, before.get("param_groups", ())):
+        if group.get("capturable") and not old.get("capturable"):
+            group["capturable"] = False
+            for p in group["params"]:
+                step = obj.state.get(p, {}).get("step")
+                if torch.is_tensor(step):
+                    obj.state[p]["step"] = step.to("cpu")
 
 
 def _on_devices_of(current: Any, loaded: Any) -> Any:
