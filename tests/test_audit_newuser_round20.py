@@ -127,7 +127,7 @@ def test_lightning_gradient_accumulation_puts_an_optimizer_steps_micro_batches_i
     torch.manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(4 * batches, 3), torch.randint(0, 2, (4 * batches,)))
     record = tmp_path / "accumulated.h5"
-    trainer = pl.Trainer(max_epochs=epochs, accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
+    trainer = pl.Trainer(max_epochs=epochs, accumulate_grad_batches=accumulate, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[lightning_callback(record, epoch_statistics=lambda t, m: {"scalars/at_epoch_end": float(m.seen - 1)})])
     with warnings.catch_warnings():  # Lightning's own advice (few dataloader workers, ...)
