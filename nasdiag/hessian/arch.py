@@ -36,7 +36,7 @@ from torch import nn
 from nasdiag.hessian._hvp import call_model, check_max_memory, check_model, preserved_buffers, scalar_loss
 from nasdiag.edges import resolve_edges, weights_parameter
 from nasdiag.hessian.arch_exact import (_check_softmax_weights, _frozen_parameters_traced, exact_arch_diag_hessian,
-                                        softmax_chain_diag)
+                                        refuse_loss_beyond_outputs, softmax_chain_diag)
 from nasdiag.hessian.arch_ggn import ggn_arch_diag
 from nasdiag.hessian.arch_hutchinson import hutchinson_arch_diag
 from nasdiag.hessian.loss_curvature import output_hessian_diagonal
@@ -112,7 +112,10 @@ def arch_diag_hessian(
         CurvatureError (a ``ValueError``; ``CurvatureTypeError`` for a wrong type): unknown mode/wrt, bad ``edges``, an edge that never ran or skipped a candidate op,
             ``wrt="alpha"`` on weights that are not a softmax; in ``diag``/``approx``, a mixed op whose output is not
             ``Σ_k weights[k]·ops[k](x)`` of the ops as listed (listed in another order than it pairs them with its
-            weights, or a sum it changes), whose numbers would pair each weight with another op's output.
+            weights, or a sum it changes), whose numbers would pair each weight with another op's output; in
+            ``diag``/``approx``/``ggn``/``ggn_mc``, a loss reading features stored downstream of an edge besides the
+            outputs (an auxiliary loss), and with ``wrt="alpha"`` in every mode, a loss reading α itself (a penalty):
+            their curvature would be left out.
         UnsupportedModuleError: a module or op on the path has no rule (names it, lists the supported
             modules, says how to register one).
 
@@ -178,6 +181,9 @@ def arch_diag_hessian(
         loss = scalar_loss(loss_fn, outputs, targets)
         if wrt == "alpha":  # while the graph from α to the weights is alive
             _check_softmax_weights(recorder.weights, recorder.with_graph)
+        # C.3.1-C.3.2 start from the loss curvature at the outputs: a term on stored features, or on α, is refused
+        refuse_loss_beyond_outputs(loss, outputs, f"mode={mode!r}", reached={id(e[0]): key.rsplit("#", 1)[0] for e, key in recorder.observe.items()},
+                                   weights=recorder.with_graph if wrt == "alpha" else None)
         h_out = output_hessian_diagonal(loss_fn, outputs, targets)
         _, h_nodes, g_nodes = walk_diagonals(tracer, loss, outputs, h_out, mode, observe=recorder.observe)
 

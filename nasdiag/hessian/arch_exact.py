@@ -49,7 +49,7 @@ from nasdiag.hessian._hvp import (
     scalar_loss,
     set_random_state,
 )
-from nasdiag.hessian.weights import _refuse_empty_batch
+from nasdiag.hessian.weights import _parameter_read_by, _refuse_empty_batch
 from nasdiag.hooks import Hooks
 
 __all__ = ["EdgeProducts", "edge_hessian_products", "exact_arch_diag_hessian", "softmax_chain_diag"]
@@ -215,12 +215,15 @@ def edge_hessian_products(
             shift.mode = "leaves"
             with _frozen_parameters_traced(model, wrt == "alpha"):
                 with SavedBytes() as saved:
-                    loss = scalar_loss(loss_fn, call_model(model, inputs), targets)
+                    outputs = call_model(model, inputs)
+                    loss = scalar_loss(loss_fn, outputs, targets)
                 shift.check_all_ran()
                 if wrt == "alpha":
                     _check_softmax_weights(shift.observed, shift.with_graph)
+                    refuse_loss_beyond_outputs(loss, outputs, what, weights=shift.with_graph)
                     if shared_alpha == "refuse":
                         _refuse_shared_alpha({n: source_entries(w) for n, w in shift.with_graph.items()})
+                del outputs
             chunk_size = fit_chunk(saved.bytes, max_memory, chunk_size, what, device=loss.device)
             leaves = [shift.leaves[n] for n in names]
             if backend == "autograd":
@@ -247,6 +250,38 @@ def edge_hessian_products(
             yield EdgeProducts(products, names, n_ops, grad_z, shift, chunk_size, leaves[0].dtype, leaves[0].device)
     finally:
         hooks.remove()
+
+
+def refuse_loss_beyond_outputs(loss, outputs, what: str, *, reached: Optional[Dict[int, str]] = None,
+                               weights: Optional[Dict[str, torch.Tensor]] = None) -> None:
+    """One ``CurvatureError`` line where ``loss`` reads, besides the model ``outputs`` (its graph walked as
+    :func:`~nasdiag.hessian.weights._parameter_read_by` does, stopping at the outputs), what the curvature asked for
+    depends on: ``reached`` (``{id of an edge's output node or δ leaf: edge}``, an auxiliary loss on features the
+    model stored, which a route seeded at the loss curvature in the outputs left out, silently) or, given ``weights``
+    (``{edge: its weights with their graph}``, ``wrt="alpha"``), the α they come from read directly (a penalty on α
+    written into the loss: every route chains the curvature in Z through Z = softmax(α), so the penalty's own
+    curvature, 2λ per entry for λ‖α‖², was left out, silently)."""
+    parts = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+    stops = {t.grad_fn for t in parts if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+    if not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
+        return
+    edge = _parameter_read_by(loss, stops, reached) if reached else None
+    if edge is not None:
+        raise CurvatureError(
+            f"edge {edge!r}: loss_fn reads a tensor the forward computed from its mixing weights besides the model "
+            f"outputs (an auxiliary loss on features the model stored), and {what} starts from the loss curvature at the "
+            "outputs, so that term's curvature would be left out; use mode='exact' or 'hutchinson:<k>', which "
+            "differentiate the whole loss"
+        )
+    sources = {id(leaf): name for name, w in (weights or {}).items() for leaf in leaf_sources(w)}
+    edge = _parameter_read_by(loss, stops | {w.grad_fn for w in (weights or {}).values()}, sources) if sources else None
+    if edge is not None:
+        raise CurvatureError(
+            f"edge {edge!r}: loss_fn reads the α its mixing weights come from itself, not only through the model outputs "
+            "(a penalty such as weight decay on α written into the loss), and wrt='alpha' chains the curvature in Z "
+            "through Z = softmax(α), so that term's curvature would be left out; keep loss_fn a function of (outputs, "
+            "targets) and add the penalty's curvature yourself (2·λ per entry for λ·‖α‖²)"
+        )
 
 
 @contextmanager

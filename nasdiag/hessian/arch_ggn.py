@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from nasdiag.hessian._hvp import call_model, check_probe_memory, preserved_buffers, scalar_loss
+from nasdiag.hessian.arch_exact import refuse_loss_beyond_outputs
 from nasdiag.hessian.loss_curvature import output_hessian_blocks
 from nasdiag.edges import weights_parameter
 from nasdiag.hessian.modes import CurvatureError, CurvatureTypeError
@@ -184,7 +185,7 @@ def ggn_arch_diag(
     """
     rows, gradient, observed = ggn_factor_rows(
         model, loss_fn, inputs, targets, names, modules, n_ops, monte_carlo=monte_carlo, samples=samples, generator=generator,
-        check_weights=check_weights,
+        check_weights=check_weights, refuse_beyond_outputs=True,
     )
     return {n: r.square().sum((0, 1)) for n, r in rows.items()}, gradient, observed
 
@@ -203,6 +204,7 @@ def ggn_factor_rows(
     generator: Optional[torch.Generator] = None,
     check_weights: Optional[Callable] = None,
     warn_unused: bool = True,
+    refuse_beyond_outputs: bool = False,
 ):
     """The factor of the (Monte-Carlo) GGN: ``({edge: (R, B, K)}, {edge: (K,) ∂L/∂Z}, {edge: observed weights})``.
 
@@ -247,6 +249,10 @@ def ggn_factor_rows(
                 check_weights(shift.observed, shift.with_graph)
             loss = scalar_loss(loss_fn, outputs, targets)
             leaves = [shift.leaves[n] for n in names]
+            if refuse_beyond_outputs:  # the GGN is of the loss in the outputs: a term elsewhere would be left out
+                refuse_loss_beyond_outputs(loss, outputs, f"mode={'ggn_mc' if monte_carlo else 'ggn'!r}",
+                                           reached={id(leaf): n for n, leaf in zip(names, leaves)},
+                                           weights=shift.with_graph if check_weights is not None else None)
             blocks = output_hessian_blocks(loss_fn, outputs.detach(), targets)  # (N, D, D), of the scalar
             finite = bool(torch.isfinite(blocks).all())  # a NaN is reported as NaN, not an eigh failure
             round_off = torch.finfo(blocks.dtype).eps  # the blocks' round-off, also where they are factored in float32:

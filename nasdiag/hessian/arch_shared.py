@@ -38,7 +38,7 @@ from nasdiag.hessian._hvp import (
     set_random_state,
 )
 from nasdiag.hessian.modes import CurvatureError, CurvatureTypeError
-from nasdiag.hessian.weights import _refuse_empty_batch
+from nasdiag.hessian.weights import _outputs_only, _refuse_empty_batch
 
 __all__ = ["alpha_diag_hessian", "shared_weights_diag_hessian"]
 
@@ -86,8 +86,9 @@ def alpha_diag_hessian(
         parameters' dtype.
 
     Raises:
-        CurvatureError: a parameter that is not one of ``model``'s, or a net too large for ``max_memory`` (naming
-            the estimated size and what to use instead).
+        CurvatureError: a parameter that is not one of ``model``'s, a ``loss_fn`` that reads a requested parameter
+            itself besides the outputs (a penalty on α written into it, whose curvature would be left out), or a net
+            too large for ``max_memory`` (naming the estimated size and what to use instead).
 
     Warns:
         RuntimeWarning: naming the rows (edges) of a parameter whose gradient and diagonal are both exactly zero,
@@ -98,6 +99,8 @@ def alpha_diag_hessian(
     missing = [n for n, p in pairs if id(p) not in by_id]
     if missing:
         raise CurvatureError(f"alpha_diag_hessian: {missing} are not parameters of the model; pass the model's own α")
+    # a penalty on α written into loss_fn reads the real α, not the values the products substitute: refused, not dropped
+    loss_fn = _outputs_only(loss_fn, model, {by_id[id(p)]: p for _, p in pairs}, "alpha_diag_hessian")
     return _exact_parameter_diag(model, loss_fn, inputs, targets, [(by_id[id(p)], p) for _, p in pairs],
                                  chunk_size, max_memory, "alpha_diag_hessian", INSTEAD_OF_SHARED_ALPHA)
 
@@ -118,10 +121,12 @@ def _exact_parameter_diag(model, loss_fn, inputs, targets, pairs, chunk_size, ma
 
     with preserved_buffers(model), torch.enable_grad():
         drawn = random_state()  # a fallback's forward draws this one's dropout masks: the products are of one net
+        # at copies of the parameters, as the products: a loss_fn reading the real ones itself (a penalty on α) is
+        # told from one reading features the forward stored (computed from the copies, as the products' are)
+        wrt = [p.detach().requires_grad_(True) for _, p in pairs]
         with SavedBytes() as saved:
-            loss = scalar_loss(loss_fn, call_model(model, inputs), targets)
+            loss = scalar_loss(loss_fn, torch.func.functional_call(model, dict(zip(names, wrt)), _as_args(inputs)), targets)
         # the gradient, to tell the entries the loss does not use (exact zeros of both gradient and curvature)
-        wrt = [p for _, p in pairs]
         grads = (torch.autograd.grad(loss, wrt, allow_unused=True) if loss.requires_grad else [None] * len(wrt))
         del loss
         chunk_size = fit_chunk(saved.bytes, max_memory, chunk_size, what, device=primal.device, instead=instead)

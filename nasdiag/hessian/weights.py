@@ -116,12 +116,13 @@ def diag_hessian(
     return recursion_diag(model, loss_fn, inputs, targets, mode, values, rules)
 
 
-def _outputs_only(loss_fn: Callable, model: nn.Module, values: Dict[str, torch.Tensor]) -> Callable:
+def _outputs_only(loss_fn: Callable, model: nn.Module, values: Dict[str, torch.Tensor],
+                  what: str = "diag_hessian") -> Callable:
     """``loss_fn``, refusing in one line a call whose loss reads a requested parameter of the model itself, besides
     the outputs (weight decay written into the loss: ``F.cross_entropy(o, t) + λ Σ‖θ‖²`` closing over
     ``model.parameters()``). Every mode differentiates the loss in the outputs (the recursions' seed) or at the values
     substituted into the forward, so such a term's curvature (2λ per entry) was left out, silently. The loss's own
-    graph is walked, stopping at the outputs."""
+    graph is walked, stopping at the outputs. ``what`` names the caller in the line."""
     aliases = _parameter_aliases(model)
     requested = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)
                  if any(n in aliases.get(v, (v,)) for v in values)}
@@ -135,7 +136,7 @@ def _outputs_only(loss_fn: Callable, model: nn.Module, values: Dict[str, torch.T
             if name is not None:
                 raise CurvatureError(
                     f"loss_fn reads the model's parameter {name!r} itself, not only through the model outputs (a penalty "
-                    "such as weight decay written into the loss), and diag_hessian differentiates the loss in the outputs, "
+                    f"such as weight decay written into the loss), and {what} differentiates the loss in the outputs, "
                     "so that term's curvature would be left out; keep loss_fn a function of (outputs, targets) and add the "
                     "penalty's curvature yourself (2·λ per entry for λ·‖θ‖²)"
                 )
@@ -146,7 +147,8 @@ def _outputs_only(loss_fn: Callable, model: nn.Module, values: Dict[str, torch.T
 
 def _parameter_read_by(loss: torch.Tensor, stops: set, requested: Dict[int, str]) -> Optional[str]:
     """The name of a ``requested`` parameter whose gradient accumulator the loss's graph reaches without passing
-    through ``stops`` (the nodes that made the outputs), or None."""
+    through ``stops`` (the nodes that made the outputs), or None. A key may also be the id of a node itself (an
+    edge's output node, :mod:`nasdiag.hessian.arch`)."""
     seen, stack = set(), [loss.grad_fn]
     while stack:
         node = stack.pop()
@@ -156,6 +158,8 @@ def _parameter_read_by(loss: torch.Tensor, stops: set, requested: Dict[int, str]
         variable = getattr(node, "variable", None)
         if variable is not None and id(variable) in requested:
             return requested[id(variable)]
+        if id(node) in requested:
+            return requested[id(node)]
         stack.extend(n for n, _ in node.next_functions)
     return None
 
