@@ -25,7 +25,12 @@ Defects found (each test fails on the library before its fix):
   out by every mode (the chain through Z = softmax(α) takes the curvature in Z), and by ``alpha_diag_hessian`` (the
   penalty reads the real α, the products substitute another), silently; one ``CurvatureError`` line each, while an
   auxiliary loss on stored features stays right in ``alpha_diag_hessian`` —
-  ``test_a_penalty_on_alpha_in_the_loss_is_refused_not_left_out``.
+  ``test_a_penalty_on_alpha_in_the_loss_is_refused_not_left_out``;
+* a loss computed in float32 on float64 outputs (``F.cross_entropy(outputs.float(), t)``) was refused by ``ggn``/
+  ``ggn_mc``/``hutchinson:<k>`` as "needs a loss with non-negative curvature" (the eigenvalue check allowed 1e3 ulp of
+  float64 against blocks carrying float32 round-off), and ``alpha_diag_hessian`` returned float32 diagonals of a
+  float64 α where its docstring promises the parameters' dtype —
+  ``test_a_loss_computed_in_float32_on_float64_outputs_is_not_refused_and_keeps_the_alpha_dtype``.
 """
 
 import warnings
@@ -145,3 +150,21 @@ def test_a_penalty_on_alpha_in_the_loss_is_refused_not_left_out():
         alpha_diag_hessian(net, decay, x, y, [net.alpha])
     msg = str(err.value)
     assert "\n" not in msg and "'alpha'" in msg and "alpha_diag_hessian" in msg, msg
+
+
+def test_a_loss_computed_in_float32_on_float64_outputs_is_not_refused_and_keeps_the_alpha_dtype():
+    """``F.cross_entropy(outputs.float(), t)`` of the float64 net: Z enters the outputs linearly, so the GGN in Z is the
+    exact Hessian (the reference); ``ggn`` and ``hutchinson:4`` (whose GGN control is then exact) give it to float32
+    round-off, in float64, and ``alpha_diag_hessian`` gives the α reference in α's float64."""
+    net, x, y = _batch(2)
+    f32 = lambda o, t: F.cross_entropy(o.float(), t)
+    for wrt in ("Z", "alpha"):
+        ref = _own_diagonal(net, x, y, lambda o, t, f, v: F.cross_entropy(o, t), wrt)
+        for mode in ("ggn", "ggn_mc", "hutchinson:4"):
+            got = arch_diag_hessian(net, f32, x, y, net.edges(), mode=mode, wrt=wrt)["e"]
+            assert got.dtype == DT, (mode, got.dtype)
+            if mode != "ggn_mc" and wrt == "Z":
+                torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-8)
+    got = alpha_diag_hessian(net, f32, x, y, [net.alpha])["alpha"]
+    assert got.dtype == DT, got.dtype
+    torch.testing.assert_close(got, _own_diagonal(net, x, y, lambda o, t, f, v: F.cross_entropy(o, t), "alpha"), rtol=1e-5, atol=1e-8)

@@ -255,7 +255,9 @@ def ggn_factor_rows(
                                            weights=shift.with_graph if check_weights is not None else None)
             blocks = output_hessian_blocks(loss_fn, outputs.detach(), targets)  # (N, D, D), of the scalar
             finite = bool(torch.isfinite(blocks).all())  # a NaN is reported as NaN, not an eigh failure
-            round_off = torch.finfo(blocks.dtype).eps  # the blocks' round-off, also where they are factored in float32:
+            # the blocks' round-off, also where they are factored in float32, or computed by a loss in a coarser dtype
+            # than the outputs' (F.cross_entropy(outputs.float(), t) of a float64 model was refused as non-convex):
+            round_off = max(torch.finfo(blocks.dtype).eps, torch.finfo(loss.dtype).eps)
             blocks = blocks.to(torch.promote_types(blocks.dtype, torch.float32))  # eigh has no float16/bfloat16 kernels
             lam, U = torch.linalg.eigh(blocks if finite else torch.nan_to_num(blocks, 0.0, 0.0, 0.0))
             # round-off of the O(1) quantities the blocks come from (softmax p − p² for CE) is ~eps/N in the blocks

@@ -38,7 +38,7 @@ from nasdiag.hessian._hvp import (
     set_random_state,
 )
 from nasdiag.hessian.modes import CurvatureError, CurvatureTypeError
-from nasdiag.hessian.weights import _outputs_only, _refuse_empty_batch
+from nasdiag.hessian.weights import _in_dtypes_of, _outputs_only, _refuse_empty_batch
 
 __all__ = ["alpha_diag_hessian", "shared_weights_diag_hessian"]
 
@@ -151,7 +151,9 @@ def _exact_parameter_diag(model, loss_fn, inputs, targets, pairs, chunk_size, ma
             loss = scalar_loss(loss_fn, call_model(model, inputs), targets)
             hvp = HessianVectorProduct(loss, [p for _, p in pairs], names)
             diag = exact_diagonal(hvp, hvp.dim, hvp.dtype, hvp.device, chunk_size)
-    out = {n: part.reshape(shape).detach() for n, part, shape in zip(names, torch.split(diag, sizes), shapes)}
+    # in the parameters' dtypes, as documented (the fallback's products are in the loss's: float32 under a loss
+    # computed in float32 on float64 outputs)
+    out = _in_dtypes_of(dict(pairs), {n: part.reshape(shape).detach() for n, part, shape in zip(names, torch.split(diag, sizes), shapes)})
     shown = {n: (labels or {}).get(n, n) for n in names}
     _warn_unused(what, {shown[n]: h for n, h in out.items()}, {shown[n]: g for n, g in zip(names, grads)})
     return out
