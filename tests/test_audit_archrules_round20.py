@@ -30,7 +30,12 @@ Defects found (each test fails on the library before its fix):
   ``ggn_mc``/``hutchinson:<k>`` as "needs a loss with non-negative curvature" (the eigenvalue check allowed 1e3 ulp of
   float64 against blocks carrying float32 round-off), and ``alpha_diag_hessian`` returned float32 diagonals of a
   float64 α where its docstring promises the parameters' dtype —
-  ``test_a_loss_computed_in_float32_on_float64_outputs_is_not_refused_and_keeps_the_alpha_dtype``.
+  ``test_a_loss_computed_in_float32_on_float64_outputs_is_not_refused_and_keeps_the_alpha_dtype``;
+* one unbatched sample (``model(x)`` on (features,)): ``ggn``/``ggn_mc``/``hutchinson:<k>`` refused it saying the mixed
+  op "returned another output" for (B, K) weights, "e.g. zip(weights, self._ops) pairs the batch rows with the ops",
+  which a correct mixed op does not (its (5,) input was read as 5 samples); the line names the shape so read and
+  the batch of one, which then gives the reference —
+  ``test_one_unbatched_sample_is_not_refused_as_a_mixed_op_pairing_rows_with_ops``.
 """
 
 import warnings
@@ -168,3 +173,20 @@ def test_a_loss_computed_in_float32_on_float64_outputs_is_not_refused_and_keeps_
     got = alpha_diag_hessian(net, f32, x, y, [net.alpha])["alpha"]
     assert got.dtype == DT, got.dtype
     torch.testing.assert_close(got, _own_diagonal(net, x, y, lambda o, t, f, v: F.cross_entropy(o, t), "alpha"), rtol=1e-5, atol=1e-8)
+
+
+def test_one_unbatched_sample_is_not_refused_as_a_mixed_op_pairing_rows_with_ops():
+    """``net(x)`` on one (4,) sample with cross-entropy over its (3,) logits: the GGN modes' line names the (5,) input
+    read as 5 samples and the batch of one, not a mixed op that pairs the batch rows with its ops; the batch of one
+    gives the reference in ``ggn`` (Z enters linearly: the GGN is the Hessian); ``exact`` takes the unbatched call."""
+    net, x, y = _batch(3)
+    ref = _own_diagonal(net, x[:1], y[:1], lambda o, t, f, v: F.cross_entropy(o, t), "Z")
+    for mode in ("ggn", "ggn_mc", "hutchinson:4"):
+        with pytest.raises(ValueError) as err:
+            arch_diag_hessian(net, F.cross_entropy, x[0], y[0], net.edges(), mode=mode)
+        msg = str(err.value)
+        assert "\n" not in msg and "(5,)" in msg and "unsqueeze(0)" in msg and "zip(" not in msg, (mode, msg)
+    torch.testing.assert_close(arch_diag_hessian(net, F.cross_entropy, x[:1], y[:1], net.edges(), mode="ggn")["e"], ref,
+                               rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(arch_diag_hessian(net, F.cross_entropy, x[0], y[0], net.edges(), mode="exact")["e"], ref,
+                               rtol=1e-10, atol=1e-14)

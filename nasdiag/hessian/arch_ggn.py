@@ -92,6 +92,14 @@ class _PerSampleShift:
                 "the GGN modes (ggn, ggn_mc, and the control variate of hutchinson:<k>) cannot check their per-sample "
                 "(B, K) weights through; remove the hook for this call, or use mode='exact', which runs it"
             )
+        x = args[0] if args else kwargs.get("x")
+        if isinstance(x, torch.Tensor) and x.dim() == 1:  # one unbatched sample: not a pairing of rows with ops
+            raise CurvatureError(
+                f"edge {name!r}: the mixed op's input has shape {tuple(x.shape)}, read by the GGN modes (ggn, ggn_mc, and "
+                f"the control variate of hutchinson:<k>) as {x.shape[0]} samples to mix each with its own weights (one "
+                "unbatched sample?); for one sample pass a batch of one (inputs.unsqueeze(0), targets.unsqueeze(0)), or "
+                "use mode='exact'"
+            )
         raise CurvatureError(
             f"edge {name!r}: the GGN modes (ggn, ggn_mc, and the control variate of hutchinson:<k>) mix each sample "
             "with its own weights, shape (B, K), and the mixed op returned another output for them than for its (K,) "
