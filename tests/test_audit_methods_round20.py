@@ -2,6 +2,16 @@
 what rounds 13-19 did not reach, checked against this file's own arithmetic and state comparisons; no nasdiag
 helper computes a reference.
 
+Defects these tests found (each fails without its fix):
+
+- darts2 (and SparseNAS's second-order step, which shares ``nasdiag.search.unrolled``) observed the rank MEAN of the
+  costs at w' into its ``cost/<cell>/{mean,var,count}`` statistics, where nasdiag.distributed's batch convention (and
+  every other method, through ``SearchMethod.cost``) observes each rank's own C_r = ∂L_r/∂Z: under DDP every rank
+  pooled the same mean, so the recorded variance silently lost the spread between the ranks' batches (one rank's
+  moments off by the other rank's share). ``FunctionalCost.per_cell`` is now this rank's costs; the α step still
+  uses their rank mean (test_darts2_cost_statistics_are_each_ranks_own_costs_under_ddp, 2 gloo ranks, each checking
+  its moments against its own autograd costs at its own transcription of w').
+
 Checked and found right (no defect):
 
 - XNAS saved mid-epoch after wipeouts (two cells per type, so two EG rounds per step; L = 1e-4 so experts part and
@@ -115,3 +125,67 @@ def test_darts2_arch_gradient_changes_no_state_and_is_what_the_next_step_applies
     # the α.grad the step applied (alpha_step sets it, the w step leaves α's alone) is the hypergradient returned
     for t, alpha in twin.network.alphas().items():
         torch.testing.assert_close(alpha.grad, g[t].to(alpha.dtype), rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------- darts2's cost statistics
+DARTS2_RANK = '''
+import datetime, os, sys
+import torch, torch.distributed as dist
+from torch.func import functional_call
+rank, port = int(sys.argv[1]), sys.argv[2]
+torch.set_num_threads(1)
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+from nasdiag.search import Schedule, get_method
+from nasdiag.supernet import Network
+
+torch.manual_seed(0)
+net = Network(2, 5, 3, steps=1, multiplier=1, in_channels=1).double()
+M = get_method("darts2")
+m = M(net, M.Hyperparameters(w_weight_decay=0.01), schedule=Schedule(epochs=1, steps_per_epoch=1, batch_size=3,
+                                                                      world_size=2), seed=0)
+m.distribute()
+g = torch.Generator().manual_seed(11 + rank)  # each rank its own batches
+train = torch.randn(3, 1, 8, 8, generator=g, dtype=torch.float64), torch.randint(0, 5, (3,), generator=g)
+val = torch.randn(3, 1, 8, 8, generator=g, dtype=torch.float64), torch.randint(0, 5, (3,), generator=g)
+
+# reference: w' = w - xi (mean over ranks of grad_w L_train + lambda w) (first step: no momentum buffer yet), then this
+# rank's own C_r = dL_val,r(w')/dZ_k per cell k, by autograd at Z = softmax(alpha)
+arch = {id(a) for a in net.arch_parameters()}
+w = {n: p.detach().clone().requires_grad_(True) for n, p in net.named_parameters() if id(p) not in arch}
+buffers = {n: b.clone() for n, b in net.named_buffers()}
+Z = [torch.softmax(net.alphas()[c.cell_type].detach(), -1) for c in net.cells]
+loss = torch.nn.functional.cross_entropy(functional_call(net, {**w, **buffers}, (train[0], Z)), train[1])
+grads = torch.autograd.grad(loss, list(w.values()))
+for t in grads:
+    dist.all_reduce(t)
+    t /= 2
+xi, lam = m.hp.w_lr, m.hp.w_weight_decay
+w1 = {n: (p - xi * (gr + lam * p)).detach() for (n, p), gr in zip(w.items(), grads)}
+leaves = [z.clone().requires_grad_(True) for z in Z]
+buffers = {n: b.clone() for n, b in net.named_buffers()}
+val_loss = torch.nn.functional.cross_entropy(functional_call(net, {**w1, **buffers}, (val[0], leaves)), val[1])
+own = torch.autograd.grad(val_loss, leaves)
+
+m.step(train, val)
+d = m.diagnostics()
+for t in net.cell_types:
+    rows = torch.stack([c for c, cell in zip(own, net.cells) if cell.cell_type == t])
+    torch.testing.assert_close(d[f"cost/{t}/mean"], rows.mean(0), rtol=1e-9, atol=1e-12, msg=f"rank {rank} {t} mean")
+    torch.testing.assert_close(d[f"cost/{t}/var"], rows.var(0, unbiased=False), rtol=1e-7, atol=1e-14,
+                               msg=f"rank {rank} {t} var")
+    assert (d[f"cost/{t}/count"] == len(rows)).all()
+dist.destroy_process_group()
+'''
+
+
+def test_darts2_cost_statistics_are_each_ranks_own_costs_under_ddp(tmp_path):
+    """nasdiag.distributed's batch convention: ``cost/<cell>/{mean,var,count}`` pool one observation per rank, step and
+    cell, C_r = ∂L_r/∂Z of rank r's own mean loss (the α step uses their rank mean). Each of 2 gloo ranks checks the
+    moments darts2 observed in its step against its own C_r at w' = w − ξ(rank-mean ∇_w L_train + λw), by autograd."""
+    from conftest import free_port, launch_ranks
+
+    script = tmp_path / "rank.py"
+    script.write_text(DARTS2_RANK)
+    port = free_port()
+    launch_ranks(script, lambda r: [r, port], timeout=120)

@@ -51,8 +51,10 @@ class FunctionalCost:
     Attributes:
         loss: 0-dim mean cross-entropy of the batch (detached, this rank's).
         logits: (B, classes), detached.
-        per_cell: one (E, K) tensor per cell, C = ∂L/∂Z (rank mean).
-        costs: ``{cell type: (E, K)}``, ``per_cell`` summed over the cells of a type.
+        per_cell: one (E, K) tensor per cell, C = ∂L/∂Z of this rank's loss (not averaged over DDP ranks: the
+            cost statistics' observations, one per rank, step and cell).
+        costs: ``{cell type: (E, K)}``, the rank mean of ``per_cell`` summed over the cells of a type (what the
+            architecture gradients use).
         weight_grads: ``{name: ∂L/∂w}`` (rank mean) if asked for, else None.
     """
 
@@ -114,7 +116,7 @@ def functional_cost(network, params: Mapping[str, torch.Tensor], buffers: Mappin
         context: a context manager factory wrapped around forward and backward (e.g. a probe recording).
 
     Returns:
-        :class:`FunctionalCost`, gradients averaged over DDP ranks.
+        :class:`FunctionalCost`, gradients averaged over DDP ranks (``per_cell``: this rank's own).
     """
     leaves = [weights[c.cell_type].detach().clone().requires_grad_(True) for c in network.cells]
     names = list(params)
@@ -125,10 +127,13 @@ def functional_cost(network, params: Mapping[str, torch.Tensor], buffers: Mappin
         loss = nn.functional.cross_entropy(logits, y)
         inputs = leaves + (w_leaves if weight_grads else [])
         grads = list(torch.autograd.grad(loss, inputs, allow_unused=True))
-    grads = mean_over_ranks([torch.zeros_like(t) if g is None else g for t, g in zip(inputs, grads)])
-    per_cell = grads[: len(leaves)]
+    grads = [torch.zeros_like(t) if g is None else g for t, g in zip(inputs, grads)]
+    # this rank's costs, the cost statistics' observations (nasdiag.distributed: one per rank, step and cell); their
+    # rank mean was observed, so under DDP every rank pooled the same mean and the variance lost the ranks' spread
+    per_cell = [g.detach().clone() for g in grads[: len(leaves)]]
+    grads = mean_over_ranks(grads)
     costs: CellWeights = {}
-    for cell, g in zip(network.cells, per_cell):
+    for cell, g in zip(network.cells, grads[: len(leaves)]):
         costs[cell.cell_type] = costs[cell.cell_type] + g if cell.cell_type in costs else g
     w_grads = dict(zip(names, grads[len(leaves):])) if weight_grads else None
     return FunctionalCost(loss.detach(), logits.detach(), per_cell, costs, w_grads)
