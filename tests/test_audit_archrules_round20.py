@@ -35,7 +35,12 @@ Defects found (each test fails on the library before its fix):
   op "returned another output" for (B, K) weights, "e.g. zip(weights, self._ops) pairs the batch rows with the ops",
   which a correct mixed op does not (its (5,) input was read as 5 samples); the line names the shape so read and
   the batch of one, which then gives the reference —
-  ``test_one_unbatched_sample_is_not_refused_as_a_mixed_op_pairing_rows_with_ops``.
+  ``test_one_unbatched_sample_is_not_refused_as_a_mixed_op_pairing_rows_with_ops``;
+* under CPU autocast (bfloat16) a float32 net's mixing-weight curvature came back in bfloat16 from ``diag``/
+  ``approx`` (both ``wrt``) and from every ``wrt="alpha"`` mode but ``hutchinson:<k>`` (the chain through softmax ran
+  its matmuls under the caller's autocast), where the docstring promises the model's dtype; the chain runs outside
+  autocast in ``hess_z``'s dtype, the recursions' results are cast to the weights' —
+  ``test_under_cpu_autocast_every_mode_keeps_the_mixing_weights_dtype``.
 """
 
 import warnings
@@ -190,3 +195,19 @@ def test_one_unbatched_sample_is_not_refused_as_a_mixed_op_pairing_rows_with_ops
                                rtol=1e-10, atol=1e-14)
     torch.testing.assert_close(arch_diag_hessian(net, F.cross_entropy, x[0], y[0], net.edges(), mode="exact")["e"], ref,
                                rtol=1e-10, atol=1e-14)
+
+
+def test_under_cpu_autocast_every_mode_keeps_the_mixing_weights_dtype():
+    """A float32 net under ``torch.autocast("cpu", dtype=torch.bfloat16)``: softmax(α) is float32 there, and every mode
+    and ``wrt`` returns float32; ``exact`` with ``wrt="alpha"`` is the own float64 reference to bfloat16 round-off of the
+    forward (5% of its largest entry)."""
+    net, x, y = _batch(4)
+    ref = _own_diagonal(net, x, y, lambda o, t, f, v: F.cross_entropy(o, t), "alpha")
+    net, x = net.float(), x.float()
+    for wrt in ("Z", "alpha"):
+        for mode in MODES:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                got = arch_diag_hessian(net, F.cross_entropy, x, y, net.edges(), mode=mode, wrt=wrt)["e"]
+            assert got.dtype == torch.float32, (wrt, mode, got.dtype)
+            if wrt == "alpha" and mode == "exact":
+                assert (got.double() - ref).abs().max() <= 0.05 * ref.abs().max(), (got, ref)

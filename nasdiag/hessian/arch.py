@@ -208,7 +208,7 @@ def arch_diag_hessian(
         if wrt == "alpha":
             z = recorder.weights[name][0].to(hess.dtype)
             hess = softmax_chain_diag(z, grad, torch.diag(hess))
-        result[name] = hess.detach()
+        result[name] = hess.detach().to(recorder.weights[name][0].dtype)  # not autocast's bfloat16 of float32 weights
     if unused:  # as the exact and GGN routes say it
         warnings.warn(f"the loss does not depend on edge(s) {unused}: their curvature is reported as zeros", RuntimeWarning, stacklevel=3)
     return result

@@ -412,14 +412,16 @@ def softmax_chain_diag(z: torch.Tensor, grad_z: torch.Tensor, hess_z: torch.Tens
         hess_z: (K, K) ``H = ∂²L/∂z²`` (the edge's own block).
 
     Returns:
-        (K,) in the dtype of ``hess_z``.
+        (K,) in the dtype of ``hess_z`` (also under a caller's autocast, whose matmuls gave bfloat16 before round 20).
     """
-    jac = torch.diag(z) - torch.outer(z, z)
-    curvature = torch.diagonal(jac @ hess_z @ jac)
-    eye = torch.eye(z.numel(), dtype=z.dtype, device=z.device)
-    # second[i, k] = ∂²z_i/∂α_k²
-    second = z[:, None] * (eye - z[None, :]) ** 2 - z[:, None] * (z * (1 - z))[None, :]
-    return curvature + grad_z @ second
+    z, grad_z = z.to(hess_z.dtype), grad_z.to(hess_z.dtype)
+    with torch.autocast(z.device.type, enabled=False):
+        jac = torch.diag(z) - torch.outer(z, z)
+        curvature = torch.diagonal(jac @ hess_z @ jac)
+        eye = torch.eye(z.numel(), dtype=z.dtype, device=z.device)
+        # second[i, k] = ∂²z_i/∂α_k²
+        second = z[:, None] * (eye - z[None, :]) ** 2 - z[:, None] * (z * (1 - z))[None, :]
+        return curvature + grad_z @ second
 
 
 def _refuse_shared_alpha(sources: Dict[str, set]) -> None:
