@@ -31,6 +31,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from nasdiag.arrays import is_tensor, stack_to_numpy
+from nasdiag.record import schema
 from nasdiag.record.errors import RecordError, RecordWarning
 from nasdiag.record.writer import (
     Recorder,
@@ -73,7 +74,8 @@ class RecorderCallback:
     meta, **recorder_kwargs:
         Passed to `Recorder` when ``target`` is a path (``flush_every``, ``resume``, ``overwrite``...).
         ``flush_every`` (default 64, or the given recorder's) is also the number of rows the callback
-        holds before it hands them over; under DDP every rank must use the same value.
+        holds before it hands them over; under DDP every rank must use the same value, and the same ``meta``
+        (every rank checks it as rank 0's `Recorder` does, and its rows' shapes against it).
     reduce:
         Under an initialised process group with several ranks, reduce statistics across ranks
         before writing (every rank must then call every hook). False: rank 0 records its own.
@@ -138,6 +140,7 @@ class RecorderCallback:
         self._shapes: dict = {}  # path -> (row shape, first step, dtype) of the rows reduced across ranks so far
         self._closed = False  # close() ran: later hooks are refused, not dropped
         self._path = None  # a record path this rank does not write (another rank's recorder writes it)
+        self._meta: dict = {}  # the meta given to a rank that opens no recorder: its rows are checked against it
         if isinstance(target, Recorder):
             if meta is not None or recorder_kwargs:
                 raise RecordError("meta and recorder options apply when target is a path, not an open Recorder")
@@ -151,6 +154,8 @@ class RecorderCallback:
                 raise RecordError(f"target must be a path, a Recorder or None, got {type(target).__name__}")
             self.recorder = Recorder(target, meta=meta, **recorder_kwargs) if distributed.is_writer(group) else None
             self._path = None if self.recorder is not None else os.fspath(target)
+            if self.recorder is None:  # checked as rank 0's Recorder checks it: a meta it refused was taken here, and
+                self._meta = schema.normalize_meta(meta)  # this rank went on into its loop alone (gloo's traceback)
         self.rows_per_batch = self.recorder.flush_every if self.recorder is not None else _rows_per_batch(recorder_kwargs)
         if self.recorder is not None:
             self.recorder.add_flush_listener(self._on_recorder_flush)
@@ -176,9 +181,10 @@ class RecorderCallback:
 
         Tensors are kept on their device (snapshotted, not copied to the host) until the batch is
         handed to the recorder. A step before the open row's (or one already written), a value of a dtype
-        the recorder cannot store (complex, strings) or, where this rank writes and does not reduce, a value of a
-        shape the record's meta contradicts (docs/schema.md: (E, K) against ``edge_names`` and ``op_names``) raises
-        `RecordError`; nothing of this call is recorded and the callback stays usable."""
+        the recorder cannot store (complex, strings) or a value of a shape the record's meta contradicts
+        (docs/schema.md: (E, K) against ``edge_names`` and ``op_names``; under DDP on every rank, against the meta it
+        was given: give every rank the same ``meta``) raises `RecordError`; nothing of this call is recorded and the
+        callback stays usable."""
         statistics = _snapshot(statistics)
         self._check_open("on_step_end")  # before the step: a closed record is what is wrong, whatever the step
         step = self._row_step(step, "on_step_end")
@@ -279,13 +285,19 @@ class RecorderCallback:
     def _check_meta_shapes(self, statistics: dict) -> None:
         """A value whose shape the record's meta contradicts (an (E, K) family against ``op_names`` and
         ``edge_names``) is refused at its call, nothing of the call recorded: at the hand-over it cost every row that
-        held the path, the whole record of a loop that logs it each step, after the loop. Where this rank writes
-        and its rows are not reduced across ranks (there every rank must refuse a row alike, at the hand-over)."""
-        if self.recorder is None or self._needs_reduction():
+        held the path, the whole record of a loop that logs it each step, after the loop. Under DDP every rank
+        checks, against the meta it was given (rank 0: its recorder's): only rank 0's recorder refused such a row, at
+        the hand-over, while the other ranks went on into their next collectives alone (gloo's traceback, or a hang)."""
+        if self.recorder is not None:
+            check = self.recorder.check_shape
+        elif self._meta and self._needs_reduction():
+            def check(path, shape):
+                schema.check_against_meta(path, tuple(shape), self._meta)
+        else:  # a rank that neither writes nor reduces: its rows are not recorded
             return
         for path, value in statistics.items():
             try:
-                self.recorder.check_shape(path, np.shape(value))
+                check(path, np.shape(value))
             except RecordError as err:
                 raise RecordError(f"{err}; nothing of this call was recorded") from None
 
