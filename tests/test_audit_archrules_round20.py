@@ -156,6 +156,11 @@ def test_a_penalty_on_alpha_in_the_loss_is_refused_not_left_out():
             z = arch_diag_hessian(net, decay, x, y, net.edges(), mode=mode, wrt="Z")["e"]
             z0 = arch_diag_hessian(net, F.cross_entropy, x, y, net.edges(), mode=mode, wrt="Z")["e"]
         torch.testing.assert_close(z, z0, rtol=1e-12, atol=0)
+    other = lambda o, t: F.cross_entropy(o, t) + lam * net.fc2.weight.square().sum()  # no curvature in α: accepted
+    for mode in ("exact", "diag", "ggn"):
+        torch.testing.assert_close(arch_diag_hessian(net, other, x, y, net.edges(), mode=mode, wrt="alpha")["e"],
+                                   arch_diag_hessian(net, F.cross_entropy, x, y, net.edges(), mode=mode, wrt="alpha")["e"])
+    torch.testing.assert_close(alpha_diag_hessian(net, other, x, y, [net.alpha])["alpha"], plain, rtol=1e-10, atol=1e-14)
     with pytest.raises(ValueError) as err:
         alpha_diag_hessian(net, decay, x, y, [net.alpha])
     msg = str(err.value)
