@@ -30,6 +30,7 @@ from nasdiag.hessian._hvp import (
     call_model,
     exact_diagonal,
     fit_chunk,
+    forward_failures_explained,
     functional_hvp,
     named_tensors,
     preserved_buffers,
@@ -125,7 +126,10 @@ def _exact_parameter_diag(model, loss_fn, inputs, targets, pairs, chunk_size, ma
         # told from one reading features the forward stored (computed from the copies, as the products' are)
         wrt = [p.detach().requires_grad_(True) for _, p in pairs]
         with SavedBytes() as saved:
-            loss = scalar_loss(loss_fn, torch.func.functional_call(model, dict(zip(names, wrt)), _as_args(inputs)), targets)
+            with forward_failures_explained(model, inputs):
+                outputs = torch.func.functional_call(model, dict(zip(names, wrt)), _as_args(inputs))
+            loss = scalar_loss(loss_fn, outputs, targets)
+            del outputs
         # the gradient, to tell the entries the loss does not use (exact zeros of both gradient and curvature)
         grads = (torch.autograd.grad(loss, wrt, allow_unused=True) if loss.requires_grad else [None] * len(wrt))
         del loss
