@@ -52,7 +52,8 @@ from nasdiag.record.termination import GUARD
 
 _ALLOWED_KINDS = "biuf"
 #: /step is int64
-_MAX_STEP = int(np.iinfo(np.int64).max)
+_INT64 = np.dtype(np.int64)
+_MAX_STEP = int(np.iinfo(_INT64).max)
 #: HDF5 datasets have at most 32 axes (H5S_MAX_RANK), and the first one is the rows
 _MAX_ROW_AXES = 31
 _ERRNO_IN_MESSAGE = re.compile(r"errno\s*=\s*(\d+)")
@@ -662,6 +663,12 @@ class Recorder:
                         ) from None
                 row.append((path, value))
                 continue
+            if column is None and type(value) is int and not _python_scalar_fits(value, _INT64):
+                # np.asarray made 2**63 a uint64 path and 2**64 an object array ('dtype object cannot be recorded')
+                raise RecordError(
+                    f"{path!r} at step {step}: Python int {value} is beyond int64, the dtype of a Python int's path; "
+                    "log a numpy value of the dtype you mean (np.uint64(...)) or a float"
+                )
             kind = unrecordable_tensor(value) if is_tensor(value) else None
             if kind:
                 raise RecordError(
