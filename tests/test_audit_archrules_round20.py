@@ -13,7 +13,15 @@ second derivative), ``ggn`` equals the own GGN for Z (cross-entropy with no seco
 ``approx`` run (the weight-side closed-form rule). A float32 loss on float64 outputs: ``arch_diag_hessian`` returns
 float64 in every mode that runs. One unbatched sample: ``diag``/``approx`` give the weight side's one line naming
 the batch of one; ``exact`` equals the reference. A loss reading α with ``wrt="Z"`` (zero Z-curvature: the penalty
-does not depend on Z): every mode runs and equals its own penalty-free number.
+does not depend on Z): every mode runs and equals its own penalty-free number; a penalty on a weight (not α) with
+``wrt="alpha"``: accepted, unchanged numbers. ``probe.hessian`` hands the user's ``loss_fn`` to ``arch_diag_hessian``
+unchanged, so its routes refuse and accept as above (checked: an auxiliary loss in ``diag``, a penalty on α in
+``exact``, a float32 loss in ``ggn``). A model returning a dict of outputs: the α-penalty check stops at its values.
+
+Noticed, left alone: the fast engine's mixing-weight recursion on nasdiag's own ``Network``
+(``nasdiag.supernet.engine.curvature``, outside this area) was not probed with these five cases; ``hutchinson:<k>``
+refuses one unbatched sample through its GGN control variate (pointing to the batch of one and ``exact``), though
+its products alone would take it.
 
 Defects found (each test fails on the library before its fix):
 

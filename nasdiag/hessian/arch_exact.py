@@ -261,7 +261,7 @@ def refuse_loss_beyond_outputs(loss, outputs, what: str, *, reached: Optional[Di
     (``{edge: its weights with their graph}``, ``wrt="alpha"``), the α they come from read directly (a penalty on α
     written into the loss: every route chains the curvature in Z through Z = softmax(α), so the penalty's own
     curvature, 2λ per entry for λ‖α‖², was left out, silently)."""
-    parts = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+    parts = outputs.values() if isinstance(outputs, Mapping) else outputs if isinstance(outputs, (tuple, list)) else (outputs,)
     stops = {t.grad_fn for t in parts if isinstance(t, torch.Tensor) and t.grad_fn is not None}
     if not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
         return
