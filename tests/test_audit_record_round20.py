@@ -9,6 +9,10 @@ Defects these tests found (each fails without its fix):
   Python int's path is int64 (a later negative int then refused), and one beyond uint64 (``2**64``) was refused as
   'dtype object cannot be recorded; log bool, int or float values' of what is an int; one line saying it is beyond
   int64, and what to log instead.
+- `nasdiag report` (and `nasdiag plot`) of a record with a scalar per layer drew one panel per ``scalars/<name>``
+  outside the meaning groups: 300 scalars took a minute (constrained layout of 150 rows of panels), 10^4 had not
+  finished after 10 minutes (a figure of 5000 rows); the panels past ``MAX_PANELS`` are named in the title, not drawn
+  (nasdiag/plot/scalars.py, outside this area); 10^4 scalars now report in seconds.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import h5py
 import numpy as np
 import pytest
 
-from nasdiag.record import RecordError, Recorder
+from nasdiag.record import RecordError, Recorder, load
 
 
 def _h5_column(file, path):
@@ -42,3 +46,26 @@ def test_a_python_int_beyond_int64_first_logged_is_refused_in_one_line_not_made_
     assert big.dtype == np.int64
     assert big.tolist() == [-(2**63), 2**63 - 1]
     assert _h5_column(file, "step").tolist() == [1, 2]
+
+
+def test_the_scalars_figure_of_a_record_of_many_scalars_draws_a_bounded_number_of_panels(tmp_path):
+    import re
+
+    import matplotlib.pyplot as plt
+
+    from nasdiag.plot.scalars import scalar_curves
+
+    names = [f"m{i}" for i in range(60)]  # none of a meaning group: a panel each
+    file = tmp_path / "many.h5"
+    with Recorder(file, flush_every=4) as rec:
+        for step in range(3):
+            rec.log(step, {"scalars/train_loss": 1.0 / (step + 1), **{f"scalars/{n}": float(step + i) for i, n in enumerate(names)}})
+    fig = scalar_curves(load(file))
+    try:
+        drawn = [ax.get_title(loc="left") for ax in fig.axes if ax.axison]
+        assert drawn[0] == "losses"  # the meaning groups come first and are kept
+        assert len(drawn) <= 30  # was 61: one per scalar outside the meaning groups
+        left_out = int(re.search(r"(\d+) more not drawn", fig._suptitle.get_text()).group(1))
+        assert left_out + len(drawn) - 1 == len(names)  # every scalar is drawn or counted in the title
+    finally:
+        plt.close(fig)

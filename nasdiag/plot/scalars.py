@@ -29,6 +29,9 @@ GROUPS = (
     ("learning rates", "learning rate", lambda n: n.endswith("lr") or "_lr_" in n),
     ("norms", "ℓ2 norm", lambda n: "norm" in n),
 )
+#: panels of one figure: a record of a scalar per layer (10^4 paths) drew a panel each, a figure of 5000 rows that
+#: took hours to lay out (300 panels: a minute); the panels past it are named in the title, not drawn
+MAX_PANELS = 24
 #: counters, not curves
 SKIPPED = ("epoch",)
 #: flags (``scalars/nonfinite_loss`` = 1 on the row whose loss was NaN/inf), not values of a meaning group: in the
@@ -62,6 +65,8 @@ def scalar_curves(record, cell=None):
     groups = group_scalars(list(curves))
     if not any(np.isfinite(curves[n][1]).any() for members in groups.values() for n in members):
         raise NothingToDraw("no scalar has a finite value; nothing to draw")
+    left_out = [name for members in list(groups.values())[MAX_PANELS:] for name in members]
+    groups = dict(list(groups.items())[:MAX_PANELS])
     rows, cols = grid_shape(len(groups), 2)
     fig, axes = plt.subplots(rows, cols, figsize=(PAGE if cols > 1 else PAGE / 2, 0.4 + 1.7 * rows), squeeze=False)
     ylabels = {t: y for t, y, _ in GROUPS}
@@ -81,5 +86,7 @@ def scalar_curves(record, cell=None):
         ax.legend(fontsize=6, frameon=False, loc="center left", bbox_to_anchor=(1.02, 0.5), borderaxespad=0.0)
     for ax in axes.ravel()[len(groups):]:
         ax.axis("off")
-    fig.suptitle("Scalars of the run")
+    fig.suptitle("Scalars of the run" + (f" ({len(left_out)} more not drawn, past {MAX_PANELS} panels: "
+                                         f"{', '.join(left_out[:3])}{', ...' if len(left_out) > 3 else ''})"
+                                         if left_out else ""))
     return fig
