@@ -9,6 +9,9 @@ Defects these tests found (each fails without its fix):
   Python int's path is int64 (a later negative int then refused), and one beyond uint64 (``2**64``) was refused as
   'dtype object cannot be recorded; log bool, int or float values' of what is an int; one line saying it is beyond
   int64, and what to log instead.
+- ``Recorder("runs/")`` (a path ending in '/', a folder's name) made a file ``runs`` that ``load("runs/")`` did not
+  find, and ``Recorder("run.h5/", resume=True)`` of an existing record said run.h5 'appeared while this recorder held
+  the lock; another program writes there'; one line saying the path names a folder, as for an existing folder.
 - `nasdiag report` (and `nasdiag plot`) of a record with a scalar per layer drew one panel per ``scalars/<name>``
   outside the meaning groups: 300 scalars took a minute (constrained layout of 150 rows of panels), 10^4 had not
   finished after 10 minutes (a figure of 5000 rows); the panels past ``MAX_PANELS`` are named in the title, not drawn
@@ -46,6 +49,20 @@ def test_a_python_int_beyond_int64_first_logged_is_refused_in_one_line_not_made_
     assert big.dtype == np.int64
     assert big.tolist() == [-(2**63), 2**63 - 1]
     assert _h5_column(file, "step").tolist() == [1, 2]
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_record_path_ending_in_a_slash_names_a_folder_and_is_refused_in_one_line(tmp_path, existing):
+    if existing:
+        with Recorder(tmp_path / "run.h5") as rec:
+            rec.log(0, {"scalars/x": 1.0})
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(RecordError, match=r"names a folder") as err:
+        Recorder(f"{tmp_path}/run.h5/", resume=existing)
+    assert "\n" not in str(err.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing made, nothing changed
+    if existing:
+        assert _h5_column(tmp_path / "run.h5", "scalars/x").tolist() == [1.0]
 
 
 def test_the_scalars_figure_of_a_record_of_many_scalars_draws_a_bounded_number_of_panels(tmp_path):

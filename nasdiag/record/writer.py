@@ -269,8 +269,10 @@ class Recorder:
         if on_run_change not in ("warn", "error"):
             raise RecordError(f"on_run_change must be 'warn' or 'error', got {on_run_change!r}")
         self._on_run_change = on_run_change
-        if os.path.isdir(path):
-            raise RecordError(f"record path {path} is a directory; pass a file path such as {os.path.join(path, 'run.h5')}")
+        # a path ending in a separator names a folder: 'runs/' made a file 'runs' (load('runs/') found no record), and
+        # 'run.h5/' of an existing record said the record 'appeared while this recorder held the lock'
+        if os.path.isdir(path) or path.endswith(tuple(filter(None, (os.sep, os.altsep)))):
+            raise RecordError(f"record path {path} names a folder; pass a file path such as {os.path.join(path, 'run.h5')}")
         # through a symbolic link: segments, temporary files and replacements go next to the file it names (a resume
         # through the link put them next to the link, where the record read by its own name never saw them)
         self.path = schema.resolve_link(path)
