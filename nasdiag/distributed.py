@@ -130,6 +130,17 @@ def finite_on_every_rank(value, group=None) -> bool:
     return bool(flag)
 
 
+def all_gather_objects(value, group=None) -> list:
+    """Every rank's ``value`` (picklable), in rank order: one collective under an initialised process group of several
+    ranks (every rank must call it at the same point), else ``[value]``."""
+    dist = _dist(group)
+    if dist is None or dist.get_world_size(group) == 1:
+        return [value]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
 def check_ddof(ddof, error: type[Exception] = ReductionError) -> None:
     """Raise ``error`` (one line) unless ``ddof`` is a non-negative int: under DDP ``'1'`` or None was numpy's
     traceback after the collectives, -1 and 1.5 pooled silently (and a single process ignored it)."""

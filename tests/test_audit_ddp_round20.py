@@ -7,6 +7,9 @@ shapes against it. A meta it refuses (``edge_names`` a list) was taken by rank 1
 a row whose (E, K) the meta contradicts was refused by rank 0 alone, at the epoch end's hand-over, while rank 1 went
 on into its next epoch's collectives (gloo's 'Connection closed by peer' traceback as rank 0 left, a hang where rank
 0 goes on). Every rank now checks the meta it was given as rank 0's Recorder does and refuses such a row at the call.
+A record rank 0's Recorder refuses to open (one already at the path, a rerun without ``resume=True``; a full disk)
+stopped rank 0 in one line while rank 1 went on into its loop, its first reduction waiting for rank 0 until gloo's
+timeout (30 minutes by default); every rank now learns at the construction (one collective) and raises alike.
 
 Checked and found right: a `Probe` on each rank and one `RecorderCallback` reducing its ``statistics()`` at the epoch
 end: the one record rank 0 writes holds ``cost/<group>/{mean,var,count}`` equal to numpy's mean, population variance
@@ -96,6 +99,13 @@ WORKER = textwrap.dedent(
             except Exception as err:
                 res[step] = f"{type(err).__name__}: {err}"
             callback.on_epoch_end(step - 1)
+    try:  # the record is there: rank 0's Recorder refuses to replace it, and rank 1 must not go on alone
+        callback = RecorderCallback(out + ".meta.h5", meta=meta)
+        callback.on_step_end(9, {"scalars/s": 9.0})
+        callback.close()  # a reduction: rank 1 alone waited here for rank 0 until gloo's timeout
+        res["exists"] = "went on"
+    except Exception as err:
+        res["exists"] = f"{type(err).__name__}: {err}"
     torch.save(res, f"{out}.{rank}")
     dist.destroy_process_group()
     """
@@ -162,9 +172,21 @@ def test_a_meta_or_a_row_shape_rank_0_refuses_is_refused_alike_on_every_rank(ran
         res = saved[rank]
         assert res.get("bad_meta", "").startswith("RecordError: meta['edge_names']"), (rank, res)
         assert "\n" not in res["bad_meta"]
-        assert sorted(k for k in res if k != "bad_meta") == [2], (rank, res)
+        assert sorted(k for k in res if isinstance(k, int)) == [2], (rank, res)
         assert res[2].startswith("RecordError: 'arch/normal/weights'") and "(2, 3)" in res[2] and "\n" not in res[2], res[2]
     assert not (folder / "run.h5.bad").exists()
     written = load(folder / "run.h5.meta.h5")
     # the refused step left no row (its epoch end joined the open row of step 1); the rows around it are recorded
     assert list(written["step"]) == [1, 3] and list(written["scalars/s"]) == [1.0, 3.0], written
+
+
+def test_a_record_rank_0_refuses_to_open_stops_every_rank_at_construction_in_one_line(ranks):
+    """A RecorderCallback(path) whose record exists (a rerun without resume=True): rank 0's Recorder refused it in
+    one line, rank 1 opened nothing and went on into its loop, where its first reduction waited for rank 0 until
+    gloo's timeout (30 minutes by default; 'Timed out waiting ... for send operation' with a short one). Every rank
+    now raises at the construction, rank 1 naming rank 0's reason."""
+    _, saved, folder = ranks
+    for rank in (0, 1):
+        message = saved[rank]["exists"]
+        assert message.startswith("RecordError: ") and "already exists" in message and "\n" not in message, (rank, message)
+    assert "rank 0" in saved[1]["exists"], saved[1]["exists"]

@@ -16,7 +16,7 @@ Statistics stay where they are (on the GPU, for a GPU run) until a batch of rows
 recorder: no host-device synchronisation per step. Under DDP every rank constructs the callback and
 calls every hook; the rows of a batch are reduced across ranks with one call of
 `nasdiag.distributed.reduce_statistics` (one collective per reduction rule), and only rank 0 owns a
-`Recorder`.
+`Recorder`. Constructing the callback is a collective then too: a record rank 0 cannot open stops every rank.
 """
 
 from __future__ import annotations
@@ -141,6 +141,20 @@ class RecorderCallback:
         self._closed = False  # close() ran: later hooks are refused, not dropped
         self._path = None  # a record path this rank does not write (another rank's recorder writes it)
         self._meta: dict = {}  # the meta given to a rank that opens no recorder: its rows are checked against it
+        self.recorder = None
+        try:
+            self._open_target(target, meta, recorder_kwargs)
+        except Exception as err:
+            self._agree_on_opening(err)
+            raise
+        self._agree_on_opening(None)
+        if self.recorder is not None:
+            self.recorder.add_flush_listener(self._on_recorder_flush)
+
+    def _open_target(self, target, meta, recorder_kwargs) -> None:
+        from nasdiag import distributed
+
+        group = self._group
         if isinstance(target, Recorder):
             if meta is not None or recorder_kwargs:
                 raise RecordError("meta and recorder options apply when target is a path, not an open Recorder")
@@ -157,8 +171,23 @@ class RecorderCallback:
             if self.recorder is None:  # checked as rank 0's Recorder checks it: a meta it refused was taken here, and
                 self._meta = schema.normalize_meta(meta)  # this rank went on into its loop alone (gloo's traceback)
         self.rows_per_batch = self.recorder.flush_every if self.recorder is not None else _rows_per_batch(recorder_kwargs)
-        if self.recorder is not None:
-            self.recorder.add_flush_listener(self._on_recorder_flush)
+
+    def _agree_on_opening(self, failure: Exception | None) -> None:
+        """Under DDP every rank learns whether every rank made its callback (one collective): rank 0's Recorder refused
+        alone (a record already at the path, a full disk) while the other ranks went on into their loops, where their
+        first reduction waited for rank 0 until gloo's timeout (30 minutes by default). Raises on every rank alike."""
+        if not self._needs_reduction():
+            return
+        from nasdiag import distributed
+
+        said = None if failure is None else str(failure).splitlines()[0] if str(failure) else type(failure).__name__
+        heard = distributed.all_gather_objects(said, self._group)
+        others = [(r, m) for r, m in enumerate(heard) if m is not None]
+        if failure is None and others:
+            if self.recorder is not None:
+                self.recorder.close()
+            rank, message = others[0]
+            raise RecordError(f"rank {rank} could not make its RecorderCallback, so no rank records: {message}")
 
     @property
     def is_writer(self) -> bool:
