@@ -11,6 +11,11 @@ Defects these tests found (each fails without its fix):
   moments off by the other rank's share). ``FunctionalCost.per_cell`` is now this rank's costs; the α step still
   uses their rank mean (test_darts2_cost_statistics_are_each_ranks_own_costs_under_ddp, 2 gloo ranks, each checking
   its moments against its own autograd costs at its own transcription of w').
+- darts2's (and SparseNAS's second-order) finite difference on a supernet with train-mode dropout: the forwards at
+  w⁺ and w⁻ drew new masks from the global generator, so eq 13's difference was mask noise over 2ε, the
+  hypergradient 90-99% off at DARTS's r = 0.01 and changing with r instead of converging; they now take the train
+  forward's draws (eager path; docs/darts2.md says what a captured CUDA graph does)
+  (test_darts2_finite_difference_differences_one_net_under_train_mode_dropout).
 
 Checked and found right (no defect):
 
@@ -189,3 +194,36 @@ def test_darts2_cost_statistics_are_each_ranks_own_costs_under_ddp(tmp_path):
     script.write_text(DARTS2_RANK)
     port = free_port()
     launch_ranks(script, lambda r: [r, port], timeout=120)
+
+
+# ------------------------------------------------------------------------------------- darts2 with dropout
+def test_darts2_finite_difference_differences_one_net_under_train_mode_dropout():
+    """A supernet with train-mode dropout (here after the stem) draws new masks in every forward. Eq 13's central
+    difference [∇_α L_train(w⁺) − ∇_α L_train(w⁻)]/(2ε) is a derivative only if both forwards are the same net (the
+    train forward's masks): with other masks it is mask noise over 2ε, and the hypergradient changes with r instead of
+    converging. On a smooth net (every ReLU module tanh, eager engine) the second-order central difference converges as
+    r², so g at r = 1e-2 and 1e-3 must agree with g at r = 1e-4 to about the docs/darts2.md smooth row (1.9e-4, 1.9e-6
+    relative); 1e-2 and 1e-4 leave room for another net. Before the fix they differed by 90-99%."""
+    torch.manual_seed(0)
+    net = Network(4, 5, 3, steps=2, multiplier=2, in_channels=1, affine=True,
+                  primitives=("none", "skip_connect", "avg_pool_3x3")).double()
+    for module in list(net.modules()):
+        for name, child in module.named_children():
+            if isinstance(child, torch.nn.ReLU):
+                setattr(module, name, torch.nn.Tanh())
+    net.set_engine("eager")
+    net.stem = torch.nn.Sequential(*net.stem, torch.nn.Dropout(0.3))
+    train, val = _batch(1, 6), _batch(2, 6)
+    M = get_method("darts2")
+    g = {}
+    for r in (1e-2, 1e-3, 1e-4):
+        m = M(copy.deepcopy(net), M.Hyperparameters(fd_eps_scale=r, w_lr=0.5),
+              schedule=Schedule(epochs=2, steps_per_epoch=2))
+        torch.manual_seed(5)  # the same masks for each r
+        g[r] = m.arch_gradient(train, val)
+
+    def rel(a, b):
+        return float(torch.sqrt(sum(((a[t] - b[t]) ** 2).sum() for t in b)) / torch.sqrt(sum((b[t] ** 2).sum() for t in b)))
+
+    assert rel(g[1e-2], g[1e-4]) < 1e-2
+    assert rel(g[1e-3], g[1e-4]) < 1e-4

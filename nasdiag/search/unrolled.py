@@ -37,6 +37,7 @@ from torch import nn
 from torch.func import functional_call
 
 from nasdiag.distributed import finite_on_every_rank
+from nasdiag.hessian._hvp import random_state, set_random_state
 from nasdiag.search.base import Batch, CellWeights, loss_text, mean_over_ranks, nonfinite_loss_error
 
 Params = Dict[str, torch.Tensor]
@@ -185,6 +186,8 @@ def unrolled_gradient(network, train_batch: Batch, val_batch: Batch, weights: Ce
 
     Four forwards (train at w, val at w', train at w⁺ and w⁻), each with a backward (to the mixing weights; the
     first two also to w), and no copy of the network.
+    The forwards at w⁺ and w⁻ draw what the train forward at w drew from the global generators (train-mode
+    dropout: one net differenced), except while a CUDA graph is captured.
 
     Args:
         network: the supernet; its weights w are read, never written.
@@ -214,6 +217,10 @@ def unrolled_gradient(network, train_batch: Batch, val_batch: Batch, weights: Ce
     x_t, y_t = train_batch
     x_v, y_v = val_batch
 
+    # a random forward (train-mode dropout) draws its masks from the global generators: the forwards at w± take the
+    # train forward's draws, so eq 13 differences one net (other draws at w⁺ and w⁻ made the mixed term mask noise
+    # over 2ε: the hypergradient 90-99% off at DARTS's r). Not while a CUDA graph is captured (no host RNG reads).
+    drawn = random_state() if host_checks_allowed() else None
     train = functional_cost(network, params, buffers(), x_t, y_t, weights, weight_grads=True, active=active)
     _check_finite("search-train (unrolled step)", train.loss, "scalars/unrolled_train_loss")
     w_unrolled = unrolled_weights(params, train.weight_grads, xi=xi, momentum=momentum,
@@ -237,8 +244,17 @@ def unrolled_gradient(network, train_batch: Batch, val_batch: Batch, weights: Ce
     shift = torch._foreach_mul([v[n] for n in names], step) if names else []
     plus = dict(zip(names, torch._foreach_add(w, shift))) if names else {}
     minus = dict(zip(names, torch._foreach_sub(w, shift))) if names else {}
-    c_plus = functional_cost(network, plus, buffers(), x_t, y_t, weights, active=active)
-    c_minus = functional_cost(network, minus, buffers(), x_t, y_t, weights, active=active)
+    after = random_state() if drawn is not None else None
+    try:
+        if drawn is not None:
+            set_random_state(drawn)
+        c_plus = functional_cost(network, plus, buffers(), x_t, y_t, weights, active=active)
+        if drawn is not None:
+            set_random_state(drawn)
+        c_minus = functional_cost(network, minus, buffers(), x_t, y_t, weights, active=active)
+    finally:  # the generators as the train and val forwards left them
+        if after is not None:
+            set_random_state(after)
     # the losses at w± are unrolled forwards too: a NaN/inf there made the hypergradient NaN, which the α step
     # applied before the w step's check stopped the run (α already NaN, the error blaming the search-train batch)
     if host_checks_allowed() and not finite_on_every_rank(torch.stack([c_plus.loss, c_minus.loss])):
