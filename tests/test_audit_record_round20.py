@@ -12,6 +12,8 @@ Defects these tests found (each fails without its fix):
 - ``Recorder("runs/")`` (a path ending in '/', a folder's name) made a file ``runs`` that ``load("runs/")`` did not
   find, and ``Recorder("run.h5/", resume=True)`` of an existing record said run.h5 'appeared while this recorder held
   the lock; another program writes there'; one line saying the path names a folder, as for an existing folder.
+- ``meta={"seed": 2**63}`` (a seed beyond the int64 root attribute docs/schema.md names) passed the meta check and
+  raised numpy's OverflowError traceback at the first segment's creation; one RecordError line at the construction.
 - `nasdiag report` (and `nasdiag plot`) of a record with a scalar per layer drew one panel per ``scalars/<name>``
   outside the meaning groups: 300 scalars took a minute (constrained layout of 150 rows of panels), 10^4 had not
   finished after 10 minutes (a figure of 5000 rows); the panels past ``MAX_PANELS`` are named in the title, not drawn
@@ -63,6 +65,18 @@ def test_a_record_path_ending_in_a_slash_names_a_folder_and_is_refused_in_one_li
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing made, nothing changed
     if existing:
         assert _h5_column(tmp_path / "run.h5", "scalars/x").tolist() == [1.0]
+
+
+@pytest.mark.parametrize("seed", [2**63, 2**64, np.uint64(2**63)])
+def test_a_seed_beyond_int64_is_one_record_error_line_leaving_no_file(tmp_path, seed):
+    with pytest.raises(RecordError, match=r"meta\['seed'\]") as err:
+        Recorder(tmp_path / "run.h5", meta={"seed": seed})
+    assert "\n" not in str(err.value)
+    assert list(tmp_path.iterdir()) == []
+    with Recorder(tmp_path / "run.h5", meta={"seed": 2**63 - 1}) as rec:  # the largest int64 is a seed
+        rec.log(0, {"scalars/x": 1.0})
+    with h5py.File(tmp_path / "run.h5", "r") as f:
+        assert int(f.attrs["seed"]) == 2**63 - 1
 
 
 def test_the_scalars_figure_of_a_record_of_many_scalars_draws_a_bounded_number_of_panels(tmp_path):

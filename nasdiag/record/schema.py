@@ -371,8 +371,9 @@ def normalize_meta(meta: Mapping[str, Any] | None) -> dict[str, Any]:
                 raise RecordError(f"meta['config'] must be a dict, got {type(value).__name__}")
             value = json.loads(_json(key, dict(value)))
         elif key == "seed":
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-                raise RecordError(f"meta['seed'] must be a non-negative int, got {value!r}")
+            # stored as the int64 root attribute: 2**63 was an OverflowError traceback at the first segment's creation
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value <= 2**63 - 1:
+                raise RecordError(f"meta['seed'] must be a non-negative int of at most 2**63 - 1 (int64), got {value!r}")
             value = int(value)
         elif key in ("op_names", "cell_types"):
             value = _str_list(key, value)
