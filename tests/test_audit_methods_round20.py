@@ -31,12 +31,19 @@ Checked and found right (no defect):
   search-train or search-val batch (darts2, snas, dsnas, proxyless, xnas raise SearchError with
   scalars/nonfinite_loss = 1 before the update that would use it; first-order DARTS lets α and w go NaN and stops at
   the epoch end's check, as docs/methods.md says); DSNAS and ProxylessNAS where every edge samples ``none``.
+- by hand too: SNAS (τ halved per epoch) and DSNAS ``run()`` interrupted mid-epoch 3 and resumed equal the uninterrupted
+  record in every path (temperature included); every method on supernets of one or two cells (one cell type only).
 
 Noticed and left alone:
 
 - nasdiag's DARTS Network on a batch of one: every op ends in an affine-free BatchNorm (or is a skip of one), whose
   output has zero spatial mean per channel with one sample, so the global pooling gives 0 and ∂L/∂α ≈ 1e-15 for every
   method: a property of DARTS's network (BatchNorm on one sample), not of the methods.
+- α = −inf entries (a user masking ops): DARTS's and SNAS's Adam L2 decay turns them NaN at the first step (the
+  DSNAS refusal then says the search diverged); α are real parameters, masking is not a documented use.
+- DSNAS's RecordWarning for the NaN ``cost/<cell>/{mean,var}`` of ops never sampled: documented (vocabulary), only noisy.
+- darts2's ``arch_gradient`` consumes the global generator's draws of its train and val forwards under dropout (its
+  docstring lists weights, BatchNorm statistics and optimizers as the state it keeps).
 """
 
 from __future__ import annotations
