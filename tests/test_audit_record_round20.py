@@ -18,6 +18,23 @@ Defects these tests found (each fails without its fix):
   outside the meaning groups: 300 scalars took a minute (constrained layout of 150 rows of panels), 10^4 had not
   finished after 10 minutes (a figure of 5000 rows); the panels past ``MAX_PANELS`` are named in the title, not drawn
   (nasdiag/plot/scalars.py, outside this area); 10^4 scalars now report in seconds.
+
+Checked and found right (scratch runs, not kept as tests): a path first logged at step 50 (new segment; rows before it
+NaN/0/False with ``valid/`` False, dtype kept: int32, uint8, bool, float16, (2, 3) int64, on disk too); the same step
+twice and a step going back within a session (one line each), a replayed step after a resume (the later segment's
+row wins whole, its unlogged paths fill, not the older row); float32 then a float64 value after a resume (refused; a
+Python float is cast); Python ints/floats/bools into paths of other kinds, overflow to ±inf counted in
+``nonfinite_count`` (float16 and float32) and in ``load_meta``; -0.0 and 5e-324; str, bytes, object, datetime,
+void, structured, ragged lists (one line each); path names with spaces, '..', '.', '//', a leading or trailing '/',
+Unicode, reserved roots, a path and its prefix (one line each); meta that is not JSON (sets, objects, bytes, numpy
+floats: one line), int keys and tuples (a resume with the same meta is no change), reserved keys, cell types with
+'/'; 10^4 scalar paths (written in 11 s, load 2 s, values equal plain h5py); two reader processes polling `load`
+while a writer rolls over 200 segments and adds a path (exact prefixes, never shrinking); `live_holder` against
+/proc/locks; `nasdiag report` of these records (NaN counts, a (T, 1) scalar named under "Not drawn", segments).
+
+Left alone: duplicate ``op_names`` and an empty ``op_names`` are accepted (a K = 0 row is refused anyway);
+``meta={"x": np.float32(1)}`` is refused as not JSON while ``seed=np.int64(3)`` is taken (the message says what to
+pass); a Python int list beyond int64 (``[2**63]``) becomes a uint64 path, as numpy makes it (docs speak of scalars).
 """
 
 from __future__ import annotations
