@@ -9,7 +9,10 @@ on into its next epoch's collectives (gloo's 'Connection closed by peer' traceba
 0 goes on). Every rank now checks the meta it was given as rank 0's Recorder does and refuses such a row at the call.
 A record rank 0's Recorder refuses to open (one already at the path, a rerun without ``resume=True``; a full disk)
 stopped rank 0 in one line while rank 1 went on into its loop, its first reduction waiting for rank 0 until gloo's
-timeout (30 minutes by default); every rank now learns at the construction (one collective) and raises alike.
+timeout (30 minutes by default); every rank now learns at the construction (one collective) and raises alike. A row
+of another dtype than a resumed record's float path was refused by rank 0's Recorder alone at the hand-over; rank 0
+now shares the record's float layouts in that collective and every rank refuses such a row alike (int and bool paths
+are left to the first row as before: their reduced dtype is not the raw rows' under some rules).
 
 Checked and found right: a `Probe` on each rank and one `RecorderCallback` reducing its ``statistics()`` at the epoch
 end: the one record rank 0 writes holds ``cost/<group>/{mean,var,count}`` equal to numpy's mean, population variance
@@ -106,6 +109,14 @@ WORKER = textwrap.dedent(
         res["exists"] = "went on"
     except Exception as err:
         res["exists"] = f"{type(err).__name__}: {err}"
+    res["resumed"] = []  # a record whose scalars/s is float32 (written before the launch), resumed with float64 rows
+    with RecorderCallback(out + ".resumed.h5", meta={"run": "ddp20"}, flush_every=2, resume=True) as callback:
+        for step in (10, 11):
+            try:
+                callback.on_step_end(step, {"scalars/s": torch.tensor(float(step), dtype=torch.float64)})
+                callback.on_epoch_end(step)
+            except Exception as err:
+                res["resumed"].append(f"{type(err).__name__}: {err}")
     torch.save(res, f"{out}.{rank}")
     dist.destroy_process_group()
     """
@@ -121,6 +132,10 @@ def ranks(tmp_path_factory):
     folder, port = tmp_path_factory.mktemp("ddp20"), free_port()
     (folder / "worker.py").write_text(WORKER)
     out = folder / "run.h5"
+    from nasdiag.record import Recorder
+
+    with Recorder(folder / "run.h5.resumed.h5", meta={"run": "ddp20"}) as recorder:
+        recorder.log(1, {"scalars/s": np.float32(1.0)})
     launch_ranks(folder / "worker.py", lambda r: [r, f"tcp://127.0.0.1:{port}", out], timeout=60)
     return load(out), [torch.load(f"{out}.{r}", weights_only=False) for r in (0, 1)], folder
 
@@ -190,3 +205,17 @@ def test_a_record_rank_0_refuses_to_open_stops_every_rank_at_construction_in_one
         message = saved[rank]["exists"]
         assert message.startswith("RecordError: ") and "already exists" in message and "\n" not in message, (rank, message)
     assert "rank 0" in saved[1]["exists"], saved[1]["exists"]
+
+
+def test_a_row_a_resumed_record_refuses_is_refused_alike_on_every_rank(ranks):
+    """Resumed under DDP, a record's float32 path given float64 rows: rank 0's Recorder refused each row alone at the
+    epoch end's hand-over (rank 1 saw nothing and went on, into collectives rank 0 had left where it stopped). Rank 0
+    shares the resumed record's float layouts at the construction, so every rank refuses alike, in one line."""
+    from nasdiag.record import load
+
+    _, saved, folder = ranks
+    for rank in (0, 1):
+        refused = saved[rank]["resumed"]
+        assert len(refused) == 2 and all(m.startswith("RecordError: 'scalars/s'") and "float32" in m and "\n" not in m
+                                         for m in refused), (rank, refused)
+    assert list(load(folder / "run.h5.resumed.h5")["step"]) == [1]

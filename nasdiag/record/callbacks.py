@@ -181,13 +181,20 @@ class RecorderCallback:
         from nasdiag import distributed
 
         said = None if failure is None else str(failure).splitlines()[0] if str(failure) else type(failure).__name__
-        heard = distributed.all_gather_objects(said, self._group)
-        others = [(r, m) for r, m in enumerate(heard) if m is not None]
+        # with the layouts of a resumed record's paths, which only rank 0's recorder knows: a row of another shape or
+        # dtype was refused by it alone at the hand-over, the other ranks going on without it
+        layouts = self.recorder.layouts if failure is None and self.recorder is not None else {}
+        heard = distributed.all_gather_objects((said, layouts), self._group)
+        others = [(r, m) for r, (m, _) in enumerate(heard) if m is not None]
         if failure is None and others:
             if self.recorder is not None:
                 self.recorder.close()
             rank, message = others[0]
             raise RecordError(f"rank {rank} could not make its RecorderCallback, so no rank records: {message}")
+        for _, known in heard[:1] if failure is None else ():  # rank 0's (the writer)
+            for path, (shape, dtype) in known.items():  # float paths: every reduction rule keeps a float's dtype (an
+                if np.dtype(dtype).kind == "f":  # int's 'mean' is float64, a bool's 'sum' int64: not the raw rows')
+                    self._shapes.setdefault(path, (tuple(shape), None, np.dtype(dtype)))
 
     @property
     def is_writer(self) -> bool:
@@ -633,11 +640,12 @@ def _one_shape_per_path(rows, known: dict):
             if path not in known:
                 continue
             shape, step, dtype = known[path]
+            where = "the resumed record" if step is None else f"step {step}"  # None: a path of the record resumed
             if _shape(value) != shape:
-                wrong = f"got shape {_shape(value)}, but step {step} logged it with shape {shape}; log one shape per path"
+                wrong = f"got shape {_shape(value)}, but {where} logged it with shape {shape}; log one shape per path"
             elif not _fits(value, dtype):
                 got = f"Python {type(value).__name__} {value!r}" if type(value) in _PYTHON_SCALARS else f"dtype {_recorded_dtype(value)}"
-                wrong = f"got {got}, but step {step} logged it with dtype {dtype}; log values of one dtype per path"
+                wrong = f"got {got}, but {where} logged it with dtype {dtype}; log values of one dtype per path"
             if wrong is not None:
                 refused.append((row, f"{path!r} at step {row[0]}: {wrong}; nothing of step {row[0]} was recorded"))
                 break

@@ -407,6 +407,11 @@ class Recorder:
     # --- public API ----------------------------------------------------------------------------
 
     @property
+    def layouts(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """Row shape and dtype of every path this recorder knows (a resumed record's too): later rows must match."""
+        return {path: (column.shape, column.dtype) for path, column in self._columns.items()}
+
+    @property
     def last_step(self) -> int | None:
         """The last step logged in this session, else the largest step of the resumed record, else None."""
         return self._session_last_step if self._session_last_step is not None else self._last_step
