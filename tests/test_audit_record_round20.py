@@ -14,6 +14,8 @@ Defects these tests found (each fails without its fix):
   the lock; another program writes there'; one line saying the path names a folder, as for an existing folder.
 - ``meta={"seed": 2**63}`` (a seed beyond the int64 root attribute docs/schema.md names) passed the meta check and
   raised numpy's OverflowError traceback at the first segment's creation; one RecordError line at the construction.
+- a record named like another record's lock (``run.h5.lock`` beside a new ``run.h5``) was truncated to the
+  writer's pid line by ``Recorder("run.h5")`` and deleted at its close; one RecordError line, the file left whole.
 - `nasdiag report` (and `nasdiag plot`) of a record with a scalar per layer drew one panel per ``scalars/<name>``
   outside the meaning groups: 300 scalars took a minute (constrained layout of 150 rows of panels), 10^4 had not
   finished after 10 minutes (a figure of 5000 rows); the panels past ``MAX_PANELS`` are named in the title, not drawn
@@ -94,6 +96,19 @@ def test_a_seed_beyond_int64_is_one_record_error_line_leaving_no_file(tmp_path, 
         rec.log(0, {"scalars/x": 1.0})
     with h5py.File(tmp_path / "run.h5", "r") as f:
         assert int(f.attrs["seed"]) == 2**63 - 1
+
+
+def test_a_record_named_like_the_lock_of_another_is_not_overwritten_by_that_ones_writer(tmp_path):
+    lock_named = tmp_path / "run.h5.lock"
+    with Recorder(lock_named) as rec:
+        rec.log(0, {"scalars/x": 2.5})
+    before = lock_named.read_bytes()
+    with pytest.raises(RecordError, match=r"run\.h5\.lock") as err:
+        Recorder(tmp_path / "run.h5")
+    assert "\n" not in str(err.value)
+    assert lock_named.read_bytes() == before
+    assert not (tmp_path / "run.h5").exists()
+    assert _h5_column(lock_named, "scalars/x").tolist() == [2.5]
 
 
 def test_the_scalars_figure_of_a_record_of_many_scalars_draws_a_bounded_number_of_panels(tmp_path):

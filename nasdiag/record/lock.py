@@ -57,6 +57,9 @@ def live_holder(record: str):
     return f"pid {holder.get('pid')} on {holder.get('host')} since {holder.get('since')}"
 
 
+#: the first bytes of an HDF5 file, which a lock file never holds
+_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
 #: the kernel's table of file locks (Linux), read by `live_holder`
 LOCK_TABLE = "/proc/locks"
 
@@ -106,6 +109,16 @@ class WriterLock:
             if same:
                 break
             os.close(fd)
+        try:
+            head = os.pread(fd, len(_HDF5_SIGNATURE), 0)
+        except OSError:
+            head = b""
+        if head == _HDF5_SIGNATURE:  # a record named like this record's lock: it was truncated, then deleted at close
+            os.close(fd)
+            raise RecordError(
+                f"{self.lock_file}, the writer lock of record {self.record}, is an HDF5 file (a record of that name?) "
+                "that the lock would overwrite; rename one of them"
+            )
         self._fd = fd
         info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%dT%H:%M:%S")})
         try:
