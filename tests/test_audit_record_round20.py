@@ -37,6 +37,10 @@ while a writer rolls over 200 segments and adds a path (exact prefixes, never sh
 Left alone: duplicate ``op_names`` and an empty ``op_names`` are accepted (a K = 0 row is refused anyway);
 ``meta={"x": np.float32(1)}`` is refused as not JSON while ``seed=np.int64(3)`` is taken (the message says what to
 pass); a Python int list beyond int64 (``[2**63]``) becomes a uint64 path, as numpy makes it (docs speak of scalars).
+A record named without an extension (``run``) builds segment 0 as ``run.tmp`` and segment 1 as ``run.seg0001.tmp``,
+so its writer removes a file ``run.tmp`` of the user's (or a record of that name and its later segments) beside it
+as a segment left being built: telling a killed writer's file from another record needs more than a name; a record
+name with an extension (``run.h5``) has no such neighbour.
 """
 
 from __future__ import annotations
