@@ -31,7 +31,11 @@ LayerNorm supernet (float64) in the modes exact, exact_per_edge, ggn, diag and h
 engines, is linear in the samples (the mean of two half batches' equals the whole batch's to 2e-16), which the rank
 mean of the docs' batch convention relies on (round 10 checked it through the eager per-edge path only).
 
-Left alone (judgement calls, documented): ``SearchMethod.cost`` averages the ranks' C_r unweighted, the global mean
+Left alone: a rank without a path target (``None`` beside rank 0's open `Recorder`, as `lightning_callback` makes its
+non-writing ranks, meta None) has no meta to check rows against, so there only rank 0 refuses a row whose (E, K) the
+meta contradicts (at the call now, at the hand-over before): nasdiag/record/lightning.py could pass its meta to every
+rank, untestable here (lightning does not import on this box); a resumed record's int and bool paths are not shared
+(see above). Judgement calls, documented: ``SearchMethod.cost`` averages the ranks' C_r unweighted, the global mean
 loss's cost only for equal rank batches, which the runner always takes (a method stepped by a loop of one's own with a
 last partial batch per rank would step α with the unweighted mean).
 """
