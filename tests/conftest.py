@@ -75,6 +75,22 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+#: runs a rank's script as ``python script args`` would, then leaves without the interpreter's finalization once the
+#: script returned: gloo's threads, torn down there, at times aborted a rank that had completed its work ("terminate
+#: called without an active exception", SIGABRT; torch's, after destroy_process_group, seen in .ci/run on 2 of ~20
+#: launches at once). A script that raises still exits with its traceback and status 1.
+_RANK_MAIN = """
+import os, runpy, sys
+script = sys.argv[1]
+sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+runpy.run_path(script, run_name="__main__")
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
+"""
+
+
 def launch_ranks(script, args, nprocs: int = 2, timeout: float = 180):
     """Run ``python script *args(rank)`` as ``nprocs`` processes at once (DDP ranks of a gloo test), with this
     repository and this folder importable; fail with the first failing rank's stderr. Returns the stdouts."""
@@ -85,8 +101,8 @@ def launch_ranks(script, args, nprocs: int = 2, timeout: float = 180):
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     path = [os.path.dirname(tests_dir), tests_dir, os.environ.get("PYTHONPATH", "")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
-    procs = [subprocess.Popen([sys.executable, str(script), *map(str, args(rank))], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for rank in range(nprocs)]
+    procs = [subprocess.Popen([sys.executable, "-c", _RANK_MAIN, str(script), *map(str, args(rank))], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(nprocs)]
     outputs = [p.communicate(timeout=timeout) for p in procs]
     for rank, (p, (_, err)) in enumerate(zip(procs, outputs)):
         assert p.returncode == 0, f"rank {rank} failed:\n{err[-3000:]}"
