@@ -1,0 +1,57 @@
+"""Figures audit, round 21: the figure families earlier rounds read back least (the alive-experts and switch step
+plots, the wipeout scatter, the sampling and scalar curves, the attention counts, the report's embedded images and
+key numbers) of records written here through the public `Recorder` with known values, distinct per edge, op and step,
+read back from the matplotlib artists (line data, axis limits, tick labels, annotation texts) and compared with this
+file's own expectation.
+
+The references are the arrays logged here and this file's own arithmetic on them; nothing is computed by nasdiag.
+"""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from nasdiag.plot.registry import iter_figures  # noqa: E402
+from nasdiag.plot.style import plt  # noqa: E402
+from nasdiag.record import load  # noqa: E402
+
+from test_audit_figures_round17 import _write  # noqa: E402
+
+
+def _figures(record, names):
+    return {spec.name: thunk() for spec, _, _, thunk in iter_figures(record, names)}
+
+
+@pytest.mark.parametrize("E", [3, 35])
+def test_the_ops_on_per_edge_curves_stay_nearest_their_count_and_on_the_axis_however_many_edges(tmp_path, E):
+    """alive_experts and bayes_switches draw how many ops of each edge are on as step curves, each edge shifted
+    0.04 × (e − (E − 1)/2) to keep overlapping curves apart, on a y axis of 0.5..K + 0.5. A cell of 7 intermediate nodes
+    has 35 edges: the shift reached ±0.68, so edge 0 with 2 ops on was drawn at 1.32 (read as 1), with 1 op at 0.32,
+    below the axis and not drawn at all. Every curve must stay nearer its own count than any other and inside the axis."""
+    K = 4
+    counts = np.array([[1 + (e + s) % K for e in range(E)] for s in range(4)])  # (T, E): every count on every edge
+    rows = []
+    for s in range(4):
+        on = np.arange(K)[None, :] < counts[s][:, None]
+        rows.append((10 * (s + 1), {"regret/normal/alive": on, "bayes/normal/switch": on}))
+    record = load(_write(tmp_path / "r.h5", {"method": "xnas"}, rows))
+    figs = _figures(record, ["alive_experts", "bayes_switches"])
+    try:
+        assert set(figs) == {"alive_experts", "bayes_switches"}
+        for name, fig in figs.items():
+            ax = fig.axes[0]
+            lo, hi = ax.get_ylim()
+            curves = {line.get_label(): line for line in ax.get_lines() if not line.get_label().startswith("_")}
+            assert list(curves) == [f"edge {e}" for e in range(E)], name
+            for e in range(E):
+                x, y = curves[f"edge {e}"].get_data()
+                np.testing.assert_array_equal(x, [10, 20, 30, 40])
+                assert np.all(np.abs(np.asarray(y) - counts[:, e]) < 0.5), (name, e, y, counts[:, e])
+                assert np.all((lo < np.asarray(y)) & (np.asarray(y) < hi)), (name, e, y, (lo, hi))
+    finally:
+        plt.close("all")
