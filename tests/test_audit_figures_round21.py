@@ -55,3 +55,46 @@ def test_the_ops_on_per_edge_curves_stay_nearest_their_count_and_on_the_axis_how
                 assert np.all((lo < np.asarray(y)) & (np.asarray(y) < hi)), (name, e, y, (lo, hi))
     finally:
         plt.close("all")
+
+
+def test_the_bayes_panels_and_the_wipeouts_give_each_of_twelve_ops_its_own_colour(tmp_path):
+    """bayes_gamma/omega/curvature draw one line per op in every edge's panel, wipeouts one point per wiped op, each
+    coloured by op and named in one legend; both took tab10's colour k % 10, so in a space of 12 ops op 0 and op 10 (and
+    1 and 11) were one colour under two names: a reader could not tell which op a curve or point is (arch_evolution and
+    the regret curves switch to tab20 past 10). Each op keeps its own colour, and its curve is the logged values."""
+    E, K, T = 2, 12, 3
+    ops = [f"op_{k}" for k in range(K)]
+    values = {s: (1 + np.arange(E * K).reshape(E, K)) * 10.0 ** (s - 2) for s in range(1, T + 1)}  # γ > 0: log axis
+    rows = []
+    for s in range(1, T + 1):
+        wiped = np.zeros((E, K), bool)
+        wiped[s % E, [s - 1, s - 1 + 10 * (s < 3)]] = True  # op 0 and op 10, then op 1 and op 11, then op 2
+        rows.append((s, {"bayes/normal/gamma": values[s], "bayes/normal/omega": values[s],
+                         "bayes/normal/curvature": values[s], "regret/normal/wipeouts": wiped}))
+    record = load(_write(tmp_path / "r.h5", {"method": "bayesnas", "op_names": ops}, rows))
+    figs = _figures(record, ["bayes_gamma", "bayes_omega", "bayes_curvature", "wipeouts"])
+    try:
+        assert len(figs) == 4
+        for name in ("bayes_gamma", "bayes_omega", "bayes_curvature"):
+            fig = figs[name]
+            handles = dict(zip([t.get_text() for t in fig.legends[0].get_texts()], fig.legends[0].legend_handles))
+            colours = [matplotlib.colors.to_hex(handles[op].get_color()) for op in ops]
+            assert len(set(colours)) == K, (name, colours)
+            for e, ax in enumerate(fig.axes[:E]):
+                curves = [line for line in ax.get_lines() if len(line.get_xdata()) == T]
+                assert len(curves) == K, (name, e)
+                for k, line in enumerate(curves):
+                    assert matplotlib.colors.to_hex(line.get_color()) == colours[k], (name, e, k)
+                    np.testing.assert_array_equal(line.get_xdata(), [1, 2, 3])
+                    np.testing.assert_allclose(line.get_ydata(), [values[s][e, k] for s in (1, 2, 3)], rtol=1e-6)
+        ax = figs["wipeouts"].axes[0]
+        points = {}
+        for coll in ax.collections:
+            points[coll.get_label()] = (matplotlib.colors.to_hex(coll.get_facecolor()[0]),
+                                        sorted((int(x), int(round(y))) for x, y in coll.get_offsets()))
+        assert points.keys() == {"op_0", "op_10", "op_1", "op_11", "op_2"}
+        assert len({colour for colour, _ in points.values()}) == 5, points
+        assert {op: where for op, (_, where) in points.items()} == {
+            "op_0": [(1, 1)], "op_10": [(1, 1)], "op_1": [(2, 0)], "op_11": [(2, 0)], "op_2": [(3, 1)]}
+    finally:
+        plt.close("all")

@@ -31,7 +31,8 @@ def _per_edge_panels(record, cell, family, ylabel, title, *, log=False, threshol
     cols = min(E, 5)
     nrows = -(-E // cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(PAGE, 1.5 * nrows + 0.6), sharex=True, squeeze=False)
-    colors = plt.get_cmap("tab10")
+    # one colour per op: tab10 repeats after 10, which drew op k and op k + 10 as one colour under two names
+    colors = plt.get_cmap("tab10" if K <= 10 else "tab20")
     for e, ax in enumerate(axes.flat):
         if e >= E:
             ax.axis("off")
@@ -44,12 +45,12 @@ def _per_edge_panels(record, cell, family, ylabel, title, *, log=False, threshol
                 y = np.where(off, np.nan, y)
                 if off.any():
                     ax.plot(steps[off], np.zeros(int(off.sum())), ls="none", marker="o", mfc="none", ms=4,
-                            color=colors(k % 10), transform=ax.get_xaxis_transform(), clip_on=False, zorder=5)
+                            color=colors(k % colors.N), transform=ax.get_xaxis_transform(), clip_on=False, zorder=5)
                     if not any(lab == _OFF_LOG.format(ylabel) for lab in ax.get_legend_handles_labels()[1]):
                         ax.plot([], [], ls="none", marker="o", mfc="none", ms=4, color="k", label=_OFF_LOG.format(ylabel))
-            ax.plot(steps, y, color=colors(k % 10), lw=0.9, label=ops[k] if e == 0 else None)
-            mark_isolated(ax, steps, y, color=colors(k % 10))  # one update (one epoch): points, not an empty panel
-            mark_nonfinite(ax, steps, values[:, e, k], color=colors(k % 10))  # recorded NaN/inf, not γ = 0
+            ax.plot(steps, y, color=colors(k % colors.N), lw=0.9, label=ops[k] if e == 0 else None)
+            mark_isolated(ax, steps, y, color=colors(k % colors.N))  # one update (one epoch): points, not an empty panel
+            mark_nonfinite(ax, steps, values[:, e, k], color=colors(k % colors.N))  # recorded NaN/inf, not γ = 0
         if threshold is not None:
             ax.axhline(threshold, color="k", lw=0.7, ls=":")
         if log:

@@ -63,11 +63,11 @@ def wipeouts(record, cell):
     E, K = wiped.shape[1], wiped.shape[2]
     ops = op_names(record, K)
     fig, ax = plt.subplots(figsize=(PAGE / 2, 0.3 * E + 1.4))
-    colors = plt.get_cmap("tab10")
+    colors = plt.get_cmap("tab10" if K <= 10 else "tab20")  # one colour per op, as the legend names them
     for op in np.unique(k):
         sel = k == op
         jitter = 0.5 * (op - (K - 1) / 2) / K  # ops of one edge side by side
-        ax.scatter(steps[t[sel]], e[sel] + jitter, s=14, color=colors(op % 10), label=ops[op])
+        ax.scatter(steps[t[sel]], e[sel] + jitter, s=14, color=colors(op % colors.N), label=ops[op])
     ax.set_yticks(range(E))
     ax.set_yticklabels(edge_names(record, cell, E))
     ax.invert_yaxis()
