@@ -88,7 +88,9 @@ HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 def not_a_record(file: str) -> str | None:
     """Why the existing file ``file`` is not a record segment (a phrase such as "it is not an HDF5
     file"), or None when it is one. An HDF5 file that cannot be opened counts as a damaged record
-    (None): replacing it loses nothing readable; a readable one without ``/step`` is someone else's."""
+    (None): replacing it loses nothing readable; a readable one is someone else's unless it has nasdiag's header
+    attribute or both ``/step`` and ``/present`` (every segment is written whole with both): another program's log with
+    a ``/step`` column alone was taken for a damaged record, and ``nasdiag search --force`` replaced it."""
     try:
         with open(file, "rb") as fh:
             head = fh.read(len(HDF5_SIGNATURE))
@@ -104,10 +106,10 @@ def not_a_record(file: str) -> str | None:
         return None
     with f:
         try:
-            ours = schema.STEP in f or schema.PRESENT in f
+            ours = "nasdiag_version" in f.attrs or (schema.STEP in f and schema.PRESENT in f)
         except _READ_ERRORS:
             return None
-    return None if ours else "it is an HDF5 file without the /step of a nasdiag record"
+    return None if ours else "it is an HDF5 file without the /step and /present of a nasdiag record"
 
 
 @functools.lru_cache(maxsize=None)
