@@ -194,6 +194,27 @@ def list_segments(path: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
+_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+
+def foreign_temp(path: str) -> str | None:
+    """The first of `temp_files` at ``path`` that no recorder wrote, else None.
+
+    A segment is written as one image from its first byte, so a file the recorder left (killed while building it)
+    is empty or starts with (a prefix of) the HDF5 signature; anything else under that name is a user's file (a
+    record named ``run`` builds in ``run.tmp``) and must not be deleted as a leftover.
+    """
+    for file in temp_files(path):
+        try:
+            with open(file, "rb") as f:
+                head = f.read(len(_HDF5_SIGNATURE))
+        except OSError:
+            return file
+        if not _HDF5_SIGNATURE.startswith(head):
+            return file
+    return None
+
+
 def temp_files(path: str) -> list[str]:
     """Existing segments of the record at ``path`` being built (`temp_path`): left by a writer killed while it
     created one, whichever segment it was."""

@@ -332,6 +332,12 @@ class Recorder:
     # --- opening -----------------------------------------------------------------------------
 
     def _prepare(self, resume: bool, overwrite: bool) -> None:
+        foreign = schema.foreign_temp(self.path)
+        if foreign is not None:  # before anything is removed: the user's file, and their record, stay as they were
+            raise RecordError(
+                f"{foreign} is not a segment this recorder was building, but the recorder builds its segments under "
+                "that name and would delete it; move it away, or name the record with an extension such as .h5"
+            )
         existing = schema.list_segments(self.path)
         if existing and not (resume or overwrite):
             raise RecordError(

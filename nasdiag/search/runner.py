@@ -373,6 +373,12 @@ def check_paths(config: SearchConfig) -> None:
             raise ConfigError(f"record path {record} is named like the {side[1]} of the record {side[0]} (nasdiag keeps "
                               "<record>.ckpt, <record>.lock and <root>.segNNNN<ext> next to a record); choose another --out, "
                               "such as one ending in .h5")
+        from nasdiag.record.schema import foreign_temp
+
+        foreign = foreign_temp(record)
+        if foreign is not None:
+            raise ConfigError(f"{foreign} is in the way: the record {record} is built under that name and the file would "
+                              "be deleted; move it away or choose another --out, such as one ending in .h5")
         if os.path.exists(record):
             from nasdiag.record.reader import not_a_record
 
