@@ -35,6 +35,20 @@ def _concat(steps: int, multiplier: int) -> List[int]:
     return list(range(2 + steps - multiplier, 2 + steps))
 
 
+def _cell_types(weights, eligible=None) -> None:
+    """A Genotype has a normal and a reduce cell: the cells of any other type were derived and dropped without a word
+    (an adapted supernet's ``"up"`` cells: its method's genotype() had only its normal cell)."""
+    for what, value in (("weights", weights), ("eligible", eligible)):
+        if value is None:
+            continue
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{what} must be a dict {{cell type: (E, K) tensor}} ('normal', 'reduce'), got {type(value).__name__}")
+        other = [t for t in value if t not in ("normal", "reduce")]
+        if other:
+            raise ValueError(f"{what} has cell type(s) {other}, but a genotype holds only 'normal' and 'reduce' cells; "
+                             "derive the cells of other types one by one with derive_cell (or derive_mixed_cell)")
+
+
 def _check(weights: torch.Tensor, steps: int, primitives: Sequence[str]) -> torch.Tensor:
     _whole("steps", steps, 1)
     weights = torch.as_tensor(weights).detach().cpu()
@@ -128,8 +142,10 @@ def derive_genotype(
     """:func:`derive_cell` for each cell type of ``weights`` (``{"normal": (E, K), "reduce": (E, K)}``);
     a missing cell type gives an empty list. ``eligible``: optional ``{cell type: (E, K) bool}``, the ops
     each cell may name (:func:`derive_cell`). ValueError (one line) unless steps is an integer >= 1 and multiplier one
-    from 1 to steps (the nodes concatenated into the output are the last ``multiplier`` intermediate nodes)."""
+    from 1 to steps (the nodes concatenated into the output are the last ``multiplier`` intermediate nodes), and for a
+    cell type other than ``"normal"`` and ``"reduce"`` (a Genotype has no place for it: use :func:`derive_cell`)."""
     concat = _concat(steps, multiplier)
+    _cell_types(weights, eligible)
     eligible = eligible or {}
     cells = {t: derive_cell(w, steps, primitives, edges_per_node, eligible=eligible.get(t)) for t, w in weights.items()}
     return Genotype(cells.get("normal", []), concat, cells.get("reduce", []), concat)
@@ -167,8 +183,10 @@ def derive_mixed_genotype(
     primitives: Sequence[str],
     threshold: float = 0.0,
 ) -> MixedGenotype:
-    """:func:`derive_mixed_cell` for each cell type of ``weights``; steps and multiplier as :func:`derive_genotype` takes them."""
+    """:func:`derive_mixed_cell` for each cell type of ``weights``; steps, multiplier and the cell types as
+    :func:`derive_genotype` takes them."""
     concat = _concat(steps, multiplier)
+    _cell_types(weights)
     cells = {t: derive_mixed_cell(w, steps, primitives, threshold) for t, w in weights.items()}
     return MixedGenotype(cells.get("normal", []), concat, cells.get("reduce", []), concat)
 
