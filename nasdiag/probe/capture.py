@@ -147,6 +147,14 @@ def _costs_with_missing(g: torch.Tensor, outputs: Sequence[Optional[torch.Tensor
     return out
 
 
+def _broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:
+    """Whether a tensor of ``shape`` broadcasts to ``target`` unchanged (``torch.broadcast_shapes`` gives ``target``)."""
+    try:
+        return torch.broadcast_shapes(shape, target) == target
+    except RuntimeError:
+        return False
+
+
 _VMAP = getattr(getattr(torch._C._functorch, "TransformType", None), "Vmap", None)
 
 
@@ -418,6 +426,11 @@ class StepCapture:
                 f"edge {edge.name!r}: the mixed op returned its input tensor object itself, so ∂L/∂x_j cannot be told "
                 "from the gradient of the input's other consumers; return a new tensor, e.g. weights[k] * op(x)."
             )
+        for k, o in enumerate(call.outputs):
+            # a candidate whose output the weighted sum broadcasts (a `none` op returning a 0-dim zero, a learned
+            # (1, C, 1, 1) map) is mixed as its expansion: O_k(x_i) is that view (no copy), as in Σ_k w_k·op_k(x)
+            if o is not None and o.shape != output.shape and _broadcasts_to(o.shape, output.shape):
+                call.outputs[k] = o.expand(output.shape)
         self.n_forward[pos] += 1
         node = self.chunk_node[pos]
         if node is not None and output.dim() >= 2 and self.open_cell[edge.cell_index] is not None:
