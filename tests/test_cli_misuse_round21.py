@@ -45,3 +45,37 @@ def test_another_programs_hdf5_log_with_a_step_column_is_never_replaced_nor_call
     assert code == 2 and len(err) == 1 and "Traceback" not in err[0], err
     assert "log.h5" in err[0] and "is not a nasdiag record" in err[0] and "remove" not in err[0], err
     assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("argv", [["search", *TINY, "--out", "held.h5", "--force"], ["plot", "held.h5", "--out", "figs"]])
+def test_an_hdf5_file_another_program_holds_open_to_write_is_not_replaced(argv, tmp_path, monkeypatch, capsys):
+    """An HDF5 file another program is writing (h5py.File(path, "a") open: HDF5's file lock taken) could not be
+    opened to look inside, so it counted as a damaged record: ``nasdiag search --out held.h5 --force`` replaced it
+    under the program writing it, exit code 0. It is read without the lock and named another program's file."""
+    import subprocess
+    import sys
+
+    import h5py
+    import numpy as np
+
+    from nasdiag.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with h5py.File(tmp_path / "held.h5", "w") as f:
+        f.create_dataset("x", data=np.arange(3.0))
+    holder = subprocess.Popen([sys.executable, "-c", "import h5py, sys; f = h5py.File(sys.argv[1], 'a'); print('open', "
+                               "flush=True); sys.stdin.read()", str(tmp_path / "held.h5")],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "open"
+        with pytest.raises(OSError):  # the premise: HDF5's lock keeps a reader out while the program writes
+            h5py.File(tmp_path / "held.h5", "r").close()
+        before = snapshot(tmp_path)
+        code = main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert snapshot(tmp_path) == before
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    assert code == 2 and len(err) == 1 and "Traceback" not in err[0], err
+    assert "held.h5" in err[0] and "is not a nasdiag record" in err[0], err

@@ -88,7 +88,8 @@ HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 def not_a_record(file: str) -> str | None:
     """Why the existing file ``file`` is not a record segment (a phrase such as "it is not an HDF5
     file"), or None when it is one. An HDF5 file that cannot be opened counts as a damaged record
-    (None): replacing it loses nothing readable; a readable one is someone else's unless it has nasdiag's header
+    (None): replacing it loses nothing readable (one that another program holds open to write, HDF5's file lock taken, is
+    read without the lock: --force replaced it); a readable one is someone else's unless it has nasdiag's header
     attribute or both ``/step`` and ``/present`` (every segment is written whole with both): another program's log with
     a ``/step`` column alone was taken for a damaged record, and ``nasdiag search --force`` replaced it."""
     try:
@@ -103,7 +104,10 @@ def not_a_record(file: str) -> str | None:
     try:
         f = open_segment_file(file, live=False)
     except RecordError:
-        return None
+        try:  # another program writing its own file holds HDF5's file lock: its file, not a damaged record
+            f = h5py.File(file, "r", locking=False)
+        except OSError:
+            return None
     with f:
         try:
             ours = "nasdiag_version" in f.attrs or (schema.STEP in f and schema.PRESENT in f)
