@@ -5,6 +5,22 @@ read back from the matplotlib artists (line data, axis limits, tick labels, anno
 file's own expectation.
 
 The references are the arrays logged here and this file's own arithmetic on them; nothing is computed by nasdiag.
+
+Checked and found right (probes in the round's scratch, not kept as tests where earlier rounds cover them): the wipeout
+scatter puts each planted event at its logged step (rows logged every other step), its edge row and its op's legend
+entry; the sampling figure's temperature and entropy curves (entropy logged every third step) and its log K ceiling, and
+the scalars figure's panels (a +inf loss marked at its step, a learning rate spanning decades on a log axis, a constant
+one beside it, norms, other scalars in panels of their own) plot the logged numbers at the logged steps; every
+registered figure of a record of 35 edges (7 nodes) × 8 ops names every edge and op (heatmap tick labels, one titled
+panel per edge, one legend entry per edge or op) and of a record of one step draws a visible mark for every value; the
+most probable wiring of the 35-edge cell labels the argmax op of every edge whose argmax is not none;
+wiring_output_cost's Figs 11-16 put L_θ, H_θ on the left axis and C_Z on the twin axis of the right split and part, at
+the logged epochs; the report's key numbers of that record are the last logged values with their steps (a NaN last
+value shown with the last finite one).
+
+Left alone: past 20 edges the regret and alive/switch curves repeat tab20's colours (no qualitative map has more; the
+legend still names each edge); heatmaps of more than 240 cells are drawn without annotations (colour and bar only, as
+before); `nasdiag plot` of several records prints a comparison's skipped lines only when no comparison figure was drawn.
 """
 
 from __future__ import annotations
