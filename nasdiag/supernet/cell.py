@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -45,8 +46,12 @@ class Cell(nn.Module):
         cfg: OpConfig,
     ):
         super().__init__()
-        if not 1 <= multiplier <= steps:
-            raise ValueError(f"multiplier must be in [1, steps={steps}], got {multiplier}")
+        # steps = 0 was "multiplier must be in [1, steps=0]" for any multiplier, a float steps range()'s TypeError
+        if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
+            raise ValueError(f"steps (intermediate nodes per cell) must be an integer >= 1, got {steps!r}")
+        if isinstance(multiplier, bool) or not isinstance(multiplier, numbers.Integral) or not 1 <= multiplier <= steps:
+            raise ValueError(f"multiplier must be an integer in [1, steps={steps}], got {multiplier!r}")
+        steps, multiplier = int(steps), int(multiplier)
         self.reduction = reduction
         self.cell_type = "reduce" if reduction else "normal"
         self.steps = steps

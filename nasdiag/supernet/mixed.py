@@ -36,12 +36,20 @@ class MixedOp(nn.Module):
         stride: 1, or 2 for edges leaving the inputs of a reduction cell.
         primitives: candidate op names (see ``nasdiag.supernet.OPS``).
         cfg: how ops are built (stacking order, normalization).
+
+    Raises:
+        ValueError: (one line) no primitives, a stride other than 1 or 2; KeyError: an op name not in ``OPS``.
     """
 
     def __init__(self, C: int, stride: int, primitives: Sequence[str], cfg: OpConfig | None = None):
         super().__init__()
         cfg = cfg or OpConfig()
-        self.primitives = list(primitives)
+        names = [] if isinstance(primitives, str) else list(primitives)  # a str was taken letter by letter
+        if not names:  # [] mixed nothing: forward returned the int 0
+            raise ValueError(f"primitives must be a non-empty list of candidate op names (nasdiag.supernet.OPS), got {primitives!r}")
+        if stride not in (1, 2):  # skip_connect's FactorizedReduce halves whatever the stride: other ops' shapes differed
+            raise ValueError(f"stride must be 1, or 2 for edges leaving the inputs of a reduction cell, got {stride!r}")
+        self.primitives = names
         self.stride = stride
         self.ops = nn.ModuleList(build_op(name, C, stride, cfg) for name in self.primitives)
 

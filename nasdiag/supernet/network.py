@@ -40,9 +40,9 @@ class Network(nn.Module):
         alpha_init_scale: α is initialised as ``alpha_init_scale * randn(E, K)`` (1e-3 in DARTS).
 
     Raises:
-        ValueError: (one line) ``C`` not a positive even number, ``layers``, ``num_classes``, ``in_channels`` or
-            ``stem_multiplier`` below 1, no ``primitives``, a ``multiplier`` outside [1, steps], reduction indices
-            outside the cells.
+        ValueError: (one line) ``C`` not a positive even integer, ``layers``, ``steps``, ``num_classes``, ``in_channels``
+            or ``stem_multiplier`` not an integer >= 1, no ``primitives``, a ``multiplier`` outside [1, steps], reduction
+            indices that are not cells. KeyError: a primitive not in ``nasdiag.supernet.OPS``.
     """
 
     def __init__(
@@ -64,10 +64,13 @@ class Network(nn.Module):
         alpha_init_scale: float = 1e-3,
     ):
         super().__init__()
-        if layers < 1:
-            raise ValueError(f"layers must be >= 1, got {layers}")
-        if C < 1 or C % 2:
-            raise ValueError(f"C must be a positive even number (FactorizedReduce halves it), got {C}")
+        whole = lambda v: not isinstance(v, bool) and isinstance(v, numbers.Integral)  # noqa: E731
+        if not whole(layers) or layers < 1:  # a float was range()'s TypeError
+            raise ValueError(f"layers must be an integer >= 1, got {layers!r}")
+        if not whole(C) or C < 1 or C % 2:  # C = 4.0 was torch's "empty(): argument 'size'" TypeError
+            raise ValueError(f"C must be a positive even integer (FactorizedReduce halves it), got {C!r}")
+        if not whole(steps) or steps < 1:  # steps = 0 was the cell's "multiplier must be in [1, steps=0]" for any multiplier
+            raise ValueError(f"steps (intermediate nodes per cell) must be an integer >= 1, got {steps!r}")
         for name, value in (("num_classes", num_classes), ("in_channels", in_channels), ("stem_multiplier", stem_multiplier)):
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 # 0 built a classifier of no outputs / a stem of no input channels without a word
@@ -77,15 +80,16 @@ class Network(nn.Module):
         self.layers = layers
         self.steps = steps
         self.multiplier = multiplier
-        self.primitives = list(primitives)
+        self.primitives = [] if isinstance(primitives, str) else list(primitives)  # a str was taken letter by letter
         if not self.primitives:
             raise ValueError("primitives must name at least one candidate op (nasdiag.supernet.OPS lists them)")
         self.op_config = OpConfig(order=order, norm=norm, affine=affine, eps=norm_eps)
         if reductions is None:
             reductions = sorted({layers // 3, 2 * layers // 3})
+        reductions = list(reductions)
+        if any(not whole(r) or not 0 <= r < layers for r in reductions):  # 1.5 was int()'d to cell 1 without a word
+            raise ValueError(f"reduction indices must be integers in [0, {layers}), got {reductions}")
         self.reductions = sorted(set(int(r) for r in reductions))
-        if any(not 0 <= r < layers for r in self.reductions):
-            raise ValueError(f"reduction indices must be in [0, {layers}), got {self.reductions}")
 
         C_curr = stem_multiplier * C
         self.stem = nn.Sequential(
