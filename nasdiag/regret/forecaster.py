@@ -357,6 +357,8 @@ class Forecaster(_ExpertsState):
         self.zeta = _positive("zeta", zeta, allow_inf=True)
         self._alive = torch.ones(self.shape + (self.n_experts,), dtype=torch.bool, device=self.device)
         self._log_gamma = torch.zeros(self.shape, dtype=dtype, device=self.device)
+        #: (*shape,) the largest |ln v| of an alive expert so far: the scale of the rounding in ln v (see _wipe_out)
+        self._peak = self._log_v.abs().amax(-1)
         self._bound_violations = torch.zeros(self.shape, dtype=torch.int64, device=self.device)
         self._wipeouts: List[dict] = []  # one dict of column tensors per round with removals
 
@@ -429,7 +431,7 @@ class Forecaster(_ExpertsState):
         """Adds the alive set, ``ln gamma``, the bound violations and the wipeout log to the base state."""
         state = super().state_dict()
         state.update(alive=self._alive.clone(), log_gamma=self._log_gamma.clone(),
-                     bound_violations=self._bound_violations.clone(),
+                     bound_violations=self._bound_violations.clone(), peak=self._peak.clone(),
                      wipeouts=[{k: v.clone() for k, v in entry.items()} for entry in self._wipeouts])
         return state
 
@@ -438,6 +440,10 @@ class Forecaster(_ExpertsState):
         self._alive = torch.as_tensor(state["alive"]).to(dtype=torch.bool, device=self.device).clone()
         self._log_gamma = torch.as_tensor(state["log_gamma"]).detach().to(dtype=self.dtype, device=self.device).clone()
         self._bound_violations = torch.as_tensor(state["bound_violations"]).to(dtype=torch.int64, device=self.device).clone()
+        if "peak" in state:
+            self._peak = torch.as_tensor(state["peak"]).detach().to(dtype=self.dtype, device=self.device).clone()
+        else:  # a state saved before the peak was kept: the present |ln v|, the scale the slack used then
+            self._peak = self._log_v.masked_fill(~self._alive, 0.0).abs().amax(-1)
         self._wipeouts = [{k: v.detach().to(self.device).clone() for k, v in entry.items()} for entry in state["wipeouts"]]
 
     def _check_state(self, state: dict) -> None:
@@ -449,6 +455,9 @@ class Forecaster(_ExpertsState):
                 isinstance(entry, Mapping) and columns <= set(entry) for entry in state["wipeouts"]):
             raise RegretError(f"the state's wipeouts must be a list of dicts with the columns {sorted(columns)}; the state "
                               "is corrupt")
+        if "peak" in state and tuple(torch.as_tensor(state["peak"]).shape) != tuple(self.shape):
+            raise RegretError(f"the state's peak has shape {tuple(torch.as_tensor(state['peak']).shape)}, this forecaster's "
+                              f"is {tuple(self.shape)}; the state is corrupt")
         if not torch.as_tensor(state["alive"]).to(torch.bool).any(-1).all():
             raise RegretError("the state has a forecaster with every expert wiped out (Lemma 1 keeps the best one); the "
                               "state is corrupt")
@@ -570,6 +579,7 @@ class Forecaster(_ExpertsState):
             )
         self._tally.add(self.weights, rewards, all_finite, skip)
         self._bound_violations += (playing & (rewards.abs() > self.loss_bound)).sum(-1)
+        self._peak = torch.maximum(self._peak, log_v.masked_fill(~alive, 0.0).abs().amax(-1))
         wiped = self._wipe_out(log_v, t)
         self._rounds = t
         return wiped
@@ -603,10 +613,13 @@ class Forecaster(_ExpertsState):
         log_threshold = log_max - margin
         # Why a slack: the proof of Lemma 1 reaches equality (a best expert that first loses L then
         # gains L sits exactly on theta_t), and ln v is a sum of t rounded products eta*R, so rounding
-        # alone could wipe out the best expert. A few ulps of the accumulated magnitude keep such
-        # experts; the slack is ~1e-12 relative for float64 runs of thousands of rounds.
+        # alone could wipe out the best expert. Each of the t additions rounds by up to an ulp of the partial
+        # sum, so the slack scales with the largest |ln v| of the run (the peak), not the present one: an expert
+        # that gains and then loses as much is back near 0 with the rounding of its peak (with |max ln v| here,
+        # T = 100, eta = 100, |R| <= L = 1: the best in hindsight wiped out at T). ~1e-12 relative for float64
+        # runs of thousands of rounds.
         eps = torch.finfo(self.dtype).eps
-        slack = 8.0 * eps * (t + 1) * (log_max.abs() + margin + 1.0)
+        slack = 8.0 * eps * (t + 1) * (self._peak.unsqueeze(-1) + margin + 1.0)
         wiped = alive & (log_v < log_threshold - slack)
         if wiped.any():
             survivors = alive & ~wiped
