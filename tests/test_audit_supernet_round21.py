@@ -156,6 +156,16 @@ def test_the_supernet_is_darts_search_network_in_structure():
         assert {t: tuple(a.shape) for t, a in net.alphas().items()} == {
             t: (2 + 3 + 4, len(P)) for t in (["normal"] if len(want) < layers else []) + ["reduce"]}
         assert net.classifier.in_features == 2 * 4 * 2 ** len(want)
+        # the whole network's weights by formula, with DARTS's channel bookkeeping (C_prev = multiplier · C_curr)
+        total, (cpp, cp, c, red_prev) = 3 * 9 * 12 + 2 * 12, (12, 12, 4, False)  # stem conv + its affine BN
+        for k in range(layers):
+            red = k in want
+            c = 2 * c if red else c
+            total += (2 * cpp * (c // 2) if red_prev else cpp * c) + cp * c
+            total += sum(_params(n, c, 2 if red and i < 2 else 1) for i, _ in pairs for n in P)
+            cpp, cp, red_prev = cp, 2 * c, red
+        total += cp * 10 + 10
+        assert sum(p.numel() for p in net.weight_parameters()) == total
     x = torch.randn(2, 3, 7, 7)
     assert Network(4, 10, 3, steps=2, multiplier=2).set_engine("eager")(x).shape == (2, 10)  # 7 -> 4 -> 2
 
