@@ -14,6 +14,10 @@ Found and fixed in this round:
   rounding, the best expert in hindsight was wiped out at T (Lemma 1 broken by rounding alone, the failure the slack
   is documented to prevent). The slack now scales with the largest |ln v| of an alive expert so far (kept in the
   state; a state saved without it falls back to the present |ln v|).
+* ``cell_depth`` (Table 4: "the average depth of its inner connections") counted a gene ``("none", i)`` as a
+  connection of depth i. XNAS's (and ASM-NAS's) genotype fills the places of a node left with fewer than two candidate
+  inputs with ``("none", i)``, "no connection" (derive_cell): an XNAS normal cell with two such fillers had depth
+  1.375 where its six connections give 1.5. Such genes are left out (a cell of fillers only: NaN).
 """
 
 from __future__ import annotations
@@ -21,9 +25,12 @@ from __future__ import annotations
 import random
 from fractions import Fraction
 
+import math
+
 import torch
 
-from nasdiag.regret import Forecaster
+from nasdiag.regret import Forecaster, cell_depth
+from nasdiag.supernet import DARTS_PRIMITIVES, Genotype, derive_genotype
 
 
 def _exact_algorithm_1(rewards, L, T, zeta=1):
@@ -97,3 +104,27 @@ def test_the_same_sequence_resumed_from_a_state_dict_after_the_peak_is_bit_equal
     assert torch.equal(resumed.log_weights, straight.log_weights)
     assert torch.equal(resumed.regret, straight.regret) and torch.equal(resumed.bound(), straight.bound())
     assert torch.equal(resumed.wipeout_log.round, straight.wipeout_log.round)
+
+
+def test_cell_depth_of_an_xnas_genotype_averages_its_connections_not_its_no_connection_fillers():
+    primitives = list(DARTS_PRIMITIVES)
+    none, edges = primitives.index("none"), 14
+    weights = torch.softmax(torch.randn(edges, len(primitives), generator=torch.Generator().manual_seed(0),
+                                        dtype=torch.float64), -1)
+    alive = torch.zeros(edges, len(primitives), dtype=torch.bool)  # XNAS at T: one expert left per edge
+    for e in range(edges):
+        alive[e, 3 + e % 4] = True
+    for e in (1, 2, 3):  # the survivor of these edges is none: node 2 and node 3 are left with one candidate each
+        alive[e] = False
+        alive[e, none] = True
+    genotype = derive_genotype({"normal": weights}, 4, 4, primitives, eligible={"normal": alive})
+    fillers = [gene for gene in genotype.normal if gene[0] == "none"]
+    assert len(fillers) == 2  # the situation under test: two ("none", i) places, no connection
+    connections = [i for op, i in genotype.normal if op != "none"]  # Table 4: the depth of each connection
+    assert cell_depth(genotype.normal) == sum(connections) / len(connections)
+    assert cell_depth(genotype)["normal"] == sum(connections) / len(connections)
+    assert math.isnan(cell_depth([("none", 0), ("none", 1)] * 2))  # no connection at all: no depth
+    darts_v2 = Genotype(normal=[("sep_conv_3x3", 0), ("sep_conv_3x3", 1), ("sep_conv_3x3", 0), ("sep_conv_3x3", 1),
+                                ("sep_conv_3x3", 1), ("skip_connect", 0), ("skip_connect", 0), ("dil_conv_3x3", 2)],
+                        normal_concat=[2, 3, 4, 5], reduce=[], reduce_concat=[2, 3, 4, 5])
+    assert cell_depth(darts_v2) == {"normal": 0.625}  # Table 4's DARTS cell, no filler: unchanged

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from typing import Dict, Optional, Sequence, Tuple, Union
 from nasdiag.regret.errors import RegretError
 
 __all__ = ["cell_depth"]
 
 Cell = Sequence[Tuple]
+
+#: the op of a gene that connects nothing (derive_cell fills a node's missing places with it: XNAS, ASM-NAS)
+NO_CONNECTION = "none"
 
 
 def _is_integer(value) -> bool:
@@ -42,7 +46,8 @@ def _sources(cell: Cell, edges_per_node: int):
                 f"{target} (0, 1 are the cell inputs, 2.. the intermediate nodes, edges_per_node="
                 f"{edges_per_node})"
             )
-        sources.append(int(source))
+        if gene[0] != NO_CONNECTION:  # derive_cell's filler ("none", i): no connection, so no depth (Table 4)
+            sources.append(int(source))
     return sources
 
 
@@ -57,7 +62,8 @@ def cell_depth(
     Nodes are indexed as in the DARTS genotype (and in §10): 0 = output of cell k-2, 1 = output of
     cell k-1, 2.. the intermediate nodes. A connection from node ``i`` has depth ``i``; the cell depth
     is the average over all of its connections. E.g. the DARTS (V2) normal cell has depth 0.625 and
-    the XNAS one 1.375 (Table 4).
+    the XNAS one 1.375 (Table 4). A gene ``("none", i)`` is no connection (the filler of a node left with fewer
+    than two candidate inputs, :func:`nasdiag.supernet.derive_cell`) and does not count.
 
     Args:
         cell: a cell list ``[(op name, input node), ...]`` with ``edges_per_node`` pairs per
@@ -70,7 +76,7 @@ def cell_depth(
 
     Returns:
         a float for a cell list; ``{"normal": float, "reduce": float}`` for a genotype (a cell type
-        with an empty list is left out).
+        with an empty list is left out); NaN for a cell whose genes are all ``("none", i)`` (no connection).
     """
     if hasattr(cell, "normal") and hasattr(cell, "reduce"):
         if concat is not None:
@@ -98,4 +104,4 @@ def cell_depth(
         bad = [node for node in concat if not (_is_integer(node) and 0 <= node < n_nodes)]
         if bad:
             raise RegretError(f"concat names nodes {bad} that the cell does not have (nodes 0..{n_nodes - 1})")
-    return sum(sources) / len(sources)
+    return sum(sources) / len(sources) if sources else math.nan
