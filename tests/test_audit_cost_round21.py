@@ -29,7 +29,11 @@ variance against exact rational arithmetic (relative 1e-14 on the variance, wher
 Noticed and left: ``nasdiag.vocabulary.pooled_moments`` (how DDP pools the ranks' (count, mean, var) rows) is ~1e-5
 relative off on the variance at mean/std = 1e11 (numpy: 2e-10): each rank's mean rounded to float64 (ulp 1.5e-8 at
 1e8) enters n_p·(m_p − m)²; the loss is in the (count, mean, var) float64 triples the record schema carries, not in the
-formula (outside this area). Ops of a mixed op without ``primitives`` are labelled ``"<k>:<class>"`` as documented.
+formula (outside this area). Ops of a mixed op without ``primitives`` are labelled ``"<k>:<class>"`` as documented. An
+edge run on a batch flattened with another dim (tokens: (B·N, D)) gives (B·N, K) rows, one per token, without a word:
+docs/probe.md says dim 0 of an edge's output is taken as the batch (only chunks of fewer samples are refused). A mixed
+op weighting with (K, 1, 1, 1, 1) weights (``(w * torch.stack(outs)).sum(0)``) is refused in one line asking for (K,)
+or (B, K) weights, the documented form.
 """
 
 from __future__ import annotations
