@@ -333,3 +333,15 @@ def test_a_mixed_op_of_no_candidate_a_string_of_names_or_another_stride_is_one_l
     with pytest.raises(ValueError) as e:  # channels a strided skip cannot halve: one line too (was right)
         MixedOp(3, 2, ["skip_connect"])
     assert "even" in _one_line(e)
+
+
+def test_a_bool_mask_of_the_kept_ops_derives_the_genotype_of_its_zero_one_weights():
+    """A mask of the ops kept (a switch, an alive set) was torch's NotImplementedError ("abs_cpu" not implemented for
+    'Bool') in derive_mixed_cell and argmax's RuntimeError in derive_cell; it is its 0/1 weights."""
+    mask = torch.rand(9, len(P), generator=torch.Generator().manual_seed(4)) > 0.6
+    mask[4] = False  # an edge with no op kept
+    ones = mask.to(torch.float64)
+    kept = [(P[k], i, j) for e, (i, j) in enumerate((i, j) for j in range(2, 5) for i in range(j))
+            for k in range(len(P)) if mask[e, k] and P[k] != "none"]
+    assert derive_mixed_genotype({"normal": mask}, 3, 3, P).normal == kept
+    assert derive_cell(mask, 3, P) == _parse(ones.tolist(), 3, P)

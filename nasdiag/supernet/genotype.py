@@ -52,6 +52,8 @@ def _cell_types(weights, eligible=None) -> None:
 def _check(weights: torch.Tensor, steps: int, primitives: Sequence[str]) -> torch.Tensor:
     _whole("steps", steps, 1)
     weights = torch.as_tensor(weights).detach().cpu()
+    if weights.dtype == torch.bool:  # a mask of the ops kept (1 and 0): abs/argmax of bool were torch's tracebacks
+        weights = weights.to(torch.float64)
     E = len(edge_nodes(steps))
     if weights.shape != (E, len(primitives)):
         raise ValueError(
@@ -159,7 +161,8 @@ def derive_mixed_cell(
     exclude: Sequence[str] = ("none",),
 ) -> List[Tuple[str, int, int]]:
     """The mixed-path rule for sparse methods (SparseNAS eq 1): keep every op with
-    ``|weight| > threshold`` (``threshold=0``: every non-zero op), except those in ``exclude``.
+    ``|weight| > threshold`` (``threshold=0``: every non-zero op), except those in ``exclude``. ``weights`` may be a
+    bool mask of the ops kept (as the derivation rules take any weights, True is 1 and False 0).
 
     Returns:
         ``[(op name, i, j), ...]`` in (edge, op) order.
