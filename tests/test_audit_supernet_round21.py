@@ -21,7 +21,8 @@ Checked and found right, against references written in this file (float64):
 Defects (each test names its own): a genotype of a cell type other than normal/reduce (an adapted supernet's) was
 derived and dropped without a word; a node count of 0 was blamed on the multiplier, non-integer sizes were torch's or
 range()'s TypeErrors (a reduction index 1.5 silently cell 1); a mixed op of no candidate returned the int 0, a
-string of op names was taken letter by letter, and a stride other than 1 or 2 built ops of different output sizes.
+string of op names was taken letter by letter, and a stride other than 1 or 2 built ops of different output sizes; a
+bool mask of the kept ops was torch's traceback in derive_mixed_cell and derive_cell.
 
 Left alone: an unknown op name is a KeyError (tests/test_supernet.py pins it; its one line names the registered ops);
 derive_cell refuses more inputs per node than node 2 has (DARTS's parse would keep both) with one line; a genotype of
