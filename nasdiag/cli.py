@@ -611,6 +611,12 @@ def _quote(arg: str) -> str:
     return f"$'{escaped}'"
 
 
+def _path_word(path: str) -> str:
+    """``path`` as a shell word that a command reads as a path, not an option: ``./-run.h5`` for ``-run.h5`` (the
+    command given after Ctrl-C while drawing the figures of ``--out=-run.h5`` was refused, -run.h5 read as an option)."""
+    return _quote(os.path.join(".", path) if path.startswith("-") else path)
+
+
 def _join(argv: List[str]) -> str:
     """``argv`` as one line of shell words (`_quote`)."""
     return " ".join(_quote(a) for a in argv)
@@ -665,7 +671,7 @@ def _stopped(args: Optional[argparse.Namespace], how: str, exc: Optional[BaseExc
     if complete is not None:
         record, figures = complete
         return (f"nasdiag: {how} while drawing the figures; the run is complete in {record}: "  # quoted: a path with a
-                f"draw them with nasdiag plot {_quote(record)} --out {_quote(figures)}")        # space survives a shell
+                f"draw them with nasdiag plot {_path_word(record)} --out {_path_word(figures)}")  # space survives a shell
     if not args.out or not os.path.exists(args.out):
         return f"nasdiag: {how} before anything was recorded; run the command again (without --resume)"
     found = getattr(args, "found", None)  # the file at --out as the command started, but for --resume
@@ -718,7 +724,7 @@ def _with_complete_run(line: str, exc: BaseException) -> str:
         return line
     record, figures = complete
     return (f"{line}; while drawing the figures: the run is complete in {record}; draw them with nasdiag plot "
-            f"{_quote(record)} --out {_quote(figures)}")
+            f"{_path_word(record)} --out {_path_word(figures)}")
 
 
 def _with_resume(line: str, exc: BaseException, args, argv) -> str:

@@ -79,3 +79,28 @@ def test_an_hdf5_file_another_program_holds_open_to_write_is_not_replaced(argv, 
         holder.wait(timeout=60)
     assert code == 2 and len(err) == 1 and "Traceback" not in err[0], err
     assert "held.h5" in err[0] and "is not a nasdiag record" in err[0], err
+
+
+def test_the_plot_command_given_after_an_interrupt_while_drawing_reads_a_record_named_with_a_leading_dash(tmp_path, monkeypatch,
+                                                                                                          capsys):
+    """``nasdiag search --out=-run.h5`` (the form its own refusal of ``--out -run.h5`` asks for) stopped by Ctrl-C
+    while drawing its figures said "draw them with nasdiag plot -run.h5 --out -run-figs": that command is refused,
+    -run.h5 read as an option. The command given reads the paths as paths, and draws the run's figures."""
+    import shlex
+
+    import nasdiag.plot
+    from nasdiag.cli import main
+
+    monkeypatch.chdir(tmp_path)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(nasdiag.plot, "write_figures", interrupted)
+        code = main(["search", *[a for a in TINY if a != "--no-figs"], "--out=-run.h5"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 130 and len(err) == 1 and "draw them with nasdiag plot " in err[0], err
+    argv = shlex.split(err[0].split("draw them with nasdiag ", 1)[1])
+    assert main([*argv, "--no-progress"]) == 0, capsys.readouterr().err
+    assert (tmp_path / "-run-figs" / "scalars.png").is_file()
