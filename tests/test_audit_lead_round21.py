@@ -45,3 +45,37 @@ def test_search_out_without_an_extension_keeps_a_users_tmp_file(tmp_path, capsys
     assert code == 2 and len(err) == 1 and "Traceback" not in err[0], err
     assert "run.tmp is in the way" in err[0] and "ending in .h5" in err[0], err
     assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("per_node", [1, 2, 3])
+def test_a_darts_genotype_of_any_number_of_inputs_per_node_is_drawn_on_its_own_nodes(per_node):
+    """``genes_from_pairs`` (the genotype figure and the cell drawings) took every DARTS (op, input) list for two per
+    node: the single-input genotype of ``derive_cell(edges_per_node=1)`` was drawn with edges 2 -> 2 and 4 -> 3 (reported
+    by the supernet auditor). The pairs name per_node inputs per node, nodes in order (DARTS's ``_parse``): the
+    reference below assigns them by hand."""
+    from nasdiag.plot.cells import genes_from_pairs
+
+    steps = 3
+    pairs, expected = [], []
+    for j in range(2, 2 + steps):
+        for slot in range(per_node):
+            i = j - 1 - slot  # node 2 has two inputs (0, 1): a third is no node
+            pairs.append((f"op{j}{slot}", i))
+            expected.append((f"op{j}{slot}", i, j))
+    if per_node > 2:  # node 2 has two inputs only: this list is not a genotype
+        from nasdiag.plot.registry import NothingToDraw
+
+        with pytest.raises(NothingToDraw, match="not an earlier node|same number"):
+            genes_from_pairs(pairs, steps)
+        return
+    assert genes_from_pairs(pairs, steps) == expected
+    for j in range(2, 2 + steps):  # every gene feeds an intermediate node from an earlier one
+        assert all(i < j for _, i, node in genes_from_pairs(pairs, steps) if node == j)
+
+
+def test_a_darts_genotype_of_an_uneven_pair_count_is_refused_not_drawn_on_a_guessed_node():
+    from nasdiag.plot.cells import genes_from_pairs
+    from nasdiag.plot.registry import NothingToDraw
+
+    with pytest.raises(NothingToDraw, match="5 .op, input. pairs does not list the same number for each of the 2 nodes"):
+        genes_from_pairs([("a", 0), ("b", 1), ("c", 0), ("d", 1), ("e", 2)], 2)

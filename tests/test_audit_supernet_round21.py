@@ -25,9 +25,9 @@ string of op names was taken letter by letter, and a stride other than 1 or 2 bu
 bool mask of the kept ops was torch's traceback in derive_mixed_cell and derive_cell.
 
 Left alone: an unknown op name is a KeyError (tests/test_supernet.py pins it; its one line names the registered ops);
-derive_cell refuses more inputs per node than node 2 has (DARTS's parse would keep both) with one line; a genotype of
-edges_per_node=1 is drawn and parsed by nasdiag.plot.cells.genes_from_pairs as two genes per node (node 2 + n//2:
-('sep_conv_3x3', 2) of node 2 became an edge 2 -> 2), outside this area (the methods all derive two per node).
+derive_cell refuses more inputs per node than node 2 has (DARTS's parse would keep both) with one line. (Reported
+here and fixed by the lead: a genotype of edges_per_node=1 was drawn by nasdiag.plot.cells.genes_from_pairs as two genes
+per node; see tests/test_audit_lead_round21.py.)
 """
 
 from __future__ import annotations

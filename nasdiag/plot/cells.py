@@ -36,15 +36,23 @@ def steps_of(n_edges: int) -> int:
 
 
 def genes_from_pairs(pairs: Sequence, steps: int) -> List[Gene]:
-    """DARTS ``[(op, input node), ...]`` (two per node, in node order) or mixed ``[(op, i, j), ...]`` -> genes."""
+    """DARTS ``[(op, input node), ...]`` (the same number per node, nodes in order: two in DARTS, one or more with
+    ``derive_cell(edges_per_node=...)``) or mixed ``[(op, i, j), ...]`` -> genes ``(op, i, j)``."""
+    entries = [tuple(entry) for entry in pairs]
+    paired = sum(len(entry) == 2 for entry in entries)
+    per_node = len(entries) // steps if steps > 0 and paired and len(entries) % steps == 0 else 0
+    if paired and not per_node:
+        raise NothingToDraw(f"a DARTS genotype of {len(entries)} (op, input) pairs does not list the same number for "
+                            f"each of the {steps} nodes; cannot tell which node each pair feeds")
     genes: List[Gene] = []
-    for n, entry in enumerate(pairs):
-        entry = tuple(entry)
+    for n, entry in enumerate(entries):
         if len(entry) == 3:
             genes.append((str(entry[0]), int(entry[1]), int(entry[2])))
         elif len(entry) == 2:
-            # the DARTS genotype lists edges_per_node (2) genes per node, nodes in order
-            genes.append((str(entry[0]), int(entry[1]), 2 + n // 2))
+            node = 2 + n // per_node
+            if not 0 <= int(entry[1]) < node:
+                raise NothingToDraw(f"genotype entry {entry!r} of node {node} takes an input that is not an earlier node")
+            genes.append((str(entry[0]), int(entry[1]), node))
         else:
             raise NothingToDraw(f"cannot read genotype entry {entry!r}")
     return genes
