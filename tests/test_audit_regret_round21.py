@@ -27,9 +27,10 @@ from fractions import Fraction
 
 import math
 
+import pytest
 import torch
 
-from nasdiag.regret import Forecaster, cell_depth
+from nasdiag.regret import Forecaster, RegretError, cell_depth
 from nasdiag.supernet import DARTS_PRIMITIVES, Genotype, derive_genotype
 
 
@@ -104,6 +105,11 @@ def test_the_same_sequence_resumed_from_a_state_dict_after_the_peak_is_bit_equal
     assert torch.equal(resumed.log_weights, straight.log_weights)
     assert torch.equal(resumed.regret, straight.regret) and torch.equal(resumed.bound(), straight.bound())
     assert torch.equal(resumed.wipeout_log.round, straight.wipeout_log.round)
+    corrupt = {**first.state_dict(), "peak": torch.tensor(float("nan"), dtype=torch.float64)}
+    untouched = Forecaster(2, eta, L, T)
+    with pytest.raises(RegretError, match="peak"):  # a NaN slack would never wipe out: refused, nothing loaded
+        untouched.load_state_dict(corrupt)
+    assert untouched.rounds == 0 and bool(untouched.log_weights.eq(0).all())
 
 
 def test_cell_depth_of_an_xnas_genotype_averages_its_connections_not_its_no_connection_fillers():

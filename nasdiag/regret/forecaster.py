@@ -455,9 +455,11 @@ class Forecaster(_ExpertsState):
                 isinstance(entry, Mapping) and columns <= set(entry) for entry in state["wipeouts"]):
             raise RegretError(f"the state's wipeouts must be a list of dicts with the columns {sorted(columns)}; the state "
                               "is corrupt")
-        if "peak" in state and tuple(torch.as_tensor(state["peak"]).shape) != tuple(self.shape):
-            raise RegretError(f"the state's peak has shape {tuple(torch.as_tensor(state['peak']).shape)}, this forecaster's "
-                              f"is {tuple(self.shape)}; the state is corrupt")
+        if "peak" in state:  # the scale of the wipeout's slack: a NaN one would never wipe out, a negative one too soon
+            peak = torch.as_tensor(state["peak"])
+            if tuple(peak.shape) != tuple(self.shape) or not bool((torch.isfinite(peak) & (peak >= 0)).all()):
+                raise RegretError(f"the state's peak must be finite and >= 0 of shape {tuple(self.shape)}, got "
+                                  f"{peak.dtype} of shape {tuple(peak.shape)}; the state is corrupt")
         if not torch.as_tensor(state["alive"]).to(torch.bool).any(-1).all():
             raise RegretError("the state has a forecaster with every expert wiped out (Lemma 1 keeps the best one); the "
                               "state is corrupt")
