@@ -10,6 +10,11 @@ Defects found (each test fails without its fix):
   ops return shape (1, C, 1, 1) but it returns (B, C, H, W)", though the output is exactly that sum and
   ∂L/∂Z_k = <∂L/∂x_j, O_k(x_i) broadcast> is well defined; the probe takes such an output as its expansion (a view)
   (test_a_candidate_whose_output_the_sum_broadcasts_costs_as_autograd).
+* ``CostMoments`` promises that costs of any finite magnitude keep a finite mean and variance where numpy's two-pass
+  does (a variance beyond range inf, never NaN); a chunk of the other sign than the shift (the first chunk's mean)
+  near the float64 limit ([1e308] then [-1e308]) overflowed in the shifted frame (|C − K| up to twice the largest
+  float): mean −inf and variance NaN where numpy gives 0 and inf, in one stream and in a merge of two. Such an entry
+  drops its shift (test_finite_costs_of_both_signs_near_the_float64_limit_keep_a_finite_mean_in_one_stream_and_merged).
 
 Checked and right (test_own_two_type_supernet_costs_paths_outputs_and_statistics_are_autograds_and_numpys): a supernet
 of two cell types with their own α (normal: identity, ReLU-conv-BatchNorm in train mode, conv(bias)-GroupNorm,
@@ -297,3 +302,22 @@ def test_cost_moments_over_unequal_chunks_and_merged_streams_are_exact_where_num
                 assert acc.count[idx].item() == n
                 assert abs(Fraction(acc.mean[idx].item()) - mean) <= 2 * np.spacing(1e8)
                 assert abs(acc.var[idx].item() / float(var) - 1) < 1e-14
+
+
+@pytest.mark.parametrize("chunks", [[[1e308], [-1e308]], [[1.5e308], [-1.5e308], [1e308]], [[-1.7e308], [1.7e308, 1.7e308]],
+                                    [[1e308, 1.7e308], [-1e308]]])
+def test_finite_costs_of_both_signs_near_the_float64_limit_keep_a_finite_mean_in_one_stream_and_merged(chunks):
+    """The docstring: costs of any finite magnitude keep a finite mean and variance where numpy's two-pass does (a
+    variance beyond float64 range is inf, never NaN). A chunk of the other sign than the first chunk's mean (the
+    shift) overflowed in the shifted frame: mean ∓inf, variance NaN."""
+    values = [v for c in chunks for v in c]
+    n, mean, _ = _exact_moments(values)
+    one, first, second = CostMoments(()), CostMoments(()), CostMoments(())
+    for i, c in enumerate(chunks):
+        one.update(torch.tensor(c, dtype=DT))
+        (first if i == 0 else second).update(torch.tensor(c, dtype=DT))
+    first.merge(second)
+    for acc in (one, first):
+        assert acc.count.item() == n
+        assert abs(Fraction(acc.mean.item()) - mean) <= 1e-15 * 1.8e308, acc.mean.item()
+        assert acc.var.item() == np.inf  # the spread is beyond float64's square: numpy's var is inf too

@@ -85,9 +85,23 @@ class CostMoments:
         first = (self.count == 0) & (n_b > 0) & torch.isfinite(guess)
         self._shift.copy_(torch.where(first, guess, self._shift))
         shifted = torch.where(selected, obs - self._shift, zero)
+        # Finite costs of the other sign than a shift near the float64 limit ([1e308] then [-1e308]) overflow in the
+        # shifted frame (|C − K| up to twice the largest float): the mean was ∓inf, the variance NaN, where numpy's is
+        # finite and inf. Such an entry drops its shift (no cancellation to guard against at that spread).
+        self._rebase((selected & torch.isfinite(obs) & ~torch.isfinite(shifted)).any(0))
+        shifted = torch.where(selected, obs - self._shift, zero)
         mean_b = shifted.sum(0) / n_b.clamp(min=1)
+        # a sum beyond float64 range of finite costs: divided before summing, as the shift's guess
+        mean_b = torch.where(torch.isfinite(mean_b), mean_b, torch.where(selected, shifted / n_b.clamp(min=1), zero).sum(0))
         m2_b = torch.where(selected, (shifted - mean_b) ** 2, zero).sum(0)
         self._merge(n_b, mean_b, m2_b)
+
+    def _rebase(self, entries: torch.Tensor) -> None:
+        """Move ``entries`` to shift 0, their running mean into the shifted mean (the variance is frame-free)."""
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        moved = torch.where(self.count > 0, self._shifted_mean + self._shift, zero)
+        self._shifted_mean.copy_(torch.where(entries, moved, self._shifted_mean))
+        self._shift.copy_(torch.where(entries, zero, self._shift))
 
     def _merge(self, n_b: torch.Tensor, mean_b: torch.Tensor, m2_b: torch.Tensor) -> None:
         """Chan's pairwise update with batch statistics ``mean_b`` (in this accumulator's shifted frame), ``m2_b``."""
@@ -122,5 +136,9 @@ class CostMoments:
         count, shift = other.count.to(self.device), other._shift.to(self.device)
         # an entry only the other has observed takes its shift, so that its statistics are copied exactly
         self._shift.copy_(torch.where((self.count == 0) & (count > 0), shift, self._shift))
+        other_mean = shift + other._shifted_mean.to(self.device)
         mean_b = (shift - self._shift) + other._shifted_mean.to(self.device)
-        self._merge(count, mean_b, other._m2.to(self.device))
+        # shifts of opposite signs near the float64 limit overflow in this frame: as in update, drop this entry's shift
+        over = (count > 0) & ~torch.isfinite(mean_b) & torch.isfinite(other_mean) & torch.isfinite(self.mean)
+        self._rebase(over)
+        self._merge(count, torch.where(over, other_mean, mean_b), other._m2.to(self.device))
