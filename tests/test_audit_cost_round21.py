@@ -42,7 +42,10 @@ formula (outside this area). Ops of a mixed op without ``primitives`` are labell
 edge run on a batch flattened with another dim (tokens: (B·N, D)) gives (B·N, K) rows, one per token, without a word:
 docs/probe.md says dim 0 of an edge's output is taken as the batch (only chunks of fewer samples are refused). A mixed
 op weighting with (K, 1, 1, 1, 1) weights (``(w * torch.stack(outs)).sum(0)``) is refused in one line asking for (K,)
-or (B, K) weights, the documented form.
+or (B, K) weights, the documented form. A bare mixed op attached as the model is the edge named ``""`` (its qualified
+name in named_modules(), as documented), its costs ``costs()[""]``. ``edge_costs(g, <generator>)`` is Python's one-line
+TypeError "object of type 'generator' has no len()" (the docstring asks for a sequence). The per-op path of
+``edge_costs`` (outputs above 2**17 elements on a CPU) with a broadcast candidate: autograd's (1e-16 relative).
 """
 
 from __future__ import annotations
