@@ -32,7 +32,7 @@ import sys
 import time
 from collections import Counter
 from nasdiag.errors import NasdiagError, run_script
-from script_args import Parser, at_least, channels, refuse_other_figures, threads as thread_count
+from script_args import Parser, at_least, channels, refuse_other_figures, refuse_other_records, threads as thread_count
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
@@ -113,11 +113,22 @@ def run_study(args):
 
     from nasdiag.data import load_dataset
     from nasdiag.search import SearchConfig, run
+    from nasdiag.search.runner import check_paths
 
     if args.threads:
         torch.set_num_threads(args.threads)
     # the supernet options refused before the folder is made (--C 3 left an empty --out folder)
     SearchConfig(C=args.C, layers=args.layers, steps=args.steps, batch_size=args.batch_size).validate()
+    configs = {(name, seed): SearchConfig(method=name, dataset="digits", seed=seed, epochs=args.epochs, C=args.C,
+                                          layers=args.layers, steps=args.steps, batch_size=args.batch_size,
+                                          diagnostics=(), progress=False, force=True, threads=args.threads,
+                                          record=os.path.join(args.out, f"{name}_seed{seed}.h5"))
+               for name in METHODS for seed in range(args.seeds)}
+    # every record path before the first search, not at its own run: darts_seed0.h5 a file of the user's (or one of
+    # another method, which --force would replace) was refused after the ASM-NAS searches, their records left behind
+    for (name, _), config in configs.items():
+        refuse_other_records([config.record], name)
+        check_paths(config)
     made, folder = [], os.path.abspath(args.out)
     while not os.path.exists(folder):  # the folders makedirs makes, deepest first
         made.append(folder)
@@ -128,10 +139,8 @@ def run_study(args):
     for name in METHODS:
         for seed in range(args.seeds):
             tic = time.perf_counter()
-            record = os.path.join(args.out, f"{name}_seed{seed}.h5")
-            config = SearchConfig(method=name, dataset="digits", seed=seed, epochs=args.epochs, C=args.C, layers=args.layers,
-                                  steps=args.steps, batch_size=args.batch_size, diagnostics=(), progress=False,
-                                  record=record, force=True, threads=args.threads)
+            config = configs[name, seed]
+            record = config.record
             try:
                 result = run(config)
             except BaseException:

@@ -1,0 +1,55 @@
+"""Scripts audit, round 21 (scripts21): the batch scripts (scripts/*.py) run as their documented commands at small
+sizes, their misuse at the boundaries, and what they print and write against this file's own reading of their records
+(h5py, numpy) and its own arithmetic.
+
+Defects found (each test fails without its fix):
+
+* asmnas_stability.py checked its per-seed records (``<method>_seed<s>.h5``) only when each search began: a file of
+  the user's named ``darts_seed0.h5`` in ``--out`` was refused after the ASM-NAS searches had run (minutes at the
+  defaults), their records and checkpoints left in the folder; a nasdiag search record of another method so named was
+  replaced by ``force`` without a word. Every record path is checked before the first search
+  (test_asmnas_stability_refuses_a_file_in_the_way_of_a_later_record_before_any_search).
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import pytest
+
+
+def _tree(folder):
+    """{relative path: bytes} of every file under ``folder``."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in Path(folder).rglob("*") if p.is_file()}
+
+
+def _run(script, argv, capsys):
+    """(exit code, stdout, stderr lines) of a batch script run in-process, through run_script as its command."""
+    from nasdiag.errors import run_script
+
+    code = run_script(script, importlib.import_module(script).main, argv)
+    out, err = capsys.readouterr()
+    return code, out, err.strip().splitlines()
+
+
+# -- asmnas_stability -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["notes", "record of another method"])
+def test_asmnas_stability_refuses_a_file_in_the_way_of_a_later_record_before_any_search(tmp_path, capsys, kind):
+    """darts_seed0.h5 (the second method's record) a file of the user's: one line, exit 2, before the ASM-NAS search,
+    the folder as it was (no asmnas_seed0.h5, no checkpoint)."""
+    import numpy as np
+
+    from nasdiag.record import Recorder
+
+    path = tmp_path / "darts_seed0.h5"
+    if kind == "notes":
+        path.write_text("my notes\n")
+    else:  # a search record of xnas (with a search's settings): --force replaces such a record
+        with Recorder(str(path), meta={"method": "xnas", "config": {"method": "xnas"}, "config_hash": "0"}) as rec:
+            rec.log(1, {"scalars/train_loss": np.float64(1.0)})
+    before = _tree(tmp_path)
+    code, out, err = _run("asmnas_stability", ["--out", str(tmp_path), "--seeds", "1", "--epochs", "1", "--threads", "1"],
+                          capsys)
+    assert code == 2 and len(err) == 1 and "darts_seed0.h5" in err[0], err
+    assert _tree(tmp_path) == before
