@@ -40,7 +40,7 @@ from nasdiag.hessian.arch_exact import (_check_softmax_weights, _frozen_paramete
 from nasdiag.hessian.arch_ggn import ggn_arch_diag
 from nasdiag.hessian.arch_hutchinson import hutchinson_arch_diag
 from nasdiag.hessian.loss_curvature import output_hessian_diagonal
-from nasdiag.hessian.modes import ARCH_MODES, CurvatureError, CurvatureTypeError, check_mode, split_mode
+from nasdiag.hessian.modes import ARCH_MODES, CurvatureError, CurvatureTypeError, check_mode, check_seed, split_mode
 from nasdiag.hessian.propagate import walk_diagonals
 from nasdiag.hessian.rules import HessianRule
 from nasdiag.hessian.rules.base import check_rules
@@ -132,8 +132,8 @@ def arch_diag_hessian(
     check_max_memory(max_memory, "arch_diag_hessian")
     if samples is not None and (not isinstance(samples, numbers.Integral) or isinstance(samples, bool) or samples < 1):
         raise CurvatureError(f"samples must be an int >= 1 (Monte-Carlo draws of ggn_mc), got {samples!r}")
-    if seed is not None and (not isinstance(seed, numbers.Integral) or isinstance(seed, bool)):
-        raise CurvatureTypeError(f"seed must be an int (it seeds the probes of ggn_mc and hutchinson:<k>), got {seed!r}")
+    if seed is not None:
+        check_seed(seed, "the probes of ggn_mc and hutchinson:<k>")
     _refuse_idle_options(mode, samples=samples, seed=seed, max_memory=max_memory)
     samples = 1 if samples is None else samples
     seed = 0 if seed is None else seed

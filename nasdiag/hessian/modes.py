@@ -11,6 +11,7 @@ decides the cost (k products) and the noise (∝ 1/√k), so the caller states i
 
 from __future__ import annotations
 
+import numbers
 import re
 from typing import Optional, Tuple
 
@@ -18,7 +19,7 @@ from nasdiag.errors import NasdiagError
 
 __all__ = [
     "WEIGHT_MODES", "ARCH_MODES", "COUNTED_MODES", "GRAPHABLE_MODES", "CurvatureError", "CurvatureTypeError",
-    "CurvatureRuntimeError", "ModeNames", "check_mode", "split_mode",
+    "CurvatureRuntimeError", "ModeNames", "check_mode", "check_seed", "split_mode",
 ]
 
 #: modes whose name carries a count, ``"<name>:<count>"``, and what the count is
@@ -109,6 +110,18 @@ def check_mode(mode, modes=ARCH_MODES, what: str = "mode") -> str:
         if meant is not None:
             raise CurvatureError(f"unknown curvature {what} {mode!r}; did you mean {meant!r}? (modes: {', '.join(modes)})")
     raise CurvatureError(f"unknown curvature {what} {mode!r}; choose one of {', '.join(modes)}")
+
+
+def check_seed(seed, seeds: str) -> int:
+    """``seed`` as an int, else one line: a float (1.5 was truncated to 1), bool or other type is a
+    :class:`CurvatureTypeError`; an int outside what torch's generator takes (``-2**63 .. 2**64 - 1``; beyond, its
+    ``manual_seed`` raised a bare "Overflow when unpacking long long") a :class:`CurvatureError`."""
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
+        raise CurvatureTypeError(f"seed must be an int (it seeds {seeds}), got {seed!r}")
+    if not -2**63 <= int(seed) <= 2**64 - 1:
+        raise CurvatureError(f"seed must be an int from -2**63 to 2**64 - 1 (torch's generator takes no other; it seeds "
+                             f"{seeds}), got {seed!r}")
+    return int(seed)
 
 
 def _canonical_count(mode: str) -> Optional[str]:

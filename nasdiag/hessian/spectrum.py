@@ -37,7 +37,7 @@ from nasdiag.hessian._hvp import (
     preserved_buffers,
     scalar_loss,
 )
-from nasdiag.hessian.modes import CurvatureError, CurvatureTypeError
+from nasdiag.hessian.modes import CurvatureError, CurvatureTypeError, check_seed
 from nasdiag.hessian.weights import _refuse_empty_batch
 
 __all__ = [
@@ -193,10 +193,8 @@ def _checked_tol(tol) -> None:
 
 
 def _checked_seed(seed, seeds: str) -> int:
-    """``seed`` as an int; a float (1.5 was truncated to 1), bool or other type is refused as ``arch_diag_hessian`` does."""
-    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
-        raise CurvatureTypeError(f"seed must be an int (it seeds {seeds}), got {seed!r}")
-    return int(seed)
+    """``seed`` as an int, refused in one line as ``arch_diag_hessian`` does (:func:`~nasdiag.hessian.modes.check_seed`)."""
+    return check_seed(seed, seeds)
 
 
 def _apply(hvp: HVP, v: torch.Tensor, dtype, device) -> torch.Tensor:
