@@ -601,19 +601,19 @@ class Probe:
 
     def _flag_nan(self, r: _StepResult) -> None:
         if r.matrix is not None:  # one synchronisation for all edges
-            nan = torch.isnan(r.matrix)
+            nan = ~torch.isfinite(r.matrix)  # an inf cost (∂L/∂Z past the dtype's range) is flagged as a NaN one
             if any(r.not_run):  # an op that did not run is NaN by design (flagged at the end of the block)
                 nan = nan.cpu()
                 for p, ks in enumerate(r.not_run):
                     nan[p, list(ks)] = False
             has_nan = nan.any(1).tolist()
         else:
-            has_nan = [bool(torch.isnan(c).index_fill(0, torch.tensor(ks, dtype=torch.long, device=c.device), 0).any())
-                       if ks else bool(torch.isnan(c).any()) for c, ks in zip(r.costs, r.not_run)]
+            has_nan = [bool((~torch.isfinite(c)).index_fill(0, torch.tensor(ks, dtype=torch.long, device=c.device), 0).any())
+                       if ks else not bool(torch.isfinite(c).all()) for c, ks in zip(r.costs, r.not_run)]
         bad = [e.name for p, e in enumerate(self._edges) if r.available[p] and has_nan[p]]
         if bad:
-            warnings.warn(f"probe: NaN cost at edge(s) {_short_list(bad)} (e.g. a NaN loss); it is recorded as NaN "
-                          "in the statistics too", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"probe: NaN cost at edge(s) {_short_list(bad)} (e.g. a NaN loss; or an inf one: ∂L/∂Z past the "
+                          "range of its dtype); it is recorded as it is in the statistics too", RuntimeWarning, stacklevel=3)
 
     def cell_type_costs(self) -> Dict[str, torch.Tensor]:
         """Costs of the last step summed over the cells of each group, ``{group: (E, K)}``: for α shared by
@@ -987,13 +987,13 @@ class Probe:
         out, nan_groups = {}, []
         for g in self._groups:
             m = self._moments.get(g.name) or CostMoments((g.n_edges, g.n_ops))
-            if bool(torch.isnan(m.mean).any()):
+            if not bool(torch.isfinite(m.mean).all()):  # an inf cost: the mean ±inf, the variance NaN; flagged as a NaN
                 nan_groups.append(g.name)
             out[f"cost/{g.name}/mean"] = torch.where(m.count > 0, m.mean, torch.full_like(m.mean, math.nan)).cpu().numpy()
             out[f"cost/{g.name}/var"] = m.var.cpu().numpy()
             out[f"cost/{g.name}/count"] = m.count.cpu().numpy().astype(np.int64)
         if nan_groups:
-            warnings.warn(f"probe: the cost statistics of {_short_list(nan_groups)} hold NaN (a NaN cost was observed)",
+            warnings.warn(f"probe: the cost statistics of {_short_list(nan_groups)} hold NaN/inf (a NaN or inf cost was observed)",
                           RuntimeWarning, stacklevel=2)
         return out
 
