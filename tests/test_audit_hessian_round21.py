@@ -139,3 +139,39 @@ def test_a_seed_beyond_torchs_generator_range_is_one_line():
         call(2**64 - 1)
         call(-1)
     assert all(p.grad is None for p in net.parameters())
+
+
+def _dense_hessian(f, theta):
+    """Reverse-over-reverse autograd: one row per gradient entry (right through train-mode BatchNorm)."""
+    theta = theta.detach().clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(f(theta), theta, create_graph=True)
+    return torch.stack([torch.autograd.grad(g[i], theta, retain_graph=True)[0] for i in range(theta.numel())])
+
+
+def test_backend_func_on_a_model_torch_func_cannot_trace_is_one_line_and_autograd_is_exact():
+    from nasdiag.hessian import CurvatureRuntimeError, exact_arch_diag_hessian
+
+    net, x, y = _supernet()
+    net.cells[0][0].ops[0].append(nn.Dropout(0.3))  # train-mode dropout: vmap refuses random ops by default
+    edges = net.edges()
+    stats = {n: b.clone() for n, b in net.named_buffers()}
+    with pytest.raises(CurvatureRuntimeError, match=r"backend='func' cannot trace this model.*use backend='autograd'") as info:
+        exact_arch_diag_hessian(net, F.cross_entropy, x, y, edges, backend="func")
+    assert "\n" not in str(info.value)
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in net.modules())  # nothing left behind
+    assert all(torch.equal(b, stats[n]) for n, b in net.named_buffers())
+    assert all(p.grad is None for p in net.parameters())
+
+    # the advice holds: the dense Z-diagonal of the net with the mask the caller's seed draws
+    z0 = F.softmax(net.alpha, -1).detach().repeat(2, 1, 1).reshape(-1)
+
+    def loss_of_z(z):
+        torch.manual_seed(7)
+        Z = z.view(2, 2, 3)
+        return F.cross_entropy(net(x, [Z[0], Z[1]]), y)
+
+    dense = _dense_hessian(loss_of_z, z0).diagonal()
+    torch.manual_seed(7)
+    got = exact_arch_diag_hessian(net, F.cross_entropy, x, y, edges, backend="autograd")
+    got = torch.cat([got[n] for n in edges])
+    assert torch.allclose(got, dense, rtol=1e-10, atol=1e-12 * float(dense.abs().max()))

@@ -383,7 +383,20 @@ def _functional_products(model, loss_fn, inputs, targets, shift: _WeightShift, l
             shift.mode, shift.flat = "leaves", None
 
     if backend == "func":
-        return products
+        def traced(V):  # a model torch.func cannot trace: one line pointing to the backends that can (torch's own
+            try:  # error, e.g. vmap's "use the 'same' or 'different' randomness flags" for a dropout, gave no way out)
+                return products(V)
+            except CurvatureRuntimeError:
+                raise
+            except (RuntimeError, NotImplementedError) as err:
+                if _out_of_memory(err):  # halved by the caller
+                    raise
+                raise CurvatureRuntimeError(
+                    f"backend='func' cannot trace this model with torch.func ({type(err).__name__}: "
+                    f"{' '.join(str(err).split())[:200]}); use backend='autograd' (second backwards through one retained "
+                    "graph, any double-differentiable model) or backend='auto', which falls back to it"
+                ) from err
+        return traced
     try:  # probe traceability once on a single column; the real work happens in _edge_blocks
         products(torch.eye(1, N, dtype=like.dtype, device=like.device))
     except (RuntimeError, NotImplementedError) as err:
