@@ -387,8 +387,13 @@ def _check_resume_leaves_files(path) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trials", type=int, default=200)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # script_args, also when imported by the tests
+    from script_args import Parser, UsageError, at_least
+
+    # one line, exit 2: --trials -1 reported "-1/-1 SIGKILL trials intact", exit 0, and --dir naming a file was
+    # os.makedirs' FileExistsError traceback (--trials 0 stays: the folder made, no trial)
+    parser = Parser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=at_least(0), default=200)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
     parser.add_argument("--signal", default="SIGKILL", choices=["SIGKILL", "SIGTERM"])
@@ -396,7 +401,11 @@ def main(argv=None) -> int:
                         help="tear trials instead: a writer killed inside a write, after its first page "
                              "(needs a C compiler; see scripts/tear_writes.c)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as exc:
+        print(f"record_kill_trials: error: {exc}", file=sys.stderr)
+        return 2
     if args.child is not None:
         child_main(json.loads(args.child))
         return 0

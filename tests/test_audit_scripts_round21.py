@@ -9,6 +9,10 @@ Defects found (each test fails without its fix):
   defaults), their records and checkpoints left in the folder; a nasdiag search record of another method so named was
   replaced by ``force`` without a word. Every record path is checked before the first search
   (test_asmnas_stability_refuses_a_file_in_the_way_of_a_later_record_before_any_search).
+* record_kill_trials.py (documented in docs/schema.md) kept plain argparse: ``--trials -1`` printed "-1/-1 SIGKILL
+  trials intact" and exited 0, ``--dir`` naming a file (or empty) was os.makedirs' traceback; script_args' Parser
+  (``--trials 0`` still makes the folder and runs no trial, as round 7 pins)
+  (test_record_kill_trials_refuses_a_negative_count_or_a_file_as_its_folder_in_one_line).
 """
 
 from __future__ import annotations
@@ -52,4 +56,21 @@ def test_asmnas_stability_refuses_a_file_in_the_way_of_a_later_record_before_any
     code, out, err = _run("asmnas_stability", ["--out", str(tmp_path), "--seeds", "1", "--epochs", "1", "--threads", "1"],
                           capsys)
     assert code == 2 and len(err) == 1 and "darts_seed0.h5" in err[0], err
+    assert _tree(tmp_path) == before
+
+
+# -- record_kill_trials ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("option", ["--trials -1", "--dir FILE", "--dir ''"])
+def test_record_kill_trials_refuses_a_negative_count_or_a_file_as_its_folder_in_one_line(tmp_path, capsys, option):
+    """--trials -1 printed '-1/-1 SIGKILL trials intact' and exited 0; --dir naming a file (or empty) was os.makedirs'
+    traceback: one line, exit 2, the file as it was."""
+    from record_kill_trials import main
+
+    (tmp_path / "notes.txt").write_text("mine\n")
+    name, value = option.split(" ")
+    value = {"FILE": str(tmp_path / "notes.txt"), "''": ""}.get(value, value)
+    before = _tree(tmp_path)
+    code = main([name, value])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and name in err, err
     assert _tree(tmp_path) == before
