@@ -175,3 +175,23 @@ def test_backend_func_on_a_model_torch_func_cannot_trace_is_one_line_and_autogra
     got = exact_arch_diag_hessian(net, F.cross_entropy, x, y, edges, backend="autograd")
     got = torch.cat([got[n] for n in edges])
     assert torch.allclose(got, dense, rtol=1e-10, atol=1e-12 * float(dense.abs().max()))
+
+
+def test_hutchinson_refusing_a_non_convex_loss_names_hutchinson_not_the_ggn_modes():
+    net, x, y = _supernet()
+    edges = net.edges()
+
+    def concave(outputs, targets):  # negative curvature in the outputs: the GGN control variate has no factor
+        return -F.cross_entropy(outputs, targets)
+
+    with pytest.raises(CurvatureError) as info:
+        arch_diag_hessian(net, concave, x, y, edges, mode="hutchinson:2")
+    message = str(info.value)
+    assert "\n" not in message and "mode='hutchinson:2'" in message and "control variate" in message, message
+    assert "mode 'ggn'/'ggn_mc'" not in message, message  # before: the GGN modes' line, which the caller did not ask for
+    assert "mode='exact'" in message
+    # the advice holds: exact is the dense diagonal of that loss in the per-edge Z
+    z0 = F.softmax(net.alpha, -1).detach().repeat(2, 1, 1).reshape(-1)
+    dense = _dense_hessian(lambda z: concave(net(x, [z.view(2, 2, 3)[0], z.view(2, 2, 3)[1]]), y), z0).diagonal()
+    got = arch_diag_hessian(net, concave, x, y, edges, mode="exact")
+    assert torch.allclose(torch.cat([got[n] for n in edges]), dense, rtol=1e-10, atol=1e-14)

@@ -213,6 +213,7 @@ def ggn_factor_rows(
     check_weights: Optional[Callable] = None,
     warn_unused: bool = True,
     refuse_beyond_outputs: bool = False,
+    what: Optional[str] = None,
 ):
     """The factor of the (Monte-Carlo) GGN: ``({edge: (R, B, K)}, {edge: (K,) ∂L/∂Z}, {edge: observed weights})``.
 
@@ -221,7 +222,7 @@ def ggn_factor_rows(
     ``C = Σ_{r,n} row_{r,n} row_{r,n}ᵀ`` (N × N, cross-edge blocks included) has ``diag C`` = the
     ``ggn``/``ggn_mc`` result and ``C ε = Rᵀ(R ε)`` costs two small matrix products: the control
     variate of :mod:`nasdiag.hessian.arch_hutchinson`. Rows are NaN where the loss curvature was not finite,
-    zeros for an edge the loss does not depend on.
+    zeros for an edge the loss does not depend on. ``what`` names the caller's mode in a refusal (default: the GGN modes).
     """
     shift = _PerSampleShift(names, n_ops)
     hooks = Hooks()
@@ -272,9 +273,10 @@ def ggn_factor_rows(
             # of a batch-mean loss even when every block is tiny (near one-hot predictions): floor the scale at 1/N
             scale = torch.maximum(lam.abs().amax(), lam.new_tensor(1.0 / lam.shape[0]))
             if bool((lam < -1e3 * round_off * scale).any()):
+                asked = what or "mode 'ggn'/'ggn_mc'"
                 raise CurvatureError(
-                    "mode 'ggn'/'ggn_mc' needs a loss with non-negative curvature in the model outputs (a convex "
-                    "per-sample loss such as cross-entropy or MSE); use mode='exact' or 'diag'"
+                    f"{asked} needs a loss with non-negative curvature in the model outputs (a "
+                    "convex per-sample loss such as cross-entropy or MSE); use mode='exact' or 'diag'"
                 )
             # eigenvector signs made canonical (largest-magnitude entry positive), so that the number does not depend
             # on the eigensolver's convention (device, LAPACK build): in ggn_mc each draw ε_nc multiplies u_nc, and

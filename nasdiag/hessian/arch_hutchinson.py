@@ -102,6 +102,8 @@ def hutchinson_arch_diag(
         rows, _, _ = ggn_factor_rows(
             model, loss_fn, inputs, targets, names, modules, n_ops, monte_carlo=control == "ggn_mc", generator=generator,
             warn_unused=False,  # the products above said it
+            # a refusal names the mode asked for (a non-convex loss was 'mode ggn/ggn_mc needs ...' of hutchinson:<k>)
+            what=f"mode='hutchinson:{probes}' (its control variate, the ggn matrix,)",
         )
         R = torch.cat([rows[n].flatten(0, 1) for n in names], dim=1)  # (R·B, N): C = Rᵀ R over all edges
         set_random_state(drawn)
