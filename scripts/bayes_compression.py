@@ -167,20 +167,32 @@ def plot(path: Path, out: Path) -> None:
 def main(argv=None) -> int:
     p = Parser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="folder for compression.h5 and compression.png")
-    p.add_argument("--iterations", type=at_least(1), default=6)
-    p.add_argument("--epochs-per-iteration", type=at_least(1), default=3)
-    p.add_argument("--lam", type=number(), default=1e-4)
-    p.add_argument("--lr", type=number(), default=0.05)
-    p.add_argument("--batch-size", type=at_least(1), default=64)
-    p.add_argument("--hessian-batch", type=at_least(1), default=256)
-    p.add_argument("--prune-ratio", type=number(0, 1), default=1e-3)
-    p.add_argument("--seed", type=seed_number(), default=0)
-    p.add_argument("--threads", type=thread_count(), default=1)
+    p.add_argument("--iterations", type=at_least(1), default=6, help="T_max, iterations t of Algorithm 3 (default: 6)")
+    p.add_argument("--epochs-per-iteration", type=at_least(1), default=3,
+                   help="training epochs of step 1 in each iteration (default: 3)")
+    p.add_argument("--lam", type=number(), default=1e-4, help="λ of the reweighted group lasso, every layer (default: 1e-4)")
+    p.add_argument("--lr", type=number(), default=0.05, help="SGD learning rate, momentum 0.9 (default: 0.05)")
+    p.add_argument("--batch-size", type=at_least(1), default=64, help="training batch (default: 64)")
+    p.add_argument("--hessian-batch", type=at_least(1), default=256,
+                   help="images of the one batch of step 2's diagonal Hessian (default: 256)")
+    p.add_argument("--prune-ratio", type=number(0, 1), default=1e-3,
+                   help="step 4 prunes a group whose γ is at most this times its layer's largest (default: 1e-3)")
+    p.add_argument("--seed", type=seed_number(), default=0, help="seed of the data split, the net and the batches")
+    p.add_argument("--threads", type=thread_count(), default=1, help="torch threads (default: 1)")
     try:
         args = p.parse_args(argv)
     except UsageError as exc:  # main() returns 2 for a bad argument, as it did for --lam 0
         print(f"bayes_compression: error: {exc}", file=sys.stderr)
         return 2
+    from nasdiag.data import load_dataset
+
+    splits = load_dataset("digits", seed=args.seed)
+    images = len(splits.train) + len(splits.val)  # what compress() trains on and draws the Hessian batch from
+    for option, value in (("--batch-size", args.batch_size), ("--hessian-batch", args.hessian_batch)):
+        if value > images:  # it was silently the whole set: --hessian-batch 5000 and 1438 took the same batch
+            print(f"bayes_compression: error: {option} {value} is more than the {images} images of digits' search-train "
+                  f"and search-val splits the net is trained on; give {option} {images} or less", file=sys.stderr)
+            return 2
     out = Path(args.out)
     record, figure = out / "compression.h5", out / "compression.png"
     # a file of either name the script did not write (a search's record, the user's figure) was replaced without a word

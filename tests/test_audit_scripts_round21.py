@@ -13,6 +13,9 @@ Defects found (each test fails without its fix):
   trials intact" and exited 0, ``--dir`` naming a file (or empty) was os.makedirs' traceback; script_args' Parser
   (``--trials 0`` still makes the folder and runs no trial, as round 7 pins)
   (test_record_kill_trials_refuses_a_negative_count_or_a_file_as_its_folder_in_one_line).
+* bayes_compression.py took a --hessian-batch or --batch-size past the 1438 images it trains on as all of them, exit
+  0 (--hessian-batch 5000 drew the batch of 1438): one line before any folder; its --help now says what each
+  option is (test_bayes_compression_batch_past_the_images_it_trains_on_is_one_line_not_a_silent_cap).
 """
 
 from __future__ import annotations
@@ -74,3 +77,22 @@ def test_record_kill_trials_refuses_a_negative_count_or_a_file_as_its_folder_in_
     out, err = capsys.readouterr()
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and name in err, err
     assert _tree(tmp_path) == before
+
+
+# -- bayes_compression ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("option", ["--hessian-batch", "--batch-size"])
+def test_bayes_compression_batch_past_the_images_it_trains_on_is_one_line_not_a_silent_cap(tmp_path, capsys, option):
+    """The net trains on digits' search-train and search-val splits, fewer than sklearn's 1797 digits (a fifth is held
+    out to test); a batch past them was silently all of them (--hessian-batch 5000 and 1438 drew the same Hessian
+    batch, exit 0): one line naming the option and the images there are, exit 2, no folder."""
+    import re
+
+    from sklearn.datasets import load_digits
+
+    digits = len(load_digits().target)
+    out = tmp_path / "bc"
+    code, stdout, err = _run("bayes_compression", ["--out", str(out), option, str(digits + 1)], capsys)
+    assert code == 2 and len(err) == 1 and f"{option} {digits + 1}" in err[0], err
+    named = [int(n) for n in re.findall(r"\b(\d+) images", err[0])]
+    assert named and 0.75 * digits <= named[0] < digits, err
+    assert not out.exists()
