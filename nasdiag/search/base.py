@@ -196,8 +196,11 @@ def check_statistics(network, stats, name: str = "") -> None:
 
 
 def accuracy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Fraction of correct top-1 predictions, a 0-dim tensor (stays on the device)."""
-    return (logits.argmax(dim=1) == targets).to(logits.dtype).mean()
+    """Fraction of correct top-1 predictions, a 0-dim tensor (stays on the device). NaN where a sample's logits hold a
+    NaN: such a sample has no prediction (argmax takes the first NaN for the largest, so the logits of a diverged
+    network read as the batch's share of class 0). A −inf logit (a masked class) is a prediction of it never."""
+    correct = (logits.argmax(dim=1) == targets).to(logits.dtype).mean()
+    return torch.where(torch.isnan(logits).any(), torch.full_like(correct, math.nan), correct)
 
 
 @dataclass(frozen=True)
@@ -244,7 +247,8 @@ class CostStep:
         loss: 0-dim mean loss of the batch (detached).
         logits: (B, classes), detached.
         per_cell: one (E, K) tensor per cell, C = ∂L/∂Z of that cell's mixing weights (mean-reduced loss;
-            (E, B, K) per sample when the weights were given per sample). Averaged over DDP ranks.
+            (E, B, K) per sample when the weights were given per sample). Under DDP those of the global mean loss: the
+            rank mean of the (E, K) ones, an (E, B, K) one this rank's samples' C / R (equal rank batches).
         costs: ``{cell type: (E, K)}``, the per-cell costs summed over the cells of the type: the
             cost of the shared weights (wiring supplement §2.1 sums the chain rule over every use).
     """
@@ -545,7 +549,9 @@ class SearchMethod:
 
         Returns:
             :class:`CostStep`. Under DDP the costs are averaged over ranks (the cost of the global mean
-            loss), so every rank applies the same architecture update. Under train-mode BatchNorm each rank
+            loss), so every rank applies the same architecture update; costs of per-sample (E, B, K) weights are of this
+            rank's samples, ∂L_r/∂Z / R (the global mean loss's, equal rank batches): a method maps them to its α
+            gradient and averages that over the ranks itself. Under train-mode BatchNorm each rank
             normalises with its own batch's statistics: the rank mean of costs of batches normalised apart, not
             the cost of the concatenated batch (`nasdiag.distributed`, batch convention).
         """
@@ -564,7 +570,7 @@ class SearchMethod:
         grads = [torch.zeros_like(z) if g is None else g for z, g in zip(leaves, grads)]
         if observe:
             self._observe_costs(grads, active)
-        grads = mean_over_ranks(grads)
+        grads = _global_mean_costs(grads)
         costs: CellWeights = {}
         for cell, g in zip(self.network.cells, grads):
             costs[cell.cell_type] = costs[cell.cell_type] + g if cell.cell_type in costs else g
@@ -791,6 +797,7 @@ class SearchMethod:
         net = self.network
         p = next(net.parameters())
         total, loss_sum, correct = 0, torch.zeros((), dtype=torch.float64, device=p.device), torch.zeros((), dtype=torch.float64, device=p.device)
+        unpredicted = torch.zeros((), dtype=torch.bool, device=p.device)
         weights = self.eval_weights()
         if not (isinstance(weights, Mapping) and any(isinstance(w, torch.Tensor) and w.dim() == 3 for w in weights.values())):
             self.architecture_of(weights, "eval_weights()" if type(self).eval_weights is not SearchMethod.eval_weights
@@ -804,10 +811,11 @@ class SearchMethod:
                 logits = net(x, weights, **kwargs)
                 loss_sum += nn.functional.cross_entropy(logits, y, reduction="sum").double()
                 correct += (logits.argmax(1) == y).sum()
+                unpredicted |= torch.isnan(logits).any()  # no prediction: the accuracy is NaN (as `accuracy`'s)
                 total += len(y)
         if total == 0:
             raise SearchError("evaluate() got an empty loader")
-        return {"loss": float(loss_sum) / total, "acc": float(correct) / total}
+        return {"loss": float(loss_sum) / total, "acc": math.nan if bool(unpredicted) else float(correct) / total}
 
     # -- DDP ----------------------------------------------------------------------------------------
     def distribute(self, device_ids=None) -> None:
@@ -975,6 +983,20 @@ def _on_devices_of(current: Any, loaded: Any) -> Any:
     if type(loaded) in (list, tuple) and isinstance(current, (list, tuple)) and len(loaded) == len(current):
         return type(loaded)(_on_devices_of(c, v) for c, v in zip(current, loaded))
     return loaded
+
+
+def _global_mean_costs(grads: List[torch.Tensor]) -> List[torch.Tensor]:
+    """The costs of the global mean loss (R ranks of equal batches: L = (1/R) Σ_r L_r) from this rank's ∂L_r/∂Z: an
+    (E, K) cost shared by the batch is the rank mean; an (E, B, K) per-sample cost is of this rank's samples, C_r / R
+    (averaged over ranks, sample b of one rank was mixed with sample b of another, and unequal batches met in one
+    all-reduce of different sizes)."""
+    from nasdiag.distributed import world_size
+
+    shared = [i for i, g in enumerate(grads) if g.dim() != 3]
+    out = [g / world_size() if g.dim() == 3 else g for g in grads]
+    for i, g in zip(shared, mean_over_ranks([grads[i] for i in shared]) if shared else []):
+        out[i] = g
+    return out
 
 
 def mean_over_ranks(tensors: List[torch.Tensor]) -> List[torch.Tensor]:

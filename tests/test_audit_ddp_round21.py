@@ -1,0 +1,142 @@
+"""Audit round 21 of data parallelism: 2 gloo ranks on CPU (one launch, ``ranks``), float64, against references built
+here (autograd on the concatenated batch with the mixing weights Z as explicit leaves; one process on the
+concatenated batches).
+
+Found, in ``SearchMethod.cost`` (nasdiag/search/base.py, the methods' DDP part): given per-sample mixing weights
+(E, B, K), which its contract takes, the per-sample costs were averaged over the ranks like the (E, K) ones, so sample
+b of rank 0 was mixed with sample b of rank 1 (a silently wrong cost, neither sample's), and ranks of unequal batches
+met in one all-reduce of different sizes. They are now this rank's samples' costs of the global mean loss, ∂L_r/∂Z / R,
+the concatenated batch's rows, as its docstring says of the costs (the (E, K) ones are still the rank mean).
+
+Checked and found right: second-order DARTS (``darts2``, the unrolled hypergradient of nasdiag/search/unrolled.py) on 2
+ranks of B samples equals one process on the concatenated 2B samples to 1e-12 over 3 steps: weights, α, the
+hypergradient's norm and its implicit term, ε, and the rank mean of the losses (no earlier round ran it under DDP).
+"""
+
+from __future__ import annotations
+
+import os
+import textwrap
+
+import pytest
+import torch
+
+from conftest import free_port, launch_ranks
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+
+B = 3  # per rank
+STEPS = 3
+
+
+def build(name: str, **hp):
+    from nasdiag.search import Schedule, get_method
+    from nasdiag.supernet import Network
+
+    cls = get_method(name)
+    torch.manual_seed(0)
+    net = Network(4, 5, 3, steps=2, multiplier=2, in_channels=1, norm="layer", affine=True).double()
+    return cls(net, cls.Hyperparameters(**hp), schedule=Schedule(epochs=2, steps_per_epoch=STEPS, batch_size=B), seed=0)
+
+
+def data():
+    g = torch.Generator().manual_seed(1)
+    batch = lambda: (torch.randn(2 * B, 1, 8, 8, generator=g, dtype=torch.float64),  # noqa: E731
+                     torch.randint(0, 5, (2 * B,), generator=g))
+    return [(batch(), batch()) for _ in range(STEPS)]
+
+
+def darts2_steps(method, part=slice(None)):
+    stats = []
+    for (xt, yt), (xv, yv) in data():
+        out = method.step((xt[part], yt[part]), (xv[part], yv[part]))
+        stats.append({k: v.detach().clone() for k, v in out.items()})
+    return {n: p.detach().clone() for n, p in method.network.named_parameters()}, stats
+
+
+def per_sample_weights(net, batch):
+    """(E, batch, K) mixing weights of every cell type, a softmax of fixed random logits per sample."""
+    g = torch.Generator().manual_seed(3)
+    return {t: torch.softmax(torch.randn(a.shape[0], batch, a.shape[1], generator=g, dtype=torch.float64), -1)
+            for t, a in net.alphas().items()}
+
+
+WORKER = textwrap.dedent(
+    """
+    import datetime, sys
+    import torch, torch.distributed as dist
+    sys.path.insert(0, sys.argv[3])
+    from test_audit_ddp_round21 import B, build, darts2_steps, data, per_sample_weights
+
+    rank, init, out = int(sys.argv[1]), sys.argv[2], sys.argv[4]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    part = slice(rank * B, (rank + 1) * B)
+    results = {}
+    method = build("darts2")
+    method.distribute()
+    results["darts2"] = darts2_steps(method, part)
+    dist.barrier()
+    method = build("darts")
+    (x, y), _ = data()[0]
+    weights = {t: w[:, part] for t, w in per_sample_weights(method.network, 2 * B).items()}
+    try:
+        step = method.cost(x[part], y[part], weights)
+        results["per_sample"] = {t: c.detach().clone() for t, c in step.costs.items()}
+    except Exception as exc:
+        results["per_sample"] = f"{type(exc).__name__}: {exc}"
+    torch.save(results, f"{out}.{rank}")
+    dist.barrier()
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """What each rank of one 2-rank launch saved (the worker above)."""
+    tmp = tmp_path_factory.mktemp("ddp21")
+    (tmp / "worker.py").write_text(WORKER)
+    here, init = os.path.dirname(os.path.abspath(__file__)), f"tcp://127.0.0.1:{free_port()}"
+    launch_ranks(tmp / "worker.py", lambda r: [r, init, here, tmp / "out.pt"], timeout=300)
+    return [torch.load(tmp / f"out.pt.{r}", weights_only=False) for r in (0, 1)]
+
+
+def _close(a, b, what):
+    torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, equal_nan=True, msg=what)
+
+
+def test_second_order_darts_on_two_ranks_equals_one_process_on_the_concatenated_batches(ranks):
+    single = build("darts2")
+    params, stats = darts2_steps(single)
+    for rank in (0, 1):
+        r_params, r_stats = ranks[rank]["darts2"]
+        for n, p in params.items():
+            _close(r_params[n], p, f"rank {rank}: parameter {n}")
+        for step, (want, got) in enumerate(zip(stats, r_stats)):
+            for k in ("arch/normal/params", "arch/reduce/params", "scalars/alpha_grad_norm", "scalars/implicit_grad_norm",
+                      "scalars/fd_eps", "scalars/w_lr"):
+                _close(got[k], want[k], f"rank {rank} step {step}: {k}")
+    for step, want in enumerate(stats):
+        for k in ("scalars/val_loss", "scalars/unrolled_train_loss", "scalars/train_loss"):
+            _close((ranks[0]["darts2"][1][step][k] + ranks[1]["darts2"][1][step][k]) / 2, want[k], f"step {step}: {k}")
+    start = dict(build("darts2").network.named_parameters())
+    moved = [n for n, p in params.items() if not torch.equal(p, start[n])]
+    assert any("alpha" in n for n in moved) and any("alpha" not in n for n in moved), moved  # not vacuous
+
+def test_per_sample_mixing_weights_cost_is_the_global_mean_loss_cost_of_this_ranks_samples(ranks):
+    method = build("darts")
+    net = method.network
+    (x, y), _ = data()[0]
+    weights = per_sample_weights(net, 2 * B)
+    leaves = [weights[c.cell_type].clone().requires_grad_(True) for c in net.cells]
+    loss = torch.nn.functional.cross_entropy(net(x, leaves), y)
+    grads = torch.autograd.grad(loss, leaves)
+    want = {}
+    for cell, g in zip(net.cells, grads):
+        want[cell.cell_type] = want[cell.cell_type] + g if cell.cell_type in want else g
+    for rank in (0, 1):
+        got = ranks[rank]["per_sample"]
+        assert isinstance(got, dict), got
+        for t, c in want.items():
+            _close(got[t], c[:, rank * B:(rank + 1) * B], f"rank {rank}: per-sample cost of {t}")
