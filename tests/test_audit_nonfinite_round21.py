@@ -4,6 +4,13 @@ Defect found: the probe flagged only NaN costs. An inf cost (∂L/∂Z past the 
 was returned by ``costs()`` with no warning, and ``statistics()`` then held a mean of inf and a variance of NaN without
 its 'hold NaN' warning; both warnings now cover ±inf
 (``test_an_inf_cost_of_a_finite_loss_is_flagged_by_the_probe_as_a_nan_one``).
+
+Defect found: every accuracy of the search (``scalars/train_acc``, ``val_acc``, ``search_val_acc``, each method's
+``accuracy`` and both ``evaluate``) took ``argmax`` of the logits, which picks the first NaN as the largest: a diverged
+network whose logits are all NaN read as the batch's share of class 0 (0.08-0.12 on digits, recorded beside NaN
+losses, a flat plausible accuracy curve). A sample whose logits hold a NaN has no prediction: the accuracy is NaN; a
+−inf logit (a masked class) still predicts as before
+(``test_the_accuracy_of_nan_logits_is_nan_not_the_share_of_class_0``).
 """
 
 import math
@@ -81,3 +88,44 @@ def test_a_finite_cost_gives_no_nonfinite_warning():
             (net(torch.ones(3, 4)) * 1e10).sum().backward()
         assert torch.isfinite(probe.costs()["e"]).all()
         probe.statistics()
+
+
+# -- accuracies of NaN logits ----------------------------------------------------------------------------------------
+def _own_accuracy(logits, targets):
+    """Own reference: the fraction of samples whose target logit exceeds every other logit; None (no accuracy) where a
+    sample's logits hold a NaN."""
+    rows = logits.tolist()
+    if any(math.isnan(v) for row in rows for v in row):
+        return None
+    hits = [all(row[t] > v for k, v in enumerate(row) if k != t) for row, t in zip(rows, targets.tolist())]
+    return sum(hits) / len(hits)
+
+
+def test_the_accuracy_of_nan_logits_is_nan_not_the_share_of_class_0():
+    """torch.argmax takes a NaN for the largest value, so logits of a diverged network (all NaN) 'predicted' class 0
+    and the accuracy was the share of class 0 among the targets (here 2 of 4); one NaN logit in one sample made that
+    sample predict its class. Both are NaN; −inf logits (masked classes, loss finite) predict as they should."""
+    from nasdiag.search import Schedule, get_method
+    from nasdiag.search.base import accuracy
+    from nasdiag.supernet import Network
+
+    targets = torch.tensor([0, 0, 1, 2])
+    nan = torch.full((4, 3), math.nan, dtype=torch.float64)
+    assert _own_accuracy(nan, targets) is None and torch.isnan(accuracy(nan, targets))
+    one = torch.tensor([[0.0, 1, 2], [5, 1, 2], [0, math.nan, 2], [0, 1, 3]], dtype=torch.float64)
+    assert _own_accuracy(one, targets) is None and torch.isnan(accuracy(one, targets))
+    masked = torch.tensor([[0.0, -math.inf, -math.inf], [5, 1, -math.inf], [-math.inf, 1, 2], [0, -math.inf, 3]],
+                          dtype=torch.float64)
+    assert math.isfinite(float(torch.nn.functional.cross_entropy(masked, targets)))
+    assert float(accuracy(masked, targets)) == _own_accuracy(masked, targets) == 0.75
+
+    for method in ("darts", "asmnas"):  # SearchMethod.evaluate and ASM-NAS's own selection pass
+        torch.manual_seed(0)
+        net = Network(4, 3, 3, steps=2, multiplier=2, in_channels=1).double()
+        cls = get_method(method)
+        m = cls(net, cls.Hyperparameters(), schedule=Schedule(epochs=1, steps_per_epoch=1, batch_size=4))
+        x = torch.randn(4, 1, 8, 8, dtype=torch.float64)
+        with torch.no_grad():
+            net.classifier.weight.fill_(math.nan)  # a diverged classifier: every logit NaN
+        evaluation = m.evaluate([(x, targets)])
+        assert math.isnan(evaluation["loss"]) and math.isnan(evaluation["acc"]), (method, evaluation)

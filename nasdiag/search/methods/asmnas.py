@@ -37,6 +37,7 @@ sample), comes out of the same backward as ∂L/∂(w, Θ) and feeds the streami
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Dict, List, Optional
@@ -201,6 +202,7 @@ class ASMNAS(SearchMethod):
         counts = {t: torch.zeros(net.num_edges, K, dtype=torch.int64, device=p.device) for t in net.cell_types}
         loss_sum = torch.zeros((), dtype=torch.float64, device=p.device)
         correct = torch.zeros((), dtype=torch.int64, device=p.device)
+        unpredicted = torch.zeros((), dtype=torch.bool, device=p.device)
         total = 0
         with collect_attention(net) as store, buffers_kept(net):
             for x, y in loader:
@@ -209,6 +211,7 @@ class ASMNAS(SearchMethod):
                 logits = net(x, attention_weights(net))
                 loss_sum += nn.functional.cross_entropy(logits, y, reduction="sum").double()
                 correct += (logits.argmax(1) == y).sum()
+                unpredicted |= torch.isnan(logits).any()  # no prediction: the accuracy is NaN (as `accuracy`'s)
                 total += len(y)
                 for cell, row in zip(net.cells, store):
                     a = torch.stack(row)  # (E, B, K)
@@ -216,7 +219,7 @@ class ASMNAS(SearchMethod):
         if total == 0:
             raise SearchError("evaluate() got an empty loader")
         self.selection_counts = counts
-        return {"loss": float(loss_sum) / total, "acc": float(correct) / total}
+        return {"loss": float(loss_sum) / total, "acc": math.nan if bool(unpredicted) else float(correct) / total}
 
     def epoch_statistics(self) -> Dict[str, torch.Tensor]:
         """``attention/<cell>/count`` of the last selection (empty before the first)."""
