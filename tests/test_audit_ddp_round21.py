@@ -7,6 +7,9 @@ Found, in ``SearchMethod.cost`` (nasdiag/search/base.py, the methods' DDP part):
 b of rank 0 was mixed with sample b of rank 1 (a silently wrong cost, neither sample's), and ranks of unequal batches
 met in one all-reduce of different sizes. They are now this rank's samples' costs of the global mean loss, ∂L_r/∂Z / R,
 the concatenated batch's rows, as its docstring says of the costs (the (E, K) ones are still the rank mean).
+In `RecorderCallback` (nasdiag/record/callbacks.py): an open `Recorder` target "must live on rank 0 only", yet one given
+on every rank (each of its own path) was taken: rank 1 wrote a second record of the reduced rows. It is one
+RecordError line on every rank at the construction now (docs/schema.md says so).
 
 Checked and found right: second-order DARTS (``darts2``, the unrolled hypergradient of nasdiag/search/unrolled.py) on 2
 ranks of B samples equals one process on the concatenated 2B samples to 1e-12 over 3 steps: weights, α, the
@@ -85,6 +88,17 @@ WORKER = textwrap.dedent(
         results["per_sample"] = {t: c.detach().clone() for t, c in step.costs.items()}
     except Exception as exc:
         results["per_sample"] = f"{type(exc).__name__}: {exc}"
+    from nasdiag.record import Recorder, RecorderCallback
+    recorder = Recorder(f"{out}.own{rank}.h5")  # misuse: an open Recorder on every rank, each of its own path
+    try:
+        callback = RecorderCallback(recorder)
+        callback.on_step_end(1, {"scalars/loss": torch.tensor(float(rank), dtype=torch.float64)})
+        callback.close()
+        results["own_recorders"] = None
+    except Exception as exc:
+        results["own_recorders"] = (type(exc).__name__, str(exc))
+    finally:
+        recorder.close()
     torch.save(results, f"{out}.{rank}")
     dist.barrier()
     dist.destroy_process_group()
@@ -140,3 +154,12 @@ def test_per_sample_mixing_weights_cost_is_the_global_mean_loss_cost_of_this_ran
         assert isinstance(got, dict), got
         for t, c in want.items():
             _close(got[t], c[:, rank * B:(rank + 1) * B], f"rank {rank}: per-sample cost of {t}")
+
+
+def test_an_open_recorder_on_a_rank_other_than_0_is_one_line_on_every_rank_not_a_second_record(ranks, tmp_path):
+    """The callback's contract: an open `Recorder` target "must live on rank 0 only". Given one on every rank (each of
+    its own path), rank 1 wrote a second record of the reduced rows, the one record of a run being rank 0's."""
+    for rank in (0, 1):
+        got = ranks[rank]["own_recorders"]
+        assert got is not None and got[0] == "RecordError", got
+        assert "rank 1" in got[1] and "\n" not in got[1] and "None" in got[1], got[1]

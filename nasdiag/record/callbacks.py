@@ -68,7 +68,8 @@ class RecorderCallback:
     ----------
     target:
         A record path (rank 0 opens a `Recorder` there with ``meta`` and ``recorder_kwargs``; other
-        ranks open nothing), an open `Recorder` (used as is; it must live on rank 0 only), or None
+        ranks open nothing), an open `Recorder` (used as is; it must live on rank 0 only: under DDP one on another
+        rank is a `RecordError` on every rank at the construction), or None
         (this rank reduces but does not write). Without a process group the rank is read from the ``RANK``
         variable a launcher sets: a process it calls rank 1 writes nothing (a `RecordWarning` says so at its first rows).
     meta, **recorder_kwargs:
@@ -158,6 +159,10 @@ class RecorderCallback:
         if isinstance(target, Recorder):
             if meta is not None or recorder_kwargs:
                 raise RecordError("meta and recorder options apply when target is a path, not an open Recorder")
+            if not distributed.is_writer(group) and self._needs_reduction():  # it wrote a second record of the rows
+                raise RecordError(f"an open Recorder is the target on rank {distributed.rank(group)}, but under DDP only "
+                                  "rank 0 writes the record; give the other ranks None (or every rank the record's "
+                                  "path: rank 0 opens it)")
             self.recorder: Recorder | None = target
             if target.rows_committed or target.rows_buffered:  # rows logged directly in this session
                 self._last_step = target.last_step
