@@ -39,7 +39,7 @@ from torch import nn
 from nasdiag.errors import run_script
 from nasdiag.hessian import arch_diag_hessian, diag_hessian
 from nasdiag.supernet import Network
-from script_args import Parser, at_least, device as device_name
+from script_args import Parser, UsageError, at_least, device as device_name, given_options, refuse_repeats
 
 DT = torch.float64
 CHEAP_ARCH = ("diag", "approx", "ggn", "ggn_mc", "hutchinson:1", "hutchinson:4", "hutchinson:16")
@@ -201,6 +201,21 @@ def _line(row):
     return f"| {net} | {kind} | `{mode}` | {err:.3f} | {rho:.3f} | {timing} | {shown} |"
 
 
+def refuse_idle_options(parser, argv, names, size_option="--size") -> None:
+    """One line for ``--size`` given without the darts net (it shapes that net alone) and ``--seeds`` given with weight
+    nets alone (their ``hutchinson:<k>`` rows are seed 0, the only one ``diag_hessian`` draws): each was taken and
+    did nothing, the table's setting line naming the size and seeds it was not measured at."""
+    given = {max(a.option_strings, key=len) for a in given_options(parser, argv)}
+    why = {size_option: "it shapes the darts net alone",
+           "--seeds": "it averages the mixing-weight nets' random modes (the weight nets' hutchinson:<k> rows are seed 0)"}
+    idle = [option for option, used in ((size_option, "darts" in names),
+                                        ("--seeds", any(NETS[n] == "Z" for n in names))) if option in given and not used]
+    if idle:
+        raise UsageError(f"{' and '.join(idle)} {'does' if len(idle) == 1 else 'do'} nothing for {', '.join(names)}: "
+                         f"{'; '.join(f'{o} because {why[o]}' for o in idle)}; drop {'it' if len(idle) == 1 else 'them'}, "
+                         "or add a net it acts on")
+
+
 def main(argv=None):
     parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nets", "--only", dest="nets", default="tanh_mlp,conv_bn,cell_train,cell_eval",
@@ -215,6 +230,10 @@ def main(argv=None):
     unknown = [n for n in names if n not in NETS]
     if unknown:
         parser.error(f"unknown net(s) {unknown}; choose from {', '.join(NETS)}")
+    if not names:  # it printed the table's head, wrote a table of no row and exited 0
+        parser.error(f"--nets {args.nets!r} names no net; give comma-separated names of {', '.join(NETS)}")
+    refuse_repeats(names, "--nets (search is darts)" if "search" in args.nets else "--nets")  # measured twice, two rows
+    refuse_idle_options(parser, argv, names)
     out = Path(args.out) if args.out else None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)  # before the measurements: an unwritable folder fails at once

@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from curvature_accuracy import SIZES, _accuracy, _ops_told_apart, builder  # noqa: E402
 
 from nasdiag.errors import run_script  # noqa: E402
-from script_args import Parser, at_least, numbers  # noqa: E402
+from script_args import Parser, UsageError, at_least, given_options, numbers  # noqa: E402
 from nasdiag.hessian import arch_diag_hessian  # noqa: E402
 from nasdiag.hessian._hvp import preserved_buffers  # noqa: E402
 from nasdiag.hooks import Hooks  # noqa: E402
@@ -234,6 +234,9 @@ def main(argv=None):
     parser.add_argument("--sketch", type=numbers(at_least(1), empty=True), default="", metavar="S1,S2,...",  # checked before the minutes of the decomposition (after them before)
                         help="also the output-space sketch with these numbers of samples (seeds 0-2 each)")
     args = parser.parse_args(argv)
+    if args.net != "darts" and any(a.dest == "size" for a in given_options(parser, argv)):  # taken and ignored
+        raise UsageError(f"--size does nothing for --net {args.net}: it shapes the darts net alone; drop it, or give "
+                         "--net darts")
     net, x, y = builder(args.net, args.size)(torch.device("cpu"))
     parts = decompose(net, x, y)
     exact = parts["exact"]

@@ -16,6 +16,10 @@ Defects found (each test fails without its fix):
 * bayes_compression.py took a --hessian-batch or --batch-size past the 1438 images it trains on as all of them, exit
   0 (--hessian-batch 5000 drew the batch of 1438): one line before any folder; its --help now says what each
   option is (test_bayes_compression_batch_past_the_images_it_trains_on_is_one_line_not_a_silent_cap).
+* curvature_accuracy.py --nets "," printed the table's head and wrote a table of no row, exit 0; a net named twice
+  (also darts,search) was measured twice; --size without the darts net and --seeds with the weight nets alone were
+  taken and did nothing, the setting line naming them (curvature_residual.py --size without --net darts too): one
+  line each (test_curvature_scripts_refuse_a_net_list_of_nothing_or_twice_and_options_that_do_nothing).
 """
 
 from __future__ import annotations
@@ -95,4 +99,24 @@ def test_bayes_compression_batch_past_the_images_it_trains_on_is_one_line_not_a_
     assert code == 2 and len(err) == 1 and f"{option} {digits + 1}" in err[0], err
     named = [int(n) for n in re.findall(r"\b(\d+) images", err[0])]
     assert named and 0.75 * digits <= named[0] < digits, err
+    assert not out.exists()
+
+
+# -- curvature_accuracy, curvature_residual -------------------------------------------------------------------------
+@pytest.mark.parametrize("script,argv,named", [
+    ("curvature_accuracy", ["--nets", ","], "--nets"),  # printed the table's head, wrote a table of no row, exit 0
+    ("curvature_accuracy", ["--nets", "tanh_mlp,tanh_mlp"], "tanh_mlp"),  # measured twice: two rows of one net
+    ("curvature_accuracy", ["--nets", "darts,search"], "darts"),  # search is darts
+    ("curvature_accuracy", ["--nets", "tanh_mlp", "--size", "tiny"], "--size"),  # shapes the darts net alone
+    ("curvature_accuracy", ["--nets", "tanh_mlp,conv_bn", "--seeds", "2"], "--seeds"),  # weight nets: seed 0 alone
+    ("curvature_residual", ["--net", "cell_train", "--size", "tiny"], "--size"),
+])
+def test_curvature_scripts_refuse_a_net_list_of_nothing_or_twice_and_options_that_do_nothing(tmp_path, capsys, script,
+                                                                                               argv, named):
+    """Each ran (or printed an empty table) and exited 0, the table's setting line naming a size or seeds it was not
+    measured at: one line naming the option, exit 2, no --out folder."""
+    out = tmp_path / "curv"
+    extra = ["--out", str(out)] if script == "curvature_accuracy" else []
+    code, stdout, err = _run(script, argv + extra, capsys)
+    assert code == 2 and len(err) == 1 and named in err[0] and stdout == "", (stdout, err)
     assert not out.exists()
