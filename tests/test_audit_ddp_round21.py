@@ -9,7 +9,10 @@ met in one all-reduce of different sizes. They are now this rank's samples' cost
 the concatenated batch's rows, as its docstring says of the costs (the (E, K) ones are still the rank mean).
 In `RecorderCallback` (nasdiag/record/callbacks.py): an open `Recorder` target "must live on rank 0 only", yet one given
 on every rank (each of its own path) was taken: rank 1 wrote a second record of the reduced rows. It is one
-RecordError line on every rank at the construction now (docs/schema.md says so).
+RecordError line on every rank at the construction now (docs/schema.md says so). The record rank 0 writes for a
+loop of one's own (a path target, no ``world_size`` in the meta given) did not say over how many ranks its rows were
+reduced, and ``nasdiag report`` showed it as world size 1; the callback adds ``world_size`` to the meta under DDP
+unless the meta names one (the runner's records had it already).
 
 Checked and found right: second-order DARTS (``darts2``, the unrolled hypergradient of nasdiag/search/unrolled.py) on 2
 ranks of B samples equals one process on the concatenated 2B samples to 1e-12 over 3 steps: weights, α, the
@@ -89,6 +92,8 @@ WORKER = textwrap.dedent(
     except Exception as exc:
         results["per_sample"] = f"{type(exc).__name__}: {exc}"
     from nasdiag.record import Recorder, RecorderCallback
+    with RecorderCallback(f"{out}.shared.h5") as callback:  # every rank the path, no meta: rank 0 writes the record
+        callback.on_step_end(1, {"scalars/loss": torch.tensor(float(rank + 1), dtype=torch.float64)})
     recorder = Recorder(f"{out}.own{rank}.h5")  # misuse: an open Recorder on every rank, each of its own path
     try:
         callback = RecorderCallback(recorder)
@@ -113,7 +118,7 @@ def ranks(tmp_path_factory):
     (tmp / "worker.py").write_text(WORKER)
     here, init = os.path.dirname(os.path.abspath(__file__)), f"tcp://127.0.0.1:{free_port()}"
     launch_ranks(tmp / "worker.py", lambda r: [r, init, here, tmp / "out.pt"], timeout=300)
-    return [torch.load(tmp / f"out.pt.{r}", weights_only=False) for r in (0, 1)]
+    return [torch.load(tmp / f"out.pt.{r}", weights_only=False) for r in (0, 1)] + [tmp / "out.pt.shared.h5"]
 
 
 def _close(a, b, what):
@@ -163,3 +168,13 @@ def test_an_open_recorder_on_a_rank_other_than_0_is_one_line_on_every_rank_not_a
         got = ranks[rank]["own_recorders"]
         assert got is not None and got[0] == "RecordError", got
         assert "rank 1" in got[1] and "\n" not in got[1] and "None" in got[1], got[1]
+
+
+def test_the_record_of_a_ddp_recorder_callback_says_its_world_size(ranks):
+    """Rank 0's record of rows reduced over 2 ranks held no world size (the meta given was None): ``nasdiag report``
+    read it as world size 1. The runner writes its own ``world_size``; a loop of one's own now has it too."""
+    from nasdiag.record import load, load_meta
+
+    path = ranks[2]
+    assert load_meta(path).get("world_size") == 2
+    assert load(path)["scalars/loss"].tolist() == [1.5]  # the rank mean of 1 and 2, written once

@@ -76,7 +76,8 @@ class RecorderCallback:
         Passed to `Recorder` when ``target`` is a path (``flush_every``, ``resume``, ``overwrite``...).
         ``flush_every`` (default 64, or the given recorder's) is also the number of rows the callback
         holds before it hands them over; under DDP every rank must use the same value, and the same ``meta``
-        (every rank checks it as rank 0's `Recorder` does, and its rows' shapes against it).
+        (every rank checks it as rank 0's `Recorder` does, and its rows' shapes against it), to which the callback adds
+        ``world_size``, the number of ranks the rows are reduced over, unless it names one.
     reduce:
         Under an initialised process group with several ranks, reduce statistics across ranks
         before writing (every rank must then call every hook). False: rank 0 records its own.
@@ -171,6 +172,9 @@ class RecorderCallback:
         else:
             if not isinstance(target, (str, os.PathLike)):
                 raise RecordError(f"target must be a path, a Recorder or None, got {type(target).__name__}")
+            if self._needs_reduction() and (meta is None or isinstance(meta, Mapping) and "world_size" not in meta):
+                # the ranks the rows are reduced over (a report of the record said world size 1)
+                meta = {**(meta or {}), "world_size": distributed.world_size(group)}
             self.recorder = Recorder(target, meta=meta, **recorder_kwargs) if distributed.is_writer(group) else None
             self._path = None if self.recorder is not None else os.fspath(target)
             if self.recorder is None:  # checked as rank 0's Recorder checks it: a meta it refused was taken here, and
