@@ -83,7 +83,7 @@ def arch_diag_hessian(
               per cell type) the per-edge α question has no exact answer; this raises and names
               :func:`~nasdiag.hessian.alpha_diag_hessian` (the exact shared diagonal) and ``"exact_per_edge"``;
             * ``"exact_per_edge"``: the same per-edge computation without that check (for shared α, summing it
-              over cells drops the cross-cell terms: 25% off on a 3-cell net);
+              over cells drops the cross-cell terms: net-dependent, 24-80% off on the 3-cell nets of docs/hessian.md);
             * ``"ggn"``: the generalized Gauss-Newton diagonal, D batched backwards (D = outputs per sample);
             * ``"ggn_mc"``: its Monte-Carlo estimate from ``samples`` extra backwards (the cheap mode that
               tracks ``exact`` and tells the ops of an edge apart); see :mod:`nasdiag.hessian.arch_ggn`;

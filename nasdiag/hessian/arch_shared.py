@@ -2,8 +2,8 @@
 
 DARTS shares one α (E, K) per cell type: every cell of the type mixes its edges with softmax(α). Then
 ``∂²L/∂α_{e,k}²`` has, besides the per-cell terms that the per-edge route (``exact_per_edge``) sums,
-the cross-cell terms ``Σ_{c≠c'} ∂²L/∂α^{(c)}_{e,k}∂α^{(c')}_{e,k}``; on a 3-cell net leaving them out is
-25% off. Here the Hessian-vector products are taken w.r.t. α itself, so nothing is dropped.
+the cross-cell terms ``Σ_{c≠c'} ∂²L/∂α^{(c)}_{e,k}∂α^{(c')}_{e,k}``; leaving them out is net-dependent, 24-80% off
+on the 3-cell nets of docs/hessian.md. Here the Hessian-vector products are taken w.r.t. α itself, so nothing is dropped.
 
 Route. ``vmap(jvp(grad(L)))`` (forward-over-reverse, :func:`~nasdiag.hessian._hvp.functional_hvp`) over
 chunks of basis vectors, with the model called by ``torch.func.functional_call`` and train-mode
