@@ -17,6 +17,20 @@ unless the meta names one (the runner's records had it already).
 Checked and found right: second-order DARTS (``darts2``, the unrolled hypergradient of nasdiag/search/unrolled.py) on 2
 ranks of B samples equals one process on the concatenated 2B samples to 1e-12 over 3 steps: weights, α, the
 hypergradient's norm and its implicit term, ε, and the rank mean of the losses (no earlier round ran it under DDP).
+Read and found right: every family's reduction rule against what each rank holds (``same`` only for values drawn or
+averaged alike on every rank: XNAS's rewards are of the rank-mean costs, SNAS/DSNAS samples of one seeded generator,
+ASM-NAS's selection counts of the whole split); weight-gradient clipping after the ranks' averaging in every method
+(DARTS/darts2 average before ``clip_grad_norm_``, the others average in DDP's backward); the first-order cost
+statistics' observations stay each rank's own (darts2, SparseNAS second order: ``per_cell``); ``on_exception`` runs no
+collective; the runner's sharding gives the single process's batches of R·B (round 19/20).
+
+Left alone: a rank that refuses its RecorderCallback makes rank 0 close the Recorder it was given open (no rank
+records, as documented, but the caller's object is closed); a record a DDP RecorderCallback started before this round
+(no ``world_size`` in its meta), resumed under DDP, now differs in its meta: the Recorder's run-change warning, by
+default; ``nasdiag report`` shows world size 1 for a record of no ``world_size`` (a single process's RecorderCallback
+record; nasdiag/plot/report.py, outside this area); ``SearchMethod.cost``/``curvature`` called on one rank alone under a
+process group of several all-reduce and wait for the others (the methods are documented for every rank, under
+``run``; ``Probe.hessian`` alone was made collective-free in round 17).
 """
 
 from __future__ import annotations
