@@ -39,7 +39,8 @@ from torch import nn
 from nasdiag.errors import run_script
 from nasdiag.hessian import arch_diag_hessian, diag_hessian
 from nasdiag.supernet import Network
-from script_args import Parser, UsageError, at_least, device as device_name, given_options, refuse_repeats
+from script_args import (Parser, UsageError, at_least, device as device_name, given_options, refuse_other_tables,
+                         refuse_repeats)
 
 DT = torch.float64
 CHEAP_ARCH = ("diag", "approx", "ggn", "ggn_mc", "hutchinson:1", "hutchinson:4", "hutchinson:16")
@@ -201,6 +202,17 @@ def _line(row):
     return f"| {net} | {kind} | `{mode}` | {err:.3f} | {rho:.3f} | {timing} | {shown} |"
 
 
+def table_written_here(text: str) -> bool:
+    """Whether ``text`` is a curvature_accuracy.json or .md of this script (its rows under its setting line)."""
+    if text.startswith("torch ") and "\n| net | w.r.t. | mode |" in text:
+        return True
+    try:
+        table = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(table, dict) and isinstance(table.get("setting"), str) and isinstance(table.get("rows"), list)
+
+
 def refuse_idle_options(parser, argv, names, size_option="--size") -> None:
     """One line for ``--size`` given without the darts net (it shapes that net alone) and ``--seeds`` given with weight
     nets alone (their ``hutchinson:<k>`` rows are seed 0, the only one ``diag_hessian`` draws): each was taken and
@@ -235,7 +247,8 @@ def main(argv=None):
     refuse_repeats(names, "--nets (search is darts)" if "search" in args.nets else "--nets")  # measured twice, two rows
     refuse_idle_options(parser, argv, names)
     out = Path(args.out) if args.out else None
-    if out is not None:
+    if out is not None:  # the user's own curvature_accuracy.md (or .json) there was replaced without a word
+        refuse_other_tables([str(out / "curvature_accuracy.json"), str(out / "curvature_accuracy.md")], table_written_here)
         out.mkdir(parents=True, exist_ok=True)  # before the measurements: an unwritable folder fails at once
     device = torch.device(args.device)
     setting = (f"torch {torch.__version__}, {device}"

@@ -375,6 +375,26 @@ def refuse_other_figures(folder: str, names, fmt: str, option: str = "--out") ->
                          f"drawing would replace; move {'it' if len(foreign) == 1 else 'them'} away or give another {option}")
 
 
+def refuse_other_tables(paths, written_here, option: str = "--out") -> None:
+    """Refuse in one line, before any work, a file at one of the script's table paths (``fits.json``,
+    ``curvature_accuracy.md``) that ``written_here(text)`` does not recognise as one the script wrote: the script
+    replaced a user's own file of that name without a word, as it did their figures and records before round 14."""
+    import os
+
+    for path in paths:
+        if not os.path.lexists(path):
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                mine = written_here(f.read())
+        except (OSError, ValueError):  # a folder, a link to nothing, bytes that are not text
+            mine = False
+        if not mine:
+            raise UsageError(f"{option} {os.path.dirname(path) or '.'} holds {os.path.basename(path)}, named as a table "
+                             f"this script writes but not written by it, which the run would replace; move it away or "
+                             f"give another {option}")
+
+
 #: the largest η L T (a learning rate, the reward bound, the steps) the batch scripts play: ln v of an EG forecaster
 #: sums T steps of η R, which past float64's 1.8e308 was the forecaster's RegretError ("rewards this large are not losses
 #: of a bounded scale L") after the output folder (and part of the record) was written

@@ -29,8 +29,8 @@ import time
 import numpy as np
 from nasdiag.errors import run_script
 from script_args import (
-    Parser, UsageError, at_least, number, numbers, refuse_other_figures, refuse_other_records, refuse_overflowing_lr,
-    seed as seed_number, threads as thread_count,
+    Parser, UsageError, at_least, number, numbers, refuse_other_figures, refuse_other_records, refuse_other_tables,
+    refuse_overflowing_lr, seed as seed_number, threads as thread_count,
 )
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
@@ -288,10 +288,20 @@ def plot(data, summary, figure_path, runs):
     plt.close(fig)
 
 
+def fits_written_here(text: str) -> bool:
+    """Whether ``text`` is a fits.json of this script: its summary of at least one sweep and the record's config."""
+    try:
+        summary = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(summary, dict) and isinstance(summary.get("config"), dict) and any(s in summary for s in SWEEPS)
+
+
 def main(argv=None):
     args = parse_args(argv)
     record_path = os.path.join(args.out, "record.h5")
     refuse_other_figures(args.out, ["fig8"], "png")
+    refuse_other_tables([os.path.join(args.out, "fits.json")], fits_written_here)
     refuse_other_records([record_path], "xnas_statistical", plot_only=args.plot_only)
     if not args.plot_only:
         refuse_overflowing_lrs(args)

@@ -20,6 +20,10 @@ Defects found (each test fails without its fix):
   (also darts,search) was measured twice; --size without the darts net and --seeds with the weight nets alone were
   taken and did nothing, the setting line naming them (curvature_residual.py --size without --net darts too): one
   line each (test_curvature_scripts_refuse_a_net_list_of_nothing_or_twice_and_options_that_do_nothing).
+* xnas_statistical.py (fits.json) and curvature_accuracy.py --out (curvature_accuracy.json, .md) replaced a user's file
+  of those names without a word, as the scripts did figures and records before round 14; one line before any work
+  unless it is a table the script wrote (script_args.refuse_other_tables)
+  (test_a_table_file_of_the_users_in_out_is_not_replaced_and_a_rerun_replaces_its_own).
 """
 
 from __future__ import annotations
@@ -120,3 +124,30 @@ def test_curvature_scripts_refuse_a_net_list_of_nothing_or_twice_and_options_tha
     code, stdout, err = _run(script, argv + extra, capsys)
     assert code == 2 and len(err) == 1 and named in err[0] and stdout == "", (stdout, err)
     assert not out.exists()
+
+
+# -- a table of the user's in --out ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("script,name,argv", [
+    ("xnas_statistical", "fits.json", ["--runs", "2", "--steps", "3", "--n-grid", "2,3", "--sigma-grid", "1",
+                                       "--lr-multipliers", "1"]),
+    ("curvature_accuracy", "curvature_accuracy.md", ["--nets", "tanh_mlp", "--repeats", "1"]),
+])
+def test_a_table_file_of_the_users_in_out_is_not_replaced_and_a_rerun_replaces_its_own(tmp_path, capsys, script, name,
+                                                                                        argv):
+    """A file of the user's named as one of the script's tables (fits.json: the fits of another tool) was replaced
+    without a word: one line naming it, exit 2, the folder as it was; the script's own table from a first run is
+    replaced by a second run (exit 0)."""
+    import json
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / name).write_text(json.dumps({"a": 1}) if name.endswith(".json") else "# my notes\n")
+    before = _tree(mine)
+    code, out, err = _run(script, argv + ["--out", str(mine)], capsys)
+    assert code == 2 and len(err) == 1 and name in err[0], err
+    assert _tree(mine) == before
+    own = tmp_path / "own"
+    for _ in range(2):
+        code, out, err = _run(script, argv + ["--out", str(own)], capsys)
+        assert code == 0, err
+    assert (own / name).stat().st_size > 0
