@@ -15,7 +15,8 @@ largest deviation (``scalars/thm2_max_abs_error_<split>``) as a check.
 
 Rows: one per epoch end (``scalars/epoch`` −1 before training) with ``scalars/<quantity>_<split>``
 and ``..._<split>_correct`` / ``_wrong`` means (quantity: cz, loss, entropy; split: train, search), plus
-the counts. Figures, drawn from the record (``--plot-only`` redraws them):
+``scalars/accuracy_<split>``, the share of the split's samples that the ``_correct`` means are over (the rest:
+``_wrong``). Figures, drawn from the record (``--plot-only`` redraws them):
 
 - ``fig11_12_13.png``: per split, L_θ and H_θ on the left axis and C_Z on the right axis (Figs 11-13);
 - ``fig14_16.png``: the same for correct and wrong samples (Figs 14-16). Only the correct side has a sign
