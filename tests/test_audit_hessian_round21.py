@@ -18,8 +18,10 @@ Checked and found right (scratch scripts; the sharpest kept below):
   docs/hessian.md states; its error against the shared diagonal is net-dependent as the docs say (80% on this
   3-cell net, beyond the 25-61% they quoted) —
   ``test_exact_per_edge_summed_over_cells_is_the_per_cell_block_diagonal_and_the_shared_diagonal_is_exact``.
-* ``ggn`` equals the dense ``diag(Jᵀ H_loss J)`` in eval mode (4e-16, batch 1 and 4, mean and sum); under train-mode
-  BN ``ggn_mc``'s mean over 150 seeds matches docs/hessian.md's stated expectation ``Σ_{m,n} diag(J_mnᵀ H_m J_mn)``
+* ``ggn`` equals the dense ``diag(Jᵀ H_loss J)`` in eval mode (4e-16, batch 1 and 4, mean and sum) and, under
+  train-mode BN, docs/hessian.md's per-sample-shift formula with canonical eigenvector signs (6e-17) —
+  ``test_ggn_is_the_dense_gauss_newton_in_eval_mode_and_the_documented_per_sample_shift_sum_in_train_mode``; under
+  train-mode BN ``ggn_mc``'s mean over 150 seeds matches docs/hessian.md's stated expectation ``Σ_{m,n} diag(J_mnᵀ H_m J_mn)``
   (|z| < 1.6) and not the shared-Z GGN (|z| up to 15), as documented.
 * ``hutchinson:1`` averaged over seeds (Z and α, train-mode BN, with a train-mode Dropout too) is within its own
   sampling error of the dense diagonal (the only |z| > 3 are entries whose estimator has zero variance, equal to the
@@ -229,3 +231,35 @@ def test_exact_per_edge_summed_over_cells_is_the_per_cell_block_diagonal_and_the
     # the cross-cell terms it drops: 80% of the shared diagonal here (docs/hessian.md's table now quotes this net)
     assert float((summed - shared).norm() / shared.norm()) > 0.5
     assert all(torch.equal(b, stats[n]) for n, b in net.named_buffers())
+
+
+def test_ggn_is_the_dense_gauss_newton_in_eval_mode_and_the_documented_per_sample_shift_sum_in_train_mode():
+    """docs/hessian.md's ``ggn`` row: ``diag Σ_n J_nᵀ H_n J_n`` where samples do not interact; under train-mode BN
+    ``Σ_c Σ_n (Σ_m √λ_mc u_mcᵀ J_mn)²`` with u_mc signed so that its first largest-magnitude entry is positive."""
+    net, x, y = _supernet(batch=4)
+    with torch.no_grad():  # running statistics away from (0, 1), so eval mode differs from train mode
+        net(3 * torch.randn(16, 1, 6, 6, dtype=torch.float64) + 1)
+    B, edges = x.shape[0], net.edges()
+    z0 = F.softmax(net.alpha, -1).detach().reshape(-1).repeat(2).repeat(B, 1)  # (B, 12) per-sample Z, cells × edges × K
+
+    def outputs_of(zb):
+        Z = zb.view(B, 2, 2, 3)
+        return net(x, [Z[:, 0].transpose(0, 1), Z[:, 1].transpose(0, 1)])  # per cell: (2 edges, B, K)
+
+    for train in (False, True):
+        net.train(train)
+        J = torch.autograd.functional.jacobian(outputs_of, z0)  # (B, C, B, 12): J[m, :, n] = ∂f_m/∂δ_n
+        p = F.softmax(outputs_of(z0).detach(), -1)
+        H = (torch.diag_embed(p) - p[:, :, None] * p[:, None, :]) / B  # the batch-mean cross-entropy's blocks
+        got = arch_diag_hessian(net, F.cross_entropy, x, y, edges, mode="ggn")
+        got = torch.cat([got[n] for n in edges])
+        if not train:
+            assert float(J.sum(2).sub(torch.einsum("mcmi->mci", J)).abs().max()) == 0  # no sample reaches another
+            want = torch.einsum("mci,mcd,mdi->i", J.sum(2), H, J.sum(2))  # diag(Jᵀ H_loss J), the shared Z's GGN
+        else:
+            lam, U = torch.linalg.eigh(H)
+            U = U.transpose(1, 2)  # U[m, c]: sample m's c-th eigenvector
+            first = (U.abs() >= U.abs().amax(2, keepdim=True) * (1 - 1e-8)).double().argmax(2)
+            U = U * torch.gather(U, 2, first[..., None]).sign()
+            want = torch.einsum("mc,mcd,mdni->cni", lam.clamp_min(0).sqrt(), U, J).square().sum((0, 1))
+        assert torch.allclose(got, want, rtol=1e-10, atol=1e-12 * float(want.abs().max())), train
