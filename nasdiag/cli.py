@@ -480,6 +480,56 @@ def _on_sighup(signum, frame):
     raise HungUp()
 
 
+#: Ctrl-C presses during the command now running, and the timers that raise again one a finalizer ignored
+_INTERRUPTS: List[int] = []
+_AGAIN: List = []
+
+
+def _on_sigint(signum, frame):
+    _INTERRUPTS.append(signum)
+    raise KeyboardInterrupt
+
+
+def _interrupt_ignored(unraisable) -> None:
+    """`sys.unraisablehook` while a command runs: a KeyboardInterrupt raised in a finalizer (a weakref callback, a
+    ``__del__``), which Python prints as "Exception ignored in ..." and goes on from, is sent again to the main thread
+    a moment later, once out of the finalizer; anything else goes to the previous hook."""
+    if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+        return _AGAIN[0](unraisable)
+    import threading
+
+    timer = threading.Timer(0.01, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+    timer.daemon = True
+    _AGAIN.append(timer)
+    timer.start()
+
+
+def _catch_interrupts() -> Optional[tuple]:
+    """Note each Ctrl-C (`_INTERRUPTS`) and raise it again where a finalizer ignored it: a Ctrl-C during nasdiag report
+    ended at times in matplotlib's pybind11 "TypeError: affine_transform(): incompatible function arguments" traceback,
+    exit code 1 (the interrupt raised while it converted an argument, which it then cleared), or printed "Exception
+    ignored in: <function WeakKeyDictionary...> KeyboardInterrupt" and went on. Only over Python's own handler; the
+    previous handler, or None where nothing was installed."""
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return None
+    _INTERRUPTS.clear()
+    _AGAIN[:] = [sys.unraisablehook]
+    sys.unraisablehook = _interrupt_ignored
+    return signal.signal(signal.SIGINT, _on_sigint)
+
+
+def _restore_interrupts(previous) -> None:
+    if previous is None:
+        return
+    for timer in _AGAIN[1:]:  # the command ended first
+        timer.cancel()
+        timer.join()
+    if sys.unraisablehook is _interrupt_ignored:
+        sys.unraisablehook = _AGAIN[0]
+    if signal.getsignal(signal.SIGINT) is _on_sigint:  # not SIG_DFL set by `_die_on_the_next_interrupt`
+        signal.signal(signal.SIGINT, previous)
+
+
 def _catch_hangup() -> object:
     """Handle SIGHUP as SIGTERM (the rows held since the last flush were lost with the default action, as on kill -9),
     unless it is ignored (``nohup``): the previous handler, or None where nothing was installed."""
@@ -884,6 +934,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     previous_hup = _catch_hangup() if main_thread else None
+    previous_int = _catch_interrupts() if main_thread else None
     import warnings
 
     previous_format, warnings.formatwarning = warnings.formatwarning, _warning_line
@@ -943,6 +994,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         _say(_stopped(args, "interrupted", exc, argv))
         _die_on_the_next_interrupt(argv, main_thread)
         return EXIT_SIGINT
+    except Exception as exc:  # a Ctrl-C that a library turned into its own error (`_catch_interrupts`)
+        if not _INTERRUPTS or previous_int is None:
+            raise
+        _say(_stopped(args, "interrupted", exc, argv))
+        _die_on_the_next_interrupt(argv, main_thread)
+        return EXIT_SIGINT
     except HungUp as exc:
         with contextlib.suppress(OSError):  # the terminal that would show the line may be gone
             _say(_stopped(args, "hung up (SIGHUP)", exc, argv))
@@ -965,6 +1022,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             signal.signal(signal.SIGTERM, previous)
         if main_thread and previous_hup is not None:
             signal.signal(signal.SIGHUP, previous_hup)
+        _restore_interrupts(previous_int)
 
 
 if __name__ == "__main__":
