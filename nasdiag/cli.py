@@ -473,14 +473,17 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _on_sigterm(signum, frame):
+    _INTERRUPTS.append(signum)
     raise Terminated()
 
 
 def _on_sighup(signum, frame):
+    _INTERRUPTS.append(signum)
     raise HungUp()
 
 
-#: Ctrl-C presses during the command now running, and the timers that raise again one a finalizer ignored
+#: the signals (Ctrl-C, SIGTERM, SIGHUP) received during the command now running, and the timers that raise again a
+#: Ctrl-C a finalizer ignored
 _INTERRUPTS: List[int] = []
 _AGAIN: List = []
 
@@ -512,7 +515,6 @@ def _catch_interrupts() -> Optional[tuple]:
     previous handler, or None where nothing was installed."""
     if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         return None
-    _INTERRUPTS.clear()
     _AGAIN[:] = [sys.unraisablehook]
     sys.unraisablehook = _interrupt_ignored
     return signal.signal(signal.SIGINT, _on_sigint)
@@ -932,6 +934,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     import threading
 
     main_thread = threading.current_thread() is threading.main_thread()
+    _INTERRUPTS.clear()
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     previous_hup = _catch_hangup() if main_thread else None
     previous_int = _catch_interrupts() if main_thread else None
@@ -994,12 +997,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         _say(_stopped(args, "interrupted", exc, argv))
         _die_on_the_next_interrupt(argv, main_thread)
         return EXIT_SIGINT
-    except Exception as exc:  # a Ctrl-C that a library turned into its own error (`_catch_interrupts`)
-        if not _INTERRUPTS or previous_int is None:
+    except Exception as exc:  # a signal that a library turned into its own error (`_catch_interrupts`)
+        if not _INTERRUPTS or not main_thread:
             raise
-        _say(_stopped(args, "interrupted", exc, argv))
+        how, code = {signal.SIGINT: ("interrupted", EXIT_SIGINT), signal.SIGTERM: ("terminated (SIGTERM)", EXIT_SIGTERM)}.get(
+            _INTERRUPTS[-1], ("hung up (SIGHUP)", EXIT_SIGHUP))
+        with contextlib.suppress(OSError):  # after a hang-up the terminal that would show the line may be gone
+            _say(_stopped(args, how, exc, argv))
         _die_on_the_next_interrupt(argv, main_thread)
-        return EXIT_SIGINT
+        return code
     except HungUp as exc:
         with contextlib.suppress(OSError):  # the terminal that would show the line may be gone
             _say(_stopped(args, "hung up (SIGHUP)", exc, argv))

@@ -120,16 +120,16 @@ def finished_run(tmp_path_factory):
     return folder / "run.h5"
 
 
-def _interrupt_then(error):
-    """A stand-in for a command's work that a Ctrl-C reaches inside a C extension or a finalizer: the interrupt is
-    delivered (SIGINT, Python's handler raising KeyboardInterrupt), then ``error(KeyboardInterrupt)`` says what comes of
-    it."""
+def _interrupt_then(error, signum=None):
+    """A stand-in for a command's work that a Ctrl-C (or ``signum``) reaches inside a C extension or a finalizer: the
+    signal is delivered (the command's handler raising KeyboardInterrupt or its own), then ``error(that exception)``
+    says what comes of it."""
     import signal
 
     def work(*args, **kwargs):
         try:
-            signal.raise_signal(signal.SIGINT)
-        except KeyboardInterrupt as exc:
+            signal.raise_signal(signal.SIGINT if signum is None else signum)
+        except BaseException as exc:
             error(exc)
         return []
 
@@ -172,4 +172,22 @@ def test_a_ctrl_c_that_a_library_turns_into_another_error_or_swallows_is_still_a
     code = main([command, str(finished_run), "--out", out])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 130 and err == ["nasdiag: interrupted"], (code, err)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("signum,code,line", [("SIGTERM", 143, "nasdiag: terminated (SIGTERM)"),
+                                              ("SIGHUP", 129, "nasdiag: hung up (SIGHUP)")])
+def test_a_sigterm_that_a_library_turns_into_another_error_is_still_the_signal(signum, code, line, finished_run, tmp_path,
+                                                                               monkeypatch, capsys):
+    """SIGTERM (or a hang-up) raised while pybind11 converts an argument becomes its TypeError as a Ctrl-C does: a
+    traceback, exit code 1. It is the signal: its line and exit code, nothing written."""
+    import signal
+
+    import nasdiag.plot.report
+    from nasdiag.cli import main
+
+    monkeypatch.setattr(nasdiag.plot.report, "write_report", _interrupt_then(_swallowed_into_type_error, getattr(signal, signum)))
+    monkeypatch.chdir(tmp_path)
+    assert main(["report", str(finished_run), "--out", "page.html"]) == code
+    assert capsys.readouterr().err.strip().splitlines() == [line]
     assert list(tmp_path.iterdir()) == []
