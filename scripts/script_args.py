@@ -80,6 +80,13 @@ def refuse_bad_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) 
             option = max(action.option_strings, key=len)
             raise UsageError(f"{option} {value} is not a folder but a file: {option} names the folder the script writes "
                              f"(or reads) its files in; give another {option}, or move the file away")
+        if action.dest in FOLDER_OPTIONS and action.option_strings and isinstance(value, str) and value.strip():
+            # a folder inside a file was "Not a directory" from os.makedirs, after another option's folder was made
+            above = next((p for p in map(str, Path(value).absolute().parents) if os.path.exists(p)), None)
+            if above is not None and not os.path.isdir(above):
+                option = max(action.option_strings, key=len)
+                raise UsageError(f"{option} {value} lies inside {above}, which is a file, not a folder, so no folder can "
+                                 f"be made there; give another {option}")
         suffix = Path(value).suffix.lower() if action.dest == "out" and isinstance(value, str) else ""
         if suffix and not os.path.isdir(value):  # --out figs.pdf made a folder so named of png files and a record
             from nasdiag.plot.commands import OTHER_FORMATS, RECORD_SUFFIXES

@@ -24,11 +24,15 @@ Defects found (each test fails without its fix):
   of those names without a word, as the scripts did figures and records before round 14; one line before any work
   unless it is a table the script wrote (script_args.refuse_other_tables)
   (test_a_table_file_of_the_users_in_out_is_not_replaced_and_a_rerun_replaces_its_own).
+* a batch script's folder option inside a file (``--runs notes.txt/runs``) was os.makedirs' "Not a directory", naming
+  neither option nor file, after another option's folder was made (make_readme_figures' --out); script_args refuses it
+  in one line before any work (test_a_folder_option_inside_a_file_is_one_line_naming_it_before_any_folder_is_made).
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 from pathlib import Path
 
 import pytest
@@ -151,3 +155,16 @@ def test_a_table_file_of_the_users_in_out_is_not_replaced_and_a_rerun_replaces_i
         code, out, err = _run(script, argv + ["--out", str(own)], capsys)
         assert code == 0, err
     assert (own / name).stat().st_size > 0
+
+
+# -- a folder option inside a file ----------------------------------------------------------------------------------
+def test_a_folder_option_inside_a_file_is_one_line_naming_it_before_any_folder_is_made(tmp_path, capsys):
+    """make_readme_figures --runs notes.txt/runs (a folder inside a file): os.makedirs' 'Not a directory', naming
+    neither the option nor the file, after the --out folder was made; one line naming --runs and the file, nothing
+    made."""
+    (tmp_path / "notes.txt").write_text("mine\n")
+    out = tmp_path / "img"
+    code, stdout, err = _run("make_readme_figures", ["--out", str(out), "--runs", str(tmp_path / "notes.txt" / "runs"),
+                                                     "--epochs", "1"], capsys)
+    assert code == 2 and len(err) == 1 and "--runs" in err[0] and "notes.txt" in err[0] and "file" in err[0], err
+    assert not out.exists() and sorted(os.listdir(tmp_path)) == ["notes.txt"]
