@@ -64,15 +64,23 @@ def main(argv=None):
     # the user's own docs/img/scalars.png (or a comparison of theirs in <runs>/compare) was replaced without a word
     refuse_other_figures(args.out, [*FIGURES, COMPARED], "png")
     refuse_other_figures(os.path.join(args.runs, "compare"), None, "png", "--runs")
+    if not args.plot_only:
+        from nasdiag.search import SearchConfig
+        from nasdiag.search.runner import check_paths
+
+        configs = [SearchConfig(method="darts", dataset="digits", epochs=args.epochs, seed=seed, record=path, force=True,
+                                progress=False, threads=args.threads, engine=args.engine)
+                   for seed, path in enumerate(records.values())]
+        for config in configs:  # both records before the first search: seed 1's was refused after seed 0's had run
+            check_paths(config)
     os.makedirs(args.out, exist_ok=True)  # before the runs: an unwritable folder fails at once, not after them
     if not args.plot_only:
-        from nasdiag.search import SearchConfig, run
+        from nasdiag.search import run
 
         os.makedirs(args.runs, exist_ok=True)
-        for seed, (label, path) in enumerate(records.items()):
+        for config, (label, path) in zip(configs, records.items()):
             start = time.perf_counter()
-            run(SearchConfig(method="darts", dataset="digits", epochs=args.epochs, seed=seed, record=path, force=True,
-                             progress=False, threads=args.threads, engine=args.engine))
+            run(config)
             print(f"{label}: {path} ({time.perf_counter() - start:.0f} s)")
     loaded = {label: load(path) for label, path in records.items()}
     first = loaded["seed 0"]

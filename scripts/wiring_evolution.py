@@ -53,6 +53,15 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
+def search_config(args, method: str):
+    """The search of ``method`` whose record is ``<out>/<method>/record.h5``."""
+    from nasdiag.search import SearchConfig
+
+    return SearchConfig(method=method, dataset=args.dataset, data_dir=args.data_dir, epochs=args.epochs,
+                        layers=args.layers, C=args.C, seed=args.seed, diagnostics=("cost",),
+                        record=os.path.join(args.out, method, "record.h5"), force=True, progress=False)
+
+
 def main(argv=None):
     args = parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -76,17 +85,19 @@ def main(argv=None):
 
         SearchConfig(dataset=args.dataset, data_dir=args.data_dir, epochs=args.epochs, layers=args.layers, C=args.C,
                      seed=args.seed).validate()
+        from nasdiag.search.runner import check_paths
+
+        for method in methods:  # every record before the first search: a later one was refused after the first ran
+            check_paths(search_config(args, method))
     for method in methods:
         folder = os.path.join(args.out, method)
         record = os.path.join(folder, "record.h5")
         if not args.plot_only:
-            from nasdiag.search import SearchConfig, run
+            from nasdiag.search import run
 
             os.makedirs(folder, exist_ok=True)
             start = time.perf_counter()
-            run(SearchConfig(method=method, dataset=args.dataset, data_dir=args.data_dir, epochs=args.epochs,
-                             layers=args.layers, C=args.C, seed=args.seed, diagnostics=("cost",), record=record,
-                             force=True, progress=False))
+            run(search_config(args, method))
             print(f"{method}: {record} ({time.perf_counter() - start:.0f} s)")
         elif not os.path.exists(record):
             raise UsageError(f"no record at {record}; run without --plot-only first")

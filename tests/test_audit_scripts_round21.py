@@ -8,7 +8,10 @@ Defects found (each test fails without its fix):
   the user's named ``darts_seed0.h5`` in ``--out`` was refused after the ASM-NAS searches had run (minutes at the
   defaults), their records and checkpoints left in the folder; a nasdiag search record of another method so named was
   replaced by ``force`` without a word. Every record path is checked before the first search
-  (test_asmnas_stability_refuses_a_file_in_the_way_of_a_later_record_before_any_search).
+  (test_asmnas_stability_refuses_a_file_in_the_way_of_a_later_record_before_any_search); make_readme_figures.py and
+  wiring_evolution.py likewise refused a later search's record that no search may replace (a Recorder-written record
+  of the method) only after the first search had run
+  (test_the_searching_scripts_check_a_later_record_before_their_first_search).
 * record_kill_trials.py (documented in docs/schema.md) kept plain argparse: ``--trials -1`` printed "-1/-1 SIGKILL
   trials intact" and exited 0, ``--dir`` naming a file (or empty) was os.makedirs' traceback; script_args' Parser
   (``--trials 0`` still makes the folder and runs no trial, as round 7 pins)
@@ -72,6 +75,27 @@ def test_asmnas_stability_refuses_a_file_in_the_way_of_a_later_record_before_any
                           capsys)
     assert code == 2 and len(err) == 1 and "darts_seed0.h5" in err[0], err
     assert _tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("script,later,argv", [
+    ("make_readme_figures", "runs/darts_seed1.h5", ["--out", "{tmp}/img", "--runs", "{tmp}/runs", "--epochs", "1"]),
+    ("wiring_evolution", "darts/record.h5", ["--out", "{tmp}", "--methods", "dsnas,darts", "--epochs", "1", "--C", "4"]),
+])
+def test_the_searching_scripts_check_a_later_record_before_their_first_search(tmp_path, capsys, script, later, argv):
+    """A record of the script's method that a user's own loop wrote (Recorder, no search settings), which a search
+    refuses to replace even with force, at the second search's path: refused after the first search had run (its
+    record and the --out folder left); one line before any, the folder as it was."""
+    import numpy as np
+
+    from nasdiag.record import Recorder
+
+    (tmp_path / later).parent.mkdir(parents=True)
+    with Recorder(str(tmp_path / later), meta={"method": "darts"}) as rec:
+        rec.log(1, {"scalars/train_loss": np.float64(1.0)})
+    before = _tree(tmp_path)
+    code, out, err = _run(script, [a.replace("{tmp}", str(tmp_path)) for a in argv], capsys)
+    assert code == 2 and len(err) == 1 and later.split("/")[-1] in err[0], err
+    assert _tree(tmp_path) == before and sorted(os.listdir(tmp_path)) == [later.split("/")[0]]
 
 
 # -- record_kill_trials ---------------------------------------------------------------------------------------------
