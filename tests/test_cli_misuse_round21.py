@@ -2,10 +2,39 @@
 what rounds 1-20 (test_cli_errors.py, test_cli_search_misuse.py, test_cli_plot_misuse.py, test_cli_misuse_round3..20.py,
 test_scripts_misuse_round14.py) did not cover: ``nasdiag search --out log.h5 --force`` over an HDF5 file of another
 program that holds a ``/step`` column (a training log's common name) but none of a record's other parts took it for a
-damaged record and replaced it, exit code 0, where README says --force refuses "another HDF5 file"; ``plot`` and
-``report`` of it said "not a nasdiag record segment ...; remove or rename it", the user's own file.
-Every such mistake is one line on stderr saying what was wrong and what to do, exit code 2, no traceback, nothing left
-behind.
+damaged record and replaced it, exit code 0, where README says --force refuses "another HDF5 file" (plot and report told
+the user to remove or rename it); so did ``--force`` over an HDF5 file another program holds open to write (HDF5's file
+lock kept nasdiag from looking inside); ``--out=-run.h5`` (the form its refusal of ``--out -run.h5`` asks for) stopped
+while drawing its figures gave "nasdiag plot -run.h5 --out -run-figs", a command refused; a Ctrl-C (or SIGTERM, SIGHUP)
+during ``nasdiag report`` that matplotlib's pybind11 turned into its "TypeError: incompatible function arguments" was a
+traceback, exit code 1, and one raised in a finalizer was printed as "Exception ignored ... KeyboardInterrupt" and lost.
+Every such mistake is one line on stderr saying what was wrong and what to do, exit code 2 (130/143/129 for a signal),
+no traceback, nothing left behind.
+
+Checked and found right (not repeated as tests, run as a user in a shell or in-process): ``nasdiag methods`` as a contract:
+every hyperparameter of every method given at the default it prints (``--hp optimizer=adamhapg``, ``reward_bound=None``,
+``"alpha_betas=(0.5, 0.999)"``, ``first_order=False``) runs and ends in the record's meta ``hp`` with that value; an int
+key given 1.5, 1.0, 1e1 (one line), 0x10, 010, 1_0, -0, Arabic-Indic digits (Python's int); a bool key given yes, 1, TRUE
+(True), 2, None, '' (one line); a float key given 1e-3 (taken), inf, -inf, nan, 0x10 (one line); hyperparameters at the
+ends of their printed ranges (w_momentum=1, alpha_betas=0,0, sgl_alpha=0/1, tau_decay=1 with tau_min=1, zeta=1e-30,
+attention_hidden=1); --out and --seed given twice (the last, as README says); empty values of every path option; --out
+through a file, a folder, a dangling link, in /sys (read-only); --figs a file, through a file, a folder of other files;
+plot/report --dpi 0/14/1e3/150.5, --figures ''/,/twice, --at ''/-1/init,init, --format PNG/jpg, --out the record, its
+checkpoint, a file, through a file, a dangling link; plot and report of a text file named .h5, an empty file, an HDF5
+file of other groups, and copies of a real record cut every 4 KiB (one line each, or drawn from the rows intact);
+SIGINT at five moments of a search (before the record, while drawing: one line each, the plot command given works);
+an interrupt at step 4 of 6 then --resume equal, array by array, to an uninterrupted run (float64, cost and Hessian
+diagnostics) for bayesnas (update_every=1), xnas, snas, sparsenas (adamhapg and hapg), asmnas, darts2 and proxyless;
+Ctrl-C at 30 random moments of nasdiag report (one line, exit 130, no temporary file left).
+
+Left alone: a figure folder that ``nasdiag plot`` (or a search's default --figs: a.h5 and a.hdf5 share a-figs) drew the
+figures of one run into keeps them when another run's are drawn there: the figures of families the second run lacks
+stay beside its own (the figures carry no run identity; README says plot redraws in place what it drew); a search
+stopped while drawing its figures prints no genotype (the record holds the run; report shows it); ``report --out
+notes.h5`` of a text file calls it "an HDF5 file (a record?)" (refused for its name); an unparsable bool or int
+hyperparameter is "must be of type bool, got 'Y'", without the accepted spellings; ``--figures scalars,scalars`` draws
+once where ``--at init,init`` is refused; a checkpoint is read with torch.load(weights_only=False) (a pickle: a
+checkpoint from elsewhere runs its code).
 """
 
 from __future__ import annotations
@@ -102,7 +131,7 @@ def test_the_plot_command_given_after_an_interrupt_while_drawing_reads_a_record_
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 130 and len(err) == 1 and "draw them with nasdiag plot " in err[0], err
     argv = shlex.split(err[0].split("draw them with nasdiag ", 1)[1])
-    assert main([*argv, "--no-progress"]) == 0, capsys.readouterr().err
+    assert main([*argv, "--no-progress", "--figures", "scalars"]) == 0, capsys.readouterr().err
     assert (tmp_path / "-run-figs" / "scalars.png").is_file()
 
 
