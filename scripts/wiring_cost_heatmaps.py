@@ -16,9 +16,9 @@ figure registry (``cost_<cell>_heatmap_init`` and ``_final``), so ``--plot-only`
 
 What differs from the paper: digits (8×8 grey images; θ trains on the 719 of search-train, of the 1438 search
 images) instead of CIFAR-10, C = 8 channels, 5 epochs of θ training (55 steps of 64) instead of 150 epochs; the
-same code runs CIFAR-10 from a local folder (``--dataset cifar10 --data-dir DIR``, a 5000-image subset). The paper's cell-wise statistics are
-pooled over the cells of a type (normal, reduce). Timing: BENCHMARKS.md (``--configs minimal1`` alone is
-the quick one; ``darts8`` the slowest).
+same code runs CIFAR-10 from a local folder (``--dataset cifar10 --data-dir DIR``, a 5000-image subset). The
+paper's cell-wise statistics are pooled over the cells of a type (normal, reduce). Timing: BENCHMARKS.md
+(``--configs minimal1`` alone is the quick one; ``darts8`` the slowest).
 
     python scripts/wiring_cost_heatmaps.py --out runs/wiring_cost
     python scripts/wiring_cost_heatmaps.py --out runs/wiring_cost --plot-only
