@@ -46,6 +46,11 @@ Defects found (each test fails on the library before its fix):
   ``hutchinson_diagonal`` and ``hessian_eigenvalues``, after the forward; one ``CurvatureError`` line before it —
   ``test_a_seed_beyond_torchs_generator_range_is_one_line``.
 
+* ``hessian_eigenvalues`` / ``hutchinson_trace`` / ``hutchinson_diagonal`` given ``params={"2.weight": value}`` (how
+  ``diag_hessian`` evaluates at a value) differentiated the model's own tensors, so ``value`` got zero rows: λ_max = 0
+  "converged", a trace of 0, with a RuntimeWarning only (the dense top eigenvalue at that value: 0.27); one
+  ``CurvatureError`` line now —
+  ``test_the_spectrum_given_another_tensor_under_a_parameters_name_is_one_line_not_a_zero_eigenvalue``.
 * docs/hessian.md quoted the error of ``exact_per_edge`` summed over cells as 33% "on a 2-cell minimal net,
   tests/test_curvature_accuracy.py": that test's net gives 23% (24% with 3 cells, quoted 25%), and the docstrings of
   ``arch_diag_hessian`` and ``arch_shared`` stated "25% off on a 3-cell net" as if it held for any (80% here); the
@@ -263,3 +268,30 @@ def test_ggn_is_the_dense_gauss_newton_in_eval_mode_and_the_documented_per_sampl
             U = U * torch.gather(U, 2, first[..., None]).sign()
             want = torch.einsum("mc,mcd,mdni->cni", lam.clamp_min(0).sqrt(), U, J).square().sum((0, 1))
         assert torch.allclose(got, want, rtol=1e-10, atol=1e-12 * float(want.abs().max())), train
+
+
+def test_the_spectrum_given_another_tensor_under_a_parameters_name_is_one_line_not_a_zero_eigenvalue():
+    """diag_hessian(params={name: value}) evaluates at the value; the spectrum's products run through the tensors the
+    model uses, so the same dict gave zero rows: λ_max = 0 'converged' and a trace of 0, with a warning only."""
+    from nasdiag.hessian import diag_hessian
+
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randint(0, 3, (8,))
+    value = 2 * torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
+    point = diag_hessian(mlp, F.cross_entropy, x, y, mode="exact", params={"2.weight": value})["2.weight"]
+    dense = _dense_hessian(lambda w: F.cross_entropy(torch.func.functional_call(mlp, {"2.weight": w.view(3, 6)}, (x,)), y),
+                           value.reshape(-1))
+    assert torch.allclose(point.reshape(-1), dense.diagonal(), rtol=1e-10, atol=1e-14)  # diag_hessian: at the value
+    for call in (lambda: hessian_eigenvalues(mlp, F.cross_entropy, x, y, params={"2.weight": value}, k=1),
+                 lambda: hutchinson_trace(mlp, F.cross_entropy, x, y, params=[("2.weight", value)], samples=2),
+                 lambda: hutchinson_diagonal(mlp, F.cross_entropy, x, y, params={"2.weight": value}, samples=2)):
+        with pytest.raises(CurvatureError, match=r"params \['2\.weight'\] name parameters of the model but give other") as info:
+            call()
+        assert "\n" not in str(info.value)
+    # the advice holds: the values loaded into the model, its own parameter gives the dense top eigenvalue
+    with torch.no_grad():
+        mlp[2].weight.copy_(value)
+    top = hessian_eigenvalues(mlp, F.cross_entropy, x, y, params={"2.weight": mlp[2].weight}, k=1)
+    want = float(torch.linalg.eigvalsh(dense)[-1])
+    assert abs(top.largest_algebraic - want) <= 1e-10 * abs(want)

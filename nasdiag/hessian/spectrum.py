@@ -436,6 +436,16 @@ def loss_hvp(
         ``params`` (attributes ``dim``, ``sizes``, ``names``, ``gradient``).
     """
     pairs = named_tensors(params, default_owner=model)
+    own = dict(model.named_parameters())
+    # diag_hessian takes {name: value} as the point to evaluate at; these products run through the tensors the model
+    # uses, so another tensor under a parameter's name was not differentiated: zero rows, λ = 0 'converged'
+    other = [n for n, p in pairs if isinstance(n, str) and n in own and own[n] is not p]
+    if other:
+        raise CurvatureError(
+            f"params {other} name parameters of the model but give other tensors: the spectrum differentiates the loss "
+            "w.r.t. the tensors the model uses, not values put in their place (as diag_hessian's params do); pass the "
+            f"model's own (dict(model.named_parameters())[{other[0]!r}]), after loading the values to evaluate at into it"
+        )
     _refuse_empty_batch(inputs)  # its mean loss is NaN, but no output entry carries that into the products (zeros)
     with preserved_buffers(model), torch.enable_grad():
         loss = scalar_loss(loss_fn, call_model(model, inputs), targets)
