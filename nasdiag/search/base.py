@@ -527,7 +527,8 @@ class SearchMethod:
 
     # -- the cost primitive as a service ---------------------------------------------------------------
     def cost(self, x: torch.Tensor, y: torch.Tensor, weights: CellWeights, *, active: Optional[CellWeights] = None,
-             train_weights: bool = False, observe: bool = True, record_probe: Optional[bool] = None) -> CostStep:
+             train_weights: bool = False, observe: bool = True, record_probe: Optional[bool] = None,
+             observed: Optional[CellWeights] = None) -> CostStep:
         """One forward/backward with per-cell leaves Z_k = weights[type of cell k]; returns C = ∂L/∂Z_k.
 
         C(Z) = ∂L/∂Z = <∂L/∂x_j, O(x_i)> (wiring supplement §2) for every edge and candidate op, computed
@@ -546,6 +547,9 @@ class SearchMethod:
                 ``observe``, so a forward that is not an observation (ProxylessNAS's w step) stays out of the
                 probe's costs and statistics too. True records an evaluation forward that must not move the
                 method's statistics (``scripts/wiring_output_cost.py`` reads its per-sample output costs).
+            observed: ``{cell type: (E, K) bool}``: the ops whose costs enter the statistics (default: ``active``); an
+                op computed only to keep its edge's output defined (BayesNAS's first op of a removed edge, at Z = 0) is
+                computed but not an op of the architecture, and is left out of them.
 
         Returns:
             :class:`CostStep`. Under DDP the costs are averaged over ranks (the cost of the global mean
@@ -569,7 +573,7 @@ class SearchMethod:
                 grads = list(torch.autograd.grad(loss, leaves, allow_unused=True))
         grads = [torch.zeros_like(z) if g is None else g for z, g in zip(leaves, grads)]
         if observe:
-            self._observe_costs(grads, active)
+            self._observe_costs(grads, active if observed is None else observed)
         grads = _global_mean_costs(grads)
         costs: CellWeights = {}
         for cell, g in zip(self.network.cells, grads):

@@ -196,7 +196,8 @@ class BayesNAS(SearchMethod):
         self.w_optimizer.zero_grad(set_to_none=True)
         self.arch_optimizer.zero_grad(set_to_none=True)
         weights = self.forward_weights()
-        result = self.cost(x, y, weights, active=self.active_ops(), train_weights=True)
+        # observed: the switched-on ops; a removed edge's first op is computed at Z = 0 but pruned (no cost statistics)
+        result = self.cost(x, y, weights, active=self.active_ops(), train_weights=True, observed=self.alive)
         stats = {"scalars/train_loss": result.loss, "scalars/train_acc": accuracy(result.logits, y)}
         check_finite_loss(self, result, stats)  # before 𝒲, w and the switches take anything from a NaN/inf loss
         nn.utils.clip_grad_norm_(net.weight_parameters(), self.hp.grad_clip)
