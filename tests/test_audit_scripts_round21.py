@@ -30,6 +30,19 @@ Defects found (each test fails without its fix):
 * a batch script's folder option inside a file (``--runs notes.txt/runs``) was os.makedirs' "Not a directory", naming
   neither option nor file, after another option's folder was made (make_readme_figures' --out); script_args refuses it
   in one line before any work (test_a_folder_option_inside_a_file_is_one_line_naming_it_before_any_folder_is_made).
+
+Doc fixes (no test): wiring_output_cost's docstring promised "the counts" of correct and wrong samples (it records
+``scalars/accuracy_<split>``); wiring_cost_heatmaps' counted 1437 digits search images (1438: 719 + 719, any seed).
+
+Checked and found right: wiring_output_cost's evaluation (per-sample C_Z from the probe's output-edge costs times B,
+the overall / correct / wrong means, accuracy, largest C_Z of a correct sample, the Thm 2 check) against this file's
+float64 arithmetic on the logits (test_wiring_output_cost_evaluation_is_this_files_arithmetic_on_the_logits), and a
+1-epoch run's record: each overall mean = accuracy × correct mean + (1 − accuracy) × wrong mean, mean C_Z = mean L −
+mean H to 1e-9, and its docstring's wrong sample p = (0.4, 0.35, 0.25), label 1: C_Z = −0.0307; wiring_variants'
+``instance`` run: every recorded cost mean |E[C]| < 1e-8 at init and after training (eq 16, Fig. 19), ``layer`` not
+zero (§8.1 claims Thm 1's path nullification for it, not zero costs); sparsenas_digits' feature / neuron / sparsity
+counts follow its pruning rule (removal propagated from the output backwards) and its claims' comparable-accuracy
+rule is the docstring's; the printed architecture of bayes_compression is the record's last row.
 """
 
 from __future__ import annotations
@@ -192,3 +205,48 @@ def test_a_folder_option_inside_a_file_is_one_line_naming_it_before_any_folder_i
                                                      "--epochs", "1"], capsys)
     assert code == 2 and len(err) == 1 and "--runs" in err[0] and "notes.txt" in err[0] and "file" in err[0], err
     assert not out.exists() and sorted(os.listdir(tmp_path)) == ["notes.txt"]
+
+
+# -- wiring_output_cost: its evaluation against this file's arithmetic on the logits --------------------------------
+def test_wiring_output_cost_evaluation_is_this_files_arithmetic_on_the_logits():
+    """evaluate() (Thm 2's per-sample C_Z read from the probe's output-edge costs, times B) against this file's float64
+    arithmetic on the logits of the same forward (the minimal cell at uniform Z, train-mode BN, batches of 16, 16
+    and 8): GAP then a bias-free linear map is 1-homogeneous in the cell's output h, so Σ_n <∂L_b/∂h_n, h_n> =
+    <∂L_b/∂Y_b, Y_b> = Σ_c p_bc Y_bc − Y_b,y_b (per-sample loss, not the batch mean), which is L_b − H_b. The means
+    overall and over correctly / wrongly classified samples, the accuracy, the largest C_Z of a correct sample and
+    the largest |C_Z − (L − H)| are taken here with numpy."""
+    import numpy as np
+    import torch
+    from torch.utils.data import TensorDataset
+
+    import nasdiag
+    import wiring_common as W
+    import wiring_output_cost
+    from nasdiag.search import Schedule
+
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(40, 1, 8, 8, generator=g), torch.randint(0, 10, (40,), generator=g)
+    net = W.make_network("minimal", 1, 10, 1, C=4, reductions=(), classifier_bias=False, seed=0)
+    probe = nasdiag.attach(net)
+    method = W.FixedArchitecture(net, W.FixedArchitecture.Hyperparameters(protocol="darts"), probe=probe, seed=0,
+                                 schedule=Schedule(1, 1, 16, 40, 40))
+    row = wiring_output_cost.evaluate(method, probe, TensorDataset(x, y), "train", batch_size=16)
+    uniform = {t: torch.full_like(a, 1.0 / a.shape[-1]) for t, a in net.alphas().items()}
+    with torch.no_grad():
+        Y = torch.cat([net(x[i:i + 16], uniform) for i in range(0, 40, 16)]).double().numpy()
+    Y = Y - Y.max(1, keepdims=True)
+    p = np.exp(Y) / np.exp(Y).sum(1, keepdims=True)
+    labels = y.numpy()
+    own = {"loss": -np.log(p[np.arange(40), labels]), "entropy": -(p * np.log(p)).sum(1)}
+    own["cz"] = (p * Y).sum(1) - Y[np.arange(40), labels]
+    right = Y.argmax(1) == labels
+    assert 0 < right.sum() < 40  # both parts have samples
+    got = {k: float(v) for k, v in row.items()}
+    for q, v in own.items():
+        assert got[f"scalars/{q}_train"] == pytest.approx(v.mean(), rel=1e-5, abs=1e-6)
+        assert got[f"scalars/{q}_train_correct"] == pytest.approx(v[right].mean(), rel=1e-5, abs=1e-6)
+        assert got[f"scalars/{q}_train_wrong"] == pytest.approx(v[~right].mean(), rel=1e-5, abs=1e-6)
+    assert got["scalars/accuracy_train"] == right.mean()
+    assert got["scalars/cz_train_correct_max"] == pytest.approx(own["cz"][right].max(), rel=1e-5, abs=1e-6)
+    assert got["scalars/cz_train_correct_max"] <= 0
+    assert 0 <= got["scalars/thm2_max_abs_error_train"] < 1e-5  # float32 net: C_Z and L − H agree to its rounding
