@@ -11,6 +11,14 @@ network whose logits are all NaN read as the batch's share of class 0 (0.08-0.12
 losses, a flat plausible accuracy curve). A sample whose logits hold a NaN has no prediction: the accuracy is NaN; a
 −inf logit (a masked class) still predicts as before
 (``test_the_accuracy_of_nan_logits_is_nan_not_the_share_of_class_0``).
+
+Defect found: every curvature route (``diag_hessian``, ``arch_diag_hessian`` exact, the spectrum: all through
+``scalar_loss``) added ``0·‖y − y.detach()‖²`` to the loss to carry a NaN loss into the curvature; at a −inf output
+entry (a masked class, cross-entropy finite) that is 0·(inf − inf)² = NaN, so the loss value and, through a −inf
+classifier bias, the curvature of the layers before it came out NaN (12 + 4 of the 16 first-layer entries of a small
+MLP; 24 of 40 mixing weights of a one-cell supernet, and the torch.func route refused itself as a 'wrong
+forward-mode rule'), flagged non-finite where the loss is finite; ±inf output entries take no part now
+(``test_a_masked_class_with_a_minus_inf_logit_keeps_a_finite_curvature_equal_to_autograds``).
 """
 
 import math
@@ -129,3 +137,52 @@ def test_the_accuracy_of_nan_logits_is_nan_not_the_share_of_class_0():
             net.classifier.weight.fill_(math.nan)  # a diverged classifier: every logit NaN
         evaluation = m.evaluate([(x, targets)])
         assert math.isnan(evaluation["loss"]) and math.isnan(evaluation["acc"]), (method, evaluation)
+
+
+# -- a masked class (−inf logit) in the curvature routes --------------------------------------------------------------
+def _autograd_diagonal(f, point):
+    """Own reference: the diagonal of torch.autograd.functional.hessian of ``f`` at ``point`` (float64)."""
+    n = point.numel()
+    return torch.autograd.functional.hessian(f, point).reshape(n, n).diagonal().reshape(point.shape)
+
+
+def test_a_masked_class_with_a_minus_inf_logit_keeps_a_finite_curvature_equal_to_autograds():
+    """A classifier whose bias of class 3 is −inf (a masked class): p_3 = 0 and the cross-entropy of the other labels
+    is finite, and so is its Hessian (autograd's reverse-over-reverse gives it). The routes gave NaN for the parameters
+    before that bias (weights) and for the mixing weights of a supernet (exact), through 0·(inf − inf)²."""
+    from torch.func import functional_call
+
+    from nasdiag.hessian import arch_diag_hessian, diag_hessian
+    from nasdiag.supernet import Network
+
+    torch.manual_seed(0)
+    ce = nn.functional.cross_entropy
+    y = torch.tensor([0, 1, 2, 0, 1])
+    mlp = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 4)).double()
+    with torch.no_grad():
+        mlp[2].bias[3] = -math.inf
+    x = torch.randn(5, 3, dtype=torch.float64)
+    assert math.isfinite(float(ce(mlp(x), y).detach()))
+    params = dict(mlp.named_parameters())
+    for mode in ("exact", "diag"):
+        got = diag_hessian(mlp, ce, x, y, mode=mode)
+        for name in ("0.weight", "0.bias"):  # the layer before the -inf bias (diag: an approximation, finite)
+            def f(p, name=name):
+                return ce(functional_call(mlp, {**params, name: p}, (x,)), y)
+            want = _autograd_diagonal(f, params[name].detach())
+            assert torch.isfinite(want).all()
+            if mode == "exact":
+                torch.testing.assert_close(got[name], want, rtol=1e-10, atol=1e-14)
+            else:
+                assert torch.isfinite(got[name]).all(), (mode, name)
+
+    net = Network(4, 4, 1, steps=2, multiplier=2, in_channels=1, reductions=()).double().eval()
+    with torch.no_grad():
+        net.classifier.bias[3] = -math.inf
+    x = torch.randn(5, 1, 6, 6, dtype=torch.float64)
+    z = torch.softmax(net.alphas()["normal"].detach(), -1)
+    want = _autograd_diagonal(lambda w: ce(net(x, {"normal": w}), y), z)
+    assert torch.isfinite(want).all()
+    edges = {s.name: s for s in net.edge_specs()}
+    got = arch_diag_hessian(net, ce, x, y, edges, mode="exact")
+    torch.testing.assert_close(torch.stack([got[s.name] for s in net.edge_specs()]), want, rtol=1e-10, atol=1e-14)

@@ -278,13 +278,16 @@ def _nonfinite_kept(loss: torch.Tensor, outputs) -> torch.Tensor:
     the GGN) would report a flat loss. Adding ``c·‖y − y.detach()‖²`` with ``c = 0`` (finite loss: value,
     gradient and Hessian unchanged, exactly) or ``c = NaN`` (non-finite loss) makes the gradient and Hessian NaN
     through every output ``y`` in the second case, in every route at once. No host sync (a ``torch.where``), so
-    it runs under ``torch.func`` transforms and CUDA-graph capture alike."""
+    it runs under ``torch.func`` transforms and CUDA-graph capture alike. An output entry of ±inf (a masked class's
+    −inf logit, whose cross-entropy is finite) takes no part: its y − y.detach() is inf − inf = NaN, which made the
+    loss value and, through the parameters before it (a −inf bias), the curvature of a finite loss NaN."""
     leaves = [t for t in tree_leaves(outputs)
               if isinstance(t, torch.Tensor) and t.requires_grad and (torch.is_floating_point(t) or t.is_complex())]
     if not leaves:
         return loss
     flag = torch.where(torch.isfinite(loss.detach()), 0.0, float("nan")).to(loss.dtype)
-    spread = sum((t - t.detach()).abs().square().sum().to(loss.dtype) for t in leaves)
+    spread = sum(torch.where(torch.isfinite(t.detach()), t - t.detach(), torch.zeros_like(t)).abs().square().sum()
+                 .to(loss.dtype) for t in leaves)
     return loss + flag * spread
 
 
