@@ -373,6 +373,25 @@ def _refuse_typographic_quotes(args) -> None:
             raise ConfigError(f"{option if option.startswith('-') else 'the record'} {said}")
 
 
+def _refuse_surrounding_space(args) -> None:
+    """Refuse a path that begins or ends with white space (``--out "run.h5 "``, ``"$name"`` read with its newline): the
+    search wrote its record as "run.h5 ", exit code 0, a name that looks like run.h5 and that plot run.h5 then did not
+    find. A file so named that exists is taken as meant; a path of white space alone has its own line."""
+    for option, value in _paths_given(args):
+        if value and value.strip() and value != value.strip() and not os.path.lexists(value):
+            end = "begins" if value[0].isspace() else "ends"
+            raise ConfigError(f"{option if option.startswith('-') else 'the record'} {_quote(value)} {end} with white space "
+                              f"({_space_name(value[0] if end == 'begins' else value[-1])}), which would be part of the "
+                              f"file name; type {_quote(value.strip())}")
+
+
+def _space_name(char: str) -> str:
+    """``a space``, ``a newline``, or the character's Unicode name in lower case."""
+    import unicodedata
+
+    return {" ": "a space", "\n": "a newline", "\t": "a tab"}.get(char) or unicodedata.name(char, repr(char)).lower()
+
+
 def _refuse_unmatched_pattern(args) -> None:
     """Refuse the one RECORD of ``plot`` or ``report`` that is a shell pattern no file matched (``runs/*.h5``, passed on
     as is): it was "no record at runs/*.h5 (no file runs/*.h5 and no segments next to it)", as if a file of that name
@@ -960,6 +979,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             _refuse_special_files(args)
             _refuse_unmatched_pattern(args)
             _refuse_typographic_quotes(args)
+            _refuse_surrounding_space(args)
         _import_numpy()
         if args.command == "methods":  # printing is all it does
             return _printed(COMMANDS[args.command], args)

@@ -220,3 +220,28 @@ def test_a_sigterm_that_a_library_turns_into_another_error_is_still_the_signal(s
     assert main(["report", str(finished_run), "--out", "page.html"]) == code
     assert capsys.readouterr().err.strip().splitlines() == [line]
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv,said", [(["search", *TINY, "--out", "run.h5 "], "--out 'run.h5 ' ends with white space (a space)"),
+                                       (["search", *TINY, "--out", "run.h5\n"], "ends with white space (a newline)"),
+                                       (["search", *TINY, "--out", "r.h5", "--no-figs", "--figs", " figs"], None),
+                                       (["plot", "run.h5 ", "--out", "figs"], "the record 'run.h5 ' ends with white space"),
+                                       (["report", " run.h5", "--out", "r.html"], "the record ' run.h5' begins with white space"),
+                                       (["plot", "run.h5", "--out", "figs "], "--out 'figs ' ends with white space")])
+def test_a_path_with_white_space_around_it_is_named(argv, said, finished_run, tmp_path, monkeypatch, capsys):
+    """``nasdiag search --out "run.h5 "`` (a space inside the quotes, or a name read with its newline) wrote its record
+    as 'run.h5 ', exit code 0, a file that looks like run.h5 and that plot run.h5 then did not find; plot into "figs "
+    made such a folder, and plot "run.h5 " said "no record at run.h5 ". One line naming the white space and the path to
+    type, nothing made."""
+    import shutil
+
+    from nasdiag.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(finished_run, tmp_path / "run.h5")
+    before = snapshot(tmp_path)
+    code = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "Traceback" not in err[0], err
+    assert (said or "") in err[0] and ("type run.h5" in err[0] or "type figs" in err[0]), err
+    assert snapshot(tmp_path) == before
