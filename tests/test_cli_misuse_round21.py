@@ -7,7 +7,9 @@ the user to remove or rename it); so did ``--force`` over an HDF5 file another p
 lock kept nasdiag from looking inside); ``--out=-run.h5`` (the form its refusal of ``--out -run.h5`` asks for) stopped
 while drawing its figures gave "nasdiag plot -run.h5 --out -run-figs", a command refused; a Ctrl-C (or SIGTERM, SIGHUP)
 during ``nasdiag report`` that matplotlib's pybind11 turned into its "TypeError: incompatible function arguments" was a
-traceback, exit code 1, and one raised in a finalizer was printed as "Exception ignored ... KeyboardInterrupt" and lost.
+traceback, exit code 1, and one raised in a finalizer was printed as "Exception ignored ... KeyboardInterrupt" and lost;
+``--out "run.h5 "`` (white space inside the quotes, or a name read with its newline) wrote a record that looks like
+run.h5, exit code 0, and plot's ``--out "figs "`` such a folder.
 Every such mistake is one line on stderr saying what was wrong and what to do, exit code 2 (130/143/129 for a signal),
 no traceback, nothing left behind.
 
