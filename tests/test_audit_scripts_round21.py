@@ -30,6 +30,11 @@ Defects found (each test fails without its fix):
 * a batch script's folder option inside a file (``--runs notes.txt/runs``) was os.makedirs' "Not a directory", naming
   neither option nor file, after another option's folder was made (make_readme_figures' --out); script_args refuses it
   in one line before any work (test_a_folder_option_inside_a_file_is_one_line_naming_it_before_any_folder_is_made).
+* bayes_compression.py counted alive the fc1 features of a pruned conv2 filter (the filter and its bias are zeroed,
+  so each of its 16 features is 0 for every input): λ = 0.1, ratio 0.9 printed 1-1-1-1 at 0.100 test accuracy, its
+  one fc1 feature from a pruned filter; docs/bayesnas.md's λ = 1e-3 result 7-9-44-15 counted one such feature
+  (7-9-43-15, the same run otherwise). Step 4 prunes them with their filter
+  (test_bayes_compression_counts_no_fc1_feature_of_a_pruned_filter_and_its_counts_are_the_nets_nonzero_groups).
 
 Doc fixes (no test): wiring_output_cost's docstring promised "the counts" of correct and wrong samples (it records
 ``scalars/accuracy_<split>``); wiring_cost_heatmaps' counted 1437 digits search images (1438: 719 + 719, any seed).
@@ -250,3 +255,35 @@ def test_wiring_output_cost_evaluation_is_this_files_arithmetic_on_the_logits():
     assert got["scalars/cz_train_correct_max"] == pytest.approx(own["cz"][right].max(), rel=1e-5, abs=1e-6)
     assert got["scalars/cz_train_correct_max"] <= 0
     assert 0 <= got["scalars/thm2_max_abs_error_train"] < 1e-5  # float32 net: C_Z and L − H agree to its rounding
+
+
+def test_bayes_compression_counts_no_fc1_feature_of_a_pruned_filter_and_its_counts_are_the_nets_nonzero_groups(
+        monkeypatch, capsys):
+    """The pruned architecture read off the trained net itself (groups of nonzero norm: conv filters with their
+    biases, fc columns) against the row's counts; an fc1 feature is the output of one conv2 filter at one of the 4×4
+    places (flatten of (16, 4, 4)), so a feature of a pruned filter is 0 for every input. Such features were counted
+    alive: λ = 0.1, ratio 0.9 printed 1-1-1-1 at 0.100 accuracy, its one fc1 feature from a pruned filter."""
+    import argparse
+
+    import bayes_compression as bc
+
+    nets = []
+
+    class Kept(bc.SmallConvNet):
+        def __init__(self):
+            super().__init__()
+            nets.append(self)
+
+    monkeypatch.setattr(bc, "SmallConvNet", Kept)
+    args = argparse.Namespace(seed=0, iterations=3, epochs_per_iteration=1, lam=0.1, lr=0.05, batch_size=64,
+                              hessian_batch=256, prune_ratio=0.9, threads=1)
+    last = bc.compress(args)[-1]
+    capsys.readouterr()
+    w = {n: p.detach() for n, p in nets[-1].named_parameters()}
+    filters = {c: (w[f"{c}.weight"].flatten(1).norm(dim=1) > 0) | (w[f"{c}.bias"] != 0) for c in ("conv1", "conv2")}
+    features = w["fc1.weight"].norm(dim=0) > 0
+    assert not filters["conv2"].all()  # the case: a conv2 filter was pruned
+    carrying = features & filters["conv2"].repeat_interleave(16)
+    assert int(features.sum()) == int(carrying.sum()) == last["alive/fc1"]
+    assert (int(filters["conv1"].sum()), int(filters["conv2"].sum())) == (last["alive/conv1"], last["alive/conv2"])
+    assert int((w["fc2.weight"].norm(dim=0) > 0).sum()) == last["alive/fc2"]
