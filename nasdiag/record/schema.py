@@ -57,6 +57,8 @@ NO_SEED = -1
 
 #: meta keys with a fixed meaning; any other key is kept as a JSON attribute of /meta.
 KNOWN_META_KEYS = ("method", "config", "seed", "op_names", "edge_names", "cell_types")
+#: the longest meta key (kept as an attribute name of /meta): HDF5 stores an attribute's name with its NUL in 16 bits
+MAX_META_KEY = 65534
 #: what `reader.load_meta` adds to the meta: a meta key of one of these names would be hidden there
 LOAD_META_KEYS = ("schema_version", "nasdiag_version", "torch_version", "h5py_version", "hdf5_version", "run_id",
                   "segments", "nonfinite_counts")
@@ -378,6 +380,9 @@ def normalize_meta(meta: Mapping[str, Any] | None) -> dict[str, Any]:
     for key, value in meta.items():
         if not isinstance(key, str) or not _NAME.match(key):
             raise RecordError(f"meta key {key!r} is invalid: use ASCII letters, digits and _.-+=")
+        if len(key) > MAX_META_KEY:  # an attribute of /meta: a longer name was h5py's KeyError traceback
+            raise RecordError(f"meta key {key[:20]!r}... has {len(key)} characters, more than the {MAX_META_KEY} an "
+                              "HDF5 attribute name holds; use a shorter key")
         if key in LOAD_META_KEYS:
             raise RecordError(f"meta key {key!r} is reserved: load_meta reports the record's own {key} under it; "
                               "rename the key")
