@@ -385,6 +385,20 @@ def _refuse_surrounding_space(args) -> None:
                               f"file name; type {_quote(value.strip())}")
 
 
+def _refuse_slash_after_a_file(args) -> None:
+    """Refuse a record path (``search --out``, the RECORD of ``plot`` and ``report``) that ends in / after an existing
+    file (``run.h5/``): search said to pass a path such as run.h5/run.h5, under the file, and plot and report "no record
+    at run.h5/ (no file run.h5/ ...)", the record there all along."""
+    paths = [("--out", args.out)] if args.command == "search" else [(o, p) for o, p in _paths_given(args) if o == "RECORD"]
+    for option, value in paths:
+        if not value or not value.endswith(("/", os.sep)):
+            continue
+        file = value.rstrip("/" + os.sep)
+        if file and os.path.isfile(file):
+            raise ConfigError(f"{option if option.startswith('-') else 'the record'} {_quote(value)} ends in /, a folder's "
+                              f"mark, but {_quote(file)} is a file; drop the / and give {_quote(file)}")
+
+
 def _space_name(char: str) -> str:
     """``a space``, ``a newline``, or the character's Unicode name in lower case."""
     import unicodedata
@@ -980,6 +994,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             _refuse_unmatched_pattern(args)
             _refuse_typographic_quotes(args)
             _refuse_surrounding_space(args)
+            _refuse_slash_after_a_file(args)
         _import_numpy()
         if args.command == "methods":  # printing is all it does
             return _printed(COMMANDS[args.command], args)

@@ -9,7 +9,8 @@ while drawing its figures gave "nasdiag plot -run.h5 --out -run-figs", a command
 during ``nasdiag report`` that matplotlib's pybind11 turned into its "TypeError: incompatible function arguments" was a
 traceback, exit code 1, and one raised in a finalizer was printed as "Exception ignored ... KeyboardInterrupt" and lost;
 ``--out "run.h5 "`` (white space inside the quotes, or a name read with its newline) wrote a record that looks like
-run.h5, exit code 0, and plot's ``--out "figs "`` such a folder.
+run.h5, exit code 0, and plot's ``--out "figs "`` such a folder; a record path ending in / after the file (``run.h5/``)
+was told to give run.h5/run.h5 (search) or "no record at run.h5/" (plot, report).
 Every such mistake is one line on stderr saying what was wrong and what to do, exit code 2 (130/143/129 for a signal),
 no traceback, nothing left behind.
 
@@ -246,4 +247,24 @@ def test_a_path_with_white_space_around_it_is_named(argv, said, finished_run, tm
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "Traceback" not in err[0], err
     assert (said or "") in err[0] and ("type run.h5" in err[0] or "type figs" in err[0]), err
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("argv", [["search", *TINY, "--out", "run.h5/", "--resume"], ["plot", "run.h5/", "--out", "figs"],
+                                  ["report", "run.h5/", "--out", "r.html"]])
+def test_a_record_path_ending_in_a_slash_after_a_file_says_to_drop_it(argv, finished_run, tmp_path, monkeypatch, capsys):
+    """``nasdiag search --out run.h5/ --resume`` was told to "pass the record's file path, such as run.h5/run.h5", a path
+    under the record file; ``plot run.h5/`` and ``report run.h5/`` said "no record at run.h5/ (no file run.h5/ and no
+    segments next to it)", the record there all along. One line: drop the /."""
+    import shutil
+
+    from nasdiag.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(finished_run, tmp_path / "run.h5")
+    before = snapshot(tmp_path)
+    code = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "Traceback" not in err[0], err
+    assert "drop the / and give run.h5" in err[0] and "run.h5/run.h5" not in err[0], err
     assert snapshot(tmp_path) == before
