@@ -9,6 +9,9 @@ Defects these tests found (each fails without its fix):
   names) passed the meta check and raised h5py's ``KeyError: 'Unable to delete attribute (decoded name length is
   invalid)'`` traceback out of ``Recorder(...)``; one RecordError line at the construction, and the longest key that
   fits round-trips.
+- a record path that is a loop of symbolic links (``a.h5 -> b.h5 -> a.h5``) was refused as ``a.h5 appeared while this
+  recorder held the lock; another program writes there`` (for a new record, a resume and an overwrite alike), which
+  sent the user looking for another writer; one line saying the path is a loop of links.
 """
 
 from __future__ import annotations
@@ -36,3 +39,15 @@ def test_a_meta_key_longer_than_an_hdf5_attribute_name_is_one_record_error_line_
         rec.log(0, {"scalars/a": 1.0})
     with h5py.File(path, "r") as f:
         assert json.loads(f["meta"].attrs[longest]) == {"nested": [1.5, "é→"]}
+
+
+@pytest.mark.parametrize("options", [{}, {"resume": True}, {"overwrite": True}])
+def test_a_record_path_that_is_a_loop_of_symbolic_links_is_named_so_in_one_line(tmp_path, options):
+    os.symlink("b.h5", tmp_path / "a.h5")
+    os.symlink("a.h5", tmp_path / "b.h5")
+    with pytest.raises(RecordError) as info:
+        Recorder(tmp_path / "a.h5", **options)
+    message = str(info.value)
+    assert "\n" not in message and "loop" in message and "another program" not in message
+    assert sorted(os.listdir(tmp_path)) == ["a.h5", "b.h5"]  # the links as they were, no lock left
+    assert os.readlink(tmp_path / "a.h5") == "b.h5" and os.readlink(tmp_path / "b.h5") == "a.h5"

@@ -273,6 +273,13 @@ class Recorder:
         # 'run.h5/' of an existing record said the record 'appeared while this recorder held the lock'
         if os.path.isdir(path) or path.endswith(tuple(filter(None, (os.sep, os.altsep)))):
             raise RecordError(f"record path {path} names a folder; pass a file path such as {os.path.join(path, 'run.h5')}")
+        if os.path.islink(path):
+            try:
+                os.stat(path)
+            except OSError as err:  # a loop of links was 'appeared while this recorder held the lock; another program'
+                if err.errno == errno.ELOOP:
+                    raise RecordError(f"record path {path} is a symbolic link that leads back to itself (a loop of links); "
+                                      "point it at a file or pass another path") from None
         # through a symbolic link: segments, temporary files and replacements go next to the file it names (a resume
         # through the link put them next to the link, where the record read by its own name never saw them)
         self.path = schema.resolve_link(path)
