@@ -225,6 +225,23 @@ def test_a_sigterm_that_a_library_turns_into_another_error_is_still_the_signal(s
     assert list(tmp_path.iterdir()) == []
 
 
+def _refused_beside_a_record(argv, finished_run, tmp_path, monkeypatch, capsys) -> str:
+    """Run ``nasdiag argv`` in ``tmp_path`` holding a copy of the finished run as run.h5; assert exit code 2, one line,
+    nothing changed; return the line."""
+    import shutil
+
+    from nasdiag.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(finished_run, tmp_path / "run.h5")
+    before = snapshot(tmp_path)
+    code = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "Traceback" not in err[0], err
+    assert snapshot(tmp_path) == before
+    return err[0]
+
+
 @pytest.mark.parametrize("argv,said", [(["search", *TINY, "--out", "run.h5 "], "--out 'run.h5 ' ends with white space (a space)"),
                                        (["search", *TINY, "--out", "run.h5\n"], "ends with white space (a newline)"),
                                        (["search", *TINY, "--out", "r.h5", "--no-figs", "--figs", " figs"], None),
@@ -236,18 +253,8 @@ def test_a_path_with_white_space_around_it_is_named(argv, said, finished_run, tm
     as 'run.h5 ', exit code 0, a file that looks like run.h5 and that plot run.h5 then did not find; plot into "figs "
     made such a folder, and plot "run.h5 " said "no record at run.h5 ". One line naming the white space and the path to
     type, nothing made."""
-    import shutil
-
-    from nasdiag.cli import main
-
-    monkeypatch.chdir(tmp_path)
-    shutil.copy(finished_run, tmp_path / "run.h5")
-    before = snapshot(tmp_path)
-    code = main(argv)
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and "Traceback" not in err[0], err
-    assert (said or "") in err[0] and ("type run.h5" in err[0] or "type figs" in err[0]), err
-    assert snapshot(tmp_path) == before
+    line = _refused_beside_a_record(argv, finished_run, tmp_path, monkeypatch, capsys)
+    assert (said or "") in line and ("type run.h5" in line or "type figs" in line), line
 
 
 @pytest.mark.parametrize("argv", [["search", *TINY, "--out", "run.h5/", "--resume"], ["plot", "run.h5/", "--out", "figs"],
@@ -256,15 +263,5 @@ def test_a_record_path_ending_in_a_slash_after_a_file_says_to_drop_it(argv, fini
     """``nasdiag search --out run.h5/ --resume`` was told to "pass the record's file path, such as run.h5/run.h5", a path
     under the record file; ``plot run.h5/`` and ``report run.h5/`` said "no record at run.h5/ (no file run.h5/ and no
     segments next to it)", the record there all along. One line: drop the /."""
-    import shutil
-
-    from nasdiag.cli import main
-
-    monkeypatch.chdir(tmp_path)
-    shutil.copy(finished_run, tmp_path / "run.h5")
-    before = snapshot(tmp_path)
-    code = main(argv)
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and "Traceback" not in err[0], err
-    assert "drop the / and give run.h5" in err[0] and "run.h5/run.h5" not in err[0], err
-    assert snapshot(tmp_path) == before
+    line = _refused_beside_a_record(argv, finished_run, tmp_path, monkeypatch, capsys)
+    assert "drop the / and give run.h5" in line and "run.h5/run.h5" not in line, line
