@@ -318,12 +318,16 @@ def device(text: str) -> str:
     return text
 
 
-def refuse_other_records(paths, method: str, option: str = "--out", plot_only: bool = False) -> None:
+def refuse_other_records(paths, method: str, option: str = "--out", plot_only: bool = False,
+                         experiment: str = None) -> None:
     """Refuse in one line, before any work, a record path of the script that holds anything but a record the script
     wrote (``meta['method']`` is ``method``): the scripts write their records replacing what is there (``overwrite``,
     ``force``), which deleted a search's ``record.h5`` (every segment of it) or any file of that name without a word;
     with ``plot_only``, a redraw of another script's record (the folder of xnas_statistical given to xnas_toys) was a
-    KeyError traceback. A nasdiag record that cannot be read (damaged) is refused with the reader's reason."""
+    KeyError traceback. A nasdiag record that cannot be read (damaged) is refused with the reader's reason. With
+    ``experiment``, a record of ``method`` is the script's own unless its ``meta['config']['experiment']`` names another
+    one: the wiring scripts share their method, and wiring_output_cost --plot-only of wiring_variants' record said it
+    "holds no evaluated epoch yet (a run stopped before its first evaluation...)", a run replaced it without a word."""
     import os
 
     from nasdiag.record import load_meta
@@ -332,9 +336,10 @@ def refuse_other_records(paths, method: str, option: str = "--out", plot_only: b
         if not os.path.lexists(path):
             continue
         try:
-            found, why = load_meta(path).get("method"), None
+            meta, why = load_meta(path), None
+            found = meta.get("method")
         except (NasdiagError, OSError) as err:
-            found, why = None, err
+            meta, found, why = {}, None, err
         if why is not None and _nasdiag_segment(path):  # a damaged record was "no nasdiag record", its damage unsaid
             why = " ".join(str(why).split())
             if plot_only:
@@ -342,13 +347,17 @@ def refuse_other_records(paths, method: str, option: str = "--out", plot_only: b
                                  f"to redraw: {why}")
             raise UsageError(f"{path} holds a nasdiag record that cannot be read, of a run the script cannot tell, and "
                              f"the run would replace it; give another {option}, or move it away ({why})")
+        config = meta.get("config") if isinstance(meta.get("config"), dict) else {}
+        if experiment is not None and found == method and config.get("experiment") not in (None, experiment):
+            found = f"{config['experiment']!r} (method {method})"  # a record naming no experiment is taken as mine
         if found != method:
             what = f"a record of {found}" if found else "no nasdiag record"
+            mine = f", experiment {experiment!r}" if experiment else ""
             if plot_only:
-                raise UsageError(f"{path} holds {what}, not a record of this script (method {method}), so --plot-only has "
-                                 f"nothing of it to redraw; give the {option} of a run of this script")
-            raise UsageError(f"{path} holds {what}, not a record of this script (method {method}), and the run would "
-                             f"replace it; give another {option}, or move it away")
+                raise UsageError(f"{path} holds {what}, not a record of this script (method {method}{mine}), so "
+                                 f"--plot-only has nothing of it to redraw; give the {option} of a run of this script")
+            raise UsageError(f"{path} holds {what}, not a record of this script (method {method}{mine}), and the run "
+                             f"would replace it; give another {option}, or move it away")
 
 
 def _nasdiag_segment(path) -> bool:

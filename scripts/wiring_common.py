@@ -88,9 +88,11 @@ class FixedArchitecture(SearchMethod):
 
 
 
-def chosen_runs(value: str, option: str, what: str, known, example: str, out: str, fmt: str, plot_only: bool) -> List[str]:
+def chosen_runs(value: str, option: str, what: str, known, example: str, out: str, fmt: str, plot_only: bool,
+                experiment: str) -> List[str]:
     """The comma-separated names of ``option`` (``--configs``, ``--variants``), each one of ``known`` and given once,
-    with every run's folder free of other figures and records: all refused in one line before the first run."""
+    with every run's folder free of other figures and records (a record of another ``experiment`` of this method, a
+    sibling script's, too): all refused in one line before the first run."""
     from script_args import UsageError, refuse_other_figures, refuse_other_records, refuse_repeats
 
     names = [v.strip() for v in value.split(",") if v.strip()]
@@ -104,7 +106,7 @@ def chosen_runs(value: str, option: str, what: str, known, example: str, out: st
         refuse_other_figures(os.path.join(out, name), None, fmt)
     # every record before the first run, not after it
     records = [os.path.join(out, name, "record.h5") for name in names]
-    refuse_other_records(records, FixedArchitecture.name, plot_only=plot_only)
+    refuse_other_records(records, FixedArchitecture.name, plot_only=plot_only, experiment=experiment)
     if plot_only:
         refuse_records_without(records, ["cost"])
     return names

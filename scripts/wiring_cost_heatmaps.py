@@ -35,6 +35,7 @@ from script_args import (
     Parser, UsageError, at_least, channels, seed as seed_number,
 )
 
+EXPERIMENT = "wiring cost heatmaps"  # meta config's experiment: the wiring scripts share their method
 CONFIGS = {"minimal1": ("minimal", 1), "minimal8": ("minimal", 8), "darts8": ("darts", 8)}
 
 
@@ -58,7 +59,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     configs = W.chosen_runs(args.configs, "--configs", "configuration", CONFIGS, "minimal1,darts8", args.out,
-                            args.format, args.plot_only)
+                            args.format, args.plot_only, EXPERIMENT)
     splits = None if args.plot_only else W.load_splits(args.dataset, args.data_dir, args.seed, args.batch_size,
                                                                    args.observe_batches)
     for name in configs:
@@ -69,7 +70,7 @@ def main(argv=None):
             net = W.make_network(cell, layers, splits.num_classes, splits.in_channels, C=args.C,
                                  reductions=() if layers == 1 else None, seed=args.seed)
             os.makedirs(folder, exist_ok=True)  # after the supernet: one too large for memory left an empty folder
-            config = {"experiment": "wiring cost heatmaps", "configuration": name, "cell": cell, "layers": layers,
+            config = {"experiment": EXPERIMENT, "configuration": name, "cell": cell, "layers": layers,
                       "protocol": args.protocol, "epochs": args.epochs, "C": args.C, "dataset": args.dataset,
                       "batch_size": args.batch_size, "seed": args.seed, "steps": net.steps, "multiplier": net.multiplier}
             seconds = W.train_fixed(net, splits, record, config, args.epochs, args.batch_size, args.observe_batches,

@@ -47,6 +47,7 @@ from script_args import (
 )
 
 QUANTITIES = {"loss": "L_θ (cross-entropy)", "entropy": "H_θ (output entropy)", "cz": "C_Z (output-edge cost)"}
+EXPERIMENT = "wiring Thm 2"  # meta config's experiment: the wiring scripts share their method
 SPLITS = {"train": "search-train set (θ's data)", "search": "search set (held out from θ)"}
 
 
@@ -185,7 +186,7 @@ def main(argv=None):
     refuse_other_figures(args.out, ["fig11_12_13", "fig14_16"], args.format)
     # --plot-only of another script's record (xnas_toys', a search's) was "holds no evaluated epoch yet (a run stopped
     # before its first evaluation...)"; one of this method without this script's evaluations is refused by draw
-    refuse_other_records([record], W.FixedArchitecture.name, plot_only=args.plot_only)
+    refuse_other_records([record], W.FixedArchitecture.name, plot_only=args.plot_only, experiment=EXPERIMENT)
     if not args.plot_only:
         splits = W.load_splits(args.dataset, args.data_dir, args.seed, args.batch_size)  # first: a refused --data-dir left an empty folder
         # Theorem 2 needs the classifier without bias, after global average pooling of the last cell
@@ -194,7 +195,7 @@ def main(argv=None):
         os.makedirs(args.out, exist_ok=True)  # not for --plot-only (its refusal left an empty folder), nor before the
         # supernet (one too large for memory left it too)
         probe = nasdiag.attach(net)
-        config = {"experiment": "wiring Thm 2", "protocol": args.protocol, "epochs": args.epochs, "C": args.C,
+        config = {"experiment": EXPERIMENT, "protocol": args.protocol, "epochs": args.epochs, "C": args.C,
                   "dataset": args.dataset, "batch_size": args.batch_size, "seed": args.seed, "classifier_bias": False,
                   "steps": net.steps, "multiplier": net.multiplier}
 

@@ -32,6 +32,7 @@ from script_args import (
     Parser, UsageError, at_least, channels, seed as seed_number,
 )
 
+EXPERIMENT = "wiring §8 variants"  # meta config's experiment: the wiring scripts share their method
 VARIANTS = {
     "batch": dict(norm="batch", order="relu-conv-bn"),
     "layer": dict(norm="layer", order="relu-conv-bn"),
@@ -62,7 +63,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     variants = W.chosen_runs(args.variants, "--variants", "variant", VARIANTS, "layer,instance", args.out,
-                             args.format, args.plot_only)
+                             args.format, args.plot_only, EXPERIMENT)
     splits = None if args.plot_only else W.load_splits(args.dataset, args.data_dir, args.seed, args.batch_size,
                                                                    args.observe_batches)
     for name in variants:
@@ -72,7 +73,7 @@ def main(argv=None):
             net = W.make_network("minimal", 1, splits.num_classes, splits.in_channels, C=args.C, reductions=(),
                                  seed=args.seed, **VARIANTS[name])
             os.makedirs(folder, exist_ok=True)  # after the supernet: one too large for memory left an empty folder
-            config = {"experiment": "wiring §8 variants", "variant": name, **VARIANTS[name], "protocol": args.protocol,
+            config = {"experiment": EXPERIMENT, "variant": name, **VARIANTS[name], "protocol": args.protocol,
                       "epochs": args.epochs, "C": args.C, "dataset": args.dataset, "batch_size": args.batch_size,
                       "seed": args.seed, "steps": net.steps, "multiplier": net.multiplier}
             seconds = W.train_fixed(net, splits, record, config, args.epochs, args.batch_size, args.observe_batches,

@@ -35,6 +35,12 @@ Defects found (each test fails without its fix):
   one fc1 feature from a pruned filter; docs/bayesnas.md's λ = 1e-3 result 7-9-44-15 counted one such feature
   (7-9-43-15, the same run otherwise). Step 4 prunes them with their filter
   (test_bayes_compression_counts_no_fc1_feature_of_a_pruned_filter_and_its_counts_are_the_nets_nonzero_groups).
+* the wiring scripts (wiring_output_cost, wiring_cost_heatmaps, wiring_variants) share their method and took a
+  sibling's record for their own: wiring_output_cost --plot-only of wiring_variants' record said it "holds no
+  evaluated epoch yet (a run stopped before its first evaluation...)", wiring_cost_heatmaps --plot-only of
+  wiring_output_cost's drew it as a configuration's heatmaps, a run replaced a sibling's record without a word;
+  refuse_other_records reads meta's config.experiment too
+  (test_a_wiring_script_takes_no_record_of_a_sibling_wiring_script_for_its_own).
 
 Doc fixes (no test): wiring_output_cost's docstring promised "the counts" of correct and wrong samples (it records
 ``scalars/accuracy_<split>``); wiring_cost_heatmaps' counted 1437 digits search images (1438: 719 + 719, any seed).
@@ -114,6 +120,35 @@ def test_the_searching_scripts_check_a_later_record_before_their_first_search(tm
     code, out, err = _run(script, [a.replace("{tmp}", str(tmp_path)) for a in argv], capsys)
     assert code == 2 and len(err) == 1 and later.split("/")[-1] in err[0], err
     assert _tree(tmp_path) == before and sorted(os.listdir(tmp_path)) == [later.split("/")[0]]
+
+
+@pytest.mark.parametrize("script,folder,argv,other", [
+    ("wiring_output_cost", "", ["--plot-only"], "wiring §8 variants"),
+    ("wiring_output_cost", "", ["--epochs", "1"], "wiring cost heatmaps"),
+    ("wiring_cost_heatmaps", "minimal1", ["--plot-only", "--configs", "minimal1"], "wiring Thm 2"),
+    ("wiring_variants", "instance", ["--variants", "instance", "--epochs", "1"], "wiring Thm 2"),
+])
+def test_a_wiring_script_takes_no_record_of_a_sibling_wiring_script_for_its_own(tmp_path, capsys, script, folder, argv,
+                                                                                  other):
+    """The wiring scripts share their method (fixed_architecture) and tell their records apart by meta's
+    config.experiment only: wiring_output_cost --plot-only of wiring_variants' record said it 'holds no evaluated epoch
+    yet (a run stopped before its first evaluation...)', wiring_cost_heatmaps --plot-only of wiring_output_cost's drew
+    its heatmaps as a configuration's, exit 0, and a run replaced a sibling's record without a word. One line naming
+    the record's experiment, exit 2, the record as it was."""
+    import numpy as np
+
+    from nasdiag.record import Recorder
+
+    record = tmp_path / folder / "record.h5"
+    record.parent.mkdir(parents=True, exist_ok=True)
+    with Recorder(str(record), meta={"method": "fixed_architecture", "config": {"experiment": other}}) as rec:
+        rec.log(0, {"scalars/epoch": np.float64(-1.0), "scalars/loss_train": np.float64(2.3),
+                    "cost/normal/mean": np.zeros((5, 8)), "cost/normal/var": np.zeros((5, 8)),
+                    "cost/normal/count": np.ones((5, 8), np.int64)})
+    before = _tree(tmp_path)
+    code, out, err = _run(script, ["--out", str(tmp_path)] + argv, capsys)
+    assert code == 2 and len(err) == 1 and repr(other) in err[0] and "record.h5" in err[0], err
+    assert _tree(tmp_path) == before
 
 
 # -- record_kill_trials ---------------------------------------------------------------------------------------------
