@@ -232,7 +232,11 @@ def _summary(path):
             summary = json.load(f)
     except (ValueError, UnicodeDecodeError):
         summary = None
-    if not isinstance(summary, dict) or not isinstance(summary.get("runs"), list):
+    keys = ("method", "seed", "selected", "supernet_acc", "discrete_acc", "replaced_acc")
+    runs = summary.get("runs") if isinstance(summary, dict) else None
+    # a "runs" list of another tool's (or none) was max()'s ValueError or a KeyError ('seed') traceback
+    if not isinstance(runs, list) or not runs or not all(isinstance(r, dict) and all(k in r for k in keys)
+                                                          and r["method"] in METHODS for r in runs):
         raise NasdiagError(f"{path} is not a summary of asmnas_stability.py (cut short, or another tool's file); move it "
                            f"away (then run the study again), or give another --out")
     return summary

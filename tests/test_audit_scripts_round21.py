@@ -41,6 +41,9 @@ Defects found (each test fails without its fix):
   wiring_output_cost's drew it as a configuration's heatmaps, a run replaced a sibling's record without a word;
   refuse_other_records reads meta's config.experiment too
   (test_a_wiring_script_takes_no_record_of_a_sibling_wiring_script_for_its_own).
+* asmnas_stability.py took another tool's summary.json with a "runs" list for its own: --plot-only was max()'s
+  ValueError or a KeyError ('seed') traceback, a run replaced it
+  (test_asmnas_stability_takes_no_summary_of_another_tool_with_a_runs_list).
 
 Doc fixes (no test): wiring_output_cost's docstring promised "the counts" of correct and wrong samples (it records
 ``scalars/accuracy_<split>``); wiring_cost_heatmaps' counted 1437 digits search images (1438: 719 + 719, any seed).
@@ -148,6 +151,22 @@ def test_a_wiring_script_takes_no_record_of_a_sibling_wiring_script_for_its_own(
     before = _tree(tmp_path)
     code, out, err = _run(script, ["--out", str(tmp_path)] + argv, capsys)
     assert code == 2 and len(err) == 1 and repr(other) in err[0] and "record.h5" in err[0], err
+    assert _tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("runs", [[], [{"name": "sweep-1", "loss": 0.3}]])
+@pytest.mark.parametrize("plot_only", [True, False])
+def test_asmnas_stability_takes_no_summary_of_another_tool_with_a_runs_list(tmp_path, capsys, runs, plot_only):
+    """summary.json of another tool that has a 'runs' list (a sweep's) passed the check of round 16: --plot-only was
+    max()'s ValueError or a KeyError ('seed') traceback, and a run would have replaced it; one line, exit 2, the folder
+    as it was."""
+    import json
+
+    (tmp_path / "summary.json").write_text(json.dumps({"runs": runs}))
+    before = _tree(tmp_path)
+    argv = ["--out", str(tmp_path)] + (["--plot-only"] if plot_only else ["--seeds", "1", "--epochs", "1"])
+    code, out, err = _run("asmnas_stability", argv, capsys)
+    assert code == 2 and len(err) == 1 and "summary.json" in err[0], err
     assert _tree(tmp_path) == before
 
 
