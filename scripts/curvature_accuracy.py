@@ -1,7 +1,8 @@
 """Accuracy and cost of every curvature mode against ``exact``: the table of docs/hessian.md.
 
 For each net: relative error ‖mode − exact‖/‖exact‖, Spearman ρ over the entries (exact zeros left
-out), time as a multiple of one forward+backward of the same batch (median of ``--repeats``), and
+out), time as a multiple of one forward+backward of the same batch (median of ``--repeats``; one run for the
+mixing weights' random modes, timed at seed 0), and
 for the mixing weights the share of op pairs of an edge that the mode tells apart where exact does.
 The mixing weights are measured w.r.t. Z and w.r.t. α (per edge, against ``exact_per_edge``); their
 random modes (``ggn_mc``, ``hutchinson:<k>``) report the mean over ``--seeds`` seeds (the weight nets'
@@ -233,7 +234,7 @@ def main(argv=None):
     parser.add_argument("--nets", "--only", dest="nets", default="tanh_mlp,conv_bn,cell_train,cell_eval",
                         help=f"comma-separated, of {', '.join(NETS)} (search = darts)")
     parser.add_argument("--size", default="small", choices=tuple(SIZES), help="shape of the darts net (default: small)")
-    parser.add_argument("--repeats", type=at_least(1), default=3, help="timings: median of this many runs")
+    parser.add_argument("--repeats", type=at_least(1), default=3, help="timings: median of this many runs (the mixing weights' random modes: one)")
     parser.add_argument("--seeds", type=at_least(1), default=3, help="random modes: accuracy averaged over this many seeds")
     parser.add_argument("--device", type=device_name, default="cpu")  # a bad or absent one was torch's traceback
     parser.add_argument("--out", default=None, help="directory for curvature_accuracy.json and .md")
