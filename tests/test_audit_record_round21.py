@@ -12,12 +12,21 @@ Defects these tests found (each fails without its fix):
 - a record path that is a loop of symbolic links (``a.h5 -> b.h5 -> a.h5``) was refused as ``a.h5 appeared while this
   recorder held the lock; another program writes there`` (for a new record, a resume and an overwrite alike), which
   sent the user looking for another writer; one line saying the path is a loop of links.
+- a record path naming a named pipe (a FIFO; ``/dev/stdout`` and a shell's ``<(...)`` are others) made ``load``,
+  ``load_meta`` and ``Recorder(..., resume=True)`` wait for ever in h5py's open, and ``reader.not_a_record`` (which
+  ``nasdiag search --out ... --force`` asks before replacing a file) likewise in its ``open``; one RecordError line
+  saying what the file is (``not_a_record`` says it).
+- a record path holding a NUL character was os.path's ``ValueError: embedded null byte`` traceback out of
+  ``Recorder(...)``, where every error is a `RecordError`; one line.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
+import subprocess
+import sys
 
 import h5py
 import numpy as np
@@ -51,3 +60,38 @@ def test_a_record_path_that_is_a_loop_of_symbolic_links_is_named_so_in_one_line(
     assert "\n" not in message and "loop" in message and "another program" not in message
     assert sorted(os.listdir(tmp_path)) == ["a.h5", "b.h5"]  # the links as they were, no lock left
     assert os.readlink(tmp_path / "a.h5") == "b.h5" and os.readlink(tmp_path / "b.h5") == "a.h5"
+
+
+def test_a_named_pipe_at_the_record_path_is_one_line_for_load_and_resume_not_a_hang(tmp_path):
+    pipe = tmp_path / "run.h5"
+    os.mkfifo(pipe)
+    # in a child with a time limit: the defect is a wait for ever, which must fail this test, not hang the suite
+    code = f"""
+import warnings
+warnings.simplefilter("ignore")
+from nasdiag.record import RecordError, Recorder, load, load_meta
+from nasdiag.record.reader import not_a_record
+print(not_a_record({str(pipe)!r}))
+for call in (lambda: load({str(pipe)!r}), lambda: load_meta({str(pipe)!r}), lambda: Recorder({str(pipe)!r}, resume=True)):
+    try:
+        call()
+    except RecordError as err:
+        print("RecordError", err)
+"""
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("reading a named pipe as a record waits for ever")
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0, done.stderr
+    assert len(lines) == 4 and "pipe" in lines[0]
+    assert all(line.startswith("RecordError") and "named pipe" in line for line in lines[1:])
+    assert sorted(os.listdir(tmp_path)) == ["run.h5"]  # the pipe as it was, no lock left
+    assert stat.S_ISFIFO(os.lstat(pipe).st_mode)
+
+
+def test_a_record_path_with_a_nul_character_is_one_record_error_line(tmp_path):
+    for path in (str(tmp_path / "a\x00b.h5"), os.fsencode(tmp_path / "a\x00b.h5")):
+        with pytest.raises(RecordError, match="NUL"):
+            Recorder(path)
+    assert os.listdir(tmp_path) == []

@@ -10,6 +10,7 @@ import functools
 import json
 import os
 import socket
+import stat
 import threading
 import time
 import warnings
@@ -80,6 +81,17 @@ def open_segment_file(file: str, live: bool = True) -> h5py.File:
             raise RecordError(f"cannot open record segment {file}: {_first_line(swmr_err)}") from None
 
 
+def _special_file(file: str) -> str | None:
+    """What ``file`` is when it exists and is no regular file ("a named pipe", "a device", "a socket"), else None."""
+    try:
+        mode = os.stat(file).st_mode
+    except (OSError, ValueError):
+        return None
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    return "a named pipe" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+
+
 #: the 8 bytes every HDF5 file without a user block starts with (every record segment does)
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 
@@ -92,6 +104,9 @@ def not_a_record(file: str) -> str | None:
     read without the lock: --force replaced it); a readable one is someone else's unless it has nasdiag's header
     attribute or both ``/step`` and ``/present`` (every segment is written whole with both): another program's log with
     a ``/step`` column alone was taken for a damaged record, and ``nasdiag search --force`` replaced it."""
+    special = _special_file(file)
+    if special:  # open() of a named pipe waits for a writer: nasdiag search --out pipe --force hung
+        return f"it is {special}, not a regular file"
     try:
         with open(file, "rb") as fh:
             head = fh.read(len(HDF5_SIGNATURE))
@@ -471,6 +486,10 @@ def read_segments(path: str, with_data: bool = True, salvage: bool = False) -> l
         files = schema.list_segments(path)
         if not files:
             raise RecordError(f"no record at {path} (no file {path} and no segments next to it)")
+        for _, file in files:
+            special = _special_file(file)
+            if special:  # h5py's open of a named pipe waited for a writer for ever (load, a resume)
+                raise RecordError(f"{file} is {special}, not a record file; pass the path of a record")
         live = _writer_alive(path)
         segments = [read_segment(index, file, with_data, live) for index, file in files]
         damage = _first_damage(path, files, segments)

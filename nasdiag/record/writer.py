@@ -261,6 +261,9 @@ class Recorder:
             path = os.fsdecode(path)
         if not path:  # an unset variable: "cannot create : No such file or directory" said nothing of it
             raise RecordError("the record path is empty; pass a file path such as runs/run.h5")
+        if "\x00" in path:  # os.path's ValueError traceback ('embedded null byte')
+            raise RecordError(f"record path {path!r} holds a NUL character, which no file name can hold; pass a file "
+                              "path such as runs/run.h5")
         if isinstance(flush_every, bool) or not isinstance(flush_every, (int, np.integer)) or flush_every < 1:
             raise RecordError(f"flush_every must be a positive int, got {flush_every!r}")
         flush_seconds = checked_flush_seconds(flush_seconds)
