@@ -337,6 +337,9 @@ class Claims:
         return {"element": c.element_holds, "group": c.group_holds, "both": c.element_holds and c.group_holds}[part]
 
     def summary(self) -> str:
+        if not self.comparisons:  # it printed "claims: " and nothing after it
+            return ("none checked: each comparison needs both its sides (HAPG/AdamHAPG against SGD/Adam, each with SGL; "
+                    "HAPG with SGL against HAPG with Lasso or GL) at one λ, of comparable accuracy")
         return ", ".join(f"{name}: element {c.element:+.3f} ({'holds' if c.element_holds else 'fails'}), group "
                          f"{c.group:+.1f} ({'holds' if c.group_holds else 'fails'}) over {c.lambdas} λ"
                          for name, c in self.comparisons.items())

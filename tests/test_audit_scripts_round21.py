@@ -44,6 +44,8 @@ Defects found (each test fails without its fix):
 * asmnas_stability.py took another tool's summary.json with a "runs" list for its own: --plot-only was max()'s
   ValueError or a KeyError ('seed') traceback, a run replaced it
   (test_asmnas_stability_takes_no_summary_of_another_tool_with_a_runs_list).
+* sparsenas_digits.py printed "claims: " and nothing after it for a grid that compares nothing (one optimizer);
+  it says none was checked and what each comparison needs (test_sparsenas_digits_says_when_its_grid_checks_no_claim).
 
 Doc fixes (no test): wiring_output_cost's docstring promised "the counts" of correct and wrong samples (it records
 ``scalars/accuracy_<split>``); wiring_cost_heatmaps' counted 1437 digits search images (1438: 719 + 719, any seed).
@@ -341,3 +343,20 @@ def test_bayes_compression_counts_no_fc1_feature_of_a_pruned_filter_and_its_coun
     assert int(features.sum()) == int(carrying.sum()) == last["alive/fc1"]
     assert (int(filters["conv1"].sum()), int(filters["conv2"].sum())) == (last["alive/conv1"], last["alive/conv2"])
     assert int((w["fc2.weight"].norm(dim=0) > 0).sum()) == last["alive/fc2"]
+
+
+# -- sparsenas_digits -----------------------------------------------------------------------------------------------
+def test_sparsenas_digits_says_when_its_grid_checks_no_claim():
+    """A grid of one optimizer (--optimizers sgd) compares nothing: the script printed 'claims: ' and nothing after it.
+    The comparisons on a planted grid follow the docstring's rule (own arithmetic: means over λ of A's sparsity minus
+    B's and of B's groups minus A's, among configurations within 0.03 of the best accuracy)."""
+    from sparsenas_digits import Result, claim_holds
+
+    alone = claim_holds([Result("sgd", "sgl", 1e-4, 0.9, 60, 50, 0.2), Result("sgd", "sgl", 1e-3, 0.91, 50, 40, 0.3)])
+    assert not alone.comparisons and "none checked" in alone.summary()
+    grid = [Result("hapg", "sgl", 1e-4, 0.95, 30, 20, 0.6), Result("hapg", "sgl", 1e-3, 0.93, 20, 10, 0.8),
+            Result("sgd", "sgl", 1e-4, 0.96, 60, 50, 0.1), Result("adam", "sgl", 1e-4, 0.94, 50, 45, 0.3),
+            Result("sgd", "sgl", 1e-3, 0.90, 10, 5, 0.9)]  # 0.90 < 0.96 − 0.03: not comparable
+    c = claim_holds(grid).comparisons["prox_vs_subgradient"]
+    assert c.lambdas == 1 and c.element == pytest.approx(0.6 - 0.3) and c.group == pytest.approx(95 - 50)
+    assert c.element_holds and c.group_holds
