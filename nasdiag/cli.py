@@ -505,73 +505,69 @@ def _one_line(exc: BaseException) -> str:
     return text if text.startswith("nasdiag") else f"nasdiag: error: {text}"
 
 
-def _on_sigterm(signum, frame):
-    _INTERRUPTS.append(signum)
-    raise Terminated()
+class _Signals:
+    """The signals (Ctrl-C, SIGTERM, SIGHUP) one command receives, noted by its handlers, so that an error a library
+    made of one is still reported as that signal: a Ctrl-C during nasdiag report ended at times in matplotlib's
+    pybind11 "TypeError: affine_transform(): incompatible function arguments" traceback, exit code 1 (the interrupt
+    raised while it converted an argument, which it then cleared), or printed "Exception ignored in: <function
+    WeakKeyDictionary...> KeyboardInterrupt" and went on. One per `main` call: nothing outlives the command."""
 
+    def __init__(self) -> None:
+        self.received: List[int] = []
+        self._timers: List = []  # the timers sending again a Ctrl-C a finalizer ignored
+        self._previous_hook = None
 
-def _on_sighup(signum, frame):
-    _INTERRUPTS.append(signum)
-    raise HungUp()
+    def on_sigterm(self, signum, frame):
+        self.received.append(signum)
+        raise Terminated()
 
+    def on_sighup(self, signum, frame):
+        self.received.append(signum)
+        raise HungUp()
 
-#: the signals (Ctrl-C, SIGTERM, SIGHUP) received during the command now running, and the timers that raise again a
-#: Ctrl-C a finalizer ignored
-_INTERRUPTS: List[int] = []
-_AGAIN: List = []
+    def on_sigint(self, signum, frame):
+        self.received.append(signum)
+        raise KeyboardInterrupt
 
+    def _interrupt_ignored(self, unraisable) -> None:
+        """`sys.unraisablehook` while a command runs: a KeyboardInterrupt raised in a finalizer (a weakref callback,
+        a ``__del__``), which Python prints as "Exception ignored in ..." and goes on from, is sent again to the main
+        thread a moment later, once out of the finalizer; anything else goes to the previous hook."""
+        if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+            return self._previous_hook(unraisable)
+        import threading
 
-def _on_sigint(signum, frame):
-    _INTERRUPTS.append(signum)
-    raise KeyboardInterrupt
+        timer = threading.Timer(0.01, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+        timer.daemon = True
+        self._timers.append(timer)
+        timer.start()
 
+    def catch_interrupts(self) -> Optional[tuple]:
+        """Note each Ctrl-C and raise it again where a finalizer ignored it; only over Python's own handler. The
+        previous handler, or None where nothing was installed."""
+        if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+            return None
+        self._previous_hook, sys.unraisablehook = sys.unraisablehook, self._interrupt_ignored
+        return signal.signal(signal.SIGINT, self.on_sigint)
 
-def _interrupt_ignored(unraisable) -> None:
-    """`sys.unraisablehook` while a command runs: a KeyboardInterrupt raised in a finalizer (a weakref callback, a
-    ``__del__``), which Python prints as "Exception ignored in ..." and goes on from, is sent again to the main thread
-    a moment later, once out of the finalizer; anything else goes to the previous hook."""
-    if not isinstance(unraisable.exc_value, KeyboardInterrupt):
-        return _AGAIN[0](unraisable)
-    import threading
+    def restore_interrupts(self, previous) -> None:
+        if previous is None:
+            return
+        for timer in self._timers:  # the command ended first
+            timer.cancel()
+            timer.join()
+        if sys.unraisablehook == self._interrupt_ignored:
+            sys.unraisablehook = self._previous_hook
+        if signal.getsignal(signal.SIGINT) == self.on_sigint:  # not SIG_DFL set by `_die_on_the_next_interrupt`
+            signal.signal(signal.SIGINT, previous)
 
-    timer = threading.Timer(0.01, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
-    timer.daemon = True
-    _AGAIN.append(timer)
-    timer.start()
-
-
-def _catch_interrupts() -> Optional[tuple]:
-    """Note each Ctrl-C (`_INTERRUPTS`) and raise it again where a finalizer ignored it: a Ctrl-C during nasdiag report
-    ended at times in matplotlib's pybind11 "TypeError: affine_transform(): incompatible function arguments" traceback,
-    exit code 1 (the interrupt raised while it converted an argument, which it then cleared), or printed "Exception
-    ignored in: <function WeakKeyDictionary...> KeyboardInterrupt" and went on. Only over Python's own handler; the
-    previous handler, or None where nothing was installed."""
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        return None
-    _AGAIN[:] = [sys.unraisablehook]
-    sys.unraisablehook = _interrupt_ignored
-    return signal.signal(signal.SIGINT, _on_sigint)
-
-
-def _restore_interrupts(previous) -> None:
-    if previous is None:
-        return
-    for timer in _AGAIN[1:]:  # the command ended first
-        timer.cancel()
-        timer.join()
-    if sys.unraisablehook is _interrupt_ignored:
-        sys.unraisablehook = _AGAIN[0]
-    if signal.getsignal(signal.SIGINT) is _on_sigint:  # not SIG_DFL set by `_die_on_the_next_interrupt`
-        signal.signal(signal.SIGINT, previous)
-
-
-def _catch_hangup() -> object:
-    """Handle SIGHUP as SIGTERM (the rows held since the last flush were lost with the default action, as on kill -9),
-    unless it is ignored (``nohup``): the previous handler, or None where nothing was installed."""
-    hup = getattr(signal, "SIGHUP", None)
-    if hup is None or signal.getsignal(hup) is not signal.SIG_DFL:
-        return None
-    return signal.signal(hup, _on_sighup)
+    def catch_hangup(self) -> object:
+        """Handle SIGHUP as SIGTERM (the rows held since the last flush were lost with the default action, as on
+        kill -9), unless it is ignored (``nohup``): the previous handler, or None where nothing was installed."""
+        hup = getattr(signal, "SIGHUP", None)
+        if hup is None or signal.getsignal(hup) is not signal.SIG_DFL:
+            return None
+        return signal.signal(hup, self.on_sighup)
 
 
 def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
@@ -967,10 +963,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     import threading
 
     main_thread = threading.current_thread() is threading.main_thread()
-    _INTERRUPTS.clear()
-    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
-    previous_hup = _catch_hangup() if main_thread else None
-    previous_int = _catch_interrupts() if main_thread else None
+    signals = _Signals()
+    previous = signal.signal(signal.SIGTERM, signals.on_sigterm) if main_thread else None
+    previous_hup = signals.catch_hangup() if main_thread else None
+    previous_int = signals.catch_interrupts() if main_thread else None
     import warnings
 
     previous_format, warnings.formatwarning = warnings.formatwarning, _warning_line
@@ -1032,11 +1028,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         _say(_stopped(args, "interrupted", exc, argv))
         _die_on_the_next_interrupt(argv, main_thread)
         return EXIT_SIGINT
-    except Exception as exc:  # a signal that a library turned into its own error (`_catch_interrupts`)
-        if not _INTERRUPTS or not main_thread:
+    except Exception as exc:  # a signal that a library turned into its own error (`_Signals`)
+        if not signals.received or not main_thread:
             raise
         how, code = {signal.SIGINT: ("interrupted", EXIT_SIGINT), signal.SIGTERM: ("terminated (SIGTERM)", EXIT_SIGTERM)}.get(
-            _INTERRUPTS[-1], ("hung up (SIGHUP)", EXIT_SIGHUP))
+            signals.received[-1], ("hung up (SIGHUP)", EXIT_SIGHUP))
         with contextlib.suppress(OSError):  # after a hang-up the terminal that would show the line may be gone
             _say(_stopped(args, how, exc, argv))
         _die_on_the_next_interrupt(argv, main_thread)
@@ -1063,7 +1059,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             signal.signal(signal.SIGTERM, previous)
         if main_thread and previous_hup is not None:
             signal.signal(signal.SIGHUP, previous_hup)
-        _restore_interrupts(previous_int)
+        signals.restore_interrupts(previous_int)
 
 
 if __name__ == "__main__":
