@@ -15,7 +15,8 @@ Defects these tests found (each fails without its fix):
 - a record path naming a named pipe (a FIFO; ``/dev/stdout`` and a shell's ``<(...)`` are others) made ``load``,
   ``load_meta`` and ``Recorder(..., resume=True)`` wait for ever in h5py's open, and ``reader.not_a_record`` (which
   ``nasdiag search --out ... --force`` asks before replacing a file) likewise in its ``open``; one RecordError line
-  saying what the file is (``not_a_record`` says it).
+  saying what the file is (``not_a_record`` says it); a named pipe where the recorder builds a segment (``run.h5.tmp``)
+  made ``Recorder("run.h5")`` wait for ever reading its first bytes; refused as another program's file.
 - a record path holding a NUL character was os.path's ``ValueError: embedded null byte`` traceback out of
   ``Recorder(...)``, where every error is a `RecordError`; one line.
 """
@@ -67,6 +68,7 @@ def test_a_named_pipe_at_the_record_path_is_one_line_for_load_and_resume_not_a_h
     os.mkfifo(pipe)
     # in a child with a time limit: the defect is a wait for ever, which must fail this test, not hang the suite
     code = f"""
+import os
 import warnings
 warnings.simplefilter("ignore")
 from nasdiag.record import RecordError, Recorder, load, load_meta
@@ -77,6 +79,12 @@ for call in (lambda: load({str(pipe)!r}), lambda: load_meta({str(pipe)!r}), lamb
         call()
     except RecordError as err:
         print("RecordError", err)
+os.rename({str(pipe)!r}, {str(pipe)!r} + ".tmp")  # where the recorder builds the segment
+try:
+    Recorder({str(pipe)!r})
+except RecordError as err:
+    print("RecordError", err)
+os.rename({str(pipe)!r} + ".tmp", {str(pipe)!r})
 """
     try:
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
@@ -84,8 +92,9 @@ for call in (lambda: load({str(pipe)!r}), lambda: load_meta({str(pipe)!r}), lamb
         pytest.fail("reading a named pipe as a record waits for ever")
     lines = done.stdout.splitlines()
     assert done.returncode == 0, done.stderr
-    assert len(lines) == 4 and "pipe" in lines[0]
-    assert all(line.startswith("RecordError") and "named pipe" in line for line in lines[1:])
+    assert len(lines) == 5 and "pipe" in lines[0]
+    assert all(line.startswith("RecordError") and "named pipe" in line for line in lines[1:4])
+    assert lines[4].startswith("RecordError") and "run.h5.tmp" in lines[4] and "move it away" in lines[4]
     assert sorted(os.listdir(tmp_path)) == ["run.h5"]  # the pipe as it was, no lock left
     assert stat.S_ISFIFO(os.lstat(pipe).st_mode)
 

@@ -207,6 +207,8 @@ def foreign_temp(path: str) -> str | None:
     record named ``run`` builds in ``run.tmp``) and must not be deleted as a leftover.
     """
     for file in temp_files(path):
+        if not os.path.isfile(file):  # a named pipe: open() waited for a writer for ever
+            return file
         try:
             with open(file, "rb") as f:
                 head = f.read(len(_HDF5_SIGNATURE))
