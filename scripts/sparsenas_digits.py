@@ -375,11 +375,18 @@ def claim_holds(results: Sequence[Result], accuracy_slack: float = 0.03, sparsit
     return claims
 
 
+def _shown(lam: float) -> str:
+    """``10^-3.7`` for a power of ten with one decimal (the default grid), else ``lam`` itself: 10^{log10(λ):.2g} headed
+    3e-5 and 10^-4.5 (and 2e-4 and 10^-3.7) alike, two columns of one label."""
+    power = round(math.log10(lam), 1)
+    return f"10^{power:g}" if math.isclose(10 ** power, lam, rel_tol=1e-9) else f"{lam:g}"
+
+
 def table(results: Sequence[Result]) -> str:
     """Markdown: one row per optimizer × penalty, one column per λ, cells ``acc / features / neurons / sparsity``."""
     lambdas = sorted({r.lam for r in results})
     by = {(r.optimizer, r.penalty, r.lam): r for r in results}
-    head = "| optimizer | penalty | " + " | ".join(f"λ = 10^{math.log10(lam):.2g}" for lam in lambdas) + " |"
+    head = "| optimizer | penalty | " + " | ".join(f"λ = {_shown(lam)}" for lam in lambdas) + " |"
     lines = [head, "|" + " --- |" * (2 + len(lambdas))]
     for opt, pen in itertools.product(OPTIMIZERS, PENALTIES):
         if not any((opt, pen, lam) in by for lam in lambdas):

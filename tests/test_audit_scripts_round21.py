@@ -46,6 +46,8 @@ Defects found (each test fails without its fix):
   (test_asmnas_stability_takes_no_summary_of_another_tool_with_a_runs_list).
 * sparsenas_digits.py printed "claims: " and nothing after it for a grid that compares nothing (one optimizer);
   it says none was checked and what each comparison needs (test_sparsenas_digits_says_when_its_grid_checks_no_claim).
+* sparsenas_digits.py's table headed λ as 10^{log10 λ:.2g}: 3e-5 and 10^-4.5 (2e-4 and 10^-3.7) were two columns
+  of one label (test_sparsenas_digits_table_heads_two_lambdas_apart).
 
 Doc fixes (no test): wiring_output_cost's docstring promised "the counts" of correct and wrong samples (it records
 ``scalars/accuracy_<split>``); wiring_cost_heatmaps' counted 1437 digits search images (1438: 719 + 719, any seed).
@@ -360,3 +362,18 @@ def test_sparsenas_digits_says_when_its_grid_checks_no_claim():
     c = claim_holds(grid).comparisons["prox_vs_subgradient"]
     assert c.lambdas == 1 and c.element == pytest.approx(0.6 - 0.3) and c.group == pytest.approx(95 - 50)
     assert c.element_holds and c.group_holds
+
+
+def test_sparsenas_digits_table_heads_two_lambdas_apart():
+    """The table headed each λ as 10^{log10 λ:.2g}: 3e-5 and 10^-4.5 (3.16e-5), or 2e-4 and 10^-3.7 (1.995e-4), two
+    columns of one label over different runs. Each head reads back as its own λ (to the digits it shows)."""
+    import math
+
+    from sparsenas_digits import Result, table
+
+    lambdas = [10 ** -4.5, 3e-5, 10 ** -3.7, 2e-4, 1e-3]
+    head = table([Result("hapg", "sgl", lam, 0.9, 10, 10, 0.5) for lam in lambdas]).splitlines()[0]
+    shown = [cell.strip()[len("λ = "):] for cell in head.strip("|").split("|")[2:]]
+    assert len(set(shown)) == len(lambdas), head
+    read = [10 ** float(t[3:]) if t.startswith("10^") else float(t) for t in shown]
+    assert all(math.isclose(r, lam, rel_tol=1e-5) for r, lam in zip(read, sorted(lambdas))), head
