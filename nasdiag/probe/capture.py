@@ -260,6 +260,9 @@ class StepCapture:
         self.n_grad_off = [0] * N
         #: forwards whose output did not require grad (nothing before the edge carries a gradient)
         self.n_without_grad = [0] * N
+        #: edges whose candidate op ran with grad mode on while no mixed op listing it was being called: the mixed op
+        #: was run through a method that calls no module hooks (GDAS's ``op.forward_gdas(x, w, k)``, ``op.forward(x, w)``)
+        self.ops_outside: set = set()
         self.missing_ops: List[set] = [set() for _ in range(N)]
         #: edge -> length of weights its forward got that is not its K (a candidate added since attach?)
         self.k_changed: Dict[int, int] = {}
@@ -377,6 +380,8 @@ class StepCapture:
         )
 
     def candidate_post(self, slots: Sequence[Tuple[int, int]], module, args, output):
+        if torch.is_grad_enabled() and all(self.open_edge[pos] is None for pos, _ in slots):
+            self.ops_outside.update(pos for pos, _ in slots)
         for pos, k in slots:
             call = self.open_edge[pos]
             if call is None:  # the candidate ran outside its mixed op's forward

@@ -458,10 +458,13 @@ class Probe:
                     "forwards' samples are NaN; costs() sums the forwards they took part in", RuntimeWarning, stacklevel=4)
         no_grad_path: List[str] = []
         grad_off: List[str] = []
+        bypassed: List[str] = []
         for p, e in enumerate(self._edges):
             if not r.available[p]:
                 if cap.n_forward[p] == 0 and cap.n_grad_off[p]:
                     grad_off.append(e.name)
+                elif cap.n_forward[p] == 0 and p in cap.ops_outside:
+                    bypassed.append(e.name)
                 elif cap.n_forward[p] == 0:
                     no_forward.append(e.name)
                 elif cap.n_without_grad[p] == cap.n_forward[p]:
@@ -504,6 +507,14 @@ class Probe:
                 f"probe: the forward of {len(no_forward)} edge(s) never ran inside probe.record() "
                 f"({_short_list(no_forward)}); their costs are NaN for this step and they are left out of the statistics. "
                 "Run the model's forward inside the block.", RuntimeWarning, stacklevel=4)
+        if bypassed:
+            warnings.warn(
+                f"probe: the candidate ops of {len(bypassed)} edge(s) ({_short_list(bypassed)}) ran inside "
+                "probe.record() but their mixed op module was never called: a method called on it directly (GDAS's "
+                "op.forward_gdas(x, weights, index), op.forward(x, weights)) runs no module hooks, so the probe sees no "
+                "x_i, weights or edge output; their costs are NaN for this step and they are left out of the statistics. "
+                "Call the module itself (op(x, weights), with a forward that does what the method does).",
+                RuntimeWarning, stacklevel=4)
         if grad_off:
             warnings.warn(
                 f"probe: the backward never reached {len(grad_off)} edge(s) ({_short_list(grad_off)}): their forward ran "

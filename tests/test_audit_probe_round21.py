@@ -1,0 +1,135 @@
+"""Probe audit round 21 (probe21): supernets written from scratch here in the styles of the field's public codebases
+that rounds 4 and 20 did not reach, attached with ``nasdiag.attach``, against float64 references computed here with
+plain autograd (leaf mixing weights Z put in place of each edge's weights: C_k = ∂L/∂Z_k, wiring supplement §2.1;
+``torch.autograd.functional.hessian`` in one edge's Z). Never nasdiag against nasdiag.
+
+Defects found (each test fails without its fix):
+
+* AutoDL-Projects' GDAS (the official code: ``MixedOp.forward_gdas(x, weights, index) = _ops[index](x) *
+  weights[index]``, which the cell calls as a method, ``op.forward_gdas(h, weights, index)``) runs no module hooks of
+  the mixed op, so every edge's costs are NaN, as documented for a mixed op whose forward never ran; but the warning
+  said "the forward of 2 edge(s) never ran inside probe.record() ... Run the model's forward inside the block" after a
+  block that ran it: the wrong cause and a fix that changes nothing. The probe sees the edge's candidate ops run with no
+  call of their mixed op open and says so: call the module (op(x, weights)) with a forward doing what the method does
+  (test_gdas_called_as_a_method_is_said_to_bypass_the_module_and_called_as_a_module_costs_the_sampled_op).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nasdiag
+
+DT = torch.float64
+D, K, N_CLS = 4, 3, 3
+
+
+def _no_hooks(model: nn.Module) -> bool:
+    return not any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+                   for m in model.modules())
+
+
+def _batch(seed: int = 0, b: int = 6):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, D, dtype=DT, generator=g), torch.randint(0, N_CLS, (b,), generator=g)
+
+
+def _caught(fn):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RuntimeWarning)
+        fn()
+    return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+
+
+# -- GDAS as AutoDL-Projects writes it ------------------------------------------------------------------------------
+class _AutoDLMixedOp(nn.Module):
+    """AutoDL-Projects' search_cells.MixedOp: no mixing in forward's place, methods the cell calls by name."""
+
+    def __init__(self):
+        super().__init__()
+        self._ops = nn.ModuleList([nn.Linear(D, D, dtype=DT), nn.Identity(), nn.Tanh()])
+
+    def forward_gdas(self, x, weights, index):
+        return self._ops[index](x) * weights[index]
+
+    def forward(self, x, weights, index):  # the same as a module call (what the warning asks for)
+        return self.forward_gdas(x, weights, index)
+
+
+class _GDASChain(nn.Module):
+    """Two edges whose weights are GDAS's hard Gumbel one-hot with a straight-through gradient; only the argmax op runs.
+    ``Z``: leaves put in place of the hard weights (the reference's ∂L/∂Z)."""
+
+    def __init__(self, as_method: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = _AutoDLMixedOp(), _AutoDLMixedOp()
+        self.head = nn.Linear(D, N_CLS, dtype=DT)
+        self.arch = nn.Parameter(0.5 * torch.randn(2, K, dtype=DT))
+        self.as_method, self.seed, self.Z = as_method, 0, None
+
+    def hardwts(self):
+        g = torch.Generator().manual_seed(self.seed)
+        gumbels = -torch.empty_like(self.arch).exponential_(generator=g).log()
+        probs = (self.arch.log_softmax(-1) + gumbels).softmax(-1)
+        index = probs.max(-1, keepdim=True)[1]
+        return torch.zeros_like(probs).scatter_(-1, index, 1.0) - probs.detach() + probs, index[:, 0]
+
+    def forward(self, x):
+        hard, index = self.hardwts()
+        w = hard if self.Z is None else self.Z
+        h = x
+        for e, op in enumerate((self.a, self.b)):
+            h = op.forward_gdas(h, w[e], int(index[e])) if self.as_method else op(h, w[e], int(index[e]))
+        return self.head(torch.tanh(h))
+
+
+def test_gdas_called_as_a_method_is_said_to_bypass_the_module_and_called_as_a_module_costs_the_sampled_op():
+    """Before: a cell calling op.forward_gdas(h, w, k) (no module hooks fire) got 'the forward of 2 edge(s) never ran
+    inside probe.record() ... Run the model's forward inside the block' after a block that ran it. Now the warning says
+    the candidate ops ran but the module was never called. Called as a module, the sampled op's cost is autograd's
+    ∂L/∂Z_k at the hard one-hot (its straight-through value), the ops that did not run are NaN with the documented
+    warning, and the statistics count only the ops that ran."""
+    x, y = _batch()
+    edges = lambda net: {"a": (net.a, list(net.a._ops)), "b": (net.b, list(net.b._ops))}  # noqa: E731
+
+    net = _GDASChain(as_method=True)
+    probe = nasdiag.attach(net, edges=edges(net))
+
+    def step():
+        with probe.record():
+            F.cross_entropy(net(x), y).backward()
+
+    msgs = _caught(step)
+    assert len(msgs) == 1 and "('a', 'b')" in msgs[0] and "never called" in msgs[0] and "forward_gdas" in msgs[0]
+    assert "Run the model's forward" not in msgs[0] and "\n" not in msgs[0]
+    assert all(torch.isnan(c).all() for c in probe.costs().values()) and _no_hooks(net)
+
+    net = _GDASChain(as_method=False)
+    probe = nasdiag.attach(net, edges=edges(net))
+    counts = torch.zeros(2, K, dtype=torch.int64)
+    for seed in (0, 1, 2):
+        net.seed = seed
+        msgs = _caught(step)
+        assert len(msgs) == 1 and "some candidate ops did not run" in msgs[0]
+        hard, index = net.hardwts()
+        Z = hard.detach().clone().requires_grad_()
+        net.Z = Z
+        grad = torch.autograd.grad(F.cross_entropy(net(x), y), Z)[0]
+        net.Z = None
+        for e, name in enumerate("ab"):
+            k = int(index[e])
+            c = probe.costs()[name]
+            assert torch.allclose(c[k], grad[e, k], rtol=1e-12, atol=1e-15)
+            assert torch.isnan(c).sum() == K - 1
+            rows = probe.costs(per_sample=True)[name]
+            assert rows.shape == (x.shape[0], K) and torch.allclose(rows[:, k].sum(), grad[e, k], rtol=1e-12, atol=1e-15)
+            counts[e, k] += 1
+    assert torch.equal(torch.as_tensor(probe.statistics()["cost/edges/count"]), counts)
+    assert _no_hooks(net)
+
