@@ -60,7 +60,16 @@ mean H to 1e-9, and its docstring's wrong sample p = (0.4, 0.35, 0.25), label 1:
 ``instance`` run: every recorded cost mean |E[C]| < 1e-8 at init and after training (eq 16, Fig. 19), ``layer`` not
 zero (§8.1 claims Thm 1's path nullification for it, not zero costs); sparsenas_digits' feature / neuron / sparsity
 counts follow its pruning rule (removal propagated from the output backwards) and its claims' comparable-accuracy
-rule is the docstring's; the printed architecture of bayes_compression is the record's last row.
+rule is the docstring's; the printed architecture of bayes_compression is the record's last row and, read off the
+trained net (groups of nonzero norm), its counts; --layers/--steps/--epochs/--workers at 0 and below, a folder option
+naming a file, empty or through a dangling link, and --plot-only with run options: one line each in every script.
+
+Left alone: wiring_evolution and asmnas_stability replace a nasdiag search record of the same method at their record
+paths (a user's own darts search saved as darts_seed0.h5): nothing in a search record tells the script's runs from the
+user's; xnas_statistical runs a grid value given twice (--sigma-grid 1,1) twice, as round 14 chose for --n-grid;
+wiring_output_cost under the dsnas protocol warns of the NaN cost means of unsampled ops (RecordWarning, by design and
+flagged, not hidden); sparsenas_digits reads 1E-3.7 (capital E) as not a number where 1e-3.7 is 10^-3.7; the wiring
+scripts' and xnas_statistical's --help leave most options without a line (they do what their names say).
 """
 
 from __future__ import annotations
