@@ -19,6 +19,12 @@ classifier bias, the curvature of the layers before it came out NaN (12 + 4 of t
 MLP; 24 of 40 mixing weights of a one-cell supernet, and the torch.func route refused itself as a 'wrong
 forward-mode rule'), flagged non-finite where the loss is finite; ±inf output entries take no part now
 (``test_a_masked_class_with_a_minus_inf_logit_keeps_a_finite_curvature_equal_to_autograds``).
+
+Defect found: ASM-NAS's selection counted each sample's argmax of its attention a, so an edge whose a is NaN (a
+diverged attention module) was recorded as a unanimous selection of op 0 (``attention/normal/count`` [719, 0, ...]
+on digits), its selection frequency 1 and the genotype figure's eligible op; a NaN row selects nothing, and an edge
+with no counted sample has NaN frequencies (the genotype refuses them as diverged)
+(``test_an_asmnas_edge_of_nan_attention_is_no_selection_of_op_0``).
 """
 
 import math
@@ -186,3 +192,40 @@ def test_a_masked_class_with_a_minus_inf_logit_keeps_a_finite_curvature_equal_to
     edges = {s.name: s for s in net.edge_specs()}
     got = arch_diag_hessian(net, ce, x, y, edges, mode="exact")
     torch.testing.assert_close(torch.stack([got[s.name] for s in net.edge_specs()]), want, rtol=1e-10, atol=1e-14)
+
+
+# -- ASM-NAS's selection of a NaN attention ---------------------------------------------------------------------------
+def test_an_asmnas_edge_of_nan_attention_is_no_selection_of_op_0():
+    """The first attention module's parameters NaN: its a is NaN for every sample (own check through the collector),
+    so no sample selects an op there; argmax counted every sample for op 0."""
+    from nasdiag.search import Schedule, SearchError, get_method
+    from nasdiag.supernet import Network
+    from nasdiag.supernet.attention import AttentionMixedOp, attention_weights, collect_attention
+
+    torch.manual_seed(0)
+    net = Network(4, 3, 3, steps=2, multiplier=2, in_channels=1).double()
+    cls = get_method("asmnas")
+    m = cls(net, cls.Hyperparameters(), schedule=Schedule(epochs=1, steps_per_epoch=1, batch_size=4))
+    first = next(mod for mod in net.modules() if isinstance(mod, AttentionMixedOp))
+    with torch.no_grad():
+        for p in first.parameters():
+            p.fill_(math.nan)
+    x, y = torch.randn(4, 1, 8, 8, dtype=torch.float64), torch.tensor([0, 1, 2, 0])
+    with torch.no_grad(), collect_attention(net) as store:
+        net(x, attention_weights(net))
+    a = {(k, e): t for k, row in enumerate(store) for e, t in enumerate(row)}  # (B, K) per (cell, edge)
+    nan_everywhere = {key for key, t in a.items() if torch.isnan(t).any(-1).all()}
+    assert (0, 0) in nan_everywhere  # the module made NaN, and what it feeds
+    evaluation = m.evaluate([(x, y)])
+    assert math.isnan(evaluation["loss"]) and math.isnan(evaluation["acc"])
+    counts = m.selection_counts
+    for (k, e), t in a.items():
+        cell_type = net.cells[k].cell_type
+        # own count of the NaN-free samples of this cell's edge, summed over the cells of its type
+        counted = sum(int((~torch.isnan(a[(j, e)]).any(-1)).sum()) for j, c in enumerate(net.cells) if c.cell_type == cell_type)
+        assert int(counts[cell_type][e].sum()) == counted, (k, e)
+    t0 = net.cells[0].cell_type
+    assert [c.cell_type for c in net.cells].count(t0) == 1  # edge 0 of that type: NaN in every sample of every cell
+    assert int(counts[t0][0].sum()) == 0 and torch.isnan(m.probabilities()[t0][0]).all()
+    with pytest.raises(SearchError, match="NaN"):
+        m.genotype()

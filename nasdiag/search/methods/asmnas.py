@@ -108,10 +108,11 @@ class ASMNAS(SearchMethod):
 
     # -- architecture distribution -------------------------------------------------------------------
     def probabilities(self) -> Dict[str, torch.Tensor]:
-        """Selection frequencies counts/Σcounts per edge once a selection ran, else the latest batch-mean attention."""
+        """Selection frequencies counts/Σcounts per edge once a selection ran, else the latest batch-mean attention.
+        NaN on an edge where no sample was counted (its attention NaN for every sample: a diverged supernet)."""
         if self.selection_counts is None:
             return {t: m.detach().clone() for t, m in self.attention_mean.items()}
-        return {t: (c.double() / c.sum(-1, keepdim=True).clamp(min=1)).to(self.attention_mean[t].dtype)
+        return {t: (c.double() / c.sum(-1, keepdim=True)).to(self.attention_mean[t].dtype)
                 for t, c in self.selection_counts.items()}
 
     def genotype(self):
@@ -215,7 +216,10 @@ class ASMNAS(SearchMethod):
                 total += len(y)
                 for cell, row in zip(net.cells, store):
                     a = torch.stack(row)  # (E, B, K)
-                    counts[cell.cell_type] += nn.functional.one_hot(a.argmax(-1), K).sum(1)
+                    # a sample whose a holds a NaN selects nothing (argmax took the first NaN: a diverged edge read
+                    # as a unanimous selection of op 0)
+                    picked = nn.functional.one_hot(a.argmax(-1), K) * ~torch.isnan(a).any(-1, keepdim=True)
+                    counts[cell.cell_type] += picked.sum(1)
         if total == 0:
             raise SearchError("evaluate() got an empty loader")
         self.selection_counts = counts
