@@ -19,7 +19,8 @@ What nasdiag's contract cannot take from the paper as it stands, and what it doe
   every cell in one pass of the attention supernet (its cells of a type share one selection, so there is no
   per-cell replacement to make first).
 - A sample counts for one op per edge: torch's argmax, so where several ops share the largest a (a sigmoid of
-  eq 4.4 saturated at 1 in the run's dtype) the first of them in the primitive order.
+  eq 4.4 saturated at 1 in the run's dtype) the first of them in the primitive order; a sample whose a holds a NaN
+  counts for none (argmax took the first NaN).
 - The paper keeps the argmax op of every edge; nasdiag's genotype applies the DARTS rule (``none``
   excluded, the 2 strongest incoming edges per node) to the count-normalised selection frequencies,
   so the genotype is comparable to DARTS's (the paper's cells in its Appendix A have 2 inputs per node);
