@@ -19,6 +19,9 @@ Defects these tests found (each fails without its fix):
   made ``Recorder("run.h5")`` wait for ever reading its first bytes; refused as another program's file.
 - a record path holding a NUL character was os.path's ``ValueError: embedded null byte`` traceback out of
   ``Recorder(...)``, where every error is a `RecordError`; one line.
+- ``Recorder.segment_file`` of a recorder opened with a relative path named, after an ``os.chdir``, a file of the new
+  working folder (that does not exist) while the rows went, as documented, next to the record in the folder of the
+  moment it opened; it names the file written.
 """
 
 from __future__ import annotations
@@ -104,3 +107,22 @@ def test_a_record_path_with_a_nul_character_is_one_record_error_line(tmp_path):
         with pytest.raises(RecordError, match="NUL"):
             Recorder(path)
     assert os.listdir(tmp_path) == []
+
+
+def test_the_segment_file_of_a_relative_record_names_the_file_written_after_a_chdir(tmp_path, monkeypatch):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    rec = Recorder("run.h5", flush_every=2, flush_seconds=None)
+    try:
+        monkeypatch.chdir(tmp_path / "b")
+        for step in range(3):
+            rec.log(step, {"scalars/a": float(step), **({"scalars/late": step} if step == 2 else {})})
+        rec.flush()  # rows 0-1 in run.h5, row 2 (a path first logged after the first flush) in run.seg0001.h5
+        written = tmp_path / "a" / "run.seg0001.h5"
+        assert os.path.samefile(rec.segment_file, written)
+    finally:
+        rec.close()
+    assert os.listdir(tmp_path / "b") == []
+    with h5py.File(written, "r") as f:  # plain h5py: the row is where segment_file said
+        assert f["step"][()].tolist() == [2] and f["scalars/late"][()].tolist() == [2]

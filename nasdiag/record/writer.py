@@ -451,8 +451,9 @@ class Recorder:
 
     @property
     def segment_file(self) -> str:
-        """The segment file this session writes (or will write) to."""
-        return schema.segment_path(self.path, self._segment_index)
+        """The segment file this session writes (or will write) to; absolute where the record path was relative (after
+        a ``chdir`` the relative name named a file of the new working folder, not the one written)."""
+        return schema.segment_path(self.path if os.path.isabs(self.path) else self._anchor, self._segment_index)
 
     @property
     def nonfinite_counts(self) -> dict[str, int]:
