@@ -12,6 +12,16 @@ Defects found (each test fails without its fix):
   block that ran it: the wrong cause and a fix that changes nothing. The probe sees the edge's candidate ops run with no
   call of their mixed op open and says so: call the module (op(x, weights)) with a forward doing what the method does
   (test_gdas_called_as_a_method_is_said_to_bypass_the_module_and_called_as_a_module_costs_the_sampled_op).
+* docs/probe.md promised that a torch.compile'd model "works" and, attaching the eager net and calling the compiled
+  one, "the same hooks fire, the same costs". Dynamo does not guard on module hooks by default
+  (``torch._dynamo.config.skip_nnmodule_hook_guards = True``): a compiled model called once before the block (a warm-up,
+  the unprobed steps of a loop that probes every N steps) ran the code compiled without the hooks inside it, every cost
+  NaN with the "never ran ... Run the model's forward inside the block" warning; code compiled inside a first block was
+  replaced by the unprobed steps after it, so the second probed step was NaN too (round 11's test passed because its
+  warm-up call had weights without grad, a guard change that made dynamo recompile inside the block). The warning now
+  names the flag and the fix; docs/probe.md says to set it to False before the first compiled call, with which every
+  probed step costs as autograd
+  (test_a_compiled_model_called_outside_the_blocks_says_which_dynamo_flag_and_with_it_costs_as_autograd).
 """
 
 from __future__ import annotations
@@ -133,3 +143,74 @@ def test_gdas_called_as_a_method_is_said_to_bypass_the_module_and_called_as_a_mo
     assert torch.equal(torch.as_tensor(probe.statistics()["cost/edges/count"]), counts)
     assert _no_hooks(net)
 
+
+# -- torch.compile: a compiled model called outside the blocks -------------------------------------------------------
+class _Mixed(nn.Module):
+    """DARTS convention: forward(x, weights) = Σ_k w_k·op_k(x)."""
+
+    def __init__(self):
+        super().__init__()
+        self._ops = nn.ModuleList([nn.Linear(D, D, dtype=DT), nn.Identity(), nn.Tanh()])
+
+    def forward(self, x, weights):
+        return sum(w * op(x) for w, op in zip(weights, self._ops))
+
+
+class _CompiledNet(nn.Module):
+    """Two edges, α inside; ``Z``: leaves put in place of softmax(α) (the reference)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.a, self.b, self.head = _Mixed(), _Mixed(), nn.Linear(D, N_CLS, dtype=DT)
+        self.alpha = nn.Parameter(torch.randn(2, K, dtype=DT))
+
+    def forward(self, x, Z=None):
+        w = F.softmax(self.alpha, -1) if Z is None else Z
+        return self.head(self.b(torch.tanh(self.a(x, w[0])), w[1]))
+
+
+def _reference(net, x, y):
+    Z = F.softmax(net.alpha, -1).detach().requires_grad_()
+    return torch.autograd.grad(F.cross_entropy(net(x, Z), y), Z)[0]
+
+
+def test_a_compiled_model_called_outside_the_blocks_says_which_dynamo_flag_and_with_it_costs_as_autograd():
+    """docs/probe.md: 'attach the eager net and call the compiled module (the same hooks fire, the same costs)'. Before:
+    a compiled model called once before the block (a warm-up, the unprobed steps of a loop probing every N steps) ran
+    inside the block the code dynamo compiled without the hooks (it does not guard on module hooks,
+    torch._dynamo.config.skip_nnmodule_hook_guards = True by default): every cost NaN with 'the forward of 2 edge(s)
+    never ran inside probe.record() ... Run the model's forward inside the block' after a block that ran it; and code
+    compiled inside a first block was replaced by the unprobed steps after it, so the second probed step was NaN. Now the
+    warning names the flag; with the flag False (the docs now say so) every probed step costs as autograd."""
+    x, y = _batch(seed=4)
+    net = _CompiledNet()
+    compiled = torch.compile(net, backend="eager")
+    probe = nasdiag.attach(net)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # dynamo's own warnings about tracing the probe's hooks
+        compiled(x)  # a warm-up step without the probe
+    msgs = _caught(lambda: _probed_step(probe, compiled, x, y))
+    assert any("skip_nnmodule_hook_guards = False" in m and "('a', 'b')" in m for m in msgs), msgs
+    assert not any("Run the model's forward" in m for m in msgs)
+    assert all(torch.isnan(c).all() for c in probe.costs().values()) and _no_hooks(net)
+
+    torch._dynamo.reset()  # the code compiled above without hook guards would serve another _CompiledNet too
+    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False):
+        net = _CompiledNet()
+        compiled = torch.compile(net, backend="eager")
+        probe = nasdiag.attach(net)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            compiled(x)
+            for _ in range(2):
+                _probed_step(probe, compiled, x, y)
+                ref = _reference(net, x, y)
+                assert torch.allclose(torch.stack([probe.costs()["a"], probe.costs()["b"]]), ref, rtol=1e-12, atol=1e-16)
+                F.cross_entropy(compiled(x), y).backward()  # an unprobed step between the blocks
+                assert _no_hooks(net)
+
+
+def _probed_step(probe, model, x, y):
+    with probe.record():
+        F.cross_entropy(model(x), y).backward()

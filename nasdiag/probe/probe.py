@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 import threading
 import warnings
 from functools import partial
@@ -129,6 +130,30 @@ def _check_flag(option: str, value) -> None:
 def _short_list(names: Sequence[str], n: int = 5) -> str:
     head = ", ".join(repr(x) for x in names[:n])
     return head + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+def _compiled_without_hooks(model: nn.Module) -> bool:
+    """Whether torch.compile has compiled a forward of ``model`` (or ``module.compile()`` one of its modules) while dynamo
+    does not guard on module hooks (``torch._dynamo.config.skip_nnmodule_hook_guards``, torch's default): code compiled
+    while the probe's hooks were not in place (a call before or between blocks) runs without them, so no edge is seen."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None or not getattr(getattr(dynamo, "config", None), "skip_nnmodule_hook_guards", False):
+        return False
+    try:
+        entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list
+    except AttributeError:  # a torch without it: the generic warning
+        return False
+    codes = {}
+    for m in model.modules():
+        if getattr(m, "_compiled_call_impl", None) is not None:
+            return True
+        code = getattr(type(m).forward, "__code__", None)
+        if code is not None:
+            codes[id(code)] = code
+    try:
+        return any(entries(code) for code in codes.values())
+    except Exception:  # noqa: BLE001 (a private helper: any failure is the generic warning)
+        return False
 
 
 class Probe:
@@ -502,7 +527,16 @@ class Probe:
             raise ProbeError(
                 f"edge {self._edges[p].name!r}: statistics='sampled' reads which ops had weight != 0, but its forward got "
                 f"{k} mixing weights for its {self._edges[p].n_ops} candidate ops; pass one weight per candidate op")
-        if no_forward:
+        if no_forward and _compiled_without_hooks(self.model):
+            warnings.warn(
+                f"probe: the forward of {len(no_forward)} edge(s) ({_short_list(no_forward)}) ran no hook of the probe "
+                "inside probe.record(): the model runs code torch.compile made while they were not in place (a compiled call "
+                "before the block or between blocks), and dynamo "
+                "does not guard on module hooks (torch._dynamo.config.skip_nnmodule_hook_guards = True, torch's default), "
+                "so that code runs without them; their costs are NaN for this step and they are left out of the "
+                "statistics. Set torch._dynamo.config.skip_nnmodule_hook_guards = False before the model's first "
+                "compiled call (after torch._dynamo.reset() if it ran).", RuntimeWarning, stacklevel=4)
+        elif no_forward:
             warnings.warn(
                 f"probe: the forward of {len(no_forward)} edge(s) never ran inside probe.record() "
                 f"({_short_list(no_forward)}); their costs are NaN for this step and they are left out of the statistics. "
