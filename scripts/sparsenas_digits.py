@@ -398,7 +398,7 @@ def table(results: Sequence[Result]) -> str:
 
 
 # -- command line ------------------------------------------------------------------------------------
-_POWER = re.compile(r"^1e([+-]?\d+(?:\.\d+)?)$")
+_POWER = re.compile(r"^1e([+-]?\d+(?:\.\d+)?)$", re.IGNORECASE)  # 1E-3.7 too: it was "not a number"
 
 
 def parse_lambdas(text: str) -> List[float]:

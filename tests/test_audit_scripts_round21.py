@@ -48,6 +48,8 @@ Defects found (each test fails without its fix):
   it says none was checked and what each comparison needs (test_sparsenas_digits_says_when_its_grid_checks_no_claim).
 * sparsenas_digits.py's table headed λ as 10^{log10 λ:.2g}: 3e-5 and 10^-4.5 (2e-4 and 10^-3.7) were two columns
   of one label (test_sparsenas_digits_table_heads_two_lambdas_apart).
+* sparsenas_digits.py --lambdas 1E-3.7 (a capital E, as float() reads 1E-4) was "not a number" where 1e-3.7 is
+  10^-3.7 (test_sparsenas_digits_reads_a_fractional_power_with_a_capital_e).
 
 Doc fixes (no test): wiring_output_cost's docstring promised "the counts" of correct and wrong samples (it records
 ``scalars/accuracy_<split>``); wiring_cost_heatmaps' counted 1437 digits search images (1438: 719 + 719, any seed).
@@ -68,7 +70,7 @@ Left alone: wiring_evolution and asmnas_stability replace a nasdiag search recor
 paths (a user's own darts search saved as darts_seed0.h5): nothing in a search record tells the script's runs from the
 user's; xnas_statistical runs a grid value given twice (--sigma-grid 1,1) twice, as round 14 chose for --n-grid;
 wiring_output_cost under the dsnas protocol warns of the NaN cost means of unsampled ops (RecordWarning, by design and
-flagged, not hidden); sparsenas_digits reads 1E-3.7 (capital E) as not a number where 1e-3.7 is 10^-3.7; the wiring
+flagged, not hidden); the wiring
 scripts' and xnas_statistical's --help leave most options without a line (they do what their names say).
 """
 
@@ -386,3 +388,10 @@ def test_sparsenas_digits_table_heads_two_lambdas_apart():
     assert len(set(shown)) == len(lambdas), head
     read = [10 ** float(t[3:]) if t.startswith("10^") else float(t) for t in shown]
     assert all(math.isclose(r, lam, rel_tol=1e-5) for r, lam in zip(read, sorted(lambdas))), head
+
+
+def test_sparsenas_digits_reads_a_fractional_power_with_a_capital_e():
+    """--lambdas 1E-3.7: 10^-3.7, as 1e-3.7 (and 1E-4 as float() reads it)."""
+    from sparsenas_digits import parse_lambdas
+
+    assert parse_lambdas("1E-3.7,1e-3.3,1E-4") == [10 ** -3.7, 10 ** -3.3, 1e-4]
