@@ -25,6 +25,30 @@ diverged attention module) was recorded as a unanimous selection of op 0 (``atte
 on digits), its selection frequency 1 and the genotype figure's eligible op; a NaN row selects nothing, and an edge
 with no counted sample has NaN frequencies (the genotype refuses them as diverged)
 (``test_an_asmnas_edge_of_nan_attention_is_no_selection_of_op_0``).
+
+Checked by hand and right (scratch scripts, float64 unless said):
+
+* an inf pixel (not NaN) in the search-train or search-val batch of every built-in method: the single-level methods
+  and XNAS, darts2, SparseNAS, ProxylessNAS stop with one SearchError line whose row carries the NaN loss and
+  ``scalars/nonfinite_loss`` = 1; first-order DARTS records its NaN rows and stops at the epoch end, as documented;
+* a NaN in α only (weights finite): DARTS records NaN α, probabilities and losses; darts2, SparseNAS, SNAS, XNAS
+  (NaN ln v), BayesNAS stop at their NaN loss; DSNAS and ProxylessNAS refuse the NaN α before sampling, in one line;
+* a NaN in one BatchNorm's running_var, eval mode, under the probe: the logits, loss, costs and curvature NaN, the
+  cost warning given (``evaluate`` uses batch statistics and never reads running_var);
+* autocast on the CPU: bfloat16 keeps a 1e6-scaled input finite; float16 overflows to a NaN loss, costs NaN and
+  warned, the statistics' warning given;
+* −inf logits (a masked class): the cross-entropy, accuracy, ``loss_minus_entropy`` (0·log 0 = 0) and, after the fix
+  above, the ggn/ggn_mc/hutchinson/diag/approx/exact curvature are finite (exact = autograd's reverse-over-reverse);
+* XNAS's Forecaster given +inf (and −inf) rewards: the forecaster of an alive expert with an inf reward sits the round
+  out when skipped (regret and weights unchanged, no bound violation counted), and without ``skip`` it is one
+  RegretError, nothing changed;
+* a diverged first-order DARTS record through ``nasdiag plot`` (its line counts the NaNs of the drawn families per
+  path) and ``nasdiag report`` (the NaN/inf counts of the rows it shows, each accuracy 'NaN (step 2; never finite)').
+
+Left alone: the cost and curvature of a ``none`` op stay the structural 0 in a NaN step (round 19's call); the probe
+names the edges, not the samples, of a NaN per-sample cost row (the row itself is returned NaN); ``probe.hessian()``
+of a NaN-loss block without targets says the targets cannot be inferred (true, though it names another loss as the
+reason; probe.py has another helper's work in flight) and returns NaN curvature without a warning of its own.
 """
 
 import math
