@@ -154,10 +154,16 @@ def plot(path: Path, out: Path) -> None:
         a1.plot(it, rec[key], marker="o", label=LABELS[key.split("_", 1)[1]])
     a1.set_xlabel("iteration t (Algorithm 3)")
     a1.set_ylabel("groups alive")
-    a1.set_yscale("log")
+    # linear up to 1, logarithmic above: a layer pruned to 0 groups was not drawn on the log axis
+    a1.set_yscale("symlog", linthresh=1)
+    a1.set_ylim(bottom=0)
     a1.legend()
     a2.plot(it, rec["scalars/test_acc"], marker="o")
     a2.set_xlabel("iteration t")
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in (a1, a2):  # iterations are whole numbers (1.5 was a tick)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     a2.set_ylabel("test accuracy")
     fig.suptitle("BayesNAS §B structured compression on digits")
     fig.tight_layout()

@@ -50,6 +50,9 @@ Defects found (each test fails without its fix):
   of one label (test_sparsenas_digits_table_heads_two_lambdas_apart).
 * sparsenas_digits.py --lambdas 1E-3.7 (a capital E, as float() reads 1E-4) was "not a number" where 1e-3.7 is
   10^-3.7 (test_sparsenas_digits_reads_a_fractional_power_with_a_capital_e).
+* bayes_compression.py's compression.png drew the groups alive on a log axis: a layer pruned to 0 groups was not
+  drawn (its line left the axes), and the iterations had ticks at 1.5, 2.5; linear below 1 and whole-number ticks
+  (test_bayes_compression_figure_draws_a_layer_pruned_to_no_group).
 
 Doc fixes (no test): wiring_output_cost's docstring promised "the counts" of correct and wrong samples (it records
 ``scalars/accuracy_<split>``); wiring_cost_heatmaps' counted 1437 digits search images (1438: 719 + 719, any seed).
@@ -395,3 +398,35 @@ def test_sparsenas_digits_reads_a_fractional_power_with_a_capital_e():
     from sparsenas_digits import parse_lambdas
 
     assert parse_lambdas("1E-3.7,1e-3.3,1E-4") == [10 ** -3.7, 10 ** -3.3, 1e-4]
+
+
+def test_bayes_compression_figure_draws_a_layer_pruned_to_no_group(tmp_path, monkeypatch):
+    """compression.png drew the groups alive on a log axis: a layer pruned to 0 (fc1 once its conv2 filters are gone)
+    was not drawn, its line leaving the axes; each logged count, 0 included, lies inside the axes. Iterations are
+    whole-number ticks (1.5 was one)."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    import bayes_compression as bc
+    from nasdiag.record import Recorder
+
+    counts = {"conv1": [2, 1, 1], "conv2": [5, 1, 1], "fc1": [3, 0, 0], "fc2": [4, 1, 1]}
+    record = tmp_path / "compression.h5"
+    with Recorder(str(record), meta={"method": "bayes_compression"}) as rec:
+        for t in range(3):
+            rec.log(t + 1, {"scalars/test_acc": 0.1, **{f"scalars/alive_{k}": float(v[t]) for k, v in counts.items()}})
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    bc.plot(record, tmp_path / "compression.png")
+    ax = figures[0].axes[0]
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    low, high = ax.get_ylim()
+    for layer, values in counts.items():
+        line = lines[bc.LABELS[layer]]
+        assert list(line.get_ydata()) == values
+        shown = ax.transData.transform(np.column_stack([line.get_xdata(), line.get_ydata()]))[:, 1]
+        bottom, top = ax.transAxes.transform([(0, 0), (0, 1)])[:, 1]
+        assert np.isfinite(shown).all() and (shown >= bottom - 1e-6).all() and (shown <= top + 1e-6).all(), layer
+    ticks = [t for t in ax.get_xticks() if 1 <= t <= 3]
+    assert ticks == [1, 2, 3]
+    plt.close(figures[0])
