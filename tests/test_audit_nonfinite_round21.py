@@ -47,8 +47,11 @@ Checked by hand and right (scratch scripts, float64 unless said):
 
 Left alone: the cost and curvature of a ``none`` op stay the structural 0 in a NaN step (round 19's call); the probe
 names the edges, not the samples, of a NaN per-sample cost row (the row itself is returned NaN); ``probe.hessian()``
-of a NaN-loss block without targets says the targets cannot be inferred (true, though it names another loss as the
-reason; probe.py has another helper's work in flight) and returns NaN curvature without a warning of its own.
+returns NaN curvature without a warning of its own (the block's cost warning has said it).
+
+Defect found: ``probe.hessian()`` after a block whose default cross-entropy was NaN (a NaN pixel) refused with 'they
+are inferred only when the block's loss is the default mean or summed cross-entropy', naming another loss as the
+reason; it says the block's ∂L/∂(model output) holds NaN/inf (``test_probe_hessian_of_a_nan_loss_block_names_the_nan``).
 """
 
 import math
@@ -253,3 +256,29 @@ def test_an_asmnas_edge_of_nan_attention_is_no_selection_of_op_0():
     assert int(counts[t0][0].sum()) == 0 and torch.isnan(m.probabilities()[t0][0]).all()
     with pytest.raises(SearchError, match="NaN"):
         m.genotype()
+
+
+# -- probe.hessian() after a NaN loss -------------------------------------------------------------------------------
+def test_probe_hessian_of_a_nan_loss_block_names_the_nan():
+    """The default mean cross-entropy of a batch with a NaN pixel: its labels cannot be read from a NaN ∂L/∂logits.
+    The refusal blamed the loss ('inferred only when the block's loss is the default ... cross-entropy'), which it was;
+    given the targets, the curvature is NaN (recorded, as the costs)."""
+    from nasdiag.probe.discovery import ProbeError
+    from nasdiag.supernet import Network
+
+    torch.manual_seed(0)
+    net = Network(4, 3, 1, steps=2, multiplier=2, in_channels=1, reductions=()).double()
+    probe = nasdiag.attach(net, hessian="diag")
+    x, y = torch.randn(4, 1, 6, 6, dtype=torch.float64), torch.tensor([0, 1, 2, 0])
+    x[1, 0, 2, 2] = math.nan
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the NaN cost warning, tested above
+        with probe.record():
+            nn.functional.cross_entropy(net(x), y).backward()
+        with pytest.raises(ProbeError) as err:
+            probe.hessian()
+        text = str(err.value)
+        assert len(text.splitlines()) == 1 and "NaN" in text and "targets=y" in text
+        assert "inferred only when" not in text
+        h = probe.hessian(targets=y)
+    assert all(torch.isnan(v).any() for v in h.values())

@@ -877,10 +877,15 @@ class Probe:
             if targets is None and self.loss_fn is None and r is not None:
                 targets = _cross_entropy_targets(r.model_output, r.output_grad)
             if targets is None:
+                grad = r.output_grad if r is not None else None
+                # a NaN loss (a NaN in the batch) leaves a NaN ∂L/∂logits: no labels to read, whatever the loss was
+                why = ("the block's ∂L/∂(model output) holds NaN/inf (a NaN/inf loss), so they cannot be read from it; the "
+                       "curvature of that batch is NaN" if isinstance(grad, torch.Tensor) and grad.is_floating_point()
+                       and not bool(torch.isfinite(grad).all()) else
+                       "they are inferred only when the block's loss is the default mean or summed cross-entropy of the "
+                       "model's output")
                 raise ProbeError(
-                    "hessian() needs the targets of the batch: use probe.record(targets=y) or hessian(targets=y) "
-                    "(they are inferred only when the block's loss is the default mean or summed cross-entropy of the "
-                    "model's output)"
+                    f"hessian() needs the targets of the batch: use probe.record(targets=y) or hessian(targets=y) ({why})"
                 )
         # the default loss pairs the targets with the rows of the model's output: the recorded call's logits where it is
         # re-run (a time-major input (T, B, ...), as a recurrent cell search takes, holds its batch in dim 1), else dim 0
