@@ -22,6 +22,10 @@ Defects these tests found (each fails without its fix):
 - ``Recorder.segment_file`` of a recorder opened with a relative path named, after an ``os.chdir``, a file of the new
   working folder (that does not exist) while the rows went, as documented, next to the record in the folder of the
   moment it opened; it names the file written.
+- a record named like a later segment of another name (``x.seg0001.h5``, which the library takes when no ``x.h5``
+  exists) was taken for segment 1 of a record ``x.h5`` made later beside it: ``Recorder("x.h5")`` said 'a record already
+  exists at x.h5' (there was none), a resume called x.h5 damaged, and ``Recorder("x.h5", overwrite=True)`` (``nasdiag
+  search --out x.h5 --force``) deleted the other record; one RecordError line naming it, the record left whole.
 """
 
 from __future__ import annotations
@@ -126,3 +130,21 @@ def test_the_segment_file_of_a_relative_record_names_the_file_written_after_a_ch
     assert os.listdir(tmp_path / "b") == []
     with h5py.File(written, "r") as f:  # plain h5py: the row is where segment_file said
         assert f["step"][()].tolist() == [2] and f["scalars/late"][()].tolist() == [2]
+
+
+@pytest.mark.parametrize("options", [{}, {"resume": True}, {"overwrite": True}])
+def test_a_record_named_like_a_later_segment_is_neither_deleted_nor_taken_by_the_record_of_that_name(tmp_path, options):
+    other = tmp_path / "x.seg0001.h5"  # a record of its own: no x.h5 beside it when it was made
+    values = np.linspace(-1.0, 1.0, 5)
+    with Recorder(other, flush_every=2) as rec:
+        for step, value in enumerate(values):
+            rec.log(step, {"scalars/v": float(value)})
+    before = other.read_bytes()
+    with pytest.raises(RecordError) as info:
+        Recorder(tmp_path / "x.h5", **options)
+    message = str(info.value)
+    assert "\n" not in message and "x.seg0001.h5" in message and "already exists" not in message
+    assert other.read_bytes() == before and not (tmp_path / "x.h5").exists()
+    with h5py.File(other, "r") as f:  # plain h5py: the other record as it was written
+        assert f["step"][()].tolist() == list(range(5))
+        assert f["scalars/v"][()].tobytes() == values.tobytes()

@@ -446,6 +446,23 @@ def record_of_segment(path: str) -> str | None:
     return owner if owner is not None and os.path.isfile(owner) and not_a_record(owner) is None else None
 
 
+def first_segment_among_later(files: list[tuple[int, str]]) -> str | None:
+    """The first of the later segments in ``files`` (`schema.list_segments`: index > 0) that is segment 0 of a record of
+    its own (root attribute ``segment`` 0: a record named ``x.seg0001.h5`` beside which ``x.h5`` is made), else None.
+    Unreadable files count as segments (a damaged or half-written one is judged by `load`)."""
+    for index, file in files:
+        if index == 0 or not os.path.isfile(file):
+            continue
+        try:
+            with _READS, open_segment_file(file, live=False) as f:
+                numbered = int(f.attrs.get("segment", index)) if "step" in f else index
+        except (RecordError, *_READ_ERRORS):
+            continue
+        if numbered == 0:
+            return file
+    return None
+
+
 def _refuse_a_segment_of_another_record(path: str) -> None:
     """A later segment read as a record was called damaged ("it holds segment 1 of its run, not segment 0"), with
     a salvage of 0 rows offered: say which record it belongs to instead."""

@@ -47,7 +47,7 @@ from nasdiag.memory import free_cpu_memory
 from nasdiag.record import schema
 from nasdiag.record.errors import RecordError, RecordWarning, ResumeMismatchError
 from nasdiag.record.lock import WriterLock, describe_os_error
-from nasdiag.record.reader import merged_columns, read_segments, record_of_segment
+from nasdiag.record.reader import first_segment_among_later, merged_columns, read_segments, record_of_segment
 from nasdiag.record.termination import GUARD
 
 _ALLOWED_KINDS = "biuf"
@@ -349,6 +349,12 @@ class Recorder:
                 "that name and would delete it; move it away, or name the record with an extension such as .h5"
             )
         existing = schema.list_segments(self.path)
+        other = first_segment_among_later(existing)
+        if other is not None:  # overwrite=True deleted it, and a new record was refused as 'a record already exists'
+            raise RecordError(
+                f"{other} is a record of its own, named like a later segment of {self.path}, which would take it for one "
+                "(and overwrite=True delete it); record to another name or rename that record"
+            )
         if existing and not (resume or overwrite):
             raise RecordError(
                 f"a record already exists at {self.path}; pass resume=True to continue it "
