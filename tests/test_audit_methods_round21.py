@@ -58,3 +58,64 @@ def test_bayesnas_records_no_cost_of_the_pruned_first_op_of_a_removed_edge():
     assert count[alive].tolist() == [steps] * int(alive.sum())  # the normal cell is one cell: one observation a step
     assert bool(torch.isfinite(mean[alive]).all())
     assert d["cost/reduce/count"].eq(2 * steps).all()  # nothing pruned there (2 cells)
+
+
+def _sparsenas(seed=0, **hp):
+    cls = get_method("sparsenas")
+    torch.manual_seed(seed)
+    net = Network(4, 5, 3, steps=2, multiplier=2, in_channels=1, primitives=cls.primitives).double()
+    return cls(net, cls.Hyperparameters(**hp), schedule=Schedule(epochs=3, steps_per_epoch=2, batch_size=B), seed=seed)
+
+
+def test_sparsenas_hapg_resumed_mid_epoch_continues_bit_equal_across_the_lambda_and_cosine_steps():
+    """HAPG's state (t, v of eq 7-8), its cosine η and the progressive λ (stepped at each epoch end) survive a checkpoint
+    taken mid-epoch 2: the continued run equals the uninterrupted one in every recorded row and weight. The existing
+    resume test steps AdamHAPG twice without an epoch end. λ grows fast (0.5 an epoch) so that the prox zeroes ops
+    inside the run (its exact zeros and their revival are part of the state)."""
+    import io
+
+    hp = dict(optimizer="hapg", hapg_lr=0.3, lambda_step=0.5, first_order=True)
+    pairs = _batches(6)
+    a = _sparsenas(**hp)
+    rows, state = [], None
+    for i, (train, val) in enumerate(pairs):
+        rows.append(a.step(train, val))
+        if i == 2:  # mid-epoch 2, after one λ and one cosine step; through bytes, as a checkpoint is
+            buffer = io.BytesIO()
+            torch.save(a.state_dict(), buffer)
+            buffer.seek(0)
+            state = torch.load(buffer, weights_only=False)
+        if i % 2 == 1:
+            a.epoch_end(i // 2)
+    assert a.lam == 0.5 * 4 and any(bool((p == 0).any()) for p in a.network.arch_parameters())
+    b = _sparsenas(seed=3, **hp)
+    b.load_state_dict(state)
+    for i, (train, val) in enumerate(pairs[3:], start=3):
+        row = b.step(train, val)
+        assert row.keys() == rows[i].keys()
+        assert all(torch.equal(row[k], rows[i][k]) for k in row), [k for k in row if not torch.equal(row[k], rows[i][k])]
+        if i % 2 == 1:
+            b.epoch_end(i // 2)
+    assert all(torch.equal(p, q) for p, q in zip(a.network.parameters(), b.network.parameters()))
+    assert b.lam == a.lam and b.arch_optimizer.param_groups[0]["lr"] == a.arch_optimizer.param_groups[0]["lr"]
+
+
+def test_bayesnas_sparsenas_asmnas_steps_draw_nothing_from_the_global_generator():
+    """docs/methods.md: every random number comes from the method's generator (or the global one, which the run's
+    checkpoint saves). These three methods draw none: a step (BayesNAS with its update in ggn_mc, whose labels are
+    drawn from a seeded generator of its own) and the diagnostics leave both generators as they were."""
+    from nasdiag.supernet import DARTS_PRIMITIVES
+
+    (train, val), = _batches(1)
+    for name, hp in (("bayesnas", {"update_every": 1, "hessian_mode": "ggn_mc"}), ("sparsenas", {}), ("asmnas", {})):
+        cls = get_method(name)
+        torch.manual_seed(0)
+        net = Network(4, 5, 3, steps=2, multiplier=2, in_channels=1,
+                      primitives=cls.primitives or DARTS_PRIMITIVES).double()
+        m = cls(net, cls.Hyperparameters(**hp), schedule=Schedule(epochs=2, steps_per_epoch=3, batch_size=B),
+                hessian_mode="ggn_mc")
+        before, own = torch.get_rng_state(), m.generator.get_state()
+        m.step(train, val)
+        m.diagnostics()
+        assert torch.equal(torch.get_rng_state(), before), name
+        assert torch.equal(m.generator.get_state(), own), name
