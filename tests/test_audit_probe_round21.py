@@ -22,6 +22,12 @@ Defects found (each test fails without its fix):
   names the flag and the fix; docs/probe.md says to set it to False before the first compiled call, with which every
   probed step costs as autograd
   (test_a_compiled_model_called_outside_the_blocks_says_which_dynamo_flag_and_with_it_costs_as_autograd).
+* PC-DARTS mapped as docs/probe.md says (the ops' mix on the channel slice, a module inside the partial-channel one at
+  each position of the cell's edge list) in a cell declaring its nodes: its edges had their cell but no edge index or
+  node pair, although the docs say edges inside a cell get them, so the statistics were one group "edges" of 10 rows
+  (2 cells x 5 edges, each a row) and cell_type_costs() the costs of no α instead of the (5, K) sum over the cells
+  sharing α; an edge inside an entry of the edge list that is no edge itself now takes that entry's index and node
+  pair (test_pc_darts_mix_inside_a_declared_cells_edge_list_gets_its_edge_and_nodes_and_the_shared_alpha_costs).
 """
 
 from __future__ import annotations
@@ -214,3 +220,185 @@ def test_a_compiled_model_called_outside_the_blocks_says_which_dynamo_flag_and_w
 def _probed_step(probe, model, x, y):
     with probe.record():
         F.cross_entropy(model(x), y).backward()
+
+
+# -- FairDARTS (sigmoid) and DrNAS (Dirichlet) weights over candidates in a ModuleDict, attributes, one op shared -------
+class _DictMixed(nn.Module):
+    """Candidates in an nn.ModuleDict, the last one shared with the other edges (one-shot weight sharing)."""
+
+    def __init__(self, shared):
+        super().__init__()
+        self.ops = nn.ModuleDict({"lin": nn.Linear(D, D, dtype=DT), "skip": nn.Identity(), "tanh": nn.Tanh(),
+                                  "shared": shared})
+
+    def forward(self, x, w):
+        return sum(w[k] * op(x) for k, op in enumerate(self.ops.values()))
+
+
+class _AttrMixed(nn.Module):
+    """Candidates as plain attributes, mixed in a hand-written order."""
+
+    def __init__(self, shared):
+        super().__init__()
+        self.conv, self.skip, self.act, self.shared = nn.Linear(D, D, dtype=DT), nn.Identity(), nn.Sigmoid(), shared
+
+    def forward(self, x, w):
+        return w[0] * self.conv(x) + w[1] * self.skip(x) + w[2] * self.act(x) + w[3] * self.shared(x)
+
+
+class _WeightsNet(nn.Module):
+    def __init__(self, kind: str):
+        super().__init__()
+        torch.manual_seed(5)
+        shared = nn.Linear(D, D, bias=False, dtype=DT)
+        self.a, self.b, self.c = _DictMixed(shared), _AttrMixed(shared), _DictMixed(shared)
+        self.head = nn.Linear(D, N_CLS, dtype=DT)
+        self.alpha = nn.Parameter(torch.randn(3, 4, dtype=DT))
+        self.kind, self.Z, self.last = kind, None, None
+
+    def forward(self, x):
+        if self.Z is not None:
+            w = self.Z
+        elif self.kind == "fair":  # FairDARTS: independent sigmoids, not summing to 1
+            w = torch.sigmoid(self.alpha)
+        else:  # DrNAS: a reparameterised Dirichlet sample, drawn in forward from the global generator
+            w = torch.distributions.Dirichlet(F.elu(self.alpha) + 1).rsample()
+        self.last = w.detach()
+        h = self.b(self.a(x, w[0]), w[1]) + self.c(x, w[2])
+        return self.head(torch.relu(h))
+
+    def edges(self):
+        return {"a": (self.a, list(self.a.ops.values())), "b": (self.b, [self.b.conv, self.b.skip, self.b.act, self.b.shared]),
+                "c": (self.c, list(self.c.ops.values()))}
+
+
+@pytest.mark.parametrize("kind", ["fair", "drnas"])
+def test_fairdarts_and_drnas_weights_over_dict_attribute_and_shared_candidates_cost_and_curve_as_autograd(kind):
+    """Checked and right: costs and per-sample rows are autograd's ∂L/∂Z at the step's weights (sigmoid ones that do
+    not sum to 1; a Dirichlet sample, which probe.hessian()'s re-run draws again from the recorded generator state: the
+    exact Z curvature is autograd's at that sample), op names '<k>:<class>', and wrt='alpha' (softmax assumed) refused in
+    one line for both."""
+    x, y = _batch(seed=6)
+    net = _WeightsNet(kind)
+    probe = nasdiag.attach(net, edges=net.edges(), hessian="exact")
+    assert probe.edge_names == ["a", "b", "c"] and probe.edges[1].op_names == ("0:Linear", "1:Identity", "2:Sigmoid", "3:Linear")
+    for _ in range(2):
+        with probe.record(targets=y):
+            F.cross_entropy(net(x), y).backward()
+        W = net.last
+        Z = W.clone().requires_grad_()
+        net.Z = Z
+        grad = torch.autograd.grad(F.cross_entropy(net(x), y), Z)[0]
+        for e, name in enumerate("abc"):
+            assert torch.allclose(probe.costs()[name], grad[e], rtol=1e-12, atol=1e-16)
+            assert torch.allclose(probe.costs(per_sample=True)[name].sum(0), grad[e], rtol=1e-12, atol=1e-16)
+        net.Z = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DrNAS: Dirichlet's autograd.Function is not torch.func's; the fallback says so
+        H = probe.hessian()
+    for e, name in enumerate("abc"):
+        def loss(z, e=e):
+            net.Z = torch.cat([W[:e], z[None], W[e + 1:]])
+            return F.cross_entropy(net(x), y)
+        ref = torch.diagonal(torch.autograd.functional.hessian(loss, W[e].clone()))
+        net.Z = None
+        assert torch.allclose(H[name], ref, rtol=1e-10, atol=1e-14)
+    with pytest.raises(nasdiag.errors.NasdiagError, match="assumes Z = softmax") as raised:
+        probe.hessian(wrt="alpha")
+    assert "\n" not in str(raised.value) and _no_hooks(net)
+
+
+# -- PC-DARTS in a declared cell: partial channels, channel shuffle, edge normalization β, α shared by the cells -------
+def _channel_shuffle(x, groups):
+    b, c, h, w = x.shape
+    return x.view(b, groups, c // groups, h, w).transpose(1, 2).contiguous().view(b, c, h, w)
+
+
+class _PCMix(nn.Module):
+    """The ops' mix on the channel slice (discovered: `_ops` and forward(x, weights)), as docs/probe.md says to map it."""
+
+    def __init__(self, c):
+        super().__init__()
+        self._ops = nn.ModuleList([nn.Conv2d(c, c, 1, bias=False, dtype=DT), nn.Identity(), nn.Tanh()])
+
+    def forward(self, x, weights):
+        return sum(w * op(x) for w, op in zip(weights, self._ops))
+
+
+class _PCEdge(nn.Module):
+    """PC-DARTS's MixedOp: 1/k of the channels through the mix, the rest bypassed, then a channel shuffle."""
+
+    def __init__(self, c, k=2):
+        super().__init__()
+        self.k, self.mixed = k, _PCMix(c // k)
+
+    def forward(self, x, weights):
+        dim = x.shape[1] // self.k
+        return _channel_shuffle(torch.cat([self.mixed(x[:, :dim], weights), x[:, dim:]], 1), self.k)
+
+
+class _PCCell(nn.Module):
+    """Node protocol: edges (0,2), (1,2), (0,3), (1,3), (2,3) from `steps`; node j = Σ_i β_ij·edge_ij(x_i)."""
+
+    cell_type, steps, output_nodes = "normal", 2, [2, 3]
+
+    def __init__(self, c):
+        super().__init__()
+        self.output_node_slices = {2: (0, c), 3: (c, 2 * c)}
+        self.edges = nn.ModuleList([_PCEdge(c) for _ in range(5)])
+
+    def forward(self, s0, s1, weights, betas):
+        states, offset = [s0, s1], 0
+        for _ in range(self.steps):
+            states.append(sum(betas[offset + j] * self.edges[offset + j](h, weights[offset + j])
+                              for j, h in enumerate(states)))
+            offset += len(states) - 1
+        return torch.cat(states[-2:], 1)
+
+
+class _PCNet(nn.Module):
+    def __init__(self, c=4):
+        super().__init__()
+        torch.manual_seed(7)
+        self.stem = nn.Conv2d(2, c, 3, padding=1, bias=False, dtype=DT)
+        self.cells = nn.ModuleList([_PCCell(c), _PCCell(c)])
+        self.pre = nn.Conv2d(2 * c, c, 1, bias=False, dtype=DT)
+        self.head = nn.Linear(2 * c, N_CLS, dtype=DT)
+        self.alpha = nn.Parameter(0.5 * torch.randn(5, K, dtype=DT))  # shared by the cells
+        self.beta = nn.Parameter(0.5 * torch.randn(5, dtype=DT))
+        self.Z = None
+
+    def betas(self):  # PC-DARTS: a softmax over the edges entering each node
+        return torch.cat([F.softmax(self.beta[:2], 0), F.softmax(self.beta[2:], 0)])
+
+    def forward(self, x):
+        w = F.softmax(self.alpha, -1) if self.Z is None else self.Z
+        s = self.stem(x)
+        h = self.cells[0](s, s, w, self.betas())
+        s = self.pre(h)
+        return self.head(self.cells[1](s, s, w, self.betas()).mean((2, 3)))
+
+
+def test_pc_darts_mix_inside_a_declared_cells_edge_list_gets_its_edge_and_nodes_and_the_shared_alpha_costs():
+    """Before: the mix on the channel slice (the module docs/probe.md says to map for PC-DARTS, inside the partial-
+    channel module at each position of the cell's edge list) had its cell but no edge index or node pair, although
+    the docs say edges inside a cell get them: one group 'edges' of 10 rows (2 cells x 5) and cell_type_costs() of no
+    α, not the (5, K) sum over the cells sharing α. Now it takes its position's edge index and node pair: the normal
+    group's cell_type_costs() is autograd's ∂L/∂Z for the Z both cells share, and each cell is one observation."""
+    g = torch.Generator().manual_seed(8)
+    x, y = torch.randn(3, 2, 4, 4, dtype=DT, generator=g), torch.randint(0, N_CLS, (3,), generator=g)
+    net = _PCNet()
+    probe = nasdiag.attach(net)
+    pairs = [(0, 2), (1, 2), (0, 3), (1, 3), (2, 3)]
+    assert probe.edge_names == [f"cells.{c}.edges.{e}.mixed" for c in range(2) for e in range(5)]
+    assert [(e.cell, e.edge_index, (e.src, e.dst)) for e in probe.edges] == \
+        [(f"cells.{c}", e, pairs[e]) for c in range(2) for e in range(5)]
+    for _ in range(2):
+        with probe.record():
+            F.cross_entropy(net(x), y).backward()
+    Z = F.softmax(net.alpha, -1).detach().requires_grad_()
+    net.Z = Z
+    grad = torch.autograd.grad(F.cross_entropy(net(x), y), Z)[0]
+    net.Z = None
+    assert torch.allclose(probe.cell_type_costs()["normal"], grad, rtol=1e-10, atol=1e-15)
+    assert (probe.statistics()["cost/normal/count"] == 4).all() and _no_hooks(net)

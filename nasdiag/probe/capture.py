@@ -25,7 +25,7 @@ from nasdiag.cost import edge_costs, eps_deviation, output_edge_costs
 from nasdiag.hessian._hvp import random_state
 from nasdiag.hooks import Hooks
 from nasdiag.edges import EdgeSpec
-from nasdiag.probe.discovery import CellInfo, ProbeError
+from nasdiag.probe.discovery import CellInfo, ProbeError, _cell_edge_list
 
 
 def data_parallel_refusal(what: str) -> str:
@@ -211,6 +211,12 @@ def first_tensor(value):
     return next((t for t in tensors if t.shape[0]), tensors[0] if tensors else None)
 
 
+def _is_list_entry(cell: CellInfo, edge: EdgeSpec) -> bool:
+    """Whether ``edge``'s module is the entry at its edge index of ``cell``'s edge list (not an edge inside it)."""
+    seq = _cell_edge_list(cell.module)
+    return seq is not None and 0 <= edge.edge_index < len(seq) and seq[edge.edge_index] is edge.module
+
+
 def _equal_chunks(nodes: Sequence[int], channels: int) -> Dict[int, Tuple[int, int]]:
     if channels % len(nodes):
         raise ProbeError(f"a DARTS-convention cell output has {channels} channels, not divisible among its {len(nodes)} output nodes")
@@ -277,8 +283,10 @@ class StepCapture:
         #: once it was, or why it is not (flagged at every step without checking again)
         self.check_concat = list(check_concat) if check_concat is not None else [True] * len(cells)
         #: per edge, its end node where that is an output node of a DARTS-convention cell (undeclared slices), else None
+        #: (an edge inside an entry of the cell's edge list, PC-DARTS's mix on a channel slice, returns no node's width)
         self.chunk_node = [e.dst if e.cell_index is not None and cells[e.cell_index].output_node_slices is None
-                           and e.dst in cells[e.cell_index].output_nodes else None for e in edges]
+                           and e.dst in cells[e.cell_index].output_nodes and _is_list_entry(cells[e.cell_index], e)
+                           else None for e in edges]
         self.deviation: Dict[Tuple[int, int], torch.Tensor] = {}
         self.open_edge: List[Optional[EdgeCall]] = [None] * N
         #: per edge, (model forward, weights) of its last call: a second call in the same model forward must have

@@ -244,6 +244,7 @@ def discover(model: nn.Module, edges: Optional[EdgesArg] = None) -> Tuple[List[E
 
     infos: List[EdgeSpec] = []
     cell_edges: Dict[int, List[int]] = {}
+    edge_modules = {id(spec.module) for spec in given}
     for spec in given:
         m = spec.module
         c = cell_of_module.get(id(m))
@@ -254,6 +255,12 @@ def discover(model: nn.Module, edges: Optional[EdgesArg] = None) -> Tuple[List[E
             seq = _cell_edge_list(cell)
             if seq is not None:
                 idx = next((e for e, x in enumerate(seq) if x is m), None)
+                if idx is None:  # the one edge inside an entry of the list that is no edge itself (PC-DARTS: the ops' mix
+                    # on the channel slice, mapped inside the partial-channel module at that position): that position's
+                    inner = [e for e, x in enumerate(seq)  # (it had no edge index or node pair: no (E, K) per cell type)
+                             if id(x) not in edge_modules and any(sub is m for sub in x.modules())]
+                    if len(inner) == 1 and sum(id(sub) in edge_modules for sub in seq[inner[0]].modules()) == 1:
+                        idx = inner[0]
                 if idx is not None:
                     kw["edge_index"] = idx
                     pairs = _cell_edge_nodes(cell, len(seq))
