@@ -28,6 +28,11 @@ Defects found (each test fails without its fix):
   (2 cells x 5 edges, each a row) and cell_type_costs() the costs of no α instead of the (5, K) sum over the cells
   sharing α; an edge inside an entry of the edge list that is no edge itself now takes that entry's index and node
   pair (test_pc_darts_mix_inside_a_declared_cells_edge_list_gets_its_edge_and_nodes_and_the_shared_alpha_costs).
+* PC-DARTS's own cell (``_ops``, ``_steps``, ``_multiplier``, ``reduction``, forward ``(s0, s1, weights, weights2)``)
+  was no DARTS-convention cell, which took a forward of exactly three arguments: its edges had no cell, type, index or
+  node pair (one group "edges", no cell_type_costs per α) and it had no output costs; a forward with more arguments
+  after (s0, s1, weights) is one now
+  (test_pc_darts_cell_taking_weights2_is_a_darts_cell_whose_edges_and_output_costs_are_autograds).
 """
 
 from __future__ import annotations
@@ -348,12 +353,16 @@ class _PCCell(nn.Module):
         self.edges = nn.ModuleList([_PCEdge(c) for _ in range(5)])
 
     def forward(self, s0, s1, weights, betas):
-        states, offset = [s0, s1], 0
-        for _ in range(self.steps):
-            states.append(sum(betas[offset + j] * self.edges[offset + j](h, weights[offset + j])
-                              for j, h in enumerate(states)))
-            offset += len(states) - 1
-        return torch.cat(states[-2:], 1)
+        return _pc_nodes(self.edges, self.steps, s0, s1, weights, betas)
+
+
+def _pc_nodes(edges, steps, s0, s1, weights, betas):
+    """The last two nodes of a cell, concatenated; node j = Σ_i β_ij·edge_ij(x_i, w_ij), edges in DARTS order."""
+    states, offset = [s0, s1], 0
+    for _ in range(steps):
+        states.append(sum(betas[offset + j] * edges[offset + j](h, weights[offset + j]) for j, h in enumerate(states)))
+        offset += len(states) - 1
+    return torch.cat(states[-2:], 1)
 
 
 class _PCNet(nn.Module):
@@ -402,3 +411,52 @@ def test_pc_darts_mix_inside_a_declared_cells_edge_list_gets_its_edge_and_nodes_
     net.Z = None
     assert torch.allclose(probe.cell_type_costs()["normal"], grad, rtol=1e-10, atol=1e-15)
     assert (probe.statistics()["cost/normal/count"] == 4).all() and _no_hooks(net)
+
+
+class _PCDartsCell(nn.Module):
+    """PC-DARTS's model_search.Cell as written: `_ops`, `_steps`, `_multiplier`, `reduction`, no declarations, forward
+    (s0, s1, weights, weights2) with node j = Σ_i weights2_ij·op_ij(x_i, weights_ij), the last nodes concatenated."""
+
+    def __init__(self, c, reduction=False):
+        super().__init__()
+        self.reduction, self._steps, self._multiplier = reduction, 2, 2
+        self._ops = nn.ModuleList([_PCEdge(c) for _ in range(5)])
+
+    def forward(self, s0, s1, weights, weights2):
+        return _pc_nodes(self._ops, self._steps, s0, s1, weights, weights2)
+
+
+def test_pc_darts_cell_taking_weights2_is_a_darts_cell_whose_edges_and_output_costs_are_autograds():
+    """Before: a DARTS-convention cell was one whose forward takes exactly (s0, s1, weights); PC-DARTS's takes
+    weights2 too, so its edges had no cell, index or node pair and it had no output costs at all. Now it is a cell:
+    edge indices and DARTS node pairs, cell_type_costs() = autograd's ∂L/∂Z of the shared Z, and output_costs() =
+    autograd's derivative in a scalar multiplier on each node's chunk of the cell output (§5-6)."""
+    g = torch.Generator().manual_seed(9)
+    x, y = torch.randn(3, 2, 4, 4, dtype=DT, generator=g), torch.randint(0, N_CLS, (3,), generator=g)
+    net = _PCNet()
+    net.cells = nn.ModuleList([_PCDartsCell(4), _PCDartsCell(4)])
+    probe = nasdiag.attach(net)
+    pairs = [(0, 2), (1, 2), (0, 3), (1, 3), (2, 3)]
+    assert [(e.name, e.cell, e.cell_type, e.edge_index, (e.src, e.dst)) for e in probe.edges] == \
+        [(f"cells.{c}._ops.{e}.mixed", f"cells.{c}", "normal", e, pairs[e]) for c in range(2) for e in range(5)]
+    with probe.record():
+        F.cross_entropy(net(x), y).backward()
+    Z = F.softmax(net.alpha, -1).detach().requires_grad_()
+    scales = torch.ones(2, 2, dtype=DT, requires_grad=True)  # (cell, output node)
+
+    def scaled(cell, c):
+        return lambda m, args, out: torch.cat([out[:, :4] * scales[c, 0], out[:, 4:] * scales[c, 1]], 1)
+
+    handles = [cell.register_forward_hook(scaled(cell, c)) for c, cell in enumerate(net.cells)]
+    net.Z = Z
+    try:
+        gz, gs = torch.autograd.grad(F.cross_entropy(net(x), y), (Z, scales))
+    finally:
+        net.Z = None
+        for h in handles:
+            h.remove()
+    assert torch.allclose(probe.cell_type_costs()["normal"], gz, rtol=1e-10, atol=1e-15)
+    out = probe.output_costs()
+    assert torch.allclose(torch.stack([torch.stack([out[f"cells.{c}"][n] for n in (2, 3)]) for c in range(2)]), gs,
+                          rtol=1e-10, atol=1e-15)
+    assert _no_hooks(net)

@@ -11,8 +11,9 @@ The node protocol (for cell types, node pairs and output-edge costs). A module i
     output, dim 1) and optionally ``output_nodes``, ``edge_nodes`` (one (i, j) per edge, aligned with
     its ``edges`` ModuleList) and ``cell_type``; nasdiag's ``Cell`` does; or
   * follows the DARTS convention: ``_ops`` (ModuleList of mixed ops, edges in DARTS order), ``_steps``,
-    ``_multiplier`` and a forward ``(s0, s1, weights)``; its output is the concatenation of the last
-    ``_multiplier`` nodes with equal channel counts, and its type is ``"reduce"`` if ``reduction``.
+    ``_multiplier`` and a forward ``(s0, s1, weights)`` (or with more arguments: PC-DARTS's ``weights2``); its
+    output is the concatenation of the last ``_multiplier`` nodes with equal channel counts, and its type is
+    ``"reduce"`` if ``reduction``.
 Edges that are descendants of a cell get its cell index (order of cells in ``named_modules()``), type,
 their edge index (position in the cell's ``edges``/``_ops``) and node pair (declared ``edge_nodes``,
 else the DARTS order for ``steps``/``_steps``).
@@ -118,7 +119,7 @@ def _cell_declaration(module: nn.Module):
         isinstance(getattr(module, "_ops", None), nn.ModuleList)
         and hasattr(module, "_steps")
         and hasattr(module, "_multiplier")
-        and _positional_arity(module) == 3
+        and _positional_arity(module) >= 3  # (s0, s1, weights); PC-DARTS's (s0, s1, weights, weights2)
     ):
         steps, mult = int(module._steps), int(module._multiplier)
         return tuple(range(2 + steps - mult, 2 + steps)), None
