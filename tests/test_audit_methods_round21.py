@@ -9,6 +9,30 @@ Defects these tests found (each fails without its fix):
   count and a mean where docs/bayesnas.md says a pruned op's cost statistics have count 0 and mean NaN. The cost
   service takes the ops to observe (``observed=``, default ``active``) and BayesNAS passes its switches
   (test_bayesnas_records_no_cost_of_the_pruned_first_op_of_a_removed_edge).
+
+Checked and found right (no defect):
+
+- SparseNAS with HAPG saved mid-epoch 2 (after a λ step and a cosine step of η, with ops zeroed by the prox) and
+  loaded into a fresh method continues bit-equal across two more epoch ends: every row, A, λ, η
+  (test_sparsenas_hapg_resumed_mid_epoch_continues_bit_equal_across_the_lambda_and_cosine_steps);
+- BayesNAS (its update in ggn_mc and hutchinson:2, which seed their own generators), SparseNAS and ASM-NAS steps and
+  diagnostics draw nothing from the global generator nor the method's (test_bayesnas_sparsenas_asmnas_steps_draw_
+  nothing_from_the_global_generator); ProxylessNAS, SNAS and DSNAS draw from the method's only (scratch);
+- scratch: BayesNAS's curvature of the update (ggn, diag, approx, exact) and the diagnostics leave BatchNorm's running
+  statistics as they were; hessian_mode hutchinson:4 and exact_per_edge run in the update, 'hutchinson:<k>' is one
+  line; SparseNAS's AdamHAPG resume across epoch ends bit-equal; ASM-NAS's selection of NaN attention (found and
+  fixed at the same time by the round-21 nonfinite audit, 086b401).
+
+Noticed and left alone:
+
+- BayesNAS clears the momentum of every w after each update (``arch_optimizer.state.clear()``), the survivors' too,
+  though only pruned or reset w need it; the paper's Algorithm 2 says nothing of momentum across iterations.
+- BayesNAS's λ‖𝒲‖² of A.3.1 is SGD's weight_decay λ, the gradient of (λ/2)‖𝒲‖² (DARTS's convention, docs say
+  "as weight decay").
+- ProxylessNAS with alpha_weight_decay > 0 moves unsampled α (Adam's decay), which the rescaling of the pair does not
+  undo (read from the code); the default is 0 and the help says β1 = 0 leaves them unmoved.
+- ``Network(primitives=None)`` (a method's ``primitives`` class attribute is None for DARTS's space) is list()'s
+  TypeError; outside this area (nasdiag.supernet).
 """
 
 from __future__ import annotations
