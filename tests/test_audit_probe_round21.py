@@ -33,6 +33,28 @@ Defects found (each test fails without its fix):
   node pair (one group "edges", no cell_type_costs per α) and it had no output costs; a forward with more arguments
   after (s0, s1, weights) is one now
   (test_pc_darts_cell_taking_weights2_is_a_darts_cell_whose_edges_and_output_costs_are_autograds).
+
+Checked and right (autograd references here or in scratch): FairDARTS's sigmoid weights and DrNAS's Dirichlet
+rsample over candidates kept in an nn.ModuleDict, as plain attributes mixed by hand, and one op module shared by three
+edges: costs and per-sample rows = ∂L/∂Z, the exact Z curvature of a Dirichlet step (its re-run draws the recorded
+sample) = torch.autograd.functional.hessian, hessian(wrt='alpha') refused in one line for both (no softmax); candidates
+mapped out of the weights' order are refused at the first step whose weights differ (sigmoid(0) = 0.5 passes the first,
+as documented); GDAS called as a module: the sampled op's cost = autograd at the straight-through one-hot, the rest NaN
+with the documented warning, statistics count only sampled ops, statistics='sampled' on a forward (x, weights, index)
+refused at attach, invariance_deviation NaN for the ops that did not run; a compiled (eager and aot_eager backends,
+flag False) GDAS chain, DrNAS net and declared cell with path_split give the eager costs, rows and path parts;
+attach(torch.compile(net)) and net.compile() after a warm-up get the new warning; PC-DARTS with path_split is one
+ProbeError line naming β/partial channels; hooks gone after every block, also when a warning raised as an error.
+
+Noticed and left: under warnings-as-errors (pytest -W error) a block whose only fault is a warning (ops that did not
+run) discards the step and costs() says 'a block whose body raised records nothing' (the body did not raise: the
+warning did; the behaviour is the documented discard); one mixed op used at two layers of a one-shot net whose one-hot
+samples happen to be equal on a step is taken for tied Z and adds both layers' costs under one name (refused only at a
+step where they differ, as documented); the compiled-model warning is chosen for any edge that ran no hook while a
+forward of the model has dynamo code and the flag is True (a path dropped in such a run is named as that cause too);
+the GDAS warning marks an edge whose candidate ran while no mixed op listing it was open, so a candidate shared with a
+module outside every edge (a stem) of an edge dropped that step would be named as a bypassed mixed op; the DrNAS
+wrt='alpha' refusal speaks of a softmax temperature (the line still says to use wrt='Z').
 """
 
 from __future__ import annotations
