@@ -26,6 +26,10 @@ Defects these tests found (each fails without its fix):
   exists) was taken for segment 1 of a record ``x.h5`` made later beside it: ``Recorder("x.h5")`` said 'a record already
   exists at x.h5' (there was none), a resume called x.h5 damaged, and ``Recorder("x.h5", overwrite=True)`` (``nasdiag
   search --out x.h5 --force``) deleted the other record; one RecordError line naming it, the record left whole.
+- a file at the record path that is not a record (a text file, another program's HDF5 file) was called 'a record
+  already exists at notes.txt; pass resume=True ... or overwrite=True to replace it', and ``overwrite=True`` then
+  deleted it (``nasdiag search --out`` refuses such a file even with ``--force``); a resume called it a damaged
+  record with 0 rows to salvage. One RecordError line saying it is not a record, the file left as it was.
 """
 
 from __future__ import annotations
@@ -148,3 +152,20 @@ def test_a_record_named_like_a_later_segment_is_neither_deleted_nor_taken_by_the
     with h5py.File(other, "r") as f:  # plain h5py: the other record as it was written
         assert f["step"][()].tolist() == list(range(5))
         assert f["scalars/v"][()].tobytes() == values.tobytes()
+
+
+@pytest.mark.parametrize("options", [{}, {"resume": True}, {"overwrite": True}])
+def test_a_file_that_is_not_a_record_is_never_called_one_nor_replaced(tmp_path, options):
+    notes = tmp_path / "notes.h5"
+    notes.write_text("my notes\n")
+    theirs = tmp_path / "theirs.h5"
+    with h5py.File(theirs, "w") as f:  # another program's HDF5 file: no /step and /present
+        f["data"] = np.arange(3.0)
+    for path in (notes, theirs):
+        before = path.read_bytes()
+        with pytest.raises(RecordError) as info:
+            Recorder(path, **options)
+        message = str(info.value)
+        assert "\n" not in message and "not a nasdiag record" in message and "already exists" not in message
+        assert path.read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == ["notes.h5", "theirs.h5"]

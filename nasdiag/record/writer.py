@@ -47,7 +47,7 @@ from nasdiag.memory import free_cpu_memory
 from nasdiag.record import schema
 from nasdiag.record.errors import RecordError, RecordWarning, ResumeMismatchError
 from nasdiag.record.lock import WriterLock, describe_os_error
-from nasdiag.record.reader import first_segment_among_later, merged_columns, read_segments, record_of_segment
+from nasdiag.record.reader import first_segment_among_later, merged_columns, not_a_record, read_segments, record_of_segment
 from nasdiag.record.termination import GUARD
 
 _ALLOWED_KINDS = "biuf"
@@ -222,7 +222,8 @@ class Recorder:
     resume:
         Continue an existing record in a new segment (a new record if there is none).
     overwrite:
-        Delete an existing record (all segments) first. Refused while another writer holds it.
+        Delete an existing record (all segments) first. Refused while another writer holds it, and where the file at
+        ``path`` is not a record (a text file, another program's HDF5 file: never deleted).
     flush_seconds:
         Also flush at the first ``log`` after this many seconds since the last flush (None: never),
         so a slow search loses little and live readers stay current.
@@ -349,6 +350,11 @@ class Recorder:
                 "that name and would delete it; move it away, or name the record with an extension such as .h5"
             )
         existing = schema.list_segments(self.path)
+        if existing and existing[0][0] == 0:
+            reason = not_a_record(self.path)
+            if reason is not None:  # 'a record already exists; pass ... overwrite=True', which deleted the user's file
+                raise RecordError(f"{self.path} exists and is not a nasdiag record ({reason}); it is never replaced, not even "
+                                  "with overwrite=True: record to another path or move it away")
         other = first_segment_among_later(existing)
         if other is not None:  # overwrite=True deleted it, and a new record was refused as 'a record already exists'
             raise RecordError(
