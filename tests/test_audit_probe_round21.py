@@ -33,6 +33,10 @@ Defects found (each test fails without its fix):
   node pair (one group "edges", no cell_type_costs per α) and it had no output costs; a forward with more arguments
   after (s0, s1, weights) is one now
   (test_pc_darts_cell_taking_weights2_is_a_darts_cell_whose_edges_and_output_costs_are_autograds).
+* probe.hessian() in the exact mode of a compiled model (attach(torch.compile(net), hessian='exact'), or a net compiled
+  in place with net.compile()) re-ran the compiled code under torch.func and stopped in dynamo's 'AssertionError:
+  False != True' traceback; the eager module is re-run (the same forward and parameters)
+  (test_exact_curvature_of_a_compiled_wrapper_or_a_module_compiled_in_place_is_autograds).
 
 Checked and right (autograd references here or in scratch): FairDARTS's sigmoid weights and DrNAS's Dirichlet
 rsample over candidates kept in an nn.ModuleDict, as plain attributes mixed by hand, and one op module shared by three
@@ -482,3 +486,32 @@ def test_pc_darts_cell_taking_weights2_is_a_darts_cell_whose_edges_and_output_co
     assert torch.allclose(torch.stack([torch.stack([out[f"cells.{c}"][n] for n in (2, 3)]) for c in range(2)]), gs,
                           rtol=1e-10, atol=1e-15)
     assert _no_hooks(net)
+
+
+def test_exact_curvature_of_a_compiled_wrapper_or_a_module_compiled_in_place_is_autograds():
+    """Before: probe.hessian() in the exact mode of attach(torch.compile(net), hessian='exact') or of a net compiled in
+    place (net.compile()) re-ran the compiled code under torch.func and stopped in dynamo's 'AssertionError: False !=
+    True' traceback (diag and approx were right); the re-run is the eager module's. Reference: the diagonal of
+    torch.autograd.functional.hessian of the loss in each edge's Z."""
+    x, y = _batch(seed=10)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for in_place in (False, True):
+            net = _CompiledNet()
+            if in_place:
+                net.compile(backend="eager")
+                model, names = net, ["a", "b"]
+            else:
+                model, names = torch.compile(net, backend="eager"), ["_orig_mod.a", "_orig_mod.b"]
+            probe = nasdiag.attach(model, hessian="exact")
+            with probe.record(targets=y):
+                F.cross_entropy(model(x), y).backward()
+            H = probe.hessian()
+            W = F.softmax(net.alpha, -1).detach()
+            for e, name in enumerate(names):
+                def loss(z, e=e):
+                    return F.cross_entropy(net(x, torch.cat([W[:e], z[None], W[e + 1:]])), y)
+                ref = torch.diagonal(torch.autograd.functional.hessian(loss, W[e].clone()))
+                assert torch.allclose(H[name], ref, rtol=1e-10, atol=1e-15)
+            assert _no_hooks(net)

@@ -1130,7 +1130,15 @@ def _cross_entropy_targets(logits: Optional[torch.Tensor], grad: Optional[torch.
 def _local_module(model: nn.Module) -> Tuple[nn.Module, Optional[torch.device]]:
     """The module a DistributedDataParallel wrapper runs, and the device the wrapper moves the inputs to (None: as
     they are); other models as they are. The wrapper's forward adds only communication: the broadcast of rank 0's
-    buffers, which the recorded forward already made, and the reducer's bookkeeping for a backward."""
+    buffers, which the recorded forward already made, and the reducer's bookkeeping for a backward. A torch.compile
+    wrapper is re-run as the eager module it wraps, a module compiled in place (``model.compile()``) through its eager
+    call (the exact mode's re-runs under torch.func stopped in dynamo's AssertionError): the same forward and
+    parameters."""
+    compiled = sys.modules.get("torch._dynamo.eval_frame")
+    if compiled is not None and isinstance(model, getattr(compiled, "OptimizedModule", ())):
+        return _local_module(model._orig_mod)
+    if getattr(model, "_compiled_call_impl", None) is not None:
+        return _EagerCall(model), None
     if not isinstance(model, nn.parallel.DistributedDataParallel):
         return model, None
     ids = model.device_ids
@@ -1144,6 +1152,17 @@ def _to_device(values, device: Optional[torch.device]):
     if device is None:
         return values
     return tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, values)
+
+
+class _EagerCall(nn.Module):
+    """``model``'s eager call (its hooks and forward), past the code of ``model.compile()``."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args, **kwargs):
+        return self.model._call_impl(*args, **kwargs)
 
 
 class _BoundKeywords(nn.Module):
