@@ -30,6 +30,10 @@ Defects these tests found (each fails without its fix):
   already exists at notes.txt; pass resume=True ... or overwrite=True to replace it', and ``overwrite=True`` then
   deleted it (``nasdiag search --out`` refuses such a file even with ``--force``); a resume called it a damaged
   record with 0 rows to salvage. One RecordError line saying it is not a record, the file left as it was.
+- a record path that is a symbolic link to a file in a folder not made yet (``latest.h5 -> runs/today/run.h5``) was
+  refused as 'cannot create lock file ...: No such file or directory', where the Recorder's docstring says the
+  parent folder is created if needed: it created the link's folder (which exists), not the target's, where every
+  file of the record goes.
 """
 
 from __future__ import annotations
@@ -169,3 +173,15 @@ def test_a_file_that_is_not_a_record_is_never_called_one_nor_replaced(tmp_path, 
         assert "\n" not in message and "not a nasdiag record" in message and "already exists" not in message
         assert path.read_bytes() == before
     assert sorted(os.listdir(tmp_path)) == ["notes.h5", "theirs.h5"]
+
+
+def test_a_link_to_a_record_in_a_folder_not_made_yet_makes_that_folder(tmp_path):
+    link = tmp_path / "latest.h5"
+    os.symlink(os.path.join("runs", "today", "run.h5"), link)  # relative, as ln -s makes it
+    with Recorder(link, flush_every=2) as rec:
+        for step in range(3):
+            rec.log(step, {"scalars/a": float(step)})
+    target = tmp_path / "runs" / "today" / "run.h5"
+    assert os.path.islink(link) and sorted(os.listdir(target.parent)) == ["run.h5"]
+    with h5py.File(target, "r") as f:
+        assert f["step"][()].tolist() == [0, 1, 2] and f["scalars/a"][()].tolist() == [0.0, 1.0, 2.0]

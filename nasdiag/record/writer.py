@@ -326,7 +326,7 @@ class Recorder:
         self._previous_segments: list[list[int]] = []  # [index, committed rows] of earlier segments
         self.resume_differences: dict[str, tuple] = {}
         self._committed_last_step: int | None = None
-        folder = os.path.dirname(os.path.abspath(path))
+        folder = os.path.dirname(self._anchor)  # a link's target's: the link's own exists, and the lock is made there
         try:
             os.makedirs(folder, exist_ok=True)
         except OSError as err:
