@@ -34,6 +34,8 @@ Defects these tests found (each fails without its fix):
   refused as 'cannot create lock file ...: No such file or directory', where the Recorder's docstring says the
   parent folder is created if needed: it created the link's folder (which exists), not the target's, where every
   file of the record goes.
+- a meta value nested deeper than json can encode (a list in a list ... 10^5 deep, in ``config`` or another key) was
+  json's ``RecursionError`` traceback out of ``Recorder(...)``; one RecordError line.
 """
 
 from __future__ import annotations
@@ -185,3 +187,14 @@ def test_a_link_to_a_record_in_a_folder_not_made_yet_makes_that_folder(tmp_path)
     assert os.path.islink(link) and sorted(os.listdir(target.parent)) == ["run.h5"]
     with h5py.File(target, "r") as f:
         assert f["step"][()].tolist() == [0, 1, 2] and f["scalars/a"][()].tolist() == [0.0, 1.0, 2.0]
+
+
+@pytest.mark.parametrize("key", ["config", "notes"])
+def test_a_meta_value_nested_too_deeply_for_json_is_one_record_error_line(tmp_path, key):
+    deep: list = []
+    for _ in range(100_000):
+        deep = [deep]
+    with pytest.raises(RecordError) as info:
+        Recorder(tmp_path / "run.h5", meta={key: {"a": deep} if key == "config" else deep})
+    assert "\n" not in str(info.value) and key in str(info.value)
+    assert os.listdir(tmp_path) == []

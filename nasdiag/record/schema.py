@@ -364,6 +364,8 @@ def _json(key: str, value) -> str:
         return json.dumps(value, sort_keys=True, allow_nan=True)
     except (TypeError, ValueError) as err:
         raise RecordError(f"meta[{key!r}] is not JSON-serialisable ({err}); pass plain dicts, lists, numbers and strings") from None
+    except RecursionError:  # json's own traceback out of Recorder(...)
+        raise RecordError(f"meta[{key!r}] is nested too deeply to be stored as JSON; pass a flatter value") from None
 
 
 def normalize_meta(meta: Mapping[str, Any] | None) -> dict[str, Any]:
