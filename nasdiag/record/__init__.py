@@ -11,14 +11,15 @@
   training loop; statistics stay on their device until a batch of rows is handed over, reduced
   across DDP ranks once per batch, written by rank 0; `lightning_callback` adapts it to Lightning.
 - `RecordError` (every user-facing error), `ResumeMismatchError` (a resume into another run or
-  search space, with ``differences``), `RecordWarning` (NaN/inf, resume notices, salvage).
+  search space, with ``differences``), `DamagedRecordError` (a damaged record: ``path``, ``where``, ``reason``,
+  ``intact_rows``), `RecordWarning` (NaN/inf, resume notices, salvage).
 
 The format, the commit protocol and damage detection are described in docs/schema.md. Importing
 this package imports neither torch nor Lightning; the callbacks import them only when they need them.
 """
 
 from nasdiag.record.callbacks import RecorderCallback
-from nasdiag.record.errors import RecordError, RecordWarning, ResumeMismatchError
+from nasdiag.record.errors import DamagedRecordError, RecordError, RecordWarning, ResumeMismatchError
 from nasdiag.record.lightning import lightning_callback
 from nasdiag.record.reader import load, load_meta
 from nasdiag.record.schema import SCHEMA_VERSION
@@ -29,6 +30,7 @@ __all__ = [
     "load",
     "load_meta",
     "RecordError",
+    "DamagedRecordError",
     "RecordWarning",
     "ResumeMismatchError",
     "RecorderCallback",
