@@ -223,3 +223,18 @@ def test_a_meta_value_nested_too_deeply_for_json_is_one_record_error_line(tmp_pa
         Recorder(tmp_path / "run.h5", meta={key: {"a": deep} if key == "config" else deep})
     assert "\n" not in str(info.value) and key in str(info.value)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_copy_of_segment_0_in_a_later_segments_place_is_still_damage_that_overwrite_replaces(tmp_path):
+    # the refusal above is for a record of its own (another run); a copy of this run's segment 0 is damage, as before
+    path = tmp_path / "run.h5"
+    with Recorder(path, flush_every=2) as rec:
+        rec.log(0, {"scalars/a": 0.0})
+    (tmp_path / "run.seg0001.h5").write_bytes(path.read_bytes())
+    with pytest.raises(RecordError, match="damaged"):
+        Recorder(path, resume=True)
+    with Recorder(path, overwrite=True) as rec:
+        rec.log(5, {"scalars/a": 5.0})
+    assert sorted(os.listdir(tmp_path)) == ["run.h5"]
+    with h5py.File(path, "r") as f:
+        assert f["step"][()].tolist() == [5]

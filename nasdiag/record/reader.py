@@ -449,16 +449,23 @@ def record_of_segment(path: str) -> str | None:
 def first_segment_among_later(files: list[tuple[int, str]]) -> str | None:
     """The first of the later segments in ``files`` (`schema.list_segments`: index > 0) that is segment 0 of a record of
     its own (root attribute ``segment`` 0: a record named ``x.seg0001.h5`` beside which ``x.h5`` is made), else None.
-    Unreadable files count as segments (a damaged or half-written one is judged by `load`)."""
+    Unreadable files count as segments (a damaged or half-written one is judged by `load`), and so does a copy of
+    segment 0 of the same run (damage, which `load` names)."""
+    def numbered_and_run(file: str, index: int):
+        try:
+            with _READS, open_segment_file(file, live=False) as f:
+                if "step" not in f:
+                    return index, None
+                return int(f.attrs.get("segment", index)), _attr_str(f.attrs.get("run_id", ""))
+        except (RecordError, *_READ_ERRORS):
+            return index, None
+
+    first_run = numbered_and_run(files[0][1], 0)[1] if files and files[0][0] == 0 and os.path.isfile(files[0][1]) else None
     for index, file in files:
         if index == 0 or not os.path.isfile(file):
             continue
-        try:
-            with _READS, open_segment_file(file, live=False) as f:
-                numbered = int(f.attrs.get("segment", index)) if "step" in f else index
-        except (RecordError, *_READ_ERRORS):
-            continue
-        if numbered == 0:
+        numbered, run = numbered_and_run(file, index)
+        if numbered == 0 and not (run and run == first_run):
             return file
     return None
 
