@@ -79,3 +79,16 @@ def test_a_darts_genotype_of_an_uneven_pair_count_is_refused_not_drawn_on_a_gues
 
     with pytest.raises(NothingToDraw, match="5 .op, input. pairs does not list the same number for each of the 2 nodes"):
         genes_from_pairs([("a", 0), ("b", 1), ("c", 0), ("d", 1), ("e", 2)], 2)
+
+
+def test_a_supernet_of_primitives_none_is_dartss_space_as_a_methods_primitives_of_none_means():
+    """A method's ``primitives`` of None stands for DARTS's space (reported by the methods auditor); ``Network(...,
+    primitives=method.primitives)`` was list(None)'s bare TypeError. The reference is the DARTS paper's eight ops."""
+    from nasdiag.supernet import Network
+
+    darts_ops = ["none", "max_pool_3x3", "avg_pool_3x3", "skip_connect", "sep_conv_3x3", "sep_conv_5x5", "dil_conv_3x3",
+                 "dil_conv_5x5"]
+    net = Network(4, 10, 3, primitives=None)
+    assert sorted(net.primitives) == sorted(darts_ops)  # nasdiag's order of them is its own
+    assert net.primitives == Network(4, 10, 3).primitives
+    assert net.alphas_normal.shape == (14, 8)

@@ -35,7 +35,8 @@ class Network(nn.Module):
         order: op stacking order ``"relu-conv-bn"``, ``"conv-bn-relu"`` or ``"conv-relu-bn"`` (wiring paper §8.2).
         norm: ``"batch"``, ``"layer"`` or ``"instance"`` (§8.1), with ``affine`` on or off and ``norm_eps``.
         classifier_bias: ``False`` gives the bias-free classifier of Thm 2.
-        primitives: candidate op names.
+        primitives: candidate op names; None is DARTS's eight (``DARTS_PRIMITIVES``), as a method's ``primitives``
+            of None means.
         reductions: indices of reduction cells; default ``(layers // 3, 2 * layers // 3)`` as in DARTS.
         alpha_init_scale: α is initialised as ``alpha_init_scale * randn(E, K)`` (1e-3 in DARTS).
 
@@ -59,7 +60,7 @@ class Network(nn.Module):
         affine: bool = False,
         norm_eps: float = 1e-5,
         classifier_bias: bool = True,
-        primitives: Sequence[str] = DARTS_PRIMITIVES,
+        primitives: Optional[Sequence[str]] = DARTS_PRIMITIVES,
         reductions: Optional[Sequence[int]] = None,
         alpha_init_scale: float = 1e-3,
     ):
@@ -80,6 +81,8 @@ class Network(nn.Module):
         self.layers = layers
         self.steps = steps
         self.multiplier = multiplier
+        if primitives is None:  # a method's primitives of None (DARTS's space) was list(None)'s bare TypeError
+            primitives = DARTS_PRIMITIVES
         self.primitives = [] if isinstance(primitives, str) else list(primitives)  # a str was taken letter by letter
         if not self.primitives:
             raise ValueError("primitives must name at least one candidate op (nasdiag.supernet.OPS lists them)")
