@@ -39,6 +39,17 @@ def _check_options(lr: float, lam: float, alpha: float, *, scheduled: bool = Fal
         raise ConfigError(f"alpha (α) balances element and group sparsity and must be in [0, 1], got {alpha}")
 
 
+def _check_adam(betas, eps) -> None:
+    try:
+        b1, b2 = (float(b) for b in betas)
+    except (TypeError, ValueError):
+        raise ConfigError(f"Adam betas must be two numbers (β₁, β₂), got {betas!r}") from None
+    if not (0 <= b1 < 1 and 0 <= b2 < 1):
+        raise ConfigError(f"Adam betas must be in [0, 1), got {tuple(betas)}")
+    if isinstance(eps, (str, bool)) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ConfigError(f"Adam eps must be a number > 0 (it keeps the step sizes η_i finite), got {eps!r}")
+
+
 def _check_group_ids(g, index: int, p: torch.Tensor) -> None:
     if not isinstance(g, torch.Tensor) or g.dtype not in (torch.int32, torch.int64):
         raise ConfigError(f"groups[{index}] must be an integer tensor of group ids, got "
@@ -98,6 +109,10 @@ class _HierarchicalProximal(torch.optim.Optimizer):
                 self.param_groups.pop()  # nothing added
                 raise
 
+    @staticmethod
+    def _check_step_options(group: dict) -> None:  # the options a step reads, which may change between steps
+        _check_options(group["lr"], group["lam"], group["alpha"], scheduled=True)
+
     def _gradient_step(self, p, grad, state, group):  # -> (z_t, per-element step sizes η_i)
         raise NotImplementedError
 
@@ -107,8 +122,9 @@ class _HierarchicalProximal(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        for group in self.param_groups:  # every group checked before any parameter moves
+            self._check_step_options(group)
         for group in self.param_groups:
-            _check_options(group["lr"], group["lam"], group["alpha"], scheduled=True)
             lam, alpha = group["lam"], group["alpha"]
             for i, p in enumerate(group["params"]):
                 if p.grad is None:
@@ -162,15 +178,20 @@ class AdamHAPG(_HierarchicalProximal):
 
     def __init__(self, params: Iterable, lr: float = 3e-4, betas=(0.5, 0.999), eps: float = 1e-8, lam: float = 0.0,
                  alpha: float = 0.5, groups: Optional[list] = None):
-        try:
-            b1, b2 = (float(b) for b in betas)
-        except (TypeError, ValueError):
-            raise ConfigError(f"Adam betas must be two numbers (β₁, β₂), got {betas!r}") from None
-        if not (0 <= b1 < 1 and 0 <= b2 < 1):
-            raise ConfigError(f"Adam betas must be in [0, 1), got {tuple(betas)}")
-        if isinstance(eps, (str, bool)) or not isinstance(eps, (int, float)) or not eps > 0:
-            raise ConfigError(f"Adam eps must be a number > 0 (it keeps the step sizes η_i finite), got {eps!r}")
+        _check_adam(betas, eps)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, lam=lam, alpha=alpha, groups=groups))
+
+    # a parameter group's own betas or eps (given in its dict, or set between steps) are checked as the constructor's:
+    # betas (0.5, 1.0) or eps = 0 made NaN weights, betas (1.0, …) a ZeroDivisionError traceback
+    @staticmethod
+    def _check_group(group: dict) -> None:
+        _HierarchicalProximal._check_group(group)
+        _check_adam(group["betas"], group["eps"])
+
+    @staticmethod
+    def _check_step_options(group: dict) -> None:
+        _HierarchicalProximal._check_step_options(group)
+        _check_adam(group["betas"], group["eps"])
 
     def _gradient_step(self, p, grad, state, group):
         b1, b2 = group["betas"]

@@ -1,0 +1,135 @@
+"""Round-21 audit of nasdiag.sparse (sparse-group-lasso prox, HAPG, AdamHAPG) and nasdiag.bayes (§A, §B) on bare
+tensors, against an auditor's own float64 transcriptions written here (sparse-supernet eq 6-10 and §"Hierarchical
+Proximal Optimization"; bayesnas appendix A.2.8, A.2.13, A.2.14, A.3.2, A.3.8, A.3.9, B.0.2-B.0.5) and, for the prox, a
+generic convex solver (scipy's Powell on the prox objective); no nasdiag helper computes a reference.
+
+Rounds 17 and 20 covered the prox against a brute-force minimiser and the subgradient conditions, HAPG as FISTA with a
+changing η, AdamHAPG's uneven groups with a skipped step, §A at γ, H ∈ {0, tiny, 1, huge, ∞} and NaN, §B's Table S3
+groupings. Here: several parameter groups, each with its own options (lr, λ, α, and AdamHAPG's betas and eps), over
+several steps with λ and η changed between steps.
+
+Defects these tests found (each fails without its fix):
+
+- AdamHAPG checked betas and eps only as the constructor's arguments: a parameter group's own ``betas=(0.5, 1.0)`` or
+  ``eps=0`` (docs/sparsenas.md: one ConfigError line at construction) was accepted and made every weight NaN at the
+  first step, ``betas=(1.0, 0.999)`` a ZeroDivisionError traceback, a string eps a TypeError traceback; each group's
+  (and, at a step, a changed value) is checked as the constructor's
+  (test_a_parameter_groups_own_adam_betas_or_eps_are_checked_as_the_constructors).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from nasdiag.errors import ConfigError
+from nasdiag.sparse import AdamHAPG, HAPG
+
+
+# ---------------------------------------------------------------- own transcription (numpy float64) of eq 6-10
+
+
+def _soft(z, t):  # eq 9
+    return np.sign(z) * np.maximum(np.abs(z) - t, 0.0)
+
+
+def _group_shrink(z, t, g):  # eq 10, one threshold per group (or one for all)
+    out = z.copy()
+    for n in np.unique(g):
+        m = g == n
+        norm = np.linalg.norm(z[m])
+        tn = t[n] if np.ndim(t) else t
+        out[m] = 0.0 if norm == 0 else max(0.0, 1.0 - np.sqrt(m.sum()) * tn / norm) * z[m]
+    return out
+
+
+def _u(t):  # eq 7-8's momentum, the first step counted as t = 2 (the module docstring's convention)
+    return (t - 2) / (t + 1)
+
+
+def _own_hapg(a0, grads, lrs, lams, alpha, g):
+    """HAPG, eq 6-10: z = A − ηg, the ℓ1 prox at ηλα, the group prox at ηλ(1 − α), then eq 7-8."""
+    a, v, out = a0.copy(), np.zeros_like(a0), []
+    for k, (grad, lr, lam) in enumerate(zip(grads, lrs, lams)):
+        t = k + 2
+        prox = _group_shrink(_soft(a - lr * grad, lr * lam * alpha), lr * lam * (1 - alpha), g)
+        v = prox - a + _u(t - 1) * v
+        a = prox + _u(t) * v
+        out.append(a.copy())
+    return out
+
+
+def _own_adamhapg(a0, grads, lrs, lams, alpha, g, b1, b2, eps):
+    """AdamHAPG as its docstring states it: η_i = lr/(1 − β₁ⁿ)/(√(s_i/(1 − β₂ⁿ)) + ε), z = A − η_i m_i, the ℓ1 prox at
+    η_i λα, the group prox at the lower median of the group's η_i times λ(1 − α), then eq 7-8."""
+    a, v, m, s, out = a0.copy(), np.zeros_like(a0), np.zeros_like(a0), np.zeros_like(a0), []
+    for k, (grad, lr, lam) in enumerate(zip(grads, lrs, lams)):
+        t, n = k + 2, k + 1
+        m = b1 * m + (1 - b1) * grad
+        s = b2 * s + (1 - b2) * grad * grad
+        eta = lr / (1 - b1**n) / (np.sqrt(s / (1 - b2**n)) + eps)
+        z = a - eta * m
+        t_group = np.array([np.sort(eta[g == i])[((g == i).sum() - 1) // 2] for i in range(g.max() + 1)])
+        prox = _group_shrink(_soft(z, eta * lam * alpha), t_group * lam * (1 - alpha), g)
+        v = prox - a + _u(t - 1) * v
+        a = prox + _u(t) * v
+        out.append(a.copy())
+    return out
+
+
+# ---------------------------------------------------------------- AdamHAPG's per-group options
+
+
+def test_a_parameter_groups_own_adam_betas_or_eps_are_checked_as_the_constructors():
+    p = torch.nn.Parameter(torch.randn(5, dtype=torch.float64))
+    before = p.detach().clone()
+    for bad in (dict(betas=(0.5, 1.0)), dict(betas=(1.0, 0.999)), dict(eps=0.0), dict(eps="1e-8"), dict(betas=(0.5,))):
+        with pytest.raises(ConfigError, match="Adam (betas|eps)"):
+            AdamHAPG([{"params": [p], **bad}], lr=0.1, lam=0.1)
+        opt = AdamHAPG([p], lr=0.1, lam=0.1)
+        with pytest.raises(ConfigError, match="Adam (betas|eps)"):
+            opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))], **bad})
+        assert len(opt.param_groups) == 1
+        # set between steps, as λ and η may be: refused at the step, before any weight moves
+        opt.param_groups[0].update(bad)
+        p.grad = torch.ones_like(p)
+        with pytest.raises(ConfigError, match="Adam (betas|eps)"):
+            opt.step()
+        assert torch.equal(p.detach(), before) and not opt.state
+    p.grad = None
+
+
+def test_hapg_and_adamhapg_with_two_parameter_groups_of_their_own_options_are_the_own_transcription():
+    """Two parameter groups with their own lr, λ, α (and AdamHAPG's betas, eps), irregular groups with singletons, λ
+    and η changed at every step: each parameter follows its own group's options (the transcription above), five steps."""
+    rng = np.random.default_rng(21)
+    steps = 5
+    g1, g2 = np.array([0, 1, 2, 0, 0, 2, 1]), np.array([0, 1, 1, 1, 2])  # g2's groups 0 and 2 are singletons
+    a1, a2 = rng.normal(size=7) * 0.3, rng.normal(size=5) * 0.3
+    grads1, grads2 = [rng.normal(size=7) for _ in range(steps)], [rng.normal(size=5) for _ in range(steps)]
+    lrs1, lrs2 = rng.uniform(0.01, 0.2, steps), rng.uniform(0.01, 0.2, steps)
+    lams1, lams2 = rng.uniform(0, 1.5, steps), rng.uniform(0, 1.5, steps)
+    (b1, e1), (b2, e2) = ((0.5, 0.999), 1e-8), ((0.8, 0.95), 1e-3)
+    for adam in (False, True):
+        p1 = torch.nn.Parameter(torch.tensor(a1))
+        p2 = torch.nn.Parameter(torch.tensor(a2))
+        groups = [{"params": [p1], "groups": [torch.tensor(g1)], "alpha": 0.3},
+                  {"params": [p2], "groups": [torch.tensor(g2)], "alpha": 0.8}]
+        if adam:
+            groups[1].update(betas=b2, eps=e2)
+            opt = AdamHAPG(groups, lr=0.1, betas=b1, eps=e1)
+            want1 = _own_adamhapg(a1, grads1, lrs1, lams1, 0.3, g1, *b1, e1)
+            want2 = _own_adamhapg(a2, grads2, lrs2, lams2, 0.8, g2, *b2, e2)
+        else:
+            opt = HAPG(groups, lr=0.1)
+            want1 = _own_hapg(a1, grads1, lrs1, lams1, 0.3, g1)
+            want2 = _own_hapg(a2, grads2, lrs2, lams2, 0.8, g2)
+        for k in range(steps):
+            for group, lr, lam in zip(opt.param_groups, (lrs1[k], lrs2[k]), (lams1[k], lams2[k])):
+                group["lr"], group["lam"] = float(lr), float(lam)
+            p1.grad, p2.grad = torch.tensor(grads1[k]), torch.tensor(grads2[k])
+            opt.step()
+            # float64 round-off of a few operations on O(1) numbers
+            np.testing.assert_allclose(p1.detach().numpy(), want1[k], rtol=0, atol=1e-13)
+            np.testing.assert_allclose(p2.detach().numpy(), want2[k], rtol=0, atol=1e-13)
