@@ -95,7 +95,8 @@ def _chain_blocks(op: nn.Module) -> Optional[List[nn.Sequential]]:
         if _conv_signature(dw) is None or _conv_signature(pw) is None or _bn_signature(b[3]) is None:
             return None
         if dw.groups != dw.in_channels or dw.out_channels != dw.in_channels or pw.kernel_size != (1, 1) or pw.groups != 1 \
-                or pw.stride != (1, 1) or pw.in_channels != dw.out_channels or b[3].num_features != pw.out_channels:
+                or pw.stride != (1, 1) or pw.padding != (0, 0) or pw.in_channels != dw.out_channels \
+                or b[3].num_features != pw.out_channels:
             return None
     return blocks
 
@@ -116,8 +117,12 @@ def _classify(op: nn.Module, stride: int) -> Tuple[Optional[str], tuple]:
     if type(op) is nn.Identity:
         return ("identity", ("identity",)) if stride == 1 else (None, ())
     if type(op) is FactorizedReduce:
+        # the batched call is F.relu and two 1×1 convs of stride 2, no padding: a module swapped in for the ReLU (a
+        # LeakyReLU, an in-place one) or a conv of another shape computes something else (was 0.07 off, silently)
         sig = (_conv_signature(op.conv_1), _conv_signature(op.conv_2), _bn_signature(op.norm))
-        if op.order != "relu-conv-bn" or None in sig or op.conv_1.kernel_size != (1, 1) or op.conv_1.stride != (2, 2):
+        if op.order != "relu-conv-bn" or None in sig or type(op.relu) is not nn.ReLU or op.relu.inplace \
+                or any(c.kernel_size != (1, 1) or c.stride != (2, 2) or c.padding != (0, 0) or c.dilation != (1, 1)
+                       or c.groups != 1 for c in (op.conv_1, op.conv_2)):
             return None, ()
         return "factorized", ("factorized",) + sig
     if type(op) is nn.Sequential and len(op) == 2 and type(op[0]) in (nn.MaxPool2d, nn.AvgPool2d):

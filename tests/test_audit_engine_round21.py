@@ -1,0 +1,100 @@
+"""Round-21 audit of the fast path (``nasdiag.supernet.engine``, ``nasdiag.cuda_graphs``, ``nasdiag.hessian.graphed``):
+the batched supernet forward and its curvature recursion must be the eager computation, or decline to run. References:
+the eager modules of the same network (torch's own modules, every op called one by one), float64 on the CPU.
+
+Defects found (each test fails without its fix):
+
+* The engine recognised a ``FactorizedReduce`` (the strided skip of a reduction cell's edges, the s0 preprocessing
+  after a reduction) by its class, order, BatchNorm and ``conv_1``'s kernel and stride only, and computed it as
+  ``F.relu`` and two 1×1 convolutions of stride 2 without padding: a module swapped in for its ReLU (a LeakyReLU, an
+  in-place ReLU: the sep/dil chains already refuse both) was never called, silently under the default engine (output
+  0.07 off); a ``conv_2`` of another kernel stopped the fast forward with a view's RuntimeError where the eager one
+  runs. The curvature tape computed such a preprocessing with ``F.relu`` too. Such an op runs eager (an
+  EngineWarning under ``fast``) and the batched recursion declines
+  (test_a_factorized_reduce_with_a_relu_or_conv_of_its_own_runs_eager_and_says_so,
+  test_a_factorized_reduce_preprocessing_with_a_relu_of_its_own_leaves_the_curvature_to_the_per_op_modules).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from nasdiag.supernet import Network
+from nasdiag.supernet.ops import FactorizedReduce
+
+DT = torch.float64
+
+
+def _net(**kw):
+    torch.manual_seed(0)
+    return Network(4, 3, 3, steps=2, multiplier=2, reductions=[1], **kw).to(DT)
+
+
+def _batch(seed, B, H=6):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, 3, H, H, generator=g, dtype=DT), torch.randint(0, 3, (B,), generator=g)
+
+
+def _swap(module: FactorizedReduce, how: str) -> None:
+    if how == "leaky relu":
+        module.relu = nn.LeakyReLU(0.3)
+    elif how == "in-place relu":
+        module.relu = nn.ReLU(inplace=True)
+    else:  # a 3×3 conv_2 (stride 2, padding 1: the same output size as the 1×1 one on even maps)
+        old = module.conv_2
+        module.conv_2 = nn.Conv2d(old.in_channels, old.out_channels, 3, stride=2, padding=1, bias=False).to(DT)
+
+
+@pytest.mark.parametrize("how", ["leaky relu", "in-place relu", "3x3 conv_2"])
+def test_a_factorized_reduce_with_a_relu_or_conv_of_its_own_runs_eager_and_says_so(how):
+    """The edges' FactorizedReduce modules (skip_connect of the reduction cell) get another ReLU or conv_2 after the
+    first forward (the plan is rebuilt on a swapped child): the fast forward and ∂L/∂Z of per-cell leaves equal the
+    eager modules' (1e-12, float64; the in-place ReLU: the forward, its node overwritten as eager does), the running
+    statistics too, with one EngineWarning naming the op."""
+    from nasdiag.supernet.engine import EngineWarning
+
+    net = _net().set_engine("fast")
+    x, y = _batch(3, 4)
+    net(x)  # the plan is built with the plain modules
+    for cell in net.cells:
+        for edge in cell.edges:
+            for op in edge.ops:
+                if type(op) is FactorizedReduce:
+                    _swap(op, how)
+    eager = copy.deepcopy(net).set_engine("eager")
+    leaves = [w.detach().clone().requires_grad_() for w in (net.softmax_weights()[c.cell_type] for c in net.cells)]
+    leaves_e = [w.detach().clone().requires_grad_() for w in leaves]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = net(x, leaves)
+    ref = eager(x, leaves_e)
+    assert torch.allclose(out, ref, rtol=0, atol=1e-12), (out - ref).abs().max()
+    if how != "in-place relu":  # (eager's in-place ReLU overwrites a node that autograd saved: no backward there)
+        g = torch.autograd.grad(nn.functional.cross_entropy(out, y), leaves)
+        g_e = torch.autograd.grad(nn.functional.cross_entropy(ref, y), leaves_e)
+        for a, b in zip(g, g_e):
+            assert torch.allclose(a, b, rtol=0, atol=1e-12), (a - b).abs().max()
+    for (key, a), b in zip(net.state_dict().items(), eager.state_dict().values()):
+        assert torch.allclose(a.to(DT), b.to(DT), rtol=0, atol=1e-12), key
+    said = [str(w.message) for w in caught if w.category is EngineWarning]
+    assert len(said) == 1 and "skip_connect" in said[0], said
+
+
+def test_a_factorized_reduce_preprocessing_with_a_relu_of_its_own_leaves_the_curvature_to_the_per_op_modules():
+    """The cell after a reduction preprocesses s0 with a FactorizedReduce, which the curvature tape computed with
+    ``F.relu`` whatever its ReLU module was: with a LeakyReLU there, the recursion walked another function than the
+    forward. The batched recursion declines (None: the search then runs ``arch_diag_hessian`` on the per-op
+    modules)."""
+    from nasdiag.supernet.engine.curvature import mixing_curvature
+
+    net = _net().set_engine("fast")
+    assert type(net.cells[2].preprocess0) is FactorizedReduce
+    net.cells[2].preprocess0.relu = nn.LeakyReLU(0.3)
+    x, y = _batch(7, 4)
+    per_cell = [net.softmax_weights()[c.cell_type].detach() for c in net.cells]
+    assert mixing_curvature(net, x, y, per_cell, "diag") is None
