@@ -4,7 +4,9 @@ and a search-val part (for the architecture α); a held-out test part is never s
 from __future__ import annotations
 
 from nasdiag.errors import NasdiagError
+import errno
 import numbers
+import os
 import pickle
 import shlex
 from dataclasses import dataclass
@@ -117,7 +119,10 @@ _CIFAR_PICKLE_GLOBALS = frozenset(
     [(f"numpy.{core}.{module}", name) for core in ("core", "_core")
      for module, name in (("multiarray", "_reconstruct"), ("multiarray", "scalar"), ("numeric", "_frombuffer"))]
     + [("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode"), ("builtins", "bytearray"),
-       ("__builtin__", "bytearray")]
+       ("__builtin__", "bytearray"),
+       # protocols 0-2 pickle an empty bytes (a 0-byte array's buffer, a batch_label b"") as bytes(): it was refused
+       # as code that loading would run
+       ("builtins", "bytes"), ("__builtin__", "bytes")]
 )
 
 
@@ -153,7 +158,15 @@ def _read_cifar_batch(path: Path) -> Tuple[np.ndarray, np.ndarray]:
         raise DataError(f"CIFAR-10 file missing: {path} (expected the standard python batches {', '.join(CIFAR_FILES)})"
                         f"{unpack}")
     try:
-        with open(path, "rb") as fh:
+        fh = open(path, "rb")
+    except OSError as exc:  # unreadable (permission denied): an OSError traceback, and `nasdiag search` said the
+        # location was "read-only or not writable"
+        fix = (f"give this user read access to it (chmod a+r {shlex.quote(str(path))}) or pass"
+               if exc.errno in (errno.EACCES, errno.EPERM) else "pass")
+        raise DataError(f"CIFAR-10 batch {path} cannot be read ({os.strerror(exc.errno) if exc.errno else exc}); {fix} "
+                        "a --data-dir holding a readable copy of the batches") from None
+    try:
+        with fh:
             batch = _CifarUnpickler(fh, encoding="bytes").load()
     except _ForeignPickleGlobal as exc:
         raise DataError(f"{path} is not a CIFAR-10 python batch: it pickles {exc}, which a batch of numpy arrays and "
