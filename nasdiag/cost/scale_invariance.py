@@ -152,6 +152,16 @@ def _check_norm_input(norm: nn.Module, x: torch.Tensor) -> None:
                         "pass the tensor the normalization is called on")
 
 
+def _uses_running_statistics(norm: nn.Module) -> bool:
+    """Whether ``norm``'s forward normalizes with its running buffers, as torch decides it (``nasdiag.rules``'s
+    BatchNorm and InstanceNorm rules: then an affine map, not a normalization by its input's statistics)."""
+    if isinstance(norm, nn.modules.batchnorm._BatchNorm):
+        return not norm.training and not (norm.running_mean is None and norm.running_var is None)
+    if isinstance(norm, nn.modules.instancenorm._InstanceNorm):
+        return norm.track_running_stats and not norm.training
+    return False
+
+
 def eps_deviation(norm: nn.Module, norm_input: torch.Tensor) -> torch.Tensor:
     """Relative deviation from scale invariance of a normalization at its real eps.
 
@@ -169,10 +179,16 @@ def eps_deviation(norm: nn.Module, norm_input: torch.Tensor) -> torch.Tensor:
         dims for LayerNorm ((B,) over all but the batch dim, (B, C) over the spatial dims); dtype of the input.
 
     Raises:
-        CostError: ``norm_input`` is not a tensor, or not one ``norm`` can normalize (rank, channels, normalized shape).
+        CostError: ``norm_input`` is not a tensor, or not one ``norm`` can normalize (rank, channels, normalized shape);
+            ``norm`` is a BatchNorm or InstanceNorm in eval mode with running statistics (an affine map: J_N(x)·x is
+            γ·x/sqrt(running_var + eps), of the order of N(x), not a deviation of order eps/var).
         UnsupportedModuleError: ``norm`` is not one of the normalizations above.
     """
     require_tensors("eps_deviation", norm_input=norm_input)
     _check_norm_input(norm, norm_input)
+    if _uses_running_statistics(norm):
+        raise CostError(f"eps_deviation: this {type(norm).__name__} is in eval mode with running statistics, an affine map "
+                        "that is not scale-invariant at any eps (J_N(x)·x = γ·x/sqrt(running_var + eps), not N(x)·eps/(var + eps)); call "
+                        "it in train mode, or use one with track_running_stats=False")
     var = _group_variance(norm, norm_input.detach())
     return norm.eps / (var + norm.eps)
