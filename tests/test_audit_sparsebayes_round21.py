@@ -14,7 +14,12 @@ Defects these tests found (each fails without its fix):
   ``eps=0`` (docs/sparsenas.md: one ConfigError line at construction) was accepted and made every weight NaN at the
   first step, ``betas=(1.0, 0.999)`` a ZeroDivisionError traceback, a string eps a TypeError traceback; each group's
   (and, at a step, a changed value) is checked as the constructor's
-  (test_a_parameter_groups_own_adam_betas_or_eps_are_checked_as_the_constructors).
+  (test_a_parameter_groups_own_adam_betas_or_eps_are_checked_as_the_constructors);
+- HAPG/AdamHAPG given parameter-group dicts and the constructor's ``groups=[ids_a]`` handed every dict without its own
+  ``groups`` that list (torch's defaults), read from its first tensor: the second dict's parameter was grouped by the
+  first parameter's ids, silently where the shapes agree; ``groups=[ids_a, ids_b]`` (one tensor per parameter, as the
+  docstring says) was refused as "1 parameters, 2 groups tensors"; one line naming the per-dict form
+  (test_the_constructors_groups_with_several_parameter_groups_is_one_line_not_the_first_groups_ids_for_all).
 """
 
 from __future__ import annotations
@@ -133,3 +138,26 @@ def test_hapg_and_adamhapg_with_two_parameter_groups_of_their_own_options_are_th
             # float64 round-off of a few operations on O(1) numbers
             np.testing.assert_allclose(p1.detach().numpy(), want1[k], rtol=0, atol=1e-13)
             np.testing.assert_allclose(p2.detach().numpy(), want2[k], rtol=0, atol=1e-13)
+
+
+def test_the_constructors_groups_with_several_parameter_groups_is_one_line_not_the_first_groups_ids_for_all():
+    """``HAPG([{"params": [a]}, {"params": [b]}], groups=[ids_a])``: torch hands every dict without its own ``groups`` the
+    constructor's list, read from its first tensor, so b (a's shape) was grouped by a's ids, silently; and
+    ``groups=[ids_a, ids_b]`` (one tensor per parameter, as the docstring says) was refused as "1 parameters, 2 groups
+    tensors". One line naming the per-dict form; a single dict, or dicts with their own groups, work as before."""
+    a = torch.nn.Parameter(torch.tensor([3.0, 4.0, 0.1, 0.1], dtype=torch.float64))
+    b = torch.nn.Parameter(torch.tensor([3.0, 4.0, 0.1, 0.1], dtype=torch.float64))
+    ids_a, ids_b = torch.tensor([0, 0, 1, 1]), torch.tensor([0, 1, 2, 3])
+    for make in (HAPG, AdamHAPG):
+        for groups in ([ids_a], [ids_a, ids_b]):
+            with pytest.raises(ConfigError, match="give each dict its own"):
+                make([{"params": [a]}, {"params": [b]}], lr=0.1, lam=0.5, groups=groups)
+        # what works: each dict its own ids (the constructor's then names nothing), or one dict
+        opt = make([{"params": [a], "groups": [ids_a]}, {"params": [b], "groups": [ids_b]}], lr=0.1, lam=0.5)
+        assert [g["groups"][0] is i for g, i in zip(opt.param_groups, (ids_a, ids_b))] == [True, True]
+        assert make([{"params": [a]}], lr=0.1, lam=0.5, groups=[ids_a]).param_groups[0]["groups"][0] is ids_a
+    # the grouping the per-dict form gives b is b's own: at λ = 1, α = 0, η = 1 and zero gradient, eq 10 with b's
+    # singletons (threshold 1 each) keeps 3 − 1 and 4 − 1; a's ids (pairs, threshold √2 on norms 5 and 0.14) would not
+    b.grad = torch.zeros_like(b)
+    HAPG([{"params": [b], "groups": [ids_b]}], lr=1.0, lam=1.0, alpha=0.0).step()
+    np.testing.assert_allclose(b.detach().numpy(), [2.0, 3.0, 0.0, 0.0], rtol=0, atol=1e-15)

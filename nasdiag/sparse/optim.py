@@ -75,6 +75,15 @@ class _HierarchicalProximal(torch.optim.Optimizer):
 
     def __init__(self, params, defaults):
         super().__init__(params, defaults)
+        inherited = [group for group in self.param_groups if defaults["groups"] is not None and
+                     group.get("groups") is defaults["groups"]]
+        if inherited and len(self.param_groups) > 1:
+            # torch gives every dict without its own "groups" the constructor's list, indexed from its first tensor: the
+            # parameters of a second group were grouped by the first group's ids (silently where the shapes agree), and
+            # groups=[ids_a, ids_b] for {"params": [a]}, {"params": [b]} was refused as "1 parameters, 2 groups tensors"
+            raise ConfigError(f"groups= of the constructor is one tensor per parameter of a single parameter group; with "
+                              f"{len(self.param_groups)} parameter groups give each dict its own: {{'params': [...], "
+                              f"'groups': [ids, ...]}} (None: each tensor one group)")
         for group in self.param_groups:
             self._check_group(group)
         self._built = True
@@ -155,7 +164,8 @@ class HAPG(_HierarchicalProximal):
 
     Args:
         params: parameters or parameter groups (each may carry ``lr``, ``lam``, ``alpha``, ``groups``).
-        lr: η. lam: λ. alpha: α. groups: one group-id tensor per parameter (None: each tensor one group).
+        lr: η. lam: λ. alpha: α. groups: one group-id tensor per parameter (None: each tensor one group); with
+            several parameter groups (dicts) each dict gives its own ``groups``.
     """
 
     def __init__(self, params: Iterable, lr: float, lam: float = 0.0, alpha: float = 0.5, groups: Optional[list] = None):
