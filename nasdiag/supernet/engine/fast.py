@@ -175,21 +175,23 @@ class _Stage:
     degree: int
     positions: List[int]  # edge index (Cell.edge_nodes order) of each position, source-major
     dests: List[int]  # destination node of each position
-    columns: List[_Column]  # ops that contribute (the zero op is left out: its output and cost are 0)
+    columns: List[_Column]  # ops that contribute (the zero op is left out: its output is 0; see zero_index)
     z_index: List[int] = field(default_factory=list)  # flat index into Z (E·K) of each (position, column)
-    _device_index: Dict[torch.device, torch.Tensor] = field(default_factory=dict)
+    zero_index: List[int] = field(default_factory=list)  # the same of each (position, zero op)
+    _device_index: Dict[tuple, torch.Tensor] = field(default_factory=dict)
     _unit: Dict[tuple, Tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
-    def z_index_on(self, device: torch.device) -> torch.Tensor:
+    def z_index_on(self, device: torch.device, zero: bool = False) -> torch.Tensor:
+        """``z_index`` (or, with ``zero``, ``zero_index``) as a tensor on ``device``."""
         # Cached per device: building it inside a CUDA-graph capture would be a pageable host copy.
-        idx = self._device_index.get(device)
+        idx = self._device_index.get((device, zero))
         if idx is None:
-            idx = torch.tensor(self.z_index, dtype=torch.long, device=device)
+            idx = torch.tensor(self.zero_index if zero else self.z_index, dtype=torch.long, device=device)
             # one made under a torch.func transform is a wrapper of that call: reusing it later (or deep-copying
             # the network) fails with "Cannot access storage of TensorWrapper", so it is not cached; nor is an
             # inference tensor (inference mode), which autograd refuses to save later
             if torch._C._functorch.peek_interpreter_stack() is None and not torch.is_inference_mode_enabled():
-                self._device_index[device] = idx
+                self._device_index[(device, zero)] = idx
         return idx
 
     def unit_affine(self, like: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -267,7 +269,7 @@ def plan_cell(cell: nn.Module) -> CellPlan:
             if len(strides) != 1:
                 raise Unsupported("edges of one source node with different strides")
             stride = strides.pop()
-            columns = []
+            columns, zeros = [], []
             for k in range(K):
                 mods = [edges[e].ops[k] for e in positions]
                 kinds = [_classify(m, stride) for m in mods]
@@ -279,10 +281,13 @@ def plan_cell(cell: nn.Module) -> CellPlan:
                     raise Unsupported(f"candidate op {edges[positions[0]].primitives[k]!r} differs between edges")
                 if kind != "zero":
                     columns.append(_column(k, kind, mods, sig, len(srcs)))
+                else:
+                    zeros.append(k)
             if not columns:  # torch.stack of no columns: "stack expects a non-empty TensorList" at the forward
                 raise Unsupported("every candidate op is 'none' (a stage with nothing to batch)")
             stage = _Stage(srcs, len(out_edges[srcs[0]]), positions, [nodes[e][1] for e in positions], columns)
             stage.z_index = [e * K + c.k for e in positions for c in columns]
+            stage.zero_index = [e * K + k for e in positions for k in zeros]
             stages.append(stage)
     return CellPlan(stages, K)
 
@@ -653,6 +658,11 @@ def _stage_outputs(stage: _Stage, X: torch.Tensor, Z: torch.Tensor, run: _Run) -
     # Σ_k Z_k O_k as one batched (1 × K')·(K' × C·H'·W') product per (sample, edge): one pass over the op
     # outputs forward and one per gradient backward, where a broadcast product and a sum make several.
     z = Z.index_select(0, stage.z_index_on(Z.device)).view(n, 1, len(outs))
+    if stage.zero_index:
+        # the zero op's term Z_k·0 of each edge, added to its other weights: + 0, or NaN where the zero op's weight is
+        # NaN or inf, as in the eager sum (left out, a non-finite weight of 'none' alone gave a finite output where the
+        # eager one is NaN); no host read, and ∂L/∂Z of the zero op stays 0 where ∂L/∂z is finite
+        z = z + Z.index_select(0, stage.z_index_on(Z.device, zero=True)).view(n, 1, -1).mul(0).sum(-1, keepdim=True)
     out = torch.matmul(z, stacked.view(B, n, len(outs), -1)).view(B, m, d, C, Hp, Wp)
     if run.tape is not None:
         for name, t in (("X", X), ("r", r), ("stacked", stacked), ("z", z), ("out", out)):
