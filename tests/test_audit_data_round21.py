@@ -22,6 +22,12 @@ Defects found (each test fails without its fix):
 * a batch the user cannot read (permission denied) was an OSError traceback out of ``cifar10`` (the scripts), and
   ``nasdiag search`` said the location was "read-only or not writable"; one DataError line saying it cannot be read
   (test_an_unreadable_cifar_batch_is_one_line_saying_it_cannot_be_read).
+* ``--resume`` on a ``--data-dir`` whose batches were replaced since the run began: with other sizes the method
+  refused the checkpoint as "of a run of 1 epochs × 4 steps per epoch" and told a CLI user to "build the method with
+  the saved Schedule(...)"; with as many images (other labels) the run went on, silently, on other data than the
+  steps it replays. The checkpoint keeps the split sizes and a digest of the labels (``runner.data_identity``); a
+  resume on other data is one ConfigError line, nothing written
+  (test_a_resume_on_a_data_folder_whose_batches_were_replaced_is_refused_in_one_line).
 """
 
 from __future__ import annotations
@@ -235,3 +241,31 @@ def test_each_step_sees_full_batches_of_the_seeds_order_and_a_resumed_run_sees_t
     assert seen == whole[S:]  # the steps after the checkpoint: the rest of epoch 1 in its order, not a new epoch
     _equal_states(resumed.method.state_dict(), reference.method.state_dict())
     assert resumed.evaluation == reference.evaluation
+
+
+# -- resume on the run's data ----------------------------------------------------------------------------------------
+def test_a_resume_on_a_data_folder_whose_batches_were_replaced_is_refused_in_one_line(tmp_path, capsys):
+    """Other sizes: the method's 'build the method with the saved Schedule(...)', an API hint, out of nasdiag search;
+    as many images with other labels: the run went on, silently, on other data than the steps it replays."""
+    data, runs = tmp_path / "cifar", tmp_path / "runs"
+    argv = ["search", "--dataset", "cifar10", "--data-dir", str(data), "--out", str(runs / "r.h5"), "--C", "4",
+            "--layers", "3", "--steps", "1", "--batch-size", "2", "--diagnostics", "none", "--device", "cpu",
+            "--no-progress", "--no-figs", "--threads", "1"]
+    raw = _write_cifar(data, n=4)
+    assert main(argv + ["--epochs", "1"]) == 0
+    capsys.readouterr()
+    before = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(runs.iterdir())}
+    for n, needle in ((8, "now it has"), (4, "with other labels")):
+        _write_cifar(data, n=n)
+        if n == 4:  # the run's images, each batch's labels reversed: as many per class (the same split sizes)
+            for name in NAMES:
+                with open(data / name, "wb") as fh:
+                    pickle.dump({b"data": raw[name][0], b"labels": raw[name][1][::-1].tolist()}, fh, protocol=2)
+        assert main(argv + ["--epochs", "2", "--resume"]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and "data in" in lines[0] and "changed since the run began" in lines[0], lines
+        assert needle in lines[0] and "Schedule(" not in lines[0], lines[0]
+        assert {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(runs.iterdir())} == before
+    again = _write_cifar(data, n=4)  # the run's own batches back: it resumes
+    assert all(np.array_equal(again[k][0], raw[k][0]) for k in NAMES)
+    assert main(argv + ["--epochs", "2", "--resume"]) == 0

@@ -82,6 +82,31 @@ def epoch_batches(dataset, batch_size: int, seed: int, epoch: int, *, rank: int 
         yield dataset[order[i * batch_size:(i + 1) * batch_size]]
 
 
+def data_identity(splits) -> Dict[str, Any]:
+    """What a checkpoint keeps of the data it was taken on: the split sizes and a digest of the labels in order (cheap,
+    and another set of images, or another number of them, has other labels at almost every size)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for part in (splits.train, splits.val, splits.test):
+        digest.update(part.tensors[1].to(torch.int64).contiguous().numpy().tobytes() + b"|")
+    return {"sizes": splits.sizes(), "labels": digest.hexdigest()[:16]}
+
+
+def _check_same_data(saved: Optional[Mapping[str, Any]], now: Mapping[str, Any], config: SearchConfig) -> None:
+    """Refuse a resume on data that are not the run's: a --data-dir whose batches were replaced since. With other sizes
+    the method refused the checkpoint as 'of a run of E × S steps per epoch' and said to build it with the saved
+    Schedule; with as many images the run went on, silently, on other data than the steps it replays."""
+    if not isinstance(saved, Mapping) or dict(saved) == dict(now):  # (a checkpoint from before this was kept: unchecked)
+        return
+    where = f" in {os.fspath(config.data_dir)}" if config.data_dir else ""
+    sizes = lambda d: "/".join(str(d.get("sizes", {}).get(k, "?")) for k in ("train", "val", "test"))
+    what = (f"the run searched {sizes(saved)} search-train/search-val/test images, now it has {sizes(now)}"
+            if saved.get("sizes") != now.get("sizes") else "the images are as many as the run's, with other labels")
+    raise ConfigError(f"cannot resume {os.fspath(config.record)}: the {config.dataset} data{where} changed since the run "
+                      f"began ({what}); resume with the data the run began with, or record to a new --out")
+
+
 # -- callbacks ---------------------------------------------------------------------------------------
 class Committed:
     """Forwards to ``target`` only the steps after ``after_step`` (those not in the record yet), and the
@@ -818,8 +843,11 @@ def _run(config, callbacks, method_cls, hp, rank, world, device) -> SearchResult
     defining = config.run_defining(hp_values, world)
     digest = config.config_hash(hp_values, world)
     state, recorded_until = (None, 0)
+    data = data_identity(splits)
     if config.resume:
         state, recorded_until = _resume_point(config, defining)
+        if state is not None:
+            _check_same_data(state.get("data"), data, config)
 
     def build_network():
         return Network(config.C, splits.num_classes, config.layers, steps=config.steps, multiplier=config.cell_multiplier,
@@ -874,7 +902,8 @@ def _run(config, callbacks, method_cls, hp, rank, world, device) -> SearchResult
         if record_cb.recorder is not None:
             checkpointer = Checkpointer(
                 config.checkpoint, method, S, commit=record_cb.recorder.flush,
-                extra={"run": defining, "config_hash": digest, "config": config.to_dict(), "epochs": config.epochs})
+                extra={"run": defining, "config_hash": digest, "config": config.to_dict(), "epochs": config.epochs,
+                       "data": data})
             if state is None:
                 try:
                     checkpointer.save(0)  # a run killed before its first epoch end resumes from here
