@@ -22,12 +22,16 @@ def loss_minus_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
         0-dim tensor L − H (mean over the batch), dtype of ``logits``.
 
     Raises:
-        CostError: logits not (B, N), or targets not B integer labels in [0, N) (fewer labels than rows would
-            average L over some samples and H over all of them).
+        CostError: logits not (B, N) floating-point outputs (integer, bool or complex ones have no softmax), or
+            targets not B integer labels in [0, N) (fewer labels than rows would average L over some samples and H
+            over all of them).
     """
     require_tensors("loss_minus_entropy", logits=logits, targets=targets)
     if logits.dim() != 2:
         raise CostError(f"loss_minus_entropy: logits must be (B, N) classifier outputs, got shape {tuple(logits.shape)}")
+    if not logits.is_floating_point():
+        raise CostError(f"loss_minus_entropy: logits must be real floating-point classifier outputs, got a {logits.dtype} "
+                        "tensor; pass the model's output (or logits.double())")
     B, N = logits.shape
     if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool or targets.numel() != B:
         raise CostError(f"loss_minus_entropy: targets must be {B} integer class labels, one per row of the (B, N) = "
