@@ -21,7 +21,9 @@ Defects found (each test fails without its fix):
   "which loading would run": ``bytes()`` is how those protocols write b"" (test_a_protocol_2_batch_holding_empty_bytes_loads).
 * a batch the user cannot read (permission denied) was an OSError traceback out of ``cifar10`` (the scripts), and
   ``nasdiag search`` said the location was "read-only or not writable"; one DataError line saying it cannot be read
-  (test_an_unreadable_cifar_batch_is_one_line_saying_it_cannot_be_read).
+  (test_an_unreadable_cifar_batch_is_one_line_saying_it_cannot_be_read); a folder this user cannot enter (mode 700
+  of another user) had every batch "CIFAR-10 file missing", the files all there
+  (same test).
 * ``--resume`` on a ``--data-dir`` whose batches were replaced since the run began: with other sizes the method
   refused the checkpoint as "of a run of 1 epochs × 4 steps per epoch" and told a CLI user to "build the method with
   the saved Schedule(...)"; with as many images (other labels) the run went on, silently, on other data than the
@@ -121,11 +123,14 @@ def test_an_unreadable_cifar_batch_is_one_line_saying_it_cannot_be_read(tmp_path
         monkeypatch.setattr(datasets, "open", refusing, raising=False)
     else:
         locked.chmod(0)
-    try:
+    def refused(*needles):  # cifar10(folder) is one DataError line holding every needle
         with pytest.raises(DataError) as caught:
             cifar10(folder)
-        message = str(caught.value)
-        assert "\n" not in message and "data_batch_3 cannot be read (Permission denied)" in message, message
+        assert "\n" not in str(caught.value) and all(n in str(caught.value) for n in needles), str(caught.value)
+        return str(caught.value)
+
+    try:
+        refused("data_batch_3 cannot be read (Permission denied)")
         out = tmp_path / "runs" / "r.h5"
         code = main(["search", "--dataset", "cifar10", "--data-dir", str(folder), "--out", str(out), "--epochs", "1",
                      "--C", "4", "--layers", "3", "--steps", "1", "--batch-size", "2", "--diagnostics", "none",
@@ -136,6 +141,18 @@ def test_an_unreadable_cifar_batch_is_one_line_saying_it_cannot_be_read(tmp_path
         assert not out.parent.exists() or not any(out.parent.iterdir())
     finally:
         locked.chmod(0o644)
+    # a folder of mode 700 of another user (a shared data set): every batch read as missing ('CIFAR-10 file missing:
+    # .../data_batch_1'), the files all there
+    if os.geteuid() == 0:  # root enters a mode-000 folder: os.access answers as the kernel does to a user
+        real_access = os.access
+        monkeypatch.setattr(os, "access", lambda path, mode, *a, **k: False if Path(path) == folder and mode & os.X_OK
+                            else real_access(path, mode, *a, **k))
+    else:
+        folder.chmod(0)
+    try:
+        assert "missing" not in refused("cannot be entered (Permission denied)")
+    finally:
+        folder.chmod(0o755)
 
 
 # -- the checkpoint's random states ----------------------------------------------------------------------------------
@@ -269,3 +286,4 @@ def test_a_resume_on_a_data_folder_whose_batches_were_replaced_is_refused_in_one
     again = _write_cifar(data, n=4)  # the run's own batches back: it resumes
     assert all(np.array_equal(again[k][0], raw[k][0]) for k in NAMES)
     assert main(argv + ["--epochs", "2", "--resume"]) == 0
+

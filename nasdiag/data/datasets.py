@@ -109,6 +109,10 @@ def _cifar_folder(root: Path) -> Path:
             f"CIFAR-10 folder {str(root)!r} does not exist; pass --data-dir pointing at the folder of the "
             "standard python batches (data_batch_1..5, test_batch), e.g. cifar-10-batches-py/"
         )
+    if not os.access(root, os.X_OK):  # its batches then read as missing ("CIFAR-10 file missing: data_batch_1")
+        raise DataError(f"CIFAR-10 folder {str(root)!r} cannot be entered (Permission denied): its batches cannot be read; "
+                        f"give this user access to it (chmod a+rx {shlex.quote(str(root))}) or pass a --data-dir holding a "
+                        "readable copy of the batches")
     nested = root / "cifar-10-batches-py"
     return nested if not (root / "data_batch_1").exists() and nested.is_dir() else root
 
