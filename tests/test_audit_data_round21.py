@@ -23,7 +23,7 @@ Defects found (each test fails without its fix):
   ``nasdiag search`` said the location was "read-only or not writable"; one DataError line saying it cannot be read
   (test_an_unreadable_cifar_batch_is_one_line_saying_it_cannot_be_read); a folder this user cannot enter (mode 700
   of another user) had every batch "CIFAR-10 file missing", the files all there
-  (same test).
+  (same test); a named pipe where a batch should be was "CIFAR-10 file missing" too (same test).
 * ``--resume`` on a ``--data-dir`` whose batches were replaced since the run began: with other sizes the method
   refused the checkpoint as "of a run of 1 epochs × 4 steps per epoch" and told a CLI user to "build the method with
   the saved Schedule(...)"; with as many images (other labels) the run went on, silently, on other data than the
@@ -153,6 +153,11 @@ def test_an_unreadable_cifar_batch_is_one_line_saying_it_cannot_be_read(tmp_path
         assert "missing" not in refused("cannot be entered (Permission denied)")
     finally:
         folder.chmod(0o755)
+    # a named pipe where a batch should be (it said "CIFAR-10 file missing"; opening it would wait for a writer)
+    monkeypatch.undo()
+    (folder / "test_batch").unlink()
+    os.mkfifo(folder / "test_batch")
+    assert "missing" not in refused("test_batch is not a regular file (a named pipe")
 
 
 # -- the checkpoint's random states ----------------------------------------------------------------------------------

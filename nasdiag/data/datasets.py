@@ -145,6 +145,9 @@ def _read_cifar_batch(path: Path) -> Tuple[np.ndarray, np.ndarray]:
     if path.is_dir():  # it said "file missing"
         raise DataError(f"CIFAR-10 batch {path} is a folder, not a file; pass as --data-dir the folder that holds the "
                         f"standard python batches {', '.join(CIFAR_FILES)} as files")
+    if path.exists() and not path.is_file():  # a named pipe, socket or device: it said "file missing"
+        raise DataError(f"CIFAR-10 batch {path} is not a regular file (a named pipe, socket or device); put the "
+                        f"{path.name} of cifar-10-python.tar.gz (unpacked: cifar-10-batches-py/{path.name}) there")
     if not path.is_file():
         archive = next(iter(sorted(path.parent.glob("cifar-10-python.tar*"))), None)  # the download, not unpacked
         unpack = (f"; {archive.name} is there: unpack it (tar xzf {shlex.quote(str(archive))} -C "
