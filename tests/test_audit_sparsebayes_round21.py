@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from nasdiag.errors import ConfigError
-from nasdiag.sparse import AdamHAPG, HAPG
+from nasdiag.sparse import AdamHAPG, HAPG, prox_sgl
 
 
 # ---------------------------------------------------------------- own transcription (numpy float64) of eq 6-10
@@ -81,6 +81,51 @@ def _own_adamhapg(a0, grads, lrs, lams, alpha, g, b1, b2, eps):
         a = prox + _u(t) * v
         out.append(a.copy())
     return out
+
+
+# ---------------------------------------------------------------- the prox against a generic convex solver
+
+
+def test_prox_sgl_is_the_argmin_of_its_objective_found_by_a_generic_solver_at_singletons_zero_groups_and_the_threshold():
+    """prox_sgl(z, t, τ, g) = argmin_x ½‖x − z‖² + Σ_i t_i|x_i| + Σ_n τ_n √|g_n| ‖x_(n)‖₂ (eq 5, 9, 10), with per-element
+    ℓ1 thresholds (AdamHAPG's) or one, per-group τ, singleton groups, a group of zeros, and a group exactly at its
+    threshold after the ℓ1 step (then exactly 0: docs/sparsenas.md; dyadic values, so that the threshold is exact in
+    floating point too). F is 1-strongly convex, so F(x) − F(x*) ≥ ½‖x − x*‖²: the prox must reach no higher F than
+    Powell's minimum (up to round-off of F, 1e-13) and lie within √(2 (F(Powell) − F(prox))) of it."""
+    from scipy.optimize import minimize
+
+    rng = np.random.default_rng(2021)
+    g = np.array([0, 1, 1, 1, 1, 2, 2, 2, 3])  # groups 0 and 3 singletons, group 1 of 4 (√4 = 2 exactly)
+    sizes = np.bincount(g)
+    for case in range(8):
+        z = rng.normal(size=9)
+        if case % 2:
+            z[g == 2] = 0.0
+        t = rng.uniform(0, 0.4, 9) if case % 4 < 2 else rng.uniform(0, 0.4)
+        tau = rng.uniform(0, 0.8, 4)
+        exact = case % 3 == 0
+        if exact:  # soft(z)_(1) = ±0.5 each: norm 1 = √4 · τ_1 exactly
+            z[g == 1] = rng.choice([-0.75, 0.75], size=4)
+            if np.ndim(t):
+                t[g == 1] = 0.25
+            else:
+                t = 0.25
+            tau[1] = 0.5
+
+        def objective(x):
+            return (0.5 * np.sum((x - z) ** 2) + np.sum(t * np.abs(x))
+                    + sum(tau[n] * np.sqrt(sizes[n]) * np.linalg.norm(x[g == n]) for n in range(4)))
+
+        ours = prox_sgl(torch.tensor(z), torch.tensor(np.asarray(t)), torch.tensor(tau), torch.tensor(g)).numpy()
+        solved = min((minimize(objective, x0, method="Powell", options=dict(xtol=1e-12, ftol=1e-15, maxiter=40000))
+                      for x0 in (z, np.zeros(9))), key=lambda r: r.fun)
+        gap = solved.fun - objective(ours)
+        assert gap >= -1e-13, (case, gap)
+        assert np.linalg.norm(ours - solved.x) <= np.sqrt(2 * max(gap, 0.0) + 1e-13), case
+        if exact:
+            assert not ours[g == 1].any(), ours
+        if case % 2:
+            assert not ours[g == 2].any()
 
 
 # ---------------------------------------------------------------- AdamHAPG's per-group options
