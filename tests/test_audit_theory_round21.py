@@ -166,3 +166,46 @@ def test_loss_minus_entropy_of_logits_that_are_not_floating_point_is_one_cost_er
     torch.testing.assert_close(loss_minus_entropy(logits, y), own, rtol=1e-12, atol=0)
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         assert loss_minus_entropy(logits.to(dtype), y).dtype == dtype
+
+
+# --- Thm 1 and Cor. 1.2 per sample -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("norm", ["layer", "batch"])
+def test_thm1_and_cor12_hold_per_sample_only_with_per_sample_statistics(norm):
+    """Per sample b, the cost a scale-invariant f passes back is <(J_fᵀ g)_b, x_b>. With per-sample statistics
+    (nasdiag's "layer" norm, GroupNorm(1, C)) J_f is block-diagonal over samples, so it is <g_b, (J_f x)_b> = 0 for
+    each b: Thm. 1 (the Z-weighted path parts of node 2's incoming edges through the invariant intermediate edge) and
+    Cor. 1.2 (a non-last cell's output-edge costs) vanish per sample, eps = 1e-12. BatchNorm's batch statistics couple
+    the samples: only the batch sums vanish, the rows are O(1) of the costs (docs/probe.md says so). The Z-gradient
+    of the sampled op of edge (2,3) is the independent reference for the per-sample part (autograd of a scalar on
+    that edge's input per sample)."""
+    from conftest import float64_batch, tiny_network
+    import nasdiag
+
+    net = tiny_network(3, 0, norm=norm, norm_eps=1e-12, reductions=[1])
+    x, y = float64_batch(6)
+    K, k = len(net.primitives), net.primitives.index("sep_conv_3x3")
+    g = torch.Generator().manual_seed(2)
+    Z = [torch.softmax(torch.randn(5, K, generator=g, dtype=DT), -1) for _ in net.cells]
+    Z[0][4] = F.one_hot(torch.tensor(k), K).to(DT)
+    s = torch.ones(6, dtype=DT, requires_grad=True)  # one scalar per sample on edge (2,3)'s input
+    handle = net.cells[0].edges[4].register_forward_pre_hook(lambda m, a: (a[0] * s[:, None, None, None], a[1]))
+    probe = nasdiag.attach(net, path_split=True)
+    try:
+        with probe.record():
+            F.cross_entropy(net(x, Z), y).backward()
+    finally:
+        handle.remove()
+    split = probe.path_costs(per_sample=True)
+    through = sum((Z[0][i] * split[f"cells.0.edges.{i}"]["cells.0.edges.4"]).sum(-1) for i in (0, 1))
+    torch.testing.assert_close(through, s.grad, rtol=1e-8, atol=1e-14)  # the probe's rows are the per-sample parts
+    scale = float(probe.costs(per_sample=True)["cells.0.edges.0"].abs().max())
+    node_costs = [sum(probe.output_costs(per_sample=True)[f"cells.{c}"].values()) for c in (0, 1)]
+    node_scale = max(float(v.abs().max()) for c in (0, 1) for v in probe.output_costs(per_sample=True)[f"cells.{c}"].values())
+    assert abs(float(through.sum())) <= 1e-8 * scale and all(abs(float(v.sum())) <= 1e-8 * node_scale for v in node_costs)
+    if norm == "layer":
+        assert float(through.abs().max()) <= 1e-8 * scale
+        assert all(float(v.abs().max()) <= 1e-8 * node_scale for v in node_costs)
+    else:
+        assert float(through.abs().max()) > 1e-3 * scale
+        assert all(float(v.abs().max()) > 1e-3 * node_scale for v in node_costs)
