@@ -55,10 +55,11 @@ def _check_threshold(threshold: Threshold, what: str) -> None:
 def group_norms(z: torch.Tensor, groups: torch.Tensor) -> tuple:
     """(‖z_(n)‖₂, |z_(n)|) per group n, each (G,): Euclidean norm and size of every group.
 
-    The norm is taken of z_(n) / max|z_(n)| (as ``torch.linalg.vector_norm`` does), so that z² neither underflows
-    (a group of weights below 1e-154, float32 1e-19, had norm 0: ``prox_group`` zeroed it even at threshold 0, λ = 0
-    or α = 1) nor overflows (above 1e154 it was ∞); a NaN element gives a NaN norm, and a zero group norm 0 with
-    gradient 0 (a subgradient of ‖·‖₂ at 0; the gradient of √0 was NaN)."""
+    The norm is taken of z_(n) / max|z_(n)| (``torch.linalg.vector_norm`` does not scale: it gives 0 for [1e-200,
+    1e-200]), so that z² neither underflows (a group of weights below 1e-154, float32 1e-19, had norm 0:
+    ``prox_group`` zeroed it even at threshold 0, λ = 0 or α = 1) nor overflows (above 1e154 it was ∞); a NaN element
+    gives a NaN norm, and a zero group norm 0 with gradient 0 (a subgradient of ‖·‖₂ at 0; the gradient of √0 was
+    NaN)."""
     G = _check_groups(z, groups)
     flat_groups = groups.reshape(-1).long()
     flat = z.reshape(-1)
