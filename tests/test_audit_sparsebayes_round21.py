@@ -20,6 +20,26 @@ Defects these tests found (each fails without its fix):
   first parameter's ids, silently where the shapes agree; ``groups=[ids_a, ids_b]`` (one tensor per parameter, as the
   docstring says) was refused as "1 parameters, 2 groups tensors"; one line naming the per-dict form
   (test_the_constructors_groups_with_several_parameter_groups_is_one_line_not_the_first_groups_ids_for_all).
+
+Checked and right (scratch, the sharpest kept below): prox_sgl against Powell at 60 random points (per-element and
+per-group thresholds, singletons, zero groups, exact thresholds); HAPG/AdamHAPG over five steps with two parameter groups
+of their own lr, λ, α, betas, eps and λ/η changed every step; state_dict save/load mid-run bit-equal for both; a
+non-contiguous parameter and its ids step as the contiguous one; §A's group_bayes_update (ℵ = 1..3, zero w, zero H,
+negative H, γ = 0, tiny/huge γ, chains of A.2.14 parents) and §B's structured_update at ω(t−1) ∈ {0, ∞} with a zero
+group against own per-element loops.
+
+Noticed, left alone:
+
+- AdamHAPG's step size η_i = lr/(1 − β₁ⁿ)/(√v̂_i + ε) carries Adam's first-moment bias correction (z = A − η_i m with
+  the raw m), so the ℓ1/group thresholds η_i λ(…) are 1/(1 − β₁ⁿ) larger in the first steps (2× at step 1 with the
+  paper's β₁ = 0.5) than with the gradient estimate m̂ and η_i = lr/(√v̂_i + ε); the paper does not say which, the
+  docstring states this one (torch's Adam code computes its step size so);
+- ``nasdiag.bayes``' group norms (structured ``group_norms``, ``group_switch``) use torch.linalg.vector_norm, which
+  squares unscaled: a group of weights below 1e-154 (float32: 1e-19) has γ = 0 (dead) where its ℵ = 1 update gives
+  ~1e-170; either is far below any pruning threshold, so nothing a run does changes;
+- a parameter group's unknown keys (``weight_decay``) are ignored, as by torch's optimizers (docs: A has no weight
+  decay; ``HAPG(..., weight_decay=...)`` is Python's one-line TypeError); group ids changed between steps are checked
+  for shape only.
 """
 
 from __future__ import annotations
