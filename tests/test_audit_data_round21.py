@@ -30,6 +30,10 @@ Defects found (each test fails without its fix):
   steps it replays. The checkpoint keeps the split sizes and a digest of the labels (``runner.data_identity``); a
   resume on other data is one ConfigError line, nothing written
   (test_a_resume_on_a_data_folder_whose_batches_were_replaced_is_refused_in_one_line).
+* a named pipe at ``<record>.ckpt`` made ``load_checkpoint`` (so ``--resume``) wait for ever in torch.load's open; a
+  folder there, or a checkpoint this user cannot read, was "unreadable ...; it was damaged"
+  (test_a_checkpoint_that_is_a_named_pipe_or_a_folder_is_one_line_not_a_hang,
+  test_a_checkpoint_this_user_cannot_read_is_not_called_damaged).
 """
 
 from __future__ import annotations
@@ -292,3 +296,50 @@ def test_a_resume_on_a_data_folder_whose_batches_were_replaced_is_refused_in_one
     assert all(np.array_equal(again[k][0], raw[k][0]) for k in NAMES)
     assert main(argv + ["--epochs", "2", "--resume"]) == 0
 
+
+
+def test_a_checkpoint_that_is_a_named_pipe_or_a_folder_is_one_line_not_a_hang(tmp_path, capsys):
+    """A named pipe at <record>.ckpt made load_checkpoint (so --resume) wait for ever in torch.load's open; a folder
+    there was 'unreadable (IsADirectoryError); it was damaged'."""
+    import threading
+
+    from nasdiag.search.checkpoint import CheckpointError, load_checkpoint
+
+    pipe = tmp_path / "run.h5.ckpt"
+    os.mkfifo(pipe)
+    outcome = []
+
+    def load():
+        try:
+            load_checkpoint(pipe)
+        except CheckpointError as exc:
+            outcome.append(str(exc))
+
+    reader = threading.Thread(target=load, daemon=True)
+    reader.start()
+    reader.join(10)
+    if reader.is_alive():  # waiting in open: a writer's open and close let it go on (to torch's EOF error)
+        os.close(os.open(pipe, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(10)
+        pytest.fail("load_checkpoint of a named pipe waited for a writer")
+    assert len(outcome) == 1 and "\n" not in outcome[0] and "not a regular file (a named pipe" in outcome[0], outcome
+    folder = tmp_path / "other.h5.ckpt"
+    folder.mkdir()
+    with pytest.raises(CheckpointError, match=r"other\.h5\.ckpt is a folder, not a checkpoint file") as caught:
+        load_checkpoint(folder)
+    assert "damaged" not in str(caught.value)
+
+
+def test_a_checkpoint_this_user_cannot_read_is_not_called_damaged(tmp_path, monkeypatch):
+    """Permission denied on <record>.ckpt was 'unreadable (PermissionError); it was damaged: start the run again'."""
+    from nasdiag.search.checkpoint import CheckpointError, load_checkpoint
+
+    path = tmp_path / "run.h5.ckpt"
+    torch.save({"format": 1}, path)
+    if os.geteuid() == 0:  # root reads a mode-000 file: torch.load's open refused as the kernel refuses it to a user
+        monkeypatch.setattr(torch, "load", lambda *a, **k: (_ for _ in ()).throw(PermissionError(13, "Permission denied")))
+    else:
+        path.chmod(0)
+    with pytest.raises(CheckpointError, match=r"run\.h5\.ckpt cannot be read \(Permission denied\)") as caught:
+        load_checkpoint(path)
+    assert "damaged" not in str(caught.value) and "\n" not in str(caught.value)

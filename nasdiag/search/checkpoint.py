@@ -87,10 +87,17 @@ def os_error_in(exc: BaseException):
 def load_checkpoint(path: str) -> Dict[str, Any]:
     """Read a checkpoint written by `save_checkpoint`; a damaged or foreign file raises `CheckpointError`."""
     path = os.fspath(path)
+    if os.path.exists(path) and not os.path.isfile(path):  # a named pipe made torch.load (and --resume) wait for ever
+        kind = "a folder" if os.path.isdir(path) else "not a regular file (a named pipe, socket or device)"
+        raise CheckpointError(f"checkpoint {path} is {kind}, not a checkpoint file; move it away and start the run "
+                              "again under a new --out, or with --force, which replaces the record and its checkpoint")
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
     except FileNotFoundError:
         raise CheckpointError(f"no checkpoint at {path}") from None
+    except PermissionError as exc:  # it said the file "was damaged"
+        raise CheckpointError(f"checkpoint {path} cannot be read ({os.strerror(exc.errno) if exc.errno else exc}); give "
+                              "this user read access to it") from None
     except Exception as exc:  # a truncated zip, random bytes, a pickle of something else
         raise CheckpointError(f"checkpoint {path} is unreadable ({type(exc).__name__}); it was damaged: start the run "
                               "again under a new --out, or with --force, which replaces its record") from None
