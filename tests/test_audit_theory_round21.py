@@ -11,6 +11,10 @@ Defects found (each test fails without its fix):
 * ``loss_minus_entropy`` given integer, bool or complex logits stopped in torch's NotImplementedError
   ('"log_softmax_lastdim_kernel_impl" not implemented for 'Long''); one CostError line naming the logits
   (test_loss_minus_entropy_of_logits_that_are_not_floating_point_is_one_cost_error_line).
+* ``eps_deviation`` of a half-precision input computed eps/(var + eps) in float16, where a value below 6e-8 is a
+  subnormal of a few ulps or 0: a BatchNorm input of std 30 at eps = 1e-5 reported 0.0 ("exactly invariant", what a
+  Zero op reports), one of std 10 24 % off; measured in float32 now, as the costs are
+  (test_eps_deviation_of_a_half_precision_input_is_measured_in_float32).
 """
 
 from __future__ import annotations
@@ -209,3 +213,21 @@ def test_thm1_and_cor12_hold_per_sample_only_with_per_sample_statistics(norm):
     else:
         assert float(through.abs().max()) > 1e-3 * scale
         assert all(float(v.abs().max()) > 1e-3 * node_scale for v in node_costs)
+
+
+def test_eps_deviation_of_a_half_precision_input_is_measured_in_float32():
+    """In float16, eps/(var + eps) below 6e-8 is a subnormal (a few ulps) or 0: a BatchNorm input of std 30 at
+    eps = 1e-5 (deviation 1e-8) was reported 0.0, "exactly invariant" (what a Zero op reports), one of std 10 24 % off.
+    Own reference: the float64 variance of the same half-precision values. Measured in float32 now (the dtype the
+    costs of half inputs are accumulated in); float32 and float64 inputs keep their dtype."""
+    from nasdiag.cost import eps_deviation
+
+    torch.manual_seed(0)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, DT):
+        for std in (1.0, 10.0, 30.0):
+            x = (std * torch.randn(8, 3, 6, 6)).to(dtype)
+            norm = nn.BatchNorm2d(3).to(dtype)
+            ref = 1e-5 / (x.double().var(dim=(0, 2, 3), unbiased=False) + 1e-5)
+            dev = eps_deviation(norm, x)
+            assert dev.dtype == torch.promote_types(dtype, torch.float32)
+            torch.testing.assert_close(dev.double(), ref, rtol=1e-5, atol=0)
