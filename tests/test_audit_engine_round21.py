@@ -19,6 +19,10 @@ Defects found (each test fails without its fix):
   in the 'none' column (eager NaN, fast 0). Each edge's Z_none·0 is added to its other weights (a few scalars, no host
   read): the NaNs are eager's, and a finite Z_none still costs exactly 0
   (test_a_non_finite_weight_of_none_alone_is_nan_under_fast_as_under_eager).
+* ``GraphedDiagHessian(params=...)`` checked the names by iterating ``params`` and then listed it: names given as a
+  generator (which ``diag_hessian`` takes) were used up, and the call said 'params is empty'; a number was Python's
+  "'int' object is not iterable" traceback
+  (test_graphed_diag_hessian_takes_names_from_a_generator_and_refuses_a_non_iterable_in_one_line).
 """
 
 from __future__ import annotations
@@ -134,3 +138,26 @@ def test_a_non_finite_weight_of_none_alone_is_nan_under_fast_as_under_eager(valu
             assert all(g[:, k].eq(0).all() for g in grads)
         else:
             assert out.isnan().all()
+
+
+def test_graphed_diag_hessian_takes_names_from_a_generator_and_refuses_a_non_iterable_in_one_line():
+    """GraphedDiagHessian checked its names by iterating ``params`` and then took ``list(params)``: names given as a
+    generator (``diag_hessian`` takes them) were used up by the check, and the call said 'params is empty'; a number
+    was Python's "'int' object is not iterable" traceback. A generator is read once and gives the list's result; a
+    non-iterable is the constructor's one CurvatureError line."""
+    from nasdiag.hessian.graphed import GraphedDiagHessian
+    from nasdiag.hessian.modes import CurvatureError
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(DT)
+    x = torch.randn(5, 3, dtype=DT)
+    y = torch.tensor([0, 1, 0, 1, 1])
+    names = ["0.weight", "2.bias"]
+    from_list = GraphedDiagHessian(model, nn.functional.cross_entropy, mode="diag", params=names)(x, y)
+    from_generator = GraphedDiagHessian(model, nn.functional.cross_entropy, mode="diag", params=(n for n in names))(x, y)
+    assert list(from_generator) == names
+    for name in names:
+        assert torch.equal(from_generator[name], from_list[name])
+    with pytest.raises(CurvatureError, match="list of parameter names.*got int") as info:
+        GraphedDiagHessian(model, nn.functional.cross_entropy, mode="diag", params=3)
+    assert "\n" not in str(info.value)

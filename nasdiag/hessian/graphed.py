@@ -84,10 +84,16 @@ class GraphedDiagHessian:
                                  f"random numbers); GraphedDiagHessian takes {' or '.join(map(repr, GRAPHABLE_MODES))}; "
                                  f"call nasdiag.hessian.diag_hessian(..., mode={mode!r}) instead")
         if params is not None:
-            if isinstance(params, (str, Mapping)) or any(not isinstance(p, str) for p in params):
+            # taken as a list first: the names of a generator went to the check below, and the rest was "params is empty"
+            try:
+                names = None if isinstance(params, (str, Mapping)) else list(params)
+            except TypeError:  # not iterable
+                names = None
+            if names is None or any(not isinstance(p, str) for p in names):
                 raise CurvatureError("GraphedDiagHessian takes params as a list of parameter names (the graph reads the "
                                      f"parameters' storage), got {type(params).__name__}; to evaluate at other values "
                                      "call nasdiag.hessian.diag_hessian(..., params={name: tensor})")
+            params = names
             known = dict(model.named_parameters())
             unknown = [p for p in params if p not in known]
             if unknown:
