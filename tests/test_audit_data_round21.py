@@ -30,6 +30,9 @@ Defects found (each test fails without its fix):
   steps it replays. The checkpoint keeps the split sizes and a digest of the labels (``runner.data_identity``); a
   resume on other data is one ConfigError line, nothing written
   (test_a_resume_on_a_data_folder_whose_batches_were_replaced_is_refused_in_one_line).
+* ``digits`` / ``cifar10`` with ``dtype=torch.int64`` (or uint8) truncated the standardized pixels to a handful of
+  integers without a word; ``dtype="float32"`` was torch's TypeError after the whole set was read (synthetic: a
+  RuntimeError); one DataError line before anything is read (test_a_dtype_that_is_not_floating_point_is_one_data_error).
 * a named pipe at ``<record>.ckpt`` made ``load_checkpoint`` (so ``--resume``) wait for ever in torch.load's open; a
   folder there, or a checkpoint this user cannot read, was "unreadable ...; it was damaged"
   (test_a_checkpoint_that_is_a_named_pipe_or_a_folder_is_one_line_not_a_hang,
@@ -343,3 +346,15 @@ def test_a_checkpoint_this_user_cannot_read_is_not_called_damaged(tmp_path, monk
     with pytest.raises(CheckpointError, match=r"run\.h5\.ckpt cannot be read \(Permission denied\)") as caught:
         load_checkpoint(path)
     assert "damaged" not in str(caught.value) and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.uint8, "float32"])
+def test_a_dtype_that_is_not_floating_point_is_one_data_error(dtype, tmp_path):
+    """torch.int64 truncated the standardized pixels to a handful of integers without a word (digits, cifar10);
+    'float32' (a string) was torch's TypeError traceback once the whole set had been read, synthetic's a RuntimeError."""
+    from nasdiag.data import digits, synthetic
+
+    _write_cifar(tmp_path, n=3)
+    for load in (lambda: digits(dtype=dtype), lambda: cifar10(tmp_path, dtype=dtype), lambda: synthetic(n=4, dtype=dtype)):
+        with pytest.raises(DataError, match=r"^dtype must be a floating-point torch dtype .*, got "):
+            load()

@@ -78,13 +78,15 @@ def digits(seed: int = 0, test_fraction: float = 0.2, dtype: torch.dtype = torch
     A stratified ``test_fraction`` is held out; the rest is split 50/50 (stratified) into
     search-train and search-val. The split depends only on ``seed``. Pixels are standardized with
     the search data's mean and standard deviation. A ``test_fraction`` that leaves a class without a test image or
-    without one image in each search split raises :class:`DataError`.
+    without one image in each search split raises :class:`DataError`, as does a ``dtype`` that is not a floating-point
+    torch dtype.
     """
     from sklearn.datasets import load_digits
 
     if not 0 < test_fraction < 1:
         raise DataError(f"test_fraction must be in (0, 1), got {test_fraction}")
     _check_seed(seed)
+    _check_dtype(dtype)
     bunch = load_digits()
     x = bunch.images.astype(np.float64)[:, None] / 16.0
     y = bunch.target.astype(np.int64)
@@ -241,7 +243,7 @@ def cifar10(root, seed: int = 0, train_fraction: float = 0.5, dtype: torch.dtype
     (no fixed CIFAR-10 constants). A missing file raises :class:`DataError` naming it, and
     so do a ``train_fraction`` outside (0, 1) and a ``limit`` that is not a positive integer (they gave other
     splits than asked, e.g. 1.5 a 49/51 split and -1 all but the last image, without a word), and a ``train_fraction``
-    that leaves search-train or search-val empty.
+    that leaves search-train or search-val empty, and a ``dtype`` that is not a floating-point torch dtype.
     """
     if not 0 < train_fraction < 1:  # also NaN
         raise DataError(f"train_fraction must be in (0, 1) (the search-train share of the 50k training images), "
@@ -249,6 +251,7 @@ def cifar10(root, seed: int = 0, train_fraction: float = 0.5, dtype: torch.dtype
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, numbers.Integral) or limit < 1):
         raise DataError(f"limit must be a positive integer (images kept per part) or None for all, got {limit!r}")
     _check_seed(seed)
+    _check_dtype(dtype)
     folder = _cifar_folder(Path(root))
     parts = [_read_cifar_batch(folder / name) for name in CIFAR_FILES]
     x = np.concatenate([p[0] for p in parts[:5]]).astype(np.float64) / 255.0
@@ -273,12 +276,20 @@ def synthetic(
     """Gaussian images of any shape with random labels, for timing; each split has ``n`` samples."""
     if n < 1 or num_classes < 1 or any(s < 1 for s in shape):
         raise DataError(f"synthetic data needs n >= 1, num_classes >= 1 and a positive shape, got n={n}, shape={tuple(shape)}")
+    _check_dtype(dtype)
     g = torch.Generator().manual_seed(seed)
 
     def part():
         return TensorDataset(torch.randn(n, *shape, generator=g, dtype=dtype), torch.randint(0, num_classes, (n,), generator=g))
 
     return Splits(part(), part(), part(), num_classes, "synthetic")
+
+def _check_dtype(dtype) -> None:
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:  # torch.int64 truncated the standardized
+        # pixels to -1, 0, 1, 2 without a word; "float32" was torch's TypeError traceback after the whole set was read
+        raise DataError(f"dtype must be a floating-point torch dtype (torch.float32 or torch.float64: the pixels are "
+                        f"standardized), got {dtype!r}")
+
 
 def _check_seed(seed) -> None:
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
