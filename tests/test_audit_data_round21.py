@@ -37,6 +37,12 @@ Defects found (each test fails without its fix):
   folder there, or a checkpoint this user cannot read, was "unreadable ...; it was damaged"
   (test_a_checkpoint_that_is_a_named_pipe_or_a_folder_is_one_line_not_a_hang,
   test_a_checkpoint_this_user_cannot_read_is_not_called_damaged).
+
+Noticed and left: ``load_checkpoint`` unpickles with ``weights_only=False`` (a checkpoint from elsewhere can run code,
+where the CIFAR reader refuses foreign globals; it is the search's own file next to the record); the data check of a
+resume compares split sizes and labels, not pixels (the same images re-encoded, or other pixels under the same labels,
+pass); ``epoch_batches`` / ``steps_per_epoch`` with batch size 0 divide by zero (internal: ``run`` validates it); a
+batch whose ``data`` is a Python ``bytes`` object is refused as "text values" (one line, the word a little off).
 """
 
 from __future__ import annotations
