@@ -251,3 +251,56 @@ def test_eps_deviation_of_a_half_precision_input_is_measured_in_float32():
             dev = eps_deviation(norm, x)
             assert dev.dtype == torch.promote_types(dtype, torch.float32)
             torch.testing.assert_close(dev.double(), ref, rtol=1e-5, atol=0)
+
+
+# --- the structural flag on pooling, flatten, upsampling -----------------------------------------------------------
+
+def _changes_under_scaling(f: nn.Module, x: torch.Tensor) -> bool:
+    """f(c·x) ≠ f(x) for c = 0.3 or 3.7 beyond round-off (eps = 1e-14: an invariant f moves by ~1e-12 relative, a
+    kept bias by whole percents)."""
+    with torch.no_grad():
+        y = f(x)
+        return any(float((f(c * x) - y).abs().max() / y.abs().max()) > 1e-8 for c in (0.3, 3.7))
+
+
+def test_scale_invariance_flags_of_a_bias_through_pools_with_padding_dilation_ceil_mode_and_flatten():
+    """A conv bias (one number per channel) entering a pool and then a normalization: removed (invariant) exactly
+    where the pool keeps it constant over the normalization's groups. Zero-padded average windows that count the
+    padding shrink it at the border, and so does a fixed divisor over ceil_mode's overhanging window; a max pool pads
+    with −inf (any padding, dilation, ceil_mode keep it); adaptive average windows of any overlap divide by their own
+    count; pooled to 1x1 and flattened it is one number per feature, which BatchNorm1d removes and a LayerNorm over
+    the features does not. Reference: f(c·x) = f(x) in float64, eps = 1e-14. Upsample and PixelShuffle have no rule:
+    one UnsupportedModuleError line (a PixelShuffle turns a per-channel bias into a spatial pattern, so no rule of
+    degree 1 that passes terms would be right)."""
+    from nasdiag.cost import UnsupportedModuleError, is_scale_invariant
+
+    def norm(C=3):
+        return nn.BatchNorm2d(C, eps=1e-14, track_running_stats=False)
+
+    cases = [
+        (nn.AvgPool2d(3, 1, 1, count_include_pad=True), norm(), False),
+        (nn.AvgPool2d(3, 1, 1, count_include_pad=False), norm(), True),
+        (nn.AvgPool2d(2, 2, ceil_mode=True, divisor_override=4), norm(), False),
+        (nn.AvgPool2d(2, 2, ceil_mode=True), norm(), True),
+        (nn.MaxPool2d(3, 2, 1, dilation=2, ceil_mode=True), norm(), True),
+        (nn.AdaptiveAvgPool2d(3), norm(), True),
+        (nn.AdaptiveAvgPool2d((2, 5)), nn.InstanceNorm2d(3, eps=1e-14), True),
+        (nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten()), nn.BatchNorm1d(3, eps=1e-14, track_running_stats=False),
+         True),
+        (nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten()), nn.LayerNorm(3, eps=1e-14), False),
+        (nn.Sequential(nn.AvgPool2d(3, 1, 1), nn.Flatten(2)), nn.BatchNorm1d(3, eps=1e-14, track_running_stats=False),
+         False),
+    ]
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 7, 7, dtype=DT)
+    for pool, after, expected in cases:
+        f = nn.Sequential(nn.Conv2d(3, 3, 3, padding=1, padding_mode="reflect"), pool, after).to(DT)
+        with torch.no_grad():
+            f[0].bias.normal_()
+        assert _changes_under_scaling(f, x) == (not expected), f  # the reference itself
+        assert is_scale_invariant(f, x) == expected, f
+        assert not is_scale_invariant(f) or expected, f  # without the ranks: never a false invariance
+    for module in (nn.Upsample(scale_factor=2), nn.PixelShuffle(1)):
+        with pytest.raises(UnsupportedModuleError, match=type(module).__name__) as err:
+            is_scale_invariant(nn.Sequential(nn.Conv2d(3, 3, 1), module, norm()))
+        assert "\n" not in str(err.value)
