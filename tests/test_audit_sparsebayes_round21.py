@@ -19,7 +19,11 @@ Defects these tests found (each fails without its fix):
   ``groups`` that list (torch's defaults), read from its first tensor: the second dict's parameter was grouped by the
   first parameter's ids, silently where the shapes agree; ``groups=[ids_a, ids_b]`` (one tensor per parameter, as the
   docstring says) was refused as "1 parameters, 2 groups tensors"; one line naming the per-dict form
-  (test_the_constructors_groups_with_several_parameter_groups_is_one_line_not_the_first_groups_ids_for_all).
+  (test_the_constructors_groups_with_several_parameter_groups_is_one_line_not_the_first_groups_ids_for_all);
+- ``structured_update``, ``sparse_bayes_update`` and ``group_bayes_update`` given Algorithm 3's ω(0) = 1 or Algorithm
+  2's γ(0) = 1 as the number 1.0 (or a list) stopped in "'float' object has no attribute 'shape'", an AttributeError
+  traceback naming no argument; one BayesError line naming the argument and its shape
+  (test_a_start_of_one_given_as_a_number_is_one_bayes_error_line_naming_the_argument).
 
 Checked and right (scratch, the sharpest kept below): prox_sgl against Powell at 60 random points (per-element and
 per-group thresholds, singletons, zero groups, exact thresholds); HAPG/AdamHAPG over five steps with two parameter groups
@@ -226,3 +230,35 @@ def test_the_constructors_groups_with_several_parameter_groups_is_one_line_not_t
     b.grad = torch.zeros_like(b)
     HAPG([{"params": [b], "groups": [ids_b]}], lr=1.0, lam=1.0, alpha=0.0).step()
     np.testing.assert_allclose(b.detach().numpy(), [2.0, 3.0, 0.0, 0.0], rtol=0, atol=1e-15)
+
+
+# ---------------------------------------------------------------- §A / §B entry points
+
+
+def test_a_start_of_one_given_as_a_number_is_one_bayes_error_line_naming_the_argument():
+    """Algorithms 2 and 3 start at γ(0) = 1 and ω(0) = 1; given as the number 1.0 (or a list), the updates stopped in
+    "'float' object has no attribute 'shape'", an AttributeError traceback naming no argument. One BayesError line
+    naming the argument and its shape; the tensor start works and is the own transcription (B.0.2-B.0.5 with ω = 1:
+    γ = ‖W_n‖, C = γ/(1 + γH), ω² = Σ H/(1 + γH))."""
+    from nasdiag.bayes import group_bayes_update, parent_matrix, sparse_bayes_update, structured_update
+    from nasdiag.bayes.update import BayesError
+
+    W = torch.tensor([[3.0, 4.0], [0.6, 0.8], [0.0, 0.0]], dtype=torch.float64)
+    H = torch.tensor([[1.0, 2.0], [0.0, 4.0], [1.0, 1.0]], dtype=torch.float64)
+    parents = parent_matrix([(0, 2), (1, 2), (2, 3)]).double()
+    calls = {
+        "omega_prev": lambda: structured_update(W, H, 1.0, (0,)),
+        "curvature": lambda: structured_update(W, H.tolist(), torch.ones(3, dtype=torch.float64), (0,)),
+        "gamma_prev": lambda: sparse_bayes_update(W, H, 1.0, parents),
+        "w": lambda: group_bayes_update(W.tolist(), H.unsqueeze(0), torch.ones(3, 2, dtype=torch.float64), parents),
+    }
+    for name, call in calls.items():
+        with pytest.raises(BayesError, match=f"^{name} must be a tensor of shape"):
+            call()
+    u = structured_update(W, H, torch.ones(3, dtype=torch.float64), (0,))
+    gamma = np.array([5.0, 1.0, 0.0])
+    np.testing.assert_allclose(u.gamma.numpy(), gamma, rtol=1e-15)
+    h = H.numpy()
+    omega2 = [np.sum(h[n] / (1 + gamma[n] * h[n])) for n in range(2)]
+    np.testing.assert_allclose(u.omega.numpy()[:2], np.sqrt(omega2), rtol=1e-14)
+    assert u.omega[2] == np.inf  # a zero group: γ = 0, dead

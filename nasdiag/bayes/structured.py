@@ -38,7 +38,7 @@ from typing import Iterable, Sequence, Tuple
 
 import torch
 
-from nasdiag.bayes.update import BayesError, covariance, omega, switch
+from nasdiag.bayes.update import BayesError, check_tensors, covariance, omega, switch
 
 __all__ = ["StructuredUpdate", "group_norms", "group_lasso_penalty", "structured_update", "expand_groups"]
 
@@ -119,7 +119,10 @@ def structured_update(weight: torch.Tensor, curvature: torch.Tensor, omega_prev:
             A NaN ω(t−1) (or weight) gives its group a NaN γ and ω, never the γ = 0 of a zero group (a dead one).
         group_dims: the dimensions that index the groups (module docstring).
     """
+    check_tensors(weight=(weight, "(N, C, M, K) or any"), curvature=(curvature, "the weight's"))
     _element_dims(weight, group_dims)  # group_dims checked before they are used below
+    want = _groups_shape(weight, group_dims)
+    check_tensors(omega_prev=(omega_prev, f"{want}, one entry per group (ω(0) = 1: torch.ones{want})"))
     if curvature.shape != weight.shape:
         raise BayesError(f"curvature must have the weight's shape {tuple(weight.shape)}, got {tuple(curvature.shape)}")
     _check_per_group("omega", omega_prev, weight, group_dims)

@@ -42,6 +42,15 @@ class BayesError(NasdiagError, ValueError):
     """Inputs of the sparse-Bayesian update that make it undefined (shape mismatch, negative variances)."""
 
 
+def check_tensors(**named) -> None:
+    """`BayesError` naming the first argument that is not a tensor: ``name=(value, "its shape in words")``. A Python
+    number (γ(0) = 1 or ω(0) = 1 of Algorithms 2-3 given as 1.0) or a list was "'float' object has no attribute
+    'shape'", an AttributeError traceback naming no argument."""
+    for name, (value, shape) in named.items():
+        if not isinstance(value, torch.Tensor):
+            raise BayesError(f"{name} must be a tensor of shape {shape}, got a {type(value).__name__}")
+
+
 def _check_variance(name: str, t: torch.Tensor) -> None:
     if bool((t < 0).any()):
         raise BayesError(f"{name} must be >= 0 (a variance); got min {float(t.min()):.3g}")
@@ -209,6 +218,8 @@ def sparse_bayes_update(w: torch.Tensor, curvature: torch.Tensor, gamma_prev: to
         gamma_prev: (E, K) γ(t−1).
         parents: (E, E) from :func:`parent_matrix`.
     """
+    check_tensors(w=(w, "(E, K)"), curvature=(curvature, "(E, K)"),
+                  gamma_prev=(gamma_prev, "(E, K) (γ(0) = 1: torch.ones(E, K))"), parents=(parents, "(E, E)"))
     if not (w.shape == curvature.shape == gamma_prev.shape):
         raise BayesError(f"w, curvature and gamma must have one shape, got {tuple(w.shape)}, {tuple(curvature.shape)}, "
                          f"{tuple(gamma_prev.shape)}")
@@ -228,6 +239,8 @@ def group_bayes_update(w: torch.Tensor, curvature: torch.Tensor, gamma_prev: tor
 
     Returns a :class:`BayesUpdate` with ``cov`` (ℵ, E, K) and the rest (E, K).
     """
+    check_tensors(w=(w, "(ℵ, E, K)"), curvature=(curvature, "(ℵ, E, K)"),
+                  gamma_prev=(gamma_prev, "(E, K) (γ(0) = 1: torch.ones(E, K))"), parents=(parents, "(E, E)"))
     if w.dim() != 3 or w.shape != curvature.shape or w.shape[1:] != gamma_prev.shape:
         raise BayesError(f"w and curvature must be (ℵ, E, K) and gamma (E, K) of the same E, K; got {tuple(w.shape)}, "
                          f"{tuple(curvature.shape)}, {tuple(gamma_prev.shape)}")
