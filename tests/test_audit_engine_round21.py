@@ -23,6 +23,10 @@ Defects found (each test fails without its fix):
   generator (which ``diag_hessian`` takes) were used up, and the call said 'params is empty'; a number was Python's
   "'int' object is not iterable" traceback
   (test_graphed_diag_hessian_takes_names_from_a_generator_and_refuses_a_non_iterable_in_one_line).
+* ``Network.forward`` cast Z to ``self.classifier.weight.dtype`` before the fast forward: a classifier head without a
+  ``weight`` of its own (a Sequential with dropout) stopped every forward under the default engine in an
+  AttributeError where the eager forward runs; Z takes the cells' dtype (nasdiag/supernet/network.py, outside this
+  area: one line) (test_a_classifier_without_a_weight_attribute_runs_fast_as_eager).
 """
 
 from __future__ import annotations
@@ -161,3 +165,20 @@ def test_graphed_diag_hessian_takes_names_from_a_generator_and_refuses_a_non_ite
     with pytest.raises(CurvatureError, match="list of parameter names.*got int") as info:
         GraphedDiagHessian(model, nn.functional.cross_entropy, mode="diag", params=3)
     assert "\n" not in str(info.value)
+
+
+def test_a_classifier_without_a_weight_attribute_runs_fast_as_eager():
+    """The fast forward cast Z to ``self.classifier.weight.dtype``: a classifier head without a ``weight`` of its own
+    (``nn.Sequential(nn.Dropout(p), nn.Linear(...))``, a common head) stopped every forward under the default engine in
+    "AttributeError: 'Sequential' object has no attribute 'weight'" where the eager forward runs. Z takes the cells'
+    dtype: the forward equals the eager modules' (1e-12), float32 Z on the float64 supernet too."""
+    net = _net()
+    net.classifier = nn.Sequential(nn.Dropout(0.0), nn.Linear(net.classifier.in_features, 3)).to(DT)
+    eager = copy.deepcopy(net).set_engine("eager")
+    net.set_engine("fast")
+    x, _ = _batch(5, 3)
+    for dtype in (DT, torch.float32):
+        weights = {t: w.detach().to(dtype) for t, w in net.softmax_weights().items()}
+        out, ref = net(x, weights), eager(x, weights)
+        assert out.dtype == ref.dtype == DT
+        assert torch.allclose(out, ref, rtol=0, atol=1e-12), (out - ref).abs().max()

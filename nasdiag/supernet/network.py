@@ -256,8 +256,10 @@ class Network(nn.Module):
         per_cell = self._cell_weights(weights, len(x))
         if self.engine != "eager" and _engine.resolve(self, x, per_cell, active):  # batched cells (engine/fast.py)
             # Z in the activations' dtype, as the eager cells' w_k·op_k(x) promotes a (K,) row (float32 Z on a float64
-            # supernet stopped here with "expected scalar type Double but found Float"); a no-op when they agree
-            dtype = self.classifier.weight.dtype
+            # supernet stopped here with "expected scalar type Double but found Float"); a no-op when they agree. The
+            # cells' (every cell has its preprocessing's conv): a classifier without .weight (a Sequential with dropout)
+            # stopped the fast forward in an AttributeError
+            dtype = next(self.cells.parameters()).dtype
             return _engine.fast_forward(self, x, [w.to(dtype) for w in per_cell])
         per_cell_active = [None] * len(per_cell) if active is None else self._cell_active(active)
         s0 = s1 = self.stem(x)
