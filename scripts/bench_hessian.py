@@ -195,7 +195,10 @@ def speed_convnet(args, device, dtype, timer: Timer):
 
 
 def _backpack_row(model, x, y, extension: str, timer: Timer):
-    from backpack import backpack, extend, extensions
+    try:
+        from backpack import backpack, extend, extensions
+    except ImportError:  # a reference only, in the test and bench extras, not a dependency of nasdiag
+        return "not measured: BackPACK is not installed (pip install -e \".[bench]\")", None
 
     bp_model = extend(copy.deepcopy(model))  # its hooks must not touch the model we time otherwise
     loss_fn = extend(nn.CrossEntropyLoss())
