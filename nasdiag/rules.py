@@ -289,7 +289,8 @@ def input_ranks_of(module: nn.Module, example_input) -> Dict[nn.Module, int]:
     a tuple of arguments), for :func:`analyse`. No gradient is taken, buffers (BatchNorm's running statistics)
     and the global random generators (a train-mode dropout draws from them) are restored and the hooks removed on
     every path; the forward runs on copies of the example tensors (an in-place ReLU first would change the caller's
-    batch). A submodule called at two ranks is left out (unknown)."""
+    batch). A submodule called at two ranks is left out (unknown). A module with uninitialized lazy parameters or
+    buffers (``nn.LazyConv2d`` before its first forward) is a ``CostError``: the forward would materialize them."""
     seen: Dict[nn.Module, Optional[int]] = {}
 
     def record(sub, args):
@@ -298,6 +299,13 @@ def input_ranks_of(module: nn.Module, example_input) -> Dict[nn.Module, int]:
 
     from nasdiag.hooks import Hooks
 
+    lazy = next((name for name, t in [*module.named_parameters(), *module.named_buffers()]
+                 if isinstance(t, nn.parameter.UninitializedTensorMixin)), None)
+    if lazy is not None:  # the forward would materialize it (its init drawing from the generators restored after)
+        from nasdiag.cost.errors import CostError
+
+        raise CostError(f"example input: the module's {lazy!r} is an uninitialized lazy parameter or buffer, which the "
+                        "example's forward would create; run one forward of the model first, or pass no example input")
     saved = [(b, b.detach().clone()) for b in module.buffers()]
     rng = torch.get_rng_state(), (torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
     hooks = Hooks()

@@ -18,6 +18,10 @@ Defects found (each test fails without its fix):
 * ``loss_minus_entropy`` of bfloat16 logits computed L − H in bfloat16, up to 0.7 % off that of the same logit values,
   where the output-edge costs it is compared with are float32; computed in at least float32
   (test_loss_minus_entropy_of_half_precision_logits_is_computed_in_float32).
+* ``is_scale_invariant(f, x)`` of a module with lazy layers before their first forward stopped in torch's ValueError
+  traceback (LazyBatchNorm2d: an uninitialized buffer detached) or materialized the user's LazyConv2d (a Conv2d now,
+  its weight drawn from a generator then reset); one CostError line, the module left lazy
+  (test_is_scale_invariant_with_an_example_of_a_lazy_module_is_one_cost_error_line_and_leaves_it_lazy).
 """
 
 from __future__ import annotations
@@ -304,3 +308,26 @@ def test_scale_invariance_flags_of_a_bias_through_pools_with_padding_dilation_ce
         with pytest.raises(UnsupportedModuleError, match=type(module).__name__) as err:
             is_scale_invariant(nn.Sequential(nn.Conv2d(3, 3, 1), module, norm()))
         assert "\n" not in str(err.value)
+
+
+def test_is_scale_invariant_with_an_example_of_a_lazy_module_is_one_cost_error_line_and_leaves_it_lazy():
+    """is_scale_invariant(f, x) runs one forward of f for the input ranks: on a LazyBatchNorm2d before its first forward
+    it stopped in torch's ValueError traceback (an uninitialized buffer detached); on a LazyConv2d it materialized the
+    user's module (a Conv2d now, its weight drawn from the generator that was then reset, so the user's next draw
+    repeats it). One CostError line, the module left lazy; after one forward of its own, the same call answers as the
+    reference f(c·x) = f(x) says (a bias-free conv, then a normalization: invariant)."""
+    from nasdiag.cost import CostError, is_scale_invariant
+
+    x = torch.randn(2, 3, 4, 4, dtype=DT)
+    for make in (lambda: nn.Sequential(nn.LazyConv2d(3, 1, bias=False), nn.LazyBatchNorm2d(eps=1e-14)),
+                 lambda: nn.Sequential(nn.LazyConv2d(3, 1, bias=False), nn.BatchNorm2d(3, eps=1e-14))):
+        f = make().to(DT)
+        with pytest.raises(CostError, match="lazy") as err:
+            is_scale_invariant(f, x)
+        assert "\n" not in str(err.value)
+        assert type(f[0]) is nn.LazyConv2d and nn.parameter.is_lazy(f[0].weight)
+        assert is_scale_invariant(f)  # without an example: from the structure alone
+        with torch.no_grad():
+            f(x)  # the user's own first forward
+        f.train()
+        assert is_scale_invariant(f, x) and not _changes_under_scaling(f, x)
