@@ -23,7 +23,11 @@ Defects these tests found (each fails without its fix):
 - ``structured_update``, ``sparse_bayes_update`` and ``group_bayes_update`` given Algorithm 3's ω(0) = 1 or Algorithm
   2's γ(0) = 1 as the number 1.0 (or a list) stopped in "'float' object has no attribute 'shape'", an AttributeError
   traceback naming no argument; one BayesError line naming the argument and its shape
-  (test_a_start_of_one_given_as_a_number_is_one_bayes_error_line_naming_the_argument).
+  (test_a_start_of_one_given_as_a_number_is_one_bayes_error_line_naming_the_argument);
+- ``sgl_penalty``/``prox_group``/``prox_sgl`` with ``groups=None`` (HAPG's option for one group per tensor) or a list
+  stopped in an AttributeError traceback ("'NoneType' object has no attribute 'shape'"), a NumPy array was refused as
+  "an integer tensor ..., got int64"; one ConfigError line naming the tensor wanted
+  (test_the_operators_given_groups_that_are_not_a_tensor_say_so_in_one_line).
 
 Checked and right (scratch, the sharpest kept below): prox_sgl against Powell at 60 random points (per-element and
 per-group thresholds, singletons, zero groups, exact thresholds); HAPG/AdamHAPG over five steps with two parameter groups
@@ -262,3 +266,20 @@ def test_a_start_of_one_given_as_a_number_is_one_bayes_error_line_naming_the_arg
     omega2 = [np.sum(h[n] / (1 + gamma[n] * h[n])) for n in range(2)]
     np.testing.assert_allclose(u.omega.numpy()[:2], np.sqrt(omega2), rtol=1e-14)
     assert u.omega[2] == np.inf  # a zero group: γ = 0, dead
+
+
+def test_the_operators_given_groups_that_are_not_a_tensor_say_so_in_one_line():
+    """sgl_penalty/prox_group/prox_sgl with groups=None (HAPG's "whole tensor one group") or a list stopped in "'NoneType'
+    object has no attribute 'shape'", an AttributeError traceback; a NumPy array was refused as "an integer tensor ...,
+    got int64" (an int64 array). One ConfigError line naming the tensor wanted; the zeros it points to are one group."""
+    from nasdiag.sparse import prox_group, sgl_penalty
+
+    a = torch.tensor([[3.0, -4.0], [0.0, 0.0]], dtype=torch.float64)
+    for groups in (None, [[0, 0], [0, 0]], np.zeros((2, 2), dtype=np.int64)):
+        for call in (lambda: sgl_penalty(a, 0.5, 0.0, groups), lambda: prox_group(a, 1.0, groups),
+                     lambda: prox_sgl(a, 0.1, 1.0, groups)):
+            with pytest.raises(ConfigError, match=r"groups must be an integer tensor .* shape \(2, 2\), got a "):
+                call()
+    # the whole tensor one group, as the line says: λ(1 − α)·√4·‖a‖ = 0.5·2·5
+    whole = torch.zeros((2, 2), dtype=torch.long)
+    assert float(sgl_penalty(a, 0.5, 0.0, whole)) == pytest.approx(5.0, rel=1e-15)

@@ -19,6 +19,11 @@ Threshold = Union[float, torch.Tensor]
 
 
 def _check_groups(z: torch.Tensor, groups: torch.Tensor) -> int:
+    if not isinstance(groups, torch.Tensor):  # None or a list was "'NoneType' object has no attribute 'shape'"
+        whole = (f" (None, the whole tensor one group, is HAPG's option; here: torch.zeros({tuple(z.shape)}, "
+                 f"dtype=torch.long))" if groups is None else "")
+        raise ConfigError(f"groups must be an integer tensor of group ids of the parameter's shape {tuple(z.shape)}, "
+                          f"got a {type(groups).__name__}{whole}")
     if groups.shape != z.shape:
         raise ConfigError(f"groups must have the parameter's shape {tuple(z.shape)}, got {tuple(groups.shape)}")
     if groups.dtype not in (torch.int32, torch.int64):
