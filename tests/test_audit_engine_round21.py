@@ -27,6 +27,29 @@ Defects found (each test fails without its fix):
   ``weight`` of its own (a Sequential with dropout) stopped every forward under the default engine in an
   AttributeError where the eager forward runs; Z takes the cells' dtype (nasdiag/supernet/network.py, outside this
   area: one line) (test_a_classifier_without_a_weight_attribute_runs_fast_as_eager).
+
+Checked and right (scratch scripts, float64, fast vs the eager modules of a deep copy: forward, ∂L/∂Z of per-cell
+leaves, ∂L/∂w and every buffer over two forwards, ≤ 9e-16): primitives in other orders and subsets with 'none' first,
+in the middle and twice ([sep3, none, skip, avg], [none, max, none], [dil3, skip, none], [skip, sep5, none, dil5, max]),
+steps 1-3 with multiplier 1-3, reductions [], [1], [0, 2] given explicitly, affine norms with norm_eps 0.1 and no
+classifier bias, 5×5 inputs of 2 channels; orders conv-relu-bn / conv-bn-relu and norms layer/instance decline with a
+reason naming the op; the batched curvature (diag, approx) against ``arch_diag_hessian`` on the per-op modules for the
+same supernets (≤ 7e-16 absolute on entries up to 1.5); forwards under ``torch.inference_mode`` and ``no_grad``
+(outputs and buffers), then a ``.double()`` of a linked float32 supernet, ``load_state_dict(assign=True)`` and
+``reset_running_stats()`` (relinked, buffers equal); an inf pixel: the NaN pattern of the costs equals eager's after
+the zero-op fix. ``nasdiag.memory.free_cpu_memory`` on a fake kernel/cgroup tree (a job's limit one level above the
+process's cgroup, inactive page cache counted free): min(MemAvailable, limit − (usage − inactive_file)). By reading
+(CUDA only, not run): StepGraph's replay/capture/put-back logic, the column streams' ``record_stream`` bookkeeping, the
+index tensors cached outside a capture (the new zero-op index too: the first step of a signature always runs eagerly).
+
+Left alone: the memory estimate of the exact curvature (``nasdiag.hessian._hvp``'s saved-bytes estimate and its
+refusal) is the hessian area's; ``nasdiag.memory`` only reads free memory. README's "10× less than the plain recursion"
+(α ``approx``) is docs/hessian.md's run (1131.9 / 109.3 ms); BENCHMARKS run 9 reads 9.1×. The captured step's key
+holds every module's identity, mode and normalization settings but no other Python number a module's forward reads (a
+Dropout's ``p`` or a LeakyReLU's slope set between steps would replay the capture's value; no built-in method changes
+one) nor the storage of parameters other than the first and last. (A NaN or inf weight of another candidate, say
+max_pool, already gave eager's NaNs: checked.) The zero-op term costs a few scalar kernels per stage (not re-measured
+on a GPU).
 """
 
 from __future__ import annotations
