@@ -240,11 +240,11 @@ def test_the_constructors_groups_with_several_parameter_groups_is_one_line_not_t
 
 
 def test_a_start_of_one_given_as_a_number_is_one_bayes_error_line_naming_the_argument():
-    """Algorithms 2 and 3 start at γ(0) = 1 and ω(0) = 1; given as the number 1.0 (or a list), the updates stopped in
-    "'float' object has no attribute 'shape'", an AttributeError traceback naming no argument. One BayesError line
-    naming the argument and its shape; the tensor start works and is the own transcription (B.0.2-B.0.5 with ω = 1:
+    """Algorithms 2 and 3 start at γ(0) = 1 and ω(0) = 1; given as the number 1.0 (or a list), the updates (and
+    expand_groups) stopped in "'float' object has no attribute 'shape'", an AttributeError traceback naming no argument.
+    One BayesError line naming the argument and its shape; the tensor start works and is the own transcription (B.0.2-B.0.5 with ω = 1:
     γ = ‖W_n‖, C = γ/(1 + γH), ω² = Σ H/(1 + γH))."""
-    from nasdiag.bayes import group_bayes_update, parent_matrix, sparse_bayes_update, structured_update
+    from nasdiag.bayes import expand_groups, group_bayes_update, parent_matrix, sparse_bayes_update, structured_update
     from nasdiag.bayes.update import BayesError
 
     W = torch.tensor([[3.0, 4.0], [0.6, 0.8], [0.0, 0.0]], dtype=torch.float64)
@@ -255,6 +255,7 @@ def test_a_start_of_one_given_as_a_number_is_one_bayes_error_line_naming_the_arg
         "curvature": lambda: structured_update(W, H.tolist(), torch.ones(3, dtype=torch.float64), (0,)),
         "gamma_prev": lambda: sparse_bayes_update(W, H, 1.0, parents),
         "w": lambda: group_bayes_update(W.tolist(), H.unsqueeze(0), torch.ones(3, 2, dtype=torch.float64), parents),
+        "per_group": lambda: expand_groups([1.0, 1.0, 1.0], W, (0,)),
     }
     for name, call in calls.items():
         with pytest.raises(BayesError, match=f"^{name} must be a tensor of shape"):

@@ -71,6 +71,7 @@ def _groups_shape(weight: torch.Tensor, group_dims: Sequence[int]) -> Tuple[int,
 
 def _check_per_group(name: str, per_group: torch.Tensor, weight: torch.Tensor, group_dims: Sequence[int]) -> None:
     want = _groups_shape(weight, group_dims)
+    check_tensors(**{name: (per_group, f"{want}, one entry per group")})
     if tuple(per_group.shape) != want:  # a reshape would take any tensor of as many entries, in its order
         raise BayesError(f"{name} must have one entry per group, shape {want}, got {tuple(per_group.shape)}")
 
