@@ -42,8 +42,8 @@ the cost passed through an invariant op reaches round-off (~1e-7 of the Z-gradie
 reported deviation keeps falling: it bounds the exact-arithmetic cost, as documented. Through a user's delegate_rule
 wrapper the summary can miss an invariance the flat composition finds (conservative, never a false flag). An op made
 invariant by a later normalization (conv(bias) → GroupNorm(1, C) → InstanceNorm) is measured at that normalization
-only (of order, not exact). ``_uses_running_statistics`` repeats the probe's ``_normalizes_with_buffers`` (the probe's
-file, another area's).
+only (of order, not exact). (The lead merged the probe's ``_normalizes_with_buffers`` into the check this round
+added: ``nasdiag.cost.scale_invariance.uses_running_statistics``, used by both.)
 """
 
 from __future__ import annotations

@@ -152,14 +152,14 @@ def _check_norm_input(norm: nn.Module, x: torch.Tensor) -> None:
                         "pass the tensor the normalization is called on")
 
 
-def _uses_running_statistics(norm: nn.Module) -> bool:
-    """Whether ``norm``'s forward normalizes with its running buffers, as torch decides it (``nasdiag.rules``'s
-    BatchNorm and InstanceNorm rules: then an affine map, not a normalization by its input's statistics)."""
+def uses_running_statistics(norm: nn.Module) -> bool:
+    """Whether ``norm``'s forward normalizes with its running buffers, as torch decides it: then it is an affine map,
+    not a normalization by its input's statistics (``nasdiag.rules``'s BatchNorm and InstanceNorm rules). A BatchNorm in
+    eval mode with its buffers (kept when ``track_running_stats`` is turned off after construction); an InstanceNorm,
+    or another module with a ``track_running_stats`` flag, in eval mode with it on."""
     if isinstance(norm, nn.modules.batchnorm._BatchNorm):
         return not norm.training and not (norm.running_mean is None and norm.running_var is None)
-    if isinstance(norm, nn.modules.instancenorm._InstanceNorm):
-        return norm.track_running_stats and not norm.training
-    return False
+    return bool(getattr(norm, "track_running_stats", False)) and not norm.training
 
 
 def eps_deviation(norm: nn.Module, norm_input: torch.Tensor) -> torch.Tensor:
@@ -187,7 +187,7 @@ def eps_deviation(norm: nn.Module, norm_input: torch.Tensor) -> torch.Tensor:
     """
     require_tensors("eps_deviation", norm_input=norm_input)
     _check_norm_input(norm, norm_input)
-    if _uses_running_statistics(norm):
+    if uses_running_statistics(norm):
         raise CostError(f"eps_deviation: this {type(norm).__name__} is in eval mode with running statistics, an affine map "
                         "that is not scale-invariant at any eps (J_N(x)·x = γ·x/sqrt(running_var + eps), not N(x)·eps/(var + eps)); call "
                         "it in train mode, or use one with track_running_stats=False")

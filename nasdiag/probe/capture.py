@@ -22,6 +22,7 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from nasdiag.cost import edge_costs, eps_deviation, output_edge_costs
+from nasdiag.cost.scale_invariance import uses_running_statistics
 from nasdiag.hessian._hvp import random_state
 from nasdiag.hooks import Hooks
 from nasdiag.edges import EdgeSpec
@@ -181,15 +182,6 @@ def _batched_backward(where: str) -> ProbeError:
         f"{where}: a backward batched over its grad_outputs (torch.autograd.grad(..., is_grads_batched=True), "
         "torch.func.jacrev: under vmap) reached it inside probe.record(); its gradients are one vector-Jacobian product per row, not the step's "
         "∂L/∂x_j; take batched gradients outside the block and record a plain backward of the loss")
-
-
-def _normalizes_with_buffers(module) -> bool:
-    """Whether a normalization's forward is an affine map of its running statistics, as torch decides it: a BatchNorm
-    in eval mode with its buffers (kept when ``track_running_stats`` is turned off after construction), an
-    InstanceNorm in eval mode with ``track_running_stats`` on."""
-    if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
-        return not module.training and not (module.running_mean is None and module.running_var is None)
-    return bool(getattr(module, "track_running_stats", False)) and not module.training
 
 
 def tensors_in(value) -> List[torch.Tensor]:
@@ -631,7 +623,7 @@ class StepCapture:
             # not inside this edge's forward: a normalization shared with another edge's op (one-shot weight sharing)
             # or run outside any edge measures another input than the one this edge's op saw
             return None
-        if _normalizes_with_buffers(module):
+        if uses_running_statistics(module):
             # a forward in eval mode (a validation pass with grad on inside the block): this BatchNorm/InstanceNorm is an
             # affine map of its running statistics there, the op is not invariant, and its input is another batch's
             return None
