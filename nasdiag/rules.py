@@ -57,6 +57,11 @@ class UnsupportedModuleError(NasdiagError, NotImplementedError, TypeError):
     names the module, lists the supported types and says how to register a rule."""
 
 
+class LazyModuleError(NasdiagError, ValueError):
+    """A module with uninitialized lazy parameters or buffers (``nn.LazyConv2d`` before its first forward), which a
+    forward run only to learn something about the module would create."""
+
+
 #: the methods through which torch's modules compute their forward; a subclass that rewrites one has no rule by descent
 _FORWARD_METHODS = ("forward", "_conv_forward")
 
@@ -290,7 +295,7 @@ def input_ranks_of(module: nn.Module, example_input) -> Dict[nn.Module, int]:
     and the global random generators (a train-mode dropout draws from them) are restored and the hooks removed on
     every path; the forward runs on copies of the example tensors (an in-place ReLU first would change the caller's
     batch). A submodule called at two ranks is left out (unknown). A module with uninitialized lazy parameters or
-    buffers (``nn.LazyConv2d`` before its first forward) is a ``CostError``: the forward would materialize them."""
+    buffers (``nn.LazyConv2d`` before its first forward) is a ``LazyModuleError``: the forward would materialize them."""
     seen: Dict[nn.Module, Optional[int]] = {}
 
     def record(sub, args):
@@ -302,9 +307,7 @@ def input_ranks_of(module: nn.Module, example_input) -> Dict[nn.Module, int]:
     lazy = next((name for name, t in [*module.named_parameters(), *module.named_buffers()]
                  if isinstance(t, nn.parameter.UninitializedTensorMixin)), None)
     if lazy is not None:  # the forward would materialize it (its init drawing from the generators restored after)
-        from nasdiag.cost.errors import CostError
-
-        raise CostError(f"example input: the module's {lazy!r} is an uninitialized lazy parameter or buffer, which the "
+        raise LazyModuleError(f"example input: the module's {lazy!r} is an uninitialized lazy parameter or buffer, which the "
                         "example's forward would create; run one forward of the model first, or pass no example input")
     saved = [(b, b.detach().clone()) for b in module.buffers()]
     rng = torch.get_rng_state(), (torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)

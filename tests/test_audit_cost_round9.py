@@ -147,19 +147,21 @@ def test_each_methods_costs_and_cost_statistics_equal_the_reference_dL_dZ_of_the
     net = _supernet()
     M = get_method(method)
     m = M(net, M.Hyperparameters(**hp), schedule=Schedule(epochs=2, steps_per_epoch=3, batch_size=6), seed=3)
-    original, errors, observed = SearchMethod.cost, [], {t: [] for t in net.cell_types}
+    original, errors, seen = SearchMethod.cost, [], {t: [] for t in net.cell_types}
 
-    def checked(self, x, y, weights, *, active=None, train_weights=False, observe=True):
+    def checked(self, x, y, weights, *, active=None, train_weights=False, observe=True, observed=None):
         per_w = [weights[c.cell_type] for c in net.cells]
         per_a = None if active is None else [active[c.cell_type].bool() for c in net.cells]
         ref = _reference_costs(net, x, y, per_w, per_a)  # at w before the step's updates
-        result = original(self, x, y, weights, active=active, train_weights=train_weights, observe=observe)
+        result = original(self, x, y, weights, active=active, train_weights=train_weights, observe=observe,
+                          observed=observed)
         scale = max(float(r.abs().max()) for r in ref)
         errors.append(max(float((r - g).abs().max()) for r, g in zip(ref, result.per_cell)) / scale)
-        if observe:
+        if observe:  # the ops whose costs enter the statistics: `observed` (BayesNAS's alive ops), else `active`
+            per_o = per_a if observed is None else [observed[c.cell_type].bool() for c in net.cells]
             for k, c in enumerate(net.cells):
-                mask = np.ones(tuple(ref[k].shape), bool) if per_a is None else per_a[k].numpy()
-                observed[c.cell_type].append((ref[k].numpy(), mask))
+                mask = np.ones(tuple(ref[k].shape), bool) if per_o is None else per_o[k].numpy()
+                seen[c.cell_type].append((ref[k].numpy(), mask))
         return result
 
     monkeypatch.setattr(SearchMethod, "cost", checked)
@@ -170,8 +172,8 @@ def test_each_methods_costs_and_cost_statistics_equal_the_reference_dL_dZ_of_the
     stats = m.diagnostics()
     assert errors and max(errors) < 1e-13, errors
     if hp:  # the wiping rates did wipe experts out: some ops were not computed, and are not observed
-        assert any(not mask.all() for rows in observed.values() for _, mask in rows)
-    for t, rows in observed.items():
+        assert any(not mask.all() for rows in seen.values() for _, mask in rows)
+    for t, rows in seen.items():
         mean, var, count = _masked_moments(rows)
         np.testing.assert_array_equal(stats[f"cost/{t}/count"].numpy(), count)
         np.testing.assert_allclose(stats[f"cost/{t}/mean"].numpy(), mean, rtol=1e-10, atol=1e-13 * np.nanmax(np.abs(mean)))

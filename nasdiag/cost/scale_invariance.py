@@ -32,6 +32,7 @@ from nasdiag.rules import (
     REGISTRY,
     Homogeneity,
     HomogeneityRule,
+    LazyModuleError,
     UnsupportedModuleError,
     analyse,
     compose,
@@ -91,7 +92,10 @@ def is_scale_invariant(module: nn.Module, example_input=None) -> bool:
     if example_input is not None and not isinstance(example_input, (torch.Tensor, tuple)):
         raise CostError(f"is_scale_invariant: example_input must be the op's input tensor or a tuple of its arguments, "
                         f"got {type(example_input).__name__}")
-    ranks = input_ranks_of(module, example_input) if example_input is not None else None
+    try:
+        ranks = input_ranks_of(module, example_input) if example_input is not None else None
+    except LazyModuleError as err:  # the cost layer's error of bad input
+        raise CostError(f"is_scale_invariant: {err}") from None
     return analyse(module, ranks).invariant
 
 

@@ -42,6 +42,7 @@ def call_model(model: nn.Module, inputs: Inputs):
         return model(inputs)
 
 
+@torch.compiler.disable  # read by the probe's model hook, which a compiled model's dynamo traces: run it eagerly
 def random_state() -> Tuple[torch.Tensor, Optional[List[torch.Tensor]]]:
     """The global generators' state (the CPU's, CUDA's where initialised), for :func:`set_random_state`: a route that
     runs the forward again (a fallback, a second pass) draws what the call's first forward drew, so with a random
