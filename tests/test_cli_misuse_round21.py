@@ -184,10 +184,28 @@ def _swallowed_by_a_finalizer(exc):  # raised in a weakref callback or __del__: 
     time.sleep(5)  # the command's work goes on
 
 
+@pytest.fixture
+def terminal_signals():
+    """The dispositions a command typed at a terminal starts with (Python's Ctrl-C handler, SIGHUP's default): a test
+    run in a background job (``cmd &``, ``nohup``) inherits SIGINT and SIGHUP ignored, and the CLI rightly leaves ignored
+    signals alone. Restored afterwards."""
+    import signal
+
+    saved = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGHUP)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, saved[0])
+        signal.signal(signal.SIGHUP, saved[1])
+
+
 @pytest.mark.parametrize("command", ["plot", "report"])
 @pytest.mark.parametrize("fate", [_swallowed_into_type_error, _swallowed_by_a_finalizer])
 def test_a_ctrl_c_that_a_library_turns_into_another_error_or_swallows_is_still_an_interrupt(command, fate, finished_run, tmp_path,
-                                                                                             monkeypatch, capsys):
+                                                                                             monkeypatch, capsys,
+                                                                                             terminal_signals):
     """Ctrl-C during ``nasdiag report`` (about one press in 30, at random moments) ended in matplotlib's pybind11
     "TypeError: affine_transform(): incompatible function arguments" traceback, exit code 1 (the interrupt raised while
     it converted an argument, which it then cleared), or printed "Exception ignored in: <function WeakKeyDictionary...>
@@ -210,7 +228,7 @@ def test_a_ctrl_c_that_a_library_turns_into_another_error_or_swallows_is_still_a
 @pytest.mark.parametrize("signum,code,line", [("SIGTERM", 143, "nasdiag: terminated (SIGTERM)"),
                                               ("SIGHUP", 129, "nasdiag: hung up (SIGHUP)")])
 def test_a_sigterm_that_a_library_turns_into_another_error_is_still_the_signal(signum, code, line, finished_run, tmp_path,
-                                                                               monkeypatch, capsys):
+                                                                               monkeypatch, capsys, terminal_signals):
     """SIGTERM (or a hang-up) raised while pybind11 converts an argument becomes its TypeError as a Ctrl-C does: a
     traceback, exit code 1. It is the signal: its line and exit code, nothing written."""
     import signal
