@@ -284,6 +284,7 @@ def synthetic(
 
     return Splits(part(), part(), part(), num_classes, "synthetic")
 
+
 def _check_dtype(dtype) -> None:
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:  # torch.int64 truncated the standardized
         # pixels to -1, 0, 1, 2 without a word; "float32" was torch's TypeError traceback after the whole set was read

@@ -168,7 +168,7 @@ def eigenvalues_from_hvp(
     if isinstance(iters, bool):  # True was taken as 1 (power) or reached torch.zeros (lanczos: a TypeError traceback)
         raise CurvatureError(f"iters must be an int (the most Hessian-vector products), got {iters!r}")
     _checked_tol(tol)
-    generator = torch.Generator().manual_seed(_checked_seed(seed, "the start vector"))
+    generator = torch.Generator().manual_seed(check_seed(seed, "the start vector"))
     if method == "lanczos":
         iters = min(dim, max(100, 4 * k)) if iters is None else iters
         if not isinstance(iters, int) or iters < k:
@@ -190,11 +190,6 @@ def _checked_tol(tol) -> None:
         raise CurvatureTypeError(f"tol must be a number (a relative residual, e.g. 1e-6), got {tol!r}")
     if isinstance(tol, torch.Tensor) and tol.numel() != 1 or not 0 < float(tol) < math.inf:
         raise CurvatureError(f"tol must be a positive finite number (a relative residual, e.g. 1e-6), got {tol!r}")
-
-
-def _checked_seed(seed, seeds: str) -> int:
-    """``seed`` as an int, refused in one line as ``arch_diag_hessian`` does (:func:`~nasdiag.hessian.modes.check_seed`)."""
-    return check_seed(seed, seeds)
 
 
 def _apply(hvp: HVP, v: torch.Tensor, dtype, device) -> torch.Tensor:
@@ -397,7 +392,7 @@ def _probe_products(hvp, dim, samples, seed, batch_size, dtype, device, reduce_t
     if not reduce_to_scalar:  # every probe's (dim,) product is held (float64, CPU), then concatenated
         check_probe_memory(2 * samples * dim * 8, None, "cpu", f"hutchinson_diagonal(samples={samples})",
                            "lower samples (the error falls as 1/sqrt(samples))", settable=False)
-    generator = torch.Generator().manual_seed(_checked_seed(seed, "the probes"))
+    generator = torch.Generator().manual_seed(check_seed(seed, "the probes"))
     out = []
     for start in range(0, samples, batch_size):
         m = min(batch_size, samples - start)
@@ -519,7 +514,7 @@ def hessian_eigenvalues(
     Returns:
         :class:`SpectrumResult`; eigenvalues in float64 whatever the model's dtype.
     """
-    _checked_seed(seed, "the start vector")  # before the forward
+    check_seed(seed, "the start vector")  # before the forward
     op, n, dtype, device, _ = _operator(model, loss_fn, inputs, targets, params, hvp, dim)
     return eigenvalues_from_hvp(op, n, k=k, method=method, iters=iters, tol=tol, seed=seed, dtype=dtype, device=device)
 
@@ -546,7 +541,7 @@ def hutchinson_trace(
     Returns:
         :class:`HutchinsonEstimate` with float ``estimate`` and ``stderr``.
     """
-    _checked_seed(seed, "the probes")  # before the forward
+    check_seed(seed, "the probes")  # before the forward
     op, n, dtype, device, split = _operator(model, loss_fn, inputs, targets, params, hvp, dim)
     batch_size = (16 if split is not None else 1) if batch_size is None else batch_size
     return trace_from_hvp(op, n, samples=samples, seed=seed, batch_size=batch_size, dtype=dtype, device=device)
@@ -573,7 +568,7 @@ def hutchinson_diagonal(
         :class:`HutchinsonEstimate`: for a model, ``estimate`` and ``stderr`` are tuples of float64
         tensors shaped like ``params``, in their order; for a plain ``hvp``, (dim,) tensors.
     """
-    _checked_seed(seed, "the probes")  # before the forward
+    check_seed(seed, "the probes")  # before the forward
     op, n, dtype, device, split = _operator(model, loss_fn, inputs, targets, params, hvp, dim)
     batch_size = (16 if split is not None else 1) if batch_size is None else batch_size
     flat = diagonal_from_hvp(op, n, samples=samples, seed=seed, batch_size=batch_size, dtype=dtype, device=device)

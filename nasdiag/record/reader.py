@@ -92,8 +92,7 @@ def _special_file(file: str) -> str | None:
     return "a named pipe" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
 
 
-#: the 8 bytes every HDF5 file without a user block starts with (every record segment does)
-HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+HDF5_SIGNATURE = schema.HDF5_SIGNATURE  # read here by the plot commands too
 
 
 @_one_read_at_a_time

@@ -196,7 +196,8 @@ def list_segments(path: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+#: the 8 bytes every HDF5 file without a user block starts with (every record segment does)
+HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 
 
 def foreign_temp(path: str) -> str | None:
@@ -211,10 +212,10 @@ def foreign_temp(path: str) -> str | None:
             return file
         try:
             with open(file, "rb") as f:
-                head = f.read(len(_HDF5_SIGNATURE))
+                head = f.read(len(HDF5_SIGNATURE))
         except OSError:
             return file
-        if not _HDF5_SIGNATURE.startswith(head):
+        if not HDF5_SIGNATURE.startswith(head):
             return file
     return None
 
