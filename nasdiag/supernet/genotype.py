@@ -35,7 +35,7 @@ def _concat(steps: int, multiplier: int) -> List[int]:
     return list(range(2 + steps - multiplier, 2 + steps))
 
 
-def _cell_types(weights, eligible=None) -> None:
+def _refuse_other_cell_types(weights, eligible=None) -> None:
     """A Genotype has a normal and a reduce cell: the cells of any other type were derived and dropped without a word
     (an adapted supernet's ``"up"`` cells: its method's genotype() had only its normal cell)."""
     for what, value in (("weights", weights), ("eligible", eligible)):
@@ -147,7 +147,7 @@ def derive_genotype(
     from 1 to steps (the nodes concatenated into the output are the last ``multiplier`` intermediate nodes), and for a
     cell type other than ``"normal"`` and ``"reduce"`` (a Genotype has no place for it: use :func:`derive_cell`)."""
     concat = _concat(steps, multiplier)
-    _cell_types(weights, eligible)
+    _refuse_other_cell_types(weights, eligible)
     eligible = eligible or {}
     cells = {t: derive_cell(w, steps, primitives, edges_per_node, eligible=eligible.get(t)) for t, w in weights.items()}
     return Genotype(cells.get("normal", []), concat, cells.get("reduce", []), concat)
@@ -189,7 +189,7 @@ def derive_mixed_genotype(
     """:func:`derive_mixed_cell` for each cell type of ``weights``; steps, multiplier and the cell types as
     :func:`derive_genotype` takes them."""
     concat = _concat(steps, multiplier)
-    _cell_types(weights)
+    _refuse_other_cell_types(weights)
     cells = {t: derive_mixed_cell(w, steps, primitives, threshold) for t, w in weights.items()}
     return MixedGenotype(cells.get("normal", []), concat, cells.get("reduce", []), concat)
 
