@@ -261,7 +261,9 @@ class _EdgeRecorder:
             if not isinstance(weights, torch.Tensor):
                 raise CurvatureError(
                     f"edge {name!r}: the mixed op was called without mixing weights (expected forward(x, weights) "
-                    "with weights as the second argument, positional or by its name); list mixed ops, not candidate ops, as edges"
+                    "with weights as the second argument, positional or by its name); list mixed ops, not candidate ops, as edges, "
+                    "and give a mixed op that computes its weights inside its forward (a softmax of an α it holds) a "
+                    "forward(x, weights)"
                 )
             if weights.dim() not in (1, 2) or weights.shape[-1] != K:
                 raise CurvatureError(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 import sys
 import threading
@@ -127,6 +128,18 @@ def _check_flag(option: str, value) -> None:
         raise ProbeError(f"{option} must be True or False, got {value!r} ({type(value).__name__})")
 
 
+def _takes_no_weights(module: nn.Module) -> bool:
+    """True where ``module``'s forward has no parameter besides its input (no second positional or keyword parameter,
+    no ``*args``/``**kwargs``), so no mixing weights can be passed to it; False where the signature cannot be read."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+        return False
+    return len(params) <= 1
+
+
 def _short_list(names: Sequence[str], n: int = 5) -> str:
     head = ", ".join(repr(x) for x in names[:n])
     return head + (f" and {len(names) - n} more" if len(names) > n else "")
@@ -200,6 +213,18 @@ class Probe:
                     f"statistics='sampled' needs each edge's mixing weights, passed as the second argument of its forward "
                     f"(x, weights); the forward of edge(s) {_short_list(blind)} does not take two positional arguments. "
                     "Use statistics='all'."
+                )
+        if hessian is not None:
+            # the curvature engines shift the weights the forward receives: a forward(x) that computes them inside (NNI's
+            # LayerChoice, NASLib's edge reading its own α) took the step and failed in probe.hessian() with a hint to
+            # list mixed ops, which the caller had done
+            closed = [e.name for e in self._edges if _takes_no_weights(e.module)]
+            if closed:
+                raise ProbeError(
+                    f"hessian={hessian!r} takes the curvature in the mixing weights each edge's forward receives, as its "
+                    f"second argument (x, weights), but the forward of edge(s) {_short_list(closed)} takes x alone (it "
+                    "computes its weights inside, e.g. a softmax of an α it holds); give the mixed op a forward(x, weights) "
+                    "and pass the weights from the model's forward, or attach without hessian= (costs are right without it)"
                 )
         self.path_split = bool(path_split)
         if self.path_split:

@@ -1,0 +1,92 @@
+"""Round 22, foreign supernets: nasdiag attached to supernets written the way NAS codebases write them (NNI's
+LayerChoice with a ModuleDict of candidates and α in a ParameterDict, NASLib's edges holding their ops and α, the
+original DARTS code), without nasdiag.supernet. References: autograd in float64 on the user's own model."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nasdiag
+from nasdiag import cost
+from nasdiag.probe import ProbeError
+
+
+def _ops(C):
+    return [nn.Identity(), nn.Sequential(nn.ReLU(), nn.Conv2d(C, C, 3, padding=1, bias=False), nn.BatchNorm2d(C, affine=False)),
+            nn.AvgPool2d(3, 1, 1, count_include_pad=False), nn.MaxPool2d(3, 1, 1)]
+
+
+class LayerChoice(nn.Module):
+    """NNI-style: candidates in a ModuleDict keyed by name; the weights are computed inside the forward from an α the
+    model holds in a ParameterDict (the forward takes x alone)."""
+
+    def __init__(self, C, alphas, label):
+        super().__init__()
+        self.candidates = nn.ModuleDict(zip(["skip", "conv", "avg", "max"], _ops(C)))
+        self.label = label
+        self._alphas = [alphas]  # not a submodule: the model owns the ParameterDict
+
+    def forward(self, x):
+        w = torch.softmax(self._alphas[0][self.label], -1)
+        return sum(wk * op(x) for wk, op in zip(w, self.candidates.values()))
+
+
+class NNINet(nn.Module):
+    def __init__(self, C=4, n=3):
+        super().__init__()
+        self.stem = nn.Conv2d(3, C, 3, padding=1)
+        self.alphas = nn.ParameterDict({f"lc{i}": nn.Parameter(0.5 * torch.randn(4)) for i in range(n)})
+        self.choices = nn.ModuleList([LayerChoice(C, self.alphas, f"lc{i}") for i in range(n)])
+        self.head = nn.Linear(C, 5)
+
+    def forward(self, x):
+        h = self.stem(x)
+        for lc in self.choices:
+            h = lc(h)
+        return self.head(h.mean((2, 3)))
+
+
+def _nni(seed=0):
+    torch.manual_seed(seed)
+    net = NNINet().double()
+    edges = {lc.label: (lc, list(lc.candidates.values())) for lc in net.choices}
+    g = torch.Generator().manual_seed(seed + 1)
+    return net, edges, torch.randn(6, 3, 6, 6, generator=g, dtype=torch.float64), torch.randint(0, 5, (6,), generator=g)
+
+
+def test_nni_layer_choice_costs_map_to_autograds_alpha_gradient():
+    """Weights computed inside the mixed op: the costs (checked by the span rule) give ∂L/∂α through
+    darts_alpha_grad, against autograd's α.grad of the user's own model (float64)."""
+    net, edges, x, y = _nni()
+    with pytest.raises(ProbeError, match="pass edges="):
+        nasdiag.attach(net)
+    probe = nasdiag.attach(net, edges=edges)
+    with probe.record():
+        F.cross_entropy(net(x), y).backward()
+    costs = probe.costs()
+    for name, a in net.alphas.items():
+        got = cost.darts_alpha_grad(costs[name], torch.softmax(a.detach(), -1))
+        torch.testing.assert_close(got, a.grad, rtol=1e-9, atol=1e-15)
+
+
+def test_hessian_of_an_edge_that_computes_its_weights_inside_is_refused_at_attach():
+    """A mixed op whose forward takes x alone (NNI's LayerChoice, weights = softmax of an α it reads inside) gives
+    the curvature engines no weights to shift. attach(hessian=...) took it, the step ran, and probe.hessian() then
+    raised "the mixed op was called without mixing weights ...; list mixed ops, not candidate ops, as edges", which
+    is what the user had done. Now attach refuses it in one line naming the edges and what to change."""
+    net, edges, x, y = _nni()
+    with pytest.raises(ProbeError, match=r"hessian=.*lc0.*forward\(x, weights\)") as info:
+        nasdiag.attach(net, edges=edges, hessian="exact")
+    assert "\n" not in str(info.value)
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in net.modules())
+
+
+@pytest.mark.parametrize("mode", ["exact", "diag"])
+def test_arch_diag_hessian_names_weights_computed_inside_the_forward(mode):
+    """The engines' line for the same case said only "list mixed ops, not candidate ops, as edges"."""
+    from nasdiag.hessian import CurvatureError, arch_diag_hessian
+
+    net, edges, x, y = _nni()
+    with pytest.raises(CurvatureError, match=r"computes its weights inside its forward.*forward\(x, weights\)"):
+        arch_diag_hessian(net, F.cross_entropy, x, y, edges, mode=mode)
