@@ -22,6 +22,7 @@ import os
 import secrets
 import time
 import warnings
+from datetime import datetime
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -145,8 +146,8 @@ def _seconds_per_step(record, segments: List[Dict]) -> Optional[str]:
                 return f"{last[1]:.3g} s ({key[len('scalars/'):]}, step {last[0]})"
     total, steps = 0.0, 0
     for seg in segments:
-        try:
-            created = time.mktime(time.strptime(str(seg.get("created", "")), "%Y-%m-%dT%H:%M:%S%z"))
+        try:  # an aware time: its UTC offset (%z) counts, not the reading machine's zone (time.mktime took it as local)
+            created = datetime.strptime(str(seg.get("created", "")), "%Y-%m-%dT%H:%M:%S%z").timestamp()
         except ValueError:
             return None
         if seg["rows"]:
