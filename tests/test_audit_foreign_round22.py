@@ -90,3 +90,73 @@ def test_arch_diag_hessian_names_weights_computed_inside_the_forward(mode):
     net, edges, x, y = _nni()
     with pytest.raises(CurvatureError, match=r"computes its weights inside its forward.*forward\(x, weights\)"):
         arch_diag_hessian(net, F.cross_entropy, x, y, edges, mode=mode)
+
+
+class _EdgeData:
+    """NASLib's edge data: the object holding the edge's α, handed to the mixed op's forward."""
+
+    def __init__(self, alpha):
+        self.alpha = alpha
+
+
+class NASLibMixedOp(nn.Module):
+    """NASLib-style: candidates registered as "primitive-<k>" children and kept in a plain list; forward(x, edge_data)."""
+
+    def __init__(self, C):
+        super().__init__()
+        self.primitives = _ops(C)
+        for k, op in enumerate(self.primitives):
+            self.add_module(f"primitive-{k}", op)
+
+    def forward(self, x, edge_data):
+        return sum(w * op(x) for w, op in zip(torch.softmax(edge_data.alpha, -1), self.primitives))
+
+
+class NASLibNet(nn.Module):
+    def __init__(self, C=4):
+        super().__init__()
+        self.stem = nn.Conv2d(3, C, 3, padding=1)
+        self.edges = nn.ModuleList([NASLibMixedOp(C) for _ in range(2)])
+        self.edge_data = [_EdgeData(nn.Parameter(torch.randn(4, dtype=torch.float64))) for _ in range(2)]
+        self.head = nn.Linear(C, 5)
+
+    def forward(self, x):
+        h = self.stem(x)
+        for op, data in zip(self.edges, self.edge_data):
+            h = op(h, data)
+        return self.head(h.mean((2, 3)))
+
+
+def _naslib(seed=0):
+    torch.manual_seed(seed)
+    net = NASLibNet().double()
+    edges = {f"e{i}": (op, op.primitives) for i, op in enumerate(net.edges)}
+    g = torch.Generator().manual_seed(seed + 1)
+    return net, edges, torch.randn(6, 3, 6, 6, generator=g, dtype=torch.float64), torch.randint(0, 5, (6,), generator=g)
+
+
+def test_naslib_edge_data_costs_map_to_autograds_alpha_gradient():
+    net, edges, x, y = _naslib()
+    probe = nasdiag.attach(net, edges=edges)
+    with probe.record():
+        F.cross_entropy(net(x), y).backward()
+    costs = probe.costs()
+    for i, data in enumerate(net.edge_data):
+        got = cost.darts_alpha_grad(costs[f"e{i}"], torch.softmax(data.alpha.detach(), -1))
+        torch.testing.assert_close(got, data.alpha.grad, rtol=1e-9, atol=1e-15)
+
+
+@pytest.mark.parametrize("mode", ["exact", "diag", "ggn"])
+def test_hessian_of_a_mixed_op_given_an_object_for_its_weights_says_so(mode):
+    """forward(x, edge_data) with the α inside the object: `exact` and `ggn` said "mixing weights must have shape (K,)
+    or (B, K) ..., got _EdgeData; list exactly the ops the mixed op mixes" (the ops listed were right), `diag` that
+    the op "was called without mixing weights". Now each names the object and what forward to give it."""
+    net, edges, x, y = _naslib()
+    probe = nasdiag.attach(net, edges=edges, hessian=mode)
+    with probe.record(targets=y):
+        F.cross_entropy(net(x), y).backward()
+    with pytest.raises(nasdiag.hessian.CurvatureError,
+                       match=r"called with a _EdgeData object as its second argument, not a tensor of mixing weights.*"
+                             r"forward\(x, weights\)") as info:
+        probe.hessian()
+    assert "list exactly the ops" not in str(info.value)

@@ -40,7 +40,7 @@ from nasdiag.hessian.arch_exact import (_check_softmax_weights, _frozen_paramete
 from nasdiag.hessian.arch_ggn import ggn_arch_diag
 from nasdiag.hessian.arch_hutchinson import hutchinson_arch_diag
 from nasdiag.hessian.loss_curvature import output_hessian_diagonal
-from nasdiag.hessian.modes import ARCH_MODES, CurvatureError, CurvatureTypeError, check_mode, check_seed, split_mode
+from nasdiag.hessian.modes import ARCH_MODES, CurvatureError, CurvatureTypeError, check_mode, check_seed, split_mode, no_weights_refusal
 from nasdiag.hessian.propagate import walk_diagonals
 from nasdiag.hessian.rules import HessianRule
 from nasdiag.hessian.rules.base import check_rules
@@ -259,12 +259,7 @@ class _EdgeRecorder:
             key = weights_parameter(module)  # the weights by keyword: op(x, mix=w) for forward(x, mix)
             weights = kwargs.get(key, args[1] if len(args) > 1 else None)
             if not isinstance(weights, torch.Tensor):
-                raise CurvatureError(
-                    f"edge {name!r}: the mixed op was called without mixing weights (expected forward(x, weights) "
-                    "with weights as the second argument, positional or by its name); list mixed ops, not candidate ops, as edges, "
-                    "and give a mixed op that computes its weights inside its forward (a softmax of an α it holds) a "
-                    "forward(x, weights)"
-                )
+                raise CurvatureError(no_weights_refusal(name, weights))
             if weights.dim() not in (1, 2) or weights.shape[-1] != K:
                 raise CurvatureError(
                     f"edge {name!r}: mixing weights must have shape (K,) or (B, K) with K={K} (the candidate ops listed), "

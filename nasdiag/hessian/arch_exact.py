@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from nasdiag.edges import resolve_edges, weights_parameter
-from nasdiag.hessian.modes import CurvatureError, CurvatureRuntimeError
+from nasdiag.hessian.modes import CurvatureError, CurvatureRuntimeError, no_weights_refusal
 from nasdiag.hessian._hvp import (
     SavedBytes,
     check_chunk_size,
@@ -329,14 +329,11 @@ class _WeightShift:
             elif len(args) >= 2:
                 weights = args[1]
             else:
-                raise CurvatureError(
-                    f"edge {name!r}: the mixed op was called without mixing weights (expected forward(x, weights) "
-                    "with weights as the second argument, positional or by its name); list mixed ops, not candidate ops, as edges, "
-                    "and give a mixed op that computes its weights inside its forward (a softmax of an α it holds) a "
-                    "forward(x, weights)"
-                )
-            if not isinstance(weights, torch.Tensor) or weights.dim() not in (1, 2) or weights.shape[-1] != K:
-                shape = tuple(weights.shape) if isinstance(weights, torch.Tensor) else type(weights).__name__
+                weights = None
+            if not isinstance(weights, torch.Tensor):
+                raise CurvatureError(no_weights_refusal(name, weights))
+            if weights.dim() not in (1, 2) or weights.shape[-1] != K:
+                shape = tuple(weights.shape)
                 raise CurvatureError(
                     f"edge {name!r}: mixing weights must have shape (K,) or (B, K) with K={K} (the candidate ops listed), "
                     f"got {shape}; list exactly the ops the mixed op mixes"

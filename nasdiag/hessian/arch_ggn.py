@@ -45,7 +45,7 @@ from nasdiag.hessian._hvp import call_model, check_probe_memory, preserved_buffe
 from nasdiag.hessian.arch_exact import refuse_loss_beyond_outputs
 from nasdiag.hessian.loss_curvature import output_hessian_blocks
 from nasdiag.edges import weights_parameter
-from nasdiag.hessian.modes import CurvatureError, CurvatureTypeError
+from nasdiag.hessian.modes import CurvatureError, CurvatureTypeError, no_weights_refusal
 from nasdiag.hooks import Hooks
 
 __all__ = ["ggn_arch_diag", "ggn_factor_rows"]
@@ -143,8 +143,10 @@ class _PerSampleShift:
             key = weights_parameter(module)  # the weights by keyword: op(x, mix=w) for forward(x, mix)
             weights = kwargs[key] if key in kwargs else (args[1] if len(args) >= 2 else None)
             x = args[0] if args else kwargs.get("x")
-            if not isinstance(weights, torch.Tensor) or weights.dim() not in (1, 2) or weights.shape[-1] != K:
-                shape = tuple(weights.shape) if isinstance(weights, torch.Tensor) else type(weights).__name__
+            if not isinstance(weights, torch.Tensor):
+                raise CurvatureError(no_weights_refusal(name, weights))
+            if weights.dim() not in (1, 2) or weights.shape[-1] != K:
+                shape = tuple(weights.shape)
                 raise CurvatureError(
                     f"edge {name!r}: mixing weights must have shape (K,) or (B, K) with K={K} (the candidate ops listed), "
                     f"got {shape}; list exactly the ops the mixed op mixes, and pass its weights as forward(x, weights)"

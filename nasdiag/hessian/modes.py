@@ -77,6 +77,16 @@ class CurvatureRuntimeError(CurvatureError, RuntimeError):
     memory at one product at a time); also the ``RuntimeError`` it was before."""
 
 
+def no_weights_refusal(name: str, got: object) -> str:
+    """The line for a mixed op called without a tensor of mixing weights as its second argument (``got``: what it
+    received there, None for nothing): called with x alone, or with an object holding them (NASLib's ``edge_data``)."""
+    what = "without mixing weights" if got is None else f"with a {type(got).__name__} object as its second argument, not a tensor of mixing weights"
+    return (f"edge {name!r}: the mixed op was called {what} (expected forward(x, weights) with the weights tensor as the "
+            "second argument, positional or by its name); list mixed ops, not candidate ops, as edges, and give a mixed op "
+            "that computes its weights inside its forward (a softmax of an α it holds or reads from an argument) a "
+            "forward(x, weights)")
+
+
 def split_mode(mode: str) -> Tuple[str, Optional[int]]:
     """``("hutchinson", 4)`` for ``"hutchinson:4"``; ``(mode, None)`` for a name without a count."""
     m = _COUNTED.match(mode)
