@@ -41,3 +41,44 @@ def test_time_per_step_does_not_depend_on_the_readers_time_zone(local_zone, zone
     for created in ("2026-11-28T12:00:00+0000", "2026-11-28T13:00:00+0100", "2026-11-28T07:00:00-0500"):
         text = _seconds_per_step({}, [{"created": created, "rows": 100, "modified": last_write}])
         assert text is not None and text.startswith("≈ 1 s "), (zone, created, text)
+
+
+def _killed_writer(path):
+    """A record whose writer committed 3 rows and was then killed (SIGKILL): its lock file is left, held by none."""
+    import signal
+    import subprocess
+    import sys
+
+    code = (
+        "import os, signal, sys\n"
+        "from nasdiag.record import Recorder\n"
+        "r = Recorder(sys.argv[1], flush_every=2, handle_sigterm=False)\n"
+        "for s in range(3):\n"
+        "    r.log(s, {'scalars/train_loss': 1.0 / (s + 1)})\n"
+        "r.flush()\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+
+
+def test_report_says_a_killed_writer_stopped_and_a_live_one_writes(tmp_path):
+    """The page of a record whose writer was killed said "the search is still writing this record, or crashed" (the
+    note of a live record) although the kernel's table of locks tells that no writer holds it: a reader waited for
+    rows that never came. A writer that holds the lock is still named as writing."""
+    from nasdiag.plot.report import _live_note
+    from nasdiag.record import Recorder, load
+
+    killed = tmp_path / "killed.h5"
+    _killed_writer(killed)
+    assert len(load(killed)["step"]) == 3 and (tmp_path / "killed.h5.lock").exists()
+    note = _live_note(killed)
+    assert "stopped without closing it" in note and "still writing" not in note, note
+
+    live = tmp_path / "live.h5"
+    with Recorder(live, flush_every=2) as recorder:
+        recorder.log(0, {"scalars/train_loss": 1.0})
+        recorder.flush()
+        note = _live_note(live)
+        assert "is still writing this record" in note and f"pid {os.getpid()}" in note, note
+    assert _live_note(live) == ""  # closed cleanly: no lock file, no note

@@ -424,6 +424,24 @@ def _writer_alive(path: str) -> bool:
     return _lock_listed(schema.lock_path(path)) is not False
 
 
+def writer_gone(path: str) -> bool:
+    """Whether the record at ``path`` was left by a writer that stopped without closing it (killed, crashed): its lock
+    file is there, names a writer of this host, and the kernel lists no lock on it. False where a writer holds it,
+    where there is no lock file (closed cleanly), and where it cannot be told (a writer on another host, no table of
+    locks)."""
+    lock = schema.lock_path(path)
+    try:
+        with open(lock) as fh:
+            holder = json.loads(fh.read() or "{}")
+    except (OSError, ValueError):
+        holder = {}  # half written, or gone: the kernel's table still tells
+    if not os.path.exists(lock):
+        return False
+    if isinstance(holder, dict) and holder.get("host", socket.gethostname()) != socket.gethostname():
+        return False  # its lock is in another host's table
+    return _lock_listed(lock) is False
+
+
 def _lock_listed(lock_file: str) -> bool | None:
     """Whether the kernel lists a lock on ``lock_file``'s inode (Linux's /proc/locks; the inode alone is compared,
     since its device may be written otherwise there), or None where that cannot be told."""
