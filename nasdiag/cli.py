@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -27,6 +28,7 @@ from nasdiag.search.config import (DATASETS, DIAGNOSTICS, DTYPES, ENGINES, MAX_S
 
 EXIT_USAGE = 2
 EXIT_SIGINT, EXIT_SIGTERM, EXIT_SIGPIPE, EXIT_SIGHUP = 130, 143, 141, 129
+_KEY = re.compile(r"[A-Za-z_][\w-]*")  # what a hyperparameter's name looks like (w_lr; w-lr, misspelt, is said as such)
 
 
 def _seed(text: str) -> int:
@@ -163,8 +165,10 @@ def search_config(args: argparse.Namespace) -> SearchConfig:
             raise ConfigError(f"--hp {key}= gives no value; give one (nasdiag methods lists the types and defaults), or "
                               f"leave --hp {key} out for the default")
         tokens = value.replace(",", " ").split()  # w_lr=0.1,w_momentum=0.8: "w_lr must be a float, got '0.1,w_mom...'"
-        starts = [i for i, t in enumerate(tokens) if t.partition("=")[0] and "=" in t]
-        if starts:
+        # a setting begins with a key's name after a value (w_lr=1e-2=3 was "sets 2 hyperparameters at once: --hp w_lr=
+        # --hp 1e-2=3", a value split off as a key and a first --hp of no value, which is refused; it is a bad value)
+        starts = [i for i, t in enumerate(tokens) if "=" in t and _KEY.fullmatch(t.partition("=")[0])]
+        if starts and starts[0] > 0:
             settings = [f"{key}={','.join(tokens[:starts[0]])}"] + [",".join(tokens[a:b]) for a, b in
                                                                    zip(starts, [*starts[1:], len(tokens)])]
             raise ConfigError(f"--hp {_quote(item)} sets {len(settings)} hyperparameters at once; --hp takes one "

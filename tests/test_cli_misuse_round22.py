@@ -1,0 +1,25 @@
+"""A twenty-second new user's misuse of the ``nasdiag`` CLI: what rounds 1-21 (test_cli_errors.py,
+test_cli_search_misuse.py, test_cli_plot_misuse.py, test_cli_misuse_round3..21.py) did not cover. ``--hp w_lr=1e-2=3``
+(an ``=`` inside a value) was told it "sets 2 hyperparameters at once" and to pass ``--hp w_lr= --hp 1e-2=3``, a value
+taken for a key and a first setting of no value, itself refused.
+Every such mistake is one line on stderr saying what was wrong and what to do, exit code 2, nothing written.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from test_cli_errors import TINY, refused
+
+
+@pytest.mark.parametrize("given,said", [
+    ("w_lr=1e-2=3", "hyperparameter w_lr of method 'darts' must be of type float, got '1e-2=3'"),
+    ("w_lr=0.1=", "hyperparameter w_lr of method 'darts' must be of type float, got '0.1='"),
+    ("w_lr=alpha_lr=0.1", "hyperparameter w_lr of method 'darts' must be of type float, got 'alpha_lr=0.1'"),
+])
+def test_an_equals_sign_inside_a_value_is_a_bad_value_not_two_settings(given, said, tmp_path, capsys):
+    """An ``=`` inside the value of ``--hp`` (a typo, ``w_lr=1e-2=3``) was "sets 2 hyperparameters at once; ... --hp
+    w_lr= --hp 1e-2=3": a number split off as a key, and a first --hp of no value that the CLI refuses in turn. A setting
+    begins only with a hyperparameter's name after a value; this is the bad value it is."""
+    line = refused(["search", *TINY, "--out", str(tmp_path / "run.h5"), "--hp", given], tmp_path, said, capsys)
+    assert "at once" not in line and "--hp w_lr= " not in line, line
