@@ -23,3 +23,28 @@ def test_an_equals_sign_inside_a_value_is_a_bad_value_not_two_settings(given, sa
     begins only with a hyperparameter's name after a value; this is the bad value it is."""
     line = refused(["search", *TINY, "--out", str(tmp_path / "run.h5"), "--hp", given], tmp_path, said, capsys)
     assert "at once" not in line and "--hp w_lr= " not in line, line
+
+
+def test_matplotlib_without_a_writable_home_is_one_warning_line(tmp_path):
+    """With no writable home (``HOME=/nonexistent`` of a service account, here a file), ``nasdiag plot`` drew its figures
+    and printed two lines of matplotlib's logger on stderr ("mkdir -p failed for path .../.config/matplotlib", then a
+    long one on a temporary cache folder), no nasdiag line. It is one ``nasdiag: warning:`` line that names MPLCONFIGDIR;
+    the figures are drawn as before."""
+    import os
+    import subprocess
+    import sys
+
+    from plot_records import write_record
+
+    record = write_record(tmp_path / "run.h5", epochs=1, steps_per_epoch=4, cells=("normal",))
+    home = tmp_path / "home"
+    home.write_text("a file, so no folder can be made under it\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("MPLCONFIGDIR", "XDG_CONFIG_HOME", "XDG_CACHE_HOME")}
+    env.update(HOME=str(home), MPLBACKEND="Agg", PYTHONWARNINGS="default")
+    done = subprocess.run([sys.executable, "-m", "nasdiag", "plot", str(record), "--out", str(tmp_path / "figs"),
+                           "--figures", "arch", "--no-progress"], env=env, capture_output=True, text=True, timeout=120)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 0, done.stderr
+    assert len(lines) == 1 and lines[0].startswith("nasdiag: warning: matplotlib found no writable folder"), lines
+    assert str(home) in lines[0] and "set MPLCONFIGDIR to a writable folder" in lines[0], lines
+    assert any(p.suffix == ".png" for p in (tmp_path / "figs").iterdir())

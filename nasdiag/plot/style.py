@@ -15,19 +15,52 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import List, Mapping, Optional, Sequence, Tuple
 
-# Figures are always drawn with Agg into files, whatever MPLBACKEND names; matplotlib validates MPLBACKEND when it
-# is imported, so an invalid one (a typo, a GUI backend of another machine) was a traceback at the end of a whole
-# search. It is hidden from that first import only, and left set for everything else.
-_backend = os.environ.pop("MPLBACKEND", None)
-try:
-    import matplotlib
-finally:
-    if _backend is not None:
-        os.environ["MPLBACKEND"] = _backend
 
-matplotlib.use("Agg")  # batch scripts and reports have no display
+def _import_matplotlib():
+    """Import matplotlib and pyplot with the Agg backend, and return both.
 
-import matplotlib.pyplot as plt  # noqa: E402
+    Figures are always drawn with Agg into files, whatever MPLBACKEND names; matplotlib validates MPLBACKEND when it
+    is imported, so an invalid one (a typo, a GUI backend of another machine) was a traceback at the end of a whole
+    search. It is hidden from that first import only, and left set for everything else.
+
+    What matplotlib logs while it loads is said as one warning: with no writable home (``HOME=/nonexistent`` of a
+    service account, ``HOME=/dev/null``) plot, report and the end of a search printed two lines of its logger ("mkdir -p
+    failed for path ...", then four lines' worth on a temporary cache folder), neither a nasdiag line."""
+    import logging
+    import warnings
+
+    said: List[str] = []
+
+    class _Said(logging.Handler):
+        def emit(self, record):
+            said.append(" ".join(record.getMessage().split()))
+
+    log, handler = logging.getLogger("matplotlib"), _Said(logging.WARNING)
+    propagate, log.propagate = log.propagate, False
+    log.addHandler(handler)
+    backend = os.environ.pop("MPLBACKEND", None)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")  # batch scripts and reports have no display
+        import matplotlib.pyplot as pyplot
+    finally:
+        if backend is not None:
+            os.environ["MPLBACKEND"] = backend
+        log.removeHandler(handler)
+        log.propagate = propagate
+    temporary = [m for m in said if m.startswith("Matplotlib created a temporary")]
+    reasons = [m for m in said if m not in temporary]
+    if temporary:  # its reasons and its remedy in one line
+        warnings.warn(f"matplotlib found no writable folder for its settings and font cache ({'; '.join(reasons) or 'no home folder'}), "
+                      "so it uses a temporary one, removed at exit, and rebuilds its font cache at each run: set MPLCONFIGDIR "
+                      "to a writable folder", stacklevel=2)
+    else:
+        for message in reasons:
+            warnings.warn(f"matplotlib: {message}", stacklevel=2)
+    return matplotlib, pyplot
+
+
+matplotlib, plt = _import_matplotlib()
 import numpy as np  # noqa: E402
 from matplotlib.colors import Normalize, TwoSlopeNorm  # noqa: E402
 from matplotlib.patches import Patch, Rectangle  # noqa: E402
