@@ -222,7 +222,7 @@ class XNAS(SearchMethod):
             alive = f.alive
             finite = torch.isfinite(rewards)
             clipped += int(((rewards.abs() > L) & finite)[:, alive].sum())
-            counted += int(alive.sum()) * rewards.shape[0]
+            counted += int(finite[:, alive].sum())  # the finite rewards of alive experts (a NaN one is flagged, not clipped)
             if self.hp.clip_rewards:
                 # only finite rewards: clamp keeps NaN but makes ±inf ±L, a finite reward the forecaster would play
                 # (an infinite cost must sit its round out and be flagged, as a NaN does)
