@@ -82,3 +82,39 @@ def test_report_says_a_killed_writer_stopped_and_a_live_one_writes(tmp_path):
         note = _live_note(live)
         assert "is still writing this record" in note and f"pid {os.getpid()}" in note, note
     assert _live_note(live) == ""  # closed cleanly: no lock file, no note
+
+
+def test_a_record_replaced_while_it_is_read_is_read_again_not_called_damaged(tmp_path, monkeypatch):
+    """A reader that listed a record's three segments just before another writer replaced the record (``overwrite=True``,
+    ``nasdiag search --force``: all segments deleted, a new run written) found the later ones gone and said
+    "record ... is damaged at run.seg0001.h5 row 0: it cannot be opened" (1 read in 30 of a reader loop beside a writer
+    that restarts), although neither record was ever damaged. A listing that changed during the read is looked at
+    again: the read gives the new record whole."""
+    import numpy as np
+
+    from nasdiag.record import Recorder, load
+    from nasdiag.record import reader
+
+    path = tmp_path / "run.h5"
+    with Recorder(path, flush_every=2) as rec:  # the old run: three segments (a path first logged later starts one)
+        for step in range(6):
+            rec.log(step, {"scalars/a": float(step), **({"x/late": 1.0} if step >= 2 else {}),
+                           **({"x/later": 1.0} if step >= 4 else {})})
+    assert (tmp_path / "run.seg0002.h5").exists()
+
+    original = reader.read_segment
+    replaced = []
+
+    def read_after_a_replacement(index, file, *args, **kwargs):
+        if not replaced:  # the files are listed; now another writer replaces the record before they are opened
+            replaced.append(True)
+            with Recorder(path, flush_every=2, overwrite=True) as other:
+                for step in range(3):
+                    other.log(step, {"scalars/a": 10.0 + step})
+        return original(index, file, *args, **kwargs)
+
+    monkeypatch.setattr(reader, "read_segment", read_after_a_replacement)
+    record = load(path)
+    assert replaced
+    assert np.array_equal(record["step"], np.arange(3)) and np.array_equal(record["scalars/a"], 10.0 + np.arange(3))
+    assert "x/late" not in record

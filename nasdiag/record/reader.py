@@ -503,6 +503,19 @@ def _refuse_a_segment_of_another_record(path: str) -> None:
                           f"a record of its own; load {owner}, which is read with all its segments")
 
 
+def _identities(files: list[tuple[int, str]]) -> list[tuple]:
+    """``(index, file, device, inode)`` of each listed segment (None for one that is gone): a read whose listing is not
+    the same after it read files that changed meanwhile."""
+    out = []
+    for index, file in files:
+        try:
+            found = os.stat(file)
+            out.append((index, file, found.st_dev, found.st_ino))
+        except OSError:
+            out.append((index, file, None, None))
+    return out
+
+
 def read_segments(path: str, with_data: bool = True, salvage: bool = False) -> list[Segment]:
     """All segments of the record at ``path`` that belong to its run, by index, verified.
 
@@ -532,10 +545,12 @@ def read_segments(path: str, with_data: bool = True, salvage: bool = False) -> l
             if special:  # h5py's open of a named pipe waited for a writer for ever (load, a resume)
                 raise RecordError(f"{file} is {special}, not a record file; pass the path of a record")
         live = _writer_alive(path)
+        before = _identities(files)
         segments = [read_segment(index, file, with_data, live) for index, file in files]
         damage = _first_damage(path, files, segments)
-        # A live writer may be mid-way through writing metadata; look again before judging.
-        if damage is None or not live:
+        # A live writer may be mid-way through writing metadata, and files that changed during the read (a record
+        # replaced by another writer: a listed segment deleted before it was opened) are no damage: look again.
+        if damage is None or not (live or _identities(schema.list_segments(path)) != before):
             break
         time.sleep(0.05 * (attempt + 1))
     if damage is not None:
