@@ -48,3 +48,36 @@ def test_matplotlib_without_a_writable_home_is_one_warning_line(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("nasdiag: warning: matplotlib found no writable folder"), lines
     assert str(home) in lines[0] and "set MPLCONFIGDIR to a writable folder" in lines[0], lines
     assert any(p.suffix == ".png" for p in (tmp_path / "figs").iterdir())
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_a_report_through_a_symbolic_link_replaces_the_file_it_names_and_keeps_the_link(force, tmp_path, monkeypatch,
+                                                                                          capsys):
+    """``nasdiag report run.h5 --out latest.html`` where latest.html is a link to run3/report.html (a previous page, or
+    with --force any file) replaced the link itself by the page: the link was lost and run3/report.html kept the old
+    page (and ``--out /dev/stdout --force`` run as root would replace the system's /dev/stdout link). As a record written
+    through a link is the file it points to, the page goes to the file the link names; the link stays."""
+    import os
+
+    from nasdiag.cli import main
+    from plot_records import write_record
+
+    monkeypatch.chdir(tmp_path)
+    write_record(tmp_path / "run.h5", epochs=1, steps_per_epoch=4, cells=("normal",))
+    (tmp_path / "run3").mkdir()
+    if force:
+        (tmp_path / "run3" / "report.html").write_text("my own notes\n")
+    else:
+        assert main(["report", "run.h5", "--out", "run3/report.html", "--figures", "arch"]) == 0
+        os.utime(tmp_path / "run3" / "report.html", (1, 1))
+    old = (tmp_path / "run3" / "report.html").read_bytes()
+    os.symlink(os.path.join("run3", "report.html"), tmp_path / "latest.html")
+    capsys.readouterr()
+    argv = ["report", "run.h5", "--out", "latest.html", "--figures", "arch", "--dpi", "20"] + (["--force"] if force else [])
+    assert main(argv) == 0, capsys.readouterr().err
+    assert os.path.islink(tmp_path / "latest.html") and os.readlink(tmp_path / "latest.html") == os.path.join("run3",
+                                                                                                                "report.html")
+    page = (tmp_path / "run3" / "report.html").read_bytes()
+    assert page != old and page.lstrip().lower().startswith(b"<!doctype html"), page[:80]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest.html", "run.h5", "run3"]
+    assert sorted(p.name for p in (tmp_path / "run3").iterdir()) == ["report.html"]

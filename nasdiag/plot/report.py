@@ -427,7 +427,11 @@ def write_report(record_path, out_html, figures: Optional[Sequence[str]] = None,
             before the page replaces it), cannot be made in its folder, or the record has nothing to report.
     """
     check_report_out(checked_record_path(record_path, "write_report"), out_html, force)
-    out = Path(out_html)
+    given = Path(out_html)
+    # through a symbolic link (latest.html -> run3/report.html), the page replaces the file the link names, as a record
+    # written through a link is the file it points to: the link itself was replaced by the page, lost, and the file it
+    # named kept the old page (and --out /dev/stdout with --force, run as root, replaced the /dev/stdout link)
+    out = Path(os.path.realpath(given)) if given.is_symlink() else given
     text = build_report(record_path, figures, dpi)
     missing = [folder for folder in out.parents if not folder.exists()]  # removed again if the page is not written
     # a fresh name ("x": never an existing file), removed on every path where it does not become the page; a page's
@@ -448,7 +452,7 @@ def write_report(record_path, out_html, figures: Optional[Sequence[str]] = None,
         with page as f:
             created = True
             f.write(text)
-        check_report_out(record_path, out, force)  # the build takes a while: the path may have changed
+        check_report_out(record_path, given, force)  # the build takes a while: the path may have changed
         os.replace(tmp, out)
         created, written = False, True
     finally:
@@ -457,4 +461,4 @@ def write_report(record_path, out_html, figures: Optional[Sequence[str]] = None,
         for folder in [] if written else missing:  # innermost first: a name too long left its folders behind
             with contextlib.suppress(OSError):
                 folder.rmdir()
-    return out
+    return given
