@@ -1233,9 +1233,12 @@ def attach(model: nn.Module, edges: Optional[EdgesArg] = None, **options) -> Pro
         path_split: also split each edge's cost by path (:meth:`Probe.path_costs`).
         norm_deviation: measure eps/(var + eps) of the normalizations that make ops invariant.
         hessian: None or one of ``nasdiag.hessian.ARCH_MODES`` (``"approx"``, ``"ggn_mc"``, ``"exact"``, ...); enables :meth:`Probe.hessian`.
+            The curvature is taken in the weights each edge's forward receives: an edge whose forward takes x alone
+            (weights computed inside it) is refused.
         loss_fn: ``loss_fn(outputs, targets) -> scalar`` for :meth:`Probe.hessian` (default: mean cross-entropy).
 
     Raises:
-        ProbeError: no discoverable edge, an edge map naming a module not in the model, a bad option.
+        ProbeError: no discoverable edge, an edge map naming a module not in the model, a bad option, ``hessian=``
+            with an edge whose forward takes no weights.
     """
     return Probe(model, edges, **options)
