@@ -585,6 +585,10 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
         args, unknown = parser.parse_known_args(argv)
     except ConfigError as exc:  # "--out: expected one argument" for --out -x.h5, "required: RECORD" for plot -x.h5
         raise ConfigError(f"{exc}{_typographic_dash(tokens, str(exc)) or _dash_value(tokens, parser)}") from None
+    if unknown and args.command == "plot" and all(_stray_record(u) for u in unknown):
+        # plot a.h5 --out figs b.h5: argparse takes one run of RECORDs only, so b.h5 was "unrecognized arguments"; plot
+        # takes no other argument that is not an option, so each is a record, in the order given
+        args.records, unknown = [*args.records, *unknown], []
     if unknown:
         command = parser.commands.get(args.command, parser)
         empty = ("; an empty argument ('') is often a quoted shell variable that is not set: set it or drop it"
@@ -594,6 +598,15 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
         raise ConfigError(f"{command.prog}: unrecognized arguments: {_join(unknown)} (see {command.prog} --help)"  # quoted:
                           f"{hint}{empty}")  # an empty argument ('') was an invisible nothing
     return args
+
+
+def _stray_record(token: str) -> bool:
+    """Whether ``token``, left over after plot's run of RECORDs, is one more record: not empty (an unset variable) nor an
+    option, also one typed with a typographic dash (—figures, said as such), unless a file is so named."""
+    from nasdiag.search.config import TYPOGRAPHIC_DASHES
+
+    return bool(token.strip()) and not token.startswith("-") and (token[:1] not in TYPOGRAPHIC_DASHES
+                                                                  or os.path.lexists(token))
 
 
 def _typographic_dash(tokens: List[str], message: str, every: bool = False) -> str:

@@ -81,3 +81,21 @@ def test_a_report_through_a_symbolic_link_replaces_the_file_it_names_and_keeps_t
     assert page != old and page.lstrip().lower().startswith(b"<!doctype html"), page[:80]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest.html", "run.h5", "run3"]
     assert sorted(p.name for p in (tmp_path / "run3").iterdir()) == ["report.html"]
+
+
+def test_plot_takes_records_given_after_its_options(tmp_path, monkeypatch, capsys):
+    """``nasdiag plot a.h5 --out figs b.h5`` (a record added at the end of the command) was "unrecognized arguments:
+    b.h5", though RECORD takes several: argparse takes one run of them. plot takes no other argument that is not an
+    option, so each is a record, drawn in the order given, as ``nasdiag plot a.h5 b.h5 --out figs``."""
+    from nasdiag.cli import main
+    from plot_records import write_record
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("a", "b", "c"):
+        write_record(tmp_path / f"{name}.h5", epochs=1, steps_per_epoch=4, cells=("normal",))
+    argv = ["plot", "a.h5", "--out", "figs", "b.h5", "--figures", "arch", "c.h5", "--dpi", "20", "--no-progress"]
+    assert main(argv) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in out[:3]] == ["a.h5", "b.h5", "c.h5"], out
+    assert {"a", "b", "c"} <= {p.name for p in (tmp_path / "figs").iterdir()}
+    assert all(any(p.suffix == ".png" for p in (tmp_path / "figs" / n).iterdir()) for n in "abc")
