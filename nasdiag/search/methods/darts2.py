@@ -50,11 +50,13 @@ class DARTS2(DARTS):
 
     def arch_gradient(self, train_batch: Batch, val_batch: Batch) -> Dict[str, torch.Tensor]:
         """``{cell type: (E, K)}``: the hypergradient of eq 13 the next :meth:`step` would apply to α,
-        computed without changing any state (weights, BatchNorm statistics, optimizers)."""
+        computed without changing any state (weights, BatchNorm statistics, optimizers, the global generators: a
+        supernet with train-mode dropout draws the same masks here and in the next step)."""
         if unrolled.host_checks_allowed():  # as step() does: a wrong batch is one line (its label range is read
             check_batch(self.network, train_batch, "search-train")  # back, which a graph capture must not do)
             check_batch(self.network, val_batch, "search-val")
-        return self._unrolled(train_batch, val_batch).arch_grad
+        with unrolled.random_state_kept():
+            return self._unrolled(train_batch, val_batch).arch_grad
 
     def _unrolled(self, train_batch: Batch, val_batch: Batch, observe_probe: bool = False) -> UnrolledGradient:
         probs = self.probabilities()

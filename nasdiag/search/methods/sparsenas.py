@@ -157,16 +157,18 @@ class SparseNAS(DARTS):
     # -- the A step --------------------------------------------------------------------------------
     def arch_gradient(self, train_batch: Batch, val_batch: Batch) -> Dict[str, torch.Tensor]:
         """``{cell type: (E, K)}`` ∇_A l_val (eq 11): the second-order estimate of eq 13 (or the first-order
-        one), computed without changing any state. The penalty enters through the proximal step, not here."""
+        one), computed without changing any state (the global generators too: a supernet with train-mode dropout draws
+        the same masks here and in the next step). The penalty enters through the proximal step, not here."""
         if unrolled.host_checks_allowed():  # as step() does: a wrong batch is one line (its label range is read
             check_batch(self.network, train_batch, "search-train")  # back, which a graph capture must not do)
             check_batch(self.network, val_batch, "search-val")
         A = self.forward_weights()
-        if self.hp.first_order:  # functional, on copies of the buffers: SearchMethod.cost would move BatchNorm's
-            params = {n: p.detach() for n, p in weight_params(self.network).items()}  # running statistics
-            buffers = {n: b.detach().clone() for n, b in self.network.named_buffers()}
-            return dict(functional_cost(self.network, params, buffers, *val_batch, A).costs)
-        return self._unrolled(train_batch, val_batch, A).arch_grad
+        with unrolled.random_state_kept():
+            if self.hp.first_order:  # functional, on copies of the buffers: SearchMethod.cost would move BatchNorm's
+                params = {n: p.detach() for n, p in weight_params(self.network).items()}  # running statistics
+                buffers = {n: b.detach().clone() for n, b in self.network.named_buffers()}
+                return dict(functional_cost(self.network, params, buffers, *val_batch, A).costs)
+            return self._unrolled(train_batch, val_batch, A).arch_grad
 
     def _unrolled(self, train_batch, val_batch, A, observe_probe: bool = False):
         group = self.w_optimizer.param_groups[0]
