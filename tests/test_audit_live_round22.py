@@ -118,3 +118,28 @@ def test_a_record_replaced_while_it_is_read_is_read_again_not_called_damaged(tmp
     assert replaced
     assert np.array_equal(record["step"], np.arange(3)) and np.array_equal(record["scalars/a"], 10.0 + np.arange(3))
     assert "x/late" not in record
+
+
+def test_time_per_step_counts_the_rows_before_a_segments_first_flush(tmp_path):
+    """A segment is built (and its ``created`` stamped) at its first flush, after its first batch of rows was computed;
+    the report divided the time from there to the last write by every row: 100 rows of 0.05 s each, flush_every=64,
+    were '≈ 0.0248 s' per step. Each segment now carries the time of its first row, and the estimate is within a few
+    percent of the sleep that each row took (a closed form)."""
+    import re
+
+    from nasdiag.plot.report import _seconds_per_step, _segment_attrs
+    from nasdiag.record import Recorder
+    from nasdiag.record.reader import read_segments
+
+    path = tmp_path / "run.h5"
+    per_row = 0.02
+    with Recorder(path, flush_every=64, flush_seconds=None) as rec:  # one batch: written at close
+        for step in range(40):
+            time.sleep(per_row)
+            rec.log(step, {"scalars/train_loss": 1.0})
+    attrs = _segment_attrs(read_segments(path))
+    text = _seconds_per_step({}, attrs)
+    found = re.match(r"≈ (\S+) s ", text or "")
+    assert found, text
+    # sleeps are a lower bound; the loop's own work adds a little (2 busy cores: allow 50 % more)
+    assert per_row * 0.95 <= float(found.group(1)) <= per_row * 1.5, text

@@ -144,18 +144,34 @@ def _seconds_per_step(record, segments: List[Dict]) -> Optional[str]:
             last = _last(record, key)
             if last is not None:
                 return f"{last[1]:.3g} s ({key[len('scalars/'):]}, step {last[0]})"
-    total, steps = 0.0, 0
+    total, steps, legacy = 0.0, 0, False
     for seg in segments:
-        try:  # an aware time: its UTC offset (%z) counts, not the reading machine's zone (time.mktime took it as local)
+        if not seg["rows"]:
+            continue
+        first = seg.get("first_row_time")
+        try:
+            first = float(first) if first is not None else None
+        except (TypeError, ValueError):
+            first = None
+        if first is not None and np.isfinite(first):
+            # from its first row's log to its last write: the time of the rows after the first one
+            total += max(seg["modified"] - first, 0.0)
+            steps += seg["rows"] - 1
+            continue
+        # written before segments had first_row_time: `created` is when the segment was built, at its first flush (its
+        # first batch of rows had been computed before), an aware time whose UTC offset counts (time.mktime took it as
+        # local time of the reading machine)
+        try:
             created = datetime.strptime(str(seg.get("created", "")), "%Y-%m-%dT%H:%M:%S%z").timestamp()
         except ValueError:
             return None
-        if seg["rows"]:
-            total += max(seg["modified"] - created, 0.0)
-            steps += seg["rows"]
+        total += max(seg["modified"] - created, 0.0)
+        steps += seg["rows"]
+        legacy = True
     if steps == 0:
         return None
-    return f"≈ {total / steps:.3g} s (segment creation to its last write, over {steps} rows; includes evaluation and flushes)"
+    span = "segment creation" if legacy else "each segment's first row"
+    return f"≈ {total / steps:.3g} s ({span} to its last write, over {steps} steps; includes evaluation and flushes)"
 
 
 def _table(rows: Sequence[Tuple[str, str]]) -> str:

@@ -321,6 +321,7 @@ class Recorder:
         self._busy = False
         self._failure: str | None = None
         self._last_flush = time.monotonic()
+        self._batch_started = time.time()  # when the first row of the buffered batch was logged (its segment's first row)
         self._flush_listeners: list = []  # see add_flush_listener
         self._digest_weights: dict = {}  # byte weights of the row digest per (path, row bytes)
         self._previous_segments: list[list[int]] = []  # [index, committed rows] of earlier segments
@@ -556,6 +557,8 @@ class Recorder:
         if row is None:
             row = self._validated_row(step, values)
         i = self._rows
+        if i == 0:
+            self._batch_started = time.time()
         self._step_buffer[i] = step
         present = self._present[i]
         present[:] = False  # a row interrupted half-way here (Ctrl-C) left flags that are not this row's
@@ -946,6 +949,9 @@ class Recorder:
         attrs["run_id"] = self._run_id
         attrs["segment"] = np.int64(self._segment_index)
         attrs["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        # the segment is built at its first flush, after its first batch of rows was computed: the time of its first row
+        # (Unix seconds) is where the time its rows took starts (`nasdiag report`'s time per step counted from `created`)
+        attrs["first_row_time"] = np.float64(self._batch_started)
         attrs["host"] = socket.gethostname()
         attrs["pid"] = np.int64(os.getpid())
         attrs[schema.PREVIOUS_ATTR] = json.dumps(self._previous_segments)
