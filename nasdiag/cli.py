@@ -670,6 +670,8 @@ def _refuse_options_before_the_command(tokens: List[str], commands) -> None:
     """``nasdiag --epochs 1 search ...`` was "invalid choice: '1'" and ``nasdiag --no-progress search ...`` said that
     search does not know --no-progress: the options of a command go after its name."""
     first = next((i for i, t in enumerate(tokens) if t in commands), None)
+    if first is None:
+        _refuse_a_command_option_without_the_command(tokens, commands)
     if not first or not tokens[0].startswith("-") or tokens[0] in ("-h", "--help", "--version"):
         return
     command, before = tokens[first], tokens[:first]
@@ -681,6 +683,23 @@ def _refuse_options_before_the_command(tokens: List[str], commands) -> None:
                           f"nasdiag {_join([command, *moved, *tokens[first + 1:]])}")
     raise ConfigError(f"nasdiag: {_join(before)} is given before the command {command}; options go after it: "
                       f"nasdiag {_join([command, *before, *tokens[first + 1:]])}")
+
+
+def _refuse_a_command_option_without_the_command(tokens: List[str], commands) -> None:
+    """``nasdiag --out run.h5`` or ``nasdiag --epochs 1`` (the command forgotten) was "argument command: invalid choice:
+    'run.h5'", as if the value were a misspelt command: say that the option is a command's, and give the command
+    first."""
+    name = tokens[0].split("=", 1)[0] if tokens else ""
+    if not name.startswith("--") or name in ("--help", "--version"):
+        return
+    owners = [c for c, p in commands.items() if name in p._option_string_actions]
+    if not owners:
+        return
+    whose = " and ".join([", ".join(f"nasdiag {c}" for c in owners[:-1]), f"nasdiag {owners[-1]}"] if owners[:-1] else
+                         [f"nasdiag {owners[0]}"])
+    example = "; for example" if len(owners) > 1 else ":"
+    raise ConfigError(f"nasdiag: {name} is an option of {whose}, and no command is given; the command goes first{example} "
+                      f"nasdiag {_join([owners[0], *tokens])}")
 
 
 def _refuse_version_after_the_command(tokens: List[str], commands) -> None:

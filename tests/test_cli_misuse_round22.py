@@ -99,3 +99,22 @@ def test_plot_takes_records_given_after_its_options(tmp_path, monkeypatch, capsy
     assert [line.split(":")[0] for line in out[:3]] == ["a.h5", "b.h5", "c.h5"], out
     assert {"a", "b", "c"} <= {p.name for p in (tmp_path / "figs").iterdir()}
     assert all(any(p.suffix == ".png" for p in (tmp_path / "figs" / n).iterdir()) for n in "abc")
+
+
+@pytest.mark.parametrize("argv,owners", [
+    (["--out", "run.h5"], "nasdiag search, nasdiag plot and nasdiag report"),
+    (["--epochs", "1", "--no-figs"], "nasdiag search"),
+    (["--format=pdf"], "nasdiag plot"),
+])
+def test_an_option_of_a_command_given_without_the_command_says_so(argv, owners, tmp_path, monkeypatch, capsys):
+    """``nasdiag --out run.h5`` or ``nasdiag --epochs 1`` (the command forgotten) was "argument command: invalid choice:
+    'run.h5'" (or '1'), as if the value were a misspelt command. The line says whose option it is and gives the
+    command first."""
+    import shlex
+
+    monkeypatch.chdir(tmp_path)
+    line = refused(argv, tmp_path, f"nasdiag: {argv[0].split('=')[0]} is an option of {owners}, and no command is given",
+                   capsys)
+    assert "invalid choice" not in line, line
+    fixed = shlex.split(line.rsplit(" nasdiag ", 1)[1])
+    assert fixed[1:] == argv and fixed[0] == owners.split(",")[0].split()[1], line
