@@ -1,8 +1,19 @@
 """A twenty-second new user's misuse of the ``nasdiag`` CLI: what rounds 1-21 (test_cli_errors.py,
 test_cli_search_misuse.py, test_cli_plot_misuse.py, test_cli_misuse_round3..21.py) did not cover. ``--hp w_lr=1e-2=3``
 (an ``=`` inside a value) was told it "sets 2 hyperparameters at once" and to pass ``--hp w_lr= --hp 1e-2=3``, a value
-taken for a key and a first setting of no value, itself refused.
+taken for a key and a first setting of no value, itself refused; with no writable home (HOME=/nonexistent of a service
+account) plot, report and a search's figures printed two lines of matplotlib's logger; ``report --out latest.html``
+where latest.html is a link replaced the link by the page (lost) and left the file it names with the old page; ``plot
+a.h5 --out figs b.h5`` was "unrecognized arguments: b.h5"; ``nasdiag --out run.h5`` (the command forgotten) was
+"invalid choice: 'run.h5'", as if a misspelt command.
 Every such mistake is one line on stderr saying what was wrong and what to do, exit code 2, nothing written.
+
+Checked and found right (not repeated as tests): a misspelt command names the one meant; ambiguous prefixes (--e, --data,
+report --f) are refused naming the candidates; --flag=value of a flag; 1e3, 0x10, 1.0, inf, nan, '' for int options; 0
+and negative counts; huge --layers, --seed, hutchinson:<k>; --hp with duplicate keys, empty values, keys of another
+method or of a search option; --device cuda, cuda:7, mps, CUDA, gpu; --out a folder, under a file, /dev/full, a side
+file of a record; report --out -, /dev/null; plot --at in other number forms; methods | head -1, > /dev/full, >&-;
+PYTHONIOENCODING=ascii with non-ASCII paths; LC_ALL=C; HOME unset; ulimit -n 16.
 """
 
 from __future__ import annotations
