@@ -296,8 +296,16 @@ _KILL_POINTS_CHILD = textwrap.dedent("""
     from nasdiag.record import writer
     from nasdiag.search import checkpoint
 
+    # the moments are counted writes: a flush because 10 s passed (a loaded machine) would add writes and move them
+    import time as real_time, types
+    writer.time = types.SimpleNamespace(**{**vars(real_time), "monotonic": lambda: 0.0})  # the rest as it is
+
+    # the search's lazy imports (the data's sklearn, torch._dynamo, the methods), paid once here, not in each fork
+    import sklearn.datasets, torch._dynamo, nasdiag.search.runner, nasdiag.search.methods, nasdiag.hessian
+    import nasdiag.regret, nasdiag.distributed
+
     folder, points = sys.argv[1], [int(k) for k in sys.argv[2].split(",")]
-    SEARCH = ["search", "--epochs", "2", "--C", "4", "--layers", "3", "--steps", "2", "--batch-size", "240",
+    SEARCH = ["search", "--epochs", "2", "--C", "2", "--layers", "3", "--steps", "2", "--batch-size", "240",
               "--diagnostics", "cost", "--threads", "1", "--no-progress", "--no-figs", "--device", "cpu",
               "--dtype", "float64"]
     events, kill_at = [], [0]
