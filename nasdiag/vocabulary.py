@@ -148,7 +148,7 @@ REGRET_NONFINITE = family("regret/<cell>/nonfinite", "(E,)", "bool", "any", "Tru
 
 # -- attention (ASM-NAS) -------------------------------------------------------------------------
 ATTENTION_MEAN = family("attention/<cell>/mean", "(E, K)", "float32", "mean", "Batch-mean attention a per edge and op (eq 4.5), mean over the cells of the type.", section="attention")
-ATTENTION_COUNT = family("attention/<cell>/count", "(E, K)", "int64", "same", "Per-sample argmax counts of the attention over the whole validation set (Algorithm 1 selection); every rank counts all of it.", when="epoch", section="attention")
+ATTENTION_COUNT = family("attention/<cell>/count", "(E, K)", "int64", "same", "Per-sample argmax counts of the attention over the whole validation set (Algorithm 1 selection), summed over the cells of the type: each edge's K counts add up to the validation samples × the cells of the type (the samples whose attention held a NaN count for none); every rank counts all of it.", when="epoch", section="attention")
 
 # -- sparsity (SparseNAS) ------------------------------------------------------------------------
 SPARSITY_NONZERO = family("sparsity/<cell>/nonzero", "(E, K)", "bool", "same", "Ops whose linear mixing weight A is non-zero after the proximal step (eq 9-10).", section="sparsity")
