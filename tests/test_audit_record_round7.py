@@ -206,7 +206,7 @@ def test_a_figure_killed_mid_write_leaves_no_truncated_file_under_its_name(tmp_p
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and sorted(os.listdir(path.parent)) == [path.name]
 
 
-_SEARCH = ["--epochs", "2", "--C", "4", "--layers", "3", "--steps", "2", "--batch-size", "240", "--diagnostics", "cost",
+_SEARCH = ["--epochs", "2", "--C", "2", "--layers", "3", "--steps", "2", "--batch-size", "240", "--diagnostics", "cost",
            "--threads", "1", "--no-progress", "--no-figs", "--device", "cpu", "--dtype", "float64"]
 
 
