@@ -276,13 +276,16 @@ def named_as_figures(folder, fmt: str, cells=()) -> List[Path]:
 
 
 def foreign_figures(folder, fmt: str, cells=()) -> List[Path]:
-    """The files in ``folder`` named as a figure nasdiag draws there (`named_as_figures`) that nasdiag did not draw:
-    drawing would replace them; and a folder so named, which no figure can replace (a search ran to its end, then failed
-    "Is a directory" naming a hidden temporary file, as plot did)."""
+    """The entries in ``folder`` named as a figure nasdiag draws there (`named_as_figures`) that are not a figure nasdiag
+    drew: a file drawing would replace; a folder so named, which no figure can replace (a search ran to its end, then
+    failed "Is a directory" naming a hidden temporary file, as plot did); anything else that is not a regular file (a
+    pipe, a device). A symbolic link is judged by what it names, as a figure is written through it (`registry.save`): a
+    link to a folder, or a link to nothing (as ``report --out``), is refused too; the new figure replaced each such link
+    by a file, and the link was lost."""
     from nasdiag.plot.registry import is_nasdiag_figure
 
     return [p for p in named_as_figures(folder, fmt, cells) if
-            p.is_dir() and not p.is_symlink() or p.is_file() and not is_nasdiag_figure(p)]
+            (p.is_symlink() and not p.exists()) or p.exists() and not (p.is_file() and is_nasdiag_figure(p))]
 
 
 def refuse_foreign_figures(folder, fmt: str, option: str, cells=(), instead: Optional[str] = None) -> None:
@@ -292,8 +295,8 @@ def refuse_foreign_figures(folder, fmt: str, option: str, cells=(), instead: Opt
 
     foreign = foreign_figures(folder, fmt, cells)
     if foreign:
-        shown = ", ".join(p.name + "/" * p.is_dir() for p in foreign[:3]) + (f" and {len(foreign) - 3} more" if
-                                                                              len(foreign) > 3 else "")
+        shown = ", ".join(p.name + ("/" if p.is_dir() else "" if p.exists() else " (a symbolic link to nothing)")
+                          for p in foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         raise PlotError(f"{option} {folder} holds {shown}, named as a figure but not drawn by nasdiag, which drawing would "
                         f"replace; move {'it' if len(foreign) == 1 else 'them'} away or {instead or 'give another ' + option}")
 

@@ -561,8 +561,15 @@ def is_nasdiag_figure(path) -> bool:
 def save(fig, path: Path, dpi: int) -> None:
     """Write ``fig`` to ``path`` (format from the suffix) and close it; the same figure gives the same bytes.
 
-    The file is written as ``.<name>.tmp`` next to it and renamed: a process killed mid-write (a search killed
-    while it drew its figures) left a truncated figure under the figure's own name."""
+    The file is written under a fresh hidden name next to the file it replaces (``.<pid>.<random>.<name>.tmp``,
+    created exclusively), flushed to disk (``os.fsync``) and renamed over it, so a reader never sees a half-written
+    figure: a process killed mid-write (a search killed while it drew its figures) left a truncated figure under the
+    figure's own name; the one fixed name ``.<name>.tmp`` let two plots into one folder write into the same file, and
+    a symbolic link of that name had the figure written into the file it named. A ``path`` that is a symbolic link is
+    written through, as a record or a report: the figure replaces the file the link names, and the link stays (it was
+    replaced by the new figure, lost, and its file kept the old one)."""
+    import secrets
+
     import matplotlib
     import matplotlib.pyplot as plt
 
@@ -570,21 +577,56 @@ def save(fig, path: Path, dpi: int) -> None:
 
     path = Path(path)
     fmt = path.suffix.lstrip(".").lower()
-    tmp = path.with_name(f".{path.name}.tmp")
+    target = Path(os.path.realpath(path)) if path.is_symlink() else path
+    stem = target.name if len(os.fsencode(target.name)) <= 200 else f"figure.{fmt}"  # a long name: no "too long"
+    tmp = target.with_name(f".{os.getpid()}.{secrets.token_hex(4)}.{stem}.tmp")  # ends as the name: a figure's .tmp
     # the fonts of the paper style are read when the file is written, not when the figure is drawn: saved outside
     # `paper_style`, a PDF got Type 3 fonts (refused by IEEE's and ACM's checks) and an SVG its text as paths
     fonts = {key: RC[key] for key in _FILE_FONTS}
+    created = False
     try:
-        with matplotlib.rc_context({**_REPRODUCIBLE_RC, **fonts}):
-            fig.savefig(tmp, format=fmt, dpi=dpi, bbox_inches="tight", pad_inches=0.04,
-                        metadata=_METADATA.get(fmt))
-        os.replace(tmp, path)
+        with open(tmp, "xb") as fh:  # "x": never an existing file (nor one a link of that name points to)
+            created = True
+            with matplotlib.rc_context({**_REPRODUCIBLE_RC, **fonts}):
+                fig.savefig(fh, format=fmt, dpi=dpi, bbox_inches="tight", pad_inches=0.04,
+                            metadata=_METADATA.get(fmt))
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
+        created = False
     except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        if created:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
         raise
     finally:
         plt.close(fig)
+    _remove_stale_temporaries(target, stem)
+
+
+def _remove_stale_temporaries(target: Path, stem: str) -> None:
+    """Remove the temporary files of `save` for ``target`` that a process killed mid-write left
+    (``.<pid>.<random>.<stem>.tmp`` of a process no longer running; the one fixed name of before was reused); one of a
+    plot still running is kept."""
+    pattern = re.compile(rf"\.([0-9]+)\.[0-9a-f]{{8}}\.{re.escape(stem)}\.tmp")
+    try:
+        names = os.listdir(target.parent)
+    except OSError:
+        return
+    for name in names:
+        match = pattern.fullmatch(name)
+        if match is None or int(match.group(1)) == os.getpid():
+            continue
+        try:
+            os.kill(int(match.group(1)), 0)
+            continue  # running: its figure is being written
+        except ProcessLookupError:
+            pass
+        except (OSError, OverflowError):
+            continue  # another user's process, or no such pid number: not ours to judge
+        with contextlib.suppress(OSError):
+            if not os.path.islink(target.parent / name) and os.path.isfile(target.parent / name):
+                os.unlink(target.parent / name)
 
 
 def check_output(fmt: str, dpi) -> None:
