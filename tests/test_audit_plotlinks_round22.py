@@ -163,3 +163,45 @@ def test_a_figure_is_synced_to_disk_before_it_replaces_the_old_one(fmt, tmp_path
     synced = [e for e in events[:events.index(renames[0])] if e[0] == "fsync" and e[1] == renames[0][1]]
     assert synced and synced[-1][2] == renames[0][2] == path.stat().st_size > 100, events
     assert os.listdir(tmp_path) == [path.name]
+
+
+def _without_root_override():
+    """The command prefix that runs a process unable to bypass file permissions: none for a user, ``setpriv`` without
+    CAP_DAC_OVERRIDE for root (root writes into a read-only folder)."""
+    import shutil
+
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:
+        pytest.skip("root needs setpriv to drop CAP_DAC_OVERRIDE")
+    return ["setpriv", "--bounding-set", "-dac_override,-dac_read_search,-fowner"]
+
+
+@pytest.mark.parametrize("through_a_link", [False, True])
+def test_a_read_only_figure_folder_is_one_line_naming_the_folder_not_a_temporary_file(through_a_link, record, tmp_path):
+    """``nasdiag plot --out figs`` into a read-only folder (or through a link into one) said "location is read-only or
+    not writable (Permission denied) (figs/.scalars.png.tmp)": a hidden temporary file of nasdiag's own named as the
+    problem, and nothing to do. One line names the figure and its folder and says what to do; exit 2, nothing left."""
+    import subprocess
+    import sys
+
+    figs, folder = tmp_path / "figs", tmp_path / ("shared" if through_a_link else "figs")
+    folder.mkdir(exist_ok=True)
+    if through_a_link:
+        figs.mkdir()
+        (figs / "scalars.png").symlink_to(folder / "scalars.png")
+        from nasdiag.cli import main
+
+        assert main(["plot", str(record), "--out", str(folder), *FIGURE]) == 0
+    os.chmod(folder, 0o555)
+    try:
+        done = subprocess.run([*_without_root_override(), sys.executable, "-m", "nasdiag", "plot", str(record), "--out",
+                               str(figs), *FIGURE], capture_output=True, text=True, timeout=120,
+                              env=dict(os.environ, MPLBACKEND="Agg"))
+    finally:
+        os.chmod(folder, 0o755)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert f"cannot write the figure {folder / 'scalars.png'}" in lines[0] and ".tmp" not in lines[0], lines[0]
+    assert "not writable" in lines[0] and "a folder where files can be written" in lines[0], lines[0]
+    assert sorted(os.listdir(folder)) == ([] if not through_a_link else ["scalars.png"])

@@ -583,10 +583,18 @@ def save(fig, path: Path, dpi: int) -> None:
     # the fonts of the paper style are read when the file is written, not when the figure is drawn: saved outside
     # `paper_style`, a PDF got Type 3 fonts (refused by IEEE's and ACM's checks) and an SVG its text as paths
     fonts = {key: RC[key] for key in _FILE_FONTS}
-    created = False
+    try:  # "x": never an existing file (nor one a link of that name points to)
+        fh = open(tmp, "xb")
+    except OSError as exc:  # a read-only folder was "... not writable (Permission denied) (<folder>/.123.ab12cd34.x.png.tmp)"
+        from nasdiag.record.lock import describe_os_error
+
+        plt.close(fig)
+        through = f" (the file {path} links to)" if target != path else ""
+        raise PlotError(f"cannot write the figure {target}{through}: {describe_os_error(exc)} in {target.parent}; draw "
+                        f"the figures into a folder where files can be written") from None
+    created = True
     try:
-        with open(tmp, "xb") as fh:  # "x": never an existing file (nor one a link of that name points to)
-            created = True
+        with fh:
             with matplotlib.rc_context({**_REPRODUCIBLE_RC, **fonts}):
                 fig.savefig(fh, format=fmt, dpi=dpi, bbox_inches="tight", pad_inches=0.04,
                             metadata=_METADATA.get(fmt))
