@@ -205,3 +205,22 @@ def test_a_read_only_figure_folder_is_one_line_naming_the_folder_not_a_temporary
     assert f"cannot write the figure {folder / 'scalars.png'}" in lines[0] and ".tmp" not in lines[0], lines[0]
     assert "not writable" in lines[0] and "a folder where files can be written" in lines[0], lines[0]
     assert sorted(os.listdir(folder)) == ([] if not through_a_link else ["scalars.png"])
+
+
+def test_search_force_keeps_a_link_named_as_a_figure_it_does_not_draw(record, tmp_path):
+    """``nasdiag search --force --figs figs`` removes the figures the replaced run drew that the new one does not (an
+    XNAS run's regret_bound.png replaced by a DARTS run). A link ``figs/regret_bound.png`` to a figure kept elsewhere
+    (no file the replaced run drew) was removed too, the link lost; as the figures of a run replaced into another
+    folder, only regular files that hold nasdiag's mark go."""
+    from nasdiag.cli import main
+    from nasdiag.search.runner import _remove_replaced_figures
+
+    assert main(["plot", str(record), "--out", str(tmp_path / "kept"), *FIGURE]) == 0
+    figs = tmp_path / "figs"
+    assert main(["plot", str(record), "--out", str(figs), *FIGURE]) == 0
+    os.rename(figs / "scalars.png", figs / "wipeouts.png")  # a figure of the replaced run this one does not draw
+    (figs / "regret_bound.png").symlink_to(tmp_path / "kept" / "scalars.png")
+    (figs / "scalars.png").write_bytes((tmp_path / "kept" / "scalars.png").read_bytes())  # this run's
+    _remove_replaced_figures(str(figs), [str(figs / "scalars.png")], str(record))
+    assert sorted(os.listdir(figs)) == ["regret_bound.png", "scalars.png"]
+    assert os.readlink(figs / "regret_bound.png") == str(tmp_path / "kept" / "scalars.png")

@@ -781,15 +781,20 @@ def _draw_figures(config: SearchConfig) -> List[str]:
 def _remove_replaced_figures(folder: str, written: Sequence[str], record: str) -> None:
     """``force`` replaces a run and the leftover files of its run: the figures the replaced run drew into this folder
     that this one does not draw (the regret and wipeout figures of an XNAS run replaced by a DARTS run) stayed next to
-    the new ones, as if this run had drawn them. Only files named as a registered figure (png) are removed."""
-    from nasdiag.plot.registry import registered
+    the new ones, as if this run had drawn them. Only figures nasdiag drew (files named as a registered figure (png) that
+    hold its mark) are removed, as by `_remove_figures_drawn_in`: a symbolic link of such a name (to a figure kept
+    elsewhere) was removed too, and the link was lost."""
+    from nasdiag.plot.registry import is_nasdiag_figure, registered
     from nasdiag.record import load_meta
 
     cells = {None, "normal", "reduce", *load_meta(record).get("cell_types", [])}
     names = {spec.filename(cell) + ".png" for spec in registered().values() for cell in cells}
     for name in sorted(names - {os.path.basename(p) for p in written}):
+        path = os.path.join(folder, name)
+        if os.path.islink(path) or not os.path.isfile(path) or not is_nasdiag_figure(path):
+            continue
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(folder, name))
+            os.unlink(path)
 
 
 def lost_a_rank(exc: BaseException) -> bool:
