@@ -11,11 +11,15 @@ check before anything is drawn):
   into the file it named (any file of the user's, outside the figure folder), and two plots into one folder wrote into
   the same temporary file; and the figure was renamed into place unsynced (a crash after the rename could leave an
   empty figure under its name). Now a fresh name created exclusively, ``os.fsync`` before ``os.replace``, as the
-  checkpoint writer does.
+  checkpoint writer does; ``nasdiag report`` now syncs its page before the rename too;
+- a read-only figure folder (or a link into one) was "location is read-only ... (figs/.scalars.png.tmp)", naming
+  nasdiag's hidden temporary file and nothing to do: now one line naming the figure, its folder and what to do;
+- ``search --force`` removed a link named as a figure the new run does not draw (to a figure kept elsewhere): the link
+  was lost; now only regular files holding nasdiag's mark are removed.
 
 Checked and right (not repeated here): --out a link to a folder (drawn into that folder, the link kept); --out a link
-to a file (one line, exit 2); a figure name that is a folder (refused, round 16); report --out a link to a folder, to
-nothing (refused: "is a folder", "not a regular file").
+to a file (one line, exit 2); a figure name that is a folder (refused, round 19); report --out a link to a folder, to
+nothing (refused: "is a folder", "not a regular file"); a read-only --out's missing subfolder (one line, exit 2).
 """
 
 from __future__ import annotations
@@ -224,3 +228,30 @@ def test_search_force_keeps_a_link_named_as_a_figure_it_does_not_draw(record, tm
     _remove_replaced_figures(str(figs), [str(figs / "scalars.png")], str(record))
     assert sorted(os.listdir(figs)) == ["regret_bound.png", "scalars.png"]
     assert os.readlink(figs / "regret_bound.png") == str(tmp_path / "kept" / "scalars.png")
+
+
+def test_a_report_is_synced_to_disk_before_it_replaces_the_old_page(record, tmp_path, monkeypatch):
+    """``nasdiag report`` renamed its page over the old one unsynced (the figures and checkpoints are synced first): after
+    a power loss report.html could be empty, the old page gone. The whole page is ``os.fsync``-ed, then renamed."""
+    from nasdiag.plot.report import write_report
+
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"), os.fstat(fd).st_size))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", os.path.abspath(src), os.path.getsize(src), os.path.abspath(dst)))
+        return real_replace(src, dst)
+
+    out = tmp_path / "report.html"
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    write_report(record, out, figures=["arch"], dpi=20)
+    monkeypatch.undo()
+    renames = [e for e in events if e[0] == "replace" and e[3] == str(out)]
+    assert len(renames) == 1, events
+    synced = [e for e in events[:events.index(renames[0])] if e[0] == "fsync" and e[1] == renames[0][1]]
+    assert synced and synced[-1][2] == renames[0][2] == out.stat().st_size > 1000, events

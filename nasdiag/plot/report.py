@@ -468,6 +468,8 @@ def write_report(record_path, out_html, figures: Optional[Sequence[str]] = None,
         with page as f:
             created = True
             f.write(text)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before it replaces the old page, as a figure and a checkpoint
         check_report_out(record_path, given, force)  # the build takes a while: the path may have changed
         os.replace(tmp, out)
         created, written = False, True
