@@ -238,7 +238,8 @@ class XNAS(SearchMethod):
                 raise SearchError(f"every op of a {t} edge was wiped out at xnas step {self.rounds_played}")
             stats.update(self._regret_statistics(t, f, wiped, rewards))
             stats[V.REGRET_NONFINITE.path(cell=t)] = nonfinite
-        stats["scalars/reward_clip_fraction"] = torch.tensor(clipped / max(counted, 1), dtype=torch.float64)
+        # no finite reward of an alive expert (every edge flagged nonfinite): 0/0 is NaN, not the 0 of "nothing clipped"
+        stats["scalars/reward_clip_fraction"] = torch.tensor(clipped / counted if counted else math.nan, dtype=torch.float64)
         stats.update(self.arch_statistics(u))
         return stats
 
