@@ -11,6 +11,7 @@ Found and fixed:
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -73,3 +74,59 @@ def test_xnas_clip_fraction_of_a_step_without_a_finite_reward_is_nan_and_flagged
     record = load(str(path))
     assert np.isnan(record["scalars/reward_clip_fraction"][1]) and np.isfinite(record["scalars/reward_clip_fraction"][[0, 2]]).all()
     assert load_meta(str(path))["nonfinite_counts"]["scalars/reward_clip_fraction"] == 1
+
+
+# --- plot: the killed writers' temporaries are looked for once per drawing pass --------------------------------
+
+def _dead_pid():
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+@pytest.mark.parametrize("how", ["draw_record", "write_comparison"])
+def test_stale_figure_temporaries_are_looked_for_once_per_drawing_pass(tmp_path, monkeypatch, how):
+    """Every figure written listed the whole figure folder again to find the temporaries of killed writers (15 listings
+    for a search's figures). One drawing pass of two figures now lists it once, and removes just what it removed before:
+    the temporaries of the drawn figures whose process is gone, not one of a live process, not one of a figure the pass
+    did not draw, not a link named as one."""
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from plot_records import write_record
+
+    from nasdiag.plot.registry import draw_record, write_comparison
+    from nasdiag.record import load
+
+    record = load(write_record(tmp_path / "run.h5", epochs=1, steps_per_epoch=4, cells=("normal",)))
+    out = tmp_path / "figs"
+    out.mkdir()
+    dead, live = _dead_pid(), os.getppid()
+    stale = [f".{dead}.0123abcd.arch_normal_heatmap_init.png.tmp", f".{dead}.89abcdef.arch_normal_heatmap_final.png.tmp"]
+    kept = [f".{live}.0123abcd.arch_normal_heatmap_init.png.tmp", f".{dead}.0123abcd.scalars.png.tmp"]
+    for name in stale + kept:
+        (out / name).write_bytes(b"half a figure")
+    (tmp_path / "notes.txt").write_text("mine")
+    (out / f".{dead}.feedbeef.arch_normal_heatmap_final.png.tmp").symlink_to(tmp_path / "notes.txt")
+    kept.append(f".{dead}.feedbeef.arch_normal_heatmap_final.png.tmp")
+    listed = []
+    real = os.listdir
+
+    def listdir(path="."):
+        if os.path.realpath(path) == os.path.realpath(out):
+            listed.append(path)
+        return real(path)
+
+    monkeypatch.setattr(os, "listdir", listdir)
+    if how == "draw_record":
+        files = draw_record(record, out, "png", "arch", "init,final", 30).files
+    else:
+        files = write_comparison({"a": record, "b": record}, out, "png", "arch", "init,final", 30).files
+    monkeypatch.undo()
+    assert sorted(f.name for f in files) == ["arch_normal_heatmap_final.png", "arch_normal_heatmap_init.png"]
+    assert len(listed) == 1, listed
+    assert sorted(real(out)) == sorted(kept + [f.name for f in files])
+    assert (tmp_path / "notes.txt").read_text() == "mine"

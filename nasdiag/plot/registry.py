@@ -561,6 +561,16 @@ def is_nasdiag_figure(path) -> bool:
 def save(fig, path: Path, dpi: int) -> None:
     """Write ``fig`` to ``path`` (format from the suffix) and close it; the same figure gives the same bytes.
 
+    As `_write_figure` (below), then the temporaries of this figure that killed processes left are removed (a drawing
+    pass of one figure; `draw_record` and `write_comparison` remove those of all their figures once, after the pass)."""
+    folder, name = _write_figure(fig, path, dpi)
+    _remove_stale_temporaries({folder: {name}})
+
+
+def _write_figure(fig, path: Path, dpi: int) -> Tuple[Path, str]:
+    """Write ``fig`` to ``path`` (format from the suffix) and close it; the same figure gives the same bytes. Returns
+    the folder the file was written in and the name its temporaries carry (`_remove_stale_temporaries`).
+
     The file is written under a fresh hidden name next to the file it replaces (``.<pid>.<random>.<name>.tmp``,
     created exclusively), flushed to disk (``os.fsync``) and renamed over it, so a reader never sees a half-written
     figure: a process killed mid-write (a search killed while it drew its figures) left a truncated figure under the
@@ -609,32 +619,37 @@ def save(fig, path: Path, dpi: int) -> None:
         raise
     finally:
         plt.close(fig)
-    _remove_stale_temporaries(target, stem)
+    return target.parent, stem
 
 
-def _remove_stale_temporaries(target: Path, stem: str) -> None:
-    """Remove the temporary files of `save` for ``target`` that a process killed mid-write left
-    (``.<pid>.<random>.<stem>.tmp`` of a process no longer running; the one fixed name of before was reused); one of a
-    plot still running is kept."""
-    pattern = re.compile(rf"\.([0-9]+)\.[0-9a-f]{{8}}\.{re.escape(stem)}\.tmp")
-    try:
-        names = os.listdir(target.parent)
-    except OSError:
-        return
-    for name in names:
-        match = pattern.fullmatch(name)
-        if match is None or int(match.group(1)) == os.getpid():
-            continue
+#: a temporary figure of `_write_figure`: ``.<pid>.<8 hex digits>.<figure file name>.tmp``
+_TEMPORARY = re.compile(r"\.([0-9]+)\.[0-9a-f]{8}\.(.+)\.tmp")
+
+
+def _remove_stale_temporaries(written: Mapping[Path, set]) -> None:
+    """Remove the temporary files of `_write_figure` that a process killed mid-write left for the figures of a drawing
+    pass (``written``: ``{folder: {figure file name}}``, as `_write_figure` returns them): ``.<pid>.<random>.<name>.tmp``
+    of a process no longer running (the one fixed name of before was reused); one of a plot still running is kept, and
+    so is a temporary of a figure the pass did not write. Each folder is listed once per pass (it was once per figure)."""
+    for folder, stems in written.items():
         try:
-            os.kill(int(match.group(1)), 0)
-            continue  # running: its figure is being written
-        except ProcessLookupError:
-            pass
-        except (OSError, OverflowError):
-            continue  # another user's process, or no such pid number: not ours to judge
-        with contextlib.suppress(OSError):
-            if not os.path.islink(target.parent / name) and os.path.isfile(target.parent / name):
-                os.unlink(target.parent / name)
+            names = os.listdir(folder)
+        except OSError:
+            continue
+        for name in names:
+            match = _TEMPORARY.fullmatch(name)
+            if match is None or match.group(2) not in stems or int(match.group(1)) == os.getpid():
+                continue
+            try:
+                os.kill(int(match.group(1)), 0)
+                continue  # running: its figure is being written
+            except ProcessLookupError:
+                pass
+            except (OSError, OverflowError):
+                continue  # another user's process, or no such pid number: not ours to judge
+            with contextlib.suppress(OSError):
+                if not os.path.islink(folder / name) and os.path.isfile(folder / name):
+                    os.unlink(folder / name)
 
 
 def check_output(fmt: str, dpi) -> None:
@@ -663,20 +678,25 @@ def draw_record(record: Record, out_dir, fmt: str = "png", figures: Optional[Seq
     out.mkdir(parents=True, exist_ok=True)
     drawn = Drawn()
     tried: Dict[str, FigureSpec] = {}
-    for spec, cell, label, thunk in iter_figures(record, figures, at):
-        tried[spec.name] = spec
-        stem = spec.filename(cell) + (f"_{label}" if label else "")
-        try:
-            with warnings.catch_warnings(), paper_style():
-                warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN slices are reported, not warned
-                fig = thunk()
-        except NothingToDraw as exc:
-            drawn.skipped.append(f"{stem}: {exc}")
-            continue
-        path = out / f"{stem}.{fmt}"
-        save(fig, path, dpi)
-        drawn.files.append(path)
-        drawn.specs[path] = spec
+    written: Dict[Path, set] = {}  # {folder: {figure file}}: their killed writers' temporaries are removed once, at the end
+    try:
+        for spec, cell, label, thunk in iter_figures(record, figures, at):
+            tried[spec.name] = spec
+            stem = spec.filename(cell) + (f"_{label}" if label else "")
+            try:
+                with warnings.catch_warnings(), paper_style():
+                    warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN slices are reported, not warned
+                    fig = thunk()
+            except NothingToDraw as exc:
+                drawn.skipped.append(f"{stem}: {exc}")
+                continue
+            path = out / f"{stem}.{fmt}"
+            folder, name = _write_figure(fig, path, dpi)
+            written.setdefault(folder, set()).add(name)
+            drawn.files.append(path)
+            drawn.specs[path] = spec
+    finally:
+        _remove_stale_temporaries(written)
     drawn.nonfinite = family_nonfinite(record, list(tried.values()))
     if figures is None:  # every figure was tried: say what was left out of them
         drawn.skipped += malformed_lines(record, drawn.skipped)
@@ -734,8 +754,6 @@ def write_comparison(records: Mapping[str, Record], out_dir, fmt: str = "png", f
     Args:
         records: ``{run label: record dict}`` in display order.
     """
-    from nasdiag.plot.style import paper_style, render_heatmaps
-
     check_output(fmt, dpi)
     ats = parse_at(at) or ["final"]
     for label, record in records.items():
@@ -746,6 +764,18 @@ def write_comparison(records: Mapping[str, Record], out_dir, fmt: str = "png", f
     out = Path(out_dir)
     drawn = Drawn()
     records = {label: without_malformed(record) for label, record in records.items()}
+    written: Dict[Path, set] = {}  # {folder: {figure file}}: their killed writers' temporaries are removed once, at the end
+    try:
+        _compare(records, out, fmt, figures, at, ats, dpi, drawn, written)
+    finally:
+        _remove_stale_temporaries(written)
+    return drawn
+
+
+def _compare(records, out: Path, fmt: str, figures, at, ats, dpi, drawn: Drawn, written: Dict[Path, set]) -> None:
+    """The drawing pass of `write_comparison`: its figures into ``drawn``, their folders and names into ``written``."""
+    from nasdiag.plot.style import paper_style, render_heatmaps
+
     for spec in select(figures):
         if not spec.is_heatmap:
             continue
@@ -773,7 +803,7 @@ def write_comparison(records: Mapping[str, Record], out_dir, fmt: str = "png", f
                 except NothingToDraw as exc:
                     drawn.skipped.append(f"{stem}: {exc}")
                     continue
-                save(fig, path, dpi)
+                folder, name = _write_figure(fig, path, dpi)
+                written.setdefault(folder, set()).add(name)
                 drawn.files.append(path)
                 drawn.specs[path] = spec
-    return drawn
