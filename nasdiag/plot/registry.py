@@ -401,14 +401,13 @@ def no_rows(record_path, nothing: str) -> "PlotError":
     """The error for a record of no committed row (``nothing``: "nothing to plot"): its writer is at its first steps (it
     holds the lock), or stopped before recording any (killed: its lock file is left, held by none), which "no committed
     rows yet" made look like a run still starting."""
-    from nasdiag.record.lock import LOCK_TABLE, live_holder
-    from nasdiag.record.schema import lock_path
+    from nasdiag.record.lock import read_lock
 
-    holder = live_holder(os.fspath(record_path))
-    if holder is not None:
-        return PlotError(f"record {record_path} has no committed rows yet: its writer ({holder}) has recorded none so far; "
-                         f"{nothing} now, run the command again in a while")
-    if os.path.exists(lock_path(os.fspath(record_path))) and os.path.exists(LOCK_TABLE):
+    state = read_lock(os.fspath(record_path))  # once: a second read could see another writer
+    if state.held:
+        return PlotError(f"record {record_path} has no committed rows yet: its writer ({state.description}) has recorded "
+                         f"none so far; {nothing} now, run the command again in a while")
+    if state.held is False:  # a lock file the kernel's table lists no lock on
         return PlotError(f"record {record_path} holds no row: its writer stopped (killed) before it recorded any, leaving its "
                          f"lock file; {nothing}. A nasdiag search continues it with --resume and the options it was started "
                          "with, or starts it again with --force")

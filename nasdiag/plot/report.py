@@ -187,26 +187,20 @@ def _code(value) -> str:
 def _live_note(record_path) -> str:
     """The page's note on the record's writer: one that holds the lock is writing it now; a lock file no writer holds
     is a writer that stopped without closing the record (killed, crashed: "still writing, or crashed" said of such a
-    record left a reader waiting for rows that never come); none where no lock file is left (closed cleanly)."""
-    from nasdiag.record.lock import live_holder
+    record left a reader waiting for rows that never come); none where no lock file is left (closed cleanly). The lock
+    is read once (`read_lock`): two reads could disagree when the writer changed between them."""
+    from nasdiag.record.lock import read_lock
     from nasdiag.record.reader import writer_gone
-    from nasdiag.record.schema import lock_path
 
     path = os.fspath(record_path)
-    lock = lock_path(path)
-    if not os.path.exists(lock):
+    state = read_lock(path)
+    if not state.present:
         return ""
-    holder = live_holder(path)
-    if holder is not None:
-        return (f'<p class="note">A writer ({html.escape(holder)}) is still writing this record: this page shows the rows '
-                "committed so far.</p>")
-    try:
-        written = json.loads(Path(lock).read_text() or "{}")
-    except (OSError, ValueError):
-        written = {}
-    who = ", ".join(f"{k} {v}" for k, v in written.items()) if isinstance(written, dict) else ""
-    who = who or "unknown writer"
-    if writer_gone(path):  # the kernel's table lists no lock on it, and its writer was on this host
+    if state.held:
+        return (f'<p class="note">A writer ({html.escape(state.description)}) is still writing this record: this page '
+                "shows the rows committed so far.</p>")
+    who = ", ".join(f"{k} {v}" for k, v in (state.holder or {}).items()) or "unknown writer"
+    if writer_gone(path, state):  # the kernel's table lists no lock on it, and its writer was on this host
         return (f'<p class="note">The writer of this record ({html.escape(who)}) stopped without closing it (killed or '
                 "crashed; its lock file is left): this page shows the rows it committed, and no more will come unless "
                 "the run is resumed (nasdiag search --resume).</p>")

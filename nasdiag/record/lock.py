@@ -31,36 +31,95 @@ def describe_os_error(err: OSError) -> str:
     return os.strerror(err.errno) if err.errno else str(err)
 
 
-def live_holder(record: str):
-    """Who holds the writer lock of ``record`` (``pid 123 on host since ...``), read from the kernel's table of locks
-    (/proc/locks on Linux, so that no lock is taken to look: a writer starting then would be refused), else None: no
-    lock held (a lock file left by a writer that died holds none), or no such table (`LOCK_TABLE`)."""
+class LockState:
+    """What the lock file of a record says, read once (`read_lock`), so that the questions asked of it (`live_holder`,
+    `nasdiag.record.reader.writer_gone`, whether a reader waits for a live writer, a report's note) are answered from
+    one reading and cannot disagree when the writer changes between two reads.
+
+    Attributes:
+        present: the lock file is there (a writer lives, or one stopped without closing the record).
+        holder: the writer's description it holds (``{"pid", "host", "since"}``), or None where it holds none that
+            can be read (empty or half written: a writer has just taken the lock; not JSON; unreadable).
+        held: whether the kernel's table of locks (`LOCK_TABLE`) lists a lock on the file: True (a writer holds it),
+            False (none does: its writer died), None (it cannot be told: no lock file, or no table).
+    """
+
+    __slots__ = ("present", "holder", "held")
+
+    def __init__(self, present: bool, holder, held):
+        self.present = present
+        self.holder = holder
+        self.held = held
+
+    @property
+    def description(self) -> str:
+        """``pid 123 on host since 2026-01-01T00:00:00``, or ``holder unknown``."""
+        if self.holder is None or self.holder.get("pid") is None:
+            return "holder unknown"
+        return f"pid {self.holder.get('pid')} on {self.holder.get('host')} since {self.holder.get('since')}"
+
+    @property
+    def on_this_host(self) -> bool:
+        """Whether the writer it names is of this host (one that names no host is taken as of this host)."""
+        return (self.holder or {}).get("host", socket.gethostname()) == socket.gethostname()
+
+    def __repr__(self) -> str:
+        return f"LockState(present={self.present}, holder={self.holder!r}, held={self.held})"
+
+
+def read_lock(record: str) -> LockState:
+    """Read the lock file of ``record`` (`schema.lock_path`) and the kernel's table of locks once: the one reading of
+    the lock that every question about a record's writer is answered from (see `LockState`).
+
+    Whether a lock is held is read from the kernel's table (/proc/locks on Linux), so that no lock is taken to look (a
+    writer starting then would be refused). The file's inode alone is compared there (with any lock kind): the
+    device of a file may be written otherwise in the table than ``os.stat`` gives it (btrfs subvolumes, some network
+    and overlay file systems), and a flock on NFS is listed as a POSIX lock. The description and the inode are read
+    through one open file, so they are of the same file."""
     from nasdiag.record.schema import lock_path
 
     lock = lock_path(record)
+    holder = None
     try:
-        st = os.stat(lock)
+        with open(lock, "rb") as fh:
+            inode = os.fstat(fh.fileno()).st_ino
+            text = fh.read()
+    except FileNotFoundError:
+        return LockState(False, None, None)
+    except OSError:  # there, but not readable: its inode still tells whether a writer holds it
+        try:
+            inode = os.stat(lock).st_ino
+        except OSError:
+            return LockState(False, None, None)
+    else:
+        try:
+            holder = json.loads(text or b"{}")
+        except ValueError:  # half written: the kernel's table still tells
+            holder = None
+        if not isinstance(holder, dict):
+            holder = None
+    try:
         with open(LOCK_TABLE) as fh:
             table = fh.read()
     except OSError:
-        return None
-    device = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    if not any(line.split()[1:2] == ["FLOCK"] and device in line.split() for line in table.splitlines()):
-        return None
-    try:
-        with open(lock) as fh:
-            holder = json.loads(fh.read() or "{}")
-    except (OSError, ValueError):
-        holder = {}
-    if not isinstance(holder, dict) or holder.get("pid") is None:
-        return "holder unknown"
-    return f"pid {holder.get('pid')} on {holder.get('host')} since {holder.get('since')}"
+        return LockState(True, holder, None)
+    suffix = f":{inode}"
+    held = any(field.endswith(suffix) and field.count(":") == 2 for line in table.splitlines() for field in line.split())
+    return LockState(True, holder, held)
+
+
+def live_holder(record: str):
+    """Who holds the writer lock of ``record`` (``pid 123 on host since ...``; ``holder unknown`` while a writer that
+    has just taken it has not yet written who it is), read by `read_lock`, else None: no lock held (a lock file left by
+    a writer that died holds none), or no table of locks (`LOCK_TABLE`)."""
+    state = read_lock(record)
+    return state.description if state.held else None
 
 
 #: the first bytes of an HDF5 file, which a lock file never holds
 _HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 
-#: the kernel's table of file locks (Linux), read by `live_holder`
+#: the kernel's table of file locks (Linux), read by `read_lock`
 LOCK_TABLE = "/proc/locks"
 
 

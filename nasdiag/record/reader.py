@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import socket
 import stat
 import threading
 import time
@@ -21,6 +20,7 @@ import numpy as np
 
 from nasdiag.record import schema
 from nasdiag.record.errors import DamagedRecordError, RecordError, RecordWarning
+from nasdiag.record.lock import LockState, read_lock
 
 
 @dataclass
@@ -402,14 +402,13 @@ def _first_damage(path: str, files: list[tuple[int, str]], segments: list[Segmen
 
 
 def _writer_alive(path: str) -> bool:
-    """Whether a live writer holds the record's lock (its rows may be read mid-write)."""
+    """Whether a live writer holds the record's lock (its rows may be read mid-write), from one `read_lock`."""
+    state = read_lock(path)
     try:
-        with open(schema.lock_path(path)) as fh:
-            holder = json.loads(fh.read() or "{}")
-        pid = int(holder.get("pid", 0))
-    except (OSError, ValueError, TypeError, AttributeError):
+        pid = int(state.holder.get("pid", 0))
+    except (ValueError, TypeError, AttributeError):  # no lock file, or no description that can be read
         return False
-    if holder.get("host", socket.gethostname()) != socket.gethostname():
+    if not state.on_this_host:
         return True  # a writer on another host (a shared file system): its pid cannot be checked here
     if pid <= 0 or pid == os.getpid():
         return False  # a writer in this process is not writing while this thread reads
@@ -421,38 +420,17 @@ def _writer_alive(path: str) -> bool:
         pass
     # The pid of a killed writer is soon another process's (pid_max is often 32768): then a damaged record was read
     # with HDF5's retries and a load hung for many minutes instead of failing. A live writer holds its flock.
-    return _lock_listed(schema.lock_path(path)) is not False
+    return state.held is not False
 
 
-def writer_gone(path: str) -> bool:
+def writer_gone(path: str, state: LockState | None = None) -> bool:
     """Whether the record at ``path`` was left by a writer that stopped without closing it (killed, crashed): its lock
     file is there, names a writer of this host, and the kernel lists no lock on it. False where a writer holds it,
     where there is no lock file (closed cleanly), and where it cannot be told (a writer on another host, no table of
-    locks)."""
-    lock = schema.lock_path(path)
-    try:
-        with open(lock) as fh:
-            holder = json.loads(fh.read() or "{}")
-    except (OSError, ValueError):
-        holder = {}  # half written, or gone: the kernel's table still tells
-    if not os.path.exists(lock):
-        return False
-    if isinstance(holder, dict) and holder.get("host", socket.gethostname()) != socket.gethostname():
-        return False  # its lock is in another host's table
-    return _lock_listed(lock) is False
-
-
-def _lock_listed(lock_file: str) -> bool | None:
-    """Whether the kernel lists a lock on ``lock_file``'s inode (Linux's /proc/locks; the inode alone is compared,
-    since its device may be written otherwise there), or None where that cannot be told."""
-    try:
-        inode = os.stat(lock_file).st_ino
-        with open("/proc/locks") as fh:
-            listed = fh.read()
-    except OSError:
-        return None
-    suffix = f":{inode}"
-    return any(field.endswith(suffix) and field.count(":") == 2 for line in listed.splitlines() for field in line.split())
+    locks). ``state``: the lock as already read by `read_lock` (one reading answers every question of a caller), else
+    it is read here."""
+    state = read_lock(path) if state is None else state
+    return state.present and state.on_this_host and state.held is False
 
 
 def record_of_segment(path: str) -> str | None:

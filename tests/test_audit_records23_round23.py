@@ -1,0 +1,117 @@
+"""Round 23 audit of the record and report tidy-ups (area: records23).
+
+Defects these tests found (each fails without its fix):
+- the lock of a record was read by three functions with two rules (`live_holder` compared the device and inode of
+  the lock file against the kernel's table, `writer_gone` and the reader's `_writer_alive` the inode alone), and the
+  report's note read it three times: on a file system whose table writes the device otherwise than ``os.stat`` (btrfs
+  subvolumes, overlay and network file systems), the page of a record a live writer held said "the search is still
+  writing this record, or crashed" and `nasdiag search` said "pass --resume or --force" of a record being written.
+  One function, `nasdiag.record.lock.read_lock`, reads the lock once and answers every question.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+LINUX_LOCKS = pytest.mark.skipif(not os.path.exists("/proc/locks"), reason="the kernel's lock table is Linux's")
+
+
+class _Holder:
+    """A process (not this one) that holds an flock on ``lock`` and has written a writer's description in it, as
+    `WriterLock.acquire` does; released (the process ends) at ``close``."""
+
+    def __init__(self, lock):
+        code = (
+            "import fcntl, json, os, socket, sys\n"
+            "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
+            "os.write(fd, json.dumps({'pid': os.getpid(), 'host': socket.gethostname(), 'since': 'then'}).encode())\n"
+            "print('ready', flush=True)\n"
+            "sys.stdin.read()\n"
+        )
+        self.proc = subprocess.Popen([sys.executable, "-c", code, str(lock)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout.readline().strip() == "ready"
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+@LINUX_LOCKS
+def test_a_live_writer_is_told_the_same_where_the_lock_table_writes_the_device_otherwise(tmp_path, monkeypatch):
+    """The kernel's table writes a lock's device as the superblock's, which is not ``os.stat``'s st_dev on btrfs
+    subvolumes (and some overlay and network file systems). Here a real flock is held by another process and the table
+    is the kernel's with that lock's device written otherwise: every question about the writer must answer "a writer
+    holds it" (before: the report's note said "still writing this record, or crashed" and `live_holder` None, while
+    the reader took the writer as live)."""
+    from nasdiag.plot.report import _live_note
+    from nasdiag.record import lock as lockmod
+    from nasdiag.record import reader
+
+    record = tmp_path / "run.h5"
+    lock = tmp_path / "run.h5.lock"
+    holder = _Holder(lock)
+    try:
+        inode = os.stat(lock).st_ino
+        real = open("/proc/locks").read()
+        lines = [line for line in real.splitlines() if line.split()[-3].endswith(f":{inode}")]
+        assert len(lines) == 1, real  # the kernel lists the other process's lock on it
+        fields = lines[0].split()
+        fields[-3] = f"00:2a:{inode}"  # the device as btrfs writes it for a subvolume's file
+        table = tmp_path / "locks"
+        table.write_text(real.replace(lines[0], " ".join(fields)))
+        monkeypatch.setattr(lockmod, "LOCK_TABLE", str(table))
+
+        described = f"pid {holder.proc.pid} on "
+        assert described in (lockmod.live_holder(str(record)) or "")
+        note = _live_note(record)
+        assert "is still writing this record" in note and described in note, note
+        assert reader._writer_alive(str(record)) and not reader.writer_gone(str(record))
+    finally:
+        holder.close()
+    # released: the same table no longer lists it (the kernel's own table, read again)
+    monkeypatch.setattr(lockmod, "LOCK_TABLE", "/proc/locks")
+    assert lockmod.live_holder(str(record)) is None and reader.writer_gone(str(record))
+    assert "stopped without closing it" in _live_note(record)
+
+
+@LINUX_LOCKS
+@pytest.mark.parametrize("writer", ["live", "killed"])
+def test_the_report_note_reads_the_lock_file_and_the_lock_table_once(tmp_path, writer):
+    """The report's note read the lock of a record left by a killed writer twice and the lock table twice per page (a
+    writer that took or left the lock in between made the answers disagree); once each, also for a live writer.
+    Counted with an audit hook on every ``open``, in a child process."""
+    record = tmp_path / "run.h5"
+    lock = tmp_path / "run.h5.lock"
+    holder = _Holder(lock)
+    if writer == "killed":
+        holder.close()  # its process ended: the lock file is left, held by none
+    code = (
+        "import collections, json, sys\n"
+        "from nasdiag.plot.report import _live_note\n"
+        "opened = collections.Counter()\n"
+        "watch = {sys.argv[2], '/proc/locks'}\n"
+        "def hook(event, args):\n"
+        "    if event == 'open' and str(args[0]) in watch:\n"
+        "        opened[str(args[0])] += 1\n"
+        "sys.addaudithook(hook)\n"
+        "note = _live_note(sys.argv[1])\n"
+        "print(json.dumps({'note': note, 'opened': opened}))\n"
+    )
+    try:
+        done = subprocess.run([sys.executable, "-c", code, str(record), str(lock)], capture_output=True, text=True,
+                              timeout=120)
+    finally:
+        if writer == "live":
+            holder.close()
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    said = "is still writing this record" if writer == "live" else "stopped without closing it"
+    assert said in out["note"], out
+    assert out["opened"] == {str(lock): 1, "/proc/locks": 1}, out
