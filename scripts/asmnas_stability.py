@@ -32,7 +32,8 @@ import sys
 import time
 from collections import Counter
 from nasdiag.errors import NasdiagError, run_script
-from script_args import Parser, at_least, channels, refuse_other_figures, refuse_other_records, threads as thread_count
+from script_args import (Parser, at_least, channels, refuse_other_figures, refuse_other_records, threads as thread_count,
+                         write_table)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
@@ -158,8 +159,8 @@ def run_study(args):
                   f"({out['seconds']:.0f} s)", flush=True)
     summary = {"config": vars(args), "runs": runs, "seconds": time.perf_counter() - started,
                "torch_threads": torch.get_num_threads()}
-    with open(os.path.join(args.out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+    # renamed over the old one: open("w") emptied it first, and Ctrl-C mid-write left a truncated summary.json
+    write_table(os.path.join(args.out, "summary.json"), json.dumps(summary, indent=1))
     print(f"all runs: {summary['seconds']:.0f} s")
     return summary
 
@@ -215,10 +216,11 @@ def plot(summary, path):
     axes[2].legend(fontsize=7, frameon=False)
     fig.suptitle("ASM-NAS vs DARTS: performance stability over seeds (asm-nas §5.3.1, Fig. 3; digits)", fontsize=9)
     fig.tight_layout(rect=(0, 0, 1, 0.94))
-    from nasdiag.plot.registry import FIGURE_MARK
+    from nasdiag.plot.registry import save
 
-    fig.savefig(path, dpi=150, metadata={"Creator": FIGURE_MARK})  # nasdiag's mark: a rerun replaces it
-    plt.close(fig)
+    # nasdiag's save: written under a fresh name and renamed over the figure (savefig on its name left a truncated
+    # stability.png after a Ctrl-C mid-write), through a link, with nasdiag's mark (a rerun replaces it), then closed
+    save(fig, path, 150)
 
 
 def _summary(path):

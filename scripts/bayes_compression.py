@@ -167,10 +167,12 @@ def plot(path: Path, out: Path) -> None:
     a2.set_ylabel("test accuracy")
     fig.suptitle("BayesNAS §B structured compression on digits")
     fig.tight_layout()
-    from nasdiag.plot.registry import FIGURE_MARK
+    from nasdiag.plot.registry import save
 
-    fig.savefig(out, metadata={"Creator": FIGURE_MARK})  # nasdiag's mark: a rerun replaces it, the user's own is refused
-    plt.close(fig)
+    # nasdiag's save: written under a fresh name and renamed over the figure (savefig on its name left a truncated
+    # compression.png after a Ctrl-C mid-write), through a link, with nasdiag's mark (a rerun replaces it, the user's
+    # own is refused), then closed
+    save(fig, out, 100)
 
 
 def main(argv=None) -> int:

@@ -51,6 +51,7 @@ from nasdiag.supernet.engine.graph import StepGraph
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from script_args import Parser, at_least, channels, number, numbers, seed as seed_number  # noqa: E402
 from script_args import device as device_name, names as section_names, supernet, threads as thread_count  # noqa: E402
+from script_args import write_table  # noqa: E402
 
 ROWS: List[Dict] = []
 
@@ -519,8 +520,9 @@ def main(argv=None):
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     if args.json and (not args.ddp or int(os.environ.get("RANK", "0")) == 0):
-        with open(args.json, "w") as f:
-            json.dump({"card": card, "torch": torch.__version__, "args": vars(args), "rows": ROWS}, f, indent=1)
+        # renamed over the old one: open("w") emptied it first, and Ctrl-C mid-write left a truncated file
+        write_table(args.json, json.dumps({"card": card, "torch": torch.__version__, "args": vars(args), "rows": ROWS},
+                                          indent=1), "--json")
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from nasdiag.errors import run_script
 from nasdiag.hessian import arch_diag_hessian, diag_hessian
 from nasdiag.supernet import Network
 from script_args import (Parser, UsageError, at_least, device as device_name, given_options, refuse_other_tables,
-                         refuse_repeats)
+                         refuse_repeats, write_table)
 
 DT = torch.float64
 CHEAP_ARCH = ("diag", "approx", "ggn", "ggn_mc", "hutchinson:1", "hutchinson:4", "hutchinson:16")
@@ -267,9 +267,11 @@ def main(argv=None):
             print(lines[-1], flush=True)
     if out is not None:
         keys = ("net", "wrt", "mode", "rel_error", "spearman", "time_over_fwd_bwd", "ops_told_apart")
-        (out / "curvature_accuracy.json").write_text(
-            json.dumps({"setting": setting, "rows": [dict(zip(keys, r)) for r in rows]}, indent=1, ensure_ascii=False) + "\n")
-        (out / "curvature_accuracy.md").write_text("\n".join(lines) + "\n")
+        # each renamed over the old one: write_text emptied it first, and Ctrl-C mid-write left a truncated table
+        write_table(out / "curvature_accuracy.json",
+                    json.dumps({"setting": setting, "rows": [dict(zip(keys, r)) for r in rows]}, indent=1,
+                               ensure_ascii=False) + "\n")
+        write_table(out / "curvature_accuracy.md", "\n".join(lines) + "\n")
         print(f"wrote {out / 'curvature_accuracy.json'} and {out / 'curvature_accuracy.md'}")
 
 

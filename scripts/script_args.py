@@ -432,3 +432,74 @@ def refuse_repeats(items, option: str) -> None:
     repeated = list(dict.fromkeys(item for item in items if list(items).count(item) > 1))
     if repeated:
         raise UsageError(f"{option} names {', '.join(repeated)} more than once; give each once")
+
+
+def write_table(path, text: str, option: str = "--out") -> None:
+    """Write ``text`` (a table: JSON, Markdown; UTF-8) to ``path`` as nasdiag writes its figures
+    (`nasdiag.plot.registry.save`): under a fresh hidden name next to it (``.<pid>.<random>.<name>.tmp``, created
+    exclusively), flushed to disk (``os.fsync``) and renamed over it, so no reader nor later run ever sees half a table;
+    a ``path`` that is a symbolic link is written through (the file it names is replaced, the link stays).
+    ``open(path, "w")`` emptied the table before writing it: Ctrl-C, a kill or a full disk while it was written left
+    a truncated fits.json or summary.json (which ``--plot-only`` then refused), the earlier run's table lost, and a
+    reader that had it open read the new one mixed in. A folder where no file can be written is one `UsageError` line
+    naming the table, with ``option``; nothing of it is left behind."""
+    import contextlib
+    import os
+    import secrets
+    from pathlib import Path
+
+    from nasdiag.record.lock import describe_os_error
+
+    path = Path(path)
+    target = Path(os.path.realpath(path)) if path.is_symlink() else path
+    data = text.encode("utf-8")  # before any file is touched: a text that cannot be encoded leaves the old table
+    stem = target.name if len(os.fsencode(target.name)) <= 200 else "table"
+    tmp = target.with_name(f".{os.getpid()}.{secrets.token_hex(4)}.{stem}.tmp")
+    try:
+        fh = open(tmp, "xb")  # "x": never an existing file, nor one a link of that name points to
+    except OSError as exc:
+        through = f" (the file {path} links to)" if target != path else ""
+        raise UsageError(f"cannot write the table {target}{through}: {describe_os_error(exc)} in {target.parent}; give "
+                         f"another {option}, a folder where files can be written") from None
+    try:
+        with fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(exc, OSError):  # a full disk: the old table is kept, the reason said in one line
+            raise UsageError(f"cannot write the table {target}: {describe_os_error(exc)}; the earlier {target.name} is "
+                             f"kept") from None
+        raise
+    _remove_stale_tables(target.parent, stem)
+
+
+def _remove_stale_tables(folder, stem: str) -> None:
+    """Remove the temporaries of `write_table` for the table ``stem`` in ``folder`` that a process killed mid-write
+    left (``.<pid>.<random>.<stem>.tmp`` of a process no longer running); one of a run still writing is kept."""
+    import contextlib
+    import os
+    import re
+
+    pattern = re.compile(rf"\.([0-9]+)\.[0-9a-f]{{8}}\.{re.escape(stem)}\.tmp")
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        match = pattern.fullmatch(name)
+        if match is None or int(match.group(1)) == os.getpid():
+            continue
+        try:
+            os.kill(int(match.group(1)), 0)
+            continue  # running: its table is being written
+        except ProcessLookupError:
+            pass
+        except (OSError, OverflowError):
+            continue  # another user's process, or no such pid: not ours to judge
+        with contextlib.suppress(OSError):
+            if not os.path.islink(os.path.join(folder, name)) and os.path.isfile(os.path.join(folder, name)):
+                os.unlink(os.path.join(folder, name))

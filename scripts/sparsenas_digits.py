@@ -292,10 +292,11 @@ def draw(results: Sequence[Result], path: Path) -> Path:
         handles, labels = axes[0].get_legend_handles_labels()
         fig.legend(handles, labels, loc="outside right center", frameon=False, fontsize=6)
         fig.suptitle("sparse-supernet Fig. 3: pruning a 64-40-20-10 MLP on DIGITS (shaded: the paper's λ range)")
-        from nasdiag.plot.registry import FIGURE_MARK
+        from nasdiag.plot.registry import save
 
-        fig.savefig(path, dpi=150, metadata={"Creator": FIGURE_MARK})  # nasdiag's mark: a rerun replaces it
-        plt.close(fig)
+        # nasdiag's save: written under a fresh name and renamed over the figure (savefig on its name left a truncated
+        # fig3 after a Ctrl-C mid-write), through a link, with nasdiag's mark (a rerun replaces it), then closed
+        save(fig, path, 150)
     return path
 
 

@@ -30,7 +30,7 @@ import numpy as np
 from nasdiag.errors import run_script
 from script_args import (
     Parser, UsageError, at_least, number, numbers, refuse_other_figures, refuse_other_records, refuse_other_tables,
-    refuse_overflowing_lr, seed as seed_number, threads as thread_count,
+    refuse_overflowing_lr, seed as seed_number, threads as thread_count, write_table,
 )
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
@@ -281,11 +281,12 @@ def plot(data, summary, figure_path, runs):
     fig.suptitle(f"XNAS vs GD with softmax, {runs} run{'s' if runs > 1 else ''} per point ({spread})", fontsize=10)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(figure_path)), exist_ok=True)
-    from nasdiag.plot.registry import FIGURE_MARK
+    from nasdiag.plot.registry import save
 
-    # with nasdiag's mark: a rerun replaces it, the user's own fig8.png is refused
-    fig.savefig(figure_path, dpi=130, metadata={"Creator": FIGURE_MARK})
-    plt.close(fig)
+    # nasdiag's save: written under a fresh name and renamed over the figure (savefig on its name left a truncated
+    # fig8.png after a Ctrl-C mid-write), through a link, with nasdiag's mark (a rerun replaces it, the user's own
+    # fig8.png is refused), then closed
+    save(fig, figure_path, 130)
 
 
 def fits_written_here(text: str) -> bool:
@@ -317,8 +318,8 @@ def main(argv=None):
         raise UsageError(f"{record_path} holds no finished point yet (a run stopped before its first point, or one "
                          "still writing it); let the run write one, or run again without --plot-only")
     summary["config"] = config
-    with open(os.path.join(args.out, "fits.json"), "w") as fh:
-        json.dump(summary, fh, indent=1)
+    # renamed over the old one: open("w") emptied it first, and Ctrl-C mid-write left a truncated fits.json
+    write_table(os.path.join(args.out, "fits.json"), json.dumps(summary, indent=1))
     figure_path = os.path.join(args.out, "fig8.png")
     plot(data, summary, figure_path, config["runs"])
     if "fits" in summary.get("vs_n", {}):

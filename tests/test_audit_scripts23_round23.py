@@ -1,0 +1,164 @@
+"""Scripts audit, round 23 (scripts23): how the batch scripts write their figures and tables when interrupted.
+
+Defects found (each test fails without its fix):
+
+* asmnas_stability.py (stability.png), bayes_compression.py (compression.png), sparsenas_digits.py (fig3.<fmt>) and
+  xnas_statistical.py (fig8.png) called matplotlib's ``savefig`` on the figure's own name: Ctrl-C (or a kill, a full
+  disk) while the figure was written left a truncated file under that name, the previous figure lost, where nasdiag's
+  `nasdiag.plot.registry.save` writes a fresh exclusive temporary name, fsyncs and renames it over the old one. They
+  draw through ``save`` now (test_ctrl_c_while_a_script_writes_its_figure_keeps_the_previous_figure_whole).
+* the tables of the scripts (xnas_statistical's fits.json, asmnas_stability's summary.json, curvature_accuracy's .json
+  and .md, bench_search's --json) were written with ``open(path, "w")`` / ``write_text``: the old table emptied first,
+  so Ctrl-C mid-write left a truncated fits.json (which the next run refused as not one of the script's, the earlier
+  numbers lost) and a reader that had the old table open read the new one. `script_args.write_table` writes them as
+  ``save`` writes figures (test_a_rerun_replaces_its_tables_whole_so_a_reader_of_the_old_one_reads_it_whole,
+  test_ctrl_c_while_a_table_is_written_keeps_the_earlier_table).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+OLD = b"an earlier nasdiag figure: the mark nasdiag figure makes it the script's own"
+
+
+def _run(script, argv, capsys):
+    """(exit code, stderr lines) of a batch script run in-process, through run_script as its command."""
+    from nasdiag.errors import run_script
+
+    code = run_script(script, importlib.import_module(script).main, argv)
+    _, err = capsys.readouterr()
+    return code, err.strip().splitlines()
+
+
+def _interrupt_png_writes(monkeypatch):
+    """Every PNG write writes its first bytes, then Ctrl-C comes (as from a user who gave up on a slow figure)."""
+    import functools
+    import io
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    original = FigureCanvasAgg.print_png
+
+    @functools.wraps(original)  # its signature: matplotlib passes on only the keywords it takes
+    def half_written(self, filename_or_obj, *args, **kwargs):
+        if isinstance(filename_or_obj, io.BytesIO):  # matplotlib's own dry run of a layout, in memory
+            return original(self, filename_or_obj, *args, **kwargs)
+        if isinstance(filename_or_obj, (str, os.PathLike)):
+            with open(filename_or_obj, "wb") as fh:
+                fh.write(b"\x89PNG half")
+        else:
+            filename_or_obj.write(b"\x89PNG half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(FigureCanvasAgg, "print_png", half_written)
+
+
+def _asmnas_summary(out):
+    runs = [{"method": m, "seed": 0, "selected": {"normal": ["skip_connect", "sep_conv_3x3"], "reduce": ["none", "none"]},
+             "supernet_acc": 0.5, "discrete_acc": 0.4, "replaced_acc": {"normal": [0.45, 0.5], "reduce": [0.3, 0.5]},
+             "genotype": "", "record": "", "seconds": 1.0} for m in ("asmnas", "darts")]
+    (out / "summary.json").write_text(json.dumps({"config": {}, "runs": runs}))
+
+
+@pytest.mark.parametrize("script, figure, argv", [
+    ("asmnas_stability", "stability.png", ["--plot-only"]),
+    ("bayes_compression", "compression.png", ["--iterations", "1", "--epochs-per-iteration", "1"]),
+    ("sparsenas_digits", "fig3.png", ["--epochs", "1", "--retrain-epochs", "0", "--lambdas", "1e-3", "--optimizers",
+                                      "sgd", "--penalties", "sgl", "--workers", "1", "--no-progress"]),
+    ("xnas_statistical", "fig8.png", ["--runs", "2", "--steps", "5", "--n-grid", "2,4", "--sigma-grid", "1,2",
+                                      "--lr-multipliers", ""]),
+])
+def test_ctrl_c_while_a_script_writes_its_figure_keeps_the_previous_figure_whole(script, figure, argv, tmp_path,
+                                                                                 capsys, monkeypatch):
+    """Ctrl-C in the middle of writing the figure: exit 130, the figure of the earlier run byte for byte as it was,
+    no temporary file left beside it (savefig on the figure's name left b'\\x89PNG half' in its place)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / figure).write_bytes(OLD)
+    if script == "asmnas_stability":
+        _asmnas_summary(out)
+    _interrupt_png_writes(monkeypatch)
+    code, err = _run(script, ["--out", str(out), *argv], capsys)
+    assert code == 130, err
+    assert (out / figure).read_bytes() == OLD
+    assert not [name for name in os.listdir(out) if name.endswith(".tmp")]
+
+
+# -- tables: renamed over the old one, never emptied and rewritten in place ----------------------------------------
+def _curvature_accuracy(out, capsys, monkeypatch):
+    import curvature_accuracy
+
+    row = ("tanh_mlp", "weights", "diag", 0.25, 0.5, 1.5, None)  # the measurement is not what this test is about
+    monkeypatch.setattr(curvature_accuracy, "measure", lambda *args, **kwargs: iter([row]))
+    return _run("curvature_accuracy", ["--nets", "tanh_mlp", "--repeats", "1", "--out", str(out)], capsys)
+
+
+@pytest.mark.parametrize("script", ["xnas_statistical", "curvature_accuracy"])
+def test_a_rerun_replaces_its_tables_whole_so_a_reader_of_the_old_one_reads_it_whole(script, tmp_path, capsys,
+                                                                                    monkeypatch):
+    """A reader that opened the earlier run's table (fits.json; curvature_accuracy.json and .md) before the rerun
+    still reads that table whole, and the path holds the rerun's: the table is a new file renamed over the old one.
+    open(path, "w") emptied the old file and wrote the new table into it: the reader got the new one (or, interrupted,
+    half of it), and Ctrl-C mid-write lost the earlier table. A table that is a symbolic link stays one, the table
+    written into the file it names."""
+    out = tmp_path / "out"
+    out.mkdir()
+    elsewhere = tmp_path / "kept" / "fits.json"
+    elsewhere.parent.mkdir()
+    if script == "xnas_statistical":
+        old = {out / "fits.json": json.dumps({"config": {"note": "the earlier run"}, "vs_n": {}}, indent=1)}
+        elsewhere.write_text(old[out / "fits.json"])
+        (out / "fits.json").symlink_to(elsewhere)
+    else:
+        old = {out / "curvature_accuracy.json": json.dumps({"setting": "the earlier run", "rows": []}) + "\n",
+               out / "curvature_accuracy.md": "torch the earlier run\n\n| net | w.r.t. | mode | rel. error |\n"}
+        for path, text in old.items():
+            path.write_text(text)
+    readers = {path: open(path, encoding="utf-8") for path in old}
+    try:
+        if script == "xnas_statistical":
+            code, err = _run(script, ["--out", str(out), "--runs", "2", "--steps", "5", "--n-grid", "2,4",
+                                      "--sigma-grid", "1,2", "--lr-multipliers", ""], capsys)
+        else:
+            code, err = _curvature_accuracy(out, capsys, monkeypatch)
+        assert code == 0, err
+        for path, reader in readers.items():
+            assert reader.read() == old[path]
+            assert path.read_text(encoding="utf-8") != old[path]
+    finally:
+        for reader in readers.values():
+            reader.close()
+    if script == "xnas_statistical":
+        assert (out / "fits.json").is_symlink() and os.readlink(out / "fits.json") == str(elsewhere)
+        assert "vs_sigma" in json.loads(elsewhere.read_text())
+    else:
+        assert json.loads((out / "curvature_accuracy.json").read_text())["rows"][0]["mode"] == "diag"
+    assert not [name for name in os.listdir(out) if name.endswith(".tmp")]
+
+
+def test_ctrl_c_while_a_table_is_written_keeps_the_earlier_table(tmp_path, capsys, monkeypatch):
+    """Ctrl-C while xnas_statistical --plot-only writes fits.json: exit 130, the earlier fits.json as it was (json.dump
+    into the opened file left its first lines only, which the next run refused as not a table of this script)."""
+    out = tmp_path / "out"
+    code, err = _run("xnas_statistical", ["--out", str(out), "--runs", "2", "--steps", "5", "--n-grid", "2,4",
+                                          "--sigma-grid", "1", "--lr-multipliers", ""], capsys)
+    assert code == 0, err
+    before = (out / "fits.json").read_bytes()
+    original = json.JSONEncoder.iterencode
+
+    def interrupted(self, o, _one_shot=False):
+        for n, chunk in enumerate(original(self, o, _one_shot)):
+            if n == 20:
+                raise KeyboardInterrupt
+            yield chunk
+
+    monkeypatch.setattr(json.JSONEncoder, "iterencode", interrupted)
+    code, err = _run("xnas_statistical", ["--out", str(out), "--plot-only"], capsys)
+    assert code == 130, err
+    assert (out / "fits.json").read_bytes() == before
