@@ -7,6 +7,9 @@ Defects these tests found (each fails without its fix):
   subvolumes, overlay and network file systems), the page of a record a live writer held said "the search is still
   writing this record, or crashed" and `nasdiag search` said "pass --resume or --force" of a record being written.
   One function, `nasdiag.record.lock.read_lock`, reads the lock once and answers every question.
+- `nasdiag report` killed (SIGKILL) while it wrote its page left its hidden temporary page next to --out for ever,
+  where a killed plot's temporary figures are removed by the next plot: the page is built under the figures' name
+  (`nasdiag.plot.registry.temporary_path`) and the next report removes a killed one's (`_remove_stale_temporaries`).
 """
 
 from __future__ import annotations
@@ -115,3 +118,64 @@ def test_the_report_note_reads_the_lock_file_and_the_lock_table_once(tmp_path, w
     said = "is still writing this record" if writer == "live" else "stopped without closing it"
     assert said in out["note"], out
     assert out["opened"] == {str(lock): 1, "/proc/locks": 1}, out
+
+
+def _small_record(path):
+    """A closed record of 4 rows of one scalar."""
+    from nasdiag.record import Recorder
+
+    with Recorder(path, flush_every=2) as recorder:
+        for step in range(4):
+            recorder.log(step, {"scalars/train_loss": 1.0 / (step + 1)})
+    return path
+
+
+def test_a_report_killed_at_its_write_leaves_no_temporary_page_after_the_next_report(tmp_path, capsys):
+    """``nasdiag report run.h5 --out page.html`` killed (SIGKILL) while it wrote its page left its hidden temporary page
+    next to --out for ever (a 3 kB ``.page.html.<pid>.<hex>.tmp`` per killed report), while the figures' temporaries of
+    killed plots are removed by the next plot. The next report of the page removes it, and keeps that of a report still
+    running."""
+    import signal
+    import time
+
+    from nasdiag.cli import main
+
+    record = _small_record(tmp_path / "run.h5")
+    out = tmp_path / "pages" / "page.html"
+    marker = tmp_path / "writing"
+    code = (
+        "import os, sys, time\n"
+        "real_fsync = os.fsync\n"
+        "def fsync_then_wait(fd):\n"  # the page is written, not yet renamed: the report is killed here
+        "    real_fsync(fd)\n"
+        "    open(sys.argv[3], 'w').close()\n"
+        "    time.sleep(120)\n"
+        "os.fsync = fsync_then_wait\n"
+        "from nasdiag.cli import main\n"
+        "sys.exit(main(['report', sys.argv[1], '--out', sys.argv[2], '--figures', 'scalars']))\n"
+    )
+    env = {**os.environ, "MPLBACKEND": "Agg"}
+    child = subprocess.Popen([sys.executable, "-c", code, str(record), str(out), str(marker)], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists() and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), child.stderr.read() if child.poll() is not None else "the report never wrote"
+        os.kill(child.pid, signal.SIGKILL)
+        assert child.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        child.stderr.close()
+    left = [p.name for p in out.parent.iterdir()]
+    assert len(left) == 1 and left[0].startswith(".") and left[0].endswith(".tmp"), left  # the killed report's page
+    assert "page.html" in left[0] and "<!doctype html" in (out.parent / left[0]).read_text(encoding="utf-8").lower()
+
+    # a report still running (this process's parent: alive) writes the same page: its temporary is kept
+    running = out.parent / f".{os.getppid()}.0123abcd.page.html.tmp"
+    running.write_text("being written")
+    assert main(["report", str(record), "--out", str(out), "--figures", "scalars"]) == 0, capsys.readouterr().err
+    assert sorted(p.name for p in out.parent.iterdir()) == sorted(["page.html", running.name])
+    assert out.read_text(encoding="utf-8").lstrip().lower().startswith("<!doctype html")

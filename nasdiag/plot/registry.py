@@ -577,8 +577,6 @@ def _write_figure(fig, path: Path, dpi: int) -> Tuple[Path, str]:
     a symbolic link of that name had the figure written into the file it named. A ``path`` that is a symbolic link is
     written through, as a record or a report: the figure replaces the file the link names, and the link stays (it was
     replaced by the new figure, lost, and its file kept the old one)."""
-    import secrets
-
     import matplotlib
     import matplotlib.pyplot as plt
 
@@ -588,7 +586,7 @@ def _write_figure(fig, path: Path, dpi: int) -> Tuple[Path, str]:
     fmt = path.suffix.lstrip(".").lower()
     target = Path(os.path.realpath(path)) if path.is_symlink() else path
     stem = target.name if len(os.fsencode(target.name)) <= 200 else f"figure.{fmt}"  # a long name: no "too long"
-    tmp = target.with_name(f".{os.getpid()}.{secrets.token_hex(4)}.{stem}.tmp")  # ends as the name: a figure's .tmp
+    tmp = temporary_path(target, stem)  # ends as the name: a figure's .tmp
     # the fonts of the paper style are read when the file is written, not when the figure is drawn: saved outside
     # `paper_style`, a PDF got Type 3 fonts (refused by IEEE's and ACM's checks) and an SVG its text as paths
     fonts = {key: RC[key] for key in _FILE_FONTS}
@@ -621,15 +619,27 @@ def _write_figure(fig, path: Path, dpi: int) -> Tuple[Path, str]:
     return target.parent, stem
 
 
-#: a temporary figure of `_write_figure`: ``.<pid>.<8 hex digits>.<figure file name>.tmp``
+#: a temporary file of `temporary_path` (a figure's of `_write_figure`, a page's of `nasdiag.plot.report.write_report`):
+#: ``.<pid>.<8 hex digits>.<file name>.tmp``
 _TEMPORARY = re.compile(r"\.([0-9]+)\.[0-9a-f]{8}\.(.+)\.tmp")
 
 
+def temporary_path(target: Path, stem: str) -> Path:
+    """A fresh hidden name next to ``target`` to build it under before it is renamed over ``target``:
+    ``.<pid>.<8 random hex digits>.<stem>.tmp`` (``stem``: ``target``'s name, or a shorter one where that is long), the
+    name `_remove_stale_temporaries` knows, so that what a killed process left is removed by the next writer of the
+    file: a figure's (`_write_figure`) and a report's page (`nasdiag.plot.report.write_report`)."""
+    import secrets
+
+    return Path(target).with_name(f".{os.getpid()}.{secrets.token_hex(4)}.{stem}.tmp")
+
+
 def _remove_stale_temporaries(written: Mapping[Path, set]) -> None:
-    """Remove the temporary files of `_write_figure` that a process killed mid-write left for the figures of a drawing
-    pass (``written``: ``{folder: {figure file name}}``, as `_write_figure` returns them): ``.<pid>.<random>.<name>.tmp``
-    of a process no longer running (the one fixed name of before was reused); one of a plot still running is kept, and
-    so is a temporary of a figure the pass did not write. Each folder is listed once per pass (it was once per figure)."""
+    """Remove the temporary files of `temporary_path` that a process killed mid-write left for the files of a writing
+    pass (``written``: ``{folder: {file name}}``, as `_write_figure` returns them; a report's page alone):
+    ``.<pid>.<random>.<name>.tmp`` of a process no longer running (the one fixed name of before was reused); one of a
+    plot or report still running is kept, and so is a temporary of a file the pass did not write. Each folder is listed
+    once per pass (it was once per figure)."""
     for folder, stems in written.items():
         try:
             names = os.listdir(folder)

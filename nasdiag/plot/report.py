@@ -8,7 +8,8 @@ committed so far).
 Writing never loses a file: the page replaces an existing file only if that file is a page this module
 wrote (it starts with :data:`PAGE_START`) or with ``force``; the record being read (its segments, lock
 and checkpoint) and any HDF5 file are never replaced. The page is built in a temporary file next to it
-that is removed on every failure path.
+that is removed on every failure path; one that a killed report left (SIGKILL while it wrote) is removed by the next
+report of the same page, as a figure's (`nasdiag.plot.registry.temporary_path`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import html
 import io
 import json
 import os
-import secrets
 import time
 import warnings
 from datetime import datetime
@@ -29,8 +29,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from nasdiag.plot.registry import (
-    NothingToDraw, PlotError, checked_record_path, iter_figures, malformed_lines, no_rows, refuse_checkpoint, select,
-    without_malformed,
+    NothingToDraw, PlotError, _remove_stale_temporaries, checked_record_path, iter_figures, malformed_lines, no_rows,
+    refuse_checkpoint, select, temporary_path, without_malformed,
 )
 
 #: section titles of the record groups, in page order (groups not listed follow in registry order)
@@ -447,7 +447,7 @@ def write_report(record_path, out_html, figures: Optional[Sequence[str]] = None,
     # a fresh name ("x": never an existing file), removed on every path where it does not become the page; a page's
     # name near the file system's 255 bytes is not repeated in it ("File name too long" of a name that is not)
     stem = out.name if len(os.fsencode(out.name)) <= 200 else "report.html"
-    tmp = out.with_name(f".{stem}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    tmp = temporary_path(out, stem)  # the figures' name: the next report removes what a killed one left (below)
     created = written = False
     try:
         try:  # a folder that cannot hold the page was "No such file or directory (.report.html.123.ab12cd34.tmp)"
@@ -473,4 +473,5 @@ def write_report(record_path, out_html, figures: Optional[Sequence[str]] = None,
         for folder in [] if written else missing:  # innermost first: a name too long left its folders behind
             with contextlib.suppress(OSError):
                 folder.rmdir()
+    _remove_stale_temporaries({out.parent: {stem}})  # the pages of killed reports (SIGKILL at the write), as figures'
     return given
