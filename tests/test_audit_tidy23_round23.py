@@ -6,6 +6,13 @@ Found and fixed:
   alive experts. In a step where no alive expert's reward was finite that is 0/0, and it was recorded as 0 (the
   denominator was ``max(counted, 1)``): a step that clipped nothing, where in truth no reward was seen at all. It is
   NaN now (counted by the record's ``nonfinite_counts``, with every edge flagged in ``regret/<cell>/nonfinite``).
+* ``nasdiag.plot.registry``: every figure written listed the whole figure folder again for the temporaries of killed
+  writers; a drawing pass (``draw_record``, ``write_comparison``) lists each folder it wrote into once, at its end.
+* ``probe.hessian()`` outside autocast after a bf16 autocast step whose forward made its mixing weights in bfloat16
+  said "α changed since the block (an optimizer step ...)"; it now names both dtypes and autocast.
+
+Checked and documented (docs/probe.md): the re-run takes the autocast state of the hessian() call (outside: the
+float32 model's curvature; inside: the autocast forward's); a forward the block never backwards adds no per-sample rows.
 """
 
 from __future__ import annotations
@@ -130,3 +137,145 @@ def test_stale_figure_temporaries_are_looked_for_once_per_drawing_pass(tmp_path,
     assert len(listed) == 1, listed
     assert sorted(real(out)) == sorted(kept + [f.name for f in files])
     assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+# --- probe.hessian() after a step under bf16 CPU autocast -----------------------------------------------------
+
+class _Mix(torch.nn.Module):
+    def __init__(self, w):
+        super().__init__()
+        self._ops = torch.nn.ModuleList([torch.nn.Linear(w, w), torch.nn.Sequential(torch.nn.Tanh(), torch.nn.Linear(w, w, bias=False)),
+                                         torch.nn.Identity()])
+
+    def forward(self, x, weights):
+        return sum(wk * op(x) for wk, op in zip(weights, self._ops))
+
+
+class _Net(torch.nn.Module):
+    """n1 = e0(n0); n2 = e1(n0) + e2(n1); ``matmul_z``: Z = softmax(α·I), which autocast computes in bfloat16."""
+
+    def __init__(self, matmul_z=False, w=5):
+        super().__init__()
+        self.stem, self.head = torch.nn.Linear(4, w), torch.nn.Linear(w, 3)
+        self.e = torch.nn.ModuleList([_Mix(w) for _ in range(3)])
+        self.alpha = torch.nn.Parameter(torch.randn(3, 3) * 0.5)
+        self.matmul_z = matmul_z
+
+    def forward(self, x, Z=None):
+        if Z is None:
+            Z = torch.softmax(self.alpha @ torch.eye(3) if self.matmul_z else self.alpha, -1)
+        n0 = torch.tanh(self.stem(x))
+        n1 = self.e[0](n0, Z[0])
+        return self.head(self.e[1](n0, Z[1]) + self.e[2](n1, Z[2]))
+
+
+def _autograd_diag(net, x, y, Z, autocast):
+    """diag ∂²L/∂Z² per edge (E, K) by torch.autograd.functional.hessian, Z a leaf, under bf16 autocast or not."""
+    import torch.nn.functional as F
+
+    def loss(z):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return F.cross_entropy(net(x, z), y)
+
+    H = torch.autograd.functional.hessian(loss, Z)
+    return torch.stack([H[e, :, e, :].diagonal() for e in range(3)]).float()
+
+
+def _bf16_step(net):
+    import torch.nn.functional as F
+
+    import nasdiag
+
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(64, 4, generator=g) * 3, torch.randint(0, 3, (64,), generator=g)
+    probe = nasdiag.attach(net, hessian="exact")
+    with probe.record(targets=y):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(net(x), y)
+        loss.backward()
+    return probe, x, y
+
+
+def _stacked(h):
+    return torch.stack([h[f"e.{e}"] for e in range(3)]).float()
+
+
+def _rel(a, b):
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def test_hessian_after_a_bf16_autocast_step_is_the_float32_models_outside_autocast_and_the_autocast_forwards_inside():
+    """docs/probe.md: the re-run takes the autocast state of the hessian() call. Z = softmax(α) in float32 (autocast
+    keeps softmax in float32): outside autocast the float32 model's curvature (float32 autograd), inside it the autocast
+    forward's (autograd under the same autocast); the two differ by bf16's rounding of the forward."""
+    torch.manual_seed(0)
+    net = _Net()
+    probe, x, y = _bf16_step(net)
+    Z = torch.softmax(net.alpha, -1).detach().clone()
+    f32, bf16 = _autograd_diag(net, x, y, Z, False), _autograd_diag(net, x, y, Z, True)
+    outside = _stacked(probe.hessian())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = _stacked(probe.hessian())
+    assert _rel(outside, f32) < 1e-6 and _rel(inside, bf16) < 1e-6
+    assert _rel(outside, bf16) > 1e-4  # the two references are told apart
+
+
+def test_hessian_outside_autocast_of_a_step_whose_forward_made_bf16_mixing_weights_says_autocast_not_alpha_changed():
+    """Z = softmax(α·I): under autocast the matmul, hence Z, is bfloat16. hessian() outside autocast re-runs in float32,
+    so the recorded-weights check saw other weights and said "α changed since the block (an optimizer step ...)", which
+    it had not. Now the line names both dtypes and autocast; inside the step's autocast it is the autocast forward's
+    curvature, and hessian(inputs=, targets=) the float32 model's (autograd references)."""
+    from nasdiag.probe import ProbeError
+
+    torch.manual_seed(0)
+    net = _Net(matmul_z=True)
+    probe, x, y = _bf16_step(net)
+    with pytest.raises(ProbeError) as info:
+        probe.hessian()
+    line = str(info.value)
+    assert "\n" not in line and "float32" in line and "bfloat16" in line and "torch.autocast" in line, line
+    assert "optimizer" not in line, line
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        Zb = torch.softmax(net.alpha @ torch.eye(3), -1).detach().clone()
+        inside = _stacked(probe.hessian())
+    assert _rel(inside, _autograd_diag(net, x, y, Zb, True)) < 2e-2  # bf16 results
+    f32 = _autograd_diag(net, x, y, torch.softmax(net.alpha, -1).detach().clone(), False)
+    assert _rel(_stacked(probe.hessian(inputs=x, targets=y)), f32) < 1e-6
+
+
+def test_forwards_a_block_never_backwards_add_no_per_sample_rows():
+    """docs/probe.md (costs(per_sample=True)): a forward with grad mode on that the block never backwards (a validation
+    pass without no_grad) between two backwarded micro-batches, and one under no_grad, add no rows: the 6 + 3 rows are
+    the backwarded samples' ∂ℓ_b/∂Z in call order (autograd per sample, float64), with no warning."""
+    import warnings
+
+    import torch.nn.functional as F
+
+    import nasdiag
+
+    torch.manual_seed(0)
+    net = _Net().double()
+    g = torch.Generator().manual_seed(1)
+    batch = lambda b: (torch.randn(b, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (b,), generator=g))  # noqa: E731
+    (x1, y1), (xv, yv), (x2, y2) = batch(6), batch(4), batch(3)
+    probe = nasdiag.attach(net)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with probe.record():
+            first = F.cross_entropy(net(x1), y1, reduction="sum")
+            F.cross_entropy(net(xv), yv)  # grad mode on, never backwarded
+            with torch.no_grad():
+                net(xv)
+            (first + F.cross_entropy(net(x2), y2, reduction="sum")).backward()
+    rows = probe.costs(per_sample=True)
+    Z = torch.softmax(net.alpha, -1).detach()
+    want = []
+    for x, y in ((x1, y1), (x2, y2)):
+        for b in range(len(y)):
+            z = Z.clone().requires_grad_()
+            F.cross_entropy(net(x[b:b + 1], z), y[b:b + 1], reduction="sum").backward()
+            want.append(z.grad)
+    want = torch.stack(want)  # (9, E, K)
+    for e in range(3):
+        assert rows[f"e.{e}"].shape == (9, 3)
+        torch.testing.assert_close(rows[f"e.{e}"], want[:, e], rtol=0, atol=1e-14)

@@ -817,7 +817,10 @@ class Probe:
         with BatchNorm in its current mode and its current parameters (call it before ``optimizer.step()`` for the
         curvature of the recorded step; a re-run whose mixing weights differ from the step's is refused); its running
         statistics are restored, and it draws the random numbers the recorded call drew (its dropout masks) with
-        the caller's generators left as they were. A `DistributedDataParallel` wrapper is re-run as the module it wraps
+        the caller's generators left as they were. Autocast is the caller's, not the step's: outside ``torch.autocast``
+        the re-run is in the parameters' dtype (after a bfloat16 autocast step, the curvature of the float32 model; a
+        forward that made Z in bfloat16 there is a `ProbeError` naming both dtypes), inside it the autocast forward's.
+        A `DistributedDataParallel` wrapper is re-run as the module it wraps
         (the curvature of this rank's batch, no collective: one rank may call it alone).
 
         Args:
@@ -965,6 +968,17 @@ class Probe:
             same = torch.equal(w.detach(), recorded)
         except RuntimeError:  # inside a torch.func transform the values cannot be read; the plain passes are checked
             return None
+        if not same and w.dtype != recorded.dtype:
+            # a step under torch.autocast whose forward computed Z in bfloat16 (a matmul before the softmax), re-run
+            # outside it in float32: not "α changed", which the line below would say
+            now, then = (str(t).replace("torch.", "") for t in (w.dtype, recorded.dtype))
+            raise ProbeError(
+                f"hessian(): edge {self._edges[p].name!r} got {now} mixing weights when the recorded batch was re-run, "
+                f"where the recorded step's forward computed them in {then} (the step ran under torch.autocast and "
+                "hessian() does not, or the model's dtype changed since the block); call probe.hessian() inside the step's "
+                "torch.autocast(...) for the curvature of that forward, or pass hessian(inputs=x, targets=y) for the "
+                "curvature of the model in its own dtype"
+            )
         if not same:
             raise ProbeError(
                 f"hessian(): edge {self._edges[p].name!r} got other mixing weights when the recorded batch was re-run "
