@@ -7,6 +7,11 @@ Defects these tests found (each fails without its fix):
   subvolumes, overlay and network file systems), the page of a record a live writer held said "the search is still
   writing this record, or crashed" and `nasdiag search` said "pass --resume or --force" of a record being written.
   One function, `nasdiag.record.lock.read_lock`, reads the lock once and answers every question.
+- the JSON attributes of a record (root ``config``, the attributes of ``/meta``, and load's ``meta/<key>`` texts) held
+  Python's ``NaN``/``Infinity``/``-Infinity`` literals for non-finite floats of a user's meta (a SearchConfig dict whose
+  hp holds nan and inf), which ``jq`` and standard JSON parsers refuse: a non-finite float is written as
+  ``{"__float__": "nan"}`` (``"inf"``, ``"-inf"``) and read back as the float (`nasdiag.record.schema.dumps_json`,
+  `loads_json`; docs/schema.md).
 - `nasdiag report` killed (SIGKILL) while it wrote its page left its hidden temporary page next to --out for ever,
   where a killed plot's temporary figures are removed by the next plot: the page is built under the figures' name
   (`nasdiag.plot.registry.temporary_path`) and the next report removes a killed one's (`_remove_stale_temporaries`).
@@ -179,3 +184,90 @@ def test_a_report_killed_at_its_write_leaves_no_temporary_page_after_the_next_re
     assert main(["report", str(record), "--out", str(out), "--figures", "scalars"]) == 0, capsys.readouterr().err
     assert sorted(p.name for p in out.parent.iterdir()) == sorted(["page.html", running.name])
     assert out.read_text(encoding="utf-8").lstrip().lower().startswith("<!doctype html")
+
+
+def _strict_json(text):
+    """A plain JSON parser of the standard (RFC 8259): Python's ``json.loads`` with its ``NaN``/``Infinity`` extension
+    refused, as ``jq`` and the JSON parsers of other languages refuse them."""
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def _config_with_nonfinite():
+    """A user's config for their own loop, built from a SearchConfig, whose hp holds NaN and ±inf (as a user's
+    experiment sweeps: an unclipped gradient, a not-yet-known value)."""
+    from nasdiag.search import SearchConfig
+
+    config = SearchConfig(method="darts", hp={"grad_clip": float("inf"), "w_lr": float("nan"), "floor": -float("inf"),
+                                              "w_momentum": 0.9, "schedule": [1.0, float("nan")]}, record="run.h5")
+    return config.to_dict()
+
+
+def test_json_attributes_of_the_record_are_standard_json_and_read_back_nan_and_inf(tmp_path):
+    """``meta={"config": <a SearchConfig's dict whose hp holds nan and inf>, "hp": ...}`` was written into the root
+    ``config`` and the ``/meta`` attributes as ``{"grad_clip": Infinity, "w_lr": NaN, ...}``: Python's own extension,
+    refused by ``jq`` and every standard JSON parser (here: ``json.loads`` with the constants refused). They are
+    standard JSON now, NaN/inf written as ``{"__float__": "nan"}`` (not dropped), and read back as the floats."""
+    import math
+
+    import h5py
+
+    from nasdiag.record import Recorder, load, load_meta
+
+    config = _config_with_nonfinite()
+    hp = config["hp"]
+    path = tmp_path / "run.h5"
+    with Recorder(path, meta={"config": config, "hp": hp, "bound": float("inf")}, flush_every=2) as recorder:
+        for step in range(2):
+            recorder.log(step, {"scalars/train_loss": 1.0})
+
+    with h5py.File(path, "r") as f:  # the file itself, read without nasdiag
+        texts = {"config": f.attrs["config"], "hp": f["meta"].attrs["hp"], "bound": f["meta"].attrs["bound"]}
+    texts = {k: v.decode() if isinstance(v, bytes) else str(v) for k, v in texts.items()}
+    stored = {k: _strict_json(v) for k, v in texts.items()}  # before: "NaN is not JSON"
+    assert stored["hp"]["w_lr"] == {"__float__": "nan"} and stored["hp"]["grad_clip"] == {"__float__": "inf"}
+    assert stored["hp"]["floor"] == {"__float__": "-inf"} and stored["bound"] == {"__float__": "inf"}
+    assert stored["hp"]["schedule"] == [1.0, {"__float__": "nan"}] and stored["hp"]["w_momentum"] == 0.9
+    assert stored["config"]["hp"] == stored["hp"] and stored["config"]["method"] == "darts"
+
+    meta = load_meta(path)  # read back as the floats
+    for got in (meta["hp"], meta["config"]["hp"]):
+        assert math.isnan(got["w_lr"]) and got["grad_clip"] == math.inf and got["floor"] == -math.inf
+        assert got["schedule"][0] == 1.0 and math.isnan(got["schedule"][1]) and got["w_momentum"] == 0.9
+    assert meta["bound"] == math.inf
+    record = load(path)  # load's meta/<key> texts are the JSON as stored
+    assert _strict_json(str(record["meta/hp"])) == stored["hp"]
+    assert _strict_json(str(record["meta/config"])) == stored["config"]
+
+
+def test_a_record_whose_meta_holds_nan_resumes_as_the_same_run(tmp_path):
+    """A resume with the same ``meta`` (config holding a NaN) must not be refused as "it holds another run (config
+    ...)" (NaN != NaN): the NaN read back from its tag is the same config. (Before, json's one NaN object made the
+    comparison pass; this guards the tagged form, whose NaN is made anew.)"""
+    import math
+    import warnings
+
+    from nasdiag.record import Recorder, RecordWarning, load, load_meta
+
+    config = _config_with_nonfinite()
+    path = tmp_path / "run.h5"
+    with Recorder(path, meta={"config": config}, flush_every=2) as recorder:
+        recorder.log(0, {"scalars/train_loss": 1.0})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RecordWarning)  # no "resuming with a different config" either
+        with Recorder(path, meta={"config": config}, resume=True, flush_every=2) as recorder:
+            recorder.log(1, {"scalars/train_loss": 0.5})
+    assert list(load(path)["step"]) == [0, 1] and math.isnan(load_meta(path)["config"]["hp"]["w_lr"])
+
+
+def test_meta_holding_the_tag_form_itself_is_refused_in_one_line(tmp_path):
+    """An object ``{"__float__": ...}`` of the user's would be read back as a float: refused when the Recorder is made,
+    nothing written."""
+    from nasdiag.record import RecordError, Recorder
+
+    with pytest.raises(RecordError, match=r"^meta\['x'\] holds \{'__float__': \.\.\.\}.*rename that key$"):
+        Recorder(tmp_path / "run.h5", meta={"x": {"a": [{"__float__": "nan"}]}})
+    assert list(tmp_path.iterdir()) == []

@@ -182,7 +182,7 @@ def read_meta(f: h5py.File) -> dict:
     if "method" in attrs:
         meta["method"] = _attr_str(attrs["method"])
     if "config" in attrs:
-        meta["config"] = json.loads(_attr_str(attrs["config"]))
+        meta["config"] = schema.loads_json(_attr_str(attrs["config"]))
     if "seed" in attrs and int(attrs["seed"]) != schema.NO_SEED:
         meta["seed"] = int(attrs["seed"])
     group = f.get(schema.META)
@@ -193,7 +193,7 @@ def read_meta(f: h5py.File) -> dict:
         if "edge_names" in group:
             meta["edge_names"] = {cell: _strings(ds) for cell, ds in group["edge_names"].items()}
         for key, value in group.attrs.items():
-            meta[key] = json.loads(_attr_str(value))
+            meta[key] = schema.loads_json(_attr_str(value))
     return meta
 
 
@@ -598,7 +598,7 @@ def _meta_arrays(meta: dict) -> dict[str, np.ndarray]:
         elif key == "seed":
             out["meta/seed"] = np.asarray(value, dtype=np.int64)
         else:  # config and unknown keys: the JSON text, as stored
-            out[f"meta/{key}"] = np.asarray(json.dumps(value, sort_keys=True), dtype=str)
+            out[f"meta/{key}"] = np.asarray(schema.dumps_json(value), dtype=str)
     return out
 
 

@@ -360,9 +360,80 @@ def _str_list(key: str, value) -> list[str]:
     return [_storable_text(key, v) for v in value]
 
 
+#: the one key of the JSON object that stands for a non-finite float in the record's JSON attributes (`dumps_json`):
+#: ``{"__float__": "nan"}``, ``{"__float__": "inf"}``, ``{"__float__": "-inf"}``
+NONFINITE_JSON_KEY = "__float__"
+_NONFINITE_NAMES = ("nan", "inf", "-inf")
+#: what json writes for a non-finite float used as a key (a key is text in JSON: it stays text)
+_NONFINITE_KEYS = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
+
+
+class _TagClash(ValueError):
+    """A value holds an object of the form `dumps_json` writes a non-finite float in."""
+
+
+def _nonfinite_name(value: float) -> str:
+    return "nan" if value != value else "inf" if value > 0 else "-inf"
+
+
+def _tagged(value):
+    """``value`` with each non-finite float replaced by its tag object (see `dumps_json`)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {NONFINITE_JSON_KEY: _nonfinite_name(value)}
+    if isinstance(value, Mapping):
+        if len(value) == 1 and NONFINITE_JSON_KEY in value:
+            raise _TagClash(f"an object whose only key is {NONFINITE_JSON_KEY!r} is how a record writes NaN and inf")
+        return {_NONFINITE_KEYS[_nonfinite_name(k)] if isinstance(k, float) and not math.isfinite(k) else k: _tagged(v)
+                for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_tagged(v) for v in value]
+    return value
+
+
+#: the floats `loads_json` reads: one NaN object, so that two values read stay ``==`` where they hold a NaN at the same
+#: place (dicts and lists compare their items by identity first), as json's own NaN literal did
+_READ_FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf,
+                "NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def _untagged(obj: dict):
+    tag = obj.get(NONFINITE_JSON_KEY) if len(obj) == 1 else None
+    return _READ_FLOATS[tag] if isinstance(tag, str) and tag in _NONFINITE_NAMES else obj
+
+
+def dumps_json(value) -> str:
+    """``value`` as standard JSON text (RFC 8259; keys sorted), as every JSON attribute of a record is written (the
+    root ``config`` and the attributes of ``/meta``). Standard JSON has no NaN or Infinity (Python's ``NaN`` literal is
+    refused by ``jq`` and by the JSON parsers of other languages), so a non-finite float is written as the object
+    ``{"__float__": "nan"}`` (``"inf"``, ``"-inf"``), which `loads_json` reads back as the float: recorded, never
+    dropped. Raises ``TypeError``/``ValueError`` for what JSON cannot hold (`normalize_meta` says which key)."""
+    return json.dumps(_tagged(value), sort_keys=True, allow_nan=False)
+
+
+def loads_json(text):
+    """The value of a JSON attribute of a record (`dumps_json`): each ``{"__float__": "nan"|"inf"|"-inf"}`` is read
+    back as the float; the ``NaN``/``Infinity`` literals of records written before are read too."""
+    return json.loads(text, object_hook=_untagged, parse_constant=_READ_FLOATS.__getitem__)
+
+
+def same_json(a, b) -> bool:
+    """Whether two JSON values (as `loads_json` gives them) are the same: ``==``, except that a NaN is the same as a
+    NaN (a record's meta holding one is the same on resume; ``nan != nan`` called it another run)."""
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(same_json(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_json(x, y) for x, y in zip(a, b))
+    return a == b
+
+
 def _json(key: str, value) -> str:
     try:
-        return json.dumps(value, sort_keys=True, allow_nan=True)
+        return dumps_json(value)
+    except _TagClash as err:
+        raise RecordError(f"meta[{key!r}] holds {{{NONFINITE_JSON_KEY!r}: ...}} alone in an object: {err}; rename that "
+                          "key") from None
     except (TypeError, ValueError) as err:
         raise RecordError(f"meta[{key!r}] is not JSON-serialisable ({err}); pass plain dicts, lists, numbers and strings") from None
     except RecursionError:  # json's own traceback out of Recorder(...)
@@ -400,7 +471,7 @@ def normalize_meta(meta: Mapping[str, Any] | None) -> dict[str, Any]:
         elif key == "config":
             if not isinstance(value, Mapping):
                 raise RecordError(f"meta['config'] must be a dict, got {type(value).__name__}")
-            value = json.loads(_json(key, dict(value)))
+            value = loads_json(_json(key, dict(value)))
         elif key == "seed":
             # stored as the int64 root attribute: 2**63 was an OverflowError traceback at the first segment's creation
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value <= 2**63 - 1:
@@ -417,7 +488,7 @@ def normalize_meta(meta: Mapping[str, Any] | None) -> dict[str, Any]:
                     raise RecordError(f"cell type {cell!r} in meta['edge_names'] is invalid: use ASCII letters, digits and _.-+= "
                                       "(not '.' or '..')")
         else:
-            value = json.loads(_json(key, value))
+            value = loads_json(_json(key, value))
         out[key] = value
     cells = out.get("cell_types")
     if cells is not None and "edge_names" in out:

@@ -402,7 +402,7 @@ class Recorder:
             changed = {
                 k: (stored.get(k), self._meta[k])
                 for k in ("method", "config", "seed")
-                if k in self._meta and self._meta[k] != stored.get(k)
+                if k in self._meta and not schema.same_json(self._meta[k], stored.get(k))  # a NaN is the same NaN
             }
             if changed and self._on_run_change == "error":
                 raise ResumeMismatchError(
@@ -939,7 +939,7 @@ class Recorder:
         attrs["schema_version"] = np.int64(schema.SCHEMA_VERSION)
         attrs["nasdiag_version"] = _nasdiag_version()
         attrs["method"] = self._meta.get("method", "")
-        attrs["config"] = json.dumps(self._meta.get("config", {}), sort_keys=True)
+        attrs["config"] = schema.dumps_json(self._meta.get("config", {}))  # standard JSON: NaN/inf tagged
         attrs["seed"] = np.int64(self._meta.get("seed", schema.NO_SEED))
         attrs["torch_version"] = _version("torch")
         attrs["h5py_version"] = h5py.__version__
@@ -966,7 +966,7 @@ class Recorder:
                 edges.create_dataset(cell, data=np.array(names, dtype=strings))
         for key, value in self._meta.items():
             if key not in schema.KNOWN_META_KEYS:
-                meta.attrs[key] = json.dumps(value, sort_keys=True)
+                meta.attrs[key] = schema.dumps_json(value)
 
     def _write_batch(self) -> None:
         if self._file is not None and self._segment_rows and self._segment_rows + self._rows > self._segment_row_limit:
