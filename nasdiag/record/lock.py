@@ -54,9 +54,7 @@ class LockState:
     @property
     def description(self) -> str:
         """``pid 123 on host since 2026-01-01T00:00:00``, or ``holder unknown``."""
-        if self.holder is None or self.holder.get("pid") is None:
-            return "holder unknown"
-        return f"pid {self.holder.get('pid')} on {self.holder.get('host')} since {self.holder.get('since')}"
+        return _description(self.holder) or "holder unknown"
 
     @property
     def on_this_host(self) -> bool:
@@ -65,6 +63,22 @@ class LockState:
 
     def __repr__(self) -> str:
         return f"LockState(present={self.present}, holder={self.holder!r}, held={self.held})"
+
+
+def _parse_holder(text: bytes):
+    """The writer's description a lock file holds (a dict), else None (empty, half written, not JSON)."""
+    try:
+        holder = json.loads(text or b"{}")
+    except ValueError:
+        return None
+    return holder if isinstance(holder, dict) else None
+
+
+def _description(holder) -> str | None:
+    """``pid 123 on host since ...`` of a parsed description, None where it names no pid."""
+    if holder is None or holder.get("pid") is None:
+        return None
+    return f"pid {holder.get('pid')} on {holder.get('host')} since {holder.get('since')}"
 
 
 def read_lock(record: str) -> LockState:
@@ -92,12 +106,7 @@ def read_lock(record: str) -> LockState:
         except OSError:
             return LockState(False, None, None)
     else:
-        try:
-            holder = json.loads(text or b"{}")
-        except ValueError:  # half written: the kernel's table still tells
-            holder = None
-        if not isinstance(holder, dict):
-            holder = None
+        holder = _parse_holder(text)  # None where half written: the kernel's table still tells
     try:
         with open(LOCK_TABLE) as fh:
             table = fh.read()
@@ -191,12 +200,12 @@ class WriterLock:
         # (or half written): look again shortly instead of naming "pid None on None".
         for attempt in range(10):
             try:
-                with open(self.lock_file) as fh:
-                    info = json.loads(fh.read() or "{}")
-            except (OSError, ValueError):
-                info = {}
-            if isinstance(info, dict) and info.get("pid") is not None:
-                return f"pid {info.get('pid')} on {info.get('host')} since {info.get('since')}"
+                with open(self.lock_file, "rb") as fh:
+                    described = _description(_parse_holder(fh.read()))
+            except OSError:
+                described = None
+            if described is not None:
+                return described
             time.sleep(0.01 * (attempt + 1))
         return "holder unknown"
 
