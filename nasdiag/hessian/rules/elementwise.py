@@ -19,7 +19,7 @@ from torch import nn
 
 from nasdiag.hessian.rules.base import HessianRule, ModuleCall, UnsupportedModuleError, register_rule
 
-__all__ = ["ElementwiseRule", "IdentityRule", "ReshapeRule"]
+__all__ = ["CircularPadRule", "ElementwiseRule", "IdentityRule", "ReshapeRule"]
 
 
 class ElementwiseRule(HessianRule):
@@ -171,7 +171,23 @@ class ReshapeRule(HessianRule):
         return h_out.reshape(call.input.shape)
 
 
+class CircularPadRule(HessianRule):
+    """``nn.CircularPad{1,2,3}d``: every output entry is a copy of one input entry (Jacobian entries 0/1, an input
+    entry copied to one or more outputs), so ``(J∘J)ᵀ h = Jᵀ h``, the pad's own backward applied to ``h``; no
+    residual (the map is linear). torch writes circular padding as in-place copies into a new tensor (autograd's
+    ``CopySlices``, which the glue walk cannot cross), so it is a rule leaf; the reflection/replication pads, one
+    autograd op each, are crossed as glue."""
+
+    def input_diag(self, call: ModuleCall, h_out: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            x = call.input.detach().requires_grad_(True)
+            y = torch.nn.functional.pad(x, call.module.padding, "circular")
+            return torch.autograd.grad(y, x, h_out)[0]
+
+
 register_rule(nn.ReLU, ReLURule())
+for _circular in (nn.CircularPad1d, nn.CircularPad2d, nn.CircularPad3d):
+    register_rule(_circular, CircularPadRule())
 register_rule(nn.LeakyReLU, LeakyReLURule())
 register_rule(nn.Sigmoid, SigmoidRule())
 register_rule(nn.Tanh, TanhRule())

@@ -1,0 +1,145 @@
+"""Round 23, models23: an auditor's own float64 models through the public curvature API.
+
+References are independent of nasdiag: the dense Hessian of autograd (``torch.autograd.functional.hessian``) for
+``exact``, and for ``diag``/``approx`` my own transcription of the diagonal recursion (bayesnas-appendix C.1.4-C.1.5,
+C.2.1-C.2.3, and the feature-mean C.2.4-C.2.5 as docs/hessian.md states it), module by module with each module's
+full Jacobian from autograd: ``h_in = (J∘J)ᵀ h_out + diag ∇²_x <g, f(x)>``, params likewise.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+from nasdiag.hessian import diag_hessian
+
+DT = torch.float64
+
+
+def _diag_of_hessian(fn, v):
+    H = torch.autograd.functional.hessian(fn, v)
+    return torch.diagonal(H.reshape(v.numel(), v.numel())).reshape(v.shape)
+
+
+def _jacobian(fn, v):
+    J = torch.autograd.functional.jacobian(fn, v)
+    return J.reshape(J.numel() // v.numel(), v.numel())
+
+
+def _channel_mean(m, h):
+    if isinstance(m, nn.Linear):
+        return h.reshape(-1, h.shape[-1]).mean(0).expand(h.shape)
+    return h.mean((0,) + tuple(range(2, h.dim())), keepdim=True).expand(h.shape)
+
+
+def _own_recursion(mods, x, loss_fn, y, approx=False):
+    """The diagonal recursion on a chain of modules, from each module's autograd Jacobian (no nasdiag code).
+    ``approx``: at every Linear/Conv the output diagonal is replaced by its mean over batch (and space) per channel
+    and the input diagonal by its per-channel mean (C.2.4-C.2.5); train-mode BatchNorm passes on its channel mean."""
+    acts, a = [x.detach().requires_grad_(True)], None
+    a = acts[0]
+    for m in mods:
+        a = m(a)
+        acts.append(a)
+    grads = torch.autograd.grad(loss_fn(a, y), acts[1:])
+    h = _diag_of_hessian(lambda o: loss_fn(o, y), acts[-1].detach())
+    out = {}
+    for i in reversed(range(len(mods))):
+        m, xin, g = mods[i], acts[i].detach(), grads[i].detach()
+        params = {k: p.detach() for k, p in m.named_parameters()}
+        affine = isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))
+        if approx and affine:
+            h = _channel_mean(m, h)
+
+        def f_in(v, m=m, params=params):
+            return functional_call(copy.deepcopy(m), params, (v,))
+
+        for name, p in params.items():
+            def f_p(t, name=name, m=m, params=params, xin=xin):
+                return functional_call(copy.deepcopy(m), {**params, name: t}, (xin,))
+
+            J = _jacobian(f_p, p)
+            out[f"{i}.{name}"] = ((J**2).T @ h.reshape(-1)).reshape(p.shape) + _diag_of_hessian(lambda t: (g * f_p(t)).sum(), p)
+        J = _jacobian(f_in, xin)
+        h = ((J**2).T @ h.reshape(-1)).reshape(xin.shape) + _diag_of_hessian(lambda v: (g * f_in(v)).sum(), xin)
+        if approx and affine:
+            h = _channel_mean(m, h)
+        if approx and isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training:
+            h = h.mean((0,) + tuple(range(2, h.dim())), keepdim=True).expand(h.shape)
+    return out
+
+
+def _dense_exact(model, x, loss_fn, y):
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    return {
+        name: _diag_of_hessian(lambda t, name=name: loss_fn(functional_call(model, {**params, name: t}, (x,)), y), p)
+        for name, p in params.items()
+    }
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def _pad_net(kind):
+    """conv → tanh → a copy-padding module → conv → tanh → head, in 1, 2 or 3 spatial dims."""
+    pad, dims = {
+        "ReflectionPad1d": (nn.ReflectionPad1d((2, 1)), 1),
+        "ReplicationPad1d": (nn.ReplicationPad1d((2, 1)), 1),
+        "CircularPad1d": (nn.CircularPad1d((2, 1)), 1),
+        "CircularPad2d": (nn.CircularPad2d((1, 0, 2, 1)), 2),
+        "ReflectionPad3d": (nn.ReflectionPad3d(1), 3),
+        "ReplicationPad3d": (nn.ReplicationPad3d((1, 0, 1, 1, 0, 1)), 3),
+        "CircularPad3d": (nn.CircularPad3d(1), 3),
+    }[kind]
+    conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dims]
+    shape = {1: (3, 2, 5), 2: (3, 2, 3, 3), 3: (3, 2, 2, 3, 2)}[dims]
+    torch.manual_seed(0)
+    body = nn.Sequential(conv(2, 2, 1), nn.Tanh(), pad, conv(2, 2, 3), nn.Tanh(), nn.Flatten()).to(DT)
+    width = body(torch.zeros(shape, dtype=DT)).shape[1]
+    model = nn.Sequential(*body, nn.Linear(width, 3)).to(DT)
+    return model, torch.randn(shape, dtype=DT), torch.tensor([0, 2, 1])
+
+
+@pytest.mark.parametrize("kind", ["ReflectionPad1d", "ReplicationPad1d", "CircularPad1d", "CircularPad2d",
+                                  "ReflectionPad3d", "ReplicationPad3d", "CircularPad3d"])
+def test_copy_padding_modules_of_every_rank_are_crossed_by_the_recursions(kind):
+    """docs/hessian.md counts `pad` among the 0/1-Jacobian ops the walk crosses and the nn.ReflectionPad*/
+    nn.ReplicationPad*/nn.CircularPad* modules among what carries a bias into a normalization; before round 23 only
+    the 2-D reflection/replication pads were crossed: the 1-D and 3-D ones and every circular pad (torch writes it as
+    in-place slice copies, `CopySlices`) ended diag/approx in an UnsupportedModuleError."""
+    model, x, y = _pad_net(kind)
+    exact = diag_hessian(model, F.cross_entropy, x, y, mode="exact")
+    ref = _dense_exact(model, x, F.cross_entropy, y)
+    for k in ref:
+        assert _rel(exact[k], ref[k]) < 1e-12, k
+    for approx in (False, True):
+        got = diag_hessian(model, F.cross_entropy, x, y, mode="approx" if approx else "diag")
+        own = _own_recursion(list(model), x, F.cross_entropy, y, approx=approx)
+        for k in own:
+            assert _rel(got[k], own[k]) < 1e-12, (approx, k)
+
+
+def test_a_bias_through_circular_and_1d_copy_padding_into_normalizations_is_exactly_zero():
+    """docs/hessian.md: a bias carried by reflect/replicate/circular padding into a normalization whose groups it is
+    constant on is removed, and diag/approx report exactly 0 (exact: round-off). Before round 23 these pads were
+    refused by both recursions."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(2, 2, 1), nn.CircularPad2d(1), nn.Conv2d(2, 2, 3, bias=False), nn.BatchNorm2d(2), nn.Tanh(),
+        nn.Flatten(2), nn.ReplicationPad1d((1, 2)), nn.Conv1d(2, 2, 3), nn.InstanceNorm1d(2), nn.Flatten(),
+        nn.Linear(2 * 10, 3),
+    ).to(DT)
+    x, y = torch.randn(3, 2, 3, 3, dtype=DT), torch.tensor([0, 1, 2])
+    exact = diag_hessian(model, F.cross_entropy, x, y, mode="exact")
+    ref = _dense_exact(model, x, F.cross_entropy, y)
+    for name in ("0.bias", "7.bias"):
+        assert ref[name].abs().max() < 1e-12 and exact[name].abs().max() < 1e-12
+    for mode in ("diag", "approx"):
+        got = diag_hessian(model, F.cross_entropy, x, y, mode=mode)
+        assert torch.equal(got["0.bias"].abs(), torch.zeros(2, dtype=DT)), mode
+        assert torch.equal(got["7.bias"].abs(), torch.zeros(2, dtype=DT)), mode
+        assert got["0.weight"].abs().max() > 1e-6  # the recursion ran through the pads
