@@ -5,7 +5,8 @@ Runs the main job (DARTS on digits through ``nasdiag.search.run``, with its digi
 seeds with short searches, then draws from the records, with nasdiag's figure registry, the figures a
 user gets from ``nasdiag plot``: scalars, the architecture heatmap and its evolution, the cost and
 Hessian heatmaps, the derived genotype, the most probable wiring per epoch, and the comparison of the
-two runs on one colour scale. ``--plot-only`` redraws from the records. Two 2-epoch main jobs: about
+two runs on one colour scale (copied from ``<runs>/compare``, where the comparisons are drawn). ``--plot-only``
+redraws from the records. Two 2-epoch main jobs: about
 1 minute on 2 idle CPU cores.
 
     python scripts/make_readme_figures.py
@@ -18,7 +19,7 @@ import sys
 import time
 from nasdiag.errors import run_script
 from script_args import (
-    Parser, UsageError, at_least, dpi, refuse_other_figures, refuse_other_records, threads as thread_count,
+    Parser, UsageError, at_least, dpi, refuse_other_figures, refuse_other_records, threads as thread_count, write_file,
 )
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
@@ -104,7 +105,10 @@ def main(argv=None):
     for path in compared.files:
         if "normal" in path.name:
             target = os.path.join(args.out, f"{COMPARED}.png")
-            os.replace(path, target)
+            # copied (the comparisons stay together in <runs>/compare), not moved: os.replace from --runs was "Invalid
+            # cross-device link" where --out lies on another file system, after the searches, and replaced a link of
+            # that name in --out (docs/img/compare_cost_heatmap.png -> ...) by the figure, the link lost
+            write_file(target, path.read_bytes(), "figure")
             print(target)
 
 

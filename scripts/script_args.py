@@ -436,13 +436,23 @@ def refuse_repeats(items, option: str) -> None:
 
 def write_table(path, text: str, option: str = "--out") -> None:
     """Write ``text`` (a table: JSON, Markdown; UTF-8) to ``path`` as nasdiag writes its figures
-    (`nasdiag.plot.registry.save`): under a fresh hidden name next to it (``.<pid>.<random>.<name>.tmp``, created
-    exclusively), flushed to disk (``os.fsync``) and renamed over it, so no reader nor later run ever sees half a table;
-    a ``path`` that is a symbolic link is written through (the file it names is replaced, the link stays).
-    ``open(path, "w")`` emptied the table before writing it: Ctrl-C, a kill or a full disk while it was written left
-    a truncated fits.json or summary.json (which ``--plot-only`` then refused), the earlier run's table lost, and a
-    reader that had it open read the new one mixed in. A folder where no file can be written is one `UsageError` line
-    naming the table, with ``option``; nothing of it is left behind."""
+    (`nasdiag.plot.registry.save`), through `write_file`: under a fresh hidden name next to it, flushed to disk and
+    renamed over it, so no reader nor later run ever sees half a table; a ``path`` that is a symbolic link is written
+    through (the file it names is replaced, the link stays). ``open(path, "w")`` emptied the table before writing it:
+    Ctrl-C, a kill or a full disk while it was written left a truncated fits.json or summary.json (which
+    ``--plot-only`` then refused), the earlier run's table lost, and a reader that had it open read the new one mixed
+    in."""
+    write_file(path, text.encode("utf-8"), "table", option)  # encoded first: a text that cannot be leaves the old one
+
+
+def write_file(path, data: bytes, what: str = "file", option: str = "--out") -> None:
+    """Write ``data`` to ``path`` under a fresh hidden name next to the file it replaces (``.<pid>.<random>.<name>.tmp``,
+    created exclusively), flushed to disk (``os.fsync``) and renamed over it, as `nasdiag.plot.registry.save` writes a
+    figure; a ``path`` that is a symbolic link is written through (the file it names is replaced, the link stays). The
+    temporary lies next to the file replaced, so the rename never crosses file systems (``os.replace`` of a file made
+    in another folder was "Invalid cross-device link" where the two are on different ones). A folder where no file
+    can be written, or a full disk, is one `UsageError` line naming the ``what`` (``"table"``, ``"figure"``) and
+    ``option``; the earlier file is kept and nothing of the new one is left behind."""
     import contextlib
     import os
     import secrets
@@ -452,14 +462,13 @@ def write_table(path, text: str, option: str = "--out") -> None:
 
     path = Path(path)
     target = Path(os.path.realpath(path)) if path.is_symlink() else path
-    data = text.encode("utf-8")  # before any file is touched: a text that cannot be encoded leaves the old table
-    stem = target.name if len(os.fsencode(target.name)) <= 200 else "table"
+    stem = target.name if len(os.fsencode(target.name)) <= 200 else what
     tmp = target.with_name(f".{os.getpid()}.{secrets.token_hex(4)}.{stem}.tmp")
     try:
         fh = open(tmp, "xb")  # "x": never an existing file, nor one a link of that name points to
     except OSError as exc:
         through = f" (the file {path} links to)" if target != path else ""
-        raise UsageError(f"cannot write the table {target}{through}: {describe_os_error(exc)} in {target.parent}; give "
+        raise UsageError(f"cannot write the {what} {target}{through}: {describe_os_error(exc)} in {target.parent}; give "
                          f"another {option}, a folder where files can be written") from None
     try:
         with fh:
@@ -470,16 +479,16 @@ def write_table(path, text: str, option: str = "--out") -> None:
     except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        if isinstance(exc, OSError):  # a full disk: the old table is kept, the reason said in one line
-            raise UsageError(f"cannot write the table {target}: {describe_os_error(exc)}; the earlier {target.name} is "
+        if isinstance(exc, OSError):  # a full disk: the earlier file is kept, the reason said in one line
+            raise UsageError(f"cannot write the {what} {target}: {describe_os_error(exc)}; the earlier {target.name} is "
                              f"kept") from None
         raise
-    _remove_stale_tables(target.parent, stem)
+    _remove_stale_files(target.parent, stem)
 
 
-def _remove_stale_tables(folder, stem: str) -> None:
-    """Remove the temporaries of `write_table` for the table ``stem`` in ``folder`` that a process killed mid-write
-    left (``.<pid>.<random>.<stem>.tmp`` of a process no longer running); one of a run still writing is kept."""
+def _remove_stale_files(folder, stem: str) -> None:
+    """Remove the temporaries of `write_file` for the file ``stem`` in ``folder`` that a process killed mid-write left
+    (``.<pid>.<random>.<stem>.tmp`` of a process no longer running); one of a run still writing is kept."""
     import contextlib
     import os
     import re
@@ -495,7 +504,7 @@ def _remove_stale_tables(folder, stem: str) -> None:
             continue
         try:
             os.kill(int(match.group(1)), 0)
-            continue  # running: its table is being written
+            continue  # running: its file is being written
         except ProcessLookupError:
             pass
         except (OSError, OverflowError):

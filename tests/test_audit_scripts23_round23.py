@@ -13,6 +13,13 @@ Defects found (each test fails without its fix):
   numbers lost) and a reader that had the old table open read the new one. `script_args.write_table` writes them as
   ``save`` writes figures (test_a_rerun_replaces_its_tables_whole_so_a_reader_of_the_old_one_reads_it_whole,
   test_ctrl_c_while_a_table_is_written_keeps_the_earlier_table).
+* make_readme_figures.py moved the two runs' comparison from ``<runs>/compare`` into ``--out`` with ``os.replace``:
+  with ``--runs`` and ``--out`` on two file systems (runs on a scratch disk or /dev/shm, the images in the checkout) it
+  stopped in "Invalid cross-device link" after the searches and every other image, exit 2, no
+  compare_cost_heatmap.png; and a docs/img/compare_cost_heatmap.png that is a symbolic link was replaced by the figure
+  (the link lost, the file it names left stale). The figure is copied through `script_args.write_file` (written next
+  to the file replaced, renamed over it, through a link)
+  (test_make_readme_figures_writes_the_comparison_into_out_across_file_systems_and_through_a_link).
 """
 
 from __future__ import annotations
@@ -162,3 +169,61 @@ def test_ctrl_c_while_a_table_is_written_keeps_the_earlier_table(tmp_path, capsy
     code, err = _run("xnas_statistical", ["--out", str(out), "--plot-only"], capsys)
     assert code == 130, err
     assert (out / "fits.json").read_bytes() == before
+
+
+# -- make_readme_figures: the comparison into --out -----------------------------------------------------------------
+def _darts_record(path, scale):
+    """A record of method darts with the cost means of one normal cell at two steps (what the comparison draws)."""
+    import warnings
+
+    import numpy as np
+
+    from nasdiag.record import Recorder
+
+    meta = {"method": "darts", "op_names": ["none", "skip_connect"], "edge_names": {"normal": ["0->2", "1->2"]},
+            "cell_types": ["normal"]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with Recorder(str(path), meta=meta) as rec:
+            for step in (1, 2):
+                rec.log(step, {"cost/normal/mean": scale * step * np.array([[0.1, -0.2], [0.3, 0.05]])})
+
+
+def test_make_readme_figures_writes_the_comparison_into_out_across_file_systems_and_through_a_link(tmp_path, capsys,
+                                                                                                monkeypatch):
+    """--runs and --out on two file systems (os.replace between their folders fails with EXDEV, as the kernel's rename
+    does: simulated here for any two folders): exit 0 and compare_cost_heatmap.png in --out, a nasdiag figure; the
+    comparison of --runs kept. Where compare_cost_heatmap.png is a link to a figure kept elsewhere, the link stays and
+    the figure it names is the new comparison."""
+    import errno
+
+    from nasdiag.plot.registry import is_nasdiag_figure
+
+    runs, img, kept = tmp_path / "runs", tmp_path / "img", tmp_path / "kept"
+    for folder in (runs, img, kept):
+        folder.mkdir()
+    for seed in (0, 1):
+        _darts_record(runs / f"darts_seed{seed}.h5", 1 + seed)
+    (kept / "compare.png").write_bytes(OLD)
+    (img / "compare_cost_heatmap.png").symlink_to(kept / "compare.png")
+    rename = os.replace
+
+    def one_file_system_per_folder(src, dst, **kwargs):
+        if os.path.dirname(os.path.abspath(src)) != os.path.dirname(os.path.abspath(dst)):
+            raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), str(src))
+        return rename(src, dst, **kwargs)
+
+    monkeypatch.setattr(os, "replace", one_file_system_per_folder)
+    code, err = _run("make_readme_figures", ["--out", str(img), "--runs", str(runs), "--plot-only"], capsys)
+    assert code == 0, err
+    assert (img / "compare_cost_heatmap.png").is_symlink()
+    assert os.readlink(img / "compare_cost_heatmap.png") == str(kept / "compare.png")
+    compared = (kept / "compare.png").read_bytes()
+    assert compared != OLD and is_nasdiag_figure(kept / "compare.png") and compared.startswith(b"\x89PNG")
+    assert (runs / "compare" / "cost_normal_heatmap.png").read_bytes() == compared
+
+    (img / "compare_cost_heatmap.png").unlink()  # a plain file: written there, across the two "file systems"
+    code, err = _run("make_readme_figures", ["--out", str(img), "--runs", str(runs), "--plot-only"], capsys)
+    assert code == 0, err
+    assert (img / "compare_cost_heatmap.png").read_bytes() == (runs / "compare" / "cost_normal_heatmap.png").read_bytes()
+    assert not [name for name in os.listdir(img) if name.endswith(".tmp")]
