@@ -12,6 +12,8 @@ Defects these tests found (each fails without its fix):
   hp holds nan and inf), which ``jq`` and standard JSON parsers refuse: a non-finite float is written as
   ``{"__float__": "nan"}`` (``"inf"``, ``"-inf"``) and read back as the float (`nasdiag.record.schema.dumps_json`,
   `loads_json`; docs/schema.md).
+- a named pipe at ``run.h5.lock`` made ``load("run.h5")`` and the report wait for ever (``open`` of a FIFO blocks):
+  `read_lock` opens the lock without blocking and reads a regular file only.
 - `nasdiag report` killed (SIGKILL) while it wrote its page left its hidden temporary page next to --out for ever,
   where a killed plot's temporary figures are removed by the next plot: the page is built under the figures' name
   (`nasdiag.plot.registry.temporary_path`) and the next report removes a killed one's (`_remove_stale_temporaries`).
@@ -271,3 +273,22 @@ def test_meta_holding_the_tag_form_itself_is_refused_in_one_line(tmp_path):
     with pytest.raises(RecordError, match=r"^meta\['x'\] holds \{'__float__': \.\.\.\}.*rename that key$"):
         Recorder(tmp_path / "run.h5", meta={"x": {"a": [{"__float__": "nan"}]}})
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_named_pipe_at_the_lock_path_does_not_hang_load_or_the_report(tmp_path):
+    """A named pipe at ``run.h5.lock`` (no lock file: nothing ever writes into it) made ``load("run.h5")`` and the
+    report's note wait for a writer of the pipe for ever (``open`` of a FIFO blocks); they read the record."""
+    record = _small_record(tmp_path / "run.h5")
+    os.mkfifo(tmp_path / "run.h5.lock")
+    code = (
+        "import sys\n"
+        "from nasdiag.record import load\n"
+        "from nasdiag.plot.report import _live_note\n"
+        "print(len(load(sys.argv[1])['step']))\n"
+        "_live_note(sys.argv[1])\n"
+    )
+    try:
+        done = subprocess.run([sys.executable, "-c", code, str(record)], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("load of a record whose lock path is a named pipe did not return in 60 s")
+    assert done.returncode == 0 and done.stdout.split() == ["4"], done.stderr

@@ -12,6 +12,7 @@ import errno
 import json
 import os
 import socket
+import stat
 import time
 
 from nasdiag.record.errors import RecordError
@@ -93,11 +94,10 @@ def read_lock(record: str) -> LockState:
     from nasdiag.record.schema import lock_path
 
     lock = lock_path(record)
-    holder = None
+    holder = inode = None
     try:
-        with open(lock, "rb") as fh:
-            inode = os.fstat(fh.fileno()).st_ino
-            text = fh.read()
+        # O_NONBLOCK: a named pipe of that name is no lock file, and a plain open waited for a writer of it for ever
+        fd = os.open(lock, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         return LockState(False, None, None)
     except OSError:  # there, but not readable: its inode still tells whether a writer holds it
@@ -106,7 +106,17 @@ def read_lock(record: str) -> LockState:
         except OSError:
             return LockState(False, None, None)
     else:
-        holder = _parse_holder(text)  # None where half written: the kernel's table still tells
+        try:
+            st = os.fstat(fd)
+            inode = st.st_ino
+            if stat.S_ISREG(st.st_mode):  # a pipe, a device, ...: nothing to read (a writer describes itself in a file)
+                holder = _parse_holder(os.read(fd, max(st.st_size, 0) + 4096))  # None where half written
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    if inode is None:
+        return LockState(True, holder, None)
     try:
         with open(LOCK_TABLE) as fh:
             table = fh.read()
