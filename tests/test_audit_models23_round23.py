@@ -143,3 +143,89 @@ def test_a_bias_through_circular_and_1d_copy_padding_into_normalizations_is_exac
         assert torch.equal(got["0.bias"].abs(), torch.zeros(2, dtype=DT)), mode
         assert torch.equal(got["7.bias"].abs(), torch.zeros(2, dtype=DT)), mode
         assert got["0.weight"].abs().max() > 1e-6  # the recursion ran through the pads
+
+
+class _Mix(nn.Module):
+    """A mixed op of my own: Σ_k w_k·op_k(x), weights (K,)."""
+
+    def __init__(self, ops):
+        super().__init__()
+        self._ops = nn.ModuleList(ops)
+
+    def forward(self, x, w):
+        return sum(w[k] * op(x) for k, op in enumerate(self._ops))
+
+
+def _candidates(c):
+    return [
+        nn.Sequential(nn.Conv2d(c, c, 3, padding=2, dilation=2, groups=c), nn.GroupNorm(1, c), nn.SiLU()),
+        nn.Sequential(nn.MaxPool2d(3, 1, 1), nn.InstanceNorm2d(c, affine=True)),
+        nn.Sequential(nn.CircularPad2d(1), nn.Conv2d(c, c, 3), nn.Softplus(beta=3.0)),
+        nn.Sequential(nn.LayerNorm([c, 4, 4]), nn.ELU()),
+        nn.AvgPool2d(3, 1, 1, count_include_pad=False),
+        nn.Identity(),
+    ]
+
+
+def _chain_back(mods, xin, h, g):
+    """My recursion through a chain of modules from a given output diagonal h and gradient g."""
+    acts = [xin.detach().requires_grad_(True)]
+    for m in mods:
+        acts.append(m(acts[-1]))
+    grads = torch.autograd.grad(acts[-1], acts[1:], g) if mods else ()
+    for i in reversed(range(len(mods))):
+        m, xi, gi = mods[i], acts[i].detach(), grads[i].detach()
+        J = _jacobian(m, xi)
+        h = ((J**2).T @ h.reshape(-1)).reshape(xi.shape) + _diag_of_hessian(lambda v: (gi * m(v)).sum(), xi)
+    return h
+
+
+def test_mixing_weight_diag_of_an_inner_edge_is_c31_on_my_own_dag_recursion_through_my_candidate_ops():
+    """C.3.1, H_Z,k = Σ B_k² h_j, for the first edge of x0 → e01 → x1 → e12 → head: h_j at x1 is the sum over e12's
+    candidates (a fan-out) of my chain recursion through each, started from Z_k² h and Z_k g at x2 (grouped dilated
+    conv → GroupNorm(1) → SiLU, max pool → affine InstanceNorm, circular pad → conv → Softplus(β), LayerNorm → ELU,
+    avg pool without padding counted, identity). Exact Z-diagonals against the dense autograd Hessian in Z."""
+    from nasdiag.hessian import arch_diag_hessian
+
+    torch.manual_seed(0)
+    c, K = 2, 6
+    e01, e12 = _Mix(_candidates(c)).to(DT), _Mix(_candidates(c)).to(DT)
+    head = nn.Sequential(nn.AdaptiveAvgPool2d((2, 1)), nn.Flatten(), nn.Linear(2 * c, 3)).to(DT)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.e01, self.e12, self.head, self.Z = e01, e12, head, None
+
+        def forward(self, x):
+            return self.head(self.e12(self.e01(x, self.Z[0]), self.Z[1]))
+
+    net = Net()
+    x, y = torch.randn(2, c, 4, 4, dtype=DT), torch.tensor([0, 2])
+    Z = torch.softmax(torch.randn(2, K, dtype=DT), -1)
+    net.Z = Z
+    edges = {"e01": (e01, list(e01._ops)), "e12": (e12, list(e12._ops))}
+    got = arch_diag_hessian(net, F.cross_entropy, x, y, edges, mode="diag")
+
+    x1 = e01(x, Z[0]).detach().requires_grad_(True)
+    x2 = e12(x1, Z[1])
+    out = head(x2)
+    g2 = torch.autograd.grad(F.cross_entropy(out, y), x2)[0].detach()
+    h_out = _diag_of_hessian(lambda o: F.cross_entropy(o, y), out.detach())
+    h2 = _chain_back(list(head), x2.detach(), h_out, torch.zeros_like(out))  # pool, flatten, linear: no residual
+    flat = lambda op: list(op) if isinstance(op, nn.Sequential) else [op]  # noqa: E731
+    h1 = sum(_chain_back(flat(op), x1.detach(), Z[1, k] ** 2 * h2, Z[1, k] * g2) for k, op in enumerate(e12._ops))
+    for name, src, hj, mix in (("e01", x, h1, e01), ("e12", x1.detach(), h2, e12)):
+        B = torch.stack([op(src).detach() for op in mix._ops])
+        assert _rel(got[name], (B**2 * hj).sum((1, 2, 3, 4))) < 1e-12, name
+
+    exact = arch_diag_hessian(net, F.cross_entropy, x, y, edges, mode="exact")
+
+    def loss_of(Zv):
+        net.Z = Zv
+        return F.cross_entropy(net(x), y)
+
+    dense = _diag_of_hessian(loss_of, Z)
+    net.Z = Z
+    for i, name in enumerate(edges):
+        assert _rel(exact[name], dense[i]) < 1e-12, name
