@@ -243,11 +243,16 @@ def draw_cost_heatmaps(record_path: str, out: str, fmt: str) -> list:
 
 
 def draw_figures(record_path: str, out: str, fmt: str, figures, at=None) -> list:
-    """`nasdiag.plot.write_figures`, with a line on stderr for each figure it skipped, as ``nasdiag plot`` says: a
-    heatmap whose row is NaN in every cell (a diverged run) was left out without a word, the script exiting 0."""
+    """`nasdiag.plot.write_figures`, with a line on stderr for each figure it skipped and one naming the NaN/inf values
+    of the drawn families, as ``nasdiag plot`` says them: a heatmap whose row is NaN in every cell (a diverged run) was
+    left out without a word, the script exiting 0, and the NaN and inf cells of a heatmap drawn (grey) were not said."""
     from nasdiag.plot import write_figures
+    from nasdiag.plot.registry import nonfinite_summary
 
     written = write_figures(record_path, out, fmt=fmt, figures=figures, at=at)
     for line in written.skipped:
         print(f"skipped {line}", file=sys.stderr)
+    if written.nonfinite:
+        print(f"{record_path}: {nonfinite_summary(written.nonfinite)} in the drawn families, marked in the figures",
+              file=sys.stderr)
     return list(written)

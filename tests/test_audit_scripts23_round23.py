@@ -20,6 +20,11 @@ Defects found (each test fails without its fix):
   (the link lost, the file it names left stale). The figure is copied through `script_args.write_file` (written next
   to the file replaced, renamed over it, through a link)
   (test_make_readme_figures_writes_the_comparison_into_out_across_file_systems_and_through_a_link).
+* the wiring scripts (wiring_cost_heatmaps, wiring_variants, wiring_evolution: ``wiring_common.draw_figures``) drew
+  the NaN and inf cells of a partly diverged run's heatmaps grey and exited 0 without a word, where ``nasdiag plot`` of
+  the same record says "1 NaN, 1 +inf (cost/normal/mean: ...) in the drawn families, marked in the figures"; the same
+  line on stderr now (stdout still lists the figures written)
+  (test_a_wiring_script_says_the_nan_and_inf_of_the_heatmaps_it_draws).
 """
 
 from __future__ import annotations
@@ -227,3 +232,36 @@ def test_make_readme_figures_writes_the_comparison_into_out_across_file_systems_
     assert code == 0, err
     assert (img / "compare_cost_heatmap.png").read_bytes() == (runs / "compare" / "cost_normal_heatmap.png").read_bytes()
     assert not [name for name in os.listdir(img) if name.endswith(".tmp")]
+
+
+# -- NaN/inf in the heatmaps of a wiring script ----------------------------------------------------------------------
+def test_a_wiring_script_says_the_nan_and_inf_of_the_heatmaps_it_draws(tmp_path, capsys):
+    """A record of wiring_cost_heatmaps whose cost means hold one NaN (at initialization) and one +inf (at the end), as
+    ``numpy`` plants them here: both heatmaps drawn, exit 0, and one stderr line counting 1 NaN and 1 +inf of
+    cost/normal/mean (none before: the script said nothing of them)."""
+    import warnings
+
+    import numpy as np
+
+    from nasdiag.errors import run_script
+    from nasdiag.record import Recorder
+
+    init, final = np.array([[0.1, np.nan], [0.2, 0.3]]), np.array([[0.1, 0.2], [np.inf, 0.3]])
+    meta = {"method": "fixed_architecture", "op_names": ["none", "skip_connect"], "edge_names": {"normal": ["0->2", "1->2"]},
+            "cell_types": ["normal"]}
+    (tmp_path / "minimal8").mkdir()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the Recorder's own warning of the planted values
+        with Recorder(str(tmp_path / "minimal8" / "record.h5"), meta=meta) as rec:
+            rec.log(0, {"cost/normal/mean": init, "scalars/epoch": np.float32(-1)})
+            rec.log(5, {"cost/normal/mean": final, "scalars/epoch": np.float32(0)})
+    nan, inf = int(np.isnan(init).sum() + np.isnan(final).sum()), int(np.isposinf(init).sum() + np.isposinf(final).sum())
+    capsys.readouterr()
+    code = run_script("wiring_cost_heatmaps", importlib.import_module("wiring_cost_heatmaps").main,
+                      ["--out", str(tmp_path), "--configs", "minimal8", "--plot-only"])
+    printed, err = capsys.readouterr()
+    assert code == 0, err
+    assert sorted(Path(line).name for line in printed.split()) == ["cost_normal_heatmap_final.png",
+                                                                    "cost_normal_heatmap_init.png"]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and f"{nan} NaN, {inf} +inf" in lines[0] and "cost/normal/mean" in lines[0], lines
