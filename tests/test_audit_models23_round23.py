@@ -229,3 +229,37 @@ def test_mixing_weight_diag_of_an_inner_edge_is_c31_on_my_own_dag_recursion_thro
     net.Z = Z
     for i, name in enumerate(edges):
         assert _rel(exact[name], dense[i]) < 1e-12, name
+
+
+class _Functional(nn.Module):
+    """Forward code that calls a torch function (no rule leaf: the walk crosses its autograd op as glue)."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+@pytest.mark.parametrize("fn,shape", [
+    (lambda x: F.max_pool3d(x, 2, stride=1, padding=1, dilation=(1, 2, 1), ceil_mode=True), (3, 2, 2, 2, 4)),
+    (lambda x: F.adaptive_max_pool2d(x, (2, 3)), (3, 2, 3, 5)),
+    (lambda x: F.adaptive_max_pool3d(x, (1, 2, 3)), (3, 2, 2, 3, 5)),
+    (lambda x: F.pad(x, (2, 1), mode="reflect"), (3, 2, 5)),
+    (lambda x: F.pad(x, (1, 1, 0, 1, 1, 0), mode="replicate"), (3, 2, 2, 2, 3)),
+], ids=["max_pool3d", "adaptive_max_pool2d", "adaptive_max_pool3d", "pad_reflect_1d", "pad_replicate_3d"])
+def test_max_pooling_and_copy_padding_in_forward_code_are_0_1_glue_at_every_rank(fn, shape):
+    """docs/hessian.md: max-pool indices and pad are 0/1-Jacobian glue; before round 23 only F.max_pool2d (and 1-D,
+    which torch runs as 2-D) and the 2-D reflection/replication pads were: F.max_pool3d, F.adaptive_max_pool2d/3d and
+    the 1-D/3-D pads in forward code ended diag/approx in an UnsupportedModuleError."""
+    torch.manual_seed(0)
+    conv = {3: nn.Conv1d, 4: nn.Conv2d, 5: nn.Conv3d}[len(shape)]
+    width = fn(torch.zeros(shape, dtype=DT)).numel() // shape[0]
+    model = nn.Sequential(conv(2, 2, 1), nn.Tanh(), _Functional(fn), nn.Flatten(), nn.Linear(width, 3)).to(DT)
+    x, y = torch.randn(shape, dtype=DT), torch.tensor([0, 2, 1])
+    for approx in (False, True):
+        got = diag_hessian(model, F.cross_entropy, x, y, mode="approx" if approx else "diag")
+        own = _own_recursion(list(model), x, F.cross_entropy, y, approx=approx)
+        for k in own:
+            assert _rel(got[k], own[k]) < 1e-12, (approx, k)

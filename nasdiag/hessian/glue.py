@@ -272,6 +272,9 @@ for _name in (
     "ReluBackward0",
     "ThresholdBackward0",
     "MaxPool2DWithIndicesBackward0",
+    "MaxPool3DWithIndicesBackward0",
+    "AdaptiveMaxPool2DBackward0",
+    "AdaptiveMaxPool3DBackward0",
     "WhereBackward0",
     # each output entry is one input entry (F.interpolate's nearest modes, pixel (un)shuffle, F.unfold) or a plain sum
     # of input entries (F.fold): Jacobian entries in {0, 1}
