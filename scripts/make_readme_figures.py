@@ -52,7 +52,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    from nasdiag.plot.registry import NothingToDraw, iter_figures, save, write_comparison
+    from nasdiag.plot.registry import NothingToDraw, family_nonfinite, iter_figures, nonfinite_summary, save, write_comparison
     from nasdiag.plot.style import paper_style
     from nasdiag.record import load
 
@@ -86,10 +86,12 @@ def main(argv=None):
     loaded = {label: load(path) for label, path in records.items()}
     first = loaded["seed 0"]
     wanted = {value: key for key, value in FIGURES.items()}
+    tried = {}
     for spec, cell, _, thunk in iter_figures(first, [name for name, _ in FIGURES.values()]):
         image = wanted.get((spec.name, cell))
         if image is None:
             continue
+        tried[spec.name] = spec
         try:
             with paper_style():
                 fig = thunk()
@@ -99,6 +101,10 @@ def main(argv=None):
         path = os.path.join(args.out, f"{image}.png")
         save(fig, path, args.dpi)
         print(path)
+    found = family_nonfinite(first, list(tried.values()))
+    if found:  # drawn grey (marked in the figures) without a word, where nasdiag plot of the record counts them
+        print(f"{records['seed 0']}: {nonfinite_summary(found)} in the drawn families, marked in the figures",
+              file=sys.stderr)
     compared = write_comparison(loaded, os.path.join(args.runs, "compare"), figures=["cost"], dpi=args.dpi)
     for line in compared.skipped:  # no compare_cost_heatmap.png (a run without costs) was not said
         print(f"skipped compare: {line}", file=sys.stderr)

@@ -24,7 +24,9 @@ Defects found (each test fails without its fix):
   the NaN and inf cells of a partly diverged run's heatmaps grey and exited 0 without a word, where ``nasdiag plot`` of
   the same record says "1 NaN, 1 +inf (cost/normal/mean: ...) in the drawn families, marked in the figures"; the same
   line on stderr now (stdout still lists the figures written)
-  (test_a_wiring_script_says_the_nan_and_inf_of_the_heatmaps_it_draws).
+  (test_a_wiring_script_says_the_nan_and_inf_of_the_heatmaps_it_draws); make_readme_figures.py likewise said nothing
+  of the NaN in the seed-0 record it draws the README's images from
+  (test_make_readme_figures_says_the_nan_of_the_record_it_draws).
 """
 
 from __future__ import annotations
@@ -177,8 +179,9 @@ def test_ctrl_c_while_a_table_is_written_keeps_the_earlier_table(tmp_path, capsy
 
 
 # -- make_readme_figures: the comparison into --out -----------------------------------------------------------------
-def _darts_record(path, scale):
-    """A record of method darts with the cost means of one normal cell at two steps (what the comparison draws)."""
+def _darts_record(path, scale, nan=False):
+    """A record of method darts with the cost means of one normal cell at two steps (what the comparison draws); with
+    ``nan``, one of the 8 values NaN."""
     import warnings
 
     import numpy as np
@@ -191,7 +194,8 @@ def _darts_record(path, scale):
         warnings.simplefilter("ignore")
         with Recorder(str(path), meta=meta) as rec:
             for step in (1, 2):
-                rec.log(step, {"cost/normal/mean": scale * step * np.array([[0.1, -0.2], [0.3, 0.05]])})
+                rec.log(step, {"cost/normal/mean": scale * step * np.array([[0.1, -0.2], [0.3, np.nan if nan and step == 2
+                                                                                     else 0.05]])})
 
 
 def test_make_readme_figures_writes_the_comparison_into_out_across_file_systems_and_through_a_link(tmp_path, capsys,
@@ -265,3 +269,17 @@ def test_a_wiring_script_says_the_nan_and_inf_of_the_heatmaps_it_draws(tmp_path,
                                                                     "cost_normal_heatmap_init.png"]
     lines = err.strip().splitlines()
     assert len(lines) == 1 and f"{nan} NaN, {inf} +inf" in lines[0] and "cost/normal/mean" in lines[0], lines
+
+
+def test_make_readme_figures_says_the_nan_of_the_record_it_draws(tmp_path, capsys):
+    """One NaN planted in seed 0's cost means: the README images drawn (exit 0) and one stderr line counting 1 NaN of
+    cost/normal/mean in darts_seed0.h5 (the cost heatmap marks it grey; the script said nothing)."""
+    runs, img = tmp_path / "runs", tmp_path / "img"
+    runs.mkdir()
+    _darts_record(runs / "darts_seed0.h5", 1, nan=True)
+    _darts_record(runs / "darts_seed1.h5", 2)
+    code, err = _run("make_readme_figures", ["--out", str(img), "--runs", str(runs), "--plot-only"], capsys)
+    assert code == 0, err
+    said = [line for line in err if "NaN" in line and "darts_seed0.h5" in line]
+    assert len(said) == 1 and "1 NaN" in said[0] and "cost/normal/mean" in said[0], err
+    assert (img / "cost_heatmap.png").exists()
