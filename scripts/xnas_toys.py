@@ -146,13 +146,12 @@ def _series(record, path):
 
 
 def draw(record_path: str, out: str, fmt: str) -> list:
-    import json
-
     from nasdiag.plot.style import PAGE, paper_style, plt
     from nasdiag.record import load
+    from nasdiag.record.schema import loads_json
 
     record = load(record_path)
-    config = json.loads(str(record["meta/config"]))
+    config = loads_json(str(record["meta/config"]))
     problems = config["problems"]
     for name, problem in problems.items():  # a run stopped before its last row: a traceback of no row, or cut curves
         done = int(np.sum(record.get(f"valid/toy/{name}/xnas/p", 0)))

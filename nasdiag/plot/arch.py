@@ -3,7 +3,6 @@ per edge, and the derived genotype drawn as a cell."""
 
 from __future__ import annotations
 
-import json
 from typing import List, Optional
 
 import numpy as np
@@ -15,6 +14,7 @@ from nasdiag.plot.style import (
     PAGE, edge_names, epoch_of, grid_shape, integer_steps, legend_outside, op_names, plot_series, plt, series, step_of,
     wrap,
 )
+from nasdiag.record.schema import loads_json  # reads the NaN form of the record's JSON ({"__float__": "nan"})
 
 #: newer records hold the distribution the genotype comes from; older ones only the mixing weights Z
 ARCH_FAMILIES = (V.ARCH_PROBABILITIES, V.ARCH_WEIGHTS)
@@ -89,7 +89,7 @@ def _meta_json(record, key: str):
     if f"meta/{key}" not in record:
         return None
     try:
-        return json.loads(str(record[f"meta/{key}"]))
+        return loads_json(str(record[f"meta/{key}"]))
     except ValueError:
         return str(record[f"meta/{key}"])
 

@@ -3,8 +3,6 @@ top α-Hessian eigenvalue over the search."""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 
 from nasdiag import vocabulary as V
@@ -12,11 +10,12 @@ from nasdiag.plot.registry import Heatmap, NothingToDraw, figure, heatmap
 from nasdiag.plot.style import (
     COLUMN, edge_names, integer_steps, marked_series, none_finite, op_names, plot_series, plt, step_of,
 )
+from nasdiag.record.schema import loads_json  # reads the NaN form of the record's JSON ({"__float__": "nan"})
 
 
 def _mode(record, sep: str = ", ") -> str:
     try:
-        config = json.loads(str(record["meta/config"])) if "meta/config" in record else {}
+        config = loads_json(str(record["meta/config"])) if "meta/config" in record else {}
     except ValueError:
         config = {}
     mode = config.get("hessian_mode") if isinstance(config, dict) else None
