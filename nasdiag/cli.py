@@ -986,6 +986,28 @@ def _import_numpy() -> None:
     import numpy  # noqa: F401
 
 
+def _omp_threads_readable(text: str) -> bool:
+    """Whether OpenMP (libgomp, which torch and scikit-learn load) reads ``text`` as ``OMP_NUM_THREADS``: a
+    comma-separated list of whole numbers from 1 to 2**63 - 1, ASCII white space around each, an optional ``+``
+    (libgomp's ``parse_unsigned_long_list``: ``strtoul`` base 10, a value <= 0 as a C long is invalid)."""
+    for item in text.split(","):
+        found = re.fullmatch(r"[ \t\n\v\f\r]*\+?([0-9]+)[ \t\n\v\f\r]*", item)
+        if found is None or not 1 <= int(found.group(1)) <= 2**63 - 1:
+            return False
+    return True
+
+
+def _drop_unreadable_omp_threads() -> None:
+    """Remove an ``OMP_NUM_THREADS`` that OpenMP cannot read (``0``, ``abc``, empty) before torch loads it: each
+    libgomp that loads (torch's, scikit-learn's) ignored it, so nothing changes, but each printed an empty line and
+    "libgomp: Invalid value for environment variable OMP_NUM_THREADS" first, and a mistake was three lines on
+    stderr. torch's threads are then its default, as OpenMP's were (a search sets its own: ``--threads``). Once torch
+    is loaded (a Python caller of `main`) OpenMP has read it: nothing is changed."""
+    text = os.environ.get("OMP_NUM_THREADS")
+    if text is not None and "torch" not in sys.modules and not _omp_threads_readable(text):
+        del os.environ["OMP_NUM_THREADS"]
+
+
 def _die_on_the_next_interrupt(argv, main_thread: bool) -> None:
     """After an interrupt is handled (the record closed, the line printed), a second Ctrl-C while the process exits
     ends it at once instead of printing a traceback from an exit handler of torch. Only for the command itself
@@ -1027,6 +1049,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             _refuse_typographic_quotes(args)
             _refuse_surrounding_space(args)
             _refuse_slash_after_a_file(args)
+        _drop_unreadable_omp_threads()
         _import_numpy()
         if args.command == "methods":  # printing is all it does
             return _printed(COMMANDS[args.command], args)

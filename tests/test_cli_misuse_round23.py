@@ -1,0 +1,63 @@
+"""A twenty-third new user's misuse of the ``nasdiag`` CLI, run as a user runs it (``python -m nasdiag`` in a
+subprocess): what rounds 1-22 (test_cli_errors.py, test_cli_*misuse*.py, test_audit_newuser*.py) did not cover.
+
+Checked and found right (not repeated as tests): the main job run twice on one --out, --resume of a finished run,
+--resume with another --seed, --resume --force (one line each, nothing touched); plot/report of the checkpoint, a
+continuation segment, a lock path, a zero-byte file, another program's HDF5 file with and without /meta or with a
+/step, a record of schema version 3 (one line each), copies cut by ``head -c`` (one line, or every row read when only
+the unused tail of the file was cut); every bad --at/--dpi/--format/--figures value; options of one command given to
+another; Ctrl-C/SIGTERM while plot or report draw (130/143, one line, the old page kept), Ctrl-C while a search draws
+its figures (the line names the complete record and the plot command); ``| head`` / ``| true`` (141, no traceback);
+PYTHONWARNINGS=error for plot and report; CUDA_VISIBLE_DEVICES='' with --device cuda (one line); a search over a
+record being written (one line); --force while a reader holds the record open (replaced, the reader keeps its copy).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _nasdiag(argv, tmp_path, **env):
+    full = dict(os.environ, MPLBACKEND="Agg", PYTHONPATH=str(ROOT), **env)
+    return subprocess.run([sys.executable, "-m", "nasdiag", *argv], cwd=tmp_path, env=full, capture_output=True,
+                          text=True, timeout=300)
+
+
+def _libgomp() -> str:
+    import torch
+
+    path = Path(torch.__file__).parent / "lib" / "libgomp.so.1"
+    if not path.exists():
+        pytest.skip("this torch build does not ship libgomp")
+    return str(path)
+
+
+@pytest.mark.parametrize("value", ["abc", "0", ""])
+def test_an_omp_num_threads_openmp_cannot_read_leaves_a_mistake_one_line(value, tmp_path):
+    """``OMP_NUM_THREADS=0`` (or ``abc``, or set empty) put an empty line and "libgomp: Invalid value for environment
+    variable OMP_NUM_THREADS" before every line of a command that loads torch: ``nasdiag methods bogus`` was three
+    lines on stderr. OpenMP ignores such a value; so does nasdiag now, and a mistake is its one line."""
+    done = _nasdiag(["methods", "bogus"], tmp_path, OMP_NUM_THREADS=value)
+    assert done.returncode == 2, done
+    assert done.stderr.splitlines() == [done.stderr.strip()] and "unknown method 'bogus'" in done.stderr, done.stderr
+
+
+def test_the_omp_num_threads_nasdiag_drops_are_those_libgomp_cannot_read(tmp_path):
+    """The values dropped are exactly those torch's own libgomp rejects when it loads (it says so on stderr); one a
+    libgomp reads (`` 2 ``, ``2,1``, ``+2``) is kept for it."""
+    from nasdiag.cli import _omp_threads_readable
+
+    library = _libgomp()
+    for value in ["abc", "0", "", " ", "2", " 2 ", "2,1", "2 , 3", "+2", "02", "1,", ",2", "-1", "0x2", "2abc", "1.5",
+                  "4294967296", "9223372036854775807", "9223372036854775808", "99999999999999999999", "\u0663"]:
+        loaded = subprocess.run([sys.executable, "-c", f"import ctypes; ctypes.CDLL({library!r})"],
+                                env=dict(os.environ, OMP_NUM_THREADS=value), capture_output=True, text=True, timeout=60)
+        assert loaded.returncode == 0, loaded
+        assert _omp_threads_readable(value) == ("Invalid value" not in loaded.stderr), (value, loaded.stderr)
