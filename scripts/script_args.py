@@ -512,3 +512,19 @@ def _remove_stale_files(folder, stem: str) -> None:
         with contextlib.suppress(OSError):
             if not os.path.islink(os.path.join(folder, name)) and os.path.isfile(os.path.join(folder, name)):
                 os.unlink(os.path.join(folder, name))
+
+
+def refuse_past_memory(need: int, what: str, fix: str, device: str = "cpu") -> None:
+    """One line, before any work, where ``what`` takes ``need`` bytes, more than ``device``'s memory in all (physical
+    memory for the CPU, as ``nasdiag search`` counts it for a supernet): a size the script allocates from its
+    arguments was torch's "DefaultCPUAllocator: can't allocate memory" traceback (exit 1) once the run had begun, its
+    record replaced by one of the points before, or where memory is overcommitted the OOM killer. Not refused where
+    the memory cannot be told."""
+    import torch
+
+    from nasdiag.search.runner import _device_memory
+
+    total = _device_memory(torch.device(device))
+    if total is not None and need > total:
+        raise UsageError(f"{what} takes at least {need / 2**30:,.1f} GiB, more than the {total / 2**30:,.1f} GiB of memory "
+                         f"of this machine; {fix}")

@@ -27,6 +27,11 @@ Defects found (each test fails without its fix):
   (test_a_wiring_script_says_the_nan_and_inf_of_the_heatmaps_it_draws); make_readme_figures.py likewise said nothing
   of the NaN in the seed-0 record it draws the README's images from
   (test_make_readme_figures_says_the_nan_of_the_record_it_draws).
+* xnas_statistical.py took any --n-grid, --n-experts and --runs: ``--n-grid 2,10000000000`` simulated N = 2, replacing
+  record.h5 by a record of that one point, then stopped in torch's "DefaultCPUAllocator: can't allocate memory"
+  traceback, exit 1 (or, with memory overcommitted, the OOM killer). Every grid point is checked against the machine's
+  memory before any work (`script_args.refuse_past_memory`)
+  (test_xnas_statistical_refuses_a_grid_past_the_machines_memory_before_any_work).
 """
 
 from __future__ import annotations
@@ -283,3 +288,20 @@ def test_make_readme_figures_says_the_nan_of_the_record_it_draws(tmp_path, capsy
     said = [line for line in err if "NaN" in line and "darts_seed0.h5" in line]
     assert len(said) == 1 and "1 NaN" in said[0] and "cost/normal/mean" in said[0], err
     assert (img / "cost_heatmap.png").exists()
+
+
+# -- a simulation past the machine's memory ----------------------------------------------------------------------------
+def test_xnas_statistical_refuses_a_grid_past_the_machines_memory_before_any_work(tmp_path, capsys):
+    """--n-grid 2,10000000000 at 1000 runs: one (runs, N) float64 tensor alone is 80 TB, more than this machine's
+    physical memory (os.sysconf): exit 2, one line naming --n-grid and the N, and nothing written (the earlier
+    record.h5 of the folder as it was), where it was a traceback after the first point replaced the record."""
+    need = 1000 * 10_000_000_000 * 8
+    assert need > os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")  # the premise: it cannot fit
+    out = tmp_path / "out"
+    code, err = _run("xnas_statistical", ["--out", str(out), "--runs", "2", "--steps", "5", "--n-grid", "2,4",
+                                          "--sigma-grid", "1", "--lr-multipliers", ""], capsys)
+    assert code == 0, err
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    code, err = _run("xnas_statistical", ["--out", str(out), "--runs", "1000", "--n-grid", "2,10000000000"], capsys)
+    assert code == 2 and len(err) == 1 and "--n-grid" in err[0] and "10000000000 experts" in err[0], err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
