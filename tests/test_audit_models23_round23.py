@@ -263,3 +263,22 @@ def test_max_pooling_and_copy_padding_in_forward_code_are_0_1_glue_at_every_rank
         own = _own_recursion(list(model), x, F.cross_entropy, y, approx=approx)
         for k in own:
             assert _rel(got[k], own[k]) < 1e-12, (approx, k)
+
+
+def test_circular_padding_in_forward_code_is_one_line_pointing_to_the_circular_pad_modules():
+    """F.pad(mode='circular') is written by torch as in-place slice copies (autograd's CopySlices), which the walk
+    cannot cross; the refusal names that and the modules that work (before round 23 it named only 'CopySlices')."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 2, 1), nn.Tanh(), _Functional(lambda x: F.pad(x, (1, 1, 1, 1), mode="circular")),
+                          nn.Conv2d(2, 2, 3), nn.Flatten(), nn.Linear(18, 3)).to(DT)
+    x, y = torch.randn(3, 2, 3, 3, dtype=DT), torch.tensor([0, 2, 1])
+    from nasdiag.hessian import UnsupportedModuleError
+
+    for mode in ("diag", "approx"):
+        with pytest.raises(UnsupportedModuleError) as err:
+            diag_hessian(model, F.cross_entropy, x, y, mode=mode)
+        text = str(err.value)
+        assert "\n" not in text and "CopySlices" in text and "nn.CircularPad1d/2d/3d" in text, text
+    exact = diag_hessian(model, F.cross_entropy, x, y, mode="exact")  # the way out the line names
+    ref = _dense_exact(model, x, F.cross_entropy, y)
+    assert max(_rel(exact[k], ref[k]) for k in ref) < 1e-12

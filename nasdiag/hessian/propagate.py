@@ -329,7 +329,11 @@ def _apply_glue(node, slots, needed, push, grad_of, tracer: ModuleTracer, reache
     if glue is None:
         if type(node).__name__ == "BackwardHookFunctionBackward":
             raise UnsupportedModuleError(_backward_hook_message(tracer))
-        raise UnsupportedModuleError(_glue_message(node, "has no diagonal-Hessian rule", tracer, reached_from))
+        why = "has no diagonal-Hessian rule"
+        if type(node).__name__ == "CopySlices":  # an in-place write into a slice; torch's circular padding is one
+            why += (" (an in-place write into part of a tensor, as x[i] = y or F.pad(x, p, mode='circular'); for "
+                    "circular padding use the nn.CircularPad1d/2d/3d modules, which have a rule)")
+        raise UnsupportedModuleError(_glue_message(node, why, tracer, reached_from))
     n_out = max(slots) + 1 if slots else 1
     n_out = max(n_out, len(getattr(node, "_input_metadata", ())) or 1)
     h_outs = [slots.get(i) for i in range(n_out)]
