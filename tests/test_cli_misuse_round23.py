@@ -61,3 +61,27 @@ def test_the_omp_num_threads_nasdiag_drops_are_those_libgomp_cannot_read(tmp_pat
                                 env=dict(os.environ, OMP_NUM_THREADS=value), capture_output=True, text=True, timeout=60)
         assert loaded.returncode == 0, loaded
         assert _omp_threads_readable(value) == ("Invalid value" not in loaded.stderr), (value, loaded.stderr)
+
+
+def test_plot_or_report_of_a_killed_writers_lock_file_names_the_record(tmp_path, capsys):
+    """A writer killed mid-run leaves ``run.h5.lock`` next to its record; ``nasdiag plot run.h5.lock`` (tab completion
+    picks it) said "is not a nasdiag record: it is not an HDF5 file (no HDF5 signature); pass a record that nasdiag
+    search or nasdiag.record.Recorder wrote", naming no record, where the checkpoint and a later segment name the record
+    to pass. The line names it, nothing is written, and doing what it says draws the record."""
+    from nasdiag.cli import main
+
+    writer = ("import os\nfrom nasdiag.record import Recorder\nrec = Recorder('run.h5', meta={'method': 'mine'})\n"
+              "for step in range(1, 4):\n    rec.log(step, {'scalars/train_loss': 1.0 / step})\nrec.flush()\nos._exit(0)\n")
+    done = subprocess.run([sys.executable, "-c", writer], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert done.returncode == 0 and (tmp_path / "run.h5.lock").is_file(), done  # left as by a kill
+    before = sorted(p.name for p in tmp_path.iterdir())
+    lock = str(tmp_path / "run.h5.lock")
+    capsys.readouterr()
+    for argv in (["plot", lock, "--out", str(tmp_path / "figs")], ["report", lock, "--out", str(tmp_path / "page.html")]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"pass the record {tmp_path / 'run.h5'} instead" in err, err
+        assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert main(["plot", str(tmp_path / "run.h5"), "--out", str(tmp_path / "figs"), "--figures", "scalars"]) == 0
+    assert (tmp_path / "figs" / "scalars.png").is_file()

@@ -416,8 +416,9 @@ def no_rows(record_path, nothing: str) -> "PlotError":
 
 def refuse_checkpoint(record_path) -> None:
     """Raise `PlotError` when ``record_path`` is a search checkpoint (``<record>.ckpt``, or any file that is
-    not HDF5 but starts like a torch.save file) instead of a record, naming the record to pass; a missing
-    or unreadable file is left to the record reader's message."""
+    not HDF5 but starts like a torch.save file) or the writer lock of a record (``<record>.lock`` next to that
+    record) instead of a record, naming the record to pass; a missing or unreadable file is left to the record
+    reader's message."""
     from nasdiag.record.reader import HDF5_SIGNATURE
 
     path = Path(record_path)
@@ -426,6 +427,11 @@ def refuse_checkpoint(record_path) -> None:
             head = fh.read(len(HDF5_SIGNATURE))
     except OSError:
         return
+    if head != HDF5_SIGNATURE and len(path.name) > len(".lock") and path.name.endswith(".lock"):
+        record = path.with_name(path.name[: -len(".lock")])
+        if record.exists():  # `schema.lock_path`: "is not a nasdiag record: it is not an HDF5 file" named no record
+            raise PlotError(f"{path} is the writer lock of the record {record} (a small file naming the process that "
+                            f"writes it), not a record; pass the record {record} instead")
     named = path.name.endswith(_CHECKPOINT_SUFFIXES)
     if head == HDF5_SIGNATURE or not (named or head.startswith(_TORCH_SIGNATURES)):
         return
