@@ -13,7 +13,7 @@ Softplus chains, Softmax/LogSoftmax/Softmin, F.threshold, pixel shuffle, zero an
 norm in eval and train mode, channels_last inputs, train-mode Dropout/Dropout1d/2d/3d/AlphaDropout/
 FeatureAlphaDropout with a seeded mask (all 1e-16); Hardswish, CELU, SELU, Softsign, LogSigmoid, LPPool,
 ChannelShuffle, ReplicationPad1d, CircularPad2d, LocalResponseNorm, AdaptiveAvgPool3d refused in one line naming
-the module; approx of Conv3d equal to approx of the same Conv2d (depth 1) in four geometries; diag/approx of Linear on
+the module (round 23 gave the 1-D/3-D copy pads and nn.CircularPad*d rules: tests/test_audit_models23_round23.py); approx of Conv3d equal to approx of the same Conv2d (depth 1) in four geometries; diag/approx of Linear on
 (B, T, D) equal to an own transcription of C.1.4-C.1.5 and its feature mean; the exact chain route (inplace ReLU and
 LeakyReLU, a reused Tanh, Identity, bias-free Linear) and diag's last layer for CE with class weights, ignore_index
 and label smoothing, CE sum, NLL after log_softmax, BCE with pos_weight, MSE sum, Huber, smooth L1, KL, Gaussian
