@@ -73,10 +73,26 @@ def raised_warning(exc: Warning) -> str:
             f"python -W); run with PYTHONWARNINGS unset, or 'default', to let nasdiag warn and go on")
 
 
+def quiet_stdout() -> None:
+    """After a closed pipe (``script.py | head -1``): send what is left of stdout nowhere, so that Python's final
+    flush does not complain about the pipe either."""
+    import os
+    import sys
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # a stdout without a file descriptor (captured in tests)
+        pass
+
+
 def run_script(prog: str, main, argv=None) -> int:
     """Run a batch script's ``main(argv)`` as the CLI runs a command: a `NasdiagError`, an `OSError` (an
     output folder that cannot be created, a full disk) or a warning raised as an error (`raised_warning`) is one line
-    on stderr and exit code 2, Ctrl-C exits 130;
+    on stderr and exit code 2, Ctrl-C exits 130, and the reader of standard output gone (``script.py | head -1``)
+    exits 141 without a word, as ``nasdiag`` does (it was "error: Broken pipe", exit code 2, or Python's "Exception
+    ignored ... BrokenPipeError" from the final flush, exit code 120);
     anything else is a bug and keeps its traceback. ``main`` returns an exit code or None (0).
 
     Use it as ``sys.exit(run_script("name", main))`` under ``if __name__ == "__main__":``.
@@ -85,7 +101,13 @@ def run_script(prog: str, main, argv=None) -> int:
 
     previous_errors, previous_stderr = paths_on_stdout(), paths_on_stderr()  # a script prints the paths it wrote
     try:
-        return int(main(argv) or 0)
+        code = int(main(argv) or 0)
+        if sys.stdout is not None:  # None: started with stdout closed (>&-)
+            sys.stdout.flush()  # here, not at the interpreter's exit: a closed pipe (or a full disk) is this function's
+        return code
+    except BrokenPipeError:  # | head: the reader went away; not an error of the script (SIGPIPE's exit code)
+        quiet_stdout()
+        return 141
     except NasdiagError as err:
         print(f"{prog}: error: {' '.join(str(err).split())}", file=sys.stderr)
     except Warning as err:

@@ -32,6 +32,11 @@ Defects found (each test fails without its fix):
   traceback, exit 1 (or, with memory overcommitted, the OOM killer). Every grid point is checked against the machine's
   memory before any work (`script_args.refuse_past_memory`)
   (test_xnas_statistical_refuses_a_grid_past_the_machines_memory_before_any_work).
+* a script's output piped into a reader that stops early (``curvature_accuracy.py | head -1``, ``sparsenas_digits.py |
+  head``) ended in "curvature_accuracy: error: Broken pipe", exit code 2, or, where the output was still in Python's
+  buffer, in "Exception ignored ... BrokenPipeError" from the interpreter's final flush, exit code 120, where
+  ``nasdiag ... | head`` exits 141 without a word. `nasdiag.errors.run_script` does as the CLI does
+  (test_a_script_whose_reader_goes_away_exits_141_without_a_word).
 """
 
 from __future__ import annotations
@@ -305,3 +310,22 @@ def test_xnas_statistical_refuses_a_grid_past_the_machines_memory_before_any_wor
     code, err = _run("xnas_statistical", ["--out", str(out), "--runs", "1000", "--n-grid", "2,10000000000"], capsys)
     assert code == 2 and len(err) == 1 and "--n-grid" in err[0] and "10000000000 experts" in err[0], err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+# -- | head ------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("prints", ["for i in range(100000): print(i, flush=True)",  # a table printed line by line
+                                    "time.sleep(1); print('wrote fits.json')"])      # one buffered line, flushed at exit
+def test_a_script_whose_reader_goes_away_exits_141_without_a_word(prints):
+    """A script run as its command (``sys.exit(run_script(...))``) whose standard output is a pipe the reader closed
+    (as ``| head -1`` does once it has its line): exit code 141 (128 + SIGPIPE, nasdiag's), nothing on stderr."""
+    import subprocess
+    import sys
+
+    code = ("import sys, time\nfrom nasdiag.errors import run_script\n"
+            f"def main(argv):\n    {prints}\n"
+            "sys.exit(run_script('table', main))\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before (or as) the script writes
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141, err
+    assert err == ""
