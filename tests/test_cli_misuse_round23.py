@@ -85,3 +85,28 @@ def test_plot_or_report_of_a_killed_writers_lock_file_names_the_record(tmp_path,
         assert sorted(p.name for p in tmp_path.iterdir()) == before
     assert main(["plot", str(tmp_path / "run.h5"), "--out", str(tmp_path / "figs"), "--figures", "scalars"]) == 0
     assert (tmp_path / "figs" / "scalars.png").is_file()
+
+
+def test_a_segment_of_a_run_that_never_resumed_is_not_said_to_hold_the_rows_after_a_resume(tmp_path, capsys):
+    """The main job's record is two files without any resume (its first cost row, at the end of epoch 1, is a new
+    column after the first flush: a new segment). ``nasdiag plot runs/darts.seg0001.h5`` said it holds "the rows after
+    a resume" of a run never resumed, and the README said a record is several files "after a resume" only."""
+    from nasdiag.cli import main
+    from nasdiag.record import Recorder
+    from nasdiag.record.schema import list_segments
+
+    record = tmp_path / "run.h5"
+    with Recorder(record, meta={"method": "mine"}) as rec:  # as the search: scalars every step, costs at epoch end
+        rec.log(1, {"scalars/train_loss": 1.0})
+        rec.flush()
+        rec.log(2, {"scalars/train_loss": 0.5, "cost/normal/mean": [[0.1, 0.2]]})
+    assert [index for index, _ in list_segments(str(record))] == [0, 1]  # a segment without a resume
+    capsys.readouterr()
+    for argv in (["plot", str(tmp_path / "run.seg0001.h5"), "--out", str(tmp_path / "figs")],
+                 ["report", str(tmp_path / "run.seg0001.h5"), "--out", str(tmp_path / "page.html")]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"pass the record {record}" in err, err
+        assert "the rows after a resume)" not in err, err
+    readme = (ROOT / "README.md").read_text()
+    assert "After a resume a record is several" not in readme.replace("\n", " ")

@@ -319,13 +319,15 @@ def _segment_owner(record_path) -> Optional[str]:
 
 def refuse_segment(record_path) -> None:
     """Refuse a later segment given instead of its record: alone it holds only the rows after a resume
-    (or a new column), and would be drawn as if it were a whole run."""
+    or a new column (a search that never resumed has one: "the rows after a resume" misled), and would be drawn as
+    if it were a whole run."""
     from nasdiag.plot.registry import PlotError
 
     owner = _segment_owner(record_path)
     if owner is not None:
-        raise PlotError(f"{record_path} is a continuation segment of the record {owner} (the rows after a resume), "
-                        f"not a record of its own; pass the record {owner}, which is read with all its segments")
+        raise PlotError(f"{record_path} is a continuation segment of the record {owner} (later rows: a search starts "
+                        "one when it resumes, and when it first records a new kind of row, as the main job's first cost "
+                        f"row), not a record of its own; pass the record {owner}, which is read with all its segments")
     renamed = renamed_record(record_path)
     if renamed is not None:
         raise PlotError(renamed)
