@@ -37,6 +37,10 @@ Defects found (each test fails without its fix):
   buffer, in "Exception ignored ... BrokenPipeError" from the interpreter's final flush, exit code 120, where
   ``nasdiag ... | head`` exits 141 without a word. `nasdiag.errors.run_script` does as the CLI does
   (test_a_script_whose_reader_goes_away_exits_141_without_a_word).
+* wiring_output_cost.main() added a filter ignoring the probe's "some candidate ops did not run" RuntimeWarning to the
+  interpreter's ``warnings.filters`` and left it there: called in a session (a notebook, as the scripts' main()
+  allows), every later probe of that session said nothing of ops that did not run. The filter lives for the run only
+  (test_wiring_output_cost_main_leaves_the_sessions_warning_filters_as_they_were).
 """
 
 from __future__ import annotations
@@ -329,3 +333,18 @@ def test_a_script_whose_reader_goes_away_exits_141_without_a_word(prints):
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 141, err
     assert err == ""
+
+
+# -- module-global state ---------------------------------------------------------------------------------------------
+def test_wiring_output_cost_main_leaves_the_sessions_warning_filters_as_they_were(tmp_path, capsys):
+    """main() in-process (here refused at once: --plot-only of no record, exit 2) leaves ``warnings.filters`` as it
+    found them; a later probe's "did not run" RuntimeWarning is still shown."""
+    import warnings
+
+    before = list(warnings.filters)
+    code, err = _run("wiring_output_cost", ["--out", str(tmp_path / "out"), "--plot-only"], capsys)
+    assert code == 2 and len(err) == 1 and "no record at" in err[0], err
+    assert warnings.filters == before
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.warn("probe: some candidate ops did not run (a later probe's)", RuntimeWarning)
+    assert len(caught) == 1
