@@ -238,6 +238,16 @@ def summarize(data):
 
 
 def plot(data, summary, figure_path, runs):
+    """Fig. 8 from the record's ``data`` and its ``summary``, into ``figure_path``, in seaborn's theme for this figure
+    only: ``sns.set_theme`` wrote it into the session's rcParams, so main() called in a session (a notebook, a test)
+    left every later figure of it with seaborn's grid, colours and sizes."""
+    import matplotlib
+
+    with matplotlib.rc_context():
+        _plot(data, summary, figure_path, runs)
+
+
+def _plot(data, summary, figure_path, runs):
     import matplotlib
 
     matplotlib.use("Agg")

@@ -40,7 +40,10 @@ Defects found (each test fails without its fix):
 * wiring_output_cost.main() added a filter ignoring the probe's "some candidate ops did not run" RuntimeWarning to the
   interpreter's ``warnings.filters`` and left it there: called in a session (a notebook, as the scripts' main()
   allows), every later probe of that session said nothing of ops that did not run. The filter lives for the run only
-  (test_wiring_output_cost_main_leaves_the_sessions_warning_filters_as_they_were).
+  (test_wiring_output_cost_main_leaves_the_sessions_warning_filters_as_they_were); xnas_statistical.main() likewise
+  left seaborn's theme (``sns.set_theme``: axes.grid on, image.cmap 'rocket', font sizes) in the session's rcParams,
+  restyling every later figure of the session; the theme is set for Fig. 8 only
+  (test_xnas_statistical_main_leaves_the_sessions_rcparams_as_they_were).
 """
 
 from __future__ import annotations
@@ -348,3 +351,17 @@ def test_wiring_output_cost_main_leaves_the_sessions_warning_filters_as_they_wer
     with warnings.catch_warnings(record=True) as caught:
         warnings.warn("probe: some candidate ops did not run (a later probe's)", RuntimeWarning)
     assert len(caught) == 1
+
+
+def test_xnas_statistical_main_leaves_the_sessions_rcparams_as_they_were(tmp_path, capsys):
+    """A small xnas_statistical run in-process (exit 0, fig8.png drawn): matplotlib's rcParams as before it."""
+    import matplotlib
+
+    with matplotlib.rc_context():  # from matplotlib's defaults (an earlier test's run may have left a theme), restored
+        matplotlib.rcdefaults()
+        before = dict(matplotlib.rcParams)
+        code, err = _run("xnas_statistical", ["--out", str(tmp_path / "out"), "--runs", "2", "--steps", "5", "--n-grid",
+                                              "2,4", "--sigma-grid", "1", "--lr-multipliers", ""], capsys)
+        assert code == 0 and (tmp_path / "out" / "fig8.png").exists(), err
+        after = dict(matplotlib.rcParams)
+    assert {k: (before[k], after[k]) for k in before if before[k] != after[k]} == {}
