@@ -110,3 +110,32 @@ def test_a_segment_of_a_run_that_never_resumed_is_not_said_to_hold_the_rows_afte
         assert "the rows after a resume)" not in err, err
     readme = (ROOT / "README.md").read_text()
     assert "After a resume a record is several" not in readme.replace("\n", " ")
+
+
+def test_plot_or_report_of_a_segment_left_half_built_names_the_record(tmp_path, capsys):
+    """A writer killed while it built a segment leaves it under its temporary name (docs/schema.md: ``*.tmp``, a
+    segment being built); ``nasdiag plot runs/*`` takes it. ``run.seg0001.h5.tmp`` was called a damaged record ("it
+    holds segment 1 of its run, not segment 0"), and ``run.h5.tmp`` (segment 0, as --force builds it) was drawn as a
+    run of its own, exit 0. Each names the record to pass; nothing is written."""
+    import shutil
+
+    from nasdiag.cli import main
+    from nasdiag.record import Recorder
+
+    record = tmp_path / "run.h5"
+    with Recorder(record, meta={"method": "mine"}) as rec:
+        rec.log(1, {"scalars/train_loss": 1.0})
+        rec.flush()
+        rec.log(2, {"scalars/train_loss": 0.5, "cost/normal/mean": [[0.1, 0.2]]})
+    os.rename(tmp_path / "run.seg0001.h5", tmp_path / "run.seg0001.h5.tmp")  # killed before it was published
+    shutil.copy(record, tmp_path / "run.h5.tmp")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    capsys.readouterr()
+    for temp in ("run.seg0001.h5.tmp", "run.h5.tmp"):
+        for argv in (["plot", str(tmp_path / temp), "--out", str(tmp_path / "figs")],
+                     ["report", str(tmp_path / temp), "--out", str(tmp_path / "page.html")]):
+            assert main(argv) == 2, argv
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and f"pass the record {record} instead" in err, err
+            assert "damaged" not in err, err
+            assert sorted(p.name for p in tmp_path.iterdir()) == before

@@ -414,10 +414,23 @@ def no_rows(record_path, nothing: str) -> "PlotError":
     return PlotError(f"record {record_path} has no committed rows yet; {nothing}")
 
 
+def _record_of_temp(path: Path) -> Optional[Path]:
+    """The existing record whose segment is built under the name ``path`` (`schema.temp_path`: ``run.h5.tmp``,
+    ``run.seg0002.h5.tmp`` -> ``run.h5``), else None (also for a checkpoint being written, ``run.h5.ckpt.tmp``)."""
+    from nasdiag.record.schema import segment_owner
+
+    if not path.name.endswith(".tmp") or path.name.endswith(_CHECKPOINT_SUFFIXES) or len(path.name) <= len(".tmp"):
+        return None
+    built = path.with_name(path.name[: -len(".tmp")])
+    owner = segment_owner(str(built))
+    record = Path(owner) if owner is not None else built
+    return record if record.is_file() else None
+
+
 def refuse_checkpoint(record_path) -> None:
     """Raise `PlotError` when ``record_path`` is a search checkpoint (``<record>.ckpt``, or any file that is
-    not HDF5 but starts like a torch.save file) or the writer lock of a record (``<record>.lock`` next to that
-    record) instead of a record, naming the record to pass; a missing or unreadable file is left to the record
+    not HDF5 but starts like a torch.save file), the writer lock of a record (``<record>.lock`` next to that
+    record) or a segment of a record being built (``<record>.tmp``, ``<root>.segNNNN<ext>.tmp``) instead of a record, naming the record to pass; a missing or unreadable file is left to the record
     reader's message."""
     from nasdiag.record.reader import HDF5_SIGNATURE
 
@@ -432,6 +445,10 @@ def refuse_checkpoint(record_path) -> None:
         if record.exists():  # `schema.lock_path`: "is not a nasdiag record: it is not an HDF5 file" named no record
             raise PlotError(f"{path} is the writer lock of the record {record} (a small file naming the process that "
                             f"writes it), not a record; pass the record {record} instead")
+    record = _record_of_temp(path)
+    if record is not None:  # run.seg0002.h5.tmp "is damaged: it holds segment 2 of its run, not segment 0"; run.h5.tmp
+        raise PlotError(f"{path} is a segment of the record {record} being built (or left by a writer killed while it "
+                        f"built it), not a record; pass the record {record} instead")  # was drawn as a run of its own
     named = path.name.endswith(_CHECKPOINT_SUFFIXES)
     if head == HDF5_SIGNATURE or not (named or head.startswith(_TORCH_SIGNATURES)):
         return
