@@ -139,3 +139,29 @@ def test_plot_or_report_of_a_segment_left_half_built_names_the_record(tmp_path, 
             assert err.count("\n") == 1 and f"pass the record {record} instead" in err, err
             assert "damaged" not in err, err
             assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_an_extension_refused_by_pythonwarnings_error_leaves_no_new_segment(tmp_path, capsys):
+    """``PYTHONWARNINGS=error nasdiag search ... --resume --epochs 2`` of a finished 1-epoch run: the warning that
+    it extends the run, raised as an error, was one line and exit 2 (as docs say of every mistake), but it came after
+    the record was opened: the refused command left a new empty ``run.seg0001.h5`` next to the record. It is raised
+    before anything is opened now; every file is as it was, and the same command without the error filter extends."""
+    import warnings
+
+    from nasdiag.cli import main
+    from test_cli_errors import TINY, snapshot
+
+    out = tmp_path / "run.h5"
+    assert main(["search", *TINY, "--out", str(out)]) == 0
+    before = snapshot(tmp_path)
+    capsys.readouterr()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # as PYTHONWARNINGS=error
+        assert main(["search", *TINY, "--out", str(out), "--resume", "--epochs", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "extends the run from 1 to 2" in err, err
+    assert snapshot(tmp_path) == before
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        assert main(["search", *TINY, "--out", str(out), "--resume", "--epochs", "2"]) == 0
+    assert any("extends the run from 1 to 2" in str(w.message) for w in said), [str(w.message) for w in said]

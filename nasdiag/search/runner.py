@@ -899,6 +899,17 @@ def _run(config, callbacks, method_cls, hp, rank, world, device) -> SearchResult
 
         dist.barrier()  # every rank has read the record and the checkpoint before rank 0 opens the record
 
+    extending = []  # the warning that --epochs extends the run, raised here and shown once the record is open
+    if state is not None and config.epochs > epochs and rank == 0:  # --epochs has a default: a plain --resume of a
+        # shorter run lands here; shown once the record is open (a resume refused for another writer said it too), but
+        # raised before: as an error (PYTHONWARNINGS=error) it stopped the command after the record was opened, and the
+        # refused command (exit 2) left a new empty segment next to the record
+        finished = state["epoch"] >= epochs  # "pass --epochs 3 to finish it as started" was then "already finished"
+        with warnings.catch_warnings(record=True) as extending:  # the filters still apply: "error" raises here
+            warnings.warn(f"resuming {os.fspath(config.record)} extends the run from {epochs} to {config.epochs} epochs "
+                          f"({'it had finished; ' if finished else ''}its schedule anneals on from the current rate)"
+                          + ("" if finished else f"; pass --epochs {epochs} to finish it as started"), UserWarning,
+                          stacklevel=2)
     loop_callbacks: List = []
     record_cb = None
     if config.record is not None:
@@ -916,12 +927,8 @@ def _run(config, callbacks, method_cls, hp, rank, world, device) -> SearchResult
                     _say_what_is_kept(exc, config, record_cb)
                     raise
             loop_callbacks.append(checkpointer)
-    if state is not None and config.epochs > epochs and rank == 0:  # --epochs has a default: a plain --resume of a
-        # shorter run lands here; said once the record is open (a resume refused for another writer said it too)
-        finished = state["epoch"] >= epochs  # "pass --epochs 3 to finish it as started" was then "already finished"
-        warnings.warn(f"resuming {os.fspath(config.record)} extends the run from {epochs} to {config.epochs} epochs "
-                      f"({'it had finished; ' if finished else ''}its schedule anneals on from the current rate)"
-                      + ("" if finished else f"; pass --epochs {epochs} to finish it as started"), UserWarning, stacklevel=2)
+    for said in extending:
+        warnings.showwarning(said.message, said.category, said.filename, said.lineno, said.file, said.line)
     progress = Progress(config.epochs * S, start_step, enabled=rank == 0 and config.progress)
     loop_callbacks.append(progress)
     loop_callbacks.extend(Committed(cb, S, recorded_until) for cb in callbacks)
