@@ -33,7 +33,7 @@ import time
 from collections import Counter
 from nasdiag.errors import NasdiagError, run_script
 from script_args import (Parser, at_least, channels, refuse_other_figures, refuse_other_records, threads as thread_count,
-                         write_table)
+                         torch_threads, write_table)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
@@ -109,6 +109,12 @@ def study_one(method, loader):
 
 
 def run_study(args):
+    """The searches and their study, with torch at ``--threads`` for them only (`script_args.torch_threads`)."""
+    with torch_threads(args.threads):
+        return _run_study(args)
+
+
+def _run_study(args):
     import torch
     from torch.utils.data import DataLoader
 
@@ -116,8 +122,6 @@ def run_study(args):
     from nasdiag.search import SearchConfig, run
     from nasdiag.search.runner import check_paths
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     # the supernet options refused before the folder is made (--C 3 left an empty --out folder)
     SearchConfig(C=args.C, layers=args.layers, steps=args.steps, batch_size=args.batch_size).validate()
     configs = {(name, seed): SearchConfig(method=name, dataset="digits", seed=seed, epochs=args.epochs, C=args.C,

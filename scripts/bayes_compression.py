@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from nasdiag.errors import NasdiagError, run_script
 from script_args import (Parser, UsageError, at_least, number, refuse_other_figures, refuse_other_records, seed as seed_number,
-                         threads as thread_count)
+                         threads as thread_count, torch_threads)
 
 LAYERS = {"conv1.weight": (0,), "conv2.weight": (0,), "fc1.weight": (1,), "fc2.weight": (1,)}  # group_dims
 LABELS = {"conv1": "conv1 filters", "conv2": "conv2 filters", "fc1": "fc1 inputs (features)", "fc2": "fc2 inputs (neurons)"}
@@ -209,9 +209,9 @@ def main(argv=None) -> int:
     # a file of either name the script did not write (a search's record, the user's figure) was replaced without a word
     refuse_other_records([str(record)], "bayes_compression")
     refuse_other_figures(str(out), ["compression"], "png")
-    torch.set_num_threads(args.threads)
     out.mkdir(parents=True, exist_ok=True)
-    rows = compress(args)
+    with torch_threads(args.threads):  # for the compression only: main() in a session left torch at 1 thread
+        rows = compress(args)
     write_record(rows, record, vars(args))
     plot(record, figure)
     last = rows[-1]

@@ -9,6 +9,7 @@ a run that never trained and exited 0, ``--dpi 5`` in FreeType's "invalid ppem v
 from __future__ import annotations
 
 import argparse
+import contextlib
 from typing import Callable
 
 from nasdiag.errors import NasdiagError
@@ -528,3 +529,19 @@ def refuse_past_memory(need: int, what: str, fix: str, device: str = "cpu") -> N
     if total is not None and need > total:
         raise UsageError(f"{what} takes at least {need / 2**30:,.1f} GiB, more than the {total / 2**30:,.1f} GiB of memory "
                          f"of this machine; {fix}")
+
+
+@contextlib.contextmanager
+def torch_threads(n):
+    """torch's intra-op threads set to ``n`` for the block (None or 0: left as they are), then back to what they were,
+    as ``nasdiag search --threads`` (`nasdiag.search.run`) does: a script's main() called in a session (a notebook, a
+    test) left torch at the script's ``--threads`` for the rest of it (bayes_compression's default 1 always)."""
+    import torch
+
+    previous = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)

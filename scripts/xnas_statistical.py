@@ -30,7 +30,7 @@ import numpy as np
 from nasdiag.errors import run_script
 from script_args import (
     Parser, UsageError, at_least, number, numbers, refuse_other_figures, refuse_other_records, refuse_other_tables,
-    refuse_overflowing_lr, refuse_past_memory, seed as seed_number, threads as thread_count, write_table,
+    refuse_overflowing_lr, refuse_past_memory, seed as seed_number, threads as thread_count, torch_threads, write_table,
 )
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
@@ -96,13 +96,18 @@ def refuse_oversized_grid(args) -> None:
 
 
 def run_experiment(args, record_path):
+    """The simulation of every grid point into ``record_path``, with torch at ``--threads`` for it only
+    (`script_args.torch_threads`)."""
+    with torch_threads(args.threads):
+        _run_experiment(args, record_path)
+
+
+def _run_experiment(args, record_path):
     import torch
 
     from nasdiag.record import Recorder
     from nasdiag.regret import Forecaster, default_loss_bound, simulate_gaussian_experts
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     points = grid(args)
     meta = {
         "method": "xnas_statistical",

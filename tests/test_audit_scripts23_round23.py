@@ -43,7 +43,10 @@ Defects found (each test fails without its fix):
   (test_wiring_output_cost_main_leaves_the_sessions_warning_filters_as_they_were); xnas_statistical.main() likewise
   left seaborn's theme (``sns.set_theme``: axes.grid on, image.cmap 'rocket', font sizes) in the session's rcParams,
   restyling every later figure of the session; the theme is set for Fig. 8 only
-  (test_xnas_statistical_main_leaves_the_sessions_rcparams_as_they_were).
+  (test_xnas_statistical_main_leaves_the_sessions_rcparams_as_they_were); and bayes_compression.main() (always: its
+  --threads defaults to 1), xnas_statistical's and asmnas_stability's (with --threads) left torch at the script's
+  thread count; `script_args.torch_threads` sets it for the run and restores it, as ``nasdiag search --threads`` does
+  (test_a_scripts_main_leaves_torchs_threads_as_they_were).
 """
 
 from __future__ import annotations
@@ -365,3 +368,23 @@ def test_xnas_statistical_main_leaves_the_sessions_rcparams_as_they_were(tmp_pat
         assert code == 0 and (tmp_path / "out" / "fig8.png").exists(), err
         after = dict(matplotlib.rcParams)
     assert {k: (before[k], after[k]) for k in before if before[k] != after[k]} == {}
+
+
+
+@pytest.mark.parametrize("script, argv", [
+    ("bayes_compression", ["--iterations", "1", "--epochs-per-iteration", "1"]),  # --threads 1 by default
+    ("xnas_statistical", ["--runs", "2", "--steps", "5", "--n-grid", "2,4", "--sigma-grid", "1", "--lr-multipliers", "",
+                          "--threads", "1"]),
+])
+def test_a_scripts_main_leaves_torchs_threads_as_they_were(script, argv, tmp_path, capsys):
+    """A session at 2 torch threads runs the script with 1: exit 0, and torch.get_num_threads() is 2 again after it."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        code, err = _run(script, ["--out", str(tmp_path / "out"), *argv], capsys)
+        assert code == 0, err
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(previous)
