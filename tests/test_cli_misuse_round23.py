@@ -39,12 +39,12 @@ def _libgomp() -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("value", ["abc", "0", ""])
-def test_an_omp_num_threads_openmp_cannot_read_leaves_a_mistake_one_line(value, tmp_path):
+def test_an_omp_num_threads_openmp_cannot_read_leaves_a_mistake_one_line(tmp_path):
     """``OMP_NUM_THREADS=0`` (or ``abc``, or set empty) put an empty line and "libgomp: Invalid value for environment
     variable OMP_NUM_THREADS" before every line of a command that loads torch: ``nasdiag methods bogus`` was three
-    lines on stderr. OpenMP ignores such a value; so does nasdiag now, and a mistake is its one line."""
-    done = _nasdiag(["methods", "bogus"], tmp_path, OMP_NUM_THREADS=value)
+    lines on stderr. OpenMP ignores such a value; so does nasdiag now, and a mistake is its one line (the values it
+    drops are checked against libgomp below)."""
+    done = _nasdiag(["methods", "bogus"], tmp_path, OMP_NUM_THREADS="0")
     assert done.returncode == 2, done
     assert done.stderr.splitlines() == [done.stderr.strip()] and "unknown method 'bogus'" in done.stderr, done.stderr
 
