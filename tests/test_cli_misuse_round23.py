@@ -165,3 +165,24 @@ def test_an_extension_refused_by_pythonwarnings_error_leaves_no_new_segment(tmp_
         warnings.simplefilter("always")
         assert main(["search", *TINY, "--out", str(out), "--resume", "--epochs", "2"]) == 0
     assert any("extends the run from 1 to 2" in str(w.message) for w in said), [str(w.message) for w in said]
+
+
+@pytest.mark.parametrize("side, what", [(".ckpt", "the checkpoint of the record being read"),
+                                        (".lock", "the writer lock of the record being read")])
+def test_a_report_out_on_the_checkpoint_or_lock_of_its_record_names_what_it_is(side, what, tmp_path, capsys):
+    """``nasdiag report run.h5 --out run.h5.ckpt --force`` (tab completion) was refused as "--out run.h5.ckpt is the
+    record being read (run.h5.ckpt)": the record read is run.h5. The line says the file is its checkpoint (or lock),
+    and the file is kept."""
+    from nasdiag.cli import main
+    from nasdiag.record import Recorder
+
+    record = tmp_path / "run.h5"
+    with Recorder(record, meta={"method": "mine"}) as rec:
+        rec.log(1, {"scalars/train_loss": 1.0})
+    kept = b"the search's resume state\n"
+    (tmp_path / ("run.h5" + side)).write_bytes(kept)  # named as the search names it; its content is not read
+    capsys.readouterr()
+    assert main(["report", str(record), "--out", str(tmp_path / ("run.h5" + side)), "--force"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"is {what}, {record}" in err and "is the record being read" not in err, err
+    assert (tmp_path / ("run.h5" + side)).read_bytes() == kept

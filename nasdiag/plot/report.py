@@ -356,12 +356,16 @@ def is_hdf5(path: Path) -> bool:
         return False
 
 
-def _record_files(record_path) -> List[str]:
-    """The files that make up the record at ``record_path``: segments, writer lock, checkpoint."""
+def _record_files(record_path) -> List[Tuple[str, str]]:
+    """The files that make up the record at ``record_path``, each with what it is: segments, writer lock, checkpoint
+    (``--out run.h5.ckpt`` was called "the record being read (run.h5.ckpt)")."""
     from nasdiag.record.schema import list_segments, lock_path
 
     path = os.fspath(record_path)
-    return [path, lock_path(path), path + ".ckpt"] + [file for _, file in list_segments(path)]
+    return ([(path, "the record being read"), (lock_path(path), f"the writer lock of the record being read, {path}"),
+             (path + ".ckpt", f"the checkpoint of the record being read, {path}")]
+            + [(file, "the record being read" if index == 0 else f"segment {index} of the record being read, {path}")
+               for index, file in list_segments(path)])
 
 
 def _same_file(a, b) -> bool:
@@ -391,14 +395,14 @@ def check_report_out(record_path, out_html, force: bool = False) -> None:
     segment = later_segment_in(text, record_path)
     if segment is not None:
         raise PlotError(f"--out {text} is or lies in {segment}, the name of a later segment of the record {os.fspath(record_path)} (its "
-                        f"rows after a resume), which plot, report and --resume would then read as damaged; give an HTML "
+                        f"rows after a resume or a new kind of row), which plot, report and --resume would then read as damaged; give an HTML "
                         f"file, e.g. --out {Path(os.fspath(record_path)).with_suffix('')}-report.html")
     if not (out.exists() or out.is_symlink()):
         return
     target = os.path.realpath(out)
-    for file in _record_files(record_path):
+    for file, what in _record_files(record_path):
         if os.path.exists(file) and (os.path.realpath(file) == target or _same_file(file, out)):
-            raise PlotError(f"--out {text} is the record being read ({file}); give an HTML file, "
+            raise PlotError(f"--out {text} is {what} ({file}); give an HTML file, "
                             f"e.g. --out {Path(os.fspath(record_path)).with_suffix('')}-report.html")
     if not out.is_file():
         raise PlotError(f"--out {text} exists and is not a regular file; give another path, e.g. report.html")
