@@ -9,7 +9,14 @@ the unused tail of the file was cut); every bad --at/--dpi/--format/--figures va
 another; Ctrl-C/SIGTERM while plot or report draw (130/143, one line, the old page kept), Ctrl-C while a search draws
 its figures (the line names the complete record and the plot command); ``| head`` / ``| true`` (141, no traceback);
 PYTHONWARNINGS=error for plot and report; CUDA_VISIBLE_DEVICES='' with --device cuda (one line); a search over a
-record being written (one line); --force while a reader holds the record open (replaced, the reader keeps its copy).
+record being written (one line); --force while a reader holds the record open (replaced, the reader keeps its copy);
+two --resume of one killed run at once (one runs, the other is one line; every step once); a schema-1 record (drawn,
+resumed); a read-only current folder with a relative --out (one line each); PYTHONIOENCODING=ascii with a -inf.
+
+Left alone: a record copied alone without its later segments is drawn as a shorter run without a word (segment 0
+cannot know of later ones: a writer change, records area; README now says so); other OMP_* variables that libgomp
+rejects (OMP_PROC_BIND=bogus, ...) still print its line; search --force while an earlier run of the same --out still
+draws its figures (both exit 0, one figure folder).
 """
 
 from __future__ import annotations
