@@ -51,6 +51,22 @@ from nasdiag.hooks import Hooks
 __all__ = ["ggn_arch_diag", "ggn_factor_rows"]
 
 
+def _per_sample_tolerance(output: torch.Tensor, reference: torch.Tensor) -> float:
+    """Relative tolerance of the check that a mixed op returns for (B, K) weights what it returns for (K,): 1e-5, or,
+    where the two calls may round differently, 16 ulp of the coarsest dtype they compute in. That is under autocast
+    (a mix by einsum/matmul runs in its dtype) and where the two outputs' dtypes differ: under CPU bfloat16 autocast a
+    0-dim weight times a bfloat16 op output stays bfloat16 and a (B, 1, 1, 1) weight promotes it to float32, so
+    nasdiag's own MixedOp (and the DARTS code's ``w * op(x)``) differ by bfloat16 rounding (0.4% of the largest entry
+    on a 2-cell supernet), which was refused as a mixed op pairing the batch rows with its ops. A pairing of rows with
+    ops differs by the outputs themselves, far more than 16 ulp."""
+    dtypes = {output.dtype, reference.dtype}
+    if torch.is_autocast_enabled(output.device.type):
+        dtypes.add(torch.get_autocast_dtype(output.device.type))
+    if len(dtypes) == 1:
+        return 1e-5
+    return max(1e-5, 16 * max(torch.finfo(d).eps for d in dtypes))
+
+
 class _PerSampleShift:
     """Forward pre-hooks that add a (B, K) zero leaf δ_e to each mixed op's weights (tied calls share it)."""
 
@@ -81,8 +97,8 @@ class _PerSampleShift:
                 torch.cuda.set_rng_state(cuda_state, device)
             reference = module.forward(*args, **kwargs)
         if not isinstance(reference, torch.Tensor) or reference.shape == output.shape and bool(
-                ((output.detach() - reference).abs().amax() <= 1e-5 * reference.abs().amax()
-                 + torch.finfo(reference.dtype).tiny) or not torch.isfinite(reference).all()):
+                ((output.detach() - reference).abs().amax() <= _per_sample_tolerance(output, reference)
+                 * reference.abs().amax() + torch.finfo(reference.dtype).tiny) or not torch.isfinite(reference).all()):
             return
         if self._forward_takes_per_sample_weights(module, args, kwargs, reference, cpu_state, device, cuda_state):
             # forward alone mixes (B, K) weights right: the call differed by a user's hook, not by the pairing
