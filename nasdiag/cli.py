@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from nasdiag.errors import ConfigError, NasdiagError, paths_on_stderr, paths_on_stdout, raised_warning
+from nasdiag.errors import ConfigError, NasdiagError, paths_on_stderr, paths_on_stdout, quiet_stdout, raised_warning
 
 try:  # loaded now: under a memory limit, loading it when torch failed to load failed too
     import resource
@@ -56,7 +56,7 @@ class _Parser(argparse.ArgumentParser):
         except BrokenPipeError:  # | head: handled as such
             raise
         except OSError as exc:
-            _quiet_stdout()
+            quiet_stdout()
             raise OSError(exc.errno, exc.strerror, "standard output" if target is sys.stdout else "standard error") from None
 
     def _check_value(self, action, value):  # an invalid choice names the near miss (--dataset Digits)
@@ -915,17 +915,6 @@ def _warning_line(message, category, filename, lineno, line=None) -> str:
     return f"nasdiag: warning: {' '.join(str(message).split())} ({category.__name__})\n"
 
 
-def _quiet_stdout() -> None:
-    """After a closed pipe (``nasdiag methods | head -1``): send what is left of stdout nowhere, so that
-    Python's final flush does not complain about the pipe either."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-    except (OSError, ValueError, AttributeError):  # a stdout without a file descriptor (captured in tests)
-        pass
-
-
 def _printed(command, args) -> int:
     """Run ``command``, which only prints (``methods``), and make sure its text reached standard output: closed
     (``>&-``), print() wrote nowhere, exit code 0 and nothing said. That is a `ConfigError`, and a write that failed
@@ -941,7 +930,7 @@ def _printed(command, args) -> int:
     except OSError as exc:
         if exc.filename is not None:
             raise
-        _quiet_stdout()  # what is left is not written again at exit
+        quiet_stdout()  # what is left is not written again at exit
         raise OSError(exc.errno, exc.strerror, "standard output") from None
     return code
 
@@ -1064,7 +1053,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         _say(f"nasdiag: error: {raised_warning(exc)}")
         return EXIT_USAGE
     except BrokenPipeError:  # the reader of our output went away (| head): not an error of the command
-        _quiet_stdout()
+        quiet_stdout()
         return EXIT_SIGPIPE
     except OSError as exc:  # a location the checks above could not foresee (a mount gone read-only, a full disk)
         from nasdiag.record.lock import describe_os_error

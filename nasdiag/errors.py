@@ -74,8 +74,8 @@ def raised_warning(exc: Warning) -> str:
 
 
 def quiet_stdout() -> None:
-    """After a closed pipe (``script.py | head -1``): send what is left of stdout nowhere, so that Python's final
-    flush does not complain about the pipe either."""
+    """After a closed pipe (``nasdiag methods | head -1``, ``script.py | head -1``) or a failed write of stdout: send
+    what is left of stdout nowhere, so that Python's final flush does not complain about the pipe either."""
     import os
     import sys
 
