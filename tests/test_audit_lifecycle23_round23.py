@@ -236,3 +236,31 @@ def test_ggn_modes_take_nasdiags_own_supernet_under_cpu_bfloat16_autocast():
                 assert torch.allclose(out[s.name].double(), want, rtol=0.1, atol=0.05 * float(want.abs().max())), (
                     s.name, out[s.name], want)
             assert bool(torch.isfinite(out[s.name]).all())
+
+
+def test_diag_recursion_runs_under_cpu_bfloat16_autocast_and_matches_the_papers_conv_recursion():
+    """Under CPU bfloat16 autocast a float32 Conv2d fed float32 data gets back a bfloat16 diagonal from the Linear after
+    it (its h_out @ W² runs in bfloat16), and ``conv2d_weight`` takes one dtype: diag_hessian(mode="diag") stopped in
+    torch's raw oneDNN error ("could not create a primitive descriptor"), as did an AvgPool2d after a bfloat16 conv
+    (approx: "expected dtype BFloat16 for gradOutput"). Reference: C.1.4-C.1.5 and C.2.1 written out in float64 with
+    unfold, h_o = p(1 − p)/N the diagonal of the mean cross-entropy's Hessian in the logits."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.Flatten(), nn.Linear(32, 3)).train()
+    x, y = torch.randn(4, 1, 4, 4), torch.randint(0, 3, (4,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = diag_hessian(net, F.cross_entropy, x, y, mode="diag")
+
+    conv, lin = (m.double() for m in (net[0], net[2]))
+    x64 = x.double()
+    with torch.no_grad():
+        a = conv(x64)
+        f = a.flatten(1)
+        p = torch.softmax(lin(f), -1)
+        h_o = p * (1 - p) / x.shape[0]  # (N, 3)
+        h_a = (h_o @ lin.weight.square()).view_as(a)  # C.1.5: the diagonal at the Linear's input
+        x2 = F.unfold(x64.square(), 3, padding=1)  # (N, 1·9, 16): C.2.1 on the unfolded rows
+        want = {"0.weight": torch.einsum("ncp,nkp->ck", h_a.flatten(2), x2).view_as(conv.weight),
+                "0.bias": h_a.sum((0, 2, 3)), "2.weight": h_o.T @ f.square(), "2.bias": h_o.sum(0)}
+    for name, w in want.items():
+        assert got[name].dtype == torch.float32
+        assert torch.allclose(got[name].double(), w, rtol=0.05, atol=0.02 * float(w.abs().max())), (name, got[name], w)

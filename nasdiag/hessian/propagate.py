@@ -24,7 +24,7 @@ from torch.autograd.graph import GradientEdge
 
 from nasdiag.hessian.glue import UnsupportedGlue, glue_rule_for
 from nasdiag.hessian.modes import CurvatureError
-from nasdiag.hessian.rules.base import UnsupportedModuleError, unsupported_module_message
+from nasdiag.hessian.rules.base import ModuleCall, UnsupportedModuleError, unsupported_module_message
 from nasdiag.hessian.rules.elementwise import ElementwiseRule
 from nasdiag.hessian.trace import Edge, ModuleTracer, RuleCall, edge_of
 from nasdiag.rules import SPATIAL, analyse
@@ -178,9 +178,31 @@ def walk_diagonals(
     return params, observed_h, observed_g
 
 
+def _in_one_dtype(call: ModuleCall, h_out: torch.Tensor) -> Tuple[ModuleCall, torch.Tensor]:
+    """``(call, h_out)`` with the call's input, output, parameters and ``h_out`` in one floating dtype (the promotion of
+    theirs), where they differ. Under autocast a module sees an input of another dtype than its parameters and than the
+    diagonal coming back from the module after it (a float32 conv fed float32 data, then a Linear whose bfloat16 product
+    gives a bfloat16 diagonal; an AvgPool2d on a bfloat16 conv output with a float32 diagonal from a BatchNorm), and the
+    rules' kernels (``conv2d_weight``, the pooling backwards) take one dtype: before round 23 ``diag_hessian`` in
+    ``diag``/``approx`` stopped there with torch's raw dtype error under CPU bfloat16 autocast."""
+    tensors = [h_out, call._input, call._output, *call.params.values()]
+    dtypes = {t.dtype for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()}
+    if len(dtypes) <= 1:
+        return call, h_out
+    dtype = dtypes.pop()
+    for other in dtypes:
+        dtype = torch.promote_types(dtype, other)
+    def to(t: torch.Tensor) -> torch.Tensor:  # integer inputs (indices) stay as they are
+        return t.to(dtype) if t.is_floating_point() else t
+
+    cast = ModuleCall(call.name, call.module, to(call.input), to(call.output), {k: to(p) for k, p in call.params.items()})
+    return cast, h_out.to(dtype)
+
+
 def _apply_rule(rc: RuleCall, h_out, mode, module_targets, needed, params, push, grad_of, removed=()) -> None:
     call, rule = rc.call, rc.rule
     rule.check(call.module, call.name)
+    call, h_out = _in_one_dtype(call, h_out)
     wanted = module_targets.get(call.name)
     if wanted:
         per_param = rule.param_diag(call, h_out) if mode == "diag" else rule.param_approx(call, h_out)
@@ -192,7 +214,8 @@ def _apply_rule(rc: RuleCall, h_out, mode, module_targets, needed, params, push,
                 params[key] = per_param[attr] if key not in params else params[key] + per_param[attr]
     if rc.input_edge is not None and needed.get(rc.input_edge[0]):
         if rule.needs_grad_output(call.module):
-            call.grad_output = grad_of(*rc.output_edge, h_out, f"module {call.name!r} ({type(call.module).__name__})")
+            grad = grad_of(*rc.output_edge, h_out, f"module {call.name!r} ({type(call.module).__name__})")
+            call.grad_output = grad.to(h_out.dtype) if isinstance(grad, torch.Tensor) and grad.is_floating_point() else grad
         h_in = rule.input_diag(call, h_out) if mode == "diag" else rule.input_approx(call, h_out)
         call.grad_output = None
         push(rc.input_edge, h_in, f"module {call.name!r} ({type(call.module).__name__})")
