@@ -9,7 +9,10 @@ every module, torch's global module hooks, parameters, .grad, requires_grad, BN 
 default dtype, deterministic flag, threads, the CPU RNG, the saved-tensor hook stack, functorch's level, autocast,
 forward-AD mode).
 
-Found nothing to fix: all state is restored on every path. The same held, in scratch runs, for a KeyboardInterrupt at
+Lifecycle and NaN: nothing to fix, all state is restored on every path. Found, while checking NaN under CPU bfloat16
+autocast (fixed): the GGN modes and hutchinson:<k> refused nasdiag's own MixedOp as pairing batch rows with ops (its
+(K,) and (B, K) calls round differently there), and diag_hessian's diag/approx stopped in torch's raw dtype error on
+a float32 conv before a Linear or an AvgPool2d after a bfloat16 conv (the last two tests). The same held, in scratch runs, for a KeyboardInterrupt at
 each call of the loss, of the forward and of a tensor hook in each backward of every mode (up to 7 loss calls and
 10 backwards in hutchinson); for warnings turned into errors at the unused-edge warning of every mode; and no call
 (returning, NaN, raising) leaves a reference cycle holding the traced forward. NaN: a NaN loss, a NaN in one input
