@@ -47,6 +47,7 @@ class Segment:
     nonfinite: dict[str, int] = field(default_factory=dict)  # path -> attribute value
     previous: list[tuple[int, int]] = field(default_factory=list)  # (index, rows) of earlier segments
     damage: "Damage | None" = None  # the first bad row; only the rows before it are kept
+    continued: bool = False  # its writer published the next segment (root attribute ``continued``; older records: False)
 
 
 #: HDF5 shares one file object between the opens of a file in one process, so a thread closing its open while
@@ -345,6 +346,7 @@ def read_segment(index: int, file: str, with_data: bool = True, live: bool = Tru
             columns = {p: Column(p, tuple(ds.shape[1:]), ds.dtype) for p, ds in datasets.items()}
             nonfinite = {p: int(ds.attrs.get(schema.NONFINITE_ATTR, 0)) for p, ds in datasets.items()}
             numbered = int(f.attrs.get("segment", index))
+            continued = bool(int(f.attrs.get(schema.CONTINUED_ATTR, 0)))
         except RecordError:
             raise
         except _READ_ERRORS as err:
@@ -359,7 +361,7 @@ def read_segment(index: int, file: str, with_data: bool = True, live: bool = Tru
             # /step is unreadable beyond its first `bad` rows: every row from there on is lost.
             damage = Damage(index, file, bad, f"/step cannot be read from there on ({error})")
     segment = Segment(index=index, file=file, run_id=run_id, meta=meta, steps=steps[:n], columns=columns,
-                      previous=[(int(i), int(rows)) for i, rows in previous], damage=damage)
+                      previous=[(int(i), int(rows)) for i, rows in previous], damage=damage, continued=continued)
     if with_data:
         for col, path in enumerate(paths):
             segment.data[path] = data[path]
@@ -381,10 +383,15 @@ def _damaged_segment(index: int, file: str, reason: str) -> Segment:
 
 
 def _first_damage(path: str, files: list[tuple[int, str]], segments: list[Segment]) -> Damage | None:
-    """The earliest damage in segment order: a bad row, a missing segment, or a segment that has
-    fewer rows than a later segment recorded for it."""
+    """The earliest damage in segment order: a bad row, a missing segment (the one after the last file there too,
+    where that file is marked ``continued``), or a segment that has fewer rows than a later segment recorded for it."""
     present = {index for index, _ in files}
     found: list[Damage] = [seg.damage for seg in segments if seg.damage is not None]
+    last = max(segments, key=lambda seg: seg.index)
+    if last.continued:  # marked only after the next segment was published: that file is gone (a copy of run.h5 alone)
+        found.append(Damage(last.index + 1, schema.segment_path(path, last.index + 1), 0,
+                            f"the segment is missing ({last.file} was continued in it; copy or move all files of a "
+                            "record together)"))
     for index in range(max(present) + 1):
         if index not in present:  # the writer numbers segments without gaps
             later = min(i for i in present if i > index)
@@ -632,8 +639,9 @@ def load(path, *, salvage: bool = False) -> dict[str, np.ndarray]:
     Damage is refused with a `RecordError` naming the file and the first bad row: a row whose
     checksum (``/digest``) does not match its content (flipped bytes; a truncated file, whose lost
     part reads back as zeros), steps that do not increase, a dataset shorter than the committed
-    rows, a segment that cannot be opened or read, a missing segment (a gap in the numbering, or
-    one that a later segment lists), a segment with fewer rows than a later one recorded for it, or a segment file
+    rows, a segment that cannot be opened or read, a missing segment (a gap in the numbering, one
+    that a later segment lists, or the one after the last file there when that file's root attribute
+    ``continued`` says its writer published it: a ``run.h5`` copied alone), a segment with fewer rows than a later one recorded for it, or a segment file
     whose ``segment`` attribute is not the number in its name (another segment copied or renamed over it).
     ``salvage=True`` returns the intact prefix instead (every row before the first bad one; later
     segments are dropped) with a `RecordWarning`. Raises `RecordError` if there is no record.

@@ -45,6 +45,10 @@ RESERVED_ROOTS = frozenset({STEP, PRESENT, DIGEST, META, "valid"})
 #: Root attribute of a segment: JSON ``[[index, committed rows], ...]`` of the run's segments before
 #: it, as they were when it was created (a reader checks that they are all still there, complete).
 PREVIOUS_ATTR = "previous_segments"
+#: Root attribute of a segment: int64 0 when written, set to 1 once the next segment of its session was published (the
+#: writer marks it only after the next file is visible), so a reader notices a last segment missing as a whole (a copy
+#: of ``run.h5`` alone). Segments written before it existed lack it.
+CONTINUED_ATTR = "continued"
 #: Attribute on every data dataset counting its NaN/inf elements in the committed rows.
 NONFINITE_ATTR = "nonfinite_count"
 #: Attribute on /present listing the dataset path of each column.

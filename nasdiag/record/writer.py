@@ -14,7 +14,8 @@ How durability is obtained (docs/schema.md has the format):
   and then linked to its final name, so every visible segment is readable. A dataset path first logged after that closes the
   segment cleanly and continues in the next one, and so does a segment about to pass
   ``schema.MAX_SEGMENT_CHUNKS`` chunks in a dataset. Resuming always starts a new segment; a crashed
-  file is never reopened for writing.
+  file is never reopened for writing. A finished segment stays open until the next one is published, then its root
+  attribute ``continued`` is set to 1, so a reader notices the last file of a record missing (a copy of ``run.h5``).
 - A kill can tear one write at a page boundary; segments use paged file space (``schema.FILE_SPACE``)
   so that no metadata block a flush rewrites crosses one (docs/schema.md, "A kill inside a write").
 - ``<path>.lock`` holds an ``flock`` for the writer's lifetime (see `lock.WriterLock`).
@@ -312,6 +313,9 @@ class Recorder:
         self._segment_rows = 0  # committed rows in the open segment
         self._segment_row_limit = 0  # rows the open segment may hold (schema.segment_row_limit)
         self._segment_identity: tuple | None = None  # (absolute path, st_dev, st_ino) of the open segment
+        # the segment closed by `_next_segment`, kept open (SWMR) until the next one is published and it is marked
+        # continued in it (`_mark_continued`); None when there is none
+        self._continued_from: tuple[h5py.File, str, os.stat_result | None] | None = None
         self._committed = 0  # committed rows in this session
         self._last_step: int | None = None
         self._session_last_step: int | None = None
@@ -644,7 +648,10 @@ class Recorder:
             finally:
                 self._closed = True
                 try:
-                    self._close_segment()
+                    try:
+                        self._close_segment()
+                    finally:
+                        self._close_continued_from()
                 finally:
                     self._lock.release()
                     GUARD.unregister(self)
@@ -881,6 +888,7 @@ class Recorder:
             raise
         self._placeholder_published = placeholder
         if not placeholder:
+            self._mark_continued()  # only now: the mark is never set while the next segment is not visible
             self._file = f
             # Keep every dataset open for the segment's life: a dataset closed mid-write would flush
             # its chunks from a destructor, where a failed write (disk full) cannot be reported.
@@ -955,6 +963,7 @@ class Recorder:
         attrs["host"] = socket.gethostname()
         attrs["pid"] = np.int64(os.getpid())
         attrs[schema.PREVIOUS_ATTR] = json.dumps(self._previous_segments)
+        attrs[schema.CONTINUED_ATTR] = np.int64(0)  # set to 1 (same size: allowed under SWMR) by `_mark_continued`
         meta = f.create_group(schema.META)
         strings = h5py.string_dtype()
         for key in ("op_names", "cell_types"):
@@ -1029,13 +1038,59 @@ class Recorder:
         self._present[:rows] = False
         self._last_flush = time.monotonic()
 
+    def _mark_continued(self) -> None:
+        """Set the root attribute ``continued`` of the segment before the one just published to 1 and close it: a
+        reader that finds it marked and no next segment file says the record's last file is missing. A kill before the
+        mark leaves it unmarked beside the published next segment (the record reads whole, as before)."""
+        if self._continued_from is None:
+            return
+        (f, file, written), self._continued_from = self._continued_from, None
+        try:
+            f.attrs[schema.CONTINUED_ATTR] = np.int64(1)  # exists since before SWMR started: a same-size overwrite
+            f.flush()
+            f.close()
+        except (OSError, RuntimeError, ValueError, KeyError) as err:
+            # its rows were committed and flushed before; only the mark is missing (a missing last file then goes
+            # unnoticed, as in records written before the mark existed)
+            _detach_from_disk(f)
+            try:
+                f.close()
+            except Exception:
+                pass
+            warnings.warn(_storage_error(f"{file} could not be marked as continued in the next segment", err),
+                          RecordWarning, stacklevel=4)
+            return
+        if written is None:
+            return
+        # the file's modification time stays that of its last rows (`nasdiag report` counts a segment's time per step
+        # from its first row to its last write; the mark came with the next segment's first batch)
+        try:
+            found = os.stat(file)
+            if (found.st_dev, found.st_ino) == (written.st_dev, written.st_ino):
+                os.utime(file, ns=(found.st_atime_ns, written.st_mtime_ns))
+        except OSError:
+            pass  # a read-only mount of the time stamps, say: the report's time per step then counts that batch too
+
+    def _close_continued_from(self) -> None:
+        """Close the segment kept for `_mark_continued` unmarked (the next segment was never published)."""
+        if self._continued_from is None:
+            return
+        (f, file, _), self._continued_from = self._continued_from, None
+        try:
+            f.close()
+        except Exception as err:
+            if self._failure is None:
+                raise RecordError(_storage_error(f"cannot close {file}", err)) from None
+
     def _next_segment(self) -> None:
-        """Close the open segment cleanly; the next batch creates the next one."""
-        self._close_segment()
+        """Close the open segment's writing (kept open until the next one is published, which marks it continued:
+        `_mark_continued`); the next batch creates the next one."""
+        self._close_segment(hand_over=True)
         self._previous_segments.append([self._segment_index, self._segment_rows])
         self._segment_index += 1
 
-    def _close_segment(self) -> None:
+    def _close_segment(self, hand_over: bool = False) -> None:
+        """Close the open segment; ``hand_over``: keep it open for `_mark_continued` instead."""
         f, self._file = self._file, None
         self._datasets = {}
         if f is None:
@@ -1043,6 +1098,14 @@ class Recorder:
         for column in self._columns.values():  # the next segment counts its own rows, and the buffered ones it gets
             column.nonfinite -= column.written_nonfinite
             column.written_nonfinite = 0
+        if hand_over:
+            self._close_continued_from()  # never more than one kept open
+            try:
+                written = os.fstat(f.id.get_vfd_handle())  # after its last flush: when its last rows were written
+            except (OSError, RuntimeError, ValueError):
+                written = None
+            self._continued_from = (f, self.segment_file, written)
+            return
         try:
             f.close()
         except Exception as err:
