@@ -388,10 +388,12 @@ def _first_damage(path: str, files: list[tuple[int, str]], segments: list[Segmen
     present = {index for index, _ in files}
     found: list[Damage] = [seg.damage for seg in segments if seg.damage is not None]
     last = max(segments, key=lambda seg: seg.index)
-    if last.continued:  # marked only after the next segment was published: that file is gone (a copy of run.h5 alone)
-        found.append(Damage(last.index + 1, schema.segment_path(path, last.index + 1), 0,
-                            f"the segment is missing ({last.file} was continued in it; copy or move all files of a "
-                            "record together)"))
+    following = schema.segment_path(path, last.index + 1)
+    # marked only after the next segment was published: that file is gone (a copy of run.h5 alone), unless it is there
+    # now (a live writer published it, and marked this one, after the files were listed: rows not read yet, no damage)
+    if last.continued and not os.path.lexists(following):
+        found.append(Damage(last.index + 1, following, 0, f"the segment is missing ({last.file} was continued in it; "
+                                                          "copy or move all files of a record together)"))
     for index in range(max(present) + 1):
         if index not in present:  # the writer numbers segments without gaps
             later = min(i for i in present if i > index)
