@@ -300,6 +300,16 @@ def _plain(value):
     return value
 
 
+def _unquoted(text: str) -> str:
+    """``text`` without one pair of matching ASCII quotes around it: ``nasdiag methods`` prints a string default as its
+    repr (``optimizer: str = 'adamhapg'``), and ``--hp "optimizer='adamhapg'"`` copied from it kept the quotes, so the
+    value was refused as "not one of ['hapg', 'adamhapg']; did you mean 'adamhapg'?", the very text typed (a tuple
+    default copied as printed, ``(0.5, 0.999)``, and ``None`` were accepted)."""
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    return text
+
+
 def _coerce(key: str, value: Any, tp, method: str):
     where = f" of method {method!r}" if method else ""
     origin = typing.get_origin(tp)
@@ -338,7 +348,7 @@ def _coerce(key: str, value: Any, tp, method: str):
                                   "give a finite value nearer its default (nasdiag methods lists them)")
             return float(value)
         if tp is str:
-            return str(value)
+            return _unquoted(str(value))
         if origin in (tuple, typing.Tuple):
             parts = value if isinstance(value, (list, tuple)) else [p for p in str(value).strip("()[] ").split(",") if p.strip()]
             inner = args[0] if args else float

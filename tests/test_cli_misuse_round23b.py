@@ -1,0 +1,66 @@
+"""Round 23 (second pass, cli23b): a new user's misuse of the CLI.
+
+Found and fixed: a string hyperparameter copied back from ``nasdiag methods`` as printed (its default is shown as a
+Python repr, ``optimizer: str = 'adamhapg'``) kept its quotes under ``--hp "optimizer='adamhapg'"`` and was refused
+as "not one of ['hapg', 'adamhapg']; did you mean 'adamhapg'?", the very text typed; a tuple default copied as printed
+(``(0.5, 0.999)``) and ``None`` were accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import h5py
+import pytest
+
+from nasdiag.cli import main
+from nasdiag.search.registry import available_methods
+
+TINY = ["--epochs", "1", "--C", "4", "--layers", "3", "--steps", "2", "--batch-size", "240", "--diagnostics", "none",
+        "--device", "cpu", "--no-progress", "--no-figs", "--threads", "1"]
+
+
+def _printed_defaults(capsys) -> dict:
+    """``{method: {key: default text}}`` as ``nasdiag methods`` prints them."""
+    assert main(["methods"]) == 0
+    out, _ = capsys.readouterr()
+    printed, method = {}, None
+    for line in out.splitlines():
+        head = re.match(r"^(\w+): ", line)
+        if head:
+            method = head.group(1)
+            printed[method] = {}
+            continue
+        field = re.match(r"^    (\w+): .*? = (.*?)  ", line)
+        if field and method:
+            printed[method][field.group(1)] = field.group(2)
+    return printed
+
+
+def test_every_default_nasdiag_methods_prints_is_taken_back_by_hp_as_that_default(capsys):
+    printed = _printed_defaults(capsys)
+    methods = available_methods()
+    assert set(printed) == set(methods)
+    quoted = 0
+    for name, cls in methods.items():
+        assert set(printed[name]) == set(cls.Hyperparameters.keys()), name
+        parsed = cls.Hyperparameters.parse([f"{k}={v}" for k, v in printed[name].items()], name)
+        # the reference: the dataclass defaults themselves
+        assert parsed == cls.Hyperparameters(), (name, printed[name])
+        for f in dataclasses.fields(cls.Hyperparameters):
+            if isinstance(f.default, str):  # also in double quotes, as a shell user may type it
+                quoted += 1
+                again = cls.Hyperparameters.parse([f'{f.name}="{f.default}"'], name)
+                assert getattr(again, f.name) == f.default
+    assert quoted >= 2  # sparsenas's optimizer, bayesnas's hessian_mode
+
+
+def test_a_string_hyperparameter_copied_with_its_quotes_runs_the_search_with_that_value(tmp_path, capsys):
+    out = tmp_path / "run.h5"
+    code = main(["search", *TINY, "--method", "sparsenas", "--hp", "optimizer='hapg'", "--out", str(out)])
+    _, err = capsys.readouterr()
+    assert code == 0, err
+    with h5py.File(out, "r") as record:
+        assert json.loads(record["meta"].attrs["hp"])["optimizer"] == "hapg"
