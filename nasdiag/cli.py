@@ -593,7 +593,8 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
         command = parser.commands.get(args.command, parser)
         empty = ("; an empty argument ('') is often a quoted shell variable that is not set: set it or drop it"
                  if any(not u.strip() for u in unknown) else "")
-        hint = (_typographic_dash(unknown, "", every=True) or _meant_option(unknown, command, parser.commands)
+        hint = (_typographic_dash(unknown, "", every=True) or _hyperparameter_apart(unknown, tokens, command)
+                or _meant_option(unknown, command, parser.commands)
                 or _dash_value(tokens, parser))
         raise ConfigError(f"{command.prog}: unrecognized arguments: {_join(unknown)} (see {command.prog} --help)"  # quoted:
                           f"{hint}{empty}")  # an empty argument ('') was an invisible nothing
@@ -737,6 +738,37 @@ def _path_word(path: str) -> str:
 def _join(argv: List[str]) -> str:
     """``argv`` as one line of shell words (`_quote`)."""
     return " ".join(_quote(a) for a in argv)
+
+
+def _hyperparameter_apart(unknown: List[str], tokens: List[str], command: argparse.ArgumentParser) -> str:
+    """The ``--hp`` setting that the shell split (``--hp w_lr =0.1``, ``--hp w_lr = 0.1``, ``--hp w_lr= 0.1``, ``--hp
+    alpha_betas=0.5, 0.999``: a space around '=' or after ',') or that was given several to one ``--hp`` (``--hp w_lr=0.1
+    w_momentum=0.5``), as the one line's fix; these were "unrecognized arguments: =0.1 (see nasdiag search --help)",
+    no word of --hp. Else ''."""
+    if "--hp" not in command._option_string_actions:
+        return ""
+
+    def hp_value(k: int) -> Optional[str]:  # the value --hp took at tokens[k], or None
+        if k >= 1 and tokens[k - 1] == "--hp":
+            return tokens[k]
+        return tokens[k][len("--hp="):] if k >= 0 and tokens[k].startswith("--hp=") else None
+
+    for j, token in enumerate(tokens):
+        if token not in unknown or token.startswith("-"):
+            continue
+        given = hp_value(j - 1)
+        if given is None:
+            continue
+        if token == "=" and j + 1 < len(tokens):
+            fixed = f"{given}={tokens[j + 1]}"
+        elif token.startswith("=") or (given.endswith(("=", ",")) and "=" not in token):  # alpha_betas=0.5, 0.999
+            fixed = given + token
+        elif re.match(r"[A-Za-z_]\w*=", token):
+            return f"; --hp takes one KEY=VALUE, repeated for each: --hp {_quote(given)} --hp {_quote(token)}"
+        else:
+            continue
+        return f"; a space split the hyperparameter in two: write it as one word, --hp {_quote(fixed)}"
+    return ""
 
 
 def _meant_option(unknown: List[str], command: argparse.ArgumentParser, commands=None) -> str:

@@ -3,7 +3,9 @@
 Found and fixed: a string hyperparameter copied back from ``nasdiag methods`` as printed (its default is shown as a
 Python repr, ``optimizer: str = 'adamhapg'``) kept its quotes under ``--hp "optimizer='adamhapg'"`` and was refused
 as "not one of ['hapg', 'adamhapg']; did you mean 'adamhapg'?", the very text typed; a tuple default copied as printed
-(``(0.5, 0.999)``) and ``None`` were accepted.
+(``(0.5, 0.999)``) and ``None`` were accepted. A hyperparameter the shell split (``--hp w_lr =0.1``, ``--hp w_lr= 0.1``,
+``--hp alpha_betas=0.5, 0.999``) or several after one ``--hp`` (``--hp w_lr=0.1 w_momentum=0.5``) was "unrecognized
+arguments: =0.1 (see nasdiag search --help)", no word of --hp: the line now ends with the --hp to write.
 """
 
 from __future__ import annotations
@@ -64,3 +66,27 @@ def test_a_string_hyperparameter_copied_with_its_quotes_runs_the_search_with_tha
     assert code == 0, err
     with h5py.File(out, "r") as record:
         assert json.loads(record["meta"].attrs["hp"])["optimizer"] == "hapg"
+
+
+def _one_line_refusal(argv, folder, capsys) -> str:
+    before = sorted(p.name for p in folder.iterdir())
+    code = main(argv)
+    _, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert sorted(p.name for p in folder.iterdir()) == before
+    return lines[0]
+
+
+@pytest.mark.parametrize("split,fix", [
+    (["w_lr", "=0.1"], "write it as one word, --hp w_lr=0.1"),
+    (["w_lr", "=", "0.1"], "write it as one word, --hp w_lr=0.1"),
+    (["w_lr=", "0.1"], "write it as one word, --hp w_lr=0.1"),
+    (["alpha_betas=0.5,", "0.999"], "write it as one word, --hp alpha_betas=0.5,0.999"),
+    (["w_lr=0.1", "w_momentum=0.5"], "--hp takes one KEY=VALUE, repeated for each: --hp w_lr=0.1 --hp w_momentum=0.5"),
+])
+def test_a_hyperparameter_the_shell_split_names_the_hp_to_write(split, fix, tmp_path, capsys):
+    """``--hp w_lr =0.1`` (a space before '=') was "unrecognized arguments: =0.1 (see nasdiag search --help)": no word
+    of --hp nor of the space; ``--hp w_lr=0.1 w_momentum=0.5`` no word that --hp is repeated."""
+    line = _one_line_refusal(["search", *TINY, "--out", str(tmp_path / "run.h5"), "--hp", *split], tmp_path, capsys)
+    assert line.endswith(fix), line
