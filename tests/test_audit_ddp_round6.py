@@ -214,8 +214,8 @@ def test_kill_9_of_ranks_under_torchrun_then_resume_equals_the_uninterrupted_lau
 @pytest.mark.parametrize("nproc", [1, 3])
 def test_resume_under_another_world_size_is_refused_naming_it(whole, nproc, tmp_path):
     folder, _ = whole
-    for name in ("whole.h5", "whole.h5.ckpt"):
-        shutil.copy(folder / name, tmp_path / name)
+    for path in [folder / "whole.h5", *sorted(folder.glob("whole.seg*.h5")), folder / "whole.h5.ckpt"]:  # every file
+        shutil.copy(path, tmp_path / path.name)  # of the record: run.h5 alone is refused as missing its later segments
     before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in tmp_path.iterdir()}
     done = _torchrun(tmp_path, nproc, "--out", "whole.h5", "--resume", "--epochs", str(EPOCHS + 1))
     assert done.returncode != 0

@@ -30,7 +30,7 @@ def _printed_defaults(capsys) -> dict:
     out, _ = capsys.readouterr()
     printed, method = {}, None
     for line in out.splitlines():
-        head = re.match(r"^(\w+): ", line)
+        head = re.match(r"^(\S+): ", line)  # a method registered by a test may be named reinforce-r19
         if head:
             method = head.group(1)
             printed[method] = {}
@@ -43,8 +43,10 @@ def _printed_defaults(capsys) -> dict:
 
 def test_every_default_nasdiag_methods_prints_is_taken_back_by_hp_as_that_default(capsys):
     printed = _printed_defaults(capsys)
-    methods = available_methods()
-    assert set(printed) == set(methods)
+    assert set(printed) == set(available_methods())
+    # nasdiag's own methods (other tests of the session register methods of their own in this process)
+    methods = {n: c for n, c in available_methods().items() if c.__module__.startswith("nasdiag.search.methods.")}
+    assert len(methods) == 9
     quoted = 0
     for name, cls in methods.items():
         assert set(printed[name]) == set(cls.Hyperparameters.keys()), name
